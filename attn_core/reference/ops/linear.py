@@ -1,0 +1,600 @@
+"""Reference math for linear-attention / SSM layers: Gated DeltaNet, KDA and Mamba2 (SSD).
+
+Pure PyTorch, device-agnostic, written from the papers and checked against fla-core's naive
+functions and transformers' torch paths. Every op takes a varlen batch (``T`` tokens of ``B``
+requests concatenated, see :mod:`attn_core.reference.ops.conv` for ``query_start_loc`` /
+``state_indices`` / ``has_initial_state``) and a pool of recurrent states, one slot per request,
+updated in place with each request's final state.
+
+State layout: one head's state is ``[Dk, Dv]`` (fla's ``[.., K, V]``); the output of a token is
+``o = S^T q``. For Mamba2 ``Dk = N`` (d_state) and ``Dv = P`` (head dim): the pool is
+``[S, H, N, P]``, the TRANSPOSE of HF's / mamba_ssm's ``ssm_states`` ``[.., H, P, N]``
+(convert with ``.transpose(-1, -2)``).
+
+Maths run in float32 whatever the input dtype; states are stored in the pool's dtype and
+outputs in the value's dtype.
+
+Two algorithms per op, selected by ``mode``:
+
+- ``"recurrent"``: the token loop of the paper's recurrence (decode, speculative verify).
+- ``"chunked"``: the chunk-parallel prefill form: the WY / UT-transform form of Gated DeltaNet
+  (Yang et al. 2024, "Gated Delta Networks"), its per-channel-gate generalisation for KDA, and
+  the state-space-dual block decomposition for Mamba2 (Dao & Gu 2024, "Transformers are SSMs").
+- ``"auto"``: chunked for a request with more than one token, recurrent for one token.
+
+``intermediate_states`` (speculative verify, the "native" strategy) makes the op run the token
+loop and store the state after every token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from attn_core.reference.ops.conv import (
+    VarlenRequest,
+    causal_conv1d,
+    check_shape,
+    prepare_out,
+    varlen_requests,
+)
+
+__all__ = ["MODES", "causal_conv1d", "gated_delta_rule", "kda", "l2norm", "mamba2_ssd"]
+
+#: Accepted values of the ``mode`` option.
+MODES = ("auto", "recurrent", "chunked")
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim, as fla's ``l2norm`` (same dtype as x)."""
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _check_options(mode: str, chunk_size: int) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {list(MODES)}, got {mode!r}")
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
+
+
+def _use_chunked(mode: str, num_tokens: int) -> bool:
+    return mode == "chunked" or (mode == "auto" and num_tokens > 1)
+
+
+def _check_intermediate(
+    intermediate_states: torch.Tensor | None,
+    requests: list[VarlenRequest],
+    state_shape: tuple[int, ...],
+) -> None:
+    if intermediate_states is None:
+        return
+    max_len = max((r.num_tokens for r in requests), default=0)
+    check_shape("intermediate_states", intermediate_states, (len(requests), None, *state_shape))
+    if intermediate_states.shape[1] < max_len:
+        raise ValueError(
+            f"intermediate_states: expected room for max_q_len={max_len} states per request, "
+            f"got {intermediate_states.shape[1]}"
+        )
+
+
+# Runs one request: (request, fp32 initial state, where to store the state after each token or
+# None) -> (fp32 outputs [L, H, Dv], fp32 final state).
+_Kernel = Callable[
+    [VarlenRequest, torch.Tensor, "torch.Tensor | None"], "tuple[torch.Tensor, torch.Tensor]"
+]
+
+
+def _run_requests(
+    requests: list[VarlenRequest],
+    state_pool: torch.Tensor,
+    out: torch.Tensor,
+    intermediate_states: torch.Tensor | None,
+    kernel: _Kernel,
+) -> torch.Tensor:
+    """Walk the requests: read the slot (or zeros), run ``kernel``, write outputs and the slot."""
+    for req in requests:
+        if req.slot < 0:
+            out[req.start : req.end].zero_()
+            continue
+        if req.has_initial_state:
+            state = state_pool[req.slot].to(device=out.device, dtype=torch.float32)
+        else:
+            state = torch.zeros(state_pool.shape[1:], dtype=torch.float32, device=out.device)
+        states_out = None if intermediate_states is None else intermediate_states[req.index]
+        o, state = kernel(req, state, states_out)
+        out[req.start : req.end] = o
+        state_pool[req.slot] = state
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Delta rule (Gated DeltaNet and KDA)
+# --------------------------------------------------------------------------------------------
+
+
+def _delta_rule_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    states_out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token loop of the gated delta rule for one request, all heads at once.
+
+    q, k ``[L, H, Dk]`` (q already scaled); v ``[L, H, Dv]``; g ``[L, H, G]`` log decay with
+    ``G = 1`` (one gate per head, GDN) or ``G = Dk`` (one per key channel, KDA); beta ``[L, H]``;
+    state ``[H, Dk, Dv]``. Per token, as fla's naive_recurrent_*::
+
+        S = diag(exp(g)) S;  u = beta (v - S^T k);  S = S + k u^T;  o = S^T q
+    """
+    outputs = []
+    for t in range(q.shape[0]):
+        state = state * g[t].exp()[:, :, None]
+        u = beta[t][:, None] * (v[t] - torch.einsum("hk,hkv->hv", k[t], state))
+        state = state + k[t][:, :, None] * u[:, None, :]
+        outputs.append(torch.einsum("hk,hkv->hv", q[t], state))
+        if states_out is not None:
+            states_out[t] = state
+    if not outputs:
+        return v.new_zeros(v.shape), state
+    return torch.stack(outputs), state
+
+
+def _pairwise(a: torch.Tensor, b: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    """``r[h, t, s] = sum_d a[h, t, d] * b[h, s, d] * decay[h, t, s, d]`` (decay's d may be 1)."""
+    if decay.shape[-1] == 1:
+        return (a @ b.transpose(-1, -2)) * decay[..., 0]
+    return torch.einsum("htd,hsd,htsd->hts", a, b, decay)
+
+
+def _delta_rule_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk-parallel gated delta rule (WY / UT transform) for one request; same inputs as the
+    recurrent form.
+
+    Inside a chunk, with ``G_t = sum_{s<=t} g_s`` (cumulative log decay from the chunk start)
+    and ``S_0`` the state entering the chunk, unrolling the recurrence gives
+
+        u_t = beta_t v_t - beta_t (e^{G_t} k_t)^T S_0 - sum_{s<t} A[t, s] u_s,
+        A[t, s] = beta_t sum_d k_t[d] k_s[d] e^{G_t[d] - G_s[d]},
+
+    i.e. ``(I + A) U = beta V - (beta e^{G} K) S_0``: one unit-lower-triangular solve gives
+    ``U = U_hat - W S_0`` (the UT transform; ``W`` are the WY "pseudo keys"). Then
+
+        o_t   = (q_t e^{G_t})^T S_0 + sum_{s<=t} u_s sum_d q_t[d] k_s[d] e^{G_t[d] - G_s[d]}
+        S_end = e^{G_last} S_0 + sum_s (k_s e^{G_last - G_s}) u_s^T.
+
+    Every exponent is <= 0 (pairs above the diagonal are masked before ``exp``), so nothing
+    overflows for any gate values.
+    """
+    num_tokens = q.shape[0]
+    if num_tokens == 0:
+        return v.new_zeros(v.shape), state
+    # Head-major: [H, L, D].
+    q, k, v, g = (x.transpose(0, 1) for x in (q, k, v, g))
+    beta = beta.transpose(0, 1)
+    dim_v = v.shape[-1]
+    outputs = []
+    for start in range(0, num_tokens, chunk_size):
+        end = min(start + chunk_size, num_tokens)
+        qc, kc, vc, bc = q[:, start:end], k[:, start:end], v[:, start:end], beta[:, start:end]
+        cum = g[:, start:end].cumsum(1)  # [H, c, G]
+        size = end - start
+        causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+        diff = cum[:, :, None, :] - cum[:, None, :, :]  # [H, t, s, G]
+        decay = diff.masked_fill(~causal[None, :, :, None], -math.inf).exp()
+
+        a_kk = (_pairwise(kc, kc, decay) * bc[:, :, None]).tril(-1)
+        system = a_kk + torch.eye(size, dtype=a_kk.dtype, device=a_kk.device)
+        rhs = torch.cat([vc * bc[..., None], kc * cum.exp() * bc[..., None]], dim=-1)
+        solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        u_hat, w = solved.split([dim_v, solved.shape[-1] - dim_v], dim=-1)
+        u = u_hat - w @ state  # [H, c, Dv]
+
+        a_qk = _pairwise(qc, kc, decay)  # zero above the diagonal through `decay`
+        outputs.append((qc * cum.exp()) @ state + a_qk @ u)
+
+        last = cum[:, -1:, :]  # [H, 1, G]
+        state = state * last.transpose(1, 2).exp() + (kc * (last - cum).exp()).transpose(1, 2) @ u
+    return torch.cat(outputs, dim=1).transpose(0, 1), state
+
+
+def _delta_rule_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    *,
+    scale: float | None,
+    use_qk_l2norm: bool,
+    chunk_size: int,
+    mode: str,
+    intermediate_states: torch.Tensor | None,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """Shared driver of :func:`gated_delta_rule` and :func:`kda` (g is ``[T, Hv, 1 or Dk]``)."""
+    _check_options(mode, chunk_size)
+    num_tokens, num_qk_heads, dim_k = q.shape
+    num_v_heads, dim_v = v.shape[1:]
+    requests = varlen_requests(
+        query_start_loc,
+        state_indices,
+        has_initial_state,
+        num_tokens=num_tokens,
+        num_slots=ssm_state.shape[0],
+    )
+    _check_intermediate(intermediate_states, requests, (num_v_heads, dim_k, dim_v))
+    out = prepare_out(out, (num_tokens, num_v_heads, dim_v), v.dtype, v.device)
+
+    qf, kf = q.to(torch.float32), k.to(torch.float32)
+    if use_qk_l2norm:
+        qf, kf = l2norm(qf), l2norm(kf)
+    qf = qf * (dim_k**-0.5 if scale is None else scale)
+    # Grouped value heads: value head h reads query/key head h // (Hv / Hk).
+    group = num_v_heads // num_qk_heads
+    qf, kf = qf.repeat_interleave(group, dim=1), kf.repeat_interleave(group, dim=1)
+    vf, gf, bf = v.to(torch.float32), g.to(torch.float32), beta.to(torch.float32)
+
+    def kernel(
+        req: VarlenRequest, state: torch.Tensor, states_out: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        sl = slice(req.start, req.end)
+        args = (qf[sl], kf[sl], vf[sl], gf[sl], bf[sl], state)
+        if states_out is None and _use_chunked(mode, req.num_tokens):
+            return _delta_rule_chunked(*args, chunk_size)
+        return _delta_rule_recurrent(*args, states_out)
+
+    return _run_requests(requests, ssm_state, out, intermediate_states, kernel)
+
+
+def _check_delta_shapes(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+) -> None:
+    check_shape("q", q, (None, None, None))
+    num_tokens, num_qk_heads, dim_k = q.shape
+    check_shape("k", k, (num_tokens, num_qk_heads, dim_k))
+    check_shape("v", v, (num_tokens, None, None))
+    num_v_heads, dim_v = v.shape[1:]
+    if num_qk_heads == 0 or num_v_heads % num_qk_heads != 0:
+        raise ValueError(
+            f"v: expected a number of value heads that is a multiple of the {num_qk_heads} "
+            f"query/key heads, got {num_v_heads}"
+        )
+    check_shape("beta", beta, (num_tokens, num_v_heads))
+    check_shape("ssm_state", ssm_state, (None, num_v_heads, dim_k, dim_v))
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+    mode: str = "auto",
+    intermediate_states: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gated DeltaNet (Qwen3-Next) over a varlen batch with a slot pool of states.
+
+    Per value head, per token (fla's ``naive_recurrent_gated_delta_rule``)::
+
+        S = exp(g) S;  u = beta (v - S^T k);  S = S + k u^T;  o = S^T (q * scale)
+
+    with q and k first L2-normalised over Dk when ``use_qk_l2norm`` (eps 1e-6, as fla).
+
+    :param q: ``[T, Hk, Dk]`` queries.
+    :param k: ``[T, Hk, Dk]`` keys.
+    :param v: ``[T, Hv, Dv]`` values; ``Hv`` a multiple of ``Hk``, value head ``h`` uses
+        query/key head ``h // (Hv / Hk)``.
+    :param g: ``[T, Hv]`` log decay (<= 0), e.g. ``-exp(A_log) * softplus(a + dt_bias)``.
+    :param beta: ``[T, Hv]`` write strength in (0, 1), e.g. ``sigmoid(b)``.
+    :param ssm_state: ``[S, Hv, Dk, Dv]`` slot pool (float32 or bfloat16), updated in place.
+    :param query_start_loc: ``[B + 1]`` int32 cu-seqlens.
+    :param state_indices: ``[B]`` int32 slots (negative: padding request, output zeros).
+    :param has_initial_state: ``[B]`` bool; False starts from a zero state.
+    :param scale: query scale; None means ``Dk ** -0.5``.
+    :param use_qk_l2norm: L2-normalise q and k inside the op.
+    :param chunk_size: tokens per chunk of the chunked form.
+    :param mode: ``"auto"`` | ``"recurrent"`` | ``"chunked"`` (see the module docstring).
+    :param intermediate_states: optional ``[B, >= max_q_len, Hv, Dk, Dv]``; when given every
+        request runs the token loop and ``[b, i]`` receives the state after its token ``i``
+        (entries past a request's length are left alone).
+    :param out: optional ``[T, Hv, Dv]`` output buffer (written and returned).
+    :returns: ``[T, Hv, Dv]`` in ``v.dtype`` (or ``out``).
+    """
+    _check_delta_shapes(q, k, v, beta, ssm_state)
+    check_shape("g", g, (q.shape[0], v.shape[1]))
+    return _delta_rule_varlen(
+        q,
+        k,
+        v,
+        g[..., None],
+        beta,
+        ssm_state,
+        query_start_loc,
+        state_indices,
+        has_initial_state,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm,
+        chunk_size=chunk_size,
+        mode=mode,
+        intermediate_states=intermediate_states,
+        out=out,
+    )
+
+
+def kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+    mode: str = "auto",
+    intermediate_states: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Kimi Delta Attention over a varlen batch with a slot pool of states.
+
+    As :func:`gated_delta_rule` but the decay is per key channel (fla's ``naive_recurrent_kda``:
+    the state is decayed first, then the delta update reads the decayed state)::
+
+        S = diag(exp(g)) S;  u = beta (v - S^T k);  S = S + k u^T;  o = S^T (q * scale)
+
+    :param g: ``[T, Hv, Dk]`` per-channel log decay (<= 0), already activated (fla's
+        ``use_gate_in_kernel`` gate, e.g. ``-exp(A_log) * softplus(g + dt_bias)``, is model
+        side).
+
+    Every other argument, the options and the result are those of :func:`gated_delta_rule`.
+    """
+    _check_delta_shapes(q, k, v, beta, ssm_state)
+    check_shape("g", g, (q.shape[0], v.shape[1], q.shape[2]))
+    return _delta_rule_varlen(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        ssm_state,
+        query_start_loc,
+        state_indices,
+        has_initial_state,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm,
+        chunk_size=chunk_size,
+        mode=mode,
+        intermediate_states=intermediate_states,
+        out=out,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Mamba2 (SSD)
+# --------------------------------------------------------------------------------------------
+
+
+def _ssd_recurrent(
+    x: torch.Tensor,
+    log_decay: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    state: torch.Tensor,
+    states_out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token loop of the discretised SSM for one request.
+
+    x ``[L, H, P]`` already multiplied by dt; log_decay ``[L, H]`` = ``dt * A``; b, c
+    ``[L, H, N]``; state ``[H, N, P]``::
+
+        h = exp(dt A) h + B (dt x)^T;  y = h^T C
+    """
+    outputs = []
+    for t in range(x.shape[0]):
+        state = state * log_decay[t].exp()[:, None, None] + b[t][:, :, None] * x[t][:, None, :]
+        outputs.append(torch.einsum("hn,hnp->hp", c[t], state))
+        if states_out is not None:
+            states_out[t] = state
+    if not outputs:
+        return x.new_zeros(x.shape), state
+    return torch.stack(outputs), state
+
+
+def _segsum(x: torch.Tensor) -> torch.Tensor:
+    """``r[..., i, j] = sum_{j < s <= i} x[..., s]`` for ``j <= i``, ``-inf`` above the diagonal.
+
+    Summed by a masked cumsum rather than as a difference of prefix sums, so that long runs of
+    large negative values do not lose precision (the stable segsum of the SSD paper).
+    """
+    size = x.shape[-1]
+    expanded = x[..., :, None].expand(*x.shape, size)  # [..., s, j] = x[s]
+    strictly_lower = torch.ones(size, size, dtype=torch.bool, device=x.device).tril(-1)
+    sums = expanded.masked_fill(~strictly_lower, 0).cumsum(dim=-2)
+    lower = torch.ones(size, size, dtype=torch.bool, device=x.device).tril()
+    return sums.masked_fill(~lower, -math.inf)
+
+
+def _ssd_chunked(
+    x: torch.Tensor,
+    log_decay: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """State-space-dual chunked scan for one request (Dao & Gu 2024, ``ssd_minimal``).
+
+    Same inputs as :func:`_ssd_recurrent`. The sequence is zero-padded to whole chunks (a pad
+    token has ``dt = 0``: it neither decays nor writes the state). Four steps: (1) the diagonal
+    blocks, a masked attention ``(C B^T * exp(segsum)) X`` inside each chunk; (2) each chunk's
+    own contribution to the state at its end; (3) the recurrence over chunk boundaries, done
+    at once with a segsum over chunks (including the initial state); (4) each chunk's read of
+    the state entering it.
+    """
+    num_tokens = x.shape[0]
+    pad = (-num_tokens) % chunk_size
+    if pad:
+        x, log_decay, b, c = (
+            torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in (x, log_decay, b, c)
+        )
+    chunks = x.shape[0] // chunk_size
+    # [chunk c, position l, head h, ...]
+    x, b, c = (t.reshape(chunks, chunk_size, *t.shape[1:]) for t in (x, b, c))
+    a = log_decay.reshape(chunks, chunk_size, -1).permute(2, 0, 1)  # [h, c, l]
+    a_cum = a.cumsum(-1)
+
+    # 1. intra-chunk outputs.
+    within = _segsum(a).exp()  # [h, c, l, s]
+    y_diag = torch.einsum("clhn,cshn,hcls,cshp->clhp", c, b, within, x)
+    # 2. state contributed by each chunk, at its end.
+    to_end = (a_cum[..., -1:] - a_cum).exp()  # [h, c, l]
+    chunk_states = torch.einsum("clhn,hcl,clhp->chnp", b, to_end, x)
+    # 3. states entering each chunk (and the final one) from the chunk-level recurrence.
+    chunk_states = torch.cat([state[None], chunk_states])  # [c + 1, h, n, p]
+    across = _segsum(F.pad(a_cum[..., -1], (1, 0))).exp()  # [h, c + 1, c + 1]
+    entering = torch.einsum("hzc,chnp->zhnp", across, chunk_states)
+    # 4. read of the entering state, decayed to each position.
+    y_off = torch.einsum("clhn,chnp,hcl->clhp", c, entering[:-1], a_cum.exp())
+    y = (y_diag + y_off).reshape(chunks * chunk_size, *y_diag.shape[2:])
+    return y[:num_tokens], entering[-1]
+
+
+def mamba2_ssd(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A_log: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    ssm_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    *,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    chunk_size: int = 64,
+    mode: str = "auto",
+    intermediate_states: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Mamba2 selective SSM (scalar decay per head) over a varlen batch with a slot pool.
+
+    Per head, per token::
+
+        dt = clamp(softplus(dt + dt_bias), *dt_limit);  A = -exp(A_log)
+        h  = exp(dt A) h + B (dt x)^T            h: [N, P]
+        y  = h^T C + D x
+
+    The gated RMSNorm with ``z`` is model side, not here.
+
+    :param x: ``[T, H, P]`` inputs (after the conv).
+    :param dt: ``[T, H]`` raw time step (before bias / softplus).
+    :param A_log: ``[H]``; ``A = -exp(A_log)``.
+    :param B: ``[T, G, N]`` input projection; head ``h`` uses group ``h // (H / G)``.
+    :param C: ``[T, G, N]`` output projection, same grouping.
+    :param D: ``[H]`` skip, or None.
+    :param dt_bias: ``[H]``, or None.
+    :param ssm_state: ``[S, H, N, P]`` slot pool (float32 or bfloat16), updated in place. NOTE:
+        transposed relative to HF / mamba_ssm's ``[.., H, P, N]`` cache.
+    :param query_start_loc: ``[B + 1]`` int32 cu-seqlens.
+    :param state_indices: ``[B]`` int32 slots (negative: padding request, output zeros).
+    :param has_initial_state: ``[B]`` bool; False starts from a zero state.
+    :param dt_softplus: apply softplus to ``dt + dt_bias``.
+    :param dt_limit: ``(min, max)`` clamp of the final dt.
+    :param chunk_size: tokens per chunk of the chunked (SSD) form.
+    :param mode: ``"auto"`` | ``"recurrent"`` | ``"chunked"``.
+    :param intermediate_states: optional ``[B, >= max_q_len, H, N, P]``: forces the token loop
+        and receives the state after each token of request ``b`` at ``[b, i]``.
+    :param out: optional ``[T, H, P]`` output buffer (written and returned).
+    :returns: ``[T, H, P]`` in ``x.dtype`` (or ``out``).
+    """
+    _check_options(mode, chunk_size)
+    check_shape("x", x, (None, None, None))
+    num_tokens, num_heads, head_dim = x.shape
+    check_shape("dt", dt, (num_tokens, num_heads))
+    check_shape("A_log", A_log, (num_heads,))
+    check_shape("B", B, (num_tokens, None, None))
+    num_groups, state_size = B.shape[1:]
+    if num_groups == 0 or num_heads % num_groups != 0:
+        raise ValueError(
+            f"B: expected a number of groups that divides the {num_heads} heads, got {num_groups}"
+        )
+    check_shape("C", C, (num_tokens, num_groups, state_size))
+    if D is not None:
+        check_shape("D", D, (num_heads,))
+    if dt_bias is not None:
+        check_shape("dt_bias", dt_bias, (num_heads,))
+    check_shape("ssm_state", ssm_state, (None, num_heads, state_size, head_dim))
+    requests = varlen_requests(
+        query_start_loc,
+        state_indices,
+        has_initial_state,
+        num_tokens=num_tokens,
+        num_slots=ssm_state.shape[0],
+    )
+    _check_intermediate(intermediate_states, requests, (num_heads, state_size, head_dim))
+    out = prepare_out(out, (num_tokens, num_heads, head_dim), x.dtype, x.device)
+
+    step = dt.to(torch.float32)
+    if dt_bias is not None:
+        step = step + dt_bias.to(torch.float32)
+    if dt_softplus:
+        step = F.softplus(step)
+    step = step.clamp(min=dt_limit[0], max=dt_limit[1])
+    log_decay = step * -A_log.to(torch.float32).exp()  # dt * A, <= 0
+    xf = x.to(torch.float32)
+    x_dt = xf * step[..., None]
+    group = num_heads // num_groups
+    bf = B.to(torch.float32).repeat_interleave(group, dim=1)
+    cf = C.to(torch.float32).repeat_interleave(group, dim=1)
+    skip = None if D is None else xf * D.to(torch.float32)[:, None]
+
+    def kernel(
+        req: VarlenRequest, state: torch.Tensor, states_out: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        sl = slice(req.start, req.end)
+        args = (x_dt[sl], log_decay[sl], bf[sl], cf[sl], state)
+        if states_out is None and _use_chunked(mode, req.num_tokens):
+            y, state = _ssd_chunked(*args, chunk_size)
+        else:
+            y, state = _ssd_recurrent(*args, states_out)
+        return (y if skip is None else y + skip[sl]), state
+
+    return _run_requests(requests, ssm_state, out, intermediate_states, kernel)
