@@ -1,0 +1,243 @@
+"""Causal depthwise conv1d for decode and speculative verify, with the conv state in slots.
+
+Per channel ``c`` the conv sees the sequence ``seq = conv_state[slot, c, :] ++ x[b, :, c]`` (the
+last ``K - 1`` inputs of the request, then this step's ``T`` tokens) and computes, for token
+``t``::
+
+    out[b, t, c] = act(bias[c] + sum_j weight[c, j] * seq[t + j])      j = 0 .. K-1
+
+then stores ``seq[n : n + K - 1]`` back as the new conv state, with ``n = T`` (plain decode) or
+``n = num_accepted[b]`` (speculative commit). This is the convention of vLLM's and Dao-AILab's
+``causal_conv1d_update`` with ``conv_state`` ``[S, C, K - 1]`` (oldest input first).
+
+Grid ``(B, C / BC)``; each program owns a block of channels of one request.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attn_plugin_triton_ssm.kernels._common import (
+    check_dtype,
+    check_float,
+    check_index,
+    check_last_contiguous,
+    check_same_device,
+    check_shape,
+    next_pow2,
+)
+
+__all__ = ["causal_conv1d_commit", "causal_conv1d_update"]
+
+_ACTIVATIONS = (None, "silu", "swish")
+
+
+@triton.jit
+def _conv1d_update_kernel(
+    x_ptr,
+    state_ptr,
+    w_ptr,
+    bias_ptr,
+    idx_ptr,
+    nacc_ptr,
+    out_ptr,
+    C,
+    s_xb,
+    s_xt,
+    s_ss,
+    s_sc,
+    s_sk,
+    s_wc,
+    s_wk,
+    s_ob,
+    s_ot,
+    T: tl.constexpr,
+    KW: tl.constexpr,
+    BKM1: tl.constexpr,
+    BC: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    STORE_OUT: tl.constexpr,
+    WRITE_STATE: tl.constexpr,
+    HAS_NACC: tl.constexpr,
+):
+    i_b = tl.program_id(0).to(tl.int64)
+    pid_c = tl.program_id(1)
+    slot = tl.load(idx_ptr + i_b).to(tl.int64)
+    o_c = pid_c * BC + tl.arange(0, BC)
+    valid = (o_c * 0 + slot) >= 0  # a block: the interpreter rejects scalar & block masks
+    m_c = o_c < C
+    m_cv = m_c & valid
+    p_state = state_ptr + slot * s_ss + o_c * s_sc
+    p_x = x_ptr + i_b * s_xb + o_c
+
+    if STORE_OUT:
+        if HAS_BIAS:
+            b_bias = tl.load(bias_ptr + o_c, mask=m_c, other=0.0).to(tl.float32)
+        for t in tl.static_range(T):
+            acc = tl.zeros([BC], dtype=tl.float32)
+            if HAS_BIAS:
+                acc += b_bias
+            for j in tl.static_range(KW):
+                if t + j < KW - 1:
+                    xv = tl.load(p_state + (t + j) * s_sk, mask=m_cv, other=0.0)
+                else:
+                    xv = tl.load(p_x + (t + j - (KW - 1)) * s_xt, mask=m_cv, other=0.0)
+                w = tl.load(w_ptr + o_c * s_wc + j * s_wk, mask=m_c, other=0.0)
+                acc += xv.to(tl.float32) * w.to(tl.float32)
+            if SILU:
+                acc = acc * tl.sigmoid(acc)
+            acc = tl.where(valid, acc, 0.0)
+            tl.store(out_ptr + i_b * s_ob + t * s_ot + o_c, acc.to(out_ptr.dtype.element_ty), mask=m_c)
+
+    if WRITE_STATE:
+        if HAS_NACC:
+            n = tl.minimum(tl.maximum(tl.load(nacc_ptr + i_b).to(tl.int32), 0), T)
+        else:
+            n = T
+        o_j = tl.arange(0, BKM1)
+        pos = n + o_j  # position in seq of new state column j
+        m_j = o_j < KW - 1
+        from_state = pos < KW - 1
+        m2 = m_cv[:, None] & m_j[None, :]
+        old = tl.load(
+            p_state[:, None] + pos[None, :] * s_sk, mask=m2 & from_state[None, :], other=0.0
+        )
+        new = tl.load(
+            p_x[:, None] + (pos[None, :] - (KW - 1)) * s_xt,
+            mask=m2 & (pos[None, :] >= KW - 1),
+            other=0.0,
+        )
+        b_new = tl.where(from_state[None, :], old.to(tl.float32), new.to(tl.float32))
+        # Every thread must have read the old state (above, and for the outputs) before any
+        # thread overwrites it: the two tile layouts map an element to different threads.
+        tl.debug_barrier()
+        tl.store(
+            p_state[:, None] + o_j[None, :] * s_sk,
+            b_new.to(state_ptr.dtype.element_ty),
+            mask=m2,
+        )
+
+
+def _prepare(x, conv_state, weight, bias, state_indices, activation):
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {list(_ACTIVATIONS)}, got {activation!r}")
+    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3):
+        got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x: expected shape [B, C] or [B, K1, C], got {got}")
+    x3 = x.unsqueeze(1) if x.dim() == 2 else x
+    B, _, C = x3.shape
+    check_shape("conv_state", conv_state, [None, C, None], "[S, C, K-1]")
+    check_shape("weight", weight, [C, None], "[C, K]")
+    K = weight.shape[1]
+    if conv_state.shape[2] != K - 1:
+        raise ValueError(
+            f"conv_state: expected K-1={K - 1} columns for weight [C, K={K}], got "
+            f"{conv_state.shape[2]}"
+        )
+    if bias is not None:
+        check_shape("bias", bias, [C], "[C]")
+        check_float("bias", bias)
+    check_index("state_indices", state_indices, B)
+    for name, t in (("x", x3), ("conv_state", conv_state), ("weight", weight)):
+        check_float(name, t)
+    check_last_contiguous("x", x3)
+    check_same_device(
+        {"x": x, "conv_state": conv_state, "weight": weight, "bias": bias,
+         "state_indices": state_indices}
+    )  # fmt: skip
+    return x3, B, C, K
+
+
+def _run(x3, conv_state, weight, bias, state_indices, num_accepted, out3, *, silu, write_state,
+         block_c):  # fmt: skip
+    B, T, C = x3.shape
+    K = weight.shape[1]
+    BC = block_c or min(256, next_pow2(C))
+    _conv1d_update_kernel[(B, triton.cdiv(C, BC))](
+        x3,
+        conv_state,
+        weight,
+        bias if bias is not None else weight,
+        state_indices,
+        num_accepted if num_accepted is not None else state_indices,
+        out3 if out3 is not None else x3,
+        C,
+        x3.stride(0),
+        x3.stride(1),
+        *conv_state.stride(),
+        *weight.stride(),
+        *(out3.stride()[:2] if out3 is not None else (0, 0)),
+        T=T,
+        KW=K,
+        BKM1=max(next_pow2(K - 1), 1),
+        BC=BC,
+        HAS_BIAS=bias is not None,
+        SILU=silu,
+        STORE_OUT=out3 is not None,
+        WRITE_STATE=write_state,
+        HAS_NACC=num_accepted is not None,
+    )
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    state_indices: torch.Tensor,
+    *,
+    activation: str | None = "silu",
+    update_state: bool = True,
+    out: torch.Tensor | None = None,
+    block_c: int | None = None,
+) -> torch.Tensor:
+    """Depthwise causal conv over this step's tokens, continuing each request's conv state.
+
+    :param x: ``[B, C]`` (one token) or ``[B, K1, C]`` (speculative verify), float; last dim
+        contiguous.
+    :param conv_state: ``[S, C, K-1]`` float32/bfloat16/float16, any strides; slot
+        ``state_indices[b]`` holds the last ``K-1`` inputs, oldest first.
+    :param weight: ``[C, K]``; ``bias``: ``[C]`` or ``None``.
+    :param state_indices: ``[B]`` int32; ``-1`` = padding row (zeros out, state untouched).
+    :param activation: ``"silu"`` (alias ``"swish"``) or ``None``.
+    :param update_state: write the state after all ``K1`` tokens into the slot. Pass ``False``
+        for speculative verify and call :func:`causal_conv1d_commit` once the accepted count
+        is known.
+    :param out: like ``x`` (allocated when ``None``).
+    :returns: ``out``, shaped like ``x``.
+    """
+    x3, _, _, _ = _prepare(x, conv_state, weight, bias, state_indices, activation)
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    check_shape("out", out, list(x.shape), "like x")
+    check_last_contiguous("out", out)
+    out3 = out.unsqueeze(1) if out.dim() == 2 else out
+    _run(x3, conv_state, weight, bias, state_indices, None, out3, silu=activation is not None,
+         write_state=update_state, block_c=block_c)  # fmt: skip
+    return out
+
+
+def causal_conv1d_commit(
+    x: torch.Tensor,
+    num_accepted: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    state_indices: torch.Tensor,
+    *,
+    block_c: int | None = None,
+) -> None:
+    """Advance each slot's conv state by the first ``num_accepted[b]`` tokens of ``x``.
+
+    :param x: ``[B, K1, C]``, the tokens given to the verify call (``update_state=False``).
+    :param num_accepted: ``[B]`` int32 in ``0..K1`` (clamped into that range).
+    :param conv_state: ``[S, C, K-1]``, written in place; ``weight`` ``[C, K]`` gives ``K``.
+    :param state_indices: ``[B]`` int32; ``-1`` = padding row (skipped).
+    """
+    x3, B, _, _ = _prepare(x, conv_state, weight, None, state_indices, None)
+    check_index("num_accepted", num_accepted, B)
+    check_dtype("num_accepted", num_accepted, (torch.int32, torch.int64))
+    _run(x3, conv_state, weight, None, state_indices, num_accepted, None, silu=False,
+         write_state=True, block_c=block_c)  # fmt: skip

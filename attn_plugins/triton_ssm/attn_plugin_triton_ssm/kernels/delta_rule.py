@@ -1,0 +1,675 @@
+"""Gated delta rule (Gated DeltaNet, KDA) decode and speculative-verify kernels.
+
+One kernel, ``_delta_rule_step_kernel``, runs ``T`` tokens per request against the recurrent
+state of that request's slot; compile-time flags pick what it stores. Per value head ``h`` (key
+head ``h // (Hv // Hk)``) and token ``t``::
+
+    q, k <- q / ||q||, k / ||k||          (use_qk_l2norm; ||x|| = sqrt(sum x^2 + 1e-6), as fla)
+    S    <- S * exp(g)                    (GDN: g scalar per head; KDA: g[Dk] per key channel)
+    v'   <- beta * (v - S^T k)
+    S    <- S + k v'^T
+    o    <- S^T (q * scale)
+
+``S`` is ``[Dk, Dv]`` (key dim first). The grid is ``(B * Hv, Dv / BV)``: each program keeps a
+``[Dk, BV]`` tile of one head's state in registers, so the state is read once and written once
+(decode is HBM-bound on the state) and the Dv split gives enough programs at small batch. Slot
+offsets are computed in int64: ``slot * stride`` overflows int32 past 2 GiB of state.
+
+Public wrappers (all write in place and return ``out``):
+
+* ``gdn_decode`` / ``kda_decode``: one token per request, state updated in the slot.
+* ``gdn_verify_native`` / ``kda_verify_native``: ``K1`` tokens, every per-position state stored
+  in ``intermediate_states``; slot untouched. ``gdn_commit`` then copies the state after the
+  accepted prefix into the slot.
+* ``gdn_verify_replay`` / ``kda_verify_replay``: ``K1`` tokens, outputs only, slot untouched;
+  ``gdn_replay_commit`` / ``kda_replay_commit`` recompute the accepted prefix from the slot and
+  write the result. Both strategies run the same float operations in the same order, so they
+  commit bit-identical states.
+
+A ``state_indices`` entry of ``-1`` marks a padding row (CUDA-graph batch padding): its outputs
+are zeros and no state is read or written.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attn_plugin_triton_ssm.kernels._common import (
+    STATE_DTYPES,
+    check_dtype,
+    check_float,
+    check_index,
+    check_last_contiguous,
+    check_same_device,
+    check_shape,
+    next_pow2,
+)
+
+__all__ = [
+    "gdn_commit",
+    "gdn_decode",
+    "gdn_replay_commit",
+    "gdn_verify_native",
+    "gdn_verify_replay",
+    "kda_commit",
+    "kda_decode",
+    "kda_replay_commit",
+    "kda_verify_native",
+    "kda_verify_replay",
+]
+
+_L2_EPS = 1e-6  # fla's in-kernel l2norm: x / sqrt(sum(x^2) + 1e-6)
+
+
+@triton.jit
+def _delta_rule_step_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    state_ptr,
+    idx_ptr,
+    ntok_ptr,
+    out_ptr,
+    inter_ptr,
+    scale,
+    s_qb,
+    s_qt,
+    s_qh,
+    s_kb,
+    s_kt,
+    s_kh,
+    s_vb,
+    s_vt,
+    s_vh,
+    s_gb,
+    s_gt,
+    s_gh,
+    s_bb,
+    s_bt,
+    s_bh,
+    s_ss,
+    s_sh,
+    s_sk,
+    s_ob,
+    s_ot,
+    s_oh,
+    s_ib,
+    s_it,
+    s_ih,
+    s_ik,
+    T: tl.constexpr,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    PER_CHANNEL_G: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+    EPS: tl.constexpr,
+    HAS_NTOK: tl.constexpr,
+    STORE_OUT: tl.constexpr,
+    STORE_INTER: tl.constexpr,
+    WRITE_SLOT: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    i_b = (pid_bh // HV).to(tl.int64)
+    i_hv = pid_bh % HV
+    i_hk = i_hv // GROUP
+
+    slot = tl.load(idx_ptr + i_b).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    o_v = pid_v * BV + tl.arange(0, BV)
+    m_k = o_k < DK
+    m_v = o_v < DV
+    # Padding rows (slot -1) as a block, not a scalar: the interpreter rejects scalar & block masks.
+    valid_v = (o_v * 0 + slot) >= 0
+    m_kv = m_k[:, None] & m_v[None, :]
+    m_state = m_kv & valid_v[None, :]
+
+    # int64 base: slot * s_ss reaches past 2**31 for large state pools.
+    p_state = state_ptr + slot * s_ss + i_hv * s_sh + o_k[:, None] * s_sk + o_v[None, :]
+    b_s = tl.load(p_state, mask=m_state, other=0.0).to(tl.float32)
+
+    if HAS_NTOK:
+        n_tok = tl.minimum(tl.load(ntok_ptr + i_b).to(tl.int32), T)
+    else:
+        n_tok = T
+
+    for t in range(0, n_tok):
+        b_q = tl.load(q_ptr + i_b * s_qb + t * s_qt + i_hk * s_qh + o_k, mask=m_k, other=0.0)
+        b_k = tl.load(k_ptr + i_b * s_kb + t * s_kt + i_hk * s_kh + o_k, mask=m_k, other=0.0)
+        b_v = tl.load(v_ptr + i_b * s_vb + t * s_vt + i_hv * s_vh + o_v, mask=m_v, other=0.0)
+        b_q = b_q.to(tl.float32)
+        b_k = b_k.to(tl.float32)
+        b_v = b_v.to(tl.float32)
+        if USE_L2NORM:
+            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + EPS)
+            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + EPS)
+        b_q = b_q * scale
+        b_beta = tl.load(beta_ptr + i_b * s_bb + t * s_bt + i_hv * s_bh).to(tl.float32)
+        if PER_CHANNEL_G:
+            p_g = g_ptr + i_b * s_gb + t * s_gt + i_hv * s_gh + o_k
+            b_g = tl.load(p_g, mask=m_k, other=0.0).to(tl.float32)
+            b_s = b_s * tl.exp(b_g)[:, None]
+        else:
+            b_g = tl.load(g_ptr + i_b * s_gb + t * s_gt + i_hv * s_gh).to(tl.float32)
+            b_s = b_s * tl.exp(b_g)
+        b_v = b_beta * (b_v - tl.sum(b_s * b_k[:, None], 0))
+        b_s = b_s + b_k[:, None] * b_v[None, :]
+        if STORE_OUT:
+            b_o = tl.sum(b_s * b_q[:, None], 0)
+            b_o = tl.where(valid_v, b_o, 0.0)
+            p_o = out_ptr + i_b * s_ob + t * s_ot + i_hv * s_oh + o_v
+            tl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=m_v)
+        if STORE_INTER:
+            p_i = inter_ptr + i_b * s_ib + t * s_it + i_hv * s_ih + o_k[:, None] * s_ik + o_v[None, :]
+            tl.store(p_i, b_s.to(inter_ptr.dtype.element_ty), mask=m_state)
+
+    if WRITE_SLOT:
+        tl.store(p_state, b_s.to(state_ptr.dtype.element_ty), mask=m_state)
+
+
+@triton.jit
+def _commit_kernel(
+    inter_ptr,
+    nacc_ptr,
+    state_ptr,
+    idx_ptr,
+    s_ib,
+    s_it,
+    s_ih,
+    s_ik,
+    s_ss,
+    s_sh,
+    s_sk,
+    T: tl.constexpr,
+    HV: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    i_b = (pid_bh // HV).to(tl.int64)
+    i_hv = pid_bh % HV
+    slot = tl.load(idx_ptr + i_b).to(tl.int64)
+    n_acc = tl.load(nacc_ptr + i_b).to(tl.int64)
+    # n_acc == 0 (nothing accepted) and padding rows leave the slot as it was.
+    o_k = tl.arange(0, BK)
+    o_v = pid_v * BV + tl.arange(0, BV)
+    # As a block (the interpreter rejects scalar & block masks).
+    ok = ((o_v * 0 + slot) >= 0) & ((o_v * 0 + n_acc) > 0) & ((o_v * 0 + n_acc) <= T)
+    m = (o_k[:, None] < DK) & (o_v[None, :] < DV) & ok[None, :]
+    src = inter_ptr + i_b * s_ib + (n_acc - 1) * s_it + i_hv * s_ih
+    b_s = tl.load(src + o_k[:, None] * s_ik + o_v[None, :], mask=m, other=0.0)
+    dst = state_ptr + slot * s_ss + i_hv * s_sh + o_k[:, None] * s_sk + o_v[None, :]
+    tl.store(dst, b_s.to(state_ptr.dtype.element_ty), mask=m)
+
+
+def _block_v(dk: int, dv: int, block_v: int | None) -> int:
+    if block_v is not None:
+        if block_v <= 0 or block_v & (block_v - 1):
+            raise ValueError(f"block_v: expected a positive power of two, got {block_v}")
+        return min(block_v, next_pow2(dv))
+    # Keep a [BK, BV] fp32 tile at <= 4096 elements (32 registers per thread at 4 warps), and
+    # BV >= 16 so each state row read is at least 64 contiguous bytes.
+    return min(next_pow2(dv), max(16, 4096 // next_pow2(dk)))
+
+
+def _launch(
+    *,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    num_tokens: torch.Tensor | None,
+    out: torch.Tensor | None,
+    intermediate_states: torch.Tensor | None,
+    scale: float | None,
+    use_qk_l2norm: bool,
+    per_channel_g: bool,
+    write_slot: bool,
+    block_v: int | None,
+    num_warps: int | None,
+) -> None:
+    """q, k, v, g, beta, out, intermediate_states are 4-D/5-D ``[B, T, ...]`` here."""
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2], v.shape[3]
+    if scale is None:
+        scale = Dk**-0.5
+    BK = next_pow2(Dk)
+    BV = _block_v(Dk, Dv, block_v)
+    if num_warps is None:
+        num_warps = 4 if BK * BV <= 4096 else 8
+    grid = (B * Hv, triton.cdiv(Dv, BV))
+    o = out if out is not None else v  # dummy pointer when not stored
+    inter = intermediate_states if intermediate_states is not None else ssm_state
+    inter_strides = (
+        intermediate_states.stride()[:4] if intermediate_states is not None else (0, 0, 0, 0)
+    )
+    _delta_rule_step_kernel[grid](
+        q,
+        k,
+        v,
+        g,
+        beta,
+        ssm_state,
+        state_indices,
+        num_tokens if num_tokens is not None else state_indices,
+        o,
+        inter,
+        float(scale),
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *g.stride()[:3],
+        *beta.stride()[:3],
+        *ssm_state.stride()[:3],
+        *(out.stride()[:3] if out is not None else (0, 0, 0)),
+        *inter_strides,
+        T=T,
+        HV=Hv,
+        GROUP=Hv // Hk,
+        DK=Dk,
+        DV=Dv,
+        BK=BK,
+        BV=BV,
+        PER_CHANNEL_G=per_channel_g,
+        USE_L2NORM=use_qk_l2norm,
+        EPS=_L2_EPS,
+        HAS_NTOK=num_tokens is not None,
+        STORE_OUT=out is not None,
+        STORE_INTER=intermediate_states is not None,
+        WRITE_SLOT=write_slot,
+        num_warps=num_warps,
+    )
+
+
+def _check_inputs(
+    *,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    per_channel_g: bool,
+    multi_token: bool,
+) -> tuple[int, int, int, int, int, int]:
+    """Validate the decode (``multi_token=False``) or verify layout; returns B, T, Hk, Hv, Dk, Dv."""
+    lead = "[B, K1, " if multi_token else "["
+    check_shape("q", q, [None] * (4 if multi_token else 3), f"{lead}Hk, Dk]")
+    B = q.shape[0]
+    T = q.shape[1] if multi_token else 1
+    Hk, Dk = q.shape[-2], q.shape[-1]
+    bt = [B, T] if multi_token else [B]
+    check_shape("k", k, [*bt, Hk, Dk], f"{lead}Hk, Dk] like q")
+    check_shape("v", v, [*bt, None, None], f"{lead}Hv, Dv]")
+    Hv, Dv = v.shape[-2], v.shape[-1]
+    if Hv % Hk:
+        raise ValueError(f"v: value heads Hv={Hv} must be a multiple of key heads Hk={Hk}")
+    if per_channel_g:
+        check_shape("g", g, [*bt, Hv, Dk], f"{lead}Hv, Dk] (KDA per-channel log decay)")
+    else:
+        check_shape("g", g, [*bt, Hv], f"{lead}Hv] (GDN per-head log decay)")
+    check_shape("beta", beta, [*bt, Hv], f"{lead}Hv]")
+    check_shape("ssm_state", ssm_state, [None, Hv, Dk, Dv], "[S, Hv, Dk, Dv]")
+    check_dtype("ssm_state", ssm_state, STATE_DTYPES)
+    check_index("state_indices", state_indices, B)
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        check_float(name, t)
+        check_last_contiguous(name, t)
+    check_last_contiguous("ssm_state", ssm_state, 2)
+    check_same_device(
+        {"q": q, "k": k, "v": v, "g": g, "beta": beta, "ssm_state": ssm_state,
+         "state_indices": state_indices}
+    )  # fmt: skip
+    return B, T, Hk, Hv, Dk, Dv
+
+
+def _alloc_out(out: torch.Tensor | None, v: torch.Tensor, name: str = "out") -> torch.Tensor:
+    if out is None:
+        return torch.empty_like(v, memory_format=torch.contiguous_format)
+    check_shape(name, out, list(v.shape), "like v")
+    check_float(name, out)
+    check_last_contiguous(name, out)
+    if out.device != v.device:
+        raise ValueError(f"{name} is on {out.device} but v is on {v.device}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# decode: one token per request
+# --------------------------------------------------------------------------------------------
+def _decode(q, k, v, g, beta, ssm_state, state_indices, *, per_channel_g, scale, use_qk_l2norm,
+            out, block_v, num_warps):  # fmt: skip
+    _check_inputs(
+        q=q, k=k, v=v, g=g, beta=beta, ssm_state=ssm_state, state_indices=state_indices,
+        per_channel_g=per_channel_g, multi_token=False,
+    )  # fmt: skip
+    out = _alloc_out(out, v)
+    _launch(
+        q=q.unsqueeze(1), k=k.unsqueeze(1), v=v.unsqueeze(1), g=g.unsqueeze(1),
+        beta=beta.unsqueeze(1), ssm_state=ssm_state, state_indices=state_indices,
+        num_tokens=None, out=out.unsqueeze(1), intermediate_states=None, scale=scale,
+        use_qk_l2norm=use_qk_l2norm, per_channel_g=per_channel_g, write_slot=True,
+        block_v=block_v, num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+def gdn_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    out: torch.Tensor | None = None,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Gated DeltaNet decode: one token per request; updates ``ssm_state`` in place.
+
+    :param q: ``[B, Hk, Dk]`` float32/bfloat16/float16 (last dim contiguous; outer strides free).
+    :param k: ``[B, Hk, Dk]`` like ``q``.
+    :param v: ``[B, Hv, Dv]``; ``Hv`` a multiple of ``Hk`` (value head ``h`` reads key head
+        ``h // (Hv // Hk)``).
+    :param g: ``[B, Hv]`` log decay (``S *= exp(g)``), any float dtype.
+    :param beta: ``[B, Hv]`` delta-rule step size (already through its sigmoid).
+    :param ssm_state: ``[S, Hv, Dk, Dv]`` float32 or bfloat16, last two dims packed; slot
+        ``state_indices[b]`` is read and written (math in float32).
+    :param state_indices: ``[B]`` int32 (or int64); ``-1`` marks a padding row: zeros in ``out``,
+        no state touched.
+    :param scale: query scale; ``None`` means ``Dk ** -0.5``.
+    :param use_qk_l2norm: L2-normalise q and k first (eps 1e-6 inside the sqrt, as fla).
+    :param out: ``[B, Hv, Dv]`` output buffer (allocated like ``v`` when ``None``).
+    :param block_v: Dv tile per program (power of two); ``None`` picks one. A tuning knob.
+    :param num_warps: Triton warps per program; ``None`` picks one.
+    :returns: ``out``.
+    """
+    return _decode(q, k, v, g, beta, ssm_state, state_indices, per_channel_g=False, scale=scale,
+                   use_qk_l2norm=use_qk_l2norm, out=out, block_v=block_v,
+                   num_warps=num_warps)  # fmt: skip
+
+
+def kda_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    out: torch.Tensor | None = None,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Kimi Delta Attention decode: as :func:`gdn_decode` with ``g`` ``[B, Hv, Dk]``, a log decay
+    per key channel (``S *= exp(g)[:, None]``)."""
+    return _decode(q, k, v, g, beta, ssm_state, state_indices, per_channel_g=True, scale=scale,
+                   use_qk_l2norm=use_qk_l2norm, out=out, block_v=block_v,
+                   num_warps=num_warps)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# speculative verify: K1 = k + 1 tokens per request, [B, K1, ...] layout
+# --------------------------------------------------------------------------------------------
+def _verify(q, k, v, g, beta, ssm_state, state_indices, *, per_channel_g, scale, use_qk_l2norm,
+            out, intermediate_states, block_v, num_warps):  # fmt: skip
+    B, T, _, Hv, Dk, Dv = _check_inputs(
+        q=q, k=k, v=v, g=g, beta=beta, ssm_state=ssm_state, state_indices=state_indices,
+        per_channel_g=per_channel_g, multi_token=True,
+    )  # fmt: skip
+    out = _alloc_out(out, v)
+    if intermediate_states is not None:
+        check_shape(
+            "intermediate_states", intermediate_states, [B, T, Hv, Dk, Dv],
+            "[B, K1, Hv, Dk, Dv]",
+        )  # fmt: skip
+        check_dtype("intermediate_states", intermediate_states, STATE_DTYPES)
+        check_last_contiguous("intermediate_states", intermediate_states, 2)
+    _launch(
+        q=q, k=k, v=v, g=g, beta=beta, ssm_state=ssm_state, state_indices=state_indices,
+        num_tokens=None, out=out, intermediate_states=intermediate_states, scale=scale,
+        use_qk_l2norm=use_qk_l2norm, per_channel_g=per_channel_g, write_slot=False,
+        block_v=block_v, num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+def gdn_verify_native(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    intermediate_states: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    out: torch.Tensor | None = None,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Speculative verify, native strategy: run ``K1`` tokens per request from the slot state,
+    storing the state after every position; the slot is not written (see :func:`gdn_commit`).
+
+    :param q: ``[B, K1, Hk, Dk]``; ``k`` likewise; ``v`` ``[B, K1, Hv, Dv]``; ``g`` and ``beta``
+        ``[B, K1, Hv]``.
+    :param ssm_state: ``[S, Hv, Dk, Dv]`` float32/bfloat16, read only here.
+    :param state_indices: ``[B]`` int32, ``-1`` = padding row (zeros out, nothing stored).
+    :param intermediate_states: ``[B, K1, Hv, Dk, Dv]`` float32/bfloat16 output: entry ``t`` is
+        the state after tokens ``0..t``.
+    :param out: ``[B, K1, Hv, Dv]`` output (allocated like ``v`` when ``None``).
+    :returns: ``out``.
+    """
+    return _verify(q, k, v, g, beta, ssm_state, state_indices, per_channel_g=False, scale=scale,
+                   use_qk_l2norm=use_qk_l2norm, out=out, intermediate_states=intermediate_states,
+                   block_v=block_v, num_warps=num_warps)  # fmt: skip
+
+
+def kda_verify_native(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    intermediate_states: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    out: torch.Tensor | None = None,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """:func:`gdn_verify_native` for KDA: ``g`` is ``[B, K1, Hv, Dk]``."""
+    return _verify(q, k, v, g, beta, ssm_state, state_indices, per_channel_g=True, scale=scale,
+                   use_qk_l2norm=use_qk_l2norm, out=out, intermediate_states=intermediate_states,
+                   block_v=block_v, num_warps=num_warps)  # fmt: skip
+
+
+def gdn_verify_replay(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    out: torch.Tensor | None = None,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Speculative verify, replay strategy: outputs for ``K1`` tokens, no state stored anywhere
+    (the slot is untouched); :func:`gdn_replay_commit` recomputes the accepted prefix later.
+    Shapes as :func:`gdn_verify_native`. :returns: ``out`` ``[B, K1, Hv, Dv]``."""
+    return _verify(q, k, v, g, beta, ssm_state, state_indices, per_channel_g=False, scale=scale,
+                   use_qk_l2norm=use_qk_l2norm, out=out, intermediate_states=None,
+                   block_v=block_v, num_warps=num_warps)  # fmt: skip
+
+
+def kda_verify_replay(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    out: torch.Tensor | None = None,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """:func:`gdn_verify_replay` for KDA: ``g`` is ``[B, K1, Hv, Dk]``."""
+    return _verify(q, k, v, g, beta, ssm_state, state_indices, per_channel_g=True, scale=scale,
+                   use_qk_l2norm=use_qk_l2norm, out=out, intermediate_states=None,
+                   block_v=block_v, num_warps=num_warps)  # fmt: skip
+
+
+def _replay_commit(q, k, v, g, beta, num_accepted, ssm_state, state_indices, *, per_channel_g,
+                   scale, use_qk_l2norm, block_v, num_warps):  # fmt: skip
+    B = q.shape[0] if q.dim() == 4 else -1
+    _check_inputs(
+        q=q, k=k, v=v, g=g, beta=beta, ssm_state=ssm_state, state_indices=state_indices,
+        per_channel_g=per_channel_g, multi_token=True,
+    )  # fmt: skip
+    check_index("num_accepted", num_accepted, B)
+    if num_accepted.device != q.device:
+        raise ValueError(f"num_accepted is on {num_accepted.device} but q is on {q.device}")
+    _launch(
+        q=q, k=k, v=v, g=g, beta=beta, ssm_state=ssm_state, state_indices=state_indices,
+        num_tokens=num_accepted, out=None, intermediate_states=None, scale=scale,
+        use_qk_l2norm=use_qk_l2norm, per_channel_g=per_channel_g, write_slot=True,
+        block_v=block_v, num_warps=num_warps,
+    )  # fmt: skip
+
+
+def gdn_replay_commit(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    num_accepted: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """Replay commit: advance each slot by its request's first ``num_accepted[b]`` tokens.
+
+    :param q: ``[B, K1, Hk, Dk]`` (the verify inputs; tokens past ``num_accepted[b]`` are not
+        read), ``k``, ``v``, ``g``, ``beta`` as in :func:`gdn_verify_replay`.
+    :param num_accepted: ``[B]`` int32 in ``0..K1`` (values above ``K1`` are clamped; ``0``
+        leaves the slot unchanged).
+    :param ssm_state: ``[S, Hv, Dk, Dv]``, slots written in place.
+    :param state_indices: ``[B]`` int32, ``-1`` = padding row (skipped).
+    """
+    _replay_commit(q, k, v, g, beta, num_accepted, ssm_state, state_indices, per_channel_g=False,
+                   scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=block_v,
+                   num_warps=num_warps)  # fmt: skip
+
+
+def kda_replay_commit(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    num_accepted: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """:func:`gdn_replay_commit` for KDA: ``g`` is ``[B, K1, Hv, Dk]``."""
+    _replay_commit(q, k, v, g, beta, num_accepted, ssm_state, state_indices, per_channel_g=True,
+                   scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=block_v,
+                   num_warps=num_warps)  # fmt: skip
+
+
+def gdn_commit(
+    intermediate_states: torch.Tensor,
+    num_accepted: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    *,
+    block_v: int | None = None,
+) -> None:
+    """Native commit: copy ``intermediate_states[b, num_accepted[b] - 1]`` into slot
+    ``state_indices[b]`` (the state after the accepted prefix).
+
+    :param intermediate_states: ``[B, K1, Hv, Dk, Dv]`` from :func:`gdn_verify_native`.
+    :param num_accepted: ``[B]`` int32 in ``1..K1``; ``0`` (or anything out of range) and
+        padding rows leave the slot unchanged.
+    :param ssm_state: ``[S, Hv, Dk, Dv]`` float32/bfloat16, written in place (cast on store).
+    :param state_indices: ``[B]`` int32, ``-1`` = padding row.
+    """
+    check_shape("intermediate_states", intermediate_states, [None] * 5, "[B, K1, Hv, Dk, Dv]")
+    B, T, Hv, Dk, Dv = intermediate_states.shape
+    check_shape("ssm_state", ssm_state, [None, Hv, Dk, Dv], "[S, Hv, Dk, Dv]")
+    check_dtype("ssm_state", ssm_state, STATE_DTYPES)
+    check_dtype("intermediate_states", intermediate_states, STATE_DTYPES)
+    check_index("state_indices", state_indices, B)
+    check_index("num_accepted", num_accepted, B)
+    check_last_contiguous("intermediate_states", intermediate_states, 2)
+    check_last_contiguous("ssm_state", ssm_state, 2)
+    check_same_device(
+        {"intermediate_states": intermediate_states, "num_accepted": num_accepted,
+         "ssm_state": ssm_state, "state_indices": state_indices}
+    )  # fmt: skip
+    BK = next_pow2(Dk)
+    BV = _block_v(Dk, Dv, block_v)
+    _commit_kernel[(B * Hv, triton.cdiv(Dv, BV))](
+        intermediate_states,
+        num_accepted,
+        ssm_state,
+        state_indices,
+        *intermediate_states.stride()[:4],
+        *ssm_state.stride()[:3],
+        T=T,
+        HV=Hv,
+        DK=Dk,
+        DV=Dv,
+        BK=BK,
+        BV=BV,
+    )
+
+
+#: The native commit copies states and does not care how they were computed.
+kda_commit = gdn_commit

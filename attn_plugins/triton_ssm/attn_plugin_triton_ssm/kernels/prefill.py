@@ -1,0 +1,269 @@
+"""Chunked prefill: thin wrappers over fla-core's chunk kernels (GDN, KDA) and a chunked SSD in
+torch (Mamba2), all with the state in slots.
+
+Every wrapper takes the step's tokens packed (varlen) with ``cu_seqlens`` ``[N + 1]``, gathers
+the initial states of the ``N`` sequences from ``ssm_state[state_indices]``, runs the chunked
+algorithm and scatters the final states back into the same slots. Prefill is not graph-captured,
+so no padding rows are expected: every ``state_indices`` entry must be a valid slot.
+
+fla's chunk kernels need CUDA. On CPU the GDN/KDA wrappers fall back to fla's naive recurrent
+functions (slow; for tests and small experiments), so the gather/scatter logic runs everywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from attn_plugin_triton_ssm.kernels._common import (
+    STATE_DTYPES,
+    check_dtype,
+    check_shape,
+)
+
+__all__ = ["gdn_prefill", "kda_prefill", "mamba2_prefill"]
+
+_L2_EPS = 1e-6
+
+
+def _check_varlen(state_indices: torch.Tensor, cu_seqlens: torch.Tensor, total: int) -> int:
+    check_shape("cu_seqlens", cu_seqlens, [None], "[N + 1] (int32/int64, starts at 0)")
+    check_dtype("cu_seqlens", cu_seqlens, (torch.int32, torch.int64))
+    n = cu_seqlens.shape[0] - 1
+    if n < 1:
+        raise ValueError("cu_seqlens: expected at least 2 entries [0, ..., T], got 1")
+    check_shape("state_indices", state_indices, [n], f"[N={n}] (one slot per sequence)")
+    check_dtype("state_indices", state_indices, (torch.int32, torch.int64))
+    del total  # the last offset is checked by the kernels; reading it would sync the device
+    return n
+
+
+def _l2(x: torch.Tensor) -> torch.Tensor:
+    x = x.float()
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + _L2_EPS)
+
+
+def _delta_prefill(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens, *, kda, scale,
+                   use_qk_l2norm, out):  # fmt: skip
+    check_shape("q", q, [None, None, None], "[T, Hk, Dk] (packed tokens)")
+    T, Hk, Dk = q.shape
+    check_shape("k", k, [T, Hk, Dk], "[T, Hk, Dk] like q")
+    check_shape("v", v, [T, None, None], "[T, Hv, Dv]")
+    Hv, Dv = v.shape[1], v.shape[2]
+    if Hv % Hk:
+        raise ValueError(f"v: value heads Hv={Hv} must be a multiple of key heads Hk={Hk}")
+    if kda:
+        check_shape("g", g, [T, Hv, Dk], "[T, Hv, Dk] (KDA per-channel log decay)")
+    else:
+        check_shape("g", g, [T, Hv], "[T, Hv] (GDN per-head log decay)")
+    check_shape("beta", beta, [T, Hv], "[T, Hv]")
+    check_shape("ssm_state", ssm_state, [None, Hv, Dk, Dv], "[S, Hv, Dk, Dv]")
+    check_dtype("ssm_state", ssm_state, STATE_DTYPES)
+    _check_varlen(state_indices, cu_seqlens, T)
+    if scale is None:
+        scale = Dk**-0.5
+    idx = state_indices.long()
+    h0 = ssm_state.index_select(0, idx).float()
+
+    if q.is_cuda:
+        if kda:
+            from fla.ops.kda import chunk_kda as chunk_fn
+        else:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk_fn
+        o, ht = chunk_fn(
+            q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=h0,
+            output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
+            cu_seqlens=cu_seqlens.long(),
+        )  # fmt: skip
+        o = o[0]
+    else:
+        o, ht = _naive_varlen(q, k, v, g, beta, h0, cu_seqlens, kda=kda, scale=scale,
+                              use_qk_l2norm=use_qk_l2norm)  # fmt: skip
+    ssm_state.index_copy_(0, idx, ht.to(ssm_state.dtype))
+    if out is None:
+        return o.to(v.dtype)
+    check_shape("out", out, [T, Hv, Dv], "[T, Hv, Dv]")
+    out.copy_(o)
+    return out
+
+
+def _naive_varlen(q, k, v, g, beta, h0, cu_seqlens, *, kda, scale, use_qk_l2norm):
+    """CPU fallback: fla's naive recurrences, one sequence at a time."""
+    from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+    from fla.ops.kda.naive import naive_recurrent_kda
+
+    group = v.shape[1] // q.shape[1]
+    if use_qk_l2norm:
+        q, k = _l2(q), _l2(k)
+    o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    ht = torch.empty_like(h0)
+    bounds = cu_seqlens.tolist()
+    for i in range(len(bounds) - 1):
+        s, e = bounds[i], bounds[i + 1]
+        args = [t[s:e][None].float() for t in (q, k, v, g, beta)]
+        if kda:
+            oi, hi = naive_recurrent_kda(
+                args[0], args[1], args[2], args[3], args[4], scale=scale,
+                initial_state=h0[i : i + 1], output_final_state=True,
+            )  # fmt: skip
+        else:
+            qi, ki = (a.repeat_interleave(group, dim=2) for a in args[:2])
+            oi, hi = naive_recurrent_gated_delta_rule(
+                qi, ki, args[2], args[4], args[3], scale=scale, initial_state=h0[i : i + 1],
+                output_final_state=True,
+            )  # fmt: skip
+        o[s:e] = oi[0].float()
+        ht[i] = hi[0]
+    return o, ht
+
+
+def gdn_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gated DeltaNet chunked prefill over packed sequences (fla ``chunk_gated_delta_rule``).
+
+    :param q: ``[T, Hk, Dk]`` packed tokens of ``N`` sequences; ``k`` likewise.
+    :param v: ``[T, Hv, Dv]``; ``g`` ``[T, Hv]`` log decay; ``beta`` ``[T, Hv]``.
+    :param ssm_state: ``[S, Hv, Dk, Dv]`` float32/bfloat16; slots read as initial states and
+        overwritten with the final states.
+    :param state_indices: ``[N]`` int32 slots, all valid (no ``-1``).
+    :param cu_seqlens: ``[N + 1]`` int32/int64 sequence starts, ``cu_seqlens[-1] == T``.
+    :param out: ``[T, Hv, Dv]`` (a new tensor of ``v``'s dtype when ``None``).
+    :returns: the output ``[T, Hv, Dv]``.
+    """
+    return _delta_prefill(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens, kda=False,
+                          scale=scale, use_qk_l2norm=use_qk_l2norm, out=out)  # fmt: skip
+
+
+def kda_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`gdn_prefill` for KDA (fla ``chunk_kda``): ``g`` is ``[T, Hv, Dk]``."""
+    return _delta_prefill(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens, kda=True,
+                          scale=scale, use_qk_l2norm=use_qk_l2norm, out=out)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Mamba2: chunked SSD (Dao & Gu 2024, "ssd_minimal"), in torch, one sequence at a time
+# --------------------------------------------------------------------------------------------
+def _segsum(x: torch.Tensor) -> torch.Tensor:
+    """``[..., L] -> [..., L, L]`` with ``out[i, j] = sum(x[j+1 : i+1])`` for ``i >= j``, else -inf."""
+    L = x.shape[-1]
+    xx = x[..., None].expand(*x.shape, L)
+    mask = torch.tril(torch.ones(L, L, dtype=torch.bool, device=x.device), diagonal=-1)
+    xx = xx.masked_fill(~mask, 0)
+    seg = torch.cumsum(xx, dim=-2)
+    keep = torch.tril(torch.ones(L, L, dtype=torch.bool, device=x.device), diagonal=0)
+    return seg.masked_fill(~keep, float("-inf"))
+
+
+def _ssd_chunked(X, A, B, C, h0, chunk):
+    """One sequence. X ``[L, H, P]`` (already times dt), A ``[L, H]`` (A * dt), B, C
+    ``[L, H, N]``, h0 ``[H, N, P]``; returns y ``[L, H, P]`` and the final state ``[H, N, P]``."""
+    L = X.shape[0]
+    pad = (-L) % chunk
+    if pad:  # zero inputs and zero log-decay leave the state as it is
+        X, A, B, C = (F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in (X, A, B, C))
+    nc = X.shape[0] // chunk
+    X = X.reshape(nc, chunk, *X.shape[1:])
+    B = B.reshape(nc, chunk, *B.shape[1:])
+    C = C.reshape(nc, chunk, *C.shape[1:])
+    A = A.reshape(nc, chunk, -1).permute(2, 0, 1)  # [H, c, l]
+    A_cs = torch.cumsum(A, dim=-1)
+    Ld = torch.exp(_segsum(A))  # [H, c, l, s]
+    y_diag = torch.einsum("clhn,cshn,hcls,cshp->clhp", C, B, Ld, X)
+    decay_states = torch.exp(A_cs[..., -1:] - A_cs)  # [H, c, l]
+    states = torch.einsum("clhn,hcl,clhp->chnp", B, decay_states, X)
+    states = torch.cat([h0[None], states], dim=0)  # [c+1, H, N, P]
+    decay_chunk = torch.exp(_segsum(F.pad(A_cs[..., -1], (1, 0))))  # [H, c+1, c+1]
+    new_states = torch.einsum("hzc,chnp->zhnp", decay_chunk, states)
+    states, final = new_states[:-1], new_states[-1]
+    y_off = torch.einsum("clhn,chnp,hcl->clhp", C, states, torch.exp(A_cs))
+    y = (y_diag + y_off).reshape(nc * chunk, *X.shape[2:])[:L]
+    return y, final
+
+
+def mamba2_prefill(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A_log: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    D: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_softplus: bool = True,
+    chunk_size: int = 256,
+) -> torch.Tensor:
+    """Mamba2 chunked prefill (SSD) in torch, CPU or GPU, one sequence at a time.
+
+    Same math as :func:`~attn_plugin_triton_ssm.kernels.mamba2.mamba2_decode` applied to every
+    token. Shapes: ``x`` ``[T, H, P]``, ``dt`` ``[T, H]``, ``A_log`` ``[H]``, ``B``/``C``
+    ``[T, G, N]``, ``ssm_state`` ``[S, H, N, P]`` (slots read and overwritten), ``state_indices``
+    ``[N_seq]``, ``cu_seqlens`` ``[N_seq + 1]``, ``D``/``dt_bias`` ``[H]``, ``z`` ``[T, H, P]``.
+    :returns: ``y`` ``[T, H, P]`` in ``x``'s dtype.
+    """
+    check_shape("x", x, [None, None, None], "[T, H, P]")
+    T, H, P = x.shape
+    check_shape("dt", dt, [T, H], "[T, H]")
+    check_shape("B", B, [T, None, None], "[T, G, N]")
+    G, N = B.shape[1], B.shape[2]
+    if H % G:
+        raise ValueError(f"B: heads H={H} must be a multiple of groups G={G}")
+    check_shape("C", C, [T, G, N], "[T, G, N]")
+    check_shape("ssm_state", ssm_state, [None, H, N, P], "[S, H, N, P]")
+    check_dtype("ssm_state", ssm_state, STATE_DTYPES)
+    _check_varlen(state_indices, cu_seqlens, T)
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size}")
+
+    dtf = dt.float() + (dt_bias.float() if dt_bias is not None else 0.0)
+    if dt_softplus:
+        dtf = F.softplus(dtf)  # threshold 20, as the decode kernel
+    A = -torch.exp(A_log.float())
+    Bh = B.float().repeat_interleave(H // G, dim=1)
+    Ch = C.float().repeat_interleave(H // G, dim=1)
+    xf = x.float()
+    idx = state_indices.long()
+    h0 = ssm_state.index_select(0, idx).float()
+    y = torch.empty_like(xf)
+    ht = torch.empty_like(h0)
+    bounds = cu_seqlens.tolist()
+    for i in range(len(bounds) - 1):
+        s, e = bounds[i], bounds[i + 1]
+        yi, ht[i] = _ssd_chunked(
+            xf[s:e] * dtf[s:e, :, None], A * dtf[s:e], Bh[s:e], Ch[s:e], h0[i], chunk_size
+        )
+        y[s:e] = yi
+    if D is not None:
+        y = y + D.float()[:, None] * xf
+    if z is not None:
+        y = y * F.silu(z.float())
+    ssm_state.index_copy_(0, idx, ht.to(ssm_state.dtype))
+    return y.to(x.dtype)
