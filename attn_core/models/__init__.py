@@ -1,0 +1,19 @@
+"""Model descriptions: per-layer attention specs derived from Hugging Face configs."""
+
+from __future__ import annotations
+
+from attn_core.models.hf_config import (
+    SUPPORTED_MODEL_TYPES,
+    ModelLayout,
+    load_sample,
+    sample_names,
+    specs_from_hf_config,
+)
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "ModelLayout",
+    "load_sample",
+    "sample_names",
+    "specs_from_hf_config",
+]

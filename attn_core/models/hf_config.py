@@ -1,0 +1,709 @@
+"""Per-layer :class:`LayerSpec` s from a Hugging Face ``config.json``.
+
+``specs_from_hf_config`` reads the fields a model's ``config.json`` carries (the names the
+``transformers`` configuration classes use, checked against transformers 5.24) and returns a
+:class:`ModelLayout`: one spec per attention-carrying layer, grouped into layer groups with
+:func:`attn_core.specs.group_layers` semantics, with heads already divided for one tensor-parallel
+rank.
+
+Tensor parallelism follows vLLM: query heads (and Gated DeltaNet value heads, Mamba2 heads) are
+split evenly across ranks; KV heads (and GDN key heads, Mamba2 groups) are split when there are at
+least ``tp_size`` of them and replicated, one per rank, when there are fewer (``tp_size`` must then
+be a multiple of their count). Anything else raises ``ValueError`` naming the config field.
+
+Layers that carry no attention (Nemotron-H's MLP / MoE layers) are absent from the layout; their
+indices are simply missing from ``layer_indices``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from attn_core.specs import LayerGroup, LayerKind, LayerSpec, LinearVariant, group_layers
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "ModelLayout",
+    "load_sample",
+    "sample_names",
+    "specs_from_hf_config",
+]
+
+_MISSING: Any = object()
+
+
+# ------------------------------------------------------------------------------------------
+# The result
+# ------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ModelLayout:
+    """The attention layers of one model on one tensor-parallel rank.
+
+    ``layer_specs[i]`` describes model layer ``layer_indices[i]``; layers without attention are
+    absent. ``groups`` partition ``layer_indices`` (ids ``full``, ``full.1``, ``linear``, ...).
+    """
+
+    model_type: str  # the config's model_type, e.g. "qwen3_next"
+    architecture: str  # the config's architectures[0], e.g. "Qwen3NextForCausalLM"
+    num_layers: int  # all layers of the stack, attention-free ones included
+    layer_specs: tuple[LayerSpec, ...]
+    layer_indices: tuple[int, ...]
+    groups: tuple[LayerGroup, ...]
+    tp_size: int = 1
+    family: str = ""  # the supported family that parsed it, e.g. "qwen3-next"
+    # Qwen2.5-VL vision tower: blocks using full (not windowed) attention. Both are encoder
+    # varlen attention with different cu_seqlens, so they share one spec and one group.
+    encoder_full_attention_layers: tuple[int, ...] = ()
+    _by_layer: dict[int, LayerGroup] = field(
+        init=False, repr=False, compare=False, hash=False, default_factory=dict
+    )
+
+    def __post_init__(self) -> None:
+        if len(self.layer_specs) != len(self.layer_indices):
+            raise ValueError(
+                f"layer_specs has {len(self.layer_specs)} entries but layer_indices has "
+                f"{len(self.layer_indices)}; expected one spec per layer index"
+            )
+        if list(self.layer_indices) != sorted(set(self.layer_indices)) or any(
+            not 0 <= i < self.num_layers for i in self.layer_indices
+        ):
+            raise ValueError(
+                f"layer_indices={self.layer_indices} must be increasing, unique and in "
+                f"[0, num_layers={self.num_layers})"
+            )
+        specs = dict(zip(self.layer_indices, self.layer_specs, strict=True))
+        by_layer: dict[int, LayerGroup] = {}
+        for group in self.groups:
+            for index in group.layer_indices:
+                if index in by_layer:
+                    raise ValueError(
+                        f"layer {index} is in groups {by_layer[index].group_id!r} "
+                        f"and {group.group_id!r}; expected exactly one"
+                    )
+                if specs.get(index) != group.spec:
+                    raise ValueError(
+                        f"group {group.group_id!r} lists layer {index} whose spec differs "
+                        f"from the group's (or which is not in layer_indices)"
+                    )
+                by_layer[index] = group
+        if set(by_layer) != set(self.layer_indices):
+            missing = sorted(set(self.layer_indices) - set(by_layer))
+            raise ValueError(f"layers {missing} are in no group; every layer needs one")
+        self._by_layer.update(by_layer)
+
+    def group_of(self, layer_index: int) -> LayerGroup:
+        """The group serving model layer ``layer_index``; ValueError for attention-free layers."""
+        try:
+            return self._by_layer[layer_index]
+        except KeyError:
+            raise ValueError(
+                f"layer {layer_index} carries no attention in this {self.model_type} layout; "
+                f"attention layers are {_ranges(self.layer_indices)} of {self.num_layers}"
+            ) from None
+
+    def spec_of(self, layer_index: int) -> LayerSpec:
+        """The spec of model layer ``layer_index`` (see :meth:`group_of`)."""
+        return self.group_of(layer_index).spec
+
+    def short(self) -> str:
+        """Multi-line human summary: one line per group."""
+        head = (
+            f"{self.architecture} ({self.model_type}), {self.num_layers} layers, tp={self.tp_size}"
+        )
+        lines = [head]
+        for g in self.groups:
+            lines.append(f"  {g.group_id:<10} {len(g.layer_indices):>3} layers  {g.spec.short()}")
+        return "\n".join(lines)
+
+
+def _ranges(indices: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``: keeps error messages about 48-layer models short."""
+    parts: list[str] = []
+    start = prev = None
+    for i in [*indices, None]:
+        if start is not None and (i is None or i != prev + 1):
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+            start = None
+        if i is not None and start is None:
+            start = i
+        prev = i
+    return ",".join(parts) or "none"
+
+
+# ------------------------------------------------------------------------------------------
+# Reading fields
+# ------------------------------------------------------------------------------------------
+class _Reader:
+    """Field access on one config dict, with errors that name the field and the model type."""
+
+    def __init__(
+        self, cfg: Mapping[str, Any], where: str, defaults: Mapping[str, Any] | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.where = where
+        self.defaults = defaults or {}
+
+    def get(self, name: str, default: Any = _MISSING) -> Any:
+        value = self.cfg.get(name, _MISSING)
+        if value is _MISSING:
+            value = self.defaults.get(name, default)
+        if value is _MISSING:
+            raise ValueError(f"{self.where}: config field {name!r} is missing; it is required")
+        return value
+
+    def pos_int(self, name: str, default: Any = _MISSING) -> int:
+        value = self.get(name, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(
+                f"{self.where}: config field {name}={value!r}: expected a positive int"
+            )
+        return value
+
+
+def _split(total: int, tp_size: int, name: str) -> int:
+    """Heads per rank for heads that must split evenly (query heads, GDN value heads)."""
+    if total % tp_size:
+        raise ValueError(
+            f"{name}={total} is not divisible by tp_size={tp_size}; "
+            f"choose a tp_size that divides it"
+        )
+    return total // tp_size
+
+
+def _split_or_replicate(total: int, tp_size: int, name: str) -> int:
+    """KV heads per rank: split when there are enough, else replicated one per rank (vLLM)."""
+    if total >= tp_size:
+        return _split(total, tp_size, name)
+    if tp_size % total:
+        raise ValueError(
+            f"{name}={total} is fewer than tp_size={tp_size} and tp_size is not a multiple of it, "
+            f"so the heads can be neither split nor replicated evenly"
+        )
+    return 1
+
+
+@dataclass(frozen=True, slots=True)
+class _Options:
+    tp_size: int
+    dtype: str
+    page_size: int
+    kv_dtype: str | None
+
+    def full(self, kind: LayerKind = LayerKind.FULL, **fields_: Any) -> LayerSpec:
+        """A full / mla / encoder spec with the run-wide dtype, KV dtype and page size."""
+        if kind is LayerKind.ENCODER:  # no KV cache: neither KV dtype nor pages apply
+            return LayerSpec(kind=kind, dtype=self.dtype, **fields_)
+        return LayerSpec(
+            kind=kind,
+            dtype=self.dtype,
+            kv_dtype=self.kv_dtype,
+            page_size=self.page_size,
+            **fields_,
+        )
+
+    def linear(self, **fields_: Any) -> LayerSpec:
+        # Linear layers keep no KV cache: kv_dtype stays equal to dtype, page_size at default.
+        return LayerSpec(kind=LayerKind.LINEAR, dtype=self.dtype, **fields_)
+
+
+# One parsed model: total layers, (layer index, spec) per attention layer, extra layout fields.
+_Parsed = tuple[int, list[tuple[int, LayerSpec]], dict[str, Any]]
+
+
+def _layer_types(r: _Reader, num_layers: int, fallback: Callable[[int], str]) -> list[str]:
+    """``layer_types`` when the config has it (transformers >= 4.54 writes it), else derived."""
+    types = r.cfg.get("layer_types")
+    if types is None:
+        return [fallback(i) for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise ValueError(
+            f"{r.where}: layer_types has {len(types) if isinstance(types, list) else types!r} "
+            f"entries; expected a list of num_hidden_layers={num_layers}"
+        )
+    return list(types)
+
+
+def _check_types(r: _Reader, types: Sequence[str], allowed: set[str]) -> None:
+    bad = sorted(set(types) - allowed)
+    if bad:
+        raise ValueError(f"{r.where}: layer_types contains {bad}; allowed: {sorted(allowed)}")
+
+
+# ------------------------------------------------------------------------------------------
+# Families
+# ------------------------------------------------------------------------------------------
+def _gqa(r: _Reader, o: _Options, head_dim: int) -> dict[str, int]:
+    return {
+        "num_heads": _split(r.pos_int("num_attention_heads"), o.tp_size, "num_attention_heads"),
+        "num_kv_heads": _split_or_replicate(
+            r.pos_int("num_key_value_heads", r.get("num_attention_heads")),
+            o.tp_size,
+            "num_key_value_heads",
+        ),
+        "head_dim": head_dim,
+    }
+
+
+def _head_dim(r: _Reader) -> int:
+    """``head_dim`` when set (Qwen3, Mistral-Nemo), else hidden_size // num_attention_heads."""
+    value = r.cfg.get("head_dim")
+    if value is None:
+        return r.pos_int("hidden_size") // r.pos_int("num_attention_heads")
+    return r.pos_int("head_dim")
+
+
+def _dense(r: _Reader, o: _Options) -> _Parsed:
+    """Llama / Mistral / Qwen2 / Qwen3 (+MoE): GQA on every layer, optionally sliding."""
+    n = r.pos_int("num_hidden_layers")
+    window = r.cfg.get("sliding_window")
+    model_type = r.cfg["model_type"]
+    if model_type == "llama":
+        window = None  # Llama has no sliding window
+    elif model_type != "mistral" and not r.cfg.get("use_sliding_window", False):
+        window = None  # Qwen: sliding_window is only read when use_sliding_window is set
+    max_window_layers = r.cfg.get("max_window_layers", n)
+
+    def fallback(i: int) -> str:
+        if window is None:
+            return "full_attention"
+        if model_type == "mistral":
+            return "sliding_attention"  # Mistral slides on every layer
+        return "sliding_attention" if i >= max_window_layers else "full_attention"
+
+    types = _layer_types(r, n, fallback)
+    _check_types(r, types, {"full_attention", "sliding_attention"})
+    heads = _gqa(r, o, _head_dim(r))
+    layers = []
+    for i, t in enumerate(types):
+        sw = window if t == "sliding_attention" else None
+        layers.append((i, o.full(sliding_window=sw, **heads)))
+    return n, layers, {}
+
+
+def _qwen3_next(r: _Reader, o: _Options) -> _Parsed:
+    """Qwen3-Next: Gated DeltaNet layers and gated full-attention layers (3 : 1)."""
+    n = r.pos_int("num_hidden_layers")
+    interval = r.pos_int("full_attention_interval", 4)
+    types = _layer_types(
+        r, n, lambda i: "linear_attention" if (i + 1) % interval else "full_attention"
+    )
+    _check_types(r, types, {"full_attention", "linear_attention"})
+    # The full-attention output gate (q_proj emits q and a gate) is applied by the model.
+    full = o.full(**_gqa(r, o, _head_dim(r)))
+    v_heads = _split(r.pos_int("linear_num_value_heads"), o.tp_size, "linear_num_value_heads")
+    k_heads = _split_or_replicate(
+        r.pos_int("linear_num_key_heads"), o.tp_size, "linear_num_key_heads"
+    )
+    dk, dv = r.pos_int("linear_key_head_dim"), r.pos_int("linear_value_head_dim")
+    linear = o.linear(
+        linear_variant=LinearVariant.GATED_DELTANET,
+        num_heads=v_heads,
+        num_kv_heads=k_heads,
+        head_dim=dk,
+        head_dim_v=dv,
+        conv_kernel_size=r.pos_int("linear_conv_kernel_dim"),
+        conv_channels=2 * k_heads * dk + v_heads * dv,  # the conv runs over q, k and v
+        qk_l2norm=True,
+        state_dtype="float32",
+    )
+    return n, [(i, full if t == "full_attention" else linear) for i, t in enumerate(types)], {}
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature: ``0.1 * mscale * ln(factor) + 1`` (1 when factor <= 1)."""
+    if factor <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _deepseek_v3(r: _Reader, o: _Options) -> _Parsed:
+    """DeepSeek-V3: MLA on every layer (the MTP layers are not part of the stack)."""
+    n = r.pos_int("num_hidden_layers")
+    rank, rope, nope = (
+        r.pos_int("kv_lora_rank"),
+        r.pos_int("qk_rope_head_dim"),
+        r.pos_int("qk_nope_head_dim"),
+    )
+    scale = 1.0 / math.sqrt(nope + rope)
+    # Older configs say rope_scaling {"type": "yarn"}, transformers 5 rope_parameters {"rope_type"}.
+    rope_cfg = r.cfg.get("rope_parameters") or r.cfg.get("rope_scaling") or {}
+    rope_type = rope_cfg.get("rope_type", rope_cfg.get("type", "default"))
+    if rope_type == "yarn" and rope_cfg.get("mscale_all_dim"):
+        # DeepSeek (and HF's yarn_apply_mscale) fold YaRN's temperature, squared, into the scale.
+        m = yarn_mscale(float(rope_cfg["factor"]), float(rope_cfg["mscale_all_dim"]))
+        scale *= m * m
+    spec = o.full(
+        kind=LayerKind.MLA,
+        num_heads=_split(r.pos_int("num_attention_heads"), o.tp_size, "num_attention_heads"),
+        num_kv_heads=1,
+        head_dim=rank + rope,
+        head_dim_v=rank,
+        kv_lora_rank=rank,
+        qk_rope_head_dim=rope,
+        qk_nope_head_dim=nope,
+        softmax_scale=scale,
+    )
+    return n, [(i, spec) for i in range(n)], {}
+
+
+def _mamba2(
+    r: _Reader,
+    o: _Options,
+    *,
+    n_heads: str,
+    d_head: int,
+    n_groups: str,
+    d_state: str,
+    d_conv: str,
+) -> LayerSpec:
+    heads = _split(r.pos_int(n_heads), o.tp_size, n_heads)
+    groups = _split_or_replicate(r.pos_int(n_groups), o.tp_size, n_groups)
+    state = r.pos_int(d_state)
+    state_dtype = r.cfg.get("mamba_ssm_cache_dtype") or "float32"
+    if state_dtype == "auto":  # vLLM: "auto" keeps the SSM state in the model dtype
+        state_dtype = o.dtype
+    return o.linear(
+        linear_variant=LinearVariant.MAMBA2,
+        num_heads=heads,
+        num_kv_heads=groups,
+        head_dim=state,
+        head_dim_v=d_head,
+        conv_kernel_size=r.pos_int(d_conv),
+        # The conv runs over x (heads * d_head channels) and B, C (groups * d_state each).
+        conv_channels=heads * d_head + 2 * groups * state,
+        state_dtype=state_dtype,
+    )
+
+
+def _bamba(r: _Reader, o: _Options) -> _Parsed:
+    """Bamba: Mamba2 layers with full attention at ``attn_layer_indices``."""
+    n = r.pos_int("num_hidden_layers")
+    attn = set(r.cfg.get("attn_layer_indices") or ())
+    bad = sorted(i for i in attn if not (isinstance(i, int) and 0 <= i < n))
+    if bad:
+        raise ValueError(f"{r.where}: attn_layer_indices {bad} are not layers of 0..{n - 1}")
+    d_head = r.cfg.get("mamba_d_head", "auto")
+    inner = r.pos_int("mamba_expand") * r.pos_int("hidden_size")
+    if d_head == "auto":  # as BambaConfig: the mamba inner width split over the heads
+        d_head = inner // r.pos_int("mamba_n_heads")
+    if not isinstance(d_head, int) or d_head * r.pos_int("mamba_n_heads") != inner:
+        raise ValueError(
+            f"{r.where}: mamba_d_head={d_head!r} * mamba_n_heads={r.get('mamba_n_heads')} must "
+            f"equal mamba_expand * hidden_size = {inner}"
+        )
+    mamba = _mamba2(
+        r,
+        o,
+        n_heads="mamba_n_heads",
+        d_head=d_head,
+        n_groups="mamba_n_groups",
+        d_state="mamba_d_state",
+        d_conv="mamba_d_conv",
+    )
+    full = o.full(**_gqa(r, o, _head_dim(r)))
+    return n, [(i, full if i in attn else mamba) for i in range(n)], {}
+
+
+_NEMOTRON_PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+
+
+def _nemotron_h(r: _Reader, o: _Options) -> _Parsed:
+    """Nemotron-H: ``hybrid_override_pattern`` of M (Mamba2), * (attention), - (MLP), E (MoE)."""
+    pattern = r.cfg.get("hybrid_override_pattern")
+    if pattern is not None:
+        bad = sorted(set(pattern) - set(_NEMOTRON_PATTERN))
+        if bad:
+            raise ValueError(
+                f"{r.where}: hybrid_override_pattern has {bad}; "
+                f"allowed: {sorted(_NEMOTRON_PATTERN)}"
+            )
+        types = [_NEMOTRON_PATTERN[c] for c in pattern]
+    else:  # transformers 5 serialises the list instead
+        types = list(r.get("layers_block_type"))
+        _check_types(r, types, set(_NEMOTRON_PATTERN.values()))
+    n = len(types)
+    declared = r.cfg.get("num_hidden_layers")
+    if declared is not None and declared != n:
+        raise ValueError(
+            f"{r.where}: num_hidden_layers={declared} but the layer pattern has {n} layers"
+        )
+    mamba = _mamba2(
+        r,
+        o,
+        n_heads="mamba_num_heads",
+        d_head=r.pos_int("mamba_head_dim"),
+        n_groups="n_groups",
+        d_state="ssm_state_size",
+        d_conv="conv_kernel",
+    )
+    # NVIDIA's original configs call it attention_head_dim; transformers calls it head_dim.
+    head_dim = r.cfg.get("head_dim") or r.cfg.get("attention_head_dim") or _head_dim(r)
+    full = o.full(**_gqa(r, o, head_dim))
+    by_type = {"linear_attention": mamba, "full_attention": full}
+    return n, [(i, by_type[t]) for i, t in enumerate(types) if t in by_type], {}
+
+
+def _gpt_oss(r: _Reader, o: _Options) -> _Parsed:
+    """gpt-oss: alternating sliding / full attention, learned sinks on every layer."""
+    n = r.pos_int("num_hidden_layers")
+    types = _layer_types(r, n, lambda i: "sliding_attention" if (i + 1) % 2 else "full_attention")
+    _check_types(r, types, {"full_attention", "sliding_attention"})
+    heads = _gqa(r, o, _head_dim(r))
+    window = r.pos_int("sliding_window")
+    layers = []
+    for i, t in enumerate(types):
+        sw = window if t == "sliding_attention" else None
+        layers.append((i, o.full(sliding_window=sw, has_sinks=True, **heads)))
+    return n, layers, {}
+
+
+# Gemma3TextConfig's defaults (transformers 5.24): Gemma-3 multimodal configs omit most fields
+# of their text_config and rely on them. A test keeps this table equal to the class.
+_GEMMA3_DEFAULTS: dict[str, Any] = {
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "attn_logit_softcapping": None,
+}
+
+
+def _gemma3(r: _Reader, o: _Options) -> _Parsed:
+    """Gemma-3 text: 5 local (sliding) : 1 global layers, scale from query_pre_attn_scalar."""
+    n = r.pos_int("num_hidden_layers")
+    if r.cfg.get("use_bidirectional_attention"):
+        raise ValueError(f"{r.where}: use_bidirectional_attention=True is not supported")
+    pattern = r.pos_int("sliding_window_pattern")
+    types = _layer_types(
+        r, n, lambda i: "sliding_attention" if (i + 1) % pattern else "full_attention"
+    )
+    _check_types(r, types, {"full_attention", "sliding_attention"})
+    heads = _gqa(r, o, r.pos_int("head_dim"))
+    window = r.pos_int("sliding_window")
+    scalar = r.get("query_pre_attn_scalar")
+    if not isinstance(scalar, (int, float)) or scalar <= 0:
+        raise ValueError(f"{r.where}: query_pre_attn_scalar={scalar!r}: expected a positive number")
+    soft_cap = r.get("attn_logit_softcapping")  # Gemma-2 sets it; Gemma-3 leaves it null
+    layers = []
+    for i, t in enumerate(types):
+        sw = window if t == "sliding_attention" else None
+        spec = o.full(
+            sliding_window=sw,
+            logits_soft_cap=soft_cap,
+            softmax_scale=float(scalar) ** -0.5,
+            **heads,
+        )
+        layers.append((i, spec))
+    return n, layers, {}
+
+
+def _qwen2_5_vl_vision(r: _Reader, o: _Options) -> _Parsed:
+    """Qwen2.5-VL's vision tower: bidirectional varlen encoder attention on every block."""
+    n = r.pos_int("depth")
+    heads = r.pos_int("num_heads")
+    per_rank = _split(heads, o.tp_size, "vision_config.num_heads")
+    spec = o.full(
+        kind=LayerKind.ENCODER,
+        num_heads=per_rank,
+        num_kv_heads=per_rank,
+        head_dim=r.pos_int("hidden_size") // heads,
+        causal=False,
+    )
+    full_blocks = tuple(r.cfg.get("fullatt_block_indexes") or ())
+    bad = [i for i in full_blocks if not (isinstance(i, int) and 0 <= i < n)]
+    if bad:
+        raise ValueError(f"{r.where}: fullatt_block_indexes {bad} are not blocks of 0..{n - 1}")
+    return n, [(i, spec) for i in range(n)], {"encoder_full_attention_layers": full_blocks}
+
+
+@dataclass(frozen=True, slots=True)
+class _Family:
+    name: str  # sample name
+    parse: Callable[[_Reader, _Options], _Parsed]
+    # model_type -> the transformers class name, used when the config has no "architectures"
+    model_types: Mapping[str, str]
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+
+_FAMILIES: tuple[_Family, ...] = (
+    _Family(
+        "qwen3",
+        _dense,
+        {
+            "qwen3": "Qwen3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+            "llama": "LlamaForCausalLM",
+            "mistral": "MistralForCausalLM",
+        },
+    ),
+    _Family("qwen3-next", _qwen3_next, {"qwen3_next": "Qwen3NextForCausalLM"}),
+    _Family("deepseek-v3", _deepseek_v3, {"deepseek_v3": "DeepseekV3ForCausalLM"}),
+    _Family("bamba", _bamba, {"bamba": "BambaForCausalLM"}),
+    _Family("nemotron-h", _nemotron_h, {"nemotron_h": "NemotronHForCausalLM"}),
+    _Family("gpt-oss", _gpt_oss, {"gpt_oss": "GptOssForCausalLM"}),
+    _Family(
+        "gemma-3",
+        _gemma3,
+        {"gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"},
+        _GEMMA3_DEFAULTS,
+    ),
+    _Family(
+        "qwen2.5-vl-vision",
+        _qwen2_5_vl_vision,
+        {
+            "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+            "qwen2_5_vl_vision": "Qwen2_5_VisionTransformerPretrainedModel",
+        },
+    ),
+)
+_BY_MODEL_TYPE: dict[str, _Family] = {t: f for f in _FAMILIES for t in f.model_types}
+#: model_type values :func:`specs_from_hf_config` understands.
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(_BY_MODEL_TYPE))
+
+
+# ------------------------------------------------------------------------------------------
+# Samples and loading
+# ------------------------------------------------------------------------------------------
+def _samples_dir() -> Any:
+    return resources.files("attn_core.models") / "samples"
+
+
+def sample_names() -> list[str]:
+    """Names of the bundled sample configs (``"qwen3-next"``, ``"deepseek-v3"``, ...), sorted."""
+    return sorted(
+        p.name.removesuffix(".json") for p in _samples_dir().iterdir() if p.name.endswith(".json")
+    )
+
+
+def load_sample(name: str) -> dict[str, Any]:
+    """The bundled ``config.json`` called ``name`` (see :func:`sample_names`), as a fresh dict."""
+    names = sample_names()
+    if name not in names:
+        raise ValueError(f"sample {name!r} is unknown; available: {names}")
+    return json.loads((_samples_dir() / f"{name}.json").read_text(encoding="utf-8"))
+
+
+def _as_dict(config: Any) -> dict[str, Any]:
+    if isinstance(config, Mapping):
+        return dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        path = Path(config)
+        if path.is_dir():
+            path = path / "config.json"
+        if path.is_file():
+            with path.open(encoding="utf-8") as fh:
+                data = json.load(fh)
+            if not isinstance(data, dict):
+                raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+            return data
+        if isinstance(config, str) and config in sample_names():
+            return load_sample(config)
+        raise ValueError(
+            f"config={str(config)!r} is neither a config.json path (or a folder holding one) nor "
+            f"a sample name; samples: {sample_names()}"
+        )
+    if callable(getattr(config, "to_dict", None)):  # a transformers PretrainedConfig
+        return dict(config.to_dict())
+    raise TypeError(
+        f"config: expected a dict, a path to config.json or a sample name, "
+        f"got {type(config).__name__}"
+    )
+
+
+def _config_dtype(*configs: Mapping[str, Any]) -> str:
+    """The model dtype: ``dtype`` (transformers 5) or ``torch_dtype`` (older); bfloat16 if none."""
+    for cfg in configs:
+        for key in ("dtype", "torch_dtype"):
+            value = cfg.get(key)
+            if value not in (None, "auto"):
+                return str(value).removeprefix("torch.")
+    return "bfloat16"
+
+
+# ------------------------------------------------------------------------------------------
+# Entry point
+# ------------------------------------------------------------------------------------------
+def specs_from_hf_config(
+    config: Mapping[str, Any] | str | os.PathLike[str],
+    *,
+    tp_size: int = 1,
+    dtype: str | None = None,
+    page_size: int = 16,
+    kv_dtype: str | None = None,
+) -> ModelLayout:
+    """The attention layout of a Hugging Face model on one tensor-parallel rank.
+
+    :param config: a parsed ``config.json`` (dict), a path to one (or to a folder holding one),
+        a sample name from :func:`sample_names`, or a ``transformers`` config object.
+    :param tp_size: tensor-parallel ranks; head counts are per rank (see the module docstring).
+    :param dtype: activation dtype; default: the config's ``dtype`` / ``torch_dtype``, else
+        bfloat16.
+    :param page_size: tokens per KV page for layers with a KV cache (full / mla).
+    :param kv_dtype: KV cache dtype for full / mla layers (e.g. ``"fp8_e4m3"``); default: dtype.
+        Linear and encoder layers keep no KV cache and ignore it.
+    :returns: a :class:`ModelLayout`.
+    :raises ValueError: unknown ``model_type`` (the message lists the supported ones), a missing
+        or invalid field, or a head count ``tp_size`` does not divide.
+    """
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size <= 0:
+        raise ValueError(f"tp_size={tp_size!r}: expected a positive int")
+    raw = _as_dict(config)
+    model_type = raw.get("model_type")
+    family = _BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        raise ValueError(
+            f"model_type={model_type!r} is not supported; supported: {list(SUPPORTED_MODEL_TYPES)} "
+            f"(samples: {sample_names()})"
+        )
+    cfg, dtype_sources = raw, [raw]
+    if model_type == "gemma3":  # multimodal Gemma-3: the language model lives in text_config
+        cfg = _sub_config(raw, "text_config", model_type)
+        dtype_sources = [cfg, raw]
+    elif model_type == "qwen2_5_vl":  # the vision tower lives in vision_config
+        cfg = _sub_config(raw, "vision_config", model_type)
+        dtype_sources = [raw, cfg]
+    options = _Options(
+        tp_size=tp_size,
+        dtype=dtype if dtype is not None else _config_dtype(*dtype_sources),
+        page_size=page_size,
+        kv_dtype=kv_dtype,
+    )
+    reader = _Reader(cfg, f"{family.name} ({model_type})", family.defaults)
+    num_layers, layers, extra = family.parse(reader, options)
+    indices = tuple(i for i, _ in layers)
+    specs = tuple(s for _, s in layers)
+    # group_layers numbers layers by position; map positions back to model layer indices.
+    groups = tuple(
+        LayerGroup(g.group_id, g.spec, tuple(indices[p] for p in g.layer_indices))
+        for g in group_layers(specs)
+    )
+    architectures = raw.get("architectures") or [family.model_types[model_type]]
+    return ModelLayout(
+        model_type=model_type,
+        architecture=str(architectures[0]),
+        num_layers=num_layers,
+        layer_specs=specs,
+        layer_indices=indices,
+        groups=groups,
+        tp_size=tp_size,
+        family=family.name,
+        **extra,
+    )
+
+
+def _sub_config(raw: Mapping[str, Any], key: str, model_type: str) -> dict[str, Any]:
+    sub = raw.get(key)
+    if not isinstance(sub, Mapping):
+        raise ValueError(f"model_type={model_type!r}: expected a {key} object, got {sub!r}")
+    return dict(sub)

@@ -1,0 +1,536 @@
+"""specs_from_hf_config against the bundled sample configs and against transformers itself.
+
+The expected head counts, windows, scales and layer patterns are checked two ways: against numbers
+written out here from the models' published configs, and against what transformers' own config
+classes and attention modules derive from the same dict (modules built on the meta device, so no
+weights are allocated).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from attn_core.models import (
+    SUPPORTED_MODEL_TYPES,
+    ModelLayout,
+    load_sample,
+    sample_names,
+    specs_from_hf_config,
+)
+from attn_core.specs import LayerKind, LayerSpec, LinearVariant
+
+transformers = pytest.importorskip("transformers")
+
+SAMPLES = [
+    "bamba",
+    "deepseek-v3",
+    "gemma-3",
+    "gpt-oss",
+    "nemotron-h",
+    "qwen2.5-vl-vision",
+    "qwen3",
+    "qwen3-next",
+]
+
+
+def hf_config(d: dict[str, Any]) -> Any:
+    kwargs = {k: v for k, v in d.items() if k != "model_type"}
+    return transformers.AutoConfig.for_model(d["model_type"], **kwargs)
+
+
+def on_meta(cls: type, *args: Any) -> Any:
+    with torch.device("meta"):
+        return cls(*args)
+
+
+def summary(layout: ModelLayout) -> list[tuple[str, str, int, int, int]]:
+    return [
+        (g.group_id, g.spec.kind.value, len(g.layer_indices), g.spec.num_heads, g.spec.num_kv_heads)
+        for g in layout.groups
+    ]
+
+
+# ------------------------------------------------------------------------------------------
+# Samples
+# ------------------------------------------------------------------------------------------
+def test_sample_names_lists_every_bundled_config() -> None:
+    assert sample_names() == SAMPLES
+
+
+def test_load_sample_returns_a_fresh_dict() -> None:
+    d = load_sample("qwen3")
+    d["num_hidden_layers"] = 1
+    assert load_sample("qwen3")["num_hidden_layers"] == 36
+
+
+def test_load_sample_unknown_name_lists_samples() -> None:
+    with pytest.raises(ValueError, match=r"'llama-9'.*qwen3-next"):
+        load_sample("llama-9")
+
+
+EXPECTED_GROUPS = {
+    # group id, kind, layers, heads, kv heads (tp=1)
+    "qwen3": [("full", "full", 36, 32, 8)],
+    "qwen3-next": [("linear", "linear", 36, 32, 16), ("full", "full", 12, 16, 2)],
+    "deepseek-v3": [("mla", "mla", 61, 128, 1)],
+    "bamba": [("linear", "linear", 29, 128, 1), ("full", "full", 3, 32, 8)],
+    "nemotron-h": [("linear", "linear", 24, 128, 8), ("full", "full", 4, 32, 8)],
+    "gpt-oss": [("full", "full", 12, 64, 8), ("full.1", "full", 12, 64, 8)],
+    "gemma-3": [("full", "full", 22, 4, 1), ("full.1", "full", 4, 4, 1)],
+    "qwen2.5-vl-vision": [("encoder", "encoder", 32, 16, 16)],
+}
+EXPECTED_MODEL_TYPE = {
+    "qwen3": "qwen3",
+    "qwen3-next": "qwen3_next",
+    "deepseek-v3": "deepseek_v3",
+    "bamba": "bamba",
+    "nemotron-h": "nemotron_h",
+    "gpt-oss": "gpt_oss",
+    "gemma-3": "gemma3_text",
+    "qwen2.5-vl-vision": "qwen2_5_vl",
+}
+
+
+@pytest.mark.parametrize("name", SAMPLES)
+def test_sample_groups(name: str) -> None:
+    layout = specs_from_hf_config(name)
+    assert summary(layout) == EXPECTED_GROUPS[name]
+    assert layout.model_type == EXPECTED_MODEL_TYPE[name]
+    assert layout.family == name
+    assert layout.architecture == load_sample(name)["architectures"][0]
+    assert layout.tp_size == 1
+    # groups partition the layout's layers, and group_of agrees with layer_specs
+    grouped = sorted(i for g in layout.groups for i in g.layer_indices)
+    assert grouped == list(layout.layer_indices)
+    for index, spec in zip(layout.layer_indices, layout.layer_specs, strict=True):
+        assert layout.group_of(index).spec == spec
+        assert layout.spec_of(index) is layout.group_of(index).spec
+    assert all(s.dtype == "bfloat16" for s in layout.layer_specs)
+
+
+@pytest.mark.parametrize("name", SAMPLES)
+def test_sample_builds_with_its_transformers_config_class(name: str) -> None:
+    d = load_sample(name)
+    cfg = hf_config(d)
+    assert cfg.model_type == d["model_type"]
+    layout = specs_from_hf_config(d)
+    if name == "qwen2.5-vl-vision":
+        assert isinstance(cfg, transformers.Qwen2_5_VLConfig)
+        assert cfg.vision_config.depth == layout.num_layers
+        assert list(cfg.vision_config.fullatt_block_indexes) == [7, 15, 23, 31]
+    else:
+        assert cfg.num_hidden_layers == layout.num_layers
+
+
+@pytest.mark.parametrize("name", SAMPLES)
+def test_transformers_to_dict_gives_the_same_layout(name: str) -> None:
+    """transformers re-serialises (rope_parameters, layer_types, layers_block_type, dtype)."""
+    raw = specs_from_hf_config(name)
+    cfg = hf_config(load_sample(name))
+    from_dict = specs_from_hf_config(cfg.to_dict())
+    from_object = specs_from_hf_config(cfg)
+    assert from_dict.groups == raw.groups
+    assert from_object.layer_specs == raw.layer_specs
+
+
+# ------------------------------------------------------------------------------------------
+# Per-model details, checked against transformers' own modules
+# ------------------------------------------------------------------------------------------
+def test_qwen3_dense_matches_hf_attention() -> None:
+    d = load_sample("qwen3")
+    layout = specs_from_hf_config(d)
+    attn = on_meta(transformers.models.qwen3.modeling_qwen3.Qwen3Attention, hf_config(d), 0)
+    spec = layout.spec_of(0)
+    assert spec.head_dim == attn.head_dim == 128
+    assert spec.num_heads == attn.q_proj.out_features // attn.head_dim
+    assert spec.num_kv_heads == attn.k_proj.out_features // attn.head_dim
+    assert spec.scale == pytest.approx(attn.scaling)
+    assert spec.sliding_window is None and spec.causal
+
+
+def test_qwen3_next_layers() -> None:
+    d = load_sample("qwen3-next")
+    layout = specs_from_hf_config(d)
+    assert layout.num_layers == 48
+    assert layout.group_of(3).group_id == "full"
+    assert layout.group_of(0).group_id == "linear"
+    full_layers = next(g for g in layout.groups if g.group_id == "full").layer_indices
+    assert full_layers == tuple(range(3, 48, 4))
+    # layer types agree with transformers' own derivation from full_attention_interval
+    hf = hf_config(d)
+    assert [layout.spec_of(i).kind.value for i in range(48)] == [
+        "full" if t == "full_attention" else "linear" for t in hf.layer_types
+    ]
+    linear = layout.spec_of(0)
+    gdn = on_meta(transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet, hf, 0)
+    assert linear.linear_variant is LinearVariant.GATED_DELTANET
+    assert (linear.num_heads, linear.num_kv_heads) == (gdn.num_v_heads, gdn.num_k_heads)
+    assert (linear.head_dim, linear.head_dim_v) == (gdn.head_k_dim, gdn.head_v_dim)
+    assert linear.conv_channels == gdn.conv1d.in_channels == 8192
+    assert linear.conv_kernel_size == gdn.conv1d.kernel_size[0] == 4
+    assert linear.qk_l2norm and linear.state_dtype == "float32"
+    assert linear.ssm_state_shape == (32, 128, 128)
+    attn = on_meta(transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextAttention, hf, 3)
+    full = layout.spec_of(3)
+    assert (full.num_heads, full.num_kv_heads, full.head_dim) == (16, 2, attn.head_dim)
+    assert full.num_kv_heads == attn.k_proj.out_features // attn.head_dim
+
+
+def test_qwen3_next_tensor_parallel() -> None:
+    tp2 = specs_from_hf_config("qwen3-next", tp_size=2)
+    assert summary(tp2) == [("linear", "linear", 36, 16, 8), ("full", "full", 12, 8, 1)]
+    assert tp2.spec_of(0).conv_channels == 2 * 8 * 128 + 16 * 128
+    assert tp2.tp_size == 2
+    # 2 KV heads over 4 ranks: replicated, one per rank (vLLM)
+    tp4 = specs_from_hf_config("qwen3-next", tp_size=4)
+    assert summary(tp4) == [("linear", "linear", 36, 8, 4), ("full", "full", 12, 4, 1)]
+
+
+def test_deepseek_v3_mla_matches_hf() -> None:
+    d = load_sample("deepseek-v3")
+    layout = specs_from_hf_config(d)
+    spec = layout.spec_of(0)
+    assert spec.kind is LayerKind.MLA
+    assert (spec.kv_lora_rank, spec.qk_rope_head_dim, spec.qk_nope_head_dim) == (512, 64, 128)
+    assert (spec.head_dim, spec.head_dim_v) == (576, 512)
+    assert spec.kv_bytes_per_token == 576 * 2
+    mscale = 0.1 * 1.0 * math.log(40) + 1.0
+    assert spec.softmax_scale == pytest.approx(mscale**2 / math.sqrt(192))
+    attn = on_meta(
+        transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention, hf_config(d), 0
+    )
+    assert spec.softmax_scale == pytest.approx(attn.scaling, rel=1e-12)
+    assert spec.num_heads == attn.num_heads
+
+
+def test_deepseek_without_yarn_uses_plain_scale() -> None:
+    d = load_sample("deepseek-v3")
+    d["rope_scaling"] = None
+    spec = specs_from_hf_config(d).spec_of(0)
+    attn = on_meta(
+        transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention, hf_config(d), 0
+    )
+    assert spec.softmax_scale == pytest.approx(1 / math.sqrt(192)) == pytest.approx(attn.scaling)
+
+
+def test_bamba_mamba2_matches_hf_mixer() -> None:
+    d = load_sample("bamba")
+    layout = specs_from_hf_config(d)
+    assert next(g for g in layout.groups if g.group_id == "full").layer_indices == (9, 18, 27)
+    mixer = on_meta(transformers.models.bamba.modeling_bamba.BambaMixer, hf_config(d), 0)
+    spec = layout.spec_of(0)
+    assert spec.linear_variant is LinearVariant.MAMBA2
+    assert spec.num_heads == mixer.num_heads == 128
+    assert spec.num_kv_heads == mixer.n_groups == 1
+    assert (spec.head_dim, spec.head_dim_v) == (mixer.ssm_state_size, mixer.head_dim)
+    assert spec.conv_channels == mixer.conv_dim == 2 * 4096 + 2 * 1 * 128
+    assert spec.conv_kernel_size == mixer.conv_kernel_size
+    assert not spec.qk_l2norm and spec.scale == 1.0
+    # tp=2: heads split, the single group replicated on both ranks
+    tp2 = specs_from_hf_config(d, tp_size=2).spec_of(0)
+    assert (tp2.num_heads, tp2.num_kv_heads, tp2.conv_channels) == (64, 1, 4096 + 2 * 128)
+
+
+def test_nemotron_h_pattern_and_mlp_layers() -> None:
+    d = load_sample("nemotron-h")
+    layout = specs_from_hf_config(d)
+    hf = hf_config(d)
+    expected = [i for i, t in enumerate(hf.layers_block_type) if t != "mlp"]
+    assert list(layout.layer_indices) == expected
+    assert next(g for g in layout.groups if g.group_id == "full").layer_indices == (7, 18, 29, 40)
+    with pytest.raises(ValueError, match=r"layer 1 carries no attention"):
+        layout.group_of(1)
+    mixer = on_meta(transformers.models.nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer, hf, 0)
+    spec = layout.spec_of(0)
+    assert (spec.num_heads, spec.num_kv_heads) == (mixer.num_heads, mixer.n_groups)
+    assert (spec.head_dim, spec.head_dim_v) == (mixer.ssm_state_size, mixer.head_dim)
+    assert spec.conv_channels == mixer.conv_dim
+    attn = on_meta(transformers.models.nemotron_h.modeling_nemotron_h.NemotronHAttention, hf, 7)
+    full = layout.spec_of(7)
+    assert full.head_dim == attn.head_dim
+    assert full.num_kv_heads == attn.k_proj.out_features // attn.head_dim
+    tp2 = specs_from_hf_config(d, tp_size=2).spec_of(0)
+    assert (tp2.num_heads, tp2.num_kv_heads) == (64, 4)
+    assert tp2.conv_channels == 64 * 64 + 2 * 4 * 128
+
+
+def test_gpt_oss_sliding_full_and_sinks() -> None:
+    d = load_sample("gpt-oss")
+    layout = specs_from_hf_config(d)
+    hf = hf_config(d)
+    mod = transformers.models.gpt_oss.modeling_gpt_oss
+    for i in (0, 1, 22, 23):
+        attn = on_meta(mod.GptOssAttention, hf, i)
+        spec = layout.spec_of(i)
+        assert spec.sliding_window == attn.sliding_window  # 128 on even layers, None on odd
+        assert spec.has_sinks and attn.sinks.shape == (spec.num_heads,)
+        assert spec.scale == pytest.approx(attn.scaling)
+    assert layout.group_of(0).group_id == "full" and layout.spec_of(0).sliding_window == 128
+    assert layout.group_of(1).group_id == "full.1" and layout.spec_of(1).sliding_window is None
+
+
+def test_gemma3_pattern_scale_and_softcap() -> None:
+    d = load_sample("gemma-3")
+    layout = specs_from_hf_config(d)
+    hf = hf_config(d)
+    mod = transformers.models.gemma3.modeling_gemma3
+    globals_ = next(g for g in layout.groups if g.group_id == "full.1").layer_indices
+    assert globals_ == (5, 11, 17, 23)
+    for i in range(d["num_hidden_layers"]):
+        attn = on_meta(mod.Gemma3Attention, hf, i)
+        spec = layout.spec_of(i)
+        assert spec.sliding_window == attn.sliding_window
+        assert spec.softmax_scale == pytest.approx(attn.scaling)
+        assert spec.logits_soft_cap is None is attn.attn_logit_softcapping
+    # Gemma-2-style soft-capping and a scalar that differs from head_dim (Gemma-3-27B: 168)
+    d.update(attn_logit_softcapping=50.0, query_pre_attn_scalar=168, head_dim=128)
+    spec = specs_from_hf_config(d).spec_of(5)
+    attn = on_meta(mod.Gemma3Attention, hf_config(d), 5)
+    assert spec.logits_soft_cap == 50.0 == attn.attn_logit_softcapping
+    assert spec.softmax_scale == pytest.approx(168**-0.5) == pytest.approx(attn.scaling)
+
+
+def test_gemma3_multimodal_text_config_uses_hf_defaults() -> None:
+    # google/gemma-3-4b-it's text_config lists only a few fields; the rest are class defaults.
+    d = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "torch_dtype": "bfloat16",
+        "text_config": {
+            "hidden_size": 2560,
+            "intermediate_size": 10240,
+            "model_type": "gemma3_text",
+            "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024,
+        },
+        "vision_config": {"model_type": "siglip_vision_model"},
+    }
+    layout = specs_from_hf_config(d)
+    hf = hf_config(d).text_config
+    assert layout.model_type == "gemma3" and layout.num_layers == 34
+    assert [layout.spec_of(i).sliding_window for i in range(34)] == [
+        1024 if t == "sliding_attention" else None for t in hf.layer_types
+    ]
+    spec = layout.spec_of(0)
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (
+        hf.num_attention_heads,
+        hf.num_key_value_heads,
+        hf.head_dim,
+    )
+
+
+def test_gemma3_defaults_table_matches_transformers() -> None:
+    from attn_core.models.hf_config import _GEMMA3_DEFAULTS
+
+    cfg = transformers.Gemma3TextConfig()
+    for name, value in _GEMMA3_DEFAULTS.items():
+        if name == "sliding_window_pattern":  # a constructor kwarg, not an attribute
+            assert cfg._sliding_window_pattern == value
+        else:
+            assert getattr(cfg, name) == value, name
+
+
+def test_qwen2_5_vl_vision_encoder() -> None:
+    d = load_sample("qwen2.5-vl-vision")
+    layout = specs_from_hf_config(d)
+    vision = hf_config(d).vision_config
+    attn = on_meta(
+        transformers.models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VLVisionAttention, vision
+    )
+    spec = layout.spec_of(0)
+    assert spec.kind is LayerKind.ENCODER and not spec.causal and attn.is_causal is False
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (16, 16, attn.head_dim)
+    assert spec.head_dim == 80
+    assert spec.scale == pytest.approx(attn.scaling)
+    assert layout.encoder_full_attention_layers == (7, 15, 23, 31)
+    assert len(layout.groups) == 1  # window and full blocks share one spec
+    assert specs_from_hf_config(d, dtype="float16").spec_of(0).dtype == "float16"
+    assert specs_from_hf_config(d, tp_size=2).spec_of(0).num_heads == 8
+
+
+# ------------------------------------------------------------------------------------------
+# Dense aliases
+# ------------------------------------------------------------------------------------------
+def test_llama_derives_head_dim_and_ignores_window() -> None:
+    d = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 4,
+        "torch_dtype": "float16",
+    }
+    layout = specs_from_hf_config(d)
+    attn = on_meta(transformers.models.llama.modeling_llama.LlamaAttention, hf_config(d), 0)
+    assert summary(layout) == [("full", "full", 4, 32, 8)]
+    assert layout.spec_of(0).head_dim == attn.head_dim == 128
+    assert layout.spec_of(0).dtype == "float16"
+
+
+def test_mistral_slides_on_every_layer() -> None:
+    d = {
+        "model_type": "mistral",
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 4,
+        "sliding_window": 4096,
+    }
+    layout = specs_from_hf_config(d)
+    assert summary(layout) == [("full", "full", 4, 32, 8)]
+    assert layout.spec_of(3).sliding_window == 4096
+    # no "architectures" in the dict: the transformers causal-LM class for the model_type
+    names = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    assert layout.architecture == names["mistral"] == "MistralForCausalLM"
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-next", "deepseek-v3", "bamba", "gpt-oss"])
+def test_default_architecture_is_the_transformers_class(name: str) -> None:
+    d = load_sample(name)
+    del d["architectures"]
+    names = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    assert specs_from_hf_config(d).architecture == names[d["model_type"]]
+
+
+def test_qwen2_use_sliding_window_follows_max_window_layers() -> None:
+    d = {
+        "model_type": "qwen2",
+        "hidden_size": 1024,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 6,
+        "use_sliding_window": True,
+        "sliding_window": 2048,
+        "max_window_layers": 4,
+    }
+    layout = specs_from_hf_config(d)
+    hf = hf_config(d)
+    assert [layout.spec_of(i).sliding_window for i in range(6)] == [
+        2048 if t == "sliding_attention" else None for t in hf.layer_types
+    ]
+    assert [layout.spec_of(i).sliding_window for i in range(6)] == [None] * 4 + [2048] * 2
+    d["use_sliding_window"] = False
+    assert all(s.sliding_window is None for s in specs_from_hf_config(d).layer_specs)
+
+
+# ------------------------------------------------------------------------------------------
+# Options and errors
+# ------------------------------------------------------------------------------------------
+def test_tp_size_halves_heads_for_every_sample() -> None:
+    for name in SAMPLES:
+        one, two = specs_from_hf_config(name), specs_from_hf_config(name, tp_size=2)
+        assert len(one.groups) == len(two.groups)
+        for g1, g2 in zip(one.groups, two.groups, strict=True):
+            assert g2.spec.num_heads * 2 == g1.spec.num_heads, name
+            kv = g1.spec.num_kv_heads
+            assert g2.spec.num_kv_heads == (kv // 2 if kv >= 2 else 1), name
+            assert g2.layer_indices == g1.layer_indices
+
+
+@pytest.mark.parametrize(
+    ("name", "tp_size", "field"),
+    [
+        ("qwen3", 3, "num_attention_heads=32"),
+        ("qwen3-next", 3, "num_attention_heads=16"),
+        ("deepseek-v3", 3, "num_attention_heads=128"),
+        ("bamba", 3, "mamba_n_heads=128"),
+        ("qwen2.5-vl-vision", 3, "vision_config.num_heads=16"),
+        ("gemma-3", 8, "num_attention_heads=4"),
+    ],
+)
+def test_tp_size_that_does_not_divide_raises(name: str, tp_size: int, field: str) -> None:
+    with pytest.raises(ValueError, match=f"{field}.*tp_size={tp_size}"):
+        specs_from_hf_config(name, tp_size=tp_size)
+
+
+def test_kv_heads_that_cannot_be_replicated_raise() -> None:
+    d = load_sample("qwen3")
+    d["num_key_value_heads"] = 3
+    d["num_attention_heads"] = 24
+    with pytest.raises(ValueError, match=r"num_key_value_heads=3.*tp_size=4"):
+        specs_from_hf_config(d, tp_size=4)
+    assert specs_from_hf_config(d, tp_size=3).spec_of(0).num_kv_heads == 1
+    # 8 KV heads over 16 ranks: one per rank
+    assert specs_from_hf_config("qwen3", tp_size=16).spec_of(0).num_kv_heads == 1
+
+
+@pytest.mark.parametrize("tp_size", [0, -2, 1.5, True])
+def test_bad_tp_size(tp_size: Any) -> None:
+    with pytest.raises(ValueError, match="tp_size"):
+        specs_from_hf_config("qwen3", tp_size=tp_size)
+
+
+def test_unknown_model_type_lists_supported() -> None:
+    with pytest.raises(ValueError) as err:
+        specs_from_hf_config({"model_type": "falcon", "num_hidden_layers": 2})
+    message = str(err.value)
+    assert "'falcon'" in message
+    for model_type in ("qwen3_next", "deepseek_v3", "bamba", "nemotron_h", "gpt_oss"):
+        assert model_type in message
+    assert set(SUPPORTED_MODEL_TYPES) >= {"llama", "mistral", "qwen2", "gemma3_text", "qwen2_5_vl"}
+    with pytest.raises(ValueError, match="model_type=None"):
+        specs_from_hf_config({"num_hidden_layers": 2})
+
+
+def test_missing_field_is_named() -> None:
+    d = load_sample("qwen3-next")
+    del d["linear_key_head_dim"]
+    with pytest.raises(ValueError, match="'linear_key_head_dim' is missing"):
+        specs_from_hf_config(d)
+
+
+def test_layer_types_length_mismatch_raises() -> None:
+    d = load_sample("gpt-oss")
+    d["layer_types"] = d["layer_types"][:-1]
+    with pytest.raises(ValueError, match="num_hidden_layers=24"):
+        specs_from_hf_config(d)
+
+
+def test_config_json_path_and_folder(tmp_path: Any) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(load_sample("qwen3-next")))
+    expected = specs_from_hf_config("qwen3-next")
+    assert specs_from_hf_config(path) == expected
+    assert specs_from_hf_config(str(path)) == expected
+    assert specs_from_hf_config(tmp_path) == expected  # a model folder holding config.json
+
+
+def test_unknown_path_or_name() -> None:
+    with pytest.raises(ValueError, match=r"neither a config.json path.*qwen3-next"):
+        specs_from_hf_config("/nonexistent/config.json")
+    with pytest.raises(TypeError, match="got int"):
+        specs_from_hf_config(42)  # type: ignore[arg-type]
+
+
+def test_dtype_kv_dtype_and_page_size() -> None:
+    layout = specs_from_hf_config("qwen3-next", dtype="float16", kv_dtype="fp8_e4m3", page_size=64)
+    full, linear = layout.spec_of(3), layout.spec_of(0)
+    assert (full.dtype, full.kv_dtype, full.page_size) == ("float16", "fp8_e4m3", 64)
+    # linear layers keep no KV cache: kv_dtype follows dtype, state stays float32
+    assert (linear.dtype, linear.kv_dtype, linear.state_dtype) == ("float16", "float16", "float32")
+    d = load_sample("qwen3")
+    del d["torch_dtype"]
+    d["dtype"] = "float32"  # transformers 5 writes "dtype"
+    assert specs_from_hf_config(d).spec_of(0).dtype == "float32"
+    del d["dtype"]
+    assert specs_from_hf_config(d).spec_of(0).dtype == "bfloat16"
+
+
+def test_layout_is_frozen_hashable_and_validated() -> None:
+    layout = specs_from_hf_config("gpt-oss")
+    assert hash(layout) == hash(specs_from_hf_config("gpt-oss"))
+    with pytest.raises(AttributeError):
+        layout.num_layers = 3  # type: ignore[misc]
+    spec = LayerSpec(kind="full", num_heads=4, num_kv_heads=1, head_dim=64)
+    with pytest.raises(ValueError, match="in no group"):
+        ModelLayout("x", "X", 2, (spec,), (0,), (), 1)
+    with pytest.raises(ValueError, match="increasing"):
+        ModelLayout("x", "X", 2, (spec, spec), (1, 0), (), 1)
+    assert "gpt_oss" in layout.short() and "window=128" in layout.short()
