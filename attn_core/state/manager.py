@@ -1,0 +1,696 @@
+"""PersistentState: per-request ownership of KV pages and linear-state slots.
+
+The core owns this state; backends only receive views (``kv_cache.layer(i)``,
+``state_slots.layer(i)``, page tables, slot ids). Every public method either does all of its
+work or raises and changes nothing that any request can see (cached, unused prefixes may be
+evicted only when the operation is sure to succeed).
+
+Lifecycle of one request::
+
+    state.add_request(rid, prefix=state.match_prefix(tokens))   # shares cached pages / state
+    state.ensure_capacity(rid, n + step)   # pages for the tokens about to be written (+ CoW)
+    ...backends write KV at state.slot_mapping(rid, n, n + step) and update state.slot(rid)...
+    state.advance(rid, step)                # those tokens are now written
+    state.take_snapshot(rid)                # optional, at a block boundary (linear layers)
+    state.cache_prefix(rid, tokens)         # register its full pages for later requests
+    state.release(rid)                      # or offload(rid) / restore(rid), export / import
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from attn_core.specs import LayerGroup, LayerSpec
+from attn_core.state.errors import OutOfPagesError, OutOfSlotsError, StaleprefixError, StateError
+from attn_core.state.kv_cache import KVCache
+from attn_core.state.layout import StateLayout
+from attn_core.state.memory import size_for_budget
+from attn_core.state.pages import PageAllocator
+from attn_core.state.prefix_cache import CachedBlock, PrefixCache, block_keys
+from attn_core.state.slots import SlotAllocator, StateSlots
+from attn_core.state.transfer import (
+    RequestExport,
+    layout_differences,
+    pack_request,
+    unpack_request,
+)
+
+__all__ = ["PersistentState", "PrefixHit"]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """What :meth:`PersistentState.match_prefix` found; pass it to ``add_request(prefix=...)``.
+
+    :ivar num_tokens: tokens whose KV (and linear state) the new request gets for free.
+    :ivar pages: the cached pages holding them (shared, refcounted on ``add_request``).
+    :ivar snapshot: the state slot holding the linear state after ``num_tokens`` tokens, or
+        ``None`` (model without linear layers, or no hit).
+    :ivar block_keys: keys of the matched blocks; used to detect a hit made stale by eviction.
+    """
+
+    num_tokens: int = 0
+    pages: tuple[int, ...] = ()
+    snapshot: int | None = None
+    block_keys: tuple[int, ...] = ()
+
+    def __bool__(self) -> bool:
+        return self.num_tokens > 0
+
+
+@dataclass(eq=False, slots=True)
+class _Request:
+    req_id: Hashable
+    pages: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    slot: int | None = None
+    snapshot: tuple[int, int] | None = None  # (slot, length): taken, not yet in the cache
+    offloaded: RequestExport | None = None
+
+
+def _check_count(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name}={value!r}: expected an integer >= 0")
+    return value
+
+
+class PersistentState:
+    """KV pages, linear-state slots and a prefix cache for one model on one device.
+
+    :param groups: the model's layer groups; full / MLA layers get paged KV, linear layers get
+        conv + SSM state slots, encoder layers nothing.
+    :param num_pages: KV pages (ignored, 0, when no layer keeps paged KV).
+    :param num_slots: linear-state slots, shared by running requests and cached prefix snapshots
+        (ignored, 0, when no layer is linear).
+    :param device: where the storage lives.
+    :param page_size: tokens per page; ``None`` takes the one the KV groups' specs share
+        (``ValueError`` naming the groups if they differ).
+    :param kv_dtype: overrides the KV dtype of every full and MLA layer (e.g. ``"fp8_e4m3"``).
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[LayerGroup],
+        *,
+        num_pages: int,
+        num_slots: int,
+        device: torch.device | str = "cpu",
+        page_size: int | None = None,
+        kv_dtype: str | None = None,
+    ) -> None:
+        _check_count("num_pages", num_pages)
+        _check_count("num_slots", num_slots)
+        self.groups = tuple(groups)
+        self.layout = StateLayout.from_groups(self.groups, page_size=page_size, kv_dtype=kv_dtype)
+        self.device = torch.device(device)
+        num_pages = num_pages if self.layout.has_kv else 0
+        num_slots = num_slots if self.layout.has_state else 0
+        self.page_allocator = PageAllocator(num_pages)
+        self.slot_allocator = SlotAllocator(num_slots)
+        self.kv_cache = KVCache(
+            self.layout.kv_specs,
+            num_pages=num_pages,
+            page_size=self.layout.page_size,
+            device=self.device,
+        )
+        self.state_slots = StateSlots(self.layout.linear_specs, num_slots=num_slots, device=device)
+        self.prefix_cache = PrefixCache(self.layout.page_size)
+        self._requests: dict[Hashable, _Request] = {}
+
+    @classmethod
+    def from_memory_budget(
+        cls,
+        groups: Sequence[LayerGroup],
+        budget_bytes: int,
+        *,
+        device: torch.device | str = "cpu",
+        num_slots: int | None = None,
+        page_size: int | None = None,
+        kv_dtype: str | None = None,
+    ) -> PersistentState:
+        """As many pages as fit in ``budget_bytes`` after ``num_slots`` state slots
+        (see :func:`~attn_core.state.memory.size_for_budget`)."""
+        est = size_for_budget(
+            groups, budget_bytes, num_slots=num_slots, page_size=page_size, kv_dtype=kv_dtype
+        )
+        return cls(
+            groups,
+            num_pages=est.num_pages,
+            num_slots=est.num_slots,
+            device=device,
+            page_size=page_size,
+            kv_dtype=kv_dtype,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # Queries
+    # ------------------------------------------------------------------------------------------
+    @property
+    def page_size(self) -> int:
+        return self.layout.page_size
+
+    @property
+    def has_kv(self) -> bool:
+        """Whether the model has full or MLA layers (requests hold pages)."""
+        return self.layout.has_kv
+
+    @property
+    def has_state(self) -> bool:
+        """Whether the model has linear layers (each request holds a state slot)."""
+        return self.layout.has_state
+
+    @property
+    def num_pages(self) -> int:
+        return self.page_allocator.num_pages
+
+    @property
+    def num_slots(self) -> int:
+        return self.slot_allocator.num_slots
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.page_allocator.num_free
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.slot_allocator.num_free
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of page and slot storage on the device (scales not counted)."""
+        return self.kv_cache.nbytes + self.state_slots.nbytes
+
+    def layer_spec(self, layer_index: int) -> LayerSpec:
+        """The effective spec of a KV or linear layer (``kv_dtype`` / ``page_size`` applied)."""
+        spec = self.layout.kv_specs.get(layer_index) or self.layout.linear_specs.get(layer_index)
+        if spec is None:
+            raise KeyError(f"layer {layer_index!r} keeps no persistent state")
+        return spec
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._requests
+
+    def request_ids(self) -> list[Hashable]:
+        return list(self._requests)
+
+    def is_offloaded(self, req_id: Hashable) -> bool:
+        return self._get(req_id, live=False).offloaded is not None
+
+    def num_tokens(self, req_id: Hashable) -> int:
+        """Tokens of ``req_id`` whose KV / state is written (offloaded requests too)."""
+        return self._get(req_id, live=False).num_tokens
+
+    def capacity(self, req_id: Hashable) -> int:
+        """Tokens the request's pages can hold (unbounded, -1, without paged KV)."""
+        req = self._get(req_id)
+        return len(req.pages) * self.page_size if self.has_kv else -1
+
+    def pages(self, req_id: Hashable) -> list[int]:
+        """The request's page ids in token order (a copy); the same for every KV layer."""
+        return list(self._get(req_id).pages)
+
+    def page_table_row(self, req_id: Hashable) -> list[int]:
+        """One row of the batch page table: the request's page ids in token order (a copy)."""
+        return list(self._get(req_id).pages)
+
+    def slot(self, req_id: Hashable) -> int:
+        """The request's linear-state slot (index into dim 0 of every ``conv`` / ``ssm``)."""
+        req = self._get(req_id)
+        if req.slot is None:
+            raise StateError(
+                f"request {req_id!r} has no state slot: the model has no linear layers "
+                "(check has_state)"
+            )
+        return req.slot
+
+    def slot_mapping(self, req_id: Hashable, start: int, end: int) -> list[int]:
+        """KV row of tokens ``start .. end-1``: ``page * page_size + offset`` each.
+
+        The rows index ``k.view(-1, Hkv, D)`` (and ``latent.view(-1, R + P)``) of every layer.
+        ``end`` must be within the request's capacity (call ``ensure_capacity`` first).
+        """
+        req = self._get(req_id)
+        ps = self.page_size
+        cap = len(req.pages) * ps
+        if not (0 <= start <= end <= cap):
+            raise ValueError(
+                f"slot_mapping({req_id!r}, {start}, {end}): expected 0 <= start <= end <= "
+                f"capacity {cap}; call ensure_capacity({req_id!r}, {end}) first"
+            )
+        pages = req.pages
+        return [pages[t // ps] * ps + t % ps for t in range(start, end)]
+
+    # ------------------------------------------------------------------------------------------
+    # Request lifecycle
+    # ------------------------------------------------------------------------------------------
+    def add_request(self, req_id: Hashable, *, prefix: PrefixHit | None = None) -> None:
+        """Start tracking ``req_id``: a zeroed state slot (linear models), no pages yet.
+
+        With ``prefix`` (from :meth:`match_prefix`) the request starts at ``prefix.num_tokens``
+        written tokens: it shares the cached pages and its slot gets a copy of the snapshot.
+        Raises ``ValueError`` for a known id, :class:`StaleprefixError` if the hit was evicted
+        since, :class:`OutOfSlotsError` if no slot can be had.
+        """
+        if req_id in self._requests:
+            raise ValueError(f"request {req_id!r} already exists; release it first")
+        blocks: list[CachedBlock] = []
+        if prefix is not None:
+            if not isinstance(prefix, PrefixHit):
+                raise TypeError(f"prefix: expected PrefixHit or None, got {type(prefix).__name__}")
+            if prefix.num_tokens:
+                blocks = self._validate_hit(prefix)
+        protect = prefix.snapshot if prefix else None
+        _, slots = self._reserve(0, int(self.has_state), req_id=req_id, protect_snapshot=protect)
+        pages = list(prefix.pages) if prefix else []
+        self.page_allocator.incref(pages)
+        slot = slots[0] if slots else None
+        if slot is not None:
+            if prefix and prefix.snapshot is not None:
+                self.state_slots.copy_slot(prefix.snapshot, slot)
+            else:
+                self.state_slots.zero_slot(slot)  # a reused slot holds another request's state
+        self.prefix_cache.touch(blocks)
+        self._requests[req_id] = _Request(req_id, pages, prefix.num_tokens if prefix else 0, slot)
+
+    def ensure_capacity(self, req_id: Hashable, new_len: int) -> list[int]:
+        """Make the request hold ``new_len`` tokens; returns the pages appended.
+
+        Pages about to be written (tokens ``num_tokens .. new_len-1``) that are shared with the
+        prefix cache or another request are first copied to fresh pages (copy-on-write). All or
+        nothing: raises :class:`OutOfPagesError` naming the request, the tokens and the free
+        pages, with nothing changed.
+        """
+        req = self._get(req_id)
+        _check_count("new_len", new_len)
+        return self._prepare(req, req.num_tokens, max(new_len, req.num_tokens))
+
+    def prepare_write(self, req_id: Hashable, start: int, end: int) -> list[int]:
+        """Make tokens ``start .. end-1`` writable: capacity for ``end`` and private copies of
+        every shared page they touch (copy-on-write). Returns the pages appended."""
+        req = self._get(req_id)
+        _check_count("start", start)
+        _check_count("end", end)
+        if end < start:
+            raise ValueError(f"prepare_write({req_id!r}, {start}, {end}): end < start")
+        return self._prepare(req, start, end)
+
+    def advance(self, req_id: Hashable, n: int) -> int:
+        """Record ``n`` more written tokens; returns the new ``num_tokens``."""
+        req = self._get(req_id)
+        _check_count("n", n)
+        new = req.num_tokens + n
+        if self.has_kv and new > len(req.pages) * self.page_size:
+            raise StateError(
+                f"advance({req_id!r}, {n}) to {new} tokens exceeds the capacity "
+                f"{len(req.pages) * self.page_size}; call ensure_capacity({req_id!r}, {new}) first"
+            )
+        req.num_tokens = new
+        return new
+
+    def release(self, req_id: Hashable) -> None:
+        """Forget the request and free its pages, slot and pending snapshot (cached blocks stay)."""
+        req = self._get(req_id, live=False)
+        if req.offloaded is None:
+            self._free_device(req)
+        del self._requests[req_id]
+
+    # ------------------------------------------------------------------------------------------
+    # Prefix cache
+    # ------------------------------------------------------------------------------------------
+    def take_snapshot(self, req_id: Hashable) -> int:
+        """Copy the request's conv + SSM state into a new slot, as the state after its current
+        ``num_tokens`` (which must be a positive multiple of ``page_size``); the next
+        :meth:`cache_prefix` registers it. Replaces an earlier pending snapshot. Returns the
+        snapshot's length."""
+        req = self._get(req_id)
+        if not self.has_state:
+            raise StateError("take_snapshot: the model has no linear layers, nothing to snapshot")
+        n = req.num_tokens
+        if n == 0 or n % self.page_size:
+            raise ValueError(
+                f"take_snapshot({req_id!r}) at {n} tokens: the length must be a positive "
+                f"multiple of page_size={self.page_size} (a prefix-cache block boundary)"
+            )
+        _, (slot,) = self._reserve(0, 1, req_id=req_id)
+        self.state_slots.copy_slot(req.slot, slot)
+        if req.snapshot is not None:
+            self.slot_allocator.decref([req.snapshot[0]])
+        req.snapshot = (slot, n)
+        return n
+
+    def cache_prefix(self, req_id: Hashable, tokens: Sequence[int]) -> int:
+        """Register the request's full, written blocks of ``tokens`` (and its pending snapshot,
+        when it ends on one of them) in the prefix cache. Returns the tokens now cached.
+
+        ``tokens`` are the request's tokens from position 0; the KV in its pages must be the KV
+        of these tokens. Blocks already cached are kept (the request's copy is not added).
+        """
+        req = self._get(req_id)
+        ps = self.page_size
+        if self.has_kv:
+            n_blocks = min(len(tokens), req.num_tokens) // ps
+        elif req.snapshot is not None and req.snapshot[1] <= len(tokens):
+            # Without paged KV a block is only worth keeping on the way to a snapshot.
+            n_blocks = req.snapshot[1] // ps
+        else:
+            n_blocks = 0
+        keys = block_keys(tokens, ps, n_blocks)
+        cache = self.prefix_cache
+        chain: list[CachedBlock] = []
+        for b, key in enumerate(keys):
+            block_tokens = tuple(int(t) for t in tokens[b * ps : (b + 1) * ps])
+            parent = chain[-1] if chain else None
+            block = cache.get(key)
+            if block is None:
+                page = req.pages[b] if self.has_kv else None
+                if page is not None:
+                    self.page_allocator.incref([page])
+                block = cache.insert(key, parent, block_tokens, page)
+            elif block.tokens != block_tokens or block.parent != (parent.key if parent else None):
+                break  # a hash collision: cache nothing past it
+            chain.append(block)
+        cache.touch(chain)
+        if req.snapshot is not None:
+            slot, length = req.snapshot
+            k = length // ps
+            if 0 < k <= len(chain):
+                block = chain[k - 1]
+                if block.snapshot is None:
+                    cache.set_snapshot(block, slot)
+                else:
+                    self.slot_allocator.decref([slot])
+                req.snapshot = None
+        return len(chain) * ps
+
+    def match_prefix(self, tokens: Sequence[int], *, max_tokens: int | None = None) -> PrefixHit:
+        """The longest cached prefix of ``tokens`` usable by a new request.
+
+        With linear layers a hit must end where a snapshot was taken (a block boundary);
+        without them it may end inside a page (``max_tokens``), which is then shared and copied
+        on the first write. Pass ``max_tokens=len(tokens) - 1`` to keep at least one token to
+        compute. Marks the hit most recently used; nothing is held until ``add_request``.
+        """
+        limit = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
+        if limit <= 0 or not (self.has_kv or self.has_state):
+            return PrefixHit()
+        ps = self.page_size
+        chain = self.prefix_cache.lookup(tokens)
+        snapshot = None
+        if self.has_state:
+            k = min(len(chain), limit // ps)
+            while k > 0 and chain[k - 1].snapshot is None:
+                k -= 1
+            n = k * ps
+            if k:
+                snapshot = chain[k - 1].snapshot
+        else:
+            n = min(len(chain) * ps, limit)
+            k = -(-n // ps)
+        used = chain[:k]
+        if not used:
+            return PrefixHit()
+        self.prefix_cache.touch(used)
+        pages = tuple(b.page for b in used) if self.has_kv else ()
+        return PrefixHit(n, pages, snapshot, tuple(b.key for b in used))
+
+    def clear_prefix_cache(self) -> int:
+        """Drop every cached block and snapshot no request holds; returns pages freed."""
+        freed = 0
+        refcount = self.page_allocator.refcount
+        while (block := self.prefix_cache.lru_evictable_leaf(refcount)) is not None:
+            self._evict_block(block)
+            freed += 1
+        while (block := self.prefix_cache.lru_snapshot()) is not None:
+            self._drop_snapshot(block)
+        return freed
+
+    # ------------------------------------------------------------------------------------------
+    # Offload, export / import
+    # ------------------------------------------------------------------------------------------
+    def offload(self, req_id: Hashable) -> int:
+        """Move the request's KV (written tokens) and state (and pending snapshot) to host
+        memory (pinned when the device is CUDA) and free its pages and slots. Returns the bytes
+        moved. Shared pages stay with their other holders."""
+        req = self._get(req_id)
+        export = pack_request(
+            self.layout,
+            self.kv_cache,
+            self.state_slots,
+            pages=req.pages,
+            num_tokens=req.num_tokens,
+            slot=req.slot,
+            snapshot=req.snapshot,
+            out_device="cpu",
+            pin_memory=self.device.type == "cuda",
+        )
+        self._free_device(req)
+        req.offloaded = export
+        return export.meta.nbytes
+
+    def restore(self, req_id: Hashable) -> None:
+        """Bring an offloaded request back (new page / slot ids, same capacity, same bytes).
+        All or nothing: :class:`OutOfPagesError` / :class:`OutOfSlotsError` leave it offloaded."""
+        req = self._get(req_id, live=False)
+        export = req.offloaded
+        if export is None:
+            raise StateError(f"restore({req_id!r}): the request is not offloaded")
+        meta = export.meta
+        n_pages = max(meta.num_pages, self.layout.pages_for(meta.num_tokens)) if self.has_kv else 0
+        has_snap = meta.snapshot_length is not None and self.has_state
+        n_slots = int(self.has_state) + int(has_snap)
+        pages, slots = self._reserve(n_pages, n_slots, req_id=req_id, num_tokens=meta.num_tokens)
+        slot = slots[0] if self.has_state else None
+        snap = slots[1] if has_snap else None
+        unpack_request(
+            export,
+            self.layout,
+            self.kv_cache,
+            self.state_slots,
+            pages=pages,
+            slot=slot,
+            snapshot_slot=snap,
+        )
+        req.pages = pages
+        req.slot = slot
+        req.snapshot = (snap, meta.snapshot_length) if snap is not None else None
+        req.offloaded = None
+
+    def export_request(
+        self,
+        req_id: Hashable,
+        *,
+        device: torch.device | str = "cpu",
+        pin_memory: bool | None = None,
+    ) -> RequestExport:
+        """A copy of the request's written KV tokens and linear state in one ``uint8`` buffer on
+        ``device`` (pinned by default when copying from CUDA to the CPU). The request is kept."""
+        req = self._get(req_id)
+        out = torch.device(device)
+        if pin_memory is None:
+            pin_memory = out.type == "cpu" and self.device.type == "cuda"
+        return pack_request(
+            self.layout,
+            self.kv_cache,
+            self.state_slots,
+            pages=req.pages[: self.layout.pages_for(req.num_tokens)],
+            num_tokens=req.num_tokens,
+            slot=req.slot,
+            out_device=out,
+            pin_memory=pin_memory,
+        )
+
+    def import_request(self, req_id: Hashable, export: RequestExport) -> None:
+        """Add ``req_id`` with the tokens and state of ``export`` (from any state of the same
+        layout; the page size may differ). ``ValueError`` listing every difference if the
+        layout does not fit; out-of-memory errors leave everything as it was."""
+        if req_id in self._requests:
+            raise ValueError(f"request {req_id!r} already exists; release it first")
+        if not isinstance(export, RequestExport):
+            raise TypeError(f"export: expected RequestExport, got {type(export).__name__}")
+        buf = export.buffer
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < export.meta.nbytes:
+            raise ValueError(
+                f"export buffer: expected a 1-D uint8 tensor of {export.meta.nbytes} bytes, got "
+                f"{buf.dtype} {list(buf.shape)}"
+            )
+        diffs = layout_differences(export.meta, self.layout, self.kv_cache, self.state_slots)
+        if diffs:
+            raise ValueError("the export does not fit this state's layout: " + "; ".join(diffs))
+        n = export.meta.num_tokens
+        pages, slots = self._reserve(
+            self.layout.pages_for(n), int(self.has_state), req_id=req_id, num_tokens=n
+        )
+        slot = slots[0] if slots else None
+        unpack_request(export, self.layout, self.kv_cache, self.state_slots, pages=pages, slot=slot)
+        self._requests[req_id] = _Request(req_id, pages, n, slot)
+
+    # ------------------------------------------------------------------------------------------
+    # Consistency
+    # ------------------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise :class:`StateError` listing every bookkeeping inconsistency (for tests/debug).
+
+        Every page's refcount equals its holders (request page lists plus cache blocks), free
+        pages have none, the free list has no duplicates; every slot is held by exactly one of a
+        request, a pending snapshot or a cached snapshot, or is free.
+        """
+        problems: list[str] = []
+        for name, pool, holders in (
+            ("page", self.page_allocator, self._page_holders()),
+            ("slot", self.slot_allocator, self._slot_holders()),
+        ):
+            free = pool.free_ids()
+            if len(free) != len(set(free)):
+                problems.append(f"{name} free list has duplicates")
+            free_set = set(free)
+            for i in range(pool.size):
+                rc, held = pool.refcount(i), holders.get(i, 0)
+                if rc != held:
+                    problems.append(f"{name} {i}: refcount {rc} but {held} holders")
+                if (i in free_set) != (rc == 0):
+                    problems.append(f"{name} {i}: refcount {rc} but free={i in free_set}")
+            if name == "slot" and any(v > 1 for v in holders.values()):
+                problems.append("a slot has more than one holder")
+        for block in self.prefix_cache.blocks():
+            children = sum(1 for b in self.prefix_cache.blocks() if b.parent == block.key)
+            if children != block.children:
+                problems.append(f"block depth {block.depth}: {block.children} != {children} kids")
+        if problems:
+            raise StateError("inconsistent state: " + "; ".join(problems))
+
+    def _page_holders(self) -> Counter[int]:
+        c: Counter[int] = Counter()
+        for req in self._requests.values():
+            c.update(req.pages)
+        c.update(b.page for b in self.prefix_cache.blocks() if b.page is not None)
+        return c
+
+    def _slot_holders(self) -> Counter[int]:
+        c: Counter[int] = Counter()
+        for req in self._requests.values():
+            if req.slot is not None:
+                c[req.slot] += 1
+            if req.snapshot is not None:
+                c[req.snapshot[0]] += 1
+        c.update(self.prefix_cache.snapshot_slots())
+        return c
+
+    # ------------------------------------------------------------------------------------------
+    # Internals
+    # ------------------------------------------------------------------------------------------
+    def _get(self, req_id: Hashable, *, live: bool = True) -> _Request:
+        try:
+            req = self._requests[req_id]
+        except KeyError:
+            raise KeyError(f"unknown request {req_id!r}") from None
+        except TypeError:
+            raise TypeError(f"req_id {req_id!r} is not hashable") from None
+        if live and req.offloaded is not None:
+            raise StateError(f"request {req_id!r} is offloaded; restore({req_id!r}) it first")
+        return req
+
+    def _free_device(self, req: _Request) -> None:
+        self.page_allocator.decref(req.pages)
+        slots = [s for s in (req.slot, req.snapshot[0] if req.snapshot else None) if s is not None]
+        self.slot_allocator.decref(slots)
+        req.pages = []
+        req.slot = None
+        req.snapshot = None
+
+    def _validate_hit(self, hit: PrefixHit) -> list[CachedBlock]:
+        ps = self.page_size
+        blocks = [self.prefix_cache.get(k) for k in hit.block_keys]
+        stale = StaleprefixError(
+            f"prefix hit of {hit.num_tokens} tokens is stale (evicted since match_prefix); "
+            "match again"
+        )
+        if any(b is None for b in blocks):
+            raise stale
+        pages = tuple(b.page for b in blocks)  # type: ignore[union-attr]
+        if self.has_kv and (len(blocks) != -(-hit.num_tokens // ps) or pages != tuple(hit.pages)):
+            raise stale
+        if self.has_state and (
+            len(blocks) * ps != hit.num_tokens or blocks[-1].snapshot != hit.snapshot
+        ):
+            raise stale
+        return blocks  # type: ignore[return-value]
+
+    def _prepare(self, req: _Request, start: int, end: int) -> list[int]:
+        if not self.has_kv:
+            return []
+        ps = self.page_size
+        pa = self.page_allocator
+        new = max(0, self.layout.pages_for(end) - len(req.pages))
+        touched = range(start // ps, min(len(req.pages), -(-end // ps))) if end > start else ()
+        cow = [j for j in touched if pa.refcount(req.pages[j]) > 1]
+        pages, _ = self._reserve(new + len(cow), 0, req_id=req.req_id, num_tokens=end)
+        fresh, extra = pages[: len(cow)], pages[len(cow) :]
+        if cow:
+            old = [req.pages[j] for j in cow]
+            self.kv_cache.copy_pages(old, fresh)
+            for j, p in zip(cow, fresh, strict=True):
+                req.pages[j] = p
+            pa.decref(old)  # still held by the cache / other requests: never freed here
+        req.pages.extend(extra)
+        return extra
+
+    def _reserve(
+        self,
+        n_pages: int,
+        n_slots: int,
+        *,
+        req_id: Hashable | None = None,
+        num_tokens: int | None = None,
+        protect_snapshot: int | None = None,
+    ) -> tuple[list[int], list[int]]:
+        """Allocate pages and slots, evicting unused cached prefixes (LRU) if needed.
+
+        Checks that both fit before evicting anything, so a failure changes nothing.
+        """
+        pa, sa, cache = self.page_allocator, self.slot_allocator, self.prefix_cache
+        if n_pages > pa.num_free:
+            evictable = cache.evictable_pages(pa.refcount)
+            if n_pages > pa.num_free + evictable:
+                raise OutOfPagesError(
+                    n_pages,
+                    pa.num_free,
+                    evictable=evictable,
+                    req_id=req_id,
+                    num_tokens=num_tokens,
+                    page_size=self.page_size,
+                )
+        if n_slots > sa.num_free:
+            snaps = cache.snapshot_slots()
+            evictable = len(snaps) - (protect_snapshot in snaps)
+            if n_slots > sa.num_free + evictable:
+                raise OutOfSlotsError(n_slots, sa.num_free, evictable=evictable, req_id=req_id)
+        while n_pages > pa.num_free:
+            block = cache.lru_evictable_leaf(pa.refcount)
+            assert block is not None, "evictable_pages promised more pages"
+            self._evict_block(block)
+        while n_slots > sa.num_free:
+            block = cache.lru_snapshot(protect=protect_snapshot)
+            assert block is not None, "snapshot count promised more slots"
+            self._drop_snapshot(block)
+        return pa.allocate(n_pages), sa.allocate(n_slots)
+
+    def _evict_block(self, block: CachedBlock) -> None:
+        if block.snapshot is not None:
+            self.slot_allocator.decref([self.prefix_cache.drop_snapshot(block)])
+        self.prefix_cache.remove_leaf(block)
+        if block.page is not None:
+            self.page_allocator.decref([block.page])
+
+    def _drop_snapshot(self, block: CachedBlock) -> None:
+        cache = self.prefix_cache
+        self.slot_allocator.decref([cache.drop_snapshot(block)])
+        # Without paged KV a block is kept only on the way to a snapshot: prune dead ends.
+        b: CachedBlock | None = block
+        while b is not None and b.page is None and b.children == 0 and b.snapshot is None:
+            parent = cache.get(b.parent) if b.parent is not None else None
+            cache.remove_leaf(b)
+            b = parent
