@@ -1,0 +1,10 @@
+"""Make the plugin importable from a source checkout (no ``pip install`` needed for tests)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
