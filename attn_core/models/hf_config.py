@@ -51,7 +51,9 @@ class ModelLayout:
     """
 
     model_type: str  # the config's model_type, e.g. "qwen3_next"
-    architecture: str  # the config's architectures[0], e.g. "Qwen3NextForCausalLM"
+    # the config's architectures[0] (e.g. "Qwen3NextForCausalLM"); when it has none, the
+    # transformers class for model_type. For qwen2_5_vl it names the whole model, not the tower.
+    architecture: str
     num_layers: int  # all layers of the stack, attention-free ones included
     layer_specs: tuple[LayerSpec, ...]
     layer_indices: tuple[int, ...]
@@ -66,6 +68,8 @@ class ModelLayout:
     )
 
     def __post_init__(self) -> None:
+        for name in ("layer_specs", "layer_indices", "groups", "encoder_full_attention_layers"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))  # lists would not hash
         if len(self.layer_specs) != len(self.layer_indices):
             raise ValueError(
                 f"layer_specs has {len(self.layer_specs)} entries but layer_indices has "
@@ -316,7 +320,7 @@ def _qwen3_next(r: _Reader, o: _Options) -> _Parsed:
     return n, [(i, full if t == "full_attention" else linear) for i, t in enumerate(types)], {}
 
 
-def yarn_mscale(factor: float, mscale: float) -> float:
+def _yarn_mscale(factor: float, mscale: float) -> float:
     """YaRN's attention temperature: ``0.1 * mscale * ln(factor) + 1`` (1 when factor <= 1)."""
     if factor <= 1:
         return 1.0
@@ -337,7 +341,7 @@ def _deepseek_v3(r: _Reader, o: _Options) -> _Parsed:
     rope_type = rope_cfg.get("rope_type", rope_cfg.get("type", "default"))
     if rope_type == "yarn" and rope_cfg.get("mscale_all_dim"):
         # DeepSeek (and HF's yarn_apply_mscale) fold YaRN's temperature, squared, into the scale.
-        m = yarn_mscale(float(rope_cfg["factor"]), float(rope_cfg["mscale_all_dim"]))
+        m = _yarn_mscale(float(rope_cfg["factor"]), float(rope_cfg["mscale_all_dim"]))
         scale *= m * m
     spec = o.full(
         kind=LayerKind.MLA,
