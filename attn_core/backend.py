@@ -1,0 +1,220 @@
+"""What a plugin advertises: a backend, its capabilities, and how to reach it.
+
+A plugin registers :class:`Backend` objects from its ``attn_core_register_backends`` hook::
+
+    @hookimpl
+    def attn_core_register_backends(register):
+        register(Backend(
+            name="mykernel",
+            capabilities=BackendCapabilities(
+                kinds={"full"}, device_types={"cuda"}, min_compute_capability=(9, 0),
+                dtypes={"bfloat16"}, head_dims={128}, page_sizes={16, 64},
+            ),
+            priority=50,
+        ))
+
+Capabilities are plain sets; ``None`` means "any". They are checked on construction and a
+malformed one quarantines the plugin that advertised it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+from attn_core.specs import (
+    DTYPES,
+    KV_DTYPES,
+    GraphMode,
+    LayerKind,
+    LinearVariant,
+    _canonical_dtype,
+)
+
+__all__ = ["Backend", "BackendCapabilities"]
+
+
+def _frozen(value: Iterable | None, name: str, convert=None) -> frozenset | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ValueError(f"{name}={value!r}: expected a set of values or None")
+    items = [convert(v) if convert else v for v in value]
+    return frozenset(items)
+
+
+def _enum(enum_cls, name):
+    def convert(v):
+        try:
+            return enum_cls(v)
+        except ValueError:
+            allowed = [e.value for e in enum_cls]
+            raise ValueError(f"{name}: {v!r} is not one of {allowed}") from None
+
+    return convert
+
+
+@dataclass(frozen=True, slots=True)
+class BackendCapabilities:
+    """Everything the selector checks before it lets a backend serve a layer group."""
+
+    kinds: frozenset[LayerKind]
+    linear_variants: frozenset[LinearVariant] = frozenset()
+    device_types: frozenset[str] = frozenset({"cuda"})
+    min_compute_capability: tuple[int, int] | None = None
+    max_compute_capability: tuple[int, int] | None = None
+    dtypes: frozenset[str] = frozenset({"bfloat16", "float16"})
+    kv_dtypes: frozenset[str] | None = None  # None: the activation dtypes above
+    state_dtypes: frozenset[str] = frozenset({"float32"})
+    head_dims: frozenset[int] | None = None  # None: any
+    page_sizes: frozenset[int] | None = None  # None: any
+    kv_layouts: frozenset[str] = frozenset({"NHD"})
+    graph_modes: frozenset[GraphMode] = frozenset({GraphMode.NONE})
+    max_speculative_tokens: int = 0
+    causal: bool = True
+    non_causal: bool = False
+    sliding_window: bool = False
+    logits_soft_cap: bool = False
+    sinks: bool = False
+    deterministic: bool = False
+    spec_verify_strategies: frozenset[str] = frozenset({"native"})
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "kinds", _frozen(self.kinds, "kinds", _enum(LayerKind, "kinds")))
+        if not self.kinds:
+            raise ValueError("kinds=set(): a backend must serve at least one layer kind")
+        set_(
+            self,
+            "linear_variants",
+            _frozen(
+                self.linear_variants, "linear_variants", _enum(LinearVariant, "linear_variants")
+            ),
+        )
+        if LayerKind.LINEAR in self.kinds and not self.linear_variants:
+            raise ValueError("linear_variants=set(): a linear backend must name its variants")
+        set_(self, "device_types", _frozen(self.device_types, "device_types"))
+        for dt in self.device_types:
+            if dt not in ("cuda", "cpu"):
+                raise ValueError(f"device_types: {dt!r} is not one of ['cpu', 'cuda']")
+        for name in ("min_compute_capability", "max_compute_capability"):
+            cc = getattr(self, name)
+            if cc is not None:
+                if not (
+                    isinstance(cc, (tuple, list))
+                    and len(cc) == 2
+                    and all(isinstance(x, int) for x in cc)
+                ):
+                    raise ValueError(f"{name}={cc!r}: expected (major, minor) integers or None")
+                set_(self, name, tuple(cc))
+        set_(
+            self,
+            "dtypes",
+            _frozen(self.dtypes, "dtypes", lambda d: _canonical_dtype(d, DTYPES, "dtypes")),
+        )
+        kv = self.dtypes if self.kv_dtypes is None else self.kv_dtypes
+        set_(
+            self,
+            "kv_dtypes",
+            _frozen(kv, "kv_dtypes", lambda d: _canonical_dtype(d, KV_DTYPES, "kv_dtypes")),
+        )
+        set_(
+            self,
+            "state_dtypes",
+            _frozen(
+                self.state_dtypes,
+                "state_dtypes",
+                lambda d: _canonical_dtype(d, DTYPES, "state_dtypes"),
+            ),
+        )
+        for name in ("head_dims", "page_sizes"):
+            values = _frozen(getattr(self, name), name)
+            if values is not None:
+                for v in values:
+                    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                        raise ValueError(f"{name}: {v!r} is not a positive integer")
+            set_(self, name, values)
+        set_(self, "kv_layouts", _frozen(self.kv_layouts, "kv_layouts"))
+        for layout in self.kv_layouts:
+            if layout not in ("NHD", "HND"):
+                raise ValueError(f"kv_layouts: {layout!r} is not one of ['HND', 'NHD']")
+        set_(
+            self,
+            "graph_modes",
+            _frozen(self.graph_modes, "graph_modes", _enum(GraphMode, "graph_modes")),
+        )
+        if (
+            not isinstance(self.max_speculative_tokens, int)
+            or isinstance(self.max_speculative_tokens, bool)
+            or self.max_speculative_tokens < 0
+        ):
+            raise ValueError(
+                f"max_speculative_tokens={self.max_speculative_tokens!r}: expected an int >= 0"
+            )
+        set_(self, "spec_verify_strategies", _frozen(self.spec_verify_strategies, "strategies"))
+        for s in self.spec_verify_strategies:
+            if s not in ("native", "replay"):
+                raise ValueError(f"spec_verify_strategies: {s!r} is not one of native, replay")
+        for name in (
+            "causal",
+            "non_causal",
+            "sliding_window",
+            "logits_soft_cap",
+            "sinks",
+            "deterministic",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected True or False")
+
+    def short(self) -> str:
+        kinds = ",".join(sorted(k.value for k in self.kinds))
+        if self.linear_variants:
+            kinds += "(" + ",".join(sorted(v.value for v in self.linear_variants)) + ")"
+        return kinds
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    """One backend a plugin offers: its name, what it can serve, and its rank among peers.
+
+    ``plugin`` is filled in by the registry (the plugin's entry-point name) and namespaces the
+    backend: ``qualified_name`` is ``"<plugin>:<name>"`` so that two vendors never collide.
+    """
+
+    name: str
+    capabilities: BackendCapabilities
+    priority: int = 0  # higher wins when no tuning data decides
+    description: str = ""
+    version: str = ""
+    available: bool = True
+    unavailable_reason: str | None = None
+    plugin: str = ""
+    options: tuple[tuple[str, object], ...] = field(default=())  # backend-private, hashable
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or ":" in self.name:
+            raise ValueError(
+                f"Backend name={self.name!r}: expected a non-empty string without ':' "
+                "(the registry adds the plugin namespace)"
+            )
+        if not isinstance(self.capabilities, BackendCapabilities):
+            raise TypeError(
+                f"Backend {self.name!r}: capabilities must be a BackendCapabilities, "
+                f"got {type(self.capabilities).__name__}"
+            )
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise ValueError(f"Backend {self.name!r}: priority={self.priority!r}: expected an int")
+        if not self.available and not self.unavailable_reason:
+            raise ValueError(
+                f"Backend {self.name!r}: available=False needs an unavailable_reason that says why"
+            )
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.plugin}:{self.name}" if self.plugin else self.name
+
+    def with_plugin(self, plugin: str) -> Backend:
+        return replace(self, plugin=plugin)
+
+    def option(self, key: str, default: object = None) -> object:
+        return dict(self.options).get(key, default)

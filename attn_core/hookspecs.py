@@ -1,0 +1,146 @@
+"""The plugin contract: pluggy hook specifications of project ``attn_core``.
+
+A plugin is a module (or object) found through the ``attn_core`` entry-point group. It declares
+the contract version it was written for as ``ATTN_CORE_API_VERSION = "1.1"`` and implements some of
+the hooks below with :data:`hookimpl`. pluggy lets an implementation accept a subset of a spec's
+arguments, so arguments added in a later minor version never break an older plugin.
+
+Versions of the contract (``major.minor``; a plugin is loaded when its major equals the core's
+and its minor is not newer):
+
+- 1.0: ``attn_core_register_backends``, ``attn_core_allocate_context`` (without ``workspace``).
+- 1.1: ``workspace`` argument to ``attn_core_allocate_context``,
+  ``attn_core_workspace_requirements`` and ``attn_core_bind_forward``.
+
+Life cycle, for each layer group of a model:
+
+1. ``attn_core_register_backends`` once, when the registry loads the plugin (cold).
+2. The selector picks one advertised backend per group (cold, no plugin code runs).
+3. ``attn_core_workspace_requirements`` then ``attn_core_allocate_context`` of the owning plugin
+   only (cold, once per group). The core allocates the workspace once, sized for the largest batch.
+4. ``attn_core_bind_forward`` of the owning plugin (cold, once per context) returns the callable
+   the core binds into every layer of the group.
+5. Per step: ``context.prepare(batch)`` once per group (or ``context.update(batch)`` before a CUDA
+   graph replay), then the bound forward once per layer: a direct call, never a pluggy broadcast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from attn_core.backend import Backend
+    from attn_core.context import AttentionContext, WorkspaceRequirement
+    from attn_core.specs import DeviceCapabilities, ExecutionConstraints, LayerGroup
+    from attn_core.state import PersistentState
+    from attn_core.workspace import Workspace
+
+PROJECT = "attn_core"
+#: The contract version this core implements, ``(major, minor)``.
+API_VERSION: tuple[int, int] = (1, 1)
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# ------------------------------------------------------------------------------------------
+# Capability advertisement (cold: once per registry)
+# ------------------------------------------------------------------------------------------
+@hookspec
+def attn_core_register_backends(register: Callable[[Backend], None]) -> None:
+    """Advertise the backends this plugin provides.
+
+    :param register: call it once per backend with a :class:`attn_core.backend.Backend`; the
+        registry namespaces the name with the plugin name (``vendor:backend``), checks the
+        capabilities and quarantines the whole plugin if one of them is malformed.
+
+    Called once per plugin when the registry loads it; every plugin is called (not firstresult).
+    A backend that cannot run on this machine still registers, with ``available=False`` and an
+    ``unavailable_reason`` (``"flashinfer is not importable: ..."``), so that ``attn list`` and
+    the selector can say why it was not chosen.
+    """
+
+
+# ------------------------------------------------------------------------------------------
+# Context allocation (cold: once per layer group)
+# ------------------------------------------------------------------------------------------
+@hookspec(firstresult=True)
+def attn_core_workspace_requirements(
+    backend: Backend,
+    group: LayerGroup,
+    device: DeviceCapabilities,
+    constraints: ExecutionConstraints,
+) -> Sequence[WorkspaceRequirement] | None:
+    """Declare the scratch buffers the backend needs for this group (since API 1.1).
+
+    :param backend: the backend chosen for ``group`` (one of this plugin's).
+    :param group: the layer group; ``group.spec`` describes every layer in it.
+    :param device: the device the context will run on.
+    :param constraints: the run's demands; size buffers for ``max_batch_size``,
+        ``max_num_tokens`` and ``speculative_tokens`` so one allocation serves every step and
+        every captured CUDA graph.
+    :returns: a list of :class:`attn_core.context.WorkspaceRequirement` (may be empty).
+
+    Only the owning plugin's implementation is called (firstresult). The core allocates every
+    buffer once per group and passes them as ``workspace`` to ``attn_core_allocate_context``.
+    """
+
+
+@hookspec(firstresult=True)
+def attn_core_allocate_context(
+    backend: Backend,
+    group: LayerGroup,
+    device: DeviceCapabilities,
+    constraints: ExecutionConstraints,
+    state: PersistentState | None,
+    workspace: Workspace,
+) -> AttentionContext | None:
+    """Create the context that runs ``group`` with ``backend``.
+
+    :param backend: the backend chosen for ``group`` (one of this plugin's).
+    :param group: the layer group it will serve.
+    :param device: the device to run on.
+    :param constraints: the run's demands (graph mode, batch limits, speculative tokens).
+    :param state: the core's persistent state (paged KV, latent cache, conv and SSM state
+        slots); None for encoder groups. Backends receive views of it and never own it.
+    :param workspace: the buffers declared by ``attn_core_workspace_requirements`` (API 1.1).
+    :returns: an object following :class:`attn_core.context.AttentionContext`.
+
+    Only the owning plugin's implementation is called (firstresult). Errors raised here are
+    re-raised by the core as :class:`attn_core.errors.PluginError` naming plugin and backend.
+    """
+
+
+# ------------------------------------------------------------------------------------------
+# Forward (bound once per context; called directly per layer per step)
+# ------------------------------------------------------------------------------------------
+@hookspec(firstresult=True)
+def attn_core_bind_forward(
+    backend: Backend, context: AttentionContext
+) -> Callable[..., Any] | None:
+    """Return the per-layer forward callable of ``context`` (since API 1.1).
+
+    :param backend: the backend that allocated ``context``.
+    :param context: the context returned by ``attn_core_allocate_context``.
+    :returns: ``fn(layer, q, k, v, out, **inputs) -> Tensor`` with the signature of
+        :meth:`attn_core.context.AttentionContext.forward`; None to use ``context.forward``.
+
+    Called once per context by the owning plugin only; the core stores the result in every
+    :class:`attn_core.binding.LayerAttentionBinding` of the group, so the hot path pays one direct
+    call per layer per step and no hook dispatch.
+    """
+
+
+__all__ = [
+    "API_VERSION",
+    "PROJECT",
+    "attn_core_allocate_context",
+    "attn_core_bind_forward",
+    "attn_core_register_backends",
+    "attn_core_workspace_requirements",
+    "hookimpl",
+    "hookspec",
+]

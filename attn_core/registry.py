@@ -1,0 +1,377 @@
+"""Plugin discovery and the registry of advertised backends.
+
+A :class:`Registry` owns one pluggy ``PluginManager`` (never a global one: registrations must not
+leak between servers or tests). Plugins come from the ``attn_core`` entry-point group, or are
+registered directly (``registry.register_plugin(module, name="mine")``).
+
+A plugin that fails to import, declares an incompatible API version, raises in its
+``attn_core_register_backends`` hook or advertises a malformed backend is *quarantined*: it is
+recorded with its reason and everything it registered is dropped, while the other plugins load.
+Strict mode (``strict=True`` or ``ATTN_CORE_STRICT=1``) turns a quarantine into
+:class:`PluginLoadError`. ``ATTN_CORE_PLUGINS_ALLOW`` / ``ATTN_CORE_PLUGINS_DENY`` (comma-separated
+plugin names) filter what is loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+import pluggy
+
+from attn_core import hookspecs
+from attn_core.backend import Backend
+from attn_core.errors import PluginError, PluginLoadError, SelectionError
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "PluginInfo",
+    "Quarantined",
+    "Registry",
+    "parse_api_version",
+]
+
+ENTRY_POINT_GROUP = "attn_core"
+ENV_STRICT = "ATTN_CORE_STRICT"
+ENV_ALLOW = "ATTN_CORE_PLUGINS_ALLOW"
+ENV_DENY = "ATTN_CORE_PLUGINS_DENY"
+
+
+def _env_names(name: str) -> frozenset[str] | None:
+    value = os.environ.get(name)
+    if value is None or not value.strip():
+        return None
+    return frozenset(v.strip() for v in value.split(",") if v.strip())
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def parse_api_version(value: object) -> tuple[int, int]:
+    """``"1.1"`` / ``(1, 1)`` / ``1`` -> ``(1, 1)``; anything else raises ValueError."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value, 0)
+    if isinstance(value, str):
+        parts = value.strip().split(".")
+        if 1 <= len(parts) <= 2 and all(p.isdigit() for p in parts):
+            return (int(parts[0]), int(parts[1]) if len(parts) == 2 else 0)
+    if isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        return value
+    raise ValueError(f"ATTN_CORE_API_VERSION={value!r}: expected 'major.minor', e.g. '1.1'")
+
+
+def api_incompatibility(version: tuple[int, int]) -> str | None:
+    """Why a plugin written for ``version`` cannot load into this core, or None if it can."""
+    major, minor = hookspecs.API_VERSION
+    core = f"{major}.{minor}"
+    if version[0] != major:
+        return (
+            f"written for attn-core plugin API {version[0]}.{version[1]}, this core implements "
+            f"{core} (major versions must match)"
+        )
+    if version[1] > minor:
+        return (
+            f"written for attn-core plugin API {version[0]}.{version[1]}, newer than this core's "
+            f"{core}: upgrade attn-core"
+        )
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Quarantined:
+    """A plugin that was not loaded, and why."""
+
+    plugin: str
+    stage: str  # "import", "api-version", "register", "capabilities"
+    reason: str
+
+
+@dataclass(slots=True)
+class PluginInfo:
+    """A loaded plugin and what it registered."""
+
+    name: str
+    version: str
+    api_version: tuple[int, int]
+    distribution: str | None
+    backends: list[Backend] = field(default_factory=list)
+    load_seconds: float = 0.0
+
+
+class _Quarantine(Exception):
+    def __init__(self, stage: str, reason: str) -> None:
+        super().__init__(reason)
+        self.stage = stage
+        self.reason = reason
+
+
+class Registry:
+    """Loaded plugins, their backends, and the quarantined ones.
+
+    :param strict: raise :class:`PluginLoadError` instead of quarantining; default from
+        ``ATTN_CORE_STRICT``.
+    :param allow: plugin names to load (None: all); default from ``ATTN_CORE_PLUGINS_ALLOW``.
+    :param deny: plugin names never loaded; default from ``ATTN_CORE_PLUGINS_DENY``.
+    """
+
+    def __init__(
+        self,
+        *,
+        strict: bool | None = None,
+        allow: Iterable[str] | None = None,
+        deny: Iterable[str] | None = None,
+    ) -> None:
+        self.strict = _env_flag(ENV_STRICT) if strict is None else strict
+        self.allow = frozenset(allow) if allow is not None else _env_names(ENV_ALLOW)
+        self.deny = frozenset(deny) if deny is not None else (_env_names(ENV_DENY) or frozenset())
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.plugins: dict[str, PluginInfo] = {}
+        self.quarantined: dict[str, Quarantined] = {}
+        self.skipped: dict[str, str] = {}  # plugin -> why the allow/deny lists skipped it
+        self._backends: dict[str, Backend] = {}
+        self._objects: dict[str, object] = {}
+
+    # -- loading ---------------------------------------------------------------------------
+    @classmethod
+    def discover(cls, *, group: str = ENTRY_POINT_GROUP, **kwargs: Any) -> Registry:
+        """A registry with every plugin of the entry-point ``group`` loaded."""
+        registry = cls(**kwargs)
+        registry.load_entry_points(group)
+        return registry
+
+    def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> None:
+        """Load every plugin of the entry-point ``group``; quarantine the ones that fail."""
+        for ep in sorted(metadata.entry_points(group=group), key=lambda e: e.name):
+            if not self._admitted(ep.name):
+                continue
+            dist = getattr(ep, "dist", None)
+            dist_name = dist.name if dist is not None else None
+            dist_version = dist.version if dist is not None else ""
+            start = time.perf_counter()
+            try:
+                obj = ep.load()
+            except BaseException as exc:  # an import may raise anything, SystemExit included
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
+                self._quarantine(ep.name, "import", f"{type(exc).__name__}: {exc}")
+                continue
+            self._load(
+                obj,
+                ep.name,
+                distribution=dist_name,
+                version=dist_version,
+                started=start,
+            )
+
+    def register_plugin(
+        self, obj: object, *, name: str, version: str = "", distribution: str | None = None
+    ) -> PluginInfo | None:
+        """Register a plugin object (module, class or instance) directly, as entry points do."""
+        if not self._admitted(name):
+            return None
+        return self._load(
+            obj, name, distribution=distribution, version=version, started=time.perf_counter()
+        )
+
+    def _admitted(self, name: str) -> bool:
+        if name in self.deny:
+            self.skipped[name] = f"denied by {ENV_DENY} / deny list"
+            return False
+        if self.allow is not None and name not in self.allow:
+            self.skipped[name] = f"not in {ENV_ALLOW} / allow list"
+            return False
+        return True
+
+    def _load(
+        self,
+        obj: object,
+        name: str,
+        *,
+        distribution: str | None,
+        version: str,
+        started: float,
+    ) -> PluginInfo | None:
+        if name in self.plugins or name in self.quarantined:
+            self._quarantine(
+                name,
+                "register",
+                f"a plugin named {name!r} is already registered "
+                f"(from {self.plugins[name].distribution if name in self.plugins else '?'})",
+                duplicate=True,
+            )
+            return None
+        try:
+            api = self._check_api_version(obj, name)
+            self.pm.register(obj, name=name)
+        except _Quarantine as q:
+            self._quarantine(name, q.stage, q.reason)
+            return None
+        except Exception as exc:  # pluggy validates hookimpl signatures on register
+            self._quarantine(name, "register", f"{type(exc).__name__}: {exc}")
+            return None
+        info = PluginInfo(
+            name=name,
+            version=version or str(getattr(obj, "__version__", "")),
+            api_version=api,
+            distribution=distribution,
+        )
+        try:
+            info.backends = self._collect_backends(obj, name)
+        except _Quarantine as q:
+            self.pm.unregister(obj)
+            self._quarantine(name, q.stage, q.reason)
+            return None
+        for backend in info.backends:
+            self._backends[backend.qualified_name] = backend
+        info.load_seconds = time.perf_counter() - started
+        self.plugins[name] = info
+        self._objects[name] = obj
+        return info
+
+    @staticmethod
+    def _check_api_version(obj: object, name: str) -> tuple[int, int]:
+        declared = getattr(obj, "ATTN_CORE_API_VERSION", None)
+        if declared is None:
+            raise _Quarantine(
+                "api-version",
+                "does not declare ATTN_CORE_API_VERSION (e.g. ATTN_CORE_API_VERSION = "
+                f"'{hookspecs.API_VERSION[0]}.{hookspecs.API_VERSION[1]}')",
+            )
+        try:
+            version = parse_api_version(declared)
+        except ValueError as exc:
+            raise _Quarantine("api-version", str(exc)) from None
+        problem = api_incompatibility(version)
+        if problem:
+            raise _Quarantine("api-version", problem)
+        return version
+
+    def _collect_backends(self, obj: object, plugin: str) -> list[Backend]:
+        collected: list[Backend] = []
+
+        def register(backend: Backend) -> None:
+            if not isinstance(backend, Backend):
+                raise _Quarantine(
+                    "capabilities",
+                    f"register() takes attn_core.backend.Backend objects, "
+                    f"got {type(backend).__name__}",
+                )
+            if any(b.name == backend.name for b in collected):
+                raise _Quarantine("capabilities", f"backend {backend.name!r} registered twice")
+            collected.append(backend.with_plugin(plugin))
+
+        impl = self._impl_of("attn_core_register_backends", obj)
+        try:
+            if impl is not None:
+                impl.function(*({"register": register}[a] for a in impl.argnames))
+        except _Quarantine:
+            raise
+        except Exception as exc:
+            raise _Quarantine(
+                "register",
+                f"attn_core_register_backends raised {type(exc).__name__}: {exc}",
+            ) from None
+        return collected
+
+    def _quarantine(self, name: str, stage: str, reason: str, *, duplicate: bool = False) -> None:
+        if self.strict:
+            raise PluginLoadError(name, f"{stage}: {reason}")
+        key = name if not duplicate else f"{name} (duplicate)"
+        self.quarantined[key] = Quarantined(plugin=name, stage=stage, reason=reason)
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def backends(self) -> list[Backend]:
+        """Every registered backend, in a stable order (qualified name)."""
+        return [self._backends[k] for k in sorted(self._backends)]
+
+    def resolve(self, name: str) -> Backend:
+        """A backend by qualified (``vendor:name``) or unique short name."""
+        if name in self._backends:
+            return self._backends[name]
+        matches = [b for b in self._backends.values() if b.name == name]
+        if len(matches) == 1:
+            return matches[0]
+        known = ", ".join(sorted(self._backends)) or "none"
+        if not matches:
+            raise SelectionError(f"no backend named {name!r} is registered; registered: {known}")
+        options = ", ".join(sorted(b.qualified_name for b in matches))
+        raise SelectionError(
+            f"backend name {name!r} is ambiguous: it is offered by {options}; "
+            "use the namespaced name"
+        )
+
+    def matches(self, name: str, backend: Backend) -> bool:
+        """Whether a user-given name (short or qualified) denotes ``backend``."""
+        return name in (backend.qualified_name, backend.name)
+
+    # -- cold calls into the owning plugin -------------------------------------------------
+    def call_owner(self, hook: str, backend: Backend, **kwargs: Any) -> Any:
+        """Call ``hook`` of the plugin that owns ``backend`` only (never a broadcast).
+
+        Arguments the plugin's implementation does not accept are dropped (pluggy's subset
+        rule), so plugins written for an older API minor keep working. Exceptions are re-raised
+        as :class:`PluginError` naming plugin and backend.
+        """
+        obj = self._objects.get(backend.plugin)
+        if obj is None:
+            raise SelectionError(
+                f"backend {backend.qualified_name!r}: plugin {backend.plugin!r} is not loaded"
+            )
+        impl = self._impl_of(hook, obj)
+        if impl is None:
+            return None
+        kwargs["backend"] = backend
+        try:
+            return impl.function(*(kwargs[a] for a in impl.argnames))
+        except Exception as exc:
+            raise PluginError(backend.plugin, backend.name, hook, exc) from exc
+
+    def _impl_of(self, hook: str, obj: object) -> Any:
+        for impl in getattr(self.pm.hook, hook).get_hookimpls():
+            if impl.plugin is obj:
+                return impl
+        return None
+
+    def plugin_object(self, name: str) -> object:
+        return self._objects[name]
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-ready description of plugins, backends and quarantined plugins."""
+        return {
+            "api_version": "{}.{}".format(*hookspecs.API_VERSION),
+            "plugins": [
+                {
+                    "name": p.name,
+                    "version": p.version,
+                    "distribution": p.distribution,
+                    "api_version": "{}.{}".format(*p.api_version),
+                    "backends": [
+                        {
+                            "name": b.qualified_name,
+                            "kinds": sorted(k.value for k in b.capabilities.kinds),
+                            "linear_variants": sorted(
+                                v.value for v in b.capabilities.linear_variants
+                            ),
+                            "device_types": sorted(b.capabilities.device_types),
+                            "priority": b.priority,
+                            "available": b.available,
+                            "unavailable_reason": b.unavailable_reason,
+                        }
+                        for b in p.backends
+                    ],
+                }
+                for p in sorted(self.plugins.values(), key=lambda p: p.name)
+            ],
+            "quarantined": [
+                {"plugin": q.plugin, "stage": q.stage, "reason": q.reason}
+                for q in self.quarantined.values()
+            ],
+            "skipped": dict(self.skipped),
+        }

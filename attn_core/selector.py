@@ -1,0 +1,544 @@
+"""Pick one backend per layer group for a whole model, and explain every rejection.
+
+Selection is deterministic. For each group the admissible backends are ranked by measured tuning
+data when the tuning file has a time for that backend on that group's spec (faster first), then
+by declared priority (higher first), then by qualified name. Settings that must be shared by every
+group - page size, KV layout and CUDA-graph mode - are chosen for the whole model: the selector
+tries each candidate page size / layout and keeps the first one under which every group has a
+backend, preferring the model's own page size.
+
+Every rejected candidate carries a :class:`Rejection`: a reason code, a sentence, and where
+possible the smallest change that would admit it (``"page_size 16 -> 64"``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from attn_core.backend import Backend
+from attn_core.errors import SelectionError
+from attn_core.registry import Registry
+from attn_core.specs import (
+    DeviceCapabilities,
+    DowngradePolicy,
+    ExecutionConstraints,
+    GraphMode,
+    LayerGroup,
+    LayerKind,
+    LayerSpec,
+)
+
+__all__ = [
+    "GroupChoice",
+    "Plan",
+    "Rejection",
+    "TuningData",
+    "check_backend",
+    "select",
+    "spec_key",
+]
+
+ENV_FORCE = "ATTN_CORE_BACKENDS"  # e.g. "full=flashinfer,linear=triton_ssm"
+ENV_TUNING = "ATTN_CORE_TUNING"  # path of a tuning file written by `attn bench`
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """Why one backend cannot serve one group."""
+
+    backend: str
+    code: str  # e.g. "head_dim", "page_size", "unavailable"
+    reason: str
+    fix: str | None = None  # the smallest change that would admit it, when there is one
+
+    def __str__(self) -> str:
+        return f"[{self.code}] {self.reason}" + (f" (fix: {self.fix})" if self.fix else "")
+
+
+def _fmt_set(values: Iterable[Any]) -> str:
+    return ", ".join(str(v) for v in sorted(values, key=str))
+
+
+def _nearest(value: int, allowed: Iterable[int]) -> int:
+    """The allowed value closest to ``value`` (ties go to the larger one)."""
+    return min(allowed, key=lambda a: (abs(a - value), -a))
+
+
+def check_backend(
+    backend: Backend,
+    spec: LayerSpec,
+    device: DeviceCapabilities,
+    constraints: ExecutionConstraints,
+    *,
+    page_size: int | None = None,
+    kv_layout: str | None = None,
+) -> list[Rejection]:
+    """Every reason ``backend`` cannot serve layers of ``spec`` under these conditions.
+
+    An empty list means admissible. ``page_size`` / ``kv_layout`` are the model-wide settings
+    being tried (None: not constrained yet).
+    """
+    caps = backend.capabilities
+    name = backend.qualified_name
+    out: list[Rejection] = []
+
+    def reject(code: str, reason: str, fix: str | None = None) -> None:
+        out.append(Rejection(name, code, reason, fix))
+
+    if spec.kind not in caps.kinds:
+        reject(
+            "kind",
+            f"serves {_fmt_set(k.value for k in caps.kinds)} layers, not {spec.kind.value}",
+        )
+        return out  # nothing else is meaningful
+    if not backend.available:
+        reject("unavailable", backend.unavailable_reason or "unavailable")
+    if spec.kind is LayerKind.LINEAR and spec.linear_variant not in caps.linear_variants:
+        reject(
+            "linear_variant",
+            f"serves linear variants {_fmt_set(v.value for v in caps.linear_variants)}, "
+            f"not {spec.linear_variant.value}",
+        )
+    if device.device_type not in caps.device_types:
+        reject(
+            "device_type",
+            f"runs on {_fmt_set(caps.device_types)}, the device is {device.device_type}",
+            f"run on a {'/'.join(sorted(caps.device_types))} device",
+        )
+    elif device.compute_capability is not None:
+        cc = device.compute_capability
+        lo, hi = caps.min_compute_capability, caps.max_compute_capability
+        if lo is not None and cc < lo:
+            reject(
+                "compute_capability",
+                f"needs compute capability >= {lo[0]}.{lo[1]}, the device has {cc[0]}.{cc[1]}",
+                f"a GPU with compute capability >= {lo[0]}.{lo[1]}",
+            )
+        if hi is not None and cc > hi:
+            reject(
+                "compute_capability",
+                f"supports compute capability <= {hi[0]}.{hi[1]}, the device has {cc[0]}.{cc[1]}",
+                f"a GPU with compute capability <= {hi[0]}.{hi[1]}",
+            )
+    if spec.dtype not in caps.dtypes:
+        fix = f"dtype {spec.dtype} -> {sorted(caps.dtypes)[0]}"
+        reject("dtype", f"computes in {_fmt_set(caps.dtypes)}, the layer is {spec.dtype}", fix)
+    if spec.dtype not in device.dtypes:
+        reject("device_dtype", f"the device does not support {spec.dtype}")
+    kv_dtype = constraints.kv_dtype or spec.kv_dtype
+    if spec.has_kv_cache and kv_dtype not in caps.kv_dtypes:
+        reject(
+            "kv_dtype",
+            f"stores KV as {_fmt_set(caps.kv_dtypes)}, the run asks for {kv_dtype}",
+            f"kv_dtype {kv_dtype} -> {spec.dtype if spec.dtype in caps.kv_dtypes else 'bfloat16'}",
+        )
+    if kv_dtype == "fp8_e4m3" and spec.has_kv_cache and not device.supports_fp8:
+        reject("device_fp8", f"the device {device.name} has no fp8 support")
+    if spec.kind is LayerKind.LINEAR and spec.state_dtype not in caps.state_dtypes:
+        reject(
+            "state_dtype",
+            f"keeps recurrent state in {_fmt_set(caps.state_dtypes)}, the layer uses "
+            f"{spec.state_dtype}",
+            f"state_dtype {spec.state_dtype} -> {sorted(caps.state_dtypes)[0]}",
+        )
+    if caps.head_dims is not None:
+        for label, dim in (("head_dim", spec.head_dim), ("head_dim_v", spec.head_dim_v)):
+            if dim not in caps.head_dims:
+                reject(
+                    "head_dim",
+                    f"serves head dims {_fmt_set(caps.head_dims)}, the layer has {label} {dim}",
+                    f"{label} {dim} -> {_nearest(dim, caps.head_dims)}",
+                )
+                break
+    if spec.has_kv_cache:
+        ps = page_size if page_size is not None else spec.page_size
+        if caps.page_sizes is not None and ps not in caps.page_sizes:
+            reject(
+                "page_size",
+                f"serves page sizes {_fmt_set(caps.page_sizes)}, the run uses {ps}",
+                f"page_size {ps} -> {_nearest(ps, caps.page_sizes)}",
+            )
+        if kv_layout is not None and kv_layout not in caps.kv_layouts:
+            reject(
+                "kv_layout",
+                f"reads KV in layout {_fmt_set(caps.kv_layouts)}, the run uses {kv_layout}",
+                f"kv_layout {kv_layout} -> {sorted(caps.kv_layouts)[0]}",
+            )
+    if constraints.graph_mode not in caps.graph_modes:
+        modes = caps.graph_modes
+        best = max(modes, key=lambda m: list(GraphMode).index(m))
+        reject(
+            "graph_mode",
+            f"supports CUDA-graph modes {_fmt_set(m.value for m in modes)}, the run asks for "
+            f"{constraints.graph_mode.value}",
+            f"graph_mode {constraints.graph_mode.value} -> {best.value}",
+        )
+    if constraints.speculative_tokens > caps.max_speculative_tokens:
+        reject(
+            "speculative",
+            f"verifies at most {caps.max_speculative_tokens} draft tokens per request, the run "
+            f"asks for {constraints.speculative_tokens}",
+            f"speculative_tokens {constraints.speculative_tokens} -> {caps.max_speculative_tokens}",
+        )
+    if (
+        spec.kind is LayerKind.LINEAR
+        and constraints.speculative_tokens
+        and constraints.spec_verify_strategy is not None
+        and constraints.spec_verify_strategy not in caps.spec_verify_strategies
+    ):
+        reject(
+            "spec_verify_strategy",
+            f"verifies with {_fmt_set(caps.spec_verify_strategies)}, the run asks for "
+            f"{constraints.spec_verify_strategy}",
+            f"spec_verify_strategy {constraints.spec_verify_strategy} -> "
+            f"{sorted(caps.spec_verify_strategies)[0]}",
+        )
+    if spec.kind in (LayerKind.FULL, LayerKind.ENCODER, LayerKind.MLA):
+        if spec.causal and not caps.causal:
+            reject("causal", "does not serve causal attention")
+        if not spec.causal and not caps.non_causal:
+            reject("non_causal", "does not serve bidirectional (non-causal) attention")
+    if spec.sliding_window is not None and not caps.sliding_window:
+        reject(
+            "sliding_window",
+            f"has no sliding-window attention, the layer uses window {spec.sliding_window}",
+        )
+    if spec.logits_soft_cap is not None and not caps.logits_soft_cap:
+        reject("soft_cap", f"has no logits soft-cap, the layer uses {spec.logits_soft_cap:g}")
+    if spec.has_sinks and not caps.sinks:
+        reject("sinks", "has no attention sinks, the layer uses them")
+    if constraints.deterministic and not caps.deterministic:
+        reject("deterministic", "is not deterministic run to run", "deterministic True -> False")
+    if constraints.allow and not any(a in (name, backend.name) for a in constraints.allow):
+        reject("not_allowed", f"not in the allow list ({_fmt_set(constraints.allow)})")
+    if any(d in (name, backend.name) for d in constraints.deny):
+        reject("denied", "in the deny list")
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# Tuning data
+# ------------------------------------------------------------------------------------------
+def spec_key(spec: LayerSpec) -> str:
+    """A stable text key of a layer spec, used by tuning files."""
+    fields_ = {k: (str(v) if v is not None else None) for k, v in asdict(spec).items()}
+    return json.dumps(fields_, sort_keys=True)
+
+
+@dataclass(slots=True)
+class TuningData:
+    """Measured step times (microseconds) per (backend, layer spec); written by ``attn bench``."""
+
+    times_us: dict[tuple[str, str], float] = field(default_factory=dict)
+    device: str = ""
+
+    def record(self, backend: str, spec: LayerSpec, us: float) -> None:
+        self.times_us[(backend, spec_key(spec))] = float(us)
+
+    def time(self, backend: str, spec: LayerSpec) -> float | None:
+        return self.times_us.get((backend, spec_key(spec)))
+
+    def save(self, path: str | os.PathLike) -> None:
+        entries = [
+            {"backend": b, "spec": json.loads(s), "us": t}
+            for (b, s), t in sorted(self.times_us.items())
+        ]
+        payload = {"format": 1, "device": self.device, "entries": entries}
+        Path(path).write_text(json.dumps(payload, indent=1))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> TuningData:
+        payload = json.loads(Path(path).read_text())
+        if payload.get("format") != 1:
+            raise ValueError(f"tuning file {path}: format {payload.get('format')!r}, expected 1")
+        data = cls(device=payload.get("device", ""))
+        for e in payload["entries"]:
+            data.times_us[(e["backend"], json.dumps(e["spec"], sort_keys=True))] = float(e["us"])
+        return data
+
+
+# ------------------------------------------------------------------------------------------
+# The plan
+# ------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class GroupChoice:
+    """The backend chosen for one group and why every other candidate was not."""
+
+    group: LayerGroup
+    backend: Backend
+    rejected: tuple[Rejection, ...]  # one entry per reason, several per backend possible
+    outranked: tuple[str, ...]  # admissible backends ranked below the chosen one
+    forced: bool = False
+    downgraded_from: tuple[str, ...] = ()  # higher-priority backends that were rejected
+    tuned_us: float | None = None
+
+    def rejections_by_backend(self) -> dict[str, list[Rejection]]:
+        by: dict[str, list[Rejection]] = {}
+        for r in self.rejected:
+            by.setdefault(r.backend, []).append(r)
+        return by
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One backend per layer group, plus the model-wide settings they agreed on."""
+
+    device: DeviceCapabilities
+    constraints: ExecutionConstraints
+    choices: tuple[GroupChoice, ...]
+    page_size: int | None
+    kv_layout: str | None
+
+    def choice(self, group_id: str) -> GroupChoice:
+        for c in self.choices:
+            if c.group.group_id == group_id:
+                return c
+        raise KeyError(
+            f"no group {group_id!r} in the plan; groups: {[c.group.group_id for c in self.choices]}"
+        )
+
+    def backend_for(self, group_id: str) -> Backend:
+        return self.choice(group_id).backend
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device.short(),
+            "graph_mode": self.constraints.graph_mode.value,
+            "page_size": self.page_size,
+            "kv_layout": self.kv_layout,
+            "groups": [
+                {
+                    "group_id": c.group.group_id,
+                    "spec": c.group.spec.short(),
+                    "layers": list(c.group.layer_indices),
+                    "backend": c.backend.qualified_name,
+                    "forced": c.forced,
+                    "downgraded_from": list(c.downgraded_from),
+                    "tuned_us": c.tuned_us,
+                    "outranked": list(c.outranked),
+                    "rejected": [
+                        {"backend": r.backend, "code": r.code, "reason": r.reason, "fix": r.fix}
+                        for r in c.rejected
+                    ],
+                }
+                for c in self.choices
+            ],
+        }
+
+
+def _rank_key(backend: Backend, spec: LayerSpec, tuning: TuningData | None):
+    t = tuning.time(backend.qualified_name, spec) if tuning is not None else None
+    # Measured candidates first (fastest first), then declared priority, then name.
+    return (0 if t is not None else 1, t or 0.0, -backend.priority, backend.qualified_name)
+
+
+def _forced_name(group: LayerGroup, constraints: ExecutionConstraints) -> str | None:
+    forced = constraints.forced
+    return forced.get(group.group_id) or forced.get(group.spec.kind.value)
+
+
+def _env_constraints(constraints: ExecutionConstraints) -> ExecutionConstraints:
+    env = os.environ.get(ENV_FORCE)
+    if not env:
+        return constraints
+    merged = dict(ExecutionConstraints(force=env).force)
+    merged.update(constraints.forced)  # explicit arguments win over the environment
+    return constraints.with_(force=merged)
+
+
+def select(
+    groups: Sequence[LayerGroup],
+    registry: Registry,
+    device: DeviceCapabilities,
+    constraints: ExecutionConstraints | None = None,
+    *,
+    tuning: TuningData | None = None,
+) -> Plan:
+    """Choose one backend for every group, under settings every group agrees on.
+
+    :param groups: the model's layer groups (``ModelLayout.groups``).
+    :param registry: loaded plugins.
+    :param device: the device to plan for (detected or a named target).
+    :param constraints: the run's demands; forced backends also come from ``ATTN_CORE_BACKENDS``
+        (explicit ``constraints.force`` entries win).
+    :param tuning: measured times that rank admissible backends before declared priority;
+        default: the file named by ``ATTN_CORE_TUNING`` if set.
+    :raises SelectionError: no setting admits a backend for every group, a forced backend cannot
+        serve, or the downgrade policy is ``error`` and a higher-priority backend was rejected.
+        The message lists every candidate of the failing group with its reasons.
+    """
+    constraints = _env_constraints(constraints or ExecutionConstraints())
+    if tuning is None and os.environ.get(ENV_TUNING):
+        tuning = TuningData.load(os.environ[ENV_TUNING])
+    backends = registry.backends
+    for group in groups:
+        name = _forced_name(group, constraints)
+        if name is not None:
+            registry.resolve(name)  # unknown / ambiguous names fail here, with the known ones
+
+    kv_groups = [g for g in groups if g.spec.has_kv_cache]
+    page_options = _page_size_options(kv_groups, backends, constraints)
+    layout_options = [constraints.kv_layout] if constraints.kv_layout else ["NHD", "HND"]
+    if not kv_groups:
+        page_options, layout_options = [None], [None]
+
+    first_failure: tuple[LayerGroup, list[Rejection], int | None, str | None] | None = None
+    for page_size in page_options:
+        for layout in layout_options:
+            choices: list[GroupChoice] = []
+            failed = None
+            for group in groups:
+                result = _choose(
+                    group, backends, registry, device, constraints, page_size, layout, tuning
+                )
+                if isinstance(result, GroupChoice):
+                    choices.append(result)
+                else:
+                    failed = (group, result, page_size, layout)
+                    break
+            if failed is None:
+                plan = Plan(device, constraints, tuple(choices), page_size, layout)
+                _apply_downgrade_policy(plan)
+                return plan
+            if first_failure is None:
+                first_failure = failed
+    assert first_failure is not None
+    group, rejections, page_size, layout = first_failure
+    raise SelectionError(_no_backend_message(group, rejections, constraints, page_size, layout))
+
+
+def _page_size_options(
+    kv_groups: Sequence[LayerGroup], backends: Sequence[Backend], constraints: ExecutionConstraints
+) -> list[int | None]:
+    if constraints.page_size is not None:
+        return [constraints.page_size]
+    preferred = [g.spec.page_size for g in kv_groups]
+    others: set[int] = set()
+    for b in backends:
+        if b.capabilities.page_sizes is not None and (
+            b.capabilities.kinds & {LayerKind.FULL, LayerKind.MLA}
+        ):
+            others |= b.capabilities.page_sizes
+    ordered: list[int | None] = []
+    for p in [*preferred, *sorted(others)]:
+        if p not in ordered:
+            ordered.append(p)
+    return ordered
+
+
+def _choose(
+    group: LayerGroup,
+    backends: Sequence[Backend],
+    registry: Registry,
+    device: DeviceCapabilities,
+    constraints: ExecutionConstraints,
+    page_size: int | None,
+    layout: str | None,
+    tuning: TuningData | None,
+) -> GroupChoice | list[Rejection]:
+    spec = group.spec
+    forced = _forced_name(group, constraints)
+    admissible: list[Backend] = []
+    rejected: list[Rejection] = []
+    for b in backends:
+        reasons = check_backend(b, spec, device, constraints, page_size=page_size, kv_layout=layout)
+        if forced is not None and not registry.matches(forced, b) and not reasons:
+            reasons = [Rejection(b.qualified_name, "not_forced", f"the run forces {forced}")]
+        if reasons:
+            rejected.extend(reasons)
+        else:
+            admissible.append(b)
+    if not admissible:
+        return rejected
+    admissible.sort(key=lambda b: _rank_key(b, spec, tuning))
+    chosen = admissible[0]
+    serving_kind = {r.backend for r in rejected if r.code not in ("kind", "not_forced")}
+    downgraded_from = tuple(
+        sorted(
+            b.qualified_name
+            for b in backends
+            if b.qualified_name in serving_kind
+            and b.priority > chosen.priority
+            and not any(
+                r.backend == b.qualified_name and r.code in ("denied", "not_allowed")
+                for r in rejected
+            )
+        )
+    )
+    return GroupChoice(
+        group=group,
+        backend=chosen,
+        rejected=tuple(rejected),
+        outranked=tuple(b.qualified_name for b in admissible[1:]),
+        forced=forced is not None,
+        downgraded_from=downgraded_from,
+        tuned_us=tuning.time(chosen.qualified_name, spec) if tuning else None,
+    )
+
+
+def _apply_downgrade_policy(plan: Plan) -> None:
+    policy = plan.constraints.downgrade
+    if policy is DowngradePolicy.ALLOW:
+        return
+    for c in plan.choices:
+        if not c.downgraded_from or c.forced:
+            continue
+        by = c.rejections_by_backend()
+        details = "; ".join(
+            f"{b}: " + ", ".join(str(r) for r in by[b]) for b in c.downgraded_from if b in by
+        )
+        message = (
+            f"layer group {c.group.group_id!r} ({c.group.spec.short()}) falls back to "
+            f"{c.backend.qualified_name} (priority {c.backend.priority}); higher-priority "
+            f"backends were rejected: {details}"
+        )
+        if policy is DowngradePolicy.ERROR:
+            raise SelectionError(message + " [downgrade policy: error]")
+        warnings.warn(message, stacklevel=3)
+
+
+def _no_backend_message(
+    group: LayerGroup,
+    rejections: Sequence[Rejection],
+    constraints: ExecutionConstraints,
+    page_size: int | None,
+    layout: str | None,
+) -> str:
+    forced = _forced_name(group, constraints)
+    head = (
+        f"forced backend {forced!r} cannot serve layer group {group.group_id!r}"
+        if forced
+        else f"no backend can serve layer group {group.group_id!r}"
+    )
+    settings = []
+    if page_size is not None:
+        settings.append(f"page_size={page_size}")
+    if layout is not None:
+        settings.append(f"kv_layout={layout}")
+    settings.append(f"graph_mode={constraints.graph_mode.value}")
+    lines = [
+        f"{head} ({group.spec.short()}, layers {list(group.layer_indices)}) "
+        f"under {', '.join(settings)}. Candidates:"
+    ]
+    by: dict[str, list[Rejection]] = {}
+    for r in rejections:
+        by.setdefault(r.backend, []).append(r)
+    if not by:
+        lines.append("  (no backend is registered: install a plugin, e.g. attn-plugin-flashinfer)")
+    for backend, rs in sorted(by.items()):
+        if forced and all(r.code == "not_forced" for r in rs):
+            continue
+        lines.append(f"  {backend}:")
+        lines.extend(f"    - {r}" for r in rs)
+    return "\n".join(lines)
+
+
+def mapping_from_plan(plan: Plan) -> Mapping[str, str]:
+    """``{group_id: backend qualified name}`` of a plan."""
+    return {c.group.group_id: c.backend.qualified_name for c in plan.choices}
