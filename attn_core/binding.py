@@ -1,0 +1,274 @@
+"""LayerAttentionBinding: what one model layer holds to run its attention.
+
+A binding carries the layer's own parameters (index, scale, sinks, views of its persistent state)
+and the group's shared context and forward callable, bound once when the context was allocated.
+The per-step call is ``binding.forward(q, k, v, out=out, **inputs)``: input checks, one direct call
+into the backend, and the ``out`` contract:
+
+- the backend wrote into ``out`` and returned it (or a view of the same memory): returned as is;
+- the backend returned a view of a padded / strided buffer, or a temporary: the core copies it
+  into ``out``;
+- ``out`` is None: whatever the backend returned is returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from attn_core.errors import BackendInputError, PluginError
+from attn_core.specs import LayerKind, LayerSpec, torch_dtype
+
+if TYPE_CHECKING:
+    from attn_core.backend import Backend
+    from attn_core.batch import AttentionBatch
+    from attn_core.context import AttentionContext
+
+__all__ = ["GroupRuntime", "LayerAttentionBinding"]
+
+
+class GroupRuntime:
+    """The state shared by all layers of one group: context, bound forward, current batch."""
+
+    __slots__ = ("backend", "batch", "context", "forward", "group_id", "spec")
+
+    def __init__(
+        self,
+        group_id: str,
+        spec: LayerSpec,
+        backend: Backend,
+        context: AttentionContext,
+        forward: Callable[..., torch.Tensor],
+    ) -> None:
+        self.group_id = group_id
+        self.spec = spec
+        self.backend = backend
+        self.context = context
+        self.forward = forward
+        self.batch: AttentionBatch | None = None
+
+
+class LayerAttentionBinding:
+    """One layer's attention: its own parameters plus its group's backend.
+
+    :ivar layer_index: the layer's index in the model.
+    :ivar spec: the group's layer spec.
+    :ivar scale: softmax scale (``spec.scale`` unless the layer overrides it).
+    :ivar sinks: ``[num_heads]`` float32 attention-sink logits (gpt-oss) or None.
+    :ivar kv: the layer's KV cache views (``.k``/``.v`` or ``.latent``, scales) or None.
+    :ivar linear_state: the layer's conv / SSM state pools (``.conv``, ``.ssm``) or None.
+    """
+
+    __slots__ = (
+        "_dtype",
+        "_group",
+        "_kind",
+        "_kv_tail",
+        "_out_tail",
+        "_q_tail",
+        "_v_tail",
+        "kv",
+        "layer_index",
+        "linear_state",
+        "scale",
+        "sinks",
+        "spec",
+    )
+
+    def __init__(
+        self,
+        layer_index: int,
+        group: GroupRuntime,
+        *,
+        scale: float | None = None,
+        sinks: torch.Tensor | None = None,
+        kv: Any = None,
+        linear_state: Any = None,
+    ) -> None:
+        spec = group.spec
+        self.layer_index = layer_index
+        self.spec = spec
+        self._group = group
+        self._kind = spec.kind
+        self.scale = spec.scale if scale is None else float(scale)
+        if spec.has_sinks and sinks is None:
+            raise ValueError(
+                f"layer {layer_index} (group {group.group_id!r}) has sinks in its spec but no "
+                f"sinks tensor [num_heads={spec.num_heads}] was given"
+            )
+        if sinks is not None and tuple(sinks.shape) != (spec.num_heads,):
+            raise ValueError(
+                f"layer {layer_index}: sinks shape {tuple(sinks.shape)}, expected "
+                f"({spec.num_heads},)"
+            )
+        self.sinks = sinks
+        self.kv = kv
+        self.linear_state = linear_state
+        self._dtype = torch_dtype(spec.dtype)
+        H, Hkv, D, Dv = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim_v
+        if spec.kind is LayerKind.MLA:
+            self._q_tail = (H, D)
+            self._kv_tail = (D,)
+            self._v_tail = None
+            self._out_tail = (H, Dv)
+        elif spec.kind is LayerKind.LINEAR:
+            self._q_tail = (Hkv, D)
+            self._kv_tail = (Hkv, D)
+            self._v_tail = (H, Dv)
+            self._out_tail = (H, Dv)
+        else:
+            self._q_tail = (H, D)
+            self._kv_tail = (Hkv, D)
+            self._v_tail = (Hkv, Dv)
+            self._out_tail = (H, Dv)
+
+    # -- accessors -------------------------------------------------------------------------
+    @property
+    def group_id(self) -> str:
+        return self._group.group_id
+
+    @property
+    def backend(self) -> Backend:
+        return self._group.backend
+
+    def context(self, batch: AttentionBatch | None = None) -> AttentionContext:
+        """The group's current context (prepared for ``batch`` by the runtime)."""
+        if batch is not None and self._group.batch is not batch:
+            raise ValueError(
+                f"layer {self.layer_index} (group {self.group_id!r}): the context was prepared "
+                f"for step {getattr(self._group.batch, 'step', None)}, not for step {batch.step}; "
+                "call runtime.prepare(batch) first"
+            )
+        return self._group.context
+
+    @property
+    def batch(self) -> AttentionBatch | None:
+        return self._group.batch
+
+    # -- the hot path ----------------------------------------------------------------------
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+        *,
+        out: torch.Tensor | None = None,
+        **inputs: Any,
+    ) -> torch.Tensor:
+        """Run this layer's attention for the prepared batch.
+
+        :param q: ``[T, ...]`` queries (see :mod:`attn_core.specs` for each kind's layout).
+        :param k: new keys / latent, or None where the kind has none.
+        :param v: new values, or None.
+        :param out: caller-owned output ``[T, num_heads, head_dim_v]``; filled on return.
+        :param inputs: kind-specific tensors (``g``, ``beta``, ``dt``, ...).
+        """
+        group = self._group
+        batch = group.batch
+        if batch is None:
+            raise RuntimeError(
+                f"layer {self.layer_index} (group {group.group_id!r}): forward before "
+                "runtime.prepare(batch)"
+            )
+        self._check(q, k, v, out, batch.padded_tokens)
+        try:
+            result = group.forward(self, q, k, v, out, **inputs)
+        except (BackendInputError, PluginError):
+            raise
+        except ValueError as exc:
+            raise BackendInputError(
+                group=group.group_id,
+                backend=group.backend.qualified_name,
+                what="backend rejected the input",
+                expected="inputs the backend accepts",
+                got=str(exc),
+            ) from exc
+        except Exception as exc:
+            raise PluginError(group.backend.plugin, group.backend.name, "forward", exc) from exc
+        if out is None or result is out:
+            return result
+        if (
+            result.data_ptr() != out.data_ptr()
+            or result.stride() != out.stride()
+            or result.shape != out.shape
+        ):
+            out.copy_(result)
+        return out
+
+    def conv1d(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        activation: str | None = "silu",
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Causal depthwise conv of a linear layer, with the layer's conv state.
+
+        :param x: ``[T, conv_channels]`` pre-conv activations of the step's new tokens.
+        :param weight: ``[conv_channels, conv_kernel_size]``.
+        :param bias: ``[conv_channels]`` or None.
+        :returns: ``[T, conv_channels]`` in ``x.dtype``; the conv state is updated in place.
+        """
+        group = self._group
+        spec = self.spec
+        if self._kind is not LayerKind.LINEAR:
+            raise TypeError(f"layer {self.layer_index} is {spec.kind.value}: it has no conv")
+        expected = (spec.conv_channels, spec.conv_kernel_size)
+        if tuple(weight.shape) != expected:
+            self._bad("conv weight shape", expected, tuple(weight.shape))
+        if x.dim() != 2 or x.shape[1] != spec.conv_channels:
+            self._bad("conv input shape", f"[T, {spec.conv_channels}]", tuple(x.shape))
+        batch = group.batch
+        if batch is not None and x.shape[0] != batch.padded_tokens:
+            self._bad("conv input tokens", batch.padded_tokens, x.shape[0])
+        try:
+            result = group.context.conv1d(self, x, weight, bias, activation=activation, out=out)
+        except (BackendInputError, PluginError):
+            raise
+        except Exception as exc:
+            raise PluginError(group.backend.plugin, group.backend.name, "conv1d", exc) from exc
+        if out is not None and result is not out:
+            out.copy_(result)
+            return out
+        return result
+
+    # -- checks ----------------------------------------------------------------------------
+    def _bad(self, what: str, expected: object, got: object) -> None:
+        raise BackendInputError(
+            group=self._group.group_id,
+            backend=self._group.backend.qualified_name,
+            what=f"layer {self.layer_index}: {what}",
+            expected=expected,
+            got=got,
+        )
+
+    def _check(self, q, k, v, out, tokens: int) -> None:
+        if q.dtype != self._dtype:
+            self._bad("q dtype", self._dtype, q.dtype)
+        if q.shape[1:] != self._q_tail or q.shape[0] != tokens:
+            self._bad("q shape", (tokens, *self._q_tail), tuple(q.shape))
+        if q.stride(-1) != 1:
+            self._bad("q layout", "unit stride in the last dim", q.stride())
+        if k is not None:
+            if k.shape[1:] != self._kv_tail or k.shape[0] != tokens:
+                self._bad("k shape", (tokens, *self._kv_tail), tuple(k.shape))
+            if k.dtype != self._dtype:
+                self._bad("k dtype", self._dtype, k.dtype)
+        else:
+            self._bad("k", "a tensor", None)
+        if self._v_tail is not None:
+            if v is None:
+                self._bad("v", "a tensor", None)
+            if v.shape[1:] != self._v_tail or v.shape[0] != tokens:
+                self._bad("v shape", (tokens, *self._v_tail), tuple(v.shape))
+            if v.dtype != self._dtype:
+                self._bad("v dtype", self._dtype, v.dtype)
+        if out is not None:
+            if out.shape[0] != tokens or out.shape[1:] != self._out_tail:
+                self._bad("out shape", (tokens, *self._out_tail), tuple(out.shape))
+            if out.dtype != self._dtype:
+                self._bad("out dtype", self._dtype, out.dtype)

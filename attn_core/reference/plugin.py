@@ -1,0 +1,344 @@
+"""The reference backend: pure PyTorch for every layer kind, on CPU and GPU.
+
+It is the numerical ground truth of every test and registers through the same hooks as any
+third-party plugin (entry point ``attn_core = reference``). Prefill and mixed steps run the ragged
+reference ops of :mod:`attn_core.reference.ops`; pure decode steps run the fixed-shape functions of
+:mod:`attn_core.reference.decode`, which never read lengths back to the host and so can be
+captured in a CUDA graph (graph mode ``decode``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attn_core.backend import Backend, BackendCapabilities
+from attn_core.batch import AttentionBatch, BatchMode
+from attn_core.errors import BackendInputError
+from attn_core.hookspecs import hookimpl
+from attn_core.reference import decode as dec
+from attn_core.reference import ops
+from attn_core.specs import GraphMode, LayerGroup, LayerKind, LinearVariant
+
+ATTN_CORE_API_VERSION = "1.1"
+BACKEND_NAME = "reference"
+MAX_SPECULATIVE_TOKENS = 8
+
+CAPABILITIES = BackendCapabilities(
+    kinds={"full", "mla", "linear", "encoder"},
+    linear_variants={"gated_deltanet", "kda", "mamba2"},
+    device_types={"cpu", "cuda"},
+    dtypes={"float32", "bfloat16", "float16"},
+    kv_dtypes={"float32", "bfloat16", "float16", "fp8_e4m3"},
+    state_dtypes={"float32", "bfloat16"},
+    head_dims=None,
+    page_sizes=None,
+    kv_layouts={"NHD"},
+    graph_modes={GraphMode.NONE, GraphMode.DECODE},
+    max_speculative_tokens=MAX_SPECULATIVE_TOKENS,
+    causal=True,
+    non_causal=True,
+    sliding_window=True,
+    logits_soft_cap=True,
+    sinks=True,
+    deterministic=True,
+    spec_verify_strategies={"native"},
+)
+
+
+@hookimpl
+def attn_core_register_backends(register) -> None:
+    register(
+        Backend(
+            name=BACKEND_NAME,
+            capabilities=CAPABILITIES,
+            priority=0,  # the fallback: every real kernel should outrank it
+            description="pure PyTorch reference for every layer kind (ground truth, slow)",
+        )
+    )
+
+
+@hookimpl
+def attn_core_allocate_context(backend, group, device, constraints, state, workspace):
+    kind = group.spec.kind
+    if kind is LayerKind.FULL:
+        return FullContext(backend, group)
+    if kind is LayerKind.MLA:
+        return MLAContext(backend, group)
+    if kind is LayerKind.ENCODER:
+        return EncoderContext(backend, group)
+    return LinearContext(backend, group, state)
+
+
+class _Context:
+    """Shared life cycle: prepare / update only record the batch (the metadata tensors live in
+    the BatchBuilder's persistent buffers, so a captured graph already reads the new values)."""
+
+    def __init__(self, backend: Backend, group: LayerGroup) -> None:
+        self.backend = backend
+        self.group = group
+        self.spec = group.spec
+        self.batch: AttentionBatch | None = None
+
+    def prepare(self, batch: AttentionBatch) -> None:
+        self.batch = batch
+
+    def update(self, batch: AttentionBatch) -> None:
+        self.batch = batch
+
+    def _bad(self, what: str, expected: object, got: object) -> None:
+        raise BackendInputError(
+            group=self.group.group_id,
+            backend=self.backend.qualified_name,
+            what=what,
+            expected=expected,
+            got=got,
+        )
+
+    @staticmethod
+    def _finish(result: torch.Tensor, out: torch.Tensor | None, rows: int) -> torch.Tensor:
+        if out is None:
+            return result.to(result.dtype)
+        out[:rows].copy_(result[:rows])
+        return out
+
+
+class FullContext(_Context):
+    def forward(self, layer, q, k, v, out, **inputs: Any) -> torch.Tensor:
+        batch = self.batch
+        spec = self.spec
+        kv = layer.kv
+        if kv.k.dtype != q.dtype and kv.k.dtype != torch.float8_e4m3fn:
+            self._bad("KV cache dtype", q.dtype, kv.k.dtype)
+        ops.write_paged_kv(
+            k, v, kv.k, kv.v, batch.slot_mapping, k_scale=kv.k_scale, v_scale=kv.v_scale
+        )
+        common = dict(
+            scale=layer.scale,
+            sliding_window=spec.sliding_window,
+            logits_soft_cap=spec.logits_soft_cap,
+            sinks=layer.sinks,
+            k_scale=kv.k_scale,
+            v_scale=kv.v_scale,
+        )
+        if batch.mode is BatchMode.DECODE:
+            result = dec.decode_full_attention(
+                q, kv.k, kv.v, batch.page_table, batch.seq_lens, **common
+            ).to(q.dtype)
+        else:
+            n = batch.num_reqs
+            result = ops.paged_attention(
+                q[: batch.num_tokens],
+                kv.k,
+                kv.v,
+                batch.page_table[:n],
+                batch.query_start_loc[: n + 1],
+                batch.seq_lens[:n],
+                causal=spec.causal,
+                **common,
+            )
+        return self._finish(result, out, result.shape[0])
+
+
+class MLAContext(_Context):
+    def forward(self, layer, q, k, v, out, **inputs: Any) -> torch.Tensor:
+        batch = self.batch
+        spec = self.spec
+        kv = layer.kv
+        ops.write_paged_latent(k, kv.latent, batch.slot_mapping, scale=kv.k_scale)
+        if batch.mode is BatchMode.DECODE:
+            result = dec.decode_mla_attention(
+                q,
+                kv.latent,
+                batch.page_table,
+                batch.seq_lens,
+                kv_lora_rank=spec.kv_lora_rank,
+                scale=layer.scale,
+                latent_scale=kv.k_scale,
+            ).to(q.dtype)
+        else:
+            n = batch.num_reqs
+            result = ops.mla_paged_attention(
+                q[: batch.num_tokens],
+                kv.latent,
+                batch.page_table[:n],
+                batch.query_start_loc[: n + 1],
+                batch.seq_lens[:n],
+                kv_lora_rank=spec.kv_lora_rank,
+                scale=layer.scale,
+                causal=spec.causal,
+                latent_scale=kv.k_scale,
+            )
+        return self._finish(result, out, result.shape[0])
+
+
+class EncoderContext(_Context):
+    def forward(self, layer, q, k, v, out, **inputs: Any) -> torch.Tensor:
+        batch = self.batch
+        spec = self.spec
+        result = ops.varlen_attention(
+            q,
+            k,
+            v,
+            batch.query_start_loc,
+            scale=layer.scale,
+            causal=spec.causal,
+            sliding_window=spec.sliding_window,
+            logits_soft_cap=spec.logits_soft_cap,
+        )
+        return self._finish(result, out, result.shape[0])
+
+
+class LinearContext(_Context):
+    """Gated DeltaNet, KDA and Mamba2 with conv state; speculative verify keeps per-token states
+    ("native" strategy) and :meth:`commit_speculative` keeps the accepted prefix's state."""
+
+    def __init__(self, backend: Backend, group: LayerGroup, state: Any) -> None:
+        super().__init__(backend, group)
+        self.state = state
+        self.variant = group.spec.linear_variant
+        # verify steps: per layer, the per-token states and the conv inputs to roll back to
+        self._verify_states: dict[int, torch.Tensor] = {}
+        self._verify_conv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def prepare(self, batch: AttentionBatch) -> None:
+        self.batch = batch
+        self._verify_states.clear()
+        self._verify_conv.clear()
+
+    def conv1d(self, layer, x, weight, bias, *, activation="silu", out=None) -> torch.Tensor:
+        batch = self.batch
+        conv_state = layer.linear_state.conv
+        if batch.mode is BatchMode.DECODE:
+            result = dec.decode_conv1d(
+                x, weight, bias, conv_state, batch.state_indices, activation=activation
+            )
+        else:
+            n, t = batch.num_reqs, batch.num_tokens
+            if batch.mode is BatchMode.VERIFY:
+                idx = batch.state_indices[:n].long()
+                self._verify_conv[layer.layer_index] = (conv_state[idx].clone(), x[:t].clone())
+            result = ops.causal_conv1d(
+                x[:t],
+                weight,
+                bias,
+                conv_state,
+                batch.query_start_loc[: n + 1],
+                batch.state_indices[:n],
+                batch.has_initial_state[:n],
+                activation=activation,
+            )
+        return self._finish(result, out, result.shape[0])
+
+    def forward(self, layer, q, k, v, out, **inputs: Any) -> torch.Tensor:
+        batch = self.batch
+        spec = self.spec
+        ssm = layer.linear_state.ssm
+        variant = self.variant
+        self._check_inputs(q, v, inputs)
+        if batch.mode is BatchMode.DECODE:
+            result = dec.decode_linear_step(
+                variant.value,
+                q,
+                k,
+                v,
+                ssm,
+                batch.state_indices,
+                scale=layer.scale,
+                use_qk_l2norm=spec.qk_l2norm,
+                **inputs,
+            )
+            return self._finish(result, out, result.shape[0])
+        n, t = batch.num_reqs, batch.num_tokens
+        intermediate = None
+        if batch.mode is BatchMode.VERIFY:
+            k1 = batch.spec_tokens + 1
+            intermediate = torch.empty(
+                (n, k1, *spec.ssm_state_shape), dtype=torch.float32, device=q.device
+            )
+            self._verify_states[layer.layer_index] = intermediate
+        meta = (
+            batch.query_start_loc[: n + 1],
+            batch.state_indices[:n],
+            batch.has_initial_state[:n],
+        )
+        tok = {
+            name: value[:t] if value.dim() and value.shape[0] == batch.padded_tokens else value
+            for name, value in inputs.items()
+        }
+        if variant is LinearVariant.MAMBA2:
+            result = ops.mamba2_ssd(
+                v[:t],
+                tok["dt"],
+                tok["A_log"],
+                k[:t],
+                q[:t],
+                tok["D"],
+                tok["dt_bias"],
+                ssm,
+                *meta,
+                intermediate_states=intermediate,
+            )
+        else:
+            fn = ops.gated_delta_rule if variant is LinearVariant.GATED_DELTANET else ops.kda
+            result = fn(
+                q[:t],
+                k[:t],
+                v[:t],
+                tok["g"],
+                tok["beta"],
+                ssm,
+                *meta,
+                scale=layer.scale,
+                use_qk_l2norm=spec.qk_l2norm,
+                intermediate_states=intermediate,
+            )
+        return self._finish(result, out, result.shape[0])
+
+    def _check_inputs(self, q: torch.Tensor, v: torch.Tensor, inputs: dict) -> None:
+        need = (
+            ("dt", "A_log", "D", "dt_bias")
+            if self.variant is LinearVariant.MAMBA2
+            else ("g", "beta")
+        )
+        missing = [n for n in need if inputs.get(n) is None]
+        if missing:
+            self._bad(f"{self.variant.value} inputs", list(need), f"missing {missing}")
+        if self.variant is LinearVariant.KDA:
+            g = inputs["g"]
+            want = (v.shape[0], v.shape[1], q.shape[2])
+            if tuple(g.shape) != want:
+                self._bad("KDA gate g shape [T, Hv, Dk]", want, tuple(g.shape))
+
+    def commit_speculative(self, batch: AttentionBatch, num_accepted: torch.Tensor) -> None:
+        """Write the state after each request's accepted tokens into its slot."""
+        if batch.mode is not BatchMode.VERIFY:
+            return
+        n = batch.num_reqs
+        acc = num_accepted[:n].long().to(batch.state_indices.device)
+        k1 = batch.spec_tokens + 1
+        if ((acc < 1) | (acc > k1)).any():
+            self._bad("num_accepted", f"values in 1..{k1}", num_accepted[:n].tolist())
+        slots = batch.state_indices[:n].long()
+        rows = torch.arange(n, device=slots.device)
+        for layer_index, states in self._verify_states.items():
+            ssm = self._layer_state(layer_index).ssm
+            ssm.index_copy_(0, slots, states[rows, acc - 1].to(ssm.dtype))
+        for layer_index, (old_conv, x) in self._verify_conv.items():
+            conv = self._layer_state(layer_index).conv
+            km1 = conv.shape[-1]
+            for b in range(n):
+                a = int(acc[b])
+                seq = torch.cat([old_conv[b], x[b * k1 : b * k1 + a].T.to(conv.dtype)], dim=-1)
+                conv[slots[b]] = seq[:, -km1:]
+        self._verify_states.clear()
+        self._verify_conv.clear()
+
+    def _layer_state(self, layer_index: int):
+        return self.state.state_slots.layer(layer_index)
+
+
+@hookimpl
+def attn_core_bind_forward(backend, context):
+    return context.forward

@@ -1,0 +1,156 @@
+"""AttentionRuntime: from a plan to allocated contexts and one binding per layer.
+
+This is the cold path a server runs once at start-up::
+
+    registry = Registry.discover()
+    layout = specs_from_hf_config("qwen3-next")
+    plan = select(layout.groups, registry, DeviceCapabilities.detect(), constraints)
+    state = PersistentState(layout.groups, num_pages=..., num_slots=..., device=device)
+    runtime = AttentionRuntime(plan, registry, state=state, device=device)
+
+and the hot path it runs per step::
+
+    batch = builder.build(requests)
+    runtime.prepare(batch)                 # once per step: every group plans
+    out = runtime.binding(i).forward(q, k, v, out=out, **inputs)   # per layer
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from attn_core.binding import GroupRuntime, LayerAttentionBinding
+from attn_core.errors import PluginError
+from attn_core.workspace import Workspace
+
+if TYPE_CHECKING:
+    from attn_core.batch import AttentionBatch
+    from attn_core.registry import Registry
+    from attn_core.selector import Plan
+
+__all__ = ["AttentionRuntime"]
+
+
+class AttentionRuntime:
+    """Contexts for every group of a plan and a :class:`LayerAttentionBinding` per layer.
+
+    :param plan: the selector's plan.
+    :param registry: the registry the plan's backends come from.
+    :param state: the core's persistent state (None when the model has only encoder layers).
+    :param device: the torch device to run on.
+    :param layer_params: per layer index, optional ``scale`` and ``sinks`` overrides.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        registry: Registry,
+        *,
+        state: Any = None,
+        device: torch.device | str = "cpu",
+        layer_params: Mapping[int, Mapping[str, Any]] | None = None,
+    ) -> None:
+        self.plan = plan
+        self.registry = registry
+        self.state = state
+        self.device = torch.device(device)
+        self.groups: dict[str, GroupRuntime] = {}
+        self.workspaces: dict[str, Workspace] = {}
+        self.bindings: dict[int, LayerAttentionBinding] = {}
+        layer_params = layer_params or {}
+        for choice in plan.choices:
+            group, backend = choice.group, choice.backend
+            common = dict(
+                backend=backend,
+                group=group,
+                device=plan.device,
+                constraints=plan.constraints,
+            )
+            reqs = registry.call_owner("attn_core_workspace_requirements", **common) or ()
+            try:
+                workspace = Workspace(reqs, self.device)
+            except (TypeError, ValueError) as exc:
+                raise PluginError(backend.plugin, backend.name, "workspace", exc) from exc
+            ctx = registry.call_owner(
+                "attn_core_allocate_context",
+                **common,
+                state=state if group.spec.kind.value != "encoder" else None,
+                workspace=workspace,
+            )
+            if ctx is None:
+                raise PluginError(
+                    backend.plugin,
+                    backend.name,
+                    "attn_core_allocate_context",
+                    RuntimeError(f"returned no context for group {group.group_id!r}"),
+                )
+            fwd = registry.call_owner("attn_core_bind_forward", backend=backend, context=ctx)
+            runtime = GroupRuntime(group.group_id, group.spec, backend, ctx, fwd or ctx.forward)
+            self.groups[group.group_id] = runtime
+            self.workspaces[group.group_id] = workspace
+            for index in group.layer_indices:
+                params = layer_params.get(index, {})
+                self.bindings[index] = LayerAttentionBinding(
+                    index,
+                    runtime,
+                    scale=params.get("scale"),
+                    sinks=params.get("sinks"),
+                    kv=_kv_view(state, index) if group.spec.has_kv_cache else None,
+                    linear_state=_state_view(state, index) if group.spec.has_recurrent_state
+                    else None,
+                )
+
+    def binding(self, layer_index: int) -> LayerAttentionBinding:
+        try:
+            return self.bindings[layer_index]
+        except KeyError:
+            raise KeyError(
+                f"layer {layer_index} has no attention binding; bound layers: "
+                f"{sorted(self.bindings)}"
+            ) from None
+
+    def prepare(self, batch: AttentionBatch) -> None:
+        """Plan ``batch`` in every group (once per step, before the first layer runs)."""
+        for g in self.groups.values():
+            try:
+                g.context.prepare(batch)
+            except Exception as exc:
+                raise PluginError(g.backend.plugin, g.backend.name, "prepare", exc) from exc
+            g.batch = batch
+
+    def update(self, batch: AttentionBatch) -> None:
+        """Copy ``batch``'s metadata in place into every group's captured buffers."""
+        for g in self.groups.values():
+            try:
+                g.context.update(batch)
+            except Exception as exc:
+                raise PluginError(g.backend.plugin, g.backend.name, "update", exc) from exc
+            g.batch = batch
+
+    def commit_speculative(self, batch: AttentionBatch, num_accepted: torch.Tensor) -> None:
+        """After a verify step: keep the state of the accepted prefix in every linear group.
+
+        :param num_accepted: ``[num_reqs]`` int32, tokens accepted per request (1..k+1).
+        """
+        for g in self.groups.values():
+            commit = getattr(g.context, "commit_speculative", None)
+            if commit is not None:
+                try:
+                    commit(batch, num_accepted)
+                except Exception as exc:
+                    raise PluginError(g.backend.plugin, g.backend.name, "commit", exc) from exc
+
+
+def _kv_view(state: Any, layer_index: int) -> Any:
+    if state is None:
+        return None
+    return state.kv_cache.layer(layer_index)
+
+
+def _state_view(state: Any, layer_index: int) -> Any:
+    if state is None:
+        return None
+    return state.state_slots.layer(layer_index)
