@@ -231,9 +231,14 @@ class PersistentState:
         """KV row of tokens ``start .. end-1``: ``page * page_size + offset`` each.
 
         The rows index ``k.view(-1, Hkv, D)`` (and ``latent.view(-1, R + P)``) of every layer.
-        ``end`` must be within the request's capacity (call ``ensure_capacity`` first).
+        ``end`` must be within the request's capacity (call ``ensure_capacity`` first). Empty
+        when the model keeps no paged KV.
         """
         req = self._get(req_id)
+        if not self.has_kv:
+            if not 0 <= start <= end:
+                raise ValueError(f"slot_mapping({req_id!r}, {start}, {end}): expected start <= end")
+            return []
         ps = self.page_size
         cap = len(req.pages) * ps
         if not (0 <= start <= end <= cap):
