@@ -15,10 +15,9 @@ import torch
 if not torch.cuda.is_available() and "attn_plugin_triton_ssm.kernels" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
-from triton_ssm_refs import conv_ref, delta_rule_ref, mamba2_ref  # noqa: E402
-
-from attn_plugin_triton_ssm import kernels as K  # noqa: E402
+import pytest
+from attn_plugin_triton_ssm import kernels as K
+from triton_ssm_refs import conv_ref, delta_rule_ref, mamba2_ref
 
 if not K.INTERPRETED and not torch.cuda.is_available():
     pytest.skip("kernels compiled for GPU but no CUDA device", allow_module_level=True)
@@ -139,7 +138,9 @@ def test_mamba2_decode_matches_explicit_recurrence(state_dtype, extras):
                           z=None if z is None else d(z[:, 0]), block_p=16)  # fmt: skip
     y_ref, h_ref = mamba2_ref(x, dt, A_log, Bm, Cm, before[idx.clamp(min=0).long()], D=D,
                               dt_bias=dt_bias, z=z)  # fmt: skip
-    tol = dict(atol=3e-2, rtol=2e-2) if state_dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    tol = (
+        dict(atol=3e-2, rtol=2e-2) if state_dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    )
     for bi, s in enumerate(IDX):
         if s < 0:
             assert torch.count_nonzero(out[bi]) == 0
@@ -198,8 +199,7 @@ def test_delta_prefill_cpu_fallback_matches_decode_kernel_token_by_token(kda):
     for t in range(3):
         rows = [r for r, (s, e) in enumerate(((0, 3), (3, 5))) if s + t < e]
         pos = [(0, 3)[r] + t for r in rows]
-        sel = lambda a: a[pos].to(DEV)  # noqa: E731
-        o = decode(sel(q), sel(k), sel(v), sel(g), sel(beta), st,
-                   idx[rows].to(DEV))  # fmt: skip
+        q_t, k_t, v_t, g_t, b_t = (a[pos].to(DEV) for a in (q, k, v, g, beta))
+        o = decode(q_t, k_t, v_t, g_t, b_t, st, idx[rows].to(DEV))
         torch.testing.assert_close(o.cpu(), y[pos], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(st.cpu(), state, atol=1e-4, rtol=1e-4)

@@ -14,10 +14,9 @@ import torch
 if not torch.cuda.is_available() and "attn_plugin_triton_ssm.kernels" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
-from triton_ssm_refs import delta_rule_ref  # noqa: E402
-
-from attn_plugin_triton_ssm import kernels as K  # noqa: E402
+import pytest
+from attn_plugin_triton_ssm import kernels as K
+from triton_ssm_refs import delta_rule_ref
 
 if not K.INTERPRETED and not torch.cuda.is_available():
     pytest.skip("kernels compiled for GPU but no CUDA device", allow_module_level=True)
@@ -45,7 +44,9 @@ def _inputs(*, T, dk, dv, kda, state_dtype, seed=0, dtype=torch.float32):
 
 
 def _tol(state_dtype):
-    return dict(atol=3e-2, rtol=2e-2) if state_dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    return (
+        dict(atol=3e-2, rtol=2e-2) if state_dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    )
 
 
 def _valid():
@@ -87,8 +88,9 @@ def test_decode_options_scale_no_l2norm_strided_inputs():
 
 
 def test_decode_writes_into_given_out_bf16_activations():
-    q, k, v, g, beta, state, idx = _inputs(T=1, dk=16, dv=16, kda=False,
-                                           state_dtype=torch.float32, dtype=torch.bfloat16)  # fmt: skip
+    q, k, v, g, beta, state, idx = _inputs(
+        T=1, dk=16, dv=16, kda=False, state_dtype=torch.float32, dtype=torch.bfloat16
+    )
     out = torch.full((B, HV, 16), 7.0, dtype=torch.bfloat16, device=DEV)
     before = state.clone()
     res = K.gdn_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, idx, out=out)
@@ -164,7 +166,7 @@ def test_errors_name_expected_and_got():
                      state, idx)  # fmt: skip
     with pytest.raises(ValueError, match=r"ssm_state: expected shape \[\*, 4, 16, 16\]"):
         K.gdn_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state[:, :2], idx)
-    with pytest.raises(TypeError, match="ssm_state: expected dtype.*got float16"):
+    with pytest.raises(TypeError, match=r"ssm_state: expected dtype.*got float16"):
         K.gdn_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.half(), idx)
     with pytest.raises(ValueError, match="multiple of key heads"):
         K.gdn_decode(q[:, 0, :1].repeat(1, 3, 1), k[:, 0, :1].repeat(1, 3, 1), v[:, 0],

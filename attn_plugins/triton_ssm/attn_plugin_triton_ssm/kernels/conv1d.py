@@ -90,7 +90,9 @@ def _conv1d_update_kernel(
             if SILU:
                 acc = acc * tl.sigmoid(acc)
             acc = tl.where(valid, acc, 0.0)
-            tl.store(out_ptr + i_b * s_ob + t * s_ot + o_c, acc.to(out_ptr.dtype.element_ty), mask=m_c)
+            tl.store(
+                out_ptr + i_b * s_ob + t * s_ot + o_c, acc.to(out_ptr.dtype.element_ty), mask=m_c
+            )
 
     if WRITE_STATE:
         if HAS_NACC:

@@ -168,7 +168,9 @@ def _delta_rule_step_kernel(
             p_o = out_ptr + i_b * s_ob + t * s_ot + i_hv * s_oh + o_v
             tl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=m_v)
         if STORE_INTER:
-            p_i = inter_ptr + i_b * s_ib + t * s_it + i_hv * s_ih + o_k[:, None] * s_ik + o_v[None, :]
+            p_i = (
+                inter_ptr + i_b * s_ib + t * s_it + i_hv * s_ih + o_k[:, None] * s_ik + o_v[None, :]
+            )
             tl.store(p_i, b_s.to(inter_ptr.dtype.element_ty), mask=m_state)
 
     if WRITE_SLOT:
@@ -307,7 +309,7 @@ def _check_inputs(
     per_channel_g: bool,
     multi_token: bool,
 ) -> tuple[int, int, int, int, int, int]:
-    """Validate the decode (``multi_token=False``) or verify layout; returns B, T, Hk, Hv, Dk, Dv."""
+    """Check the decode (``multi_token=False``) or verify layout; return B, T, Hk, Hv, Dk, Dv."""
     lead = "[B, K1, " if multi_token else "["
     check_shape("q", q, [None] * (4 if multi_token else 3), f"{lead}Hk, Dk]")
     B = q.shape[0]

@@ -169,7 +169,7 @@ def kda_prefill(
 # Mamba2: chunked SSD (Dao & Gu 2024, "ssd_minimal"), in torch, one sequence at a time
 # --------------------------------------------------------------------------------------------
 def _segsum(x: torch.Tensor) -> torch.Tensor:
-    """``[..., L] -> [..., L, L]`` with ``out[i, j] = sum(x[j+1 : i+1])`` for ``i >= j``, else -inf."""
+    """``[..., L] -> [..., L, L]``: ``out[i, j] = sum(x[j+1 : i+1])`` for ``i >= j``, else -inf."""
     L = x.shape[-1]
     xx = x[..., None].expand(*x.shape, L)
     mask = torch.tril(torch.ones(L, L, dtype=torch.bool, device=x.device), diagonal=-1)
