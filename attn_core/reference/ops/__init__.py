@@ -2,10 +2,12 @@
 
 * :mod:`.attention`: softmax attention over a paged KV cache (full) and varlen (encoder).
 * :mod:`.mla`: absorbed multi-head latent attention over a paged latent cache.
+* :mod:`.linear`: linear attention / SSM (Gated DeltaNet, KDA, Mamba2) and the causal conv.
 """
 
 from __future__ import annotations
 
+from attn_core.reference.ops import linear as _linear
 from attn_core.reference.ops.attention import (
     FP8_DTYPE,
     dequantize_cache,
@@ -14,6 +16,7 @@ from attn_core.reference.ops.attention import (
     varlen_attention,
     write_paged_kv,
 )
+from attn_core.reference.ops.linear import *  # noqa: F403
 from attn_core.reference.ops.mla import (
     mla_absorb_query,
     mla_output_from_latent,
@@ -34,4 +37,5 @@ __all__ = [
     "varlen_attention",
     "write_paged_kv",
     "write_paged_latent",
+    *_linear.__all__,
 ]
