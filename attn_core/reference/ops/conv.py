@@ -123,6 +123,12 @@ def check_shape(name: str, tensor: object, expected: tuple[int | None, ...]) -> 
     return tensor
 
 
+def check_same_device(name: str, tensor: torch.Tensor, device: torch.device) -> None:
+    """Raise unless ``tensor`` lives on ``device`` (pools and buffers are never moved)."""
+    if tensor.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got one on {tensor.device}")
+
+
 def prepare_out(
     out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
@@ -130,8 +136,7 @@ def prepare_out(
     if out is None:
         return torch.empty(shape, dtype=dtype, device=device)
     check_shape("out", out, shape)
-    if out.device != device:
-        raise ValueError(f"out: expected a tensor on {device}, got one on {out.device}")
+    check_same_device("out", out, device)
     return out
 
 
@@ -183,6 +188,7 @@ def causal_conv1d(
     if bias is not None:
         check_shape("bias", bias, (channels,))
     check_shape("conv_state", conv_state, (None, channels, width - 1))
+    check_same_device("conv_state", conv_state, x.device)
     requests = varlen_requests(
         query_start_loc,
         state_indices,

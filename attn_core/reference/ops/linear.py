@@ -37,15 +37,16 @@ import torch.nn.functional as F
 from attn_core.reference.ops.conv import (
     VarlenRequest,
     causal_conv1d,
+    check_same_device,
     check_shape,
     prepare_out,
     varlen_requests,
 )
 
-__all__ = ["MODES", "causal_conv1d", "gated_delta_rule", "kda", "l2norm", "mamba2_ssd"]
+__all__ = ["LINEAR_MODES", "causal_conv1d", "gated_delta_rule", "kda", "l2norm", "mamba2_ssd"]
 
 #: Accepted values of the ``mode`` option.
-MODES = ("auto", "recurrent", "chunked")
+LINEAR_MODES = ("auto", "recurrent", "chunked")
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -54,8 +55,8 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def _check_options(mode: str, chunk_size: int) -> None:
-    if mode not in MODES:
-        raise ValueError(f"mode: expected one of {list(MODES)}, got {mode!r}")
+    if mode not in LINEAR_MODES:
+        raise ValueError(f"mode: expected one of {list(LINEAR_MODES)}, got {mode!r}")
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
 
@@ -95,6 +96,9 @@ def _run_requests(
     kernel: _Kernel,
 ) -> torch.Tensor:
     """Walk the requests: read the slot (or zeros), run ``kernel``, write outputs and the slot."""
+    check_same_device("ssm_state", state_pool, out.device)
+    if intermediate_states is not None:
+        check_same_device("intermediate_states", intermediate_states, out.device)
     for req in requests:
         if req.slot < 0:
             out[req.start : req.end].zero_()
@@ -325,9 +329,10 @@ def gated_delta_rule(
     :param use_qk_l2norm: L2-normalise q and k inside the op.
     :param chunk_size: tokens per chunk of the chunked form.
     :param mode: ``"auto"`` | ``"recurrent"`` | ``"chunked"`` (see the module docstring).
-    :param intermediate_states: optional ``[B, >= max_q_len, Hv, Dk, Dv]``; when given every
-        request runs the token loop and ``[b, i]`` receives the state after its token ``i``
-        (entries past a request's length are left alone).
+    :param intermediate_states: optional ``[B, >= max_q_len, Hv, Dk, Dv]`` (any float dtype,
+        written in its own dtype); when given every request runs the token loop, whatever
+        ``mode`` says, and ``[b, i]`` receives the state after its token ``i`` (entries past a
+        request's length, and rows of padding requests, are left alone).
     :param out: optional ``[T, Hv, Dv]`` output buffer (written and returned).
     :returns: ``[T, Hv, Dv]`` in ``v.dtype`` (or ``out``).
     """
