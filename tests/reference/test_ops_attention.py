@@ -365,6 +365,33 @@ def test_gqa_matches_hf_llama(device, hq, hkv):
         _allclose(out[qsl[b] : qsl[b + 1]], expected[0, length - ql :], 2e-5, 1e-5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_long_requests_run_in_query_blocks(device, monkeypatch):
+    """A tiny logits budget forces query blocking (2 rows per block); results stay exact."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from attn_core.reference.ops import attention
+
+    monkeypatch.setattr(attention, "MAX_LOGITS_PER_BLOCK", 4 * 9 * 2)
+    batch = make_batch(
+        WORKLOADS["prefill"] + [(7, 9)], hq=4, hkv=2, d=8, dv=8, dtype=torch.float32, device=device
+    )
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(2), device="cpu").to(device)
+    out = _run_paged(batch, scale=0.3, sliding_window=3, sinks=sinks)
+    qsl = batch.query_start_loc.tolist()
+    for b, ql in enumerate(batch.q_lens):
+        length = batch.k[b].shape[0]
+        expected, _ = eager_attention_forward(
+            stub_module(4, 2, sinks=sinks.cpu()),
+            heads_first(batch.q_full[b]),
+            heads_first(batch.k[b]),
+            heads_first(batch.v[b]),
+            hf_mask(masking_utils.sliding_window_causal_mask_function(3), length),
+            scaling=0.3,
+        )
+        _allclose(out[qsl[b] : qsl[b + 1]], expected[0, length - ql :], 2e-5, 1e-5)
+
+
 # ------------------------------------------------------------------------------------------
 # FP8 KV cache
 # ------------------------------------------------------------------------------------------
@@ -660,14 +687,11 @@ def test_errors_name_expected_and_got():
 
 
 def test_soft_cap_formula_is_exact():
-    """Single key: softmax is 1 whatever the logit; two keys pin the capped logit difference."""
-    q = torch.tensor([[[3.0]]])
+    """Two keys pin the capped logit: p(key 0) = sigmoid(c * tanh(6 / c)) for logits 6 and 0."""
+    q = torch.tensor([[[3.0]], [[3.0]]])  # [T=2, H=1, D=1]
     k = torch.tensor([[[2.0]], [[0.0]]])
-    v = torch.tensor([[[1.0]], [[0.0]]])
+    v = torch.tensor([[[1.0]], [[0.0]]])  # output = probability of key 0
     cu = torch.tensor([0, 2], dtype=torch.int32)
-    # Query token 1 (bidirectional) sees both keys: logits 6 and 0, capped to 5*tanh(6/5) and 0.
-    qq = torch.cat([q, q])
-    out = varlen_attention(qq, k, v, cu, scale=1.0, logits_soft_cap=5.0)
+    out = varlen_attention(q, k, v, cu, scale=1.0, logits_soft_cap=5.0)
     capped = 5.0 * math.tanh(6.0 / 5.0)
-    expected = 1.0 / (1.0 + math.exp(-capped))
-    assert out[1, 0, 0].item() == pytest.approx(expected, rel=1e-6)
+    assert out[1, 0, 0].item() == pytest.approx(1.0 / (1.0 + math.exp(-capped)), rel=1e-6)

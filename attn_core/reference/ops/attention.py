@@ -50,6 +50,9 @@ __all__ = [
 #: The one fp8 KV storage dtype the reference understands (``LayerSpec.kv_dtype="fp8_e4m3"``).
 FP8_DTYPE = torch.float8_e4m3fn
 _FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
+#: Most float32 logits materialised at once (256 MiB): long prefills run in query blocks, so
+#: the reference stays usable as ground truth at real context lengths on a GPU.
+MAX_LOGITS_PER_BLOCK = 1 << 26
 
 #: A per-layer quantisation scale: a Python number or a one-element tensor (kept on device).
 ScaleLike = float | torch.Tensor
@@ -188,6 +191,24 @@ def _attend(
     """
     lq, hq, d = q.shape
     hkv, dv = v.shape[1], v.shape[2]
+    block = max(1, MAX_LOGITS_PER_BLOCK // max(1, hq * k.shape[0]))
+    if lq > block:  # each query row is independent: split the rows, join the outputs
+        parts = [
+            _attend(
+                q[i : i + block],
+                k,
+                v,
+                q_pos[i : i + block],
+                k_pos,
+                scale=scale,
+                causal=causal,
+                sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
+                sinks=sinks,
+            )
+            for i in range(0, lq, block)
+        ]
+        return torch.cat(parts)
     group = hq // hkv
     # Head h = kv_head * group + g: viewing Hq as (Hkv, group) pairs query heads with KV heads.
     qg = q.reshape(lq, hkv, group, d)
