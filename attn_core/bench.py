@@ -1,0 +1,273 @@
+"""``attn bench``: time every admissible backend of every group on the model's shapes.
+
+For each layer group and each backend that can serve it, a decode step of ``--batch`` requests
+with ``--context`` cached tokens is run through a fresh runtime; the time per layer is recorded
+as tuning data the selector uses (``attn explain --tuning FILE``), optionally plotted. Framework
+overhead is reported as a ratio: the layer call through ``LayerAttentionBinding.forward`` over
+the same backend forward called directly with the same inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from attn_core.batch import BatchBuilder
+from attn_core.runtime import AttentionRuntime
+from attn_core.selector import GroupChoice, Plan, TuningData, check_backend
+from attn_core.specs import LayerGroup, LayerKind, LinearVariant, torch_dtype
+from attn_core.tables import render_table
+
+__all__ = ["BenchResult", "bench_group", "run_bench", "step_inputs"]
+
+
+@dataclass(slots=True)
+class BenchResult:
+    group_id: str
+    backend: str
+    us_per_layer: float  # through the binding
+    us_direct: float  # the bound backend forward called directly
+    error: str | None = None
+
+    @property
+    def overhead_ratio(self) -> float:
+        return self.us_per_layer / self.us_direct if self.us_direct else float("nan")
+
+
+def step_inputs(group: LayerGroup, tokens: int, device: torch.device) -> dict[str, Any]:
+    """Random inputs of one step for a layer of ``group`` (shapes from :mod:`attn_core.specs`)."""
+    s = group.spec
+    dt = torch_dtype(s.dtype)
+
+    def r(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=torch.float32).mul_(scale).to(dt)
+
+    if s.kind is LayerKind.MLA:
+        return {"q": r(tokens, s.num_heads, s.head_dim), "k": r(tokens, s.head_dim), "v": None}
+    if s.kind is LayerKind.LINEAR:
+        base = {
+            "q": r(tokens, s.num_kv_heads, s.head_dim),
+            "k": r(tokens, s.num_kv_heads, s.head_dim),
+            "v": r(tokens, s.num_heads, s.head_dim_v),
+        }
+        if s.linear_variant is LinearVariant.MAMBA2:
+            base.update(
+                dt=r(tokens, s.num_heads),
+                A_log=torch.zeros(s.num_heads, device=device),
+                D=torch.ones(s.num_heads, device=device),
+                dt_bias=torch.zeros(s.num_heads, device=device),
+            )
+        else:
+            g_shape = (tokens, s.num_heads) + (
+                (s.head_dim,) if s.linear_variant is LinearVariant.KDA else ()
+            )
+            base.update(
+                g=-torch.rand(g_shape, device=device).to(torch.float32) * 0.1,
+                beta=torch.rand(tokens, s.num_heads, device=device).to(torch.float32),
+            )
+        return base
+    return {
+        "q": r(tokens, s.num_heads, s.head_dim),
+        "k": r(tokens, s.num_kv_heads, s.head_dim),
+        "v": r(tokens, s.num_kv_heads, s.head_dim_v),
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn, iters: int, device: torch.device) -> float:
+    fn()
+    _sync(device)
+    samples = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        _sync(device)
+        samples.append((time.perf_counter() - start) / iters)
+    return sorted(samples)[1] * 1e6
+
+
+def bench_group(
+    group: LayerGroup,
+    backend,
+    registry,
+    plan: Plan,
+    device: torch.device,
+    *,
+    batch: int,
+    context: int,
+    iters: int,
+) -> BenchResult:
+    """Time one decode step of ``group`` served by ``backend`` (a fresh runtime and state)."""
+    from attn_core.state import PersistentState
+
+    one = Plan(
+        device=plan.device,
+        constraints=plan.constraints,
+        choices=(GroupChoice(group=group, backend=backend, rejected=(), outranked=()),),
+        page_size=plan.page_size,
+        kv_layout=plan.kv_layout,
+    )
+    single = LayerGroup(group.group_id, group.spec, group.layer_indices[:1])
+    ps = group.spec.page_size
+    pages_per_req = -(-(context + 1) // ps)
+    state = None
+    if group.spec.kind is not LayerKind.ENCODER:
+        state = PersistentState(
+            [single],
+            num_pages=batch * pages_per_req + 1,
+            num_slots=batch + 1,
+            device=device,
+        )
+    one = Plan(
+        device=one.device,
+        constraints=one.constraints,
+        choices=(GroupChoice(group=single, backend=backend, rejected=(), outranked=()),),
+        page_size=one.page_size,
+        kv_layout=one.kv_layout,
+    )
+    runtime = AttentionRuntime(one, registry, state=state, device=device)
+    layer = single.layer_indices[0]
+    binding = runtime.binding(layer)
+    builder = BatchBuilder(
+        state,
+        max_batch_size=batch,
+        max_num_tokens=max(batch, 1),
+        max_pages_per_request=pages_per_req,
+        device=device,
+    )
+    if group.spec.kind is LayerKind.ENCODER:
+        step = builder.build_encoder([1] * batch)
+    else:
+        for r in range(batch):
+            state.add_request(r)
+            if group.spec.has_kv_cache:
+                state.ensure_capacity(r, context)
+            state.advance(r, context) if group.spec.has_kv_cache else None
+        step = builder.build([(r, 1) for r in range(batch)])
+    runtime.prepare(step)
+    inputs = step_inputs(single, step.padded_tokens, device)
+    q, k, v = inputs.pop("q"), inputs.pop("k"), inputs.pop("v")
+    dv = group.spec.head_dim_v
+    out = torch.empty(step.padded_tokens, group.spec.num_heads, dv, device=device, dtype=q.dtype)
+    group_rt = runtime.groups[single.group_id]
+
+    def through_binding():
+        binding.forward(q, k, v, out=out, **inputs)
+
+    def direct():
+        group_rt.forward(binding, q, k, v, out, **inputs)
+
+    us = _time(through_binding, iters, device)
+    us_direct = _time(direct, iters, device)
+    return BenchResult(group.group_id, backend.qualified_name, us, us_direct)
+
+
+def run_bench(args, registry, device_name: str, constraints) -> int:
+    from attn_core.models import specs_from_hf_config
+    from attn_core.selector import select
+    from attn_core.specs import DeviceCapabilities
+
+    device = torch.device(device_name)
+    caps = DeviceCapabilities.detect(device)
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    layout = specs_from_hf_config(args.model, tp_size=args.tp, dtype=dtype)
+    plan = select(layout.groups, registry, caps, constraints)
+    tuning = TuningData(device=caps.short())
+    results: list[BenchResult] = []
+    for group in layout.groups:
+        for backend in registry.backends:
+            if check_backend(
+                backend,
+                group.spec,
+                caps,
+                constraints,
+                page_size=plan.page_size,
+                kv_layout=plan.kv_layout,
+            ):
+                continue
+            try:
+                res = bench_group(
+                    group,
+                    backend,
+                    registry,
+                    plan,
+                    device,
+                    batch=args.batch,
+                    context=args.context,
+                    iters=args.iters,
+                )
+            except Exception as exc:  # report and go on with the other candidates
+                res = BenchResult(
+                    group.group_id,
+                    backend.qualified_name,
+                    float("nan"),
+                    float("nan"),
+                    f"{type(exc).__name__}: {exc}",
+                )
+            results.append(res)
+            if res.error is None:
+                tuning.record(backend.qualified_name, group.spec, res.us_per_layer)
+    if args.json:
+        print(json.dumps([r.__dict__ | {"overhead_ratio": r.overhead_ratio} for r in results]))
+    else:
+        rows = [
+            [
+                r.group_id,
+                r.backend,
+                "-" if r.error else f"{r.us_per_layer:.1f}",
+                "-" if r.error else f"{r.us_direct:.1f}",
+                "-" if r.error else f"{r.overhead_ratio:.3f}",
+                r.error or "",
+            ]
+            for r in results
+        ]
+        print(
+            render_table(
+                [
+                    "group",
+                    "backend",
+                    "us/layer (binding)",
+                    "us/layer (direct)",
+                    "binding/direct",
+                    "error",
+                ],
+                rows,
+                title=f"decode step: {args.batch} requests x {args.context} cached tokens on "
+                f"{caps.short()}",
+            )
+        )
+    if args.write_tuning:
+        tuning.save(args.write_tuning)
+        print(f"tuning data written to {args.write_tuning}")
+    if args.plot:
+        _plot(results, args.plot)
+    return 0 if all(r.error is None for r in results) else 1
+
+
+def _plot(results: list[BenchResult], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib (pip install matplotlib); no plot written")
+        return
+    ok = [r for r in results if r.error is None]
+    labels = [f"{r.group_id}\n{r.backend}" for r in ok]
+    fig, ax = plt.subplots(figsize=(max(4, len(ok) * 1.2), 3.5))
+    ax.bar(labels, [r.us_per_layer for r in ok], color="#4477aa")
+    ax.set_ylabel("us per layer (decode step)")
+    ax.set_title("attn bench: backends per layer group")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")

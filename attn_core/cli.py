@@ -1,0 +1,291 @@
+"""The ``attn`` command: list plugins, explain a selection, run a model, benchmark backends.
+
+attn list [--json]
+attn explain qwen3-next --target h200 [--tp 2] [--graph-mode decode] [--json]
+attn run --model qwen3-next [--device cpu] [--backends full=flashinfer]
+attn bench --model qwen3 [--device cuda] [--write-tuning tuning.json] [--plot bench.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+
+from attn_core.registry import Registry
+from attn_core.tables import render_table
+
+__all__ = ["main"]
+
+
+def _add_constraint_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("constraints")
+    g.add_argument("--graph-mode", default="none", choices=["none", "decode", "full"])
+    g.add_argument("--page-size", type=int, default=None)
+    g.add_argument("--kv-layout", default=None, choices=["NHD", "HND"])
+    g.add_argument("--kv-dtype", default=None, help="e.g. fp8_e4m3")
+    g.add_argument("--spec-tokens", type=int, default=0, help="draft tokens verified per request")
+    g.add_argument("--spec-strategy", default=None, choices=["native", "replay"])
+    g.add_argument("--max-batch", type=int, default=256)
+    g.add_argument("--max-tokens", type=int, default=8192)
+    g.add_argument("--deterministic", action="store_true")
+    g.add_argument(
+        "--backends",
+        default=None,
+        help="force backends per kind or group: 'full=flashinfer,linear=triton_ssm' "
+        "(also ATTN_CORE_BACKENDS)",
+    )
+    g.add_argument("--allow", default=None, help="comma-separated backend names to consider")
+    g.add_argument("--deny", default=None, help="comma-separated backend names never used")
+    g.add_argument("--downgrade", default="warn", choices=["error", "warn", "allow"])
+    g.add_argument("--strict", action="store_true", help="fail on a plugin that does not load")
+    g.add_argument("--tuning", default=None, help="tuning file written by `attn bench`")
+
+
+def _constraints(args: argparse.Namespace):
+    from attn_core.specs import ExecutionConstraints
+
+    return ExecutionConstraints(
+        graph_mode=args.graph_mode,
+        page_size=args.page_size,
+        kv_layout=args.kv_layout,
+        kv_dtype=args.kv_dtype,
+        speculative_tokens=args.spec_tokens,
+        spec_verify_strategy=args.spec_strategy,
+        max_batch_size=args.max_batch,
+        max_num_tokens=args.max_tokens,
+        deterministic=args.deterministic,
+        force=args.backends or (),
+        allow=args.allow or frozenset(),
+        deny=args.deny or frozenset(),
+        downgrade=args.downgrade,
+    )
+
+
+def _registry(args: argparse.Namespace) -> Registry:
+    return Registry.discover(strict=True if getattr(args, "strict", False) else None)
+
+
+# ------------------------------------------------------------------------------------------
+def cmd_list(args: argparse.Namespace) -> int:
+    registry = _registry(args)
+    summary = registry.summary()
+    if args.json:
+        print(json.dumps(summary, indent=1))
+        return 0
+    rows = []
+    for p in summary["plugins"]:
+        for b in p["backends"] or [None]:
+            if b is None:
+                rows.append([p["name"], p["version"], p["api_version"], "-", "-", "no backends"])
+                continue
+            kinds = ", ".join(b["kinds"])
+            if b["linear_variants"]:
+                kinds += " (" + ", ".join(b["linear_variants"]) + ")"
+            status = "available" if b["available"] else f"unavailable: {b['unavailable_reason']}"
+            rows.append(
+                [p["name"], p["version"] or "-", p["api_version"], b["name"], kinds, status]
+            )
+    print(
+        render_table(
+            ["plugin", "version", "API", "backend", "kinds", "status"],
+            rows,
+            title=f"attn-core plugin API {summary['api_version']}",
+        )
+    )
+    if summary["quarantined"]:
+        print()
+        print(
+            render_table(
+                ["plugin", "stage", "reason"],
+                [[q["plugin"], q["stage"], q["reason"]] for q in summary["quarantined"]],
+                title="Quarantined plugins (not loaded)",
+            )
+        )
+    for name, why in summary["skipped"].items():
+        print(f"skipped {name}: {why}")
+    return 0
+
+
+def _load_layout(args: argparse.Namespace):
+    from attn_core.models import specs_from_hf_config
+
+    return specs_from_hf_config(args.model, tp_size=args.tp, dtype=args.dtype)
+
+
+def _device(target: str | None):
+    from attn_core.specs import DeviceCapabilities
+
+    if target in (None, "auto"):
+        return DeviceCapabilities.detect()
+    return DeviceCapabilities.target(target)
+
+
+def _plan(args, layout, registry, device):
+    from attn_core.selector import TuningData, select
+
+    tuning = TuningData.load(args.tuning) if getattr(args, "tuning", None) else None
+    return select(layout.groups, registry, device, _constraints(args), tuning=tuning)
+
+
+def format_plan(plan) -> str:
+    """One table per group: the chosen backend and every rejected candidate with its reasons."""
+    out = [
+        f"device: {plan.device.short()}   graph mode: {plan.constraints.graph_mode.value}   "
+        f"page size: {plan.page_size if plan.page_size is not None else '-'}   "
+        f"KV layout: {plan.kv_layout or '-'}"
+    ]
+    for c in plan.choices:
+        note = " (forced)" if c.forced else ""
+        if c.tuned_us is not None:
+            note += f" (tuned: {c.tuned_us:.1f} us)"
+        if c.downgraded_from:
+            note += f" (downgraded from {', '.join(c.downgraded_from)})"
+        rows = [[c.backend.qualified_name, "chosen" + note, ""]]
+        rows += [[b, "admissible, ranked lower", ""] for b in c.outranked]
+        for backend, reasons in sorted(c.rejections_by_backend().items()):
+            rows.append(
+                [
+                    backend,
+                    "rejected",
+                    "\n".join(
+                        f"[{r.code}] {r.reason}" + (f" -> fix: {r.fix}" if r.fix else "")
+                        for r in reasons
+                    ),
+                ]
+            )
+        layers = list(c.group.layer_indices)
+        shown = layers if len(layers) <= 12 else [*layers[:12], "..."]
+        title = (
+            f"\ngroup {c.group.group_id}: {c.group.spec.short()}\n  {len(layers)} layers: {shown}"
+        )
+        out.append(render_table(["backend", "decision", "reasons"], rows, title=title))
+    return "\n".join(out)
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    registry = _registry(args)
+    layout = _load_layout(args)
+    device = _device(args.target)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = _plan(args, layout, registry, device)
+    if args.json:
+        payload = plan.to_dict()
+        payload["model"] = layout.architecture
+        payload["warnings"] = [str(w.message) for w in caught]
+        print(json.dumps(payload, indent=1))
+        return 0
+    print(f"model: {args.model} ({layout.architecture}, {layout.num_layers} layers, tp={args.tp})")
+    print(format_plan(plan))
+    for w in caught:
+        print(f"warning: {w.message}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from attn_core.e2e import run_main
+
+    registry = _registry(args)
+    device = args.device or ("cuda" if _cuda() else "cpu")
+    report = run_main(
+        args.model,
+        device=device,
+        dtype=args.dtype or ("bfloat16" if device == "cuda" else "float32"),
+        prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        graphs=args.graphs,
+        registry=registry,
+        constraints=_constraints(args),
+        progress=not args.no_progress,
+        console=print,
+    )
+    print(report.format())
+    return 0 if getattr(report, "ok", True) else 1
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from attn_core.bench import run_bench
+
+    registry = _registry(args)
+    device = args.device or ("cuda" if _cuda() else "cpu")
+    return run_bench(args, registry, device, _constraints(args))
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# ------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="attn", description="attn-core: attention backend registry for LLM inference"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("list", help="plugins, backends, the kinds they serve, quarantined plugins")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--strict", action="store_true")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser(
+        "explain", help="the backend chosen for every layer group, and why not others"
+    )
+    p.add_argument("model", help="a sample name (attn explain --help lists them) or a config.json")
+    p.add_argument("--target", default="auto", help="h100, h200, a100, b200, cpu, or auto")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (heads per rank)")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--json", action="store_true")
+    _add_constraint_args(p)
+    p.set_defaults(func=cmd_explain)
+
+    p = sub.add_parser("run", help="run a model through the framework and check it against HF")
+    p.add_argument("--model", default="qwen3-next")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--prompts", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--graphs", action="store_true", help="CUDA-graph decode")
+    p.add_argument("--no-progress", action="store_true")
+    _add_constraint_args(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("bench", help="time every admissible backend per group; write tuning data")
+    p.add_argument("--model", default="qwen3")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--batch", type=int, default=8, help="decode requests per step")
+    p.add_argument("--context", type=int, default=256, help="tokens already cached per request")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--write-tuning", default=None, help="write a tuning file for the selector")
+    p.add_argument("--plot", default=None, help="write a PNG comparison plot (needs matplotlib)")
+    p.add_argument("--json", action="store_true")
+    _add_constraint_args(p)
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "backends", None) is None and os.environ.get("ATTN_CORE_BACKENDS"):
+        args.backends = None  # the selector reads the environment itself
+    try:
+        return args.func(args)
+    except Exception as exc:  # a CLI prints the error, not a traceback, for expected failures
+        from attn_core.errors import AttnCoreError
+
+        if isinstance(exc, (AttnCoreError, ValueError, KeyError)):
+            print(f"attn {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
