@@ -184,6 +184,14 @@ class PersistentState:
         """Bytes of page and slot storage on the device (scales not counted)."""
         return self.kv_cache.nbytes + self.state_slots.nbytes
 
+    def __repr__(self) -> str:
+        return (
+            f"PersistentState(pages {self.num_pages - self.num_free_pages}/{self.num_pages} used, "
+            f"slots {self.num_slots - self.num_free_slots}/{self.num_slots} used, "
+            f"page_size={self.page_size}, requests={len(self._requests)}, "
+            f"cached blocks={len(self.prefix_cache)}, device={self.device})"
+        )
+
     def layer_spec(self, layer_index: int) -> LayerSpec:
         """The effective spec of a KV or linear layer (``kv_dtype`` / ``page_size`` applied)."""
         spec = self.layout.kv_specs.get(layer_index) or self.layout.linear_specs.get(layer_index)

@@ -7,11 +7,11 @@ page size and any page ids. All copies go through byte views, so every dtype (fl
 round-trips bitwise.
 
 Buffer layout: the tensors listed in :attr:`ExportMeta.layers`, each at its ``offset`` (aligned
-to 16 bytes, zero padding between), in layer order; per full layer ``k [num_tokens,
-num_kv_heads, head_dim]`` then ``v [num_tokens, num_kv_heads, head_dim_v]``; per MLA layer
-``latent [num_tokens, kv_lora_rank + qk_rope_head_dim]``; per linear layer ``conv [C, K-1]`` and
-``ssm [num_heads, head_dim, head_dim_v]`` (and, for offload only, ``snapshot.conv`` /
-``snapshot.ssm``: a prefix snapshot not yet registered in the prefix cache).
+to 16 bytes, zero padding between): first every KV layer in layer order (full: ``k
+[num_tokens, num_kv_heads, head_dim]`` then ``v [num_tokens, num_kv_heads, head_dim_v]``; MLA:
+``latent [num_tokens, kv_lora_rank + qk_rope_head_dim]``), then every linear layer in layer
+order (``conv [C, K-1]``, ``ssm [num_heads, head_dim, head_dim_v]`` and, for offload only,
+``snapshot.conv`` / ``snapshot.ssm``: a prefix snapshot not yet registered in the prefix cache).
 """
 
 from __future__ import annotations

@@ -210,7 +210,7 @@ def test_import_of_incompatible_layout_says_what_differs() -> None:
         fp8.import_request("a", exp)
     scaled = PersistentState(model(), num_pages=4, num_slots=2)
     scaled.kv_cache.set_scale(1, v=3.0)
-    with pytest.raises(ValueError, match="layer 1: v_scale: export 1.0, here 3.0"):
+    with pytest.raises(ValueError, match=r"layer 1: v_scale: export 1\.0, here 3\.0"):
         scaled.import_request("a", exp)
     full_only = [LayerGroup("full", model()[1].spec, (1,))]
     kv_only = PersistentState(full_only, num_pages=4, num_slots=0)
