@@ -380,6 +380,10 @@ class PersistentState:
             block = cache.get(key)
             if block is None:
                 page = req.pages[b] if self.has_kv else None
+                if page is not None and cache.page_owner(page) is not None:
+                    # The page already backs another prefix: the tokens given do not match
+                    # the KV this request holds (they changed since it was cached). Stop here.
+                    break
                 if page is not None:
                     self.page_allocator.incref([page])
                 block = cache.insert(key, parent, block_tokens, page)

@@ -55,6 +55,7 @@ class PrefixCache:
         self.page_size = page_size
         self._blocks: OrderedDict[int, CachedBlock] = OrderedDict()
         self._snapshots: OrderedDict[int, int] = OrderedDict()  # block key -> slot
+        self._page_owner: dict[int, int] = {}  # page -> key of the block holding it
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -71,6 +72,11 @@ class PrefixCache:
 
     def get(self, key: int) -> CachedBlock | None:
         return self._blocks.get(key)
+
+    def page_owner(self, page: int) -> CachedBlock | None:
+        """The block that holds ``page``, or ``None``: a page backs at most one block."""
+        key = self._page_owner.get(page)
+        return None if key is None else self._blocks[key]
 
     def lookup(self, tokens: Sequence[int]) -> list[CachedBlock]:
         """The cached blocks that match the longest block-aligned prefix of ``tokens``."""
@@ -102,6 +108,8 @@ class PrefixCache:
             key, parent.key if parent else None, tokens, parent.depth + 1 if parent else 1, page
         )
         self._blocks[key] = block
+        if page is not None:
+            self._page_owner[page] = key
         if parent is not None:
             parent.children += 1
         return block
@@ -123,6 +131,8 @@ class PrefixCache:
         if block.children:
             raise ValueError(f"block at depth {block.depth} still has {block.children} children")
         del self._blocks[block.key]
+        if block.page is not None:
+            del self._page_owner[block.page]
         if block.parent is not None:
             self._blocks[block.parent].children -= 1
 

@@ -396,3 +396,15 @@ def test_offloaded_request_rejects_live_access() -> None:
         s.restore("a")
     s.release("a")
     assert s.num_free_pages == 4 and s.num_free_slots == 2
+
+
+def test_cache_prefix_with_changed_tokens_does_not_double_register_a_page() -> None:
+    s = PersistentState(kv_only(), num_pages=4, num_slots=0)
+    fill(s, "a", 8, seed=1)
+    assert s.cache_prefix("a", [1] * 8) == 8
+    # The same pages under other tokens would make one page back two prefixes (never evictable).
+    assert s.cache_prefix("a", [2] * 8) == 0
+    assert len(s.prefix_cache) == 2
+    s.release("a")
+    assert s.clear_prefix_cache() == 2 and s.num_free_pages == 4
+    s.check_invariants()
