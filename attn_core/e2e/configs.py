@@ -1,0 +1,222 @@
+"""Tiny Hugging Face configs and models for the end-to-end runner.
+
+Every tiny config starts from the bundled sample (:func:`attn_core.models.load_sample`) and only
+shrinks sizes, so the same ``specs_from_hf_config`` path that parses the real model parses it.
+Weights are random (fixed seed); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from attn_core.models import ModelLayout, load_sample, specs_from_hf_config
+
+__all__ = ["ARCHITECTURES", "TinyModel", "build_tiny", "tiny_config"]
+
+_VOCAB = 256
+
+# Per sample: the fields that shrink it. Everything else (rope type, layer pattern rules, sinks,
+# MLA ranks relations...) stays as in the sample.
+_SHRINK: dict[str, dict[str, Any]] = {
+    "qwen3": dict(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_window_layers=2,
+    ),
+    "qwen3-next": dict(
+        num_hidden_layers=4,  # full_attention_interval 4: linear, linear, linear, full
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    ),
+    "deepseek-v3": dict(
+        num_hidden_layers=2,
+        first_k_dense_replace=1,  # layer 0 dense MLP, layer 1 MoE
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+    ),
+    "bamba": dict(
+        num_hidden_layers=4,
+        attn_layer_indices=[1, 3],
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_n_heads=8,
+        mamba_d_head=16,  # mamba_expand 2 * hidden 64 = 8 heads * 16
+        mamba_n_groups=2,
+        mamba_d_state=16,
+        mamba_chunk_size=16,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "gpt-oss": dict(
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        hidden_size=64,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=6,  # small enough that the window really cuts prompts and decodes
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        experts_per_token=2,
+        pad_token_id=0,
+        eos_token_id=2,
+    ),
+    "qwen2.5-vl-vision": dict(
+        depth=4,
+        fullatt_block_indexes=[1, 3],
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        out_hidden_size=64,
+    ),
+}
+#: Sample names the runner drives, in report order.
+ARCHITECTURES: tuple[str, ...] = tuple(_SHRINK)
+
+
+def tiny_config(name: str) -> dict[str, Any]:
+    """The sample config ``name`` with sizes shrunk (a fresh dict, ``config.json`` shaped).
+
+    For ``qwen2.5-vl-vision`` the shrink applies to ``vision_config`` (the tower is what runs).
+    """
+    if name not in _SHRINK:
+        raise ValueError(f"model {name!r} has no tiny config; available: {list(ARCHITECTURES)}")
+    cfg = load_sample(name)
+    if name == "qwen2.5-vl-vision":
+        cfg["vision_config"] = {
+            **cfg["vision_config"],
+            **copy.deepcopy(_SHRINK[name]),
+            "initializer_range": 0.1,
+        }
+        return cfg
+    cfg.update(copy.deepcopy(_SHRINK[name]))
+    cfg["vocab_size"] = _VOCAB
+    # transformers' default std 0.02 leaves the layers' share of the residual stream tiny at
+    # hidden 64, so logits would hardly depend on attention; 0.1 gives every layer weight.
+    cfg["initializer_range"] = 0.1
+    cfg["tie_word_embeddings"] = False
+    cfg.pop("num_nextn_predict_layers", None)
+    return cfg
+
+
+@dataclass(frozen=True, slots=True)
+class TinyModel:
+    """A random-init transformers model, its config dict and the attn-core layout parsed from it.
+
+    :ivar name: sample name (``"qwen3-next"``, ...).
+    :ivar config: the ``config.json``-shaped dict both transformers and attn-core read.
+    :ivar hf: the transformers module (``*ForCausalLM``; the vision transformer for
+        ``qwen2.5-vl-vision``) in eval mode, eager attention, on ``device`` in ``dtype``.
+    :ivar layout: ``specs_from_hf_config(config, dtype=dtype, tp_size=tp_size)``.
+    """
+
+    name: str
+    config: dict[str, Any]
+    hf: torch.nn.Module
+    layout: ModelLayout
+
+    @property
+    def is_encoder(self) -> bool:
+        return self.name == "qwen2.5-vl-vision"
+
+
+def _hf_config(name: str, cfg: dict[str, Any]):
+    from transformers import AutoConfig
+
+    if name == "qwen2.5-vl-vision":
+        from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+
+        return Qwen2_5_VLVisionConfig(**cfg["vision_config"])
+    fields = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures")}
+    return AutoConfig.for_model(cfg["model_type"], **fields)
+
+
+def build_tiny(
+    name: str,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: str = "float32",
+    seed: int = 0,
+    tp_size: int = 1,
+    page_size: int = 16,
+) -> TinyModel:
+    """Build the tiny transformers model ``name`` with random weights (seeded) and its layout.
+
+    :param dtype: ``"float32"`` / ``"bfloat16"`` / ``"float16"``: the model's and the specs'.
+    """
+    import transformers
+
+    cfg = tiny_config(name)
+    hf_cfg = _hf_config(name, cfg)
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    if name == "qwen2.5-vl-vision":
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel,
+        )
+
+        model = Qwen2_5_VisionTransformerPretrainedModel._from_config(
+            hf_cfg, attn_implementation="eager"
+        )
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager")
+    _spread_weights(model, seed)
+    from attn_core.specs import torch_dtype
+
+    model = model.to(device=device, dtype=torch_dtype(dtype)).eval()
+    layout = specs_from_hf_config(cfg, dtype=dtype, tp_size=tp_size, page_size=page_size)
+    return TinyModel(name, cfg, model, layout)
+
+
+@torch.no_grad()
+def _spread_weights(model: torch.nn.Module, seed: int) -> None:
+    """Make random logits decisive: HF's init (std 0.02) gives near-uniform next-token logits
+    whose argmax flips on rounding noise; a wider lm_head / embedding separates them."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name in ("lm_head", "embed_tokens"):
+        mod = _find(model, name)
+        if mod is not None:
+            mod.weight.copy_(torch.randn(mod.weight.shape, generator=gen) * 0.5)
+
+
+def _find(model: torch.nn.Module, suffix: str):
+    for name, mod in model.named_modules():
+        if name.endswith(suffix) and hasattr(mod, "weight"):
+            return mod
+    return None

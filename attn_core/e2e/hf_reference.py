@@ -1,0 +1,80 @@
+"""transformers' own forward of the tiny models: the ground truth the runner is compared with.
+
+transformers wraps its linear-attention / SSM torch functions in a hub-kernel decorator that
+swaps in fla's or mamba_ssm's Triton kernels when those packages import; fla imports here even
+without a GPU, and its kernels then fail. :func:`torch_paths` temporarily points the modeling
+module's globals at the undecorated torch code, so the reference is transformers' eager torch
+path on every machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+from collections.abc import Iterator, Sequence
+
+import torch
+
+__all__ = ["hf_causal_logits", "hf_vision_block_outputs", "torch_paths"]
+
+
+@contextlib.contextmanager
+def torch_paths(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, ``model``'s modeling module calls its own torch implementations."""
+    module = importlib.import_module(type(model).__module__)
+    saved: dict[str, object] = {}
+    for name, value in vars(module).items():
+        if inspect.isfunction(value) and hasattr(value, "__wrapped__"):
+            inner = inspect.unwrap(value)
+            if inner is not value and inner.__module__ == module.__name__:
+                saved[name] = value
+    try:
+        for name, value in saved.items():
+            setattr(module, name, inspect.unwrap(value))
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+@torch.no_grad()
+def hf_causal_logits(model: torch.nn.Module, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """transformers' eager full-sequence forward of each token sequence, one at a time.
+
+    :param sequences: token ids per request (prompt followed by the fed generated tokens).
+    :returns: per sequence ``[L, vocab]`` float32 logits (row ``t`` predicts token ``t + 1``).
+    """
+    device = next(model.parameters()).device
+    out = []
+    with torch_paths(model):
+        for seq in sequences:
+            ids = torch.tensor([list(seq)], dtype=torch.long, device=device)
+            logits = model(input_ids=ids, use_cache=False).logits
+            out.append(logits[0].float())
+    return out
+
+
+@torch.no_grad()
+def hf_vision_block_outputs(
+    model: torch.nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Qwen2.5-VL vision tower: the hidden states after every block and the merged output.
+
+    :param pixel_values: ``[num_patches, C * temporal_patch * patch * patch]``.
+    :param grid_thw: ``[num_images, 3]`` int64.
+    :returns: (per block ``[num_patches, hidden]`` float32, in the tower's window order;
+        merged ``[num_patches / merge_unit, out_hidden]`` float32, in image order).
+    """
+    captured: list[torch.Tensor] = []
+    hooks = [
+        blk.register_forward_hook(lambda _m, _i, o: captured.append(o.detach().float()))
+        for blk in model.blocks
+    ]
+    try:
+        with torch_paths(model):
+            result = model(pixel_values, grid_thw=grid_thw)
+    finally:
+        for h in hooks:
+            h.remove()
+    return captured, result.pooler_output.float()

@@ -1,0 +1,285 @@
+"""A small continuous-batching engine over the attention runtime.
+
+One :class:`Engine` serves one tiny model: it owns the core's :class:`PersistentState`, a
+:class:`BatchBuilder` and an :class:`AttentionRuntime`, and runs greedy generation for several
+requests at once::
+
+    step:  admit waiting requests (one per step, so batches mix),
+           schedule every active request: a prefill chunk (<= chunk_size prompt tokens) or one
+           decode token,
+           build the batch -> runtime.prepare -> adapter.forward -> logits,
+           advance the state, pick the next token (argmax) of requests whose prompt is done,
+           release finished requests.
+
+Pure-decode steps can run as CUDA graphs: one graph per padded batch size, captured on an
+all-padding batch (padding rows write no KV and touch no linear state, so capture leaves the
+state untouched); before each replay the real batch is built into the same buffers and
+``runtime.update(batch)`` refreshes the contexts in place.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from attn_core.batch import BatchBuilder
+from attn_core.e2e.adapters import CausalLMAdapter, layer_params_for
+from attn_core.e2e.configs import TinyModel
+from attn_core.runtime import AttentionRuntime
+from attn_core.state import PersistentState
+
+__all__ = ["Engine", "GenerationResult"]
+
+_GRAPH_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass
+class GenerationResult:
+    """What :meth:`Engine.generate` produced.
+
+    :ivar prompts: the prompt token ids per request.
+    :ivar tokens: the greedy tokens generated per request.
+    :ivar logits: per request ``[len(prompt) + len(tokens) - 1, vocab]`` float32 on the CPU: the
+        logits of every fed position (row ``t`` predicts token ``t + 1``).
+    :ivar step_modes: the batch mode of every step (``prefill`` / ``mixed`` / ``decode``).
+    """
+
+    prompts: list[list[int]]
+    tokens: list[list[int]]
+    logits: list[torch.Tensor]
+    step_modes: list[str] = field(default_factory=list)
+    graph_replays: int = 0
+    graph_note: str = ""
+    total_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    decode_tokens: int = 0
+    total_tokens: int = 0
+
+    @property
+    def steps(self) -> int:
+        return len(self.step_modes)
+
+    def mode_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for m in self.step_modes:
+            counts[m] = counts.get(m, 0) + 1
+        return counts
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.total_tokens / self.total_seconds if self.total_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+@dataclass(eq=False)
+class _Request:
+    rid: int
+    prompt: list[int]
+    fed: int = 0
+    tokens: list[int] = field(default_factory=list)
+    rows: list[torch.Tensor] = field(default_factory=list)
+
+
+class Engine:
+    """Continuous batching with chunked prefill and greedy decode for one tiny causal LM.
+
+    :param model: the tiny model and its layout.
+    :param plan: the selector's plan for ``model.layout.groups``.
+    :param registry: the registry the plan came from.
+    :param device: where the model lives.
+    :param chunk_size: most prompt tokens of one request per step.
+    :param max_batch_size: most requests per step (graph padding included).
+    :param max_model_len: most tokens per request.
+    :param graphs: capture pure-decode steps in CUDA graphs (CUDA only).
+    :param direct: the adapter calls contexts directly instead of bindings (overhead studies).
+    """
+
+    def __init__(
+        self,
+        model: TinyModel,
+        plan: Any,
+        registry: Any,
+        *,
+        device: torch.device | str = "cpu",
+        chunk_size: int = 5,
+        max_batch_size: int = 8,
+        max_model_len: int = 256,
+        graphs: bool = False,
+        direct: bool = False,
+    ) -> None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size={chunk_size}: expected >= 1")
+        self.model = model
+        self.device = torch.device(device)
+        self.chunk_size = chunk_size
+        self.max_batch_size = max_batch_size
+        self.max_model_len = max_model_len
+        layout = model.layout
+        page_size = plan.page_size or 16
+        pages_per_req = math.ceil(max_model_len / page_size)
+        self.state = PersistentState(
+            layout.groups,
+            num_pages=max_batch_size * pages_per_req + 1,
+            num_slots=max_batch_size,
+            device=self.device,
+            page_size=page_size if plan.page_size else None,
+        )
+        self.runtime = AttentionRuntime(
+            plan,
+            registry,
+            state=self.state,
+            device=self.device,
+            layer_params=layer_params_for(model.hf, layout),
+        )
+        self.max_num_tokens = max(max_batch_size * chunk_size, max_batch_size)
+        self.builder = BatchBuilder(
+            self.state,
+            max_batch_size=max_batch_size,
+            max_num_tokens=self.max_num_tokens,
+            max_pages_per_request=pages_per_req,
+            device=self.device,
+        )
+        self.adapter = CausalLMAdapter(model.hf, layout, self.runtime, direct=direct)
+        self.graphs = bool(graphs) and self.device.type == "cuda"
+        self.graph_note = "" if graphs == self.graphs else "CUDA graphs need a CUDA device"
+        self.last_step_graph = False
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+
+    # ------------------------------------------------------------------------------------
+    def step(self, schedule: Sequence[tuple[int, list[int]]], *, use_graph: bool = False):
+        """Run one step: ``schedule`` is ``(request id, token ids fed this step)`` per request.
+
+        :returns: ``([num_tokens, vocab]`` logits of the real tokens, the batch).
+        """
+        ids = [t for _, toks in schedule for t in toks]
+        reqs = [(rid, len(toks)) for rid, toks in schedule]
+        if use_graph:
+            size = next((s for s in _GRAPH_SIZES if s >= len(reqs)), None)
+            if size is not None and size <= self.max_batch_size:
+                entry = self._graphs.get(size) or self._capture(size)
+                if entry is not None:
+                    graph, static_ids, static_logits = entry
+                    batch = self.builder.build(reqs, pad_to=size)
+                    self.runtime.update(batch)
+                    static_ids.zero_()
+                    static_ids[: len(ids)].copy_(torch.tensor(ids, dtype=torch.long))
+                    graph.replay()
+                    self.last_step_graph = True
+                    return static_logits[: len(ids)], batch
+        self.last_step_graph = False
+        batch = self.builder.build(reqs)
+        self.runtime.prepare(batch)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return self.adapter.forward(input_ids, batch.positions), batch
+
+    def _capture(self, size: int):
+        """Capture the decode step for ``size`` padded requests on an all-padding batch."""
+        try:
+            dummy = self.builder.build([], pad_to=size)
+            self.runtime.prepare(dummy)
+            static_ids = torch.zeros(size, dtype=torch.long, device=self.device)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: lazy inits and allocator pools outside the graph
+                    self.adapter.forward(static_ids, dummy.positions)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_logits = self.adapter.forward(static_ids, dummy.positions)
+        except Exception as exc:  # e.g. a MoE block that syncs on data-dependent shapes
+            self.graphs = False
+            self.graph_note = f"graph capture failed, decode runs eagerly: {type(exc).__name__}: {exc}"
+            torch.cuda.synchronize()
+            return None
+        self._graphs[size] = (graph, static_ids, static_logits)
+        return self._graphs[size]
+
+    # ------------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        admit_per_step: int = 1,
+        progress: Any = None,
+    ) -> GenerationResult:
+        """Greedy generation of ``max_new_tokens`` for every prompt, continuously batched.
+
+        :param prompts: token ids per request (each at least one token).
+        :param admit_per_step: new requests admitted per step (fewer than all: mixed batches).
+        :param progress: optional callable ``(done_requests, total_requests, step)``.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 1")
+        reqs = [_Request(i, list(p)) for i, p in enumerate(prompts)]
+        for r in reqs:
+            if not r.prompt or len(r.prompt) + max_new_tokens > self.max_model_len:
+                raise ValueError(
+                    f"prompt {r.rid}: {len(r.prompt)} tokens + {max_new_tokens} new must be in "
+                    f"1..max_model_len={self.max_model_len}"
+                )
+        waiting = deque(reqs)
+        active: list[_Request] = []
+        result = GenerationResult([r.prompt for r in reqs], [], [])
+        done = 0
+        t_start = time.perf_counter()
+        while waiting or active:
+            for _ in range(admit_per_step):
+                if waiting and len(active) < self.max_batch_size:
+                    r = waiting.popleft()
+                    self.state.add_request(r.rid)
+                    active.append(r)
+            schedule, budget = [], self.max_num_tokens
+            for r in active:
+                if r.fed < len(r.prompt):
+                    n = min(self.chunk_size, len(r.prompt) - r.fed, budget - 1)
+                    toks = r.prompt[r.fed : r.fed + n]
+                else:
+                    toks = [r.tokens[-1]]
+                budget -= len(toks)
+                schedule.append((r, toks))
+            is_decode = all(r.fed >= len(r.prompt) for r, _ in schedule)
+            t0 = time.perf_counter()
+            logits, batch = self.step(
+                [(r.rid, toks) for r, toks in schedule], use_graph=self.graphs and is_decode
+            )
+            logits = logits.float().cpu()  # one sync per step: greedy sampling needs it
+            if is_decode:
+                result.decode_seconds += time.perf_counter() - t0
+                result.decode_tokens += len(schedule)
+                result.graph_replays += int(self.last_step_graph)
+            result.total_tokens += batch.num_tokens
+            result.step_modes.append(batch.mode.value)
+            off = 0
+            for r, toks in schedule:
+                n = len(toks)
+                rows = logits[off : off + n]
+                off += n
+                r.rows.append(rows)
+                self.state.advance(r.rid, n)
+                r.fed += n
+                if r.fed >= len(r.prompt):
+                    r.tokens.append(int(rows[-1].argmax()))
+            for r in [r for r in active if len(r.tokens) >= max_new_tokens]:
+                active.remove(r)
+                self.state.release(r.rid)
+                self.builder.invalidate(r.rid)
+                done += 1
+            if progress is not None:
+                progress(done, len(reqs), len(result.step_modes))
+        result.total_seconds = time.perf_counter() - t_start
+        result.tokens = [r.tokens for r in reqs]
+        result.logits = [torch.cat(r.rows) for r in reqs]
+        result.graph_note = self.graph_note
+        return result
+
