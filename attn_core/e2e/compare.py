@@ -1,0 +1,117 @@
+"""Compare the runner with transformers: logits of every fed position and the greedy tokens.
+
+Tolerances are explicit per dtype. float32 on either device is tight; half precision runs both
+models in bf16 / fp16, whose rounding differs between the paths (different op order, the
+reference computes attention in float32), so the bound is looser and greedy agreement is asked
+of most, not all, positions (a near-tie may flip).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from attn_core.e2e.configs import TinyModel
+from attn_core.e2e.hf_reference import hf_causal_logits, hf_vision_block_outputs
+from attn_core.e2e.runner import GenerationResult
+from attn_core.e2e.vision import VisionResult
+
+__all__ = ["TOLERANCES", "MatchResult", "Tolerance", "compare_generation", "compare_vision"]
+
+
+@dataclass(frozen=True, slots=True)
+class Tolerance:
+    """:ivar atol: bound on the max abs logit (or hidden-state) difference.
+    :ivar min_token_agreement: fraction of greedy tokens transformers must pick identically."""
+
+    atol: float
+    min_token_agreement: float
+
+
+TOLERANCES: dict[str, Tolerance] = {
+    "float32": Tolerance(atol=1e-4, min_token_agreement=1.0),
+    "bfloat16": Tolerance(atol=0.5, min_token_agreement=0.8),
+    "float16": Tolerance(atol=0.1, min_token_agreement=0.9),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    """How the runner's outputs compare with transformers' eager forward of the same model.
+
+    :ivar max_abs_diff: max abs difference over every compared logit (hidden state for encoders).
+    :ivar token_agreement: fraction of generated tokens that transformers' argmax (on the same
+        prefix) picks too; 1.0 for encoders (no tokens).
+    :ivar positions: logit rows (or hidden-state rows) compared.
+    :ivar tokens: generated tokens compared.
+    """
+
+    max_abs_diff: float
+    token_agreement: float
+    positions: int
+    tokens: int
+    atol: float
+    min_token_agreement: float
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.max_abs_diff <= self.atol and self.token_agreement >= self.min_token_agreement
+        )
+
+    def short(self) -> str:
+        verdict = "MATCH" if self.ok else "MISMATCH"
+        return (
+            f"{verdict} max|diff|={self.max_abs_diff:.2e} (atol {self.atol:g}), greedy tokens "
+            f"{self.token_agreement:.0%} of {self.tokens} (need {self.min_token_agreement:.0%}), "
+            f"{self.positions} positions"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+def compare_generation(
+    model: TinyModel, result: GenerationResult, *, tolerance: Tolerance | None = None
+) -> MatchResult:
+    """transformers' full-sequence forward of ``prompt + generated[:-1]`` per request vs the
+    runner's logits of every fed position, and its argmax vs the runner's greedy tokens."""
+    tol = tolerance or TOLERANCES[model.layout.layer_specs[0].dtype]
+    seqs = [p + t[:-1] for p, t in zip(result.prompts, result.tokens, strict=True)]
+    ref = hf_causal_logits(model.hf, seqs)
+    diff, agree, positions, tokens = 0.0, 0, 0, 0
+    for ours, theirs, prompt, toks in zip(
+        result.logits, ref, result.prompts, result.tokens, strict=True
+    ):
+        theirs = theirs.cpu()
+        if ours.shape != theirs.shape:
+            raise ValueError(f"runner logits {tuple(ours.shape)} vs transformers {tuple(theirs.shape)}")
+        diff = max(diff, (ours - theirs).abs().max().item())
+        picks = theirs[len(prompt) - 1 :].argmax(-1).tolist()
+        agree += sum(int(a == b) for a, b in zip(picks, toks, strict=True))
+        positions += ours.shape[0]
+        tokens += len(toks)
+    return MatchResult(diff, agree / max(tokens, 1), positions, tokens, tol.atol, tol.min_token_agreement)
+
+
+def compare_vision(
+    model: TinyModel,
+    result: VisionResult,
+    pixel_values: torch.Tensor,
+    grid_thw: torch.Tensor,
+    *,
+    tolerance: Tolerance | None = None,
+) -> MatchResult:
+    """Every block's hidden states and the merged output vs transformers' vision tower."""
+    tol = tolerance or TOLERANCES[model.layout.layer_specs[0].dtype]
+    blocks, merged = hf_vision_block_outputs(model.hf, pixel_values, grid_thw)
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]] = [
+        *zip(result.blocks, blocks, strict=True),
+        (result.merged, merged),
+    ]
+    diff = max((a - b).abs().max().item() for a, b in pairs)
+    rows = sum(a.shape[0] for a, _ in pairs)
+    return MatchResult(diff, 1.0, rows, 0, tol.atol, tol.min_token_agreement)

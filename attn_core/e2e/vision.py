@@ -1,0 +1,117 @@
+"""Qwen2.5-VL's vision tower with every block's attention through an encoder binding.
+
+The tower alternates windowed blocks (attention within windows of patches) and full blocks
+(attention within each image); both are bidirectional varlen attention over the same tokens and
+share one layer group, so the runner keeps two encoder batches (window and image cu-seqlens, two
+builders so that both stay valid) and prepares the runtime with the one each block needs.
+Everything else (patch embedding, window permutation, rotary, norms, MLP, merger) is the
+transformers modules' own code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from attn_core.batch import BatchBuilder
+from attn_core.e2e.configs import TinyModel
+from attn_core.runtime import AttentionRuntime
+
+__all__ = ["VisionResult", "VisionRunner", "sample_images"]
+
+
+@dataclass
+class VisionResult:
+    """:ivar blocks: per block ``[num_patches, hidden]`` float32 (window order, as transformers).
+    :ivar merged: ``[num_patches / merge_unit, out_hidden]`` float32 in image order."""
+
+    blocks: list[torch.Tensor]
+    merged: torch.Tensor
+    seconds: float = 0.0
+
+
+def sample_images(model: TinyModel, grids: list[tuple[int, int, int]], *, seed: int = 0):
+    """Random pixel patches for images of ``grids`` (t, h, w patches each).
+
+    :returns: ``(pixel_values [sum t*h*w, C*tp*p*p], grid_thw [n, 3] int64)`` on the model's
+        device and dtype.
+    """
+    cfg = model.hf.config
+    p = next(model.hf.parameters())
+    width = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
+    n = sum(t * h * w for t, h, w in grids)
+    gen = torch.Generator().manual_seed(seed)
+    pixels = torch.randn(n, width, generator=gen).to(device=p.device, dtype=p.dtype)
+    return pixels, torch.tensor(grids, dtype=torch.long, device=p.device)
+
+
+class VisionRunner:
+    """Runs the tower block by block; ``runtime`` has the layout's single encoder group."""
+
+    def __init__(self, model: TinyModel, runtime: AttentionRuntime, *, max_tokens: int = 4096):
+        self.model = model
+        self.runtime = runtime
+        device = runtime.device
+        self._builders = {
+            key: BatchBuilder(None, max_batch_size=256, max_num_tokens=max_tokens, device=device)
+            for key in ("full", "window")
+        }
+
+    @torch.no_grad()
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> VisionResult:
+        from transformers.vision_utils import (
+            get_vision_attention_seqlens,
+            get_vision_position_ids,
+            get_vision_window_index,
+        )
+        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as mq
+
+        vt = self.model.hf
+        layout = self.model.layout
+        position_ids = get_vision_position_ids(grid_thw, vt.spatial_merge_size, kwargs={})
+        cu_seqlens, _ = get_vision_attention_seqlens(grid_thw, vt.config, kwargs={})
+        window_index, cu_window = get_vision_window_index(
+            grid_thw,
+            spatial_merge_size=vt.spatial_merge_size,
+            window_size=vt.window_size,
+            patch_size=vt.patch_size,
+            kwargs={},
+        )
+        batches = {
+            "full": self._builders["full"].build_encoder(_lengths(cu_seqlens)),
+            "window": self._builders["window"].build_encoder(_lengths(cu_window)),
+        }
+        hs = vt.patch_embed(pixel_values)
+        seq_len = hs.shape[0]
+        hs = vt.permute_input_for_window_attn(hs, window_index, seq_len=seq_len)
+        cos, sin = (
+            vt.permute_input_for_window_attn(f, window_index, seq_len=seq_len)
+            for f in vt.rotary_pos_emb(hs, position_ids)
+        )
+        full_blocks = set(layout.encoder_full_attention_layers)
+        current = None
+        blocks = []
+        for i, blk in enumerate(vt.blocks):
+            key = "full" if i in full_blocks else "window"
+            if key != current:
+                self.runtime.prepare(batches[key])
+                current = key
+            at = blk.attn
+            x = blk.norm1(hs)
+            q, k, v = at.qkv(x).reshape(seq_len, 3, at.num_heads, -1).unbind(1)
+            q, k = mq.apply_rotary_pos_emb_vision(q, k, cos, sin)
+            out = torch.empty_like(q)
+            self.runtime.binding(i).forward(q.contiguous(), k.contiguous(), v.contiguous(), out=out)
+            hs = hs + at.proj(out.reshape(seq_len, -1))
+            hs = hs + blk.mlp(blk.norm2(hs))
+            blocks.append(hs.float())
+        merged = vt.merger(hs)[torch.argsort(window_index)]
+        return VisionResult(blocks, merged.float())
+
+
+def _lengths(cu: Any) -> list[int]:
+    """Segment lengths from cu-seqlens, dropping the empty windows transformers may keep."""
+    cu = torch.unique_consecutive(torch.as_tensor(cu).cpu())
+    return [int(x) for x in (cu[1:] - cu[:-1]).tolist() if x > 0]
