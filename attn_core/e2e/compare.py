@@ -58,9 +58,7 @@ class MatchResult:
 
     @property
     def ok(self) -> bool:
-        return (
-            self.max_abs_diff <= self.atol and self.token_agreement >= self.min_token_agreement
-        )
+        return self.max_abs_diff <= self.atol and self.token_agreement >= self.min_token_agreement
 
     def short(self) -> str:
         verdict = "MATCH" if self.ok else "MISMATCH"
@@ -88,13 +86,17 @@ def compare_generation(
     ):
         theirs = theirs.cpu()
         if ours.shape != theirs.shape:
-            raise ValueError(f"runner logits {tuple(ours.shape)} vs transformers {tuple(theirs.shape)}")
+            raise ValueError(
+                f"runner logits {tuple(ours.shape)} vs transformers {tuple(theirs.shape)}"
+            )
         diff = max(diff, (ours - theirs).abs().max().item())
         picks = theirs[len(prompt) - 1 :].argmax(-1).tolist()
         agree += sum(int(a == b) for a, b in zip(picks, toks, strict=True))
         positions += ours.shape[0]
         tokens += len(toks)
-    return MatchResult(diff, agree / max(tokens, 1), positions, tokens, tol.atol, tol.min_token_agreement)
+    return MatchResult(
+        diff, agree / max(tokens, 1), positions, tokens, tol.atol, tol.min_token_agreement
+    )
 
 
 def compare_vision(

@@ -39,7 +39,9 @@ def torch_paths(model: torch.nn.Module) -> Iterator[None]:
 
 
 @torch.no_grad()
-def hf_causal_logits(model: torch.nn.Module, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+def hf_causal_logits(
+    model: torch.nn.Module, sequences: Sequence[Sequence[int]]
+) -> list[torch.Tensor]:
     """transformers' eager full-sequence forward of each token sequence, one at a time.
 
     :param sequences: token ids per request (prompt followed by the fed generated tokens).

@@ -134,13 +134,17 @@ class ArchitectureRun:
         lines = [f"== {self.name} ({self.architecture})"]
         for g in self.plan["groups"]:
             layers = ",".join(str(i) for i in g["layers"])
-            lines.append(f"   {g['group_id']:<8} -> {g['backend']:<28} {g['spec']}  [layers {layers}]")
+            lines.append(
+                f"   {g['group_id']:<8} -> {g['backend']:<28} {g['spec']}  [layers {layers}]"
+            )
         lines.append(f"   {self.match.short()}")
         modes = ", ".join(f"{k} {v}" for k, v in sorted(self.mode_counts.items()))
         speed = f"{self.tokens_per_second:,.0f} tok/s"
         if self.decode_tokens_per_second:
             speed += f", decode {self.decode_tokens_per_second:,.0f} tok/s"
-        lines.append(f"   {self.steps} steps ({modes}); {self.tokens} tokens in {self.seconds:.2f}s: {speed}")
+        lines.append(
+            f"   {self.steps} steps ({modes}); {self.tokens} tokens in {self.seconds:.2f}s: {speed}"
+        )
         if self.graph_replays:
             lines.append(f"   CUDA-graph decode replays: {self.graph_replays}")
         lines += [f"   note: {n}" for n in self.notes]
@@ -165,7 +169,7 @@ class ArchitectureRun:
 
 @dataclass
 class RunReport:
-    """What ``attn run`` prints: per architecture the plan, the match against transformers, speed."""
+    """What ``attn run`` prints: per architecture the plan, the match with transformers, speed."""
 
     model: str
     device: str
@@ -215,8 +219,14 @@ def run_architecture(
         grids = [_VISION_GRIDS[i % len(_VISION_GRIDS)] for i in range(max(prompts, 1))]
         tokens = sum(t * h * w for t, h, w in grids)
         plan = plan_for(
-            model, registry, device, constraints, max_batch_size=256, max_num_tokens=max(tokens, 1),
-            max_model_len=max(tokens, 1), graphs=False,
+            model,
+            registry,
+            device,
+            constraints,
+            max_batch_size=256,
+            max_num_tokens=max(tokens, 1),
+            max_model_len=max(tokens, 1),
+            graphs=False,
         )
         runtime = AttentionRuntime(plan, registry, state=None, device=device)
         pixels, grid_thw = sample_images(model, grids)
@@ -231,31 +241,59 @@ def run_architecture(
         if graphs:
             notes.append("the vision tower runs without CUDA graphs (one encoder pass)")
         return ArchitectureRun(
-            name, model.layout.architecture, model.layout.short(), plan.to_dict(), match,
-            steps=len(result.blocks), mode_counts={"encoder": len(result.blocks)}, tokens=tokens,
-            seconds=seconds, tokens_per_second=tokens / seconds if seconds else 0.0, notes=notes,
+            name,
+            model.layout.architecture,
+            model.layout.short(),
+            plan.to_dict(),
+            match,
+            steps=len(result.blocks),
+            mode_counts={"encoder": len(result.blocks)},
+            tokens=tokens,
+            seconds=seconds,
+            tokens_per_second=tokens / seconds if seconds else 0.0,
+            notes=notes,
         )
     prompt_ids = make_prompts(prompts)
     batch = _pow2(max(prompts, 1))
     max_len = max(len(p) for p in prompt_ids) + max_new_tokens + 1
     plan = plan_for(
-        model, registry, device, constraints, max_batch_size=batch,
-        max_num_tokens=batch * chunk_size, max_model_len=max_len, graphs=graphs,
+        model,
+        registry,
+        device,
+        constraints,
+        max_batch_size=batch,
+        max_num_tokens=batch * chunk_size,
+        max_model_len=max_len,
+        graphs=graphs,
     )
     engine = Engine(
-        model, plan, registry, device=device, chunk_size=chunk_size, max_batch_size=batch,
-        max_model_len=max_len, graphs=graphs,
+        model,
+        plan,
+        registry,
+        device=device,
+        chunk_size=chunk_size,
+        max_batch_size=batch,
+        max_model_len=max_len,
+        graphs=graphs,
     )
     result = engine.generate(prompt_ids, max_new_tokens, progress=on_progress)
     if result.graph_note:
         notes.append(result.graph_note)
     match = compare_generation(model, result)
     return ArchitectureRun(
-        name, model.layout.architecture, model.layout.short(), plan.to_dict(), match,
-        steps=result.steps, mode_counts=result.mode_counts(), tokens=result.total_tokens,
-        seconds=result.total_seconds, tokens_per_second=result.tokens_per_second,
+        name,
+        model.layout.architecture,
+        model.layout.short(),
+        plan.to_dict(),
+        match,
+        steps=result.steps,
+        mode_counts=result.mode_counts(),
+        tokens=result.total_tokens,
+        seconds=result.total_seconds,
+        tokens_per_second=result.tokens_per_second,
         decode_tokens_per_second=result.decode_tokens_per_second,
-        graph_replays=result.graph_replays, notes=notes,
+        graph_replays=result.graph_replays,
+        notes=notes,
     )
 
 
@@ -270,8 +308,11 @@ def _progress_display(enabled: bool, console: Callable[..., Any]) -> Iterator[Ca
             pass
         else:
             with Progress(
-                TextColumn("{task.description:<20}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("step {task.fields[step]}"), transient=True,
+                TextColumn("{task.description:<20}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("step {task.fields[step]}"),
+                transient=True,
             ) as bar:
 
                 def start(name: str, total: int):
@@ -331,9 +372,15 @@ def run_main(
             update = start(name, prompts)
             runs.append(
                 run_architecture(
-                    name, device=device, dtype=dtype, prompts=prompts,
-                    max_new_tokens=max_new_tokens, graphs=graphs, registry=registry,
-                    constraints=constraints, on_progress=update,
+                    name,
+                    device=device,
+                    dtype=dtype,
+                    prompts=prompts,
+                    max_new_tokens=max_new_tokens,
+                    graphs=graphs,
+                    registry=registry,
+                    constraints=constraints,
+                    on_progress=update,
                 )
             )
     return RunReport(model, str(torch.device(device)), dtype, runs)

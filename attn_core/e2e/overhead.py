@@ -92,11 +92,22 @@ def measure_overhead(
     chunk = max(context_len, 1)
     max_len = context_len + 2
     plan = plan_for(
-        tiny, registry, dev, constraints, max_batch_size=batch_size,
-        max_num_tokens=batch_size * chunk, max_model_len=max_len, graphs=False,
+        tiny,
+        registry,
+        dev,
+        constraints,
+        max_batch_size=batch_size,
+        max_num_tokens=batch_size * chunk,
+        max_model_len=max_len,
+        graphs=False,
     )
     engine = Engine(
-        tiny, plan, registry, device=dev, chunk_size=chunk, max_batch_size=batch_size,
+        tiny,
+        plan,
+        registry,
+        device=dev,
+        chunk_size=chunk,
+        max_batch_size=batch_size,
         max_model_len=max_len,
     )
     gen = torch.Generator().manual_seed(0)
@@ -127,8 +138,15 @@ def measure_overhead(
     d = statistics.median(times["direct"]) * 1e3
     n_layers = len(tiny.layout.layer_indices)
     return OverheadReport(
-        model=name, device=str(dev), dtype=dtype, batch_size=batch_size,
-        context_len=context_len, attention_layers=n_layers, binding_ms=b, direct_ms=d,
-        ratio=b / d if d else float("nan"), per_layer_us=(b - d) * 1e3 / max(n_layers, 1),
+        model=name,
+        device=str(dev),
+        dtype=dtype,
+        batch_size=batch_size,
+        context_len=context_len,
+        attention_layers=n_layers,
+        binding_ms=b,
+        direct_ms=d,
+        ratio=b / d if d else float("nan"),
+        per_layer_us=(b - d) * 1e3 / max(n_layers, 1),
         iters=iters,
     )

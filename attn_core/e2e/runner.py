@@ -198,7 +198,9 @@ class Engine:
                 static_logits = self.adapter.forward(static_ids, dummy.positions)
         except Exception as exc:  # e.g. a MoE block that syncs on data-dependent shapes
             self.graphs = False
-            self.graph_note = f"graph capture failed, decode runs eagerly: {type(exc).__name__}: {exc}"
+            self.graph_note = (
+                f"graph capture failed, decode runs eagerly: {type(exc).__name__}: {exc}"
+            )
             torch.cuda.synchronize()
             return None
         self._graphs[size] = (graph, static_ids, static_logits)
@@ -282,4 +284,3 @@ class Engine:
         result.logits = [torch.cat(r.rows) for r in reqs]
         result.graph_note = self.graph_note
         return result
-

@@ -61,12 +61,12 @@ class VisionRunner:
 
     @torch.no_grad()
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> VisionResult:
+        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as mq
         from transformers.vision_utils import (
             get_vision_attention_seqlens,
             get_vision_position_ids,
             get_vision_window_index,
         )
-        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as mq
 
         vt = self.model.hf
         layout = self.model.layout

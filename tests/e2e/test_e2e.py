@@ -1,0 +1,144 @@
+"""End to end: tiny transformers models driven through attention bindings vs transformers itself.
+
+Every architecture runs continuous batching (chunked prefill of 5 tokens, mixed prefill/decode
+steps, greedy decode) on the reference backend and is compared with transformers' eager forward
+of the same random-weight model: every logit of every fed position and every greedy token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attn_core.e2e.runner as runner_mod
+from attn_core.e2e import (
+    ARCHITECTURES,
+    Engine,
+    build_tiny,
+    compare_generation,
+    measure_overhead,
+    run_architecture,
+    run_main,
+)
+from attn_core.e2e.main import default_registry, make_prompts, plan_for, resolve_models
+
+DECODERS = [n for n in ARCHITECTURES if n != "qwen2.5-vl-vision"]
+CUDA = torch.cuda.is_available()
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_decoder_matches_transformers_fp32_cpu(name: str) -> None:
+    run = run_architecture(name, prompts=4, max_new_tokens=6)
+    assert run.match.max_abs_diff < 1e-4, run.format()
+    assert run.match.token_agreement == 1.0, run.format()
+    assert run.match.tokens == 4 * 6
+    # the schedule really mixed prefill chunks with decodes
+    assert {"prefill", "mixed", "decode"} <= set(run.mode_counts), run.mode_counts
+    assert run.ok
+
+
+def test_vision_tower_blocks_match_transformers_fp32_cpu() -> None:
+    run = run_architecture("qwen2.5-vl-vision", prompts=3)
+    assert run.match.max_abs_diff < 1e-4, run.format()
+    assert run.steps == 4 and run.ok
+
+
+def test_comparison_detects_a_wrong_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Zeroed gpt-oss sinks change the logits beyond tolerance: the check can fail."""
+    real = runner_mod.layer_params_for
+
+    def zero_sinks(hf, layout):
+        return {i: {"sinks": p["sinks"] * 0} for i, p in real(hf, layout).items()}
+
+    monkeypatch.setattr(runner_mod, "layer_params_for", zero_sinks)
+    run = run_architecture("gpt-oss", prompts=2, max_new_tokens=3)
+    assert not run.ok
+    assert run.match.max_abs_diff > 1e-2
+
+
+def test_engine_handles_more_requests_than_batch_slots() -> None:
+    """Six requests through a batch of two: admission waits for released slots and pages."""
+    model = build_tiny("qwen3")
+    registry = default_registry()
+    plan = plan_for(
+        model,
+        registry,
+        torch.device("cpu"),
+        None,
+        max_batch_size=2,
+        max_num_tokens=10,
+        max_model_len=40,
+        graphs=False,
+    )
+    engine = Engine(model, plan, registry, chunk_size=5, max_batch_size=2, max_model_len=40)
+    prompts = make_prompts(6)
+    result = engine.generate(prompts, 4, admit_per_step=2)
+    assert [len(t) for t in result.tokens] == [4] * 6
+    assert compare_generation(model, result).ok
+    assert engine.state.request_ids() == []
+
+
+def test_run_main_report() -> None:
+    lines: list[str] = []
+    report = run_main(
+        "qwen3,bamba",
+        device="cpu",
+        dtype="fp32",
+        prompts=2,
+        max_new_tokens=3,
+        graphs=True,
+        registry=None,
+        constraints=None,
+        progress=True,
+        console=lines.append,
+    )
+    assert report.ok and [r.name for r in report.runs] == ["qwen3", "bamba"]
+    text = report.format()
+    assert "attn_core:reference" in text and "2/2 architectures match" in text
+    assert "CUDA graphs need a CUDA device" in text  # asked for graphs on CPU: said, not hidden
+    assert report.to_dict()["runs"][1]["plan"]["groups"][0]["group_id"] == "linear"
+    assert lines and "qwen3" in lines[0]
+
+
+def test_resolve_models() -> None:
+    assert resolve_models("all") == list(ARCHITECTURES)
+    assert resolve_models("qwen2.5-vl, gpt_oss") == ["qwen2.5-vl-vision", "gpt-oss"]
+    with pytest.raises(ValueError, match="llama-2"):
+        resolve_models("llama-2")
+
+
+def test_measure_overhead_cpu() -> None:
+    rep = measure_overhead("qwen3-next", "cpu", batch_size=2, context_len=6, iters=3, warmup=1)
+    assert rep.binding_ms > 0 and rep.direct_ms > 0
+    assert rep.ratio == pytest.approx(rep.binding_ms / rep.direct_ms)
+    assert rep.attention_layers == 4
+    with pytest.raises(ValueError, match="encoder"):
+        measure_overhead("qwen2.5-vl-vision", "cpu")
+
+
+# ------------------------------------------------------------------------------------------
+# GPU: bf16 with an explicit looser tolerance, and CUDA-graph decode
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", [pytest.param(n, marks=gpu) for n in ARCHITECTURES])
+def test_matches_transformers_bf16_gpu(name: str) -> None:
+    run = run_architecture(name, device="cuda", dtype="bfloat16", prompts=4, max_new_tokens=6)
+    assert run.ok, run.format()
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=gpu) for n in ARCHITECTURES])
+def test_matches_transformers_fp32_gpu(name: str) -> None:
+    run = run_architecture(name, device="cuda", dtype="float32", prompts=4, max_new_tokens=6)
+    assert run.match.max_abs_diff < 1e-3, run.format()
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=gpu) for n in ("qwen3", "bamba", "deepseek-v3")]
+)
+def test_cuda_graph_decode(name: str) -> None:
+    """Decode steps replay captured graphs (runtime.update before replay) and still match."""
+    run = run_architecture(
+        name, device="cuda", dtype="float32", prompts=3, max_new_tokens=6, graphs=True
+    )
+    assert run.graph_replays > 0, run.format()
+    assert run.match.max_abs_diff < 1e-3 and run.match.token_agreement == 1.0, run.format()
