@@ -1,0 +1,575 @@
+"""Per-group FlashInfer contexts: one plan per step, shared by every layer of the group.
+
+Life cycle (see :mod:`attn_core.context`)::
+
+    ctx = FullAttentionContext(...)   # wrappers over the core-allocated workspace
+    ctx.prepare(batch)                # host metadata (numpy), kv_indices gathered on device,
+                                      # one FlashInfer plan() for the step
+    ctx.forward(layer, q, k, v, out)  # write K/V by slot, then wrapper.run() (per layer)
+    ctx.update(batch)                 # before a CUDA-graph replay: the same, into the buffers
+                                      # the captured kernels read
+
+Which FlashInfer wrapper runs a step:
+
+============================ ==============================================================
+step                         wrapper
+============================ ==============================================================
+decode, graph mode DECODE    ``BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=True)``, one
+                             per padded batch size, buffers = views of the workspace
+decode                       ``BatchDecodeWithPagedKVCacheWrapper``
+prefill without context,     ``BatchPrefillWithRaggedKVCacheWrapper`` over the step's own k/v
+non-fp8 KV                   (they are also written to the cache)
+prefill / mixed / verify     ``BatchPrefillWithPagedKVCacheWrapper`` (causal, bottom-right
+                             aligned: the queries are each request's last tokens)
+MLA, any step                ``BatchMLAPagedAttentionWrapper`` (graph variant for graph decode)
+============================ ==============================================================
+
+FP8 KV: FlashInfer's ``k_scale``/``v_scale`` run arguments are host floats, while the core keeps
+each layer's scale as a 0-dim device tensor (set in place, read by captured graphs). So the
+context folds them on the device instead: ``q * k_scale`` before the kernel and
+``out *= v_scale`` after it - no host sync, and a graph replay sees the current scale.
+
+Per-layer softmax scales (``LayerAttentionBinding.scale``) are applied by setting the wrapper's
+``_sm_scale`` before ``run()``: FlashInfer 0.6.7 reads it there (plan() only stores it).
+
+Host metadata lives in two pinned halves used alternately, so a step's non-blocking copies never
+read a buffer the next step is already rewriting.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from attn_core.batch import AttentionBatch, BatchMode
+from attn_core.context import WorkspaceRequirement
+from attn_core.specs import ExecutionConstraints, GraphMode, LayerGroup, LayerKind, LayerSpec
+from attn_plugin_flashinfer import planning
+from attn_plugin_flashinfer.kv_write import FP8_DTYPE, write_rows
+
+__all__ = [
+    "FLOAT_WORKSPACE_BYTES",
+    "INT_WORKSPACE_BYTES",
+    "FullAttentionContext",
+    "MLAContext",
+    "StepKind",
+    "decode_uses_tensor_cores",
+    "workspace_requirements",
+]
+
+#: FlashInfer's recommended float workspace (split-KV partial results); override with
+#: ``ATTN_FLASHINFER_WORKSPACE_MB``.
+FLOAT_WORKSPACE_BYTES = int(os.environ.get("ATTN_FLASHINFER_WORKSPACE_MB", "128")) * 2**20
+#: Size of the int workspace every FlashInfer wrapper allocates for itself (plan info).
+INT_WORKSPACE_BYTES = 8 * 2**20
+#: GQA group sizes FlashInfer's CUDA-core decode kernel is compiled for (DISPATCH_GQA_GROUP_SIZE).
+_CUDA_CORE_DECODE_GROUPS = frozenset({1, 2, 3, 4, 8})
+
+
+class StepKind(str, enum.Enum):
+    DECODE = "decode"
+    DECODE_GRAPH = "decode_graph"
+    RAGGED = "ragged"
+    PAGED = "paged"
+    MLA = "mla"
+    MLA_GRAPH = "mla_graph"
+    EMPTY = "empty"
+
+
+def decode_uses_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
+    """Whether decode needs the tensor-core (prefill-kernel) path: only for GQA group sizes
+    the CUDA-core decode kernel lacks. The CUDA-core kernel plans with less host work (its plan
+    takes no Python ``max()`` over the batch), which keeps ``prepare`` within budget at B=256."""
+    return (num_heads // num_kv_heads) not in _CUDA_CORE_DECODE_GROUPS
+
+
+def _max_pages(spec: LayerSpec, constraints: ExecutionConstraints) -> int:
+    page = min(constraints.page_size or spec.page_size, spec.page_size)
+    per_request = -(-constraints.max_model_len // page) + 1  # + 1: decode may cross a page
+    return constraints.max_batch_size * per_request
+
+
+def workspace_requirements(
+    spec: LayerSpec, constraints: ExecutionConstraints
+) -> list[WorkspaceRequirement]:
+    """Buffers one context needs, sized for ``constraints`` (largest batch, longest request).
+
+    - ``float_workspace`` ``[128 MiB]`` uint8, zeroed (FlashInfer asks for zeros on first use).
+    - ``int_workspace`` ``[8 MiB]`` uint8: plan info, shared by the context's wrappers.
+    - ``host_meta`` ``[2, 5B + 2]`` int32, pinned: two halves of
+      ``kv_indptr (B+1) | row_offset (B) | last_page_len (B) | qo_indptr (B+1) | kv_len (B)``.
+    - ``host_src`` ``[2, T]`` int64, pinned: write sources of padded steps.
+    - ``dev_meta`` ``[2B + 1]`` int32: device copy of ``kv_indptr | row_offset``.
+    - ``kv_indices`` / ``arange`` ``[B * (ceil(max_model_len / page) + 1)]`` int32.
+    - ``write_src`` / ``write_dst`` ``[T]`` int64.
+    - ``graph_kv_indptr`` / ``graph_qo_indptr`` ``[B + 1]``, ``graph_last_page_len`` /
+      ``graph_kv_len`` ``[B]`` int32: what captured decode kernels read.
+    """
+    B, T = constraints.max_batch_size, constraints.max_num_tokens
+    pages = _max_pages(spec, constraints)
+    i32, i64 = torch.int32, torch.int64
+    return [
+        WorkspaceRequirement("float_workspace", (FLOAT_WORKSPACE_BYTES,), torch.uint8, zero=True),
+        WorkspaceRequirement("int_workspace", (INT_WORKSPACE_BYTES,), torch.uint8, zero=True),
+        WorkspaceRequirement("host_meta", (2, 5 * B + 2), i32, host=True, zero=True),
+        WorkspaceRequirement("host_src", (2, T), i64, host=True, zero=True),
+        WorkspaceRequirement("dev_meta", (2 * B + 1,), i32, zero=True),
+        WorkspaceRequirement("kv_indices", (pages,), i32, zero=True),
+        WorkspaceRequirement("arange", (pages,), i32),
+        WorkspaceRequirement("write_src", (T,), i64, zero=True),
+        WorkspaceRequirement("write_dst", (T,), i64, zero=True),
+        WorkspaceRequirement("graph_kv_indptr", (B + 1,), i32, zero=True),
+        WorkspaceRequirement("graph_qo_indptr", (B + 1,), i32, zero=True),
+        WorkspaceRequirement("graph_last_page_len", (B,), i32, zero=True),
+        WorkspaceRequirement("graph_kv_len", (B,), i32, zero=True),
+    ]
+
+
+@dataclass(slots=True)
+class _Step:
+    """What forward needs from the step's plan (the same for every layer)."""
+
+    kind: StepKind
+    wrapper: Any
+    dst: torch.Tensor | None  # [N] int64 cache slots to write
+    src: torch.Tensor | None  # [N] int64 rows of k/v to write (None: k[:N])
+
+
+def _share_int_workspace(wrapper: Any, int_ws: torch.Tensor, pinned: torch.Tensor) -> Any:
+    """Point a wrapper at the context's int workspace and pinned staging buffer.
+
+    Every 0.6.7 wrapper allocates 8 MiB device + 8 MiB pinned memory of its own; a context keeps
+    one decode graph wrapper per captured batch size, so it shares one pair instead. Only one
+    wrapper of a context is planned and run per step, so sharing is safe."""
+    wrapper._int_workspace_buffer = int_ws
+    wrapper._pin_memory_int_workspace_buffer = pinned
+    return wrapper
+
+
+class _PagedContext:
+    """Planning shared by the full-attention and MLA contexts."""
+
+    def __init__(
+        self,
+        backend: Any,
+        group: LayerGroup,
+        constraints: ExecutionConstraints,
+        workspace: Any,
+    ) -> None:
+        import flashinfer  # cold: once per group
+
+        self.fi = flashinfer
+        self.backend = backend
+        self.group = group
+        self.spec = group.spec
+        self.constraints = constraints
+        self.graph_decode = constraints.graph_mode is not GraphMode.NONE
+        ws = workspace
+        self.float_ws = ws["float_workspace"]
+        self.int_ws = ws["int_workspace"]
+        self.device = self.float_ws.device
+        self.pinned_staging = torch.empty(
+            INT_WORKSPACE_BYTES,
+            dtype=torch.uint8,
+            pin_memory=self.device.type == "cuda",
+        )
+        self.host = ws["host_meta"]
+        self.host_np = self.host.numpy()
+        self.host_src = ws["host_src"]
+        self.host_src_np = self.host_src.numpy()
+        self.dev_meta = ws["dev_meta"]
+        self.kv_indices = ws["kv_indices"]
+        self.arange = ws["arange"]
+        torch.arange(self.arange.shape[0], dtype=torch.int32, out=self.arange)
+        self.write_src = ws["write_src"]
+        self.write_dst = ws["write_dst"]
+        self.g_kv_indptr = ws["graph_kv_indptr"]
+        self.g_qo_indptr = ws["graph_qo_indptr"]
+        self.g_last_page_len = ws["graph_last_page_len"]
+        self.g_kv_len = ws["graph_kv_len"]
+        self.B = constraints.max_batch_size
+        self.kv_dtype = torch.float8_e4m3fn if self.spec.kv_dtype == "fp8_e4m3" else None
+        self.q_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[self.spec.dtype]
+        if self.kv_dtype is None:
+            self.kv_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[
+                self.spec.kv_dtype
+            ]
+        self.fp8 = self.kv_dtype == FP8_DTYPE
+        self.batch: AttentionBatch | None = None
+        self.step: _Step | None = None
+        self._half = 1
+        self._graph_wrappers: dict[int, Any] = {}
+
+    # -- the contract ------------------------------------------------------------------------
+    def prepare(self, batch: AttentionBatch) -> None:
+        """Plan ``batch``: host metadata, device ``kv_indices``, write slots, one plan()."""
+        if batch is self.batch and self.step is not None:
+            return  # already planned for this very batch (prepare then update, say)
+        self.step = self._plan(batch)
+        self.batch = batch
+
+    def update(self, batch: AttentionBatch) -> None:
+        """Before a CUDA-graph replay: re-plan into the captured wrapper's fixed buffers.
+
+        Decode graph wrappers own no per-step buffers of their own: their indptr, indices and
+        last-page-length buffers are views of this context's workspace, and ``plan()`` rewrites
+        them (and the plan info in the shared int workspace) in place.
+        """
+        self.prepare(batch)
+
+    # -- planning -----------------------------------------------------------------------------
+    def _plan(self, batch: AttentionBatch) -> _Step:
+        if batch.mode is BatchMode.ENCODER:
+            raise ValueError(
+                f"group {self.group.group_id!r} ({self.spec.kind.value}) got an encoder batch; "
+                "expected decode / prefill / mixed / verify"
+            )
+        P, T, n = batch.padded_reqs, batch.padded_tokens, batch.num_tokens
+        if P == 0 or T == 0:
+            return _Step(StepKind.EMPTY, None, None, None)
+        if batch.page_table is None or batch.slot_mapping is None or not batch.page_size:
+            raise ValueError("the batch has no page table / slot mapping: build it with a state")
+        if P > self.B:
+            raise ValueError(f"batch of {P} requests exceeds max_batch_size={self.B}")
+        self._half ^= 1
+        h = self._half
+        B = self.B
+        row = self.host_np[h]
+        o = _Offsets(B)
+        meta = planning.fill_paged_metadata(
+            batch.seq_lens_cpu[:P],
+            batch.page_size,
+            batch.page_table.shape[1],
+            kv_indptr=row[o.kv_indptr : o.kv_indptr + P + 1],
+            row_offset=row[o.row_offset : o.row_offset + P],
+            last_page_len=row[o.last_page_len : o.last_page_len + P],
+        )
+        row[o.qo_indptr : o.qo_indptr + P + 1] = batch.query_start_loc_cpu[: P + 1]
+        row[o.kv_len : o.kv_len + P] = batch.seq_lens_cpu[:P]
+        nb = self.device.type == "cuda"
+        # One copy carries kv_indptr | row_offset (adjacent) for the device-side gather.
+        self.dev_meta.copy_(self.host[h, : 2 * B + 1], non_blocking=nb)
+        indices = planning.gather_kv_indices(
+            batch.page_table,
+            self.dev_meta[: P + 1],
+            self.dev_meta[o.row_offset : o.row_offset + P],
+            meta.total_pages,
+            arange=self.arange,
+            out=self.kv_indices,
+        )
+        graph = self.graph_decode and batch.mode is BatchMode.DECODE
+        if graph or n != T:
+            planning.write_sources(n, T, self.host_src_np[h])
+            src = self.write_src[:T]
+            src.copy_(self.host_src[h, :T], non_blocking=nb)
+            dst = self.write_dst[:T]
+            torch.index_select(batch.slot_mapping, 0, src, out=dst)
+        else:
+            src, dst = None, batch.slot_mapping[:n]
+        host = self.host[h]
+        views = _HostViews(
+            kv_indptr=host[o.kv_indptr : o.kv_indptr + P + 1],
+            last_page_len=host[o.last_page_len : o.last_page_len + P],
+            qo_indptr=host[o.qo_indptr : o.qo_indptr + P + 1],
+            kv_len=host[o.kv_len : o.kv_len + P],
+        )
+        kind, wrapper = self._plan_kernel(batch, views, indices, graph)
+        return _Step(kind, wrapper, dst, src)
+
+    def _plan_kernel(
+        self, batch: AttentionBatch, views: _HostViews, indices: torch.Tensor, graph: bool
+    ) -> tuple[StepKind, Any]:
+        raise NotImplementedError
+
+    def _finish(self, result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        if out is not None and result is not out:
+            out.copy_(result)
+            return out
+        return result
+
+    def _bad(self, what: str) -> None:
+        raise ValueError(f"group {self.group.group_id!r} (flashinfer): {what}")
+
+
+@dataclass(frozen=True, slots=True)
+class _Offsets:
+    """Layout of one half of ``host_meta`` (``B`` = max batch size, 5B + 2 int32 in all)."""
+
+    B: int
+
+    @property
+    def kv_indptr(self) -> int:  # B + 1
+        return 0
+
+    @property
+    def row_offset(self) -> int:  # B, right after kv_indptr: both go to the device in one copy
+        return self.B + 1
+
+    @property
+    def last_page_len(self) -> int:  # B
+        return 2 * self.B + 1
+
+    @property
+    def qo_indptr(self) -> int:  # B + 1
+        return 3 * self.B + 1
+
+    @property
+    def kv_len(self) -> int:  # B
+        return 4 * self.B + 2
+
+
+@dataclass(slots=True)
+class _HostViews:
+    """Pinned host int32 tensors of the step (torch views of ``host_meta``)."""
+
+    kv_indptr: torch.Tensor  # [P + 1]
+    last_page_len: torch.Tensor  # [P]
+    qo_indptr: torch.Tensor  # [P + 1]
+    kv_len: torch.Tensor  # [P]
+
+
+class FullAttentionContext(_PagedContext):
+    """Full (MHA / GQA / MQA) attention over the core's paged ``k``/``v`` caches (NHD)."""
+
+    def __init__(self, backend, group, constraints, workspace) -> None:
+        super().__init__(backend, group, constraints, workspace)
+        spec = self.spec
+        if spec.kind is not LayerKind.FULL:
+            raise ValueError(f"FullAttentionContext serves full layers, got {spec.kind.value}")
+        if spec.head_dim != spec.head_dim_v:
+            raise ValueError(
+                f"FlashInfer's paged kernels need head_dim == head_dim_v (equal K/V cache "
+                f"strides), the layer has {spec.head_dim} / {spec.head_dim_v}"
+            )
+        if spec.num_heads % spec.num_kv_heads:
+            raise ValueError(
+                f"num_heads={spec.num_heads} is not a multiple of num_kv_heads={spec.num_kv_heads}"
+            )
+        self.window_left = planning.window_left(spec.sliding_window)
+        self.soft_cap = spec.logits_soft_cap
+        self.tensor_core_decode = decode_uses_tensor_cores(spec.num_heads, spec.num_kv_heads)
+        fi = self.fi
+        self.decode = _share_int_workspace(
+            fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.float_ws, "NHD", use_tensor_cores=self.tensor_core_decode
+            ),
+            self.int_ws,
+            self.pinned_staging,
+        )
+        self.paged = _share_int_workspace(
+            fi.BatchPrefillWithPagedKVCacheWrapper(self.float_ws, "NHD"),
+            self.int_ws,
+            self.pinned_staging,
+        )
+        self.ragged = _share_int_workspace(
+            fi.BatchPrefillWithRaggedKVCacheWrapper(self.float_ws, "NHD"),
+            self.int_ws,
+            self.pinned_staging,
+        )
+
+    def _graph_wrapper(self, P: int) -> Any:
+        wrapper = self._graph_wrappers.get(P)
+        if wrapper is None:
+            wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.float_ws,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=self.tensor_core_decode,
+                paged_kv_indptr_buffer=self.g_kv_indptr[: P + 1],
+                paged_kv_indices_buffer=self.kv_indices,
+                paged_kv_last_page_len_buffer=self.g_last_page_len[:P],
+            )
+            _share_int_workspace(wrapper, self.int_ws, self.pinned_staging)
+            self._graph_wrappers[P] = wrapper
+        return wrapper
+
+    def _plan_kernel(self, batch, views, indices, graph):
+        spec = self.spec
+        common = dict(
+            window_left=self.window_left,
+            logits_soft_cap=self.soft_cap,
+            sm_scale=spec.scale,
+            q_data_type=self.q_dtype,
+            kv_data_type=self.kv_dtype,
+        )
+        H, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        if batch.mode is BatchMode.DECODE:
+            wrapper = self._graph_wrapper(batch.padded_reqs) if graph else self.decode
+            wrapper.plan(
+                views.kv_indptr,
+                indices,
+                views.last_page_len,
+                H,
+                Hkv,
+                D,
+                batch.page_size,
+                pos_encoding_mode="NONE",
+                non_blocking=True,
+                **common,
+            )
+            return (StepKind.DECODE_GRAPH if graph else StepKind.DECODE), wrapper
+        P = batch.padded_reqs
+        no_context = not batch.context_lens_cpu[:P].any()
+        if no_context and not self.fp8:
+            # Pure prefill: attend over the step's own k/v (contiguous rows, no page walk).
+            self.ragged.plan(
+                views.qo_indptr,
+                views.qo_indptr,
+                H,
+                Hkv,
+                D,
+                causal=True,
+                non_blocking=True,
+                **common,
+            )
+            return StepKind.RAGGED, self.ragged
+        self.paged.plan(
+            views.qo_indptr,
+            views.kv_indptr,
+            indices,
+            views.last_page_len,
+            H,
+            Hkv,
+            D,
+            batch.page_size,
+            causal=True,
+            non_blocking=True,
+            max_token_per_sequence=max(batch.max_query_len, 1),
+            **common,
+        )
+        return StepKind.PAGED, self.paged
+
+    def forward(
+        self,
+        layer: Any,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        out: torch.Tensor | None,
+        **inputs: Any,
+    ) -> torch.Tensor:
+        """One layer: write the step's K/V into the cache, then attend.
+
+        :param q: ``[T, num_heads, head_dim]`` (T = padded tokens), last dim contiguous.
+        :param k: ``[T, num_kv_heads, head_dim]``; ``v`` ``[T, num_kv_heads, head_dim]``.
+        :param out: ``[T, num_heads, head_dim]`` or None.
+        :returns: ``out`` (filled) or a new ``[T, num_heads, head_dim]`` tensor in q's dtype.
+        """
+        step = self.step
+        if step is None:
+            self._bad("forward before prepare(batch)")
+        if step.kind is StepKind.EMPTY:
+            return out if out is not None else torch.empty_like(q)
+        kv = layer.kv
+        k_cache, v_cache = kv.k, kv.v
+        if k_cache.dtype != self.kv_dtype:
+            self._bad(f"KV cache dtype {k_cache.dtype}, the plan expects {self.kv_dtype}")
+        fp8 = self.fp8
+        write_rows(k, k_cache, step.dst, step.src, kv.k_scale if fp8 else None)
+        write_rows(v, v_cache, step.dst, step.src, kv.v_scale if fp8 else None)
+        wrapper = step.wrapper
+        wrapper._sm_scale = layer.scale
+        o = out if out is not None and out.is_contiguous() else None
+        if step.kind is StepKind.RAGGED:
+            result = wrapper.run(q, k, v, out=o)
+        else:
+            # fp8: the kernel dequantises nothing; fold k_scale into q, v_scale into out.
+            qk = torch.mul(q, kv.k_scale) if fp8 else q
+            result = wrapper.run(qk, (k_cache, v_cache), out=o)
+            if fp8:
+                result.mul_(kv.v_scale)
+        return self._finish(result, out)
+
+
+class MLAContext(_PagedContext):
+    """Absorbed MLA over the core's paged latent cache ``[num_pages, page_size, R + P]``.
+
+    The cache is passed to FlashInfer as two strided views, ``ckv = latent[..., :R]`` and
+    ``kpe = latent[..., R:]`` (the MLA kernels read page and token strides from the tensors),
+    and the absorbed query ``[T, H, R + P]`` likewise as ``q_nope``/``q_pe`` views.
+    """
+
+    def __init__(self, backend, group, constraints, workspace) -> None:
+        super().__init__(backend, group, constraints, workspace)
+        spec = self.spec
+        if spec.kind is not LayerKind.MLA:
+            raise ValueError(f"MLAContext serves MLA layers, got {spec.kind.value}")
+        if self.fp8:
+            raise ValueError("FlashInfer MLA with bf16/fp16 queries needs a bf16/fp16 latent cache")
+        self.rank = spec.kv_lora_rank
+        self.rope = spec.qk_rope_head_dim
+        self.eager = _share_int_workspace(
+            self.fi.BatchMLAPagedAttentionWrapper(self.float_ws),
+            self.int_ws,
+            self.pinned_staging,
+        )
+
+    def _graph_wrapper(self, P: int) -> Any:
+        wrapper = self._graph_wrappers.get(P)
+        if wrapper is None:
+            wrapper = self.fi.BatchMLAPagedAttentionWrapper(
+                self.float_ws,
+                use_cuda_graph=True,
+                qo_indptr=self.g_qo_indptr[: P + 1],
+                kv_indptr=self.g_kv_indptr[: P + 1],
+                kv_indices=self.kv_indices,
+                kv_len_arr=self.g_kv_len[:P],
+            )
+            _share_int_workspace(wrapper, self.int_ws, self.pinned_staging)
+            self._graph_wrappers[P] = wrapper
+        return wrapper
+
+    def _plan_kernel(self, batch, views, indices, graph):
+        wrapper = self._graph_wrapper(batch.padded_reqs) if graph else self.eager
+        wrapper.plan(
+            views.qo_indptr,
+            views.kv_indptr,
+            indices,
+            views.kv_len,
+            self.spec.num_heads,
+            self.rank,
+            self.rope,
+            batch.page_size,
+            # Decode queries see every key: no mask; longer queries are bottom-right causal.
+            batch.mode is not BatchMode.DECODE,
+            self.spec.scale,
+            self.q_dtype,
+            self.kv_dtype,
+        )
+        return (StepKind.MLA_GRAPH if graph else StepKind.MLA), wrapper
+
+    def forward(
+        self,
+        layer: Any,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        out: torch.Tensor | None,
+        **inputs: Any,
+    ) -> torch.Tensor:
+        """One MLA layer: write the new latents, then attend over the latent cache.
+
+        :param q: ``[T, H, R + P]`` absorbed query (``concat(q_nope W_UK, q_pe)``).
+        :param k: ``[T, R + P]`` new latents ``concat(c_kv, k_pe)``; ``v`` is None.
+        :param out: ``[T, H, R]`` or None.
+        :returns: ``[T, H, R]`` latent attention output in q's dtype.
+        """
+        step = self.step
+        if step is None:
+            self._bad("forward before prepare(batch)")
+        if step.kind is StepKind.EMPTY:
+            return out if out is not None else q.new_empty((*q.shape[:2], self.rank))
+        latent = layer.kv.latent
+        if latent.dtype != self.kv_dtype:
+            self._bad(f"latent cache dtype {latent.dtype}, the plan expects {self.kv_dtype}")
+        write_rows(k, latent, step.dst, step.src)
+        R = self.rank
+        wrapper = step.wrapper
+        wrapper._sm_scale = layer.scale
+        o = out if out is not None and out.is_contiguous() else None
+        result = wrapper.run(q[..., :R], q[..., R:], latent[..., :R], latent[..., R:], out=o)
+        return self._finish(result, out)

@@ -1,0 +1,190 @@
+"""Step metadata for FlashInfer, from the batch's host arrays (no device-to-host sync).
+
+FlashInfer describes a paged batch of ``B`` requests by CSR arrays::
+
+    kv_indptr      [B + 1] int32   request b's pages are kv_indices[kv_indptr[b]:kv_indptr[b+1]]
+    kv_indices     [nnz]   int32   page ids, request after request (nnz = kv_indptr[B])
+    last_page_len  [B]     int32   tokens in request b's last page, 1..page_size
+    qo_indptr      [B + 1] int32   = the batch's query_start_loc
+
+so that ``kv_len[b] = (pages[b] - 1) * page_size + last_page_len[b]``. The core's batch carries
+``seq_lens`` on the host and the page table ``[B, W]`` on the device; the host arrays above are
+computed here with numpy (:func:`fill_paged_metadata`), and ``kv_indices`` - the first
+``pages[b]`` entries of every page-table row, packed - is gathered on the device
+(:func:`gather_kv_indices`) with sizes the host already knows, so nothing waits for the GPU.
+
+Masking conventions: a query at position ``p`` of a request with ``kv_len`` keys and ``q_len``
+queries sits at ``p = kv_len - q_len + i``; FlashInfer's causal mask and ``window_left`` are
+aligned the same way (``kv_idx >= p - window_left``, left bound inclusive), so the HF window
+``W`` (keys seen, the query itself included) is ``window_left = W - 1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = [
+    "PagedMetadata",
+    "fill_paged_metadata",
+    "gather_kv_indices",
+    "last_page_lens",
+    "page_counts",
+    "window_left",
+    "write_sources",
+]
+
+
+def window_left(sliding_window: int | None) -> int:
+    """FlashInfer's ``window_left`` for an HF-convention window ``W`` (keys seen, itself included).
+
+    :returns: ``W - 1``; ``-1`` (no window) for None.
+    """
+    if sliding_window is None:
+        return -1
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+        raise ValueError(f"sliding_window={sliding_window!r}: expected None or an integer >= 1")
+    if sliding_window < 1:
+        raise ValueError(f"sliding_window={sliding_window!r}: expected None or an integer >= 1")
+    return sliding_window - 1
+
+
+def page_counts(seq_lens: np.ndarray, page_size: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Pages each request reads: ``ceil(seq_len / page_size)``.
+
+    :param seq_lens: ``[B]`` integer, KV length including the step's new tokens.
+    :returns: ``[B]`` (``out`` when given).
+    """
+    if out is None:
+        out = np.empty(seq_lens.shape, dtype=np.int32)
+    np.add(seq_lens, page_size - 1, out=out)
+    np.floor_divide(out, page_size, out=out)
+    return out
+
+
+def last_page_lens(
+    seq_lens: np.ndarray, page_size: int, out: np.ndarray | None = None
+) -> np.ndarray:
+    """Tokens in each request's last page: ``(seq_len - 1) % page_size + 1`` (1..page_size).
+
+    A request with ``seq_len == 0`` reads no page; its value is 0 and never used.
+    """
+    if out is None:
+        out = np.empty(seq_lens.shape, dtype=np.int32)
+    np.subtract(seq_lens, 1, out=out)
+    np.remainder(out, page_size, out=out)
+    out += 1
+    out[seq_lens <= 0] = 0
+    return out
+
+
+@dataclass(slots=True)
+class PagedMetadata:
+    """Views of one step's host metadata (numpy, usually over pinned memory).
+
+    :ivar kv_indptr: ``[B + 1]`` int32.
+    :ivar last_page_len: ``[B]`` int32.
+    :ivar row_offset: ``[B]`` int32, ``b * W - kv_indptr[b]``: adding it to a position in
+        ``kv_indices`` gives the matching position in the flattened page table ``[B * W]``.
+    :ivar total_pages: ``kv_indptr[B]``.
+    """
+
+    kv_indptr: np.ndarray
+    last_page_len: np.ndarray
+    row_offset: np.ndarray
+    total_pages: int
+
+
+def fill_paged_metadata(
+    seq_lens: np.ndarray,
+    page_size: int,
+    table_width: int,
+    *,
+    kv_indptr: np.ndarray,
+    last_page_len: np.ndarray,
+    row_offset: np.ndarray,
+) -> PagedMetadata:
+    """Fill FlashInfer's host CSR metadata for a batch, in place.
+
+    :param seq_lens: ``[B]`` int32, the batch's ``seq_lens_cpu`` (padding rows included).
+    :param page_size: tokens per page.
+    :param table_width: columns of the batch's page table (``W``).
+    :param kv_indptr: ``[B + 1]`` int32 output.
+    :param last_page_len: ``[B]`` int32 output.
+    :param row_offset: ``[B]`` int32 output.
+    :raises ValueError: when a request needs more pages than the page table has columns.
+    """
+    b = seq_lens.shape[0]
+    counts = page_counts(seq_lens, page_size, out=last_page_len)  # reuse as scratch
+    if b and int(counts.max()) > table_width:
+        raise ValueError(
+            f"a request of {int(seq_lens.max())} tokens needs {int(counts.max())} pages of "
+            f"{page_size}, but the page table has {table_width} columns"
+        )
+    kv_indptr[0] = 0
+    np.cumsum(counts, out=kv_indptr[1 : b + 1])
+    np.multiply(np.arange(b, dtype=np.int32), table_width, out=row_offset)
+    row_offset -= kv_indptr[:b]
+    last_page_lens(seq_lens, page_size, out=last_page_len)
+    return PagedMetadata(kv_indptr, last_page_len, row_offset, int(kv_indptr[b]) if b else 0)
+
+
+def gather_kv_indices(
+    page_table: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    row_offset: torch.Tensor,
+    total_pages: int,
+    *,
+    arange: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Pack the used prefix of every page-table row into FlashInfer's ``kv_indices``, on device.
+
+    Graph-free and sync-free: four small kernels whose sizes come from the host.
+
+    :param page_table: ``[B, W]`` int32, contiguous rows (the batch's page table).
+    :param kv_indptr: ``[B + 1]`` int32 on the page table's device.
+    :param row_offset: ``[B]`` int32 on the same device (see :class:`PagedMetadata`).
+    :param total_pages: ``kv_indptr[B]``, known on the host.
+    :param arange: ``[>= total_pages]`` int32, ``0, 1, 2, ...`` (preallocated).
+    :param out: ``[>= total_pages]`` int32; the result is written to ``out[:total_pages]``.
+    :returns: ``out[:total_pages]``.
+    """
+    if out.shape[0] < total_pages or arange.shape[0] < total_pages:
+        raise ValueError(
+            f"kv_indices buffer holds {out.shape[0]} pages (arange {arange.shape[0]}), the step "
+            f"reads {total_pages}; raise ExecutionConstraints.max_batch_size / max_model_len"
+        )
+    result = out[:total_pages]
+    if total_pages == 0:
+        return result
+    pos = arange[:total_pages]
+    b = page_table.shape[0]
+    # Row of each packed position: the first b with kv_indptr[b + 1] > pos (empty rows skipped).
+    row = torch.searchsorted(kv_indptr[1 : b + 1], pos, right=True)
+    flat = pos + row_offset[row]
+    torch.index_select(page_table.reshape(-1), 0, flat, out=result)
+    return result
+
+
+def write_sources(num_tokens: int, padded_tokens: int, out: np.ndarray) -> np.ndarray:
+    """Source row of every token's K/V write in a padded step.
+
+    Real tokens write themselves; padding rows (``slot_mapping == -1``) are redirected to
+    token 0, so they rewrite token 0's slot with token 0's values - a fixed-shape, graph-safe
+    scatter that changes nothing. Needs ``num_tokens >= 1`` when padding exists.
+
+    :param out: ``[>= padded_tokens]`` int64.
+    :returns: ``out[:padded_tokens]``.
+    """
+    if padded_tokens > num_tokens and num_tokens < 1:
+        raise ValueError(
+            f"a padded step needs at least one real token to redirect padding writes to, got "
+            f"num_tokens={num_tokens}, padded_tokens={padded_tokens}"
+        )
+    src = out[:padded_tokens]
+    src[:num_tokens] = np.arange(num_tokens)
+    src[num_tokens:] = 0
+    return src

@@ -1,0 +1,97 @@
+"""attn-core hook implementations of the FlashInfer plugin (entry point ``flashinfer``).
+
+Backends, both priority 100 (above the reference's 0):
+
+- ``flashinfer:flashinfer``: full attention (see :data:`capability.FULL_CAPABILITIES`).
+- ``flashinfer:flashinfer_mla``: absorbed MLA (see :data:`capability.MLA_CAPABILITIES`).
+
+Both register on every machine; where CUDA, flashinfer or nvcc is missing they register with
+``available=False`` and the reason (``attn list`` shows it; the selector rejects them with code
+``unavailable``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from attn_core.backend import Backend
+from attn_core.hookspecs import hookimpl
+from attn_core.specs import LayerKind
+from attn_plugin_flashinfer import __version__, capability
+from attn_plugin_flashinfer import context as ctx
+
+ATTN_CORE_API_VERSION = "1.1"
+PRIORITY = 100
+FULL_BACKEND = "flashinfer"
+MLA_BACKEND = "flashinfer_mla"
+
+__all__ = [
+    "ATTN_CORE_API_VERSION",
+    "FULL_BACKEND",
+    "MLA_BACKEND",
+    "PRIORITY",
+    "attn_core_allocate_context",
+    "attn_core_bind_forward",
+    "attn_core_register_backends",
+    "attn_core_workspace_requirements",
+    "backends",
+]
+
+
+def backends(availability: capability.Availability | None = None) -> list[Backend]:
+    """The two backends this plugin advertises, marked with this machine's availability."""
+    av = capability.probe() if availability is None else availability
+    version = f"{__version__} (flashinfer {av.version})" if av.version else __version__
+    common: dict[str, Any] = dict(
+        priority=PRIORITY,
+        version=version,
+        available=av.available,
+        unavailable_reason=av.reason,
+    )
+    return [
+        Backend(
+            name=FULL_BACKEND,
+            capabilities=capability.FULL_CAPABILITIES,
+            description=(
+                "FlashInfer paged attention: decode (CUDA-graph capable), prefill, mixed, "
+                "speculative verify; GQA/MQA, sliding window, soft-cap, fp8 KV"
+            ),
+            **common,
+        ),
+        Backend(
+            name=MLA_BACKEND,
+            capabilities=capability.MLA_CAPABILITIES,
+            description="FlashInfer MLA (absorbed; rank 512, rope 64) over the latent cache",
+            **common,
+        ),
+    ]
+
+
+@hookimpl
+def attn_core_register_backends(register: Callable[[Backend], None]) -> None:
+    for backend in backends():
+        register(backend)
+
+
+@hookimpl
+def attn_core_workspace_requirements(backend, group, device, constraints):
+    return ctx.workspace_requirements(group.spec, constraints)
+
+
+@hookimpl
+def attn_core_allocate_context(backend, group, device, constraints, state, workspace):
+    if group.spec.kind is LayerKind.MLA:
+        return ctx.MLAContext(backend, group, constraints, workspace)
+    if group.spec.kind is LayerKind.FULL:
+        return ctx.FullAttentionContext(backend, group, constraints, workspace)
+    raise ValueError(
+        f"flashinfer serves full and mla layers; group {group.group_id!r} is "
+        f"{group.spec.kind.value}"
+    )
+
+
+@hookimpl
+def attn_core_bind_forward(backend, context):
+    # The context's bound method: one direct call per layer per step, no hook dispatch.
+    return context.forward
