@@ -1,0 +1,188 @@
+"""Shared harness of the plugin tests (no tests here; named test_plugin_* to sit with them): one
+model, two lanes (reference backend, triton_ssm), the same steps and inputs through
+AttentionRuntime + BatchBuilder + PersistentState on each.
+
+Each lane owns its PersistentState; both add the same requests in the same order, so the slot
+allocator hands out the same slots and states compare slot by slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+import attn_core.reference.plugin as ref_plugin
+from attn_core.batch import AttentionBatch, BatchBuilder
+from attn_core.registry import Registry
+from attn_core.runtime import AttentionRuntime
+from attn_core.selector import select
+from attn_core.specs import (
+    DeviceCapabilities,
+    ExecutionConstraints,
+    LayerSpec,
+    group_layers,
+    torch_dtype,
+)
+from attn_core.state import PersistentState
+
+TRITON = "triton_ssm:triton_ssm"
+REFERENCE = "attn_core:reference"
+LAYERS = (0, 1)
+
+
+def make_registry() -> Registry:
+    from attn_plugin_triton_ssm import plugin
+
+    registry = Registry()
+    registry.register_plugin(ref_plugin, name="attn_core")
+    registry.register_plugin(plugin, name="triton_ssm")
+    return registry
+
+
+def make_spec(
+    variant: str,
+    *,
+    hv: int = 4,
+    hk: int = 2,
+    dk: int = 16,
+    dv: int = 16,
+    channels: int = 48,
+    kernel: int = 4,
+    dtype: str = "float32",
+    state_dtype: str = "float32",
+) -> LayerSpec:
+    return LayerSpec(
+        kind="linear",
+        linear_variant=variant,
+        num_heads=hv,
+        num_kv_heads=hk,
+        head_dim=dk,
+        head_dim_v=dv,
+        conv_kernel_size=kernel,
+        conv_channels=channels,
+        dtype=dtype,
+        state_dtype=state_dtype,
+        qk_l2norm=variant != "mamba2",
+    )
+
+
+@dataclass
+class Lane:
+    backend: str
+    runtime: AttentionRuntime
+    state: PersistentState
+    builder: BatchBuilder
+    params: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    batch: AttentionBatch | None = None
+
+
+def make_lane(
+    registry: Registry,
+    backend: str,
+    spec: LayerSpec,
+    device: str,
+    target: DeviceCapabilities,
+    constraints: ExecutionConstraints,
+    *,
+    num_slots: int = 8,
+) -> Lane:
+    groups = group_layers([spec] * len(LAYERS))
+    plan = select(groups, registry, target, constraints.with_(force={"linear": backend}))
+    assert plan.choices[0].backend.qualified_name == backend
+    state = PersistentState(groups, num_pages=1, num_slots=num_slots, device=device)
+    runtime = AttentionRuntime(plan, registry, state=state, device=device)
+    builder = BatchBuilder(
+        state,
+        max_batch_size=constraints.max_batch_size,
+        max_num_tokens=constraints.max_num_tokens,
+        device=device,
+    )
+    return Lane(backend, runtime, state, builder)
+
+
+def layer_params(spec: LayerSpec, device: str, seed: int) -> dict[int, dict[str, torch.Tensor]]:
+    """Per-layer weights: conv weight / bias, and Mamba2's A_log, D, dt_bias."""
+    gen = torch.Generator().manual_seed(seed)
+    dt = torch_dtype(spec.dtype)
+    out = {}
+    for i in LAYERS:
+        C, K, H = spec.conv_channels, spec.conv_kernel_size, spec.num_heads
+        p = {
+            "conv_w": (torch.randn(C, K, generator=gen) * 0.5).to(dt),
+            "conv_b": (torch.randn(C, generator=gen) * 0.1).to(dt),
+        }
+        if spec.linear_variant.value == "mamba2":
+            p["A_log"] = torch.randn(H, generator=gen) * 0.5
+            p["D"] = torch.randn(H, generator=gen)
+            p["dt_bias"] = torch.randn(H, generator=gen) * 0.3
+        out[i] = {k: v.to(device) for k, v in p.items()}
+    return out
+
+
+def step_inputs(spec: LayerSpec, tokens: int, device: str, seed: int) -> dict[int, dict]:
+    """Per-layer random activations for ``tokens`` rows, in the layout of attn_core.specs."""
+    gen = torch.Generator().manual_seed(seed)
+    dt = torch_dtype(spec.dtype)
+    T, Hk, Hv, Dk, Dv = tokens, spec.num_kv_heads, spec.num_heads, spec.head_dim, spec.head_dim_v
+
+    def r(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen) * scale
+
+    out = {}
+    for i in LAYERS:
+        x = {"conv_x": r(T, spec.conv_channels).to(dt)}
+        x["q"], x["k"] = r(T, Hk, Dk).to(dt), r(T, Hk, Dk).to(dt)
+        x["v"] = r(T, Hv, Dv).to(dt)
+        variant = spec.linear_variant.value
+        if variant == "mamba2":
+            x["extra"] = {"dt": r(T, Hv, scale=0.5).to(dt)}
+        else:
+            g_shape = (T, Hv, Dk) if variant == "kda" else (T, Hv)
+            x["extra"] = {
+                "g": (-torch.rand(*g_shape, generator=gen) * 0.5).to(dt),
+                "beta": torch.rand(T, Hv, generator=gen).to(dt),
+            }
+        out[i] = {
+            k: (
+                {kk: vv.to(device) for kk, vv in v.items()} if isinstance(v, dict) else v.to(device)
+            )
+            for k, v in x.items()
+        }
+    return out
+
+
+def run_step(
+    lane: Lane,
+    requests: Sequence[tuple[Hashable, int]],
+    inputs: dict[int, dict],
+    *,
+    spec_tokens: int = 0,
+    pad_to: int | None = None,
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Build, prepare, and run conv1d + forward on every layer; returns (conv out, out)."""
+    batch = lane.builder.build(requests, spec_tokens=spec_tokens, pad_to=pad_to)
+    lane.batch = batch
+    lane.runtime.prepare(batch)
+    results = {}
+    for i in LAYERS:
+        b = lane.runtime.binding(i)
+        x, p = inputs[i], lane.params[i]
+        conv = b.conv1d(x["conv_x"], p["conv_w"], p["conv_b"], out=torch.empty_like(x["conv_x"]))
+        extra = dict(x["extra"])
+        if "A_log" in p:
+            extra.update(A_log=p["A_log"], D=p["D"], dt_bias=p["dt_bias"])
+        out = b.forward(x["q"], x["k"], x["v"], out=torch.empty_like(x["v"]), **extra)
+        results[i] = (conv, out)
+    return results
+
+
+def states(lane: Lane) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    return {
+        i: (
+            lane.state.state_slots.layer(i).conv.clone(),
+            lane.state.state_slots.layer(i).ssm.clone(),
+        )
+        for i in LAYERS
+    }

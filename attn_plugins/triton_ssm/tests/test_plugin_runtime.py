@@ -1,0 +1,256 @@
+"""The triton_ssm backend through the core runtime, against the reference backend, on every batch
+mode: prefill, mixed (decodes not first, a zero-length request), padded decode, speculative
+verify with native and replay commit, and decode after the commit.
+
+Without CUDA the kernels run in Triton's CPU interpreter (``ATTN_TRITON_SSM_INTERPRET=1`` makes
+the backend advertise ``cpu``); with CUDA the same comparisons run compiled on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA and "attn_plugin_triton_ssm.kernels" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+from test_plugin_harness import (  # noqa: E402
+    LAYERS,
+    REFERENCE,
+    TRITON,
+    layer_params,
+    make_lane,
+    make_registry,
+    make_spec,
+    run_step,
+    states,
+    step_inputs,
+)
+
+from attn_core.errors import BackendInputError  # noqa: E402
+from attn_core.specs import DeviceCapabilities, ExecutionConstraints  # noqa: E402
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+TOL = {"float32": dict(atol=3e-4, rtol=3e-4), "bfloat16": dict(atol=3e-2, rtol=3e-2)}
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    if not HAS_CUDA:
+        monkeypatch.setenv("ATTN_TRITON_SSM_INTERPRET", "1")
+    reg = make_registry()
+    backend = reg.resolve(TRITON)
+    if not backend.available:
+        pytest.skip(f"triton_ssm unavailable: {backend.unavailable_reason}")
+    return reg
+
+
+def _target() -> DeviceCapabilities:
+    return DeviceCapabilities.detect(DEV)
+
+
+def _lanes(registry, spec, constraints):
+    # the reference verifies natively only; the strategy is triton_ssm's choice
+    ref_constraints = constraints.with_(spec_verify_strategy=None)
+    lanes = [
+        make_lane(registry, REFERENCE, spec, DEV, _target(), ref_constraints),
+        make_lane(registry, TRITON, spec, DEV, _target(), constraints),
+    ]
+    params = layer_params(spec, DEV, seed=7)
+    for lane in lanes:
+        lane.params = params
+    return lanes
+
+
+def _add(lanes, req, seed):
+    """Add ``req`` to both lanes and fill its fresh slot with garbage: has_initial_state is
+    False for its first step, so both backends must ignore what the slot holds."""
+    gen = torch.Generator().manual_seed(seed)
+    for lane in lanes:
+        lane.state.add_request(req)
+    slot = lanes[0].state.slot(req)
+    assert lanes[1].state.slot(req) == slot
+    for i in LAYERS:
+        for lane in lanes:
+            st = lane.state.state_slots.layer(i)
+            gen.manual_seed(seed * 100 + i)
+            st.conv[slot] = torch.randn(st.conv[slot].shape, generator=gen).to(st.conv)
+            st.ssm[slot] = torch.randn(st.ssm[slot].shape, generator=gen).to(st.ssm)
+
+
+def _compare(lanes, results, tokens, tol, what, *, check_states=True):
+    ref, tri = results
+    for i in LAYERS:
+        for name, a, b in (("conv", ref[i][0], tri[i][0]), ("out", ref[i][1], tri[i][1])):
+            torch.testing.assert_close(
+                b[:tokens].float(),
+                a[:tokens].float(),
+                **tol,
+                msg=lambda m, i=i, name=name: f"{what} L{i} {name}: {m}",
+            )
+    if not check_states:
+        return
+    s_ref, s_tri = states(lanes[0]), states(lanes[1])
+    for i in LAYERS:
+        for name, a, b in zip(("conv", "ssm"), s_ref[i], s_tri[i], strict=True):
+            torch.testing.assert_close(
+                b.float(),
+                a.float(),
+                **tol,
+                msg=lambda m, i=i, name=name: f"{what} L{i} {name} state: {m}",
+            )
+
+
+def _step(lanes, spec, requests, seed, *, spec_tokens=0, pad_to=None, advance=True):
+    n_tok = sum(n for _, n in requests)
+    padded = n_tok + ((pad_to - len(requests)) if pad_to else 0)
+    inputs = step_inputs(spec, padded, DEV, seed)
+    results = [
+        run_step(lane, requests, inputs, spec_tokens=spec_tokens, pad_to=pad_to) for lane in lanes
+    ]
+    if advance:
+        for lane in lanes:
+            for r, n in requests:
+                lane.state.advance(r, n)
+    return results, n_tok
+
+
+@pytest.mark.parametrize("strategy", ["native", "replay"])
+@pytest.mark.parametrize("variant", ["gated_deltanet", "kda", "mamba2"])
+def test_every_mode_matches_reference(registry, variant, strategy):
+    spec = make_spec(variant)
+    tol = TOL["float32"]
+    constraints = ExecutionConstraints(
+        max_batch_size=8, max_num_tokens=64, speculative_tokens=2, spec_verify_strategy=strategy
+    )
+    lanes = _lanes(registry, spec, constraints)
+    assert lanes[1].runtime.groups["linear"].backend.qualified_name == TRITON
+    _add(lanes, "a", 1)
+    _add(lanes, "b", 2)
+
+    res, t = _step(lanes, spec, [("a", 5), ("b", 3)], 10)
+    assert lanes[1].batch.mode.value == "prefill"
+    _compare(lanes, res, t, tol, "prefill")
+
+    _add(lanes, "c", 3)  # mixed: decode, fresh prefill, decode (decodes not first)
+    res, t = _step(lanes, spec, [("a", 1), ("c", 4), ("b", 1)], 11)
+    assert lanes[1].batch.mode.value == "mixed"
+    _compare(lanes, res, t, tol, "mixed")
+
+    res, t = _step(lanes, spec, [("b", 2), ("a", 0), ("c", 1)], 12)  # zero-length request
+    assert lanes[1].batch.mode.value == "mixed"
+    _compare(lanes, res, t, tol, "mixed with an empty request")
+
+    res, t = _step(lanes, spec, [("a", 1), ("b", 1), ("c", 1)], 13, pad_to=5)
+    assert lanes[1].batch.mode.value == "decode" and lanes[1].batch.padded_reqs == 5
+    _compare(lanes, res, t, tol, "padded decode")
+
+    before = states(lanes[1])
+    reqs = [("c", 3), ("a", 3), ("b", 3)]
+    res, t = _step(lanes, spec, reqs, 14, spec_tokens=2, advance=False)
+    assert lanes[1].batch.mode.value == "verify"
+    # (the reference advances its slots in verify and rolls back in the commit: no state check)
+    _compare(lanes, res, t, tol, "verify outputs", check_states=False)
+    for i in LAYERS:  # triton_ssm leaves every slot as it was until the commit
+        for a, b in zip(before[i], states(lanes[1])[i], strict=True):
+            assert torch.equal(a, b)
+    accepted = torch.tensor([1, 3, 2], dtype=torch.int32)
+    for lane in lanes:
+        lane.runtime.commit_speculative(lane.batch, accepted)
+        for (r, _), n in zip(reqs, accepted.tolist(), strict=True):
+            lane.state.advance(r, n)
+    _compare(lanes, _no_outputs(), 0, tol, "states after commit")
+
+    res, t = _step(lanes, spec, [("b", 1), ("c", 1), ("a", 1)], 15)
+    _compare(lanes, res, t, tol, "decode after commit")
+
+
+def _no_outputs():
+    empty = (torch.zeros(0), torch.zeros(0))
+    return [dict.fromkeys(LAYERS, empty), dict.fromkeys(LAYERS, empty)]
+
+
+@pytest.mark.parametrize("variant", ["gated_deltanet", "mamba2"])
+def test_native_and_replay_commit_the_same_state(registry, variant):
+    """Both strategies, same verify inputs and accepted counts: bit-identical slots."""
+    spec = make_spec(variant)
+    got = []
+    for strategy in ("native", "replay"):
+        constraints = ExecutionConstraints(
+            max_batch_size=4, max_num_tokens=32, speculative_tokens=3, spec_verify_strategy=strategy
+        )
+        lane = _lanes(registry, spec, constraints)[1]
+        for r in ("a", "b"):
+            lane.state.add_request(r)
+        run_step(lane, [("a", 4), ("b", 6)], step_inputs(spec, 10, DEV, 1))
+        for r, n in (("a", 4), ("b", 6)):
+            lane.state.advance(r, n)
+        run_step(lane, [("a", 4), ("b", 4)], step_inputs(spec, 8, DEV, 2), spec_tokens=3)
+        lane.runtime.commit_speculative(lane.batch, torch.tensor([2, 4], dtype=torch.int32))
+        got.append(states(lane))
+    for i in LAYERS:
+        for a, b in zip(got[0][i], got[1][i], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_bf16_state_and_activations(registry):
+    spec = make_spec("gated_deltanet", dtype="bfloat16", state_dtype="bfloat16")
+    constraints = ExecutionConstraints(max_batch_size=4, max_num_tokens=32, speculative_tokens=1)
+    lanes = _lanes(registry, spec, constraints)
+    _add(lanes, "a", 1)
+    _add(lanes, "b", 2)
+    tol = TOL["bfloat16"]
+    res, t = _step(lanes, spec, [("a", 6), ("b", 1)], 3)
+    _compare(lanes, res, t, tol, "bf16 mixed")
+    res, t = _step(lanes, spec, [("a", 1), ("b", 1)], 4, pad_to=3)
+    _compare(lanes, res, t, tol, "bf16 decode")
+
+
+def test_commit_rejects_bad_accepted_counts_and_foreign_batch(registry):
+    spec = make_spec("gated_deltanet")
+    constraints = ExecutionConstraints(max_batch_size=4, max_num_tokens=32, speculative_tokens=2)
+    lane = _lanes(registry, spec, constraints)[1]
+    lane.state.add_request("a")
+    run_step(lane, [("a", 3)], step_inputs(spec, 3, DEV, 1), spec_tokens=2)
+    verify = lane.batch
+    ctx = lane.runtime.groups["linear"].context
+    with pytest.raises(BackendInputError, match="num_accepted"):
+        ctx.commit_speculative(verify, torch.tensor([4], dtype=torch.int32))
+    other = lane.builder.build([("a", 3)], spec_tokens=2)
+    with pytest.raises(BackendInputError, match="commit batch"):
+        ctx.commit_speculative(other, torch.tensor([1], dtype=torch.int32))
+
+
+def test_native_verify_without_workspace_says_what_to_set(registry):
+    spec = make_spec("kda")
+    lane = _lanes(registry, spec, ExecutionConstraints(max_batch_size=4, max_num_tokens=32))[1]
+    assert len(lane.runtime.workspaces["linear"]) == 0
+    lane.state.add_request("a")
+    with pytest.raises(BackendInputError, match="speculative_tokens"):
+        run_step(lane, [("a", 3)], step_inputs(spec, 3, DEV, 1), spec_tokens=2)
+
+
+def test_missing_inputs_are_named(registry):
+    spec = make_spec("gated_deltanet")
+    lane = _lanes(registry, spec, ExecutionConstraints(max_batch_size=4, max_num_tokens=32))[1]
+    lane.state.add_request("a")
+    batch = lane.builder.build([("a", 1)])
+    lane.runtime.prepare(batch)
+    x = step_inputs(spec, 1, DEV, 0)[0]
+    with pytest.raises(BackendInputError, match="beta"):
+        lane.runtime.binding(0).forward(x["q"], x["k"], x["v"], g=x["extra"]["g"])
+
+
+def test_workspace_declared_per_layer_for_native_only(registry):
+    spec = make_spec("gated_deltanet")
+    native = ExecutionConstraints(max_batch_size=4, max_num_tokens=32, speculative_tokens=3)
+    lane = _lanes(registry, spec, native)[1]
+    ws = lane.runtime.workspaces["linear"]
+    assert sorted(ws) == [f"verify_states.{i}" for i in LAYERS]
+    assert tuple(ws["verify_states.0"].shape) == (4, 4, *spec.ssm_state_shape)
+    replay = native.with_(spec_verify_strategy="replay")
+    assert len(_lanes(registry, spec, replay)[1].runtime.workspaces["linear"]) == 0
