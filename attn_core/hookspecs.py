@@ -56,6 +56,7 @@ def attn_core_register_backends(register: Callable[[Backend], None]) -> None:
     :param register: call it once per backend with a :class:`attn_core.backend.Backend`; the
         registry namespaces the name with the plugin name (``vendor:backend``), checks the
         capabilities and quarantines the whole plugin if one of them is malformed.
+    :returns: None; backends are reported through ``register``.
 
     Called once per plugin when the registry loads it; every plugin is called (not firstresult).
     A backend that cannot run on this machine still registers, with ``available=False`` and an
@@ -128,7 +129,8 @@ def attn_core_bind_forward(
     :returns: ``fn(layer, q, k, v, out, **inputs) -> Tensor`` with the signature of
         :meth:`attn_core.context.AttentionContext.forward`; None to use ``context.forward``.
 
-    Called once per context by the owning plugin only; the core stores the result in every
+    Only the owning plugin's implementation is called (firstresult), once per context; the
+    core stores the result in every
     :class:`attn_core.binding.LayerAttentionBinding` of the group, so the hot path pays one direct
     call per layer per step and no hook dispatch.
     """

@@ -377,6 +377,13 @@ def select(
     if tuning is None and os.environ.get(ENV_TUNING):
         tuning = TuningData.load(os.environ[ENV_TUNING])
     backends = registry.backends
+    valid_keys = {k.value for k in LayerKind} | {g.group_id for g in groups}
+    unknown = sorted(set(constraints.forced) - valid_keys)
+    if unknown:
+        raise SelectionError(
+            f"forced backend keys {unknown} name no layer kind and no group of this model; "
+            f"expected one of {sorted(valid_keys)}"
+        )
     for group in groups:
         name = _forced_name(group, constraints)
         if name is not None:
