@@ -101,7 +101,7 @@ def test_decode_graph_replay_with_new_metadata_equals_eager(tiny_specs, ref_regi
     new = builder.build([("c", 1), ("a", 1), ("b", 1)], pad_to=PAD)
     runtime.update(new)
     for inp, _ in static:  # new token inputs, copied into the captured buffers
-        for k, v in inp.items():
+        for v in inp.values():
             if v is not None and v.shape[0] == PAD:
                 v.copy_(rnd(*v.shape))
 
