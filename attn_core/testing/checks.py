@@ -1,0 +1,171 @@
+"""Comparisons with explicit per-dtype tolerances, and the failures the kit raises.
+
+Every message says what was compared, where it first differs, the tolerance, and the seed, so a
+vendor can reproduce one failure with ``--attn-seed``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attn_core.specs import LayerSpec
+
+__all__ = [
+    "NAN_POISON",
+    "SENTINEL",
+    "BackendRaised",
+    "ConformanceFailure",
+    "ReferenceRaised",
+    "assert_close",
+    "assert_equal_state",
+    "assert_unchanged",
+    "tolerance",
+]
+
+#: out is filled with NaN before each call: an element the backend never writes stays NaN.
+NAN_POISON = float("nan")
+#: guard regions around out hold this value (exact in every float dtype).
+SENTINEL = 31.0
+
+#: (atol, rtol) of outputs per layer dtype, ``|a - b| <= atol + rtol * |b|``.
+TOLERANCES: dict[str, tuple[float, float]] = {
+    "float32": (2e-4, 2e-4),
+    "bfloat16": (2.5e-2, 2.5e-2),
+    "float16": (5e-3, 5e-3),
+}
+#: fp8 KV: both sides read the same quantized cache, but the kernel may dequantize differently.
+FP8_KV_TOLERANCE = (6e-2, 6e-2)
+#: linear layers accumulate state over many tokens: a little more room.
+LINEAR_FACTOR = 2.0
+
+
+class ConformanceFailure(AssertionError):
+    """The backend's result differs from the reference (or breaks a contract)."""
+
+
+class BackendRaised(Exception):
+    """The backend under test raised while running a configuration it advertised."""
+
+    def __init__(self, stage: str, cause: BaseException) -> None:
+        super().__init__(f"the backend raised in {stage}: {type(cause).__name__}: {cause}")
+        self.stage = stage
+        self.cause = cause
+
+
+class ReferenceRaised(Exception):
+    """The reference itself cannot run this configuration: the item is skipped, not failed."""
+
+    def __init__(self, stage: str, cause: BaseException) -> None:
+        super().__init__(
+            f"the reference cannot run this configuration ({stage}): {type(cause).__name__}: "
+            f"{cause}"
+        )
+
+
+def tolerance(spec: LayerSpec) -> tuple[float, float]:
+    """(atol, rtol) for outputs of layers of ``spec``."""
+    atol, rtol = TOLERANCES[spec.dtype]
+    if spec.kv_dtype == "fp8_e4m3":
+        atol, rtol = max(atol, FP8_KV_TOLERANCE[0]), max(rtol, FP8_KV_TOLERANCE[1])
+    if spec.has_recurrent_state:
+        atol, rtol = atol * LINEAR_FACTOR, rtol * LINEAR_FACTOR
+    return atol, rtol
+
+
+def _index(flat: int, shape: torch.Size) -> tuple[int, ...]:
+    out = []
+    for size in reversed(shape):
+        out.append(flat % size)
+        flat //= size
+    return tuple(reversed(out))
+
+
+def assert_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    atol: float,
+    rtol: float,
+    what: str,
+    where: str,
+) -> None:
+    """Raise :class:`ConformanceFailure` unless ``actual`` matches ``expected``.
+
+    NaN in ``actual`` where ``expected`` is finite is reported as an unwritten element (outputs
+    are NaN-poisoned before the call).
+    """
+    if actual.shape != expected.shape:
+        raise ConformanceFailure(
+            f"{what}: shape {tuple(actual.shape)}, the reference has {tuple(expected.shape)} "
+            f"({where})"
+        )
+    a = actual.detach().float().cpu()
+    b = expected.detach().float().cpu()
+    unwritten = torch.isnan(a) & ~torch.isnan(b)
+    if unwritten.any():
+        n = int(unwritten.sum())
+        first = _index(int(unwritten.flatten().nonzero()[0]), a.shape)
+        raise ConformanceFailure(
+            f"{what}: {n} of {a.numel()} elements were never written (out was NaN-poisoned "
+            f"before the call), first at {list(first)} ({where})"
+        )
+    diff = (a - b).abs()
+    bad = ~(diff <= atol + rtol * b.abs()) & ~(torch.isnan(a) & torch.isnan(b))
+    if bad.any():
+        n = int(bad.sum())
+        worst = int(torch.where(bad, diff.nan_to_num(float("inf")), -1.0).flatten().argmax())
+        idx = _index(worst, a.shape)
+        raise ConformanceFailure(
+            f"{what} differs from the reference: {n} of {a.numel()} elements out of tolerance "
+            f"(atol={atol:g}, rtol={rtol:g}); worst at {list(idx)}: got {a[idx].item():.6g}, "
+            f"expected {b[idx].item():.6g}; max |diff| {diff.nan_to_num(float('inf')).max():.3g} "
+            f"({where})"
+        )
+
+
+def assert_equal_state(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    what: str,
+    where: str,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+) -> None:
+    """Compare persistent state (KV pages, conv / SSM slots) of the two sides.
+
+    Exact for copies (``atol = rtol = 0``); fp8 and recurrent state get a tolerance. The first
+    index names ``[page, offset, ...]`` for KV and ``[slot, ...]`` for linear state, so a write
+    outside ``slot_mapping`` / ``state_indices`` shows where it landed.
+    """
+    if atol == 0.0 and rtol == 0.0 and actual.dtype == expected.dtype:
+        same = (
+            actual.view(torch.uint8) == expected.view(torch.uint8)
+            if actual.dtype in (torch.float8_e4m3fn,)
+            else (actual == expected) | (torch.isnan(actual) & torch.isnan(expected))
+        )
+        if bool(same.all()):
+            return
+        first = _index(int((~same).flatten().nonzero()[0]), same.shape)
+        raise ConformanceFailure(
+            f"{what} differs from the reference's at {list(first)}: got "
+            f"{actual[first].float().item():.6g}, expected {expected[first].float().item():.6g} "
+            f"(a wrong value, or a write outside the step's slots) ({where})"
+        )
+    assert_close(actual, expected, atol=atol, rtol=rtol, what=what, where=where)
+
+
+def assert_unchanged(
+    region: torch.Tensor, value: float | torch.Tensor, *, what: str, where: str
+) -> None:
+    """``region`` must still hold ``value`` (a guard region, an input the backend must keep)."""
+    expected = value if isinstance(value, torch.Tensor) else torch.full_like(region, value)
+    same = (region == expected) | (torch.isnan(region) & torch.isnan(expected))
+    if bool(same.all()):
+        return
+    n = int((~same).sum())
+    first = _index(int((~same).flatten().nonzero()[0]), same.shape)
+    raise ConformanceFailure(
+        f"{what}: {n} elements were overwritten, first at {list(first)} "
+        f"(now {region[first].float().item():.6g}) ({where})"
+    )

@@ -1,0 +1,430 @@
+"""The capability matrix: battery cases derived from what a backend advertises, and only that.
+
+Each :class:`Case` is one battery item: which check, on which layer spec, with which workload, and
+which advertised capabilities it exercises (the labels of the final report). Where a capability
+set is ``None`` ("any": head dims, page sizes) a representative subset is tested.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from attn_core.backend import BackendCapabilities
+from attn_core.specs import GraphMode, LayerKind, LayerSpec, LinearVariant
+
+__all__ = ["CHECKS", "Case", "build_matrix", "kind_label"]
+
+#: check name -> battery test function name
+CHECKS = {
+    "correctness": "test_correctness",
+    "lifecycle": "test_lifecycle",
+    "update": "test_update_refreshes_metadata",
+    "graph": "test_cuda_graph_replay",
+    "out": "test_out_contract",
+    "state": "test_state",
+}
+
+ANY_HEAD_DIMS = (64, 128, 256, 80)  # "any": powers of two and one that is not (Phi)
+ANY_PAGE_SIZES = (16, 1, 64)
+ANY_MLA_DIMS = ((32, 16), (512, 64))  # (kv_lora_rank, qk_rope_head_dim); DeepSeek is 512 / 64
+ANY_LINEAR_DIMS = ((32, 32), (64, 128), (128, 128))  # (dk, dv)
+SOFT_CAP = 2.0  # small enough to bend random logits: a backend that ignores it is caught
+WINDOW = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    """One battery item.
+
+    :ivar check: a key of :data:`CHECKS`.
+    :ivar spec: the layer spec every layer of the test model has.
+    :ivar workload: name of a workload in :mod:`attn_core.testing.workloads`.
+    :ivar capabilities: report labels of the advertised capabilities this item exercises.
+    :ivar spec_tokens: ``k`` for speculative-verify workloads.
+    :ivar graph_mode: graph mode of the run's constraints.
+    :ivar num_layers: layers in the group (two checks per-layer state separation).
+    :ivar strategy: linear spec-verify strategy, or None.
+    :ivar skip: a reason to skip on this device, or None.
+    """
+
+    check: str
+    spec: LayerSpec
+    workload: str
+    capabilities: tuple[str, ...]
+    spec_tokens: int = 0
+    graph_mode: GraphMode = GraphMode.NONE
+    num_layers: int = 1
+    strategy: str | None = None
+    skip: str | None = None
+    tag: str = ""
+
+    @property
+    def id(self) -> str:
+        s = self.spec
+        parts = [kind_label(s).replace("/", "-"), self.workload]
+        if self.spec_tokens:
+            parts.append(f"k{self.spec_tokens}")
+        dims = f"d{s.head_dim}" + (f"v{s.head_dim_v}" if s.head_dim_v != s.head_dim else "")
+        parts += [dims, s.dtype]
+        if s.kv_dtype != s.dtype:
+            parts.append(f"kv-{s.kv_dtype}")
+        if s.has_kv_cache:
+            parts.append(f"p{s.page_size}")
+        parts.append(f"h{s.num_heads}-{s.num_kv_heads}")
+        if s.kind is LayerKind.LINEAR and s.state_dtype != "float32":
+            parts.append(f"state-{s.state_dtype}")
+        if not s.causal:
+            parts.append("noncausal")
+        if s.sliding_window:
+            parts.append(f"win{s.sliding_window}")
+        if s.logits_soft_cap:
+            parts.append("softcap")
+        if s.has_sinks:
+            parts.append("sinks")
+        if self.strategy:
+            parts.append(self.strategy)
+        if self.tag:
+            parts.append(self.tag)
+        return "-".join(parts)
+
+
+def kind_label(spec: LayerSpec) -> str:
+    if spec.kind is LayerKind.LINEAR:
+        return f"linear/{spec.linear_variant.value}"
+    return spec.kind.value
+
+
+# ------------------------------------------------------------------------------------------
+# base specs
+# ------------------------------------------------------------------------------------------
+def _pick(values: Iterable, preferred: Iterable):
+    values = set(values)
+    for p in preferred:
+        if p in values:
+            return p
+    return sorted(values, key=str)[0]
+
+
+def _base_dtype(caps: BackendCapabilities) -> str:
+    # float32 first: the tightest tolerance makes a wrong kernel hardest to hide.
+    return _pick(caps.dtypes, ("float32", "bfloat16", "float16"))
+
+
+def _head_dims(caps: BackendCapabilities, quick: bool) -> tuple[int, list[int]]:
+    if caps.head_dims is None:
+        return 64, ([] if quick else [d for d in ANY_HEAD_DIMS if d != 64])
+    base = _pick(caps.head_dims, (64, 128, 256))
+    rest = sorted(d for d in caps.head_dims if d != base)
+    return base, rest[:1] if quick else rest
+
+
+def _page_sizes(caps: BackendCapabilities, quick: bool) -> tuple[int, list[int]]:
+    if caps.page_sizes is None:
+        return 16, ([1] if quick else [p for p in ANY_PAGE_SIZES if p != 16])
+    base = _pick(caps.page_sizes, (16, 32, 64))
+    rest = sorted(p for p in caps.page_sizes if p != base)
+    return base, rest[:1] if quick else rest
+
+
+def _mla_dims(caps: BackendCapabilities) -> list[tuple[int, int]]:
+    if caps.head_dims is None:
+        return list(ANY_MLA_DIMS)
+    pairs = [(r, w - r) for r in sorted(caps.head_dims) for w in sorted(caps.head_dims) if w > r]
+    return pairs
+
+
+def _linear_dims(caps: BackendCapabilities, quick: bool) -> list[tuple[int, int]]:
+    if caps.head_dims is None:
+        return list(ANY_LINEAR_DIMS[:2] if quick else ANY_LINEAR_DIMS)
+    dims = sorted(caps.head_dims)
+    pairs = [(d, d) for d in dims]
+    return pairs[:2] if quick else pairs
+
+
+def _base_spec(kind: LayerKind, caps: BackendCapabilities, quick: bool, variant=None) -> LayerSpec:
+    dtype = _base_dtype(caps)
+    if kind in (LayerKind.FULL, LayerKind.ENCODER):
+        d, _ = _head_dims(caps, quick)
+        ps, _ = _page_sizes(caps, quick)
+        # full layers are causal where advertised; encoders bidirectional where advertised
+        causal = caps.causal if kind is LayerKind.FULL else not caps.non_causal
+        return LayerSpec(
+            kind=kind,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=d,
+            dtype=dtype,
+            page_size=ps,
+            causal=causal,
+        )
+    if kind is LayerKind.MLA:
+        pairs = _mla_dims(caps)
+        if not pairs:
+            raise _NoSpec("no (kv_lora_rank, kv_lora_rank + rope) pair among the head dims")
+        r, p = pairs[0]
+        ps, _ = _page_sizes(caps, quick)
+        return _mla_spec(r, p, dtype, ps)
+    return _linear_spec(variant, *_linear_dims(caps, quick)[0], dtype, caps)
+
+
+class _NoSpec(Exception):
+    pass
+
+
+def _mla_spec(r: int, p: int, dtype: str, page_size: int) -> LayerSpec:
+    return LayerSpec(
+        kind="mla",
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=r + p,
+        head_dim_v=r,
+        kv_lora_rank=r,
+        qk_rope_head_dim=p,
+        qk_nope_head_dim=max(16, r // 4),
+        dtype=dtype,
+        page_size=page_size,
+    )
+
+
+def _linear_spec(
+    variant: LinearVariant, dk: int, dv: int, dtype: str, caps: BackendCapabilities
+) -> LayerSpec:
+    mamba = variant is LinearVariant.MAMBA2
+    hv, hk = (4, 1) if mamba else (4, 2)
+    channels = hv * dv + 2 * hk * dk  # x (or v) plus B and C (or q and k), as the models do
+    return LayerSpec(
+        kind="linear",
+        linear_variant=variant,
+        num_heads=hv,
+        num_kv_heads=hk,
+        head_dim=dk,
+        head_dim_v=dv,
+        conv_kernel_size=4,
+        conv_channels=channels,
+        dtype=dtype,
+        state_dtype=_pick(caps.state_dtypes, ("float32", "bfloat16")),
+        qk_l2norm=not mamba,
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# the matrix
+# ------------------------------------------------------------------------------------------
+def _device_skip(spec: LayerSpec, device: torch.device | None, caps_device) -> str | None:
+    if device is None or device.type != "cuda" or caps_device is None:
+        return None
+    if spec.dtype not in caps_device.dtypes:
+        return f"the device does not support {spec.dtype}"
+    if spec.kv_dtype == "fp8_e4m3" and not caps_device.supports_fp8:
+        return "the device has no fp8 support"
+    return None
+
+
+def build_matrix(
+    caps: BackendCapabilities,
+    *,
+    quick: bool = False,
+    device: torch.device | None = None,
+    device_caps=None,
+    has_cuda: bool = False,
+) -> list[Case]:
+    """Every battery case for a backend advertising ``caps``, in a stable order.
+
+    :param quick: one representative per sweep and short workloads (CPU smoke run).
+    :param device: the torch device the checks will run on.
+    :param device_caps: its :class:`~attn_core.specs.DeviceCapabilities` (dtype / fp8 support).
+    :param has_cuda: whether CUDA-graph capture can run.
+    """
+    cases: list[Case] = []
+    kinds = sorted(caps.kinds, key=lambda k: list(LayerKind).index(k))
+    for kind in kinds:
+        variants = (
+            sorted(caps.linear_variants, key=lambda v: v.value)
+            if kind is LayerKind.LINEAR
+            else [None]
+        )
+        for variant in variants:
+            try:
+                base = _base_spec(kind, caps, quick, variant)
+            except _NoSpec as exc:
+                label = kind.value
+                cases.append(
+                    Case(
+                        "correctness",
+                        LayerSpec(kind="full", num_heads=1, num_kv_heads=1, head_dim=8),
+                        "decode",
+                        (f"{label}: head dims",),
+                        skip=str(exc),
+                    )
+                )
+                continue
+            cases += _kind_cases(base, caps, quick, has_cuda)
+    out = []
+    for c in cases:
+        skip = c.skip or _device_skip(c.spec, device, device_caps)
+        out.append(c if skip == c.skip else _replace(c, skip=skip))
+    seen: set[tuple[str, str]] = set()
+    unique = []
+    for c in out:  # sweeps can meet (e.g. the base dtype): keep the first, merge labels
+        key = (c.check, c.id)
+        if key in seen:
+            continue
+        seen.add(key)
+        unique.append(c)
+    return unique
+
+
+def _replace(case: Case, **changes) -> Case:
+    from dataclasses import replace
+
+    return replace(case, **changes)
+
+
+def _kind_cases(
+    base: LayerSpec, caps: BackendCapabilities, quick: bool, has_cuda: bool
+) -> list[Case]:
+    kind = base.kind
+    K = kind_label(base)
+    L = (f"{K}: kind",)
+    cases: list[Case] = []
+    sweep = "ragged" if kind is LayerKind.ENCODER else "mixed"  # prefill + decode where possible
+
+    def add(check, spec, workload, labels, **kw):
+        cases.append(Case(check, spec, workload, tuple(labels), **kw))
+
+    # -- named workloads on the base spec --------------------------------------------------
+    if kind is LayerKind.ENCODER:
+        workloads = ["prefill", "ragged", "tiny_batch"] + ([] if quick else ["long_context"])
+    else:
+        workloads = ["decode", "prefill", "mixed", "page_boundary", "tiny_batch"]
+        if not quick:
+            workloads += ["ragged", "long_context"]
+    base_labels = [
+        *L,
+        f"{K}: dtype {base.dtype}",
+        f"{K}: head_dim {base.head_dim}",
+    ]
+    if base.has_kv_cache:
+        base_labels.append(f"{K}: page_size {base.page_size}")
+    for w in workloads:
+        add("correctness", base, w, base_labels, num_layers=2 if w == "mixed" else 1)
+    if kind is not LayerKind.ENCODER and caps.max_speculative_tokens:
+        ks = list(range(1, min(4, caps.max_speculative_tokens) + 1))
+        if quick:
+            ks = sorted({ks[0], ks[-1]})
+        strategies = sorted(caps.spec_verify_strategies) if kind is LayerKind.LINEAR else [None]
+        for k in ks:
+            for strategy in strategies:
+                label = f"{K}: speculative verify k={k}"
+                if strategy and len(strategies) > 1:
+                    label += f" ({strategy})"
+                add("correctness", base, "verify", [*L, label], spec_tokens=k, strategy=strategy)
+
+    # -- dtypes, KV dtypes, state dtypes -----------------------------------------------------
+    for dtype in sorted(caps.dtypes - {base.dtype}):
+        spec = base.with_(dtype=dtype, kv_dtype=None)
+        add("correctness", spec, sweep, [f"{K}: dtype {dtype}"])
+    if base.has_kv_cache:
+        for kv in sorted(caps.kv_dtypes):
+            if kv in caps.dtypes:
+                continue  # equal to the activation dtype: covered above
+            dtypes = [base.dtype] if quick or kv != "fp8_e4m3" else sorted(caps.dtypes)
+            for dtype in dtypes:
+                spec = base.with_(dtype=dtype, kv_dtype=kv)
+                for w in ("mixed",) if quick else ("mixed", "page_boundary"):
+                    add("correctness", spec, w, [f"{K}: kv_dtype {kv}"])
+    if kind is LayerKind.LINEAR:
+        for sd in sorted(caps.state_dtypes - {base.state_dtype}):
+            add("correctness", base.with_(state_dtype=sd), "mixed", [f"{K}: state_dtype {sd}"])
+
+    # -- head dims and head layouts ----------------------------------------------------------
+    if kind in (LayerKind.FULL, LayerKind.ENCODER):
+        _, dims = _head_dims(caps, quick)
+        for d in dims:
+            add(
+                "correctness",
+                base.with_(head_dim=d, head_dim_v=d),
+                "mixed" if kind is LayerKind.FULL else "ragged",
+                [f"{K}: head_dim {d}"],
+            )
+        if not quick:
+            for h, hkv in ((4, 4), (4, 1)):
+                add(
+                    "correctness",
+                    base.with_(num_heads=h, num_kv_heads=hkv),
+                    "mixed" if kind is LayerKind.FULL else "ragged",
+                    [f"{K}: MHA / MQA heads"],
+                )
+    elif kind is LayerKind.MLA:
+        for r, p in _mla_dims(caps)[1:]:
+            add(
+                "correctness",
+                _mla_spec(r, p, base.dtype, base.page_size),
+                "mixed",
+                [f"{K}: head_dim {r + p} (kv_lora_rank {r})"],
+            )
+    else:
+        for dk, dv in _linear_dims(caps, quick)[1:]:
+            spec = _linear_spec(base.linear_variant, dk, dv, base.dtype, caps)
+            add(
+                "correctness",
+                spec.with_(state_dtype=base.state_dtype),
+                "mixed",
+                [f"{K}: head_dim {dk}/{dv}"],
+            )
+
+    # -- page sizes -------------------------------------------------------------------------
+    if base.has_kv_cache:
+        _, sizes = _page_sizes(caps, quick)
+        for ps in sizes:
+            add("correctness", base.with_(page_size=ps), "page_boundary", [f"{K}: page_size {ps}"])
+
+    # -- options ------------------------------------------------------------------------------
+    if kind in (LayerKind.FULL, LayerKind.ENCODER):
+        w_opts = ("mixed", "decode") if kind is LayerKind.FULL else ("ragged",)
+        if caps.sliding_window:
+            for w in w_opts:
+                add("correctness", base.with_(sliding_window=WINDOW), w, [f"{K}: sliding window"])
+        if caps.logits_soft_cap:
+            for w in w_opts:
+                add("correctness", base.with_(logits_soft_cap=SOFT_CAP), w, [f"{K}: soft-cap"])
+        if caps.sinks and kind is LayerKind.FULL:
+            for w in w_opts:
+                add("correctness", base.with_(has_sinks=True), w, [f"{K}: sinks"])
+        if caps.causal and caps.non_causal:  # the other masking mode, also advertised
+            other = not base.causal
+            label = f"{K}: {'causal' if other else 'non-causal'}"
+            workload = "prefill" if kind is LayerKind.FULL else "ragged"
+            add("correctness", base.with_(causal=other), workload, [label])
+
+    # -- life cycle, out contract, state ---------------------------------------------------------
+    add(
+        "lifecycle",
+        base,
+        "lifecycle",
+        [f"{K}: life cycle (many steps, changing batches)"],
+        num_layers=2,
+    )
+    add("out", base, "out_contract", [f"{K}: out contract (out, strided out, None; guards)"])
+    if kind is not LayerKind.ENCODER:
+        add("update", base, "replay", [f"{K}: update() refreshes metadata (emulated replay)"])
+        for mode in (GraphMode.DECODE, GraphMode.FULL):
+            if mode in caps.graph_modes:
+                add(
+                    "graph",
+                    base,
+                    "replay",
+                    [f"{K}: graph_mode {mode.value} (CUDA graph capture + replay)"],
+                    graph_mode=mode,
+                    skip=None if has_cuda else "CUDA is not available: capture needs a GPU",
+                )
+        if kind is LayerKind.LINEAR:
+            add("state", base, "chunked_prefill", [f"{K}: state hand-off (chunked prefill)"])
+            add("state", base, "prefix_restore", [f"{K}: prefix-cache restore (conv + SSM)"])
+        else:
+            add("state", base, "chunked_prefill", [f"{K}: paged KV (chunked prefill == one)"])
+            add("state", base, "prefix_restore", [f"{K}: prefix-cache restore (shared pages)"])
+    return cases

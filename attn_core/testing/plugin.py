@@ -1,0 +1,178 @@
+"""pytest plugin of the conformance kit (entry point ``pytest11: attn_core``).
+
+Loaded by every pytest run where attn-core is installed, so it must stay cheap and inert: it
+imports nothing heavy at module level and changes nothing unless a backend is named::
+
+    pytest --attn-backend=vendor:name [--attn-quick] [--attn-seed=N] [--attn-device=cpu]
+           [--attn-plugin=[NAME=]MODULE[:OBJECT] ...]
+
+With a backend named, the run collects only the kit's battery (:mod:`attn_core.testing.battery`)
+instead of the project's tests, parametrised by the capability matrix of that backend, and ends
+with one line per advertised capability. Environment equivalents: ``ATTN_CORE_CONFORMANCE_BACKEND``,
+``ATTN_CORE_CONFORMANCE_QUICK=1``, ``ATTN_CORE_CONFORMANCE_SEED``, ``ATTN_CORE_CONFORMANCE_DEVICE``,
+``ATTN_CORE_EXTRA_PLUGINS`` (comma-separated ``[NAME=]MODULE[:OBJECT]``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from attn_core.testing.report import CapabilityReport
+
+ENV_BACKEND = "ATTN_CORE_CONFORMANCE_BACKEND"
+ENV_QUICK = "ATTN_CORE_CONFORMANCE_QUICK"
+ENV_SEED = "ATTN_CORE_CONFORMANCE_SEED"
+ENV_DEVICE = "ATTN_CORE_CONFORMANCE_DEVICE"
+ENV_EXTRA_PLUGINS = "ATTN_CORE_EXTRA_PLUGINS"
+BATTERY = Path(__file__).with_name("battery.py")
+
+#: The kit session (registry, backend, device, seed), set in ``pytest_configure`` when enabled.
+SESSION_KEY = pytest.StashKey[Any]()
+REPORT_KEY = pytest.StashKey[CapabilityReport]()
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    from attn_core.testing import hooks
+
+    pluginmanager.add_hookspecs(hooks)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("attn-core", "attn-core backend conformance kit")
+    group.addoption(
+        "--attn-backend",
+        default=os.environ.get(ENV_BACKEND) or None,
+        metavar="VENDOR:NAME",
+        help="run the conformance battery against this backend (and nothing else); "
+        f"env {ENV_BACKEND}",
+    )
+    group.addoption(
+        "--attn-plugin",
+        action="append",
+        default=[],
+        metavar="[NAME=]MODULE[:OBJECT]",
+        help="register this plugin object (module, class or instance) under NAME before "
+        f"resolving the backend; repeatable; env {ENV_EXTRA_PLUGINS} (comma-separated)",
+    )
+    group.addoption(
+        "--attn-quick",
+        action="store_true",
+        default=os.environ.get(ENV_QUICK, "").lower() in ("1", "true", "yes", "on"),
+        help=f"a reduced matrix (one representative per sweep, short workloads); env {ENV_QUICK}",
+    )
+    group.addoption(
+        "--attn-seed",
+        type=int,
+        default=int(os.environ[ENV_SEED]) if os.environ.get(ENV_SEED) else None,
+        help=f"base seed of the random inputs (default: fresh each run); env {ENV_SEED}",
+    )
+    group.addoption(
+        "--attn-device",
+        choices=("auto", "cpu", "cuda"),
+        default=os.environ.get(ENV_DEVICE) or "auto",
+        help="device to run on (auto: CUDA if available and advertised, else CPU); "
+        f"env {ENV_DEVICE}",
+    )
+
+
+def enabled(config: pytest.Config) -> bool:
+    """Whether this run is a conformance run (a backend was named)."""
+    return bool(config.getoption("--attn-backend", default=None))
+
+
+def _plugin_specs(config: pytest.Config) -> list[str]:
+    specs = list(config.getoption("--attn-plugin") or [])
+    env = os.environ.get(ENV_EXTRA_PLUGINS, "")
+    specs += [s.strip() for s in env.split(",") if s.strip()]
+    return specs
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config: pytest.Config) -> None:
+    if not enabled(config):
+        return
+    from attn_core.testing.session import KitError, build_session
+
+    try:
+        session = build_session(
+            backend_name=config.getoption("--attn-backend"),
+            plugin_specs=_plugin_specs(config),
+            registry=config.pluginmanager.hook.pytest_attn_core_registry(config=config),
+            quick=config.getoption("--attn-quick"),
+            seed=config.getoption("--attn-seed"),
+            device=config.getoption("--attn-device"),
+        )
+    except KitError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    config.stash[SESSION_KEY] = session
+    config.stash[REPORT_KEY] = CapabilityReport(
+        backend=session.backend_name, device=session.device_label, seed=session.seed
+    )
+    # Collect the battery instead of the project's tests; keep explicit battery node ids
+    # (``battery.py::test_x[...]``) the user gave.
+    battery = str(BATTERY)
+    wanted = [a for a in config.args if Path(a.split("::")[0]).name == BATTERY.name]
+    config.args[:] = [
+        battery + "::" + a.split("::", 1)[1] if "::" in a else battery for a in wanted
+    ]
+    if not config.args:
+        config.args.append(battery)
+
+
+def pytest_report_header(config: pytest.Config) -> list[str] | None:
+    if not enabled(config) or SESSION_KEY not in config.stash:
+        return None
+    return config.stash[SESSION_KEY].header_lines()
+
+
+def _message(report: pytest.TestReport, call: pytest.CallInfo[None]) -> str:
+    if report.skipped and isinstance(report.longrepr, tuple):
+        return str(report.longrepr[2]).removeprefix("Skipped: ")
+    if call.excinfo is not None:
+        text = str(call.excinfo.value).strip() or call.excinfo.typename
+        return " ".join(text.splitlines()[:2])
+    return report.outcome
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
+    report = yield
+    config = item.config
+    if not enabled(config) or REPORT_KEY not in config.stash:
+        return report
+    case = getattr(getattr(item, "callspec", None), "params", {}).get("case")
+    capabilities = getattr(case, "capabilities", None)
+    if not capabilities:
+        return report
+    # One record per item: the call phase, or the setup phase when it did not pass.
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        config.stash[REPORT_KEY].record(
+            capabilities, report.outcome, item.nodeid, _message(report, call)
+        )
+    return report
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    if not enabled(config) or REPORT_KEY not in config.stash:
+        return
+    report = config.stash[REPORT_KEY]
+    counts = report.counts
+    terminalreporter.section(
+        f"attn-core conformance: {report.backend} on {report.device}, seed {report.seed}"
+    )
+    width = max(
+        80,
+        getattr(terminalreporter, "_tw", None).fullwidth
+        if hasattr(terminalreporter, "_tw")
+        else 120,
+    )
+    for line in report.lines(width=max(width, 160)):
+        terminalreporter.write_line(line)
+    terminalreporter.write_line(
+        f"capabilities: {counts['PASS']} passed, {counts['FAIL']} failed, "
+        f"{counts['SKIP']} skipped (rerun with --attn-seed={report.seed})"
+    )
