@@ -9,6 +9,9 @@ Sections (each guarded: a failure is recorded in the JSON and the run goes on):
 * gdn_prefill: T = 8192 and 32768 as one request and as 16 requests (cu_seqlens), our wrapper
   vs fla ``chunk_gated_delta_rule`` called directly; ms and tokens/s.
 * mamba2_decode: B = 64..2048, H=128, N=128, P=64 (Mamba2-2.7B-like), fp32 state, GB/s.
+* plugin: the same step through the attn-core plugin (``AttentionRuntime`` binding ->
+  ``TritonSSMContext``) vs the bare kernel on the same tensors: ``gdn_decode`` at B = 64 / 256
+  and ``gdn_prefill`` at T = 8192 (one request); ``overhead_pct`` (target: within 3 %).
 
 Timing: ``triton.testing.do_bench`` (warmup, median over repetitions). The decode kernels write
 the state in place, so every timed call starts from the previous call's state; the traffic is
@@ -28,6 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parents[3]))  # attn_core from a checkout
 
 HK, HV, D = 16, 32, 128
 GB = 1e9
@@ -160,6 +164,88 @@ def bench_mamba2_decode(B: int, H=128, G=1, N=128, P=64) -> dict:
     return {"ms": ms, "GBps": 2 * B * H * N * P * 4 / (ms * 1e-3) / GB}
 
 
+def _plugin_lane(B: int, T: int):
+    """A one-layer Qwen3-Next-like GDN group through the real plugin and runtime, B requests."""
+    from attn_plugin_triton_ssm import plugin
+
+    from attn_core.batch import BatchBuilder
+    from attn_core.registry import Registry
+    from attn_core.runtime import AttentionRuntime
+    from attn_core.selector import select
+    from attn_core.specs import DeviceCapabilities, ExecutionConstraints, LayerSpec, group_layers
+    from attn_core.state import PersistentState
+
+    spec = LayerSpec(
+        kind="linear", linear_variant="gated_deltanet", num_heads=HV, num_kv_heads=HK,
+        head_dim=D, head_dim_v=D, conv_kernel_size=4, conv_channels=2 * HK * D + HV * D,
+        dtype="bfloat16", qk_l2norm=True,
+    )  # fmt: skip
+    registry = Registry()
+    registry.register_plugin(plugin, name="triton_ssm")
+    groups = group_layers([spec])
+    constraints = ExecutionConstraints(max_batch_size=max(B, 8), max_num_tokens=max(T, B))
+    plan = select(groups, registry, DeviceCapabilities.detect("cuda"), constraints)
+    state = PersistentState(groups, num_pages=1, num_slots=B + 4, device="cuda")
+    runtime = AttentionRuntime(plan, registry, state=state, device="cuda")
+    builder = BatchBuilder(state, max_batch_size=max(B, 8), max_num_tokens=max(T, B),
+                           device="cuda")  # fmt: skip
+    for r in range(B):
+        state.add_request(r)
+    return runtime, builder, state.state_slots.layer(0).ssm
+
+
+def _alternate(fn_a, fn_b, rounds=3, **kw) -> tuple[float, float]:
+    """Best-of-rounds medians of two functions timed alternately (cancels clock drift)."""
+    a = b = float("inf")
+    for _ in range(rounds):
+        a = min(a, _bench(fn_a, **kw))
+        b = min(b, _bench(fn_b, **kw))
+    return a, b
+
+
+def bench_plugin_decode(B: int) -> dict:
+    from attn_plugin_triton_ssm.kernels import gdn_decode
+
+    runtime, builder, ssm = _plugin_lane(B, 1)
+    batch = builder.build([(r, 1) for r in range(B)])
+    runtime.prepare(batch)
+    binding = runtime.binding(0)
+    q, k, v, g, beta, _, _ = _decode_inputs(B, 1)
+    out = torch.empty_like(v)
+    idx = batch.state_indices
+    plugin_ms, bare_ms = _alternate(
+        lambda: binding.forward(q, k, v, out=out, g=g, beta=beta),
+        lambda: gdn_decode(q, k, v, g, beta, ssm, idx, scale=binding.scale, use_qk_l2norm=True,
+                           out=out),
+    )  # fmt: skip
+    nbytes = 2 * B * HV * D * D * 4
+    return {"ms": plugin_ms, "bare_ms": bare_ms, "GBps": nbytes / (plugin_ms * 1e-3) / GB,
+            "overhead_pct": 100 * (plugin_ms / bare_ms - 1),
+            "within_3pct": plugin_ms <= 1.03 * bare_ms}  # fmt: skip
+
+
+def bench_plugin_prefill(T: int) -> dict:
+    from attn_plugin_triton_ssm.kernels import gdn_prefill
+
+    runtime, builder, ssm = _plugin_lane(1, T)
+    batch = builder.build([(0, T)])
+    runtime.prepare(batch)
+    binding = runtime.binding(0)
+    q, k, v, g, beta, _, _, _ = _prefill_inputs(T, 1)
+    out = torch.empty_like(v)
+    slots, cu = batch.state_indices[:1], batch.query_start_loc[:2]
+    plugin_ms, bare_ms = _alternate(
+        lambda: binding.forward(q, k, v, out=out, g=g, beta=beta),
+        lambda: gdn_prefill(q, k, v, g, beta, ssm, slots, cu, scale=binding.scale,
+                            use_qk_l2norm=True, out=out),
+        warmup=5, rep=30,
+    )  # fmt: skip
+    prepare_ms = _bench(lambda: runtime.prepare(batch), warmup=5, rep=30)
+    return {"ms": plugin_ms, "bare_ms": bare_ms, "Mtok_per_s": T / (plugin_ms * 1e-3) / 1e6,
+            "prepare_ms": prepare_ms, "overhead_pct": 100 * (plugin_ms / bare_ms - 1),
+            "within_3pct": plugin_ms <= 1.03 * bare_ms}  # fmt: skip
+
+
 def _table(results: list) -> str:
     lines = []
     for r in results:
@@ -176,6 +262,8 @@ def _table(results: list) -> str:
                 val += f"  ({r['of_copy']:.2f} x copy)"
         else:
             val = f"{r['ms']:.3f} ms  {r['Mtok_per_s']:.2f} Mtok/s"
+        if "overhead_pct" in r:
+            val += f"  (bare {r['bare_ms']:.4f} ms, plugin {r['overhead_pct']:+.1f} %)"
         lines.append(f"{r['section']:<14} {head:<48} {val}")
     return "\n".join(lines)
 
@@ -230,6 +318,12 @@ def main(argv: list[str] | None = None) -> int:
                      lambda B=B: bench_mamba2_decode(B))  # fmt: skip
         if copy_bw and "GBps" in row:
             row["of_copy"] = row["GBps"] / copy_bw
+
+    for B in (64, 256):
+        _guard(results, "plugin", {"provider": "binding.forward vs gdn_decode", "B": B},
+               lambda B=B: bench_plugin_decode(B))  # fmt: skip
+    _guard(results, "plugin", {"provider": "binding.forward vs gdn_prefill", "T": 8192,
+                               "n_seq": 1}, lambda: bench_plugin_prefill(8192))  # fmt: skip
 
     print("\n" + _table(results))
     args.out.parent.mkdir(parents=True, exist_ok=True)
