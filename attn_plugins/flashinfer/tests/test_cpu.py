@@ -1,0 +1,438 @@
+"""CPU tests of the FlashInfer plugin: advertisement, availability reasons, planning, slot writes,
+registry and selector, and the whole runtime flow against the reference backend with a
+pure-PyTorch stand-in for FlashInfer (:mod:`fake_flashinfer`)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import math
+import shutil
+from pathlib import Path
+
+import attn_plugin_flashinfer.plugin as fi_plugin
+import fake_flashinfer
+import numpy as np
+import pytest
+import torch
+import workloads as wl
+from attn_plugin_flashinfer import capability, planning
+from attn_plugin_flashinfer.context import StepKind, decode_uses_tensor_cores
+from attn_plugin_flashinfer.kv_write import quantize, write_rows
+
+from attn_core.registry import Registry
+from attn_core.selector import check_backend, select
+from attn_core.specs import (
+    DeviceCapabilities,
+    ExecutionConstraints,
+    GraphMode,
+    LayerSpec,
+    group_layers,
+)
+
+AVAILABLE = capability.Availability(True, None, "0.6.7-fake")
+FULL = LayerSpec(kind="full", num_heads=8, num_kv_heads=2, head_dim=64, page_size=4)
+MLA = LayerSpec(
+    kind="mla",
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=576,
+    head_dim_v=512,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    page_size=4,
+)
+
+
+@pytest.fixture
+def available(monkeypatch):
+    """Pretend CUDA, flashinfer and nvcc are present (registration only)."""
+    monkeypatch.setattr(capability, "probe", lambda: AVAILABLE)
+
+
+@pytest.fixture
+def fake_fi(monkeypatch, available):
+    return fake_flashinfer.install(monkeypatch)
+
+
+# ------------------------------------------------------------------------------------------
+# Advertisement and availability
+# ------------------------------------------------------------------------------------------
+def test_advertises_two_backends_honestly():
+    full, mla = fi_plugin.backends(AVAILABLE)
+    assert (full.name, mla.name) == ("flashinfer", "flashinfer_mla")
+    assert full.priority == mla.priority == 100
+    c = full.capabilities
+    assert c.head_dims == {64, 128, 256}
+    assert c.kv_dtypes == {"bfloat16", "float16", "fp8_e4m3"}
+    assert c.dtypes == {"bfloat16", "float16"}
+    assert c.sliding_window and c.logits_soft_cap
+    assert not c.sinks  # 0.6.7 ignores sinks outside trtllm-gen
+    assert not c.non_causal
+    assert c.graph_modes == {GraphMode.NONE, GraphMode.DECODE}
+    assert c.min_compute_capability == (8, 0)
+    assert c.max_speculative_tokens >= 4
+    assert mla.capabilities.head_dims == {576, 512}
+    assert mla.capabilities.kv_dtypes == {"bfloat16", "float16"}
+    assert fi_plugin.ATTN_CORE_API_VERSION == "1.1"
+
+
+def test_this_machine_reports_unavailable_with_reason():
+    av = capability.probe()
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine")
+    assert not av.available
+    assert "no CUDA device" in av.reason
+    for backend in fi_plugin.backends():
+        assert not backend.available and backend.unavailable_reason == av.reason
+
+
+def _all_present(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: importlib.machinery.ModuleSpec(name, None),
+    )
+    monkeypatch.setattr(
+        importlib, "import_module", lambda name: type("M", (), {"__version__": "0.6.7"})
+    )
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/nvcc")
+
+
+def test_probe_available_when_everything_is_there(monkeypatch):
+    _all_present(monkeypatch)
+    av = capability.probe()
+    assert av.available and av.reason is None and av.version == "0.6.7"
+
+
+def test_probe_names_no_cuda(monkeypatch):
+    _all_present(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    av = capability.probe()
+    assert not av.available
+    assert av.reason == "no CUDA device (torch.cuda.is_available() is False)"
+
+
+def test_probe_names_import_error_text(monkeypatch):
+    _all_present(monkeypatch)
+
+    def fail(name):
+        raise ImportError("libcudart.so.13: cannot open shared object file")
+
+    monkeypatch.setattr(importlib, "import_module", fail)
+    av = capability.probe()
+    assert not av.available
+    assert av.reason == (
+        "flashinfer is not importable: ImportError: libcudart.so.13: cannot open shared object file"
+    )
+
+
+def test_probe_names_missing_module(monkeypatch):
+    _all_present(monkeypatch)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    av = capability.probe()
+    assert "no module named 'flashinfer'" in av.reason
+
+
+def test_probe_names_missing_nvcc(monkeypatch):
+    _all_present(monkeypatch)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    real_isfile = capability.os.path.isfile
+    monkeypatch.setattr(
+        capability.os.path, "isfile", lambda p: False if p.endswith("nvcc") else real_isfile(p)
+    )
+    av = capability.probe()
+    assert not av.available and "nvcc" in av.reason
+
+
+def test_probe_accepts_cuda_home(monkeypatch, tmp_path):
+    _all_present(monkeypatch)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").write_text("")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    assert capability.probe().available
+
+
+# ------------------------------------------------------------------------------------------
+# Registry and selector
+# ------------------------------------------------------------------------------------------
+def test_entry_point_declared():
+    tomllib = pytest.importorskip("tomllib")
+    meta = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert meta["project"]["name"] == "attn-plugin-flashinfer"
+    eps = meta["project"]["entry-points"]["attn_core"]
+    assert eps == {"flashinfer": "attn_plugin_flashinfer.plugin"}
+    assert "flashinfer-python==0.6.7" in meta["project"]["dependencies"]
+
+
+def test_registry_loads_plugin_on_cpu_without_error():
+    reg = Registry(strict=True)
+    info = reg.register_plugin(fi_plugin, name="flashinfer")
+    assert info is not None and not reg.quarantined
+    names = sorted(b.qualified_name for b in info.backends)
+    assert names == ["flashinfer:flashinfer", "flashinfer:flashinfer_mla"]
+
+
+def test_selector_picks_flashinfer_on_h200(available):
+    reg = wl.registry()
+    specs = [FULL.with_(sliding_window=64, logits_soft_cap=30.0), MLA]
+    plan = select(group_layers(specs), reg, DeviceCapabilities.target("h200"))
+    chosen = [c.backend.qualified_name for c in plan.choices]
+    assert chosen == ["flashinfer:flashinfer", "flashinfer:flashinfer_mla"]
+
+
+def test_selector_rejects_flashinfer_on_cpu_with_reason_codes():
+    reg = wl.registry()  # real probe: unavailable on this machine
+    plan = select(group_layers([FULL]), reg, DeviceCapabilities.target("cpu"))
+    choice = plan.choices[0]
+    assert choice.backend.qualified_name == "attn_core:reference"
+    rejected = {r.code for r in choice.rejected if r.backend == "flashinfer:flashinfer"}
+    assert "device_type" in rejected
+    if not torch.cuda.is_available():
+        assert "unavailable" in rejected
+
+
+def test_rejections_for_what_is_not_advertised(available):
+    full = fi_plugin.backends(AVAILABLE)[0].with_plugin("flashinfer")
+    h200, a100 = DeviceCapabilities.target("h200"), DeviceCapabilities.target("a100")
+    c = ExecutionConstraints()
+
+    def codes(spec, device=h200, constraints=c):
+        return {r.code for r in check_backend(full, spec, device, constraints)}
+
+    assert codes(FULL) == set()
+    assert "sinks" in codes(FULL.with_(has_sinks=True))
+    assert "head_dim" in codes(FULL.with_(head_dim=96))
+    assert "kv_dtype" not in codes(FULL.with_(kv_dtype="fp8_e4m3"))
+    assert "device_fp8" in codes(FULL.with_(kv_dtype="fp8_e4m3"), device=a100)
+    assert "graph_mode" in codes(FULL, constraints=c.with_(graph_mode="full"))
+    assert "speculative" in codes(FULL, constraints=c.with_(speculative_tokens=64))
+    assert "dtype" in codes(FULL.with_(dtype="float32"))
+
+
+def test_decode_kernel_choice():
+    assert not decode_uses_tensor_cores(32, 8)
+    assert not decode_uses_tensor_cores(8, 8)
+    assert decode_uses_tensor_cores(48, 8)  # group 6: no CUDA-core decode instance
+    assert decode_uses_tensor_cores(64, 4)  # group 16
+
+
+# ------------------------------------------------------------------------------------------
+# Planning (pure functions)
+# ------------------------------------------------------------------------------------------
+def test_window_left_is_hf_window_minus_one():
+    assert planning.window_left(None) == -1
+    assert planning.window_left(1) == 0  # a query sees only itself
+    assert planning.window_left(4096) == 4095
+    for bad in (0, -3, True, 2.5):
+        with pytest.raises(ValueError, match="sliding_window"):
+            planning.window_left(bad)
+
+
+def test_paged_metadata_matches_a_loop():
+    rng = np.random.default_rng(0)
+    for page in (1, 4, 16):
+        seq = rng.integers(1, 70, size=9).astype(np.int32)
+        width = 80
+        B = len(seq)
+        kv_indptr = np.zeros(B + 1, np.int32)
+        lpl = np.zeros(B, np.int32)
+        roff = np.zeros(B, np.int32)
+        meta = planning.fill_paged_metadata(
+            seq, page, width, kv_indptr=kv_indptr, last_page_len=lpl, row_offset=roff
+        )
+        counts = [math.ceil(s / page) for s in seq]
+        assert kv_indptr.tolist() == [0, *np.cumsum(counts).tolist()]
+        assert meta.total_pages == sum(counts)
+        for b, s in enumerate(seq):
+            assert 1 <= lpl[b] <= page
+            assert (counts[b] - 1) * page + lpl[b] == s  # FlashInfer's kv_len rule
+            assert roff[b] == b * width - kv_indptr[b]
+
+
+def test_paged_metadata_rejects_too_narrow_table():
+    with pytest.raises(ValueError, match="page table has 2 columns"):
+        planning.fill_paged_metadata(
+            np.array([9], np.int32),
+            4,
+            2,
+            kv_indptr=np.zeros(2, np.int32),
+            last_page_len=np.zeros(1, np.int32),
+            row_offset=np.zeros(1, np.int32),
+        )
+
+
+def test_gather_kv_indices_matches_a_loop():
+    rng = np.random.default_rng(1)
+    B, W, page = 6, 12, 4
+    table = torch.from_numpy(rng.integers(0, 1000, size=(B, W)).astype(np.int32))
+    seq = np.array([1, 9, 48, 4, 0, 17], np.int32)  # a zero-length row too
+    kv_indptr = np.zeros(B + 1, np.int32)
+    roff = np.zeros(B, np.int32)
+    lpl = np.zeros(B, np.int32)
+    meta = planning.fill_paged_metadata(
+        seq, page, W, kv_indptr=kv_indptr, last_page_len=lpl, row_offset=roff
+    )
+    out = torch.full((200,), -7, dtype=torch.int32)
+    got = planning.gather_kv_indices(
+        table,
+        torch.from_numpy(kv_indptr),
+        torch.from_numpy(roff),
+        meta.total_pages,
+        arange=torch.arange(200, dtype=torch.int32),
+        out=out,
+    )
+    want = [int(table[b, j]) for b in range(B) for j in range(math.ceil(seq[b] / page))]
+    assert got.tolist() == want
+    assert out[len(want)] == -7  # nothing written past the step's pages
+    with pytest.raises(ValueError, match="kv_indices buffer"):
+        planning.gather_kv_indices(
+            table,
+            torch.from_numpy(kv_indptr),
+            torch.from_numpy(roff),
+            meta.total_pages,
+            arange=torch.arange(3, dtype=torch.int32),
+            out=out,
+        )
+
+
+def test_write_sources_redirect_padding_to_token_zero():
+    out = np.full(8, -1, np.int64)
+    assert planning.write_sources(3, 6, out).tolist() == [0, 1, 2, 0, 0, 0]
+    assert planning.write_sources(6, 6, out).tolist() == [0, 1, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match="at least one real token"):
+        planning.write_sources(0, 4, out)
+
+
+# ------------------------------------------------------------------------------------------
+# Slot writes
+# ------------------------------------------------------------------------------------------
+def test_write_rows_by_slot_with_padding_redirect():
+    cache = torch.zeros(5, 4, 2, 3)  # 5 pages of 4 tokens, 2 heads, dim 3
+    x = torch.randn(6, 2, 3)
+    slots = torch.tensor([17, 2, 9, -1, -1, -1])  # 3 real tokens, 3 padding rows
+    src = torch.from_numpy(planning.write_sources(3, 6, np.zeros(6, np.int64)))
+    dst = slots.index_select(0, src)
+    write_rows(x, cache, dst, src)
+    flat = cache.view(20, 2, 3)
+    for t, s in enumerate([17, 2, 9]):
+        assert torch.equal(flat[s], x[t])
+    untouched = [i for i in range(20) if i not in (17, 2, 9)]
+    assert flat[untouched].abs().sum() == 0
+
+
+def test_write_rows_fp8_quantises_with_the_layer_scale():
+    cache = torch.zeros(2, 4, 1, 8, dtype=torch.float8_e4m3fn)
+    x = torch.randn(3, 1, 8) * 300
+    scale = torch.tensor(0.5)
+    write_rows(x, cache, torch.tensor([0, 5, 7]))
+    plain = cache.view(8, 1, 8)[[0, 5, 7]].float()
+    assert torch.equal(plain, x.clamp(-448, 448).to(torch.float8_e4m3fn).float())
+    write_rows(x, cache, torch.tensor([0, 5, 7]), scale=scale)
+    stored = cache.view(8, 1, 8)[[0, 5, 7]].float()
+    want = (x / 0.5).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    assert torch.equal(stored, want)
+    assert quantize(x, torch.bfloat16, scale).dtype == torch.bfloat16
+
+
+# ------------------------------------------------------------------------------------------
+# The whole flow with a stand-in FlashInfer, against the reference backend
+# ------------------------------------------------------------------------------------------
+def _compare(spec, script, *, tol, steps_kw=None, make_kw=None, kinds=None):
+    make_kw = make_kw or {}
+    fi = wl.make(spec, "flashinfer:" + _name(spec), "cpu", **make_kw)
+    ref = wl.make(spec, wl.REFERENCE, "cpu", **make_kw)
+    seen = []
+    out_fi, out_ref = [], []
+    for i, step in enumerate(script):
+        kw = (steps_kw or {}).get(i, {})
+        out_fi.append(wl.run_step(fi, i, step, **kw))
+        seen.append(fi.context.step.kind)
+        out_ref.append(wl.run_step(ref, i, step, **kw))
+    err = wl.max_error(out_fi, out_ref)
+    assert err < tol, f"max error {err} (step kinds {seen})"
+    if kinds is not None:
+        assert set(kinds) <= set(seen), seen
+    return seen
+
+
+def _name(spec):
+    return "flashinfer_mla" if spec.kind.value == "mla" else "flashinfer"
+
+
+@pytest.mark.parametrize("name", sorted(wl.WORKLOADS))
+def test_full_attention_matches_reference(fake_fi, name):
+    _compare(
+        FULL,
+        wl.WORKLOADS[name],
+        tol=2e-2,
+        kinds={StepKind.RAGGED, StepKind.DECODE, StepKind.PAGED},
+    )
+
+
+def test_window_and_soft_cap_match_reference(fake_fi):
+    spec = FULL.with_(sliding_window=6, logits_soft_cap=5.0)
+    _compare(spec, wl.WORKLOADS["prefill_decode_mixed"], tol=2e-2)
+
+
+def test_fp8_kv_with_scales_matches_reference(fake_fi):
+    spec = FULL.with_(kv_dtype="fp8_e4m3")
+    seen = _compare(
+        spec,
+        wl.WORKLOADS["prefill_decode_mixed"],
+        tol=6e-2,
+        make_kw={"kv_scales": (0.02, 0.03)},
+    )
+    assert StepKind.RAGGED not in seen  # fp8 attends over the quantised cache, never ragged
+
+
+def test_mqa_and_speculative_verify_match_reference(fake_fi):
+    spec = FULL.with_(num_heads=4, num_kv_heads=1)
+    script = [[(0, 9), (1, 6)], [(0, 3), (1, 3)], [(0, 3), (1, 3)], [(0, 1), (1, 1)]]
+    steps_kw = {1: {"spec_tokens": 2}, 2: {"spec_tokens": 2}}
+    seen = _compare(spec, script, tol=2e-2, steps_kw=steps_kw, make_kw={"spec_tokens": 2})
+    assert seen[1] is StepKind.PAGED
+
+
+def test_mla_matches_reference(fake_fi):
+    _compare(MLA, wl.WORKLOADS["chunked_prefill"], tol=2e-2, kinds={StepKind.MLA})
+
+
+def test_graph_decode_padding_and_update(fake_fi):
+    """Graph mode: padded decode steps use the fixed-buffer wrappers; padding writes nothing."""
+    spec = FULL
+    script = [[(0, 11), (1, 4), (2, 7)], [(0, 1), (1, 1), (2, 1)], [(0, 1), (2, 1)]]
+    steps_kw = {1: {"pad_to": 4}, 2: {"pad_to": 4}}
+    seen = _compare(spec, script, tol=2e-2, steps_kw=steps_kw, make_kw={"graph": True})
+    assert seen[1:] == [StepKind.DECODE_GRAPH, StepKind.DECODE_GRAPH]
+
+
+def test_graph_decode_wrapper_is_reused_per_padded_size(fake_fi):
+    h = wl.make(FULL, "flashinfer:flashinfer", "cpu", graph=True)
+    wl.run_step(h, 0, [(0, 5), (1, 3)])
+    wl.run_step(h, 1, [(0, 1), (1, 1)], pad_to=4)
+    ctx = h.context
+    w = ctx.step.wrapper
+    assert ctx._graph_wrappers == {4: w}
+    # update() with a new batch of the same padded size re-plans the same wrapper in place
+    batch = h.builder.build([(1, 1)], pad_to=4)
+    h.runtime.update(batch)
+    assert ctx.step.wrapper is w and w.plans == 2
+    assert w._kv_indptr.data_ptr() == ctx.g_kv_indptr.data_ptr()
+
+
+def test_mla_graph_decode(fake_fi):
+    script = [[(0, 6), (1, 9)], [(0, 1), (1, 1)], [(1, 1)]]
+    steps_kw = {1: {"pad_to": 3}, 2: {"pad_to": 3}}
+    seen = _compare(MLA, script, tol=2e-2, steps_kw=steps_kw, make_kw={"graph": True})
+    assert seen[1:] == [StepKind.MLA_GRAPH, StepKind.MLA_GRAPH]
+
+
+def test_unequal_v_head_dim_is_refused_at_allocation(fake_fi):
+    with pytest.raises(Exception, match="head_dim == head_dim_v"):
+        wl.make(FULL.with_(head_dim_v=128), "flashinfer:flashinfer", "cpu")
