@@ -28,17 +28,6 @@ def _hookspecs() -> dict[str, object]:
 
 
 HOOKS = _hookspecs()
-_NO_RETURNS = pytest.mark.xfail(
-    strict=True,
-    reason="core doc bug: attn_core_register_backends' docstring has no ':returns:' line "
-    "(it returns None; add ':returns: None; backends are reported through ``register``')",
-)
-
-
-def _params(name: str):
-    if name == "attn_core_register_backends":
-        return pytest.param(name, marks=_NO_RETURNS)
-    return name
 
 
 def test_the_contract_has_the_documented_hooks():
@@ -68,26 +57,13 @@ def test_every_argument_has_a_param_line(name):
         assert p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
 
 
-@pytest.mark.parametrize("name", [_params(n) for n in sorted(HOOKS)])
+@pytest.mark.parametrize("name", sorted(HOOKS))
 def test_every_hook_documents_what_it_returns(name):
     doc = inspect.getdoc(HOOKS[name]) or ""
     assert re.search(r"^:returns:", doc, flags=re.MULTILINE), f"{name} has no :returns: line"
 
 
-_NO_FIRSTRESULT = pytest.mark.xfail(
-    strict=True,
-    reason="core doc bug: attn_core_bind_forward's docstring does not say it is firstresult "
-    "(add 'Only the owning plugin's implementation is called (firstresult).')",
-)
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=_NO_FIRSTRESULT) if n == "attn_core_bind_forward" else n
-        for n in sorted(HOOKS)
-    ],
-)
+@pytest.mark.parametrize("name", sorted(HOOKS))
 def test_firstresult_is_documented_and_true(name):
     fn = HOOKS[name]
     doc = " ".join((inspect.getdoc(fn) or "").split())

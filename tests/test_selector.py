@@ -332,11 +332,6 @@ def test_forced_backend_that_cannot_serve_is_an_error(five, groups):
     assert "fastattn:flash" not in msg  # never silently replaced; other candidates not listed
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: a force key that is neither a layer kind nor a group id of the model "
-    "(a typo such as 'ful=flash') is silently ignored by select()",
-)
 def test_force_key_that_names_no_kind_or_group_is_an_error(five, groups):
     with pytest.raises(SelectionError, match="'ful'"):
         select(groups, five, H200, _allow(force="ful=flash"))
