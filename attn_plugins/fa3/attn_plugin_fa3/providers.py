@@ -1,0 +1,295 @@
+"""Where the FlashAttention-3 API comes from, and one call shape for both sources.
+
+Two providers, tried in this order:
+
+1. ``flash_attn.cute.interface`` of **flash-attn-4** (4.0.0b14 + nvidia-cutlass-dsl 4.4.2): its
+   Hopper path is FlashAttention-3's design written in the CuTe DSL. Read from the 4.0.0b14
+   sources:
+
+   * ``_flash_attn_fwd(q, k, v, cu_seqlens_q=, seqused_k=, max_seqlen_q=, max_seqlen_k=,
+     page_table=, softmax_scale=, causal=, softcap=, window_size_left=, window_size_right=,
+     learnable_sink=, score_mod=, out=)`` returns ``(out, lse)``; the public
+     ``flash_attn_varlen_func`` wraps it in an autograd Function and takes no ``out``. This
+     module calls ``_flash_attn_fwd`` (to write into the caller's ``out``) when its signature has
+     every argument used here, else the public function.
+   * paged KV: ``k``/``v`` are ``[num_pages, page_size, Hkv, D]``, ``page_table`` int32
+     ``[B, max_pages]``, unit stride in the last dim; ``seqused_k`` int32 ``[B]``. A page size
+     equal to the kernel's ``tile_n`` loads KV with TMA; any other page size loads rows with
+     cp.async through a per-row page lookup (``PagedKVManager``). That loader covers
+     ``tile_n // 128`` rows per thread, so it is only correct when ``tile_n`` is a multiple of
+     128 - true on sm90 for head dims <= 64 and <= 128 (tile 192x128 / 128x128) and for <= 96
+     when causal or local (192x128), false for 192 / 256 (tile_n 64..112; 4.0.0b14 has no
+     guard, later releases raise). Hence head dims {64, 96, 128} and causal only.
+   * masks are aligned to the END of each sequence (``causal_row_offset = seqlen_k -
+     seqlen_q``): the new tokens are the last ``q_len`` of the ``seqused_k`` keys, as the core
+     lays them out. ``window_size=(W-1, 0)`` with ``causal=True`` is HF's sliding window ``W``.
+   * soft-cap is a ``score_mod`` (``c * tanh(s * scale / c)``); the closure is built once per
+     context here, so its hash is not recomputed per call.
+   * ``learnable_sink``: ``[Hq]`` **bfloat16** only; the sink joins the softmax denominator.
+     4.0.0b14 adds ``exp(sink - rowmax)`` without rebasing the max, so a sink far above every
+     logit overflows (fixed upstream later).
+   * sm90 has no split-KV in this path (``num_splits=1``): the forward is deterministic.
+   * fp8 is sm100-only in flash-attn-4: KV must be bf16 / fp16 like q.
+
+2. ``flash_attn_interface`` (official FlashAttention-3 build, ``hopper/``):
+   ``flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=, page_table=, cu_seqlens_q=,
+   max_seqlen_q=, softmax_scale=, causal=, window_size=(l, r), softcap=)``; -1 means "no
+   window". No learnable sinks in the official build.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Provider", "describe_missing", "probe"]
+
+#: Head dims the paged path is correct for (see the module docstring).
+FA4_HEAD_DIMS = frozenset({64, 96, 128})
+FA3_HEAD_DIMS = frozenset({64, 96, 128, 192, 256})
+_FA4_FWD_ARGS = frozenset(
+    {
+        "cu_seqlens_q",
+        "seqused_k",
+        "max_seqlen_q",
+        "max_seqlen_k",
+        "page_table",
+        "softmax_scale",
+        "causal",
+        "softcap",
+        "window_size_left",
+        "window_size_right",
+        "learnable_sink",
+        "score_mod",
+        "out",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Provider:
+    """One source of the FA3 API, normalised to :meth:`run`.
+
+    :ivar name: ``"flash-attn-4"`` or ``"flash_attn_interface"``.
+    :ivar version: the distribution's version.
+    :ivar sinks: whether learnable sinks are passed to the kernel.
+    :ivar deterministic: whether the forward is deterministic run to run.
+    :ivar head_dims: head dims this provider serves over paged KV.
+    """
+
+    name: str
+    version: str
+    sinks: bool
+    deterministic: bool
+    head_dims: frozenset[int]
+    _run: Callable[..., torch.Tensor]
+    _make_softcap: Callable[[float], object] | None = None
+
+    def make_softcap(self, cap: float | None) -> object:
+        """What :meth:`run` takes as ``softcap`` (built once per context)."""
+        if cap is None:
+            return None
+        return self._make_softcap(cap) if self._make_softcap is not None else cap
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor | None,
+        *,
+        cu_seqlens_q: torch.Tensor,
+        max_seqlen_q: int,
+        seqused_k: torch.Tensor,
+        max_seqlen_k: int,
+        page_table: torch.Tensor,
+        scale: float,
+        window_left: int | None,
+        softcap: object,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Causal attention of the step's queries over paged KV (new K/V already written).
+
+        :param q: ``[T, Hq, D]`` bf16/fp16 (T = padded tokens of the step).
+        :param k_cache: ``[num_pages, page_size, Hkv, D]``, q's dtype.
+        :param v_cache: ``[num_pages, page_size, Hkv, D]``.
+        :param out: ``[T, Hq, D]`` contiguous in q's dtype to write into, or None.
+        :param cu_seqlens_q: ``[B + 1]`` int32 (device).
+        :param max_seqlen_q: longest query run (host int).
+        :param seqused_k: ``[B]`` int32, KV length of each request including the new tokens.
+        :param max_seqlen_k: longest KV length (host int).
+        :param page_table: ``[B, max_pages]`` int32.
+        :param window_left: ``W - 1`` for a sliding window ``W``, None for none.
+        :param softcap: what :meth:`make_softcap` returned.
+        :param sinks: ``[Hq]`` bfloat16 or None.
+        :returns: ``[T, Hq, D]`` (``out`` itself when it was used).
+        """
+        return self._run(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            cu_seqlens_q=cu_seqlens_q,
+            max_seqlen_q=max_seqlen_q,
+            seqused_k=seqused_k,
+            max_seqlen_k=max_seqlen_k,
+            page_table=page_table,
+            scale=scale,
+            window_left=window_left,
+            softcap=softcap,
+            sinks=sinks,
+        )
+
+
+def _dist_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _fa4_provider() -> Provider:
+    iface = importlib.import_module("flash_attn.cute.interface")
+    fwd = getattr(iface, "_flash_attn_fwd", None)
+    direct = False
+    if fwd is not None:
+        try:
+            direct = set(inspect.signature(fwd).parameters) >= _FA4_FWD_ARGS
+        except (TypeError, ValueError):
+            direct = False
+    public = getattr(iface, "flash_attn_varlen_func", None)
+    if not direct and public is None:
+        raise ImportError("flash_attn.cute.interface has neither _flash_attn_fwd nor "
+                          "flash_attn_varlen_func with paged-KV arguments")  # fmt: skip
+    utils = getattr(iface, "utils", None)
+    make_mod = getattr(utils, "create_softcap_scoremod", None) if direct else None
+
+    def run(q, k_cache, v_cache, out, *, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
+            page_table, scale, window_left, softcap, sinks):  # fmt: skip
+        if direct:
+            score_mod = softcap if make_mod is not None and softcap is not None else None
+            result, _ = fwd(
+                q,
+                k_cache,
+                v_cache,
+                cu_seqlens_q=cu_seqlens_q,
+                seqused_k=seqused_k,
+                max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k,
+                page_table=page_table,
+                softmax_scale=scale,
+                causal=True,
+                softcap=None if score_mod is not None else softcap,
+                window_size_left=window_left,
+                window_size_right=0 if window_left is not None else None,
+                learnable_sink=sinks,
+                score_mod=score_mod,
+                out=out,
+            )
+            return result
+        result = public(
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q=cu_seqlens_q,
+            max_seqlen_q=max_seqlen_q,
+            seqused_k=seqused_k,
+            max_seqlen_k=max_seqlen_k,
+            page_table=page_table,
+            softmax_scale=scale,
+            causal=True,
+            window_size=(window_left, 0 if window_left is not None else None),
+            learnable_sink=sinks,
+            softcap=softcap or 0.0,
+        )
+        return result[0] if isinstance(result, tuple) else result  # (out, lse) in 4.0.0b14
+
+    return Provider(
+        name="flash-attn-4",
+        version=_dist_version("flash-attn-4"),
+        sinks=True,
+        deterministic=True,
+        head_dims=FA4_HEAD_DIMS,
+        _run=run,
+        _make_softcap=make_mod,
+    )
+
+
+def _fa3_provider() -> Provider:
+    fa3 = importlib.import_module("flash_attn_interface")
+    fn = getattr(fa3, "flash_attn_with_kvcache", None)
+    if fn is None:
+        raise ImportError("flash_attn_interface has no flash_attn_with_kvcache")
+    params = set(inspect.signature(fn).parameters)
+    needed = {"cache_seqlens", "page_table", "cu_seqlens_q", "max_seqlen_q", "window_size"}
+    if not needed <= params:
+        raise ImportError(
+            f"flash_attn_interface.flash_attn_with_kvcache lacks {sorted(needed - params)}"
+        )
+
+    def run(q, k_cache, v_cache, out, *, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
+            page_table, scale, window_left, softcap, sinks):  # fmt: skip
+        if sinks is not None:
+            raise ValueError("the official FlashAttention-3 build has no learnable sinks")
+        result = fn(
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens=seqused_k,
+            page_table=page_table,
+            cu_seqlens_q=cu_seqlens_q,
+            max_seqlen_q=max_seqlen_q,
+            softmax_scale=scale,
+            causal=True,
+            window_size=(window_left if window_left is not None else -1, 0),
+            softcap=softcap or 0.0,
+        )
+        return result[0] if isinstance(result, tuple) else result
+
+    return Provider(
+        name="flash_attn_interface",
+        version=_dist_version("flash_attn_3"),
+        sinks=False,
+        deterministic=False,  # its split-KV heuristic may combine partial results
+        head_dims=FA3_HEAD_DIMS,
+        _run=run,
+    )
+
+
+def probe() -> tuple[Provider | None, list[str]]:
+    """The first provider that imports, and why each one before it did not.
+
+    Imports really happen (a wheel can be installed yet broken, e.g. a CuTe DSL without its
+    ``cutlass.cute`` sources), so call this once, at registration.
+    """
+    reasons: list[str] = []
+    for label, factory in (
+        ("flash-attn-4 (flash_attn.cute)", _fa4_provider),
+        ("FlashAttention-3 (flash_attn_interface)", _fa3_provider),
+    ):
+        try:
+            return factory(), reasons
+        except Exception as exc:  # an import can fail in many ways; keep the reason
+            reasons.append(f"{label} is not importable: {type(exc).__name__}: {exc}")
+    return None, reasons
+
+
+def describe_missing() -> list[str]:
+    """Without CUDA nothing is imported: just say which providers are installed at all."""
+    found = []
+    for module, label in (
+        ("flash_attn.cute", "flash-attn-4"),
+        ("flash_attn_interface", "FlashAttention-3"),
+    ):
+        try:
+            present = importlib.util.find_spec(module) is not None
+        except Exception:  # find_spec imports the parent package, which may itself fail
+            present = False
+        found.append(f"{label} {'installed' if present else 'not installed'}")
+    return found

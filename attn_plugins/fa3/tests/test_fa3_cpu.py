@@ -1,0 +1,364 @@
+"""CPU tests of the fa3 plugin: advertisement, unavailability, selection (compute capability,
+shared page size), the graph-safe KV write against the reference's ``write_paged_kv``, and the
+context's wiring through AttentionRuntime with a stand-in provider."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from attn_plugin_fa3 import kv_write, plugin, providers
+
+import attn_core.reference.plugin as ref_plugin
+from attn_core.backend import Backend, BackendCapabilities
+from attn_core.batch import BatchBuilder
+from attn_core.errors import SelectionError
+from attn_core.hookspecs import hookimpl
+from attn_core.reference import ops
+from attn_core.registry import Registry
+from attn_core.runtime import AttentionRuntime
+from attn_core.selector import select
+from attn_core.specs import DeviceCapabilities, ExecutionConstraints, LayerSpec, group_layers
+from attn_core.state.manager import PersistentState
+
+FULL = LayerSpec(kind="full", num_heads=8, num_kv_heads=2, head_dim=128, page_size=16)
+
+
+def _fa3_module(available: bool | None):
+    if available is None:
+        return plugin
+
+    class Forced:
+        ATTN_CORE_API_VERSION = plugin.ATTN_CORE_API_VERSION
+        attn_core_allocate_context = staticmethod(plugin.attn_core_allocate_context)
+        attn_core_bind_forward = staticmethod(plugin.attn_core_bind_forward)
+
+        @staticmethod
+        @hookimpl
+        def attn_core_register_backends(register):
+            register(plugin.make_backend(available=available))
+
+    return Forced()
+
+
+def _registry(available: bool | None = True, *, reference: bool = True, extra=None) -> Registry:
+    reg = Registry(strict=True)
+    if reference:
+        reg.register_plugin(ref_plugin, name="attn_core")
+    reg.register_plugin(_fa3_module(available), name="fa3")
+    if extra is not None:
+        reg.register_plugin(extra, name="extra")
+    return reg
+
+
+def _plan(specs, target="h200", available=True, **constraints):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # downgrades are asserted on the plan
+        return select(
+            group_layers(specs),
+            _registry(available),
+            DeviceCapabilities.target(target),
+            ExecutionConstraints(**constraints),
+        )
+
+
+def _codes(choice, backend="fa3:fa3"):
+    return {r.code for r in choice.rejections_by_backend().get(backend, [])}
+
+
+# ------------------------------------------------------------------------------------------
+# Advertisement
+# ------------------------------------------------------------------------------------------
+def test_plugin_loads_with_api_version():
+    reg = _registry(None)
+    assert not reg.quarantined
+    assert reg.plugins["fa3"].api_version == (1, 1)
+    assert reg.resolve("fa3").qualified_name == "fa3:fa3"
+    assert reg.resolve("fa3").priority == 90
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU machine's verdict")
+def test_unavailable_without_cuda_names_cuda_and_the_libraries():
+    b = plugin.make_backend()
+    assert not b.available
+    assert "CUDA is not available" in b.unavailable_reason
+    assert "flash-attn-4" in b.unavailable_reason
+
+
+def test_capabilities_hopper_only_with_what_the_kernel_serves():
+    caps = plugin.make_backend(available=True).capabilities
+    assert caps.min_compute_capability == (9, 0) and caps.max_compute_capability == (9, 0)
+    assert caps.device_types == frozenset({"cuda"})
+    assert caps.dtypes == frozenset({"bfloat16", "float16"})
+    assert caps.kv_dtypes == frozenset({"bfloat16", "float16"})  # no fp8 on sm90 in FA4
+    assert caps.head_dims == frozenset({64, 96, 128})
+    assert caps.page_sizes == frozenset({16, 32, 64, 128, 256})
+    assert {m.value for m in caps.graph_modes} == {"none", "decode"}
+    assert caps.sliding_window and caps.logits_soft_cap and caps.sinks
+    assert caps.causal and not caps.non_causal
+
+
+def test_official_fa3_provider_advertises_no_sinks():
+    fake = providers.Provider(
+        name="flash_attn_interface",
+        version="3.0",
+        sinks=False,
+        deterministic=False,
+        head_dims=providers.FA3_HEAD_DIMS,
+        _run=lambda *a, **k: None,
+    )
+    caps = plugin.make_backend(available=True, provider=fake).capabilities
+    assert not caps.sinks and not caps.deterministic
+    assert 256 in caps.head_dims
+
+
+# ------------------------------------------------------------------------------------------
+# Selection
+# ------------------------------------------------------------------------------------------
+def test_h200_picks_fa3():
+    plan = _plan([FULL])
+    assert plan.choice("full").backend.qualified_name == "fa3:fa3"
+    assert plan.page_size == 16
+
+
+@pytest.mark.parametrize(("target", "fix"), [("a100", ">= 9.0"), ("b200", "<= 9.0")])
+def test_non_hopper_rejected_for_compute_capability(target, fix):
+    plan = _plan([FULL], target=target)
+    choice = plan.choice("full")
+    assert choice.backend.qualified_name == "attn_core:reference"
+    [rej] = choice.rejections_by_backend()["fa3:fa3"]
+    assert rej.code == "compute_capability" and fix in rej.fix
+    assert choice.downgraded_from == ("fa3:fa3",)
+
+
+def test_cpu_target_rejected_for_device_type():
+    choice = _plan([FULL], target="cpu").choice("full")
+    assert "device_type" in _codes(choice)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU machine's verdict")
+def test_real_registry_says_unavailable_on_h200_target():
+    choice = _plan([FULL], available=None).choice("full")
+    assert choice.backend.qualified_name == "attn_core:reference"
+    assert _codes(choice) == {"unavailable"}
+
+
+@pytest.mark.parametrize(
+    ("change", "code"),
+    [
+        (dict(head_dim=256), "head_dim"),
+        (dict(kv_dtype="fp8_e4m3"), "kv_dtype"),
+        (dict(dtype="float32", kv_dtype=None), "dtype"),
+        (dict(causal=False), "non_causal"),
+    ],
+)
+def test_layer_features_fa3_does_not_serve(change, code):
+    choice = _plan([FULL.with_(**change)]).choice("full")
+    assert choice.backend.qualified_name == "attn_core:reference"
+    assert code in _codes(choice)
+
+
+def test_gpt_oss_like_groups_window_softcap_sinks_all_on_fa3():
+    specs = [
+        FULL.with_(head_dim=64, sliding_window=128, has_sinks=True),
+        FULL.with_(head_dim=64, has_sinks=True),
+        FULL.with_(logits_soft_cap=50.0),
+    ]
+    plan = _plan(specs)
+    assert {c.backend.qualified_name for c in plan.choices} == {"fa3:fa3"}
+
+
+def test_speculative_verify_beyond_the_reference():
+    choice = _plan([FULL], speculative_tokens=9).choice("full")
+    assert choice.backend.qualified_name == "fa3:fa3"
+    assert "speculative" in _codes(choice, "attn_core:reference")
+    with pytest.raises(SelectionError, match="speculative_tokens 33 -> 32"):
+        _plan([FULL], speculative_tokens=33)
+
+
+def test_full_graph_mode_rejected_with_a_fix():
+    with pytest.raises(SelectionError) as err:
+        _plan([FULL], graph_mode="full")
+    text = str(err.value)
+    assert "fa3:fa3:" in text and "graph_mode full -> decode" in text
+
+
+def test_decode_graphs_and_verify_admitted():
+    plan = _plan([FULL], graph_mode="decode", speculative_tokens=3)
+    assert plan.choice("full").backend.qualified_name == "fa3:fa3"
+
+
+def test_page_size_agreement_with_the_reference():
+    """The model's own page size wins when some backend serves it: at page 8 the reference
+    serves (fa3 is rejected with the fix), a forced page 16 brings fa3 back."""
+    spec = FULL.with_(page_size=8)
+    plan = _plan([spec])
+    choice = plan.choice("full")
+    assert plan.page_size == 8
+    assert choice.backend.qualified_name == "attn_core:reference"
+    [rej] = choice.rejections_by_backend()["fa3:fa3"]
+    assert (rej.code, rej.fix) == ("page_size", "page_size 8 -> 16")
+    plan16 = _plan([spec], page_size=16)
+    assert plan16.page_size == 16
+    assert plan16.choice("full").backend.qualified_name == "fa3:fa3"
+
+
+def test_shared_page_size_moves_to_one_every_group_accepts():
+    """Without the reference: an MLA backend that pages by 64 only and fa3 agree on 64."""
+    mla_caps = BackendCapabilities(
+        kinds={"mla"}, device_types={"cuda"}, dtypes={"bfloat16"}, page_sizes={64}
+    )
+
+    class MLA64:
+        ATTN_CORE_API_VERSION = "1.1"
+
+        @staticmethod
+        @hookimpl
+        def attn_core_register_backends(register):
+            register(Backend(name="mla64", capabilities=mla_caps, priority=10))
+
+    mla = LayerSpec(
+        kind="mla", num_heads=8, num_kv_heads=1, head_dim=576, head_dim_v=512,
+        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, page_size=16,
+    )  # fmt: skip
+    groups = group_layers([FULL, mla])
+    reg = _registry(True, reference=False, extra=MLA64())
+    plan = select(groups, reg, DeviceCapabilities.target("h200"), ExecutionConstraints())
+    assert plan.page_size == 64
+    assert plan.choice("full").backend.qualified_name == "fa3:fa3"
+    with pytest.raises(SelectionError, match="page_size"):
+        select(groups, reg, DeviceCapabilities.target("h200"), ExecutionConstraints(page_size=16))
+
+
+# ------------------------------------------------------------------------------------------
+# The graph-safe KV write
+# ------------------------------------------------------------------------------------------
+def _caches(num_pages=6, page=4, hkv=2, d=8, dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    k = torch.randn(num_pages, page, hkv, d).to(dtype)
+    v = torch.randn(num_pages, page, hkv, d).to(dtype)
+    return k, v
+
+
+@pytest.mark.parametrize("padding", [False, True])
+def test_write_kv_matches_reference_write(padding):
+    k_cache, v_cache = _caches()
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([5, 6, 7, 8, 13, 2] + ([-1, -1, -1] if padding else []))
+    t = slots.numel()
+    k = torch.randn(t, 2, 8).to(torch.bfloat16)
+    v = torch.randn(t, 2, 8).to(torch.bfloat16)
+    kv_write.write_kv(k, v, k_cache, v_cache, slots, may_have_padding=padding)
+    ops.write_paged_kv(k, v, want_k, want_v, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_write_kv_safe_path_without_padding_equals_plain_path():
+    k_cache, v_cache = _caches()
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([0, 1, 9, 23])
+    k = torch.randn(4, 2, 8).to(torch.bfloat16)
+    v = torch.randn(4, 2, 8).to(torch.bfloat16)
+    kv_write.write_kv(k, v, k_cache, v_cache, slots, may_have_padding=False)
+    kv_write.write_kv(k, v, k2, v2, slots, may_have_padding=True)
+    assert torch.equal(k_cache, k2) and torch.equal(v_cache, v2)
+
+
+def test_write_kv_rejects_a_dtype_mismatch():
+    k_cache, v_cache = _caches()
+    k = torch.randn(1, 2, 8)
+    with pytest.raises(ValueError, match="cache dtype"):
+        kv_write.write_kv(k, k, k_cache, v_cache, torch.tensor([0]), may_have_padding=False)
+
+
+# ------------------------------------------------------------------------------------------
+# Context wiring (stand-in provider that computes with the reference op)
+# ------------------------------------------------------------------------------------------
+class _Recorder:
+    """A provider that records the call and computes with ``ops.paged_attention``."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def as_provider(self) -> providers.Provider:
+        return providers.Provider(
+            name="stand-in",
+            version="0",
+            sinks=True,
+            deterministic=True,
+            head_dims=providers.FA4_HEAD_DIMS,
+            _run=self.run,
+        )
+
+    def run(self, q, k_cache, v_cache, out, *, cu_seqlens_q, max_seqlen_q, seqused_k,
+            max_seqlen_k, page_table, scale, window_left, softcap, sinks):  # fmt: skip
+        self.calls.append(
+            dict(window_left=window_left, softcap=softcap, sinks=sinks, out=out,
+                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        )  # fmt: skip
+        n = cu_seqlens_q.numel() - 1
+        result = ops.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            page_table[:n],
+            cu_seqlens_q,
+            seqused_k,
+            scale=scale,
+            causal=True,
+            sliding_window=None if window_left is None else window_left + 1,
+            logits_soft_cap=softcap,
+            sinks=None if sinks is None else sinks.float(),
+        )
+        if out is not None:
+            out.copy_(result)
+            return out
+        return result
+
+
+def test_context_writes_kv_and_passes_the_batch_metadata(monkeypatch):
+    rec = _Recorder()
+    monkeypatch.setattr(plugin, "_PROBE", (rec.as_provider(), None))
+    spec = LayerSpec(
+        kind="full", num_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+        sliding_window=5, logits_soft_cap=20.0, has_sinks=True,
+    )  # fmt: skip
+    groups = group_layers([spec])
+    reg_fa3 = _registry(True)
+    plan = select(groups, reg_fa3, DeviceCapabilities.target("h200"), ExecutionConstraints())
+    assert plan.choice("full").backend.qualified_name == "fa3:fa3"
+    ref_plan = select(
+        groups,
+        reg_fa3,
+        DeviceCapabilities.target("h200"),
+        ExecutionConstraints(force="full=reference"),
+    )
+    state = PersistentState(groups, num_pages=16, num_slots=0)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0]).to(torch.bfloat16).float()
+    params = {0: {"sinks": sinks, "scale": 0.11}}
+    rt = AttentionRuntime(plan, reg_fa3, state=state, layer_params=params)
+    rt_ref = AttentionRuntime(ref_plan, reg_fa3, state=state, layer_params=params)
+    builder = BatchBuilder(state, max_batch_size=4, max_num_tokens=64, max_pages_per_request=8)
+    torch.manual_seed(3)
+    for r in ("a", "b"):
+        state.add_request(r)
+    for step in ([("a", 19), ("b", 3)], [("a", 1), ("b", 1)], [("a", 2), ("b", 1)]):
+        batch = builder.build(step)
+        t = batch.num_tokens
+        q = torch.randn(t, 4, 64).to(torch.bfloat16)
+        k = torch.randn(t, 2, 64).to(torch.bfloat16)
+        v = torch.randn(t, 2, 64).to(torch.bfloat16)
+        rt_ref.prepare(batch)
+        want = rt_ref.binding(0).forward(q, k, v)
+        rt.prepare(batch)
+        out = torch.empty(t, 4, 64, dtype=torch.bfloat16)
+        got = rt.binding(0).forward(q, k, v, out=out)
+        assert got is out
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        for r, n in step:
+            state.advance(r, n)
+    call = rec.calls[-1]
+    assert call["window_left"] == 4 and call["softcap"] == 20.0
+    assert call["sinks"].dtype == torch.bfloat16 and torch.equal(call["sinks"].float(), sinks)
+    assert call["out"] is not None and call["max_seqlen_q"] == 2 and call["max_seqlen_k"] == 22
