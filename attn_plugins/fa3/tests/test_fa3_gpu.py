@@ -1,0 +1,227 @@
+"""GPU tests of the fa3 plugin on Hopper: the plugin against the reference backend, both run
+through AttentionRuntime + BatchBuilder + PersistentState on one shared paged cache.
+
+Each step the reference runs first (it writes the step's K/V, then attends), then fa3 (writes the
+same K/V to the same slots, then attends); outputs are compared at bf16/fp16 tolerances. Skipped
+without CUDA, without an sm90 GPU, or without flash-attn-4 / FA3.
+
+Run on the H200: ``python3 -m pytest attn_plugins/fa3/tests/test_fa3_gpu.py -q -p no:cacheprovider``
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attn_plugin_fa3 import plugin
+
+import attn_core.reference.plugin as ref_plugin
+from attn_core.batch import BatchBuilder
+from attn_core.registry import Registry
+from attn_core.runtime import AttentionRuntime
+from attn_core.selector import select
+from attn_core.specs import DeviceCapabilities, ExecutionConstraints, LayerSpec, group_layers
+from attn_core.state.manager import PersistentState
+
+pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
+
+
+def _skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return f"needs sm90, found {torch.cuda.get_device_capability()}"
+    provider, reason = plugin.probe()
+    return None if provider is not None else f"no FA3 provider: {reason}"
+
+
+_SKIP = _skip_reason()
+if _SKIP is not None:
+    pytest.skip(_SKIP, allow_module_level=True)
+
+TOL = dict(atol=3e-2, rtol=3e-2)
+
+
+class Harness:
+    """One layer, two runtimes (fa3 and reference) over one PersistentState."""
+
+    def __init__(
+        self,
+        spec: LayerSpec,
+        *,
+        sinks: bool = False,
+        graph_mode: str = "none",
+        max_batch: int = 16,
+        max_tokens: int = 2048,
+        max_len: int = 1024,
+        spec_tokens: int = 0,
+    ) -> None:
+        self.spec = spec
+        groups = group_layers([spec])
+        reg = Registry(strict=True)
+        reg.register_plugin(ref_plugin, name="attn_core")
+        reg.register_plugin(plugin, name="fa3")
+        dev = DeviceCapabilities.detect()
+        common = dict(
+            graph_mode=graph_mode,
+            max_batch_size=max_batch,
+            max_num_tokens=max_tokens,
+            speculative_tokens=spec_tokens,
+        )
+        fa3_plan = select(groups, reg, dev, ExecutionConstraints(force="full=fa3", **common))
+        ref_plan = select(groups, reg, dev, ExecutionConstraints(force="full=reference", **common))
+        assert fa3_plan.choice("full").backend.qualified_name == "fa3:fa3"
+        pages_per_req = -(-max_len // spec.page_size)
+        self.state = PersistentState(
+            groups, num_pages=max_batch * pages_per_req + 1, num_slots=0, device="cuda"
+        )
+        params = {}
+        self.sinks = None
+        if sinks:
+            # bf16-representable sinks: the kernel takes bf16, the reference float32.
+            g = torch.Generator().manual_seed(7)
+            self.sinks = (torch.randn(spec.num_heads, generator=g) * 2).bfloat16().float().cuda()
+            params = {0: {"sinks": self.sinks}}
+        self.fa3 = AttentionRuntime(fa3_plan, reg, state=self.state, device="cuda",
+                                    layer_params=params)  # fmt: skip
+        self.ref = AttentionRuntime(ref_plan, reg, state=self.state, device="cuda",
+                                    layer_params=params)  # fmt: skip
+        self.builder = BatchBuilder(
+            self.state,
+            max_batch_size=max_batch,
+            max_num_tokens=max_tokens,
+            max_pages_per_request=pages_per_req,
+            device="cuda",
+        )
+        self.dtype = getattr(torch, spec.dtype)
+        self.gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def qkv(self, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = self.spec
+
+        def r(h: int) -> torch.Tensor:
+            x = torch.randn(t, h, s.head_dim, device="cuda", generator=self.gen)
+            return x.to(self.dtype)
+
+        return r(s.num_heads), r(s.num_kv_heads), r(s.num_kv_heads)
+
+    def step(self, requests, *, spec_tokens: int = 0) -> float:
+        """Run one step with both backends; return the max abs difference of real rows."""
+        for r, _ in requests:
+            if r not in self.state:
+                self.state.add_request(r)
+        batch = self.builder.build(requests, spec_tokens=spec_tokens)
+        q, k, v = self.qkv(batch.padded_tokens)
+        self.ref.prepare(batch)
+        want = self.ref.binding(0).forward(q, k, v)
+        self.fa3.prepare(batch)
+        out = torch.empty_like(q)
+        got = self.fa3.binding(0).forward(q, k, v, out=out)
+        assert got.data_ptr() == out.data_ptr()
+        n = batch.num_tokens
+        torch.testing.assert_close(got[:n].float(), want[:n].float(), **TOL)
+        for r, m in requests:
+            self.state.advance(r, m)
+        return (got[:n].float() - want[:n].float()).abs().max().item()
+
+
+def _spec(**kw) -> LayerSpec:
+    base = dict(kind="full", num_heads=8, num_kv_heads=2, head_dim=128, page_size=16)
+    base.update(kw)
+    return LayerSpec(**base)
+
+
+WORKLOAD = [
+    [("a", 300), ("b", 17), ("c", 129)],  # ragged prefill crossing page boundaries
+    [("a", 1), ("b", 1), ("c", 1)],  # decode
+    [("a", 1), ("b", 1), ("c", 1)],
+    [("a", 1), ("b", 40), ("c", 1), ("d", 77)],  # mixed: decodes, a chunk, a new request
+    [("d", 1), ("a", 1)],  # decode, other batch order
+]
+
+
+@pytest.mark.parametrize("page_size", sorted(plugin.PAGE_SIZES))
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_decode_mixed_ragged(page_size, head_dim):
+    h = Harness(_spec(head_dim=head_dim, page_size=page_size))
+    for requests in WORKLOAD:
+        h.step(requests)
+
+
+def test_fp16_head_dim_96_mha():
+    h = Harness(_spec(head_dim=96, num_heads=4, num_kv_heads=4, dtype="float16"))
+    for requests in WORKLOAD:
+        h.step(requests)
+
+
+@pytest.mark.parametrize("page_size", [16, 128])
+def test_sliding_window(page_size):
+    h = Harness(_spec(sliding_window=64, page_size=page_size))
+    for requests in WORKLOAD:
+        h.step(requests)
+
+
+def test_soft_cap():
+    h = Harness(_spec(logits_soft_cap=5.0, softmax_scale=0.5))  # large logits: the cap bites
+    for requests in WORKLOAD:
+        h.step(requests)
+
+
+def test_sinks_window_gpt_oss_like():
+    h = Harness(_spec(head_dim=64, num_heads=16, sliding_window=128, has_sinks=True), sinks=True)
+    for requests in WORKLOAD:
+        h.step(requests)
+
+
+def test_speculative_verify_steps():
+    h = Harness(_spec(), spec_tokens=3)
+    h.step([("a", 50), ("b", 9)])
+    h.step([("a", 4), ("b", 4)], spec_tokens=3)
+    h.step([("a", 4), ("b", 4)], spec_tokens=3)
+
+
+def test_out_none_returns_a_tensor():
+    h = Harness(_spec())
+    h.state.add_request("a")
+    batch = h.builder.build([("a", 5)])
+    q, k, v = h.qkv(5)
+    h.fa3.prepare(batch)
+    got = h.fa3.binding(0).forward(q, k, v)
+    assert got.shape == (5, 8, 128) and got.dtype == torch.bfloat16
+
+
+def test_decode_cuda_graph_replays_new_batches():
+    """Capture one padded decode step (8 rows), replay it for batches of 8, 5 and 3 real
+    requests; every replay must match the reference and padding must write no KV."""
+    pad = 8
+    h = Harness(_spec(sliding_window=200, page_size=64), graph_mode="decode", max_batch=pad)
+    names = [f"r{i}" for i in range(pad)]
+    h.step([(n, 20 + 13 * i) for i, n in enumerate(names)])  # prefill, eager
+    batch = h.builder.build([(n, 1) for n in names], pad_to=pad)
+    q, k, v = h.qkv(pad)
+    out = torch.empty_like(q)
+    binding = h.fa3.binding(0)
+    h.fa3.prepare(batch)
+    binding.forward(q, k, v, out=out)  # warm-up: JIT compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        binding.forward(q, k, v, out=out)
+    for live in (pad, 5, 3):
+        reqs = [(n, 1) for n in names[:live]]
+        batch = h.builder.build(reqs, pad_to=pad)
+        nq, nk, nv = h.qkv(pad)
+        h.ref.prepare(batch)
+        want = h.ref.binding(0).forward(nq, nk, nv)  # eager reference writes the real K/V
+        k_before = h.state.kv_cache.layer(0).k.clone()
+        h.fa3.update(batch)
+        q.copy_(nq)
+        k.copy_(nk)
+        v.copy_(nv)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out[:live].float(), want[:live].float(), **TOL)
+        # padding rows (slot -1) must not have changed the cache: the replay rewrote exactly
+        # what the reference had just written
+        assert torch.equal(h.state.kv_cache.layer(0).k, k_before)
+        for n, m in reqs:
+            h.state.advance(n, m)
