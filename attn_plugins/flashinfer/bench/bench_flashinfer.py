@@ -1,0 +1,402 @@
+"""Benchmark of the FlashInfer plugin against FlashInfer called directly (H200).
+
+Sections (each isolated: a failure is recorded in the JSON and the next section runs):
+
+1. ``copy``: device copy bandwidth, ``y.copy_(x)`` of 1 GiB (read + write bytes / time).
+2. ``decode``: paged decode, bf16, 32 q / 8 kv heads, d128, page 16, B = 1, 64, 256, context
+   4096 and 32768. ``plugin`` = ``binding.forward`` (K/V write + run) after one ``prepare``;
+   ``direct`` = the same planned FlashInfer wrapper's ``run()``; time per call from CUDA events
+   over many calls; GB/s = K+V bytes read / direct time.
+3. ``prefill``: ragged causal prefill, B*S = 16k tokens (B=2, S=8192), 16 heads, d128: plugin
+   (write + ragged run) vs the ragged wrapper's ``run()``; TFLOP/s = 2 * B * S^2 * H * D / t.
+4. ``prepare``: host time of ``runtime.prepare(batch)`` for a B=256 decode step (ctx 4096),
+   ``time.perf_counter``, median and p90 of many calls (target < 150 us).
+5. ``graph``: a 32-layer decode step (B=64, ctx 4096) captured in one CUDA graph: replay time
+   per layer vs the bare wrapper ``run()`` captured the same way and run eagerly.
+
+Usage (from the repository root, on the GPU machine)::
+
+    python attn_plugins/flashinfer/bench/bench_flashinfer.py --out bench-out/flashinfer.json
+
+JIT-compiled kernels are cached under ``<repo>/.jit`` (``FLASHINFER_WORKSPACE_BASE``), so a run
+after the GPU tests compiles nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+_HERE = Path(__file__).resolve()
+_REPO = _HERE.parents[3]
+for p in (_REPO, _HERE.parents[1]):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", str(_REPO / ".jit"))
+
+import torch  # noqa: E402
+
+H, HKV, D, PAGE = 32, 8, 128, 16
+
+
+def _events_time(fn, iters: int, warmup: int = 5) -> float:
+    """Mean microseconds per call of ``fn`` (GPU time between CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def _iters_for(us_guess: float, budget_s: float = 1.0, lo: int = 20, hi: int = 2000) -> int:
+    return int(min(hi, max(lo, budget_s * 1e6 / max(us_guess, 1.0))))
+
+
+def _setup(spec, *, batch: int, ctx: int, layers: int = 1, graph: bool = False,
+           max_tokens: int | None = None, cached: bool = True):  # fmt: skip
+    """Runtime + state for requests of up to ``ctx`` tokens; with ``cached``, ``batch`` requests
+    of ``ctx - 1`` cached tokens (pages reserved, contents left as allocated)."""
+    import attn_plugin_flashinfer.plugin as fi_plugin
+
+    from attn_core.batch import BatchBuilder
+    from attn_core.registry import Registry
+    from attn_core.runtime import AttentionRuntime
+    from attn_core.selector import select
+    from attn_core.specs import DeviceCapabilities, ExecutionConstraints, group_layers
+    from attn_core.state.manager import PersistentState
+
+    reg = Registry()
+    reg.register_plugin(fi_plugin, name="flashinfer")
+    groups = group_layers([spec] * layers)
+    max_len = ctx + PAGE
+    constraints = ExecutionConstraints(
+        graph_mode="decode" if graph else "none",
+        max_batch_size=batch,
+        max_num_tokens=max_tokens or max(batch, 256),
+        max_model_len=max_len,
+        force={"full": "flashinfer:flashinfer"},
+    )
+    plan = select(groups, reg, DeviceCapabilities.detect(), constraints)
+    pages = batch * (math.ceil(max_len / PAGE) + 1)
+    state = PersistentState(groups, num_pages=pages, num_slots=0, device="cuda")
+    runtime = AttentionRuntime(plan, reg, state=state, device="cuda")
+    builder = BatchBuilder(
+        state,
+        max_batch_size=batch,
+        max_num_tokens=constraints.max_num_tokens,
+        max_pages_per_request=math.ceil(max_len / PAGE),
+        device="cuda",
+    )
+    if cached:
+        for r in range(batch):
+            state.add_request(r)
+            state.ensure_capacity(r, ctx - 1)
+            state.advance(r, ctx - 1)
+    return runtime, state, builder
+
+
+def _context(runtime):
+    return next(iter(runtime.groups.values())).context
+
+
+def bench_copy() -> dict:
+    n = 1 << 30
+    x = torch.empty(n, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    us = _events_time(lambda: y.copy_(x), iters=50)
+    return {"bytes": n, "us": us, "GB/s": 2 * n / us / 1e3}
+
+
+def bench_decode(spec, batch: int, ctx: int) -> dict:
+    runtime, _state, builder = _setup(spec, batch=batch, ctx=ctx)
+    b = builder.build([(r, 1) for r in range(batch)])
+    runtime.prepare(b)
+    binding = runtime.binding(0)
+    ctx_obj = _context(runtime)
+    q = torch.randn(batch, H, D, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(batch, HKV, D, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    out = torch.empty_like(q)
+    kv = binding.kv
+    wrapper = ctx_obj.step.wrapper
+
+    def plugin():
+        binding.forward(q, k, v, out=out)
+
+    def direct():
+        wrapper.run(q, (kv.k, kv.v), out=out)
+
+    plugin()  # JIT compile (or load) outside the timing
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    direct()
+    torch.cuda.synchronize()
+    guess = (time.perf_counter() - t0) * 1e6
+    iters = _iters_for(guess)
+    t_direct = _events_time(direct, iters)
+    t_plugin = _events_time(plugin, iters)
+    kv_bytes = batch * ctx * HKV * D * 2 * 2
+    res = {
+        "B": batch,
+        "ctx": ctx,
+        "kind": ctx_obj.step.kind.value,
+        "plugin_us": t_plugin,
+        "direct_us": t_direct,
+        "ratio": t_plugin / t_direct,
+        "kv_GB": kv_bytes / 1e9,
+        "direct_GB/s": kv_bytes / t_direct / 1e3,
+        "plugin_GB/s": kv_bytes / t_plugin / 1e3,
+    }
+    return res
+
+
+def bench_prefill(batch: int = 2, seq: int = 8192, heads: int = 16) -> dict:
+    from attn_core.specs import LayerSpec
+
+    spec = LayerSpec(kind="full", num_heads=heads, num_kv_heads=heads, head_dim=D, page_size=PAGE)
+    runtime, state, builder = _setup(
+        spec, batch=batch, ctx=seq, max_tokens=batch * seq, cached=False
+    )
+    for r in range(batch):
+        state.add_request(r)
+    b = builder.build([(r, seq) for r in range(batch)])
+    runtime.prepare(b)
+    binding = runtime.binding(0)
+    ctx_obj = _context(runtime)
+    T = batch * seq
+    q = torch.randn(T, heads, D, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn_like(q)
+    v = torch.randn_like(q)
+    out = torch.empty_like(q)
+    wrapper = ctx_obj.step.wrapper
+
+    def plugin():
+        binding.forward(q, k, v, out=out)
+
+    def direct():
+        wrapper.run(q, k, v, out=out)
+
+    plugin()
+    torch.cuda.synchronize()
+    t_direct = _events_time(direct, 20, warmup=3)
+    t_plugin = _events_time(plugin, 20, warmup=3)
+    flops = 2 * batch * seq * seq * heads * D  # causal: half of 4 * S^2 * H * D per sequence
+    res = {
+        "B": batch,
+        "S": seq,
+        "heads": heads,
+        "kind": ctx_obj.step.kind.value,
+        "plugin_us": t_plugin,
+        "direct_us": t_direct,
+        "ratio": t_plugin / t_direct,
+        "direct_TFLOP/s": flops / t_direct / 1e6,
+        "plugin_TFLOP/s": flops / t_plugin / 1e6,
+    }
+    return res
+
+
+def bench_prepare(spec, batch: int = 256, ctx: int = 4096, iters: int = 300) -> dict:
+    runtime, _state, builder = _setup(spec, batch=batch, ctx=ctx)
+    reqs = [(r, 1) for r in range(batch)]
+    times = []
+    for i in range(iters + 20):
+        b = builder.build(reqs)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runtime.prepare(b)
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        if i >= 20:
+            times.append((t1 - t0) * 1e6)
+    times.sort()
+    res = {
+        "B": batch,
+        "ctx": ctx,
+        "median_us": statistics.median(times),
+        "p90_us": times[int(0.9 * len(times))],
+        "min_us": times[0],
+        "target_us": 150,
+    }
+    return res
+
+
+def bench_graph(spec, layers: int = 32, batch: int = 64, ctx: int = 4096) -> dict:
+    runtime, _state, builder = _setup(spec, batch=batch, ctx=ctx, layers=layers, graph=True)
+    b = builder.build([(r, 1) for r in range(batch)], pad_to=batch)
+    runtime.prepare(b)
+    ctx_obj = _context(runtime)
+    q = torch.randn(batch, H, D, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(batch, HKV, D, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    outs = [torch.empty_like(q) for _ in range(layers)]
+    bindings = [runtime.binding(i) for i in range(layers)]
+    wrapper = ctx_obj.step.wrapper
+
+    def plugin_step():
+        for i, bd in enumerate(bindings):
+            bd.forward(q, k, v, out=outs[i])
+
+    def bare_step():
+        for i, bd in enumerate(bindings):
+            wrapper.run(q, (bd.kv.k, bd.kv.v), out=outs[i])
+
+    def capture(fn):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return g
+
+    g_plugin = capture(plugin_step)
+    g_bare = capture(bare_step)
+    t_plugin = _events_time(g_plugin.replay, 50)
+    t_bare_graph = _events_time(g_bare.replay, 50)
+    t_bare_eager = _events_time(bare_step, 20)
+    # host cost of update() before a replay (new batch built outside the timing)
+    upd = []
+    for _ in range(50):
+        nb = builder.build([(r, 1) for r in range(batch)], pad_to=batch)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runtime.update(nb)
+        upd.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+    res = {
+        "layers": layers,
+        "B": batch,
+        "ctx": ctx,
+        "kind": ctx_obj.step.kind.value,
+        "plugin_graph_us_per_layer": t_plugin / layers,
+        "bare_graph_us_per_layer": t_bare_graph / layers,
+        "bare_eager_us_per_layer": t_bare_eager / layers,
+        "ratio_vs_bare_graph": t_plugin / t_bare_graph,
+        "update_host_median_us": statistics.median(upd),
+    }
+    return res
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _run(results: dict, name: str, fn, *args, **kwargs) -> None:
+    t0 = time.perf_counter()
+    try:
+        value = fn(*args, **kwargs)
+        value["wall_s"] = round(time.perf_counter() - t0, 2)
+        results.setdefault(name, []).append(value)
+        print(f"[{name}] {json.dumps(value)}", flush=True)
+    except Exception as exc:
+        results.setdefault("errors", []).append(
+            {"section": name, "args": repr((args, kwargs)), "error": f"{type(exc).__name__}: {exc}"}
+        )
+        traceback.print_exc()
+        print(f"[{name}] FAILED: {type(exc).__name__}: {exc}", flush=True)
+    finally:
+        _free()
+
+
+def _table(results: dict) -> str:
+    lines = []
+    if "copy" in results:
+        lines.append(f"copy bandwidth (1 GiB, r+w): {results['copy'][0]['GB/s']:.0f} GB/s")
+    if "decode" in results:
+        copy_bw = results["copy"][0]["GB/s"] if "copy" in results else float("nan")
+        lines.append(
+            "decode bf16 32q/8kv d128 page16 |   B |   ctx | plugin us | direct us | ratio | "
+            "GB/s (direct) | % of copy"
+        )
+        for r in results["decode"]:
+            lines.append(
+                f"{'':32} | {r['B']:3d} | {r['ctx']:5d} | {r['plugin_us']:9.1f} | "
+                f"{r['direct_us']:9.1f} | {r['ratio']:5.2f} | {r['direct_GB/s']:13.0f} | "
+                f"{100 * r['direct_GB/s'] / copy_bw:8.0f}%"
+            )
+    for r in results.get("prefill", []):
+        lines.append(
+            f"ragged prefill B={r['B']} S={r['S']} {r['heads']} heads d128 causal: plugin "
+            f"{r['plugin_us']:.0f} us ({r['plugin_TFLOP/s']:.0f} TFLOP/s), direct "
+            f"{r['direct_us']:.0f} us ({r['direct_TFLOP/s']:.0f} TFLOP/s), ratio {r['ratio']:.3f}"
+        )
+    for r in results.get("prepare", []):
+        lines.append(
+            f"prepare() host time, B={r['B']} decode: median {r['median_us']:.1f} us, "
+            f"p90 {r['p90_us']:.1f} us (target < {r['target_us']} us)"
+        )
+    for r in results.get("graph", []):
+        lines.append(
+            f"{r['layers']}-layer decode graph B={r['B']} ctx={r['ctx']}: plugin "
+            f"{r['plugin_graph_us_per_layer']:.1f} us/layer, bare kernel graph "
+            f"{r['bare_graph_us_per_layer']:.1f} us/layer (ratio {r['ratio_vs_bare_graph']:.3f}), "
+            f"bare eager {r['bare_eager_us_per_layer']:.1f} us/layer; update() host "
+            f"{r['update_host_median_us']:.1f} us"
+        )
+    for e in results.get("errors", []):
+        lines.append(f"ERROR in {e['section']} {e['args']}: {e['error']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench-out/flashinfer.json", help="JSON output path")
+    parser.add_argument("--quick", action="store_true", help="ctx 4096 only, B=1 and 64")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to benchmark", file=sys.stderr)
+        return 2
+    from attn_plugin_flashinfer import capability
+
+    from attn_core.specs import LayerSpec
+
+    av = capability.probe()
+    if not av.available:
+        print(f"flashinfer backend unavailable: {av.reason}", file=sys.stderr)
+        return 2
+    spec = LayerSpec(kind="full", num_heads=H, num_kv_heads=HKV, head_dim=D, page_size=PAGE)
+    results: dict = {
+        "device": torch.cuda.get_device_name(),
+        "flashinfer": av.version,
+        "torch": torch.__version__,
+    }
+    started = time.perf_counter()
+    _run(results, "copy", bench_copy)
+    contexts = (4096,) if args.quick else (4096, 32768)
+    batches = (1, 64) if args.quick else (1, 64, 256)
+    for ctx in contexts:
+        for batch in batches:
+            _run(results, "decode", bench_decode, spec, batch, ctx)
+    _run(results, "prefill", bench_prefill)
+    _run(results, "prepare", bench_prepare, spec)
+    _run(results, "graph", bench_graph, spec)
+    results["total_s"] = round(time.perf_counter() - started, 1)
+    table = _table(results)
+    print("\n" + table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results["table"] = table
+    out.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {out} ({results['total_s']} s)")
+    return 1 if results.get("errors") else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
