@@ -5,9 +5,10 @@ PersistentState on the GPU): one served by ``flashinfer:flashinfer`` (or ``flash
 by ``attn_core:reference``, on identical inputs, and compares every layer's output.
 
 JIT: FlashInfer compiles one module per (kernel family, dtypes, head dim, window/soft-cap flags)
-on first use (20-80 s each, cached under ``<repo>/.jit``). The specs below are chosen so the whole
-file needs eight modules: decode + FA3 prefill (bf16), decode + FA2 prefill (fp8 KV), decode +
-FA3 prefill (window + soft-cap), FA2 prefill (tensor-core decode, GQA group 16), MLA.
+on first use (20-80 s each, cached under ``<repo>/.jit``). Without the ``slow`` tests the file
+needs seven modules: decode + FA3 prefill (bf16), decode + FA2 prefill (fp8 KV), decode + FA3
+prefill (window + soft-cap), MLA; the ``slow`` ones add FA2 prefill kernels for tensor-core
+decode (GQA group 16) and fp16 decode + prefill.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def test_bf16_long_context_split_kv():
     _compare(FULL, LONG, make_kw={"num_pages": 200, "max_model_len": 2048, "max_tokens": 2400})
 
 
+@pytest.mark.slow  # two more JIT modules (fp16 decode + prefill), ~100 s on first use
 def test_fp16():
     _compare(FULL.with_(dtype="float16"), wl.WORKLOADS["prefill_decode_mixed"])
 
@@ -102,6 +104,7 @@ def test_sliding_window_and_soft_cap():
     _compare(spec, LONG, make_kw={"num_pages": 200, "max_model_len": 2048, "max_tokens": 2400})
 
 
+@pytest.mark.slow  # one more JIT module (FA2 prefill kernels for tensor-core decode)
 def test_gqa16_speculative_verify_and_tensor_core_decode():
     spec = FULL.with_(num_heads=32, num_kv_heads=2)  # group 16: tensor-core decode
     script = [[(0, 40), (1, 17)], [(0, 4), (1, 4)], [(0, 4), (1, 4)], [(0, 1), (1, 1)]]
