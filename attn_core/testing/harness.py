@@ -215,7 +215,9 @@ class Side:
                 self.state.advance(r, n)
         for r in step.release:
             self.state.release(r)
-            self.builder.invalidate(r)
+            invalidate = getattr(self.builder, "invalidate", None)  # older builders cache rows
+            if invalidate is not None:
+                invalidate(r)
 
 
 class Pair:

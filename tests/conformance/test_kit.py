@@ -1,0 +1,234 @@
+"""The conformance kit end to end: the reference and the SDPA example pass, broken backends fail.
+
+Each run is a pytest subprocess (pytester) with ``--attn-backend``; broken backends are small
+inline plugins that wrap the reference's contexts with one defect each, registered through
+``--attn-plugin``.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# A plugin that serves full attention like the reference, with one defect switched on by name.
+BROKEN = textwrap.dedent(
+    '''
+    import types
+    import torch
+    import attn_core.reference.plugin as ref
+    from attn_core.backend import Backend, BackendCapabilities
+    from attn_core.hookspecs import hookimpl
+
+    class Broken:
+        ATTN_CORE_API_VERSION = "1.1"
+
+        def __init__(self, defect, **caps):
+            self.defect = defect
+            self.caps = BackendCapabilities(**{
+                "kinds": {"full"}, "device_types": {"cpu"}, "dtypes": {"float32"},
+                "head_dims": {64}, "page_sizes": {16}, **caps})
+
+        @hookimpl
+        def attn_core_register_backends(self, register):
+            register(Backend(name=self.defect, capabilities=self.caps))
+
+        @hookimpl
+        def attn_core_allocate_context(self, backend, group, device, constraints, state,
+                                       workspace):
+            inner = ref.attn_core_allocate_context(backend, group, device, constraints, state,
+                                                   workspace)
+            return Context(inner, self.defect)
+
+    def _frozen(batch):
+        """What a planning backend keeps: private copies of the metadata at prepare time."""
+        import copy
+        snap = copy.copy(batch)
+        for name in ("query_start_loc", "seq_lens", "context_lens", "page_table",
+                     "slot_mapping", "positions"):
+            t = getattr(batch, name)
+            setattr(snap, name, None if t is None else t.clone())
+        return snap
+
+    class Context:
+        def __init__(self, inner, defect):
+            self.inner, self.defect = inner, defect
+
+        def prepare(self, batch):
+            self.inner.prepare(_frozen(batch) if self.defect == "stale_update" else batch)
+
+        def update(self, batch):
+            if self.defect != "stale_update":  # the defect: update() does not refresh
+                self.inner.update(batch)
+
+        def forward(self, layer, q, k, v, out, **inputs):
+            view = layer
+            if self.defect == "wrong_scale":
+                view = types.SimpleNamespace(scale=layer.scale * 1.25, kv=layer.kv,
+                                             sinks=layer.sinks)
+            if layer.kv.k.dtype == torch.float8_e4m3fn:
+                if self.defect == "fp8_raises":
+                    raise NotImplementedError("fp8 KV is not implemented")
+                if self.defect == "fp8_ignores_scale":
+                    one = torch.ones((), device=q.device)
+                    kv = types.SimpleNamespace(k=layer.kv.k, v=layer.kv.v, k_scale=one,
+                                               v_scale=one)
+                    view = types.SimpleNamespace(scale=layer.scale, kv=kv, sinks=layer.sinks)
+            result = self.inner.forward(view, q, k, v, out, **inputs)
+            if self.defect == "writes_past_out" and out is not None:
+                rows = out.shape[0] + 1  # one row past the end, when the storage has room
+                need = (out.storage_offset() + rows * out.stride(0)) * out.element_size()
+                if out.untyped_storage().nbytes() >= need:
+                    torch.as_strided(out, (rows, *out.shape[1:]), out.stride(),
+                                     out.storage_offset())[-1].fill_(0.0)
+            return result
+
+    wrong_scale = Broken("wrong_scale")
+    stale_update = Broken("stale_update", graph_modes={"none", "decode"})
+    writes_past_out = Broken("writes_past_out")
+    fp8_ignores_scale = Broken("fp8_ignores_scale", kv_dtypes={"float32", "fp8_e4m3"})
+    fp8_raises = Broken("fp8_raises", kv_dtypes={"float32", "fp8_e4m3"})
+    '''
+)
+
+
+def _summary(result: pytest.RunResult) -> dict[str, str]:
+    """Capability -> PASS / FAIL / SKIP from the kit's terminal summary."""
+    out = {}
+    for line in result.outlines:
+        m = re.match(r"^(PASS|FAIL|SKIP)  (.+?)( \(\d+ checks.*| - .*)?$", line)
+        if m:
+            out[m.group(2)] = m.group(1)
+    return out
+
+
+def _run_broken(pytester, run_kit, defect: str) -> tuple[pytest.RunResult, dict[str, str]]:
+    pytester.makepyfile(broken=BROKEN)
+    result = run_kit(
+        f"--attn-plugin=broken=broken:{defect}", f"--attn-backend=broken:{defect}", "--attn-quick"
+    )
+    return result, _summary(result)
+
+
+def test_reference_passes_quick(run_kit) -> None:
+    result = run_kit("--attn-backend=attn_core:reference", "--attn-quick")
+    outcomes = result.parseoutcomes()
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    assert outcomes.get("passed", 0) > 50 and "failed" not in outcomes
+    summary = _summary(result)
+    assert summary and not [c for c, s in summary.items() if s == "FAIL"]
+    # every kind the reference advertises is in the report, CUDA graphs skipped with a reason
+    for label in (
+        "full: kind",
+        "mla: kind",
+        "encoder: kind",
+        "linear/mamba2: kind",
+        "full: kv_dtype fp8_e4m3",
+        "full: sinks",
+        "linear/kda: speculative verify k=1",
+    ):
+        assert summary.get(label) == "PASS", label
+    if not _cuda():
+        result.stdout.fnmatch_lines(["SKIP  full: graph_mode decode*CUDA is not available*"])
+    result.stdout.fnmatch_lines(["*attn-core conformance: attn_core:reference on cpu, seed*"])
+
+
+def test_sdpa_example_passes(run_kit) -> None:
+    result = run_kit("--attn-plugin=sdpa=attn_sdpa_backend", "--attn-backend=sdpa:sdpa")
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    summary = _summary(result)
+    assert summary["full: head_dim 128"] == "PASS"
+    assert summary["full: dtype bfloat16"] == "PASS"
+    assert not any(s == "FAIL" for s in summary.values())
+
+
+def test_wrong_scale_is_caught(pytester, run_kit) -> None:
+    result, summary = _run_broken(pytester, run_kit, "wrong_scale")
+    assert result.ret == 1
+    assert summary["full: kind"] == "FAIL"
+    result.stdout.fnmatch_lines(
+        ["*broken:wrong_scale advertised [[]full: kind*failed: attention output differs*"]
+    )
+    result.stdout.fnmatch_lines(["*item seed*rerun with --attn-seed=*"])
+
+
+def test_stale_metadata_on_replay_is_caught(pytester, run_kit) -> None:
+    result, summary = _run_broken(pytester, run_kit, "stale_update")
+    assert result.ret == 1
+    # prepare() alone is right: ordinary workloads pass, the replay emulation fails
+    assert summary["full: kind"] == "PASS"
+    assert summary["full: update() refreshes metadata (emulated replay)"] == "FAIL"
+    result.stdout.fnmatch_lines(["*failed:*emulated replay 1*update only*"])
+
+
+def test_write_past_out_is_caught(pytester, run_kit) -> None:
+    result, summary = _run_broken(pytester, run_kit, "writes_past_out")
+    assert result.ret == 1
+    assert summary["full: out contract (out, strided out, None; guards)"] == "FAIL"
+    result.stdout.fnmatch_lines(["*failed: guard region after out: * elements were overwritten*"])
+
+
+@pytest.mark.parametrize("defect", ["fp8_ignores_scale", "fp8_raises"])
+def test_false_fp8_claim_is_caught(pytester, run_kit, defect: str) -> None:
+    result, summary = _run_broken(pytester, run_kit, defect)
+    assert result.ret == 1
+    assert summary["full: kv_dtype fp8_e4m3"] == "FAIL"
+    assert summary["full: dtype float32"] == "PASS"  # the honest part of the claim still passes
+    expected = (
+        "*advertised [[]full: kv_dtype fp8_e4m3], failed: the backend raised*NotImplementedError*"
+        if defect == "fp8_raises"
+        else "*advertised [[]full: kv_dtype fp8_e4m3], failed:*differs*"
+    )
+    result.stdout.fnmatch_lines([expected])
+
+
+def test_registry_hook_supplies_the_registry(pytester, run_kit) -> None:
+    pytester.makepyfile(broken=BROKEN)
+    pytester.makeconftest(
+        """
+        import broken
+        from attn_core.registry import Registry
+
+        def pytest_attn_core_registry(config):
+            registry = Registry(allow=["attn_core", "mine"])
+            registry.register_plugin(broken.wrong_scale, name="mine")
+            return registry
+        """
+    )
+    result = run_kit("--attn-backend=mine:wrong_scale", "--attn-quick", "-k", "lifecycle")
+    assert result.ret == 1
+    result.stdout.fnmatch_lines(["*mine:wrong_scale advertised*failed*"])
+
+
+def test_unknown_backend_is_a_usage_error(run_kit) -> None:
+    result = run_kit("--attn-backend=nobody:nothing")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--attn-backend=nobody:nothing*registered:*attn_core:reference*"])
+
+
+def test_inert_without_a_backend(pytester, run_kit) -> None:
+    pytester.makepyfile(test_mine="def test_one():\n    assert 1 + 1 == 2\n")
+    result = run_kit()
+    result.assert_outcomes(passed=1)
+    assert "attn-core conformance" not in result.stdout.str()
+
+
+def test_plugin_import_is_light() -> None:
+    code = (
+        "import sys, attn_core.testing.plugin\n"
+        "heavy = [m for m in ('attn_core.testing.battery', 'attn_core.testing.harness', "
+        "'attn_core.registry', 'attn_core.reference.plugin', 'attn_core.state') "
+        "if m in sys.modules]\n"
+        "print(heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
