@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -232,3 +233,16 @@ def _cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def test_guide_shows_the_shipped_example() -> None:
+    repo = Path(__file__).resolve().parents[2]
+    REPO, SDPA_EXAMPLE = repo, repo / "docs" / "examples" / "sdpa_backend"
+
+    guide = (REPO / "docs" / "plugin-guide.md").read_text()
+    module = (SDPA_EXAMPLE / "attn_sdpa_backend.py").read_text()
+    pyproject = (SDPA_EXAMPLE / "pyproject.toml").read_text()
+    assert module in guide and pyproject in guide
+    assert len(module.splitlines()) <= 60 and len(pyproject.splitlines()) <= 6
+    for option in ("--attn-backend", "--attn-plugin", "--attn-quick", "--attn-seed"):
+        assert option in guide

@@ -36,11 +36,8 @@ class SDPAContext:
 
     def forward(self, layer, q, k, v, out, **inputs):
         b, kv, t = self.batch, layer.kv, self.batch.num_tokens
-        out = (
-            torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
-            if out is None
-            else out
-        )
+        if out is None:
+            out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
         slots = b.slot_mapping[:t]  # write the new tokens into the paged cache first
         kv.k.view(-1, *kv.k.shape[2:])[slots] = k[:t]
         kv.v.view(-1, *kv.v.shape[2:])[slots] = v[:t]
