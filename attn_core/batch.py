@@ -73,6 +73,7 @@ class AttentionBatch:
     context_lens_cpu: np.ndarray  # [padded_reqs] int32
     page_size: int | None
     step: int  # builder step counter; contexts use it to skip re-planning the same batch
+    state_epoch: int = -1  # PersistentState.epoch when built; -1: no persistent state
 
     @property
     def query_lens_cpu(self) -> np.ndarray:
@@ -128,8 +129,11 @@ class BatchBuilder:
             # updated with only the changed entries each step.
             self._pt_host = np.zeros((B, self.max_pages), dtype=np.int32)
             self._pt_dev = torch.zeros((B, self.max_pages), dtype=torch.int32, device=self.device)
-            self._row_req: list[Hashable | None] = [None] * B
+            # What each page-table row holds: the request's dense state row, its page count
+            # and page version (bumped by the state when pages are replaced).
+            self._row_dense = np.full(B, -1, dtype=np.int64)
             self._row_npages = np.zeros(B, dtype=np.int64)
+            self._row_version = np.full(B, -1, dtype=np.int64)
             self._pt_upd_host = torch.zeros(
                 2 * B * self.max_pages, dtype=torch.int32, pin_memory=pin
             )
@@ -167,11 +171,12 @@ class BatchBuilder:
         qlens = np.fromiter((n for _, n in requests), dtype=np.int64, count=B)
         if B and qlens.min() < 0:
             raise ValueError(f"new-token counts must be >= 0, got {qlens.tolist()}")
-        ctx = np.fromiter(
-            (state.num_tokens(r) for r in ids) if state is not None else (0 for _ in ids),
-            dtype=np.int64,
-            count=B,
-        )
+        if state is not None:
+            dense = state.step_rows(ids)
+            ctx = state.row_num_tokens[dense]
+        else:
+            dense = None
+            ctx = np.zeros(B, dtype=np.int64)
         seq = ctx + qlens
         num_tokens = int(qlens.sum())
         padded_tokens = num_tokens + (P - B)
@@ -185,8 +190,7 @@ class BatchBuilder:
                 f"per request, got {qlens.tolist()}"
             )
         if state is not None and self._has_kv:
-            for r, s in zip(ids, seq.tolist(), strict=True):
-                state.ensure_capacity(r, s)
+            self._reserve(ids, dense, ctx, seq)
         mode = self._mode(qlens, spec_tokens)
 
         # int32 block
@@ -205,7 +209,7 @@ class BatchBuilder:
         ctx_view[B:] = 0
         slots_view = i32[3 * Bm + 1 : 3 * Bm + 1 + P]
         if self._has_slots:
-            slots_view[:B] = [state.slot(r) for r in ids]
+            slots_view[:B] = state.row_slot[dense]
         else:
             slots_view[:B] = -1
         slots_view[B:] = -1
@@ -219,7 +223,7 @@ class BatchBuilder:
 
         page_table = slot_mapping = None
         if self._has_kv:
-            self._sync_page_table(ids, P)
+            self._sync_page_table(ids, dense, P)
             ps = self.page_size
             sm = self._i64[T : T + padded_tokens]
             sm[:num_tokens] = self._pt_host[req_of_token, pos[:num_tokens] // ps] * ps + (
@@ -269,6 +273,7 @@ class BatchBuilder:
             context_lens_cpu=ctx_view,
             page_size=self.page_size,
             step=self._step,
+            state_epoch=state.epoch if state is not None else -1,
         )
 
     def build_encoder(self, seq_lens: Sequence[int]) -> AttentionBatch:
@@ -333,43 +338,66 @@ class BatchBuilder:
             return BatchMode.PREFILL
         return BatchMode.MIXED
 
-    def _sync_page_table(self, ids: tuple[Hashable, ...], padded: int) -> None:
+    def _reserve(
+        self, ids: tuple[Hashable, ...], dense: np.ndarray, ctx: np.ndarray, seq: np.ndarray
+    ) -> None:
+        """Reserve pages for the step; only requests that need work cost a Python call.
+
+        A request needs :meth:`PersistentState.ensure_capacity` when its new tokens go past its
+        pages, when its page-table row is not in sync, or when the page it writes first is
+        shared (copy-on-write) - everything else is decided with numpy.
+        """
+        state = self.state
+        B = len(ids)
+        ps = self.page_size
+        npages = state.row_num_pages[dense]
+        in_sync = (self._row_dense[:B] == dense) & (
+            self._row_version[:B] == state.row_page_version[dense]
+        )
+        first_page = ctx // ps
+        has_page = in_sync & (first_page < np.minimum(npages, self._row_npages[:B]))
+        write_page = self._pt_host[np.arange(B), np.where(has_page, first_page, 0)]
+        shared = has_page & (state.page_allocator.refcount_array[write_page] > 1)
+        slow = (seq > npages * ps) | ~in_sync | shared
+        for b in np.flatnonzero(slow).tolist():
+            state.ensure_capacity(ids[b], int(seq[b]))
+
+    def _sync_page_table(self, ids: tuple[Hashable, ...], dense: np.ndarray, padded: int) -> None:
         """Bring rows ``0..len(ids)-1`` of the page table up to date; copy only the deltas."""
         state = self.state
-        rows, cols = [], []
+        B = len(ids)
         host = self._pt_host
-        for b, r in enumerate(ids):
-            pages = state.pages(r)
+        npages = state.row_num_pages[dense]
+        if B and npages.max() > self.max_pages:
+            b = int(np.argmax(npages))
+            raise ValueError(
+                f"request {ids[b]!r} holds {int(npages[b])} pages, more than "
+                f"max_pages_per_request={self.max_pages} (raise max_model_len)"
+            )
+        version = state.row_page_version[dense]
+        rewrite = (self._row_dense[:B] != dense) | (self._row_version[:B] != version)
+        grown = ~rewrite & (self._row_npages[:B] != npages)
+        rows, cols = [], []
+        for b in np.flatnonzero(rewrite | grown).tolist():
+            pages = state.pages(ids[b])
             n = len(pages)
-            if n > self.max_pages:
-                raise ValueError(
-                    f"request {r!r} holds {n} pages, more than max_pages_per_request="
-                    f"{self.max_pages} (raise max_model_len)"
-                )
-            if self._row_req[b] == r:
-                start = int(self._row_npages[b])
-                # A copy-on-write replaces the page being written (the last one written
-                # before); a restore after offload moves every page: rewrite the row then.
-                if start and (
-                    start > n or host[b, 0] != pages[0] or host[b, start - 1] != pages[start - 1]
-                ):
-                    start = 0
-                elif start == n:
-                    continue
-            else:
-                self._row_req[b] = r
+            start = 0 if rewrite[b] else int(self._row_npages[b])
+            if start > n:  # pages were given back: rewrite the row
                 start = 0
             host[b, start:n] = pages[start:n]
             rows.append(np.full(n - start, b, dtype=np.int64))
             cols.append(np.arange(start, n, dtype=np.int64))
-            self._row_npages[b] = n
-        for b in range(len(ids), padded):  # padding rows read page 0, write nothing
-            if self._row_req[b] is not None or self._row_npages[b]:
-                self._row_req[b] = None
-                self._row_npages[b] = 0
-                host[b, 0] = 0
-                rows.append(np.array([b], dtype=np.int64))
-                cols.append(np.array([0], dtype=np.int64))
+        self._row_dense[:B] = dense
+        self._row_version[:B] = version
+        self._row_npages[:B] = npages
+        pad = np.flatnonzero(self._row_dense[B:padded] != -1) + B
+        if len(pad):  # padding rows read page 0 and write nothing
+            self._row_dense[pad] = -1
+            self._row_version[pad] = -1
+            self._row_npages[pad] = 0
+            host[pad, 0] = 0
+            rows.append(pad.astype(np.int64))
+            cols.append(np.zeros(len(pad), dtype=np.int64))
         if not rows:
             return
         r_idx = np.concatenate(rows)
@@ -384,10 +412,14 @@ class BatchBuilder:
         flat = self._pt_dev.view(-1)
         flat.index_copy_(0, upd_dev[:n].long(), upd_dev[n:])
 
-    def invalidate(self, request_id: Hashable) -> None:
-        """Forget cached page-table rows of a request (its pages were moved or released)."""
+    def invalidate(self, request_id: Hashable | None = None) -> None:
+        """Forget what the page-table rows hold, so the next step rewrites every row.
+
+        Not needed for correctness - the state's page versions tell the builder when a
+        request's pages were replaced - but cheap, and kept for callers that reset a run.
+        ``request_id`` is accepted for compatibility; every row is forgotten.
+        """
         if self._has_kv:
-            for b, r in enumerate(self._row_req):
-                if r == request_id:
-                    self._row_req[b] = None
-                    self._row_npages[b] = 0
+            self._row_dense[:] = -1
+            self._row_version[:] = -1
+            self._row_npages[:] = 0

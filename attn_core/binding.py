@@ -32,7 +32,7 @@ __all__ = ["GroupRuntime", "LayerAttentionBinding"]
 class GroupRuntime:
     """The state shared by all layers of one group: context, bound forward, current batch."""
 
-    __slots__ = ("backend", "batch", "context", "forward", "group_id", "spec")
+    __slots__ = ("backend", "batch", "context", "forward", "group_id", "spec", "state")
 
     def __init__(
         self,
@@ -41,8 +41,10 @@ class GroupRuntime:
         backend: Backend,
         context: AttentionContext,
         forward: Callable[..., torch.Tensor],
+        state: Any = None,
     ) -> None:
         self.group_id = group_id
+        self.state = state  # the persistent state the group's pages live in (None: encoder)
         self.spec = spec
         self.backend = backend
         self.context = context
@@ -64,10 +66,15 @@ class LayerAttentionBinding:
     __slots__ = (
         "_dtype",
         "_group",
+        "_k_shape",
         "_kind",
         "_kv_tail",
+        "_o_shape",
         "_out_tail",
+        "_q_shape",
         "_q_tail",
+        "_tokens",
+        "_v_shape",
         "_v_tail",
         "kv",
         "layer_index",
@@ -107,6 +114,7 @@ class LayerAttentionBinding:
         self.kv = kv
         self.linear_state = linear_state
         self._dtype = torch_dtype(spec.dtype)
+        self._tokens = -1  # token count the cached expected shapes below are for
         H, Hkv, D, Dv = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim_v
         if spec.kind is LayerKind.MLA:
             self._q_tail = (H, D)
@@ -172,7 +180,32 @@ class LayerAttentionBinding:
                 f"layer {self.layer_index} (group {group.group_id!r}): forward before "
                 "runtime.prepare(batch)"
             )
-        self._check(q, k, v, out, batch.padded_tokens)
+        tokens = batch.padded_tokens
+        if tokens != self._tokens:
+            self._expect(tokens)
+        dtype = self._dtype
+        # One fused test on the hot path; the slow path below names what is wrong.
+        if (
+            q.shape != self._q_shape
+            or q.dtype is not dtype
+            or q.stride(-1) != 1
+            or k is None
+            or k.shape != self._k_shape
+            or k.dtype is not dtype
+            or (v is None) != (self._v_shape is None)
+            or (v is not None and (v.shape != self._v_shape or v.dtype is not dtype))
+            or (out is not None and (out.shape != self._o_shape or out.dtype is not dtype))
+        ):
+            self._check(q, k, v, out, tokens)
+        state = group.state
+        if state is not None and batch.state_epoch != state.epoch:
+            # Pages were freed or replaced since the batch was built: its page table and slot
+            # mapping may point into pages another request owns now.
+            self._bad(
+                "stale batch (pages freed or replaced after it was built; rebuild it)",
+                f"state epoch {state.epoch}",
+                f"batch built at epoch {batch.state_epoch}",
+            )
         try:
             result = group.forward(self, q, k, v, out, **inputs)
         except (BackendInputError, PluginError):
@@ -237,6 +270,13 @@ class LayerAttentionBinding:
         return result
 
     # -- checks ----------------------------------------------------------------------------
+    def _expect(self, tokens: int) -> None:
+        self._q_shape = torch.Size((tokens, *self._q_tail))
+        self._k_shape = torch.Size((tokens, *self._kv_tail))
+        self._v_shape = None if self._v_tail is None else torch.Size((tokens, *self._v_tail))
+        self._o_shape = torch.Size((tokens, *self._out_tail))
+        self._tokens = tokens
+
     def _bad(self, what: str, expected: object, got: object) -> None:
         raise BackendInputError(
             group=self._group.group_id,

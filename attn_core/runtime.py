@@ -88,7 +88,14 @@ class AttentionRuntime:
                     RuntimeError(f"returned no context for group {group.group_id!r}"),
                 )
             fwd = registry.call_owner("attn_core_bind_forward", backend=backend, context=ctx)
-            runtime = GroupRuntime(group.group_id, group.spec, backend, ctx, fwd or ctx.forward)
+            runtime = GroupRuntime(
+                group.group_id,
+                group.spec,
+                backend,
+                ctx,
+                fwd or ctx.forward,
+                state=state if group.spec.kind.value != "encoder" else None,
+            )
             self.groups[group.group_id] = runtime
             self.workspaces[group.group_id] = workspace
             for index in group.layer_indices:
@@ -99,7 +106,8 @@ class AttentionRuntime:
                     scale=params.get("scale"),
                     sinks=params.get("sinks"),
                     kv=_kv_view(state, index) if group.spec.has_kv_cache else None,
-                    linear_state=_state_view(state, index) if group.spec.has_recurrent_state
+                    linear_state=_state_view(state, index)
+                    if group.spec.has_recurrent_state
                     else None,
                 )
 

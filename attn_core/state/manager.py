@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from attn_core.specs import LayerGroup, LayerSpec
@@ -70,6 +71,7 @@ class _Request:
     slot: int | None = None
     snapshot: tuple[int, int] | None = None  # (slot, length): taken, not yet in the cache
     offloaded: RequestExport | None = None
+    row: int = -1  # dense index into PersistentState's per-request arrays
 
 
 def _check_count(name: str, value: object) -> int:
@@ -120,6 +122,18 @@ class PersistentState:
         self.state_slots = StateSlots(self.layout.linear_specs, num_slots=num_slots, device=device)
         self.prefix_cache = PrefixCache(self.layout.page_size)
         self._requests: dict[Hashable, _Request] = {}
+        # Dense per-request arrays, so the BatchBuilder reads a whole step's lengths, page
+        # counts and slots with numpy instead of one Python call per request.
+        self._free_rows: list[int] = []
+        self._row_of: dict[Hashable, int] = {}
+        self.row_num_tokens = np.zeros(0, dtype=np.int64)
+        self.row_num_pages = np.zeros(0, dtype=np.int64)
+        self.row_slot = np.zeros(0, dtype=np.int32)
+        self.row_live = np.zeros(0, dtype=bool)
+        self.row_page_version = np.zeros(0, dtype=np.int64)
+        self._version = 0
+        #: Bumped whenever pages are freed or replaced: a batch built before no longer holds.
+        self.epoch = 0
 
     @classmethod
     def from_memory_budget(
@@ -287,7 +301,9 @@ class PersistentState:
             else:
                 self.state_slots.zero_slot(slot)  # a reused slot holds another request's state
         self.prefix_cache.touch(blocks)
-        self._requests[req_id] = _Request(req_id, pages, prefix.num_tokens if prefix else 0, slot)
+        req = _Request(req_id, pages, prefix.num_tokens if prefix else 0, slot)
+        self._requests[req_id] = req
+        self._assign_row(req)
 
     def ensure_capacity(self, req_id: Hashable, new_len: int) -> list[int]:
         """Make the request hold ``new_len`` tokens; returns the pages appended.
@@ -322,6 +338,7 @@ class PersistentState:
                 f"{len(req.pages) * self.page_size}; call ensure_capacity({req_id!r}, {new}) first"
             )
         req.num_tokens = new
+        self.row_num_tokens[req.row] = new
         return new
 
     def release(self, req_id: Hashable) -> None:
@@ -330,6 +347,10 @@ class PersistentState:
         if req.offloaded is None:
             self._free_device(req)
         del self._requests[req_id]
+        self._row_of.pop(req_id, None)
+        self.row_live[req.row] = False
+        self._free_rows.append(req.row)
+        self.epoch += 1
 
     # ------------------------------------------------------------------------------------------
     # Prefix cache
@@ -466,6 +487,7 @@ class PersistentState:
         )
         self._free_device(req)
         req.offloaded = export
+        self._publish(req, new_pages=True)
         return export.meta.nbytes
 
     def restore(self, req_id: Hashable) -> None:
@@ -495,6 +517,7 @@ class PersistentState:
         req.slot = slot
         req.snapshot = (snap, meta.snapshot_length) if snap is not None else None
         req.offloaded = None
+        self._publish(req, new_pages=True)
 
     def export_request(
         self,
@@ -543,7 +566,9 @@ class PersistentState:
         )
         slot = slots[0] if slots else None
         unpack_request(export, self.layout, self.kv_cache, self.state_slots, pages=pages, slot=slot)
-        self._requests[req_id] = _Request(req_id, pages, n, slot)
+        req = _Request(req_id, pages, n, slot)
+        self._requests[req_id] = req
+        self._assign_row(req)
 
     # ------------------------------------------------------------------------------------------
     # Consistency
@@ -610,6 +635,54 @@ class PersistentState:
             raise StateError(f"request {req_id!r} is offloaded; restore({req_id!r}) it first")
         return req
 
+    # -- dense per-request arrays (read by the BatchBuilder) ----------------------------------
+    def step_rows(self, req_ids: Sequence[Hashable]) -> np.ndarray:
+        """Dense row of each request (int64), for vectorised reads of ``row_*`` arrays.
+
+        Raises ``KeyError`` naming an unknown request and :class:`StateError` for an offloaded
+        one.
+        """
+        try:
+            rows = np.fromiter(map(self._row_of.__getitem__, req_ids), np.int64, len(req_ids))
+        except KeyError as exc:
+            raise KeyError(f"unknown request {exc.args[0]!r}") from None
+        if len(rows) and not self.row_live[rows].all():
+            bad = [r for r, ok in zip(req_ids, self.row_live[rows], strict=True) if not ok]
+            raise StateError(f"requests {bad} are offloaded; restore them first")
+        return rows
+
+    def _assign_row(self, req: _Request) -> None:
+        if self._free_rows:
+            row = self._free_rows.pop()
+        else:
+            row = len(self._row_of) + len(self._free_rows)
+            if row >= len(self.row_num_tokens):
+                grow = max(64, 2 * len(self.row_num_tokens))
+                for name in (
+                    "row_num_tokens",
+                    "row_num_pages",
+                    "row_slot",
+                    "row_live",
+                    "row_page_version",
+                ):
+                    old = getattr(self, name)
+                    new = np.zeros(grow, dtype=old.dtype)
+                    new[: len(old)] = old
+                    setattr(self, name, new)
+        req.row = row
+        self._row_of[req.req_id] = row
+        self._publish(req, new_pages=True)
+
+    def _publish(self, req: _Request, *, new_pages: bool = False) -> None:
+        row = req.row
+        self.row_num_tokens[row] = req.num_tokens
+        self.row_num_pages[row] = len(req.pages)
+        self.row_slot[row] = -1 if req.slot is None else req.slot
+        self.row_live[row] = req.offloaded is None
+        if new_pages:
+            self._version += 1
+            self.row_page_version[row] = self._version
+
     def _free_device(self, req: _Request) -> None:
         self.page_allocator.decref(req.pages)
         slots = [s for s in (req.slot, req.snapshot[0] if req.snapshot else None) if s is not None]
@@ -617,6 +690,7 @@ class PersistentState:
         req.pages = []
         req.slot = None
         req.snapshot = None
+        self.epoch += 1
 
     def _validate_hit(self, hit: PrefixHit) -> list[CachedBlock]:
         ps = self.page_size
@@ -653,6 +727,10 @@ class PersistentState:
                 req.pages[j] = p
             pa.decref(old)  # still held by the cache / other requests: never freed here
         req.pages.extend(extra)
+        if cow:
+            self.epoch += 1
+        if cow or extra:
+            self._publish(req, new_pages=bool(cow))
         return extra
 
     def _reserve(

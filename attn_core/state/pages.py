@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from attn_core.state.errors import DoubleFreeError, OutOfPagesError, StateError
 
 __all__ = ["PageAllocator", "RefcountedPool"]
@@ -28,7 +30,8 @@ class RefcountedPool:
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise ValueError(f"{self._what} pool size={size!r}: expected an integer >= 0")
         self._size = size
-        self._refs = [0] * size
+        # numpy, so that a whole step's copy-on-write check is one vectorised read
+        self._refs = np.zeros(size, dtype=np.int32)
         # A stack: pop() hands out the lowest ids first on a fresh pool.
         self._free = list(range(size - 1, -1, -1))
 
@@ -47,7 +50,14 @@ class RefcountedPool:
 
     def refcount(self, id_: int) -> int:
         self._check_id(id_)
-        return self._refs[id_]
+        return int(self._refs[id_])
+
+    @property
+    def refcount_array(self) -> np.ndarray:
+        """Refcount of every id (a read-only view; do not modify)."""
+        view = self._refs.view()
+        view.flags.writeable = False
+        return view
 
     def is_free(self, id_: int) -> bool:
         return self.refcount(id_) == 0

@@ -190,11 +190,6 @@ def test_context_for_another_step_is_refused(full_setup):
         runtime.binding(0).context(b2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: nothing detects a batch built before state.release(); forward writes KV "
-    "into pages that were freed (and may belong to another request by now)",
-)
 def test_batch_referencing_released_pages_is_refused(full_setup):
     state, runtime, builder = full_setup
     batch = builder.build([("a", 1), ("b", 1)])
