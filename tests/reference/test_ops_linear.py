@@ -282,19 +282,26 @@ def test_ragged_batch_matches_reference(variant: Variant, mode: str, device: str
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["recurrent", "chunked"])
 def test_gdn_matches_hf_qwen3_next(mode: str, device: str) -> None:
-    """Native GVA and in-kernel l2norm as Qwen3-Next runs them (batch of one request)."""
+    """Native GVA and in-kernel l2norm as Qwen3-Next runs them (batch of one request).
+
+    Only our op runs on ``device``; the HF reference always runs on CPU. Its key heads are
+    expanded to the value heads first (value head ``h`` reads key head ``h // (HV // HK)``, as the
+    Qwen3-Next layer does): some transformers releases' torch path has no GVA of its own and fails
+    on ``HK != HV`` inputs, and the expansion is a no-op for those that do."""
     gen = _gen(1)
-    t = _gdn_tokens(45, gen, device)
-    state = _randn(gen, HV, DK, DV, device=device) * 0.3
-    pool = state[None].clone()
-    out = _call_gdn(t, pool, *_batch([45], [0], [True], device), mode=mode, chunk_size=16)
-    args = (t["q"][None], t["k"][None], t["v"][None], t["g"][None], t["beta"][None])
+    t = _gdn_tokens(45, gen, "cpu")
+    state = _randn(gen, HV, DK, DV) * 0.3
+    pool = state[None].clone().to(device)
+    dev_t = {name: x.to(device) for name, x in t.items()}
+    out = _call_gdn(dev_t, pool, *_batch([45], [0], [True], device), mode=mode, chunk_size=16)
+    q, k = (t[name].repeat_interleave(HV // HK, dim=1) for name in ("q", "k"))
+    args = (q[None], k[None], t["v"][None], t["g"][None], t["beta"][None])
     kw = {"initial_state": state[None].clone(), "output_final_state": True}
     chunk_o, chunk_s = hf_gdn_chunk(*args, chunk_size=16, use_qk_l2norm_in_kernel=True, **kw)
     rec_o, rec_s = hf_gdn_recurrent(*args, use_qk_l2norm_in_kernel=True, **kw)
     for ref_o, ref_s in ((chunk_o, chunk_s), (rec_o, rec_s)):
-        torch.testing.assert_close(out, ref_o[0], **F32)
-        torch.testing.assert_close(pool[0], ref_s[0], **F32)
+        torch.testing.assert_close(out.cpu(), ref_o[0].float(), **F32)
+        torch.testing.assert_close(pool[0].cpu(), ref_s[0].float(), **F32)
 
 
 @pytest.mark.parametrize("device", DEVICES)

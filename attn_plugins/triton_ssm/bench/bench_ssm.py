@@ -1,42 +1,54 @@
 """Benchmark the triton_ssm kernels on a CUDA GPU; prints a table and writes JSON (--out).
 
-Sections (each guarded: a failure is recorded in the JSON and the run goes on):
+Every provider runs in a worker subprocess: an illegal memory access poisons the CUDA context of
+the process that made it, so a faulting call is recorded as that job's error, a new worker takes
+the remaining jobs, and the run goes on.
 
-* copy: ``torch.clone`` of a 1 GiB tensor, GB/s of read + write (the HBM ceiling to compare with).
-* gdn_decode: B = 64, 256, 1024, 2048, Hk=16, Hv=32, Dk=Dv=128, fp32 state; GB/s of state read +
-  write for our kernel (a few block_v choices) and for fla ``fused_recurrent_gated_delta_rule``
-  (its errors are caught and reported), and the ratio to copy bandwidth.
-* gdn_prefill: T = 8192 and 32768 as one request and as 16 requests (cu_seqlens), our wrapper
-  vs fla ``chunk_gated_delta_rule`` called directly; ms and tokens/s.
+Sections:
+
+* copy: ``torch.clone`` of 1 GiB and of tensors the size of each batch's state (GB/s of read +
+  write, the HBM ceiling to compare with).
+* gdn_decode: B = 64, 256, 1024, 2048, Hk=16, Hv=32, Dk=Dv=128, fp32 state in a pool of B + 8
+  slots, random slot order; GB/s of state read + write for our kernel (defaults, and with
+  ``--sweep`` a grid of block_v / num_warps / programs_per_sm), and for fla
+  ``fused_recurrent_gated_delta_rule`` on a dense gathered state.
+* gdn_prefill (``--prefill``): T = 8192 and 32768 as one request and as 16 (cu_seqlens), our
+  wrapper vs fla ``chunk_gated_delta_rule`` called directly; ms and tokens/s.
 * mamba2_decode: B = 64..2048, H=128, N=128, P=64 (Mamba2-2.7B-like), fp32 state, GB/s.
-* plugin: the same step through the attn-core plugin (``AttentionRuntime`` binding ->
-  ``TritonSSMContext``) vs the bare kernel on the same tensors: ``gdn_decode`` at B = 64 / 256
-  and ``gdn_prefill`` at T = 8192 (one request); ``overhead_pct`` (target: within 3 %).
 
-Timing: ``triton.testing.do_bench`` (warmup, median over repetitions). The decode kernels write
-the state in place, so every timed call starts from the previous call's state; the traffic is
-the same.
+Timing: ``triton.testing.do_bench`` (L2 flushed between calls, median). The decode kernels
+write the state in place, so each timed call starts from the previous call's state; the
+traffic is the same.
 
-Usage: ``python bench/bench_ssm.py --out results.json [--quick]``.
+Usage: ``python bench/bench_ssm.py --out results.json [--quick] [--sweep] [--prefill]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(1, str(Path(__file__).resolve().parents[3]))  # attn_core from a checkout
-
 HK, HV, D = 16, 32, 128
 GB = 1e9
+BATCHES = [64, 256, 1024, 2048]
+# (block_v, num_warps, programs_per_sm); programs_per_sm 0 = one program per work item,
+# None = as many as fit on an SM at once (the default).
+SWEEP = [
+    (bv, nw, pps)
+    for bv, nw in ((16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8))
+    for pps in (None, 0, 2, 4, 8)
+] + [(8, 1, 0), (8, 1, None), (128, 16, 0), (128, 16, None)]
 
 
+# --------------------------------------------------------------------------------------------
+# worker side: one process runs jobs in order and prints one JSON line per result
+# --------------------------------------------------------------------------------------------
 def _bench(fn, warmup=25, rep=100) -> float:
     """Median milliseconds of ``fn()``."""
     import triton.testing
@@ -44,27 +56,22 @@ def _bench(fn, warmup=25, rep=100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
-def _guard(results: list, section: str, params: dict, fn) -> dict:
-    row = {"section": section, **params}
-    try:
-        row.update(fn())
-    except Exception as e:  # a failing provider is a result, not the end of the run
-        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-        row["traceback"] = traceback.format_exc(limit=3)
-        torch.cuda.synchronize()
-    results.append(row)
-    shown = {k: v for k, v in row.items() if k != "traceback"}
-    print(json.dumps(shown), flush=True)
-    return row
+def _state_bytes(B: int) -> int:
+    return 2 * B * HV * D * D * 4  # fp32 state read + written
 
 
-def bench_copy() -> dict:
-    x = torch.empty(2**30 // 4, dtype=torch.float32, device="cuda").uniform_()
+def job_copy(nbytes: int) -> dict:
+    import torch
+
+    x = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
     ms = _bench(lambda: x.clone())
-    return {"ms": ms, "GBps": 2 * x.numel() * 4 / (ms * 1e-3) / GB}
+    return {"ms": ms, "GBps": 2 * nbytes / (ms * 1e-3) / GB}
 
 
-def _decode_inputs(B: int, S: int):
+def _decode_inputs(B: int, S: int, seed: int = 0):
+    import torch
+
+    torch.manual_seed(seed)
     q = torch.randn(B, HK, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(B, HK, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(B, HV, D, device="cuda", dtype=torch.bfloat16)
@@ -75,39 +82,85 @@ def _decode_inputs(B: int, S: int):
     return q, k, v, g, beta, state, idx
 
 
-def bench_gdn_decode_ours(B: int, block_v: int | None, num_warps: int | None) -> dict:
+def job_gdn_decode_ours(B: int, block_v=None, num_warps=None, programs_per_sm=None) -> dict:
+    import torch
     from attn_plugin_triton_ssm.kernels import gdn_decode
 
     q, k, v, g, beta, state, idx = _decode_inputs(B, B + 8)
     out = torch.empty_like(v)
-    ms = _bench(
-        lambda: gdn_decode(q, k, v, g, beta, state, idx, out=out, block_v=block_v,
-                           num_warps=num_warps)
-    )  # fmt: skip
-    nbytes = 2 * B * HV * D * D * 4
-    return {"ms": ms, "GBps": nbytes / (ms * 1e-3) / GB}
+
+    def run():
+        gdn_decode(q, k, v, g, beta, state, idx, out=out, block_v=block_v, num_warps=num_warps,
+                   programs_per_sm=programs_per_sm)  # fmt: skip
+
+    run()
+    torch.cuda.synchronize()
+    ms = _bench(run)
+    return {"ms": ms, "GBps": _state_bytes(B) / (ms * 1e-3) / GB}
 
 
-def bench_gdn_decode_fla(B: int) -> dict:
+def job_gdn_decode_sweep(batches: list[int], emit) -> dict:
+    """Every SWEEP config at B = 64 and 1024, then the four best (by their mean GB/s there) at
+    the other batches."""
+    scores: dict[tuple, list[float]] = {}
+    first = [b for b in batches if b in (64, 1024)] or batches[:1]
+    rest = [b for b in batches if b not in first]
+    for B in first:
+        for bv, nw, pps in SWEEP:
+            row = _run_guarded(
+                job_gdn_decode_ours, B=B, block_v=bv, num_warps=nw, programs_per_sm=pps
+            )
+            emit({"section": "gdn_decode", "provider": "ours sweep", "B": B, "block_v": bv,
+                  "num_warps": nw, "programs_per_sm": pps, **row})  # fmt: skip
+            scores.setdefault((bv, nw, pps), []).append(row.get("GBps", 0.0))
+    best = sorted(scores, key=lambda c: -sum(scores[c]) / len(scores[c]))[:4]
+    for B in rest:
+        for bv, nw, pps in best:
+            row = _run_guarded(
+                job_gdn_decode_ours, B=B, block_v=bv, num_warps=nw, programs_per_sm=pps
+            )
+            emit({"section": "gdn_decode", "provider": "ours sweep", "B": B, "block_v": bv,
+                  "num_warps": nw, "programs_per_sm": pps, **row})  # fmt: skip
+    return {"best": [list(c) for c in best]}
+
+
+def _run_guarded(fn, **kw) -> dict:
+    """For errors that leave the context usable (compile errors, out of resources)."""
+    try:
+        return fn(**kw)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+
+
+def job_gdn_decode_fla(B: int) -> dict:
+    import torch
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
     q, k, v, g, beta, state, idx = _decode_inputs(B, B + 8)
     h0 = state[idx.long()].contiguous()  # fla takes one dense state per request
 
     def run():
+        # Keywords only: fla 0.6's positional order is (q, k, v, g, gk, gv, beta, ...), so a
+        # positional beta lands in gk ([B, T, HV] read as [B, T, HV, K]: out of bounds).
         return fused_recurrent_gated_delta_rule(
-            q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], initial_state=h0,
-            output_final_state=True, use_qk_l2norm_in_kernel=True,
+            q=q[:, None], k=k[:, None], v=v[:, None], g=g[:, None], beta=beta[:, None],
+            initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
         )  # fmt: skip
 
     run()
     torch.cuda.synchronize()
     ms = _bench(run)
-    nbytes = 2 * B * HV * D * D * 4
-    return {"ms": ms, "GBps": nbytes / (ms * 1e-3) / GB, "note": "dense h0, no slot gather"}
+    return {
+        "ms": ms,
+        "GBps": _state_bytes(B) / (ms * 1e-3) / GB,
+        "note": "dense h0 in, new ht out (no slot gather/scatter)",
+    }
 
 
 def _prefill_inputs(T: int, n_seq: int):
+    import torch
+
+    torch.manual_seed(0)
     q = torch.randn(T, HK, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(T, HK, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(T, HV, D, device="cuda", dtype=torch.bfloat16)
@@ -120,7 +173,7 @@ def _prefill_inputs(T: int, n_seq: int):
     return q, k, v, g, beta, state, idx, cu
 
 
-def bench_prefill_ours(T: int, n_seq: int) -> dict:
+def job_prefill_ours(T: int, n_seq: int) -> dict:
     from attn_plugin_triton_ssm.kernels import gdn_prefill
 
     q, k, v, g, beta, state, idx, cu = _prefill_inputs(T, n_seq)
@@ -128,7 +181,7 @@ def bench_prefill_ours(T: int, n_seq: int) -> dict:
     return {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6}
 
 
-def bench_prefill_fla(T: int, n_seq: int) -> dict:
+def job_prefill_fla(T: int, n_seq: int) -> dict:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     q, k, v, g, beta, state, idx, cu = _prefill_inputs(T, n_seq)
@@ -137,7 +190,7 @@ def bench_prefill_fla(T: int, n_seq: int) -> dict:
 
     def run():
         return chunk_gated_delta_rule(
-            q[None], k[None], v[None], g[None], beta[None], initial_state=h0,
+            q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], initial_state=h0,
             output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu64,
         )  # fmt: skip
 
@@ -145,7 +198,8 @@ def bench_prefill_fla(T: int, n_seq: int) -> dict:
     return {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6}
 
 
-def bench_mamba2_decode(B: int, H=128, G=1, N=128, P=64) -> dict:
+def job_mamba2_decode(B: int, H=128, G=1, N=128, P=64) -> dict:
+    import torch
     from attn_plugin_triton_ssm.kernels import mamba2_decode
 
     S = B + 8
@@ -164,170 +218,198 @@ def bench_mamba2_decode(B: int, H=128, G=1, N=128, P=64) -> dict:
     return {"ms": ms, "GBps": 2 * B * H * N * P * 4 / (ms * 1e-3) / GB}
 
 
-def _plugin_lane(B: int, T: int):
-    """A one-layer Qwen3-Next-like GDN group through the real plugin and runtime, B requests."""
-    from attn_plugin_triton_ssm import plugin
-
-    from attn_core.batch import BatchBuilder
-    from attn_core.registry import Registry
-    from attn_core.runtime import AttentionRuntime
-    from attn_core.selector import select
-    from attn_core.specs import DeviceCapabilities, ExecutionConstraints, LayerSpec, group_layers
-    from attn_core.state import PersistentState
-
-    spec = LayerSpec(
-        kind="linear", linear_variant="gated_deltanet", num_heads=HV, num_kv_heads=HK,
-        head_dim=D, head_dim_v=D, conv_kernel_size=4, conv_channels=2 * HK * D + HV * D,
-        dtype="bfloat16", qk_l2norm=True,
-    )  # fmt: skip
-    registry = Registry()
-    registry.register_plugin(plugin, name="triton_ssm")
-    groups = group_layers([spec])
-    constraints = ExecutionConstraints(max_batch_size=max(B, 8), max_num_tokens=max(T, B))
-    plan = select(groups, registry, DeviceCapabilities.detect("cuda"), constraints)
-    state = PersistentState(groups, num_pages=1, num_slots=B + 4, device="cuda")
-    runtime = AttentionRuntime(plan, registry, state=state, device="cuda")
-    builder = BatchBuilder(state, max_batch_size=max(B, 8), max_num_tokens=max(T, B),
-                           device="cuda")  # fmt: skip
-    for r in range(B):
-        state.add_request(r)
-    return runtime, builder, state.state_slots.layer(0).ssm
+JOBS = {
+    "copy": job_copy,
+    "gdn_decode_ours": job_gdn_decode_ours,
+    "gdn_decode_fla": job_gdn_decode_fla,
+    "prefill_ours": job_prefill_ours,
+    "prefill_fla": job_prefill_fla,
+    "mamba2_decode": job_mamba2_decode,
+}
 
 
-def _alternate(fn_a, fn_b, rounds=3, **kw) -> tuple[float, float]:
-    """Best-of-rounds medians of two functions timed alternately (cancels clock drift)."""
-    a = b = float("inf")
-    for _ in range(rounds):
-        a = min(a, _bench(fn_a, **kw))
-        b = min(b, _bench(fn_b, **kw))
-    return a, b
+def worker(jobs: list[dict]) -> int:
+    """Run ``jobs`` (``{"id", "fn", "kw", "row"}``) in order; one JSON line per result."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+    def emit(row: dict) -> None:
+        print("@@ROW " + json.dumps(row), flush=True)
+
+    import torch
+    import triton
+
+    meta = {"torch": torch.__version__, "triton": triton.__version__}
+    if torch.cuda.is_available():
+        meta["device"] = torch.cuda.get_device_name()
+    try:
+        import fla
+
+        meta["fla"] = getattr(fla, "__version__", "?")
+    except ImportError:
+        meta["fla"] = None
+    emit({"meta": meta})
+
+    for job in jobs:
+        t0 = time.time()
+        row = dict(job["row"])
+        if job["fn"] == "gdn_decode_sweep":
+            res = job_gdn_decode_sweep(job["kw"]["batches"], emit)
+        else:
+            try:
+                res = JOBS[job["fn"]](**job["kw"])
+            except Exception as e:  # not a fault: the context is still usable
+                res = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
+                       "traceback": traceback.format_exc(limit=3)}  # fmt: skip
+        row.update(res)
+        row["wall_s"] = round(time.time() - t0, 2)
+        print("@@DONE " + json.dumps({"id": job["id"], "row": row}), flush=True)
+    return 0
 
 
-def bench_plugin_decode(B: int) -> dict:
-    from attn_plugin_triton_ssm.kernels import gdn_decode
+# --------------------------------------------------------------------------------------------
+# driver side: no CUDA in this process
+# --------------------------------------------------------------------------------------------
+def run_isolated(jobs: list[dict], results: list[dict], timeout_s: float) -> None:
+    """Run ``jobs`` in worker subprocesses; a worker that dies (fault, timeout) marks its current
+    job as failed and a fresh worker continues with the rest."""
+    pending = list(jobs)
+    deadline = time.time() + timeout_s
+    while pending:
+        left = deadline - time.time()
+        if left <= 1:
+            for job in pending:
+                results.append({**job["row"], "error": "skipped: bench time budget spent"})
+                print(json.dumps(results[-1]), flush=True)
+            return
+        cmd = [sys.executable, __file__, "--worker", json.dumps(pending)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
+            stdout, stderr, rc = proc.stdout, proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            stderr, rc = "timeout", -9
+        done = set()
+        for line in stdout.splitlines():
+            if line.startswith("@@ROW "):
+                results.append(json.loads(line[6:]))
+                print(json.dumps(results[-1]), flush=True)
+            elif line.startswith("@@DONE "):
+                rec = json.loads(line[7:])
+                done.add(rec["id"])
+                results.append(rec["row"])
+                shown = {k: v for k, v in rec["row"].items() if k != "traceback"}
+                print(json.dumps(shown), flush=True)
+        pending = [j for j in pending if j["id"] not in done]
+        if pending and rc != 0:
+            failed = pending.pop(0)
+            tail = [ln for ln in stderr.strip().splitlines() if ln.strip()][-3:]
+            results.append(
+                {**failed["row"], "error": f"worker died (rc={rc}): " + " | ".join(tail)}
+            )
+            print(json.dumps(results[-1]), flush=True)
+        elif pending:  # exited cleanly without finishing: should not happen
+            break
 
-    runtime, builder, ssm = _plugin_lane(B, 1)
-    batch = builder.build([(r, 1) for r in range(B)])
-    runtime.prepare(batch)
-    binding = runtime.binding(0)
-    q, k, v, g, beta, _, _ = _decode_inputs(B, 1)
-    out = torch.empty_like(v)
-    idx = batch.state_indices
-    plugin_ms, bare_ms = _alternate(
-        lambda: binding.forward(q, k, v, out=out, g=g, beta=beta),
-        lambda: gdn_decode(q, k, v, g, beta, ssm, idx, scale=binding.scale, use_qk_l2norm=True,
-                           out=out),
-    )  # fmt: skip
-    nbytes = 2 * B * HV * D * D * 4
-    return {"ms": plugin_ms, "bare_ms": bare_ms, "GBps": nbytes / (plugin_ms * 1e-3) / GB,
-            "overhead_pct": 100 * (plugin_ms / bare_ms - 1),
-            "within_3pct": plugin_ms <= 1.03 * bare_ms}  # fmt: skip
 
-
-def bench_plugin_prefill(T: int) -> dict:
-    from attn_plugin_triton_ssm.kernels import gdn_prefill
-
-    runtime, builder, ssm = _plugin_lane(1, T)
-    batch = builder.build([(0, T)])
-    runtime.prepare(batch)
-    binding = runtime.binding(0)
-    q, k, v, g, beta, _, _, _ = _prefill_inputs(T, 1)
-    out = torch.empty_like(v)
-    slots, cu = batch.state_indices[:1], batch.query_start_loc[:2]
-    plugin_ms, bare_ms = _alternate(
-        lambda: binding.forward(q, k, v, out=out, g=g, beta=beta),
-        lambda: gdn_prefill(q, k, v, g, beta, ssm, slots, cu, scale=binding.scale,
-                            use_qk_l2norm=True, out=out),
-        warmup=5, rep=30,
-    )  # fmt: skip
-    prepare_ms = _bench(lambda: runtime.prepare(batch), warmup=5, rep=30)
-    return {"ms": plugin_ms, "bare_ms": bare_ms, "Mtok_per_s": T / (plugin_ms * 1e-3) / 1e6,
-            "prepare_ms": prepare_ms, "overhead_pct": 100 * (plugin_ms / bare_ms - 1),
-            "within_3pct": plugin_ms <= 1.03 * bare_ms}  # fmt: skip
-
-
-def _table(results: list) -> str:
+def _table(results: list, copy_bw: float | None) -> str:
     lines = []
     for r in results:
+        if "section" not in r:
+            continue
         head = ", ".join(
             f"{k}={r[k]}"
-            for k in ("provider", "B", "T", "n_seq", "block_v")
+            for k in ("provider", "B", "T", "n_seq", "nbytes", "block_v", "num_warps",
+                      "programs_per_sm")
             if r.get(k) is not None
-        )
+        )  # fmt: skip
         if "error" in r:
-            val = "ERROR " + r["error"]
+            val = "ERROR " + r["error"][:160]
         elif "GBps" in r:
             val = f"{r['ms']:.4f} ms  {r['GBps']:8.1f} GB/s"
-            if "of_copy" in r:
-                val += f"  ({r['of_copy']:.2f} x copy)"
-        else:
+            if copy_bw and r["section"] != "copy":
+                val += f"  ({r['GBps'] / copy_bw:.2f} x copy)"
+        elif "Mtok_per_s" in r:
             val = f"{r['ms']:.3f} ms  {r['Mtok_per_s']:.2f} Mtok/s"
-        if "overhead_pct" in r:
-            val += f"  (bare {r['bare_ms']:.4f} ms, plugin {r['overhead_pct']:+.1f} %)"
-        lines.append(f"{r['section']:<14} {head:<48} {val}")
+        else:
+            continue
+        lines.append(f"{r['section']:<14} {head:<72} {val}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="JSON results path")
-    ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
+    ap.add_argument("--out", type=Path, help="JSON results path")
+    ap.add_argument("--quick", action="store_true", help="B = 64 and 1024 only")
+    ap.add_argument("--sweep", action="store_true", help="sweep block_v/num_warps/programs_per_sm")
+    ap.add_argument("--prefill", action="store_true", help="also the prefill section")
+    ap.add_argument("--no-fla", action="store_true", help="skip the fla comparisons")
+    ap.add_argument("--budget-s", type=float, default=600.0, help="wall-clock budget")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_ssm: needs a CUDA GPU", file=sys.stderr)
-        return 2
-    import fla
-    import triton
+    if args.worker:
+        return worker(json.loads(args.worker))
+    if args.out is None:
+        ap.error("--out is required")
+
+    t0 = time.time()
+    batches = [64, 1024] if args.quick else BATCHES
+    n = iter(range(10**6))
+
+    def job(fn: str, row: dict, **kw) -> dict:
+        return {"id": next(n), "fn": fn, "kw": kw, "row": row}
+
+    ours = [job("copy", {"section": "copy", "provider": "torch.clone", "nbytes": 2**30},
+                nbytes=2**30)]  # fmt: skip
+    for B in batches:
+        nb = _state_bytes(B) // 2
+        ours.append(job("copy", {"section": "copy", "provider": "torch.clone", "nbytes": nb},
+                        nbytes=nb))  # fmt: skip
+    for B in batches:
+        ours.append(job("gdn_decode_ours", {"section": "gdn_decode", "provider": "ours default",
+                                            "B": B}, B=B))  # fmt: skip
+    for B in batches:
+        ours.append(job("mamba2_decode", {"section": "mamba2_decode", "provider": "ours",
+                                          "B": B}, B=B))  # fmt: skip
+    if args.sweep:
+        ours.append(job("gdn_decode_sweep", {"section": "sweep_done"}, batches=batches))
+    fla = [
+        job(
+            "gdn_decode_fla",
+            {"section": "gdn_decode", "provider": "fla fused_recurrent", "B": B},
+            B=B,
+        )
+        for B in batches
+    ]
+    prefill = []
+    if args.prefill:
+        for T in [8192] if args.quick else [8192, 32768]:
+            for n_seq in (1, 16):
+                p = {"section": "gdn_prefill", "T": T, "n_seq": n_seq}
+                prefill.append(job("prefill_ours", {**p, "provider": "ours (gdn_prefill)"},
+                                   T=T, n_seq=n_seq))  # fmt: skip
+                if not args.no_fla:
+                    prefill.append(job("prefill_fla", {**p, "provider": "fla chunk direct"},
+                                       T=T, n_seq=n_seq))  # fmt: skip
 
     results: list[dict] = []
-    meta = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "fla": getattr(fla, "__version__", "?"),
-    }
-    print(json.dumps(meta), flush=True)
-    copy = _guard(results, "copy", {"provider": "torch.clone 1GiB"}, bench_copy)
-    copy_bw = copy.get("GBps")
+    budget = args.budget_s
+    run_isolated(ours, results, budget * 0.7)
+    if not args.no_fla:
+        run_isolated(fla, results, max(5.0, budget - (time.time() - t0)) * 0.6)
+    if prefill:
+        run_isolated(prefill, results, max(5.0, budget - (time.time() - t0)))
 
-    batches = [64, 1024] if args.quick else [64, 256, 1024, 2048]
-    for B in batches:
-        for bv, nw in ((None, None), (16, 4), (32, 4), (64, 8)):
-            row = _guard(
-                results, "gdn_decode", {"provider": "ours", "B": B, "block_v": bv or "auto",
-                                        "num_warps": nw or "auto"},
-                lambda B=B, bv=bv, nw=nw: bench_gdn_decode_ours(B, bv, nw),
-            )  # fmt: skip
-            if copy_bw and "GBps" in row:
-                row["of_copy"] = row["GBps"] / copy_bw
-        row = _guard(results, "gdn_decode", {"provider": "fla fused_recurrent", "B": B},
-                     lambda B=B: bench_gdn_decode_fla(B))  # fmt: skip
-        if copy_bw and "GBps" in row:
-            row["of_copy"] = row["GBps"] / copy_bw
-
-    for T in [8192] if args.quick else [8192, 32768]:
-        for n_seq in (1, 16):
-            p = {"T": T, "n_seq": n_seq}
-            _guard(results, "gdn_prefill", {"provider": "ours (gdn_prefill)", **p},
-                   lambda T=T, n=n_seq: bench_prefill_ours(T, n))  # fmt: skip
-            _guard(results, "gdn_prefill", {"provider": "fla chunk direct", **p},
-                   lambda T=T, n=n_seq: bench_prefill_fla(T, n))  # fmt: skip
-
-    for B in batches:
-        row = _guard(results, "mamba2_decode", {"provider": "ours", "B": B},
-                     lambda B=B: bench_mamba2_decode(B))  # fmt: skip
-        if copy_bw and "GBps" in row:
-            row["of_copy"] = row["GBps"] / copy_bw
-
-    for B in (64, 256):
-        _guard(results, "plugin", {"provider": "binding.forward vs gdn_decode", "B": B},
-               lambda B=B: bench_plugin_decode(B))  # fmt: skip
-    _guard(results, "plugin", {"provider": "binding.forward vs gdn_prefill", "T": 8192,
-                               "n_seq": 1}, lambda: bench_plugin_prefill(8192))  # fmt: skip
-
-    print("\n" + _table(results))
+    copy_bw = next((r["GBps"] for r in results if r.get("section") == "copy"
+                    and r.get("nbytes") == 2**30 and "GBps" in r), None)  # fmt: skip
+    print("\n" + _table(results, copy_bw))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    meta = {
+        "python": sys.version.split()[0],
+        "wall_s": round(time.time() - t0, 1),
+        "env": {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES",) if k in os.environ},
+    }
+    args.out.write_text(json.dumps({"meta": meta, "copy_GBps": copy_bw, "results": results},
+                                   indent=2))  # fmt: skip
     print(f"\nwrote {args.out}")
     return 0
 

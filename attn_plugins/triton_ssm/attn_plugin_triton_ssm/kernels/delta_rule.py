@@ -64,117 +64,195 @@ _L2_EPS = 1e-6  # fla's in-kernel l2norm: x / sqrt(sum(x^2) + 1e-6)
 
 
 @triton.jit
-def _delta_rule_step_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    g_ptr,
-    beta_ptr,
-    state_ptr,
-    idx_ptr,
-    ntok_ptr,
-    out_ptr,
-    inter_ptr,
-    scale,
-    s_qb,
-    s_qt,
-    s_qh,
-    s_kb,
-    s_kt,
-    s_kh,
-    s_vb,
-    s_vt,
-    s_vh,
-    s_gb,
-    s_gt,
-    s_gh,
-    s_bb,
-    s_bt,
-    s_bh,
-    s_ss,
-    s_sh,
-    s_sk,
-    s_ob,
-    s_ot,
-    s_oh,
-    s_ib,
-    s_it,
-    s_ih,
-    s_ik,
-    T: tl.constexpr,
-    HV: tl.constexpr,
-    GROUP: tl.constexpr,
-    DK: tl.constexpr,
-    DV: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
+def _tile_coords(w, n_work, idx_ptr, HV: tl.constexpr, NVB: tl.constexpr, GROUP: tl.constexpr):
+    """Work item ``w`` -> (request, value head, key head, Dv block, slot). Items past the end get
+    slot -1 (nothing loaded or stored) and the coordinates of the last item (addresses stay in
+    bounds). Neighbouring items are the Dv blocks of one head, then the heads of one request."""
+    ok = w < n_work
+    wc = tl.minimum(w, n_work - 1)
+    i_vb = wc % NVB
+    i_bh = wc // NVB
+    i_hv = i_bh % HV
+    i_b = (i_bh // HV).to(tl.int64)
+    slot = tl.load(idx_ptr + i_b).to(tl.int32)
+    slot = tl.where(ok, slot, -1)
+    return i_b, i_hv, i_hv // GROUP, i_vb, slot
+
+
+@triton.jit
+def _load_token(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, i_b, t, i_hk, i_hv, o_k, o_v,
+    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
+    DK: tl.constexpr, DV: tl.constexpr, EVEN_K: tl.constexpr, EVEN_V: tl.constexpr,
     PER_CHANNEL_G: tl.constexpr,
-    USE_L2NORM: tl.constexpr,
-    EPS: tl.constexpr,
-    HAS_NTOK: tl.constexpr,
-    STORE_OUT: tl.constexpr,
-    STORE_INTER: tl.constexpr,
-    WRITE_SLOT: tl.constexpr,
-):
-    pid_bh = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    i_b = (pid_bh // HV).to(tl.int64)
-    i_hv = pid_bh % HV
-    i_hk = i_hv // GROUP
-
-    slot = tl.load(idx_ptr + i_b).to(tl.int64)
-    o_k = tl.arange(0, BK)
-    o_v = pid_v * BV + tl.arange(0, BV)
-    m_k = o_k < DK
-    m_v = o_v < DV
-    # Padding rows (slot -1) as a block, not a scalar: the interpreter rejects scalar & block masks.
-    valid_v = (o_v * 0 + slot) >= 0
-    m_kv = m_k[:, None] & m_v[None, :]
-    m_state = m_kv & valid_v[None, :]
-
-    # int64 base: slot * s_ss reaches past 2**31 for large state pools.
-    p_state = state_ptr + slot * s_ss + i_hv * s_sh + o_k[:, None] * s_sk + o_v[None, :]
-    b_s = tl.load(p_state, mask=m_state, other=0.0).to(tl.float32)
-
-    if HAS_NTOK:
-        n_tok = tl.minimum(tl.load(ntok_ptr + i_b).to(tl.int32), T)
+):  # fmt: skip
+    """Token ``t`` of request ``i_b``, float32: q, k ``[BK]``, v ``[BV]``, g (scalar, or ``[BK]``
+    per key channel), beta (scalar)."""
+    p_q = q_ptr + i_b * s_qb + t * s_qt + i_hk * s_qh + o_k
+    p_k = k_ptr + i_b * s_kb + t * s_kt + i_hk * s_kh + o_k
+    p_v = v_ptr + i_b * s_vb + t * s_vt + i_hv * s_vh + o_v
+    if EVEN_K:
+        b_q = tl.load(p_q)
+        b_k = tl.load(p_k)
     else:
-        n_tok = T
-
-    for t in range(0, n_tok):
-        b_q = tl.load(q_ptr + i_b * s_qb + t * s_qt + i_hk * s_qh + o_k, mask=m_k, other=0.0)
-        b_k = tl.load(k_ptr + i_b * s_kb + t * s_kt + i_hk * s_kh + o_k, mask=m_k, other=0.0)
-        b_v = tl.load(v_ptr + i_b * s_vb + t * s_vt + i_hv * s_vh + o_v, mask=m_v, other=0.0)
-        b_q = b_q.to(tl.float32)
-        b_k = b_k.to(tl.float32)
-        b_v = b_v.to(tl.float32)
-        if USE_L2NORM:
-            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + EPS)
-            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + EPS)
-        b_q = b_q * scale
-        b_beta = tl.load(beta_ptr + i_b * s_bb + t * s_bt + i_hv * s_bh).to(tl.float32)
-        if PER_CHANNEL_G:
-            p_g = g_ptr + i_b * s_gb + t * s_gt + i_hv * s_gh + o_k
-            b_g = tl.load(p_g, mask=m_k, other=0.0).to(tl.float32)
-            b_s = b_s * tl.exp(b_g)[:, None]
+        b_q = tl.load(p_q, mask=o_k < DK, other=0.0)
+        b_k = tl.load(p_k, mask=o_k < DK, other=0.0)
+    if EVEN_V:
+        b_v = tl.load(p_v)
+    else:
+        b_v = tl.load(p_v, mask=o_v < DV, other=0.0)
+    if PER_CHANNEL_G:
+        p_g = g_ptr + i_b * s_gb + t * s_gt + i_hv * s_gh + o_k
+        if EVEN_K:
+            b_g = tl.load(p_g)
         else:
-            b_g = tl.load(g_ptr + i_b * s_gb + t * s_gt + i_hv * s_gh).to(tl.float32)
-            b_s = b_s * tl.exp(b_g)
-        b_v = b_beta * (b_v - tl.sum(b_s * b_k[:, None], 0))
-        b_s = b_s + b_k[:, None] * b_v[None, :]
-        if STORE_OUT:
-            b_o = tl.sum(b_s * b_q[:, None], 0)
-            b_o = tl.where(valid_v, b_o, 0.0)
-            p_o = out_ptr + i_b * s_ob + t * s_ot + i_hv * s_oh + o_v
-            tl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=m_v)
-        if STORE_INTER:
-            p_i = (
-                inter_ptr + i_b * s_ib + t * s_it + i_hv * s_ih + o_k[:, None] * s_ik + o_v[None, :]
-            )
-            tl.store(p_i, b_s.to(inter_ptr.dtype.element_ty), mask=m_state)
+            b_g = tl.load(p_g, mask=o_k < DK, other=0.0)
+    else:
+        b_g = tl.load(g_ptr + i_b * s_gb + t * s_gt + i_hv * s_gh)
+    b_beta = tl.load(beta_ptr + i_b * s_bb + t * s_bt + i_hv * s_bh)
+    return (
+        b_q.to(tl.float32),
+        b_k.to(tl.float32),
+        b_v.to(tl.float32),
+        b_g.to(tl.float32),
+        b_beta.to(tl.float32),
+    )
 
-    if WRITE_SLOT:
-        tl.store(p_state, b_s.to(state_ptr.dtype.element_ty), mask=m_state)
+
+@triton.jit
+def _load_state(state_ptr, slot, i_hv, i_vb, o_k, o_v0, zero_kv, s_ss, s_sh,
+                DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, EVEN_K: tl.constexpr,
+                EVEN_V: tl.constexpr):  # fmt: skip
+    """The ``[BK, BV]`` state tile (float32); zeros for slot -1. The validity mask is built as a
+    block so it is uniform along Dv (loads stay vectorised) and the interpreter accepts it. The
+    last two dims are packed (checked on the host): the row stride is the constant ``DV``, so
+    the addresses of a thread's rows are immediate offsets from one base register."""
+    o_v = i_vb * BV + o_v0
+    base = state_ptr + tl.maximum(slot, 0).to(tl.int64) * s_ss + i_hv * s_sh
+    p_s = base + o_k[:, None] * DV + o_v[None, :]
+    m = (zero_kv + slot) >= 0
+    if not EVEN_K:
+        m = m & (o_k[:, None] < DK)
+    if not EVEN_V:
+        m = m & (o_v[None, :] < DV)
+    return tl.load(p_s, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _step(b_s, b_q, b_k, b_v, b_g, b_beta, scale, USE_L2NORM: tl.constexpr,
+          EPS: tl.constexpr, PER_CHANNEL_G: tl.constexpr):  # fmt: skip
+    """One delta-rule token on a ``[BK, BV]`` tile; returns the new tile and the output ``[BV]``.
+
+    Every reduction reads the loaded tile and the raw q, k, so all five are independent and
+    run together (no load -> reduce -> update -> reduce chain): with d = exp(g),
+    q' = q * scale / ||q||, k' = k / ||k||,
+        u = (d S)^T k',  w = (d S)^T q',  v' = beta (v - u),
+        S <- d S + k' v'^T,  o = S^T q' = w + (q'.k') v'.
+    """
+    if USE_L2NORM:
+        r_q = scale / tl.sqrt(tl.sum(b_q * b_q) + EPS)
+        r_k = 1.0 / tl.sqrt(tl.sum(b_k * b_k) + EPS)
+    else:
+        r_q = scale
+        r_k = 1.0
+    d = tl.exp(b_g)
+    if PER_CHANNEL_G:
+        u = tl.sum(b_s * (b_k * d)[:, None], 0) * r_k
+        w = tl.sum(b_s * (b_q * d)[:, None], 0) * r_q
+        b_s = b_s * d[:, None]
+    else:
+        u = tl.sum(b_s * b_k[:, None], 0) * (r_k * d)
+        w = tl.sum(b_s * b_q[:, None], 0) * (r_q * d)
+        b_s = b_s * d
+    qk = tl.sum(b_q * b_k) * (r_q * r_k)
+    v_new = b_beta * (b_v - u)
+    b_s = b_s + (b_k * r_k)[:, None] * v_new[None, :]
+    return b_s, w + qk * v_new
+
+
+@triton.jit
+def _delta_rule_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, idx_ptr, ntok_ptr, out_ptr, inter_ptr,
+    scale, n_work,
+    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
+    s_ss, s_sh, s_ob, s_ot, s_oh, s_ib, s_it, s_ih,
+    T: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, NVB: tl.constexpr, PER_CHANNEL_G: tl.constexpr,
+    USE_L2NORM: tl.constexpr, EPS: tl.constexpr, HAS_NTOK: tl.constexpr,
+    STORE_OUT: tl.constexpr, STORE_INTER: tl.constexpr, WRITE_SLOT: tl.constexpr,
+):  # fmt: skip
+    # Persistent: program p handles work items p, p + P, p + 2P, ... (P = grid size) and loads
+    # item i + P (state tile and first token) before computing item i, so a state read is in
+    # flight while the previous tile is reduced and stored.
+    EVEN_K: tl.constexpr = DK == BK
+    EVEN_V: tl.constexpr = DV % BV == 0
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    o_k = tl.arange(0, BK)
+    o_v0 = tl.arange(0, BV)
+    zero_kv = tl.zeros([BK, BV], dtype=tl.int32)
+    zero_v = tl.zeros([BV], dtype=tl.int32)
+
+    i_b, i_hv, i_hk, i_vb, slot = _tile_coords(pid, n_work, idx_ptr, HV, NVB, GROUP)
+    b_s = _load_state(state_ptr, slot, i_hv, i_vb, o_k, o_v0, zero_kv, s_ss, s_sh,
+                      DK, DV, BV, EVEN_K, EVEN_V)  # fmt: skip
+    b_q, b_k, b_v, b_g, b_beta = _load_token(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, i_b, 0, i_hk, i_hv, o_k, i_vb * BV + o_v0,
+        s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
+        DK, DV, EVEN_K, EVEN_V, PER_CHANNEL_G,
+    )  # fmt: skip
+    for w in range(pid, n_work, nprog):
+        # ---- prefetch item w + P
+        n_b, n_hv, n_hk, n_vb, n_slot = _tile_coords(w + nprog, n_work, idx_ptr, HV, NVB, GROUP)
+        n_s = _load_state(state_ptr, n_slot, n_hv, n_vb, o_k, o_v0, zero_kv, s_ss, s_sh,
+                          DK, DV, BV, EVEN_K, EVEN_V)  # fmt: skip
+        n_q, n_k, n_v, n_g, n_beta = _load_token(
+            q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, n_b, 0, n_hk, n_hv, o_k, n_vb * BV + o_v0,
+            s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt,
+            s_bh, DK, DV, EVEN_K, EVEN_V, PER_CHANNEL_G,
+        )  # fmt: skip
+
+        # ---- item w
+        o_v = i_vb * BV + o_v0
+        valid_v = (zero_v + slot) >= 0
+        m_st = (zero_kv + slot) >= 0  # as a block: see _load_state
+        if not EVEN_K:
+            m_st = m_st & (o_k[:, None] < DK)
+        if not EVEN_V:
+            m_st = m_st & (o_v[None, :] < DV)
+        if HAS_NTOK:
+            n_tok = tl.minimum(tl.load(ntok_ptr + i_b).to(tl.int32), T)
+        for t in tl.static_range(T):
+            if t > 0:
+                b_q, b_k, b_v, b_g, b_beta = _load_token(
+                    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, i_b, t, i_hk, i_hv, o_k, o_v,
+                    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh,
+                    s_bb, s_bt, s_bh, DK, DV, EVEN_K, EVEN_V, PER_CHANNEL_G,
+                )  # fmt: skip
+            s_new, b_o = _step(b_s, b_q, b_k, b_v, b_g, b_beta, scale, USE_L2NORM, EPS,
+                               PER_CHANNEL_G)  # fmt: skip
+            if HAS_NTOK:  # tokens past num_accepted leave the state as it is
+                b_s = tl.where((zero_kv + n_tok) > t, s_new, b_s)
+            else:
+                b_s = s_new
+            if STORE_OUT:
+                b_o = tl.where(valid_v, b_o, 0.0)
+                p_o = out_ptr + i_b * s_ob + t * s_ot + i_hv * s_oh + o_v
+                if EVEN_V:
+                    tl.store(p_o, b_o.to(out_ptr.dtype.element_ty))
+                else:
+                    tl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=o_v < DV)
+            if STORE_INTER:
+                p_i = inter_ptr + i_b * s_ib + t * s_it + i_hv * s_ih
+                p_i = p_i + o_k[:, None] * DV + o_v[None, :]
+                tl.store(p_i, b_s.to(inter_ptr.dtype.element_ty), mask=m_st)
+        if WRITE_SLOT:
+            p_s = state_ptr + tl.maximum(slot, 0).to(tl.int64) * s_ss + i_hv * s_sh
+            p_s = p_s + o_k[:, None] * DV + o_v[None, :]
+            tl.store(p_s, b_s.to(state_ptr.dtype.element_ty), mask=m_st)
+
+        i_b, i_hv, i_hk, i_vb, slot = n_b, n_hv, n_hk, n_vb, n_slot
+        b_s, b_q, b_k, b_v, b_g, b_beta = n_s, n_q, n_k, n_v, n_g, n_beta
 
 
 @triton.jit
@@ -215,14 +293,64 @@ def _commit_kernel(
     tl.store(dst, b_s.to(state_ptr.dtype.element_ty), mask=m)
 
 
+#: Tile defaults, from the H200 sweep (bench/bench_ssm.py --sweep).
+_DEFAULT_BLOCK_V = 32
+#: Persistent programs per SM when the occupancy cannot be read (interpreter, unknown driver).
+_FALLBACK_PROGRAMS_PER_SM = 2
+_INTERPRETER_SMS = 2  # few programs in the interpreter, so each loops over several items
+_SM_COUNT: dict[int, int] = {}
+_OCCUPANCY: dict[tuple, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETER_SMS
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SM_COUNT:
+        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SM_COUNT[i]
+
+
+def _resident_programs(compiled, num_warps: int, device: torch.device) -> int | None:
+    """How many programs of ``compiled`` fit on one SM at once (registers, threads, shared
+    memory), or ``None`` when the compiled kernel does not say."""
+    try:
+        init = getattr(compiled, "_init_handles", None)
+        if init is not None:
+            init()
+        n_regs = int(compiled.n_regs)
+        shared = int(compiled.metadata.shared)
+        props = torch.cuda.get_device_properties(device)
+    except Exception:  # interpreter, or a Triton without these fields
+        return None
+    if n_regs <= 0:
+        return None
+    regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    threads_sm = getattr(props, "max_threads_per_multi_processor", 2048)
+    smem_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+    regs_warp = -(-n_regs * 32 // 256) * 256  # allocated per warp in units of 256
+    fits = [regs_sm // (regs_warp * num_warps), threads_sm // (32 * num_warps), 32]
+    if shared > 0:
+        fits.append(smem_sm // (shared + 1024))  # + the 1 KiB the driver reserves per block
+    return max(1, min(fits))
+
+
 def _block_v(dk: int, dv: int, block_v: int | None) -> int:
     if block_v is not None:
         if block_v <= 0 or block_v & (block_v - 1):
             raise ValueError(f"block_v: expected a positive power of two, got {block_v}")
         return min(block_v, next_pow2(dv))
-    # Keep a [BK, BV] fp32 tile at <= 4096 elements (32 registers per thread at 4 warps), and
-    # BV >= 16 so each state row read is at least 64 contiguous bytes.
-    return min(next_pow2(dv), max(16, 4096 // next_pow2(dk)))
+    # A [BK, BV] fp32 tile of <= 4096 elements (32 registers a thread at 4 warps; the prefetched
+    # next tile doubles that), and BV >= 16 so each state row read is >= 64 contiguous bytes.
+    return min(next_pow2(dv), max(16, min(_DEFAULT_BLOCK_V, 4096 // next_pow2(dk))))
+
+
+def _num_warps(bk: int, bv: int, num_warps: int | None) -> int:
+    if num_warps is not None:
+        if num_warps <= 0 or num_warps & (num_warps - 1):
+            raise ValueError(f"num_warps: expected a positive power of two, got {num_warps}")
+        return num_warps
+    return 4 if bk * bv <= 4096 else 8
 
 
 def _launch(
@@ -243,58 +371,67 @@ def _launch(
     write_slot: bool,
     block_v: int | None,
     num_warps: int | None,
+    programs_per_sm: int | None = None,
 ) -> None:
-    """q, k, v, g, beta, out, intermediate_states are 4-D/5-D ``[B, T, ...]`` here."""
+    """q, k, v, g, beta, out, intermediate_states are 4-D/5-D ``[B, T, ...]`` here.
+
+    The tile (``block_v``, ``num_warps``) does not depend on the batch, so decode, verify and
+    replay-commit reduce in the same order and commit bit-identical states. ``programs_per_sm``
+    sets the persistent grid (``0``: one program per work item)."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[3]
     if scale is None:
         scale = Dk**-0.5
     BK = next_pow2(Dk)
     BV = _block_v(Dk, Dv, block_v)
-    if num_warps is None:
-        num_warps = 4 if BK * BV <= 4096 else 8
-    grid = (B * Hv, triton.cdiv(Dv, BV))
+    nw = _num_warps(BK, BV, num_warps)
+    NVB = triton.cdiv(Dv, BV)
+    n_work = B * Hv * NVB
+    if n_work == 0:
+        return
+    if programs_per_sm is not None and programs_per_sm < 0:
+        raise ValueError(f"programs_per_sm: expected >= 0 or None, got {programs_per_sm}")
     o = out if out is not None else v  # dummy pointer when not stored
     inter = intermediate_states if intermediate_states is not None else ssm_state
     inter_strides = (
-        intermediate_states.stride()[:4] if intermediate_states is not None else (0, 0, 0, 0)
+        intermediate_states.stride()[:3] if intermediate_states is not None else (0, 0, 0)
     )
-    _delta_rule_step_kernel[grid](
-        q,
-        k,
-        v,
-        g,
-        beta,
-        ssm_state,
-        state_indices,
-        num_tokens if num_tokens is not None else state_indices,
-        o,
-        inter,
-        float(scale),
-        *q.stride()[:3],
-        *k.stride()[:3],
-        *v.stride()[:3],
-        *g.stride()[:3],
-        *beta.stride()[:3],
-        *ssm_state.stride()[:3],
-        *(out.stride()[:3] if out is not None else (0, 0, 0)),
+    args = (
+        q, k, v, g, beta, ssm_state, state_indices,
+        num_tokens if num_tokens is not None else state_indices, o, inter, float(scale), n_work,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride()[:3], *beta.stride()[:3],
+        *ssm_state.stride()[:2], *(out.stride()[:3] if out is not None else (0, 0, 0)),
         *inter_strides,
-        T=T,
-        HV=Hv,
-        GROUP=Hv // Hk,
-        DK=Dk,
-        DV=Dv,
-        BK=BK,
-        BV=BV,
-        PER_CHANNEL_G=per_channel_g,
-        USE_L2NORM=use_qk_l2norm,
-        EPS=_L2_EPS,
-        HAS_NTOK=num_tokens is not None,
-        STORE_OUT=out is not None,
-        STORE_INTER=intermediate_states is not None,
-        WRITE_SLOT=write_slot,
-        num_warps=num_warps,
-    )
+    )  # fmt: skip
+    meta = dict(
+        T=T, HV=Hv, GROUP=Hv // Hk, DK=Dk, DV=Dv, BK=BK, BV=BV, NVB=NVB,
+        PER_CHANNEL_G=per_channel_g, USE_L2NORM=use_qk_l2norm, EPS=_L2_EPS,
+        HAS_NTOK=num_tokens is not None, STORE_OUT=out is not None,
+        STORE_INTER=intermediate_states is not None, WRITE_SLOT=write_slot, num_warps=nw,
+    )  # fmt: skip
+    if programs_per_sm is None:
+        pps = _programs_per_sm(args, meta, q, v, ssm_state, o, inter)
+    else:
+        pps = programs_per_sm
+    n_prog = n_work if pps == 0 else min(n_work, pps * _num_sms(q.device))
+    _delta_rule_kernel[(n_prog,)](*args, **meta)
+
+
+def _programs_per_sm(args, meta, q, v, ssm_state, o, inter) -> int:
+    """Default persistent grid: as many programs per SM as fit at once (more would queue behind
+    the resident ones and run last, a tail as long as a resident program's whole loop)."""
+    if q.device.type != "cuda":
+        return _FALLBACK_PROGRAMS_PER_SM
+    key = (q.device, q.dtype, v.dtype, ssm_state.dtype, o.dtype, inter.dtype,
+           *sorted(meta.items()))  # fmt: skip
+    if key not in _OCCUPANCY:
+        try:
+            compiled = _delta_rule_kernel.warmup(*args, grid=(1,), **meta)
+            fit = _resident_programs(compiled, meta["num_warps"], q.device)
+        except Exception:
+            fit = None
+        _OCCUPANCY[key] = fit or _FALLBACK_PROGRAMS_PER_SM
+    return _OCCUPANCY[key]
 
 
 def _check_inputs(
@@ -355,7 +492,7 @@ def _alloc_out(out: torch.Tensor | None, v: torch.Tensor, name: str = "out") -> 
 # decode: one token per request
 # --------------------------------------------------------------------------------------------
 def _decode(q, k, v, g, beta, ssm_state, state_indices, *, per_channel_g, scale, use_qk_l2norm,
-            out, block_v, num_warps):  # fmt: skip
+            out, block_v, num_warps, programs_per_sm):  # fmt: skip
     _check_inputs(
         q=q, k=k, v=v, g=g, beta=beta, ssm_state=ssm_state, state_indices=state_indices,
         per_channel_g=per_channel_g, multi_token=False,
@@ -366,7 +503,7 @@ def _decode(q, k, v, g, beta, ssm_state, state_indices, *, per_channel_g, scale,
         beta=beta.unsqueeze(1), ssm_state=ssm_state, state_indices=state_indices,
         num_tokens=None, out=out.unsqueeze(1), intermediate_states=None, scale=scale,
         use_qk_l2norm=use_qk_l2norm, per_channel_g=per_channel_g, write_slot=True,
-        block_v=block_v, num_warps=num_warps,
+        block_v=block_v, num_warps=num_warps, programs_per_sm=programs_per_sm,
     )  # fmt: skip
     return out
 
@@ -385,6 +522,7 @@ def gdn_decode(
     out: torch.Tensor | None = None,
     block_v: int | None = None,
     num_warps: int | None = None,
+    programs_per_sm: int | None = None,
 ) -> torch.Tensor:
     """Gated DeltaNet decode: one token per request; updates ``ssm_state`` in place.
 
@@ -403,11 +541,14 @@ def gdn_decode(
     :param out: ``[B, Hv, Dv]`` output buffer (allocated like ``v`` when ``None``).
     :param block_v: Dv tile per program (power of two); ``None`` picks one. A tuning knob.
     :param num_warps: Triton warps per program; ``None`` picks one.
+    :param programs_per_sm: persistent grid of this many programs per SM, each looping over
+        (request, head, Dv block) items and prefetching the next; ``0`` launches one program
+        per item; ``None`` picks the tuned default.
     :returns: ``out``.
     """
     return _decode(q, k, v, g, beta, ssm_state, state_indices, per_channel_g=False, scale=scale,
                    use_qk_l2norm=use_qk_l2norm, out=out, block_v=block_v,
-                   num_warps=num_warps)  # fmt: skip
+                   num_warps=num_warps, programs_per_sm=programs_per_sm)  # fmt: skip
 
 
 def kda_decode(
@@ -424,12 +565,13 @@ def kda_decode(
     out: torch.Tensor | None = None,
     block_v: int | None = None,
     num_warps: int | None = None,
+    programs_per_sm: int | None = None,
 ) -> torch.Tensor:
     """Kimi Delta Attention decode: as :func:`gdn_decode` with ``g`` ``[B, Hv, Dk]``, a log decay
     per key channel (``S *= exp(g)[:, None]``)."""
     return _decode(q, k, v, g, beta, ssm_state, state_indices, per_channel_g=True, scale=scale,
                    use_qk_l2norm=use_qk_l2norm, out=out, block_v=block_v,
-                   num_warps=num_warps)  # fmt: skip
+                   num_warps=num_warps, programs_per_sm=programs_per_sm)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
