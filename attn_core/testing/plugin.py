@@ -164,13 +164,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     terminalreporter.section(
         f"attn-core conformance: {report.backend} on {report.device}, seed {report.seed}"
     )
-    width = max(
-        80,
-        getattr(terminalreporter, "_tw", None).fullwidth
-        if hasattr(terminalreporter, "_tw")
-        else 120,
-    )
-    for line in report.lines(width=max(width, 160)):
+    for line in report.lines(width=160):
         terminalreporter.write_line(line)
     terminalreporter.write_line(
         f"capabilities: {counts['PASS']} passed, {counts['FAIL']} failed, "
