@@ -118,7 +118,8 @@ class BatchBuilder:
         # layout: [qsl (B+1) | seq_lens (B) | ctx_lens (B) | state_idx (B)]
         self._i32_host = torch.zeros(4 * B + 1, dtype=torch.int32, pin_memory=pin)
         self._i32_dev = torch.zeros(4 * B + 1, dtype=torch.int32, device=self.device)
-        # int64 per-token metadata: [positions (T) | slot_mapping (T)]
+        # int64 per-token metadata: [positions (n) | slot_mapping (n)] for a step of n padded
+        # tokens, so one copy moves both (offsets depend only on n: graph-safe per size)
         self._i64_host = torch.zeros(2 * T, dtype=torch.int64, pin_memory=pin)
         self._i64_dev = torch.zeros(2 * T, dtype=torch.int64, device=self.device)
         self._has_init_dev = torch.zeros(B, dtype=torch.bool, device=self.device)
@@ -215,7 +216,6 @@ class BatchBuilder:
         slots_view[B:] = -1
 
         # int64 per-token block: positions then slot mapping
-        T = self.max_num_tokens
         pos = self._i64[:padded_tokens]
         req_of_token = np.repeat(np.arange(B), qlens)
         pos[:num_tokens] = ctx[req_of_token] + (np.arange(num_tokens) - qsl[req_of_token])
@@ -225,22 +225,19 @@ class BatchBuilder:
         if self._has_kv:
             self._sync_page_table(ids, dense, P)
             ps = self.page_size
-            sm = self._i64[T : T + padded_tokens]
+            sm = self._i64[padded_tokens : 2 * padded_tokens]
             sm[:num_tokens] = self._pt_host[req_of_token, pos[:num_tokens] // ps] * ps + (
                 pos[:num_tokens] % ps
             )
             sm[num_tokens:] = -1
             page_table = self._pt_dev[:P]
-            slot_mapping = self._i64_dev[T : T + padded_tokens]
+            slot_mapping = self._i64_dev[padded_tokens : 2 * padded_tokens]
 
         # host -> device: two packed copies (+ the page-table delta), never a sync
         nb = self.device.type == "cuda"
         self._i32_dev.copy_(self._i32_host, non_blocking=nb)
-        self._i64_dev[:padded_tokens].copy_(self._i64_host[:padded_tokens], non_blocking=nb)
-        if self._has_kv:
-            self._i64_dev[T : T + padded_tokens].copy_(
-                self._i64_host[T : T + padded_tokens], non_blocking=nb
-            )
+        n64 = 2 * padded_tokens if self._has_kv else padded_tokens
+        self._i64_dev[:n64].copy_(self._i64_host[:n64], non_blocking=nb)
         dev = self._i32_dev
         seq_dev = dev[Bm + 1 : Bm + 1 + P]
         ctx_dev = dev[2 * Bm + 1 : 2 * Bm + 1 + P]

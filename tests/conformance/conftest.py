@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["pytester"]
-
 REPO = Path(__file__).resolve().parents[2]
 SDPA_EXAMPLE = REPO / "docs" / "examples" / "sdpa_backend"
 
