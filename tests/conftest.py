@@ -14,6 +14,16 @@
 from __future__ import annotations
 
 import os
+
+import torch
+
+# Without a GPU, Triton kernels can only run under its interpreter, and the interpreter must be
+# chosen before any @triton.jit function is created (by our kernels or by fla's, which other
+# tests import first); a per-module switch is too late once another module has built them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import os
 import sys
 import types
 from collections.abc import Callable, Iterable
