@@ -103,9 +103,9 @@ def test_native_and_replay_commit_identical_real_shape(K, state_dtype):
 def test_gdn_prefill_matches_fla_naive_varlen(K):
     """Against fla's naive recurrence in float64. fla's chunked kernel runs on the bf16 q/k/v
     given, with bf16/tf32 tensor-core dots, and the output is bf16: after 700 tokens single
-    entries differ from the exact recurrence by a few 1e-3 (state) and a bf16 ulp or two (out).
-    The mean error relative to the mean magnitude stays near 1e-3; a wrong head grouping, scale,
-    l2norm or cu_seqlens/slot mapping puts it at tens of percent.
+    state entries differ from the exact recurrence by ~5e-3 (H200: mean error 3e-3 and 4e-3 of
+    the mean magnitude for state and output). A wrong head grouping, scale, l2norm or
+    cu_seqlens/slot mapping puts the relative error at tens of percent.
     """
     from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
     from triton_ssm_refs import l2
@@ -127,7 +127,8 @@ def test_gdn_prefill_matches_fla_naive_varlen(K):
             v[:, sl].to(d), beta[:, sl].to(d), g[:, sl].to(d),
             initial_state=before[idx[i]][None].to(d), output_final_state=True,
         )  # fmt: skip
-        o, h = y[sl].double(), state[idx[i]].double()
+        # fla's naive casts its inputs to float32 inside: compare in float64 all the same.
+        o, h, o_ref, h_ref = y[sl].double(), state[idx[i]].double(), o_ref.double(), h_ref.double()
         o_rel = ((o - o_ref[0]).abs().mean() / o_ref.abs().mean()).item()
         h_rel = ((h - h_ref[0]).abs().mean() / h_ref.abs().mean()).item()
         h_max = (h - h_ref[0]).abs().max().item()
@@ -135,7 +136,9 @@ def test_gdn_prefill_matches_fla_naive_varlen(K):
                 f"state max {h_max:.2e}"  # fmt: skip
         print(stats)
         assert o_rel < 1e-2 and h_rel < 1e-2 and h_max < 2e-2, stats
-        torch.testing.assert_close(o, o_ref[0], atol=5e-2, rtol=5e-2, msg=stats)
+        torch.testing.assert_close(
+            o, o_ref[0], atol=5e-2, rtol=5e-2, msg=lambda m, s=stats: f"{s}\n{m}"
+        )
 
 
 def test_mamba2_decode_real_shape(K):
