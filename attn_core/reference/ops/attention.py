@@ -38,6 +38,8 @@ import math
 
 import torch
 
+from attn_core.state import kv_write
+
 __all__ = [
     "FP8_DTYPE",
     "dequantize_cache",
@@ -48,8 +50,7 @@ __all__ = [
 ]
 
 #: The one fp8 KV storage dtype the reference understands (``LayerSpec.kv_dtype="fp8_e4m3"``).
-FP8_DTYPE = torch.float8_e4m3fn
-_FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
+FP8_DTYPE = kv_write.FP8_DTYPE
 #: Most float32 logits materialised at once (256 MiB): long prefills run in query blocks, so
 #: the reference stays usable as ground truth at real context lengths on a GPU.
 MAX_LOGITS_PER_BLOCK = 1 << 26
@@ -92,9 +93,7 @@ def quantize_for_cache(x: torch.Tensor, dtype: torch.dtype, scale: ScaleLike = 1
     """
     if dtype != FP8_DTYPE:
         return x.to(dtype)
-    s = _check_scale(scale, "scale", x.device)
-    # Clamp before the cast: e4m3fn has no inf, and out-of-range values would become NaN.
-    return (x.float() / s).clamp(-_FP8_MAX, _FP8_MAX).to(FP8_DTYPE)
+    return kv_write.quantize(x, dtype, _check_scale(scale, "scale", x.device))
 
 
 def dequantize_cache(x: torch.Tensor, scale: ScaleLike = 1.0) -> torch.Tensor:
@@ -142,15 +141,18 @@ def _write_slots(
         )
     num_pages, page_size = cache.shape[0], cache.shape[1]
     slots = slot_mapping.to(device=cache.device, dtype=torch.long)
-    keep = slots >= 0  # -1 marks padding tokens (CUDA-graph padded batches)
-    slots = slots[keep]
-    if slots.numel() and int(slots.max()) >= num_pages * page_size:
-        raise ValueError(
-            f"slot_mapping: slot {int(slots.max())} is out of range for a cache of {num_pages} "
-            f"pages x {page_size} tokens"
-        )
-    values = quantize_for_cache(src.to(cache.device)[keep], cache.dtype, scale)
-    _storage(cache)[slots // page_size, slots % page_size] = _storage(values)
+    capturing = slots.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not capturing:
+        # The range check reads the slots on the host; a captured decode step skips it (its
+        # slots come from the core's page allocator, checked when the batch was built).
+        top = int(slots.max()) if slots.numel() else -1
+        if top >= num_pages * page_size:
+            raise ValueError(
+                f"slot_mapping: slot {top} is out of range for a cache of {num_pages} "
+                f"pages x {page_size} tokens"
+            )
+    scale = None if cache.dtype != FP8_DTYPE else _check_scale(scale, "scale", cache.device)
+    kv_write.write_slots(src.to(cache.device), cache, slots, scale)
 
 
 def _visible(

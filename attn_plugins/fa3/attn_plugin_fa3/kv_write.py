@@ -1,17 +1,14 @@
-"""Write the step's new K/V into the paged cache, by ``slot_mapping``, graph-safely.
+"""Write the step's new K/V into the paged cache through the core's graph-safe writer.
 
-The cache ``[num_pages, page_size, Hkv, D]`` is viewed flat as ``[num_pages * page_size, Hkv,
-D]`` and written with one ``index_copy_`` per tensor. Padding tokens of a CUDA-graph batch carry
-slot ``-1`` ("write nothing"). Dropping them with a boolean mask would sync with the host and
-change shapes, which a captured graph cannot do; instead they are redirected to the slot of the
-batch's first token *with the first token's values*, so the duplicate write stores the same bytes
-twice (``index_copy_`` with duplicate indices is only nondeterministic in which copy lands last).
-The first token is always a real one: padding rows follow the real requests.
+The FlashAttention-4 Hopper path reads an unquantised cache, so this only adds the dtype check
+to :func:`attn_core.state.kv_write.write_slots` (padding slots ``-1`` store nothing, no host sync).
 """
 
 from __future__ import annotations
 
 import torch
+
+from attn_core.state.kv_write import write_slots
 
 __all__ = ["write_kv"]
 
@@ -40,17 +37,5 @@ def write_kv(
             f"k/v dtype {k.dtype}/{v.dtype} must equal the cache dtype {k_cache.dtype}/"
             f"{v_cache.dtype} (this backend stores KV unquantised)"
         )
-    n = k.shape[0]
-    if n == 0:
-        return
-    k_flat = k_cache.view(-1, *k_cache.shape[2:])
-    v_flat = v_cache.view(-1, *v_cache.shape[2:])
-    slots = slot_mapping[:n]
-    if may_have_padding:
-        valid = slots >= 0
-        slots = torch.where(valid, slots, slots[:1])
-        keep = valid.view(-1, 1, 1)
-        k = torch.where(keep, k, k[:1])
-        v = torch.where(keep, v, v[:1])
-    k_flat.index_copy_(0, slots, k)
-    v_flat.index_copy_(0, slots, v)
+    write_slots(k, k_cache, slot_mapping, may_have_padding=may_have_padding)
+    write_slots(v, v_cache, slot_mapping, may_have_padding=may_have_padding)

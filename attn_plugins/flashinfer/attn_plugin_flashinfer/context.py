@@ -48,8 +48,8 @@ import torch
 from attn_core.batch import AttentionBatch, BatchMode
 from attn_core.context import WorkspaceRequirement
 from attn_core.specs import ExecutionConstraints, GraphMode, LayerGroup, LayerKind, LayerSpec
+from attn_core.state.kv_write import FP8_DTYPE, write_rows
 from attn_plugin_flashinfer import planning
-from attn_plugin_flashinfer.kv_write import FP8_DTYPE, write_rows
 
 __all__ = [
     "FLOAT_WORKSPACE_BYTES",

@@ -18,7 +18,6 @@ import torch
 import workloads as wl
 from attn_plugin_flashinfer import capability, planning
 from attn_plugin_flashinfer.context import StepKind, decode_uses_tensor_cores
-from attn_plugin_flashinfer.kv_write import quantize, write_rows
 
 from attn_core.registry import Registry
 from attn_core.selector import check_backend, select
@@ -29,6 +28,7 @@ from attn_core.specs import (
     LayerSpec,
     group_layers,
 )
+from attn_core.state.kv_write import quantize, write_rows
 
 AVAILABLE = capability.Availability(True, None, "0.6.7-fake")
 FULL = LayerSpec(kind="full", num_heads=8, num_kv_heads=2, head_dim=64, page_size=4)

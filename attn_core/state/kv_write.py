@@ -1,0 +1,109 @@
+"""Write a step's new keys / values / MLA latents into the core's paged caches, graph-safely.
+
+Every backend stores the step's new tokens the same way, so the core owns the one writer:
+a token's cache row is ``slot = page * page_size + offset`` (the batch's ``slot_mapping``), a
+row of the cache viewed as ``[num_pages * page_size, ...]``, so a write is one ``index_copy_``
+per tensor.
+
+Padding tokens of a CUDA-graph padded batch carry slot ``-1`` ("write nothing"). Dropping them
+with a boolean mask would sync with the host and change shapes, which a captured graph cannot
+do. Instead they are redirected to the slot of the batch's first token *with the first token's
+values*: the duplicate write stores the same bytes twice (``index_copy_`` with duplicate indices
+is only nondeterministic in which copy lands last). The first token is always a real one, since
+padding rows follow the real requests. A backend that already knows the real rows on the host
+(from ``prepare``) may pass a precomputed ``src``/``dst`` pair to :func:`write_rows` instead.
+
+fp8 caches store ``clamp(x / scale, -448, 448)`` in ``float8_e4m3fn``; the scale is the layer's
+0-dim device tensor (or a float), so quantising costs no host sync and a captured graph reads
+the current scale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["FP8_DTYPE", "quantize", "write_rows", "write_slots"]
+
+FP8_DTYPE = torch.float8_e4m3fn
+_FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
+
+
+def quantize(
+    x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | float | None
+) -> torch.Tensor:
+    """``x`` in a cache dtype: fp8 stores ``clamp(x / scale, ±448)``, other dtypes a plain cast.
+
+    :param x: float tensor of any shape.
+    :param dtype: the cache dtype.
+    :param scale: fp8 only: a 0-dim float32 tensor on ``x``'s device, a float, or None (= 1).
+    :returns: a tensor of ``x``'s shape in ``dtype``.
+    """
+    if dtype != FP8_DTYPE:
+        return x.to(dtype)
+    xf = x.float()
+    if scale is not None:
+        xf = xf / scale
+    # Clamp before the cast: e4m3fn has no inf, and out-of-range values would become NaN.
+    return xf.clamp_(-_FP8_MAX, _FP8_MAX).to(FP8_DTYPE)
+
+
+def _flat(cache: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    flat = cache.view(cache.shape[0] * cache.shape[1], *cache.shape[2:])
+    if flat.dtype == FP8_DTYPE:
+        # index_copy_ has no fp8 kernels everywhere: move the bytes instead.
+        return flat.view(torch.uint8), values.view(torch.uint8)
+    return flat, values
+
+
+def write_rows(
+    x: torch.Tensor,
+    cache: torch.Tensor,
+    dst: torch.Tensor,
+    src: torch.Tensor | None = None,
+    scale: torch.Tensor | float | None = None,
+) -> None:
+    """Scatter rows of ``x`` into a paged ``cache`` at slots all known to be valid.
+
+    :param x: ``[T, *row]`` float, the step's new keys, values or latents.
+    :param cache: ``[num_pages, page_size, *row]`` (contiguous), float or ``float8_e4m3fn``.
+    :param dst: ``[N]`` int64 slots (``page * page_size + offset``), every one ``>= 0``.
+    :param src: ``[N]`` int64 rows of ``x`` to write; None writes ``x[:N]``.
+    :param scale: fp8 quantisation scale (see :func:`quantize`).
+    """
+    n = dst.shape[0]
+    rows = x[:n] if src is None else x.index_select(0, src)
+    flat, values = _flat(cache, quantize(rows, cache.dtype, scale))
+    flat.index_copy_(0, dst, values)
+
+
+def write_slots(
+    x: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scale: torch.Tensor | float | None = None,
+    *,
+    may_have_padding: bool = True,
+) -> None:
+    """Store ``x[t]`` at slot ``slot_mapping[t]``; slot ``-1`` (padding) stores nothing.
+
+    Runs no host synchronisation, so it can be captured in a CUDA graph.
+
+    :param x: ``[T, *row]`` float.
+    :param cache: ``[num_pages, page_size, *row]`` (contiguous), float or ``float8_e4m3fn``.
+    :param slot_mapping: ``[>= T]`` int64; its first ``T`` entries are used.
+    :param scale: fp8 quantisation scale (see :func:`quantize`).
+    :param may_have_padding: False only when every slot is known to be ``>= 0`` (no padding,
+        and not capturing a graph that may later be replayed with padding): skips two selects.
+    """
+    n = x.shape[0]
+    if n == 0:
+        return
+    slots = slot_mapping[:n]
+    if slots.dtype != torch.long:
+        slots = slots.long()
+    if may_have_padding:
+        valid = slots >= 0
+        slots = torch.where(valid, slots, slots[:1])
+        x = torch.where(valid.view(-1, *([1] * (x.dim() - 1))), x, x[:1])
+    flat, values = _flat(cache, quantize(x, cache.dtype, scale))
+    flat.index_copy_(0, slots, values)

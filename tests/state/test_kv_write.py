@@ -1,0 +1,81 @@
+"""The core's paged KV writer: padding stores nothing, fp8 quantises, and it captures in a graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attn_core.state.kv_write import FP8_DTYPE, quantize, write_rows, write_slots
+
+
+def _cache(dtype=torch.float32):
+    return torch.zeros(4, 4, 2, 3, dtype=dtype)  # 4 pages x 4 tokens, 2 heads, d3
+
+
+def test_padding_slots_store_nothing():
+    x = torch.randn(5, 2, 3)
+    cache = _cache()
+    slots = torch.tensor([6, 1, -1, 13, -1])
+    write_slots(x, cache, slots)
+    flat = cache.view(16, 2, 3)
+    torch.testing.assert_close(flat[6], x[0])
+    torch.testing.assert_close(flat[1], x[1])
+    torch.testing.assert_close(flat[13], x[3])
+    written = {6, 1, 13}
+    untouched = [i for i in range(16) if i not in written]
+    assert flat[untouched].abs().sum() == 0
+
+
+def test_without_padding_matches_rows_writer():
+    x = torch.randn(3, 2, 3)
+    a, b = _cache(), _cache()
+    slots = torch.tensor([3, 4, 9])
+    write_slots(x, a, slots, may_have_padding=False)
+    write_rows(x, b, slots)
+    assert torch.equal(a, b)
+    torch.testing.assert_close(a.view(16, 2, 3)[9], x[2])
+
+
+def test_rows_writer_takes_sources():
+    x = torch.randn(4, 2, 3)
+    cache = _cache()
+    write_rows(x, cache, dst=torch.tensor([0, 15]), src=torch.tensor([3, 1]))
+    torch.testing.assert_close(cache.view(16, 2, 3)[0], x[3])
+    torch.testing.assert_close(cache.view(16, 2, 3)[15], x[1])
+
+
+def test_fp8_stores_scaled_clamped_values():
+    x = torch.tensor([[[1.0, -2.0, 1000.0], [0.5, 0.25, -1000.0]]])
+    cache = _cache(FP8_DTYPE)
+    scale = torch.tensor(2.0)
+    write_slots(x, cache, torch.tensor([5]), scale)
+    got = cache.view(16, 2, 3)[5].float()
+    expected = (x[0] / 2).clamp(-448, 448)
+    torch.testing.assert_close(got, expected.to(FP8_DTYPE).float())
+    assert quantize(x, torch.bfloat16, None).dtype == torch.bfloat16
+
+
+@pytest.mark.gpu
+def test_write_captures_in_a_cuda_graph_and_replays_new_slots():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    dev = torch.device("cuda")
+    cache = _cache().to(dev)
+    x = torch.zeros(3, 2, 3, device=dev)
+    slots = torch.tensor([0, 1, -1], device=dev)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        write_slots(x, cache, slots)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        write_slots(x, cache, slots)
+    x.copy_(torch.randn(3, 2, 3))
+    slots.copy_(torch.tensor([7, -1, 12]))
+    cache.zero_()
+    graph.replay()
+    flat = cache.view(16, 2, 3).cpu()
+    torch.testing.assert_close(flat[7], x[0].cpu())
+    torch.testing.assert_close(flat[12], x[2].cpu())
+    assert flat[[i for i in range(16) if i not in (7, 12)]].abs().sum() == 0
