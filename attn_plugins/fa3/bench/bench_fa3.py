@@ -19,11 +19,8 @@ next case runs.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -36,6 +33,7 @@ for p in (_HERE.parents[1], _HERE.parents[3]):  # the plugin, the repository roo
 from attn_plugin_fa3 import kv_write, plugin  # noqa: E402
 
 import attn_core.reference.plugin as ref_plugin  # noqa: E402
+from attn_core import bench_util  # noqa: E402
 from attn_core.batch import BatchBuilder  # noqa: E402
 from attn_core.registry import Registry  # noqa: E402
 from attn_core.runtime import AttentionRuntime  # noqa: E402
@@ -61,22 +59,6 @@ CASES = [
     ("chunk_b4_ctx4096_q512_p16", 4, 4096, 512, 16, None),
 ]
 QUICK = {"decode_b64_ctx4096_p16", "decode_b64_ctx4096_p128", "prefill_b2_s8192_p128"}
-
-
-def _time(fn, iters: int, warmup: int) -> float:
-    """Median microseconds of ``fn`` over ``iters`` runs, CUDA events around each."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def _direct_call(provider_name: str):
@@ -154,9 +136,9 @@ def run_case(name, batch_size, ctx, q_len, page, window, args, direct) -> dict:
     plugin_fn()  # first call compiles (flash-attn-4 JIT)
     torch.cuda.synchronize()
     compile_s = time.perf_counter() - t0
-    us_plugin = _time(plugin_fn, args.iters, args.warmup)
-    us_direct = _time(direct_fn, args.iters, args.warmup)
-    us_write = _time(write_fn, args.iters, args.warmup)
+    us_plugin = bench_util.cuda_time_us(plugin_fn, args.iters, args.warmup)
+    us_direct = bench_util.cuda_time_us(direct_fn, args.iters, args.warmup)
+    us_write = bench_util.cuda_time_us(write_fn, args.iters, args.warmup)
     # visible (query, key) pairs of a causal step (window-limited when set)
     pairs = 0
     for i in range(q_len):
@@ -193,31 +175,19 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help=f"only {sorted(QUICK)}")
     args = ap.parse_args()
-    result: dict = {"cases": [], "errors": []}
+    result = bench_util.new_result()
     provider, reason = plugin.probe()
     result["provider"] = None if provider is None else f"{provider.name} {provider.version}"
     if provider is None:
         result["errors"].append({"case": "*", "error": reason})
     else:
-        result["device"] = torch.cuda.get_device_name()
-        result["torch"] = torch.__version__
+        bench_util.record_device(result)
         direct = _direct_call(provider.name)
         for case in CASES:
             if args.quick and case[0] not in QUICK:
                 continue
-            try:
-                row = run_case(*case, args, direct)
-                result["cases"].append(row)
-                print(json.dumps(row), flush=True)
-            except Exception as exc:  # record and go on: one bad case must not lose the rest
-                result["errors"].append(
-                    {"case": case[0], "error": f"{type(exc).__name__}: {exc}",
-                     "trace": traceback.format_exc(limit=4)}
-                )  # fmt: skip
-                print(f"{case[0]}: {type(exc).__name__}: {exc}", flush=True)
-            torch.cuda.empty_cache()
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    return 0 if not result["errors"] else 1
+            bench_util.run_case(result, case[0], run_case, *case, args, direct)
+    return bench_util.write_result(result, args.out)
 
 
 if __name__ == "__main__":

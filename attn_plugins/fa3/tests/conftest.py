@@ -1,33 +1,13 @@
-"""Run the plugin's tests from a source checkout: put the plugin and the core on ``sys.path``,
-skip ``gpu`` tests without CUDA, and remove ``ATTN_CORE_*`` variables a shell may have set."""
+"""Source-checkout test setup of the plugin: see :mod:`attn_core.testing.gpu`."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+if (_ROOT := str(Path(__file__).resolve().parents[3])) not in sys.path:
+    sys.path.insert(0, _ROOT)  # so that attn_core imports without ``pip install``
 
-_PLUGIN = Path(__file__).resolve().parents[1]
-_ROOT = _PLUGIN.parents[1]
-for path in (_PLUGIN, _ROOT):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+from attn_core.testing.gpu import clean_attn_env, pytest_collection_modifyitems, use_checkout  # noqa: F401
 
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="marked gpu: needs a CUDA device")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
-
-
-@pytest.fixture(autouse=True)
-def _clean_attn_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("ATTN_CORE_"):
-            monkeypatch.delenv(name)
+use_checkout(__file__)

@@ -16,10 +16,7 @@ case or backend is recorded in the JSON and the rest still run.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +31,7 @@ for p in (_HERE.parents[1], _HERE.parents[3]):  # the plugin, the repository roo
 from attn_plugin_varlen import kernels, plugin  # noqa: E402
 
 import attn_core.reference.plugin as ref_plugin  # noqa: E402
+from attn_core import bench_util  # noqa: E402
 from attn_core.batch import BatchBuilder  # noqa: E402
 from attn_core.registry import Registry  # noqa: E402
 from attn_core.runtime import AttentionRuntime  # noqa: E402
@@ -55,21 +53,6 @@ CASES = [
     ("whisper_8x1500_h20_d64", [1500] * 8, 20, 64, False),
 ]
 QUICK = {"anchor_2x8192_h16_d128", "qwen2vl_ragged_h16_d80"}
-
-
-def _time(fn, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def run_case(backend, name, lengths, heads, head_dim, causal, args) -> dict:
@@ -122,8 +105,8 @@ def run_case(backend, name, lengths, heads, head_dim, causal, args) -> dict:
                 F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale)
 
     plugin_fn()
-    us_plugin = _time(plugin_fn, args.iters, args.warmup)
-    us_direct = _time(direct_fn, args.iters, args.warmup)
+    us_plugin = bench_util.cuda_time_us(plugin_fn, args.iters, args.warmup)
+    us_direct = bench_util.cuda_time_us(direct_fn, args.iters, args.warmup)
     pairs = sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
     flops = 4 * heads * head_dim * pairs
     return {
@@ -146,12 +129,11 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help=f"only {sorted(QUICK)}")
     args = ap.parse_args()
-    result: dict = {"cases": [], "errors": []}
+    result = bench_util.new_result()
     if not torch.cuda.is_available():
         result["errors"].append({"case": "*", "error": "CUDA is not available"})
     else:
-        result["device"] = torch.cuda.get_device_name()
-        result["torch"] = torch.__version__
+        bench_util.record_device(result)
         backends = [plugin.SDPA]
         info, missing = kernels.probe_varlen_attn()
         if info is not None:
@@ -162,19 +144,8 @@ def main() -> int:
             if args.quick and case[0] not in QUICK:
                 continue
             for backend in backends:
-                try:
-                    row = run_case(backend, *case, args)
-                    result["cases"].append(row)
-                    print(json.dumps(row), flush=True)
-                except Exception as exc:  # record, keep going
-                    result["errors"].append(
-                        {"case": f"{backend}/{case[0]}", "error": f"{type(exc).__name__}: {exc}",
-                         "trace": traceback.format_exc(limit=4)}
-                    )  # fmt: skip
-                    print(f"{backend}/{case[0]}: {type(exc).__name__}: {exc}", flush=True)
-                torch.cuda.empty_cache()
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    return 0 if not result["errors"] else 1
+                bench_util.run_case(result, f"{backend}/{case[0]}", run_case, backend, *case, args)
+    return bench_util.write_result(result, args.out)
 
 
 if __name__ == "__main__":

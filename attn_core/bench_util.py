@@ -1,0 +1,86 @@
+"""Small harness shared by the plugins' GPU benchmark scripts (``attn_plugins/*/bench/``).
+
+- :func:`cuda_time_us`: median microseconds of a callable, CUDA events around each run;
+- :func:`new_result`, :func:`record_device`, :func:`run_case`, :func:`write_result`: the JSON
+  document the lead collects, ``{"cases": [...], "errors": [...], "device": ..., "torch": ...}``,
+  in which one failing case is recorded and the next one still runs.
+
+:mod:`attn_core.bench` (``attn bench``) times with the wall clock on any device instead: it must
+run on CPU too, where there are no CUDA events.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["cuda_time_us", "new_result", "record_device", "run_case", "write_result"]
+
+
+def cuda_time_us(fn: Callable[[], object], iters: int, warmup: int) -> float:
+    """Median microseconds of ``fn`` over ``iters`` runs after ``warmup`` untimed ones.
+
+    Each run is timed on its own between two CUDA events on the current stream, so host-side
+    launch gaps between runs do not count and one slow outlier does not move the result.
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def new_result() -> dict[str, Any]:
+    """An empty result document: ``{"cases": [], "errors": []}``."""
+    return {"cases": [], "errors": []}
+
+
+def record_device(result: dict[str, Any]) -> None:
+    """Add the CUDA device's name and the torch version to ``result``."""
+    result["device"] = torch.cuda.get_device_name()
+    result["torch"] = torch.__version__
+
+
+def run_case(
+    result: dict[str, Any], label: str, fn: Callable[..., dict[str, Any]], *args: Any
+) -> None:
+    """Run one benchmark case, ``fn(*args)``, and record it in ``result``, whatever happens.
+
+    The row ``fn`` returns goes to ``result["cases"]`` and is printed as one JSON line; an
+    exception goes to ``result["errors"]`` as ``{"case": label, "error", "trace"}`` and is printed
+    as one line, so one bad case never loses the rest. The CUDA cache is emptied afterwards so
+    that the next case starts from the same free memory.
+    """
+    try:
+        row = fn(*args)
+        result["cases"].append(row)
+        print(json.dumps(row), flush=True)
+    except Exception as exc:  # record and go on: one bad case must not lose the rest
+        result["errors"].append(
+            {
+                "case": label,
+                "error": f"{type(exc).__name__}: {exc}",
+                "trace": traceback.format_exc(limit=4),
+            }
+        )
+        print(f"{label}: {type(exc).__name__}: {exc}", flush=True)
+    torch.cuda.empty_cache()
+
+
+def write_result(result: dict[str, Any], path: str | Path) -> int:
+    """Write ``result`` as indented JSON to ``path``; return the exit status (1 if any error)."""
+    Path(path).write_text(json.dumps(result, indent=1))
+    return 0 if not result["errors"] else 1
