@@ -215,7 +215,7 @@ def _delta_rule_chunked(
     return torch.cat(outputs, dim=1).transpose(0, 1), state
 
 
-def _delta_rule_varlen(
+def _delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -232,11 +232,28 @@ def _delta_rule_varlen(
     mode: str,
     intermediate_states: torch.Tensor | None,
     out: torch.Tensor | None,
+    per_channel_gate: bool,
 ) -> torch.Tensor:
-    """Shared driver of :func:`gated_delta_rule` and :func:`kda` (g is ``[T, Hv, 1 or Dk]``)."""
-    _check_options(mode, chunk_size)
+    """Checks and driver of :func:`gated_delta_rule` (``per_channel_gate=False``: g is
+    ``[T, Hv]``) and :func:`kda` (``per_channel_gate=True``: g is ``[T, Hv, Dk]``)."""
+    check_shape("q", q, (None, None, None))
     num_tokens, num_qk_heads, dim_k = q.shape
+    check_shape("k", k, (num_tokens, num_qk_heads, dim_k))
+    check_shape("v", v, (num_tokens, None, None))
     num_v_heads, dim_v = v.shape[1:]
+    if num_qk_heads == 0 or num_v_heads % num_qk_heads != 0:
+        raise ValueError(
+            f"v: expected a number of value heads that is a multiple of the {num_qk_heads} "
+            f"query/key heads, got {num_v_heads}"
+        )
+    check_shape("beta", beta, (num_tokens, num_v_heads))
+    check_shape("ssm_state", ssm_state, (None, num_v_heads, dim_k, dim_v))
+    if per_channel_gate:
+        check_shape("g", g, (num_tokens, num_v_heads, dim_k))
+    else:
+        check_shape("g", g, (num_tokens, num_v_heads))
+        g = g[..., None]  # one gate per head: the kernels broadcast a gate dim of 1 over Dk
+    _check_options(mode, chunk_size)
     requests = varlen_requests(
         query_start_loc,
         state_indices,
@@ -266,27 +283,6 @@ def _delta_rule_varlen(
         return _delta_rule_recurrent(*args, states_out)
 
     return _run_requests(requests, ssm_state, out, intermediate_states, kernel)
-
-
-def _check_delta_shapes(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    beta: torch.Tensor,
-    ssm_state: torch.Tensor,
-) -> None:
-    check_shape("q", q, (None, None, None))
-    num_tokens, num_qk_heads, dim_k = q.shape
-    check_shape("k", k, (num_tokens, num_qk_heads, dim_k))
-    check_shape("v", v, (num_tokens, None, None))
-    num_v_heads, dim_v = v.shape[1:]
-    if num_qk_heads == 0 or num_v_heads % num_qk_heads != 0:
-        raise ValueError(
-            f"v: expected a number of value heads that is a multiple of the {num_qk_heads} "
-            f"query/key heads, got {num_v_heads}"
-        )
-    check_shape("beta", beta, (num_tokens, num_v_heads))
-    check_shape("ssm_state", ssm_state, (None, num_v_heads, dim_k, dim_v))
 
 
 def gated_delta_rule(
@@ -336,13 +332,11 @@ def gated_delta_rule(
     :param out: optional ``[T, Hv, Dv]`` output buffer (written and returned).
     :returns: ``[T, Hv, Dv]`` in ``v.dtype`` (or ``out``).
     """
-    _check_delta_shapes(q, k, v, beta, ssm_state)
-    check_shape("g", g, (q.shape[0], v.shape[1]))
-    return _delta_rule_varlen(
+    return _delta_rule(
         q,
         k,
         v,
-        g[..., None],
+        g,
         beta,
         ssm_state,
         query_start_loc,
@@ -354,6 +348,7 @@ def gated_delta_rule(
         mode=mode,
         intermediate_states=intermediate_states,
         out=out,
+        per_channel_gate=False,
     )
 
 
@@ -388,9 +383,7 @@ def kda(
 
     Every other argument, the options and the result are those of :func:`gated_delta_rule`.
     """
-    _check_delta_shapes(q, k, v, beta, ssm_state)
-    check_shape("g", g, (q.shape[0], v.shape[1], q.shape[2]))
-    return _delta_rule_varlen(
+    return _delta_rule(
         q,
         k,
         v,
@@ -406,6 +399,7 @@ def kda(
         mode=mode,
         intermediate_states=intermediate_states,
         out=out,
+        per_channel_gate=True,
     )
 
 
