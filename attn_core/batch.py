@@ -109,7 +109,12 @@ class BatchBuilder:
         self.max_num_tokens = max_num_tokens
         self.page_size: int | None = getattr(state, "page_size", None)
         self.max_pages = max_pages_per_request
-        self._has_kv = bool(self.page_size) and max_pages_per_request > 0
+        # A model of linear layers only has no paged KV (its state still reports a page size).
+        self._has_kv = (
+            bool(getattr(state, "has_kv", True))
+            and bool(self.page_size)
+            and max_pages_per_request > 0
+        )
         self._has_slots = bool(getattr(state, "has_state", False))
         pin = self.device.type == "cuda"
         B, T = max_batch_size, max_num_tokens

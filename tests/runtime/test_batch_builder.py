@@ -123,6 +123,19 @@ def test_padded_batch(state, builder):
         builder.build([("a", 1)], pad_to=9)
 
 
+def test_linear_only_model_has_no_pages(tiny_specs):
+    """A model of linear layers only: no page table or slot mapping, state slots per request."""
+    state = PersistentState(group_layers([tiny_specs["gdn"]]), num_pages=1, num_slots=4)
+    builder = BatchBuilder(state, max_batch_size=4, max_num_tokens=8, max_pages_per_request=4)
+    for req, written in (("a", 5), ("b", 0)):
+        _start(state, req, written)
+    batch = builder.build([("a", 1), ("b", 3)])
+    assert batch.page_table is None and batch.slot_mapping is None
+    assert batch.state_indices.tolist() == [state.slot("a"), state.slot("b")]
+    assert batch.has_initial_state.tolist() == [True, False]
+    assert batch.positions.tolist() == [5, 0, 1, 2]
+
+
 def test_limits(state, builder):
     _start(state, "a", 0)
     with pytest.raises(ValueError, match="65 tokens exceeds max_num_tokens=64"):
