@@ -475,8 +475,8 @@ class TritonSSMContext:
         if self.variant is LinearVariant.MAMBA2:
             y = self.K.mamba2_prefill(
                 v[:T], inputs["dt"][:T], inputs["A_log"], k[:T], q[:T], ssm, plan.slots,
-                plan.cu_seqlens_cpu,  # read on the host by the torch SSD: no device sync
-                D=inputs.get("D"), dt_bias=inputs.get("dt_bias"),
+                plan.cu_seqlens, D=inputs.get("D"), dt_bias=inputs.get("dt_bias"),
+                cu_seqlens_cpu=plan.cu_seqlens_cpu,  # host offsets: no device sync
             )  # fmt: skip
             if out_t is None:
                 return y
@@ -486,6 +486,7 @@ class TritonSSMContext:
         y = fn(
             q[:T], k[:T], v[:T], inputs["g"][:T], inputs["beta"][:T], ssm, plan.slots,
             plan.cu_seqlens, scale=layer.scale, use_qk_l2norm=self.spec.qk_l2norm, out=out_t,
+            cu_seqlens_cpu=plan.cu_seqlens_cpu,
         )  # fmt: skip
         return y if out is None else out
 

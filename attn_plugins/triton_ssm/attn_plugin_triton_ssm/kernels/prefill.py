@@ -38,13 +38,17 @@ def _check_varlen(state_indices: torch.Tensor, cu_seqlens: torch.Tensor, total: 
     return n
 
 
+def _host_offsets(cu_seqlens_cpu: torch.Tensor | None) -> torch.Tensor | None:
+    return None if cu_seqlens_cpu is None else cu_seqlens_cpu.long()
+
+
 def _l2(x: torch.Tensor) -> torch.Tensor:
     x = x.float()
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + _L2_EPS)
 
 
 def _delta_prefill(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens, *, kda, scale,
-                   use_qk_l2norm, out):  # fmt: skip
+                   use_qk_l2norm, out, cu_seqlens_cpu):  # fmt: skip
     check_shape("q", q, [None, None, None], "[T, Hk, Dk] (packed tokens)")
     T, Hk, Dk = q.shape
     check_shape("k", k, [T, Hk, Dk], "[T, Hk, Dk] like q")
@@ -73,7 +77,7 @@ def _delta_prefill(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens, *, kd
         o, ht = chunk_fn(
             q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=h0,
             output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
-            cu_seqlens=cu_seqlens.long(),
+            cu_seqlens=cu_seqlens.long(), cu_seqlens_cpu=_host_offsets(cu_seqlens_cpu),
         )  # fmt: skip
         o = o[0]
     else:
@@ -130,6 +134,7 @@ def gdn_prefill(
     scale: float | None = None,
     use_qk_l2norm: bool = True,
     out: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated DeltaNet chunked prefill over packed sequences (fla ``chunk_gated_delta_rule``).
 
@@ -140,10 +145,13 @@ def gdn_prefill(
     :param state_indices: ``[N]`` int32 slots, all valid (no ``-1``).
     :param cu_seqlens: ``[N + 1]`` int32/int64 sequence starts, ``cu_seqlens[-1] == T``.
     :param out: ``[T, Hv, Dv]`` (a new tensor of ``v``'s dtype when ``None``).
+    :param cu_seqlens_cpu: the same offsets on the host, when the caller has them: fla then
+        plans its chunks without reading ``cu_seqlens`` back from the device (no sync).
     :returns: the output ``[T, Hv, Dv]``.
     """
     return _delta_prefill(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens, kda=False,
-                          scale=scale, use_qk_l2norm=use_qk_l2norm, out=out)  # fmt: skip
+                          scale=scale, use_qk_l2norm=use_qk_l2norm, out=out,
+                          cu_seqlens_cpu=cu_seqlens_cpu)  # fmt: skip
 
 
 def kda_prefill(
@@ -159,10 +167,12 @@ def kda_prefill(
     scale: float | None = None,
     use_qk_l2norm: bool = True,
     out: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`gdn_prefill` for KDA (fla ``chunk_kda``): ``g`` is ``[T, Hv, Dk]``."""
     return _delta_prefill(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens, kda=True,
-                          scale=scale, use_qk_l2norm=use_qk_l2norm, out=out)  # fmt: skip
+                          scale=scale, use_qk_l2norm=use_qk_l2norm, out=out,
+                          cu_seqlens_cpu=cu_seqlens_cpu)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,13 +230,22 @@ def mamba2_prefill(
     z: torch.Tensor | None = None,
     dt_softplus: bool = True,
     chunk_size: int = 256,
+    impl: str = "auto",
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Mamba2 chunked prefill (SSD) in torch, CPU or GPU, one sequence at a time.
+    """Mamba2 chunked prefill (SSD) over packed sequences, state in slots.
 
     Same math as :func:`~attn_plugin_triton_ssm.kernels.mamba2.mamba2_decode` applied to every
-    token. Shapes: ``x`` ``[T, H, P]``, ``dt`` ``[T, H]``, ``A_log`` ``[H]``, ``B``/``C``
+    token. SSD is scalar-gated linear attention (``q = C``, ``k = B``, ``v = dt * x``, log decay
+    ``dt * A``, scale 1), so on CUDA it runs fla-core's ``chunk_simple_gla`` over all sequences
+    in one varlen launch (``impl="fla"``; ``"auto"`` picks it for CUDA tensors); ``impl="torch"``
+    is the chunked SSD in torch, one sequence at a time (CPU, and the GPU cross-check).
+
+    Shapes: ``x`` ``[T, H, P]``, ``dt`` ``[T, H]``, ``A_log`` ``[H]``, ``B``/``C``
     ``[T, G, N]``, ``ssm_state`` ``[S, H, N, P]`` (slots read and overwritten), ``state_indices``
-    ``[N_seq]``, ``cu_seqlens`` ``[N_seq + 1]``, ``D``/``dt_bias`` ``[H]``, ``z`` ``[T, H, P]``.
+    ``[N_seq]``, ``cu_seqlens`` ``[N_seq + 1]`` (device or host), ``cu_seqlens_cpu`` the same
+    on the host when the caller has it (no device sync), ``D``/``dt_bias`` ``[H]``, ``z``
+    ``[T, H, P]``.
     :returns: ``y`` ``[T, H, P]`` in ``x``'s dtype.
     """
     check_shape("x", x, [None, None, None], "[T, H, P]")
@@ -242,11 +261,21 @@ def mamba2_prefill(
     _check_varlen(state_indices, cu_seqlens, T)
     if chunk_size <= 0:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size}")
+    if impl not in ("auto", "fla", "torch"):
+        raise ValueError(f"impl: expected 'auto', 'fla' or 'torch', got {impl!r}")
 
     dtf = dt.float() + (dt_bias.float() if dt_bias is not None else 0.0)
     if dt_softplus:
         dtf = F.softplus(dtf)  # threshold 20, as the decode kernel
     A = -torch.exp(A_log.float())
+    if impl == "fla" or (impl == "auto" and x.is_cuda):
+        y = _mamba2_fla(x, dtf, A, B, C, ssm_state, state_indices.long(), cu_seqlens,
+                        _host_offsets(cu_seqlens_cpu))  # fmt: skip
+        if D is not None:
+            y = y + D.float()[:, None] * x.float()
+        if z is not None:
+            y = y * F.silu(z.float())
+        return y.to(x.dtype)
     Bh = B.float().repeat_interleave(H // G, dim=1)
     Ch = C.float().repeat_interleave(H // G, dim=1)
     xf = x.float()
@@ -254,7 +283,7 @@ def mamba2_prefill(
     h0 = ssm_state.index_select(0, idx).float()
     y = torch.empty_like(xf)
     ht = torch.empty_like(h0)
-    bounds = cu_seqlens.tolist()
+    bounds = (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).tolist()
     for i in range(len(bounds) - 1):
         s, e = bounds[i], bounds[i + 1]
         yi, ht[i] = _ssd_chunked(
@@ -267,3 +296,24 @@ def mamba2_prefill(
         y = y * F.silu(z.float())
     ssm_state.index_copy_(0, idx, ht.to(ssm_state.dtype))
     return y.to(x.dtype)
+
+
+def _mamba2_fla(x, dtf, A, B, C, ssm_state, idx, cu_seqlens, cu_seqlens_cpu) -> torch.Tensor:
+    """SSD through fla's ``chunk_simple_gla``; returns ``y`` ``[T, H, P]`` float32 without the
+    ``D`` skip and ``z`` gate, and writes the final states into ``ssm_state[idx]``."""
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    H, G = x.shape[1], B.shape[1]
+    # The kernels want one key head per value head: B and C are shared by H // G heads.
+    kq_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    Bh = B.to(kq_dtype).repeat_interleave(H // G, dim=1) if G != H else B.to(kq_dtype)
+    Ch = C.to(kq_dtype).repeat_interleave(H // G, dim=1) if G != H else C.to(kq_dtype)
+    v = (x.float() * dtf[:, :, None]).to(kq_dtype)
+    h0 = ssm_state.index_select(0, idx).float()
+    y, ht = chunk_simple_gla(
+        Ch[None], Bh[None], v[None], g=(A * dtf)[None], scale=1.0, initial_state=h0,
+        output_final_state=True, cu_seqlens=cu_seqlens.to(x.device, torch.long),
+        cu_seqlens_cpu=cu_seqlens_cpu,
+    )  # fmt: skip
+    ssm_state.index_copy_(0, idx, ht.to(ssm_state.dtype))
+    return y[0].float()
