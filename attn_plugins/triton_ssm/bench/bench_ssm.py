@@ -15,12 +15,16 @@ Sections:
 * gdn_prefill (``--prefill``): T = 8192 and 32768 as one request and as 16 (cu_seqlens), our
   wrapper vs fla ``chunk_gated_delta_rule`` called directly; ms and tokens/s.
 * mamba2_decode: B = 64..2048, H=128, N=128, P=64 (Mamba2-2.7B-like), fp32 state, GB/s.
+* mamba2_prefill (``--prefill``): granite-4.0-h-small-like (H=128, P=64, N=128, G=1), T = 8192
+  and 32768 as one and 16 requests, tokens/s and the ratio to the published fused SSD rate.
+* plugin_step (``--plugin``): a 4-layer GDN decode step (conv1d + recurrent update) at B = 64,
+  256 through the runtime's bindings vs the same kernels called directly; ratio of times.
 
 Timing: ``triton.testing.do_bench`` (L2 flushed between calls, median). The decode kernels
 write the state in place, so each timed call starts from the previous call's state; the
 traffic is the same.
 
-Usage: ``python bench/bench_ssm.py --out results.json [--quick] [--sweep] [--prefill]``.
+Usage: ``python bench/bench_ssm.py --out results.json [--quick] [--sweep] [--prefill] [--plugin]``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from pathlib import Path
 HK, HV, D = 16, 32, 128
 GB = 1e9
 BATCHES = [64, 256, 1024, 2048]
+#: The fused SSD kernel's published prefill rate on an H100 (about 2.3e7 tokens/s).
+MAMBA2_PUBLISHED_MTOK = 23.0
 # (block_v, num_warps, programs_per_sm); programs_per_sm 0 = one program per work item,
 # None = as many as fit on an SM at once (the default).
 SWEEP = [
@@ -218,6 +224,103 @@ def job_mamba2_decode(B: int, H=128, G=1, N=128, P=64) -> dict:
     return {"ms": ms, "GBps": 2 * B * H * N * P * 4 / (ms * 1e-3) / GB}
 
 
+def job_mamba2_prefill(T: int, n_seq: int, impl: str, H=128, G=1, N=128, P=64) -> dict:
+    """granite-4.0-h-small-like Mamba2 mixer shape (128 heads of 64, state 128, one group)."""
+    import torch
+    from attn_plugin_triton_ssm.kernels import mamba2_prefill
+
+    torch.manual_seed(0)
+    x = torch.randn(T, H, P, device="cuda", dtype=torch.bfloat16)
+    dt = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    A_log = torch.randn(H, device="cuda")
+    Bm = torch.randn(T, G, N, device="cuda", dtype=torch.bfloat16)
+    Cm = torch.randn(T, G, N, device="cuda", dtype=torch.bfloat16)
+    Dp, dt_bias = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
+    state = torch.randn(n_seq + 4, H, N, P, device="cuda") * 0.01
+    idx = torch.arange(n_seq, device="cuda", dtype=torch.int32) + 2
+    cu_cpu = torch.linspace(0, T, n_seq + 1).round().int()
+    cu = cu_cpu.to("cuda")
+
+    def run():
+        return mamba2_prefill(x, dt, A_log, Bm, Cm, state, idx, cu, D=Dp, dt_bias=dt_bias,
+                              impl=impl, cu_seqlens_cpu=cu_cpu)  # fmt: skip
+
+    ms = _bench(run, warmup=3, rep=20)
+    return {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6}
+
+
+def job_plugin_step(B: int, layers: int = 4, device: str = "cuda", hk=HK, hv=HV, d=D) -> dict:
+    """A GDN decode step (conv1d + recurrent update) of ``layers`` layers, B requests, through
+    the runtime's bindings vs the same triton_ssm kernels called directly on the same tensors.
+    ``device="cpu"`` (with TRITON_INTERPRET=1 and small shapes) dry-runs the job's code."""
+    import torch
+    from attn_plugin_triton_ssm import kernels as K
+
+    from attn_core.batch import BatchBuilder
+    from attn_core.registry import Registry
+    from attn_core.runtime import AttentionRuntime
+    from attn_core.selector import select
+    from attn_core.specs import DeviceCapabilities, ExecutionConstraints, LayerSpec, group_layers
+    from attn_core.state import PersistentState
+
+    channels = 2 * hk * d + hv * d
+    spec = LayerSpec(kind="linear", linear_variant="gated_deltanet", num_heads=hv,
+                     num_kv_heads=hk, head_dim=d, head_dim_v=d, conv_kernel_size=4,
+                     conv_channels=channels, dtype="bfloat16", state_dtype="float32",
+                     qk_l2norm=True)  # fmt: skip
+    groups = group_layers([spec] * layers)
+    registry = Registry.discover()
+    constraints = ExecutionConstraints(
+        max_batch_size=B, max_num_tokens=B, force={"linear": "triton_ssm:triton_ssm"}
+    )
+    plan = select(groups, registry, DeviceCapabilities.detect(device), constraints)
+    state = PersistentState(groups, num_pages=1, num_slots=B + 8, device=device)
+    runtime = AttentionRuntime(plan, registry, state=state, device=device)
+    builder = BatchBuilder(state, max_batch_size=B, max_num_tokens=B, max_pages_per_request=1)
+    for r in range(B):
+        state.add_request(r)
+        state.advance(r, 3)  # as if prefilled: decode reads the slots' (random) state
+    batch = builder.build([(r, 1) for r in range(B)])
+    runtime.prepare(batch)
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def r(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=gen, device=device).to(dtype)
+
+    x = r(B, channels)
+    w, bias = r(channels, 4), r(channels)
+    q, k, v = r(B, hk, d), r(B, hk, d), r(B, hv, d)
+    g = -torch.rand(B, hv, generator=gen, device=device) * 0.5
+    beta = torch.rand(B, hv, generator=gen, device=device)
+    conv_out, out = torch.empty_like(x), torch.empty_like(v)
+    bindings = [runtime.binding(i) for i in range(layers)]
+    idx = batch.state_indices
+
+    def through_plugin():
+        for b in bindings:
+            b.conv1d(x, w, bias, out=conv_out)
+            b.forward(q, k, v, out=out, g=g, beta=beta)
+
+    def direct():
+        for i in range(layers):
+            st = state.state_slots.layer(i)
+            K.causal_conv1d_update(x, st.conv, w, bias, idx, activation="silu", out=conv_out)
+            K.gdn_decode(q, k, v, g, beta, st.ssm, idx, scale=d**-0.5, use_qk_l2norm=True,
+                         out=out)  # fmt: skip
+
+    if device == "cpu":  # dry run: one call each
+        through_plugin(), direct()
+        return {"ok": True}
+    # interleave the two so clock or thermal drift hits both alike
+    times = {"plugin": [], "direct": []}
+    for _ in range(3):
+        times["plugin"].append(_bench(through_plugin))
+        times["direct"].append(_bench(direct))
+    plugin_ms, direct_ms = min(times["plugin"]), min(times["direct"])
+    return {"ms": plugin_ms, "direct_ms": direct_ms, "ratio": plugin_ms / direct_ms,
+            "layers": layers}  # fmt: skip
+
+
 JOBS = {
     "copy": job_copy,
     "gdn_decode_ours": job_gdn_decode_ours,
@@ -225,6 +328,8 @@ JOBS = {
     "prefill_ours": job_prefill_ours,
     "prefill_fla": job_prefill_fla,
     "mamba2_decode": job_mamba2_decode,
+    "mamba2_prefill": job_mamba2_prefill,
+    "plugin_step": job_plugin_step,
 }
 
 
@@ -330,6 +435,10 @@ def _table(results: list, copy_bw: float | None) -> str:
                 val += f"  ({r['GBps'] / copy_bw:.2f} x copy)"
         elif "Mtok_per_s" in r:
             val = f"{r['ms']:.3f} ms  {r['Mtok_per_s']:.2f} Mtok/s"
+            if r["section"] == "mamba2_prefill":
+                val += f"  ({r['Mtok_per_s'] / MAMBA2_PUBLISHED_MTOK:.2f} x published fused SSD)"
+        elif "ratio" in r:
+            val = f"plugin {r['ms']:.4f} ms  direct {r['direct_ms']:.4f} ms  ratio {r['ratio']:.3f}"
         else:
             continue
         lines.append(f"{r['section']:<14} {head:<72} {val}")
@@ -343,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="sweep block_v/num_warps/programs_per_sm")
     ap.add_argument("--prefill", action="store_true", help="also the prefill section")
     ap.add_argument("--no-fla", action="store_true", help="skip the fla comparisons")
+    ap.add_argument("--plugin", action="store_true", help="plugin step vs direct kernels")
     ap.add_argument("--budget-s", type=float, default=600.0, help="wall-clock budget")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -390,6 +500,19 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.no_fla:
                     prefill.append(job("prefill_fla", {**p, "provider": "fla chunk direct"},
                                        T=T, n_seq=n_seq))  # fmt: skip
+
+    if args.prefill:
+        for T in [8192] if args.quick else [8192, 32768]:
+            for n_seq in (1, 16):
+                p = {"section": "mamba2_prefill", "T": T, "n_seq": n_seq}
+                prefill.append(job("mamba2_prefill", {**p, "provider": "ours (fla simple_gla)"},
+                                   T=T, n_seq=n_seq, impl="fla"))  # fmt: skip
+        p = {"section": "mamba2_prefill", "T": 8192, "n_seq": 1, "provider": "torch SSD"}
+        prefill.append(job("mamba2_prefill", p, T=8192, n_seq=1, impl="torch"))
+    if args.plugin:
+        for B in (64, 256):
+            ours.append(job("plugin_step", {"section": "plugin_step", "provider": "gdn decode",
+                                            "B": B}, B=B))  # fmt: skip
 
     results: list[dict] = []
     budget = args.budget_s
