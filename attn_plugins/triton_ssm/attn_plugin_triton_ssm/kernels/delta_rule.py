@@ -32,6 +32,9 @@ are zeros and no state is read or written.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import torch
 import triton
 import triton.language as tl
@@ -489,94 +492,81 @@ def _alloc_out(out: torch.Tensor | None, v: torch.Tensor, name: str = "out") -> 
 
 
 # --------------------------------------------------------------------------------------------
-# decode: one token per request
+# Public wrappers. GDN and KDA differ only in the gate: ``g`` is ``[.., Hv]`` (one log decay per
+# head) or ``[.., Hv, Dk]`` (one per key channel), a compile-time flag of the same kernel. Each
+# operation is therefore written once, in a factory closed over ``per_channel_g``, and bound to
+# both gate kinds by name at the end of this section.
 # --------------------------------------------------------------------------------------------
-def _decode(q, k, v, g, beta, ssm_state, state_indices, *, per_channel_g, scale, use_qk_l2norm,
-            out, block_v, num_warps, programs_per_sm):  # fmt: skip
-    _check_inputs(
-        q=q, k=k, v=v, g=g, beta=beta, ssm_state=ssm_state, state_indices=state_indices,
-        per_channel_g=per_channel_g, multi_token=False,
-    )  # fmt: skip
-    out = _alloc_out(out, v)
-    _launch(
-        q=q.unsqueeze(1), k=k.unsqueeze(1), v=v.unsqueeze(1), g=g.unsqueeze(1),
-        beta=beta.unsqueeze(1), ssm_state=ssm_state, state_indices=state_indices,
-        num_tokens=None, out=out.unsqueeze(1), intermediate_states=None, scale=scale,
-        use_qk_l2norm=use_qk_l2norm, per_channel_g=per_channel_g, write_slot=True,
-        block_v=block_v, num_warps=num_warps, programs_per_sm=programs_per_sm,
-    )  # fmt: skip
-    return out
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def gdn_decode(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    ssm_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    *,
-    scale: float | None = None,
-    use_qk_l2norm: bool = True,
-    out: torch.Tensor | None = None,
-    block_v: int | None = None,
-    num_warps: int | None = None,
-    programs_per_sm: int | None = None,
-) -> torch.Tensor:
-    """Gated DeltaNet decode: one token per request; updates ``ssm_state`` in place.
-
-    :param q: ``[B, Hk, Dk]`` float32/bfloat16/float16 (last dim contiguous; outer strides free).
-    :param k: ``[B, Hk, Dk]`` like ``q``.
-    :param v: ``[B, Hv, Dv]``; ``Hv`` a multiple of ``Hk`` (value head ``h`` reads key head
-        ``h // (Hv // Hk)``).
-    :param g: ``[B, Hv]`` log decay (``S *= exp(g)``), any float dtype.
-    :param beta: ``[B, Hv]`` delta-rule step size (already through its sigmoid).
-    :param ssm_state: ``[S, Hv, Dk, Dv]`` float32 or bfloat16, last two dims packed; slot
-        ``state_indices[b]`` is read and written (math in float32).
-    :param state_indices: ``[B]`` int32 (or int64); ``-1`` marks a padding row: zeros in ``out``,
-        no state touched.
-    :param scale: query scale; ``None`` means ``Dk ** -0.5``.
-    :param use_qk_l2norm: L2-normalise q and k first (eps 1e-6 inside the sqrt, as fla).
-    :param out: ``[B, Hv, Dv]`` output buffer (allocated like ``v`` when ``None``).
-    :param block_v: Dv tile per program (power of two); ``None`` picks one. A tuning knob.
-    :param num_warps: Triton warps per program; ``None`` picks one.
-    :param programs_per_sm: persistent grid of this many programs per SM, each looping over
-        (request, head, Dv block) items and prefetching the next; ``0`` launches one program
-        per item; ``None`` picks the tuned default.
-    :returns: ``out``.
-    """
-    return _decode(q, k, v, g, beta, ssm_state, state_indices, per_channel_g=False, scale=scale,
-                   use_qk_l2norm=use_qk_l2norm, out=out, block_v=block_v,
-                   num_warps=num_warps, programs_per_sm=programs_per_sm)  # fmt: skip
+def _public(fn: _F, name: str, doc: str | None = None) -> _F:
+    """Give a factory-made wrapper its public name (and a docstring other than the factory's)."""
+    fn.__name__ = fn.__qualname__ = name
+    if doc is not None:
+        fn.__doc__ = doc
+    return fn
 
 
-def kda_decode(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    ssm_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    *,
-    scale: float | None = None,
-    use_qk_l2norm: bool = True,
-    out: torch.Tensor | None = None,
-    block_v: int | None = None,
-    num_warps: int | None = None,
-    programs_per_sm: int | None = None,
-) -> torch.Tensor:
-    """Kimi Delta Attention decode: as :func:`gdn_decode` with ``g`` ``[B, Hv, Dk]``, a log decay
-    per key channel (``S *= exp(g)[:, None]``)."""
-    return _decode(q, k, v, g, beta, ssm_state, state_indices, per_channel_g=True, scale=scale,
-                   use_qk_l2norm=use_qk_l2norm, out=out, block_v=block_v,
-                   num_warps=num_warps, programs_per_sm=programs_per_sm)  # fmt: skip
+# decode: one token per request ---------------------------------------------------------------
+def _decode_op(per_channel_g: bool) -> Callable[..., torch.Tensor]:
+    def decode(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        ssm_state: torch.Tensor,
+        state_indices: torch.Tensor,
+        *,
+        scale: float | None = None,
+        use_qk_l2norm: bool = True,
+        out: torch.Tensor | None = None,
+        block_v: int | None = None,
+        num_warps: int | None = None,
+        programs_per_sm: int | None = None,
+    ) -> torch.Tensor:
+        """Gated DeltaNet decode: one token per request; updates ``ssm_state`` in place.
+
+        :param q: ``[B, Hk, Dk]`` float32/bfloat16/float16 (last dim contiguous; outer strides
+            free).
+        :param k: ``[B, Hk, Dk]`` like ``q``.
+        :param v: ``[B, Hv, Dv]``; ``Hv`` a multiple of ``Hk`` (value head ``h`` reads key head
+            ``h // (Hv // Hk)``).
+        :param g: ``[B, Hv]`` log decay (``S *= exp(g)``), any float dtype.
+        :param beta: ``[B, Hv]`` delta-rule step size (already through its sigmoid).
+        :param ssm_state: ``[S, Hv, Dk, Dv]`` float32 or bfloat16, last two dims packed; slot
+            ``state_indices[b]`` is read and written (math in float32).
+        :param state_indices: ``[B]`` int32 (or int64); ``-1`` marks a padding row: zeros in
+            ``out``, no state touched.
+        :param scale: query scale; ``None`` means ``Dk ** -0.5``.
+        :param use_qk_l2norm: L2-normalise q and k first (eps 1e-6 inside the sqrt, as fla).
+        :param out: ``[B, Hv, Dv]`` output buffer (allocated like ``v`` when ``None``).
+        :param block_v: Dv tile per program (power of two); ``None`` picks one. A tuning knob.
+        :param num_warps: Triton warps per program; ``None`` picks one.
+        :param programs_per_sm: persistent grid of this many programs per SM, each looping over
+            (request, head, Dv block) items and prefetching the next; ``0`` launches one
+            program per item; ``None`` picks the tuned default.
+        :returns: ``out``.
+        """
+        _check_inputs(
+            q=q, k=k, v=v, g=g, beta=beta, ssm_state=ssm_state, state_indices=state_indices,
+            per_channel_g=per_channel_g, multi_token=False,
+        )  # fmt: skip
+        out = _alloc_out(out, v)
+        _launch(
+            q=q.unsqueeze(1), k=k.unsqueeze(1), v=v.unsqueeze(1), g=g.unsqueeze(1),
+            beta=beta.unsqueeze(1), ssm_state=ssm_state, state_indices=state_indices,
+            num_tokens=None, out=out.unsqueeze(1), intermediate_states=None, scale=scale,
+            use_qk_l2norm=use_qk_l2norm, per_channel_g=per_channel_g, write_slot=True,
+            block_v=block_v, num_warps=num_warps, programs_per_sm=programs_per_sm,
+        )  # fmt: skip
+        return out
+
+    return decode
 
 
-# --------------------------------------------------------------------------------------------
-# speculative verify: K1 = k + 1 tokens per request, [B, K1, ...] layout
-# --------------------------------------------------------------------------------------------
+# speculative verify: K1 = k + 1 tokens per request, [B, K1, ...] layout ----------------------
 def _verify(q, k, v, g, beta, ssm_state, state_indices, *, per_channel_g, scale, use_qk_l2norm,
             out, intermediate_states, block_v, num_warps):  # fmt: skip
     B, T, _, Hv, Dk, Dv = _check_inputs(
@@ -600,171 +590,142 @@ def _verify(q, k, v, g, beta, ssm_state, state_indices, *, per_channel_g, scale,
     return out
 
 
-def gdn_verify_native(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    ssm_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    intermediate_states: torch.Tensor,
-    *,
-    scale: float | None = None,
-    use_qk_l2norm: bool = True,
-    out: torch.Tensor | None = None,
-    block_v: int | None = None,
-    num_warps: int | None = None,
-) -> torch.Tensor:
-    """Speculative verify, native strategy: run ``K1`` tokens per request from the slot state,
-    storing the state after every position; the slot is not written (see :func:`gdn_commit`).
+def _verify_native_op(per_channel_g: bool) -> Callable[..., torch.Tensor]:
+    def verify_native(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        ssm_state: torch.Tensor,
+        state_indices: torch.Tensor,
+        intermediate_states: torch.Tensor,
+        *,
+        scale: float | None = None,
+        use_qk_l2norm: bool = True,
+        out: torch.Tensor | None = None,
+        block_v: int | None = None,
+        num_warps: int | None = None,
+    ) -> torch.Tensor:
+        """Speculative verify, native strategy: run ``K1`` tokens per request from the slot
+        state, storing the state after every position; the slot is not written (see
+        :func:`gdn_commit`).
 
-    :param q: ``[B, K1, Hk, Dk]``; ``k`` likewise; ``v`` ``[B, K1, Hv, Dv]``; ``g`` and ``beta``
-        ``[B, K1, Hv]``.
-    :param ssm_state: ``[S, Hv, Dk, Dv]`` float32/bfloat16, read only here.
-    :param state_indices: ``[B]`` int32, ``-1`` = padding row (zeros out, nothing stored).
-    :param intermediate_states: ``[B, K1, Hv, Dk, Dv]`` float32/bfloat16 output: entry ``t`` is
-        the state after tokens ``0..t``.
-    :param out: ``[B, K1, Hv, Dv]`` output (allocated like ``v`` when ``None``).
-    :returns: ``out``.
-    """
-    return _verify(q, k, v, g, beta, ssm_state, state_indices, per_channel_g=False, scale=scale,
-                   use_qk_l2norm=use_qk_l2norm, out=out, intermediate_states=intermediate_states,
-                   block_v=block_v, num_warps=num_warps)  # fmt: skip
+        :param q: ``[B, K1, Hk, Dk]``; ``k`` likewise; ``v`` ``[B, K1, Hv, Dv]``; ``g`` and
+            ``beta`` ``[B, K1, Hv]``.
+        :param ssm_state: ``[S, Hv, Dk, Dv]`` float32/bfloat16, read only here.
+        :param state_indices: ``[B]`` int32, ``-1`` = padding row (zeros out, nothing stored).
+        :param intermediate_states: ``[B, K1, Hv, Dk, Dv]`` float32/bfloat16 output: entry ``t``
+            is the state after tokens ``0..t``.
+        :param out: ``[B, K1, Hv, Dv]`` output (allocated like ``v`` when ``None``).
+        :returns: ``out``.
+        """
+        return _verify(q, k, v, g, beta, ssm_state, state_indices, per_channel_g=per_channel_g,
+                       scale=scale, use_qk_l2norm=use_qk_l2norm, out=out,
+                       intermediate_states=intermediate_states, block_v=block_v,
+                       num_warps=num_warps)  # fmt: skip
 
-
-def kda_verify_native(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    ssm_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    intermediate_states: torch.Tensor,
-    *,
-    scale: float | None = None,
-    use_qk_l2norm: bool = True,
-    out: torch.Tensor | None = None,
-    block_v: int | None = None,
-    num_warps: int | None = None,
-) -> torch.Tensor:
-    """:func:`gdn_verify_native` for KDA: ``g`` is ``[B, K1, Hv, Dk]``."""
-    return _verify(q, k, v, g, beta, ssm_state, state_indices, per_channel_g=True, scale=scale,
-                   use_qk_l2norm=use_qk_l2norm, out=out, intermediate_states=intermediate_states,
-                   block_v=block_v, num_warps=num_warps)  # fmt: skip
+    return verify_native
 
 
-def gdn_verify_replay(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    ssm_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    *,
-    scale: float | None = None,
-    use_qk_l2norm: bool = True,
-    out: torch.Tensor | None = None,
-    block_v: int | None = None,
-    num_warps: int | None = None,
-) -> torch.Tensor:
-    """Speculative verify, replay strategy: outputs for ``K1`` tokens, no state stored anywhere
-    (the slot is untouched); :func:`gdn_replay_commit` recomputes the accepted prefix later.
-    Shapes as :func:`gdn_verify_native`. :returns: ``out`` ``[B, K1, Hv, Dv]``."""
-    return _verify(q, k, v, g, beta, ssm_state, state_indices, per_channel_g=False, scale=scale,
-                   use_qk_l2norm=use_qk_l2norm, out=out, intermediate_states=None,
-                   block_v=block_v, num_warps=num_warps)  # fmt: skip
+def _verify_replay_op(per_channel_g: bool) -> Callable[..., torch.Tensor]:
+    def verify_replay(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        ssm_state: torch.Tensor,
+        state_indices: torch.Tensor,
+        *,
+        scale: float | None = None,
+        use_qk_l2norm: bool = True,
+        out: torch.Tensor | None = None,
+        block_v: int | None = None,
+        num_warps: int | None = None,
+    ) -> torch.Tensor:
+        """Speculative verify, replay strategy: outputs for ``K1`` tokens, no state stored
+        anywhere (the slot is untouched); :func:`gdn_replay_commit` recomputes the accepted
+        prefix later. Shapes as :func:`gdn_verify_native`. :returns: ``out`` ``[B, K1, Hv, Dv]``.
+        """
+        return _verify(q, k, v, g, beta, ssm_state, state_indices, per_channel_g=per_channel_g,
+                       scale=scale, use_qk_l2norm=use_qk_l2norm, out=out,
+                       intermediate_states=None, block_v=block_v,
+                       num_warps=num_warps)  # fmt: skip
+
+    return verify_replay
 
 
-def kda_verify_replay(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    ssm_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    *,
-    scale: float | None = None,
-    use_qk_l2norm: bool = True,
-    out: torch.Tensor | None = None,
-    block_v: int | None = None,
-    num_warps: int | None = None,
-) -> torch.Tensor:
-    """:func:`gdn_verify_replay` for KDA: ``g`` is ``[B, K1, Hv, Dk]``."""
-    return _verify(q, k, v, g, beta, ssm_state, state_indices, per_channel_g=True, scale=scale,
-                   use_qk_l2norm=use_qk_l2norm, out=out, intermediate_states=None,
-                   block_v=block_v, num_warps=num_warps)  # fmt: skip
+def _replay_commit_op(per_channel_g: bool) -> Callable[..., None]:
+    def replay_commit(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        num_accepted: torch.Tensor,
+        ssm_state: torch.Tensor,
+        state_indices: torch.Tensor,
+        *,
+        scale: float | None = None,
+        use_qk_l2norm: bool = True,
+        block_v: int | None = None,
+        num_warps: int | None = None,
+    ) -> None:
+        """Replay commit: advance each slot by its request's first ``num_accepted[b]`` tokens.
+
+        :param q: ``[B, K1, Hk, Dk]`` (the verify inputs; tokens past ``num_accepted[b]`` are
+            not read), ``k``, ``v``, ``g``, ``beta`` as in :func:`gdn_verify_replay`.
+        :param num_accepted: ``[B]`` int32 in ``0..K1`` (values above ``K1`` are clamped; ``0``
+            leaves the slot unchanged).
+        :param ssm_state: ``[S, Hv, Dk, Dv]``, slots written in place.
+        :param state_indices: ``[B]`` int32, ``-1`` = padding row (skipped).
+        """
+        B = q.shape[0] if q.dim() == 4 else -1
+        _check_inputs(
+            q=q, k=k, v=v, g=g, beta=beta, ssm_state=ssm_state, state_indices=state_indices,
+            per_channel_g=per_channel_g, multi_token=True,
+        )  # fmt: skip
+        check_index("num_accepted", num_accepted, B)
+        if num_accepted.device != q.device:
+            raise ValueError(f"num_accepted is on {num_accepted.device} but q is on {q.device}")
+        _launch(
+            q=q, k=k, v=v, g=g, beta=beta, ssm_state=ssm_state, state_indices=state_indices,
+            num_tokens=num_accepted, out=None, intermediate_states=None, scale=scale,
+            use_qk_l2norm=use_qk_l2norm, per_channel_g=per_channel_g, write_slot=True,
+            block_v=block_v, num_warps=num_warps,
+        )  # fmt: skip
+
+    return replay_commit
 
 
-def _replay_commit(q, k, v, g, beta, num_accepted, ssm_state, state_indices, *, per_channel_g,
-                   scale, use_qk_l2norm, block_v, num_warps):  # fmt: skip
-    B = q.shape[0] if q.dim() == 4 else -1
-    _check_inputs(
-        q=q, k=k, v=v, g=g, beta=beta, ssm_state=ssm_state, state_indices=state_indices,
-        per_channel_g=per_channel_g, multi_token=True,
-    )  # fmt: skip
-    check_index("num_accepted", num_accepted, B)
-    if num_accepted.device != q.device:
-        raise ValueError(f"num_accepted is on {num_accepted.device} but q is on {q.device}")
-    _launch(
-        q=q, k=k, v=v, g=g, beta=beta, ssm_state=ssm_state, state_indices=state_indices,
-        num_tokens=num_accepted, out=None, intermediate_states=None, scale=scale,
-        use_qk_l2norm=use_qk_l2norm, per_channel_g=per_channel_g, write_slot=True,
-        block_v=block_v, num_warps=num_warps,
-    )  # fmt: skip
-
-
-def gdn_replay_commit(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    num_accepted: torch.Tensor,
-    ssm_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    *,
-    scale: float | None = None,
-    use_qk_l2norm: bool = True,
-    block_v: int | None = None,
-    num_warps: int | None = None,
-) -> None:
-    """Replay commit: advance each slot by its request's first ``num_accepted[b]`` tokens.
-
-    :param q: ``[B, K1, Hk, Dk]`` (the verify inputs; tokens past ``num_accepted[b]`` are not
-        read), ``k``, ``v``, ``g``, ``beta`` as in :func:`gdn_verify_replay`.
-    :param num_accepted: ``[B]`` int32 in ``0..K1`` (values above ``K1`` are clamped; ``0``
-        leaves the slot unchanged).
-    :param ssm_state: ``[S, Hv, Dk, Dv]``, slots written in place.
-    :param state_indices: ``[B]`` int32, ``-1`` = padding row (skipped).
-    """
-    _replay_commit(q, k, v, g, beta, num_accepted, ssm_state, state_indices, per_channel_g=False,
-                   scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=block_v,
-                   num_warps=num_warps)  # fmt: skip
-
-
-def kda_replay_commit(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    num_accepted: torch.Tensor,
-    ssm_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    *,
-    scale: float | None = None,
-    use_qk_l2norm: bool = True,
-    block_v: int | None = None,
-    num_warps: int | None = None,
-) -> None:
-    """:func:`gdn_replay_commit` for KDA: ``g`` is ``[B, K1, Hv, Dk]``."""
-    _replay_commit(q, k, v, g, beta, num_accepted, ssm_state, state_indices, per_channel_g=True,
-                   scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=block_v,
-                   num_warps=num_warps)  # fmt: skip
+# The public names: GDN (per-head gate) keeps each factory's docstring, KDA (per-channel gate)
+# points to it. Signatures, defaults and behaviour are those of the factories' inner functions.
+gdn_decode = _public(_decode_op(per_channel_g=False), "gdn_decode")
+kda_decode = _public(
+    _decode_op(per_channel_g=True),
+    "kda_decode",
+    """Kimi Delta Attention decode: as :func:`gdn_decode` with ``g`` ``[B, Hv, Dk]``, a log decay
+    per key channel (``S *= exp(g)[:, None]``).""",
+)
+gdn_verify_native = _public(_verify_native_op(per_channel_g=False), "gdn_verify_native")
+kda_verify_native = _public(
+    _verify_native_op(per_channel_g=True),
+    "kda_verify_native",
+    """:func:`gdn_verify_native` for KDA: ``g`` is ``[B, K1, Hv, Dk]``.""",
+)
+gdn_verify_replay = _public(_verify_replay_op(per_channel_g=False), "gdn_verify_replay")
+kda_verify_replay = _public(
+    _verify_replay_op(per_channel_g=True),
+    "kda_verify_replay",
+    """:func:`gdn_verify_replay` for KDA: ``g`` is ``[B, K1, Hv, Dk]``.""",
+)
+gdn_replay_commit = _public(_replay_commit_op(per_channel_g=False), "gdn_replay_commit")
+kda_replay_commit = _public(
+    _replay_commit_op(per_channel_g=True),
+    "kda_replay_commit",
+    """:func:`gdn_replay_commit` for KDA: ``g`` is ``[B, K1, Hv, Dk]``.""",
+)
 
 
 def gdn_commit(
