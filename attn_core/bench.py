@@ -109,13 +109,7 @@ def bench_group(
     """Time one decode step of ``group`` served by ``backend`` (a fresh runtime and state)."""
     from attn_core.state import PersistentState
 
-    one = Plan(
-        device=plan.device,
-        constraints=plan.constraints,
-        choices=(GroupChoice(group=group, backend=backend, rejected=(), outranked=()),),
-        page_size=plan.page_size,
-        kv_layout=plan.kv_layout,
-    )
+    # One layer of the group is enough to time a layer call (and keeps the state small).
     single = LayerGroup(group.group_id, group.spec, group.layer_indices[:1])
     ps = group.spec.page_size
     pages_per_req = -(-(context + 1) // ps)
@@ -128,11 +122,11 @@ def bench_group(
             device=device,
         )
     one = Plan(
-        device=one.device,
-        constraints=one.constraints,
+        device=plan.device,
+        constraints=plan.constraints,
         choices=(GroupChoice(group=single, backend=backend, rejected=(), outranked=()),),
-        page_size=one.page_size,
-        kv_layout=one.kv_layout,
+        page_size=plan.page_size,
+        kv_layout=plan.kv_layout,
     )
     runtime = AttentionRuntime(one, registry, state=state, device=device)
     layer = single.layer_indices[0]
