@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -211,7 +211,7 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
             if res.error is None:
                 tuning.record(backend.qualified_name, group.spec, res.us_per_layer)
     if args.json:
-        print(json.dumps([r.__dict__ | {"overhead_ratio": r.overhead_ratio} for r in results]))
+        print(json.dumps([asdict(r) | {"overhead_ratio": r.overhead_ratio} for r in results]))
     else:
         rows = [
             [
