@@ -202,6 +202,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         constraints=_constraints(args),
         progress=not args.no_progress,
         console=print,
+        shapes=args.shapes,
     )
     print(report.format())
     return 0 if getattr(report, "ok", True) else 1
@@ -251,6 +252,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--graphs", action="store_true", help="CUDA-graph decode")
+    p.add_argument(
+        "--shapes",
+        choices=("tiny", "kernel"),
+        default=None,
+        help="model shapes: tiny (head dim 16) or kernel (head dims GPU kernels serve); "
+        "default kernel on CUDA, tiny on CPU",
+    )
     p.add_argument("--no-progress", action="store_true")
     _add_constraint_args(p)
     p.set_defaults(func=cmd_run)

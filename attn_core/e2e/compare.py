@@ -27,19 +27,29 @@ __all__ = ["TOLERANCES", "MatchResult", "Tolerance", "compare_generation", "comp
 
 @dataclass(frozen=True, slots=True)
 class Tolerance:
-    """:ivar atol: bound on the max abs logit (or hidden-state) difference of one row.
+    """A row (one position's logits, or one token's hidden state) is within tolerance when
+    ``max|ours - theirs| <= atol + rtol * max|theirs|``: rounding error grows with the values'
+    magnitude, which grows with the model's sizes.
+
+    :ivar atol: absolute part of the bound.
     :ivar min_token_agreement: fraction of greedy tokens transformers must pick identically.
-    :ivar min_rows_within: fraction of rows (positions) whose max abs difference is <= atol."""
+    :ivar min_rows_within: fraction of rows that must be within the bound.
+    :ivar rtol: relative part of the bound (times the row's largest reference magnitude)."""
 
     atol: float
     min_token_agreement: float
     min_rows_within: float = 1.0
+    rtol: float = 0.0
+
+    def bound(self, reference_rows: torch.Tensor) -> torch.Tensor:
+        """``[N]`` per-row bound for reference rows ``[N, V]``."""
+        return self.atol + self.rtol * reference_rows.abs().amax(-1)
 
 
 TOLERANCES: dict[str, Tolerance] = {
-    "float32": Tolerance(atol=1e-4, min_token_agreement=1.0),
-    "bfloat16": Tolerance(atol=0.5, min_token_agreement=0.8, min_rows_within=0.9),
-    "float16": Tolerance(atol=0.1, min_token_agreement=0.9, min_rows_within=0.9),
+    "float32": Tolerance(atol=1e-4, min_token_agreement=1.0, rtol=1e-5),
+    "bfloat16": Tolerance(atol=0.5, min_token_agreement=0.8, min_rows_within=0.9, rtol=0.01),
+    "float16": Tolerance(atol=0.1, min_token_agreement=0.9, min_rows_within=0.9, rtol=0.005),
 }
 
 
@@ -63,6 +73,7 @@ class MatchResult:
     min_token_agreement: float
     rows_within: float = 1.0
     min_rows_within: float = 1.0
+    rtol: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -75,7 +86,8 @@ class MatchResult:
         verdict = "MATCH" if self.ok else "MISMATCH"
         return (
             f"{verdict} max|diff|={self.max_abs_diff:.2e}, {self.rows_within:.0%} of rows within "
-            f"atol {self.atol:g} (need {self.min_rows_within:.0%}), greedy tokens "
+            f"atol {self.atol:g} + rtol {self.rtol:g}*max|ref| (need {self.min_rows_within:.0%}), "
+            "greedy tokens "
             f"{self.token_agreement:.0%} of {self.tokens} (need {self.min_token_agreement:.0%}), "
             f"{self.positions} positions"
         )
@@ -103,7 +115,7 @@ def compare_generation(
             )
         row_diff = (ours - theirs).abs().amax(-1)
         diff = max(diff, row_diff.max().item())
-        within += int((row_diff <= tol.atol).sum())
+        within += int((row_diff <= tol.bound(theirs)).sum())
         picks = theirs[len(prompt) - 1 :].argmax(-1).tolist()
         agree += sum(int(a == b) for a, b in zip(picks, toks, strict=True))
         positions += ours.shape[0]
@@ -117,6 +129,7 @@ def compare_generation(
         tol.min_token_agreement,
         within / max(positions, 1),
         tol.min_rows_within,
+        tol.rtol,
     )
 
 
@@ -136,7 +149,8 @@ def compare_vision(
         (result.merged, merged),
     ]
     row_diffs = torch.cat([(a - b).abs().amax(-1) for a, b in pairs])
-    within = int((row_diffs <= tol.atol).sum()) / max(row_diffs.numel(), 1)
+    bounds = torch.cat([tol.bound(b.reshape(a.shape).to(a.device)) for a, b in pairs])
+    within = int((row_diffs <= bounds).sum()) / max(row_diffs.numel(), 1)
     return MatchResult(
         row_diffs.max().item(),
         1.0,
@@ -146,4 +160,5 @@ def compare_vision(
         tol.min_token_agreement,
         within,
         tol.min_rows_within,
+        tol.rtol,
     )

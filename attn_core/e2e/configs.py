@@ -15,7 +15,7 @@ import torch
 
 from attn_core.models import ModelLayout, load_sample, specs_from_hf_config
 
-__all__ = ["ARCHITECTURES", "TinyModel", "build_tiny", "tiny_config"]
+__all__ = ["ARCHITECTURES", "SHAPES", "TinyModel", "build_tiny", "tiny_config"]
 
 _VOCAB = 256
 
@@ -106,26 +106,64 @@ _SHRINK: dict[str, dict[str, Any]] = {
         out_hidden_size=64,
     ),
 }
+# ``shapes="kernel"``: still few layers and a small hidden size, but the attention shapes the
+# GPU kernels serve (head dim 64 / 128, DeepSeek's real MLA ranks 512 + 64, Mamba2 heads of 64
+# with state 128), so a GPU run selects the GPU plugins instead of falling back to the
+# reference backend for head dims no kernel is built for.
+_KERNEL_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3": dict(hidden_size=256, head_dim=128),
+    "qwen3-next": dict(
+        hidden_size=256, head_dim=128, linear_key_head_dim=128, linear_value_head_dim=128
+    ),
+    "deepseek-v3": dict(
+        hidden_size=256,
+        q_lora_rank=128,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+    ),
+    "bamba": dict(
+        hidden_size=256,  # attention head dim 256 / 4 = 64
+        mamba_n_heads=8,
+        mamba_d_head=64,  # mamba_expand 2 * hidden 256 = 8 heads * 64
+        mamba_d_state=128,
+        mamba_chunk_size=64,
+    ),
+    "gpt-oss": dict(hidden_size=256, head_dim=64),
+    "qwen2.5-vl-vision": dict(hidden_size=256, out_hidden_size=256),  # 4 heads of 64
+}
 #: Sample names the runner drives, in report order.
 ARCHITECTURES: tuple[str, ...] = tuple(_SHRINK)
+#: ``tiny``: the smallest shapes (CPU tests); ``kernel``: head dims the GPU kernels serve.
+SHAPES = ("tiny", "kernel")
 
 
-def tiny_config(name: str) -> dict[str, Any]:
+def tiny_config(name: str, shapes: str = "tiny") -> dict[str, Any]:
     """The sample config ``name`` with sizes shrunk (a fresh dict, ``config.json`` shaped).
 
     For ``qwen2.5-vl-vision`` the shrink applies to ``vision_config`` (the tower is what runs).
+
+    :param shapes: ``"tiny"`` (head dims of 16: fast on CPU) or ``"kernel"`` (head dims 64 /
+        128 and DeepSeek's real MLA ranks, which FlashInfer, FlashAttention and the Triton SSM
+        kernels serve; still a few layers of hidden size 256).
     """
     if name not in _SHRINK:
         raise ValueError(f"model {name!r} has no tiny config; available: {list(ARCHITECTURES)}")
+    if shapes not in SHAPES:
+        raise ValueError(f"shapes={shapes!r}: expected one of {SHAPES}")
+    shrink = copy.deepcopy(_SHRINK[name])
+    if shapes == "kernel":
+        shrink.update(copy.deepcopy(_KERNEL_SHAPES[name]))
     cfg = load_sample(name)
     if name == "qwen2.5-vl-vision":
         cfg["vision_config"] = {
             **cfg["vision_config"],
-            **copy.deepcopy(_SHRINK[name]),
+            **shrink,
             "initializer_range": 0.1,
         }
         return cfg
-    cfg.update(copy.deepcopy(_SHRINK[name]))
+    cfg.update(shrink)
     cfg["vocab_size"] = _VOCAB
     # transformers' default std 0.02 leaves the layers' share of the residual stream tiny at
     # hidden 64, so logits would hardly depend on attention; 0.1 gives every layer weight.
@@ -175,14 +213,16 @@ def build_tiny(
     seed: int = 0,
     tp_size: int = 1,
     page_size: int = 16,
+    shapes: str = "tiny",
 ) -> TinyModel:
     """Build the tiny transformers model ``name`` with random weights (seeded) and its layout.
 
     :param dtype: ``"float32"`` / ``"bfloat16"`` / ``"float16"``: the model's and the specs'.
+    :param shapes: ``"tiny"`` or ``"kernel"`` (see :func:`tiny_config`).
     """
     import transformers
 
-    cfg = tiny_config(name)
+    cfg = tiny_config(name, shapes)
     hf_cfg = _hf_config(name, cfg)
     hf_cfg._attn_implementation = "eager"
     torch.manual_seed(seed)

@@ -75,6 +75,14 @@ def default_registry():
     return registry
 
 
+def default_shapes(device: torch.device | str, shapes: str | None) -> str:
+    """``shapes`` if given, else ``"kernel"`` on CUDA (head dims the GPU kernels serve) and
+    ``"tiny"`` elsewhere (see :func:`attn_core.e2e.configs.tiny_config`)."""
+    if shapes is not None:
+        return shapes
+    return "kernel" if torch.device(device).type == "cuda" else "tiny"
+
+
 def make_prompts(n: int, *, vocab: int = 256, seed: int = 0) -> list[list[int]]:
     """``n`` random prompts of varied lengths (3..17 tokens), deterministic for a seed."""
     gen = torch.Generator().manual_seed(seed)
@@ -209,11 +217,12 @@ def run_architecture(
     constraints: ExecutionConstraints | None = None,
     chunk_size: int = 5,
     on_progress: Callable[[int, int, int], None] | None = None,
+    shapes: str | None = None,
 ) -> ArchitectureRun:
     """Build, run and compare one architecture (see :func:`run_main`)."""
     device = torch.device(device)
     registry = registry if registry is not None else default_registry()
-    model = build_tiny(name, device=device, dtype=dtype)
+    model = build_tiny(name, device=device, dtype=dtype, shapes=default_shapes(device, shapes))
     notes: list[str] = []
     if model.is_encoder:
         grids = [_VISION_GRIDS[i % len(_VISION_GRIDS)] for i in range(max(prompts, 1))]
@@ -342,6 +351,7 @@ def run_main(
     constraints: ExecutionConstraints | None,
     progress: bool = True,
     console: Callable[..., Any] = print,
+    shapes: str | None = None,
 ) -> RunReport:
     """Entry point of ``attn run --model NAME``.
 
@@ -357,6 +367,7 @@ def run_main(
         and the graph mode are set from the run itself.
     :param progress: show a progress display.
     :param console: where plain progress lines go.
+    :param shapes: ``"tiny"`` or ``"kernel"`` model shapes (default: kernel on CUDA).
     :returns: a :class:`RunReport`; ``report.format()`` is the text to print.
     """
     from attn_core.specs import DTYPES, _canonical_dtype
@@ -381,6 +392,7 @@ def run_main(
                     registry=registry,
                     constraints=constraints,
                     on_progress=update,
+                    shapes=shapes,
                 )
             )
     return RunReport(model, str(torch.device(device)), dtype, runs)

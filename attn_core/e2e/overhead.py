@@ -18,7 +18,7 @@ import torch
 
 from attn_core.e2e.adapters import CausalLMAdapter
 from attn_core.e2e.configs import build_tiny
-from attn_core.e2e.main import default_registry, plan_for, resolve_models
+from attn_core.e2e.main import default_registry, default_shapes, plan_for, resolve_models
 from attn_core.e2e.runner import Engine
 from attn_core.specs import ExecutionConstraints
 
@@ -73,6 +73,7 @@ def measure_overhead(
     warmup: int = 3,
     registry: Any = None,
     constraints: ExecutionConstraints | None = None,
+    shapes: str | None = None,
 ) -> OverheadReport:
     """Time one decode step of the tiny ``model`` through bindings and directly.
 
@@ -81,12 +82,13 @@ def measure_overhead(
     :param dtype: default bfloat16 on CUDA, float32 on CPU.
     :param batch_size: decode requests in the step.
     :param context_len: tokens already cached per request (prefilled first).
+    :param shapes: ``"tiny"`` or ``"kernel"`` model shapes (default: kernel on CUDA).
     """
     (name,) = resolve_models(model)
     dev = torch.device(device)
     dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     registry = registry if registry is not None else default_registry()
-    tiny = build_tiny(name, device=dev, dtype=dtype)
+    tiny = build_tiny(name, device=dev, dtype=dtype, shapes=default_shapes(dev, shapes))
     if tiny.is_encoder:
         raise ValueError(f"model {name!r} is an encoder: it has no decode step to measure")
     chunk = max(context_len, 1)

@@ -150,3 +150,40 @@ def test_cuda_graph_decode(name: str) -> None:
     )
     assert run.graph_replays > 0, run.format()
     assert run.match.max_abs_diff < 1e-3 and run.match.token_agreement == 1.0, run.format()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek-v3"])
+def test_kernel_shapes_match_transformers_cpu(name: str) -> None:
+    """The GPU runs' shapes (head dim 128, MLA ranks 512 + 64) parse and match on CPU too."""
+    run = run_architecture(name, prompts=2, max_new_tokens=3, shapes="kernel")
+    dims = {g["spec"].split(" d")[1].split()[0] for g in run.plan["groups"]}
+    assert dims & {"128", "576/512"}, run.format()
+    assert run.ok, run.format()
+
+
+# ------------------------------------------------------------------------------------------
+# GPU: the plugins found by entry points serve the model (kernel shapes), not the reference
+# ------------------------------------------------------------------------------------------
+def _gpu_plugin_run(name: str, **kw):
+    from attn_core.registry import Registry
+
+    run = run_architecture(name, device="cuda", registry=Registry.discover(), **kw)
+    print(run.format())
+    served = {g["backend"] for g in run.plan["groups"]} - {"attn_core:reference"}
+    assert served, f"every group fell back to the reference backend:\n{run.format()}"
+    return run
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=gpu) for n in ARCHITECTURES])
+def test_gpu_plugins_match_transformers_bf16(name: str) -> None:
+    run = _gpu_plugin_run(name, dtype="bfloat16", prompts=4, max_new_tokens=6)
+    assert run.ok, run.format()
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=gpu) for n in ("qwen3", "qwen3-next", "bamba", "deepseek-v3")]
+)
+def test_gpu_plugins_cuda_graph_decode_bf16(name: str) -> None:
+    run = _gpu_plugin_run(name, dtype="bfloat16", prompts=3, max_new_tokens=6, graphs=True)
+    assert run.graph_replays > 0, run.format()
+    assert run.ok, run.format()
