@@ -5,14 +5,16 @@ Sections (each isolated: a failure is recorded in the JSON and the next section 
 1. ``copy``: device copy bandwidth, ``y.copy_(x)`` of 1 GiB (read + write bytes / time).
 2. ``decode``: paged decode, bf16, 32 q / 8 kv heads, d128, page 16, B = 1, 64, 256, context
    4096 and 32768. ``plugin`` = ``binding.forward`` (K/V write + run) after one ``prepare``;
-   ``direct`` = the same planned FlashInfer wrapper's ``run()``; time per call from CUDA events
-   over many calls; GB/s = K+V bytes read / direct time.
+   ``direct`` = the same planned FlashInfer wrapper's ``run()``; ``FI append+run`` = FlashInfer
+   doing the plugin's whole job (its ``append_paged_kv_cache`` kernel, then ``run()``); time per
+   call from CUDA events over many eager calls (at B=1 that is host-bound: host time per call
+   is reported too, and section 5 repeats B=1 inside a CUDA graph); GB/s = K+V bytes / time.
 3. ``prefill``: ragged causal prefill, B*S = 16k tokens (B=2, S=8192), 16 heads, d128: plugin
    (write + ragged run) vs the ragged wrapper's ``run()``; TFLOP/s = 2 * B * S^2 * H * D / t.
 4. ``prepare``: host time of ``runtime.prepare(batch)`` for a B=256 decode step (ctx 4096),
    ``time.perf_counter``, median and p90 of many calls (target < 150 us).
-5. ``graph``: a 32-layer decode step (B=64, ctx 4096) captured in one CUDA graph: replay time
-   per layer vs the bare wrapper ``run()`` captured the same way and run eagerly.
+5. ``graph``: a 32-layer decode step (B=64 and B=1, ctx 4096) captured in one CUDA graph:
+   replay time per layer vs the bare wrapper ``run()`` captured the same way and run eagerly.
 
 Usage (from the repository root, on the GPU machine)::
 
@@ -139,7 +141,35 @@ def bench_decode(spec, batch: int, ctx: int) -> dict:
     def direct():
         wrapper.run(q, (kv.k, kv.v), out=out)
 
+    # FlashInfer doing the plugin's whole job directly: its own KV append kernel, then run().
+    import flashinfer
+
+    pages_per = math.ceil(ctx / PAGE)
+    kv_indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * pages_per
+    kv_indices = b.page_table[:batch, :pages_per].reshape(-1).contiguous()
+    last_len = torch.full((batch,), (ctx - 1) % PAGE + 1, dtype=torch.int32, device="cuda")
+    append_indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    batch_idx, positions = flashinfer.get_batch_indices_positions(append_indptr, seq_lens, batch)
+
+    def direct_with_write():
+        flashinfer.append_paged_kv_cache(
+            k, v, batch_idx, positions, (kv.k, kv.v), kv_indices, kv_indptr, last_len
+        )
+        wrapper.run(q, (kv.k, kv.v), out=out)
+
+    def host_us(fn, n: int = 200) -> float:
+        """Host time per call to enqueue ``fn`` (the GPU is idle at the start)."""
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        return (t1 - t0) * 1e6 / n
+
     plugin()  # JIT compile (or load) outside the timing
+    direct_with_write()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     direct()
@@ -148,6 +178,7 @@ def bench_decode(spec, batch: int, ctx: int) -> dict:
     iters = _iters_for(guess)
     t_direct = _events_time(direct, iters)
     t_plugin = _events_time(plugin, iters)
+    t_direct_write = _events_time(direct_with_write, iters)
     kv_bytes = batch * ctx * HKV * D * 2 * 2
     res = {
         "B": batch,
@@ -156,6 +187,10 @@ def bench_decode(spec, batch: int, ctx: int) -> dict:
         "plugin_us": t_plugin,
         "direct_us": t_direct,
         "ratio": t_plugin / t_direct,
+        "direct_with_write_us": t_direct_write,
+        "ratio_vs_direct_with_write": t_plugin / t_direct_write,
+        "plugin_host_us": host_us(plugin),
+        "direct_host_us": host_us(direct),
         "kv_GB": kv_bytes / 1e9,
         "direct_GB/s": kv_bytes / t_direct / 1e3,
         "plugin_GB/s": kv_bytes / t_plugin / 1e3,
@@ -222,12 +257,38 @@ def bench_prepare(spec, batch: int = 256, ctx: int = 4096, iters: int = 300) -> 
         if i >= 20:
             times.append((t1 - t0) * 1e6)
     times.sort()
+    # The share of FlashInfer's own plan(): record the wrapper's plan() arguments of one
+    # prepare, then time plan() alone with them.
+    wrapper = _context(runtime).step.wrapper
+    recorded = {}
+    real_plan = wrapper.plan
+
+    def recording_plan(*args, **kwargs):
+        recorded["call"] = (args, kwargs)
+        return real_plan(*args, **kwargs)
+
+    wrapper.plan = recording_plan
+    try:
+        runtime.prepare(builder.build(reqs))
+    finally:
+        del wrapper.plan  # back to the class method
+    args, kwargs = recorded["call"]
+    plan_times = []
+    for i in range(iters // 2 + 10):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        wrapper.plan(*args, **kwargs)
+        t1 = time.perf_counter()
+        if i >= 10:
+            plan_times.append((t1 - t0) * 1e6)
+    torch.cuda.synchronize()
     res = {
         "B": batch,
         "ctx": ctx,
         "median_us": statistics.median(times),
         "p90_us": times[int(0.9 * len(times))],
         "min_us": times[0],
+        "flashinfer_plan_median_us": statistics.median(plan_times),
         "target_us": 150,
     }
     return res
@@ -323,13 +384,15 @@ def _table(results: dict) -> str:
         copy_bw = results["copy"][0]["GB/s"] if "copy" in results else float("nan")
         lines.append(
             "decode bf16 32q/8kv d128 page16 |   B |   ctx | plugin us | direct us | ratio | "
-            "GB/s (direct) | % of copy"
+            "FI append+run us | ratio | host us plugin/direct | GB/s plugin | % of copy"
         )
         for r in results["decode"]:
             lines.append(
                 f"{'':32} | {r['B']:3d} | {r['ctx']:5d} | {r['plugin_us']:9.1f} | "
-                f"{r['direct_us']:9.1f} | {r['ratio']:5.2f} | {r['direct_GB/s']:13.0f} | "
-                f"{100 * r['direct_GB/s'] / copy_bw:8.0f}%"
+                f"{r['direct_us']:9.1f} | {r['ratio']:5.2f} | {r['direct_with_write_us']:16.1f} | "
+                f"{r['ratio_vs_direct_with_write']:5.2f} | "
+                f"{r['plugin_host_us']:9.1f} / {r['direct_host_us']:<9.1f} | "
+                f"{r['plugin_GB/s']:11.0f} | {100 * r['plugin_GB/s'] / copy_bw:8.0f}%"
             )
     for r in results.get("prefill", []):
         lines.append(
@@ -340,7 +403,8 @@ def _table(results: dict) -> str:
     for r in results.get("prepare", []):
         lines.append(
             f"prepare() host time, B={r['B']} decode: median {r['median_us']:.1f} us, "
-            f"p90 {r['p90_us']:.1f} us (target < {r['target_us']} us)"
+            f"p90 {r['p90_us']:.1f} us (target < {r['target_us']} us); FlashInfer plan() alone "
+            f"{r['flashinfer_plan_median_us']:.1f} us"
         )
     for r in results.get("graph", []):
         lines.append(
@@ -387,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     _run(results, "prefill", bench_prefill)
     _run(results, "prepare", bench_prepare, spec)
     _run(results, "graph", bench_graph, spec)
+    _run(results, "graph", bench_graph, spec, batch=1)
     results["total_s"] = round(time.perf_counter() - started, 1)
     table = _table(results)
     print("\n" + table)
