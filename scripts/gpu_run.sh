@@ -1,41 +1,61 @@
 #!/usr/bin/env bash
-# One full GPU verification run on the lent H200: install, GPU tests, conformance kit, benchmarks.
-# Usage (on the device, from the checkout root): bash scripts/gpu_run.sh [stage ...]
-#   stages: info install tests kit bench e2e   (default: all of them)
-# Logs and JSON results go to $OUT (or ./gpu-out when OUT is unset).
+# GPU verification on the lent H200s: install, GPU tests, conformance kit, benchmarks.
+# Usage (on the device, from the checkout root): bash scripts/gpu_run.sh STAGE ...
+#   stages: info install
+#           t_core t_e2e t_tp t_fi t_ssm t_varlen t_fa3   (pytest; GPU tests of each area)
+#           kit_fi kit_ssm kit_varlen                       (conformance kit per backend)
+#           b_fi b_ssm b_runtime b_e2e                      (benchmarks, JSON under $OUT)
+#           run                                             (attn run --model all)
+# Stages run in order; pick the GPU with CUDA_VISIBLE_DEVICES to run two lanes at once, and set
+# DEADLINE=$(( $(date +%s) + N )) so that no stage outlives the device call.
+# Logs go to $OUT/<stage>.log (or ./gpu-out), pass/fail lines to $OUT/summary.log.
 set -u
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
-stages=${*:-info install tests kit bench e2e}
 export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 export FLASHINFER_WORKSPACE_BASE=$PWD/.jit TRITON_CACHE_DIR=$PWD/.jit/triton
 . ./scripts/device_setup.sh
-log() { echo "=== $* ($(date +%T))" | tee -a "$OUT/summary.log"; }
-run() {  # run NAME TIMEOUT CMD...: log to $OUT/NAME.log, tail the pass line into summary
+lane="gpu${CUDA_VISIBLE_DEVICES:-all}"
+log() { echo "=== [$lane] $* ($(date +%T))" >>"$OUT/summary.log"; }
+run() {  # run NAME TIMEOUT CMD...: log to $OUT/NAME.log, the last lines into the summary
   local name=$1 limit=$2; shift 2
+  if [ -n "${DEADLINE:-}" ]; then  # DEADLINE (epoch seconds): never run past the call's limit
+    local left=$((DEADLINE - $(date +%s) - 5))
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 15 ]; then log "$name: skipped, no time left before DEADLINE"; return; fi
+  fi
   log "$name: $*"
+  local t0=$SECONDS
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
-  tail -n 3 "$OUT/$name.log" | sed "s/^/  [$name rc=$rc] /" | tee -a "$OUT/summary.log"
+  { grep -E "^(FAILED|ERROR) " "$OUT/$name.log" | head -40
+    tail -n 2 "$OUT/$name.log"; } | sed "s/^/  [$name rc=$rc $((SECONDS - t0))s] /" >>"$OUT/summary.log"
 }
-for stage in $stages; do case $stage in
+PYTEST=(python3 -m pytest -q -p no:cacheprovider --tb=short -rfE)
+for stage in "$@"; do case $stage in
 info)
-  nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv | tee -a "$OUT/summary.log"
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/summary.log" ;;
+  nvidia-smi --query-gpu=index,name,compute_cap,memory.total,driver_version --format=csv >>"$OUT/summary.log"
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >>"$OUT/summary.log" 2>&1 ;;
 install)
   editables=(-e .)
   for p in attn_plugins/*/; do [ -f "$p/pyproject.toml" ] && editables+=(-e "$p"); done
   run install 300 python3 -m pip install -q --no-deps --no-build-isolation "${editables[@]}"
   run list 60 attn list ;;
-tests)
-  run gpu_tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests attn_plugins ;;
-kit)
-  for b in flashinfer:flashinfer triton_ssm:triton_ssm fa3:fa3 varlen:varlen; do
-    run "kit_${b%%:*}" 240 python3 -m pytest -q -p no:cacheprovider --attn-backend="$b"
-  done ;;
-bench)
-  run bench_flashinfer 300 python3 attn_plugins/flashinfer/bench/bench_flashinfer.py --out "$OUT/bench_flashinfer.json"
-  run bench_ssm 300 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --out "$OUT/bench_ssm.json"
-  run bench_runtime 120 python3 bench/bench_runtime.py --device cuda --out "$OUT/bench_runtime.json" ;;
-e2e)
-  run attn_run 300 attn run --model qwen3-next --device cuda --no-progress ;;
+t_core) run t_core 500 "${PYTEST[@]}" -m gpu tests --ignore=tests/e2e ;;
+t_e2e) run t_e2e 500 "${PYTEST[@]}" -m gpu tests/e2e --deselect tests/e2e/test_tp.py ;;
+t_tp) run t_tp 300 "${PYTEST[@]}" tests/e2e/test_tp.py ;;
+t_fi) run t_fi 500 "${PYTEST[@]}" attn_plugins/flashinfer/tests ;;
+t_ssm) run t_ssm 500 "${PYTEST[@]}" attn_plugins/triton_ssm/tests ;;
+t_varlen) run t_varlen 300 "${PYTEST[@]}" attn_plugins/varlen/tests ;;
+t_fa3) run t_fa3 300 "${PYTEST[@]}" attn_plugins/fa3/tests ;;
+kit_fi) run kit_fi 400 "${PYTEST[@]}" --attn-backend=flashinfer:flashinfer
+  run kit_fi_mla 300 "${PYTEST[@]}" --attn-backend=flashinfer:flashinfer_mla ;;
+kit_ssm) run kit_ssm 400 "${PYTEST[@]}" --attn-backend=triton_ssm:triton_ssm ;;
+kit_varlen) run kit_varlen 300 "${PYTEST[@]}" --attn-backend=varlen:varlen
+  run kit_sdpa 300 "${PYTEST[@]}" --attn-backend=varlen:sdpa ;;
+b_fi) run b_fi 400 python3 attn_plugins/flashinfer/bench/bench_flashinfer.py --out "$OUT/bench_flashinfer.json" ;;
+b_ssm) run b_ssm 450 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --prefill --plugin --budget-s 400 --out "$OUT/bench_ssm.json" ;;
+b_runtime) run b_runtime 120 python3 bench/bench_runtime.py --device cuda --out "$OUT/bench_runtime.json" ;;
+b_e2e) run b_e2e 450 python3 bench/bench_e2e.py --device cuda --out "$OUT/bench_e2e.json" ;;
+run) run attn_run 300 attn run --model all --device cuda --no-progress ;;
+*) log "unknown stage $stage" ;;
 esac; done
 log done
