@@ -7,11 +7,16 @@ per tensor.
 
 Padding tokens of a CUDA-graph padded batch carry slot ``-1`` ("write nothing"). Dropping them
 with a boolean mask would sync with the host and change shapes, which a captured graph cannot
-do. Instead they are redirected to the slot of the batch's first token *with the first token's
-values*: the duplicate write stores the same bytes twice (``index_copy_`` with duplicate indices
-is only nondeterministic in which copy lands last). The first token is always a real one, since
-padding rows follow the real requests. A backend that already knows the real rows on the host
-(from ``prepare``) may pass a precomputed ``src``/``dst`` pair to :func:`write_rows` instead.
+do. Instead every padding row is redirected to a slot whose final bytes it cannot change:
+
+* when the batch's first token is real (padding rows follow the real requests), to that
+  token's slot *with that token's values*: the duplicate write stores the same bytes twice
+  (``index_copy_`` with duplicate indices is only nondeterministic in which copy lands last);
+* when every row is padding (the dummy step a server captures a graph with), to cache row 0
+  *with the bytes row 0 holds already*, read in the same step: nothing changes.
+
+Which case applies is decided on the device, so one captured graph serves both. A backend that
+already knows the real rows on the host may call :func:`write_rows` with a ``src``/``dst`` pair.
 
 fp8 caches store ``clamp(x / scale, -448, 448)`` in ``float8_e4m3fn``; the scale is the layer's
 0-dim device tensor (or a float), so quantising costs no host sync and a captured graph reads
@@ -101,9 +106,14 @@ def write_slots(
     slots = slot_mapping[:n]
     if slots.dtype != torch.long:
         slots = slots.long()
+    flat, values = _flat(cache, quantize(x, cache.dtype, scale))
     if may_have_padding:
         valid = slots >= 0
-        slots = torch.where(valid, slots, slots[:1])
-        x = torch.where(valid.view(-1, *([1] * (x.dim() - 1))), x, x[:1])
-    flat, values = _flat(cache, quantize(x, cache.dtype, scale))
+        first = slots[:1].clamp(min=0)  # token 0's slot, or row 0 when token 0 is padding
+        row = (1, *values.shape[1:])
+        unchanged = torch.where(
+            (slots[:1] >= 0).view([1] * values.dim()), values[:1], flat.index_select(0, first)
+        ).view(row)
+        slots = torch.where(valid, slots, first)
+        values = torch.where(valid.view(-1, *([1] * (values.dim() - 1))), values, unchanged)
     flat.index_copy_(0, slots, values)

@@ -26,6 +26,15 @@ def test_padding_slots_store_nothing():
     assert flat[untouched].abs().sum() == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, FP8_DTYPE])
+def test_a_step_of_padding_only_changes_nothing(dtype):
+    """The dummy step a server captures a graph with: every slot is -1, row 0 holds data."""
+    cache = torch.randn(4, 4, 2, 3).to(dtype)
+    before = cache.clone()
+    write_slots(torch.randn(3, 2, 3), cache, torch.tensor([-1, -1, -1]), torch.tensor(1.0))
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+
+
 def test_without_padding_matches_rows_writer():
     x = torch.randn(3, 2, 3)
     a, b = _cache(), _cache()
@@ -62,7 +71,7 @@ def test_write_captures_in_a_cuda_graph_and_replays_new_slots():
     dev = torch.device("cuda")
     cache = _cache().to(dev)
     x = torch.zeros(3, 2, 3, device=dev)
-    slots = torch.tensor([0, 1, -1], device=dev)
+    slots = torch.tensor([-1, -1, -1], device=dev)  # a dummy step of padding only
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -79,3 +88,7 @@ def test_write_captures_in_a_cuda_graph_and_replays_new_slots():
     torch.testing.assert_close(flat[7], x[0].cpu())
     torch.testing.assert_close(flat[12], x[2].cpu())
     assert flat[[i for i in range(16) if i not in (7, 12)]].abs().sum() == 0
+    slots.fill_(-1)  # replaying padding only leaves everything as it is
+    before = cache.clone()
+    graph.replay()
+    assert torch.equal(cache, before)
