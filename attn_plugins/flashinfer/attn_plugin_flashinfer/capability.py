@@ -65,6 +65,7 @@ FULL_CAPABILITIES = BackendCapabilities(
     logits_soft_cap=True,
     sinks=False,
     deterministic=False,
+    mixed_kv_dtypes=False,  # kernels are built for (q, kv) = (bf16, bf16), (fp16, fp16), fp8 KV
 )
 
 MLA_CAPABILITIES = BackendCapabilities(
@@ -81,6 +82,7 @@ MLA_CAPABILITIES = BackendCapabilities(
     causal=True,
     non_causal=False,
     deterministic=False,
+    mixed_kv_dtypes=False,
 )
 
 

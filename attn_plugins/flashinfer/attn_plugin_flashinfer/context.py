@@ -48,7 +48,7 @@ import torch
 from attn_core.batch import AttentionBatch, BatchMode
 from attn_core.context import WorkspaceRequirement
 from attn_core.specs import ExecutionConstraints, GraphMode, LayerGroup, LayerKind, LayerSpec
-from attn_core.state.kv_write import FP8_DTYPE, write_rows
+from attn_core.state.kv_write import FP8_DTYPE, write_rows, write_slots
 from attn_plugin_flashinfer import planning
 
 __all__ = [
@@ -102,26 +102,21 @@ def workspace_requirements(
     - ``int_workspace`` ``[8 MiB]`` uint8: plan info, shared by the context's wrappers.
     - ``host_meta`` ``[2, 5B + 2]`` int32, pinned: two halves of
       ``kv_indptr (B+1) | row_offset (B) | last_page_len (B) | qo_indptr (B+1) | kv_len (B)``.
-    - ``host_src`` ``[2, T]`` int64, pinned: write sources of padded steps.
     - ``dev_meta`` ``[2B + 1]`` int32: device copy of ``kv_indptr | row_offset``.
     - ``kv_indices`` / ``arange`` ``[B * (ceil(max_model_len / page) + 1)]`` int32.
-    - ``write_src`` / ``write_dst`` ``[T]`` int64.
     - ``graph_kv_indptr`` / ``graph_qo_indptr`` ``[B + 1]``, ``graph_last_page_len`` /
       ``graph_kv_len`` ``[B]`` int32: what captured decode kernels read.
     """
-    B, T = constraints.max_batch_size, constraints.max_num_tokens
+    B = constraints.max_batch_size
     pages = _max_pages(spec, constraints)
-    i32, i64 = torch.int32, torch.int64
+    i32 = torch.int32
     return [
         WorkspaceRequirement("float_workspace", (FLOAT_WORKSPACE_BYTES,), torch.uint8, zero=True),
         WorkspaceRequirement("int_workspace", (INT_WORKSPACE_BYTES,), torch.uint8, zero=True),
         WorkspaceRequirement("host_meta", (2, 5 * B + 2), i32, host=True, zero=True),
-        WorkspaceRequirement("host_src", (2, T), i64, host=True, zero=True),
         WorkspaceRequirement("dev_meta", (2 * B + 1,), i32, zero=True),
         WorkspaceRequirement("kv_indices", (pages,), i32, zero=True),
         WorkspaceRequirement("arange", (pages,), i32),
-        WorkspaceRequirement("write_src", (T,), i64, zero=True),
-        WorkspaceRequirement("write_dst", (T,), i64, zero=True),
         WorkspaceRequirement("graph_kv_indptr", (B + 1,), i32, zero=True),
         WorkspaceRequirement("graph_qo_indptr", (B + 1,), i32, zero=True),
         WorkspaceRequirement("graph_last_page_len", (B,), i32, zero=True),
@@ -135,8 +130,9 @@ class _Step:
 
     kind: StepKind
     wrapper: Any
-    dst: torch.Tensor | None  # [N] int64 cache slots to write
-    src: torch.Tensor | None  # [N] int64 rows of k/v to write (None: k[:N])
+    # [N] int64 cache slots of the N real tokens; None: the step is padded (or may be replayed
+    # padded), so the K/V write goes through the graph-safe write_slots(slot_mapping)
+    dst: torch.Tensor | None
 
 
 def _share_int_workspace(wrapper: Any, int_ws: torch.Tensor, pinned: torch.Tensor) -> Any:
@@ -179,14 +175,10 @@ class _PagedContext:
         )
         self.host = ws["host_meta"]
         self.host_np = self.host.numpy()
-        self.host_src = ws["host_src"]
-        self.host_src_np = self.host_src.numpy()
         self.dev_meta = ws["dev_meta"]
         self.kv_indices = ws["kv_indices"]
         self.arange = ws["arange"]
         torch.arange(self.arange.shape[0], dtype=torch.int32, out=self.arange)
-        self.write_src = ws["write_src"]
-        self.write_dst = ws["write_dst"]
         self.g_kv_indptr = ws["graph_kv_indptr"]
         self.g_qo_indptr = ws["graph_qo_indptr"]
         self.g_last_page_len = ws["graph_last_page_len"]
@@ -230,7 +222,7 @@ class _PagedContext:
             )
         P, T, n = batch.padded_reqs, batch.padded_tokens, batch.num_tokens
         if P == 0 or T == 0:
-            return _Step(StepKind.EMPTY, None, None, None)
+            return _Step(StepKind.EMPTY, None, None)
         if batch.page_table is None or batch.slot_mapping is None or not batch.page_size:
             raise ValueError("the batch has no page table / slot mapping: build it with a state")
         if P > self.B:
@@ -262,14 +254,7 @@ class _PagedContext:
             out=self.kv_indices,
         )
         graph = self.graph_decode and batch.mode is BatchMode.DECODE
-        if graph or n != T:
-            planning.write_sources(n, T, self.host_src_np[h])
-            src = self.write_src[:T]
-            src.copy_(self.host_src[h, :T], non_blocking=nb)
-            dst = self.write_dst[:T]
-            torch.index_select(batch.slot_mapping, 0, src, out=dst)
-        else:
-            src, dst = None, batch.slot_mapping[:n]
+        dst = None if graph or n != T else batch.slot_mapping[:n]
         host = self.host[h]
         views = _HostViews(
             kv_indptr=host[o.kv_indptr : o.kv_indptr + P + 1],
@@ -278,12 +263,20 @@ class _PagedContext:
             kv_len=host[o.kv_len : o.kv_len + P],
         )
         kind, wrapper = self._plan_kernel(batch, views, indices, graph)
-        return _Step(kind, wrapper, dst, src)
+        return _Step(kind, wrapper, dst)
 
     def _plan_kernel(
         self, batch: AttentionBatch, views: _HostViews, indices: torch.Tensor, graph: bool
     ) -> tuple[StepKind, Any]:
         raise NotImplementedError
+
+    def _write(self, x: torch.Tensor, cache: torch.Tensor, step: _Step, scale) -> None:
+        """The step's new rows into ``cache``: by the real tokens' slots when the step has no
+        padding, else graph-safely through ``slot_mapping`` (padding rows change nothing)."""
+        if step.dst is not None:
+            write_rows(x, cache, step.dst, None, scale)
+        else:
+            write_slots(x, cache, self.batch.slot_mapping, scale)
 
     def _finish(self, result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         if out is not None and result is not out:
@@ -469,8 +462,8 @@ class FullAttentionContext(_PagedContext):
         if k_cache.dtype != self.kv_dtype:
             self._bad(f"KV cache dtype {k_cache.dtype}, the plan expects {self.kv_dtype}")
         fp8 = self.fp8
-        write_rows(k, k_cache, step.dst, step.src, kv.k_scale if fp8 else None)
-        write_rows(v, v_cache, step.dst, step.src, kv.v_scale if fp8 else None)
+        self._write(k, k_cache, step, kv.k_scale if fp8 else None)
+        self._write(v, v_cache, step, kv.v_scale if fp8 else None)
         wrapper = step.wrapper
         wrapper._sm_scale = layer.scale
         o = out if out is not None and out.is_contiguous() else None
@@ -566,7 +559,7 @@ class MLAContext(_PagedContext):
         latent = layer.kv.latent
         if latent.dtype != self.kv_dtype:
             self._bad(f"latent cache dtype {latent.dtype}, the plan expects {self.kv_dtype}")
-        write_rows(k, latent, step.dst, step.src)
+        self._write(k, latent, step, None)
         R = self.rank
         wrapper = step.wrapper
         wrapper._sm_scale = layer.scale

@@ -33,7 +33,6 @@ __all__ = [
     "last_page_lens",
     "page_counts",
     "window_left",
-    "write_sources",
 ]
 
 
@@ -167,24 +166,3 @@ def gather_kv_indices(
     flat = pos + row_offset[row]
     torch.index_select(page_table.reshape(-1), 0, flat, out=result)
     return result
-
-
-def write_sources(num_tokens: int, padded_tokens: int, out: np.ndarray) -> np.ndarray:
-    """Source row of every token's K/V write in a padded step.
-
-    Real tokens write themselves; padding rows (``slot_mapping == -1``) are redirected to
-    token 0, so they rewrite token 0's slot with token 0's values - a fixed-shape, graph-safe
-    scatter that changes nothing. Needs ``num_tokens >= 1`` when padding exists.
-
-    :param out: ``[>= padded_tokens]`` int64.
-    :returns: ``out[:padded_tokens]``.
-    """
-    if padded_tokens > num_tokens and num_tokens < 1:
-        raise ValueError(
-            f"a padded step needs at least one real token to redirect padding writes to, got "
-            f"num_tokens={num_tokens}, padded_tokens={padded_tokens}"
-        )
-    src = out[:padded_tokens]
-    src[:num_tokens] = np.arange(num_tokens)
-    src[num_tokens:] = 0
-    return src

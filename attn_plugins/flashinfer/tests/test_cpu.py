@@ -301,31 +301,9 @@ def test_gather_kv_indices_matches_a_loop():
         )
 
 
-def test_write_sources_redirect_padding_to_token_zero():
-    out = np.full(8, -1, np.int64)
-    assert planning.write_sources(3, 6, out).tolist() == [0, 1, 2, 0, 0, 0]
-    assert planning.write_sources(6, 6, out).tolist() == [0, 1, 2, 3, 4, 5]
-    with pytest.raises(ValueError, match="at least one real token"):
-        planning.write_sources(0, 4, out)
-
-
 # ------------------------------------------------------------------------------------------
 # Slot writes
 # ------------------------------------------------------------------------------------------
-def test_write_rows_by_slot_with_padding_redirect():
-    cache = torch.zeros(5, 4, 2, 3)  # 5 pages of 4 tokens, 2 heads, dim 3
-    x = torch.randn(6, 2, 3)
-    slots = torch.tensor([17, 2, 9, -1, -1, -1])  # 3 real tokens, 3 padding rows
-    src = torch.from_numpy(planning.write_sources(3, 6, np.zeros(6, np.int64)))
-    dst = slots.index_select(0, src)
-    write_rows(x, cache, dst, src)
-    flat = cache.view(20, 2, 3)
-    for t, s in enumerate([17, 2, 9]):
-        assert torch.equal(flat[s], x[t])
-    untouched = [i for i in range(20) if i not in (17, 2, 9)]
-    assert flat[untouched].abs().sum() == 0
-
-
 def test_write_rows_fp8_quantises_with_the_layer_scale():
     cache = torch.zeros(2, 4, 1, 8, dtype=torch.float8_e4m3fn)
     x = torch.randn(3, 1, 8) * 300
