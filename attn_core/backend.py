@@ -78,6 +78,9 @@ class BackendCapabilities:
     sinks: bool = False
     deterministic: bool = False
     spec_verify_strategies: frozenset[str] = frozenset({"native"})
+    #: False: an unquantised KV cache must be in the compute dtype (no fp16 queries over a
+    #: bf16 cache); 8-bit KV dtypes in ``kv_dtypes`` are still served with any compute dtype.
+    mixed_kv_dtypes: bool = True
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -162,6 +165,7 @@ class BackendCapabilities:
             "logits_soft_cap",
             "sinks",
             "deterministic",
+            "mixed_kv_dtypes",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected True or False")

@@ -138,6 +138,18 @@ def check_backend(
             f"stores KV as {_fmt_set(caps.kv_dtypes)}, the run asks for {kv_dtype}",
             f"kv_dtype {kv_dtype} -> {spec.dtype if spec.dtype in caps.kv_dtypes else 'bfloat16'}",
         )
+    elif (
+        spec.has_kv_cache
+        and not caps.mixed_kv_dtypes
+        and kv_dtype != spec.dtype
+        and not kv_dtype.startswith("fp8")
+    ):
+        reject(
+            "kv_dtype",
+            f"keeps an unquantised KV cache in the compute dtype only, the layer computes in "
+            f"{spec.dtype} over a {kv_dtype} cache",
+            f"kv_dtype {kv_dtype} -> {spec.dtype}",
+        )
     if kv_dtype == "fp8_e4m3" and spec.has_kv_cache and not device.supports_fp8:
         reject("device_fp8", f"the device {device.name} has no fp8 support")
     if spec.kind is LayerKind.LINEAR and spec.state_dtype not in caps.state_dtypes:

@@ -455,6 +455,18 @@ def test_reason_kv_dtype_fp8():
     assert _codes({"linear_variants": {"gated_deltanet"}}, GDN, constraints=fp8) == []
 
 
+def test_reason_kv_dtype_must_follow_dtype():
+    """A backend without mixed KV dtypes serves fp16 over an fp16 cache and fp8 KV under any
+    compute dtype, but not fp16 queries over a bf16 cache."""
+    caps = {"dtypes": {"bfloat16", "float16"}, "kv_dtypes": {"bfloat16", "float16", "fp8_e4m3"}}
+    strict = {**caps, "mixed_kv_dtypes": False}
+    mixed = GLOBAL.with_(dtype="float16", kv_dtype="bfloat16")
+    assert _codes(strict, mixed) == [("kv_dtype", "kv_dtype bfloat16 -> float16")]
+    assert _codes(caps, mixed) == []
+    assert _codes(strict, GLOBAL.with_(dtype="float16", kv_dtype="float16")) == []
+    assert _codes(strict, GLOBAL.with_(dtype="float16", kv_dtype="fp8_e4m3")) == []
+
+
 @pytest.mark.parametrize(
     ("change", "code"),
     [
