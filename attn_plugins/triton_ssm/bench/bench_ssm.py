@@ -276,7 +276,9 @@ def job_plugin_step(B: int, layers: int = 4, device: str = "cuda", hk=HK, hv=HV,
     plan = select(groups, registry, DeviceCapabilities.detect(device), constraints)
     state = PersistentState(groups, num_pages=1, num_slots=B + 8, device=device)
     runtime = AttentionRuntime(plan, registry, state=state, device=device)
-    builder = BatchBuilder(state, max_batch_size=B, max_num_tokens=B, max_pages_per_request=1)
+    builder = BatchBuilder(
+        state, max_batch_size=B, max_num_tokens=B, max_pages_per_request=1, device=device
+    )
     for r in range(B):
         state.add_request(r)
         state.advance(r, 3)  # as if prefilled: decode reads the slots' (random) state
