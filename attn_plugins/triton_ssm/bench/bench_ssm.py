@@ -507,9 +507,9 @@ def main(argv: list[str] | None = None) -> int:
         for T in [8192] if args.quick else [8192, 32768]:
             for n_seq in (1, 16):
                 p = {"section": "mamba2_prefill", "T": T, "n_seq": n_seq}
-                prefill.append(job("mamba2_prefill", {**p, "provider": "ours (fla simple_gla)"},
+                prefill.append(job("mamba2_prefill", {**p, "provider": "impl=fla (simple_gla)"},
                                    T=T, n_seq=n_seq, impl="fla"))  # fmt: skip
-        p = {"section": "mamba2_prefill", "T": 8192, "n_seq": 1, "provider": "torch SSD"}
+        p = {"section": "mamba2_prefill", "T": 8192, "n_seq": 1, "provider": "impl=torch (default)"}
         prefill.append(job("mamba2_prefill", p, T=8192, n_seq=1, impl="torch"))
     if args.plugin:
         for B in (64, 256):

@@ -35,7 +35,9 @@ from attn_core.errors import BackendInputError  # noqa: E402
 from attn_core.specs import DeviceCapabilities, ExecutionConstraints  # noqa: E402
 
 DEV = "cuda" if HAS_CUDA else "cpu"
-TOL = {"float32": dict(atol=3e-4, rtol=3e-4), "bfloat16": dict(atol=3e-2, rtol=3e-2)}
+# float32: fla's chunked GDN/KDA prefill sums in another order than the recurrent reference;
+# on an H200 0.6% of outputs differed by up to 5.6e-4 (a wrong gate or slot is off by > 1e-1)
+TOL = {"float32": dict(atol=1e-3, rtol=1e-3), "bfloat16": dict(atol=3e-2, rtol=3e-2)}
 
 
 @pytest.fixture
