@@ -167,7 +167,10 @@ def tiny_config(name: str, shapes: str = "tiny") -> dict[str, Any]:
     cfg["vocab_size"] = _VOCAB
     # transformers' default std 0.02 leaves the layers' share of the residual stream tiny at
     # hidden 64, so logits would hardly depend on attention; 0.1 gives every layer weight.
-    cfg["initializer_range"] = 0.1
+    # Wider layers (kernel shapes, hidden 256) keep the same per-layer share at 0.1 * sqrt(64 /
+    # hidden): at 0.1 their random Gated DeltaNet layers amplified bf16 rounding so much that
+    # transformers' own bf16 logits were 10 away from its float32 logits.
+    cfg["initializer_range"] = 0.1 * (64 / cfg["hidden_size"]) ** 0.5
     cfg["tie_word_embeddings"] = False
     cfg.pop("num_nextn_predict_layers", None)
     return cfg

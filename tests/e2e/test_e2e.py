@@ -152,10 +152,15 @@ def test_cuda_graph_decode(name: str) -> None:
     assert run.match.max_abs_diff < 1e-3 and run.match.token_agreement == 1.0, run.format()
 
 
-@pytest.mark.parametrize("name", ["qwen3", "deepseek-v3"])
-def test_kernel_shapes_match_transformers_cpu(name: str) -> None:
-    """The GPU runs' shapes (head dim 128, MLA ranks 512 + 64) parse and match on CPU too."""
-    run = run_architecture(name, prompts=2, max_new_tokens=3, shapes="kernel")
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [("qwen3", "float32"), ("deepseek-v3", "float32"), ("qwen3-next", "bfloat16")],
+)
+def test_kernel_shapes_match_transformers_cpu(name: str, dtype: str) -> None:
+    """The GPU runs' shapes (head dim 128, MLA ranks 512 + 64) parse and match on CPU too;
+    in bf16 the wider random Gated DeltaNet layers must stay well-conditioned (at init std 0.1
+    transformers' own bf16 logits were 10 away from its float32 ones)."""
+    run = run_architecture(name, prompts=2, max_new_tokens=3, shapes="kernel", dtype=dtype)
     dims = {g["spec"].split(" d")[1].split()[0] for g in run.plan["groups"]}
     assert dims & {"128", "576/512"}, run.format()
     assert run.ok, run.format()
@@ -164,13 +169,27 @@ def test_kernel_shapes_match_transformers_cpu(name: str) -> None:
 # ------------------------------------------------------------------------------------------
 # GPU: the plugins found by entry points serve the model (kernel shapes), not the reference
 # ------------------------------------------------------------------------------------------
+# Rejections that mean "no installed GPU plugin can serve this layer here" rather than a bug:
+# the plugin cannot run (a wheel is missing), serves another kind, or lacks a feature the
+# layer needs (FlashInfer has no attention sinks; gpt-oss needs FlashAttention's).
+_EXPECTED_REJECTIONS = {"unavailable", "kind", "linear_variant", "sinks"}
+
+
 def _gpu_plugin_run(name: str, **kw):
     from attn_core.registry import Registry
 
     run = run_architecture(name, device="cuda", registry=Registry.discover(), **kw)
     print(run.format())
-    served = {g["backend"] for g in run.plan["groups"]} - {"attn_core:reference"}
-    assert served, f"every group fell back to the reference backend:\n{run.format()}"
+    groups = run.plan["groups"]
+    served = {g["backend"] for g in groups} - {"attn_core:reference"}
+    if not served:
+        reasons: dict[str, set[str]] = {}
+        for g in groups:
+            for r in g["rejected"]:
+                reasons.setdefault(r["backend"], set()).add(r["code"])
+        unexpected = {b: c for b, c in reasons.items() if not c & _EXPECTED_REJECTIONS}
+        assert not unexpected, f"GPU plugins rejected for unexpected reasons: {unexpected}"
+        pytest.skip(f"no installed GPU plugin serves {name} here: {reasons}")
     return run
 
 
