@@ -226,7 +226,9 @@ class _VarlenPlan:
 
     :ivar rows: ``[N]`` int64 device, batch rows of those requests (None: all ``num_reqs``).
     :ivar slots: ``[N]`` int32 device, their state slots (``slots_long``: int64 copy).
-    :ivar cu_seqlens: ``[N + 1]`` int32 device; ``cu_seqlens_cpu`` the same on the host.
+    :ivar cu_seqlens: ``[N + 1]`` int64 device; ``cu_seqlens_cpu`` the same on the host. One
+        tensor object for every layer of the step: fla memoises its chunk indices by argument
+        identity, so the layers after the first reuse them.
     :ivar fresh: ``[F]`` int64 device, positions (in ``0..N-1``) of requests with no cached
         tokens (``has_initial_state`` False): their state starts at zero. None when ``F == 0``.
     :ivar conv_src: ``[K, T]`` int64 device: for tap ``j`` of token ``i``, the row of the
@@ -275,7 +277,7 @@ def _plan_varlen(batch: AttentionBatch, conv_kernel: int, device: torch.device) 
     conv_src_d = dev[:o].view(conv_kernel, T)
     conv_final_d = dev[o : o + N * W]
     o += N * W
-    cu_d = dev[o : o + N + 1].to(torch.int32)
+    cu_d = dev[o : o + N + 1]
     o += N + 1
     rows = dev[o : o + N] if n > N else None
     o += N
@@ -287,7 +289,7 @@ def _plan_varlen(batch: AttentionBatch, conv_kernel: int, device: torch.device) 
         slots=slots,
         slots_long=slots.long(),
         cu_seqlens=cu_d,
-        cu_seqlens_cpu=torch.from_numpy(cu.astype(np.int32)),
+        cu_seqlens_cpu=torch.from_numpy(cu),
         fresh=fresh_d,
         conv_src=conv_src_d,
         conv_final=conv_final_d,

@@ -183,7 +183,13 @@ def job_prefill_ours(T: int, n_seq: int) -> dict:
     from attn_plugin_triton_ssm.kernels import gdn_prefill
 
     q, k, v, g, beta, state, idx, cu = _prefill_inputs(T, n_seq)
-    ms = _bench(lambda: gdn_prefill(q, k, v, g, beta, state, idx, cu), warmup=5, rep=30)
+    # as the plugin calls it: int64 offsets on both sides, built once per step
+    cu64, cu_cpu = cu.long(), cu.long().cpu()
+    ms = _bench(
+        lambda: gdn_prefill(q, k, v, g, beta, state, idx, cu64, cu_seqlens_cpu=cu_cpu),
+        warmup=5,
+        rep=30,
+    )
     return {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6}
 
 

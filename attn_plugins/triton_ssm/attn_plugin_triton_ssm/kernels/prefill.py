@@ -39,6 +39,8 @@ def _check_varlen(state_indices: torch.Tensor, cu_seqlens: torch.Tensor, total: 
 
 
 def _host_offsets(cu_seqlens_cpu: torch.Tensor | None) -> torch.Tensor | None:
+    # .long() returns the tensor itself when it is int64 already: pass int64 offsets (device
+    # and host) so that fla's identity-keyed cache of chunk indices hits across layers.
     return None if cu_seqlens_cpu is None else cu_seqlens_cpu.long()
 
 
