@@ -23,7 +23,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import os
 import sys
 import types
 from collections.abc import Callable, Iterable
@@ -42,26 +41,12 @@ from attn_core.hookspecs import hookimpl  # noqa: E402
 from attn_core.registry import Registry  # noqa: E402
 from attn_core.specs import LayerSpec  # noqa: E402
 
+# gpu tests skip without CUDA; every test runs without the developer's ATTN_CORE_* variables
+from attn_core.testing.gpu import clean_attn_env, pytest_collection_modifyitems  # noqa: E402, F401
+
 HAS_CUDA = torch.cuda.is_available()
 #: Marker for tests that need a CUDA device (use together with ``pytest.mark.gpu``).
 cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (torch.cuda.is_available())")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``gpu`` tests cleanly on machines without CUDA."""
-    if HAS_CUDA:
-        return
-    skip = pytest.mark.skip(reason="marked gpu: needs a CUDA device")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
-
-
-@pytest.fixture(autouse=True)
-def _clean_attn_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("ATTN_CORE_"):
-            monkeypatch.delenv(name)
 
 
 @pytest.fixture
