@@ -1,6 +1,6 @@
 """Gated delta rule (Gated DeltaNet, KDA) decode and speculative-verify kernels.
 
-One kernel, ``_delta_rule_step_kernel``, runs ``T`` tokens per request against the recurrent
+One kernel, ``_delta_rule_kernel``, runs ``T`` tokens per request against the recurrent
 state of that request's slot; compile-time flags pick what it stores. Per value head ``h`` (key
 head ``h // (Hv // Hk)``) and token ``t``::
 
@@ -10,9 +10,11 @@ head ``h // (Hv // Hk)``) and token ``t``::
     S    <- S + k v'^T
     o    <- S^T (q * scale)
 
-``S`` is ``[Dk, Dv]`` (key dim first). The grid is ``(B * Hv, Dv / BV)``: each program keeps a
-``[Dk, BV]`` tile of one head's state in registers, so the state is read once and written once
-(decode is HBM-bound on the state) and the Dv split gives enough programs at small batch. Slot
+``S`` is ``[Dk, Dv]`` (key dim first). A work item is one ``[Dk, BV]`` tile of one head's state
+(``B * Hv * Dv / BV`` items), held in registers so the state is read once and written once
+(decode is HBM-bound on the state). By default the grid is persistent: as many programs as fit
+on the SMs at once, each looping over items and prefetching the next item's tile while it
+updates the current one (``programs_per_sm=0`` launches one program per item instead). Slot
 offsets are computed in int64: ``slot * stride`` overflows int32 past 2 GiB of state.
 
 Public wrappers (all write in place and return ``out``):
