@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from attn_core.backend import Backend, BackendCapabilities
 from attn_core.hookspecs import hookimpl
+from attn_core.state.kv_write import write_slots
 
 ATTN_CORE_API_VERSION = "1.1"
 CAPS = BackendCapabilities(
@@ -38,9 +39,9 @@ class SDPAContext:
         b, kv, t = self.batch, layer.kv, self.batch.num_tokens
         if out is None:
             out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-        slots = b.slot_mapping[:t]  # write the new tokens into the paged cache first
-        kv.k.view(-1, *kv.k.shape[2:])[slots] = k[:t]
-        kv.v.view(-1, *kv.v.shape[2:])[slots] = v[:t]
+        # the new tokens go into the paged cache first; the core's writer skips padding (-1)
+        write_slots(k[:t], kv.k, b.slot_mapping)
+        write_slots(v[:t], kv.v, b.slot_mapping)
         qsl, seq, page = b.query_start_loc_cpu, b.seq_lens_cpu, kv.k.shape[1]
         for i in range(b.num_reqs):  # one SDPA call per request over its pages
             a, e, s = int(qsl[i]), int(qsl[i + 1]), int(seq[i])
