@@ -15,8 +15,9 @@ do. Instead every padding row is redirected to a slot whose final bytes it canno
 * when every row is padding (the dummy step a server captures a graph with), to cache row 0
   *with the bytes row 0 holds already*, read in the same step: nothing changes.
 
-Which case applies is decided on the device, so one captured graph serves both. A backend that
-already knows the real rows on the host may call :func:`write_rows` with a ``src``/``dst`` pair.
+Which case applies is decided on the device, so one captured graph serves both. A step known on
+the host to hold no padding (and not captured) passes ``may_have_padding=False`` and skips the
+redirect.
 
 fp8 caches store ``clamp(x / scale, -448, 448)`` in ``float8_e4m3fn``; the scale is the layer's
 0-dim device tensor (or a float), so quantising costs no host sync and a captured graph reads
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FP8_DTYPE", "quantize", "write_rows", "write_slots"]
+__all__ = ["FP8_DTYPE", "quantize", "write_slots"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 _FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
@@ -58,27 +59,6 @@ def _flat(cache: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torc
         # index_copy_ has no fp8 kernels everywhere: move the bytes instead.
         return flat.view(torch.uint8), values.view(torch.uint8)
     return flat, values
-
-
-def write_rows(
-    x: torch.Tensor,
-    cache: torch.Tensor,
-    dst: torch.Tensor,
-    src: torch.Tensor | None = None,
-    scale: torch.Tensor | float | None = None,
-) -> None:
-    """Scatter rows of ``x`` into a paged ``cache`` at slots all known to be valid.
-
-    :param x: ``[T, *row]`` float, the step's new keys, values or latents.
-    :param cache: ``[num_pages, page_size, *row]`` (contiguous), float or ``float8_e4m3fn``.
-    :param dst: ``[N]`` int64 slots (``page * page_size + offset``), every one ``>= 0``.
-    :param src: ``[N]`` int64 rows of ``x`` to write; None writes ``x[:N]``.
-    :param scale: fp8 quantisation scale (see :func:`quantize`).
-    """
-    n = dst.shape[0]
-    rows = x[:n] if src is None else x.index_select(0, src)
-    flat, values = _flat(cache, quantize(rows, cache.dtype, scale))
-    flat.index_copy_(0, dst, values)
 
 
 def write_slots(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attn_core.state.kv_write import FP8_DTYPE, quantize, write_rows, write_slots
+from attn_core.state.kv_write import FP8_DTYPE, quantize, write_slots
 
 
 def _cache(dtype=torch.float32):
@@ -35,22 +35,14 @@ def test_a_step_of_padding_only_changes_nothing(dtype):
     assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
 
 
-def test_without_padding_matches_rows_writer():
+def test_without_padding_the_plain_scatter_matches():
     x = torch.randn(3, 2, 3)
     a, b = _cache(), _cache()
     slots = torch.tensor([3, 4, 9])
     write_slots(x, a, slots, may_have_padding=False)
-    write_rows(x, b, slots)
+    write_slots(x, b, slots)
     assert torch.equal(a, b)
     torch.testing.assert_close(a.view(16, 2, 3)[9], x[2])
-
-
-def test_rows_writer_takes_sources():
-    x = torch.randn(4, 2, 3)
-    cache = _cache()
-    write_rows(x, cache, dst=torch.tensor([0, 15]), src=torch.tensor([3, 1]))
-    torch.testing.assert_close(cache.view(16, 2, 3)[0], x[3])
-    torch.testing.assert_close(cache.view(16, 2, 3)[15], x[1])
 
 
 def test_fp8_stores_scaled_clamped_values():

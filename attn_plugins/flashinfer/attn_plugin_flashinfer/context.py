@@ -48,7 +48,7 @@ import torch
 from attn_core.batch import AttentionBatch, BatchMode
 from attn_core.context import WorkspaceRequirement
 from attn_core.specs import ExecutionConstraints, GraphMode, LayerGroup, LayerKind, LayerSpec
-from attn_core.state.kv_write import FP8_DTYPE, write_rows, write_slots
+from attn_core.state.kv_write import FP8_DTYPE, write_slots
 from attn_plugin_flashinfer import planning
 
 __all__ = [
@@ -130,9 +130,9 @@ class _Step:
 
     kind: StepKind
     wrapper: Any
-    # [N] int64 cache slots of the N real tokens; None: the step is padded (or may be replayed
-    # padded), so the K/V write goes through the graph-safe write_slots(slot_mapping)
-    dst: torch.Tensor | None
+    # the step has padding rows, or is a captured graph that may be replayed with some: the
+    # K/V write must redirect slot -1 (False: every slot is a real token's, a plain scatter)
+    padded: bool
 
 
 def _share_int_workspace(wrapper: Any, int_ws: torch.Tensor, pinned: torch.Tensor) -> Any:
@@ -222,7 +222,7 @@ class _PagedContext:
             )
         P, T, n = batch.padded_reqs, batch.padded_tokens, batch.num_tokens
         if P == 0 or T == 0:
-            return _Step(StepKind.EMPTY, None, None)
+            return _Step(StepKind.EMPTY, None, False)
         if batch.page_table is None or batch.slot_mapping is None or not batch.page_size:
             raise ValueError("the batch has no page table / slot mapping: build it with a state")
         if P > self.B:
@@ -254,7 +254,6 @@ class _PagedContext:
             out=self.kv_indices,
         )
         graph = self.graph_decode and batch.mode is BatchMode.DECODE
-        dst = None if graph or n != T else batch.slot_mapping[:n]
         host = self.host[h]
         views = _HostViews(
             kv_indptr=host[o.kv_indptr : o.kv_indptr + P + 1],
@@ -263,7 +262,7 @@ class _PagedContext:
             kv_len=host[o.kv_len : o.kv_len + P],
         )
         kind, wrapper = self._plan_kernel(batch, views, indices, graph)
-        return _Step(kind, wrapper, dst)
+        return _Step(kind, wrapper, graph or n != T)
 
     def _plan_kernel(
         self, batch: AttentionBatch, views: _HostViews, indices: torch.Tensor, graph: bool
@@ -271,12 +270,8 @@ class _PagedContext:
         raise NotImplementedError
 
     def _write(self, x: torch.Tensor, cache: torch.Tensor, step: _Step, scale) -> None:
-        """The step's new rows into ``cache``: by the real tokens' slots when the step has no
-        padding, else graph-safely through ``slot_mapping`` (padding rows change nothing)."""
-        if step.dst is not None:
-            write_rows(x, cache, step.dst, None, scale)
-        else:
-            write_slots(x, cache, self.batch.slot_mapping, scale)
+        """The step's new rows into ``cache`` at ``slot_mapping`` (padding rows change nothing)."""
+        write_slots(x, cache, self.batch.slot_mapping, scale, may_have_padding=step.padded)
 
     def _finish(self, result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         if out is not None and result is not out:

@@ -28,7 +28,7 @@ from attn_core.specs import (
     LayerSpec,
     group_layers,
 )
-from attn_core.state.kv_write import quantize, write_rows
+from attn_core.state.kv_write import quantize, write_slots
 
 AVAILABLE = capability.Availability(True, None, "0.6.7-fake")
 FULL = LayerSpec(kind="full", num_heads=8, num_kv_heads=2, head_dim=64, page_size=4)
@@ -304,14 +304,14 @@ def test_gather_kv_indices_matches_a_loop():
 # ------------------------------------------------------------------------------------------
 # Slot writes
 # ------------------------------------------------------------------------------------------
-def test_write_rows_fp8_quantises_with_the_layer_scale():
+def test_kv_write_fp8_quantises_with_the_layer_scale():
     cache = torch.zeros(2, 4, 1, 8, dtype=torch.float8_e4m3fn)
     x = torch.randn(3, 1, 8) * 300
     scale = torch.tensor(0.5)
-    write_rows(x, cache, torch.tensor([0, 5, 7]))
+    write_slots(x, cache, torch.tensor([0, 5, 7]))
     plain = cache.view(8, 1, 8)[[0, 5, 7]].float()
     assert torch.equal(plain, x.clamp(-448, 448).to(torch.float8_e4m3fn).float())
-    write_rows(x, cache, torch.tensor([0, 5, 7]), scale=scale)
+    write_slots(x, cache, torch.tensor([0, 5, 7]), scale)
     stored = cache.view(8, 1, 8)[[0, 5, 7]].float()
     want = (x / 0.5).clamp(-448, 448).to(torch.float8_e4m3fn).float()
     assert torch.equal(stored, want)
