@@ -2,7 +2,7 @@
 # GPU verification on the lent H200s: install, GPU tests, conformance kit, benchmarks.
 # Usage (on the device, from the checkout root): bash scripts/gpu_run.sh STAGE ...
 #   stages: info install
-#           t_core t_e2e t_tp t_fi t_ssm t_varlen t_fa3   (pytest; GPU tests of each area)
+#           t_core t_e2e t_e2e_gptoss t_tp t_fi t_ssm t_varlen t_fa3   (pytest; GPU tests of each area)
 #           kit_fi kit_ssm kit_varlen                       (conformance kit per backend)
 #           b_fi b_ssm b_runtime b_e2e                      (benchmarks, JSON under $OUT)
 #           run                                             (attn run --model all)
@@ -29,7 +29,9 @@ run() {  # run NAME TIMEOUT CMD...: log to $OUT/NAME.log, the last lines into th
   { grep -E "^(FAILED|ERROR) " "$OUT/$name.log" | head -40
     tail -n 2 "$OUT/$name.log"; } | sed "s/^/  [$name rc=$rc $((SECONDS - t0))s] /" >>"$OUT/summary.log"
 }
-PYTEST=(python3 -m pytest -q -p no:cacheprovider --tb=short -rfE)
+# XDIST=N spreads a stage's tests over N processes on the lane's GPU: FlashInfer and Triton
+# JIT-compile each new kernel configuration on first use, and N processes compile N at once.
+PYTEST=(python3 -m pytest -q -p no:cacheprovider --tb=short -rfE ${XDIST:+-n $XDIST})
 for stage in "$@"; do case $stage in
 info)
   nvidia-smi --query-gpu=index,name,compute_cap,memory.total,driver_version --format=csv >>"$OUT/summary.log"
@@ -40,6 +42,7 @@ install)
   run install 300 python3 -m pip install -q --no-deps --no-build-isolation "${editables[@]}"
   run list 60 attn list ;;
 t_core) run t_core 500 "${PYTEST[@]}" -m gpu tests --ignore=tests/e2e ;;
+t_e2e_gptoss) run t_e2e_gptoss 300 "${PYTEST[@]}" -m gpu tests/e2e -k gpt ;;
 t_e2e) run t_e2e 500 "${PYTEST[@]}" -m gpu tests/e2e --deselect tests/e2e/test_tp.py ;;
 t_tp) run t_tp 300 "${PYTEST[@]}" tests/e2e/test_tp.py ;;
 t_fi) run t_fi 500 "${PYTEST[@]}" attn_plugins/flashinfer/tests ;;
@@ -51,7 +54,7 @@ kit_fi) run kit_fi 400 "${PYTEST[@]}" --attn-backend=flashinfer:flashinfer
 kit_ssm) run kit_ssm 400 "${PYTEST[@]}" --attn-backend=triton_ssm:triton_ssm ;;
 kit_varlen) run kit_varlen 300 "${PYTEST[@]}" --attn-backend=varlen:varlen
   run kit_sdpa 300 "${PYTEST[@]}" --attn-backend=varlen:sdpa ;;
-b_fi) run b_fi 400 python3 attn_plugins/flashinfer/bench/bench_flashinfer.py --out "$OUT/bench_flashinfer.json" ;;
+b_fi) run b_fi 400 python3 attn_plugins/flashinfer/bench/bench_flashinfer.py ${BENCH_FI_ARGS:-} --out "$OUT/bench_flashinfer.json" ;;
 b_ssm) run b_ssm 450 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --prefill --plugin --budget-s 400 --out "$OUT/bench_ssm.json" ;;
 b_runtime) run b_runtime 120 python3 bench/bench_runtime.py --device cuda --out "$OUT/bench_runtime.json" ;;
 b_e2e) run b_e2e 450 python3 bench/bench_e2e.py --device cuda --out "$OUT/bench_e2e.json" ;;

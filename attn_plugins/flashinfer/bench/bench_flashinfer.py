@@ -198,6 +198,61 @@ def bench_decode(spec, batch: int, ctx: int) -> dict:
     return res
 
 
+def bench_decode_variants(batch: int, ctx: int) -> dict:
+    """FlashInfer's paged decode called directly, in each kernel choice the plugin could make:
+    CUDA-core decode kernel vs tensor-core (prefill-kernel) decode, NHD vs HND page layout.
+    Random page tables over a pool of exactly the pages needed; GB/s = K+V bytes / time."""
+    import flashinfer
+
+    pages_per = math.ceil(ctx / PAGE)
+    n_pages = batch * pages_per
+    perm = torch.randperm(n_pages, device="cuda").to(torch.int32)
+    kv_indptr = torch.arange(batch + 1, dtype=torch.int32) * pages_per
+    last_len = torch.full((batch,), (ctx - 1) % PAGE + 1, dtype=torch.int32)
+    q = torch.randn(batch, H, D, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty_like(q)
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    kv_bytes = batch * ctx * HKV * D * 2 * 2
+    res: dict = {"B": batch, "ctx": ctx}
+    for layout in ("NHD", "HND"):
+        shape = (n_pages, PAGE, HKV, D) if layout == "NHD" else (n_pages, HKV, PAGE, D)
+        k = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+        v = torch.randn_like(k)
+        for tc in (False, True):
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, layout, use_tensor_cores=tc)
+            w.plan(kv_indptr, perm.cpu(), last_len, H, HKV, D, PAGE, q_data_type=torch.bfloat16)
+            w.run(q, (k, v), out=out)
+            torch.cuda.synchronize()
+            us = _events_time(lambda w=w, k=k, v=v: w.run(q, (k, v), out=out), 50)
+            res[f"{layout}_{'tc' if tc else 'cc'}_us"] = us
+            res[f"{layout}_{'tc' if tc else 'cc'}_GB/s"] = kv_bytes / us / 1e3
+        del k, v
+    return res
+
+
+def bench_prepare_profile(spec, batch: int = 256, ctx: int = 4096) -> dict:
+    """cProfile of 100 ``runtime.prepare`` calls (B=256 decode): where the host time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    runtime, _state, builder = _setup(spec, batch=batch, ctx=ctx)
+    reqs = [(r, 1) for r in range(batch)]
+    batches = [builder.build(reqs) for _ in range(3)]
+    runtime.prepare(batches[0])
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(100):
+        runtime.prepare(batches[i % 3])
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    print(buf.getvalue(), flush=True)
+    return {"B": batch, "profile": buf.getvalue()[:6000]}
+
+
 def bench_prefill(batch: int = 2, seq: int = 8192, heads: int = 16) -> dict:
     from attn_core.specs import LayerSpec
 
@@ -224,10 +279,41 @@ def bench_prefill(batch: int = 2, seq: int = 8192, heads: int = 16) -> dict:
     def direct():
         wrapper.run(q, k, v, out=out)
 
+    # FlashInfer doing the plugin's whole job: its append kernel into the paged cache, then run.
+    import flashinfer
+
+    kv = binding.kv
+    pages_per = math.ceil(seq / PAGE)
+    kv_indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * pages_per
+    kv_indices = b.page_table[:batch, :pages_per].reshape(-1).contiguous()
+    last_len = torch.full((batch,), (seq - 1) % PAGE + 1, dtype=torch.int32, device="cuda")
+    append_indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * seq
+    seq_lens = torch.full((batch,), seq, dtype=torch.int32, device="cuda")
+    batch_idx, positions = flashinfer.get_batch_indices_positions(append_indptr, seq_lens, T)
+
+    def fi_append():
+        flashinfer.append_paged_kv_cache(
+            k, v, batch_idx, positions, (kv.k, kv.v), kv_indices, kv_indptr, last_len
+        )
+
+    def direct_with_write():
+        fi_append()
+        wrapper.run(q, k, v, out=out)
+
+    from attn_core.state.kv_write import write_slots
+
+    def core_write():
+        write_slots(k, kv.k, b.slot_mapping, may_have_padding=False)
+        write_slots(v, kv.v, b.slot_mapping, may_have_padding=False)
+
     plugin()
+    direct_with_write()
     torch.cuda.synchronize()
     t_direct = _events_time(direct, 20, warmup=3)
     t_plugin = _events_time(plugin, 20, warmup=3)
+    t_direct_write = _events_time(direct_with_write, 20, warmup=3)
+    t_fi_append = _events_time(fi_append, 20, warmup=3)
+    t_core_write = _events_time(core_write, 20, warmup=3)
     flops = 2 * batch * seq * seq * heads * D  # causal: half of 4 * S^2 * H * D per sequence
     res = {
         "B": batch,
@@ -239,6 +325,11 @@ def bench_prefill(batch: int = 2, seq: int = 8192, heads: int = 16) -> dict:
         "ratio": t_plugin / t_direct,
         "direct_TFLOP/s": flops / t_direct / 1e6,
         "plugin_TFLOP/s": flops / t_plugin / 1e6,
+        "direct_with_write_us": t_direct_write,
+        "ratio_vs_direct_with_write": t_plugin / t_direct_write,
+        "fi_append_us": t_fi_append,
+        "core_write_us": t_core_write,
+        "kv_write_GB/s": 2 * 2 * T * heads * D * 2 / t_core_write / 1e3,
     }
     return res
 
@@ -398,8 +489,17 @@ def _table(results: dict) -> str:
         lines.append(
             f"ragged prefill B={r['B']} S={r['S']} {r['heads']} heads d128 causal: plugin "
             f"{r['plugin_us']:.0f} us ({r['plugin_TFLOP/s']:.0f} TFLOP/s), direct "
-            f"{r['direct_us']:.0f} us ({r['direct_TFLOP/s']:.0f} TFLOP/s), ratio {r['ratio']:.3f}"
+            f"{r['direct_us']:.0f} us ({r['direct_TFLOP/s']:.0f} TFLOP/s), ratio {r['ratio']:.3f}; "
+            f"FI append+run {r['direct_with_write_us']:.0f} us (ratio "
+            f"{r['ratio_vs_direct_with_write']:.3f}); KV write: core {r['core_write_us']:.0f} us "
+            f"({r['kv_write_GB/s']:.0f} GB/s), FI append {r['fi_append_us']:.0f} us"
         )
+    for r in results.get("decode_variants", []):
+        cells = ", ".join(
+            f"{name} {r[name + '_us']:.1f} us ({r[name + '_GB/s']:.0f} GB/s)"
+            for name in ("NHD_cc", "NHD_tc", "HND_cc", "HND_tc")
+        )
+        lines.append(f"direct decode kernels B={r['B']} ctx={r['ctx']}: {cells}")
     for r in results.get("prepare", []):
         lines.append(
             f"prepare() host time, B={r['B']} decode: median {r['median_us']:.1f} us, "
@@ -423,6 +523,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench-out/flashinfer.json", help="JSON output path")
     parser.add_argument("--quick", action="store_true", help="ctx 4096 only, B=1 and 64")
+    parser.add_argument(
+        "--variants", action="store_true", help="direct decode kernel choices (layout, cores)"
+    )
+    parser.add_argument("--profile", action="store_true", help="cProfile of prepare() at B=256")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to benchmark", file=sys.stderr)
@@ -448,8 +552,13 @@ def main(argv: list[str] | None = None) -> int:
     for ctx in contexts:
         for batch in batches:
             _run(results, "decode", bench_decode, spec, batch, ctx)
+    if args.variants:
+        for batch, ctx in ((64, 4096), (256, 4096), (64, 32768)):
+            _run(results, "decode_variants", bench_decode_variants, batch, ctx)
     _run(results, "prefill", bench_prefill)
     _run(results, "prepare", bench_prepare, spec)
+    if args.profile:
+        _run(results, "prepare_profile", bench_prepare_profile, spec)
     _run(results, "graph", bench_graph, spec)
     _run(results, "graph", bench_graph, spec, batch=1)
     results["total_s"] = round(time.perf_counter() - started, 1)
