@@ -22,13 +22,25 @@ redirect.
 fp8 caches store ``clamp(x / scale, -448, 448)`` in ``float8_e4m3fn``; the scale is the layer's
 0-dim device tensor (or a float), so quantising costs no host sync and a captured graph reads
 the current scale.
+
+Two implementations, picked by device (not a fallback: both have the semantics above):
+
+* CUDA tensors: one Triton kernel (:mod:`attn_core.state.kv_write_triton`) that writes K and V
+  (:func:`write_kv_slots`) or one tensor (:func:`write_slots`) in a single launch. A kernel
+  masks padding rows, so it needs no redirect. Were Triton not importable (it ships with
+  torch's Linux CUDA wheels), the torch path runs instead, with a warning the first time.
+* Other devices: the torch path above (:func:`write_slots_torch`), about six small kernels per
+  tensor, which on CPU costs nothing that matters.
 """
 
 from __future__ import annotations
 
+import warnings
+from types import ModuleType
+
 import torch
 
-__all__ = ["FP8_DTYPE", "quantize", "write_slots"]
+__all__ = ["FP8_DTYPE", "quantize", "write_kv_slots", "write_slots", "write_slots_torch"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 _FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
@@ -71,14 +83,160 @@ def write_slots(
 ) -> None:
     """Store ``x[t]`` at slot ``slot_mapping[t]``; slot ``-1`` (padding) stores nothing.
 
-    Runs no host synchronisation, so it can be captured in a CUDA graph.
+    Runs no host synchronisation, so it can be captured in a CUDA graph. CUDA tensors are
+    written by one Triton launch, others by :func:`write_slots_torch` (see the module docs).
 
-    :param x: ``[T, *row]`` float.
-    :param cache: ``[num_pages, page_size, *row]`` (contiguous), float or ``float8_e4m3fn``.
-    :param slot_mapping: ``[>= T]`` int64; its first ``T`` entries are used.
-    :param scale: fp8 quantisation scale (see :func:`quantize`).
+    :param x: ``[T, *row]`` float (``T`` may be a graph's padded token count).
+    :param cache: ``[num_pages, page_size, *row]`` (page and offset dims mergeable into one),
+        float or ``float8_e4m3fn``.
+    :param slot_mapping: ``[>= T]`` integer (int64 or int32); its first ``T`` entries are used.
+    :param scale: fp8 quantisation scale (see :func:`quantize`); a tensor must live on the
+        cache's device.
     :param may_have_padding: False only when every slot is known to be ``>= 0`` (no padding,
-        and not capturing a graph that may later be replayed with padding): skips two selects.
+        and not capturing a graph that may later be replayed with padding): the torch path
+        then skips two selects. The Triton kernel ignores it (masking padding is free there).
+    :raises ValueError: ``x`` does not fit the cache (row shape, dtype, device), or
+        ``slot_mapping`` / ``scale`` are not usable as described.
+    """
+    _check(x, cache, slot_mapping, scale, "x")
+    if x.shape[0] == 0:
+        return
+    kernels = _kernels(cache)
+    if kernels is None:
+        write_slots_torch(x, cache, slot_mapping, scale, may_have_padding=may_have_padding)
+    else:
+        kernels.launch((x,), (cache,), (scale,), slot_mapping, x.shape[0])
+
+
+def write_kv_slots(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
+    *,
+    may_have_padding: bool = True,
+) -> None:
+    """:func:`write_slots` for K and V at once: on CUDA one kernel launch writes both.
+
+    :param k: ``[T, Hkv, D]`` float.
+    :param v: ``[T, Hkv, Dv]`` float (same ``T``).
+    :param k_cache: ``[num_pages, page_size, Hkv, D]``, float or ``float8_e4m3fn``.
+    :param v_cache: ``[num_pages, page_size, Hkv, Dv]``, the same pages and page size.
+    :param slot_mapping: ``[>= T]`` integer; ``-1`` marks padding (written nowhere).
+    :param k_scale: fp8 quantisation scale of K (see :func:`quantize`), or None.
+    :param v_scale: likewise for V.
+    :param may_have_padding: as for :func:`write_slots`.
+    :raises ValueError: as :func:`write_slots`, or K and V disagree on ``T`` or on the slots.
+    """
+    _check(k, k_cache, slot_mapping, k_scale, "k")
+    _check(v, v_cache, slot_mapping, v_scale, "v")
+    if k.shape[0] != v.shape[0] or k_cache.shape[:2] != v_cache.shape[:2]:
+        raise ValueError(
+            f"k and v: expected the same token count and [num_pages, page_size], got "
+            f"k {tuple(k.shape)} into {tuple(k_cache.shape)}, v {tuple(v.shape)} into "
+            f"{tuple(v_cache.shape)}"
+        )
+    if k.shape[0] == 0:
+        return
+    kernels = _kernels(k_cache)
+    if kernels is None:
+        write_slots_torch(k, k_cache, slot_mapping, k_scale, may_have_padding=may_have_padding)
+        write_slots_torch(v, v_cache, slot_mapping, v_scale, may_have_padding=may_have_padding)
+    else:
+        kernels.launch((k, v), (k_cache, v_cache), (k_scale, v_scale), slot_mapping, k.shape[0])
+
+
+def _check(
+    x: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scale: torch.Tensor | float | None,
+    name: str,
+) -> None:
+    """Cheap checks (tensor metadata only, no host sync) that a kernel would otherwise turn
+    into a corrupted cache rather than an error."""
+    row = tuple(cache.shape[2:])
+    if x.dim() < 1 or tuple(x.shape[1:]) != row:
+        raise ValueError(
+            f"{name}: expected shape [T, {', '.join(map(str, row))}] to match the cache "
+            f"[num_pages, page_size, ...] = {tuple(cache.shape)}, got {tuple(x.shape)}"
+        )
+    if not x.is_floating_point() or x.dtype == FP8_DTYPE or not cache.is_floating_point():
+        raise ValueError(
+            f"{name}: expected a float tensor (not fp8) written into a float or fp8 cache, got "
+            f"{x.dtype} into a {cache.dtype} cache"
+        )
+    if min(cache.shape[:2]) > 1 and cache.stride(0) != cache.shape[1] * cache.stride(1):
+        raise ValueError(
+            f"{name} cache: expected [num_pages, page_size] dims that merge into one slot dim "
+            f"(stride(0) == page_size * stride(1)), got strides {cache.stride()}"
+        )
+    if x.device != cache.device or slot_mapping.device != cache.device:
+        raise ValueError(
+            f"{name}: expected x, cache and slot_mapping on one device, got {x.device}, "
+            f"{cache.device} and {slot_mapping.device}"
+        )
+    if (
+        slot_mapping.dim() != 1
+        or slot_mapping.shape[0] < x.shape[0]
+        or slot_mapping.is_floating_point()
+        or slot_mapping.dtype == torch.bool
+    ):
+        raise ValueError(
+            f"slot_mapping: expected a 1-D integer tensor of at least {x.shape[0]} entries "
+            f"(one per token of {name}), got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )
+    if (
+        isinstance(scale, torch.Tensor)
+        and cache.dtype == FP8_DTYPE
+        and (scale.numel() != 1 or scale.device != cache.device)
+    ):
+        raise ValueError(
+            f"{name} scale: expected a one-element tensor on {cache.device}, got shape "
+            f"{tuple(scale.shape)} on {scale.device}"
+        )
+
+
+_triton_kernels: ModuleType | None = None
+_triton_missing = False
+
+
+def _kernels(cache: torch.Tensor) -> ModuleType | None:
+    """The Triton writer for a CUDA ``cache``; None for other devices (torch path)."""
+    global _triton_kernels, _triton_missing
+    if not cache.is_cuda or _triton_missing:
+        return None
+    if _triton_kernels is None:
+        try:
+            from attn_core.state import kv_write_triton
+        except ImportError as exc:  # torch's Linux CUDA wheels ship Triton; others may not
+            _triton_missing = True
+            warnings.warn(
+                f"attn_core.state.kv_write: Triton is not importable ({exc}); CUDA KV writes "
+                f"use the slower torch path (several kernels per tensor)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return None
+        _triton_kernels = kv_write_triton
+    return _triton_kernels
+
+
+def write_slots_torch(
+    x: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scale: torch.Tensor | float | None = None,
+    *,
+    may_have_padding: bool = True,
+) -> None:
+    """:func:`write_slots` in torch ops (the module docs' redirect), without input checks.
+
+    What :func:`write_slots` runs off CUDA; tests and benchmarks compare the kernel with it.
+    Arguments as for :func:`write_slots`.
     """
     n = x.shape[0]
     if n == 0:

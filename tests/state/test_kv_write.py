@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attn_core.state.kv_write import FP8_DTYPE, quantize, write_slots
+from attn_core.state.kv_write import FP8_DTYPE, quantize, write_kv_slots, write_slots
 
 
 def _cache(dtype=torch.float32):
@@ -84,3 +84,43 @@ def test_write_captures_in_a_cuda_graph_and_replays_new_slots():
     before = cache.clone()
     graph.replay()
     assert torch.equal(cache, before)
+
+
+def test_write_kv_slots_writes_both_like_two_write_slots():
+    k, v = torch.randn(4, 2, 3), torch.randn(4, 2, 5)
+    kc, vc = _cache(), torch.zeros(4, 4, 2, 5)
+    slots = torch.tensor([2, -1, 9, 15])
+    write_kv_slots(k, v, kc, vc, slots)
+    kc2, vc2 = _cache(), torch.zeros(4, 4, 2, 5)
+    write_slots(k, kc2, slots)
+    write_slots(v, vc2, slots)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    torch.testing.assert_close(vc.view(16, 2, 5)[15], v[3])
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda c, s: write_slots(torch.randn(2, 3, 3), c, s), r"expected shape \[T, 2, 3\]"),
+        (lambda c, s: write_slots(torch.ones(2, 2, 3, dtype=torch.int32), c, s), "float tensor"),
+        (lambda c, s: write_slots(torch.randn(2, 2, 3), c, s[:1]), "at least 2 entries"),
+        (lambda c, s: write_slots(torch.randn(2, 2, 3), c, s.float()), "1-D integer"),
+        (
+            lambda c, s: write_slots(torch.randn(2, 2, 3), c.to(FP8_DTYPE), s, torch.ones(2)),
+            "one-element tensor",
+        ),
+        (
+            lambda c, s: write_slots(torch.randn(2, 2, 3), c.transpose(0, 1), s),
+            "merge into one slot dim",
+        ),
+        (
+            lambda c, s: write_kv_slots(torch.randn(2, 2, 3), torch.randn(1, 2, 3), c, c, s),
+            "same token count",
+        ),
+    ],
+    ids=["row", "dtype", "short-slots", "float-slots", "scale", "cache-strides", "k-v-tokens"],
+)
+def test_inputs_that_do_not_fit_the_cache_raise(call, match):
+    """Checked from tensor metadata only: a kernel would corrupt the cache instead of raising."""
+    with pytest.raises(ValueError, match=match):
+        call(_cache(), torch.tensor([0, 1]))
