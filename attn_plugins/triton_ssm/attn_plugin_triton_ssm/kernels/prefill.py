@@ -1,5 +1,6 @@
-"""Chunked prefill: thin wrappers over fla-core's chunk kernels (GDN, KDA) and a chunked SSD in
-torch (Mamba2), all with the state in slots.
+"""Chunked prefill: thin wrappers over fla-core's chunk kernels (GDN, KDA) and, for Mamba2, our
+Triton chunked SSD (:mod:`~attn_plugin_triton_ssm.kernels.ssd`) or a chunked SSD in torch, all
+with the state in slots.
 
 Every wrapper takes the step's tokens packed (varlen) with ``cu_seqlens`` ``[N + 1]``, gathers
 the initial states of the ``N`` sequences from ``ssm_state[state_indices]``, runs the chunked
@@ -231,20 +232,26 @@ def mamba2_prefill(
     dt_bias: torch.Tensor | None = None,
     z: torch.Tensor | None = None,
     dt_softplus: bool = True,
-    chunk_size: int = 256,
+    chunk_size: int | None = None,
     impl: str = "auto",
     cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mamba2 chunked prefill (SSD) over packed sequences, state in slots.
 
     Same math as :func:`~attn_plugin_triton_ssm.kernels.mamba2.mamba2_decode` applied to every
-    token. ``impl="torch"`` (and ``"auto"``) is the chunked SSD in torch, one sequence at a time,
-    in float32. SSD is also scalar-gated linear attention (``q = C``, ``k = B``, ``v = dt * x``,
-    log decay ``dt * A``, scale 1), so ``impl="fla"`` runs fla-core's ``chunk_simple_gla`` over
-    all sequences in one varlen launch: 5-6x faster on an H200 (T = 8192 to 32768), but
-    ``dt * x`` is rounded to the activation dtype before the kernel, and at Nemotron-H-like
-    shapes single outputs then missed the float32 recurrence by more than 2e-2 (bf16); until
-    that is fixed it is opt-in, not the default.
+    token. Implementations:
+
+    * ``"triton"``: our two-kernel chunked SSD (:mod:`~attn_plugin_triton_ssm.kernels.ssd`),
+      all sequences in one launch each, float32 state and accumulation, B/C shared per group.
+      Inputs it cannot serve raise ``ValueError`` (no fallback). ``chunk_size`` 16 to 128
+      (default 64).
+    * ``"torch"``: the chunked SSD in torch, one sequence at a time, in float32 (default chunk
+      256). Runs anywhere; slow.
+    * ``"fla"``: SSD as scalar-gated linear attention (``q = C``, ``k = B``, ``v = dt * x``, log
+      decay ``dt * A``, scale 1) through fla-core's ``chunk_simple_gla``; ``dt * x`` is rounded
+      to the activation dtype first, and at Nemotron-H-like shapes single outputs then missed
+      the float32 recurrence by more than 2e-2 (bf16). Opt-in.
+    * ``"auto"``: ``"torch"``.
 
     Shapes: ``x`` ``[T, H, P]``, ``dt`` ``[T, H]``, ``A_log`` ``[H]``, ``B``/``C``
     ``[T, G, N]``, ``ssm_state`` ``[S, H, N, P]`` (slots read and overwritten), ``state_indices``
@@ -264,10 +271,21 @@ def mamba2_prefill(
     check_shape("ssm_state", ssm_state, [None, H, N, P], "[S, H, N, P]")
     check_dtype("ssm_state", ssm_state, STATE_DTYPES)
     _check_varlen(state_indices, cu_seqlens, T)
-    if chunk_size <= 0:
+    if chunk_size is not None and chunk_size <= 0:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size}")
-    if impl not in ("auto", "fla", "torch"):
-        raise ValueError(f"impl: expected 'auto', 'fla' or 'torch', got {impl!r}")
+    if impl not in ("auto", "fla", "torch", "triton"):
+        raise ValueError(f"impl: expected 'auto', 'fla', 'torch' or 'triton', got {impl!r}")
+    if impl == "auto":
+        impl = "torch"  # TODO(ssd): "triton" on CUDA once measured on the GPU
+    if impl == "triton":
+        from attn_plugin_triton_ssm.kernels.ssd import DEFAULT_CHUNK, mamba2_ssd_triton
+
+        if cu_seqlens_cpu is None:
+            cu_seqlens_cpu = cu_seqlens.cpu()  # chunks are planned on the host: a device sync
+        return mamba2_ssd_triton(
+            x, dt, A_log, B, C, ssm_state, state_indices, cu_seqlens_cpu, D=D, dt_bias=dt_bias,
+            z=z, dt_softplus=dt_softplus, chunk_size=chunk_size or DEFAULT_CHUNK,
+        )  # fmt: skip
 
     dtf = dt.float() + (dt_bias.float() if dt_bias is not None else 0.0)
     if dt_softplus:
@@ -292,7 +310,7 @@ def mamba2_prefill(
     for i in range(len(bounds) - 1):
         s, e = bounds[i], bounds[i + 1]
         yi, ht[i] = _ssd_chunked(
-            xf[s:e] * dtf[s:e, :, None], A * dtf[s:e], Bh[s:e], Ch[s:e], h0[i], chunk_size
+            xf[s:e] * dtf[s:e, :, None], A * dtf[s:e], Bh[s:e], Ch[s:e], h0[i], chunk_size or 256
         )
         y[s:e] = yi
     if D is not None:
