@@ -123,10 +123,10 @@ def _gather_tokens(cache: torch.Tensor, pages: torch.Tensor, length: int) -> tor
     return picked.view(cache.dtype)
 
 
-def _write_slots(
+def _cache_inputs(
     src: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, scale: ScaleLike, name: str
-) -> None:
-    """Write ``src[t]`` to slot ``slot_mapping[t]`` of a paged ``cache``; slot ``-1`` skips."""
+) -> tuple[torch.Tensor, torch.Tensor, float | torch.Tensor | None]:
+    """``(src, slots, scale)`` checked and moved to ``cache``'s device for the core's writer."""
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != src.shape[0]:
         raise ValueError(
             f"slot_mapping: expected shape [{src.shape[0]}] (one slot per token of {name}), "
@@ -152,7 +152,15 @@ def _write_slots(
                 f"pages x {page_size} tokens"
             )
     scale = None if cache.dtype != FP8_DTYPE else _check_scale(scale, "scale", cache.device)
-    kv_write.write_slots(src.to(cache.device), cache, slots, scale)
+    return src.to(cache.device), slots, scale
+
+
+def _write_slots(
+    src: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, scale: ScaleLike, name: str
+) -> None:
+    """Write ``src[t]`` to slot ``slot_mapping[t]`` of a paged ``cache``; slot ``-1`` skips."""
+    src, slots, scale = _cache_inputs(src, cache, slot_mapping, scale, name)
+    kv_write.write_slots(src, cache, slots, scale)
 
 
 def _visible(
@@ -344,8 +352,9 @@ def write_paged_kv(
         raise ValueError(
             f"k and v: expected the same token count, got {k.shape[0]} and {v.shape[0]}"
         )
-    _write_slots(k, k_cache, slot_mapping, k_scale, "k")
-    _write_slots(v, v_cache, slot_mapping, v_scale, "v")
+    k, slots, ks = _cache_inputs(k, k_cache, slot_mapping, k_scale, "k")
+    v, _, vs = _cache_inputs(v, v_cache, slot_mapping, v_scale, "v")
+    kv_write.write_kv_slots(k, v, k_cache, v_cache, slots, ks, vs)
 
 
 def paged_attention(

@@ -1,14 +1,15 @@
 """Write the step's new K/V into the paged cache through the core's graph-safe writer.
 
 The FlashAttention-4 Hopper path reads an unquantised cache, so this only adds the dtype check
-to :func:`attn_core.state.kv_write.write_slots` (padding slots ``-1`` store nothing, no host sync).
+to :func:`attn_core.state.kv_write.write_kv_slots` (one launch on CUDA for K and V; padding slots
+``-1`` store nothing; no host sync).
 """
 
 from __future__ import annotations
 
 import torch
 
-from attn_core.state.kv_write import write_slots
+from attn_core.state.kv_write import write_kv_slots
 
 __all__ = ["write_kv"]
 
@@ -30,12 +31,12 @@ def write_kv(
     :param v_cache: ``[num_pages, page_size, Hkv, Dv]``, contiguous.
     :param slot_mapping: ``[T]`` int64; ``-1`` marks padding (written nowhere).
     :param may_have_padding: False only when every slot is known to be ``>= 0`` (no padding
-        and not capturing a graph that may be replayed with padding); then the plain write runs.
+        and not capturing a graph that may be replayed with padding); lets the torch path (off
+        CUDA) skip its padding redirect.
     """
     if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
         raise ValueError(
             f"k/v dtype {k.dtype}/{v.dtype} must equal the cache dtype {k_cache.dtype}/"
             f"{v_cache.dtype} (this backend stores KV unquantised)"
         )
-    write_slots(k, k_cache, slot_mapping, may_have_padding=may_have_padding)
-    write_slots(v, v_cache, slot_mapping, may_have_padding=may_have_padding)
+    write_kv_slots(k, v, k_cache, v_cache, slot_mapping, may_have_padding=may_have_padding)

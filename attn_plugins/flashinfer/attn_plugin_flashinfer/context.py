@@ -48,7 +48,7 @@ import torch
 from attn_core.batch import AttentionBatch, BatchMode
 from attn_core.context import WorkspaceRequirement
 from attn_core.specs import ExecutionConstraints, GraphMode, LayerGroup, LayerKind, LayerSpec
-from attn_core.state.kv_write import FP8_DTYPE, write_slots
+from attn_core.state.kv_write import FP8_DTYPE, write_kv_slots, write_slots
 from attn_plugin_flashinfer import planning
 
 __all__ = [
@@ -457,8 +457,17 @@ class FullAttentionContext(_PagedContext):
         if k_cache.dtype != self.kv_dtype:
             self._bad(f"KV cache dtype {k_cache.dtype}, the plan expects {self.kv_dtype}")
         fp8 = self.fp8
-        self._write(k, k_cache, step, kv.k_scale if fp8 else None)
-        self._write(v, v_cache, step, kv.v_scale if fp8 else None)
+        # One launch on CUDA for K and V (padding rows change nothing).
+        write_kv_slots(
+            k,
+            v,
+            k_cache,
+            v_cache,
+            self.batch.slot_mapping,
+            kv.k_scale if fp8 else None,
+            kv.v_scale if fp8 else None,
+            may_have_padding=step.padded,
+        )
         wrapper = step.wrapper
         wrapper._sm_scale = layer.scale
         o = out if out is not None and out.is_contiguous() else None
