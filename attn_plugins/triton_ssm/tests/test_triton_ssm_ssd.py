@@ -1,0 +1,197 @@
+"""The Triton chunked SSD (``mamba2_prefill(impl="triton")``) against the explicit Mamba2
+recurrence of ``triton_ssm_refs`` and against the torch chunked SSD, on varlen batches whose
+sequences end inside, and exactly on, chunk boundaries.
+
+Without CUDA the kernels run in Triton's CPU interpreter: ``TRITON_INTERPRET`` is set here,
+before anything imports the kernels. With CUDA the same small-shape tests run compiled.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available() and "attn_plugin_triton_ssm.kernels" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+from attn_plugin_triton_ssm import kernels as K
+from attn_plugin_triton_ssm.kernels import ssd
+from triton_ssm_refs import mamba2_ref
+
+if not K.INTERPRETED and not torch.cuda.is_available():
+    pytest.skip("kernels compiled for GPU but no CUDA device", allow_module_level=True)
+DEV = "cpu" if K.INTERPRETED else "cuda"
+S = 8  # slots in the pool
+SLOTS = [6, 0, 3, 5, 2, 7]  # the first len(lens) are used, in this (non-sorted) order
+
+
+def _case(lens, *, H=4, G=1, N=16, P=32, dtype=torch.float32, state_dtype=torch.float32,
+          init=True, seed=0):  # fmt: skip
+    """Packed inputs for sequences of ``lens`` tokens, on the host (float32 reference data
+    rounded to ``dtype`` once, so the reference sees the same values)."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+
+    inp = {
+        "x": r(T, H, P).to(dtype),
+        "dt": r(T, H) - 1.0,
+        "A_log": r(H) * 0.5,
+        "B": r(T, G, N).to(dtype),
+        "C": r(T, G, N).to(dtype),
+    }
+    extras = {"D": r(H), "dt_bias": r(H) * 0.5, "z": r(T, H, P)}
+    state = (r(S, H, N, P) if init else torch.zeros(S, H, N, P)).to(state_dtype)
+    idx = torch.tensor(SLOTS[: len(lens)], dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return inp, extras, state, idx, cu
+
+
+def _dev(d: dict) -> dict:
+    return {k: v.to(DEV) for k, v in d.items()}
+
+
+def _run(inp, extras, state, idx, cu, **kw) -> torch.Tensor:
+    """impl='triton' on DEV; ``state`` (a DEV tensor) is updated in place."""
+    return K.mamba2_prefill(
+        **_dev(inp), ssm_state=state, state_indices=idx.to(DEV), cu_seqlens=cu.to(DEV),
+        cu_seqlens_cpu=cu, impl="triton", **_dev(extras), **kw,
+    )  # fmt: skip
+
+
+def _check_against_recurrence(y, st, before, inp, extras, idx, cu, *, out_tol, state_tol):
+    y, st = y.cpu(), st.cpu()
+    bounds = cu.tolist()
+    for i in range(len(bounds) - 1):
+        s, e = bounds[i], bounds[i + 1]
+        if s == e:  # no tokens: the slot keeps its state, bit for bit
+            assert torch.equal(st[idx[i]], before[idx[i]]), f"empty sequence {i} changed its slot"
+            continue
+        y_ref, h_ref = mamba2_ref(
+            inp["x"][None, s:e], inp["dt"][None, s:e], inp["A_log"], inp["B"][None, s:e],
+            inp["C"][None, s:e], before[idx[i]][None], D=extras.get("D"),
+            dt_bias=extras.get("dt_bias"), z=None if "z" not in extras else extras["z"][None, s:e],
+        )  # fmt: skip
+        msg = f"sequence {i} ({e - s} tokens)"
+        torch.testing.assert_close(y[s:e].float(), y_ref[0], **out_tol,
+                                   msg=lambda m, s_=msg: f"{s_} output\n{m}")  # fmt: skip
+        torch.testing.assert_close(st[idx[i]].float(), h_ref[0], **state_tol,
+                                   msg=lambda m, s_=msg: f"{s_} state\n{m}")  # fmt: skip
+    untouched = [s for s in range(S) if s not in idx.tolist()]
+    assert torch.equal(st[untouched], before[untouched]), "slots outside the batch were written"
+
+
+FP32_TOL = dict(atol=1e-4, rtol=1e-4)
+# bf16 outputs: one ulp (the interpreter truncates to bf16, 2**-7 relative; the GPU rounds).
+BF16_OUT_TOL = dict(atol=1e-3, rtol=2**-7)
+
+
+# (lens, G, chunk): one sequence; several with lengths 1, exact multiples of the chunk and not;
+# a zero-length sequence in the middle (its slot must come back unchanged).
+CASES = {
+    "one_seq": ([37], 1, 16),
+    "varlen_G1": ([1, 16, 45, 32, 3], 1, 16),
+    "varlen_G2": ([5, 33, 1, 64], 2, 32),
+    "varlen_G4_empty": ([17, 0, 16, 2], 4, 16),
+}
+
+
+@pytest.mark.parametrize("init", [True, False], ids=["h0", "zero_h0"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp32_matches_recurrence(case, init):
+    lens, G, chunk = CASES[case]
+    inp, extras, state, idx, cu = _case(lens, G=G, init=init, seed=len(case))
+    before = state.clone()
+    st = state.to(DEV)
+    y = _run(inp, extras, st, idx, cu, chunk_size=chunk)
+    assert y.dtype == torch.float32 and y.shape == inp["x"].shape
+    _check_against_recurrence(y, st, before, inp, extras, idx, cu, out_tol=FP32_TOL,
+                              state_tol=FP32_TOL)  # fmt: skip
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["varlen_G1", "varlen_G2"])
+def test_bf16_inputs_match_recurrence(case, state_dtype):
+    """bf16 x/B/C: the float32 dot operands are split in hi + lo bf16 halves, so the state stays
+    within float32 rounding of the recurrence run on the same bf16 values."""
+    lens, G, chunk = CASES[case]
+    inp, extras, state, idx, cu = _case(lens, G=G, dtype=torch.bfloat16, state_dtype=state_dtype)
+    before = state.clone()
+    st = state.to(DEV)
+    y = _run(inp, extras, st, idx, cu, chunk_size=chunk)
+    assert y.dtype == torch.bfloat16
+    state_tol = FP32_TOL if state_dtype == torch.float32 else BF16_OUT_TOL
+    _check_against_recurrence(y, st, before, inp, extras, idx, cu, out_tol=BF16_OUT_TOL,
+                              state_tol=state_tol)  # fmt: skip
+
+
+def test_plain_no_extras_non_pow2_dims_matches_torch_impl():
+    """No D / dt_bias / z, raw dt (no softplus, may be negative), N and P not powers of two
+    (masked tiles), against the torch chunked SSD."""
+    lens = [9, 40, 1]
+    inp, _, state, idx, cu = _case(lens, H=6, G=3, N=20, P=24, seed=7)
+    inp["dt"] = inp["dt"].abs() * 0.3
+    st_torch = state.clone()
+    y_torch = K.mamba2_prefill(**inp, ssm_state=st_torch, state_indices=idx, cu_seqlens=cu,
+                               dt_softplus=False, impl="torch")  # fmt: skip
+    st = state.to(DEV)
+    y = _run(inp, {}, st, idx, cu, chunk_size=16, dt_softplus=False)
+    torch.testing.assert_close(y.cpu(), y_torch, **FP32_TOL)
+    torch.testing.assert_close(st.cpu(), st_torch, **FP32_TOL)
+
+
+def test_heads_per_program_does_not_change_results():
+    lens = [21, 11]
+    inp, extras, state, idx, cu = _case(lens, H=8, G=2, seed=3)
+    outs = []
+    for hb in (1, 2, 4):
+        st = state.clone().to(DEV)
+        y = ssd.mamba2_ssd_triton(**_dev(inp), ssm_state=st, state_indices=idx.to(DEV),
+                                  cu_seqlens_cpu=cu, chunk_size=16, heads_per_program=hb,
+                                  **_dev(extras))  # fmt: skip
+        outs.append((y.cpu(), st.cpu()))
+    for y, st in outs[1:]:
+        assert torch.equal(y, outs[0][0]) and torch.equal(st, outs[0][1])
+
+
+def test_chunk_plan_table_and_cache():
+    cu = torch.tensor([0, 1, 17, 62, 62, 65])
+    plan, n = ssd._chunk_plan(cu, 16, torch.device("cpu"))
+    assert n == 1 + 1 + 3 + 0 + 1
+    n_seq = 5
+    assert plan[: n_seq + 1].tolist() == cu.tolist()
+    assert plan[n_seq + 1 : 2 * n_seq + 1].tolist() == [0, 1, 2, 5, 5]  # first chunk per seq
+    table = plan[2 * n_seq + 1 :].view(-1, 2).tolist()
+    assert table == [[0, 1], [1, 17], [17, 33], [33, 49], [49, 62], [62, 65]]
+    again, _ = ssd._chunk_plan(cu.clone(), 16, torch.device("cpu"))
+    assert again is plan, "same offsets (another tensor): the cached plan"
+    other, _ = ssd._chunk_plan(torch.tensor([0, 2, 65]), 16, torch.device("cpu"))
+    assert other is not plan and other[:3].tolist() == [0, 2, 65]
+
+
+def test_errors_say_what_was_expected():
+    inp, extras, state, idx, cu = _case([5, 7], dtype=torch.bfloat16)
+    st = state.to(DEV)
+    with pytest.raises(ValueError, match=r"chunk_size: impl='triton' takes one of .* got 48"):
+        _run(inp, extras, st, idx, cu, chunk_size=48)
+    with pytest.raises(ValueError, match=r"B: expected x's dtype bfloat16 .* got float32"):
+        _run({**inp, "B": inp["B"].float()}, extras, st, idx, cu)
+    with pytest.raises(ValueError, match=r"cu_seqlens_cpu: expected non-decreasing offsets "):
+        _run(inp, extras, st, idx, torch.tensor([0, 7, 5], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"heads_per_program: expected a divisor of the 4"):
+        ssd.mamba2_ssd_triton(**_dev(inp), ssm_state=st, state_indices=idx.to(DEV),
+                              cu_seqlens_cpu=cu, heads_per_program=3)  # fmt: skip
+    with pytest.raises(ValueError, match=r"impl: expected 'auto', 'fla', 'torch' or 'triton'"):
+        K.mamba2_prefill(**_dev(inp), ssm_state=st, state_indices=idx.to(DEV),
+                         cu_seqlens=cu.to(DEV), impl="cuda")  # fmt: skip
+    other = "cuda" if DEV == "cpu" else "cpu"
+    if other == "cpu" or torch.cuda.is_available():
+        with pytest.raises(ValueError, match="tensors"):
+            K.mamba2_prefill(**{k: v.to(other) for k, v in inp.items()},
+                             ssm_state=state.to(other), state_indices=idx.to(other),
+                             cu_seqlens=cu.to(other), impl="triton")  # fmt: skip
