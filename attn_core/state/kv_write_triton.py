@@ -83,7 +83,9 @@ def _write_tile(
     tl.store(dst, vals.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# T and the cache size change from call to call and gain nothing from Triton's specialisation
+# (== 1, % 16): without it one compiled kernel serves every batch size.
+@triton.jit(do_not_specialize=["T", "num_slots"])
 def _write_kernel(
     slot_ptr,
     slot_stride,

@@ -1,0 +1,202 @@
+"""The paged KV write on CUDA: two torch ``write_slots`` against the one-launch Triton writer.
+
+Cases (times from CUDA events; each case first checks that both writers store the same bytes):
+
+1. Decode, B = 1 and B = 64 tokens of 8 KV heads x 128, bf16, page 16, with padding possible
+   (``may_have_padding=True``, so the torch path runs its redirect; the last token of B = 64 is
+   padding):
+
+   - eager: one K+V write per call, host launch cost included (what an uncaptured step pays);
+   - graph: a 32-layer step (32 layers' caches) captured in one CUDA graph, time per layer.
+
+2. Prefill: 16384 tokens of 16 heads x 128 bf16 into a bf16 cache, and into an fp8 cache with a
+   scale tensor; us, GB/s (bytes read + written, slots included) and the ratio to a 1 GiB
+   device-to-device copy timed in the same run (its GB/s counts the read and the write).
+
+Usage::
+
+    python bench/bench_kv_write.py [--iters 200] [--layers 32] [--out result.json]
+
+Needs a CUDA device (exits 2 without one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from attn_core.state.kv_write import (  # noqa: E402
+    FP8_DTYPE,
+    write_kv_slots,
+    write_slots_torch,
+)
+
+PAGE = 16
+DECODE_HEADS, PREFILL_HEADS, HEAD_DIM = 8, 16, 128
+DECODE_BATCHES = (1, 64)
+PREFILL_TOKENS = 16384
+
+
+def _time_us(fn: Callable[[], None], iters: int, warmup: int = 10) -> float:
+    """Mean microseconds per ``fn()`` over ``iters`` back-to-back calls (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def _graph_of(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """``fn`` captured once (after a warm-up on a side stream, which compiles the kernel)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+class _Layer:
+    """One layer's K/V caches (``[pages, PAGE, heads, HEAD_DIM]``) and its scales."""
+
+    def __init__(self, pages: int, heads: int, dtype: torch.dtype) -> None:
+        shape = (pages, PAGE, heads, HEAD_DIM)
+        self.k = torch.zeros(shape, device="cuda").to(dtype)
+        self.v = torch.zeros(shape, device="cuda").to(dtype)
+        fp8 = dtype == FP8_DTYPE
+        self.k_scale = torch.tensor(0.5, device="cuda") if fp8 else None
+        self.v_scale = torch.tensor(2.0, device="cuda") if fp8 else None
+
+    def torch_write(self, k, v, slots) -> None:
+        write_slots_torch(k, self.k, slots, self.k_scale)
+        write_slots_torch(v, self.v, slots, self.v_scale)
+
+    def fused_write(self, k, v, slots) -> None:
+        write_kv_slots(k, v, self.k, self.v, slots, self.k_scale, self.v_scale)
+
+
+def _inputs(T: int, heads: int, pages: int, pad_last: bool) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator(device="cuda").manual_seed(T)
+    k = torch.randn(T, heads, HEAD_DIM, device="cuda", generator=g).bfloat16()
+    v = torch.randn(T, heads, HEAD_DIM, device="cuda", generator=g).bfloat16()
+    slots = torch.randperm(pages * PAGE, device="cuda", generator=g)[:T]
+    if pad_last and T > 1:
+        slots[-1] = -1
+    return k, v, slots
+
+
+def _check_same(layer_dtype: torch.dtype, pages: int, heads: int, k, v, slots) -> None:
+    """Both writers store identical bytes for these inputs (else the timing means nothing)."""
+    a, b = _Layer(pages, heads, layer_dtype), _Layer(pages, heads, layer_dtype)
+    a.torch_write(k, v, slots)
+    b.fused_write(k, v, slots)
+    for x, y in ((a.k, b.k), (a.v, b.v)):
+        if not torch.equal(x.view(torch.uint8), y.view(torch.uint8)):
+            raise SystemExit(f"the writers disagree ({layer_dtype}, T={k.shape[0]})")
+
+
+def bench_decode(batch: int, layers: int, iters: int) -> dict:
+    pages = max(256, 4 * batch)
+    k, v, slots = _inputs(batch, DECODE_HEADS, pages, pad_last=True)
+    _check_same(torch.bfloat16, pages, DECODE_HEADS, k, v, slots)
+    caches = [_Layer(pages, DECODE_HEADS, torch.bfloat16) for _ in range(layers)]
+    row = {"case": f"decode B={batch}", "T": batch}
+    for name in ("torch", "fused"):
+        one = getattr(caches[0], f"{name}_write")
+        row[f"{name}_eager_us"] = _time_us(lambda one=one: one(k, v, slots), iters)
+        writes = [getattr(c, f"{name}_write") for c in caches]
+
+        def step(writes=writes) -> None:
+            for w in writes:
+                w(k, v, slots)
+
+        graph = _graph_of(step)
+        row[f"{name}_graph_us_per_layer"] = _time_us(graph.replay, max(iters // 4, 20)) / layers
+    return row
+
+
+def bench_prefill(dtype: torch.dtype, iters: int, copy_gbs: float) -> dict:
+    T, heads = PREFILL_TOKENS, PREFILL_HEADS
+    pages = T // PAGE + 64
+    k, v, slots = _inputs(T, heads, pages, pad_last=False)
+    _check_same(dtype, pages, heads, k, v, slots)
+    layer = _Layer(pages, heads, dtype)
+    out_bytes = torch.empty((), dtype=dtype).element_size()
+    moved = 2 * T * heads * HEAD_DIM * (k.element_size() + out_bytes) + T * slots.element_size()
+    row = {"case": f"prefill T={T} into {str(dtype).removeprefix('torch.')}", "T": T}
+    for name in ("torch", "fused"):
+        write = getattr(layer, f"{name}_write")
+        us = _time_us(lambda write=write: write(k, v, slots), iters)
+        row[f"{name}_us"] = us
+        row[f"{name}_GB/s"] = moved / us / 1e3
+        row[f"{name}_of_copy"] = row[f"{name}_GB/s"] / copy_gbs
+    return row
+
+
+def bench_copy(iters: int) -> float:
+    """GB/s of a 1 GiB device-to-device copy (read + write bytes)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = _time_us(lambda: dst.copy_(src), iters)
+    return 2 * src.numel() / us / 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--layers", type=int, default=32, help="layers in the decode graph")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_kv_write: needs a CUDA device", file=sys.stderr)
+        return 2
+
+    copy_gbs = bench_copy(max(args.iters // 10, 10))
+    print(f"{torch.cuda.get_device_name()}: 1 GiB device copy {copy_gbs:.0f} GB/s (read+write)")
+    decode = [bench_decode(b, args.layers, args.iters) for b in DECODE_BATCHES]
+    print(f"\ndecode, {DECODE_HEADS} kv heads x {HEAD_DIM} bf16, page {PAGE}, padding possible")
+    print(f"{'case':<14}{'torch x2 eager':>16}{'fused eager':>13}{'torch x2 graph':>16}"
+          f"{'fused graph':>13}{'graph speed-up':>16}")  # fmt: skip
+    for r in decode:
+        print(
+            f"{r['case']:<14}{r['torch_eager_us']:>13.1f} us{r['fused_eager_us']:>10.1f} us"
+            f"{r['torch_graph_us_per_layer']:>13.2f} us{r['fused_graph_us_per_layer']:>10.2f} us"
+            f"{r['torch_graph_us_per_layer'] / r['fused_graph_us_per_layer']:>15.1f}x"
+        )
+    print("(graph: per layer of a captured step of --layers layers)")
+    prefill = [bench_prefill(d, max(args.iters // 4, 20), copy_gbs)
+               for d in (torch.bfloat16, FP8_DTYPE)]  # fmt: skip
+    print(f"\nprefill, {PREFILL_HEADS} heads x {HEAD_DIM} bf16 K and V")
+    for r in prefill:
+        print(f"{r['case']}")
+        for name in ("torch", "fused"):
+            print(
+                f"  {name + (' x2' if name == 'torch' else ''):<10}{r[f'{name}_us']:>9.1f} us"
+                f"{r[f'{name}_GB/s']:>8.0f} GB/s  {r[f'{name}_of_copy']:.0%} of copy"
+            )
+    if args.out:
+        result = {"copy_GB/s": copy_gbs, "decode": decode, "prefill": prefill}
+        args.out.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
