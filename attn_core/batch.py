@@ -14,9 +14,9 @@ last accepted token and ``k`` drafts); a prefill chunk has ``q_len > 1`` and any
 
 The builder owns every metadata buffer for the whole run, on the host (pinned when CUDA is used)
 and on the device, and builds each step into them: device tensors keep their address from step to
-step, which is what CUDA-graph replay needs, and one step costs a few small host-to-device copies
-and no device-to-host synchronisation. The page table is kept incrementally: a step copies only
-the page-table entries that changed since the last step.
+step, which is what CUDA-graph replay needs, and one step costs one host-to-device copy of one
+packed buffer and no device-to-host synchronisation. The page table is kept incrementally: a
+step copies only the page-table entries that changed since the last step, in that same copy.
 """
 
 from __future__ import annotations
@@ -84,6 +84,37 @@ class AttentionBatch:
         return self.mode is BatchMode.DECODE
 
 
+_ALIGN = 16  # bytes: every region of the packed metadata buffer starts at a multiple of this
+_RING_HALF = 4  # host staging buffers per half of the ring (the ring has two halves)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+class _HostSlot:
+    """One host staging buffer of the ring (pinned on CUDA), laid out as the device buffer.
+
+    ``prefix`` caches ``tensor[:nbytes]`` views for the copies of steps without page-table
+    deltas (a torch slice costs about as much as the copy call itself).
+    """
+
+    __slots__ = ("ctx", "i64", "init", "prefix", "qsl", "raw", "seq", "slots", "tensor")
+
+    def __init__(self, nbytes: int, offsets: tuple[int, ...], max_batch: int, pin: bool) -> None:
+        B = max_batch
+        o_qsl, o_seq, o_ctx, o_slots, o_init, o_tok = offsets
+        self.tensor = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+        raw = self.raw = self.tensor.numpy()
+        self.qsl = raw[o_qsl : o_qsl + 4 * (B + 1)].view(np.int32)
+        self.seq = raw[o_seq : o_seq + 4 * B].view(np.int32)
+        self.ctx = raw[o_ctx : o_ctx + 4 * B].view(np.int32)
+        self.slots = raw[o_slots : o_slots + 4 * B].view(np.int32)
+        self.init = raw[o_init : o_init + B].view(np.bool_)
+        self.i64 = raw[o_tok:].view(np.int64)
+        self.prefix: dict[int, torch.Tensor] = {}
+
+
 class BatchBuilder:
     """Turns a step's requests into an :class:`AttentionBatch` in persistent buffers.
 
@@ -92,6 +123,29 @@ class BatchBuilder:
     :param max_num_tokens: most new tokens in a step (graph padding included).
     :param max_pages_per_request: width of the page table (``ceil(max_model_len / page_size)``).
     :param device: where the kernels run.
+
+    All of a step's metadata travels in one packed buffer, laid out the same on the host and
+    on the device (byte offsets, every region 16-byte aligned; ``Bm = max_batch_size``)::
+
+        [query_start_loc i32 (Bm+1) | seq_lens i32 (Bm) | context_lens i32 (Bm)
+         | state_indices i32 (Bm) | has_initial_state bool (Bm)      <- fixed offsets
+         | positions i64 (n) | slot_mapping i64 (n)                 <- offsets depend on n only
+         | page-table delta: flat indices i64 (m) | values i32 (m)]  <- this step only
+
+    for a step of ``n`` padded tokens that changes ``m`` page-table entries. One
+    ``copy_(non_blocking=True)`` of the used prefix moves the step, and one ``index_copy_``
+    applies the delta to the device page table from that same copy. Every device tensor of a
+    batch is a view of the persistent device buffer, at an address that depends only on the
+    padded batch size and token count: what a captured CUDA graph reads is refreshed in place.
+
+    The host side is a ring of ``2 * _RING_HALF`` staging buffers, so a step never writes into
+    a buffer that a previous step's copy may still be reading (the copy is asynchronous: the
+    host usually runs ahead of the GPU). On CUDA an event is recorded after the last copy of
+    each half of the ring, and the host waits on it before writing into that half again - a
+    wait that only blocks when the GPU is more than half a ring of steps behind. The event is
+    recorded on the current stream; steps issued on different streams must be ordered by the
+    caller (a step's kernels read the KV and state the previous step wrote, so they are).
+    Host mirrors (``*_cpu``) of a batch stay valid for the ``2 * _RING_HALF - 1`` next builds.
     """
 
     def __init__(
@@ -116,33 +170,56 @@ class BatchBuilder:
             and max_pages_per_request > 0
         )
         self._has_slots = bool(getattr(state, "has_state", False))
-        pin = self.device.type == "cuda"
+        cuda = self.device.type == "cuda"
+        self._pin = self._nb = cuda
         B, T = max_batch_size, max_num_tokens
 
-        # int32 metadata packed in one buffer: one host-to-device copy per step.
-        # layout: [qsl (B+1) | seq_lens (B) | ctx_lens (B) | state_idx (B)]
-        self._i32_host = torch.zeros(4 * B + 1, dtype=torch.int32, pin_memory=pin)
-        self._i32_dev = torch.zeros(4 * B + 1, dtype=torch.int32, device=self.device)
-        # int64 per-token metadata: [positions (n) | slot_mapping (n)] for a step of n padded
-        # tokens, so one copy moves both (offsets depend only on n: graph-safe per size)
-        self._i64_host = torch.zeros(2 * T, dtype=torch.int64, pin_memory=pin)
-        self._i64_dev = torch.zeros(2 * T, dtype=torch.int64, device=self.device)
-        self._has_init_dev = torch.zeros(B, dtype=torch.bool, device=self.device)
-        self._i32 = self._i32_host.numpy()
-        self._i64 = self._i64_host.numpy()
+        offsets, o = [], 0
+        for nbytes in (4 * (B + 1), 4 * B, 4 * B, 4 * B, B):
+            offsets.append(o)
+            o += _aligned(nbytes)
+        offsets.append(o)
+        self._offsets = tuple(offsets)
+        self._o_tok = o  # positions, then slot mapping, then the page-table delta
+        self._tok_regions = 2 if self._has_kv else 1
+        # Page-table entries one copy carries; a step that changes more (a mass rewrite of long
+        # rows) sends the rest in further chunks. Bounded so that the device buffer stays small.
+        self._delta_cap = min(B * self.max_pages, max(1 << 16, 4 * B)) if self._has_kv else 0
+        dev_bytes = self._tok_end(T) + _aligned(12 * self._delta_cap)
+        self._dev = torch.zeros(dev_bytes, dtype=torch.uint8, device=self.device)
+        o_qsl, o_seq, o_ctx, o_slots, o_init, _ = offsets
+        d = self._dev
+        self._d_qsl = d[o_qsl : o_qsl + 4 * (B + 1)].view(torch.int32)
+        self._d_seq = d[o_seq : o_seq + 4 * B].view(torch.int32)
+        self._d_ctx = d[o_ctx : o_ctx + 4 * B].view(torch.int32)
+        self._d_slots = d[o_slots : o_slots + 4 * B].view(torch.int32)
+        self._d_init = d[o_init : o_init + B].view(torch.bool)
+        host_bytes = self._tok_end(T) + _aligned(12 * min(self._delta_cap, 4 * B))
+        self._ring = [
+            _HostSlot(host_bytes, self._offsets, B, self._pin) for _ in range(2 * _RING_HALF)
+        ]
+        self._events = [torch.cuda.Event(), torch.cuda.Event()] if cuda else None
+        # device views by padded batch size; by padded token count: (positions, slot mapping,
+        # slot-mapping offset from the positions in int64 elements, delta byte offset)
+        self._req_views: dict[int, tuple] = {}
+        self._tok_views: dict[int, tuple] = {}
+        self._dev_prefix: dict[int, torch.Tensor] = {}
+        self._ar64 = np.arange(max(B, T) + 1, dtype=np.int64)
+        self._ar32 = self._ar64[: B + 1].astype(np.int32)
         if self._has_kv:
             # Host master copy of the page table, rows = batch positions; the device copy is
             # updated with only the changed entries each step.
             self._pt_host = np.zeros((B, self.max_pages), dtype=np.int32)
+            self._pt_flat = self._pt_host.reshape(-1)
             self._pt_dev = torch.zeros((B, self.max_pages), dtype=torch.int32, device=self.device)
+            self._pt_dev_flat = self._pt_dev.view(-1)
+            self._rowbase = self._ar64[:B] * self.max_pages  # flat index of each row's page 0
+            self._ps64 = np.int64(self.page_size)  # page * page_size in int64, never int32
             # What each page-table row holds: the request's dense state row, its page count
             # and page version (bumped by the state when pages are replaced).
             self._row_dense = np.full(B, -1, dtype=np.int64)
             self._row_npages = np.zeros(B, dtype=np.int64)
             self._row_version = np.full(B, -1, dtype=np.int64)
-            self._pt_upd_host = torch.zeros(
-                2 * B * self.max_pages, dtype=torch.int32, pin_memory=pin
-            )
         self._step = 0
 
     # ------------------------------------------------------------------------------------
@@ -163,7 +240,6 @@ class BatchBuilder:
             has ``k + 1`` new tokens).
         :param pad_to: pad to this many requests (one token each) for a captured decode graph.
         """
-        state = self.state
         B = len(requests)
         P = B if pad_to is None else pad_to
         if P < B:
@@ -173,8 +249,86 @@ class BatchBuilder:
                 f"batch of {P} requests exceeds max_batch_size={self.max_batch_size} "
                 "(set ExecutionConstraints.max_batch_size)"
             )
-        ids = tuple(r for r, _ in requests)
-        qlens = np.fromiter((n for _, n in requests), dtype=np.int64, count=B)
+        if not B:
+            return self._build_general((), (), 0, P, spec_tokens)
+        ids, qlens = zip(*requests, strict=True)
+        if not spec_tokens and self.state is not None and qlens.count(1) == B:
+            return self._build_decode(ids, B, P)
+        return self._build_general(ids, qlens, B, P, spec_tokens)
+
+    def _build_decode(self, ids: tuple[Hashable, ...], B: int, P: int) -> AttentionBatch:
+        """Every request has one new token: positions = context lengths, query_start_loc is
+        ``0..P``, the slot mapping one gather from the host page table."""
+        if self.max_num_tokens < P:
+            raise ValueError(f"step of {P} tokens exceeds max_num_tokens={self.max_num_tokens}")
+        state = self.state
+        dense = state.step_rows(ids)
+        ctx = state.row_num_tokens[dense]
+        k, slot = self._acquire()
+        m = 0
+        if self._has_kv:
+            q = ctx // self.page_size
+            page = self._pages_in_sync(dense, q, B, P)
+            if page is None:  # a row needs pages, a rewrite or a copy-on-write: the full path
+                self._reserve(ids, dense, ctx, ctx + 1)
+                fidx = self._sync_page_table(ids, dense, P)
+                if fidx is not None:
+                    m = len(fidx)
+                    slot = self._stage_deltas(k, self._tok_end(P), fidx)
+                page = self._pt_flat[self._rowbase[:B] + q]
+        slot.qsl[: P + 1] = self._ar32[: P + 1]
+        seq_cpu = slot.seq[:P]
+        ctx_cpu = slot.ctx[:P]
+        seq_cpu[:B] = ctx + 1
+        ctx_cpu[:B] = ctx
+        pos = slot.i64[:P]
+        pos[:B] = ctx
+        if self._has_slots:
+            slot.slots[:B] = state.row_slot[dense]
+            slot.init[:B] = ctx > 0
+        positions, slot_mapping, s, tok_end = self._tok_views.get(P) or self._make_tok_views(P)
+        if self._has_kv:
+            slot.i64[s : s + B] = page * self._ps64 + (ctx - q * self.page_size)
+        if P > B:
+            self._pad(slot, B, P, B, P)
+        views = self._req_views.get(P) or self._make_req_views(P)
+        self._upload(k, slot, tok_end, m)
+        return AttentionBatch(
+            mode=BatchMode.DECODE,
+            num_reqs=B,
+            padded_reqs=P,
+            num_tokens=B,
+            padded_tokens=P,
+            max_query_len=1,
+            max_seq_len=int(ctx.max()) + 1,
+            spec_tokens=0,
+            request_ids=ids,
+            query_start_loc=views[0],
+            seq_lens=views[1],
+            context_lens=views[2],
+            page_table=views[5],
+            slot_mapping=slot_mapping,
+            positions=positions,
+            state_indices=views[3],
+            has_initial_state=views[4],
+            query_start_loc_cpu=slot.qsl[: P + 1],
+            seq_lens_cpu=seq_cpu,
+            context_lens_cpu=ctx_cpu,
+            page_size=self.page_size,
+            step=self._step,
+            state_epoch=state.epoch,
+        )
+
+    def _build_general(
+        self,
+        ids: tuple[Hashable, ...],
+        qlens_in: tuple[int, ...],
+        B: int,
+        P: int,
+        spec_tokens: int,
+    ) -> AttentionBatch:
+        state = self.state
+        qlens = np.fromiter(qlens_in, dtype=np.int64, count=B)
         if B and qlens.min() < 0:
             raise ValueError(f"new-token counts must be >= 0, got {qlens.tolist()}")
         if state is not None:
@@ -199,59 +353,39 @@ class BatchBuilder:
             self._reserve(ids, dense, ctx, seq)
         mode = self._mode(qlens, spec_tokens)
 
-        # int32 block
-        i32 = self._i32
-        Bm = self.max_batch_size
-        qsl = i32[: P + 1]
+        k, slot = self._acquire()
+        m = 0
+        if self._has_kv:
+            fidx = self._sync_page_table(ids, dense, P)
+            if fidx is not None:
+                m = len(fidx)
+                slot = self._stage_deltas(k, self._tok_end(padded_tokens), fidx)
+        qsl = slot.qsl[: P + 1]
         qsl[0] = 0
         np.cumsum(qlens, out=qsl[1 : B + 1])
-        if P > B:
-            qsl[B + 1 : P + 1] = num_tokens + np.arange(1, P - B + 1)
-        seq_view = i32[Bm + 1 : Bm + 1 + P]
-        ctx_view = i32[2 * Bm + 1 : 2 * Bm + 1 + P]
-        seq_view[:B] = seq
-        seq_view[B:] = 1
-        ctx_view[:B] = ctx
-        ctx_view[B:] = 0
-        slots_view = i32[3 * Bm + 1 : 3 * Bm + 1 + P]
+        seq_cpu = slot.seq[:P]
+        ctx_cpu = slot.ctx[:P]
+        seq_cpu[:B] = seq
+        ctx_cpu[:B] = ctx
         if self._has_slots:
-            slots_view[:B] = state.row_slot[dense]
-        else:
-            slots_view[:B] = -1
-        slots_view[B:] = -1
-
+            slot.slots[:B] = state.row_slot[dense]
+            slot.init[:B] = ctx > 0
         # int64 per-token block: positions then slot mapping
-        pos = self._i64[:padded_tokens]
-        req_of_token = np.repeat(np.arange(B), qlens)
-        pos[:num_tokens] = ctx[req_of_token] + (np.arange(num_tokens) - qsl[req_of_token])
-        pos[num_tokens:] = 0
-
-        page_table = slot_mapping = None
+        pos = slot.i64[:padded_tokens]
+        req_of_token = np.repeat(self._ar64[:B], qlens)
+        tok = pos[:num_tokens]
+        tok[:] = ctx[req_of_token] + (self._ar64[:num_tokens] - qsl[req_of_token])
         if self._has_kv:
-            self._sync_page_table(ids, dense, P)
             ps = self.page_size
-            sm = self._i64[padded_tokens : 2 * padded_tokens]
-            sm[:num_tokens] = self._pt_host[req_of_token, pos[:num_tokens] // ps] * ps + (
-                pos[:num_tokens] % ps
-            )
-            sm[num_tokens:] = -1
-            page_table = self._pt_dev[:P]
-            slot_mapping = self._i64_dev[padded_tokens : 2 * padded_tokens]
-
-        # host -> device: two packed copies (+ the page-table delta), never a sync
-        nb = self.device.type == "cuda"
-        self._i32_dev.copy_(self._i32_host, non_blocking=nb)
-        n64 = 2 * padded_tokens if self._has_kv else padded_tokens
-        self._i64_dev[:n64].copy_(self._i64_host[:n64], non_blocking=nb)
-        dev = self._i32_dev
-        seq_dev = dev[Bm + 1 : Bm + 1 + P]
-        ctx_dev = dev[2 * Bm + 1 : 2 * Bm + 1 + P]
-        state_idx = dev[3 * Bm + 1 : 3 * Bm + 1 + P] if self._has_slots else None
-        has_init = None
-        if self._has_slots:
-            has_init = self._has_init_dev[:P]
-            torch.gt(ctx_dev, 0, out=has_init)
-        self._step += 1
+            s = self._tok_stride(padded_tokens)
+            page = self._pt_flat[self._rowbase[req_of_token] + tok // ps]
+            slot.i64[s : s + num_tokens] = page * self._ps64 + tok % ps
+        self._pad(slot, B, P, num_tokens, padded_tokens)
+        views = self._req_views.get(P) or self._make_req_views(P)
+        positions, slot_mapping, _, tok_end = self._tok_views.get(
+            padded_tokens
+        ) or self._make_tok_views(padded_tokens)
+        self._upload(k, slot, tok_end, m)
         return AttentionBatch(
             mode=mode,
             num_reqs=B,
@@ -262,17 +396,17 @@ class BatchBuilder:
             max_seq_len=int(seq.max()) if B else 0,
             spec_tokens=spec_tokens,
             request_ids=ids,
-            query_start_loc=dev[: P + 1],
-            seq_lens=seq_dev,
-            context_lens=ctx_dev,
-            page_table=page_table,
+            query_start_loc=views[0],
+            seq_lens=views[1],
+            context_lens=views[2],
+            page_table=views[5],
             slot_mapping=slot_mapping,
-            positions=self._i64_dev[:padded_tokens],
-            state_indices=state_idx,
-            has_initial_state=has_init,
+            positions=positions,
+            state_indices=views[3],
+            has_initial_state=views[4],
             query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_view,
-            context_lens_cpu=ctx_view,
+            seq_lens_cpu=seq_cpu,
+            context_lens_cpu=ctx_cpu,
             page_size=self.page_size,
             step=self._step,
             state_epoch=state.epoch if state is not None else -1,
@@ -287,23 +421,19 @@ class BatchBuilder:
         T = int(lens.sum())
         if self.max_num_tokens < T:
             raise ValueError(f"{T} tokens exceed max_num_tokens={self.max_num_tokens}")
-        i32 = self._i32
-        Bm = self.max_batch_size
-        qsl = i32[: B + 1]
+        k, slot = self._acquire()
+        qsl = slot.qsl[: B + 1]
         qsl[0] = 0
         np.cumsum(lens, out=qsl[1:])
-        seq_view = i32[Bm + 1 : Bm + 1 + B]
-        seq_view[:] = lens
-        ctx_view = i32[2 * Bm + 1 : 2 * Bm + 1 + B]
-        ctx_view[:] = 0
-        pos = self._i64[:T]
-        req = np.repeat(np.arange(B), lens)
-        pos[:] = np.arange(T) - qsl[req]
-        nb = self.device.type == "cuda"
-        self._i32_dev.copy_(self._i32_host, non_blocking=nb)
-        self._i64_dev[:T].copy_(self._i64_host[:T], non_blocking=nb)
-        dev = self._i32_dev
-        self._step += 1
+        seq_cpu = slot.seq[:B]
+        seq_cpu[:] = lens
+        ctx_cpu = slot.ctx[:B]
+        ctx_cpu[:] = 0
+        req = np.repeat(self._ar64[:B], lens)
+        slot.i64[:T] = self._ar64[:T] - qsl[req]
+        views = self._req_views.get(B) or self._make_req_views(B)
+        positions = (self._tok_views.get(T) or self._make_tok_views(T))[0]
+        self._upload(k, slot, self._o_tok + _aligned(8 * T), 0)
         return AttentionBatch(
             mode=BatchMode.ENCODER,
             num_reqs=B,
@@ -314,20 +444,131 @@ class BatchBuilder:
             max_seq_len=int(lens.max()) if B else 0,
             spec_tokens=0,
             request_ids=tuple(range(B)),
-            query_start_loc=dev[: B + 1],
-            seq_lens=dev[Bm + 1 : Bm + 1 + B],
-            context_lens=dev[2 * Bm + 1 : 2 * Bm + 1 + B],
+            query_start_loc=views[0],
+            seq_lens=views[1],
+            context_lens=views[2],
             page_table=None,
             slot_mapping=None,
-            positions=self._i64_dev[:T],
+            positions=positions,
             state_indices=None,
             has_initial_state=None,
             query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_view,
-            context_lens_cpu=ctx_view,
+            seq_lens_cpu=seq_cpu,
+            context_lens_cpu=ctx_cpu,
             page_size=None,
             step=self._step,
         )
+
+    # -- the packed buffer -----------------------------------------------------------------
+    def _tok_stride(self, n: int) -> int:
+        """Offset (int64 elements) of the slot mapping from the positions, for ``n`` tokens."""
+        return _aligned(8 * n) // 8
+
+    def _tok_end(self, n: int) -> int:
+        """Byte offset where the page-table delta starts in a step of ``n`` padded tokens."""
+        return self._o_tok + self._tok_regions * _aligned(8 * n)
+
+    def _make_req_views(self, P: int) -> tuple:
+        slots = self._has_slots
+        views = (
+            self._d_qsl[: P + 1],
+            self._d_seq[:P],
+            self._d_ctx[:P],
+            self._d_slots[:P] if slots else None,
+            self._d_init[:P] if slots else None,
+            self._pt_dev[:P] if self._has_kv else None,
+        )
+        self._req_views[P] = views
+        return views
+
+    def _make_tok_views(self, n: int) -> tuple:
+        o = self._o_tok
+        positions = self._dev[o : o + 8 * n].view(torch.int64)
+        slot_mapping = None
+        if self._has_kv:
+            o += _aligned(8 * n)
+            slot_mapping = self._dev[o : o + 8 * n].view(torch.int64)
+        views = (positions, slot_mapping, self._tok_stride(n), self._tok_end(n))
+        self._tok_views[n] = views
+        return views
+
+    def _pad(self, slot: _HostSlot, B: int, P: int, n: int, padded_tokens: int) -> None:
+        """Padding rows: one token each, ``seq_len = 1``, no state, nothing written."""
+        if P > B:
+            slot.qsl[B + 1 : P + 1] = n + self._ar64[1 : P - B + 1]
+            slot.seq[B:P] = 1
+            slot.ctx[B:P] = 0
+            if self._has_slots:
+                slot.slots[B:P] = -1
+                slot.init[B:P] = False
+        if padded_tokens > n:
+            slot.i64[n:padded_tokens] = 0
+            if self._has_kv:
+                s = self._tok_stride(padded_tokens)
+                slot.i64[s + n : s + padded_tokens] = -1
+
+    def _acquire(self) -> tuple[int, _HostSlot]:
+        """The ring's next host buffer, once no copy can be reading it any more."""
+        k = self._step % len(self._ring)
+        if self._events is not None and k % _RING_HALF == 0:
+            # The copies of this half's previous turn were issued before the event that was
+            # recorded after the last of them; in steady state it completed long ago.
+            self._events[k // _RING_HALF].synchronize()
+        return k, self._ring[k]
+
+    def _upload(self, k: int, slot: _HostSlot, tok_end: int, m: int) -> None:
+        """Copy the step's used prefix to the device (one copy), apply the page-table delta
+        (one kernel per chunk), and close the ring buffer's turn."""
+        nb = self._nb
+        if not m:
+            src = slot.prefix.get(tok_end)
+            if src is None:
+                src = slot.prefix[tok_end] = slot.tensor[:tok_end]
+            dst = self._dev_prefix.get(tok_end)
+            if dst is None:
+                dst = self._dev_prefix[tok_end] = self._dev[:tok_end]
+            dst.copy_(src, non_blocking=nb)
+        else:
+            cap = self._delta_cap
+            stride = _aligned(12 * cap)
+            end = tok_end + _aligned(12 * min(m, cap))
+            self._dev[:end].copy_(slot.tensor[:end], non_blocking=nb)
+            dev, flat, d0 = self._dev, self._pt_dev_flat, tok_end
+            for j, start in enumerate(range(0, m, cap)):
+                mj = min(cap, m - start)
+                if j:  # a later chunk: into the same device region, after the last kernel
+                    h = tok_end + j * stride
+                    dev[d0 : d0 + 12 * mj].copy_(slot.tensor[h : h + 12 * mj], non_blocking=nb)
+                idx = dev[d0 : d0 + 8 * mj].view(torch.int64)
+                val = dev[d0 + 8 * mj : d0 + 12 * mj].view(torch.int32)
+                flat.index_copy_(0, idx, val)
+        if self._events is not None and k % _RING_HALF == _RING_HALF - 1:
+            self._events[k // _RING_HALF].record()
+        self._step += 1
+
+    def _stage_deltas(self, k: int, tok_end: int, fidx: np.ndarray) -> _HostSlot:
+        """Write the page-table delta (flat indices and values, in chunks of ``_delta_cap``)
+        after the per-token block of ring buffer ``k``, growing the buffer when needed."""
+        m = len(fidx)
+        cap = self._delta_cap
+        stride = _aligned(12 * cap)
+        need = tok_end + (-(-m // cap) - 1) * stride + _aligned(12 * min(m, cap))
+        slot = self._ring[k]
+        if need > slot.raw.nbytes:
+            # A new buffer; the old one goes back to torch's pinned-memory cache, which does
+            # not hand it out again before the copies that read it have completed.
+            slot = _HostSlot(
+                max(need, 2 * slot.raw.nbytes), self._offsets, self.max_batch_size, self._pin
+            )
+            self._ring[k] = slot
+        vals = self._pt_flat[fidx]
+        raw = slot.raw
+        for j, start in enumerate(range(0, m, cap)):
+            mj = min(cap, m - start)
+            h = tok_end + j * stride
+            raw[h : h + 8 * mj].view(np.int64)[:] = fidx[start : start + mj]
+            raw[h + 8 * mj : h + 12 * mj].view(np.int32)[:] = vals[start : start + mj]
+        return slot
 
     # ------------------------------------------------------------------------------------
     @staticmethod
@@ -339,6 +580,29 @@ class BatchBuilder:
         if (qlens > 1).all():
             return BatchMode.PREFILL
         return BatchMode.MIXED
+
+    def _pages_in_sync(self, dense: np.ndarray, q: np.ndarray, B: int, P: int) -> np.ndarray | None:
+        """Decode fast path: the page each request writes, or None when some request needs
+        :meth:`_reserve` / :meth:`_sync_page_table` (which would then do nothing otherwise).
+
+        Nothing to do means: every row holds its request's pages as last synced (same dense
+        row, page version and page count), the new token (page ``q = ctx // page_size``)
+        falls inside them, the padding rows are clean, and no written page is shared.
+        """
+        state = self.state
+        npages = state.row_num_pages[dense]
+        if (
+            self._row_dense[:B].tobytes() != dense.tobytes()
+            or self._row_version[:B].tobytes() != state.row_page_version[dense].tobytes()
+            or self._row_npages[:B].tobytes() != npages.tobytes()
+            or np.count_nonzero(q >= npages)
+            or (P > B and np.count_nonzero(self._row_dense[B:P] != -1))
+        ):
+            return None
+        page = self._pt_flat[self._rowbase[:B] + q]
+        if np.count_nonzero(state.page_allocator.refcount_array[page] > 1):
+            return None
+        return page
 
     def _reserve(
         self, ids: tuple[Hashable, ...], dense: np.ndarray, ctx: np.ndarray, seq: np.ndarray
@@ -358,14 +622,20 @@ class BatchBuilder:
         )
         first_page = ctx // ps
         has_page = in_sync & (first_page < np.minimum(npages, self._row_npages[:B]))
-        write_page = self._pt_host[np.arange(B), np.where(has_page, first_page, 0)]
+        write_page = self._pt_host[self._ar64[:B], np.where(has_page, first_page, 0)]
         shared = has_page & (state.page_allocator.refcount_array[write_page] > 1)
         slow = (seq > npages * ps) | ~in_sync | shared
         for b in np.flatnonzero(slow).tolist():
             state.ensure_capacity(ids[b], int(seq[b]))
 
-    def _sync_page_table(self, ids: tuple[Hashable, ...], dense: np.ndarray, padded: int) -> None:
-        """Bring rows ``0..len(ids)-1`` of the page table up to date; copy only the deltas."""
+    def _sync_page_table(
+        self, ids: tuple[Hashable, ...], dense: np.ndarray, padded: int
+    ) -> np.ndarray | None:
+        """Bring rows ``0..padded-1`` of the host page table up to date.
+
+        :returns: the flat indices (int64, ``row * max_pages + col``) of the entries that
+            changed, for the device copy, or None when none did.
+        """
         state = self.state
         B = len(ids)
         host = self._pt_host
@@ -379,7 +649,7 @@ class BatchBuilder:
         version = state.row_page_version[dense]
         rewrite = (self._row_dense[:B] != dense) | (self._row_version[:B] != version)
         grown = ~rewrite & (self._row_npages[:B] != npages)
-        rows, cols = [], []
+        changed = []
         for b in np.flatnonzero(rewrite | grown).tolist():
             pages = state.pages(ids[b])
             n = len(pages)
@@ -387,8 +657,8 @@ class BatchBuilder:
             if start > n:  # pages were given back: rewrite the row
                 start = 0
             host[b, start:n] = pages[start:n]
-            rows.append(np.full(n - start, b, dtype=np.int64))
-            cols.append(np.arange(start, n, dtype=np.int64))
+            base = b * self.max_pages
+            changed.append(np.arange(base + start, base + n, dtype=np.int64))
         self._row_dense[:B] = dense
         self._row_version[:B] = version
         self._row_npages[:B] = npages
@@ -398,21 +668,10 @@ class BatchBuilder:
             self._row_version[pad] = -1
             self._row_npages[pad] = 0
             host[pad, 0] = 0
-            rows.append(pad.astype(np.int64))
-            cols.append(np.zeros(len(pad), dtype=np.int64))
-        if not rows:
-            return
-        r_idx = np.concatenate(rows)
-        c_idx = np.concatenate(cols)
-        n = len(r_idx)
-        upd = self._pt_upd_host[: 2 * n]
-        upd_np = upd.numpy()
-        upd_np[:n] = r_idx * self.max_pages + c_idx
-        upd_np[n:] = host[r_idx, c_idx]
-        nb = self.device.type == "cuda"
-        upd_dev = upd.to(self.device, non_blocking=nb)
-        flat = self._pt_dev.view(-1)
-        flat.index_copy_(0, upd_dev[:n].long(), upd_dev[n:])
+            changed.append(pad * self.max_pages)
+        if not changed:
+            return None
+        return np.concatenate(changed)
 
     def invalidate(self, request_id: Hashable | None = None) -> None:
         """Forget what the page-table rows hold, so the next step rewrites every row.
