@@ -163,13 +163,13 @@ def test_mamba2_decode_real_shape(K):
     assert torch.count_nonzero(out[~ok]) == 0
 
 
-@pytest.mark.parametrize("impl", ["fla", "torch"])
+@pytest.mark.parametrize("impl", ["fla", "torch", "triton"])
 def test_mamba2_prefill_varlen_matches_recurrence(K, impl):
-    """Both prefill paths (fla ``chunk_simple_gla`` and the chunked SSD in torch) against the
-    explicit float32 recurrence, four packed sequences (one of a single token), shared B/C
-    groups, bf16 inputs. The fla path runs its dots on the bf16 inputs (``dt * x`` rounded to
-    bf16): mean relative error well under 1e-2; a wrong decay, group expansion or slot mapping
-    gives tens of percent."""
+    """The prefill paths (fla ``chunk_simple_gla``, the chunked SSD in torch and ours in Triton)
+    against the explicit float32 recurrence, four packed sequences (one of a single token),
+    shared B/C groups, bf16 inputs. The fla path runs its dots on the bf16 inputs (``dt * x``
+    rounded to bf16): mean relative error well under 1e-2; a wrong decay, group expansion or slot
+    mapping gives tens of percent."""
     from triton_ssm_refs import mamba2_ref
 
     lens, H, G, N, P, S = [300, 64, 1, 457], 16, 2, 64, 32, 8
@@ -196,6 +196,49 @@ def test_mamba2_prefill_varlen_matches_recurrence(K, impl):
         o_rel = ((y[sl].float() - y_ref[0]).abs().mean() / y_ref.abs().mean()).item()
         h_rel = ((state[idx[i]] - h_ref[0]).abs().mean() / h_ref.abs().mean()).item()
         assert o_rel < 1e-2 and h_rel < 1e-2, f"{impl} sequence {i}: out {o_rel:.2e} h {h_rel:.2e}"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "chunk"), [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 64)]
+)
+def test_mamba2_prefill_triton_matches_torch_granite_shape(K, dtype, chunk):
+    """``impl="triton"`` (our chunked SSD) against ``impl="torch"`` (the float32 chunked SSD in
+    torch) at the granite-4.0-h-small-like shape (H=128, P=64, N=128, one B/C group), T=4096 in
+    4 packed sequences: one ends on a chunk boundary, one is a single token. Both run on the same
+    inputs in float32 arithmetic (ours splits the float32 dot operands in bf16 hi + lo halves,
+    or uses tf32x3 dots for float32 inputs): the states agree to ~1e-5, the bf16 outputs to a
+    rounding step. A wrong decay, group mapping or chunk boundary gives tens of percent."""
+    lens, H, G, N, P, S = [2048, 1023, 1, 1024], 128, 1, 128, 64, 10
+    T = sum(lens)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    r = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
+    x, dt, Bm, Cm = r(T, H, P).to(dtype), r(T, H) - 2.0, r(T, G, N).to(dtype), r(T, G, N).to(dtype)
+    A_log = torch.rand(H, generator=g, device="cuda").mul(15).add(1).log()  # A in -[1, 16]
+    Dp, dt_bias = r(H), r(H) * 0.5
+    state = r(S, H, N, P) * 0.1
+    idx = torch.tensor([7, 2, 9, 0], dtype=torch.int32, device="cuda")
+    cu_cpu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu = cu_cpu.to("cuda")
+    st_torch, st_triton = state.clone(), state.clone()
+    common = dict(D=Dp, dt_bias=dt_bias, cu_seqlens_cpu=cu_cpu)
+    y_torch = K.mamba2_prefill(x, dt, A_log, Bm, Cm, st_torch, idx, cu, impl="torch", **common)
+    y = K.mamba2_prefill(x, dt, A_log, Bm, Cm, st_triton, idx, cu, impl="triton",
+                         chunk_size=chunk, **common)  # fmt: skip
+    assert y.dtype == dtype and y.shape == x.shape
+    untouched = [s for s in range(S) if s not in idx.tolist()]
+    assert torch.equal(st_triton[untouched], state[untouched])
+    for i, (s, e) in enumerate(zip(cu_cpu[:-1].tolist(), cu_cpu[1:].tolist(), strict=True)):
+        o, o_ref = y[s:e].float(), y_torch[s:e].float()
+        h, h_ref = st_triton[idx[i]], st_torch[idx[i]]
+        o_rel = ((o - o_ref).abs().mean() / o_ref.abs().mean()).item()
+        h_rel = ((h - h_ref).abs().mean() / h_ref.abs().mean()).item()
+        stats = f"sequence {i} ({e - s} tokens): out rel {o_rel:.2e}, state rel {h_rel:.2e}"
+        print(stats)
+        assert o_rel < 5e-3 and h_rel < 1e-4, stats
+        torch.testing.assert_close(o, o_ref, rtol=1e-2, atol=1e-3 * o_ref.abs().max().item(),
+                                   msg=lambda m, s_=stats: f"{s_}\n{m}")  # fmt: skip
+        torch.testing.assert_close(h, h_ref, rtol=1e-3, atol=1e-4 * h_ref.abs().max().item(),
+                                   msg=lambda m, s_=stats: f"{s_}\n{m}")  # fmt: skip
 
 
 def test_conv1d_update_real_shape(K):

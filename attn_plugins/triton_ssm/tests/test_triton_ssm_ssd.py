@@ -145,18 +145,21 @@ def test_plain_no_extras_non_pow2_dims_matches_torch_impl():
     torch.testing.assert_close(st.cpu(), st_torch, **FP32_TOL)
 
 
-def test_heads_per_program_does_not_change_results():
+def test_tiling_options_do_not_change_results():
+    """heads_per_program only regroups whole heads: bit-identical. block_n retiles the state
+    kernel's dots: equal to float32 rounding."""
     lens = [21, 11]
-    inp, extras, state, idx, cu = _case(lens, H=8, G=2, seed=3)
+    inp, extras, state, idx, cu = _case(lens, H=8, G=2, N=32, seed=3)
     outs = []
-    for hb in (1, 2, 4):
+    for hb, bn in ((1, 16), (2, 16), (4, 16), (4, 32)):
         st = state.clone().to(DEV)
         y = ssd.mamba2_ssd_triton(**_dev(inp), ssm_state=st, state_indices=idx.to(DEV),
                                   cu_seqlens_cpu=cu, chunk_size=16, heads_per_program=hb,
-                                  **_dev(extras))  # fmt: skip
+                                  block_n=bn, **_dev(extras))  # fmt: skip
         outs.append((y.cpu(), st.cpu()))
-    for y, st in outs[1:]:
+    for y, st in outs[1:3]:
         assert torch.equal(y, outs[0][0]) and torch.equal(st, outs[0][1])
+    torch.testing.assert_close(outs[3], outs[0], atol=1e-5, rtol=1e-5)
 
 
 def test_chunk_plan_table_and_cache():
@@ -186,6 +189,9 @@ def test_errors_say_what_was_expected():
     with pytest.raises(ValueError, match=r"heads_per_program: expected a divisor of the 4"):
         ssd.mamba2_ssd_triton(**_dev(inp), ssm_state=st, state_indices=idx.to(DEV),
                               cu_seqlens_cpu=cu, heads_per_program=3)  # fmt: skip
+    with pytest.raises(ValueError, match=r"block_n: expected a power of two >= 16, got 24"):
+        ssd.mamba2_ssd_triton(**_dev(inp), ssm_state=st, state_indices=idx.to(DEV),
+                              cu_seqlens_cpu=cu, block_n=24)  # fmt: skip
     with pytest.raises(ValueError, match=r"impl: expected 'auto', 'fla', 'torch' or 'triton'"):
         K.mamba2_prefill(**_dev(inp), ssm_state=st, state_indices=idx.to(DEV),
                          cu_seqlens=cu.to(DEV), impl="cuda")  # fmt: skip

@@ -299,6 +299,7 @@ def mamba2_ssd_triton(
     precise: bool = True,
     out: torch.Tensor | None = None,
     heads_per_program: int | None = None,
+    block_n: int | None = None,
     num_warps: tuple[int, int] | None = None,
     num_stages: tuple[int, int] | None = None,
 ) -> torch.Tensor:
@@ -318,6 +319,7 @@ def mamba2_ssd_triton(
     :param precise: split float32 dot operands in hi + lo halves (16-bit inputs; see above).
     :param out: ``[T, H, P]``, written and returned (a new tensor of ``x``'s dtype if ``None``).
     :param heads_per_program: heads of one group per scan program (a divisor of ``H // G``).
+    :param block_n: rows of ``N`` per state-kernel program (a power of two >= 16).
     :param num_warps: ``(state kernel, scan kernel)``; ``num_stages`` likewise.
     :returns: ``y`` ``[T, H, P]``.
     """
@@ -378,9 +380,15 @@ def mamba2_ssd_triton(
     states = torch.empty((max(n_chunks, 1), H, N, P), dtype=torch.float32, device=device)
     f32 = x.dtype == torch.float32
     flags = dict(SPLIT=precise and not f32, F32=f32, UPCAST=INTERPRETED)
-    BNs = max(16, min(64, next_pow2(N)))
+    # The state kernel is sequential over a sequence's chunks: small N tiles give one long
+    # sequence more programs in flight (T=8192, H=128, N=128: 512).
+    BNs = block_n or max(16, min(32, next_pow2(N)))
+    if BNs < 16 or BNs & (BNs - 1):
+        raise ValueError(f"block_n: expected a power of two >= 16, got {BNs}")
     BP = max(16, min(64, next_pow2(P)))
-    nw_state, nw_scan = num_warps or (4, 4 if chunk_size <= 64 else 8)
+    # 8 warps for the scan: at Q=64 a program holds C [Q, N], C B^T and its decayed hi/lo
+    # copies, the float32 entering state [N, BP] and two [Q, BP] accumulators.
+    nw_state, nw_scan = num_warps or (4, 8)
     ns_state, ns_scan = num_stages or (3, 2)
     dummy = A_log
     _ssd_state_kernel[(triton.cdiv(N, BNs) * triton.cdiv(P, BP), H, n_seq)](
