@@ -16,7 +16,9 @@ Sections:
   wrapper vs fla ``chunk_gated_delta_rule`` called directly; ms and tokens/s.
 * mamba2_decode: B = 64..2048, H=128, N=128, P=64 (Mamba2-2.7B-like), fp32 state, GB/s.
 * mamba2_prefill (``--prefill``): granite-4.0-h-small-like (H=128, P=64, N=128, G=1), T = 8192
-  and 32768 as one and 16 requests, tokens/s and the ratio to the published fused SSD rate.
+  and 32768 as one and 16 requests: ``impl="triton"`` (chunk 64 and 128, and chunk 64 without
+  the hi/lo split), ``impl="fla"``, ``impl="torch"`` (T = 8192, one request); tokens/s, the
+  ratio to fla's rate in the same run and to the published fused SSD rate.
 * plugin_step (``--plugin``): a 4-layer GDN decode step (conv1d + recurrent update) at B = 64,
   256 through the runtime's bindings vs the same kernels called directly; ratio of times.
 
@@ -230,10 +232,14 @@ def job_mamba2_decode(B: int, H=128, G=1, N=128, P=64) -> dict:
     return {"ms": ms, "GBps": 2 * B * H * N * P * 4 / (ms * 1e-3) / GB}
 
 
-def job_mamba2_prefill(T: int, n_seq: int, impl: str, H=128, G=1, N=128, P=64) -> dict:
-    """granite-4.0-h-small-like Mamba2 mixer shape (128 heads of 64, state 128, one group)."""
+def job_mamba2_prefill(T: int, n_seq: int, impl: str, H=128, G=1, N=128, P=64,
+                       chunk_size: int | None = None, precise: bool = True) -> dict:  # fmt: skip
+    """granite-4.0-h-small-like Mamba2 mixer shape (128 heads of 64, state 128, one group).
+    ``precise=False`` (impl="triton" only) calls the SSD kernels directly without the hi/lo
+    split of their float32 dot operands."""
     import torch
     from attn_plugin_triton_ssm.kernels import mamba2_prefill
+    from attn_plugin_triton_ssm.kernels.ssd import mamba2_ssd_triton
 
     torch.manual_seed(0)
     x = torch.randn(T, H, P, device="cuda", dtype=torch.bfloat16)
@@ -248,8 +254,13 @@ def job_mamba2_prefill(T: int, n_seq: int, impl: str, H=128, G=1, N=128, P=64) -
     cu = cu_cpu.to("cuda")
 
     def run():
+        if not precise:
+            return mamba2_ssd_triton(
+                x, dt, A_log, Bm, Cm, state, idx, cu_cpu, D=Dp, dt_bias=dt_bias,
+                chunk_size=chunk_size or 64, precise=False,
+            )  # fmt: skip
         return mamba2_prefill(x, dt, A_log, Bm, Cm, state, idx, cu, D=Dp, dt_bias=dt_bias,
-                              impl=impl, cu_seqlens_cpu=cu_cpu)  # fmt: skip
+                              impl=impl, cu_seqlens_cpu=cu_cpu, chunk_size=chunk_size)  # fmt: skip
 
     ms = _bench(run, warmup=3, rep=20)
     return {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6}
@@ -444,6 +455,12 @@ def _table(results: list, copy_bw: float | None) -> str:
         elif "Mtok_per_s" in r:
             val = f"{r['ms']:.3f} ms  {r['Mtok_per_s']:.2f} Mtok/s"
             if r["section"] == "mamba2_prefill":
+                fla = next((f["Mtok_per_s"] for f in results if f.get("section") == r["section"]
+                            and f.get("provider", "").startswith("impl=fla")
+                            and (f.get("T"), f.get("n_seq")) == (r["T"], r["n_seq"])
+                            and "Mtok_per_s" in f), None)  # fmt: skip
+                if fla and not r["provider"].startswith("impl=fla"):
+                    val += f"  ({r['Mtok_per_s'] / fla:.2f} x fla)"
                 val += f"  ({r['Mtok_per_s'] / MAMBA2_PUBLISHED_MTOK:.2f} x published fused SSD)"
         elif "ratio" in r:
             val = f"plugin {r['ms']:.4f} ms  direct {r['direct_ms']:.4f} ms  ratio {r['ratio']:.3f}"
@@ -515,7 +532,15 @@ def main(argv: list[str] | None = None) -> int:
                 p = {"section": "mamba2_prefill", "T": T, "n_seq": n_seq}
                 prefill.append(job("mamba2_prefill", {**p, "provider": "impl=fla (simple_gla)"},
                                    T=T, n_seq=n_seq, impl="fla"))  # fmt: skip
-        p = {"section": "mamba2_prefill", "T": 8192, "n_seq": 1, "provider": "impl=torch (default)"}
+                for chunk in (64, 128):
+                    prefill.append(job("mamba2_prefill",
+                                       {**p, "provider": f"impl=triton chunk {chunk}"}, T=T,
+                                       n_seq=n_seq, impl="triton", chunk_size=chunk))  # fmt: skip
+                prefill.append(job("mamba2_prefill",
+                                   {**p, "provider": "impl=triton chunk 64 no hi/lo split"}, T=T,
+                                   n_seq=n_seq, impl="triton", chunk_size=64,
+                                   precise=False))  # fmt: skip
+        p = {"section": "mamba2_prefill", "T": 8192, "n_seq": 1, "provider": "impl=torch"}
         prefill.append(job("mamba2_prefill", p, T=8192, n_seq=1, impl="torch"))
     if args.plugin:
         for B in (64, 256):
