@@ -327,3 +327,131 @@ def test_build_and_prepare_do_not_sync_on_cuda(tiny_specs, ref_registry):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert np.array_equal(batch.seq_lens_cpu[:2], [6, 1])
+
+
+class _GeneralOnly(BatchBuilder):
+    """The builder with its decode fast path turned off: every step takes the general path."""
+
+    def _build_decode(self, ids, B, P):
+        return self._build_general(ids, (1,) * B, B, P, 0)
+
+
+_SCALARS = ("mode", "num_reqs", "padded_reqs", "num_tokens", "padded_tokens", "max_query_len")
+_DEVICE = ("query_start_loc", "seq_lens", "context_lens", "slot_mapping", "positions")
+_HOST = ("query_start_loc_cpu", "seq_lens_cpu", "context_lens_cpu")
+
+
+def _assert_same_batch(a, b):
+    for name in (*_SCALARS, "max_seq_len", "request_ids", "step", "state_epoch"):
+        assert getattr(a, name) == getattr(b, name), name
+    for name in (*_DEVICE, "state_indices", "has_initial_state"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), name
+        if x is not None:
+            assert x.dtype == y.dtype and x.shape == y.shape, name
+            assert torch.equal(x, y), f"{name}: {x.tolist()} != {y.tolist()}"
+    for name in _HOST:
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    for bt in (a, b):
+        assert bt.page_table.shape == (bt.padded_reqs, 16)
+        assert bt.page_table[bt.num_reqs :, 0].tolist() == [0] * (bt.padded_reqs - bt.num_reqs)
+
+
+@pytest.mark.parametrize("kinds", [("full",), ("full", "gdn")])
+def test_decode_fast_path_and_page_table_deltas_over_a_long_run(tiny_specs, kinds):
+    """Random run: requests join (sharing cached prefix pages, some ending inside a page, so
+    their first write copies it), prefill in chunks, decode across page boundaries, leave and
+    reorder; pad_to at random. Every step the decode fast path equals the general path, and
+    the page table kept by deltas (some split in chunks) equals the state's pages."""
+    rng = np.random.default_rng(7)
+    linear = "gdn" in kinds
+    state = PersistentState(
+        group_layers([tiny_specs[k] for k in kinds]), num_pages=200, num_slots=16
+    )
+    kw = {"max_batch_size": 8, "max_num_tokens": 64, "max_pages_per_request": 16}
+    fast, general = BatchBuilder(state, **kw), _GeneralOnly(state, **kw)
+    fast._delta_cap = general._delta_cap = 5  # small: large deltas travel in several chunks
+    prompt = list(range(1000, 1040))
+    target: dict[str, int] = {}  # prompt length of each live request
+    order: list[str] = []
+    fast_steps = 0
+    for step in range(400):
+        if len(order) < 7 and rng.random() < 0.25:  # join
+            r = f"r{step}"
+            n = int(rng.integers(1, 14))
+            hit = None
+            if not linear and rng.random() < 0.6:
+                hit = state.match_prefix(prompt[:n], max_tokens=int(rng.integers(0, n)))
+            state.add_request(r, prefix=hit if hit is not None and hit.num_tokens else None)
+            target[r] = n
+            order.insert(int(rng.integers(0, len(order) + 1)), r)
+        if order and rng.random() < 0.08:  # leave
+            r = order.pop(int(rng.integers(0, len(order))))
+            if not linear and state.num_tokens(r) >= 8:
+                state.cache_prefix(r, prompt[: state.num_tokens(r)])
+            state.release(r)
+            del target[r]
+        if len(order) > 1 and rng.random() < 0.1:
+            rng.shuffle(order)
+        if not order:
+            continue
+        prefilling = [r for r in order if state.num_tokens(r) < target[r]]
+        if prefilling and rng.random() < 0.5:
+            reqs = [(r, min(3, target[r] - state.num_tokens(r)) if r in prefilling else 1)
+                    for r in order]  # fmt: skip
+        else:
+            reqs = [(r, 1) for r in order if r not in prefilling]
+        if not reqs or any(state.num_tokens(r) + n > 16 * 4 for r, n in reqs):
+            for r in [r for r in order if state.num_tokens(r) > 40]:  # long enough: finish
+                order.remove(r)
+                state.release(r)
+                del target[r]
+            continue
+        pad = int(rng.integers(len(reqs), 9)) if rng.random() < 0.3 else None
+        before_fast = fast._step
+        a = fast.build(reqs, pad_to=pad)
+        b = general.build(reqs, pad_to=pad)
+        assert fast._step == before_fast + 1
+        fast_steps += a.is_decode
+        _assert_same_batch(a, b)
+        _check_page_table(a, state)
+        for r, n in reqs:
+            state.advance(r, n)
+    assert fast_steps > 100
+
+
+def test_host_mirrors_survive_later_builds(state, builder):
+    """Each step stages its metadata in the next buffer of a ring: a batch's host mirrors
+    stay as built while the next builds write elsewhere (the previous step's copy may still
+    be reading its buffer on a GPU)."""
+    _start(state, "a", 5)
+    _start(state, "c", 3)
+    first = builder.build([("a", 1), ("c", 1)])
+    seen = [first.seq_lens_cpu.copy(), first.context_lens_cpu.copy()]
+    for _ in range(3):
+        state.advance("a", 1)
+        state.advance("c", 1)
+        later = builder.build([("c", 1), ("a", 1)], pad_to=4)
+    assert first.seq_lens_cpu.tolist() == seen[0].tolist() == [6, 4]
+    assert first.context_lens_cpu.tolist() == seen[1].tolist()
+    assert later.seq_lens_cpu.tolist() == [7, 9, 1, 1]
+
+
+def test_large_page_table_delta_grows_the_staging_buffer(tiny_specs, monkeypatch):
+    """A delta larger than the staging buffer holds (every row rewritten at once) grows it."""
+    state = PersistentState(group_layers([tiny_specs["full"]]), num_pages=256, num_slots=0)
+    builder = BatchBuilder(state, max_batch_size=8, max_num_tokens=64, max_pages_per_request=16)
+    spy = _IndexCopySpy(monkeypatch)
+    for i in range(8):
+        _start(state, f"r{i}", 60)  # 15 pages each
+    reqs = [(f"r{i}", 1) for i in range(8)]
+    batch = builder.build(reqs)
+    assert spy.take() == 8 * 16  # 16 pages each after reserving the 61st token
+    _check_page_table(batch, state)
+    for _ in range(len(builder._ring)):  # every ring buffer sees a full rewrite
+        for r, _ in reqs:
+            state.advance(r, 1)
+        reqs = reqs[1:] + reqs[:1]  # every row changes request
+        batch = builder.build(reqs)
+        assert spy.take() == 8 * 16
+        _check_page_table(batch, state)
