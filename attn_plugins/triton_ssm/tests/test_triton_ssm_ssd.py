@@ -101,8 +101,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("init", [True, False], ids=["h0", "zero_h0"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    ("case", "init"),
+    [(c, True) for c in CASES] + [("varlen_G2", False)],
+    ids=[*(f"{c}-h0" for c in CASES), "varlen_G2-zero_h0"],
+)
 def test_fp32_matches_recurrence(case, init):
     lens, G, chunk = CASES[case]
     inp, extras, state, idx, cu = _case(lens, G=G, init=init, seed=len(case))
@@ -201,3 +204,18 @@ def test_errors_say_what_was_expected():
             K.mamba2_prefill(**{k: v.to(other) for k, v in inp.items()},
                              ssm_state=state.to(other), state_indices=idx.to(other),
                              cu_seqlens=cu.to(other), impl="triton")  # fmt: skip
+
+
+def test_auto_is_triton_on_cuda_and_torch_on_cpu(monkeypatch):
+    calls = []
+    real = ssd.mamba2_ssd_triton
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ssd, "mamba2_ssd_triton", spy)
+    inp, extras, state, idx, cu = _case([5, 7])
+    K.mamba2_prefill(**_dev(inp), ssm_state=state.to(DEV), state_indices=idx.to(DEV),
+                     cu_seqlens=cu.to(DEV), **_dev(extras))  # fmt: skip
+    assert len(calls) == (1 if DEV == "cuda" else 0)

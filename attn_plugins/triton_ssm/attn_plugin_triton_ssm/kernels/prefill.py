@@ -251,7 +251,8 @@ def mamba2_prefill(
       decay ``dt * A``, scale 1) through fla-core's ``chunk_simple_gla``; ``dt * x`` is rounded
       to the activation dtype first, and at Nemotron-H-like shapes single outputs then missed
       the float32 recurrence by more than 2e-2 (bf16). Opt-in.
-    * ``"auto"``: ``"torch"``.
+    * ``"auto"``: ``"triton"`` for CUDA tensors, ``"torch"`` otherwise (CPU; the interpreter
+      build runs ``"triton"`` only when asked for).
 
     Shapes: ``x`` ``[T, H, P]``, ``dt`` ``[T, H]``, ``A_log`` ``[H]``, ``B``/``C``
     ``[T, G, N]``, ``ssm_state`` ``[S, H, N, P]`` (slots read and overwritten), ``state_indices``
@@ -276,7 +277,7 @@ def mamba2_prefill(
     if impl not in ("auto", "fla", "torch", "triton"):
         raise ValueError(f"impl: expected 'auto', 'fla', 'torch' or 'triton', got {impl!r}")
     if impl == "auto":
-        impl = "torch"  # TODO(ssd): "triton" on CUDA once measured on the GPU
+        impl = "triton" if x.is_cuda else "torch"
     if impl == "triton":
         from attn_plugin_triton_ssm.kernels.ssd import DEFAULT_CHUNK, mamba2_ssd_triton
 
