@@ -26,6 +26,7 @@ from attn_plugin_triton_ssm.kernels.delta_rule import (
 )
 from attn_plugin_triton_ssm.kernels.mamba2 import mamba2_decode
 from attn_plugin_triton_ssm.kernels.prefill import gdn_prefill, kda_prefill, mamba2_prefill
+from attn_plugin_triton_ssm.kernels.ssd import mamba2_ssd_triton
 
 __all__ = [
     "INTERPRETED",
@@ -45,4 +46,5 @@ __all__ = [
     "kda_verify_replay",
     "mamba2_decode",
     "mamba2_prefill",
+    "mamba2_ssd_triton",
 ]
