@@ -187,6 +187,8 @@ def test_errors_say_what_was_expected():
         _run(inp, extras, st, idx, cu, chunk_size=48)
     with pytest.raises(ValueError, match=r"B: expected x's dtype bfloat16 .* got float32"):
         _run({**inp, "B": inp["B"].float()}, extras, st, idx, cu)
+    with pytest.raises(ValueError, match=r"x: impl='triton' takes float32/.* got float64"):
+        _run({**inp, "x": inp["x"].double()}, extras, st, idx, cu)
     with pytest.raises(ValueError, match=r"cu_seqlens_cpu: expected non-decreasing offsets "):
         _run(inp, extras, st, idx, torch.tensor([0, 7, 5], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"heads_per_program: expected a divisor of the 4"):

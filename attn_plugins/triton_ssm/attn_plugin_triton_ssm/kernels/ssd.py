@@ -48,7 +48,6 @@ from attn_plugin_triton_ssm.kernels._common import (
     INTERPRETED,
     STATE_DTYPES,
     check_dtype,
-    check_float,
     check_last_contiguous,
     check_same_device,
     check_shape,
@@ -63,6 +62,7 @@ CHUNK_SIZES = (16, 32, 64, 128)
 #: 64 keeps the scan's ``[Q, Q]`` tiles (C B^T, its decayed copy in hi/lo halves) well inside
 #: registers and shared memory on sm90; 128 halves the ``states`` traffic (the bench runs both).
 DEFAULT_CHUNK = 64
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # --------------------------------------------------------------------------------------------
@@ -339,8 +339,12 @@ def mamba2_ssd_triton(
     n_seq = state_indices.shape[0]
     if not 1 <= n_seq <= 65535:
         raise ValueError(f"state_indices: expected 1 to 65535 sequences (grid dim), got {n_seq}")
-    check_float("x", x)
-    check_float("dt", dt)
+    for name, t in (("x", x), ("dt", dt)):
+        if t.dtype not in _INPUT_DTYPES:
+            raise ValueError(
+                f"{name}: impl='triton' takes float32/bfloat16/float16, got "
+                f"{str(t.dtype).removeprefix('torch.')}"
+            )
     for name, t in (("B", B), ("C", C)):
         if t.dtype != x.dtype:
             raise ValueError(
