@@ -12,6 +12,7 @@ Usage::
 
     python bench/bench_runtime.py [--device cpu|cuda] [--steps 200] [--out result.json]
                                   [--profile]   # cProfile of build() at B=256
+                                  [--count-calls]  # CUDA runtime calls (CPU: torch ops) per step
 """
 
 from __future__ import annotations
@@ -70,7 +71,34 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_build_prepare(device: torch.device, steps: int, profile: bool) -> tuple[list, str]:
+def _count_calls(device: torch.device, step, steps: int) -> dict[str, float]:
+    """Calls per ``step()`` seen by the torch profiler: CUDA runtime / driver API calls on a
+    CUDA device (each costs host time: copies, kernel launches, event records), top-level torch
+    ops on the CPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    counts: dict[str, int] = {}
+    for ev in prof.events():
+        name = ev.name
+        if device.type == "cuda":
+            keep = name.startswith("cu") and name not in ("cudaDeviceSynchronize",)
+        else:
+            keep = name.startswith("aten::") and ev.cpu_parent is None
+        if keep:
+            counts[name] = counts.get(name, 0) + 1
+    return {k: v / steps for k, v in sorted(counts.items())}
+
+
+def bench_build_prepare(
+    device: torch.device, steps: int, profile: bool, count_calls: bool = False
+) -> tuple[list, str]:
     rows, report = [], ""
     registry = Registry(strict=True)
     registry.register_plugin(reference, name="attn_core")
@@ -81,7 +109,8 @@ def bench_build_prepare(device: torch.device, steps: int, profile: bool) -> tupl
         max_batch_size=max_b, max_num_tokens=4 * max_b, downgrade="allow"
     )
     plan = select(groups, registry, DeviceCapabilities.detect(device), constraints)
-    pages_per_req = -(-(CONTEXT + 2 * steps + 16) // PAGE)  # timed + profiled steps
+    # warm-up, timed, counted and profiled steps
+    pages_per_req = -(-(CONTEXT + 2 * steps + 5 + 32 + 16) // PAGE)
     for B in BATCHES:
         state = PersistentState(
             groups, num_pages=B * pages_per_req + 8, num_slots=B + 1, device=device
@@ -124,6 +153,18 @@ def bench_build_prepare(device: torch.device, steps: int, profile: bool) -> tupl
                 "total_p90_us": sorted(total)[int(0.9 * len(total))] * 1e6,
             }
         )
+        if count_calls and max_b == B:
+
+            def one_step(reqs=reqs, state=state, runtime=runtime, builder=builder) -> None:
+                for r, _ in reqs:
+                    state.advance(r, 1)
+                runtime.prepare(builder.build(reqs))
+
+            calls = _count_calls(device, one_step, 32)
+            what = "CUDA API calls" if device.type == "cuda" else "top-level torch ops"
+            report += f"{what} per decode step at B={B} (32 steps, page crossings included):\n"
+            report += "".join(f"  {k:<32}{v:8.2f}\n" for k, v in calls.items())
+            report += f"  {'total':<32}{sum(calls.values()):8.2f}\n\n"
         if profile and max_b == B:
             prof = cProfile.Profile()
             prof.enable()
@@ -134,7 +175,8 @@ def bench_build_prepare(device: torch.device, steps: int, profile: bool) -> tupl
             prof.disable()
             buf = io.StringIO()
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(12)
-            report = buf.getvalue()
+            report += "cProfile of BatchBuilder.build at B=256 (sorted by own time):\n"
+            report += buf.getvalue()
     return rows, report
 
 
@@ -221,6 +263,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--calls", type=int, default=20000)
     parser.add_argument("--profile", action="store_true", help="cProfile build() at B=256")
+    parser.add_argument(
+        "--count-calls", action="store_true", help="CUDA calls (CPU: torch ops) per step, B=256"
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -230,8 +275,10 @@ def main(argv: list[str] | None = None) -> dict:
     rows, _ = bench_build_prepare(device, args.steps, profile=False)
     over = rows[-1]["build_us"] + rows[-1]["prepare_us"] > 100.0
     report = ""
-    if args.profile or over:
-        _, report = bench_build_prepare(device, args.steps, profile=True)
+    if args.profile or over or args.count_calls:
+        _, report = bench_build_prepare(
+            device, args.steps, profile=args.profile or over, count_calls=args.count_calls
+        )
     dispatch = bench_dispatch(device, args.calls)
 
     print(f"device: {device} ({DeviceCapabilities.detect(device).short()})")
@@ -249,7 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'context.forward directly':<34}{dispatch['direct_forward_us']:>8.3f}")
     print(f"{'overhead (target < 2 us)':<34}{dispatch['overhead_us']:>8.3f}")
     if report:
-        print("\ncProfile of BatchBuilder.build at B=256 (sorted by own time):")
+        print()
         print(report)
     result = {"device": str(device), "build_prepare": rows, "dispatch": dispatch}
     if report:
