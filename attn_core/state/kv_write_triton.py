@@ -168,8 +168,8 @@ class _Operand:
 def _row_hd(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, int, int, int]:
     """``(H, D, stride_h, stride_d)`` of a row of shape ``shape`` (dims after token / slot).
 
-    A row of 0 or 1 dims is ``[1, D]``; of 2 dims ``[H, D]``; longer rows must merge into
-    arrive merged by :func:`_operand`.
+    A row of 0 or 1 dims is ``[1, D]``; of 2 dims ``[H, D]``; longer rows arrive merged into
+    ``[prod(shape[:-1]), shape[-1]]`` by :func:`_operand`.
     """
     if len(shape) == 0:
         return 1, 1, 0, 1
@@ -192,6 +192,8 @@ def _operand(
     _, _, ch, cd = _row_hd(flat.shape[1:], flat.stride()[1:])
     if h > 1 and xh == d * xd and ch == d * cd:
         # Heads contiguous on both sides: one run of h*d elements per token (see _write_tile).
+        # The head stride 0 still counts as "divisible by 16" in Triton's specialisation, which
+        # with unit dim strides is what lets the loads and stores use 16-byte vectors.
         h, d, xh, ch = 1, h * d, 0, 0
     mode, ptr, val = _NO_SCALE, cache, 1.0
     if fp8 and isinstance(scale, torch.Tensor):
