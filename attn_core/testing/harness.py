@@ -300,13 +300,19 @@ class Pair:
                 atol=self.atol,
                 rtol=self.rtol,
             )
+            atol, rtol = self.atol * 5, self.rtol * 5
+            if la.ssm.dtype in (torch.bfloat16, torch.float16):
+                # Both sides round an fp32 update into a 16-bit state every step; summing in a
+                # different order moves the result across a rounding boundary: allow 2 ulps.
+                ulp = torch.finfo(la.ssm.dtype).eps
+                atol, rtol = max(atol, 2 * ulp), max(rtol, 2 * ulp)
             assert_equal_state(
                 la.ssm,
                 lb.ssm,
                 what=f"layer {i} SSM state [slot, ...]",
                 where=where,
-                atol=self.atol * 5,
-                rtol=self.rtol * 5,
+                atol=atol,
+                rtol=rtol,
             )
 
     # -- one step --------------------------------------------------------------------------
@@ -343,7 +349,11 @@ class Pair:
                 self.compare_out(got_conv, want_conv, rows, "conv1d output", at)
             self.compare_out(got, want, rows, "attention output", at)
             results.append(got)
-        self.compare_state(f"{where}, after the step")
+        if not step.spec_tokens:
+            # A verify step's state is pending until commit_speculative: a backend may write the
+            # drafts' states in place, keep them aside (native) or recompute them (replay), so
+            # only the committed state is compared.
+            self.compare_state(f"{where}, after the step")
         accepted = None
         if step.spec_tokens:
             accepted = torch.randint(
