@@ -49,7 +49,7 @@ from attn_core.batch import AttentionBatch, BatchMode
 from attn_core.context import WorkspaceRequirement
 from attn_core.specs import ExecutionConstraints, GraphMode, LayerGroup, LayerKind, LayerSpec
 from attn_core.state.kv_write import FP8_DTYPE, write_kv_slots, write_slots
-from attn_plugin_flashinfer import planning
+from attn_plugin_flashinfer import fast_plan, planning
 
 __all__ = [
     "FLOAT_WORKSPACE_BYTES",
@@ -80,11 +80,21 @@ class StepKind(str, enum.Enum):
     EMPTY = "empty"
 
 
-def decode_uses_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
-    """Whether decode needs the tensor-core (prefill-kernel) path: only for GQA group sizes
-    the CUDA-core decode kernel lacks. The CUDA-core kernel plans with less host work (its plan
-    takes no Python ``max()`` over the batch), which keeps ``prepare`` within budget at B=256."""
-    return (num_heads // num_kv_heads) not in _CUDA_CORE_DECODE_GROUPS
+def decode_uses_tensor_cores(num_heads: int, num_kv_heads: int, kv_dtype: str = "bfloat16") -> bool:
+    """Whether decode runs FlashInfer's tensor-core (prefill-kernel) path.
+
+    GQA (group size > 1) with a 16-bit cache: yes. On an H200 (bf16, 32 q / 8 kv heads, d128,
+    page 16) it reads KV at 4.3-4.5 TB/s against 2.7-3.0 TB/s for the CUDA-core decode kernel
+    (``bench_flashinfer.py --variants``); its expensive Python ``plan()`` is bypassed on later
+    steps by :mod:`attn_plugin_flashinfer.fast_plan`. MHA keeps the CUDA-core kernel (one query
+    row per KV head fills no MMA tile), and so does an fp8 cache (FlashInfer routes fp8
+    tensor-core decode to other backends this plugin has not verified), except for group sizes
+    the CUDA-core kernel is not compiled for.
+    """
+    group = num_heads // num_kv_heads
+    if group not in _CUDA_CORE_DECODE_GROUPS:
+        return True
+    return group > 1 and kv_dtype != "fp8_e4m3"
 
 
 def _max_pages(spec: LayerSpec, constraints: ExecutionConstraints) -> int:
@@ -102,7 +112,8 @@ def workspace_requirements(
     - ``int_workspace`` ``[8 MiB]`` uint8: plan info, shared by the context's wrappers.
     - ``host_meta`` ``[2, 5B + 2]`` int32, pinned: two halves of
       ``kv_indptr (B+1) | row_offset (B) | last_page_len (B) | qo_indptr (B+1) | kv_len (B)``.
-    - ``dev_meta`` ``[2B + 1]`` int32: device copy of ``kv_indptr | row_offset``.
+    - ``dev_meta`` ``[3B + 1]`` int32: device copy of ``kv_indptr | row_offset | last_page_len``
+      (what the page gather and tensor-core decode kernels read).
     - ``kv_indices`` / ``arange`` ``[B * (ceil(max_model_len / page) + 1)]`` int32.
     - ``graph_kv_indptr`` / ``graph_qo_indptr`` ``[B + 1]``, ``graph_last_page_len`` /
       ``graph_kv_len`` ``[B]`` int32: what captured decode kernels read.
@@ -114,7 +125,7 @@ def workspace_requirements(
         WorkspaceRequirement("float_workspace", (FLOAT_WORKSPACE_BYTES,), torch.uint8, zero=True),
         WorkspaceRequirement("int_workspace", (INT_WORKSPACE_BYTES,), torch.uint8, zero=True),
         WorkspaceRequirement("host_meta", (2, 5 * B + 2), i32, host=True, zero=True),
-        WorkspaceRequirement("dev_meta", (2 * B + 1,), i32, zero=True),
+        WorkspaceRequirement("dev_meta", (3 * B + 1,), i32, zero=True),
         WorkspaceRequirement("kv_indices", (pages,), i32, zero=True),
         WorkspaceRequirement("arange", (pages,), i32),
         WorkspaceRequirement("graph_kv_indptr", (B + 1,), i32, zero=True),
@@ -243,8 +254,9 @@ class _PagedContext:
         row[o.qo_indptr : o.qo_indptr + P + 1] = batch.query_start_loc_cpu[: P + 1]
         row[o.kv_len : o.kv_len + P] = batch.seq_lens_cpu[:P]
         nb = self.device.type == "cuda"
-        # One copy carries kv_indptr | row_offset (adjacent) for the device-side gather.
-        self.dev_meta.copy_(self.host[h, : 2 * B + 1], non_blocking=nb)
+        # One copy carries kv_indptr | row_offset | last_page_len (adjacent): the device-side
+        # gather reads the first two, tensor-core decode kernels the first and last.
+        self.dev_meta.copy_(self.host[h, : 3 * B + 1], non_blocking=nb)
         indices = planning.gather_kv_indices(
             batch.page_table,
             self.dev_meta[: P + 1],
@@ -268,6 +280,11 @@ class _PagedContext:
         self, batch: AttentionBatch, views: _HostViews, indices: torch.Tensor, graph: bool
     ) -> tuple[StepKind, Any]:
         raise NotImplementedError
+
+    def _last_page_len_dev(self, P: int) -> torch.Tensor:
+        """``[P]`` int32 device view of the step's last-page lengths (in ``dev_meta``)."""
+        start = _Offsets(self.B).last_page_len
+        return self.dev_meta[start : start + P]
 
     def _write(self, x: torch.Tensor, cache: torch.Tensor, step: _Step, scale) -> None:
         """The step's new rows into ``cache`` at ``slot_mapping`` (padding rows change nothing)."""
@@ -339,7 +356,10 @@ class FullAttentionContext(_PagedContext):
             )
         self.window_left = planning.window_left(spec.sliding_window)
         self.soft_cap = spec.logits_soft_cap
-        self.tensor_core_decode = decode_uses_tensor_cores(spec.num_heads, spec.num_kv_heads)
+        self.tensor_core_decode = decode_uses_tensor_cores(
+            spec.num_heads, spec.num_kv_heads, spec.kv_dtype
+        )
+        self.fi_version = getattr(self.fi, "__version__", None)
         fi = self.fi
         self.decode = _share_int_workspace(
             fi.BatchDecodeWithPagedKVCacheWrapper(
@@ -367,9 +387,11 @@ class FullAttentionContext(_PagedContext):
                 "NHD",
                 use_cuda_graph=True,
                 use_tensor_cores=self.tensor_core_decode,
-                paged_kv_indptr_buffer=self.g_kv_indptr[: P + 1],
+                # Views of the context's device metadata: the step's one host-to-device copy
+                # fills what the captured kernels read.
+                paged_kv_indptr_buffer=self.dev_meta[: P + 1],
                 paged_kv_indices_buffer=self.kv_indices,
-                paged_kv_last_page_len_buffer=self.g_last_page_len[:P],
+                paged_kv_last_page_len_buffer=self._last_page_len_dev(P),
             )
             _share_int_workspace(wrapper, self.int_ws, self.pinned_staging)
             self._graph_wrappers[P] = wrapper
@@ -387,6 +409,26 @@ class FullAttentionContext(_PagedContext):
         H, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
         if batch.mode is BatchMode.DECODE:
             wrapper = self._graph_wrapper(batch.padded_reqs) if graph else self.decode
+            kind = StepKind.DECODE_GRAPH if graph else StepKind.DECODE
+            if fast_plan.can_replan(wrapper, self.fi_version):
+                P = batch.padded_reqs
+                fast_plan.replan_tensor_core_decode(
+                    wrapper,
+                    qo_indptr_host=views.qo_indptr,
+                    kv_indptr_host=views.kv_indptr,
+                    kv_len_host=views.kv_len,
+                    max_kv_len=batch.max_seq_len,
+                    kv_indptr_dev=self.dev_meta[: P + 1],
+                    kv_indices_dev=indices,
+                    last_page_len_dev=self._last_page_len_dev(P),
+                    qo_indptr_dev=self.arange[: P + 1],
+                    num_qo_heads=H,
+                    num_kv_heads=Hkv,
+                    head_dim=D,
+                    page_size=batch.page_size,
+                    window_left=self.window_left,
+                )
+                return kind, wrapper
             wrapper.plan(
                 views.kv_indptr,
                 indices,
@@ -399,7 +441,8 @@ class FullAttentionContext(_PagedContext):
                 non_blocking=True,
                 **common,
             )
-            return (StepKind.DECODE_GRAPH if graph else StepKind.DECODE), wrapper
+            fast_plan.mark_planned(wrapper)
+            return kind, wrapper
         P = batch.padded_reqs
         no_context = not batch.context_lens_cpu[:P].any()
         if no_context and not self.fp8:

@@ -216,10 +216,30 @@ def test_rejections_for_what_is_not_advertised(available):
 
 
 def test_decode_kernel_choice():
-    assert not decode_uses_tensor_cores(32, 8)
-    assert not decode_uses_tensor_cores(8, 8)
+    assert decode_uses_tensor_cores(32, 8)  # GQA, 16-bit cache: the faster tensor-core kernel
+    assert not decode_uses_tensor_cores(8, 8)  # MHA: nothing for an MMA tile to share
+    assert not decode_uses_tensor_cores(32, 8, "fp8_e4m3")  # fp8: the verified CUDA-core kernel
     assert decode_uses_tensor_cores(48, 8)  # group 6: no CUDA-core decode instance
-    assert decode_uses_tensor_cores(64, 4)  # group 16
+    assert decode_uses_tensor_cores(64, 4, "fp8_e4m3")  # group 16
+
+
+def test_fast_replan_only_for_tested_tensor_core_wrappers():
+    from attn_plugin_flashinfer import fast_plan
+
+    class Wrapper:
+        _use_tensor_cores = True
+        _backend = "fa2"
+        _jit_module = None
+
+    w = Wrapper()
+    assert not fast_plan.can_replan(w, "0.6.7")  # not yet planned through the public plan()
+    fast_plan.mark_planned(w)
+    assert fast_plan.can_replan(w, "0.6.7")
+    assert not fast_plan.can_replan(w, "0.7.0")  # an untested release: public plan()
+    w._backend = "fa3"
+    assert not fast_plan.can_replan(w, "0.6.7")
+    w._backend, w._use_tensor_cores = "fa2", False
+    assert not fast_plan.can_replan(w, "0.6.7")
 
 
 # ------------------------------------------------------------------------------------------
@@ -401,7 +421,7 @@ def test_graph_decode_wrapper_is_reused_per_padded_size(fake_fi):
     batch = h.builder.build([(1, 1)], pad_to=4)
     h.runtime.update(batch)
     assert ctx.step.wrapper is w and w.plans == 2
-    assert w._kv_indptr.data_ptr() == ctx.g_kv_indptr.data_ptr()
+    assert w._kv_indptr.data_ptr() == ctx.dev_meta.data_ptr()  # the step's one copy fills it
 
 
 def test_mla_graph_decode(fake_fi):

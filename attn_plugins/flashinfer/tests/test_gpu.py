@@ -207,3 +207,43 @@ def test_cuda_graph_mla_replay():
     errors_ref, errors_eager = _graph_replay(MLA, pad=8)
     assert max(errors_ref) < BF16_TOL, errors_ref
     assert max(errors_eager) < 1e-2, errors_eager
+
+
+@pytest.mark.sm90
+def test_tensor_core_decode_fast_replan_equals_public_plan():
+    """GQA decode re-planned by fast_plan gets FlashInfer's own plan() schedule and output."""
+    from attn_plugin_flashinfer import fast_plan
+    from attn_plugin_flashinfer.context import _Offsets
+
+    h = wl.make(FULL, _name(FULL), CUDA)
+    lens = [(r, 40 + 61 * r) for r in range(5)]
+    wl.run_step(h, 0, lens)
+    wl.run_step(h, 1, [(r, 1) for r, _ in lens])  # first decode: the public plan()
+    ctx = h.context
+    wrapper = ctx.decode
+    assert wrapper.use_tensor_cores and fast_plan.can_replan(wrapper, ctx.fi_version)
+    wl.run_step(h, 2, [(r, 1) for r, _ in lens])  # re-planned by fast_plan
+    assert ctx.step.kind is StepKind.DECODE and ctx.step.wrapper is wrapper
+    P = len(lens)
+    kv = h.runtime.binding(0).kv
+    q = torch.randn(P, FULL.num_heads, FULL.head_dim, dtype=torch.bfloat16, device=CUDA)
+    out_fast = wrapper.run(q, (kv.k, kv.v))
+    fast_info = list(wrapper._plan_info)
+    # The same step planned by FlashInfer's public plan() from the same host metadata.
+    row, o = ctx.host[ctx._half], _Offsets(ctx.B)
+    wrapper.plan(
+        row[o.kv_indptr : o.kv_indptr + P + 1],
+        wrapper._paged_kv_indices_buf,
+        row[o.last_page_len : o.last_page_len + P],
+        FULL.num_heads,
+        FULL.num_kv_heads,
+        FULL.head_dim,
+        FULL.page_size,
+        pos_encoding_mode="NONE",
+        sm_scale=FULL.scale,
+        q_data_type=torch.bfloat16,
+        kv_data_type=torch.bfloat16,
+    )
+    out_public = wrapper.run(q, (kv.k, kv.v))
+    assert list(wrapper._plan_info) == fast_info
+    assert torch.equal(out_fast, out_public)
