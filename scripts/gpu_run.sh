@@ -4,7 +4,8 @@
 #   stages: info install
 #           t_core t_e2e t_e2e_gptoss t_tp t_fi t_ssm t_varlen t_fa3   (pytest; GPU tests of each area)
 #           kit_fi kit_ssm kit_varlen                       (conformance kit per backend)
-#           b_fi b_ssm b_runtime b_e2e                      (benchmarks, JSON under $OUT)
+#           t_ssd                                           (triton_ssm Mamba2 / SSD tests only)
+#           b_fi b_ssm b_runtime b_e2e b_kvw                (benchmarks, JSON under $OUT)
 #           run                                             (attn run --model all)
 # Stages run in order; pick the GPU with CUDA_VISIBLE_DEVICES to run two lanes at once, and set
 # DEADLINE=$(( $(date +%s) + N )) so that no stage outlives the device call.
@@ -47,6 +48,7 @@ t_e2e) run t_e2e 500 "${PYTEST[@]}" -m gpu tests/e2e --deselect tests/e2e/test_t
 t_tp) run t_tp 300 "${PYTEST[@]}" tests/e2e/test_tp.py ;;
 t_fi) run t_fi 500 "${PYTEST[@]}" attn_plugins/flashinfer/tests ;;
 t_ssm) run t_ssm 500 "${PYTEST[@]}" attn_plugins/triton_ssm/tests ;;
+t_ssd) run t_ssd 300 "${PYTEST[@]}" attn_plugins/triton_ssm/tests -k "ssd or mamba2" ;;
 t_varlen) run t_varlen 300 "${PYTEST[@]}" attn_plugins/varlen/tests ;;
 t_fa3) run t_fa3 300 "${PYTEST[@]}" attn_plugins/fa3/tests ;;
 kit_fi) run kit_fi 400 "${PYTEST[@]}" --attn-backend=flashinfer:flashinfer
@@ -56,7 +58,8 @@ kit_varlen) run kit_varlen 300 "${PYTEST[@]}" --attn-backend=varlen:varlen
   run kit_sdpa 300 "${PYTEST[@]}" --attn-backend=varlen:sdpa ;;
 b_fi) run b_fi 400 python3 attn_plugins/flashinfer/bench/bench_flashinfer.py ${BENCH_FI_ARGS:-} --out "$OUT/bench_flashinfer.json" ;;
 b_ssm) run b_ssm 450 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --prefill --plugin --budget-s 400 --out "$OUT/bench_ssm.json" ;;
-b_runtime) run b_runtime 120 python3 bench/bench_runtime.py --device cuda --out "$OUT/bench_runtime.json" ;;
+b_kvw) run b_kvw 120 python3 bench/bench_kv_write.py ;;
+b_runtime) run b_runtime 120 python3 bench/bench_runtime.py --device cuda --count-calls --out "$OUT/bench_runtime.json" ;;
 b_e2e) run b_e2e 450 python3 bench/bench_e2e.py --device cuda --out "$OUT/bench_e2e.json" ;;
 run) run attn_run 300 attn run --model all --device cuda --no-progress ;;
 *) log "unknown stage $stage" ;;
