@@ -149,8 +149,8 @@ def test_plain_no_extras_non_pow2_dims_matches_torch_impl():
 
 
 def test_tiling_options_do_not_change_results():
-    """heads_per_program only regroups whole heads: bit-identical. block_n retiles the state
-    kernel's dots: equal to float32 rounding."""
+    """heads_per_program only regroups whole heads: bit-identical under the interpreter, equal
+    to float32 rounding on a GPU. block_n retiles the state kernel's dots: float32 rounding."""
     lens = [21, 11]
     inp, extras, state, idx, cu = _case(lens, H=8, G=2, N=32, seed=3)
     outs = []
@@ -161,7 +161,10 @@ def test_tiling_options_do_not_change_results():
                                   block_n=bn, **_dev(extras))  # fmt: skip
         outs.append((y.cpu(), st.cpu()))
     for y, st in outs[1:3]:
-        assert torch.equal(y, outs[0][0]) and torch.equal(st, outs[0][1])
+        if DEV == "cpu":  # the interpreter runs each head's dots the same way
+            assert torch.equal(y, outs[0][0]) and torch.equal(st, outs[0][1])
+        else:  # on a GPU the tile shape picks the MMA shape and so the summation order
+            torch.testing.assert_close((y, st), outs[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(outs[3], outs[0], atol=1e-5, rtol=1e-5)
 
 
