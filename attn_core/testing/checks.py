@@ -37,6 +37,13 @@ TOLERANCES: dict[str, tuple[float, float]] = {
 FP8_KV_TOLERANCE = (6e-2, 6e-2)
 #: linear layers accumulate state over many tokens: a little more room.
 LINEAR_FACTOR = 2.0
+#: float32 linear layers: chunked kernels (fla's, on tensor cores) run their float32 dots in
+#: TF32 (10-bit mantissa). On the H200, triton_ssm's fp32 prefill differed from the reference by
+#: up to 6.0e-4 on outputs of ~0.2 (page_boundary workload): beyond (4e-4, 4e-4), within this.
+LINEAR_FP32_TOLERANCE = (1e-3, 1e-3)
+#: 16-bit recurrent state: both sides round the state every step, and an output read from a
+#: state one bf16 ulp (2^-8 relative) apart differs by about that much (H200: 1.3e-3 at 0.26).
+LINEAR_16BIT_STATE_TOLERANCE = (8e-3, 8e-3)
 
 
 class ConformanceFailure(AssertionError):
@@ -69,6 +76,12 @@ def tolerance(spec: LayerSpec) -> tuple[float, float]:
         atol, rtol = max(atol, FP8_KV_TOLERANCE[0]), max(rtol, FP8_KV_TOLERANCE[1])
     if spec.has_recurrent_state:
         atol, rtol = atol * LINEAR_FACTOR, rtol * LINEAR_FACTOR
+        floor = (0.0, 0.0)
+        if spec.dtype == "float32":
+            floor = LINEAR_FP32_TOLERANCE
+        if spec.state_dtype in ("bfloat16", "float16"):
+            floor = max(floor, LINEAR_16BIT_STATE_TOLERANCE)
+        atol, rtol = max(atol, floor[0]), max(rtol, floor[1])
     return atol, rtol
 
 
