@@ -238,7 +238,12 @@ def build_tiny(
             hf_cfg, attn_implementation="eager"
         )
     else:
-        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager")
+        # MoE blocks through batched_mm: transformers' default grouped_mm reads its expert
+        # offsets on the host for float32 (H200: "Cannot copy between CPU and CUDA tensors
+        # during CUDA graph capture"), so a decode step of DeepSeek-V3 could not be captured.
+        model = transformers.AutoModelForCausalLM.from_config(
+            hf_cfg, attn_implementation="eager", experts_implementation="batched_mm"
+        )
     _spread_weights(model, seed)
     from attn_core.specs import torch_dtype
 
