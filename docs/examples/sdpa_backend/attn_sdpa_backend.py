@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from attn_core.backend import Backend, BackendCapabilities
 from attn_core.hookspecs import hookimpl
-from attn_core.state.kv_write import write_slots
+from attn_core.state.kv_write import write_kv_slots
 
 ATTN_CORE_API_VERSION = "1.1"
 CAPS = BackendCapabilities(
@@ -40,8 +40,7 @@ class SDPAContext:
         if out is None:
             out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
         # the new tokens go into the paged cache first; the core's writer skips padding (-1)
-        write_slots(k[:t], kv.k, b.slot_mapping)
-        write_slots(v[:t], kv.v, b.slot_mapping)
+        write_kv_slots(k[:t], v[:t], kv.k, kv.v, b.slot_mapping)
         qsl, seq, page = b.query_start_loc_cpu, b.seq_lens_cpu, kv.k.shape[1]
         for i in range(b.num_reqs):  # one SDPA call per request over its pages
             a, e, s = int(qsl[i]), int(qsl[i + 1]), int(seq[i])
