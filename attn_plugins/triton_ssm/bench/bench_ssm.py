@@ -13,7 +13,9 @@ Sections:
   ``--sweep`` a grid of block_v / num_warps / programs_per_sm), and for fla
   ``fused_recurrent_gated_delta_rule`` on a dense gathered state.
 * gdn_prefill (``--prefill``): T = 8192 and 32768 as one request and as 16 (cu_seqlens), our
-  wrapper vs fla ``chunk_gated_delta_rule`` called directly; ms and tokens/s.
+  wrapper vs fla ``chunk_gated_delta_rule`` called directly; ms and tokens/s. Our row also
+  times fla in the same process, alternating three times (min of each): its ratio is the one to
+  quote (separate jobs drifted by up to 2.5x between runs on the H200).
 * mamba2_decode: B = 64..2048, H=128, N=128, P=64 (Mamba2-2.7B-like), fp32 state, GB/s.
 * mamba2_prefill (``--prefill``): granite-4.0-h-small-like (H=128, P=64, N=128, G=1), T = 8192
   and 32768 as one and 16 requests: ``impl="triton"`` (chunk 64 and 128, and chunk 64 without
@@ -181,18 +183,39 @@ def _prefill_inputs(T: int, n_seq: int):
     return q, k, v, g, beta, state, idx, cu
 
 
-def job_prefill_ours(T: int, n_seq: int) -> dict:
+def job_prefill_ours(T: int, n_seq: int, with_fla: bool = True) -> dict:
+    """Our gdn_prefill; with ``with_fla``, fla's chunk_gated_delta_rule on the same inputs timed
+    in the same process, alternating three times (min of each), so GPU clock and warm-up drift
+    hit both alike and the ratio is comparable run to run."""
     from attn_plugin_triton_ssm.kernels import gdn_prefill
 
     q, k, v, g, beta, state, idx, cu = _prefill_inputs(T, n_seq)
     # as the plugin calls it: int64 offsets on both sides, built once per step
     cu64, cu_cpu = cu.long(), cu.long().cpu()
-    ms = _bench(
-        lambda: gdn_prefill(q, k, v, g, beta, state, idx, cu64, cu_seqlens_cpu=cu_cpu),
-        warmup=5,
-        rep=30,
-    )
-    return {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6}
+
+    def ours():
+        return gdn_prefill(q, k, v, g, beta, state, idx, cu64, cu_seqlens_cpu=cu_cpu)
+
+    if not with_fla:
+        ms = _bench(ours, warmup=25, rep=100)
+        return {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6}
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    h0 = state[idx.long()].contiguous()
+
+    def fla_direct():
+        return chunk_gated_delta_rule(
+            q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], initial_state=h0,
+            output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu64,
+        )  # fmt: skip
+
+    times = {"ours": [], "fla": []}
+    for _ in range(3):
+        times["ours"].append(_bench(ours, warmup=25, rep=100))
+        times["fla"].append(_bench(fla_direct, warmup=25, rep=100))
+    ms, fla_ms = min(times["ours"]), min(times["fla"])
+    return {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6, "fla_ms": fla_ms,
+            "ratio_to_fla": ms / fla_ms}  # fmt: skip
 
 
 def job_prefill_fla(T: int, n_seq: int) -> dict:
@@ -462,6 +485,9 @@ def _table(results: list, copy_bw: float | None) -> str:
                 if fla and not r["provider"].startswith("impl=fla"):
                     val += f"  ({r['Mtok_per_s'] / fla:.2f} x fla)"
                 val += f"  ({r['Mtok_per_s'] / MAMBA2_PUBLISHED_MTOK:.2f} x published fused SSD)"
+            if "ratio_to_fla" in r:
+                val += f"  fla (same process, interleaved) {r['fla_ms']:.3f} ms, ratio "
+                val += f"{r['ratio_to_fla']:.3f}"
         elif "ratio" in r:
             val = f"plugin {r['ms']:.4f} ms  direct {r['direct_ms']:.4f} ms  ratio {r['ratio']:.3f}"
         else:
@@ -521,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
             for n_seq in (1, 16):
                 p = {"section": "gdn_prefill", "T": T, "n_seq": n_seq}
                 prefill.append(job("prefill_ours", {**p, "provider": "ours (gdn_prefill)"},
-                                   T=T, n_seq=n_seq))  # fmt: skip
+                                   T=T, n_seq=n_seq, with_fla=not args.no_fla))  # fmt: skip
                 if not args.no_fla:
                     prefill.append(job("prefill_fla", {**p, "provider": "fla chunk direct"},
                                        T=T, n_seq=n_seq))  # fmt: skip
