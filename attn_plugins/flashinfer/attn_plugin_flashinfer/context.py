@@ -115,8 +115,8 @@ def workspace_requirements(
     - ``dev_meta`` ``[3B + 1]`` int32: device copy of ``kv_indptr | row_offset | last_page_len``
       (what the page gather and tensor-core decode kernels read).
     - ``kv_indices`` / ``arange`` ``[B * (ceil(max_model_len / page) + 1)]`` int32.
-    - ``graph_kv_indptr`` / ``graph_qo_indptr`` ``[B + 1]``, ``graph_last_page_len`` /
-      ``graph_kv_len`` ``[B]`` int32: what captured decode kernels read.
+    - ``graph_kv_indptr`` / ``graph_qo_indptr`` ``[B + 1]``, ``graph_kv_len`` ``[B]`` int32:
+      what captured MLA decode kernels read (full attention's read ``dev_meta``).
     """
     B = constraints.max_batch_size
     pages = _max_pages(spec, constraints)
@@ -130,7 +130,6 @@ def workspace_requirements(
         WorkspaceRequirement("arange", (pages,), i32),
         WorkspaceRequirement("graph_kv_indptr", (B + 1,), i32, zero=True),
         WorkspaceRequirement("graph_qo_indptr", (B + 1,), i32, zero=True),
-        WorkspaceRequirement("graph_last_page_len", (B,), i32, zero=True),
         WorkspaceRequirement("graph_kv_len", (B,), i32, zero=True),
     ]
 
@@ -192,7 +191,6 @@ class _PagedContext:
         torch.arange(self.arange.shape[0], dtype=torch.int32, out=self.arange)
         self.g_kv_indptr = ws["graph_kv_indptr"]
         self.g_qo_indptr = ws["graph_qo_indptr"]
-        self.g_last_page_len = ws["graph_last_page_len"]
         self.g_kv_len = ws["graph_kv_len"]
         self.B = constraints.max_batch_size
         self.kv_dtype = torch.float8_e4m3fn if self.spec.kv_dtype == "fp8_e4m3" else None
