@@ -130,6 +130,21 @@ def bench_decode(batch: int, layers: int, iters: int) -> dict:
 
         graph = _graph_of(step)
         row[f"{name}_graph_us_per_layer"] = _time_us(graph.replay, max(iters // 4, 20)) / layers
+    # An uncaptured step without padding: the torch writer is one index_copy_ per tensor, the
+    # fused one a Triton launch; eager time here is host launch cost, which decides which of the
+    # two an eager decode step should take.
+    real = slots.clone()
+    real[-1] = pages * PAGE - 1
+    lay = caches[0]
+
+    def torch_no_pad() -> None:
+        write_slots_torch(k, lay.k, real, may_have_padding=False)
+        write_slots_torch(v, lay.v, real, may_have_padding=False)
+
+    row["torch_nopad_eager_us"] = _time_us(torch_no_pad, iters)
+    row["fused_nopad_eager_us"] = _time_us(
+        lambda: write_kv_slots(k, v, lay.k, lay.v, real, may_have_padding=False), iters
+    )
     return row
 
 
@@ -182,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['torch_graph_us_per_layer'] / r['fused_graph_us_per_layer']:>15.1f}x"
         )
     print("(graph: per layer of a captured step of --layers layers)")
+    for r in decode:
+        print(
+            f"{r['case']}, no padding, eager: torch x2 {r['torch_nopad_eager_us']:.1f} us, "
+            f"fused {r['fused_nopad_eager_us']:.1f} us (host launch cost)"
+        )
     prefill = [bench_prefill(d, max(args.iters // 4, 20), copy_gbs)
                for d in (torch.bfloat16, FP8_DTYPE)]  # fmt: skip
     print(f"\nprefill, {PREFILL_HEADS} heads x {HEAD_DIM} bf16 K and V")
