@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from attn_core.bench_util import back_to_back_us, capture_graph  # noqa: E402
 from attn_core.state.kv_write import (  # noqa: E402
     FP8_DTYPE,
     write_kv_slots,
@@ -44,34 +44,6 @@ PAGE = 16
 DECODE_HEADS, PREFILL_HEADS, HEAD_DIM = 8, 16, 128
 DECODE_BATCHES = (1, 64)
 PREFILL_TOKENS = 16384
-
-
-def _time_us(fn: Callable[[], None], iters: int, warmup: int = 10) -> float:
-    """Mean microseconds per ``fn()`` over ``iters`` back-to-back calls (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
-
-
-def _graph_of(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    """``fn`` captured once (after a warm-up on a side stream, which compiles the kernel)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 class _Layer:
@@ -121,15 +93,17 @@ def bench_decode(batch: int, layers: int, iters: int) -> dict:
     row = {"case": f"decode B={batch}", "T": batch}
     for name in ("torch", "fused"):
         one = getattr(caches[0], f"{name}_write")
-        row[f"{name}_eager_us"] = _time_us(lambda one=one: one(k, v, slots), iters)
+        row[f"{name}_eager_us"] = back_to_back_us(lambda one=one: one(k, v, slots), iters)
         writes = [getattr(c, f"{name}_write") for c in caches]
 
         def step(writes=writes) -> None:
             for w in writes:
                 w(k, v, slots)
 
-        graph = _graph_of(step)
-        row[f"{name}_graph_us_per_layer"] = _time_us(graph.replay, max(iters // 4, 20)) / layers
+        graph = capture_graph(step)
+        row[f"{name}_graph_us_per_layer"] = (
+            back_to_back_us(graph.replay, max(iters // 4, 20)) / layers
+        )
     # An uncaptured step without padding: the torch writer is one index_copy_ per tensor, the
     # fused one a Triton launch; eager time here is host launch cost, which decides which of the
     # two an eager decode step should take.
@@ -141,8 +115,8 @@ def bench_decode(batch: int, layers: int, iters: int) -> dict:
         write_slots_torch(k, lay.k, real, may_have_padding=False)
         write_slots_torch(v, lay.v, real, may_have_padding=False)
 
-    row["torch_nopad_eager_us"] = _time_us(torch_no_pad, iters)
-    row["fused_nopad_eager_us"] = _time_us(
+    row["torch_nopad_eager_us"] = back_to_back_us(torch_no_pad, iters)
+    row["fused_nopad_eager_us"] = back_to_back_us(
         lambda: write_kv_slots(k, v, lay.k, lay.v, real, may_have_padding=False), iters
     )
     return row
@@ -159,7 +133,7 @@ def bench_prefill(dtype: torch.dtype, iters: int, copy_gbs: float) -> dict:
     row = {"case": f"prefill T={T} into {str(dtype).removeprefix('torch.')}", "T": T}
     for name in ("torch", "fused"):
         write = getattr(layer, f"{name}_write")
-        us = _time_us(lambda write=write: write(k, v, slots), iters)
+        us = back_to_back_us(lambda write=write: write(k, v, slots), iters)
         row[f"{name}_us"] = us
         row[f"{name}_GB/s"] = moved / us / 1e3
         row[f"{name}_of_copy"] = row[f"{name}_GB/s"] / copy_gbs
@@ -170,7 +144,7 @@ def bench_copy(iters: int) -> float:
     """GB/s of a 1 GiB device-to-device copy (read + write bytes)."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    us = _time_us(lambda: dst.copy_(src), iters)
+    us = back_to_back_us(lambda: dst.copy_(src), iters)
     return 2 * src.numel() / us / 1e3
 
 

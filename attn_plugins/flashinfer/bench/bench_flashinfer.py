@@ -46,21 +46,9 @@ os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", str(_REPO / ".jit"))
 
 import torch  # noqa: E402
 
+from attn_core.bench_util import back_to_back_us, capture_graph  # noqa: E402
+
 H, HKV, D, PAGE = 32, 8, 128, 16
-
-
-def _events_time(fn, iters: int, warmup: int = 5) -> float:
-    """Mean microseconds per call of ``fn`` (GPU time between CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
 
 
 def _iters_for(us_guess: float, budget_s: float = 1.0, lo: int = 20, hi: int = 2000) -> int:
@@ -118,7 +106,7 @@ def bench_copy() -> dict:
     n = 1 << 30
     x = torch.empty(n, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    us = _events_time(lambda: y.copy_(x), iters=50)
+    us = back_to_back_us(lambda: y.copy_(x), iters=50)
     return {"bytes": n, "us": us, "GB/s": 2 * n / us / 1e3}
 
 
@@ -176,9 +164,9 @@ def bench_decode(spec, batch: int, ctx: int) -> dict:
     torch.cuda.synchronize()
     guess = (time.perf_counter() - t0) * 1e6
     iters = _iters_for(guess)
-    t_direct = _events_time(direct, iters)
-    t_plugin = _events_time(plugin, iters)
-    t_direct_write = _events_time(direct_with_write, iters)
+    t_direct = back_to_back_us(direct, iters)
+    t_plugin = back_to_back_us(plugin, iters)
+    t_direct_write = back_to_back_us(direct_with_write, iters)
     kv_bytes = batch * ctx * HKV * D * 2 * 2
     res = {
         "B": batch,
@@ -223,7 +211,7 @@ def bench_decode_variants(batch: int, ctx: int) -> dict:
             w.plan(kv_indptr, perm.cpu(), last_len, H, HKV, D, PAGE, q_data_type=torch.bfloat16)
             w.run(q, (k, v), out=out)
             torch.cuda.synchronize()
-            us = _events_time(lambda w=w, k=k, v=v: w.run(q, (k, v), out=out), 50)
+            us = back_to_back_us(lambda w=w, k=k, v=v: w.run(q, (k, v), out=out), 50)
             res[f"{layout}_{'tc' if tc else 'cc'}_us"] = us
             res[f"{layout}_{'tc' if tc else 'cc'}_GB/s"] = kv_bytes / us / 1e3
         del k, v
@@ -309,11 +297,11 @@ def bench_prefill(batch: int = 2, seq: int = 8192, heads: int = 16) -> dict:
     plugin()
     direct_with_write()
     torch.cuda.synchronize()
-    t_direct = _events_time(direct, 20, warmup=3)
-    t_plugin = _events_time(plugin, 20, warmup=3)
-    t_direct_write = _events_time(direct_with_write, 20, warmup=3)
-    t_fi_append = _events_time(fi_append, 20, warmup=3)
-    t_core_write = _events_time(core_write, 20, warmup=3)
+    t_direct = back_to_back_us(direct, 20, warmup=3)
+    t_plugin = back_to_back_us(plugin, 20, warmup=3)
+    t_direct_write = back_to_back_us(direct_with_write, 20, warmup=3)
+    t_fi_append = back_to_back_us(fi_append, 20, warmup=3)
+    t_core_write = back_to_back_us(core_write, 20, warmup=3)
     flops = 2 * batch * seq * seq * heads * D  # causal: half of 4 * S^2 * H * D per sequence
     res = {
         "B": batch,
@@ -407,23 +395,11 @@ def bench_graph(spec, layers: int = 32, batch: int = 64, ctx: int = 4096) -> dic
         for i, bd in enumerate(bindings):
             wrapper.run(q, (bd.kv.k, bd.kv.v), out=outs[i])
 
-    def capture(fn):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return g
-
-    g_plugin = capture(plugin_step)
-    g_bare = capture(bare_step)
-    t_plugin = _events_time(g_plugin.replay, 50)
-    t_bare_graph = _events_time(g_bare.replay, 50)
-    t_bare_eager = _events_time(bare_step, 20)
+    g_plugin = capture_graph(plugin_step)
+    g_bare = capture_graph(bare_step)
+    t_plugin = back_to_back_us(g_plugin.replay, 50)
+    t_bare_graph = back_to_back_us(g_bare.replay, 50)
+    t_bare_eager = back_to_back_us(bare_step, 20)
     # host cost of update() before a replay (new batch built outside the timing)
     upd = []
     for _ in range(50):
