@@ -293,7 +293,10 @@ class BatchBuilder:
             self._pad(slot, B, P, B, P)
         views = self._req_views.get(P) or self._make_req_views(P)
         self._upload(k, slot, tok_end, m)
-        return AttentionBatch(
+        return self._assemble(
+            views,
+            positions,
+            slot_mapping,
             mode=BatchMode.DECODE,
             num_reqs=B,
             padded_reqs=P,
@@ -303,19 +306,9 @@ class BatchBuilder:
             max_seq_len=int(ctx.max()) + 1,
             spec_tokens=0,
             request_ids=ids,
-            query_start_loc=views[0],
-            seq_lens=views[1],
-            context_lens=views[2],
-            page_table=views[5],
-            slot_mapping=slot_mapping,
-            positions=positions,
-            state_indices=views[3],
-            has_initial_state=views[4],
             query_start_loc_cpu=slot.qsl[: P + 1],
             seq_lens_cpu=seq_cpu,
             context_lens_cpu=ctx_cpu,
-            page_size=self.page_size,
-            step=self._step,
             state_epoch=state.epoch,
         )
 
@@ -386,7 +379,10 @@ class BatchBuilder:
             padded_tokens
         ) or self._make_tok_views(padded_tokens)
         self._upload(k, slot, tok_end, m)
-        return AttentionBatch(
+        return self._assemble(
+            views,
+            positions,
+            slot_mapping,
             mode=mode,
             num_reqs=B,
             padded_reqs=P,
@@ -396,20 +392,30 @@ class BatchBuilder:
             max_seq_len=int(seq.max()) if B else 0,
             spec_tokens=spec_tokens,
             request_ids=ids,
-            query_start_loc=views[0],
-            seq_lens=views[1],
-            context_lens=views[2],
-            page_table=views[5],
-            slot_mapping=slot_mapping,
-            positions=positions,
-            state_indices=views[3],
-            has_initial_state=views[4],
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_cpu,
             context_lens_cpu=ctx_cpu,
+            state_epoch=state.epoch if state is not None else -1,
+        )
+
+    def _assemble(
+        self, views: tuple, positions: torch.Tensor, slot_mapping: torch.Tensor | None, **fields
+    ) -> AttentionBatch:
+        """An AttentionBatch over the persistent device views of one padded size ``P``:
+        ``views`` = (query_start_loc, seq_lens, context_lens, state_indices, has_initial_state,
+        page_table), as :meth:`_make_req_views` lays them out."""
+        return AttentionBatch(
+            query_start_loc=views[0],
+            seq_lens=views[1],
+            context_lens=views[2],
+            state_indices=views[3],
+            has_initial_state=views[4],
+            page_table=views[5],
+            slot_mapping=slot_mapping,
+            positions=positions,
             page_size=self.page_size,
             step=self._step,
-            state_epoch=state.epoch if state is not None else -1,
+            **fields,
         )
 
     def build_encoder(self, seq_lens: Sequence[int]) -> AttentionBatch:
