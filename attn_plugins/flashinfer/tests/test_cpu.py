@@ -8,6 +8,7 @@ import importlib
 import importlib.machinery
 import math
 import shutil
+import types
 from pathlib import Path
 
 import attn_plugin_flashinfer.plugin as fi_plugin
@@ -240,6 +241,65 @@ def test_fast_replan_only_for_tested_tensor_core_wrappers():
     assert not fast_plan.can_replan(w, "0.6.7")
     w._backend, w._use_tensor_cores = "fa2", False
     assert not fast_plan.can_replan(w, "0.6.7")
+
+
+class _SchedulerWrapper:
+    """The attributes of a 0.6.7 tensor-core decode wrapper that fast_plan reads and writes;
+    its scheduler records the host arrays it was given."""
+
+    def __init__(self, graph_batch: int | None) -> None:
+        self._float_workspace_buffer = "float_ws"
+        self._int_workspace_buffer = "int_ws"
+        self._pin_memory_int_workspace_buffer = "pinned_ws"
+        self._fixed_batch_size = graph_batch or 0
+        self.is_cuda_graph_enabled = graph_batch is not None
+        self.fixed = "captured buffers"
+        self._paged_kv_indptr_buf = self._paged_kv_indices_buf = self.fixed
+        self._paged_kv_last_page_len_buf = self._qo_indptr_buf = self.fixed
+        self.calls = []
+        self._cached_module = types.SimpleNamespace(plan=self._schedule)
+
+    def _schedule(self, *args):
+        self.calls.append(args)
+        return [len(self.calls)]
+
+
+def _replan(w, P: int) -> dict:
+    from attn_plugin_flashinfer import fast_plan
+
+    t = {
+        name: torch.arange(n, dtype=torch.int32)
+        for name, n in (("qo", P + 1), ("kv", P + 1), ("len", P), ("ind", 3 * P), ("lpl", P))
+    }
+    fast_plan.replan_tensor_core_decode(
+        w, qo_indptr_host=t["qo"], kv_indptr_host=t["kv"], kv_len_host=t["len"],
+        max_kv_len=P - 1, kv_indptr_dev=t["kv"], kv_indices_dev=t["ind"],
+        last_page_len_dev=t["lpl"], qo_indptr_dev=t["qo"], num_qo_heads=32, num_kv_heads=8,
+        head_dim=128, page_size=16, window_left=-1,
+    )  # fmt: skip
+    return t
+
+
+def test_fast_replan_points_eager_wrappers_at_the_step_and_calls_the_scheduler():
+    w = _SchedulerWrapper(graph_batch=None)
+    t = _replan(w, 5)
+    assert w._paged_kv_indptr_buf is t["kv"] and w._paged_kv_indices_buf is t["ind"]
+    assert w._paged_kv_last_page_len_buf is t["lpl"] and w._qo_indptr_buf is t["qo"]
+    assert w._batch_size == 5 and w._max_kv_len == 4 and w._plan_info == [1]
+    (args,) = w.calls
+    assert args[:3] == ("float_ws", "int_ws", "pinned_ws")
+    assert args[3] is t["qo"] and args[4] is t["kv"] and args[5] is t["len"]
+    # rows = requests (one query token each), heads, page size, graph flag, dims, non-causal
+    assert args[6:16] == (5, 5, 32, 8, 16, False, 128, 128, False, -1)
+
+
+def test_fast_replan_keeps_captured_buffers_and_checks_the_batch_size():
+    w = _SchedulerWrapper(graph_batch=4)
+    _replan(w, 4)
+    assert w._paged_kv_indptr_buf == w.fixed and w._qo_indptr_buf == w.fixed
+    assert w.calls[0][11] is True  # the scheduler plans for graph replay
+    with pytest.raises(ValueError, match="captured for 4 requests, the step has 3"):
+        _replan(w, 3)
 
 
 # ------------------------------------------------------------------------------------------
