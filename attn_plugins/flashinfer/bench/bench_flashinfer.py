@@ -288,11 +288,10 @@ def bench_prefill(batch: int = 2, seq: int = 8192, heads: int = 16) -> dict:
         fi_append()
         wrapper.run(q, k, v, out=out)
 
-    from attn_core.state.kv_write import write_slots
+    from attn_core.state.kv_write import write_kv_slots
 
-    def core_write():
-        write_slots(k, kv.k, b.slot_mapping, may_have_padding=False)
-        write_slots(v, kv.v, b.slot_mapping, may_have_padding=False)
+    def core_write():  # the plugin's own write: K and V in one launch
+        write_kv_slots(k, v, kv.k, kv.v, b.slot_mapping, may_have_padding=False)
 
     plugin()
     direct_with_write()
