@@ -1,27 +1,17 @@
 """Causal conv1d update, Mamba2 decode and the prefill wrappers against independent references
 (torch conv1d, an explicit SSD recurrence, our own decode kernel token by token).
 
-Without CUDA the kernels run in Triton's CPU interpreter: ``TRITON_INTERPRET`` is set here,
-before anything imports the kernels. With CUDA the same small-shape tests run compiled.
+Without CUDA the kernels run in Triton's CPU interpreter (see ``kernel_device``); with CUDA the
+same small-shape tests run compiled.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
-import torch
-
-if not torch.cuda.is_available() and "attn_plugin_triton_ssm.kernels" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
-
 import pytest
-from attn_plugin_triton_ssm import kernels as K
+import torch
+from kernel_device import DEV, K  # first: picks the interpreter on a machine without CUDA
 from triton_ssm_refs import conv_ref, delta_rule_ref, mamba2_ref
 
-if not K.INTERPRETED and not torch.cuda.is_available():
-    pytest.skip("kernels compiled for GPU but no CUDA device", allow_module_level=True)
-DEV = "cpu" if K.INTERPRETED else "cuda"
 IDX = [3, -1, 0]
 UNTOUCHED = [1, 2, 4]
 

@@ -1,26 +1,15 @@
 """GDN / KDA decode and speculative verify kernels against fla-core's naive recurrences.
 
-Without CUDA the kernels run in Triton's CPU interpreter: ``TRITON_INTERPRET`` is set here,
-before anything imports the kernels. With CUDA the same small-shape tests run compiled.
+Without CUDA the kernels run in Triton's CPU interpreter (see ``kernel_device``); with CUDA the
+same small-shape tests run compiled.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
-import torch
-
-if not torch.cuda.is_available() and "attn_plugin_triton_ssm.kernels" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
-
 import pytest
-from attn_plugin_triton_ssm import kernels as K
+import torch
+from kernel_device import DEV, K  # first: picks the interpreter on a machine without CUDA
 from triton_ssm_refs import delta_rule_ref
-
-if not K.INTERPRETED and not torch.cuda.is_available():
-    pytest.skip("kernels compiled for GPU but no CUDA device", allow_module_level=True)
-DEV = "cpu" if K.INTERPRETED else "cuda"
 
 B, HK, HV, S = 3, 2, 4, 7
 IDX = [5, -1, 2]  # a padding row in the middle

@@ -2,28 +2,19 @@
 recurrence of ``triton_ssm_refs`` and against the torch chunked SSD, on varlen batches whose
 sequences end inside, and exactly on, chunk boundaries.
 
-Without CUDA the kernels run in Triton's CPU interpreter: ``TRITON_INTERPRET`` is set here,
-before anything imports the kernels. With CUDA the same small-shape tests run compiled.
+Without CUDA the kernels run in Triton's CPU interpreter (see ``kernel_device``); with CUDA the
+same small-shape tests run compiled.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
-import torch
-
-if not torch.cuda.is_available() and "attn_plugin_triton_ssm.kernels" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
-
 import pytest
-from attn_plugin_triton_ssm import kernels as K
-from attn_plugin_triton_ssm.kernels import ssd
+import torch
+from kernel_device import DEV, K  # first: picks the interpreter on a machine without CUDA
 from triton_ssm_refs import mamba2_ref
 
-if not K.INTERPRETED and not torch.cuda.is_available():
-    pytest.skip("kernels compiled for GPU but no CUDA device", allow_module_level=True)
-DEV = "cpu" if K.INTERPRETED else "cuda"
+ssd = K.ssd  # the submodule, imported by the package after kernel_device chose the build
+
 S = 8  # slots in the pool
 SLOTS = [6, 0, 3, 5, 2, 7]  # the first len(lens) are used, in this (non-sorted) order
 
