@@ -7,6 +7,7 @@
 #           t_ssd                                           (triton_ssm Mamba2 / SSD tests only)
 #           b_fi b_ssm b_runtime b_e2e b_kvw                (benchmarks, JSON under $OUT)
 #           run                                             (attn run --model all)
+#           NAME=COMMAND                                    (any shell command, logged as NAME)
 # Stages run in order; pick the GPU with CUDA_VISIBLE_DEVICES to run two lanes at once, and set
 # DEADLINE=$(( $(date +%s) + N )) so that no stage outlives the device call.
 # Logs go to $OUT/<stage>.log (or ./gpu-out), pass/fail lines to $OUT/summary.log.
@@ -62,6 +63,7 @@ b_kvw) run b_kvw 120 python3 bench/bench_kv_write.py ;;
 b_runtime) run b_runtime 120 python3 bench/bench_runtime.py --device cuda --count-calls --out "$OUT/bench_runtime.json" ;;
 b_e2e) run b_e2e 450 python3 bench/bench_e2e.py --device cuda --out "$OUT/bench_e2e.json" ;;
 run) run attn_run 300 attn run --model all --device cuda --no-progress ;;
+*=*) run "${stage%%=*}" 500 bash -c "${stage#*=}" ;;  # NAME=COMMAND: any command, logged alike
 *) log "unknown stage $stage" ;;
 esac; done
 log done

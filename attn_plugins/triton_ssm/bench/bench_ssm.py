@@ -505,6 +505,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-fla", action="store_true", help="skip the fla comparisons")
     ap.add_argument("--plugin", action="store_true", help="plugin step vs direct kernels")
     ap.add_argument("--budget-s", type=float, default=600.0, help="wall-clock budget")
+    ap.add_argument(
+        "--only",
+        help="comma-separated sections to run (gdn_decode, mamba2_decode, gdn_prefill, "
+        "mamba2_prefill, plugin_step); the copy rows always run",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -573,6 +578,10 @@ def main(argv: list[str] | None = None) -> int:
             ours.append(job("plugin_step", {"section": "plugin_step", "provider": "gdn decode",
                                             "B": B}, B=B))  # fmt: skip
 
+    if args.only:
+        keep = {"copy", "sweep_done", *args.only.split(",")}
+        ours, fla, prefill = ([j for j in js if j["row"]["section"] in keep]
+                              for js in (ours, fla, prefill))  # fmt: skip
     results: list[dict] = []
     budget = args.budget_s
     run_isolated(ours, results, budget * 0.7)
