@@ -11,7 +11,9 @@ run on CPU too, where there are no CUDA events.
 
 from __future__ import annotations
 
+import cProfile
 import json
+import pstats
 import statistics
 import traceback
 from collections.abc import Callable
@@ -81,6 +83,22 @@ def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(graph):
         fn()
     return graph
+
+
+def profile_table(prof: cProfile.Profile, calls: int, what: str, top: int = 25) -> str:
+    """``prof``'s functions by own time, in microseconds per call of the profiled code.
+
+    :param calls: how many times the profiled code ran (the divisor).
+    :param what: the table's title.
+    """
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    out = f"cProfile of {what}, {calls} calls (us per call):\n"
+    out += f"  {'own':>7} {'cum':>7} {'calls':>6}  function\n"
+    for (file, line, name), (_, nc, tt, ct, _) in rows:
+        where = f"{Path(file).name}:{line}({name})" if line else name
+        out += f"  {tt / calls * 1e6:7.2f} {ct / calls * 1e6:7.2f} {nc / calls:6.1f}  {where}\n"
+    return out + "\n"
 
 
 def new_result() -> dict[str, Any]:

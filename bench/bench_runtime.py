@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
-import pstats
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ if str(ROOT) not in sys.path:
 import attn_core.reference.plugin as reference  # noqa: E402
 from attn_core.backend import Backend, BackendCapabilities  # noqa: E402
 from attn_core.batch import BatchBuilder  # noqa: E402
+from attn_core.bench_util import profile_table  # noqa: E402
 from attn_core.hookspecs import hookimpl  # noqa: E402
 from attn_core.registry import Registry  # noqa: E402
 from attn_core.runtime import AttentionRuntime  # noqa: E402
@@ -176,20 +176,9 @@ def bench_build_prepare(
                     prof.enable()
                 builder.build(reqs)
                 prof.disable()
-            report += _profile_table(prof, profiled, f"BatchBuilder.build at B={B}")
+            what = f"BatchBuilder.build at B={B}, steps without a page crossing"
+            report += profile_table(prof, profiled, what)
     return rows, report
-
-
-def _profile_table(prof: cProfile.Profile, calls: int, what: str, top: int = 25) -> str:
-    """The profile's functions by own time, in microseconds per profiled call."""
-    stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
-    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    out = f"cProfile of {what}, {calls} steps without a page crossing (us per step):\n"
-    out += f"  {'own':>7} {'cum':>7} {'calls':>6}  function\n"
-    for (file, line, name), (_, nc, tt, ct, _) in rows:
-        where = f"{Path(file).name}:{line}({name})" if line else name
-        out += f"  {tt / calls * 1e6:7.2f} {ct / calls * 1e6:7.2f} {nc / calls:6.1f}  {where}\n"
-    return out + "\n"
 
 
 class _TrivialContext:

@@ -46,7 +46,7 @@ os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", str(_REPO / ".jit"))
 
 import torch  # noqa: E402
 
-from attn_core.bench_util import back_to_back_us, capture_graph  # noqa: E402
+from attn_core.bench_util import back_to_back_us, capture_graph, profile_table  # noqa: E402
 
 H, HKV, D, PAGE = 32, 8, 128, 16
 
@@ -221,8 +221,6 @@ def bench_decode_variants(batch: int, ctx: int) -> dict:
 def bench_prepare_profile(spec, batch: int = 256, ctx: int = 4096) -> dict:
     """cProfile of 100 ``runtime.prepare`` calls (B=256 decode): where the host time goes."""
     import cProfile
-    import io
-    import pstats
 
     runtime, _state, builder = _setup(spec, batch=batch, ctx=ctx)
     reqs = [(r, 1) for r in range(batch)]
@@ -235,10 +233,9 @@ def bench_prepare_profile(spec, batch: int = 256, ctx: int = 4096) -> dict:
         runtime.prepare(batches[i % 3])
     prof.disable()
     torch.cuda.synchronize()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
-    print(buf.getvalue(), flush=True)
-    return {"B": batch, "profile": buf.getvalue()[:6000]}
+    table = profile_table(prof, 100, f"runtime.prepare, B={batch} decode")
+    print(table, flush=True)
+    return {"B": batch, "profile": table}
 
 
 def bench_prefill(batch: int = 2, seq: int = 8192, heads: int = 16) -> dict:
@@ -504,7 +501,17 @@ def main(argv: list[str] | None = None) -> int:
         "--variants", action="store_true", help="direct decode kernel choices (layout, cores)"
     )
     parser.add_argument("--profile", action="store_true", help="cProfile of prepare() at B=256")
+    parser.add_argument(
+        "--only",
+        help="comma-separated sections: decode, variants, prefill, prepare, profile, graph "
+        "(the copy bandwidth always runs)",
+    )
     args = parser.parse_args(argv)
+    only = set(args.only.split(",")) if args.only else None
+
+    def want(section: str) -> bool:
+        return only is None or section in only
+
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to benchmark", file=sys.stderr)
         return 2
@@ -526,18 +533,21 @@ def main(argv: list[str] | None = None) -> int:
     _run(results, "copy", bench_copy)
     contexts = (4096,) if args.quick else (4096, 32768)
     batches = (1, 64) if args.quick else (1, 64, 256)
-    for ctx in contexts:
+    for ctx in contexts if want("decode") else ():
         for batch in batches:
             _run(results, "decode", bench_decode, spec, batch, ctx)
-    if args.variants:
+    if args.variants and want("variants"):
         for batch, ctx in ((64, 4096), (256, 4096), (64, 32768)):
             _run(results, "decode_variants", bench_decode_variants, batch, ctx)
-    _run(results, "prefill", bench_prefill)
-    _run(results, "prepare", bench_prepare, spec)
-    if args.profile:
+    if want("prefill"):
+        _run(results, "prefill", bench_prefill)
+    if want("prepare"):
+        _run(results, "prepare", bench_prepare, spec)
+    if args.profile and want("profile"):
         _run(results, "prepare_profile", bench_prepare_profile, spec)
-    _run(results, "graph", bench_graph, spec)
-    _run(results, "graph", bench_graph, spec, batch=1)
+    if want("graph"):
+        _run(results, "graph", bench_graph, spec)
+        _run(results, "graph", bench_graph, spec, batch=1)
     results["total_s"] = round(time.perf_counter() - started, 1)
     table = _table(results)
     print("\n" + table)
