@@ -43,6 +43,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from attn_core.batch import AttentionBatch, BatchMode
@@ -193,6 +194,9 @@ class _PagedContext:
         self.g_qo_indptr = ws["graph_qo_indptr"]
         self.g_kv_len = ws["graph_kv_len"]
         self.B = constraints.max_batch_size
+        self.offsets = _Offsets(self.B)
+        self._views: dict[tuple[int, int], _StepViews] = {}  # by (half, padded batch size)
+        self._row_base: np.ndarray | None = None  # b * W for the page table's width W
         self.kv_dtype = torch.float8_e4m3fn if self.spec.kv_dtype == "fp8_e4m3" else None
         self.q_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[self.spec.dtype]
         if self.kv_dtype is None:
@@ -237,51 +241,69 @@ class _PagedContext:
         if P > self.B:
             raise ValueError(f"batch of {P} requests exceeds max_batch_size={self.B}")
         self._half ^= 1
-        h = self._half
-        B = self.B
-        row = self.host_np[h]
-        o = _Offsets(B)
+        sv = self._views.get((self._half, P)) or self._make_views(self._half, P)
+        width = batch.page_table.shape[1]
+        row_base = self._row_base
+        if row_base is None or row_base[1] != width:
+            row_base = self._row_base = np.arange(self.B, dtype=np.int32) * np.int32(width)
+        seq_lens = batch.seq_lens_cpu[:P]
         meta = planning.fill_paged_metadata(
-            batch.seq_lens_cpu[:P],
+            seq_lens,
             batch.page_size,
-            batch.page_table.shape[1],
-            kv_indptr=row[o.kv_indptr : o.kv_indptr + P + 1],
-            row_offset=row[o.row_offset : o.row_offset + P],
-            last_page_len=row[o.last_page_len : o.last_page_len + P],
+            width,
+            kv_indptr=sv.kv_indptr,
+            row_offset=sv.row_offset,
+            last_page_len=sv.last_page_len,
+            row_base=row_base,
         )
-        row[o.qo_indptr : o.qo_indptr + P + 1] = batch.query_start_loc_cpu[: P + 1]
-        row[o.kv_len : o.kv_len + P] = batch.seq_lens_cpu[:P]
-        nb = self.device.type == "cuda"
+        sv.qo_indptr[:] = batch.query_start_loc_cpu[: P + 1]
+        sv.kv_len[:] = seq_lens
         # One copy carries kv_indptr | row_offset | last_page_len (adjacent): the device-side
         # gather reads the first two, tensor-core decode kernels the first and last.
-        self.dev_meta.copy_(self.host[h, : 3 * B + 1], non_blocking=nb)
+        self.dev_meta.copy_(sv.upload, non_blocking=self.device.type == "cuda")
         indices = planning.gather_kv_indices(
             batch.page_table,
-            self.dev_meta[: P + 1],
-            self.dev_meta[o.row_offset : o.row_offset + P],
+            sv.kv_indptr_dev,
+            sv.row_offset_dev,
             meta.total_pages,
             arange=self.arange,
             out=self.kv_indices,
         )
         graph = self.graph_decode and batch.mode is BatchMode.DECODE
-        host = self.host[h]
-        views = _HostViews(
-            kv_indptr=host[o.kv_indptr : o.kv_indptr + P + 1],
-            last_page_len=host[o.last_page_len : o.last_page_len + P],
-            qo_indptr=host[o.qo_indptr : o.qo_indptr + P + 1],
-            kv_len=host[o.kv_len : o.kv_len + P],
-        )
-        kind, wrapper = self._plan_kernel(batch, views, indices, graph)
+        kind, wrapper = self._plan_kernel(batch, sv, indices, graph)
         return _Step(kind, wrapper, graph or n != T)
 
+    def _make_views(self, half: int, P: int) -> _StepViews:
+        """Slices of one half of the metadata for ``P`` requests, made once: slicing a tensor
+        costs microseconds of host time per call, and a step would take a dozen."""
+        o, row, host = self.offsets, self.host_np[half], self.host[half]
+
+        def np_and_torch(start: int, n: int) -> tuple[np.ndarray, torch.Tensor]:
+            return row[start : start + n], host[start : start + n]
+
+        views = _StepViews(
+            *np_and_torch(o.kv_indptr, P + 1),
+            *np_and_torch(o.row_offset, P),
+            *np_and_torch(o.last_page_len, P),
+            *np_and_torch(o.qo_indptr, P + 1),
+            *np_and_torch(o.kv_len, P),
+            upload=host[: 3 * self.B + 1],
+            kv_indptr_dev=self.dev_meta[: P + 1],
+            row_offset_dev=self.dev_meta[o.row_offset : o.row_offset + P],
+            last_page_len_dev=self._last_page_len_dev(P),
+            qo_indptr_dev=self.arange[: P + 1],
+        )
+        self._views[half, P] = views
+        return views
+
     def _plan_kernel(
-        self, batch: AttentionBatch, views: _HostViews, indices: torch.Tensor, graph: bool
+        self, batch: AttentionBatch, views: _StepViews, indices: torch.Tensor, graph: bool
     ) -> tuple[StepKind, Any]:
         raise NotImplementedError
 
     def _last_page_len_dev(self, P: int) -> torch.Tensor:
         """``[P]`` int32 device view of the step's last-page lengths (in ``dev_meta``)."""
-        start = _Offsets(self.B).last_page_len
+        start = self.offsets.last_page_len
         return self.dev_meta[start : start + P]
 
     def _write(self, x: torch.Tensor, cache: torch.Tensor, step: _Step, scale) -> None:
@@ -326,13 +348,26 @@ class _Offsets:
 
 
 @dataclass(slots=True)
-class _HostViews:
-    """Pinned host int32 tensors of the step (torch views of ``host_meta``)."""
+class _StepViews:
+    """One half of the step metadata for a padded batch of ``P`` requests, as numpy views (filled
+    on the host), pinned torch views of the same memory (FlashInfer's plan reads them) and the
+    device views the kernels read. Made once per (half, P) by ``_PagedContext._make_views``."""
 
-    kv_indptr: torch.Tensor  # [P + 1]
-    last_page_len: torch.Tensor  # [P]
-    qo_indptr: torch.Tensor  # [P + 1]
-    kv_len: torch.Tensor  # [P]
+    kv_indptr: np.ndarray  # [P + 1] int32
+    kv_indptr_host: torch.Tensor
+    row_offset: np.ndarray  # [P] int32
+    row_offset_host: torch.Tensor
+    last_page_len: np.ndarray  # [P] int32
+    last_page_len_host: torch.Tensor
+    qo_indptr: np.ndarray  # [P + 1] int32
+    qo_indptr_host: torch.Tensor
+    kv_len: np.ndarray  # [P] int32
+    kv_len_host: torch.Tensor
+    upload: torch.Tensor  # [3B + 1] int32 pinned: kv_indptr | row_offset | last_page_len
+    kv_indptr_dev: torch.Tensor  # [P + 1] int32, in dev_meta
+    row_offset_dev: torch.Tensor  # [P] int32, in dev_meta
+    last_page_len_dev: torch.Tensor  # [P] int32, in dev_meta
+    qo_indptr_dev: torch.Tensor  # [P + 1] int32 0..P (the context's arange)
 
 
 class FullAttentionContext(_PagedContext):
@@ -358,6 +393,12 @@ class FullAttentionContext(_PagedContext):
             spec.num_heads, spec.num_kv_heads, spec.kv_dtype
         )
         self.fi_version = getattr(self.fi, "__version__", None)
+        #: Ragged prefill writes the KV cache on a side stream, overlapping the attention
+        #: kernel (``ATTN_FLASHINFER_OVERLAP_KV_WRITE=0`` turns it off; benchmarks toggle it).
+        self.overlap_kv_write = self.device.type == "cuda" and os.environ.get(
+            "ATTN_FLASHINFER_OVERLAP_KV_WRITE", "1"
+        ) not in ("0", "")
+        self._side: torch.cuda.Stream | None = None
         fi = self.fi
         self.decode = _share_int_workspace(
             fi.BatchDecodeWithPagedKVCacheWrapper(
@@ -395,6 +436,16 @@ class FullAttentionContext(_PagedContext):
             self._graph_wrappers[P] = wrapper
         return wrapper
 
+    def _side_stream(self) -> torch.cuda.Stream | None:
+        """The stream a ragged prefill writes the cache on, beside the attention kernel; None
+        when the write stays on the current stream (CPU, ``overlap_kv_write`` off, or a graph
+        being captured, where a side stream would need its own fork and join events)."""
+        if not self.overlap_kv_write or torch.cuda.is_current_stream_capturing():
+            return None
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=self.device)
+        return self._side
+
     def _plan_kernel(self, batch, views, indices, graph):
         spec = self.spec
         common = dict(
@@ -409,17 +460,16 @@ class FullAttentionContext(_PagedContext):
             wrapper = self._graph_wrapper(batch.padded_reqs) if graph else self.decode
             kind = StepKind.DECODE_GRAPH if graph else StepKind.DECODE
             if fast_plan.can_replan(wrapper, self.fi_version):
-                P = batch.padded_reqs
                 fast_plan.replan_tensor_core_decode(
                     wrapper,
-                    qo_indptr_host=views.qo_indptr,
-                    kv_indptr_host=views.kv_indptr,
-                    kv_len_host=views.kv_len,
+                    qo_indptr_host=views.qo_indptr_host,
+                    kv_indptr_host=views.kv_indptr_host,
+                    kv_len_host=views.kv_len_host,
                     max_kv_len=batch.max_seq_len,
-                    kv_indptr_dev=self.dev_meta[: P + 1],
+                    kv_indptr_dev=views.kv_indptr_dev,
                     kv_indices_dev=indices,
-                    last_page_len_dev=self._last_page_len_dev(P),
-                    qo_indptr_dev=self.arange[: P + 1],
+                    last_page_len_dev=views.last_page_len_dev,
+                    qo_indptr_dev=views.qo_indptr_dev,
                     num_qo_heads=H,
                     num_kv_heads=Hkv,
                     head_dim=D,
@@ -428,9 +478,9 @@ class FullAttentionContext(_PagedContext):
                 )
                 return kind, wrapper
             wrapper.plan(
-                views.kv_indptr,
+                views.kv_indptr_host,
                 indices,
-                views.last_page_len,
+                views.last_page_len_host,
                 H,
                 Hkv,
                 D,
@@ -446,8 +496,8 @@ class FullAttentionContext(_PagedContext):
         if no_context and not self.fp8:
             # Pure prefill: attend over the step's own k/v (contiguous rows, no page walk).
             self.ragged.plan(
-                views.qo_indptr,
-                views.qo_indptr,
+                views.qo_indptr_host,
+                views.qo_indptr_host,
                 H,
                 Hkv,
                 D,
@@ -457,10 +507,10 @@ class FullAttentionContext(_PagedContext):
             )
             return StepKind.RAGGED, self.ragged
         self.paged.plan(
-            views.qo_indptr,
-            views.kv_indptr,
+            views.qo_indptr_host,
+            views.kv_indptr_host,
             indices,
-            views.last_page_len,
+            views.last_page_len_host,
             H,
             Hkv,
             D,
@@ -498,8 +548,7 @@ class FullAttentionContext(_PagedContext):
         if k_cache.dtype != self.kv_dtype:
             self._bad(f"KV cache dtype {k_cache.dtype}, the plan expects {self.kv_dtype}")
         fp8 = self.fp8
-        # One launch on CUDA for K and V (padding rows change nothing).
-        write_kv_slots(
+        write = (
             k,
             v,
             k_cache,
@@ -507,14 +556,29 @@ class FullAttentionContext(_PagedContext):
             self.batch.slot_mapping,
             kv.k_scale if fp8 else None,
             kv.v_scale if fp8 else None,
-            may_have_padding=step.padded,
         )
         wrapper = step.wrapper
         wrapper._sm_scale = layer.scale
         o = out if out is not None and out.is_contiguous() else None
         if step.kind is StepKind.RAGGED:
-            result = wrapper.run(q, k, v, out=o)
+            # The ragged kernel reads the step's own k/v, not the cache: the cache write can
+            # run beside it on a side stream (memory-bound next to compute-bound).
+            side = self._side_stream()
+            if side is None:
+                write_kv_slots(*write, may_have_padding=step.padded)
+                result = wrapper.run(q, k, v, out=o)
+            else:
+                main = torch.cuda.current_stream(self.device)
+                side.wait_stream(main)  # k and v are ready
+                with torch.cuda.stream(side):
+                    write_kv_slots(*write, may_have_padding=step.padded)
+                result = wrapper.run(q, k, v, out=o)
+                # Join before returning: later work on the main stream (the next step's
+                # attention, or the caller freeing k/v) is ordered after the write.
+                main.wait_stream(side)
         else:
+            # One launch on CUDA for K and V (padding rows change nothing).
+            write_kv_slots(*write, may_have_padding=step.padded)
             # fp8: the kernel dequantises nothing; fold k_scale into q, v_scale into out.
             qk = torch.mul(q, kv.k_scale) if fp8 else q
             result = wrapper.run(qk, (k_cache, v_cache), out=o)
@@ -564,10 +628,10 @@ class MLAContext(_PagedContext):
     def _plan_kernel(self, batch, views, indices, graph):
         wrapper = self._graph_wrapper(batch.padded_reqs) if graph else self.eager
         wrapper.plan(
-            views.qo_indptr,
-            views.kv_indptr,
+            views.qo_indptr_host,
+            views.kv_indptr_host,
             indices,
-            views.kv_len,
+            views.kv_len_host,
             self.spec.num_heads,
             self.rank,
             self.rope,

@@ -75,7 +75,7 @@ def last_page_lens(
     np.subtract(seq_lens, 1, out=out)
     np.remainder(out, page_size, out=out)
     out += 1
-    out[seq_lens <= 0] = 0
+    np.minimum(out, seq_lens, out=out)  # 0 for an empty request; a no-op otherwise
     return out
 
 
@@ -104,6 +104,7 @@ def fill_paged_metadata(
     kv_indptr: np.ndarray,
     last_page_len: np.ndarray,
     row_offset: np.ndarray,
+    row_base: np.ndarray | None = None,
 ) -> PagedMetadata:
     """Fill FlashInfer's host CSR metadata for a batch, in place.
 
@@ -113,21 +114,28 @@ def fill_paged_metadata(
     :param kv_indptr: ``[B + 1]`` int32 output.
     :param last_page_len: ``[B]`` int32 output.
     :param row_offset: ``[B]`` int32 output.
+    :param row_base: ``[>= B]`` int32 ``b * W`` (a caller planning every step keeps one; made
+        here when None).
     :raises ValueError: when a request needs more pages than the page table has columns.
     """
     b = seq_lens.shape[0]
+    if not b:
+        kv_indptr[0] = 0
+        return PagedMetadata(kv_indptr, last_page_len, row_offset, 0)
     counts = page_counts(seq_lens, page_size, out=last_page_len)  # reuse as scratch
-    if b and int(counts.max()) > table_width:
+    kv_indptr[0] = 0
+    counts.cumsum(out=kv_indptr[1 : b + 1])
+    widest = int(counts.max())
+    if widest > table_width:
         raise ValueError(
-            f"a request of {int(seq_lens.max())} tokens needs {int(counts.max())} pages of "
+            f"a request of {int(seq_lens.max())} tokens needs {widest} pages of "
             f"{page_size}, but the page table has {table_width} columns"
         )
-    kv_indptr[0] = 0
-    np.cumsum(counts, out=kv_indptr[1 : b + 1])
-    np.multiply(np.arange(b, dtype=np.int32), table_width, out=row_offset)
-    row_offset -= kv_indptr[:b]
+    if row_base is None:
+        row_base = np.arange(b, dtype=np.int32) * np.int32(table_width)
+    np.subtract(row_base[:b], kv_indptr[:b], out=row_offset)
     last_page_lens(seq_lens, page_size, out=last_page_len)
-    return PagedMetadata(kv_indptr, last_page_len, row_offset, int(kv_indptr[b]) if b else 0)
+    return PagedMetadata(kv_indptr, last_page_len, row_offset, int(kv_indptr[b]))
 
 
 def gather_kv_indices(
@@ -160,9 +168,10 @@ def gather_kv_indices(
     if total_pages == 0:
         return result
     pos = arange[:total_pages]
-    b = page_table.shape[0]
     # Row of each packed position: the first b with kv_indptr[b + 1] > pos (empty rows skipped).
-    row = torch.searchsorted(kv_indptr[1 : b + 1], pos, right=True)
-    flat = pos + row_offset[row]
-    torch.index_select(page_table.reshape(-1), 0, flat, out=result)
+    # Four kernels, each one Python call: every call costs microseconds of host time per step.
+    row = torch.searchsorted(kv_indptr[1:], pos, right=True)
+    flat = torch.index_select(row_offset, 0, row)
+    flat += pos
+    torch.index_select(page_table.view(-1), 0, flat, out=result)
     return result
