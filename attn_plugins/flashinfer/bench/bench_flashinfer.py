@@ -173,7 +173,6 @@ def bench_decode(spec, batch: int, ctx: int) -> dict:
         "ctx": ctx,
         "kind": ctx_obj.step.kind.value,
         "plugin_us": t_plugin,
-        "plugin_serial_write_us": t_plugin_serial,
         "direct_us": t_direct,
         "ratio": t_plugin / t_direct,
         "direct_with_write_us": t_direct_write,
