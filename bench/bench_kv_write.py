@@ -34,6 +34,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from attn_core.bench_util import back_to_back_us, capture_graph  # noqa: E402
+from attn_core.state import kv_write_triton  # noqa: E402
 from attn_core.state.kv_write import (  # noqa: E402
     FP8_DTYPE,
     write_kv_slots,
@@ -117,6 +118,11 @@ def bench_decode(batch: int, layers: int, iters: int) -> dict:
 
     row["torch_nopad_eager_us"] = back_to_back_us(torch_no_pad, iters)
     row["fused_nopad_eager_us"] = back_to_back_us(
+        lambda: kv_write_triton.launch((k, v), (lay.k, lay.v), (None, None), real, len(real)),
+        iters,
+    )
+    # what write_kv_slots does with such a step (it picks by EAGER_TORCH_MAX_TOKENS)
+    row["dispatch_nopad_eager_us"] = back_to_back_us(
         lambda: write_kv_slots(k, v, lay.k, lay.v, real, may_have_padding=False), iters
     )
     return row
@@ -174,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in decode:
         print(
             f"{r['case']}, no padding, eager: torch x2 {r['torch_nopad_eager_us']:.1f} us, "
-            f"fused {r['fused_nopad_eager_us']:.1f} us (host launch cost)"
+            f"fused {r['fused_nopad_eager_us']:.1f} us (host launch cost); write_kv_slots "
+            f"{r['dispatch_nopad_eager_us']:.1f} us"
         )
     prefill = [bench_prefill(d, max(args.iters // 4, 20), copy_gbs)
                for d in (torch.bfloat16, FP8_DTYPE)]  # fmt: skip

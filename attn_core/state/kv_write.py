@@ -31,6 +31,13 @@ Two implementations, picked by device (not a fallback: both have the semantics a
   torch's Linux CUDA wheels), the torch path runs instead, with a warning the first time.
 * Other devices: the torch path above (:func:`write_slots_torch`), about six small kernels per
   tensor, which on CPU costs nothing that matters.
+
+One exception on CUDA, by measurement: a small step known to hold no padding, into a 16-bit
+cache (at most :data:`EAGER_TORCH_MAX_TOKENS` tokens, ``may_have_padding=False``: an eager decode
+step), takes the torch path, which is then one ``index_copy_`` per tensor. Launching the Triton
+kernel costs more host time than the whole write: on the H200 server's host an eager B=1 decode
+write took 46 us as two ``index_copy_`` calls against 113 us through Triton's launcher
+(``bench/bench_kv_write.py``), while both run in a few microseconds on the GPU.
 """
 
 from __future__ import annotations
@@ -44,6 +51,9 @@ __all__ = ["FP8_DTYPE", "quantize", "write_kv_slots", "write_slots", "write_slot
 
 FP8_DTYPE = torch.float8_e4m3fn
 _FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
+#: Unpadded 16-bit writes of at most this many tokens use ``index_copy_`` on CUDA too (host
+#: launch cost; see the module docs). 0 sends every CUDA write to the Triton kernel.
+EAGER_TORCH_MAX_TOKENS = 256
 
 
 def quantize(
@@ -102,7 +112,7 @@ def write_slots(
     if x.shape[0] == 0:
         return
     kernels = _kernels(cache)
-    if kernels is None:
+    if kernels is None or _small_unpadded(x.shape[0], cache, may_have_padding):
         write_slots_torch(x, cache, slot_mapping, scale, may_have_padding=may_have_padding)
     else:
         kernels.launch((x,), (cache,), (scale,), slot_mapping, x.shape[0])
@@ -142,7 +152,7 @@ def write_kv_slots(
     if k.shape[0] == 0:
         return
     kernels = _kernels(k_cache)
-    if kernels is None:
+    if kernels is None or _small_unpadded(k.shape[0], k_cache, may_have_padding):
         write_slots_torch(k, k_cache, slot_mapping, k_scale, may_have_padding=may_have_padding)
         write_slots_torch(v, v_cache, slot_mapping, v_scale, may_have_padding=may_have_padding)
     else:
@@ -202,6 +212,13 @@ def _check(
 
 _triton_kernels: ModuleType | None = None
 _triton_missing = False
+
+
+def _small_unpadded(num_tokens: int, cache: torch.Tensor, may_have_padding: bool) -> bool:
+    """Whether a CUDA write is cheaper as ``index_copy_`` calls than as one Triton launch."""
+    return (
+        not may_have_padding and num_tokens <= EAGER_TORCH_MAX_TOKENS and cache.dtype != FP8_DTYPE
+    )
 
 
 def _kernels(cache: torch.Tensor) -> ModuleType | None:

@@ -134,6 +134,11 @@ class PersistentState:
         self._version = 0
         #: Bumped whenever pages are freed or replaced: a batch built before no longer holds.
         self.epoch = 0
+        #: Bumped whenever a request's dense row, liveness, slot, page count or page version
+        #: changes (every ``_publish`` and ``release``); not by ``advance``. With
+        #: ``page_allocator.changes`` it tells the BatchBuilder that a step's rows and pages
+        #: are as at the last step.
+        self.changes = 0
 
     @classmethod
     def from_memory_budget(
@@ -351,6 +356,7 @@ class PersistentState:
         self.row_live[req.row] = False
         self._free_rows.append(req.row)
         self.epoch += 1
+        self.changes += 1
 
     # ------------------------------------------------------------------------------------------
     # Prefix cache
@@ -674,6 +680,7 @@ class PersistentState:
         self._publish(req, new_pages=True)
 
     def _publish(self, req: _Request, *, new_pages: bool = False) -> None:
+        self.changes += 1
         row = req.row
         self.row_num_tokens[row] = req.num_tokens
         self.row_num_pages[row] = len(req.pages)

@@ -34,6 +34,9 @@ class RefcountedPool:
         self._refs = np.zeros(size, dtype=np.int32)
         # A stack: pop() hands out the lowest ids first on a fresh pool.
         self._free = list(range(size - 1, -1, -1))
+        #: Bumped by every allocate / incref / decref that changes a refcount: equal values
+        #: mean no refcount changed in between (the BatchBuilder's steady-decode check).
+        self.changes = 0
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -79,6 +82,7 @@ class RefcountedPool:
         ids = [self._free.pop() for _ in range(n)]
         for i in ids:
             self._refs[i] = 1
+        self.changes += bool(ids)
         return ids
 
     def incref(self, ids: Iterable[int]) -> None:
@@ -90,6 +94,7 @@ class RefcountedPool:
                 raise StateError(f"incref of free {self._what} {i}: only held ids can be shared")
         for i in ids:
             self._refs[i] += 1
+        self.changes += bool(ids)
 
     def decref(self, ids: Iterable[int]) -> list[int]:
         """Drop one holder from each id; ids reaching zero are freed and returned.
@@ -104,6 +109,7 @@ class RefcountedPool:
                     f"double free of {self._what} {i}: refcount {self._refs[i]}, released {c}x"
                 )
         freed = []
+        self.changes += bool(counts)
         for i, c in counts.items():
             self._refs[i] -= c
             if self._refs[i] == 0:

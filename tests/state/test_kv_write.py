@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attn_core.state import kv_write
 from attn_core.state.kv_write import FP8_DTYPE, quantize, write_kv_slots, write_slots
 
 
@@ -124,3 +125,43 @@ def test_inputs_that_do_not_fit_the_cache_raise(call, match):
     """Checked from tensor metadata only: a kernel would corrupt the cache instead of raising."""
     with pytest.raises(ValueError, match=match):
         call(_cache(), torch.tensor([0, 1]))
+
+
+class _RecordingKernels:
+    """Stands in for the Triton writer module: records which writes reach it."""
+
+    def __init__(self) -> None:
+        self.launches: list[int] = []
+
+    def launch(self, xs, caches, scales, slot_mapping, num_tokens) -> None:
+        self.launches.append(num_tokens)
+        for x, cache, scale in zip(xs, caches, scales, strict=True):
+            kv_write.write_slots_torch(x, cache, slot_mapping, scale)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "padding", "dtype", "kernel"),
+    [
+        (1, False, torch.bfloat16, False),  # eager decode: index_copy_, no launcher cost
+        (kv_write.EAGER_TORCH_MAX_TOKENS, False, torch.float16, False),
+        (kv_write.EAGER_TORCH_MAX_TOKENS + 1, False, torch.bfloat16, True),  # prefill-sized
+        (1, True, torch.bfloat16, True),  # maybe padded (graph): the kernel masks padding
+        (1, False, FP8_DTYPE, True),  # fp8 quantises in the kernel
+    ],
+)
+def test_cuda_writes_pick_index_copy_only_for_small_unpadded_16_bit_steps(
+    monkeypatch, tokens, padding, dtype, kernel
+):
+    kernels = _RecordingKernels()
+    monkeypatch.setattr(kv_write, "_kernels", lambda cache: kernels)
+    pages = -(-(tokens + 1) // 16)
+    k_cache = torch.zeros(pages, 16, 2, 4, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    k, v = torch.randn(tokens, 2, 4), torch.randn(tokens, 2, 4)
+    slots = torch.randperm(pages * 16)[:tokens]
+    write_kv_slots(k, v, k_cache, v_cache, slots, may_have_padding=padding)
+    write_slots(k, k_cache, slots, may_have_padding=padding)
+    assert kernels.launches == ([tokens, tokens] if kernel else [])
+    # either way the rows landed where the slots say
+    flat = v_cache.view(-1, 2, 4).float()
+    assert torch.equal(flat[slots], quantize(v, dtype, None).float())
