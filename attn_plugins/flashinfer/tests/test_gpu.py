@@ -78,6 +78,28 @@ def test_bf16_workloads(name):
     assert {StepKind.DECODE, StepKind.PAGED} <= set(kinds)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("lens", [(70, 45), (170, 130)])  # index_copy_ / Triton-kernel writes
+def test_ragged_prefill_cache_write_on_a_side_stream_lands_before_the_next_read(overlap, lens):
+    """The ragged step writes K/V on a side stream beside the attention kernel: read right after
+    the step (no synchronize), every layer's cache rows equal the reference's, and the decode
+    step after it, which reads them, matches too."""
+    fi = wl.make(FULL, _name(FULL), CUDA, max_tokens=400)
+    ref = wl.make(FULL, wl.REFERENCE, CUDA, max_tokens=400)
+    fi.context.overlap_kv_write = overlap
+    step = [(0, lens[0]), (1, lens[1])]
+    wl.run_step(fi, 0, step)
+    assert fi.context.step.kind is StepKind.RAGGED
+    assert (fi.context._side is not None) == overlap
+    wl.run_step(ref, 0, step)
+    for layer in range(fi.num_layers):
+        got, want = fi.state.kv_cache.layer(layer), ref.state.kv_cache.layer(layer)
+        assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v), layer
+    out_fi = [wl.run_step(fi, 1, [(0, 1), (1, 1)])]
+    out_ref = [wl.run_step(ref, 1, [(0, 1), (1, 1)])]
+    assert wl.max_error(out_fi, out_ref) < BF16_TOL
+
+
 def test_bf16_long_context_split_kv():
     _compare(FULL, LONG, make_kw={"num_pages": 200, "max_model_len": 2048, "max_tokens": 2400})
 
