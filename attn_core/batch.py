@@ -85,7 +85,14 @@ class AttentionBatch:
 
 
 _ALIGN = 16  # bytes: every region of the packed metadata buffer starts at a multiple of this
-_RING_HALF = 4  # host staging buffers per half of the ring (the ring has two halves)
+# Host staging buffers per half of the ring (the ring has two halves). Each half costs one
+# event record and one event wait: larger halves cost fewer. A buffer is a few tens of KiB.
+_RING_HALF = 8
+# ufunc reduce called directly: ndarray.max() goes through two Python-level wrappers
+_max = np.maximum.reduce
+# Raw current CUDA stream of a device, a C call (torch.cuda.current_stream builds a Python
+# Stream object each call); absent from CPU builds of torch.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _aligned(nbytes: int) -> int:
@@ -96,10 +103,24 @@ class _HostSlot:
     """One host staging buffer of the ring (pinned on CUDA), laid out as the device buffer.
 
     ``prefix`` caches ``tensor[:nbytes]`` views for the copies of steps without page-table
-    deltas (a torch slice costs about as much as the copy call itself).
+    deltas (a torch slice costs about as much as the copy call itself). ``static`` is the
+    :class:`_Steady` token whose per-batch-shape content (see :meth:`BatchBuilder._stage_static`)
+    this buffer holds, or None; ``views`` caches the steady path's numpy views by ``(B, P)``.
     """
 
-    __slots__ = ("ctx", "i64", "init", "prefix", "qsl", "raw", "seq", "slots", "tensor")
+    __slots__ = (
+        "ctx",
+        "i64",
+        "init",
+        "prefix",
+        "qsl",
+        "raw",
+        "seq",
+        "slots",
+        "static",
+        "tensor",
+        "views",
+    )
 
     def __init__(self, nbytes: int, offsets: tuple[int, ...], max_batch: int, pin: bool) -> None:
         B = max_batch
@@ -113,6 +134,41 @@ class _HostSlot:
         self.init = raw[o_init : o_init + B].view(np.bool_)
         self.i64 = raw[o_tok:].view(np.int64)
         self.prefix: dict[int, torch.Tensor] = {}
+        self.static: object | None = None
+        self.views: dict[tuple[int, int], tuple] = {}
+
+
+class _Steady:
+    """What the last decode step left to reuse when the next one has the same requests.
+
+    Valid while ``PersistentState.changes`` and ``page_allocator.changes`` keep the values
+    recorded here (no request's row, slot, page list or page refcount changed), no other kind
+    of build ran since (every other path drops it) and every request still writes the page
+    index ``q = ctx // page_size`` it wrote then: its page-table row, written page and that
+    page's refcount are then those already checked, so the slot mapping is
+    ``slot_base + ctx`` with ``slot_base = page * page_size - q * page_size``.
+    """
+
+    __slots__ = (
+        "B",
+        "P",
+        "alloc_changes",
+        "dense",
+        "ids",
+        "pad_to",
+        "positions",
+        "q_bytes",
+        "req_views",
+        "requests",
+        "row_slot",
+        "slot_base",
+        "slot_mapping",
+        "state_changes",
+        "static",
+        "tok_end",
+        "tok_stride",
+        "vkey",
+    )
 
 
 class BatchBuilder:
@@ -145,7 +201,12 @@ class BatchBuilder:
     wait that only blocks when the GPU is more than half a ring of steps behind. The event is
     recorded on the current stream; steps issued on different streams must be ordered by the
     caller (a step's kernels read the KV and state the previous step wrote, so they are).
-    Host mirrors (``*_cpu``) of a batch stay valid for the ``2 * _RING_HALF - 1`` next builds.
+    Host mirrors (``*_cpu``) of a batch stay valid for the ``2 * _RING_HALF - 1`` next builds
+    (15 with ``_RING_HALF = 8``).
+
+    Steady decode - the same requests, in the same order, as the last step, which was a
+    decode step too - reuses that step's dense rows and page checks (see :class:`_Steady`):
+    a step then costs a handful of numpy calls on ``B`` elements, whatever ``B``.
     """
 
     def __init__(
@@ -199,6 +260,13 @@ class BatchBuilder:
             _HostSlot(host_bytes, self._offsets, B, self._pin) for _ in range(2 * _RING_HALF)
         ]
         self._events = [torch.cuda.Event(), torch.cuda.Event()] if cuda else None
+        # the device whose current stream the copies run on, and Stream objects by raw stream
+        self._dev_index = self._dev.device.index if cuda else None
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._steady: _Steady | None = None
+        self._static_sig: tuple | None = None
+        self._static_token: object = object()
+        self._alloc = getattr(state, "page_allocator", None)
         # device views by padded batch size; by padded token count: (positions, slot mapping,
         # slot-mapping offset from the positions in int64 elements, delta byte offset)
         self._req_views: dict[int, tuple] = {}
@@ -240,6 +308,22 @@ class BatchBuilder:
             has ``k + 1`` new tokens).
         :param pad_to: pad to this many requests (one token each) for a captured decode graph.
         """
+        steady = self._steady
+        reqs = None
+        if steady is not None and pad_to == steady.pad_to and not spec_tokens:
+            # Tuple equality compares identical objects by identity: a server that passes the
+            # same ids pays one pointer compare per request.
+            reqs = requests if type(requests) is tuple else tuple(requests)
+            alloc = self._alloc
+            if (
+                reqs == steady.requests
+                and self.state.changes == steady.state_changes
+                and (alloc is None or alloc.changes == steady.alloc_changes)
+            ):
+                batch = self._build_steady(steady)
+                if batch is not None:
+                    return batch
+        self._steady = None  # any other build may rewrite page-table rows or ring buffers
         B = len(requests)
         P = B if pad_to is None else pad_to
         if P < B:
@@ -253,12 +337,99 @@ class BatchBuilder:
             return self._build_general((), (), 0, P, spec_tokens)
         ids, qlens = zip(*requests, strict=True)
         if not spec_tokens and self.state is not None and qlens.count(1) == B:
-            return self._build_decode(ids, B, P)
+            if reqs is None:
+                reqs = requests if type(requests) is tuple else tuple(requests)
+            return self._build_decode(ids, B, P, reqs, pad_to)
         return self._build_general(ids, qlens, B, P, spec_tokens)
 
-    def _build_decode(self, ids: tuple[Hashable, ...], B: int, P: int) -> AttentionBatch:
+    def _build_steady(self, steady: _Steady) -> AttentionBatch | None:
+        """A decode step with the requests of the last one, whose rows, pages and refcounts
+        did not change since (checked by :meth:`build`): only the context lengths are read.
+        Returns None, having changed nothing the next path relies on, when a request now
+        writes another page index than it did then."""
+        k, slot = self._acquire(keep_static=True)
+        if slot.static is steady.static:
+            views = slot.views.get(steady.vkey) or self._slot_views(slot, steady)
+        else:
+            views = self._stage_static(slot, steady)
+        pos, ctx_b, seq_b, sm, init, qsl, seq_cpu, ctx_cpu = views
+        # positions = context lengths, gathered straight into the staging buffer ("clip": the
+        # rows are valid, and "raise" would buffer the output)
+        np.take(self.state.row_num_tokens, steady.dense, out=pos, mode="clip")
+        if sm is not None:
+            if (pos // self.page_size).tobytes() != steady.q_bytes:
+                return None  # a page boundary was crossed: the page table must be consulted
+            np.add(steady.slot_base, pos, out=sm)
+        ctx_b[:] = pos
+        np.add(pos, 1, out=seq_b)
+        if init is not None:
+            np.greater(pos, 0, out=init)
+        max_seq_len = int(_max(pos)) + 1
+        self._upload(k, slot, steady.tok_end, 0)
+        return self._assemble(
+            steady.req_views,
+            steady.positions,
+            steady.slot_mapping,
+            mode=BatchMode.DECODE,
+            num_reqs=steady.B,
+            padded_reqs=steady.P,
+            num_tokens=steady.B,
+            padded_tokens=steady.P,
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            spec_tokens=0,
+            request_ids=steady.ids,
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_cpu,
+            context_lens_cpu=ctx_cpu,
+            state_epoch=self.state.epoch,
+        )
+
+    def _stage_static(self, slot: _HostSlot, steady: _Steady) -> tuple:
+        """Write what a steady step of ``steady``'s shape keeps from step to step into a ring
+        buffer: ``query_start_loc = 0..P``, the state slots and the padding rows and tokens
+        (exactly what :meth:`_build_decode` writes besides the per-step values)."""
+        B, P = steady.B, steady.P
+        slot.qsl[: P + 1] = self._ar32[: P + 1]
+        if self._has_slots:
+            slot.slots[:B] = steady.row_slot
+        if P > B:
+            self._pad(slot, B, P, B, P)
+        slot.static = steady.static
+        return slot.views.get(steady.vkey) or self._slot_views(slot, steady)
+
+    def _slot_views(self, slot: _HostSlot, steady: _Steady) -> tuple:
+        """Numpy views of one ring buffer for a steady step of ``B`` requests padded to ``P``:
+        (positions[:B] i64, context_lens[:B] i32, seq_lens[:B] i32, slot_mapping[:B] i64 or
+        None, has_initial_state[:B] bool or None, query_start_loc[:P+1], seq_lens[:P],
+        context_lens[:P])."""
+        B, P, s = steady.B, steady.P, steady.tok_stride
+        views = (
+            slot.i64[:B],
+            slot.ctx[:B],
+            slot.seq[:B],
+            slot.i64[s : s + B] if self._has_kv else None,
+            slot.init[:B] if self._has_slots else None,
+            slot.qsl[: P + 1],
+            slot.seq[:P],
+            slot.ctx[:P],
+        )
+        if len(slot.views) >= 64:  # many shapes seen: keep the cache small
+            slot.views.clear()
+        slot.views[steady.vkey] = views
+        return views
+
+    def _build_decode(
+        self,
+        ids: tuple[Hashable, ...],
+        B: int,
+        P: int,
+        requests: tuple = (),
+        pad_to: int | None = None,
+    ) -> AttentionBatch:
         """Every request has one new token: positions = context lengths, query_start_loc is
-        ``0..P``, the slot mapping one gather from the host page table."""
+        ``0..P``, the slot mapping one gather from the host page table. Leaves a
+        :class:`_Steady` for the next step when every row is in sync afterwards."""
         if self.max_num_tokens < P:
             raise ValueError(f"step of {P} tokens exceeds max_num_tokens={self.max_num_tokens}")
         state = self.state
@@ -266,6 +437,8 @@ class BatchBuilder:
         ctx = state.row_num_tokens[dense]
         k, slot = self._acquire()
         m = 0
+        q = page = None
+        in_sync = True
         if self._has_kv:
             q = ctx // self.page_size
             page = self._pages_in_sync(dense, q, B, P)
@@ -275,7 +448,11 @@ class BatchBuilder:
                 if fidx is not None:
                     m = len(fidx)
                     slot = self._stage_deltas(k, self._tok_end(P), fidx)
-                page = self._pt_flat[self._rowbase[:B] + q]
+                # in sync now, normally; if not, the step is right but is not remembered
+                page = self._pages_in_sync(dense, q, B, P)
+                if page is None:
+                    in_sync = False
+                    page = self._pt_flat[self._rowbase[:B] + q]
         slot.qsl[: P + 1] = self._ar32[: P + 1]
         seq_cpu = slot.seq[:P]
         ctx_cpu = slot.ctx[:P]
@@ -283,8 +460,10 @@ class BatchBuilder:
         ctx_cpu[:B] = ctx
         pos = slot.i64[:P]
         pos[:B] = ctx
+        row_slot = None
         if self._has_slots:
-            slot.slots[:B] = state.row_slot[dense]
+            row_slot = state.row_slot[dense]
+            slot.slots[:B] = row_slot
             slot.init[:B] = ctx > 0
         positions, slot_mapping, s, tok_end = self._tok_views.get(P) or self._make_tok_views(P)
         if self._has_kv:
@@ -292,6 +471,13 @@ class BatchBuilder:
         if P > B:
             self._pad(slot, B, P, B, P)
         views = self._req_views.get(P) or self._make_req_views(P)
+        if in_sync:
+            steady = self._remember(requests, ids, pad_to, dense, q, page, row_slot, B, P)
+            if steady is not None:
+                steady.req_views = views
+                steady.positions, steady.slot_mapping = positions, slot_mapping
+                steady.tok_stride, steady.tok_end = s, tok_end
+                slot.static = steady.static  # this buffer holds what _stage_static writes
         self._upload(k, slot, tok_end, m)
         return self._assemble(
             views,
@@ -311,6 +497,46 @@ class BatchBuilder:
             context_lens_cpu=ctx_cpu,
             state_epoch=state.epoch,
         )
+
+    def _remember(
+        self,
+        requests: tuple,
+        ids: tuple[Hashable, ...],
+        pad_to: int | None,
+        dense: np.ndarray,
+        q: np.ndarray | None,
+        page: np.ndarray | None,
+        row_slot: np.ndarray | None,
+        B: int,
+        P: int,
+    ) -> _Steady | None:
+        """Record a decode step whose rows are all in sync, for :meth:`_build_steady`."""
+        state = self.state
+        changes = getattr(state, "changes", None)
+        if changes is None or len(requests) != B:
+            return None
+        # Only immutable (id, n) tuples: a list mutated in place would compare equal to itself.
+        if any(type(r) is not tuple for r in requests):
+            return None
+        st = self._steady = _Steady()
+        st.requests, st.ids, st.pad_to, st.B, st.P = requests, ids, pad_to, B, P
+        st.dense = dense
+        st.state_changes = changes
+        st.alloc_changes = self._alloc.changes if self._alloc is not None else None
+        if q is not None:
+            st.q_bytes = q.tobytes()
+            st.slot_base = page * self._ps64 - q * self.page_size
+        else:
+            st.q_bytes = st.slot_base = None
+        st.row_slot = row_slot
+        st.vkey = (B, P)
+        # The ring buffers' static content depends on (B, P, slots) only: a new step of the
+        # same shape and slots (after a page crossing) keeps the buffers already staged.
+        sig = (B, P, None if row_slot is None else row_slot.tobytes())
+        if self._static_sig != sig:
+            self._static_sig, self._static_token = sig, object()
+        st.static = self._static_token
+        return st
 
     def _build_general(
         self,
@@ -513,14 +739,29 @@ class BatchBuilder:
                 s = self._tok_stride(padded_tokens)
                 slot.i64[s + n : s + padded_tokens] = -1
 
-    def _acquire(self) -> tuple[int, _HostSlot]:
-        """The ring's next host buffer, once no copy can be reading it any more."""
+    def _acquire(self, keep_static: bool = False) -> tuple[int, _HostSlot]:
+        """The ring's next host buffer, once no copy can be reading it any more. Unless
+        ``keep_static``, the caller rewrites it: it no longer holds a steady step's content."""
         k = self._step % len(self._ring)
         if self._events is not None and k % _RING_HALF == 0:
             # The copies of this half's previous turn were issued before the event that was
             # recorded after the last of them; in steady state it completed long ago.
             self._events[k // _RING_HALF].synchronize()
-        return k, self._ring[k]
+        slot = self._ring[k]
+        if not keep_static:
+            slot.static = None
+        return k, slot
+
+    def _current_stream(self) -> torch.cuda.Stream:
+        """The current stream of the builder's device (the one its copies run on), as a
+        cached Stream object looked up by the raw stream pointer (a C call)."""
+        if _raw_stream is None:
+            return torch.cuda.current_stream(self._dev_index)
+        raw = _raw_stream(self._dev_index)
+        stream = self._streams.get(raw)
+        if stream is None:
+            stream = self._streams[raw] = torch.cuda.current_stream(self._dev_index)
+        return stream
 
     def _upload(self, k: int, slot: _HostSlot, tok_end: int, m: int) -> None:
         """Copy the step's used prefix to the device (one copy), apply the page-table delta
@@ -549,7 +790,7 @@ class BatchBuilder:
                 val = dev[d0 + 8 * mj : d0 + 12 * mj].view(torch.int32)
                 flat.index_copy_(0, idx, val)
         if self._events is not None and k % _RING_HALF == _RING_HALF - 1:
-            self._events[k // _RING_HALF].record()
+            self._events[k // _RING_HALF].record(self._current_stream())
         self._step += 1
 
     def _stage_deltas(self, k: int, tok_end: int, fidx: np.ndarray) -> _HostSlot:
@@ -686,6 +927,7 @@ class BatchBuilder:
         request's pages were replaced - but cheap, and kept for callers that reset a run.
         ``request_id`` is accepted for compatibility; every row is forgotten.
         """
+        self._steady = None
         if self._has_kv:
             self._row_dense[:] = -1
             self._row_version[:] = -1

@@ -332,7 +332,7 @@ def test_build_and_prepare_do_not_sync_on_cuda(tiny_specs, ref_registry):
 class _GeneralOnly(BatchBuilder):
     """The builder with its decode fast path turned off: every step takes the general path."""
 
-    def _build_decode(self, ids, B, P):
+    def _build_decode(self, ids, B, P, *_):  # never leaves a steady-decode memo either
         return self._build_general(ids, (1,) * B, B, P, 0)
 
 
