@@ -355,7 +355,7 @@ class BatchBuilder:
         pos, ctx_b, seq_b, sm, init, qsl, seq_cpu, ctx_cpu = views
         # positions = context lengths, gathered straight into the staging buffer ("clip": the
         # rows are valid, and "raise" would buffer the output)
-        np.take(self.state.row_num_tokens, steady.dense, out=pos, mode="clip")
+        self.state.row_num_tokens.take(steady.dense, out=pos, mode="clip")
         if sm is not None:
             if (pos // self.page_size).tobytes() != steady.q_bytes:
                 return None  # a page boundary was crossed: the page table must be consulted
@@ -366,22 +366,31 @@ class BatchBuilder:
             np.greater(pos, 0, out=init)
         max_seq_len = int(_max(pos)) + 1
         self._upload(k, slot, steady.tok_end, 0)
-        return self._assemble(
-            steady.req_views,
-            steady.positions,
-            steady.slot_mapping,
+        v = steady.req_views
+        B, P = steady.B, steady.P
+        return AttentionBatch(  # as _assemble does, without the keyword hop
             mode=BatchMode.DECODE,
-            num_reqs=steady.B,
-            padded_reqs=steady.P,
-            num_tokens=steady.B,
-            padded_tokens=steady.P,
+            num_reqs=B,
+            padded_reqs=P,
+            num_tokens=B,
+            padded_tokens=P,
             max_query_len=1,
             max_seq_len=max_seq_len,
             spec_tokens=0,
             request_ids=steady.ids,
+            query_start_loc=v[0],
+            seq_lens=v[1],
+            context_lens=v[2],
+            page_table=v[5],
+            slot_mapping=steady.slot_mapping,
+            positions=steady.positions,
+            state_indices=v[3],
+            has_initial_state=v[4],
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_cpu,
             context_lens_cpu=ctx_cpu,
+            page_size=self.page_size,
+            step=self._step,
             state_epoch=self.state.epoch,
         )
 
