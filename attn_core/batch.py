@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 import torch
@@ -457,11 +458,10 @@ class BatchBuilder:
                 if fidx is not None:
                     m = len(fidx)
                     slot = self._stage_deltas(k, self._tok_end(P), fidx)
-                # in sync now, normally; if not, the step is right but is not remembered
-                page = self._pages_in_sync(dense, q, B, P)
-                if page is None:
-                    in_sync = False
-                    page = self._pt_flat[self._rowbase[:B] + q]
+                page = self._pt_flat[self._rowbase[:B] + q]
+                # Not remembered: checking the rows again costs more than it saves when
+                # requests cross pages at different steps. The next step checks them.
+                in_sync = False
         slot.qsl[: P + 1] = self._ar32[: P + 1]
         seq_cpu = slot.seq[:P]
         ctx_cpu = slot.ctx[:P]
@@ -525,7 +525,7 @@ class BatchBuilder:
         if changes is None or len(requests) != B:
             return None
         # Only immutable (id, n) tuples: a list mutated in place would compare equal to itself.
-        if any(type(r) is not tuple for r in requests):
+        if not all(map(isinstance, requests, repeat(tuple))):
             return None
         st = self._steady = _Steady()
         st.requests, st.ids, st.pad_to, st.B, st.P = requests, ids, pad_to, B, P
