@@ -168,6 +168,7 @@ class _Steady:
         "static",
         "tok_end",
         "tok_stride",
+        "used",
         "vkey",
     )
 
@@ -265,6 +266,7 @@ class BatchBuilder:
         self._dev_index = self._dev.device.index if cuda else None
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._steady: _Steady | None = None
+        self._remember_reserved = True
         self._static_sig: tuple | None = None
         self._static_token: object = object()
         self._alloc = getattr(state, "page_allocator", None)
@@ -323,7 +325,10 @@ class BatchBuilder:
             ):
                 batch = self._build_steady(steady)
                 if batch is not None:
+                    steady.used = True
                     return batch
+        if steady is not None:  # was remembering worth it? (not when pages cross every step)
+            self._remember_reserved = steady.used
         self._steady = None  # any other build may rewrite page-table rows or ring buffers
         B = len(requests)
         P = B if pad_to is None else pad_to
@@ -459,9 +464,14 @@ class BatchBuilder:
                     m = len(fidx)
                     slot = self._stage_deltas(k, self._tok_end(P), fidx)
                 page = self._pt_flat[self._rowbase[:B] + q]
-                # Not remembered: checking the rows again costs more than it saves when
-                # requests cross pages at different steps. The next step checks them.
-                in_sync = False
+                # Rows, padding rows and capacity are in sync now (_reserve and
+                # _sync_page_table just made them so): only a shared written page is left to
+                # rule out before remembering the step.
+                # Skipped while remembered steps go unused (requests crossing pages at
+                # different steps): the next step, if in sync, is remembered anyway.
+                in_sync = self._remember_reserved and not np.count_nonzero(
+                    state.page_allocator.refcount_array[page] > 1
+                )
         slot.qsl[: P + 1] = self._ar32[: P + 1]
         seq_cpu = slot.seq[:P]
         ctx_cpu = slot.ctx[:P]
@@ -539,6 +549,7 @@ class BatchBuilder:
             st.q_bytes = st.slot_base = None
         st.row_slot = row_slot
         st.vkey = (B, P)
+        st.used = False
         # The ring buffers' static content depends on (B, P, slots) only: a new step of the
         # same shape and slots (after a page crossing) keeps the buffers already staged.
         sig = (B, P, None if row_slot is None else row_slot.tobytes())
