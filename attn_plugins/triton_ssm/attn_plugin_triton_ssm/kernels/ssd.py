@@ -380,9 +380,6 @@ def mamba2_ssd_triton(
     group = H // G
     hb = _heads_per_program(group, heads_per_program)
 
-    plan, n_chunks = _chunk_plan(cu, chunk_size, device)
-    # Every chunk's entering state, float32 (T=8192, H=128, N=128, P=64, Q=64: 512 MiB).
-    states = torch.empty((max(n_chunks, 1), H, N, P), dtype=torch.float32, device=device)
     f32 = x.dtype == torch.float32
     flags = dict(SPLIT=precise and not f32, F32=f32, UPCAST=INTERPRETED)
     # The state kernel is sequential over a sequence's chunks: small N tiles give one long
@@ -396,23 +393,93 @@ def mamba2_ssd_triton(
     nw_state, nw_scan = num_warps or (4, 8)
     ns_state, ns_scan = num_stages or (3, 2)
     dummy = A_log
+
+    def scan(Q: int, bp: int, stages: int, plan: torch.Tensor, states: torch.Tensor, n: int,
+             warmup: bool = False):  # fmt: skip
+        grid = (n, H // hb, triton.cdiv(P, bp))
+        args = (
+            x, dt, A_log, dt_bias if dt_bias is not None else dummy, B, C,
+            D if D is not None else dummy, z if z is not None else x, out, plan, states,
+            x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0),
+            C.stride(1), *(z.stride()[:2] if z is not None else (0, 0)), out.stride(0),
+            out.stride(1), 2 * n_seq + 1,
+        )  # fmt: skip
+        kw = dict(H=H, GROUP=group, N=N, P=P, Q=Q, BN=max(16, next_pow2(N)), BP=bp, HB=hb,
+                  HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, HAS_D=D is not None,
+                  HAS_Z=z is not None, **flags, num_warps=nw_scan, num_stages=stages)  # fmt: skip
+        if warmup:
+            return _ssd_scan_kernel.warmup(*args, grid=grid, **kw)
+        return _ssd_scan_kernel[grid](*args, **kw)
+
+    key = (device, x.dtype, N, P, G, hb, chunk_size, BP, ns_scan, precise, dt_softplus,
+           D is not None, z is not None, dt_bias is not None)  # fmt: skip
+    tiling = _SCAN_TILING.get(key)
+    if tiling is None:
+        tiling = _SCAN_TILING[key] = _fit_scan(scan, chunk_size, BP, ns_scan, cu, device)
+    Q, BP_scan, ns_scan = tiling
+
+    plan, n_chunks = _chunk_plan(cu, Q, device)
+    # Every chunk's entering state, float32 (T=8192, H=128, N=128, P=64, Q=64: 512 MiB).
+    states = torch.empty((max(n_chunks, 1), H, N, P), dtype=torch.float32, device=device)
     _ssd_state_kernel[(triton.cdiv(N, BNs) * triton.cdiv(P, BP), H, n_seq)](
         x, dt, A_log, dt_bias if dt_bias is not None else dummy, B, ssm_state, state_indices,
         plan, states, x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1),
-        *ssm_state.stride()[:3], n_seq, H=H, GROUP=group, N=N, P=P, Q=chunk_size, BN=BNs, BP=BP,
+        *ssm_state.stride()[:3], n_seq, H=H, GROUP=group, N=N, P=P, Q=Q, BN=BNs, BP=BP,
         HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, **flags,
         num_warps=nw_state, num_stages=ns_state,
     )  # fmt: skip
     if n_chunks == 0:
         return out
-    _ssd_scan_kernel[(n_chunks, H // hb, triton.cdiv(P, BP))](
-        x, dt, A_log, dt_bias if dt_bias is not None else dummy, B, C,
-        D if D is not None else dummy, z if z is not None else x, out, plan, states,
-        x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0),
-        C.stride(1), *(z.stride()[:2] if z is not None else (0, 0)), out.stride(0),
-        out.stride(1), 2 * n_seq + 1, H=H, GROUP=group, N=N, P=P, Q=chunk_size,
-        BN=max(16, next_pow2(N)), BP=BP, HB=hb, HAS_DT_BIAS=dt_bias is not None,
-        DT_SOFTPLUS=dt_softplus, HAS_D=D is not None, HAS_Z=z is not None, **flags,
-        num_warps=nw_scan, num_stages=ns_scan,
-    )  # fmt: skip
+    scan(Q, BP_scan, ns_scan, plan, states, n_chunks)
     return out
+
+
+#: Scan-kernel tiling that fits the device's shared memory, by (device, dtype, shape, flags):
+#: ``(chunk, BP, num_stages)``. See :func:`_fit_scan`.
+_SCAN_TILING: dict[tuple, tuple[int, int, int]] = {}
+
+
+def _fit_scan(scan, chunk: int, bp: int, stages: int, cu: torch.Tensor, device: torch.device):
+    """The first scan tiling, from the requested one down, whose compiled kernel fits in the
+    device's shared memory: fewer pipeline stages, then smaller chunks, then narrower P tiles.
+
+    Why: the scan holds ``C`` and ``B`` ``[Q, N]``, the entering state ``[N, BP]`` and ``x``
+    ``[Q, BP]`` in shared memory; float32 inputs (tf32x3 dots) at N = 128 need 263 KB at Q = 128
+    on an H200, which has 227 KB per block. The state kernel tiles N and never comes close. Each
+    candidate is compiled (``warmup``, no launch) and its ``metadata.shared`` compared with the
+    limit, before anything is written, so a request's state is never half-updated. Under the
+    interpreter there is no limit: the requested tiling stands.
+    """
+    if INTERPRETED or device.type != "cuda":
+        return chunk, bp, stages
+    limit = _max_shared_memory(device)
+    candidates = [(chunk, bp, stages)]
+    if stages > 1:
+        candidates.append((chunk, bp, 1))
+    q = chunk
+    while q > CHUNK_SIZES[0]:
+        q //= 2
+        candidates.append((q, bp, 1))
+    b = bp
+    while b > 16:
+        b //= 2
+        candidates += [(q, b, 1) for q in (chunk, chunk // 2, chunk // 4) if q in CHUNK_SIZES]
+    needed = {}
+    for q, b, st in candidates:
+        plan, n = _chunk_plan(cu, q, device)
+        states = torch.empty(1, dtype=torch.float32, device=device)
+        kernel = scan(q, b, st, plan, states, n, warmup=True)
+        needed[q, b, st] = kernel.metadata.shared
+        if kernel.metadata.shared <= limit:
+            return q, b, st
+    raise ValueError(
+        f"mamba2_ssd_triton: no scan tiling fits in {limit} bytes of shared memory per block "
+        f"(bytes needed by (chunk, BP, stages): {needed})"
+    )
+
+
+def _max_shared_memory(device: torch.device) -> int:
+    props = triton.runtime.driver.active.utils.get_device_properties(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
+    return int(props["max_shared_mem"])
