@@ -29,6 +29,8 @@ from itertools import repeat
 import numpy as np
 import torch
 
+from attn_core.state.errors import OutOfPagesError
+
 __all__ = ["AttentionBatch", "BatchBuilder", "BatchMode"]
 
 
@@ -456,10 +458,18 @@ class BatchBuilder:
         in_sync = True
         if self._has_kv:
             q = ctx // self.page_size
-            page = self._pages_in_sync(dense, q, B, P)
-            if page is None:  # a row needs pages, a rewrite or a copy-on-write: the full path
-                self._reserve(ids, dense, ctx, ctx + 1)
-                fidx = self._sync_page_table(ids, dense, P)
+            fast = self._pages_in_sync(ids, dense, q, B, P)
+            if fast is not None:
+                page, written = fast
+                if written is not None:  # pages appended for requests crossing a page
+                    m = len(written)
+                    slot = self._stage_deltas(k, self._tok_end(P), written)
+                    # remembered only while remembered steps get used (not when some request
+                    # crosses a page every step)
+                    in_sync = self._remember_reserved
+            else:  # a row needs a rewrite, a copy-on-write or more than one page: full path
+                written = self._reserve(ids, dense, ctx, ctx + 1)
+                fidx = self._sync_page_table(ids, dense, P, written)
                 if fidx is not None:
                     m = len(fidx)
                     slot = self._stage_deltas(k, self._tok_end(P), fidx)
@@ -588,14 +598,15 @@ class BatchBuilder:
                 f"speculative verify with k={spec_tokens} needs {spec_tokens + 1} new tokens "
                 f"per request, got {qlens.tolist()}"
             )
+        written = None
         if state is not None and self._has_kv:
-            self._reserve(ids, dense, ctx, seq)
+            written = self._reserve(ids, dense, ctx, seq)
         mode = self._mode(qlens, spec_tokens)
 
         k, slot = self._acquire()
         m = 0
         if self._has_kv:
-            fidx = self._sync_page_table(ids, dense, P)
+            fidx = self._sync_page_table(ids, dense, P, written)
             if fidx is not None:
                 m = len(fidx)
                 slot = self._stage_deltas(k, self._tok_end(padded_tokens), fidx)
@@ -848,13 +859,18 @@ class BatchBuilder:
             return BatchMode.PREFILL
         return BatchMode.MIXED
 
-    def _pages_in_sync(self, dense: np.ndarray, q: np.ndarray, B: int, P: int) -> np.ndarray | None:
-        """Decode fast path: the page each request writes, or None when some request needs
-        :meth:`_reserve` / :meth:`_sync_page_table` (which would then do nothing otherwise).
+    def _pages_in_sync(
+        self, ids: tuple[Hashable, ...], dense: np.ndarray, q: np.ndarray, B: int, P: int
+    ) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """Decode fast path: the page each request writes and the flat page-table indices
+        written here (or None), or None when some request needs :meth:`_reserve` /
+        :meth:`_sync_page_table`.
 
-        Nothing to do means: every row holds its request's pages as last synced (same dense
-        row, page version and page count), the new token (page ``q = ctx // page_size``)
-        falls inside them, the padding rows are clean, and no written page is shared.
+        The fast path holds when every row holds its request's pages as last synced (same
+        dense row, page version and page count), the padding rows are clean, and no written
+        page is shared. A request whose new token starts a page (``q == pages held``: it
+        crosses a page boundary, about ``B / page_size`` requests per step) gets its page
+        here, all of them in one :meth:`PersistentState.append_pages`.
         """
         state = self.state
         npages = state.row_num_pages[dense]
@@ -862,19 +878,40 @@ class BatchBuilder:
             self._row_dense[:B].tobytes() != dense.tobytes()
             or self._row_version[:B].tobytes() != state.row_page_version[dense].tobytes()
             or self._row_npages[:B].tobytes() != npages.tobytes()
-            or np.count_nonzero(q >= npages)
             or (P > B and np.count_nonzero(self._row_dense[B:P] != -1))
         ):
             return None
-        page = self._pt_flat[self._rowbase[:B] + q]
-        if np.count_nonzero(state.page_allocator.refcount_array[page] > 1):
+        cross = q >= npages
+        written = None
+        if not np.count_nonzero(cross):
+            page = self._pt_flat[self._rowbase[:B] + q]
+            if np.count_nonzero(state.page_allocator.refcount_array[page] > 1):
+                return None
+            return page, None
+        rows = np.flatnonzero(cross)
+        if np.count_nonzero(q[rows] != npages[rows]) or npages[rows].max() >= self.max_pages:
             return None
-        return page
+        # The other rows write into pages they hold: none of those may be shared.
+        held = self._pt_flat[self._rowbase[:B] + np.where(cross, 0, q)]
+        if np.count_nonzero((state.page_allocator.refcount_array[held] > 1) & ~cross):
+            return None
+        try:
+            new = state.append_pages([ids[b] for b in rows.tolist()])
+        except OutOfPagesError:
+            return None  # the full path reserves request by request and names the one left out
+        written = self._rowbase[rows] + npages[rows]
+        self._pt_flat[written] = new
+        self._row_npages[rows] += 1
+        held[rows] = new
+        return held, written
 
     def _reserve(
         self, ids: tuple[Hashable, ...], dense: np.ndarray, ctx: np.ndarray, seq: np.ndarray
-    ) -> None:
+    ) -> np.ndarray | None:
         """Reserve pages for the step; only requests that need work cost a Python call.
+
+        Returns the flat page-table indices this wrote on the host (pages appended in bulk),
+        which the step's device copy must carry; :meth:`_sync_page_table` takes them.
 
         A request needs :meth:`PersistentState.ensure_capacity` when its new tokens go past its
         pages, when its page-table row is not in sync, or when the page it writes first is
@@ -892,11 +929,47 @@ class BatchBuilder:
         write_page = self._pt_host[self._ar64[:B], np.where(has_page, first_page, 0)]
         shared = has_page & (state.page_allocator.refcount_array[write_page] > 1)
         slow = (seq > npages * ps) | ~in_sync | shared
-        for b in np.flatnonzero(slow).tolist():
-            state.ensure_capacity(ids[b], int(seq[b]))
+        if not slow.any():
+            return None
+        # Rows whose pages are all full and whose new tokens fit in one more page (a decode
+        # step crossing a page): one bulk allocation for all of them, and their page-table
+        # entry written here, instead of one ensure_capacity + one row sync per request.
+        simple = (
+            slow
+            & in_sync
+            & (self._row_npages[:B] == npages)
+            & (ctx == npages * ps)
+            & (seq > ctx)
+            & (seq - ctx <= ps)
+            & (npages < self.max_pages)
+        )
+        flat = None
+        rows = np.flatnonzero(simple)
+        if len(rows) > 1:
+            try:
+                new = state.append_pages([ids[b] for b in rows.tolist()])
+            except OutOfPagesError:
+                pass  # not all fit: one request at a time below, each all-or-nothing
+            else:
+                flat = self._rowbase[rows] + npages[rows]
+                self._pt_flat[flat] = new
+                self._row_npages[rows] += 1
+                slow &= ~simple
+        try:
+            for b in np.flatnonzero(slow).tolist():
+                state.ensure_capacity(ids[b], int(seq[b]))
+        except BaseException:
+            if flat is not None:  # their new entries never reached the device: rewrite later
+                self._row_dense[rows] = -1
+            raise
+        return flat
 
     def _sync_page_table(
-        self, ids: tuple[Hashable, ...], dense: np.ndarray, padded: int
+        self,
+        ids: tuple[Hashable, ...],
+        dense: np.ndarray,
+        padded: int,
+        written: np.ndarray | None = None,
     ) -> np.ndarray | None:
         """Bring rows ``0..padded-1`` of the host page table up to date.
 
@@ -916,7 +989,7 @@ class BatchBuilder:
         version = state.row_page_version[dense]
         rewrite = (self._row_dense[:B] != dense) | (self._row_version[:B] != version)
         grown = ~rewrite & (self._row_npages[:B] != npages)
-        changed = []
+        changed = [] if written is None else [written]
         for b in np.flatnonzero(rewrite | grown).tolist():
             pages = state.pages(ids[b])
             n = len(pages)

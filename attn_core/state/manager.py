@@ -332,6 +332,37 @@ class PersistentState:
             raise ValueError(f"prepare_write({req_id!r}, {start}, {end}): end < start")
         return self._prepare(req, start, end)
 
+    def append_pages(self, req_ids: Sequence[Hashable]) -> np.ndarray:
+        """One fresh page at the end of each request's page list, for requests whose pages are
+        full (a decode step crossing a page boundary); all or nothing.
+
+        :meth:`ensure_capacity` for ``num_tokens + 1`` tokens does the same one request at a
+        time; this is its bulk form for the BatchBuilder, where a step of B requests has about
+        ``B / page_size`` of them crossing. Pages appended to a request are new (refcount 1), so
+        no copy-on-write is ever needed.
+
+        :returns: ``[len(req_ids)]`` int64, the page given to each request.
+        :raises OutOfPagesError: fewer pages free (and evictable) than requests; nothing changed.
+        :raises StateError: a request's last page is not full (use :meth:`ensure_capacity`).
+        """
+        reqs = [self._get(r) for r in req_ids]
+        if not reqs or not self.has_kv:
+            return np.zeros(0, dtype=np.int64)
+        ps = self.page_size
+        for req in reqs:
+            if req.num_tokens != len(req.pages) * ps:
+                raise StateError(
+                    f"append_pages({req.req_id!r}): {req.num_tokens} tokens in "
+                    f"{len(req.pages)} pages of {ps}; the last page is not full"
+                )
+        pages, _ = self._reserve(len(reqs), 0, req_id=req_ids[0], num_tokens=None)
+        rows = np.fromiter((req.row for req in reqs), np.int64, len(reqs))
+        for req, page in zip(reqs, pages, strict=True):
+            req.pages.append(page)
+        self.row_num_pages[rows] += 1
+        self.changes += 1
+        return np.asarray(pages, dtype=np.int64)
+
     def advance(self, req_id: Hashable, n: int) -> int:
         """Record ``n`` more written tokens; returns the new ``num_tokens``."""
         req = self._get(req_id)

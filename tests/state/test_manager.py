@@ -174,6 +174,25 @@ def test_append_across_page_boundaries_and_slot_mapping() -> None:
     s.check_invariants()
 
 
+def test_append_pages_gives_each_full_request_one_fresh_page_or_changes_nothing() -> None:
+    s = PersistentState(kv_only(), num_pages=5, num_slots=0)
+    for r, n in (("a", PS), ("b", 2 * PS), ("c", 3)):
+        s.add_request(r)
+        s.ensure_capacity(r, n)
+        s.advance(r, n)
+    with pytest.raises(StateError, match="last page is not full"):
+        s.append_pages(["a", "c"])  # c holds 3 tokens in a page of PS
+    assert len(s.pages("a")) == 1 and s.num_free_pages == 1  # nothing changed
+    with pytest.raises(OutOfPagesError):
+        s.append_pages(["a", "b"])  # two pages wanted, one free
+    assert len(s.pages("a")) == 1 and len(s.pages("b")) == 2 and s.num_free_pages == 1
+    before = s.pages("b")
+    (page,) = s.append_pages(["b"])
+    assert s.pages("b") == [*before, int(page)] and s.num_free_pages == 0
+    assert int(s.row_num_pages[s.step_rows(["b"])[0]]) == 3
+    s.check_invariants()
+
+
 def test_release_frees_everything_and_unknown_id_is_keyerror() -> None:
     s = PersistentState(hybrid(), num_pages=6, num_slots=3)
     fill(s, "a", 9, seed=1)
