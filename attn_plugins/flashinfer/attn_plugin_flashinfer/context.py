@@ -196,7 +196,7 @@ class _PagedContext:
         self.B = constraints.max_batch_size
         self.offsets = _Offsets(self.B)
         self._views: dict[tuple[int, int], _StepViews] = {}  # by (half, padded batch size)
-        self._row_base: np.ndarray | None = None  # b * W for the page table's width W
+        self._row_base: tuple[int, np.ndarray] | None = None  # (W, b * W) for page-table width W
         self.kv_dtype = torch.float8_e4m3fn if self.spec.kv_dtype == "fp8_e4m3" else None
         self.q_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[self.spec.dtype]
         if self.kv_dtype is None:
@@ -243,9 +243,9 @@ class _PagedContext:
         self._half ^= 1
         sv = self._views.get((self._half, P)) or self._make_views(self._half, P)
         width = batch.page_table.shape[1]
-        row_base = self._row_base
-        if row_base is None or row_base[1] != width:
-            row_base = self._row_base = np.arange(self.B, dtype=np.int32) * np.int32(width)
+        if self._row_base is None or self._row_base[0] != width:
+            self._row_base = (width, np.arange(self.B, dtype=np.int32) * np.int32(width))
+        row_base = self._row_base[1]
         seq_lens = batch.seq_lens_cpu[:P]
         meta = planning.fill_paged_metadata(
             seq_lens,

@@ -457,6 +457,14 @@ def test_mqa_and_speculative_verify_match_reference(fake_fi):
     assert seen[1] is StepKind.PAGED
 
 
+@pytest.mark.parametrize("graph", [False, True])
+def test_a_context_for_one_request_plans_and_matches_reference(fake_fi, graph):
+    """max_batch_size=1 (a B=1 decode graph): every metadata view has a single row."""
+    script = [[(0, 21)], [(0, 1)], [(0, 1)]]
+    steps_kw = {1: {"pad_to": 1}, 2: {"pad_to": 1}} if graph else None
+    _compare(FULL, script, tol=2e-2, steps_kw=steps_kw, make_kw={"graph": graph, "max_batch": 1})
+
+
 def test_mla_matches_reference(fake_fi):
     _compare(MLA, wl.WORKLOADS["chunked_prefill"], tol=2e-2, kinds={StepKind.MLA})
 
