@@ -895,15 +895,30 @@ class BatchBuilder:
         held = self._pt_flat[self._rowbase[:B] + np.where(cross, 0, q)]
         if np.count_nonzero((state.page_allocator.refcount_array[held] > 1) & ~cross):
             return None
-        try:
-            new = state.append_pages([ids[b] for b in rows.tolist()])
-        except OutOfPagesError:
+        appended = self._append_pages(ids, rows, npages)
+        if appended is None:
             return None  # the full path reserves request by request and names the one left out
-        written = self._rowbase[rows] + npages[rows]
-        self._pt_flat[written] = new
-        self._row_npages[rows] += 1
+        new, written = appended
         held[rows] = new
         return held, written
+
+    def _append_pages(
+        self, ids: tuple[Hashable, ...], rows: np.ndarray, npages: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """One new page for each request of batch rows ``rows`` (whose pages are full), in one
+        :meth:`PersistentState.append_pages`, written into the host page table.
+
+        :returns: the new pages and their flat page-table indices (which the step's device copy
+            must carry), or None when not all fit (nothing changed).
+        """
+        try:
+            new = self.state.append_pages([ids[b] for b in rows.tolist()])
+        except OutOfPagesError:
+            return None
+        flat = self._rowbase[rows] + npages[rows]
+        self._pt_flat[flat] = new
+        self._row_npages[rows] += 1
+        return new, flat
 
     def _reserve(
         self, ids: tuple[Hashable, ...], dense: np.ndarray, ctx: np.ndarray, seq: np.ndarray
@@ -945,16 +960,11 @@ class BatchBuilder:
         )
         flat = None
         rows = np.flatnonzero(simple)
-        if len(rows) > 1:
-            try:
-                new = state.append_pages([ids[b] for b in rows.tolist()])
-            except OutOfPagesError:
-                pass  # not all fit: one request at a time below, each all-or-nothing
-            else:
-                flat = self._rowbase[rows] + npages[rows]
-                self._pt_flat[flat] = new
-                self._row_npages[rows] += 1
-                slow &= ~simple
+        # When not all fit: one request at a time below, each all-or-nothing.
+        appended = self._append_pages(ids, rows, npages) if len(rows) > 1 else None
+        if appended is not None:
+            flat = appended[1]
+            slow &= ~simple
         try:
             for b in np.flatnonzero(slow).tolist():
                 state.ensure_capacity(ids[b], int(seq[b]))
