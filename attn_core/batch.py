@@ -93,6 +93,8 @@ _ALIGN = 16  # bytes: every region of the packed metadata buffer starts at a mul
 _RING_HALF = 8
 # ufunc reduce called directly: ndarray.max() goes through two Python-level wrappers
 _max = np.maximum.reduce
+_NO_INDICES = np.zeros(0, dtype=np.int64)  # read-only use: "no page-table entry written"
+_NO_INDICES.flags.writeable = False
 # Raw current CUDA stream of a device, a C call (torch.cuda.current_stream builds a Python
 # Stream object each call); absent from CPU builds of torch.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -105,8 +107,8 @@ def _aligned(nbytes: int) -> int:
 class _HostSlot:
     """One host staging buffer of the ring (pinned on CUDA), laid out as the device buffer.
 
-    ``prefix`` caches ``tensor[:nbytes]`` views for the copies of steps without page-table
-    deltas (a torch slice costs about as much as the copy call itself). ``static`` is the
+    ``prefix`` caches ``tensor[:nbytes]`` views for the copies (a torch slice costs about as
+    much as the copy call itself). ``static`` is the
     :class:`_Steady` token whose per-batch-shape content (see :meth:`BatchBuilder._stage_static`)
     this buffer holds, or None; ``views`` caches the steady path's numpy views by ``(B, P)``.
     """
@@ -140,6 +142,13 @@ class _HostSlot:
         self.static: object | None = None
         self.views: dict[tuple[int, int], tuple] = {}
 
+    def host_prefix(self, nbytes: int) -> torch.Tensor:
+        """``tensor[:nbytes]``, cached (a few hundred lengths at most)."""
+        if len(self.prefix) >= 256:
+            self.prefix.clear()
+        view = self.prefix[nbytes] = self.tensor[:nbytes]
+        return view
+
 
 class _Steady:
     """What the last decode step left to reuse when the next one has the same requests.
@@ -149,7 +158,9 @@ class _Steady:
     of build ran since (every other path drops it) and every request still writes the page
     index ``q = ctx // page_size`` it wrote then: its page-table row, written page and that
     page's refcount are then those already checked, so the slot mapping is
-    ``slot_base + ctx`` with ``slot_base = page * page_size - q * page_size``.
+    ``slot_base + ctx`` with ``slot_base = page * page_size - q * page_size``. A request that
+    moved on to its next page index since is handled by :meth:`BatchBuilder._steady_cross`,
+    which updates ``q``, ``slot_base`` and the recorded change counters.
     """
 
     __slots__ = (
@@ -160,6 +171,7 @@ class _Steady:
         "ids",
         "pad_to",
         "positions",
+        "q",
         "q_bytes",
         "req_views",
         "requests",
@@ -277,6 +289,8 @@ class BatchBuilder:
         self._req_views: dict[int, tuple] = {}
         self._tok_views: dict[int, tuple] = {}
         self._dev_prefix: dict[int, torch.Tensor] = {}
+        # (tok_end, m) -> device views of a step carrying m page-table entries
+        self._delta_views: dict[tuple[int, int], tuple] = {}
         self._ar64 = np.arange(max(B, T) + 1, dtype=np.int64)
         self._ar32 = self._ar64[: B + 1].astype(np.int32)
         if self._has_kv:
@@ -360,20 +374,31 @@ class BatchBuilder:
             views = slot.views.get(steady.vkey) or self._slot_views(slot, steady)
         else:
             views = self._stage_static(slot, steady)
-        pos, ctx_b, seq_b, sm, init, qsl, seq_cpu, ctx_cpu = views
+        pos = views[0]
         # positions = context lengths, gathered straight into the staging buffer ("clip": the
         # rows are valid, and "raise" would buffer the output)
         self.state.row_num_tokens.take(steady.dense, out=pos, mode="clip")
+        m = 0
+        if self._has_kv:
+            q = pos // self.page_size
+            if q.tobytes() != steady.q_bytes:  # some request moved on to its next page
+                written = self._steady_cross(steady, q)
+                if written is None:
+                    return None  # the full path consults the page table (nothing changed)
+                m = len(written)
+                if m:
+                    # at most B entries: ring buffers hold 4 * max_batch_size, never replaced here
+                    grown = self._stage_deltas(k, steady.tok_end, written)
+                    assert grown is slot, "a steady step's page-table delta outgrew its buffer"
+        _, ctx_b, seq_b, sm, init, qsl, seq_cpu, ctx_cpu = views
         if sm is not None:
-            if (pos // self.page_size).tobytes() != steady.q_bytes:
-                return None  # a page boundary was crossed: the page table must be consulted
             np.add(steady.slot_base, pos, out=sm)
         ctx_b[:] = pos
         np.add(pos, 1, out=seq_b)
         if init is not None:
             np.greater(pos, 0, out=init)
         max_seq_len = int(_max(pos)) + 1
-        self._upload(k, slot, steady.tok_end, 0)
+        self._upload(k, slot, steady.tok_end, m)
         v = steady.req_views
         B, P = steady.B, steady.P
         return AttentionBatch(  # as _assemble does, without the keyword hop
@@ -401,6 +426,53 @@ class BatchBuilder:
             step=self._step,
             state_epoch=self.state.epoch,
         )
+
+    def _steady_cross(self, steady: _Steady, q: np.ndarray) -> np.ndarray | None:
+        """A steady step where some requests write page index ``q = steady.q + 1`` (their
+        new token starts the next page): those holding that page already (reserved ahead)
+        write it if it is not shared; the others, whose pages are full, get one each in a
+        single :meth:`PersistentState.append_pages`, written into the host page table.
+
+        Every row was in sync when ``steady`` was recorded and no request's pages or page
+        refcounts changed since (checked by :meth:`build`), so only the moved rows are read.
+
+        :returns: the flat page-table indices written on the host (empty when none), which
+            the step's device copy carries, with ``steady`` updated to this step; or None,
+            having changed nothing, when the full path must decide (a request moved by more
+            than one page, a shared page, the page table's width, no free page).
+        """
+        old = steady.q
+        rows = (q != old).nonzero()[0]
+        qr = q[rows]
+        if np.count_nonzero(qr - old[rows] != 1):
+            return None
+        # Every row held its written page when remembered (old < pages held), so a row that
+        # moved one page on either holds page qr (reserved ahead) or is full (qr == pages).
+        nr = self._row_npages[rows]
+        full = qr == nr
+        if np.count_nonzero(full) == len(rows):  # the usual case: every moved row is full
+            grow, held, ng = rows, None, nr
+        else:
+            grow, held, ng = rows[full], rows[~full], nr[full]
+            page = self._pt_flat[self._rowbase[held] + q[held]]
+            if np.count_nonzero(self._alloc.refcount_array[page] > 1):
+                return None  # a shared page: copy-on-write on the full path
+        written = _NO_INDICES
+        if len(grow):
+            if _max(ng) >= self.max_pages:
+                return None  # the full path names the request and max_pages_per_request
+            appended = self._append_pages(steady.ids, grow, ng)
+            if appended is None:
+                return None
+            written = appended[1]
+            steady.state_changes = self.state.changes
+            steady.alloc_changes = self._alloc.changes
+        # held rows' pages were just read, grown rows' were just written: read both back
+        page = self._pt_flat[written if held is None else self._rowbase[rows] + qr]
+        steady.slot_base[rows] = (page - qr) * self._ps64
+        steady.q = q
+        steady.q_bytes = q.tobytes()
+        return written
 
     def _stage_static(self, slot: _HostSlot, steady: _Steady) -> tuple:
         """Write what a steady step of ``steady``'s shape keeps from step to step into a ring
@@ -553,10 +625,11 @@ class BatchBuilder:
         st.state_changes = changes
         st.alloc_changes = self._alloc.changes if self._alloc is not None else None
         if q is not None:
+            st.q = q
             st.q_bytes = q.tobytes()
             st.slot_base = page * self._ps64 - q * self.page_size
         else:
-            st.q_bytes = st.slot_base = None
+            st.q = st.q_bytes = st.slot_base = None
         st.row_slot = row_slot
         st.vkey = (B, P)
         st.used = False
@@ -801,11 +874,22 @@ class BatchBuilder:
         if not m:
             src = slot.prefix.get(tok_end)
             if src is None:
-                src = slot.prefix[tok_end] = slot.tensor[:tok_end]
+                src = slot.host_prefix(tok_end)
             dst = self._dev_prefix.get(tok_end)
             if dst is None:
                 dst = self._dev_prefix[tok_end] = self._dev[:tok_end]
             dst.copy_(src, non_blocking=nb)
+        elif m <= self._delta_cap:  # one chunk: the views for (tok_end, m) are cached
+            key = (tok_end, m)
+            views = self._delta_views.get(key)
+            if views is None:
+                views = self._delta_views[key] = self._make_delta_views(tok_end, m)
+            dst, idx, val, end = views
+            src = slot.prefix.get(end)
+            if src is None:
+                src = slot.host_prefix(end)
+            dst.copy_(src, non_blocking=nb)
+            self._pt_dev_flat.index_copy_(0, idx, val)
         else:
             cap = self._delta_cap
             stride = _aligned(12 * cap)
@@ -823,6 +907,20 @@ class BatchBuilder:
         if self._events is not None and k % _RING_HALF == _RING_HALF - 1:
             self._events[k // _RING_HALF].record(self._current_stream())
         self._step += 1
+
+    def _make_delta_views(
+        self, tok_end: int, m: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Device views for a step with ``m <= _delta_cap`` page-table entries staged after
+        the per-token block ending at ``tok_end``: the copy's destination, the flat indices
+        (int64), the values (int32) and the copy's length in bytes."""
+        if len(self._delta_views) >= 256:  # many shapes seen: keep the cache small
+            self._delta_views.clear()
+        dev = self._dev
+        end = tok_end + _aligned(12 * m)
+        idx = dev[tok_end : tok_end + 8 * m].view(torch.int64)
+        val = dev[tok_end + 8 * m : tok_end + 12 * m].view(torch.int32)
+        return dev[:end], idx, val, end
 
     def _stage_deltas(self, k: int, tok_end: int, fidx: np.ndarray) -> _HostSlot:
         """Write the page-table delta (flat indices and values, in chunks of ``_delta_cap``)
@@ -895,7 +993,7 @@ class BatchBuilder:
         held = self._pt_flat[self._rowbase[:B] + np.where(cross, 0, q)]
         if np.count_nonzero((state.page_allocator.refcount_array[held] > 1) & ~cross):
             return None
-        appended = self._append_pages(ids, rows, npages)
+        appended = self._append_pages(ids, rows, npages[rows])
         if appended is None:
             return None  # the full path reserves request by request and names the one left out
         new, written = appended
@@ -905,8 +1003,8 @@ class BatchBuilder:
     def _append_pages(
         self, ids: tuple[Hashable, ...], rows: np.ndarray, npages: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray] | None:
-        """One new page for each request of batch rows ``rows`` (whose pages are full), in one
-        :meth:`PersistentState.append_pages`, written into the host page table.
+        """One new page for each request of batch rows ``rows`` (whose ``npages`` pages are
+        full), in one :meth:`PersistentState.append_pages`, written into the host page table.
 
         :returns: the new pages and their flat page-table indices (which the step's device copy
             must carry), or None when not all fit (nothing changed).
@@ -915,9 +1013,9 @@ class BatchBuilder:
             new = self.state.append_pages([ids[b] for b in rows.tolist()])
         except OutOfPagesError:
             return None
-        flat = self._rowbase[rows] + npages[rows]
+        flat = self._rowbase[rows] + npages
         self._pt_flat[flat] = new
-        self._row_npages[rows] += 1
+        self._row_npages[rows] = npages + 1
         return new, flat
 
     def _reserve(
@@ -961,7 +1059,7 @@ class BatchBuilder:
         flat = None
         rows = np.flatnonzero(simple)
         # When not all fit: one request at a time below, each all-or-nothing.
-        appended = self._append_pages(ids, rows, npages) if len(rows) > 1 else None
+        appended = self._append_pages(ids, rows, npages[rows]) if len(rows) > 1 else None
         if appended is not None:
             flat = appended[1]
             slow &= ~simple

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -72,6 +73,9 @@ class _Request:
     snapshot: tuple[int, int] | None = None  # (slot, length): taken, not yet in the cache
     offloaded: RequestExport | None = None
     row: int = -1  # dense index into PersistentState's per-request arrays
+
+
+_row_of = attrgetter("row")
 
 
 def _check_count(name: str, value: object) -> int:
@@ -345,18 +349,31 @@ class PersistentState:
         :raises OutOfPagesError: fewer pages free (and evictable) than requests; nothing changed.
         :raises StateError: a request's last page is not full (use :meth:`ensure_capacity`).
         """
-        reqs = [self._get(r) for r in req_ids]
+        try:  # one C-level lookup per request; _get names an unknown or unhashable id
+            reqs = list(map(self._requests.__getitem__, req_ids))
+        except (KeyError, TypeError):
+            reqs = [self._get(r) for r in req_ids]
         if not reqs or not self.has_kv:
             return np.zeros(0, dtype=np.int64)
+        n = len(reqs)
+        rows = np.fromiter(map(_row_of, reqs), np.int64, n)
+        # (count_nonzero: a C call; ndarray.any() / all() go through Python wrappers)
+        if np.count_nonzero(self.row_live[rows]) != n:
+            for r in req_ids:
+                self._get(r)  # raises for the first offloaded request
         ps = self.page_size
-        for req in reqs:
-            if req.num_tokens != len(req.pages) * ps:
-                raise StateError(
-                    f"append_pages({req.req_id!r}): {req.num_tokens} tokens in "
-                    f"{len(req.pages)} pages of {ps}; the last page is not full"
-                )
-        pages, _ = self._reserve(len(reqs), 0, req_id=req_ids[0], num_tokens=None)
-        rows = np.fromiter((req.row for req in reqs), np.int64, len(reqs))
+        not_full = self.row_num_tokens[rows] != self.row_num_pages[rows] * ps
+        if np.count_nonzero(not_full):
+            req = reqs[int(np.argmax(not_full))]
+            raise StateError(
+                f"append_pages({req.req_id!r}): {req.num_tokens} tokens in "
+                f"{len(req.pages)} pages of {ps}; the last page is not full"
+            )
+        pa = self.page_allocator
+        if n <= pa.num_free:
+            pages = pa.allocate(n)
+        else:  # evicts cached prefixes, or raises naming the first request
+            pages, _ = self._reserve(n, 0, req_id=req_ids[0], num_tokens=None)
         for req, page in zip(reqs, pages, strict=True):
             req.pages.append(page)
         self.row_num_pages[rows] += 1
@@ -634,6 +651,16 @@ class PersistentState:
                     problems.append(f"{name} {i}: refcount {rc} but free={i in free_set}")
             if name == "slot" and any(v > 1 for v in holders.values()):
                 problems.append("a slot has more than one holder")
+        for req in self._requests.values():  # the dense row arrays the BatchBuilder reads
+            row = req.row
+            want = (req.num_tokens, len(req.pages), -1 if req.slot is None else req.slot)
+            got = (
+                int(self.row_num_tokens[row]),
+                int(self.row_num_pages[row]),
+                int(self.row_slot[row]),
+            )
+            if got != want or bool(self.row_live[row]) != (req.offloaded is None):
+                problems.append(f"request {req.req_id!r}: row {row} holds {got}, not {want}")
         for block in self.prefix_cache.blocks():
             children = sum(1 for b in self.prefix_cache.blocks() if b.parent == block.key)
             if children != block.children:
