@@ -15,7 +15,9 @@ Cases (times from CUDA events; each case first checks that both writers store th
 
 Usage::
 
-    python bench/bench_kv_write.py [--iters 200] [--layers 32] [--out result.json]
+    python bench/bench_kv_write.py [--iters 200] [--layers 32] [--out result.json] [--sweep]
+
+``--sweep`` instead times the Triton writer's prefill tilings (for tuning ``_config``).
 
 Needs a CUDA device (exits 2 without one).
 """
@@ -146,6 +148,48 @@ def bench_prefill(dtype: torch.dtype, iters: int, copy_gbs: float) -> dict:
     return row
 
 
+def sweep_prefill(iters: int, copy_gbs: float) -> list[dict]:
+    """The Triton writer's ``(BLOCK_T, BLOCK_R, num_warps)`` against its own choice, for
+    16384-token bf16 prefills of 8 and 16 KV heads, with slots in page order (a prefill's) and
+    shuffled; GB/s and the fraction of copy bandwidth."""
+    rows = []
+    T = PREFILL_TOKENS
+    for heads in (8, 16):
+        row_elems = heads * HEAD_DIM
+        pages = T // PAGE + 64
+        k, v, shuffled = _inputs(T, heads, pages, pad_last=False)
+        ordered = torch.arange(T, device="cuda") + 3 * PAGE  # page-aligned, consecutive
+        lay = _Layer(pages, heads, torch.bfloat16)
+        moved = 2 * T * row_elems * 2 * 2 + T * 8
+        configs = [None] + [
+            (bt, br, nw)
+            for br in (512, 1024, 2048)
+            if br <= row_elems
+            for bt in (1, 2, 4, 8, 16)
+            if 2048 <= bt * br <= 32768
+            for nw in (4, 8, 16)
+        ]
+        for slots_name, slots in (("page order", ordered), ("shuffled", shuffled)):
+            for cfg in configs:
+
+                def run(cfg=cfg, slots=slots, k=k, v=v, lay=lay) -> None:
+                    kv_write_triton.launch((k, v), (lay.k, lay.v), (None, None), slots, T, cfg)
+
+                us = back_to_back_us(run, iters)
+                gbs = moved / us / 1e3
+                rows.append(
+                    {
+                        "heads": heads,
+                        "slots": slots_name,
+                        "config": cfg or "default",
+                        "us": us,
+                        "GB/s": gbs,
+                        "of_copy": gbs / copy_gbs,
+                    }
+                )
+    return rows
+
+
 def bench_copy(iters: int) -> float:
     """GB/s of a 1 GiB device-to-device copy (read + write bytes)."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
@@ -159,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--layers", type=int, default=32, help="layers in the decode graph")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument(
+        "--sweep", action="store_true", help="only sweep the Triton writer's prefill tiling"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kv_write: needs a CUDA device", file=sys.stderr)
@@ -166,6 +213,17 @@ def main(argv: list[str] | None = None) -> int:
 
     copy_gbs = bench_copy(max(args.iters // 10, 10))
     print(f"{torch.cuda.get_device_name()}: 1 GiB device copy {copy_gbs:.0f} GB/s (read+write)")
+    if args.sweep:
+        rows = sweep_prefill(max(args.iters // 4, 20), copy_gbs)
+        print(f"prefill T={PREFILL_TOKENS} bf16 K+V: (BLOCK_T, BLOCK_R, num_warps)")
+        for r in sorted(rows, key=lambda r: (r["heads"], r["slots"], r["us"])):
+            print(
+                f"  {r['heads']:>2} heads, {r['slots']:<10} {r['config']!s:<16}"
+                f"{r['us']:>8.1f} us {r['GB/s']:>6.0f} GB/s {r['of_copy']:>5.0%} of copy"
+            )
+        if args.out:
+            args.out.write_text(json.dumps({"copy_GB/s": copy_gbs, "sweep": rows}, indent=2))
+        return 0
     decode = [bench_decode(b, args.layers, args.iters) for b in DECODE_BATCHES]
     print(f"\ndecode, {DECODE_HEADS} kv heads x {HEAD_DIM} bf16, page {PAGE}, padding possible")
     print(f"{'case':<14}{'torch x2 eager':>16}{'fused eager':>13}{'torch x2 graph':>16}"

@@ -227,6 +227,7 @@ def launch(
     scales: Sequence[torch.Tensor | float | None],
     slot_mapping: torch.Tensor,
     num_tokens: int,
+    config: tuple[int, int, int] | None = None,
 ) -> None:
     """Store ``xs[i][t]`` at slot ``slot_mapping[t]`` of ``caches[i]`` for one or two tensors.
 
@@ -240,11 +241,13 @@ def launch(
     :param slot_mapping: ``[>= T]`` integer on the cache's device; entry ``t`` < 0 or past the
         cache stores nothing.
     :param num_tokens: ``T`` (> 0), the rows of each ``x`` to write.
+    :param config: ``(BLOCK_T, BLOCK_R, num_warps)`` instead of :func:`_config`'s choice
+        (powers of two; for tuning sweeps).
     """
     fp8 = torch.float8_e4m3fn
     ops = [_operand(x, c, s, c.dtype == fp8) for x, c, s in zip(xs, caches, scales, strict=True)]
     a, b = ops[0], ops[-1]
-    block_t, block_r, num_warps = _config(num_tokens, max(a.row, b.row), len(ops))
+    block_t, block_r, num_warps = config or _config(num_tokens, max(a.row, b.row), len(ops))
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(max(a.row, b.row), block_r), len(ops))
     _write_kernel[grid](
         slot_mapping,

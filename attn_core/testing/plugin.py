@@ -4,13 +4,14 @@ Loaded by every pytest run where attn-core is installed, so it must stay cheap a
 imports nothing heavy at module level and changes nothing unless a backend is named::
 
     pytest --attn-backend=vendor:name [--attn-quick] [--attn-seed=N] [--attn-device=cpu]
-           [--attn-plugin=[NAME=]MODULE[:OBJECT] ...]
+           [--attn-plugin=[NAME=]MODULE[:OBJECT] ...] [--attn-shard=K/N]
 
 With a backend named, the run collects only the kit's battery (:mod:`attn_core.testing.battery`)
 instead of the project's tests, parametrised by the capability matrix of that backend, and ends
 with one line per advertised capability. Environment equivalents: ``ATTN_CORE_CONFORMANCE_BACKEND``,
 ``ATTN_CORE_CONFORMANCE_QUICK=1``, ``ATTN_CORE_CONFORMANCE_SEED``, ``ATTN_CORE_CONFORMANCE_DEVICE``,
-``ATTN_CORE_EXTRA_PLUGINS`` (comma-separated ``[NAME=]MODULE[:OBJECT]``).
+``ATTN_CORE_EXTRA_PLUGINS`` (comma-separated ``[NAME=]MODULE[:OBJECT]``),
+``ATTN_CORE_CONFORMANCE_SHARD``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ ENV_QUICK = "ATTN_CORE_CONFORMANCE_QUICK"
 ENV_SEED = "ATTN_CORE_CONFORMANCE_SEED"
 ENV_DEVICE = "ATTN_CORE_CONFORMANCE_DEVICE"
 ENV_EXTRA_PLUGINS = "ATTN_CORE_EXTRA_PLUGINS"
+ENV_SHARD = "ATTN_CORE_CONFORMANCE_SHARD"
 BATTERY = Path(__file__).with_name("battery.py")
 
 #: The kit session (registry, backend, device, seed), set in ``pytest_configure`` when enabled.
@@ -69,6 +71,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type=int,
         default=int(os.environ[ENV_SEED]) if os.environ.get(ENV_SEED) else None,
         help=f"base seed of the random inputs (default: fresh each run); env {ENV_SEED}",
+    )
+    group.addoption(
+        "--attn-shard",
+        default=os.environ.get(ENV_SHARD) or None,
+        metavar="K/N",
+        help="run only shard K of N (0 <= K < N; every N-th battery case from the K-th), to "
+        f"spread one battery over N GPUs as N runs with the same --attn-seed; env {ENV_SHARD}",
     )
     group.addoption(
         "--attn-device",
@@ -121,6 +130,34 @@ def pytest_configure(config: pytest.Config) -> None:
     ]
     if not config.args:
         config.args.append(battery)
+
+
+def _shard(config: pytest.Config) -> tuple[int, int] | None:
+    text = config.getoption("--attn-shard", default=None)
+    if not text:
+        return None
+    try:
+        k, n = (int(part) for part in text.split("/"))
+    except ValueError:
+        k = n = -1
+    if not 0 <= k < n:
+        raise pytest.UsageError(f"--attn-shard={text!r}: expected K/N with 0 <= K < N")
+    return k, n
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not enabled(config):
+        return
+    shard = _shard(config)
+    if shard is None:
+        return
+    k, n = shard
+    # Collection order is the battery's (deterministic), so the N runs split it exactly.
+    keep = [item for i, item in enumerate(items) if i % n == k]
+    drop = [item for i, item in enumerate(items) if i % n != k]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 def pytest_report_header(config: pytest.Config) -> list[str] | None:

@@ -29,6 +29,7 @@ def run_kit(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch):
         "ATTN_CORE_EXTRA_PLUGINS",
         "ATTN_CORE_CONFORMANCE_SEED",
         "ATTN_CORE_CONFORMANCE_QUICK",
+        "ATTN_CORE_CONFORMANCE_SHARD",
     ):
         monkeypatch.delenv(name, raising=False)
 

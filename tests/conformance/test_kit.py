@@ -114,6 +114,23 @@ def _run_broken(pytester, run_kit, defect: str) -> tuple[pytest.RunResult, dict[
     return result, _summary(result)
 
 
+def test_shards_split_the_battery_exactly(run_kit) -> None:
+    """``--attn-shard K/N`` runs are disjoint and together collect the whole battery."""
+
+    def collected(*extra: str) -> list[str]:
+        result = run_kit("--attn-backend=attn_core:reference", "--attn-quick",
+                         "--collect-only", "-q", *extra)  # fmt: skip
+        assert result.ret == 0, result.stdout.str()[-2000:]
+        return [line for line in result.stdout.lines if "::" in line]
+
+    whole = collected()
+    parts = [collected(f"--attn-shard={k}/3") for k in range(3)]
+    assert len(whole) > 30 and all(parts)
+    assert sorted(line for part in parts for line in part) == sorted(whole)
+    bad = run_kit("--attn-backend=attn_core:reference", "--attn-shard=3/3", "--collect-only")
+    assert bad.ret != 0 and "expected K/N with 0 <= K < N" in bad.stderr.str()
+
+
 def test_reference_passes_quick(run_kit) -> None:
     result = run_kit("--attn-backend=attn_core:reference", "--attn-quick")
     outcomes = result.parseoutcomes()

@@ -22,7 +22,8 @@ Sections:
   the hi/lo split), ``impl="fla"``, ``impl="torch"`` (T = 8192, one request); tokens/s, the
   ratio to fla's rate in the same run and to the published fused SSD rate.
 * plugin_step (``--plugin``): a 4-layer GDN decode step (conv1d + recurrent update) at B = 64,
-  256 through the runtime's bindings vs the same kernels called directly; ratio of times.
+  256 through the runtime's bindings vs the same kernels called directly; ratio of times, eager
+  (host launch cost included) and with each step captured in a CUDA graph.
 
 Timing: ``triton.testing.do_bench`` (L2 flushed between calls, median). The decode kernels
 write the state in place, so each timed call starts from the previous call's state; the
@@ -370,13 +371,23 @@ def job_plugin_step(B: int, layers: int = 4, device: str = "cuda", hk=HK, hv=HV,
     if device == "cpu":  # dry run: one call each
         through_plugin(), direct()
         return {"ok": True}
-    # interleave the two so clock or thermal drift hits both alike
-    times = {"plugin": [], "direct": []}
+    from attn_core.bench_util import capture_graph
+
+    # Eager (host launch cost included, which is the plugin's per-call Python) and each step
+    # captured in a CUDA graph (what a server replays: GPU time only). Interleaved, so clock or
+    # thermal drift hits both alike.
+    graphs = {"plugin": capture_graph(through_plugin), "direct": capture_graph(direct)}
+    fns = {"plugin": through_plugin, "direct": direct}
+    times = {k: [] for k in ("plugin", "direct", "plugin_graph", "direct_graph")}
     for _ in range(3):
-        times["plugin"].append(_bench(through_plugin))
-        times["direct"].append(_bench(direct))
-    plugin_ms, direct_ms = min(times["plugin"]), min(times["direct"])
-    return {"ms": plugin_ms, "direct_ms": direct_ms, "ratio": plugin_ms / direct_ms,
+        for k in ("plugin", "direct"):
+            times[k].append(_bench(fns[k]))
+            times[f"{k}_graph"].append(_bench(graphs[k].replay))
+    best = {k: min(v) for k, v in times.items()}
+    return {"ms": best["plugin"], "direct_ms": best["direct"],
+            "ratio": best["plugin"] / best["direct"],
+            "graph_ms": best["plugin_graph"], "graph_direct_ms": best["direct_graph"],
+            "graph_ratio": best["plugin_graph"] / best["direct_graph"],
             "layers": layers}  # fmt: skip
 
 
@@ -512,6 +523,9 @@ def _table(results: list, copy_bw: float | None) -> str:
                 val += f"; no CUDA graph ({r['graph_error'][:80]})"
         elif "ratio" in r:
             val = f"plugin {r['ms']:.4f} ms  direct {r['direct_ms']:.4f} ms  ratio {r['ratio']:.3f}"
+            if "graph_ratio" in r:
+                val += (f"; graphs {r['graph_ms']:.4f} / {r['graph_direct_ms']:.4f} ms"
+                        f"  ratio {r['graph_ratio']:.3f}")  # fmt: skip
         else:
             continue
         lines.append(f"{r['section']:<14} {head:<72} {val}")
