@@ -160,7 +160,7 @@ def bench_build_prepare(
                 "total_p90_us": sorted(total)[int(0.9 * len(total))] * 1e6,
             }
         )
-        if count_calls and max_b == B:
+        if count_calls and (max_b == B or staggered):
 
             def one_step(reqs=reqs, state=state, runtime=runtime, builder=builder) -> None:
                 for r, _ in reqs:
@@ -169,22 +169,26 @@ def bench_build_prepare(
 
             calls = _count_calls(device, one_step, 32)
             what = "CUDA API calls" if device.type == "cuda" else "top-level torch ops"
-            report += f"{what} per decode step at B={B} (32 steps, page crossings included):\n"
+            how = "staggered contexts" if staggered else "page crossings included"
+            report += f"{what} per decode step at B={B} (32 steps, {how}):\n"
             report += "".join(f"  {k:<32}{v:8.2f}\n" for k, v in calls.items())
             report += f"  {'total':<32}{sum(calls.values()):8.2f}\n\n"
-        if profile and max_b == B:
-            # Only build() under the profiler, and only the steps that cross no page boundary
-            # (the median step): the bench's own advance() calls stay outside.
+        if profile and (max_b == B or staggered):
+            # Only build() under the profiler: the bench's own advance() calls stay outside.
+            # Same-context runs profile the steps that cross no page boundary (the median
+            # step); staggered runs every step (each has crossings).
             prof, profiled = cProfile.Profile(), 0
             for _ in range(steps):
                 for r, _ in reqs:
                     state.advance(r, 1)
-                if state.num_tokens(reqs[0][0]) % PAGE:
+                if staggered or state.num_tokens(reqs[0][0]) % PAGE:
                     profiled += 1
                     prof.enable()
                 builder.build(reqs)
                 prof.disable()
-            what = f"BatchBuilder.build at B={B}, steps without a page crossing"
+            what = f"BatchBuilder.build at B={B}, " + (
+                "staggered contexts" if staggered else "steps without a page crossing"
+            )
             report += profile_table(prof, profiled, what)
     return rows, report
 
@@ -289,6 +293,11 @@ def main(argv: list[str] | None = None) -> dict:
         _, report = bench_build_prepare(
             device, args.steps, profile=args.profile or over, count_calls=args.count_calls
         )
+    if args.profile:  # where a staggered step's time goes
+        _, more = bench_build_prepare(
+            device, args.steps, profile=True, count_calls=args.count_calls, staggered=True
+        )
+        report += more
     dispatch = bench_dispatch(device, args.calls)
 
     print(f"device: {device} ({DeviceCapabilities.detect(device).short()})")

@@ -380,9 +380,9 @@ def job_plugin_step(B: int, layers: int = 4, device: str = "cuda", hk=HK, hv=HV,
     fns = {"plugin": through_plugin, "direct": direct}
     times = {k: [] for k in ("plugin", "direct", "plugin_graph", "direct_graph")}
     for _ in range(3):
-        for k in ("plugin", "direct"):
-            times[k].append(_bench(fns[k]))
-            times[f"{k}_graph"].append(_bench(graphs[k].replay))
+        for how in ("plugin", "direct"):
+            times[how].append(_bench(fns[how]))
+            times[f"{how}_graph"].append(_bench(graphs[how].replay))
     best = {k: min(v) for k, v in times.items()}
     return {"ms": best["plugin"], "direct_ms": best["direct"],
             "ratio": best["plugin"] / best["direct"],
