@@ -148,12 +148,18 @@ def bench_prefill(dtype: torch.dtype, iters: int, copy_gbs: float) -> dict:
     return row
 
 
-def sweep_prefill(iters: int, copy_gbs: float) -> list[dict]:
+def sweep_prefill(iters: int, copy_gbs: float, rounds: int = 5) -> list[dict]:
     """The Triton writer's ``(BLOCK_T, BLOCK_R, num_warps)`` against its own choice, for
     16384-token bf16 prefills of 8 and 16 KV heads, with slots in page order (a prefill's) and
-    shuffled; GB/s and the fraction of copy bandwidth."""
+    shuffled: each configuration timed in ``rounds`` interleaved rounds (best and median kept,
+    so that drift hits every configuration alike); GB/s and the fraction of copy bandwidth."""
     rows = []
     T = PREFILL_TOKENS
+    candidates = [
+        (bt, br, nw)
+        for bt, br in ((4, 1024), (8, 512), (16, 512), (8, 1024), (16, 1024), (8, 2048))
+        for nw in (4, 8)
+    ]
     for heads in (8, 16):
         row_elems = heads * HEAD_DIM
         pages = T // PAGE + 64
@@ -161,30 +167,27 @@ def sweep_prefill(iters: int, copy_gbs: float) -> list[dict]:
         ordered = torch.arange(T, device="cuda") + 3 * PAGE  # page-aligned, consecutive
         lay = _Layer(pages, heads, torch.bfloat16)
         moved = 2 * T * row_elems * 2 * 2 + T * 8
-        configs = [None] + [
-            (bt, br, nw)
-            for br in (512, 1024, 2048)
-            if br <= row_elems
-            for bt in (1, 2, 4, 8, 16)
-            if 2048 <= bt * br <= 32768
-            for nw in (4, 8, 16)
-        ]
+        configs = [None] + [c for c in candidates if c[1] <= row_elems]
         for slots_name, slots in (("page order", ordered), ("shuffled", shuffled)):
-            for cfg in configs:
+            times: dict = {cfg: [] for cfg in configs}
+            for _ in range(rounds):
+                for cfg in configs:
 
-                def run(cfg=cfg, slots=slots, k=k, v=v, lay=lay) -> None:
-                    kv_write_triton.launch((k, v), (lay.k, lay.v), (None, None), slots, T, cfg)
+                    def run(cfg=cfg, slots=slots, k=k, v=v, lay=lay) -> None:
+                        kv_write_triton.launch((k, v), (lay.k, lay.v), (None, None), slots, T, cfg)
 
-                us = back_to_back_us(run, iters)
-                gbs = moved / us / 1e3
+                    times[cfg].append(back_to_back_us(run, iters))
+            for cfg, ts in times.items():
+                best = min(ts)
                 rows.append(
                     {
                         "heads": heads,
                         "slots": slots_name,
                         "config": cfg or "default",
-                        "us": us,
-                        "GB/s": gbs,
-                        "of_copy": gbs / copy_gbs,
+                        "us": best,
+                        "median_us": sorted(ts)[len(ts) // 2],
+                        "GB/s": moved / best / 1e3,
+                        "of_copy": moved / best / 1e3 / copy_gbs,
                     }
                 )
     return rows
@@ -219,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in sorted(rows, key=lambda r: (r["heads"], r["slots"], r["us"])):
             print(
                 f"  {r['heads']:>2} heads, {r['slots']:<10} {r['config']!s:<16}"
-                f"{r['us']:>8.1f} us {r['GB/s']:>6.0f} GB/s {r['of_copy']:>5.0%} of copy"
+                f"{r['us']:>8.1f} us (median {r['median_us']:>6.1f}) {r['GB/s']:>6.0f} GB/s"
+                f" {r['of_copy']:>5.0%} of copy"
             )
         if args.out:
             args.out.write_text(json.dumps({"copy_GB/s": copy_gbs, "sweep": rows}, indent=2))

@@ -233,6 +233,28 @@ def job_prefill_ours(T: int, n_seq: int, with_fla: bool = True) -> dict:
         graph["fla"].append(_bench(g_fla.replay, warmup=10, rep=100))
     res["graph_ms"], res["graph_fla_ms"] = min(graph["ours"]), min(graph["fla"])
     res["graph_ratio_to_fla"] = res["graph_ms"] / res["graph_fla_ms"]
+    # Where the gain over fla's public function comes from: the same wrapper gathering and
+    # scattering the states around it (slot_pass=False), and the state pass's tilings.
+    from attn_plugin_triton_ssm.kernels import gdn_chunk
+
+    def gather():
+        return gdn_prefill(q, k, v, g, beta, state, idx, cu64, cu_seqlens_cpu=cu_cpu,
+                           slot_pass=False)  # fmt: skip
+
+    variants = {"gather_scatter": gather}
+    for bv, nw, ns in ((32, 4, 2), (64, 4, 2), (32, 2, 2), (64, 8, 2), (32, 4, 3), (64, 4, 3)):
+        variants[f"pass BV={bv} warps={nw} stages={ns}"] = (
+            lambda bv=bv, nw=nw, ns=ns: gdn_chunk.gdn_chunk_prefill_slots(
+                q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
+                use_qk_l2norm=True, block_v=bv, num_warps=nw, num_stages=ns,
+            )
+        )  # fmt: skip
+    for name, fn in variants.items():
+        try:
+            gr = capture_graph(fn)
+            res[f"graph_ms[{name}]"] = min(_bench(gr.replay, warmup=10, rep=100) for _ in range(2))
+        except Exception as exc:  # reported per variant
+            res[f"graph_ms[{name}]"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     return res
 
 
@@ -521,6 +543,10 @@ def _table(results: list, copy_bw: float | None) -> str:
                 val += f"ms, ratio {r['graph_ratio_to_fla']:.3f}"
             elif "graph_error" in r:
                 val += f"; no CUDA graph ({r['graph_error'][:80]})"
+            for key, ms in r.items():
+                if key.startswith("graph_ms["):
+                    ms = f"{ms:.3f} ms" if isinstance(ms, float) else ms
+                    val += f"\n{'':<16}{key[len('graph_ms[') : -1]}: {ms}"
         elif "ratio" in r:
             val = f"plugin {r['ms']:.4f} ms  direct {r['direct_ms']:.4f} ms  ratio {r['ratio']:.3f}"
             if "graph_ratio" in r:

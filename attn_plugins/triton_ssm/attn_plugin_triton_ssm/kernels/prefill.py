@@ -2,10 +2,12 @@
 Triton chunked SSD (:mod:`~attn_plugin_triton_ssm.kernels.ssd`) or a chunked SSD in torch, all
 with the state in slots.
 
-Every wrapper takes the step's tokens packed (varlen) with ``cu_seqlens`` ``[N + 1]``, gathers
-the initial states of the ``N`` sequences from ``ssm_state[state_indices]``, runs the chunked
-algorithm and scatters the final states back into the same slots. Prefill is not graph-captured,
-so no padding rows are expected: every ``state_indices`` entry must be a valid slot.
+Every wrapper takes the step's tokens packed (varlen) with ``cu_seqlens`` ``[N + 1]``, starts
+each of the ``N`` sequences from its state in ``ssm_state[state_indices]`` and leaves the final
+state in the same slot. Gated DeltaNet on CUDA reads and writes the slots in its own state pass
+(:mod:`.gdn_chunk`); the other paths gather the initial states into a dense tensor, run the
+chunked algorithm and scatter the final states back. Prefill is not graph-captured, so no
+padding rows are expected: every ``state_indices`` entry must be a valid slot.
 
 fla's chunk kernels need CUDA. On CPU the GDN/KDA wrappers fall back to fla's naive recurrent
 functions (slow; for tests and small experiments), so the gather/scatter logic runs everywhere.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from attn_plugin_triton_ssm.kernels import gdn_chunk
 from attn_plugin_triton_ssm.kernels._common import (
     STATE_DTYPES,
     check_dtype,
@@ -51,7 +54,7 @@ def _l2(x: torch.Tensor) -> torch.Tensor:
 
 
 def _delta_prefill(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens, *, kda, scale,
-                   use_qk_l2norm, out, cu_seqlens_cpu):  # fmt: skip
+                   use_qk_l2norm, out, cu_seqlens_cpu, slot_pass=None):  # fmt: skip
     check_shape("q", q, [None, None, None], "[T, Hk, Dk] (packed tokens)")
     T, Hk, Dk = q.shape
     check_shape("k", k, [T, Hk, Dk], "[T, Hk, Dk] like q")
@@ -69,6 +72,20 @@ def _delta_prefill(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens, *, kd
     _check_varlen(state_indices, cu_seqlens, T)
     if scale is None:
         scale = Dk**-0.5
+    if slot_pass is None:
+        slot_pass = _slot_pass_serves(q, ssm_state, kda)
+    elif slot_pass and not _slot_pass_serves(q, ssm_state, kda):
+        raise ValueError(
+            "slot_pass=True: needs CUDA, Gated DeltaNet, K <= 256, each slot's [Hv, Dk, Dv] "
+            f"contiguous and fla-core's stages ({gdn_chunk.unavailable() or 'importable'})"
+        )
+    if slot_pass:
+        o = gdn_chunk.gdn_chunk_prefill_slots(
+            q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
+            ssm_state, state_indices, cu_seqlens.long(), _host_offsets(cu_seqlens_cpu),
+            scale=scale, use_qk_l2norm=use_qk_l2norm,
+        )  # fmt: skip
+        return _finish(o, v, out, T, Hv, Dv)
     idx = state_indices.long()
     h0 = ssm_state.index_select(0, idx).float()
 
@@ -87,6 +104,22 @@ def _delta_prefill(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens, *, kd
         o, ht = _naive_varlen(q, k, v, g, beta, h0, cu_seqlens, kda=kda, scale=scale,
                               use_qk_l2norm=use_qk_l2norm)  # fmt: skip
     ssm_state.index_copy_(0, idx, ht.to(ssm_state.dtype))
+    return _finish(o, v, out, T, Hv, Dv)
+
+
+def _slot_pass_serves(q: torch.Tensor, ssm_state: torch.Tensor, kda: bool) -> bool:
+    """Whether :mod:`.gdn_chunk` (the state pass reading and writing slots) takes this call."""
+    Dk, Dv = ssm_state.shape[2], ssm_state.shape[3]
+    return (
+        q.is_cuda
+        and not kda
+        and Dk <= 256
+        and ssm_state.stride()[1:] == (Dk * Dv, Dv, 1)
+        and gdn_chunk.unavailable() is None
+    )
+
+
+def _finish(o: torch.Tensor, v: torch.Tensor, out, T: int, Hv: int, Dv: int) -> torch.Tensor:
     if out is None:
         return o.to(v.dtype)
     check_shape("out", out, [T, Hv, Dv], "[T, Hv, Dv]")
@@ -138,8 +171,15 @@ def gdn_prefill(
     use_qk_l2norm: bool = True,
     out: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    slot_pass: bool | None = None,
 ) -> torch.Tensor:
     """Gated DeltaNet chunked prefill over packed sequences (fla ``chunk_gated_delta_rule``).
+
+    On CUDA the inter-chunk state pass is ours (:mod:`.gdn_chunk`): it reads the initial states
+    from their slots and writes the final states back, where fla's public function needs them
+    gathered into a dense tensor and scattered back. ``slot_pass`` forces that path (True:
+    ``ValueError`` where it cannot serve the call) or fla's public function with the gather and
+    scatter (False); None takes the slot pass wherever it serves.
 
     :param q: ``[T, Hk, Dk]`` packed tokens of ``N`` sequences; ``k`` likewise.
     :param v: ``[T, Hv, Dv]``; ``g`` ``[T, Hv]`` log decay; ``beta`` ``[T, Hv]``.
@@ -154,7 +194,7 @@ def gdn_prefill(
     """
     return _delta_prefill(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens, kda=False,
                           scale=scale, use_qk_l2norm=use_qk_l2norm, out=out,
-                          cu_seqlens_cpu=cu_seqlens_cpu)  # fmt: skip
+                          cu_seqlens_cpu=cu_seqlens_cpu, slot_pass=slot_pass)  # fmt: skip
 
 
 def kda_prefill(

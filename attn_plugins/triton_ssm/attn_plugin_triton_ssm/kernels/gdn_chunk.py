@@ -1,0 +1,248 @@
+"""Gated DeltaNet chunked prefill with the recurrent state read from and written to its slots.
+
+fla-core's ``chunk_gated_delta_rule`` takes the initial states as a dense ``[N, Hv, K, V]``
+tensor and returns the final states likewise, so a caller whose states live in slots of a pool
+gathers them before and scatters them after: two extra passes over ``N * Hv * K * V`` float32
+(16 sequences of Qwen3-Next's 32 heads: 34 MB each way, ~10 % of a T = 8192 prefill).
+
+Here fla's stages run as in its forward - l2norm of q and k, the chunk-local cumulative decay,
+the intra-chunk WY representation (``w``, ``u``) and the output pass (``chunk_fwd_o``) - and only
+the inter-chunk state pass is ours: :func:`_chunk_state_kernel` loads each sequence's initial
+state from ``ssm_state[state_indices[n]]``, walks its chunks and stores the final state back
+into the same slot. What it writes for fla's output pass is what fla's own state pass writes:
+the state entering every chunk ``h`` ``[1, NT, Hv, K, V]`` (in k's dtype) and the corrected
+values ``v_new = u - w @ h`` ``[1, T, Hv, V]``.
+
+Per chunk of ``BT`` tokens (``g`` the chunk-local cumulative log2 decay, ``g_last`` its value at
+the chunk's last token)::
+
+    v_new = u - w @ h
+    h     = exp2(g_last) * h + k^T @ (exp2(g_last - g) * v_new)
+
+fla's internal functions are imported on first use; :func:`unavailable` says why this path
+cannot run (fla-core missing, or its internals moved in another version), and the prefill
+wrapper then gathers and scatters around fla's public function instead.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from attn_plugin_triton_ssm.kernels._common import INTERPRETED
+
+__all__ = ["CHUNK", "chunk_state_pass", "gdn_chunk_prefill_slots", "unavailable"]
+
+#: fla's chunk size for Gated DeltaNet (its stages are compiled for it).
+CHUNK = 64
+
+
+@functools.cache
+def _fla_stages() -> tuple[dict, str | None]:
+    try:
+        from fla.modules.norm.l2norm import l2norm_fwd
+        from fla.ops.common.chunk_o import chunk_fwd_o
+        from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+        from fla.ops.utils import chunk_local_cumsum
+        from fla.ops.utils.constant import RCP_LN2
+        from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
+    except ImportError as exc:  # fla-core absent, or its internals moved
+        return {}, f"fla-core internals not importable ({exc})"
+    return {
+        "l2norm_fwd": l2norm_fwd,
+        "chunk_fwd_o": chunk_fwd_o,
+        "intra": chunk_gated_delta_rule_fwd_intra,
+        "cumsum": chunk_local_cumsum,
+        "RCP_LN2": RCP_LN2,
+        "chunk_indices": prepare_chunk_indices,
+        "chunk_offsets": prepare_chunk_offsets,
+    }, None
+
+
+def unavailable() -> str | None:
+    """Why :func:`gdn_chunk_prefill_slots` cannot run here, or None (imports fla on first call)."""
+    return _fla_stages()[1]
+
+
+@triton.jit(do_not_specialize=["slot_stride"])
+def _chunk_state_kernel(
+    k_ptr,  # [T, H, K] (l2-normalised keys), k dtype
+    w_ptr,  # [T, HV, K]
+    u_ptr,  # [T, HV, V]
+    g_ptr,  # [T, HV] float32, chunk-local cumulative log2 decay
+    h_ptr,  # [NT_total, HV, K, V] out: the state entering each chunk, k dtype
+    v_new_ptr,  # [T, HV, V] out
+    state_ptr,  # [S, HV, K, V] float32 / bfloat16 slots, read then overwritten
+    slot_ptr,  # [N] slots
+    cu_ptr,  # [N + 1] token offsets
+    chunk_off_ptr,  # [N + 1] chunk offsets
+    slot_stride,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Grid ``(cdiv(V, BV), N * HV)``: one program carries a ``[K, BV]`` block of one head's
+    state through every chunk of one sequence. ``UPCAST`` (Triton's interpreter, whose 16-bit
+    dots are wrong): dot operands rounded to the input dtype as compiled, then multiplied in
+    float32."""
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = i_nh // HV
+    i_h = i_nh % HV
+    i_hk = i_h // (HV // H)  # the key head this value head reads (GQA-style grouping)
+    bos = tl.load(cu_ptr + i_n).to(tl.int64)
+    T = tl.load(cu_ptr + i_n + 1).to(tl.int64) - bos
+    first_chunk = tl.load(chunk_off_ptr + i_n).to(tl.int64)
+    slot = tl.load(slot_ptr + i_n).to(tl.int64)
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    kv_offs = o_k[:, None] * V + o_v[None, :]
+    p_state = state_ptr + slot * slot_stride + i_h * K * V + kv_offs
+    b_h = tl.load(p_state, mask=m_kv, other=0.0).to(tl.float32)
+
+    for i_t in range(tl.cdiv(T, BT)):
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        tok = bos + o_t
+        # the state entering this chunk, for fla's output pass
+        p_h = h_ptr + ((first_chunk + i_t) * HV + i_h) * K * V + kv_offs
+        tl.store(p_h, b_h.to(h_ptr.dtype.element_ty), mask=m_kv)
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_w = tl.load(w_ptr + (tok[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_u = tl.load(u_ptr + (tok[:, None] * HV + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_hq = b_h.to(b_w.dtype)
+        if UPCAST:
+            b_v = b_u.to(tl.float32) - tl.dot(b_w.to(tl.float32), b_hq.to(tl.float32))
+        else:
+            b_v = b_u.to(tl.float32) - tl.dot(b_w, b_hq)
+        p_vn = v_new_ptr + (tok[:, None] * HV + i_h) * V + o_v[None, :]
+        tl.store(p_vn, b_v.to(v_new_ptr.dtype.element_ty), mask=m_tv)
+        # decay to the chunk's end, then add the chunk's keys times its decayed values
+        last = tl.minimum((i_t + 1) * BT, T) - 1
+        g_last = tl.load(g_ptr + (bos + last) * HV + i_h).to(tl.float32)
+        b_g = tl.load(g_ptr + tok * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+        b_v = b_v * tl.where(m_t, tl.exp2(g_last - b_g), 0.0)[:, None]
+        b_k = tl.load(k_ptr + (tok[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_vq = b_v.to(b_k.dtype)
+        if UPCAST:
+            b_h = b_h * tl.exp2(g_last) + tl.dot(tl.trans(b_k.to(tl.float32)), b_vq.to(tl.float32))
+        else:
+            b_h = b_h * tl.exp2(g_last) + tl.dot(tl.trans(b_k), b_vq)
+
+    tl.store(p_state, b_h.to(state_ptr.dtype.element_ty), mask=m_kv)
+
+
+def _block_v(num_programs_bv64: int, V: int) -> int:
+    """32 when blocks of 64 would leave SMs idle (one long sequence: the pass is a chain of
+    chunks, so parallelism comes from heads and value blocks only), else 64."""
+    sms = 132
+    if torch.cuda.is_available():
+        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return 32 if num_programs_bv64 < 2 * sms or V < 64 else 64
+
+
+def chunk_state_pass(
+    k: torch.Tensor,
+    w: torch.Tensor,
+    u: torch.Tensor,
+    g: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    chunk_offsets: torch.Tensor,
+    num_chunks: int,
+    *,
+    block_v: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inter-chunk state pass over slots (see the module docstring).
+
+    :param k: ``[T, H, K]`` keys (already l2-normalised when the layer asks for it).
+    :param w: ``[T, HV, K]``, ``u``: ``[T, HV, V]`` fla's WY representation of each chunk.
+    :param g: ``[T, HV]`` float32 chunk-local cumulative log2 decay.
+    :param ssm_state: ``[S, HV, K, V]`` float32/bfloat16, each slot's ``[HV, K, V]`` contiguous.
+    :param state_indices: ``[N]`` distinct slots; ``cu_seqlens``: ``[N + 1]`` token offsets;
+        ``chunk_offsets``: ``[N + 1]`` offsets of each sequence's chunks (``num_chunks`` total).
+    :returns: ``h`` ``[1, num_chunks, HV, K, V]`` in k's dtype and ``v_new`` like ``u``
+        (``[1, T, HV, V]``), the tensors fla's ``chunk_fwd_o`` reads.
+    """
+    T, H, K = k.shape
+    HV, V = u.shape[1], u.shape[2]
+    N = state_indices.shape[0]
+    h = k.new_empty(1, num_chunks, HV, K, V)
+    v_new = torch.empty_like(u)
+    if not N or not T:
+        return h, v_new[None]
+    BV = block_v or _block_v(triton.cdiv(V, 64) * N * HV, V)
+    grid = (triton.cdiv(V, BV), N * HV)
+    _chunk_state_kernel[grid](
+        k, w, u, g, h, v_new, ssm_state, state_indices, cu_seqlens, chunk_offsets,
+        ssm_state.stride(0),
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=max(16, triton.next_power_of_2(K)), BV=BV,
+        UPCAST=INTERPRETED, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return h, v_new[None]
+
+
+def gdn_chunk_prefill_slots(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_cpu: torch.Tensor | None,
+    *,
+    scale: float,
+    use_qk_l2norm: bool,
+    **pass_options,
+) -> torch.Tensor:
+    """Gated DeltaNet chunked prefill on CUDA with fla's stages and our state pass over slots.
+
+    :param q: ``[T, H, K]``, ``k`` likewise, ``v`` ``[T, HV, V]``, ``g`` ``[T, HV]`` log
+        decay, ``beta`` ``[T, HV]`` (contiguous; checked by the caller).
+    :param cu_seqlens: ``[N + 1]`` int64 device offsets (``cu_seqlens_cpu`` the same on the
+        host, so that fla plans its chunks without reading the device).
+    :returns: the output ``[T, HV, V]`` in v's dtype; the slots hold the final states.
+    """
+    f, reason = _fla_stages()
+    if reason:
+        raise RuntimeError(reason)
+    q, k, v, g, beta = (t[None] for t in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, _ = f["l2norm_fwd"](q)
+        k, _ = f["l2norm_fwd"](k)
+    chunk_indices = f["chunk_indices"](cu_seqlens, CHUNK, cu_seqlens_cpu=cu_seqlens_cpu)
+    chunk_offsets = f["chunk_offsets"](cu_seqlens, CHUNK)
+    g = f["cumsum"](
+        g, chunk_size=CHUNK, scale=f["RCP_LN2"], cu_seqlens=cu_seqlens, chunk_indices=chunk_indices
+    )
+    w, u, _ = f["intra"](
+        k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+        chunk_size=CHUNK,
+    )  # fmt: skip
+    h, v_new = chunk_state_pass(
+        k[0], w[0], u[0], g[0], ssm_state, state_indices, cu_seqlens, chunk_offsets,
+        chunk_indices.shape[0], **pass_options,
+    )  # fmt: skip
+    o = f["chunk_fwd_o"](
+        q=q, k=k, v=v_new, h=h, g=g, scale=scale, cu_seqlens=cu_seqlens,
+        chunk_indices=chunk_indices, chunk_size=CHUNK,
+    )  # fmt: skip
+    return o[0]

@@ -1,0 +1,147 @@
+"""The Gated DeltaNet chunk state pass over slots (``kernels.gdn_chunk``).
+
+``chunk_state_pass`` against the same recurrence written out in float64 torch, on varlen batches
+whose sequences end inside and exactly on chunk boundaries, with grouped key heads and slots in
+no order (CPU: Triton's interpreter; CUDA: compiled). On CUDA the whole slot path of
+``gdn_prefill`` against fla's public ``chunk_gated_delta_rule`` with gathered states, at
+Qwen3-Next's head shape.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_device import DEV, K  # first: picks the interpreter on a machine without CUDA
+
+gdn_chunk = K.gdn_chunk  # the submodule, imported by the package after kernel_device
+BT = gdn_chunk.CHUNK
+S = 7  # slots in the pool
+SLOTS = [5, 0, 3]
+
+
+def _inputs(lens, H, HV, Kd, Vd, dtype, state_dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(DEV)
+
+    k = r(T, H, Kd, scale=Kd**-0.5).to(dtype)
+    w = r(T, HV, Kd, scale=Kd**-0.5).to(dtype)
+    u = r(T, HV, Vd).to(dtype)
+    # chunk-local cumulative log2 decay: restarts at every chunk of every sequence
+    step = -torch.rand(T, HV, generator=g).to(DEV) * 0.2
+    gc = torch.empty_like(step)
+    start = 0
+    for n in lens:
+        for c in range(0, n, BT):
+            s, e = start + c, start + min(c + BT, n)
+            gc[s:e] = step[s:e].cumsum(0)
+        start += n
+    state = r(S, HV, Kd, Vd).to(state_dtype)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEV)
+    chunks = [-(-n // BT) for n in lens]
+    chunk_off = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()], device=DEV)
+    idx = torch.tensor(SLOTS[: len(lens)], device=DEV, dtype=torch.int32)
+    return k, w, u, gc, state, idx, cu, chunk_off, sum(chunks)
+
+
+def _reference(k, w, u, gc, state, idx, cu, lens):
+    """The pass written out per sequence and chunk in float64, from the same rounded inputs."""
+    d = torch.float64
+    H, HV = k.shape[1], u.shape[1]
+    kk = k.to(d).repeat_interleave(HV // H, dim=1)
+    w, u, gc = w.to(d), u.to(d), gc.to(d)
+    hs, v_new, finals = [], torch.empty_like(u), {}
+    for i, n in enumerate(lens):
+        h = state[int(idx[i])].to(d).clone()  # [HV, K, V]
+        s0 = int(cu[i])
+        for c in range(0, n, BT):
+            s, e = s0 + c, s0 + min(c + BT, n)
+            hs.append(h.clone())
+            vn = u[s:e] - torch.einsum("thk,hkv->thv", w[s:e], h)
+            v_new[s:e] = vn
+            g_last = gc[e - 1]  # [HV]
+            decay = torch.exp2(g_last[None] - gc[s:e])  # [t, HV]
+            h = torch.exp2(g_last)[:, None, None] * h + torch.einsum(
+                "thk,thv->hkv", kk[s:e], vn * decay[..., None]
+            )
+        finals[int(idx[i])] = h
+    return torch.stack(hs), v_new, finals
+
+
+@pytest.mark.parametrize(
+    ("lens", "H", "HV", "dtype", "state_dtype"),
+    [
+        ([70, BT, 5], 2, 4, torch.float32, torch.float32),  # inside / on a chunk boundary
+        ([2 * BT + 1], 1, 2, torch.bfloat16, torch.float32),
+        ([33, 130], 2, 2, torch.bfloat16, torch.bfloat16),
+    ],
+)
+def test_state_pass_matches_the_recurrence(lens, H, HV, dtype, state_dtype):
+    Kd, Vd = 32, 32
+    k, w, u, gc, state, idx, cu, chunk_off, nt = _inputs(lens, H, HV, Kd, Vd, dtype, state_dtype)
+    before = state.clone()
+    h_ref, v_ref, finals = _reference(k, w, u, gc, before, idx, cu, lens)
+    h, v_new = gdn_chunk.chunk_state_pass(
+        k, w, u, gc, state, idx, cu, chunk_off, nt, block_v=16, num_warps=2
+    )
+    assert h.shape == (1, nt, HV, Kd, Vd) and h.dtype == dtype
+    assert v_new.shape == (1, *u.shape) and v_new.dtype == dtype
+    # 16-bit inputs: the kernel's dots round h to the input dtype, as fla's pass does
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    scale = h_ref.abs().max().item()
+    assert (h[0].double() - h_ref).abs().max().item() < tol * scale
+    assert (v_new[0].double() - v_ref).abs().max().item() < tol * v_ref.abs().max().item()
+    s_tol = tol if state_dtype == torch.float32 else 3e-2
+    for slot, want in finals.items():
+        got = state[slot].double()
+        assert (got - want).abs().max().item() < s_tol * want.abs().max().item(), slot
+    untouched = [s for s in range(S) if s not in finals]
+    assert torch.equal(state[untouched], before[untouched])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA (fla's chunk stages)")
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_slot_path_matches_fla_with_gathered_states(state_dtype):
+    """Qwen3-Next heads (16 key / 32 value heads, d 128), 5 sequences in arbitrary slots: the
+    slot path and fla's public function (states gathered and scattered) run the same stages, so
+    outputs and states agree to bf16 rounding; other slots stay untouched."""
+    torch.manual_seed(0)
+    lens = [1000, 64, 1, 257, 2100]
+    T, Hk, Hv, D = sum(lens), 16, 32, 128
+    q, k = (torch.randn(T, Hk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(T, Hv, D, device="cuda", dtype=torch.bfloat16)
+    g = -torch.rand(T, Hv, device="cuda") * 0.3
+    beta = torch.rand(T, Hv, device="cuda")
+    state = (torch.randn(12, Hv, D, D, device="cuda") * 0.1).to(state_dtype)
+    idx = torch.tensor([9, 2, 11, 0, 5], device="cuda", dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
+    cu_cpu = cu.cpu()
+    gathered = state.clone()
+    y_slots = K.gdn_prefill(q, k, v, g, beta, state, idx, cu, cu_seqlens_cpu=cu_cpu,
+                            slot_pass=True)  # fmt: skip
+    y_fla = K.gdn_prefill(q, k, v, g, beta, gathered, idx, cu, cu_seqlens_cpu=cu_cpu,
+                          slot_pass=False)  # fmt: skip
+    rel = ((y_slots.float() - y_fla.float()).abs().mean() / y_fla.float().abs().mean()).item()
+    assert rel < 2e-3, rel
+    s_rel = ((state.float() - gathered.float()).abs().max() / gathered.float().abs().max()).item()
+    assert s_rel < (1e-3 if state_dtype == torch.float32 else 1e-2), s_rel
+    untouched = [s for s in range(12) if s not in idx.tolist()]
+    assert torch.equal(state[untouched], gathered[untouched])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
+def test_slot_pass_refuses_kda():
+    q = torch.zeros(4, 1, 16, device="cuda", dtype=torch.bfloat16)
+    state = torch.zeros(2, 1, 16, 16, device="cuda")
+    idx = torch.tensor([0], device="cuda", dtype=torch.int32)
+    cu = torch.tensor([0, 4], device="cuda")
+    with pytest.raises(ValueError, match="slot_pass=True"):
+        K.prefill._delta_prefill(
+            q, q, q, torch.zeros(4, 1, 16, device="cuda"), torch.zeros(4, 1, device="cuda"),
+            state, idx, cu, kda=True, scale=None, use_qk_l2norm=False, out=None,
+            cu_seqlens_cpu=None, slot_pass=True,
+        )  # fmt: skip
