@@ -308,6 +308,7 @@ class BatchBuilder:
             self._row_npages = np.zeros(B, dtype=np.int64)
             self._row_version = np.full(B, -1, dtype=np.int64)
         self._step = 0
+        self._paths = [0, 0, 0]  # builds by path: steady decode, decode, general (path_counts)
 
     # ------------------------------------------------------------------------------------
     def build(
@@ -342,6 +343,7 @@ class BatchBuilder:
                 batch = self._build_steady(steady)
                 if batch is not None:
                     steady.used = True
+                    self._paths[0] += 1
                     return batch
         if steady is not None:  # was remembering worth it? (not when pages cross every step)
             self._remember_reserved = steady.used
@@ -356,13 +358,24 @@ class BatchBuilder:
                 "(set ExecutionConstraints.max_batch_size)"
             )
         if not B:
+            self._paths[2] += 1
             return self._build_general((), (), 0, P, spec_tokens)
         ids, qlens = zip(*requests, strict=True)
         if not spec_tokens and self.state is not None and qlens.count(1) == B:
             if reqs is None:
                 reqs = requests if type(requests) is tuple else tuple(requests)
+            self._paths[1] += 1
             return self._build_decode(ids, B, P, reqs, pad_to)
+        self._paths[2] += 1
         return self._build_general(ids, qlens, B, P, spec_tokens)
+
+    @property
+    def path_counts(self) -> dict[str, int]:
+        """Steps built so far by path (for benchmarks and diagnostics): ``steady`` (a decode
+        step of the last step's requests, from its memo), ``decode`` (other all-decode steps)
+        and ``general`` (prefill, mixed, verify, empty). Encoder batches are not counted."""
+        steady, decode, general = self._paths
+        return {"steady": steady, "decode": decode, "general": general}
 
     def _build_steady(self, steady: _Steady) -> AttentionBatch | None:
         """A decode step with the requests of the last one, whose rows, pages and refcounts

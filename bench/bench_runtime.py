@@ -158,6 +158,9 @@ def bench_build_prepare(
                 "prepare_us": statistics.median(prep_t) * 1e6,
                 "total_us": statistics.median(total) * 1e6,
                 "total_p90_us": sorted(total)[int(0.9 * len(total))] * 1e6,
+                # how many builds took the steady-decode memo (warm-up included)
+                "steady_builds": builder.path_counts["steady"],
+                "builds": sum(builder.path_counts.values()),
             }
         )
         if count_calls and (max_b == B or staggered):
@@ -308,12 +311,13 @@ def main(argv: list[str] | None = None) -> dict:
     ):
         print(title)
         print(f"{'B':>5}{'build us':>11}{'prepare us':>12}{'total us':>10}{'p90 us':>9}", end="")
-        print(f"{'target':>8}")
+        print(f"{'target':>8}{'memo steps':>12}")
         for r in table:
             target = "100" if r["batch"] == 256 else "-"
             print(
                 f"{r['batch']:>5}{r['build_us']:>11.1f}{r['prepare_us']:>12.1f}"
                 f"{r['total_us']:>10.1f}{r['total_p90_us']:>9.1f}{target:>8}"
+                f"{r['steady_builds']:>6}/{r['builds']}"
             )
     print()
     print(f"{'per-layer call':<34}{'us':>8}")

@@ -142,8 +142,12 @@ def test_staggered_page_crossings_stay_on_the_steady_path(tiny_specs):
     steps = 4 * PS
     _steady_run(builder, state, reqs, steps)
     assert builder.hits >= steps - 2, builder.hits
+    assert builder.path_counts["steady"] == builder.hits
     _steady_run(builder, state, reqs[:5], steps, pad_to=8)  # padded rows alike
     assert builder.hits >= 2 * steps - 4, builder.hits
+    counts = builder.path_counts
+    assert counts["steady"] == builder.hits and counts["general"] == 0
+    assert counts["steady"] + counts["decode"] == 2 * steps
     state.check_invariants()
 
 

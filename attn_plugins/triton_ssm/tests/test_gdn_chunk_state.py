@@ -88,8 +88,9 @@ def test_state_pass_matches_the_recurrence(lens, H, HV, dtype, state_dtype):
     )
     assert h.shape == (1, nt, HV, Kd, Vd) and h.dtype == dtype
     assert v_new.shape == (1, *u.shape) and v_new.dtype == dtype
-    # 16-bit inputs: the kernel's dots round h to the input dtype, as fla's pass does
-    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    # 16-bit inputs: the kernel's dots round h to the input dtype, as fla's pass does; float32
+    # inputs use tf32 tensor-core dots when compiled (10-bit mantissa)
+    tol = 3e-2 if dtype != torch.float32 else (2e-5 if DEV == "cpu" else 4e-3)
     scale = h_ref.abs().max().item()
     assert (h[0].double() - h_ref).abs().max().item() < tol * scale
     assert (v_new[0].double() - v_ref).abs().max().item() < tol * v_ref.abs().max().item()

@@ -222,15 +222,15 @@ def test_auto_is_triton_on_cuda_and_torch_on_cpu(monkeypatch):
 @pytest.mark.parametrize("dim", [128, 256])
 def test_fp32_wide_state_picks_a_scan_tiling_that_fits(dim):
     """float32 inputs at N = P = 128 / 256 (the kit's Mamba2 head dims) need more shared memory
-    at the default chunk than an H200 block has (263 / 493 KB against 227 KB); the wrapper picks
-    a smaller scan tiling before writing anything, and the result still matches the recurrence."""
+    at chunk 128 than an H200 block has (263 / 493 KB against 227 KB); the wrapper picks a
+    smaller scan tiling before writing anything, and the result still matches the recurrence."""
     ssd._SCAN_TILING.clear()
     lens = [150, 0, 77]
     inp, extras, state, idx, cu = _case(lens, H=2, N=dim, P=dim, init=True, seed=3)
     st = state.to(DEV)
     before = state.clone()
-    y = _run(inp, extras, st, idx, cu)
+    y = _run(inp, extras, st, idx, cu, chunk_size=128)
     (tiling,) = ssd._SCAN_TILING.values()
-    assert tiling != (ssd.DEFAULT_CHUNK, 64, 2), tiling  # the default does not fit
+    assert tiling != (128, 64, 2), tiling  # the requested tiling does not fit
     _check_against_recurrence(y, st, before, inp, extras, idx, cu, out_tol=FP32_TOL,
                               state_tol=FP32_TOL)  # fmt: skip
