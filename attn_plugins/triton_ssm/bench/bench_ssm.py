@@ -625,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
                 p = {"section": "mamba2_prefill", "T": T, "n_seq": n_seq}
                 prefill.append(job("mamba2_prefill", {**p, "provider": "impl=fla (simple_gla)"},
                                    T=T, n_seq=n_seq, impl="fla"))  # fmt: skip
-                for chunk in (64, 128):
+                for chunk in (32, 64):
                     prefill.append(job("mamba2_prefill",
                                        {**p, "provider": f"impl=triton chunk {chunk}"}, T=T,
                                        n_seq=n_seq, impl="triton", chunk_size=chunk))  # fmt: skip

@@ -56,13 +56,12 @@ from attn_plugin_triton_ssm.kernels._common import (
 
 __all__ = ["CHUNK_SIZES", "DEFAULT_CHUNK", "mamba2_ssd_triton"]
 
-#: Chunk sizes the kernels take: ``tl.dot`` needs every dim >= 16; past 128 the ``[Q, Q]`` tiles
-#: no longer fit in registers.
-CHUNK_SIZES = (16, 32, 64, 128)
-#: 64. Chunk 128 halves the ``states`` traffic and ran 9 % faster on the H200 at the
-#: granite-4.0-h shape (bench_ssm --prefill: 5.27 against 4.82 M tokens/s), but its compiled
-#: scan gave wrong outputs (states right) on the varlen GPU test's shape (H=16, G=2, N=64,
-#: P=32): until that is understood, the default is the size that passes every test.
+#: Chunk sizes the kernels take: ``tl.dot`` needs every dim >= 16. 128 is refused: on the H200
+#: its compiled scan wrote NaN outputs (the states were right) and then faulted with an illegal
+#: memory access at H=16, G=2, N=64, P=32 (scripts/diag_mamba2_chunk.py), although it passed at
+#: the granite shape and ran 9 % faster there (5.27 against 4.82 M tokens/s).
+CHUNK_SIZES = (16, 32, 64)
+#: 64: the largest chunk that passes every test on the H200.
 DEFAULT_CHUNK = 64
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
