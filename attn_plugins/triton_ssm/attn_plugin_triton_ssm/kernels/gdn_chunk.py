@@ -152,10 +152,13 @@ def _tiling(num_programs_bv64: int, V: int) -> tuple[int, int]:
     heads, d 128, 4 warps): T = 8192 / 32768 as one sequence 0.539 / 2.104 ms at (32, 3)
     against 0.596 / 2.345 at (32, 2) and 0.624 / 2.443 at (64, 2); as 16 sequences 0.498 /
     1.897 ms at (64, 2) against 0.538 / 2.046 at (32, 2)."""
-    sms = 132
-    if torch.cuda.is_available():
-        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    sms = _sm_count(torch.cuda.current_device()) if torch.cuda.is_available() else 132
     return (32, 3) if num_programs_bv64 < 2 * sms or V < 64 else (64, 2)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def chunk_state_pass(
