@@ -108,9 +108,9 @@ class _HostSlot:
     """One host staging buffer of the ring (pinned on CUDA), laid out as the device buffer.
 
     ``prefix`` caches ``tensor[:nbytes]`` views for the copies (a torch slice costs about as
-    much as the copy call itself). ``static`` is the
-    :class:`_Steady` token whose per-batch-shape content (see :meth:`BatchBuilder._stage_static`)
-    this buffer holds, or None; ``views`` caches the steady path's numpy views by ``(B, P)``.
+    much as the copy call itself). ``static`` is the :class:`_Steady` token whose
+    per-batch-shape content (see :meth:`BatchBuilder._stage_static`) this buffer holds, or
+    None; ``views`` caches the steady path's numpy views by ``(B, P)``.
     """
 
     __slots__ = (
