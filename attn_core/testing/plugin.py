@@ -32,8 +32,6 @@ ENV_EXTRA_PLUGINS = "ATTN_CORE_EXTRA_PLUGINS"
 ENV_SHARD = "ATTN_CORE_CONFORMANCE_SHARD"
 BATTERY = Path(__file__).with_name("battery.py")
 
-#: The enabled run's config, for hooks that are not handed one (pytest_runtest_logreport).
-_CONFIG: dict[str, pytest.Config] = {}
 #: The kit session (registry, backend, device, seed), set in ``pytest_configure`` when enabled.
 SESSION_KEY = pytest.StashKey[Any]()
 REPORT_KEY = pytest.StashKey[CapabilityReport]()
@@ -120,10 +118,11 @@ def pytest_configure(config: pytest.Config) -> None:
     except KitError as exc:
         raise pytest.UsageError(str(exc)) from None
     config.stash[SESSION_KEY] = session
-    _CONFIG["config"] = config
-    config.stash[REPORT_KEY] = CapabilityReport(
+    report = config.stash[REPORT_KEY] = CapabilityReport(
         backend=session.backend_name, device=session.device_label, seed=session.seed
     )
+    if not hasattr(config, "workerinput"):  # an xdist worker's controller records its reports
+        config.pluginmanager.register(_CapabilityRecorder(report), "attn_core_capabilities")
     # Collect the battery instead of the project's tests; keep explicit battery node ids
     # (``battery.py::test_x[...]``) the user gave.
     battery = str(BATTERY)
@@ -163,11 +162,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = keep
 
 
-def pytest_unconfigure(config: pytest.Config) -> None:
-    if _CONFIG.get("config") is config:
-        del _CONFIG["config"]
-
-
 def pytest_report_header(config: pytest.Config) -> list[str] | None:
     if not enabled(config) or SESSION_KEY not in config.stash:
         return None
@@ -199,20 +193,24 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
         return report
     # One record per item: the call phase, or the setup phase when it did not pass. The labels
     # ride on the report (user_properties cross the process boundary under pytest-xdist), and
-    # pytest_runtest_logreport records them where the terminal summary is written.
+    # _CapabilityRecorder records them where the terminal summary is written.
     if report.when == "call" or (report.when == "setup" and not report.passed):
         report.user_properties.append((_CAPS, (tuple(capabilities), _message(report, call))))
     return report
 
 
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    config = _CONFIG.get("config")
-    if config is None or hasattr(config, "workerinput") or REPORT_KEY not in config.stash:
-        return  # an xdist worker: its controller records the forwarded report
-    for key, value in report.user_properties:
-        if key == _CAPS:
-            capabilities, message = value
-            config.stash[REPORT_KEY].record(capabilities, report.outcome, report.nodeid, message)
+class _CapabilityRecorder:
+    """Records the capability labels of every item's report where the terminal summary is
+    written: in the only process, or in the xdist controller (workers forward their reports)."""
+
+    def __init__(self, report: CapabilityReport) -> None:
+        self.report = report
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        for key, value in report.user_properties:
+            if key == _CAPS:
+                capabilities, message = value
+                self.report.record(capabilities, report.outcome, report.nodeid, message)
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
