@@ -369,11 +369,7 @@ class PersistentState:
                 f"append_pages({req.req_id!r}): {req.num_tokens} tokens in "
                 f"{len(req.pages)} pages of {ps}; the last page is not full"
             )
-        pa = self.page_allocator
-        if n <= pa.num_free:
-            pages = pa.allocate(n)
-        else:  # evicts cached prefixes, or raises naming the first request
-            pages, _ = self._reserve(n, 0, req_id=req_ids[0], num_tokens=None)
+        pages, _ = self._reserve(n, 0, req_id=req_ids[0], num_tokens=None)
         for req, page in zip(reqs, pages, strict=True):
             req.pages.append(page)
         self.row_num_pages[rows] += 1
@@ -836,7 +832,8 @@ class PersistentState:
             block = cache.lru_snapshot(protect=protect_snapshot)
             assert block is not None, "snapshot count promised more slots"
             self._drop_snapshot(block)
-        return pa.allocate(n_pages), sa.allocate(n_slots)
+        # (a kind not asked for is not touched: decode steps reserve pages only)
+        return pa.allocate(n_pages) if n_pages else [], sa.allocate(n_slots) if n_slots else []
 
     def _evict_block(self, block: CachedBlock) -> None:
         if block.snapshot is not None:
