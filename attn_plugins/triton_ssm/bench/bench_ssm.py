@@ -16,6 +16,8 @@ Sections:
   wrapper vs fla ``chunk_gated_delta_rule`` called directly; ms and tokens/s. Our row also
   times fla in the same process, alternating three times (min of each): its ratio is the one to
   quote (separate jobs drifted by up to 2.5x between runs on the H200).
+* prefill_profile (``--profile``): GPU time per kernel (torch.profiler) of our GDN prefill,
+  fla's, and the Triton SSD with and without the hi/lo split, T = 8192 as 1 and 16 requests.
 * mamba2_decode: B = 64..2048, H=128, N=128, P=64 (Mamba2-2.7B-like), fp32 state, GB/s.
 * mamba2_prefill (``--prefill``): granite-4.0-h-small-like (H=128, P=64, N=128, G=1), T = 8192
   and 32768 as one and 16 requests: ``impl="triton"`` (chunk 64 and 128, and chunk 64 without
@@ -55,6 +57,13 @@ SWEEP = [
     for bv, nw in ((16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8))
     for pps in (None, 0, 2, 4, 8)
 ] + [(8, 1, 0), (8, 1, None), (128, 16, 0), (128, 16, None)]
+#: (block_v, num_warps, num_stages) of the GDN prefill state pass timed beside the default.
+#: 16-wide value blocks double the programs of one long sequence (its pass is a chain of
+#: chunks, so parallelism comes from heads and value blocks only).
+PASS_TILINGS = [
+    (16, 4, 2), (16, 4, 3), (16, 4, 4), (16, 2, 3), (32, 4, 3), (32, 4, 4), (32, 2, 3),
+    (32, 8, 3), (64, 4, 2), (64, 4, 3),
+]  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -242,7 +251,7 @@ def job_prefill_ours(T: int, n_seq: int, with_fla: bool = True) -> dict:
                            slot_pass=False)  # fmt: skip
 
     variants = {"gather_scatter": gather}
-    for bv, nw, ns in ((32, 4, 2), (64, 4, 2), (32, 2, 2), (64, 8, 2), (32, 4, 3), (64, 4, 3)):
+    for bv, nw, ns in PASS_TILINGS:
         variants[f"pass BV={bv} warps={nw} stages={ns}"] = (
             lambda bv=bv, nw=nw, ns=ns: gdn_chunk.gdn_chunk_prefill_slots(
                 q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
@@ -255,6 +264,64 @@ def job_prefill_ours(T: int, n_seq: int, with_fla: bool = True) -> dict:
             res[f"graph_ms[{name}]"] = min(_bench(gr.replay, warmup=10, rep=100) for _ in range(2))
         except Exception as exc:  # reported per variant
             res[f"graph_ms[{name}]"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return res
+
+
+def job_prefill_profile(T: int, n_seq: int) -> dict:
+    """GPU time per kernel (torch.profiler, mean over 5 calls) of our GDN prefill, fla's
+    chunk_gated_delta_rule and the Triton SSD (granite shape, chunk 64, with and without the
+    hi/lo split): which stage to work on."""
+    import torch
+    from attn_plugin_triton_ssm.kernels import gdn_prefill
+    from attn_plugin_triton_ssm.kernels.ssd import mamba2_ssd_triton
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    q, k, v, g, beta, state, idx, cu = _prefill_inputs(T, n_seq)
+    cu64, cu_cpu = cu.long(), cu.long().cpu()
+    h0 = state[idx.long()].contiguous()
+    H, N, P = 128, 128, 64
+    x = torch.randn(T, H, P, device="cuda", dtype=torch.bfloat16)
+    dt = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    A_log = torch.randn(H, device="cuda")
+    Bm = torch.randn(T, 1, N, device="cuda", dtype=torch.bfloat16)
+    Cm = torch.randn(T, 1, N, device="cuda", dtype=torch.bfloat16)
+    Dp, dt_bias = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
+    ssm = torch.randn(n_seq + 4, H, N, P, device="cuda") * 0.01
+    cu32 = torch.linspace(0, T, n_seq + 1).round().int()
+    calls = {
+        "gdn ours": lambda: gdn_prefill(q, k, v, g, beta, state, idx, cu64, cu_seqlens_cpu=cu_cpu),
+        "gdn fla": lambda: chunk_gated_delta_rule(
+            q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], initial_state=h0,
+            output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu64,
+            cu_seqlens_cpu=cu_cpu,
+        ),
+        **{
+            f"ssd precise={p}": lambda p=p: mamba2_ssd_triton(
+                x, dt, A_log, Bm, Cm, ssm, idx, cu32, D=Dp, dt_bias=dt_bias, chunk_size=64,
+                precise=p,
+            )
+            for p in (True, False)
+        },
+    }  # fmt: skip
+    res = {}
+    for name, fn in calls.items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+        rows = [
+            (e.key, e.device_time_total / 5, e.count // 5)
+            for e in prof.key_averages()
+            if e.device_time_total > 0
+        ]
+        rows.sort(key=lambda r: -r[1])
+        res[f"kernels[{name}]"] = {
+            "total_us": round(sum(r[1] for r in rows), 1),
+            "top": [(key[:70], round(us, 1), n) for key, us, n in rows[:8]],
+        }
     return res
 
 
@@ -419,6 +486,7 @@ JOBS = {
     "gdn_decode_fla": job_gdn_decode_fla,
     "prefill_ours": job_prefill_ours,
     "prefill_fla": job_prefill_fla,
+    "prefill_profile": job_prefill_profile,
     "mamba2_decode": job_mamba2_decode,
     "mamba2_prefill": job_mamba2_prefill,
     "plugin_step": job_plugin_step,
@@ -552,6 +620,13 @@ def _table(results: list, copy_bw: float | None) -> str:
             if "graph_ratio" in r:
                 val += (f"; graphs {r['graph_ms']:.4f} / {r['graph_direct_ms']:.4f} ms"
                         f"  ratio {r['graph_ratio']:.3f}")  # fmt: skip
+        elif r["section"] == "prefill_profile":
+            val = ""
+            for key, prof in r.items():
+                if key.startswith("kernels["):
+                    val += f"\n{'':<16}{key[len('kernels[') : -1]}: {prof['total_us']} us GPU"
+                    for name, us, count in prof["top"]:
+                        val += f"\n{'':<20}{us:8.1f} us  x{count}  {name}"
         else:
             continue
         lines.append(f"{r['section']:<14} {head:<72} {val}")
@@ -566,6 +641,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", action="store_true", help="also the prefill section")
     ap.add_argument("--no-fla", action="store_true", help="skip the fla comparisons")
     ap.add_argument("--plugin", action="store_true", help="plugin step vs direct kernels")
+    ap.add_argument(
+        "--profile", action="store_true", help="GPU time per kernel of the prefill pipelines"
+    )
     ap.add_argument("--budget-s", type=float, default=600.0, help="wall-clock budget")
     ap.add_argument(
         "--only",
@@ -635,6 +713,10 @@ def main(argv: list[str] | None = None) -> int:
                                    precise=False))  # fmt: skip
         p = {"section": "mamba2_prefill", "T": 8192, "n_seq": 1, "provider": "impl=torch"}
         prefill.append(job("mamba2_prefill", p, T=8192, n_seq=1, impl="torch"))
+    if args.profile:
+        for n_seq in (1, 16):
+            p = {"section": "prefill_profile", "T": 8192, "n_seq": n_seq}
+            prefill.append(job("prefill_profile", p, T=8192, n_seq=n_seq))
     if args.plugin:
         for B in (64, 256):
             ours.append(job("plugin_step", {"section": "plugin_step", "provider": "gdn decode",
