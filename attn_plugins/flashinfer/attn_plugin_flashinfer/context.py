@@ -81,26 +81,6 @@ class StepKind(str, enum.Enum):
     EMPTY = "empty"
 
 
-#: How a ragged prefill overlaps its KV-cache write with the attention kernel: ``"off"`` (the
-#: write, then the attention, on the caller's stream), ``"side"`` (the write on a side stream
-#: beside the attention) or ``"priority"`` (the attention on a high-priority side stream, the
-#: write after it on the caller's stream).
-OVERLAP_MODES = ("off", "side", "priority")
-DEFAULT_OVERLAP = "side"
-
-
-def _overlap_mode(value: str) -> str:
-    """``ATTN_FLASHINFER_OVERLAP_KV_WRITE`` as a mode (``0``/empty = off, ``1`` = the default)."""
-    value = value.strip().lower()
-    mode = {"0": "off", "": "off", "1": DEFAULT_OVERLAP}.get(value, value)
-    if mode not in OVERLAP_MODES:
-        raise ValueError(
-            f"ATTN_FLASHINFER_OVERLAP_KV_WRITE: expected one of {', '.join(OVERLAP_MODES)} "
-            f"(or 0 / 1), got {value!r}"
-        )
-    return mode
-
-
 def decode_uses_tensor_cores(num_heads: int, num_kv_heads: int, kv_dtype: str = "bfloat16") -> bool:
     """Whether decode runs FlashInfer's tensor-core (prefill-kernel) path.
 
@@ -413,16 +393,12 @@ class FullAttentionContext(_PagedContext):
             spec.num_heads, spec.num_kv_heads, spec.kv_dtype
         )
         self.fi_version = getattr(self.fi, "__version__", None)
-        #: How a ragged prefill's KV-cache write runs beside its attention kernel (one of
-        #: :data:`OVERLAP_MODES`; ``ATTN_FLASHINFER_OVERLAP_KV_WRITE`` sets it, benchmarks
-        #: toggle it). Always ``"off"`` off CUDA.
-        self.overlap_kv_write = (
-            _overlap_mode(os.environ.get("ATTN_FLASHINFER_OVERLAP_KV_WRITE", DEFAULT_OVERLAP))
-            if self.device.type == "cuda"
-            else "off"
-        )
+        #: Ragged prefill writes the KV cache on a side stream, overlapping the attention
+        #: kernel (``ATTN_FLASHINFER_OVERLAP_KV_WRITE=0`` turns it off; benchmarks toggle it).
+        self.overlap_kv_write = self.device.type == "cuda" and os.environ.get(
+            "ATTN_FLASHINFER_OVERLAP_KV_WRITE", "1"
+        ) not in ("0", "")
         self._side: torch.cuda.Stream | None = None
-        self._side_priority: torch.cuda.Stream | None = None
         fi = self.fi
         self.decode = _share_int_workspace(
             fi.BatchDecodeWithPagedKVCacheWrapper(
@@ -460,23 +436,15 @@ class FullAttentionContext(_PagedContext):
             self._graph_wrappers[P] = wrapper
         return wrapper
 
-    def _side_stream(self) -> tuple[str, torch.cuda.Stream | None]:
-        """``(mode, stream)``: how this ragged step overlaps its KV write with the attention,
-        and the side stream that takes part (``"side"``: the write's, default priority;
-        ``"priority"``: the attention's, the highest priority). ``("off", None)`` on CPU, with
-        ``overlap_kv_write`` off, or while a graph is being captured (a side stream there would
-        need its own fork and join events)."""
-        mode = self.overlap_kv_write
-        if mode == "off" or torch.cuda.is_current_stream_capturing():
-            return "off", None
-        if mode == "side":
-            if self._side is None:
-                self._side = torch.cuda.Stream(device=self.device)
-            return mode, self._side
-        if self._side_priority is None:
-            highest = torch.cuda.Stream.priority_range()[1]
-            self._side_priority = torch.cuda.Stream(device=self.device, priority=highest)
-        return mode, self._side_priority
+    def _side_stream(self) -> torch.cuda.Stream | None:
+        """The stream a ragged prefill writes the cache on, beside the attention kernel; None
+        when the write stays on the current stream (CPU, ``overlap_kv_write`` off, or a graph
+        being captured, where a side stream would need its own fork and join events)."""
+        if not self.overlap_kv_write or torch.cuda.is_current_stream_capturing():
+            return None
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=self.device)
+        return self._side
 
     def _plan_kernel(self, batch, views, indices, graph):
         spec = self.spec
@@ -594,30 +562,19 @@ class FullAttentionContext(_PagedContext):
         o = out if out is not None and out.is_contiguous() else None
         if step.kind is StepKind.RAGGED:
             # The ragged kernel reads the step's own k/v, not the cache: the cache write can
-            # run beside it (memory-bound next to compute-bound).
-            mode, side = self._side_stream()
+            # run beside it on a side stream (memory-bound next to compute-bound).
+            side = self._side_stream()
             if side is None:
                 write_kv_slots(*write, may_have_padding=step.padded)
                 result = wrapper.run(q, k, v, out=o)
             else:
                 main = torch.cuda.current_stream(self.device)
-                side.wait_stream(main)  # q, k and v are ready
-                if mode == "side":
-                    with torch.cuda.stream(side):
-                        write_kv_slots(*write, may_have_padding=step.padded)
-                    result = wrapper.run(q, k, v, out=o)
-                else:
-                    # The attention first, on a stream the block scheduler serves first, so
-                    # the write's blocks fill the SMs its tail leaves idle instead of
-                    # delaying its start. Its output is allocated here, on the caller's
-                    # stream, whose allocator pool the caller frees it into.
-                    o = o if o is not None else torch.empty_like(q)
-                    with torch.cuda.stream(side):
-                        result = wrapper.run(q, k, v, out=o)
+                side.wait_stream(main)  # k and v are ready
+                with torch.cuda.stream(side):
                     write_kv_slots(*write, may_have_padding=step.padded)
-                # Join before returning: later work on the caller's stream (the next step's
-                # attention, the caller reading the output or freeing k/v) is ordered after
-                # both.
+                result = wrapper.run(q, k, v, out=o)
+                # Join before returning: later work on the main stream (the next step's
+                # attention, or the caller freeing k/v) is ordered after the write.
                 main.wait_stream(side)
         else:
             # One launch on CUDA for K and V (padding rows change nothing).

@@ -18,12 +18,7 @@ import pytest
 import torch
 import workloads as wl
 from attn_plugin_flashinfer import capability, planning
-from attn_plugin_flashinfer.context import (
-    OVERLAP_MODES,
-    StepKind,
-    _overlap_mode,
-    decode_uses_tensor_cores,
-)
+from attn_plugin_flashinfer.context import StepKind, decode_uses_tensor_cores
 
 from attn_core.registry import Registry
 from attn_core.selector import check_backend, select
@@ -310,26 +305,6 @@ def test_fast_replan_keeps_captured_buffers_and_checks_the_batch_size():
 # ------------------------------------------------------------------------------------------
 # Planning (pure functions)
 # ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("value", "mode"),
-    [("0", "off"), ("", "off"), ("1", "side"), ("side", "side"), (" Priority ", "priority")],
-)
-def test_overlap_mode_from_the_environment(value, mode):
-    assert _overlap_mode(value) == mode
-    assert mode in OVERLAP_MODES
-
-
-def test_overlap_mode_names_the_variable_and_the_choices():
-    with pytest.raises(ValueError, match=r"OVERLAP_KV_WRITE: expected one of off, side, priority"):
-        _overlap_mode("yes")
-
-
-def test_context_on_cpu_never_overlaps(fake_fi, monkeypatch):
-    monkeypatch.setenv("ATTN_FLASHINFER_OVERLAP_KV_WRITE", "priority")
-    run = wl.make(FULL, "flashinfer:flashinfer", "cpu")
-    assert run.context.overlap_kv_write == "off"
-
-
 def test_window_left_is_hf_window_minus_one():
     assert planning.window_left(None) == -1
     assert planning.window_left(1) == 0  # a query sees only itself

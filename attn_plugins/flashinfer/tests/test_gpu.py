@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("flashinfer", reason="flashinfer is not importable")
 
 from attn_plugin_flashinfer import capability  # noqa: E402
-from attn_plugin_flashinfer.context import OVERLAP_MODES, StepKind  # noqa: E402
+from attn_plugin_flashinfer.context import StepKind  # noqa: E402
 
 from attn_core.specs import LayerSpec  # noqa: E402
 
@@ -78,23 +78,19 @@ def test_bf16_workloads(name):
     assert {StepKind.DECODE, StepKind.PAGED} <= set(kinds)
 
 
-@pytest.mark.parametrize("overlap", OVERLAP_MODES)
+@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("lens", [(70, 45), (170, 130)])  # index_copy_ / Triton-kernel writes
 def test_ragged_prefill_cache_write_on_a_side_stream_lands_before_the_next_read(overlap, lens):
-    """The ragged step runs its K/V write beside the attention kernel (on a side stream, or
-    after the attention put on a high-priority one): read right after the step (no
-    synchronize), every layer's cache rows and the output equal the reference's, and the decode
-    step after it, which reads the cache, matches too."""
+    """The ragged step writes K/V on a side stream beside the attention kernel: read right after
+    the step (no synchronize), every layer's cache rows equal the reference's, and the decode
+    step after it, which reads them, matches too."""
     fi = wl.make(FULL, _name(FULL), CUDA, max_tokens=400)
     ref = wl.make(FULL, wl.REFERENCE, CUDA, max_tokens=400)
     fi.context.overlap_kv_write = overlap
     step = [(0, lens[0]), (1, lens[1])]
-    out_prefill = [wl.run_step(fi, 0, step)]
+    wl.run_step(fi, 0, step)
     assert fi.context.step.kind is StepKind.RAGGED
-    assert (fi.context._side is not None) == (overlap == "side")
-    assert (fi.context._side_priority is not None) == (overlap == "priority")
-    ref_prefill = [wl.run_step(ref, 0, step)]
-    assert wl.max_error(out_prefill, ref_prefill) < BF16_TOL
+    assert (fi.context._side is not None) == overlap
     wl.run_step(ref, 0, step)
     for layer in range(fi.num_layers):
         got, want = fi.state.kv_cache.layer(layer), ref.state.kv_cache.layer(layer)

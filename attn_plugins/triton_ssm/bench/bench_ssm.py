@@ -18,6 +18,8 @@ Sections:
   quote (separate jobs drifted by up to 2.5x between runs on the H200).
 * prefill_profile (``--profile``): GPU time per kernel (torch.profiler) of our GDN prefill,
   fla's, and the Triton SSD with and without the hi/lo split, T = 8192 as 1 and 16 requests.
+* mamba2_sweep (``--mamba2-sweep``): the Triton SSD at the granite shape (T = 8192 as one
+  request, 32768 as 16) in each tiling of ``SSD_SWEEP``, with and without the hi/lo split.
 * mamba2_decode: B = 64..2048, H=128, N=128, P=64 (Mamba2-2.7B-like), fp32 state, GB/s.
 * mamba2_prefill (``--prefill``): granite-4.0-h-small-like (H=128, P=64, N=128, G=1), T = 8192
   and 32768 as one and 16 requests: ``impl="triton"`` (chunk 64 and 128, and chunk 64 without
@@ -59,10 +61,10 @@ SWEEP = [
 ] + [(8, 1, 0), (8, 1, None), (128, 16, 0), (128, 16, None)]
 #: (block_v, num_warps, num_stages) of the GDN prefill state pass timed beside the default.
 #: 16-wide value blocks double the programs of one long sequence (its pass is a chain of
-#: chunks, so parallelism comes from heads and value blocks only).
+#: chunks, so parallelism comes from heads and value blocks only); on the H200 they did not
+#: pay (session 6: 0.573 ms against 0.538 at BV 32, T = 8192 as one sequence).
 PASS_TILINGS = [
-    (16, 4, 2), (16, 4, 3), (16, 4, 4), (16, 2, 3), (32, 4, 3), (32, 4, 4), (32, 2, 3),
-    (32, 8, 3), (64, 4, 2), (64, 4, 3),
+    (16, 4, 3), (32, 4, 3), (32, 4, 4), (32, 8, 3), (64, 4, 2), (64, 4, 3),
 ]  # fmt: skip
 
 
@@ -396,6 +398,48 @@ def job_mamba2_prefill(T: int, n_seq: int, impl: str, H=128, G=1, N=128, P=64,
     return {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6}
 
 
+#: Mamba2 SSD tilings timed by ``--mamba2-sweep`` around the default (heads per scan program 8,
+#: state rows 32, warps (4, 8), stages (3, 2)), one factor at a time.
+SSD_SWEEP = [
+    {},
+    {"heads_per_program": 1}, {"heads_per_program": 2}, {"heads_per_program": 4},
+    {"num_warps": (4, 4)}, {"num_stages": (3, 1)}, {"num_stages": (3, 3)},
+    {"block_n": 16}, {"block_n": 64}, {"num_stages": (2, 2)}, {"num_stages": (4, 2)},
+    {"num_warps": (8, 8)}, {"heads_per_program": 2, "num_warps": (4, 4)},
+]  # fmt: skip
+
+
+def job_mamba2_sweep(T: int, n_seq: int, H=128, G=1, N=128, P=64) -> dict:
+    """The Triton SSD at the granite shape in each :data:`SSD_SWEEP` tiling, precise and not."""
+    import torch
+    from attn_plugin_triton_ssm.kernels.ssd import mamba2_ssd_triton
+
+    torch.manual_seed(0)
+    x = torch.randn(T, H, P, device="cuda", dtype=torch.bfloat16)
+    dt = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    A_log = torch.randn(H, device="cuda")
+    Bm = torch.randn(T, G, N, device="cuda", dtype=torch.bfloat16)
+    Cm = torch.randn(T, G, N, device="cuda", dtype=torch.bfloat16)
+    Dp, dt_bias = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
+    state = torch.randn(n_seq + 4, H, N, P, device="cuda") * 0.01
+    idx = torch.arange(n_seq, device="cuda", dtype=torch.int32) + 2
+    cu_cpu = torch.linspace(0, T, n_seq + 1).round().int()
+    res = {}
+    for precise in (True, False):
+        for opts in SSD_SWEEP:
+            name = f"precise={precise} " + (
+                " ".join(f"{k}={v}" for k, v in opts.items()) or "default"
+            )
+            try:
+                ms = _bench(lambda opts=opts, precise=precise: mamba2_ssd_triton(
+                    x, dt, A_log, Bm, Cm, state, idx, cu_cpu, D=Dp, dt_bias=dt_bias,
+                    precise=precise, **opts), warmup=3, rep=20)  # fmt: skip
+                res[f"Mtok[{name}]"] = T / (ms * 1e-3) / 1e6
+            except Exception as exc:  # a tiling that does not compile or fit is reported
+                res[f"Mtok[{name}]"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+    return res
+
+
 def job_plugin_step(B: int, layers: int = 4, device: str = "cuda", hk=HK, hv=HV, d=D) -> dict:
     """A GDN decode step (conv1d + recurrent update) of ``layers`` layers, B requests, through
     the runtime's bindings vs the same triton_ssm kernels called directly on the same tensors.
@@ -487,6 +531,7 @@ JOBS = {
     "prefill_ours": job_prefill_ours,
     "prefill_fla": job_prefill_fla,
     "prefill_profile": job_prefill_profile,
+    "mamba2_sweep": job_mamba2_sweep,
     "mamba2_decode": job_mamba2_decode,
     "mamba2_prefill": job_mamba2_prefill,
     "plugin_step": job_plugin_step,
@@ -620,6 +665,13 @@ def _table(results: list, copy_bw: float | None) -> str:
             if "graph_ratio" in r:
                 val += (f"; graphs {r['graph_ms']:.4f} / {r['graph_direct_ms']:.4f} ms"
                         f"  ratio {r['graph_ratio']:.3f}")  # fmt: skip
+        elif r["section"] == "mamba2_sweep":
+            val = "".join(
+                f"\n{'':<16}{key[len('Mtok[') : -1]}: "
+                + (f"{mt:.2f} Mtok/s" if isinstance(mt, float) else mt)
+                for key, mt in r.items()
+                if key.startswith("Mtok[")
+            )
         elif r["section"] == "prefill_profile":
             val = ""
             for key, prof in r.items():
@@ -643,6 +695,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plugin", action="store_true", help="plugin step vs direct kernels")
     ap.add_argument(
         "--profile", action="store_true", help="GPU time per kernel of the prefill pipelines"
+    )
+    ap.add_argument(
+        "--mamba2-sweep", action="store_true", help="Triton SSD tilings at the granite shape"
     )
     ap.add_argument("--budget-s", type=float, default=600.0, help="wall-clock budget")
     ap.add_argument(
@@ -717,6 +772,10 @@ def main(argv: list[str] | None = None) -> int:
         for n_seq in (1, 16):
             p = {"section": "prefill_profile", "T": 8192, "n_seq": n_seq}
             prefill.append(job("prefill_profile", p, T=8192, n_seq=n_seq))
+    if args.mamba2_sweep:
+        for T, n_seq in ((8192, 1), (32768, 16)):
+            p = {"section": "mamba2_sweep", "T": T, "n_seq": n_seq}
+            prefill.append(job("mamba2_sweep", p, T=T, n_seq=n_seq))
     if args.plugin:
         for B in (64, 256):
             ours.append(job("plugin_step", {"section": "plugin_step", "provider": "gdn decode",

@@ -104,20 +104,28 @@ def test_state_pass_matches_the_recurrence(lens, H, HV, dtype, state_dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEV != "cuda", reason="needs CUDA (fla's chunk stages)")
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_slot_path_matches_fla_with_gathered_states(state_dtype):
-    """Qwen3-Next heads (16 key / 32 value heads, d 128), 5 sequences in arbitrary slots: the
+@pytest.mark.parametrize(
+    ("dtype", "state_dtype", "lens"),
+    [
+        (torch.bfloat16, torch.float32, [1000, 64, 1, 257, 2100]),
+        (torch.bfloat16, torch.bfloat16, [1000, 64, 1, 257, 2100]),
+        # float32 inputs on one sequence: the tiling of few programs (3 stages) overflowed
+        # shared memory at d 128 (246 KB); the pass must fit its stages to the device
+        (torch.float32, torch.float32, [700]),
+    ],
+)
+def test_slot_path_matches_fla_with_gathered_states(dtype, state_dtype, lens):
+    """Qwen3-Next heads (16 key / 32 value heads, d 128), sequences in arbitrary slots: the
     slot path and fla's public function (states gathered and scattered) run the same stages, so
     outputs and states agree to bf16 rounding; other slots stay untouched."""
     torch.manual_seed(0)
-    lens = [1000, 64, 1, 257, 2100]
     T, Hk, Hv, D = sum(lens), 16, 32, 128
-    q, k = (torch.randn(T, Hk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    v = torch.randn(T, Hv, D, device="cuda", dtype=torch.bfloat16)
+    q, k = (torch.randn(T, Hk, D, device="cuda", dtype=dtype) for _ in range(2))
+    v = torch.randn(T, Hv, D, device="cuda", dtype=dtype)
     g = -torch.rand(T, Hv, device="cuda") * 0.3
     beta = torch.rand(T, Hv, device="cuda")
     state = (torch.randn(12, Hv, D, D, device="cuda") * 0.1).to(state_dtype)
-    idx = torch.tensor([9, 2, 11, 0, 5], device="cuda", dtype=torch.int32)
+    idx = torch.tensor([9, 2, 11, 0, 5][: len(lens)], device="cuda", dtype=torch.int32)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
     cu_cpu = cu.cpu()
     gathered = state.clone()
@@ -146,3 +154,28 @@ def test_slot_pass_refuses_kda():
             state, idx, cu, kda=True, scale=None, use_qk_l2norm=False, out=None,
             cu_seqlens_cpu=None, slot_pass=True,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [((37, 3, 128), torch.bfloat16), ((5, 2, 96), torch.float32), ((1, 1, 16), torch.float16)],
+)
+def test_l2norm_qk_matches_torch(shape, dtype):
+    """Rows not a multiple of the block, a head dim not a power of two (masked columns), and
+    each of q and k normalised by its own norms (not swapped, not shared)."""
+    g = torch.Generator().manual_seed(3)
+    q = (torch.randn(*shape, generator=g) * 3).to(dtype).to(DEV)
+    k = (torch.randn(*shape, generator=g) * 0.1).to(dtype).to(DEV)
+    qn, kn = gdn_chunk.l2norm_qk(q, k)
+    for x, y in ((q, qn), (k, kn)):
+        xf = x.float()
+        want = xf / torch.sqrt((xf * xf).sum(-1, keepdim=True) + 1e-6)
+        assert y.dtype == dtype and y.shape == x.shape
+        torch.testing.assert_close(y.float(), want, atol=1e-2 if dtype != torch.float32 else 1e-6,
+                                   rtol=1e-2 if dtype != torch.float32 else 1e-5)  # fmt: skip
+
+
+def test_l2norm_qk_refuses_mismatched_inputs():
+    q = torch.zeros(4, 2, 16, device=DEV)
+    with pytest.raises(ValueError, match=r"one shape and dtype, got q \(4, 2, 16\)"):
+        gdn_chunk.l2norm_qk(q, torch.zeros(4, 2, 32, device=DEV))

@@ -19,6 +19,7 @@ __all__ = [
     "check_last_contiguous",
     "check_same_device",
     "check_shape",
+    "max_shared_memory",
     "next_pow2",
 ]
 
@@ -32,6 +33,14 @@ STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 def next_pow2(n: int) -> int:
     return int(triton.next_power_of_2(int(n)))
+
+
+def max_shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one block may use on a CUDA ``device`` (opt-in maximum)."""
+    props = triton.runtime.driver.active.utils.get_device_properties(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
+    return int(props["max_shared_mem"])
 
 
 def check_shape(name: str, t: torch.Tensor, expected: Sequence[int | None], what: str) -> None:

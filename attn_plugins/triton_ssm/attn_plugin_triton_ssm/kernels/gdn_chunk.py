@@ -5,11 +5,13 @@ tensor and returns the final states likewise, so a caller whose states live in s
 gathers them before and scatters them after: two extra passes over ``N * Hv * K * V`` float32
 (16 sequences of Qwen3-Next's 32 heads: 34 MB each way, ~10 % of a T = 8192 prefill).
 
-Here fla's stages run as in its forward - l2norm of q and k, the chunk-local cumulative decay,
-the intra-chunk WY representation (``w``, ``u``) and the output pass (``chunk_fwd_o``) - and only
-the inter-chunk state pass is ours: :func:`_chunk_state_kernel` loads each sequence's initial
-state from ``ssm_state[state_indices[n]]``, walks its chunks and stores the final state back
-into the same slot. What it writes for fla's output pass is what fla's own state pass writes:
+Here fla's stages run as in its forward - the chunk-local cumulative decay, the intra-chunk WY
+representation (``w``, ``u``) and the output pass (``chunk_fwd_o``) - and two are ours: the
+l2norm of q and k (:func:`l2norm_qk`, both in one launch: fla's two took 33 us of a 538 us
+T = 8192 prefill on the H200, about half the copy rate) and the inter-chunk state pass:
+:func:`_chunk_state_kernel` loads each sequence's initial state from
+``ssm_state[state_indices[n]]``, walks its chunks and stores the final state back into the
+same slot. What it writes for fla's output pass is what fla's own state pass writes:
 the state entering every chunk ``h`` ``[1, NT, Hv, K, V]`` (in k's dtype) and the corrected
 values ``v_new = u - w @ h`` ``[1, T, Hv, V]``.
 
@@ -32,9 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_plugin_triton_ssm.kernels._common import INTERPRETED
+from attn_plugin_triton_ssm.kernels._common import INTERPRETED, max_shared_memory
 
-__all__ = ["CHUNK", "chunk_state_pass", "gdn_chunk_prefill_slots", "unavailable"]
+__all__ = ["CHUNK", "chunk_state_pass", "gdn_chunk_prefill_slots", "l2norm_qk", "unavailable"]
 
 #: fla's chunk size for Gated DeltaNet (its stages are compiled for it).
 CHUNK = 64
@@ -43,7 +45,6 @@ CHUNK = 64
 @functools.cache
 def _fla_stages() -> tuple[dict, str | None]:
     try:
-        from fla.modules.norm.l2norm import l2norm_fwd
         from fla.ops.common.chunk_o import chunk_fwd_o
         from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
         from fla.ops.utils import chunk_local_cumsum
@@ -52,7 +53,6 @@ def _fla_stages() -> tuple[dict, str | None]:
     except ImportError as exc:  # fla-core absent, or its internals moved
         return {}, f"fla-core internals not importable ({exc})"
     return {
-        "l2norm_fwd": l2norm_fwd,
         "chunk_fwd_o": chunk_fwd_o,
         "intra": chunk_gated_delta_rule_fwd_intra,
         "cumsum": chunk_local_cumsum,
@@ -92,57 +92,128 @@ def _chunk_state_kernel(
     """Grid ``(cdiv(V, BV), N * HV)``: one program carries a ``[K, BV]`` block of one head's
     state through every chunk of one sequence. ``UPCAST`` (Triton's interpreter, whose 16-bit
     dots are wrong): dot operands rounded to the input dtype as compiled, then multiplied in
-    float32."""
+    float32.
+
+    The loop is a chain of dependent dots, so its length is latency: each tile's addresses are
+    a scalar base per chunk (advanced by a constant) plus int32 offsets computed once, rather
+    than int64 arithmetic per element per chunk."""
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = i_nh // HV
     i_h = i_nh % HV
     i_hk = i_h // (HV // H)  # the key head this value head reads (GQA-style grouping)
     bos = tl.load(cu_ptr + i_n).to(tl.int64)
-    T = tl.load(cu_ptr + i_n + 1).to(tl.int64) - bos
+    T = (tl.load(cu_ptr + i_n + 1).to(tl.int64) - bos).to(tl.int32)
     first_chunk = tl.load(chunk_off_ptr + i_n).to(tl.int64)
     slot = tl.load(slot_ptr + i_n).to(tl.int64)
 
+    o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
+    # offsets inside one chunk's tiles (int32, the same for every chunk)
     kv_offs = o_k[:, None] * V + o_v[None, :]
+    w_offs = o_t[:, None] * (HV * K) + o_k[None, :]
+    u_offs = o_t[:, None] * (HV * V) + o_v[None, :]
+    k_offs = o_t[:, None] * (H * K) + o_k[None, :]
+    g_offs = o_t * HV
+    # per-chunk bases, advanced by one chunk per iteration
+    p_w = w_ptr + bos * (HV * K) + i_h * K
+    p_u = u_ptr + bos * (HV * V) + i_h * V
+    p_vn = v_new_ptr + bos * (HV * V) + i_h * V
+    p_k = k_ptr + bos * (H * K) + i_hk * K
+    p_g = g_ptr + bos * HV + i_h
+    p_h = h_ptr + (first_chunk * HV + i_h) * (K * V)
     p_state = state_ptr + slot * slot_stride + i_h * K * V + kv_offs
     b_h = tl.load(p_state, mask=m_kv, other=0.0).to(tl.float32)
 
     for i_t in range(tl.cdiv(T, BT)):
-        o_t = i_t * BT + tl.arange(0, BT)
-        m_t = o_t < T
-        tok = bos + o_t
+        left = T - i_t * BT  # tokens from this chunk's start to the sequence's end
+        m_t = o_t < left
         # the state entering this chunk, for fla's output pass
-        p_h = h_ptr + ((first_chunk + i_t) * HV + i_h) * K * V + kv_offs
-        tl.store(p_h, b_h.to(h_ptr.dtype.element_ty), mask=m_kv)
+        tl.store(p_h + kv_offs, b_h.to(h_ptr.dtype.element_ty), mask=m_kv)
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        b_w = tl.load(w_ptr + (tok[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_u = tl.load(u_ptr + (tok[:, None] * HV + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_w = tl.load(p_w + w_offs, mask=m_tk, other=0.0)
+        b_u = tl.load(p_u + u_offs, mask=m_tv, other=0.0)
         b_hq = b_h.to(b_w.dtype)
         if UPCAST:
             b_v = b_u.to(tl.float32) - tl.dot(b_w.to(tl.float32), b_hq.to(tl.float32))
         else:
             b_v = b_u.to(tl.float32) - tl.dot(b_w, b_hq)
-        p_vn = v_new_ptr + (tok[:, None] * HV + i_h) * V + o_v[None, :]
-        tl.store(p_vn, b_v.to(v_new_ptr.dtype.element_ty), mask=m_tv)
+        tl.store(p_vn + u_offs, b_v.to(v_new_ptr.dtype.element_ty), mask=m_tv)
         # decay to the chunk's end, then add the chunk's keys times its decayed values
-        last = tl.minimum((i_t + 1) * BT, T) - 1
-        g_last = tl.load(g_ptr + (bos + last) * HV + i_h).to(tl.float32)
-        b_g = tl.load(g_ptr + tok * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+        g_last = tl.load(p_g + (tl.minimum(left, BT) - 1) * HV).to(tl.float32)
+        b_g = tl.load(p_g + g_offs, mask=m_t, other=0.0).to(tl.float32)
         b_v = b_v * tl.where(m_t, tl.exp2(g_last - b_g), 0.0)[:, None]
-        b_k = tl.load(k_ptr + (tok[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_k = tl.load(p_k + k_offs, mask=m_tk, other=0.0)
         b_vq = b_v.to(b_k.dtype)
         if UPCAST:
             b_h = b_h * tl.exp2(g_last) + tl.dot(tl.trans(b_k.to(tl.float32)), b_vq.to(tl.float32))
         else:
             b_h = b_h * tl.exp2(g_last) + tl.dot(tl.trans(b_k), b_vq)
+        p_w += BT * HV * K
+        p_u += BT * HV * V
+        p_vn += BT * HV * V
+        p_k += BT * H * K
+        p_g += BT * HV
+        p_h += HV * K * V
 
     tl.store(p_state, b_h.to(state_ptr.dtype.element_ty), mask=m_kv)
+
+
+@triton.jit
+def _l2norm_rows(x_ptr, y_ptr, row0, rows, eps, D: tl.constexpr, BR: tl.constexpr,
+                 BD: tl.constexpr):  # fmt: skip
+    o_r = row0 + tl.arange(0, BR)
+    o_d = tl.arange(0, BD)
+    mask = (o_r < rows)[:, None] & (o_d < D)[None, :]
+    offs = o_r[:, None] * D + o_d[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = x * (1.0 / tl.sqrt(tl.sum(x * x, 1) + eps))[:, None]
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _l2norm_qk_kernel(q_ptr, k_ptr, qn_ptr, kn_ptr, rows, eps, D: tl.constexpr,
+                      BR: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    """Grid ``(cdiv(rows, BR), 2)``: axis 1 picks q or k; ``BR`` rows of ``D`` per program."""
+    row0 = tl.program_id(0).to(tl.int64) * BR
+    if tl.program_id(1) == 0:
+        _l2norm_rows(q_ptr, qn_ptr, row0, rows, eps, D, BR, BD)
+    else:
+        _l2norm_rows(k_ptr, kn_ptr, row0, rows, eps, D, BR, BD)
+
+
+def l2norm_qk(
+    q: torch.Tensor, k: torch.Tensor, eps: float = 1e-6, *, block_rows: int = 16,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``x / sqrt(sum(x**2, -1) + eps)`` of q and of k in one launch (fla's ``l2norm_fwd``
+    formula; fla normalises each in its own launch and also stores the reciprocal norms, which
+    a forward pass never reads).
+
+    :param q: ``[..., D]`` contiguous; ``k`` the same shape and dtype.
+    :returns: ``(q_normed, k_normed)``, new tensors of the inputs' shape and dtype; the sums of
+        squares are taken in float32.
+    """
+    if q.shape != k.shape or q.dtype != k.dtype or not (q.is_contiguous() and k.is_contiguous()):
+        raise ValueError(
+            f"l2norm_qk: expected contiguous q and k of one shape and dtype, got q "
+            f"{tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype}"
+        )
+    qn, kn = torch.empty_like(q), torch.empty_like(k)
+    D = q.shape[-1]
+    rows = q.numel() // D if D else 0
+    if rows:
+        grid = (triton.cdiv(rows, block_rows), 2)
+        _l2norm_qk_kernel[grid](
+            q, k, qn, kn, rows, eps, D=D, BR=block_rows, BD=triton.next_power_of_2(D),
+            num_warps=num_warps,
+        )  # fmt: skip
+    return qn, kn
 
 
 def _tiling(num_programs_bv64: int, V: int) -> tuple[int, int]:
@@ -197,13 +268,47 @@ def chunk_state_pass(
     BV, stages = _tiling(triton.cdiv(V, 64) * N * HV, V)
     BV, stages = block_v or BV, num_stages or stages
     grid = (triton.cdiv(V, BV), N * HV)
-    _chunk_state_kernel[grid](
-        k, w, u, g, h, v_new, ssm_state, state_indices, cu_seqlens, chunk_offsets,
-        ssm_state.stride(0),
-        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=max(16, triton.next_power_of_2(K)), BV=BV,
-        UPCAST=INTERPRETED, num_warps=num_warps, num_stages=stages,
-    )  # fmt: skip
+
+    def launch(stages: int, warmup: bool = False):
+        args = (k, w, u, g, h, v_new, ssm_state, state_indices, cu_seqlens, chunk_offsets,
+                ssm_state.stride(0))  # fmt: skip
+        kw = dict(H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=max(16, triton.next_power_of_2(K)), BV=BV,
+                  UPCAST=INTERPRETED, num_warps=num_warps, num_stages=stages)  # fmt: skip
+        if warmup:
+            return _chunk_state_kernel.warmup(*args, grid=grid, **kw)
+        return _chunk_state_kernel[grid](*args, **kw)
+
+    key = (k.device, k.dtype, ssm_state.dtype, H, HV, K, V, BV, num_warps, stages)
+    fitted = _FITTED_STAGES.get(key)
+    if fitted is None:
+        fitted = _FITTED_STAGES[key] = _fit_stages(launch, stages, k.device)
+    launch(fitted)
     return h, v_new[None]
+
+
+#: Pipeline stages of the state pass that fit the device's shared memory, by (device, dtypes,
+#: shape, BV, warps, requested stages). See :func:`_fit_stages`.
+_FITTED_STAGES: dict[tuple, int] = {}
+
+
+def _fit_stages(launch, stages: int, device: torch.device) -> int:
+    """The most pipeline stages, from ``stages`` down, whose compiled pass fits in the device's
+    shared memory. Each stage buffers a chunk's ``w`` and ``k`` ``[BT, K]`` and ``u``
+    ``[BT, BV]``: float32 inputs at d 128 take 72 KB a stage, so the 3 stages chosen for one
+    long sequence need 246 KB where an H200 block has 227 KB. Compiled (``warmup``, no launch)
+    and measured before anything is written, so a request's state is never half-updated."""
+    if INTERPRETED or device.type != "cuda":
+        return stages
+    limit = max_shared_memory(device)
+    needed = {}
+    for st in range(stages, 0, -1):
+        needed[st] = launch(st, warmup=True).metadata.shared
+        if needed[st] <= limit:
+            return st
+    raise ValueError(
+        f"gdn chunk state pass: no pipeline depth fits in {limit} bytes of shared memory per "
+        f"block (bytes needed by stages: {needed})"
+    )
 
 
 def gdn_chunk_prefill_slots(
@@ -234,8 +339,7 @@ def gdn_chunk_prefill_slots(
         raise RuntimeError(reason)
     q, k, v, g, beta = (t[None] for t in (q, k, v, g, beta))
     if use_qk_l2norm:
-        q, _ = f["l2norm_fwd"](q)
-        k, _ = f["l2norm_fwd"](k)
+        q, k = l2norm_qk(q, k)
     chunk_indices = f["chunk_indices"](cu_seqlens, CHUNK, cu_seqlens_cpu=cu_seqlens_cpu)
     chunk_offsets = f["chunk_offsets"](cu_seqlens, CHUNK)
     g = f["cumsum"](

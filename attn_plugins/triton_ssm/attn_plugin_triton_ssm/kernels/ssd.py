@@ -51,6 +51,7 @@ from attn_plugin_triton_ssm.kernels._common import (
     check_last_contiguous,
     check_same_device,
     check_shape,
+    max_shared_memory,
     next_pow2,
 )
 
@@ -452,7 +453,7 @@ def _fit_scan(scan, chunk: int, bp: int, stages: int, cu: torch.Tensor, device: 
     """
     if INTERPRETED or device.type != "cuda":
         return chunk, bp, stages
-    limit = _max_shared_memory(device)
+    limit = max_shared_memory(device)
     candidates = [(chunk, bp, stages)]
     if stages > 1:
         candidates.append((chunk, bp, 1))
@@ -476,10 +477,3 @@ def _fit_scan(scan, chunk: int, bp: int, stages: int, cu: torch.Tensor, device: 
         f"mamba2_ssd_triton: no scan tiling fits in {limit} bytes of shared memory per block "
         f"(bytes needed by (chunk, BP, stages): {needed})"
     )
-
-
-def _max_shared_memory(device: torch.device) -> int:
-    props = triton.runtime.driver.active.utils.get_device_properties(
-        device.index if device.index is not None else torch.cuda.current_device()
-    )
-    return int(props["max_shared_mem"])
