@@ -217,14 +217,16 @@ def l2norm_qk(
 
 
 def _tiling(num_programs_bv64: int, V: int) -> tuple[int, int]:
-    """``(BV, num_stages)``: 32-wide value blocks with 3 stages when blocks of 64 would leave
+    """``(BV, num_stages)``: 32-wide value blocks with 4 stages when blocks of 64 would leave
     SMs idle (one long sequence: the pass is a chain of chunks, so parallelism comes from heads
     and value blocks only), else 64 with 2. Measured on the H200 (bench_ssm --prefill, 32 value
-    heads, d 128, 4 warps): T = 8192 / 32768 as one sequence 0.539 / 2.104 ms at (32, 3)
-    against 0.596 / 2.345 at (32, 2) and 0.624 / 2.443 at (64, 2); as 16 sequences 0.498 /
-    1.897 ms at (64, 2) against 0.538 / 2.046 at (32, 2)."""
+    heads, d 128, 4 warps, the whole prefill in a CUDA graph): T = 8192 / 32768 as one
+    sequence 0.523 / 2.061 ms at (32, 4), 0.525 / 2.071 at (32, 3), 0.570 / 2.246 at (16, 3),
+    0.621 / 2.445 at (64, 2); as 16 sequences 0.497 / 1.898 ms at (64, 2) against 0.563 /
+    2.105 at (32, 3). Float32 inputs get fewer stages where these do not fit (see
+    :func:`_fit_stages`)."""
     sms = _sm_count(torch.cuda.current_device()) if torch.cuda.is_available() else 132
-    return (32, 3) if num_programs_bv64 < 2 * sms or V < 64 else (64, 2)
+    return (32, 4) if num_programs_bv64 < 2 * sms or V < 64 else (64, 2)
 
 
 @functools.cache
