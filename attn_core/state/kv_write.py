@@ -152,11 +152,20 @@ def write_kv_slots(
     if k.shape[0] == 0:
         return
     kernels = _kernels(k_cache)
-    if kernels is None or _small_unpadded(k.shape[0], k_cache, may_have_padding):
+    n = k.shape[0]
+    if kernels is not None and not _small_unpadded(n, k_cache, may_have_padding):
+        kernels.launch((k, v), (k_cache, v_cache), (k_scale, v_scale), slot_mapping, n)
+    elif not may_have_padding and k.dtype == k_cache.dtype and v.dtype == v_cache.dtype:
+        # An eager decode step's write on CUDA: the two index_copy_ calls and nothing else
+        # (write_slots_torch's quantise / view / slice steps cost as much host time again).
+        slots = slot_mapping if slot_mapping.shape[0] == n else slot_mapping[:n]
+        if slots.dtype != torch.long:
+            slots = slots.long()
+        k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+        v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+    else:
         write_slots_torch(k, k_cache, slot_mapping, k_scale, may_have_padding=may_have_padding)
         write_slots_torch(v, v_cache, slot_mapping, v_scale, may_have_padding=may_have_padding)
-    else:
-        kernels.launch((k, v), (k_cache, v_cache), (k_scale, v_scale), slot_mapping, k.shape[0])
 
 
 def _check(

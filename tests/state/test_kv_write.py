@@ -165,3 +165,25 @@ def test_cuda_writes_pick_index_copy_only_for_small_unpadded_16_bit_steps(
     # either way the rows landed where the slots say
     flat = v_cache.view(-1, 2, 4).float()
     assert torch.equal(flat[slots], quantize(v, dtype, None).float())
+
+
+def test_unpadded_same_dtype_kv_write_is_two_index_copies(monkeypatch):
+    """The eager decode write (no padding, cache dtype = input dtype) skips write_slots_torch:
+    int32 slots longer than the step (a graph-sized buffer) are cut to the step's tokens and
+    widened, each row lands at its slot and no other row changes."""
+
+    def no_generic_path(*args, **kwargs):
+        raise AssertionError("write_slots_torch ran")
+
+    monkeypatch.setattr(kv_write, "write_slots_torch", no_generic_path)
+    k = torch.randn(3, 2, 4, dtype=torch.bfloat16)
+    v = torch.randn(3, 2, 4, dtype=torch.bfloat16)
+    k_cache = torch.zeros(2, 8, 2, 4, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([11, 2, 7, 0, 0, 0], dtype=torch.int32)
+    write_kv_slots(k, v, k_cache, v_cache, slots, may_have_padding=False)
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        flat = cache.view(16, 2, 4)
+        assert torch.equal(flat[[11, 2, 7]], x)
+        others = [r for r in range(16) if r not in (11, 2, 7)]
+        assert not flat[others].any()
