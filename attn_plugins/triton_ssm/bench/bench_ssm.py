@@ -284,15 +284,7 @@ def job_prefill_profile(T: int, n_seq: int) -> dict:
     q, k, v, g, beta, state, idx, cu = _prefill_inputs(T, n_seq)
     cu64, cu_cpu = cu.long(), cu.long().cpu()
     h0 = state[idx.long()].contiguous()
-    H, N, P = 128, 128, 64
-    x = torch.randn(T, H, P, device="cuda", dtype=torch.bfloat16)
-    dt = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    A_log = torch.randn(H, device="cuda")
-    Bm = torch.randn(T, 1, N, device="cuda", dtype=torch.bfloat16)
-    Cm = torch.randn(T, 1, N, device="cuda", dtype=torch.bfloat16)
-    Dp, dt_bias = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
-    ssm = torch.randn(n_seq + 4, H, N, P, device="cuda") * 0.01
-    cu32 = torch.linspace(0, T, n_seq + 1).round().int()
+    ssd_inputs = _mamba2_prefill_inputs(T, n_seq)
     calls = {
         "gdn ours": lambda: gdn_prefill(q, k, v, g, beta, state, idx, cu64, cu_seqlens_cpu=cu_cpu),
         "gdn fla": lambda: chunk_gated_delta_rule(
@@ -301,10 +293,7 @@ def job_prefill_profile(T: int, n_seq: int) -> dict:
             cu_seqlens_cpu=cu_cpu,
         ),
         **{
-            f"ssd precise={p}": lambda p=p: mamba2_ssd_triton(
-                x, dt, A_log, Bm, Cm, ssm, idx, cu32, D=Dp, dt_bias=dt_bias, chunk_size=64,
-                precise=p,
-            )
+            f"ssd precise={p}": lambda p=p: mamba2_ssd_triton(**ssd_inputs, precise=p)
             for p in (True, False)
         },
     }  # fmt: skip
@@ -367,35 +356,45 @@ def job_mamba2_decode(B: int, H=128, G=1, N=128, P=64) -> dict:
     return {"ms": ms, "GBps": 2 * B * H * N * P * 4 / (ms * 1e-3) / GB}
 
 
+def _mamba2_prefill_inputs(T: int, n_seq: int, H=128, G=1, N=128, P=64) -> dict:
+    """Inputs of a Mamba2 mixer prefill, granite-4.0-h-small-like by default (128 heads of 64,
+    state 128, one group): ``T`` tokens as ``n_seq`` requests in slots 2.. of a pool."""
+    import torch
+
+    torch.manual_seed(0)
+    cu_cpu = torch.linspace(0, T, n_seq + 1).round().int()
+    return {
+        "x": torch.randn(T, H, P, device="cuda", dtype=torch.bfloat16),
+        "dt": torch.randn(T, H, device="cuda", dtype=torch.bfloat16),
+        "A_log": torch.randn(H, device="cuda"),
+        "B": torch.randn(T, G, N, device="cuda", dtype=torch.bfloat16),
+        "C": torch.randn(T, G, N, device="cuda", dtype=torch.bfloat16),
+        "D": torch.randn(H, device="cuda"),
+        "dt_bias": torch.randn(H, device="cuda"),
+        "ssm_state": torch.randn(n_seq + 4, H, N, P, device="cuda") * 0.01,
+        "state_indices": torch.arange(n_seq, device="cuda", dtype=torch.int32) + 2,
+        "cu_seqlens_cpu": cu_cpu,
+    }
+
+
 def job_mamba2_prefill(T: int, n_seq: int, impl: str, H=128, G=1, N=128, P=64,
                        chunk_size: int | None = None, precise: bool = True) -> dict:  # fmt: skip
     """granite-4.0-h-small-like Mamba2 mixer shape (128 heads of 64, state 128, one group).
     ``precise=False`` (impl="triton" only) calls the SSD kernels directly without the hi/lo
     split of their float32 dot operands."""
-    import torch
     from attn_plugin_triton_ssm.kernels import mamba2_prefill
     from attn_plugin_triton_ssm.kernels.ssd import mamba2_ssd_triton
 
-    torch.manual_seed(0)
-    x = torch.randn(T, H, P, device="cuda", dtype=torch.bfloat16)
-    dt = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    A_log = torch.randn(H, device="cuda")
-    Bm = torch.randn(T, G, N, device="cuda", dtype=torch.bfloat16)
-    Cm = torch.randn(T, G, N, device="cuda", dtype=torch.bfloat16)
-    Dp, dt_bias = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
-    state = torch.randn(n_seq + 4, H, N, P, device="cuda") * 0.01
-    idx = torch.arange(n_seq, device="cuda", dtype=torch.int32) + 2
-    cu_cpu = torch.linspace(0, T, n_seq + 1).round().int()
+    a = _mamba2_prefill_inputs(T, n_seq, H, G, N, P)
+    cu_cpu = a.pop("cu_seqlens_cpu")
     cu = cu_cpu.to("cuda")
 
     def run():
         if not precise:
-            return mamba2_ssd_triton(
-                x, dt, A_log, Bm, Cm, state, idx, cu_cpu, D=Dp, dt_bias=dt_bias,
-                chunk_size=chunk_size or 64, precise=False,
-            )  # fmt: skip
-        return mamba2_prefill(x, dt, A_log, Bm, Cm, state, idx, cu, D=Dp, dt_bias=dt_bias,
-                              impl=impl, cu_seqlens_cpu=cu_cpu, chunk_size=chunk_size)  # fmt: skip
+            return mamba2_ssd_triton(**a, cu_seqlens_cpu=cu_cpu, chunk_size=chunk_size or 64,
+                                     precise=False)  # fmt: skip
+        return mamba2_prefill(**a, cu_seqlens=cu, impl=impl, cu_seqlens_cpu=cu_cpu,
+                              chunk_size=chunk_size)  # fmt: skip
 
     ms = _bench(run, warmup=3, rep=20)
     return {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6}
@@ -418,25 +417,15 @@ def job_mamba2_sweep(T: int, n_seq: int, H=128, G=1, N=128, P=64) -> dict:
     Each tiling's output and final states are first compared with the default tiling's from
     the same initial states (``maxrel[...]``: max |difference| / max |default|), so a tiling
     that is fast but wrong shows."""
-    import torch
     from attn_plugin_triton_ssm.kernels.ssd import mamba2_ssd_triton
 
-    torch.manual_seed(0)
-    x = torch.randn(T, H, P, device="cuda", dtype=torch.bfloat16)
-    dt = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    A_log = torch.randn(H, device="cuda")
-    Bm = torch.randn(T, G, N, device="cuda", dtype=torch.bfloat16)
-    Cm = torch.randn(T, G, N, device="cuda", dtype=torch.bfloat16)
-    Dp, dt_bias = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
-    state0 = torch.randn(n_seq + 4, H, N, P, device="cuda") * 0.01
-    idx = torch.arange(n_seq, device="cuda", dtype=torch.int32) + 2
-    cu_cpu = torch.linspace(0, T, n_seq + 1).round().int()
+    a = _mamba2_prefill_inputs(T, n_seq, H, G, N, P)
+    state0 = a.pop("ssm_state")
     res = {}
     for precise in (True, False):
 
         def run(state, opts, precise=precise):
-            return mamba2_ssd_triton(x, dt, A_log, Bm, Cm, state, idx, cu_cpu, D=Dp,
-                                     dt_bias=dt_bias, precise=precise, **opts)  # fmt: skip
+            return mamba2_ssd_triton(**a, ssm_state=state, precise=precise, **opts)
 
         ref_state = state0.clone()
         ref_y = run(ref_state, {}).float()
