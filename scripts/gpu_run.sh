@@ -4,6 +4,7 @@
 #   stages: info install
 #           t_core t_e2e t_e2e_gptoss t_tp t_fi t_ssm t_varlen t_fa3   (pytest; GPU tests of each area)
 #           kit_fi kit_ssm kit_varlen                       (conformance kit per backend)
+#           kit_ssm_x2                                      (the triton_ssm kit over both GPUs)
 #           t_ssd                                           (triton_ssm Mamba2 / SSD tests only)
 #           b_fi b_ssm b_runtime b_e2e b_kvw                (benchmarks, JSON under $OUT)
 #           run                                             (attn run --model all)
@@ -55,6 +56,13 @@ t_fa3) run t_fa3 300 "${PYTEST[@]}" attn_plugins/fa3/tests ;;
 kit_fi) run kit_fi 400 "${PYTEST[@]}" --attn-backend=flashinfer:flashinfer
   run kit_fi_mla 300 "${PYTEST[@]}" --attn-backend=flashinfer:flashinfer_mla ;;
 kit_ssm) run kit_ssm 400 "${PYTEST[@]}" --attn-backend=triton_ssm:triton_ssm ;;
+kit_ssm_x2)  # the whole triton_ssm battery in one pass: a shard per GPU, XDIST=8 each (~5 min)
+  for i in 0 1; do
+    CUDA_VISIBLE_DEVICES=$i run "kit_ssm_$i" 420 python3 -m pytest -q -p no:cacheprovider \
+      --tb=short -rfE -n "${XDIST:-8}" --attn-backend=triton_ssm:triton_ssm \
+      --attn-seed="${KIT_SEED:-7}" --attn-shard="$i/2" &
+  done
+  wait ;;
 kit_varlen) run kit_varlen 300 "${PYTEST[@]}" --attn-backend=varlen:varlen
   run kit_sdpa 300 "${PYTEST[@]}" --attn-backend=varlen:sdpa ;;
 b_fi) run b_fi 400 python3 attn_plugins/flashinfer/bench/bench_flashinfer.py ${BENCH_FI_ARGS:-} --out "$OUT/bench_flashinfer.json" ;;
