@@ -202,3 +202,54 @@ def test_batch_referencing_released_pages_is_refused(full_setup):
     with pytest.raises(BackendInputError, match=r"stale|released|freed"):
         runtime.binding(0).forward(q, k, v, out=torch.empty_like(q))
     assert _unchanged(state, snap)
+
+
+@pytest.mark.parametrize(
+    ("case", "what", "expected", "got"),
+    [
+        ("weight", "conv weight shape", "(64, 4)", "(64, 3)"),
+        ("channels", "conv input shape", "[T, 64]", "(2, 32)"),
+        ("rank", "conv input shape", "[T, 64]", "(2, 64, 1)"),
+        ("tokens", "conv input tokens", "2", "3"),
+    ],
+)
+def test_bad_conv_inputs_are_named_and_change_no_state(tiny_specs, ref_registry, case, what,
+                                                       expected, got):  # fmt: skip
+    """A linear layer's conv1d: a wrong weight, channel count, rank or token count is refused
+    with the layer, group and backend named, before the conv state is touched."""
+    spec = tiny_specs["gdn"]
+    groups = group_layers([spec])
+    state = PersistentState(groups, num_pages=4, num_slots=4)
+    plan = select(groups, ref_registry, CPU, ExecutionConstraints(**LIMITS))
+    runtime = AttentionRuntime(plan, ref_registry, state=state)
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
+    for r in ("a", "b"):
+        state.add_request(r)
+    runtime.prepare(builder.build([("a", 1), ("b", 1)]))
+    x, w = torch.randn(2, 64), torch.randn(64, 4)
+    if case == "weight":
+        w = w[:, :3]
+    elif case == "channels":
+        x = x[:, :32]
+    elif case == "rank":
+        x = x[..., None]
+    elif case == "tokens":
+        x = torch.randn(3, 64)
+    conv = state.state_slots.layer(0).conv
+    conv.normal_()
+    before = conv.clone()
+    with pytest.raises(BackendInputError) as info:
+        runtime.binding(0).conv1d(x, w)
+    err = info.value
+    assert err.group == "linear" and err.backend == "attn_core:reference"
+    assert err.what == f"layer 0: {what}"
+    assert str(err.expected) == expected and str(err.got) == got
+    assert torch.equal(conv, before)
+    good = runtime.binding(0).conv1d(torch.randn(2, 64), torch.randn(64, 4))
+    assert good.shape == (2, 64) and not torch.equal(conv, before)  # the right call updates it
+
+
+def test_conv_on_a_full_layer_is_a_type_error(full_setup):
+    _, runtime, _ = full_setup
+    with pytest.raises(TypeError, match="layer 0 is full: it has no conv"):
+        runtime.binding(0).conv1d(torch.randn(2, 8), torch.randn(8, 4))
