@@ -64,6 +64,9 @@ class LayerAttentionBinding:
     """
 
     __slots__ = (
+        "_conv_tokens",
+        "_conv_w_shape",
+        "_conv_x_shape",
         "_dtype",
         "_group",
         "_k_shape",
@@ -115,6 +118,14 @@ class LayerAttentionBinding:
         self.linear_state = linear_state
         self._dtype = torch_dtype(spec.dtype)
         self._tokens = -1  # token count the cached expected shapes below are for
+        # conv1d's accepted shapes (linear layers), cached by token count like forward's
+        self._conv_tokens = -1
+        self._conv_x_shape: torch.Size | None = None
+        self._conv_w_shape = (
+            torch.Size((spec.conv_channels, spec.conv_kernel_size))
+            if spec.kind is LayerKind.LINEAR
+            else None
+        )
         H, Hkv, D, Dv = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim_v
         if spec.kind is LayerKind.MLA:
             self._q_tail = (H, D)
@@ -247,17 +258,18 @@ class LayerAttentionBinding:
         :returns: ``[T, conv_channels]`` in ``x.dtype``; the conv state is updated in place.
         """
         group = self._group
-        spec = self.spec
         if self._kind is not LayerKind.LINEAR:
-            raise TypeError(f"layer {self.layer_index} is {spec.kind.value}: it has no conv")
-        expected = (spec.conv_channels, spec.conv_kernel_size)
-        if tuple(weight.shape) != expected:
-            self._bad("conv weight shape", expected, tuple(weight.shape))
-        if x.dim() != 2 or x.shape[1] != spec.conv_channels:
-            self._bad("conv input shape", f"[T, {spec.conv_channels}]", tuple(x.shape))
+            raise TypeError(f"layer {self.layer_index} is {self.spec.kind.value}: it has no conv")
         batch = group.batch
-        if batch is not None and x.shape[0] != batch.padded_tokens:
-            self._bad("conv input tokens", batch.padded_tokens, x.shape[0])
+        # One fused test on the hot path (shapes accepted before for this token count); the
+        # slow path names what is wrong.
+        if (
+            batch is None
+            or batch.padded_tokens != self._conv_tokens
+            or x.shape != self._conv_x_shape
+            or weight.shape != self._conv_w_shape
+        ):
+            self._check_conv(x, weight, batch)
         try:
             result = group.context.conv1d(self, x, weight, bias, activation=activation, out=out)
         except (BackendInputError, PluginError):
@@ -270,6 +282,19 @@ class LayerAttentionBinding:
         return result
 
     # -- checks ----------------------------------------------------------------------------
+    def _check_conv(self, x: torch.Tensor, weight: torch.Tensor, batch) -> None:
+        """conv1d's input checks; remembers the accepted shapes for the batch's token count."""
+        spec = self.spec
+        expected = tuple(self._conv_w_shape)
+        if tuple(weight.shape) != expected:
+            self._bad("conv weight shape", expected, tuple(weight.shape))
+        if x.dim() != 2 or x.shape[1] != spec.conv_channels:
+            self._bad("conv input shape", f"[T, {spec.conv_channels}]", tuple(x.shape))
+        if batch is not None:
+            if x.shape[0] != batch.padded_tokens:
+                self._bad("conv input tokens", batch.padded_tokens, x.shape[0])
+            self._conv_tokens, self._conv_x_shape = batch.padded_tokens, x.shape
+
     def _expect(self, tokens: int) -> None:
         self._q_shape = torch.Size((tokens, *self._q_tail))
         self._k_shape = torch.Size((tokens, *self._kv_tail))

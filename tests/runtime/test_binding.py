@@ -253,3 +253,25 @@ def test_conv_on_a_full_layer_is_a_type_error(full_setup):
     _, runtime, _ = full_setup
     with pytest.raises(TypeError, match="layer 0 is full: it has no conv"):
         runtime.binding(0).conv1d(torch.randn(2, 8), torch.randn(8, 4))
+
+
+def test_conv_shapes_accepted_for_one_step_are_rechecked_when_the_tokens_change(
+    tiny_specs, ref_registry
+):
+    """conv1d remembers the shapes it accepted for a token count: a next step with another
+    token count must not accept the previous step's input."""
+    groups = group_layers([tiny_specs["gdn"]])
+    state = PersistentState(groups, num_pages=4, num_slots=4)
+    plan = select(groups, ref_registry, CPU, ExecutionConstraints(**LIMITS))
+    runtime = AttentionRuntime(plan, ref_registry, state=state)
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
+    for r in ("a", "b"):
+        state.add_request(r)
+    x, w = torch.randn(2, 64), torch.randn(64, 4)
+    runtime.prepare(builder.build([("a", 1), ("b", 1)]))
+    runtime.binding(0).conv1d(x, w)
+    state.advance("a", 1)
+    state.advance("b", 1)
+    runtime.prepare(builder.build([("a", 1)]))
+    with pytest.raises(BackendInputError, match=r"conv input tokens: expected 1, got 2"):
+        runtime.binding(0).conv1d(x, w)

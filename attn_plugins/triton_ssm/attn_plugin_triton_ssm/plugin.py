@@ -634,8 +634,8 @@ class TritonSSMContext:
 
     def _check_inputs(self, q: torch.Tensor, v: torch.Tensor, inputs: dict) -> None:
         need = ("dt", "A_log") if self.variant is LinearVariant.MAMBA2 else ("g", "beta")
-        missing = [n for n in need if inputs.get(n) is None]
-        if missing:
+        if inputs.get(need[0]) is None or inputs.get(need[1]) is None:
+            missing = [n for n in need if inputs.get(n) is None]
             self._bad(f"{self.variant.value} inputs", list(need), f"missing {missing}")
         if self.variant is LinearVariant.KDA:
             want = (v.shape[0], v.shape[1], q.shape[2])
