@@ -204,6 +204,19 @@ def test_batch_referencing_released_pages_is_refused(full_setup):
     assert _unchanged(state, snap)
 
 
+@pytest.fixture
+def gdn_setup(tiny_specs, ref_registry):
+    """One Gated DeltaNet layer on the reference backend, requests "a" and "b" added."""
+    groups = group_layers([tiny_specs["gdn"]])
+    state = PersistentState(groups, num_pages=4, num_slots=4)
+    plan = select(groups, ref_registry, CPU, ExecutionConstraints(**LIMITS))
+    runtime = AttentionRuntime(plan, ref_registry, state=state)
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
+    for r in ("a", "b"):
+        state.add_request(r)
+    return state, runtime, builder
+
+
 @pytest.mark.parametrize(
     ("case", "what", "expected", "got"),
     [
@@ -213,18 +226,10 @@ def test_batch_referencing_released_pages_is_refused(full_setup):
         ("tokens", "conv input tokens", "2", "3"),
     ],
 )
-def test_bad_conv_inputs_are_named_and_change_no_state(tiny_specs, ref_registry, case, what,
-                                                       expected, got):  # fmt: skip
+def test_bad_conv_inputs_are_named_and_change_no_state(gdn_setup, case, what, expected, got):
     """A linear layer's conv1d: a wrong weight, channel count, rank or token count is refused
     with the layer, group and backend named, before the conv state is touched."""
-    spec = tiny_specs["gdn"]
-    groups = group_layers([spec])
-    state = PersistentState(groups, num_pages=4, num_slots=4)
-    plan = select(groups, ref_registry, CPU, ExecutionConstraints(**LIMITS))
-    runtime = AttentionRuntime(plan, ref_registry, state=state)
-    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
-    for r in ("a", "b"):
-        state.add_request(r)
+    state, runtime, builder = gdn_setup
     runtime.prepare(builder.build([("a", 1), ("b", 1)]))
     x, w = torch.randn(2, 64), torch.randn(64, 4)
     if case == "weight":
@@ -255,18 +260,10 @@ def test_conv_on_a_full_layer_is_a_type_error(full_setup):
         runtime.binding(0).conv1d(torch.randn(2, 8), torch.randn(8, 4))
 
 
-def test_conv_shapes_accepted_for_one_step_are_rechecked_when_the_tokens_change(
-    tiny_specs, ref_registry
-):
+def test_conv_shapes_accepted_for_one_step_are_rechecked_when_the_tokens_change(gdn_setup):
     """conv1d remembers the shapes it accepted for a token count: a next step with another
     token count must not accept the previous step's input."""
-    groups = group_layers([tiny_specs["gdn"]])
-    state = PersistentState(groups, num_pages=4, num_slots=4)
-    plan = select(groups, ref_registry, CPU, ExecutionConstraints(**LIMITS))
-    runtime = AttentionRuntime(plan, ref_registry, state=state)
-    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
-    for r in ("a", "b"):
-        state.add_request(r)
+    state, runtime, builder = gdn_setup
     x, w = torch.randn(2, 64), torch.randn(64, 4)
     runtime.prepare(builder.build([("a", 1), ("b", 1)]))
     runtime.binding(0).conv1d(x, w)
