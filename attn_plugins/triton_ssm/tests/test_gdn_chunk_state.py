@@ -179,3 +179,23 @@ def test_l2norm_qk_refuses_mismatched_inputs():
     q = torch.zeros(4, 2, 16, device=DEV)
     with pytest.raises(ValueError, match=r"one shape and dtype, got q \(4, 2, 16\)"):
         gdn_chunk.l2norm_qk(q, torch.zeros(4, 2, 32, device=DEV))
+
+
+def test_first_that_fits_takes_the_first_candidate_under_the_limit(monkeypatch):
+    """The shared-memory fit both the GDN state pass and the SSD scan use: candidates in order,
+    the first whose compiled kernel fits; none fitting names every candidate's bytes."""
+    from types import SimpleNamespace
+
+    common = K._common
+    monkeypatch.setattr(common, "max_shared_memory", lambda device: 100)
+    needs = {4: 180, 3: 120, 2: 90, 1: 50}
+    compiled = []
+
+    def compile_one(st):
+        compiled.append(st)
+        return SimpleNamespace(metadata=SimpleNamespace(shared=needs[st]))
+
+    assert common.first_that_fits([4, 3, 2, 1], compile_one, "cuda", "x", "stages") == 2
+    assert compiled == [4, 3, 2]  # stops at the first fit
+    with pytest.raises(ValueError, match=r"x fits in 100 bytes .* by stages: \{4: 180, 3: 120\}"):
+        common.first_that_fits([4, 3], compile_one, "cuda", "x", "stages")

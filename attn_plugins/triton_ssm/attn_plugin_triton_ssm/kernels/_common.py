@@ -7,7 +7,8 @@ would synchronise the device and break CUDA-graph capture).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 import triton
@@ -19,6 +20,7 @@ __all__ = [
     "check_last_contiguous",
     "check_same_device",
     "check_shape",
+    "first_that_fits",
     "max_shared_memory",
     "next_pow2",
 ]
@@ -29,6 +31,7 @@ INTERPRETED: bool = bool(knobs.runtime.interpret)
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 STATE_DTYPES = (torch.float32, torch.bfloat16)
+T = TypeVar("T")
 
 
 def next_pow2(n: int) -> int:
@@ -41,6 +44,27 @@ def max_shared_memory(device: torch.device) -> int:
         device.index if device.index is not None else torch.cuda.current_device()
     )
     return int(props["max_shared_mem"])
+
+
+def first_that_fits(candidates: Sequence[T], compile_one: Callable[[T], Any],
+                    device: torch.device, what: str, labels: str) -> T:  # fmt: skip
+    """The first of ``candidates`` (tilings, best first) whose kernel, compiled by
+    ``compile_one(candidate)`` (a Triton ``warmup``: nothing is launched or written), fits in
+    the shared memory one block may use on ``device``.
+
+    :raises ValueError: none fits; the message gives ``what``, the limit and each candidate's
+        bytes (``labels`` names the candidate's fields).
+    """
+    limit = max_shared_memory(device)
+    needed = {}
+    for candidate in candidates:
+        needed[candidate] = compile_one(candidate).metadata.shared
+        if needed[candidate] <= limit:
+            return candidate
+    raise ValueError(
+        f"{what} fits in {limit} bytes of shared memory per block (bytes needed by {labels}: "
+        f"{needed})"
+    )
 
 
 def check_shape(name: str, t: torch.Tensor, expected: Sequence[int | None], what: str) -> None:

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_plugin_triton_ssm.kernels._common import INTERPRETED, max_shared_memory
+from attn_plugin_triton_ssm.kernels._common import INTERPRETED, first_that_fits
 
 __all__ = ["CHUNK", "chunk_state_pass", "gdn_chunk_prefill_slots", "l2norm_qk", "unavailable"]
 
@@ -302,16 +302,8 @@ def _fit_stages(launch, stages: int, device: torch.device) -> int:
     and measured before anything is written, so a request's state is never half-updated."""
     if INTERPRETED or device.type != "cuda":
         return stages
-    limit = max_shared_memory(device)
-    needed = {}
-    for st in range(stages, 0, -1):
-        needed[st] = launch(st, warmup=True).metadata.shared
-        if needed[st] <= limit:
-            return st
-    raise ValueError(
-        f"gdn chunk state pass: no pipeline depth fits in {limit} bytes of shared memory per "
-        f"block (bytes needed by stages: {needed})"
-    )
+    return first_that_fits(range(stages, 0, -1), lambda st: launch(st, warmup=True), device,
+                           "gdn chunk state pass: no pipeline depth", "stages")  # fmt: skip
 
 
 def gdn_chunk_prefill_slots(

@@ -51,7 +51,7 @@ from attn_plugin_triton_ssm.kernels._common import (
     check_last_contiguous,
     check_same_device,
     check_shape,
-    max_shared_memory,
+    first_that_fits,
     next_pow2,
 )
 
@@ -459,7 +459,6 @@ def _fit_scan(scan, chunk: int, bp: int, stages: int, cu: torch.Tensor, device: 
     """
     if INTERPRETED or device.type != "cuda":
         return chunk, bp, stages
-    limit = max_shared_memory(device)
     candidates = [(chunk, bp, stages)]
     if stages > 1:
         candidates.append((chunk, bp, 1))
@@ -471,15 +470,12 @@ def _fit_scan(scan, chunk: int, bp: int, stages: int, cu: torch.Tensor, device: 
     while b > 16:
         b //= 2
         candidates += [(q, b, 1) for q in (chunk, chunk // 2, chunk // 4) if q in CHUNK_SIZES]
-    needed = {}
-    for q, b, st in candidates:
+
+    def compile_one(tiling: tuple[int, int, int]):
+        q, b, st = tiling
         plan, n = _chunk_plan(cu, q, device)
         states = torch.empty(1, dtype=torch.float32, device=device)
-        kernel = scan(q, b, st, plan, states, n, warmup=True)
-        needed[q, b, st] = kernel.metadata.shared
-        if kernel.metadata.shared <= limit:
-            return q, b, st
-    raise ValueError(
-        f"mamba2_ssd_triton: no scan tiling fits in {limit} bytes of shared memory per block "
-        f"(bytes needed by (chunk, BP, stages): {needed})"
-    )
+        return scan(q, b, st, plan, states, n, warmup=True)
+
+    return first_that_fits(candidates, compile_one, device, "mamba2_ssd_triton: no scan tiling",
+                           "(chunk, BP, stages)")  # fmt: skip
