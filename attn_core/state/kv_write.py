@@ -158,9 +158,7 @@ def write_kv_slots(
     elif not may_have_padding and k.dtype == k_cache.dtype and v.dtype == v_cache.dtype:
         # An eager decode step's write on CUDA: the two index_copy_ calls and nothing else
         # (write_slots_torch's quantise / view / slice steps cost as much host time again).
-        slots = slot_mapping if slot_mapping.shape[0] == n else slot_mapping[:n]
-        if slots.dtype != torch.long:
-            slots = slots.long()
+        slots = _step_slots(slot_mapping, n)
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
     else:
@@ -230,6 +228,12 @@ def _small_unpadded(num_tokens: int, cache: torch.Tensor, may_have_padding: bool
     )
 
 
+def _step_slots(slot_mapping: torch.Tensor, n: int) -> torch.Tensor:
+    """The slots of a step's ``n`` tokens as int64 (what ``index_copy_`` takes)."""
+    slots = slot_mapping if slot_mapping.shape[0] == n else slot_mapping[:n]
+    return slots if slots.dtype == torch.long else slots.long()
+
+
 def _kernels(cache: torch.Tensor) -> ModuleType | None:
     """The Triton writer for a CUDA ``cache``; None for other devices (torch path)."""
     global _triton_kernels, _triton_missing
@@ -267,9 +271,7 @@ def write_slots_torch(
     n = x.shape[0]
     if n == 0:
         return
-    slots = slot_mapping[:n]
-    if slots.dtype != torch.long:
-        slots = slots.long()
+    slots = _step_slots(slot_mapping, n)
     flat, values = _flat(cache, quantize(x, cache.dtype, scale))
     if may_have_padding:
         valid = slots >= 0
