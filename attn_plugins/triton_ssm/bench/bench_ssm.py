@@ -25,7 +25,7 @@ Sections:
   GB/s and max error against torch.
 * mamba2_decode: B = 64..2048, H=128, N=128, P=64 (Mamba2-2.7B-like), fp32 state, GB/s.
 * mamba2_prefill (``--prefill``): granite-4.0-h-small-like (H=128, P=64, N=128, G=1), T = 8192
-  and 32768 as one and 16 requests: ``impl="triton"`` (chunk 64 and 128, and chunk 64 without
+  and 32768 as one and 16 requests: ``impl="triton"`` (chunk 64 and 128, each with and without
   the hi/lo split), ``impl="fla"``, ``impl="torch"`` (T = 8192, one request); tokens/s, the
   ratio to fla's rate in the same run and to the published fused SSD rate.
 * plugin_step (``--plugin``): a 4-layer GDN decode step (conv1d + recurrent update) at B = 64,
@@ -400,12 +400,12 @@ def job_mamba2_prefill(T: int, n_seq: int, impl: str, H=128, G=1, N=128, P=64,
     return {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6}
 
 
-#: Mamba2 SSD tilings timed by ``--mamba2-sweep`` around the default (heads per scan program 8,
-#: state rows 64, warps (4, 4), stages (3, 1)). Session 6's sweeps from (32 rows, warps (4, 8),
-#: stages (3, 2)) set those defaults: scan warps 4 gave 1.46x, 64 state rows 1.21x, then one
-#: scan stage 1.08x.
+#: Mamba2 SSD tilings timed by ``--mamba2-sweep`` around the default (chunk 64, heads per scan
+#: program 8, state rows 64, P tile 64, warps (4, 4), stages (3, 1)). Session 6's sweeps from
+#: (32 rows, warps (4, 8), stages (3, 2)) set those defaults: scan warps 4 gave 1.46x, 64 state
+#: rows 1.21x, then one scan stage 1.08x. Chunk 128 then ran 0.57-0.66x of chunk 64 (session 7).
 SSD_SWEEP = [
-    {}, {"num_stages": (3, 2)}, {"num_stages": (3, 3)}, {"num_stages": (2, 1)},
+    {}, {"chunk_size": 128}, {"num_stages": (3, 2)}, {"num_stages": (3, 3)}, {"num_stages": (2, 1)},
     {"heads_per_program": 1}, {"heads_per_program": 2}, {"heads_per_program": 4},
     {"block_n": 32}, {"num_warps": (8, 4)}, {"num_warps": (4, 2)},
     {"heads_per_program": 2, "num_stages": (3, 2)},
@@ -798,14 +798,14 @@ def main(argv: list[str] | None = None) -> int:
                 p = {"section": "mamba2_prefill", "T": T, "n_seq": n_seq}
                 prefill.append(job("mamba2_prefill", {**p, "provider": "impl=fla (simple_gla)"},
                                    T=T, n_seq=n_seq, impl="fla"))  # fmt: skip
-                for chunk in (32, 64):
+                for chunk in (64, 128):
                     prefill.append(job("mamba2_prefill",
                                        {**p, "provider": f"impl=triton chunk {chunk}"}, T=T,
                                        n_seq=n_seq, impl="triton", chunk_size=chunk))  # fmt: skip
-                prefill.append(job("mamba2_prefill",
-                                   {**p, "provider": "impl=triton chunk 64 no hi/lo split"}, T=T,
-                                   n_seq=n_seq, impl="triton", chunk_size=64,
-                                   precise=False))  # fmt: skip
+                    prefill.append(job("mamba2_prefill",
+                                       {**p, "provider": f"impl=triton chunk {chunk} no hi/lo"},
+                                       T=T, n_seq=n_seq, impl="triton", chunk_size=chunk,
+                                       precise=False))  # fmt: skip
         p = {"section": "mamba2_prefill", "T": 8192, "n_seq": 1, "provider": "impl=torch"}
         prefill.append(job("mamba2_prefill", p, T=8192, n_seq=1, impl="torch"))
     if args.profile:

@@ -199,7 +199,14 @@ def test_mamba2_prefill_varlen_matches_recurrence(K, impl):
 
 
 @pytest.mark.parametrize(
-    ("dtype", "chunk"), [(torch.bfloat16, 32), (torch.bfloat16, 64), (torch.float32, 64)]
+    ("dtype", "chunk"),
+    [
+        (torch.bfloat16, 32),
+        (torch.bfloat16, 64),
+        (torch.bfloat16, 128),
+        (torch.float32, 64),
+        (torch.float32, 128),
+    ],
 )
 def test_mamba2_prefill_triton_matches_torch_granite_shape(K, dtype, chunk):
     """``impl="triton"`` (our chunked SSD) against ``impl="torch"`` (the float32 chunked SSD in

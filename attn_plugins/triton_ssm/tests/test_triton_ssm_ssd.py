@@ -179,9 +179,8 @@ def test_errors_say_what_was_expected():
     st = state.to(DEV)
     with pytest.raises(ValueError, match=r"chunk_size: impl='triton' takes one of .* got 48"):
         _run(inp, extras, st, idx, cu, chunk_size=48)
-    # 128 is refused too: NaN outputs and an illegal memory access on the H200 (see CHUNK_SIZES)
-    with pytest.raises(ValueError, match=r"takes one of \[16, 32, 64\], got 128"):
-        _run(inp, extras, st, idx, cu, chunk_size=128)
+    with pytest.raises(ValueError, match=r"takes one of \[16, 32, 64, 128\], got 256"):
+        _run(inp, extras, st, idx, cu, chunk_size=256)
     with pytest.raises(ValueError, match=r"B: expected x's dtype bfloat16 .* got float32"):
         _run({**inp, "B": inp["B"].float()}, extras, st, idx, cu)
     with pytest.raises(ValueError, match=r"x: impl='triton' takes float32/.* got float64"):
@@ -235,6 +234,23 @@ def test_fp32_wide_state_picks_a_scan_tiling_that_fits(dim):
     before = state.clone()
     y = _run(inp, extras, st, idx, cu)
     (tiling,) = ssd._SCAN_TILING.values()
-    assert tiling[0] in ssd.CHUNK_SIZES and tiling[1] <= 64, tiling
+    assert tiling[0] in ssd.CHUNK_SIZES and tiling[1] == ssd._P_TILE, tiling
     _check_against_recurrence(y, st, before, inp, extras, idx, cu, out_tol=FP32_TOL,
                               state_tol=FP32_TOL)  # fmt: skip
+
+
+def test_scan_tilings_to_try_never_narrow_the_p_tile():
+    """Lowering stages and chunks is how the scan fits shared memory; narrowing its P tile is
+    not (32-column tiles are what Triton 3.6 miscompiles on the H200, see ssd.mamba2_ssd_triton)."""
+    tilings = ssd._scan_candidates(128, ssd._P_TILE, 2)
+    assert tilings == [(128, 64, 2), (128, 64, 1), (64, 64, 1), (32, 64, 1), (16, 64, 1)]
+    assert ssd._scan_candidates(ssd.DEFAULT_CHUNK, 64, 1) == [(64, 64, 1), (32, 64, 1), (16, 64, 1)]
+    assert ssd._scan_candidates(16, 64, 1) == [(16, 64, 1)]
+
+
+@pytest.mark.parametrize("block_p", [0, 8, 48])
+def test_block_p_must_be_a_power_of_two_from_16(block_p):
+    inp, extras, state, idx, cu = _case([5])
+    with pytest.raises(ValueError, match=f"block_p: expected a power of two >= 16, got {block_p}"):
+        ssd.mamba2_ssd_triton(**_dev(inp), ssm_state=state.to(DEV), state_indices=idx.to(DEV),
+                              cu_seqlens_cpu=cu, **_dev(extras), block_p=block_p)  # fmt: skip

@@ -57,13 +57,13 @@ from attn_plugin_triton_ssm.kernels._common import (
 
 __all__ = ["CHUNK_SIZES", "DEFAULT_CHUNK", "mamba2_ssd_triton"]
 
-#: Chunk sizes the kernels take: ``tl.dot`` needs every dim >= 16. 128 is refused: on the H200
-#: its compiled scan wrote NaN outputs (the states were right) and then faulted with an illegal
-#: memory access at H=16, G=2, N=64, P=32 (scripts/diag_mamba2_chunk.py), although it passed at
-#: the granite shape and ran 9 % faster there (5.27 against 4.82 M tokens/s).
-CHUNK_SIZES = (16, 32, 64)
-#: 64: the largest chunk that passes every test on the H200.
+#: Chunk sizes the kernels take: ``tl.dot`` needs every dim >= 16.
+CHUNK_SIZES = (16, 32, 64, 128)
+#: 64: with the scan on 4 warps, chunk 128 runs far slower (H200, granite shape, T = 8192 as
+#: one request / 32768 as 16: 6.63 / 6.52 M tokens/s against 10.05 / 11.61 at 64).
 DEFAULT_CHUNK = 64
+#: Columns of P per program of both kernels when compiled (see :func:`mamba2_ssd_triton`).
+_P_TILE = 64
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -302,6 +302,7 @@ def mamba2_ssd_triton(
     out: torch.Tensor | None = None,
     heads_per_program: int | None = None,
     block_n: int | None = None,
+    block_p: int | None = None,
     num_warps: tuple[int, int] | None = None,
     num_stages: tuple[int, int] | None = None,
 ) -> torch.Tensor:
@@ -322,6 +323,8 @@ def mamba2_ssd_triton(
     :param out: ``[T, H, P]``, written and returned (a new tensor of ``x``'s dtype if ``None``).
     :param heads_per_program: heads of one group per scan program (a divisor of ``H // G``).
     :param block_n: rows of ``N`` per state-kernel program (a power of two >= 16).
+    :param block_p: columns of ``P`` per program of both kernels (a power of two >= 16),
+        instead of :data:`_P_TILE`; for diagnostics (``scripts/diag_mamba2_chunk.py``).
     :param num_warps: ``(state kernel, scan kernel)``; ``num_stages`` likewise.
     :returns: ``y`` ``[T, H, P]``.
     """
@@ -389,7 +392,18 @@ def mamba2_ssd_triton(
     BNs = block_n or max(16, min(64, next_pow2(N)))
     if BNs < 16 or BNs & (BNs - 1):
         raise ValueError(f"block_n: expected a power of two >= 16, got {BNs}")
-    BP = max(16, min(64, next_pow2(P)))
+    # P tiles of 64 columns when compiled, also for P < 64 (masked): Triton 3.6 miscompiles
+    # the scan's dots at 32 columns on the H200. At H=16, G=2, N=64, P=32
+    # (scripts/diag_mamba2_chunk.py) a 32-column tile faulted with an illegal memory access at
+    # chunk 64 with one scan stage and at chunk 128 with one, and gave wrong outputs (error 1.1)
+    # at chunk 128 with two; 64-column tiles were right in all four. Triton's issues #10573 and
+    # #11366 report the same family (sm90, several dots, a 32-wide tile). The interpreter keeps
+    # narrow tiles: it has no such bug and pays per element.
+    BP = _P_TILE if not INTERPRETED else max(16, min(_P_TILE, next_pow2(P)))
+    if block_p is not None:
+        if block_p < 16 or block_p & (block_p - 1):
+            raise ValueError(f"block_p: expected a power of two >= 16, got {block_p}")
+        BP = block_p
     # 4 warps for the scan: 8 (a guess at its register needs: C [Q, N], C B^T with decayed
     # hi/lo copies, the entering state [N, BP]) ran 1.46x slower on the H200 at the granite
     # shape (4.82 against 7.05 M tokens/s, T = 8192; 4.76 / 6.85 at T = 32768 as 16 requests).
@@ -446,9 +460,23 @@ def mamba2_ssd_triton(
 _SCAN_TILING: dict[tuple, tuple[int, int, int]] = {}
 
 
+def _scan_candidates(chunk: int, bp: int, stages: int) -> list[tuple[int, int, int]]:
+    """Scan tilings ``(chunk, BP, stages)`` to try in order: the requested one, one stage, then
+    halved chunks down to the smallest of :data:`CHUNK_SIZES`, all at ``bp`` columns."""
+    candidates = [(chunk, bp, stages)]
+    if stages > 1:
+        candidates.append((chunk, bp, 1))
+    q = chunk
+    while q > CHUNK_SIZES[0]:
+        q //= 2
+        candidates.append((q, bp, 1))
+    return candidates
+
+
 def _fit_scan(scan, chunk: int, bp: int, stages: int, cu: torch.Tensor, device: torch.device):
     """The first scan tiling, from the requested one down, whose compiled kernel fits in the
-    device's shared memory: fewer pipeline stages, then smaller chunks, then narrower P tiles.
+    device's shared memory: fewer pipeline stages, then smaller chunks. P tiles never narrow
+    below :data:`_P_TILE` (the miscompile at 32 columns, see :func:`mamba2_ssd_triton`).
 
     Why: the scan holds ``C`` and ``B`` ``[Q, N]``, the entering state ``[N, BP]`` and ``x``
     ``[Q, BP]`` in shared memory; float32 inputs (tf32x3 dots) at N = 128 need 263 KB at Q = 128
@@ -459,17 +487,7 @@ def _fit_scan(scan, chunk: int, bp: int, stages: int, cu: torch.Tensor, device: 
     """
     if INTERPRETED or device.type != "cuda":
         return chunk, bp, stages
-    candidates = [(chunk, bp, stages)]
-    if stages > 1:
-        candidates.append((chunk, bp, 1))
-    q = chunk
-    while q > CHUNK_SIZES[0]:
-        q //= 2
-        candidates.append((q, bp, 1))
-    b = bp
-    while b > 16:
-        b //= 2
-        candidates += [(q, b, 1) for q in (chunk, chunk // 2, chunk // 4) if q in CHUNK_SIZES]
+    candidates = _scan_candidates(chunk, bp, stages)
 
     def compile_one(tiling: tuple[int, int, int]):
         q, b, st = tiling
