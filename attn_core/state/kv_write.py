@@ -38,6 +38,12 @@ step), takes the torch path, which is then one ``index_copy_`` per tensor. Launc
 kernel costs more host time than the whole write: on the H200 server's host an eager B=1 decode
 write took 46 us as two ``index_copy_`` calls against 113 us through Triton's launcher
 (``bench/bench_kv_write.py``), while both run in a few microseconds on the GPU.
+
+That trade reverses when the step is GPU-bound: the host runs ahead, its launch cost hides
+behind the GPU's queue, and the two ``index_copy_`` kernels cost more GPU time than the one
+Triton kernel. A caller that knows (FlashInfer's decode reading a gigabyte of KV: 254.0 us per
+step through ``index_copy_`` against 246.9 us through Triton, 243.0 us for the attention alone)
+passes ``gpu_bound=True``, and the write stays on the Triton kernel.
 """
 
 from __future__ import annotations
@@ -90,6 +96,7 @@ def write_slots(
     scale: torch.Tensor | float | None = None,
     *,
     may_have_padding: bool = True,
+    gpu_bound: bool = False,
 ) -> None:
     """Store ``x[t]`` at slot ``slot_mapping[t]``; slot ``-1`` (padding) stores nothing.
 
@@ -105,6 +112,8 @@ def write_slots(
     :param may_have_padding: False only when every slot is known to be ``>= 0`` (no padding,
         and not capturing a graph that may later be replayed with padding): the torch path
         then skips two selects. The Triton kernel ignores it (masking padding is free there).
+    :param gpu_bound: the step's GPU work hides a kernel launch's host time (see the module
+        docs): a small unpadded step is written by the Triton kernel too, not ``index_copy_``.
     :raises ValueError: ``x`` does not fit the cache (row shape, dtype, device), or
         ``slot_mapping`` / ``scale`` are not usable as described.
     """
@@ -112,7 +121,7 @@ def write_slots(
     if x.shape[0] == 0:
         return
     kernels = _kernels(cache)
-    if kernels is None or _small_unpadded(x.shape[0], cache, may_have_padding):
+    if kernels is None or _small_unpadded(x.shape[0], cache, may_have_padding, gpu_bound):
         write_slots_torch(x, cache, slot_mapping, scale, may_have_padding=may_have_padding)
     else:
         kernels.launch((x,), (cache,), (scale,), slot_mapping, x.shape[0])
@@ -128,6 +137,7 @@ def write_kv_slots(
     v_scale: torch.Tensor | float | None = None,
     *,
     may_have_padding: bool = True,
+    gpu_bound: bool = False,
 ) -> None:
     """:func:`write_slots` for K and V at once: on CUDA one kernel launch writes both.
 
@@ -138,7 +148,7 @@ def write_kv_slots(
     :param slot_mapping: ``[>= T]`` integer; ``-1`` marks padding (written nowhere).
     :param k_scale: fp8 quantisation scale of K (see :func:`quantize`), or None.
     :param v_scale: likewise for V.
-    :param may_have_padding: as for :func:`write_slots`.
+    :param may_have_padding: as for :func:`write_slots`; ``gpu_bound`` likewise.
     :raises ValueError: as :func:`write_slots`, or K and V disagree on ``T`` or on the slots.
     """
     _check(k, k_cache, slot_mapping, k_scale, "k")
@@ -153,7 +163,7 @@ def write_kv_slots(
         return
     kernels = _kernels(k_cache)
     n = k.shape[0]
-    if kernels is not None and not _small_unpadded(n, k_cache, may_have_padding):
+    if kernels is not None and not _small_unpadded(n, k_cache, may_have_padding, gpu_bound):
         kernels.launch((k, v), (k_cache, v_cache), (k_scale, v_scale), slot_mapping, n)
     elif not may_have_padding and k.dtype == k_cache.dtype and v.dtype == v_cache.dtype:
         # An eager decode step's write on CUDA: the two index_copy_ calls and nothing else
@@ -221,10 +231,14 @@ _triton_kernels: ModuleType | None = None
 _triton_missing = False
 
 
-def _small_unpadded(num_tokens: int, cache: torch.Tensor, may_have_padding: bool) -> bool:
+def _small_unpadded(
+    num_tokens: int, cache: torch.Tensor, may_have_padding: bool, gpu_bound: bool
+) -> bool:
     """Whether a CUDA write is cheaper as ``index_copy_`` calls than as one Triton launch."""
     return (
-        not may_have_padding and num_tokens <= EAGER_TORCH_MAX_TOKENS and cache.dtype != FP8_DTYPE
+        not (may_have_padding or gpu_bound)
+        and num_tokens <= EAGER_TORCH_MAX_TOKENS
+        and cache.dtype != FP8_DTYPE
     )
 
 

@@ -140,17 +140,18 @@ class _RecordingKernels:
 
 
 @pytest.mark.parametrize(
-    ("tokens", "padding", "dtype", "kernel"),
+    ("tokens", "padding", "dtype", "gpu_bound", "kernel"),
     [
-        (1, False, torch.bfloat16, False),  # eager decode: index_copy_, no launcher cost
-        (kv_write.EAGER_TORCH_MAX_TOKENS, False, torch.float16, False),
-        (kv_write.EAGER_TORCH_MAX_TOKENS + 1, False, torch.bfloat16, True),  # prefill-sized
-        (1, True, torch.bfloat16, True),  # maybe padded (graph): the kernel masks padding
-        (1, False, FP8_DTYPE, True),  # fp8 quantises in the kernel
+        (1, False, torch.bfloat16, False, False),  # eager decode: index_copy_, no launcher cost
+        (kv_write.EAGER_TORCH_MAX_TOKENS, False, torch.float16, False, False),
+        (kv_write.EAGER_TORCH_MAX_TOKENS + 1, False, torch.bfloat16, False, True),  # prefill
+        (1, True, torch.bfloat16, False, True),  # maybe padded (graph): the kernel masks it
+        (1, False, FP8_DTYPE, False, True),  # fp8 quantises in the kernel
+        (64, False, torch.bfloat16, True, True),  # a GPU-bound step: one kernel, not two
     ],
 )
-def test_cuda_writes_pick_index_copy_only_for_small_unpadded_16_bit_steps(
-    monkeypatch, tokens, padding, dtype, kernel
+def test_cuda_writes_pick_index_copy_only_for_small_unpadded_16_bit_host_bound_steps(
+    monkeypatch, tokens, padding, dtype, gpu_bound, kernel
 ):
     kernels = _RecordingKernels()
     monkeypatch.setattr(kv_write, "_kernels", lambda cache: kernels)
@@ -159,8 +160,8 @@ def test_cuda_writes_pick_index_copy_only_for_small_unpadded_16_bit_steps(
     v_cache = torch.zeros_like(k_cache)
     k, v = torch.randn(tokens, 2, 4), torch.randn(tokens, 2, 4)
     slots = torch.randperm(pages * 16)[:tokens]
-    write_kv_slots(k, v, k_cache, v_cache, slots, may_have_padding=padding)
-    write_slots(k, k_cache, slots, may_have_padding=padding)
+    write_kv_slots(k, v, k_cache, v_cache, slots, may_have_padding=padding, gpu_bound=gpu_bound)
+    write_slots(k, k_cache, slots, may_have_padding=padding, gpu_bound=gpu_bound)
     assert kernels.launches == ([tokens, tokens] if kernel else [])
     # either way the rows landed where the slots say
     flat = v_cache.view(-1, 2, 4).float()

@@ -9,8 +9,9 @@ Sections (each isolated: a failure is recorded in the JSON and the next section 
    doing the plugin's whole job (its ``append_paged_kv_cache`` kernel, then ``run()``); time per
    call from CUDA events over many eager calls (at B=1 that is host-bound: host time per call
    is reported too, and section 5 repeats B=1 inside a CUDA graph); GB/s = K+V bytes / time.
-   The plugin is also timed with its eager K/V write forced onto the one-launch Triton kernel
-   (``EAGER_TORCH_MAX_TOKENS = 0``) instead of two ``index_copy_`` launches.
+   The plugin writes a small step's K/V with two ``index_copy_`` launches unless the step reads
+   ``GPU_BOUND_KV_BYTES`` of cache or more (then the one-launch Triton kernel); it is also
+   timed with the write forced onto the Triton kernel (``EAGER_TORCH_MAX_TOKENS = 0``).
 3. ``prefill``: ragged causal prefill, B*S = 16k tokens (B=2, S=8192), 16 heads, d128: plugin
    (write + ragged run) vs the ragged wrapper's ``run()``; TFLOP/s = 2 * B * S^2 * H * D / t.
    Direct, plugin and the plugin with its KV write on the caller's stream are timed in three

@@ -104,6 +104,38 @@ def test_bf16_long_context_split_kv():
     _compare(FULL, LONG, make_kw={"num_pages": 200, "max_model_len": 2048, "max_tokens": 2400})
 
 
+@pytest.mark.parametrize("gpu_bound", [True, False])
+def test_small_steps_write_kv_by_the_kernel_only_when_gpu_bound(monkeypatch, gpu_bound):
+    """A small unpadded step writes K/V with two index_copy_ calls (host-cheap) unless its
+    attention reads at least GPU_BOUND_KV_BYTES of cache; then the one Triton kernel does (fewer
+    GPU microseconds). Either way every output matches the reference."""
+    from attn_plugin_flashinfer import context as fi_context
+
+    from attn_core.state import kv_write_triton
+
+    monkeypatch.setattr(fi_context, "GPU_BOUND_KV_BYTES", 1 if gpu_bound else 2**60)
+    launched, real = [], kv_write_triton.launch
+
+    def spy(xs, caches, scales, slot_mapping, num_tokens, *args, **kwargs):
+        launched.append(num_tokens)
+        return real(xs, caches, scales, slot_mapping, num_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(kv_write_triton, "launch", spy)
+    make_kw = {"num_pages": 200, "max_model_len": 2048, "max_tokens": 2400}
+    fi = wl.make(FULL, _name(FULL), CUDA, **make_kw)
+    ref = wl.make(FULL, wl.REFERENCE, CUDA, **make_kw)
+    out_fi, out_ref = [], []
+    for i, step in enumerate(LONG):
+        out_fi.append(wl.run_step(fi, i, step))
+        fi_launched = list(launched)
+        out_ref.append(wl.run_step(ref, i, step))  # the reference writes by its own rules
+        launched[:] = fi_launched
+    assert wl.max_error(out_fi, out_ref) < BF16_TOL
+    small = {n for n in launched if n <= 256}  # LONG's decode (2 tokens) and mixed (38) steps
+    assert small == ({2, 38} if gpu_bound else set()), launched
+    assert 2200 in launched  # the prefill always takes the kernel
+
+
 @pytest.mark.slow  # two more JIT modules (fp16 decode + prefill), ~100 s on first use
 def test_fp16():
     _compare(FULL.with_(dtype="float16", kv_dtype="float16"), wl.WORKLOADS["prefill_decode_mixed"])
