@@ -57,9 +57,11 @@ kit_fi) run kit_fi 400 "${PYTEST[@]}" --attn-backend=flashinfer:flashinfer
   run kit_fi_mla 300 "${PYTEST[@]}" --attn-backend=flashinfer:flashinfer_mla ;;
 kit_ssm) run kit_ssm 400 "${PYTEST[@]}" --attn-backend=triton_ssm:triton_ssm ;;
 kit_ssm_x2)  # the whole triton_ssm battery in one pass: a shard per GPU, XDIST=8 each (~5 min)
+  # -v: one line per finished test, so a run cut by its deadline shows which test was left;
+  # --durations: where the time went.
   for i in 0 1; do
-    CUDA_VISIBLE_DEVICES=$i run "kit_ssm_$i" 420 python3 -m pytest -q -p no:cacheprovider \
-      --tb=short -rfE -n "${XDIST:-8}" --attn-backend=triton_ssm:triton_ssm \
+    CUDA_VISIBLE_DEVICES=$i run "kit_ssm_$i" 420 python3 -m pytest -v -p no:cacheprovider \
+      --durations=10 --tb=short -rfE -n "${XDIST:-8}" --attn-backend=triton_ssm:triton_ssm \
       --attn-seed="${KIT_SEED:-7}" --attn-shard="$i/2" &
   done
   wait ;;
