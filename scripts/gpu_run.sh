@@ -29,12 +29,13 @@ run() {  # run NAME TIMEOUT CMD...: log to $OUT/NAME.log, the last lines into th
   log "$name: $*"
   local t0=$SECONDS
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
-  { grep -E "^(FAILED|ERROR) " "$OUT/$name.log" | head -40
+  # skips too: a GPU module that skipped (say FlashAttention-4 not carried) must not read as a pass
+  { grep -E "^(FAILED|ERROR|SKIPPED) " "$OUT/$name.log" | head -40
     tail -n 2 "$OUT/$name.log"; } | sed "s/^/  [$name rc=$rc $((SECONDS - t0))s] /" >>"$OUT/summary.log"
 }
 # XDIST=N spreads a stage's tests over N processes on the lane's GPU: FlashInfer and Triton
 # JIT-compile each new kernel configuration on first use, and N processes compile N at once.
-PYTEST=(python3 -m pytest -q -p no:cacheprovider --tb=short -rfE ${XDIST:+-n $XDIST})
+PYTEST=(python3 -m pytest -q -p no:cacheprovider --tb=short -rfEs ${XDIST:+-n $XDIST})
 for stage in "$@"; do case $stage in
 info)
   nvidia-smi --query-gpu=index,name,compute_cap,memory.total,driver_version --format=csv >>"$OUT/summary.log"
@@ -61,7 +62,7 @@ kit_ssm_x2)  # the whole triton_ssm battery in one pass: a shard per GPU, XDIST=
   # --durations: where the time went.
   for i in 0 1; do
     CUDA_VISIBLE_DEVICES=$i run "kit_ssm_$i" 420 python3 -m pytest -v -p no:cacheprovider \
-      --durations=10 --tb=short -rfE -n "${XDIST:-8}" --attn-backend=triton_ssm:triton_ssm \
+      --durations=10 --tb=short -rfEs -n "${XDIST:-8}" --attn-backend=triton_ssm:triton_ssm \
       --attn-seed="${KIT_SEED:-7}" --attn-shard="$i/2" &
   done
   wait ;;
