@@ -170,31 +170,18 @@ def test_mamba2_prefill_varlen_matches_recurrence(K, impl):
     shared B/C groups, bf16 inputs. The fla path runs its dots on the bf16 inputs (``dt * x``
     rounded to bf16): mean relative error well under 1e-2; a wrong decay, group expansion or slot
     mapping gives tens of percent."""
-    from triton_ssm_refs import mamba2_ref
+    from triton_ssm_refs import MAMBA2_VARLEN, mamba2_varlen_case, mamba2_varlen_errors
 
-    lens, H, G, N, P, S = [300, 64, 1, 457], 16, 2, 64, 32, 8
-    T = sum(lens)
-    g = torch.Generator(device="cuda").manual_seed(2)
-    r = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
-    x, dt, A_log = r(T, H, P).bfloat16(), r(T, H) - 2.0, r(H) * 0.5
-    Bm, Cm, Dp, dt_bias, z = r(T, G, N).bfloat16(), r(T, G, N).bfloat16(), r(H), r(H), r(T, H, P)
-    state = r(S, H, N, P) * 0.1
-    idx = torch.tensor([5, 0, 3, 6], dtype=torch.int32, device="cuda")
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    cu = cu.to("cuda")
+    inputs, state, idx, offsets = mamba2_varlen_case()
+    cu = torch.tensor(offsets, dtype=torch.int32, device="cuda")
     before = state.clone()
-    y = K.mamba2_prefill(x, dt, A_log, Bm, Cm, state, idx, cu, D=Dp, dt_bias=dt_bias, z=z,
-                         impl=impl)  # fmt: skip
+    x = inputs["x"]
+    y = K.mamba2_prefill(**inputs, ssm_state=state, state_indices=idx, cu_seqlens=cu, impl=impl)
     assert y.dtype == x.dtype and y.shape == x.shape
-    untouched = [s for s in range(S) if s not in idx.tolist()]
+    untouched = [s for s in range(MAMBA2_VARLEN["S"]) if s not in idx.tolist()]
     assert torch.equal(state[untouched], before[untouched])
-    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
-        sl = slice(s, e)
-        y_ref, h_ref = mamba2_ref(x[None, sl], dt[None, sl], A_log, Bm[None, sl], Cm[None, sl],
-                                  before[idx[i]][None], D=Dp, dt_bias=dt_bias,
-                                  z=z[None, sl])  # fmt: skip
-        o_rel = ((y[sl].float() - y_ref[0]).abs().mean() / y_ref.abs().mean()).item()
-        h_rel = ((state[idx[i]] - h_ref[0]).abs().mean() / h_ref.abs().mean()).item()
+    errors = mamba2_varlen_errors(y, state, before, inputs, idx, offsets)
+    for i, (o_rel, h_rel) in enumerate(errors):
         assert o_rel < 1e-2 and h_rel < 1e-2, f"{impl} sequence {i}: out {o_rel:.2e} h {h_rel:.2e}"
 
 

@@ -6,6 +6,8 @@ Nothing here imports the plugin: the kernels are checked against code they do no
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
@@ -67,6 +69,47 @@ def mamba2_ref(x, dt, A_log, B, C, h0, *, D=None, dt_bias=None, z=None, dt_softp
             y = y * F.silu(z[:, t].float())
         ys.append(y)
     return torch.stack(ys, 1), h
+
+
+#: The Mamba2 varlen case: four packed sequences (one of a single token), H=16, G=2, N=64, P=32.
+#: At this shape Triton 3.6 miscompiled the SSD's 32-column tiles on the H200; the GPU test and
+#: scripts/diag_mamba2_chunk.py both build it here, so the diagnosis runs what the test runs.
+MAMBA2_VARLEN = dict(lens=[300, 64, 1, 457], H=16, G=2, N=64, P=32, S=8)
+
+
+def mamba2_varlen_case(device: str = "cuda") -> tuple[dict, torch.Tensor, torch.Tensor, list]:
+    """Inputs of :data:`MAMBA2_VARLEN`: ``(inputs, state, idx, offsets)`` with ``inputs`` keyed
+    as ``mamba2_prefill``'s arguments (x, dt, A_log, B, C bf16 where the models' are; D,
+    dt_bias, z float32), ``state`` ``[S, H, N, P]``, ``idx`` int32 slots, ``offsets`` the
+    ``N + 1`` token offsets as a list."""
+    c = MAMBA2_VARLEN
+    lens, H, G, N, P, S = c["lens"], c["H"], c["G"], c["N"], c["P"], c["S"]
+    T = sum(lens)
+    g = torch.Generator(device=device).manual_seed(2)
+    r = lambda *s: torch.randn(*s, generator=g, device=device)  # noqa: E731
+    x, dt, A_log = r(T, H, P).bfloat16(), r(T, H) - 2.0, r(H) * 0.5
+    Bm, Cm, Dp, dt_bias, z = r(T, G, N).bfloat16(), r(T, G, N).bfloat16(), r(H), r(H), r(T, H, P)
+    state = r(S, H, N, P) * 0.1
+    idx = torch.tensor([5, 0, 3, 6], dtype=torch.int32, device=device)
+    offsets = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    inputs = dict(x=x, dt=dt, A_log=A_log, B=Bm, C=Cm, D=Dp, dt_bias=dt_bias, z=z)
+    return inputs, state, idx, offsets
+
+
+def mamba2_varlen_errors(y, state, before, inputs, idx, offsets) -> list[tuple[float, float]]:
+    """Per sequence, the mean relative error of the outputs ``y`` and of the final state in
+    ``state[idx[i]]`` against :func:`mamba2_ref` started from ``before[idx[i]]``."""
+    a = inputs
+    errors = []
+    for i, (s, e) in enumerate(itertools.pairwise(offsets)):
+        sl = slice(s, e)
+        y_ref, h_ref = mamba2_ref(a["x"][None, sl], a["dt"][None, sl], a["A_log"],
+                                  a["B"][None, sl], a["C"][None, sl], before[idx[i]][None],
+                                  D=a["D"], dt_bias=a["dt_bias"], z=a["z"][None, sl])  # fmt: skip
+        o_rel = ((y[sl].float() - y_ref[0]).abs().mean() / y_ref.abs().mean()).item()
+        h_rel = ((state[idx[i]] - h_ref[0]).abs().mean() / h_ref.abs().mean()).item()
+        errors.append((o_rel, h_rel))
+    return errors
 
 
 def conv_ref(state, x, weight, bias, silu):
