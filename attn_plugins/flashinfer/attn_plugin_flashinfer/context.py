@@ -14,6 +14,10 @@ Which FlashInfer wrapper runs a step:
 ============================ ==============================================================
 step                         wrapper
 ============================ ==============================================================
+decode, graph mode DECODE,   the plugin's own fused write + split-KV Triton kernels
+at most                      (:mod:`attn_plugin_flashinfer.small_decode`), plain attention
+``SMALL_DECODE_MAX_BATCH``   with a 16-bit cache only, ``max_model_len`` up to
+padded requests              ``SMALL_DECODE_MAX_MODEL_LEN``; FlashInfer is latency-bound there
 decode, graph mode DECODE    ``BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=True)``, one
                              per padded batch size, buffers = views of the workspace
 decode                       ``BatchDecodeWithPagedKVCacheWrapper``
@@ -75,6 +79,20 @@ INT_WORKSPACE_BYTES = 8 * 2**20
 #: crossing, where the attention's GPU time (~4.4 TB/s) meets the Triton path's host time
 #: (~160 us), lies near 700 MB.
 GPU_BOUND_KV_BYTES = 768 * 2**20
+#: Captured decode steps of at most this many (padded) requests, in a context whose
+#: ``max_model_len`` is at most ``SMALL_DECODE_MAX_MODEL_LEN``, run the plugin's own fused
+#: write + split-KV kernels (:mod:`attn_plugin_flashinfer.small_decode`) instead of FlashInfer's
+#: decode: there FlashInfer is latency-bound and its separate K/V write is a large share of the
+#: step. H200, 32 q / 8 kv heads, d128, 32-layer graph, us per layer (small_decode / FlashInfer's
+#: kernel alone / FlashInfer + the write): B=1 ctx 4096 13.2 / 13.9 / 15.8; B=1 ctx 32768 54.3 /
+#: 41.6 / 44.1; B=2 ctx 4096 19.0 / 17.8 / 20.0; B=4 ctx 4096 32.1 / 26.3 / 28.9. Hence up to
+#: two requests, and a length limit: a captured graph is replayed at every length up to
+#: ``max_model_len``, and the two B=1 lines cross near 10k tokens.
+#: ``ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH`` overrides the batch limit (0: never). Graphs
+#: only: an eager step is host-bound, and Triton's launcher costs more host time than
+#: FlashInfer's ``run()``.
+SMALL_DECODE_MAX_BATCH = 2
+SMALL_DECODE_MAX_MODEL_LEN = 8192
 #: GQA group sizes FlashInfer's CUDA-core decode kernel is compiled for (DISPATCH_GQA_GROUP_SIZE).
 _CUDA_CORE_DECODE_GROUPS = frozenset({1, 2, 3, 4, 8})
 
@@ -82,6 +100,7 @@ _CUDA_CORE_DECODE_GROUPS = frozenset({1, 2, 3, 4, 8})
 class StepKind(str, enum.Enum):
     DECODE = "decode"
     DECODE_GRAPH = "decode_graph"
+    DECODE_SMALL = "decode_small"  # captured, small batch: small_decode's fused kernels
     RAGGED = "ragged"
     PAGED = "paged"
     MLA = "mla"
@@ -155,6 +174,8 @@ class _Step:
     # the attention reads enough cache to be GPU-bound (GPU_BOUND_KV_BYTES): the write takes
     # the one-kernel Triton path even for a small eager step (see attn_core.state.kv_write)
     gpu_bound: bool = False
+    # DECODE_SMALL: the split partials of this padded batch size (None for the other kinds)
+    small: Any = None
 
 
 def _share_int_workspace(wrapper: Any, int_ws: torch.Tensor, pinned: torch.Tensor) -> Any:
@@ -220,6 +241,8 @@ class _PagedContext:
         self.step: _Step | None = None
         self._half = 1
         self._graph_wrappers: dict[int, Any] = {}
+        self.small_decode_max_batch = 0  # FullAttentionContext turns it on where it applies
+        self._small: dict[int, Any] = {}  # small_decode buffers by padded batch size
 
     # -- the contract ------------------------------------------------------------------------
     def prepare(self, batch: AttentionBatch) -> None:
@@ -252,6 +275,10 @@ class _PagedContext:
             raise ValueError("the batch has no page table / slot mapping: build it with a state")
         if P > self.B:
             raise ValueError(f"batch of {P} requests exceeds max_batch_size={self.B}")
+        graph = self.graph_decode and batch.mode is BatchMode.DECODE
+        if graph and self.small_decode_max_batch >= P:
+            # The fused kernels read the batch's own page table, lengths and slots: no plan.
+            return _Step(StepKind.DECODE_SMALL, None, True, small=self._small_buffers(P))
         self._half ^= 1
         sv = self._views.get((self._half, P)) or self._make_views(self._half, P)
         width = batch.page_table.shape[1]
@@ -281,10 +308,12 @@ class _PagedContext:
             arange=self.arange,
             out=self.kv_indices,
         )
-        graph = self.graph_decode and batch.mode is BatchMode.DECODE
         kind, wrapper = self._plan_kernel(batch, sv, indices, graph)
         kv_bytes = meta.total_pages * batch.page_size * self.kv_bytes_per_token
         return _Step(kind, wrapper, graph or n != T, kv_bytes >= GPU_BOUND_KV_BYTES)
+
+    def _small_buffers(self, P: int) -> Any:
+        raise NotImplementedError
 
     def _make_views(self, half: int, P: int) -> _StepViews:
         """Slices of one half of the metadata for ``P`` requests, made once: slicing a tensor
@@ -413,6 +442,16 @@ class FullAttentionContext(_PagedContext):
             spec.num_heads, spec.num_kv_heads, spec.kv_dtype
         )
         self.fi_version = getattr(self.fi, "__version__", None)
+        if (
+            self.graph_decode
+            and constraints.max_model_len <= SMALL_DECODE_MAX_MODEL_LEN
+            and small_decode_serves(spec, self.kv_dtype, self.q_dtype)
+        ):
+            self.small_decode_max_batch = int(
+                os.environ.get(
+                    "ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", str(SMALL_DECODE_MAX_BATCH)
+                )
+            )
         #: Ragged prefill writes the KV cache on a side stream, overlapping the attention
         #: kernel (``ATTN_FLASHINFER_OVERLAP_KV_WRITE=0`` turns it off; benchmarks toggle it).
         self.overlap_kv_write = self.device.type == "cuda" and os.environ.get(
@@ -455,6 +494,28 @@ class FullAttentionContext(_PagedContext):
             _share_int_workspace(wrapper, self.int_ws, self.pinned_staging)
             self._graph_wrappers[P] = wrapper
         return wrapper
+
+    def _small_buffers(self, P: int) -> Any:
+        """small_decode's partials for ``P`` padded requests, made on the first plan of that
+        size: before the step is captured, so a replay finds them at the same address."""
+        buffers = self._small.get(P)
+        if buffers is None:
+            from attn_plugin_flashinfer import small_decode
+
+            spec = self.spec
+            sms = (
+                torch.cuda.get_device_properties(self.device).multi_processor_count
+                if self.device.type == "cuda"
+                else 4
+            )
+            splits = small_decode.num_splits_for(
+                P, spec.num_kv_heads, self.constraints.max_model_len, sms
+            )
+            buffers = small_decode.SmallDecodeBuffers.allocate(
+                P, spec.num_heads, splits, spec.head_dim, self.device
+            )
+            self._small[P] = buffers
+        return buffers
 
     def _side_stream(self) -> torch.cuda.Stream | None:
         """The stream a ragged prefill writes the cache on, beside the attention kernel; None
@@ -577,6 +638,8 @@ class FullAttentionContext(_PagedContext):
             kv.k_scale if fp8 else None,
             kv.v_scale if fp8 else None,
         )
+        if step.kind is StepKind.DECODE_SMALL:
+            return self._small_decode(layer, q, k, v, out, step)
         wrapper = step.wrapper
         wrapper._sm_scale = layer.scale
         o = out if out is not None and out.is_contiguous() else None
@@ -606,6 +669,49 @@ class FullAttentionContext(_PagedContext):
             if fp8:
                 result.mul_(kv.v_scale)
         return self._finish(result, out)
+
+    def _small_decode(self, layer, q, k, v, out, step: _Step) -> torch.Tensor:
+        """A captured small decode step: the fused write + split-KV kernels (small_decode)."""
+        from attn_plugin_flashinfer.small_decode import small_decode
+
+        if k.stride(-1) != 1:
+            k = k.contiguous()
+        if v.stride(-1) != 1:
+            v = v.contiguous()
+        o = out if out is not None and out.stride(-1) == 1 else torch.empty_like(q)
+        batch = self.batch
+        small_decode(
+            q,
+            k,
+            v,
+            layer.kv.k,
+            layer.kv.v,
+            batch.page_table,
+            batch.seq_lens,
+            batch.slot_mapping,
+            o,
+            step.small,
+            scale=layer.scale,
+        )
+        return self._finish(o, out)
+
+
+def small_decode_serves(spec: LayerSpec, kv_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:
+    """Whether :mod:`attn_plugin_flashinfer.small_decode` computes this layer's decode: plain
+    attention (no window, soft-cap or sinks), a 16-bit cache in q's dtype, a power-of-two head
+    dim and at most 16 query heads per KV head (one MMA tile of rows)."""
+    group = spec.num_heads // spec.num_kv_heads
+    d = spec.head_dim
+    return (
+        spec.sliding_window is None
+        and not spec.logits_soft_cap
+        and not spec.has_sinks
+        and kv_dtype == q_dtype
+        and kv_dtype in (torch.bfloat16, torch.float16)
+        and d & (d - 1) == 0
+        and 16 <= d <= 256
+        and group <= 16
+    )
 
 
 class MLAContext(_PagedContext):

@@ -12,5 +12,11 @@ _REPO_ROOT = Path(__file__).resolve().parents[3]
 for p in (_PLUGIN_ROOT, Path(__file__).resolve().parent):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
+# Without a GPU the plugin's own Triton kernels (small_decode) run in Triton's CPU interpreter,
+# which must be chosen before any @triton.jit function is created.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # Must be set before flashinfer is imported (flashinfer.jit.env reads it at import time).
 os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", str(_REPO_ROOT / ".jit"))

@@ -469,16 +469,75 @@ def test_mla_matches_reference(fake_fi):
     _compare(MLA, wl.WORKLOADS["chunked_prefill"], tol=2e-2, kinds={StepKind.MLA})
 
 
-def test_graph_decode_padding_and_update(fake_fi):
-    """Graph mode: padded decode steps use the fixed-buffer wrappers; padding writes nothing."""
+@pytest.mark.parametrize(
+    ("small_max", "kind"), [("0", StepKind.DECODE_GRAPH), ("4", StepKind.DECODE_SMALL)]
+)
+def test_graph_decode_padding_and_update(fake_fi, monkeypatch, small_max, kind):
+    """Graph mode: padded decode steps use the fixed-buffer wrappers, or up to
+    SMALL_DECODE_MAX_BATCH padded requests the fused small_decode kernels (here in Triton's
+    interpreter); both match the reference, and padding writes nothing."""
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", small_max)
     spec = FULL
     script = [[(0, 11), (1, 4), (2, 7)], [(0, 1), (1, 1), (2, 1)], [(0, 1), (2, 1)]]
     steps_kw = {1: {"pad_to": 4}, 2: {"pad_to": 4}}
     seen = _compare(spec, script, tol=2e-2, steps_kw=steps_kw, make_kw={"graph": True})
-    assert seen[1:] == [StepKind.DECODE_GRAPH, StepKind.DECODE_GRAPH]
+    assert seen[1:] == [kind, kind]
 
 
-def test_graph_decode_wrapper_is_reused_per_padded_size(fake_fi):
+def test_small_decode_serves_plain_16_bit_layers_only(fake_fi):
+    """Which layers the fused small-decode kernels take; the others keep FlashInfer's graph
+    wrapper at every batch size."""
+    import torch
+    from attn_plugin_flashinfer.context import small_decode_serves
+
+    bf16 = torch.bfloat16
+    assert small_decode_serves(FULL, bf16, bf16)
+    for spec, kv in [
+        (FULL.with_(sliding_window=8), bf16),
+        (FULL.with_(logits_soft_cap=30.0), bf16),
+        (FULL.with_(has_sinks=True), bf16),
+        (FULL.with_(head_dim=96), bf16),
+        (FULL.with_(num_heads=64, num_kv_heads=2), bf16),
+        (FULL, torch.float8_e4m3fn),
+        (FULL, torch.float16),
+    ]:
+        assert not small_decode_serves(spec, kv, bf16), spec
+    h = wl.make(FULL.with_(sliding_window=8), "flashinfer:flashinfer", "cpu", graph=True)
+    wl.run_step(h, 0, [(0, 5)])
+    wl.run_step(h, 1, [(0, 1)], pad_to=1)
+    assert h.context.small_decode_max_batch == 0
+    assert h.context.step.kind is StepKind.DECODE_GRAPH
+
+
+def test_small_decode_is_off_above_its_model_length(fake_fi):
+    """A graph replays at every length up to max_model_len: past SMALL_DECODE_MAX_MODEL_LEN
+    FlashInfer's kernels are the faster ones, so the context never takes the fused path."""
+    from attn_plugin_flashinfer import context as fi_context
+
+    limit = fi_context.SMALL_DECODE_MAX_MODEL_LEN
+    for max_len, on in ((limit, True), (limit + 1, False)):
+        h = wl.make(FULL, "flashinfer:flashinfer", "cpu", graph=True, max_model_len=max_len)
+        wl.run_step(h, 0, [(0, 5)])
+        wl.run_step(h, 1, [(0, 1)], pad_to=1)
+        assert (h.context.small_decode_max_batch > 0) is on, max_len
+        want = StepKind.DECODE_SMALL if on else StepKind.DECODE_GRAPH
+        assert h.context.step.kind is want, max_len
+
+
+def test_small_decode_above_the_batch_limit_is_flashinfers(fake_fi, monkeypatch):
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "2")
+    h = wl.make(FULL, "flashinfer:flashinfer", "cpu", graph=True)
+    wl.run_step(h, 0, [(0, 5), (1, 3), (2, 4)])
+    kinds = []
+    for pad in (2, 3, 2):
+        wl.run_step(h, 1, [(0, 1), (1, 1)], pad_to=pad)
+        kinds.append(h.context.step.kind)
+    assert kinds == [StepKind.DECODE_SMALL, StepKind.DECODE_GRAPH, StepKind.DECODE_SMALL]
+    assert set(h.context._small) == {2}  # the partials of one padded size, made once
+
+
+def test_graph_decode_wrapper_is_reused_per_padded_size(fake_fi, monkeypatch):
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")
     h = wl.make(FULL, "flashinfer:flashinfer", "cpu", graph=True)
     wl.run_step(h, 0, [(0, 5), (1, 3)])
     wl.run_step(h, 1, [(0, 1), (1, 1)], pad_to=4)

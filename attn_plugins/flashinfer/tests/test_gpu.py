@@ -175,7 +175,7 @@ def test_mla():
 # ------------------------------------------------------------------------------------------
 # CUDA graphs: capture one padded decode step, replay it with other batches
 # ------------------------------------------------------------------------------------------
-def _graph_replay(spec, *, pad=8, layers=2):
+def _graph_replay(spec, *, pad=8, layers=2, kinds=(StepKind.DECODE_GRAPH, StepKind.MLA_GRAPH)):
     """Capture a decode step of ``pad`` padded requests; replay with changed metadata.
 
     Returns the max error of every replay (and of the warm-up step) against the reference,
@@ -234,7 +234,7 @@ def _graph_replay(spec, *, pad=8, layers=2):
             graph.replay()
             torch.cuda.synchronize()
             got = [o[: batch.num_tokens].float().cpu() for o in outs]
-        assert fi.context.step.kind in (StepKind.DECODE_GRAPH, StepKind.MLA_GRAPH)
+        assert fi.context.step.kind in kinds
         for rid, n in step:
             fi.state.advance(rid, n)
         want = wl.run_step(ref, i, step, pad_to=pad)
@@ -244,10 +244,39 @@ def _graph_replay(spec, *, pad=8, layers=2):
     return errors_ref, errors_eager
 
 
-def test_cuda_graph_decode_replay_matches_eager():
-    errors_ref, errors_eager = _graph_replay(FULL)
+@pytest.mark.parametrize(
+    ("small_max", "pad", "kind"),
+    [
+        ("0", 8, StepKind.DECODE_GRAPH),  # FlashInfer's graph wrapper
+        ("8", 8, StepKind.DECODE_SMALL),  # the fused small_decode kernels
+        ("8", 6, StepKind.DECODE_SMALL),  # another split count (grid) per padded size
+    ],
+)
+def test_cuda_graph_decode_replay_matches_eager(monkeypatch, small_max, pad, kind):
+    """A captured decode step replayed with other requests and lengths matches the reference
+    and FlashInfer run eagerly; the KV each replay writes is what the next replay reads."""
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", small_max)
+    errors_ref, errors_eager = _graph_replay(FULL, pad=pad, kinds=(kind,))
     assert max(errors_ref) < BF16_TOL, errors_ref
     assert max(errors_eager) < 1e-2, errors_eager
+
+
+def test_small_decode_long_contexts_match_the_reference(monkeypatch):
+    """B = 1 and 3 over 700-1500 cached tokens (many pages per split) through the small-decode
+    path (graph-mode constraints, steps run eagerly), against the reference."""
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "4")
+    kw = dict(num_layers=2, max_batch=4, max_tokens=2304, num_pages=400, max_model_len=2048)
+    for pad, script in ((1, [[(0, 1500)], [(0, 1)], [(0, 1)]]), (3, LONG[:3])):
+        errors = []
+        fi = wl.make(FULL, _name(FULL), CUDA, graph=True, **kw)
+        ref = wl.make(FULL, wl.REFERENCE, CUDA, **kw)
+        for i, step in enumerate(script):
+            step_kw = {"pad_to": pad} if i else {}
+            errors.append(wl.max_error([wl.run_step(fi, i, step, **step_kw)],
+                                       [wl.run_step(ref, i, step, **step_kw)]))  # fmt: skip
+            if i:
+                assert fi.context.step.kind is StepKind.DECODE_SMALL
+        assert max(errors) < BF16_TOL, (pad, errors)
 
 
 def test_cuda_graph_decode_fp8_replay():

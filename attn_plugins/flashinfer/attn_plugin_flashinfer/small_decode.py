@@ -1,0 +1,325 @@
+"""Small-batch paged decode with the step's K/V write fused in: two Triton launches in all.
+
+Why: at a handful of requests FlashInfer's decode is latency-bound, not bandwidth-bound. On the
+H200, one layer of B=1, 32 q / 8 kv heads, d128, ctx 4096 (16 MiB of KV) took 13.9 us per layer
+inside a CUDA graph - 1.2 TB/s against 4.2 TB/s of copy bandwidth - and the plugin's separate
+K/V write added 1.9 us more (two ``index_copy_`` nodes). Here one kernel writes the new rows
+into the cache *and* attends over the whole context, split across the SMs, and a second one
+merges the splits: no write launch. At B=1, ctx 4096 the pair takes 13.2 us per layer in a
+32-layer graph, against 13.9 for FlashInfer's kernel alone; at 32k tokens or from four requests
+FlashInfer's kernels read faster, so the context uses this one only for one or two requests and
+a ``max_model_len`` up to 8192 (``context.SMALL_DECODE_MAX_BATCH``).
+
+How (flash-decoding): program ``(b, kv_head, split)`` covers one of ``num_splits`` equal,
+``BLOCK_N``-aligned ranges of request ``b``'s ``seq_len`` positions, for the ``group`` query
+heads that share ``kv_head``. It reads each K/V row through the page table, except the newest
+position (``seq_len - 1``), whose row has not been written yet: that one it takes from the
+step's ``k``/``v`` inputs, and the program whose range holds it also stores those rows at
+``slot_mapping[b]`` (``< 0``, a padding row: nothing). No other program reads that slot, so
+the fused write cannot race. Each program leaves an un-normalised partial (``o / l`` and the
+base-2 log-sum-exp) in float32; the merge kernel weights them by ``exp2(lse - max)``.
+
+The ranges are cut from the device-side ``seq_lens`` inside the kernel, so a captured graph
+stays right when a replay brings other lengths; ``num_splits`` (the grid) is fixed per padded
+batch size. Plain attention only: no sliding window, soft-cap, sinks or fp8 cache (the context
+sends those steps to FlashInfer).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "BLOCK_N",
+    "DEFAULT_CONFIG",
+    "MAX_SPLITS",
+    "SmallDecodeBuffers",
+    "SmallDecodeConfig",
+    "num_splits_for",
+    "small_decode",
+]
+
+#: KV positions per inner iteration (a power of two; four pages of 16).
+BLOCK_N = 64
+#: Most splits per (request, kv head): bounds the partial buffers and the merge's work.
+MAX_SPLITS = 64
+_LOG2E = 1.4426950408889634
+# Triton's CPU interpreter multiplies bf16 tiles as raw bits (3.9): under it (tests on CPU) the
+# dots take float32 copies of the same rounded values, which changes nothing else.
+_INTERPRETED = bool(triton.knobs.runtime.interpret)
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    page_table_ptr,
+    seq_lens_ptr,
+    slot_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    qk_scale_log2,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_vb,
+    stride_vh,
+    stride_pt,
+    NUM_SPLITS: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK) * BLOCK
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    newest = seq_len - 1
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D)
+    head = kvh * GROUP + g
+    q = tl.load(
+        q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :],
+        mask=(g < GROUP)[:, None],
+        other=0.0,
+    )
+    k_new = tl.load(k_ptr + b * stride_kb + kvh * stride_kh + d)
+    v_new = tl.load(v_ptr + b * stride_vb + kvh * stride_vh + d)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D], tl.float32)
+    row_stride = NUM_KV_HEADS * D
+    pt_row = page_table_ptr + b * stride_pt
+    if PREFETCH:
+        first = start + tl.arange(0, BLOCK)
+        page = tl.load(pt_row + first // PAGE, mask=first < end, other=0)
+    for n0 in range(start, end, BLOCK):
+        pos = n0 + tl.arange(0, BLOCK)
+        valid = pos < end
+        if not PREFETCH:
+            page = tl.load(pt_row + pos // PAGE, mask=valid, other=0)
+        row = page.to(tl.int64) * PAGE + pos % PAGE
+        offs = row[:, None] * row_stride + kvh * D + d[None, :]
+        is_new = (pos == newest)[:, None]
+        k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
+        if PREFETCH:  # the next block's page ids, while K and V of this one are in flight
+            ahead = pos + BLOCK
+            page = tl.load(pt_row + ahead // PAGE, mask=ahead < end, other=0)
+        k = tl.where(is_new, k_new[None, :], k)
+        if UPCAST:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale_log2  # [GROUP_PAD, BLOCK], base-2 logits
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.where(is_new, v_new[None, :], v)
+        if UPCAST:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    # Partials of the GROUP real heads: [B, NUM_HEADS, NUM_SPLITS(, D)]; an empty range leaves
+    # lse = -inf (weight 0 in the merge) and o = 0.
+    empty = end <= start
+    part = (b * NUM_HEADS + head) * NUM_SPLITS + split
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.maximum(l_i, 1e-30)))
+    o = tl.where(empty, 0.0, acc / tl.maximum(l_i, 1e-30)[:, None])
+    tl.store(part_lse_ptr + part, lse, mask=g < GROUP)
+    tl.store(part_o_ptr + part[:, None] * D + d[None, :], o, mask=(g < GROUP)[:, None])
+
+    # The fused write: the program whose range holds the newest position stores its K/V rows.
+    if (newest >= start) & (newest < end):
+        slot = tl.load(slot_ptr + b)
+        if slot >= 0:
+            dst = slot.to(tl.int64) * row_stride + kvh * D + d
+            tl.store(k_cache_ptr + dst, k_new)
+            tl.store(v_cache_ptr + dst, v_new)
+
+
+@triton.jit
+def _merge_kernel(
+    part_o_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D)
+    part = (b * NUM_HEADS + h) * NUM_SPLITS + sp
+    used = sp < NUM_SPLITS
+    lse = tl.load(part_lse_ptr + part, mask=used, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - top))
+    o = tl.load(part_o_ptr + part[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
+    total = tl.sum(w[:, None] * o, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, total.to(out_ptr.dtype.element_ty))
+
+
+@dataclass(frozen=True, slots=True)
+class SmallDecodeConfig:
+    """Tiling of the split kernel: KV positions per inner step, warps, software-pipeline
+    stages, and whether the next step's page ids are loaded while this step's K/V are.
+
+    The default is the tiling the GPU tests checked against the reference on the H200. The
+    tiling sweep there (``bench_flashinfer.py --small-sweep``, one round per tiling) found
+    faster ones that no GPU test has run yet: 32 positions, 4 warps, 3 stages, prefetch and
+    twice the splits took 45.8 against 55.3 us per layer at B=1, ctx 32768, and 27.0 against
+    32.1 at B=4, ctx 4096."""
+
+    block_n: int = BLOCK_N
+    num_warps: int = 4
+    num_stages: int = 2
+    prefetch: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"n{self.block_n}w{self.num_warps}s{self.num_stages}{'p' if self.prefetch else ''}"
+
+
+DEFAULT_CONFIG = SmallDecodeConfig()
+
+
+def num_splits_for(batch: int, num_kv_heads: int, max_len: int, sm_count: int) -> int:
+    """Splits per (request, kv head): about two programs per SM, at most :data:`MAX_SPLITS`,
+    and no more than ``max_len`` has ``BLOCK_N`` blocks (no split that is always empty)."""
+    want = math.ceil(2 * sm_count / max(batch * num_kv_heads, 1))
+    return max(1, min(want, MAX_SPLITS, math.ceil(max(max_len, 1) / BLOCK_N)))
+
+
+@dataclass(slots=True)
+class SmallDecodeBuffers:
+    """Float32 partials of one step shape: ``o`` ``[B, H, S, D]`` and ``lse`` ``[B, H, S]``.
+    Allocate them before a graph is captured: the captured kernels keep their addresses."""
+
+    o: torch.Tensor
+    lse: torch.Tensor
+
+    @classmethod
+    def allocate(cls, batch: int, num_heads: int, num_splits: int, head_dim: int,
+                 device: torch.device) -> SmallDecodeBuffers:  # fmt: skip
+        shape = (batch, num_heads, num_splits)
+        return cls(
+            o=torch.empty(*shape, head_dim, dtype=torch.float32, device=device),
+            lse=torch.empty(shape, dtype=torch.float32, device=device),
+        )
+
+    @property
+    def num_splits(self) -> int:
+        return self.lse.shape[2]
+
+
+def small_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    out: torch.Tensor,
+    buffers: SmallDecodeBuffers,
+    *,
+    scale: float,
+    config: SmallDecodeConfig | None = None,
+) -> torch.Tensor:
+    """Write the step's K/V rows into the paged cache and attend, one query token per request.
+
+    :param q: ``[B, H, D]`` bf16/fp16, last dim contiguous (B = padded requests).
+    :param k: ``[B, Hkv, D]`` (the step's new key rows), last dim contiguous; ``v`` likewise.
+    :param k_cache: ``[num_pages, page_size, Hkv, D]`` contiguous (NHD), q's dtype; ``v_cache``
+        likewise. Row ``slot_mapping[b]`` of each receives ``k[b]`` / ``v[b]``.
+    :param page_table: ``[>= B, W]`` int32, page ids of each request's positions.
+    :param seq_lens: ``[>= B]`` int32, KV length including the new token (>= 1).
+    :param slot_mapping: ``[>= B]`` int64, cache row of the new token, ``< 0`` to skip.
+    :param out: ``[B, H, D]`` written in place (any row/head strides, last dim contiguous).
+    :param buffers: partials for this ``B`` (:meth:`SmallDecodeBuffers.allocate`).
+    :param scale: softmax scale of the logits.
+    :param config: tiling of the split kernel (default :data:`DEFAULT_CONFIG`).
+    :returns: ``out``.
+    """
+    cfg = config or DEFAULT_CONFIG
+    B, H, D = q.shape
+    Hkv = k.shape[1]
+    page = k_cache.shape[1]
+    group = H // Hkv
+    S = buffers.num_splits
+    _split_kernel[(B, Hkv, S)](
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        page_table,
+        seq_lens,
+        slot_mapping,
+        buffers.o,
+        buffers.lse,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        page_table.stride(0),
+        NUM_SPLITS=S,
+        NUM_HEADS=H,
+        NUM_KV_HEADS=Hkv,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        D=D,
+        PAGE=page,
+        BLOCK=cfg.block_n,
+        PREFETCH=cfg.prefetch,
+        UPCAST=_INTERPRETED,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    _merge_kernel[(B, H)](
+        buffers.o,
+        buffers.lse,
+        out,
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=H,
+        NUM_SPLITS=S,
+        SPLITS_PAD=triton.next_power_of_2(S),
+        D=D,
+        num_warps=4,
+    )
+    return out
