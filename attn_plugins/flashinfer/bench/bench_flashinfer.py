@@ -18,8 +18,11 @@ Sections (each isolated: a failure is recorded in the JSON and the next section 
    interleaved rounds.
 4. ``prepare``: host time of ``runtime.prepare(batch)`` for a B=256 decode step (ctx 4096),
    ``time.perf_counter``, median and p90 of many calls (target < 150 us).
-5. ``graph``: a 32-layer decode step (B=64 and B=1, ctx 4096) captured in one CUDA graph:
-   replay time per layer vs the bare wrapper ``run()`` captured the same way and run eagerly.
+5. ``graph``: a 32-layer decode step captured in one CUDA graph (B = 1-16 and 64 at ctx 4096,
+   B = 1 and 8 at 32768): replay time per layer of the plugin as configured (small batches:
+   the fused small_decode kernels), of the plugin forced onto FlashInfer, of FlashInfer's
+   kernel alone, of FlashInfer's append + kernel and of the small_decode kernels called
+   directly, captured the same way.
 
 Usage (from the repository root, on the GPU machine)::
 
@@ -403,27 +406,50 @@ def bench_prepare(spec, batch: int = 256, ctx: int = 4096, iters: int = 300) -> 
     return res
 
 
-def bench_graph(spec, layers: int = 32, batch: int = 64, ctx: int = 4096) -> dict:
+def _sync(label: str) -> None:
+    """Wait for the GPU; a fault raised here names the last thing launched before it."""
+    try:
+        torch.cuda.synchronize()
+    except Exception as exc:
+        raise RuntimeError(f"CUDA fault at or before: {label}") from exc
+
+
+def bench_graph(spec, layers: int = 32, batch: int = 64, ctx: int = 4096,
+                sweep: bool = False) -> dict:  # fmt: skip
+    """A ``layers``-layer decode step captured in one CUDA graph, per layer: the plugin as
+    configured (``plugin``: the fused small_decode kernels up to SMALL_DECODE_MAX_BATCH
+    requests, FlashInfer's graph wrapper above), the plugin forced onto FlashInfer
+    (``plugin_fi``), FlashInfer's kernel alone (``bare``), FlashInfer's append + kernel (the
+    plugin's whole job in FlashInfer) and, for small batches, the small_decode kernels called
+    directly (``small_direct``). Replay times are the minimum of three interleaved rounds."""
+    from attn_plugin_flashinfer.small_decode import small_decode
+
     runtime, _state, builder = _setup(spec, batch=batch, ctx=ctx, layers=layers, graph=True)
-    b = builder.build([(r, 1) for r in range(batch)], pad_to=batch)
-    runtime.prepare(b)
     ctx_obj = _context(runtime)
+    small_max = ctx_obj.small_decode_max_batch
     q = torch.randn(batch, H, D, dtype=torch.bfloat16, device="cuda")
     k = torch.randn(batch, HKV, D, dtype=torch.bfloat16, device="cuda")
     v = torch.randn_like(k)
     outs = [torch.empty_like(q) for _ in range(layers)]
     bindings = [runtime.binding(i) for i in range(layers)]
-    wrapper = ctx_obj.step.wrapper
 
     def plugin_step():
         for i, bd in enumerate(bindings):
             bd.forward(q, k, v, out=outs[i])
 
+    # FlashInfer's path first: plan it (the bare graphs read that plan), capture it.
+    ctx_obj.small_decode_max_batch = 0
+    b = builder.build([(r, 1) for r in range(batch)], pad_to=batch)
+    runtime.prepare(b)
+    fi_kind = ctx_obj.step.kind.value
+    wrapper = ctx_obj.step.wrapper
+    graphs = {"plugin_fi": capture_graph(plugin_step)}
+    _sync("plugin_fi capture")
+
     def bare_step():
         for i, bd in enumerate(bindings):
             wrapper.run(q, (bd.kv.k, bd.kv.v), out=outs[i])
 
-    # FlashInfer doing the plugin's whole job: its append kernel, then the decode kernel.
     import flashinfer
 
     batch_idx = torch.arange(batch, dtype=torch.int32, device="cuda")
@@ -438,13 +464,69 @@ def bench_graph(spec, layers: int = 32, batch: int = 64, ctx: int = 4096) -> dic
             )  # fmt: skip
             wrapper.run(q, (bd.kv.k, bd.kv.v), out=outs[i])
 
-    g_plugin = capture_graph(plugin_step)
-    g_bare = capture_graph(bare_step)
-    g_bare_append = capture_graph(bare_append_step)
-    t_plugin = back_to_back_us(g_plugin.replay, 50)
-    t_bare_graph = back_to_back_us(g_bare.replay, 50)
-    t_bare_append = back_to_back_us(g_bare_append.replay, 50)
+    graphs["bare"] = capture_graph(bare_step)
+    _sync("bare capture")
+    graphs["bare_append"] = capture_graph(bare_append_step)
+    _sync("bare_append capture")
     t_bare_eager = back_to_back_us(bare_step, 20)
+    ctx_obj.small_decode_max_batch = small_max
+    kind = fi_kind
+    if batch <= small_max:
+        nb = builder.build([(r, 1) for r in range(batch)], pad_to=batch)
+        runtime.prepare(nb)
+        kind = ctx_obj.step.kind.value
+        graphs["plugin"] = capture_graph(plugin_step)
+        _sync("plugin (small) capture")
+        from attn_plugin_flashinfer.small_decode import SmallDecodeBuffers, SmallDecodeConfig
+
+        def small_direct_step(bufs, config):
+            for i, bd in enumerate(bindings):
+                small_decode(
+                    q, k, v, bd.kv.k, bd.kv.v, nb.page_table, nb.seq_lens, nb.slot_mapping,
+                    outs[i], bufs, scale=bd.scale, config=config,
+                )  # fmt: skip
+
+        # The kernels alone: at the plugin's split count and tiling, at half and twice the
+        # splits, and with --small-sweep over tilings too.
+        splits = ctx_obj.step.small.num_splits
+        variants = [(n, None) for n in sorted({max(1, splits // 2), splits, 2 * splits})]
+        if sweep:
+            grid = [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+            grid += [(32, 4, 4), (64, 4, 4)]
+            tilings = [SmallDecodeConfig(*tiling) for tiling in grid]
+            tilings.append(SmallDecodeConfig(prefetch=False))
+            variants += [(n, c) for n in (splits, 2 * splits) for c in tilings]
+        keep = []  # the partials must outlive the graphs that write them
+        for n, config in variants:
+            bufs = SmallDecodeBuffers.allocate(batch, H, n, D, torch.device("cuda"))
+            keep.append(bufs)
+            name = f"small_direct_s{n}" + (f"_{config.label}" if config else "")
+            if n == splits and config is None:
+                name = "small_direct"
+            try:
+                graphs[name] = capture_graph(
+                    lambda bufs=bufs, config=config: small_direct_step(bufs, config)
+                )
+            except Exception as exc:  # a tiling that does not fit (shared memory): skip it
+                if config is None:
+                    raise
+                print(f"  {name}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                torch.cuda.synchronize()
+                continue
+            _sync(f"{name} capture")
+    else:
+        graphs["plugin"] = graphs["plugin_fi"]
+    for name, g in graphs.items():
+        _sync(f"capture of {name}")
+        g.replay()
+        _sync(f"first replay of {name}")
+    rounds: dict[str, list[float]] = {name: [] for name in graphs}
+    for _ in range(3):
+        for name, g in graphs.items():
+            if name.startswith("small_direct_") and "_n" in name and rounds[name]:
+                continue  # the tiling sweep: one round each
+            rounds[name].append(back_to_back_us(g.replay, 50) / layers)
+    per_layer = {name: min(ts) for name, ts in rounds.items()}
     # host cost of update() before a replay (new batch built outside the timing)
     upd = []
     for _ in range(50):
@@ -454,19 +536,40 @@ def bench_graph(spec, layers: int = 32, batch: int = 64, ctx: int = 4096) -> dic
         runtime.update(nb)
         upd.append((time.perf_counter() - t0) * 1e6)
         torch.cuda.synchronize()
+    kv_bytes = batch * ctx * HKV * D * 2 * 2
     res = {
         "layers": layers,
         "B": batch,
         "ctx": ctx,
-        "kind": ctx_obj.step.kind.value,
-        "plugin_graph_us_per_layer": t_plugin / layers,
-        "bare_graph_us_per_layer": t_bare_graph / layers,
+        "kind": kind,
+        "plugin_graph_us_per_layer": per_layer["plugin"],
+        "plugin_fi_graph_us_per_layer": per_layer["plugin_fi"],
+        "bare_graph_us_per_layer": per_layer["bare"],
         "bare_eager_us_per_layer": t_bare_eager / layers,
-        "ratio_vs_bare_graph": t_plugin / t_bare_graph,
-        "bare_append_graph_us_per_layer": t_bare_append / layers,
-        "ratio_vs_bare_append_graph": t_plugin / t_bare_append,
+        "ratio_vs_bare_graph": per_layer["plugin"] / per_layer["bare"],
+        "plugin_fi_ratio_vs_bare_graph": per_layer["plugin_fi"] / per_layer["bare"],
+        "bare_append_graph_us_per_layer": per_layer["bare_append"],
+        "ratio_vs_bare_append_graph": per_layer["plugin"] / per_layer["bare_append"],
+        "plugin_GB/s": kv_bytes / per_layer["plugin"] / 1e3,
+        "bare_GB/s": kv_bytes / per_layer["bare"] / 1e3,
         "update_host_median_us": statistics.median(upd),
     }
+    if "small_direct" in per_layer:
+        res["small_splits"] = splits
+        res["small_direct_graph_us_per_layer"] = per_layer["small_direct"]
+        res["ratio_vs_small_direct"] = per_layer["plugin"] / per_layer["small_direct"]
+        res["small_direct_us_by_splits"] = {
+            int(name.removeprefix("small_direct_s")) if name != "small_direct" else splits: t
+            for name, t in per_layer.items()
+            if name.startswith("small_direct") and "_n" not in name
+        }
+        sweep_times = {
+            name.removeprefix("small_direct_"): t
+            for name, t in per_layer.items()
+            if name.startswith("small_direct_") and "_n" in name
+        }
+        if sweep_times:
+            res["small_sweep_us"] = dict(sorted(sweep_times.items(), key=lambda kv: kv[1]))
     return res
 
 
@@ -534,16 +637,37 @@ def _table(results: dict) -> str:
             f"p90 {r['p90_us']:.1f} us (target < {r['target_us']} us); FlashInfer plan() alone "
             f"{r['flashinfer_plan_median_us']:.1f} us"
         )
-    for r in results.get("graph", []):
+    if results.get("graph"):
         lines.append(
-            f"{r['layers']}-layer decode graph B={r['B']} ctx={r['ctx']}: plugin "
-            f"{r['plugin_graph_us_per_layer']:.1f} us/layer, bare kernel graph "
-            f"{r['bare_graph_us_per_layer']:.1f} us/layer (ratio {r['ratio_vs_bare_graph']:.3f}), "
-            f"FI append + kernel graph {r['bare_append_graph_us_per_layer']:.1f} us/layer "
-            f"(ratio {r['ratio_vs_bare_append_graph']:.3f}), "
-            f"bare eager {r['bare_eager_us_per_layer']:.1f} us/layer; update() host "
-            f"{r['update_host_median_us']:.1f} us"
+            "decode graph, us per layer |   B |   ctx | plugin (kind)         | ratio vs bare | "
+            "plugin on FI (ratio) | bare FI kernel | FI append+kernel (ratio) | "
+            "small_decode direct (ratio) | GB/s plugin / bare | update() host us"
         )
+    for r in results.get("graph", []):
+        small = (
+            f"{r['small_direct_graph_us_per_layer']:.2f} ({r['ratio_vs_small_direct']:.3f}); "
+            "by splits "
+            + ", ".join(f"{n}: {t:.2f}" for n, t in sorted(r["small_direct_us_by_splits"].items()))
+            if "small_direct_graph_us_per_layer" in r
+            else "-"
+        )
+        lines.append(
+            f"{r['layers']:2d} layers {'':15} | {r['B']:3d} | {r['ctx']:5d} | "
+            f"{r['plugin_graph_us_per_layer']:7.2f} ({r['kind']:12}) | "
+            f"{r['ratio_vs_bare_graph']:13.3f} | "
+            f"{r['plugin_fi_graph_us_per_layer']:7.2f} "
+            f"({r['plugin_fi_ratio_vs_bare_graph']:.3f}) | "
+            f"{r['bare_graph_us_per_layer']:14.2f} | "
+            f"{r['bare_append_graph_us_per_layer']:7.2f} ({r['ratio_vs_bare_append_graph']:.3f}) | "
+            f"{small} | {r['plugin_GB/s']:.0f} / {r['bare_GB/s']:.0f} | "
+            f"{r['update_host_median_us']:.1f}"
+        )
+        if "small_sweep_us" in r:
+            best = list(r["small_sweep_us"].items())[:6]
+            lines.append(
+                f"{'':27}small_decode tilings, fastest first (us per layer): "
+                + ", ".join(f"{name} {t:.2f}" for name, t in best)
+            )
     for e in results.get("errors", []):
         lines.append(f"ERROR in {e['section']} {e['args']}: {e['error']}")
     return "\n".join(lines)
@@ -557,6 +681,14 @@ def main(argv: list[str] | None = None) -> int:
         "--variants", action="store_true", help="direct decode kernel choices (layout, cores)"
     )
     parser.add_argument("--profile", action="store_true", help="cProfile of prepare() at B=256")
+    parser.add_argument(
+        "--small-sweep", action="store_true", help="graph section: small_decode tilings too"
+    )
+    parser.add_argument(
+        "--graph-cases",
+        default="64x4096,1x4096,2x4096,4x4096,8x4096,16x4096,1x32768,8x32768",
+        help="graph section: comma-separated BATCHxCTX cases",
+    )
     parser.add_argument(
         "--only",
         help="comma-separated sections: decode, variants, prefill, prepare, profile, graph "
@@ -602,8 +734,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile and want("profile"):
         _run(results, "prepare_profile", bench_prepare_profile, spec)
     if want("graph"):
-        _run(results, "graph", bench_graph, spec)
-        _run(results, "graph", bench_graph, spec, batch=1)
+        for case in args.graph_cases.split(","):
+            batch, ctx = (int(x) for x in case.split("x"))
+            _run(results, "graph", bench_graph, spec, batch=batch, ctx=ctx,
+                 sweep=args.small_sweep)  # fmt: skip
     results["total_s"] = round(time.perf_counter() - started, 1)
     table = _table(results)
     print("\n" + table)
