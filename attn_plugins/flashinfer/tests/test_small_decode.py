@@ -61,12 +61,20 @@ def _reference(q, k, v, k_cache, v_cache, page_table, seq_lens, slots, scale):
 @pytest.mark.parametrize("lens", LENS, ids=lambda lens: "x".join(map(str, lens)))
 @pytest.mark.parametrize("config", TILINGS, ids=lambda c: c.label)
 def test_small_decode_matches_a_gather_reference_and_writes_only_its_slots(lens, config):
+    _check(lens, config, torch.bfloat16)
+
+
+def test_small_decode_float16():
+    _check(LENS[-1], SmallDecodeConfig(), torch.float16)
+
+
+def _check(lens, config, dtype):
     gen = torch.Generator().manual_seed(len(lens) * 1000 + config.block_n)
     B = len(lens)
     width = math.ceil(max(lens) / PAGE) + 1
     num_pages = B * width + 3
-    k_cache = torch.randn(num_pages, PAGE, HKV, D, generator=gen).to(torch.bfloat16)
-    v_cache = torch.randn(num_pages, PAGE, HKV, D, generator=gen).to(torch.bfloat16)
+    k_cache = torch.randn(num_pages, PAGE, HKV, D, generator=gen).to(dtype)
+    v_cache = torch.randn(num_pages, PAGE, HKV, D, generator=gen).to(dtype)
     # each request owns distinct pages, in a shuffled order
     owner = torch.randperm(num_pages, generator=gen)[: B * width].view(B, width).to(torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
@@ -75,15 +83,15 @@ def test_small_decode_matches_a_gather_reference_and_writes_only_its_slots(lens,
     )
     if B > 1:
         slots[0] = -1  # a padding row: attends, writes nothing
-    q = torch.randn(B, H, D, generator=gen).to(torch.bfloat16)
-    k = torch.randn(B, HKV, D, generator=gen).to(torch.bfloat16)
-    v = torch.randn(B, HKV, D, generator=gen).to(torch.bfloat16)
+    q = torch.randn(B, H, D, generator=gen).to(dtype)
+    k = torch.randn(B, HKV, D, generator=gen).to(dtype)
+    v = torch.randn(B, HKV, D, generator=gen).to(dtype)
     scale = 1 / math.sqrt(D)
     want, k_want, v_want = _reference(q, k, v, k_cache, v_cache, owner, seq_lens, slots, scale)
 
     on = {"device": DEVICE}
     args = [t.to(**on) for t in (q, k, v, k_cache, v_cache, owner, seq_lens, slots)]
-    out = torch.full((B, H, D), float("nan"), dtype=torch.bfloat16, **on)
+    out = torch.full((B, H, D), float("nan"), dtype=dtype, **on)
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count if CUDA else 4
     splits = num_splits_for(B, HKV, max(lens), sms)
     for n in sorted({splits, 2 * splits}):  # the plugin's split count and the sweep's double
