@@ -15,9 +15,9 @@ Which FlashInfer wrapper runs a step:
 step                         wrapper
 ============================ ==============================================================
 decode, graph mode DECODE,   the plugin's own fused write + split-KV Triton kernels
-at most                      (:mod:`attn_plugin_flashinfer.small_decode`), plain attention
-``SMALL_DECODE_MAX_BATCH``   with a 16-bit cache only, ``max_model_len`` up to
-padded requests              ``SMALL_DECODE_MAX_MODEL_LEN``; FlashInfer is latency-bound there
+few padded requests          (:mod:`attn_plugin_flashinfer.small_decode`), plain attention
+(``small_decode_batch_``     with a 16-bit cache only; FlashInfer is latency-bound there
+``limit``)
 decode, graph mode DECODE    ``BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=True)``, one
                              per padded batch size, buffers = views of the workspace
 decode                       ``BatchDecodeWithPagedKVCacheWrapper``
@@ -79,20 +79,23 @@ INT_WORKSPACE_BYTES = 8 * 2**20
 #: crossing, where the attention's GPU time (~4.4 TB/s) meets the Triton path's host time
 #: (~160 us), lies near 700 MB.
 GPU_BOUND_KV_BYTES = 768 * 2**20
-#: Captured decode steps of at most this many (padded) requests, in a context whose
-#: ``max_model_len`` is at most ``SMALL_DECODE_MAX_MODEL_LEN``, run the plugin's own fused
-#: write + split-KV kernels (:mod:`attn_plugin_flashinfer.small_decode`) instead of FlashInfer's
-#: decode: there FlashInfer is latency-bound and its separate K/V write is a large share of the
-#: step. H200, 32 q / 8 kv heads, d128, 32-layer graph, us per layer (small_decode / FlashInfer's
-#: kernel alone / FlashInfer + the write): B=1 ctx 4096 13.2 / 13.9 / 15.8; B=1 ctx 32768 54.3 /
-#: 41.6 / 44.1; B=2 ctx 4096 19.0 / 17.8 / 20.0; B=4 ctx 4096 32.1 / 26.3 / 28.9. Hence up to
-#: two requests, and a length limit: a captured graph is replayed at every length up to
-#: ``max_model_len``, and the two B=1 lines cross near 10k tokens.
-#: ``ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH`` overrides the batch limit (0: never). Graphs
-#: only: an eager step is host-bound, and Triton's launcher costs more host time than
-#: FlashInfer's ``run()``.
+#: Captured decode steps of at most this many (padded) requests, whose KV positions at the
+#: longest (requests x ``max_model_len``) are at most ``SMALL_DECODE_MAX_KV_TOKENS``, run the
+#: plugin's own fused write + split-KV kernels (:mod:`attn_plugin_flashinfer.small_decode`)
+#: instead of FlashInfer's decode: there FlashInfer is latency-bound and its separate K/V write
+#: is a large share of the step. H200, 32 q / 8 kv heads, d128, 32-layer graph, us per layer
+#: (small_decode / FlashInfer's kernel alone / FlashInfer + the write): B=1 ctx 4096 13.2 / 13.9
+#: / 15.8; B=1 ctx 32768 54.3 / 41.6 / 44.1; B=2 ctx 4096 19.0 / 17.8 / 20.0; B=4 ctx 4096 32.1 /
+#: 26.3 / 28.9; B=8 ctx 4096 50.0 / 42.0 / 44.7. Both paths are close to linear in the step's
+#: KV positions N: about 7.3 + 1.43 N/1000 us for small_decode and 11.8 + 0.99 N/1000 us for
+#: FlashInfer + write (fitted at B=1; they predict B=2, 4, 8 within 8 %), which cross at
+#: N = 10.2k. A captured graph is replayed at every length up
+#: to ``max_model_len``, so the limit holds for the longest.
+#: ``ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH`` overrides the batch limit (0: never). Graphs only:
+#: an eager step is host-bound, and Triton's launcher costs more host time than FlashInfer's
+#: ``run()``.
 SMALL_DECODE_MAX_BATCH = 2
-SMALL_DECODE_MAX_MODEL_LEN = 8192
+SMALL_DECODE_MAX_KV_TOKENS = 10240
 #: GQA group sizes FlashInfer's CUDA-core decode kernel is compiled for (DISPATCH_GQA_GROUP_SIZE).
 _CUDA_CORE_DECODE_GROUPS = frozenset({1, 2, 3, 4, 8})
 
@@ -442,16 +445,13 @@ class FullAttentionContext(_PagedContext):
             spec.num_heads, spec.num_kv_heads, spec.kv_dtype
         )
         self.fi_version = getattr(self.fi, "__version__", None)
-        if (
-            self.graph_decode
-            and constraints.max_model_len <= SMALL_DECODE_MAX_MODEL_LEN
-            and small_decode_serves(spec, self.kv_dtype, self.q_dtype)
-        ):
-            self.small_decode_max_batch = int(
+        if self.graph_decode and small_decode_serves(spec, self.kv_dtype, self.q_dtype):
+            cap = int(
                 os.environ.get(
                     "ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", str(SMALL_DECODE_MAX_BATCH)
                 )
             )
+            self.small_decode_max_batch = small_decode_batch_limit(constraints.max_model_len, cap)
         #: Ragged prefill writes the KV cache on a side stream, overlapping the attention
         #: kernel (``ATTN_FLASHINFER_OVERLAP_KV_WRITE=0`` turns it off; benchmarks toggle it).
         self.overlap_kv_write = self.device.type == "cuda" and os.environ.get(
@@ -694,6 +694,13 @@ class FullAttentionContext(_PagedContext):
             scale=layer.scale,
         )
         return self._finish(o, out)
+
+
+def small_decode_batch_limit(max_model_len: int, cap: int = SMALL_DECODE_MAX_BATCH) -> int:
+    """Most padded requests a captured decode step may have to take small_decode: ``cap``, and
+    no more than ``SMALL_DECODE_MAX_KV_TOKENS`` KV positions at ``max_model_len`` each (0: the
+    path is off)."""
+    return max(0, min(cap, SMALL_DECODE_MAX_KV_TOKENS // max(max_model_len, 1)))
 
 
 def small_decode_serves(spec: LayerSpec, kv_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:

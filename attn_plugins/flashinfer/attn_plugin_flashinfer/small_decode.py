@@ -7,8 +7,8 @@ K/V write added 1.9 us more (two ``index_copy_`` nodes). Here one kernel writes 
 into the cache *and* attends over the whole context, split across the SMs, and a second one
 merges the splits: no write launch. At B=1, ctx 4096 the pair takes 13.2 us per layer in a
 32-layer graph, against 13.9 for FlashInfer's kernel alone; at 32k tokens or from four requests
-FlashInfer's kernels read faster, so the context uses this one only for one or two requests and
-a ``max_model_len`` up to 8192 (``context.SMALL_DECODE_MAX_BATCH``).
+FlashInfer's kernels read faster, so the context uses this one only for one or two requests
+whose KV positions at ``max_model_len`` stay within 10240 (``context.small_decode_batch_limit``).
 
 How (flash-decoding): program ``(b, kv_head, split)`` covers one of ``num_splits`` equal,
 ``BLOCK_N``-aligned ranges of request ``b``'s ``seq_len`` positions, for the ``group`` query

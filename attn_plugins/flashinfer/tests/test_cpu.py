@@ -509,13 +509,23 @@ def test_small_decode_serves_plain_16_bit_layers_only(fake_fi):
     assert h.context.step.kind is StepKind.DECODE_GRAPH
 
 
-def test_small_decode_is_off_above_its_model_length(fake_fi):
-    """A graph replays at every length up to max_model_len: past SMALL_DECODE_MAX_MODEL_LEN
-    FlashInfer's kernels are the faster ones, so the context never takes the fused path."""
+def test_small_decode_batch_limit_keeps_the_step_under_its_kv_token_budget(fake_fi):
+    """A graph replays at every length up to max_model_len: past SMALL_DECODE_MAX_KV_TOKENS
+    positions per step FlashInfer's kernels are the faster ones, so fewer requests (or none)
+    take the fused path as max_model_len grows."""
     from attn_plugin_flashinfer import context as fi_context
+    from attn_plugin_flashinfer.context import small_decode_batch_limit
 
-    limit = fi_context.SMALL_DECODE_MAX_MODEL_LEN
-    for max_len, on in ((limit, True), (limit + 1, False)):
+    budget = fi_context.SMALL_DECODE_MAX_KV_TOKENS
+    assert small_decode_batch_limit(4112) == 2  # the benchmark's ctx 4096 (+ one page)
+    assert small_decode_batch_limit(budget // 2) == 2
+    assert small_decode_batch_limit(budget // 2 + 1) == 1
+    assert small_decode_batch_limit(budget) == 1
+    assert small_decode_batch_limit(budget + 1) == 0
+    assert small_decode_batch_limit(32768) == 0
+    assert small_decode_batch_limit(1024, cap=8) == 8
+    assert small_decode_batch_limit(1024, cap=0) == 0
+    for max_len, on in ((budget, True), (budget + 1, False)):
         h = wl.make(FULL, "flashinfer:flashinfer", "cpu", graph=True, max_model_len=max_len)
         wl.run_step(h, 0, [(0, 5)])
         wl.run_step(h, 1, [(0, 1)], pad_to=1)
