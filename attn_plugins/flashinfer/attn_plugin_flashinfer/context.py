@@ -89,8 +89,8 @@ GPU_BOUND_KV_BYTES = 768 * 2**20
 #: 26.3 / 28.9; B=8 ctx 4096 50.0 / 42.0 / 44.7. Both paths are close to linear in the step's
 #: KV positions N: about 7.3 + 1.43 N/1000 us for small_decode and 11.8 + 0.99 N/1000 us for
 #: FlashInfer + write (fitted at B=1; they predict B=2, 4, 8 within 8 %), which cross at
-#: N = 10.2k. A captured graph is replayed at every length up
-#: to ``max_model_len``, so the limit holds for the longest.
+#: N = 10.2k. A captured graph is replayed at every length up to ``max_model_len``, so the
+#: limit holds for the longest.
 #: ``ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH`` overrides the batch limit (0: never). Graphs only:
 #: an eager step is host-bound, and Triton's launcher costs more host time than FlashInfer's
 #: ``run()``.
@@ -628,6 +628,8 @@ class FullAttentionContext(_PagedContext):
         k_cache, v_cache = kv.k, kv.v
         if k_cache.dtype != self.kv_dtype:
             self._bad(f"KV cache dtype {k_cache.dtype}, the plan expects {self.kv_dtype}")
+        if step.kind is StepKind.DECODE_SMALL:
+            return self._small_decode(layer, q, k, v, out, step)
         fp8 = self.fp8
         write = (
             k,
@@ -638,8 +640,6 @@ class FullAttentionContext(_PagedContext):
             kv.k_scale if fp8 else None,
             kv.v_scale if fp8 else None,
         )
-        if step.kind is StepKind.DECODE_SMALL:
-            return self._small_decode(layer, q, k, v, out, step)
         wrapper = step.wrapper
         wrapper._sm_scale = layer.scale
         o = out if out is not None and out.is_contiguous() else None
