@@ -16,8 +16,8 @@ heads that share ``kv_head``. It reads each K/V row through the page table, exce
 position (``seq_len - 1``), whose row has not been written yet: that one it takes from the
 step's ``k``/``v`` inputs, and the program whose range holds it also stores those rows at
 ``slot_mapping[b]`` (``< 0``, a padding row: nothing). No other program reads that slot, so
-the fused write cannot race. Each program leaves an un-normalised partial (``o / l`` and the
-base-2 log-sum-exp) in float32; the merge kernel weights them by ``exp2(lse - max)``.
+the fused write cannot race. Each program leaves its partial output (normalised, ``o / l``) and
+base-2 log-sum-exp in float32; the merge kernel weights the partials by ``exp2(lse - max)``.
 
 The ranges are cut from the device-side ``seq_lens`` inside the kernel, so a captured graph
 stays right when a replay brings other lengths; ``num_splits`` (the grid) is fixed per padded
