@@ -246,6 +246,7 @@ class _PagedContext:
         self._graph_wrappers: dict[int, Any] = {}
         self.small_decode_max_batch = 0  # FullAttentionContext turns it on where it applies
         self._small: dict[int, Any] = {}  # small_decode buffers by padded batch size
+        self._small_kernel: Any = None  # small_decode.small_decode, imported with the buffers
 
     # -- the contract ------------------------------------------------------------------------
     def prepare(self, batch: AttentionBatch) -> None:
@@ -500,8 +501,9 @@ class FullAttentionContext(_PagedContext):
         size: before the step is captured, so a replay finds them at the same address."""
         buffers = self._small.get(P)
         if buffers is None:
-            from attn_plugin_flashinfer import small_decode
+            from attn_plugin_flashinfer import small_decode  # Triton: only where it runs
 
+            self._small_kernel = small_decode.small_decode
             spec = self.spec
             sms = (
                 torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -672,15 +674,13 @@ class FullAttentionContext(_PagedContext):
 
     def _small_decode(self, layer, q, k, v, out, step: _Step) -> torch.Tensor:
         """A captured small decode step: the fused write + split-KV kernels (small_decode)."""
-        from attn_plugin_flashinfer.small_decode import small_decode
-
         if k.stride(-1) != 1:
             k = k.contiguous()
         if v.stride(-1) != 1:
             v = v.contiguous()
         o = out if out is not None and out.stride(-1) == 1 else torch.empty_like(q)
         batch = self.batch
-        small_decode(
+        self._small_kernel(
             q,
             k,
             v,
