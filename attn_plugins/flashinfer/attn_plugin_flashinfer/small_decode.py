@@ -3,12 +3,12 @@
 Why: at a handful of requests FlashInfer's decode is latency-bound, not bandwidth-bound. On the
 H200, one layer of B=1, 32 q / 8 kv heads, d128, ctx 4096 (16 MiB of KV) took 13.9 us per layer
 inside a CUDA graph - 1.2 TB/s against 4.2 TB/s of copy bandwidth - and the plugin's separate
-K/V write added 1.9 us more (two ``index_copy_`` nodes). Here one kernel writes the new rows
-into the cache *and* attends over the whole context, split across the SMs, and a second one
-merges the splits: no write launch. At B=1, ctx 4096 the pair takes 13.2 us per layer in a
-32-layer graph, against 13.9 for FlashInfer's kernel alone; at 32k tokens or from four requests
-FlashInfer's kernels read faster, so the context uses this one only for one or two requests
-whose KV positions at ``max_model_len`` stay within 10240 (``context.small_decode_batch_limit``).
+K/V write launch added 2 us more. Here one kernel writes the new rows into the cache *and*
+attends over the whole context, split across the SMs, and a second one merges the splits: no
+write launch. In a 32-layer graph (us per layer, against FlashInfer's kernel alone / FlashInfer +
+the write): B=1 ctx 4096 12.6 (13.9 / 15.9), B=2 17.6 (17.8 / 20.0), B=4 26.9 (26.4 / 29.0), B=1
+ctx 32768 43.4 (41.1 / 43.8). From eight requests, or 64k positions, FlashInfer's kernels read
+faster, so the context uses this one only below ``context.SMALL_DECODE_MAX_KV_TOKENS``.
 
 How (flash-decoding): program ``(b, kv_head, split)`` covers one of ``num_splits`` equal,
 ``BLOCK_N``-aligned ranges of request ``b``'s ``seq_len`` positions, for the ``group`` query
@@ -18,6 +18,14 @@ step's ``k``/``v`` inputs, and the program whose range holds it also stores thos
 ``slot_mapping[b]`` (``< 0``, a padding row: nothing). No other program reads that slot, so
 the fused write cannot race. Each program leaves its partial output (normalised, ``o / l``) and
 base-2 log-sum-exp in float32; the merge kernel weights the partials by ``exp2(lse - max)``.
+(A one-launch variant, in which the last program of each (request, kv head) to finish merged
+the splits after an atomic ticket, measured slower at B=1: 14.2 against 13.4 us per layer at
+ctx 4096, its merge running on eight programs instead of 32 and its registers lowering the
+split loop's occupancy.)
+
+Both kernels go through :class:`~attn_plugin_flashinfer.fast_launch.CachedLaunch`: an eager
+decode step of one request is host-bound, and Triton's own launcher took 77 us of the H200
+server's host time per step against 46 us through the cache.
 
 The ranges are cut from the device-side ``seq_lens`` inside the kernel, so a captured graph
 stays right when a replay brings other lengths; ``num_splits`` (the grid) is fixed per padded
@@ -34,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attn_plugin_flashinfer.fast_launch import CachedLaunch
+
 __all__ = [
     "BLOCK_N",
     "DEFAULT_CONFIG",
@@ -44,10 +54,10 @@ __all__ = [
     "small_decode",
 ]
 
-#: KV positions per inner iteration (a power of two; four pages of 16).
-BLOCK_N = 64
+#: KV positions per inner iteration of the default tiling (a power of two; two pages of 16).
+BLOCK_N = 32
 #: Most splits per (request, kv head): bounds the partial buffers and the merge's work.
-MAX_SPLITS = 64
+MAX_SPLITS = 128
 _LOG2E = 1.4426950408889634
 # Triton's CPU interpreter multiplies bf16 tiles as raw bits (3.9): under it (tests on CPU) the
 # dots take float32 copies of the same rounded values, which changes nothing else.
@@ -189,35 +199,45 @@ def _merge_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, total.to(out_ptr.dtype.element_ty))
 
 
+_SPLIT = CachedLaunch(_split_kernel)
+_MERGE = CachedLaunch(_merge_kernel)
+
+
 @dataclass(frozen=True, slots=True)
 class SmallDecodeConfig:
     """Tiling of the split kernel: KV positions per inner step, warps, software-pipeline
-    stages, and whether the next step's page ids are loaded while this step's K/V are.
+    stages, whether the next step's page ids are loaded while this step's K/V are, and how
+    many programs per SM the split count aims at (:func:`num_splits_for`).
 
-    The default is the tiling the GPU tests checked against the reference on the H200. The
-    tiling sweep there (``bench_flashinfer.py --small-sweep``, one round per tiling) found
-    faster ones that no GPU test has run yet: 32 positions, 4 warps, 3 stages, prefetch and
-    twice the splits took 45.8 against 55.3 us per layer at B=1, ctx 32768, and 27.0 against
-    32.1 at B=4, ctx 4096."""
+    The default, 32 positions / 2 warps / 3 stages / prefetch / 4 programs per SM, was the
+    fastest or within 6 % of it at B=1 ctx 4096 and 32768 and B=2 ctx 4096 among 44 tilings
+    timed on the H200 (``bench_flashinfer.py --small-sweep``; 12.7 / 42.7 / 17.7 us per layer
+    in that sweep, against 13.4 / 55.0 / 19.2 for session 8's 64 / 4 / 2 at two per SM)."""
 
     block_n: int = BLOCK_N
-    num_warps: int = 4
-    num_stages: int = 2
-    prefetch: bool = False
+    num_warps: int = 2
+    num_stages: int = 3
+    prefetch: bool = True
+    programs_per_sm: int = 4
 
     @property
     def label(self) -> str:
-        return f"n{self.block_n}w{self.num_warps}s{self.num_stages}{'p' if self.prefetch else ''}"
+        prefetch = "p" if self.prefetch else ""
+        return (
+            f"n{self.block_n}w{self.num_warps}s{self.num_stages}{prefetch}x{self.programs_per_sm}"
+        )
 
 
 DEFAULT_CONFIG = SmallDecodeConfig()
 
 
-def num_splits_for(batch: int, num_kv_heads: int, max_len: int, sm_count: int) -> int:
-    """Splits per (request, kv head): about two programs per SM, at most :data:`MAX_SPLITS`,
-    and no more than ``max_len`` has ``BLOCK_N`` blocks (no split that is always empty)."""
-    want = math.ceil(2 * sm_count / max(batch * num_kv_heads, 1))
-    return max(1, min(want, MAX_SPLITS, math.ceil(max(max_len, 1) / BLOCK_N)))
+def num_splits_for(batch: int, num_kv_heads: int, max_len: int, sm_count: int,
+                   config: SmallDecodeConfig = DEFAULT_CONFIG) -> int:  # fmt: skip
+    """Splits per (request, kv head): about ``config.programs_per_sm`` programs per SM, at most
+    :data:`MAX_SPLITS`, and no more than ``max_len`` has ``config.block_n`` blocks (no split
+    that is always empty)."""
+    want = math.ceil(config.programs_per_sm * sm_count / max(batch * num_kv_heads, 1))
+    return max(1, min(want, MAX_SPLITS, math.ceil(max(max_len, 1) / config.block_n)))
 
 
 @dataclass(slots=True)
@@ -278,48 +298,44 @@ def small_decode(
     page = k_cache.shape[1]
     group = H // Hkv
     S = buffers.num_splits
-    _split_kernel[(B, Hkv, S)](
-        q,
-        k,
-        v,
-        k_cache,
-        v_cache,
-        page_table,
-        seq_lens,
-        slot_mapping,
-        buffers.o,
-        buffers.lse,
-        scale * _LOG2E,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        page_table.stride(0),
-        NUM_SPLITS=S,
-        NUM_HEADS=H,
-        NUM_KV_HEADS=Hkv,
-        GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        D=D,
-        PAGE=page,
-        BLOCK=cfg.block_n,
-        PREFETCH=cfg.prefetch,
-        UPCAST=_INTERPRETED,
+    _SPLIT.launch(
+        (B, Hkv, S),
+        (q, k, v, k_cache, v_cache, page_table, seq_lens, slot_mapping, buffers.o, buffers.lse),
+        (
+            scale * _LOG2E,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            page_table.stride(0),
+            S,  # NUM_SPLITS
+            H,  # NUM_HEADS
+            Hkv,  # NUM_KV_HEADS
+            group,  # GROUP
+            max(16, triton.next_power_of_2(group)),  # GROUP_PAD: rows of the QK dot
+            D,
+            page,  # PAGE
+            cfg.block_n,  # BLOCK
+            cfg.prefetch,  # PREFETCH
+            _INTERPRETED,  # UPCAST
+        ),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    _merge_kernel[(B, H)](
-        buffers.o,
-        buffers.lse,
-        out,
-        out.stride(0),
-        out.stride(1),
-        NUM_HEADS=H,
-        NUM_SPLITS=S,
-        SPLITS_PAD=triton.next_power_of_2(S),
-        D=D,
+    _MERGE.launch(
+        (B, H),
+        (buffers.o, buffers.lse, out),
+        (
+            out.stride(0),
+            out.stride(1),
+            H,  # NUM_HEADS
+            S,  # NUM_SPLITS
+            triton.next_power_of_2(S),  # SPLITS_PAD
+            D,
+        ),
         num_warps=4,
+        num_stages=1,
     )
     return out

@@ -118,12 +118,14 @@ def bench_copy() -> dict:
     return {"bytes": n, "us": us, "GB/s": 2 * n / us / 1e3}
 
 
-def bench_decode(spec, batch: int, ctx: int) -> dict:
+def bench_decode(spec, batch: int, ctx: int, profile: bool = False) -> dict:
     runtime, _state, builder = _setup(spec, batch=batch, ctx=ctx)
+    ctx_obj = _context(runtime)
+    # FlashInfer's plan first (``direct`` runs its wrapper); the plugin as configured after.
+    small_max, ctx_obj.small_decode_max_batch = ctx_obj.small_decode_max_batch, 0
     b = builder.build([(r, 1) for r in range(batch)])
     runtime.prepare(b)
     binding = runtime.binding(0)
-    ctx_obj = _context(runtime)
     q = torch.randn(batch, H, D, dtype=torch.bfloat16, device="cuda")
     k = torch.randn(batch, HKV, D, dtype=torch.bfloat16, device="cuda")
     v = torch.randn_like(k)
@@ -188,14 +190,52 @@ def bench_decode(spec, batch: int, ctx: int) -> dict:
         host_triton_write = host_us(plugin)
     finally:
         kv_write.EAGER_TORCH_MAX_TOKENS = saved
+    t_plugin_fi, host_plugin_fi = t_plugin, host_us(plugin)
+    # The plugin as configured: one or two requests within the KV budget take small_decode's
+    # fused write + attention (timed also through Triton's own launcher, not CachedLaunch).
+    ctx_obj.small_decode_max_batch = small_max
+    runtime.prepare(builder.build([(r, 1) for r in range(batch)]))
+    kind = ctx_obj.step.kind.value
+    small = {}
+    if kind == "decode_small":
+        from attn_plugin_flashinfer import small_decode
+
+        plugin()
+        torch.cuda.synchronize()
+        rounds: dict[str, list[float]] = {"direct": [t_direct], "plugin": []}
+        for _ in range(3):  # interleaved with the direct kernel: host-bound times drift
+            rounds["plugin"].append(back_to_back_us(plugin, iters))
+            rounds["direct"].append(back_to_back_us(direct, iters))
+        t_plugin, t_direct = min(rounds["plugin"]), min(rounds["direct"])
+        if profile:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(500):
+                plugin()
+            prof.disable()
+            torch.cuda.synchronize()
+            print(profile_table(prof, 500, f"plugin forward, B={batch} ctx={ctx} small"))
+        small_decode._SPLIT.enabled = small_decode._MERGE.enabled = False
+        try:
+            plugin()
+            small["plugin_small_triton_launcher_us"] = back_to_back_us(plugin, iters)
+            small["plugin_small_triton_launcher_host_us"] = host_us(plugin)
+        finally:
+            small_decode._SPLIT.enabled = small_decode._MERGE.enabled = True
     kv_bytes = batch * ctx * HKV * D * 2 * 2
     res = {
         "B": batch,
         "ctx": ctx,
-        "kind": ctx_obj.step.kind.value,
+        "kind": kind,
         "plugin_us": t_plugin,
+        "plugin_fi_us": t_plugin_fi,
+        "plugin_fi_host_us": host_plugin_fi,
+        **small,
         "direct_us": t_direct,
         "ratio": t_plugin / t_direct,
+        "plugin_fi_ratio": t_plugin_fi / t_direct,
         "direct_with_write_us": t_direct_write,
         "ratio_vs_direct_with_write": t_plugin / t_direct_write,
         "plugin_host_us": host_us(plugin),
@@ -415,13 +455,14 @@ def _sync(label: str) -> None:
 
 
 def bench_graph(spec, layers: int = 32, batch: int = 64, ctx: int = 4096,
-                sweep: bool = False) -> dict:  # fmt: skip
+                sweep: bool = False, force_small: bool = False) -> dict:  # fmt: skip
     """A ``layers``-layer decode step captured in one CUDA graph, per layer: the plugin as
     configured (``plugin``: the fused small_decode kernels up to SMALL_DECODE_MAX_BATCH
     requests, FlashInfer's graph wrapper above), the plugin forced onto FlashInfer
     (``plugin_fi``), FlashInfer's kernel alone (``bare``), FlashInfer's append + kernel (the
     plugin's whole job in FlashInfer) and, for small batches, the small_decode kernels called
-    directly (``small_direct``). Replay times are the minimum of three interleaved rounds."""
+    directly (``small_direct``; ``force_small``: whatever the batch limit). Replay times are the
+    minimum of three interleaved rounds."""
     from attn_plugin_flashinfer.small_decode import small_decode
 
     runtime, _state, builder = _setup(spec, batch=batch, ctx=ctx, layers=layers, graph=True)
@@ -469,6 +510,8 @@ def bench_graph(spec, layers: int = 32, batch: int = 64, ctx: int = 4096,
     graphs["bare_append"] = capture_graph(bare_append_step)
     _sync("bare_append capture")
     t_bare_eager = back_to_back_us(bare_step, 20)
+    if force_small:
+        small_max = batch  # small_decode whatever the policy says, to compare the two paths
     ctx_obj.small_decode_max_batch = small_max
     kind = fi_kind
     if batch <= small_max:
@@ -477,7 +520,11 @@ def bench_graph(spec, layers: int = 32, batch: int = 64, ctx: int = 4096,
         kind = ctx_obj.step.kind.value
         graphs["plugin"] = capture_graph(plugin_step)
         _sync("plugin (small) capture")
-        from attn_plugin_flashinfer.small_decode import SmallDecodeBuffers, SmallDecodeConfig
+        from attn_plugin_flashinfer.small_decode import (
+            SmallDecodeBuffers,
+            SmallDecodeConfig,
+            num_splits_for,
+        )
 
         def small_direct_step(bufs, config):
             for i, bd in enumerate(bindings):
@@ -486,23 +533,31 @@ def bench_graph(spec, layers: int = 32, batch: int = 64, ctx: int = 4096,
                     outs[i], bufs, scale=bd.scale, config=config,
                 )  # fmt: skip
 
-        # The kernels alone: at the plugin's split count and tiling, at half and twice the
-        # splits, and with --small-sweep over tilings too.
+        # The kernels alone: as the plugin runs them, at half and twice the splits, and
+        # with --small-sweep over tilings too.
         splits = ctx_obj.step.small.num_splits
-        variants = [(n, None) for n in sorted({max(1, splits // 2), splits, 2 * splits})]
-        if sweep:
-            grid = [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
-            grid += [(32, 4, 4), (64, 4, 4)]
-            tilings = [SmallDecodeConfig(*tiling) for tiling in grid]
-            tilings.append(SmallDecodeConfig(prefetch=False))
-            variants += [(n, c) for n in (splits, 2 * splits) for c in tilings]
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        variants = [(splits, None, "small_direct")]
+        variants += [
+            (n, None, f"small_direct_s{n}") for n in {max(1, splits // 2), 2 * splits} - {splits}
+        ]
+        if sweep:  # around session 8's fastest (n32w4s3p at four programs per SM)
+            grid = [
+                SmallDecodeConfig(bn, w, st, True, programs_per_sm=pps)
+                for bn in (16, 32)
+                for w in (2, 4)
+                for st in (2, 3, 4)
+                for pps in (2, 4, 8)
+            ]
+            grid += [SmallDecodeConfig(64, 4, st, True, pps) for st in (2, 3) for pps in (2, 4)]
+            grid += [SmallDecodeConfig(bn, 2, 3, False, 4) for bn in (16, 32)]
+            for c in grid:
+                n = num_splits_for(batch, HKV, ctx + PAGE, sms, c)
+                variants.append((n, c, f"sweep_{c.label}_s{n}"))
         keep = []  # the partials must outlive the graphs that write them
-        for n, config in variants:
+        for n, config, name in variants:
             bufs = SmallDecodeBuffers.allocate(batch, H, n, D, torch.device("cuda"))
             keep.append(bufs)
-            name = f"small_direct_s{n}" + (f"_{config.label}" if config else "")
-            if n == splits and config is None:
-                name = "small_direct"
             try:
                 graphs[name] = capture_graph(
                     lambda bufs=bufs, config=config: small_direct_step(bufs, config)
@@ -520,8 +575,6 @@ def bench_graph(spec, layers: int = 32, batch: int = 64, ctx: int = 4096,
     rounds: dict[str, list[float]] = {name: [] for name in graphs}
     for _ in range(3):
         for name, g in graphs.items():
-            if name.startswith("small_direct_") and "_n" in name and rounds[name]:
-                continue  # the tiling sweep: one round each
             rounds[name].append(back_to_back_us(g.replay, 50) / layers)
     per_layer = {name: min(ts) for name, ts in rounds.items()}
     per_layer.setdefault("plugin", per_layer["plugin_fi"])  # above the limit: the same graph
@@ -556,15 +609,15 @@ def bench_graph(spec, layers: int = 32, batch: int = 64, ctx: int = 4096,
         res["small_splits"] = splits
         res["small_direct_graph_us_per_layer"] = per_layer["small_direct"]
         res["ratio_vs_small_direct"] = per_layer["plugin"] / per_layer["small_direct"]
-        res["small_direct_us_by_splits"] = {
-            int(name.removeprefix("small_direct_s")) if name != "small_direct" else splits: t
-            for name, t in per_layer.items()
-            if name.startswith("small_direct") and "_n" not in name
-        }
-        sweep_times = {
+        res["small_direct_variants_us"] = {
             name.removeprefix("small_direct_"): t
             for name, t in per_layer.items()
-            if name.startswith("small_direct_") and "_n" in name
+            if name.startswith("small_direct_")
+        }
+        sweep_times = {
+            name.removeprefix("sweep_"): t
+            for name, t in per_layer.items()
+            if name.startswith("sweep_")
         }
         if sweep_times:
             res["small_sweep_us"] = dict(sorted(sweep_times.items(), key=lambda kv: kv[1]))
@@ -600,18 +653,28 @@ def _table(results: dict) -> str:
     if "decode" in results:
         copy_bw = results["copy"][0]["GB/s"] if "copy" in results else float("nan")
         lines.append(
-            "decode bf16 32q/8kv d128 page16 |   B |   ctx | plugin us | direct us | ratio | "
-            "FI append+run us | ratio | host us plugin/direct | GB/s plugin | % of copy | "
-            "plugin, Triton write: us / host us"
+            "decode bf16 32q/8kv d128 page16 |   B |   ctx | plugin us (kind)      | direct us | "
+            "ratio | FI append+run us | ratio | host us plugin/direct | GB/s plugin | % of copy | "
+            "plugin on FI: us (ratio) / host us | same, Triton write: us / host us | "
+            "small, Triton's launcher: us / host us"
         )
         for r in results["decode"]:
+            launcher = (
+                f"{r['plugin_small_triton_launcher_us']:.1f} / "
+                f"{r['plugin_small_triton_launcher_host_us']:.1f}"
+                if "plugin_small_triton_launcher_us" in r
+                else "-"
+            )
             lines.append(
-                f"{'':32} | {r['B']:3d} | {r['ctx']:5d} | {r['plugin_us']:9.1f} | "
-                f"{r['direct_us']:9.1f} | {r['ratio']:5.2f} | {r['direct_with_write_us']:16.1f} | "
-                f"{r['ratio_vs_direct_with_write']:5.2f} | "
+                f"{'':32} | {r['B']:3d} | {r['ctx']:5d} | {r['plugin_us']:9.1f} "
+                f"({r['kind']:12}) | {r['direct_us']:9.1f} | {r['ratio']:5.3f} | "
+                f"{r['direct_with_write_us']:16.1f} | {r['ratio_vs_direct_with_write']:5.3f} | "
                 f"{r['plugin_host_us']:9.1f} / {r['direct_host_us']:<9.1f} | "
                 f"{r['plugin_GB/s']:11.0f} | {100 * r['plugin_GB/s'] / copy_bw:8.0f}% | "
-                f"{r['plugin_triton_write_us']:.1f} / {r['plugin_triton_write_host_us']:.1f}"
+                f"{r['plugin_fi_us']:.1f} ({r['plugin_fi_ratio']:.3f}) / "
+                f"{r['plugin_fi_host_us']:.1f} | "
+                f"{r['plugin_triton_write_us']:.1f} / {r['plugin_triton_write_host_us']:.1f} | "
+                f"{launcher}"
             )
     for r in results.get("prefill", []):
         lines.append(
@@ -643,9 +706,9 @@ def _table(results: dict) -> str:
         )
     for r in results.get("graph", []):
         small = (
-            f"{r['small_direct_graph_us_per_layer']:.2f} ({r['ratio_vs_small_direct']:.3f}); "
-            "by splits "
-            + ", ".join(f"{n}: {t:.2f}" for n, t in sorted(r["small_direct_us_by_splits"].items()))
+            f"{r['small_direct_graph_us_per_layer']:.2f} ({r['ratio_vs_small_direct']:.3f}) at "
+            f"{r['small_splits']} splits; "
+            + ", ".join(f"{n}: {t:.2f}" for n, t in r["small_direct_variants_us"].items())
             if "small_direct_graph_us_per_layer" in r
             else "-"
         )
@@ -678,9 +741,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--variants", action="store_true", help="direct decode kernel choices (layout, cores)"
     )
-    parser.add_argument("--profile", action="store_true", help="cProfile of prepare() at B=256")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="cProfile of prepare() at B=256 and of a small eager decode forward",
+    )
     parser.add_argument(
         "--small-sweep", action="store_true", help="graph section: small_decode tilings too"
+    )
+    parser.add_argument(
+        "--force-small",
+        action="store_true",
+        help="graph section: small_decode at every case, past the plugin's batch limit",
     )
     parser.add_argument(
         "--graph-cases",
@@ -721,7 +793,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = (1, 64) if args.quick else (1, 64, 256)
     for ctx in contexts if want("decode") else ():
         for batch in batches:
-            _run(results, "decode", bench_decode, spec, batch, ctx)
+            _run(results, "decode", bench_decode, spec, batch, ctx, profile=args.profile)
     if args.variants and want("variants"):
         for batch, ctx in ((64, 4096), (256, 4096), (64, 32768)):
             _run(results, "decode_variants", bench_decode_variants, batch, ctx)
@@ -735,7 +807,7 @@ def main(argv: list[str] | None = None) -> int:
         for case in args.graph_cases.split(","):
             batch, ctx = (int(x) for x in case.split("x"))
             _run(results, "graph", bench_graph, spec, batch=batch, ctx=ctx,
-                 sweep=args.small_sweep)  # fmt: skip
+                 sweep=args.small_sweep, force_small=args.force_small)  # fmt: skip
     results["total_s"] = round(time.perf_counter() - started, 1)
     table = _table(results)
     print("\n" + table)

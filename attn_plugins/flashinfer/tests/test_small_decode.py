@@ -27,9 +27,10 @@ else:
     H, HKV, D, PAGE, LENS = 8, 2, 64, 8, [(150,), (1, 77), (9, 130, 40)]
 
 TILINGS = [
-    SmallDecodeConfig(),  # the default
-    SmallDecodeConfig(prefetch=True),
-    SmallDecodeConfig(32, 4, 3, prefetch=True),  # the fastest in the H200 sweep
+    SmallDecodeConfig(),  # the default: n32w2s3p, four programs per SM
+    SmallDecodeConfig(64, 4, 2, prefetch=False, programs_per_sm=2),  # session 8's default
+    SmallDecodeConfig(32, 4, 3, prefetch=True, programs_per_sm=4),
+    SmallDecodeConfig(16, 2, 4, prefetch=True, programs_per_sm=4),  # fastest at ctx 4096
     SmallDecodeConfig(128, 8, 2, prefetch=True),
     SmallDecodeConfig(16, 4, 2),
 ]
@@ -38,18 +39,19 @@ TILINGS = [
 def _reference(q, k, v, k_cache, v_cache, page_table, seq_lens, slots, scale):
     """Output ``[B, H, D]`` float32 and the caches after the write."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    B = q.shape[0]
-    group = H // HKV
-    out = torch.empty(B, H, D, dtype=torch.float32, device=q.device)
+    B, h, d = q.shape
+    hkv = k.shape[1]
+    group = h // hkv
+    out = torch.empty(B, h, d, dtype=torch.float32, device=q.device)
     for b in range(B):
         if slots[b] >= 0:
-            k_cache.view(-1, HKV, D)[slots[b]] = k[b]
-            v_cache.view(-1, HKV, D)[slots[b]] = v[b]
+            k_cache.view(-1, hkv, d)[slots[b]] = k[b]
+            v_cache.view(-1, hkv, d)[slots[b]] = v[b]
         n = int(seq_lens[b])
         pos = torch.arange(n, device=q.device)
         rows = page_table[b, pos // PAGE].long() * PAGE + pos % PAGE
-        keys = k_cache.view(-1, HKV, D)[rows].float()
-        vals = v_cache.view(-1, HKV, D)[rows].float()
+        keys = k_cache.view(-1, hkv, d)[rows].float()
+        vals = v_cache.view(-1, hkv, d)[rows].float()
         keys[-1], vals[-1] = k[b].float(), v[b].float()  # the new token, written or not
         keys = keys.repeat_interleave(group, dim=1)
         vals = vals.repeat_interleave(group, dim=1)
@@ -68,14 +70,54 @@ def test_small_decode_float16():
     _check(LENS[-1], SmallDecodeConfig(), torch.float16)
 
 
-def _check(lens, config, dtype):
-    gen = torch.Generator().manual_seed(len(lens) * 1000 + config.block_n)
+def test_repeated_launches_agree_bit_for_bit():
+    """Twenty launches into the same partial buffers (as the layers of a graph replay make)
+    give the same bits: the merge sums the splits in a fixed order, and no launch reads what
+    another left behind."""
+    q, k, v, kc, vc, table, lens, slots, _ = _inputs(LENS[-1], torch.bfloat16, H, HKV, seed=5)
+    slots = torch.full_like(slots, -1)  # write nothing: every launch sees the same cache
+    buffers = SmallDecodeBuffers.allocate(q.shape[0], H, 2 * _splits(LENS[-1]), D, DEVICE)
+    args = [t.to(DEVICE) for t in (q, k, v, kc, vc, table, lens, slots)]
+    first = None
+    for _ in range(20):
+        out = torch.empty_like(args[0])
+        small_decode(*args, out, buffers, scale=D**-0.5)
+        first = out if first is None else first
+        assert torch.equal(out, first)
+
+
+def test_misaligned_inputs_take_their_own_compiled_kernel():
+    """A q that starts 8 bytes into its storage (not 16-byte aligned) must not be launched
+    through the kernel compiled for an aligned q (Triton specialises on alignment): the
+    launch cache keys on it, and both give the reference's answer."""
+    lens = LENS[0]
+    q, k, v, kc, vc, table, seq, slots, _ = _inputs(lens, torch.bfloat16, H, HKV, seed=9)
+    want, _, _ = _reference(q, k, v, kc, vc, table, seq, slots, D**-0.5)
+    buffers = SmallDecodeBuffers.allocate(1, H, _splits(lens), D, DEVICE)
+    rest = [t.to(DEVICE) for t in (k, v, kc, vc, table, seq, slots)]
+    for offset in (0, 4, 0):  # elements of 2 bytes: aligned, 8 bytes off, aligned again
+        storage = torch.empty(q.numel() + offset, dtype=q.dtype, device=DEVICE)
+        q_dev = storage[offset:].view_as(q).copy_(q)
+        out = torch.empty_like(q_dev)
+        small_decode(q_dev, *rest, out, buffers, scale=D**-0.5)
+        err = (out.float().cpu() - want).abs().max().item()
+        assert err < 2e-2, f"q {2 * offset} bytes into its storage: error {err:.3g}"
+
+
+def _splits(lens) -> int:
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count if CUDA else 4
+    return num_splits_for(len(lens), HKV, max(lens), sms)
+
+
+def _inputs(lens, dtype, h, hkv, seed):
+    """q, k, v, the caches, the page table (each request owns distinct, shuffled pages),
+    lengths, slots (request 0 a padding row when there are several) and the scale (CPU)."""
+    gen = torch.Generator().manual_seed(seed)
     B = len(lens)
     width = math.ceil(max(lens) / PAGE) + 1
     num_pages = B * width + 3
-    k_cache = torch.randn(num_pages, PAGE, HKV, D, generator=gen).to(dtype)
-    v_cache = torch.randn(num_pages, PAGE, HKV, D, generator=gen).to(dtype)
-    # each request owns distinct pages, in a shuffled order
+    k_cache = torch.randn(num_pages, PAGE, hkv, D, generator=gen).to(dtype)
+    v_cache = torch.randn(num_pages, PAGE, hkv, D, generator=gen).to(dtype)
     owner = torch.randperm(num_pages, generator=gen)[: B * width].view(B, width).to(torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     slots = torch.tensor(
@@ -83,19 +125,28 @@ def _check(lens, config, dtype):
     )
     if B > 1:
         slots[0] = -1  # a padding row: attends, writes nothing
-    q = torch.randn(B, H, D, generator=gen).to(dtype)
-    k = torch.randn(B, HKV, D, generator=gen).to(dtype)
-    v = torch.randn(B, HKV, D, generator=gen).to(dtype)
-    scale = 1 / math.sqrt(D)
-    want, k_want, v_want = _reference(q, k, v, k_cache, v_cache, owner, seq_lens, slots, scale)
+    q = torch.randn(B, h, D, generator=gen).to(dtype)
+    k = torch.randn(B, hkv, D, generator=gen).to(dtype)
+    v = torch.randn(B, hkv, D, generator=gen).to(dtype)
+    return q, k, v, k_cache, v_cache, owner, seq_lens, slots, 1 / math.sqrt(D)
 
+
+def _check(lens, config, dtype, heads=(H, HKV), splits=None):
+    h, hkv = heads
+    q, k, v, k_cache, v_cache, owner, seq_lens, slots, scale = _inputs(
+        lens, dtype, h, hkv, seed=len(lens) * 1000 + config.block_n
+    )
+    want, k_want, v_want = _reference(q, k, v, k_cache, v_cache, owner, seq_lens, slots, scale)
+    B = len(lens)
     on = {"device": DEVICE}
     args = [t.to(**on) for t in (q, k, v, k_cache, v_cache, owner, seq_lens, slots)]
-    out = torch.full((B, H, D), float("nan"), dtype=dtype, **on)
-    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count if CUDA else 4
-    splits = num_splits_for(B, HKV, max(lens), sms)
-    for n in sorted({splits, 2 * splits}):  # the plugin's split count and the sweep's double
-        buffers = SmallDecodeBuffers.allocate(B, H, n, D, DEVICE)
+    out = torch.full((B, h, D), float("nan"), dtype=dtype, **on)
+    if splits is None:
+        sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count if CUDA else 4
+        n0 = num_splits_for(B, hkv, max(lens), sms, config)
+        splits = sorted({n0, 2 * n0})  # the plugin's split count and twice it
+    for n in splits:
+        buffers = SmallDecodeBuffers.allocate(B, h, n, D, DEVICE)
         kc, vc = args[3].clone(), args[4].clone()
         small_decode(*args[:3], kc, vc, *args[5:], out, buffers, scale=scale, config=config)
         err = (out.float().cpu() - want).abs().max().item()
