@@ -14,10 +14,11 @@ Which FlashInfer wrapper runs a step:
 ============================ ==============================================================
 step                         wrapper
 ============================ ==============================================================
-decode, graph mode DECODE,   the plugin's own fused write + split-KV Triton kernels
-few padded requests          (:mod:`attn_plugin_flashinfer.small_decode`), plain attention
-(``small_decode_batch_``     with a 16-bit cache only; FlashInfer is latency-bound there
-``limit``)
+decode of at most            the plugin's own fused write + split-KV Triton kernels
+``SMALL_DECODE_MAX_BATCH``   (:mod:`attn_plugin_flashinfer.small_decode`), plain attention
+padded requests within       with a 16-bit cache only; FlashInfer is latency-bound there.
+``SMALL_DECODE_MAX_KV_``     Captured: B x ``max_model_len`` counts; eager: the requests'
+``TOKENS`` positions         own lengths
 decode, graph mode DECODE    ``BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=True)``, one
                              per padded batch size, buffers = views of the workspace
 decode                       ``BatchDecodeWithPagedKVCacheWrapper``
@@ -79,23 +80,22 @@ INT_WORKSPACE_BYTES = 8 * 2**20
 #: crossing, where the attention's GPU time (~4.4 TB/s) meets the Triton path's host time
 #: (~160 us), lies near 700 MB.
 GPU_BOUND_KV_BYTES = 768 * 2**20
-#: Captured decode steps of at most this many (padded) requests, whose KV positions at the
-#: longest (requests x ``max_model_len``) are at most ``SMALL_DECODE_MAX_KV_TOKENS``, run the
-#: plugin's own fused write + split-KV kernels (:mod:`attn_plugin_flashinfer.small_decode`)
-#: instead of FlashInfer's decode: there FlashInfer is latency-bound and its separate K/V write
-#: is a large share of the step. H200, 32 q / 8 kv heads, d128, 32-layer graph, us per layer
-#: (small_decode / FlashInfer's kernel alone / FlashInfer + the write): B=1 ctx 4096 13.2 / 13.9
-#: / 15.8; B=1 ctx 32768 54.3 / 41.6 / 44.1; B=2 ctx 4096 19.0 / 17.8 / 20.0; B=4 ctx 4096 32.1 /
-#: 26.3 / 28.9; B=8 ctx 4096 50.0 / 42.0 / 44.7. Both paths are close to linear in the step's
-#: KV positions N: about 7.3 + 1.43 N/1000 us for small_decode and 11.8 + 0.99 N/1000 us for
-#: FlashInfer + write (fitted at B=1; they predict B=2, 4, 8 within 8 %), which cross at
-#: N = 10.2k. A captured graph is replayed at every length up to ``max_model_len``, so the
-#: limit holds for the longest.
-#: ``ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH`` overrides the batch limit (0: never). Graphs only:
-#: an eager step is host-bound, and Triton's launcher costs more host time than FlashInfer's
-#: ``run()``.
-SMALL_DECODE_MAX_BATCH = 2
-SMALL_DECODE_MAX_KV_TOKENS = 10240
+#: Decode steps of at most this many (padded) requests whose KV positions stay within
+#: ``SMALL_DECODE_MAX_KV_TOKENS`` run the plugin's own fused write + split-KV kernels
+#: (:mod:`attn_plugin_flashinfer.small_decode`) instead of FlashInfer's decode: there FlashInfer
+#: is latency-bound and the separate K/V write launch is a large share of the step. H200, 32 q /
+#: 8 kv heads, d128, 32-layer CUDA graph, us per layer (small_decode / FlashInfer + the write /
+#: FlashInfer's kernel alone): B=1 ctx 4096 12.56 / 15.89 / 13.94; B=2 ctx 4096 17.63 / 20.03 /
+#: 17.80; B=4 ctx 4096 26.86 / 28.97 / 26.38; B=1 ctx 32768 43.38 / 43.75 / 41.11; B=2 ctx 32768
+#: 78.44 / 72.78 / 70.20; B=8 ctx 4096 50.73 / 44.28 / 41.60. Up to four requests both paths are
+#: close to linear in the step's KV positions N: about 8.2 + 1.075 N/1000 us for small_decode and
+#: 11.9 + 0.972 N/1000 us for FlashInfer + write (fitted at B=1, within 5 % at B=2 and 4), which
+#: cross near N = 36k; at eight requests FlashInfer is ahead already at N = 32k.
+#: A captured graph replays at every length up to ``max_model_len``, so its limit holds for
+#: requests x ``max_model_len``; an eager step's limit holds for its requests' own lengths (on
+#: the host). ``ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH`` overrides the batch limit (0: never).
+SMALL_DECODE_MAX_BATCH = 4
+SMALL_DECODE_MAX_KV_TOKENS = 36864
 #: GQA group sizes FlashInfer's CUDA-core decode kernel is compiled for (DISPATCH_GQA_GROUP_SIZE).
 _CUDA_CORE_DECODE_GROUPS = frozenset({1, 2, 3, 4, 8})
 
@@ -280,9 +280,14 @@ class _PagedContext:
         if P > self.B:
             raise ValueError(f"batch of {P} requests exceeds max_batch_size={self.B}")
         graph = self.graph_decode and batch.mode is BatchMode.DECODE
-        if graph and self.small_decode_max_batch >= P:
+        if (
+            batch.mode is BatchMode.DECODE
+            and self.small_decode_max_batch >= P
+            # a graph's limit holds at max_model_len; an eager step's lengths are known
+            and (graph or int(batch.seq_lens_cpu[:P].sum()) <= SMALL_DECODE_MAX_KV_TOKENS)
+        ):
             # The fused kernels read the batch's own page table, lengths and slots: no plan.
-            return _Step(StepKind.DECODE_SMALL, None, True, small=self._small_buffers(P))
+            return _Step(StepKind.DECODE_SMALL, None, graph, small=self._small_buffers(P))
         self._half ^= 1
         sv = self._views.get((self._half, P)) or self._make_views(self._half, P)
         width = batch.page_table.shape[1]
@@ -446,13 +451,17 @@ class FullAttentionContext(_PagedContext):
             spec.num_heads, spec.num_kv_heads, spec.kv_dtype
         )
         self.fi_version = getattr(self.fi, "__version__", None)
-        if self.graph_decode and small_decode_serves(spec, self.kv_dtype, self.q_dtype):
+        if small_decode_serves(spec, self.kv_dtype, self.q_dtype):
             cap = int(
                 os.environ.get(
                     "ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", str(SMALL_DECODE_MAX_BATCH)
                 )
             )
-            self.small_decode_max_batch = small_decode_batch_limit(constraints.max_model_len, cap)
+            self.small_decode_max_batch = (
+                small_decode_batch_limit(constraints.max_model_len, cap)
+                if self.graph_decode
+                else max(0, cap)  # an eager step checks its own KV positions
+            )
         #: Ragged prefill writes the KV cache on a side stream, overlapping the attention
         #: kernel (``ATTN_FLASHINFER_OVERLAP_KV_WRITE=0`` turns it off; benchmarks toggle it).
         self.overlap_kv_write = self.device.type == "cuda" and os.environ.get(

@@ -423,14 +423,40 @@ def _name(spec):
     return "flashinfer_mla" if spec.kind.value == "mla" else "flashinfer"
 
 
+@pytest.mark.parametrize("small", ["0", "2"], ids=["fi_decode", "small_decode"])
 @pytest.mark.parametrize("name", sorted(wl.WORKLOADS))
-def test_full_attention_matches_reference(fake_fi, name):
-    _compare(
-        FULL,
-        wl.WORKLOADS[name],
-        tol=2e-2,
-        kinds={StepKind.RAGGED, StepKind.DECODE, StepKind.PAGED},
-    )
+def test_full_attention_matches_reference(fake_fi, monkeypatch, name, small):
+    """Every workload, with eager decode steps on FlashInfer's decode wrapper, and with the
+    steps of one or two requests on small_decode's fused kernels (Triton's interpreter)."""
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", small)
+    decode = StepKind.DECODE if small == "0" else StepKind.DECODE_SMALL
+    seen = _compare(FULL, wl.WORKLOADS[name], tol=2e-2, kinds={StepKind.RAGGED, StepKind.PAGED})
+    assert decode in seen or StepKind.DECODE in seen, seen
+    if small == "0":
+        assert StepKind.DECODE_SMALL not in seen, seen
+
+
+def test_eager_small_decode_follows_the_steps_kv_positions(fake_fi, monkeypatch):
+    """An eager decode step of at most SMALL_DECODE_MAX_BATCH requests takes small_decode
+    while its requests' KV positions add up to at most SMALL_DECODE_MAX_KV_TOKENS (known on
+    the host, unlike a graph's), FlashInfer's decode above; the env var turns it off."""
+    from attn_plugin_flashinfer import context as fi_context
+
+    monkeypatch.setattr(fi_context, "SMALL_DECODE_MAX_KV_TOKENS", 24)
+    h = wl.make(FULL, "flashinfer:flashinfer", "cpu")
+    wl.run_step(h, 0, [(0, 11), (1, 9), (2, 5)])
+    kinds = []
+    for step in ([(0, 1), (1, 1)], [(0, 1), (1, 1), (2, 1)], [(0, 1), (2, 1)], [(0, 1), (1, 1)]):
+        wl.run_step(h, len(kinds) + 1, step)
+        kinds.append(h.context.step.kind)
+    # 12 + 10 = 22 positions; three requests; 13 + 7 = 20; 14 + 12 = 26 > 24
+    small, fi = StepKind.DECODE_SMALL, StepKind.DECODE
+    assert kinds == [small, fi, small, fi]
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")
+    h = wl.make(FULL, "flashinfer:flashinfer", "cpu")
+    wl.run_step(h, 0, [(0, 3)])
+    wl.run_step(h, 1, [(0, 1)])
+    assert h.context.small_decode_max_batch == 0 and h.context.step.kind is fi
 
 
 def test_window_and_soft_cap_match_reference(fake_fi):
@@ -517,12 +543,16 @@ def test_small_decode_batch_limit_keeps_the_step_under_its_kv_token_budget(fake_
     from attn_plugin_flashinfer.context import small_decode_batch_limit
 
     budget = fi_context.SMALL_DECODE_MAX_KV_TOKENS
-    assert small_decode_batch_limit(4112) == 2  # the benchmark's ctx 4096 (+ one page)
-    assert small_decode_batch_limit(budget // 2) == 2
+    cap = fi_context.SMALL_DECODE_MAX_BATCH
+    assert cap == 4
+    assert small_decode_batch_limit(4112) == 4  # the benchmark's ctx 4096 (+ one page)
+    assert small_decode_batch_limit(32784) == 1  # ctx 32768 (+ one page)
+    assert small_decode_batch_limit(budget // 4) == 4
+    assert small_decode_batch_limit(budget // 4 + 1) == 3
     assert small_decode_batch_limit(budget // 2 + 1) == 1
     assert small_decode_batch_limit(budget) == 1
     assert small_decode_batch_limit(budget + 1) == 0
-    assert small_decode_batch_limit(32768) == 0
+    assert small_decode_batch_limit(65536) == 0
     assert small_decode_batch_limit(1024, cap=8) == 8
     assert small_decode_batch_limit(1024, cap=0) == 0
     for max_len, on in ((budget, True), (budget + 1, False)):
@@ -567,6 +597,7 @@ def test_a_step_is_gpu_bound_when_its_attention_reads_enough_cache(fake_fi, monk
     times the layer's KV bytes per token, against GPU_BOUND_KV_BYTES."""
     from attn_plugin_flashinfer import context as fi_context
 
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")  # FlashInfer's decode
     h = wl.make(FULL, "flashinfer:flashinfer", "cpu")
     wl.run_step(h, 0, [(0, 9), (1, 6)])
     for over in (0, 1, 0):

@@ -72,10 +72,15 @@ def _compare(spec, script, *, tol=BF16_TOL, steps_kw=None, make_kw=None):
 
 
 @pytest.mark.sm90
+@pytest.mark.parametrize("small", ["0", "2"], ids=["fi_decode", "small_decode"])
 @pytest.mark.parametrize("name", sorted(wl.WORKLOADS))
-def test_bf16_workloads(name):
+def test_bf16_workloads(monkeypatch, name, small):
+    """Every workload; eager decode steps of one or two requests on FlashInfer's decode
+    (``small`` 0) or on small_decode's fused kernel (the default)."""
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", small)
     kinds = _compare(FULL, wl.WORKLOADS[name])
-    assert {StepKind.DECODE, StepKind.PAGED} <= set(kinds)
+    assert StepKind.PAGED in kinds
+    assert StepKind.DECODE in kinds or (small != "0" and StepKind.DECODE_SMALL in kinds), kinds
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -113,6 +118,7 @@ def test_small_steps_write_kv_by_the_kernel_only_when_gpu_bound(monkeypatch, gpu
 
     from attn_core.state import kv_write_triton
 
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")  # FlashInfer's decode
     monkeypatch.setattr(fi_context, "GPU_BOUND_KV_BYTES", 1 if gpu_bound else 2**60)
     launched, real = [], kv_write_triton.launch
 
@@ -159,7 +165,8 @@ def test_sliding_window_and_soft_cap():
 
 
 @pytest.mark.slow  # one more JIT module (FA2 prefill kernels for tensor-core decode)
-def test_gqa16_speculative_verify_and_tensor_core_decode():
+def test_gqa16_speculative_verify_and_tensor_core_decode(monkeypatch):
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")  # FlashInfer's decode
     spec = FULL.with_(num_heads=32, num_kv_heads=2)  # group 16: tensor-core decode
     script = [[(0, 40), (1, 17)], [(0, 4), (1, 4)], [(0, 4), (1, 4)], [(0, 1), (1, 1)]]
     steps_kw = {1: {"spec_tokens": 3}, 2: {"spec_tokens": 3}}
