@@ -33,6 +33,13 @@ from attn_core.state.kv_write import quantize, write_slots
 
 AVAILABLE = capability.Availability(True, None, "0.6.7-fake")
 FULL = LayerSpec(kind="full", num_heads=8, num_kv_heads=2, head_dim=64, page_size=4)
+#: small_decode runs these CPU contexts in Triton's interpreter, which the conftest turns on
+#: only where there is no CUDA device (it must be chosen before any kernel is defined, for the
+#: whole process); on a GPU machine the contexts here stay on FlashInfer's decode, and
+#: test_gpu.py / test_small_decode.py run small_decode on the GPU.
+INTERPRETED = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="small_decode on CPU tensors needs Triton's interpreter"
+)
 MLA = LayerSpec(
     kind="mla",
     num_heads=2,
@@ -423,7 +430,9 @@ def _name(spec):
     return "flashinfer_mla" if spec.kind.value == "mla" else "flashinfer"
 
 
-@pytest.mark.parametrize("small", ["0", "2"], ids=["fi_decode", "small_decode"])
+@pytest.mark.parametrize(
+    "small", ["0", pytest.param("2", marks=INTERPRETED)], ids=["fi_decode", "small_decode"]
+)
 @pytest.mark.parametrize("name", sorted(wl.WORKLOADS))
 def test_full_attention_matches_reference(fake_fi, monkeypatch, name, small):
     """Every workload, with eager decode steps on FlashInfer's decode wrapper, and with the
@@ -436,6 +445,7 @@ def test_full_attention_matches_reference(fake_fi, monkeypatch, name, small):
         assert StepKind.DECODE_SMALL not in seen, seen
 
 
+@INTERPRETED
 def test_eager_small_decode_follows_the_steps_kv_positions(fake_fi, monkeypatch):
     """An eager decode step of at most SMALL_DECODE_MAX_BATCH requests takes small_decode
     while its requests' KV positions add up to at most SMALL_DECODE_MAX_KV_TOKENS (known on
@@ -496,7 +506,11 @@ def test_mla_matches_reference(fake_fi):
 
 
 @pytest.mark.parametrize(
-    ("small_max", "kind"), [("0", StepKind.DECODE_GRAPH), ("4", StepKind.DECODE_SMALL)]
+    ("small_max", "kind"),
+    [
+        ("0", StepKind.DECODE_GRAPH),
+        pytest.param("4", StepKind.DECODE_SMALL, marks=INTERPRETED),
+    ],
 )
 def test_graph_decode_padding_and_update(fake_fi, monkeypatch, small_max, kind):
     """Graph mode: padded decode steps use the fixed-buffer wrappers, or up to
@@ -535,6 +549,17 @@ def test_small_decode_serves_plain_16_bit_layers_only(fake_fi):
     assert h.context.step.kind is StepKind.DECODE_GRAPH
 
 
+def test_small_decode_runs_on_cuda_or_in_triton_s_interpreter(monkeypatch):
+    from attn_plugin_flashinfer.context import small_decode_runs_on
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert small_decode_runs_on(torch.device("cuda", 0))
+    assert not small_decode_runs_on(torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert small_decode_runs_on(torch.device("cpu"))
+
+
+@INTERPRETED
 def test_small_decode_batch_limit_keeps_the_step_under_its_kv_token_budget(fake_fi):
     """A graph replays at every length up to max_model_len: past SMALL_DECODE_MAX_KV_TOKENS
     positions per step FlashInfer's kernels are the faster ones, so fewer requests (or none)
@@ -564,6 +589,7 @@ def test_small_decode_batch_limit_keeps_the_step_under_its_kv_token_budget(fake_
         assert h.context.step.kind is want, max_len
 
 
+@INTERPRETED
 def test_small_decode_above_the_batch_limit_is_flashinfers(fake_fi, monkeypatch):
     monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "2")
     h = wl.make(FULL, "flashinfer:flashinfer", "cpu", graph=True)

@@ -300,11 +300,12 @@ def test_cuda_graph_mla_replay():
 
 
 @pytest.mark.sm90
-def test_tensor_core_decode_fast_replan_equals_public_plan():
+def test_tensor_core_decode_fast_replan_equals_public_plan(monkeypatch):
     """GQA decode re-planned by fast_plan gets FlashInfer's own plan() schedule and output."""
     from attn_plugin_flashinfer import fast_plan
     from attn_plugin_flashinfer.context import _Offsets
 
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")  # FlashInfer's decode
     h = wl.make(FULL, _name(FULL), CUDA)
     lens = [(0, 13), (1, 29), (2, 37), (3, 50)]  # 129 tokens: within the harness's 160
     wl.run_step(h, 0, lens)
