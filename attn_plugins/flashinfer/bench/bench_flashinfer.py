@@ -9,8 +9,11 @@ Sections (each isolated: a failure is recorded in the JSON and the next section 
    doing the plugin's whole job (its ``append_paged_kv_cache`` kernel, then ``run()``); time per
    call from CUDA events over many eager calls (at B=1 that is host-bound: host time per call
    is reported too, and section 5 repeats B=1 inside a CUDA graph); GB/s = K+V bytes / time.
-   The plugin writes a small step's K/V with two ``index_copy_`` launches unless the step reads
-   ``GPU_BOUND_KV_BYTES`` of cache or more (then the one-launch Triton kernel); it is also
+   Up to SMALL_DECODE_MAX_BATCH requests within SMALL_DECODE_MAX_KV_TOKENS positions the plugin
+   runs small_decode (fused write + attention; also timed through Triton's own launcher instead
+   of CachedLaunch, and with ``--profile`` under cProfile); the plugin on FlashInfer is timed
+   too. There it writes a small step's K/V with two ``index_copy_`` launches unless the step
+   reads ``GPU_BOUND_KV_BYTES`` of cache or more (then the one-launch Triton kernel); it is also
    timed with the write forced onto the Triton kernel (``EAGER_TORCH_MAX_TOKENS = 0``).
 3. ``prefill``: ragged causal prefill, B*S = 16k tokens (B=2, S=8192), 16 heads, d128: plugin
    (write + ragged run) vs the ragged wrapper's ``run()``; TFLOP/s = 2 * B * S^2 * H * D / t.
@@ -22,7 +25,9 @@ Sections (each isolated: a failure is recorded in the JSON and the next section 
    B = 1 and 8 at 32768): replay time per layer of the plugin as configured (small batches:
    the fused small_decode kernels), of the plugin forced onto FlashInfer, of FlashInfer's
    kernel alone, of FlashInfer's append + kernel and of the small_decode kernels called
-   directly, captured the same way.
+   directly, captured the same way. ``--graph-cases BxCTX,...`` picks the cases,
+   ``--force-small`` takes small_decode past the plugin's limits, ``--small-sweep`` times 44
+   tilings of it too.
 
 Usage (from the repository root, on the GPU machine)::
 
