@@ -27,6 +27,11 @@ import torch
 __all__ = ["CachedLaunch"]
 
 
+#: Keys kept per kernel before the cache starts over: a caller whose arguments keep changing
+#: (views at ever new offsets, say) costs a Triton launch per new key, never unbounded memory.
+MAX_KEYS = 256
+
+
 class CachedLaunch:
     """A ``@triton.jit`` function launched through a cache of its compiled kernels.
 
@@ -66,6 +71,8 @@ class CachedLaunch:
             return
         compiled = self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
         if callable(getattr(compiled, "__getitem__", None)) and hasattr(compiled, "function"):
+            if len(self._compiled) >= MAX_KEYS:
+                self._compiled.clear()
             self._compiled[key] = compiled
 
     def clear(self) -> None:

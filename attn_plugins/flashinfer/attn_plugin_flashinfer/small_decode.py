@@ -7,8 +7,8 @@ K/V write launch added 2 us more. Here one kernel writes the new rows into the c
 attends over the whole context, split across the SMs, and a second one merges the splits: no
 write launch. In a 32-layer graph (us per layer, against FlashInfer's kernel alone / FlashInfer +
 the write): B=1 ctx 4096 12.6 (13.9 / 15.9), B=2 17.6 (17.8 / 20.0), B=4 26.9 (26.4 / 29.0), B=1
-ctx 32768 43.4 (41.1 / 43.8). From eight requests, or 64k positions, FlashInfer's kernels read
-faster, so the context uses this one only below ``context.SMALL_DECODE_MAX_KV_TOKENS``.
+ctx 32768 43.4 (41.1 / 43.8). From eight requests, or about 36k positions, FlashInfer's kernels
+read faster, so the context uses this one only below ``context.SMALL_DECODE_MAX_KV_TOKENS``.
 
 How (flash-decoding): program ``(b, kv_head, split)`` covers one of ``num_splits`` equal,
 ``BLOCK_N``-aligned ranges of request ``b``'s ``seq_len`` positions, for the ``group`` query

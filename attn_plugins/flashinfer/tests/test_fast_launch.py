@@ -5,7 +5,7 @@ launcher that reads three grid dimensions)."""
 from __future__ import annotations
 
 import torch
-from attn_plugin_flashinfer.fast_launch import CachedLaunch
+from attn_plugin_flashinfer.fast_launch import MAX_KEYS, CachedLaunch
 
 
 class _Compiled:
@@ -90,3 +90,14 @@ def test_disabled_or_interpreted_launches_always_go_through_the_jit_function():
     for _ in range(2):
         launch.launch((1,), (x,), (1,), num_warps=4, num_stages=2)
     assert [entry[0] for entry in fn.log] == ["jit", "jit"]
+
+
+def test_the_cache_starts_over_past_max_keys():
+    fn = _JitFunction()
+    launch = CachedLaunch(fn)
+    x = torch.zeros(2)
+    for n in range(MAX_KEYS + 1):
+        launch.launch((1,), (x,), (n,), num_warps=4, num_stages=2)
+    assert len(launch._compiled) == 1  # full at MAX_KEYS: cleared, then the new key
+    launch.launch((1,), (x,), (MAX_KEYS,), num_warps=4, num_stages=2)
+    assert fn.log[-1][0] == "cached"
