@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 from attn_plugin_flashinfer.small_decode import (
+    DEFAULT_CONFIG,
     SmallDecodeBuffers,
     SmallDecodeConfig,
     num_splits_for,
@@ -74,7 +75,7 @@ def test_repeated_launches_agree_bit_for_bit():
     """Twenty launches into the same partial buffers (as the layers of a graph replay make)
     give the same bits: the merge sums the splits in a fixed order, and no launch reads what
     another left behind."""
-    q, k, v, kc, vc, table, lens, slots, _ = _inputs(LENS[-1], torch.bfloat16, H, HKV, seed=5)
+    q, k, v, kc, vc, table, lens, slots, _ = _inputs(LENS[-1], torch.bfloat16, seed=5)
     slots = torch.full_like(slots, -1)  # write nothing: every launch sees the same cache
     buffers = SmallDecodeBuffers.allocate(q.shape[0], H, 2 * _splits(LENS[-1]), D, DEVICE)
     args = [t.to(DEVICE) for t in (q, k, v, kc, vc, table, lens, slots)]
@@ -91,7 +92,7 @@ def test_misaligned_inputs_take_their_own_compiled_kernel():
     through the kernel compiled for an aligned q (Triton specialises on alignment): the
     launch cache keys on it, and both give the reference's answer."""
     lens = LENS[0]
-    q, k, v, kc, vc, table, seq, slots, _ = _inputs(lens, torch.bfloat16, H, HKV, seed=9)
+    q, k, v, kc, vc, table, seq, slots, _ = _inputs(lens, torch.bfloat16, seed=9)
     want, _, _ = _reference(q, k, v, kc, vc, table, seq, slots, D**-0.5)
     buffers = SmallDecodeBuffers.allocate(1, H, _splits(lens), D, DEVICE)
     rest = [t.to(DEVICE) for t in (k, v, kc, vc, table, seq, slots)]
@@ -104,20 +105,21 @@ def test_misaligned_inputs_take_their_own_compiled_kernel():
         assert err < 2e-2, f"q {2 * offset} bytes into its storage: error {err:.3g}"
 
 
-def _splits(lens) -> int:
+def _splits(lens, config: SmallDecodeConfig = DEFAULT_CONFIG) -> int:
+    """The plugin's split count for these requests on this device (4 SMs on CPU)."""
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count if CUDA else 4
-    return num_splits_for(len(lens), HKV, max(lens), sms)
+    return num_splits_for(len(lens), HKV, max(lens), sms, config)
 
 
-def _inputs(lens, dtype, h, hkv, seed):
+def _inputs(lens, dtype, seed):
     """q, k, v, the caches, the page table (each request owns distinct, shuffled pages),
     lengths, slots (request 0 a padding row when there are several) and the scale (CPU)."""
     gen = torch.Generator().manual_seed(seed)
     B = len(lens)
     width = math.ceil(max(lens) / PAGE) + 1
     num_pages = B * width + 3
-    k_cache = torch.randn(num_pages, PAGE, hkv, D, generator=gen).to(dtype)
-    v_cache = torch.randn(num_pages, PAGE, hkv, D, generator=gen).to(dtype)
+    k_cache = torch.randn(num_pages, PAGE, HKV, D, generator=gen).to(dtype)
+    v_cache = torch.randn(num_pages, PAGE, HKV, D, generator=gen).to(dtype)
     owner = torch.randperm(num_pages, generator=gen)[: B * width].view(B, width).to(torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     slots = torch.tensor(
@@ -125,28 +127,24 @@ def _inputs(lens, dtype, h, hkv, seed):
     )
     if B > 1:
         slots[0] = -1  # a padding row: attends, writes nothing
-    q = torch.randn(B, h, D, generator=gen).to(dtype)
-    k = torch.randn(B, hkv, D, generator=gen).to(dtype)
-    v = torch.randn(B, hkv, D, generator=gen).to(dtype)
+    q = torch.randn(B, H, D, generator=gen).to(dtype)
+    k = torch.randn(B, HKV, D, generator=gen).to(dtype)
+    v = torch.randn(B, HKV, D, generator=gen).to(dtype)
     return q, k, v, k_cache, v_cache, owner, seq_lens, slots, 1 / math.sqrt(D)
 
 
-def _check(lens, config, dtype, heads=(H, HKV), splits=None):
-    h, hkv = heads
+def _check(lens, config, dtype):
     q, k, v, k_cache, v_cache, owner, seq_lens, slots, scale = _inputs(
-        lens, dtype, h, hkv, seed=len(lens) * 1000 + config.block_n
+        lens, dtype, seed=len(lens) * 1000 + config.block_n
     )
     want, k_want, v_want = _reference(q, k, v, k_cache, v_cache, owner, seq_lens, slots, scale)
     B = len(lens)
     on = {"device": DEVICE}
     args = [t.to(**on) for t in (q, k, v, k_cache, v_cache, owner, seq_lens, slots)]
-    out = torch.full((B, h, D), float("nan"), dtype=dtype, **on)
-    if splits is None:
-        sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count if CUDA else 4
-        n0 = num_splits_for(B, hkv, max(lens), sms, config)
-        splits = sorted({n0, 2 * n0})  # the plugin's split count and twice it
-    for n in splits:
-        buffers = SmallDecodeBuffers.allocate(B, h, n, D, DEVICE)
+    out = torch.full((B, H, D), float("nan"), dtype=dtype, **on)
+    n0 = _splits(lens, config)
+    for n in sorted({n0, 2 * n0}):  # the plugin's split count and twice it
+        buffers = SmallDecodeBuffers.allocate(B, H, n, D, DEVICE)
         kc, vc = args[3].clone(), args[4].clone()
         small_decode(*args[:3], kc, vc, *args[5:], out, buffers, scale=scale, config=config)
         err = (out.float().cpu() - want).abs().max().item()
