@@ -101,6 +101,19 @@ def profile_table(prof: cProfile.Profile, calls: int, what: str, top: int = 25) 
     return out + "\n"
 
 
+def profile_calls(fn: Callable[[int], object], calls: int, what: str) -> str:
+    """Run ``fn(i)`` for ``i`` in ``range(calls)`` under cProfile; :func:`profile_table` of it.
+    A CUDA device is synchronised after the calls, outside the profile."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(calls):
+        fn(i)
+    prof.disable()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return profile_table(prof, calls, what)
+
+
 def new_result() -> dict[str, Any]:
     """An empty result document: ``{"cases": [], "errors": []}``."""
     return {"cases": [], "errors": []}

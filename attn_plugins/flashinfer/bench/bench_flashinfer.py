@@ -59,7 +59,7 @@ os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", str(_REPO / ".jit"))
 
 import torch  # noqa: E402
 
-from attn_core.bench_util import back_to_back_us, capture_graph, profile_table  # noqa: E402
+from attn_core.bench_util import back_to_back_us, capture_graph, profile_calls  # noqa: E402
 
 H, HKV, D, PAGE = 32, 8, 128, 16
 
@@ -196,8 +196,9 @@ def bench_decode(spec, batch: int, ctx: int, profile: bool = False) -> dict:
     finally:
         kv_write.EAGER_TORCH_MAX_TOKENS = saved
     t_plugin_fi, host_plugin_fi = t_plugin, host_us(plugin)
-    # The plugin as configured: one or two requests within the KV budget take small_decode's
-    # fused write + attention (timed also through Triton's own launcher, not CachedLaunch).
+    # The plugin as configured: up to SMALL_DECODE_MAX_BATCH requests within the KV budget take
+    # small_decode's fused write + attention (timed also through Triton's own launcher, not
+    # CachedLaunch).
     ctx_obj.small_decode_max_batch = small_max
     runtime.prepare(builder.build([(r, 1) for r in range(batch)]))
     kind = ctx_obj.step.kind.value
@@ -213,15 +214,8 @@ def bench_decode(spec, batch: int, ctx: int, profile: bool = False) -> dict:
             rounds["direct"].append(back_to_back_us(direct, iters))
         t_plugin, t_direct = min(rounds["plugin"]), min(rounds["direct"])
         if profile:
-            import cProfile
-
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(500):
-                plugin()
-            prof.disable()
-            torch.cuda.synchronize()
-            print(profile_table(prof, 500, f"plugin forward, B={batch} ctx={ctx} small"))
+            what = f"plugin forward, B={batch} ctx={ctx} small"
+            print(profile_calls(lambda _i: plugin(), 500, what), flush=True)
         small_decode._SPLIT.enabled = small_decode._MERGE.enabled = False
         try:
             plugin()
@@ -288,20 +282,14 @@ def bench_decode_variants(batch: int, ctx: int) -> dict:
 
 def bench_prepare_profile(spec, batch: int = 256, ctx: int = 4096) -> dict:
     """cProfile of 100 ``runtime.prepare`` calls (B=256 decode): where the host time goes."""
-    import cProfile
-
     runtime, _state, builder = _setup(spec, batch=batch, ctx=ctx)
     reqs = [(r, 1) for r in range(batch)]
     batches = [builder.build(reqs) for _ in range(3)]
     runtime.prepare(batches[0])
     torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for i in range(100):
-        runtime.prepare(batches[i % 3])
-    prof.disable()
-    torch.cuda.synchronize()
-    table = profile_table(prof, 100, f"runtime.prepare, B={batch} decode")
+    table = profile_calls(
+        lambda i: runtime.prepare(batches[i % 3]), 100, f"runtime.prepare, B={batch} decode"
+    )
     print(table, flush=True)
     return {"B": batch, "profile": table}
 
