@@ -12,6 +12,10 @@ mask the row, so no redirect is needed. A slot past the cache's end also stores 
 kernel cannot raise; a store there would corrupt memory): callers that want that reported check
 ranges on the host, as the reference backend does outside graph capture.
 
+On sm90+ the kernel launches as a programmatic dependent (:mod:`attn_core.pdl`): in a captured
+decode step the attention kernel after it (FlashInfer's launch that way) starts launching while
+the write runs.
+
 Nothing here synchronises with the host: the scale is read from its device tensor inside the
 kernel, so a replayed CUDA graph uses the scale's current value, and the token count ``T`` may
 be the padded count of a captured batch. Compile the kernel before capturing (one eager call
@@ -29,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from attn_core.pdl import gdc_launch_dependents, gdc_wait, pdl_enabled
 
 __all__ = ["launch"]
 
@@ -123,8 +129,12 @@ def _write_kernel(
     FP8_1: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid ``(cdiv(T, BLOCK_T), cdiv(max row, BLOCK_R), 1 or 2)``: axis 2 picks K or V."""
+    if PDL:  # launched as a programmatic dependent (attn_core.pdl): wait for the inputs, then
+        gdc_wait()  # let the next kernel (the attention reading this cache) launch meanwhile
+        gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     r0 = tl.program_id(1) * BLOCK_R
     in_range = tok < T
@@ -245,6 +255,7 @@ def launch(
         (powers of two; for tuning sweeps).
     """
     fp8 = torch.float8_e4m3fn
+    pdl = pdl_enabled(slot_mapping.device)
     ops = [_operand(x, c, s, c.dtype == fp8) for x, c, s in zip(xs, caches, scales, strict=True)]
     a, b = ops[0], ops[-1]
     block_t, block_r, num_warps = config or _config(num_tokens, max(a.row, b.row), len(ops))
@@ -258,6 +269,6 @@ def launch(
         b.x, b.cache, b.scale_ptr, b.scale_val, *b.x_strides, *b.c_strides,
         H0=a.h, D0=a.d, SCALE0=a.scale_mode, FP8_0=a.fp8,
         H1=b.h, D1=b.d, SCALE1=b.scale_mode, FP8_1=b.fp8,
-        BLOCK_T=block_t, BLOCK_R=block_r,
-        num_warps=num_warps,
+        BLOCK_T=block_t, BLOCK_R=block_r, PDL=pdl,
+        num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
