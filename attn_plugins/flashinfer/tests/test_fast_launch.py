@@ -1,77 +1,125 @@
 """CachedLaunch without a GPU: a stand-in for a ``@triton.jit`` function whose launches return
-a stand-in CompiledKernel, shaped like Triton's (``function``, ``kernel[grid](*args)`` with a
-launcher that reads three grid dimensions)."""
+a stand-in CompiledKernel, shaped like Triton's (``function``, ``packed_metadata``, the C
+launcher ``run(g0, g1, g2, stream, function, metadata, launch_metadata, enter_hook, exit_hook,
+*args)`` and the ``kernel[grid](*args)`` runner)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from attn_plugin_flashinfer import fast_launch
 from attn_plugin_flashinfer.fast_launch import MAX_KEYS, CachedLaunch
+
+STREAM = 0x5EED
 
 
 class _Compiled:
     def __init__(self, log: list) -> None:
         self.function = object()
+        self.packed_metadata = ("meta",)
         self.log = log
+
+    def run(self, g0, g1, g2, stream, function, metadata, launch_metadata, enter, exit_, *args):
+        assert function is self.function and metadata is self.packed_metadata
+        assert (launch_metadata, enter, exit_) == (None, None, None)
+        self.log.append(("direct", (g0, g1, g2), stream, args))
 
     def __getitem__(self, grid):
         def runner(*args):
-            self.log.append(("cached", (grid[0], grid[1], grid[2]), args))
+            self.log.append(("runner", tuple(grid), args))
 
         return runner
 
 
 class _JitFunction:
-    """``fn[grid](*args, num_warps=, num_stages=)`` compiles (here: counts) and returns a
-    compiled kernel per distinct specialisation, as Triton's JITFunction does."""
+    """``fn[grid](*args, num_warps=, num_stages=[, launch_pdl=])`` compiles (here: counts) and
+    returns a compiled kernel per distinct specialisation, as Triton's JITFunction does."""
 
     def __init__(self) -> None:
         self.log: list = []
-        self.compiled: list[_Compiled] = []
 
     def __getitem__(self, grid):
-        def run(*args, num_warps, num_stages):
-            self.log.append(("jit", tuple(grid), args, num_warps, num_stages))
-            kernel = _Compiled(self.log)
-            self.compiled.append(kernel)
-            return kernel
+        def run(*args, num_warps, num_stages, **options):
+            self.log.append(("jit", tuple(grid), args, num_warps, num_stages, options))
+            return _Compiled(self.log)
 
         return run
 
 
-def test_the_second_launch_of_a_key_skips_the_jit_function_and_pads_the_grid():
+@pytest.fixture
+def cpu_device(monkeypatch):
+    """CPU tensors report device -1: make that the "current device" with a known stream."""
+    monkeypatch.setattr(CachedLaunch, "current_device", staticmethod(lambda: -1))
+    monkeypatch.setattr(CachedLaunch, "current_stream", staticmethod(lambda dev: STREAM + dev))
+
+
+def test_the_second_launch_calls_the_c_launcher_with_addresses_and_a_padded_grid(cpu_device):
     fn = _JitFunction()
     launch = CachedLaunch(fn)
-    x = torch.zeros(8)  # a CPU tensor: get_device() is -1, a key like any other
-    launch.launch((4, 2), (x,), (3, 16), num_warps=4, num_stages=2)
-    launch.launch((5, 2), (x,), (3, 16), num_warps=4, num_stages=2)
-    assert [entry[0] for entry in fn.log] == ["jit", "cached"]
-    assert fn.log[1][1] == (5, 2, 1)  # the launcher reads three grid dimensions
-    assert fn.log[1][2][0] is x
+    x, y = torch.zeros(8), torch.zeros(4, dtype=torch.int32)
+    launch.launch((4, 2), (x, y), (3, 16), num_warps=4, num_stages=2)
+    launch.launch((5, 2), (x, y), (3, 16), num_warps=4, num_stages=2)
+    assert [entry[0] for entry in fn.log] == ["jit", "direct"]
+    assert fn.log[0][2][:2] == (x, y) and fn.log[0][5] == {}
+    _, grid, stream, args = fn.log[1]
+    assert grid == (5, 2, 1)  # the launcher reads three grid dimensions
+    assert stream == STREAM - 1
+    assert args == (x.data_ptr(), y.data_ptr(), 3, 16)
 
 
-def test_a_new_key_goes_through_the_jit_function():
+def test_a_new_key_goes_through_the_jit_function(cpu_device):
     """Anything Triton specialises on, and more, makes a new key: another int value, another
-    dtype, a pointer off 16-byte alignment, other warps or stages."""
+    dtype, a pointer off 16-byte alignment, other warps or stages, programmatic launch."""
     fn = _JitFunction()
     launch = CachedLaunch(fn)
     storage = torch.zeros(64, dtype=torch.bfloat16)
     base = ((storage[:8],), (3, 16))
     calls = [
-        (base, 4, 2),
-        (((storage[:8],), (3, 17)), 4, 2),
-        (((storage[:8].float(),), (3, 16)), 4, 2),
-        (((storage[4:12],), (3, 16)), 4, 2),  # 8 bytes into the storage
-        (base, 8, 2),
-        (base, 4, 3),
+        (base, 4, 2, False),
+        (((storage[:8],), (3, 17)), 4, 2, False),
+        (((storage[:8].float(),), (3, 16)), 4, 2, False),
+        (((storage[4:12],), (3, 16)), 4, 2, False),  # 8 bytes into the storage
+        (base, 8, 2, False),
+        (base, 4, 3, False),
+        (base, 4, 2, True),
     ]
-    for (tensors, scalars), warps, stages in calls:
-        launch.launch((1,), tensors, scalars, num_warps=warps, num_stages=stages)
+    for (tensors, scalars), warps, stages, pdl in calls:
+        launch.launch((1,), tensors, scalars, num_warps=warps, num_stages=stages, launch_pdl=pdl)
     assert [entry[0] for entry in fn.log] == ["jit"] * len(calls)
+    assert fn.log[-1][5] == {"launch_pdl": True}
     launch.launch((1,), *base, num_warps=4, num_stages=2)
-    assert fn.log[-1][0] == "cached"
+    assert fn.log[-1][0] == "direct"
+    # Another aligned address (64 bytes in) is the same specialisation: no new compile.
+    launch.launch((1,), (storage[32:40],), (3, 16), num_warps=4, num_stages=2)
+    assert fn.log[-1][0] == "direct" and fn.log[-1][3][0] == storage[32:40].data_ptr()
 
 
-def test_disabled_or_interpreted_launches_always_go_through_the_jit_function():
+def test_hooks_another_device_or_an_unknown_runner_use_the_compiled_kernels_runner(
+    cpu_device, monkeypatch
+):
+    from triton import knobs
+
+    fn = _JitFunction()
+    launch = CachedLaunch(fn)
+    x = torch.zeros(2)
+    launch.launch((1,), (x,), (1,), num_warps=4, num_stages=2)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
+    launch.launch((2,), (x,), (1,), num_warps=4, num_stages=2)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", None)
+    monkeypatch.setattr(CachedLaunch, "current_device", staticmethod(lambda: 0))
+    launch.launch((3,), (x,), (1,), num_warps=4, num_stages=2)
+    assert [entry[0] for entry in fn.log] == ["jit", "runner", "runner"]
+    assert fn.log[1][1] == (2, 1, 1) and fn.log[1][2] == (x, 1)
+
+    monkeypatch.setattr(fast_launch, "_runner_calls_run_as_expected", lambda: False)
+    launch.clear()
+    monkeypatch.setattr(CachedLaunch, "current_device", staticmethod(lambda: -1))
+    for _ in range(2):
+        launch.launch((1,), (x,), (1,), num_warps=4, num_stages=2)
+    assert [entry[0] for entry in fn.log[3:]] == ["jit", "runner"]
+
+
+def test_disabled_or_interpreted_launches_always_go_through_the_jit_function(cpu_device):
     fn = _JitFunction()
     launch = CachedLaunch(fn)
     launch.enabled = False
@@ -92,7 +140,7 @@ def test_disabled_or_interpreted_launches_always_go_through_the_jit_function():
     assert [entry[0] for entry in fn.log] == ["jit", "jit"]
 
 
-def test_the_cache_starts_over_past_max_keys():
+def test_the_cache_starts_over_past_max_keys(cpu_device):
     fn = _JitFunction()
     launch = CachedLaunch(fn)
     x = torch.zeros(2)
@@ -100,4 +148,4 @@ def test_the_cache_starts_over_past_max_keys():
         launch.launch((1,), (x,), (n,), num_warps=4, num_stages=2)
     assert len(launch._compiled) == 1  # full at MAX_KEYS: cleared, then the new key
     launch.launch((1,), (x,), (MAX_KEYS,), num_warps=4, num_stages=2)
-    assert fn.log[-1][0] == "cached"
+    assert fn.log[-1][0] == "direct"
