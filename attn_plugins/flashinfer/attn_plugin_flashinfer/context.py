@@ -53,6 +53,7 @@ import torch
 
 from attn_core.batch import AttentionBatch, BatchMode
 from attn_core.context import WorkspaceRequirement
+from attn_core.pdl import pdl_enabled
 from attn_core.specs import ExecutionConstraints, GraphMode, LayerGroup, LayerKind, LayerSpec
 from attn_core.state.kv_write import FP8_DTYPE, write_kv_slots, write_slots
 from attn_plugin_flashinfer import fast_plan, planning
@@ -464,6 +465,9 @@ class FullAttentionContext(_PagedContext):
                 if self.graph_decode
                 else max(0, cap)  # an eager step checks its own KV positions
             )
+        #: small_decode's kernels launch as programmatic dependents (attn_core.pdl: sm90+,
+        #: ``ATTN_PDL=0`` turns it off; benchmarks toggle the attribute).
+        self.pdl = pdl_enabled(self.device)
         #: Ragged prefill writes the KV cache on a side stream, overlapping the attention
         #: kernel (``ATTN_FLASHINFER_OVERLAP_KV_WRITE=0`` turns it off; benchmarks toggle it).
         self.overlap_kv_write = self.device.type == "cuda" and os.environ.get(
@@ -703,6 +707,7 @@ class FullAttentionContext(_PagedContext):
             o,
             step.small,
             scale=layer.scale,
+            pdl=self.pdl,
         )
         return self._finish(o, out)
 

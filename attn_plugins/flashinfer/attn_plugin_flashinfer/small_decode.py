@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attn_core.pdl import gdc_launch_dependents, gdc_wait
 from attn_plugin_flashinfer.fast_launch import CachedLaunch
 
 __all__ = [
@@ -94,7 +95,11 @@ def _split_kernel(
     BLOCK: tl.constexpr,
     PREFETCH: tl.constexpr,
     UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # launched as a programmatic dependent (attn_core.pdl): wait for q/k/v, then let
+        gdc_wait()  # the merge launch while this kernel runs
+        gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -184,7 +189,11 @@ def _merge_kernel(
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_wait()  # the split kernel's partials
+        gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLITS_PAD)
@@ -262,6 +271,57 @@ class SmallDecodeBuffers:
         return self.lse.shape[2]
 
 
+#: Launch arguments by step shape (see :func:`_launch_args`); cleared past this many shapes.
+_MAX_SHAPES = 256
+_ARGS: dict[tuple, tuple] = {}
+
+
+def _launch_args(key: tuple) -> tuple:
+    """``(split grid, split scalars, merge grid, merge scalars)`` of one step shape, from
+    ``key`` = ``(q.shape, Hkv, q/k/v/out strides, page size, page-table row stride, splits,
+    scale, config, pdl)``: everything after the tensors, which an eager step of one request
+    would otherwise rebuild per layer."""
+    args = _ARGS.get(key)
+    if args is not None:
+        return args
+    (B, H, D), Hkv, qs, ks, vs, os_, page, pt_stride, S, scale, cfg, pdl = key
+    group = H // Hkv
+    split_scalars = (
+        scale * _LOG2E,
+        qs[0],
+        qs[1],
+        ks[0],
+        ks[1],
+        vs[0],
+        vs[1],
+        pt_stride,
+        S,  # NUM_SPLITS
+        H,  # NUM_HEADS
+        Hkv,  # NUM_KV_HEADS
+        group,  # GROUP
+        max(16, triton.next_power_of_2(group)),  # GROUP_PAD: rows of the QK dot
+        D,
+        page,  # PAGE
+        cfg.block_n,  # BLOCK
+        cfg.prefetch,  # PREFETCH
+        _INTERPRETED,  # UPCAST
+        pdl,  # PDL
+    )
+    merge_scalars = (
+        os_[0],
+        os_[1],
+        H,  # NUM_HEADS
+        S,  # NUM_SPLITS
+        triton.next_power_of_2(S),  # SPLITS_PAD
+        D,
+        pdl,  # PDL
+    )
+    if len(_ARGS) >= _MAX_SHAPES:
+        _ARGS.clear()
+    args = _ARGS[key] = ((B, Hkv, S), split_scalars, (B, H), merge_scalars)
+    return args
+
+
 def small_decode(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -276,6 +336,7 @@ def small_decode(
     *,
     scale: float,
     config: SmallDecodeConfig | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Write the step's K/V rows into the paged cache and attend, one query token per request.
 
@@ -290,52 +351,41 @@ def small_decode(
     :param buffers: partials for this ``B`` (:meth:`SmallDecodeBuffers.allocate`).
     :param scale: softmax scale of the logits.
     :param config: tiling of the split kernel (default :data:`DEFAULT_CONFIG`).
+    :param pdl: launch both kernels as programmatic dependents (:mod:`attn_core.pdl`; only
+        where :func:`attn_core.pdl.pdl_enabled` says the device has it).
     :returns: ``out``.
     """
     cfg = config or DEFAULT_CONFIG
-    B, H, D = q.shape
-    Hkv = k.shape[1]
-    page = k_cache.shape[1]
-    group = H // Hkv
-    S = buffers.num_splits
-    _SPLIT.launch(
-        (B, Hkv, S),
-        (q, k, v, k_cache, v_cache, page_table, seq_lens, slot_mapping, buffers.o, buffers.lse),
+    split_grid, split_scalars, merge_grid, merge_scalars = _launch_args(
         (
-            scale * _LOG2E,
-            q.stride(0),
-            q.stride(1),
-            k.stride(0),
-            k.stride(1),
-            v.stride(0),
-            v.stride(1),
+            q.shape,
+            k.shape[1],
+            q.stride(),
+            k.stride(),
+            v.stride(),
+            out.stride(),
+            k_cache.shape[1],
             page_table.stride(0),
-            S,  # NUM_SPLITS
-            H,  # NUM_HEADS
-            Hkv,  # NUM_KV_HEADS
-            group,  # GROUP
-            max(16, triton.next_power_of_2(group)),  # GROUP_PAD: rows of the QK dot
-            D,
-            page,  # PAGE
-            cfg.block_n,  # BLOCK
-            cfg.prefetch,  # PREFETCH
-            _INTERPRETED,  # UPCAST
-        ),
+            buffers.num_splits,
+            scale,
+            cfg,
+            pdl,
+        )
+    )
+    _SPLIT.launch(
+        split_grid,
+        (q, k, v, k_cache, v_cache, page_table, seq_lens, slot_mapping, buffers.o, buffers.lse),
+        split_scalars,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        launch_pdl=pdl,
     )
     _MERGE.launch(
-        (B, H),
+        merge_grid,
         (buffers.o, buffers.lse, out),
-        (
-            out.stride(0),
-            out.stride(1),
-            H,  # NUM_HEADS
-            S,  # NUM_SPLITS
-            triton.next_power_of_2(S),  # SPLITS_PAD
-            D,
-        ),
+        merge_scalars,
         num_warps=4,
         num_stages=1,
+        launch_pdl=pdl,
     )
     return out

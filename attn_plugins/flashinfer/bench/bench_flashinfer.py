@@ -365,6 +365,7 @@ def bench_prefill(batch: int = 2, seq: int = 8192, heads: int = 16) -> dict:
     t_fi_append = back_to_back_us(fi_append, 20, warmup=3)
     t_core_write = back_to_back_us(core_write, 20, warmup=3)
     flops = 2 * batch * seq * seq * heads * D  # causal: half of 4 * S^2 * H * D per sequence
+    probe = _copy_engine_probe(direct, k, v, kv)
     res = {
         "B": batch,
         "S": seq,
@@ -382,8 +383,101 @@ def bench_prefill(batch: int = 2, seq: int = 8192, heads: int = 16) -> dict:
         "fi_append_us": t_fi_append,
         "core_write_us": t_core_write,
         "kv_write_GB/s": 2 * 2 * T * heads * D * 2 / t_core_write / 1e3,
+        "copy_engine_probe": probe,
     }
     return res
+
+
+def _cudart():
+    import ctypes
+
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise OSError("libcudart not found")
+
+
+def _copy_engine_probe(direct, k, v, kv) -> dict:
+    """Whether the ragged prefill's K/V bytes can move beside FlashInfer's prefill kernel
+    without taking SMs: the kernel alone, then with a side-stream copy of the same bytes into
+    the cache (torch ``copy_`` = cudaMemcpyAsync D2D; cudaMemcpyBatchAsync with the
+    prefer-overlap-with-compute flag, i.e. the copy engines), and each copy alone."""
+    import ctypes
+
+    n = k.numel()
+    dk, dv = kv.k.view(-1)[:n], kv.v.view(-1)[:n]
+    side = torch.cuda.Stream()
+    main = torch.cuda.current_stream()
+    out: dict = {}
+
+    def torch_copy():
+        dk.copy_(k.view(-1))
+        dv.copy_(v.view(-1))
+
+    class MemLoc(ctypes.Structure):
+        _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+    class Attrs(ctypes.Structure):
+        _fields_ = [
+            ("srcAccessOrder", ctypes.c_int),
+            ("srcLocHint", MemLoc),
+            ("dstLocHint", MemLoc),
+            ("flags", ctypes.c_uint),
+        ]
+
+    rt = _cudart()
+    ver = ctypes.c_int()
+    rt.cudaRuntimeGetVersion(ctypes.byref(ver))
+    out["cudart_version"] = ver.value
+    dev = torch.cuda.current_device()
+    attrs = Attrs(1, MemLoc(1, dev), MemLoc(1, dev), 1)  # stream order, device, overlap
+    P2 = ctypes.c_void_p * 2
+    dsts, srcs = P2(dk.data_ptr(), dv.data_ptr()), P2(k.data_ptr(), v.data_ptr())
+    sizes = (ctypes.c_size_t * 2)(n * k.element_size(), n * v.element_size())
+    idx = (ctypes.c_size_t * 1)(0)
+
+    def batch_copy(stream):
+        args = [dsts, srcs, sizes, ctypes.c_size_t(2), ctypes.byref(attrs), idx, ctypes.c_size_t(1)]
+        if ver.value < 13000:
+            args.append(ctypes.byref(ctypes.c_size_t()))  # failIdx (CUDA 12.8-12.9)
+        err = rt.cudaMemcpyBatchAsync(*args, ctypes.c_void_p(stream.cuda_stream))
+        if err:
+            raise RuntimeError(f"cudaMemcpyBatchAsync: error {err}")
+
+    def with_side(copy):
+        def step():
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                copy()
+            direct()
+            main.wait_stream(side)
+
+        return step
+
+    cases = {
+        "direct": direct,
+        "direct+torch_copy_side": with_side(torch_copy),
+        "torch_copy_alone": torch_copy,
+    }
+    try:
+        batch_copy(main)
+        torch.cuda.synchronize()
+        cases["direct+batch_copy_side"] = with_side(lambda: batch_copy(side))
+        cases["batch_copy_alone"] = lambda: batch_copy(main)
+    except Exception as exc:  # a probe: record why it could not run
+        out["batch_copy_error"] = f"{type(exc).__name__}: {exc}"
+    rounds: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(3):
+        for name, fn in cases.items():
+            rounds[name].append(back_to_back_us(fn, 20, warmup=3))
+    out.update({f"{name}_us": min(ts) for name, ts in rounds.items()})
+    nbytes = 2 * 2 * n * k.element_size()  # K and V, read + write
+    for name in ("torch_copy_alone", "batch_copy_alone"):
+        if f"{name}_us" in out:
+            out[f"{name}_GB/s"] = nbytes / out[f"{name}_us"] / 1e3
+    return out
 
 
 def bench_prepare(spec, batch: int = 256, ctx: int = 4096, iters: int = 300) -> dict:
@@ -479,6 +573,17 @@ def bench_graph(spec, layers: int = 32, batch: int = 64, ctx: int = 4096,
     wrapper = ctx_obj.step.wrapper
     graphs = {"plugin_fi": capture_graph(plugin_step)}
     _sync("plugin_fi capture")
+    # The same with the K/V write launched as a plain kernel (not a programmatic dependent).
+    saved_pdl = os.environ.get("ATTN_PDL")
+    os.environ["ATTN_PDL"] = "0"
+    try:
+        graphs["plugin_fi_nopdl"] = capture_graph(plugin_step)
+    finally:
+        if saved_pdl is None:
+            del os.environ["ATTN_PDL"]
+        else:
+            os.environ["ATTN_PDL"] = saved_pdl
+    _sync("plugin_fi_nopdl capture")
 
     def bare_step():
         for i, bd in enumerate(bindings):
@@ -513,6 +618,12 @@ def bench_graph(spec, layers: int = 32, batch: int = 64, ctx: int = 4096,
         kind = ctx_obj.step.kind.value
         graphs["plugin"] = capture_graph(plugin_step)
         _sync("plugin (small) capture")
+        pdl, ctx_obj.pdl = ctx_obj.pdl, False
+        try:
+            graphs["plugin_nopdl"] = capture_graph(plugin_step)
+        finally:
+            ctx_obj.pdl = pdl
+        _sync("plugin_nopdl (small) capture")
         from attn_plugin_flashinfer.small_decode import (
             SmallDecodeBuffers,
             SmallDecodeConfig,
@@ -523,7 +634,7 @@ def bench_graph(spec, layers: int = 32, batch: int = 64, ctx: int = 4096,
             for i, bd in enumerate(bindings):
                 small_decode(
                     q, k, v, bd.kv.k, bd.kv.v, nb.page_table, nb.seq_lens, nb.slot_mapping,
-                    outs[i], bufs, scale=bd.scale, config=config,
+                    outs[i], bufs, scale=bd.scale, config=config, pdl=ctx_obj.pdl,
                 )  # fmt: skip
 
         # The kernels alone: as the plugin runs them, at half and twice the splits, and
@@ -592,6 +703,9 @@ def bench_graph(spec, layers: int = 32, batch: int = 64, ctx: int = 4096,
         "bare_eager_us_per_layer": t_bare_eager / layers,
         "ratio_vs_bare_graph": per_layer["plugin"] / per_layer["bare"],
         "plugin_fi_ratio_vs_bare_graph": per_layer["plugin_fi"] / per_layer["bare"],
+        "pdl": ctx_obj.pdl,
+        "plugin_fi_nopdl_graph_us_per_layer": per_layer["plugin_fi_nopdl"],
+        "plugin_nopdl_graph_us_per_layer": per_layer.get("plugin_nopdl"),
         "bare_append_graph_us_per_layer": per_layer["bare_append"],
         "ratio_vs_bare_append_graph": per_layer["plugin"] / per_layer["bare_append"],
         "plugin_GB/s": kv_bytes / per_layer["plugin"] / 1e3,
@@ -679,6 +793,13 @@ def _table(results: dict) -> str:
             f"{r['ratio_vs_direct_with_write']:.3f}); KV write: core {r['core_write_us']:.0f} us "
             f"({r['kv_write_GB/s']:.0f} GB/s), FI append {r['fi_append_us']:.0f} us"
         )
+        probe = r.get("copy_engine_probe") or {}
+        lines.append(
+            "  copy-engine probe: "
+            + ", ".join(
+                f"{n} {x:.1f}" if isinstance(x, float) else f"{n} {x}" for n, x in probe.items()
+            )
+        )
     for r in results.get("decode_variants", []):
         cells = ", ".join(
             f"{name} {r[name + '_us']:.1f} us ({r[name + '_GB/s']:.0f} GB/s)"
@@ -715,6 +836,12 @@ def _table(results: dict) -> str:
             f"{r['bare_append_graph_us_per_layer']:7.2f} ({r['ratio_vs_bare_append_graph']:.3f}) | "
             f"{small} | {r['plugin_GB/s']:.0f} / {r['bare_GB/s']:.0f} | "
             f"{r['update_host_median_us']:.1f}"
+        )
+        nopdl = r.get("plugin_nopdl_graph_us_per_layer")
+        lines.append(
+            f"{'':27}PDL {'on' if r['pdl'] else 'off'}; without it: plugin on FI "
+            f"{r['plugin_fi_nopdl_graph_us_per_layer']:.2f}"
+            + (f", plugin (small) {nopdl:.2f}" if nopdl is not None else "")
         )
         if "small_sweep_us" in r:
             best = list(r["small_sweep_us"].items())[:6]
