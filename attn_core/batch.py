@@ -77,6 +77,10 @@ class AttentionBatch:
     page_size: int | None
     step: int  # builder step counter; contexts use it to skip re-planning the same batch
     state_epoch: int = -1  # PersistentState.epoch when built; -1: no persistent state
+    # [padded_tokens] int64 host mirror of slot_mapping, where the builder keeps one (prefill,
+    # mixed and verify steps); None for decode and encoder steps. Read it while planning: the
+    # builder's host buffers are reused a few steps later.
+    slot_mapping_cpu: np.ndarray | None = None
 
     @property
     def query_lens_cpu(self) -> np.ndarray:
@@ -718,7 +722,7 @@ class BatchBuilder:
             slot.i64[s : s + num_tokens] = page * self._ps64 + tok % ps
         self._pad(slot, B, P, num_tokens, padded_tokens)
         views = self._req_views.get(P) or self._make_req_views(P)
-        positions, slot_mapping, _, tok_end = self._tok_views.get(
+        positions, slot_mapping, s, tok_end = self._tok_views.get(
             padded_tokens
         ) or self._make_tok_views(padded_tokens)
         self._upload(k, slot, tok_end, m)
@@ -739,6 +743,7 @@ class BatchBuilder:
             seq_lens_cpu=seq_cpu,
             context_lens_cpu=ctx_cpu,
             state_epoch=state.epoch if state is not None else -1,
+            slot_mapping_cpu=slot.i64[s : s + padded_tokens] if self._has_kv else None,
         )
 
     def _assemble(

@@ -77,6 +77,8 @@ def test_prefill_batch(state, builder):
     )
     assert batch.has_initial_state.tolist() == [False, True]
     assert (batch.max_query_len, batch.max_seq_len) == (7, 9)
+    # the host mirror backends plan from (the ragged prefill's K/V copies)
+    assert batch.slot_mapping_cpu.tolist() == batch.slot_mapping.tolist()
     _check_page_table(batch, state)
 
 
@@ -90,6 +92,7 @@ def test_mixed_batch(state, builder):
     assert batch.slot_mapping.tolist() == _expected_slots(state, "a", 5, 1) + _expected_slots(
         state, "b", 0, 3
     )
+    assert batch.slot_mapping_cpu.tolist() == batch.slot_mapping.tolist()
 
 
 def test_verify_batch(state, builder):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -188,3 +189,31 @@ def test_unpadded_same_dtype_kv_write_is_two_index_copies(monkeypatch):
         assert torch.equal(flat[[11, 2, 7]], x)
         others = [r for r in range(16) if r not in (11, 2, 7)]
         assert not flat[others].any()
+
+
+def test_slot_runs_split_where_slots_stop_being_consecutive():
+    from attn_core.state.kv_write import slot_runs
+
+    slots = np.array([32, 33, 34, 35, 8, 9, 10, 100], dtype=np.int64)
+    assert slot_runs(slots) == [(0, 32, 4), (4, 8, 3), (7, 100, 1)]
+    assert slot_runs(slots, max_runs=2) is None
+    assert slot_runs(np.array([5, 6, -1], dtype=np.int64)) is None  # padding: the kernel's job
+    assert slot_runs(np.zeros(0, dtype=np.int64)) == []
+
+
+def test_write_kv_runs_matches_the_slot_writer():
+    from attn_core.state.kv_write import slot_runs, write_kv_runs, write_kv_slots
+
+    gen = torch.Generator().manual_seed(3)
+    k = torch.randn(7, 2, 8, generator=gen).to(torch.bfloat16)
+    v = torch.randn(7, 2, 4, generator=gen).to(torch.bfloat16)
+    slots = np.array([12, 13, 14, 15, 16, 2, 3], dtype=np.int64)  # crosses a page; two runs
+    caches = [torch.zeros(6, 4, 2, d, dtype=torch.bfloat16) for d in (8, 4)]
+    want = [c.clone() for c in caches]
+    write_kv_slots(k, v, *want, torch.from_numpy(slots))
+    write_kv_runs(k, v, *caches, slot_runs(slots))
+    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+    with pytest.raises(ValueError, match="contiguous rows of the cache's dtype"):
+        write_kv_runs(k.transpose(1, 2).contiguous().transpose(1, 2), v, *caches, [(0, 0, 1)])
+    with pytest.raises(ValueError, match="float32"):
+        write_kv_runs(k.float(), v, *caches, [(0, 0, 1)])

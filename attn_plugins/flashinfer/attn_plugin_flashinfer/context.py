@@ -53,9 +53,14 @@ import torch
 
 from attn_core.batch import AttentionBatch, BatchMode
 from attn_core.context import WorkspaceRequirement
-from attn_core.pdl import pdl_enabled
 from attn_core.specs import ExecutionConstraints, GraphMode, LayerGroup, LayerKind, LayerSpec
-from attn_core.state.kv_write import FP8_DTYPE, write_kv_slots, write_slots
+from attn_core.state.kv_write import (
+    FP8_DTYPE,
+    slot_runs,
+    write_kv_runs,
+    write_kv_slots,
+    write_slots,
+)
 from attn_plugin_flashinfer import fast_plan, planning
 
 __all__ = [
@@ -85,18 +90,17 @@ GPU_BOUND_KV_BYTES = 768 * 2**20
 #: ``SMALL_DECODE_MAX_KV_TOKENS`` run the plugin's own fused write + split-KV kernels
 #: (:mod:`attn_plugin_flashinfer.small_decode`) instead of FlashInfer's decode: there FlashInfer
 #: is latency-bound and the separate K/V write launch is a large share of the step. H200, 32 q /
-#: 8 kv heads, d128, 32-layer CUDA graph, us per layer (small_decode / FlashInfer + the write /
-#: FlashInfer's kernel alone): B=1 ctx 4096 12.56 / 15.89 / 13.94; B=2 ctx 4096 17.63 / 20.03 /
-#: 17.80; B=4 ctx 4096 26.86 / 28.97 / 26.38; B=1 ctx 32768 43.38 / 43.75 / 41.11; B=2 ctx 32768
-#: 78.44 / 72.78 / 70.20; B=8 ctx 4096 50.73 / 44.28 / 41.60. Up to four requests both paths are
-#: close to linear in the step's KV positions N: about 8.2 + 1.075 N/1000 us for small_decode and
-#: 11.9 + 0.972 N/1000 us for FlashInfer + write (fitted at B=1, within 5 % at B=2 and 4), which
-#: cross near N = 36k; at eight requests FlashInfer is ahead already at N = 32k.
+#: 8 kv heads, d128, 32-layer CUDA graph, us per layer (small_decode / FlashInfer + the write,
+#: launched as a programmatic dependent / FlashInfer's kernel alone; session 10): B=1 ctx 4096
+#: 12.62 / 14.77 / 13.81; B=4 ctx 4096 26.95 / 27.26 / 26.33; B=1 ctx 32768 43.39 / 41.78 /
+#: 41.18; B=8 ctx 4096 (session 9) 43.12 / 42.08 (session 10) / 41.71. Both paths are close to
+#: linear in the step's KV positions N: about 8.2 + 1.075 N/1000 us for small_decode and
+#: 10.9 + 0.94 N/1000 us for FlashInfer + write, which cross near N = 20k.
 #: A captured graph replays at every length up to ``max_model_len``, so its limit holds for
 #: requests x ``max_model_len``; an eager step's limit holds for its requests' own lengths (on
 #: the host). ``ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH`` overrides the batch limit (0: never).
 SMALL_DECODE_MAX_BATCH = 4
-SMALL_DECODE_MAX_KV_TOKENS = 36864
+SMALL_DECODE_MAX_KV_TOKENS = 20480
 #: GQA group sizes FlashInfer's CUDA-core decode kernel is compiled for (DISPATCH_GQA_GROUP_SIZE).
 _CUDA_CORE_DECODE_GROUPS = frozenset({1, 2, 3, 4, 8})
 
@@ -180,6 +184,9 @@ class _Step:
     gpu_bound: bool = False
     # DECODE_SMALL: the split partials of this padded batch size (None for the other kinds)
     small: Any = None
+    # RAGGED: the step's slots as runs of consecutive cache rows (kv_write.slot_runs), which
+    # the side stream writes as memcpys; None: the write kernel
+    kv_runs: list[tuple[int, int, int]] | None = None
 
 
 def _share_int_workspace(wrapper: Any, int_ws: torch.Tensor, pinned: torch.Tensor) -> Any:
@@ -320,7 +327,10 @@ class _PagedContext:
         )
         kind, wrapper = self._plan_kernel(batch, sv, indices, graph)
         kv_bytes = meta.total_pages * batch.page_size * self.kv_bytes_per_token
-        return _Step(kind, wrapper, graph or n != T, kv_bytes >= GPU_BOUND_KV_BYTES)
+        runs = None
+        if kind is StepKind.RAGGED and batch.slot_mapping_cpu is not None and not self.fp8:
+            runs = slot_runs(batch.slot_mapping_cpu[:n])
+        return _Step(kind, wrapper, graph or n != T, kv_bytes >= GPU_BOUND_KV_BYTES, kv_runs=runs)
 
     def _small_buffers(self, P: int) -> Any:
         raise NotImplementedError
@@ -465,9 +475,11 @@ class FullAttentionContext(_PagedContext):
                 if self.graph_decode
                 else max(0, cap)  # an eager step checks its own KV positions
             )
-        #: small_decode's kernels launch as programmatic dependents (attn_core.pdl: sm90+,
-        #: ``ATTN_PDL=0`` turns it off; benchmarks toggle the attribute).
-        self.pdl = pdl_enabled(self.device)
+        #: small_decode's kernels as programmatic dependents (attn_core.pdl): off, measured
+        #: slower in a 32-layer graph (B=1 ctx 4096 13.87 against 12.62 us per layer, B=1 ctx
+        #: 32768 44.59 against 43.39); the benchmark turns it on to compare. The K/V write
+        #: before FlashInfer's kernel does launch that way (15.77 -> 14.77 us at B=1).
+        self.pdl = False
         #: Ragged prefill writes the KV cache on a side stream, overlapping the attention
         #: kernel (``ATTN_FLASHINFER_OVERLAP_KV_WRITE=0`` turns it off; benchmarks toggle it).
         self.overlap_kv_write = self.device.type == "cuda" and os.environ.get(
@@ -671,7 +683,14 @@ class FullAttentionContext(_PagedContext):
                 main = torch.cuda.current_stream(self.device)
                 side.wait_stream(main)  # k and v are ready
                 with torch.cuda.stream(side):
-                    write_kv_slots(*write, may_have_padding=step.padded, gpu_bound=step.gpu_bound)
+                    if step.kv_runs is not None and _copyable(k, k_cache) and _copyable(v, v_cache):
+                        # Few runs of consecutive slots (fresh pages): memcpys, which need no
+                        # SM, where the write kernel would wait for the prefill's SMs.
+                        write_kv_runs(k, v, k_cache, v_cache, step.kv_runs)
+                    else:
+                        write_kv_slots(
+                            *write, may_have_padding=step.padded, gpu_bound=step.gpu_bound
+                        )
                 result = wrapper.run(q, k, v, out=o)
                 # Join before returning: later work on the main stream (the next step's
                 # attention, or the caller freeing k/v) is ordered after the write.
@@ -710,6 +729,11 @@ class FullAttentionContext(_PagedContext):
             pdl=self.pdl,
         )
         return self._finish(o, out)
+
+
+def _copyable(x: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether kv_write.write_kv_runs can write ``x`` into ``cache``: contiguous, same dtype."""
+    return x.dtype == cache.dtype and x.is_contiguous() and cache.is_contiguous()
 
 
 def small_decode_batch_limit(max_model_len: int, cap: int = SMALL_DECODE_MAX_BATCH) -> int:

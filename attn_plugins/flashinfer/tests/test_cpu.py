@@ -571,7 +571,7 @@ def test_small_decode_batch_limit_keeps_the_step_under_its_kv_token_budget(fake_
     cap = fi_context.SMALL_DECODE_MAX_BATCH
     assert cap == 4
     assert small_decode_batch_limit(4112) == 4  # the benchmark's ctx 4096 (+ one page)
-    assert small_decode_batch_limit(32784) == 1  # ctx 32768 (+ one page)
+    assert small_decode_batch_limit(32784) == 0  # ctx 32768 (+ one page): FlashInfer's
     assert small_decode_batch_limit(budget // 4) == 4
     assert small_decode_batch_limit(budget // 4 + 1) == 3
     assert small_decode_batch_limit(budget // 2 + 1) == 1
@@ -646,3 +646,28 @@ def test_mla_graph_decode(fake_fi):
 def test_unequal_v_head_dim_is_refused_at_allocation(fake_fi):
     with pytest.raises(Exception, match="head_dim == head_dim_v"):
         wl.make(FULL.with_(head_dim_v=128), "flashinfer:flashinfer", "cpu")
+
+
+def test_a_ragged_prefill_plans_its_slots_as_runs_of_consecutive_rows(fake_fi, monkeypatch):
+    """A ragged prefill's slots, as runs the side stream can copy with memcpys: one per run of
+    consecutive cache rows; past MAX_SLOT_RUNS runs the write kernel takes the step."""
+    from attn_core.state import kv_write
+
+    h = wl.make(FULL, "flashinfer:flashinfer", "cpu")
+    for r in (0, 1):
+        h.state.add_request(r)
+    batch = h.builder.build([(0, 9), (1, 6)])
+    h.runtime.prepare(batch)
+    step = h.context.step
+    assert step.kind is StepKind.RAGGED
+    slots = batch.slot_mapping.tolist()
+    runs = step.kv_runs
+    assert runs and sum(n for _, _, n in runs) == 15
+    for t0, s0, n in runs:
+        assert slots[t0 : t0 + n] == list(range(s0, s0 + n))
+    monkeypatch.setattr(kv_write, "MAX_SLOT_RUNS", len(runs) - 1)
+    h = wl.make(FULL, "flashinfer:flashinfer", "cpu")
+    for r in (0, 1):
+        h.state.add_request(r)
+    h.runtime.prepare(h.builder.build([(0, 9), (1, 6)]))
+    assert h.context.step.kind is StepKind.RAGGED and h.context.step.kv_runs is None
