@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attn_core.fast_launch import CachedLaunch
 from attn_core.pdl import gdc_launch_dependents, gdc_wait, pdl_enabled
 
 __all__ = ["launch"]
@@ -93,14 +94,16 @@ def _write_tile(
 # (== 1, % 16): without it one compiled kernel serves every batch size.
 @triton.jit(do_not_specialize=["T", "num_slots"])
 def _write_kernel(
+    # tensors first, then the rest, with T and num_slots last (CachedLaunch's layout: they
+    # stay out of its key, as out of Triton's specialisation)
     slot_ptr,
-    slot_stride,
-    T,
-    num_slots,
-    # tensor 0 (K, or the MLA latent)
-    x0_ptr,
+    x0_ptr,  # tensor 0 (K, or the MLA latent)
     c0_ptr,
     s0_ptr,
+    x1_ptr,  # tensor 1 (V); a single-tensor launch repeats tensor 0 here and never reads it
+    c1_ptr,
+    s1_ptr,
+    slot_stride,
     s0_val,
     x0_st,
     x0_sh,
@@ -108,10 +111,6 @@ def _write_kernel(
     c0_sslot,
     c0_sh,
     c0_sd,
-    # tensor 1 (V); a single-tensor launch repeats tensor 0 here and never reads it
-    x1_ptr,
-    c1_ptr,
-    s1_ptr,
     s1_val,
     x1_st,
     x1_sh,
@@ -130,6 +129,8 @@ def _write_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
     PDL: tl.constexpr,
+    T,
+    num_slots,
 ):
     """Grid ``(cdiv(T, BLOCK_T), cdiv(max row, BLOCK_R), 1 or 2)``: axis 2 picks K or V."""
     if PDL:  # launched as a programmatic dependent (attn_core.pdl): wait for the inputs, then
@@ -231,6 +232,16 @@ def _config(T: int, row: int, tensors: int) -> tuple[int, int, int]:
     return block_t, block_r, num_warps
 
 
+_WRITE = CachedLaunch(_write_kernel, unkeyed_tail=2)  # T, num_slots
+#: Per write shape (:func:`launch`): the scalars that do not depend on the token count.
+_PLANS: dict[tuple, tuple] = {}
+_MAX_PLANS = 256
+
+
+def _scale_key(scale: torch.Tensor | float | None) -> object:
+    return "tensor" if isinstance(scale, torch.Tensor) else scale
+
+
 def launch(
     xs: Sequence[torch.Tensor],
     caches: Sequence[torch.Tensor],
@@ -242,6 +253,9 @@ def launch(
     """Store ``xs[i][t]`` at slot ``slot_mapping[t]`` of ``caches[i]`` for one or two tensors.
 
     The caller (:mod:`attn_core.state.kv_write`) has checked shapes, devices and dtypes.
+    Launched through :class:`~attn_core.fast_launch.CachedLaunch`, with the arguments that do
+    not depend on the token count kept per write shape: an eager decode step's write costs a
+    few microseconds of host time (Triton's own launcher took about 110 on the H200's host).
 
     :param xs: one or two ``[T, *row_i]`` float tensors (any strides).
     :param caches: matching ``[num_pages, page_size, *row_i]`` caches, float or
@@ -254,21 +268,80 @@ def launch(
     :param config: ``(BLOCK_T, BLOCK_R, num_warps)`` instead of :func:`_config`'s choice
         (powers of two; for tuning sweeps).
     """
+    key = (
+        slot_mapping.stride(0),
+        *[
+            (x.shape[1:], x.stride(), x.dtype, c.shape, c.stride(), c.dtype, _scale_key(sc))
+            for x, c, sc in zip(xs, caches, scales, strict=True)
+        ],
+    )
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(xs, caches, scales, slot_mapping)
+        if plan is None:  # a row reshaped into a copy (rows of 3+ dims): not kept
+            _launch_ops(xs, caches, scales, slot_mapping, num_tokens, config)
+            return
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    row, tensors_of, scalars, num_slots = plan
+    block_t, block_r, num_warps = config or _config(num_tokens, row, len(xs))
+    pdl = pdl_enabled(slot_mapping.get_device())
+    _WRITE.launch(
+        (-(-num_tokens // block_t), -(-row // block_r), len(xs)),
+        tensors_of(slot_mapping, xs, caches, scales),
+        (*scalars, block_t, block_r, pdl, num_tokens, num_slots),
+        num_warps=num_warps,
+        num_stages=3,  # Triton's default on CUDA (the launch before CachedLaunch named none)
+        launch_pdl=pdl,
+    )
+
+
+def _plan(xs, caches, scales, slot_mapping) -> tuple | None:
+    """``(max row, tensors_of, scalars, num_slots)`` of one write shape, or None where a row
+    had to be reshaped into a copy (then the tensors are not the caller's)."""
     fp8 = torch.float8_e4m3fn
-    pdl = pdl_enabled(slot_mapping.device)
+    ops = [_operand(x, c, sc, c.dtype == fp8) for x, c, sc in zip(xs, caches, scales, strict=True)]
+    if any(op.x is not x for op, x in zip(ops, xs, strict=True)):
+        return None
+    a, b = ops[0], ops[-1]
+    tensor_scale = (a.scale_mode == _SCALE_TENSOR, b.scale_mode == _SCALE_TENSOR)
+
+    def tensors_of(slot_mapping, xs, caches, scales) -> tuple:
+        x0, c0, s0 = xs[0], caches[0], scales[0]
+        x1, c1, s1 = xs[-1], caches[-1], scales[-1]
+        # The cache itself stands in for the flat view (same address and dtype), and for an
+        # unused scale pointer.
+        return (
+            slot_mapping, x0, c0, s0 if tensor_scale[0] else c0,
+            x1, c1, s1 if tensor_scale[1] else c1,
+        )  # fmt: skip
+
+    scalars = (
+        slot_mapping.stride(0),
+        a.scale_val, *a.x_strides, *a.c_strides,
+        b.scale_val, *b.x_strides, *b.c_strides,
+        a.h, a.d, a.scale_mode, a.fp8,
+        b.h, b.d, b.scale_mode, b.fp8,
+    )  # fmt: skip
+    return max(a.row, b.row), tensors_of, scalars, a.cache.shape[0]
+
+
+def _launch_ops(xs, caches, scales, slot_mapping, num_tokens, config) -> None:
+    """The write of rows reshaped on the way (rows of 3+ dims), through Triton's launcher."""
+    fp8 = torch.float8_e4m3fn
     ops = [_operand(x, c, s, c.dtype == fp8) for x, c, s in zip(xs, caches, scales, strict=True)]
     a, b = ops[0], ops[-1]
     block_t, block_r, num_warps = config or _config(num_tokens, max(a.row, b.row), len(ops))
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(max(a.row, b.row), block_r), len(ops))
+    pdl = pdl_enabled(slot_mapping.device)
     _write_kernel[grid](
-        slot_mapping,
+        slot_mapping, a.x, a.cache, a.scale_ptr, b.x, b.cache, b.scale_ptr,
         slot_mapping.stride(0),
-        num_tokens,
-        a.cache.shape[0],
-        a.x, a.cache, a.scale_ptr, a.scale_val, *a.x_strides, *a.c_strides,
-        b.x, b.cache, b.scale_ptr, b.scale_val, *b.x_strides, *b.c_strides,
+        a.scale_val, *a.x_strides, *a.c_strides,
+        b.scale_val, *b.x_strides, *b.c_strides,
         H0=a.h, D0=a.d, SCALE0=a.scale_mode, FP8_0=a.fp8,
         H1=b.h, D1=b.d, SCALE1=b.scale_mode, FP8_1=b.fp8,
-        BLOCK_T=block_t, BLOCK_R=block_r, PDL=pdl,
+        BLOCK_T=block_t, BLOCK_R=block_r, PDL=pdl, T=num_tokens, num_slots=a.cache.shape[0],
         num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip

@@ -141,6 +141,19 @@ def test_k_and_v_match_the_torch_writer(x_dtype, cache_dtype, scale, first_pad):
     _check_kv(k, v, kc, vc, _slots(T, first_pad=first_pad), ks, vs)
 
 
+def test_a_kept_write_shape_takes_each_calls_tensors_scales_and_token_count():
+    """The second write of one shape reuses the arguments kept for it (launch's plan), with
+    this call's K/V, caches, scale tensors and token count: other values, other slots."""
+    kv_write_triton._PLANS.clear()
+    for seed, (T, k_scale) in enumerate([(9, 0.37), (5, 3.0), (9, 0.05)]):
+        k, v = _rand((T, 3, 80), torch.bfloat16, seed=seed), _rand((T, 3, 48), torch.bfloat16)
+        kc, _ = _caches((3, 80), FP8_DTYPE, 4 + seed)
+        vc, _ = _caches((3, 48), FP8_DTYPE, 5 + seed)
+        ks, vs = torch.tensor(k_scale, device=DEV), torch.tensor(2 * k_scale, device=DEV)
+        _check_kv(k, v, kc, vc, _slots(T, first_pad=bool(seed % 2)), ks, vs)
+    assert len(kv_write_triton._PLANS) == 1  # the token count is not part of a plan
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
 def test_mla_latent_single_tensor_matches(cache_dtype):
     """One MLA latent row of 576 (512 + 64) per token, one tensor per launch."""

@@ -23,7 +23,7 @@ the splits after an atomic ticket, measured slower at B=1: 14.2 against 13.4 us 
 ctx 4096, its merge running on eight programs instead of 32 and its registers lowering the
 split loop's occupancy.)
 
-Both kernels go through :class:`~attn_plugin_flashinfer.fast_launch.CachedLaunch`: an eager
+Both kernels go through :class:`~attn_core.fast_launch.CachedLaunch`: an eager
 decode step of one request is host-bound, and Triton's own launcher took 77 us of the H200
 server's host time per step against 46 us through the cache.
 
@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from attn_core.pdl import gdc_launch_dependents, gdc_wait
-from attn_plugin_flashinfer.fast_launch import CachedLaunch
+from attn_core.fast_launch import CachedLaunch
 
 __all__ = [
     "BLOCK_N",

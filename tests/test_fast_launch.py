@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attn_plugin_flashinfer import fast_launch
-from attn_plugin_flashinfer.fast_launch import MAX_KEYS, CachedLaunch
+from attn_core import fast_launch
+from attn_core.fast_launch import MAX_KEYS, CachedLaunch
 
 STREAM = 0x5EED
 
@@ -149,3 +149,16 @@ def test_the_cache_starts_over_past_max_keys(cpu_device):
     assert len(launch._compiled) == 1  # full at MAX_KEYS: cleared, then the new key
     launch.launch((1,), (x,), (MAX_KEYS,), num_warps=4, num_stages=2)
     assert fn.log[-1][0] == "direct"
+
+
+def test_unkeyed_trailing_scalars_reuse_the_compiled_kernel(cpu_device):
+    """Scalars the kernel does not specialise on (``do_not_specialize``, passed last) are
+    launched with their new values through the same compiled kernel."""
+    fn = _JitFunction()
+    launch = CachedLaunch(fn, unkeyed_tail=1)
+    x = torch.zeros(2)
+    launch.launch((1,), (x,), (3, 100), num_warps=4, num_stages=2)
+    launch.launch((1,), (x,), (3, 7), num_warps=4, num_stages=2)
+    launch.launch((1,), (x,), (4, 7), num_warps=4, num_stages=2)
+    assert [entry[0] for entry in fn.log] == ["jit", "direct", "jit"]
+    assert fn.log[1][3] == (x.data_ptr(), 3, 7)

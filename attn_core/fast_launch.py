@@ -1,5 +1,7 @@
 """Launch a Triton kernel without ``JITFunction.run``'s per-call work after the first call.
 
+Used by the core's K/V write kernel and by plugins' kernels (FlashInfer's small_decode).
+
 Why: on the H200 server's host a Triton launch through ``kernel[grid](...)`` cost 100-150 us of
 host time (session 8; two ``index_copy_`` launches took 46 us), which decides a host-bound eager
 decode step of one request. The call binds and specialises every argument, hashes the result
@@ -94,8 +96,13 @@ class CachedLaunch:
     current_stream = staticmethod(getattr(torch._C, "_cuda_getCurrentRawStream", None))
     current_device = staticmethod(getattr(torch._C, "_cuda_getDevice", None))
 
-    def __init__(self, fn: Any) -> None:
+    def __init__(self, fn: Any, unkeyed_tail: int = 0) -> None:
+        """
+        :param unkeyed_tail: how many of the last scalars stay out of the key: parameters the
+            kernel names in ``do_not_specialize`` (one compiled kernel serves every value).
+        """
         self.fn = fn
+        self._keyed = slice(None, -unkeyed_tail if unkeyed_tail else None)
         self._compiled: dict[tuple, _Entry] = {}
         #: False: every launch goes through ``fn[grid](...)`` (benchmarks compare the two).
         self.enabled = True
@@ -127,7 +134,7 @@ class CachedLaunch:
             device,
             align,
             *[t.dtype for t in tensors],
-            *scalars,
+            *scalars[self._keyed],
         )
         entry = self._compiled.get(key)
         if entry is None:
