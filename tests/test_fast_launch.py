@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from attn_core import fast_launch
 from attn_core.fast_launch import MAX_KEYS, CachedLaunch
 
