@@ -69,7 +69,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 _FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
 #: Unpadded 16-bit writes of at most this many tokens use ``index_copy_`` on CUDA too (host
 #: launch cost; see the module docs). 0 sends every CUDA write to the Triton kernel.
-EAGER_TORCH_MAX_TOKENS = 256
+EAGER_TORCH_MAX_TOKENS = 0
 
 
 def quantize(

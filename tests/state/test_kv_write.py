@@ -144,8 +144,8 @@ class _RecordingKernels:
     ("tokens", "padding", "dtype", "gpu_bound", "kernel"),
     [
         (1, False, torch.bfloat16, False, False),  # eager decode: index_copy_, no launcher cost
-        (kv_write.EAGER_TORCH_MAX_TOKENS, False, torch.float16, False, False),
-        (kv_write.EAGER_TORCH_MAX_TOKENS + 1, False, torch.bfloat16, False, True),  # prefill
+        (256, False, torch.float16, False, False),
+        (257, False, torch.bfloat16, False, True),  # prefill
         (1, True, torch.bfloat16, False, True),  # maybe padded (graph): the kernel masks it
         (1, False, FP8_DTYPE, False, True),  # fp8 quantises in the kernel
         (64, False, torch.bfloat16, True, True),  # a GPU-bound step: one kernel, not two
@@ -156,6 +156,7 @@ def test_cuda_writes_pick_index_copy_only_for_small_unpadded_16_bit_host_bound_s
 ):
     kernels = _RecordingKernels()
     monkeypatch.setattr(kv_write, "_kernels", lambda cache: kernels)
+    monkeypatch.setattr(kv_write, "EAGER_TORCH_MAX_TOKENS", 256)
     pages = -(-(tokens + 1) // 16)
     k_cache = torch.zeros(pages, 16, 2, 4, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
