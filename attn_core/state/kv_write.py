@@ -195,8 +195,9 @@ def _check(
 ) -> None:
     """Cheap checks (tensor metadata only, no host sync) that a kernel would otherwise turn
     into a corrupted cache rather than an error."""
-    row = tuple(cache.shape[2:])
-    if x.dim() < 1 or tuple(x.shape[1:]) != row:
+    # Metadata only, and cheaply: an eager decode step's write pays these per layer.
+    row = cache.shape[2:]
+    if x.dim() < 1 or x.shape[1:] != row:
         raise ValueError(
             f"{name}: expected shape [T, {', '.join(map(str, row))}] to match the cache "
             f"[num_pages, page_size, ...] = {tuple(cache.shape)}, got {tuple(x.shape)}"
@@ -211,7 +212,8 @@ def _check(
             f"{name} cache: expected [num_pages, page_size] dims that merge into one slot dim "
             f"(stride(0) == page_size * stride(1)), got strides {cache.stride()}"
         )
-    if x.device != cache.device or slot_mapping.device != cache.device:
+    device = cache.device
+    if x.device != device or slot_mapping.device != device:
         raise ValueError(
             f"{name}: expected x, cache and slot_mapping on one device, got {x.device}, "
             f"{cache.device} and {slot_mapping.device}"

@@ -216,7 +216,22 @@ def _operand(
     )
 
 
+_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+
+
 def _config(T: int, row: int, tensors: int) -> tuple[int, int, int]:
+    """:func:`_tile_config`, memoised: Triton's ``next_power_of_2`` / ``cdiv`` cost
+    microseconds of host time per call, which an eager decode step's write would pay."""
+    key = (T, row, tensors)
+    config = _CONFIGS.get(key)
+    if config is None:
+        if len(_CONFIGS) >= 4096:
+            _CONFIGS.clear()
+        config = _CONFIGS[key] = _tile_config(T, row, tensors)
+    return config
+
+
+def _tile_config(T: int, row: int, tensors: int) -> tuple[int, int, int]:
     """``(BLOCK_T, BLOCK_R, num_warps)`` for ``T`` tokens of ``row`` elements, 1 or 2 tensors.
 
     A decode step is latency-bound: one token per program keeps every program's loads in flight
