@@ -101,6 +101,10 @@ GPU_BOUND_KV_BYTES = 768 * 2**20
 #: the host). ``ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH`` overrides the batch limit (0: never).
 SMALL_DECODE_MAX_BATCH = 4
 SMALL_DECODE_MAX_KV_TOKENS = 20480
+#: The same limit for eager steps, where FlashInfer's path is host-bound: its run() and the
+#: K/V write launch took 55-80 us of the H200 host's time per layer (session 10, B=1), more
+#: than small_decode's GPU time up to ~64k positions (B=1 ctx 32768: 45.0 against 73.2 us).
+SMALL_DECODE_MAX_KV_TOKENS_EAGER = 65536
 #: GQA group sizes FlashInfer's CUDA-core decode kernel is compiled for (DISPATCH_GQA_GROUP_SIZE).
 _CUDA_CORE_DECODE_GROUPS = frozenset({1, 2, 3, 4, 8})
 
@@ -292,7 +296,7 @@ class _PagedContext:
             batch.mode is BatchMode.DECODE
             and self.small_decode_max_batch >= P
             # a graph's limit holds at max_model_len; an eager step's lengths are known
-            and (graph or int(batch.seq_lens_cpu[:P].sum()) <= SMALL_DECODE_MAX_KV_TOKENS)
+            and (graph or int(batch.seq_lens_cpu[:P].sum()) <= SMALL_DECODE_MAX_KV_TOKENS_EAGER)
         ):
             # The fused kernels read the batch's own page table, lengths and slots: no plan.
             return _Step(StepKind.DECODE_SMALL, None, graph, small=self._small_buffers(P))
