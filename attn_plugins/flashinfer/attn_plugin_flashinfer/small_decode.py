@@ -90,7 +90,6 @@ def _split_kernel(
     stride_ob,
     stride_oh,
     NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -191,42 +190,39 @@ def _split_kernel(
         ticket_at = ticket_ptr + b * NUM_KV_HEADS + kvh
         if tl.atomic_add(ticket_at, 1, sem="acq_rel") == NUM_SPLITS - 1:
             _merge_group(part_o_ptr, part_lse_ptr, out_ptr, b, kvh, stride_ob, stride_oh,
-                         NUM_HEADS, NUM_SPLITS, SPLITS_PAD, GROUP, D)  # fmt: skip
+                         NUM_HEADS, NUM_SPLITS, GROUP, D)  # fmt: skip
             tl.store(ticket_at, 0)  # every split has taken its ticket: ready for the next launch
 
 
 @triton.jit
 def _merge_group(part_o_ptr, part_lse_ptr, out_ptr, b, kvh, stride_ob, stride_oh,
-                 NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                 GROUP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr = 16):  # fmt: skip
-    """Merge the ``NUM_SPLITS`` partials of the ``GROUP`` heads of ``kvh`` (request ``b``).
-
-    This runs as the tail of one program, so it must not be a chain of dependent loads: each
-    head's maximum comes from one load of its ``lse`` row, and then the ``[CHUNK, D]`` output
-    tiles are summed in a fully unrolled loop whose loads do not wait on each other (a running
-    maximum made each chunk wait for the last: ~10 us at 66 splits on the H200). Loads bypass
-    L1: other programs wrote the partials.
-    """
+                 NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr,
+                 D: tl.constexpr, CHUNK: tl.constexpr = 16):  # fmt: skip
+    """Merge the ``NUM_SPLITS`` partials of the ``GROUP`` heads of ``kvh`` (request ``b``), in
+    chunks of ``CHUNK`` splits with a running maximum (a whole ``[splits, D]`` tile would take
+    the registers the split loop needs). Loads bypass L1: other programs wrote the partials."""
     d = tl.arange(0, D)
-    sp = tl.arange(0, SPLITS_PAD)
-    for g in tl.static_range(GROUP):
+    for g in range(GROUP):
         h = kvh * GROUP + g
         base = (b * NUM_HEADS + h) * NUM_SPLITS
-        lse = tl.load(part_lse_ptr + base + sp, mask=sp < NUM_SPLITS, other=float("-inf"),
-                      cache_modifier=".cg")  # fmt: skip
-        top = tl.max(lse, 0)  # finite: split 0 always holds positions
-        denom = tl.sum(tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - top)), 0)
+        m = tl.full([1], float("-inf"), tl.float32)
+        l_sum = tl.zeros([1], tl.float32)
         acc = tl.zeros([D], tl.float32)
-        for s0 in tl.static_range(0, NUM_SPLITS, CHUNK):
-            spc = s0 + tl.arange(0, CHUNK)
-            used = spc < NUM_SPLITS
-            lse_c = tl.load(part_lse_ptr + base + spc, mask=used, other=float("-inf"),
-                            cache_modifier=".cg")  # fmt: skip
-            w = tl.where(lse_c == float("-inf"), 0.0, tl.exp2(lse_c - top))
-            o = tl.load(part_o_ptr + (base + spc)[:, None] * D + d[None, :], mask=used[:, None],
+        for s0 in range(0, NUM_SPLITS, CHUNK):
+            sp = s0 + tl.arange(0, CHUNK)
+            used = sp < NUM_SPLITS
+            lse = tl.load(part_lse_ptr + base + sp, mask=used, other=float("-inf"),
+                          cache_modifier=".cg")  # fmt: skip
+            o = tl.load(part_o_ptr + (base + sp)[:, None] * D + d[None, :], mask=used[:, None],
                         other=0.0, cache_modifier=".cg")  # fmt: skip
-            acc += tl.sum(w[:, None] * o, 0)
-        total = acc / tl.maximum(denom, 1e-30)
+            m_new = tl.maximum(m, tl.max(lse, 0))
+            # split 0 always holds positions, so m_new is finite from the first chunk on
+            alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp2(m - m_new))
+            w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m_new))
+            l_sum = l_sum * alpha + tl.sum(w, 0)
+            acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+            m = m_new
+        total = acc / tl.maximum(l_sum, 1e-30)
         tl.store(out_ptr + b * stride_ob + h * stride_oh + d, total.to(out_ptr.dtype.element_ty))
 
 
@@ -354,7 +350,6 @@ def _launch_args(key: tuple) -> tuple:
         os_[0],
         os_[1],
         S,  # NUM_SPLITS
-        triton.next_power_of_2(S),  # SPLITS_PAD
         H,  # NUM_HEADS
         Hkv,  # NUM_KV_HEADS
         group,  # GROUP
