@@ -484,9 +484,6 @@ class FullAttentionContext(_PagedContext):
         #: 32768 44.59 against 43.39); the benchmark turns it on to compare. The K/V write
         #: before FlashInfer's kernel does launch that way (15.77 -> 14.77 us at B=1).
         self.pdl = False
-        #: Eager small steps merge inside the split kernel (one launch: the step is host-bound);
-        #: captured ones launch the merge kernel (faster on the GPU). Benchmarks toggle it.
-        self.one_launch_eager = True
         #: Ragged prefill writes the KV cache on a side stream, overlapping the attention
         #: kernel (``ATTN_FLASHINFER_OVERLAP_KV_WRITE=0`` turns it off; benchmarks toggle it).
         self.overlap_kv_write = self.device.type == "cuda" and os.environ.get(
@@ -714,7 +711,7 @@ class FullAttentionContext(_PagedContext):
         return self._finish(result, out)
 
     def _small_decode(self, layer, q, k, v, out, step: _Step) -> torch.Tensor:
-        """A small decode step: the fused write + split-KV kernels (small_decode)."""
+        """A captured small decode step: the fused write + split-KV kernels (small_decode)."""
         if k.stride(-1) != 1:
             k = k.contiguous()
         if v.stride(-1) != 1:
@@ -734,8 +731,6 @@ class FullAttentionContext(_PagedContext):
             step.small,
             scale=layer.scale,
             pdl=self.pdl,
-            # step.padded: a captured step (or one with padding rows), else an eager one
-            one_launch=self.one_launch_eager and not step.padded,
         )
         return self._finish(o, out)
 

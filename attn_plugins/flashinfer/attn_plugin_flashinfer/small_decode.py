@@ -77,8 +77,6 @@ def _split_kernel(
     slot_ptr,
     part_o_ptr,
     part_lse_ptr,
-    ticket_ptr,
-    out_ptr,
     qk_scale_log2,
     stride_qb,
     stride_qh,
@@ -87,8 +85,6 @@ def _split_kernel(
     stride_vb,
     stride_vh,
     stride_pt,
-    stride_ob,
-    stride_oh,
     NUM_SPLITS: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -100,7 +96,6 @@ def _split_kernel(
     PREFETCH: tl.constexpr,
     UPCAST: tl.constexpr,
     PDL: tl.constexpr,
-    MERGE_LAST: tl.constexpr,
 ):
     if PDL:  # launched as a programmatic dependent (attn_core.pdl): wait for q/k/v, then let
         gdc_wait()  # the merge launch while this kernel runs
@@ -182,49 +177,6 @@ def _split_kernel(
             tl.store(k_cache_ptr + dst, k_new)
             tl.store(v_cache_ptr + dst, v_new)
 
-    if MERGE_LAST:
-        # One launch: the last split of (b, kv_head) to finish merges the group's heads. The
-        # barrier orders every thread's partial stores before the ticket's release; the
-        # ticket's acquire (and the broadcast of its value) orders the merge's loads after.
-        tl.debug_barrier()
-        ticket_at = ticket_ptr + b * NUM_KV_HEADS + kvh
-        if tl.atomic_add(ticket_at, 1, sem="acq_rel") == NUM_SPLITS - 1:
-            _merge_group(part_o_ptr, part_lse_ptr, out_ptr, b, kvh, stride_ob, stride_oh,
-                         NUM_HEADS, NUM_SPLITS, GROUP, D)  # fmt: skip
-            tl.store(ticket_at, 0)  # every split has taken its ticket: ready for the next launch
-
-
-@triton.jit
-def _merge_group(part_o_ptr, part_lse_ptr, out_ptr, b, kvh, stride_ob, stride_oh,
-                 NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr,
-                 D: tl.constexpr, CHUNK: tl.constexpr = 16):  # fmt: skip
-    """Merge the ``NUM_SPLITS`` partials of the ``GROUP`` heads of ``kvh`` (request ``b``), in
-    chunks of ``CHUNK`` splits with a running maximum (a whole ``[splits, D]`` tile would take
-    the registers the split loop needs). Loads bypass L1: other programs wrote the partials."""
-    d = tl.arange(0, D)
-    for g in range(GROUP):
-        h = kvh * GROUP + g
-        base = (b * NUM_HEADS + h) * NUM_SPLITS
-        m = tl.full([1], float("-inf"), tl.float32)
-        l_sum = tl.zeros([1], tl.float32)
-        acc = tl.zeros([D], tl.float32)
-        for s0 in range(0, NUM_SPLITS, CHUNK):
-            sp = s0 + tl.arange(0, CHUNK)
-            used = sp < NUM_SPLITS
-            lse = tl.load(part_lse_ptr + base + sp, mask=used, other=float("-inf"),
-                          cache_modifier=".cg")  # fmt: skip
-            o = tl.load(part_o_ptr + (base + sp)[:, None] * D + d[None, :], mask=used[:, None],
-                        other=0.0, cache_modifier=".cg")  # fmt: skip
-            m_new = tl.maximum(m, tl.max(lse, 0))
-            # split 0 always holds positions, so m_new is finite from the first chunk on
-            alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp2(m - m_new))
-            w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m_new))
-            l_sum = l_sum * alpha + tl.sum(w, 0)
-            acc = acc * alpha + tl.sum(w[:, None] * o, 0)
-            m = m_new
-        total = acc / tl.maximum(l_sum, 1e-30)
-        tl.store(out_ptr + b * stride_ob + h * stride_oh + d, total.to(out_ptr.dtype.element_ty))
-
 
 @triton.jit
 def _merge_kernel(
@@ -299,13 +251,11 @@ def num_splits_for(batch: int, num_kv_heads: int, max_len: int, sm_count: int,
 
 @dataclass(slots=True)
 class SmallDecodeBuffers:
-    """Float32 partials of one step shape: ``o`` ``[B, H, S, D]`` and ``lse`` ``[B, H, S]``,
-    and ``tickets`` ``[B * H]`` int32 (zero between launches) for the one-launch merge.
+    """Float32 partials of one step shape: ``o`` ``[B, H, S, D]`` and ``lse`` ``[B, H, S]``.
     Allocate them before a graph is captured: the captured kernels keep their addresses."""
 
     o: torch.Tensor
     lse: torch.Tensor
-    tickets: torch.Tensor
 
     @classmethod
     def allocate(cls, batch: int, num_heads: int, num_splits: int, head_dim: int,
@@ -314,8 +264,6 @@ class SmallDecodeBuffers:
         return cls(
             o=torch.empty(*shape, head_dim, dtype=torch.float32, device=device),
             lse=torch.empty(shape, dtype=torch.float32, device=device),
-            # one per (request, kv head); B * H covers every group size
-            tickets=torch.zeros(batch * num_heads, dtype=torch.int32, device=device),
         )
 
     @property
@@ -336,7 +284,7 @@ def _launch_args(key: tuple) -> tuple:
     args = _ARGS.get(key)
     if args is not None:
         return args
-    (B, H, D), Hkv, qs, ks, vs, os_, page, pt_stride, S, scale, cfg, pdl, one_launch = key
+    (B, H, D), Hkv, qs, ks, vs, os_, page, pt_stride, S, scale, cfg, pdl = key
     group = H // Hkv
     split_scalars = (
         scale * _LOG2E,
@@ -347,8 +295,6 @@ def _launch_args(key: tuple) -> tuple:
         vs[0],
         vs[1],
         pt_stride,
-        os_[0],
-        os_[1],
         S,  # NUM_SPLITS
         H,  # NUM_HEADS
         Hkv,  # NUM_KV_HEADS
@@ -360,7 +306,6 @@ def _launch_args(key: tuple) -> tuple:
         cfg.prefetch,  # PREFETCH
         _INTERPRETED,  # UPCAST
         pdl,  # PDL
-        one_launch,  # MERGE_LAST
     )
     merge_scalars = (
         os_[0],
@@ -392,7 +337,6 @@ def small_decode(
     scale: float,
     config: SmallDecodeConfig | None = None,
     pdl: bool = False,
-    one_launch: bool = False,
 ) -> torch.Tensor:
     """Write the step's K/V rows into the paged cache and attend, one query token per request.
 
@@ -409,9 +353,6 @@ def small_decode(
     :param config: tiling of the split kernel (default :data:`DEFAULT_CONFIG`).
     :param pdl: launch both kernels as programmatic dependents (:mod:`attn_core.pdl`; only
         where :func:`attn_core.pdl.pdl_enabled` says the device has it).
-    :param one_launch: no merge launch: the last split of each (request, kv head) to finish
-        merges (an atomic ticket per pair). Slower on the GPU, one launch less on the host: for
-        host-bound eager steps.
     :returns: ``out``.
     """
     cfg = config or DEFAULT_CONFIG
@@ -429,22 +370,16 @@ def small_decode(
             scale,
             cfg,
             pdl,
-            one_launch,
         )
     )
     _SPLIT.launch(
         split_grid,
-        (
-            q, k, v, k_cache, v_cache, page_table, seq_lens, slot_mapping,
-            buffers.o, buffers.lse, buffers.tickets, out,
-        ),
+        (q, k, v, k_cache, v_cache, page_table, seq_lens, slot_mapping, buffers.o, buffers.lse),
         split_scalars,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         launch_pdl=pdl,
-    )  # fmt: skip
-    if one_launch:
-        return out
+    )
     _MERGE.launch(
         merge_grid,
         (buffers.o, buffers.lse, out),

@@ -213,14 +213,6 @@ def bench_decode(spec, batch: int, ctx: int, profile: bool = False) -> dict:
             rounds["plugin"].append(back_to_back_us(plugin, iters))
             rounds["direct"].append(back_to_back_us(direct, iters))
         t_plugin, t_direct = min(rounds["plugin"]), min(rounds["direct"])
-        # the eager step's one-launch merge against the two launches a captured step makes
-        ctx_obj.one_launch_eager = False
-        try:
-            plugin()
-            small["plugin_small_two_launches_us"] = back_to_back_us(plugin, iters)
-            small["plugin_small_two_launches_host_us"] = host_us(plugin)
-        finally:
-            ctx_obj.one_launch_eager = True
         if profile:
             what = f"plugin forward, B={batch} ctx={ctx} small"
             print(profile_calls(lambda _i: plugin(), 500, what), flush=True)
@@ -776,9 +768,7 @@ def _table(results: dict) -> str:
         for r in results["decode"]:
             launcher = (
                 f"{r['plugin_small_triton_launcher_us']:.1f} / "
-                f"{r['plugin_small_triton_launcher_host_us']:.1f}; two launches "
-                f"{r['plugin_small_two_launches_us']:.1f} / "
-                f"{r['plugin_small_two_launches_host_us']:.1f}"
+                f"{r['plugin_small_triton_launcher_host_us']:.1f}"
                 if "plugin_small_triton_launcher_us" in r
                 else "-"
             )

@@ -74,29 +74,6 @@ def test_small_decode_float16():
     _check(LENS[-1], SmallDecodeConfig(), torch.float16)
 
 
-@pytest.mark.parametrize("lens", LENS, ids=lambda lens: "x".join(map(str, lens)))
-@pytest.mark.parametrize("config", TILINGS[:2], ids=lambda c: c.label)
-def test_one_launch_merge_matches_the_reference(lens, config):
-    """The eager steps' variant: the last split of each (request, kv head) merges."""
-    _check(lens, config, torch.bfloat16, one_launch=True)
-
-
-def test_one_launch_tickets_reset_for_the_next_launch():
-    """Twenty one-launch merges into the same buffers give the same bits as the two-launch
-    kernels: each launch leaves every ticket at zero for the next (a stale ticket would make
-    a split other than the last merge, before all partials are in)."""
-    q, k, v, kc, vc, table, lens, slots, _ = _inputs(LENS[-1], torch.bfloat16, seed=6)
-    slots = torch.full_like(slots, -1)
-    buffers = SmallDecodeBuffers.allocate(q.shape[0], H, _splits(LENS[-1]), D, DEVICE)
-    args = [t.to(DEVICE) for t in (q, k, v, kc, vc, table, lens, slots)]
-    want = small_decode(*args, torch.empty_like(args[0]), buffers, scale=D**-0.5)
-    for _ in range(20):
-        out = small_decode(*args, torch.empty_like(args[0]), buffers, scale=D**-0.5,
-                           one_launch=True)  # fmt: skip
-        assert (out.float() - want.float()).abs().max().item() < 1e-2
-        assert not buffers.tickets.any()
-
-
 def test_repeated_launches_agree_bit_for_bit():
     """Twenty launches into the same partial buffers (as the layers of a graph replay make)
     give the same bits: the merge sums the splits in a fixed order, and no launch reads what
@@ -159,7 +136,7 @@ def _inputs(lens, dtype, seed):
     return q, k, v, k_cache, v_cache, owner, seq_lens, slots, 1 / math.sqrt(D)
 
 
-def _check(lens, config, dtype, one_launch=False):
+def _check(lens, config, dtype):
     q, k, v, k_cache, v_cache, owner, seq_lens, slots, scale = _inputs(
         lens, dtype, seed=len(lens) * 1000 + config.block_n
     )
@@ -172,8 +149,7 @@ def _check(lens, config, dtype, one_launch=False):
     for n in sorted({n0, 2 * n0}):  # the plugin's split count and twice it
         buffers = SmallDecodeBuffers.allocate(B, H, n, D, DEVICE)
         kc, vc = args[3].clone(), args[4].clone()
-        small_decode(*args[:3], kc, vc, *args[5:], out, buffers, scale=scale, config=config,
-                     one_launch=one_launch)  # fmt: skip
+        small_decode(*args[:3], kc, vc, *args[5:], out, buffers, scale=scale, config=config)
         err = (out.float().cpu() - want).abs().max().item()
         assert err < 2e-2, f"splits {n}: max |small_decode - reference| = {err:.3g}"
         assert torch.equal(kc.cpu(), k_want) and torch.equal(vc.cpu(), v_want), f"splits {n}"
