@@ -32,18 +32,17 @@ Two implementations, picked by device (not a fallback: both have the semantics a
 * Other devices: the torch path above (:func:`write_slots_torch`), about six small kernels per
   tensor, which on CPU costs nothing that matters.
 
-One exception on CUDA, by measurement: a small step known to hold no padding, into a 16-bit
-cache (at most :data:`EAGER_TORCH_MAX_TOKENS` tokens, ``may_have_padding=False``: an eager decode
-step), takes the torch path, which is then one ``index_copy_`` per tensor. Launching the Triton
-kernel costs more host time than the whole write: on the H200 server's host an eager B=1 decode
-write took 46 us as two ``index_copy_`` calls against 113 us through Triton's launcher
-(``bench/bench_kv_write.py``), while both run in a few microseconds on the GPU.
+The Triton kernel launches through :class:`attn_core.fast_launch.CachedLaunch`, and on sm90
+as a programmatic dependent launch (:mod:`attn_core.pdl`).
 
-That trade reverses when the step is GPU-bound: the host runs ahead, its launch cost hides
-behind the GPU's queue, and the two ``index_copy_`` kernels cost more GPU time than the one
-Triton kernel. A caller that knows (FlashInfer's decode reading a gigabyte of KV: 254.0 us per
-step through ``index_copy_`` against 246.9 us through Triton, 243.0 us for the attention alone)
-passes ``gpu_bound=True``, and the write stays on the Triton kernel.
+A small step known to hold no padding, into a 16-bit cache (at most
+:data:`EAGER_TORCH_MAX_TOKENS` tokens, ``may_have_padding=False``: an eager decode step) can take
+the torch path instead, one ``index_copy_`` per tensor, unless the caller passes
+``gpu_bound=True``. That was the default while the kernel launched through Triton's own launcher:
+on the H200 server's host an eager B=1 write took 46 us as two ``index_copy_`` calls against 113
+us that way. Through CachedLaunch the two cost the same host time (the plugin on FlashInfer, B=1
+ctx 4096: 52.4 against 52.5 us per step, B=64: 75.3 / 75.2) and the one kernel less GPU time, so
+:data:`EAGER_TORCH_MAX_TOKENS` is 0: every CUDA write takes the kernel.
 """
 
 from __future__ import annotations
@@ -67,8 +66,9 @@ __all__ = [
 
 FP8_DTYPE = torch.float8_e4m3fn
 _FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
-#: Unpadded 16-bit writes of at most this many tokens use ``index_copy_`` on CUDA too (host
-#: launch cost; see the module docs). 0 sends every CUDA write to the Triton kernel.
+#: Unpadded 16-bit writes of at most this many tokens use ``index_copy_`` on CUDA too (see the
+#: module docs: no longer cheaper since the kernel launches through CachedLaunch). 0 sends every
+#: CUDA write to the Triton kernel.
 EAGER_TORCH_MAX_TOKENS = 0
 
 

@@ -80,7 +80,8 @@ FLOAT_WORKSPACE_BYTES = int(os.environ.get("ATTN_FLASHINFER_WORKSPACE_MB", "128"
 INT_WORKSPACE_BYTES = 8 * 2**20
 #: Cache bytes a step's attention reads above which the step counts as GPU-bound: its KV write
 #: then goes to the one-kernel Triton writer, whose host cost the GPU's queue hides, instead of
-#: two ``index_copy_`` kernels. The H200 server, eager decode, 32 q / 8 kv heads d128: at 1 GiB
+#: two ``index_copy_`` kernels (only where ``kv_write.EAGER_TORCH_MAX_TOKENS`` is set above its
+#: default 0: see that module). The H200 server, eager decode, 32 q / 8 kv heads d128: at 1 GiB
 #: (B=64, ctx 4096) 246.9 us per step through Triton against 254.0 through ``index_copy_`` (the
 #: attention alone 243.0); at 128 MiB (B=1, ctx 32768) 116.7 against 61.1, host-bound. The
 #: crossing, where the attention's GPU time (~4.4 TB/s) meets the Triton path's host time

@@ -6,9 +6,11 @@ inside a CUDA graph - 1.2 TB/s against 4.2 TB/s of copy bandwidth - and the plug
 K/V write launch added 2 us more. Here one kernel writes the new rows into the cache *and*
 attends over the whole context, split across the SMs, and a second one merges the splits: no
 write launch. In a 32-layer graph (us per layer, against FlashInfer's kernel alone / FlashInfer +
-the write): B=1 ctx 4096 12.6 (13.9 / 15.9), B=2 17.6 (17.8 / 20.0), B=4 26.9 (26.4 / 29.0), B=1
-ctx 32768 43.4 (41.1 / 43.8). From eight requests, or about 36k positions, FlashInfer's kernels
-read faster, so the context uses this one only below ``context.SMALL_DECODE_MAX_KV_TOKENS``.
+the write launched as a programmatic dependent; session 10): B=1 ctx 4096 12.7 (13.9 / 14.8),
+B=2 17.8 (17.9 / 18.8), B=4 26.9 (26.6 / 27.3), B=1 ctx 32768 43.4 (41.5 / 41.7). From about 20k
+positions FlashInfer's kernels read faster, so a captured step uses this one only below
+``context.SMALL_DECODE_MAX_KV_TOKENS`` (eager steps, where FlashInfer's path is host-bound, up to
+``SMALL_DECODE_MAX_KV_TOKENS_EAGER``).
 
 How (flash-decoding): program ``(b, kv_head, split)`` covers one of ``num_splits`` equal,
 ``BLOCK_N``-aligned ranges of request ``b``'s ``seq_len`` positions, for the ``group`` query
@@ -25,7 +27,10 @@ split loop's occupancy.)
 
 Both kernels go through :class:`~attn_core.fast_launch.CachedLaunch`: an eager
 decode step of one request is host-bound, and Triton's own launcher took 77 us of the H200
-server's host time per step against 46 us through the cache.
+server's host time per step against 46 us through the cache (session 9; 23-24 us in session 10,
+with the C launcher called directly and the launch arguments kept per step shape). ``pdl``
+launches both as programmatic dependents (:mod:`attn_core.pdl`); measured slower at one and four
+requests, the context leaves it off.
 
 The ranges are cut from the device-side ``seq_lens`` inside the kernel, so a captured graph
 stays right when a replay brings other lengths; ``num_splits`` (the grid) is fixed per padded
