@@ -27,6 +27,7 @@ Tests run it on CPU tensors under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -216,22 +217,10 @@ def _operand(
     )
 
 
-_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
-
-
+# Memoised: Triton's next_power_of_2 / cdiv cost microseconds of host time per call, which an
+# eager decode step's write would pay per layer.
+@functools.lru_cache(maxsize=4096)
 def _config(T: int, row: int, tensors: int) -> tuple[int, int, int]:
-    """:func:`_tile_config`, memoised: Triton's ``next_power_of_2`` / ``cdiv`` cost
-    microseconds of host time per call, which an eager decode step's write would pay."""
-    key = (T, row, tensors)
-    config = _CONFIGS.get(key)
-    if config is None:
-        if len(_CONFIGS) >= 4096:
-            _CONFIGS.clear()
-        config = _CONFIGS[key] = _tile_config(T, row, tensors)
-    return config
-
-
-def _tile_config(T: int, row: int, tensors: int) -> tuple[int, int, int]:
     """``(BLOCK_T, BLOCK_R, num_warps)`` for ``T`` tokens of ``row`` elements, 1 or 2 tensors.
 
     A decode step is latency-bound: one token per program keeps every program's loads in flight
@@ -292,46 +281,42 @@ def launch(
     )
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _plan(xs, caches, scales, slot_mapping)
-        if plan is None:  # a row reshaped into a copy (rows of 3+ dims): not kept
-            _launch_ops(xs, caches, scales, slot_mapping, num_tokens, config)
-            return
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
-    row, tensors_of, scalars, num_slots = plan
+        fp8 = torch.float8_e4m3fn
+        ops = [
+            _operand(x, c, sc, c.dtype == fp8) for x, c, sc in zip(xs, caches, scales, strict=True)
+        ]
+        plan = _plan(ops, slot_mapping)
+        if any(op.x is not x for op, x in zip(ops, xs, strict=True)):
+            # A row of 3+ dims, reshaped for the kernel: launch with those tensors; keep no plan
+            # (the reshape is this call's).
+            xs = [op.x for op in ops]
+        else:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    row, tensor_scale, scalars, num_slots = plan
     block_t, block_r, num_warps = config or _config(num_tokens, row, len(xs))
     pdl = pdl_enabled(slot_mapping.get_device())
+    # The cache itself stands in for the kernel's flat view of it (same address and dtype), and
+    # for an unused scale pointer.
+    c0, c1 = caches[0], caches[-1]
     _WRITE.launch(
         (-(-num_tokens // block_t), -(-row // block_r), len(xs)),
-        tensors_of(slot_mapping, xs, caches, scales),
+        (
+            slot_mapping, xs[0], c0, scales[0] if tensor_scale[0] else c0,
+            xs[-1], c1, scales[-1] if tensor_scale[1] else c1,
+        ),
         (*scalars, block_t, block_r, pdl, num_tokens, num_slots),
         num_warps=num_warps,
         num_stages=3,  # Triton's default on CUDA (the launch before CachedLaunch named none)
         launch_pdl=pdl,
-    )
+    )  # fmt: skip
 
 
-def _plan(xs, caches, scales, slot_mapping) -> tuple | None:
-    """``(max row, tensors_of, scalars, num_slots)`` of one write shape, or None where a row
-    had to be reshaped into a copy (then the tensors are not the caller's)."""
-    fp8 = torch.float8_e4m3fn
-    ops = [_operand(x, c, sc, c.dtype == fp8) for x, c, sc in zip(xs, caches, scales, strict=True)]
-    if any(op.x is not x for op, x in zip(ops, xs, strict=True)):
-        return None
+def _plan(ops: list[_Operand], slot_mapping: torch.Tensor) -> tuple:
+    """``(max row, (tensor 0 / 1 has a scale tensor), scalars, num_slots)`` of one write shape:
+    what the launch takes besides the tensors and the token-count-dependent tiling."""
     a, b = ops[0], ops[-1]
-    tensor_scale = (a.scale_mode == _SCALE_TENSOR, b.scale_mode == _SCALE_TENSOR)
-
-    def tensors_of(slot_mapping, xs, caches, scales) -> tuple:
-        x0, c0, s0 = xs[0], caches[0], scales[0]
-        x1, c1, s1 = xs[-1], caches[-1], scales[-1]
-        # The cache itself stands in for the flat view (same address and dtype), and for an
-        # unused scale pointer.
-        return (
-            slot_mapping, x0, c0, s0 if tensor_scale[0] else c0,
-            x1, c1, s1 if tensor_scale[1] else c1,
-        )  # fmt: skip
-
     scalars = (
         slot_mapping.stride(0),
         a.scale_val, *a.x_strides, *a.c_strides,
@@ -339,24 +324,5 @@ def _plan(xs, caches, scales, slot_mapping) -> tuple | None:
         a.h, a.d, a.scale_mode, a.fp8,
         b.h, b.d, b.scale_mode, b.fp8,
     )  # fmt: skip
-    return max(a.row, b.row), tensors_of, scalars, a.cache.shape[0]
-
-
-def _launch_ops(xs, caches, scales, slot_mapping, num_tokens, config) -> None:
-    """The write of rows reshaped on the way (rows of 3+ dims), through Triton's launcher."""
-    fp8 = torch.float8_e4m3fn
-    ops = [_operand(x, c, s, c.dtype == fp8) for x, c, s in zip(xs, caches, scales, strict=True)]
-    a, b = ops[0], ops[-1]
-    block_t, block_r, num_warps = config or _config(num_tokens, max(a.row, b.row), len(ops))
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(max(a.row, b.row), block_r), len(ops))
-    pdl = pdl_enabled(slot_mapping.device)
-    _write_kernel[grid](
-        slot_mapping, a.x, a.cache, a.scale_ptr, b.x, b.cache, b.scale_ptr,
-        slot_mapping.stride(0),
-        a.scale_val, *a.x_strides, *a.c_strides,
-        b.scale_val, *b.x_strides, *b.c_strides,
-        H0=a.h, D0=a.d, SCALE0=a.scale_mode, FP8_0=a.fp8,
-        H1=b.h, D1=b.d, SCALE1=b.scale_mode, FP8_1=b.fp8,
-        BLOCK_T=block_t, BLOCK_R=block_r, PDL=pdl, T=num_tokens, num_slots=a.cache.shape[0],
-        num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
-    )  # fmt: skip
+    tensor_scale = (a.scale_mode == _SCALE_TENSOR, b.scale_mode == _SCALE_TENSOR)
+    return max(a.row, b.row), tensor_scale, scalars, a.cache.shape[0]

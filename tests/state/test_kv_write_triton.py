@@ -154,6 +154,19 @@ def test_a_kept_write_shape_takes_each_calls_tensors_scales_and_token_count():
     assert len(kv_write_triton._PLANS) == 1  # the token count is not part of a plan
 
 
+def test_rows_of_three_dims_are_reshaped_per_call_and_match():
+    """Rows of 3+ dims are merged to ``[H, D]`` for the kernel (a reshape: a copy for a strided
+    source), so launch passes the reshaped tensors and keeps no plan for the shape."""
+    kv_write_triton._PLANS.clear()
+    T = 6
+    k = _rand((T, 2, 3, 8), torch.bfloat16, seed=7)
+    v = _rand((T, 3, 2, 8), torch.bfloat16, seed=8).transpose(1, 2)  # strided: reshape copies
+    kc, _ = _caches((2, 3, 8), torch.bfloat16, 9)
+    vc, _ = _caches((2, 3, 8), torch.bfloat16, 10)
+    _check_kv(k, v, kc, vc, _slots(T))
+    assert not kv_write_triton._PLANS
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
 def test_mla_latent_single_tensor_matches(cache_dtype):
     """One MLA latent row of 576 (512 + 64) per token, one tensor per launch."""
