@@ -40,6 +40,7 @@ sends those steps to FlashInfer).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -276,19 +277,12 @@ class SmallDecodeBuffers:
         return self.lse.shape[2]
 
 
-#: Launch arguments by step shape (see :func:`_launch_args`); cleared past this many shapes.
-_MAX_SHAPES = 256
-_ARGS: dict[tuple, tuple] = {}
-
-
+@functools.lru_cache(maxsize=256)
 def _launch_args(key: tuple) -> tuple:
     """``(split grid, split scalars, merge grid, merge scalars)`` of one step shape, from
     ``key`` = ``(q.shape, Hkv, q/k/v/out strides, page size, page-table row stride, splits,
     scale, config, pdl)``: everything after the tensors, which an eager step of one request
-    would otherwise rebuild per layer."""
-    args = _ARGS.get(key)
-    if args is not None:
-        return args
+    would otherwise rebuild per layer (memoised per step shape)."""
     (B, H, D), Hkv, qs, ks, vs, os_, page, pt_stride, S, scale, cfg, pdl = key
     group = H // Hkv
     split_scalars = (
@@ -321,10 +315,7 @@ def _launch_args(key: tuple) -> tuple:
         D,
         pdl,  # PDL
     )
-    if len(_ARGS) >= _MAX_SHAPES:
-        _ARGS.clear()
-    args = _ARGS[key] = ((B, Hkv, S), split_scalars, (B, H), merge_scalars)
-    return args
+    return (B, Hkv, S), split_scalars, (B, H), merge_scalars
 
 
 def small_decode(
