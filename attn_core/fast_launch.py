@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from triton import knobs
 
-__all__ = ["MAX_KEYS", "CachedLaunch"]
+__all__ = ["MAX_KEYS", "BoundLaunch", "CachedLaunch"]
 
 
 #: Keys kept per kernel before the cache starts over: a caller whose arguments keep changing
@@ -59,6 +59,58 @@ def _runner_calls_run_as_expected() -> bool:
     except (ImportError, OSError, TypeError):
         return False
     return "self.function, self.packed_metadata, launch_metadata" in src
+
+
+#: The C launch call inside the ``__call__`` of Triton's CUDA launcher (``CompiledKernel.run``),
+#: whitespace removed, by form: ``"tuple"`` (Triton 3.5-3.9: the kernel's arguments as one tuple
+#: after the launcher's annotations) and ``"star"`` (3.3-3.4: the runner's arguments spread).
+_C_LAUNCH_CALLS = {
+    "tuple": (
+        "self.launch(gridX,gridY,gridZ,stream,function,self.launch_cooperative_grid,"
+        "self.launch_pdl,kernel_metadata,launch_metadata,launch_enter_hook,launch_exit_hook,"
+        "global_scratch,profile_scratch,self.arg_annotations,self.kernel_signature,{args})"
+    ),
+    "star": (
+        "self.launch(gridX,gridY,gridZ,stream,function,self.launch_cooperative_grid,"
+        "self.launch_pdl,global_scratch,profile_scratch,*args)"
+    ),
+}
+
+
+@functools.cache
+def _launcher_form(launcher_cls: type) -> str | None:
+    """Which of :data:`_C_LAUNCH_CALLS` the launcher's ``__call__`` makes (None: unknown, or a
+    launcher with paths of its own, such as TVM-FFI's): then a bound launch may call the C
+    function itself. The rest of that ``__call__`` allocates scratch memory, which a kernel
+    without scratch (checked per kernel, :func:`_c_launch`) does not need."""
+    try:
+        src = "".join(inspect.getsource(launcher_cls.__call__).split())
+    except (OSError, TypeError, AttributeError):
+        return None
+    if "tvmffi" in src:
+        return None
+    for form, call in _C_LAUNCH_CALLS.items():
+        if form == "tuple":
+            if any(call.format(args=a) in src for a in ("args", "kernel_args")):
+                return form
+        elif call in src:
+            return form
+    return None
+
+
+def _c_launch(run: Any) -> tuple[str, Any] | None:
+    """``(form, C launch function)`` of a compiled kernel's launcher, where a bound launch may
+    call it directly: a known :func:`_launcher_form`, no global or profile scratch, no GSan."""
+    form = _launcher_form(type(run))
+    if (
+        form is None
+        or getattr(run, "global_scratch_size", 1) != 0
+        or getattr(run, "profile_scratch_size", 1) != 0
+        or getattr(run, "gsan_enabled", False)
+        or not callable(getattr(run, "launch", None))
+    ):
+        return None
+    return form, run.launch
 
 
 def _hooks_set() -> bool:
@@ -121,21 +173,8 @@ class CachedLaunch:
             self._jit(grid, tensors, scalars, num_warps, num_stages, launch_pdl)
             return
         ptrs = [t.data_ptr() for t in tensors]
-        # Triton specialises a pointer on 16-byte alignment: one OR over all of them decides
-        # the common case (all aligned) without a per-tensor term in the key.
-        align = (
-            tuple(p & 15 == 0 for p in ptrs) if functools.reduce(operator.or_, ptrs) & 15 else ()
-        )
         device = tensors[0].get_device()
-        key = (
-            num_warps,
-            num_stages,
-            launch_pdl,
-            device,
-            align,
-            *[t.dtype for t in tensors],
-            *scalars[self._keyed],
-        )
+        key = self._key(ptrs, tensors, scalars, num_warps, num_stages, launch_pdl, device)
         entry = self._compiled.get(key)
         if entry is None:
             compiled = self._jit(grid, tensors, scalars, num_warps, num_stages, launch_pdl)
@@ -146,11 +185,58 @@ class CachedLaunch:
                 self._compiled[key] = _Entry(compiled, direct)
             return
         g = (*grid, 1, 1)  # the launcher reads grid[0..2]; Triton's own call pads a short grid
-        if entry.run is not None and device == self.current_device() and not _hooks_set():
+        if entry.run is not None and self.direct_ok(device):
             entry.run(g[0], g[1], g[2], self.current_stream(device), entry.function,
                       entry.metadata, None, None, None, *ptrs, *scalars)  # fmt: skip
         else:
             entry.compiled[g[:3]](*tensors, *scalars)
+
+    def bind(self, grid: tuple[int, ...], tensors: Sequence[torch.Tensor],
+             scalars: Sequence[Any], *, num_warps: int, num_stages: int,
+             launch_pdl: bool = False) -> BoundLaunch | None:  # fmt: skip
+        """The compiled kernel a :meth:`launch` of these arguments calls, with ``grid`` and
+        ``scalars`` fixed (:class:`BoundLaunch`), for a caller that launches one shape many
+        times and checks once what the key would check per launch.
+
+        None where such a launch would not call the C launcher directly: the key not compiled
+        yet (launch it once first), a tensor address off 16-byte alignment, the cache disabled,
+        or a Triton whose runner does not look as expected.
+        """
+        if not self.enabled:
+            return None
+        ptrs = [t.data_ptr() for t in tensors]
+        if functools.reduce(operator.or_, ptrs) & 15:
+            return None
+        device = tensors[0].get_device()
+        entry = self._compiled.get(
+            self._key(ptrs, tensors, scalars, num_warps, num_stages, launch_pdl, device)
+        )
+        if entry is None or entry.run is None:
+            return None
+        return BoundLaunch(entry, grid, scalars, device)
+
+    def _key(self, ptrs, tensors, scalars, num_warps, num_stages, launch_pdl, device) -> tuple:
+        # Triton specialises a pointer on 16-byte alignment: one OR over all of them decides
+        # the common case (all aligned) without a per-tensor term in the key.
+        align = (
+            tuple(p & 15 == 0 for p in ptrs) if functools.reduce(operator.or_, ptrs) & 15 else ()
+        )
+        return (
+            num_warps,
+            num_stages,
+            launch_pdl,
+            device,
+            align,
+            *[t.dtype for t in tensors],
+            *scalars[self._keyed],
+        )
+
+    @classmethod
+    def direct_ok(cls, device: int) -> bool:
+        """Whether a launch on ``device`` may call a compiled kernel's C launcher itself: it is
+        the current device (a compiled kernel's handle belongs to one device's context) and no
+        launch hook is set (they see only launches through Triton's runner)."""
+        return device == cls.current_device() and not _hooks_set()
 
     def _jit(self, grid, tensors, scalars, num_warps, num_stages, launch_pdl) -> Any:
         extra = {"launch_pdl": True} if launch_pdl else {}
@@ -161,3 +247,55 @@ class CachedLaunch:
     def clear(self) -> None:
         """Forget the compiled kernels (the next launch of each key goes through Triton)."""
         self._compiled.clear()
+
+
+class BoundLaunch:
+    """One compiled kernel with its grid and scalar arguments fixed (:meth:`CachedLaunch.bind`):
+    ``bound.launch(stream, *addresses)`` launches it and does nothing else.
+
+    Where the launcher's form is known (:func:`_launcher_form`) it calls the C launch function
+    under Triton's ``CompiledKernel.run``, whose Python ``__call__`` (scratch allocation for
+    kernels that need none) costs about as much host time as the C call; otherwise ``run``.
+
+    It checks nothing. The caller passes the addresses of tensors of the dtypes bound, each
+    16-byte aligned, on ``device``, and launches only while :meth:`CachedLaunch.direct_ok`
+    holds for ``device``: what :meth:`CachedLaunch.launch` checks per launch, a caller that
+    launches several kernels per step (small_decode) checks once for all of them.
+    """
+
+    __slots__ = ("device", "launch")
+
+    def __init__(self, entry: _Entry, grid: tuple[int, ...], scalars: Sequence[Any],
+                 device: int) -> None:  # fmt: skip
+        self.device = device
+        g0, g1, g2 = (*grid, 1, 1)[:3]
+        scalars = tuple(scalars)
+        function, metadata, run = entry.function, entry.metadata, entry.run
+        c_launch = _c_launch(run)
+        if c_launch is not None and c_launch[0] == "tuple":
+            launch = c_launch[1]
+            fixed = (
+                function, run.launch_cooperative_grid, run.launch_pdl, metadata,
+                None, None, None, None, None, run.arg_annotations, run.kernel_signature,
+            )  # fmt: skip
+
+            def call(stream: int, *ptrs: int) -> None:
+                launch(g0, g1, g2, stream, *fixed, (*ptrs, *scalars))
+
+        elif c_launch is not None:
+            launch = c_launch[1]
+            fixed = (
+                function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                metadata, None, None, None,
+            )  # fmt: skip
+
+            def call(stream: int, *ptrs: int) -> None:
+                launch(g0, g1, g2, stream, *fixed, *ptrs, *scalars)
+
+        else:
+
+            def call(stream: int, *ptrs: int) -> None:
+                run(g0, g1, g2, stream, function, metadata, None, None, None, *ptrs, *scalars)
+
+        #: ``(stream, *addresses) -> None``
+        self.launch = call

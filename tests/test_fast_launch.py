@@ -163,3 +163,123 @@ def test_unkeyed_trailing_scalars_reuse_the_compiled_kernel(cpu_device):
     launch.launch((1,), (x,), (4, 7), num_warps=4, num_stages=2)
     assert [entry[0] for entry in fn.log] == ["jit", "direct", "jit"]
     assert fn.log[1][3] == (x.data_ptr(), 3, 7)
+
+
+def test_bind_returns_the_compiled_kernel_with_grid_and_scalars_fixed(cpu_device):
+    fn = _JitFunction()
+    launch = CachedLaunch(fn)
+    x, y = torch.zeros(8), torch.zeros(4, dtype=torch.int32)
+    args = ((4, 2), (x, y), (3, 16))
+    assert launch.bind(*args, num_warps=4, num_stages=2) is None  # not compiled yet
+    launch.launch(*args, num_warps=4, num_stages=2)
+    bound = launch.bind(*args, num_warps=4, num_stages=2)
+    assert bound is not None and bound.device == -1
+    assert launch.bind(*args, num_warps=8, num_stages=2) is None  # another key
+    x2, y2 = torch.ones(8), torch.ones(4, dtype=torch.int32)
+    bound.launch(STREAM, x2.data_ptr(), y2.data_ptr())
+    assert fn.log[-1] == ("direct", (4, 2, 1), STREAM, (x2.data_ptr(), y2.data_ptr(), 3, 16))
+    assert [entry[0] for entry in fn.log] == ["jit", "direct"]
+
+
+def test_bind_refuses_misaligned_disabled_or_runner_only_launches(cpu_device, monkeypatch):
+    fn = _JitFunction()
+    launch = CachedLaunch(fn)
+    storage = torch.zeros(64, dtype=torch.bfloat16)
+    for view in (storage[:8], storage[4:12]):  # aligned, then 8 bytes in
+        launch.launch((1,), (view,), (3,), num_warps=4, num_stages=2)
+    assert launch.bind((1,), (storage[:8],), (3,), num_warps=4, num_stages=2) is not None
+    assert launch.bind((1,), (storage[4:12],), (3,), num_warps=4, num_stages=2) is None
+    launch.enabled = False
+    assert launch.bind((1,), (storage[:8],), (3,), num_warps=4, num_stages=2) is None
+    launch.enabled = True
+    monkeypatch.setattr(fast_launch, "_runner_calls_run_as_expected", lambda: False)
+    launch.clear()
+    launch.launch((1,), (storage[:8],), (3,), num_warps=4, num_stages=2)
+    assert launch.bind((1,), (storage[:8],), (3,), num_warps=4, num_stages=2) is None
+
+
+def test_direct_ok_only_on_the_current_device_without_hooks(cpu_device, monkeypatch):
+    from triton import knobs
+
+    assert CachedLaunch.direct_ok(-1)
+    assert not CachedLaunch.direct_ok(0)
+    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", lambda *a: None)
+    assert not CachedLaunch.direct_ok(-1)
+
+
+class _StarLauncher:
+    """A launcher of the Triton 3.3-3.4 form: the runner's arguments spread into the C call."""
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        global_scratch = profile_scratch = None
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid,
+                    self.launch_pdl, global_scratch, profile_scratch, *args)  # fmt: skip
+
+
+def _launcher(cls: type, log: list, **attrs) -> object:
+    """An instance of ``cls`` (a real or stand-in launcher class) with a recording C launch."""
+    obj = object.__new__(cls)
+    fields = {
+        "launch": lambda *args: log.append(args),
+        "launch_cooperative_grid": False,
+        "launch_pdl": True,
+        "global_scratch_size": 0,
+        "global_scratch_align": 1,
+        "profile_scratch_size": 0,
+        "profile_scratch_align": 1,
+        "num_ctas": 1,
+        "gsan_enabled": False,
+        "arg_annotations": ("ann",),
+        "kernel_signature": b"sig",
+    }
+    fields.update(attrs)
+    for name, value in fields.items():
+        setattr(obj, name, value)
+    return obj
+
+
+def _bound_against_runner(launcher: object, log: list) -> tuple:
+    """What the launcher's own ``__call__`` hands its C function, and what a bound launch does."""
+    entry = fast_launch._Entry.__new__(fast_launch._Entry)
+    entry.compiled, entry.run, entry.function, entry.metadata = None, launcher, "fn", ("meta",)
+    bound = fast_launch.BoundLaunch(entry, (4, 2), (7, 8), device=0)
+    launcher(4, 2, 1, STREAM, "fn", ("meta",), None, None, None, 101, 102, 7, 8)
+    bound.launch(STREAM, 101, 102)
+    return log[0], log[1]
+
+
+@pytest.mark.parametrize("form", ["tuple", "star"])
+def test_a_bound_launch_hands_the_c_function_what_the_launchers_call_does(form, monkeypatch):
+    """Against the installed Triton's own CUDA launcher (``tuple`` form) and a stand-in of the
+    3.3-3.4 one: the C launch function receives the same arguments either way."""
+    if form == "tuple":
+        import triton
+        from triton.backends.nvidia.driver import CudaLauncher as cls
+
+        if fast_launch._launcher_form(cls) != "tuple":
+            pytest.skip("this Triton's CUDA launcher is not of the tuple form")
+        # The real __call__ reads the active driver (none on a CPU machine).
+        monkeypatch.setattr(triton.runtime, "driver", type("D", (), {"active": None})())
+    else:
+        cls = _StarLauncher
+        assert fast_launch._launcher_form(cls) == "star"
+    log: list = []
+    runner_call, bound_call = _bound_against_runner(_launcher(cls, log), log)
+    assert bound_call == runner_call
+    assert bound_call[3] == STREAM and (101, 102, 7, 8) in (bound_call[-1], bound_call[-4:])
+
+
+def test_kernels_with_scratch_or_unknown_launchers_keep_the_launchers_call():
+    log: list = []
+    for launcher in (
+        _launcher(_StarLauncher, log, global_scratch_size=128),
+        _launcher(_StarLauncher, log, profile_scratch_size=64),
+        _launcher(_StarLauncher, log, gsan_enabled=True),
+    ):
+        assert fast_launch._c_launch(launcher) is None
+
+    class Other:
+        def __call__(self, *args):
+            self.launch(*args)
+
+    assert fast_launch._launcher_form(Other) is None
