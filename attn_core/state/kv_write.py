@@ -33,16 +33,11 @@ Two implementations, picked by device (not a fallback: both have the semantics a
   tensor, which on CPU costs nothing that matters.
 
 The Triton kernel launches through :class:`attn_core.fast_launch.CachedLaunch`, and on sm90
-as a programmatic dependent launch (:mod:`attn_core.pdl`).
-
-A small step known to hold no padding, into a 16-bit cache (at most
-:data:`EAGER_TORCH_MAX_TOKENS` tokens, ``may_have_padding=False``: an eager decode step) can take
-the torch path instead, one ``index_copy_`` per tensor, unless the caller passes
-``gpu_bound=True``. That was the default while the kernel launched through Triton's own launcher:
-on the H200 server's host an eager B=1 write took 46 us as two ``index_copy_`` calls against 113
-us that way. Through CachedLaunch the two cost the same host time (the plugin on FlashInfer, B=1
-ctx 4096: 52.4 against 52.5 us per step, B=64: 75.3 / 75.2) and the one kernel less GPU time, so
-:data:`EAGER_TORCH_MAX_TOKENS` is 0: every CUDA write takes the kernel.
+as a programmatic dependent launch (:mod:`attn_core.pdl`). (Until session 10 a small eager
+step's write took two ``index_copy_`` calls instead, while the kernel launched through Triton's
+own launcher: 46 against 113 us of the H200 server's host time. Through CachedLaunch both cost
+the same host time, 52.4 against 52.5 us per B=1 step of the plugin on FlashInfer, and the one
+kernel less GPU time, so that path is gone.)
 """
 
 from __future__ import annotations
@@ -66,10 +61,6 @@ __all__ = [
 
 FP8_DTYPE = torch.float8_e4m3fn
 _FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
-#: Unpadded 16-bit writes of at most this many tokens use ``index_copy_`` on CUDA too (see the
-#: module docs: no longer cheaper since the kernel launches through CachedLaunch). 0 sends every
-#: CUDA write to the Triton kernel.
-EAGER_TORCH_MAX_TOKENS = 0
 
 
 def quantize(
@@ -106,7 +97,6 @@ def write_slots(
     scale: torch.Tensor | float | None = None,
     *,
     may_have_padding: bool = True,
-    gpu_bound: bool = False,
 ) -> None:
     """Store ``x[t]`` at slot ``slot_mapping[t]``; slot ``-1`` (padding) stores nothing.
 
@@ -122,8 +112,6 @@ def write_slots(
     :param may_have_padding: False only when every slot is known to be ``>= 0`` (no padding,
         and not capturing a graph that may later be replayed with padding): the torch path
         then skips two selects. The Triton kernel ignores it (masking padding is free there).
-    :param gpu_bound: the step's GPU work hides a kernel launch's host time (see the module
-        docs): a small unpadded step is written by the Triton kernel too, not ``index_copy_``.
     :raises ValueError: ``x`` does not fit the cache (row shape, dtype, device), or
         ``slot_mapping`` / ``scale`` are not usable as described.
     """
@@ -131,7 +119,7 @@ def write_slots(
     if x.shape[0] == 0:
         return
     kernels = _kernels(cache)
-    if kernels is None or _small_unpadded(x.shape[0], cache, may_have_padding, gpu_bound):
+    if kernels is None:
         write_slots_torch(x, cache, slot_mapping, scale, may_have_padding=may_have_padding)
     else:
         kernels.launch((x,), (cache,), (scale,), slot_mapping, x.shape[0])
@@ -147,7 +135,6 @@ def write_kv_slots(
     v_scale: torch.Tensor | float | None = None,
     *,
     may_have_padding: bool = True,
-    gpu_bound: bool = False,
 ) -> None:
     """:func:`write_slots` for K and V at once: on CUDA one kernel launch writes both.
 
@@ -158,7 +145,7 @@ def write_kv_slots(
     :param slot_mapping: ``[>= T]`` integer; ``-1`` marks padding (written nowhere).
     :param k_scale: fp8 quantisation scale of K (see :func:`quantize`), or None.
     :param v_scale: likewise for V.
-    :param may_have_padding: as for :func:`write_slots`; ``gpu_bound`` likewise.
+    :param may_have_padding: as for :func:`write_slots`.
     :raises ValueError: as :func:`write_slots`, or K and V disagree on ``T`` or on the slots.
     """
     _check(k, k_cache, slot_mapping, k_scale, "k")
@@ -173,14 +160,8 @@ def write_kv_slots(
         return
     kernels = _kernels(k_cache)
     n = k.shape[0]
-    if kernels is not None and not _small_unpadded(n, k_cache, may_have_padding, gpu_bound):
+    if kernels is not None:
         kernels.launch((k, v), (k_cache, v_cache), (k_scale, v_scale), slot_mapping, n)
-    elif not may_have_padding and k.dtype == k_cache.dtype and v.dtype == v_cache.dtype:
-        # An eager decode step's write on CUDA: the two index_copy_ calls and nothing else
-        # (write_slots_torch's quantise / view / slice steps cost as much host time again).
-        slots = _step_slots(slot_mapping, n)
-        k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
-        v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
     else:
         write_slots_torch(k, k_cache, slot_mapping, k_scale, may_have_padding=may_have_padding)
         write_slots_torch(v, v_cache, slot_mapping, v_scale, may_have_padding=may_have_padding)
@@ -241,17 +222,6 @@ def _check(
 
 _triton_kernels: ModuleType | None = None
 _triton_missing = False
-
-
-def _small_unpadded(
-    num_tokens: int, cache: torch.Tensor, may_have_padding: bool, gpu_bound: bool
-) -> bool:
-    """Whether a CUDA write is cheaper as ``index_copy_`` calls than as one Triton launch."""
-    return (
-        not (may_have_padding or gpu_bound)
-        and num_tokens <= EAGER_TORCH_MAX_TOKENS
-        and cache.dtype != FP8_DTYPE
-    )
 
 
 def _step_slots(slot_mapping: torch.Tensor, n: int) -> torch.Tensor:

@@ -141,55 +141,32 @@ class _RecordingKernels:
 
 
 @pytest.mark.parametrize(
-    ("tokens", "padding", "dtype", "gpu_bound", "kernel"),
+    ("tokens", "padding", "dtype"),
     [
-        (1, False, torch.bfloat16, False, False),  # eager decode: index_copy_, no launcher cost
-        (256, False, torch.float16, False, False),
-        (257, False, torch.bfloat16, False, True),  # prefill
-        (1, True, torch.bfloat16, False, True),  # maybe padded (graph): the kernel masks it
-        (1, False, FP8_DTYPE, False, True),  # fp8 quantises in the kernel
-        (64, False, torch.bfloat16, True, True),  # a GPU-bound step: one kernel, not two
+        (1, False, torch.bfloat16),  # eager decode
+        (256, False, torch.float16),
+        (257, False, torch.bfloat16),  # prefill
+        (1, True, torch.bfloat16),  # maybe padded (graph): the kernel masks it
+        (1, False, FP8_DTYPE),  # fp8 quantises in the kernel
     ],
 )
-def test_cuda_writes_pick_index_copy_only_for_small_unpadded_16_bit_host_bound_steps(
-    monkeypatch, tokens, padding, dtype, gpu_bound, kernel
+def test_every_write_with_a_kernel_for_its_device_takes_the_kernel(
+    monkeypatch, tokens, padding, dtype
 ):
+    """A cache with a kernel (CUDA) is written by one launch per call whatever the step:
+    small unpadded eager writes no longer take ``index_copy_`` (see the module docs)."""
     kernels = _RecordingKernels()
     monkeypatch.setattr(kv_write, "_kernels", lambda cache: kernels)
-    monkeypatch.setattr(kv_write, "EAGER_TORCH_MAX_TOKENS", 256)
     pages = -(-(tokens + 1) // 16)
     k_cache = torch.zeros(pages, 16, 2, 4, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     k, v = torch.randn(tokens, 2, 4), torch.randn(tokens, 2, 4)
     slots = torch.randperm(pages * 16)[:tokens]
-    write_kv_slots(k, v, k_cache, v_cache, slots, may_have_padding=padding, gpu_bound=gpu_bound)
-    write_slots(k, k_cache, slots, may_have_padding=padding, gpu_bound=gpu_bound)
-    assert kernels.launches == ([tokens, tokens] if kernel else [])
-    # either way the rows landed where the slots say
+    write_kv_slots(k, v, k_cache, v_cache, slots, may_have_padding=padding)
+    write_slots(k, k_cache, slots, may_have_padding=padding)
+    assert kernels.launches == [tokens, tokens]
     flat = v_cache.view(-1, 2, 4).float()
     assert torch.equal(flat[slots], quantize(v, dtype, None).float())
-
-
-def test_unpadded_same_dtype_kv_write_is_two_index_copies(monkeypatch):
-    """The eager decode write (no padding, cache dtype = input dtype) skips write_slots_torch:
-    int32 slots longer than the step (a graph-sized buffer) are cut to the step's tokens and
-    widened, each row lands at its slot and no other row changes."""
-
-    def no_generic_path(*args, **kwargs):
-        raise AssertionError("write_slots_torch ran")
-
-    monkeypatch.setattr(kv_write, "write_slots_torch", no_generic_path)
-    k = torch.randn(3, 2, 4, dtype=torch.bfloat16)
-    v = torch.randn(3, 2, 4, dtype=torch.bfloat16)
-    k_cache = torch.zeros(2, 8, 2, 4, dtype=torch.bfloat16)
-    v_cache = torch.zeros_like(k_cache)
-    slots = torch.tensor([11, 2, 7, 0, 0, 0], dtype=torch.int32)
-    write_kv_slots(k, v, k_cache, v_cache, slots, may_have_padding=False)
-    for cache, x in ((k_cache, k), (v_cache, v)):
-        flat = cache.view(16, 2, 4)
-        assert torch.equal(flat[[11, 2, 7]], x)
-        others = [r for r in range(16) if r not in (11, 2, 7)]
-        assert not flat[others].any()
 
 
 def test_slot_runs_split_where_slots_stop_being_consecutive():

@@ -40,9 +40,7 @@ SLOTS = PAGES * PAGE
 
 @pytest.fixture(autouse=True)
 def _kernel_on_this_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Route CPU tensors to the kernel (interpreter) and give the interpreter exact casts;
-    small unpadded writes too (on CUDA they would take ``index_copy_``)."""
-    monkeypatch.setattr(kv_write, "EAGER_TORCH_MAX_TOKENS", 0)
+    """Route CPU tensors to the kernel (interpreter) and give the interpreter exact casts."""
     if HAS_CUDA:
         return
     monkeypatch.setattr(kv_write, "_kernels", lambda cache: kv_write_triton)

@@ -78,15 +78,6 @@ __all__ = [
 FLOAT_WORKSPACE_BYTES = int(os.environ.get("ATTN_FLASHINFER_WORKSPACE_MB", "128")) * 2**20
 #: Size of the int workspace every FlashInfer wrapper allocates for itself (plan info).
 INT_WORKSPACE_BYTES = 8 * 2**20
-#: Cache bytes a step's attention reads above which the step counts as GPU-bound: its KV write
-#: then goes to the one-kernel Triton writer, whose host cost the GPU's queue hides, instead of
-#: two ``index_copy_`` kernels (only where ``kv_write.EAGER_TORCH_MAX_TOKENS`` is set above its
-#: default 0: see that module). The H200 server, eager decode, 32 q / 8 kv heads d128: at 1 GiB
-#: (B=64, ctx 4096) 246.9 us per step through Triton against 254.0 through ``index_copy_`` (the
-#: attention alone 243.0); at 128 MiB (B=1, ctx 32768) 116.7 against 61.1, host-bound. The
-#: crossing, where the attention's GPU time (~4.4 TB/s) meets the Triton path's host time
-#: (~160 us), lies near 700 MB.
-GPU_BOUND_KV_BYTES = 768 * 2**20
 #: Decode steps of at most this many (padded) requests whose KV positions stay within
 #: ``SMALL_DECODE_MAX_KV_TOKENS`` run the plugin's own fused write + split-KV kernels
 #: (:mod:`attn_plugin_flashinfer.small_decode`) instead of FlashInfer's decode: there FlashInfer
@@ -184,9 +175,6 @@ class _Step:
     # the step has padding rows, or is a captured graph that may be replayed with some: the
     # K/V write must redirect slot -1 (False: every slot is a real token's, a plain scatter)
     padded: bool
-    # the attention reads enough cache to be GPU-bound (GPU_BOUND_KV_BYTES): the write takes
-    # the one-kernel Triton path even for a small eager step (see attn_core.state.kv_write)
-    gpu_bound: bool = False
     # DECODE_SMALL: the split partials of this padded batch size (None for the other kinds)
     small: Any = None
     # RAGGED: the step's slots as runs of consecutive cache rows (kv_write.slot_runs), which
@@ -252,7 +240,6 @@ class _PagedContext:
                 self.spec.kv_dtype
             ]
         self.fp8 = self.kv_dtype == FP8_DTYPE
-        self.kv_bytes_per_token = self.spec.kv_bytes_per_token  # a property: read once
         self.batch: AttentionBatch | None = None
         self.step: _Step | None = None
         self._half = 1
@@ -331,11 +318,10 @@ class _PagedContext:
             out=self.kv_indices,
         )
         kind, wrapper = self._plan_kernel(batch, sv, indices, graph)
-        kv_bytes = meta.total_pages * batch.page_size * self.kv_bytes_per_token
         runs = None
         if kind is StepKind.RAGGED and batch.slot_mapping_cpu is not None and not self.fp8:
             runs = slot_runs(batch.slot_mapping_cpu[:n])
-        return _Step(kind, wrapper, graph or n != T, kv_bytes >= GPU_BOUND_KV_BYTES, kv_runs=runs)
+        return _Step(kind, wrapper, graph or n != T, kv_runs=runs)
 
     def _small_buffers(self, P: int) -> Any:
         raise NotImplementedError
@@ -375,14 +361,7 @@ class _PagedContext:
 
     def _write(self, x: torch.Tensor, cache: torch.Tensor, step: _Step, scale) -> None:
         """The step's new rows into ``cache`` at ``slot_mapping`` (padding rows change nothing)."""
-        write_slots(
-            x,
-            cache,
-            self.batch.slot_mapping,
-            scale,
-            may_have_padding=step.padded,
-            gpu_bound=step.gpu_bound,
-        )
+        write_slots(x, cache, self.batch.slot_mapping, scale, may_have_padding=step.padded)
 
     def _finish(self, result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         if out is not None and result is not out:
@@ -682,7 +661,7 @@ class FullAttentionContext(_PagedContext):
             # run beside it on a side stream (memory-bound next to compute-bound).
             side = self._side_stream()
             if side is None:
-                write_kv_slots(*write, may_have_padding=step.padded, gpu_bound=step.gpu_bound)
+                write_kv_slots(*write, may_have_padding=step.padded)
                 result = wrapper.run(q, k, v, out=o)
             else:
                 main = torch.cuda.current_stream(self.device)
@@ -693,17 +672,14 @@ class FullAttentionContext(_PagedContext):
                         # SM, where the write kernel would wait for the prefill's SMs.
                         write_kv_runs(k, v, k_cache, v_cache, step.kv_runs)
                     else:
-                        write_kv_slots(
-                            *write, may_have_padding=step.padded, gpu_bound=step.gpu_bound
-                        )
+                        write_kv_slots(*write, may_have_padding=step.padded)
                 result = wrapper.run(q, k, v, out=o)
                 # Join before returning: later work on the main stream (the next step's
                 # attention, or the caller freeing k/v) is ordered after the write.
                 main.wait_stream(side)
         else:
-            # One launch on CUDA for K and V (padding rows change nothing), or two index_copy_
-            # for a small host-bound eager step.
-            write_kv_slots(*write, may_have_padding=step.padded, gpu_bound=step.gpu_bound)
+            # One launch on CUDA for K and V (padding rows change nothing).
+            write_kv_slots(*write, may_have_padding=step.padded)
             # fp8: the kernel dequantises nothing; fold k_scale into q, v_scale into out.
             qk = torch.mul(q, kv.k_scale) if fp8 else q
             result = wrapper.run(qk, (k_cache, v_cache), out=o)

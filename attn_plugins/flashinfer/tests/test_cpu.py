@@ -617,25 +617,6 @@ def test_graph_decode_wrapper_is_reused_per_padded_size(fake_fi, monkeypatch):
     assert w._kv_indptr.data_ptr() == ctx.dev_meta.data_ptr()  # the step's one copy fills it
 
 
-def test_a_step_is_gpu_bound_when_its_attention_reads_enough_cache(fake_fi, monkeypatch):
-    """``_Step.gpu_bound`` (the KV write takes the one-kernel Triton path on CUDA) is decided
-    at plan time from the cache bytes the step's attention reads: its pages times page size
-    times the layer's KV bytes per token, against GPU_BOUND_KV_BYTES."""
-    from attn_plugin_flashinfer import context as fi_context
-
-    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")  # FlashInfer's decode
-    h = wl.make(FULL, "flashinfer:flashinfer", "cpu")
-    wl.run_step(h, 0, [(0, 9), (1, 6)])
-    for over in (0, 1, 0):
-        batch = h.builder.build([(0, 1), (1, 1)])
-        pages = sum(math.ceil(n / 4) for n in batch.seq_lens_cpu[:2].tolist())
-        read = pages * 4 * FULL.kv_bytes_per_token
-        monkeypatch.setattr(fi_context, "GPU_BOUND_KV_BYTES", read + over)
-        h.runtime.prepare(batch)
-        assert h.context.step.kind is StepKind.DECODE
-        assert h.context.step.gpu_bound is (over == 0), (read, over)
-
-
 def test_mla_graph_decode(fake_fi):
     script = [[(0, 6), (1, 9)], [(0, 1), (1, 1)], [(1, 1)]]
     steps_kw = {1: {"pad_to": 3}, 2: {"pad_to": 3}}

@@ -84,7 +84,7 @@ def test_bf16_workloads(monkeypatch, name, small):
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-@pytest.mark.parametrize("lens", [(70, 45), (170, 130)])  # index_copy_ / Triton-kernel writes
+@pytest.mark.parametrize("lens", [(70, 45), (170, 130)])
 def test_ragged_prefill_cache_write_on_a_side_stream_lands_before_the_next_read(overlap, lens):
     """The ragged step writes K/V on a side stream beside the attention kernel: read right after
     the step (no synchronize), every layer's cache rows equal the reference's, and the decode
@@ -109,18 +109,15 @@ def test_bf16_long_context_split_kv():
     _compare(FULL, LONG, make_kw={"num_pages": 200, "max_model_len": 2048, "max_tokens": 2400})
 
 
-@pytest.mark.parametrize("gpu_bound", [True, False])
-def test_small_steps_write_kv_by_the_kernel_only_when_gpu_bound(monkeypatch, gpu_bound):
-    """A small unpadded step writes K/V with two index_copy_ calls (host-cheap) unless its
-    attention reads at least GPU_BOUND_KV_BYTES of cache; then the one Triton kernel does (fewer
-    GPU microseconds). Either way every output matches the reference."""
+def test_small_steps_write_kv_by_the_kernel_and_fresh_prefill_pages_by_memcpys(monkeypatch):
+    """Every step's K/V write on FlashInfer's path is one Triton launch (LONG's decode and
+    mixed steps, 2 and 38 tokens), except the ragged prefill's fresh pages, copied as runs of
+    consecutive slots on the side stream; every output matches the reference."""
     from attn_plugin_flashinfer import context as fi_context
 
     from attn_core.state import kv_write, kv_write_triton
 
     monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")  # FlashInfer's decode
-    monkeypatch.setattr(fi_context, "GPU_BOUND_KV_BYTES", 1 if gpu_bound else 2**60)
-    monkeypatch.setattr(kv_write, "EAGER_TORCH_MAX_TOKENS", 256)
     launched, real = [], kv_write_triton.launch
     copied, real_runs = [], kv_write.write_kv_runs
 
@@ -144,8 +141,7 @@ def test_small_steps_write_kv_by_the_kernel_only_when_gpu_bound(monkeypatch, gpu
         out_ref.append(wl.run_step(ref, i, step))  # the reference writes by its own rules
         launched[:] = fi_launched
     assert wl.max_error(out_fi, out_ref) < BF16_TOL
-    small = {n for n in launched if n <= 256}  # LONG's decode (2 tokens) and mixed (38) steps
-    assert small == ({2, 38} if gpu_bound else set()), launched
+    assert {n for n in launched if n <= 256} == {2, 38}, launched
     # the ragged prefill's fresh pages: runs of consecutive slots, copied on the side stream
     assert 2200 in copied and 2200 not in launched, (copied, launched)
 
