@@ -246,7 +246,9 @@ class _PagedContext:
         self._graph_wrappers: dict[int, Any] = {}
         self.small_decode_max_batch = 0  # FullAttentionContext turns it on where it applies
         self._small: dict[int, Any] = {}  # small_decode buffers by padded batch size
-        self._small_kernel: Any = None  # small_decode.small_decode, imported with the buffers
+        self._small_plan_for: Any = None  # small_decode.plan, imported with the buffers
+        # small_decode's plans of the current step, by (q, k, v, out strides, scale, pdl).
+        self._small_plans: dict[tuple, Any] = {}
 
     # -- the contract ------------------------------------------------------------------------
     def prepare(self, batch: AttentionBatch) -> None:
@@ -255,6 +257,7 @@ class _PagedContext:
             return  # already planned for this very batch (prepare then update, say)
         self.step = self._plan(batch)
         self.batch = batch
+        self._small_plans = {}
 
     def update(self, batch: AttentionBatch) -> None:
         """Before a CUDA-graph replay: re-plan into the captured wrapper's fixed buffers.
@@ -514,7 +517,7 @@ class FullAttentionContext(_PagedContext):
         if buffers is None:
             from attn_plugin_flashinfer import small_decode  # Triton: only where it runs
 
-            self._small_kernel = small_decode.small_decode
+            self._small_plan_for = small_decode.plan
             spec = self.spec
             sms = (
                 torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -688,27 +691,30 @@ class FullAttentionContext(_PagedContext):
         return self._finish(result, out)
 
     def _small_decode(self, layer, q, k, v, out, step: _Step) -> torch.Tensor:
-        """A captured small decode step: the fused write + split-KV kernels (small_decode)."""
-        if k.stride(-1) != 1:
+        """A small decode step: the fused write + split-KV kernels (small_decode)."""
+        ks, vs = k.stride(), v.stride()
+        if ks[-1] != 1:
             k = k.contiguous()
-        if v.stride(-1) != 1:
+            ks = k.stride()
+        if vs[-1] != 1:
             v = v.contiguous()
+            vs = v.stride()
         o = out if out is not None and out.stride(-1) == 1 else torch.empty_like(q)
-        batch = self.batch
-        self._small_kernel(
-            q,
-            k,
-            v,
-            layer.kv.k,
-            layer.kv.v,
-            batch.page_table,
-            batch.seq_lens,
-            batch.slot_mapping,
-            o,
+        batch, kv = self.batch, layer.kv
+        args = (
+            q, k, v, kv.k, kv.v, batch.page_table, batch.seq_lens, batch.slot_mapping, o,
             step.small,
-            scale=layer.scale,
-            pdl=self.pdl,
-        )
+        )  # fmt: skip
+        # Within a step only these vary between calls: the binding has checked q/k/v/out shapes
+        # and dtypes, forward() the cache dtype, and a group's layers share one spec, device
+        # and batch. The plan itself checks the rest once (small_decode.plan).
+        key = (q.stride(), ks, vs, o.stride(), layer.scale, self.pdl)
+        plan = self._small_plans.get(key)
+        if plan is None:
+            plan = self._small_plans[key] = self._small_plan_for(
+                *args, scale=layer.scale, pdl=self.pdl
+            )
+        plan(*args)
         return self._finish(o, out)
 
 

@@ -40,7 +40,6 @@ sends those steps to FlashInfer).
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -48,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_core.fast_launch import CachedLaunch
+from attn_core.fast_launch import BoundLaunch, CachedLaunch
 from attn_core.pdl import gdc_launch_dependents, gdc_wait
 
 __all__ = [
@@ -57,7 +56,9 @@ __all__ = [
     "MAX_SPLITS",
     "SmallDecodeBuffers",
     "SmallDecodeConfig",
+    "SmallDecodePlan",
     "num_splits_for",
+    "plan",
     "small_decode",
 ]
 
@@ -277,45 +278,176 @@ class SmallDecodeBuffers:
         return self.lse.shape[2]
 
 
-@functools.lru_cache(maxsize=256)
-def _launch_args(key: tuple) -> tuple:
-    """``(split grid, split scalars, merge grid, merge scalars)`` of one step shape, from
-    ``key`` = ``(q.shape, Hkv, q/k/v/out strides, page size, page-table row stride, splits,
-    scale, config, pdl)``: everything after the tensors, which an eager step of one request
-    would otherwise rebuild per layer (memoised per step shape)."""
-    (B, H, D), Hkv, qs, ks, vs, os_, page, pt_stride, S, scale, cfg, pdl = key
-    group = H // Hkv
-    split_scalars = (
-        scale * _LOG2E,
-        qs[0],
-        qs[1],
-        ks[0],
-        ks[1],
-        vs[0],
-        vs[1],
-        pt_stride,
-        S,  # NUM_SPLITS
-        H,  # NUM_HEADS
-        Hkv,  # NUM_KV_HEADS
-        group,  # GROUP
-        max(16, triton.next_power_of_2(group)),  # GROUP_PAD: rows of the QK dot
-        D,
-        page,  # PAGE
-        cfg.block_n,  # BLOCK
-        cfg.prefetch,  # PREFETCH
-        _INTERPRETED,  # UPCAST
-        pdl,  # PDL
+class SmallDecodePlan:
+    """Both launches of one step shape (:func:`plan`): grids and scalars, and once both kernels
+    are compiled, each bound to its compiled kernel
+    (:meth:`~attn_core.fast_launch.CachedLaunch.bind`).
+
+    ``plan(q, k, v, k_cache, v_cache, page_table, seq_lens, slot_mapping, out, buffers)``
+    launches for tensors of the shapes, strides, dtypes and device the plan was made for; a
+    caller that has checked those once per step (the context) calls it per layer.
+
+    Why: an eager decode step of one request is host-bound. Per launch, the key CachedLaunch
+    builds and looks up cost as much host time as the C launch; a plan checks once what both
+    launches' keys would, and per call takes the addresses, checks their alignment, the device
+    and launch hooks once for both kernels, and calls the two C launchers.
+    """
+
+    __slots__ = (
+        "config",
+        "merge",
+        "merge_grid",
+        "merge_scalars",
+        "pdl",
+        "split",
+        "split_grid",
+        "split_scalars",
     )
-    merge_scalars = (
-        os_[0],
-        os_[1],
-        H,  # NUM_HEADS
-        S,  # NUM_SPLITS
-        triton.next_power_of_2(S),  # SPLITS_PAD
-        D,
-        pdl,  # PDL
+
+    def __init__(self, key: tuple) -> None:
+        (B, H, D), Hkv, qs, ks, vs, os_, page, pt_stride, S, scale, cfg, pdl = key[:12]
+        group = H // Hkv
+        self.config: SmallDecodeConfig = cfg
+        self.pdl: bool = pdl
+        self.split_grid = (B, Hkv, S)
+        self.split_scalars = (
+            scale * _LOG2E,
+            qs[0],
+            qs[1],
+            ks[0],
+            ks[1],
+            vs[0],
+            vs[1],
+            pt_stride,
+            S,  # NUM_SPLITS
+            H,  # NUM_HEADS
+            Hkv,  # NUM_KV_HEADS
+            group,  # GROUP
+            max(16, triton.next_power_of_2(group)),  # GROUP_PAD: rows of the QK dot
+            D,
+            page,  # PAGE
+            cfg.block_n,  # BLOCK
+            cfg.prefetch,  # PREFETCH
+            _INTERPRETED,  # UPCAST
+            pdl,  # PDL
+        )
+        self.merge_grid = (B, H)
+        self.merge_scalars = (
+            os_[0],
+            os_[1],
+            H,  # NUM_HEADS
+            S,  # NUM_SPLITS
+            triton.next_power_of_2(S),  # SPLITS_PAD
+            D,
+            pdl,  # PDL
+        )
+        self.split: BoundLaunch | None = None
+        self.merge: BoundLaunch | None = None
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        page_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        out: torch.Tensor,
+        buffers: SmallDecodeBuffers,
+    ) -> None:
+        o_buf, lse_buf = buffers.o, buffers.lse
+        split, merge = self.split, self.merge
+        if split is not None and merge is not None:
+            pq, pk, pv = q.data_ptr(), k.data_ptr(), v.data_ptr()
+            pkc, pvc = k_cache.data_ptr(), v_cache.data_ptr()
+            ppt, psl, psm = page_table.data_ptr(), seq_lens.data_ptr(), slot_mapping.data_ptr()
+            po, plse, pout = o_buf.data_ptr(), lse_buf.data_ptr(), out.data_ptr()
+            device = split.device
+            # The bound launches check nothing: alignment, device and hooks here, once for both.
+            if not (pq | pk | pv | pkc | pvc | ppt | psl | psm | po | plse | pout) & 15 and (
+                CachedLaunch.direct_ok(device)
+            ):
+                stream = CachedLaunch.current_stream(device)
+                split.launch(stream, pq, pk, pv, pkc, pvc, ppt, psl, psm, po, plse)
+                merge.launch(stream, po, plse, pout)
+                return
+        # Through CachedLaunch's checks (the first call of a shape compiles), then bound.
+        cfg, pdl = self.config, self.pdl
+        split_args = (
+            self.split_grid,
+            (q, k, v, k_cache, v_cache, page_table, seq_lens, slot_mapping, o_buf, lse_buf),
+            self.split_scalars,
+        )
+        merge_args = (self.merge_grid, (o_buf, lse_buf, out), self.merge_scalars)
+        split_opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "launch_pdl": pdl}
+        merge_opts = {"num_warps": 4, "num_stages": 1, "launch_pdl": pdl}
+        _SPLIT.launch(*split_args, **split_opts)
+        _MERGE.launch(*merge_args, **merge_opts)
+        if split is None or merge is None:
+            self.split = _SPLIT.bind(*split_args, **split_opts)
+            self.merge = _MERGE.bind(*merge_args, **merge_opts)
+
+
+#: Plans by step shape (:func:`plan`); cleared when full.
+_PLANS: dict[tuple, SmallDecodePlan] = {}
+_MAX_PLANS = 256
+
+
+def plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    out: torch.Tensor,
+    buffers: SmallDecodeBuffers,
+    *,
+    scale: float,
+    config: SmallDecodeConfig | None = None,
+    pdl: bool = False,
+) -> SmallDecodePlan:
+    """The :class:`SmallDecodePlan` of these arguments (as :func:`small_decode` takes them),
+    made once per step shape: everything both launches specialise or depend on besides the
+    addresses (shapes, strides, every tensor's dtype, the device)."""
+    cfg = config or DEFAULT_CONFIG
+    o_buf, lse_buf = buffers.o, buffers.lse
+    key = (
+        q.shape,
+        k.shape[1],
+        q.stride(),
+        k.stride(),
+        v.stride(),
+        out.stride(),
+        k_cache.shape[1],
+        page_table.stride(0),
+        lse_buf.shape[2],  # splits
+        scale,
+        cfg,
+        pdl,
+        q.dtype,
+        k.dtype,
+        v.dtype,
+        k_cache.dtype,
+        v_cache.dtype,
+        out.dtype,
+        page_table.dtype,
+        seq_lens.dtype,
+        slot_mapping.dtype,
+        o_buf.dtype,
+        lse_buf.dtype,
+        q.get_device(),
     )
-    return (B, Hkv, S), split_scalars, (B, H), merge_scalars
+    found = _PLANS.get(key)
+    if found is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        found = _PLANS[key] = SmallDecodePlan(key)
+    return found
 
 
 def small_decode(
@@ -351,37 +483,6 @@ def small_decode(
         where :func:`attn_core.pdl.pdl_enabled` says the device has it).
     :returns: ``out``.
     """
-    cfg = config or DEFAULT_CONFIG
-    split_grid, split_scalars, merge_grid, merge_scalars = _launch_args(
-        (
-            q.shape,
-            k.shape[1],
-            q.stride(),
-            k.stride(),
-            v.stride(),
-            out.stride(),
-            k_cache.shape[1],
-            page_table.stride(0),
-            buffers.num_splits,
-            scale,
-            cfg,
-            pdl,
-        )
-    )
-    _SPLIT.launch(
-        split_grid,
-        (q, k, v, k_cache, v_cache, page_table, seq_lens, slot_mapping, buffers.o, buffers.lse),
-        split_scalars,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        launch_pdl=pdl,
-    )
-    _MERGE.launch(
-        merge_grid,
-        (buffers.o, buffers.lse, out),
-        merge_scalars,
-        num_warps=4,
-        num_stages=1,
-        launch_pdl=pdl,
-    )
+    args = (q, k, v, k_cache, v_cache, page_table, seq_lens, slot_mapping, out, buffers)
+    plan(*args, scale=scale, config=config, pdl=pdl)(*args)
     return out

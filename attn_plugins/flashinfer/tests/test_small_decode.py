@@ -193,3 +193,76 @@ def test_programmatic_dependent_launches_wait_for_what_they_read(captured):
     for i, (a, b) in enumerate(zip(plain, dependent, strict=True)):
         err = (a - b).abs().max().item()
         assert err < 1e-3, f"layer {i}: programmatic launches differ by {err:.3g}"
+
+
+class _FakeCompiled:
+    """What a Triton launch returns, reduced to the parts CachedLaunch calls: the C launcher
+    ``run`` (recorded) and the ``[grid]`` runner."""
+
+    function, packed_metadata = "function", ("metadata",)
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def run(self, g0, g1, g2, stream, function, metadata, *rest):
+        self.log.append((self.name, "direct", rest[3:]))
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append((self.name, "runner", args))
+
+
+class _FakeJit:
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def __getitem__(self, grid):
+        def compile_and_run(*args, **options):
+            self.log.append((self.name, "jit", args))
+            return _FakeCompiled(self.name, self.log)
+
+        return compile_and_run
+
+
+def test_a_plan_binds_both_kernels_and_checks_alignment_device_and_hooks_per_call(monkeypatch):
+    """After its first call (which compiles) a plan launches both kernels through their bound
+    C launchers with the call's addresses; a misaligned tensor, another current device or a
+    launch hook sends the call back through CachedLaunch's checks (on CPU, a stand-in for the
+    compiled kernels: the interpreter compiles nothing)."""
+    from attn_plugin_flashinfer import small_decode as sd
+    from triton import knobs
+
+    from attn_core.fast_launch import CachedLaunch
+
+    log: list = []
+    monkeypatch.setattr(sd, "_SPLIT", CachedLaunch(_FakeJit("split", log)))
+    monkeypatch.setattr(sd, "_MERGE", CachedLaunch(_FakeJit("merge", log)))
+    monkeypatch.setattr(sd, "_PLANS", {})
+    monkeypatch.setattr(CachedLaunch, "current_device", staticmethod(lambda: -1))
+    monkeypatch.setattr(CachedLaunch, "current_stream", staticmethod(lambda dev: 99))
+    q, k, v, kc, vc, table, lens, slots, scale = _inputs(LENS[1], torch.bfloat16, seed=3)
+    buffers = SmallDecodeBuffers.allocate(q.shape[0], H, 4, D, torch.device("cpu"))
+
+    def step(q, out):
+        log.clear()
+        small_decode(q, k, v, kc, vc, table, lens, slots, out, buffers, scale=scale)
+        return [(name, how) for name, how, _ in log]
+
+    out = torch.empty_like(q)
+    assert step(q, out) == [("split", "jit"), ("merge", "jit")]
+    assert step(q, out) == [("split", "direct"), ("merge", "direct")]
+    ptrs = [t.data_ptr() for t in (q, k, v, kc, vc, table, lens, slots, buffers.o, buffers.lse)]
+    assert log[0][2][: len(ptrs)] == tuple(ptrs)
+    assert log[1][2][:3] == (buffers.o.data_ptr(), buffers.lse.data_ptr(), out.data_ptr())
+    # Another q of the same shape: the same plan, its address.
+    q2 = q.clone()
+    assert step(q2, out) == [("split", "direct"), ("merge", "direct")]
+    assert log[0][2][0] == q2.data_ptr()
+    # out 8 bytes into its storage: CachedLaunch keys on alignment, compiling the merge anew.
+    storage = torch.empty(out.numel() + 4, dtype=out.dtype)
+    odd = storage[4:].view_as(out)
+    assert step(q, odd) == [("split", "direct"), ("merge", "jit")]
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
+    assert step(q, out) == [("split", "runner"), ("merge", "runner")]
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", None)
+    monkeypatch.setattr(CachedLaunch, "current_device", staticmethod(lambda: 0))
+    assert step(q, out) == [("split", "runner"), ("merge", "runner")]
