@@ -10,11 +10,10 @@ Sections (each isolated: a failure is recorded in the JSON and the next section 
    call from CUDA events over many eager calls (at B=1 that is host-bound: host time per call
    is reported too, and section 5 repeats B=1 inside a CUDA graph); GB/s = K+V bytes / time.
    Up to SMALL_DECODE_MAX_BATCH requests within SMALL_DECODE_MAX_KV_TOKENS positions the plugin
-   runs small_decode (fused write + attention; also timed through Triton's own launcher instead
-   of CachedLaunch, and with ``--profile`` under cProfile); the plugin on FlashInfer is timed
-   too. There it writes a small step's K/V with two ``index_copy_`` launches unless the step
-   reads ``GPU_BOUND_KV_BYTES`` of cache or more (then the one-launch Triton kernel); it is also
-   timed with the write forced onto the Triton kernel (``EAGER_TORCH_MAX_TOKENS = 0``).
+   runs small_decode (fused write + attention); where it does, the host time of its two bound
+   launches alone and of one, and the step with the launches through Triton's launcher object,
+   through CachedLaunch's per-launch key, and through Triton's own ``kernel[grid]`` launcher
+   (with ``--profile``, a cProfile of the step). The plugin on FlashInfer is timed too.
 3. ``prefill``: ragged causal prefill, B*S = 16k tokens (B=2, S=8192), 16 heads, d128: plugin
    (write + ragged run) vs the ragged wrapper's ``run()``; TFLOP/s = 2 * B * S^2 * H * D / t.
    Direct, plugin and the plugin with its KV write on the caller's stream are timed in three
@@ -182,47 +181,25 @@ def bench_decode(spec, batch: int, ctx: int, profile: bool = False) -> dict:
     t_direct = back_to_back_us(direct, iters)
     t_plugin = back_to_back_us(plugin, iters)
     t_direct_write = back_to_back_us(direct_with_write, iters)
-    # The write is one Triton launch (through CachedLaunch); timed here also as the two
-    # index_copy_ launches small eager writes took while Triton's own launcher was the only
-    # way to launch it (EAGER_TORCH_MAX_TOKENS).
-    from attn_core.state import kv_write
-
-    saved = kv_write.EAGER_TORCH_MAX_TOKENS
-    kv_write.EAGER_TORCH_MAX_TOKENS = 256
-    try:
-        plugin()
-        t_plugin_index_copy = back_to_back_us(plugin, iters)
-        host_index_copy = host_us(plugin)
-    finally:
-        kv_write.EAGER_TORCH_MAX_TOKENS = saved
     t_plugin_fi, host_plugin_fi = t_plugin, host_us(plugin)
     # The plugin as configured: up to SMALL_DECODE_MAX_BATCH requests within the KV budget take
-    # small_decode's fused write + attention (timed also through Triton's own launcher, not
-    # CachedLaunch).
+    # small_decode's fused write + attention (and where its host time goes).
     ctx_obj.small_decode_max_batch = small_max
     runtime.prepare(builder.build([(r, 1) for r in range(batch)]))
     kind = ctx_obj.step.kind.value
     small = {}
     if kind == "decode_small":
-        from attn_plugin_flashinfer import small_decode
-
         plugin()
         torch.cuda.synchronize()
         rounds: dict[str, list[float]] = {"direct": [t_direct], "plugin": []}
-        for _ in range(3):  # interleaved with the direct kernel: host-bound times drift
+        for _ in range(5):  # interleaved with the direct kernel: host-bound times drift
             rounds["plugin"].append(back_to_back_us(plugin, iters))
             rounds["direct"].append(back_to_back_us(direct, iters))
         t_plugin, t_direct = min(rounds["plugin"]), min(rounds["direct"])
         if profile:
             what = f"plugin forward, B={batch} ctx={ctx} small"
             print(profile_calls(lambda _i: plugin(), 500, what), flush=True)
-        small_decode._SPLIT.enabled = small_decode._MERGE.enabled = False
-        try:
-            plugin()
-            small["plugin_small_triton_launcher_us"] = back_to_back_us(plugin, iters)
-            small["plugin_small_triton_launcher_host_us"] = host_us(plugin)
-        finally:
-            small_decode._SPLIT.enabled = small_decode._MERGE.enabled = True
+        small.update(_small_host_costs(ctx_obj, binding, plugin, host_us, iters))
     kv_bytes = batch * ctx * HKV * D * 2 * 2
     res = {
         "B": batch,
@@ -238,13 +215,77 @@ def bench_decode(spec, batch: int, ctx: int, profile: bool = False) -> dict:
         "direct_with_write_us": t_direct_write,
         "ratio_vs_direct_with_write": t_plugin / t_direct_write,
         "plugin_host_us": host_us(plugin),
-        "plugin_index_copy_write_us": t_plugin_index_copy,
-        "plugin_index_copy_write_host_us": host_index_copy,
         "direct_host_us": host_us(direct),
         "kv_GB": kv_bytes / 1e9,
         "direct_GB/s": kv_bytes / t_direct / 1e3,
         "plugin_GB/s": kv_bytes / t_plugin / 1e3,
     }
+    return res
+
+
+def _small_host_costs(ctx_obj, binding, plugin, host_us, iters: int) -> dict:
+    """Where a small eager step's host time goes: the step as configured, its plan's two
+    launches alone, one bound launch alone, the plan calling Triton's launcher object instead of
+    the C function under it, and CachedLaunch / Triton's own launcher per launch."""
+    from attn_plugin_flashinfer import small_decode
+
+    from attn_core import fast_launch
+
+    res: dict = {}
+    (plan,) = ctx_obj._small_plans.values()
+    step, batch, kv = ctx_obj.step, ctx_obj.batch, binding.kv
+    q = torch.randn(batch.padded_reqs, H, D, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(batch.padded_reqs, HKV, D, dtype=torch.bfloat16, device="cuda")
+    v, out = torch.randn_like(k), torch.empty_like(q)
+    args = (q, k, v, kv.k, kv.v, batch.page_table, batch.seq_lens, batch.slot_mapping, out,
+            step.small)  # fmt: skip
+    entry = next(iter(small_decode._SPLIT._compiled.values()))
+    res["launcher_form"] = fast_launch._launcher_form(type(entry.run)) if entry.run else None
+    res["plan_two_launches_host_us"] = host_us(lambda: plan(*args))
+    ptrs = [t.data_ptr() for t in args[:8]] + [step.small.o.data_ptr(), step.small.lse.data_ptr()]
+    stream = torch.cuda.current_stream().cuda_stream
+    res["one_bound_launch_host_us"] = host_us(lambda: plan.split.launch(stream, *ptrs))
+    torch.cuda.synchronize()
+    # The same plan through Triton's launcher object (its Python __call__), not the C function.
+    saved = fast_launch._c_launch
+    fast_launch._c_launch = lambda run: None
+    try:
+        small_decode._PLANS.clear()
+        ctx_obj._small_plans.clear()
+        plugin()
+        plugin()
+        res["plugin_runner_call_us"] = back_to_back_us(plugin, iters)
+        res["plugin_runner_call_host_us"] = host_us(plugin)
+    finally:
+        fast_launch._c_launch = saved
+        small_decode._PLANS.clear()
+        ctx_obj._small_plans.clear()
+        plugin()
+    # Every launch through CachedLaunch.launch (its key per launch), and through Triton's own
+    # launcher (no cache at all).
+    saved_plan_call = small_decode.SmallDecodePlan.__call__
+
+    def unbound(self, *a):
+        self.split = self.merge = None
+        saved_plan_call(self, *a)
+        self.split = self.merge = None
+
+    small_decode.SmallDecodePlan.__call__ = unbound
+    try:
+        ctx_obj._small_plans.clear()
+        plugin()
+        res["plugin_cached_launch_us"] = back_to_back_us(plugin, iters)
+        res["plugin_cached_launch_host_us"] = host_us(plugin)
+        small_decode._SPLIT.enabled = small_decode._MERGE.enabled = False
+        plugin()
+        res["plugin_small_triton_launcher_us"] = back_to_back_us(plugin, iters)
+        res["plugin_small_triton_launcher_host_us"] = host_us(plugin)
+    finally:
+        small_decode._SPLIT.enabled = small_decode._MERGE.enabled = True
+        small_decode.SmallDecodePlan.__call__ = saved_plan_call
+        small_decode._PLANS.clear()
+        ctx_obj._small_plans.clear()
+        plugin()
     return res
 
 
@@ -392,7 +433,8 @@ def _copy_engine_probe(direct, k, v, kv) -> dict:
     """Whether the ragged prefill's K/V bytes can move beside FlashInfer's prefill kernel
     without taking SMs: the kernel alone, then with a side-stream copy of the same bytes into
     the cache (torch ``copy_`` of contiguous tensors = a device-to-device cudaMemcpyAsync), and
-    the copy alone. (cudaMemcpyBatchAsync with the prefer-overlap flag, called through ctypes,
+    the copy alone; also the copy enqueued after the kernel's launch, and K and V copied on two
+    side streams at once. (cudaMemcpyBatchAsync with the prefer-overlap flag, called through ctypes,
     returned error 1 on CUDA 13.0 in session 10 and is not probed.)"""
     n = k.numel()
     dk, dv = kv.k.view(-1)[:n], kv.v.view(-1)[:n]
@@ -414,9 +456,33 @@ def _copy_engine_probe(direct, k, v, kv) -> dict:
 
         return step
 
+    def copy_after_the_kernel():  # the copy enqueued after FlashInfer's launch, not before
+        ready = torch.cuda.Event()
+        ready.record(main)
+        direct()
+        side.wait_event(ready)
+        with torch.cuda.stream(side):
+            torch_copy()
+        main.wait_stream(side)
+
+    side_v = torch.cuda.Stream()
+
+    def k_and_v_on_two_streams():  # two copy engines at once
+        side.wait_stream(main)
+        side_v.wait_stream(main)
+        with torch.cuda.stream(side):
+            dk.copy_(k.view(-1))
+        with torch.cuda.stream(side_v):
+            dv.copy_(v.view(-1))
+        direct()
+        main.wait_stream(side)
+        main.wait_stream(side_v)
+
     cases = {
         "direct": direct,
         "direct+torch_copy_side": with_side(torch_copy),
+        "direct+copy_after_launch": copy_after_the_kernel,
+        "direct+k_v_two_streams": k_and_v_on_two_streams,
         "torch_copy_alone": torch_copy,
     }
     rounds: dict[str, list[float]] = {name: [] for name in cases}
@@ -711,14 +777,18 @@ def _table(results: dict) -> str:
         lines.append(
             "decode bf16 32q/8kv d128 page16 |   B |   ctx | plugin us (kind)      | direct us | "
             "ratio | FI append+run us | ratio | host us plugin/direct | GB/s plugin | % of copy | "
-            "plugin on FI: us (ratio) / host us | same, index_copy_ write: us / host us | "
-            "small, Triton's launcher: us / host us"
+            "plugin on FI: us (ratio) / host us | small: host us of its two bound launches "
+            "/ of one; us / host us through the launcher object, CachedLaunch, Triton's launcher"
         )
         for r in results["decode"]:
             launcher = (
+                f"{r['plan_two_launches_host_us']:.1f} / {r['one_bound_launch_host_us']:.1f} "
+                f"({r['launcher_form']}); {r['plugin_runner_call_us']:.1f} / "
+                f"{r['plugin_runner_call_host_us']:.1f}, {r['plugin_cached_launch_us']:.1f} / "
+                f"{r['plugin_cached_launch_host_us']:.1f}, "
                 f"{r['plugin_small_triton_launcher_us']:.1f} / "
                 f"{r['plugin_small_triton_launcher_host_us']:.1f}"
-                if "plugin_small_triton_launcher_us" in r
+                if "plan_two_launches_host_us" in r
                 else "-"
             )
             lines.append(
@@ -728,10 +798,7 @@ def _table(results: dict) -> str:
                 f"{r['plugin_host_us']:9.1f} / {r['direct_host_us']:<9.1f} | "
                 f"{r['plugin_GB/s']:11.0f} | {100 * r['plugin_GB/s'] / copy_bw:8.0f}% | "
                 f"{r['plugin_fi_us']:.1f} ({r['plugin_fi_ratio']:.3f}) / "
-                f"{r['plugin_fi_host_us']:.1f} | "
-                f"{r['plugin_index_copy_write_us']:.1f} / "
-                f"{r['plugin_index_copy_write_host_us']:.1f} | "
-                f"{launcher}"
+                f"{r['plugin_fi_host_us']:.1f} | {launcher}"
             )
     for r in results.get("prefill", []):
         lines.append(
