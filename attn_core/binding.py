@@ -32,7 +32,16 @@ __all__ = ["GroupRuntime", "LayerAttentionBinding"]
 class GroupRuntime:
     """The state shared by all layers of one group: context, bound forward, current batch."""
 
-    __slots__ = ("backend", "batch", "context", "forward", "group_id", "spec", "state")
+    __slots__ = (
+        "backend",
+        "batch",
+        "context",
+        "device_index",
+        "forward",
+        "group_id",
+        "spec",
+        "state",
+    )
 
     def __init__(
         self,
@@ -42,8 +51,15 @@ class GroupRuntime:
         context: AttentionContext,
         forward: Callable[..., torch.Tensor],
         state: Any = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.group_id = group_id
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        #: ``Tensor.get_device()`` of the tensors this group's layers take (-1: CPU), checked
+        #: per forward: a kernel handed another device's address faults the whole context.
+        self.device_index = device.index if device.type != "cpu" else -1
         self.state = state  # the persistent state the group's pages live in (None: encoder)
         self.spec = spec
         self.backend = backend
@@ -195,17 +211,26 @@ class LayerAttentionBinding:
         if tokens != self._tokens:
             self._expect(tokens)
         dtype = self._dtype
+        dev = group.device_index
         # One fused test on the hot path; the slow path below names what is wrong.
         if (
-            q.shape != self._q_shape
+            q.get_device() != dev
+            or q.shape != self._q_shape
             or q.dtype is not dtype
             or q.stride(-1) != 1
             or k is None
             or k.shape != self._k_shape
             or k.dtype is not dtype
+            or k.get_device() != dev
             or (v is None) != (self._v_shape is None)
             or (v is not None and (v.shape != self._v_shape or v.dtype is not dtype))
-            or (out is not None and (out.shape != self._o_shape or out.dtype is not dtype))
+            or (v is not None and v.get_device() != dev)
+            or (
+                out is not None
+                and (
+                    out.shape != self._o_shape or out.dtype is not dtype or out.get_device() != dev
+                )
+            )
         ):
             self._check(q, k, v, out, tokens)
         state = group.state
@@ -312,6 +337,11 @@ class LayerAttentionBinding:
         )
 
     def _check(self, q, k, v, out, tokens: int) -> None:
+        dev = self._group.device_index
+        for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
+            if x is not None and x.get_device() != dev:
+                where = "cpu" if dev < 0 else f"cuda:{dev}"
+                self._bad(f"{name} device", f"the group's device {where}", str(x.device))
         if q.dtype != self._dtype:
             self._bad("q dtype", self._dtype, q.dtype)
         if q.shape[1:] != self._q_tail or q.shape[0] != tokens:

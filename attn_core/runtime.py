@@ -95,6 +95,7 @@ class AttentionRuntime:
                 ctx,
                 fwd or ctx.forward,
                 state=state if group.spec.kind.value != "encoder" else None,
+                device=self.device,
             )
             self.groups[group.group_id] = runtime
             self.workspaces[group.group_id] = workspace

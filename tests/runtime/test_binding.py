@@ -170,6 +170,23 @@ def test_bad_inputs_are_named_and_change_nothing(full_setup, case, what, expecte
     assert state.num_tokens("a") == 6 and state.num_tokens("b") == 3
 
 
+def test_tensors_on_another_device_are_named_before_any_kernel_sees_them(full_setup):
+    """A kernel handed another device's address faults the whole CUDA context (every request's
+    state with it): the binding compares each tensor's device with its group's first. Here
+    the group says cuda:0 and the tensors live on the CPU."""
+    state, runtime, builder = full_setup
+    runtime.prepare(builder.build([("a", 1), ("b", 1)]))
+    runtime.groups["full"].device_index = 0
+    q, k, v = _decode_inputs()
+    snap = _snapshot(state)
+    with pytest.raises(BackendInputError) as info:
+        runtime.binding(1).forward(q, k, v, out=torch.empty_like(q))
+    err = info.value
+    assert err.what == "layer 1: q device"
+    assert (str(err.expected), str(err.got)) == ("the group's device cuda:0", "cpu")
+    assert _unchanged(state, snap)
+
+
 def test_forward_before_prepare(tiny_specs, ref_registry):
     groups = group_layers([tiny_specs["full"]])
     state = PersistentState(groups, num_pages=8, num_slots=0)
