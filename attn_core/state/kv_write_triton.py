@@ -35,10 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_core.fast_launch import CachedLaunch
+from attn_core.fast_launch import BoundLaunch, CachedLaunch
 from attn_core.pdl import gdc_launch_dependents, gdc_wait, pdl_enabled
 
-__all__ = ["launch"]
+__all__ = ["BoundWrite", "bind", "launch"]
 
 # Scale modes of one tensor (constexpr: each combination compiles once).
 _NO_SCALE, _SCALE_TENSOR, _SCALE_FLOAT = 0, 1, 2
@@ -246,32 +246,16 @@ def _scale_key(scale: torch.Tensor | float | None) -> object:
     return "tensor" if isinstance(scale, torch.Tensor) else scale
 
 
-def launch(
+def _launch_args(
     xs: Sequence[torch.Tensor],
     caches: Sequence[torch.Tensor],
     scales: Sequence[torch.Tensor | float | None],
     slot_mapping: torch.Tensor,
     num_tokens: int,
-    config: tuple[int, int, int] | None = None,
-) -> None:
-    """Store ``xs[i][t]`` at slot ``slot_mapping[t]`` of ``caches[i]`` for one or two tensors.
-
-    The caller (:mod:`attn_core.state.kv_write`) has checked shapes, devices and dtypes.
-    Launched through :class:`~attn_core.fast_launch.CachedLaunch`, with the arguments that do
-    not depend on the token count kept per write shape: an eager decode step's write costs a
-    few microseconds of host time (Triton's own launcher took about 110 on the H200's host).
-
-    :param xs: one or two ``[T, *row_i]`` float tensors (any strides).
-    :param caches: matching ``[num_pages, page_size, *row_i]`` caches, float or
-        ``float8_e4m3fn``; page and offset dims must merge into one slot dim without a copy.
-    :param scales: fp8 caches only: a one-element float32 tensor on the cache's device (read in
-        the kernel), a float, or None (= 1); ignored for other dtypes.
-    :param slot_mapping: ``[>= T]`` integer on the cache's device; entry ``t`` < 0 or past the
-        cache stores nothing.
-    :param num_tokens: ``T`` (> 0), the rows of each ``x`` to write.
-    :param config: ``(BLOCK_T, BLOCK_R, num_warps)`` instead of :func:`_config`'s choice
-        (powers of two; for tuning sweeps).
-    """
+    config: tuple[int, int, int] | None,
+) -> tuple:
+    """``(grid, tensors, scalars, options)`` of one write: the write shape's plan, kept per
+    shape (scalars that do not depend on the token count), and this call's tiling."""
     key = (
         slot_mapping.stride(0),
         *[
@@ -300,17 +284,106 @@ def launch(
     # The cache itself stands in for the kernel's flat view of it (same address and dtype), and
     # for an unused scale pointer.
     c0, c1 = caches[0], caches[-1]
-    _WRITE.launch(
+    return (
         (-(-num_tokens // block_t), -(-row // block_r), len(xs)),
         (
             slot_mapping, xs[0], c0, scales[0] if tensor_scale[0] else c0,
             xs[-1], c1, scales[-1] if tensor_scale[1] else c1,
         ),
         (*scalars, block_t, block_r, pdl, num_tokens, num_slots),
-        num_warps=num_warps,
-        num_stages=3,  # Triton's default on CUDA (the launch before CachedLaunch named none)
-        launch_pdl=pdl,
+        # num_stages: Triton's default on CUDA (the launch before CachedLaunch named none)
+        {"num_warps": num_warps, "num_stages": 3, "launch_pdl": pdl},
     )  # fmt: skip
+
+
+def launch(
+    xs: Sequence[torch.Tensor],
+    caches: Sequence[torch.Tensor],
+    scales: Sequence[torch.Tensor | float | None],
+    slot_mapping: torch.Tensor,
+    num_tokens: int,
+    config: tuple[int, int, int] | None = None,
+) -> None:
+    """Store ``xs[i][t]`` at slot ``slot_mapping[t]`` of ``caches[i]`` for one or two tensors.
+
+    The caller (:mod:`attn_core.state.kv_write`) has checked shapes, devices and dtypes.
+    Launched through :class:`~attn_core.fast_launch.CachedLaunch`, with the arguments that do
+    not depend on the token count kept per write shape: an eager decode step's write costs a
+    few microseconds of host time (Triton's own launcher took about 110 on the H200's host).
+
+    :param xs: one or two ``[T, *row_i]`` float tensors (any strides).
+    :param caches: matching ``[num_pages, page_size, *row_i]`` caches, float or
+        ``float8_e4m3fn``; page and offset dims must merge into one slot dim without a copy.
+    :param scales: fp8 caches only: a one-element float32 tensor on the cache's device (read in
+        the kernel), a float, or None (= 1); ignored for other dtypes.
+    :param slot_mapping: ``[>= T]`` integer on the cache's device; entry ``t`` < 0 or past the
+        cache stores nothing.
+    :param num_tokens: ``T`` (> 0), the rows of each ``x`` to write.
+    :param config: ``(BLOCK_T, BLOCK_R, num_warps)`` instead of :func:`_config`'s choice
+        (powers of two; for tuning sweeps).
+    """
+    grid, tensors, scalars, options = _launch_args(
+        xs, caches, scales, slot_mapping, num_tokens, config
+    )
+    _WRITE.launch(grid, tensors, scalars, **options)
+
+
+class BoundWrite:
+    """One write shape's launch bound to its compiled kernel (:func:`bind`): ``write(k, v,
+    k_cache, v_cache, slot_mapping, k_scale, v_scale)`` for tensors of the shapes, strides,
+    dtypes, device and token count it was bound for (the caller's promise, as checked once by
+    :func:`attn_core.state.kv_write.kv_writer`). Per call it reads the addresses and checks
+    their alignment, the device and launch hooks; where those fail it launches through
+    :func:`launch`.
+    """
+
+    __slots__ = ("_bound", "_tensor_scale", "num_tokens")
+
+    def __init__(self, bound: BoundLaunch, tensor_scale: tuple[bool, bool],
+                 num_tokens: int) -> None:  # fmt: skip
+        self._bound = bound
+        self._tensor_scale = tensor_scale
+        self.num_tokens = num_tokens
+
+    def __call__(self, xs: Sequence[torch.Tensor], caches: Sequence[torch.Tensor],
+                 scales: Sequence[torch.Tensor | float | None],
+                 slot_mapping: torch.Tensor) -> None:  # fmt: skip
+        bound = self._bound
+        c0, c1 = caches[0], caches[-1]
+        s0, s1 = self._tensor_scale
+        ps, px0, pc0, px1, pc1 = (
+            slot_mapping.data_ptr(), xs[0].data_ptr(), c0.data_ptr(),
+            xs[-1].data_ptr(), c1.data_ptr(),
+        )  # fmt: skip
+        pk = scales[0].data_ptr() if s0 else pc0
+        pv = scales[-1].data_ptr() if s1 else pc1
+        if not (ps | px0 | pc0 | pk | px1 | pc1 | pv) & 15 and CachedLaunch.direct_ok(bound.device):
+            bound.launch(CachedLaunch.current_stream(bound.device), ps, px0, pc0, pk, px1, pc1, pv)
+        else:
+            launch(xs, caches, scales, slot_mapping, self.num_tokens)
+
+
+def bind(
+    xs: Sequence[torch.Tensor],
+    caches: Sequence[torch.Tensor],
+    scales: Sequence[torch.Tensor | float | None],
+    slot_mapping: torch.Tensor,
+    num_tokens: int,
+) -> BoundWrite | None:
+    """The :class:`BoundWrite` of these arguments, after one :func:`launch` of them compiled
+    the kernel; None where a bound launch does not apply (see
+    :meth:`~attn_core.fast_launch.CachedLaunch.bind`), or rows of 3+ dims (reshaped per call).
+    """
+    grid, tensors, scalars, options = _launch_args(
+        xs, caches, scales, slot_mapping, num_tokens, None
+    )
+    if tensors[1] is not xs[0] or tensors[4] is not xs[-1]:
+        return None
+    bound = _WRITE.bind(grid, tensors, scalars, **options)
+    if bound is None:
+        return None
+    tensor_scale = (tensors[3] is not caches[0], tensors[6] is not caches[-1])
+    return BoundWrite(bound, tensor_scale, num_tokens)
 
 
 def _plan(ops: list[_Operand], slot_mapping: torch.Tensor) -> tuple:

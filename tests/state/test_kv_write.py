@@ -195,3 +195,54 @@ def test_write_kv_runs_matches_the_slot_writer():
         write_kv_runs(k.transpose(1, 2).contiguous().transpose(1, 2), v, *caches, [(0, 0, 1)])
     with pytest.raises(ValueError, match="float32"):
         write_kv_runs(k.float(), v, *caches, [(0, 0, 1)])
+
+
+class _BindingKernels(_RecordingKernels):
+    """The Triton writer stand-in with :func:`bind`: the bound write records and writes too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bound: list[int] = []
+
+    def bind(self, xs, caches, scales, slot_mapping, num_tokens):
+        def bound(xs, caches, scales, slot_mapping):
+            self.bound.append(num_tokens)
+            for x, cache, scale in zip(xs, caches, scales, strict=True):
+                kv_write.write_slots_torch(x, cache, slot_mapping, scale)
+
+        return bound
+
+
+def test_a_kv_writer_checks_its_first_write_then_launches_bound(monkeypatch):
+    from attn_core.state.kv_write import KVWriter
+
+    kernels = _BindingKernels()
+    monkeypatch.setattr(kv_write, "_kernels", lambda cache: kernels)
+    k_cache, v_cache = _cache(), _cache()
+    with pytest.raises(ValueError, match="expected shape"):  # the first write is checked
+        KVWriter()(
+            torch.randn(2, 3, 3), torch.randn(2, 2, 3), k_cache, v_cache, torch.tensor([0, 1])
+        )
+    writer = KVWriter(may_have_padding=False)
+    slots = torch.tensor([5, 9])
+    for layer in range(3):
+        k, v = torch.randn(2, 2, 3), torch.randn(2, 2, 3)
+        writer(k, v, k_cache, v_cache, slots)
+        assert torch.equal(k_cache.view(16, 2, 3)[[5, 9]], k), layer
+        assert torch.equal(v_cache.view(16, 2, 3)[[5, 9]], v), layer
+    assert (kernels.launches, kernels.bound) == ([2], [2, 2])
+
+
+def test_a_kv_writer_without_a_kernel_writes_checked_every_time(monkeypatch):
+    from attn_core.state.kv_write import KVWriter
+
+    calls = []
+    real = kv_write.write_kv_slots
+    monkeypatch.setattr(
+        kv_write, "write_kv_slots", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    writer = KVWriter()
+    k_cache, v_cache = _cache(), _cache()
+    for _ in range(3):
+        writer(torch.randn(1, 2, 3), torch.randn(1, 2, 3), k_cache, v_cache, torch.tensor([3]))
+    assert len(calls) == 3  # CPU caches: the torch path, checked per call

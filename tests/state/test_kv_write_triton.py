@@ -313,3 +313,38 @@ def test_fused_writer_replays_in_a_cuda_graph_with_new_slots_and_scale():
     torch.cuda.synchronize()
     for got, exp in zip((kc, vc, lc), before, strict=True):
         _same(got, exp)
+
+
+def test_a_bound_write_hands_the_kernel_its_addresses_or_falls_back_to_launch(monkeypatch):
+    """BoundWrite: the seven pointer arguments in the kernel's order (a scale tensor's address
+    where the write shape has one, the cache's where not), on the current stream; a misaligned
+    tensor or another current device goes through launch() and its checks instead."""
+    from attn_core.fast_launch import CachedLaunch
+
+    class Bound:
+        device = -1
+
+        def __init__(self):
+            self.calls = []
+
+        def launch(self, stream, *ptrs):
+            self.calls.append((stream, ptrs))
+
+    launched = []
+    monkeypatch.setattr(kv_write_triton, "launch", lambda *a: launched.append(a))
+    monkeypatch.setattr(CachedLaunch, "current_device", staticmethod(lambda: -1))
+    monkeypatch.setattr(CachedLaunch, "current_stream", staticmethod(lambda dev: 77))
+    bound = Bound()
+    write = kv_write_triton.BoundWrite(bound, (True, False), num_tokens=2)
+    k, v = torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    kc, vc = torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8)
+    k_scale, slots = torch.ones(()), torch.tensor([1, 2])
+    write((k, v), (kc, vc), (k_scale, None), slots)
+    ptrs = (slots, k, kc, k_scale, v, vc, vc)
+    assert bound.calls == [(77, tuple(t.data_ptr() for t in ptrs))]
+    assert launched == []
+    odd = torch.zeros(2 * 2 * 8 + 2)[2:].view(2, 2, 8)  # 8 bytes into its storage
+    write((odd, v), (kc, vc), (k_scale, None), slots)
+    monkeypatch.setattr(CachedLaunch, "current_device", staticmethod(lambda: 0))
+    write((k, v), (kc, vc), (k_scale, None), slots)
+    assert len(bound.calls) == 1 and [a[4] for a in launched] == [2, 2]

@@ -56,9 +56,9 @@ from attn_core.context import WorkspaceRequirement
 from attn_core.specs import ExecutionConstraints, GraphMode, LayerGroup, LayerKind, LayerSpec
 from attn_core.state.kv_write import (
     FP8_DTYPE,
+    KVWriter,
     slot_runs,
     write_kv_runs,
-    write_kv_slots,
     write_slots,
 )
 from attn_plugin_flashinfer import fast_plan, planning
@@ -249,6 +249,8 @@ class _PagedContext:
         self._small_plan_for: Any = None  # small_decode.plan, imported with the buffers
         # small_decode's plans of the current step, by (q, k, v, out strides, scale, pdl).
         self._small_plans: dict[tuple, Any] = {}
+        # The step's K/V writers (kv_write.KVWriter), by (k, v strides, scale kinds).
+        self._writers: dict[tuple, KVWriter] = {}
 
     # -- the contract ------------------------------------------------------------------------
     def prepare(self, batch: AttentionBatch) -> None:
@@ -258,6 +260,7 @@ class _PagedContext:
         self.step = self._plan(batch)
         self.batch = batch
         self._small_plans = {}
+        self._writers = {}
 
     def update(self, batch: AttentionBatch) -> None:
         """Before a CUDA-graph replay: re-plan into the captured wrapper's fixed buffers.
@@ -647,15 +650,7 @@ class FullAttentionContext(_PagedContext):
         if step.kind is StepKind.DECODE_SMALL:
             return self._small_decode(layer, q, k, v, out, step)
         fp8 = self.fp8
-        write = (
-            k,
-            v,
-            k_cache,
-            v_cache,
-            self.batch.slot_mapping,
-            kv.k_scale if fp8 else None,
-            kv.v_scale if fp8 else None,
-        )
+        write = (k, v, k_cache, v_cache, kv.k_scale if fp8 else None, kv.v_scale if fp8 else None)
         wrapper = step.wrapper
         wrapper._sm_scale = layer.scale
         o = out if out is not None and out.is_contiguous() else None
@@ -664,7 +659,7 @@ class FullAttentionContext(_PagedContext):
             # run beside it on a side stream (memory-bound next to compute-bound).
             side = self._side_stream()
             if side is None:
-                write_kv_slots(*write, may_have_padding=step.padded)
+                self._write_kv(*write)
                 result = wrapper.run(q, k, v, out=o)
             else:
                 main = torch.cuda.current_stream(self.device)
@@ -675,20 +670,30 @@ class FullAttentionContext(_PagedContext):
                         # SM, where the write kernel would wait for the prefill's SMs.
                         write_kv_runs(k, v, k_cache, v_cache, step.kv_runs)
                     else:
-                        write_kv_slots(*write, may_have_padding=step.padded)
+                        self._write_kv(*write)
                 result = wrapper.run(q, k, v, out=o)
                 # Join before returning: later work on the main stream (the next step's
                 # attention, or the caller freeing k/v) is ordered after the write.
                 main.wait_stream(side)
         else:
             # One launch on CUDA for K and V (padding rows change nothing).
-            write_kv_slots(*write, may_have_padding=step.padded)
+            self._write_kv(*write)
             # fp8: the kernel dequantises nothing; fold k_scale into q, v_scale into out.
             qk = torch.mul(q, kv.k_scale) if fp8 else q
             result = wrapper.run(qk, (k_cache, v_cache), out=o)
             if fp8:
                 result.mul_(kv.v_scale)
         return self._finish(result, out)
+
+    def _write_kv(self, k, v, k_cache, v_cache, k_scale, v_scale) -> None:
+        """The step's K/V rows into the caches: one kv_write.KVWriter per (k/v strides, scale
+        kinds) for the step, checked on its first write (the binding checks k/v shapes, dtypes
+        and device per call, forward() the cache dtype; the slots are the step's)."""
+        key = (k.stride(), v.stride(), _scale_kind(k_scale), _scale_kind(v_scale))
+        writer = self._writers.get(key)
+        if writer is None:
+            writer = self._writers[key] = KVWriter(may_have_padding=self.step.padded)
+        writer(k, v, k_cache, v_cache, self.batch.slot_mapping, k_scale, v_scale)
 
     def _small_decode(self, layer, q, k, v, out, step: _Step) -> torch.Tensor:
         """A small decode step: the fused write + split-KV kernels (small_decode)."""
@@ -716,6 +721,12 @@ class FullAttentionContext(_PagedContext):
             )
         plan(*args)
         return self._finish(o, out)
+
+
+def _scale_kind(scale: torch.Tensor | float | None) -> object:
+    """What a KVWriter is bound to of a scale: a tensor's address is read per write, a float
+    is baked into the launch."""
+    return "tensor" if isinstance(scale, torch.Tensor) else scale
 
 
 def _copyable(x: torch.Tensor, cache: torch.Tensor) -> bool:
