@@ -16,7 +16,7 @@ Sections (each isolated: a failure is recorded in the JSON and the next section 
    (with ``--profile``, a cProfile of the step). The plugin on FlashInfer is timed too.
 3. ``prefill``: ragged causal prefill, B*S = 16k tokens (B=2, S=8192), 16 heads, d128: plugin
    (write + ragged run) vs the ragged wrapper's ``run()``; TFLOP/s = 2 * B * S^2 * H * D / t.
-   Direct, plugin and the plugin with its KV write on the caller's stream are timed in three
+   Direct, plugin and the plugin with its KV write on the caller's stream are timed in five
    interleaved rounds.
 4. ``prepare``: host time of ``runtime.prepare(batch)`` for a B=256 decode step (ctx 4096),
    ``time.perf_counter``, median and p90 of many calls (target < 150 us).
@@ -390,12 +390,12 @@ def bench_prefill(batch: int = 2, seq: int = 8192, heads: int = 16) -> dict:
     plugin()
     direct_with_write()
     torch.cuda.synchronize()
-    # Three interleaved rounds (min of each) of the direct kernel, the plugin as configured
+    # Five interleaved rounds (min of each) of the direct kernel, the plugin as configured
     # (KV write on a side stream) and the plugin with the write before the attention on one
     # stream, so that clock drift hits all alike.
     overlap = ctx_obj.overlap_kv_write
     rounds: dict[str, list[float]] = {"direct": [], "plugin": [], "serial": []}
-    for _ in range(3):
+    for _ in range(5):
         rounds["direct"].append(back_to_back_us(direct, 20, warmup=3))
         rounds["plugin"].append(back_to_back_us(plugin, 20, warmup=3))
         ctx_obj.overlap_kv_write = False
@@ -417,6 +417,7 @@ def bench_prefill(batch: int = 2, seq: int = 8192, heads: int = 16) -> dict:
         "plugin_serial_write_us": t_plugin_serial,
         "direct_us": t_direct,
         "ratio": t_plugin / t_direct,
+        "ratio_per_round": [p / d for p, d in zip(rounds["plugin"], rounds["direct"], strict=True)],
         "direct_TFLOP/s": flops / t_direct / 1e6,
         "plugin_TFLOP/s": flops / t_plugin / 1e6,
         "direct_with_write_us": t_direct_write,
@@ -901,6 +902,11 @@ def main(argv: list[str] | None = None) -> int:
         help="graph section: comma-separated BATCHxCTX cases",
     )
     parser.add_argument(
+        "--decode-cases",
+        help="decode section: comma-separated BATCHxCTX cases instead of B = 1, 64, 256 at ctx "
+        "4096 and 32768 (say 1x16384,1x24576 for where small_decode and FlashInfer cross)",
+    )
+    parser.add_argument(
         "--only",
         help="comma-separated sections: decode, variants, prefill, prepare, profile, graph "
         "(the copy bandwidth always runs)",
@@ -932,9 +938,13 @@ def main(argv: list[str] | None = None) -> int:
     _run(results, "copy", bench_copy)
     contexts = (4096,) if args.quick else (4096, 32768)
     batches = (1, 64) if args.quick else (1, 64, 256)
-    for ctx in contexts if want("decode") else ():
-        for batch in batches:
-            _run(results, "decode", bench_decode, spec, batch, ctx, profile=args.profile)
+    decode_cases = [(b, c) for c in contexts for b in batches]
+    if args.decode_cases:
+        decode_cases = [
+            tuple(int(x) for x in case.split("x")) for case in args.decode_cases.split(",")
+        ]
+    for batch, ctx in decode_cases if want("decode") else ():
+        _run(results, "decode", bench_decode, spec, batch, ctx, profile=args.profile)
     if args.variants and want("variants"):
         for batch, ctx in ((64, 4096), (256, 4096), (64, 32768)):
             _run(results, "decode_variants", bench_decode_variants, batch, ctx)
