@@ -93,10 +93,12 @@ INT_WORKSPACE_BYTES = 8 * 2**20
 #: the host). ``ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH`` overrides the batch limit (0: never).
 SMALL_DECODE_MAX_BATCH = 4
 SMALL_DECODE_MAX_KV_TOKENS = 20480
-#: The same limit for eager steps, where FlashInfer's path is host-bound: its run() and the
-#: K/V write launch took 55-80 us of the H200 host's time per layer (session 10, B=1), more
-#: than small_decode's GPU time up to ~64k positions (B=1 ctx 32768: 45.0 against 73.2 us).
-SMALL_DECODE_MAX_KV_TOKENS_EAGER = 65536
+#: The same limit for eager steps, where FlashInfer's path costs host time: its run() and the
+#: K/V write (a bound launch, kv_write.KVWriter) took 27-30 us of the H200 host's time per
+#: layer in session 11 (50-80 before). Eager us per step, small_decode / the plugin on
+#: FlashInfer (session 11): B=1 ctx 8192 16.4 / 28.2, 16384 28.9 / 28.9, 20480 33.4 / 31.1,
+#: 24576 37.6 / 34.3, 32768 44.9 / 41.5; B=2 ctx 16384 46.3 / 41.3; B=4 ctx 8192 46.2 / 41.5.
+SMALL_DECODE_MAX_KV_TOKENS_EAGER = 16384
 #: GQA group sizes FlashInfer's CUDA-core decode kernel is compiled for (DISPATCH_GQA_GROUP_SIZE).
 _CUDA_CORE_DECODE_GROUPS = frozenset({1, 2, 3, 4, 8})
 
