@@ -90,15 +90,17 @@ INT_WORKSPACE_BYTES = 8 * 2**20
 #: 10.9 + 0.94 N/1000 us for FlashInfer + write, which cross near N = 20k.
 #: A captured graph replays at every length up to ``max_model_len``, so its limit holds for
 #: requests x ``max_model_len``; an eager step's limit holds for its requests' own lengths (on
-#: the host). ``ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH`` overrides the batch limit (0: never).
+#: the host). Eager, FlashInfer's path also costs host time: its run() and the K/V write (a
+#: bound launch, kv_write.KVWriter) took 27-46 us of the H200 host's time per layer in session
+#: 11, depending on the machine lent. Eager us per step, small_decode / the plugin on
+#: FlashInfer on a faster and a slower host: B=1 ctx 16384 28.9 / 28.9 and 42.8, 20480 33.4 /
+#: 31.1 and 42.0, 24576 37.6 / 34.3 and 41.2, 32768 44.9 / 41.5 and 46.3; B=2 ctx 16384 46.3 /
+#: 41.3 and 42.0; B=4 ctx 8192 46.2 / 41.5 and 43.1 (FlashInfer's run() alone, GPU-bound
+#: there: 26.0, 29.7-30.1, 33.4-34.3, 41.1-41.5, 40.2-41.0, 40.6-41.0). Up to ~20k positions
+#: small_decode is never much slower and often far faster, so the eager limit is the graph's.
+#: ``ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH`` overrides the batch limit (0: never).
 SMALL_DECODE_MAX_BATCH = 4
 SMALL_DECODE_MAX_KV_TOKENS = 20480
-#: The same limit for eager steps, where FlashInfer's path costs host time: its run() and the
-#: K/V write (a bound launch, kv_write.KVWriter) took 27-30 us of the H200 host's time per
-#: layer in session 11 (50-80 before). Eager us per step, small_decode / the plugin on
-#: FlashInfer (session 11): B=1 ctx 8192 16.4 / 28.2, 16384 28.9 / 28.9, 20480 33.4 / 31.1,
-#: 24576 37.6 / 34.3, 32768 44.9 / 41.5; B=2 ctx 16384 46.3 / 41.3; B=4 ctx 8192 46.2 / 41.5.
-SMALL_DECODE_MAX_KV_TOKENS_EAGER = 16384
 #: GQA group sizes FlashInfer's CUDA-core decode kernel is compiled for (DISPATCH_GQA_GROUP_SIZE).
 _CUDA_CORE_DECODE_GROUPS = frozenset({1, 2, 3, 4, 8})
 
@@ -292,7 +294,7 @@ class _PagedContext:
             batch.mode is BatchMode.DECODE
             and self.small_decode_max_batch >= P
             # a graph's limit holds at max_model_len; an eager step's lengths are known
-            and (graph or int(batch.seq_lens_cpu[:P].sum()) <= SMALL_DECODE_MAX_KV_TOKENS_EAGER)
+            and (graph or int(batch.seq_lens_cpu[:P].sum()) <= SMALL_DECODE_MAX_KV_TOKENS)
         ):
             # The fused kernels read the batch's own page table, lengths and slots: no plan.
             return _Step(StepKind.DECODE_SMALL, None, graph, small=self._small_buffers(P))

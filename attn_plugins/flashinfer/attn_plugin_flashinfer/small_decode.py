@@ -8,9 +8,9 @@ attends over the whole context, split across the SMs, and a second one merges th
 write launch. In a 32-layer graph (us per layer, against FlashInfer's kernel alone / FlashInfer +
 the write launched as a programmatic dependent; session 10): B=1 ctx 4096 12.7 (13.9 / 14.8),
 B=2 17.8 (17.9 / 18.8), B=4 26.9 (26.6 / 27.3), B=1 ctx 32768 43.4 (41.5 / 41.7). From about 20k
-positions FlashInfer's kernels read faster, so a captured step uses this one only below
-``context.SMALL_DECODE_MAX_KV_TOKENS`` (eager steps, where FlashInfer's path is host-bound, up to
-``SMALL_DECODE_MAX_KV_TOKENS_EAGER``).
+positions FlashInfer's kernels read faster, so a step uses this one only below
+``context.SMALL_DECODE_MAX_KV_TOKENS`` (a captured one at ``max_model_len``, an eager one at
+its requests' own lengths).
 
 How (flash-decoding): program ``(b, kv_head, split)`` covers one of ``num_splits`` equal,
 ``BLOCK_N``-aligned ranges of request ``b``'s ``seq_len`` positions, for the ``group`` query
@@ -25,12 +25,14 @@ the splits after an atomic ticket, measured slower at B=1: 14.2 against 13.4 us 
 ctx 4096, its merge running on eight programs instead of 32 and its registers lowering the
 split loop's occupancy.)
 
-Both kernels go through :class:`~attn_core.fast_launch.CachedLaunch`: an eager
-decode step of one request is host-bound, and Triton's own launcher took 77 us of the H200
-server's host time per step against 46 us through the cache (session 9; 23-24 us in session 10,
-with the C launcher called directly and the launch arguments kept per step shape). ``pdl``
-launches both as programmatic dependents (:mod:`attn_core.pdl`); measured slower at one and four
-requests, the context leaves it off.
+Both kernels are launched through a :class:`SmallDecodePlan` per step shape (:func:`plan`):
+an eager decode step of one request is host-bound, and the plan checks once what
+:class:`~attn_core.fast_launch.CachedLaunch`'s keys would check per launch, then calls both
+kernels' C launch functions with the tensors' addresses. Host time per B=1 step on the H200,
+session 11: 13.9 us through the plan (two bound launches 10.6), 15.8 through Triton's launcher
+objects, 30.0 through CachedLaunch's keys, 40.5 through Triton's own launcher; FlashInfer's
+``run()`` 17.5. ``pdl`` launches both as programmatic dependents (:mod:`attn_core.pdl`);
+measured slower at one and four requests, the context leaves it off.
 
 The ranges are cut from the device-side ``seq_lens`` inside the kernel, so a captured graph
 stays right when a replay brings other lengths; ``num_splits`` (the grid) is fixed per padded

@@ -448,11 +448,11 @@ def test_full_attention_matches_reference(fake_fi, monkeypatch, name, small):
 @INTERPRETED
 def test_eager_small_decode_follows_the_steps_kv_positions(fake_fi, monkeypatch):
     """An eager decode step of at most SMALL_DECODE_MAX_BATCH requests takes small_decode
-    while its requests' KV positions add up to at most SMALL_DECODE_MAX_KV_TOKENS_EAGER (known on
-    the host, unlike a graph's), FlashInfer's decode above; the env var turns it off."""
+    while its requests' KV positions add up to at most SMALL_DECODE_MAX_KV_TOKENS (known on the
+    host, unlike a graph's), FlashInfer's decode above; the env var turns it off."""
     from attn_plugin_flashinfer import context as fi_context
 
-    monkeypatch.setattr(fi_context, "SMALL_DECODE_MAX_KV_TOKENS_EAGER", 24)
+    monkeypatch.setattr(fi_context, "SMALL_DECODE_MAX_KV_TOKENS", 24)
     h = wl.make(FULL, "flashinfer:flashinfer", "cpu")
     wl.run_step(h, 0, [(0, 11), (1, 9), (2, 5)])
     kinds = []
