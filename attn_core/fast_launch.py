@@ -62,8 +62,9 @@ def _runner_calls_run_as_expected() -> bool:
 
 
 #: The C launch call inside the ``__call__`` of Triton's CUDA launcher (``CompiledKernel.run``),
-#: whitespace removed, by form: ``"tuple"`` (Triton 3.5-3.9: the kernel's arguments as one tuple
-#: after the launcher's annotations) and ``"star"`` (3.3-3.4: the runner's arguments spread).
+#: whitespace removed, by form: ``"tuple"`` (Triton 3.9: the kernel's arguments as one tuple
+#: after the launcher's annotations) and ``"star"`` (Triton 3.6, the H200's, and older: the
+#: runner's arguments spread).
 _C_LAUNCH_CALLS = {
     "tuple": (
         "self.launch(gridX,gridY,gridZ,stream,function,self.launch_cooperative_grid,"

@@ -208,7 +208,7 @@ def test_direct_ok_only_on_the_current_device_without_hooks(cpu_device, monkeypa
 
 
 class _StarLauncher:
-    """A launcher of the Triton 3.3-3.4 form: the runner's arguments spread into the C call."""
+    """A launcher of the Triton 3.6 form (the H200's): the runner's arguments spread."""
 
     def __call__(self, gridX, gridY, gridZ, stream, function, *args):
         global_scratch = profile_scratch = None
@@ -248,21 +248,34 @@ def _bound_against_runner(launcher: object, log: list) -> tuple:
     return log[0], log[1]
 
 
-@pytest.mark.parametrize("form", ["tuple", "star"])
-def test_a_bound_launch_hands_the_c_function_what_the_launchers_call_does(form, monkeypatch):
-    """Against the installed Triton's own CUDA launcher (``tuple`` form) and a stand-in of the
-    3.3-3.4 one: the C launch function receives the same arguments either way."""
-    if form == "tuple":
+class _TupleLauncher:
+    """A launcher of the Triton 3.9 form: the kernel's arguments as one tuple."""
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata,
+                 launch_enter_hook, launch_exit_hook, *args):  # fmt: skip
+        global_scratch = profile_scratch = None
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid,
+                    self.launch_pdl, kernel_metadata, launch_metadata, launch_enter_hook,
+                    launch_exit_hook, global_scratch, profile_scratch, self.arg_annotations,
+                    self.kernel_signature, args)  # fmt: skip
+
+
+@pytest.mark.parametrize("which", ["installed", "tuple", "star"])
+def test_a_bound_launch_hands_the_c_function_what_the_launchers_call_does(which, monkeypatch):
+    """Against the installed Triton's own CUDA launcher class (its real ``__call__``, of either
+    form) and stand-ins of both forms: the C launch function receives the same arguments from
+    a bound launch as from the launcher's ``__call__``."""
+    if which == "installed":
         import triton
         from triton.backends.nvidia.driver import CudaLauncher as cls
 
-        if fast_launch._launcher_form(cls) != "tuple":
-            pytest.skip("this Triton's CUDA launcher is not of the tuple form")
-        # The real __call__ reads the active driver (none on a CPU machine).
+        if fast_launch._launcher_form(cls) is None:
+            pytest.skip("this Triton's CUDA launcher is of neither known form")
+        # The real __call__ may read the active driver (none on a CPU machine).
         monkeypatch.setattr(triton.runtime, "driver", type("D", (), {"active": None})())
     else:
-        cls = _StarLauncher
-        assert fast_launch._launcher_form(cls) == "star"
+        cls = {"tuple": _TupleLauncher, "star": _StarLauncher}[which]
+        assert fast_launch._launcher_form(cls) == which
     log: list = []
     runner_call, bound_call = _bound_against_runner(_launcher(cls, log), log)
     assert bound_call == runner_call
