@@ -24,6 +24,14 @@ whether the address is a device pointer, per tensor, per launch. Where a launch 
 tensors' device is not the current one, or this Triton's runner does not look as expected, the
 cached kernel is launched through that runner instead.
 
+A caller that launches one shape many times goes one step further with :meth:`CachedLaunch.bind`:
+a :class:`BoundLaunch` fixes grid and scalars, takes only the stream and the addresses, and where
+the launcher's form is known calls the C function under Triton's launcher object (whose Python
+``__call__`` only allocates scratch memory such kernels lack). It checks nothing: the caller
+checks alignment, device and hooks, once for all its launches of a step. H200 host time per
+eager small_decode step of one request (two launches, session 11): 13.9 us bound, 15.8 through
+the launcher objects, 30.0 through this class's per-launch keys, 40.5 through Triton's launcher.
+
 Under Triton's interpreter (CPU tests) a launch returns no compiled kernel, and every call goes
 through ``kernel[grid](...)``.
 """
