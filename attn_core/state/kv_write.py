@@ -33,11 +33,12 @@ Two implementations, picked by device (not a fallback: both have the semantics a
   tensor, which on CPU costs nothing that matters.
 
 The Triton kernel launches through :class:`attn_core.fast_launch.CachedLaunch`, and on sm90
-as a programmatic dependent launch (:mod:`attn_core.pdl`). (Until session 10 a small eager
-step's write took two ``index_copy_`` calls instead, while the kernel launched through Triton's
-own launcher: 46 against 113 us of the H200 server's host time. Through CachedLaunch both cost
-the same host time, 52.4 against 52.5 us per B=1 step of the plugin on FlashInfer, and the one
-kernel less GPU time, so that path is gone.)
+as a programmatic dependent launch (:mod:`attn_core.pdl`). A backend that writes one shape per
+layer of a step keeps a :class:`KVWriter`: the checks on its first write, a bound launch after.
+(Until session 10 a small eager step's write took two ``index_copy_`` calls instead, while the
+kernel launched through Triton's own launcher: 46 against 113 us of the H200 server's host time.
+Through CachedLaunch both cost the same host time, 52.4 against 52.5 us per B=1 step of the
+plugin on FlashInfer, and the one kernel less GPU time, so that path is gone.)
 """
 
 from __future__ import annotations
