@@ -267,9 +267,9 @@ class BoundLaunch:
     kernels that need none) costs about as much host time as the C call; otherwise ``run``.
 
     It checks nothing. The caller passes the addresses of tensors of the dtypes bound, each
-    16-byte aligned, on ``device``, and launches only while :meth:`CachedLaunch.direct_ok`
-    holds for ``device``: what :meth:`CachedLaunch.launch` checks per launch, a caller that
-    launches several kernels per step (small_decode) checks once for all of them.
+    16-byte aligned, on ``device``, and launches only on the stream :meth:`stream_for` gives:
+    what :meth:`CachedLaunch.launch` checks per launch, a caller that launches several kernels
+    per step (small_decode) checks once for all of them.
     """
 
     __slots__ = ("device", "launch")
@@ -308,3 +308,15 @@ class BoundLaunch:
 
         #: ``(stream, *addresses) -> None``
         self.launch = call
+
+    def stream_for(self, address_bits: int) -> int | None:
+        """The current stream of ``device`` where a bound launch may go there now, else None
+        (then launch through :meth:`CachedLaunch.launch`, which checks per launch).
+
+        :param address_bits: the OR of every address the caller is about to hand its bound
+            launches: they must all be 16-byte aligned, as at bind time; the device must be the
+            current one and no launch hook set (:meth:`CachedLaunch.direct_ok`).
+        """
+        if address_bits & 15 or not CachedLaunch.direct_ok(self.device):
+            return None
+        return CachedLaunch.current_stream(self.device)

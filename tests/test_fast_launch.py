@@ -296,3 +296,22 @@ def test_kernels_with_scratch_or_unknown_launchers_keep_the_launchers_call():
             self.launch(*args)
 
     assert fast_launch._launcher_form(Other) is None
+
+
+def test_stream_for_gives_the_current_stream_only_where_a_bound_launch_may_go(
+    cpu_device, monkeypatch
+):
+    from triton import knobs
+
+    fn = _JitFunction()
+    launch = CachedLaunch(fn)
+    x = torch.zeros(8)
+    launch.launch((1,), (x,), (3,), num_warps=4, num_stages=2)
+    bound = launch.bind((1,), (x,), (3,), num_warps=4, num_stages=2)
+    assert bound.stream_for(x.data_ptr() | 32) == STREAM - 1
+    assert bound.stream_for(x.data_ptr() | 8) is None  # an address off 16-byte alignment
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
+    assert bound.stream_for(x.data_ptr()) is None
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", None)
+    monkeypatch.setattr(CachedLaunch, "current_device", staticmethod(lambda: 0))
+    assert bound.stream_for(x.data_ptr()) is None

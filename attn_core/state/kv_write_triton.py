@@ -357,8 +357,9 @@ class BoundWrite:
         )  # fmt: skip
         pk = scales[0].data_ptr() if s0 else pc0
         pv = scales[-1].data_ptr() if s1 else pc1
-        if not (ps | px0 | pc0 | pk | px1 | pc1 | pv) & 15 and CachedLaunch.direct_ok(bound.device):
-            bound.launch(CachedLaunch.current_stream(bound.device), ps, px0, pc0, pk, px1, pc1, pv)
+        stream = bound.stream_for(ps | px0 | pc0 | pk | px1 | pc1 | pv)
+        if stream is not None:
+            bound.launch(stream, ps, px0, pc0, pk, px1, pc1, pv)
         else:
             launch(xs, caches, scales, slot_mapping, self.num_tokens)
 

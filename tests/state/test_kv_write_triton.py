@@ -319,10 +319,11 @@ def test_a_bound_write_hands_the_kernel_its_addresses_or_falls_back_to_launch(mo
     """BoundWrite: the seven pointer arguments in the kernel's order (a scale tensor's address
     where the write shape has one, the cache's where not), on the current stream; a misaligned
     tensor or another current device goes through launch() and its checks instead."""
-    from attn_core.fast_launch import CachedLaunch
+    from attn_core.fast_launch import BoundLaunch, CachedLaunch
 
     class Bound:
         device = -1
+        stream_for = BoundLaunch.stream_for  # the real check, on a recording stand-in
 
         def __init__(self):
             self.calls = []

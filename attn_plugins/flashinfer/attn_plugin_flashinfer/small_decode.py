@@ -366,12 +366,9 @@ class SmallDecodePlan:
             pkc, pvc = k_cache.data_ptr(), v_cache.data_ptr()
             ppt, psl, psm = page_table.data_ptr(), seq_lens.data_ptr(), slot_mapping.data_ptr()
             po, plse, pout = o_buf.data_ptr(), lse_buf.data_ptr(), out.data_ptr()
-            device = split.device
             # The bound launches check nothing: alignment, device and hooks here, once for both.
-            if not (pq | pk | pv | pkc | pvc | ppt | psl | psm | po | plse | pout) & 15 and (
-                CachedLaunch.direct_ok(device)
-            ):
-                stream = CachedLaunch.current_stream(device)
+            stream = split.stream_for(pq | pk | pv | pkc | pvc | ppt | psl | psm | po | plse | pout)
+            if stream is not None:
                 split.launch(stream, pq, pk, pv, pkc, pvc, ppt, psl, psm, po, plse)
                 merge.launch(stream, po, plse, pout)
                 return
