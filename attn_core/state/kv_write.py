@@ -55,6 +55,7 @@ __all__ = [
     "MAX_SLOT_RUNS",
     "KVWriter",
     "quantize",
+    "scale_kind",
     "slot_runs",
     "write_kv_runs",
     "write_kv_slots",
@@ -168,6 +169,13 @@ def write_kv_slots(
     else:
         write_slots_torch(k, k_cache, slot_mapping, k_scale, may_have_padding=may_have_padding)
         write_slots_torch(v, v_cache, slot_mapping, v_scale, may_have_padding=may_have_padding)
+
+
+def scale_kind(scale: torch.Tensor | float | None) -> object:
+    """What a compiled write depends on of a scale: only *that* it is a tensor (its address and
+    value are read per write), a float's value (baked into the launch), or None. The write
+    kernel's plans key on it; so does a backend keeping one :class:`KVWriter` per kind."""
+    return "tensor" if isinstance(scale, torch.Tensor) else scale
 
 
 class KVWriter:

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from attn_core.fast_launch import BoundLaunch, CachedLaunch
 from attn_core.pdl import gdc_launch_dependents, gdc_wait, pdl_enabled
+from attn_core.state.kv_write import scale_kind
 
 __all__ = ["BoundWrite", "bind", "launch"]
 
@@ -242,10 +243,6 @@ _PLANS: dict[tuple, tuple] = {}
 _MAX_PLANS = 256
 
 
-def _scale_key(scale: torch.Tensor | float | None) -> object:
-    return "tensor" if isinstance(scale, torch.Tensor) else scale
-
-
 def _launch_args(
     xs: Sequence[torch.Tensor],
     caches: Sequence[torch.Tensor],
@@ -259,7 +256,7 @@ def _launch_args(
     key = (
         slot_mapping.stride(0),
         *[
-            (x.shape[1:], x.stride(), x.dtype, c.shape, c.stride(), c.dtype, _scale_key(sc))
+            (x.shape[1:], x.stride(), x.dtype, c.shape, c.stride(), c.dtype, scale_kind(sc))
             for x, c, sc in zip(xs, caches, scales, strict=True)
         ],
     )

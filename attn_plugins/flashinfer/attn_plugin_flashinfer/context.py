@@ -57,6 +57,7 @@ from attn_core.specs import ExecutionConstraints, GraphMode, LayerGroup, LayerKi
 from attn_core.state.kv_write import (
     FP8_DTYPE,
     KVWriter,
+    scale_kind,
     slot_runs,
     write_kv_runs,
     write_slots,
@@ -693,7 +694,7 @@ class FullAttentionContext(_PagedContext):
         """The step's K/V rows into the caches: one kv_write.KVWriter per (k/v strides, scale
         kinds) for the step, checked on its first write (the binding checks k/v shapes, dtypes
         and device per call, forward() the cache dtype; the slots are the step's)."""
-        key = (k.stride(), v.stride(), _scale_kind(k_scale), _scale_kind(v_scale))
+        key = (k.stride(), v.stride(), scale_kind(k_scale), scale_kind(v_scale))
         writer = self._writers.get(key)
         if writer is None:
             writer = self._writers[key] = KVWriter(may_have_padding=self.step.padded)
@@ -725,12 +726,6 @@ class FullAttentionContext(_PagedContext):
             )
         plan(*args)
         return self._finish(o, out)
-
-
-def _scale_kind(scale: torch.Tensor | float | None) -> object:
-    """What a KVWriter is bound to of a scale: a tensor's address is read per write, a float
-    is baked into the launch."""
-    return "tensor" if isinstance(scale, torch.Tensor) else scale
 
 
 def _copyable(x: torch.Tensor, cache: torch.Tensor) -> bool:
