@@ -881,6 +881,15 @@ def _table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _cases(text: str) -> list[tuple[int, int]]:
+    """``"1x4096,64x32768"`` -> ``[(1, 4096), (64, 32768)]`` (BATCHxCTX, as the options take)."""
+    cases = []
+    for case in text.split(","):
+        batch, ctx = (int(x) for x in case.split("x"))
+        cases.append((batch, ctx))
+    return cases
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench-out/flashinfer.json", help="JSON output path")
@@ -945,9 +954,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = (1, 64) if args.quick else (1, 64, 256)
     decode_cases = [(b, c) for c in contexts for b in batches]
     if args.decode_cases:
-        decode_cases = [
-            tuple(int(x) for x in case.split("x")) for case in args.decode_cases.split(",")
-        ]
+        decode_cases = _cases(args.decode_cases)
     for batch, ctx in decode_cases if want("decode") else ():
         _run(results, "decode", bench_decode, spec, batch, ctx, profile=args.profile)
     if args.variants and want("variants"):
@@ -960,8 +967,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile and want("profile"):
         _run(results, "prepare_profile", bench_prepare_profile, spec)
     if want("graph"):
-        for case in args.graph_cases.split(","):
-            batch, ctx = (int(x) for x in case.split("x"))
+        for batch, ctx in _cases(args.graph_cases):
             _run(results, "graph", bench_graph, spec, batch=batch, ctx=ctx,
                  sweep=args.small_sweep, force_small=args.force_small)  # fmt: skip
     results["total_s"] = round(time.perf_counter() - started, 1)
