@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "alternating_us",
     "back_to_back_us",
     "capture_graph",
     "cuda_time_us",
@@ -68,6 +69,41 @@ def back_to_back_us(fn: Callable[[], object], iters: int, warmup: int = 5) -> fl
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / iters
+
+
+def alternating_us(
+    fns: dict[str, Callable[[], object]], rounds: int, warmup: int = 3
+) -> dict[str, list[float]]:
+    """Microseconds of each call of several callables run in turn, ``rounds`` calls of each.
+
+    Round ``r`` runs every callable once, in ``fns``'s order on even rounds and reversed on odd
+    ones (so none always follows the same neighbour), with a CUDA event on the current stream
+    between calls and no synchronisation until the end: the GPU runs the calls back to back, as
+    in :func:`back_to_back_us`, and the ``i``-th times of two callables come from calls
+    adjacent in time. Why: a power-bound kernel's clock drifts by ~10 % over seconds, more than
+    the differences a benchmark looks for; calls adjacent in time see the same clock. Work a
+    callable puts on a side stream counts when it joins the current stream before returning.
+
+    :returns: ``{name: [us of round 0, round 1, ...]}``.
+    """
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    torch.cuda.synchronize()
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(rounds * len(names) + 1)]
+    order: list[str] = []
+    marks[0].record()
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else reversed(names):
+            fns[name]()
+            marks[len(order) + 1].record()
+            order.append(name)
+    marks[-1].synchronize()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i, name in enumerate(order):
+        times[name].append(marks[i].elapsed_time(marks[i + 1]) * 1e3)
+    return times
 
 
 def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:

@@ -58,7 +58,7 @@ os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", str(_REPO / ".jit"))
 
 import torch  # noqa: E402
 
-from attn_core.bench_util import back_to_back_us, capture_graph, profile_calls  # noqa: E402
+from attn_core.bench_util import alternating_us, back_to_back_us, capture_graph, profile_calls  # noqa: E402
 
 H, HKV, D, PAGE = 32, 8, 128, 16
 
@@ -182,20 +182,25 @@ def bench_decode(spec, batch: int, ctx: int, profile: bool = False) -> dict:
     t_plugin = back_to_back_us(plugin, iters)
     t_direct_write = back_to_back_us(direct_with_write, iters)
     t_plugin_fi, host_plugin_fi = t_plugin, host_us(plugin)
+    # The plugin on FlashInfer through its wrapper's run() instead of fast_plan's direct call
+    # of the compiled kernel (context.direct_decode_run): what that saves of host time.
+    ctx_obj.direct_decode_run = False
+    t_plugin_fi_run, host_plugin_fi_run = back_to_back_us(plugin, iters), host_us(plugin)
+    ctx_obj.direct_decode_run = True
     # The plugin as configured: up to SMALL_DECODE_MAX_BATCH requests within the KV budget take
     # small_decode's fused write + attention (and where its host time goes).
     ctx_obj.small_decode_max_batch = small_max
     runtime.prepare(builder.build([(r, 1) for r in range(batch)]))
     kind = ctx_obj.step.kind.value
     small = {}
+    plugin()
+    torch.cuda.synchronize()
+    rounds: dict[str, list[float]] = {"direct": [t_direct], "plugin": []}
+    for _ in range(5):  # interleaved with the direct kernel: host-bound times drift
+        rounds["plugin"].append(back_to_back_us(plugin, iters))
+        rounds["direct"].append(back_to_back_us(direct, iters))
+    t_plugin, t_direct = min(rounds["plugin"]), min(rounds["direct"])
     if kind == "decode_small":
-        plugin()
-        torch.cuda.synchronize()
-        rounds: dict[str, list[float]] = {"direct": [t_direct], "plugin": []}
-        for _ in range(5):  # interleaved with the direct kernel: host-bound times drift
-            rounds["plugin"].append(back_to_back_us(plugin, iters))
-            rounds["direct"].append(back_to_back_us(direct, iters))
-        t_plugin, t_direct = min(rounds["plugin"]), min(rounds["direct"])
         if profile:
             what = f"plugin forward, B={batch} ctx={ctx} small"
             print(profile_calls(lambda _i: plugin(), 500, what), flush=True)
@@ -208,6 +213,8 @@ def bench_decode(spec, batch: int, ctx: int, profile: bool = False) -> dict:
         "plugin_us": t_plugin,
         "plugin_fi_us": t_plugin_fi,
         "plugin_fi_host_us": host_plugin_fi,
+        "plugin_fi_run_us": t_plugin_fi_run,
+        "plugin_fi_run_host_us": host_plugin_fi_run,
         **small,
         "direct_us": t_direct,
         "ratio": t_plugin / t_direct,
@@ -390,20 +397,26 @@ def bench_prefill(batch: int = 2, seq: int = 8192, heads: int = 16) -> dict:
     plugin()
     direct_with_write()
     torch.cuda.synchronize()
-    # Nine interleaved rounds of the direct kernel, the plugin as configured (KV write on a
-    # side stream) and the plugin with the write before the attention on one stream. The GPU's
-    # clock drifts by 10 % over a run (power and heat): the ratio is reported both as min over
-    # min and as the median of the rounds' own ratios (each pair measured back to back).
+    # The direct kernel, the plugin as configured (K/V write on a side stream) and the plugin
+    # with the write before the attention on one stream, one call of each in turn, each call
+    # timed on its own (bench_util.alternating_us): the GPU's clock drifts by ~10 % over a run
+    # (power and heat), and calls adjacent in time see the same clock. Reported: min over min,
+    # median over median and the median of the per-round ratios (each round's calls adjacent).
     overlap = ctx_obj.overlap_kv_write
-    rounds: dict[str, list[float]] = {"direct": [], "plugin": [], "serial": []}
-    for _ in range(9):
-        rounds["direct"].append(back_to_back_us(direct, 10, warmup=2))
-        rounds["plugin"].append(back_to_back_us(plugin, 10, warmup=2))
+
+    def plugin_serial():
         ctx_obj.overlap_kv_write = False
-        rounds["serial"].append(back_to_back_us(plugin, 10, warmup=2))
-        ctx_obj.overlap_kv_write = overlap
+        try:
+            plugin()
+        finally:
+            ctx_obj.overlap_kv_write = overlap
+
+    rounds = alternating_us(
+        {"direct": direct, "plugin": plugin, "serial": plugin_serial}, rounds=60, warmup=3
+    )
     t_direct, t_plugin, t_plugin_serial = (min(rounds[n]) for n in ("direct", "plugin", "serial"))
     per_round = [p / d for p, d in zip(rounds["plugin"], rounds["direct"], strict=True)]
+    median_ratio = statistics.median(rounds["plugin"]) / statistics.median(rounds["direct"])
     t_direct_write = back_to_back_us(direct_with_write, 20, warmup=3)
     t_fi_append = back_to_back_us(fi_append, 20, warmup=3)
     t_core_write = back_to_back_us(core_write, 20, warmup=3)
@@ -419,8 +432,12 @@ def bench_prefill(batch: int = 2, seq: int = 8192, heads: int = 16) -> dict:
         "plugin_serial_write_us": t_plugin_serial,
         "direct_us": t_direct,
         "ratio": t_plugin / t_direct,
-        "ratio_per_round": per_round,
+        "ratio_median_over_median": median_ratio,
         "ratio_median_of_rounds": statistics.median(per_round),
+        "ratio_rounds_p10_p90": _p10_p90(per_round),
+        "direct_us_median": statistics.median(rounds["direct"]),
+        "plugin_us_median": statistics.median(rounds["plugin"]),
+        "direct_us_max": max(rounds["direct"]),
         "direct_TFLOP/s": flops / t_direct / 1e6,
         "plugin_TFLOP/s": flops / t_plugin / 1e6,
         "direct_with_write_us": t_direct_write,
@@ -431,6 +448,11 @@ def bench_prefill(batch: int = 2, seq: int = 8192, heads: int = 16) -> dict:
         "copy_engine_probe": probe,
     }
     return res
+
+
+def _p10_p90(values: list[float]) -> tuple[float, float]:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 10], ordered[(9 * len(ordered)) // 10]
 
 
 def _copy_engine_probe(direct, k, v, kv) -> dict:
@@ -781,8 +803,9 @@ def _table(results: dict) -> str:
         lines.append(
             "decode bf16 32q/8kv d128 page16 |   B |   ctx | plugin us (kind)      | direct us | "
             "ratio | FI append+run us | ratio | host us plugin/direct | GB/s plugin | % of copy | "
-            "plugin on FI: us (ratio) / host us | small: host us of its two bound launches "
-            "/ of one; us / host us through the launcher object, CachedLaunch, Triton's launcher"
+            "plugin on FI: us (ratio) / host us; through run(): us / host us | small: host us "
+            "of its two bound launches / of one; us / host us through the launcher object, "
+            "CachedLaunch, Triton's launcher"
         )
         for r in results["decode"]:
             launcher = (
@@ -802,16 +825,20 @@ def _table(results: dict) -> str:
                 f"{r['plugin_host_us']:9.1f} / {r['direct_host_us']:<9.1f} | "
                 f"{r['plugin_GB/s']:11.0f} | {100 * r['plugin_GB/s'] / copy_bw:8.0f}% | "
                 f"{r['plugin_fi_us']:.1f} ({r['plugin_fi_ratio']:.3f}) / "
-                f"{r['plugin_fi_host_us']:.1f} | {launcher}"
+                f"{r['plugin_fi_host_us']:.1f}; {r['plugin_fi_run_us']:.1f} / "
+                f"{r['plugin_fi_run_host_us']:.1f} | {launcher}"
             )
     for r in results.get("prefill", []):
         lines.append(
             f"ragged prefill B={r['B']} S={r['S']} {r['heads']} heads d128 causal: plugin "
             f"{r['plugin_us']:.0f} us ({r['plugin_TFLOP/s']:.0f} TFLOP/s; KV write on the same "
             f"stream {r['plugin_serial_write_us']:.0f} us), direct "
-            f"{r['direct_us']:.0f} us ({r['direct_TFLOP/s']:.0f} TFLOP/s), ratio {r['ratio']:.3f} "
-            f"(median of the rounds' ratios {r['ratio_median_of_rounds']:.3f}, rounds "
-            f"{', '.join(f'{x:.3f}' for x in r['ratio_per_round'])}); "
+            f"{r['direct_us']:.0f} us ({r['direct_TFLOP/s']:.0f} TFLOP/s), ratio min/min "
+            f"{r['ratio']:.3f}, median/median {r['ratio_median_over_median']:.3f} ("
+            f"{r['plugin_us_median']:.0f} / {r['direct_us_median']:.0f} us), median of the "
+            f"rounds' ratios {r['ratio_median_of_rounds']:.3f} (p10-p90 "
+            f"{r['ratio_rounds_p10_p90'][0]:.3f}-{r['ratio_rounds_p10_p90'][1]:.3f}; direct "
+            f"{r['direct_us']:.0f}-{r['direct_us_max']:.0f} us over the run); "
             f"FI append+run {r['direct_with_write_us']:.0f} us (ratio "
             f"{r['ratio_vs_direct_with_write']:.3f}); KV write: core {r['core_write_us']:.0f} us "
             f"({r['kv_write_GB/s']:.0f} GB/s), FI append {r['fi_append_us']:.0f} us"
