@@ -11,7 +11,8 @@ so that ``kv_len[b] = (pages[b] - 1) * page_size + last_page_len[b]``. The core'
 ``seq_lens`` on the host and the page table ``[B, W]`` on the device; the host arrays above are
 computed here with numpy (:func:`fill_paged_metadata`), and ``kv_indices`` - the first
 ``pages[b]`` entries of every page-table row, packed - is gathered on the device
-(:func:`gather_kv_indices`) with sizes the host already knows, so nothing waits for the GPU.
+with sizes the host already knows, so nothing waits for the GPU: on CUDA in one Triton launch
+(:mod:`attn_plugin_flashinfer.kv_indices`), elsewhere with torch (:func:`gather_kv_indices`).
 
 Masking conventions: a query at position ``p`` of a request with ``kv_len`` keys and ``q_len``
 queries sits at ``p = kv_len - q_len + i``; FlashInfer's causal mask and ``window_left`` are
@@ -28,6 +29,7 @@ import torch
 
 __all__ = [
     "PagedMetadata",
+    "check_kv_indices_room",
     "fill_paged_metadata",
     "gather_kv_indices",
     "last_page_lens",
@@ -138,6 +140,16 @@ def fill_paged_metadata(
     return PagedMetadata(kv_indptr, last_page_len, row_offset, int(kv_indptr[b]))
 
 
+def check_kv_indices_room(capacity: int, total_pages: int) -> None:
+    """Raise unless a ``kv_indices`` buffer of ``capacity`` pages holds the step's
+    ``total_pages`` (the workspace is sized from the constraints; a step past them lands here)."""
+    if capacity < total_pages:
+        raise ValueError(
+            f"kv_indices buffer holds {capacity} pages, the step reads {total_pages}; raise "
+            "ExecutionConstraints.max_batch_size / max_model_len"
+        )
+
+
 def gather_kv_indices(
     page_table: torch.Tensor,
     kv_indptr: torch.Tensor,
@@ -159,11 +171,7 @@ def gather_kv_indices(
     :param out: ``[>= total_pages]`` int32; the result is written to ``out[:total_pages]``.
     :returns: ``out[:total_pages]``.
     """
-    if out.shape[0] < total_pages or arange.shape[0] < total_pages:
-        raise ValueError(
-            f"kv_indices buffer holds {out.shape[0]} pages (arange {arange.shape[0]}), the step "
-            f"reads {total_pages}; raise ExecutionConstraints.max_batch_size / max_model_len"
-        )
+    check_kv_indices_room(min(out.shape[0], arange.shape[0]), total_pages)
     result = out[:total_pages]
     if total_pages == 0:
         return result
