@@ -185,6 +185,8 @@ class _Step:
     # RAGGED: the step's slots as runs of consecutive cache rows (kv_write.slot_runs), which
     # the side stream writes as memcpys; None: the write kernel
     kv_runs: list[tuple[int, int, int]] | None = None
+    # DECODE: fast_plan may call the wrapper's compiled kernel itself (a tested release)
+    direct_run: bool = False
 
 
 def _share_int_workspace(wrapper: Any, int_ws: torch.Tensor, pinned: torch.Tensor) -> Any:
@@ -237,6 +239,12 @@ class _PagedContext:
         self.B = constraints.max_batch_size
         self.offsets = _Offsets(self.B)
         self._views: dict[tuple[int, int], _StepViews] = {}  # by (half, padded batch size)
+        # kv_indices on CUDA in one Triton launch (kv_indices.py); torch calls elsewhere
+        self._gather_kv_indices: Any = None
+        if self.device.type == "cuda":
+            from attn_plugin_flashinfer.kv_indices import KVIndexGather
+
+            self._gather_kv_indices = KVIndexGather()
         self._row_base: tuple[int, np.ndarray] | None = None  # (W, b * W) for page-table width W
         self.kv_dtype = torch.float8_e4m3fn if self.spec.kv_dtype == "fp8_e4m3" else None
         self.q_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[self.spec.dtype]
@@ -256,6 +264,9 @@ class _PagedContext:
         self._small_plans: dict[tuple, Any] = {}
         # The step's K/V writers (kv_write.KVWriter), by (k, v strides, scale kinds).
         self._writers: dict[tuple, KVWriter] = {}
+        # The step's direct decode runs (fast_plan.tensor_core_decode_runner) by softmax scale;
+        # None where fast_plan does not know the wrapper's run().
+        self._runners: dict[float, Any] = {}
 
     # -- the contract ------------------------------------------------------------------------
     def prepare(self, batch: AttentionBatch) -> None:
@@ -266,6 +277,7 @@ class _PagedContext:
         self.batch = batch
         self._small_plans = {}
         self._writers = {}
+        self._runners = {}
 
     def update(self, batch: AttentionBatch) -> None:
         """Before a CUDA-graph replay: re-plan into the captured wrapper's fixed buffers.
@@ -320,19 +332,25 @@ class _PagedContext:
         # One copy carries kv_indptr | row_offset | last_page_len (adjacent): the device-side
         # gather reads the first two, tensor-core decode kernels the first and last.
         self.dev_meta.copy_(sv.upload, non_blocking=self.device.type == "cuda")
-        indices = planning.gather_kv_indices(
-            batch.page_table,
-            sv.kv_indptr_dev,
-            sv.row_offset_dev,
-            meta.total_pages,
-            arange=self.arange,
-            out=self.kv_indices,
-        )
+        if self._gather_kv_indices is not None:
+            planning.check_kv_indices_room(self.kv_indices.shape[0], meta.total_pages)
+            self._gather_kv_indices(batch.page_table, sv.kv_indptr_dev, self.kv_indices, P)
+            indices = self.kv_indices[: meta.total_pages]
+        else:
+            indices = planning.gather_kv_indices(
+                batch.page_table,
+                sv.kv_indptr_dev,
+                sv.row_offset_dev,
+                meta.total_pages,
+                arange=self.arange,
+                out=self.kv_indices,
+            )
         kind, wrapper = self._plan_kernel(batch, sv, indices, graph)
         runs = None
         if kind is StepKind.RAGGED and batch.slot_mapping_cpu is not None and not self.fp8:
             runs = slot_runs(batch.slot_mapping_cpu[:n])
-        return _Step(kind, wrapper, graph or n != T, kv_runs=runs)
+        direct_run = kind is StepKind.DECODE and fast_plan.can_replan(wrapper, self.fi_version)
+        return _Step(kind, wrapper, graph or n != T, kv_runs=runs, direct_run=direct_run)
 
     def _small_buffers(self, P: int) -> Any:
         raise NotImplementedError
@@ -481,6 +499,10 @@ class FullAttentionContext(_PagedContext):
             "ATTN_FLASHINFER_OVERLAP_KV_WRITE", "1"
         ) not in ("0", "")
         self._side: torch.cuda.Stream | None = None
+        #: Eager tensor-core decode calls FlashInfer's compiled kernel without ``run()``'s
+        #: Python (fast_plan.tensor_core_decode_runner) where fast_plan knows the release;
+        #: benchmarks turn it off to compare.
+        self.direct_decode_run = True
         fi = self.fi
         self.decode = _share_int_workspace(
             fi.BatchDecodeWithPagedKVCacheWrapper(
@@ -685,10 +707,25 @@ class FullAttentionContext(_PagedContext):
             self._write_kv(*write)
             # fp8: the kernel dequantises nothing; fold k_scale into q, v_scale into out.
             qk = torch.mul(q, kv.k_scale) if fp8 else q
-            result = wrapper.run(qk, (k_cache, v_cache), out=o)
+            direct = step.direct_run and self.direct_decode_run
+            runner = self._direct_run(step, layer.scale) if direct else None
+            if runner is not None:
+                result = o if o is not None else torch.empty_like(q)
+                runner(qk, k_cache, v_cache, result)
+            else:
+                result = wrapper.run(qk, (k_cache, v_cache), out=o)
             if fp8:
                 result.mul_(kv.v_scale)
         return self._finish(result, out)
+
+    def _direct_run(self, step: _Step, scale: float) -> Any:
+        """The step's compiled decode call at softmax ``scale`` (fast_plan), made on the first
+        layer of the step that asks; None where fast_plan does not know ``run()``."""
+        try:
+            return self._runners[scale]
+        except KeyError:
+            runner = self._runners[scale] = fast_plan.tensor_core_decode_runner(step.wrapper, scale)
+            return runner
 
     def _write_kv(self, k, v, k_cache, v_cache, k_scale, v_scale) -> None:
         """The step's K/V rows into the caches: one kv_write.KVWriter per (k/v strides, scale

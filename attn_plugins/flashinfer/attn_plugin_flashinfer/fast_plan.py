@@ -13,17 +13,33 @@ plans of the same wrapper call the scheduler directly with the context's pinned 
 point the wrapper's device buffers at the context's metadata, which the step's one
 host-to-device copy already moved. The result is the same plan; only the host work differs.
 
-Guarded: only FlashInfer versions in :data:`TESTED_VERSIONS` with the ``fa2`` backend take this
-path (a GPU test checks it against the public ``plan()``); anything else runs ``plan()``.
+Run, likewise (:func:`tensor_core_decode_runner`): ``run()`` checks and unpacks its arguments and
+builds a list of 43 before it calls the module, 16-29 us of host time per layer on the H200's
+hosts, which decides an eager decode step of one long request (its kernel takes ~40 us). The
+runner calls the compiled ``paged_run`` function with the argument list ``run()`` would build,
+bound once per step: the binding has checked q, k, v and out per call (shapes, dtypes, device),
+and the plan fixed everything else.
+
+Guarded: only FlashInfer versions in :data:`TESTED_VERSIONS` with the ``fa2`` backend take these
+paths (GPU tests check plan and output against the public ``plan()`` and ``run()``); anything
+else runs FlashInfer's own.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["TESTED_VERSIONS", "can_replan", "mark_planned", "replan_tensor_core_decode"]
+__all__ = [
+    "TESTED_VERSIONS",
+    "can_replan",
+    "mark_planned",
+    "replan_tensor_core_decode",
+    "tensor_core_decode_runner",
+]
 
 #: FlashInfer releases whose tensor-core decode ``plan()`` this module reproduces.
 TESTED_VERSIONS = frozenset({"0.6.7"})
@@ -113,3 +129,69 @@ def replan_tensor_core_decode(
         False,  # disable_split_kv
         0,  # num_colocated_ctas
     )
+
+
+#: ``(q, k_cache, v_cache, out) -> None``: one layer of a planned decode step.
+DecodeRunner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def tensor_core_decode_runner(wrapper: Any, sm_scale: float) -> DecodeRunner | None:
+    """The compiled kernel call of ``wrapper.run(q, (k_cache, v_cache), out=out)`` for the step
+    the wrapper is planned for, at softmax scale ``sm_scale``; None where this module does not
+    know the wrapper's ``run()`` (then call it).
+
+    Call it after the step's plan (it binds the plan's buffers and schedule) and only for a
+    wrapper :func:`can_replan` accepts. The runner checks nothing: ``q`` ``[P, H, D]``,
+    ``k_cache``/``v_cache`` ``[pages, page_size, Hkv, D]`` (NHD) of the planned dtypes, and a
+    contiguous ``out`` like ``q``, all on the wrapper's device.
+    """
+    module = getattr(wrapper, "_cached_module", None)
+    if (
+        module is None
+        or wrapper._kv_layout != "NHD"
+        or wrapper._pos_encoding_mode != "NONE"
+        or wrapper._plan_info is None
+    ):
+        return None
+    # FlashInfer 0.6.7 wraps the compiled function in a Python ``paged_run`` that dispatches on
+    # the backend; the fa2 branch passes the first 22 arguments through, then the soft-cap,
+    # the scale and the reciprocal rope scale and theta.
+    compiled = inspect.getclosurevars(module.paged_run).nonlocals.get("paged_run_func")
+    if compiled is None:
+        return None
+    from flashinfer.utils import _get_cache_alibi_slopes_buf, device_support_pdl
+
+    rope_scale = wrapper._rope_scale if wrapper._rope_scale is not None else 1.0
+    rope_theta = wrapper._rope_theta if wrapper._rope_theta is not None else 1e4
+    device = wrapper._float_workspace_buffer.device
+    head = (wrapper._float_workspace_buffer, wrapper._int_workspace_buffer, wrapper._plan_info)
+    indptrs = (
+        wrapper._qo_indptr_buf,
+        wrapper._paged_kv_indptr_buf,
+        wrapper._paged_kv_indices_buf,
+        wrapper._paged_kv_last_page_len_buf,
+    )
+    tail = (
+        None,  # lse
+        0,  # MaskMode.NON_CAUSAL
+        0,  # TensorLayout.NHD
+        wrapper._window_left,
+        device_support_pdl(device),  # run()'s enable_pdl default
+        None,  # custom mask
+        None,  # mask indptr
+        _get_cache_alibi_slopes_buf(wrapper._num_qo_heads, device),
+        None,  # prefix length
+        None,  # token positions in items
+        None,  # max item length
+        wrapper._logits_soft_cap or 0.0,
+        sm_scale,
+        1.0 / rope_scale,
+        1.0 / rope_theta,
+        0,  # token_pos_in_items_len
+    )
+
+    def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            out: torch.Tensor) -> None:  # fmt: skip
+        compiled(*head, q, k_cache, v_cache, *indptrs, out, *tail)
+
+    return run

@@ -309,6 +309,63 @@ def test_fast_replan_keeps_captured_buffers_and_checks_the_batch_size():
         _replan(w, 3)
 
 
+def _runner_wrapper(paged_run) -> types.SimpleNamespace:
+    """The attributes of a planned 0.6.7 tensor-core decode wrapper that the direct run reads."""
+    return types.SimpleNamespace(
+        _cached_module=types.SimpleNamespace(paged_run=paged_run),
+        _kv_layout="NHD",
+        _pos_encoding_mode="NONE",
+        _plan_info=[7, 8],
+        _rope_scale=None,
+        _rope_theta=None,
+        _float_workspace_buffer=torch.empty(1),
+        _int_workspace_buffer="int_ws",
+        _qo_indptr_buf="qo",
+        _paged_kv_indptr_buf="kv_indptr",
+        _paged_kv_indices_buf="kv_indices",
+        _paged_kv_last_page_len_buf="last_page_len",
+        _window_left=-1,
+        _num_qo_heads=32,
+        _logits_soft_cap=None,
+    )
+
+
+def test_direct_decode_run_calls_the_compiled_function_as_run_does(monkeypatch):
+    """The runner finds the compiled function inside FlashInfer's Python ``paged_run`` (a
+    closure over ``paged_run_func``) and passes the fa2 branch's argument list: the plan's
+    buffers and schedule, the call's tensors, then the flags, soft-cap, scale and reciprocal
+    rope scale and theta. (The GPU test checks the output against ``run()``.)"""
+    from attn_plugin_flashinfer import fast_plan
+
+    utils = types.ModuleType("flashinfer.utils")
+    utils.device_support_pdl = lambda device: True
+    utils._get_cache_alibi_slopes_buf = lambda heads, device: f"alibi[{heads}]"
+    monkeypatch.setitem(__import__("sys").modules, "flashinfer.utils", utils)
+    calls = []
+
+    def paged_run_func(*args):  # the compiled function
+        calls.append(args)
+
+    def paged_run(*args, **kwargs):  # FlashInfer's Python wrapper around it (not called)
+        paged_run_func(*args)
+
+    w = _runner_wrapper(paged_run)
+    run = fast_plan.tensor_core_decode_runner(w, 0.125)
+    run("q", "k_cache", "v_cache", "out")
+    (args,) = calls
+    assert args[:3] == (w._float_workspace_buffer, "int_ws", [7, 8])
+    assert args[3:11] == ("q", "k_cache", "v_cache", "qo", "kv_indptr", "kv_indices",
+                          "last_page_len", "out")  # fmt: skip
+    # lse, non-causal, NHD, window, PDL, custom mask + indptr, alibi, three item pointers
+    assert args[11:22] == (None, 0, 0, -1, True, None, None, "alibi[32]", None, None, None)
+    assert args[22:] == (0.0, 0.125, 1.0, 1e-4, 0)  # soft-cap, scale, 1/rope scale, 1/theta
+    # A wrapper whose run() it does not know: none.
+    assert fast_plan.tensor_core_decode_runner(_runner_wrapper(lambda *a: None), 0.1) is None
+    hnd = _runner_wrapper(paged_run)
+    hnd._kv_layout = "HND"
+    assert fast_plan.tensor_core_decode_runner(hnd, 0.1) is None
+
+
 # ------------------------------------------------------------------------------------------
 # Planning (pure functions)
 # ------------------------------------------------------------------------------------------

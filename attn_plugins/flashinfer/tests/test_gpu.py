@@ -305,7 +305,8 @@ def test_cuda_graph_mla_replay():
 
 @pytest.mark.sm90
 def test_tensor_core_decode_fast_replan_equals_public_plan(monkeypatch):
-    """GQA decode re-planned by fast_plan gets FlashInfer's own plan() schedule and output."""
+    """GQA decode re-planned by fast_plan gets FlashInfer's own plan() schedule and output, and
+    fast_plan's direct kernel call gets run()'s output."""
     from attn_plugin_flashinfer import fast_plan
     from attn_plugin_flashinfer.context import _Offsets
 
@@ -322,8 +323,16 @@ def test_tensor_core_decode_fast_replan_equals_public_plan(monkeypatch):
     P = len(lens)
     kv = h.runtime.binding(0).kv
     q = torch.randn(P, FULL.num_heads, FULL.head_dim, dtype=torch.bfloat16, device=CUDA)
+    wrapper._sm_scale = FULL.scale
     out_fast = wrapper.run(q, (kv.k, kv.v))
     fast_info = list(wrapper._plan_info)
+    # fast_plan's direct call of the compiled kernel: run()'s output, bit for bit, and the
+    # context's eager decode steps take it.
+    assert ctx.step.direct_run and ctx._runners.get(FULL.scale) is not None
+    runner = fast_plan.tensor_core_decode_runner(wrapper, FULL.scale)
+    out_direct = torch.full_like(q, float("nan"))
+    runner(q, kv.k, kv.v, out_direct)
+    assert torch.equal(out_direct, out_fast)
     # The same step planned by FlashInfer's public plan() from the same host metadata.
     row, o = ctx.host[ctx._half], _Offsets(ctx.B)
     wrapper.plan(
