@@ -72,19 +72,23 @@ def back_to_back_us(fn: Callable[[], object], iters: int, warmup: int = 5) -> fl
 
 
 def alternating_us(
-    fns: dict[str, Callable[[], object]], rounds: int, warmup: int = 3
+    fns: dict[str, Callable[[], object]], rounds: int, warmup: int = 3, repeat: int = 1
 ) -> dict[str, list[float]]:
-    """Microseconds of each call of several callables run in turn, ``rounds`` calls of each.
+    """Microseconds per call of several callables run in turn: ``rounds`` turns of each, a turn
+    being ``repeat`` calls back to back.
 
-    Round ``r`` runs every callable once, in ``fns``'s order on even rounds and reversed on odd
-    ones (so none always follows the same neighbour), with a CUDA event on the current stream
-    between calls and no synchronisation until the end: the GPU runs the calls back to back, as
-    in :func:`back_to_back_us`, and the ``i``-th times of two callables come from calls
-    adjacent in time. Why: a power-bound kernel's clock drifts by ~10 % over seconds, more than
-    the differences a benchmark looks for; calls adjacent in time see the same clock. Work a
-    callable puts on a side stream counts when it joins the current stream before returning.
+    Round ``r`` gives every callable one turn, in ``fns``'s order on even rounds and reversed on
+    odd ones (so none always follows the same neighbour), with a CUDA event on the current
+    stream between turns and no synchronisation until the end: the GPU runs the calls back to
+    back, as in :func:`back_to_back_us` (host time counts where the host cannot keep up), and
+    the ``i``-th times of two callables come from turns adjacent in time. Why: a power-bound
+    kernel's clock drifts by ~10 % over seconds, and a shared host's speed over milliseconds,
+    more than the differences a benchmark looks for; adjacent turns see the same clock and the
+    same host. ``repeat`` > 1 spreads the event's own host cost (a few us) over the turn's
+    calls, for callables of a few microseconds. Work a callable puts on a side stream counts
+    when it joins the current stream before returning.
 
-    :returns: ``{name: [us of round 0, round 1, ...]}``.
+    :returns: ``{name: [us per call in round 0's turn, round 1's, ...]}``.
     """
     names = list(fns)
     for _ in range(warmup):
@@ -96,13 +100,15 @@ def alternating_us(
     marks[0].record()
     for r in range(rounds):
         for name in names if r % 2 == 0 else reversed(names):
-            fns[name]()
+            fn = fns[name]
+            for _ in range(repeat):
+                fn()
             marks[len(order) + 1].record()
             order.append(name)
     marks[-1].synchronize()
     times: dict[str, list[float]] = {name: [] for name in names}
     for i, name in enumerate(order):
-        times[name].append(marks[i].elapsed_time(marks[i + 1]) * 1e3)
+        times[name].append(marks[i].elapsed_time(marks[i + 1]) * 1e3 / repeat)
     return times
 
 

@@ -37,3 +37,10 @@ def test_alternating_us_times_each_call_of_each_callable_on_its_own():
     assert [len(t) for t in times.values()] == [6, 6]
     for s, l in zip(times["short"], times["long"], strict=True):
         assert 2.5 < l / s < 6.0, (s, l)
+    # Turns of three calls: the time is per call, the same as one call's.
+    calls.clear()
+    per_call = alternating_us({"short": short, "long": long}, rounds=2, warmup=0, repeat=3)
+    assert calls == ["short"] * 3 + ["long"] * 6 + ["short"] * 3
+    for name in ("short", "long"):
+        for t in per_call[name]:
+            assert 0.7 < t / min(times[name]) < 1.5, (name, t, times[name])

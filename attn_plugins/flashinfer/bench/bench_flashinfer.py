@@ -195,11 +195,12 @@ def bench_decode(spec, batch: int, ctx: int, profile: bool = False) -> dict:
     small = {}
     plugin()
     torch.cuda.synchronize()
-    rounds: dict[str, list[float]] = {"direct": [t_direct], "plugin": []}
-    for _ in range(5):  # interleaved with the direct kernel: host-bound times drift
-        rounds["plugin"].append(back_to_back_us(plugin, iters))
-        rounds["direct"].append(back_to_back_us(direct, iters))
+    # Plugin and direct in turns of `repeat` calls, adjacent in time (bench_util.alternating_us):
+    # a host-bound step's time follows the shared host's speed, which moves within a run.
+    repeat = max(1, iters // 30)
+    rounds = alternating_us({"direct": direct, "plugin": plugin}, rounds=30, repeat=repeat)
     t_plugin, t_direct = min(rounds["plugin"]), min(rounds["direct"])
+    per_round = [p / d for p, d in zip(rounds["plugin"], rounds["direct"], strict=True)]
     if kind == "decode_small":
         if profile:
             what = f"plugin forward, B={batch} ctx={ctx} small"
@@ -218,6 +219,10 @@ def bench_decode(spec, batch: int, ctx: int, profile: bool = False) -> dict:
         **small,
         "direct_us": t_direct,
         "ratio": t_plugin / t_direct,
+        "ratio_median_over_median": statistics.median(rounds["plugin"])
+        / statistics.median(rounds["direct"]),
+        "ratio_median_of_rounds": statistics.median(per_round),
+        "calls_per_turn": repeat,
         "plugin_fi_ratio": t_plugin_fi / t_direct,
         "direct_with_write_us": t_direct_write,
         "ratio_vs_direct_with_write": t_plugin / t_direct_write,
@@ -802,7 +807,8 @@ def _table(results: dict) -> str:
         copy_bw = results["copy"][0]["GB/s"] if "copy" in results else float("nan")
         lines.append(
             "decode bf16 32q/8kv d128 page16 |   B |   ctx | plugin us (kind)      | direct us | "
-            "ratio | FI append+run us | ratio | host us plugin/direct | GB/s plugin | % of copy | "
+            "ratio min/min, median/median, median of turns | FI append+run us | ratio | "
+            "host us plugin/direct | GB/s plugin | % of copy | "
             "plugin on FI: us (ratio) / host us; through run(): us / host us | small: host us "
             "of its two bound launches / of one; us / host us through the launcher object, "
             "CachedLaunch, Triton's launcher"
@@ -820,7 +826,8 @@ def _table(results: dict) -> str:
             )
             lines.append(
                 f"{'':32} | {r['B']:3d} | {r['ctx']:5d} | {r['plugin_us']:9.1f} "
-                f"({r['kind']:12}) | {r['direct_us']:9.1f} | {r['ratio']:5.3f} | "
+                f"({r['kind']:12}) | {r['direct_us']:9.1f} | {r['ratio']:5.3f}, "
+                f"{r['ratio_median_over_median']:5.3f}, {r['ratio_median_of_rounds']:5.3f} | "
                 f"{r['direct_with_write_us']:16.1f} | {r['ratio_vs_direct_with_write']:5.3f} | "
                 f"{r['plugin_host_us']:9.1f} / {r['direct_host_us']:<9.1f} | "
                 f"{r['plugin_GB/s']:11.0f} | {100 * r['plugin_GB/s'] / copy_bw:8.0f}% | "
