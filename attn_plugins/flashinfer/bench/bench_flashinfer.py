@@ -6,9 +6,12 @@ Sections (each isolated: a failure is recorded in the JSON and the next section 
 2. ``decode``: paged decode, bf16, 32 q / 8 kv heads, d128, page 16, B = 1, 64, 256, context
    4096 and 32768. ``plugin`` = ``binding.forward`` (K/V write + run) after one ``prepare``;
    ``direct`` = the same planned FlashInfer wrapper's ``run()``; ``FI append+run`` = FlashInfer
-   doing the plugin's whole job (its ``append_paged_kv_cache`` kernel, then ``run()``); time per
-   call from CUDA events over many eager calls (at B=1 that is host-bound: host time per call
-   is reported too, and section 5 repeats B=1 inside a CUDA graph); GB/s = K+V bytes / time.
+   doing the plugin's whole job (its ``append_paged_kv_cache`` kernel, then ``run()``); plugin
+   and direct are timed in 30 alternating turns of many eager calls each, every turn between
+   two CUDA events (``bench_util.alternating_us``; ratio: min over min, median over median and
+   the median of the turns' ratios); at B=1 that is host-bound: host time per call is reported
+   too, and section 5 repeats B=1 inside a CUDA graph; GB/s = K+V bytes / time. The plugin on
+   FlashInfer is also timed through the wrapper's ``run()`` instead of fast_plan's direct call.
    Up to SMALL_DECODE_MAX_BATCH requests within SMALL_DECODE_MAX_KV_TOKENS positions the plugin
    runs small_decode (fused write + attention); where it does, the host time of its two bound
    launches alone and of one, and the step with the launches through Triton's launcher object,
@@ -16,8 +19,9 @@ Sections (each isolated: a failure is recorded in the JSON and the next section 
    (with ``--profile``, a cProfile of the step). The plugin on FlashInfer is timed too.
 3. ``prefill``: ragged causal prefill, B*S = 16k tokens (B=2, S=8192), 16 heads, d128: plugin
    (write + ragged run) vs the ragged wrapper's ``run()``; TFLOP/s = 2 * B * S^2 * H * D / t.
-   Direct, plugin and the plugin with its KV write on the caller's stream are timed in nine
-   interleaved rounds (ratio: min over min, and the median of the rounds' own ratios).
+   Direct, plugin and the plugin with its KV write on the caller's stream are timed call by
+   call in 60 alternating rounds (ratio: min over min, median over median, and the median of
+   the rounds' own ratios): the kernel's clock drifts by ~10 % over a run.
 4. ``prepare``: host time of ``runtime.prepare(batch)`` for a B=256 decode step (ctx 4096),
    ``time.perf_counter``, median and p90 of many calls (target < 150 us).
 5. ``graph``: a 32-layer decode step captured in one CUDA graph (B = 1-16 and 64 at ctx 4096,
