@@ -333,7 +333,9 @@ class _PagedContext:
         # gather reads the first two, tensor-core decode kernels the first and last.
         self.dev_meta.copy_(sv.upload, non_blocking=self.device.type == "cuda")
         if self._gather_kv_indices is not None:
-            planning.check_kv_indices_room(self.kv_indices.shape[0], meta.total_pages)
+            planning.check_kv_indices_room(
+                self.kv_indices.shape[0], meta.total_pages, where=self._where
+            )
             self._gather_kv_indices(batch.page_table, sv.kv_indptr_dev, self.kv_indices, P)
             indices = self.kv_indices[: meta.total_pages]
         else:
@@ -398,8 +400,12 @@ class _PagedContext:
             return out
         return result
 
+    @property
+    def _where(self) -> str:
+        return f"group {self.group.group_id!r} (flashinfer): "
+
     def _bad(self, what: str) -> None:
-        raise ValueError(f"group {self.group.group_id!r} (flashinfer): {what}")
+        raise ValueError(f"{self._where}{what}")
 
 
 @dataclass(frozen=True, slots=True)

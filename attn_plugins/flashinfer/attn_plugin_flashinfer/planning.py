@@ -140,13 +140,16 @@ def fill_paged_metadata(
     return PagedMetadata(kv_indptr, last_page_len, row_offset, int(kv_indptr[b]))
 
 
-def check_kv_indices_room(capacity: int, total_pages: int) -> None:
+def check_kv_indices_room(capacity: int, total_pages: int, where: str = "") -> None:
     """Raise unless a ``kv_indices`` buffer of ``capacity`` pages holds the step's
-    ``total_pages`` (the workspace is sized from the constraints; a step past them lands here)."""
+    ``total_pages`` (the workspace is sized from the constraints; a step past them lands here).
+
+    :param where: the message's prefix, naming the layer group and backend.
+    """
     if capacity < total_pages:
         raise ValueError(
-            f"kv_indices buffer holds {capacity} pages, the step reads {total_pages}; raise "
-            "ExecutionConstraints.max_batch_size / max_model_len"
+            f"{where}kv_indices buffer holds {capacity} pages, the step reads {total_pages}; "
+            "raise ExecutionConstraints.max_batch_size / max_model_len"
         )
 
 

@@ -93,3 +93,6 @@ def test_gather_refuses_what_its_kernel_cannot_read():
         gather(table.t(), kv_indptr, out, 2)
     with pytest.raises(ValueError, match="kv_indices buffer holds 3 pages, the step reads 4"):
         planning.check_kv_indices_room(3, 4)
+    with pytest.raises(ValueError, match=r"^group 'full' \(flashinfer\): kv_indices buffer"):
+        planning.check_kv_indices_room(3, 4, where="group 'full' (flashinfer): ")
+    planning.check_kv_indices_room(4, 4)  # exactly full: fine
