@@ -145,25 +145,18 @@ def tensor_core_decode_runner(wrapper: Any, sm_scale: float) -> DecodeRunner | N
     ``k_cache``/``v_cache`` ``[pages, page_size, Hkv, D]`` (NHD) of the planned dtypes, and a
     contiguous ``out`` like ``q``, all on the wrapper's device.
     """
-    module = getattr(wrapper, "_cached_module", None)
     if (
-        module is None
-        or wrapper._kv_layout != "NHD"
+        wrapper._kv_layout != "NHD"
         or wrapper._pos_encoding_mode != "NONE"
         or wrapper._plan_info is None
     ):
         return None
-    # FlashInfer 0.6.7 wraps the compiled function in a Python ``paged_run`` that dispatches on
-    # the backend; the fa2 branch passes the first 22 arguments through, then the soft-cap,
-    # the scale and the reciprocal rope scale and theta.
-    compiled = inspect.getclosurevars(module.paged_run).nonlocals.get("paged_run_func")
-    if compiled is None:
+    found = _compiled_paged_run(wrapper)
+    if found is None:
         return None
-    from flashinfer.utils import _get_cache_alibi_slopes_buf, device_support_pdl
-
+    compiled, pdl, alibi_slopes = found
     rope_scale = wrapper._rope_scale if wrapper._rope_scale is not None else 1.0
     rope_theta = wrapper._rope_theta if wrapper._rope_theta is not None else 1e4
-    device = wrapper._float_workspace_buffer.device
     head = (wrapper._float_workspace_buffer, wrapper._int_workspace_buffer, wrapper._plan_info)
     indptrs = (
         wrapper._qo_indptr_buf,
@@ -176,10 +169,10 @@ def tensor_core_decode_runner(wrapper: Any, sm_scale: float) -> DecodeRunner | N
         0,  # MaskMode.NON_CAUSAL
         0,  # TensorLayout.NHD
         wrapper._window_left,
-        device_support_pdl(device),  # run()'s enable_pdl default
+        pdl,  # run()'s enable_pdl default
         None,  # custom mask
         None,  # mask indptr
-        _get_cache_alibi_slopes_buf(wrapper._num_qo_heads, device),
+        alibi_slopes,
         None,  # prefix length
         None,  # token positions in items
         None,  # max item length
@@ -195,3 +188,32 @@ def tensor_core_decode_runner(wrapper: Any, sm_scale: float) -> DecodeRunner | N
         compiled(*head, q, k_cache, v_cache, *indptrs, out, *tail)
 
     return run
+
+
+_COMPILED = "_attn_core_compiled_paged_run"
+
+
+def _compiled_paged_run(wrapper: Any) -> tuple[Any, bool, torch.Tensor] | None:
+    """``(compiled paged_run, run()'s enable_pdl default, run()'s alibi-slopes buffer)`` of a
+    planned wrapper, found once per kernel module and kept on the wrapper (a step re-planned
+    by :func:`replan_tensor_core_decode` keeps its module, heads and device); None where the
+    module's ``paged_run`` is not 0.6.7's."""
+    module = getattr(wrapper, "_cached_module", None)
+    cached = wrapper.__dict__.get(_COMPILED)
+    if cached is not None and cached[0] is module:
+        return cached[1]
+    found = None
+    # FlashInfer 0.6.7 wraps the compiled function in a Python ``paged_run`` that dispatches on
+    # the backend; the fa2 branch passes the first 22 arguments through, then the soft-cap,
+    # the scale and the reciprocal rope scale and theta.
+    compiled = None
+    if module is not None:
+        compiled = inspect.getclosurevars(module.paged_run).nonlocals.get("paged_run_func")
+    if compiled is not None:
+        from flashinfer.utils import _get_cache_alibi_slopes_buf, device_support_pdl
+
+        device = wrapper._float_workspace_buffer.device
+        alibi_slopes = _get_cache_alibi_slopes_buf(wrapper._num_qo_heads, device)
+        found = (compiled, device_support_pdl(device), alibi_slopes)
+    setattr(wrapper, _COMPILED, (module, found))
+    return found

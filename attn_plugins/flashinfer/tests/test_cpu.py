@@ -364,6 +364,11 @@ def test_direct_decode_run_calls_the_compiled_function_as_run_does(monkeypatch):
     hnd = _runner_wrapper(paged_run)
     hnd._kv_layout = "HND"
     assert fast_plan.tensor_core_decode_runner(hnd, 0.1) is None
+    # The next step's runner (new plan) finds the compiled function kept on the wrapper.
+    monkeypatch.setattr(fast_plan.inspect, "getclosurevars", None)  # not called again
+    w._plan_info = [9]
+    fast_plan.tensor_core_decode_runner(w, 0.25)("q2", "k_cache", "v_cache", "out2")
+    assert calls[1][2] == [9] and calls[1][3] == "q2" and calls[1][23] == 0.25
 
 
 # ------------------------------------------------------------------------------------------
