@@ -56,7 +56,8 @@ class KVIndexGather:
     """
 
     def __init__(self) -> None:
-        self._bound: dict[tuple[int, int], BoundLaunch] = {}
+        # by (batch size, row stride); None: bind refused once, launches go through the key
+        self._bound: dict[tuple[int, int], BoundLaunch | None] = {}
 
     def __call__(
         self,
@@ -82,7 +83,8 @@ class KVIndexGather:
         if B == 0:
             return
         ptrs = (page_table.data_ptr(), kv_indptr.data_ptr(), kv_indices.data_ptr())
-        bound = self._bound.get((B, stride))
+        key = (B, stride)
+        bound = self._bound.get(key)
         if bound is not None:
             stream = bound.stream_for(ptrs[0] | ptrs[1] | ptrs[2])
             if stream is not None:
@@ -90,7 +92,5 @@ class KVIndexGather:
                 return
         tensors, scalars = (page_table, kv_indptr, kv_indices), (stride, BLOCK)
         _LAUNCH.launch((B,), tensors, scalars, num_warps=4, num_stages=1)
-        if bound is None:
-            bound = _LAUNCH.bind((B,), tensors, scalars, num_warps=4, num_stages=1)
-            if bound is not None:
-                self._bound[B, stride] = bound
+        if key not in self._bound:  # bind once, as kv_write.KVWriter does
+            self._bound[key] = _LAUNCH.bind((B,), tensors, scalars, num_warps=4, num_stages=1)
