@@ -216,6 +216,7 @@ class _PagedContext:
         self.backend = backend
         self.group = group
         self.spec = group.spec
+        self._where = f"group {group.group_id!r} (flashinfer): "  # errors' prefix
         self.constraints = constraints
         self.graph_decode = constraints.graph_mode is not GraphMode.NONE
         ws = workspace
@@ -329,8 +330,9 @@ class _PagedContext:
         )
         sv.qo_indptr[:] = batch.query_start_loc_cpu[: P + 1]
         sv.kv_len[:] = seq_lens
-        # One copy carries kv_indptr | row_offset | last_page_len (adjacent): the device-side
-        # gather reads the first two, tensor-core decode kernels the first and last.
+        # One copy carries kv_indptr | row_offset | last_page_len (adjacent): the kv_indices
+        # gather reads kv_indptr (the torch one off CUDA row_offset too), tensor-core decode
+        # kernels kv_indptr and last_page_len.
         self.dev_meta.copy_(sv.upload, non_blocking=self.device.type == "cuda")
         if self._gather_kv_indices is not None:
             planning.check_kv_indices_room(
@@ -399,10 +401,6 @@ class _PagedContext:
             out.copy_(result)
             return out
         return result
-
-    @property
-    def _where(self) -> str:
-        return f"group {self.group.group_id!r} (flashinfer): "
 
     def _bad(self, what: str) -> None:
         raise ValueError(f"{self._where}{what}")
