@@ -287,7 +287,6 @@ class BatchBuilder:
         self._remember_reserved = True
         self._static_sig: tuple | None = None
         self._static_token: object = object()
-        self._alloc = getattr(state, "page_allocator", None)
         # device views by padded batch size; by padded token count: (positions, slot mapping,
         # slot-mapping offset from the positions in int64 elements, delta byte offset)
         self._req_views: dict[int, tuple] = {}
@@ -326,8 +325,8 @@ class BatchBuilder:
 
         :param requests: ``(request id, new tokens)`` per request, in batch order. KV lengths
             come from the persistent state (tokens already written); pages for the new tokens
-            are reserved here (all-or-nothing per request: on OutOfPagesError nothing of the
-            failing request changed and earlier requests keep their reserved pages).
+            are reserved here, all or nothing: a step that raises (a request twice, one over
+            ``max_pages_per_request``, :class:`OutOfPagesError`) changed no request.
         :param spec_tokens: ``k`` when this is a speculative-verify step (each request then
             has ``k + 1`` new tokens).
         :param pad_to: pad to this many requests (one token each) for a captured decode graph.
@@ -338,11 +337,11 @@ class BatchBuilder:
             # Tuple equality compares identical objects by identity: a server that passes the
             # same ids pays one pointer compare per request.
             reqs = requests if type(requests) is tuple else tuple(requests)
-            alloc = self._alloc
+            state = self.state
             if (
                 reqs == steady.requests
-                and self.state.changes == steady.state_changes
-                and (alloc is None or alloc.changes == steady.alloc_changes)
+                and state.changes == steady.state_changes
+                and state.page_changes == steady.alloc_changes
             ):
                 batch = self._build_steady(steady)
                 if batch is not None:
@@ -394,7 +393,7 @@ class BatchBuilder:
         pos = views[0]
         # positions = context lengths, gathered straight into the staging buffer ("clip": the
         # rows are valid, and "raise" would buffer the output)
-        self.state.row_num_tokens.take(steady.dense, out=pos, mode="clip")
+        self.state.rows.num_tokens.take(steady.dense, out=pos, mode="clip")
         m = 0
         if self._has_kv:
             q = pos // self.page_size
@@ -472,7 +471,7 @@ class BatchBuilder:
         else:
             grow, held, ng = rows[full], rows[~full], nr[full]
             page = self._pt_flat[self._rowbase[held] + q[held]]
-            if np.count_nonzero(self._alloc.refcount_array[page] > 1):
+            if np.count_nonzero(self.state.page_refcounts[page] > 1):
                 return None  # a shared page: copy-on-write on the full path
         written = _NO_INDICES
         if len(grow):
@@ -483,7 +482,7 @@ class BatchBuilder:
                 return None
             written = appended[1]
             steady.state_changes = self.state.changes
-            steady.alloc_changes = self._alloc.changes
+            steady.alloc_changes = self.state.page_changes
         # held rows' pages were just read, grown rows' were just written: read both back
         page = self._pt_flat[written if held is None else self._rowbase[rows] + qr]
         steady.slot_base[rows] = (page - qr) * self._ps64
@@ -540,7 +539,7 @@ class BatchBuilder:
             raise ValueError(f"step of {P} tokens exceeds max_num_tokens={self.max_num_tokens}")
         state = self.state
         dense = state.step_rows(ids)
-        ctx = state.row_num_tokens[dense]
+        ctx = state.rows.num_tokens[dense]
         k, slot = self._acquire()
         m = 0
         q = page = None
@@ -569,7 +568,7 @@ class BatchBuilder:
                 # Skipped while remembered steps go unused (requests crossing pages at
                 # different steps): the next step, if in sync, is remembered anyway.
                 in_sync = self._remember_reserved and not np.count_nonzero(
-                    state.page_allocator.refcount_array[page] > 1
+                    state.page_refcounts[page] > 1
                 )
         slot.qsl[: P + 1] = self._ar32[: P + 1]
         seq_cpu = slot.seq[:P]
@@ -580,7 +579,7 @@ class BatchBuilder:
         pos[:B] = ctx
         row_slot = None
         if self._has_slots:
-            row_slot = state.row_slot[dense]
+            row_slot = state.rows.slot[dense]
             slot.slots[:B] = row_slot
             slot.init[:B] = ctx > 0
         positions, slot_mapping, s, tok_end = self._tok_views.get(P) or self._make_tok_views(P)
@@ -640,7 +639,7 @@ class BatchBuilder:
         st.requests, st.ids, st.pad_to, st.B, st.P = requests, ids, pad_to, B, P
         st.dense = dense
         st.state_changes = changes
-        st.alloc_changes = self._alloc.changes if self._alloc is not None else None
+        st.alloc_changes = state.page_changes
         if q is not None:
             st.q = q
             st.q_bytes = q.tobytes()
@@ -672,7 +671,7 @@ class BatchBuilder:
             raise ValueError(f"new-token counts must be >= 0, got {qlens.tolist()}")
         if state is not None:
             dense = state.step_rows(ids)
-            ctx = state.row_num_tokens[dense]
+            ctx = state.rows.num_tokens[dense]
         else:
             dense = None
             ctx = np.zeros(B, dtype=np.int64)
@@ -708,7 +707,7 @@ class BatchBuilder:
         seq_cpu[:B] = seq
         ctx_cpu[:B] = ctx
         if self._has_slots:
-            slot.slots[:B] = state.row_slot[dense]
+            slot.slots[:B] = state.rows.slot[dense]
             slot.init[:B] = ctx > 0
         # int64 per-token block: positions then slot mapping
         pos = slot.i64[:padded_tokens]
@@ -989,10 +988,10 @@ class BatchBuilder:
         here, all of them in one :meth:`PersistentState.append_pages`.
         """
         state = self.state
-        npages = state.row_num_pages[dense]
+        npages = state.rows.num_pages[dense]
         if (
             self._row_dense[:B].tobytes() != dense.tobytes()
-            or self._row_version[:B].tobytes() != state.row_page_version[dense].tobytes()
+            or self._row_version[:B].tobytes() != state.rows.page_version[dense].tobytes()
             or self._row_npages[:B].tobytes() != npages.tobytes()
             or (P > B and np.count_nonzero(self._row_dense[B:P] != -1))
         ):
@@ -1001,7 +1000,7 @@ class BatchBuilder:
         written = None
         if not np.count_nonzero(cross):
             page = self._pt_flat[self._rowbase[:B] + q]
-            if np.count_nonzero(state.page_allocator.refcount_array[page] > 1):
+            if np.count_nonzero(state.page_refcounts[page] > 1):
                 return None
             return page, None
         rows = np.flatnonzero(cross)
@@ -1009,7 +1008,7 @@ class BatchBuilder:
             return None
         # The other rows write into pages they hold: none of those may be shared.
         held = self._pt_flat[self._rowbase[:B] + np.where(cross, 0, q)]
-        if np.count_nonzero((state.page_allocator.refcount_array[held] > 1) & ~cross):
+        if np.count_nonzero((state.page_refcounts[held] > 1) & ~cross):
             return None
         appended = self._append_pages(ids, rows, npages[rows])
         if appended is None:
@@ -1039,26 +1038,36 @@ class BatchBuilder:
     def _reserve(
         self, ids: tuple[Hashable, ...], dense: np.ndarray, ctx: np.ndarray, seq: np.ndarray
     ) -> np.ndarray | None:
-        """Reserve pages for the step; only requests that need work cost a Python call.
+        """Reserve pages for the step, all or nothing, in one
+        :meth:`PersistentState.reserve_step`; only requests that need work cost a Python call.
 
         Returns the flat page-table indices this wrote on the host (pages appended in bulk),
         which the step's device copy must carry; :meth:`_sync_page_table` takes them.
 
-        A request needs :meth:`PersistentState.ensure_capacity` when its new tokens go past its
-        pages, when its page-table row is not in sync, or when the page it writes first is
-        shared (copy-on-write) - everything else is decided with numpy.
+        A request needs work when its new tokens go past its pages, when its page-table row is
+        not in sync, or when the page it writes first is shared (copy-on-write) - everything
+        else is decided with numpy.
         """
         state = self.state
         B = len(ids)
         ps = self.page_size
-        npages = state.row_num_pages[dense]
+        npages = state.rows.num_pages[dense]
+        # The page table's width is checked before anything is reserved (all or nothing).
+        over = np.maximum(npages, -(-seq // ps)) > self.max_pages
+        if np.count_nonzero(over):
+            b = int(np.argmax(over))
+            raise ValueError(
+                f"request {ids[b]!r} needs {max(int(npages[b]), -(-int(seq[b]) // ps))} pages "
+                f"for {int(seq[b])} tokens (page_size {ps}), more than "
+                f"max_pages_per_request={self.max_pages} (raise max_model_len)"
+            )
         in_sync = (self._row_dense[:B] == dense) & (
-            self._row_version[:B] == state.row_page_version[dense]
+            self._row_version[:B] == state.rows.page_version[dense]
         )
         first_page = ctx // ps
         has_page = in_sync & (first_page < np.minimum(npages, self._row_npages[:B]))
         write_page = self._pt_host[self._ar64[:B], np.where(has_page, first_page, 0)]
-        shared = has_page & (state.page_allocator.refcount_array[write_page] > 1)
+        shared = has_page & (state.page_refcounts[write_page] > 1)
         slow = (seq > npages * ps) | ~in_sync | shared
         if not slow.any():
             return None
@@ -1072,22 +1081,20 @@ class BatchBuilder:
             & (ctx == npages * ps)
             & (seq > ctx)
             & (seq - ctx <= ps)
-            & (npages < self.max_pages)
         )
-        flat = None
         rows = np.flatnonzero(simple)
-        # When not all fit: one request at a time below, each all-or-nothing.
-        appended = self._append_pages(ids, rows, npages[rows]) if len(rows) > 1 else None
-        if appended is not None:
-            flat = appended[1]
+        if len(rows) >= 2:  # one bulk append pays off from two rows on
             slow &= ~simple
-        try:
-            for b in np.flatnonzero(slow).tolist():
-                state.ensure_capacity(ids[b], int(seq[b]))
-        except BaseException:
-            if flat is not None:  # their new entries never reached the device: rewrite later
-                self._row_dense[rows] = -1
-            raise
+        else:
+            rows = rows[:0]
+        grow = [(ids[b], int(seq[b])) for b in np.flatnonzero(slow).tolist()]
+        # One call for the whole step: it reserves everything or raises having changed nothing.
+        new = state.reserve_step([ids[b] for b in rows.tolist()], grow)
+        if not len(rows):
+            return None
+        flat = self._rowbase[rows] + npages[rows]
+        self._pt_flat[flat] = new
+        self._row_npages[rows] = npages[rows] + 1
         return flat
 
     def _sync_page_table(
@@ -1105,14 +1112,14 @@ class BatchBuilder:
         state = self.state
         B = len(ids)
         host = self._pt_host
-        npages = state.row_num_pages[dense]
+        npages = state.rows.num_pages[dense]
         if B and npages.max() > self.max_pages:
             b = int(np.argmax(npages))
             raise ValueError(
                 f"request {ids[b]!r} holds {int(npages[b])} pages, more than "
                 f"max_pages_per_request={self.max_pages} (raise max_model_len)"
             )
-        version = state.row_page_version[dense]
+        version = state.rows.page_version[dense]
         rewrite = (self._row_dense[:B] != dense) | (self._row_version[:B] != version)
         grown = ~rewrite & (self._row_npages[:B] != npages)
         changed = [] if written is None else [written]

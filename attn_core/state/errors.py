@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 __all__ = [
     "DoubleFreeError",
@@ -35,6 +35,7 @@ class OutOfPagesError(StateError):
     :ivar evictable: pages the prefix cache could have given back.
     :ivar req_id: the request the pages were for, or ``None``.
     :ivar num_tokens: the token count the request asked for, or ``None``.
+    :ivar requests: the requests of a whole step that needed the pages together, or ``None``.
     """
 
     def __init__(
@@ -46,13 +47,17 @@ class OutOfPagesError(StateError):
         req_id: Hashable | None = None,
         num_tokens: int | None = None,
         page_size: int | None = None,
+        requests: Sequence[Hashable] | None = None,
     ) -> None:
         self.needed = needed
         self.free = free
         self.evictable = evictable
         self.req_id = req_id
         self.num_tokens = num_tokens
+        self.requests = tuple(requests) if requests is not None else None
         who = f"request {req_id!r} " if req_id is not None else ""
+        if requests is not None:
+            who = f"the step of requests {list(requests)!r} "
         what = ""
         if num_tokens is not None:
             what = f" to hold {num_tokens} tokens"

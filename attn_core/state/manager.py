@@ -19,14 +19,16 @@ Lifecycle of one request::
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from operator import attrgetter
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from attn_core.specs import LayerGroup, LayerSpec
+from attn_core.specs import LayerGroup, LayerKind, LayerSpec
 from attn_core.state.errors import OutOfPagesError, OutOfSlotsError, StaleprefixError, StateError
 from attn_core.state.kv_cache import KVCache
 from attn_core.state.layout import StateLayout
@@ -36,12 +38,16 @@ from attn_core.state.prefix_cache import CachedBlock, PrefixCache, block_keys
 from attn_core.state.slots import SlotAllocator, StateSlots
 from attn_core.state.transfer import (
     RequestExport,
+    export_problems,
     layout_differences,
     pack_request,
     unpack_request,
 )
 
-__all__ = ["PersistentState", "PrefixHit"]
+if TYPE_CHECKING:
+    from attn_core.selector import Plan
+
+__all__ = ["PersistentState", "PrefixHit", "RequestRows"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +68,42 @@ class PrefixHit:
 
     def __bool__(self) -> bool:
         return self.num_tokens > 0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRows:
+    """Read-only per-request arrays, indexed by the dense rows :meth:`PersistentState.step_rows`
+    returns: what a BatchBuilder reads of a whole step with numpy instead of one Python call
+    per request. Valid until the next request is added (the arrays may then be reallocated):
+    read :attr:`PersistentState.rows` again each step.
+
+    :ivar num_tokens: ``int64``, tokens whose KV / state is written.
+    :ivar num_pages: ``int64``, pages held.
+    :ivar slot: ``int32``, linear-state slot (-1: none).
+    :ivar page_version: ``int64``, bumped whenever the request's pages are replaced (not when
+        pages are appended): a page-table row copied at one version stays right until it
+        changes.
+    """
+
+    num_tokens: np.ndarray
+    num_pages: np.ndarray
+    slot: np.ndarray
+    page_version: np.ndarray
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    view = a.view()
+    view.flags.writeable = False
+    return view
+
+
+def _read_only_rows(state: PersistentState) -> RequestRows:
+    return RequestRows(
+        _read_only(state._row_num_tokens),
+        _read_only(state._row_num_pages),
+        _read_only(state._row_slot),
+        _read_only(state._row_page_version),
+    )
 
 
 @dataclass(eq=False, slots=True)
@@ -130,11 +172,14 @@ class PersistentState:
         # counts and slots with numpy instead of one Python call per request.
         self._free_rows: list[int] = []
         self._row_of: dict[Hashable, int] = {}
-        self.row_num_tokens = np.zeros(0, dtype=np.int64)
-        self.row_num_pages = np.zeros(0, dtype=np.int64)
-        self.row_slot = np.zeros(0, dtype=np.int32)
-        self.row_live = np.zeros(0, dtype=bool)
-        self.row_page_version = np.zeros(0, dtype=np.int64)
+        self._row_num_tokens = np.zeros(0, dtype=np.int64)
+        self._row_num_pages = np.zeros(0, dtype=np.int64)
+        self._row_slot = np.zeros(0, dtype=np.int32)
+        self._row_live = np.zeros(0, dtype=bool)
+        self._row_page_version = np.zeros(0, dtype=np.int64)
+        self._row_mark = np.zeros(0, dtype=np.int64)  # scratch of step_rows' duplicate test
+        self._order = np.arange(256, dtype=np.int64)
+        self._rows = _read_only_rows(self)
         self._version = 0
         #: Bumped whenever pages are freed or replaced: a batch built before no longer holds.
         self.epoch = 0
@@ -143,6 +188,74 @@ class PersistentState:
         #: ``page_allocator.changes`` it tells the BatchBuilder that a step's rows and pages
         #: are as at the last step.
         self.changes = 0
+
+    #: The one KV layout the core's cache stores (``[pages, page_size, heads, dim]``).
+    kv_layout = "NHD"
+
+    @classmethod
+    def from_plan(
+        cls,
+        plan: Plan,
+        *,
+        num_pages: int,
+        num_slots: int,
+        device: torch.device | str | None = None,
+    ) -> PersistentState:
+        """The state a plan's backends read: its groups, page size and KV dtype.
+
+        :param device: where the storage lives; default the plan's device type (``"cuda"`` or
+            ``"cpu"``).
+        :raises ValueError: the plan asks for a KV layout the core's cache does not store.
+        """
+        if plan.kv_layout not in (None, cls.kv_layout):
+            raise ValueError(
+                f"the plan's backends read kv_layout {plan.kv_layout}: the core's KV cache "
+                f"stores {cls.kv_layout} only (ExecutionConstraints(kv_layout='NHD') selects "
+                "backends that read it)"
+            )
+        if device is None:
+            device = "cpu" if plan.device.vendor == "cpu" else "cuda"
+        return cls(
+            [c.group for c in plan.choices],
+            num_pages=num_pages,
+            num_slots=num_slots,
+            device=device,
+            page_size=plan.page_size,
+            kv_dtype=plan.constraints.kv_dtype,
+        )
+
+    def plan_differences(self, plan: Plan) -> list[str]:
+        """Every way this state disagrees with what ``plan``'s backends will read (page size,
+        KV layout and dtype, the layers that keep state, their specs); empty: they agree."""
+        diffs: list[str] = []
+        layout = self.layout
+        if layout.has_kv and plan.page_size is not None and plan.page_size != self.page_size:
+            diffs.append(f"page_size: plan {plan.page_size}, state {self.page_size}")
+        if layout.has_kv and plan.kv_layout not in (None, self.kv_layout):
+            diffs.append(f"kv_layout: plan {plan.kv_layout}, state {self.kv_layout}")
+        planned: dict[int, LayerSpec] = {}
+        for choice in plan.choices:
+            spec = choice.group.spec
+            if spec.has_kv_cache:
+                spec = spec.with_(
+                    page_size=self.page_size,
+                    kv_dtype=plan.constraints.kv_dtype or spec.kv_dtype,
+                )
+            elif spec.kind is not LayerKind.LINEAR:
+                continue
+            planned.update(dict.fromkeys(choice.group.layer_indices, spec))
+        here = {**layout.kv_specs, **layout.linear_specs}
+        if extra := sorted(set(planned) - set(here)):
+            diffs.append(f"layers {extra}: in the plan, keep no state here")
+        if missing := sorted(set(here) - set(planned)):
+            diffs.append(f"layers {missing}: keep state here, not in the plan")
+        for i in sorted(set(planned) & set(here)):
+            want, have = planned[i], here[i]
+            if want.has_kv_cache and want.kv_dtype != have.kv_dtype:
+                diffs.append(f"layer {i}: kv_dtype: plan {want.kv_dtype}, state {have.kv_dtype}")
+            elif want != have:
+                diffs.append(f"layer {i}: spec: plan [{want.short()}], state [{have.short()}]")
+        return diffs
 
     @classmethod
     def from_memory_budget(
@@ -358,11 +471,11 @@ class PersistentState:
         n = len(reqs)
         rows = np.fromiter(map(_row_of, reqs), np.int64, n)
         # (count_nonzero: a C call; ndarray.any() / all() go through Python wrappers)
-        if np.count_nonzero(self.row_live[rows]) != n:
+        if np.count_nonzero(self._row_live[rows]) != n:
             for r in req_ids:
                 self._get(r)  # raises for the first offloaded request
         ps = self.page_size
-        not_full = self.row_num_tokens[rows] != self.row_num_pages[rows] * ps
+        not_full = self._row_num_tokens[rows] != self._row_num_pages[rows] * ps
         if np.count_nonzero(not_full):
             req = reqs[int(np.argmax(not_full))]
             raise StateError(
@@ -372,9 +485,54 @@ class PersistentState:
         pages, _ = self._reserve(n, 0, req_id=req_ids[0], num_tokens=None)
         for req, page in zip(reqs, pages, strict=True):
             req.pages.append(page)
-        self.row_num_pages[rows] += 1
+        self._row_num_pages[rows] += 1
         self.changes += 1
         return np.asarray(pages, dtype=np.int64)
+
+    def reserve_step(
+        self,
+        append_to: Sequence[Hashable],
+        grow: Sequence[tuple[Hashable, int]],
+    ) -> np.ndarray:
+        """Pages for one step of several requests, all or nothing.
+
+        :param append_to: requests whose pages are full that get one fresh page each (as
+            :meth:`append_pages`).
+        :param grow: ``(request, end)`` pairs made to hold ``end`` tokens, the ones about to be
+            written made private (as :meth:`ensure_capacity`).
+        :returns: ``[len(append_to)]`` int64, the page given to each of ``append_to``.
+        :raises OutOfPagesError: the step needs more pages than are free or evictable; no
+            request changed.
+        :raises ValueError: a request appears twice.
+        """
+        ids = [*append_to, *(r for r, _ in grow)]
+        if len(set(ids)) != len(ids):
+            dup = next(r for r in ids if ids.count(r) > 1)
+            raise ValueError(f"reserve_step: request {dup!r} appears twice in one step")
+        if not self.has_kv or not ids:
+            return np.zeros(0, dtype=np.int64)
+        plans = []
+        need = len(append_to)
+        pending: Counter[int] = Counter()
+        for req_id, end in grow:
+            req = self._get(req_id)
+            _check_count("end", end)
+            end = max(end, req.num_tokens)
+            new = max(0, self.layout.pages_for(end) - len(req.pages))
+            need += new + len(self._cow_pages(req, req.num_tokens, end, pending))
+            plans.append((req, end))
+        pa = self.page_allocator
+        if need > pa.num_free:
+            evictable = self.prefix_cache.evictable_pages(pa.refcount)
+            if need > pa.num_free + evictable:
+                raise OutOfPagesError(
+                    need, pa.num_free, evictable=evictable, requests=ids, page_size=self.page_size
+                )
+        # Everything below fits: evicting cached prefixes only ever frees pages for the next.
+        appended = self.append_pages(append_to) if append_to else np.zeros(0, dtype=np.int64)
+        for req, end in plans:
+            self._prepare(req, req.num_tokens, end)
+        return appended
 
     def advance(self, req_id: Hashable, n: int) -> int:
         """Record ``n`` more written tokens; returns the new ``num_tokens``."""
@@ -387,7 +545,7 @@ class PersistentState:
                 f"{len(req.pages) * self.page_size}; call ensure_capacity({req_id!r}, {new}) first"
             )
         req.num_tokens = new
-        self.row_num_tokens[req.row] = new
+        self._row_num_tokens[req.row] = new
         return new
 
     def release(self, req_id: Hashable) -> None:
@@ -397,7 +555,7 @@ class PersistentState:
             self._free_device(req)
         del self._requests[req_id]
         self._row_of.pop(req_id, None)
-        self.row_live[req.row] = False
+        self._row_live[req.row] = False
         self._free_rows.append(req.row)
         self.epoch += 1
         self.changes += 1
@@ -554,15 +712,16 @@ class PersistentState:
         pages, slots = self._reserve(n_pages, n_slots, req_id=req_id, num_tokens=meta.num_tokens)
         slot = slots[0] if self.has_state else None
         snap = slots[1] if has_snap else None
-        unpack_request(
-            export,
-            self.layout,
-            self.kv_cache,
-            self.state_slots,
-            pages=pages,
-            slot=slot,
-            snapshot_slot=snap,
-        )
+        with self._given_back_on_failure(pages, slots):
+            unpack_request(
+                export,
+                self.layout,
+                self.kv_cache,
+                self.state_slots,
+                pages=pages,
+                slot=slot,
+                snapshot_slot=snap,
+            )
         req.pages = pages
         req.slot = slot
         req.snapshot = (snap, meta.snapshot_length) if snap is not None else None
@@ -601,11 +760,10 @@ class PersistentState:
             raise ValueError(f"request {req_id!r} already exists; release it first")
         if not isinstance(export, RequestExport):
             raise TypeError(f"export: expected RequestExport, got {type(export).__name__}")
-        buf = export.buffer
-        if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < export.meta.nbytes:
+        problems = export_problems(export)
+        if problems:
             raise ValueError(
-                f"export buffer: expected a 1-D uint8 tensor of {export.meta.nbytes} bytes, got "
-                f"{buf.dtype} {list(buf.shape)}"
+                f"import_request({req_id!r}): the export is inconsistent: " + "; ".join(problems)
             )
         diffs = layout_differences(export.meta, self.layout, self.kv_cache, self.state_slots)
         if diffs:
@@ -615,7 +773,10 @@ class PersistentState:
             self.layout.pages_for(n), int(self.has_state), req_id=req_id, num_tokens=n
         )
         slot = slots[0] if slots else None
-        unpack_request(export, self.layout, self.kv_cache, self.state_slots, pages=pages, slot=slot)
+        with self._given_back_on_failure(pages, slots):
+            unpack_request(
+                export, self.layout, self.kv_cache, self.state_slots, pages=pages, slot=slot
+            )
         req = _Request(req_id, pages, n, slot)
         self._requests[req_id] = req
         self._assign_row(req)
@@ -651,11 +812,11 @@ class PersistentState:
             row = req.row
             want = (req.num_tokens, len(req.pages), -1 if req.slot is None else req.slot)
             got = (
-                int(self.row_num_tokens[row]),
-                int(self.row_num_pages[row]),
-                int(self.row_slot[row]),
+                int(self._row_num_tokens[row]),
+                int(self._row_num_pages[row]),
+                int(self._row_slot[row]),
             )
-            if got != want or bool(self.row_live[row]) != (req.offloaded is None):
+            if got != want or bool(self._row_live[row]) != (req.offloaded is None):
                 problems.append(f"request {req.req_id!r}: row {row} holds {got}, not {want}")
         for block in self.prefix_cache.blocks():
             children = sum(1 for b in self.prefix_cache.blocks() if b.parent == block.key)
@@ -696,19 +857,53 @@ class PersistentState:
         return req
 
     # -- dense per-request arrays (read by the BatchBuilder) ----------------------------------
-    def step_rows(self, req_ids: Sequence[Hashable]) -> np.ndarray:
-        """Dense row of each request (int64), for vectorised reads of ``row_*`` arrays.
+    @property
+    def rows(self) -> RequestRows:
+        """The per-request arrays, read-only (see :class:`RequestRows`)."""
+        return self._rows
 
-        Raises ``KeyError`` naming an unknown request and :class:`StateError` for an offloaded
-        one.
+    @property
+    def page_refcounts(self) -> np.ndarray:
+        """``[num_pages]`` int32 refcount of every page, read-only: a page with more than one
+        holder (another request, the prefix cache) is copied before it is written."""
+        return self.page_allocator.refcount_array
+
+    @property
+    def page_changes(self) -> int:
+        """Bumped whenever a page refcount changes: equal values mean equal refcounts."""
+        return self.page_allocator.changes
+
+    def step_rows(self, req_ids: Sequence[Hashable]) -> np.ndarray:
+        """Dense row of each request of one step (int64), for reads of :attr:`rows`.
+
+        :raises KeyError: naming an unknown request.
+        :raises StateError: naming offloaded requests.
+        :raises ValueError: naming a request that appears twice (its rows would write the same
+            KV slots and state slot).
         """
+        n = len(req_ids)
         try:
-            rows = np.fromiter(map(self._row_of.__getitem__, req_ids), np.int64, len(req_ids))
+            rows = np.fromiter(map(self._row_of.__getitem__, req_ids), np.int64, n)
         except KeyError as exc:
             raise KeyError(f"unknown request {exc.args[0]!r}") from None
-        if len(rows) and not self.row_live[rows].all():
-            bad = [r for r, ok in zip(req_ids, self.row_live[rows], strict=True) if not ok]
+        if not n:
+            return rows
+        if np.count_nonzero(self._row_live[rows]) != n:
+            bad = [r for r, ok in zip(req_ids, self._row_live[rows], strict=True) if not ok]
             raise StateError(f"requests {bad} are offloaded; restore them first")
+        # Duplicates in O(n): each row marks itself with its position; a row written twice
+        # keeps only the later mark.
+        if len(self._order) < n:
+            self._order = np.arange(max(n, 2 * len(self._order)), dtype=np.int64)
+        order = self._order[:n]
+        mark = self._row_mark
+        mark[rows] = order
+        if np.count_nonzero(mark[rows] != order):
+            first = int(np.flatnonzero(mark[rows] != order)[0])
+            raise ValueError(
+                f"request {req_ids[first]!r} appears twice in one step (positions {first} and "
+                f"{int(mark[rows[first]])}): each request takes one row of a batch"
+            )
         return rows
 
     def _assign_row(self, req: _Request) -> None:
@@ -716,19 +911,21 @@ class PersistentState:
             row = self._free_rows.pop()
         else:
             row = len(self._row_of) + len(self._free_rows)
-            if row >= len(self.row_num_tokens):
-                grow = max(64, 2 * len(self.row_num_tokens))
+            if row >= len(self._row_num_tokens):
+                grow = max(64, 2 * len(self._row_num_tokens))
                 for name in (
-                    "row_num_tokens",
-                    "row_num_pages",
-                    "row_slot",
-                    "row_live",
-                    "row_page_version",
+                    "_row_num_tokens",
+                    "_row_num_pages",
+                    "_row_slot",
+                    "_row_live",
+                    "_row_page_version",
+                    "_row_mark",
                 ):
                     old = getattr(self, name)
                     new = np.zeros(grow, dtype=old.dtype)
                     new[: len(old)] = old
                     setattr(self, name, new)
+                self._rows = _read_only_rows(self)
         req.row = row
         self._row_of[req.req_id] = row
         self._publish(req, new_pages=True)
@@ -736,13 +933,24 @@ class PersistentState:
     def _publish(self, req: _Request, *, new_pages: bool = False) -> None:
         self.changes += 1
         row = req.row
-        self.row_num_tokens[row] = req.num_tokens
-        self.row_num_pages[row] = len(req.pages)
-        self.row_slot[row] = -1 if req.slot is None else req.slot
-        self.row_live[row] = req.offloaded is None
+        self._row_num_tokens[row] = req.num_tokens
+        self._row_num_pages[row] = len(req.pages)
+        self._row_slot[row] = -1 if req.slot is None else req.slot
+        self._row_live[row] = req.offloaded is None
         if new_pages:
             self._version += 1
-            self.row_page_version[row] = self._version
+            self._row_page_version[row] = self._version
+
+    @contextmanager
+    def _given_back_on_failure(self, pages: list[int], slots: list[int]) -> Iterator[None]:
+        """Free freshly reserved ``pages`` and ``slots`` if the block raises (a copy into them
+        failed): the request they were for is then not added, and nothing leaks."""
+        try:
+            yield
+        except BaseException:
+            self.page_allocator.decref(pages)
+            self.slot_allocator.decref(slots)
+            raise
 
     def _free_device(self, req: _Request) -> None:
         self.page_allocator.decref(req.pages)
@@ -771,14 +979,34 @@ class PersistentState:
             raise stale
         return blocks  # type: ignore[return-value]
 
+    def _cow_pages(
+        self, req: _Request, start: int, end: int, pending: Counter[int] | None = None
+    ) -> list[int]:
+        """Indices into ``req.pages`` of the pages that writing tokens ``start .. end-1`` must
+        copy first (shared with the prefix cache or another request).
+
+        :param pending: holders that copies planned earlier in the same step will drop, by page;
+            updated with this request's copies.
+        """
+        ps = self.page_size
+        touched = range(start // ps, min(len(req.pages), -(-end // ps))) if end > start else ()
+        refcount = self.page_allocator.refcount
+        cow = []
+        for j in touched:
+            page = req.pages[j]
+            holders = refcount(page) - (pending[page] if pending is not None else 0)
+            if holders > 1:
+                cow.append(j)
+                if pending is not None:
+                    pending[page] += 1
+        return cow
+
     def _prepare(self, req: _Request, start: int, end: int) -> list[int]:
         if not self.has_kv:
             return []
-        ps = self.page_size
         pa = self.page_allocator
         new = max(0, self.layout.pages_for(end) - len(req.pages))
-        touched = range(start // ps, min(len(req.pages), -(-end // ps))) if end > start else ()
-        cow = [j for j in touched if pa.refcount(req.pages[j]) > 1]
+        cow = self._cow_pages(req, start, end)
         pages, _ = self._reserve(new + len(cow), 0, req_id=req.req_id, num_tokens=end)
         fresh, extra = pages[: len(cow)], pages[len(cow) :]
         if cow:

@@ -31,6 +31,7 @@ __all__ = [
     "LayerEntry",
     "RequestExport",
     "TensorEntry",
+    "export_problems",
     "layout_differences",
     "pack_request",
     "token_index",
@@ -196,6 +197,55 @@ def pack_request(
         snapshot_length=snapshot[1] if snapshot else None,
     )
     return RequestExport(meta, buffer)
+
+
+def export_problems(export: RequestExport) -> list[str]:
+    """Every way an export's metadata disagrees with itself or its buffer (empty: consistent).
+
+    An export may come from another process or machine: before anything is reserved for it,
+    each tensor entry must lie inside the buffer, hold exactly the bytes its shape and dtype
+    take, and every KV tensor must hold ``num_tokens`` tokens.
+    """
+    meta, buf = export.meta, export.buffer
+    if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
+        got = f"{buf.dtype} {list(buf.shape)}" if isinstance(buf, torch.Tensor) else type(buf)
+        return [f"buffer: expected a 1-D uint8 tensor, got {got}"]
+    problems = []
+    if buf.numel() != meta.nbytes:
+        problems.append(f"the buffer is {buf.numel()} bytes, meta.nbytes says {meta.nbytes}")
+    if meta.num_tokens < 0 or meta.page_size <= 0 or meta.num_pages < 0:
+        problems.append(
+            f"num_tokens {meta.num_tokens}, page_size {meta.page_size}, num_pages "
+            f"{meta.num_pages}: expected num_tokens >= 0, page_size > 0, num_pages >= 0"
+        )
+    end = min(buf.numel(), meta.nbytes)
+    for entry in meta.layers:
+        i = entry.layer_index
+        for t in entry.tensors:
+            dtype = _DTYPES.get(t.dtype)
+            if dtype is None:
+                problems.append(f"layer {i}: {t.name}: unknown dtype {t.dtype!r}")
+                continue
+            size = dtype.itemsize
+            for d in t.shape:
+                size *= d
+            if any(d < 0 for d in t.shape) or size != t.nbytes:
+                problems.append(
+                    f"layer {i}: {t.name}: shape {list(t.shape)} of {t.dtype} is {size} bytes, "
+                    f"the entry says {t.nbytes}"
+                )
+            if t.offset < 0 or t.offset % _ALIGN or t.offset + t.nbytes > end:
+                problems.append(
+                    f"layer {i}: {t.name}: bytes {t.offset}..{t.offset + t.nbytes} are past the "
+                    f"buffer's end {end} or not {_ALIGN}-byte aligned"
+                )
+            if entry.kind in ("full", "mla") and (not t.shape or t.shape[0] != meta.num_tokens):
+                n = t.shape[0] if t.shape else 0
+                problems.append(
+                    f"layer {i}: {t.name} shape {list(t.shape)}: {n} tokens, the export says "
+                    f"{meta.num_tokens}"
+                )
+    return problems
 
 
 def _expected(layout: StateLayout, kv_cache: KVCache, state_slots: StateSlots) -> dict:

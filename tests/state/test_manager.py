@@ -189,7 +189,7 @@ def test_append_pages_gives_each_full_request_one_fresh_page_or_changes_nothing(
     before = s.pages("b")
     (page,) = s.append_pages(["b"])
     assert s.pages("b") == [*before, int(page)] and s.num_free_pages == 0
-    assert int(s.row_num_pages[s.step_rows(["b"])[0]]) == 3
+    assert int(s.rows.num_pages[s.step_rows(["b"])[0]]) == 3
     s.check_invariants()
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -218,3 +220,89 @@ def test_import_of_incompatible_layout_says_what_differs() -> None:
         kv_only.import_request("a", exp)
     for s in (wrong_dim, fp8, scaled, kv_only):
         assert "a" not in s and s.num_free_pages == 4
+
+
+def _tampered(exp: RequestExport, **changes) -> RequestExport:
+    """``exp`` with its metadata changed, the buffer kept."""
+    return RequestExport(dataclasses.replace(exp.meta, **changes), exp.buffer)
+
+
+def _retensor(exp: RequestExport, layer: int, name: str, **changes) -> RequestExport:
+    """``exp`` with one tensor entry of one layer changed."""
+    layers = []
+    for entry in exp.meta.layers:
+        if entry.layer_index == layer:
+            tensors = tuple(
+                dataclasses.replace(t, **changes) if t.name == name else t for t in entry.tensors
+            )
+            entry = dataclasses.replace(entry, tensors=tensors)
+        layers.append(entry)
+    return _tampered(exp, layers=tuple(layers))
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("more-tokens", r"layer 1: k shape \[5, 2, 8\]: 5 tokens, the export says 10"),
+        ("fewer-tokens", r"layer 1: k shape \[5, 2, 8\]: 5 tokens, the export says 2"),
+        ("k-shape", r"layer 1: k: shape \[5, 2, 9\] of bfloat16 is 180 bytes, the entry says 160"),
+        ("nbytes", r"the buffer is \d+ bytes, meta.nbytes says 64"),
+        ("offset", r"layer 3: ssm: bytes \d+\.\.\d+ are past the buffer's end \d+"),
+        ("buffer", r"the buffer is 100 bytes, meta.nbytes says \d+"),
+    ],
+)
+def test_an_export_whose_metadata_disagrees_with_its_buffer_is_refused_with_nothing_held(
+    case, message
+) -> None:
+    src = PersistentState(model(), num_pages=8, num_slots=4)
+    fill(src, "a", 5, seed=1)
+    exp = src.export_request("a")
+    if case == "more-tokens":
+        bad = _tampered(exp, num_tokens=exp.meta.num_tokens + 5)
+    elif case == "fewer-tokens":
+        bad = _tampered(exp, num_tokens=2)
+    elif case == "k-shape":
+        bad = _retensor(exp, 1, "k", shape=(5, 2, 9))
+    elif case == "nbytes":
+        bad = _tampered(exp, nbytes=64)
+    elif case == "offset":
+        ssm = next(t for t in exp.meta.layer(3).tensors if t.name == "ssm")
+        bad = _retensor(exp, 3, "ssm", offset=exp.meta.nbytes - ssm.nbytes + 16)
+    else:
+        bad = RequestExport(exp.meta, exp.buffer[:100].clone())
+    dst = PersistentState(model(), num_pages=8, num_slots=4)
+    fill(dst, "other", 3, seed=2)
+    other = read(dst, "other")
+    free = (dst.num_free_pages, dst.num_free_slots)
+    with pytest.raises(ValueError, match=message):
+        dst.import_request("a", bad)
+    assert "a" not in dst and (dst.num_free_pages, dst.num_free_slots) == free
+    assert same(read(dst, "other"), other)
+    dst.check_invariants()
+    dst.import_request("a", exp)  # the genuine export still imports
+    assert same(read(dst, "a"), read(src, "a"))
+
+
+def test_a_failure_while_unpacking_gives_every_page_and_slot_back(monkeypatch) -> None:
+    """Whatever fails after the pages were reserved (here: a copy into the cache), the
+    request is not added and nothing leaks."""
+    import attn_core.state.manager as manager
+
+    src = PersistentState(model(), num_pages=8, num_slots=4)
+    fill(src, "a", 5, seed=1)
+    exp = src.export_request("a")
+    dst = PersistentState(model(), num_pages=8, num_slots=4)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(manager, "unpack_request", broken)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        dst.import_request("a", exp)
+    assert "a" not in dst and (dst.num_free_pages, dst.num_free_slots) == (8, 4)
+    dst.check_invariants()
+    src.offload("a")
+    with pytest.raises(RuntimeError, match="copy failed"):
+        src.restore("a")
+    assert src.is_offloaded("a") and (src.num_free_pages, src.num_free_slots) == (8, 4)
+    src.check_invariants()
