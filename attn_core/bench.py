@@ -111,16 +111,8 @@ def bench_group(
 
     # One layer of the group is enough to time a layer call (and keeps the state small).
     single = LayerGroup(group.group_id, group.spec, group.layer_indices[:1])
-    ps = group.spec.page_size
+    ps = plan.page_size or group.spec.page_size
     pages_per_req = -(-(context + 1) // ps)
-    state = None
-    if group.spec.kind is not LayerKind.ENCODER:
-        state = PersistentState(
-            [single],
-            num_pages=batch * pages_per_req + 1,
-            num_slots=batch + 1,
-            device=device,
-        )
     one = Plan(
         device=plan.device,
         constraints=plan.constraints,
@@ -128,6 +120,11 @@ def bench_group(
         page_size=plan.page_size,
         kv_layout=plan.kv_layout,
     )
+    state = None
+    if group.spec.kind is not LayerKind.ENCODER:
+        state = PersistentState.from_plan(
+            one, num_pages=batch * pages_per_req + 1, num_slots=batch + 1, device=device
+        )
     runtime = AttentionRuntime(one, registry, state=state, device=device)
     layer = single.layer_indices[0]
     binding = runtime.binding(layer)

@@ -16,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
-from attn_core.errors import BackendInputError, PluginError
+from attn_core.errors import BackendInputError, NonFiniteInputError, PluginError
 from attn_core.specs import LayerKind, LayerSpec, torch_dtype
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ class GroupRuntime:
     __slots__ = (
         "backend",
         "batch",
+        "check_finite",
         "context",
         "device_index",
         "forward",
@@ -52,6 +54,7 @@ class GroupRuntime:
         forward: Callable[..., torch.Tensor],
         state: Any = None,
         device: torch.device | str = "cpu",
+        check_finite: str | None = None,
     ) -> None:
         self.group_id = group_id
         device = torch.device(device)
@@ -66,6 +69,38 @@ class GroupRuntime:
         self.context = context
         self.forward = forward
         self.batch: AttentionBatch | None = None
+        #: Why inputs are checked for NaN / inf before each forward (the setting that asked
+        #: for it, named in the error), or None: not checked.
+        self.check_finite = check_finite
+
+    def current_batch(self, layer: int, call: str) -> AttentionBatch:
+        """The prepared batch, refused when it is missing or stale (see :meth:`check_fresh`)."""
+        batch = self.batch
+        if batch is None:
+            raise RuntimeError(
+                f"layer {layer} (group {self.group_id!r}): {call} before runtime.prepare(batch)"
+            )
+        self.check_fresh(batch, f"layer {layer}")
+        return batch
+
+    def check_fresh(self, batch: AttentionBatch, where: str) -> None:
+        """Refuse a stale batch: one built before pages or slots were freed or replaced. Its
+        page table, slot mapping and state indices may point at another request's state."""
+        state = self.state
+        if state is not None and batch.state_epoch != state.epoch:
+            raise BackendInputError(
+                group=self.group_id,
+                backend=self.backend.qualified_name,
+                what=f"{where}: stale batch (pages or slots freed or replaced after it was "
+                "built; rebuild it)",
+                expected=f"state epoch {state.epoch}",
+                got=f"batch built at epoch {batch.state_epoch}",
+            )
+
+    def plugin_error(self, stage: str, exc: BaseException, layer: int | None) -> PluginError:
+        return PluginError(
+            self.backend.plugin, self.backend.name, stage, exc, group=self.group_id, layer=layer
+        )
 
 
 class LayerAttentionBinding:
@@ -203,16 +238,15 @@ class LayerAttentionBinding:
         group = self._group
         batch = group.batch
         if batch is None:
-            raise RuntimeError(
-                f"layer {self.layer_index} (group {group.group_id!r}): forward before "
-                "runtime.prepare(batch)"
-            )
+            group.current_batch(self.layer_index, "forward")
         tokens = batch.padded_tokens
         if tokens != self._tokens:
             self._expect(tokens)
         dtype = self._dtype
         dev = group.device_index
-        # One fused test on the hot path; the slow path below names what is wrong.
+        # One fused test on the hot path; the slow path below names what is wrong. A meta
+        # tensor reports device -1, as a CPU one does: CPU groups also test is_meta. A
+        # non-contiguous out may overlap itself (an expand): the slow path looks closer.
         if (
             q.get_device() != dev
             or q.shape != self._q_shape
@@ -228,35 +262,44 @@ class LayerAttentionBinding:
             or (
                 out is not None
                 and (
-                    out.shape != self._o_shape or out.dtype is not dtype or out.get_device() != dev
+                    out.shape != self._o_shape
+                    or out.dtype is not dtype
+                    or out.get_device() != dev
+                    or not out.is_contiguous()
+                )
+            )
+            or (
+                dev < 0
+                and (
+                    q.is_meta
+                    or k.is_meta
+                    or (v is not None and v.is_meta)
+                    or (out is not None and out.is_meta)
                 )
             )
         ):
             self._check(q, k, v, out, tokens)
         state = group.state
         if state is not None and batch.state_epoch != state.epoch:
-            # Pages were freed or replaced since the batch was built: its page table and slot
-            # mapping may point into pages another request owns now.
-            self._bad(
-                "stale batch (pages freed or replaced after it was built; rebuild it)",
-                f"state epoch {state.epoch}",
-                f"batch built at epoch {batch.state_epoch}",
-            )
+            group.current_batch(self.layer_index, "forward")  # raises: stale
+        if group.check_finite is not None:
+            self._check_finite(batch, (("q", q), ("k", k), ("v", v), *inputs.items()))
         try:
             result = group.forward(self, q, k, v, out, **inputs)
-        except (BackendInputError, PluginError):
-            raise
-        except ValueError as exc:
-            raise BackendInputError(
-                group=group.group_id,
-                backend=group.backend.qualified_name,
-                what="backend rejected the input",
-                expected="inputs the backend accepts",
-                got=str(exc),
-            ) from exc
+        except BackendInputError:
+            raise  # the backend named a bad input: the caller's to fix
         except Exception as exc:
-            raise PluginError(group.backend.plugin, group.backend.name, "forward", exc) from exc
-        if out is None or result is out:
+            raise group.plugin_error("forward", exc, self.layer_index) from exc
+        if result is out and out is not None:
+            return out
+        if (
+            not isinstance(result, torch.Tensor)
+            or result.shape != self._o_shape
+            or result.dtype is not dtype
+            or result.get_device() != dev
+        ):
+            self._bad_result(result)
+        if out is None:
             return result
         if (
             result.data_ptr() != out.data_ptr()
@@ -286,6 +329,10 @@ class LayerAttentionBinding:
         if self._kind is not LayerKind.LINEAR:
             raise TypeError(f"layer {self.layer_index} is {self.spec.kind.value}: it has no conv")
         batch = group.batch
+        # conv1d writes the conv state of every slot the batch names, as forward writes KV and
+        # SSM state: the same stale-batch rule holds.
+        if batch is None or batch.state_epoch != group.state.epoch:
+            batch = group.current_batch(self.layer_index, "conv1d")
         # One fused test on the hot path (shapes accepted before for this token count); the
         # slow path names what is wrong.
         if (
@@ -295,18 +342,74 @@ class LayerAttentionBinding:
             or weight.shape != self._conv_w_shape
         ):
             self._check_conv(x, weight, batch)
+        if group.check_finite is not None:
+            self._check_finite(batch, (("conv x", x),))
         try:
             result = group.context.conv1d(self, x, weight, bias, activation=activation, out=out)
-        except (BackendInputError, PluginError):
+        except BackendInputError:
             raise
         except Exception as exc:
-            raise PluginError(group.backend.plugin, group.backend.name, "conv1d", exc) from exc
+            raise group.plugin_error("conv1d", exc, self.layer_index) from exc
         if out is not None and result is not out:
             out.copy_(result)
             return out
         return result
 
     # -- checks ----------------------------------------------------------------------------
+    def _bad_result(self, result: object) -> None:
+        """A forward result that is not ``[T, num_heads, head_dim_v]`` of the group's dtype on its
+        device: the plugin broke the contract (copying it would broadcast or cast silently)."""
+        if not isinstance(result, torch.Tensor):
+            problem = ("a tensor [T, num_heads, head_dim_v]", type(result).__name__)
+            if result is None:
+                problem = (problem[0], "None")
+        elif result.shape != self._o_shape:
+            problem = (tuple(self._o_shape), tuple(result.shape))
+        elif result.dtype is not self._dtype:
+            problem = (self._dtype, result.dtype)
+        else:
+            problem = (f"device {self._group.device_index}", str(result.device))
+        expected, got = problem
+        raise self._group.plugin_error(
+            "forward",
+            TypeError(f"forward returned a bad result: expected {expected}, got {got}"),
+            self.layer_index,
+        )
+
+    def _check_finite(self, batch: AttentionBatch, tensors: Any) -> None:
+        """Refuse NaN / inf in ``tensors`` ((name, tensor) pairs), naming the first request whose
+        token holds one. A tensor of ``padded_tokens`` rows is per token: only the real tokens'
+        rows are checked (a captured graph's padding may hold anything); any other tensor (a
+        per-layer input such as ``A_log``) is checked whole."""
+        group = self._group
+        for name, t in tensors:
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                continue
+            per_token = t.dim() > 0 and t.shape[0] == batch.padded_tokens
+            flat = t[: batch.num_tokens].reshape(batch.num_tokens, -1) if per_token else t
+            bad = ~torch.isfinite(flat)
+            if not bool(bad.any()):
+                continue
+            rid = position = None
+            if per_token:
+                row = int(bad.any(dim=1).nonzero()[0, 0])
+                value = float(flat[row][bad[row]][0])
+                qsl = batch.query_start_loc_cpu[: batch.num_reqs + 1]
+                req = int(np.searchsorted(qsl, row, side="right")) - 1
+                rid, position = batch.request_ids[req], row - int(qsl[req])
+            else:
+                value = float(flat[bad][0])
+            raise NonFiniteInputError(
+                group=group.group_id,
+                backend=group.backend.qualified_name,
+                layer=self.layer_index,
+                tensor=name,
+                request_id=rid,
+                position=position,
+                value=value,
+                source=group.check_finite,
+            )
+
     def _check_conv(self, x: torch.Tensor, weight: torch.Tensor, batch) -> None:
         """conv1d's input checks; remembers the accepted shapes for the batch's token count."""
         spec = self.spec
@@ -339,7 +442,7 @@ class LayerAttentionBinding:
     def _check(self, q, k, v, out, tokens: int) -> None:
         dev = self._group.device_index
         for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
-            if x is not None and x.get_device() != dev:
+            if x is not None and (x.get_device() != dev or x.is_meta):
                 where = "cpu" if dev < 0 else f"cuda:{dev}"
                 self._bad(f"{name} device", f"the group's device {where}", str(x.device))
         if q.dtype != self._dtype:
@@ -367,3 +470,27 @@ class LayerAttentionBinding:
                 self._bad("out shape", (tokens, *self._out_tail), tuple(out.shape))
             if out.dtype != self._dtype:
                 self._bad("out dtype", self._dtype, out.dtype)
+            if _overlaps_itself(out):
+                self._bad(
+                    "out layout",
+                    "every element at its own address",
+                    f"strides {out.stride()} over shape {tuple(out.shape)}",
+                )
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory (an ``expand``, an ``as_strided``).
+
+    Dims sorted by stride must each step over everything the smaller ones span; layouts that
+    interleave dims another way are reported as overlapping too (none of the backends reads
+    such an ``out``).
+    """
+    span = 1  # elements the smaller dims reach: the next dim must step past them
+    for size, stride in sorted(
+        ((s, st) for s, st in zip(t.shape, t.stride(), strict=True) if s > 1),
+        key=lambda d: d[1],
+    ):
+        if stride < span:
+            return True
+        span += (size - 1) * stride
+    return False

@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "AttnCoreError",
     "BackendInputError",
+    "NonFiniteInputError",
     "PluginError",
     "PluginLoadError",
     "SelectionError",
@@ -25,16 +26,38 @@ class PluginLoadError(AttnCoreError):
 
 
 class PluginError(AttnCoreError):
-    """An exception escaped plugin code at run time; names the plugin and the backend."""
+    """Plugin code failed at run time: it raised, or returned what the contract rules out.
 
-    def __init__(self, plugin: str, backend: str, stage: str, cause: BaseException) -> None:
+    Names the plugin, the backend and the stage (``forward``, ``prepare``, ...) and, where one
+    layer was running, the layer group and the layer.
+
+    :ivar backend: the backend's short name (``plugin:backend`` is its qualified name).
+    :ivar group: the layer group's id, or None for a failure outside one group.
+    :ivar layer: the layer index, or None for a failure outside one layer's call.
+    """
+
+    def __init__(
+        self,
+        plugin: str,
+        backend: str,
+        stage: str,
+        cause: BaseException,
+        *,
+        group: str | None = None,
+        layer: int | None = None,
+    ) -> None:
+        where = ""
+        if group is not None:
+            where = f"layer group {group!r}, " + (f"layer {layer}, " if layer is not None else "")
         super().__init__(
-            f"plugin {plugin!r}, backend {backend!r} failed in {stage}: "
+            f"{where}plugin {plugin!r}, backend {plugin + ':' + backend!r} failed in {stage}: "
             f"{type(cause).__name__}: {cause}"
         )
         self.plugin = plugin
         self.backend = backend
         self.stage = stage
+        self.group = group
+        self.layer = layer
 
 
 class SelectionError(AttnCoreError):
@@ -53,3 +76,44 @@ class BackendInputError(ValueError, AttnCoreError):
         self.what = what
         self.expected = expected
         self.got = got
+
+
+class NonFiniteInputError(BackendInputError):
+    """A NaN or infinity in a tensor about to be written into a request's persistent state.
+
+    Raised only when the finite check is on (``ExecutionConstraints(check_finite=True)`` or
+    ``ATTN_CORE_CHECK_FINITE=1``), before the backend runs: the request's cache is unchanged.
+
+    :ivar request_id: the request whose token holds the first non-finite value (None for a
+        per-layer input such as ``A_log``).
+    :ivar tensor: the input's name (``"k"``, ``"v"``, ``"q"``, ``"g"``, ...).
+    :ivar position: the token's index among the request's new tokens of this step, or None.
+    """
+
+    def __init__(
+        self,
+        *,
+        group: str,
+        backend: str,
+        layer: int,
+        tensor: str,
+        request_id: object,
+        position: int | None,
+        value: float,
+        source: str,
+    ) -> None:
+        if position is None:
+            where = f"layer {layer}: {tensor} (a per-layer input)"
+        else:
+            where = f"layer {layer}: {tensor} of request {request_id!r}, new token {position}"
+        super().__init__(
+            group=group,
+            backend=backend,
+            what=where,
+            expected=f"finite values (checked because {source})",
+            got=str(value),
+        )
+        self.layer = layer
+        self.tensor = tensor
+        self.request_id = request_id
+        self.position = position

@@ -5,7 +5,7 @@ This is the cold path a server runs once at start-up::
     registry = Registry.discover()
     layout = specs_from_hf_config("qwen3-next")
     plan = select(layout.groups, registry, DeviceCapabilities.detect(), constraints)
-    state = PersistentState(layout.groups, num_pages=..., num_slots=..., device=device)
+    state = PersistentState.from_plan(plan, num_pages=..., num_slots=...)
     runtime = AttentionRuntime(plan, registry, state=state, device=device)
 
 and the hot path it runs per step::
@@ -17,13 +17,15 @@ and the hot path it runs per step::
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from attn_core.binding import GroupRuntime, LayerAttentionBinding
-from attn_core.errors import PluginError
+from attn_core.errors import BackendInputError, PluginError
+from attn_core.specs import GraphMode, LayerKind
 from attn_core.workspace import Workspace
 
 if TYPE_CHECKING:
@@ -53,6 +55,20 @@ class AttentionRuntime:
         device: torch.device | str = "cpu",
         layer_params: Mapping[int, Mapping[str, Any]] | None = None,
     ) -> None:
+        if state is not None:
+            problems = state.plan_differences(plan)
+            if problems:
+                raise ValueError(
+                    "the persistent state does not match the plan: "
+                    + "; ".join(problems)
+                    + " (build it with PersistentState.from_plan(plan, ...))"
+                )
+        elif any(c.group.spec.kind is not LayerKind.ENCODER for c in plan.choices):
+            raise ValueError(
+                "the plan has layers that keep persistent state (KV pages, conv / SSM slots) "
+                "but no state was given: pass state=PersistentState.from_plan(plan, ...)"
+            )
+        check_finite = _finite_check_source(plan)
         self.plan = plan
         self.registry = registry
         self.state = state
@@ -88,6 +104,7 @@ class AttentionRuntime:
                     RuntimeError(f"returned no context for group {group.group_id!r}"),
                 )
             fwd = registry.call_owner("attn_core_bind_forward", backend=backend, context=ctx)
+            _check_context(ctx, fwd, group, backend, plan)
             runtime = GroupRuntime(
                 group.group_id,
                 group.spec,
@@ -96,6 +113,7 @@ class AttentionRuntime:
                 fwd or ctx.forward,
                 state=state if group.spec.kind.value != "encoder" else None,
                 device=self.device,
+                check_finite=check_finite,
             )
             self.groups[group.group_id] = runtime
             self.workspaces[group.group_id] = workspace
@@ -126,17 +144,31 @@ class AttentionRuntime:
         for g in self.groups.values():
             try:
                 g.context.prepare(batch)
+            except BackendInputError:
+                raise
             except Exception as exc:
-                raise PluginError(g.backend.plugin, g.backend.name, "prepare", exc) from exc
+                raise g.plugin_error("prepare", exc, None) from exc
             g.batch = batch
 
     def update(self, batch: AttentionBatch) -> None:
         """Copy ``batch``'s metadata in place into every group's captured buffers."""
         for g in self.groups.values():
+            update = getattr(g.context, "update", None)
+            if update is None:
+                raise g.plugin_error(
+                    "update",
+                    AttributeError(
+                        f"{type(g.context).__name__} has no update(batch): the backend cannot "
+                        "replay a captured graph"
+                    ),
+                    None,
+                )
             try:
-                g.context.update(batch)
+                update(batch)
+            except BackendInputError:
+                raise
             except Exception as exc:
-                raise PluginError(g.backend.plugin, g.backend.name, "update", exc) from exc
+                raise g.plugin_error("update", exc, None) from exc
             g.batch = batch
 
     def commit_speculative(self, batch: AttentionBatch, num_accepted: torch.Tensor) -> None:
@@ -147,10 +179,53 @@ class AttentionRuntime:
         for g in self.groups.values():
             commit = getattr(g.context, "commit_speculative", None)
             if commit is not None:
+                g.check_fresh(batch, "commit_speculative")
                 try:
                     commit(batch, num_accepted)
+                except BackendInputError:
+                    raise
                 except Exception as exc:
-                    raise PluginError(g.backend.plugin, g.backend.name, "commit", exc) from exc
+                    raise g.plugin_error("commit", exc, None) from exc
+
+
+#: Turns the finite check on for every runtime built while it is set (see check_finite).
+ENV_CHECK_FINITE = "ATTN_CORE_CHECK_FINITE"
+
+
+def _finite_check_source(plan: Plan) -> str | None:
+    """What asked for the NaN / inf check (named in its error), or None when it is off."""
+    if plan.constraints.check_finite:
+        return "ExecutionConstraints(check_finite=True)"
+    value = os.environ.get(ENV_CHECK_FINITE, "").strip()
+    if value.lower() in ("1", "true", "yes", "on"):
+        return f"{ENV_CHECK_FINITE}={value}"
+    if value and value.lower() not in ("0", "false", "no", "off"):
+        raise ValueError(f"{ENV_CHECK_FINITE}={value!r}: expected 1 or 0 (true / false)")
+    return None
+
+
+def _check_context(ctx: Any, bound: Any, group: Any, backend: Any, plan: Plan) -> None:
+    """Refuse a context that lacks a method the runtime will call, when it is allocated
+    rather than in the middle of a step."""
+    needed = ["prepare"]
+    if bound is None:
+        needed.append("forward")
+    if plan.constraints.graph_mode is not GraphMode.NONE:
+        needed.append("update")
+    if group.spec.kind is LayerKind.LINEAR:
+        needed.append("conv1d")
+    missing = [m for m in needed if not callable(getattr(ctx, m, None))]
+    if missing:
+        raise PluginError(
+            backend.plugin,
+            backend.name,
+            "attn_core_allocate_context",
+            TypeError(
+                f"the context {type(ctx).__name__} has no {', '.join(missing)}; a context needs "
+                f"{', '.join(needed)} here (see attn_core.context.AttentionContext)"
+            ),
+            group=group.group_id,
+        )
 
 
 def _kv_view(state: Any, layer_index: int) -> Any:

@@ -590,6 +590,10 @@ class ExecutionConstraints:
     kv_layout: str | None = None  # "NHD" / "HND"; None: any shared one
     kv_dtype: str | None = None  # e.g. "fp8_e4m3" overrides the model's KV dtype
     deterministic: bool = False
+    # Refuse NaN / inf in any input about to be written into persistent state (KV pages, conv
+    # and SSM slots), naming the request; costs one reduction per input and layer. Also
+    # turned on by ATTN_CORE_CHECK_FINITE=1.
+    check_finite: bool = False
     spec_verify_strategy: str | None = None  # linear layers: "native" or "replay"
     allow: frozenset[str] = frozenset()  # backend names allowed (empty: all)
     deny: frozenset[str] = frozenset()  # backend names never used

@@ -385,13 +385,18 @@ def test_run_time_errors_name_plugin_and_backend(registry, make_plugin, make_cap
     assert isinstance(err.__cause__, RuntimeError)
 
 
-def test_value_error_in_forward_is_backend_input_error(registry, make_plugin, make_caps):
+def test_value_error_in_forward_is_the_plugins_error(registry, make_plugin, make_caps):
+    """The core checks the caller's inputs before the plugin runs: a ValueError from inside the
+    plugin is the plugin's failure, not bad input (a plugin names bad input by raising
+    BackendInputError itself)."""
     runtime = _runtime_with(
         registry, make_plugin, make_caps, ctx=EchoContext(fail_in="forward", exc=ValueError)
     )
     runtime.prepare(BatchBuilder(max_batch_size=4, max_num_tokens=16).build_encoder([2]))
     q = torch.randn(2, 2, 8)
-    with pytest.raises(BackendInputError) as info:
+    with pytest.raises(PluginError) as info:
         runtime.binding(0).forward(q, q, q, out=torch.empty_like(q))
-    assert info.value.group == "encoder" and info.value.backend == "acme:kern"
-    assert "boom in forward" in str(info.value)
+    err = info.value
+    assert not isinstance(err, BackendInputError)
+    assert (err.group, err.layer, err.plugin, err.backend) == ("encoder", 0, "acme", "kern")
+    assert "boom in forward" in str(err) and isinstance(err.__cause__, ValueError)

@@ -126,12 +126,11 @@ class Engine:
         layout = model.layout
         page_size = plan.page_size or 16
         pages_per_req = math.ceil(max_model_len / page_size)
-        self.state = PersistentState(
-            layout.groups,
+        self.state = PersistentState.from_plan(
+            plan,
             num_pages=max_batch_size * pages_per_req + 1,
             num_slots=max_batch_size,
             device=self.device,
-            page_size=page_size if plan.page_size else None,
         )
         self.runtime = AttentionRuntime(
             plan,

@@ -1,0 +1,423 @@
+"""One request, caller or plugin cannot touch another request's state, and every failure is named.
+
+Each test reproduces one way the runtime, the binding or the BatchBuilder could write into state
+that is not the caller's to write (a stale batch, a duplicated request id, a build that fails
+half-way, a plan that disagrees with the state) or could blame the wrong party for a failure
+(the caller's mistake reported as the plugin's, and the reverse).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attn_core.backend import Backend
+from attn_core.batch import BatchBuilder
+from attn_core.errors import BackendInputError, NonFiniteInputError, PluginError
+from attn_core.registry import Registry
+from attn_core.runtime import AttentionRuntime
+from attn_core.selector import select
+from attn_core.specs import DeviceCapabilities, ExecutionConstraints, group_layers
+from attn_core.state import OutOfPagesError, PersistentState
+
+CPU = DeviceCapabilities.target("cpu")
+LIMITS = dict(max_batch_size=8, max_num_tokens=64)
+
+
+def _runtime(specs, registry, *, constraints=None, num_pages=32, num_slots=8, **state_kw):
+    groups = group_layers(specs)
+    plan = select(groups, registry, CPU, constraints or ExecutionConstraints(**LIMITS))
+    state = PersistentState.from_plan(plan, num_pages=num_pages, num_slots=num_slots, **state_kw)
+    return state, AttentionRuntime(plan, registry, state=state)
+
+
+def _kv_bytes(state) -> list[torch.Tensor]:
+    return [t.clone() for la in state.kv_cache.layers() for t in la.tensors().values()]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(
+        torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b, strict=True)
+    )
+
+
+def _bookkeeping(state) -> tuple:
+    """Everything a failed call must leave as it was: pages, tokens, slots, free counts."""
+    rows = tuple(
+        (r, tuple(state.pages(r)) if not state.is_offloaded(r) else (), state.num_tokens(r))
+        for r in state.request_ids()
+    )
+    return rows, state.num_free_pages, state.num_free_slots
+
+
+# ------------------------------------------------------------------------------------------
+# 1. conv1d with a stale batch
+# ------------------------------------------------------------------------------------------
+def test_conv1d_of_a_stale_batch_is_refused_and_the_new_owner_of_the_slot_keeps_its_state(
+    tiny_specs, ref_registry
+):
+    state, runtime = _runtime([tiny_specs["gdn"]], ref_registry)
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
+    state.add_request("a")
+    state.add_request("b")
+    runtime.prepare(builder.build([("a", 1), ("b", 1)]))
+    slot_b = state.slot("b")
+    state.release("b")
+    state.add_request("c")
+    assert state.slot("c") == slot_b  # c now owns the slot the batch's second row points at
+    conv = state.state_slots.layer(0).conv
+    conv.normal_()
+    before = conv.clone()
+    with pytest.raises(BackendInputError) as info:
+        runtime.binding(0).conv1d(torch.randn(2, 64), torch.randn(64, 4))
+    err = info.value
+    assert err.group == "linear" and err.backend == "attn_core:reference"
+    assert err.what.startswith("layer 0: stale batch")
+    assert torch.equal(conv, before)
+
+
+def test_conv1d_before_prepare_is_named(tiny_specs, ref_registry):
+    _, runtime = _runtime([tiny_specs["gdn"]], ref_registry)
+    with pytest.raises(RuntimeError, match=r"layer 0 \(group 'linear'\): conv1d before"):
+        runtime.binding(0).conv1d(torch.randn(1, 64), torch.randn(64, 4))
+
+
+def test_commit_of_a_stale_verify_batch_is_refused(tiny_specs, ref_registry):
+    state, runtime = _runtime(
+        [tiny_specs["gdn"]],
+        ref_registry,
+        constraints=ExecutionConstraints(**LIMITS, speculative_tokens=1),
+    )
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
+    state.add_request("a")
+    state.add_request("b")
+    batch = builder.build([("a", 2), ("b", 2)], spec_tokens=1)
+    runtime.prepare(batch)
+    state.release("b")
+    state.add_request("c")
+    ssm = state.state_slots.layer(0).ssm
+    ssm.normal_()
+    before = ssm.clone()
+    with pytest.raises(BackendInputError, match="stale batch"):
+        runtime.commit_speculative(batch, torch.tensor([1, 2], dtype=torch.int32))
+    assert torch.equal(ssm, before)
+
+
+# ------------------------------------------------------------------------------------------
+# 2 and 5. BatchBuilder.build is all-or-nothing
+# ------------------------------------------------------------------------------------------
+def test_a_request_id_twice_in_one_build_is_refused_before_anything_is_reserved(
+    tiny_specs, ref_registry
+):
+    state, _ = _runtime([tiny_specs["full"]], ref_registry)
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=8)
+    state.add_request("a")
+    state.add_request("b")
+    before = _bookkeeping(state)
+    for requests in ([("a", 1), ("a", 1)], [("a", 3), ("b", 2), ("a", 1)]):
+        with pytest.raises(ValueError, match=r"request 'a' appears twice in one step"):
+            builder.build(requests)
+        assert _bookkeeping(state) == before
+    state.check_invariants()
+
+
+def test_duplicate_ids_are_refused_on_the_decode_paths_too(tiny_specs, ref_registry):
+    """Decode steps take their own, faster path (and a remembered steady path): a duplicate
+    must be caught there as well, also right after an accepted step of the same size."""
+    state, _ = _runtime([tiny_specs["full"]], ref_registry)
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=8)
+    for r in "abc":
+        state.add_request(r)
+    builder.build([("a", 2), ("b", 2), ("c", 2)])
+    for r in "abc":
+        state.advance(r, 2)
+    builder.build([("a", 1), ("b", 1), ("c", 1)])  # remembered as a steady step
+    before = _bookkeeping(state)
+    with pytest.raises(ValueError, match="appears twice"):
+        builder.build([("a", 1), ("b", 1), ("b", 1)])
+    assert _bookkeeping(state) == before
+
+
+def test_a_request_over_max_pages_per_request_gets_no_page(tiny_specs, ref_registry):
+    state, _ = _runtime([tiny_specs["full"]], ref_registry)
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)  # 8 tokens of page 4
+    state.add_request("a")
+    before = _bookkeeping(state)
+    with pytest.raises(ValueError, match=r"request 'a' needs 3 pages .*max_pages_per_request=2"):
+        builder.build([("a", 9)])
+    assert _bookkeeping(state) == before
+    state.check_invariants()
+
+
+def test_a_build_that_runs_out_of_pages_changes_no_request(tiny_specs, ref_registry):
+    """The first requests of the step fit, the last one does not: every request keeps the
+    pages it had, on the general path and on the decode path that appends pages in bulk."""
+    state, _ = _runtime([tiny_specs["full"]], ref_registry, num_pages=6)
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=8)
+    for r in "abc":
+        state.add_request(r)
+    before = _bookkeeping(state)
+    with pytest.raises(OutOfPagesError):
+        builder.build([("a", 8), ("b", 8), ("c", 12)])  # 2 + 2 + 3 pages of 6
+    assert _bookkeeping(state) == before
+    state.check_invariants()
+    builder.build([("a", 8), ("b", 8), ("c", 8)])  # what fits still builds
+    for r in "abc":
+        state.advance(r, 8)
+    before = _bookkeeping(state)
+    with pytest.raises(OutOfPagesError):  # each crosses into a new page; none is free
+        builder.build([("a", 1), ("b", 1), ("c", 1)])
+    assert _bookkeeping(state) == before
+    state.check_invariants()
+
+
+# ------------------------------------------------------------------------------------------
+# 4. The plan and the state agree
+# ------------------------------------------------------------------------------------------
+def test_state_from_plan_takes_the_plans_page_size_and_kv_dtype(tiny_specs, ref_registry):
+    groups = group_layers([tiny_specs["full"], tiny_specs["gdn"]])
+    plan = select(groups, ref_registry, CPU, ExecutionConstraints(**LIMITS, page_size=32))
+    assert plan.page_size == 32
+    state = PersistentState.from_plan(plan, num_pages=4, num_slots=2)
+    assert state.page_size == 32
+    assert state.kv_cache.layer(0).k.shape[1] == 32
+    assert state.kv_layout == plan.kv_layout == "NHD"
+    AttentionRuntime(plan, ref_registry, state=state)  # agrees: accepted
+
+
+def test_a_state_that_disagrees_with_the_plan_is_refused(tiny_specs, ref_registry):
+    spec = tiny_specs["full"]
+    groups = group_layers([spec, tiny_specs["gdn"]])
+    plan = select(groups, ref_registry, CPU, ExecutionConstraints(**LIMITS, page_size=32))
+    state = PersistentState(groups, num_pages=4, num_slots=2)  # keeps the specs' page size 4
+    with pytest.raises(ValueError) as info:
+        AttentionRuntime(plan, ref_registry, state=state)
+    msg = str(info.value)
+    assert "the persistent state does not match the plan" in msg
+    assert "page_size: plan 32, state 4" in msg
+    assert "PersistentState.from_plan" in msg
+
+    other = PersistentState(group_layers([spec]), num_pages=4, num_slots=0, page_size=32)
+    with pytest.raises(ValueError, match=r"layers \[1\]: in the plan, keep no state here"):
+        AttentionRuntime(plan, ref_registry, state=other)
+
+    fp8 = select(
+        group_layers([spec]), ref_registry, CPU, ExecutionConstraints(**LIMITS, kv_dtype="bf16")
+    )
+    plain = PersistentState(group_layers([spec]), num_pages=4, num_slots=0)
+    with pytest.raises(ValueError, match=r"layer 0: kv_dtype: plan bfloat16, state float32"):
+        AttentionRuntime(fp8, ref_registry, state=plain)
+
+
+def test_a_plan_in_a_kv_layout_the_state_does_not_store_is_refused(
+    tiny_specs, make_plugin, make_caps
+):
+    """The core's cache stores NHD; a plan whose backends agreed on HND would read it wrong."""
+    backend = Backend(name="hnd", capabilities=make_caps(kv_layouts={"HND"}))
+    reg = Registry(strict=True)
+    reg.register_plugin(make_plugin("hnd", [backend], allocate=lambda: object()), name="hnd")
+    groups = group_layers([tiny_specs["full"]])
+    plan = select(groups, reg, CPU, ExecutionConstraints(**LIMITS))
+    assert plan.kv_layout == "HND"
+    with pytest.raises(ValueError, match=r"kv_layout: plan HND, state NHD"):
+        AttentionRuntime(plan, reg, state=PersistentState(groups, num_pages=4, num_slots=0))
+    with pytest.raises(ValueError, match=r"kv_layout HND: the core's KV cache stores NHD only"):
+        PersistentState.from_plan(plan, num_pages=4, num_slots=0)
+
+
+# ------------------------------------------------------------------------------------------
+# 6 and 10. What a backend returns, and who is blamed
+# ------------------------------------------------------------------------------------------
+class _Returns:
+    """A context whose forward returns what the test says (or raises it)."""
+
+    def __init__(self, make):
+        self.make = make
+
+    def prepare(self, batch):
+        pass
+
+    def update(self, batch):
+        pass
+
+    def forward(self, layer, q, k, v, out, **inputs):
+        value = self.make(q)
+        if isinstance(value, BaseException):
+            raise value
+        return value
+
+
+def _plugin_runtime(tiny_specs, make_plugin, make_caps, context):
+    backend = Backend(name="odd", capabilities=make_caps())
+    reg = Registry(strict=True)
+    reg.register_plugin(make_plugin("vendor", [backend], allocate=lambda: context), name="vendor")
+    spec = tiny_specs["full"]
+    state, runtime = _runtime([spec, spec], reg)
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=8)
+    state.add_request("a")
+    state.add_request("b")
+    runtime.prepare(builder.build([("a", 1), ("b", 1)]))
+    q, k, v = torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    return runtime, q, k, v
+
+
+@pytest.mark.parametrize(
+    ("make", "expected", "got"),
+    [
+        (lambda q: q[:1].clone(), "(2, 4, 16)", "(1, 4, 16)"),
+        (lambda q: None, "a tensor [T, num_heads, head_dim_v]", "None"),
+        (lambda q: q.double(), "torch.float32", "torch.float64"),
+    ],
+    ids=["wrong-shape", "none", "wrong-dtype"],
+)
+def test_a_wrong_result_is_the_plugins_error_and_out_is_untouched(
+    tiny_specs, make_plugin, make_caps, make, expected, got
+):
+    runtime, q, k, v = _plugin_runtime(tiny_specs, make_plugin, make_caps, _Returns(make))
+    out = torch.full_like(q, 7.0)
+    with pytest.raises(PluginError) as info:
+        runtime.binding(1).forward(q, k, v, out=out)
+    err = info.value
+    assert (err.plugin, err.backend, err.group, err.layer) == ("vendor", "odd", "full", 1)
+    msg = str(err)
+    assert "layer group 'full', layer 1" in msg and "backend 'vendor:odd'" in msg
+    assert f"expected {expected}, got {got}" in msg
+    assert torch.equal(out, torch.full_like(q, 7.0))  # nothing broadcast into it
+
+
+def test_a_plugins_own_value_error_is_a_plugin_error_naming_group_and_layer(
+    tiny_specs, make_plugin, make_caps
+):
+    ctx = _Returns(lambda q: ValueError("tile size 7 not supported"))
+    runtime, q, k, v = _plugin_runtime(tiny_specs, make_plugin, make_caps, ctx)
+    with pytest.raises(PluginError) as info:
+        runtime.binding(1).forward(q, k, v, out=torch.empty_like(q))
+    assert not isinstance(info.value, BackendInputError)  # not the caller's fault
+    msg = str(info.value)
+    assert "layer group 'full', layer 1" in msg and "in forward" in msg
+    assert "ValueError: tile size 7 not supported" in msg
+
+
+def test_a_backend_input_error_raised_by_the_plugin_stays_the_callers(
+    tiny_specs, make_plugin, make_caps
+):
+    err = BackendInputError(
+        group="full", backend="vendor:odd", what="layer 1: q", expected="a", got="b"
+    )
+    runtime, q, k, v = _plugin_runtime(tiny_specs, make_plugin, make_caps, _Returns(lambda q: err))
+    with pytest.raises(BackendInputError) as info:
+        runtime.binding(1).forward(q, k, v, out=torch.empty_like(q))
+    assert info.value is err
+
+
+def test_a_context_without_forward_is_refused_when_the_runtime_is_built(
+    tiny_specs, make_plugin, make_caps
+):
+    class NoForward:
+        def prepare(self, batch):
+            pass
+
+    backend = Backend(name="half", capabilities=make_caps())
+    reg = Registry(strict=True)
+    reg.register_plugin(
+        make_plugin("vendor", [backend], allocate=lambda: NoForward()), name="vendor"
+    )
+    groups = group_layers([tiny_specs["full"]])
+    plan = select(groups, reg, CPU, ExecutionConstraints(**LIMITS))
+    state = PersistentState.from_plan(plan, num_pages=4, num_slots=0)
+    with pytest.raises(PluginError) as info:
+        AttentionRuntime(plan, reg, state=state)
+    msg = str(info.value)
+    assert "layer group 'full'" in msg and "'vendor:half'" in msg
+    assert "the context NoForward has no forward" in msg
+
+
+class _Recorder(_Returns):
+    """Counts forward calls: a caller's mistake must never reach the plugin."""
+
+    def __init__(self):
+        super().__init__(lambda q: q.clone())
+        self.calls = 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return super().forward(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("case", "what"),
+    [
+        ("out-expanded", "out layout"),
+        ("k-meta", "k device"),
+        ("v-meta", "v device"),
+        ("q-meta", "q device"),
+        ("out-meta", "out device"),
+    ],
+)
+def test_caller_mistakes_are_named_before_the_plugin_runs(
+    tiny_specs, make_plugin, make_caps, case, what
+):
+    ctx = _Recorder()
+    runtime, q, k, v = _plugin_runtime(tiny_specs, make_plugin, make_caps, ctx)
+    out = torch.empty_like(q)
+    if case == "out-expanded":
+        out = torch.empty(1, 4, 16).expand(2, 4, 16)  # every token row is the same memory
+    elif case == "k-meta":
+        k = k.to("meta")
+    elif case == "v-meta":
+        v = v.to("meta")
+    elif case == "q-meta":
+        q = q.to("meta")
+    elif case == "out-meta":
+        out = out.to("meta")
+    with pytest.raises(BackendInputError) as info:
+        runtime.binding(1).forward(q, k, v, out=out)
+    assert info.value.what == f"layer 1: {what}"
+    assert ctx.calls == 0
+
+
+# ------------------------------------------------------------------------------------------
+# 11. Non-finite values
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_the_finite_check_names_request_layer_and_tensor_before_the_cache_is_written(
+    tiny_specs, ref_registry, bad
+):
+    spec = tiny_specs["full"]
+    state, runtime = _runtime(
+        [spec, spec], ref_registry, constraints=ExecutionConstraints(**LIMITS, check_finite=True)
+    )
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=8)
+    state.add_request("a")
+    state.add_request("b")
+    runtime.prepare(builder.build([("a", 2), ("b", 3)]))
+    q, k, v = torch.randn(5, 4, 16), torch.randn(5, 2, 16), torch.randn(5, 2, 16)
+    k[3, 1, 5] = bad  # b's second new token
+    before = _kv_bytes(state)
+    with pytest.raises(NonFiniteInputError) as info:
+        runtime.binding(1).forward(q, k, v, out=torch.empty_like(q))
+    err = info.value
+    assert (err.request_id, err.tensor, err.position) == ("b", "k", 1)
+    assert "layer 1: k" in str(err) and "request 'b'" in str(err)
+    assert _same(_kv_bytes(state), before)
+
+
+def test_the_finite_check_is_off_by_default_and_on_with_the_environment(
+    tiny_specs, ref_registry, monkeypatch
+):
+    spec = tiny_specs["full"]
+    for env, raises in ((None, False), ("1", True)):
+        if env is not None:
+            monkeypatch.setenv("ATTN_CORE_CHECK_FINITE", env)
+        state, runtime = _runtime([spec], ref_registry)
+        builder = BatchBuilder(state, **LIMITS, max_pages_per_request=8)
+        state.add_request("a")
+        runtime.prepare(builder.build([("a", 1)]))
+        q, k, v = torch.randn(1, 4, 16), torch.randn(1, 2, 16), torch.randn(1, 2, 16)
+        v[0, 0, 0] = float("nan")
+        if raises:
+            with pytest.raises(NonFiniteInputError, match="ATTN_CORE_CHECK_FINITE"):
+                runtime.binding(0).forward(q, k, v)
+        else:  # documented: the NaN is stored, and only this request's output shows it
+            out = runtime.binding(0).forward(q, k, v)
+            assert torch.isnan(out).any()
