@@ -1,15 +1,27 @@
 """A third-party plugin found through a real entry point, in a real virtual environment (no mocks).
 
 The test writes a plugin distribution as a vendor would (one module, a pyproject with one entry
-point in group ``attn_core``), creates a venv with ``--system-site-packages`` (torch and pluggy
-come from the system), ``pip install --no-deps --no-build-isolation`` attn-core and the plugin
-into it, and runs ``Registry.discover()`` in the venv's interpreter.
+point in group ``attn_core``), builds wheels of it and of attn-core, installs both with pip into a
+new venv and runs ``Registry.discover()`` in that venv's interpreter.
 
-The venv is made ``--without-pip``: its ``python -m pip`` is then the system's pip (through the
-system site-packages) with the system's setuptools, where ensurepip would seed an older
-setuptools that shadows the system one and cannot build wheels without network access.
+Where the tools and dependencies come from, and why:
 
-attn-core is installed from a copy of the repository's packaging files (``pyproject.toml``,
+- The wheels are built by the interpreter that runs this test (``sys.executable -m pip wheel
+  --no-build-isolation --no-index``), so with the setuptools of the environment that ``pip install
+  -e ".[test]"`` made: the ``test`` extra pins ``setuptools>=70.1``, the first release that has
+  ``bdist_wheel`` itself. Nothing is fetched, so the test needs no network. The base Python's
+  setuptools is never used: a fresh venv of Python 3.10 / 3.11 seeds one without ``bdist_wheel``
+  (``invalid command 'bdist_wheel'``) and Python 3.12+ seeds none, so a build there only worked on
+  machines whose base Python happened to have ``wheel`` installed.
+- The new venv does not use ``--system-site-packages`` either: that is the *base* Python's
+  site-packages, which on a fresh machine has neither torch nor pluggy. Instead it sees the
+  running environment's site-packages (torch, pluggy, numpy, pip) through a folder of symlinks
+  named in a ``.pth`` file, minus every distribution that is attn-core or declares an
+  ``attn_core`` entry point (and the editable-install hooks): attn-core and plugins are then only
+  what pip installed into the venv, and installing torch a second time (a multi-GB CUDA build
+  from PyPI) is never needed.
+
+attn-core is built from a copy of the repository's packaging files (``pyproject.toml``,
 ``README.md``, ``attn_core/``): building in place would write ``build/`` into a working tree
 other people share.
 """
@@ -19,9 +31,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import textwrap
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -79,15 +93,60 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 120):
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _attn_distribution(dist: metadata.Distribution) -> bool:
+    """attn-core itself, or a distribution that declares an ``attn_core`` entry point."""
+    name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+    return name == "attn-core" or any(ep.group == "attn_core" for ep in dist.entry_points)
+
+
+def _outer_site_view(dest: Path) -> Path:
+    """Symlinks to the running environment's site-packages, less attn-core and its plugins.
+
+    Every site-packages directory of this interpreter is linked entry by entry, the first
+    directory winning for a name (as on ``sys.path``). Left out: the files of every distribution
+    that :func:`_attn_distribution` picks (its metadata folder, its modules, its editable hooks),
+    any other ``__editable__`` hook, and ``.pth`` files (not read from a plain path entry anyway).
+    """
+    dest.mkdir()
+    site_dirs = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE:
+        site_dirs.append(site.getusersitepackages())
+    linked: set[str] = set()
+    for sp in site_dirs:
+        sp_path = Path(sp)
+        if not sp_path.is_dir():
+            continue
+        hidden: set[str] = set()
+        for dist in metadata.distributions(path=[sp]):
+            if _attn_distribution(dist):
+                hidden.update(f.parts[0] for f in dist.files or () if f.parts[0] != "..")
+        for entry in sorted(sp_path.iterdir()):
+            name = entry.name
+            if (
+                name in linked
+                or name in hidden
+                or name.startswith("__editable__")
+                or name.endswith(".pth")
+            ):
+                continue
+            (dest / name).symlink_to(entry, target_is_directory=entry.is_dir())
+            linked.add(name)
+    return dest
+
+
 @pytest.mark.slow
 def test_plugin_found_through_real_entry_point(tmp_path: Path):
     try:
         import venv  # noqa: F401
-
-        import setuptools  # noqa: F401
     except ImportError as exc:  # pragma: no cover - depends on the Python build
-        pytest.skip(f"venv / setuptools unavailable: {exc}")
-
+        pytest.skip(f"venv unavailable: {exc}")
+    try:
+        import setuptools
+    except ImportError:
+        pytest.fail(
+            "setuptools is missing from the test environment; the 'test' extra provides it "
+            '(pip install -e ".[test]")'
+        )
     # the plugin distribution, as a vendor writes it
     plugin_dir = tmp_path / "acme_plugin"
     plugin_dir.mkdir()
@@ -111,35 +170,60 @@ def test_plugin_found_through_real_entry_point(tmp_path: Path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     env["PIP_NO_INPUT"] = "1"
-    venv_dir = tmp_path / "venv"
-    made = _run(
-        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv_dir)],
-        tmp_path,
-        env,
-    )
-    if made.returncode != 0:
-        pytest.skip(f"python -m venv failed: {made.stderr.strip()[-500:]}")
-    py = venv_dir / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
-    if _run([str(py), "-m", "pip", "--version"], tmp_path, env).returncode != 0:
-        pytest.skip("pip is not available in the new venv")
 
+    # both wheels, built by this interpreter with this environment's setuptools
+    wheels = tmp_path / "wheels"
     for src in (core_dir, plugin_dir):
-        inst = _run(
+        built = _run(
             [
-                str(py),
+                sys.executable,
                 "-m",
                 "pip",
-                "install",
+                "wheel",
                 "--no-deps",
                 "--no-build-isolation",
                 "--no-index",
                 "-q",
+                "-w",
+                str(wheels),
                 str(src),
             ],
             tmp_path,
             env,
         )
-        assert inst.returncode == 0, f"pip install {src.name} failed:\n{inst.stdout}\n{inst.stderr}"
+        assert built.returncode == 0, (
+            f"building the {src.name} wheel with setuptools {setuptools.__version__} "
+            f"({setuptools.__file__}) failed:\n{built.stdout}\n{built.stderr}"
+        )
+    wheel_files = sorted(wheels.glob("*.whl"))
+    assert len(wheel_files) == 2, wheel_files
+
+    venv_dir = tmp_path / "venv"
+    made = _run([sys.executable, "-m", "venv", "--without-pip", str(venv_dir)], tmp_path, env)
+    if made.returncode != 0:
+        pytest.skip(f"python -m venv failed: {made.stderr.strip()[-500:]}")
+    py = venv_dir / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+    purelib = _run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        tmp_path,
+        env,
+    )
+    assert purelib.returncode == 0, purelib.stderr
+    venv_site = Path(purelib.stdout.strip())
+    assert venv_site.resolve().is_relative_to(venv_dir.resolve()), venv_site
+    try:
+        view = _outer_site_view(tmp_path / "outer_site")
+    except OSError as exc:  # pragma: no cover - e.g. Windows without symlink rights
+        pytest.skip(f"cannot make symlinks here: {exc}")
+    (venv_site / "outer_site.pth").write_text(f"{view}\n")
+
+    # the venv's pip (the running environment's, through the view) installs into the venv
+    inst = _run(
+        [str(py), "-m", "pip", "install", "--no-deps", "--no-index", "-q", *map(str, wheel_files)],
+        tmp_path,
+        env,
+    )
+    assert inst.returncode == 0, f"pip install of the wheels failed:\n{inst.stdout}\n{inst.stderr}"
 
     # run from an empty directory: nothing importable except what the venv has installed
     work = tmp_path / "cwd"
@@ -147,12 +231,13 @@ def test_plugin_found_through_real_entry_point(tmp_path: Path):
     res = _run([str(py), "-c", SNIPPET], work, env)
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout.strip().splitlines()[-1])
-    assert str(venv_dir) in data["attn_core_file"], data["attn_core_file"]
-    assert str(venv_dir) in data["acme_file"], data["acme_file"]
+    assert Path(data["attn_core_file"]).is_relative_to(venv_site), data["attn_core_file"]
+    assert Path(data["acme_file"]).is_relative_to(venv_site), data["acme_file"]
 
     summary = data["summary"]
     plugins = {p["name"]: p for p in summary["plugins"]}
-    assert "acme" in plugins, summary
+    # exactly the two distributions installed into the venv: none of the outer environment's
+    assert set(plugins) == {"acme", "attn_core"}, summary
     acme = plugins["acme"]
     assert acme["distribution"] == "attn-plugin-acme-test"
     assert acme["version"] == "0.0.1"
