@@ -42,10 +42,31 @@ ENV_DENY = "ATTN_CORE_PLUGINS_DENY"
 
 
 def _env_names(name: str) -> frozenset[str] | None:
+    """The plugin names of a comma-separated variable; None when it is unset or blank.
+
+    :raises ValueError: (naming the variable and the entry) a value that names no plugin, which
+        would otherwise make an empty allow list, or an entry that cannot be a plugin name.
+    """
     value = os.environ.get(name)
     if value is None or not value.strip():
         return None
-    return frozenset(v.strip() for v in value.split(",") if v.strip())
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names:
+        raise ValueError(
+            f"{name}={value!r}: names no plugin; unset it, or give comma-separated plugin names"
+        )
+    for entry in names:
+        if ":" in entry:
+            raise ValueError(
+                f"{name}={value!r}: entry {entry!r} is a backend name; the variable takes plugin "
+                f"(entry-point) names, e.g. {entry.partition(':')[0]!r}"
+            )
+        if "=" in entry:
+            raise ValueError(
+                f"{name}={value!r}: entry {entry!r} is not a plugin name (entry-point names "
+                "contain no '=')"
+            )
+    return frozenset(names)
 
 
 def _env_flag(name: str) -> bool:
@@ -117,6 +138,8 @@ class Registry:
         ``ATTN_CORE_STRICT``.
     :param allow: plugin names to load (None: all); default from ``ATTN_CORE_PLUGINS_ALLOW``.
     :param deny: plugin names never loaded; default from ``ATTN_CORE_PLUGINS_DENY``.
+    :raises ValueError: ``ATTN_CORE_PLUGINS_ALLOW`` / ``_DENY`` names no plugin or holds an entry
+        that cannot be a plugin name (a backend name ``vendor:name``, ``x=1``).
     """
 
     def __init__(
@@ -129,6 +152,17 @@ class Registry:
         self.strict = _env_flag(ENV_STRICT) if strict is None else strict
         self.allow = frozenset(allow) if allow is not None else _env_names(ENV_ALLOW)
         self.deny = frozenset(deny) if deny is not None else (_env_names(ENV_DENY) or frozenset())
+        # Where each list came from, for the reasons in ``skipped`` (and so `attn list`).
+        self._allow_source = (
+            f"the allow list given to Registry (allow={sorted(self.allow or ())})"
+            if allow is not None
+            else f"{ENV_ALLOW}={os.environ.get(ENV_ALLOW)!r}"
+        )
+        self._deny_source = (
+            f"the deny list given to Registry (deny={sorted(self.deny)})"
+            if deny is not None
+            else f"{ENV_DENY}={os.environ.get(ENV_DENY)!r}"
+        )
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.plugins: dict[str, PluginInfo] = {}
@@ -181,10 +215,10 @@ class Registry:
 
     def _admitted(self, name: str) -> bool:
         if name in self.deny:
-            self.skipped[name] = f"denied by {ENV_DENY} / deny list"
+            self.skipped[name] = f"denied by {self._deny_source}"
             return False
         if self.allow is not None and name not in self.allow:
-            self.skipped[name] = f"not in {ENV_ALLOW} / allow list"
+            self.skipped[name] = f"not in {self._allow_source}"
             return False
         return True
 

@@ -314,6 +314,38 @@ def test_env_allow_and_deny(fake_entry_points, make_plugin, make_caps, monkeypat
     assert "old" in reg.plugins
 
 
+def test_skip_reasons_name_where_the_filter_came_from(make_plugin, make_caps, monkeypatch):
+    monkeypatch.setenv("ATTN_CORE_PLUGINS_DENY", "x, z")
+    reg = Registry()
+    assert reg.register_plugin(make_plugin("x", [_backend(make_caps)]), name="x") is None
+    assert reg.skipped == {"x": "denied by ATTN_CORE_PLUGINS_DENY='x, z'"}
+    reg = Registry(allow={"y"}, deny={"z"})
+    reg.register_plugin(make_plugin("x", [_backend(make_caps)]), name="x")
+    reg.register_plugin(make_plugin("z", [_backend(make_caps)]), name="z")
+    assert reg.skipped == {
+        "x": "not in the allow list given to Registry (allow=['y'])",
+        "z": "denied by the deny list given to Registry (deny=['z'])",
+    }
+
+
+@pytest.mark.parametrize("var", ["ATTN_CORE_PLUGINS_ALLOW", "ATTN_CORE_PLUGINS_DENY"])
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        (" , ", "names no plugin"),
+        ("good,vendor:flash", "entry 'vendor:flash' is a backend name"),
+        ("good,x=1", "entry 'x=1' is not a plugin name"),
+    ],
+)
+def test_malformed_plugin_filter_env_is_an_error_naming_it(monkeypatch, var, value, why):
+    # Before: ' , ' made an empty allow list (nothing loads, silently) and the others matched no
+    # plugin without a word.
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError) as info:
+        Registry()
+    assert str(info.value).startswith(f"{var}={value!r}: {why}")
+
+
 def test_explicit_allow_deny_arguments_win_over_env(registry, make_plugin, make_caps, monkeypatch):
     monkeypatch.setenv("ATTN_CORE_PLUGINS_DENY", "x")
     reg = Registry(deny=())
