@@ -7,6 +7,11 @@ registered directly (``registry.register_plugin(module, name="mine")``).
 A plugin that fails to import, declares an incompatible API version, raises in its
 ``attn_core_register_backends`` hook or advertises a malformed backend is *quarantined*: it is
 recorded with its reason and everything it registered is dropped, while the other plugins load.
+
+The plugin name ``attn_core`` belongs to the built-in reference (distribution ``attn-core``,
+module ``attn_core.reference.plugin``): its entry point loads first, and another distribution's
+entry point that claims the name, or loads the reference module under another name, is
+quarantined with a reason naming that distribution.
 Strict mode (``strict=True`` or ``ATTN_CORE_STRICT=1``) turns a quarantine into
 :class:`PluginLoadError`. ``ATTN_CORE_PLUGINS_ALLOW`` / ``ATTN_CORE_PLUGINS_DENY`` (comma-separated
 plugin names) filter what is loaded.
@@ -15,6 +20,7 @@ plugin names) filter what is loaded.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -36,6 +42,11 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "attn_core"
+#: The built-in reference: the plugin name, the distribution and the module that own it. No other
+#: distribution may use the name or load the module as a plugin (see :func:`_reserved_name`).
+REFERENCE_PLUGIN = "attn_core"
+REFERENCE_DISTRIBUTION = "attn-core"
+REFERENCE_MODULE = "attn_core.reference.plugin"
 ENV_STRICT = "ATTN_CORE_STRICT"
 ENV_ALLOW = "ATTN_CORE_PLUGINS_ALLOW"
 ENV_DENY = "ATTN_CORE_PLUGINS_DENY"
@@ -67,6 +78,46 @@ def _env_names(name: str) -> frozenset[str] | None:
                 "contain no '=')"
             )
     return frozenset(names)
+
+
+def _canonical(distribution: str | None) -> str | None:
+    """A distribution name as packaging compares them (``Attn_Core`` -> ``attn-core``)."""
+    return re.sub(r"[-_.]+", "-", distribution).lower() if distribution is not None else None
+
+
+def _is_reference(ep: metadata.EntryPoint) -> bool:
+    """Whether ``ep`` is attn-core's own entry point for the built-in reference.
+
+    An entry point without a distribution was built by code running in this process (a bench, a
+    test), which is trusted as :meth:`Registry.register_plugin` is; installed metadata always
+    names its distribution.
+    """
+    dist = getattr(ep, "dist", None)
+    return (
+        ep.name == REFERENCE_PLUGIN
+        and ep.value.strip() == REFERENCE_MODULE
+        and (dist is None or _canonical(dist.name) == REFERENCE_DISTRIBUTION)
+    )
+
+
+def _reserved_name(ep: metadata.EntryPoint, dist_name: str | None, dist_version: str) -> str | None:
+    """Why another distribution's entry point may not load: it claims the reference's plugin
+    name, or it names the reference's module (which would take the module before attn-core's
+    own entry point could); None when it may."""
+    if _is_reference(ep):
+        return None
+    owner = f"distribution {dist_name!r} {dist_version}".rstrip() if dist_name else "an entry point"
+    if ep.name == REFERENCE_PLUGIN:
+        return (
+            f"the plugin name {REFERENCE_PLUGIN!r} is reserved for attn-core's built-in "
+            f"reference; {owner} declares it (entry point {ep.name} = {ep.value})"
+        )
+    if ep.value.strip().partition(":")[0].strip() == REFERENCE_MODULE:
+        return (
+            f"entry point {ep.name} = {ep.value} of {owner} names attn-core's built-in "
+            "reference, which only attn-core registers"
+        )
+    return None
 
 
 def _env_flag(name: str) -> bool:
@@ -110,6 +161,7 @@ class Quarantined:
     plugin: str
     stage: str  # "import", "api-version", "register", "capabilities"
     reason: str
+    distribution: str | None = None  # the distribution of its entry point, when known
 
 
 @dataclass(slots=True)
@@ -180,20 +232,36 @@ class Registry:
         return registry
 
     def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> None:
-        """Load every plugin of the entry-point ``group``; quarantine the ones that fail."""
-        for ep in sorted(metadata.entry_points(group=group), key=lambda e: e.name):
+        """Load every plugin of the entry-point ``group``; quarantine the ones that fail.
+
+        attn-core's own entry point (the built-in reference) loads first; any other
+        distribution's entry point that claims its name ``attn_core`` or its module is
+        quarantined with a reason naming that distribution, so the reference can be neither
+        shadowed nor pushed into quarantine. The others load in name order.
+        """
+        eps = sorted(
+            metadata.entry_points(group=group), key=lambda e: (not _is_reference(e), e.name)
+        )
+        for ep in eps:
             if not self._admitted(ep.name):
                 continue
             dist = getattr(ep, "dist", None)
             dist_name = dist.name if dist is not None else None
             dist_version = dist.version if dist is not None else ""
+            reserved = _reserved_name(ep, dist_name, dist_version)
+            if reserved is not None:
+                key = f"{ep.name} (from {dist_name or 'an unknown distribution'})"
+                self._quarantine(ep.name, "register", reserved, distribution=dist_name, key=key)
+                continue
             start = time.perf_counter()
             try:
                 obj = ep.load()
             except BaseException as exc:  # an import may raise anything, SystemExit included
                 if isinstance(exc, KeyboardInterrupt):
                     raise
-                self._quarantine(ep.name, "import", f"{type(exc).__name__}: {exc}")
+                self._quarantine(
+                    ep.name, "import", f"{type(exc).__name__}: {exc}", distribution=dist_name
+                )
                 continue
             self._load(
                 obj,
@@ -237,17 +305,20 @@ class Registry:
                 "register",
                 f"a plugin named {name!r} is already registered "
                 f"(from {self.plugins[name].distribution if name in self.plugins else '?'})",
-                duplicate=True,
+                distribution=distribution,
+                key=f"{name} (duplicate)",
             )
             return None
         try:
             api = self._check_api_version(obj, name)
             self.pm.register(obj, name=name)
         except _Quarantine as q:
-            self._quarantine(name, q.stage, q.reason)
+            self._quarantine(name, q.stage, q.reason, distribution=distribution)
             return None
         except Exception as exc:  # pluggy validates hookimpl signatures on register
-            self._quarantine(name, "register", f"{type(exc).__name__}: {exc}")
+            self._quarantine(
+                name, "register", f"{type(exc).__name__}: {exc}", distribution=distribution
+            )
             return None
         info = PluginInfo(
             name=name,
@@ -259,7 +330,7 @@ class Registry:
             info.backends = self._collect_backends(obj, name)
         except _Quarantine as q:
             self.pm.unregister(obj)
-            self._quarantine(name, q.stage, q.reason)
+            self._quarantine(name, q.stage, q.reason, distribution=distribution)
             return None
         for backend in info.backends:
             self._backends[backend.qualified_name] = backend
@@ -313,11 +384,22 @@ class Registry:
             ) from None
         return collected
 
-    def _quarantine(self, name: str, stage: str, reason: str, *, duplicate: bool = False) -> None:
+    def _quarantine(
+        self,
+        name: str,
+        stage: str,
+        reason: str,
+        *,
+        distribution: str | None = None,
+        key: str | None = None,
+    ) -> None:
+        """Record ``name`` as not loaded (or raise, in strict mode); ``key`` keeps a second
+        plugin of a taken name from overwriting the record of the first."""
         if self.strict:
             raise PluginLoadError(name, f"{stage}: {reason}")
-        key = name if not duplicate else f"{name} (duplicate)"
-        self.quarantined[key] = Quarantined(plugin=name, stage=stage, reason=reason)
+        self.quarantined[key or name] = Quarantined(
+            plugin=name, stage=stage, reason=reason, distribution=distribution
+        )
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -404,7 +486,12 @@ class Registry:
                 for p in sorted(self.plugins.values(), key=lambda p: p.name)
             ],
             "quarantined": [
-                {"plugin": q.plugin, "stage": q.stage, "reason": q.reason}
+                {
+                    "plugin": q.plugin,
+                    "distribution": q.distribution,
+                    "stage": q.stage,
+                    "reason": q.reason,
+                }
                 for q in self.quarantined.values()
             ],
             "skipped": dict(self.skipped),
