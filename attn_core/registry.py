@@ -408,7 +408,12 @@ class Registry:
         return [self._backends[k] for k in sorted(self._backends)]
 
     def resolve(self, name: str) -> Backend:
-        """A backend by qualified (``vendor:name``) or unique short name."""
+        """A backend by qualified (``vendor:name``) or unique short name.
+
+        :raises SelectionError: no backend has that name (the message says when its plugin is
+            quarantined or was skipped, and otherwise lists the registered and the quarantined),
+            or a short name is offered by several plugins.
+        """
         if name in self._backends:
             return self._backends[name]
         matches = [b for b in self._backends.values() if b.name == name]
@@ -416,12 +421,34 @@ class Registry:
             return matches[0]
         known = ", ".join(sorted(self._backends)) or "none"
         if not matches:
-            raise SelectionError(f"no backend named {name!r} is registered; registered: {known}")
+            not_loaded = self._why_not_loaded(name)
+            if not_loaded is not None:
+                raise SelectionError(f"no backend named {name!r} is registered: {not_loaded}")
+            quarantined = ", ".join(f"{q.plugin} ({q.stage})" for q in self.quarantined.values())
+            hint = (
+                f"; quarantined plugins (none of their backends is registered): {quarantined}"
+                if quarantined
+                else ""
+            )
+            raise SelectionError(
+                f"no backend named {name!r} is registered; registered: {known}{hint}"
+            )
         options = ", ".join(sorted(b.qualified_name for b in matches))
         raise SelectionError(
             f"backend name {name!r} is ambiguous: it is offered by {options}; "
             "use the namespaced name"
         )
+
+    def _why_not_loaded(self, name: str) -> str | None:
+        """Why the plugin a backend name points at (``acme`` of ``acme:turbo``, or a short name
+        that is a plugin's name) is not loaded: quarantined or skipped; None if neither."""
+        plugin = name.partition(":")[0]
+        for q in self.quarantined.values():
+            if q.plugin == plugin:
+                return f"plugin {plugin!r} is quarantined: {q.reason} (stage {q.stage})"
+        if plugin in self.skipped:
+            return f"plugin {plugin!r} was not loaded: {self.skipped[plugin]}"
+        return None
 
     def matches(self, name: str, backend: Backend) -> bool:
         """Whether a user-given name (short or qualified) denotes ``backend``."""

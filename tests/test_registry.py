@@ -113,6 +113,49 @@ def test_namespaced_names_and_ambiguity(registry, make_plugin, make_caps):
         select(group_layers([ENCODER]), registry, CPU, ExecutionConstraints(force="encoder=flash"))
 
 
+def _quarantined_acme(registry, make_plugin):
+    def register(register):
+        raise RuntimeError("GPU driver too old")
+
+    registry.register_plugin(make_plugin("acme", register=register), name="acme")
+    assert "acme" in registry.quarantined
+
+
+@pytest.mark.parametrize("name", ["acme:turbo", "acme"])
+def test_resolving_a_backend_of_a_quarantined_plugin_says_so(registry, make_plugin, name):
+    _quarantined_acme(registry, make_plugin)
+    with pytest.raises(SelectionError) as info:
+        registry.resolve(name)
+    assert str(info.value) == (
+        f"no backend named {name!r} is registered: plugin 'acme' is quarantined: "
+        "attn_core_register_backends raised RuntimeError: GPU driver too old (stage register)"
+    )
+
+
+def test_unknown_short_name_lists_the_quarantined_plugins(registry, make_plugin, make_caps):
+    _quarantined_acme(registry, make_plugin)
+    registry.register_plugin(make_plugin("fine", [_backend(make_caps, "x")]), name="fine")
+    with pytest.raises(SelectionError) as info:
+        registry.resolve("turbo")
+    assert str(info.value) == (
+        "no backend named 'turbo' is registered; registered: fine:x; quarantined plugins (none "
+        "of their backends is registered): acme (register)"
+    )
+
+
+def test_forcing_a_backend_of_a_skipped_plugin_says_why(make_plugin, make_caps):
+    registry = Registry(deny={"acme"})
+    registry.register_plugin(make_plugin("acme", [_backend(make_caps, "turbo")]), name="acme")
+    with pytest.raises(SelectionError) as info:
+        select(
+            group_layers([ENCODER]), registry, CPU, ExecutionConstraints(force="encoder=acme:turbo")
+        )
+    assert str(info.value) == (
+        "no backend named 'acme:turbo' is registered: plugin 'acme' was not loaded: denied by "
+        "the deny list given to Registry (deny=['acme'])"
+    )
+
+
 def test_backend_name_with_colon_quarantines(registry, make_plugin, make_caps):
     def register(register):
         register(Backend(name="a:b", capabilities=make_caps()))
