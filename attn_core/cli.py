@@ -102,8 +102,11 @@ def cmd_list(args: argparse.Namespace) -> int:
         print()
         print(
             render_table(
-                ["plugin", "stage", "reason"],
-                [[q["plugin"], q["stage"], q["reason"]] for q in summary["quarantined"]],
+                ["plugin", "distribution", "stage", "reason"],
+                [
+                    [q["plugin"], q["distribution"] or "-", q["stage"], q["reason"]]
+                    for q in summary["quarantined"]
+                ],
                 title="Quarantined plugins (not loaded)",
             )
         )

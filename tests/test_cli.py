@@ -57,3 +57,32 @@ def test_explain_backends_option_wins_over_the_variable(
     rc, out, err = _explain(capsys, "--backends", "full=reference")
     assert (rc, err) == (0, "")
     assert "attn_core:reference" in out and "chosen (forced)" in out
+
+
+def test_list_shows_quarantined_plugins_with_distribution_stage_and_reason(
+    capsys, use_registry, ref_registry, make_plugin, monkeypatch
+):
+    def register(register):
+        raise RuntimeError("GPU driver too old")
+
+    reg = use_registry(ref_registry)
+    reg.strict = False
+    reg.register_plugin(
+        make_plugin("acme", register=register), name="acme", distribution="attn-plugin-acme"
+    )
+    monkeypatch.setenv("COLUMNS", "250")  # one line per table row
+    assert cli.main(["list"]) == 0
+    out = capsys.readouterr().out
+    quarantined = out[out.index("Quarantined plugins (not loaded)") :].splitlines()
+    assert [c.strip() for c in quarantined[2].strip("│").split("│")] == [
+        "plugin",
+        "distribution",
+        "stage",
+        "reason",
+    ]
+    assert [c.strip() for c in quarantined[4].strip("│").split("│")] == [
+        "acme",
+        "attn-plugin-acme",
+        "register",
+        "attn_core_register_backends raised RuntimeError: GPU driver too old",
+    ]
