@@ -12,6 +12,13 @@ The plugin name ``attn_core`` belongs to the built-in reference (distribution ``
 module ``attn_core.reference.plugin``): its entry point loads first, and another distribution's
 entry point that claims the name, or loads the reference module under another name, is
 quarantined with a reason naming that distribution.
+
+Discovery cannot hang: before an entry point is imported here, it is imported and its register
+hook called in a subprocess with a time limit (``plugin_timeout``, ``ATTN_CORE_PLUGIN_TIMEOUT``,
+default 30 s; see :mod:`attn_core.probe`); a plugin that does not finish in time, or ends that
+process, is quarantined and never imported here. Successful probes are cached per distribution
+version, and attn-core's own reference is never probed.
+
 Strict mode (``strict=True`` or ``ATTN_CORE_STRICT=1``) turns a quarantine into
 :class:`PluginLoadError`. ``ATTN_CORE_PLUGINS_ALLOW`` / ``ATTN_CORE_PLUGINS_DENY`` (comma-separated
 plugin names) filter what is loaded.
@@ -22,14 +29,15 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
 import pluggy
 
-from attn_core import hookspecs
+from attn_core import hookspecs, probe
 from attn_core.backend import Backend
 from attn_core.errors import PluginError, PluginLoadError, SelectionError
 
@@ -190,8 +198,14 @@ class Registry:
         ``ATTN_CORE_STRICT``.
     :param allow: plugin names to load (None: all); default from ``ATTN_CORE_PLUGINS_ALLOW``.
     :param deny: plugin names never loaded; default from ``ATTN_CORE_PLUGINS_DENY``.
+    :param plugin_timeout: seconds an entry point may take to import and register, tried in a
+        subprocess before it is imported here (:mod:`attn_core.probe`); 0 turns the probe off.
+        Default from ``ATTN_CORE_PLUGIN_TIMEOUT``, else 30.
+    :param probe_cache: where successful probes are remembered: a file path, False for nowhere,
+        None for ``ATTN_CORE_PROBE_CACHE`` or else ``$XDG_CACHE_HOME/attn-core/plugin-probes.json``.
     :raises ValueError: ``ATTN_CORE_PLUGINS_ALLOW`` / ``_DENY`` names no plugin or holds an entry
-        that cannot be a plugin name (a backend name ``vendor:name``, ``x=1``).
+        that cannot be a plugin name (a backend name ``vendor:name``, ``x=1``), or the time limit
+        is not a finite number of seconds >= 0.
     """
 
     def __init__(
@@ -200,8 +214,12 @@ class Registry:
         strict: bool | None = None,
         allow: Iterable[str] | None = None,
         deny: Iterable[str] | None = None,
+        plugin_timeout: float | None = None,
+        probe_cache: str | os.PathLike[str] | bool | None = None,
     ) -> None:
         self.strict = _env_flag(ENV_STRICT) if strict is None else strict
+        self.plugin_timeout = probe.timeout_from(plugin_timeout)
+        self._probe_cache = probe_cache
         self.allow = frozenset(allow) if allow is not None else _env_names(ENV_ALLOW)
         self.deny = frozenset(deny) if deny is not None else (_env_names(ENV_DENY) or frozenset())
         # Where each list came from, for the reasons in ``skipped`` (and so `attn list`).
@@ -237,11 +255,14 @@ class Registry:
         attn-core's own entry point (the built-in reference) loads first; any other
         distribution's entry point that claims its name ``attn_core`` or its module is
         quarantined with a reason naming that distribution, so the reference can be neither
-        shadowed nor pushed into quarantine. The others load in name order.
+        shadowed nor pushed into quarantine. The others load in name order, each after a probe
+        in a subprocess (:meth:`_probe`) showed that it finishes importing and registering
+        within ``plugin_timeout``; one that does not is quarantined without being imported here.
         """
         eps = sorted(
             metadata.entry_points(group=group), key=lambda e: (not _is_reference(e), e.name)
         )
+        todo: list[tuple[metadata.EntryPoint, str | None, str]] = []
         for ep in eps:
             if not self._admitted(ep.name):
                 continue
@@ -252,6 +273,12 @@ class Registry:
             if reserved is not None:
                 key = f"{ep.name} (from {dist_name or 'an unknown distribution'})"
                 self._quarantine(ep.name, "register", reserved, distribution=dist_name, key=key)
+                continue
+            todo.append((ep, dist_name, dist_version))
+        verdicts = self._probe(todo)
+        for (ep, dist_name, dist_version), verdict in zip(todo, verdicts, strict=True):
+            if verdict is not None and verdict.stage is not None:
+                self._quarantine(ep.name, verdict.stage, verdict.reason, distribution=dist_name)
                 continue
             start = time.perf_counter()
             try:
@@ -270,6 +297,34 @@ class Registry:
                 version=dist_version,
                 started=start,
             )
+
+    def _probe(
+        self, todo: Sequence[tuple[metadata.EntryPoint, str | None, str]]
+    ) -> list[probe.ProbeResult | None]:
+        """One probe verdict per entry point of ``todo`` (None: not probed), probes side by side.
+
+        Not probed: everything when the limit is 0 or probes cannot run here, the reference
+        (attn-core's own code, imported by this module's package already), and entry points whose
+        distribution version passed a probe before (the cache).
+        """
+        verdicts: list[probe.ProbeResult | None] = [None] * len(todo)
+        others = [i for i, (ep, _, _) in enumerate(todo) if not _is_reference(ep)]
+        if not others or self.plugin_timeout == 0 or probe.probe_interpreter() is None:
+            return verdicts
+        cache = probe.ProbeCache.from_setting(self._probe_cache)
+        keys = [probe.ProbeCache.key(ep, dist, version) for ep, dist, version in todo]
+        need = [i for i in others if keys[i] not in cache]
+        if not need:
+            return verdicts
+        timeout = self.plugin_timeout
+        with ThreadPoolExecutor(max_workers=min(len(need), probe.MAX_PARALLEL)) as pool:
+            results = pool.map(lambda i: probe.run_probe(todo[i][0], timeout), need)
+            for i, result in zip(need, results, strict=True):
+                verdicts[i] = result
+                if result.finished:
+                    cache.add(keys[i], result.seconds)
+        cache.save()
+        return verdicts
 
     def register_plugin(
         self, obj: object, *, name: str, version: str = "", distribution: str | None = None
@@ -489,6 +544,7 @@ class Registry:
         """A JSON-ready description of plugins, backends and quarantined plugins."""
         return {
             "api_version": "{}.{}".format(*hookspecs.API_VERSION),
+            "plugin_timeout_s": self.plugin_timeout,
             "plugins": [
                 {
                     "name": p.name,
