@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -46,8 +45,11 @@ def _add_constraint_args(p: argparse.ArgumentParser) -> None:
 
 
 def _constraints(args: argparse.Namespace):
+    from attn_core.selector import parse_forced
     from attn_core.specs import ExecutionConstraints
 
+    # Parsed here, not by ExecutionConstraints, so that a mistake names the option.
+    force = parse_forced(args.backends, source="--backends") if args.backends else {}
     return ExecutionConstraints(
         graph_mode=args.graph_mode,
         page_size=args.page_size,
@@ -58,7 +60,7 @@ def _constraints(args: argparse.Namespace):
         max_batch_size=args.max_batch,
         max_num_tokens=args.max_tokens,
         deterministic=args.deterministic,
-        force=args.backends or (),
+        force=force,
         allow=args.allow or frozenset(),
         deny=args.deny or frozenset(),
         downgrade=args.downgrade,
@@ -100,8 +102,11 @@ def cmd_list(args: argparse.Namespace) -> int:
         print()
         print(
             render_table(
-                ["plugin", "stage", "reason"],
-                [[q["plugin"], q["stage"], q["reason"]] for q in summary["quarantined"]],
+                ["plugin", "distribution", "stage", "reason"],
+                [
+                    [q["plugin"], q["distribution"] or "-", q["stage"], q["reason"]]
+                    for q in summary["quarantined"]
+                ],
                 title="Quarantined plugins (not loaded)",
             )
         )
@@ -282,9 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "backends", None) is None and os.environ.get("ATTN_CORE_BACKENDS"):
-        args.backends = None  # the selector reads the environment itself
-    try:
+    try:  # ATTN_CORE_BACKENDS is read by the selector, which names it in its errors
         return args.func(args)
     except Exception as exc:  # a CLI prints the error, not a traceback, for expected failures
         from attn_core.errors import AttnCoreError

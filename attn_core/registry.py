@@ -7,6 +7,18 @@ registered directly (``registry.register_plugin(module, name="mine")``).
 A plugin that fails to import, declares an incompatible API version, raises in its
 ``attn_core_register_backends`` hook or advertises a malformed backend is *quarantined*: it is
 recorded with its reason and everything it registered is dropped, while the other plugins load.
+
+The plugin name ``attn_core`` belongs to the built-in reference (distribution ``attn-core``,
+module ``attn_core.reference.plugin``): its entry point loads first, and another distribution's
+entry point that claims the name, or loads the reference module under another name, is
+quarantined with a reason naming that distribution.
+
+Discovery cannot hang: before an entry point is imported here, it is imported and its register
+hook called in a subprocess with a time limit (``plugin_timeout``, ``ATTN_CORE_PLUGIN_TIMEOUT``,
+default 30 s; see :mod:`attn_core.probe`); a plugin that does not finish in time, or ends that
+process, is quarantined and never imported here. Successful probes are cached per distribution
+version, and attn-core's own reference is never probed.
+
 Strict mode (``strict=True`` or ``ATTN_CORE_STRICT=1``) turns a quarantine into
 :class:`PluginLoadError`. ``ATTN_CORE_PLUGINS_ALLOW`` / ``ATTN_CORE_PLUGINS_DENY`` (comma-separated
 plugin names) filter what is loaded.
@@ -15,15 +27,17 @@ plugin names) filter what is loaded.
 from __future__ import annotations
 
 import os
+import re
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
 import pluggy
 
-from attn_core import hookspecs
+from attn_core import hookspecs, probe
 from attn_core.backend import Backend
 from attn_core.errors import PluginError, PluginLoadError, SelectionError
 
@@ -36,16 +50,82 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "attn_core"
+#: The built-in reference: the plugin name, the distribution and the module that own it. No other
+#: distribution may use the name or load the module as a plugin (see :func:`_reserved_name`).
+REFERENCE_PLUGIN = "attn_core"
+REFERENCE_DISTRIBUTION = "attn-core"
+REFERENCE_MODULE = "attn_core.reference.plugin"
 ENV_STRICT = "ATTN_CORE_STRICT"
 ENV_ALLOW = "ATTN_CORE_PLUGINS_ALLOW"
 ENV_DENY = "ATTN_CORE_PLUGINS_DENY"
 
 
 def _env_names(name: str) -> frozenset[str] | None:
+    """The plugin names of a comma-separated variable; None when it is unset or blank.
+
+    :raises ValueError: (naming the variable and the entry) a value that names no plugin, which
+        would otherwise make an empty allow list, or an entry that cannot be a plugin name.
+    """
     value = os.environ.get(name)
     if value is None or not value.strip():
         return None
-    return frozenset(v.strip() for v in value.split(",") if v.strip())
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names:
+        raise ValueError(
+            f"{name}={value!r}: names no plugin; unset it, or give comma-separated plugin names"
+        )
+    for entry in names:
+        if ":" in entry:
+            raise ValueError(
+                f"{name}={value!r}: entry {entry!r} is a backend name; the variable takes plugin "
+                f"(entry-point) names, e.g. {entry.partition(':')[0]!r}"
+            )
+        if "=" in entry:
+            raise ValueError(
+                f"{name}={value!r}: entry {entry!r} is not a plugin name (entry-point names "
+                "contain no '=')"
+            )
+    return frozenset(names)
+
+
+def _canonical(distribution: str | None) -> str | None:
+    """A distribution name as packaging compares them (``Attn_Core`` -> ``attn-core``)."""
+    return re.sub(r"[-_.]+", "-", distribution).lower() if distribution is not None else None
+
+
+def _is_reference(ep: metadata.EntryPoint) -> bool:
+    """Whether ``ep`` is attn-core's own entry point for the built-in reference.
+
+    An entry point without a distribution was built by code running in this process (a bench, a
+    test), which is trusted as :meth:`Registry.register_plugin` is; installed metadata always
+    names its distribution.
+    """
+    dist = getattr(ep, "dist", None)
+    return (
+        ep.name == REFERENCE_PLUGIN
+        and ep.value.strip() == REFERENCE_MODULE
+        and (dist is None or _canonical(dist.name) == REFERENCE_DISTRIBUTION)
+    )
+
+
+def _reserved_name(ep: metadata.EntryPoint, dist_name: str | None, dist_version: str) -> str | None:
+    """Why another distribution's entry point may not load: it claims the reference's plugin
+    name, or it names the reference's module (which would take the module before attn-core's
+    own entry point could); None when it may."""
+    if _is_reference(ep):
+        return None
+    owner = f"distribution {dist_name!r} {dist_version}".rstrip() if dist_name else "an entry point"
+    if ep.name == REFERENCE_PLUGIN:
+        return (
+            f"the plugin name {REFERENCE_PLUGIN!r} is reserved for attn-core's built-in "
+            f"reference; {owner} declares it (entry point {ep.name} = {ep.value})"
+        )
+    if ep.value.strip().partition(":")[0].strip() == REFERENCE_MODULE:
+        return (
+            f"entry point {ep.name} = {ep.value} of {owner} names attn-core's built-in "
+            "reference, which only attn-core registers"
+        )
+    return None
 
 
 def _env_flag(name: str) -> bool:
@@ -89,6 +169,7 @@ class Quarantined:
     plugin: str
     stage: str  # "import", "api-version", "register", "capabilities"
     reason: str
+    distribution: str | None = None  # the distribution of its entry point, when known
 
 
 @dataclass(slots=True)
@@ -117,6 +198,14 @@ class Registry:
         ``ATTN_CORE_STRICT``.
     :param allow: plugin names to load (None: all); default from ``ATTN_CORE_PLUGINS_ALLOW``.
     :param deny: plugin names never loaded; default from ``ATTN_CORE_PLUGINS_DENY``.
+    :param plugin_timeout: seconds an entry point may take to import and register, tried in a
+        subprocess before it is imported here (:mod:`attn_core.probe`); 0 turns the probe off.
+        Default from ``ATTN_CORE_PLUGIN_TIMEOUT``, else 30.
+    :param probe_cache: where successful probes are remembered: a file path, False for nowhere,
+        None for ``ATTN_CORE_PROBE_CACHE`` or else ``$XDG_CACHE_HOME/attn-core/plugin-probes.json``.
+    :raises ValueError: ``ATTN_CORE_PLUGINS_ALLOW`` / ``_DENY`` names no plugin or holds an entry
+        that cannot be a plugin name (a backend name ``vendor:name``, ``x=1``), or the time limit
+        is not a finite number of seconds >= 0.
     """
 
     def __init__(
@@ -125,10 +214,25 @@ class Registry:
         strict: bool | None = None,
         allow: Iterable[str] | None = None,
         deny: Iterable[str] | None = None,
+        plugin_timeout: float | None = None,
+        probe_cache: str | os.PathLike[str] | bool | None = None,
     ) -> None:
         self.strict = _env_flag(ENV_STRICT) if strict is None else strict
+        self.plugin_timeout = probe.timeout_from(plugin_timeout)
+        self._probe_cache = probe_cache
         self.allow = frozenset(allow) if allow is not None else _env_names(ENV_ALLOW)
         self.deny = frozenset(deny) if deny is not None else (_env_names(ENV_DENY) or frozenset())
+        # Where each list came from, for the reasons in ``skipped`` (and so `attn list`).
+        self._allow_source = (
+            f"the allow list given to Registry (allow={sorted(self.allow or ())})"
+            if allow is not None
+            else f"{ENV_ALLOW}={os.environ.get(ENV_ALLOW)!r}"
+        )
+        self._deny_source = (
+            f"the deny list given to Registry (deny={sorted(self.deny)})"
+            if deny is not None
+            else f"{ENV_DENY}={os.environ.get(ENV_DENY)!r}"
+        )
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.plugins: dict[str, PluginInfo] = {}
@@ -146,20 +250,45 @@ class Registry:
         return registry
 
     def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> None:
-        """Load every plugin of the entry-point ``group``; quarantine the ones that fail."""
-        for ep in sorted(metadata.entry_points(group=group), key=lambda e: e.name):
+        """Load every plugin of the entry-point ``group``; quarantine the ones that fail.
+
+        attn-core's own entry point (the built-in reference) loads first; any other
+        distribution's entry point that claims its name ``attn_core`` or its module is
+        quarantined with a reason naming that distribution, so the reference can be neither
+        shadowed nor pushed into quarantine. The others load in name order, each after a probe
+        in a subprocess (:meth:`_probe`) showed that it finishes importing and registering
+        within ``plugin_timeout``; one that does not is quarantined without being imported here.
+        """
+        eps = sorted(
+            metadata.entry_points(group=group), key=lambda e: (not _is_reference(e), e.name)
+        )
+        todo: list[tuple[metadata.EntryPoint, str | None, str]] = []
+        for ep in eps:
             if not self._admitted(ep.name):
                 continue
             dist = getattr(ep, "dist", None)
             dist_name = dist.name if dist is not None else None
             dist_version = dist.version if dist is not None else ""
+            reserved = _reserved_name(ep, dist_name, dist_version)
+            if reserved is not None:
+                key = f"{ep.name} (from {dist_name or 'an unknown distribution'})"
+                self._quarantine(ep.name, "register", reserved, distribution=dist_name, key=key)
+                continue
+            todo.append((ep, dist_name, dist_version))
+        verdicts = self._probe(todo)
+        for (ep, dist_name, dist_version), verdict in zip(todo, verdicts, strict=True):
+            if verdict is not None and verdict.stage is not None:
+                self._quarantine(ep.name, verdict.stage, verdict.reason, distribution=dist_name)
+                continue
             start = time.perf_counter()
             try:
                 obj = ep.load()
             except BaseException as exc:  # an import may raise anything, SystemExit included
                 if isinstance(exc, KeyboardInterrupt):
                     raise
-                self._quarantine(ep.name, "import", f"{type(exc).__name__}: {exc}")
+                self._quarantine(
+                    ep.name, "import", f"{type(exc).__name__}: {exc}", distribution=dist_name
+                )
                 continue
             self._load(
                 obj,
@@ -168,6 +297,34 @@ class Registry:
                 version=dist_version,
                 started=start,
             )
+
+    def _probe(
+        self, todo: Sequence[tuple[metadata.EntryPoint, str | None, str]]
+    ) -> list[probe.ProbeResult | None]:
+        """One probe verdict per entry point of ``todo`` (None: not probed), probes side by side.
+
+        Not probed: everything when the limit is 0 or probes cannot run here, the reference
+        (attn-core's own code, imported by this module's package already), and entry points whose
+        distribution version passed a probe before (the cache).
+        """
+        verdicts: list[probe.ProbeResult | None] = [None] * len(todo)
+        others = [i for i, (ep, _, _) in enumerate(todo) if not _is_reference(ep)]
+        if not others or self.plugin_timeout == 0 or probe.probe_interpreter() is None:
+            return verdicts
+        cache = probe.ProbeCache.from_setting(self._probe_cache)
+        keys = [probe.ProbeCache.key(ep, dist, version) for ep, dist, version in todo]
+        need = [i for i in others if keys[i] not in cache]
+        if not need:
+            return verdicts
+        timeout = self.plugin_timeout
+        with ThreadPoolExecutor(max_workers=min(len(need), probe.MAX_PARALLEL)) as pool:
+            results = pool.map(lambda i: probe.run_probe(todo[i][0], timeout), need)
+            for i, result in zip(need, results, strict=True):
+                verdicts[i] = result
+                if result.finished:
+                    cache.add(keys[i], result.seconds)
+        cache.save()
+        return verdicts
 
     def register_plugin(
         self, obj: object, *, name: str, version: str = "", distribution: str | None = None
@@ -181,10 +338,10 @@ class Registry:
 
     def _admitted(self, name: str) -> bool:
         if name in self.deny:
-            self.skipped[name] = f"denied by {ENV_DENY} / deny list"
+            self.skipped[name] = f"denied by {self._deny_source}"
             return False
         if self.allow is not None and name not in self.allow:
-            self.skipped[name] = f"not in {ENV_ALLOW} / allow list"
+            self.skipped[name] = f"not in {self._allow_source}"
             return False
         return True
 
@@ -203,17 +360,20 @@ class Registry:
                 "register",
                 f"a plugin named {name!r} is already registered "
                 f"(from {self.plugins[name].distribution if name in self.plugins else '?'})",
-                duplicate=True,
+                distribution=distribution,
+                key=f"{name} (duplicate)",
             )
             return None
         try:
             api = self._check_api_version(obj, name)
             self.pm.register(obj, name=name)
         except _Quarantine as q:
-            self._quarantine(name, q.stage, q.reason)
+            self._quarantine(name, q.stage, q.reason, distribution=distribution)
             return None
         except Exception as exc:  # pluggy validates hookimpl signatures on register
-            self._quarantine(name, "register", f"{type(exc).__name__}: {exc}")
+            self._quarantine(
+                name, "register", f"{type(exc).__name__}: {exc}", distribution=distribution
+            )
             return None
         info = PluginInfo(
             name=name,
@@ -225,7 +385,7 @@ class Registry:
             info.backends = self._collect_backends(obj, name)
         except _Quarantine as q:
             self.pm.unregister(obj)
-            self._quarantine(name, q.stage, q.reason)
+            self._quarantine(name, q.stage, q.reason, distribution=distribution)
             return None
         for backend in info.backends:
             self._backends[backend.qualified_name] = backend
@@ -279,11 +439,22 @@ class Registry:
             ) from None
         return collected
 
-    def _quarantine(self, name: str, stage: str, reason: str, *, duplicate: bool = False) -> None:
+    def _quarantine(
+        self,
+        name: str,
+        stage: str,
+        reason: str,
+        *,
+        distribution: str | None = None,
+        key: str | None = None,
+    ) -> None:
+        """Record ``name`` as not loaded (or raise, in strict mode); ``key`` keeps a second
+        plugin of a taken name from overwriting the record of the first."""
         if self.strict:
             raise PluginLoadError(name, f"{stage}: {reason}")
-        key = name if not duplicate else f"{name} (duplicate)"
-        self.quarantined[key] = Quarantined(plugin=name, stage=stage, reason=reason)
+        self.quarantined[key or name] = Quarantined(
+            plugin=name, stage=stage, reason=reason, distribution=distribution
+        )
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -292,7 +463,12 @@ class Registry:
         return [self._backends[k] for k in sorted(self._backends)]
 
     def resolve(self, name: str) -> Backend:
-        """A backend by qualified (``vendor:name``) or unique short name."""
+        """A backend by qualified (``vendor:name``) or unique short name.
+
+        :raises SelectionError: no backend has that name (the message says when its plugin is
+            quarantined or was skipped, and otherwise lists the registered and the quarantined),
+            or a short name is offered by several plugins.
+        """
         if name in self._backends:
             return self._backends[name]
         matches = [b for b in self._backends.values() if b.name == name]
@@ -300,12 +476,34 @@ class Registry:
             return matches[0]
         known = ", ".join(sorted(self._backends)) or "none"
         if not matches:
-            raise SelectionError(f"no backend named {name!r} is registered; registered: {known}")
+            not_loaded = self._why_not_loaded(name)
+            if not_loaded is not None:
+                raise SelectionError(f"no backend named {name!r} is registered: {not_loaded}")
+            quarantined = ", ".join(f"{q.plugin} ({q.stage})" for q in self.quarantined.values())
+            hint = (
+                f"; quarantined plugins (none of their backends is registered): {quarantined}"
+                if quarantined
+                else ""
+            )
+            raise SelectionError(
+                f"no backend named {name!r} is registered; registered: {known}{hint}"
+            )
         options = ", ".join(sorted(b.qualified_name for b in matches))
         raise SelectionError(
             f"backend name {name!r} is ambiguous: it is offered by {options}; "
             "use the namespaced name"
         )
+
+    def _why_not_loaded(self, name: str) -> str | None:
+        """Why the plugin a backend name points at (``acme`` of ``acme:turbo``, or a short name
+        that is a plugin's name) is not loaded: quarantined or skipped; None if neither."""
+        plugin = name.partition(":")[0]
+        for q in self.quarantined.values():
+            if q.plugin == plugin:
+                return f"plugin {plugin!r} is quarantined: {q.reason} (stage {q.stage})"
+        if plugin in self.skipped:
+            return f"plugin {plugin!r} was not loaded: {self.skipped[plugin]}"
+        return None
 
     def matches(self, name: str, backend: Backend) -> bool:
         """Whether a user-given name (short or qualified) denotes ``backend``."""
@@ -346,6 +544,7 @@ class Registry:
         """A JSON-ready description of plugins, backends and quarantined plugins."""
         return {
             "api_version": "{}.{}".format(*hookspecs.API_VERSION),
+            "plugin_timeout_s": self.plugin_timeout,
             "plugins": [
                 {
                     "name": p.name,
@@ -370,7 +569,12 @@ class Registry:
                 for p in sorted(self.plugins.values(), key=lambda p: p.name)
             ],
             "quarantined": [
-                {"plugin": q.plugin, "stage": q.stage, "reason": q.reason}
+                {
+                    "plugin": q.plugin,
+                    "distribution": q.distribution,
+                    "stage": q.stage,
+                    "reason": q.reason,
+                }
                 for q in self.quarantined.values()
             ],
             "skipped": dict(self.skipped),

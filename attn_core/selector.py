@@ -40,6 +40,7 @@ __all__ = [
     "Rejection",
     "TuningData",
     "check_backend",
+    "parse_forced",
     "select",
     "spec_key",
 ]
@@ -350,18 +351,76 @@ def _rank_key(backend: Backend, spec: LayerSpec, tuning: TuningData | None):
     return (0 if t is not None else 1, t or 0.0, -backend.priority, backend.qualified_name)
 
 
-def _forced_name(group: LayerGroup, constraints: ExecutionConstraints) -> str | None:
+def _forced_key(group: LayerGroup, constraints: ExecutionConstraints) -> str | None:
+    """The ``force`` key that applies to ``group``: its group id, else its layer kind."""
     forced = constraints.forced
-    return forced.get(group.group_id) or forced.get(group.spec.kind.value)
+    for key in (group.group_id, group.spec.kind.value):
+        if forced.get(key):
+            return key
+    return None
 
 
-def _env_constraints(constraints: ExecutionConstraints) -> ExecutionConstraints:
-    env = os.environ.get(ENV_FORCE)
-    if not env:
-        return constraints
-    merged = dict(ExecutionConstraints(force=env).force)
-    merged.update(constraints.forced)  # explicit arguments win over the environment
-    return constraints.with_(force=merged)
+def _forced_name(group: LayerGroup, constraints: ExecutionConstraints) -> str | None:
+    key = _forced_key(group, constraints)
+    return constraints.forced[key] if key is not None else None
+
+
+def parse_forced(text: str, *, source: str) -> dict[str, str]:
+    """``"full=flashinfer,linear=triton_ssm"`` -> ``{"full": "flashinfer", "linear": ...}``.
+
+    :param text: comma-separated ``KIND_OR_GROUP=BACKEND`` entries; empty entries (a trailing
+        comma) are ignored.
+    :param source: where ``text`` came from (``"ATTN_CORE_BACKENDS"``, ``"--backends"``); every
+        error starts with ``source=text``, so the user knows which setting to fix.
+    :returns: one backend name per layer kind or group id.
+    :raises SelectionError: an entry without ``=``, with nothing before or after it, or a key
+        given twice (the message names both values).
+    """
+    forced: dict[str, str] = {}
+    hint = "expected KIND_OR_GROUP=BACKEND entries, e.g. 'full=flashinfer,linear=triton_ssm'"
+    for raw in text.split(","):
+        entry = raw.strip()
+        if not entry:
+            continue
+        key, sep, name = entry.partition("=")
+        key, name = key.strip(), name.strip()
+        problem = None
+        if not sep:
+            problem = "has no '='"
+        elif not key:
+            problem = "names no layer kind or group before '='"
+        elif not name:
+            problem = "names no backend after '='"
+        if problem is not None:
+            raise SelectionError(f"{source}={text!r}: entry {entry!r} {problem}; {hint}")
+        if key in forced:
+            raise SelectionError(
+                f"{source}={text!r}: {key!r} is given twice ({forced[key]!r} and {name!r}); "
+                "keep one"
+            )
+        forced[key] = name
+    return forced
+
+
+def _env_constraints(
+    constraints: ExecutionConstraints,
+) -> tuple[ExecutionConstraints, dict[str, str]]:
+    """``constraints`` with ``ATTN_CORE_BACKENDS`` merged in, and the entries that came from the
+    variable (so that errors about them can name it)."""
+    env = os.environ.get(ENV_FORCE, "")
+    if not env.strip():
+        return constraints, {}
+    from_env = parse_forced(env, source=ENV_FORCE)
+    explicit = constraints.forced
+    from_env = {k: v for k, v in from_env.items() if k not in explicit}  # arguments win
+    return constraints.with_(force={**from_env, **explicit}), from_env
+
+
+def _env_origin(key: str | None, from_env: Mapping[str, str]) -> str:
+    """``" (from ATTN_CORE_BACKENDS='...')"`` when the forced ``key`` came from the variable."""
+    if key is None or key not in from_env:
+        return ""
+    return f" (from {ENV_FORCE}={os.environ.get(ENV_FORCE, '')!r})"
 
 
 def select(
@@ -383,23 +442,42 @@ def select(
         default: the file named by ``ATTN_CORE_TUNING`` if set.
     :raises SelectionError: no setting admits a backend for every group, a forced backend cannot
         serve, or the downgrade policy is ``error`` and a higher-priority backend was rejected.
-        The message lists every candidate of the failing group with its reasons.
+        The message lists every candidate of the failing group with its reasons. A malformed
+        ``ATTN_CORE_BACKENDS`` (an entry without ``=``, a key given twice, a key that names no
+        kind or group) is an error too, and every error about an entry of the variable names it.
     """
-    constraints = _env_constraints(constraints or ExecutionConstraints())
+    constraints, from_env = _env_constraints(constraints or ExecutionConstraints())
     if tuning is None and os.environ.get(ENV_TUNING):
         tuning = TuningData.load(os.environ[ENV_TUNING])
     backends = registry.backends
     valid_keys = {k.value for k in LayerKind} | {g.group_id for g in groups}
+    expected = f"expected one of {sorted(valid_keys)}"
+    env_unknown = [k for k in from_env if k not in valid_keys]
+    if env_unknown:
+        key = env_unknown[0]
+        raise SelectionError(
+            f"{ENV_FORCE}={os.environ[ENV_FORCE]!r}: entry '{key}={from_env[key]}' names no layer "
+            f"kind and no group of this model; {expected}"
+        )
     unknown = sorted(set(constraints.forced) - valid_keys)
     if unknown:
         raise SelectionError(
             f"forced backend keys {unknown} name no layer kind and no group of this model; "
-            f"expected one of {sorted(valid_keys)}"
+            f"{expected}"
         )
     for group in groups:
-        name = _forced_name(group, constraints)
-        if name is not None:
+        key = _forced_key(group, constraints)
+        if key is None:
+            continue
+        name = constraints.forced[key]
+        try:
             registry.resolve(name)  # unknown / ambiguous names fail here, with the known ones
+        except SelectionError as exc:
+            if key not in from_env:
+                raise
+            raise SelectionError(
+                f"{ENV_FORCE}={os.environ[ENV_FORCE]!r}: entry '{key}={name}': {exc}"
+            ) from None
 
     kv_groups = [g for g in groups if g.spec.has_kv_cache]
     page_options = _page_size_options(kv_groups, backends, constraints)
@@ -429,7 +507,9 @@ def select(
                 first_failure = failed
     assert first_failure is not None
     group, rejections, page_size, layout = first_failure
-    raise SelectionError(_no_backend_message(group, rejections, constraints, page_size, layout))
+    raise SelectionError(
+        _no_backend_message(group, rejections, constraints, page_size, layout, from_env)
+    )
 
 
 def _page_size_options(
@@ -528,10 +608,12 @@ def _no_backend_message(
     constraints: ExecutionConstraints,
     page_size: int | None,
     layout: str | None,
+    from_env: Mapping[str, str],
 ) -> str:
     forced = _forced_name(group, constraints)
+    origin = _env_origin(_forced_key(group, constraints), from_env)
     head = (
-        f"forced backend {forced!r} cannot serve layer group {group.group_id!r}"
+        f"forced backend {forced!r}{origin} cannot serve layer group {group.group_id!r}"
         if forced
         else f"no backend can serve layer group {group.group_id!r}"
     )

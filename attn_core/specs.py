@@ -559,6 +559,7 @@ def _parse_mapping(value: object, field_name: str) -> tuple[tuple[str, str], ...
     """Accept ``{"full": "flashinfer"}`` or ``"full=flashinfer,linear=triton_ssm"``."""
     if value is None:
         return ()
+    given = value
     if isinstance(value, str):
         items = []
         for part in filter(None, (p.strip() for p in value.split(","))):
@@ -568,8 +569,18 @@ def _parse_mapping(value: object, field_name: str) -> tuple[tuple[str, str], ...
         value = items
     elif isinstance(value, dict):
         value = list(value.items())
-    pairs = tuple(sorted((str(k), str(v)) for k, v in value))
-    return pairs
+    seen: dict[str, str] = {}
+    for k, v in value:
+        key, val = str(k), str(v)
+        # Sorting below would make the alphabetically last value win: a repeat is a mistake.
+        _require(
+            key not in seen,
+            field_name,
+            given,
+            f"{key!r} is given twice ({seen.get(key)!r} and {val!r}); keep one",
+        )
+        seen[key] = val
+    return tuple(sorted(seen.items()))
 
 
 @dataclass(frozen=True, slots=True)

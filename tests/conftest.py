@@ -9,6 +9,10 @@
 - ``tiny_specs`` gives one small spec per layer kind (float32, so CPU math is exact enough).
 - ``cuda`` is a skip marker for tests that need a CUDA device; tests marked ``gpu`` are skipped
   without one as well.
+- Plugin probes (:mod:`attn_core.probe`) of the whole run share one cache file in pytest's
+  temporary folder (``ATTN_CORE_PROBE_CACHE``): the user's cache is never written, and the real
+  plugins are probed once per run, not once per discovery (subprocesses started by tests, the
+  conformance kit's, inherit the variable).
 """
 
 from __future__ import annotations
@@ -47,6 +51,19 @@ from attn_core.testing.gpu import clean_attn_env, pytest_collection_modifyitems 
 HAS_CUDA = torch.cuda.is_available()
 #: Marker for tests that need a CUDA device (use together with ``pytest.mark.gpu``).
 cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (torch.cuda.is_available())")
+
+
+@pytest.fixture(autouse=True)
+def probe_cache_in_tmp(
+    clean_attn_env: None,  # noqa: F811 (requested, not redefined: it must run first)
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Point ``ATTN_CORE_PROBE_CACHE`` at one file for the whole run (after ``clean_attn_env``
+    removed the developer's ``ATTN_CORE_*`` variables)."""
+    monkeypatch.setenv(
+        "ATTN_CORE_PROBE_CACHE", str(tmp_path_factory.getbasetemp() / "plugin-probes.json")
+    )
 
 
 @pytest.fixture

@@ -113,6 +113,49 @@ def test_namespaced_names_and_ambiguity(registry, make_plugin, make_caps):
         select(group_layers([ENCODER]), registry, CPU, ExecutionConstraints(force="encoder=flash"))
 
 
+def _quarantined_acme(registry, make_plugin):
+    def register(register):
+        raise RuntimeError("GPU driver too old")
+
+    registry.register_plugin(make_plugin("acme", register=register), name="acme")
+    assert "acme" in registry.quarantined
+
+
+@pytest.mark.parametrize("name", ["acme:turbo", "acme"])
+def test_resolving_a_backend_of_a_quarantined_plugin_says_so(registry, make_plugin, name):
+    _quarantined_acme(registry, make_plugin)
+    with pytest.raises(SelectionError) as info:
+        registry.resolve(name)
+    assert str(info.value) == (
+        f"no backend named {name!r} is registered: plugin 'acme' is quarantined: "
+        "attn_core_register_backends raised RuntimeError: GPU driver too old (stage register)"
+    )
+
+
+def test_unknown_short_name_lists_the_quarantined_plugins(registry, make_plugin, make_caps):
+    _quarantined_acme(registry, make_plugin)
+    registry.register_plugin(make_plugin("fine", [_backend(make_caps, "x")]), name="fine")
+    with pytest.raises(SelectionError) as info:
+        registry.resolve("turbo")
+    assert str(info.value) == (
+        "no backend named 'turbo' is registered; registered: fine:x; quarantined plugins (none "
+        "of their backends is registered): acme (register)"
+    )
+
+
+def test_forcing_a_backend_of_a_skipped_plugin_says_why(make_plugin, make_caps):
+    registry = Registry(deny={"acme"})
+    registry.register_plugin(make_plugin("acme", [_backend(make_caps, "turbo")]), name="acme")
+    with pytest.raises(SelectionError) as info:
+        select(
+            group_layers([ENCODER]), registry, CPU, ExecutionConstraints(force="encoder=acme:turbo")
+        )
+    assert str(info.value) == (
+        "no backend named 'acme:turbo' is registered: plugin 'acme' was not loaded: denied by "
+        "the deny list given to Registry (deny=['acme'])"
+    )
+
+
 def test_backend_name_with_colon_quarantines(registry, make_plugin, make_caps):
     def register(register):
         register(Backend(name="a:b", capabilities=make_caps()))
@@ -312,6 +355,38 @@ def test_env_allow_and_deny(fake_entry_points, make_plugin, make_caps, monkeypat
     assert "good" not in reg.plugins and "noimport" not in reg.quarantined
     assert "ATTN_CORE_PLUGINS_DENY" in reg.skipped["good"]
     assert "old" in reg.plugins
+
+
+def test_skip_reasons_name_where_the_filter_came_from(make_plugin, make_caps, monkeypatch):
+    monkeypatch.setenv("ATTN_CORE_PLUGINS_DENY", "x, z")
+    reg = Registry()
+    assert reg.register_plugin(make_plugin("x", [_backend(make_caps)]), name="x") is None
+    assert reg.skipped == {"x": "denied by ATTN_CORE_PLUGINS_DENY='x, z'"}
+    reg = Registry(allow={"y"}, deny={"z"})
+    reg.register_plugin(make_plugin("x", [_backend(make_caps)]), name="x")
+    reg.register_plugin(make_plugin("z", [_backend(make_caps)]), name="z")
+    assert reg.skipped == {
+        "x": "not in the allow list given to Registry (allow=['y'])",
+        "z": "denied by the deny list given to Registry (deny=['z'])",
+    }
+
+
+@pytest.mark.parametrize("var", ["ATTN_CORE_PLUGINS_ALLOW", "ATTN_CORE_PLUGINS_DENY"])
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        (" , ", "names no plugin"),
+        ("good,vendor:flash", "entry 'vendor:flash' is a backend name"),
+        ("good,x=1", "entry 'x=1' is not a plugin name"),
+    ],
+)
+def test_malformed_plugin_filter_env_is_an_error_naming_it(monkeypatch, var, value, why):
+    # Before: ' , ' made an empty allow list (nothing loads, silently) and the others matched no
+    # plugin without a word.
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError) as info:
+        Registry()
+    assert str(info.value).startswith(f"{var}={value!r}: {why}")
 
 
 def test_explicit_allow_deny_arguments_win_over_env(registry, make_plugin, make_caps, monkeypatch):

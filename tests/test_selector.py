@@ -323,6 +323,77 @@ def test_env_forces_and_explicit_wins(five, groups, monkeypatch):
     assert _picked(plan)["full"] == "attn_core:reference"
 
 
+def test_env_key_given_twice_is_an_error_naming_both_values(five, groups, monkeypatch):
+    # Before: the pairs were sorted and the alphabetically last one ('reference') won silently.
+    monkeypatch.setenv("ATTN_CORE_BACKENDS", "full=reference,full=flash")
+    with pytest.raises(SelectionError) as info:
+        select(groups, five, H200, _allow())
+    msg = str(info.value)
+    assert msg.startswith("ATTN_CORE_BACKENDS='full=reference,full=flash': ")
+    assert "'full' is given twice ('reference' and 'flash')" in msg
+
+
+@pytest.mark.parametrize(
+    ("value", "entry", "why"),
+    [
+        ("full=flash,linearreference", "linearreference", "has no '='"),
+        ("full=flash, =reference", "=reference", "names no layer kind or group before '='"),
+        ("full=, linear=gdn", "full=", "names no backend after '='"),
+    ],
+)
+def test_malformed_env_entry_names_the_variable_and_the_entry(
+    five, groups, monkeypatch, value, entry, why
+):
+    monkeypatch.setenv("ATTN_CORE_BACKENDS", value)
+    with pytest.raises(SelectionError) as info:
+        select(groups, five, H200, _allow())
+    msg = str(info.value)
+    assert msg.startswith(f"ATTN_CORE_BACKENDS={value!r}: entry {entry!r} {why}")
+    assert "KIND_OR_GROUP=BACKEND" in msg
+
+
+def test_env_key_that_names_no_kind_or_group_names_the_variable(five, groups, monkeypatch):
+    monkeypatch.setenv("ATTN_CORE_BACKENDS", "ful=flash,linear=gdn")
+    with pytest.raises(SelectionError) as info:
+        select(groups, five, H200, _allow())
+    msg = str(info.value)
+    assert msg.startswith("ATTN_CORE_BACKENDS='ful=flash,linear=gdn': entry 'ful=flash' names ")
+    assert "no layer kind and no group of this model" in msg
+    assert "'full.1'" in msg and "'linear'" in msg  # the keys it could have meant
+
+
+def test_env_forced_unknown_backend_names_the_variable(five, groups, monkeypatch):
+    monkeypatch.setenv("ATTN_CORE_BACKENDS", "full=fa9")
+    with pytest.raises(SelectionError) as info:
+        select(groups, five, H200, _allow())
+    msg = str(info.value)
+    assert msg.startswith("ATTN_CORE_BACKENDS='full=fa9': entry 'full=fa9': no backend named 'fa9'")
+    assert "fastattn:flash" in msg
+
+
+def test_env_forced_backend_that_cannot_serve_says_it_came_from_the_variable(
+    five, groups, monkeypatch
+):
+    monkeypatch.setenv("ATTN_CORE_BACKENDS", "full=legacy")
+    with pytest.raises(SelectionError) as info:
+        select(groups, five, H200, _allow())
+    msg = str(info.value)
+    assert msg.startswith(
+        "forced backend 'legacy' (from ATTN_CORE_BACKENDS='full=legacy') cannot serve layer "
+        "group 'full'"
+    )
+    assert "compute capability <= 8.9" in msg
+
+
+def test_explicit_force_errors_do_not_blame_the_variable(five, groups, monkeypatch):
+    monkeypatch.setenv("ATTN_CORE_BACKENDS", "full=reference")
+    with pytest.raises(SelectionError) as info:
+        select(groups, five, H200, _allow(force="full=legacy"))
+    msg = str(info.value)
+    assert msg.startswith("forced backend 'legacy' cannot serve layer group 'full'")
+    assert "ATTN_CORE_BACKENDS" not in msg
+
+
 def test_forced_backend_that_cannot_serve_is_an_error(five, groups):
     with pytest.raises(SelectionError) as info:
         select(groups, five, H200, _allow(force="full=legacy"))

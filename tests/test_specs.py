@@ -310,6 +310,8 @@ def test_detect_cpu():
         ({"kv_dtype": "int4"}, r"kv_dtype='int4'.*fp8_e4m3"),
         ({"spec_verify_strategy": "guess"}, r"spec_verify_strategy='guess'.*native, replay"),
         ({"force": "full"}, r"force='full'.*kind=backend"),
+        ({"force": "full=a, full=b"}, r"force=.*'full' is given twice \('a' and 'b'\)"),
+        ({"force": [("full", "b"), ("full", "a")]}, r"'full' is given twice \('b' and 'a'\)"),
     ],
 )
 def test_constraint_validation(kwargs, match):

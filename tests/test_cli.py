@@ -1,0 +1,88 @@
+"""The ``attn`` command: what ``attn list`` shows and how ``attn explain`` reports bad settings.
+
+The registry is replaced by a test one (``cli._registry``), so nothing depends on the plugins
+installed on the machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from attn_core import cli
+
+
+@pytest.fixture
+def use_registry(monkeypatch):
+    """``use_registry(reg)``: every ``attn`` command of the test runs on ``reg``."""
+
+    def use(reg):
+        monkeypatch.setattr(cli, "_registry", lambda args: reg)
+        return reg
+
+    return use
+
+
+def _explain(capsys, *extra: str) -> tuple[int, str, str]:
+    rc = cli.main(["explain", "qwen3", "--target", "cpu", *extra])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_explain_backends_option_given_twice_names_the_option(capsys, use_registry, ref_registry):
+    use_registry(ref_registry)
+    rc, _, err = _explain(capsys, "--backends", "full=reference,full=flash")
+    assert rc == 2
+    assert err.strip() == (
+        "attn explain: error: --backends='full=reference,full=flash': 'full' is given twice "
+        "('reference' and 'flash'); keep one"
+    )
+
+
+def test_explain_malformed_env_names_the_variable(capsys, use_registry, ref_registry, monkeypatch):
+    use_registry(ref_registry)
+    monkeypatch.setenv("ATTN_CORE_BACKENDS", "full")
+    rc, _, err = _explain(capsys)
+    assert rc == 2
+    assert err.startswith(
+        "attn explain: error: ATTN_CORE_BACKENDS='full': entry 'full' has no '='; expected "
+        "KIND_OR_GROUP=BACKEND"
+    )
+
+
+def test_explain_backends_option_wins_over_the_variable(
+    capsys, use_registry, ref_registry, monkeypatch
+):
+    use_registry(ref_registry)
+    monkeypatch.setenv("ATTN_CORE_BACKENDS", "full=nope")
+    rc, out, err = _explain(capsys, "--backends", "full=reference")
+    assert (rc, err) == (0, "")
+    assert "attn_core:reference" in out and "chosen (forced)" in out
+
+
+def test_list_shows_quarantined_plugins_with_distribution_stage_and_reason(
+    capsys, use_registry, ref_registry, make_plugin, monkeypatch
+):
+    def register(register):
+        raise RuntimeError("GPU driver too old")
+
+    reg = use_registry(ref_registry)
+    reg.strict = False
+    reg.register_plugin(
+        make_plugin("acme", register=register), name="acme", distribution="attn-plugin-acme"
+    )
+    monkeypatch.setenv("COLUMNS", "250")  # one line per table row
+    assert cli.main(["list"]) == 0
+    out = capsys.readouterr().out
+    quarantined = out[out.index("Quarantined plugins (not loaded)") :].splitlines()
+    assert [c.strip() for c in quarantined[2].strip("│").split("│")] == [
+        "plugin",
+        "distribution",
+        "stage",
+        "reason",
+    ]
+    assert [c.strip() for c in quarantined[4].strip("│").split("│")] == [
+        "acme",
+        "attn-plugin-acme",
+        "register",
+        "attn_core_register_backends raised RuntimeError: GPU driver too old",
+    ]
