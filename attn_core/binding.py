@@ -281,7 +281,7 @@ class LayerAttentionBinding:
             self._check(q, k, v, out, tokens)
         state = group.state
         if state is not None and batch.state_epoch != state.epoch:
-            group.current_batch(self.layer_index, "forward")  # raises: stale
+            group.check_fresh(batch, f"layer {self.layer_index}")  # raises: stale
         if group.check_finite is not None:
             self._check_finite(batch, (("q", q), ("k", k), ("v", v), *inputs.items()))
         try:
@@ -328,16 +328,13 @@ class LayerAttentionBinding:
         group = self._group
         if self._kind is not LayerKind.LINEAR:
             raise TypeError(f"layer {self.layer_index} is {self.spec.kind.value}: it has no conv")
-        batch = group.batch
         # conv1d writes the conv state of every slot the batch names, as forward writes KV and
         # SSM state: the same stale-batch rule holds.
-        if batch is None or batch.state_epoch != group.state.epoch:
-            batch = group.current_batch(self.layer_index, "conv1d")
+        batch = group.current_batch(self.layer_index, "conv1d")
         # One fused test on the hot path (shapes accepted before for this token count); the
         # slow path names what is wrong.
         if (
-            batch is None
-            or batch.padded_tokens != self._conv_tokens
+            batch.padded_tokens != self._conv_tokens
             or x.shape != self._conv_x_shape
             or weight.shape != self._conv_w_shape
         ):
@@ -410,7 +407,7 @@ class LayerAttentionBinding:
                 source=group.check_finite,
             )
 
-    def _check_conv(self, x: torch.Tensor, weight: torch.Tensor, batch) -> None:
+    def _check_conv(self, x: torch.Tensor, weight: torch.Tensor, batch: AttentionBatch) -> None:
         """conv1d's input checks; remembers the accepted shapes for the batch's token count."""
         spec = self.spec
         expected = tuple(self._conv_w_shape)
@@ -418,10 +415,9 @@ class LayerAttentionBinding:
             self._bad("conv weight shape", expected, tuple(weight.shape))
         if x.dim() != 2 or x.shape[1] != spec.conv_channels:
             self._bad("conv input shape", f"[T, {spec.conv_channels}]", tuple(x.shape))
-        if batch is not None:
-            if x.shape[0] != batch.padded_tokens:
-                self._bad("conv input tokens", batch.padded_tokens, x.shape[0])
-            self._conv_tokens, self._conv_x_shape = batch.padded_tokens, x.shape
+        if x.shape[0] != batch.padded_tokens:
+            self._bad("conv input tokens", batch.padded_tokens, x.shape[0])
+        self._conv_tokens, self._conv_x_shape = batch.padded_tokens, x.shape
 
     def _expect(self, tokens: int) -> None:
         self._q_shape = torch.Size((tokens, *self._q_tail))
