@@ -35,10 +35,10 @@ Two implementations, picked by device (not a fallback: both have the semantics a
 The Triton kernel launches through :class:`attn_core.fast_launch.CachedLaunch`, and on sm90
 as a programmatic dependent launch (:mod:`attn_core.pdl`). A backend that writes one shape per
 layer of a step keeps a :class:`KVWriter`: the checks on its first write, a bound launch after.
-(Until session 10 a small eager step's write took two ``index_copy_`` calls instead, while the
-kernel launched through Triton's own launcher: 46 against 113 us of the H200 server's host time.
-Through CachedLaunch both cost the same host time, 52.4 against 52.5 us per B=1 step of the
-plugin on FlashInfer, and the one kernel less GPU time, so that path is gone.)
+Every CUDA write takes the kernel, small eager ones too: two ``index_copy_`` calls are cheaper
+only than a launch through Triton's own launcher (46 against 113 us of the H200 server's host
+time); through CachedLaunch both cost the same host time (52.4 against 52.5 us per B=1 step of
+the plugin on FlashInfer) and the one kernel less GPU time.
 """
 
 from __future__ import annotations
@@ -188,8 +188,9 @@ class KVWriter:
     strides, dtypes and device, the same kinds of scale (tensor, float value, None) and the same
     token count: a backend's forward keeps one writer per step and per what may change between
     its layers (k/v strides, scales). Why: an eager decode step writes once per layer, and the
-    checks and launch keys cost more host time than the launch (H200, session 11: FlashInfer's
-    path at B=1 took 50 us of host time per step against 17.5 for its ``run()`` alone).
+    checks and launch keys cost more host time than the launch (H200: with a checked write per
+    layer, FlashInfer's path at B=1 took 50 us of host time per step against 17.5 for its
+    ``run()`` alone).
     """
 
     __slots__ = ("_bound", "_may_have_padding", "_tried")

@@ -82,23 +82,16 @@ INT_WORKSPACE_BYTES = 8 * 2**20
 #: Decode steps of at most this many (padded) requests whose KV positions stay within
 #: ``SMALL_DECODE_MAX_KV_TOKENS`` run the plugin's own fused write + split-KV kernels
 #: (:mod:`attn_plugin_flashinfer.small_decode`) instead of FlashInfer's decode: there FlashInfer
-#: is latency-bound and the separate K/V write launch is a large share of the step. H200, 32 q /
-#: 8 kv heads, d128, 32-layer CUDA graph, us per layer (small_decode / FlashInfer + the write,
-#: launched as a programmatic dependent / FlashInfer's kernel alone; session 10): B=1 ctx 4096
-#: 12.62 / 14.77 / 13.81; B=4 ctx 4096 26.95 / 27.26 / 26.33; B=1 ctx 32768 43.39 / 41.78 /
-#: 41.18; B=8 ctx 4096 (session 9) 43.12 / 42.08 (session 10) / 41.71. Both paths are close to
-#: linear in the step's KV positions N: about 8.2 + 1.075 N/1000 us for small_decode and
-#: 10.9 + 0.94 N/1000 us for FlashInfer + write, which cross near N = 20k.
-#: A captured graph replays at every length up to ``max_model_len``, so its limit holds for
-#: requests x ``max_model_len``; an eager step's limit holds for its requests' own lengths (on
-#: the host). Eager, FlashInfer's path also costs host time: its run() and the K/V write (a
-#: bound launch, kv_write.KVWriter) took 27-46 us of the H200 host's time per layer in session
-#: 11, depending on the machine lent. Eager us per step, small_decode / the plugin on
-#: FlashInfer on a faster and a slower host: B=1 ctx 16384 28.9 / 28.9 and 42.8, 20480 33.4 /
-#: 31.1 and 42.0, 24576 37.6 / 34.3 and 41.2, 32768 44.9 / 41.5 and 46.3; B=2 ctx 16384 46.3 /
-#: 41.3 and 42.0; B=4 ctx 8192 46.2 / 41.5 and 43.1 (FlashInfer's run() alone, GPU-bound
-#: there: 26.0, 29.7-30.1, 33.4-34.3, 41.1-41.5, 40.2-41.0, 40.6-41.0). Up to ~20k positions
-#: small_decode is never much slower and often far faster, so the eager limit is the graph's.
+#: is latency-bound and the separate K/V write launch is a large share of the step. Why these
+#: limits (H200, 32 q / 8 kv heads, d128, 32-layer CUDA graph, us per layer): both paths are
+#: close to linear in the step's KV positions N, about 8.2 + 1.075 N/1000 for small_decode and
+#: 10.9 + 0.94 N/1000 for FlashInfer + the write, which cross near N = 20k; and at ctx 4096 the
+#: two are even at 4 requests (26.95 against 27.26) while FlashInfer is faster at 8 (42.08
+#: against 43.12). A captured graph replays at every length up to ``max_model_len``, so its
+#: limit holds for requests x ``max_model_len``; an eager step's limit holds for its requests'
+#: own lengths (on the host). Eager steps keep the graph's limit: there FlashInfer's path also
+#: pays host time for its run() and the K/V write, so up to ~20k positions small_decode is never
+#: much slower and often far faster.
 #: ``ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH`` overrides the batch limit (0: never).
 SMALL_DECODE_MAX_BATCH = 4
 SMALL_DECODE_MAX_KV_TOKENS = 20480

@@ -2,7 +2,7 @@
 
 Why: :func:`planning.gather_kv_indices` packs them with four torch calls (a ``searchsorted``
 and index arithmetic), which cost ~47 us of ``prepare()``'s ~100 us of host time at B=256 on
-the H200's host (session 11's profile): each torch call is microseconds of Python and
+the H200's host (profiled): each torch call is microseconds of Python and
 dispatch. One kernel, one program per request, copies the first ``pages[b]`` entries of row
 ``b`` to ``kv_indices[kv_indptr[b]:]``; after its first launch for a batch size it goes through
 a bound launch (:class:`attn_core.fast_launch.BoundLaunch`), a few microseconds.

@@ -6,7 +6,7 @@ inside a CUDA graph - 1.2 TB/s against 4.2 TB/s of copy bandwidth - and the plug
 K/V write launch added 2 us more. Here one kernel writes the new rows into the cache *and*
 attends over the whole context, split across the SMs, and a second one merges the splits: no
 write launch. In a 32-layer graph (us per layer, against FlashInfer's kernel alone / FlashInfer +
-the write launched as a programmatic dependent; session 10): B=1 ctx 4096 12.7 (13.9 / 14.8),
+the write launched as a programmatic dependent): B=1 ctx 4096 12.7 (13.9 / 14.8),
 B=2 17.8 (17.9 / 18.8), B=4 26.9 (26.6 / 27.3), B=1 ctx 32768 43.4 (41.5 / 41.7). From about 20k
 positions FlashInfer's kernels read faster, so a step uses this one only below
 ``context.SMALL_DECODE_MAX_KV_TOKENS`` (a captured one at ``max_model_len``, an eager one at
@@ -28,8 +28,8 @@ split loop's occupancy.)
 Both kernels are launched through a :class:`SmallDecodePlan` per step shape (:func:`plan`):
 an eager decode step of one request is host-bound, and the plan checks once what
 :class:`~attn_core.fast_launch.CachedLaunch`'s keys would check per launch, then calls both
-kernels' C launch functions with the tensors' addresses. Host time per B=1 step on the H200,
-session 11: 13.9 us through the plan (two bound launches 10.6), 15.8 through Triton's launcher
+kernels' C launch functions with the tensors' addresses. Host time per B=1 step on the H200:
+13.9 us through the plan (two bound launches 10.6), 15.8 through Triton's launcher
 objects, 30.0 through CachedLaunch's keys, 40.5 through Triton's own launcher; FlashInfer's
 ``run()`` 17.5. ``pdl`` launches both as programmatic dependents (:mod:`attn_core.pdl`);
 measured slower at one and four requests, the context leaves it off.
@@ -230,7 +230,7 @@ class SmallDecodeConfig:
     The default, 32 positions / 2 warps / 3 stages / prefetch / 4 programs per SM, was the
     fastest or within 6 % of it at B=1 ctx 4096 and 32768 and B=2 ctx 4096 among 44 tilings
     timed on the H200 (``bench_flashinfer.py --small-sweep``; 12.7 / 42.7 / 17.7 us per layer
-    in that sweep, against 13.4 / 55.0 / 19.2 for session 8's 64 / 4 / 2 at two per SM)."""
+    in that sweep, against 13.4 / 55.0 / 19.2 for 64 / 4 / 2 without prefetch at two per SM)."""
 
     block_n: int = BLOCK_N
     num_warps: int = 2

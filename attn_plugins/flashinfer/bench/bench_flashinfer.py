@@ -470,7 +470,7 @@ def _copy_engine_probe(direct, k, v, kv) -> dict:
     the cache (torch ``copy_`` of contiguous tensors = a device-to-device cudaMemcpyAsync), and
     the copy alone; also the copy enqueued after the kernel's launch, and K and V copied on two
     side streams at once. (cudaMemcpyBatchAsync with the prefer-overlap flag, called through ctypes,
-    returned error 1 on CUDA 13.0 in session 10 and is not probed.)"""
+    returned error 1 (invalid value) on CUDA 13.0, so it is not probed.)"""
     n = k.numel()
     dk, dv = kv.k.view(-1)[:n], kv.v.view(-1)[:n]
     side = torch.cuda.Stream()
@@ -695,7 +695,7 @@ def bench_graph(spec, layers: int = 32, batch: int = 64, ctx: int = 4096,
         variants += [
             (n, None, f"small_direct_s{n}") for n in {max(1, splits // 2), 2 * splits} - {splits}
         ]
-        if sweep:  # around session 8's fastest (n32w4s3p at four programs per SM)
+        if sweep:  # around the fastest of a wider sweep (n32w4s3p at four programs per SM)
             grid = [
                 SmallDecodeConfig(bn, w, st, True, programs_per_sm=pps)
                 for bn in (16, 32)

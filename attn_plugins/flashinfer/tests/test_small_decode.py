@@ -32,7 +32,7 @@ else:
 
 TILINGS = [
     SmallDecodeConfig(),  # the default: n32w2s3p, four programs per SM
-    SmallDecodeConfig(64, 4, 2, prefetch=False, programs_per_sm=2),  # session 8's default
+    SmallDecodeConfig(64, 4, 2, prefetch=False, programs_per_sm=2),  # no prefetch, two per SM
     SmallDecodeConfig(32, 4, 3, prefetch=True, programs_per_sm=4),
     SmallDecodeConfig(16, 2, 4, prefetch=True, programs_per_sm=4),  # fastest at ctx 4096
     SmallDecodeConfig(128, 8, 2, prefetch=True),

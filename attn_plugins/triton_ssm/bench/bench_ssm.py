@@ -65,7 +65,7 @@ SWEEP = [
 #: (block_v, num_warps, num_stages) of the GDN prefill state pass timed beside the default.
 #: 16-wide value blocks double the programs of one long sequence (its pass is a chain of
 #: chunks, so parallelism comes from heads and value blocks only); on the H200 they did not
-#: pay (session 6: 0.573 ms against 0.538 at BV 32, T = 8192 as one sequence).
+#: pay (0.573 ms against 0.538 at BV 32, T = 8192 as one sequence).
 PASS_TILINGS = [
     (16, 4, 3), (32, 4, 3), (32, 4, 4), (32, 8, 3), (64, 4, 2), (64, 4, 3),
 ]  # fmt: skip
@@ -401,9 +401,9 @@ def job_mamba2_prefill(T: int, n_seq: int, impl: str, H=128, G=1, N=128, P=64,
 
 
 #: Mamba2 SSD tilings timed by ``--mamba2-sweep`` around the default (chunk 64, heads per scan
-#: program 8, state rows 64, P tile 64, warps (4, 4), stages (3, 1)). Session 6's sweeps from
-#: (32 rows, warps (4, 8), stages (3, 2)) set those defaults: scan warps 4 gave 1.46x, 64 state
-#: rows 1.21x, then one scan stage 1.08x. Chunk 128 then ran 0.57-0.66x of chunk 64 (session 7).
+#: program 8, state rows 64, P tile 64, warps (4, 4), stages (3, 1)). Sweeps from (32 rows,
+#: warps (4, 8), stages (3, 2)) on the H200 set those defaults: scan warps 4 gave 1.46x, 64
+#: state rows 1.21x, then one scan stage 1.08x. Chunk 128 runs 0.57-0.66x of chunk 64.
 SSD_SWEEP = [
     {}, {"chunk_size": 128}, {"num_stages": (3, 2)}, {"num_stages": (3, 3)}, {"num_stages": (2, 1)},
     {"heads_per_program": 1}, {"heads_per_program": 2}, {"heads_per_program": 4},

@@ -72,8 +72,8 @@ def mamba2_ref(x, dt, A_log, B, C, h0, *, D=None, dt_bias=None, z=None, dt_softp
 
 
 #: The Mamba2 varlen case: four packed sequences (one of a single token), H=16, G=2, N=64, P=32.
-#: At this shape Triton 3.6 miscompiled the SSD's 32-column tiles on the H200; the GPU test and
-#: scripts/diag_mamba2_chunk.py both build it here, so the diagnosis runs what the test runs.
+#: At this shape Triton 3.6 miscompiles the SSD's 32-column tiles on the H200 (kernels/ssd.py
+#: tiles P by 64 for that reason); the GPU varlen test runs it at the shipped tiling.
 MAMBA2_VARLEN = dict(lens=[300, 64, 1, 457], H=16, G=2, N=64, P=32, S=8)
 
 

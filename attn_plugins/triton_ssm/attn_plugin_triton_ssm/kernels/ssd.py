@@ -324,7 +324,8 @@ def mamba2_ssd_triton(
     :param heads_per_program: heads of one group per scan program (a divisor of ``H // G``).
     :param block_n: rows of ``N`` per state-kernel program (a power of two >= 16).
     :param block_p: columns of ``P`` per program of both kernels (a power of two >= 16),
-        instead of :data:`_P_TILE`; for diagnostics (``scripts/diag_mamba2_chunk.py``).
+        instead of :data:`_P_TILE`; for diagnostics (32 compiled on Triton 3.6 hits the
+        miscompile described in the body).
     :param num_warps: ``(state kernel, scan kernel)``; ``num_stages`` likewise.
     :returns: ``y`` ``[T, H, P]``.
     """
@@ -393,12 +394,12 @@ def mamba2_ssd_triton(
     if BNs < 16 or BNs & (BNs - 1):
         raise ValueError(f"block_n: expected a power of two >= 16, got {BNs}")
     # P tiles of 64 columns when compiled, also for P < 64 (masked): Triton 3.6 miscompiles
-    # the scan's dots at 32 columns on the H200. At H=16, G=2, N=64, P=32
-    # (scripts/diag_mamba2_chunk.py) a 32-column tile faulted with an illegal memory access at
-    # chunk 64 with one scan stage and at chunk 128 with one, and gave wrong outputs (error 1.1)
-    # at chunk 128 with two; 64-column tiles were right in all four. Triton's issues #10573 and
-    # #11366 report the same family (sm90, several dots, a 32-wide tile). The interpreter keeps
-    # narrow tiles: it has no such bug and pays per element.
+    # the scan's dots at 32 columns on the H200. At H=16, G=2, N=64, P=32 (the GPU test's
+    # varlen case, ``triton_ssm_refs.MAMBA2_VARLEN``) a 32-column tile faulted with an illegal
+    # memory access at chunk 64 with one scan stage and at chunk 128 with one, and gave wrong
+    # outputs (error 1.1) at chunk 128 with two; 64-column tiles were right in all four.
+    # Triton's issues #10573 and #11366 report the same family (sm90, several dots, a 32-wide
+    # tile). The interpreter keeps narrow tiles: it has no such bug and pays per element.
     BP = _P_TILE if not INTERPRETED else max(16, min(_P_TILE, next_pow2(P)))
     if block_p is not None:
         if block_p < 16 or block_p & (block_p - 1):
