@@ -62,8 +62,15 @@ class Rejection:
         return f"[{self.code}] {self.reason}" + (f" (fix: {self.fix})" if self.fix else "")
 
 
+def _sort_key(value: Any) -> tuple[int, float, str]:
+    """Numbers numerically (16 before 128), before everything else in text order."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return (0, float(value), "")
+    return (1, 0.0, str(value))
+
+
 def _fmt_set(values: Iterable[Any]) -> str:
-    return ", ".join(str(v) for v in sorted(values, key=str))
+    return ", ".join(str(v) for v in sorted(values, key=_sort_key))
 
 
 def _nearest(value: int, allowed: Iterable[int]) -> int:

@@ -500,6 +500,19 @@ def test_reason_page_size():
     assert _codes({"page_sizes": {64}, "linear_variants": {"gated_deltanet"}}, GDN) == []
 
 
+def test_reason_lists_are_sorted_numerically():
+    backend = Backend(
+        name="b",
+        capabilities=BackendCapabilities(kinds={"full"}, page_sizes={128, 16, 32}),
+        plugin="t",
+    )
+    (r,) = check_backend(backend, GLOBAL.with_(page_size=8), H200, ExecutionConstraints())
+    assert r.reason == "serves page sizes 16, 32, 128, the run uses 8"
+    denied = ExecutionConstraints(allow={"zeta", "alpha", "t:x"})
+    (r,) = check_backend(backend, GLOBAL, H200, denied)
+    assert r.reason == "not in the allow list (alpha, t:x, zeta)"
+
+
 def test_reason_compute_capability():
     got = _codes({"min_compute_capability": (9, 0)}, GLOBAL, device=A100)
     assert got == [("compute_capability", "a GPU with compute capability >= 9.0")]
