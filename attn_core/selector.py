@@ -7,8 +7,11 @@ group - page size, KV layout and CUDA-graph mode - are chosen for the whole mode
 tries each candidate page size / layout and keeps the first one under which every group has a
 backend, preferring the model's own page size.
 
-Every rejected candidate carries a :class:`Rejection`: a reason code, a sentence, and where
-possible the smallest change that would admit it (``"page_size 16 -> 64"``).
+Every rejected candidate carries a :class:`Rejection`: a reason code, a sentence, and, when the
+mismatch is a run-time knob (page size, KV layout, graph mode, KV dtype, draft tokens, batch
+limits, the device), the smallest change that would admit it (``"page_size 16 -> 64"``). What the
+model is (its layer kind, head dims, dtypes, sinks, soft-cap, window...) is never proposed for a
+change: those reasons read ``"cannot serve this model: head_dim 256 (serves 64, 96, 128)"``.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ class Rejection:
     backend: str
     code: str  # e.g. "head_dim", "page_size", "unavailable"
     reason: str
-    fix: str | None = None  # the smallest change that would admit it, when there is one
+    fix: str | None = None  # the smallest change of a run-time knob that would admit it
 
     def __str__(self) -> str:
         return f"[{self.code}] {self.reason}" + (f" (fix: {self.fix})" if self.fix else "")
@@ -99,19 +102,22 @@ def check_backend(
     def reject(code: str, reason: str, fix: str | None = None) -> None:
         out.append(Rejection(name, code, reason, fix))
 
+    def model_mismatch(code: str, what: str, serves: str) -> None:
+        """The model is what it is: say what the backend serves, propose no change."""
+        reject(code, f"cannot serve this model: {what} ({serves})")
+
     if spec.kind not in caps.kinds:
-        reject(
-            "kind",
-            f"serves {_fmt_set(k.value for k in caps.kinds)} layers, not {spec.kind.value}",
+        model_mismatch(
+            "kind", f"kind {spec.kind.value}", f"serves {_fmt_set(k.value for k in caps.kinds)}"
         )
         return out  # nothing else is meaningful
     if not backend.available:
         reject("unavailable", backend.unavailable_reason or "unavailable")
     if spec.kind is LayerKind.LINEAR and spec.linear_variant not in caps.linear_variants:
-        reject(
+        model_mismatch(
             "linear_variant",
-            f"serves linear variants {_fmt_set(v.value for v in caps.linear_variants)}, "
-            f"not {spec.linear_variant.value}",
+            f"linear variant {spec.linear_variant.value}",
+            f"serves {_fmt_set(v.value for v in caps.linear_variants)}",
         )
     if device.device_type not in caps.device_types:
         reject(
@@ -135,8 +141,7 @@ def check_backend(
                 f"a GPU with compute capability <= {hi[0]}.{hi[1]}",
             )
     if spec.dtype not in caps.dtypes:
-        fix = f"dtype {spec.dtype} -> {sorted(caps.dtypes)[0]}"
-        reject("dtype", f"computes in {_fmt_set(caps.dtypes)}, the layer is {spec.dtype}", fix)
+        model_mismatch("dtype", f"dtype {spec.dtype}", f"serves {_fmt_set(caps.dtypes)}")
     if spec.dtype not in device.dtypes:
         reject("device_dtype", f"the device does not support {spec.dtype}")
     kv_dtype = constraints.kv_dtype or spec.kv_dtype
@@ -144,7 +149,8 @@ def check_backend(
         reject(
             "kv_dtype",
             f"stores KV as {_fmt_set(caps.kv_dtypes)}, the run asks for {kv_dtype}",
-            f"kv_dtype {kv_dtype} -> {spec.dtype if spec.dtype in caps.kv_dtypes else 'bfloat16'}",
+            f"kv_dtype {kv_dtype} -> "
+            f"{spec.dtype if spec.dtype in caps.kv_dtypes else sorted(caps.kv_dtypes)[0]}",
         )
     elif (
         spec.has_kv_cache
@@ -161,20 +167,15 @@ def check_backend(
     if kv_dtype == "fp8_e4m3" and spec.has_kv_cache and not device.supports_fp8:
         reject("device_fp8", f"the device {device.name} has no fp8 support")
     if spec.kind is LayerKind.LINEAR and spec.state_dtype not in caps.state_dtypes:
-        reject(
+        model_mismatch(
             "state_dtype",
-            f"keeps recurrent state in {_fmt_set(caps.state_dtypes)}, the layer uses "
-            f"{spec.state_dtype}",
-            f"state_dtype {spec.state_dtype} -> {sorted(caps.state_dtypes)[0]}",
+            f"state dtype {spec.state_dtype}",
+            f"serves {_fmt_set(caps.state_dtypes)}",
         )
     if caps.head_dims is not None:
         for label, dim in (("head_dim", spec.head_dim), ("head_dim_v", spec.head_dim_v)):
             if dim not in caps.head_dims:
-                reject(
-                    "head_dim",
-                    f"serves head dims {_fmt_set(caps.head_dims)}, the layer has {label} {dim}",
-                    f"{label} {dim} -> {_nearest(dim, caps.head_dims)}",
-                )
+                model_mismatch("head_dim", f"{label} {dim}", f"serves {_fmt_set(caps.head_dims)}")
                 break
     if spec.has_kv_cache:
         ps = page_size if page_size is not None else spec.page_size
@@ -221,18 +222,23 @@ def check_backend(
         )
     if spec.kind in (LayerKind.FULL, LayerKind.ENCODER, LayerKind.MLA):
         if spec.causal and not caps.causal:
-            reject("causal", "does not serve causal attention")
+            model_mismatch("causal", "causal attention", "serves bidirectional only")
         if not spec.causal and not caps.non_causal:
-            reject("non_causal", "does not serve bidirectional (non-causal) attention")
+            model_mismatch("non_causal", "bidirectional attention", "serves causal only")
     if spec.sliding_window is not None and not caps.sliding_window:
-        reject(
+        model_mismatch(
             "sliding_window",
-            f"has no sliding-window attention, the layer uses window {spec.sliding_window}",
+            f"sliding window {spec.sliding_window}",
+            "serves full-context attention only",
         )
     if spec.logits_soft_cap is not None and not caps.logits_soft_cap:
-        reject("soft_cap", f"has no logits soft-cap, the layer uses {spec.logits_soft_cap:g}")
+        model_mismatch(
+            "soft_cap",
+            f"logits soft-cap {spec.logits_soft_cap:g}",
+            "serves uncapped logits only",
+        )
     if spec.has_sinks and not caps.sinks:
-        reject("sinks", "has no attention sinks, the layer uses them")
+        model_mismatch("sinks", "attention sinks", "serves attention without sinks only")
     if constraints.deterministic and not caps.deterministic:
         reject("deterministic", "is not deterministic run to run", "deterministic True -> False")
     if constraints.allow and not any(a in (name, backend.name) for a in constraints.allow):

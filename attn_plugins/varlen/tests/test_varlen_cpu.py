@@ -124,7 +124,8 @@ def test_odd_head_dim_goes_to_sdpa():
     choice = plan.choice("encoder")
     assert choice.backend.qualified_name == "varlen:sdpa"
     [rej] = choice.rejections_by_backend()["varlen:varlen"]
-    assert rej.code == "head_dim" and rej.fix == "head_dim 68 -> 72"
+    assert rej.code == "head_dim" and rej.fix is None  # the model's head dim: no hint
+    assert rej.reason.startswith("cannot serve this model: head_dim 68 (serves ")
 
 
 def test_soft_cap_falls_back_to_reference():
