@@ -143,25 +143,28 @@ def format_plan(plan) -> str:
         f"page size: {plan.page_size if plan.page_size is not None else '-'}   "
         f"KV layout: {plan.kv_layout or '-'}"
     ]
+    if not plan.local:
+        out.append(
+            "offline plan for a target, not this machine: backends are judged by what they "
+            "declare; one marked 'not loadable here' cannot run on this machine"
+        )
     for c in plan.choices:
+        here = {b: f"not loadable here: {why}" for b, why in c.not_loadable_here}
         note = " (forced)" if c.forced else ""
         if c.tuned_us is not None:
             note += f" (tuned: {c.tuned_us:.1f} us)"
         if c.downgraded_from:
             note += f" (downgraded from {', '.join(c.downgraded_from)})"
-        rows = [[c.backend.qualified_name, "chosen" + note, ""]]
-        rows += [[b, "admissible, ranked lower", ""] for b in c.outranked]
+        name = c.backend.qualified_name
+        rows = [[name, "chosen" + note, here.get(name, "")]]
+        rows += [[b, "admissible, ranked lower", here.get(b, "")] for b in c.outranked]
         for backend, reasons in sorted(c.rejections_by_backend().items()):
-            rows.append(
-                [
-                    backend,
-                    "rejected",
-                    "\n".join(
-                        f"[{r.code}] {r.reason}" + (f" -> fix: {r.fix}" if r.fix else "")
-                        for r in reasons
-                    ),
-                ]
-            )
+            lines = [
+                f"[{r.code}] {r.reason}" + (f" -> fix: {r.fix}" if r.fix else "") for r in reasons
+            ]
+            if backend in here:
+                lines.append(here[backend])
+            rows.append([backend, "rejected", "\n".join(lines)])
         layers = list(c.group.layer_indices)
         shown = layers if len(layers) <= 12 else [*layers[:12], "..."]
         title = (

@@ -7,6 +7,13 @@ group - page size, KV layout and CUDA-graph mode - are chosen for the whole mode
 tries each candidate page size / layout and keeps the first one under which every group has a
 backend, preferring the model's own page size.
 
+A plan is for this machine when its device is one this machine has (the CPU, or a CUDA device of
+the same name and compute capability): a backend this machine cannot load (``available=False``)
+is rejected as ``unavailable``. A plan for any other device (``attn explain --target h200`` on a
+machine without one) is an offline plan: backends are judged by their static capabilities, and a
+candidate this machine cannot load is only marked ``not_loadable_here``. The runtime refuses to
+run a plan whose chosen backend is not loadable here.
+
 Every rejected candidate carries a :class:`Rejection`: a reason code, a sentence, and, when the
 mismatch is a run-time knob (page size, KV layout, graph mode, KV dtype, draft tokens, batch
 limits, the device), the smallest change that would admit it (``"page_size 16 -> 64"``). What the
@@ -43,6 +50,7 @@ __all__ = [
     "Rejection",
     "TuningData",
     "check_backend",
+    "is_this_machine",
     "parse_forced",
     "select",
     "spec_key",
@@ -89,11 +97,13 @@ def check_backend(
     *,
     page_size: int | None = None,
     kv_layout: str | None = None,
+    local: bool = True,
 ) -> list[Rejection]:
     """Every reason ``backend`` cannot serve layers of ``spec`` under these conditions.
 
     An empty list means admissible. ``page_size`` / ``kv_layout`` are the model-wide settings
-    being tried (None: not constrained yet).
+    being tried (None: not constrained yet). ``local=False`` judges for another machine (an
+    offline plan): that this machine cannot load the backend is then no reason.
     """
     caps = backend.capabilities
     name = backend.qualified_name
@@ -111,7 +121,7 @@ def check_backend(
             "kind", f"kind {spec.kind.value}", f"serves {_fmt_set(k.value for k in caps.kinds)}"
         )
         return out  # nothing else is meaningful
-    if not backend.available:
+    if local and not backend.available:
         reject("unavailable", backend.unavailable_reason or "unavailable")
     if spec.kind is LayerKind.LINEAR and spec.linear_variant not in caps.linear_variants:
         model_mismatch(
@@ -303,6 +313,14 @@ class GroupChoice:
     forced: bool = False
     downgraded_from: tuple[str, ...] = ()  # higher-priority backends that were rejected
     tuned_us: float | None = None
+    #: offline plans: (backend, reason) of every candidate of the group's kind that this
+    #: machine cannot load (chosen, ranked lower or rejected for the target); sorted
+    not_loadable_here: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def loadable_here(self) -> bool:
+        """Whether this machine can load the chosen backend (False only in offline plans)."""
+        return self.backend.available
 
     def rejections_by_backend(self) -> dict[str, list[Rejection]]:
         by: dict[str, list[Rejection]] = {}
@@ -320,6 +338,9 @@ class Plan:
     choices: tuple[GroupChoice, ...]
     page_size: int | None
     kv_layout: str | None
+    #: True: planned for this machine (a backend it cannot load was rejected); False: an
+    #: offline plan for a target, which may choose backends this machine cannot load
+    local: bool = True
 
     def choice(self, group_id: str) -> GroupChoice:
         for c in self.choices:
@@ -335,6 +356,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         return {
             "device": self.device.short(),
+            "local": self.local,
             "graph_mode": self.constraints.graph_mode.value,
             "page_size": self.page_size,
             "kv_layout": self.kv_layout,
@@ -344,6 +366,10 @@ class Plan:
                     "spec": c.group.spec.short(),
                     "layers": list(c.group.layer_indices),
                     "backend": c.backend.qualified_name,
+                    "loadable_here": c.loadable_here,
+                    "not_loadable_here": [
+                        {"backend": b, "reason": why} for b, why in c.not_loadable_here
+                    ],
                     "forced": c.forced,
                     "downgraded_from": list(c.downgraded_from),
                     "tuned_us": c.tuned_us,
@@ -443,12 +469,16 @@ def select(
     constraints: ExecutionConstraints | None = None,
     *,
     tuning: TuningData | None = None,
+    local: bool | None = None,
 ) -> Plan:
     """Choose one backend for every group, under settings every group agrees on.
 
     :param groups: the model's layer groups (``ModelLayout.groups``).
     :param registry: loaded plugins.
     :param device: the device to plan for (detected or a named target).
+    :param local: whether the plan is for this machine, where a backend it cannot load is
+        rejected; False makes an offline plan for ``device``, which marks such backends
+        (``GroupChoice.not_loadable_here``) instead. Default: :func:`is_this_machine`.
     :param constraints: the run's demands; forced backends also come from ``ATTN_CORE_BACKENDS``
         (explicit ``constraints.force`` entries win).
     :param tuning: measured times that rank admissible backends before declared priority;
@@ -460,6 +490,8 @@ def select(
         kind or group) is an error too, and every error about an entry of the variable names it.
     """
     constraints, from_env = _env_constraints(constraints or ExecutionConstraints())
+    if local is None:
+        local = is_this_machine(device)
     if tuning is None and os.environ.get(ENV_TUNING):
         tuning = TuningData.load(os.environ[ENV_TUNING])
     backends = registry.backends
@@ -505,7 +537,7 @@ def select(
             failed = None
             for group in groups:
                 result = _choose(
-                    group, backends, registry, device, constraints, page_size, layout, tuning
+                    group, backends, registry, device, constraints, page_size, layout, tuning, local
                 )
                 if isinstance(result, GroupChoice):
                     choices.append(result)
@@ -513,7 +545,7 @@ def select(
                     failed = (group, result, page_size, layout)
                     break
             if failed is None:
-                plan = Plan(device, constraints, tuple(choices), page_size, layout)
+                plan = Plan(device, constraints, tuple(choices), page_size, layout, local)
                 _apply_downgrade_policy(plan)
                 return plan
             if first_failure is None:
@@ -523,6 +555,28 @@ def select(
     raise SelectionError(
         _no_backend_message(group, rejections, constraints, page_size, layout, from_env)
     )
+
+
+def _local_cuda_devices() -> list[tuple[str, tuple[int, int]]]:
+    """(name, compute capability) of every CUDA device this machine has."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    out = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        out.append((props.name, (props.major, props.minor)))
+    return out
+
+
+def is_this_machine(device: DeviceCapabilities) -> bool:
+    """Whether ``device`` is one this machine has: the CPU, or a CUDA device of the same name
+    and compute capability (``DeviceCapabilities.target("h200")`` on an H200). Plugins report
+    ``available`` for this machine, so only then does unavailability reject a backend."""
+    if device.device_type == "cpu":
+        return True
+    return (device.name, device.compute_capability) in _local_cuda_devices()
 
 
 def _page_size_options(
@@ -553,13 +607,16 @@ def _choose(
     page_size: int | None,
     layout: str | None,
     tuning: TuningData | None,
+    local: bool = True,
 ) -> GroupChoice | list[Rejection]:
     spec = group.spec
     forced = _forced_name(group, constraints)
     admissible: list[Backend] = []
     rejected: list[Rejection] = []
     for b in backends:
-        reasons = check_backend(b, spec, device, constraints, page_size=page_size, kv_layout=layout)
+        reasons = check_backend(
+            b, spec, device, constraints, page_size=page_size, kv_layout=layout, local=local
+        )
         if forced is not None and not registry.matches(forced, b) and not reasons:
             reasons = [Rejection(b.qualified_name, "not_forced", f"the run forces {forced}")]
         if reasons:
@@ -591,6 +648,15 @@ def _choose(
         forced=forced is not None,
         downgraded_from=downgraded_from,
         tuned_us=tuning.time(chosen.qualified_name, spec) if tuning else None,
+        not_loadable_here=()
+        if local
+        else tuple(
+            sorted(
+                (b.qualified_name, b.unavailable_reason or "unavailable")
+                for b in backends
+                if not b.available and spec.kind in b.capabilities.kinds
+            )
+        ),
     )
 
 
