@@ -280,7 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=256, help="tokens already cached per request")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--write-tuning", default=None, help="write a tuning file for the selector")
-    p.add_argument("--plot", default=None, help="write a PNG comparison plot (needs matplotlib)")
+    p.add_argument(
+        "--plot",
+        default=None,
+        help="write a PNG of every candidate's time per group, phase and batch size "
+        "(needs matplotlib: pip install 'attn-core[plot]')",
+    )
     p.add_argument("--json", action="store_true")
     _add_constraint_args(p)
     p.set_defaults(func=cmd_bench)
