@@ -2,27 +2,42 @@
 
 For each layer group and each backend that can serve it, a decode step of ``--batch`` requests
 with ``--context`` cached tokens is run through a fresh runtime; the time per layer is recorded
-as tuning data the selector uses (``attn explain --tuning FILE``), optionally plotted. Framework
-overhead is reported as a ratio: the layer call through ``LayerAttentionBinding.forward`` over
-the same backend forward called directly with the same inputs.
+as tuning data the selector uses (``attn explain --tuning FILE``), optionally plotted
+(``--plot FILE``: a PNG of every candidate's time per group, phase and batch size; needs the
+``plot`` extra, ``pip install 'attn-core[plot]'``). Framework overhead is reported as a ratio:
+the layer call through ``LayerAttentionBinding.forward`` over the same backend forward called
+directly with the same inputs.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from attn_core.batch import BatchBuilder
+from attn_core.errors import AttnCoreError
 from attn_core.runtime import AttentionRuntime
 from attn_core.selector import GroupChoice, Plan, TuningData, check_backend
 from attn_core.specs import LayerGroup, LayerKind, LinearVariant, torch_dtype
 from attn_core.tables import render_table
 
-__all__ = ["BenchResult", "bench_group", "run_bench", "step_inputs"]
+__all__ = [
+    "BenchResult",
+    "Timing",
+    "bench_group",
+    "plot_figure",
+    "run_bench",
+    "step_inputs",
+    "write_plot",
+]
+
+PLOT_INSTALL = "pip install 'attn-core[plot]'"
 
 
 @dataclass(slots=True)
@@ -36,6 +51,18 @@ class BenchResult:
     @property
     def overhead_ratio(self) -> float:
         return self.us_per_layer / self.us_direct if self.us_direct else float("nan")
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """One measured point of a plot: a candidate's time per layer for one group, phase and
+    batch size."""
+
+    group_id: str
+    phase: str  # "decode", "prefill", ...
+    batch: int  # requests per step
+    backend: str
+    us: float
 
 
 def step_inputs(group: LayerGroup, tokens: int, device: torch.device) -> dict[str, Any]:
@@ -167,6 +194,8 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
     from attn_core.selector import select
     from attn_core.specs import DeviceCapabilities
 
+    if args.plot:
+        _require_matplotlib()  # before anything is timed
     device = torch.device(device_name)
     caps = DeviceCapabilities.detect(device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
@@ -240,25 +269,70 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
         tuning.save(args.write_tuning)
         print(f"tuning data written to {args.write_tuning}")
     if args.plot:
-        _plot(results, args.plot)
+        table = [
+            Timing(r.group_id, "decode", args.batch, r.backend, r.us_per_layer)
+            for r in results
+            if r.error is None
+        ]
+        if table:
+            write_plot(table, args.plot)
+            print(f"plot written to {args.plot}")
+        else:
+            print(f"no plot written to {args.plot}: no candidate ran")
     return 0 if all(r.error is None for r in results) else 1
 
 
-def _plot(results: list[BenchResult], path: str) -> None:
+def _require_matplotlib():
+    """``matplotlib.pyplot`` on the file-only Agg backend; an error naming the extra without it."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("--plot needs matplotlib (pip install matplotlib); no plot written")
-        return
-    ok = [r for r in results if r.error is None]
-    labels = [f"{r.group_id}\n{r.backend}" for r in ok]
-    fig, ax = plt.subplots(figsize=(max(4, len(ok) * 1.2), 3.5))
-    ax.bar(labels, [r.us_per_layer for r in ok], color="#4477aa")
-    ax.set_ylabel("us per layer (decode step)")
-    ax.set_title("attn bench: backends per layer group")
+        raise AttnCoreError(
+            f"--plot needs matplotlib, which is not installed: {PLOT_INSTALL}"
+        ) from None
+    return plt
+
+
+def plot_figure(table: Sequence[Timing]):
+    """A matplotlib Figure: one panel per (group, phase), time per layer over batch size, one
+    line per candidate backend (batch sizes in increasing order)."""
+    plt = _require_matplotlib()
+    panels = sorted({(t.group_id, t.phase) for t in table})
+    if not panels:
+        raise ValueError("no timings to plot")
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.4 * rows), squeeze=False)
+    for ax, (group, phase) in zip(axes.flat, panels, strict=False):
+        points = [t for t in table if (t.group_id, t.phase) == (group, phase)]
+        for backend in sorted({t.backend for t in points}):
+            mine = sorted((t.batch, t.us) for t in points if t.backend == backend)
+            ax.plot([b for b, _ in mine], [us for _, us in mine], marker="o", label=backend)
+        batches = sorted({t.batch for t in points})
+        if len(batches) > 1 and batches[-1] / max(batches[0], 1) >= 8:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_title(f"{group}: {phase}")
+        ax.set_xlabel("batch size (requests)")
+        ax.set_ylabel("us per layer")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.set_visible(False)
+    fig.suptitle("attn bench: time per layer of every candidate")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot written to {path}")
+    return fig
+
+
+def write_plot(table: Sequence[Timing], path: str | os.PathLike) -> None:
+    """Write :func:`plot_figure` of ``table`` to ``path`` as a PNG."""
+    fig = plot_figure(table)
+    try:
+        fig.savefig(path, dpi=120, format="png")
+    finally:
+        fig.clear()
+        _require_matplotlib().close(fig)

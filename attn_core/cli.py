@@ -143,25 +143,28 @@ def format_plan(plan) -> str:
         f"page size: {plan.page_size if plan.page_size is not None else '-'}   "
         f"KV layout: {plan.kv_layout or '-'}"
     ]
+    if not plan.local:
+        out.append(
+            "offline plan for a target, not this machine: backends are judged by what they "
+            "declare; one marked 'not loadable here' cannot run on this machine"
+        )
     for c in plan.choices:
+        here = {b: f"not loadable here: {why}" for b, why in c.not_loadable_here}
         note = " (forced)" if c.forced else ""
         if c.tuned_us is not None:
             note += f" (tuned: {c.tuned_us:.1f} us)"
         if c.downgraded_from:
             note += f" (downgraded from {', '.join(c.downgraded_from)})"
-        rows = [[c.backend.qualified_name, "chosen" + note, ""]]
-        rows += [[b, "admissible, ranked lower", ""] for b in c.outranked]
+        name = c.backend.qualified_name
+        rows = [[name, "chosen" + note, here.get(name, "")]]
+        rows += [[b, "admissible, ranked lower", here.get(b, "")] for b in c.outranked]
         for backend, reasons in sorted(c.rejections_by_backend().items()):
-            rows.append(
-                [
-                    backend,
-                    "rejected",
-                    "\n".join(
-                        f"[{r.code}] {r.reason}" + (f" -> fix: {r.fix}" if r.fix else "")
-                        for r in reasons
-                    ),
-                ]
-            )
+            lines = [
+                f"[{r.code}] {r.reason}" + (f" -> fix: {r.fix}" if r.fix else "") for r in reasons
+            ]
+            if backend in here:
+                lines.append(here[backend])
+            rows.append([backend, "rejected", "\n".join(lines)])
         layers = list(c.group.layer_indices)
         shown = layers if len(layers) <= 12 else [*layers[:12], "..."]
         title = (
@@ -277,7 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=256, help="tokens already cached per request")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--write-tuning", default=None, help="write a tuning file for the selector")
-    p.add_argument("--plot", default=None, help="write a PNG comparison plot (needs matplotlib)")
+    p.add_argument(
+        "--plot",
+        default=None,
+        help="write a PNG of every candidate's time per group, phase and batch size "
+        "(needs matplotlib: pip install 'attn-core[plot]')",
+    )
     p.add_argument("--json", action="store_true")
     _add_constraint_args(p)
     p.set_defaults(func=cmd_bench)

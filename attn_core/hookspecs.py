@@ -61,7 +61,9 @@ def attn_core_register_backends(register: Callable[[Backend], None]) -> None:
     Called once per plugin when the registry loads it; every plugin is called (not firstresult).
     A backend that cannot run on this machine still registers, with ``available=False`` and an
     ``unavailable_reason`` (``"flashinfer is not importable: ..."``), so that ``attn list`` and
-    the selector can say why it was not chosen.
+    the selector can say why it was not chosen, and with the capabilities it has where it runs:
+    an offline plan for a target (``attn explain MODEL --target h200``) ranks it by them and
+    marks it "not loadable here".
     """
 
 

@@ -55,6 +55,7 @@ class AttentionRuntime:
         device: torch.device | str = "cpu",
         layer_params: Mapping[int, Mapping[str, Any]] | None = None,
     ) -> None:
+        _refuse_unloadable(plan)
         if state is not None:
             problems = state.plan_differences(plan)
             if problems:
@@ -202,6 +203,26 @@ def _finite_check_source(plan: Plan) -> str | None:
     if value and value.lower() not in ("0", "false", "no", "off"):
         raise ValueError(f"{ENV_CHECK_FINITE}={value!r}: expected 1 or 0 (true / false)")
     return None
+
+
+def _refuse_unloadable(plan: Plan) -> None:
+    """An offline plan (made for a target, not this machine) may choose a backend that cannot
+    be loaded here; running it would fail at the first call, so it is refused up front."""
+    for choice in plan.choices:
+        backend = choice.backend
+        if backend.available:
+            continue
+        made = (
+            f"this is an offline plan for {plan.device.short()}, made for a target rather "
+            "than this machine: it shows what that machine would choose"
+            if not plan.local
+            else f"the plan was made for {plan.device.short()}"
+        )
+        raise ValueError(
+            f"layer group {choice.group.group_id!r}: the plan chooses {backend.qualified_name}, "
+            f"which is not loadable here: {backend.unavailable_reason}; {made}. To run here, "
+            "plan for this machine: select(..., DeviceCapabilities.detect(), ...)"
+        )
 
 
 def _check_context(ctx: Any, bound: Any, group: Any, backend: Any, plan: Plan) -> None:

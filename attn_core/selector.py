@@ -7,8 +7,18 @@ group - page size, KV layout and CUDA-graph mode - are chosen for the whole mode
 tries each candidate page size / layout and keeps the first one under which every group has a
 backend, preferring the model's own page size.
 
-Every rejected candidate carries a :class:`Rejection`: a reason code, a sentence, and where
-possible the smallest change that would admit it (``"page_size 16 -> 64"``).
+A plan is for this machine when its device is one this machine has (the CPU, or a CUDA device of
+the same name and compute capability): a backend this machine cannot load (``available=False``)
+is rejected as ``unavailable``. A plan for any other device (``attn explain --target h200`` on a
+machine without one) is an offline plan: backends are judged by their static capabilities, and a
+candidate this machine cannot load is only marked ``not_loadable_here``. The runtime refuses to
+run a plan whose chosen backend is not loadable here.
+
+Every rejected candidate carries a :class:`Rejection`: a reason code, a sentence, and, when the
+mismatch is a run-time knob (page size, KV layout, graph mode, KV dtype, draft tokens, batch
+limits, the device), the smallest change that would admit it (``"page_size 16 -> 64"``). What the
+model is (its layer kind, head dims, dtypes, sinks, soft-cap, window...) is never proposed for a
+change: those reasons read ``"cannot serve this model: head_dim 256 (serves 64, 96, 128)"``.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ __all__ = [
     "Rejection",
     "TuningData",
     "check_backend",
+    "is_this_machine",
     "parse_forced",
     "select",
     "spec_key",
@@ -56,14 +67,21 @@ class Rejection:
     backend: str
     code: str  # e.g. "head_dim", "page_size", "unavailable"
     reason: str
-    fix: str | None = None  # the smallest change that would admit it, when there is one
+    fix: str | None = None  # the smallest change of a run-time knob that would admit it
 
     def __str__(self) -> str:
         return f"[{self.code}] {self.reason}" + (f" (fix: {self.fix})" if self.fix else "")
 
 
+def _sort_key(value: Any) -> tuple[int, float, str]:
+    """Numbers numerically (16 before 128), before everything else in text order."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return (0, float(value), "")
+    return (1, 0.0, str(value))
+
+
 def _fmt_set(values: Iterable[Any]) -> str:
-    return ", ".join(str(v) for v in sorted(values, key=str))
+    return ", ".join(str(v) for v in sorted(values, key=_sort_key))
 
 
 def _nearest(value: int, allowed: Iterable[int]) -> int:
@@ -79,11 +97,13 @@ def check_backend(
     *,
     page_size: int | None = None,
     kv_layout: str | None = None,
+    local: bool = True,
 ) -> list[Rejection]:
     """Every reason ``backend`` cannot serve layers of ``spec`` under these conditions.
 
     An empty list means admissible. ``page_size`` / ``kv_layout`` are the model-wide settings
-    being tried (None: not constrained yet).
+    being tried (None: not constrained yet). ``local=False`` judges for another machine (an
+    offline plan): that this machine cannot load the backend is then no reason.
     """
     caps = backend.capabilities
     name = backend.qualified_name
@@ -92,19 +112,22 @@ def check_backend(
     def reject(code: str, reason: str, fix: str | None = None) -> None:
         out.append(Rejection(name, code, reason, fix))
 
+    def model_mismatch(code: str, what: str, serves: str) -> None:
+        """The model is what it is: say what the backend serves, propose no change."""
+        reject(code, f"cannot serve this model: {what} ({serves})")
+
     if spec.kind not in caps.kinds:
-        reject(
-            "kind",
-            f"serves {_fmt_set(k.value for k in caps.kinds)} layers, not {spec.kind.value}",
+        model_mismatch(
+            "kind", f"kind {spec.kind.value}", f"serves {_fmt_set(k.value for k in caps.kinds)}"
         )
         return out  # nothing else is meaningful
-    if not backend.available:
+    if local and not backend.available:
         reject("unavailable", backend.unavailable_reason or "unavailable")
     if spec.kind is LayerKind.LINEAR and spec.linear_variant not in caps.linear_variants:
-        reject(
+        model_mismatch(
             "linear_variant",
-            f"serves linear variants {_fmt_set(v.value for v in caps.linear_variants)}, "
-            f"not {spec.linear_variant.value}",
+            f"linear variant {spec.linear_variant.value}",
+            f"serves {_fmt_set(v.value for v in caps.linear_variants)}",
         )
     if device.device_type not in caps.device_types:
         reject(
@@ -128,8 +151,7 @@ def check_backend(
                 f"a GPU with compute capability <= {hi[0]}.{hi[1]}",
             )
     if spec.dtype not in caps.dtypes:
-        fix = f"dtype {spec.dtype} -> {sorted(caps.dtypes)[0]}"
-        reject("dtype", f"computes in {_fmt_set(caps.dtypes)}, the layer is {spec.dtype}", fix)
+        model_mismatch("dtype", f"dtype {spec.dtype}", f"serves {_fmt_set(caps.dtypes)}")
     if spec.dtype not in device.dtypes:
         reject("device_dtype", f"the device does not support {spec.dtype}")
     kv_dtype = constraints.kv_dtype or spec.kv_dtype
@@ -137,7 +159,8 @@ def check_backend(
         reject(
             "kv_dtype",
             f"stores KV as {_fmt_set(caps.kv_dtypes)}, the run asks for {kv_dtype}",
-            f"kv_dtype {kv_dtype} -> {spec.dtype if spec.dtype in caps.kv_dtypes else 'bfloat16'}",
+            f"kv_dtype {kv_dtype} -> "
+            f"{spec.dtype if spec.dtype in caps.kv_dtypes else sorted(caps.kv_dtypes)[0]}",
         )
     elif (
         spec.has_kv_cache
@@ -154,20 +177,15 @@ def check_backend(
     if kv_dtype == "fp8_e4m3" and spec.has_kv_cache and not device.supports_fp8:
         reject("device_fp8", f"the device {device.name} has no fp8 support")
     if spec.kind is LayerKind.LINEAR and spec.state_dtype not in caps.state_dtypes:
-        reject(
+        model_mismatch(
             "state_dtype",
-            f"keeps recurrent state in {_fmt_set(caps.state_dtypes)}, the layer uses "
-            f"{spec.state_dtype}",
-            f"state_dtype {spec.state_dtype} -> {sorted(caps.state_dtypes)[0]}",
+            f"state dtype {spec.state_dtype}",
+            f"serves {_fmt_set(caps.state_dtypes)}",
         )
     if caps.head_dims is not None:
         for label, dim in (("head_dim", spec.head_dim), ("head_dim_v", spec.head_dim_v)):
             if dim not in caps.head_dims:
-                reject(
-                    "head_dim",
-                    f"serves head dims {_fmt_set(caps.head_dims)}, the layer has {label} {dim}",
-                    f"{label} {dim} -> {_nearest(dim, caps.head_dims)}",
-                )
+                model_mismatch("head_dim", f"{label} {dim}", f"serves {_fmt_set(caps.head_dims)}")
                 break
     if spec.has_kv_cache:
         ps = page_size if page_size is not None else spec.page_size
@@ -214,18 +232,23 @@ def check_backend(
         )
     if spec.kind in (LayerKind.FULL, LayerKind.ENCODER, LayerKind.MLA):
         if spec.causal and not caps.causal:
-            reject("causal", "does not serve causal attention")
+            model_mismatch("causal", "causal attention", "serves bidirectional only")
         if not spec.causal and not caps.non_causal:
-            reject("non_causal", "does not serve bidirectional (non-causal) attention")
+            model_mismatch("non_causal", "bidirectional attention", "serves causal only")
     if spec.sliding_window is not None and not caps.sliding_window:
-        reject(
+        model_mismatch(
             "sliding_window",
-            f"has no sliding-window attention, the layer uses window {spec.sliding_window}",
+            f"sliding window {spec.sliding_window}",
+            "serves full-context attention only",
         )
     if spec.logits_soft_cap is not None and not caps.logits_soft_cap:
-        reject("soft_cap", f"has no logits soft-cap, the layer uses {spec.logits_soft_cap:g}")
+        model_mismatch(
+            "soft_cap",
+            f"logits soft-cap {spec.logits_soft_cap:g}",
+            "serves uncapped logits only",
+        )
     if spec.has_sinks and not caps.sinks:
-        reject("sinks", "has no attention sinks, the layer uses them")
+        model_mismatch("sinks", "attention sinks", "serves attention without sinks only")
     if constraints.deterministic and not caps.deterministic:
         reject("deterministic", "is not deterministic run to run", "deterministic True -> False")
     if constraints.allow and not any(a in (name, backend.name) for a in constraints.allow):
@@ -290,6 +313,14 @@ class GroupChoice:
     forced: bool = False
     downgraded_from: tuple[str, ...] = ()  # higher-priority backends that were rejected
     tuned_us: float | None = None
+    #: offline plans: (backend, reason) of every candidate of the group's kind that this
+    #: machine cannot load (chosen, ranked lower or rejected for the target); sorted
+    not_loadable_here: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def loadable_here(self) -> bool:
+        """Whether this machine can load the chosen backend (False only in offline plans)."""
+        return self.backend.available
 
     def rejections_by_backend(self) -> dict[str, list[Rejection]]:
         by: dict[str, list[Rejection]] = {}
@@ -307,6 +338,9 @@ class Plan:
     choices: tuple[GroupChoice, ...]
     page_size: int | None
     kv_layout: str | None
+    #: True: planned for this machine (a backend it cannot load was rejected); False: an
+    #: offline plan for a target, which may choose backends this machine cannot load
+    local: bool = True
 
     def choice(self, group_id: str) -> GroupChoice:
         for c in self.choices:
@@ -322,6 +356,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         return {
             "device": self.device.short(),
+            "local": self.local,
             "graph_mode": self.constraints.graph_mode.value,
             "page_size": self.page_size,
             "kv_layout": self.kv_layout,
@@ -331,6 +366,10 @@ class Plan:
                     "spec": c.group.spec.short(),
                     "layers": list(c.group.layer_indices),
                     "backend": c.backend.qualified_name,
+                    "loadable_here": c.loadable_here,
+                    "not_loadable_here": [
+                        {"backend": b, "reason": why} for b, why in c.not_loadable_here
+                    ],
                     "forced": c.forced,
                     "downgraded_from": list(c.downgraded_from),
                     "tuned_us": c.tuned_us,
@@ -430,12 +469,16 @@ def select(
     constraints: ExecutionConstraints | None = None,
     *,
     tuning: TuningData | None = None,
+    local: bool | None = None,
 ) -> Plan:
     """Choose one backend for every group, under settings every group agrees on.
 
     :param groups: the model's layer groups (``ModelLayout.groups``).
     :param registry: loaded plugins.
     :param device: the device to plan for (detected or a named target).
+    :param local: whether the plan is for this machine, where a backend it cannot load is
+        rejected; False makes an offline plan for ``device``, which marks such backends
+        (``GroupChoice.not_loadable_here``) instead. Default: :func:`is_this_machine`.
     :param constraints: the run's demands; forced backends also come from ``ATTN_CORE_BACKENDS``
         (explicit ``constraints.force`` entries win).
     :param tuning: measured times that rank admissible backends before declared priority;
@@ -447,6 +490,8 @@ def select(
         kind or group) is an error too, and every error about an entry of the variable names it.
     """
     constraints, from_env = _env_constraints(constraints or ExecutionConstraints())
+    if local is None:
+        local = is_this_machine(device)
     if tuning is None and os.environ.get(ENV_TUNING):
         tuning = TuningData.load(os.environ[ENV_TUNING])
     backends = registry.backends
@@ -492,7 +537,7 @@ def select(
             failed = None
             for group in groups:
                 result = _choose(
-                    group, backends, registry, device, constraints, page_size, layout, tuning
+                    group, backends, registry, device, constraints, page_size, layout, tuning, local
                 )
                 if isinstance(result, GroupChoice):
                     choices.append(result)
@@ -500,7 +545,7 @@ def select(
                     failed = (group, result, page_size, layout)
                     break
             if failed is None:
-                plan = Plan(device, constraints, tuple(choices), page_size, layout)
+                plan = Plan(device, constraints, tuple(choices), page_size, layout, local)
                 _apply_downgrade_policy(plan)
                 return plan
             if first_failure is None:
@@ -510,6 +555,28 @@ def select(
     raise SelectionError(
         _no_backend_message(group, rejections, constraints, page_size, layout, from_env)
     )
+
+
+def _local_cuda_devices() -> list[tuple[str, tuple[int, int]]]:
+    """(name, compute capability) of every CUDA device this machine has."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    out = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        out.append((props.name, (props.major, props.minor)))
+    return out
+
+
+def is_this_machine(device: DeviceCapabilities) -> bool:
+    """Whether ``device`` is one this machine has: the CPU, or a CUDA device of the same name
+    and compute capability (``DeviceCapabilities.target("h200")`` on an H200). Plugins report
+    ``available`` for this machine, so only then does unavailability reject a backend."""
+    if device.device_type == "cpu":
+        return True
+    return (device.name, device.compute_capability) in _local_cuda_devices()
 
 
 def _page_size_options(
@@ -540,13 +607,16 @@ def _choose(
     page_size: int | None,
     layout: str | None,
     tuning: TuningData | None,
+    local: bool = True,
 ) -> GroupChoice | list[Rejection]:
     spec = group.spec
     forced = _forced_name(group, constraints)
     admissible: list[Backend] = []
     rejected: list[Rejection] = []
     for b in backends:
-        reasons = check_backend(b, spec, device, constraints, page_size=page_size, kv_layout=layout)
+        reasons = check_backend(
+            b, spec, device, constraints, page_size=page_size, kv_layout=layout, local=local
+        )
         if forced is not None and not registry.matches(forced, b) and not reasons:
             reasons = [Rejection(b.qualified_name, "not_forced", f"the run forces {forced}")]
         if reasons:
@@ -578,6 +648,15 @@ def _choose(
         forced=forced is not None,
         downgraded_from=downgraded_from,
         tuned_us=tuning.time(chosen.qualified_name, spec) if tuning else None,
+        not_loadable_here=()
+        if local
+        else tuple(
+            sorted(
+                (b.qualified_name, b.unavailable_reason or "unavailable")
+                for b in backends
+                if not b.available and spec.kind in b.capabilities.kinds
+            )
+        ),
     )
 
 

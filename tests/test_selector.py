@@ -422,7 +422,7 @@ def test_nothing_fits_lists_every_candidate(five, groups):
         assert f"  {b.qualified_name}:" in msg
     assert "[denied] in the deny list" in msg
     assert "[device_type] runs on cuda, the device is cpu" in msg
-    assert "[kind] serves full layers, not linear" in msg
+    assert "[kind] cannot serve this model: kind linear (serves full)" in msg
 
 
 def test_empty_registry_says_install_a_plugin(registry, groups):
@@ -486,11 +486,23 @@ def _codes(caps: dict, spec: LayerSpec, device=H200, constraints=None, **kw) -> 
     return [(r.code, r.fix) for r in rs]
 
 
-def test_reason_head_dim():
-    spec = GLOBAL.with_(head_dim=96)
-    assert _codes({"head_dims": {64, 128}}, spec) == [("head_dim", "head_dim 96 -> 128")]
-    mla = _codes({"head_dims": {576}}, MLA)
-    assert mla == [("head_dim", "head_dim_v 512 -> 576")]
+def _reasons(caps: dict, spec: LayerSpec, device=H200, constraints=None) -> list[str]:
+    caps.setdefault("kinds", {spec.kind.value})
+    backend = Backend(name="b", capabilities=BackendCapabilities(**caps), plugin="t")
+    rs = check_backend(backend, spec, device, constraints or ExecutionConstraints())
+    return [str(r) for r in rs]
+
+
+def test_reason_head_dim_cannot_serve_the_model_and_proposes_no_change():
+    """A head dim is the model's: no hint proposes another one (issue 24 item 5)."""
+    spec = GLOBAL.with_(head_dim=256)
+    assert _reasons({"head_dims": {128, 64, 96}}, spec) == [
+        "[head_dim] cannot serve this model: head_dim 256 (serves 64, 96, 128)"
+    ]
+    assert _codes({"head_dims": {64, 128}}, spec) == [("head_dim", None)]
+    assert _reasons({"head_dims": {576}}, MLA) == [
+        "[head_dim] cannot serve this model: head_dim_v 512 (serves 576)"
+    ]
 
 
 def test_reason_page_size():
@@ -498,6 +510,19 @@ def test_reason_page_size():
     assert _codes({"page_sizes": {64}}, GLOBAL, page_size=64) == []
     # linear layers keep no paged KV: page sizes never reject them
     assert _codes({"page_sizes": {64}, "linear_variants": {"gated_deltanet"}}, GDN) == []
+
+
+def test_reason_lists_are_sorted_numerically():
+    backend = Backend(
+        name="b",
+        capabilities=BackendCapabilities(kinds={"full"}, page_sizes={128, 16, 32}),
+        plugin="t",
+    )
+    (r,) = check_backend(backend, GLOBAL.with_(page_size=8), H200, ExecutionConstraints())
+    assert r.reason == "serves page sizes 16, 32, 128, the run uses 8"
+    denied = ExecutionConstraints(allow={"zeta", "alpha", "t:x"})
+    (r,) = check_backend(backend, GLOBAL, H200, denied)
+    assert r.reason == "not in the allow list (alpha, t:x, zeta)"
 
 
 def test_reason_compute_capability():
@@ -509,10 +534,11 @@ def test_reason_compute_capability():
     assert got == [("device_type", "run on a cuda device")]
 
 
-def test_reason_dtype():
+def test_reason_dtype_is_the_models():
     spec = GLOBAL.with_(dtype="float32")
-    assert _codes({"dtypes": {"bfloat16", "float16"}}, spec) == [
-        ("dtype", "dtype float32 -> bfloat16")
+    assert _codes({"dtypes": {"bfloat16", "float16"}}, spec) == [("dtype", None)]
+    assert _reasons({"dtypes": {"float16", "bfloat16"}}, spec) == [
+        "[dtype] cannot serve this model: dtype float32 (serves bfloat16, float16)"
     ]
 
 
@@ -549,11 +575,51 @@ def test_reason_kv_dtype_must_follow_dtype():
 )
 def test_reason_attention_features(change, code):
     assert _codes({}, GLOBAL.with_(**change)) == [(code, None)]
+    (reason,) = _reasons({}, GLOBAL.with_(**change))
+    assert reason.startswith(f"[{code}] cannot serve this model: "), reason
+
+
+def test_reason_texts_of_model_features():
+    assert _reasons({}, GLOBAL.with_(sliding_window=128)) == [
+        "[sliding_window] cannot serve this model: sliding window 128 "
+        "(serves full-context attention only)"
+    ]
+    assert _reasons({}, GLOBAL.with_(logits_soft_cap=30.0)) == [
+        "[soft_cap] cannot serve this model: logits soft-cap 30 (serves uncapped logits only)"
+    ]
+    assert _reasons({}, GLOBAL.with_(has_sinks=True)) == [
+        "[sinks] cannot serve this model: attention sinks (serves attention without sinks only)"
+    ]
+    assert _reasons({}, GLOBAL.with_(causal=False)) == [
+        "[non_causal] cannot serve this model: bidirectional attention (serves causal only)"
+    ]
+    assert _reasons({"causal": False, "non_causal": True}, GLOBAL) == [
+        "[causal] cannot serve this model: causal attention (serves bidirectional only)"
+    ]
+    assert _reasons({"kinds": {"mla", "full"}}, GDN) == [
+        "[kind] cannot serve this model: kind linear (serves full, mla)"
+    ]
+
+
+def test_run_time_knobs_keep_their_hints():
+    """Page size, graph mode, KV dtype, draft tokens and the device are the run's to change."""
+    assert _codes({"page_sizes": {64}}, GLOBAL) == [("page_size", "page_size 16 -> 64")]
+    assert _codes({}, GLOBAL, constraints=ExecutionConstraints(graph_mode="full")) == [
+        ("graph_mode", "graph_mode full -> none")
+    ]
+    assert _codes({}, GLOBAL, device=CPU) == [("device_type", "run on a cuda device")]
+    assert _codes({"kv_dtypes": {"float16"}}, GLOBAL) == [
+        ("kv_dtype", "kv_dtype bfloat16 -> float16")
+    ]
 
 
 def test_reason_linear_and_speculative():
     mamba = GDN.with_(linear_variant="mamba2")
     assert _codes({"linear_variants": {"gated_deltanet"}}, mamba) == [("linear_variant", None)]
+    assert _reasons({"linear_variants": {"kda", "gated_deltanet"}}, mamba) == [
+        "[linear_variant] cannot serve this model: linear variant mamba2 "
+        "(serves gated_deltanet, kda)"
+    ]
     spec3 = ExecutionConstraints(speculative_tokens=3)
     got = _codes(
         {"linear_variants": {"gated_deltanet"}, "max_speculative_tokens": 2}, GDN, constraints=spec3
@@ -568,7 +634,10 @@ def test_reason_linear_and_speculative():
     assert got == [("spec_verify_strategy", "spec_verify_strategy replay -> native")]
     bf16_state = GDN.with_(state_dtype="bfloat16")
     got = _codes({"linear_variants": {"gated_deltanet"}}, bf16_state)
-    assert got == [("state_dtype", "state_dtype bfloat16 -> float32")]
+    assert got == [("state_dtype", None)]
+    assert _reasons({"linear_variants": {"gated_deltanet"}}, bf16_state) == [
+        "[state_dtype] cannot serve this model: state dtype bfloat16 (serves float32)"
+    ]
 
 
 def test_reason_unavailable_and_lists():

@@ -52,7 +52,7 @@ def _registry(available: bool | None = True, *, reference: bool = True, extra=No
     return reg
 
 
-def _plan(specs, target="h200", available=True, **constraints):
+def _plan(specs, target="h200", available=True, local=None, **constraints):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # downgrades are asserted on the plan
         return select(
@@ -60,6 +60,7 @@ def _plan(specs, target="h200", available=True, **constraints):
             _registry(available),
             DeviceCapabilities.target(target),
             ExecutionConstraints(**constraints),
+            local=local,
         )
 
 
@@ -138,8 +139,14 @@ def test_cpu_target_rejected_for_device_type():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU machine's verdict")
-def test_real_registry_says_unavailable_on_h200_target():
-    choice = _plan([FULL], available=None).choice("full")
+def test_real_registry_plans_h200_offline_and_rejects_for_this_machine():
+    """An offline H200 plan chooses fa3 as an H200 would and says this machine cannot load it;
+    a plan for this machine rejects it as unavailable."""
+    choice = _plan([FULL], available=None, local=False).choice("full")
+    assert choice.backend.qualified_name == "fa3:fa3" and not choice.loadable_here
+    assert "CUDA is not available" in dict(choice.not_loadable_here)["fa3:fa3"]
+    assert _codes(choice) == set()
+    choice = _plan([FULL], available=None, local=True).choice("full")
     assert choice.backend.qualified_name == "attn_core:reference"
     assert _codes(choice) == {"unavailable"}
 

@@ -71,7 +71,8 @@ def test_selector_rejects_it_on_cpu_with_reason_codes(no_interpret, qwen3_next):
 
 def test_selector_would_choose_it_on_h200_for_qwen3_next(no_interpret, qwen3_next):
     """Every capability admits Qwen3-Next's GDN group on an H200 (decode graphs, 3 drafts with
-    replay); on a machine without CUDA the only rejection left is availability."""
+    replay): an offline plan chooses it; a plan for a machine without CUDA rejects it only for
+    availability."""
     groups, linear = qwen3_next
     h200 = DeviceCapabilities.target("h200")
     constraints = ExecutionConstraints(
@@ -82,7 +83,12 @@ def test_selector_would_choose_it_on_h200_for_qwen3_next(no_interpret, qwen3_nex
     usable = dataclasses.replace(backend, available=True, unavailable_reason=None)
     assert check_backend(usable, linear.spec, h200, constraints) == []
     # (the reference fallback verifies natively only, so plan with the default strategy)
-    plan = select(groups, registry, h200, constraints.with_(spec_verify_strategy=None))
+    native = constraints.with_(spec_verify_strategy=None)
+    offline = select(groups, registry, h200, native, local=False).choice(linear.group_id)
+    assert offline.backend.qualified_name == TRITON  # what an H200 would choose
+    assert REFERENCE in offline.outranked
+    assert offline.loadable_here is backend.available
+    plan = select(groups, registry, h200, native, local=True)
     choice = plan.choice(linear.group_id)
     if backend.available:
         assert choice.backend.qualified_name == TRITON

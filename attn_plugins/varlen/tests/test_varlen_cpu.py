@@ -49,7 +49,13 @@ def _registry(available: bool | None) -> Registry:
     return reg
 
 
-def _plan(spec: LayerSpec, target: str, available: bool | None = True, **constraints):
+def _plan(
+    spec: LayerSpec,
+    target: str,
+    available: bool | None = True,
+    local: bool | None = None,
+    **constraints,
+):
     groups = group_layers([spec])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # downgrade warnings are asserted on the plan instead
@@ -58,6 +64,7 @@ def _plan(spec: LayerSpec, target: str, available: bool | None = True, **constra
             _registry(available),
             DeviceCapabilities.target(target),
             ExecutionConstraints(**constraints),
+            local=local,
         )
 
 
@@ -124,7 +131,8 @@ def test_odd_head_dim_goes_to_sdpa():
     choice = plan.choice("encoder")
     assert choice.backend.qualified_name == "varlen:sdpa"
     [rej] = choice.rejections_by_backend()["varlen:varlen"]
-    assert rej.code == "head_dim" and rej.fix == "head_dim 68 -> 72"
+    assert rej.code == "head_dim" and rej.fix is None  # the model's head dim: no hint
+    assert rej.reason.startswith("cannot serve this model: head_dim 68 (serves ")
 
 
 def test_soft_cap_falls_back_to_reference():
@@ -162,7 +170,11 @@ def test_pre_ampere_rejects_varlen_for_compute_capability():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU machine's verdict")
 def test_real_registry_on_h200_target_explains_unavailability():
-    plan = _plan(ENC, "h200", available=None, downgrade="allow")
+    offline = _plan(ENC, "h200", available=None, local=False).choice("encoder")
+    assert offline.backend.qualified_name == "varlen:varlen" and not offline.loadable_here
+    assert "CUDA" in dict(offline.not_loadable_here)["varlen:varlen"]
+    assert offline.rejected == ()
+    plan = _plan(ENC, "h200", available=None, local=True, downgrade="allow")
     choice = plan.choice("encoder")
     assert choice.backend.qualified_name == "attn_core:reference"
     by = choice.rejections_by_backend()
