@@ -171,6 +171,11 @@ def test_wrong_scale_is_caught(pytester, run_kit) -> None:
         ["*broken:wrong_scale advertised [[]full: kind*failed: attention output differs*"]
     )
     result.stdout.fnmatch_lines(["*item seed*rerun with --attn-seed=*"])
+    # the report line carries the whole reason, down to where it happened
+    (line,) = [line for line in result.outlines if line.startswith("FAIL  full: kind - ")]
+    assert re.search(r"test_correctness\[full-decode-\S+\]: attention output differs", line)
+    assert re.search(r"max \|diff\| \S+ \(workload 'decode', step \d.*, layer 0, batch mode ", line)
+    assert "advertised" not in line and not line.endswith("...")
 
 
 def test_stale_metadata_on_replay_is_caught(pytester, run_kit) -> None:

@@ -67,6 +67,33 @@ def test_report_statuses() -> None:
     assert report.counts == {"PASS": 1, "FAIL": 1, "SKIP": 1}
 
 
+def test_report_line_keeps_the_whole_first_line_of_the_reason() -> None:
+    """A failure's reason ends with where it happened: the line must keep it, however long."""
+    reason = (
+        "attention output differs from the reference: 6361 of 7424 elements out of tolerance "
+        "(atol=0.0002, rtol=0.0002); worst at [9, 1, 16]: got 2.65757, expected 2.25875; max "
+        "|diff| 0.399 (workload 'decode', step 0 [new tokens 5,9,3,12], layer 0, batch mode "
+        "prefill)"
+    )
+    message = (
+        "v:b advertised [full: kind; full: dtype float32; full: head_dim 64; full: page_size "
+        f"16], failed: {reason}\n  case correctness:full-decode, item seed 7, rerun with "
+        "--attn-seed=1"
+    )
+    report = CapabilityReport(backend="v:b", device="cpu", seed=1)
+    report.record(("full: kind",), "failed", "battery.py::test_correctness[full-decode]", message)
+    report.record(("full: sinks",), "skipped", "battery.py::test_correctness[x]", "a" * 300)
+    fail, skip = report.lines()
+    # the claims are the report's own labels: only the reason follows the test id
+    head = "FAIL  full: kind - 1 of 1 checks failed; test_correctness[full-decode]: "
+    assert fail == head + reason
+    assert skip == "SKIP  full: sinks - skipped: " + "a" * 300
+    # a failure the kit did not phrase (an error in a fixture) keeps its first line as is
+    other = CapabilityReport(backend="v:b")
+    other.record(("full: kind",), "failed", "b.py::t[1]", "RuntimeError: boom\nTraceback ...")
+    assert other.lines() == ["FAIL  full: kind - 1 of 1 checks failed; t[1]: RuntimeError: boom"]
+
+
 def test_plugin_spec_parsing() -> None:
     name, obj = load_plugin_object("attn_core.reference.plugin")
     assert name == "plugin" and hasattr(obj, "attn_core_register_backends")
