@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from attn_core.backend import BackendCapabilities
 from attn_core.reference.plugin import CAPABILITIES as REFERENCE_CAPS
 from attn_core.specs import LayerKind
-from attn_core.testing.matrix import build_matrix
+from attn_core.testing.matrix import build_matrix, kind_label
 from attn_core.testing.report import CapabilityReport
 from attn_core.testing.session import KitError, load_plugin_object
+from attn_core.testing.workloads import LARGE_MAGNITUDE, layer_inputs, scale_inputs
 
 NARROW = BackendCapabilities(
     kinds={"full"},
@@ -53,6 +55,48 @@ def test_reference_matrix_covers_every_kind_and_option() -> None:
         assert label in labels, label
     assert len(quick) < len(full)
     assert len({(c.check, c.id) for c in full}) == len(full)  # ids are unique per check
+
+
+def test_bfloat16_is_also_checked_past_float16s_range() -> None:
+    """Every kind that computes in bf16 gets one case whose values exceed fp16's largest (65504)."""
+    for quick in (False, True):
+        cases = build_matrix(REFERENCE_CAPS, quick=quick)
+        large = [c for c in cases if c.magnitude != 1.0]
+        assert {kind_label(c.spec) for c in large} == {
+            "full",
+            "mla",
+            "encoder",
+            "linear/gated_deltanet",
+            "linear/kda",
+            "linear/mamba2",
+        }
+        for c in large:
+            assert c.check == "correctness" and c.spec.dtype == "bfloat16"
+            assert c.magnitude == LARGE_MAGNITUDE > torch.finfo(torch.float16).max
+            assert c.capabilities == (f"{kind_label(c.spec)}: dtype bfloat16",)
+            assert c.id.endswith("-x131072")
+    fp32_only = BackendCapabilities(kinds={"full"}, device_types={"cpu"}, dtypes={"float32"})
+    assert not [c for c in build_matrix(fp32_only) if c.magnitude != 1.0]
+
+
+@pytest.mark.parametrize("kind", ["full", "mla", "encoder", "gdn", "mamba2"])
+def test_large_inputs_keep_the_logits_and_scale_the_values(kind, tiny_specs) -> None:
+    spec = tiny_specs[kind].with_(dtype="bfloat16", kv_dtype=None)
+    raw = layer_inputs(spec, 6, torch.Generator().manual_seed(0))
+    big = scale_inputs(raw, spec, LARGE_MAGNITUDE)
+    bf16 = {n: t.to(torch.bfloat16) for n, t in raw.items()}
+    bf16_big = {n: t.to(torch.bfloat16) for n, t in big.items()}
+    if spec.kind is LayerKind.LINEAR:
+        scaled, same = {"v", "conv_x"}, set(raw) - {"v", "conv_x"}
+    else:
+        scaled, same = {"k", "v"} & set(raw), set()
+        # q / M times k * M: the logits are those of the unit-scale inputs, bit for bit in bf16
+        assert torch.equal(bf16_big["q"] * LARGE_MAGNITUDE, bf16["q"])
+    for name in scaled:  # exactly M times the unit-scale values, and past fp16's range
+        assert torch.equal(bf16_big[name], bf16[name] * LARGE_MAGNITUDE)
+        assert bf16_big[name].to(torch.float16).isinf().any()
+    for name in same:
+        assert torch.equal(big[name], raw[name])
 
 
 def test_report_statuses() -> None:
