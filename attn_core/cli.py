@@ -71,6 +71,18 @@ def _registry(args: argparse.Namespace) -> Registry:
     return Registry.discover(strict=True if getattr(args, "strict", False) else None)
 
 
+def _warn_quarantined(registry: Registry, command: str) -> None:
+    """One line on stderr per quarantined plugin (stdout may be --json)."""
+    for q in registry.quarantined.values():
+        dist = f" (distribution {q.distribution})" if q.distribution else ""
+        reason = (q.reason.strip().splitlines() or ["no reason recorded"])[0]
+        print(
+            f"attn {command}: warning: plugin {q.plugin!r}{dist} is quarantined (stage "
+            f"{q.stage}): {reason}; none of its backends can be chosen (attn list shows why)",
+            file=sys.stderr,
+        )
+
+
 # ------------------------------------------------------------------------------------------
 def cmd_list(args: argparse.Namespace) -> int:
     registry = _registry(args)
@@ -173,6 +185,7 @@ def format_plan(plan) -> str:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     registry = _registry(args)
+    _warn_quarantined(registry, "explain")
     layout = _load_layout(args)
     device = _device(args.target)
     with warnings.catch_warnings(record=True) as caught:
@@ -182,6 +195,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         payload = plan.to_dict()
         payload["model"] = layout.architecture
         payload["warnings"] = [str(w.message) for w in caught]
+        payload["quarantined"] = registry.summary()["quarantined"]
         print(json.dumps(payload, indent=1))
         return 0
     print(f"model: {args.model} ({layout.architecture}, {layout.num_layers} layers, tp={args.tp})")
@@ -195,6 +209,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from attn_core.e2e import run_main
 
     registry = _registry(args)
+    _warn_quarantined(registry, "run")
     device = args.device or ("cuda" if _cuda() else "cpu")
     report = run_main(
         args.model,
