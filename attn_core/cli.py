@@ -244,6 +244,9 @@ def _cuda() -> bool:
 
 # ------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
+    from attn_core.models import sample_names
+    from attn_core.specs import TARGETS
+
     parser = argparse.ArgumentParser(
         prog="attn", description="attn-core: attention backend registry for LLM inference"
     )
@@ -257,8 +260,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "explain", help="the backend chosen for every layer group, and why not others"
     )
-    p.add_argument("model", help="a sample name (attn explain --help lists them) or a config.json")
-    p.add_argument("--target", default="auto", help="h100, h200, a100, b200, cpu, or auto")
+    p.add_argument(
+        "model",
+        help=f"a sample ({', '.join(sample_names())}), or the path of a Hugging Face "
+        "config.json (or of its folder)",
+    )
+    p.add_argument(
+        "--target", default="auto", help=f"{', '.join(sorted(TARGETS))}, or auto (this machine)"
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (heads per rank)")
     p.add_argument("--dtype", default=None)
     p.add_argument("--json", action="store_true")
@@ -266,7 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("run", help="run a model through the framework and check it against HF")
-    p.add_argument("--model", default="qwen3-next")
+    p.add_argument(
+        "--model",
+        default="qwen3-next",
+        help="'all', or an architecture the runner drives, or a comma list of them (an unknown "
+        "name's error lists them; default: qwen3-next)",
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     p.add_argument("--dtype", default=None)
     p.add_argument("--prompts", type=int, default=3)
@@ -283,7 +297,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_constraint_args(p)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("bench", help="time every admissible backend per group; write tuning data")
+    p = sub.add_parser(
+        "bench",
+        help="time every admissible backend per group (--write-tuning saves the times for the "
+        "selector)",
+    )
     p.add_argument("--model", default="qwen3")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
