@@ -13,14 +13,17 @@ A plugin registers :class:`Backend` objects from its ``attn_core_register_backen
             priority=50,
         ))
 
-Capabilities are plain sets; ``None`` means "any". They are checked on construction and a
-malformed one quarantines the plugin that advertised it.
+Capabilities are plain sets; ``None`` means "any" where a field allows it (``head_dims``,
+``page_sizes``). ``kinds``, ``device_types`` and ``dtypes`` have no default: a backend names
+where it runs and what it computes in, so that no default narrows it silently. They are checked on
+construction and a malformed or missing one quarantines the plugin that advertised it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from attn_core.specs import (
     DTYPES,
@@ -32,6 +35,24 @@ from attn_core.specs import (
 )
 
 __all__ = ["Backend", "BackendCapabilities"]
+
+
+class _Required:
+    """The default of a field a backend must state (see :class:`BackendCapabilities`)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+#: Default of ``device_types`` and ``dtypes``: leaving them out is an error, never a guess.
+REQUIRED: Any = _Required()
+#: What each required field means, and an example, for the error that names it.
+_REQUIRED_FIELDS = {
+    "device_types": ("the device types the backend runs on", "{'cuda'} or {'cpu', 'cuda'}"),
+    "dtypes": ("the activation dtypes it computes in", "{'bfloat16', 'float16'} or {'float32'}"),
+}
 
 
 def _frozen(value: Iterable | None, name: str, convert=None) -> frozenset | None:
@@ -60,10 +81,10 @@ class BackendCapabilities:
 
     kinds: frozenset[LayerKind]
     linear_variants: frozenset[LinearVariant] = frozenset()
-    device_types: frozenset[str] = frozenset({"cuda"})
+    device_types: frozenset[str] = REQUIRED  # no default: {"cuda"}, {"cpu"}, {"cpu", "cuda"}
     min_compute_capability: tuple[int, int] | None = None
     max_compute_capability: tuple[int, int] | None = None
-    dtypes: frozenset[str] = frozenset({"bfloat16", "float16"})
+    dtypes: frozenset[str] = REQUIRED  # no default: e.g. {"bfloat16", "float16"}
     kv_dtypes: frozenset[str] | None = None  # None: the activation dtypes above
     state_dtypes: frozenset[str] = frozenset({"float32"})
     head_dims: frozenset[int] | None = None  # None: any
@@ -84,6 +105,7 @@ class BackendCapabilities:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
+        self._check_required()
         set_(self, "kinds", _frozen(self.kinds, "kinds", _enum(LayerKind, "kinds")))
         if not self.kinds:
             raise ValueError("kinds=set(): a backend must serve at least one layer kind")
@@ -97,6 +119,10 @@ class BackendCapabilities:
         if LayerKind.LINEAR in self.kinds and not self.linear_variants:
             raise ValueError("linear_variants=set(): a linear backend must name its variants")
         set_(self, "device_types", _frozen(self.device_types, "device_types"))
+        if not self.device_types:
+            raise ValueError(
+                "device_types=set(): a backend must run on at least one device type ('cpu', 'cuda')"
+            )
         for dt in self.device_types:
             if dt not in ("cuda", "cpu"):
                 raise ValueError(f"device_types: {dt!r} is not one of ['cpu', 'cuda']")
@@ -115,6 +141,10 @@ class BackendCapabilities:
             "dtypes",
             _frozen(self.dtypes, "dtypes", lambda d: _canonical_dtype(d, DTYPES, "dtypes")),
         )
+        if not self.dtypes:
+            raise ValueError(
+                f"dtypes=set(): a backend must compute in at least one dtype ({sorted(DTYPES)})"
+            )
         kv = self.dtypes if self.kv_dtypes is None else self.kv_dtypes
         set_(
             self,
@@ -169,6 +199,30 @@ class BackendCapabilities:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected True or False")
+
+    def _check_required(self) -> None:
+        """``device_types`` and ``dtypes`` must be given, as sets: there is no default and no
+        "any" (a default would narrow the backend without its author knowing)."""
+        missing = [name for name in _REQUIRED_FIELDS if getattr(self, name) is REQUIRED]
+        if len(missing) == 1:
+            (name,) = missing
+            meaning, example = _REQUIRED_FIELDS[name]
+            raise ValueError(
+                f"BackendCapabilities: {name} is required (there is no default): name {meaning}, "
+                f"e.g. {name}={example}"
+            )
+        if missing:
+            raise ValueError(
+                "BackendCapabilities: device_types and dtypes are required (there is no "
+                "default): name the device types the backend runs on and the dtypes it computes "
+                "in, e.g. device_types={'cuda'}, dtypes={'bfloat16', 'float16'}"
+            )
+        for name, (meaning, example) in _REQUIRED_FIELDS.items():
+            if getattr(self, name) is None:
+                raise ValueError(
+                    f'BackendCapabilities: {name}=None: this field has no "any"; name them '
+                    f"({meaning}), e.g. {name}={example}"
+                )
 
     def short(self) -> str:
         kinds = ",".join(sorted(k.value for k in self.kinds))

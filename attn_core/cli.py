@@ -71,6 +71,18 @@ def _registry(args: argparse.Namespace) -> Registry:
     return Registry.discover(strict=True if getattr(args, "strict", False) else None)
 
 
+def _warn_quarantined(registry: Registry, command: str) -> None:
+    """One line on stderr per quarantined plugin (stdout may be --json)."""
+    for q in registry.quarantined.values():
+        dist = f" (distribution {q.distribution})" if q.distribution else ""
+        reason = (q.reason.strip().splitlines() or ["no reason recorded"])[0]
+        print(
+            f"attn {command}: warning: plugin {q.plugin!r}{dist} is quarantined (stage "
+            f"{q.stage}): {reason}; none of its backends can be chosen (attn list shows why)",
+            file=sys.stderr,
+        )
+
+
 # ------------------------------------------------------------------------------------------
 def cmd_list(args: argparse.Namespace) -> int:
     registry = _registry(args)
@@ -176,6 +188,7 @@ def format_plan(plan) -> str:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     registry = _registry(args)
+    _warn_quarantined(registry, "explain")
     layout = _load_layout(args)
     device = _device(args.target)
     with warnings.catch_warnings(record=True) as caught:
@@ -185,6 +198,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         payload = plan.to_dict()
         payload["model"] = layout.architecture
         payload["warnings"] = [str(w.message) for w in caught]
+        payload["quarantined"] = registry.summary()["quarantined"]
         print(json.dumps(payload, indent=1))
         return 0
     print(f"model: {args.model} ({layout.architecture}, {layout.num_layers} layers, tp={args.tp})")
@@ -198,6 +212,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from attn_core.e2e import run_main
 
     registry = _registry(args)
+    _warn_quarantined(registry, "run")
     device = args.device or ("cuda" if _cuda() else "cpu")
     report = run_main(
         args.model,
@@ -232,6 +247,9 @@ def _cuda() -> bool:
 
 # ------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
+    from attn_core.models import sample_names
+    from attn_core.specs import TARGETS
+
     parser = argparse.ArgumentParser(
         prog="attn", description="attn-core: attention backend registry for LLM inference"
     )
@@ -245,8 +263,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "explain", help="the backend chosen for every layer group, and why not others"
     )
-    p.add_argument("model", help="a sample name (attn explain --help lists them) or a config.json")
-    p.add_argument("--target", default="auto", help="h100, h200, a100, b200, cpu, or auto")
+    p.add_argument(
+        "model",
+        help=f"a sample ({', '.join(sample_names())}), or the path of a Hugging Face "
+        "config.json (or of its folder)",
+    )
+    p.add_argument(
+        "--target", default="auto", help=f"{', '.join(sorted(TARGETS))}, or auto (this machine)"
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (heads per rank)")
     p.add_argument("--dtype", default=None)
     p.add_argument("--json", action="store_true")
@@ -254,7 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("run", help="run a model through the framework and check it against HF")
-    p.add_argument("--model", default="qwen3-next")
+    p.add_argument(
+        "--model",
+        default="qwen3-next",
+        help="'all', or an architecture the runner drives, or a comma list of them (an unknown "
+        "name's error lists them; default: qwen3-next)",
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     p.add_argument("--dtype", default=None)
     p.add_argument("--prompts", type=int, default=3)
@@ -271,7 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_constraint_args(p)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("bench", help="time every admissible backend per group; write tuning data")
+    p = sub.add_parser(
+        "bench",
+        help="time every admissible backend per group (--write-tuning saves the times for the "
+        "selector)",
+    )
     p.add_argument("--model", default="qwen3")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)

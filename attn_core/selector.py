@@ -554,6 +554,7 @@ def select(
     group, rejections, page_size, layout = first_failure
     raise SelectionError(
         _no_backend_message(group, rejections, constraints, page_size, layout, from_env)
+        + _allow_list_notes(registry, constraints)
     )
 
 
@@ -577,6 +578,20 @@ def is_this_machine(device: DeviceCapabilities) -> bool:
     if device.device_type == "cpu":
         return True
     return (device.name, device.compute_capability) in _local_cuda_devices()
+
+
+def _allow_list_notes(registry: Registry, constraints: ExecutionConstraints) -> str:
+    """Lines for allow-list entries that name no registered backend, saying why (the plugin is
+    quarantined or was skipped, or no such backend exists), so a failed selection names them."""
+    lines = []
+    for entry in sorted(constraints.allow):
+        if any(registry.matches(entry, b) for b in registry.backends):
+            continue
+        try:
+            registry.resolve(entry)
+        except SelectionError as exc:
+            lines.append(f"\n  allow list entry {entry!r}: {exc}")
+    return "".join(lines)
 
 
 def _page_size_options(

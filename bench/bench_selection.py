@@ -86,6 +86,7 @@ PLUGINS = {
 def write_plugins(folder: Path) -> list[EntryPoint]:
     eps = [EntryPoint(name="attn_core", value="attn_core.reference.plugin", group="attn_core")]
     for module, (backend, priority, caps) in PLUGINS.items():
+        caps = {"device_types": ["cuda"], "dtypes": ["bfloat16", "float16"], **caps}  # required
         src = PLUGIN_TEMPLATE.format(name=module, backend=backend, priority=priority, caps=caps)
         (folder / f"{module}.py").write_text(textwrap.dedent(src))
         eps.append(EntryPoint(name=module.removeprefix("bench_"), value=module, group="attn_core"))

@@ -35,7 +35,8 @@ ATTN_CORE_API_VERSION = "1.1"
 
 @hookimpl
 def attn_core_register_backends(register):
-    register(Backend(name="{backend}", capabilities=BackendCapabilities(kinds={{"full"}})))
+    caps = BackendCapabilities(kinds={{"full"}}, device_types={{"cpu"}}, dtypes={{"float32"}})
+    register(Backend(name="{backend}", capabilities=caps))
 """
 
 

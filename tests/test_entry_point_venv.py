@@ -55,7 +55,8 @@ def attn_core_register_backends(register):
     register(Backend(
         name="turbo",
         capabilities=BackendCapabilities(kinds={"full"}, device_types={"cuda"},
-                                         min_compute_capability=(9, 0), head_dims={128}),
+                                         min_compute_capability=(9, 0),
+                                         dtypes={"bfloat16", "float16"}, head_dims={128}),
         priority=70,
         version="0.0.1",
     ))

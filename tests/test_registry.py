@@ -256,7 +256,12 @@ def _broken_world(make_plugin, make_caps):
         from attn_core.backend import BackendCapabilities
 
         register(
-            Backend(name="neg", capabilities=BackendCapabilities(kinds={"full"}, head_dims={-1}))
+            Backend(
+                name="neg",
+                capabilities=BackendCapabilities(
+                    kinds={"full"}, device_types={"cpu"}, dtypes={"float32"}, head_dims={-1}
+                ),
+            )
         )
 
     def non_backend_register(register):

@@ -80,6 +80,7 @@ def _plugins(make_plugin):
 
     def b(name, priority, **caps):
         caps.setdefault("device_types", {"cuda"})
+        caps.setdefault("dtypes", {"bfloat16", "float16"})
         return Backend(name=name, capabilities=BackendCapabilities(**caps), priority=priority)
 
     return {
@@ -480,6 +481,9 @@ def test_forced_or_denied_backends_are_not_downgrades(five, groups):
 # ------------------------------------------------------------------------------------------
 def _codes(caps: dict, spec: LayerSpec, device=H200, constraints=None, **kw) -> list[tuple]:
     caps.setdefault("kinds", {spec.kind.value})
+    # A CUDA backend of the 16-bit dtypes unless the test says otherwise (no defaults in core).
+    caps.setdefault("device_types", {"cuda"})
+    caps.setdefault("dtypes", {"bfloat16", "float16"})
     backend = Backend(name="b", capabilities=BackendCapabilities(**caps), plugin="t")
     rs = check_backend(backend, spec, device, constraints or ExecutionConstraints(), **kw)
     assert all(isinstance(r, Rejection) and r.backend == "t:b" for r in rs)
@@ -641,7 +645,7 @@ def test_reason_linear_and_speculative():
 
 
 def test_reason_unavailable_and_lists():
-    caps = BackendCapabilities(kinds={"full"})
+    caps = BackendCapabilities(kinds={"full"}, device_types={"cuda"}, dtypes={"bfloat16"})
     b = Backend(
         name="b",
         capabilities=caps,

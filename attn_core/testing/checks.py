@@ -118,8 +118,8 @@ def assert_close(
 ) -> None:
     """Raise :class:`ConformanceFailure` unless ``actual`` matches ``expected``.
 
-    NaN in ``actual`` where ``expected`` is finite is reported as an unwritten element (outputs
-    are NaN-poisoned before the call).
+    NaN in ``actual`` where ``expected`` is finite is reported apart: an element never written
+    (outputs are NaN-poisoned before the call) or one computed as NaN (an overflow, say).
     """
     if actual.shape != expected.shape:
         raise ConformanceFailure(
@@ -133,8 +133,9 @@ def assert_close(
         n = int(unwritten.sum())
         first = _index(int(unwritten.flatten().nonzero()[0]), a.shape)
         raise ConformanceFailure(
-            f"{what}: {n} of {a.numel()} elements were never written (out was NaN-poisoned "
-            f"before the call), first at {list(first)} ({where})"
+            f"{what}: {n} of {a.numel()} elements are NaN where the reference is finite (never "
+            f"written, as out was NaN-poisoned before the call, or computed as NaN), first at "
+            f"{list(first)} ({where})"
         )
     diff = (a - b).abs()
     bad = ~(diff <= atol + rtol * b.abs()) & ~(torch.isnan(a) & torch.isnan(b))

@@ -39,7 +39,14 @@ from attn_core.testing.checks import (
     ssm_state_tolerance,
     tolerance,
 )
-from attn_core.testing.workloads import Step, Workload, conv_params, layer_inputs, to_device
+from attn_core.testing.workloads import (
+    Step,
+    Workload,
+    conv_params,
+    layer_inputs,
+    scale_inputs,
+    to_device,
+)
 
 __all__ = ["Limits", "Pair", "Side"]
 
@@ -222,11 +229,25 @@ class Side:
 
 
 class Pair:
-    """The backend under test and the reference, built alike and fed alike."""
+    """The backend under test and the reference, built alike and fed alike.
 
-    def __init__(self, session: Any, spec: LayerSpec, gen: torch.Generator, **kwargs: Any):
+    :param magnitude: the inputs :meth:`step` draws are scaled by
+        :func:`~attn_core.testing.workloads.scale_inputs`; outputs and states then are
+        ``magnitude`` times larger, and so are the absolute tolerances they are compared with.
+    """
+
+    def __init__(
+        self,
+        session: Any,
+        spec: LayerSpec,
+        gen: torch.Generator,
+        *,
+        magnitude: float = 1.0,
+        **kwargs: Any,
+    ):
         self.spec = spec
         self.gen = gen
+        self.magnitude = magnitude
         self.device = session.device
         num_layers = kwargs.get("num_layers", 1)
         layer_params = None
@@ -259,6 +280,7 @@ class Pair:
             for _ in range(num_layers)
         ]
         self.atol, self.rtol = tolerance(spec)
+        self.atol *= magnitude
 
     @property
     def sides(self) -> tuple[Side, Side]:
@@ -302,6 +324,7 @@ class Pair:
                 rtol=self.rtol,
             )
             atol, rtol = ssm_state_tolerance(self.spec, la.ssm.dtype)
+            atol *= self.magnitude
             assert_equal_state(
                 la.ssm,
                 lb.ssm,
@@ -333,7 +356,11 @@ class Pair:
         rows = rb.num_tokens
         results = []
         for layer in range(self.test.num_layers):
-            raw = inputs[layer] if inputs else layer_inputs(self.spec, rb.padded_tokens, self.gen)
+            if inputs:
+                raw = inputs[layer]
+            else:
+                raw = layer_inputs(self.spec, rb.padded_tokens, self.gen)
+                raw = scale_inputs(raw, self.spec, self.magnitude)
             dev = to_device(raw, self.spec, self.device)
             want, want_conv = self.ref.forward(
                 layer, dev, self.ref.poisoned_out(rb.padded_tokens), conv=self.conv[layer]

@@ -14,6 +14,7 @@ import torch
 
 from attn_core.backend import BackendCapabilities
 from attn_core.specs import GraphMode, LayerKind, LayerSpec, LinearVariant
+from attn_core.testing.workloads import LARGE_MAGNITUDE
 
 __all__ = ["CHECKS", "Case", "build_matrix", "kind_label"]
 
@@ -48,6 +49,8 @@ class Case:
     :ivar num_layers: layers in the group (two checks per-layer state separation).
     :ivar strategy: linear spec-verify strategy, or None.
     :ivar skip: a reason to skip on this device, or None.
+    :ivar magnitude: inputs scaled by :func:`~attn_core.testing.workloads.scale_inputs` (1: the
+        unit-scale random inputs); the output tolerance's ``atol`` is scaled alike.
     """
 
     check: str
@@ -60,6 +63,7 @@ class Case:
     strategy: str | None = None
     skip: str | None = None
     tag: str = ""
+    magnitude: float = 1.0
 
     @property
     def id(self) -> str:
@@ -88,6 +92,8 @@ class Case:
             parts.append(self.strategy)
         if self.tag:
             parts.append(self.tag)
+        if self.magnitude != 1.0:
+            parts.append(f"x{self.magnitude:g}")
         return "-".join(parts)
 
 
@@ -327,6 +333,11 @@ def _kind_cases(
     for dtype in sorted(caps.dtypes - {base.dtype}):
         spec = base.with_(dtype=dtype, kv_dtype=None)
         add("correctness", spec, sweep, [f"{K}: dtype {dtype}"])
+    if "bfloat16" in caps.dtypes:
+        # Unit-scale inputs are exact in float16 too: values past its range, which bfloat16
+        # holds, tell a backend that computes a bfloat16 layer in float16 (it makes inf).
+        spec = base.with_(dtype="bfloat16", kv_dtype=None)
+        add("correctness", spec, sweep, [f"{K}: dtype bfloat16"], magnitude=LARGE_MAGNITUDE)
     if base.has_kv_cache:
         for kv in sorted(caps.kv_dtypes):
             if kv in caps.dtypes:

@@ -169,11 +169,11 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
 
 
 def _message(report: pytest.TestReport, call: pytest.CallInfo[None]) -> str:
+    """The item's message, whole (the report keeps its first line: :func:`report.reason`)."""
     if report.skipped and isinstance(report.longrepr, tuple):
         return str(report.longrepr[2]).removeprefix("Skipped: ")
     if call.excinfo is not None:
-        text = str(call.excinfo.value).strip() or call.excinfo.typename
-        return " ".join(text.splitlines()[:2])
+        return str(call.excinfo.value).strip() or call.excinfo.typename
     return report.outcome
 
 
@@ -221,7 +221,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     terminalreporter.section(
         f"attn-core conformance: {report.backend} on {report.device}, seed {report.seed}"
     )
-    for line in report.lines(width=160):
+    for line in report.lines():
         terminalreporter.write_line(line)
     terminalreporter.write_line(
         f"capabilities: {counts['PASS']} passed, {counts['FAIL']} failed, "

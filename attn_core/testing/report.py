@@ -2,14 +2,26 @@
 
 Every battery item names the capabilities it exercises (``"full: dtype bfloat16"``). A capability
 passes when every item that exercised it passed, fails when one failed (the first failure's
-message is kept), and is skipped when all its items were skipped (with their reason).
+reason is kept: the whole first line of its message), and is skipped when all its items were
+skipped (with their reason).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
-__all__ = ["CapabilityOutcome", "CapabilityReport"]
+__all__ = ["CapabilityOutcome", "CapabilityReport", "reason"]
+
+#: The battery's failure message starts ``<backend> advertised [<labels>], failed: <reason>``;
+#: the labels are the report's own lines, so a report line keeps only the reason.
+_CLAIMS = re.compile(r"^\S+ advertised \[[^\]]*\], failed: ")
+
+
+def reason(message: str) -> str:
+    """The whole first line of an item's message, without the battery's claims prefix."""
+    lines = message.strip().splitlines()
+    return _CLAIMS.sub("", lines[0]) if lines else ""
 
 
 @dataclass(slots=True)
@@ -20,7 +32,7 @@ class CapabilityOutcome:
     passed: int = 0
     failed: int = 0
     skipped: int = 0
-    first_failure: str | None = None  # "<test id>: <message>"
+    first_failure: str | None = None  # "<test id>: <reason>"
     skip_reason: str | None = None
 
     @property
@@ -52,14 +64,15 @@ class CapabilityReport:
             elif outcome == "failed":
                 entry.failed += 1
                 if entry.first_failure is None:
-                    entry.first_failure = f"{nodeid.rpartition('::')[2]}: {message}"
+                    entry.first_failure = f"{nodeid.rpartition('::')[2]}: {reason(message)}"
             else:
                 entry.skipped += 1
                 if entry.skip_reason is None:
-                    entry.skip_reason = message
+                    entry.skip_reason = reason(message)
 
-    def lines(self, *, width: int = 160) -> list[str]:
-        """One line per capability: ``PASS  full: dtype bfloat16 (3 checks)``."""
+    def lines(self) -> list[str]:
+        """One line per capability: ``PASS  full: dtype bfloat16 (3 checks)``; a failed or
+        skipped one carries its whole reason, however long the line gets."""
         out = []
         for entry in self.outcomes.values():
             status = entry.status
@@ -72,7 +85,7 @@ class CapabilityReport:
                 line += entry.first_failure or ""
             else:
                 line += f" - skipped: {entry.skip_reason}"
-            out.append(line if len(line) <= width else line[: width - 3] + "...")
+            out.append(line)
         return out
 
     @property

@@ -33,6 +33,7 @@ def _pair(case: Case, session: Any, gen: torch.Generator, limits: Limits, **kw: 
         limits=limits,
         graph_mode=case.graph_mode,
         strategy=case.strategy,
+        magnitude=case.magnitude,
         **kw,
     )
 

@@ -171,10 +171,16 @@ def build_session(
     try:
         backend = registry.resolve(backend_name)
     except SelectionError as exc:
+        # Registry.resolve says why when the plugin the name points at is quarantined or was
+        # skipped; otherwise every quarantined plugin is listed with its reason.
+        plugin = backend_name.partition(":")[0]
+        placed = plugin in registry.skipped or any(
+            q.plugin == plugin for q in registry.quarantined.values()
+        )
         quarantined = "; ".join(
             f"{q.plugin} ({q.stage}): {q.reason}" for q in registry.quarantined.values()
         )
-        extra = f"; quarantined plugins: {quarantined}" if quarantined else ""
+        extra = f"; quarantined plugins: {quarantined}" if quarantined and not placed else ""
         raise KitError(f"--attn-backend={backend_name}: {exc}{extra}") from None
     reference = registry.resolve(REFERENCE)
     skip_reason = None

@@ -15,7 +15,21 @@ import torch.nn.functional as F
 
 from attn_core.specs import LayerKind, LayerSpec, LinearVariant, torch_dtype
 
-__all__ = ["WORKLOADS", "InputBank", "Step", "Workload", "layer_inputs", "workload"]
+__all__ = [
+    "LARGE_MAGNITUDE",
+    "WORKLOADS",
+    "InputBank",
+    "Step",
+    "Workload",
+    "layer_inputs",
+    "scale_inputs",
+    "workload",
+]
+
+#: Magnitude of the kit's large-input bfloat16 case: past float16's largest finite value (65504),
+#: far inside bfloat16's range (3.4e38). A power of two, so scaling is exact in every float
+#: format: a correct backend's output is exactly this many times its unit-scale output.
+LARGE_MAGNITUDE = 2.0**17
 
 
 @dataclass(slots=True)
@@ -215,6 +229,26 @@ def layer_inputs(spec: LayerSpec, tokens: int, gen: torch.Generator) -> dict[str
         out["beta"] = torch.sigmoid(_randn(gen, T, H))
     out["conv_x"] = _randn(gen, T, spec.conv_channels)
     return out
+
+
+def scale_inputs(
+    inputs: dict[str, torch.Tensor], spec: LayerSpec, magnitude: float
+) -> dict[str, torch.Tensor]:
+    """``layer_inputs`` whose values reach ``magnitude`` while the logits stay as they were.
+
+    Softmax kinds (full, encoder, mla): ``q / M``, ``k * M`` (the MLA latent too) and ``v * M``:
+    ``q . k`` is unchanged (exactly, for a power of two) and the output is ``M`` times larger.
+    Linear kinds: ``v * M`` and ``conv_x * M``; output and recurrent state are linear in ``v``
+    (q and k are L2-normalised or enter as Mamba's C and B, gates are left alone). A backend that
+    computes a bfloat16 layer in float16 turns such values into inf.
+    """
+    if magnitude == 1.0:
+        return inputs
+    if spec.kind is LayerKind.LINEAR:
+        factors = {"v": magnitude, "conv_x": magnitude}
+    else:
+        factors = {"q": 1.0 / magnitude, "k": magnitude, "v": magnitude}
+    return {name: t * factors[name] if name in factors else t for name, t in inputs.items()}
 
 
 def conv_params(spec: LayerSpec, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

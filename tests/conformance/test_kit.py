@@ -78,7 +78,14 @@ BROKEN = textwrap.dedent(
                     kv = types.SimpleNamespace(k=layer.kv.k, v=layer.kv.v, k_scale=one,
                                                v_scale=one)
                     view = types.SimpleNamespace(scale=layer.scale, kv=kv, sinks=layer.sinks)
+            if self.defect == "computes_in_fp16":  # what a kernel that runs bf16 as fp16 sees
+                q, k, v = (t.to(torch.float16).to(t.dtype) for t in (q, k, v))
             result = self.inner.forward(view, q, k, v, out, **inputs)
+            if self.defect == "computes_in_fp16":
+                result = result.to(torch.float16).to(q.dtype)
+                if out is not None:
+                    out.copy_(result)
+                    result = out
             if self.defect == "writes_past_out" and out is not None:
                 rows = out.shape[0] + 1  # one row past the end, when the storage has room
                 need = (out.storage_offset() + rows * out.stride(0)) * out.element_size()
@@ -92,6 +99,7 @@ BROKEN = textwrap.dedent(
     writes_past_out = Broken("writes_past_out")
     fp8_ignores_scale = Broken("fp8_ignores_scale", kv_dtypes={"float32", "fp8_e4m3"})
     fp8_raises = Broken("fp8_raises", kv_dtypes={"float32", "fp8_e4m3"})
+    computes_in_fp16 = Broken("computes_in_fp16", dtypes={"bfloat16"})
     '''
 )
 
@@ -171,6 +179,11 @@ def test_wrong_scale_is_caught(pytester, run_kit) -> None:
         ["*broken:wrong_scale advertised [[]full: kind*failed: attention output differs*"]
     )
     result.stdout.fnmatch_lines(["*item seed*rerun with --attn-seed=*"])
+    # the report line carries the whole reason, down to where it happened
+    (line,) = [line for line in result.outlines if line.startswith("FAIL  full: kind - ")]
+    assert re.search(r"test_correctness\[full-decode-\S+\]: attention output differs", line)
+    assert re.search(r"max \|diff\| \S+ \(workload 'decode', step \d.*, layer 0, batch mode ", line)
+    assert "advertised" not in line and not line.endswith("...")
 
 
 def test_stale_metadata_on_replay_is_caught(pytester, run_kit) -> None:
@@ -201,6 +214,19 @@ def test_false_fp8_claim_is_caught(pytester, run_kit, defect: str) -> None:
         else "*advertised [[]full: kv_dtype fp8_e4m3], failed:*differs*"
     )
     result.stdout.fnmatch_lines([expected])
+
+
+def test_bf16_backend_computing_in_fp16_fails_the_dtype_check(pytester, run_kit) -> None:
+    """Unit-scale inputs are exact in fp16 too: only values past fp16's range (65504), which bf16
+    holds, tell a bf16 backend that computes in fp16 from one that does not."""
+    result, summary = _run_broken(pytester, run_kit, "computes_in_fp16")
+    assert result.ret == 1
+    assert summary["full: kind"] == "PASS"  # the unit-scale workloads cannot tell
+    assert summary["full: dtype bfloat16"] == "FAIL"
+    (line,) = [line for line in result.outlines if line.startswith("FAIL  full: dtype bfloat16")]
+    assert "x131072" in line  # the large-magnitude case, named in the item id
+    # k * 2^17 is inf in fp16: the logits are, and the output is NaN (not "never written")
+    assert "NaN where the reference is finite" in line and "or computed as NaN" in line
 
 
 def test_registry_hook_supplies_the_registry(pytester, run_kit) -> None:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from attn_core.backend import BackendCapabilities
 from attn_core.reference.plugin import CAPABILITIES as REFERENCE_CAPS
 from attn_core.specs import LayerKind
-from attn_core.testing.matrix import build_matrix
+from attn_core.testing.matrix import build_matrix, kind_label
 from attn_core.testing.report import CapabilityReport
 from attn_core.testing.session import KitError, load_plugin_object
+from attn_core.testing.workloads import LARGE_MAGNITUDE, layer_inputs, scale_inputs
 
 NARROW = BackendCapabilities(
     kinds={"full"},
@@ -55,6 +57,48 @@ def test_reference_matrix_covers_every_kind_and_option() -> None:
     assert len({(c.check, c.id) for c in full}) == len(full)  # ids are unique per check
 
 
+def test_bfloat16_is_also_checked_past_float16s_range() -> None:
+    """Every kind that computes in bf16 gets one case whose values exceed fp16's largest (65504)."""
+    for quick in (False, True):
+        cases = build_matrix(REFERENCE_CAPS, quick=quick)
+        large = [c for c in cases if c.magnitude != 1.0]
+        assert {kind_label(c.spec) for c in large} == {
+            "full",
+            "mla",
+            "encoder",
+            "linear/gated_deltanet",
+            "linear/kda",
+            "linear/mamba2",
+        }
+        for c in large:
+            assert c.check == "correctness" and c.spec.dtype == "bfloat16"
+            assert c.magnitude == LARGE_MAGNITUDE > torch.finfo(torch.float16).max
+            assert c.capabilities == (f"{kind_label(c.spec)}: dtype bfloat16",)
+            assert c.id.endswith("-x131072")
+    fp32_only = BackendCapabilities(kinds={"full"}, device_types={"cpu"}, dtypes={"float32"})
+    assert not [c for c in build_matrix(fp32_only) if c.magnitude != 1.0]
+
+
+@pytest.mark.parametrize("kind", ["full", "mla", "encoder", "gdn", "mamba2"])
+def test_large_inputs_keep_the_logits_and_scale_the_values(kind, tiny_specs) -> None:
+    spec = tiny_specs[kind].with_(dtype="bfloat16", kv_dtype=None)
+    raw = layer_inputs(spec, 6, torch.Generator().manual_seed(0))
+    big = scale_inputs(raw, spec, LARGE_MAGNITUDE)
+    bf16 = {n: t.to(torch.bfloat16) for n, t in raw.items()}
+    bf16_big = {n: t.to(torch.bfloat16) for n, t in big.items()}
+    if spec.kind is LayerKind.LINEAR:
+        scaled, same = {"v", "conv_x"}, set(raw) - {"v", "conv_x"}
+    else:
+        scaled, same = {"k", "v"} & set(raw), set()
+        # q / M times k * M: the logits are those of the unit-scale inputs, bit for bit in bf16
+        assert torch.equal(bf16_big["q"] * LARGE_MAGNITUDE, bf16["q"])
+    for name in scaled:  # exactly M times the unit-scale values, and past fp16's range
+        assert torch.equal(bf16_big[name], bf16[name] * LARGE_MAGNITUDE)
+        assert bf16_big[name].to(torch.float16).isinf().any()
+    for name in same:
+        assert torch.equal(big[name], raw[name])
+
+
 def test_report_statuses() -> None:
     report = CapabilityReport(backend="v:b", device="cpu", seed=1)
     report.record(("a", "b"), "passed", "x::test_one[1]", "")
@@ -65,6 +109,33 @@ def test_report_statuses() -> None:
     assert lines[1].startswith("FAIL  b") and "test_one[2]: advertised b, failed: boom" in lines[1]
     assert lines[2] == "SKIP  c - skipped: no GPU"
     assert report.counts == {"PASS": 1, "FAIL": 1, "SKIP": 1}
+
+
+def test_report_line_keeps_the_whole_first_line_of_the_reason() -> None:
+    """A failure's reason ends with where it happened: the line must keep it, however long."""
+    reason = (
+        "attention output differs from the reference: 6361 of 7424 elements out of tolerance "
+        "(atol=0.0002, rtol=0.0002); worst at [9, 1, 16]: got 2.65757, expected 2.25875; max "
+        "|diff| 0.399 (workload 'decode', step 0 [new tokens 5,9,3,12], layer 0, batch mode "
+        "prefill)"
+    )
+    message = (
+        "v:b advertised [full: kind; full: dtype float32; full: head_dim 64; full: page_size "
+        f"16], failed: {reason}\n  case correctness:full-decode, item seed 7, rerun with "
+        "--attn-seed=1"
+    )
+    report = CapabilityReport(backend="v:b", device="cpu", seed=1)
+    report.record(("full: kind",), "failed", "battery.py::test_correctness[full-decode]", message)
+    report.record(("full: sinks",), "skipped", "battery.py::test_correctness[x]", "a" * 300)
+    fail, skip = report.lines()
+    # the claims are the report's own labels: only the reason follows the test id
+    head = "FAIL  full: kind - 1 of 1 checks failed; test_correctness[full-decode]: "
+    assert fail == head + reason
+    assert skip == "SKIP  full: sinks - skipped: " + "a" * 300
+    # a failure the kit did not phrase (an error in a fixture) keeps its first line as is
+    other = CapabilityReport(backend="v:b")
+    other.record(("full: kind",), "failed", "b.py::t[1]", "RuntimeError: boom\nTraceback ...")
+    assert other.lines() == ["FAIL  full: kind - 1 of 1 checks failed; t[1]: RuntimeError: boom"]
 
 
 def test_plugin_spec_parsing() -> None:
