@@ -35,6 +35,7 @@ def _fast(available: bool = False, **caps) -> Backend:
     caps = {
         "kinds": {"full"},
         "device_types": {"cuda"},
+        "dtypes": {"bfloat16", "float16"},
         "min_compute_capability": (9, 0),
         "head_dims": {64, 128},
         **caps,

@@ -492,6 +492,8 @@ def _codes(caps: dict, spec: LayerSpec, device=H200, constraints=None, **kw) -> 
 
 def _reasons(caps: dict, spec: LayerSpec, device=H200, constraints=None) -> list[str]:
     caps.setdefault("kinds", {spec.kind.value})
+    caps.setdefault("device_types", {"cuda"})
+    caps.setdefault("dtypes", {"bfloat16", "float16"})
     backend = Backend(name="b", capabilities=BackendCapabilities(**caps), plugin="t")
     rs = check_backend(backend, spec, device, constraints or ExecutionConstraints())
     return [str(r) for r in rs]
@@ -519,7 +521,12 @@ def test_reason_page_size():
 def test_reason_lists_are_sorted_numerically():
     backend = Backend(
         name="b",
-        capabilities=BackendCapabilities(kinds={"full"}, page_sizes={128, 16, 32}),
+        capabilities=BackendCapabilities(
+            kinds={"full"},
+            device_types={"cuda"},
+            dtypes={"bfloat16", "float16"},
+            page_sizes={128, 16, 32},
+        ),
         plugin="t",
     )
     (r,) = check_backend(backend, GLOBAL.with_(page_size=8), H200, ExecutionConstraints())
