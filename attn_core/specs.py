@@ -31,7 +31,7 @@ import enum
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -138,13 +138,11 @@ def _require(condition: bool, field_name: str, value: object, allowed: str) -> N
         raise ValueError(f"{field_name}={value!r} is invalid: {allowed}")
 
 
-def _positive(field_name: str, value: object) -> None:
-    _require(
-        isinstance(value, int) and not isinstance(value, bool) and value > 0,
-        field_name,
-        value,
-        "expected a positive integer",
-    )
+def _positive(field_name: str, value: object) -> int:
+    """``value`` when it is a positive integer, else ValueError naming the field."""
+    if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        raise ValueError(f"{field_name}={value!r} is invalid: expected a positive integer")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,9 +157,11 @@ class LayerSpec:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    head_dim_v: int | None = None  # None: equal to head_dim
+    # None: equal to head_dim. Read back it is always an int (__post_init__ sets it), hence
+    # the declared type; the constructor's accepted types are in the __init__ stub below.
+    head_dim_v: int = cast(int, None)
     dtype: str = "bfloat16"
-    kv_dtype: str | None = None  # None: equal to dtype (full / mla only)
+    kv_dtype: str = cast(str, None)  # None: equal to dtype (full / mla only); read back: a str
     page_size: int = 16  # tokens per KV page (full / mla only)
     causal: bool = True
     sliding_window: int | None = None  # tokens a query sees, itself included (HF convention)
@@ -178,6 +178,35 @@ class LayerSpec:
     conv_channels: int | None = None
     state_dtype: str = "float32"
     qk_l2norm: bool = False  # the kernel L2-normalises q and k (Gated DeltaNet / KDA)
+
+    if TYPE_CHECKING:
+        # What the constructor accepts (names and enums by value, dtypes as torch dtypes or
+        # aliases, None for "derive it"); the fields above are what __post_init__ leaves.
+        # tests/test_typed_constructors.py checks that it matches the fields.
+        def __init__(
+            self,
+            kind: LayerKind | str,
+            num_heads: int,
+            num_kv_heads: int,
+            head_dim: int,
+            head_dim_v: int | None = None,
+            dtype: str | torch.dtype = "bfloat16",
+            kv_dtype: str | torch.dtype | None = None,
+            page_size: int = 16,
+            causal: bool = True,
+            sliding_window: int | None = None,
+            logits_soft_cap: float | None = None,
+            has_sinks: bool = False,
+            softmax_scale: float | None = None,
+            kv_lora_rank: int | None = None,
+            qk_rope_head_dim: int | None = None,
+            qk_nope_head_dim: int | None = None,
+            linear_variant: LinearVariant | str | None = None,
+            conv_kernel_size: int | None = None,
+            conv_channels: int | None = None,
+            state_dtype: str | torch.dtype = "float32",
+            qk_l2norm: bool = False,
+        ) -> None: ...
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -262,8 +291,9 @@ class LayerSpec:
         )
 
     def _validate_mla(self) -> None:
-        for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim"):
-            _positive(name, getattr(self, name))
+        rank = _positive("kv_lora_rank", self.kv_lora_rank)
+        rope = _positive("qk_rope_head_dim", self.qk_rope_head_dim)
+        _positive("qk_nope_head_dim", self.qk_nope_head_dim)
         _require(
             self.num_kv_heads == 1,
             "num_kv_heads",
@@ -271,17 +301,17 @@ class LayerSpec:
             "MLA stores one shared latent per token: num_kv_heads must be 1",
         )
         _require(
-            self.head_dim == self.kv_lora_rank + self.qk_rope_head_dim,
+            self.head_dim == rank + rope,
             "head_dim",
             self.head_dim,
             f"for MLA it is the absorbed query width kv_lora_rank + qk_rope_head_dim = "
-            f"{self.kv_lora_rank + self.qk_rope_head_dim}",
+            f"{rank + rope}",
         )
         _require(
-            self.head_dim_v == self.kv_lora_rank,
+            self.head_dim_v == rank,
             "head_dim_v",
             self.head_dim_v,
-            f"for MLA the output is the latent: kv_lora_rank = {self.kv_lora_rank}",
+            f"for MLA the output is the latent: kv_lora_rank = {rank}",
         )
         self._unset("linear_variant", "conv_kernel_size", "conv_channels", "qk_l2norm")
         self._unset("sliding_window", "logits_soft_cap", "has_sinks")
@@ -312,7 +342,8 @@ class LayerSpec:
         if self.softmax_scale is not None:
             return self.softmax_scale
         if self.kind is LayerKind.MLA:
-            return 1.0 / math.sqrt(self.qk_nope_head_dim + self.qk_rope_head_dim)
+            _, rope, nope = self.mla_dims
+            return 1.0 / math.sqrt(nope + rope)
         if self.linear_variant is LinearVariant.MAMBA2:
             return 1.0  # SSD reads C . h without scaling
         return 1.0 / math.sqrt(self.head_dim)
@@ -332,8 +363,27 @@ class LayerSpec:
         if self.kind is LayerKind.FULL:
             return self.num_kv_heads * (self.head_dim + self.head_dim_v) * itemsize
         if self.kind is LayerKind.MLA:
-            return (self.kv_lora_rank + self.qk_rope_head_dim) * itemsize
+            rank, rope, _ = self.mla_dims
+            return (rank + rope) * itemsize
         return 0
+
+    @property
+    def mla_dims(self) -> tuple[int, int, int]:
+        """``(kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim)`` of an MLA layer (validated
+        positive on construction); ValueError for a layer of another kind."""
+        rank, rope, nope = self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim
+        if rank is None or rope is None or nope is None:
+            raise ValueError(f"{self.short()}: not an MLA layer, it has no MLA dims")
+        return rank, rope, nope
+
+    @property
+    def conv_dims(self) -> tuple[int, int]:
+        """``(conv_channels, conv_kernel_size)`` of a linear layer (validated positive on
+        construction); ValueError for a layer of another kind."""
+        channels, kernel = self.conv_channels, self.conv_kernel_size
+        if channels is None or kernel is None:
+            raise ValueError(f"{self.short()}: not a linear layer, it has no conv")
+        return channels, kernel
 
     @property
     def ssm_state_shape(self) -> tuple[int, ...]:
@@ -347,7 +397,8 @@ class LayerSpec:
         """Shape of one request's conv state for this layer: ``[channels, kernel - 1]``."""
         if self.kind is not LayerKind.LINEAR:
             return ()
-        return (self.conv_channels, self.conv_kernel_size - 1)
+        channels, kernel = self.conv_dims
+        return (channels, kernel - 1)
 
     def state_bytes_per_request(self) -> int:
         if self.kind is not LayerKind.LINEAR:
@@ -555,22 +606,30 @@ TARGETS: dict[str, DeviceCapabilities] = {
 # ------------------------------------------------------------------------------------------
 # Run demands
 # ------------------------------------------------------------------------------------------
-def _parse_mapping(value: object, field_name: str) -> tuple[tuple[str, str], ...]:
+# What ExecutionConstraints.force accepts: {"full": "flashinfer"},
+# "full=flashinfer,linear=triton_ssm" or (kind, backend) pairs.
+_ForceMapping = str | dict[str, str] | Iterable[tuple[str, str]]
+
+
+def _parse_mapping(value: _ForceMapping | None, field_name: str) -> tuple[tuple[str, str], ...]:
     """Accept ``{"full": "flashinfer"}`` or ``"full=flashinfer,linear=triton_ssm"``."""
     if value is None:
         return ()
     given = value
+    pairs: Iterable[tuple[str, str]]
     if isinstance(value, str):
         items = []
         for part in filter(None, (p.strip() for p in value.split(","))):
             key, sep, val = part.partition("=")
             _require(bool(sep and key and val), field_name, value, "expected 'kind=backend,...'")
             items.append((key.strip(), val.strip()))
-        value = items
+        pairs = items
     elif isinstance(value, dict):
-        value = list(value.items())
+        pairs = list(value.items())
+    else:
+        pairs = value
     seen: dict[str, str] = {}
-    for k, v in value:
+    for k, v in pairs:
         key, val = str(k), str(v)
         # Sorting below would make the alphabetically last value win: a repeat is a mistake.
         _require(
@@ -610,6 +669,29 @@ class ExecutionConstraints:
     deny: frozenset[str] = frozenset()  # backend names never used
     force: tuple[tuple[str, str], ...] = ()  # (kind or group id, backend name)
     downgrade: DowngradePolicy = DowngradePolicy.WARN
+
+    if TYPE_CHECKING:
+        # What the constructor accepts (enums by value, comma-separated names, force as a
+        # mapping or "kind=backend,..."); the fields above are what __post_init__ leaves.
+        # tests/test_typed_constructors.py checks that it matches the fields.
+        def __init__(
+            self,
+            graph_mode: GraphMode | str = GraphMode.NONE,
+            max_batch_size: int = 256,
+            max_num_tokens: int = 8192,
+            max_model_len: int = 32768,
+            speculative_tokens: int = 0,
+            page_size: int | None = None,
+            kv_layout: str | None = None,
+            kv_dtype: str | torch.dtype | None = None,
+            deterministic: bool = False,
+            check_finite: bool = False,
+            spec_verify_strategy: str | None = None,
+            allow: str | Iterable[str] = frozenset(),
+            deny: str | Iterable[str] = frozenset(),
+            force: _ForceMapping = (),
+            downgrade: DowngradePolicy | str = DowngradePolicy.WARN,
+        ) -> None: ...
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__

@@ -167,6 +167,15 @@ def test_encoder_rejects_quantized_kv():
 # ------------------------------------------------------------------------------------------
 # LayerSpec value semantics
 # ------------------------------------------------------------------------------------------
+def test_mla_and_conv_dims_are_typed_reads_of_their_kind():
+    assert LayerSpec(**MLA).mla_dims == (512, 64, 128)
+    assert LayerSpec(**GDN).conv_dims == (1024, 4)
+    with pytest.raises(ValueError, match="not an MLA layer"):
+        _ = LayerSpec(**FULL).mla_dims
+    with pytest.raises(ValueError, match="not a linear layer"):
+        _ = LayerSpec(**MLA).conv_dims
+
+
 def test_spec_is_frozen():
     spec = LayerSpec(**FULL)
     with pytest.raises(dataclasses.FrozenInstanceError):
