@@ -25,11 +25,15 @@ import enum
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from attn_core.state.errors import OutOfPagesError
+
+if TYPE_CHECKING:
+    from attn_core.state.manager import PersistentState
 
 __all__ = ["AttentionBatch", "BatchBuilder", "BatchMode"]
 
@@ -104,6 +108,21 @@ _NO_INDICES.flags.writeable = False
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+# Device views of one padded batch size P (_make_req_views): query_start_loc, seq_lens,
+# context_lens, state_indices (or None), has_initial_state (or None), page_table (or None).
+_ReqViews = tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor | None,
+]
+# Device views of a step carrying m page-table entries (_make_delta_views): the copy's
+# destination, the flat indices, the values and the copy's length in bytes.
+_DeltaViews = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
+
+
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
@@ -144,7 +163,7 @@ class _HostSlot:
         self.i64 = raw[o_tok:].view(np.int64)
         self.prefix: dict[int, torch.Tensor] = {}
         self.static: object | None = None
-        self.views: dict[tuple[int, int], tuple] = {}
+        self.views: dict[tuple[int, int], tuple[Any, ...]] = {}
 
     def host_prefix(self, nbytes: int) -> torch.Tensor:
         """``tensor[:nbytes]``, cached (a few hundred lengths at most)."""
@@ -165,7 +184,31 @@ class _Steady:
     ``slot_base + ctx`` with ``slot_base = page * page_size - q * page_size``. A request that
     moved on to its next page index since is handled by :meth:`BatchBuilder._steady_cross`,
     which updates ``q``, ``slot_base`` and the recorded change counters.
+
+    ``q``, ``q_bytes`` and ``slot_base`` are set only where the builder keeps a page table
+    (they are read only there).
     """
+
+    requests: tuple[tuple[Hashable, int], ...]  # the step's requests, as given
+    ids: tuple[Hashable, ...]
+    pad_to: int | None
+    B: int  # requests
+    P: int  # padded requests
+    dense: np.ndarray  # the requests' dense state rows
+    state_changes: int  # PersistentState.changes when recorded
+    alloc_changes: int  # PersistentState.page_changes when recorded
+    q: np.ndarray  # page index each request writes (ctx // page_size)
+    q_bytes: bytes  # q.tobytes(), compared with the next step's
+    slot_base: np.ndarray  # slot mapping = slot_base + ctx
+    row_slot: np.ndarray | None  # the requests' state slots (None: no linear state)
+    vkey: tuple[int, int]  # (B, P): key of the ring buffers' cached views
+    used: bool  # whether a later step was built from it
+    static: object  # token of the ring buffers' per-shape content
+    req_views: _ReqViews  # the device views of _make_req_views for P
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor | None
+    tok_stride: int
+    tok_end: int
 
     __slots__ = (
         "B",
@@ -231,14 +274,16 @@ class BatchBuilder:
 
     def __init__(
         self,
-        state=None,
+        state: PersistentState | None = None,
         *,
         max_batch_size: int,
         max_num_tokens: int,
         max_pages_per_request: int = 0,
         device: torch.device | str = "cpu",
     ) -> None:
-        self.state = state
+        # Declared Any, not PersistentState | None: the decode paths run only with a state
+        # (build() checks), and narrowing it there would cost a test per call on the hot path.
+        self.state: Any = state
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
@@ -250,12 +295,15 @@ class BatchBuilder:
             and bool(self.page_size)
             and max_pages_per_request > 0
         )
+        # the page size where the builder keeps a page table (_has_kv implies one), else 0
+        self._kv_page_size: int = self.page_size if self._has_kv and self.page_size else 0
         self._has_slots = bool(getattr(state, "has_state", False))
         cuda = self.device.type == "cuda"
         self._pin = self._nb = cuda
         B, T = max_batch_size, max_num_tokens
 
-        offsets, o = [], 0
+        offsets: list[int] = []
+        o = 0
         for nbytes in (4 * (B + 1), 4 * B, 4 * B, 4 * B, B):
             offsets.append(o)
             o += _aligned(nbytes)
@@ -279,21 +327,23 @@ class BatchBuilder:
         self._ring = [
             _HostSlot(host_bytes, self._offsets, B, self._pin) for _ in range(2 * _RING_HALF)
         ]
-        self._events = [torch.cuda.Event(), torch.cuda.Event()] if cuda else None
+        self._events: list[torch.cuda.Event] | None = (
+            [torch.cuda.Event(), torch.cuda.Event()] if cuda else None
+        )
         # the device whose current stream the copies run on, and Stream objects by raw stream
         self._dev_index = self._dev.device.index if cuda else None
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._steady: _Steady | None = None
         self._remember_reserved = True
-        self._static_sig: tuple | None = None
+        self._static_sig: tuple[int, int, bytes | None] | None = None
         self._static_token: object = object()
         # device views by padded batch size; by padded token count: (positions, slot mapping,
         # slot-mapping offset from the positions in int64 elements, delta byte offset)
-        self._req_views: dict[int, tuple] = {}
-        self._tok_views: dict[int, tuple] = {}
+        self._req_views: dict[int, _ReqViews] = {}
+        self._tok_views: dict[int, tuple[torch.Tensor, torch.Tensor | None, int, int]] = {}
         self._dev_prefix: dict[int, torch.Tensor] = {}
         # (tok_end, m) -> device views of a step carrying m page-table entries
-        self._delta_views: dict[tuple[int, int], tuple] = {}
+        self._delta_views: dict[tuple[int, int], _DeltaViews] = {}
         self._ar64 = np.arange(max(B, T) + 1, dtype=np.int64)
         self._ar32 = self._ar64[: B + 1].astype(np.int32)
         if self._has_kv:
@@ -304,7 +354,7 @@ class BatchBuilder:
             self._pt_dev = torch.zeros((B, self.max_pages), dtype=torch.int32, device=self.device)
             self._pt_dev_flat = self._pt_dev.view(-1)
             self._rowbase = self._ar64[:B] * self.max_pages  # flat index of each row's page 0
-            self._ps64 = np.int64(self.page_size)  # page * page_size in int64, never int32
+            self._ps64 = np.int64(self._kv_page_size)  # page * page_size in int64, never int32
             # What each page-table row holds: the request's dense state row, its page count
             # and page version (bumped by the state when pages are replaced).
             self._row_dense = np.full(B, -1, dtype=np.int64)
@@ -490,20 +540,21 @@ class BatchBuilder:
         steady.q_bytes = q.tobytes()
         return written
 
-    def _stage_static(self, slot: _HostSlot, steady: _Steady) -> tuple:
+    def _stage_static(self, slot: _HostSlot, steady: _Steady) -> tuple[Any, ...]:
         """Write what a steady step of ``steady``'s shape keeps from step to step into a ring
         buffer: ``query_start_loc = 0..P``, the state slots and the padding rows and tokens
         (exactly what :meth:`_build_decode` writes besides the per-step values)."""
         B, P = steady.B, steady.P
         slot.qsl[: P + 1] = self._ar32[: P + 1]
-        if self._has_slots:
-            slot.slots[:B] = steady.row_slot
+        row_slot = steady.row_slot
+        if row_slot is not None:  # set exactly where there is linear state
+            slot.slots[:B] = row_slot
         if P > B:
             self._pad(slot, B, P, B, P)
         slot.static = steady.static
         return slot.views.get(steady.vkey) or self._slot_views(slot, steady)
 
-    def _slot_views(self, slot: _HostSlot, steady: _Steady) -> tuple:
+    def _slot_views(self, slot: _HostSlot, steady: _Steady) -> tuple[Any, ...]:
         """Numpy views of one ring buffer for a steady step of ``B`` requests padded to ``P``:
         (positions[:B] i64, context_lens[:B] i32, seq_lens[:B] i32, slot_mapping[:B] i64 or
         None, has_initial_state[:B] bool or None, query_start_loc[:P+1], seq_lens[:P],
@@ -529,7 +580,7 @@ class BatchBuilder:
         ids: tuple[Hashable, ...],
         B: int,
         P: int,
-        requests: tuple = (),
+        requests: tuple[tuple[Hashable, int], ...] = (),
         pad_to: int | None = None,
     ) -> AttentionBatch:
         """Every request has one new token: positions = context lengths, query_start_loc is
@@ -583,8 +634,8 @@ class BatchBuilder:
             slot.slots[:B] = row_slot
             slot.init[:B] = ctx > 0
         positions, slot_mapping, s, tok_end = self._tok_views.get(P) or self._make_tok_views(P)
-        if self._has_kv:
-            slot.i64[s : s + B] = page * self._ps64 + (ctx - q * self.page_size)
+        if q is not None and page is not None:  # both set exactly where there is KV
+            slot.i64[s : s + B] = page * self._ps64 + (ctx - q * self._kv_page_size)
         if P > B:
             self._pad(slot, B, P, B, P)
         views = self._req_views.get(P) or self._make_req_views(P)
@@ -617,7 +668,7 @@ class BatchBuilder:
 
     def _remember(
         self,
-        requests: tuple,
+        requests: tuple[tuple[Hashable, int], ...],
         ids: tuple[Hashable, ...],
         pad_to: int | None,
         dense: np.ndarray,
@@ -640,12 +691,10 @@ class BatchBuilder:
         st.dense = dense
         st.state_changes = changes
         st.alloc_changes = state.page_changes
-        if q is not None:
+        if q is not None and page is not None:  # both or neither: set where there is KV
             st.q = q
             st.q_bytes = q.tobytes()
-            st.slot_base = page * self._ps64 - q * self.page_size
-        else:
-            st.q = st.q_bytes = st.slot_base = None
+            st.slot_base = page * self._ps64 - q * self._kv_page_size
         st.row_slot = row_slot
         st.vkey = (B, P)
         st.used = False
@@ -715,7 +764,7 @@ class BatchBuilder:
         tok = pos[:num_tokens]
         tok[:] = ctx[req_of_token] + (self._ar64[:num_tokens] - qsl[req_of_token])
         if self._has_kv:
-            ps = self.page_size
+            ps = self._kv_page_size
             s = self._tok_stride(padded_tokens)
             page = self._pt_flat[self._rowbase[req_of_token] + tok // ps]
             slot.i64[s : s + num_tokens] = page * self._ps64 + tok % ps
@@ -746,7 +795,11 @@ class BatchBuilder:
         )
 
     def _assemble(
-        self, views: tuple, positions: torch.Tensor, slot_mapping: torch.Tensor | None, **fields
+        self,
+        views: _ReqViews,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor | None,
+        **fields: Any,
     ) -> AttentionBatch:
         """An AttentionBatch over the persistent device views of one padded size ``P``:
         ``views`` = (query_start_loc, seq_lens, context_lens, state_indices, has_initial_state,
@@ -821,9 +874,9 @@ class BatchBuilder:
         """Byte offset where the page-table delta starts in a step of ``n`` padded tokens."""
         return self._o_tok + self._tok_regions * _aligned(8 * n)
 
-    def _make_req_views(self, P: int) -> tuple:
+    def _make_req_views(self, P: int) -> _ReqViews:
         slots = self._has_slots
-        views = (
+        views: _ReqViews = (
             self._d_qsl[: P + 1],
             self._d_seq[:P],
             self._d_ctx[:P],
@@ -834,7 +887,7 @@ class BatchBuilder:
         self._req_views[P] = views
         return views
 
-    def _make_tok_views(self, n: int) -> tuple:
+    def _make_tok_views(self, n: int) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
         o = self._o_tok
         positions = self._dev[o : o + 8 * n].view(torch.int64)
         slot_mapping = None
@@ -925,9 +978,7 @@ class BatchBuilder:
             self._events[k // _RING_HALF].record(self._current_stream())
         self._step += 1
 
-    def _make_delta_views(
-        self, tok_end: int, m: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def _make_delta_views(self, tok_end: int, m: int) -> _DeltaViews:
         """Device views for a step with ``m <= _delta_cap`` page-table entries staged after
         the per-token block ending at ``tok_end``: the copy's destination, the flat indices
         (int64), the values (int32) and the copy's length in bytes."""
@@ -1050,7 +1101,7 @@ class BatchBuilder:
         """
         state = self.state
         B = len(ids)
-        ps = self.page_size
+        ps = self._kv_page_size
         npages = state.rows.num_pages[dense]
         # The page table's width is checked before anything is reserved (all or nothing).
         over = np.maximum(npages, -(-seq // ps)) > self.max_pages
