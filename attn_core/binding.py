@@ -13,8 +13,8 @@ into the backend, and the ``out`` contract:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import torch
@@ -172,12 +172,13 @@ class LayerAttentionBinding:
         # conv1d's accepted shapes (linear layers), cached by token count like forward's
         self._conv_tokens = -1
         self._conv_x_shape: torch.Size | None = None
-        self._conv_w_shape = (
-            torch.Size((spec.conv_channels, spec.conv_kernel_size))
-            if spec.kind is LayerKind.LINEAR
-            else None
-        )
+        self._conv_w_shape = torch.Size(spec.conv_dims) if spec.kind is LayerKind.LINEAR else None
         H, Hkv, D, Dv = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim_v
+        # per-token shapes of q, k, v (None: v is not given) and out
+        self._q_tail: tuple[int, ...]
+        self._kv_tail: tuple[int, ...]
+        self._v_tail: tuple[int, ...] | None
+        self._out_tail: tuple[int, ...]
         if spec.kind is LayerKind.MLA:
             self._q_tail = (H, D)
             self._kv_tail = (D,)
@@ -238,7 +239,7 @@ class LayerAttentionBinding:
         group = self._group
         batch = group.batch
         if batch is None:
-            group.current_batch(self.layer_index, "forward")
+            batch = group.current_batch(self.layer_index, "forward")  # raises: not prepared
         tokens = batch.padded_tokens
         if tokens != self._tokens:
             self._expect(tokens)
@@ -342,7 +343,10 @@ class LayerAttentionBinding:
         if group.check_finite is not None:
             self._check_finite(batch, (("conv x", x),))
         try:
-            result = group.context.conv1d(self, x, weight, bias, activation=activation, out=out)
+            # a linear group's context has conv1d (runtime._check_context checked it)
+            result = group.context.conv1d(  # type: ignore[attr-defined]
+                self, x, weight, bias, activation=activation, out=out
+            )
         except BackendInputError:
             raise
         except Exception as exc:
@@ -353,9 +357,10 @@ class LayerAttentionBinding:
         return result
 
     # -- checks ----------------------------------------------------------------------------
-    def _bad_result(self, result: object) -> None:
+    def _bad_result(self, result: object) -> NoReturn:
         """A forward result that is not ``[T, num_heads, head_dim_v]`` of the group's dtype on its
         device: the plugin broke the contract (copying it would broadcast or cast silently)."""
+        problem: tuple[object, object]
         if not isinstance(result, torch.Tensor):
             problem = ("a tensor [T, num_heads, head_dim_v]", type(result).__name__)
             if result is None:
@@ -373,12 +378,15 @@ class LayerAttentionBinding:
             self.layer_index,
         )
 
-    def _check_finite(self, batch: AttentionBatch, tensors: Any) -> None:
+    def _check_finite(self, batch: AttentionBatch, tensors: Iterable[tuple[str, object]]) -> None:
         """Refuse NaN / inf in ``tensors`` ((name, tensor) pairs), naming the first request whose
         token holds one. A tensor of ``padded_tokens`` rows is per token: only the real tokens'
         rows are checked (a captured graph's padding may hold anything); any other tensor (a
         per-layer input such as ``A_log``) is checked whole."""
         group = self._group
+        source = group.check_finite
+        if source is None:  # not asked for
+            return
         for name, t in tensors:
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 continue
@@ -404,13 +412,13 @@ class LayerAttentionBinding:
                 request_id=rid,
                 position=position,
                 value=value,
-                source=group.check_finite,
+                source=source,
             )
 
     def _check_conv(self, x: torch.Tensor, weight: torch.Tensor, batch: AttentionBatch) -> None:
         """conv1d's input checks; remembers the accepted shapes for the batch's token count."""
         spec = self.spec
-        expected = tuple(self._conv_w_shape)
+        expected = spec.conv_dims
         if tuple(weight.shape) != expected:
             self._bad("conv weight shape", expected, tuple(weight.shape))
         if x.dim() != 2 or x.shape[1] != spec.conv_channels:
@@ -426,7 +434,7 @@ class LayerAttentionBinding:
         self._o_shape = torch.Size((tokens, *self._out_tail))
         self._tokens = tokens
 
-    def _bad(self, what: str, expected: object, got: object) -> None:
+    def _bad(self, what: str, expected: object, got: object) -> NoReturn:
         raise BackendInputError(
             group=self._group.group_id,
             backend=self._group.backend.qualified_name,
@@ -435,7 +443,14 @@ class LayerAttentionBinding:
             got=got,
         )
 
-    def _check(self, q, k, v, out, tokens: int) -> None:
+    def _check(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        out: torch.Tensor | None,
+        tokens: int,
+    ) -> None:
         dev = self._group.device_index
         for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
             if x is not None and (x.get_device() != dev or x.is_meta):
