@@ -97,7 +97,8 @@ class KVCache:
                     scale(),
                 )
             elif spec.kind is LayerKind.MLA:
-                width = spec.kv_lora_rank + spec.qk_rope_head_dim
+                rank, rope, _ = spec.mla_dims
+                width = rank + rope
                 s = scale()
                 self._layers[index] = MLAKVLayer(
                     index,

@@ -352,8 +352,9 @@ class BoundWrite:
             slot_mapping.data_ptr(), xs[0].data_ptr(), c0.data_ptr(),
             xs[-1].data_ptr(), c1.data_ptr(),
         )  # fmt: skip
-        pk = scales[0].data_ptr() if s0 else pc0
-        pv = scales[-1].data_ptr() if s1 else pc1
+        # s0 / s1: bound for a tensor scale there (kv_writer checked it once)
+        pk = scales[0].data_ptr() if s0 else pc0  # type: ignore[union-attr]
+        pv = scales[-1].data_ptr() if s1 else pc1  # type: ignore[union-attr]
         stream = bound.stream_for(ps | px0 | pc0 | pk | px1 | pc1 | pv)
         if stream is not None:
             bound.launch(stream, ps, px0, pc0, pk, px1, pc1, pv)

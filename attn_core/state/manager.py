@@ -91,6 +91,16 @@ class RequestRows:
     page_version: np.ndarray
 
 
+def _block_pages(blocks: Sequence[CachedBlock]) -> tuple[int, ...]:
+    """The KV pages of cached blocks of a model with paged KV (each block holds one)."""
+    pages = []
+    for block in blocks:
+        if block.page is None:
+            raise StateError(f"prefix-cache block {block.key} holds no KV page")
+        pages.append(block.page)
+    return tuple(pages)
+
+
 def _read_only(a: np.ndarray) -> np.ndarray:
     view = a.view()
     view.flags.writeable = False
@@ -577,6 +587,8 @@ class PersistentState:
                 f"take_snapshot({req_id!r}) at {n} tokens: the length must be a positive "
                 f"multiple of page_size={self.page_size} (a prefix-cache block boundary)"
             )
+        if req.slot is None:  # every live request of a model with linear layers holds one
+            raise StateError(f"take_snapshot({req_id!r}): the request holds no state slot")
         _, (slot,) = self._reserve(0, 1, req_id=req_id)
         self.state_slots.copy_slot(req.slot, slot)
         if req.snapshot is not None:
@@ -660,7 +672,7 @@ class PersistentState:
         if not used:
             return PrefixHit()
         self.prefix_cache.touch(used)
-        pages = tuple(b.page for b in used) if self.has_kv else ()
+        pages = _block_pages(used) if self.has_kv else ()
         return PrefixHit(n, pages, snapshot, tuple(b.key for b in used))
 
     def clear_prefix_cache(self) -> int:
@@ -724,7 +736,8 @@ class PersistentState:
             )
         req.pages = pages
         req.slot = slot
-        req.snapshot = (snap, meta.snapshot_length) if snap is not None else None
+        length = meta.snapshot_length  # not None where snap is (has_snap)
+        req.snapshot = (snap, length) if snap is not None and length is not None else None
         req.offloaded = None
         self._publish(req, new_pages=True)
 
@@ -963,21 +976,24 @@ class PersistentState:
 
     def _validate_hit(self, hit: PrefixHit) -> list[CachedBlock]:
         ps = self.page_size
-        blocks = [self.prefix_cache.get(k) for k in hit.block_keys]
         stale = StaleprefixError(
             f"prefix hit of {hit.num_tokens} tokens is stale (evicted since match_prefix); "
             "match again"
         )
-        if any(b is None for b in blocks):
-            raise stale
-        pages = tuple(b.page for b in blocks)  # type: ignore[union-attr]
+        blocks: list[CachedBlock] = []
+        for key in hit.block_keys:
+            block = self.prefix_cache.get(key)
+            if block is None:
+                raise stale
+            blocks.append(block)
+        pages = tuple(b.page for b in blocks)
         if self.has_kv and (len(blocks) != -(-hit.num_tokens // ps) or pages != tuple(hit.pages)):
             raise stale
         if self.has_state and (
             len(blocks) * ps != hit.num_tokens or blocks[-1].snapshot != hit.snapshot
         ):
             raise stale
-        return blocks  # type: ignore[return-value]
+        return blocks
 
     def _cow_pages(
         self, req: _Request, start: int, end: int, pending: Counter[int] | None = None

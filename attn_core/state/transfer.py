@@ -162,9 +162,9 @@ def pack_request(
     if layout.has_state:
         sources = [("", slot)] + ([("snapshot.", snapshot[0])] if snapshot else [])
         for i in state_slots.layer_indices:
-            layer = state_slots.layer(i)
+            slots_layer = state_slots.layer(i)
             for prefix, s in sources:
-                for name, t in layer.tensors().items():
+                for name, t in slots_layer.tensors().items():
                     pieces.append((i, prefix + name, t.dtype, tuple(t.shape[1:]), _as_bytes(t[s])))
     offset = 0
     placed: list[tuple[TensorEntry, int, torch.Tensor]] = []
