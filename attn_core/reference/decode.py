@@ -169,6 +169,8 @@ def decode_linear_step(
     vf = v.float()
     s = ssm_state[rows].float()  # [B, Hv, Dk, Dv]
     if variant == "mamba2":
+        if dt is None or A_log is None or D is None or dt_bias is None:
+            raise ValueError("decode_linear_step: mamba2 needs dt, A_log, D and dt_bias")
         dtf = F.softplus(dt.float() + dt_bias.float())  # [B, H]
         decay = torch.exp(dtf * -torch.exp(A_log.float()))
         s = s * decay[..., None, None] + kf.unsqueeze(-1) * (dtf[..., None] * vf).unsqueeze(-2)
@@ -177,6 +179,8 @@ def decode_linear_step(
         if use_qk_l2norm:
             qf = qf / torch.sqrt((qf * qf).sum(-1, keepdim=True) + 1e-6)
             kf = kf / torch.sqrt((kf * kf).sum(-1, keepdim=True) + 1e-6)
+        if g is None or beta is None:
+            raise ValueError(f"decode_linear_step: {variant} needs g and beta")
         gf = g.float()
         if variant == "kda":
             s = s * gf.exp().unsqueeze(-1)  # per-channel decay over Dk

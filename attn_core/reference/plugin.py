@@ -9,7 +9,8 @@ captured in a CUDA graph (graph mode ``decode``).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -19,7 +20,21 @@ from attn_core.errors import BackendInputError
 from attn_core.hookspecs import hookimpl
 from attn_core.reference import decode as dec
 from attn_core.reference import ops
-from attn_core.specs import GraphMode, LayerGroup, LayerKind, LinearVariant
+from attn_core.specs import (
+    DeviceCapabilities,
+    ExecutionConstraints,
+    GraphMode,
+    LayerGroup,
+    LayerKind,
+    LinearVariant,
+)
+
+if TYPE_CHECKING:
+    from attn_core.binding import LayerAttentionBinding
+    from attn_core.context import AttentionContext
+    from attn_core.state.manager import PersistentState
+    from attn_core.state.slots import LinearStateLayer
+    from attn_core.workspace import Workspace
 
 ATTN_CORE_API_VERSION = "1.1"
 BACKEND_NAME = "reference"
@@ -48,7 +63,7 @@ CAPABILITIES = BackendCapabilities(
 
 
 @hookimpl
-def attn_core_register_backends(register) -> None:
+def attn_core_register_backends(register: Callable[[Backend], None]) -> None:
     register(
         Backend(
             name=BACKEND_NAME,
@@ -60,7 +75,14 @@ def attn_core_register_backends(register) -> None:
 
 
 @hookimpl
-def attn_core_allocate_context(backend, group, device, constraints, state, workspace):
+def attn_core_allocate_context(
+    backend: Backend,
+    group: LayerGroup,
+    device: DeviceCapabilities,
+    constraints: ExecutionConstraints,
+    state: PersistentState | None,
+    workspace: Workspace,
+) -> _Context:
     kind = group.spec.kind
     if kind is LayerKind.FULL:
         return FullContext(backend, group)
@@ -87,7 +109,7 @@ class _Context:
     def update(self, batch: AttentionBatch) -> None:
         self.batch = batch
 
-    def _bad(self, what: str, expected: object, got: object) -> None:
+    def _bad(self, what: str, expected: object, got: object) -> NoReturn:
         raise BackendInputError(
             group=self.group.group_id,
             backend=self.backend.qualified_name,
@@ -95,6 +117,36 @@ class _Context:
             expected=expected,
             got=got,
         )
+
+    def _batch(self) -> AttentionBatch:
+        """The prepared batch (the core prepares one before any forward)."""
+        batch = self.batch
+        if batch is None:
+            raise RuntimeError(f"group {self.group.group_id!r}: forward before prepare(batch)")
+        return batch
+
+    def _paged(self, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(page_table, slot_mapping)`` of a batch over paged KV."""
+        page_table, slot_mapping = batch.page_table, batch.slot_mapping
+        if page_table is None or slot_mapping is None:
+            self._bad("batch page table and slot mapping", "a batch over paged KV", None)
+        return page_table, slot_mapping
+
+    def _slots(self, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(state_indices, has_initial_state)`` of a batch over linear-state slots."""
+        indices, initial = batch.state_indices, batch.has_initial_state
+        if indices is None or initial is None:
+            self._bad("batch state indices", "a batch over linear-state slots", None)
+        return indices, initial
+
+    @staticmethod
+    def _tensors(
+        what: str, k: torch.Tensor | None, v: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k`` and ``v`` where the kind takes both (the binding passes ``k`` always)."""
+        if k is None or v is None:
+            raise TypeError(f"{what} attention takes k and v tensors, got k={k!r}, v={v!r}")
+        return k, v
 
     @staticmethod
     def _finish(result: torch.Tensor, out: torch.Tensor | None, rows: int) -> torch.Tensor:
@@ -105,15 +157,23 @@ class _Context:
 
 
 class FullContext(_Context):
-    def forward(self, layer, q, k, v, out, **inputs: Any) -> torch.Tensor:
-        batch = self.batch
+    def forward(
+        self,
+        layer: LayerAttentionBinding,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        out: torch.Tensor | None,
+        **inputs: Any,
+    ) -> torch.Tensor:
+        batch = self._batch()
         spec = self.spec
         kv = layer.kv
         if kv.k.dtype != q.dtype and kv.k.dtype != torch.float8_e4m3fn:
             self._bad("KV cache dtype", q.dtype, kv.k.dtype)
-        ops.write_paged_kv(
-            k, v, kv.k, kv.v, batch.slot_mapping, k_scale=kv.k_scale, v_scale=kv.v_scale
-        )
+        k, v = self._tensors("full", k, v)
+        page_table, slot_mapping = self._paged(batch)
+        ops.write_paged_kv(k, v, kv.k, kv.v, slot_mapping, k_scale=kv.k_scale, v_scale=kv.v_scale)
         common = dict(
             scale=layer.scale,
             sliding_window=spec.sliding_window,
@@ -124,7 +184,7 @@ class FullContext(_Context):
         )
         if batch.mode is BatchMode.DECODE:
             result = dec.decode_full_attention(
-                q, kv.k, kv.v, batch.page_table, batch.seq_lens, **common
+                q, kv.k, kv.v, page_table, batch.seq_lens, **common
             ).to(q.dtype)
         else:
             n = batch.num_reqs
@@ -132,7 +192,7 @@ class FullContext(_Context):
                 q[: batch.num_tokens],
                 kv.k,
                 kv.v,
-                batch.page_table[:n],
+                page_table[:n],
                 batch.query_start_loc[: n + 1],
                 batch.seq_lens[:n],
                 causal=spec.causal,
@@ -142,18 +202,30 @@ class FullContext(_Context):
 
 
 class MLAContext(_Context):
-    def forward(self, layer, q, k, v, out, **inputs: Any) -> torch.Tensor:
-        batch = self.batch
+    def forward(
+        self,
+        layer: LayerAttentionBinding,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        out: torch.Tensor | None,
+        **inputs: Any,
+    ) -> torch.Tensor:
+        batch = self._batch()
         spec = self.spec
         kv = layer.kv
-        ops.write_paged_latent(k, kv.latent, batch.slot_mapping, scale=kv.k_scale)
+        if k is None:
+            raise TypeError("mla attention takes the new latent as k, got k=None")
+        page_table, slot_mapping = self._paged(batch)
+        rank = spec.mla_dims[0]
+        ops.write_paged_latent(k, kv.latent, slot_mapping, scale=kv.k_scale)
         if batch.mode is BatchMode.DECODE:
             result = dec.decode_mla_attention(
                 q,
                 kv.latent,
-                batch.page_table,
+                page_table,
                 batch.seq_lens,
-                kv_lora_rank=spec.kv_lora_rank,
+                kv_lora_rank=rank,
                 scale=layer.scale,
                 latent_scale=kv.k_scale,
             ).to(q.dtype)
@@ -162,10 +234,10 @@ class MLAContext(_Context):
             result = ops.mla_paged_attention(
                 q[: batch.num_tokens],
                 kv.latent,
-                batch.page_table[:n],
+                page_table[:n],
                 batch.query_start_loc[: n + 1],
                 batch.seq_lens[:n],
-                kv_lora_rank=spec.kv_lora_rank,
+                kv_lora_rank=rank,
                 scale=layer.scale,
                 causal=spec.causal,
                 latent_scale=kv.k_scale,
@@ -174,9 +246,18 @@ class MLAContext(_Context):
 
 
 class EncoderContext(_Context):
-    def forward(self, layer, q, k, v, out, **inputs: Any) -> torch.Tensor:
-        batch = self.batch
+    def forward(
+        self,
+        layer: LayerAttentionBinding,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        out: torch.Tensor | None,
+        **inputs: Any,
+    ) -> torch.Tensor:
+        batch = self._batch()
         spec = self.spec
+        k, v = self._tensors("encoder", k, v)
         result = ops.varlen_attention(
             q,
             k,
@@ -194,10 +275,13 @@ class LinearContext(_Context):
     """Gated DeltaNet, KDA and Mamba2 with conv state; speculative verify keeps per-token states
     ("native" strategy) and :meth:`commit_speculative` keeps the accepted prefix's state."""
 
-    def __init__(self, backend: Backend, group: LayerGroup, state: Any) -> None:
+    def __init__(self, backend: Backend, group: LayerGroup, state: PersistentState | None) -> None:
         super().__init__(backend, group)
         self.state = state
-        self.variant = group.spec.linear_variant
+        variant = group.spec.linear_variant
+        if variant is None:  # LayerSpec refuses a linear layer without one
+            raise ValueError(f"group {group.group_id!r}: a linear layer without a linear_variant")
+        self.variant = variant
         # verify steps: per layer, the per-token states and the conv inputs to roll back to
         self._verify_states: dict[int, torch.Tensor] = {}
         self._verify_conv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -207,17 +291,25 @@ class LinearContext(_Context):
         self._verify_states.clear()
         self._verify_conv.clear()
 
-    def conv1d(self, layer, x, weight, bias, *, activation="silu", out=None) -> torch.Tensor:
-        batch = self.batch
+    def conv1d(
+        self,
+        layer: LayerAttentionBinding,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        *,
+        activation: str | None = "silu",
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        batch = self._batch()
+        indices, initial = self._slots(batch)
         conv_state = layer.linear_state.conv
         if batch.mode is BatchMode.DECODE:
-            result = dec.decode_conv1d(
-                x, weight, bias, conv_state, batch.state_indices, activation=activation
-            )
+            result = dec.decode_conv1d(x, weight, bias, conv_state, indices, activation=activation)
         else:
             n, t = batch.num_reqs, batch.num_tokens
             if batch.mode is BatchMode.VERIFY:
-                idx = batch.state_indices[:n].long()
+                idx = indices[:n].long()
                 self._verify_conv[layer.layer_index] = (conv_state[idx].clone(), x[:t].clone())
             result = ops.causal_conv1d(
                 x[:t],
@@ -225,17 +317,27 @@ class LinearContext(_Context):
                 bias,
                 conv_state,
                 batch.query_start_loc[: n + 1],
-                batch.state_indices[:n],
-                batch.has_initial_state[:n],
+                indices[:n],
+                initial[:n],
                 activation=activation,
             )
         return self._finish(result, out, result.shape[0])
 
-    def forward(self, layer, q, k, v, out, **inputs: Any) -> torch.Tensor:
-        batch = self.batch
+    def forward(
+        self,
+        layer: LayerAttentionBinding,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        out: torch.Tensor | None,
+        **inputs: Any,
+    ) -> torch.Tensor:
+        batch = self._batch()
         spec = self.spec
         ssm = layer.linear_state.ssm
         variant = self.variant
+        k, v = self._tensors("linear", k, v)
+        indices, initial = self._slots(batch)
         self._check_inputs(q, v, inputs)
         if batch.mode is BatchMode.DECODE:
             result = dec.decode_linear_step(
@@ -244,7 +346,7 @@ class LinearContext(_Context):
                 k,
                 v,
                 ssm,
-                batch.state_indices,
+                indices,
                 scale=layer.scale,
                 use_qk_l2norm=spec.qk_l2norm,
                 **inputs,
@@ -258,11 +360,7 @@ class LinearContext(_Context):
                 (n, k1, *spec.ssm_state_shape), dtype=torch.float32, device=q.device
             )
             self._verify_states[layer.layer_index] = intermediate
-        meta = (
-            batch.query_start_loc[: n + 1],
-            batch.state_indices[:n],
-            batch.has_initial_state[:n],
-        )
+        meta = (batch.query_start_loc[: n + 1], indices[:n], initial[:n])
         tok = {
             name: value[:t] if value.dim() and value.shape[0] == batch.padded_tokens else value
             for name, value in inputs.items()
@@ -296,7 +394,7 @@ class LinearContext(_Context):
             )
         return self._finish(result, out, result.shape[0])
 
-    def _check_inputs(self, q: torch.Tensor, v: torch.Tensor, inputs: dict) -> None:
+    def _check_inputs(self, q: torch.Tensor, v: torch.Tensor, inputs: dict[str, Any]) -> None:
         need = (
             ("dt", "A_log", "D", "dt_bias")
             if self.variant is LinearVariant.MAMBA2
@@ -316,11 +414,12 @@ class LinearContext(_Context):
         if batch.mode is not BatchMode.VERIFY:
             return
         n = batch.num_reqs
-        acc = num_accepted[:n].long().to(batch.state_indices.device)
+        indices, _ = self._slots(batch)
+        acc = num_accepted[:n].long().to(indices.device)
         k1 = batch.spec_tokens + 1
         if ((acc < 1) | (acc > k1)).any():
             self._bad("num_accepted", f"values in 1..{k1}", num_accepted[:n].tolist())
-        slots = batch.state_indices[:n].long()
+        slots = indices[:n].long()
         rows = torch.arange(n, device=slots.device)
         for layer_index, states in self._verify_states.items():
             ssm = self._layer_state(layer_index).ssm
@@ -335,10 +434,17 @@ class LinearContext(_Context):
         self._verify_states.clear()
         self._verify_conv.clear()
 
-    def _layer_state(self, layer_index: int):
+    def _layer_state(self, layer_index: int) -> LinearStateLayer:
+        if self.state is None:
+            raise RuntimeError(
+                f"group {self.group.group_id!r}: the context was allocated without the "
+                "persistent state; it holds no state slots to commit to"
+            )
         return self.state.state_slots.layer(layer_index)
 
 
 @hookimpl
-def attn_core_bind_forward(backend, context):
+def attn_core_bind_forward(
+    backend: Backend, context: AttentionContext
+) -> Callable[..., torch.Tensor]:
     return context.forward

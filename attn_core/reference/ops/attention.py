@@ -151,16 +151,16 @@ def _cache_inputs(
                 f"slot_mapping: slot {top} is out of range for a cache of {num_pages} "
                 f"pages x {page_size} tokens"
             )
-    scale = None if cache.dtype != FP8_DTYPE else _check_scale(scale, "scale", cache.device)
-    return src.to(cache.device), slots, scale
+    checked = None if cache.dtype != FP8_DTYPE else _check_scale(scale, "scale", cache.device)
+    return src.to(cache.device), slots, checked
 
 
 def _write_slots(
     src: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, scale: ScaleLike, name: str
 ) -> None:
     """Write ``src[t]`` to slot ``slot_mapping[t]`` of a paged ``cache``; slot ``-1`` skips."""
-    src, slots, scale = _cache_inputs(src, cache, slot_mapping, scale, name)
-    kv_write.write_slots(src, cache, slots, scale)
+    src, slots, checked = _cache_inputs(src, cache, slot_mapping, scale, name)
+    kv_write.write_slots(src, cache, slots, checked)
 
 
 def _visible(
