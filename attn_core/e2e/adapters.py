@@ -36,12 +36,19 @@ from attn_core.specs import LayerKind, LinearVariant, torch_dtype
 __all__ = ["CausalLMAdapter", "layer_params_for"]
 
 
+def _decoder(hf_model: torch.nn.Module) -> Any:
+    """The model's decoder stack, ``hf_model.model``. Any to the type checker: its attributes
+    (``layers``, ``embed_tokens``, ``rotary_emb``, the norms) differ by architecture and are
+    resolved at run time by ``nn.Module.__getattr__``."""
+    return hf_model.model
+
+
 def layer_params_for(hf_model: torch.nn.Module, layout: ModelLayout) -> dict[int, dict[str, Any]]:
     """Per-layer binding parameters taken from the model: gpt-oss's sinks ``[H]`` float32."""
     params: dict[int, dict[str, Any]] = {}
     for i in layout.layer_indices:
         if layout.spec_of(i).has_sinks:
-            sinks = hf_model.model.layers[i].self_attn.sinks
+            sinks = _decoder(hf_model).layers[i].self_attn.sinks
             params[i] = {"sinks": sinks.detach().float()}
     return params
 
@@ -64,11 +71,12 @@ class CausalLMAdapter:
         *,
         direct: bool = False,
     ) -> None:
-        self.hf = hf_model
+        # transformers modules: their attributes differ by architecture (see _decoder)
+        self.hf: Any = hf_model
         self.layout = layout
         self.runtime = runtime
-        self.config = hf_model.config
-        self.base = hf_model.model
+        self.config: Any = hf_model.config
+        self.base = _decoder(hf_model)
         self.modeling = importlib.import_module(type(hf_model).__module__)
         self.dtype = torch_dtype(layout.layer_specs[0].dtype)
         self.direct = direct
@@ -108,9 +116,12 @@ class CausalLMAdapter:
         h = self.base.embed_tokens(input_ids)[None]  # [1, T, D]
         pe = self.base.rotary_emb(h, positions[None]) if hasattr(self.base, "rotary_emb") else None
         for i, layer in enumerate(self.base.layers):
+            mixer = self._mixers[i]
+            if mixer is None:
+                raise ValueError(f"layer {i} is not in the attention layout; nothing to run it")
             residual = h
             x = layer.input_layernorm(h)
-            h = residual + self._mixers[i](i, layer, x[0], pe)[None]
+            h = residual + mixer(i, layer, x[0], pe)[None]
             residual = h
             norm2 = getattr(layer, "post_attention_layernorm", None) or layer.pre_ff_layernorm
             mlp = getattr(layer, "mlp", None) or layer.feed_forward
@@ -176,7 +187,7 @@ class CausalLMAdapter:
         at = layer.self_attn
         spec = self.layout.spec_of(i)
         T, H = x.shape[0], spec.num_heads
-        R, P, Dn = spec.kv_lora_rank, spec.qk_rope_head_dim, spec.qk_nope_head_dim
+        R, P, Dn = spec.mla_dims
         if i not in self._mla_weights:
             self._mla_weights[i] = mla_split_kv_b_proj(
                 at.kv_b_proj.weight, num_heads=H, qk_nope_head_dim=Dn, v_head_dim=at.v_head_dim

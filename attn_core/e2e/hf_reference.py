@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ __all__ = ["hf_causal_logits", "hf_vision_block_outputs", "torch_paths"]
 def torch_paths(model: torch.nn.Module) -> Iterator[None]:
     """Within the block, ``model``'s modeling module calls its own torch implementations."""
     module = importlib.import_module(type(model).__module__)
-    saved: dict[str, object] = {}
+    saved: dict[str, Callable[..., Any]] = {}
     for name, value in vars(module).items():
         if inspect.isfunction(value) and hasattr(value, "__wrapped__"):
             inner = inspect.unwrap(value)
@@ -69,9 +70,15 @@ def hf_vision_block_outputs(
         merged ``[num_patches / merge_unit, out_hidden]`` float32, in image order).
     """
     captured: list[torch.Tensor] = []
+    blocks = model.blocks
+    if not isinstance(blocks, torch.nn.ModuleList):
+        raise TypeError(
+            f"{type(model).__name__}.blocks: expected the vision tower's ModuleList, "
+            f"got {type(blocks).__name__}"
+        )
     hooks = [
         blk.register_forward_hook(lambda _m, _i, o: captured.append(o.detach().float()))
-        for blk in model.blocks
+        for blk in blocks
     ]
     try:
         with torch_paths(model):

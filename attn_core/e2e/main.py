@@ -48,7 +48,7 @@ _VISION_GRIDS = [(1, 8, 8), (1, 4, 12), (2, 4, 4), (1, 12, 8)]
 
 def resolve_models(model: str) -> list[str]:
     """``"all"`` or a comma list of architecture names (aliases allowed) -> sample names."""
-    names = []
+    names: list[str] = []
     for part in (p.strip().lower() for p in model.split(",") if p.strip()):
         if part == "all":
             names.extend(ARCHITECTURES)
@@ -240,13 +240,13 @@ def run_architecture(
         runtime = AttentionRuntime(plan, registry, state=None, device=device)
         pixels, grid_thw = sample_images(model, grids)
         t0 = time.perf_counter()
-        result = VisionRunner(model, runtime, max_tokens=tokens).forward(pixels, grid_thw)
+        vision = VisionRunner(model, runtime, max_tokens=tokens).forward(pixels, grid_thw)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t0
         if on_progress:
-            on_progress(len(grids), len(grids), len(result.blocks))
-        match = compare_vision(model, result, pixels, grid_thw)
+            on_progress(len(grids), len(grids), len(vision.blocks))
+        match = compare_vision(model, vision, pixels, grid_thw)
         if graphs:
             notes.append("the vision tower runs without CUDA graphs (one encoder pass)")
         return ArchitectureRun(
@@ -255,8 +255,8 @@ def run_architecture(
             model.layout.short(),
             plan.to_dict(),
             match,
-            steps=len(result.blocks),
-            mode_counts={"encoder": len(result.blocks)},
+            steps=len(vision.blocks),
+            mode_counts={"encoder": len(vision.blocks)},
             tokens=tokens,
             seconds=seconds,
             tokens_per_second=tokens / seconds if seconds else 0.0,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,7 +55,8 @@ def shard_attention(model: TinyModel, rank: int, world: int) -> None:
     """Keep rank ``rank``'s heads of every full-attention layer (in place)."""
     for i in model.layout.layer_indices:
         spec = model.layout.spec_of(i)
-        at = model.hf.model.layers[i].self_attn
+        hf: Any = model.hf  # a transformers model: attributes by architecture
+        at = hf.model.layers[i].self_attn
         D, Dv, H, Hkv = spec.head_dim, spec.head_dim_v, spec.num_heads, spec.num_kv_heads
         at.q_proj = _rows(at.q_proj, rank * H * D, (rank + 1) * H * D)
         at.k_proj = _rows(at.k_proj, rank * Hkv * D, (rank + 1) * Hkv * D)

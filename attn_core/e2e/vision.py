@@ -38,7 +38,7 @@ def sample_images(model: TinyModel, grids: list[tuple[int, int, int]], *, seed: 
     :returns: ``(pixel_values [sum t*h*w, C*tp*p*p], grid_thw [n, 3] int64)`` on the model's
         device and dtype.
     """
-    cfg = model.hf.config
+    cfg: Any = model.hf.config  # a transformers config: attributes by architecture
     p = next(model.hf.parameters())
     width = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
     n = sum(t * h * w for t, h, w in grids)
@@ -68,7 +68,8 @@ class VisionRunner:
             get_vision_window_index,
         )
 
-        vt = self.model.hf
+        # the transformers vision tower: its attributes are resolved at run time
+        vt: Any = self.model.hf
         layout = self.model.layout
         position_ids = get_vision_position_ids(grid_thw, vt.spatial_merge_size, kwargs={})
         cu_seqlens, _ = get_vision_attention_seqlens(grid_thw, vt.config, kwargs={})
