@@ -110,7 +110,8 @@ def _launcher_form(launcher_cls: type) -> str | None:
 def _c_launch(run: Any) -> tuple[str, Any] | None:
     """``(form, C launch function)`` of a compiled kernel's launcher, where a bound launch may
     call it directly: a known :func:`_launcher_form`, no global or profile scratch, no GSan."""
-    form = _launcher_form(type(run))
+    # a class is hashable; mypy does not match type[...] against Hashable
+    form = _launcher_form(type(run))  # type: ignore[arg-type]
     if (
         form is None
         or getattr(run, "global_scratch_size", 1) != 0
@@ -130,6 +131,12 @@ def _hooks_set() -> bool:
         if hook is not None and getattr(hook, "calls", True):
             return True
     return False
+
+
+def _no_cuda(*args: object) -> int:
+    """Stands in for torch's raw current-stream / current-device calls in a build without CUDA
+    (where no compiled kernel is launched directly)."""
+    raise RuntimeError("this torch build has no CUDA: no current CUDA stream or device")
 
 
 class _Entry:
@@ -154,8 +161,8 @@ class CachedLaunch:
 
     #: ``device index -> raw current stream`` and ``() -> current device index``; tests swap
     #: them for stand-ins.
-    current_stream = staticmethod(getattr(torch._C, "_cuda_getCurrentRawStream", None))
-    current_device = staticmethod(getattr(torch._C, "_cuda_getDevice", None))
+    current_stream = staticmethod(getattr(torch._C, "_cuda_getCurrentRawStream", _no_cuda))
+    current_device = staticmethod(getattr(torch._C, "_cuda_getDevice", _no_cuda))
 
     def __init__(self, fn: Any, unkeyed_tail: int = 0) -> None:
         """
@@ -164,7 +171,7 @@ class CachedLaunch:
         """
         self.fn = fn
         self._keyed = slice(None, -unkeyed_tail if unkeyed_tail else None)
-        self._compiled: dict[tuple, _Entry] = {}
+        self._compiled: dict[tuple[Any, ...], _Entry] = {}
         #: False: every launch goes through ``fn[grid](...)`` (benchmarks compare the two).
         self.enabled = True
 
@@ -224,7 +231,9 @@ class CachedLaunch:
             return None
         return BoundLaunch(entry, grid, scalars, device)
 
-    def _key(self, ptrs, tensors, scalars, num_warps, num_stages, launch_pdl, device) -> tuple:
+    def _key(self, ptrs: list[int], tensors: Sequence[torch.Tensor], scalars: Sequence[Any],
+             num_warps: int, num_stages: int, launch_pdl: bool,
+             device: int) -> tuple[Any, ...]:  # fmt: skip
         # Triton specialises a pointer on 16-byte alignment: one OR over all of them decides
         # the common case (all aligned) without a per-tensor term in the key.
         align = (
@@ -247,7 +256,9 @@ class CachedLaunch:
         launch hook is set (they see only launches through Triton's runner)."""
         return device == cls.current_device() and not _hooks_set()
 
-    def _jit(self, grid, tensors, scalars, num_warps, num_stages, launch_pdl) -> Any:
+    def _jit(self, grid: tuple[int, ...], tensors: Sequence[torch.Tensor],
+             scalars: Sequence[Any], num_warps: int, num_stages: int,
+             launch_pdl: bool) -> Any:  # fmt: skip
         extra = {"launch_pdl": True} if launch_pdl else {}
         return self.fn[grid](
             *tensors, *scalars, num_warps=num_warps, num_stages=num_stages, **extra
@@ -280,7 +291,10 @@ class BoundLaunch:
         g0, g1, g2 = (*grid, 1, 1)[:3]
         scalars = tuple(scalars)
         function, metadata, run = entry.function, entry.metadata, entry.run
+        if run is None:
+            raise ValueError("BoundLaunch: the entry has no direct runner (CachedLaunch.bind)")
         c_launch = _c_launch(run)
+        fixed: tuple[Any, ...]
         if c_launch is not None and c_launch[0] == "tuple":
             launch = c_launch[1]
             fixed = (
