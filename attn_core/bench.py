@@ -162,7 +162,7 @@ def bench_group(
         max_pages_per_request=pages_per_req,
         device=device,
     )
-    if group.spec.kind is LayerKind.ENCODER:
+    if state is None:  # an encoder group: no persistent state
         step = builder.build_encoder([1] * batch)
     else:
         for r in range(batch):

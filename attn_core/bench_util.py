@@ -133,7 +133,8 @@ def profile_table(prof: cProfile.Profile, calls: int, what: str, top: int = 25) 
     :param calls: how many times the profiled code ran (the divisor).
     :param what: the table's title.
     """
-    stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
+    # {(file, line, name): (cc, nc, tottime, cumtime, callers)}; typeshed leaves .stats out
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
     out = f"cProfile of {what}, {calls} calls (us per call):\n"
     out += f"  {'own':>7} {'cum':>7} {'calls':>6}  function\n"

@@ -80,7 +80,7 @@ class AttentionRuntime:
         layer_params = layer_params or {}
         for choice in plan.choices:
             group, backend = choice.group, choice.backend
-            common = dict(
+            common: dict[str, Any] = dict(
                 backend=backend,
                 group=group,
                 device=plan.device,

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from attn_core.specs import LayerGroup, LayerKind, LayerSpec, LinearVariant, group_layers
 
@@ -130,9 +130,10 @@ class ModelLayout:
 def _ranges(indices: Sequence[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2,5"``: keeps error messages about 48-layer models short."""
     parts: list[str] = []
-    start = prev = None
+    start: int | None = None
+    prev: int | None = None
     for i in [*indices, None]:
-        if start is not None and (i is None or i != prev + 1):
+        if start is not None and prev is not None and (i is None or i != prev + 1):
             parts.append(str(start) if start == prev else f"{start}-{prev}")
             start = None
         if i is not None and start is None:
@@ -243,7 +244,13 @@ def _check_types(r: _Reader, types: Sequence[str], allowed: set[str]) -> None:
 # ------------------------------------------------------------------------------------------
 # Families
 # ------------------------------------------------------------------------------------------
-def _gqa(r: _Reader, o: _Options, head_dim: int) -> dict[str, int]:
+class _Heads(TypedDict):
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def _gqa(r: _Reader, o: _Options, head_dim: int) -> _Heads:
     return {
         "num_heads": _split(r.pos_int("num_attention_heads"), o.tp_size, "num_attention_heads"),
         "num_kv_heads": _split_or_replicate(
@@ -665,7 +672,7 @@ def specs_from_hf_config(
     raw = _as_dict(config)
     model_type = raw.get("model_type")
     family = _BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
-    if family is None:
+    if family is None or not isinstance(model_type, str):
         raise ValueError(
             f"model_type={model_type!r} is not supported; supported: {list(SUPPORTED_MODEL_TYPES)} "
             f"(samples: {sample_names()})"
