@@ -18,7 +18,7 @@ JIT-compiles the kernel, 2-4 s).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -29,6 +29,9 @@ from attn_core.hookspecs import hookimpl
 from attn_core.specs import ExecutionConstraints, GraphMode, LayerGroup, LayerKind
 from attn_plugin_fa3 import __version__, providers
 from attn_plugin_fa3.kv_write import write_kv
+
+if TYPE_CHECKING:
+    from attn_core.binding import LayerAttentionBinding
 
 ATTN_CORE_API_VERSION = "1.1"
 
@@ -187,7 +190,7 @@ class FA3Context:
     # the new batch recorded.
     update = prepare
 
-    def _bad(self, what: str, expected: object, got: object) -> None:
+    def _bad(self, what: str, expected: object, got: object) -> NoReturn:
         raise BackendInputError(
             group=self.group.group_id,
             backend=self.backend.qualified_name,
@@ -211,7 +214,15 @@ class FA3Context:
             self._sinks[layer.layer_index] = cached
         return cached[1]
 
-    def forward(self, layer, q, k, v, out, **inputs: Any) -> torch.Tensor:
+    def forward(
+        self,
+        layer: LayerAttentionBinding,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        out: torch.Tensor | None,
+        **inputs: Any,
+    ) -> torch.Tensor:
         """Write the new K/V, then attend.
 
         :param q: ``[padded_tokens, Hq, D]``; ``k``/``v`` ``[padded_tokens, Hkv, D]``.
@@ -219,6 +230,11 @@ class FA3Context:
         :returns: ``[padded_tokens, Hq, D]``; rows of padding tokens hold garbage.
         """
         batch = self.batch
+        # never taken: the core prepares a paged batch first (prepare checks it) and passes k, v
+        if batch is None or batch.page_table is None or batch.slot_mapping is None:
+            self._bad("batch", "a prepared paged batch (prepare before forward)", batch)
+        if k is None or v is None:
+            self._bad("k / v", "the new tokens' keys and values", (k, v))
         kv = layer.kv
         if kv.k.dtype != q.dtype:
             self._bad("KV cache dtype", q.dtype, kv.k.dtype)
