@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -85,6 +86,7 @@ def probe_varlen_attn() -> tuple[VarlenAttnInfo | None, str | None]:
         )
     fn_out = getattr(mod, "varlen_attn_out", None)
     if fn_out is not None:
+        out_params: Mapping[str, inspect.Parameter]
         try:
             out_params = inspect.signature(fn_out).parameters
         except (TypeError, ValueError):
@@ -238,7 +240,7 @@ def sdpa_varlen(
             return t[rows].unflatten(0, (-1, length)).transpose(1, 2)  # [n, H, L, D]
 
         qs, ks, vs = heads_first(q), heads_first(k), heads_first(v)
-        extra: dict[str, object] = {}
+        extra: dict[str, Any] = {}  # keywords this torch's SDPA takes
         if rep > 1:
             if _SDPA_GQA:
                 extra["enable_gqa"] = True

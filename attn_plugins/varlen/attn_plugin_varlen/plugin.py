@@ -10,7 +10,7 @@ A backend that cannot run here still registers, with ``available=False`` and the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -20,6 +20,9 @@ from attn_core.errors import BackendInputError
 from attn_core.hookspecs import hookimpl
 from attn_core.specs import GraphMode, LayerGroup, LayerKind
 from attn_plugin_varlen import __version__, kernels
+
+if TYPE_CHECKING:
+    from attn_core.binding import LayerAttentionBinding
 
 ATTN_CORE_API_VERSION = "1.1"
 
@@ -152,7 +155,7 @@ class _EncoderContext:
 
     update = prepare
 
-    def _bad(self, what: str, expected: object, got: object) -> None:
+    def _bad(self, what: str, expected: object, got: object) -> NoReturn:
         raise BackendInputError(
             group=self.group.group_id,
             backend=self.backend.qualified_name,
@@ -160,6 +163,17 @@ class _EncoderContext:
             expected=expected,
             got=got,
         )
+
+    def _inputs(
+        self, k: torch.Tensor | None, v: torch.Tensor | None
+    ) -> tuple[AttentionBatch, torch.Tensor, torch.Tensor]:
+        """The prepared batch and the layer's k, v (the core prepares one first, passes both)."""
+        batch = self.batch
+        if batch is None:
+            self._bad("batch", "a prepared encoder batch (prepare before forward)", None)
+        if k is None or v is None:
+            self._bad("k / v", "the sequences' keys and values", (k, v))
+        return batch, k, v
 
 
 class VarlenContext(_EncoderContext):
@@ -176,8 +190,16 @@ class VarlenContext(_EncoderContext):
             )
         self.info = info
 
-    def forward(self, layer, q, k, v, out, **inputs: Any) -> torch.Tensor:
-        batch = self.batch
+    def forward(
+        self,
+        layer: LayerAttentionBinding,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        out: torch.Tensor | None,
+        **inputs: Any,
+    ) -> torch.Tensor:
+        batch, k, v = self._inputs(k, v)
         spec = self.spec
         return kernels.run_varlen_attn(
             self.info,
@@ -196,8 +218,16 @@ class VarlenContext(_EncoderContext):
 class SdpaContext(_EncoderContext):
     """SDPA per run of equal-length sequences, offsets read from the batch's host mirror."""
 
-    def forward(self, layer, q, k, v, out, **inputs: Any) -> torch.Tensor:
-        batch = self.batch
+    def forward(
+        self,
+        layer: LayerAttentionBinding,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        out: torch.Tensor | None,
+        **inputs: Any,
+    ) -> torch.Tensor:
+        batch, k, v = self._inputs(k, v)
         spec = self.spec
         return kernels.sdpa_varlen(
             q,
