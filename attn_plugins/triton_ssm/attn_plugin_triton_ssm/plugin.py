@@ -38,7 +38,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import torch
@@ -249,7 +249,9 @@ class _VarlenPlan:
     num_tokens: int
 
 
-def _plan_varlen(batch: AttentionBatch, conv_kernel: int, device: torch.device) -> _VarlenPlan:
+def _plan_varlen(
+    batch: AttentionBatch, state_indices: torch.Tensor, conv_kernel: int, device: torch.device
+) -> _VarlenPlan:
     n = batch.num_reqs
     qsl = batch.query_start_loc_cpu[: n + 1].astype(np.int64)
     lens = np.diff(qsl)
@@ -282,7 +284,7 @@ def _plan_varlen(batch: AttentionBatch, conv_kernel: int, device: torch.device) 
     rows = dev[o : o + N] if n > N else None
     o += N
     fresh_d = dev[o:] if len(fresh) else None
-    si = batch.state_indices[:n]
+    si = state_indices[:n]
     slots = si if rows is None else si.index_select(0, rows)
     return _VarlenPlan(
         rows=rows,
@@ -333,12 +335,17 @@ class TritonSSMContext:
         self.backend = backend
         self.group = group
         self.spec = group.spec
-        self.variant: LinearVariant = group.spec.linear_variant
+        variant = group.spec.linear_variant
+        if variant is None:  # LayerSpec refuses a linear layer without one
+            raise ValueError(f"group {group.group_id!r}: a linear layer without a linear_variant")
+        self.variant = variant
+        self._conv_kernel = group.spec.conv_dims[1]
         self.constraints = constraints
         self.strategy = _strategy(constraints)
         self.state = state
         self.workspace = workspace
         self.batch: AttentionBatch | None = None
+        self._state_indices: torch.Tensor  # the prepared batch's, set (and checked) in prepare
         self.K = kernels()
         self._plan: _VarlenPlan | None = None
         self._pending: dict[int, _PendingCommit] = {}
@@ -347,14 +354,16 @@ class TritonSSMContext:
     # -- life cycle ------------------------------------------------------------------------
     def prepare(self, batch: AttentionBatch) -> None:
         """Record ``batch``; for prefill / mixed steps plan the varlen metadata (host work)."""
-        if batch.state_indices is None:
+        state_indices = batch.state_indices
+        if state_indices is None:
             self._bad("batch.state_indices", "a batch built with linear state slots", None)
         self.batch = batch
+        self._state_indices = state_indices
         self._pending.clear()
         self._pending_step = None
         self._plan = None
         if batch.mode in (BatchMode.PREFILL, BatchMode.MIXED):
-            self._plan = _plan_varlen(batch, self.spec.conv_kernel_size, batch.state_indices.device)
+            self._plan = _plan_varlen(batch, state_indices, self._conv_kernel, state_indices.device)
 
     def update(self, batch: AttentionBatch) -> None:
         """Before a graph replay: decode kernels read the BatchBuilder's persistent metadata
@@ -386,7 +395,7 @@ class TritonSSMContext:
         mode = batch.mode
         if mode is BatchMode.DECODE:
             return self.K.causal_conv1d_update(
-                x, conv_state, weight, bias, batch.state_indices, activation=activation, out=out
+                x, conv_state, weight, bias, self._state_indices, activation=activation, out=out
             )
         if mode is BatchMode.VERIFY:
             n, k1 = batch.num_reqs, batch.spec_tokens + 1
@@ -397,7 +406,7 @@ class TritonSSMContext:
                 conv_state,
                 weight,
                 bias,
-                batch.state_indices[:n],
+                self._state_indices[:n],
                 activation=activation,
                 update_state=False,
                 out=out3,
@@ -408,8 +417,18 @@ class TritonSSMContext:
             return out if out is not None else y.flatten(0, 1)
         return self._conv_varlen(x, weight, bias, conv_state, activation, out)
 
-    def _conv_varlen(self, x, weight, bias, conv_state, activation, out) -> torch.Tensor:
+    def _varlen_plan(self) -> _VarlenPlan:
+        """The plan prepare() made for this prefill / mixed step."""
         plan = self._plan
+        if plan is None:
+            raise RuntimeError(
+                f"group {self.group.group_id!r}: no varlen plan for a "
+                f"{self._batch().mode.value} step (prepare plans prefill and mixed steps)"
+            )
+        return plan
+
+    def _conv_varlen(self, x, weight, bias, conv_state, activation, out) -> torch.Tensor:
+        plan = self._varlen_plan()
         T, C = plan.num_tokens, x.shape[1]
         W = conv_state.shape[-1]
         init = conv_state.index_select(0, plan.slots)  # [N, C, W]
@@ -450,7 +469,7 @@ class TritonSSMContext:
         ssm = layer.linear_state.ssm
         mode = batch.mode
         if mode is BatchMode.DECODE:
-            return self._decode(layer, q, k, v, out, ssm, batch.state_indices, inputs)
+            return self._decode(layer, q, k, v, out, ssm, self._state_indices, inputs)
         if mode is BatchMode.VERIFY:
             return self._verify(layer, q, k, v, out, ssm, batch, inputs)
         return self._prefill(layer, q, k, v, out, ssm, inputs)
@@ -469,7 +488,7 @@ class TritonSSMContext:
         )  # fmt: skip
 
     def _prefill(self, layer, q, k, v, out, ssm, inputs) -> torch.Tensor:
-        plan = self._plan
+        plan = self._varlen_plan()
         T = plan.num_tokens
         if plan.fresh is not None:  # has_initial_state False: start from zeros
             ssm.index_fill_(0, plan.slots_long.index_select(0, plan.fresh), 0)
@@ -495,12 +514,12 @@ class TritonSSMContext:
     def _verify(self, layer, q, k, v, out, ssm, batch, inputs) -> torch.Tensor:
         n, k1 = batch.num_reqs, batch.spec_tokens + 1
         t = n * k1
-        idx = batch.state_indices[:n]
+        idx = self._state_indices[:n]
 
-        def split(x: torch.Tensor | None) -> torch.Tensor | None:
-            return None if x is None else x[:t].unflatten(0, (n, k1))
+        def split(x: torch.Tensor) -> torch.Tensor:
+            return x[:t].unflatten(0, (n, k1))
 
-        out3 = split(out)
+        out3 = None if out is None else split(out)
         pending = self._pending_for(layer, batch)
         pending.scale = layer.scale
         if self.variant is LinearVariant.MAMBA2:
@@ -597,6 +616,8 @@ class TritonSSMContext:
             acc_host = num_accepted[:n]
             if bool(((acc_host < 1) | (acc_host > k1)).any()):
                 self._bad("num_accepted", f"values in 1..{k1}", acc_host.tolist())
+        if batch.state_indices is None:
+            self._bad("batch.state_indices", "a batch built with linear state slots", None)
         idx = batch.state_indices[:n]
         acc = num_accepted[:n].to(idx.device, torch.int32, non_blocking=True).clamp(0, k1)
         K = self.K
@@ -632,7 +653,7 @@ class TritonSSMContext:
             )
         return self.batch
 
-    def _check_inputs(self, q: torch.Tensor, v: torch.Tensor, inputs: dict) -> None:
+    def _check_inputs(self, q: torch.Tensor, v: torch.Tensor, inputs: dict[str, Any]) -> None:
         need = ("dt", "A_log") if self.variant is LinearVariant.MAMBA2 else ("g", "beta")
         if inputs.get(need[0]) is None or inputs.get(need[1]) is None:
             missing = [n for n in need if inputs.get(n) is None]
@@ -642,7 +663,7 @@ class TritonSSMContext:
             if tuple(inputs["g"].shape) != want:
                 self._bad("KDA gate g shape [T, Hv, Dk]", want, tuple(inputs["g"].shape))
 
-    def _bad(self, what: str, expected: object, got: object) -> None:
+    def _bad(self, what: str, expected: object, got: object) -> NoReturn:
         raise BackendInputError(
             group=self.group.group_id,
             backend=self.backend.qualified_name,

@@ -357,17 +357,17 @@ def mamba2_ssd_triton(
                 f"{name}: expected x's dtype {str(x.dtype).removeprefix('torch.')} (the dots "
                 f"run in it), got {str(t.dtype).removeprefix('torch.')}; cast it first"
             )
-    for name, t in (("D", D), ("dt_bias", dt_bias)):
-        if t is not None:
-            check_shape(name, t, [H], "[H]")
+    for name, opt in (("D", D), ("dt_bias", dt_bias)):
+        if opt is not None:
+            check_shape(name, opt, [H], "[H]")
     if z is not None:
         check_shape("z", z, [T, H, P], "[T, H, P]")
         check_last_contiguous("z", z)
     for name, t in (("x", x), ("dt", dt), ("A_log", A_log), ("B", B), ("C", C)):
         check_last_contiguous(name, t)
-    for name, t in (("D", D), ("dt_bias", dt_bias)):
-        if t is not None:
-            check_last_contiguous(name, t)
+    for name, opt in (("D", D), ("dt_bias", dt_bias)):
+        if opt is not None:
+            check_last_contiguous(name, opt)
     check_last_contiguous("ssm_state", ssm_state, 2)
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(
