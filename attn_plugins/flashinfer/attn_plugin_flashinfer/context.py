@@ -46,7 +46,7 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -206,6 +206,7 @@ class _PagedContext:
         import flashinfer  # cold: once per group
 
         self.fi = flashinfer
+        self.fi_version: str | None = getattr(flashinfer, "__version__", None)
         self.backend = backend
         self.group = group
         self.spec = group.spec
@@ -240,12 +241,11 @@ class _PagedContext:
 
             self._gather_kv_indices = KVIndexGather()
         self._row_base: tuple[int, np.ndarray] | None = None  # (W, b * W) for page-table width W
-        self.kv_dtype = torch.float8_e4m3fn if self.spec.kv_dtype == "fp8_e4m3" else None
-        self.q_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[self.spec.dtype]
-        if self.kv_dtype is None:
-            self.kv_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[
-                self.spec.kv_dtype
-            ]
+        dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+        self.q_dtype = dtypes[self.spec.dtype]
+        self.kv_dtype = (
+            torch.float8_e4m3fn if self.spec.kv_dtype == "fp8_e4m3" else dtypes[self.spec.kv_dtype]
+        )
         self.fp8 = self.kv_dtype == FP8_DTYPE
         self.batch: AttentionBatch | None = None
         self.step: _Step | None = None
@@ -387,7 +387,10 @@ class _PagedContext:
 
     def _write(self, x: torch.Tensor, cache: torch.Tensor, step: _Step, scale) -> None:
         """The step's new rows into ``cache`` at ``slot_mapping`` (padding rows change nothing)."""
-        write_slots(x, cache, self.batch.slot_mapping, scale, may_have_padding=step.padded)
+        batch = self.batch
+        if batch is None or batch.slot_mapping is None:  # _plan refused such a batch
+            self._bad("a cache write without a prepared paged batch")
+        write_slots(x, cache, batch.slot_mapping, scale, may_have_padding=step.padded)
 
     def _finish(self, result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         if out is not None and result is not out:
@@ -395,7 +398,7 @@ class _PagedContext:
             return out
         return result
 
-    def _bad(self, what: str) -> None:
+    def _bad(self, what: str) -> NoReturn:
         raise ValueError(f"{self._where}{what}")
 
 
@@ -471,7 +474,6 @@ class FullAttentionContext(_PagedContext):
         self.tensor_core_decode = decode_uses_tensor_cores(
             spec.num_heads, spec.num_kv_heads, spec.kv_dtype
         )
-        self.fi_version = getattr(self.fi, "__version__", None)
         if small_decode_serves(spec, self.kv_dtype, self.q_dtype) and small_decode_runs_on(
             self.device
         ):
@@ -650,8 +652,8 @@ class FullAttentionContext(_PagedContext):
         self,
         layer: Any,
         q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
+        k: torch.Tensor,  # a full layer's: the binding passes both
+        v: torch.Tensor,
         out: torch.Tensor | None,
         **inputs: Any,
     ) -> torch.Tensor:
@@ -728,11 +730,14 @@ class FullAttentionContext(_PagedContext):
         """The step's K/V rows into the caches: one kv_write.KVWriter per (k/v strides, scale
         kinds) for the step, checked on its first write (the binding checks k/v shapes, dtypes
         and device per call, forward() the cache dtype; the slots are the step's)."""
+        batch, step = self.batch, self.step
+        if batch is None or step is None or batch.slot_mapping is None:  # _plan refused those
+            self._bad("a K/V write without a prepared paged batch")
         key = (k.stride(), v.stride(), scale_kind(k_scale), scale_kind(v_scale))
         writer = self._writers.get(key)
         if writer is None:
-            writer = self._writers[key] = KVWriter(may_have_padding=self.step.padded)
-        writer(k, v, k_cache, v_cache, self.batch.slot_mapping, k_scale, v_scale)
+            writer = self._writers[key] = KVWriter(may_have_padding=step.padded)
+        writer(k, v, k_cache, v_cache, batch.slot_mapping, k_scale, v_scale)
 
     def _small_decode(self, layer, q, k, v, out, step: _Step) -> torch.Tensor:
         """A small decode step: the fused write + split-KV kernels (small_decode)."""
@@ -745,6 +750,8 @@ class FullAttentionContext(_PagedContext):
             vs = v.stride()
         o = out if out is not None and out.stride(-1) == 1 else torch.empty_like(q)
         batch, kv = self.batch, layer.kv
+        if batch is None:
+            self._bad("forward before prepare(batch)")
         args = (
             q, k, v, kv.k, kv.v, batch.page_table, batch.seq_lens, batch.slot_mapping, o,
             step.small,
@@ -813,8 +820,7 @@ class MLAContext(_PagedContext):
             raise ValueError(f"MLAContext serves MLA layers, got {spec.kind.value}")
         if self.fp8:
             raise ValueError("FlashInfer MLA with bf16/fp16 queries needs a bf16/fp16 latent cache")
-        self.rank = spec.kv_lora_rank
-        self.rope = spec.qk_rope_head_dim
+        self.rank, self.rope, _ = spec.mla_dims
         self.eager = _share_int_workspace(
             self.fi.BatchMLAPagedAttentionWrapper(self.float_ws),
             self.int_ws,
@@ -859,7 +865,7 @@ class MLAContext(_PagedContext):
         self,
         layer: Any,
         q: torch.Tensor,
-        k: torch.Tensor | None,
+        k: torch.Tensor,  # the new latents: the binding passes them
         v: torch.Tensor | None,
         out: torch.Tensor | None,
         **inputs: Any,

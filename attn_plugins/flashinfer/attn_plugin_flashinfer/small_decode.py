@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 import triton
@@ -221,6 +222,14 @@ _SPLIT = CachedLaunch(_split_kernel)
 _MERGE = CachedLaunch(_merge_kernel)
 
 
+class _LaunchOptions(TypedDict):
+    """The keywords of CachedLaunch.launch / bind."""
+
+    num_warps: int
+    num_stages: int
+    launch_pdl: bool
+
+
 @dataclass(frozen=True, slots=True)
 class SmallDecodeConfig:
     """Tiling of the split kernel: KV positions per inner step, warps, software-pipeline
@@ -380,8 +389,12 @@ class SmallDecodePlan:
             self.split_scalars,
         )
         merge_args = (self.merge_grid, (o_buf, lse_buf, out), self.merge_scalars)
-        split_opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "launch_pdl": pdl}
-        merge_opts = {"num_warps": 4, "num_stages": 1, "launch_pdl": pdl}
+        split_opts: _LaunchOptions = {
+            "num_warps": cfg.num_warps,
+            "num_stages": cfg.num_stages,
+            "launch_pdl": pdl,
+        }
+        merge_opts: _LaunchOptions = {"num_warps": 4, "num_stages": 1, "launch_pdl": pdl}
         _SPLIT.launch(*split_args, **split_opts)
         _MERGE.launch(*merge_args, **merge_opts)
         if split is None or merge is None:
