@@ -140,15 +140,6 @@ class _Context:
         return indices, initial
 
     @staticmethod
-    def _tensors(
-        what: str, k: torch.Tensor | None, v: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``k`` and ``v`` where the kind takes both (the binding passes ``k`` always)."""
-        if k is None or v is None:
-            raise TypeError(f"{what} attention takes k and v tensors, got k={k!r}, v={v!r}")
-        return k, v
-
-    @staticmethod
     def _finish(result: torch.Tensor, out: torch.Tensor | None, rows: int) -> torch.Tensor:
         if out is None:
             return result.to(result.dtype)
@@ -161,8 +152,8 @@ class FullContext(_Context):
         self,
         layer: LayerAttentionBinding,
         q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
+        k: torch.Tensor,  # the binding passes k and v for this kind
+        v: torch.Tensor,
         out: torch.Tensor | None,
         **inputs: Any,
     ) -> torch.Tensor:
@@ -171,7 +162,6 @@ class FullContext(_Context):
         kv = layer.kv
         if kv.k.dtype != q.dtype and kv.k.dtype != torch.float8_e4m3fn:
             self._bad("KV cache dtype", q.dtype, kv.k.dtype)
-        k, v = self._tensors("full", k, v)
         page_table, slot_mapping = self._paged(batch)
         ops.write_paged_kv(k, v, kv.k, kv.v, slot_mapping, k_scale=kv.k_scale, v_scale=kv.v_scale)
         common = dict(
@@ -206,7 +196,7 @@ class MLAContext(_Context):
         self,
         layer: LayerAttentionBinding,
         q: torch.Tensor,
-        k: torch.Tensor | None,
+        k: torch.Tensor,  # the new latent (the binding passes it); v is None
         v: torch.Tensor | None,
         out: torch.Tensor | None,
         **inputs: Any,
@@ -214,8 +204,6 @@ class MLAContext(_Context):
         batch = self._batch()
         spec = self.spec
         kv = layer.kv
-        if k is None:
-            raise TypeError("mla attention takes the new latent as k, got k=None")
         page_table, slot_mapping = self._paged(batch)
         rank = spec.mla_dims[0]
         ops.write_paged_latent(k, kv.latent, slot_mapping, scale=kv.k_scale)
@@ -250,14 +238,13 @@ class EncoderContext(_Context):
         self,
         layer: LayerAttentionBinding,
         q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
+        k: torch.Tensor,  # the binding passes k and v for this kind
+        v: torch.Tensor,
         out: torch.Tensor | None,
         **inputs: Any,
     ) -> torch.Tensor:
         batch = self._batch()
         spec = self.spec
-        k, v = self._tensors("encoder", k, v)
         result = ops.varlen_attention(
             q,
             k,
@@ -327,8 +314,8 @@ class LinearContext(_Context):
         self,
         layer: LayerAttentionBinding,
         q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
+        k: torch.Tensor,  # the binding passes k and v for this kind
+        v: torch.Tensor,
         out: torch.Tensor | None,
         **inputs: Any,
     ) -> torch.Tensor:
@@ -336,7 +323,6 @@ class LinearContext(_Context):
         spec = self.spec
         ssm = layer.linear_state.ssm
         variant = self.variant
-        k, v = self._tensors("linear", k, v)
         indices, initial = self._slots(batch)
         self._check_inputs(q, v, inputs)
         if batch.mode is BatchMode.DECODE:

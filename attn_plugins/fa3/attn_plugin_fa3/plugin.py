@@ -218,8 +218,8 @@ class FA3Context:
         self,
         layer: LayerAttentionBinding,
         q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
+        k: torch.Tensor,  # a full layer's: the binding passes both
+        v: torch.Tensor,
         out: torch.Tensor | None,
         **inputs: Any,
     ) -> torch.Tensor:
@@ -230,11 +230,9 @@ class FA3Context:
         :returns: ``[padded_tokens, Hq, D]``; rows of padding tokens hold garbage.
         """
         batch = self.batch
-        # never taken: the core prepares a paged batch first (prepare checks it) and passes k, v
+        # never taken: the core prepares a batch first, and prepare() refuses one without these
         if batch is None or batch.page_table is None or batch.slot_mapping is None:
             self._bad("batch", "a prepared paged batch (prepare before forward)", batch)
-        if k is None or v is None:
-            self._bad("k / v", "the new tokens' keys and values", (k, v))
         kv = layer.kv
         if kv.k.dtype != q.dtype:
             self._bad("KV cache dtype", q.dtype, kv.k.dtype)

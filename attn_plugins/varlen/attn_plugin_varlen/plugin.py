@@ -164,16 +164,12 @@ class _EncoderContext:
             got=got,
         )
 
-    def _inputs(
-        self, k: torch.Tensor | None, v: torch.Tensor | None
-    ) -> tuple[AttentionBatch, torch.Tensor, torch.Tensor]:
-        """The prepared batch and the layer's k, v (the core prepares one first, passes both)."""
+    def _batch(self) -> AttentionBatch:
+        """The prepared batch (the core prepares one before any forward)."""
         batch = self.batch
         if batch is None:
             self._bad("batch", "a prepared encoder batch (prepare before forward)", None)
-        if k is None or v is None:
-            self._bad("k / v", "the sequences' keys and values", (k, v))
-        return batch, k, v
+        return batch
 
 
 class VarlenContext(_EncoderContext):
@@ -194,12 +190,12 @@ class VarlenContext(_EncoderContext):
         self,
         layer: LayerAttentionBinding,
         q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
+        k: torch.Tensor,  # the binding passes k and v for encoder layers
+        v: torch.Tensor,
         out: torch.Tensor | None,
         **inputs: Any,
     ) -> torch.Tensor:
-        batch, k, v = self._inputs(k, v)
+        batch = self._batch()
         spec = self.spec
         return kernels.run_varlen_attn(
             self.info,
@@ -222,12 +218,12 @@ class SdpaContext(_EncoderContext):
         self,
         layer: LayerAttentionBinding,
         q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
+        k: torch.Tensor,  # the binding passes k and v for encoder layers
+        v: torch.Tensor,
         out: torch.Tensor | None,
         **inputs: Any,
     ) -> torch.Tensor:
-        batch, k, v = self._inputs(k, v)
+        batch = self._batch()
         spec = self.spec
         return kernels.sdpa_varlen(
             q,
