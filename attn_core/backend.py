@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from attn_core.specs import (
     DTYPES,
@@ -33,6 +33,9 @@ from attn_core.specs import (
     LinearVariant,
     _canonical_dtype,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Backend", "BackendCapabilities"]
 
@@ -85,7 +88,7 @@ class BackendCapabilities:
     min_compute_capability: tuple[int, int] | None = None
     max_compute_capability: tuple[int, int] | None = None
     dtypes: frozenset[str] = REQUIRED  # no default: e.g. {"bfloat16", "float16"}
-    kv_dtypes: frozenset[str] | None = None  # None: the activation dtypes above
+    kv_dtypes: frozenset[str] = cast("frozenset[str]", None)  # None: the activation dtypes above
     state_dtypes: frozenset[str] = frozenset({"float32"})
     head_dims: frozenset[int] | None = None  # None: any
     page_sizes: frozenset[int] | None = None  # None: any
@@ -229,6 +232,36 @@ class BackendCapabilities:
         if self.linear_variants:
             kinds += "(" + ",".join(sorted(v.value for v in self.linear_variants)) + ")"
         return kinds
+
+    if TYPE_CHECKING:
+        # What the constructor accepts (any iterable for a set, enums by value, dtypes by
+        # alias or torch dtype); the fields above are what __post_init__ leaves.
+        # tests/test_typed_constructors.py checks that it matches the fields.
+        def __init__(
+            self,
+            kinds: Iterable[LayerKind | str],
+            *,  # by name (the dataclass also takes them by position)
+            linear_variants: Iterable[LinearVariant | str] = frozenset(),
+            device_types: Iterable[str],  # required (REQUIRED at run time)
+            min_compute_capability: tuple[int, int] | list[int] | None = None,
+            max_compute_capability: tuple[int, int] | list[int] | None = None,
+            dtypes: Iterable[str | torch.dtype],  # required (REQUIRED at run time)
+            kv_dtypes: Iterable[str | torch.dtype] | None = None,
+            state_dtypes: Iterable[str | torch.dtype] = frozenset({"float32"}),
+            head_dims: Iterable[int] | None = None,
+            page_sizes: Iterable[int] | None = None,
+            kv_layouts: Iterable[str] = frozenset({"NHD"}),
+            graph_modes: Iterable[GraphMode | str] = frozenset({GraphMode.NONE}),
+            max_speculative_tokens: int = 0,
+            causal: bool = True,
+            non_causal: bool = False,
+            sliding_window: bool = False,
+            logits_soft_cap: bool = False,
+            sinks: bool = False,
+            deterministic: bool = False,
+            spec_verify_strategies: Iterable[str] = frozenset({"native"}),
+            mixed_kv_dtypes: bool = True,
+        ) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
