@@ -126,7 +126,7 @@ def check_backend(
     if spec.kind is LayerKind.LINEAR and spec.linear_variant not in caps.linear_variants:
         model_mismatch(
             "linear_variant",
-            f"linear variant {spec.linear_variant.value}",
+            f"linear variant {spec.linear_variant}",
             f"serves {_fmt_set(v.value for v in caps.linear_variants)}",
         )
     if device.device_type not in caps.device_types:
@@ -499,9 +499,9 @@ def select(
     expected = f"expected one of {sorted(valid_keys)}"
     env_unknown = [k for k in from_env if k not in valid_keys]
     if env_unknown:
-        key = env_unknown[0]
+        bad = env_unknown[0]
         raise SelectionError(
-            f"{ENV_FORCE}={os.environ[ENV_FORCE]!r}: entry '{key}={from_env[key]}' names no layer "
+            f"{ENV_FORCE}={os.environ[ENV_FORCE]!r}: entry '{bad}={from_env[bad]}' names no layer "
             f"kind and no group of this model; {expected}"
         )
     unknown = sorted(set(constraints.forced) - valid_keys)
@@ -525,8 +525,10 @@ def select(
             ) from None
 
     kv_groups = [g for g in groups if g.spec.has_kv_cache]
-    page_options = _page_size_options(kv_groups, backends, constraints)
-    layout_options = [constraints.kv_layout] if constraints.kv_layout else ["NHD", "HND"]
+    page_options: Sequence[int | None] = _page_size_options(kv_groups, backends, constraints)
+    layout_options: Sequence[str | None] = (
+        [constraints.kv_layout] if constraints.kv_layout else ["NHD", "HND"]
+    )
     if not kv_groups:
         page_options, layout_options = [None], [None]
 
