@@ -165,7 +165,7 @@ class Side:
 
     # -- steps ----------------------------------------------------------------------------
     def build(self, step: Step) -> AttentionBatch:
-        if self.spec.kind is LayerKind.ENCODER:
+        if self.state is None:  # an encoder layer: no persistent state
             return self.builder.build_encoder([n for _, n in step.requests])
         for r in step.add:
             self.state.add_request(r)
@@ -197,7 +197,7 @@ class Side:
         inputs: dict[str, torch.Tensor],
         out: torch.Tensor | None,
         *,
-        conv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        conv: tuple[torch.Tensor, ...] | None = None,  # (weight, bias)
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run one layer (conv first for linear layers); returns (output, conv output)."""
         binding = self.runtime.binding(layer)
@@ -214,6 +214,8 @@ class Side:
         if self.state is None:
             return
         if step.spec_tokens:
+            if accepted is None:
+                raise ValueError("a verify step needs the accepted token counts to commit")
             with self.guard("commit_speculative"):
                 self.runtime.commit_speculative(batch, accepted.to(self.device))
             for (r, _), a in zip(step.requests, accepted.tolist(), strict=True):
@@ -297,7 +299,7 @@ class Pair:
     def compare_state(self, where: str) -> None:
         """Whole caches / slot pools: the backend's must equal the reference's."""
         a, b = self.test.state, self.ref.state
-        if a is None:
+        if a is None or b is None:  # encoder layers keep no state
             return
         fp8 = self.spec.kv_dtype == "fp8_e4m3"
         for i in a.kv_cache.layer_indices:
@@ -368,7 +370,7 @@ class Pair:
             out = outs[layer] if outs is not None else self.test.poisoned_out(tb.padded_tokens)
             got, got_conv = self.test.forward(layer, dev, out, conv=self.conv[layer])
             at = f"{where}, layer {layer}, batch mode {rb.mode.value}"
-            if got_conv is not None:
+            if got_conv is not None and want_conv is not None:
                 self.compare_out(got_conv, want_conv, rows, "conv1d output", at)
             self.compare_out(got, want, rows, "attention output", at)
             results.append(got)
@@ -384,7 +386,7 @@ class Pair:
             )
         self.ref.finish(step, rb, accepted)
         self.test.finish(step, tb, accepted)
-        if step.spec_tokens:
+        if accepted is not None:  # a verify step
             self.compare_state(f"{where}, after commit_speculative({accepted.tolist()})")
         return results
 

@@ -99,7 +99,7 @@ class Case:
 
 def kind_label(spec: LayerSpec) -> str:
     if spec.kind is LayerKind.LINEAR:
-        return f"linear/{spec.linear_variant.value}"
+        return f"linear/{spec.linear_variant}"
     return spec.kind.value
 
 
@@ -379,7 +379,7 @@ def _kind_cases(
             )
     else:
         for dk, dv in _linear_dims(caps, quick)[1:]:
-            spec = _linear_spec(base.linear_variant, dk, dv, base.dtype, caps)
+            spec = _linear_spec(LinearVariant(base.linear_variant), dk, dv, base.dtype, caps)
             add(
                 "correctness",
                 spec.with_(state_dtype=base.state_dtype),

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -208,8 +208,8 @@ class _CapabilityRecorder:
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         for key, value in report.user_properties:
-            if key == _CAPS:
-                capabilities, message = value
+            if key == _CAPS:  # stored by pytest_runtest_makereport: (labels, message)
+                capabilities, message = cast("tuple[tuple[str, ...], str]", value)
                 self.report.record(capabilities, report.outcome, report.nodeid, message)
 
 

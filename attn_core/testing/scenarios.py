@@ -203,7 +203,8 @@ def check_out_contract(case: Case, session: Any, gen: torch.Generator) -> None:
         inputs = [layer_inputs(spec, padded, gen) for _ in range(pair.test.num_layers)]
         # A private copy per call: the check below compares what the backend was given.
         kept = [{n: t.clone() for n, t in x.items()} for x in inputs]
-        outs, checks = [], []
+        outs: list[torch.Tensor | None] = []
+        checks: list[Any] = []
         for _ in range(pair.test.num_layers):
             if mode == "none":
                 outs.append(None)
@@ -216,7 +217,8 @@ def check_out_contract(case: Case, session: Any, gen: torch.Generator) -> None:
         for layer, check in enumerate(checks):
             if check is not None:
                 check(where)
-                if got[layer].data_ptr() != outs[layer].data_ptr():
+                given = outs[layer]  # a guarded out wherever there is a check
+                if given is None or got[layer].data_ptr() != given.data_ptr():
                     raise ConformanceFailure(
                         f"binding.forward(out=...) returned a tensor that is not out ({where})"
                     )
@@ -330,7 +332,8 @@ def check_chunked_prefill(case: Case, session: Any, gen: torch.Generator) -> Non
     ]
     steps += [Step([(0, 1), (1, 1)]) for _ in range(decodes)]
     pair = _pair(case, session, gen, Limits(Workload("chunked", steps)))
-    pos, record = {0: 0, 1: 0}, {}
+    pos = {0: 0, 1: 0}
+    record: dict[int, dict[int, torch.Tensor]] = {}
     for i, step in enumerate(steps):
         _bank_step(pair, bank, pos, step, f"chunked prefill step {i}", record)
     _same_outputs(
@@ -355,11 +358,14 @@ def check_prefix_restore(case: Case, session: Any, gen: torch.Generator) -> None
     steps_a = [Step([(0, prefix)], add=(0,))]
     later = [Step([(0, tail), (1, tail)])] + [Step([(0, 1), (1, 1)]) for _ in range(decodes)]
     pair = _pair(case, session, gen, Limits(Workload("prefix", steps_a + later)))
-    pos, record = {0: 0}, {}
+    pos = {0: 0}
+    record: dict[int, dict[int, torch.Tensor]] = {}
     _bank_step(pair, bank, pos, steps_a[0], "prefix restore: request 0 prefill", record)
     hits = []
     for side in pair.sides:
         st = side.state
+        if st is None:  # the kind has a KV cache or linear state (no encoder here)
+            raise ConformanceFailure(f"prefix restore needs a persistent state ({spec.short()})")
         with side.guard("prefix cache"):
             if linear:
                 st.take_snapshot(0)

@@ -227,7 +227,7 @@ def layer_inputs(spec: LayerSpec, tokens: int, gen: torch.Generator) -> dict[str
         g_shape = (T, H, D) if spec.linear_variant is LinearVariant.KDA else (T, H)
         out["g"] = F.logsigmoid(_randn(gen, *g_shape) + 2.0)  # log decay <= 0, mostly near 0
         out["beta"] = torch.sigmoid(_randn(gen, T, H))
-    out["conv_x"] = _randn(gen, T, spec.conv_channels)
+    out["conv_x"] = _randn(gen, T, spec.conv_dims[0])
     return out
 
 
@@ -253,7 +253,7 @@ def scale_inputs(
 
 def conv_params(spec: LayerSpec, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Conv ``weight [C, K]`` and ``bias [C]`` of a linear layer, float32 on the CPU."""
-    c, k = spec.conv_channels, spec.conv_kernel_size
+    c, k = spec.conv_dims
     return _randn(gen, c, k) * 0.5, _randn(gen, c) * 0.1
 
 
