@@ -191,7 +191,9 @@ class PersistentState:
         self._order = np.arange(256, dtype=np.int64)
         self._rows = _read_only_rows(self)
         self._version = 0
-        #: Bumped whenever pages are freed or replaced: a batch built before no longer holds.
+        #: Bumped whenever pages are freed or replaced, or gain a holder (a cached prefix, a
+        #: request that shares them): a batch built before no longer holds (its writes were
+        #: planned for pages that were private then).
         self.epoch = 0
         #: Bumped whenever a request's dense row, liveness, slot, page count or page version
         #: changes (every ``_publish`` and ``release``); not by ``advance``. With
@@ -426,6 +428,8 @@ class PersistentState:
         _, slots = self._reserve(0, int(self.has_state), req_id=req_id, protect_snapshot=protect)
         pages = list(prefix.pages) if prefix else []
         self.page_allocator.incref(pages)
+        if pages:  # shared now: a batch built before may write them without copying first
+            self.epoch += 1
         slot = slots[0] if slots else None
         if slot is not None:
             if prefix and prefix.snapshot is not None:
@@ -479,6 +483,9 @@ class PersistentState:
         if not reqs or not self.has_kv:
             return np.zeros(0, dtype=np.int64)
         n = len(reqs)
+        if len(set(req_ids)) != n:
+            dup = next(r for r in req_ids if req_ids.count(r) > 1)
+            raise ValueError(f"append_pages: request {dup!r} appears twice")
         rows = np.fromiter(map(_row_of, reqs), np.int64, n)
         # (count_nonzero: a C call; ndarray.any() / all() go through Python wrappers)
         if np.count_nonzero(self._row_live[rows]) != n:
@@ -615,6 +622,7 @@ class PersistentState:
         keys = block_keys(tokens, ps, n_blocks)
         cache = self.prefix_cache
         chain: list[CachedBlock] = []
+        shared = False
         for b, key in enumerate(keys):
             block_tokens = tuple(int(t) for t in tokens[b * ps : (b + 1) * ps])
             parent = chain[-1] if chain else None
@@ -627,11 +635,14 @@ class PersistentState:
                     break
                 if page is not None:
                     self.page_allocator.incref([page])
+                    shared = True
                 block = cache.insert(key, parent, block_tokens, page)
             elif block.tokens != block_tokens or block.parent != (parent.key if parent else None):
                 break  # a hash collision: cache nothing past it
             chain.append(block)
         cache.touch(chain)
+        if shared:  # the request's pages back a cached prefix: a batch built before is stale
+            self.epoch += 1
         if req.snapshot is not None:
             slot, length = req.snapshot
             k = length // ps

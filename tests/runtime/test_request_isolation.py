@@ -421,3 +421,40 @@ def test_the_finite_check_is_off_by_default_and_on_with_the_environment(
         else:  # documented: the NaN is stored, and only this request's output shows it
             out = runtime.binding(0).forward(q, k, v)
             assert torch.isnan(out).any()
+
+
+# ------------------------------------------------------------------------------------------
+# Found by the runtime state machine
+# ------------------------------------------------------------------------------------------
+def test_append_pages_refuses_a_request_twice(tiny_specs, ref_registry):
+    state, _ = _runtime([tiny_specs["full"]], ref_registry)
+    state.add_request("a")
+    before = _bookkeeping(state)
+    with pytest.raises(ValueError, match=r"request 'a' appears twice"):
+        state.append_pages(["a", "a"])
+    assert _bookkeeping(state) == before
+    state.check_invariants()
+
+
+def test_a_batch_replayed_after_its_pages_became_shared_is_refused(tiny_specs, ref_registry):
+    """A batch was built when request a's pages were private (no copy-on-write needed); once
+    they back a cached prefix and request c shares them, replaying the batch would write c's
+    KV and the cache's."""
+    spec = tiny_specs["full"]
+    state, runtime = _runtime([spec], ref_registry)
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=8)
+    state.add_request("a")
+    old = builder.build([("a", 4)])
+    runtime.prepare(old)
+    q, k, v = torch.randn(4, 4, 16), torch.randn(4, 2, 16), torch.randn(4, 2, 16)
+    runtime.binding(0).forward(q, k, v)
+    state.advance("a", 4)
+    tokens = [1, 2, 3, 4, 5]
+    assert state.cache_prefix("a", tokens) == 4
+    state.add_request("c", prefix=state.match_prefix(tokens))
+    assert state.pages("c") == state.pages("a")  # shared, refcount 3 with the cache
+    before = _kv_bytes(state)
+    runtime.prepare(old)
+    with pytest.raises(BackendInputError, match="stale batch"):
+        runtime.binding(0).forward(q, torch.randn_like(k), torch.randn_like(v))
+    assert _same(_kv_bytes(state), before)
