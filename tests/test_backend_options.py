@@ -303,3 +303,18 @@ def test_explain_names_the_flag_of_a_bad_option(capsys, monkeypatch):
         "--option: option 'decode_path' of backend 'attn_core:reference': 'slow' is not one of "
         "'fixed', 'ragged'" in err
     )
+
+
+def test_list_json_shows_the_declared_options(capsys, monkeypatch):
+    monkeypatch.setenv("ATTN_CORE_PLUGINS_ALLOW", "attn_core")
+    assert main(["list", "--json"]) == 0
+    (plugin,) = json.loads(capsys.readouterr().out)["plugins"]
+    (backend,) = plugin["backends"]
+    assert backend["options"] == {
+        "decode_path": {
+            "type": "str",
+            "default": "fixed",
+            "choices": ["fixed", "ragged"],
+            "doc": ref.OPTION_SCHEMA["decode_path"].doc,
+        }
+    }
