@@ -21,10 +21,11 @@ construction and a malformed or missing one quarantines the plugin that advertis
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
+from attn_core.options import OptionSpec
 from attn_core.specs import (
     DTYPES,
     KV_DTYPES,
@@ -37,7 +38,7 @@ from attn_core.specs import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Backend", "BackendCapabilities"]
+__all__ = ["Backend", "BackendCapabilities", "OptionSpec"]
 
 
 class _Required:
@@ -281,6 +282,26 @@ class Backend:
     unavailable_reason: str | None = None
     plugin: str = ""
     options: tuple[tuple[str, object], ...] = field(default=())  # backend-private, hashable
+    #: ``{key: OptionSpec}`` (kept as sorted pairs): the options a run may set for this backend;
+    #: the selector checks them and fills ``options`` of the chosen backend (attn_core.options)
+    option_schema: tuple[tuple[str, OptionSpec], ...] = field(default=())
+
+    if TYPE_CHECKING:
+        # What the constructor accepts (option_schema as a mapping too); the fields above are
+        # what __post_init__ leaves.
+        def __init__(
+            self,
+            name: str,
+            capabilities: BackendCapabilities,
+            priority: int = 0,
+            description: str = "",
+            version: str = "",
+            available: bool = True,
+            unavailable_reason: str | None = None,
+            plugin: str = "",
+            options: tuple[tuple[str, object], ...] = (),
+            option_schema: Mapping[str, OptionSpec] | tuple[tuple[str, OptionSpec], ...] = (),
+        ) -> None: ...
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or ":" in self.name:
@@ -295,6 +316,21 @@ class Backend:
             )
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise ValueError(f"Backend {self.name!r}: priority={self.priority!r}: expected an int")
+        schema = self.option_schema
+        pairs = schema.items() if isinstance(schema, Mapping) else schema
+        checked = []
+        for key, spec in pairs:
+            if not isinstance(key, str) or not key.isidentifier():
+                raise ValueError(
+                    f"Backend {self.name!r}: option name {key!r}: expected an identifier"
+                )
+            if not isinstance(spec, OptionSpec):
+                raise TypeError(
+                    f"Backend {self.name!r}: option {key!r}: expected an OptionSpec, "
+                    f"got {type(spec).__name__}"
+                )
+            checked.append((key, spec))
+        object.__setattr__(self, "option_schema", tuple(sorted(checked, key=lambda kv: kv[0])))
         if not self.available and not self.unavailable_reason:
             raise ValueError(
                 f"Backend {self.name!r}: available=False needs an unavailable_reason that says why"
@@ -309,3 +345,7 @@ class Backend:
 
     def option(self, key: str, default: object = None) -> object:
         return dict(self.options).get(key, default)
+
+    def with_options(self, options: Mapping[str, object]) -> Backend:
+        """A copy carrying ``options`` (what the selector hands the chosen backend)."""
+        return replace(self, options=tuple(sorted(options.items())))

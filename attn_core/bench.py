@@ -22,6 +22,7 @@ import torch
 
 from attn_core.batch import BatchBuilder
 from attn_core.errors import AttnCoreError
+from attn_core.options import resolve_backend_options
 from attn_core.runtime import AttentionRuntime
 from attn_core.selector import GroupChoice, Plan, TuningData, check_backend
 from attn_core.specs import LayerGroup, LayerKind, LinearVariant, torch_dtype
@@ -203,8 +204,12 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
     plan = select(layout.groups, registry, caps, constraints)
     tuning = TuningData(device=caps.short())
     results: list[BenchResult] = []
+    options = resolve_backend_options(registry, constraints)  # checked by select() above
     for group in layout.groups:
-        for backend in registry.backends:
+        for registered in registry.backends:
+            backend = registered
+            if backend.qualified_name in options:  # timed with the options in force
+                backend = backend.with_options(options[backend.qualified_name][0])
             if check_backend(
                 backend,
                 group.spec,

@@ -3,6 +3,7 @@
 attn list [--json]
 attn explain qwen3-next --target h200 [--tp 2] [--graph-mode decode] [--json]
 attn run --model qwen3-next [--device cpu] [--backends full=flashinfer]
+    [--option reference.decode_path=ragged]
 attn bench --model qwen3 [--device cuda] [--write-tuning tuning.json] [--plot bench.png]
 """
 
@@ -37,6 +38,14 @@ def _add_constraint_args(p: argparse.ArgumentParser) -> None:
         help="force backends per kind or group: 'full=flashinfer,linear=triton_ssm' "
         "(also ATTN_CORE_BACKENDS)",
     )
+    g.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="BACKEND.KEY=VALUE",
+        help="set an option a backend declares, e.g. reference.decode_path=ragged (repeatable; "
+        "also ATTN_CORE_BACKEND_OPTIONS, which --option overrides)",
+    )
     g.add_argument("--allow", default=None, help="comma-separated backend names to consider")
     g.add_argument("--deny", default=None, help="comma-separated backend names never used")
     g.add_argument("--downgrade", default="warn", choices=["error", "warn", "allow"])
@@ -45,11 +54,13 @@ def _add_constraint_args(p: argparse.ArgumentParser) -> None:
 
 
 def _constraints(args: argparse.Namespace):
+    from attn_core.options import SOURCE_CLI, parse_option_entries
     from attn_core.selector import parse_forced
     from attn_core.specs import ExecutionConstraints
 
     # Parsed here, not by ExecutionConstraints, so that a mistake names the option.
     force = parse_forced(args.backends, source="--backends") if args.backends else {}
+    options = parse_option_entries(getattr(args, "option", None) or [], source=SOURCE_CLI)
     return ExecutionConstraints(
         graph_mode=args.graph_mode,
         page_size=args.page_size,
@@ -64,6 +75,7 @@ def _constraints(args: argparse.Namespace):
         allow=args.allow or frozenset(),
         deny=args.deny or frozenset(),
         downgrade=args.downgrade,
+        cli_backend_options=options,
     )
 
 
@@ -149,7 +161,10 @@ def _plan(args, layout, registry, device):
 
 
 def format_plan(plan) -> str:
-    """One table per group: the chosen backend and every rejected candidate with its reasons."""
+    """One table per group: the chosen backend (with its options in force) and every rejected
+    candidate with its reasons."""
+    from attn_core.options import format_options
+
     out = [
         f"device: {plan.device.short()}   graph mode: {plan.constraints.graph_mode.value}   "
         f"page size: {plan.page_size if plan.page_size is not None else '-'}   "
@@ -168,7 +183,10 @@ def format_plan(plan) -> str:
         if c.downgraded_from:
             note += f" (downgraded from {', '.join(c.downgraded_from)})"
         name = c.backend.qualified_name
-        rows = [[name, "chosen" + note, here.get(name, "")]]
+        chosen_notes = [here[name]] if name in here else []
+        if c.options:
+            chosen_notes.append("options: " + format_options(c.options, dict(c.option_sources)))
+        rows = [[name, "chosen" + note, "\n".join(chosen_notes)]]
         rows += [[b, "admissible, ranked lower", here.get(b, "")] for b in c.outranked]
         for backend, reasons in sorted(c.rejections_by_backend().items()):
             lines = [

@@ -103,7 +103,9 @@ def attn_core_allocate_context(
 ) -> AttentionContext | None:
     """Create the context that runs ``group`` with ``backend``.
 
-    :param backend: the backend chosen for ``group`` (one of this plugin's).
+    :param backend: the backend chosen for ``group`` (one of this plugin's), carrying the
+        options in force in ``backend.options`` (``backend.option(key)``): every key of its
+        ``option_schema``, the run's value or else the declared default (attn_core.options).
     :param group: the layer group it will serve.
     :param device: the device to run on.
     :param constraints: the run's demands (graph mode, batch limits, speculative tokens).

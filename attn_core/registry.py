@@ -562,6 +562,15 @@ class Registry:
                             "priority": b.priority,
                             "available": b.available,
                             "unavailable_reason": b.unavailable_reason,
+                            "options": {
+                                key: {
+                                    "type": spec.type.__name__,
+                                    "default": spec.default,
+                                    "choices": None if spec.choices is None else list(spec.choices),
+                                    "doc": spec.doc,
+                                }
+                                for key, spec in b.option_schema
+                            },
                         }
                         for b in p.backends
                     ],

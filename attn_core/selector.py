@@ -27,12 +27,13 @@ import json
 import os
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from attn_core.backend import Backend
 from attn_core.errors import SelectionError
+from attn_core.options import resolve_backend_options
 from attn_core.registry import Registry
 from attn_core.specs import (
     DeviceCapabilities,
@@ -316,6 +317,14 @@ class GroupChoice:
     #: offline plans: (backend, reason) of every candidate of the group's kind that this
     #: machine cannot load (chosen, ranked lower or rejected for the target); sorted
     not_loadable_here: tuple[tuple[str, str], ...] = ()
+    #: (key, where its value came from: "default", "--option", ATTN_CORE_BACKEND_OPTIONS=...,
+    #: "ExecutionConstraints.backend_options") for every option of the chosen backend; sorted
+    option_sources: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def options(self) -> dict[str, object]:
+        """The chosen backend's options in force (declared defaults filled in)."""
+        return dict(self.backend.options)
 
     @property
     def loadable_here(self) -> bool:
@@ -373,6 +382,10 @@ class Plan:
                     "forced": c.forced,
                     "downgraded_from": list(c.downgraded_from),
                     "tuned_us": c.tuned_us,
+                    "options": {
+                        k: {"value": v, "source": dict(c.option_sources).get(k, "default")}
+                        for k, v in c.backend.options
+                    },
                     "outranked": list(c.outranked),
                     "rejected": [
                         {"backend": r.backend, "code": r.code, "reason": r.reason, "fix": r.fix}
@@ -480,7 +493,10 @@ def select(
         rejected; False makes an offline plan for ``device``, which marks such backends
         (``GroupChoice.not_loadable_here``) instead. Default: :func:`is_this_machine`.
     :param constraints: the run's demands; forced backends also come from ``ATTN_CORE_BACKENDS``
-        (explicit ``constraints.force`` entries win).
+        (explicit ``constraints.force`` entries win). Backend options come from
+        ``constraints.backend_options``, then ``constraints.cli_backend_options`` (``--option``),
+        then ``ATTN_CORE_BACKEND_OPTIONS`` (the first that sets a key wins); the chosen backend
+        of every group carries its options in force (defaults filled in) as ``backend.options``.
     :param tuning: measured times that rank admissible backends before declared priority;
         default: the file named by ``ATTN_CORE_TUNING`` if set.
     :raises SelectionError: no setting admits a backend for every group, a forced backend cannot
@@ -488,6 +504,9 @@ def select(
         The message lists every candidate of the failing group with its reasons. A malformed
         ``ATTN_CORE_BACKENDS`` (an entry without ``=``, a key given twice, a key that names no
         kind or group) is an error too, and every error about an entry of the variable names it.
+        So is a backend option for a backend that is not registered, a key its
+        ``option_schema`` does not declare, or a value it does not accept (the message names the
+        backend, the key, what is allowed and the source).
     """
     constraints, from_env = _env_constraints(constraints or ExecutionConstraints())
     if local is None:
@@ -524,6 +543,9 @@ def select(
                 f"{ENV_FORCE}={os.environ[ENV_FORCE]!r}: entry '{key}={name}': {exc}"
             ) from None
 
+    # Every option value is checked here, for every backend it names (chosen or not).
+    options = resolve_backend_options(registry, constraints)
+
     kv_groups = [g for g in groups if g.spec.has_kv_cache]
     page_options: Sequence[int | None] = _page_size_options(kv_groups, backends, constraints)
     layout_options: Sequence[str | None] = (
@@ -547,6 +569,7 @@ def select(
                     failed = (group, result, page_size, layout)
                     break
             if failed is None:
+                choices = [_with_options(c, options) for c in choices]
                 plan = Plan(device, constraints, tuple(choices), page_size, layout, local)
                 _apply_downgrade_policy(plan)
                 return plan
@@ -674,6 +697,21 @@ def _choose(
                 if not b.available and spec.kind in b.capabilities.kinds
             )
         ),
+    )
+
+
+def _with_options(
+    choice: GroupChoice, options: Mapping[str, tuple[dict[str, object], dict[str, str]]]
+) -> GroupChoice:
+    """``choice`` whose backend carries its options in force (none declared: unchanged)."""
+    resolved = options.get(choice.backend.qualified_name)
+    if resolved is None:
+        return choice
+    values, sources = resolved
+    return replace(
+        choice,
+        backend=choice.backend.with_options(values),
+        option_sources=tuple(sorted(sources.items())),
     )
 
 

@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+from attn_core.options import OptionTable, options_table
 
 __all__ = [
     "DTYPES",
@@ -669,6 +671,11 @@ class ExecutionConstraints:
     deny: frozenset[str] = frozenset()  # backend names never used
     force: tuple[tuple[str, str], ...] = ()  # (kind or group id, backend name)
     downgrade: DowngradePolicy = DowngradePolicy.WARN
+    #: per backend (short or qualified name), option values checked against the backend's
+    #: ``option_schema`` by the selector; wins over the CLI's and ATTN_CORE_BACKEND_OPTIONS
+    backend_options: OptionTable = ()
+    #: the same, from ``--option BACKEND.KEY=VALUE`` (set by the CLI; errors name the flag)
+    cli_backend_options: OptionTable = ()
 
     if TYPE_CHECKING:
         # What the constructor accepts (enums by value, comma-separated names, force as a
@@ -691,6 +698,8 @@ class ExecutionConstraints:
             deny: str | Iterable[str] = frozenset(),
             force: _ForceMapping = (),
             downgrade: DowngradePolicy | str = DowngradePolicy.WARN,
+            backend_options: Mapping[str, Mapping[str, object]] | OptionTable = (),
+            cli_backend_options: Mapping[str, Mapping[str, object]] | OptionTable = (),
         ) -> None: ...
 
     def __post_init__(self) -> None:
@@ -738,6 +747,8 @@ class ExecutionConstraints:
                 value = [v.strip() for v in value.split(",") if v.strip()]
             set_(self, name, frozenset(value))
         set_(self, "force", _parse_mapping(self.force, "force"))
+        for name in ("backend_options", "cli_backend_options"):
+            set_(self, name, options_table(getattr(self, name)))
 
     @property
     def forced(self) -> dict[str, str]:

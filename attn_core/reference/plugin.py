@@ -5,6 +5,11 @@ third-party plugin (entry point ``attn_core = reference``). Prefill and mixed st
 reference ops of :mod:`attn_core.reference.ops`; pure decode steps run the fixed-shape functions of
 :mod:`attn_core.reference.decode`, which never read lengths back to the host and so can be
 captured in a CUDA graph (graph mode ``decode``).
+
+Option ``decode_path`` (``--option reference.decode_path=ragged``): ``fixed`` (the default) runs
+pure decode steps of full and MLA groups through the fixed-shape functions above; ``ragged`` runs
+them through the ragged ops prefill uses, to tell a wrong result of one path from the other
+(not capturable: refused with graph mode ``decode``).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from attn_core.backend import Backend, BackendCapabilities
 from attn_core.batch import AttentionBatch, BatchMode
 from attn_core.errors import BackendInputError
 from attn_core.hookspecs import hookimpl
+from attn_core.options import OptionSpec
 from attn_core.reference import decode as dec
 from attn_core.reference import ops
 from attn_core.specs import (
@@ -39,6 +45,15 @@ if TYPE_CHECKING:
 ATTN_CORE_API_VERSION = "1.1"
 BACKEND_NAME = "reference"
 MAX_SPECULATIVE_TOKENS = 8
+OPTION_SCHEMA = {
+    "decode_path": OptionSpec(
+        str,
+        "fixed",
+        "pure decode steps of full / MLA groups: 'fixed' (fixed-shape, capturable) or 'ragged' "
+        "(the prefill ops; a cross-check of the two paths, not capturable)",
+        choices=("fixed", "ragged"),
+    ),
+}
 
 CAPABILITIES = BackendCapabilities(
     kinds={"full", "mla", "linear", "encoder"},
@@ -70,6 +85,7 @@ def attn_core_register_backends(register: Callable[[Backend], None]) -> None:
             capabilities=CAPABILITIES,
             priority=0,  # the fallback: every real kernel should outrank it
             description="pure PyTorch reference for every layer kind (ground truth, slow)",
+            option_schema=OPTION_SCHEMA,
         )
     )
 
@@ -84,6 +100,12 @@ def attn_core_allocate_context(
     workspace: Workspace,
 ) -> _Context:
     kind = group.spec.kind
+    if backend.option("decode_path") == "ragged" and constraints.graph_mode is not GraphMode.NONE:
+        raise ValueError(
+            f"option decode_path='ragged' of backend {backend.qualified_name!r} reads lengths on "
+            f"the host and cannot be captured; graph mode {constraints.graph_mode.value} needs "
+            "decode_path='fixed'"
+        )
     if kind is LayerKind.FULL:
         return FullContext(backend, group)
     if kind is LayerKind.MLA:
@@ -102,6 +124,8 @@ class _Context:
         self.group = group
         self.spec = group.spec
         self.batch: AttentionBatch | None = None
+        #: pure decode steps through the fixed-shape functions (option decode_path, default)
+        self.fixed_decode = backend.option("decode_path", "fixed") != "ragged"
 
     def prepare(self, batch: AttentionBatch) -> None:
         self.batch = batch
@@ -172,7 +196,7 @@ class FullContext(_Context):
             k_scale=kv.k_scale,
             v_scale=kv.v_scale,
         )
-        if batch.mode is BatchMode.DECODE:
+        if batch.mode is BatchMode.DECODE and self.fixed_decode:
             result = dec.decode_full_attention(
                 q, kv.k, kv.v, page_table, batch.seq_lens, **common
             ).to(q.dtype)
@@ -207,7 +231,7 @@ class MLAContext(_Context):
         page_table, slot_mapping = self._paged(batch)
         rank = spec.mla_dims[0]
         ops.write_paged_latent(k, kv.latent, slot_mapping, scale=kv.k_scale)
-        if batch.mode is BatchMode.DECODE:
+        if batch.mode is BatchMode.DECODE and self.fixed_decode:
             result = dec.decode_mla_attention(
                 q,
                 kv.latent,
