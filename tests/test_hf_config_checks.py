@@ -162,3 +162,22 @@ def test_agreeing_layer_types_still_parse() -> None:
     assert all(s.sliding_window is None for s in layout.layer_specs)
     for name in ("qwen3", "qwen3-next", "gpt-oss", "gemma-3", "bamba", "deepseek-v3"):
         specs_from_hf_config(name)
+
+
+def test_nemotron_h_pattern_and_block_types_must_agree() -> None:
+    cfg = _cfg(
+        "NemotronHConfig",
+        num_hidden_layers=4,
+        hybrid_override_pattern="M-M*",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        ssm_state_size=16,
+        n_groups=1,
+    )
+    assert specs_from_hf_config(cfg).layer_indices == (0, 2, 3)
+    cfg["hybrid_override_pattern"] = "M-MM"
+    _raises(cfg, "nemotron_h", "layer 3", "'M'", "full_attention")

@@ -533,6 +533,17 @@ def _nemotron_h(r: _Reader, o: _Options) -> _Parsed:
                 f"allowed: {sorted(_NEMOTRON_PATTERN)}"
             )
         types = [_NEMOTRON_PATTERN[c] for c in pattern]
+        listed = r.cfg.get("layers_block_type")
+        if isinstance(listed, list) and listed != types:
+            wrong = [i for i, t in enumerate(types) if i >= len(listed) or listed[i] != t]
+            i = wrong[0]
+            raise ValueError(
+                f"{r.where}: hybrid_override_pattern and layers_block_type disagree in "
+                f"layer{'s' if len(wrong) > 1 else ''} {_ranges(wrong)} (layer {i}: "
+                f"pattern {pattern[i]!r} = {types[i]}, layers_block_type "
+                f"{listed[i] if i < len(listed) else 'nothing'!r}); "
+                f"which one describes the model?"
+            )
     else:  # transformers 5 serialises the list instead
         types = list(r.get("layers_block_type"))
         _check_types(r, types, set(_NEMOTRON_PATTERN.values()))
