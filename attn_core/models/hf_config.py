@@ -34,6 +34,7 @@ from typing import Any, TypedDict
 from attn_core.specs import LayerGroup, LayerKind, LayerSpec, LinearVariant, group_layers
 
 __all__ = [
+    "MODEL_TYPE_FAMILIES",
     "SUPPORTED_MODEL_TYPES",
     "ModelLayout",
     "load_sample",
@@ -761,6 +762,8 @@ def _unsupported(model_type: Any, raw: Mapping[str, Any]) -> ValueError:
     )
 
 
+#: model_type -> the family (sample name) that parses it, e.g. ``"qwen2" -> "qwen3"``.
+MODEL_TYPE_FAMILIES: dict[str, str] = {t: f.name for t, f in sorted(_BY_MODEL_TYPE.items())}
 #: model_type values :func:`specs_from_hf_config` understands.
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(_BY_MODEL_TYPE))
 
