@@ -99,3 +99,18 @@ def test_run_configs_of_the_driven_model_types(
     path.write_text(json.dumps(cfg.to_dict()))
     report = _run(str(path))
     assert report.ok, report.format()
+
+
+def test_readme_names_what_run_drives_and_explain_maps() -> None:
+    from attn_core.e2e.main import _driven_model_types
+    from attn_core.models import SUPPORTED_MODEL_TYPES
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    start = readme.index("`attn explain` also takes the path")
+    para = readme[start : readme.index("\n\n", start)]
+    explain, run = para.split("`attn run --model`")
+    named = sorted(t for t in SUPPORTED_MODEL_TYPES if f"`{t}`" in explain)
+    assert named == sorted(SUPPORTED_MODEL_TYPES)
+    excepted = run[run.index("except") : run.index("built at")]
+    refused = sorted(set(SUPPORTED_MODEL_TYPES) - set(_driven_model_types()))
+    assert sorted(t for t in SUPPORTED_MODEL_TYPES if f"`{t}`" in excepted) == refused
