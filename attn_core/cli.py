@@ -299,7 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default="qwen3-next",
-        help="'all', or an architecture the runner drives, or a comma list of them (an unknown "
+        help="'all', an architecture the runner drives, the path of a Hugging Face config.json "
+        "(or of its folder) of a model type one of them covers, or a comma list (an unknown "
         "name's error lists them; default: qwen3-next)",
     )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")

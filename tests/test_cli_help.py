@@ -37,4 +37,5 @@ def test_bench_help_says_tuning_data_is_written_only_when_asked(capsys):
 
 def test_run_help_says_which_models_it_takes(capsys):
     text = _help(capsys, "run")
-    assert "--model MODEL 'all', or an architecture the runner drives" in text
+    assert "--model MODEL 'all', an architecture the runner drives, the path of a Hugging " in text
+    assert "config.json (or of its folder) of a model type one of them covers" in text

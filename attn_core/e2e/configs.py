@@ -217,15 +217,18 @@ def build_tiny(
     tp_size: int = 1,
     page_size: int = 16,
     shapes: str = "tiny",
+    config: dict[str, Any] | None = None,
 ) -> TinyModel:
     """Build the tiny transformers model ``name`` with random weights (seeded) and its layout.
 
     :param dtype: ``"float32"`` / ``"bfloat16"`` / ``"float16"``: the model's and the specs'.
     :param shapes: ``"tiny"`` or ``"kernel"`` (see :func:`tiny_config`).
+    :param config: a ``config.json`` dict of architecture ``name`` to build instead of the
+        shrunk sample, at its own sizes (``shapes`` is then not used).
     """
     import transformers
 
-    cfg = tiny_config(name, shapes)
+    cfg = copy.deepcopy(config) if config is not None else tiny_config(name, shapes)
     hf_cfg = _hf_config(name, cfg)
     hf_cfg._attn_implementation = "eager"
     torch.manual_seed(seed)

@@ -1,17 +1,21 @@
-"""``attn run --model NAME``: drive tiny models end to end and check them against transformers.
+"""``attn run --model NAME|CONFIG.json``: drive models end to end, check them against transformers.
 
 :func:`run_main` builds each architecture's tiny transformers model (random weights, seeded),
 plans its attention layout through the registry, runs continuous batching (chunked prefill,
 mixed steps, greedy decode, optional CUDA-graph decode) through the bindings, and compares every
-logit and greedy token with transformers' eager forward of the same model.
+logit and greedy token with transformers' eager forward of the same model. A ``config.json``
+(or a folder holding one) whose model_type one of those architectures covers runs at its own
+sizes, with random weights; any other is refused with what ``attn explain`` maps instead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +24,7 @@ from attn_core.e2e.compare import MatchResult, compare_generation, compare_visio
 from attn_core.e2e.configs import ARCHITECTURES, TinyModel, build_tiny
 from attn_core.e2e.runner import Engine
 from attn_core.e2e.vision import VisionRunner, sample_images
+from attn_core.models import MODEL_TYPE_FAMILIES, sample_names, specs_from_hf_config
 from attn_core.runtime import AttentionRuntime
 from attn_core.selector import Plan, select
 from attn_core.specs import DeviceCapabilities, ExecutionConstraints, GraphMode
@@ -46,23 +51,71 @@ _ALIASES = {
 _VISION_GRIDS = [(1, 8, 8), (1, 4, 12), (2, 4, 4), (1, 12, 8)]
 
 
-def resolve_models(model: str) -> list[str]:
-    """``"all"`` or a comma list of architecture names (aliases allowed) -> sample names."""
-    names: list[str] = []
-    for part in (p.strip().lower() for p in model.split(",") if p.strip()):
-        if part == "all":
-            names.extend(ARCHITECTURES)
+@dataclass(frozen=True, slots=True)
+class _Input:
+    label: str  # what the report calls it: the sample name or the config path
+    name: str  # the architecture (sample name) whose adapter drives it
+    config: dict[str, Any] | None = None  # a config.json's dict; None: the shrunk sample
+
+
+def _driven_model_types() -> list[str]:
+    return [t for t, family in MODEL_TYPE_FAMILIES.items() if family in ARCHITECTURES]
+
+
+def _config_input(part: str) -> _Input | None:
+    """A config.json path (or a folder holding one) the runner drives; None if not a path."""
+    path = Path(part)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        return None
+    with file.open(encoding="utf-8") as fh:
+        cfg = json.load(fh)
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(cfg).__name__}")
+    layout = specs_from_hf_config(cfg)  # an unsupported config fails here, as in explain
+    if layout.family not in ARCHITECTURES:
+        raise ValueError(
+            f"{part}: model_type {layout.model_type!r} is mapped by `attn explain {part}` "
+            f"but `attn run` has no adapter for it yet; run drives config.json files of model "
+            f"types {_driven_model_types()} and the samples {list(ARCHITECTURES)}"
+        )
+    return _Input(str(path), layout.family, cfg)
+
+
+def _resolve(model: str) -> list[_Input]:
+    inputs: list[_Input] = []
+    for part in (p.strip() for p in model.split(",") if p.strip()):
+        if part.lower() == "all":
+            inputs.extend(_Input(n, n) for n in ARCHITECTURES)
             continue
-        name = _ALIASES.get(part, part)
-        if name not in ARCHITECTURES:
+        given = _config_input(part)
+        if given is not None:
+            inputs.append(given)
+            continue
+        name = _ALIASES.get(part.lower(), part.lower())
+        if name in ARCHITECTURES:
+            inputs.append(_Input(name, name))
+        elif name in sample_names():
             raise ValueError(
-                f"model {part!r} is not one the runner drives; choose 'all' or one of "
-                f"{list(ARCHITECTURES)}"
+                f"sample {part!r} is mapped by `attn explain {part}` but `attn run` has no "
+                f"adapter for it yet; run drives the samples {list(ARCHITECTURES)} and "
+                f"config.json files of model types {_driven_model_types()}"
             )
-        names.append(name)
-    if not names:
+        else:
+            raise ValueError(
+                f"model {part!r} is not one the runner drives; choose 'all', one of "
+                f"{list(ARCHITECTURES)}, or the path of a config.json (or of its folder) of "
+                f"model type {_driven_model_types()}"
+            )
+    if not inputs:
         raise ValueError(f"model={model!r}: expected 'all' or one of {list(ARCHITECTURES)}")
-    return list(dict.fromkeys(names))
+    return list({i.label: i for i in inputs}.values())
+
+
+def resolve_models(model: str) -> list[str]:
+    """``"all"``, a comma list of architecture names (aliases allowed) or config.json paths
+    (files or folders) -> the names the report uses (sample names, or the paths as given)."""
+    return [i.label for i in _resolve(model)]
 
 
 def default_registry():
@@ -218,11 +271,20 @@ def run_architecture(
     chunk_size: int = 5,
     on_progress: Callable[[int, int, int], None] | None = None,
     shapes: str | None = None,
+    config: dict[str, Any] | None = None,
+    label: str | None = None,
 ) -> ArchitectureRun:
-    """Build, run and compare one architecture (see :func:`run_main`)."""
+    """Build, run and compare one architecture (see :func:`run_main`).
+
+    :param config: a ``config.json`` dict of architecture ``name`` to run at its own sizes
+        instead of the shrunk sample; ``label`` (default ``name``) names it in the report.
+    """
     device = torch.device(device)
     registry = registry if registry is not None else default_registry()
-    model = build_tiny(name, device=device, dtype=dtype, shapes=default_shapes(device, shapes))
+    model = build_tiny(
+        name, device=device, dtype=dtype, shapes=default_shapes(device, shapes), config=config
+    )
+    label = label if label is not None else name
     notes: list[str] = []
     if model.is_encoder:
         grids = [_VISION_GRIDS[i % len(_VISION_GRIDS)] for i in range(max(prompts, 1))]
@@ -250,7 +312,7 @@ def run_architecture(
         if graphs:
             notes.append("the vision tower runs without CUDA graphs (one encoder pass)")
         return ArchitectureRun(
-            name,
+            label,
             model.layout.architecture,
             model.layout.short(),
             plan.to_dict(),
@@ -290,7 +352,7 @@ def run_architecture(
         notes.append(result.graph_note)
     match = compare_generation(model, result)
     return ArchitectureRun(
-        name,
+        label,
         model.layout.architecture,
         model.layout.short(),
         plan.to_dict(),
@@ -356,7 +418,9 @@ def run_main(
     """Entry point of ``attn run --model NAME``.
 
     :param model: ``"all"``, one architecture (``qwen3``, ``qwen3-next``, ``deepseek-v3``,
-        ``bamba``, ``gpt-oss``, ``qwen2.5-vl-vision``) or a comma list.
+        ``bamba``, ``gpt-oss``, ``qwen2.5-vl-vision``), the path of a ``config.json`` (or of
+        its folder) whose model_type one of them covers (run at the config's own sizes, random
+        weights; ``shapes`` does not apply), or a comma list.
     :param device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``.
     :param dtype: ``"float32"`` / ``"bfloat16"`` / ``"float16"`` (aliases ``fp32``, ``bf16``).
     :param prompts: requests per architecture (images for the vision tower).
@@ -373,17 +437,19 @@ def run_main(
     from attn_core.specs import DTYPES, _canonical_dtype
 
     dtype = _canonical_dtype(dtype, DTYPES, "dtype")
-    names = resolve_models(model)
+    inputs = _resolve(model)
     if prompts < 1 or max_new_tokens < 1:
         raise ValueError(f"prompts={prompts}, max_new_tokens={max_new_tokens}: both must be >= 1")
     registry = registry if registry is not None else default_registry()
     runs = []
     with _progress_display(progress, console) as start:
-        for name in names:
-            update = start(name, prompts)
+        for given in inputs:
+            update = start(given.label, prompts)
             runs.append(
                 run_architecture(
-                    name,
+                    given.name,
+                    config=given.config,
+                    label=given.label,
                     device=device,
                     dtype=dtype,
                     prompts=prompts,

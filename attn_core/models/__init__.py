@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from attn_core.models.hf_config import (
+    MODEL_TYPE_FAMILIES,
     SUPPORTED_MODEL_TYPES,
     ModelLayout,
     load_sample,
@@ -11,6 +12,7 @@ from attn_core.models.hf_config import (
 )
 
 __all__ = [
+    "MODEL_TYPE_FAMILIES",
     "SUPPORTED_MODEL_TYPES",
     "ModelLayout",
     "load_sample",

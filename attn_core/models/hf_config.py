@@ -11,6 +11,11 @@ split evenly across ranks; KV heads (and GDN key heads, Mamba2 groups) are split
 least ``tp_size`` of them and replicated, one per rank, when there are fewer (``tp_size`` must then
 be a multiple of their count). Anything else raises ``ValueError`` naming the config field.
 
+Where the config has ``layer_types``, every parser's result is checked against it layer by layer,
+and a feature no layer kind describes (``attention_chunk_size``, Mamba1, attention and Mamba2 in
+parallel, Kimi Delta Attention, an unknown ``layer_types`` value) is refused with the layers that
+have it: there is never a partial mapping.
+
 Layers that carry no attention (Nemotron-H's MLP / MoE layers) are absent from the layout; their
 indices are simply missing from ``layer_indices``.
 """
@@ -29,6 +34,7 @@ from typing import Any, TypedDict
 from attn_core.specs import LayerGroup, LayerKind, LayerSpec, LinearVariant, group_layers
 
 __all__ = [
+    "MODEL_TYPE_FAMILIES",
     "SUPPORTED_MODEL_TYPES",
     "ModelLayout",
     "load_sample",
@@ -235,10 +241,102 @@ def _layer_types(r: _Reader, num_layers: int, fallback: Callable[[int], str]) ->
     return list(types)
 
 
+def _layers_of(types: Sequence[Any], value: Any) -> str:
+    """``"layer 3"`` / ``"layers 0-2,5"``: where ``value`` occurs in ``types``."""
+    where = [i for i, t in enumerate(types) if t == value]
+    return f"layer{'s' if len(where) > 1 else ''} {_ranges(where)}"
+
+
+def _describe_types(types: Sequence[Any]) -> str:
+    """``"linear_attention in layers 0-1,3; full_attention in layer 2"``."""
+    return "; ".join(f"{t} in {_layers_of(types, t)}" for t in dict.fromkeys(types))
+
+
 def _check_types(r: _Reader, types: Sequence[str], allowed: set[str]) -> None:
-    bad = sorted(set(types) - allowed)
+    bad = sorted(set(types) - allowed, key=str)
     if bad:
-        raise ValueError(f"{r.where}: layer_types contains {bad}; allowed: {sorted(allowed)}")
+        found = "; ".join(f"{t!r} in {_layers_of(types, t)}" for t in bad)
+        raise ValueError(
+            f"{r.where}: layer_types has {found}; this family's layers are {sorted(allowed)}"
+        )
+
+
+# layer_types values and what a parser must have mapped such a layer to. Granite-4.0-H's hub
+# configs say "mamba" / "attention"; transformers' own classes write the names on the left.
+_TYPE_KINDS: dict[str, str] = {
+    "full_attention": "full",
+    "attention": "full",
+    "sliding_attention": "sliding",
+    "linear_attention": "linear",
+    "mamba": "linear",
+}
+
+
+def _mapped_as(spec: LayerSpec | None) -> str:
+    if spec is None:
+        return "nothing"
+    if spec.kind is LayerKind.FULL and spec.sliding_window is not None:
+        return "sliding"
+    return str(spec.kind.value)
+
+
+def _refuse_features(model_type: str, cfg: Mapping[str, Any]) -> None:
+    """Features no layer kind describes, on a config of a supported model_type."""
+    chunk = cfg.get("attention_chunk_size")
+    types = cfg.get("layer_types")
+    n = cfg.get("num_hidden_layers")
+    if chunk is not None:
+        if isinstance(types, list) and "chunked_attention" in types:
+            where = _layers_of(types, "chunked_attention")
+        else:
+            where = f"layers {_ranges(range(n))}" if isinstance(n, int) else "every layer"
+        raise ValueError(
+            f"{model_type}: chunked attention (attention_chunk_size={chunk}) in {where}: "
+            f"no layer kind"
+        )
+    if isinstance(types, list):
+        unknown = [t for t in dict.fromkeys(types) if t not in _TYPE_KINDS]
+        if unknown:
+            found = "; ".join(f"{t!r} in {_layers_of(types, t)}" for t in unknown)
+            raise ValueError(
+                f"{model_type}: layer_types has {found}: no layer kind "
+                f"(known layer_types: {sorted(_TYPE_KINDS)})"
+            )
+
+
+def _check_against_types(
+    model_type: str, cfg: Mapping[str, Any], num_layers: int, layers: Sequence[tuple[int, Any]]
+) -> None:
+    """A parser's result must agree with the config's own ``layer_types``, layer by layer."""
+    types = cfg.get("layer_types")
+    if not isinstance(types, list):
+        return
+    if len(types) != num_layers:
+        raise ValueError(
+            f"{model_type}: layer_types has {len(types)} entries; "
+            f"expected num_hidden_layers={num_layers}"
+        )
+    specs = dict(layers)
+    window_set = cfg.get("sliding_window") is not None
+    wrong: dict[tuple[str, str], list[int]] = {}
+    for i, t in enumerate(types):
+        want, got = _TYPE_KINDS[t], _mapped_as(specs.get(i))
+        if want == "full" and got == "mla":
+            continue
+        if want == "sliding" and got == "full" and not window_set:
+            continue  # sliding_window null: transformers attends over every token too
+        if want != got:
+            wrong.setdefault((t, got), []).append(i)
+    if wrong:
+        parts = [
+            f"layer{'s' if len(v) > 1 else ''} {_ranges(v)}: config says {t}, mapped {got}"
+            for (t, got), v in wrong.items()
+        ]
+        raise ValueError(
+            f"{model_type}: the mapping disagrees with the config's layer_types ("
+            + "; ".join(parts)
+            + "); is the model_type right?"
+        )
 
 
 # ------------------------------------------------------------------------------------------
@@ -436,6 +534,17 @@ def _nemotron_h(r: _Reader, o: _Options) -> _Parsed:
                 f"allowed: {sorted(_NEMOTRON_PATTERN)}"
             )
         types = [_NEMOTRON_PATTERN[c] for c in pattern]
+        listed = r.cfg.get("layers_block_type")
+        if isinstance(listed, list) and listed != types:
+            wrong = [i for i, t in enumerate(types) if i >= len(listed) or listed[i] != t]
+            i = wrong[0]
+            raise ValueError(
+                f"{r.where}: hybrid_override_pattern and layers_block_type disagree in "
+                f"layer{'s' if len(wrong) > 1 else ''} {_ranges(wrong)} (layer {i}: "
+                f"pattern {pattern[i]!r} = {types[i]}, layers_block_type "
+                f"{listed[i] if i < len(listed) else 'nothing'!r}); "
+                f"which one describes the model?"
+            )
     else:  # transformers 5 serialises the list instead
         types = list(r.get("layers_block_type"))
         _check_types(r, types, set(_NEMOTRON_PATTERN.values()))
@@ -579,6 +688,82 @@ _FAMILIES: tuple[_Family, ...] = (
     ),
 )
 _BY_MODEL_TYPE: dict[str, _Family] = {t: f for f in _FAMILIES for t in f.model_types}
+
+
+def _n_layers(cfg: Mapping[str, Any]) -> int:
+    n = cfg.get("num_hidden_layers")
+    return n if isinstance(n, int) and n > 0 else 0
+
+
+def _all_layers(cfg: Mapping[str, Any]) -> str:
+    n = _n_layers(cfg)
+    return f"layers {_ranges(range(n))}" if n else "every layer"
+
+
+def _jamba_features(cfg: Mapping[str, Any]) -> list[str]:
+    period, offset = cfg.get("attn_layer_period", 8), cfg.get("attn_layer_offset", 4)
+    if not isinstance(period, int) or period <= 0 or not isinstance(offset, int):
+        return [f"Mamba1 mixer in {_all_layers(cfg)}: no layer kind"]
+    mamba = [i for i in range(_n_layers(cfg)) if i % period != offset]
+    return [f"Mamba1 mixer in layer{'s' if len(mamba) > 1 else ''} {_ranges(mamba)}: no layer kind"]
+
+
+def _kimi_features(cfg: Mapping[str, Any]) -> list[str]:
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and "linear_attention" in types:
+        where = _layers_of(types, "linear_attention")
+    else:
+        kda = (cfg.get("linear_attn_config") or {}).get("kda_layers") or []
+        where = f"layers {_ranges(sorted(i - 1 for i in kda))}" if kda else _all_layers(cfg)
+    return [f"Kimi Delta Attention (KDA) in {where}: no layer kind"]
+
+
+def _llama4_features(cfg: Mapping[str, Any]) -> list[str]:
+    cfg = cfg.get("text_config") or cfg
+    chunk, types = cfg.get("attention_chunk_size"), cfg.get("layer_types")
+    if chunk is None:
+        return []
+    if isinstance(types, list) and "chunked_attention" in types:
+        where = _layers_of(types, "chunked_attention")
+    else:
+        where = _all_layers(cfg)
+    return [f"chunked attention (attention_chunk_size={chunk}) in {where}: no layer kind"]
+
+
+# Model types no family parses, with the features that keep them out: the error names them.
+_UNSUPPORTED_FEATURES: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
+    "jamba": _jamba_features,
+    "mamba": lambda c: [f"Mamba1 mixer in {_all_layers(c)}: no layer kind"],
+    "falcon_mamba": lambda c: [f"Mamba1 mixer in {_all_layers(c)}: no layer kind"],
+    "falcon_h1": lambda c: [
+        f"attention and Mamba2 in parallel inside one decoder layer in {_all_layers(c)}: "
+        f"no layer kind"
+    ],
+    "kimi_linear": _kimi_features,
+    "llama4": _llama4_features,
+    "llama4_text": _llama4_features,
+}
+
+
+def _unsupported(model_type: Any, raw: Mapping[str, Any]) -> ValueError:
+    """The error for a model_type no family parses: its features, its layer_types, the list."""
+    head = f"model_type={model_type!r} is not supported"
+    detect = _UNSUPPORTED_FEATURES.get(model_type) if isinstance(model_type, str) else None
+    features = detect(raw) if detect is not None else []
+    if features:
+        head = "; ".join(f"{model_type}: {f}" for f in features) + f"; {head}"
+    types = raw.get("layer_types")
+    if isinstance(types, list) and types:
+        head += f" (its layer_types: {_describe_types(types)})"
+    elif isinstance(model_type, str) and not features:
+        head += " (the config has no layer_types)"
+    return ValueError(
+        f"{head}; supported: {list(SUPPORTED_MODEL_TYPES)} (samples: {sample_names()})"
+    )
+
+
+#: model_type -> the family (sample name) that parses it, e.g. ``"qwen2" -> "qwen3"``.
+MODEL_TYPE_FAMILIES: dict[str, str] = {t: f.name for t, f in sorted(_BY_MODEL_TYPE.items())}
 #: model_type values :func:`specs_from_hf_config` understands.
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(_BY_MODEL_TYPE))
 
@@ -664,8 +849,12 @@ def specs_from_hf_config(
     :param kv_dtype: KV cache dtype for full / mla layers (e.g. ``"fp8_e4m3"``); default: dtype.
         Linear and encoder layers keep no KV cache and ignore it.
     :returns: a :class:`ModelLayout`.
-    :raises ValueError: unknown ``model_type`` (the message lists the supported ones), a missing
-        or invalid field, or a head count ``tp_size`` does not divide.
+    :raises ValueError: unknown ``model_type`` (the message names the features that keep it
+        out, e.g. "jamba: Mamba1 mixer in layers 0,2: no layer kind", and its ``layer_types``,
+        and lists the supported ones); a feature no layer kind describes (chunked attention,
+        an unknown ``layer_types`` value), named with its layers; a mapping that disagrees with
+        the config's own ``layer_types`` (the layers, what the config says, what was mapped);
+        a missing or invalid field; or a head count ``tp_size`` does not divide.
     """
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size <= 0:
         raise ValueError(f"tp_size={tp_size!r}: expected a positive int")
@@ -673,10 +862,7 @@ def specs_from_hf_config(
     model_type = raw.get("model_type")
     family = _BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
     if family is None or not isinstance(model_type, str):
-        raise ValueError(
-            f"model_type={model_type!r} is not supported; supported: {list(SUPPORTED_MODEL_TYPES)} "
-            f"(samples: {sample_names()})"
-        )
+        raise _unsupported(model_type, raw)
     cfg, dtype_sources = raw, [raw]
     if model_type == "gemma3":  # multimodal Gemma-3: the language model lives in text_config
         cfg = _sub_config(raw, "text_config", model_type)
@@ -691,7 +877,9 @@ def specs_from_hf_config(
         kv_dtype=kv_dtype,
     )
     reader = _Reader(cfg, f"{family.name} ({model_type})", family.defaults)
+    _refuse_features(model_type, cfg)
     num_layers, layers, extra = family.parse(reader, options)
+    _check_against_types(model_type, cfg, num_layers, layers)
     indices = tuple(i for i, _ in layers)
     specs = tuple(s for _, s in layers)
     # group_layers numbers layers by position; map positions back to model layer indices.

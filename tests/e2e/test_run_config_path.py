@@ -1,0 +1,116 @@
+"""``attn run --model CONFIG.json|FOLDER``: the inputs ``attn explain`` takes (issue 22, item 6).
+
+A config.json whose model_type the runner drives runs at the config's own sizes (random weights)
+and is compared with transformers; one the runner has no adapter for, or a sample it does not
+drive, is refused with the model types each command handles.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from attn_core.e2e import run_main
+from attn_core.e2e.configs import tiny_config
+from attn_core.e2e.main import resolve_models
+from attn_core.models import load_sample
+
+pytest.importorskip("transformers")
+
+
+def _run(model: str):
+    return run_main(
+        model,
+        device="cpu",
+        dtype="fp32",
+        prompts=2,
+        max_new_tokens=3,
+        graphs=False,
+        registry=None,
+        constraints=None,
+        progress=False,
+        console=lambda *a: None,
+    )
+
+
+def test_run_config_json_and_folder(tmp_path: Path) -> None:
+    cfg = tiny_config("qwen3")
+    cfg["rope_theta"] = 5000.0  # the config's own fields are what runs, not the sample's
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for model in (str(tmp_path / "config.json"), str(tmp_path)):
+        report = _run(model)
+        assert report.ok, report.format()
+        (run,) = report.runs
+        assert run.name == str(Path(model))
+        assert "Qwen3ForCausalLM" in report.format()
+
+
+def test_run_refuses_config_of_a_model_type_it_does_not_drive(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(load_sample("gemma-3")))
+    with pytest.raises(ValueError) as err:
+        resolve_models(str(path))
+    message = str(err.value)
+    assert "gemma3" in message and "attn explain" in message and "qwen3_next" in message
+
+
+def test_run_refuses_samples_it_does_not_drive_specifically() -> None:
+    with pytest.raises(ValueError, match=r"'nemotron-h'.*attn explain nemotron-h.*no adapter"):
+        resolve_models("nemotron-h")
+
+
+def test_run_config_error_is_the_mapping_error(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "jamba", "num_hidden_layers": 2}))
+    with pytest.raises(ValueError, match="jamba: Mamba1 mixer"):
+        resolve_models(str(path))
+
+
+@pytest.mark.parametrize(
+    ("cls_name", "extra"),
+    [
+        ("LlamaConfig", {}),
+        ("MistralConfig", {"sliding_window": 6}),
+        ("Qwen2Config", {}),
+        ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2}),
+    ],
+)
+def test_run_configs_of_the_driven_model_types(
+    tmp_path: Path, cls_name: str, extra: dict[str, object]
+) -> None:
+    import transformers
+
+    cfg = getattr(transformers, cls_name)(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        **extra,
+    )
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    report = _run(str(path))
+    assert report.ok, report.format()
+
+
+def test_readme_names_what_run_drives_and_explain_maps() -> None:
+    from attn_core.e2e.main import _driven_model_types
+    from attn_core.models import SUPPORTED_MODEL_TYPES
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    start = readme.index("`attn explain` also takes the path")
+    para = readme[start : readme.index("\n\n", start)]
+    explain, run = para.split("`attn run --model`")
+    named = sorted(t for t in SUPPORTED_MODEL_TYPES if f"`{t}`" in explain)
+    assert named == sorted(SUPPORTED_MODEL_TYPES)
+    excepted = run[run.index("except") : run.index("built at")]
+    refused = sorted(set(SUPPORTED_MODEL_TYPES) - set(_driven_model_types()))
+    assert sorted(t for t in SUPPORTED_MODEL_TYPES if f"`{t}`" in excepted) == refused

@@ -1,0 +1,183 @@
+"""specs_from_hf_config is loud and specific (issue 22, item 4).
+
+Configs come from transformers' own config classes at small sizes. A parser's per-layer result
+must agree with the config's ``layer_types``; a feature no layer kind describes (chunked
+attention, Mamba1, parallel attention + Mamba2, Kimi Delta Attention) is refused with the
+feature and the layers that have it, never mapped partially.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from attn_core.models import specs_from_hf_config
+
+transformers = pytest.importorskip("transformers")
+
+
+def _cfg(cls_name: str, **kwargs: Any) -> dict[str, Any]:
+    return dict(getattr(transformers, cls_name)(**kwargs).to_dict())
+
+
+def _kimi() -> dict[str, Any]:
+    return _cfg(
+        "KimiLinearConfig",
+        num_hidden_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        linear_attn_config={
+            "kda_layers": [1, 2, 3],
+            "full_attn_layers": [4],
+            "num_heads": 2,
+            "head_dim": 16,
+            "short_conv_kernel_size": 4,
+        },
+    )
+
+
+def _granite() -> dict[str, Any]:
+    return _cfg(
+        "GraniteMoeHybridConfig",
+        num_hidden_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_n_heads=4,
+        mamba_d_head=32,
+        mamba_d_state=16,
+        layer_types=["mamba", "mamba", "attention", "mamba"],
+    )
+
+
+def _raises(config: dict[str, Any], *fragments: str) -> str:
+    with pytest.raises(ValueError) as err:
+        specs_from_hf_config(config)
+    message = str(err.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return message
+
+
+def test_kimi_linear_read_as_deepseek_v3_is_refused() -> None:
+    # All layers would be MLA; 3 of 4 are Kimi Delta Attention.
+    cfg = {**_kimi(), "model_type": "deepseek_v3"}
+    _raises(cfg, "deepseek_v3", "layers 0-2", "linear_attention", "mla")
+
+
+def test_granite_read_as_bamba_is_refused() -> None:
+    # attn_layer_indices is absent, so bamba would map the attention layer 2 to Mamba2.
+    cfg = {**_granite(), "model_type": "bamba"}
+    _raises(cfg, "bamba", "layer 2", "full_attention", "linear")
+
+
+def test_kimi_linear_names_kda_layers() -> None:
+    _raises(_kimi(), "kimi_linear", "Kimi Delta Attention", "layers 0-2", "no layer kind")
+
+
+def test_jamba_names_mamba1_layers() -> None:
+    cfg = _cfg("JambaConfig", num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1)
+    _raises(cfg, "jamba: Mamba1 mixer in layers 0,2: no layer kind")
+
+
+def test_falcon_mamba_names_mamba1_layers() -> None:
+    _raises(
+        _cfg("FalconMambaConfig", num_hidden_layers=3),
+        "falcon_mamba: Mamba1 mixer in layers 0-2: no layer kind",
+    )
+
+
+def test_falcon_h1_names_parallel_hybrid() -> None:
+    _raises(
+        _cfg("FalconH1Config", num_hidden_layers=2),
+        "falcon_h1",
+        "attention and Mamba2 in parallel",
+        "layers 0-1",
+    )
+
+
+def test_llama4_names_chunked_layers() -> None:
+    cfg = _cfg("Llama4TextConfig", num_hidden_layers=4, attention_chunk_size=64)
+    _raises(cfg, "llama4_text", "chunked attention (attention_chunk_size=64)", "layers 0-2")
+
+
+def test_chunked_attention_refused_by_a_supported_family() -> None:
+    # A Llama-4 text config relabelled llama: Llama has no chunked attention, so no mapping.
+    cfg = {
+        **_cfg("Llama4TextConfig", num_hidden_layers=4, attention_chunk_size=64),
+        "model_type": "llama",
+    }
+    _raises(cfg, "llama", "chunked attention (attention_chunk_size=64)", "layers 0-2")
+
+
+def test_unknown_layer_type_is_named_with_its_layers() -> None:
+    cfg = _cfg(
+        "Qwen3Config",
+        num_hidden_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    cfg["layer_types"] = ["full_attention", "hyper_attention", "hyper_attention", "full_attention"]
+    _raises(cfg, "qwen3", "'hyper_attention'", "layers 1-2")
+
+
+def test_wrong_family_layer_type_is_named_with_its_layers() -> None:
+    cfg = _cfg(
+        "Qwen3Config",
+        num_hidden_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    cfg["layer_types"] = ["full_attention", "linear_attention", "full_attention", "full_attention"]
+    _raises(cfg, "qwen3", "'linear_attention'", "layer 1")
+
+
+def test_unsupported_type_names_its_layer_types() -> None:
+    msg = _raises(_granite(), "granitemoehybrid", "not supported", "supported:")
+    assert re.search(r"linear_attention in layers 0-1,3", msg), msg
+    assert re.search(r"full_attention in layer 2", msg), msg
+    msg = _raises(_cfg("MinistralConfig", num_hidden_layers=2), "ministral", "sliding_attention")
+    assert "layers 0-1" in msg
+    msg = _raises(_cfg("Phi3Config", num_hidden_layers=2), "'phi3'", "no layer_types")
+
+
+def test_agreeing_layer_types_still_parse() -> None:
+    # The samples' own layer_types agree with their mapping; a qwen3 config whose layer_types
+    # say sliding_attention while sliding_window is null is full attention, as transformers has it.
+    cfg = _cfg(
+        "Qwen3Config",
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    cfg["layer_types"] = ["sliding_attention", "full_attention"]
+    cfg["sliding_window"] = None
+    layout = specs_from_hf_config(cfg)
+    assert all(s.sliding_window is None for s in layout.layer_specs)
+    for name in ("qwen3", "qwen3-next", "gpt-oss", "gemma-3", "bamba", "deepseek-v3"):
+        specs_from_hf_config(name)
+
+
+def test_nemotron_h_pattern_and_block_types_must_agree() -> None:
+    cfg = _cfg(
+        "NemotronHConfig",
+        num_hidden_layers=4,
+        hybrid_override_pattern="M-M*",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        ssm_state_size=16,
+        n_groups=1,
+    )
+    assert specs_from_hf_config(cfg).layer_indices == (0, 2, 3)
+    cfg["hybrid_override_pattern"] = "M-MM"
+    _raises(cfg, "nemotron_h", "layer 3", "'M'", "full_attention")
