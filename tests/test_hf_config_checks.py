@@ -141,9 +141,13 @@ def test_unsupported_type_names_its_layer_types() -> None:
     msg = _raises(_granite(), "granitemoehybrid", "not supported", "supported:")
     assert re.search(r"linear_attention in layers 0-1,3", msg), msg
     assert re.search(r"full_attention in layer 2", msg), msg
-    msg = _raises(_cfg("MinistralConfig", num_hidden_layers=2), "ministral", "sliding_attention")
+    # ministral and phi3 now map (the generic dense path); a model_type no family names with a
+    # field that path does not understand is refused with the field and its layer_types.
+    cfg = {**_cfg("MinistralConfig", num_hidden_layers=2), "model_type": "new_lm", "moe_x": 1}
+    msg = _raises(cfg, "'new_lm'", "'moe_x'", "sliding_attention", "not supported")
     assert "layers 0-1" in msg
-    msg = _raises(_cfg("Phi3Config", num_hidden_layers=2), "'phi3'", "no layer_types")
+    cfg = {**_cfg("Phi3Config", num_hidden_layers=2), "model_type": "new_lm", "moe_x": 1}
+    _raises(cfg, "'new_lm'", "'moe_x'", "no layer_types")
 
 
 def test_agreeing_layer_types_still_parse() -> None:

@@ -11,6 +11,10 @@ split evenly across ranks; KV heads (and GDN key heads, Mamba2 groups) are split
 least ``tp_size`` of them and replicated, one per rank, when there are fewer (``tp_size`` must then
 be a multiple of their count). Anything else raises ``ValueError`` naming the config field.
 
+A ``model_type`` no family names is read by the generic dense mapping (GQA on every layer, full
+or sliding) when every field of its config is one that mapping understands; any other field is
+refused with its layers, since it may change the attention math.
+
 Where the config has ``layer_types``, every parser's result is checked against it layer by layer,
 and a feature no layer kind describes (``attention_chunk_size``, Mamba1, attention and Mamba2 in
 parallel, Kimi Delta Attention, an unknown ``layer_types`` value) is refused with the layers that
@@ -396,6 +400,80 @@ def _dense(r: _Reader, o: _Options) -> _Parsed:
     return n, layers, {}
 
 
+# Fields the generic dense mapping understands: what every config carries, the common attention
+# names, and fields that act outside the attention op (embeddings, norms, MLP, dropout, RoPE and
+# partial rotary, qk-norm, residual / logit multipliers). Any other field may change the
+# attention math, so a config carrying one is refused rather than mapped on a guess.
+_DENSE_FIELDS: frozenset[str] = frozenset(
+    {
+        # every PretrainedConfig
+        "_name_or_path", "architectures", "chunk_size_feed_forward", "dtype", "torch_dtype",
+        "id2label", "is_encoder_decoder", "label2id", "model_type", "output_attentions",
+        "output_hidden_states", "problem_type", "return_dict", "transformers_version",
+        "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings",
+        # sizes and the attention op
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+        "sliding_window", "use_sliding_window", "layer_types", "attn_logit_softcapping",
+        "attention_multiplier",
+        # outside the op
+        "hidden_act", "initializer_range", "rms_norm_eps", "layer_norm_eps", "norm_epsilon",
+        "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
+        "original_max_position_embeddings", "attention_bias", "attention_dropout", "mlp_bias",
+        "use_bias", "embd_pdrop", "resid_pdrop", "embedding_dropout", "residual_dropout",
+        "embedding_multiplier", "residual_multiplier", "logits_scaling",
+        "final_logit_softcapping", "use_qk_norm",
+    }
+)  # fmt: skip
+
+
+def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
+    """Any dense family that uses the common names: GQA on every layer, full or sliding.
+
+    Without ``layer_types``, a set ``sliding_window`` slides every layer (Mistral, Phi-3,
+    Starcoder2) unless ``use_sliding_window`` is false. ``attention_multiplier`` (Granite) is the
+    softmax scale; ``attn_logit_softcapping`` the logits soft-cap.
+    """
+    n = r.pos_int("num_hidden_layers")
+    unknown = sorted(k for k in r.cfg if k not in _DENSE_FIELDS)
+    if unknown:
+        raise ValueError(
+            f"{r.where}: config field{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(repr(k) for k in unknown)} in layers {_ranges(range(n))}: not understood "
+            f"by the generic dense mapping (it may change the attention math); refused, not "
+            f"mapped in part"
+        )
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = r.cfg.get(key)
+        beta = rope.get("llama_4_scaling_beta") if isinstance(rope, Mapping) else None
+        if beta is not None:  # Ministral-3: q scaled by a function of the position
+            raise ValueError(
+                f"{r.where}: position-dependent query scale ({key}.llama_4_scaling_beta={beta}) "
+                f"in layers {_ranges(range(n))}: no layer kind"
+            )
+    window = r.cfg.get("sliding_window")
+    if r.cfg.get("use_sliding_window", True) is False:
+        window = None
+    if window is not None:
+        window = r.pos_int("sliding_window")
+    types = _layer_types(
+        r, n, lambda i: "full_attention" if window is None else "sliding_attention"
+    )
+    _check_types(r, types, {"full_attention", "sliding_attention"})
+    fields_: dict[str, Any] = dict(_gqa(r, o, _head_dim(r)))
+    cap = r.cfg.get("attn_logit_softcapping")
+    if cap is not None:
+        fields_["logits_soft_cap"] = float(cap)
+    scale = r.cfg.get("attention_multiplier")
+    if scale is not None:
+        fields_["softmax_scale"] = float(scale)
+    layers = []
+    for i, t in enumerate(types):
+        sw = window if t == "sliding_attention" else None
+        layers.append((i, o.full(sliding_window=sw, **fields_)))
+    return n, layers, {}
+
+
 def _qwen3_next(r: _Reader, o: _Options) -> _Parsed:
     """Qwen3-Next: Gated DeltaNet layers and gated full-attention layers (3 : 1)."""
     n = r.pos_int("num_hidden_layers")
@@ -667,6 +745,19 @@ _FAMILIES: tuple[_Family, ...] = (
             "mistral": "MistralForCausalLM",
         },
     ),
+    # Dense families tried against transformers (tests/test_hf_config_dense.py); any other
+    # model_type whose config uses only the common names is read the same way.
+    _Family(
+        "dense",
+        _generic_dense,
+        {
+            "granite": "GraniteForCausalLM",
+            "ministral": "MinistralForCausalLM",
+            "olmo2": "Olmo2ForCausalLM",
+            "phi3": "Phi3ForCausalLM",
+            "starcoder2": "Starcoder2ForCausalLM",
+        },
+    ),
     _Family("qwen3-next", _qwen3_next, {"qwen3_next": "Qwen3NextForCausalLM"}),
     _Family("deepseek-v3", _deepseek_v3, {"deepseek_v3": "DeepseekV3ForCausalLM"}),
     _Family("bamba", _bamba, {"bamba": "BambaForCausalLM"}),
@@ -687,6 +778,7 @@ _FAMILIES: tuple[_Family, ...] = (
         },
     ),
 )
+_DENSE: _Family = next(f for f in _FAMILIES if f.name == "dense")
 _BY_MODEL_TYPE: dict[str, _Family] = {t: f for f in _FAMILIES for t in f.model_types}
 
 
@@ -745,11 +837,15 @@ _UNSUPPORTED_FEATURES: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
 }
 
 
-def _unsupported(model_type: Any, raw: Mapping[str, Any]) -> ValueError:
+def _unsupported(
+    model_type: Any, raw: Mapping[str, Any], reasons: Sequence[str] = ()
+) -> ValueError:
     """The error for a model_type no family parses: its features, its layer_types, the list."""
     head = f"model_type={model_type!r} is not supported"
     detect = _UNSUPPORTED_FEATURES.get(model_type) if isinstance(model_type, str) else None
     features = detect(raw) if detect is not None else []
+    if reasons:
+        head = "; ".join(reasons) + f"; {head}"
     if features:
         head = "; ".join(f"{model_type}: {f}" for f in features) + f"; {head}"
     types = raw.get("layer_types")
@@ -861,8 +957,27 @@ def specs_from_hf_config(
     raw = _as_dict(config)
     model_type = raw.get("model_type")
     family = _BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
+    if family is None and isinstance(model_type, str) and model_type not in _UNSUPPORTED_FEATURES:
+        # A model_type no family names: the generic dense mapping reads it when every field is
+        # one it understands; otherwise its refusal says why, with the supported list.
+        try:
+            return _specs(raw, model_type, _DENSE, tp_size, dtype, page_size, kv_dtype)
+        except ValueError as err:
+            raise _unsupported(model_type, raw, [str(err)]) from None
     if family is None or not isinstance(model_type, str):
         raise _unsupported(model_type, raw)
+    return _specs(raw, model_type, family, tp_size, dtype, page_size, kv_dtype)
+
+
+def _specs(
+    raw: Mapping[str, Any],
+    model_type: str,
+    family: _Family,
+    tp_size: int,
+    dtype: str | None,
+    page_size: int,
+    kv_dtype: str | None,
+) -> ModelLayout:
     cfg, dtype_sources = raw, [raw]
     if model_type == "gemma3":  # multimodal Gemma-3: the language model lives in text_config
         cfg = _sub_config(raw, "text_config", model_type)
@@ -887,7 +1002,7 @@ def specs_from_hf_config(
         LayerGroup(g.group_id, g.spec, tuple(indices[p] for p in g.layer_indices))
         for g in group_layers(specs)
     )
-    architectures = raw.get("architectures") or [family.model_types[model_type]]
+    architectures = raw.get("architectures") or [family.model_types.get(model_type, model_type)]
     return ModelLayout(
         model_type=model_type,
         architecture=str(architectures[0]),

@@ -1,0 +1,147 @@
+"""The generic dense mapping (issue 22, item 1): common field names need no per-family code.
+
+Configs come from transformers' own config classes at small sizes; the mapping's heads, head_dim,
+softmax scale and windows are checked against the attention module transformers builds from the
+same config (random init, nothing downloaded).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from attn_core.models import MODEL_TYPE_FAMILIES, SUPPORTED_MODEL_TYPES, specs_from_hf_config
+
+transformers = pytest.importorskip("transformers")
+
+_SMALL: dict[str, Any] = {
+    "num_hidden_layers": 3,
+    "hidden_size": 64,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "pad_token_id": None,
+    "bos_token_id": None,
+    "eos_token_id": None,
+}
+
+# (config class, extra kwargs); each keeps a feature that distinguishes it
+_CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "phi3": ("Phi3Config", {}),
+    "phi3-sliding": ("Phi3Config", {"sliding_window": 8}),
+    "olmo2": ("Olmo2Config", {}),
+    "granite": ("GraniteConfig", {"attention_multiplier": 0.3}),
+    "starcoder2": ("Starcoder2Config", {"sliding_window": 16}),
+    "ministral-head-dim": ("MinistralConfig", {"head_dim": 24, "sliding_window": 8}),
+}
+
+
+def _config(case: str) -> Any:
+    cls_name, extra = _CASES[case]
+    return getattr(transformers, cls_name)(**{**_SMALL, **extra})
+
+
+def _attention(config: Any, layer: int) -> Any:
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    return model.model.layers[layer].self_attn
+
+
+@pytest.mark.parametrize("case", sorted(_CASES))
+def test_dense_family_matches_transformers_attention(case: str) -> None:
+    config = _config(case)
+    layout = specs_from_hf_config(config.to_dict(), dtype="float32")
+    assert layout.family == "dense"
+    assert layout.layer_indices == tuple(range(config.num_hidden_layers))
+    for i, spec in zip(layout.layer_indices, layout.layer_specs, strict=True):
+        attn = _attention(config, i)
+        assert spec.num_heads == config.num_attention_heads
+        assert spec.num_heads // spec.num_kv_heads == attn.num_key_value_groups
+        assert spec.head_dim == attn.head_dim
+        assert math.isclose(spec.scale, attn.scaling, rel_tol=1e-6), (spec.scale, attn.scaling)
+        want_window = getattr(attn, "sliding_window", None)
+        if want_window is None:
+            want_window = getattr(config, "sliding_window", None)
+        assert spec.sliding_window == want_window
+
+
+def test_sliding_layer_types_follow_the_config() -> None:
+    config = transformers.MinistralConfig(
+        **{**_SMALL, "head_dim": 16, "sliding_window": 8},
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    )
+    layout = specs_from_hf_config(config.to_dict())
+    assert [s.sliding_window for s in layout.layer_specs] == [8, None, 8]
+    assert layout.family == "dense"
+
+
+def test_new_model_type_with_common_names_needs_no_code() -> None:
+    cfg = {**_config("olmo2").to_dict(), "model_type": "brand_new_lm"}
+    cfg["architectures"] = ["BrandNewForCausalLM"]
+    layout = specs_from_hf_config(cfg)
+    assert layout.family == "dense"
+    assert layout.architecture == "BrandNewForCausalLM"
+    assert layout.layer_specs[0].num_kv_heads == 2
+
+
+def test_tested_dense_types_are_listed() -> None:
+    for t in ("phi3", "olmo2", "granite", "starcoder2", "ministral"):
+        assert t in SUPPORTED_MODEL_TYPES
+        assert MODEL_TYPE_FAMILIES[t] == "dense"
+
+
+def test_softcap_is_honoured() -> None:
+    cfg = {**_config("olmo2").to_dict(), "attn_logit_softcapping": 30.0}
+    assert specs_from_hf_config(cfg).layer_specs[0].logits_soft_cap == 30.0
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("query_pre_attn_scalar", 64),
+        ("alibi", True),
+        ("sliding_window_pattern", 4),
+        ("kv_lora_rank", 16),
+        ("max_window_layers", 2),
+    ],
+)
+def test_fields_outside_the_mapping_are_refused(field: str, value: Any) -> None:
+    cfg = {**_config("olmo2").to_dict(), field: value}
+    with pytest.raises(ValueError) as err:
+        specs_from_hf_config(cfg)
+    msg = str(err.value)
+    assert "olmo2" in msg and repr(field) in msg and "layers 0-2" in msg, msg
+
+
+def test_unknown_type_with_unknown_fields_is_not_supported() -> None:
+    cfg = {**_config("olmo2").to_dict(), "model_type": "brand_new_lm", "mixer_kind": "x"}
+    with pytest.raises(ValueError) as err:
+        specs_from_hf_config(cfg)
+    msg = str(err.value)
+    assert "'mixer_kind'" in msg and "not supported" in msg and "supported:" in msg, msg
+
+
+def test_chunked_attention_is_refused() -> None:
+    cfg = {**_config("olmo2").to_dict(), "attention_chunk_size": 8}
+    with pytest.raises(ValueError, match="chunked attention"):
+        specs_from_hf_config(cfg)
+
+
+def test_layer_types_outside_full_and_sliding_are_refused() -> None:
+    cfg = _config("olmo2").to_dict()
+    cfg["layer_types"] = ["full_attention", "linear_attention", "full_attention"]
+    with pytest.raises(ValueError, match=r"'linear_attention' in layer 1"):
+        specs_from_hf_config(cfg)
+
+
+def test_position_dependent_query_scale_is_refused() -> None:
+    # Ministral-3 multiplies q by a function of the position (llama_4_scaling_beta): no spec
+    # field says so, so the config is refused rather than mapped with a constant scale.
+    cfg = transformers.Ministral3Config(**_SMALL).to_dict()
+    with pytest.raises(ValueError) as err:
+        specs_from_hf_config(cfg)
+    msg = str(err.value)
+    assert "llama_4_scaling_beta" in msg and "layers 0-2" in msg and "not supported" in msg, msg
