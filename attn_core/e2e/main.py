@@ -58,8 +58,18 @@ class _Input:
     config: dict[str, Any] | None = None  # a config.json's dict; None: the shrunk sample
 
 
+# Model types of the generic dense mapping whose modules the generic (qwen3) adapter drives:
+# pre-norm layers with q/k/v projections and nothing outside the attention op it does not call
+# (tests/e2e/test_run_dense.py checks them against transformers).
+_DENSE_DRIVEN: tuple[str, ...] = ("ministral", "starcoder2")
+
+
 def _driven_model_types() -> list[str]:
-    return [t for t, family in MODEL_TYPE_FAMILIES.items() if family in ARCHITECTURES]
+    return [
+        t
+        for t, family in MODEL_TYPE_FAMILIES.items()
+        if family in ARCHITECTURES or (family == "dense" and t in _DENSE_DRIVEN)
+    ]
 
 
 def _config_input(part: str) -> _Input | None:
@@ -73,6 +83,8 @@ def _config_input(part: str) -> _Input | None:
     if not isinstance(cfg, dict):
         raise ValueError(f"{file}: expected a JSON object, got {type(cfg).__name__}")
     layout = specs_from_hf_config(cfg)  # an unsupported config fails here, as in explain
+    if layout.family == "dense" and layout.model_type in _DENSE_DRIVEN:
+        return _Input(str(path), "qwen3", cfg)
     if layout.family not in ARCHITECTURES:
         raise ValueError(
             f"{part}: model_type {layout.model_type!r} is mapped by `attn explain {part}` "
