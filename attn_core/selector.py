@@ -1,8 +1,10 @@
 """Pick one backend per layer group for a whole model, and explain every rejection.
 
 Selection is deterministic. For each group the admissible backends are ranked by measured tuning
-data when the tuning file has a time for that backend on that group's spec (faster first), then
-by declared priority (higher first), then by qualified name. Settings that must be shared by every
+data when the tuning file has a time for that backend on that group's spec (faster first); the
+rest by the default rule: every other backend before the reference (``attn_core:reference``),
+whatever their priorities and names, then by declared priority (higher first), then by qualified
+name. Settings that must be shared by every
 group - page size, KV layout and CUDA-graph mode - are chosen for the whole model: the selector
 tries each candidate page size / layout and keeps the first one under which every group has a
 backend, preferring the model's own page size.
@@ -34,7 +36,7 @@ from typing import Any
 from attn_core.backend import Backend
 from attn_core.errors import SelectionError
 from attn_core.options import resolve_backend_options
-from attn_core.registry import Registry
+from attn_core.registry import REFERENCE_BACKEND, Registry
 from attn_core.specs import (
     DeviceCapabilities,
     DowngradePolicy,
@@ -312,7 +314,7 @@ class GroupChoice:
     rejected: tuple[Rejection, ...]  # one entry per reason, several per backend possible
     outranked: tuple[str, ...]  # admissible backends ranked below the chosen one
     forced: bool = False
-    downgraded_from: tuple[str, ...] = ()  # higher-priority backends that were rejected
+    downgraded_from: tuple[str, ...] = ()  # rejected backends that rank above the chosen one
     tuned_us: float | None = None
     #: offline plans: (backend, reason) of every candidate of the group's kind that this
     #: machine cannot load (chosen, ranked lower or rejected for the target); sorted
@@ -397,10 +399,15 @@ class Plan:
         }
 
 
+def _default_rank(backend: Backend) -> tuple[int, int]:
+    """The default rule without measurements: the reference last, then priority (higher first)."""
+    return (1 if backend.qualified_name == REFERENCE_BACKEND else 0, -backend.priority)
+
+
 def _rank_key(backend: Backend, spec: LayerSpec, tuning: TuningData | None):
     t = tuning.time(backend.qualified_name, spec) if tuning is not None else None
-    # Measured candidates first (fastest first), then declared priority, then name.
-    return (0 if t is not None else 1, t or 0.0, -backend.priority, backend.qualified_name)
+    # Measured candidates first (fastest first), then the default rule, then name.
+    return (0 if t is not None else 1, t or 0.0, *_default_rank(backend), backend.qualified_name)
 
 
 def _forced_key(group: LayerGroup, constraints: ExecutionConstraints) -> str | None:
@@ -673,7 +680,7 @@ def _choose(
             b.qualified_name
             for b in backends
             if b.qualified_name in serving_kind
-            and b.priority > chosen.priority
+            and _default_rank(b) < _default_rank(chosen)  # ranks above it by the default rule
             and not any(
                 r.backend == b.qualified_name and r.code in ("denied", "not_allowed")
                 for r in rejected
@@ -726,10 +733,14 @@ def _apply_downgrade_policy(plan: Plan) -> None:
         details = "; ".join(
             f"{b}: " + ", ".join(str(r) for r in by[b]) for b in c.downgraded_from if b in by
         )
+        rank = (
+            "the reference, ranked last"
+            if c.backend.qualified_name == REFERENCE_BACKEND
+            else f"priority {c.backend.priority}"
+        )
         message = (
             f"layer group {c.group.group_id!r} ({c.group.spec.short()}) falls back to "
-            f"{c.backend.qualified_name} (priority {c.backend.priority}); higher-priority "
-            f"backends were rejected: {details}"
+            f"{c.backend.qualified_name} ({rank}); higher-ranked backends were rejected: {details}"
         )
         if policy is DowngradePolicy.ERROR:
             raise SelectionError(message + " [downgrade policy: error]")

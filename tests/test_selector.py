@@ -477,6 +477,69 @@ def test_forced_or_denied_backends_are_not_downgrades(five, groups):
 
 
 # ------------------------------------------------------------------------------------------
+# The reference ranks last, and falling back to it is a downgrade
+# ------------------------------------------------------------------------------------------
+SMALL = LayerSpec(kind="full", num_heads=2, num_kv_heads=1, head_dim=8, dtype="float32")
+
+
+def _with_reference(make_plugin, *backends: tuple[str, int, dict]) -> Registry:
+    """The reference and one plugin per ``(plugin name, priority, capability overrides)``."""
+    import attn_core.reference.plugin as ref
+
+    reg = Registry(strict=True)
+    reg.register_plugin(ref, name="attn_core")
+    for plugin, priority, overrides in backends:
+        caps = BackendCapabilities(
+            **{"kinds": {"full"}, "device_types": {"cpu"}, "dtypes": {"float32"}, **overrides}
+        )
+        backend = Backend(name="k", capabilities=caps, priority=priority)
+        reg.register_plugin(make_plugin(plugin, [backend]), name=plugin)
+    return reg
+
+
+@pytest.mark.parametrize("priority", [0, -1, -100])
+def test_the_reference_ranks_last_whatever_the_priority_and_name(make_plugin, priority):
+    reg = _with_reference(make_plugin, ("aaa", priority, {}), ("zzz", priority - 1, {}))
+    choice = select(group_layers([SMALL]), reg, CPU).choices[0]
+    assert choice.backend.qualified_name == "aaa:k"
+    assert choice.outranked == ("zzz:k", "attn_core:reference")
+    assert choice.downgraded_from == ()
+
+
+@pytest.mark.parametrize("priority", [0, -5])
+def test_falling_back_to_the_reference_is_a_downgrade_at_any_priority(make_plugin, priority):
+    reg = _with_reference(make_plugin, ("zzz", priority, {"device_types": {"cuda"}}))
+    groups = group_layers([SMALL])
+    with pytest.warns(UserWarning) as record:
+        choice = select(groups, reg, CPU, ExecutionConstraints(downgrade="warn")).choices[0]
+    assert choice.backend.qualified_name == "attn_core:reference"
+    assert choice.downgraded_from == ("zzz:k",)
+    (message,) = [str(w.message) for w in record]
+    assert "falls back to attn_core:reference (the reference, ranked last)" in message
+    assert "higher-ranked backends were rejected: zzz:k: [device_type]" in message
+    assert "priority" not in message  # a priority below the reference's 0 is no "higher" one
+    with pytest.raises(SelectionError, match=r"\[downgrade policy: error\]"):
+        select(groups, reg, CPU, ExecutionConstraints(downgrade="error"))
+
+
+def test_a_rejected_reference_is_no_downgrade(make_plugin):
+    # The reference has no graph mode full; a plugin below its priority serves the group.
+    reg = _with_reference(make_plugin, ("low", -1, {"graph_modes": ALL_GRAPHS}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = select(
+            group_layers([SMALL]),
+            reg,
+            CPU,
+            ExecutionConstraints(downgrade="error", graph_mode="full"),
+        )
+    choice = plan.choices[0]
+    assert choice.backend.qualified_name == "low:k"
+    assert choice.downgraded_from == ()
+    assert [r.code for r in choice.rejections_by_backend()["attn_core:reference"]] == ["graph_mode"]
+
+
+# ------------------------------------------------------------------------------------------
 # Reason codes and fixes, one backend at a time
 # ------------------------------------------------------------------------------------------
 def _codes(caps: dict, spec: LayerSpec, device=H200, constraints=None, **kw) -> list[tuple]:
