@@ -208,6 +208,7 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     layout = specs_from_hf_config(args.model, tp_size=args.tp, dtype=dtype)
     plan = select(layout.groups, registry, caps, constraints)
+    constraints = plan.constraints  # the graph mode the policy may have lowered, forced entries
     tuning = TuningData(device=caps.short())
     results: list[BenchResult] = []
     options = resolve_backend_options(registry, constraints)  # checked by select() above

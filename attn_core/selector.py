@@ -352,6 +352,9 @@ class Plan:
     #: True: planned for this machine (a backend it cannot load was rejected); False: an
     #: offline plan for a target, which may choose backends this machine cannot load
     local: bool = True
+    #: the graph mode the run asked for, when the downgrade policy lowered it to
+    #: ``constraints.graph_mode`` (no backend served some group under it); None: not lowered
+    graph_mode_requested: GraphMode | None = None
 
     def choice(self, group_id: str) -> GroupChoice:
         for c in self.choices:
@@ -369,6 +372,9 @@ class Plan:
             "device": self.device.short(),
             "local": self.local,
             "graph_mode": self.constraints.graph_mode.value,
+            "graph_mode_requested": (
+                self.graph_mode_requested.value if self.graph_mode_requested else None
+            ),
             "page_size": self.page_size,
             "kv_layout": self.kv_layout,
             "groups": [
@@ -506,8 +512,14 @@ def select(
         of every group carries its options in force (defaults filled in) as ``backend.options``.
     :param tuning: measured times that rank admissible backends before declared priority;
         default: the file named by ``ATTN_CORE_TUNING`` if set.
+    When no backend serves some group under the run's graph mode, the downgrade policy lowers it
+    (``full`` -> ``decode`` -> ``none``) as far as every group needs: ``warn`` warns, ``allow``
+    is silent, ``error`` refuses; the plan's ``constraints.graph_mode`` is the mode it runs in and
+    ``Plan.graph_mode_requested`` the one asked for.
+
     :raises SelectionError: no setting admits a backend for every group, a forced backend cannot
-        serve, or the downgrade policy is ``error`` and a higher-priority backend was rejected.
+        serve, or the downgrade policy is ``error`` and a higher-ranked backend was rejected or
+        the graph mode would have to be lowered.
         The message lists every candidate of the failing group with its reasons. A malformed
         ``ATTN_CORE_BACKENDS`` (an entry without ``=``, a key given twice, a key that names no
         kind or group) is an error too, and every error about an entry of the variable names it.
@@ -561,33 +573,66 @@ def select(
     if not kv_groups:
         page_options, layout_options = [None], [None]
 
-    first_failure: tuple[LayerGroup, list[Rejection], int | None, str | None] | None = None
-    for page_size in page_options:
-        for layout in layout_options:
-            choices: list[GroupChoice] = []
-            failed = None
-            for group in groups:
-                result = _choose(
-                    group, backends, registry, device, constraints, page_size, layout, tuning, local
-                )
-                if isinstance(result, GroupChoice):
-                    choices.append(result)
-                else:
-                    failed = (group, result, page_size, layout)
-                    break
-            if failed is None:
-                choices = [_with_options(c, options) for c in choices]
-                plan = Plan(device, constraints, tuple(choices), page_size, layout, local)
-                _apply_downgrade_policy(plan)
-                return plan
-            if first_failure is None:
-                first_failure = failed
-    assert first_failure is not None
-    group, rejections, page_size, layout = first_failure
-    raise SelectionError(
-        _no_backend_message(group, rejections, constraints, page_size, layout, from_env)
-        + _allow_list_notes(registry, constraints)
-    )
+    def attempt(
+        cons: ExecutionConstraints,
+    ) -> Plan | tuple[LayerGroup, list[Rejection], int | None, str | None]:
+        """The first plan under ``cons`` over the page sizes and layouts, else its first failure."""
+        first_failure: tuple[LayerGroup, list[Rejection], int | None, str | None] | None = None
+        for page_size in page_options:
+            for layout in layout_options:
+                choices: list[GroupChoice] = []
+                failed = None
+                for group in groups:
+                    result = _choose(
+                        group, backends, registry, device, cons, page_size, layout, tuning, local
+                    )
+                    if isinstance(result, GroupChoice):
+                        choices.append(result)
+                    else:
+                        failed = (group, result, page_size, layout)
+                        break
+                if failed is None:
+                    choices = [_with_options(c, options) for c in choices]
+                    return Plan(device, cons, tuple(choices), page_size, layout, local)
+                if first_failure is None:
+                    first_failure = failed
+        assert first_failure is not None
+        return first_failure
+
+    result = attempt(constraints)
+    if isinstance(result, Plan):
+        _apply_downgrade_policy(result)
+        return result
+    group, rejections, page_size, layout = result
+    message = _no_backend_message(
+        group, rejections, constraints, page_size, layout, from_env
+    ) + _allow_list_notes(registry, constraints)
+    # The downgrade policy may lower the graph mode (full -> decode -> none) as far as it takes
+    # for every group to have a backend; a run whose mode every group can serve keeps it.
+    requested = constraints.graph_mode
+    for mode in _GRAPH_MODES_DOWN[_GRAPH_MODES_DOWN.index(requested) + 1 :]:
+        lowered = attempt(constraints.with_(graph_mode=mode))
+        if not isinstance(lowered, Plan):
+            continue
+        policy = constraints.downgrade
+        if policy is DowngradePolicy.ERROR:
+            raise SelectionError(
+                f"{message}\ngraph mode {mode.value} would admit every group, but the downgrade "
+                f"policy is error: the graph mode is not lowered (run with graph mode "
+                f"{mode.value}, or downgrade warn) [downgrade policy: error]"
+            )
+        lowered = replace(lowered, graph_mode_requested=requested)
+        if policy is DowngradePolicy.WARN:
+            warnings.warn(
+                f"graph mode lowered {requested.value} -> {mode.value}: {message}", stacklevel=2
+            )
+        _apply_downgrade_policy(lowered)
+        return lowered
+    raise SelectionError(message)
+
+
+#: Graph modes from the most captured to none: the order the downgrade policy lowers them in.
+_GRAPH_MODES_DOWN = (GraphMode.FULL, GraphMode.DECODE, GraphMode.NONE)
 
 
 def _local_cuda_devices() -> list[tuple[str, tuple[int, int]]]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from attn_core import bench, cli
 from attn_core.models import specs_from_hf_config
 
@@ -38,3 +40,16 @@ def test_bench_gpt_oss_times_the_sinks_groups(monkeypatch, capsys, ref_registry)
     timed = {(r["group_id"], r["backend"]) for r in results}
     assert {(g, "attn_core:reference") for g in sinks_groups} <= timed
     assert calls  # the steps ran
+
+
+def test_bench_times_under_the_graph_mode_the_plan_lowered_to(monkeypatch, capsys, ref_registry):
+    """The reference has no graph mode full: the plan lowers it to decode (with a warning), and
+    the bench judges its candidates under the plan's mode, not the one asked for."""
+    monkeypatch.setattr(cli, "_registry", lambda args: ref_registry)
+    monkeypatch.setattr(bench, "_time", lambda fn, iters, device: (fn(), 1.0)[1])
+    argv = ["bench", "--model", "qwen3", "--device", "cpu", "--batch", "2", "--context", "5"]
+    with pytest.warns(UserWarning, match="graph mode lowered full -> decode"):
+        rc = cli.main([*argv, "--iters", "1", "--graph-mode", "full", "--json"])
+    results = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert [(r["backend"], r["error"]) for r in results] == [("attn_core:reference", None)]
