@@ -4,10 +4,11 @@ Selection is deterministic. For each group the admissible backends are ranked by
 data when the tuning file has a time for that backend on that group's spec (faster first); the
 rest by the default rule: every other backend before the reference (``attn_core:reference``),
 whatever their priorities and names, then by declared priority (higher first), then by qualified
-name. Settings that must be shared by every
-group - page size, KV layout and CUDA-graph mode - are chosen for the whole model: the selector
-tries each candidate page size / layout and keeps the first one under which every group has a
-backend, preferring the model's own page size.
+name. Settings that must be shared by every group - page size, KV layout and CUDA-graph mode -
+are chosen for the whole model: the selector tries each candidate page size / layout and keeps
+the first one under which every group has a backend, preferring the model's own page size; when
+some group has no backend under the run's graph mode, the downgrade policy may lower it (full ->
+decode -> none).
 
 A plan is for this machine when its device is one this machine has (the CPU, or a CUDA device of
 the same name and compute capability): a backend this machine cannot load (``available=False``)
@@ -499,6 +500,11 @@ def select(
 ) -> Plan:
     """Choose one backend for every group, under settings every group agrees on.
 
+    When no backend serves some group under the run's graph mode, the downgrade policy lowers it
+    (``full`` -> ``decode`` -> ``none``) as far as every group needs: ``warn`` warns, ``allow``
+    is silent, ``error`` refuses; the plan's ``constraints.graph_mode`` is the mode it runs in and
+    ``Plan.graph_mode_requested`` the one asked for.
+
     :param groups: the model's layer groups (``ModelLayout.groups``).
     :param registry: loaded plugins.
     :param device: the device to plan for (detected or a named target).
@@ -512,11 +518,6 @@ def select(
         of every group carries its options in force (defaults filled in) as ``backend.options``.
     :param tuning: measured times that rank admissible backends before declared priority;
         default: the file named by ``ATTN_CORE_TUNING`` if set.
-    When no backend serves some group under the run's graph mode, the downgrade policy lowers it
-    (``full`` -> ``decode`` -> ``none``) as far as every group needs: ``warn`` warns, ``allow``
-    is silent, ``error`` refuses; the plan's ``constraints.graph_mode`` is the mode it runs in and
-    ``Plan.graph_mode_requested`` the one asked for.
-
     :raises SelectionError: no setting admits a backend for every group, a forced backend cannot
         serve, or the downgrade policy is ``error`` and a higher-ranked backend was rejected or
         the graph mode would have to be lowered.
