@@ -153,8 +153,14 @@ def bench_group(
         state = PersistentState.from_plan(
             one, num_pages=batch * pages_per_req + 1, num_slots=batch + 1, device=device
         )
-    runtime = AttentionRuntime(one, registry, state=state, device=device)
     layer = single.layer_indices[0]
+    # A layer with sinks (gpt-oss) needs its [num_heads] float32 sink logits, as a server gives.
+    layer_params = (
+        {layer: {"sinks": torch.zeros(group.spec.num_heads, dtype=torch.float32, device=device)}}
+        if group.spec.has_sinks
+        else {}
+    )
+    runtime = AttentionRuntime(one, registry, state=state, device=device, layer_params=layer_params)
     binding = runtime.binding(layer)
     builder = BatchBuilder(
         state,
@@ -202,6 +208,7 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     layout = specs_from_hf_config(args.model, tp_size=args.tp, dtype=dtype)
     plan = select(layout.groups, registry, caps, constraints)
+    constraints = plan.constraints  # the graph mode the policy may have lowered, forced entries
     tuning = TuningData(device=caps.short())
     results: list[BenchResult] = []
     options = resolve_backend_options(registry, constraints)  # checked by select() above

@@ -166,7 +166,13 @@ def format_plan(plan) -> str:
     from attn_core.options import format_options
 
     out = [
-        f"device: {plan.device.short()}   graph mode: {plan.constraints.graph_mode.value}   "
+        f"device: {plan.device.short()}   graph mode: {plan.constraints.graph_mode.value}"
+        + (
+            f" (lowered from {plan.graph_mode_requested.value})"
+            if plan.graph_mode_requested
+            else ""
+        )
+        + "   "
         f"page size: {plan.page_size if plan.page_size is not None else '-'}   "
         f"KV layout: {plan.kv_layout or '-'}"
     ]

@@ -55,6 +55,8 @@ ENTRY_POINT_GROUP = "attn_core"
 REFERENCE_PLUGIN = "attn_core"
 REFERENCE_DISTRIBUTION = "attn-core"
 REFERENCE_MODULE = "attn_core.reference.plugin"
+#: The reference's qualified name: the selector ranks it below every other admissible backend.
+REFERENCE_BACKEND = f"{REFERENCE_PLUGIN}:reference"
 ENV_STRICT = "ATTN_CORE_STRICT"
 ENV_ALLOW = "ATTN_CORE_PLUGINS_ALLOW"
 ENV_DENY = "ATTN_CORE_PLUGINS_DENY"

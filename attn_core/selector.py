@@ -1,11 +1,14 @@
 """Pick one backend per layer group for a whole model, and explain every rejection.
 
 Selection is deterministic. For each group the admissible backends are ranked by measured tuning
-data when the tuning file has a time for that backend on that group's spec (faster first), then
-by declared priority (higher first), then by qualified name. Settings that must be shared by every
-group - page size, KV layout and CUDA-graph mode - are chosen for the whole model: the selector
-tries each candidate page size / layout and keeps the first one under which every group has a
-backend, preferring the model's own page size.
+data when the tuning file has a time for that backend on that group's spec (faster first); the
+rest by the default rule: every other backend before the reference (``attn_core:reference``),
+whatever their priorities and names, then by declared priority (higher first), then by qualified
+name. Settings that must be shared by every group - page size, KV layout and CUDA-graph mode -
+are chosen for the whole model: the selector tries each candidate page size / layout and keeps
+the first one under which every group has a backend, preferring the model's own page size; when
+some group has no backend under the run's graph mode, the downgrade policy may lower it (full ->
+decode -> none).
 
 A plan is for this machine when its device is one this machine has (the CPU, or a CUDA device of
 the same name and compute capability): a backend this machine cannot load (``available=False``)
@@ -34,7 +37,7 @@ from typing import Any
 from attn_core.backend import Backend
 from attn_core.errors import SelectionError
 from attn_core.options import resolve_backend_options
-from attn_core.registry import Registry
+from attn_core.registry import REFERENCE_BACKEND, Registry
 from attn_core.specs import (
     DeviceCapabilities,
     DowngradePolicy,
@@ -312,7 +315,7 @@ class GroupChoice:
     rejected: tuple[Rejection, ...]  # one entry per reason, several per backend possible
     outranked: tuple[str, ...]  # admissible backends ranked below the chosen one
     forced: bool = False
-    downgraded_from: tuple[str, ...] = ()  # higher-priority backends that were rejected
+    downgraded_from: tuple[str, ...] = ()  # rejected backends that rank above the chosen one
     tuned_us: float | None = None
     #: offline plans: (backend, reason) of every candidate of the group's kind that this
     #: machine cannot load (chosen, ranked lower or rejected for the target); sorted
@@ -350,6 +353,9 @@ class Plan:
     #: True: planned for this machine (a backend it cannot load was rejected); False: an
     #: offline plan for a target, which may choose backends this machine cannot load
     local: bool = True
+    #: the graph mode the run asked for, when the downgrade policy lowered it to
+    #: ``constraints.graph_mode`` (no backend served some group under it); None: not lowered
+    graph_mode_requested: GraphMode | None = None
 
     def choice(self, group_id: str) -> GroupChoice:
         for c in self.choices:
@@ -367,6 +373,9 @@ class Plan:
             "device": self.device.short(),
             "local": self.local,
             "graph_mode": self.constraints.graph_mode.value,
+            "graph_mode_requested": (
+                self.graph_mode_requested.value if self.graph_mode_requested else None
+            ),
             "page_size": self.page_size,
             "kv_layout": self.kv_layout,
             "groups": [
@@ -397,10 +406,15 @@ class Plan:
         }
 
 
+def _default_rank(backend: Backend) -> tuple[int, int]:
+    """The default rule without measurements: the reference last, then priority (higher first)."""
+    return (1 if backend.qualified_name == REFERENCE_BACKEND else 0, -backend.priority)
+
+
 def _rank_key(backend: Backend, spec: LayerSpec, tuning: TuningData | None):
     t = tuning.time(backend.qualified_name, spec) if tuning is not None else None
-    # Measured candidates first (fastest first), then declared priority, then name.
-    return (0 if t is not None else 1, t or 0.0, -backend.priority, backend.qualified_name)
+    # Measured candidates first (fastest first), then the default rule, then name.
+    return (0 if t is not None else 1, t or 0.0, *_default_rank(backend), backend.qualified_name)
 
 
 def _forced_key(group: LayerGroup, constraints: ExecutionConstraints) -> str | None:
@@ -486,6 +500,11 @@ def select(
 ) -> Plan:
     """Choose one backend for every group, under settings every group agrees on.
 
+    When no backend serves some group under the run's graph mode, the downgrade policy lowers it
+    (``full`` -> ``decode`` -> ``none``) as far as every group needs: ``warn`` warns, ``allow``
+    is silent, ``error`` refuses; the plan's ``constraints.graph_mode`` is the mode it runs in and
+    ``Plan.graph_mode_requested`` the one asked for.
+
     :param groups: the model's layer groups (``ModelLayout.groups``).
     :param registry: loaded plugins.
     :param device: the device to plan for (detected or a named target).
@@ -500,7 +519,8 @@ def select(
     :param tuning: measured times that rank admissible backends before declared priority;
         default: the file named by ``ATTN_CORE_TUNING`` if set.
     :raises SelectionError: no setting admits a backend for every group, a forced backend cannot
-        serve, or the downgrade policy is ``error`` and a higher-priority backend was rejected.
+        serve, or the downgrade policy is ``error`` and a higher-ranked backend was rejected or
+        the graph mode would have to be lowered.
         The message lists every candidate of the failing group with its reasons. A malformed
         ``ATTN_CORE_BACKENDS`` (an entry without ``=``, a key given twice, a key that names no
         kind or group) is an error too, and every error about an entry of the variable names it.
@@ -554,33 +574,66 @@ def select(
     if not kv_groups:
         page_options, layout_options = [None], [None]
 
-    first_failure: tuple[LayerGroup, list[Rejection], int | None, str | None] | None = None
-    for page_size in page_options:
-        for layout in layout_options:
-            choices: list[GroupChoice] = []
-            failed = None
-            for group in groups:
-                result = _choose(
-                    group, backends, registry, device, constraints, page_size, layout, tuning, local
-                )
-                if isinstance(result, GroupChoice):
-                    choices.append(result)
-                else:
-                    failed = (group, result, page_size, layout)
-                    break
-            if failed is None:
-                choices = [_with_options(c, options) for c in choices]
-                plan = Plan(device, constraints, tuple(choices), page_size, layout, local)
-                _apply_downgrade_policy(plan)
-                return plan
-            if first_failure is None:
-                first_failure = failed
-    assert first_failure is not None
-    group, rejections, page_size, layout = first_failure
-    raise SelectionError(
-        _no_backend_message(group, rejections, constraints, page_size, layout, from_env)
-        + _allow_list_notes(registry, constraints)
-    )
+    def attempt(
+        cons: ExecutionConstraints,
+    ) -> Plan | tuple[LayerGroup, list[Rejection], int | None, str | None]:
+        """The first plan under ``cons`` over the page sizes and layouts, else its first failure."""
+        first_failure: tuple[LayerGroup, list[Rejection], int | None, str | None] | None = None
+        for page_size in page_options:
+            for layout in layout_options:
+                choices: list[GroupChoice] = []
+                failed = None
+                for group in groups:
+                    result = _choose(
+                        group, backends, registry, device, cons, page_size, layout, tuning, local
+                    )
+                    if isinstance(result, GroupChoice):
+                        choices.append(result)
+                    else:
+                        failed = (group, result, page_size, layout)
+                        break
+                if failed is None:
+                    choices = [_with_options(c, options) for c in choices]
+                    return Plan(device, cons, tuple(choices), page_size, layout, local)
+                if first_failure is None:
+                    first_failure = failed
+        assert first_failure is not None
+        return first_failure
+
+    result = attempt(constraints)
+    if isinstance(result, Plan):
+        _apply_downgrade_policy(result)
+        return result
+    group, rejections, page_size, layout = result
+    message = _no_backend_message(
+        group, rejections, constraints, page_size, layout, from_env
+    ) + _allow_list_notes(registry, constraints)
+    # The downgrade policy may lower the graph mode (full -> decode -> none) as far as it takes
+    # for every group to have a backend; a run whose mode every group can serve keeps it.
+    requested = constraints.graph_mode
+    for mode in _GRAPH_MODES_DOWN[_GRAPH_MODES_DOWN.index(requested) + 1 :]:
+        lowered = attempt(constraints.with_(graph_mode=mode))
+        if not isinstance(lowered, Plan):
+            continue
+        policy = constraints.downgrade
+        if policy is DowngradePolicy.ERROR:
+            raise SelectionError(
+                f"{message}\ngraph mode {mode.value} would admit every group, but the downgrade "
+                f"policy is error: the graph mode is not lowered (run with graph mode "
+                f"{mode.value}, or downgrade warn) [downgrade policy: error]"
+            )
+        lowered = replace(lowered, graph_mode_requested=requested)
+        if policy is DowngradePolicy.WARN:
+            warnings.warn(
+                f"graph mode lowered {requested.value} -> {mode.value}: {message}", stacklevel=2
+            )
+        _apply_downgrade_policy(lowered)
+        return lowered
+    raise SelectionError(message)
+
+
+#: Graph modes from the most captured to none: the order the downgrade policy lowers them in.
+_GRAPH_MODES_DOWN = (GraphMode.FULL, GraphMode.DECODE, GraphMode.NONE)
 
 
 def _local_cuda_devices() -> list[tuple[str, tuple[int, int]]]:
@@ -673,7 +726,7 @@ def _choose(
             b.qualified_name
             for b in backends
             if b.qualified_name in serving_kind
-            and b.priority > chosen.priority
+            and _default_rank(b) < _default_rank(chosen)  # ranks above it by the default rule
             and not any(
                 r.backend == b.qualified_name and r.code in ("denied", "not_allowed")
                 for r in rejected
@@ -726,10 +779,14 @@ def _apply_downgrade_policy(plan: Plan) -> None:
         details = "; ".join(
             f"{b}: " + ", ".join(str(r) for r in by[b]) for b in c.downgraded_from if b in by
         )
+        rank = (
+            "the reference, ranked last"
+            if c.backend.qualified_name == REFERENCE_BACKEND
+            else f"priority {c.backend.priority}"
+        )
         message = (
             f"layer group {c.group.group_id!r} ({c.group.spec.short()}) falls back to "
-            f"{c.backend.qualified_name} (priority {c.backend.priority}); higher-priority "
-            f"backends were rejected: {details}"
+            f"{c.backend.qualified_name} ({rank}); higher-ranked backends were rejected: {details}"
         )
         if policy is DowngradePolicy.ERROR:
             raise SelectionError(message + " [downgrade policy: error]")

@@ -516,22 +516,30 @@ def _ranked(*plugins: tuple[str, str, int], tuning: TuningData | None = None) ->
 
 def test_ranking_as_documented():
     ranking = " ".join(_section("Ranking").split())
-    assert (
-        '`acme:naive` (`"acme" < "attn_core"`) outranks the reference while `sdpa:sdpa` does not'
-        in ranking
-    )
-    assert "registers at priority `0`" in ranking
+    assert "the reference (`attn_core:reference`) ranks last" in ranking
+    assert "whatever their `priority` (the default `0`, or below it) and their names" in ranking
+    assert "registers at priority `0`" not in ranking  # the old tie on the name is gone
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "the reference ranks last, below every other admissible backend" in readme
+    assert "(docs/reference.md#ranking)" in readme
     assert _ranked() == "attn_core:reference"
+    # every other admissible backend outranks the reference, whatever its priority and name
     assert _ranked(("acme", "naive", 0)) == "acme:naive"
-    assert _ranked(("sdpa", "sdpa", 0)) == "attn_core:reference"
+    assert _ranked(("sdpa", "sdpa", 0)) == "sdpa:sdpa"
+    assert _ranked(("sdpa", "sdpa", -7)) == "sdpa:sdpa"
+    assert _ranked(("aaa", "x", -1)) == "aaa:x"
     assert _ranked(("sdpa", "sdpa", 1)) == "sdpa:sdpa"
     assert _ranked(("sdpa", "sdpa", 1), ("acme", "naive", 5)) == "acme:naive"  # priority
+    assert _ranked(("sdpa", "sdpa", 0), ("acme", "naive", 0)) == "acme:naive"  # then the name
+    assert _ranked(("sdpa", "sdpa", 0), ("acme", "naive", -1)) == "sdpa:sdpa"
     spec = LayerSpec(kind="full", num_heads=4, num_kv_heads=2, head_dim=64, dtype="float32")
     tuning = TuningData()
     tuning.record("attn_core:reference", spec, 9.0)
     assert _ranked(("acme", "naive", 5), tuning=tuning) == "attn_core:reference"  # measured first
     tuning.record("acme:naive", spec, 3.0)
     assert _ranked(("acme", "naive", 5), tuning=tuning) == "acme:naive"  # fastest first
+    tuning.record("attn_core:reference", spec, 1.0)
+    assert _ranked(("acme", "naive", 5), tuning=tuning) == "attn_core:reference"  # measured faster
 
 
 def test_the_trust_model_links_the_readme_section():

@@ -270,11 +270,16 @@ def test_kv_layout_hnd(five, groups):
 
 
 def test_graph_mode_full_has_no_linear_backend(five, groups):
-    with pytest.raises(SelectionError) as info:
-        select(groups, five, H200, _allow(graph_mode="full"))
+    with pytest.raises(SelectionError) as info:  # the policy does not lower the graph mode
+        select(groups, five, H200, ExecutionConstraints(graph_mode="full", downgrade="error"))
     msg = str(info.value)
     assert "layer group 'linear'" in msg and "graph_mode=full" in msg
     assert msg.count("fix: graph_mode full -> decode") == 2  # ssmkern:gdn and the reference
+    assert "graph mode decode would admit every group" in msg
+    plan = select(groups, five, H200, _allow(graph_mode="full"))  # lowered, silently
+    assert plan.constraints.graph_mode is GraphMode.DECODE
+    assert plan.graph_mode_requested is GraphMode.FULL
+    assert _picked(plan)["linear"] == "ssmkern:gdn"
     plan = select(groups, five, H200, _allow(graph_mode="decode"))
     assert plan.constraints.graph_mode is GraphMode.DECODE
     assert _picked(plan)["linear"] == "ssmkern:gdn"
@@ -477,6 +482,169 @@ def test_forced_or_denied_backends_are_not_downgrades(five, groups):
 
 
 # ------------------------------------------------------------------------------------------
+# The reference ranks last, and falling back to it is a downgrade
+# ------------------------------------------------------------------------------------------
+SMALL = LayerSpec(kind="full", num_heads=2, num_kv_heads=1, head_dim=8, dtype="float32")
+
+
+def _with_reference(make_plugin, *backends: tuple[str, int, dict]) -> Registry:
+    """The reference and one plugin per ``(plugin name, priority, capability overrides)``."""
+    import attn_core.reference.plugin as ref
+
+    reg = Registry(strict=True)
+    reg.register_plugin(ref, name="attn_core")
+    for plugin, priority, overrides in backends:
+        caps = BackendCapabilities(
+            **{"kinds": {"full"}, "device_types": {"cpu"}, "dtypes": {"float32"}, **overrides}
+        )
+        backend = Backend(name="k", capabilities=caps, priority=priority)
+        reg.register_plugin(make_plugin(plugin, [backend]), name=plugin)
+    return reg
+
+
+@pytest.mark.parametrize("priority", [0, -1, -100])
+def test_the_reference_ranks_last_whatever_the_priority_and_name(make_plugin, priority):
+    reg = _with_reference(make_plugin, ("aaa", priority, {}), ("zzz", priority - 1, {}))
+    choice = select(group_layers([SMALL]), reg, CPU).choices[0]
+    assert choice.backend.qualified_name == "aaa:k"
+    assert choice.outranked == ("zzz:k", "attn_core:reference")
+    assert choice.downgraded_from == ()
+
+
+@pytest.mark.parametrize("priority", [0, -5])
+def test_falling_back_to_the_reference_is_a_downgrade_at_any_priority(make_plugin, priority):
+    reg = _with_reference(make_plugin, ("zzz", priority, {"device_types": {"cuda"}}))
+    groups = group_layers([SMALL])
+    with pytest.warns(UserWarning) as record:
+        choice = select(groups, reg, CPU, ExecutionConstraints(downgrade="warn")).choices[0]
+    assert choice.backend.qualified_name == "attn_core:reference"
+    assert choice.downgraded_from == ("zzz:k",)
+    (message,) = [str(w.message) for w in record]
+    assert "falls back to attn_core:reference (the reference, ranked last)" in message
+    assert "higher-ranked backends were rejected: zzz:k: [device_type]" in message
+    assert "priority" not in message  # a priority below the reference's 0 is no "higher" one
+    with pytest.raises(SelectionError, match=r"\[downgrade policy: error\]"):
+        select(groups, reg, CPU, ExecutionConstraints(downgrade="error"))
+
+
+def test_a_rejected_reference_is_no_downgrade(make_plugin):
+    # The reference has no graph mode full; a plugin below its priority serves the group.
+    reg = _with_reference(make_plugin, ("low", -1, {"graph_modes": ALL_GRAPHS}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = select(
+            group_layers([SMALL]),
+            reg,
+            CPU,
+            ExecutionConstraints(downgrade="error", graph_mode="full"),
+        )
+    choice = plan.choices[0]
+    assert choice.backend.qualified_name == "low:k"
+    assert choice.downgraded_from == ()
+    assert [r.code for r in choice.rejections_by_backend()["attn_core:reference"]] == ["graph_mode"]
+
+
+# ------------------------------------------------------------------------------------------
+# The downgrade policy lowers the graph mode: full -> decode -> none
+# ------------------------------------------------------------------------------------------
+def _graphs(make_plugin, *backends: tuple[str, int, set[str]], reference=True) -> Registry:
+    """Stand-in full-attention backends on the CPU, each ``(plugin, priority, graph modes)``."""
+    import attn_core.reference.plugin as ref
+
+    reg = Registry(strict=True)
+    if reference:
+        reg.register_plugin(ref, name="attn_core")  # graph modes none and decode
+    for plugin, priority, modes in backends:
+        caps = BackendCapabilities(
+            kinds={"full"}, device_types={"cpu"}, dtypes={"float32"}, graph_modes=modes
+        )
+        backend = Backend(name="k", capabilities=caps, priority=priority)
+        reg.register_plugin(make_plugin(plugin, [backend]), name=plugin)
+    return reg
+
+
+def test_graph_mode_full_is_lowered_to_decode_with_a_warning(make_plugin):
+    reg = _graphs(make_plugin, ("fast", 10, {"none", "decode"}))
+    with pytest.warns(UserWarning) as record:
+        plan = select(group_layers([SMALL]), reg, CPU, ExecutionConstraints(graph_mode="full"))
+    assert plan.constraints.graph_mode is GraphMode.DECODE
+    assert plan.graph_mode_requested is GraphMode.FULL
+    assert plan.to_dict()["graph_mode"] == "decode"
+    assert plan.to_dict()["graph_mode_requested"] == "full"
+    assert _picked(plan) == {"full": "fast:k"}
+    (message,) = [str(w.message) for w in record]
+    assert message.startswith("graph mode lowered full -> decode: ")
+    assert "no backend can serve layer group 'full'" in message
+    assert "  fast:k:\n    - [graph_mode]" in message
+    assert "  attn_core:reference:\n    - [graph_mode]" in message
+
+
+def test_graph_mode_is_lowered_as_far_as_needed(make_plugin):
+    reg = _graphs(make_plugin, ("eager", 0, {"none"}), reference=False)
+    with pytest.warns(UserWarning, match="graph mode lowered full -> none: "):
+        plan = select(group_layers([SMALL]), reg, CPU, ExecutionConstraints(graph_mode="full"))
+    assert plan.constraints.graph_mode is GraphMode.NONE
+    with pytest.warns(UserWarning, match="graph mode lowered decode -> none: "):
+        plan = select(group_layers([SMALL]), reg, CPU, ExecutionConstraints(graph_mode="decode"))
+    assert plan.constraints.graph_mode is GraphMode.NONE
+
+
+def test_graph_mode_is_kept_when_every_group_has_a_backend_under_it(make_plugin):
+    # The best backend lacks graph mode full, a lower one has it: the run keeps what it asked
+    # for, and the backend downgrade warns as ever.
+    reg = _graphs(make_plugin, ("top", 10, {"none", "decode"}), ("capt", 5, ALL_GRAPHS))
+    with pytest.warns(UserWarning) as record:
+        plan = select(group_layers([SMALL]), reg, CPU, ExecutionConstraints(graph_mode="full"))
+    assert plan.constraints.graph_mode is GraphMode.FULL and plan.graph_mode_requested is None
+    assert _picked(plan) == {"full": "capt:k"}
+    assert plan.choices[0].downgraded_from == ("top:k",)
+    (message,) = [str(w.message) for w in record]
+    assert "falls back to capt:k (priority 5)" in message
+
+
+def test_graph_mode_lowering_is_silent_under_allow(make_plugin):
+    reg = _graphs(make_plugin, ("fast", 10, {"none", "decode"}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = select(
+            group_layers([SMALL]),
+            reg,
+            CPU,
+            ExecutionConstraints(graph_mode="full", downgrade="allow"),
+        )
+    assert plan.constraints.graph_mode is GraphMode.DECODE
+
+
+def test_graph_mode_lowering_is_refused_under_error(make_plugin):
+    reg = _graphs(make_plugin, ("fast", 10, {"none", "decode"}))
+    with pytest.raises(SelectionError) as info:
+        select(
+            group_layers([SMALL]),
+            reg,
+            CPU,
+            ExecutionConstraints(graph_mode="full", downgrade="error"),
+        )
+    msg = str(info.value)
+    assert msg.startswith("no backend can serve layer group 'full'")
+    assert "graph_mode=full" in msg and "fast:k:" in msg
+    assert (
+        "graph mode decode would admit every group, but the downgrade policy is error: "
+        "the graph mode is not lowered (run with graph mode decode, or downgrade warn) "
+        "[downgrade policy: error]"
+    ) in msg
+
+
+def test_graph_mode_lowering_that_does_not_help_reports_the_requested_mode(make_plugin):
+    reg = _graphs(make_plugin, ("fast", 10, {"none", "decode"}), reference=False)
+    spec = SMALL.with_(dtype="float16")  # served by nothing, in any graph mode
+    with pytest.raises(SelectionError) as info:
+        select(group_layers([spec]), reg, CPU, ExecutionConstraints(graph_mode="full"))
+    msg = str(info.value)
+    assert "graph_mode=full" in msg and "[graph_mode]" in msg and "[dtype]" in msg
+    assert "would admit" not in msg
+
+
+# ------------------------------------------------------------------------------------------
 # Reason codes and fixes, one backend at a time
 # ------------------------------------------------------------------------------------------
 def _codes(caps: dict, spec: LayerSpec, device=H200, constraints=None, **kw) -> list[tuple]:
@@ -672,3 +840,13 @@ def test_reason_unavailable_and_lists():
     assert [
         r.code for r in check_backend(ok, GLOBAL, H200, ExecutionConstraints(deterministic=True))
     ] == ["deterministic"]
+
+
+def test_explain_says_the_graph_mode_was_lowered(make_plugin):
+    from attn_core.cli import format_plan
+
+    reg = _graphs(make_plugin, ("fast", 10, {"none", "decode"}))
+    plan = select(group_layers([SMALL]), reg, CPU, _allow(graph_mode="full"))
+    assert "graph mode: decode (lowered from full)   " in format_plan(plan)
+    plan = select(group_layers([SMALL]), reg, CPU, _allow(graph_mode="decode"))
+    assert "graph mode: decode   " in format_plan(plan)

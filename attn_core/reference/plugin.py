@@ -83,7 +83,7 @@ def attn_core_register_backends(register: Callable[[Backend], None]) -> None:
         Backend(
             name=BACKEND_NAME,
             capabilities=CAPABILITIES,
-            priority=0,  # the fallback: every real kernel should outrank it
+            priority=0,  # unused for ranking: the selector ranks the reference last (the fallback)
             description="pure PyTorch reference for every layer kind (ground truth, slow)",
             option_schema=OPTION_SCHEMA,
         )

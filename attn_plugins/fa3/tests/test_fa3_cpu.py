@@ -186,9 +186,13 @@ def test_speculative_verify_beyond_the_reference():
 
 def test_full_graph_mode_rejected_with_a_fix():
     with pytest.raises(SelectionError) as err:
-        _plan([FULL], graph_mode="full")
+        _plan([FULL], graph_mode="full", downgrade="error")
     text = str(err.value)
     assert "fa3:fa3:" in text and "graph_mode full -> decode" in text
+    # the default policy (warn) lowers the graph mode instead
+    plan = _plan([FULL], graph_mode="full")
+    assert plan.constraints.graph_mode.value == "decode"
+    assert plan.choice("full").backend.qualified_name == "fa3:fa3"
 
 
 def test_decode_graphs_and_verify_admitted():
