@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from attn_core.e2e import run_main
 from attn_core.e2e.configs import tiny_config
 from attn_core.e2e.main import resolve_models
 from attn_core.models import load_sample
@@ -20,27 +19,12 @@ from attn_core.models import load_sample
 pytest.importorskip("transformers")
 
 
-def _run(model: str):
-    return run_main(
-        model,
-        device="cpu",
-        dtype="fp32",
-        prompts=2,
-        max_new_tokens=3,
-        graphs=False,
-        registry=None,
-        constraints=None,
-        progress=False,
-        console=lambda *a: None,
-    )
-
-
-def test_run_config_json_and_folder(tmp_path: Path) -> None:
+def test_run_config_json_and_folder(tmp_path: Path, run_on_cpu) -> None:
     cfg = tiny_config("qwen3")
     cfg["rope_theta"] = 5000.0  # the config's own fields are what runs, not the sample's
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     for model in (str(tmp_path / "config.json"), str(tmp_path)):
-        report = _run(model)
+        report = run_on_cpu(model)
         assert report.ok, report.format()
         (run,) = report.runs
         assert run.name == str(Path(model))
@@ -78,7 +62,7 @@ def test_run_config_error_is_the_mapping_error(tmp_path: Path) -> None:
     ],
 )
 def test_run_configs_of_the_driven_model_types(
-    tmp_path: Path, cls_name: str, extra: dict[str, object]
+    tmp_path: Path, cls_name: str, extra: dict[str, object], run_on_cpu
 ) -> None:
     import transformers
 
@@ -97,7 +81,7 @@ def test_run_configs_of_the_driven_model_types(
     )
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg.to_dict()))
-    report = _run(str(path))
+    report = run_on_cpu(str(path))
     assert report.ok, report.format()
 
 

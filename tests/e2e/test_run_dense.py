@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from attn_core.e2e import run_main
 from attn_core.e2e.main import _driven_model_types, resolve_models
 
 transformers = pytest.importorskip("transformers")
@@ -57,21 +56,10 @@ def _write(tmp_path: Path, cls_name: str, **extra: Any) -> Path:
     ],
 )
 def test_run_dense_family_matches_transformers(
-    tmp_path: Path, cls_name: str, extra: dict[str, Any], windows: str
+    tmp_path: Path, cls_name: str, extra: dict[str, Any], windows: str, run_on_cpu
 ) -> None:
     path = _write(tmp_path, cls_name, **extra)
-    report = run_main(
-        str(path),
-        device="cpu",
-        dtype="fp32",
-        prompts=2,
-        max_new_tokens=3,
-        graphs=False,
-        registry=None,
-        constraints=None,
-        progress=False,
-        console=lambda *a: None,
-    )
+    report = run_on_cpu(str(path))
     text = report.format()
     assert report.ok, text
     assert windows in text and "MATCH" in text, text
