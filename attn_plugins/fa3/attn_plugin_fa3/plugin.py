@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 
 from attn_core.backend import Backend, BackendCapabilities
-from attn_core.batch import AttentionBatch
+from attn_core.batch import AttentionBatch, BatchMode
 from attn_core.errors import BackendInputError
 from attn_core.hookspecs import hookimpl
 from attn_core.specs import ExecutionConstraints, GraphMode, LayerGroup, LayerKind
-from attn_plugin_fa3 import __version__, providers
+from attn_plugin_fa3 import __version__, providers, split_kv
 from attn_plugin_fa3.kv_write import write_kv
 
 if TYPE_CHECKING:
@@ -178,6 +178,15 @@ class FA3Context:
         self.softcap = provider.make_softcap(spec.logits_soft_cap)
         self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.batch: AttentionBatch | None = None
+        #: decode steps split over the KV range (see :mod:`attn_plugin_fa3.split_kv`); a
+        #: window bounds the work already
+        self._split_decode = provider.splits_kv and self.window_left is None
+        self._graphs = constraints.graph_mode is not GraphMode.NONE
+        self._num_sms = 0
+        #: graph mode: split metadata per padded batch size, at fixed addresses
+        self._split_buffers: dict[int, split_kv.SplitMetadata] = {}
+        self.split: split_kv.SplitMetadata | None = None  # this step's split, or None
+        self.dense = False  # this step: prefill without cached prefix, no page table read
 
     def prepare(self, batch: AttentionBatch) -> None:
         if batch.page_table is None or batch.slot_mapping is None:
@@ -185,10 +194,47 @@ class FA3Context:
                 "batch", "a paged batch (BatchBuilder with a PersistentState and KV pages)", batch
             )
         self.batch = batch
+        self.split = self._plan_split(batch) if batch.mode is BatchMode.DECODE else None
+        self.dense = (
+            batch.mode is BatchMode.PREFILL
+            and self.provider.runs_dense
+            and not self._graphs
+            and int(batch.context_lens_cpu[: batch.num_reqs].max()) == 0
+        )
 
-    # Every tensor the call reads lives in the builder's persistent buffers: a replay only needs
-    # the new batch recorded.
+    # Every tensor the call reads lives in the builder's persistent buffers (the split metadata
+    # of graph mode in this context's, refilled here): a replay only needs the new batch.
     update = prepare
+
+    def _plan_split(self, batch: AttentionBatch) -> split_kv.SplitMetadata | None:
+        """This decode step's split, or None. Eager: from the step's real lengths. Graph mode:
+        from the capacity of the page table per padded batch size, so that a captured graph
+        and every later replay of that size agree, refilled in place each step."""
+        if not self._split_decode or batch.page_table is None or batch.page_size is None:
+            return None
+        if not self._num_sms:
+            self._num_sms = split_kv.sm_count(batch.seq_lens.device)
+        hkv = self.spec.num_kv_heads
+        if not self._graphs:
+            plan = split_kv.plan_splits(
+                batch.num_reqs, batch.max_seq_len, batch.page_size, hkv, self._num_sms
+            )
+            if plan is None:
+                return None
+            return split_kv.build_metadata(plan, batch.page_table, batch.seq_lens[: batch.num_reqs])
+        rows = batch.padded_reqs
+        capacity = batch.page_table.shape[1] * batch.page_size
+        plan = split_kv.plan_splits(rows, capacity, batch.page_size, hkv, self._num_sms)
+        if plan is None:
+            return None
+        fresh = split_kv.build_metadata(plan, batch.page_table, batch.seq_lens[:rows])
+        kept = self._split_buffers.get(rows)
+        if kept is None or kept.plan != plan:
+            self._split_buffers[rows] = fresh
+            return fresh
+        kept.page_table.copy_(fresh.page_table)
+        kept.seqused_k.copy_(fresh.seqused_k)
+        return kept
 
     def _bad(self, what: str, expected: object, got: object) -> NoReturn:
         raise BackendInputError(
@@ -243,6 +289,22 @@ class FA3Context:
         direct_out = (
             out if out is not None and out.dtype == q.dtype and out.is_contiguous() else None
         )
+        sinks = self._sinks_for(layer, q.device)
+        if self.split is not None:
+            return self._split_forward(self.split, q, kv.k, kv.v, out, layer.scale, sinks)
+        if self.dense:
+            return self.provider.run_dense(
+                q,
+                k,
+                v,
+                direct_out,
+                cu_seqlens=batch.query_start_loc,
+                max_seqlen=batch.max_query_len,
+                scale=layer.scale,
+                window_left=self.window_left,
+                softcap=self.softcap,
+                sinks=sinks,
+            )
         return self.provider.run(
             q,
             kv.k,
@@ -256,5 +318,33 @@ class FA3Context:
             scale=layer.scale,
             window_left=self.window_left,
             softcap=self.softcap,
-            sinks=self._sinks_for(layer, q.device),
+            sinks=sinks,
         )
+
+    def _split_forward(
+        self,
+        meta: split_kv.SplitMetadata,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor | None,
+        scale: float,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """A decode step as ``S`` one-query chunk rows per request, merged by log-sum-exp."""
+        rows = meta.num_reqs
+        q_rows = q[:rows].repeat_interleave(meta.plan.num_splits, dim=0)
+        partial, lse = self.provider.run_with_lse(
+            q_rows,
+            k_cache,
+            v_cache,
+            cu_seqlens_q=meta.cu_seqlens_q,
+            seqused_k=meta.seqused_k,
+            max_seqlen_k=meta.plan.chunk_tokens,
+            page_table=meta.page_table,
+            scale=scale,
+            softcap=self.softcap,
+        )
+        target = out if out is not None and out.stride(-1) == 1 else torch.empty_like(q)
+        split_kv.merge(partial, lse, meta, sinks, target)
+        return target

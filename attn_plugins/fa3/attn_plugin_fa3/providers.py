@@ -90,6 +90,18 @@ class Provider:
     head_dims: frozenset[int]
     _run: Callable[..., torch.Tensor]
     _make_softcap: Callable[[float], object] | None = None
+    _run_with_lse: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    _run_dense: Callable[..., torch.Tensor] | None = None
+
+    @property
+    def splits_kv(self) -> bool:
+        """Whether :meth:`run_with_lse` exists: decode can be split over the KV range here."""
+        return self._run_with_lse is not None
+
+    @property
+    def runs_dense(self) -> bool:
+        """Whether :meth:`run_dense` exists (prefill without a cached prefix, no page table)."""
+        return self._run_dense is not None
 
     def make_softcap(self, cap: float | None) -> object:
         """What :meth:`run` takes as ``softcap`` (built once per context)."""
@@ -140,6 +152,77 @@ class Provider:
             seqused_k=seqused_k,
             max_seqlen_k=max_seqlen_k,
             page_table=page_table,
+            scale=scale,
+            window_left=window_left,
+            softcap=softcap,
+            sinks=sinks,
+        )
+
+    def run_with_lse(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        *,
+        cu_seqlens_q: torch.Tensor,
+        seqused_k: torch.Tensor,
+        max_seqlen_k: int,
+        page_table: torch.Tensor,
+        scale: float,
+        softcap: object,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One query per row over paged KV, no window, no sinks; with the log-sum-exp.
+
+        :param q: ``[N, Hq, D]`` (N chunk rows of a split decode step).
+        :param seqused_k: ``[N]`` int32 keys of each row (0 allowed).
+        :param page_table: ``[N, pages]`` int32.
+        :returns: ``(out [N, Hq, D] in q's dtype, lse [Hq, N] float32)``, natural log of the sum
+            of ``exp(scale * q.k)`` (soft-capped when set) over each row's keys.
+        """
+        if self._run_with_lse is None:
+            raise NotImplementedError(f"{self.name} has no log-sum-exp output here")
+        return self._run_with_lse(
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q=cu_seqlens_q,
+            seqused_k=seqused_k,
+            max_seqlen_k=max_seqlen_k,
+            page_table=page_table,
+            scale=scale,
+            softcap=softcap,
+        )
+
+    def run_dense(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor | None,
+        *,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        scale: float,
+        window_left: int | None,
+        softcap: object,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Causal attention of each sequence over its own new tokens (no cached prefix).
+
+        :param q: ``[T, Hq, D]``; ``k``/``v`` ``[T, Hkv, D]`` (rows past ``cu_seqlens[-1]`` are
+            padding, not read).
+        :param cu_seqlens: ``[B + 1]`` int32, the same for queries and keys.
+        :returns: ``[T, Hq, D]`` (``out`` itself when it was used).
+        """
+        if self._run_dense is None:
+            raise NotImplementedError(f"{self.name} has no non-paged varlen path here")
+        return self._run_dense(
+            q,
+            k,
+            v,
+            out,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
             scale=scale,
             window_left=window_left,
             softcap=softcap,
@@ -210,6 +293,71 @@ def _fa4_provider() -> Provider:
         )
         return result[0] if isinstance(result, tuple) else result  # (out, lse) in 4.0.0b14
 
+    def _softcap_args(softcap: object) -> dict[str, object]:
+        # A score_mod closure (built by make_softcap) or a plain float cap.
+        if callable(softcap):
+            return {"score_mod": softcap, "softcap": 0.0}
+        return {"softcap": float(softcap) if isinstance(softcap, (int, float)) else 0.0}
+
+    run_with_lse = None
+    if public is not None and "return_lse" in inspect.signature(public).parameters:
+
+        def run_with_lse(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, max_seqlen_k,
+                         page_table, scale, softcap):  # fmt: skip
+            # causal: one query aligned to the end of its row's keys sees all of them
+            out, lse = public(
+                q,
+                k_cache,
+                v_cache,
+                cu_seqlens_q=cu_seqlens_q,
+                max_seqlen_q=1,
+                seqused_k=seqused_k,
+                max_seqlen_k=max_seqlen_k,
+                page_table=page_table,
+                softmax_scale=scale,
+                causal=True,
+                return_lse=True,
+                **_softcap_args(softcap),
+            )
+            return out, lse
+
+    def run_dense(q, k, v, out, *, cu_seqlens, max_seqlen, scale, window_left, softcap, sinks):
+        if direct:
+            score_mod = softcap if make_mod is not None and softcap is not None else None
+            result, _ = fwd(
+                q,
+                k,
+                v,
+                cu_seqlens_q=cu_seqlens,
+                cu_seqlens_k=cu_seqlens,
+                max_seqlen_q=max_seqlen,
+                max_seqlen_k=max_seqlen,
+                softmax_scale=scale,
+                causal=True,
+                softcap=None if score_mod is not None else softcap,
+                window_size_left=window_left,
+                window_size_right=0 if window_left is not None else None,
+                learnable_sink=sinks,
+                score_mod=score_mod,
+                out=out,
+            )
+            return result
+        result = public(
+            q,
+            k,
+            v,
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_k=cu_seqlens,
+            max_seqlen_q=max_seqlen,
+            max_seqlen_k=max_seqlen,
+            softmax_scale=scale,
+            causal=True,
+            window_size=(window_left, 0 if window_left is not None else None),
+            learnable_sink=sinks,
+            **_softcap_args(softcap),
+        )
+        return result[0] if isinstance(result, tuple) else result
+
     return Provider(
         name="flash-attn-4",
         version=_dist_version("flash-attn-4"),
@@ -218,6 +366,8 @@ def _fa4_provider() -> Provider:
         head_dims=FA4_HEAD_DIMS,
         _run=run,
         _make_softcap=make_mod,
+        _run_with_lse=run_with_lse,
+        _run_dense=run_dense if (direct or public is not None) else None,
     )
 
 

@@ -373,3 +373,116 @@ def test_context_writes_kv_and_passes_the_batch_metadata(monkeypatch):
     assert call["window_left"] == 4 and call["softcap"] == 20.0
     assert call["sinks"].dtype == torch.bfloat16 and torch.equal(call["sinks"].float(), sinks)
     assert call["out"] is not None and call["max_seqlen_q"] == 2 and call["max_seqlen_k"] == 22
+
+
+class _SplitRecorder(_Recorder):
+    """:class:`_Recorder` with the split-decode and dense-prefill entry points of flash-attn-4,
+    computed with plain PyTorch, recording which path each step took."""
+
+    def as_provider(self) -> providers.Provider:
+        return providers.Provider(
+            name="stand-in",
+            version="0",
+            sinks=True,
+            deterministic=True,
+            head_dims=providers.FA4_HEAD_DIMS,
+            _run=self.run,
+            _run_with_lse=self.run_with_lse,
+            _run_dense=self.run_dense,
+        )
+
+    def run(self, *args, **kwargs):
+        self.calls.append({"path": "paged"})
+        return super().run(*args, **kwargs)
+
+    def run_with_lse(self, q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, max_seqlen_k,
+                     page_table, scale, softcap):  # fmt: skip
+        self.calls.append({"path": "split", "rows": q.shape[0], "max_seqlen_k": max_seqlen_k})
+        n, h, d = q.shape
+        page, hkv = k_cache.shape[1], k_cache.shape[2]
+        out = torch.zeros_like(q)
+        lse = torch.full((h, n), float("-inf"))
+        for r in range(n):
+            used = int(seqused_k[r])
+            if used == 0:
+                continue
+            pages = page_table[r, : -(-used // page)].long()
+            k = k_cache[pages].reshape(-1, hkv, d)[:used].float().repeat_interleave(h // hkv, 1)
+            v = v_cache[pages].reshape(-1, hkv, d)[:used].float().repeat_interleave(h // hkv, 1)
+            s = torch.einsum("hd,khd->hk", q[r].float(), k) * scale
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
+            lse[:, r] = torch.logsumexp(s, dim=-1)
+            out[r] = torch.einsum("hk,khd->hd", torch.softmax(s, dim=-1), v).to(q.dtype)
+        return out, lse
+
+    def run_dense(self, q, k, v, out, *, cu_seqlens, max_seqlen, scale, window_left, softcap,
+                  sinks):  # fmt: skip
+        self.calls.append({"path": "dense", "max_seqlen": max_seqlen})
+        # the new tokens' own K/V as a cache of one-token pages, one page-table row per sequence
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
+        table = cu_seqlens[:-1, None] + torch.arange(max_seqlen)[None, :]
+        table = table.clamp(max=k.shape[0] - 1).to(torch.int32)
+        result = ops.paged_attention(
+            q, k[:, None], v[:, None], table, cu_seqlens, lens, scale=scale, causal=True,
+            sliding_window=None if window_left is None else window_left + 1,
+            logits_soft_cap=softcap, sinks=None if sinks is None else sinks.float(),
+        )  # fmt: skip
+        if out is not None:
+            out.copy_(result)
+            return out
+        return result
+
+
+def test_long_decode_is_split_and_fresh_prefill_skips_the_page_table(monkeypatch):
+    """A prefill without cached prefix runs the non-paged varlen call; a decode step at long
+    context and small batch runs as chunk rows merged by log-sum-exp (soft-cap and sinks
+    included); a chunked prefill over a cached prefix keeps the paged call. Each matches the
+    reference backend."""
+    from attn_plugin_fa3 import split_kv
+
+    rec = _SplitRecorder()
+    monkeypatch.setattr(plugin, "_PROBE", (rec.as_provider(), None))
+    monkeypatch.setattr(split_kv, "sm_count", lambda device: 132)
+    spec = LayerSpec(
+        kind="full", num_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+        logits_soft_cap=30.0, has_sinks=True,
+    )  # fmt: skip
+    groups = group_layers([spec])
+    reg = _registry(True)
+    plan = select(groups, reg, DeviceCapabilities.target("h200"), ExecutionConstraints())
+    ref_plan = select(
+        groups, reg, DeviceCapabilities.target("h200"), ExecutionConstraints(force="full=reference")
+    )
+    state = PersistentState(groups, num_pages=2 * 200 + 1, num_slots=0)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0]).to(torch.bfloat16).float()
+    params = {0: {"sinks": sinks}}
+    rt = AttentionRuntime(plan, reg, state=state, layer_params=params)
+    rt_ref = AttentionRuntime(ref_plan, reg, state=state, layer_params=params)
+    builder = BatchBuilder(state, max_batch_size=2, max_num_tokens=5300, max_pages_per_request=200)
+    torch.manual_seed(5)
+    for r in ("a", "b"):
+        state.add_request(r)
+    steps = [[("a", 3000), ("b", 2200)], [("a", 1), ("b", 1)], [("a", 40), ("b", 1)]]
+    paths = []
+    for step in steps:
+        batch = builder.build(step)
+        t = batch.num_tokens
+        q = torch.randn(t, 4, 64).to(torch.bfloat16)
+        k = torch.randn(t, 2, 64).to(torch.bfloat16)
+        v = torch.randn(t, 2, 64).to(torch.bfloat16)
+        rt_ref.prepare(batch)
+        want = rt_ref.binding(0).forward(q, k, v)
+        rt.prepare(batch)
+        before = len(rec.calls)
+        out = torch.empty(t, 4, 64, dtype=torch.bfloat16)
+        got = rt.binding(0).forward(q, k, v, out=out)
+        paths.append([c["path"] for c in rec.calls[before:] if "path" in c])
+        assert got is out
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        for r, n in step:
+            state.advance(r, n)
+    assert paths == [["dense"], ["split"], ["paged"]]
+    split_call = next(c for c in rec.calls if c.get("path") == "split")
+    # 2 requests x 2 KV heads = 4 CTAs: split as far as 1k-token chunks allow (3001 keys: 2)
+    assert split_call["rows"] == 2 * 2 and split_call["max_seqlen_k"] == 1504

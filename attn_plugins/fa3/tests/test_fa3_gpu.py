@@ -225,3 +225,68 @@ def test_decode_cuda_graph_replays_new_batches():
         assert torch.equal(h.state.kv_cache.layer(0).k, k_before)
         for n, m in reqs:
             h.state.advance(n, m)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,sinks,softcap", [(64, 8, False, None), (32, 8, True, 30.0), (8, 2, False, None)]
+)
+def test_long_context_decode_is_split_and_matches(heads, kv_heads, sinks, softcap):
+    """Small batch, long context: the decode runs as split-KV chunks merged by log-sum-exp (the
+    plan says so) and matches the reference, with ragged lengths that leave chunks empty."""
+    from attn_plugin_fa3 import split_kv
+
+    spec = _spec(num_heads=heads, num_kv_heads=kv_heads, logits_soft_cap=softcap,
+                 has_sinks=sinks)  # fmt: skip
+    h = Harness(spec, sinks=sinks, max_batch=3, max_tokens=12288, max_len=9000)
+    h.step([("a", 8000), ("b", 2500), ("c", 300)])  # fresh prefill: the non-paged call
+    ctx = h.fa3.groups["full"].context
+    assert ctx.dense
+    sms = split_kv.sm_count(torch.device("cuda"))
+    for i in range(2):
+        h.step([("a", 1), ("b", 1), ("c", 1)])  # checked against the reference
+        assert ctx.split is not None and ctx.split.plan.num_splits > 1
+        assert ctx.split.plan == split_kv.plan_splits(3, 8001 + i, 16, kv_heads, sms)
+
+
+def test_fresh_prefill_runs_the_non_paged_kernel():
+    h = Harness(_spec(sliding_window=300, logits_soft_cap=20.0), max_tokens=4096, max_len=2048)
+    ctx = h.fa3.groups["full"].context
+    h.step([("x", 1000), ("y", 37)])  # checked against the reference
+    assert ctx.dense
+    h.step([("x", 100), ("y", 1)])  # over a cached prefix: the paged call
+    assert not ctx.dense
+
+
+def test_split_decode_cuda_graph_replays_new_lengths():
+    """Graph mode: the split is fixed per padded batch size from the page table's capacity, its
+    metadata refilled in place, so one captured graph serves later steps of new lengths."""
+    pad = 2
+    h = Harness(_spec(num_heads=32, num_kv_heads=8), graph_mode="decode", max_batch=pad,
+                max_tokens=8192, max_len=8192)  # fmt: skip
+    h.step([("a", 3000), ("b", 700)])
+    batch = h.builder.build([("a", 1), ("b", 1)], pad_to=pad)
+    q, k, v = h.qkv(pad)
+    out = torch.empty_like(q)
+    binding = h.fa3.binding(0)
+    h.fa3.prepare(batch)
+    ctx = h.fa3.groups["full"].context
+    assert ctx.split is not None
+    binding.forward(q, k, v, out=out)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        binding.forward(q, k, v, out=out)
+    for _ in range(3):
+        batch = h.builder.build([("a", 1), ("b", 1)], pad_to=pad)
+        nq, nk, nv = h.qkv(pad)
+        h.ref.prepare(batch)
+        want = h.ref.binding(0).forward(nq, nk, nv)
+        h.fa3.update(batch)
+        q.copy_(nq)
+        k.copy_(nk)
+        v.copy_(nv)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), want.float(), **TOL)
+        for n in ("a", "b"):
+            h.state.advance(n, 1)

@@ -1,0 +1,176 @@
+"""Split-KV decode: attention of one query per request over a long context, spread over the GPU.
+
+FlashAttention-4's Hopper kernel has no split-KV (``num_splits`` must be 1 on sm90): its grid is
+one CTA per (request, KV head) for a decode step, so B=1 with 8 KV heads keeps 8 of 132 SMs busy
+and a 32k-token decode runs about 10x slower than FlashInfer's. This module splits each request's
+KV range into chunks of whole pages, runs every chunk as its own one-query "request" of the same
+varlen call (the chunk's slice of the page table, its length as ``seqused_k``), and merges the
+chunk outputs by their log-sum-exp::
+
+    M   = max(max_s lse_s, sink)
+    out = sum_s exp(lse_s - M) * o_s / (sum_s exp(lse_s - M) + exp(sink - M))
+
+Learnable sinks join the softmax denominator once, so they are left out of the chunk calls and
+added in the merge. Chunks past a request's length (``seqused_k = 0``) get weight 0 whatever the
+kernel wrote for them.
+
+Only decode steps of layers without a sliding window are split (a window already bounds the work,
+and a chunk would need the window's start mask): :func:`plan_splits` decides per step from host
+lengths, so CUDA-graph capture (which may not read lengths) keeps the single call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "SplitMetadata",
+    "SplitPlan",
+    "build_metadata",
+    "merge",
+    "merge_reference",
+    "plan_splits",
+    "sm_count",
+]
+
+#: CTAs per SM the split aims for: two keep the memory system busy while one waits.
+_CTAS_PER_SM = 2
+#: A chunk shorter than this costs more in the merge than it saves in the kernel.
+_MIN_CHUNK_TOKENS = 1024
+_MAX_SPLITS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class SplitPlan:
+    """How a decode step is split: ``num_splits`` chunks of ``pages_per_chunk`` pages each."""
+
+    num_splits: int
+    pages_per_chunk: int
+    page_size: int
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.pages_per_chunk * self.page_size
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 elsewhere (nothing to fill: no split)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def plan_splits(
+    num_reqs: int, max_seq_len: int, page_size: int, num_kv_heads: int, num_sms: int
+) -> SplitPlan | None:
+    """The split of a decode step, or None when one call already fills the GPU.
+
+    :param num_reqs: requests of the step (one query token each).
+    :param max_seq_len: longest KV length of the step, new token included (host int).
+    :param num_kv_heads: the kernel runs one CTA per (request, KV head) (GQA heads are packed).
+    :param num_sms: streaming multiprocessors of the device.
+    """
+    ctas = num_reqs * num_kv_heads
+    target = _CTAS_PER_SM * num_sms
+    if ctas >= num_sms or max_seq_len < 2 * _MIN_CHUNK_TOKENS:
+        return None
+    wanted = min(-(-target // ctas), max_seq_len // _MIN_CHUNK_TOKENS, _MAX_SPLITS)
+    pages = -(-max_seq_len // page_size)
+    pages_per_chunk = -(-pages // wanted)
+    num_splits = -(-pages // pages_per_chunk)  # no chunk is empty for the longest request
+    if num_splits < 2:
+        return None
+    return SplitPlan(num_splits, pages_per_chunk, page_size)
+
+
+@dataclass(frozen=True, slots=True)
+class SplitMetadata:
+    """The chunked step as the varlen kernel takes it (device tensors, built once per step).
+
+    :ivar page_table: ``[B * S, pages_per_chunk]`` int32, row ``b * S + s`` = chunk ``s`` of ``b``.
+    :ivar seqused_k: ``[B * S]`` int32, keys of each chunk (0 past the request's length).
+    :ivar cu_seqlens_q: ``[B * S + 1]`` int32, ``0, 1, ..., B * S`` (one query per chunk).
+    :ivar seq_lens: ``[B]`` int32, the requests' KV lengths (the merge masks empty chunks).
+    """
+
+    plan: SplitPlan
+    num_reqs: int
+    page_table: torch.Tensor
+    seqused_k: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+def build_metadata(
+    plan: SplitPlan, page_table: torch.Tensor, seq_lens: torch.Tensor
+) -> SplitMetadata:
+    """Chunk a decode step's page table and lengths (a few small device ops, no host sync).
+
+    :param page_table: ``[B, max_pages]`` int32 (rows of the step's real requests).
+    :param seq_lens: ``[B]`` int32, KV length including the new token.
+    """
+    num_reqs = seq_lens.shape[0]
+    s, ppc = plan.num_splits, plan.pages_per_chunk
+    width = s * ppc
+    table = page_table[:num_reqs, : min(width, page_table.shape[1])]
+    if table.shape[1] < width:  # pages past a request's length are never read: any index works
+        table = F.pad(table, (0, width - table.shape[1]))
+    starts = torch.arange(s, device=seq_lens.device, dtype=torch.int32) * plan.chunk_tokens
+    used = (seq_lens[:, None] - starts[None, :]).clamp_(0, plan.chunk_tokens)
+    return SplitMetadata(
+        plan=plan,
+        num_reqs=num_reqs,
+        page_table=table.reshape(num_reqs * s, ppc).contiguous(),
+        seqused_k=used.reshape(-1).to(torch.int32),
+        cu_seqlens_q=torch.arange(num_reqs * s + 1, device=seq_lens.device, dtype=torch.int32),
+        seq_lens=seq_lens[:num_reqs],
+    )
+
+
+def merge_reference(
+    partial: torch.Tensor,
+    lse: torch.Tensor,
+    meta: SplitMetadata,
+    sinks: torch.Tensor | None,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """The merge in plain PyTorch (CPU tests and the check of :func:`merge`).
+
+    :param partial: ``[B * S, H, D]`` chunk outputs (q's dtype).
+    :param lse: ``[H, B * S]`` float32 natural-log sum of exp of each chunk's scaled logits.
+    :param sinks: ``[H]`` or None, in the units of the scaled logits.
+    :param out: ``[>= B, H, D]``; rows ``[:B]`` are written.
+    """
+    b, s = meta.num_reqs, meta.plan.num_splits
+    h = partial.shape[1]
+    lse_bsh = lse.float().t().reshape(b, s, h)
+    starts = torch.arange(s, device=lse.device) * meta.plan.chunk_tokens
+    valid = starts[None, :] < meta.seq_lens[:, None].to(starts.dtype)  # [B, S]
+    lse_bsh = torch.where(valid[:, :, None], lse_bsh, float("-inf"))
+    m = lse_bsh.amax(dim=1)  # [B, H]
+    if sinks is not None:
+        m = torch.maximum(m, sinks.float()[None, :])
+    w = torch.exp(lse_bsh - m[:, None, :])  # [B, S, H]
+    denom = w.sum(dim=1)
+    if sinks is not None:
+        denom = denom + torch.exp(sinks.float()[None, :] - m)
+    parts = torch.where(valid[:, :, None, None], partial.float().reshape(b, s, h, -1), 0.0)
+    merged = (w[..., None] * parts).sum(dim=1) / denom[..., None]
+    out[:b].copy_(merged)
+    return out
+
+
+def merge(
+    partial: torch.Tensor,
+    lse: torch.Tensor,
+    meta: SplitMetadata,
+    sinks: torch.Tensor | None,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`merge_reference` as one Triton kernel (one program per request and head)."""
+    from attn_plugin_fa3 import split_kv_triton
+
+    return split_kv_triton.merge(partial, lse, meta, sinks, out)

@@ -1,0 +1,109 @@
+"""Split-KV decode on CPU: the split plan, the chunked metadata and both merges (PyTorch and the
+Triton kernel in Triton's interpreter) against attention over the whole context.
+
+The kernel's part (attention of one query over a chunk's keys, with its log-sum-exp) is played
+here by plain PyTorch over the same chunked page table, so what is checked is the chunking, the
+masking of empty chunks, the sinks and the merge arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from attn_plugin_fa3 import split_kv
+
+
+def test_plan_splits_fills_the_gpu_only_when_one_call_does_not():
+    # B=1, 8 KV heads, 32k: 8 CTAs of 132 SMs -> split into 1k-token chunks
+    plan = split_kv.plan_splits(1, 32768, 16, 8, 132)
+    assert plan is not None and plan.num_splits == 32 and plan.chunk_tokens == 1024
+    # B=4, 128k: 32 CTAs -> about 2 per SM after the split
+    plan = split_kv.plan_splits(4, 131072, 16, 8, 132)
+    assert plan is not None and 4 * 8 * plan.num_splits >= 2 * 132
+    assert plan.num_splits * plan.chunk_tokens >= 131072
+    # enough CTAs already, or too short to pay for the merge
+    assert split_kv.plan_splits(64, 8192, 16, 4, 132) is None
+    assert split_kv.plan_splits(1, 1500, 16, 8, 132) is None
+    # the longest request has no empty chunk
+    plan = split_kv.plan_splits(2, 5000, 64, 2, 132)
+    assert plan is not None
+    assert (plan.num_splits - 1) * plan.chunk_tokens < 5000 <= plan.num_splits * plan.chunk_tokens
+
+
+def _attend_chunks(q_rows, k_cache, v_cache, meta, scale):
+    """What the kernel returns for the chunk rows: ``out [N, H, D]``, ``lse [H, N]``."""
+    n, h, d = q_rows.shape
+    page = k_cache.shape[1]
+    hkv = k_cache.shape[2]
+    out = torch.full_like(q_rows, float("nan"))  # empty rows: garbage the merge must not read
+    lse = torch.full((h, n), float("nan"))
+    for r in range(n):
+        used = int(meta.seqused_k[r])
+        if used == 0:
+            continue
+        pages = meta.page_table[r, : math.ceil(used / page)].long()
+        k = k_cache[pages].reshape(-1, hkv, d)[:used].float()
+        v = v_cache[pages].reshape(-1, hkv, d)[:used].float()
+        k = k.repeat_interleave(h // hkv, dim=1)
+        v = v.repeat_interleave(h // hkv, dim=1)
+        s = torch.einsum("hd,khd->hk", q_rows[r].float(), k) * scale
+        lse[:, r] = torch.logsumexp(s, dim=-1)
+        out[r] = torch.einsum("hk,khd->hd", torch.softmax(s, dim=-1), v).to(out.dtype)
+    return out, lse
+
+
+def _full_attention(q, k_cache, v_cache, page_table, seq_lens, scale, sinks):
+    b, h, d = q.shape
+    page, hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(b, h, d)
+    for i in range(b):
+        n = int(seq_lens[i])
+        pages = page_table[i, : math.ceil(n / page)].long()
+        k = k_cache[pages].reshape(-1, hkv, d)[:n].float().repeat_interleave(h // hkv, dim=1)
+        v = v_cache[pages].reshape(-1, hkv, d)[:n].float().repeat_interleave(h // hkv, dim=1)
+        s = torch.einsum("hd,khd->hk", q[i].float(), k) * scale
+        if sinks is not None:
+            s = torch.cat([s, sinks.float()[:, None]], dim=1)
+            v = torch.cat([v, torch.zeros(1, h, d)], dim=0)
+        out[i] = torch.einsum("hk,khd->hd", torch.softmax(s, dim=-1), v)
+    return out
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("merge", ["reference", "triton"])
+def test_split_decode_matches_attention_over_the_whole_context(with_sinks, merge):
+    torch.manual_seed(0)
+    b, h, hkv, d, page = 3, 4, 2, 32, 8
+    seq_lens = torch.tensor([83, 17, 60], dtype=torch.int32)  # request 1 leaves chunks empty
+    max_pages = 12
+    num_pages = b * max_pages + 1
+    k_cache = torch.randn(num_pages, page, hkv, d)
+    v_cache = torch.randn(num_pages, page, hkv, d)
+    perm = torch.randperm(num_pages - 1)[: b * max_pages] + 1
+    page_table = perm.reshape(b, max_pages).to(torch.int32)
+    q = torch.randn(b, h, d)
+    scale = d**-0.5
+    sinks = torch.randn(h) * 2 if with_sinks else None
+    plan = split_kv.SplitPlan(num_splits=4, pages_per_chunk=3, page_size=page)
+    meta = split_kv.build_metadata(plan, page_table, seq_lens)
+    assert meta.page_table.shape == (b * 4, 3)
+    assert meta.seqused_k.tolist() == [24, 24, 24, 11, 17, 0, 0, 0, 24, 24, 12, 0]
+    assert meta.cu_seqlens_q.tolist() == list(range(b * 4 + 1))
+    q_rows = q.repeat_interleave(4, dim=0)
+    partial, lse = _attend_chunks(q_rows, k_cache, v_cache, meta, scale)
+    out = torch.full((b + 2, h, d), 7.0)  # rows past B must stay as they were
+    fn = split_kv.merge_reference if merge == "reference" else split_kv.merge
+    fn(partial, lse, meta, sinks, out)
+    want = _full_attention(q, k_cache, v_cache, page_table, seq_lens, scale, sinks)
+    torch.testing.assert_close(out[:b], want, atol=2e-5, rtol=2e-5)
+    assert torch.all(out[b:] == 7.0)
+
+
+def test_build_metadata_pads_a_short_page_table():
+    plan = split_kv.SplitPlan(num_splits=3, pages_per_chunk=2, page_size=4)
+    table = torch.arange(10, dtype=torch.int32).reshape(2, 5)  # 5 < 3 * 2 columns
+    meta = split_kv.build_metadata(plan, table, torch.tensor([20, 9], dtype=torch.int32))
+    assert meta.page_table.tolist() == [[0, 1], [2, 3], [4, 0], [5, 6], [7, 8], [9, 0]]
+    assert meta.seqused_k.tolist() == [8, 8, 4, 8, 1, 0]
