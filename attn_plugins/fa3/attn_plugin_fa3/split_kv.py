@@ -21,6 +21,7 @@ lengths, so CUDA-graph capture (which may not read lengths) keeps the single cal
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -36,8 +37,10 @@ __all__ = [
     "sm_count",
 ]
 
-#: CTAs per SM the split aims for: two keep the memory system busy while one waits.
-_CTAS_PER_SM = 2
+#: The split aims for one full wave of CTAs: the Hopper kernel's shared memory fits one CTA per
+#: SM, and a second, partial wave costs as much as a full one (9 chunks of 4 x 8 CTAs ran at
+#: 73 % of the bandwidth 4 chunks reach).
+_WAVES = 1
 #: A chunk shorter than this costs more in the merge than it saves in the kernel.
 _MIN_CHUNK_TOKENS = 1024
 _MAX_SPLITS = 64
@@ -74,10 +77,9 @@ def plan_splits(
     :param num_sms: streaming multiprocessors of the device.
     """
     ctas = num_reqs * num_kv_heads
-    target = _CTAS_PER_SM * num_sms
-    if ctas >= num_sms or max_seq_len < 2 * _MIN_CHUNK_TOKENS:
+    if 2 * ctas > _WAVES * num_sms or max_seq_len < 2 * _MIN_CHUNK_TOKENS:
         return None
-    wanted = min(-(-target // ctas), max_seq_len // _MIN_CHUNK_TOKENS, _MAX_SPLITS)
+    wanted = min(_WAVES * num_sms // ctas, max_seq_len // _MIN_CHUNK_TOKENS, _MAX_SPLITS)
     pages = -(-max_seq_len // page_size)
     pages_per_chunk = -(-pages // wanted)
     num_splits = -(-pages // pages_per_chunk)  # no chunk is empty for the longest request
@@ -170,7 +172,10 @@ def merge(
     sinks: torch.Tensor | None,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """:func:`merge_reference` as one Triton kernel (one program per request and head)."""
+    """:func:`merge_reference` as one Triton kernel (one program per request and head); CPU
+    tensors go to :func:`merge_reference` unless Triton's interpreter is on."""
+    if not partial.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return merge_reference(partial, lse, meta, sinks, out)
     from attn_plugin_fa3 import split_kv_triton
 
     return split_kv_triton.merge(partial, lse, meta, sinks, out)

@@ -25,7 +25,7 @@ for p in (_HERE.parents[1], _HERE.parents[3]):  # the plugin, the repository roo
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from attn_plugin_fa3 import plugin  # noqa: E402
+from attn_plugin_fa3 import plugin, split_kv  # noqa: E402
 
 import attn_core.reference.plugin as ref_plugin  # noqa: E402
 from attn_core import bench_util  # noqa: E402
@@ -99,7 +99,10 @@ def _flashinfer_decode(batch, layer, h: int, hkv: int):
     for tc in (False, True):
         ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
-        w.plan(indptr, indices, last, h, hkv, 128, PAGE, q_data_type=torch.bfloat16)
+        try:  # the CUDA-core kernel serves group sizes 1, 2, 4, 8 only (not 28/4)
+            w.plan(indptr, indices, last, h, hkv, 128, PAGE, q_data_type=torch.bfloat16)
+        except RuntimeError:
+            continue
         calls["tc" if tc else "cc"] = w
     return calls
 
@@ -108,7 +111,7 @@ def _median(xs):
     return statistics.median(xs)
 
 
-def bench_decode(name, h, hkv, batch, ctx, rounds) -> dict:
+def bench_decode(name, h, hkv, batch, ctx, rounds, sweep) -> dict:
     rt, b, layer = _setup(h, hkv, batch, ctx, 1)
     binding = rt.binding(0)
     ctx_obj = rt.groups["full"].context
@@ -130,6 +133,24 @@ def bench_decode(name, h, hkv, batch, ctx, rounds) -> dict:
         binding.forward(q, k, v, out=out)
 
     fns = {"fa3": fa3_split, "fa3_unsplit": fa3_unsplit}
+    if sweep and saved is not None:  # other split counts, to see the planner's choice in context
+        pages = -(-(ctx + 1) // PAGE)
+        for n in (2, 4, 8, 16, 32):
+            if n == saved.plan.num_splits:
+                continue
+            alt = split_kv.build_metadata(
+                split_kv.SplitPlan(n, -(-pages // n), PAGE), b.page_table, b.seq_lens[:batch]
+            )
+
+            def fa3_alt(alt=alt):
+                ctx_obj.split = alt
+                binding.forward(q, k, v, out=out)
+
+            fns[f"fa3_s{n}"] = fa3_alt
+    if saved is not None:  # the same call replayed from a CUDA graph: GPU time without host cost
+        fa3_split()
+        torch.cuda.synchronize()
+        fns["fa3_graph"] = bench_util.capture_graph(fa3_split).replay
     for tag, w in wrappers.items():
         fns[f"flashinfer_{tag}"] = lambda w=w: w.run(q, (layer.k, layer.v), out=fi_out)
     # correctness of the timed call: the split output against FlashInfer's
@@ -138,7 +159,7 @@ def bench_decode(name, h, hkv, batch, ctx, rounds) -> dict:
     torch.cuda.synchronize()
     err = (out.float() - fi_out.float()).abs().max().item()
     times = bench_util.alternating_us(fns, rounds, warmup=3)
-    fi_key = min(("flashinfer_tc", "flashinfer_cc"), key=lambda n: _median(times[n]))
+    fi_key = min((n for n in times if n.startswith("flashinfer")), key=lambda n: _median(times[n]))
     ratio = [a / c for a, c in zip(times["fa3"], times[fi_key], strict=True)]
     ratio_unsplit = [a / c for a, c in zip(times["fa3_unsplit"], times[fi_key], strict=True)]
     kv_bytes = batch * (ctx + 1) * hkv * 128 * 2 * 2
@@ -189,6 +210,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--sweep", action="store_true", help="also time other split counts")
     args = ap.parse_args()
     result = bench_util.new_result()
     provider, reason = plugin.probe()
@@ -198,7 +220,7 @@ def main() -> int:
         return bench_util.write_result(result, args.out)
     bench_util.record_device(result)
     for case in DECODE:
-        bench_util.run_case(result, case[0], bench_decode, *case, args.rounds)
+        bench_util.run_case(result, case[0], bench_decode, *case, args.rounds, args.sweep)
     for case in PREFILL:
         bench_util.run_case(result, case[0], bench_prefill, *case, args.rounds)
     return bench_util.write_result(result, args.out)
