@@ -44,6 +44,7 @@ from attn_core.state.manager import PersistentState  # noqa: E402
 PAGE = 16
 # (name, q heads, kv heads, batch, context before the step)
 DECODE = [
+    ("decode_64/8_b1_ctx128k", 64, 8, 1, 131072),
     ("decode_64/8_b1_ctx32k", 64, 8, 1, 32768),
     ("decode_32/8_b4_ctx128k", 32, 8, 4, 131072),
     ("decode_28/4_b64_ctx8k", 28, 4, 64, 8192),
@@ -135,7 +136,7 @@ def bench_decode(name, h, hkv, batch, ctx, rounds, sweep) -> dict:
     fns = {"fa3": fa3_split, "fa3_unsplit": fa3_unsplit}
     if sweep and saved is not None:  # other split counts, to see the planner's choice in context
         pages = -(-(ctx + 1) // PAGE)
-        for n in (2, 4, 8, 16, 32):
+        for n in (2, 4, 8, 12, 16, 20, 24, 32):
             if n == saved.plan.num_splits:
                 continue
             alt = split_kv.build_metadata(
@@ -147,6 +148,18 @@ def bench_decode(name, h, hkv, batch, ctx, rounds, sweep) -> dict:
                 binding.forward(q, k, v, out=out)
 
             fns[f"fa3_s{n}"] = fa3_alt
+    if sweep and saved is not None:  # the chunk kernel alone (no KV write, q copy, merge)
+        prov = ctx_obj.provider
+        nsp = saved.plan.num_splits
+        q_rows = q[:batch].repeat_interleave(nsp, dim=0)
+
+        def chunks_only():
+            prov.run_with_lse(q_rows, layer.k, layer.v, cu_seqlens_q=saved.cu_seqlens_q,
+                              seqused_k=saved.seqused_k, max_seqlen_k=saved.plan.chunk_tokens,
+                              page_table=saved.page_table, scale=binding.scale,
+                              softcap=None)  # fmt: skip
+
+        fns["fa4_chunks_only"] = chunks_only
     if saved is not None:  # the same call replayed from a CUDA graph: GPU time without host cost
         fa3_split()
         torch.cuda.synchronize()
