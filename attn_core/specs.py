@@ -486,6 +486,9 @@ class LayerSpec:
         parts = [self.kind.value]
         if self.kind is LayerKind.LINEAR:
             parts.append(str(self.linear_variant))
+        if self.linear_variant is LinearVariant.SHORT_CONV:  # no heads, no recurrent state
+            channels, kernel = self.conv_dims
+            return " ".join([*parts, f"conv {channels}x{kernel}", self.dtype])
         parts.append(f"{self.num_heads}q/{self.num_kv_heads}kv")
         dims = f"d{self.head_dim}"
         if self.head_dim_v != self.head_dim:
