@@ -289,9 +289,10 @@ def _recompute_decay_buffers(model: torch.nn.Module) -> None:
     table rounded on its own, so its block-wise prefill and its token loop disagree. Recompute
     them in float32 with the module's own functions (as its ``_init_weights`` does), then store
     them in the model dtype."""
-    for mod in model.modules():
-        if not (hasattr(mod, "get_slope_rate") and hasattr(mod, "decay_factors")):
+    for module in model.modules():
+        if not (hasattr(module, "get_slope_rate") and hasattr(module, "decay_factors")):
             continue
+        mod: Any = module  # a MiniMaxLightningAttention (attributes resolved at run time)
         slope = mod.get_slope_rate(device=mod.slope_rate.device)
         tables = (slope, *mod.decay_factors(slope))
         for name, value in zip(
