@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from attn_core.e2e import run_architecture, tiny_config
 from attn_core.e2e.adapters import CausalLMAdapter
@@ -72,3 +73,44 @@ def test_run_takes_their_config_files_and_refuses_the_hub_m1_form(tmp_path) -> N
     path.write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="transformers has no class for it"):
         resolve_models(str(path))
+
+
+@pytest.mark.parametrize("name", ["minimax", "lfm2"])
+def test_kernel_shapes_match_transformers_cpu(name: str) -> None:
+    """The GPU runs' shapes (lightning heads of 128, a 256-channel conv) match on CPU too."""
+    run = run_architecture(name, prompts=2, max_new_tokens=3, shapes="kernel")
+    assert run.ok, run.format()
+
+
+CUDA = torch.cuda.is_available()
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=gpu) for n in ("minimax", "lfm2")])
+def test_cuda_graph_decode_gpu(name: str) -> None:
+    run = run_architecture(
+        name, device="cuda", dtype="float32", prompts=3, max_new_tokens=6, graphs=True
+    )
+    assert run.graph_replays > 0, run.format()
+    assert run.match.max_abs_diff < 1e-3 and run.match.token_agreement == 1.0, run.format()
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=gpu) for n in ("minimax", "lfm2")])
+def test_triton_ssm_serves_them_on_gpu_with_graphs(name: str) -> None:
+    """At kernel shapes on a GPU the linear group goes to triton_ssm (not the reference), and
+    bf16 generation with captured decode steps stays within tolerance."""
+    from attn_core.registry import Registry
+
+    run = run_architecture(
+        name,
+        device="cuda",
+        dtype="bfloat16",
+        prompts=3,
+        max_new_tokens=6,
+        graphs=True,
+        shapes="kernel",
+        registry=Registry.discover(),
+    )
+    linear = [g for g in run.plan["groups"] if g["spec"].startswith("linear")]
+    assert linear and all(g["backend"] == "triton_ssm:triton_ssm" for g in linear), run.format()
+    assert run.graph_replays > 0 and run.ok, run.format()
