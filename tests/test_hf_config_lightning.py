@@ -109,3 +109,11 @@ def test_conv_layer_type_in_another_family_is_refused() -> None:
     d["layer_types"] = ["full_attention", "conv"]
     with pytest.raises(ValueError, match="'conv' in layer 1"):
         specs_from_hf_config(d)
+
+
+def test_minimax_sliding_window_applies_to_the_softmax_layers_only() -> None:
+    d = load_sample("minimax")
+    d["sliding_window"] = 4096
+    layout = specs_from_hf_config(d)
+    assert layout.spec_of(7).sliding_window == 4096
+    assert layout.spec_of(0).sliding_window is None  # lightning attention has no window

@@ -296,6 +296,13 @@ class CausalLMAdapter:
             # ALiBi-style per-head rates scaled by the layer's depth, from the module's own
             # function in float32 (its slope_rate buffer is rounded to the model dtype)
             slope = at.get_slope_rate(device=x.device).reshape(-1).float()
+            if slope.shape[0] != H:
+                # a tensor-parallel rank holds a slice of the heads: it needs its slice of
+                # the slopes, which this adapter (it shards nothing) cannot pick
+                raise ValueError(
+                    f"layer {i}: the module has slopes for {slope.shape[0]} lightning heads, "
+                    f"the layer spec {H}; expected one slope per head of this rank"
+                )
             self._slopes[i] = slope
         out = torch.empty(T, H, spec.head_dim_v, dtype=x.dtype, device=x.device)
         self._attend(i, q.contiguous(), k.contiguous(), v.contiguous(), out, slope=slope)
