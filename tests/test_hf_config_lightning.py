@@ -111,9 +111,8 @@ def test_conv_layer_type_in_another_family_is_refused() -> None:
         specs_from_hf_config(d)
 
 
-def test_minimax_sliding_window_applies_to_the_softmax_layers_only() -> None:
+def test_minimax_sliding_window_is_refused_naming_the_layers() -> None:
     d = load_sample("minimax")
     d["sliding_window"] = 4096
-    layout = specs_from_hf_config(d)
-    assert layout.spec_of(7).sliding_window == 4096
-    assert layout.spec_of(0).sliding_window is None  # lightning attention has no window
+    with pytest.raises(ValueError, match=r"sliding_window=4096 on the softmax layers \(layers 7,"):
+        specs_from_hf_config(d)

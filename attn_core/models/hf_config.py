@@ -677,8 +677,17 @@ def _minimax(r: _Reader, o: _Options) -> _Parsed:
     """
     n = r.pos_int("num_hidden_layers")
     types = _minimax_types(r, n)
+    window = r.cfg.get("sliding_window")
+    if window is not None:
+        # transformers slides the layers its layer_types calls full_attention; no released
+        # MiniMax checkpoint sets a window, and a window on "full" layers contradicts them
+        raise ValueError(
+            f"{r.where}: sliding_window={window!r} on the softmax layers "
+            f"({_layers_of(types, 'full_attention')}), which layer_types calls full_attention: "
+            f"refused rather than mapped either way (the released configs set null)"
+        )
     head_dim = _head_dim(r)
-    full = o.full(sliding_window=r.cfg.get("sliding_window"), **_gqa(r, o, head_dim))
+    full = o.full(**_gqa(r, o, head_dim))
     heads = _split(r.pos_int("num_attention_heads"), o.tp_size, "num_attention_heads")
     lightning = o.linear(
         linear_variant=LinearVariant.LIGHTNING,
