@@ -100,3 +100,30 @@ def test_persistent_state_allocates_only_the_kept_state() -> None:
     assert bool((lt2.ssm[2] == 2.0).all()) and bool((sc.conv[2] == 3.0).all())
     slots.zero_slot(2)
     assert not lt2.ssm[2].any() and not sc.conv[2].any()
+
+
+def test_offload_restore_and_export_import_round_trip_the_kept_state() -> None:
+    """The empty pools travel as zero bytes; the kept state comes back bit for bit (in a
+    hybrid with a full-attention layer, as MiniMax and LFM2 have)."""
+    full = LayerSpec(
+        kind="full", num_heads=4, num_kv_heads=2, head_dim=8, page_size=4, dtype="float32"
+    )
+    specs = [lightning(), short_conv(), full]
+    state = PersistentState(group_layers(specs), num_pages=8, num_slots=3)
+    state.add_request("r")
+    slot = state.slot("r")
+    gen = torch.Generator().manual_seed(0)
+    lt, sc = state.state_slots.layer(0), state.state_slots.layer(1)
+    lt.ssm[slot] = torch.randn(lt.ssm[slot].shape, generator=gen)
+    sc.conv[slot] = torch.randn(sc.conv[slot].shape, generator=gen).to(sc.conv.dtype)
+    want = (lt.ssm[slot].clone(), sc.conv[slot].clone())
+    export = state.export_request("r")
+    assert export.meta.nbytes >= lightning().state_bytes_per_request() + C * (K - 1) * 2
+    moved = state.offload("r")
+    assert moved == export.meta.nbytes
+    state.restore("r")
+    slot = state.slot("r")
+    assert torch.equal(lt.ssm[slot], want[0]) and torch.equal(sc.conv[slot], want[1])
+    state.import_request("copy", export)
+    other = state.slot("copy")
+    assert torch.equal(lt.ssm[other], want[0]) and torch.equal(sc.conv[other], want[1])
