@@ -22,6 +22,10 @@ have it: there is never a partial mapping.
 
 Layers that carry no attention (Nemotron-H's MLP / MoE layers) are absent from the layout; their
 indices are simply missing from ``layer_indices``.
+
+Linear layers with one state only: MiniMax-Text-01 / MiniMax-M1's lightning attention (no conv;
+its per-layer slopes are the model's input) and LFM2's gated short conv (``layer_types`` value
+``conv``; conv state only, its ``hidden_size`` channels split under tensor parallelism).
 """
 
 from __future__ import annotations
