@@ -172,7 +172,7 @@ class LayerAttentionBinding:
         # conv1d's accepted shapes (linear layers), cached by token count like forward's
         self._conv_tokens = -1
         self._conv_x_shape: torch.Size | None = None
-        self._conv_w_shape = torch.Size(spec.conv_dims) if spec.kind is LayerKind.LINEAR else None
+        self._conv_w_shape = torch.Size(spec.conv_dims) if spec.has_conv else None
         H, Hkv, D, Dv = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim_v
         # per-token shapes of q, k, v (None: v is not given) and out
         self._q_tail: tuple[int, ...]
@@ -327,8 +327,11 @@ class LayerAttentionBinding:
         :returns: ``[T, conv_channels]`` in ``x.dtype``; the conv state is updated in place.
         """
         group = self._group
-        if self._kind is not LayerKind.LINEAR:
-            raise TypeError(f"layer {self.layer_index} is {self.spec.kind.value}: it has no conv")
+        if self._conv_w_shape is None:
+            what = self.spec.kind.value
+            if self._kind is LayerKind.LINEAR:
+                what = f"linear {self.spec.linear_variant}"
+            raise TypeError(f"layer {self.layer_index} is {what}: it has no conv")
         # conv1d writes the conv state of every slot the batch names, as forward writes KV and
         # SSM state: the same stale-batch rule holds.
         batch = group.current_batch(self.layer_index, "conv1d")

@@ -46,6 +46,7 @@ from attn_core.specs import (
     LayerGroup,
     LayerKind,
     LayerSpec,
+    LinearVariant,
 )
 
 __all__ = [
@@ -186,7 +187,8 @@ def check_backend(
             f"state dtype {spec.state_dtype}",
             f"serves {_fmt_set(caps.state_dtypes)}",
         )
-    if caps.head_dims is not None:
+    # The short conv has no heads (its head_dim is the conv's channel count): no head dim to serve.
+    if caps.head_dims is not None and spec.linear_variant is not LinearVariant.SHORT_CONV:
         for label, dim in (("head_dim", spec.head_dim), ("head_dim_v", spec.head_dim_v)):
             if dim not in caps.head_dims:
                 model_mismatch("head_dim", f"{label} {dim}", f"serves {_fmt_set(caps.head_dims)}")

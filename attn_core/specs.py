@@ -23,6 +23,13 @@ For ``linear`` layers ``num_heads`` are the value heads and ``num_kv_heads`` the
 ``head_dim = d_state`` and ``head_dim_v`` = Mamba's head dim). The recurrent state of one head is
 ``[head_dim, head_dim_v]``; the conv state of one layer is
 ``[conv_channels, conv_kernel_size - 1]``.
+
+Two linear variants keep only one of the two states. Lightning attention (MiniMax-01) has no
+conv: ``conv_kernel_size`` / ``conv_channels`` stay None and its conv state is empty; q, k and v
+have the same heads (``num_kv_heads == num_heads``). The gated short convolution (LFM2) is a conv
+and nothing else: no recurrent state, so its SSM state is empty; it has no heads either, and its
+spec says so with ``num_heads = num_kv_heads = 1`` and ``head_dim = head_dim_v = conv_channels``
+(the conv's channel row); its layers call ``binding.conv1d`` only, never ``forward``.
 """
 
 from __future__ import annotations
@@ -69,6 +76,9 @@ class LinearVariant(str, enum.Enum):
     GATED_DELTANET = "gated_deltanet"  # Qwen3-Next: scalar gate per head, delta rule
     KDA = "kda"  # Kimi Delta Attention: per-channel gate, delta rule
     MAMBA2 = "mamba2"  # SSD: scalar decay per head, plain outer-product update
+    # -- lightning attention and gated short convolution (issue 23) --
+    LIGHTNING = "lightning"  # MiniMax-01: fixed per-head decay, plain outer product, no conv
+    SHORT_CONV = "short_conv"  # LFM2: gated causal depthwise conv; conv state only, no SSM state
 
     def __str__(self) -> str:
         return self.value
@@ -326,8 +336,13 @@ class LayerSpec:
                 f"linear_variant={self.linear_variant!r} is not supported; allowed: "
                 f"{[v.value for v in LinearVariant]}"
             ) from None
-        _positive("conv_kernel_size", self.conv_kernel_size)
-        _positive("conv_channels", self.conv_channels)
+        if self.linear_variant is LinearVariant.LIGHTNING:
+            self._validate_lightning()
+        else:
+            _positive("conv_kernel_size", self.conv_kernel_size)
+            _positive("conv_channels", self.conv_channels)
+        if self.linear_variant is LinearVariant.SHORT_CONV:
+            self._validate_short_conv()
         _require(
             self.kv_dtype == self.dtype,
             "kv_dtype",
@@ -336,6 +351,41 @@ class LayerSpec:
         )
         self._unset("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim")
         self._unset("sliding_window", "logits_soft_cap", "has_sinks")
+
+    def _validate_lightning(self) -> None:
+        """Lightning attention has no conv and one key head per value head."""
+        for name in ("conv_kernel_size", "conv_channels"):
+            _require(
+                getattr(self, name) is None,
+                name,
+                getattr(self, name),
+                "lightning attention has no conv; leave it None",
+            )
+        _require(
+            self.num_kv_heads == self.num_heads,
+            "num_kv_heads",
+            self.num_kv_heads,
+            f"lightning attention has as many key heads as value heads ({self.num_heads})",
+        )
+        self._unset("qk_l2norm")
+
+    def _validate_short_conv(self) -> None:
+        """The short conv has no heads and no recurrent state: one 'head' of the channel row."""
+        channels = self.conv_channels
+        for name, want in (
+            ("num_heads", 1),
+            ("num_kv_heads", 1),
+            ("head_dim", channels),
+            ("head_dim_v", channels),
+        ):
+            _require(
+                getattr(self, name) == want,
+                name,
+                getattr(self, name),
+                f"a short-conv layer has no heads: expected {want} (one head of the "
+                f"conv_channels={channels} channel row)",
+            )
+        self._unset("qk_l2norm", "softmax_scale", "state_dtype")
 
     # -- derived quantities ----------------------------------------------------------------
     @property
@@ -346,8 +396,8 @@ class LayerSpec:
         if self.kind is LayerKind.MLA:
             _, rope, nope = self.mla_dims
             return 1.0 / math.sqrt(nope + rope)
-        if self.linear_variant is LinearVariant.MAMBA2:
-            return 1.0  # SSD reads C . h without scaling
+        if self.linear_variant in (LinearVariant.MAMBA2, LinearVariant.LIGHTNING):
+            return 1.0  # SSD reads C . h, MiniMax's lightning attention q . S, without scaling
         return 1.0 / math.sqrt(self.head_dim)
 
     @property
@@ -356,7 +406,20 @@ class LayerSpec:
 
     @property
     def has_recurrent_state(self) -> bool:
+        """Whether the layer keeps per-request state slots (conv, SSM or both)."""
         return self.kind is LayerKind.LINEAR
+
+    @property
+    def has_conv(self) -> bool:
+        """Whether the layer runs a causal conv with a conv state (every linear variant but
+        lightning attention)."""
+        return self.kind is LayerKind.LINEAR and self.linear_variant is not LinearVariant.LIGHTNING
+
+    @property
+    def has_ssm_state(self) -> bool:
+        """Whether the layer keeps a recurrent state ``[H, Dk, Dv]`` (every linear variant but
+        the short conv)."""
+        return self.kind is LayerKind.LINEAR and self.linear_variant is not LinearVariant.SHORT_CONV
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -389,24 +452,29 @@ class LayerSpec:
 
     @property
     def ssm_state_shape(self) -> tuple[int, ...]:
-        """Shape of one request's recurrent state for this layer: ``[num_heads, dk, dv]``."""
-        if self.kind is not LayerKind.LINEAR:
+        """Shape of one request's recurrent state for this layer: ``[num_heads, dk, dv]``; ``()``
+        for a layer without one (not linear, or a short conv)."""
+        if not self.has_ssm_state:
             return ()
         return (self.num_heads, self.head_dim, self.head_dim_v)
 
     @property
     def conv_state_shape(self) -> tuple[int, ...]:
-        """Shape of one request's conv state for this layer: ``[channels, kernel - 1]``."""
-        if self.kind is not LayerKind.LINEAR:
+        """Shape of one request's conv state for this layer: ``[channels, kernel - 1]``; ``()``
+        for a layer without a conv (not linear, or lightning attention)."""
+        if not self.has_conv:
             return ()
         channels, kernel = self.conv_dims
         return (channels, kernel - 1)
 
     def state_bytes_per_request(self) -> int:
+        """Bytes of one request's state slot in this layer: SSM state plus conv state (a state
+        the layer does not keep counts 0, not ``prod(()) = 1`` element)."""
         if self.kind is not LayerKind.LINEAR:
             return 0
-        ssm = math.prod(self.ssm_state_shape) * torch_dtype(self.state_dtype).itemsize
-        conv = math.prod(self.conv_state_shape) * torch_dtype(self.dtype).itemsize
+        ssm_shape, conv_shape = self.ssm_state_shape, self.conv_state_shape
+        ssm = math.prod(ssm_shape) * torch_dtype(self.state_dtype).itemsize if ssm_shape else 0
+        conv = math.prod(conv_shape) * torch_dtype(self.dtype).itemsize if conv_shape else 0
         return ssm + conv
 
     def with_(self, **changes: Any) -> LayerSpec:
@@ -418,6 +486,9 @@ class LayerSpec:
         parts = [self.kind.value]
         if self.kind is LayerKind.LINEAR:
             parts.append(str(self.linear_variant))
+        if self.linear_variant is LinearVariant.SHORT_CONV:  # no heads, no recurrent state
+            channels, kernel = self.conv_dims
+            return " ".join([*parts, f"conv {channels}x{kernel}", self.dtype])
         parts.append(f"{self.num_heads}q/{self.num_kv_heads}kv")
         dims = f"d{self.head_dim}"
         if self.head_dim_v != self.head_dim:

@@ -31,6 +31,8 @@ SAMPLES = [
     "deepseek-v3",
     "gemma-3",
     "gpt-oss",
+    "lfm2",
+    "minimax",
     "nemotron-h",
     "qwen2.5-vl-vision",
     "qwen3",
@@ -83,6 +85,8 @@ EXPECTED_GROUPS = {
     "gpt-oss": [("full", "full", 12, 64, 8), ("full.1", "full", 12, 64, 8)],
     "gemma-3": [("full", "full", 22, 4, 1), ("full.1", "full", 4, 4, 1)],
     "qwen2.5-vl-vision": [("encoder", "encoder", 32, 16, 16)],
+    "minimax": [("linear", "linear", 70, 64, 64), ("full", "full", 10, 64, 8)],
+    "lfm2": [("linear", "linear", 10, 1, 1), ("full", "full", 6, 32, 8)],
 }
 EXPECTED_MODEL_TYPE = {
     "qwen3": "qwen3",
@@ -93,6 +97,8 @@ EXPECTED_MODEL_TYPE = {
     "gpt-oss": "gpt_oss",
     "gemma-3": "gemma3_text",
     "qwen2.5-vl-vision": "qwen2_5_vl",
+    "minimax": "minimax",
+    "lfm2": "lfm2",
 }
 
 
@@ -428,6 +434,10 @@ def test_tp_size_halves_heads_for_every_sample() -> None:
         one, two = specs_from_hf_config(name), specs_from_hf_config(name, tp_size=2)
         assert len(one.groups) == len(two.groups)
         for g1, g2 in zip(one.groups, two.groups, strict=True):
+            if g1.spec.linear_variant is LinearVariant.SHORT_CONV:  # no heads: channels split
+                assert g2.spec.conv_channels * 2 == g1.spec.conv_channels, name
+                assert g2.layer_indices == g1.layer_indices
+                continue
             assert g2.spec.num_heads * 2 == g1.spec.num_heads, name
             kv = g1.spec.num_kv_heads
             assert g2.spec.num_kv_heads == (kv // 2 if kv >= 2 else 1), name

@@ -18,6 +18,14 @@ Mixers by layer kind:
   ``beta = sigmoid(b)``, gated RMSNorm with ``z``.
 - linear Mamba2 (Bamba): conv over x|B|C, ``q=C, k=B, v=x`` plus ``dt, A_log, D, dt_bias``;
   gated RMSNorm with the z gate.
+- linear lightning (MiniMax-01): ``act(qkv_proj)`` split into q, k, v of every head, the layer's
+  ``slope_rate`` as ``slope``; RMSNorm, sigmoid output gate and ``out_proj`` after it.
+- linear short conv (LFM2): ``in_proj`` -> B, C, x; ``binding.conv1d(B * x)`` with no
+  activation (the whole attention core); ``C *`` and ``out_proj`` after it.
+
+Decoder blocks: pre-norm residual (most), MiniMax's residual taken after the norm and scaled by
+its alpha / beta factors, LFM2's ``operator_norm`` / ``ffn_norm`` / ``feed_forward`` and final
+``embedding_norm``.
 """
 
 from __future__ import annotations
@@ -53,6 +61,11 @@ def layer_params_for(hf_model: torch.nn.Module, layout: ModelLayout) -> dict[int
     return params
 
 
+def _mlp_out(y: Any) -> torch.Tensor:
+    """An MLP / MoE block's output (MoE blocks also return router logits)."""
+    return y[0] if isinstance(y, tuple) else y
+
+
 class CausalLMAdapter:
     """A transformers ``*ForCausalLM`` driven step by step through an attention runtime.
 
@@ -81,6 +94,7 @@ class CausalLMAdapter:
         self.dtype = torch_dtype(layout.layer_specs[0].dtype)
         self.direct = direct
         self._mla_weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._slopes: dict[int, torch.Tensor] = {}  # lightning layers: slope [H] float32
         self._mixers: list[Callable[[int, Any, torch.Tensor, Any], torch.Tensor] | None] = []
         for i, layer in enumerate(self.base.layers):
             if i not in layout.layer_indices:
@@ -93,6 +107,10 @@ class CausalLMAdapter:
                 self._mixers.append(self._full)
             elif spec.linear_variant is LinearVariant.GATED_DELTANET:
                 self._mixers.append(self._gdn)
+            elif spec.linear_variant is LinearVariant.LIGHTNING:
+                self._mixers.append(self._lightning)
+            elif spec.linear_variant is LinearVariant.SHORT_CONV:
+                self._mixers.append(self._short_conv)
             elif spec.linear_variant is LinearVariant.MAMBA2:
                 limit = tuple(getattr(layer.mamba, "time_step_limit", (0.0, float("inf"))))
                 if limit != (0.0, float("inf")):
@@ -119,17 +137,30 @@ class CausalLMAdapter:
             mixer = self._mixers[i]
             if mixer is None:
                 raise ValueError(f"layer {i} is not in the attention layout; nothing to run it")
+            if hasattr(layer, "attn_alpha_factor"):  # MiniMax: residual after the norm, scaled
+                h = layer.input_layernorm(h)
+                h = h * layer.attn_alpha_factor + mixer(i, layer, h[0], pe)[None] * (
+                    layer.attn_beta_factor
+                )
+                h = layer.post_attention_layernorm(h)
+                h = h * layer.mlp_alpha_factor + _mlp_out(layer.mlp(h)) * layer.mlp_beta_factor
+                continue
+            if hasattr(layer, "operator_norm"):  # LFM2
+                h = h + mixer(i, layer, layer.operator_norm(h)[0], pe)[None]
+                h = h + layer.feed_forward(layer.ffn_norm(h))
+                continue
             residual = h
             x = layer.input_layernorm(h)
             h = residual + mixer(i, layer, x[0], pe)[None]
             residual = h
             norm2 = getattr(layer, "post_attention_layernorm", None) or layer.pre_ff_layernorm
             mlp = getattr(layer, "mlp", None) or layer.feed_forward
-            y = mlp(norm2(h))
-            if isinstance(y, tuple):  # MoE blocks also return router logits
-                y = y[0]
-            h = residual + y
-        norm = getattr(self.base, "norm", None) or self.base.final_layernorm
+            h = residual + _mlp_out(mlp(norm2(h)))
+        norm = (
+            getattr(self.base, "norm", None)
+            or getattr(self.base, "final_layernorm", None)
+            or self.base.embedding_norm  # LFM2 names its final norm so
+        )
         return self.hf.lm_head(norm(h))[0]
 
     # -- attention calls: through the binding, or straight into the group's context -----------
@@ -175,13 +206,15 @@ class CausalLMAdapter:
         v = at.v_proj(x).view(T, -1, spec.head_dim_v)
         if hasattr(at, "q_norm"):
             q, k = at.q_norm(q), at.k_norm(k)
+        elif hasattr(at, "q_layernorm"):  # LFM2
+            q, k = at.q_layernorm(q), at.k_layernorm(k)
         q, k = self._rope(q, k, pe)
         out = torch.empty(T, spec.num_heads, spec.head_dim_v, dtype=x.dtype, device=x.device)
         self._attend(i, q.contiguous(), k.contiguous(), v.contiguous(), out)
         o = out.view(T, -1)
         if gate is not None:
             o = o * torch.sigmoid(gate)
-        return at.o_proj(o)
+        return (at.o_proj if hasattr(at, "o_proj") else at.out_proj)(o)
 
     def _mla(self, i: int, layer, x: torch.Tensor, pe) -> torch.Tensor:
         at = layer.self_attn
@@ -252,3 +285,32 @@ class CausalLMAdapter:
             dt_bias=mx.dt_bias,
         )
         return mx.out_proj(mx.norm(y.view(T, -1), gate).to(x.dtype))
+
+    def _lightning(self, i: int, layer, x: torch.Tensor, pe) -> torch.Tensor:
+        at = layer.self_attn
+        spec = self.layout.spec_of(i)
+        T, H, D = x.shape[0], spec.num_heads, spec.head_dim
+        q, k, v = torch.split(at.act_fn(at.qkv_proj(x)).view(T, H, 3 * D), D, dim=-1)
+        slope = self._slopes.get(i)
+        if slope is None:
+            # ALiBi-style per-head rates scaled by the layer's depth, from the module's own
+            # function in float32 (its slope_rate buffer is rounded to the model dtype)
+            slope = at.get_slope_rate(device=x.device).reshape(-1).float()
+            if slope.shape[0] != H:
+                # a tensor-parallel rank holds a slice of the heads: it needs its slice of
+                # the slopes, which this adapter (it shards nothing) cannot pick
+                raise ValueError(
+                    f"layer {i}: the module has slopes for {slope.shape[0]} lightning heads, "
+                    f"the layer spec {H}; expected one slope per head of this rank"
+                )
+            self._slopes[i] = slope
+        out = torch.empty(T, H, spec.head_dim_v, dtype=x.dtype, device=x.device)
+        self._attend(i, q.contiguous(), k.contiguous(), v.contiguous(), out, slope=slope)
+        o = at.norm(out.view(T, -1))
+        return at.out_proj(torch.sigmoid(at.output_gate(x)) * o)
+
+    def _short_conv(self, i: int, layer, x: torch.Tensor, pe) -> torch.Tensor:
+        cv = layer.conv
+        b, c, xs = cv.in_proj(x).chunk(3, dim=-1)
+        y = self._conv(i, (b * xs).contiguous(), cv.conv.weight.squeeze(1), cv.conv.bias, None)
+        return cv.out_proj(c * y)

@@ -97,6 +97,30 @@ _SHRINK: dict[str, dict[str, Any]] = {
         pad_token_id=0,
         eos_token_id=2,
     ),
+    "minimax": dict(
+        num_hidden_layers=4,  # lightning, lightning, softmax, lightning (the real 7 : 1 mix)
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        hidden_size=64,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        block_size=4,  # transformers' block-wise prefill crosses blocks in every prompt
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "lfm2": dict(
+        num_hidden_layers=4,
+        layer_types=["conv", "conv", "full_attention", "conv"],
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        block_multiple_of=16,
+    ),
     "qwen2.5-vl-vision": dict(
         depth=4,
         fullatt_block_indexes=[1, 3],
@@ -131,6 +155,8 @@ _KERNEL_SHAPES: dict[str, dict[str, Any]] = {
         mamba_chunk_size=64,
     ),
     "gpt-oss": dict(hidden_size=256, head_dim=64),
+    "minimax": dict(hidden_size=256, head_dim=128, block_size=64),
+    "lfm2": dict(hidden_size=256),  # attention heads of 64, a conv of 256 channels
     "qwen2.5-vl-vision": dict(hidden_size=256, out_hidden_size=256),  # 4 heads of 64
 }
 #: Sample names the runner drives, in report order.
@@ -251,8 +277,29 @@ def build_tiny(
     from attn_core.specs import torch_dtype
 
     model = model.to(device=device, dtype=torch_dtype(dtype)).eval()
+    _recompute_decay_buffers(model)
     layout = specs_from_hf_config(cfg, dtype=dtype, tp_size=tp_size, page_size=page_size)
     return TinyModel(name, cfg, model, layout)
+
+
+@torch.no_grad()
+def _recompute_decay_buffers(model: torch.nn.Module) -> None:
+    """MiniMax's lightning attention computes its slopes and decay tables as buffers at
+    construction, in the config's dtype (bfloat16 for the sample): rounded there, and each
+    table rounded on its own, so its block-wise prefill and its token loop disagree. Recompute
+    them in float32 with the module's own functions (as its ``_init_weights`` does), then store
+    them in the model dtype."""
+    for module in model.modules():
+        if not (hasattr(module, "get_slope_rate") and hasattr(module, "decay_factors")):
+            continue
+        mod: Any = module  # a MiniMaxLightningAttention (attributes resolved at run time)
+        slope = mod.get_slope_rate(device=mod.slope_rate.device)
+        tables = (slope, *mod.decay_factors(slope))
+        for name, value in zip(
+            ("slope_rate", "query_decay", "key_decay", "diagonal_decay"), tables, strict=True
+        ):
+            buffer = getattr(mod, name)
+            buffer.copy_(value.to(buffer.dtype))
 
 
 @torch.no_grad()

@@ -64,11 +64,20 @@ class _Input:
 _DENSE_DRIVEN: tuple[str, ...] = ("ministral", "starcoder2")
 
 
+# Hub configs of remote-code models a family maps but transformers cannot build, and the
+# transformers form that `attn run` drives instead.
+_HUB_ONLY: dict[str, str] = {
+    "minimax_m1": "model_type 'minimax' with layer_types",
+    "minimax_text_01": "model_type 'minimax' with layer_types",
+}
+
+
 def _driven_model_types() -> list[str]:
     return [
         t
         for t, family in MODEL_TYPE_FAMILIES.items()
-        if family in ARCHITECTURES or (family == "dense" and t in _DENSE_DRIVEN)
+        if (family in ARCHITECTURES and t not in _HUB_ONLY)
+        or (family == "dense" and t in _DENSE_DRIVEN)
     ]
 
 
@@ -83,6 +92,13 @@ def _config_input(part: str) -> _Input | None:
     if not isinstance(cfg, dict):
         raise ValueError(f"{file}: expected a JSON object, got {type(cfg).__name__}")
     layout = specs_from_hf_config(cfg)  # an unsupported config fails here, as in explain
+    if layout.model_type in _HUB_ONLY:
+        raise ValueError(
+            f"{part}: model_type {layout.model_type!r} is mapped by `attn explain {part}`, but "
+            f"transformers has no class for it (remote code only); `attn run` builds the model "
+            f"with transformers: give the config in transformers' form "
+            f"({_HUB_ONLY[layout.model_type]})"
+        )
     if layout.family == "dense" and layout.model_type in _DENSE_DRIVEN:
         return _Input(str(path), "qwen3", cfg)
     if layout.family not in ARCHITECTURES:
@@ -430,9 +446,9 @@ def run_main(
     """Entry point of ``attn run --model NAME``.
 
     :param model: ``"all"``, one architecture (``qwen3``, ``qwen3-next``, ``deepseek-v3``,
-        ``bamba``, ``gpt-oss``, ``qwen2.5-vl-vision``), the path of a ``config.json`` (or of
-        its folder) whose model_type one of them covers (run at the config's own sizes, random
-        weights; ``shapes`` does not apply), or a comma list.
+        ``bamba``, ``gpt-oss``, ``minimax``, ``lfm2``, ``qwen2.5-vl-vision``), the path of a
+        ``config.json`` (or of its folder) whose model_type one of them covers (run at the
+        config's own sizes, random weights; ``shapes`` does not apply), or a comma list.
     :param device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``.
     :param dtype: ``"float32"`` / ``"bfloat16"`` / ``"float16"`` (aliases ``fp32``, ``bf16``).
     :param prompts: requests per architecture (images for the vision tower).

@@ -22,6 +22,10 @@ have it: there is never a partial mapping.
 
 Layers that carry no attention (Nemotron-H's MLP / MoE layers) are absent from the layout; their
 indices are simply missing from ``layer_indices``.
+
+Linear layers with one state only: MiniMax-Text-01 / MiniMax-M1's lightning attention (no conv;
+its per-layer slopes are the model's input) and LFM2's gated short conv (``layer_types`` value
+``conv``; conv state only, its ``hidden_size`` channels split under tensor parallelism).
 """
 
 from __future__ import annotations
@@ -273,6 +277,7 @@ _TYPE_KINDS: dict[str, str] = {
     "sliding_attention": "sliding",
     "linear_attention": "linear",
     "mamba": "linear",
+    "conv": "linear",  # LFM2's gated short conv
 }
 
 
@@ -648,6 +653,82 @@ def _nemotron_h(r: _Reader, o: _Options) -> _Parsed:
     return n, [(i, by_type[t]) for i, t in enumerate(types) if t in by_type], {}
 
 
+# -- lightning attention (MiniMax-01) and the gated short conv (LFM2) --------------------------
+def _minimax_types(r: _Reader, n: int) -> list[str]:
+    """``layer_types`` (transformers' MiniMaxConfig) or the hub configs' ``attn_type_list``
+    (0: lightning attention, 1: softmax attention); transformers' default alternates."""
+    listed = r.cfg.get("attn_type_list")
+    if r.cfg.get("layer_types") is None and listed is not None:
+        if not isinstance(listed, list) or len(listed) != n or set(listed) - {0, 1}:
+            raise ValueError(
+                f"{r.where}: attn_type_list={listed!r}: expected num_hidden_layers={n} entries "
+                f"of 0 (lightning attention) or 1 (softmax attention)"
+            )
+        return ["full_attention" if t == 1 else "linear_attention" for t in listed]
+    types = _layer_types(r, n, lambda i: "full_attention" if (i + 1) % 2 else "linear_attention")
+    _check_types(r, types, {"full_attention", "linear_attention"})
+    return types
+
+
+def _minimax(r: _Reader, o: _Options) -> _Parsed:
+    """MiniMax-Text-01 / MiniMax-M1: lightning attention layers (linear attention with a fixed
+    per-head decay, no conv) and softmax GQA layers, per ``layer_types`` / ``attn_type_list``.
+
+    Lightning attention has one key head per value head (``num_attention_heads`` of
+    ``head_dim``); its per-head slopes depend on the layer index and are the model's input
+    (``slope``), not part of the spec. ``rotary_dim`` and the residual alpha / beta factors
+    are outside the attention op.
+    """
+    n = r.pos_int("num_hidden_layers")
+    types = _minimax_types(r, n)
+    window = r.cfg.get("sliding_window")
+    if window is not None:
+        # transformers slides the layers its layer_types calls full_attention; no released
+        # MiniMax checkpoint sets a window, and a window on "full" layers contradicts them
+        raise ValueError(
+            f"{r.where}: sliding_window={window!r} on the softmax layers "
+            f"({_layers_of(types, 'full_attention')}), which layer_types calls full_attention: "
+            f"refused rather than mapped either way (the released configs set null)"
+        )
+    head_dim = _head_dim(r)
+    full = o.full(**_gqa(r, o, head_dim))
+    heads = _split(r.pos_int("num_attention_heads"), o.tp_size, "num_attention_heads")
+    lightning = o.linear(
+        linear_variant=LinearVariant.LIGHTNING,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        head_dim_v=head_dim,
+        state_dtype="float32",
+    )
+    return n, [(i, full if t == "full_attention" else lightning) for i, t in enumerate(types)], {}
+
+
+def _lfm2(r: _Reader, o: _Options) -> _Parsed:
+    """LFM2: gated short-conv layers (``conv``: a causal depthwise conv over ``hidden_size``
+    channels, conv state only) and GQA layers, per ``layer_types`` / ``full_attn_idxs``.
+
+    Under tensor parallelism the conv's channels split across ranks, as its in / out
+    projections do.
+    """
+    n = r.pos_int("num_hidden_layers")
+    listed = r.cfg.get("full_attn_idxs")
+    attn = set(range(n)) if listed is None else set(listed)  # Lfm2Config's default: all full
+    types = _layer_types(r, n, lambda i: "full_attention" if i in attn else "conv")
+    _check_types(r, types, {"full_attention", "conv"})
+    channels = _split(r.pos_int("hidden_size"), o.tp_size, "hidden_size")
+    full = o.full(**_gqa(r, o, _head_dim(r)))
+    conv = o.linear(
+        linear_variant=LinearVariant.SHORT_CONV,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=channels,
+        conv_kernel_size=r.pos_int("conv_L_cache", 3),
+        conv_channels=channels,
+    )
+    return n, [(i, full if t == "full_attention" else conv) for i, t in enumerate(types)], {}
+
+
 def _gpt_oss(r: _Reader, o: _Options) -> _Parsed:
     """gpt-oss: alternating sliding / full attention, learned sinks on every layer."""
     n = r.pos_int("num_hidden_layers")
@@ -763,6 +844,16 @@ _FAMILIES: tuple[_Family, ...] = (
     _Family("bamba", _bamba, {"bamba": "BambaForCausalLM"}),
     _Family("nemotron-h", _nemotron_h, {"nemotron_h": "NemotronHForCausalLM"}),
     _Family("gpt-oss", _gpt_oss, {"gpt_oss": "GptOssForCausalLM"}),
+    _Family(
+        "minimax",
+        _minimax,
+        {
+            "minimax": "MiniMaxForCausalLM",
+            "minimax_m1": "MiniMaxM1ForCausalLM",
+            "minimax_text_01": "MiniMaxText01ForCausalLM",
+        },
+    ),
+    _Family("lfm2", _lfm2, {"lfm2": "Lfm2ForCausalLM"}),
     _Family(
         "gemma-3",
         _gemma3,

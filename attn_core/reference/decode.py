@@ -155,11 +155,14 @@ def decode_linear_step(
     A_log: torch.Tensor | None = None,
     D: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
+    slope: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One recurrent step of Gated DeltaNet, KDA or Mamba2 for ``B`` requests.
+    """One recurrent step of Gated DeltaNet, KDA, Mamba2 or lightning attention for ``B``
+    requests.
 
     ``q, k [B, Hk, Dk]``, ``v [B, Hv, Dv]``, ``ssm_state [S, Hv, Dk, Dv]`` (updated in place for
-    rows with ``state_indices >= 0``). Returns ``[B, Hv, Dv]`` in ``v.dtype``.
+    rows with ``state_indices >= 0``); lightning attention reads ``slope [Hv]`` (``S = e^{-slope}
+    S + k v^T``, ``o = S^T q * scale``). Returns ``[B, Hv, Dv]`` in ``v.dtype``.
     """
     rows, valid = _safe_rows(state_indices)
     hv = v.shape[1]
@@ -175,6 +178,12 @@ def decode_linear_step(
         decay = torch.exp(dtf * -torch.exp(A_log.float()))
         s = s * decay[..., None, None] + kf.unsqueeze(-1) * (dtf[..., None] * vf).unsqueeze(-2)
         y = torch.einsum("bhk,bhkv->bhv", qf, s) + D.float()[None, :, None] * vf
+    elif variant == "lightning":
+        if slope is None:
+            raise ValueError("decode_linear_step: lightning needs slope")
+        decay = torch.exp(-slope.float())[None, :, None, None]
+        s = s * decay + kf.unsqueeze(-1) * vf.unsqueeze(-2)
+        y = torch.einsum("bhk,bhkv->bhv", qf * scale, s)
     else:
         if use_qk_l2norm:
             qf = qf / torch.sqrt((qf * qf).sum(-1, keepdim=True) + 1e-6)

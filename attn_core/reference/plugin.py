@@ -57,7 +57,7 @@ OPTION_SCHEMA = {
 
 CAPABILITIES = BackendCapabilities(
     kinds={"full", "mla", "linear", "encoder"},
-    linear_variants={"gated_deltanet", "kda", "mamba2"},
+    linear_variants={"gated_deltanet", "kda", "mamba2", "lightning", "short_conv"},
     device_types={"cpu", "cuda"},
     dtypes={"float32", "bfloat16", "float16"},
     kv_dtypes={"float32", "bfloat16", "float16", "fp8_e4m3"},
@@ -283,8 +283,10 @@ class EncoderContext(_Context):
 
 
 class LinearContext(_Context):
-    """Gated DeltaNet, KDA and Mamba2 with conv state; speculative verify keeps per-token states
-    ("native" strategy) and :meth:`commit_speculative` keeps the accepted prefix's state."""
+    """Gated DeltaNet, KDA and Mamba2 with conv state, lightning attention (no conv) and the
+    gated short conv (conv only: ``conv1d`` is its whole core, ``forward`` is refused);
+    speculative verify keeps per-token states ("native" strategy) and
+    :meth:`commit_speculative` keeps the accepted prefix's state."""
 
     def __init__(self, backend: Backend, group: LayerGroup, state: PersistentState | None) -> None:
         super().__init__(backend, group)
@@ -347,6 +349,12 @@ class LinearContext(_Context):
         spec = self.spec
         ssm = layer.linear_state.ssm
         variant = self.variant
+        if variant is LinearVariant.SHORT_CONV:
+            self._bad(
+                f"layer {layer.layer_index}: forward of a short-conv layer",
+                "binding.conv1d only (the gated short conv has no recurrent state)",
+                "a forward call",
+            )
         indices, initial = self._slots(batch)
         self._check_inputs(q, v, inputs)
         if batch.mode is BatchMode.DECODE:
@@ -388,6 +396,17 @@ class LinearContext(_Context):
                 *meta,
                 intermediate_states=intermediate,
             )
+        elif variant is LinearVariant.LIGHTNING:
+            result = ops.lightning_attention(
+                q[:t],
+                k[:t],
+                v[:t],
+                inputs["slope"],  # [H]: a per-layer constant, never cut to the tokens
+                ssm,
+                *meta,
+                scale=layer.scale,
+                intermediate_states=intermediate,
+            )
         else:
             fn = ops.gated_delta_rule if variant is LinearVariant.GATED_DELTANET else ops.kda
             result = fn(
@@ -405,11 +424,11 @@ class LinearContext(_Context):
         return self._finish(result, out, result.shape[0])
 
     def _check_inputs(self, q: torch.Tensor, v: torch.Tensor, inputs: dict[str, Any]) -> None:
-        need = (
-            ("dt", "A_log", "D", "dt_bias")
-            if self.variant is LinearVariant.MAMBA2
-            else ("g", "beta")
-        )
+        need: tuple[str, ...] = ("g", "beta")
+        if self.variant is LinearVariant.MAMBA2:
+            need = ("dt", "A_log", "D", "dt_bias")
+        elif self.variant is LinearVariant.LIGHTNING:
+            need = ("slope",)
         missing = [n for n in need if inputs.get(n) is None]
         if missing:
             self._bad(f"{self.variant.value} inputs", list(need), f"missing {missing}")
@@ -418,6 +437,10 @@ class LinearContext(_Context):
             want = (v.shape[0], v.shape[1], q.shape[2])
             if tuple(g.shape) != want:
                 self._bad("KDA gate g shape [T, Hv, Dk]", want, tuple(g.shape))
+        if self.variant is LinearVariant.LIGHTNING:
+            slope = inputs["slope"]
+            if tuple(slope.shape) != (v.shape[1],):
+                self._bad("lightning slope shape [H]", (v.shape[1],), tuple(slope.shape))
 
     def commit_speculative(self, batch: AttentionBatch, num_accepted: torch.Tensor) -> None:
         """Write the state after each request's accepted tokens into its slot."""

@@ -35,9 +35,11 @@ class LinearStateLayer:
     """One linear layer's state storage.
 
     :ivar conv: ``[num_slots, conv_channels, conv_kernel_size - 1]`` in ``spec.dtype``: the last
-        ``K-1`` inputs of the causal conv, oldest first.
+        ``K-1`` inputs of the causal conv, oldest first. ``[num_slots, 0]`` (no memory) for a
+        layer without a conv (lightning attention).
     :ivar ssm: ``[num_slots, num_heads, head_dim, head_dim_v]`` in ``spec.state_dtype``: the
-        recurrent state ``[dk, dv]`` per value head.
+        recurrent state ``[dk, dv]`` per value head. ``[num_slots, 0]`` (no memory) for a layer
+        without one (the short conv).
     """
 
     layer_index: int
@@ -59,16 +61,19 @@ class StateSlots:
         self.num_slots = num_slots
         self._layers: dict[int, LinearStateLayer] = {}
         for index, spec in sorted(specs.items()):
+            # A state the variant does not keep is [num_slots, 0]: zero bytes, while copy_slot /
+            # zero_slot / offload still treat every layer alike (an empty shape would give
+            # [num_slots], one element per slot).
+            conv_shape = spec.conv_state_shape or (0,)
+            ssm_shape = spec.ssm_state_shape or (0,)
             self._layers[index] = LinearStateLayer(
                 index,
                 spec,
                 torch.zeros(
-                    (num_slots, *spec.conv_state_shape),
-                    dtype=torch_dtype(spec.dtype),
-                    device=self.device,
+                    (num_slots, *conv_shape), dtype=torch_dtype(spec.dtype), device=self.device
                 ),
                 torch.zeros(
-                    (num_slots, *spec.ssm_state_shape),
+                    (num_slots, *ssm_shape),
                     dtype=torch_dtype(spec.state_dtype),
                     device=self.device,
                 ),

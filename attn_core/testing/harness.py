@@ -26,6 +26,7 @@ from attn_core.specs import (
     GraphMode,
     LayerKind,
     LayerSpec,
+    LinearVariant,
     group_layers,
     torch_dtype,
 )
@@ -203,6 +204,20 @@ class Side:
         binding = self.runtime.binding(layer)
         extra = {n: t for n, t in inputs.items() if n not in ("q", "k", "v", "conv_x")}
         conv_out = None
+        if self.spec.linear_variant is LinearVariant.SHORT_CONV:
+            # The gated short conv's core is its conv (no activation; the gates are model side):
+            # the conv output is the layer's output, written into out's one 'head'.
+            if conv is None:
+                raise ValueError(f"layer {layer}: a short-conv layer needs its conv weights")
+            with self.guard(f"layer {layer} conv1d"):
+                flat = binding.conv1d(
+                    inputs["conv_x"],
+                    conv[0],
+                    conv[1],
+                    activation=None,
+                    out=None if out is None else out[:, 0],
+                )
+            return (flat[:, None] if out is None else out), None
         with self.guard(f"layer {layer} forward"):
             if "conv_x" in inputs and conv is not None:
                 conv_out = binding.conv1d(inputs["conv_x"], conv[0], conv[1], activation="silu")
@@ -277,7 +292,7 @@ class Pair:
         self.test = Side("backend", session.backend, session.registry, spec, **common)
         self.conv = [
             tuple(t.to(self.device, torch_dtype(spec.dtype)) for t in conv_params(spec, gen))
-            if spec.kind is LayerKind.LINEAR
+            if spec.has_conv
             else None
             for _ in range(num_layers)
         ]

@@ -199,6 +199,29 @@ def _linear_spec(
     variant: LinearVariant, dk: int, dv: int, dtype: str, caps: BackendCapabilities
 ) -> LayerSpec:
     mamba = variant is LinearVariant.MAMBA2
+    if variant is LinearVariant.LIGHTNING:  # one key head per value head, no conv
+        return LayerSpec(
+            kind="linear",
+            linear_variant=variant,
+            num_heads=4,
+            num_kv_heads=4,
+            head_dim=dk,
+            head_dim_v=dv,
+            dtype=dtype,
+            state_dtype=_pick(caps.state_dtypes, ("float32", "bfloat16")),
+        )
+    if variant is LinearVariant.SHORT_CONV:  # no heads, no SSM state: a conv of 4 * dv channels
+        c = 4 * dv
+        return LayerSpec(
+            kind="linear",
+            linear_variant=variant,
+            num_heads=1,
+            num_kv_heads=1,
+            head_dim=c,
+            conv_kernel_size=3,
+            conv_channels=c,
+            dtype=dtype,
+        )
     hv, hk = (4, 1) if mamba else (4, 2)
     channels = hv * dv + 2 * hk * dk  # x (or v) plus B and C (or q and k), as the models do
     return LayerSpec(
@@ -347,7 +370,7 @@ def _kind_cases(
                 spec = base.with_(dtype=dtype, kv_dtype=kv)
                 for w in ("mixed",) if quick else ("mixed", "page_boundary"):
                     add("correctness", spec, w, [f"{K}: kv_dtype {kv}"])
-    if kind is LayerKind.LINEAR:
+    if base.has_ssm_state:  # the short conv keeps no SSM state: no state dtype to sweep
         for sd in sorted(caps.state_dtypes - {base.state_dtype}):
             add("correctness", base.with_(state_dtype=sd), "mixed", [f"{K}: state_dtype {sd}"])
 
@@ -382,7 +405,7 @@ def _kind_cases(
             spec = _linear_spec(LinearVariant(base.linear_variant), dk, dv, base.dtype, caps)
             add(
                 "correctness",
-                spec.with_(state_dtype=base.state_dtype),
+                spec.with_(state_dtype=base.state_dtype) if spec.has_ssm_state else spec,
                 "mixed",
                 [f"{K}: head_dim {dk}/{dv}"],
             )

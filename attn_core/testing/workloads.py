@@ -217,7 +217,15 @@ def layer_inputs(spec: LayerSpec, tokens: int, gen: torch.Generator) -> dict[str
         return {"q": _randn(gen, T, H, D), "k": _randn(gen, T, Hk, D), "v": _randn(gen, T, Hk, Dv)}
     if spec.kind is LayerKind.MLA:
         return {"q": _randn(gen, T, H, D), "k": _randn(gen, T, D)}
+    if spec.linear_variant is LinearVariant.SHORT_CONV:  # the conv is the whole core
+        return {"conv_x": _randn(gen, T, spec.conv_dims[0])}
     out = {"q": _randn(gen, T, Hk, D), "k": _randn(gen, T, Hk, D), "v": _randn(gen, T, H, Dv)}
+    if spec.linear_variant is LinearVariant.LIGHTNING:
+        # SiLU-activated q, k as MiniMax feeds them, and decay rates from e^-1.5 (a short
+        # memory) to e^-0.01 per token; no conv.
+        out["q"], out["k"] = F.silu(out["q"]), F.silu(out["k"])
+        out["slope"] = torch.rand(H, generator=gen) * 1.5 + 0.01
+        return out
     if spec.linear_variant is LinearVariant.MAMBA2:
         out["dt"] = _randn(gen, T, H) - 1.0
         out["A_log"] = torch.rand(H, generator=gen).mul(2.0).log1p()
@@ -258,7 +266,9 @@ def conv_params(spec: LayerSpec, gen: torch.Generator) -> tuple[torch.Tensor, to
 
 
 #: inputs that stay float32 whatever the layer dtype (as the models compute them)
-_FLOAT32_INPUTS = frozenset({"g", "A_log", "D", "dt_bias"})
+_FLOAT32_INPUTS = frozenset({"g", "A_log", "D", "dt_bias", "slope"})
+#: per-layer inputs (not per token): the same tensor whatever the step's tokens
+_PER_LAYER_INPUTS = ("A_log", "D", "dt_bias", "slope")
 
 
 def to_device(inputs: dict[str, torch.Tensor], spec: LayerSpec, device: torch.device):
@@ -285,7 +295,7 @@ class InputBank:
         bank = self.by_layer[layer]
         out = {}
         for name, t in bank.items():
-            if t.dim() and name not in ("A_log", "D", "dt_bias"):
+            if t.dim() and name not in _PER_LAYER_INPUTS:
                 out[name] = torch.cat([t[a:b] for a, b in spans])
             else:
                 out[name] = t

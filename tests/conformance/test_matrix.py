@@ -69,6 +69,8 @@ def test_bfloat16_is_also_checked_past_float16s_range() -> None:
             "linear/gated_deltanet",
             "linear/kda",
             "linear/mamba2",
+            "linear/lightning",
+            "linear/short_conv",
         }
         for c in large:
             assert c.check == "correctness" and c.spec.dtype == "bfloat16"
@@ -147,3 +149,26 @@ def test_plugin_spec_parsing() -> None:
         load_plugin_object("no_such_module:x")
     with pytest.raises(KitError, match="has no attribute 'nothing'"):
         load_plugin_object("attn_core.reference.plugin:nothing")
+
+
+def test_lightning_and_short_conv_are_certified_on_their_own_terms() -> None:
+    """Lightning attention: no conv input, a slope per head; the short conv: the conv input
+    only, no state-dtype sweep (it keeps no SSM state)."""
+    import torch
+
+    from attn_core.specs import LinearVariant
+    from attn_core.testing.workloads import layer_inputs
+
+    full = build_matrix(REFERENCE_CAPS, quick=False)
+    labels = {label for c in full for label in c.capabilities}
+    for variant in ("lightning", "short_conv"):
+        for what in ("kind", "speculative verify k=4", "state hand-off (chunked prefill)"):
+            assert f"linear/{variant}: {what}" in labels, (variant, what)
+    assert "linear/lightning: state_dtype bfloat16" in labels
+    assert not any(label.startswith("linear/short_conv: state_dtype") for label in labels)
+    specs = {c.spec.linear_variant: c.spec for c in full if c.spec.linear_variant}
+    gen = torch.Generator().manual_seed(0)
+    lt = layer_inputs(specs[LinearVariant.LIGHTNING], 5, gen)
+    assert set(lt) == {"q", "k", "v", "slope"} and bool((lt["slope"] > 0).all())
+    sc = layer_inputs(specs[LinearVariant.SHORT_CONV], 5, gen)
+    assert set(sc) == {"conv_x"}

@@ -2,7 +2,8 @@
 
 * :mod:`.attention`: softmax attention over a paged KV cache (full) and varlen (encoder).
 * :mod:`.mla`: absorbed multi-head latent attention over a paged latent cache.
-* :mod:`.linear`: linear attention / SSM (Gated DeltaNet, KDA, Mamba2) and the causal conv.
+* :mod:`.linear`: linear attention / SSM (Gated DeltaNet, KDA, Mamba2, lightning attention) and
+  the causal conv (also the whole core of the gated short conv).
 """
 
 from __future__ import annotations

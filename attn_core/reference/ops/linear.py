@@ -1,4 +1,5 @@
-"""Reference math for linear-attention / SSM layers: Gated DeltaNet, KDA and Mamba2 (SSD).
+"""Reference math for linear-attention / SSM layers: Gated DeltaNet, KDA, Mamba2 (SSD) and
+lightning attention (MiniMax-01).
 
 Pure PyTorch, device-agnostic, written from the papers and checked against fla-core's naive
 functions and transformers' torch paths. Every op takes a varlen batch (``T`` tokens of ``B``
@@ -43,7 +44,15 @@ from attn_core.reference.ops.conv import (
     varlen_requests,
 )
 
-__all__ = ["LINEAR_MODES", "causal_conv1d", "gated_delta_rule", "kda", "l2norm", "mamba2_ssd"]
+__all__ = [
+    "LINEAR_MODES",
+    "causal_conv1d",
+    "gated_delta_rule",
+    "kda",
+    "l2norm",
+    "lightning_attention",
+    "mamba2_ssd",
+]
 
 #: Accepted values of the ``mode`` option.
 LINEAR_MODES = ("auto", "recurrent", "chunked")
@@ -595,5 +604,154 @@ def mamba2_ssd(
         else:
             y, state = _ssd_recurrent(*args, states_out)
         return (y if skip is None else y + skip[sl]), state
+
+    return _run_requests(requests, ssm_state, out, intermediate_states, kernel)
+
+
+# --------------------------------------------------------------------------------------------
+# Lightning attention (MiniMax-Text-01 / MiniMax-M1)
+# --------------------------------------------------------------------------------------------
+
+
+def _lightning_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_decay: torch.Tensor,
+    state: torch.Tensor,
+    states_out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token loop of lightning attention for one request.
+
+    q (already scaled), k ``[L, H, Dk]``; v ``[L, H, Dv]``; log_decay ``[H]`` (``-slope``, the
+    same for every token); state ``[H, Dk, Dv]``::
+
+        S = exp(-slope) S + k v^T;  o = S^T q
+    """
+    ratio = log_decay.exp()[:, None, None]
+    outputs = []
+    for t in range(q.shape[0]):
+        state = state * ratio + k[t][:, :, None] * v[t][:, None, :]
+        outputs.append(torch.einsum("hk,hkv->hv", q[t], state))
+        if states_out is not None:
+            states_out[t] = state
+    if not outputs:
+        return v.new_zeros(v.shape), state
+    return torch.stack(outputs), state
+
+
+def _lightning_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_decay: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk-parallel lightning attention (Qin et al. 2024, "Lightning Attention-2") for one
+    request; same inputs as the recurrent form.
+
+    With a constant log decay ``a = -slope`` per head, inside a chunk of ``c`` tokens (local
+    positions ``t, s`` from 0) and ``S_0`` the state entering it::
+
+        o_t   = e^{a (t + 1)} q_t^T S_0 + sum_{s <= t} e^{a (t - s)} (q_t . k_s) v_s
+        S_end = e^{a c} S_0 + sum_s e^{a (c - 1 - s)} k_s v_s^T
+
+    Every exponent is <= 0 (pairs above the diagonal are masked before ``exp``).
+    """
+    num_tokens = q.shape[0]
+    if num_tokens == 0:
+        return v.new_zeros(v.shape), state
+    q, k, v = (x.transpose(0, 1) for x in (q, k, v))  # [H, L, D]
+    a = log_decay[:, None]  # [H, 1]
+    outputs = []
+    for start in range(0, num_tokens, chunk_size):
+        end = min(start + chunk_size, num_tokens)
+        size = end - start
+        qc, kc, vc = q[:, start:end], k[:, start:end], v[:, start:end]
+        pos = torch.arange(size, dtype=torch.float32, device=q.device)
+        causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+        diff = (pos[:, None] - pos[None, :]) * a[:, :, None]  # [H, t, s]
+        within = diff.masked_fill(~causal, -math.inf).exp()
+        from_state = (a * (pos + 1)).exp()[..., None]  # [H, c, 1]
+        outputs.append((qc * from_state) @ state + ((qc @ kc.transpose(-1, -2)) * within) @ vc)
+        to_end = (a * (size - 1 - pos)).exp()[..., None]  # [H, c, 1]
+        state = state * (a * size).exp()[..., None] + (kc * to_end).transpose(-1, -2) @ vc
+    return torch.cat(outputs, dim=1).transpose(0, 1), state
+
+
+def lightning_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slope: torch.Tensor,
+    ssm_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    chunk_size: int = 64,
+    mode: str = "auto",
+    intermediate_states: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Lightning attention (MiniMax-01's linear attention) over a varlen batch with a slot pool.
+
+    Linear attention with a fixed exponential decay per head (no gate, no delta rule). Per
+    head, per token (transformers' ``MiniMaxLightningAttention``; fla's simple GLA with a
+    constant gate ``g = -slope``)::
+
+        S = exp(-slope) S + k v^T;  o = S^T (q * scale)
+
+    The activation of q, k, v, the RMSNorm and the sigmoid output gate are model side.
+
+    :param q: ``[T, H, Dk]`` queries.
+    :param k: ``[T, H, Dk]`` keys (one key head per value head).
+    :param v: ``[T, H, Dv]`` values.
+    :param slope: ``[H]`` decay rate per head, ``> 0`` (MiniMax: ALiBi-style slopes scaled by
+        the layer's depth; a per-layer constant, not a per-token input).
+    :param ssm_state: ``[S, H, Dk, Dv]`` slot pool (float32 or bfloat16), updated in place
+        (transformers keeps the same ``[Dk, Dv]`` = ``K^T V`` orientation).
+    :param query_start_loc: ``[B + 1]`` int32 cu-seqlens.
+    :param state_indices: ``[B]`` int32 slots (negative: padding request, output zeros).
+    :param has_initial_state: ``[B]`` bool; False starts from a zero state.
+    :param scale: query scale; MiniMax reads ``q . S`` unscaled (1.0).
+    :param chunk_size: tokens per chunk of the chunked form (MiniMax's ``block_size``; any
+        value gives the same result up to rounding).
+    :param mode: ``"auto"`` | ``"recurrent"`` | ``"chunked"``.
+    :param intermediate_states: optional ``[B, >= max_q_len, H, Dk, Dv]``: forces the token
+        loop and receives the state after each token of request ``b`` at ``[b, i]``.
+    :param out: optional ``[T, H, Dv]`` output buffer (written and returned).
+    :returns: ``[T, H, Dv]`` in ``v.dtype`` (or ``out``).
+    """
+    _check_options(mode, chunk_size)
+    check_shape("q", q, (None, None, None))
+    num_tokens, num_heads, dim_k = q.shape
+    check_shape("k", k, (num_tokens, num_heads, dim_k))
+    check_shape("v", v, (num_tokens, num_heads, None))
+    dim_v = v.shape[2]
+    check_shape("slope", slope, (num_heads,))
+    check_shape("ssm_state", ssm_state, (None, num_heads, dim_k, dim_v))
+    requests = varlen_requests(
+        query_start_loc,
+        state_indices,
+        has_initial_state,
+        num_tokens=num_tokens,
+        num_slots=ssm_state.shape[0],
+    )
+    _check_intermediate(intermediate_states, requests, (num_heads, dim_k, dim_v))
+    out = prepare_out(out, (num_tokens, num_heads, dim_v), v.dtype, v.device)
+    log_decay = -slope.to(device=q.device, dtype=torch.float32)
+    qf = q.to(torch.float32) * scale
+    kf, vf = k.to(torch.float32), v.to(torch.float32)
+
+    def kernel(
+        req: VarlenRequest, state: torch.Tensor, states_out: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        sl = slice(req.start, req.end)
+        if states_out is None and _use_chunked(mode, req.num_tokens):
+            return _lightning_chunked(qf[sl], kf[sl], vf[sl], log_decay, state, chunk_size)
+        return _lightning_recurrent(qf[sl], kf[sl], vf[sl], log_decay, state, states_out)
 
     return _run_requests(requests, ssm_state, out, intermediate_states, kernel)

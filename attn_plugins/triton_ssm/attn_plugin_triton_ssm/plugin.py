@@ -23,6 +23,12 @@ mode         kernels
 Requests with ``has_initial_state`` False (no cached tokens) start from a zero state: the
 context zeroes their slots (recurrent) / their gathered conv window before the prefill kernels.
 
+Lightning attention (MiniMax-01, ``S = e^{-slope} S + k v^T``, ``o = S^T q * scale``) is Mamba2's
+recurrence with ``dt = 1``, ``A = -slope`` (``A_log = log slope``, no softplus), ``B = k``,
+``C = q * scale``, ``x = v`` and one group per head: it runs through the Mamba2 kernels (decode,
+SSD prefill, per-token verify in both strategies). The gated short conv (LFM2) is ``conv1d``
+alone (every mode above, ``activation=None``); its ``forward`` is refused.
+
 The kernels (and so triton) are imported on first use, never at plugin import: ``attn list``
 stays fast, and tests can set ``TRITON_INTERPRET`` first.
 
@@ -116,7 +122,7 @@ def capabilities(*, interpret: bool = False) -> BackendCapabilities:
     """What the backend serves; ``interpret`` is the test-only CPU (Triton interpreter) mode."""
     return BackendCapabilities(
         kinds={"linear"},
-        linear_variants={"gated_deltanet", "kda", "mamba2"},
+        linear_variants={"gated_deltanet", "kda", "mamba2", "lightning", "short_conv"},
         device_types={"cpu"} if interpret else {"cuda"},
         min_compute_capability=None if interpret else (8, 0),
         dtypes={"float32", "bfloat16", "float16"},
@@ -156,9 +162,9 @@ def attn_core_register_backends(register) -> None:
             capabilities=capabilities(interpret=interpret),
             priority=100,
             description=(
-                "Triton decode / speculative-verify kernels for Gated DeltaNet, KDA and Mamba2 "
-                "with fla-core chunked prefill"
-                + (" (Triton CPU interpreter: tests only)" if interpret else "")
+                "Triton decode / speculative-verify kernels for Gated DeltaNet, KDA, Mamba2 and "
+                "lightning attention (through Mamba2's), the short conv's conv, with fla-core "
+                "chunked prefill" + (" (Triton CPU interpreter: tests only)" if interpret else "")
             ),
             available=reason is None,
             unavailable_reason=reason,
@@ -190,7 +196,7 @@ def attn_core_workspace_requirements(
     (``Hv * Dk * Dv * (k + 1)`` elements per request and layer; the replay strategy needs none)."""
     spec = group.spec
     k = constraints.speculative_tokens
-    if k == 0 or _strategy(constraints) != "native":
+    if k == 0 or _strategy(constraints) != "native" or not spec.has_ssm_state:
         return []
     shape = (constraints.max_batch_size, k + 1, *spec.ssm_state_shape)
     dtype = torch_dtype(spec.state_dtype)
@@ -339,7 +345,12 @@ class TritonSSMContext:
         if variant is None:  # LayerSpec refuses a linear layer without one
             raise ValueError(f"group {group.group_id!r}: a linear layer without a linear_variant")
         self.variant = variant
-        self._conv_kernel = group.spec.conv_dims[1]
+        # lightning attention has no conv: a width-1 plan (no conv window) costs nothing
+        self._conv_kernel = group.spec.conv_dims[1] if group.spec.has_conv else 1
+        # Mamba2 and lightning attention (Mamba2 with dt = 1, no softplus) share the SSD kernels
+        self._ssd = variant in (LinearVariant.MAMBA2, LinearVariant.LIGHTNING)
+        self._dt_softplus = variant is LinearVariant.MAMBA2
+        self._ones: torch.Tensor | None = None  # lightning's dt = 1, [max_num_tokens, H]
         self.constraints = constraints
         self.strategy = _strategy(constraints)
         self.state = state
@@ -465,7 +476,15 @@ class TritonSSMContext:
         Mamba2 takes ``q=C [T, G, N]``, ``k=B [T, G, N]``, ``v=x [T, H, P]`` and ``dt [T, H]``,
         ``A_log [H]``, optional ``D [H]``, ``dt_bias [H]``. Returns ``[T, Hv, Dv]``."""
         batch = self._batch()
+        if self.variant is LinearVariant.SHORT_CONV:
+            self._bad(
+                f"layer {layer.layer_index}: forward of a short-conv layer",
+                "binding.conv1d only (the gated short conv has no recurrent state)",
+                "a forward call",
+            )
         self._check_inputs(q, v, inputs)
+        if self.variant is LinearVariant.LIGHTNING:
+            q, k, v, inputs = self._lightning_as_ssd(layer, q, k, v, inputs)
         ssm = layer.linear_state.ssm
         mode = batch.mode
         if mode is BatchMode.DECODE:
@@ -474,12 +493,27 @@ class TritonSSMContext:
             return self._verify(layer, q, k, v, out, ssm, batch, inputs)
         return self._prefill(layer, q, k, v, out, ssm, inputs)
 
+    def _lightning_as_ssd(self, layer, q, k, v, inputs):
+        """Lightning attention's inputs in Mamba2's form: ``C = q * scale``, ``B = k``,
+        ``x = v``, ``dt = 1`` (a cached ones buffer, so a captured decode step allocates
+        nothing), ``A_log = log(slope)``; returns ``(C, B, x, inputs)``."""
+        T, H = v.shape[0], v.shape[1]
+        ones = self._ones
+        if ones is None or ones.shape[0] < T or ones.shape[1] != H or ones.device != v.device:
+            rows = max(T, self.constraints.max_num_tokens)
+            ones = self._ones = torch.ones(rows, H, dtype=torch.float32, device=v.device)
+        scale = layer.scale
+        c = q if scale == 1.0 else (q.float() * scale).to(q.dtype)
+        ssd = {"dt": ones[:T], "A_log": torch.log(inputs["slope"].float()), "D": None}
+        return c, k, v, {**ssd, "dt_bias": None}
+
     def _decode(self, layer, q, k, v, out, ssm, idx, inputs) -> torch.Tensor:
         K = self.K
-        if self.variant is LinearVariant.MAMBA2:
+        if self._ssd:
             return K.mamba2_decode(
                 v, inputs["dt"], inputs["A_log"], k, q, ssm, idx,
-                D=inputs.get("D"), dt_bias=inputs.get("dt_bias"), out=out,
+                D=inputs.get("D"), dt_bias=inputs.get("dt_bias"),
+                dt_softplus=self._dt_softplus, out=out,
             )  # fmt: skip
         fn = K.kda_decode if self.variant is LinearVariant.KDA else K.gdn_decode
         return fn(
@@ -493,10 +527,11 @@ class TritonSSMContext:
         if plan.fresh is not None:  # has_initial_state False: start from zeros
             ssm.index_fill_(0, plan.slots_long.index_select(0, plan.fresh), 0)
         out_t = None if out is None else out[:T]
-        if self.variant is LinearVariant.MAMBA2:
+        if self._ssd:
             y = self.K.mamba2_prefill(
                 v[:T], inputs["dt"][:T], inputs["A_log"], k[:T], q[:T], ssm, plan.slots,
                 plan.cu_seqlens, D=inputs.get("D"), dt_bias=inputs.get("dt_bias"),
+                dt_softplus=self._dt_softplus,
                 cu_seqlens_cpu=plan.cu_seqlens_cpu,  # host offsets: no device sync
             )  # fmt: skip
             if out_t is None:
@@ -522,7 +557,7 @@ class TritonSSMContext:
         out3 = None if out is None else split(out)
         pending = self._pending_for(layer, batch)
         pending.scale = layer.scale
-        if self.variant is LinearVariant.MAMBA2:
+        if self._ssd:
             toks = {"x": split(v), "dt": split(inputs["dt"]), "B": split(k), "C": split(q)}
             params = {n_: inputs.get(n_) for n_ in ("A_log", "D", "dt_bias")}
             inter = self._intermediate(layer, n, k1) if self.strategy == "native" else None
@@ -564,6 +599,7 @@ class TritonSSMContext:
             self.K.mamba2_decode(
                 toks["x"][:, i], toks["dt"][:, i], params["A_log"], toks["B"][:, i],
                 toks["C"][:, i], scratch, step_rows, D=params["D"], dt_bias=params["dt_bias"],
+                dt_softplus=self._dt_softplus,
                 out=y[:, i] if num_accepted is None else torch.empty_like(y[:, i]),
             )  # fmt: skip
             if inter is not None:
@@ -629,7 +665,7 @@ class TritonSSMContext:
                 K.gdn_commit(pending.intermediate, acc, st.ssm, idx)
             elif pending.replay is not None:
                 r = pending.replay
-                if self.variant is LinearVariant.MAMBA2:
+                if self._ssd:
                     self._mamba2_steps(r, pending.replay_params, st.ssm, idx, acc, None, None)
                 else:
                     fn = (
@@ -654,14 +690,22 @@ class TritonSSMContext:
         return self.batch
 
     def _check_inputs(self, q: torch.Tensor, v: torch.Tensor, inputs: dict[str, Any]) -> None:
-        need = ("dt", "A_log") if self.variant is LinearVariant.MAMBA2 else ("g", "beta")
-        if inputs.get(need[0]) is None or inputs.get(need[1]) is None:
+        need: tuple[str, ...] = ("g", "beta")
+        if self.variant is LinearVariant.MAMBA2:
+            need = ("dt", "A_log")
+        elif self.variant is LinearVariant.LIGHTNING:
+            need = ("slope",)
+        if any(inputs.get(n) is None for n in need):
             missing = [n for n in need if inputs.get(n) is None]
             self._bad(f"{self.variant.value} inputs", list(need), f"missing {missing}")
         if self.variant is LinearVariant.KDA:
             want = (v.shape[0], v.shape[1], q.shape[2])
             if tuple(inputs["g"].shape) != want:
                 self._bad("KDA gate g shape [T, Hv, Dk]", want, tuple(inputs["g"].shape))
+        if self.variant is LinearVariant.LIGHTNING and tuple(inputs["slope"].shape) != (
+            v.shape[1],
+        ):
+            self._bad("lightning slope shape [H]", (v.shape[1],), tuple(inputs["slope"].shape))
 
     def _bad(self, what: str, expected: object, got: object) -> NoReturn:
         raise BackendInputError(

@@ -28,6 +28,17 @@ Sections:
   and 32768 as one and 16 requests: ``impl="triton"`` (chunk 64 and 128, each with and without
   the hi/lo split), ``impl="fla"``, ``impl="torch"`` (T = 8192, one request); tokens/s, the
   ratio to fla's rate in the same run and to the published fused SSD rate.
+* lightning_decode: MiniMax-Text-01's lightning layer (H=64, Dk=Dv=128, one rank), B = 64..2048,
+  fp32 state: ours (the Mamba2 decode kernel with dt = 1, A_log = log slope, as the plugin
+  calls it) and fla ``fused_recurrent_simple_gla`` (``g_gamma`` = -slope) on a dense gathered
+  state; GB/s of state read + write (ratio to copy in the table).
+* lightning_prefill (``--prefill``): the same layer, T = 8192 and 32768 as one and 16 requests:
+  ours (``mamba2_prefill(impl="triton")`` with the lightning mapping, chunk 64) and fla
+  ``chunk_simple_gla`` with ``g_gamma`` (the kernel fla's ``chunk_lightning_attn`` calls) on
+  gathered initial states; tokens/s and the ratio to fla's rate in the same run.
+* short_conv_decode: LFM2-1.2B's short conv (2048 channels, kernel 3), B = 64..2048,
+  ``causal_conv1d_update`` with no activation, bf16 conv state; GB/s of conv state read + write
+  plus the token's input and output.
 * plugin_step (``--plugin``): a 4-layer GDN decode step (conv1d + recurrent update) at B = 64,
   256 through the runtime's bindings vs the same kernels called directly; ratio of times, eager
   (host launch cost included) and with each step captured in a CUDA graph.
@@ -356,6 +367,94 @@ def job_mamba2_decode(B: int, H=128, G=1, N=128, P=64) -> dict:
     return {"ms": ms, "GBps": 2 * B * H * N * P * 4 / (ms * 1e-3) / GB}
 
 
+# -- lightning attention (MiniMax-01) and the short conv (LFM2) ---------------------------
+LIGHTNING_H, LIGHTNING_D = 64, 128  # MiniMax-Text-01, one rank
+SHORT_CONV_C, SHORT_CONV_K = 2048, 3  # LFM2-1.2B
+
+
+def _lightning_slope(H: int):
+    """MiniMax's slopes at layer 0: ``2^(-8 (h + 1) / H)``."""
+    import torch
+
+    return (2.0 ** (-8.0 * (torch.arange(H, device="cuda") + 1) / H)).float()
+
+
+def job_lightning_decode(B: int, provider: str, H=LIGHTNING_H, D=LIGHTNING_D) -> dict:
+    import torch
+
+    S = B + 8
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    slope = _lightning_slope(H)
+    state = torch.randn(S, H, D, D, device="cuda") * 0.01
+    idx = torch.randperm(S, device="cuda")[:B].int()
+    nbytes = 2 * B * H * D * D * 4
+    if provider == "ours":
+        from attn_plugin_triton_ssm.kernels import mamba2_decode
+
+        ones, a_log, out = torch.ones(B, H, device="cuda"), torch.log(slope), torch.empty_like(v)
+        ms = _bench(lambda: mamba2_decode(v, ones, a_log, k, q, state, idx, dt_softplus=False,
+                                          out=out))  # fmt: skip
+    else:
+        from fla.ops.simple_gla import fused_recurrent_simple_gla
+
+        h0 = state[idx.long()].contiguous()  # fla reads a dense state: gathered once, untimed
+        ms = _bench(lambda: fused_recurrent_simple_gla(
+            q[:, None], k[:, None], v[:, None], g_gamma=-slope, scale=1.0, initial_state=h0,
+            output_final_state=True))  # fmt: skip
+    return {"ms": ms, "GBps": nbytes / (ms * 1e-3) / GB}
+
+
+def job_lightning_prefill(T: int, n_seq: int, provider: str, H=LIGHTNING_H, D=LIGHTNING_D) -> dict:
+    import torch
+
+    torch.manual_seed(0)
+    cu_cpu = torch.linspace(0, T, n_seq + 1).round().int()
+    cu = cu_cpu.to("cuda")
+    q, k, v = (torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    slope = _lightning_slope(H)
+    state = torch.randn(n_seq + 4, H, D, D, device="cuda") * 0.01
+    idx = torch.arange(n_seq, device="cuda", dtype=torch.int32) + 2
+    if provider == "ours":
+        from attn_plugin_triton_ssm.kernels import mamba2_prefill
+
+        ones, a_log = torch.ones(T, H, device="cuda"), torch.log(slope)
+
+        def run():
+            return mamba2_prefill(v, ones, a_log, k, q, state, idx, cu, dt_softplus=False,
+                                  impl="triton", cu_seqlens_cpu=cu_cpu)  # fmt: skip
+    else:
+        from fla.ops.simple_gla import chunk_simple_gla
+
+        cu64, cu64_cpu = cu.long(), cu_cpu.long()
+
+        def run():  # fla on the slot pool: gather the initial states, scatter the finals
+            h0 = state.index_select(0, idx.long())
+            y, ht = chunk_simple_gla(q[None], k[None], v[None], g_gamma=-slope, scale=1.0,
+                                     initial_state=h0, output_final_state=True,
+                                     cu_seqlens=cu64, cu_seqlens_cpu=cu64_cpu)  # fmt: skip
+            state.index_copy_(0, idx.long(), ht)
+            return y
+
+    ms = _bench(run, warmup=3, rep=20)
+    return {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6}
+
+
+def job_short_conv_decode(B: int, C=SHORT_CONV_C, K=SHORT_CONV_K) -> dict:
+    import torch
+    from attn_plugin_triton_ssm.kernels import causal_conv1d_update
+
+    S = B + 8
+    x = torch.randn(B, C, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(C, K, device="cuda", dtype=torch.bfloat16)
+    state = torch.randn(S, C, K - 1, device="cuda", dtype=torch.bfloat16)
+    idx = torch.randperm(S, device="cuda")[:B].int()
+    out = torch.empty_like(x)
+    ms = _bench(lambda: causal_conv1d_update(x, state, w, None, idx, activation=None, out=out))
+    nbytes = 2 * B * C * (K - 1) * 2 + 2 * B * C * 2  # state read + write, x in, y out (bf16)
+    return {"ms": ms, "GBps": nbytes / (ms * 1e-3) / GB}
+
+
 def _mamba2_prefill_inputs(T: int, n_seq: int, H=128, G=1, N=128, P=64) -> dict:
     """Inputs of a Mamba2 mixer prefill, granite-4.0-h-small-like by default (128 heads of 64,
     state 128, one group): ``T`` tokens as ``n_seq`` requests in slots 2.. of a pool."""
@@ -565,6 +664,9 @@ JOBS = {
     "mamba2_decode": job_mamba2_decode,
     "mamba2_prefill": job_mamba2_prefill,
     "plugin_step": job_plugin_step,
+    "lightning_decode": job_lightning_decode,
+    "lightning_prefill": job_lightning_prefill,
+    "short_conv_decode": job_short_conv_decode,
 }
 
 
@@ -670,6 +772,13 @@ def _table(results: list, copy_bw: float | None) -> str:
                 val += f"  ({r['GBps'] / copy_bw:.2f} x copy)"
         elif "Mtok_per_s" in r:
             val = f"{r['ms']:.3f} ms  {r['Mtok_per_s']:.2f} Mtok/s"
+            if r["section"] == "lightning_prefill" and r.get("provider") == "ours":
+                fla = next((f["Mtok_per_s"] for f in results if f.get("section") == r["section"]
+                            and f.get("provider") == "fla chunk_simple_gla"
+                            and (f.get("T"), f.get("n_seq")) == (r["T"], r["n_seq"])
+                            and "Mtok_per_s" in f), None)  # fmt: skip
+                if fla:
+                    val += f"  ({r['Mtok_per_s'] / fla:.2f} x fla)"
             if r["section"] == "mamba2_prefill":
                 fla = next((f["Mtok_per_s"] for f in results if f.get("section") == r["section"]
                             and f.get("provider", "").startswith("impl=fla")
@@ -743,7 +852,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--only",
         help="comma-separated sections to run (gdn_decode, mamba2_decode, gdn_prefill, "
-        "mamba2_prefill, plugin_step); the copy rows always run",
+        "mamba2_prefill, lightning_decode, lightning_prefill, short_conv_decode, plugin_step); "
+        "the copy rows always run",
     )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -771,6 +881,11 @@ def main(argv: list[str] | None = None) -> int:
     for B in batches:
         ours.append(job("mamba2_decode", {"section": "mamba2_decode", "provider": "ours",
                                           "B": B}, B=B))  # fmt: skip
+    for B in batches:
+        ours.append(job("lightning_decode", {"section": "lightning_decode", "provider": "ours",
+                                             "B": B}, B=B, provider="ours"))  # fmt: skip
+        ours.append(job("short_conv_decode", {"section": "short_conv_decode",
+                                              "provider": "ours", "B": B}, B=B))  # fmt: skip
     if args.sweep:
         ours.append(job("gdn_decode_sweep", {"section": "sweep_done"}, batches=batches))
     fla = [
@@ -778,6 +893,14 @@ def main(argv: list[str] | None = None) -> int:
             "gdn_decode_fla",
             {"section": "gdn_decode", "provider": "fla fused_recurrent", "B": B},
             B=B,
+        )
+        for B in batches
+    ] + [
+        job(
+            "lightning_decode",
+            {"section": "lightning_decode", "provider": "fla fused_recurrent_simple_gla", "B": B},
+            B=B,
+            provider="fla",
         )
         for B in batches
     ]
@@ -808,6 +931,14 @@ def main(argv: list[str] | None = None) -> int:
                                        precise=False))  # fmt: skip
         p = {"section": "mamba2_prefill", "T": 8192, "n_seq": 1, "provider": "impl=torch"}
         prefill.append(job("mamba2_prefill", p, T=8192, n_seq=1, impl="torch"))
+        for T in [8192] if args.quick else [8192, 32768]:
+            for n_seq in (1, 16):
+                p = {"section": "lightning_prefill", "T": T, "n_seq": n_seq}
+                for name, provider in (("ours", "ours"), ("fla chunk_simple_gla", "fla")):
+                    if provider == "fla" and args.no_fla:
+                        continue
+                    prefill.append(job("lightning_prefill", {**p, "provider": name}, T=T,
+                                       n_seq=n_seq, provider=provider))  # fmt: skip
     if args.profile:
         for n_seq in (1, 16):
             p = {"section": "prefill_profile", "T": 8192, "n_seq": n_seq}

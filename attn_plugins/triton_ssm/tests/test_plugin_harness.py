@@ -53,6 +53,28 @@ def make_spec(
     dtype: str = "float32",
     state_dtype: str = "float32",
 ) -> LayerSpec:
+    if variant == "lightning":  # no conv, one key head per value head
+        return LayerSpec(
+            kind="linear",
+            linear_variant=variant,
+            num_heads=hv,
+            num_kv_heads=hv,
+            head_dim=dk,
+            head_dim_v=dv,
+            dtype=dtype,
+            state_dtype=state_dtype,
+        )
+    if variant == "short_conv":  # no heads, no SSM state: the conv alone (LFM2's kernel 3)
+        return LayerSpec(
+            kind="linear",
+            linear_variant=variant,
+            num_heads=1,
+            num_kv_heads=1,
+            head_dim=channels,
+            conv_kernel_size=3,
+            conv_channels=channels,
+            dtype=dtype,
+        )
     return LayerSpec(
         kind="linear",
         linear_variant=variant,
@@ -108,11 +130,14 @@ def layer_params(spec: LayerSpec, device: str, seed: int) -> dict[int, dict[str,
     dt = torch_dtype(spec.dtype)
     out = {}
     for i in LAYERS:
-        C, K, H = spec.conv_channels, spec.conv_kernel_size, spec.num_heads
-        p = {
-            "conv_w": (torch.randn(C, K, generator=gen) * 0.5).to(dt),
-            "conv_b": (torch.randn(C, generator=gen) * 0.1).to(dt),
-        }
+        H = spec.num_heads
+        p = {}
+        if spec.has_conv:
+            C, K = spec.conv_dims
+            p["conv_w"] = (torch.randn(C, K, generator=gen) * 0.5).to(dt)
+            p["conv_b"] = (torch.randn(C, generator=gen) * 0.1).to(dt)
+        if spec.linear_variant.value == "lightning":  # decay rates e^-1.5 .. e^-0.01 per token
+            p["slope"] = torch.rand(H, generator=gen) * 1.5 + 0.01
         if spec.linear_variant.value == "mamba2":
             p["A_log"] = torch.randn(H, generator=gen) * 0.5
             p["D"] = torch.randn(H, generator=gen)
@@ -132,11 +157,13 @@ def step_inputs(spec: LayerSpec, tokens: int, device: str, seed: int) -> dict[in
 
     out = {}
     for i in LAYERS:
-        x = {"conv_x": r(T, spec.conv_channels).to(dt)}
+        x = {"conv_x": r(T, spec.conv_channels).to(dt)} if spec.has_conv else {}
         x["q"], x["k"] = r(T, Hk, Dk).to(dt), r(T, Hk, Dk).to(dt)
         x["v"] = r(T, Hv, Dv).to(dt)
         variant = spec.linear_variant.value
-        if variant == "mamba2":
+        if variant in ("lightning", "short_conv"):
+            x["extra"] = {}  # lightning's slope is a layer parameter; the conv needs nothing
+        elif variant == "mamba2":
             x["extra"] = {"dt": r(T, Hv, scale=0.5).to(dt)}
         else:
             g_shape = (T, Hv, Dk) if variant == "kda" else (T, Hv)
@@ -169,10 +196,25 @@ def run_step(
     for i in LAYERS:
         b = lane.runtime.binding(i)
         x, p = inputs[i], lane.params[i]
-        conv = b.conv1d(x["conv_x"], p["conv_w"], p["conv_b"], out=torch.empty_like(x["conv_x"]))
+        variant = b.spec.linear_variant.value
+        conv = torch.zeros(0)  # lightning attention has no conv
+        if "conv_x" in x:
+            act = None if variant == "short_conv" else "silu"  # LFM2's conv has no activation
+            conv = b.conv1d(
+                x["conv_x"],
+                p["conv_w"],
+                p["conv_b"],
+                activation=act,
+                out=torch.empty_like(x["conv_x"]),
+            )
+        if variant == "short_conv":  # the conv is the layer's whole core
+            results[i] = (conv, conv)
+            continue
         extra = dict(x["extra"])
         if "A_log" in p:
             extra.update(A_log=p["A_log"], D=p["D"], dt_bias=p["dt_bias"])
+        if "slope" in p:
+            extra["slope"] = p["slope"]
         out = b.forward(x["q"], x["k"], x["v"], out=torch.empty_like(x["v"]), **extra)
         results[i] = (conv, out)
     return results

@@ -42,7 +42,13 @@ def test_contract_version_and_capabilities(no_interpret):
     caps = backend.capabilities
     assert backend.priority == 100
     assert {k.value for k in caps.kinds} == {"linear"}
-    assert {v.value for v in caps.linear_variants} == {"gated_deltanet", "kda", "mamba2"}
+    assert {v.value for v in caps.linear_variants} == {
+        "gated_deltanet",
+        "kda",
+        "mamba2",
+        "lightning",
+        "short_conv",
+    }
     assert caps.device_types == {"cuda"} and caps.min_compute_capability == (8, 0)
     assert caps.dtypes == {"float32", "bfloat16", "float16"}
     assert caps.state_dtypes == {"float32", "bfloat16"}
@@ -160,3 +166,26 @@ def test_registering_does_not_import_triton_or_the_kernels():
         check=True,
     )
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("sample", ["minimax", "lfm2"])
+def test_selector_would_choose_it_on_h200_for_minimax_and_lfm2(no_interpret, sample):
+    """MiniMax's lightning group (64 heads of 128) and LFM2's short-conv group (a 2048-channel
+    conv: no heads, so no head-dim limit applies) are admitted on an H200, decode graphs and
+    3 drafts in both verify strategies; no native-verify workspace for the short conv."""
+    layout = specs_from_hf_config(sample)
+    linear = next(g for g in layout.groups if g.group_id == "linear")
+    h200 = DeviceCapabilities.target("h200")
+    backend = dataclasses.replace(
+        make_registry().resolve(TRITON), available=True, unavailable_reason=None
+    )
+    for strategy in ("native", "replay"):
+        constraints = ExecutionConstraints(
+            graph_mode="decode", speculative_tokens=3, spec_verify_strategy=strategy
+        )
+        assert check_backend(backend, linear.spec, h200, constraints) == [], strategy
+    from attn_plugin_triton_ssm import plugin
+
+    native = ExecutionConstraints(speculative_tokens=3, spec_verify_strategy="native")
+    ws = plugin.attn_core_workspace_requirements(backend, linear, h200, native)
+    assert len(ws) == (len(linear.layer_indices) if sample == "minimax" else 0)

@@ -122,7 +122,7 @@ def _step(lanes, spec, requests, seed, *, spec_tokens=0, pad_to=None, advance=Tr
 
 
 @pytest.mark.parametrize("strategy", ["native", "replay"])
-@pytest.mark.parametrize("variant", ["gated_deltanet", "kda", "mamba2"])
+@pytest.mark.parametrize("variant", ["gated_deltanet", "kda", "mamba2", "lightning", "short_conv"])
 def test_every_mode_matches_reference(registry, variant, strategy):
     spec = make_spec(variant)
     tol = TOL["float32"]
