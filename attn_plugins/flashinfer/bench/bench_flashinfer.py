@@ -256,7 +256,9 @@ def _small_host_costs(ctx_obj, binding, plugin, host_us, iters: int) -> dict:
     args = (q, k, v, kv.k, kv.v, batch.page_table, batch.seq_lens, batch.slot_mapping, out,
             step.small)  # fmt: skip
     entry = next(iter(small_decode._SPLIT._compiled.values()))
-    res["launcher_form"] = fast_launch._launcher_form(type(entry.run)) if entry.run else None
+    # The C-call form the first bound launch saw (fast_launch's self-check); None: unknown.
+    res["launcher_form"] = fast_launch._Checks.c_launch.get(type(entry.run)) if entry.run else None
+    res["fast_launch"] = fast_launch.status()
     res["plan_two_launches_host_us"] = host_us(lambda: plan(*args))
     ptrs = [t.data_ptr() for t in args[:8]] + [step.small.o.data_ptr(), step.small.lse.data_ptr()]
     stream = torch.cuda.current_stream().cuda_stream
