@@ -441,8 +441,10 @@ class BoundLaunch:
         def via_run(stream: int, *ptrs: int) -> None:
             run(g0, g1, g2, stream, function, metadata, None, None, None, *ptrs, *scalars)
 
-        def via_runner(stream: int, *ptrs: int) -> None:  # Triton's own runner (addresses)
-            compiled[g3](*ptrs, *scalars, stream=stream)
+        def via_runner(stream: int, *ptrs: int) -> None:
+            # Triton's own runner, with the addresses; it launches on the current stream,
+            # which is ``stream`` (stream_for gave it)
+            compiled[g3](*ptrs, *scalars)
 
         def direct(form: str | None) -> Callable[..., None]:
             if c_launch is None or form is None:
