@@ -28,20 +28,29 @@ class _Compiled:
         self.packed_metadata = ("meta",)
         self.log = log
 
+    #: What the runner passes as launch metadata and hooks: None (Triton 3.6) or, as Triton 3.9
+    #: does, launch metadata and empty hook chains (the launcher ignores all three then).
+    runner_passes: tuple = (None, None, None)
+
     def run(self, g0, g1, g2, stream, function, metadata, launch_metadata, enter, exit_, *args):
         assert function is self.function and metadata is self.packed_metadata
-        assert (launch_metadata, enter, exit_) == (None, None, None)
+        assert not getattr(enter, "calls", None) and not getattr(exit_, "calls", None)
         self.log.append(("direct", (g0, g1, g2), stream, args))
 
     def __getitem__(self, grid):
         def runner(*args, stream=None):
-            # Triton's runner: the current stream, then run() with no metadata or hooks set.
+            # Triton's runner: the current stream, then run() with no hooks set.
             self.log.append(("runner", tuple(grid), args))
             stream = STREAM - 1 if stream is None else stream
             self.run(grid[0], grid[1], grid[2], stream, self.function, self.packed_metadata,
-                     None, None, None, *args)  # fmt: skip
+                     *self.runner_passes, *args)  # fmt: skip
 
         return runner
+
+
+class _EmptyHookChain:
+    def __init__(self) -> None:
+        self.calls: list = []  # Triton 3.9's HookChain with no hook added
 
 
 class _JitFunction:
@@ -379,7 +388,13 @@ def test_kernels_with_scratch_or_unknown_launchers_keep_the_launchers_call():
 # ------------------------------------------------------------------------------------------
 # the runner self-check, the version gate, no Triton
 # ------------------------------------------------------------------------------------------
-def test_the_first_cached_launch_is_the_runner_self_check_then_launches_go_direct(unchecked):
+@pytest.mark.parametrize("passes", ["none", "3.9"])
+def test_the_first_cached_launch_is_the_runner_self_check_then_launches_go_direct(
+    unchecked, monkeypatch, passes
+):
+    if passes == "3.9":  # launch metadata and empty hook chains, as Triton 3.9's runner
+        chain = _EmptyHookChain()
+        monkeypatch.setattr(_Compiled, "runner_passes", ({"name": "k"}, chain, chain))
     fn = _JitFunction()
     launch = CachedLaunch(fn)
     x = torch.zeros(8)
@@ -516,3 +531,37 @@ def test_stream_for_gives_the_current_stream_only_where_a_bound_launch_may_go(
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", None)
     monkeypatch.setattr(CachedLaunch, "current_device", staticmethod(lambda: 0))
     assert bound.stream_for(x.data_ptr()) is None
+
+
+def test_the_runner_self_check_passes_against_the_installed_tritons_own_runner(monkeypatch):
+    """The installed Triton's real ``CompiledKernel.__getitem__`` runner (on a CompiledKernel
+    whose handles and C launcher are stand-ins, and a stand-in driver for the current stream):
+    what it hands ``run`` is what a direct call passes, so the check passes; with a launch hook
+    set it does not."""
+    pytest.importorskip("triton")
+    from triton.compiler import compiler
+
+    compiled = object.__new__(compiler.CompiledKernel)
+    seen: list = []
+    compiled.function, compiled.packed_metadata, compiled.name, compiled.src = 7, ("m",), "k", None
+    compiled._init_handles = lambda: None
+    compiled.module = None  # what CompiledKernel.__del__ reads
+    compiled._run = lambda *a: seen.append(a)  # the launcher (3.9: behind the run property)
+    if not isinstance(getattr(compiler.CompiledKernel, "run", None), property):
+        compiled.run = compiled._run  # 3.6: an instance attribute
+
+    class Active:
+        get_current_device = staticmethod(lambda: 0)
+        get_current_stream = staticmethod(lambda device: STREAM)
+
+    monkeypatch.setattr(compiler, "driver", type("D", (), {"active": Active})())
+    args = (0x1000, 0x2000, 3)
+    assert fast_launch._check_runner(compiled, (2, 1, 1), args, STREAM) == ""
+    assert seen[-1][:6] == (2, 1, 1, STREAM, 7, ("m",)) and seen[-1][9:] == args
+    assert fast_launch._check_runner(compiled, (2, 1, 1), args, STREAM + 1).endswith(
+        "another stream than torch's current one"
+    )
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
+    assert "hooks" in fast_launch._check_runner(compiled, (2, 1, 1), args, STREAM)
