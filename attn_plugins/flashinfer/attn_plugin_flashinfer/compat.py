@@ -382,35 +382,42 @@ class FastPath:
         return importlib.import_module(f"{self.module.__name__}.utils")
 
     # -- the self-check -------------------------------------------------------------------
-    def self_check(self, device: torch.device) -> str | None:
+    def self_check(self, device: torch.device, *, dtype: torch.dtype = torch.bfloat16,
+                   num_qo_heads: int = 8, num_kv_heads: int = 2, head_dim: int = 128,
+                   page_size: int = 16, window_left: int = -1,
+                   logits_soft_cap: float = 0.0) -> str | None:  # fmt: skip
         """Run the fast plan and the direct run against the public ``plan()``/``run()`` on a
-        tiny GQA decode case on ``device`` (a CUDA device; elsewhere nothing runs), once per
+        tiny decode case on ``device`` (a CUDA device; elsewhere nothing runs), once per
         process; keep and return the verdict ("" passed, else why not; None: skipped).
 
-        The case: 3 requests of 5, 17 and 33 tokens over 16-token pages, 8 query / 2 KV
-        heads, head dim 128, bf16. A wrapper planned publicly for lengths ``L0``, then re-planned
-        by the fast path for ``L1``, must hold the plan info a fresh wrapper's public ``plan()``
-        for ``L1`` gives and compute the same output through ``run()``; the direct run must
-        give ``run()``'s output at the planned scale and the public plan's output at another
-        scale (the per-layer scale reaches the kernel).
+        A context passes its own dtype, heads, head dim, page size, window and soft-cap, so
+        the kernel module compiled for the check is the one it needs anyway. The case: 3
+        requests (a full page, a single token, a few pages) with random bf16/fp16 K/V. A wrapper
+        planned publicly for other lengths, then re-planned by the fast path, must hold the
+        plan info a fresh wrapper's public ``plan()`` gives and compute the same output through
+        ``run()``; the direct run must give ``run()``'s output at the planned scale and the
+        public plan's output at half of it (a layer's own scale reaches the kernel).
         """
         if self.check is not None or self.release is None or device.type not in self.CHECK_DEVICES:
             return self.check
         try:
-            self.check = self._self_check(device)
+            self.check = self._self_check(
+                device, dtype, num_qo_heads, num_kv_heads, head_dim, page_size, window_left,
+                logits_soft_cap,
+            )  # fmt: skip
         except Exception as exc:  # any failure of the private path: the public path stays
             self.check = f"{type(exc).__name__}: {exc}"
         return self.check
 
-    def _self_check(self, device: torch.device) -> str:
+    def _self_check(self, device: torch.device, dt: torch.dtype, H: int, Hkv: int, D: int,
+                    page: int, window_left: int, soft_cap: float) -> str:  # fmt: skip
         fi = self.module
-        torch.manual_seed(0)
-        H, Hkv, D, page = 8, 2, 128, 16
-        dt = torch.bfloat16
-        pages = 8
-        k_cache = torch.randn(pages, page, Hkv, D, dtype=dt, device=device)
-        v_cache = torch.randn_like(k_cache)
-        q = torch.randn(3, H, D, dtype=dt, device=device)
+        g = torch.Generator(device="cpu").manual_seed(0)
+        first, second = [page + 3, 2 * page + 1, 3], [page, 1, 2 * page + 5]
+        pages = sum(-(-n // page) for n in first + second)
+        k_cache = torch.randn(pages, page, Hkv, D, generator=g).to(device=device, dtype=dt)
+        v_cache = torch.randn(pages, page, Hkv, D, generator=g).to(device=device, dtype=dt)
+        q = torch.randn(3, H, D, generator=g).to(device=device, dtype=dt)
         scale = 1.0 / math.sqrt(D)
 
         def metadata_for(lens: list[int]) -> dict[str, torch.Tensor]:
@@ -437,11 +444,11 @@ class FastPath:
             )  # fmt: skip
             m = metadata_for(lens)
             w.plan(m["kv_indptr"], m["indices"], m["last"], H, Hkv, D, page,
-                   pos_encoding_mode="NONE", sm_scale=sm_scale, q_data_type=dt,
+                   pos_encoding_mode="NONE", window_left=window_left,
+                   logits_soft_cap=soft_cap or None, sm_scale=sm_scale, q_data_type=dt,
                    kv_data_type=dt)  # fmt: skip
             return w, w.run(q, (k_cache, v_cache))
 
-        first, second = [5, 17, 33], [16, 1, 40]
         wrapper, _ = public(first, scale)
         self.mark_planned(wrapper)
         if not self.can_replan(wrapper):
@@ -453,7 +460,8 @@ class FastPath:
             kv_len_host=m["kv_len"], max_kv_len=max(second),
             kv_indptr_dev=m["kv_indptr"].to(device), kv_indices_dev=m["indices"],
             last_page_len_dev=m["last"].to(device), qo_indptr_dev=m["qo"].to(device),
-            num_qo_heads=H, num_kv_heads=Hkv, head_dim=D, page_size=page, window_left=-1,
+            num_qo_heads=H, num_kv_heads=Hkv, head_dim=D, page_size=page,
+            window_left=window_left,
         )  # fmt: skip
         reference, expected = public(second, scale)
         if list(wrapper._plan_info) != list(reference._plan_info):

@@ -515,8 +515,14 @@ class FullAttentionContext(_PagedContext):
         self.direct_decode_run = True
         if self.tensor_core_decode:
             # Once per process, before the first fast plan: the fast path against the public
-            # plan()/run() on a tiny case (GPU only); a failure turns it off, attn list says why.
-            self.fast.self_check(self.device)
+            # plan()/run() on a tiny case of this group's shape (GPU only; the kernel module it
+            # compiles is this context's); a failure turns it off, attn list says why.
+            self.fast.self_check(
+                self.device, dtype=self.q_dtype, num_qo_heads=spec.num_heads,
+                num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                page_size=spec.page_size, window_left=self.window_left,
+                logits_soft_cap=self.soft_cap or 0.0,
+            )  # fmt: skip
         fi = self.fi
         self.decode = self._share(
             fi.BatchDecodeWithPagedKVCacheWrapper(

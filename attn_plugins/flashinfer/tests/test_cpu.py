@@ -816,3 +816,27 @@ def test_a_ragged_prefill_plans_its_slots_as_runs_of_consecutive_rows(fake_fi, m
         h.state.add_request(r)
     h.runtime.prepare(h.builder.build([(0, 9), (1, 6)]))
     assert h.context.step.kind is StepKind.RAGGED and h.context.step.kv_runs is None
+
+
+def test_the_self_check_runs_on_the_groups_own_shape_window_and_soft_cap(monkeypatch, available):
+    """The context hands the self-check its dtype, heads, head dim, page, window and soft-cap
+    (the kernel module compiled for the check is the group's); it passes on the stand-in and
+    the group's windowed, soft-capped decode steps then take the fast path."""
+    from attn_plugin_flashinfer import compat
+
+    fake_flashinfer.install(monkeypatch, "0.6.13")
+    monkeypatch.setattr(compat.FastPath, "CHECK_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")
+    calls = []
+    real = compat.FastPath._self_check
+
+    def spy(self, *args):
+        calls.append(args[1:])
+        return real(self, *args)
+
+    monkeypatch.setattr(compat.FastPath, "_self_check", spy)
+    spec = FULL.with_(sliding_window=6, logits_soft_cap=5.0, dtype="float16", kv_dtype="float16")
+    _compare(spec, wl.WORKLOADS["prefill_decode_mixed"], tol=2e-2, kinds={StepKind.DECODE})
+    assert calls == [(torch.float16, 8, 2, 64, 4, 5, 5.0)]  # window_left = window - 1
+    (note,) = {b.notes for b in fi_plugin.backends(AVAILABLE)}
+    assert note == "fast plan: on (flashinfer 0.6.13, self-check passed)"
