@@ -565,3 +565,49 @@ def test_the_runner_self_check_passes_against_the_installed_tritons_own_runner(m
 
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
     assert "hooks" in fast_launch._check_runner(compiled, (2, 1, 1), args, STREAM)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_self_checks_pass_on_this_gpus_triton_and_direct_launches_compute_the_same(
+    monkeypatch,
+):
+    """A tiny kernel on the GPU through CachedLaunch (jit, the watched runner launch, direct
+    launches) and a bound launch (the watched C-launch check, then the direct C call): every
+    launch computes what Triton's own launch does, and on a Triton in the tested range both
+    self-checks pass (``fast_launch.status()`` says so)."""
+    monkeypatch.undo()  # the real version gate
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    @triton.jit
+    def add_one(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) + 1.0, mask=mask)
+
+    x = torch.arange(300, dtype=torch.float32, device="cuda")
+    launch = CachedLaunch(add_one)
+    outs = []
+    for _ in range(4):
+        y = torch.zeros_like(x)
+        launch.launch((3,), (x, y), (300, 128), num_warps=4, num_stages=1)
+        outs.append(y)
+    torch.cuda.synchronize()
+    for y in outs:
+        assert torch.equal(y, x + 1)
+    if fast_launch.triton_gate() is not None:
+        pytest.skip(fast_launch.status())
+    assert fast_launch._Checks.runner == "", fast_launch.status()
+    bound = launch.bind((3,), (torch.zeros_like(x), torch.zeros_like(x)), (300, 128),
+                        num_warps=4, num_stages=1)  # fmt: skip
+    assert bound is not None
+    for _ in range(3):
+        y = torch.zeros_like(x)
+        stream = bound.stream_for(x.data_ptr() | y.data_ptr())
+        assert stream is not None
+        bound.launch(stream, x.data_ptr(), y.data_ptr())
+        torch.cuda.synchronize()
+        assert torch.equal(y, x + 1)
+    assert set(fast_launch._Checks.c_launch.values()) <= {"tuple", "star"}, fast_launch.status()
+    assert fast_launch.status().endswith("self-check passed)"), fast_launch.status()
