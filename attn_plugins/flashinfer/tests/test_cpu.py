@@ -840,3 +840,25 @@ def test_the_self_check_runs_on_the_groups_own_shape_window_and_soft_cap(monkeyp
     assert calls == [(torch.float16, 8, 2, 64, 4, 5, 5.0)]  # window_left = window - 1
     (note,) = {b.notes for b in fi_plugin.backends(AVAILABLE)}
     assert note == "fast plan: on (flashinfer 0.6.13, self-check passed)"
+
+
+def test_no_module_but_compat_touches_flashinfer_internals():
+    """Private attributes of FlashInfer objects (wrappers, modules, flashinfer.utils) are read
+    and written in compat.py only; the scale is never written into a wrapper anywhere."""
+    import re
+
+    from attn_plugin_flashinfer import compat
+
+    package = Path(compat.__file__).parent
+    private = re.compile(
+        r"(wrapper|module|utils|\bw)\._[a-z]|_sm_scale|_cached_module|getclosurevars|"
+        r"flashinfer\.utils"
+    )
+    offenders = [
+        f"{path.name}:{n}: {line.strip()}"
+        for path in package.glob("*.py")
+        if path.name != "compat.py"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if private.search(line)
+    ]
+    assert not offenders, offenders

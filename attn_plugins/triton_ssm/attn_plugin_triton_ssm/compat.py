@@ -2,7 +2,8 @@
 
 Public fla-core API (any release in the declared range): ``fla.ops.gated_delta_rule``'s
 ``chunk_gated_delta_rule`` and ``fla.ops.kda``'s ``chunk_kda`` (chunked prefill over a gathered
-dense state), and the naive recurrences the CPU fallback runs (:func:`public_chunk`,
+dense state), ``fla.ops.simple_gla``'s ``chunk_simple_gla`` (Mamba2's SSD) and the naive
+recurrences the CPU fallback runs (:func:`public_chunk`, :func:`public_simple_gla`,
 :func:`naive_recurrences`).
 
 Internal fla-core stages (only for a release in :data:`TESTED_STAGES`, whose sources the slot
@@ -34,6 +35,7 @@ __all__ = [
     "naive_recurrences",
     "note",
     "public_chunk",
+    "public_simple_gla",
     "self_check",
     "slot_pass_reason",
     "stages",
@@ -195,6 +197,13 @@ def public_chunk(*, kda: bool) -> Callable[..., Any]:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     return chunk_gated_delta_rule
+
+
+def public_simple_gla() -> Callable[..., Any]:
+    """fla's public ``chunk_simple_gla`` (Mamba2's SSD as scalar-gated linear attention)."""
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    return chunk_simple_gla
 
 
 def naive_recurrences() -> tuple[Callable[..., Any], Callable[..., Any]]:

@@ -113,3 +113,18 @@ def test_the_self_check_passes_on_this_fla_core():
         pytest.skip(reason)
     assert compat.self_check(CUDA) == ""
     assert compat.slot_pass_reason(CUDA) is None
+
+
+def test_no_module_but_compat_imports_fla():
+    """Every fla-core import of the plugin goes through compat.py (gated, reported)."""
+    import re
+
+    package = Path(compat.__file__).parent
+    offenders = [
+        f"{path.relative_to(package)}:{n}"
+        for path in package.rglob("*.py")
+        if path.name != "compat.py"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.match(r"\s*(from fla[. ]|import fla\b)", line)
+    ]
+    assert not offenders, offenders

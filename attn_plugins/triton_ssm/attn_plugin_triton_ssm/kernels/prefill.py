@@ -362,8 +362,7 @@ def mamba2_prefill(
 def _mamba2_fla(x, dtf, A, B, C, ssm_state, idx, cu_seqlens, cu_seqlens_cpu) -> torch.Tensor:
     """SSD through fla's ``chunk_simple_gla``; returns ``y`` ``[T, H, P]`` float32 without the
     ``D`` skip and ``z`` gate, and writes the final states into ``ssm_state[idx]``."""
-    from fla.ops.simple_gla import chunk_simple_gla
-
+    chunk_simple_gla = compat.public_simple_gla()
     H, G = x.shape[1], B.shape[1]
     # The kernels want one key head per value head: B and C are shared by H // G heads.
     kq_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
