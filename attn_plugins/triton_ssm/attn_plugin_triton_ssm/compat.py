@@ -138,8 +138,8 @@ def self_check(device: torch.device) -> str:
     case on ``device``, once per process; keep and return the verdict ("" passed).
 
     The case: two sequences of 70 and 5 tokens (a chunk boundary and a partial chunk), 2 key /
-    4 value heads, K = V = 64, bf16, q/k l2-normalised in the kernel, fp32 states starting from
-    random values in slots 3 and 1 of 4.
+    4 value heads, K = V = 64, bf16 q/k/v, q/k l2-normalised in the kernel, fp32 states
+    starting from random values in slots 3 and 1 of 4.
     """
     if _State.check is not None:
         return _State.check
@@ -162,7 +162,7 @@ def _self_check(device: torch.device) -> str:
     bf = torch.bfloat16
     q, k, v = rnd(T, H, K).to(bf), rnd(T, H, K).to(bf), rnd(T, HV, V).to(bf)
     gate = -torch.rand(T, HV, generator=g).to(device) * 0.5
-    beta = torch.rand(T, HV, generator=g).to(device).to(bf)
+    beta = torch.rand(T, HV, generator=g).to(device)
     states = rnd(4, HV, K, V, scale=0.1)
     slots = torch.tensor([3, 1], dtype=torch.int32, device=device)
     cu_cpu = torch.tensor([0, 70, 75], dtype=torch.int64)
@@ -179,12 +179,16 @@ def _self_check(device: torch.device) -> str:
     got = gdn_chunk.gdn_chunk_prefill_slots(
         q, k, v, gate, beta, got_states, slots, cu, cu_cpu, scale=scale, use_qk_l2norm=True
     )
-    err = (got.float() - want[0].float()).abs().max().item()
-    if not err < 2e-2:
-        return f"outputs differ by {err:.3g}"
-    err = (got_states.index_select(0, slots.long()) - want_ht.float()).abs().max().item()
-    if not err < 2e-2:
-        return f"final states differ by {err:.3g}"
+    # Both run fla's stages; only the state pass differs: agreement to bf16 rounding (the GPU
+    # test of the slot pass sees 2e-3 relative at Qwen3-Next's shapes).
+    want_o = want[0].float()
+    rel = ((got.float() - want_o).abs().mean() / want_o.abs().mean()).item()
+    if not rel < 1e-2:
+        return f"outputs differ by {rel:.3g} (mean, relative)"
+    got_ht = got_states.index_select(0, slots.long())
+    rel = ((got_ht - want_ht.float()).abs().max() / want_ht.float().abs().max()).item()
+    if not rel < 1e-2:
+        return f"final states differ by {rel:.3g} (max, relative)"
     return ""
 
 
