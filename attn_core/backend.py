@@ -280,6 +280,10 @@ class Backend:
     version: str = ""
     available: bool = True
     unavailable_reason: str | None = None
+    #: One line ``attn list`` prints after the status: which of the backend's version-gated fast
+    #: paths are on here, and why one is off (e.g. "fast plan: off (flashinfer 0.7.4 not in the
+    #: tested range 0.6.7-0.6.13; public plan() used)"). Informational: selection ignores it.
+    notes: str = ""
     plugin: str = ""
     options: tuple[tuple[str, object], ...] = field(default=())  # backend-private, hashable
     #: ``{key: OptionSpec}`` (kept as sorted pairs): the options a run may set for this backend;
@@ -298,6 +302,7 @@ class Backend:
             version: str = "",
             available: bool = True,
             unavailable_reason: str | None = None,
+            notes: str = "",
             plugin: str = "",
             options: tuple[tuple[str, object], ...] = (),
             option_schema: Mapping[str, OptionSpec] | tuple[tuple[str, OptionSpec], ...] = (),

@@ -112,6 +112,8 @@ def cmd_list(args: argparse.Namespace) -> int:
             if b["linear_variants"]:
                 kinds += " (" + ", ".join(b["linear_variants"]) + ")"
             status = "available" if b["available"] else f"unavailable: {b['unavailable_reason']}"
+            if b["notes"]:
+                status += f"; {b['notes']}"
             rows.append(
                 [p["name"], p["version"] or "-", p["api_version"], b["name"], kinds, status]
             )
@@ -136,6 +138,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         )
     for name, why in summary["skipped"].items():
         print(f"skipped {name}: {why}")
+    print(f"core: {summary['core']['fast_launch']}")
     return 0
 
 

@@ -544,9 +544,12 @@ class Registry:
 
     def summary(self) -> dict[str, Any]:
         """A JSON-ready description of plugins, backends and quarantined plugins."""
+        from attn_core import fast_launch  # the core's own version-gated fast path
+
         return {
             "api_version": "{}.{}".format(*hookspecs.API_VERSION),
             "plugin_timeout_s": self.plugin_timeout,
+            "core": {"fast_launch": fast_launch.status()},
             "plugins": [
                 {
                     "name": p.name,
@@ -564,6 +567,7 @@ class Registry:
                             "priority": b.priority,
                             "available": b.available,
                             "unavailable_reason": b.unavailable_reason,
+                            "notes": b.notes,
                             "options": {
                                 key: {
                                     "type": spec.type.__name__,

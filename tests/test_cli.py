@@ -6,6 +6,8 @@ installed on the machine.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from attn_core import cli
@@ -86,3 +88,31 @@ def test_list_shows_quarantined_plugins_with_distribution_stage_and_reason(
         "register",
         "attn_core_register_backends raised RuntimeError: GPU driver too old",
     ]
+
+
+def test_list_prints_backend_notes_and_the_core_fast_launch_line(
+    capsys, use_registry, ref_registry, make_plugin, monkeypatch
+):
+    """A backend's ``notes`` (its version-gated fast paths) follow its status; the core's own
+    fast launch (attn_core.fast_launch) gets one line, also under ``--json``."""
+    from attn_core import fast_launch
+    from attn_core.backend import Backend, BackendCapabilities
+
+    caps = BackendCapabilities(kinds={"full"}, device_types={"cpu"}, dtypes={"float32"})
+
+    def register(register):
+        register(Backend("noted", caps, notes="fast plan: off (acme 9.9 not tested)"))
+
+    reg = use_registry(ref_registry)
+    reg.register_plugin(make_plugin("acme", register=register), name="acme")
+    monkeypatch.setenv("COLUMNS", "250")
+    assert cli.main(["list"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "acme:noted" in line)
+    assert "available; fast plan: off (acme 9.9 not tested)" in row
+    assert f"core: {fast_launch.status()}" in out.splitlines()
+    assert cli.main(["list", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["core"] == {"fast_launch": fast_launch.status()}
+    (acme,) = [p for p in summary["plugins"] if p["name"] == "acme"]
+    assert acme["backends"][0]["notes"] == "fast plan: off (acme 9.9 not tested)"

@@ -1,15 +1,16 @@
 """What the FlashInfer backends can serve, and whether this machine can run them.
 
-Capabilities are those of FlashInfer 0.6.7 as its Python wrappers and JIT templates compile them:
+Capabilities are those of FlashInfer 0.6 (0.6.7 and 0.6.13 read) as its Python wrappers and JIT
+templates compile them:
 
 - full attention: head dims 64 / 128 / 256 (FA2 and FA3 prefill and CUDA-core decode all have
   them), ``head_dim == head_dim_v`` (the paged kernels require equal K and V strides), bf16 /
   fp16 activations, bf16 / fp16 / fp8-e4m3 KV (bf16 queries over an fp8 cache run the FA2 kernels;
   fp8 needs sm89+, which the selector checks through ``DeviceCapabilities.supports_fp8``), any page
   size (the kernels divide by a runtime ``uint_fastdiv``), NHD layout, causal only, sliding window
-  (``window_left``) and logits soft-cap. Attention sinks are *not* advertised: in 0.6.7 the
-  ``sinks`` argument of ``run()`` reaches only the trtllm-gen (sm100) kernels and is silently
-  ignored by the FA2/FA3 paths.
+  (``window_left``) and logits soft-cap. Attention sinks are *not* advertised: in 0.6.7 and
+  0.6.13 the ``sinks`` argument of ``run()`` reaches only the trtllm-gen (sm100) kernels and is
+  silently ignored by the FA2/FA3 paths.
 - MLA: ``kv_lora_rank = 512``, ``qk_rope_head_dim = 64`` (the head dims FlashInfer's MLA kernels
   are written for: the absorbed query is 576 wide, the output 512), bf16 / fp16 with a KV cache of
   the same dtype.

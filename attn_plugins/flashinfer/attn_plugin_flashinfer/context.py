@@ -34,8 +34,14 @@ each layer's scale as a 0-dim device tensor (set in place, read by captured grap
 context folds them on the device instead: ``q * k_scale`` before the kernel and
 ``out *= v_scale`` after it - no host sync, and a graph replay sees the current scale.
 
-Per-layer softmax scales (``LayerAttentionBinding.scale``) are applied by setting the wrapper's
-``_sm_scale`` before ``run()``: FlashInfer 0.6.7 reads it there (plan() only stores it).
+Softmax scales go through public arguments only: each plan() takes the group's
+(``spec.scale``, as ``sm_scale``); a layer whose own scale (``LayerAttentionBinding.scale``)
+differs has the ratio folded into ``q`` before ``run()`` (``softmax(s' q.k) =
+softmax(s (s'/s) q).k)``, soft-cap included, which FlashInfer applies after the scale), and the
+fast path's direct decode run takes the layer's scale as an argument. No wrapper attribute is
+written for it, so no FlashInfer release can drop it silently. Every other use of FlashInfer's
+internals (fast plan, direct run, shared int workspace) is in :mod:`attn_plugin_flashinfer.compat`,
+gated by the installed release.
 
 Host metadata lives in two pinned halves used alternately, so a step's non-blocking copies never
 read a buffer the next step is already rewriting.
@@ -62,7 +68,7 @@ from attn_core.state.kv_write import (
     write_kv_runs,
     write_slots,
 )
-from attn_plugin_flashinfer import fast_plan, planning
+from attn_plugin_flashinfer import compat, planning
 
 __all__ = [
     "FLOAT_WORKSPACE_BYTES",
@@ -116,10 +122,10 @@ def decode_uses_tensor_cores(num_heads: int, num_kv_heads: int, kv_dtype: str = 
     GQA (group size > 1) with a 16-bit cache: yes. On an H200 (bf16, 32 q / 8 kv heads, d128,
     page 16) it reads KV at 4.3-4.5 TB/s against 2.7-3.0 TB/s for the CUDA-core decode kernel
     (``bench_flashinfer.py --variants``); its expensive Python ``plan()`` is bypassed on later
-    steps by :mod:`attn_plugin_flashinfer.fast_plan`. MHA keeps the CUDA-core kernel (one query
-    row per KV head fills no MMA tile), and so does an fp8 cache (FlashInfer routes fp8
-    tensor-core decode to other backends this plugin has not verified), except for group sizes
-    the CUDA-core kernel is not compiled for.
+    steps by the fast plan (:mod:`attn_plugin_flashinfer.compat`, tested releases only). MHA
+    keeps the CUDA-core kernel (one query row per KV head fills no MMA tile), and so does an
+    fp8 cache (FlashInfer routes fp8 tensor-core decode to other backends this plugin has not
+    verified), except for group sizes the CUDA-core kernel is not compiled for.
     """
     group = num_heads // num_kv_heads
     if group not in _CUDA_CORE_DECODE_GROUPS:
@@ -178,19 +184,8 @@ class _Step:
     # RAGGED: the step's slots as runs of consecutive cache rows (kv_write.slot_runs), which
     # the side stream writes as memcpys; None: the write kernel
     kv_runs: list[tuple[int, int, int]] | None = None
-    # DECODE: fast_plan may call the wrapper's compiled kernel itself (a tested release)
+    # DECODE: compat may call the wrapper's compiled kernel itself (a tested release)
     direct_run: bool = False
-
-
-def _share_int_workspace(wrapper: Any, int_ws: torch.Tensor, pinned: torch.Tensor) -> Any:
-    """Point a wrapper at the context's int workspace and pinned staging buffer.
-
-    Every 0.6.7 wrapper allocates 8 MiB device + 8 MiB pinned memory of its own; a context keeps
-    one decode graph wrapper per captured batch size, so it shares one pair instead. Only one
-    wrapper of a context is planned and run per step, so sharing is safe."""
-    wrapper._int_workspace_buffer = int_ws
-    wrapper._pin_memory_int_workspace_buffer = pinned
-    return wrapper
 
 
 class _PagedContext:
@@ -206,7 +201,9 @@ class _PagedContext:
         import flashinfer  # cold: once per group
 
         self.fi = flashinfer
-        self.fi_version: str | None = getattr(flashinfer, "__version__", None)
+        #: FlashInfer's internals, gated by the installed release (compat.py)
+        self.fast = compat.fast_path(flashinfer)
+        self.fi_version = self.fast.version
         self.backend = backend
         self.group = group
         self.spec = group.spec
@@ -258,8 +255,8 @@ class _PagedContext:
         self._small_plans: dict[tuple, Any] = {}
         # The step's K/V writers (kv_write.KVWriter), by (k, v strides, scale kinds).
         self._writers: dict[tuple, KVWriter] = {}
-        # The step's direct decode runs (fast_plan.tensor_core_decode_runner) by softmax scale;
-        # None where fast_plan does not know the wrapper's run().
+        # The step's direct decode runs (compat.FastPath.decode_runner) by softmax scale;
+        # None where compat does not know the wrapper's run().
         self._runners: dict[float, Any] = {}
 
     # -- the contract ------------------------------------------------------------------------
@@ -346,7 +343,7 @@ class _PagedContext:
         runs = None
         if kind is StepKind.RAGGED and batch.slot_mapping_cpu is not None and not self.fp8:
             runs = slot_runs(batch.slot_mapping_cpu[:n])
-        direct_run = kind is StepKind.DECODE and fast_plan.can_replan(wrapper, self.fi_version)
+        direct_run = kind is StepKind.DECODE and self.fast.can_replan(wrapper)
         return _Step(kind, wrapper, graph or n != T, kv_runs=runs, direct_run=direct_run)
 
     def _small_buffers(self, P: int) -> Any:
@@ -391,6 +388,20 @@ class _PagedContext:
         if batch is None or batch.slot_mapping is None:  # _plan refused such a batch
             self._bad("a cache write without a prepared paged batch")
         write_slots(x, cache, batch.slot_mapping, scale, may_have_padding=step.padded)
+
+    def _share(self, wrapper: Any) -> Any:
+        """``wrapper`` on the context's int workspace (compat.FastPath.share_int_workspace)."""
+        return self.fast.share_int_workspace(
+            wrapper, self.float_ws, self.int_ws, self.pinned_staging
+        )
+
+    def _q_for(self, layer: Any, q: torch.Tensor) -> torch.Tensor:
+        """``q`` for a ``run()`` planned at the group's scale: scaled by ``layer.scale /
+        spec.scale`` where the layer's own scale differs (the plan's ``sm_scale`` stays the
+        group's; a public argument, never a wrapper attribute, carries the layer's)."""
+        if layer.scale == self.spec.scale:
+            return q
+        return q * (layer.scale / self.spec.scale)
 
     def _finish(self, result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         if out is not None and result is not out:
@@ -499,27 +510,27 @@ class FullAttentionContext(_PagedContext):
         ) not in ("0", "")
         self._side: torch.cuda.Stream | None = None
         #: Eager tensor-core decode calls FlashInfer's compiled kernel without ``run()``'s
-        #: Python (fast_plan.tensor_core_decode_runner) where fast_plan knows the release;
+        #: Python (compat.FastPath.decode_runner) where compat knows the release;
         #: benchmarks turn it off to compare.
         self.direct_decode_run = True
+        if self.tensor_core_decode:
+            # Once per process, before the first fast plan: the fast path against the public
+            # plan()/run() on a tiny case of this group's shape (GPU only; the kernel module it
+            # compiles is this context's); a failure turns it off, attn list says why.
+            self.fast.self_check(
+                self.device, dtype=self.q_dtype, num_qo_heads=spec.num_heads,
+                num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                page_size=spec.page_size, window_left=self.window_left,
+                logits_soft_cap=self.soft_cap or 0.0,
+            )  # fmt: skip
         fi = self.fi
-        self.decode = _share_int_workspace(
+        self.decode = self._share(
             fi.BatchDecodeWithPagedKVCacheWrapper(
                 self.float_ws, "NHD", use_tensor_cores=self.tensor_core_decode
-            ),
-            self.int_ws,
-            self.pinned_staging,
+            )
         )
-        self.paged = _share_int_workspace(
-            fi.BatchPrefillWithPagedKVCacheWrapper(self.float_ws, "NHD"),
-            self.int_ws,
-            self.pinned_staging,
-        )
-        self.ragged = _share_int_workspace(
-            fi.BatchPrefillWithRaggedKVCacheWrapper(self.float_ws, "NHD"),
-            self.int_ws,
-            self.pinned_staging,
-        )
+        self.paged = self._share(fi.BatchPrefillWithPagedKVCacheWrapper(self.float_ws, "NHD"))
+        self.ragged = self._share(fi.BatchPrefillWithRaggedKVCacheWrapper(self.float_ws, "NHD"))
 
     def _graph_wrapper(self, P: int) -> Any:
         wrapper = self._graph_wrappers.get(P)
@@ -535,7 +546,7 @@ class FullAttentionContext(_PagedContext):
                 paged_kv_indices_buffer=self.kv_indices,
                 paged_kv_last_page_len_buffer=self._last_page_len_dev(P),
             )
-            _share_int_workspace(wrapper, self.int_ws, self.pinned_staging)
+            self._share(wrapper)
             self._graph_wrappers[P] = wrapper
         return wrapper
 
@@ -585,8 +596,8 @@ class FullAttentionContext(_PagedContext):
         if batch.mode is BatchMode.DECODE:
             wrapper = self._graph_wrapper(batch.padded_reqs) if graph else self.decode
             kind = StepKind.DECODE_GRAPH if graph else StepKind.DECODE
-            if fast_plan.can_replan(wrapper, self.fi_version):
-                fast_plan.replan_tensor_core_decode(
+            if self.fast.can_replan(wrapper):
+                self.fast.replan_tensor_core_decode(
                     wrapper,
                     qo_indptr_host=views.qo_indptr_host,
                     kv_indptr_host=views.kv_indptr_host,
@@ -615,7 +626,7 @@ class FullAttentionContext(_PagedContext):
                 non_blocking=True,
                 **common,
             )
-            fast_plan.mark_planned(wrapper)
+            self.fast.mark_planned(wrapper)
             return kind, wrapper
         P = batch.padded_reqs
         no_context = not batch.context_lens_cpu[:P].any()
@@ -678,7 +689,6 @@ class FullAttentionContext(_PagedContext):
         fp8 = self.fp8
         write = (k, v, k_cache, v_cache, kv.k_scale if fp8 else None, kv.v_scale if fp8 else None)
         wrapper = step.wrapper
-        wrapper._sm_scale = layer.scale
         o = out if out is not None and out.is_contiguous() else None
         if step.kind is StepKind.RAGGED:
             # The ragged kernel reads the step's own k/v, not the cache: the cache write can
@@ -686,7 +696,7 @@ class FullAttentionContext(_PagedContext):
             side = self._side_stream()
             if side is None:
                 self._write_kv(*write)
-                result = wrapper.run(q, k, v, out=o)
+                result = wrapper.run(self._q_for(layer, q), k, v, out=o)
             else:
                 main = torch.cuda.current_stream(self.device)
                 side.wait_stream(main)  # k and v are ready
@@ -697,7 +707,7 @@ class FullAttentionContext(_PagedContext):
                         write_kv_runs(k, v, k_cache, v_cache, step.kv_runs)
                     else:
                         self._write_kv(*write)
-                result = wrapper.run(q, k, v, out=o)
+                result = wrapper.run(self._q_for(layer, q), k, v, out=o)
                 # Join before returning: later work on the main stream (the next step's
                 # attention, or the caller freeing k/v) is ordered after the write.
                 main.wait_stream(side)
@@ -708,22 +718,22 @@ class FullAttentionContext(_PagedContext):
             qk = torch.mul(q, kv.k_scale) if fp8 else q
             direct = step.direct_run and self.direct_decode_run
             runner = self._direct_run(step, layer.scale) if direct else None
-            if runner is not None:
+            if runner is not None:  # the layer's scale is the runner's argument
                 result = o if o is not None else torch.empty_like(q)
                 runner(qk, k_cache, v_cache, result)
             else:
-                result = wrapper.run(qk, (k_cache, v_cache), out=o)
+                result = wrapper.run(self._q_for(layer, qk), (k_cache, v_cache), out=o)
             if fp8:
                 result.mul_(kv.v_scale)
         return self._finish(result, out)
 
     def _direct_run(self, step: _Step, scale: float) -> Any:
-        """The step's compiled decode call at softmax ``scale`` (fast_plan), made on the first
-        layer of the step that asks; None where fast_plan does not know ``run()``."""
+        """The step's compiled decode call at softmax ``scale`` (compat), made on the first
+        layer of the step that asks; None where compat does not know ``run()``."""
         try:
             return self._runners[scale]
         except KeyError:
-            runner = self._runners[scale] = fast_plan.tensor_core_decode_runner(step.wrapper, scale)
+            runner = self._runners[scale] = self.fast.decode_runner(step.wrapper, scale)
             return runner
 
     def _write_kv(self, k, v, k_cache, v_cache, k_scale, v_scale) -> None:
@@ -821,11 +831,7 @@ class MLAContext(_PagedContext):
         if self.fp8:
             raise ValueError("FlashInfer MLA with bf16/fp16 queries needs a bf16/fp16 latent cache")
         self.rank, self.rope, _ = spec.mla_dims
-        self.eager = _share_int_workspace(
-            self.fi.BatchMLAPagedAttentionWrapper(self.float_ws),
-            self.int_ws,
-            self.pinned_staging,
-        )
+        self.eager = self._share(self.fi.BatchMLAPagedAttentionWrapper(self.float_ws))
 
     def _graph_wrapper(self, P: int) -> Any:
         wrapper = self._graph_wrappers.get(P)
@@ -838,7 +844,7 @@ class MLAContext(_PagedContext):
                 kv_indices=self.kv_indices,
                 kv_len_arr=self.g_kv_len[:P],
             )
-            _share_int_workspace(wrapper, self.int_ws, self.pinned_staging)
+            self._share(wrapper)
             self._graph_wrappers[P] = wrapper
         return wrapper
 
@@ -888,7 +894,7 @@ class MLAContext(_PagedContext):
         self._write(k, latent, step, None)
         R = self.rank
         wrapper = step.wrapper
-        wrapper._sm_scale = layer.scale
         o = out if out is not None and out.is_contiguous() else None
+        q = self._q_for(layer, q)
         result = wrapper.run(q[..., :R], q[..., R:], latent[..., :R], latent[..., R:], out=o)
         return self._finish(result, out)

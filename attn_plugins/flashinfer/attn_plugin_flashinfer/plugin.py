@@ -12,13 +12,14 @@ Both register on every machine; where CUDA, flashinfer or nvcc is missing they r
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
 from attn_core.backend import Backend
 from attn_core.hookspecs import hookimpl
 from attn_core.specs import LayerKind
-from attn_plugin_flashinfer import __version__, capability
+from attn_plugin_flashinfer import __version__, capability, compat
 from attn_plugin_flashinfer import context as ctx
 
 ATTN_CORE_API_VERSION = "1.1"
@@ -48,6 +49,8 @@ def backends(availability: capability.Availability | None = None) -> list[Backen
         version=version,
         available=av.available,
         unavailable_reason=av.reason,
+        # whether the version-gated fast path (compat.py) is on, and why not
+        notes=compat.installed_note() if _flashinfer_installed() else "",
     )
     return [
         Backend(
@@ -66,6 +69,13 @@ def backends(availability: capability.Availability | None = None) -> list[Backen
             **common,
         ),
     ]
+
+
+def _flashinfer_installed() -> bool:
+    try:
+        return importlib.util.find_spec("flashinfer") is not None
+    except (ImportError, ValueError):  # ValueError: a module in sys.modules without a spec
+        return False
 
 
 @hookimpl

@@ -11,7 +11,8 @@ Sections (each isolated: a failure is recorded in the JSON and the next section 
    two CUDA events (``bench_util.alternating_us``; ratio: min over min, median over median and
    the median of the turns' ratios); at B=1 that is host-bound: host time per call is reported
    too, and section 5 repeats B=1 inside a CUDA graph; GB/s = K+V bytes / time. The plugin on
-   FlashInfer is also timed through the wrapper's ``run()`` instead of fast_plan's direct call.
+   FlashInfer is also timed through the wrapper's ``run()`` instead of the fast path's direct
+   call (compat.py).
    Up to SMALL_DECODE_MAX_BATCH requests within SMALL_DECODE_MAX_KV_TOKENS positions the plugin
    runs small_decode (fused write + attention); where it does, the host time of its two bound
    launches alone and of one, and the step with the launches through Triton's launcher object,
@@ -186,8 +187,8 @@ def bench_decode(spec, batch: int, ctx: int, profile: bool = False) -> dict:
     t_plugin = back_to_back_us(plugin, iters)
     t_direct_write = back_to_back_us(direct_with_write, iters)
     t_plugin_fi, host_plugin_fi = t_plugin, host_us(plugin)
-    # The plugin on FlashInfer through its wrapper's run() instead of fast_plan's direct call
-    # of the compiled kernel (context.direct_decode_run): what that saves of host time.
+    # The plugin on FlashInfer through its wrapper's run() instead of the fast path's direct call
+    # (compat.py) of the compiled kernel (context.direct_decode_run): what that saves of host time.
     ctx_obj.direct_decode_run = False
     t_plugin_fi_run, host_plugin_fi_run = back_to_back_us(plugin, iters), host_us(plugin)
     ctx_obj.direct_decode_run = True
@@ -256,7 +257,9 @@ def _small_host_costs(ctx_obj, binding, plugin, host_us, iters: int) -> dict:
     args = (q, k, v, kv.k, kv.v, batch.page_table, batch.seq_lens, batch.slot_mapping, out,
             step.small)  # fmt: skip
     entry = next(iter(small_decode._SPLIT._compiled.values()))
-    res["launcher_form"] = fast_launch._launcher_form(type(entry.run)) if entry.run else None
+    # The C-call form the first bound launch saw (fast_launch's self-check); None: unknown.
+    res["launcher_form"] = fast_launch._Checks.c_launch.get(type(entry.run)) if entry.run else None
+    res["fast_launch"] = fast_launch.status()
     res["plan_two_launches_host_us"] = host_us(lambda: plan(*args))
     ptrs = [t.data_ptr() for t in args[:8]] + [step.small.o.data_ptr(), step.small.lse.data_ptr()]
     stream = torch.cuda.current_stream().cuda_stream
@@ -545,7 +548,7 @@ def bench_prepare(spec, batch: int = 256, ctx: int = 4096, iters: int = 300) -> 
             times.append((t1 - t0) * 1e6)
     times.sort()
     # FlashInfer's own public plan() for the same step (the plugin re-plans tensor-core decode
-    # without it, see fast_plan.py): same host metadata, timed alone.
+    # without it, see compat.py): same host metadata, timed alone.
     from attn_plugin_flashinfer.context import _Offsets
 
     c = _context(runtime)

@@ -8,14 +8,27 @@ reference ops:
   ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``;
 - queries are the last ``q_len`` positions (bottom-right aligned causal mask);
 - ``window_left``: a query at position ``p`` sees keys ``p - window_left .. p`` (inclusive);
-- soft-cap: ``cap * tanh(sm_scale * q.k / cap)``; ``sm_scale`` is read from ``self._sm_scale``
-  at ``run()`` time, as FlashInfer does;
+- soft-cap: ``cap * tanh(sm_scale * q.k / cap)``; ``sm_scale`` is read from the attribute
+  ``plan()`` stored it in (``_sm_scale``, or whatever a subclass names in ``_SCALE_ATTR``: a
+  release that renamed it) at ``run()`` time, as FlashInfer does;
 - fp8 caches are read as raw values (FlashInfer's kernels do not dequantise with a per-layer
   scale unless given ``k_scale``/``v_scale``, which the plugin never passes);
 - CUDA-graph wrappers copy plan metadata into the buffers given at construction, and ``run()``
   reads those buffers, so a test that rewrites them through ``plan()`` sees the new batch.
 
-Install with :func:`install` (puts it in ``sys.modules["flashinfer"]``).
+The tensor-core decode wrapper (``use_tensor_cores=True``) mirrors the internals the plugin's
+fast path (``attn_plugin_flashinfer.compat``) uses, under their real names: ``plan()`` loads a
+"prefill module" (``_cached_module``) whose ``plan`` is a scheduler taking the fa2 argument list
+and returning plan info, and whose ``paged_run`` is a Python function closing over the
+"compiled" ``paged_run_func``; ``run()`` builds the release's argument list and calls it. The
+compiled function computes attention only from the arguments it is handed (the plan info, the
+indptr / indices / last-page buffers, window, soft-cap and scale), so a fast path that passes
+the wrong buffers, scale or argument layout computes a wrong result or raises here too. Which
+release's layout it has (0.6.13's fa2 ``paged_run`` takes two block-scale tensors before the
+soft-cap, 0.6.7's does not) is :data:`LAYOUT`, set by :func:`install`.
+
+Install with :func:`install` (puts it in ``sys.modules["flashinfer"]`` and
+``sys.modules["flashinfer.utils"]`` and tells the plugin's compat module the version).
 """
 
 from __future__ import annotations
@@ -26,7 +39,10 @@ import types
 
 import torch
 
-__version__ = "0.6.7-fake"
+__version__ = "0.6.7"
+#: The internals' layout of the release this fake stands in for (set by :func:`install`):
+#: ``block_scale_args`` as in ``attn_plugin_flashinfer.compat.Release``.
+LAYOUT = {"block_scale_args": False}
 
 
 def _attend(q, k, v, *, causal, window_left, soft_cap, sm_scale):
@@ -57,6 +73,98 @@ def _gather(cache, indices, start, end, length):
     return rows.reshape(-1, *cache.shape[2:])[:length]
 
 
+def _paged_attention(q, cache, qo_indptr, kv_indptr, kv_indices, last_page_len, *, causal,
+                     window_left, soft_cap, sm_scale):  # fmt: skip
+    """Attention of ``q`` rows ``qo_indptr[b]:qo_indptr[b+1]`` over request ``b``'s pages."""
+    k_cache, v_cache = cache
+    ps = k_cache.shape[1]
+    qo = [int(x) for x in qo_indptr]
+    indptr = kv_indptr.tolist()
+    last = last_page_len.tolist()
+    out = torch.zeros(q.shape[0], q.shape[1], v_cache.shape[-1])
+    for b in range(len(last)):
+        npages = indptr[b + 1] - indptr[b]
+        length = (npages - 1) * ps + last[b] if npages else 0
+        qs, qe = qo[b], qo[b + 1]
+        if qe == qs or length == 0:
+            continue
+        k = _gather(k_cache, kv_indices, indptr[b], indptr[b + 1], length)
+        v = _gather(v_cache, kv_indices, indptr[b], indptr[b + 1], length)
+        out[qs:qe] = _attend(
+            q[qs:qe], k, v, causal=causal, window_left=window_left, soft_cap=soft_cap,
+            sm_scale=sm_scale,
+        )  # fmt: skip
+    return out
+
+
+class _PrefillModule:
+    """What ``get_batch_prefill_module("fa2", ...)`` returns: ``plan`` (the C++ scheduler) and
+    ``paged_run`` (FlashInfer's Python function around the compiled ``paged_run_func``)."""
+
+    def __init__(self, block_scale_args):
+        self.block_scale_args = block_scale_args
+        self.plan_calls = 0
+        self.compiled_calls = 0  # every call of the compiled function
+        self.python_run_calls = 0  # those through the Python paged_run (run()'s way)
+
+        def paged_run_func(float_ws, int_ws, plan_info, q, k_cache, v_cache, qo_indptr,
+                           kv_indptr, kv_indices, last_page_len, o, lse, mask_mode, layout,
+                           window_left, enable_pdl, custom_mask, mask_indptr, alibi, prefix,
+                           token_pos, max_item, *rest):  # fmt: skip
+            # The release's layout, exactly: anything else raises (as a C++ binding would).
+            expected = 7 if block_scale_args else 5
+            if len(rest) != expected:
+                raise TypeError(
+                    f"paged_run(): incompatible function arguments: {22 + len(rest)} given, "
+                    f"this release takes {22 + expected}"
+                )
+            if block_scale_args:
+                key_scales, value_scales, *rest = rest
+                assert key_scales is None and value_scales is None
+            soft_cap, sm_scale, rope_rcp_scale, rope_rcp_theta, item_len = rest
+            assert isinstance(sm_scale, float) and isinstance(soft_cap, float)
+            assert (mask_mode, layout, lse, item_len) == (0, 0, None, 0)
+            assert (rope_rcp_scale, rope_rcp_theta) == (1.0, 1e-4)
+            assert isinstance(enable_pdl, bool) and alibi is not None
+            batch, rows = plan_info[0], plan_info[1]
+            assert len(last_page_len) == batch and q.shape[0] == rows, (plan_info, q.shape)
+            self.compiled_calls += 1
+            result = _paged_attention(
+                q, (k_cache, v_cache), qo_indptr.tolist(), kv_indptr[: batch + 1],
+                kv_indices, last_page_len[:batch], causal=False, window_left=window_left,
+                soft_cap=soft_cap, sm_scale=sm_scale,
+            )  # fmt: skip
+            o.copy_(result)
+
+        def paged_run(float_ws, int_ws, plan_info, q, k_cache, v_cache, qo_indptr, kv_indptr,
+                      kv_indices, last_page_len, o, lse, mask_mode, layout, window_left,
+                      enable_pdl, custom_mask, mask_indptr, alibi, prefix, token_pos,
+                      max_item, soft_cap, sm_scale, scale_q, scale_k, scale_v, rope_scale,
+                      rope_theta, item_len, workspace_size, *rest):  # fmt: skip
+            block = (None, None) if block_scale_args else ()
+            self.python_run_calls += 1
+            paged_run_func(float_ws, int_ws, plan_info, q, k_cache, v_cache, qo_indptr,
+                           kv_indptr, kv_indices, last_page_len, o, lse, mask_mode, layout,
+                           window_left, enable_pdl, custom_mask, mask_indptr, alibi, prefix,
+                           token_pos, max_item, *block, soft_cap, sm_scale, 1.0 / rope_scale,
+                           1.0 / rope_theta, item_len)  # fmt: skip
+
+        self.paged_run = paged_run
+
+    def plan(self, float_ws, int_ws, pinned_ws, qo_indptr, kv_indptr, kv_len, total_rows,
+             batch, num_qo_heads, num_kv_heads, page_size, graph, head_dim_qk, head_dim_vo,
+             causal, window_left, fixed_split_size, disable_split_kv,
+             num_colocated_ctas):  # fmt: skip
+        """The fa2 scheduler: exactly these 19 arguments; plan info from the host arrays."""
+        for flag in (graph, causal, disable_split_kv):
+            assert isinstance(flag, bool)
+        assert len(qo_indptr) == len(kv_indptr) == len(kv_len) + 1 == batch + 1
+        assert (fixed_split_size, num_colocated_ctas, causal) == (-1, 0, False)
+        self.plan_calls += 1
+        return [batch, total_rows, num_qo_heads, num_kv_heads, page_size, int(kv_indptr[-1]),
+                int(kv_len.sum()), head_dim_qk, head_dim_vo, window_left, int(graph)]  # fmt: skip
+
+
 class _Base:
     def __init__(self, float_workspace_buffer):
         self._float_workspace_buffer = float_workspace_buffer
@@ -65,6 +173,12 @@ class _Base:
         self._pin_memory_int_workspace_buffer = torch.empty(16, dtype=torch.uint8)
         self._sm_scale = None
         self.plans = 0
+
+    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer):
+        """The public way to share an int workspace (a new pinned buffer of its own)."""
+        self._float_workspace_buffer = float_workspace_buffer
+        self._int_workspace_buffer = int_workspace_buffer
+        self._pin_memory_int_workspace_buffer = torch.empty(16, dtype=torch.uint8)
 
     def _store(self, name, value, graph):
         buf = getattr(self, name, None)
@@ -75,33 +189,23 @@ class _Base:
         else:
             setattr(self, name, value.clone())  # host -> device: a copy, as on a GPU
 
+    #: Where plan() keeps the softmax scale and run() reads it (a test's subclass renames it,
+    #: as a FlashInfer release might).
+    _SCALE_ATTR = "_sm_scale"
+
+    def _set_scale(self, sm_scale):
+        setattr(self, self._SCALE_ATTR, sm_scale)
+
     def _scale(self, d):
-        return self._sm_scale if self._sm_scale is not None else 1.0 / math.sqrt(d)
+        sm_scale = getattr(self, self._SCALE_ATTR, None)
+        return sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
 
     def _paged(self, q, cache, qo_indptr, causal):
-        k_cache, v_cache = cache
-        ps = k_cache.shape[1]
-        indptr = self._kv_indptr.tolist()
-        last = self._last_page_len.tolist()
-        out = torch.zeros(q.shape[0], q.shape[1], v_cache.shape[-1])
-        for b in range(len(last)):
-            npages = indptr[b + 1] - indptr[b]
-            length = (npages - 1) * ps + last[b] if npages else 0
-            qs, qe = qo_indptr[b], qo_indptr[b + 1]
-            if qe == qs or length == 0:
-                continue
-            k = _gather(k_cache, self._kv_indices, indptr[b], indptr[b + 1], length)
-            v = _gather(v_cache, self._kv_indices, indptr[b], indptr[b + 1], length)
-            out[qs:qe] = _attend(
-                q[qs:qe],
-                k,
-                v,
-                causal=causal,
-                window_left=self._window_left,
-                soft_cap=self._soft_cap,
-                sm_scale=self._scale(q.shape[-1]),
-            )
-        return out
+        return _paged_attention(
+            q, cache, qo_indptr, self._kv_indptr, self._kv_indices, self._last_page_len,
+            causal=causal, window_left=self._window_left, soft_cap=self._soft_cap,
+            sm_scale=self._scale(q.shape[-1]),
+        )  # fmt: skip
 
     @staticmethod
     def _out(result, q, out):
@@ -112,6 +216,12 @@ class _Base:
 
 
 class BatchDecodeWithPagedKVCacheWrapper(_Base):
+    """Tensor-core (``use_tensor_cores=True``) wrappers keep the real wrapper's attribute names
+    and go through a :class:`_PrefillModule`; CUDA-core ones compute in ``run()``. A subclass
+    may rename the indptr buffer (``_INDPTR_ATTR``), as a release might."""
+
+    _INDPTR_ATTR = "_paged_kv_indptr_buf"
+
     def __init__(
         self,
         float_workspace_buffer,
@@ -126,14 +236,44 @@ class BatchDecodeWithPagedKVCacheWrapper(_Base):
     ):
         super().__init__(float_workspace_buffer)
         assert kv_layout == "NHD"
+        self._kv_layout = kv_layout
         self._use_cuda_graph = use_cuda_graph
         self._use_tensor_cores = use_tensor_cores
-        self._kv_indptr = paged_kv_indptr_buffer
-        self._kv_indices = paged_kv_indices_buffer
-        self._last_page_len = paged_kv_last_page_len_buffer
+        self._backend = backend
+        self._jit_module = None
+        self._cached_module = None
+        self._plan_info = None
+        setattr(self, self._INDPTR_ATTR, paged_kv_indptr_buffer)
+        self._paged_kv_indices_buf = paged_kv_indices_buffer
+        self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buffer
+        self._qo_indptr_buf = None
         if use_cuda_graph:
             assert len(paged_kv_indptr_buffer) == len(paged_kv_last_page_len_buffer) + 1
             self._fixed_batch_size = len(paged_kv_last_page_len_buffer)
+            if use_tensor_cores:
+                self._qo_indptr_buf = torch.arange(self._fixed_batch_size + 1, dtype=torch.int32)
+
+    @property
+    def is_cuda_graph_enabled(self):
+        return self._use_cuda_graph
+
+    @property
+    def use_tensor_cores(self):
+        return self._use_tensor_cores
+
+    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer):
+        self._float_workspace_buffer = float_workspace_buffer
+        self._int_workspace_buffer = int_workspace_buffer
+        self._pin_memory_int_workspace_buffer = torch.empty(16, dtype=torch.uint8)
+
+    def _put(self, name, value):
+        """plan(): host -> the wrapper's device buffer (graph: into the fixed one)."""
+        if self._use_cuda_graph:
+            getattr(self, name)[: len(value)].copy_(value)
+        elif name == "_paged_kv_indices_buf":
+            setattr(self, name, value.to(self.device))  # a device tensor: aliased, as on a GPU
+        else:
+            setattr(self, name, value.clone())
 
     def plan(
         self,
@@ -161,30 +301,72 @@ class BatchDecodeWithPagedKVCacheWrapper(_Base):
         disable_split_kv=False,
     ):
         assert pos_encoding_mode == "NONE"
+        batch = len(last_page_len)
         if self._use_cuda_graph:
-            assert len(last_page_len) == self._fixed_batch_size, "batch size fixed in graph mode"
-        self._store("_kv_indptr", indptr, self._use_cuda_graph)
-        self._store("_kv_indices", indices, self._use_cuda_graph)
-        self._store("_last_page_len", last_page_len, self._use_cuda_graph)
+            assert batch == self._fixed_batch_size, "batch size fixed in graph mode"
+        self._put(self._INDPTR_ATTR, indptr)
+        self._put("_paged_kv_indices_buf", indices)
+        self._put("_paged_kv_last_page_len_buf", last_page_len)
+        self._batch_size = batch
+        self._num_qo_heads = num_qo_heads
+        if self._use_tensor_cores:
+            qo_host = torch.arange(batch + 1, dtype=torch.int32)
+            if not self._use_cuda_graph:
+                self._qo_indptr_buf = qo_host.clone()
+            ps = page_size
+            npages = (indptr[1:] - indptr[:-1]).to(torch.int32)
+            kv_lens = torch.where(npages > 0, (npages - 1) * ps + last_page_len, 0)
+            self._max_kv_len = int(kv_lens.max())  # the ~340 us max() of the real plan()
+            if self._backend == "auto":
+                self._backend = "fa2"
+            self._cached_module = _PrefillModule(LAYOUT["block_scale_args"])
+            self._plan_info = self._cached_module.plan(
+                self._float_workspace_buffer, self._int_workspace_buffer,
+                self._pin_memory_int_workspace_buffer, qo_host, indptr, kv_lens.to(torch.int32),
+                batch, batch, num_qo_heads, num_kv_heads, page_size, self.is_cuda_graph_enabled,
+                head_dim, head_dim, False, window_left, -1, False, 0,
+            )  # fmt: skip
+        self._pos_encoding_mode = pos_encoding_mode
         self._window_left = window_left
+        self._logits_soft_cap = logits_soft_cap
         self._soft_cap = logits_soft_cap or 0.0
-        self._sm_scale = sm_scale
+        self._rope_scale, self._rope_theta = rope_scale, rope_theta
+        self._set_scale(sm_scale)
         self._q_dtype, self._kv_dtype = q_data_type, kv_data_type or q_data_type
-        self._batch = len(last_page_len)
         self.plans += 1
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None,
             lse=None, return_lse=False, enable_pdl=None, window_left=None, sinks=None,
             q_len_per_req=1, skip_softmax_threshold_scale_factor=None,
             kv_block_scales=None):  # fmt: skip
-        assert k_scale is None and v_scale is None
+        assert k_scale is None and v_scale is None and q_scale is None
         assert q.dtype == self._q_dtype and paged_kv_cache[0].dtype == self._kv_dtype
-        if q.shape[0] != self._batch:
+        batch = self._paged_kv_last_page_len_buf.size(0)
+        if q.shape[0] != batch:
             raise ValueError(f"q.shape[0] ({q.shape[0]}) does not match batch_size")
         if out is not None:
             assert out.shape == q.shape and out.dtype == q.dtype
-        qo = list(range(self._batch + 1))
-        return self._out(self._paged(q, paged_kv_cache, qo, causal=False), q, out)
+        if not self._use_tensor_cores:
+            qo = list(range(batch + 1))
+            result = _paged_attention(
+                q, paged_kv_cache, qo, getattr(self, self._INDPTR_ATTR),
+                self._paged_kv_indices_buf, self._paged_kv_last_page_len_buf, causal=False,
+                window_left=self._window_left, soft_cap=self._soft_cap,
+                sm_scale=self._scale(q.shape[-1]),
+            )  # fmt: skip
+            return self._out(result, q, out)
+        result = out if out is not None else torch.empty_like(q)
+        # The release's run_args for the tensor-core path, then the module's paged_run.
+        self._cached_module.paged_run(
+            self._float_workspace_buffer, self._int_workspace_buffer, self._plan_info, q,
+            paged_kv_cache[0], paged_kv_cache[1], self._qo_indptr_buf,
+            getattr(self, self._INDPTR_ATTR), self._paged_kv_indices_buf,
+            self._paged_kv_last_page_len_buf, result, None, 0, 0, self._window_left, False,
+            None, None, torch.empty(0), None, None, None, self._soft_cap,
+            float(self._scale(q.shape[-1])), None, None, None, self._rope_scale or 1.0,
+            self._rope_theta or 1e4, 0, 0, paged_kv_cache, self._num_qo_heads,
+        )  # fmt: skip
+        return result
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_Base):
@@ -251,7 +433,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Base):
         self._causal = causal
         self._window_left = window_left
         self._soft_cap = logits_soft_cap or 0.0
-        self._sm_scale = sm_scale
+        self._set_scale(sm_scale)
         self._q_dtype, self._kv_dtype = q_data_type, kv_data_type or q_data_type
         self.plans += 1
 
@@ -312,7 +494,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Base):
         self._causal = causal
         self._window_left = window_left
         self._soft_cap = logits_soft_cap or 0.0
-        self._sm_scale = sm_scale
+        self._set_scale(sm_scale)
         self.plans += 1
 
     def run(self, q, k, v, *args, q_scale=None, k_scale=None, v_scale=None, o_scale=None,
@@ -374,7 +556,7 @@ class BatchMLAPagedAttentionWrapper(_Base):
         self._store("_kv_indices", kv_indices, g)
         self._store("_kv_len", kv_len_arr, g)
         self._causal = causal
-        self._sm_scale = sm_scale
+        self._set_scale(sm_scale)
         self._page_size = page_size
         self.plans += 1
 
@@ -401,7 +583,7 @@ class BatchMLAPagedAttentionWrapper(_Base):
                 causal=self._causal,
                 window_left=-1,
                 soft_cap=0.0,
-                sm_scale=self._sm_scale,
+                sm_scale=self._scale(q.shape[-1]),
             )
         if out is None:
             return result.to(q_nope.dtype)
@@ -410,8 +592,29 @@ class BatchMLAPagedAttentionWrapper(_Base):
         return out
 
 
-def install(monkeypatch) -> types.ModuleType:
-    """Make ``import flashinfer`` return this module for the test (pytest ``monkeypatch``)."""
+def _alibi_slopes(num_heads, device):
+    return torch.zeros(num_heads, device=device)
+
+
+utils = types.ModuleType(__name__ + ".utils")
+utils._get_cache_alibi_slopes_buf = _alibi_slopes
+utils.device_support_pdl = lambda device: False
+
+
+def install(monkeypatch, version: str = "0.6.7", *, layout_of: str | None = None
+            ) -> types.ModuleType:  # fmt: skip
+    """Make ``import flashinfer`` return this module for the test (pytest ``monkeypatch``), as
+    release ``version`` (what the plugin's compat module reads as the installed distribution's
+    version), with the internals' layout of release ``layout_of`` (default: ``version``'s; a
+    different one stands in for a release whose internals changed under the same version)."""
+    from attn_plugin_flashinfer import compat
+
     module = sys.modules[__name__]
     monkeypatch.setitem(sys.modules, "flashinfer", module)
+    monkeypatch.setitem(sys.modules, "flashinfer.utils", utils)
+    monkeypatch.setattr(module, "__name__", "flashinfer")
+    monkeypatch.setattr(module, "__version__", version)
+    monkeypatch.setitem(LAYOUT, "block_scale_args", (layout_of or version) != "0.6.7")
+    monkeypatch.setattr(compat, "distribution_version", lambda: version)
+    monkeypatch.setattr(compat, "_FAST", {})
     return module

@@ -8,7 +8,6 @@ import importlib
 import importlib.machinery
 import math
 import shutil
-import types
 from pathlib import Path
 
 import attn_plugin_flashinfer.plugin as fi_plugin
@@ -175,7 +174,16 @@ def test_entry_point_declared():
     assert meta["project"]["name"] == "attn-plugin-flashinfer"
     eps = meta["project"]["entry-points"]["attn_core"]
     assert eps == {"flashinfer": "attn_plugin_flashinfer.plugin"}
-    assert "flashinfer-python==0.6.7" in meta["project"]["dependencies"]
+    # a range, not a pin: the plugin installs beside a serving stack's FlashInfer in it, and
+    # its lower bound is the oldest release the fast path knows
+    from attn_plugin_flashinfer import compat
+    from packaging.requirements import Requirement
+
+    (req,) = [Requirement(d) for d in meta["project"]["dependencies"] if d.startswith("flashinfer")]
+    assert req.name == "flashinfer-python" and len(req.specifier) == 2, req
+    assert all(v in req.specifier for v in compat.TESTED_RELEASES)
+    assert min(compat.TESTED_RELEASES, key=lambda v: tuple(map(int, v.split(".")))) == "0.6.7"
+    assert "0.7.4" not in req.specifier  # not verified
 
 
 def test_registry_loads_plugin_on_cpu_without_error():
@@ -231,144 +239,236 @@ def test_decode_kernel_choice():
     assert decode_uses_tensor_cores(64, 4, "fp8_e4m3")  # group 16
 
 
-def test_fast_replan_only_for_tested_tensor_core_wrappers():
-    from attn_plugin_flashinfer import fast_plan
+# ------------------------------------------------------------------------------------------
+# compat: the version gate, private attributes, per-layer scales, the self-check
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("version", "note"),
+    [
+        ("0.6.7", "fast plan: on (flashinfer 0.6.7, self-check at first GPU use)"),
+        ("0.6.13", "fast plan: on (flashinfer 0.6.13, self-check at first GPU use)"),
+        (
+            "0.7.4",
+            "fast plan: off (flashinfer 0.7.4 not in the tested range 0.6.7-0.6.13; "
+            "public plan() used)",
+        ),
+        (
+            "0.6.10",
+            "fast plan: off (flashinfer 0.6.10 not in the tested range 0.6.7-0.6.13; "
+            "public plan() used)",
+        ),
+        (
+            None,
+            "fast plan: off (no flashinfer-python distribution found, its version unknown; "
+            "public plan() used)",
+        ),
+    ],
+)
+def test_the_fast_path_is_on_only_for_the_releases_it_was_written_against(version, note):
+    from attn_plugin_flashinfer import compat
 
-    class Wrapper:
-        _use_tensor_cores = True
-        _backend = "fa2"
-        _jit_module = None
-
-    w = Wrapper()
-    assert not fast_plan.can_replan(w, "0.6.7")  # not yet planned through the public plan()
-    fast_plan.mark_planned(w)
-    assert fast_plan.can_replan(w, "0.6.7")
-    assert not fast_plan.can_replan(w, "0.7.0")  # an untested release: public plan()
-    w._backend = "fa3"
-    assert not fast_plan.can_replan(w, "0.6.7")
-    w._backend, w._use_tensor_cores = "fa2", False
-    assert not fast_plan.can_replan(w, "0.6.7")
-
-
-class _SchedulerWrapper:
-    """The attributes of a 0.6.7 tensor-core decode wrapper that fast_plan reads and writes;
-    its scheduler records the host arrays it was given."""
-
-    def __init__(self, graph_batch: int | None) -> None:
-        self._float_workspace_buffer = "float_ws"
-        self._int_workspace_buffer = "int_ws"
-        self._pin_memory_int_workspace_buffer = "pinned_ws"
-        self._fixed_batch_size = graph_batch or 0
-        self.is_cuda_graph_enabled = graph_batch is not None
-        self.fixed = "captured buffers"
-        self._paged_kv_indptr_buf = self._paged_kv_indices_buf = self.fixed
-        self._paged_kv_last_page_len_buf = self._qo_indptr_buf = self.fixed
-        self.calls = []
-        self._cached_module = types.SimpleNamespace(plan=self._schedule)
-
-    def _schedule(self, *args):
-        self.calls.append(args)
-        return [len(self.calls)]
+    fp = compat.FastPath(None, version)
+    assert fp.enabled == (version in compat.TESTED_RELEASES)
+    assert fp.note() == note
 
 
-def _replan(w, P: int) -> dict:
-    from attn_plugin_flashinfer import fast_plan
+def test_attn_list_notes_say_whether_the_fast_path_is_on(monkeypatch):
+    from attn_plugin_flashinfer import compat
 
-    t = {
-        name: torch.arange(n, dtype=torch.int32)
-        for name, n in (("qo", P + 1), ("kv", P + 1), ("len", P), ("ind", 3 * P), ("lpl", P))
+    fake_flashinfer.install(monkeypatch, "0.7.4")
+    for backend in fi_plugin.backends(AVAILABLE):
+        assert backend.notes == (
+            "fast plan: off (flashinfer 0.7.4 not in the tested range 0.6.7-0.6.13; "
+            "public plan() used)"
+        )
+    fake_flashinfer.install(monkeypatch, "0.6.13")
+    fp = compat.fast_path(fake_flashinfer)
+    fp.check = ""  # a context of this process ran the self-check
+    assert {b.notes for b in fi_plugin.backends(AVAILABLE)} == {
+        "fast plan: on (flashinfer 0.6.13, self-check passed)"
     }
-    fast_plan.replan_tensor_core_decode(
-        w, qo_indptr_host=t["qo"], kv_indptr_host=t["kv"], kv_len_host=t["len"],
-        max_kv_len=P - 1, kv_indptr_dev=t["kv"], kv_indices_dev=t["ind"],
-        last_page_len_dev=t["lpl"], qo_indptr_dev=t["qo"], num_qo_heads=32, num_kv_heads=8,
-        head_dim=128, page_size=16, window_left=-1,
+    fp.check = "ValueError: boom"
+    assert {b.notes for b in fi_plugin.backends(AVAILABLE)} == {
+        "fast plan: off (self-check against public plan()/run() failed: ValueError: boom; "
+        "public plan() used)"
+    }
+
+
+def _decode_counts(h) -> tuple[int, int]:
+    """(public plan() calls, direct compiled-kernel calls since the last one) of the context's
+    eager decode wrapper."""
+    w = h.context.decode
+    m = w._cached_module
+    return w.plans, (m.compiled_calls - m.python_run_calls if m else 0)
+
+
+@pytest.mark.parametrize("version", ["0.6.7", "0.6.13", "0.7.4"])
+def test_decode_takes_the_fast_path_on_tested_releases_and_public_plan_elsewhere(
+    monkeypatch, available, version
+):
+    """The stand-in FlashInfer has each release's internals: on 0.6.7 and 0.6.13 the decode
+    steps after the first are planned by the fast plan and run by the direct call (0.6.13's
+    argument list has the two block-scale slots; a wrong list raises in the stand-in), on 0.7.4
+    every decode step goes through plan() and run(). The outputs match the reference."""
+    fake_flashinfer.install(monkeypatch, version)
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")
+    script = wl.WORKLOADS["prefill_decode_mixed"]
+    fi = wl.make(FULL, "flashinfer:flashinfer", "cpu")
+    ref = wl.make(FULL, wl.REFERENCE, "cpu")
+    out_fi = [wl.run_step(fi, i, step) for i, step in enumerate(script)]
+    out_ref = [wl.run_step(ref, i, step) for i, step in enumerate(script)]
+    assert wl.max_error(out_fi, out_ref) < 2e-2
+    decodes = 3  # steps 1, 2 and 5 of the script are decode-only
+    plans, direct = _decode_counts(fi)
+    if version == "0.7.4":
+        assert (plans, direct) == (decodes, 0)
+    else:
+        # the first decode planned through plan(), the others by the fast plan; every decode
+        # layer (3 steps x 2 layers) run by the direct call
+        assert (plans, direct) == (1, 2 * decodes)
+
+
+class _RenamedScale:
+    """A release that renamed the wrappers' ``_sm_scale``: what plan() stores, run() reads."""
+
+    _SCALE_ATTR = "_softmax_scale"
+
+
+def _renamed(monkeypatch, mixin, *names):
+    for name in names:
+        cls = getattr(fake_flashinfer, name)
+        monkeypatch.setattr(fake_flashinfer, name, type(name, (mixin, cls), {}))
+
+
+@pytest.mark.parametrize("version", ["0.6.7", "0.7.4"])
+@pytest.mark.parametrize("spec_name", ["full", "mla"])
+def test_a_renamed_private_scale_cannot_drop_a_layers_softmax_scale(
+    monkeypatch, available, version, spec_name
+):
+    """Layers whose own softmax scale differs from the spec's (and from each other), on a
+    FlashInfer whose private scale attribute has another name: every path (ragged and paged
+    prefill, decode on the fast path or through run(), MLA) still computes with the layer's
+    scale. Writing ``wrapper._sm_scale`` would set an attribute nobody reads here."""
+    fake_flashinfer.install(monkeypatch, version)
+    _renamed(
+        monkeypatch, _RenamedScale,
+        "BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
+        "BatchPrefillWithRaggedKVCacheWrapper", "BatchMLAPagedAttentionWrapper",
     )  # fmt: skip
-    return t
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")
+    spec = FULL if spec_name == "full" else MLA
+    scales = (spec.scale * 0.5, spec.scale * 2.0)
+    kinds = {StepKind.RAGGED, StepKind.PAGED, StepKind.DECODE} if spec is FULL else {StepKind.MLA}
+    seen = _compare(
+        spec, wl.WORKLOADS["prefill_decode_mixed"], tol=2e-2, kinds=kinds,
+        make_kw={"layer_scales": scales},
+    )  # fmt: skip
+    assert seen
 
 
-def test_fast_replan_points_eager_wrappers_at_the_step_and_calls_the_scheduler():
-    w = _SchedulerWrapper(graph_batch=None)
-    t = _replan(w, 5)
-    assert w._paged_kv_indptr_buf is t["kv"] and w._paged_kv_indices_buf is t["ind"]
-    assert w._paged_kv_last_page_len_buf is t["lpl"] and w._qo_indptr_buf is t["qo"]
-    assert w._batch_size == 5 and w._max_kv_len == 4 and w._plan_info == [1]
-    (args,) = w.calls
-    assert args[:3] == ("float_ws", "int_ws", "pinned_ws")
-    assert args[3] is t["qo"] and args[4] is t["kv"] and args[5] is t["len"]
-    # rows = requests (one query token each), heads, page size, graph flag, dims, non-causal
-    assert args[6:16] == (5, 5, 32, 8, 16, False, 128, 128, False, -1)
+class _RenamedIndptr:
+    """A release that renamed the decode wrapper's ``_paged_kv_indptr_buf``."""
+
+    _INDPTR_ATTR = "_paged_kv_indptr_buffer"
 
 
-def test_fast_replan_keeps_captured_buffers_and_checks_the_batch_size():
-    w = _SchedulerWrapper(graph_batch=4)
-    _replan(w, 4)
-    assert w._paged_kv_indptr_buf == w.fixed and w._qo_indptr_buf == w.fixed
-    assert w.calls[0][11] is True  # the scheduler plans for graph replay
+def test_a_renamed_private_buffer_turns_the_fast_plan_off_for_that_wrapper(monkeypatch, available):
+    """The fast plan points the wrapper's ``_paged_kv_indptr_buf`` at the step's metadata; on a
+    release that renamed it that write would leave run() reading the previous step's. The
+    attribute check refuses the fast plan instead: every decode step goes through plan()."""
+    fake_flashinfer.install(monkeypatch, "0.6.7")
+    _renamed(monkeypatch, _RenamedIndptr, "BatchDecodeWithPagedKVCacheWrapper")
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")
+    _compare(FULL, wl.WORKLOADS["prefill_decode_mixed"], tol=2e-2, kinds={StepKind.DECODE})
+    # _compare's flashinfer harness is gone; the attribute check on a fresh one:
+    h = wl.make(FULL, "flashinfer:flashinfer", "cpu")
+    for i, step in enumerate(wl.WORKLOADS["prefill_decode_mixed"][:3]):
+        wl.run_step(h, i, step)
+    w = h.context.decode
+    assert not h.context.fast.can_replan(w) and _decode_counts(h) == (2, 0)
+
+
+def test_the_fast_plan_keeps_captured_buffers_and_checks_the_batch_size(monkeypatch):
+    from attn_plugin_flashinfer import compat
+
+    fi = fake_flashinfer.install(monkeypatch, "0.6.7")
+    buf = torch.zeros(5, dtype=torch.int32)
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(
+        torch.zeros(8, dtype=torch.uint8), "NHD", use_cuda_graph=True, use_tensor_cores=True,
+        paged_kv_indptr_buffer=buf, paged_kv_indices_buffer=torch.zeros(16, dtype=torch.int32),
+        paged_kv_last_page_len_buffer=torch.zeros(4, dtype=torch.int32),
+    )  # fmt: skip
+    i32 = torch.int32
+    indptr, last = torch.tensor([0, 1, 2, 3, 4], dtype=i32), torch.ones(4, dtype=i32)
+    w.plan(indptr, torch.arange(4, dtype=i32), last, 8, 2, 64, 4, q_data_type=torch.bfloat16)
+    fp = compat.fast_path(fi)
+    fp.mark_planned(w)
+    assert fp.can_replan(w)
+
+    def replan(P):
+        t = torch.arange(P + 1, dtype=i32)
+        fp.replan_tensor_core_decode(
+            w, qo_indptr_host=t, kv_indptr_host=t, kv_len_host=torch.ones(P, dtype=i32),
+            max_kv_len=1, kv_indptr_dev=t.clone(), kv_indices_dev=t[:P].clone(),
+            last_page_len_dev=torch.ones(P, dtype=i32), qo_indptr_dev=t.clone(),
+            num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=4, window_left=-1,
+        )  # fmt: skip
+
+    replan(4)
+    assert w._paged_kv_indptr_buf is buf  # a captured graph reads these very buffers
+    assert w._plan_info[10] == 1  # the scheduler planned for graph replay
     with pytest.raises(ValueError, match="captured for 4 requests, the step has 3"):
-        _replan(w, 3)
+        replan(3)
 
 
-def _runner_wrapper(paged_run) -> types.SimpleNamespace:
-    """The attributes of a planned 0.6.7 tensor-core decode wrapper that the direct run reads."""
-    return types.SimpleNamespace(
-        _cached_module=types.SimpleNamespace(paged_run=paged_run),
-        _kv_layout="NHD",
-        _pos_encoding_mode="NONE",
-        _plan_info=[7, 8],
-        _rope_scale=None,
-        _rope_theta=None,
-        _float_workspace_buffer=torch.empty(1),
-        _int_workspace_buffer="int_ws",
-        _qo_indptr_buf="qo",
-        _paged_kv_indptr_buf="kv_indptr",
-        _paged_kv_indices_buf="kv_indices",
-        _paged_kv_last_page_len_buf="last_page_len",
-        _window_left=-1,
-        _num_qo_heads=32,
-        _logits_soft_cap=None,
-    )
+@pytest.mark.parametrize(
+    ("layout_of", "expect"),
+    [("0.6.7", ""), ("0.6.13", "TypeError")],
+    ids=["same_internals", "changed_internals"],
+)
+def test_the_self_check_turns_the_fast_path_off_where_it_disagrees_with_the_public_api(
+    monkeypatch, available, layout_of, expect
+):
+    """The self-check (on CPU only with the stand-in) runs the fast plan and the direct run
+    against plan()/run(). Release 0.6.7 whose compiled paged_run took 0.6.13's argument list
+    (internals changed under a tested version number) fails it: the fast path is off for the
+    process, attn list says why, and every decode step goes through plan() and run()."""
+    from attn_plugin_flashinfer import compat
+
+    fake_flashinfer.install(monkeypatch, "0.6.7", layout_of=layout_of)
+    monkeypatch.setattr(compat.FastPath, "CHECK_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")
+    h = wl.make(FULL, "flashinfer:flashinfer", "cpu")  # the context runs the self-check
+    fp = h.context.fast
+    assert fp.check is not None and fp.check.startswith(expect)
+    script = wl.WORKLOADS["prefill_decode_mixed"]
+    ref = wl.make(FULL, wl.REFERENCE, "cpu")
+    out = [wl.run_step(h, i, step) for i, step in enumerate(script)]
+    out_ref = [wl.run_step(ref, i, step) for i, step in enumerate(script)]
+    assert wl.max_error(out, out_ref) < 2e-2
+    if expect:
+        assert not fp.enabled and _decode_counts(h) == (3, 0)
+        (note,) = {b.notes for b in fi_plugin.backends(AVAILABLE)}
+        assert note.startswith(
+            "fast plan: off (self-check against public plan()/run() failed: TypeError"
+        )
+    else:
+        assert fp.enabled and _decode_counts(h) == (1, 6)
+        assert fp.note() == "fast plan: on (flashinfer 0.6.7, self-check passed)"
 
 
-def test_direct_decode_run_calls_the_compiled_function_as_run_does(monkeypatch):
-    """The runner finds the compiled function inside FlashInfer's Python ``paged_run`` (a
-    closure over ``paged_run_func``) and passes the fa2 branch's argument list: the plan's
-    buffers and schedule, the call's tensors, then the flags, soft-cap, scale and reciprocal
-    rope scale and theta. (The GPU test checks the output against ``run()``.)"""
-    from attn_plugin_flashinfer import fast_plan
+def test_the_int_workspace_is_shared_privately_on_the_fast_path_and_publicly_elsewhere(
+    monkeypatch,
+):
+    from attn_plugin_flashinfer import compat
 
-    utils = types.ModuleType("flashinfer.utils")
-    utils.device_support_pdl = lambda device: True
-    utils._get_cache_alibi_slopes_buf = lambda heads, device: f"alibi[{heads}]"
-    monkeypatch.setitem(__import__("sys").modules, "flashinfer.utils", utils)
-    calls = []
-
-    def paged_run_func(*args):  # the compiled function
-        calls.append(args)
-
-    def paged_run(*args, **kwargs):  # FlashInfer's Python wrapper around it (not called)
-        paged_run_func(*args)
-
-    w = _runner_wrapper(paged_run)
-    run = fast_plan.tensor_core_decode_runner(w, 0.125)
-    run("q", "k_cache", "v_cache", "out")
-    (args,) = calls
-    assert args[:3] == (w._float_workspace_buffer, "int_ws", [7, 8])
-    assert args[3:11] == ("q", "k_cache", "v_cache", "qo", "kv_indptr", "kv_indices",
-                          "last_page_len", "out")  # fmt: skip
-    # lse, non-causal, NHD, window, PDL, custom mask + indptr, alibi, three item pointers
-    assert args[11:22] == (None, 0, 0, -1, True, None, None, "alibi[32]", None, None, None)
-    assert args[22:] == (0.0, 0.125, 1.0, 1e-4, 0)  # soft-cap, scale, 1/rope scale, 1/theta
-    # A wrapper whose run() it does not know: none.
-    assert fast_plan.tensor_core_decode_runner(_runner_wrapper(lambda *a: None), 0.1) is None
-    hnd = _runner_wrapper(paged_run)
-    hnd._kv_layout = "HND"
-    assert fast_plan.tensor_core_decode_runner(hnd, 0.1) is None
-    # The next step's runner (new plan) finds the compiled function kept on the wrapper.
-    monkeypatch.setattr(fast_plan.inspect, "getclosurevars", None)  # not called again
-    w._plan_info = [9]
-    fast_plan.tensor_core_decode_runner(w, 0.25)("q2", "k_cache", "v_cache", "out2")
-    assert calls[1][2] == [9] and calls[1][3] == "q2" and calls[1][23] == 0.25
+    int_ws, pinned, float_ws = (torch.zeros(4, dtype=torch.uint8) for _ in range(3))
+    for version, shares_pinned in (("0.6.7", True), ("0.7.4", False)):
+        fi = fake_flashinfer.install(monkeypatch, version)
+        w = fi.BatchPrefillWithPagedKVCacheWrapper(torch.zeros(8, dtype=torch.uint8))
+        compat.fast_path(fi).share_int_workspace(w, float_ws, int_ws, pinned)
+        assert w._int_workspace_buffer is int_ws  # reset_workspace_buffer() off the fast path
+        assert (w._pin_memory_int_workspace_buffer is pinned) == shares_pinned
 
 
 # ------------------------------------------------------------------------------------------
@@ -675,8 +775,10 @@ def test_graph_decode_wrapper_is_reused_per_padded_size(fake_fi, monkeypatch):
     # update() with a new batch of the same padded size re-plans the same wrapper in place
     batch = h.builder.build([(1, 1)], pad_to=4)
     h.runtime.update(batch)
-    assert ctx.step.wrapper is w and w.plans == 2
-    assert w._kv_indptr.data_ptr() == ctx.dev_meta.data_ptr()  # the step's one copy fills it
+    # (the first through plan(), the second through the fast plan: the scheduler ran twice)
+    assert ctx.step.wrapper is w and w.plans == 1 and w._cached_module.plan_calls == 2
+    # the step's one copy fills what the captured kernels read
+    assert w._paged_kv_indptr_buf.data_ptr() == ctx.dev_meta.data_ptr()
 
 
 def test_mla_graph_decode(fake_fi):
@@ -714,3 +816,49 @@ def test_a_ragged_prefill_plans_its_slots_as_runs_of_consecutive_rows(fake_fi, m
         h.state.add_request(r)
     h.runtime.prepare(h.builder.build([(0, 9), (1, 6)]))
     assert h.context.step.kind is StepKind.RAGGED and h.context.step.kv_runs is None
+
+
+def test_the_self_check_runs_on_the_groups_own_shape_window_and_soft_cap(monkeypatch, available):
+    """The context hands the self-check its dtype, heads, head dim, page, window and soft-cap
+    (the kernel module compiled for the check is the group's); it passes on the stand-in and
+    the group's windowed, soft-capped decode steps then take the fast path."""
+    from attn_plugin_flashinfer import compat
+
+    fake_flashinfer.install(monkeypatch, "0.6.13")
+    monkeypatch.setattr(compat.FastPath, "CHECK_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")
+    calls = []
+    real = compat.FastPath._self_check
+
+    def spy(self, *args):
+        calls.append(args[1:])
+        return real(self, *args)
+
+    monkeypatch.setattr(compat.FastPath, "_self_check", spy)
+    spec = FULL.with_(sliding_window=6, logits_soft_cap=5.0, dtype="float16", kv_dtype="float16")
+    _compare(spec, wl.WORKLOADS["prefill_decode_mixed"], tol=2e-2, kinds={StepKind.DECODE})
+    assert calls == [(torch.float16, 8, 2, 64, 4, 5, 5.0)]  # window_left = window - 1
+    (note,) = {b.notes for b in fi_plugin.backends(AVAILABLE)}
+    assert note == "fast plan: on (flashinfer 0.6.13, self-check passed)"
+
+
+def test_no_module_but_compat_touches_flashinfer_internals():
+    """Private attributes of FlashInfer objects (wrappers, modules, flashinfer.utils) are read
+    and written in compat.py only; the scale is never written into a wrapper anywhere."""
+    import re
+
+    from attn_plugin_flashinfer import compat
+
+    package = Path(compat.__file__).parent
+    private = re.compile(
+        r"(wrapper|module|utils|\bw)\._[a-z]|_sm_scale|_cached_module|getclosurevars|"
+        r"flashinfer\.utils"
+    )
+    offenders = [
+        f"{path.name}:{n}: {line.strip()}"
+        for path in package.glob("*.py")
+        if path.name != "compat.py"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if private.search(line)
+    ]
+    assert not offenders, offenders

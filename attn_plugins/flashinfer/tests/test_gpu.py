@@ -305,9 +305,8 @@ def test_cuda_graph_mla_replay():
 
 @pytest.mark.sm90
 def test_tensor_core_decode_fast_replan_equals_public_plan(monkeypatch):
-    """GQA decode re-planned by fast_plan gets FlashInfer's own plan() schedule and output, and
-    fast_plan's direct kernel call gets run()'s output."""
-    from attn_plugin_flashinfer import fast_plan
+    """GQA decode re-planned by the fast plan (compat) gets FlashInfer's own plan() schedule and
+    output, and the direct kernel call gets run()'s output."""
     from attn_plugin_flashinfer.context import _Offsets
 
     monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")  # FlashInfer's decode
@@ -317,19 +316,20 @@ def test_tensor_core_decode_fast_replan_equals_public_plan(monkeypatch):
     wl.run_step(h, 1, [(r, 1) for r, _ in lens])  # first decode: the public plan()
     ctx = h.context
     wrapper = ctx.decode
-    assert wrapper.use_tensor_cores and fast_plan.can_replan(wrapper, ctx.fi_version)
-    wl.run_step(h, 2, [(r, 1) for r, _ in lens])  # re-planned by fast_plan
+    if not ctx.fast.enabled:
+        pytest.skip(ctx.fast.note())
+    assert wrapper.use_tensor_cores and ctx.fast.can_replan(wrapper)
+    wl.run_step(h, 2, [(r, 1) for r, _ in lens])  # re-planned by the fast plan
     assert ctx.step.kind is StepKind.DECODE and ctx.step.wrapper is wrapper
     P = len(lens)
     kv = h.runtime.binding(0).kv
     q = torch.randn(P, FULL.num_heads, FULL.head_dim, dtype=torch.bfloat16, device=CUDA)
-    wrapper._sm_scale = FULL.scale
-    out_fast = wrapper.run(q, (kv.k, kv.v))
+    out_fast = wrapper.run(q, (kv.k, kv.v))  # plan() took sm_scale=FULL.scale
     fast_info = list(wrapper._plan_info)
-    # fast_plan's direct call of the compiled kernel: run()'s output, bit for bit, and the
-    # context's eager decode steps take it.
+    # the direct call of the compiled kernel: run()'s output, bit for bit, and the context's
+    # eager decode steps take it.
     assert ctx.step.direct_run and ctx._runners.get(FULL.scale) is not None
-    runner = fast_plan.tensor_core_decode_runner(wrapper, FULL.scale)
+    runner = ctx.fast.decode_runner(wrapper, FULL.scale)
     out_direct = torch.full_like(q, float("nan"))
     runner(q, kv.k, kv.v, out_direct)
     assert torch.equal(out_direct, out_fast)
@@ -351,3 +351,29 @@ def test_tensor_core_decode_fast_replan_equals_public_plan(monkeypatch):
     out_public = wrapper.run(q, (kv.k, kv.v))
     assert list(wrapper._plan_info) == fast_info
     assert torch.equal(out_fast, out_public)
+
+
+def test_the_fast_path_self_check_passes_on_this_flashinfer():
+    """The probe-time self-check of compat (fast plan and direct run against plan()/run() on a
+    tiny case) on the installed FlashInfer: passes on a tested release; skipped on another
+    (the fast path is off there, and attn list says so)."""
+    import flashinfer
+    from attn_plugin_flashinfer import compat
+
+    fp = compat.FastPath(flashinfer, compat.distribution_version())
+    if fp.release is None:
+        pytest.skip(fp.note())
+    assert fp.self_check(CUDA) == "", fp.note()
+    assert fp.note().endswith("self-check passed)")
+
+
+@pytest.mark.parametrize("spec_name", ["full", "mla"])
+def test_per_layer_softmax_scales_reach_every_kernel(spec_name, monkeypatch):
+    """Layers whose own scale differs from the spec's: prefill (ragged, paged), decode (fast
+    path or run()) and MLA compute with the layer's scale (public arguments only)."""
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")
+    spec = FULL if spec_name == "full" else MLA
+    _compare(
+        spec, wl.WORKLOADS["prefill_decode_mixed"],
+        make_kw={"layer_scales": (spec.scale * 0.5, spec.scale * 2.0)},
+    )  # fmt: skip

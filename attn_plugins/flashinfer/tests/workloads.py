@@ -97,8 +97,13 @@ def make(
     graph: bool = False,
     target: DeviceCapabilities | None = None,
     kv_scales: tuple[float, float] | None = None,
+    layer_scales: Sequence[float] | None = None,
 ) -> Harness:
-    """A runtime whose only group is served by ``backend`` (forced through the selector)."""
+    """A runtime whose only group is served by ``backend`` (forced through the selector).
+
+    :param layer_scales: each layer's own softmax scale (``LayerAttentionBinding.scale``), in
+        place of the spec's.
+    """
     device = torch.device(device)
     groups = group_layers([spec] * num_layers)
     constraints = ExecutionConstraints(
@@ -122,7 +127,8 @@ def make(
                 state.kv_cache.set_scale(i, k=kv_scales[0], v=kv_scales[0])
             else:
                 state.kv_cache.set_scale(i, k=kv_scales[0], v=kv_scales[1])
-    runtime = AttentionRuntime(plan, reg, state=state, device=device)
+    layer_params = {i: {"scale": s} for i, s in enumerate(layer_scales or ())}
+    runtime = AttentionRuntime(plan, reg, state=state, device=device, layer_params=layer_params)
     builder = BatchBuilder(
         state,
         max_batch_size=max_batch,

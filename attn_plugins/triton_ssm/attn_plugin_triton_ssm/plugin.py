@@ -63,6 +63,7 @@ from attn_core.specs import (
     LinearVariant,
     torch_dtype,
 )
+from attn_plugin_triton_ssm import compat
 
 if TYPE_CHECKING:
     from attn_core.binding import LayerAttentionBinding
@@ -168,6 +169,8 @@ def attn_core_register_backends(register) -> None:
             ),
             available=reason is None,
             unavailable_reason=reason,
+            # whether fla-core's internal stages (compat.py) serve GDN prefill, and why not
+            notes=compat.note(),
         )
     )
 

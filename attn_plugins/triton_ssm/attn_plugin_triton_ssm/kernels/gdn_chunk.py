@@ -22,9 +22,10 @@ the chunk's last token)::
     v_new = u - w @ h
     h     = exp2(g_last) * h + k^T @ (exp2(g_last - g) * v_new)
 
-fla's internal functions are imported on first use; :func:`unavailable` says why this path
-cannot run (fla-core missing, or its internals moved in another version), and the prefill
-wrapper then gathers and scatters around fla's public function instead.
+fla's internal functions come from :mod:`attn_plugin_triton_ssm.compat` (gated by fla-core's
+release, self-checked against fla's public function on the GPU); :func:`unavailable` says why
+this path cannot run, and the prefill wrapper then gathers and scatters around fla's public
+function instead.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attn_plugin_triton_ssm import compat
 from attn_plugin_triton_ssm.kernels._common import INTERPRETED, first_that_fits
 
 __all__ = ["CHUNK", "chunk_state_pass", "gdn_chunk_prefill_slots", "l2norm_qk", "unavailable"]
@@ -43,29 +45,10 @@ __all__ = ["CHUNK", "chunk_state_pass", "gdn_chunk_prefill_slots", "l2norm_qk", 
 CHUNK = 64
 
 
-@functools.cache
-def _fla_stages() -> tuple[dict, str | None]:
-    try:
-        from fla.ops.common.chunk_o import chunk_fwd_o
-        from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-        from fla.ops.utils import chunk_local_cumsum
-        from fla.ops.utils.constant import RCP_LN2
-        from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
-    except ImportError as exc:  # fla-core absent, or its internals moved
-        return {}, f"fla-core internals not importable ({exc})"
-    return {
-        "chunk_fwd_o": chunk_fwd_o,
-        "intra": chunk_gated_delta_rule_fwd_intra,
-        "cumsum": chunk_local_cumsum,
-        "RCP_LN2": RCP_LN2,
-        "chunk_indices": prepare_chunk_indices,
-        "chunk_offsets": prepare_chunk_offsets,
-    }, None
-
-
 def unavailable() -> str | None:
-    """Why :func:`gdn_chunk_prefill_slots` cannot run here, or None (imports fla on first call)."""
-    return _fla_stages()[1]
+    """Why :func:`gdn_chunk_prefill_slots` cannot run here (fla-core's release, its internals,
+    a failed self-check: :func:`attn_plugin_triton_ssm.compat.slot_pass_reason`), or None."""
+    return compat.slot_pass_reason()
 
 
 @triton.jit(do_not_specialize=["slot_stride"])
@@ -329,7 +312,7 @@ def gdn_chunk_prefill_slots(
         host, so that fla plans its chunks without reading the device).
     :returns: the output ``[T, HV, V]`` in v's dtype; the slots hold the final states.
     """
-    f, reason = _fla_stages()
+    f, reason = compat.stages()
     if reason:
         raise RuntimeError(reason)
     q, k, v, g, beta = (t[None] for t in (q, k, v, g, beta))

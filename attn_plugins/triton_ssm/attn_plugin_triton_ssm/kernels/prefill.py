@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from attn_plugin_triton_ssm import compat
 from attn_plugin_triton_ssm.kernels import gdn_chunk
 from attn_plugin_triton_ssm.kernels._common import (
     STATE_DTYPES,
@@ -90,10 +91,7 @@ def _delta_prefill(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens, *, kd
     h0 = ssm_state.index_select(0, idx).float()
 
     if q.is_cuda:
-        if kda:
-            from fla.ops.kda import chunk_kda as chunk_fn
-        else:
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk_fn
+        chunk_fn = compat.public_chunk(kda=kda)
         o, ht = chunk_fn(
             q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=h0,
             output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
@@ -115,7 +113,7 @@ def _slot_pass_serves(q: torch.Tensor, ssm_state: torch.Tensor, kda: bool) -> bo
         and not kda
         and Dk <= 256
         and ssm_state.stride()[1:] == (Dk * Dv, Dv, 1)
-        and gdn_chunk.unavailable() is None
+        and compat.slot_pass_reason(q.device) is None  # gate, imports, self-check
     )
 
 
@@ -129,8 +127,7 @@ def _finish(o: torch.Tensor, v: torch.Tensor, out, T: int, Hv: int, Dv: int) -> 
 
 def _naive_varlen(q, k, v, g, beta, h0, cu_seqlens, *, kda, scale, use_qk_l2norm):
     """CPU fallback: fla's naive recurrences, one sequence at a time."""
-    from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
-    from fla.ops.kda.naive import naive_recurrent_kda
+    naive_recurrent_gated_delta_rule, naive_recurrent_kda = compat.naive_recurrences()
 
     group = v.shape[1] // q.shape[1]
     if use_qk_l2norm:
@@ -365,8 +362,7 @@ def mamba2_prefill(
 def _mamba2_fla(x, dtf, A, B, C, ssm_state, idx, cu_seqlens, cu_seqlens_cpu) -> torch.Tensor:
     """SSD through fla's ``chunk_simple_gla``; returns ``y`` ``[T, H, P]`` float32 without the
     ``D`` skip and ``z`` gate, and writes the final states into ``ssm_state[idx]``."""
-    from fla.ops.simple_gla import chunk_simple_gla
-
+    chunk_simple_gla = compat.public_simple_gla()
     H, G = x.shape[1], B.shape[1]
     # The kernels want one key head per value head: B and C are shared by H // G heads.
     kq_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32

@@ -1,0 +1,218 @@
+"""Every use of fla-core by this plugin, in one module, gated by the installed release.
+
+Public fla-core API (any release in the declared range): ``fla.ops.gated_delta_rule``'s
+``chunk_gated_delta_rule`` and ``fla.ops.kda``'s ``chunk_kda`` (chunked prefill over a gathered
+dense state), ``fla.ops.simple_gla``'s ``chunk_simple_gla`` (Mamba2's SSD) and the naive
+recurrences the CPU fallback runs (:func:`public_chunk`, :func:`public_simple_gla`,
+:func:`naive_recurrences`).
+
+Internal fla-core stages (only for a release in :data:`TESTED_STAGES`, whose sources the slot
+pass was written against): the Gated DeltaNet prefill that reads and writes the state slots in
+place (``kernels.gdn_chunk``) runs fla's chunk-local cumsum, intra-chunk WY representation and
+output pass around the plugin's own state pass. Those functions live in fla's internal modules
+(``fla.ops.common.chunk_o``, ``fla.ops.gated_delta_rule.chunk_fwd``, ``fla.ops.utils``), whose
+names and keyword arguments change between releases. :func:`stages` gives them, or why not:
+another release, an import that fails, or a failed self-check. The self-check (GPU only, once
+per process, before the first slot-pass prefill) runs the slot pass against fla's public
+``chunk_gated_delta_rule`` on a tiny case; if the outputs or final states differ, or it
+raises, the prefill gathers and scatters around the public function instead. ``attn list``
+shows which (:func:`note`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib import metadata
+from typing import Any
+
+import torch
+from packaging.version import InvalidVersion, Version
+
+__all__ = [
+    "DISTRIBUTION",
+    "TESTED_STAGES",
+    "distribution_version",
+    "naive_recurrences",
+    "note",
+    "public_chunk",
+    "public_simple_gla",
+    "self_check",
+    "slot_pass_reason",
+    "stages",
+]
+
+DISTRIBUTION = "fla-core"
+#: fla-core releases whose internal stage functions (names, keyword arguments, chunk size) the
+#: slot pass was written against and checked on.
+TESTED_STAGES = frozenset({"0.6.0"})
+
+
+def distribution_version() -> str | None:
+    """The installed ``fla-core`` distribution's version; None where there is none."""
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _gate() -> str | None:
+    version = distribution_version()
+    if version is None:
+        return f"no {DISTRIBUTION} distribution found"
+    try:
+        normal = str(Version(version))
+    except InvalidVersion:
+        return f"fla-core version {version!r} is not a version"
+    if normal not in TESTED_STAGES:
+        tested = ", ".join(sorted(TESTED_STAGES))
+        return f"fla-core {version} is not a release the slot pass was tested on ({tested})"
+    return None
+
+
+class _State:
+    """What was found, for the process (tests reset it)."""
+
+    stages: dict[str, Any] | None = None
+    reason: str | None = None  # why the internal stages are off; None: not looked up yet
+    check: str | None = None  # the self-check: None not run, "" passed, else why it failed
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.stages, cls.reason, cls.check = None, None, None
+
+
+def stages() -> tuple[dict[str, Any], str | None]:
+    """``(fla's internal stage functions, None)``, or ``({}, why not)`` (version gate or
+    import). Imports fla on the first call."""
+    if _State.reason is None:
+        gate = _gate()
+        if gate is not None:
+            _State.stages, _State.reason = {}, gate
+        else:
+            try:
+                from fla.ops.common.chunk_o import chunk_fwd_o
+                from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+                from fla.ops.utils import chunk_local_cumsum
+                from fla.ops.utils.constant import RCP_LN2
+                from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
+            except ImportError as exc:  # the internals moved under a tested version number
+                _State.stages, _State.reason = {}, f"fla-core internals not importable ({exc})"
+            else:
+                _State.stages = {
+                    "chunk_fwd_o": chunk_fwd_o,
+                    "intra": chunk_gated_delta_rule_fwd_intra,
+                    "cumsum": chunk_local_cumsum,
+                    "RCP_LN2": RCP_LN2,
+                    "chunk_indices": prepare_chunk_indices,
+                    "chunk_offsets": prepare_chunk_offsets,
+                }
+                _State.reason = ""
+    return _State.stages or {}, _State.reason or None
+
+
+def slot_pass_reason(device: torch.device | None = None) -> str | None:
+    """Why the slot-pass prefill may not run (gate, import, failed self-check); None: it may.
+    On a CUDA ``device`` the self-check runs first if it has not."""
+    _, reason = stages()
+    if reason:
+        return reason
+    if device is not None and device.type == "cuda" and _State.check is None:
+        self_check(device)
+    if _State.check:
+        return f"self-check against fla's chunk_gated_delta_rule failed: {_State.check}"
+    return None
+
+
+def note() -> str:
+    """The line ``attn list`` prints after the backend's status. Imports nothing: before the
+    stages were looked up in this process it says what the version gate says."""
+    reason = _gate() if _State.reason is None else slot_pass_reason()
+    if reason:
+        return f"fla stages: off ({reason}; fla's public chunk_gated_delta_rule used)"
+    checked = {None: "self-check at first GPU prefill", "": "self-check passed"}
+    return f"fla stages: on (fla-core {distribution_version()}, {checked[_State.check]})"
+
+
+def self_check(device: torch.device) -> str:
+    """Run the slot-pass prefill against fla's public ``chunk_gated_delta_rule`` on a tiny
+    case on ``device``, once per process; keep and return the verdict ("" passed).
+
+    The case: two sequences of 70 and 5 tokens (a chunk boundary and a partial chunk), 2 key /
+    4 value heads, K = V = 64, bf16 q/k/v, q/k l2-normalised in the kernel, fp32 states
+    starting from random values in slots 3 and 1 of 4.
+    """
+    if _State.check is not None:
+        return _State.check
+    try:
+        _State.check = _self_check(device)
+    except Exception as exc:  # any failure of the internal path: the public path stays
+        _State.check = f"{type(exc).__name__}: {exc}"
+    return _State.check
+
+
+def _self_check(device: torch.device) -> str:
+    from attn_plugin_triton_ssm.kernels import gdn_chunk
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(device)
+
+    T, H, HV, K, V = 75, 2, 4, 64, 64
+    bf = torch.bfloat16
+    q, k, v = rnd(T, H, K).to(bf), rnd(T, H, K).to(bf), rnd(T, HV, V).to(bf)
+    gate = -torch.rand(T, HV, generator=g).to(device) * 0.5
+    beta = torch.rand(T, HV, generator=g).to(device)
+    states = rnd(4, HV, K, V, scale=0.1)
+    slots = torch.tensor([3, 1], dtype=torch.int32, device=device)
+    cu_cpu = torch.tensor([0, 70, 75], dtype=torch.int64)
+    cu = cu_cpu.to(device)
+    scale = K**-0.5
+    chunk = public_chunk(kda=False)
+    h0 = states.index_select(0, slots.long())
+    want, want_ht = chunk(
+        q[None], k[None], v[None], gate[None], beta[None], scale=scale, initial_state=h0,
+        output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+        cu_seqlens_cpu=cu_cpu,
+    )  # fmt: skip
+    got_states = states.clone()
+    got = gdn_chunk.gdn_chunk_prefill_slots(
+        q, k, v, gate, beta, got_states, slots, cu, cu_cpu, scale=scale, use_qk_l2norm=True
+    )
+    # Both run fla's stages; only the state pass differs: agreement to bf16 rounding (the GPU
+    # test of the slot pass sees 2e-3 relative at Qwen3-Next's shapes).
+    want_o = want[0].float()
+    rel = ((got.float() - want_o).abs().mean() / want_o.abs().mean()).item()
+    if not rel < 1e-2:
+        return f"outputs differ by {rel:.3g} (mean, relative)"
+    got_ht = got_states.index_select(0, slots.long())
+    rel = ((got_ht - want_ht.float()).abs().max() / want_ht.float().abs().max()).item()
+    if not rel < 1e-2:
+        return f"final states differ by {rel:.3g} (max, relative)"
+    return ""
+
+
+def public_chunk(*, kda: bool) -> Callable[..., Any]:
+    """fla's public chunked prefill: ``chunk_kda`` or ``chunk_gated_delta_rule`` (CUDA)."""
+    if kda:
+        from fla.ops.kda import chunk_kda
+
+        return chunk_kda
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule
+
+
+def public_simple_gla() -> Callable[..., Any]:
+    """fla's public ``chunk_simple_gla`` (Mamba2's SSD as scalar-gated linear attention)."""
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    return chunk_simple_gla
+
+
+def naive_recurrences() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """fla's naive recurrences (GDN, KDA): the CPU fallback's reference math."""
+    from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+    from fla.ops.kda.naive import naive_recurrent_kda
+
+    return naive_recurrent_gated_delta_rule, naive_recurrent_kda
