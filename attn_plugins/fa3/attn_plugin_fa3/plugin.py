@@ -18,6 +18,7 @@ JIT-compiles the kernel, 2-4 s).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -120,6 +121,7 @@ def make_backend(
         priority=90,
         description=f"FlashAttention-3 API over paged KV via {source} (sm90)",
         version=f"attn-plugin-fa3 {__version__}; {source}",
+        notes=provider.note if provider is not None else "",
         available=ok,
         unavailable_reason=None if ok else (reason or "disabled"),
     )
@@ -130,12 +132,31 @@ def attn_core_register_backends(register) -> None:
     register(make_backend())
 
 
-@hookimpl
-def attn_core_allocate_context(backend, group, device, constraints, state, workspace):
+def checked_provider(device: torch.device) -> providers.Provider:
+    """The probed provider, its private entry point compared with the public one on this GPU
+    once per process (:func:`providers.self_check`); a mismatch leaves the public path only,
+    and the backend's note in ``attn list`` says why."""
+    global _PROBE
     provider, reason = probe()
     if provider is None:
-        raise RuntimeError(f"{backend.qualified_name} cannot run: {reason}")
-    return FA3Context(backend, group, provider, constraints)
+        raise RuntimeError(f"fa3 cannot run: {reason}")
+    if provider.uses_private and device.type == "cuda":
+        problem = providers.self_check(provider, device)
+        if problem is None:
+            provider = replace(provider, uses_private=False, note=provider.note.replace(
+                "self-check at first GPU use", "self-check passed"))  # fmt: skip
+        else:
+            provider = providers.public_only(provider, problem)
+        _PROBE = (provider, None)
+    return provider
+
+
+@hookimpl
+def attn_core_allocate_context(backend, group, device, constraints, state, workspace):
+    if probe()[0] is None:
+        raise RuntimeError(f"{backend.qualified_name} cannot run: {probe()[1]}")
+    where = torch.device("cuda" if device.device_type == "cuda" else "cpu")
+    return FA3Context(backend, group, checked_provider(where), constraints)
 
 
 @hookimpl

@@ -10,8 +10,12 @@ Two providers, tried in this order:
      page_table=, softmax_scale=, causal=, softcap=, window_size_left=, window_size_right=,
      learnable_sink=, score_mod=, out=)`` returns ``(out, lse)``; the public
      ``flash_attn_varlen_func`` wraps it in an autograd Function and takes no ``out``. This
-     module calls ``_flash_attn_fwd`` (to write into the caller's ``out``) when its signature has
-     every argument used here, else the public function.
+     module is the plugin's only user of that private function (and of
+     ``utils.create_softcap_scoremod``): it calls it, to write into the caller's ``out``, only
+     for a release in :data:`TESTED_DIRECT_RELEASES` whose signature has every argument used
+     here, and only once :func:`self_check` found it equal to the public function on a small
+     paged case on this GPU; otherwise every call is the public function (and a copy into
+     ``out``), and ``attn list`` says why (:attr:`Provider.note`).
    * paged KV: ``k``/``v`` are ``[num_pages, page_size, Hkv, D]``, ``page_table`` int32
      ``[B, max_pages]``, unit stride in the last dim; ``seqused_k`` int32 ``[B]``. A page size
      equal to the kernel's ``tile_n`` loads KV with TMA; any other page size loads rows with
@@ -53,6 +57,8 @@ __all__ = ["Provider", "describe_missing", "probe"]
 #: Head dims the paged path is correct for (see the module docstring).
 FA4_HEAD_DIMS = frozenset({64, 96, 128})
 FA3_HEAD_DIMS = frozenset({64, 96, 128, 192, 256})
+#: flash-attn-4 releases whose private ``_flash_attn_fwd`` this module was written against.
+TESTED_DIRECT_RELEASES = frozenset({"4.0.0b14"})
 _FA4_FWD_ARGS = frozenset(
     {
         "cu_seqlens_q",
@@ -92,6 +98,11 @@ class Provider:
     _make_softcap: Callable[[float], object] | None = None
     _run_with_lse: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     _run_dense: Callable[..., torch.Tensor] | None = None
+    #: how the kernel is called, for ``attn list`` (e.g. why the private entry point is off)
+    note: str = ""
+    #: True when :meth:`run` goes through a private entry point that :func:`self_check` must
+    #: compare with the public one before the first context uses it
+    uses_private: bool = False
 
     @property
     def splits_kv(self) -> bool:
@@ -237,21 +248,43 @@ def _dist_version(name: str) -> str:
         return "unknown"
 
 
-def _fa4_provider() -> Provider:
+def _fa4_provider(*, allow_private: bool = True, why_not: str = "") -> Provider:
     iface = importlib.import_module("flash_attn.cute.interface")
+    version = _dist_version("flash-attn-4")
     fwd = getattr(iface, "_flash_attn_fwd", None)
     direct = False
-    if fwd is not None:
+    if not allow_private:
+        note = f"_flash_attn_fwd: off ({why_not}); public flash_attn_varlen_func used"
+    elif version not in TESTED_DIRECT_RELEASES:
+        note = (
+            f"_flash_attn_fwd: off (flash-attn-4 {version} not in the tested releases "
+            f"{', '.join(sorted(TESTED_DIRECT_RELEASES))}); public flash_attn_varlen_func used"
+        )
+    elif fwd is None:
+        note = "_flash_attn_fwd: off (absent); public flash_attn_varlen_func used"
+    else:
         try:
             direct = set(inspect.signature(fwd).parameters) >= _FA4_FWD_ARGS
         except (TypeError, ValueError):
             direct = False
+        note = (
+            f"_flash_attn_fwd: on (flash-attn-4 {version}; self-check at first GPU use)"
+            if direct
+            else "_flash_attn_fwd: off (signature lacks arguments used here); public "
+            "flash_attn_varlen_func used"
+        )
     public = getattr(iface, "flash_attn_varlen_func", None)
     if not direct and public is None:
         raise ImportError("flash_attn.cute.interface has neither _flash_attn_fwd nor "
                           "flash_attn_varlen_func with paged-KV arguments")  # fmt: skip
     utils = getattr(iface, "utils", None)
     make_mod = getattr(utils, "create_softcap_scoremod", None) if direct else None
+
+    def _softcap_args(softcap: object) -> dict[str, object]:
+        # A score_mod closure (built by make_softcap) or a plain float cap.
+        if callable(softcap):
+            return {"score_mod": softcap, "softcap": 0.0}
+        return {"softcap": float(softcap) if isinstance(softcap, (int, float)) else 0.0}
 
     def run(q, k_cache, v_cache, out, *, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
             page_table, scale, window_left, softcap, sinks):  # fmt: skip
@@ -289,15 +322,13 @@ def _fa4_provider() -> Provider:
             causal=True,
             window_size=(window_left, 0 if window_left is not None else None),
             learnable_sink=sinks,
-            softcap=softcap or 0.0,
+            **_softcap_args(softcap),
         )
-        return result[0] if isinstance(result, tuple) else result  # (out, lse) in 4.0.0b14
-
-    def _softcap_args(softcap: object) -> dict[str, object]:
-        # A score_mod closure (built by make_softcap) or a plain float cap.
-        if callable(softcap):
-            return {"score_mod": softcap, "softcap": 0.0}
-        return {"softcap": float(softcap) if isinstance(softcap, (int, float)) else 0.0}
+        result = result[0] if isinstance(result, tuple) else result  # (out, lse) in 4.0.0b14
+        if out is not None:
+            out.copy_(result)
+            return out
+        return result
 
     run_with_lse = None
     if public is not None and "return_lse" in inspect.signature(public).parameters:
@@ -368,6 +399,8 @@ def _fa4_provider() -> Provider:
         _make_softcap=make_mod,
         _run_with_lse=run_with_lse,
         _run_dense=run_dense if (direct or public is not None) else None,
+        note=note,
+        uses_private=direct,
     )
 
 
@@ -410,6 +443,51 @@ def _fa3_provider() -> Provider:
         head_dims=FA3_HEAD_DIMS,
         _run=run,
     )
+
+
+def self_check(provider: Provider, device: torch.device) -> str | None:
+    """Compare :meth:`Provider.run` (the private entry point) with the public
+    ``flash_attn_varlen_func`` on a small paged step on ``device``: None when they agree, else
+    why not (a release whose private function changed meaning must not serve silently).
+
+    The case: 2 requests (5 + 3 new tokens over 40 / 17 cached), 4 query / 2 KV heads, head dim
+    64, page 16, bf16, soft-cap 30 and a window of 24, written into ``out``."""
+    try:
+        from flash_attn.cute.interface import flash_attn_varlen_func
+
+        g = torch.Generator(device=device).manual_seed(0)
+        pages, page, hkv, hq, d = 8, 16, 2, 4, 64
+        k_cache = torch.randn(pages, page, hkv, d, device=device, generator=g).bfloat16()
+        v_cache = torch.randn(pages, page, hkv, d, device=device, generator=g).bfloat16()
+        q = torch.randn(8, hq, d, device=device, generator=g).bfloat16()
+        cu = torch.tensor([0, 5, 8], dtype=torch.int32, device=device)
+        used = torch.tensor([45, 20], dtype=torch.int32, device=device)
+        table = torch.tensor([[3, 0, 6, 1], [5, 2, 7, 4]], dtype=torch.int32, device=device)
+        out = torch.full_like(q, float("nan"))
+        got = provider.run(q, k_cache, v_cache, out, cu_seqlens_q=cu, max_seqlen_q=5,
+                           seqused_k=used, max_seqlen_k=45, page_table=table, scale=0.1,
+                           window_left=23, softcap=provider.make_softcap(30.0),
+                           sinks=None)  # fmt: skip
+        want = flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=cu, max_seqlen_q=5,
+                                      seqused_k=used, max_seqlen_k=45, page_table=table,
+                                      softmax_scale=0.1, causal=True, window_size=(23, 0),
+                                      softcap=30.0)  # fmt: skip
+        want = want[0] if isinstance(want, tuple) else want
+        if got.data_ptr() != out.data_ptr():
+            return "the private call did not write into out"
+        err = (got.float() - want.float()).abs().max().item()
+        if not err <= 1e-2:
+            return f"the private call differs from flash_attn_varlen_func by {err:.3g}"
+    except Exception as exc:  # any failure of the private path means: use the public one
+        return f"self-check raised {type(exc).__name__}: {exc}"
+    return None
+
+
+def public_only(provider: Provider, why: str) -> Provider:
+    """``provider``'s source without its private entry point (flash-attn-4 only)."""
+    if provider.name != "flash-attn-4":
+        return provider
+    return _fa4_provider(allow_private=False, why_not=why)
 
 
 def probe() -> tuple[Provider | None, list[str]]:

@@ -486,3 +486,91 @@ def test_long_decode_is_split_and_fresh_prefill_skips_the_page_table(monkeypatch
     split_call = next(c for c in rec.calls if c.get("path") == "split")
     # 2 requests x 2 KV heads = 4 CTAs: split as far as 1k-token chunks allow (3001 keys: 2)
     assert split_call["rows"] == 2 * 2 and split_call["max_seqlen_k"] == 1504
+
+
+# ------------------------------------------------------------------------------------------
+# The private entry point: version gate and self-check
+# ------------------------------------------------------------------------------------------
+def _fake_fa4(monkeypatch, version: str, private_scale: float = 1.0):
+    """A stand-in ``flash_attn.cute.interface``: the public function computes with the
+    reference op; the private one does the same times ``private_scale`` (1.0: agrees)."""
+    import sys
+    import types
+
+    calls: list[str] = []
+
+    def public(q, k, v, *, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, page_table,
+               softmax_scale, causal, window_size=(None, None), learnable_sink=None,
+               softcap=0.0, score_mod=None, return_lse=False, **_):  # fmt: skip
+        calls.append("public")
+        n = cu_seqlens_q.numel() - 1
+        o = ops.paged_attention(q.float(), k.float(), v.float(), page_table[:n], cu_seqlens_q,
+                                seqused_k, scale=softmax_scale, causal=True,
+                                logits_soft_cap=softcap or None).to(q.dtype)  # fmt: skip
+        return o, None
+
+    def private(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
+                max_seqlen_q=None, max_seqlen_k=None, page_table=None, softmax_scale=None,
+                causal=False, softcap=None, window_size_left=None, window_size_right=None,
+                learnable_sink=None, score_mod=None, out=None):  # fmt: skip
+        calls.append("private")
+        o, _ = public(q, k, v, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                      seqused_k=seqused_k, max_seqlen_k=max_seqlen_k, page_table=page_table,
+                      softmax_scale=softmax_scale, causal=causal, softcap=softcap)  # fmt: skip
+        calls.pop()
+        out.copy_(o * private_scale)
+        return out, None
+
+    iface = types.ModuleType("flash_attn.cute.interface")
+    iface._flash_attn_fwd = private
+    iface.flash_attn_varlen_func = public
+    iface.utils = types.SimpleNamespace()  # no score_mod builder: soft-cap passes as a float
+    for name, mod in (
+        ("flash_attn", types.ModuleType("flash_attn")),
+        ("flash_attn.cute", types.ModuleType("flash_attn.cute")),
+        ("flash_attn.cute.interface", iface),
+    ):
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(providers, "_dist_version", lambda name: version)
+    return calls
+
+
+def _small_paged_call(provider):
+    torch.manual_seed(0)
+    k_cache = torch.randn(4, 16, 2, 64).bfloat16()
+    v_cache = torch.randn(4, 16, 2, 64).bfloat16()
+    q = torch.randn(3, 4, 64).bfloat16()
+    out = torch.zeros_like(q)
+    got = provider.run(
+        q, k_cache, v_cache, out, cu_seqlens_q=torch.tensor([0, 2, 3], dtype=torch.int32),
+        max_seqlen_q=2, seqused_k=torch.tensor([20, 9], dtype=torch.int32), max_seqlen_k=20,
+        page_table=torch.tensor([[1, 3], [2, 0]], dtype=torch.int32), scale=0.125,
+        window_left=None, softcap=None, sinks=None,
+    )  # fmt: skip
+    return got, out
+
+
+def test_private_entry_point_only_for_the_tested_release(monkeypatch):
+    calls = _fake_fa4(monkeypatch, "4.0.0b14")
+    provider = providers._fa4_provider()
+    assert provider.uses_private and "on (flash-attn-4 4.0.0b14" in provider.note
+    _small_paged_call(provider)
+    assert calls == ["private"]
+
+    calls = _fake_fa4(monkeypatch, "4.0.0b36")
+    provider = providers._fa4_provider()
+    assert not provider.uses_private
+    assert "off (flash-attn-4 4.0.0b36 not in the tested releases 4.0.0b14)" in provider.note
+    got, out = _small_paged_call(provider)
+    assert calls == ["public"] and got is out and out.abs().sum() > 0  # copied into out
+
+
+def test_a_private_path_that_disagrees_is_dropped_and_the_note_says_why(monkeypatch):
+    _fake_fa4(monkeypatch, "4.0.0b14", private_scale=1.5)
+    provider = providers._fa4_provider()
+    problem = providers.self_check(provider, torch.device("cpu"))
+    assert problem is not None and "differs from flash_attn_varlen_func" in problem
+    fallback = providers.public_only(provider, problem)
+    assert not fallback.uses_private and problem in fallback.note
+    _fake_fa4(monkeypatch, "4.0.0b14", private_scale=1.0)
+    assert providers.self_check(providers._fa4_provider(), torch.device("cpu")) is None

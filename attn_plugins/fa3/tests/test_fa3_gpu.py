@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attn_plugin_fa3 import plugin
+from attn_plugin_fa3 import plugin, providers
 
 import attn_core.reference.plugin as ref_plugin
 from attn_core.batch import BatchBuilder
@@ -290,3 +290,16 @@ def test_split_decode_cuda_graph_replays_new_lengths():
         torch.testing.assert_close(out.float(), want.float(), **TOL)
         for n in ("a", "b"):
             h.state.advance(n, 1)
+
+
+def test_private_entry_point_passes_its_self_check_here():
+    """On the tested release the private call (writing into ``out``) agrees with the public
+    function on this GPU, and the backend's note for ``attn list`` says so."""
+    Harness(_spec())  # allocating a context runs the self-check once per process
+    provider, _ = plugin.probe()
+    assert provider is not None
+    if provider.version in providers.TESTED_DIRECT_RELEASES:
+        assert "self-check passed" in provider.note, provider.note
+    else:
+        assert "off (" in provider.note
+    assert plugin.make_backend().notes == provider.note
