@@ -48,6 +48,7 @@ __all__ = [
     "LayerKind",
     "LayerSpec",
     "LinearVariant",
+    "Phase",
     "group_layers",
     "torch_dtype",
 ]
@@ -80,6 +81,22 @@ class GraphMode(str, enum.Enum):
     NONE = "none"
     DECODE = "decode"  # pure-decode steps captured for fixed batch sizes
     FULL = "full"  # every step captured (mixed batches included)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Phase(str, enum.Enum):
+    """The kind of step a backend serves; a plan chooses a backend per layer group and phase.
+
+    A step's phase follows from its batch (``AttentionBatch.phase``): every request with one new
+    token is ``decode``; a speculative-verify step (``k + 1`` tokens per request) is ``verify``;
+    everything else (prefill chunks, mixed prefill and decode, encoder sequences) is ``prefill``.
+    """
+
+    PREFILL = "prefill"  # prefill and mixed steps (and encoder steps)
+    DECODE = "decode"  # pure decode: q_len == 1 for every request
+    VERIFY = "verify"  # speculative verify: q_len == k + 1 for every request
 
     def __str__(self) -> str:
         return self.value
