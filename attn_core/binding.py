@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from attn_core.errors import BackendInputError, NonFiniteInputError, PluginError
-from attn_core.specs import LayerKind, LayerSpec, torch_dtype
+from attn_core.specs import LayerKind, LayerSpec, Phase, torch_dtype
 
 if TYPE_CHECKING:
     from attn_core.backend import Backend
@@ -31,7 +31,14 @@ __all__ = ["GroupRuntime", "LayerAttentionBinding"]
 
 
 class GroupRuntime:
-    """The state shared by all layers of one group: context, bound forward, current batch."""
+    """The state shared by all layers of one group: context, bound forward, current batch.
+
+    A plan may serve a group's phases (prefill / mixed, decode, verify) by different backends,
+    each with its own context over the group's one persistent state. ``phase_targets`` holds
+    ``(backend, context, forward)`` per phase; :meth:`use_phase` (called by the runtime's
+    ``prepare`` / ``update``, once per step) swaps those three pointers, so that every layer's
+    ``forward`` calls the step's backend at no extra cost. Empty: one backend serves all.
+    """
 
     __slots__ = (
         "backend",
@@ -41,6 +48,7 @@ class GroupRuntime:
         "device_index",
         "forward",
         "group_id",
+        "phase_targets",
         "spec",
         "state",
     )
@@ -72,6 +80,15 @@ class GroupRuntime:
         #: Why inputs are checked for NaN / inf before each forward (the setting that asked
         #: for it, named in the error), or None: not checked.
         self.check_finite = check_finite
+        #: per phase, (backend, context, forward) when phases differ in backend; else empty
+        self.phase_targets: dict[Phase, tuple[Backend, AttentionContext, Callable[..., Any]]] = {}
+
+    def use_phase(self, phase: Phase) -> None:
+        """Make the backend of ``phase`` the group's current one (a phase without an entry
+        keeps the current backend)."""
+        target = self.phase_targets.get(phase)
+        if target is not None and target[1] is not self.context:
+            self.backend, self.context, self.forward = target
 
     def current_batch(self, layer: int, call: str) -> AttentionBatch:
         """The prepared batch, refused when it is missing or stale (see :meth:`check_fresh`)."""

@@ -212,7 +212,7 @@ def test_every_phase_backend_shares_the_page_size(registry):
     assert set(_phases(plan).values()) == {"dec64:dec64"}
 
 
-def test_a_faster_phase_backend_that_cannot_share_the_state_says_so(registry):
+def test_a_faster_phase_backend_that_cannot_share_the_state_says_so(make_plugin):
     """dec64 (decode only, page size 64 only) ranks first for decode, but at page size 64 no
     backend serves prefill (the reference is denied, flashinfer and fa3 serve 16 only): the
     decode phase falls back to flashinfer with a shared_state rejection naming why."""
@@ -225,11 +225,8 @@ def test_a_faster_phase_backend_that_cannot_share_the_state_says_so(registry):
 
     reg = Registry(strict=True)
     reg.register_plugin(ref, name="attn_core")
-
-    from tests.conftest import make_plugin_module
-
     for plugin, b in (("flashinfer", fi16), ("fa3", fa16), ("dec64", dec64)):
-        reg.register_plugin(make_plugin_module(plugin, [b]), name=plugin)
+        reg.register_plugin(make_plugin(plugin, [b]), name=plugin)
     plan = _plan(reg, deny={"reference"})
     assert plan.page_size == 16
     assert _phases(plan) == {"prefill": "flashinfer:flashinfer", "decode": "flashinfer:flashinfer"}
