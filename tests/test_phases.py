@@ -495,3 +495,26 @@ def test_explain_shows_every_phase(registry):
         "speculative verify steps: flashinfer:flashinfer, the same candidates and reasons as "
         "prefill / mixed steps"
     ) in text
+
+
+def test_cli_backends_forces_a_phase_and_json_shows_every_phase(registry, monkeypatch, capsys):
+    from attn_core import cli
+
+    reg = registry()
+    monkeypatch.setattr(cli, "_registry", lambda args: reg)
+    argv = ["explain", "qwen3", "--target", "h200", "--json", "--spec-tokens", "2"]
+    assert cli.main([*argv, "--backends", "decode:full=fa3"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    (group,) = d["groups"]
+    assert group["backend"] == "flashinfer:flashinfer"  # the existing key: prefill / mixed
+    assert {p: v["backend"] for p, v in group["phases"].items()} == {
+        "prefill": "flashinfer:flashinfer",
+        "decode": "fa3:fa3",
+        "verify": "flashinfer:flashinfer",
+    }
+    assert group["phases"]["decode"]["forced"] and not group["forced"]
+    assert d["phases"] == ["prefill", "decode", "verify"]
+    # a malformed phase key names the flag's entry
+    assert cli.main([*argv, "--backends", "decod:full=fa3"]) == 2
+    err = capsys.readouterr().err
+    assert "'decod:full=fa3' has 'decod' before ':', which is not a phase" in err
