@@ -4,7 +4,8 @@ attn list [--json]
 attn explain qwen3-next --target h200 [--tp 2] [--graph-mode decode] [--json]
 attn run --model qwen3-next [--device cpu] [--backends full=flashinfer]
     [--option reference.decode_path=ragged]
-attn bench --model qwen3 [--device cuda] [--write-tuning tuning.json] [--plot bench.png]
+attn bench --model qwen3 [--device cuda] [--batch 1,8,64] [--context 512,4096]
+    [--write-tuning tuning.json] [--plot bench.png]
 """
 
 from __future__ import annotations
@@ -320,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser(
-        "explain", help="the backend chosen for every layer group, and why not others"
+        "explain",
+        help="the backend chosen for every layer group and phase, and why not others",
     )
     p.add_argument(
         "model",
@@ -363,14 +365,29 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "bench",
         help="time every admissible backend per group (--write-tuning saves the times for the "
-        "selector)",
+        "selector) and phase, over a grid of batch sizes and context lengths",
     )
     p.add_argument("--model", default="qwen3")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--batch", type=int, default=8, help="decode requests per step")
-    p.add_argument("--context", type=int, default=256, help="tokens already cached per request")
+    p.add_argument(
+        "--batch",
+        default="8",
+        help="requests per step: one or a comma list, e.g. 1,8,64,256 (each a tuning bucket)",
+    )
+    p.add_argument(
+        "--context",
+        default="256",
+        help="tokens cached per request (decode, verify) / new tokens per request (prefill): "
+        "one or a comma list, e.g. 512,4096",
+    )
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=65536,
+        help="skip prefill grid points of more tokens per step (batch x context)",
+    )
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--write-tuning", default=None, help="write a tuning file for the selector")
     p.add_argument(
