@@ -1,12 +1,16 @@
-"""Pick one backend per layer group for a whole model, and explain every rejection.
+"""Pick a backend per layer group and phase for a whole model, and explain every rejection.
 
-Selection is deterministic. For each group the admissible backends are ranked by measured tuning
-data when the tuning file has a time for that backend on that group's spec (faster first); the
-rest by the default rule: every other backend before the reference (``attn_core:reference``),
-whatever their priorities and names, then by declared priority (higher first), then by qualified
-name. Settings that must be shared by every group - page size, KV layout and CUDA-graph mode -
-are chosen for the whole model: the selector tries each candidate page size / layout and keeps
-the first one under which every group has a backend, preferring the model's own page size; when
+Selection is deterministic. A plan chooses for every group and every phase the run steps it
+through (:func:`planned_phases`: ``prefill`` for prefill / mixed steps, ``decode``, and ``verify``
+when draft tokens are verified). For each group and phase the admissible backends are ranked by
+measured tuning data when the tuning file has a time for that backend on that group's spec in
+that phase (faster first; the geometric mean over the batch-size buckets); the rest by the
+default rule: every other backend before the reference (``attn_core:reference``), whatever their
+priorities and names, then by declared priority in that phase (higher first), then by qualified
+name. Settings that must be shared by every group and phase - page size, KV layout (every phase's
+backend reads the group's one persistent state) and CUDA-graph mode - are chosen for the whole
+model: the selector tries each candidate page size / layout and keeps the first one under which
+every group and phase has a backend, preferring the model's own page size; when
 some group has no backend under the run's graph mode, the downgrade policy may lower it (full ->
 decode -> none).
 

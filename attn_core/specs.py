@@ -666,8 +666,10 @@ class ExecutionConstraints:
     """What the run demands of every backend it selects.
 
     ``force`` maps a layer kind (``full``, ``mla``, ``linear``, ``encoder``) or a group id to a
-    backend name (``flashinfer`` or namespaced ``vendor:flashinfer``); a forced backend that cannot
-    serve is an error, never silently replaced.
+    backend name (``flashinfer`` or namespaced ``vendor:flashinfer``) for every phase; a key with
+    a phase prefix (``decode:full``, ``prefill:attn``) or a bare phase (``decode``) forces that
+    phase only (see ``attn_core.selector.parse_forced``). A forced backend that cannot serve is
+    an error, never silently replaced.
     """
 
     graph_mode: GraphMode = GraphMode.NONE
@@ -686,7 +688,7 @@ class ExecutionConstraints:
     spec_verify_strategy: str | None = None  # linear layers: "native" or "replay"
     allow: frozenset[str] = frozenset()  # backend names allowed (empty: all)
     deny: frozenset[str] = frozenset()  # backend names never used
-    force: tuple[tuple[str, str], ...] = ()  # (kind or group id, backend name)
+    force: tuple[tuple[str, str], ...] = ()  # ([phase:]kind or group id, or phase, backend)
     downgrade: DowngradePolicy = DowngradePolicy.WARN
     #: per backend (short or qualified name), option values checked against the backend's
     #: ``option_schema`` by the selector; wins over the CLI's and ATTN_CORE_BACKEND_OPTIONS
