@@ -331,3 +331,27 @@ def test_a_decode_graph_is_captured_with_the_decode_backend_and_replays(registry
         torch.testing.assert_close(
             got, want[: new.num_reqs], atol=1e-5, rtol=1e-5, msg=f"layer {i}"
         )
+
+
+def test_attn_run_decodes_on_the_decode_backend_and_matches_transformers(registry, log):
+    """The whole model path (`attn run` on the CPU): prefill steps on pre:pre, decode steps on
+    dec:dec, logits matching transformers; the report names both."""
+    pytest.importorskip("transformers")
+    from attn_core.e2e import run_main
+
+    report = run_main(
+        "qwen3",
+        device="cpu",
+        dtype="fp32",
+        prompts=2,
+        max_new_tokens=3,
+        graphs=False,
+        registry=registry,
+        constraints=None,
+        progress=False,
+        console=lambda *a, **k: None,
+    )
+    assert report.ok, report.format()
+    assert "pre:pre" in log and "dec:dec" in log
+    text = report.format()
+    assert "full     -> pre:pre" in text and "decode: dec:dec" in text, text
