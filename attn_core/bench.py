@@ -12,7 +12,7 @@ a fresh runtime:
 
 The time per layer goes into tuning data the selector uses (``attn explain --tuning FILE``):
 one entry per backend, group spec, phase and batch size (the geometric mean over the context
-lengths), which the selector ranks each phase by. Optionally plotted
+lengths), which the selector ranks each phase (and batch-size bucket) by. Optionally plotted
 (``--plot FILE``: a PNG of every candidate's time per group, phase and batch size; needs the
 ``plot`` extra, ``pip install 'attn-core[plot]'``). Framework overhead is reported as a ratio:
 the layer call through ``LayerAttentionBinding.forward`` over the same backend forward called

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 
 __all__ = ["GroupRuntime", "LayerAttentionBinding"]
 
+#: (backend, context, bound forward) of one backend of a group
+_Target = tuple["Backend", "AttentionContext", Callable[..., Any]]
+
 
 class GroupRuntime:
     """The state shared by all layers of one group: context, bound forward, current batch.
@@ -48,6 +51,7 @@ class GroupRuntime:
         "device_index",
         "forward",
         "group_id",
+        "phase_buckets",
         "phase_targets",
         "spec",
         "state",
@@ -81,12 +85,25 @@ class GroupRuntime:
         #: for it, named in the error), or None: not checked.
         self.check_finite = check_finite
         #: per phase, (backend, context, forward) when phases differ in backend; else empty
-        self.phase_targets: dict[Phase, tuple[Backend, AttentionContext, Callable[..., Any]]] = {}
+        self.phase_targets: dict[Phase, _Target] = {}
+        #: per phase whose tuning data has another fastest backend for some batch size:
+        #: ((most requests per step, target), ...) ascending (see PhaseChoice.by_batch)
+        self.phase_buckets: dict[Phase, tuple[tuple[int, _Target], ...]] = {}
 
-    def use_phase(self, phase: Phase) -> None:
-        """Make the backend of ``phase`` the group's current one (a phase without an entry
-        keeps the current backend)."""
-        target = self.phase_targets.get(phase)
+    def use_phase(self, phase: Phase, num_reqs: int = 0) -> None:
+        """Make the backend of ``phase`` (and, where the plan switches by batch size, of a step
+        of ``num_reqs`` padded requests) the group's current one; a phase without an entry
+        keeps the current backend."""
+        target: _Target | None
+        buckets = self.phase_buckets.get(phase) if self.phase_buckets else None
+        if buckets is not None:
+            target = buckets[-1][1]
+            for bound, t in buckets:
+                if num_reqs <= bound:
+                    target = t
+                    break
+        else:
+            target = self.phase_targets.get(phase)
         if target is not None and target[1] is not self.context:
             self.backend, self.context, self.forward = target
 

@@ -197,11 +197,12 @@ def format_plan(plan) -> str:
         out.append(_phase_table(c, first, title + f"\n  {_PHASE_TITLES[first.phase.value]}:"))
         for p in phases[1:]:
             label = _PHASE_TITLES[p.phase.value]
-            if (p.backend.qualified_name, p.rejected, p.outranked, p.tuned_us) == (
+            if (p.backend.qualified_name, p.rejected, p.outranked, p.tuned_us, p.by_batch) == (
                 first.backend.qualified_name,
                 first.rejected,
                 first.outranked,
                 first.tuned_us,
+                first.by_batch,
             ):
                 out.append(
                     f"  {label}: {p.backend.qualified_name}"
@@ -236,6 +237,11 @@ def _phase_table(c, p, title: str) -> str:
     chosen_notes = [here[name]] if name in here else []
     if p.options:
         chosen_notes.append("options: " + format_options(p.options, dict(p.option_sources)))
+    if p.by_batch:
+        chosen_notes.append(
+            "by batch size (tuned): "
+            + "; ".join(f"<= {bound} requests: {b.qualified_name}" for bound, b in p.by_batch)
+        )
     rows = [[name, "chosen" + note, "\n".join(chosen_notes)]]
     rows += [[b, "admissible, ranked lower", here.get(b, "")] for b in p.outranked]
     for backend, reasons in sorted(p.rejections_by_backend().items()):

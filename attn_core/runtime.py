@@ -134,6 +134,11 @@ class AttentionRuntime:
                     phase: targets[choice.backend_for_phase(phase).qualified_name]
                     for phase in Phase
                 }
+                for pc in choice.phases:
+                    if pc.by_batch:
+                        runtime.phase_buckets[pc.phase] = tuple(
+                            (bound, targets[b.qualified_name]) for bound, b in pc.by_batch
+                        )
             self.workspaces[group.group_id] = self.backend_workspaces[
                 (group.group_id, choice.backend.qualified_name)
             ]
@@ -164,9 +169,9 @@ class AttentionRuntime:
     def prepare(self, batch: AttentionBatch) -> None:
         """Plan ``batch`` in every group (once per step, before the first layer runs), each by
         the backend the plan chose for the batch's phase."""
-        phase = batch.phase
+        phase, reqs = batch.phase, batch.padded_reqs
         for g in self.groups.values():
-            g.use_phase(phase)
+            g.use_phase(phase, reqs)
             try:
                 g.context.prepare(batch)
             except BackendInputError:
@@ -178,9 +183,9 @@ class AttentionRuntime:
     def update(self, batch: AttentionBatch) -> None:
         """Copy ``batch``'s metadata in place into every group's captured buffers (those of the
         backend of the batch's phase, the one its graph was captured with)."""
-        phase = batch.phase
+        phase, reqs = batch.phase, batch.padded_reqs
         for g in self.groups.values():
-            g.use_phase(phase)
+            g.use_phase(phase, reqs)
             update = getattr(g.context, "update", None)
             if update is None:
                 raise g.plugin_error(

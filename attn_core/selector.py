@@ -4,7 +4,8 @@ Selection is deterministic. A plan chooses for every group and every phase the r
 through (:func:`planned_phases`: ``prefill`` for prefill / mixed steps, ``decode``, and ``verify``
 when draft tokens are verified). For each group and phase the admissible backends are ranked by
 measured tuning data when the tuning file has a time for that backend on that group's spec in
-that phase (faster first; the geometric mean over the batch-size buckets); the rest by the
+that phase (faster first; the geometric mean over the batch-size buckets, and, where another
+backend is fastest at some buckets, a switch per bucket: ``PhaseChoice.by_batch``); the rest by the
 default rule: every other backend before the reference (``attn_core:reference``), whatever their
 priorities and names, then by declared priority in that phase (higher first), then by qualified
 name. Settings that must be shared by every group and phase - page size, KV layout (every phase's
@@ -30,6 +31,7 @@ change: those reasons read ``"cannot serve this model: head_dim 256 (serves 64, 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -427,6 +429,18 @@ class PhaseChoice:
     downgraded_from: tuple[str, ...] = ()  # rejected backends that rank above the chosen one
     tuned_us: float | None = None  # the chosen backend's measured time in this phase
     option_sources: tuple[tuple[str, str], ...] = ()  # as GroupChoice.option_sources
+    #: per batch-size bucket, where the tuning data has another fastest backend than
+    #: ``backend`` for some bucket: ``(most requests per step, backend)``, ascending; a step of
+    #: ``n`` (padded) requests runs on the first entry whose bound is ``>= n`` (the last one
+    #: beyond). Empty: ``backend`` serves every step of the phase.
+    by_batch: tuple[tuple[int, Backend], ...] = ()
+
+    def backend_for_batch(self, num_reqs: int) -> Backend:
+        """The backend that serves a step of this phase with ``num_reqs`` (padded) requests."""
+        for bound, backend in self.by_batch:
+            if num_reqs <= bound:
+                return backend
+        return self.by_batch[-1][1] if self.by_batch else self.backend
 
     @property
     def options(self) -> dict[str, object]:
@@ -450,6 +464,9 @@ class PhaseChoice:
             "rejected": [
                 {"backend": r.backend, "code": r.code, "reason": r.reason, "fix": r.fix}
                 for r in self.rejected
+            ],
+            "by_batch": [
+                {"max_batch": bound, "backend": b.qualified_name} for bound, b in self.by_batch
             ],
         }
 
@@ -518,6 +535,8 @@ class GroupChoice:
         out: dict[str, Backend] = {self.backend.qualified_name: self.backend}
         for p in self.phases:
             out.setdefault(p.backend.qualified_name, p.backend)
+            for _, b in p.by_batch:
+                out.setdefault(b.qualified_name, b)
         return tuple(out.values())
 
     @property
@@ -1070,6 +1089,11 @@ def _choose_phase(
     if not admissible:
         return rejected
     times = _phase_times(tuning, admissible, spec, phase, constraints.max_batch_size)
+    by_batch = (
+        ()
+        if forced is not None
+        else _fastest_by_batch(tuning, admissible, spec, phase, constraints.max_batch_size)
+    )
     admissible.sort(key=lambda b: _rank_key(b, phase, times))
     chosen = admissible[0]
     # backends that could serve this group and phase but for a run setting (not those of
@@ -1096,7 +1120,54 @@ def _choose_phase(
         forced=forced is not None,
         downgraded_from=downgraded_from,
         tuned_us=times.get(chosen.qualified_name),
+        by_batch=by_batch,
     )
+
+
+def _fastest_by_batch(
+    tuning: TuningData | None,
+    candidates: Sequence[Backend],
+    spec: LayerSpec,
+    phase: Phase,
+    max_batch: int,
+) -> tuple[tuple[int, Backend], ...]:
+    """The fastest measured candidate per batch-size bucket, when that is not one backend for
+    every bucket (else ``()``): the runtime switches between them per step.
+
+    The buckets are the batch sizes every measured candidate was timed at (up to
+    ``max_batch``). A step of ``n`` requests belongs to the measured size nearest in ratio: the
+    bound between sizes ``a < b`` is ``floor(sqrt(a * b))``; the last bucket reaches
+    ``max_batch``. Neighbouring buckets with the same winner are merged.
+    """
+    if tuning is None:
+        return ()
+    points: dict[str, tuple[Backend, dict[int, float]]] = {}
+    for b in candidates:
+        pts = tuning.points(b.qualified_name, spec, phase, max_batch=max_batch)
+        sized = {n: t for n, t in pts.items() if n is not None and n <= max_batch}
+        if sized:
+            points[b.qualified_name] = (b, sized)
+    if len(points) < 2:
+        return ()
+    common = sorted(set.intersection(*(set(sized) for _, sized in points.values())))
+    if len(common) < 2:
+        return ()
+
+    def fastest_at(n: int) -> Backend:
+        backend, _ = min(points.values(), key=lambda item: (item[1][n], item[0].qualified_name))
+        return backend
+
+    winners = [fastest_at(n) for n in common]
+    if len({w.qualified_name for w in winners}) == 1:
+        return ()
+    bounds = [math.isqrt(a * b) for a, b in itertools.pairwise(common)] + [max_batch]
+    merged: list[tuple[int, Backend]] = []
+    for bound, winner in zip(bounds, winners, strict=True):
+        if merged and merged[-1][1].qualified_name == winner.qualified_name:
+            merged[-1] = (bound, winner)
+        else:
+            merged.append((bound, winner))
+    return tuple(merged)
 
 
 def _say_shared_state(
@@ -1177,7 +1248,14 @@ def _with_options(
     phases = []
     for p in choice.phases:
         given = carry(p.backend)
-        phases.append(p if given is None else replace(p, backend=given[0], option_sources=given[1]))
+        if given is not None:
+            p = replace(p, backend=given[0], option_sources=given[1])
+        if p.by_batch:
+            p = replace(
+                p,
+                by_batch=tuple((bound, (carry(b) or (b, ()))[0]) for bound, b in p.by_batch),
+            )
+        phases.append(p)
     given = carry(choice.backend)
     if given is None:
         return replace(choice, phases=tuple(phases))

@@ -518,3 +518,67 @@ def test_cli_backends_forces_a_phase_and_json_shows_every_phase(registry, monkey
     assert cli.main([*argv, "--backends", "decod:full=fa3"]) == 2
     err = capsys.readouterr().err
     assert "'decod:full=fa3' has 'decod' before ':', which is not a phase" in err
+
+
+# ------------------------------------------------------------------------------------------
+# Per batch-size bucket
+# ------------------------------------------------------------------------------------------
+CROSSING = {
+    # fa3 faster for few requests, flashinfer for many (decode); one winner at prefill
+    ("fa3:fa3", "decode", 1): 5.0,
+    ("fa3:fa3", "decode", 16): 9.0,
+    ("fa3:fa3", "decode", 64): 40.0,
+    ("flashinfer:flashinfer", "decode", 1): 10.0,
+    ("flashinfer:flashinfer", "decode", 16): 12.0,
+    ("flashinfer:flashinfer", "decode", 64): 20.0,
+    ("fa3:fa3", "prefill", 1): 50.0,
+    ("fa3:fa3", "prefill", 64): 90.0,
+    ("flashinfer:flashinfer", "prefill", 1): 40.0,
+    ("flashinfer:flashinfer", "prefill", 64): 80.0,
+}
+
+
+def test_tuning_with_crossing_backends_switches_per_batch_bucket(registry):
+    plan = select(
+        group_layers([FULL]), registry(), H200, ExecutionConstraints(), tuning=_tuning(CROSSING)
+    )
+    decode = plan.choice("full").phase_choice("decode")
+    # buckets 1, 16, 64: bounds isqrt(1 * 16) = 4, isqrt(16 * 64) = 32, then max_batch_size
+    assert [(bound, b.qualified_name) for bound, b in decode.by_batch] == [
+        (32, "fa3:fa3"),
+        (256, "flashinfer:flashinfer"),
+    ]
+    assert [decode.backend_for_batch(n).qualified_name for n in (1, 32, 33, 999)] == [
+        "fa3:fa3",
+        "fa3:fa3",
+        "flashinfer:flashinfer",
+        "flashinfer:flashinfer",
+    ]
+    # the aggregate still names one backend: geomean (5*9*40)^(1/3) = 12.2 < 13.4
+    assert decode.backend.qualified_name == "fa3:fa3"
+    assert decode.tuned_us == pytest.approx((5.0 * 9.0 * 40.0) ** (1 / 3))
+    assert plan.choice("full").phase_choice("prefill").by_batch == ()  # one winner
+    assert {b.qualified_name for b in plan.choice("full").backends} == {
+        "flashinfer:flashinfer",
+        "fa3:fa3",
+    }
+    entry = plan.to_dict()["groups"][0]["phases"]["decode"]["by_batch"]
+    assert entry == [
+        {"max_batch": 32, "backend": "fa3:fa3"},
+        {"max_batch": 256, "backend": "flashinfer:flashinfer"},
+    ]
+    from attn_core.cli import format_plan
+
+    text = format_plan(plan)
+    assert "by batch size (tuned): <= 32 requests: fa3:fa3; <= 256 requests:" in text
+
+
+def test_no_bucket_switching_when_forced_or_within_one_bucket(registry):
+    forced = ExecutionConstraints(force={"decode:full": "flashinfer"})
+    plan = select(group_layers([FULL]), registry(), H200, forced, tuning=_tuning(CROSSING))
+    assert plan.choice("full").phase_choice("decode").by_batch == ()
+    # a run of at most 8 requests per step can hit only the bucket of 1: fa3, no switching
+    small = ExecutionConstraints(max_batch_size=8)
+    plan = select(group_layers([FULL]), registry(), H200, small, tuning=_tuning(CROSSING))
+    decode = plan.choice("full").phase_choice("decode")
+    assert decode.by_batch == () and decode.backend.qualified_name == "fa3:fa3"

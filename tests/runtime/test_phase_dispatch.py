@@ -19,7 +19,7 @@ from attn_core.backend import Backend, BackendCapabilities
 from attn_core.batch import BatchBuilder
 from attn_core.registry import Registry
 from attn_core.runtime import AttentionRuntime
-from attn_core.selector import phase_mapping_from_plan, select
+from attn_core.selector import TuningData, phase_mapping_from_plan, select
 from attn_core.specs import (
     DeviceCapabilities,
     ExecutionConstraints,
@@ -103,12 +103,16 @@ class Lane:
     """A model of SPECS over its own state, driven one step at a time with given inputs."""
 
     def __init__(
-        self, registry: Registry, constraints: ExecutionConstraints, device: str = "cpu"
+        self,
+        registry: Registry,
+        constraints: ExecutionConstraints,
+        device: str = "cpu",
+        tuning: TuningData | None = None,
     ) -> None:
         self.groups = group_layers(SPECS)
         self.device = torch.device(device)
         caps = CPU if device == "cpu" else DeviceCapabilities.detect(self.device)
-        self.plan = select(self.groups, registry, caps, constraints)
+        self.plan = select(self.groups, registry, caps, constraints, tuning=tuning)
         self.state = PersistentState.from_plan(
             self.plan, num_pages=64, num_slots=8, device=self.device
         )
@@ -355,3 +359,33 @@ def test_attn_run_decodes_on_the_decode_backend_and_matches_transformers(registr
     assert "pre:pre" in log and "dec:dec" in log
     text = report.format()
     assert "full     -> pre:pre" in text and "decode: dec:dec" in text, text
+
+
+def test_decode_switches_backend_by_batch_bucket_from_tuning(registry, log):
+    """Tuning says pre:pre decodes 1 request faster, dec:dec 4: a decode step of one request
+    runs on pre:pre, one of three (bucket 4: isqrt(1 * 4) = 2 < 3) on dec:dec, with no
+    re-planning; outputs still equal the reference's."""
+    tuning = TuningData()
+    for spec in (GDN, FULL):
+        for backend, b1, b4 in (("pre:pre", 1.0, 9.0), ("dec:dec", 2.0, 3.0)):
+            tuning.record(backend, spec, b1, phase="decode", batch=1)
+            tuning.record(backend, spec, b4, phase="decode", batch=4)
+    cons = ExecutionConstraints(**LIMITS)
+    lane = Lane(registry, cons, tuning=tuning)
+    decode = lane.plan.choice("full").phase_choice("decode")
+    assert [(n, b.qualified_name) for n, b in decode.by_batch] == [(2, "pre:pre"), (4, "dec:dec")]
+    reference = Lane(registry, cons.with_(force={"full": "reference", "linear": "reference"}))
+    steps = [
+        ([(0, 3), (1, 2), (2, 4)], "pre:pre"),  # prefill
+        ([(0, 1)], "pre:pre"),  # decode, 1 request
+        ([(0, 1), (1, 1), (2, 1)], "dec:dec"),  # decode, 3 requests
+        ([(1, 1), (2, 1)], "pre:pre"),  # decode, 2 requests: bucket 1 (bound 2)
+    ]
+    for seed, (reqs, backend) in enumerate(steps):
+        inputs = _inputs(sum(n for _, n in reqs), 10 + seed)
+        log.clear()
+        _, outs = lane.step(reqs, inputs)
+        assert log == [backend] * len(SPECS), (reqs, log)
+        _, want = reference.step(reqs, inputs)
+        for got, exp in zip(outs, want, strict=True):
+            torch.testing.assert_close(got, exp, atol=1e-6, rtol=0)
