@@ -32,6 +32,7 @@ from attn_core.specs import (
     GraphMode,
     LayerKind,
     LinearVariant,
+    Phase,
     _canonical_dtype,
 )
 
@@ -106,6 +107,12 @@ class BackendCapabilities:
     #: False: an unquantised KV cache must be in the compute dtype (no fp16 queries over a
     #: bf16 cache); 8-bit KV dtypes in ``kv_dtypes`` are still served with any compute dtype.
     mixed_kv_dtypes: bool = True
+    #: the phases (prefill / mixed, decode, speculative verify) the backend serves; a plan
+    #: chooses a backend per group and phase among those that serve it
+    phases: frozenset[Phase] = frozenset(Phase)
+    #: ``{phase: priority}`` (kept as sorted pairs): the backend's rank in that phase when no
+    #: tuning data decides; a phase left out ranks by ``Backend.priority``
+    phase_priority: tuple[tuple[Phase, int], ...] = ()
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -192,6 +199,28 @@ class BackendCapabilities:
         for s in self.spec_verify_strategies:
             if s not in ("native", "replay"):
                 raise ValueError(f"spec_verify_strategies: {s!r} is not one of native, replay")
+        set_(self, "phases", _frozen(self.phases, "phases", _enum(Phase, "phases")))
+        if not self.phases:
+            raise ValueError(
+                "phases=set(): a backend must serve at least one phase (prefill, decode, verify)"
+            )
+        given = self.phase_priority
+        pairs = given.items() if isinstance(given, Mapping) else given
+        if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Iterable):
+            raise ValueError(f"phase_priority={given!r}: expected a mapping {{phase: int}}")
+        checked: dict[Phase, int] = {}
+        for item in pairs:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                raise ValueError(f"phase_priority={given!r}: expected a mapping {{phase: int}}")
+            phase, prio = _enum(Phase, "phase_priority")(item[0]), item[1]
+            if not isinstance(prio, int) or isinstance(prio, bool):
+                raise ValueError(
+                    f"phase_priority: {phase.value}: {prio!r} is not an int (a priority)"
+                )
+            if phase in checked:
+                raise ValueError(f"phase_priority: {phase.value} is given twice")
+            checked[phase] = prio
+        set_(self, "phase_priority", tuple(sorted(checked.items(), key=lambda kv: kv[0].value)))
         for name in (
             "causal",
             "non_causal",
@@ -262,6 +291,10 @@ class BackendCapabilities:
             deterministic: bool = False,
             spec_verify_strategies: Iterable[str] = frozenset({"native"}),
             mixed_kv_dtypes: bool = True,
+            phases: Iterable[Phase | str] = frozenset(Phase),
+            phase_priority: Mapping[Phase, int]
+            | Mapping[str, int]
+            | Iterable[tuple[Phase | str, int]] = (),
         ) -> None: ...
 
 
@@ -350,6 +383,14 @@ class Backend:
 
     def option(self, key: str, default: object = None) -> object:
         return dict(self.options).get(key, default)
+
+    def priority_for(self, phase: Phase | str) -> int:
+        """The backend's priority in ``phase``: its ``capabilities.phase_priority`` entry, else
+        ``priority``."""
+        return dict(self.capabilities.phase_priority).get(Phase(phase), self.priority)
+
+    def serves_phase(self, phase: Phase | str) -> bool:
+        return Phase(phase) in self.capabilities.phases
 
     def with_options(self, options: Mapping[str, object]) -> Backend:
         """A copy carrying ``options`` (what the selector hands the chosen backend)."""

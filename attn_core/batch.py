@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from attn_core.specs import Phase
 from attn_core.state.errors import OutOfPagesError
 
 if TYPE_CHECKING:
@@ -93,6 +94,21 @@ class AttentionBatch:
     @property
     def is_decode(self) -> bool:
         return self.mode is BatchMode.DECODE
+
+    @property
+    def phase(self) -> Phase:
+        """The plan phase whose backend serves this step: ``decode`` (every request has one new
+        token), ``verify`` (speculative verify) or ``prefill`` (prefill, mixed, encoder)."""
+        return _PHASE_OF_MODE[self.mode]
+
+
+_PHASE_OF_MODE = {
+    BatchMode.DECODE: Phase.DECODE,
+    BatchMode.VERIFY: Phase.VERIFY,
+    BatchMode.PREFILL: Phase.PREFILL,
+    BatchMode.MIXED: Phase.PREFILL,
+    BatchMode.ENCODER: Phase.PREFILL,
+}
 
 
 _ALIGN = 16  # bytes: every region of the packed metadata buffer starts at a multiple of this

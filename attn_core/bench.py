@@ -1,8 +1,18 @@
-"""``attn bench``: time every admissible backend of every group on the model's shapes.
+"""``attn bench``: time every admissible backend of every group and phase on the model's shapes.
 
-For each layer group and each backend that can serve it, a decode step of ``--batch`` requests
-with ``--context`` cached tokens is run through a fresh runtime; the time per layer is recorded
-as tuning data the selector uses (``attn explain --tuning FILE``), optionally plotted
+For each layer group, each phase the plan steps it through (``prefill``, ``decode``, ``verify``
+with ``--spec-tokens``) and each backend that can serve it there, one step is timed per point of
+the grid ``--batch`` x ``--context`` (comma lists: ``--batch 1,8,64 --context 512,4096``) through
+a fresh runtime:
+
+- decode: ``batch`` requests of one new token over ``context`` cached tokens;
+- verify: ``batch`` requests of ``k + 1`` new tokens over ``context`` cached tokens;
+- prefill: ``batch`` requests of ``context`` new tokens each, nothing cached (points over
+  ``--max-prefill-tokens`` tokens in all are skipped).
+
+The time per layer goes into tuning data the selector uses (``attn explain --tuning FILE``):
+one entry per backend, group spec, phase and batch size (the geometric mean over the context
+lengths), which the selector ranks each phase (and batch-size bucket) by. Optionally plotted
 (``--plot FILE``: a PNG of every candidate's time per group, phase and batch size; needs the
 ``plot`` extra, ``pip install 'attn-core[plot]'``). Framework overhead is reported as a ratio:
 the layer call through ``LayerAttentionBinding.forward`` over the same backend forward called
@@ -12,6 +22,7 @@ directly with the same inputs.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -25,7 +36,7 @@ from attn_core.errors import AttnCoreError
 from attn_core.options import resolve_backend_options
 from attn_core.runtime import AttentionRuntime
 from attn_core.selector import GroupChoice, Plan, TuningData, check_backend
-from attn_core.specs import LayerGroup, LayerKind, LinearVariant, torch_dtype
+from attn_core.specs import LayerGroup, LayerKind, LinearVariant, Phase, torch_dtype
 from attn_core.tables import render_table
 
 __all__ = [
@@ -48,6 +59,9 @@ class BenchResult:
     us_per_layer: float  # through the binding
     us_direct: float  # the bound backend forward called directly
     error: str | None = None
+    phase: str = "decode"  # the step timed: "prefill", "decode" or "verify"
+    batch: int = 0  # requests per step
+    context: int = 0  # tokens cached per request (prefill: new tokens per request)
 
     @property
     def overhead_ratio(self) -> float:
@@ -133,17 +147,36 @@ def bench_group(
     batch: int,
     context: int,
     iters: int,
+    phase: Phase = Phase.DECODE,
 ) -> BenchResult:
-    """Time one decode step of ``group`` served by ``backend`` (a fresh runtime and state)."""
+    """Time one step of ``phase`` of ``group`` served by ``backend`` (a fresh runtime and
+    state): see the module docstring for what each phase's step is."""
     from attn_core.state import PersistentState
 
+    phase = Phase(phase)
+    k = plan.constraints.speculative_tokens if phase is Phase.VERIFY else 0
+    # new tokens per request, and tokens cached before the step
+    q_len, cached = {
+        Phase.DECODE: (1, context),
+        Phase.VERIFY: (k + 1, context),
+        Phase.PREFILL: (context, 0),
+    }[phase]
+    if group.spec.kind is LayerKind.ENCODER:
+        q_len, cached = (context if phase is Phase.PREFILL else 1), 0
     # One layer of the group is enough to time a layer call (and keeps the state small).
     single = LayerGroup(group.group_id, group.spec, group.layer_indices[:1])
     ps = plan.page_size or group.spec.page_size
-    pages_per_req = -(-(context + 1) // ps)
+    pages_per_req = -(-(cached + q_len) // ps)
+    cons = plan.constraints
+    # the step's own size: backends size their buffers by the run's limits
+    cons = cons.with_(
+        max_batch_size=max(cons.max_batch_size, batch),
+        max_num_tokens=max(cons.max_num_tokens, batch * q_len),
+        max_model_len=max(cons.max_model_len, cached + q_len),
+    )
     one = Plan(
         device=plan.device,
-        constraints=plan.constraints,
+        constraints=cons,
         choices=(GroupChoice(group=single, backend=backend, rejected=(), outranked=()),),
         page_size=plan.page_size,
         kv_layout=plan.kv_layout,
@@ -165,19 +198,19 @@ def bench_group(
     builder = BatchBuilder(
         state,
         max_batch_size=batch,
-        max_num_tokens=max(batch, 1),
+        max_num_tokens=max(batch * q_len, 1),
         max_pages_per_request=pages_per_req,
         device=device,
     )
     if state is None:  # an encoder group: no persistent state
-        step = builder.build_encoder([1] * batch)
+        step = builder.build_encoder([q_len] * batch)
     else:
         for r in range(batch):
             state.add_request(r)
-            if group.spec.has_kv_cache:
-                state.ensure_capacity(r, context)
-            state.advance(r, context) if group.spec.has_kv_cache else None
-        step = builder.build([(r, 1) for r in range(batch)])
+            if group.spec.has_kv_cache and cached:
+                state.ensure_capacity(r, cached)
+                state.advance(r, cached)
+        step = builder.build([(r, q_len) for r in range(batch)], spec_tokens=k)
     runtime.prepare(step)
     inputs = step_inputs(single, step.padded_tokens, device)
     q, k, v = inputs.pop("q"), inputs.pop("k"), inputs.pop("v")
@@ -193,7 +226,41 @@ def bench_group(
 
     us = _time(through_binding, iters, device)
     us_direct = _time(direct, iters, device)
-    return BenchResult(group.group_id, backend.qualified_name, us, us_direct)
+    return BenchResult(
+        group.group_id,
+        backend.qualified_name,
+        us,
+        us_direct,
+        phase=phase.value,
+        batch=batch,
+        context=context,
+    )
+
+
+def _grid(text: str | int, flag: str) -> list[int]:
+    """``"1,8,64"`` -> ``[1, 8, 64]`` (positive integers, each once, in order)."""
+    out: list[int] = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            value = int(part)
+        except ValueError:
+            raise AttnCoreError(f"{flag} {text!r}: {part!r} is not an integer") from None
+        if value <= 0:
+            raise AttnCoreError(f"{flag} {text!r}: {value} is not positive")
+        if value not in out:
+            out.append(value)
+    if not out:
+        raise AttnCoreError(f"{flag} {text!r}: expected one or more integers, e.g. 1,8,64")
+    return out
+
+
+def _geomean(values: Sequence[float]) -> float:
+    if len(values) == 1:
+        return values[0]
+    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def run_bench(args, registry, device_name: str, constraints) -> int:
@@ -211,49 +278,79 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
     constraints = plan.constraints  # the graph mode the policy may have lowered, forced entries
     tuning = TuningData(device=caps.short())
     results: list[BenchResult] = []
+    skipped: list[str] = []
+    batches = _grid(args.batch, "--batch")
+    contexts = _grid(args.context, "--context")
+    max_prefill = getattr(args, "max_prefill_tokens", None) or 65536
     options = resolve_backend_options(registry, constraints)  # checked by select() above
     for group in layout.groups:
-        for registered in registry.backends:
-            backend = registered
-            if backend.qualified_name in options:  # timed with the options in force
-                backend = backend.with_options(options[backend.qualified_name][0])
-            if check_backend(
-                backend,
-                group.spec,
-                caps,
-                constraints,
-                page_size=plan.page_size,
-                kv_layout=plan.kv_layout,
-            ):
-                continue
-            try:
-                res = bench_group(
-                    group,
+        for phase in plan.choice(group.group_id).planned_phases:
+            for registered in registry.backends:
+                backend = registered
+                if backend.qualified_name in options:  # timed with the options in force
+                    backend = backend.with_options(options[backend.qualified_name][0])
+                if check_backend(
                     backend,
-                    registry,
-                    plan,
-                    device,
-                    batch=args.batch,
-                    context=args.context,
-                    iters=args.iters,
-                )
-            except Exception as exc:  # report and go on with the other candidates
-                res = BenchResult(
-                    group.group_id,
-                    backend.qualified_name,
-                    float("nan"),
-                    float("nan"),
-                    f"{type(exc).__name__}: {exc}",
-                )
-            results.append(res)
-            if res.error is None:
-                tuning.record(backend.qualified_name, group.spec, res.us_per_layer)
+                    group.spec,
+                    caps,
+                    constraints,
+                    page_size=plan.page_size,
+                    kv_layout=plan.kv_layout,
+                    phase=phase,
+                ):
+                    continue
+                for batch in batches:
+                    times = []
+                    for context in contexts:
+                        if phase is Phase.PREFILL and batch * context > max_prefill:
+                            skipped.append(
+                                f"{group.group_id} {phase.value} {backend.qualified_name} "
+                                f"B={batch} ctx={context}"
+                            )
+                            continue
+                        try:
+                            res = bench_group(
+                                group,
+                                backend,
+                                registry,
+                                plan,
+                                device,
+                                batch=batch,
+                                context=context,
+                                iters=args.iters,
+                                phase=phase,
+                            )
+                        except Exception as exc:  # report and go on with the other candidates
+                            res = BenchResult(
+                                group.group_id,
+                                backend.qualified_name,
+                                float("nan"),
+                                float("nan"),
+                                f"{type(exc).__name__}: {exc}",
+                                phase=phase.value,
+                                batch=batch,
+                                context=context,
+                            )
+                        results.append(res)
+                        if res.error is None:
+                            times.append(res.us_per_layer)
+                    if times:
+                        tuning.record(
+                            backend.qualified_name,
+                            group.spec,
+                            _geomean(times),
+                            phase=phase,
+                            batch=batch,
+                        )
     if args.json:
         print(json.dumps([asdict(r) | {"overhead_ratio": r.overhead_ratio} for r in results]))
     else:
         rows = [
             [
                 r.group_id,
+                r.phase,
+                str(r.batch),
+                str(r.context),
                 r.backend,
                 "-" if r.error else f"{r.us_per_layer:.1f}",
                 "-" if r.error else f"{r.us_direct:.1f}",
@@ -266,6 +363,9 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
             render_table(
                 [
                     "group",
+                    "phase",
+                    "batch",
+                    "context",
                     "backend",
                     "us/layer (binding)",
                     "us/layer (direct)",
@@ -273,18 +373,19 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
                     "error",
                 ],
                 rows,
-                title=f"decode step: {args.batch} requests x {args.context} cached tokens on "
-                f"{caps.short()}",
+                title="one step per group, phase and grid point (decode / verify: context = "
+                f"cached tokens per request; prefill: new tokens per request) on {caps.short()}",
             )
         )
+        for line in skipped:
+            print(f"skipped (over --max-prefill-tokens {max_prefill}): {line}")
     if args.write_tuning:
         tuning.save(args.write_tuning)
         print(f"tuning data written to {args.write_tuning}")
     if args.plot:
         table = [
-            Timing(r.group_id, "decode", args.batch, r.backend, r.us_per_layer)
-            for r in results
-            if r.error is None
+            Timing(group_id, phase_, batch, backend_, _geomean(us))
+            for (group_id, phase_, batch, backend_), us in _by_point(results).items()
         ]
         if table:
             write_plot(table, args.plot)
@@ -292,6 +393,15 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
         else:
             print(f"no plot written to {args.plot}: no candidate ran")
     return 0 if all(r.error is None for r in results) else 1
+
+
+def _by_point(results: Sequence[BenchResult]) -> dict[tuple[str, str, int, str], list[float]]:
+    """The successful times per (group, phase, batch, backend), over the context lengths."""
+    out: dict[tuple[str, str, int, str], list[float]] = {}
+    for r in results:
+        if r.error is None:
+            out.setdefault((r.group_id, r.phase, r.batch, r.backend), []).append(r.us_per_layer)
+    return out
 
 
 def _require_matplotlib():

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from attn_core.errors import BackendInputError, NonFiniteInputError, PluginError
-from attn_core.specs import LayerKind, LayerSpec, torch_dtype
+from attn_core.specs import LayerKind, LayerSpec, Phase, torch_dtype
 
 if TYPE_CHECKING:
     from attn_core.backend import Backend
@@ -29,9 +29,19 @@ if TYPE_CHECKING:
 
 __all__ = ["GroupRuntime", "LayerAttentionBinding"]
 
+#: (backend, context, bound forward) of one backend of a group
+_Target = tuple["Backend", "AttentionContext", Callable[..., Any]]
+
 
 class GroupRuntime:
-    """The state shared by all layers of one group: context, bound forward, current batch."""
+    """The state shared by all layers of one group: context, bound forward, current batch.
+
+    A plan may serve a group's phases (prefill / mixed, decode, verify) by different backends,
+    each with its own context over the group's one persistent state. ``phase_targets`` holds
+    ``(backend, context, forward)`` per phase; :meth:`use_phase` (called by the runtime's
+    ``prepare`` / ``update``, once per step) swaps those three pointers, so that every layer's
+    ``forward`` calls the step's backend at no extra cost. Empty: one backend serves all.
+    """
 
     __slots__ = (
         "backend",
@@ -41,6 +51,8 @@ class GroupRuntime:
         "device_index",
         "forward",
         "group_id",
+        "phase_buckets",
+        "phase_targets",
         "spec",
         "state",
     )
@@ -72,6 +84,28 @@ class GroupRuntime:
         #: Why inputs are checked for NaN / inf before each forward (the setting that asked
         #: for it, named in the error), or None: not checked.
         self.check_finite = check_finite
+        #: per phase, (backend, context, forward) when phases differ in backend; else empty
+        self.phase_targets: dict[Phase, _Target] = {}
+        #: per phase whose tuning data has another fastest backend for some batch size:
+        #: ((most requests per step, target), ...) ascending (see PhaseChoice.by_batch)
+        self.phase_buckets: dict[Phase, tuple[tuple[int, _Target], ...]] = {}
+
+    def use_phase(self, phase: Phase, num_reqs: int = 0) -> None:
+        """Make the backend of ``phase`` (and, where the plan switches by batch size, of a step
+        of ``num_reqs`` padded requests) the group's current one; a phase without an entry
+        keeps the current backend."""
+        target: _Target | None
+        buckets = self.phase_buckets.get(phase) if self.phase_buckets else None
+        if buckets is not None:
+            target = buckets[-1][1]
+            for bound, t in buckets:
+                if num_reqs <= bound:
+                    target = t
+                    break
+        else:
+            target = self.phase_targets.get(phase)
+        if target is not None and target[1] is not self.context:
+            self.backend, self.context, self.forward = target
 
     def current_batch(self, layer: int, call: str) -> AttentionBatch:
         """The prepared batch, refused when it is missing or stale (see :meth:`check_fresh`)."""

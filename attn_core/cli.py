@@ -4,7 +4,8 @@ attn list [--json]
 attn explain qwen3-next --target h200 [--tp 2] [--graph-mode decode] [--json]
 attn run --model qwen3-next [--device cpu] [--backends full=flashinfer]
     [--option reference.decode_path=ragged]
-attn bench --model qwen3 [--device cuda] [--write-tuning tuning.json] [--plot bench.png]
+attn bench --model qwen3 [--device cuda] [--batch 1,8,64] [--context 512,4096]
+    [--write-tuning tuning.json] [--plot bench.png]
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ def _add_constraint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--backends",
         default=None,
-        help="force backends per kind or group: 'full=flashinfer,linear=triton_ssm' "
-        "(also ATTN_CORE_BACKENDS)",
+        help="force backends per kind or group: 'full=flashinfer,linear=triton_ssm'; a phase "
+        "prefix forces one phase: 'decode:full=flashinfer', 'prefill=fa3' (also "
+        "ATTN_CORE_BACKENDS)",
     )
     g.add_argument(
         "--option",
@@ -164,10 +166,9 @@ def _plan(args, layout, registry, device):
 
 
 def format_plan(plan) -> str:
-    """One table per group: the chosen backend (with its options in force) and every rejected
-    candidate with its reasons."""
-    from attn_core.options import format_options
-
+    """Per group, one table per phase (prefill / mixed, decode, verify when planned): the chosen
+    backend (with its options in force) and every rejected candidate with its reasons; a phase
+    whose choice and candidates equal the first phase's is one line."""
     out = [
         f"device: {plan.device.short()}   graph mode: {plan.constraints.graph_mode.value}"
         + (
@@ -185,32 +186,73 @@ def format_plan(plan) -> str:
             "declare; one marked 'not loadable here' cannot run on this machine"
         )
     for c in plan.choices:
-        here = {b: f"not loadable here: {why}" for b, why in c.not_loadable_here}
-        note = " (forced)" if c.forced else ""
-        if c.tuned_us is not None:
-            note += f" (tuned: {c.tuned_us:.1f} us)"
-        if c.downgraded_from:
-            note += f" (downgraded from {', '.join(c.downgraded_from)})"
-        name = c.backend.qualified_name
-        chosen_notes = [here[name]] if name in here else []
-        if c.options:
-            chosen_notes.append("options: " + format_options(c.options, dict(c.option_sources)))
-        rows = [[name, "chosen" + note, "\n".join(chosen_notes)]]
-        rows += [[b, "admissible, ranked lower", here.get(b, "")] for b in c.outranked]
-        for backend, reasons in sorted(c.rejections_by_backend().items()):
-            lines = [
-                f"[{r.code}] {r.reason}" + (f" -> fix: {r.fix}" if r.fix else "") for r in reasons
-            ]
-            if backend in here:
-                lines.append(here[backend])
-            rows.append([backend, "rejected", "\n".join(lines)])
         layers = list(c.group.layer_indices)
         shown = layers if len(layers) <= 12 else [*layers[:12], "..."]
+        phases = c.phases or (c.phase_choice("prefill"),)
         title = (
             f"\ngroup {c.group.group_id}: {c.group.spec.short()}\n  {len(layers)} layers: {shown}"
+            + "\n  "
+            + "; ".join(
+                f"{_PHASE_TITLES[p.phase.value]}: {p.backend.qualified_name}" for p in phases
+            )
         )
-        out.append(render_table(["backend", "decision", "reasons"], rows, title=title))
+        first = phases[0]
+        out.append(_phase_table(c, first, title + f"\n  {_PHASE_TITLES[first.phase.value]}:"))
+        for p in phases[1:]:
+            label = _PHASE_TITLES[p.phase.value]
+            if (p.backend.qualified_name, p.rejected, p.outranked, p.tuned_us, p.by_batch) == (
+                first.backend.qualified_name,
+                first.rejected,
+                first.outranked,
+                first.tuned_us,
+                first.by_batch,
+            ):
+                out.append(
+                    f"  {label}: {p.backend.qualified_name}"
+                    + (" (forced)" if p.forced else "")
+                    + f", the same candidates and reasons as {_PHASE_TITLES[first.phase.value]}"
+                )
+                continue
+            out.append(_phase_table(c, p, f"  {label}:"))
     return "\n".join(out)
+
+
+#: How explain names each phase.
+_PHASE_TITLES = {
+    "prefill": "prefill / mixed steps",
+    "decode": "decode steps",
+    "verify": "speculative verify steps",
+}
+
+
+def _phase_table(c, p, title: str) -> str:
+    """The table of one phase of group choice ``c``: the chosen backend (with its options in
+    force), the admissible ones ranked lower, every rejected candidate with its reasons."""
+    from attn_core.options import format_options
+
+    here = {b: f"not loadable here: {why}" for b, why in c.not_loadable_here}
+    note = " (forced)" if p.forced else ""
+    if p.tuned_us is not None:
+        note += f" (tuned: {p.tuned_us:.1f} us)"
+    if p.downgraded_from:
+        note += f" (downgraded from {', '.join(p.downgraded_from)})"
+    name = p.backend.qualified_name
+    chosen_notes = [here[name]] if name in here else []
+    if p.options:
+        chosen_notes.append("options: " + format_options(p.options, dict(p.option_sources)))
+    if p.by_batch:
+        chosen_notes.append(
+            "by batch size (tuned): "
+            + "; ".join(f"<= {bound} requests: {b.qualified_name}" for bound, b in p.by_batch)
+        )
+    rows = [[name, "chosen" + note, "\n".join(chosen_notes)]]
+    rows += [[b, "admissible, ranked lower", here.get(b, "")] for b in p.outranked]
+    for backend, reasons in sorted(p.rejections_by_backend().items()):
+        lines = [f"[{r.code}] {r.reason}" + (f" -> fix: {r.fix}" if r.fix else "") for r in reasons]
+        if backend in here:
+            lines.append(here[backend])
+        rows.append([backend, "rejected", "\n".join(lines)])
+    return render_table(["backend", "decision", "reasons"], rows, title=title)
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -288,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser(
-        "explain", help="the backend chosen for every layer group, and why not others"
+        "explain",
+        help="the backend chosen for every layer group and phase, and why not others",
     )
     p.add_argument(
         "model",
@@ -331,14 +374,29 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "bench",
         help="time every admissible backend per group (--write-tuning saves the times for the "
-        "selector)",
+        "selector) and phase, over a grid of batch sizes and context lengths",
     )
     p.add_argument("--model", default="qwen3")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--batch", type=int, default=8, help="decode requests per step")
-    p.add_argument("--context", type=int, default=256, help="tokens already cached per request")
+    p.add_argument(
+        "--batch",
+        default="8",
+        help="requests per step: one or a comma list, e.g. 1,8,64,256 (each a tuning bucket)",
+    )
+    p.add_argument(
+        "--context",
+        default="256",
+        help="tokens cached per request (decode, verify) / new tokens per request (prefill): "
+        "one or a comma list, e.g. 512,4096",
+    )
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=65536,
+        help="skip prefill grid points of more tokens per step (batch x context)",
+    )
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--write-tuning", default=None, help="write a tuning file for the selector")
     p.add_argument(

@@ -40,6 +40,7 @@ import pluggy
 from attn_core import hookspecs, probe
 from attn_core.backend import Backend
 from attn_core.errors import PluginError, PluginLoadError, SelectionError
+from attn_core.specs import Phase
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -565,6 +566,12 @@ class Registry:
                             ),
                             "device_types": sorted(b.capabilities.device_types),
                             "priority": b.priority,
+                            # the phases it serves and its priority in each (additive keys)
+                            "phase_priority": {
+                                ph.value: b.priority_for(ph)
+                                for ph in Phase
+                                if ph in b.capabilities.phases
+                            },
                             "available": b.available,
                             "unavailable_reason": b.unavailable_reason,
                             "notes": b.notes,

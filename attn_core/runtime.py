@@ -13,6 +13,11 @@ and the hot path it runs per step::
     batch = builder.build(requests)
     runtime.prepare(batch)                 # once per step: every group plans
     out = runtime.binding(i).forward(q, k, v, out=out, **inputs)   # per layer
+
+A plan may choose a different backend per phase of a group (prefill / mixed, decode, verify):
+the runtime allocates one context per distinct backend of a group, all over the group's one
+persistent state, and ``prepare`` / ``update`` switch each group to the backend of the batch's
+phase (``AttentionBatch.phase``) before its context plans the step.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 
 from attn_core.binding import GroupRuntime, LayerAttentionBinding
 from attn_core.errors import BackendInputError, PluginError
-from attn_core.specs import GraphMode, LayerKind
+from attn_core.specs import GraphMode, LayerKind, Phase
 from attn_core.workspace import Workspace
 
 if TYPE_CHECKING:
@@ -78,44 +83,65 @@ class AttentionRuntime:
         self.workspaces: dict[str, Workspace] = {}
         self.bindings: dict[int, LayerAttentionBinding] = {}
         layer_params = layer_params or {}
+        #: per (group id, backend qualified name): the workspace of that backend's context
+        self.backend_workspaces: dict[tuple[str, str], Workspace] = {}
         for choice in plan.choices:
-            group, backend = choice.group, choice.backend
-            common: dict[str, Any] = dict(
-                backend=backend,
-                group=group,
-                device=plan.device,
-                constraints=plan.constraints,
-            )
-            reqs = registry.call_owner("attn_core_workspace_requirements", **common) or ()
-            try:
-                workspace = Workspace(reqs, self.device)
-            except (TypeError, ValueError) as exc:
-                raise PluginError(backend.plugin, backend.name, "workspace", exc) from exc
-            ctx = registry.call_owner(
-                "attn_core_allocate_context",
-                **common,
-                state=state if group.spec.kind.value != "encoder" else None,
-                workspace=workspace,
-            )
-            if ctx is None:
-                raise PluginError(
-                    backend.plugin,
-                    backend.name,
-                    "attn_core_allocate_context",
-                    RuntimeError(f"returned no context for group {group.group_id!r}"),
+            group = choice.group
+            group_state = state if group.spec.kind.value != "encoder" else None
+            targets: dict[str, tuple[Any, Any, Any]] = {}
+            for backend in choice.backends:  # the prefill backend first
+                common: dict[str, Any] = dict(
+                    backend=backend,
+                    group=group,
+                    device=plan.device,
+                    constraints=plan.constraints,
                 )
-            fwd = registry.call_owner("attn_core_bind_forward", backend=backend, context=ctx)
-            _check_context(ctx, fwd, group, backend, plan)
+                reqs = registry.call_owner("attn_core_workspace_requirements", **common) or ()
+                try:
+                    workspace = Workspace(reqs, self.device)
+                except (TypeError, ValueError) as exc:
+                    raise PluginError(backend.plugin, backend.name, "workspace", exc) from exc
+                ctx = registry.call_owner(
+                    "attn_core_allocate_context",
+                    **common,
+                    state=group_state,
+                    workspace=workspace,
+                )
+                if ctx is None:
+                    raise PluginError(
+                        backend.plugin,
+                        backend.name,
+                        "attn_core_allocate_context",
+                        RuntimeError(f"returned no context for group {group.group_id!r}"),
+                    )
+                fwd = registry.call_owner("attn_core_bind_forward", backend=backend, context=ctx)
+                _check_context(ctx, fwd, group, backend, plan)
+                targets[backend.qualified_name] = (backend, ctx, fwd or ctx.forward)
+                self.backend_workspaces[(group.group_id, backend.qualified_name)] = workspace
+            backend, ctx, fwd = targets[choice.backend.qualified_name]
             runtime = GroupRuntime(
                 group.group_id,
                 group.spec,
                 backend,
                 ctx,
-                fwd or ctx.forward,
-                state=state if group.spec.kind.value != "encoder" else None,
+                fwd,
+                state=group_state,
                 device=self.device,
                 check_finite=check_finite,
             )
+            if len(targets) > 1:
+                runtime.phase_targets = {
+                    phase: targets[choice.backend_for_phase(phase).qualified_name]
+                    for phase in Phase
+                }
+                for pc in choice.phases:
+                    if pc.by_batch:
+                        runtime.phase_buckets[pc.phase] = tuple(
+                            (bound, targets[b.qualified_name]) for bound, b in pc.by_batch
+                        )
+            self.workspaces[group.group_id] = self.backend_workspaces[
+                (group.group_id, choice.backend.qualified_name)
+            ]
             self.groups[group.group_id] = runtime
             self.workspaces[group.group_id] = workspace
             for index in group.layer_indices:
@@ -141,8 +167,11 @@ class AttentionRuntime:
             ) from None
 
     def prepare(self, batch: AttentionBatch) -> None:
-        """Plan ``batch`` in every group (once per step, before the first layer runs)."""
+        """Plan ``batch`` in every group (once per step, before the first layer runs), each by
+        the backend the plan chose for the batch's phase."""
+        phase, reqs = batch.phase, batch.padded_reqs
         for g in self.groups.values():
+            g.use_phase(phase, reqs)
             try:
                 g.context.prepare(batch)
             except BackendInputError:
@@ -152,8 +181,11 @@ class AttentionRuntime:
             g.batch = batch
 
     def update(self, batch: AttentionBatch) -> None:
-        """Copy ``batch``'s metadata in place into every group's captured buffers."""
+        """Copy ``batch``'s metadata in place into every group's captured buffers (those of the
+        backend of the batch's phase, the one its graph was captured with)."""
+        phase, reqs = batch.phase, batch.padded_reqs
         for g in self.groups.values():
+            g.use_phase(phase, reqs)
             update = getattr(g.context, "update", None)
             if update is None:
                 raise g.plugin_error(
@@ -209,20 +241,21 @@ def _refuse_unloadable(plan: Plan) -> None:
     """An offline plan (made for a target, not this machine) may choose a backend that cannot
     be loaded here; running it would fail at the first call, so it is refused up front."""
     for choice in plan.choices:
-        backend = choice.backend
-        if backend.available:
-            continue
-        made = (
-            f"this is an offline plan for {plan.device.short()}, made for a target rather "
-            "than this machine: it shows what that machine would choose"
-            if not plan.local
-            else f"the plan was made for {plan.device.short()}"
-        )
-        raise ValueError(
-            f"layer group {choice.group.group_id!r}: the plan chooses {backend.qualified_name}, "
-            f"which is not loadable here: {backend.unavailable_reason}; {made}. To run here, "
-            "plan for this machine: select(..., DeviceCapabilities.detect(), ...)"
-        )
+        for backend in choice.backends:
+            if backend.available:
+                continue
+            made = (
+                f"this is an offline plan for {plan.device.short()}, made for a target rather "
+                "than this machine: it shows what that machine would choose"
+                if not plan.local
+                else f"the plan was made for {plan.device.short()}"
+            )
+            raise ValueError(
+                f"layer group {choice.group.group_id!r}: the plan chooses "
+                f"{backend.qualified_name}, "
+                f"which is not loadable here: {backend.unavailable_reason}; {made}. To run here, "
+                "plan for this machine: select(..., DeviceCapabilities.detect(), ...)"
+            )
 
 
 def _check_context(ctx: Any, bound: Any, group: Any, backend: Any, plan: Plan) -> None:

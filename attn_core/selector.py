@@ -1,12 +1,17 @@
-"""Pick one backend per layer group for a whole model, and explain every rejection.
+"""Pick a backend per layer group and phase for a whole model, and explain every rejection.
 
-Selection is deterministic. For each group the admissible backends are ranked by measured tuning
-data when the tuning file has a time for that backend on that group's spec (faster first); the
-rest by the default rule: every other backend before the reference (``attn_core:reference``),
-whatever their priorities and names, then by declared priority (higher first), then by qualified
-name. Settings that must be shared by every group - page size, KV layout and CUDA-graph mode -
-are chosen for the whole model: the selector tries each candidate page size / layout and keeps
-the first one under which every group has a backend, preferring the model's own page size; when
+Selection is deterministic. A plan chooses for every group and every phase the run steps it
+through (:func:`planned_phases`: ``prefill`` for prefill / mixed steps, ``decode``, and ``verify``
+when draft tokens are verified). For each group and phase the admissible backends are ranked by
+measured tuning data when the tuning file has a time for that backend on that group's spec in
+that phase (faster first; the geometric mean over the batch-size buckets, and, where another
+backend is fastest at some buckets, a switch per bucket: ``PhaseChoice.by_batch``); the rest by the
+default rule: every other backend before the reference (``attn_core:reference``), whatever their
+priorities and names, then by declared priority in that phase (higher first), then by qualified
+name. Settings that must be shared by every group and phase - page size, KV layout (every phase's
+backend reads the group's one persistent state) and CUDA-graph mode - are chosen for the whole
+model: the selector tries each candidate page size / layout and keeps the first one under which
+every group and phase has a backend, preferring the model's own page size; when
 some group has no backend under the run's graph mode, the downgrade policy may lower it (full ->
 decode -> none).
 
@@ -26,10 +31,12 @@ change: those reasons read ``"cannot serve this model: head_dim 256 (serves 64, 
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -47,21 +54,27 @@ from attn_core.specs import (
     LayerKind,
     LayerSpec,
     LinearVariant,
+    Phase,
 )
 
 __all__ = [
     "GroupChoice",
+    "PhaseChoice",
     "Plan",
     "Rejection",
     "TuningData",
     "check_backend",
     "is_this_machine",
+    "mapping_from_plan",
     "parse_forced",
+    "phase_mapping_from_plan",
+    "planned_phases",
     "select",
     "spec_key",
 ]
 
-ENV_FORCE = "ATTN_CORE_BACKENDS"  # e.g. "full=flashinfer,linear=triton_ssm"
+#: e.g. "full=flashinfer,linear=triton_ssm,decode:full=flashinfer" (see parse_forced)
+ENV_FORCE = "ATTN_CORE_BACKENDS"
 ENV_TUNING = "ATTN_CORE_TUNING"  # path of a tuning file written by `attn bench`
 
 
@@ -103,12 +116,16 @@ def check_backend(
     page_size: int | None = None,
     kv_layout: str | None = None,
     local: bool = True,
+    phase: Phase | None = None,
 ) -> list[Rejection]:
     """Every reason ``backend`` cannot serve layers of ``spec`` under these conditions.
 
     An empty list means admissible. ``page_size`` / ``kv_layout`` are the model-wide settings
     being tried (None: not constrained yet). ``local=False`` judges for another machine (an
-    offline plan): that this machine cannot load the backend is then no reason.
+    offline plan): that this machine cannot load the backend is then no reason. ``phase``: the
+    phase being planned (a backend that does not serve it is rejected with code ``phase``);
+    None: any. The run's demands (graph mode, draft tokens, ...) hold for every phase: all
+    backends of a group serve one run.
     """
     caps = backend.capabilities
     name = backend.qualified_name
@@ -126,6 +143,12 @@ def check_backend(
             "kind", f"kind {spec.kind.value}", f"serves {_fmt_set(k.value for k in caps.kinds)}"
         )
         return out  # nothing else is meaningful
+    if phase is not None and phase not in caps.phases:
+        reject(
+            "phase",
+            f"serves the {_fmt_set(p.value for p in caps.phases)} phase"
+            f"{'s' if len(caps.phases) > 1 else ''}, not {phase.value}",
+        )
     if local and not backend.available:
         reject("unavailable", backend.unavailable_reason or "unavailable")
     if spec.kind is LayerKind.LINEAR and spec.linear_variant not in caps.linear_variants:
@@ -273,44 +296,192 @@ def spec_key(spec: LayerSpec) -> str:
     return json.dumps(fields_, sort_keys=True)
 
 
+#: The tuning file format ``TuningData.save`` writes; ``load`` reads it and format 1.
+TUNING_FORMAT = 2
+
+#: A measured point: (backend qualified name, spec_key, phase or None, batch size or None);
+#: None: the time holds for every phase / batch size (format 1 files).
+TuningKey = tuple[str, str, "Phase | None", "int | None"]
+
+
+def _geomean(values: Sequence[float]) -> float:
+    if len(values) == 1:
+        return float(values[0])  # exact: a single measurement is shown as it was recorded
+    return math.exp(sum(math.log(max(v, 1e-9)) for v in values) / len(values))
+
+
 @dataclass(slots=True)
 class TuningData:
-    """Measured step times (microseconds) per (backend, layer spec); written by ``attn bench``."""
+    """Measured times (microseconds per layer) per backend, layer spec, phase and batch size.
 
-    times_us: dict[tuple[str, str], float] = field(default_factory=dict)
+    ``attn bench --write-tuning`` writes them: for each group and phase, a grid of batch sizes
+    (each a bucket) and context lengths (aggregated into their bucket by geometric mean). A
+    time recorded without a phase or batch size (format 1 files) holds for every phase / batch.
+    """
+
+    times_us: dict[TuningKey, float] = field(default_factory=dict)
     device: str = ""
 
-    def record(self, backend: str, spec: LayerSpec, us: float) -> None:
-        self.times_us[(backend, spec_key(spec))] = float(us)
+    def record(
+        self,
+        backend: str,
+        spec: LayerSpec,
+        us: float,
+        *,
+        phase: Phase | str | None = None,
+        batch: int | None = None,
+    ) -> None:
+        """Record ``us`` for ``backend`` on ``spec`` in ``phase`` at ``batch`` requests per step
+        (None: every phase / every batch size)."""
+        key = (backend, spec_key(spec), None if phase is None else Phase(phase), batch)
+        self.times_us[key] = float(us)
 
-    def time(self, backend: str, spec: LayerSpec) -> float | None:
-        return self.times_us.get((backend, spec_key(spec)))
+    def points(
+        self,
+        backend: str,
+        spec: LayerSpec,
+        phase: Phase | None = None,
+        *,
+        max_batch: int | None = None,
+    ) -> dict[int | None, float]:
+        """``{batch size: us}`` measured for ``backend`` on ``spec`` in ``phase``: the phase's
+        own entries, else those recorded for every phase. ``max_batch``: only the batch sizes a
+        plan with that many requests per step can hit (when some are; else all of them)."""
+        sk = spec_key(spec)
+        mine = {
+            (p, b): t for (name, s, p, b), t in self.times_us.items() if name == backend and s == sk
+        }
+        exact = {b: t for (p, b), t in mine.items() if phase is not None and p is phase}
+        chosen = exact or {b: t for (p, b), t in mine.items() if p is None}
+        if max_batch is not None:
+            within = {b: t for b, t in chosen.items() if b is None or b <= max_batch}
+            chosen = within or chosen
+        return chosen
+
+    def time(
+        self,
+        backend: str,
+        spec: LayerSpec,
+        phase: Phase | None = None,
+        *,
+        max_batch: int | None = None,
+    ) -> float | None:
+        """The geometric mean of :meth:`points`, or None when nothing was measured."""
+        pts = self.points(backend, spec, phase, max_batch=max_batch)
+        return _geomean(list(pts.values())) if pts else None
 
     def save(self, path: str | os.PathLike) -> None:
+        def order(item: tuple[TuningKey, float]) -> tuple[str, str, str, int]:
+            (b, s, p, n), _ = item
+            return (b, s, "" if p is None else p.value, -1 if n is None else n)
+
         entries = [
-            {"backend": b, "spec": json.loads(s), "us": t}
-            for (b, s), t in sorted(self.times_us.items())
+            {"backend": b, "spec": json.loads(s), "phase": p and p.value, "batch": n, "us": t}
+            for (b, s, p, n), t in sorted(self.times_us.items(), key=order)
         ]
-        payload = {"format": 1, "device": self.device, "entries": entries}
+        payload = {"format": TUNING_FORMAT, "device": self.device, "entries": entries}
         Path(path).write_text(json.dumps(payload, indent=1))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> TuningData:
+        """Read a tuning file of format 2 or 1 (format 1: times per backend and spec only)."""
         payload = json.loads(Path(path).read_text())
-        if payload.get("format") != 1:
-            raise ValueError(f"tuning file {path}: format {payload.get('format')!r}, expected 1")
+        fmt = payload.get("format")
+        if fmt not in (1, TUNING_FORMAT):
+            raise ValueError(f"tuning file {path}: format {fmt!r}, expected {TUNING_FORMAT} (or 1)")
         data = cls(device=payload.get("device", ""))
-        for e in payload["entries"]:
-            data.times_us[(e["backend"], json.dumps(e["spec"], sort_keys=True))] = float(e["us"])
+        for i, e in enumerate(payload["entries"]):
+            phase, batch = e.get("phase"), e.get("batch")
+            try:
+                key = (
+                    e["backend"],
+                    json.dumps(e["spec"], sort_keys=True),
+                    None if phase is None else Phase(phase),
+                    None if batch is None else int(batch),
+                )
+                data.times_us[key] = float(e["us"])
+            except (KeyError, ValueError, TypeError) as exc:
+                raise ValueError(
+                    f"tuning file {path}: entry {i} ({e!r}) is malformed: {exc!r}; expected "
+                    "backend, spec, us and (format 2) phase in "
+                    f"{[p.value for p in Phase]} or null, batch an int or null"
+                ) from None
         return data
 
 
 # ------------------------------------------------------------------------------------------
 # The plan
 # ------------------------------------------------------------------------------------------
+def _by_backend(rejected: Iterable[Rejection]) -> dict[str, list[Rejection]]:
+    by: dict[str, list[Rejection]] = {}
+    for r in rejected:
+        by.setdefault(r.backend, []).append(r)
+    return by
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseChoice:
+    """The backend chosen for one phase of one group, and why every other candidate was not."""
+
+    phase: Phase
+    backend: Backend
+    rejected: tuple[Rejection, ...]  # one entry per reason, several per backend possible
+    outranked: tuple[str, ...]  # admissible backends ranked below the chosen one
+    forced: bool = False
+    downgraded_from: tuple[str, ...] = ()  # rejected backends that rank above the chosen one
+    tuned_us: float | None = None  # the chosen backend's measured time in this phase
+    option_sources: tuple[tuple[str, str], ...] = ()  # as GroupChoice.option_sources
+    #: per batch-size bucket, where the tuning data has another fastest backend than
+    #: ``backend`` for some bucket: ``(most requests per step, backend)``, ascending; a step of
+    #: ``n`` (padded) requests runs on the first entry whose bound is ``>= n`` (the last one
+    #: beyond). Empty: ``backend`` serves every step of the phase.
+    by_batch: tuple[tuple[int, Backend], ...] = ()
+
+    def backend_for_batch(self, num_reqs: int) -> Backend:
+        """The backend that serves a step of this phase with ``num_reqs`` (padded) requests."""
+        for bound, backend in self.by_batch:
+            if num_reqs <= bound:
+                return backend
+        return self.by_batch[-1][1] if self.by_batch else self.backend
+
+    @property
+    def options(self) -> dict[str, object]:
+        return dict(self.backend.options)
+
+    def rejections_by_backend(self) -> dict[str, list[Rejection]]:
+        return _by_backend(self.rejected)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend.qualified_name,
+            "loadable_here": self.backend.available,
+            "forced": self.forced,
+            "downgraded_from": list(self.downgraded_from),
+            "tuned_us": self.tuned_us,
+            "options": {
+                k: {"value": v, "source": dict(self.option_sources).get(k, "default")}
+                for k, v in self.backend.options
+            },
+            "outranked": list(self.outranked),
+            "rejected": [
+                {"backend": r.backend, "code": r.code, "reason": r.reason, "fix": r.fix}
+                for r in self.rejected
+            ],
+            "by_batch": [
+                {"max_batch": bound, "backend": b.qualified_name} for bound, b in self.by_batch
+            ],
+        }
+
+
 @dataclass(frozen=True, slots=True)
 class GroupChoice:
-    """The backend chosen for one group and why every other candidate was not."""
+    """The backends chosen for one group, per phase, and why every other candidate was not.
+
+    The fields ``backend`` .. ``tuned_us`` and ``option_sources`` describe the ``prefill``
+    phase (prefill and mixed steps), as they did before plans chose per phase; ``phases`` holds
+    every planned phase (prefill first). All of them share the group's persistent state: one
+    page size, KV layout and KV dtype.
+    """
 
     group: LayerGroup
     backend: Backend
@@ -325,11 +496,50 @@ class GroupChoice:
     #: (key, where its value came from: "default", "--option", ATTN_CORE_BACKEND_OPTIONS=...,
     #: "ExecutionConstraints.backend_options") for every option of the chosen backend; sorted
     option_sources: tuple[tuple[str, str], ...] = ()
+    #: every planned phase's choice, prefill first; empty (a choice made by hand): the one
+    #: ``backend`` serves every phase
+    phases: tuple[PhaseChoice, ...] = ()
 
     @property
     def options(self) -> dict[str, object]:
         """The chosen backend's options in force (declared defaults filled in)."""
         return dict(self.backend.options)
+
+    def phase_choice(self, phase: Phase | str) -> PhaseChoice:
+        """The choice of ``phase``; a phase that was not planned (verify without speculative
+        tokens, decode of an encoder group, a hand-made choice) is served by the prefill one."""
+        phase = Phase(phase)
+        for p in self.phases:
+            if p.phase is phase:
+                return p
+        return PhaseChoice(
+            phase,
+            self.backend,
+            self.rejected,
+            self.outranked,
+            forced=self.forced,
+            downgraded_from=self.downgraded_from,
+            tuned_us=self.tuned_us,
+            option_sources=self.option_sources,
+        )
+
+    def backend_for_phase(self, phase: Phase | str) -> Backend:
+        """The backend that serves ``phase`` steps of this group (see :meth:`phase_choice`)."""
+        return self.phase_choice(phase).backend
+
+    @property
+    def planned_phases(self) -> tuple[Phase, ...]:
+        return tuple(p.phase for p in self.phases) or (Phase.PREFILL,)
+
+    @property
+    def backends(self) -> tuple[Backend, ...]:
+        """The distinct backends of the group's phases (prefill's first): one context each."""
+        out: dict[str, Backend] = {self.backend.qualified_name: self.backend}
+        for p in self.phases:
+            out.setdefault(p.backend.qualified_name, p.backend)
+            for _, b in p.by_batch:
+                out.setdefault(b.qualified_name, b)
+        return tuple(out.values())
 
     @property
     def loadable_here(self) -> bool:
@@ -337,15 +547,12 @@ class GroupChoice:
         return self.backend.available
 
     def rejections_by_backend(self) -> dict[str, list[Rejection]]:
-        by: dict[str, list[Rejection]] = {}
-        for r in self.rejected:
-            by.setdefault(r.backend, []).append(r)
-        return by
+        return _by_backend(self.rejected)
 
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """One backend per layer group, plus the model-wide settings they agreed on."""
+    """One backend per layer group and phase, plus the model-wide settings they agreed on."""
 
     device: DeviceCapabilities
     constraints: ExecutionConstraints
@@ -367,8 +574,10 @@ class Plan:
             f"no group {group_id!r} in the plan; groups: {[c.group.group_id for c in self.choices]}"
         )
 
-    def backend_for(self, group_id: str) -> Backend:
-        return self.choice(group_id).backend
+    def backend_for(self, group_id: str, phase: Phase | str | None = None) -> Backend:
+        """The backend of ``group_id`` in ``phase`` (None: the prefill / mixed one)."""
+        choice = self.choice(group_id)
+        return choice.backend if phase is None else choice.backend_for_phase(phase)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -380,6 +589,7 @@ class Plan:
             ),
             "page_size": self.page_size,
             "kv_layout": self.kv_layout,
+            "phases": [p.value for p in Phase if any(p in c.planned_phases for c in self.choices)],
             "groups": [
                 {
                     "group_id": c.group.group_id,
@@ -402,42 +612,122 @@ class Plan:
                         {"backend": r.backend, "code": r.code, "reason": r.reason, "fix": r.fix}
                         for r in c.rejected
                     ],
+                    # every planned phase (prefill's entry repeats the keys above)
+                    "phases": {p.phase.value: p.to_dict() for p in c.phases},
                 }
                 for c in self.choices
             ],
         }
 
 
-def _default_rank(backend: Backend) -> tuple[int, int]:
-    """The default rule without measurements: the reference last, then priority (higher first)."""
-    return (1 if backend.qualified_name == REFERENCE_BACKEND else 0, -backend.priority)
+def _default_rank(backend: Backend, phase: Phase = Phase.PREFILL) -> tuple[int, int]:
+    """The default rule without measurements: the reference last, then the backend's priority
+    in ``phase`` (higher first)."""
+    return (
+        1 if backend.qualified_name == REFERENCE_BACKEND else 0,
+        -backend.priority_for(phase),
+    )
 
 
-def _rank_key(backend: Backend, spec: LayerSpec, tuning: TuningData | None):
-    t = tuning.time(backend.qualified_name, spec) if tuning is not None else None
-    # Measured candidates first (fastest first), then the default rule, then name.
-    return (0 if t is not None else 1, t or 0.0, *_default_rank(backend), backend.qualified_name)
+def _rank_key(
+    backend: Backend, phase: Phase, times: Mapping[str, float]
+) -> tuple[int, float, int, int, str]:
+    """Measured candidates first (fastest first), then the default rule, then name."""
+    t = times.get(backend.qualified_name)
+    return (
+        0 if t is not None else 1,
+        t or 0.0,
+        *_default_rank(backend, phase),
+        backend.qualified_name,
+    )
 
 
-def _forced_key(group: LayerGroup, constraints: ExecutionConstraints) -> str | None:
-    """The ``force`` key that applies to ``group``: its group id, else its layer kind."""
+def _phase_times(
+    tuning: TuningData | None,
+    candidates: Sequence[Backend],
+    spec: LayerSpec,
+    phase: Phase,
+    max_batch: int,
+) -> dict[str, float]:
+    """Each measured candidate's time in ``phase``: the geometric mean over the batch-size
+    buckets every measured candidate has (so that all are compared on the same points), or over
+    its own buckets when they share none; buckets above ``max_batch`` are left out when others
+    remain."""
+    if tuning is None:
+        return {}
+    points = {
+        b.qualified_name: tuning.points(b.qualified_name, spec, phase, max_batch=max_batch)
+        for b in candidates
+    }
+    points = {name: pts for name, pts in points.items() if pts}
+    if not points:
+        return {}
+    common = set.intersection(*(set(pts) for pts in points.values()))
+    return {
+        name: _geomean([pts[k] for k in common] if common else list(pts.values()))
+        for name, pts in points.items()
+    }
+
+
+def planned_phases(group: LayerGroup, constraints: ExecutionConstraints) -> tuple[Phase, ...]:
+    """The phases a run of ``constraints`` steps ``group`` through: ``prefill`` and ``decode``,
+    plus ``verify`` when it verifies draft tokens; an encoder group has prefill steps only."""
+    if group.spec.kind is LayerKind.ENCODER:
+        return (Phase.PREFILL,)
+    if constraints.speculative_tokens > 0:
+        return (Phase.PREFILL, Phase.DECODE, Phase.VERIFY)
+    return (Phase.PREFILL, Phase.DECODE)
+
+
+def _forced_keys(group: LayerGroup, phase: Phase) -> tuple[str, ...]:
+    """The ``force`` keys that may apply to ``group`` in ``phase``, the first set one wins: the
+    phase-qualified ones first (``decode:GROUP``, ``decode:KIND``), then the unqualified ones
+    (``GROUP``, ``KIND``: every phase), then the bare phase (``decode``: every group)."""
+    g, k, p = group.group_id, group.spec.kind.value, phase.value
+    return (f"{p}:{g}", f"{p}:{k}", g, k, p)
+
+
+def _forced_key(
+    group: LayerGroup, constraints: ExecutionConstraints, phase: Phase = Phase.PREFILL
+) -> str | None:
+    """The ``force`` key that applies to ``group`` in ``phase`` (see :func:`_forced_keys`)."""
     forced = constraints.forced
-    for key in (group.group_id, group.spec.kind.value):
+    for key in _forced_keys(group, phase):
         if forced.get(key):
             return key
     return None
 
 
-def _forced_name(group: LayerGroup, constraints: ExecutionConstraints) -> str | None:
-    key = _forced_key(group, constraints)
+def _forced_name(
+    group: LayerGroup, constraints: ExecutionConstraints, phase: Phase = Phase.PREFILL
+) -> str | None:
+    key = _forced_key(group, constraints, phase)
     return constraints.forced[key] if key is not None else None
+
+
+def _force_key_problem(key: str, targets: set[str]) -> str | None:
+    """Why ``key`` is not a force key of this model (None: it is). ``targets``: the model's
+    layer kinds and group ids."""
+    phases = [p.value for p in Phase]
+    if key in targets or key in phases:
+        return None
+    prefix, sep, rest = key.partition(":")
+    if sep:
+        if prefix not in phases:
+            return f"has '{prefix}' before ':', which is not a phase (one of {phases})"
+        if rest in targets:
+            return None
+        return f"names '{rest}' after '{prefix}:': no layer kind and no group of this model"
+    return "names no layer kind and no group of this model, and no phase"
 
 
 def parse_forced(text: str, *, source: str) -> dict[str, str]:
     """``"full=flashinfer,linear=triton_ssm"`` -> ``{"full": "flashinfer", "linear": ...}``.
 
-    :param text: comma-separated ``KIND_OR_GROUP=BACKEND`` entries; empty entries (a trailing
-        comma) are ignored.
+    :param text: comma-separated ``KEY=BACKEND`` entries; a key is a layer kind or group id
+        (every phase), ``PHASE:KIND_OR_GROUP`` (that phase only, e.g. ``decode:full``) or a bare
+        phase (``decode``: that phase of every group); empty entries (a trailing comma) are
+        ignored. Whether a key names a kind, group or phase is checked by :func:`select`.
     :param source: where ``text`` came from (``"ATTN_CORE_BACKENDS"``, ``"--backends"``); every
         error starts with ``source=text``, so the user knows which setting to fix.
     :returns: one backend name per layer kind or group id.
@@ -445,7 +735,10 @@ def parse_forced(text: str, *, source: str) -> dict[str, str]:
         given twice (the message names both values).
     """
     forced: dict[str, str] = {}
-    hint = "expected KIND_OR_GROUP=BACKEND entries, e.g. 'full=flashinfer,linear=triton_ssm'"
+    hint = (
+        "expected KIND_OR_GROUP=BACKEND entries, e.g. 'full=flashinfer,linear=triton_ssm' "
+        "(a phase prefix forces one phase: 'decode:full=flashinfer', 'decode=flashinfer')"
+    )
     for raw in text.split(","):
         entry = raw.strip()
         if not entry:
@@ -536,34 +829,45 @@ def select(
     if tuning is None and os.environ.get(ENV_TUNING):
         tuning = TuningData.load(os.environ[ENV_TUNING])
     backends = registry.backends
-    valid_keys = {k.value for k in LayerKind} | {g.group_id for g in groups}
-    expected = f"expected one of {sorted(valid_keys)}"
-    env_unknown = [k for k in from_env if k not in valid_keys]
-    if env_unknown:
-        bad = env_unknown[0]
-        raise SelectionError(
-            f"{ENV_FORCE}={os.environ[ENV_FORCE]!r}: entry '{bad}={from_env[bad]}' names no layer "
-            f"kind and no group of this model; {expected}"
-        )
-    unknown = sorted(set(constraints.forced) - valid_keys)
+    targets = {k.value for k in LayerKind} | {g.group_id for g in groups}
+    expected = (
+        f"expected one of {sorted(targets)}, a phase {[p.value for p in Phase]}, or "
+        "PHASE:KIND_OR_GROUP (e.g. decode:full)"
+    )
+    for key in sorted(from_env):
+        problem = _force_key_problem(key, targets)
+        if problem is not None:
+            raise SelectionError(
+                f"{ENV_FORCE}={os.environ[ENV_FORCE]!r}: entry '{key}={from_env[key]}' "
+                f"{problem}; {expected}"
+            )
+    unknown = {
+        k: problem
+        for k in sorted(constraints.forced)
+        if (problem := _force_key_problem(k, targets)) is not None
+    }
     if unknown:
+        details = "; ".join(
+            f"'{k}={constraints.forced[k]}' {problem}" for k, problem in unknown.items()
+        )
         raise SelectionError(
-            f"forced backend keys {unknown} name no layer kind and no group of this model; "
-            f"{expected}"
+            f"forced backend keys {sorted(unknown)} name no layer kind, group or phase of this "
+            f"model ({details}); {expected}"
         )
     for group in groups:
-        key = _forced_key(group, constraints)
-        if key is None:
-            continue
-        name = constraints.forced[key]
-        try:
-            registry.resolve(name)  # unknown / ambiguous names fail here, with the known ones
-        except SelectionError as exc:
-            if key not in from_env:
-                raise
-            raise SelectionError(
-                f"{ENV_FORCE}={os.environ[ENV_FORCE]!r}: entry '{key}={name}': {exc}"
-            ) from None
+        for phase in planned_phases(group, constraints):
+            fkey = _forced_key(group, constraints, phase)
+            if fkey is None:
+                continue
+            name = constraints.forced[fkey]
+            try:
+                registry.resolve(name)  # unknown / ambiguous names fail here, with the known ones
+            except SelectionError as exc:
+                if fkey not in from_env:
+                    raise
+                raise SelectionError(
+                    f"{ENV_FORCE}={os.environ[ENV_FORCE]!r}: entry '{fkey}={name}': {exc}"
+                ) from None
 
     # Every option value is checked here, for every backend it names (chosen or not).
     options = resolve_backend_options(registry, constraints)
@@ -576,13 +880,18 @@ def select(
     if not kv_groups:
         page_options, layout_options = [None], [None]
 
+    Failure = tuple[LayerGroup, Phase, list[Rejection], int | None, str | None]
+
     def attempt(
         cons: ExecutionConstraints,
-    ) -> Plan | tuple[LayerGroup, list[Rejection], int | None, str | None]:
-        """The first plan under ``cons`` over the page sizes and layouts, else its first failure."""
-        first_failure: tuple[LayerGroup, list[Rejection], int | None, str | None] | None = None
-        for page_size in page_options:
-            for layout in layout_options:
+        pages: Sequence[int | None] = page_options,
+        layouts: Sequence[str | None] = layout_options,
+    ) -> Plan | Failure:
+        """The first plan under ``cons`` over the page sizes and layouts (every group and phase
+        has a backend under it), else its first failure."""
+        first_failure: Failure | None = None
+        for page_size in pages:
+            for layout in layouts:
                 choices: list[GroupChoice] = []
                 failed = None
                 for group in groups:
@@ -592,11 +901,14 @@ def select(
                     if isinstance(result, GroupChoice):
                         choices.append(result)
                     else:
-                        failed = (group, result, page_size, layout)
+                        failed = (group, result[0], result[1], page_size, layout)
                         break
                 if failed is None:
                     choices = [_with_options(c, options) for c in choices]
-                    return Plan(device, cons, tuple(choices), page_size, layout, local)
+                    plan = Plan(device, cons, tuple(choices), page_size, layout, local)
+                    if pages is page_options and layouts is layout_options:
+                        plan = _say_shared_state(plan, backends, tuning, attempt)
+                    return plan
                 if first_failure is None:
                     first_failure = failed
         assert first_failure is not None
@@ -606,9 +918,9 @@ def select(
     if isinstance(result, Plan):
         _apply_downgrade_policy(result)
         return result
-    group, rejections, page_size, layout = result
+    group, phase, rejections, page_size, layout = result
     message = _no_backend_message(
-        group, rejections, constraints, page_size, layout, from_env
+        group, rejections, constraints, page_size, layout, from_env, phase
     ) + _allow_list_notes(registry, constraints)
     # The downgrade policy may lower the graph mode (full -> decode -> none) as far as it takes
     # for every group to have a backend; a run whose mode every group can serve keeps it.
@@ -693,6 +1005,12 @@ def _page_size_options(
     return ordered
 
 
+#: Rejection codes of the settings every backend of a group shares through its persistent
+#: state (chosen for the whole model): a backend rejected only for them could serve the group
+#: under other settings.
+_SHARED_STATE_CODES = frozenset({"page_size", "kv_layout"})
+
+
 def _choose(
     group: LayerGroup,
     backends: Sequence[Backend],
@@ -703,46 +1021,27 @@ def _choose(
     layout: str | None,
     tuning: TuningData | None,
     local: bool = True,
-) -> GroupChoice | list[Rejection]:
+) -> GroupChoice | tuple[Phase, list[Rejection]]:
+    """Every planned phase's backend for ``group`` under one page size and KV layout (which all
+    of them share), else the first phase without one and its rejections."""
+    phases: list[PhaseChoice] = []
+    for phase in planned_phases(group, constraints):
+        result = _choose_phase(
+            group, phase, backends, registry, device, constraints, page_size, layout, tuning, local
+        )
+        if not isinstance(result, PhaseChoice):
+            return phase, result
+        phases.append(result)
+    first = phases[0]
     spec = group.spec
-    forced = _forced_name(group, constraints)
-    admissible: list[Backend] = []
-    rejected: list[Rejection] = []
-    for b in backends:
-        reasons = check_backend(
-            b, spec, device, constraints, page_size=page_size, kv_layout=layout, local=local
-        )
-        if forced is not None and not registry.matches(forced, b) and not reasons:
-            reasons = [Rejection(b.qualified_name, "not_forced", f"the run forces {forced}")]
-        if reasons:
-            rejected.extend(reasons)
-        else:
-            admissible.append(b)
-    if not admissible:
-        return rejected
-    admissible.sort(key=lambda b: _rank_key(b, spec, tuning))
-    chosen = admissible[0]
-    serving_kind = {r.backend for r in rejected if r.code not in ("kind", "not_forced")}
-    downgraded_from = tuple(
-        sorted(
-            b.qualified_name
-            for b in backends
-            if b.qualified_name in serving_kind
-            and _default_rank(b) < _default_rank(chosen)  # ranks above it by the default rule
-            and not any(
-                r.backend == b.qualified_name and r.code in ("denied", "not_allowed")
-                for r in rejected
-            )
-        )
-    )
     return GroupChoice(
         group=group,
-        backend=chosen,
-        rejected=tuple(rejected),
-        outranked=tuple(b.qualified_name for b in admissible[1:]),
-        forced=forced is not None,
-        downgraded_from=downgraded_from,
-        tuned_us=tuning.time(chosen.qualified_name, spec) if tuning else None,
+        backend=first.backend,
+        rejected=first.rejected,
+        outranked=first.outranked,
+        forced=first.forced,
+        downgraded_from=first.downgraded_from,
+        tuned_us=first.tuned_us,
         not_loadable_here=()
         if local
         else tuple(
@@ -752,22 +1051,217 @@ def _choose(
                 if not b.available and spec.kind in b.capabilities.kinds
             )
         ),
+        phases=tuple(phases),
     )
+
+
+def _choose_phase(
+    group: LayerGroup,
+    phase: Phase,
+    backends: Sequence[Backend],
+    registry: Registry,
+    device: DeviceCapabilities,
+    constraints: ExecutionConstraints,
+    page_size: int | None,
+    layout: str | None,
+    tuning: TuningData | None,
+    local: bool,
+) -> PhaseChoice | list[Rejection]:
+    spec = group.spec
+    forced = _forced_name(group, constraints, phase)
+    admissible: list[Backend] = []
+    rejected: list[Rejection] = []
+    for b in backends:
+        reasons = check_backend(
+            b,
+            spec,
+            device,
+            constraints,
+            page_size=page_size,
+            kv_layout=layout,
+            local=local,
+            phase=phase,
+        )
+        if forced is not None and not registry.matches(forced, b) and not reasons:
+            reasons = [Rejection(b.qualified_name, "not_forced", f"the run forces {forced}")]
+        if reasons:
+            rejected.extend(reasons)
+        else:
+            admissible.append(b)
+    if not admissible:
+        return rejected
+    times = _phase_times(tuning, admissible, spec, phase, constraints.max_batch_size)
+    by_batch = (
+        ()
+        if forced is not None
+        else _fastest_by_batch(tuning, admissible, spec, phase, constraints.max_batch_size)
+    )
+    admissible.sort(key=lambda b: _rank_key(b, phase, times))
+    chosen = admissible[0]
+    # backends that could serve this group and phase but for a run setting (not those of
+    # another kind, that do not serve the phase, or that lost to a forced one)
+    not_serving = {r.backend for r in rejected if r.code in ("kind", "not_forced", "phase")}
+    serving = {r.backend for r in rejected} - not_serving
+    downgraded_from = tuple(
+        sorted(
+            b.qualified_name
+            for b in backends
+            if b.qualified_name in serving
+            and _default_rank(b, phase) < _default_rank(chosen, phase)  # above it by default
+            and not any(
+                r.backend == b.qualified_name and r.code in ("denied", "not_allowed")
+                for r in rejected
+            )
+        )
+    )
+    return PhaseChoice(
+        phase=phase,
+        backend=chosen,
+        rejected=tuple(rejected),
+        outranked=tuple(b.qualified_name for b in admissible[1:]),
+        forced=forced is not None,
+        downgraded_from=downgraded_from,
+        tuned_us=times.get(chosen.qualified_name),
+        by_batch=by_batch,
+    )
+
+
+def _fastest_by_batch(
+    tuning: TuningData | None,
+    candidates: Sequence[Backend],
+    spec: LayerSpec,
+    phase: Phase,
+    max_batch: int,
+) -> tuple[tuple[int, Backend], ...]:
+    """The fastest measured candidate per batch-size bucket, when that is not one backend for
+    every bucket (else ``()``): the runtime switches between them per step.
+
+    The buckets are the batch sizes every measured candidate was timed at (up to
+    ``max_batch``). A step of ``n`` requests belongs to the measured size nearest in ratio: the
+    bound between sizes ``a < b`` is ``floor(sqrt(a * b))``; the last bucket reaches
+    ``max_batch``. Neighbouring buckets with the same winner are merged.
+    """
+    if tuning is None:
+        return ()
+    points: dict[str, tuple[Backend, dict[int, float]]] = {}
+    for b in candidates:
+        pts = tuning.points(b.qualified_name, spec, phase, max_batch=max_batch)
+        sized = {n: t for n, t in pts.items() if n is not None and n <= max_batch}
+        if sized:
+            points[b.qualified_name] = (b, sized)
+    if len(points) < 2:
+        return ()
+    common = sorted(set.intersection(*(set(sized) for _, sized in points.values())))
+    if len(common) < 2:
+        return ()
+
+    def fastest_at(n: int) -> Backend:
+        backend, _ = min(points.values(), key=lambda item: (item[1][n], item[0].qualified_name))
+        return backend
+
+    winners = [fastest_at(n) for n in common]
+    if len({w.qualified_name for w in winners}) == 1:
+        return ()
+    bounds = [math.isqrt(a * b) for a, b in itertools.pairwise(common)] + [max_batch]
+    merged: list[tuple[int, Backend]] = []
+    for bound, winner in zip(bounds, winners, strict=True):
+        if merged and merged[-1][1].qualified_name == winner.qualified_name:
+            merged[-1] = (bound, winner)
+        else:
+            merged.append((bound, winner))
+    return tuple(merged)
+
+
+def _say_shared_state(
+    plan: Plan,
+    backends: Sequence[Backend],
+    tuning: TuningData | None,
+    attempt: Callable[..., Plan | tuple[LayerGroup, Phase, list[Rejection], Any, Any]],
+) -> Plan:
+    """Add a ``shared_state`` rejection to every phase whose best candidate was rejected only
+    for the page size / KV layout the plan shares, when no plan exists under a setting that
+    candidate serves: some other group or phase has no backend there. (When one exists, the
+    selector merely preferred the model's own page size, and the ``page_size`` rejection's fix
+    says how to get it.)"""
+    by_name = {b.qualified_name: b for b in backends}
+    new_choices = []
+    for c in plan.choices:
+        phases = []
+        for p in c.phases:
+            extra: list[Rejection] = []
+            for name, reasons in sorted(p.rejections_by_backend().items()):
+                b = by_name.get(name)
+                if b is None or not {r.code for r in reasons} <= _SHARED_STATE_CODES:
+                    continue
+                times = _phase_times(
+                    tuning, [p.backend, b], c.group.spec, p.phase, plan.constraints.max_batch_size
+                )
+                if _rank_key(b, p.phase, times) >= _rank_key(p.backend, p.phase, times):
+                    continue
+                caps = b.capabilities
+                pages = (
+                    sorted(caps.page_sizes)
+                    if "page_size" in {r.code for r in reasons} and caps.page_sizes
+                    else [plan.page_size]
+                )
+                layouts = (
+                    sorted(caps.kv_layouts)
+                    if "kv_layout" in {r.code for r in reasons}
+                    else [plan.kv_layout]
+                )
+                other = attempt(plan.constraints, pages, layouts)
+                if isinstance(other, Plan):
+                    continue
+                group, phase, _, ps, layout = other
+                where = f"page_size {ps}" + (f", kv_layout {layout}" if layout else "")
+                extra.append(
+                    Rejection(
+                        name,
+                        "shared_state",
+                        f"ranks above {p.backend.qualified_name} for {p.phase.value} but cannot "
+                        f"share the persistent state the plan gives every group and phase "
+                        f"(page_size {plan.page_size}, kv_layout {plan.kv_layout}): under "
+                        f"{where}, which it serves, layer group {group.group_id!r} has no "
+                        f"backend for {phase.value}",
+                    )
+                )
+            phases.append(replace(p, rejected=p.rejected + tuple(extra)) if extra else p)
+        first = phases[0] if phases else None
+        new_choices.append(
+            replace(c, phases=tuple(phases), rejected=first.rejected)
+            if first is not None and first.phase is Phase.PREFILL
+            else replace(c, phases=tuple(phases))
+        )
+    return replace(plan, choices=tuple(new_choices))
 
 
 def _with_options(
     choice: GroupChoice, options: Mapping[str, tuple[dict[str, object], dict[str, str]]]
 ) -> GroupChoice:
-    """``choice`` whose backend carries its options in force (none declared: unchanged)."""
-    resolved = options.get(choice.backend.qualified_name)
-    if resolved is None:
-        return choice
-    values, sources = resolved
-    return replace(
-        choice,
-        backend=choice.backend.with_options(values),
-        option_sources=tuple(sorted(sources.items())),
-    )
+    """``choice`` whose phases' backends carry their options in force (none declared: as is)."""
+
+    def carry(backend: Backend) -> tuple[Backend, tuple[tuple[str, str], ...]] | None:
+        resolved = options.get(backend.qualified_name)
+        if resolved is None:
+            return None
+        values, sources = resolved
+        return backend.with_options(values), tuple(sorted(sources.items()))
+
+    phases = []
+    for p in choice.phases:
+        given = carry(p.backend)
+        if given is not None:
+            p = replace(p, backend=given[0], option_sources=given[1])
+        if p.by_batch:
+            p = replace(
+                p,
+                by_batch=tuple((bound, (carry(b) or (b, ()))[0]) for bound, b in p.by_batch),
+            )
+        phases.append(p)
+    given = carry(choice.backend)
+    if given is None:
+        return replace(choice, phases=tuple(phases))
+    return replace(choice, backend=given[0], option_sources=given[1], phases=tuple(phases))
 
 
 def _apply_downgrade_policy(plan: Plan) -> None:
@@ -775,24 +1269,38 @@ def _apply_downgrade_policy(plan: Plan) -> None:
     if policy is DowngradePolicy.ALLOW:
         return
     for c in plan.choices:
-        if not c.downgraded_from or c.forced:
-            continue
-        by = c.rejections_by_backend()
-        details = "; ".join(
-            f"{b}: " + ", ".join(str(r) for r in by[b]) for b in c.downgraded_from if b in by
-        )
-        rank = (
-            "the reference, ranked last"
-            if c.backend.qualified_name == REFERENCE_BACKEND
-            else f"priority {c.backend.priority}"
-        )
-        message = (
-            f"layer group {c.group.group_id!r} ({c.group.spec.short()}) falls back to "
-            f"{c.backend.qualified_name} ({rank}); higher-ranked backends were rejected: {details}"
-        )
-        if policy is DowngradePolicy.ERROR:
-            raise SelectionError(message + " [downgrade policy: error]")
-        warnings.warn(message, stacklevel=3)
+        first = c.phase_choice(Phase.PREFILL)
+        for p in c.phases or (first,):
+            if not p.downgraded_from or p.forced:
+                continue
+            if p is not first and (p.backend.qualified_name, p.downgraded_from) == (
+                first.backend.qualified_name,
+                first.downgraded_from,
+            ):
+                continue  # the same fall-back as the prefill phase: said once
+            _downgrade(c, p, policy)
+
+
+def _downgrade(c: GroupChoice, p: PhaseChoice, policy: DowngradePolicy) -> None:
+    """Warn about (or, under policy ``error``, refuse) phase ``p`` of ``c`` falling back."""
+    by = p.rejections_by_backend()
+    details = "; ".join(
+        f"{b}: " + ", ".join(str(r) for r in by[b]) for b in p.downgraded_from if b in by
+    )
+    rank = (
+        "the reference, ranked last"
+        if p.backend.qualified_name == REFERENCE_BACKEND
+        else f"priority {p.backend.priority_for(p.phase)}"
+    )
+    phase = "" if p.phase is Phase.PREFILL else f" in the {p.phase.value} phase"
+    message = (
+        f"layer group {c.group.group_id!r} ({c.group.spec.short()}) falls back to "
+        f"{p.backend.qualified_name}{phase} ({rank}); higher-ranked backends were rejected: "
+        f"{details}"
+    )
+    if policy is DowngradePolicy.ERROR:
+        raise SelectionError(message + " [downgrade policy: error]")
+    warnings.warn(message, stacklevel=4)
 
 
 def _no_backend_message(
@@ -802,14 +1310,17 @@ def _no_backend_message(
     page_size: int | None,
     layout: str | None,
     from_env: Mapping[str, str],
+    phase: Phase = Phase.PREFILL,
 ) -> str:
-    forced = _forced_name(group, constraints)
-    origin = _env_origin(_forced_key(group, constraints), from_env)
+    forced = _forced_name(group, constraints, phase)
+    origin = _env_origin(_forced_key(group, constraints, phase), from_env)
     head = (
         f"forced backend {forced!r}{origin} cannot serve layer group {group.group_id!r}"
         if forced
         else f"no backend can serve layer group {group.group_id!r}"
     )
+    if phase is not Phase.PREFILL:
+        head += f" in the {phase.value} phase"
     settings = []
     if page_size is not None:
         settings.append(f"page_size={page_size}")
@@ -834,5 +1345,13 @@ def _no_backend_message(
 
 
 def mapping_from_plan(plan: Plan) -> Mapping[str, str]:
-    """``{group_id: backend qualified name}`` of a plan."""
+    """``{group_id: backend qualified name}`` of a plan (the prefill / mixed backends)."""
     return {c.group.group_id: c.backend.qualified_name for c in plan.choices}
+
+
+def phase_mapping_from_plan(plan: Plan) -> Mapping[str, Mapping[str, str]]:
+    """``{group_id: {phase: backend qualified name}}`` of a plan, for every planned phase."""
+    return {
+        c.group.group_id: {p.value: c.backend_for_phase(p).qualified_name for p in c.planned_phases}
+        for c in plan.choices
+    }

@@ -55,6 +55,7 @@ __all__ = [
     "LayerKind",
     "LayerSpec",
     "LinearVariant",
+    "Phase",
     "group_layers",
     "torch_dtype",
 ]
@@ -90,6 +91,22 @@ class GraphMode(str, enum.Enum):
     NONE = "none"
     DECODE = "decode"  # pure-decode steps captured for fixed batch sizes
     FULL = "full"  # every step captured (mixed batches included)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Phase(str, enum.Enum):
+    """The kind of step a backend serves; a plan chooses a backend per layer group and phase.
+
+    A step's phase follows from its batch (``AttentionBatch.phase``): every request with one new
+    token is ``decode``; a speculative-verify step (``k + 1`` tokens per request) is ``verify``;
+    everything else (prefill chunks, mixed prefill and decode, encoder sequences) is ``prefill``.
+    """
+
+    PREFILL = "prefill"  # prefill and mixed steps (and encoder steps)
+    DECODE = "decode"  # pure decode: q_len == 1 for every request
+    VERIFY = "verify"  # speculative verify: q_len == k + 1 for every request
 
     def __str__(self) -> str:
         return self.value
@@ -720,8 +737,10 @@ class ExecutionConstraints:
     """What the run demands of every backend it selects.
 
     ``force`` maps a layer kind (``full``, ``mla``, ``linear``, ``encoder``) or a group id to a
-    backend name (``flashinfer`` or namespaced ``vendor:flashinfer``); a forced backend that cannot
-    serve is an error, never silently replaced.
+    backend name (``flashinfer`` or namespaced ``vendor:flashinfer``) for every phase; a key with
+    a phase prefix (``decode:full``, ``prefill:attn``) or a bare phase (``decode``) forces that
+    phase only (see ``attn_core.selector.parse_forced``). A forced backend that cannot serve is
+    an error, never silently replaced.
     """
 
     graph_mode: GraphMode = GraphMode.NONE
@@ -740,7 +759,7 @@ class ExecutionConstraints:
     spec_verify_strategy: str | None = None  # linear layers: "native" or "replay"
     allow: frozenset[str] = frozenset()  # backend names allowed (empty: all)
     deny: frozenset[str] = frozenset()  # backend names never used
-    force: tuple[tuple[str, str], ...] = ()  # (kind or group id, backend name)
+    force: tuple[tuple[str, str], ...] = ()  # ([phase:]kind or group id, or phase, backend)
     downgrade: DowngradePolicy = DowngradePolicy.WARN
     #: per backend (short or qualified name), option values checked against the backend's
     #: ``option_schema`` by the selector; wins over the CLI's and ATTN_CORE_BACKEND_OPTIONS

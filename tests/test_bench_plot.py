@@ -74,9 +74,17 @@ def stand_in_bench(monkeypatch, ref_registry):
     """``attn bench`` on the reference only, each candidate 'timed' by a stand-in."""
     calls = []
 
-    def fake_bench_group(group, backend, registry, plan, device, *, batch, context, iters):
-        calls.append((group.group_id, backend.qualified_name, batch))
-        return BenchResult(group.group_id, backend.qualified_name, 10.0 + batch, 9.0 + batch)
+    def fake_bench_group(group, backend, registry, plan, device, *, batch, context, iters, phase):
+        calls.append((group.group_id, backend.qualified_name, phase.value, batch))
+        return BenchResult(
+            group.group_id,
+            backend.qualified_name,
+            10.0 + batch,
+            9.0 + batch,
+            phase=phase.value,
+            batch=batch,
+            context=context,
+        )
 
     monkeypatch.setattr(cli, "_registry", lambda args: ref_registry)
     monkeypatch.setattr(bench, "bench_group", fake_bench_group)
@@ -87,7 +95,10 @@ def test_bench_plot_writes_the_png(tmp_path, capsys, stand_in_bench):
     path = tmp_path / "bench.png"
     argv = ["bench", "--model", "qwen3", "--device", "cpu", "--batch", "4", "--plot", str(path)]
     assert cli.main(argv) == 0
-    assert stand_in_bench == [("full", "attn_core:reference", 4)]
+    assert stand_in_bench == [
+        ("full", "attn_core:reference", "prefill", 4),
+        ("full", "attn_core:reference", "decode", 4),
+    ]
     assert f"plot written to {path}" in capsys.readouterr().out
     assert _png_size(path)[0] > 100
 

@@ -52,4 +52,7 @@ def test_bench_times_under_the_graph_mode_the_plan_lowered_to(monkeypatch, capsy
         rc = cli.main([*argv, "--iters", "1", "--graph-mode", "full", "--json"])
     results = json.loads(capsys.readouterr().out)
     assert rc == 0
-    assert [(r["backend"], r["error"]) for r in results] == [("attn_core:reference", None)]
+    assert [(r["phase"], r["backend"], r["error"]) for r in results] == [
+        ("prefill", "attn_core:reference", None),
+        ("decode", "attn_core:reference", None),
+    ]

@@ -226,6 +226,13 @@ class ArchitectureRun:
             lines.append(
                 f"   {g['group_id']:<8} -> {g['backend']:<28} {g['spec']}  [layers {layers}]"
             )
+            others = {
+                phase: p["backend"]
+                for phase, p in g.get("phases", {}).items()
+                if p["backend"] != g["backend"]
+            }
+            if others:  # phases served by another backend than prefill / mixed steps
+                lines.append("   " + " " * 12 + "; ".join(f"{ph}: {b}" for ph, b in others.items()))
         lines.append(f"   {self.match.short()}")
         modes = ", ".join(f"{k} {v}" for k, v in sorted(self.mode_counts.items()))
         speed = f"{self.tokens_per_second:,.0f} tok/s"

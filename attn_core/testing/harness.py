@@ -19,7 +19,7 @@ from attn_core.backend import Backend
 from attn_core.batch import AttentionBatch, BatchBuilder, BatchMode
 from attn_core.registry import Registry
 from attn_core.runtime import AttentionRuntime
-from attn_core.selector import GroupChoice, Plan
+from attn_core.selector import GroupChoice, PhaseChoice, Plan
 from attn_core.specs import (
     DeviceCapabilities,
     ExecutionConstraints,
@@ -27,6 +27,7 @@ from attn_core.specs import (
     LayerKind,
     LayerSpec,
     LinearVariant,
+    Phase,
     group_layers,
     torch_dtype,
 )
@@ -99,7 +100,11 @@ class Side:
         strategy: str | None = None,
         layer_params: dict[int, dict[str, Any]] | None = None,
         kv_scales: tuple[float, float] | None = None,
+        fill: Backend | None = None,
     ) -> None:
+        """:param fill: serves the phases ``backend`` does not declare (``capabilities.phases``;
+        the kit passes the reference), so that a phase-limited backend is tested on the steps
+        of its own phases only, as a plan would run it."""
         self.role = role
         self.spec = spec
         self.device = device
@@ -117,10 +122,16 @@ class Side:
             spec_verify_strategy=strategy if limits.spec_tokens else None,
             page_size=ps if spec.has_kv_cache else None,
         )
+        phases: tuple[PhaseChoice, ...] = ()
+        if fill is not None and backend.capabilities.phases != frozenset(Phase):
+            phases = tuple(
+                PhaseChoice(p, backend if backend.serves_phase(p) else fill, (), ()) for p in Phase
+            )
+        first = phases[0].backend if phases else backend
         plan = Plan(
             device_caps,
             self.constraints,
-            (GroupChoice(self.group, backend, (), ()),),
+            (GroupChoice(self.group, first, (), (), phases=phases),),
             ps if spec.has_kv_cache else None,
             "NHD" if spec.has_kv_cache else None,
         )
@@ -289,7 +300,9 @@ class Pair:
         )
         # The reference first: if it cannot run the configuration the item is skipped.
         self.ref = Side("reference", session.reference, session.registry, spec, **common)
-        self.test = Side("backend", session.backend, session.registry, spec, **common)
+        self.test = Side(
+            "backend", session.backend, session.registry, spec, fill=session.reference, **common
+        )
         self.conv = [
             tuple(t.to(self.device, torch_dtype(spec.dtype)) for t in conv_params(spec, gen))
             if spec.has_conv

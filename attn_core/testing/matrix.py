@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from attn_core.backend import BackendCapabilities
-from attn_core.specs import GraphMode, LayerKind, LayerSpec, LinearVariant
+from attn_core.specs import GraphMode, LayerKind, LayerSpec, LinearVariant, Phase
 from attn_core.testing.workloads import LARGE_MAGNITUDE
 
 __all__ = ["CHECKS", "Case", "build_matrix", "kind_label"]
@@ -340,7 +340,12 @@ def _kind_cases(
         base_labels.append(f"{K}: page_size {base.page_size}")
     for w in workloads:
         add("correctness", base, w, base_labels, num_layers=2 if w == "mixed" else 1)
-    if kind is not LayerKind.ENCODER and caps.max_speculative_tokens:
+    # verify cases test the verify phase: a backend that does not serve it has none
+    if (
+        kind is not LayerKind.ENCODER
+        and caps.max_speculative_tokens
+        and Phase.VERIFY in caps.phases
+    ):
         ks = list(range(1, min(4, caps.max_speculative_tokens) + 1))
         if quick:
             ks = sorted({ks[0], ks[-1]})

@@ -27,15 +27,15 @@ BROKEN = textwrap.dedent(
     class Broken:
         ATTN_CORE_API_VERSION = "1.1"
 
-        def __init__(self, defect, **caps):
-            self.defect = defect
+        def __init__(self, defect, name=None, **caps):
+            self.defect, self.name = defect, name or defect
             self.caps = BackendCapabilities(**{
                 "kinds": {"full"}, "device_types": {"cpu"}, "dtypes": {"float32"},
                 "head_dims": {64}, "page_sizes": {16}, **caps})
 
         @hookimpl
         def attn_core_register_backends(self, register):
-            register(Backend(name=self.defect, capabilities=self.caps))
+            register(Backend(name=self.name, capabilities=self.caps))
 
         @hookimpl
         def attn_core_allocate_context(self, backend, group, device, constraints, state,
@@ -66,6 +66,8 @@ BROKEN = textwrap.dedent(
                 self.inner.update(batch)
 
         def forward(self, layer, q, k, v, out, **inputs):
+            if self.defect == "decode_kernel" and self.inner.batch.mode.value != "decode":
+                raise NotImplementedError("a decode kernel: one new token per request only")
             view = layer
             if self.defect == "wrong_scale":
                 view = types.SimpleNamespace(scale=layer.scale * 1.25, kv=layer.kv,
@@ -100,6 +102,9 @@ BROKEN = textwrap.dedent(
     fp8_ignores_scale = Broken("fp8_ignores_scale", kv_dtypes={"float32", "fp8_e4m3"})
     fp8_raises = Broken("fp8_raises", kv_dtypes={"float32", "fp8_e4m3"})
     computes_in_fp16 = Broken("computes_in_fp16", dtypes={"bfloat16"})
+    # decode-only backends: one that raises on any other step, one with a wrong scale
+    decode_kernel = Broken("decode_kernel", phases={"decode"})
+    decode_wrong_scale = Broken("wrong_scale", name="decode_wrong_scale", phases={"decode"})
     '''
 )
 
@@ -298,3 +303,18 @@ def test_guide_shows_the_shipped_example() -> None:
     assert len(module.splitlines()) <= 60 and len(pyproject.splitlines()) <= 6
     for option in ("--attn-backend", "--attn-plugin", "--attn-quick", "--attn-seed"):
         assert option in guide
+
+
+def test_a_decode_only_backend_is_tested_on_decode_steps_only(pytester, run_kit) -> None:
+    """phases={'decode'}: the kit fills the other phases with the reference, as a plan would
+    (the backend raises on any other step, and passes); the same backend with a wrong scale
+    fails, so its decode steps did run on it."""
+    result, summary = _run_broken(pytester, run_kit, "decode_kernel")
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    assert summary["full: kind"] == "PASS"
+    assert not any(label.startswith("full: speculative verify") for label in summary)
+    result, summary = _run_broken(pytester, run_kit, "decode_wrong_scale")
+    assert result.ret == 1
+    assert summary["full: kind"] == "FAIL"
+    (line,) = [line for line in result.outlines if line.startswith("FAIL  full: kind - ")]
+    assert "batch mode decode" in line, line

@@ -27,7 +27,7 @@ from attn_core.backend import Backend, BackendCapabilities
 from attn_core.batch import AttentionBatch, BatchMode
 from attn_core.errors import BackendInputError
 from attn_core.hookspecs import hookimpl
-from attn_core.specs import ExecutionConstraints, GraphMode, LayerGroup, LayerKind
+from attn_core.specs import ExecutionConstraints, GraphMode, LayerGroup, LayerKind, Phase
 from attn_plugin_fa3 import __version__, providers, split_kv
 from attn_plugin_fa3.kv_write import write_kv
 
@@ -43,6 +43,9 @@ PAGE_SIZES = frozenset({16, 32, 64, 128, 256})
 #: A verify step is a causal query run of k + 1 tokens like any prefill chunk; 32 bounds what is
 #: tested, not what the kernel can do.
 MAX_SPECULATIVE_TOKENS = 32
+#: rank without tuning data: prefill / mixed, and decode / verify (see capabilities())
+PRIORITY = 90
+DECODE_PRIORITY = 60
 
 
 def capabilities(
@@ -70,6 +73,12 @@ def capabilities(
         logits_soft_cap=True,
         sinks=sinks,
         deterministic=deterministic,
+        # Measured on the H200 (bf16, through the public API): close to FlashInfer at prefill
+        # (481-508 vs 571-592 TF/s) but 1.2x-10x slower at decode (B=1 ctx 32k: 10.8x; B=4 ctx
+        # 128k: 3.7x), where FlashAttention-4 has no split-KV on sm90. Without tuning data the
+        # decode and verify phases rank it further below FlashInfer (100), still above the
+        # reference (tuning data, when given, decides instead).
+        phase_priority={Phase.DECODE: DECODE_PRIORITY, Phase.VERIFY: DECODE_PRIORITY},
     )
 
 
@@ -118,7 +127,7 @@ def make_backend(
     return Backend(
         name=BACKEND_NAME,
         capabilities=caps,
-        priority=90,
+        priority=PRIORITY,
         description=f"FlashAttention-3 API over paged KV via {source} (sm90)",
         version=f"attn-plugin-fa3 {__version__}; {source}",
         notes=provider.note if provider is not None else "",

@@ -1,0 +1,176 @@
+"""``attn bench --write-tuning`` writes a time per backend, group, phase and batch size over a
+grid of batch sizes and context lengths, and the selector ranks each phase by it.
+
+Two stand-in CPU plugins (``fast_prefill:fp``, ``fast_decode:fd``, both the reference's contexts)
+are "timed" by a stand-in table: ``fp`` is faster at prefill, ``fd`` at decode, with the opposite
+order of their declared priorities. What the bench writes and what the selector does with it is
+the real code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+import attn_core.reference.plugin as ref
+from attn_core import bench, cli
+from attn_core.backend import Backend, BackendCapabilities
+from attn_core.bench import BenchResult
+from attn_core.models import specs_from_hf_config
+from attn_core.registry import Registry
+from attn_core.selector import TuningData, phase_mapping_from_plan, select
+from attn_core.specs import DeviceCapabilities, ExecutionConstraints, Phase
+
+#: (backend, phase) -> us per layer at batch B and context C: base * B ** 0.5 * (1 + C / 1000)
+BASE = {
+    ("fast_prefill:fp", "prefill"): 10.0,
+    ("fast_decode:fd", "prefill"): 30.0,
+    ("attn_core:reference", "prefill"): 300.0,
+    ("fast_prefill:fp", "decode"): 20.0,
+    ("fast_decode:fd", "decode"): 5.0,
+    ("attn_core:reference", "decode"): 200.0,
+}
+
+
+def _stand_in_time(backend: str, phase: str, batch: int, context: int) -> float:
+    """Verify steps take what decode steps take, in this table."""
+    base = BASE[(backend, "decode" if phase == "verify" else phase)]
+    return base * batch**0.5 * (1 + context / 1000)
+
+
+@pytest.fixture
+def registry(make_plugin) -> Registry:
+    def backend(name, priority):
+        return Backend(
+            name=name,
+            capabilities=BackendCapabilities(
+                kinds={"full"}, device_types={"cpu"}, dtypes={"float32"}
+            ),
+            priority=priority,
+        )
+
+    def allocate(backend, group, device, constraints, state, workspace):
+        return ref.attn_core_allocate_context(
+            backend=backend,
+            group=group,
+            device=device,
+            constraints=constraints,
+            state=state,
+            workspace=workspace,
+        )
+
+    reg = Registry(strict=True)
+    reg.register_plugin(ref, name="attn_core")
+    # declared priorities rank fd first in every phase: only the measurements say otherwise
+    reg.register_plugin(
+        make_plugin("fast_prefill", [backend("fp", 10)], allocate=allocate), name="fast_prefill"
+    )
+    reg.register_plugin(
+        make_plugin("fast_decode", [backend("fd", 90)], allocate=allocate), name="fast_decode"
+    )
+    return reg
+
+
+@pytest.fixture
+def timed(monkeypatch, registry):
+    calls = []
+
+    def fake_bench_group(group, backend, registry, plan, device, *, batch, context, iters, phase):
+        calls.append((group.group_id, backend.qualified_name, phase.value, batch, context))
+        us = _stand_in_time(backend.qualified_name, phase.value, batch, context)
+        return BenchResult(
+            group.group_id,
+            backend.qualified_name,
+            us,
+            us,
+            phase=phase.value,
+            batch=batch,
+            context=context,
+        )
+
+    monkeypatch.setattr(cli, "_registry", lambda args: registry)
+    monkeypatch.setattr(bench, "bench_group", fake_bench_group)
+    return calls
+
+
+def test_bench_writes_per_phase_and_batch_and_the_selector_ranks_by_it(tmp_path, timed, registry):
+    path = tmp_path / "tuning.json"
+    argv = ["bench", "--model", "qwen3", "--device", "cpu", "--batch", "1,4,16"]
+    assert cli.main([*argv, "--context", "100,900", "--write-tuning", str(path)]) == 0
+    # every candidate, phase and grid point was timed
+    assert len(timed) == 3 * 2 * 3 * 2
+    assert {(b, p) for _, b, p, _, _ in timed} == set(BASE)
+    payload = json.loads(path.read_text())
+    assert payload["format"] == 2
+    entries = {(e["backend"], e["phase"], e["batch"]): e["us"] for e in payload["entries"]}
+    assert len(entries) == 3 * 2 * 3  # one per backend, phase and batch size
+    want = math.sqrt(
+        _stand_in_time("fast_decode:fd", "decode", 4, 100)
+        * _stand_in_time("fast_decode:fd", "decode", 4, 900)
+    )
+    assert entries[("fast_decode:fd", "decode", 4)] == pytest.approx(want)  # geomean over contexts
+
+    tuning = TuningData.load(path)
+    groups = specs_from_hf_config("qwen3", dtype="float32").groups
+    cpu = DeviceCapabilities.target("cpu")
+    plan = select(groups, registry, cpu, ExecutionConstraints(), tuning=tuning)
+    assert phase_mapping_from_plan(plan)["full"] == {
+        "prefill": "fast_prefill:fp",
+        "decode": "fast_decode:fd",
+    }
+    # without the tuning file, the declared priorities: fd for both
+    plan = select(groups, registry, cpu, ExecutionConstraints())
+    assert set(phase_mapping_from_plan(plan)["full"].values()) == {"fast_decode:fd"}
+    # a forced phase wins over the measurements
+    forced = ExecutionConstraints(force={"prefill:full": "fd"})
+    plan = select(groups, registry, cpu, forced, tuning=tuning)
+    assert phase_mapping_from_plan(plan)["full"]["prefill"] == "fast_decode:fd"
+
+
+def test_bench_times_verify_with_speculative_tokens(timed):
+    argv = ["bench", "--model", "qwen3", "--device", "cpu", "--spec-tokens", "2", "--json"]
+    assert cli.main(argv) == 0
+    assert {p for _, _, p, _, _ in timed} == {"prefill", "decode", "verify"}
+
+
+def test_bench_skips_prefill_points_over_the_token_cap(timed, capsys):
+    argv = ["bench", "--model", "qwen3", "--device", "cpu", "--batch", "2,8", "--context", "64"]
+    assert cli.main([*argv, "--max-prefill-tokens", "200"]) == 0
+    prefill = {(b, batch) for _, b, p, batch, _ in timed if p == "prefill"}
+    assert {batch for _, batch in prefill} == {2}  # 8 x 64 > 200
+    assert "skipped (over --max-prefill-tokens 200): full prefill" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [("--batch", "1,x", "'x' is not an integer"), ("--context", "0", "0 is not positive")],
+)
+def test_bench_grid_errors_name_the_flag(timed, capsys, flag, value, message):
+    rc = cli.main(["bench", "--model", "qwen3", "--device", "cpu", flag, value])
+    assert rc == 2
+    assert f"{flag} {value!r}: {message}" in capsys.readouterr().err
+
+
+def test_bench_group_times_each_phase_for_real(registry):
+    """bench_group itself (no stand-in) runs a step of each phase on the CPU."""
+    import torch
+
+    groups = specs_from_hf_config("qwen3", dtype="float32").groups
+    cpu = DeviceCapabilities.target("cpu")
+    plan = select(groups, registry, cpu, ExecutionConstraints(speculative_tokens=2))
+    backend = plan.choice("full").backend_for_phase("decode")
+    for phase in Phase:
+        res = bench.bench_group(
+            groups[0],
+            backend,
+            registry,
+            plan,
+            torch.device("cpu"),
+            batch=2,
+            context=5,
+            iters=1,
+            phase=phase,
+        )
+        assert res.error is None and res.us_per_layer > 0 and res.phase == phase.value

@@ -1,0 +1,584 @@
+"""Per-phase plans: a backend per layer group and phase (prefill / mixed, decode, verify).
+
+The plugins are inline stand-ins planned offline for a named H200 (none runs code):
+
+=========== ========== ================================================== =================
+plugin      backend    serves                                             priority
+=========== ========== ================================================== =================
+attn_core   reference  every kind and phase, any page size                ranked last
+fa3         fa3        full, sm90, pages 16/64, every phase               90, decode 60
+flashinfer  flashinfer full, sm80+, pages 16/64, every phase              100
+=========== ========== ================================================== =================
+
+and, where a test needs them, ``dec64`` (decode only, page size 64 only) and ``prefonly``
+(prefill only). The timing tables are stand-ins; the ranking logic they feed is the real one.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+from attn_core.backend import Backend, BackendCapabilities
+from attn_core.errors import SelectionError
+from attn_core.registry import Registry
+from attn_core.selector import (
+    TuningData,
+    check_backend,
+    phase_mapping_from_plan,
+    planned_phases,
+    select,
+)
+from attn_core.specs import DeviceCapabilities, ExecutionConstraints, LayerSpec, Phase, group_layers
+
+H200 = DeviceCapabilities.target("h200")
+FULL = LayerSpec(kind="full", num_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+GDN = LayerSpec(
+    kind="linear",
+    linear_variant="gated_deltanet",
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=64,
+    head_dim_v=64,
+    conv_kernel_size=4,
+    conv_channels=1024,
+)
+
+
+def _backend(name: str, priority: int, **caps) -> Backend:
+    caps.setdefault("kinds", {"full"})
+    caps.setdefault("device_types", {"cuda"})
+    caps.setdefault("dtypes", {"bfloat16", "float16"})
+    caps.setdefault("page_sizes", {16, 64})
+    caps.setdefault("max_speculative_tokens", 8)
+    return Backend(name=name, capabilities=BackendCapabilities(**caps), priority=priority)
+
+
+FA3 = _backend("fa3", 90, min_compute_capability=(9, 0), phase_priority={"decode": 60})
+FLASHINFER = _backend("flashinfer", 100, min_compute_capability=(8, 0))
+
+
+@pytest.fixture
+def registry(make_plugin):
+    def make(*extra: tuple[str, Backend]) -> Registry:
+        import attn_core.reference.plugin as ref
+
+        reg = Registry(strict=True)
+        reg.register_plugin(ref, name="attn_core")
+        for plugin, backend in (("fa3", FA3), ("flashinfer", FLASHINFER), *extra):
+            reg.register_plugin(make_plugin(plugin, [backend]), name=plugin)
+        return reg
+
+    return make
+
+
+def _plan(reg, specs=(FULL,), **kw):
+    kw.setdefault("downgrade", "allow")
+    return select(group_layers(list(specs)), reg, H200, ExecutionConstraints(**kw))
+
+
+def _phases(plan, group="full") -> dict[str, str]:
+    return dict(phase_mapping_from_plan(plan)[group])
+
+
+def _tuning(times: dict[tuple[str, str, int], float], spec: LayerSpec = FULL) -> TuningData:
+    """A stand-in timing table: {(backend, phase, batch): us}."""
+    t = TuningData(device="h200")
+    for (backend, phase, batch), us in times.items():
+        t.record(backend, spec, us, phase=phase, batch=batch)
+    return t
+
+
+# ------------------------------------------------------------------------------------------
+# Capabilities
+# ------------------------------------------------------------------------------------------
+def test_phase_capabilities_default_to_every_phase_at_the_backend_priority():
+    b = _backend("x", 70)
+    assert b.capabilities.phases == frozenset(Phase)
+    assert [b.priority_for(p) for p in Phase] == [70, 70, 70]
+    assert FA3.priority_for("decode") == 60 and FA3.priority_for(Phase.PREFILL) == 90
+    assert FA3.capabilities.phase_priority == ((Phase.DECODE, 60),)
+
+
+@pytest.mark.parametrize(
+    ("caps", "message"),
+    [
+        ({"phases": set()}, r"phases=set\(\): a backend must serve at least one phase"),
+        ({"phases": {"decoding"}}, r"phases: 'decoding' is not one of"),
+        ({"phase_priority": {"decod": 1}}, r"phase_priority: 'decod' is not one of"),
+        ({"phase_priority": {"decode": "high"}}, r"phase_priority: decode: 'high' is not an int"),
+        ({"phase_priority": 5}, r"phase_priority=5: expected a mapping"),
+    ],
+)
+def test_bad_phase_capabilities_name_the_field(caps, message):
+    with pytest.raises(ValueError, match=message):
+        _backend("x", 0, **caps)
+
+
+def test_a_backend_that_does_not_serve_a_phase_is_rejected_for_it_with_code_phase():
+    prefonly = _backend("prefonly", 200, phases={"prefill"})
+    cons = ExecutionConstraints()
+    assert check_backend(prefonly, FULL, H200, cons, phase=Phase.PREFILL, local=False) == []
+    (r,) = check_backend(prefonly, FULL, H200, cons, phase=Phase.DECODE, local=False)
+    assert (r.code, r.reason, r.fix) == ("phase", "serves the prefill phase, not decode", None)
+
+
+# ------------------------------------------------------------------------------------------
+# The default rule per phase
+# ------------------------------------------------------------------------------------------
+def test_the_plan_chooses_per_phase_by_phase_priority(registry):
+    fast_prefill = _backend("pf", 150, min_compute_capability=(9, 0), phase_priority={"decode": 10})
+    plan = _plan(registry(("pf", fast_prefill)))
+    assert _phases(plan) == {"prefill": "pf:pf", "decode": "flashinfer:flashinfer"}
+    choice = plan.choice("full")
+    # .backend (and mapping_from_plan) keep meaning the prefill / mixed backend
+    assert choice.backend.qualified_name == "pf:pf"
+    assert plan.backend_for("full").qualified_name == "pf:pf"
+    assert plan.backend_for("full", "decode").qualified_name == "flashinfer:flashinfer"
+    decode = choice.phase_choice("decode")
+    assert decode.outranked == ("fa3:fa3", "pf:pf", "attn_core:reference")
+    assert [b.qualified_name for b in choice.backends] == ["pf:pf", "flashinfer:flashinfer"]
+
+
+def test_flashinfer_outranks_fa3_at_decode_by_default(registry):
+    """The fa3 plugin's own declaration: 90 at prefill, 60 at decode and verify (it is 1.2x-10x
+    slower than FlashInfer at decode on the H200)."""
+    from attn_plugin_fa3 import plugin as fa3_plugin
+
+    real = fa3_plugin.make_backend(available=True)
+    assert real.priority_for("prefill") == 90
+    assert real.priority_for("decode") == real.priority_for("verify") == 60  # below 100
+    reg = registry()
+    plan = _plan(reg, deny={"flashinfer"})
+    assert _phases(plan) == {"prefill": "fa3:fa3", "decode": "fa3:fa3"}
+    plan = _plan(reg)
+    assert _phases(plan)["decode"] == "flashinfer:flashinfer"
+
+
+def test_verify_is_planned_only_with_speculative_tokens(registry):
+    reg = registry()
+    assert planned_phases(group_layers([FULL])[0], ExecutionConstraints()) == (
+        Phase.PREFILL,
+        Phase.DECODE,
+    )
+    assert set(_phases(_plan(reg))) == {"prefill", "decode"}
+    plan = _plan(reg, speculative_tokens=3)
+    assert set(_phases(plan)) == {"prefill", "decode", "verify"}
+    d = plan.to_dict()
+    assert d["phases"] == ["prefill", "decode", "verify"]
+    group = d["groups"][0]
+    assert set(group["phases"]) == {"prefill", "decode", "verify"}
+    assert group["phases"]["prefill"]["backend"] == group["backend"]  # the existing key stays
+    assert group["phases"]["decode"]["rejected"] == group["rejected"]
+    json.dumps(d)  # JSON-serialisable
+
+
+def test_an_encoder_group_plans_its_prefill_phase_only(registry):
+    enc = LayerSpec(kind="encoder", num_heads=4, num_kv_heads=4, head_dim=64, causal=False)
+    plan = _plan(registry(), specs=(enc,))
+    assert plan.choice("encoder").planned_phases == (Phase.PREFILL,)
+    # the runtime asks for every phase: an unplanned one is the prefill backend
+    assert plan.choice("encoder").backend_for_phase("decode").qualified_name == (
+        "attn_core:reference"
+    )
+
+
+def test_a_phase_only_backend_serves_its_phase_and_is_no_downgrade_elsewhere(registry):
+    dec = _backend("deconly", 300, min_compute_capability=(9, 0), phases={"decode"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no downgrade warning for prefill
+        plan = _plan(registry(("deconly", dec)), downgrade="warn")
+    assert _phases(plan) == {"prefill": "flashinfer:flashinfer", "decode": "deconly:deconly"}
+    prefill = plan.choice("full").phase_choice("prefill")
+    assert [r.code for r in prefill.rejections_by_backend()["deconly:deconly"]] == ["phase"]
+    assert prefill.downgraded_from == ()
+
+
+def test_every_phase_backend_shares_the_page_size(registry):
+    """A backend that serves only page size 64 is rejected for page size 16, and no phase pairs
+    it with a backend at another page size."""
+    dec64 = _backend("dec64", 300, min_compute_capability=(9, 0), page_sizes={64})
+    plan = _plan(registry(("dec64", dec64)))
+    assert plan.page_size == 16  # the model's own page size: every group and phase has one
+    for p in plan.choice("full").phases:
+        assert p.backend.qualified_name != "dec64:dec64"
+        codes = [r.code for r in p.rejections_by_backend()["dec64:dec64"]]
+        # at 64 the reference serves the other phases: the selector only preferred the model's
+        # page size, which the page_size rejection's fix says how to change
+        assert codes == ["page_size"]
+    plan = _plan(registry(("dec64", dec64)), page_size=64)
+    assert set(_phases(plan).values()) == {"dec64:dec64"}
+
+
+def test_a_faster_phase_backend_that_cannot_share_the_state_says_so(make_plugin):
+    """dec64 (decode only, page size 64 only) ranks first for decode, but at page size 64 no
+    backend serves prefill (the reference is denied, flashinfer and fa3 serve 16 only): the
+    decode phase falls back to flashinfer with a shared_state rejection naming why."""
+    dec64 = _backend(
+        "dec64", 300, min_compute_capability=(9, 0), page_sizes={64}, phases={"decode"}
+    )
+    fi16 = _backend("flashinfer", 100, min_compute_capability=(8, 0), page_sizes={16})
+    fa16 = _backend("fa3", 90, min_compute_capability=(9, 0), page_sizes={16})
+    import attn_core.reference.plugin as ref
+
+    reg = Registry(strict=True)
+    reg.register_plugin(ref, name="attn_core")
+    for plugin, b in (("flashinfer", fi16), ("fa3", fa16), ("dec64", dec64)):
+        reg.register_plugin(make_plugin(plugin, [b]), name=plugin)
+    plan = _plan(reg, deny={"reference"})
+    assert plan.page_size == 16
+    assert _phases(plan) == {"prefill": "flashinfer:flashinfer", "decode": "flashinfer:flashinfer"}
+    decode = plan.choice("full").phase_choice("decode")
+    by = decode.rejections_by_backend()["dec64:dec64"]
+    assert [r.code for r in by] == ["page_size", "shared_state"]
+    shared = by[1]
+    assert "ranks above flashinfer:flashinfer for decode but cannot share" in shared.reason
+    assert "page_size 16" in shared.reason and "under page_size 64" in shared.reason
+    assert "layer group 'full' has no backend for prefill" in shared.reason
+    # prefill: dec64 does not serve the phase at all, so nothing about sharing
+    prefill = plan.choice("full").phase_choice("prefill")
+    assert "shared_state" not in [r.code for r in prefill.rejections_by_backend()["dec64:dec64"]]
+
+
+def test_the_downgrade_policy_names_the_phase(registry):
+    old = _backend("old", 500, max_compute_capability=(8, 9), phases={"decode"})
+    _plan(registry(("old", old)), downgrade="error", deny={"old"})  # denied: no downgrade
+    with pytest.raises(SelectionError, match=r"falls back to flashinfer:flashinfer in the decode"):
+        _plan(registry(("old", old)), downgrade="error")
+
+
+# ------------------------------------------------------------------------------------------
+# Measured ranking per phase
+# ------------------------------------------------------------------------------------------
+def test_tuning_ranks_each_phase(registry):
+    """Measured: fa3 faster at prefill, flashinfer at decode (the default rule would give
+    flashinfer both)."""
+    tuning = _tuning(
+        {
+            ("fa3:fa3", "prefill", 1): 100.0,
+            ("fa3:fa3", "prefill", 64): 400.0,
+            ("flashinfer:flashinfer", "prefill", 1): 120.0,
+            ("flashinfer:flashinfer", "prefill", 64): 480.0,
+            ("fa3:fa3", "decode", 1): 50.0,
+            ("fa3:fa3", "decode", 64): 30.0,
+            ("flashinfer:flashinfer", "decode", 1): 5.0,
+            ("flashinfer:flashinfer", "decode", 64): 25.0,
+        }
+    )
+    plan = select(
+        group_layers([FULL]),
+        registry(),
+        H200,
+        ExecutionConstraints(downgrade="allow"),
+        tuning=tuning,
+    )
+    assert _phases(plan) == {"prefill": "fa3:fa3", "decode": "flashinfer:flashinfer"}
+    choice = plan.choice("full")
+    assert choice.tuned_us == pytest.approx(200.0)  # geometric mean of 100 and 400
+    assert choice.phase_choice("decode").tuned_us == pytest.approx((5.0 * 25.0) ** 0.5)
+    assert choice.phase_choice("decode").outranked == ("fa3:fa3", "attn_core:reference")
+
+
+def test_tuning_compares_the_buckets_every_candidate_has_within_the_batch_limit(registry):
+    """fa3 was also measured at 256 requests (slow there); flashinfer was not. Ranked on the
+    shared buckets (1 and 64), fa3 wins; 256 counts for neither."""
+    times = {
+        ("fa3:fa3", "decode", 1): 10.0,
+        ("fa3:fa3", "decode", 64): 10.0,
+        ("fa3:fa3", "decode", 256): 10_000.0,
+        ("flashinfer:flashinfer", "decode", 1): 20.0,
+        ("flashinfer:flashinfer", "decode", 64): 20.0,
+    }
+    plan = select(
+        group_layers([FULL]), registry(), H200, ExecutionConstraints(), tuning=_tuning(times)
+    )
+    assert _phases(plan)["decode"] == "fa3:fa3"
+    assert plan.choice("full").phase_choice("decode").tuned_us == pytest.approx(10.0)
+    # a plan of at most 8 requests per step can hit only the bucket of 1
+    times[("fa3:fa3", "decode", 1)] = 30.0
+    plan = select(
+        group_layers([FULL]),
+        registry(),
+        H200,
+        ExecutionConstraints(max_batch_size=8),
+        tuning=_tuning(times),
+    )
+    assert _phases(plan)["decode"] == "flashinfer:flashinfer"
+
+
+def test_forced_phase_overrides_win_over_tuning(registry):
+    tuning = _tuning(
+        {
+            ("fa3:fa3", "prefill", 8): 10.0,
+            ("flashinfer:flashinfer", "prefill", 8): 20.0,
+            ("fa3:fa3", "decode", 8): 50.0,
+            ("flashinfer:flashinfer", "decode", 8): 5.0,
+        }
+    )
+    reg = registry()
+
+    def phases(force, **kw):
+        cons = ExecutionConstraints(force=force, downgrade="allow", **kw)
+        return _phases(select(group_layers([FULL]), reg, H200, cons, tuning=tuning))
+
+    assert phases({}) == {"prefill": "fa3:fa3", "decode": "flashinfer:flashinfer"}
+    assert phases({"decode:full": "fa3"}) == {"prefill": "fa3:fa3", "decode": "fa3:fa3"}
+    assert phases("prefill:full=flashinfer") == {
+        "prefill": "flashinfer:flashinfer",
+        "decode": "flashinfer:flashinfer",
+    }
+    # a bare phase: that phase of every group
+    assert phases({"decode": "fa3"})["decode"] == "fa3:fa3"
+    # an old key: every phase; a phase-qualified key wins over it
+    assert phases({"full": "flashinfer"}) == {
+        "prefill": "flashinfer:flashinfer",
+        "decode": "flashinfer:flashinfer",
+    }
+    assert phases({"full": "flashinfer", "decode:full": "fa3"}) == {
+        "prefill": "flashinfer:flashinfer",
+        "decode": "fa3:fa3",
+    }
+    got = phases({"verify:full": "fa3"}, speculative_tokens=2)
+    assert got["verify"] == "fa3:fa3"
+    plan = select(
+        group_layers([FULL]), reg, H200, ExecutionConstraints(force={"decode:full": "fa3"})
+    )
+    choice = plan.choice("full")
+    assert choice.phase_choice("decode").forced and not choice.forced
+    codes = [
+        r.code
+        for r in choice.phase_choice("decode").rejections_by_backend()["flashinfer:flashinfer"]
+    ]
+    assert codes == ["not_forced"]
+
+
+def test_forced_phase_keys_from_the_environment(registry, monkeypatch):
+    reg = registry()
+    monkeypatch.setenv("ATTN_CORE_BACKENDS", "decode:full=fa3,prefill=flashinfer")
+    plan = _plan(reg)
+    assert _phases(plan) == {"prefill": "flashinfer:flashinfer", "decode": "fa3:fa3"}
+    # an explicit entry wins over the variable's for the same key
+    plan = _plan(reg, force={"decode:full": "flashinfer"})
+    assert _phases(plan)["decode"] == "flashinfer:flashinfer"
+
+
+@pytest.mark.parametrize(
+    ("entry", "problem"),
+    [
+        ("decod:full=fa3", "has 'decod' before ':', which is not a phase"),
+        ("decode:ful=fa3", "names 'ful' after 'decode:': no layer kind and no group"),
+        ("prefil=fa3", "names no layer kind and no group of this model, and no phase"),
+    ],
+)
+def test_malformed_phase_entries_name_the_entry(registry, monkeypatch, entry, problem):
+    reg = registry()
+    monkeypatch.setenv("ATTN_CORE_BACKENDS", entry)
+    with pytest.raises(SelectionError) as info:
+        _plan(reg)
+    assert str(info.value).startswith(f"ATTN_CORE_BACKENDS={entry!r}: entry '{entry}' {problem}")
+    monkeypatch.delenv("ATTN_CORE_BACKENDS")
+    with pytest.raises(SelectionError) as info:
+        _plan(reg, force=entry)
+    assert f"'{entry}' {problem}" in str(info.value)
+
+
+def test_a_forced_phase_backend_that_cannot_serve_is_an_error_naming_the_phase(registry):
+    prefonly = _backend("prefonly", 10, phases={"prefill"})
+    with pytest.raises(SelectionError) as info:
+        _plan(registry(("prefonly", prefonly)), force="decode:full=prefonly")
+    msg = str(info.value)
+    assert msg.startswith(
+        "forced backend 'prefonly' cannot serve layer group 'full' in the decode phase"
+    )
+    assert "[phase] serves the prefill phase, not decode" in msg
+
+
+def test_a_phase_key_forces_every_group_strictly(registry, make_plugin):
+    """'decode=flashinfer' on a hybrid model forces the linear group's decode too: an error,
+    never a silent skip; 'decode:full=...' is the way to force one kind."""
+    reg = registry()
+    with pytest.raises(SelectionError, match=r"forced backend 'flashinfer'.*group 'linear' in the"):
+        _plan(reg, specs=(GDN, FULL), force="decode=flashinfer")
+    plan = _plan(reg, specs=(GDN, FULL), force="decode:full=fa3")
+    assert _phases(plan, "full")["decode"] == "fa3:fa3"
+
+
+# ------------------------------------------------------------------------------------------
+# The tuning file
+# ------------------------------------------------------------------------------------------
+def test_tuning_file_format_2_round_trip(tmp_path):
+    t = _tuning({("fa3:fa3", "decode", 1): 5.0, ("fa3:fa3", "prefill", 64): 7.5})
+    t.record("flashinfer:flashinfer", FULL, 3.0)  # every phase, every batch size
+    path = tmp_path / "tuning.json"
+    t.save(path)
+    payload = json.loads(path.read_text())
+    assert payload["format"] == 2
+    assert {(e["backend"], e["phase"], e["batch"]) for e in payload["entries"]} == {
+        ("fa3:fa3", "decode", 1),
+        ("fa3:fa3", "prefill", 64),
+        ("flashinfer:flashinfer", None, None),
+    }
+    back = TuningData.load(path)
+    assert back.times_us == t.times_us and back.device == "h200"
+    assert back.time("fa3:fa3", FULL, Phase.DECODE) == 5.0
+    assert back.time("fa3:fa3", FULL, Phase.VERIFY) is None
+    assert back.time("flashinfer:flashinfer", FULL, Phase.VERIFY) == 3.0
+
+
+def test_tuning_file_format_1_still_reads_for_every_phase(tmp_path, registry):
+    from attn_core.selector import spec_key
+
+    path = tmp_path / "v1.json"
+    path.write_text(
+        json.dumps(
+            {
+                "format": 1,
+                "device": "h200",
+                "entries": [
+                    {"backend": "fa3:fa3", "spec": json.loads(spec_key(FULL)), "us": 1.0},
+                    {
+                        "backend": "flashinfer:flashinfer",
+                        "spec": json.loads(spec_key(FULL)),
+                        "us": 2.0,
+                    },
+                ],
+            }
+        )
+    )
+    t = TuningData.load(path)
+    assert t.time("fa3:fa3", FULL, Phase.DECODE) == 1.0
+    plan = select(group_layers([FULL]), registry(), H200, ExecutionConstraints(), tuning=t)
+    assert _phases(plan) == {"prefill": "fa3:fa3", "decode": "fa3:fa3"}
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        ({"format": 3, "entries": []}, r"format 3, expected 2 \(or 1\)"),
+        (
+            {"format": 2, "entries": [{"backend": "x", "spec": {}, "us": 1, "phase": "decoding"}]},
+            r"entry 0 .* is malformed",
+        ),
+    ],
+)
+def test_a_bad_tuning_file_is_an_error_naming_it(tmp_path, payload, message):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(payload))
+    with pytest.raises(ValueError, match=message):
+        TuningData.load(path)
+
+
+# ------------------------------------------------------------------------------------------
+# attn explain
+# ------------------------------------------------------------------------------------------
+def test_explain_shows_every_phase(registry):
+    from attn_core.cli import format_plan
+
+    tuning = _tuning({("fa3:fa3", "decode", 8): 1.0, ("flashinfer:flashinfer", "decode", 8): 2.0})
+    plan = select(
+        group_layers([FULL]),
+        registry(),
+        H200,
+        ExecutionConstraints(speculative_tokens=2, downgrade="allow"),
+        tuning=tuning,
+    )
+    text = format_plan(plan)
+    assert (
+        "prefill / mixed steps: flashinfer:flashinfer; decode steps: fa3:fa3; speculative "
+        "verify steps: flashinfer:flashinfer"
+    ) in text
+    assert "  decode steps:\n" in text  # its own table: it differs from prefill
+    assert "(tuned: 1.0 us)" in text
+    assert (
+        "speculative verify steps: flashinfer:flashinfer, the same candidates and reasons as "
+        "prefill / mixed steps"
+    ) in text
+
+
+def test_cli_backends_forces_a_phase_and_json_shows_every_phase(registry, monkeypatch, capsys):
+    from attn_core import cli
+
+    reg = registry()
+    monkeypatch.setattr(cli, "_registry", lambda args: reg)
+    argv = ["explain", "qwen3", "--target", "h200", "--json", "--spec-tokens", "2"]
+    assert cli.main([*argv, "--backends", "decode:full=fa3"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    (group,) = d["groups"]
+    assert group["backend"] == "flashinfer:flashinfer"  # the existing key: prefill / mixed
+    assert {p: v["backend"] for p, v in group["phases"].items()} == {
+        "prefill": "flashinfer:flashinfer",
+        "decode": "fa3:fa3",
+        "verify": "flashinfer:flashinfer",
+    }
+    assert group["phases"]["decode"]["forced"] and not group["forced"]
+    assert d["phases"] == ["prefill", "decode", "verify"]
+    # a malformed phase key names the flag's entry
+    assert cli.main([*argv, "--backends", "decod:full=fa3"]) == 2
+    err = capsys.readouterr().err
+    assert "'decod:full=fa3' has 'decod' before ':', which is not a phase" in err
+
+
+# ------------------------------------------------------------------------------------------
+# Per batch-size bucket
+# ------------------------------------------------------------------------------------------
+CROSSING = {
+    # fa3 faster for few requests, flashinfer for many (decode); one winner at prefill
+    ("fa3:fa3", "decode", 1): 5.0,
+    ("fa3:fa3", "decode", 16): 9.0,
+    ("fa3:fa3", "decode", 64): 40.0,
+    ("flashinfer:flashinfer", "decode", 1): 10.0,
+    ("flashinfer:flashinfer", "decode", 16): 12.0,
+    ("flashinfer:flashinfer", "decode", 64): 20.0,
+    ("fa3:fa3", "prefill", 1): 50.0,
+    ("fa3:fa3", "prefill", 64): 90.0,
+    ("flashinfer:flashinfer", "prefill", 1): 40.0,
+    ("flashinfer:flashinfer", "prefill", 64): 80.0,
+}
+
+
+def test_tuning_with_crossing_backends_switches_per_batch_bucket(registry):
+    plan = select(
+        group_layers([FULL]), registry(), H200, ExecutionConstraints(), tuning=_tuning(CROSSING)
+    )
+    decode = plan.choice("full").phase_choice("decode")
+    # buckets 1, 16, 64: bounds isqrt(1 * 16) = 4, isqrt(16 * 64) = 32, then max_batch_size
+    assert [(bound, b.qualified_name) for bound, b in decode.by_batch] == [
+        (32, "fa3:fa3"),
+        (256, "flashinfer:flashinfer"),
+    ]
+    assert [decode.backend_for_batch(n).qualified_name for n in (1, 32, 33, 999)] == [
+        "fa3:fa3",
+        "fa3:fa3",
+        "flashinfer:flashinfer",
+        "flashinfer:flashinfer",
+    ]
+    # the aggregate still names one backend: geomean (5*9*40)^(1/3) = 12.2 < 13.4
+    assert decode.backend.qualified_name == "fa3:fa3"
+    assert decode.tuned_us == pytest.approx((5.0 * 9.0 * 40.0) ** (1 / 3))
+    assert plan.choice("full").phase_choice("prefill").by_batch == ()  # one winner
+    assert {b.qualified_name for b in plan.choice("full").backends} == {
+        "flashinfer:flashinfer",
+        "fa3:fa3",
+    }
+    entry = plan.to_dict()["groups"][0]["phases"]["decode"]["by_batch"]
+    assert entry == [
+        {"max_batch": 32, "backend": "fa3:fa3"},
+        {"max_batch": 256, "backend": "flashinfer:flashinfer"},
+    ]
+    from attn_core.cli import format_plan
+
+    text = format_plan(plan)
+    assert "by batch size (tuned): <= 32 requests: fa3:fa3; <= 256 requests:" in text
+
+
+def test_no_bucket_switching_when_forced_or_within_one_bucket(registry):
+    forced = ExecutionConstraints(force={"decode:full": "flashinfer"})
+    plan = select(group_layers([FULL]), registry(), H200, forced, tuning=_tuning(CROSSING))
+    assert plan.choice("full").phase_choice("decode").by_batch == ()
+    # a run of at most 8 requests per step can hit only the bucket of 1: fa3, no switching
+    small = ExecutionConstraints(max_batch_size=8)
+    plan = select(group_layers([FULL]), registry(), H200, small, tuning=_tuning(CROSSING))
+    decode = plan.choice("full").phase_choice("decode")
+    assert decode.by_batch == () and decode.backend.qualified_name == "fa3:fa3"
