@@ -8,6 +8,7 @@ weights are allocated).
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from typing import Any
@@ -287,11 +288,14 @@ def test_gemma3_pattern_scale_and_softcap() -> None:
         assert spec.sliding_window == attn.sliding_window
         assert spec.softmax_scale == pytest.approx(attn.scaling)
         assert spec.logits_soft_cap is None is attn.attn_logit_softcapping
-    # Gemma-2-style soft-capping and a scalar that differs from head_dim (Gemma-3-27B: 168)
+    # A scalar that differs from head_dim (Gemma-3-27B: 168) and a Gemma-2-style soft-cap, which
+    # Gemma3Attention keeps but never passes to the attention function: it is not mapped.
     d.update(attn_logit_softcapping=50.0, query_pre_attn_scalar=168, head_dim=128)
     spec = specs_from_hf_config(d).spec_of(5)
     attn = on_meta(mod.Gemma3Attention, hf_config(d), 5)
-    assert spec.logits_soft_cap == 50.0 == attn.attn_logit_softcapping
+    assert attn.attn_logit_softcapping == 50.0
+    assert "softcap" not in inspect.getsource(mod.Gemma3Attention.forward)
+    assert spec.logits_soft_cap is None
     assert spec.softmax_scale == pytest.approx(168**-0.5) == pytest.approx(attn.scaling)
 
 

@@ -16,14 +16,27 @@ Mixers by layer kind:
   ``[T, H, R]`` mapped back with ``W_UV``.
 - linear Gated DeltaNet (Qwen3-Next): conv over q|k|v, ``g = -exp(A_log) softplus(a + dt_bias)``,
   ``beta = sigmoid(b)``, gated RMSNorm with ``z``.
-- linear Mamba2 (Bamba): conv over x|B|C, ``q=C, k=B, v=x`` plus ``dt, A_log, D, dt_bias``;
-  gated RMSNorm with the z gate.
+- linear Mamba2 (Bamba, Nemotron-H): conv over x|B|C, ``q=C, k=B, v=x`` plus ``dt, A_log, D,
+  dt_bias``; gated RMSNorm with the z gate. A lower ``time_step_limit`` (Nemotron-H's
+  ``time_step_min``) is folded into ``dt`` exactly: ``softplus(dt + bias) >= lo`` iff
+  ``dt >= softplus^-1(lo) - bias``, so ``dt`` is raised to that bound before the binding.
+
+Families of :data:`LAYER_FORWARD_FAMILIES` (Gemma-3, Nemotron-H) run each transformers decoder
+layer's own ``forward``: norms, residuals, rotary embedding and everything else stay
+transformers' code, and only the attention op is replaced, through transformers' attention
+function interface (an ``"attn_core"`` implementation registered with ``AttentionInterface``,
+switched on for the step), and the Mamba2 mixer module by its class. The hook checks every call
+against the layer's spec: the scale, sliding window, soft-cap and sinks transformers passes must
+be the ones the mapping describes, and every attention layer must have been called.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable
+import inspect
+import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -33,7 +46,42 @@ from attn_core.models import ModelLayout
 from attn_core.reference.ops import mla_absorb_query, mla_output_from_latent, mla_split_kv_b_proj
 from attn_core.specs import LayerKind, LinearVariant, torch_dtype
 
-__all__ = ["CausalLMAdapter", "layer_params_for"]
+__all__ = ["LAYER_FORWARD_FAMILIES", "CausalLMAdapter", "layer_params_for"]
+
+#: Families (``ModelLayout.family``) whose decoder layers run their own transformers ``forward``
+#: with the attention op hooked (see the module docstring).
+LAYER_FORWARD_FAMILIES: frozenset[str] = frozenset({"gemma-3", "nemotron-h"})
+_HOOK_NAME = "attn_core"
+# The adapter whose step is running (the hook is a module-level function transformers calls).
+_ACTIVE: list[CausalLMAdapter] = []
+
+
+def _attention_hook(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: ``query [1, H, T, D]``, ``key`` / ``value``
+    ``[1, Hkv, T, D|Dv]`` (rotary already applied) -> ``([1, T, H, Dv], None)``."""
+    if not _ACTIVE:
+        raise RuntimeError("the attn_core attention implementation ran outside an adapter step")
+    return _ACTIVE[-1]._hooked_attention(module, query, key, value, kwargs), None
+
+
+def _register_hook() -> None:
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if _HOOK_NAME not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(_HOOK_NAME, _attention_hook)
+
+
+def _softplus_inverse(y: float) -> float:
+    """``x`` with ``softplus(x) = y`` (``y > 0``), stable for small ``y``."""
+    return y + math.log(-math.expm1(-y))
 
 
 def _decoder(hf_model: torch.nn.Module) -> Any:
@@ -82,6 +130,13 @@ class CausalLMAdapter:
         self.direct = direct
         self._mla_weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._mixers: list[Callable[[int, Any, torch.Tensor, Any], torch.Tensor] | None] = []
+        self.layer_forward = layout.family in LAYER_FORWARD_FAMILIES
+        # layer forward: Mamba2 mixer modules replaced during the step, by layer index
+        self._mamba_modules: dict[int, torch.nn.Module] = {}
+        self._dt_floor: dict[int, float] = {}
+        self._seen: set[int] = set()
+        if self.layer_forward:
+            _register_hook()
         for i, layer in enumerate(self.base.layers):
             if i not in layout.layer_indices:
                 self._mixers.append(None)
@@ -94,12 +149,16 @@ class CausalLMAdapter:
             elif spec.linear_variant is LinearVariant.GATED_DELTANET:
                 self._mixers.append(self._gdn)
             elif spec.linear_variant is LinearVariant.MAMBA2:
-                limit = tuple(getattr(layer.mamba, "time_step_limit", (0.0, float("inf"))))
-                if limit != (0.0, float("inf")):
+                mx = getattr(layer, "mamba", None) or layer.mixer
+                lo, hi = tuple(getattr(mx, "time_step_limit", (0.0, float("inf"))))
+                if hi != float("inf") or lo < 0:
                     raise ValueError(
-                        f"layer {i}: time_step_limit={limit}; the binding's Mamba2 inputs carry "
-                        "no dt clamp, expected (0.0, inf)"
+                        f"layer {i}: time_step_limit=({lo}, {hi}); the binding's Mamba2 inputs "
+                        "carry no upper dt clamp, expected (lo >= 0, inf)"
                     )
+                if lo > 0:
+                    self._dt_floor[i] = _softplus_inverse(float(lo))
+                self._mamba_modules[i] = mx
                 self._mixers.append(self._mamba2)
             else:
                 raise ValueError(f"layer {i}: no mixer for {spec.short()}")
@@ -113,6 +172,8 @@ class CausalLMAdapter:
         :param positions: ``[T]`` int64 absolute positions (``batch.positions``).
         :returns: ``[T, vocab]`` logits in the model dtype.
         """
+        if self.layer_forward:
+            return self._forward_layers(input_ids, positions)
         h = self.base.embed_tokens(input_ids)[None]  # [1, T, D]
         pe = self.base.rotary_emb(h, positions[None]) if hasattr(self.base, "rotary_emb") else None
         for i, layer in enumerate(self.base.layers):
@@ -131,6 +192,130 @@ class CausalLMAdapter:
             h = residual + y
         norm = getattr(self.base, "norm", None) or self.base.final_layernorm
         return self.hf.lm_head(norm(h))[0]
+
+    def _position_embeddings(self, h: torch.Tensor, positions: torch.Tensor) -> list[Any]:
+        """Per layer the rotary ``(cos, sin)`` (None without a rotary embedding). A rotary
+        embedding whose forward takes ``layer_type`` (Gemma-3: local and global rope) is
+        evaluated once per type of the config's ``layer_types``."""
+        n = len(self.base.layers)
+        rot = getattr(self.base, "rotary_emb", None)
+        if rot is None:
+            return [None] * n
+        if "layer_type" not in inspect.signature(rot.forward).parameters:
+            pe = rot(h, positions[None])
+            return [pe] * n
+        types = list(self.config.layer_types)
+        by_type = {t: rot(h, positions[None], t) for t in sorted(set(types))}
+        return [by_type[t] for t in types]
+
+    @contextlib.contextmanager
+    def _hooked(self) -> Iterator[None]:
+        """Within the block the model's attention modules call :func:`_attention_hook` and the
+        Mamba2 mixers :meth:`_mamba2_module`; afterwards the model is transformers' own again
+        (the reference forward of the same module objects runs eagerly)."""
+        saved = self.config._attn_implementation
+        _ACTIVE.append(self)
+        self.config._attn_implementation = _HOOK_NAME
+        for i, mx in self._mamba_modules.items():
+            # an instance attribute shadows the class's forward for nn.Module.__call__
+            mx.forward = lambda hidden_states, *_a, _i=i, _mx=mx, **_k: self._mamba2_core(
+                _i, _mx, hidden_states[0]
+            )[None]
+        try:
+            yield
+        finally:
+            for mx in self._mamba_modules.values():
+                del mx.forward
+            self.config._attn_implementation = saved
+            _ACTIVE.pop()
+
+    def _forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` through each decoder layer's own ``forward`` (hooked attention)."""
+        embed = getattr(self.base, "embed_tokens", None) or self.base.embeddings
+        h = embed(input_ids)[None]  # [1, T, D]
+        pes = self._position_embeddings(h, positions)
+        self._seen.clear()
+        with self._hooked():
+            for i, layer in enumerate(self.base.layers):
+                kwargs: dict[str, Any] = {"attention_mask": None, "position_ids": positions[None]}
+                if pes[i] is not None:
+                    kwargs["position_embeddings"] = pes[i]
+                out = layer(h, **kwargs)
+                h = out[0] if isinstance(out, tuple) else out
+        attention = {
+            i
+            for i in self.layout.layer_indices
+            if self.layout.spec_of(i).kind is not LayerKind.LINEAR
+        }
+        if self._seen != attention:
+            raise ValueError(
+                f"layers {sorted(attention - self._seen)} of the attention layout did not call "
+                f"the attn_core attention function and layers {sorted(self._seen - attention)} "
+                "called it without being attention layers of the layout; the mapping does not "
+                "describe the model"
+            )
+        norm = getattr(self.base, "norm", None) or self.base.norm_f
+        logits = self.hf.lm_head(norm(h))[0]
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap is not None:  # as Gemma3ForCausalLM: tanh soft-cap on the final logits
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _hooked_attention(
+        self,
+        module: Any,  # the transformers attention module (layer_idx, head_dim, maybe sinks)
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        """The attention op of layer ``module.layer_idx`` through its binding, after checking
+        that what transformers asks for is what the layer's spec describes.
+
+        :param query: ``[1, H, T, D]``; ``key`` / ``value`` ``[1, Hkv, T, D|Dv]``.
+        :returns: ``[1, T, H, Dv]``.
+        """
+        i = int(module.layer_idx)
+        if i not in self.layout.layer_indices:
+            raise ValueError(f"layer {i}: transformers calls attention, the layout has none")
+        spec = self.layout.spec_of(i)
+        scaling = kwargs.get("scaling")
+        if scaling is None:
+            scaling = module.head_dim**-0.5
+        asked = {
+            "softmax scale": float(scaling),
+            "sliding window": kwargs.get("sliding_window"),
+            "logits soft-cap": kwargs.get("softcap"),
+            "sinks": getattr(module, "sinks", None) is not None,
+            "dropout": float(kwargs.get("dropout") or 0.0),
+        }
+        described = {
+            "softmax scale": spec.scale,
+            "sliding window": spec.sliding_window,
+            "logits soft-cap": spec.logits_soft_cap,
+            "sinks": spec.has_sinks,
+            "dropout": 0.0,
+        }
+        for what, got in asked.items():
+            want = described[what]
+            same = (
+                math.isclose(got, want, rel_tol=1e-6)
+                if isinstance(got, float) and isinstance(want, float)
+                else got == want
+            )
+            if not same:
+                raise ValueError(
+                    f"layer {i} ({type(module).__name__}): transformers computes {what} "
+                    f"{got!r}, the layer's spec ({spec.short()}) describes {want!r}"
+                )
+        self._seen.add(i)
+        T = query.shape[2]
+        q = query[0].transpose(0, 1).contiguous()
+        k = key[0].transpose(0, 1).contiguous()
+        v = value[0].transpose(0, 1).contiguous()
+        out = torch.empty(T, spec.num_heads, spec.head_dim_v, dtype=q.dtype, device=q.device)
+        self._attend(i, q, k, v, out)
+        return out[None]
 
     # -- attention calls: through the binding, or straight into the group's context -----------
     def _attend(self, i: int, q, k, v, out, **inputs) -> torch.Tensor:
@@ -229,12 +414,18 @@ class CausalLMAdapter:
         return la.out_proj(o.reshape(T, -1))
 
     def _mamba2(self, i: int, layer, x: torch.Tensor, pe) -> torch.Tensor:
-        mx = layer.mamba
+        return self._mamba2_core(i, self._mamba_modules[i], x)
+
+    def _mamba2_core(self, i: int, mx: Any, x: torch.Tensor) -> torch.Tensor:
+        """The Mamba2 mixer ``mx`` of layer ``i`` on ``x [T, D]`` -> ``[T, D]``."""
         T = x.shape[0]
         G, N = mx.n_groups, mx.ssm_state_size
         gate, xbc, dt = mx.in_proj(x).split(
             [mx.intermediate_size, mx.conv_dim, mx.num_heads], dim=-1
         )
+        floor = self._dt_floor.get(i)
+        if floor is not None:  # softplus(dt + dt_bias) >= time_step_limit[0], exactly
+            dt = torch.maximum(dt.float(), floor - mx.dt_bias.float()).to(dt.dtype)
         xbc = self._conv(
             i, xbc.contiguous(), mx.conv1d.weight.squeeze(1), mx.conv1d.bias, mx.activation
         )

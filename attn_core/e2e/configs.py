@@ -97,6 +97,37 @@ _SHRINK: dict[str, dict[str, Any]] = {
         pad_token_id=0,
         eos_token_id=2,
     ),
+    "gemma-3": dict(
+        num_hidden_layers=3,
+        # sliding (local rope, rope_local_base_freq) and global layers from layer_types
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=8,  # scale 8**-0.5, not head_dim**-0.5: the mapping must say so
+        sliding_window=4,
+        final_logit_softcapping=30.0,  # the adapter applies it as Gemma3ForCausalLM does
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=1,
+    ),
+    "nemotron-h": dict(
+        num_hidden_layers=5,
+        hybrid_override_pattern="M-M*-",  # Mamba2, MLP, Mamba2, attention, MLP
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attention_head_dim=16,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        n_groups=2,
+        ssm_state_size=16,
+        chunk_size=16,
+    ),
     "qwen2.5-vl-vision": dict(
         depth=4,
         fullatt_block_indexes=[1, 3],
@@ -131,6 +162,15 @@ _KERNEL_SHAPES: dict[str, dict[str, Any]] = {
         mamba_chunk_size=64,
     ),
     "gpt-oss": dict(hidden_size=256, head_dim=64),
+    "gemma-3": dict(hidden_size=256, head_dim=128, query_pre_attn_scalar=128),
+    "nemotron-h": dict(
+        hidden_size=256,
+        head_dim=128,
+        attention_head_dim=128,
+        mamba_head_dim=64,  # 8 heads * 64 = 2 * hidden 256
+        ssm_state_size=128,
+        chunk_size=64,
+    ),
     "qwen2.5-vl-vision": dict(hidden_size=256, out_hidden_size=256),  # 4 heads of 64
 }
 #: Sample names the runner drives, in report order.

@@ -429,8 +429,9 @@ def run_main(
 ) -> RunReport:
     """Entry point of ``attn run --model NAME``.
 
-    :param model: ``"all"``, one architecture (``qwen3``, ``qwen3-next``, ``deepseek-v3``,
-        ``bamba``, ``gpt-oss``, ``qwen2.5-vl-vision``), the path of a ``config.json`` (or of
+    :param model: ``"all"``, one architecture (a sample of :data:`ARCHITECTURES`: ``qwen3``,
+        ``qwen3-next``, ``deepseek-v3``, ``bamba``, ``gpt-oss``, ``gemma-3``, ``nemotron-h``,
+        ``qwen2.5-vl-vision``), the path of a ``config.json`` (or of
         its folder) whose model_type one of them covers (run at the config's own sizes, random
         weights; ``shapes`` does not apply), or a comma list.
     :param device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``.

@@ -677,7 +677,8 @@ _GEMMA3_DEFAULTS: dict[str, Any] = {
 
 
 def _gemma3(r: _Reader, o: _Options) -> _Parsed:
-    """Gemma-3 text: 5 local (sliding) : 1 global layers, scale from query_pre_attn_scalar."""
+    """Gemma-3 text: 5 local (sliding) : 1 global layers, scale from query_pre_attn_scalar;
+    ``attn_logit_softcapping`` is not applied (transformers' Gemma-3 ignores it)."""
     n = r.pos_int("num_hidden_layers")
     if r.cfg.get("use_bidirectional_attention"):
         raise ValueError(f"{r.where}: use_bidirectional_attention=True is not supported")
@@ -691,13 +692,14 @@ def _gemma3(r: _Reader, o: _Options) -> _Parsed:
     scalar = r.get("query_pre_attn_scalar")
     if not isinstance(scalar, (int, float)) or scalar <= 0:
         raise ValueError(f"{r.where}: query_pre_attn_scalar={scalar!r}: expected a positive number")
-    soft_cap = r.get("attn_logit_softcapping")  # Gemma-2 sets it; Gemma-3 leaves it null
+    # attn_logit_softcapping is not mapped: transformers' Gemma3Attention stores it but never
+    # passes it to the attention function (Gemma-2 does), so Gemma-3 computes uncapped logits
+    # whatever the config says; mapping it made attn-core cap what the model does not.
     layers = []
     for i, t in enumerate(types):
         sw = window if t == "sliding_attention" else None
         spec = o.full(
             sliding_window=sw,
-            logits_soft_cap=soft_cap,
             softmax_scale=float(scalar) ** -0.5,
             **heads,
         )

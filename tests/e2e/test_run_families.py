@@ -1,0 +1,71 @@
+"""``attn run`` drives Gemma-3 and Nemotron-H through their own decoder layers (issue 22).
+
+Both run each transformers decoder layer's ``forward`` with the attention op hooked through
+transformers' attention-function interface (Nemotron-H's Mamba2 mixers replaced by class), and
+match transformers' eager forward on CPU in fp32. The hook checks what transformers asks for
+against the mapping, so a mapping that describes other math fails loudly instead of mismatching.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import attn_core.e2e.configs as configs_mod
+from attn_core.e2e import run_architecture
+from attn_core.e2e.configs import tiny_config
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("name", ["gemma-3", "nemotron-h"])
+def test_run_sample_matches_transformers(name: str, run_on_cpu) -> None:
+    report = run_on_cpu(name)
+    assert report.ok, report.format()
+    (run,) = report.runs
+    assert run.match.max_abs_diff < 1e-4 and run.match.token_agreement == 1.0, run.format()
+
+
+def test_gemma3_layer_pattern_and_local_rope(run_on_cpu) -> None:
+    report = run_on_cpu("gemma-3")
+    groups = {g["group_id"]: g for g in report.runs[0].plan["groups"]}
+    assert groups["full"]["layers"] == [0, 1] and "window=4" in groups["full"]["spec"]
+    assert groups["full.1"]["layers"] == [2] and "window" not in groups["full.1"]["spec"]
+
+
+def test_gemma3_attn_softcap_config_runs_as_transformers_computes(
+    tmp_path: Path, run_on_cpu
+) -> None:
+    """transformers' Gemma-3 ignores attn_logit_softcapping; capping made the logits differ."""
+    cfg = tiny_config("gemma-3")
+    cfg["attn_logit_softcapping"] = 1.0  # tight enough to change every layer if applied
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    report = run_on_cpu(str(path))
+    assert report.ok, report.format()
+
+
+def test_hook_refuses_a_mapping_that_disagrees_with_the_module(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = configs_mod.specs_from_hf_config
+
+    def wrong_scale(cfg, **kw):
+        return real({**cfg, "query_pre_attn_scalar": 16}, **kw)
+
+    monkeypatch.setattr(configs_mod, "specs_from_hf_config", wrong_scale)
+    with pytest.raises(ValueError, match=r"layer 0 \(Gemma3Attention\).*softmax scale"):
+        run_architecture("gemma-3", prompts=1, max_new_tokens=1)
+
+
+def test_nemotron_h_time_step_floor_is_applied(tmp_path: Path, run_on_cpu) -> None:
+    """time_step_min clamps softplus(dt + dt_bias) from below in transformers; at 0.5 (dt_bias
+    starts at 1) the clamp is active for many tokens and heads, and the run still matches."""
+    cfg = tiny_config("nemotron-h")
+    cfg["time_step_min"] = 0.5
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    report = run_on_cpu(str(path))
+    assert report.ok, report.format()
