@@ -219,6 +219,34 @@ def test_deepseek_without_yarn_uses_plain_scale() -> None:
     assert spec.softmax_scale == pytest.approx(1 / math.sqrt(192)) == pytest.approx(attn.scaling)
 
 
+@pytest.mark.parametrize("rope_type", ["default", "yarn"])
+def test_deepseek_v2_mla_matches_hf(rope_type: str) -> None:
+    kw: dict[str, Any] = dict(
+        num_hidden_layers=3, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32
+    )
+    if rope_type == "yarn":
+        kw["rope_parameters"] = {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        }
+    hf = transformers.DeepseekV2Config(**kw)
+    assert not hasattr(hf, "rope_interleave")
+    layout = specs_from_hf_config(hf.to_dict())
+    assert layout.family == "deepseek-v3" and layout.architecture == "DeepseekV2ForCausalLM"
+    attn = on_meta(transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2Attention, hf, 1)
+    for i in range(3):
+        spec = layout.spec_of(i)
+        assert spec.kind is LayerKind.MLA and spec.mla_dims == (64, 16, 32)
+        assert spec.num_heads == attn.num_heads
+        assert spec.softmax_scale == pytest.approx(attn.scaling, rel=1e-12)
+    if rope_type == "yarn":
+        assert attn.scaling != pytest.approx(48**-0.5)
+
+
 def test_bamba_mamba2_matches_hf_mixer() -> None:
     d = load_sample("bamba")
     layout = specs_from_hf_config(d)

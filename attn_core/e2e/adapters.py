@@ -12,7 +12,7 @@ batch order (``query_start_loc``), positions from ``batch.positions``.
 Mixers by layer kind:
 
 - full (Qwen3, Qwen3-Next gated, Bamba, gpt-oss with sinks / window): q, k, v ``[T, H|Hkv, D]``.
-- mla (DeepSeek-V3): absorbed form, ``q [T, H, R + P]``, latent ``[T, R + P]``, output
+- mla (DeepSeek-V3, DeepSeek-V2): absorbed form, ``q [T, H, R + P]``, latent ``[T, R + P]``, output
   ``[T, H, R]`` mapped back with ``W_UV``.
 - linear Gated DeltaNet (Qwen3-Next): conv over q|k|v, ``g = -exp(A_log) softplus(a + dt_bias)``,
   ``beta = sigmoid(b)``, gated RMSNorm with ``z``.
@@ -335,7 +335,15 @@ class CausalLMAdapter:
         return binding.conv1d(x, weight, bias, activation=activation)
 
     def _rope(self, q: torch.Tensor, k: torch.Tensor, pe, *, interleave: bool = False):
-        """``q [T, H, D]``, ``k [T, Hk, D]`` through the modeling module's rotary function."""
+        """``q [T, H, D]``, ``k [T, Hk, D]`` through the modeling module's rotary function.
+
+        ``pe`` is ``(cos, sin)``, or DeepSeek-V2's complex ``freqs_cis [1, T, D / 2]`` (its
+        ``apply_rotary_emb`` rotates interleaved pairs; V2 has no ``rope_interleave`` field)."""
+        if isinstance(pe, torch.Tensor):
+            q4, k4 = self.modeling.apply_rotary_emb(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], pe
+            )
+            return q4[0].transpose(0, 1), k4[0].transpose(0, 1)
         cos, sin = pe
         fn = (
             self.modeling.apply_rotary_pos_emb_interleave
@@ -386,7 +394,10 @@ class CausalLMAdapter:
         c, k_rot = torch.split(at.kv_a_proj_with_mqa(x), [R, P], dim=-1)
         c = at.kv_a_layernorm(c)
         q_rot, k_rot = self._rope(
-            q_rot, k_rot.view(T, 1, P), pe, interleave=bool(self.config.rope_interleave)
+            q_rot,
+            k_rot.view(T, 1, P),
+            pe,
+            interleave=bool(getattr(self.config, "rope_interleave", False)),
         )
         q_abs = torch.cat([mla_absorb_query(q_nope, w_uk), q_rot], dim=-1)
         latent = torch.cat([c, k_rot[:, 0]], dim=-1)

@@ -511,7 +511,7 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
 
 
 def _deepseek_v3(r: _Reader, o: _Options) -> _Parsed:
-    """DeepSeek-V3: MLA on every layer (the MTP layers are not part of the stack)."""
+    """DeepSeek-V3 and V2: MLA on every layer (the MTP layers are not part of the stack)."""
     n = r.pos_int("num_hidden_layers")
     rank, rope, nope = (
         r.pos_int("kv_lora_rank"),
@@ -522,8 +522,9 @@ def _deepseek_v3(r: _Reader, o: _Options) -> _Parsed:
     # Older configs say rope_scaling {"type": "yarn"}, transformers 5 rope_parameters {"rope_type"}.
     rope_cfg = r.cfg.get("rope_parameters") or r.cfg.get("rope_scaling") or {}
     rope_type = rope_cfg.get("rope_type", rope_cfg.get("type", "default"))
-    if rope_type == "yarn" and rope_cfg.get("mscale_all_dim"):
-        # DeepSeek (and HF's yarn_apply_mscale) fold YaRN's temperature, squared, into the scale.
+    if rope_type != "default" and rope_cfg.get("mscale_all_dim"):
+        # DeepSeek (and HF's yarn_apply_mscale, V2 and V3 alike: any non-default rope type)
+        # fold YaRN's temperature, squared, into the scale.
         m = _yarn_mscale(float(rope_cfg["factor"]), float(rope_cfg["mscale_all_dim"]))
         scale *= m * m
     spec = o.full(
@@ -761,7 +762,12 @@ _FAMILIES: tuple[_Family, ...] = (
         },
     ),
     _Family("qwen3-next", _qwen3_next, {"qwen3_next": "Qwen3NextForCausalLM"}),
-    _Family("deepseek-v3", _deepseek_v3, {"deepseek_v3": "DeepseekV3ForCausalLM"}),
+    # DeepSeek-V2 has the same MLA fields (its rope is always interleaved: no rope_interleave).
+    _Family(
+        "deepseek-v3",
+        _deepseek_v3,
+        {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"},
+    ),
     _Family("bamba", _bamba, {"bamba": "BambaForCausalLM"}),
     _Family("nemotron-h", _nemotron_h, {"nemotron_h": "NemotronHForCausalLM"}),
     _Family("gpt-oss", _gpt_oss, {"gpt_oss": "GptOssForCausalLM"}),

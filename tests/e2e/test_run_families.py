@@ -69,3 +69,59 @@ def test_nemotron_h_time_step_floor_is_applied(tmp_path: Path, run_on_cpu) -> No
     path.write_text(json.dumps(cfg))
     report = run_on_cpu(str(path))
     assert report.ok, report.format()
+
+
+_DEEPSEEK_V2_SMALL: dict[str, object] = {
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 1,  # layer 0 dense MLP, layer 1 MoE
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "vocab_size": 256,
+    "initializer_range": 0.1,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"q_lora_rank": None},  # V2-Lite: q_proj, no query LoRA
+        {
+            "q_lora_rank": 32,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+        },
+    ],
+    ids=["lite", "yarn"],
+)
+def test_run_deepseek_v2_matches_transformers(
+    tmp_path: Path, extra: dict[str, object], run_on_cpu
+) -> None:
+    """DeepSeek-V2's MLA (complex freqs_cis rope on interleaved pairs, no rope_interleave
+    field) runs in the absorbed form through the binding and matches transformers."""
+    import transformers
+
+    cfg = transformers.DeepseekV2Config(**{**_DEEPSEEK_V2_SMALL, **extra})
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    report = run_on_cpu(str(path))
+    assert report.ok, report.format()
+    assert "DeepseekV2ForCausalLM" in report.format() and "mla 4q/1kv d40/32" in report.format()
