@@ -225,12 +225,14 @@ class TinyModel:
     :ivar hf: the transformers module (``*ForCausalLM``; the vision transformer for
         ``qwen2.5-vl-vision``) in eval mode, eager attention, on ``device`` in ``dtype``.
     :ivar layout: ``specs_from_hf_config(config, dtype=dtype, tp_size=tp_size)``.
+    :ivar checkpoint: the checkpoint folder the weights came from; None: random init.
     """
 
     name: str
     config: dict[str, Any]
     hf: torch.nn.Module
     layout: ModelLayout
+    checkpoint: str | None = None  # the folder whose safetensors weights were loaded
 
     @property
     def is_encoder(self) -> bool:
@@ -244,8 +246,27 @@ def _hf_config(name: str, cfg: dict[str, Any]):
         from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 
         return Qwen2_5_VLVisionConfig(**cfg["vision_config"])
-    fields = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures")}
+    fields = {
+        k: _decode_floats(v) for k, v in cfg.items() if k not in ("model_type", "architectures")
+    }
     return AutoConfig.for_model(cfg["model_type"], **fields)
+
+
+_SPECIAL_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def _decode_floats(value: Any) -> Any:
+    """A config.json value with transformers' JSON tags for special floats decoded: it writes
+    ``inf`` as ``{"__float__": "Infinity"}`` (Nemotron-H's ``time_step_limit``), which its
+    loader decodes but ``for_model`` keyword arguments would not."""
+    if isinstance(value, dict):
+        tag = value.get("__float__")
+        if len(value) == 1 and tag in _SPECIAL_FLOATS:
+            return _SPECIAL_FLOATS[tag]
+        return {k: _decode_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode_floats(v) for v in value]
+    return value
 
 
 def build_tiny(
@@ -258,6 +279,7 @@ def build_tiny(
     page_size: int = 16,
     shapes: str = "tiny",
     config: dict[str, Any] | None = None,
+    checkpoint: str | None = None,
 ) -> TinyModel:
     """Build the tiny transformers model ``name`` with random weights (seeded) and its layout.
 
@@ -265,10 +287,31 @@ def build_tiny(
     :param shapes: ``"tiny"`` or ``"kernel"`` (see :func:`tiny_config`).
     :param config: a ``config.json`` dict of architecture ``name`` to build instead of the
         shrunk sample, at its own sizes (``shapes`` is then not used).
+    :param checkpoint: a folder holding ``config.json`` and safetensors weights (as
+        ``save_pretrained`` writes them): the causal LM is loaded from it with
+        ``from_pretrained`` instead of random init; ``config`` must be its config.
     """
     import transformers
 
     cfg = copy.deepcopy(config) if config is not None else tiny_config(name, shapes)
+    from attn_core.specs import torch_dtype
+
+    if checkpoint is not None:
+        if name == "qwen2.5-vl-vision":
+            raise ValueError(
+                f"{checkpoint}: loading weights is supported for causal LMs; the vision tower "
+                "runs with random weights from a config.json only"
+            )
+        # Any: transformers' from_pretrained wrapper types its result loosely
+        loaded: Any = transformers.AutoModelForCausalLM.from_pretrained(
+            checkpoint,
+            dtype=torch_dtype(dtype),
+            attn_implementation="eager",
+            experts_implementation="batched_mm",  # as below: capturable MoE blocks
+        )
+        loaded = loaded.to(device=device).eval()
+        layout = specs_from_hf_config(cfg, dtype=dtype, tp_size=tp_size, page_size=page_size)
+        return TinyModel(name, cfg, loaded, layout, checkpoint)
     hf_cfg = _hf_config(name, cfg)
     hf_cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -288,8 +331,6 @@ def build_tiny(
             hf_cfg, attn_implementation="eager", experts_implementation="batched_mm"
         )
     _spread_weights(model, seed)
-    from attn_core.specs import torch_dtype
-
     model = model.to(device=device, dtype=torch_dtype(dtype)).eval()
     layout = specs_from_hf_config(cfg, dtype=dtype, tp_size=tp_size, page_size=page_size)
     return TinyModel(name, cfg, model, layout)

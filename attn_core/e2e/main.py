@@ -5,7 +5,10 @@ plans its attention layout through the registry, runs continuous batching (chunk
 mixed steps, greedy decode, optional CUDA-graph decode) through the bindings, and compares every
 logit and greedy token with transformers' eager forward of the same model. A ``config.json``
 (or a folder holding one) whose model_type one of those architectures covers runs at its own
-sizes, with random weights; any other is refused with what ``attn explain`` maps instead.
+sizes, with random weights, or with the folder's safetensors weights when it has them (a
+``save_pretrained`` checkpoint); any other is refused with what ``attn explain`` maps instead.
+On CUDA a warm-up generation runs first, so the throughput excludes JIT compilation and graph
+capture (printed on a line of their own).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class _Input:
     label: str  # what the report calls it: the sample name or the config path
     name: str  # the architecture (sample name) whose adapter drives it
     config: dict[str, Any] | None = None  # a config.json's dict; None: the shrunk sample
+    checkpoint: str | None = None  # a folder with safetensors weights to load
 
 
 # Model types of the generic dense mapping whose modules the generic (qwen3) adapter drives:
@@ -83,15 +87,17 @@ def _config_input(part: str) -> _Input | None:
     if not isinstance(cfg, dict):
         raise ValueError(f"{file}: expected a JSON object, got {type(cfg).__name__}")
     layout = specs_from_hf_config(cfg)  # an unsupported config fails here, as in explain
+    weights = path.is_dir() and any(path.glob("*.safetensors"))
+    checkpoint = str(path) if weights else None
     if layout.family == "dense" and layout.model_type in _DENSE_DRIVEN:
-        return _Input(str(path), "qwen3", cfg)
+        return _Input(str(path), "qwen3", cfg, checkpoint)
     if layout.family not in ARCHITECTURES:
         raise ValueError(
             f"{part}: model_type {layout.model_type!r} is mapped by `attn explain {part}` "
             f"but `attn run` has no adapter for it yet; run drives config.json files of model "
             f"types {_driven_model_types()} and the samples {list(ARCHITECTURES)}"
         )
-    return _Input(str(path), layout.family, cfg)
+    return _Input(str(path), layout.family, cfg, checkpoint)
 
 
 def _resolve(model: str) -> list[_Input]:
@@ -198,6 +204,9 @@ class ArchitectureRun:
     decode_tokens_per_second: float = 0.0
     graph_replays: int = 0
     notes: list[str] = field(default_factory=list)
+    weights: str = "random"  # "random" (seeded init) or the checkpoint folder loaded
+    warmup_seconds: float | None = None  # the warm-up pass (None: none ran)
+    capture_seconds: float = 0.0  # CUDA-graph capture, all of it inside the warm-up pass
 
     @property
     def ok(self) -> bool:
@@ -211,6 +220,8 @@ class ArchitectureRun:
                 f"   {g['group_id']:<8} -> {g['backend']:<28} {g['spec']}  [layers {layers}]"
             )
         lines.append(f"   {self.match.short()}")
+        if self.weights != "random":
+            lines.append(f"   weights: {self.weights}")
         modes = ", ".join(f"{k} {v}" for k, v in sorted(self.mode_counts.items()))
         speed = f"{self.tokens_per_second:,.0f} tok/s"
         if self.decode_tokens_per_second:
@@ -218,6 +229,13 @@ class ArchitectureRun:
         lines.append(
             f"   {self.steps} steps ({modes}); {self.tokens} tokens in {self.seconds:.2f}s: {speed}"
         )
+        if self.warmup_seconds is not None:
+            lines.append(
+                f"   warm-up pass (JIT compile, CUDA-graph capture; not in the figures above): "
+                f"{self.warmup_seconds:.2f}s, of which graph capture {self.capture_seconds:.2f}s"
+            )
+        else:
+            lines.append("   no warm-up pass: the figures above include first-call costs")
         if self.graph_replays:
             lines.append(f"   CUDA-graph decode replays: {self.graph_replays}")
         lines += [f"   note: {n}" for n in self.notes]
@@ -237,6 +255,9 @@ class ArchitectureRun:
             "decode_tokens_per_second": self.decode_tokens_per_second,
             "graph_replays": self.graph_replays,
             "notes": self.notes,
+            "weights": self.weights,
+            "warmup_seconds": self.warmup_seconds,
+            "capture_seconds": self.capture_seconds,
         }
 
 
@@ -285,16 +306,27 @@ def run_architecture(
     shapes: str | None = None,
     config: dict[str, Any] | None = None,
     label: str | None = None,
+    checkpoint: str | None = None,
+    warmup: bool | None = None,
 ) -> ArchitectureRun:
     """Build, run and compare one architecture (see :func:`run_main`).
 
     :param config: a ``config.json`` dict of architecture ``name`` to run at its own sizes
         instead of the shrunk sample; ``label`` (default ``name``) names it in the report.
+    :param checkpoint: a folder with safetensors weights (and ``config``'s config.json) to load
+        instead of random init; the comparison is with transformers' forward of that model.
+    :param warmup: run the whole generation once before the timed one, so JIT compilation and
+        CUDA-graph capture stay out of the throughput (None: on CUDA only).
     """
     device = torch.device(device)
     registry = registry if registry is not None else default_registry()
     model = build_tiny(
-        name, device=device, dtype=dtype, shapes=default_shapes(device, shapes), config=config
+        name,
+        device=device,
+        dtype=dtype,
+        shapes=default_shapes(device, shapes),
+        config=config,
+        checkpoint=checkpoint,
     )
     label = label if label is not None else name
     notes: list[str] = []
@@ -359,6 +391,15 @@ def run_architecture(
         max_model_len=max_len,
         graphs=graphs,
     )
+    warmup_seconds = None
+    if warmup if warmup is not None else device.type == "cuda":
+        # Same prompts, same schedule: every kernel shape compiles and every graph size is
+        # captured here; the timed pass below only replays. The state is released after it.
+        t0 = time.perf_counter()
+        engine.generate(prompt_ids, max_new_tokens)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        warmup_seconds = time.perf_counter() - t0
     result = engine.generate(prompt_ids, max_new_tokens, progress=on_progress)
     if result.graph_note:
         notes.append(result.graph_note)
@@ -377,6 +418,9 @@ def run_architecture(
         decode_tokens_per_second=result.decode_tokens_per_second,
         graph_replays=result.graph_replays,
         notes=notes,
+        weights=checkpoint or "random",
+        warmup_seconds=warmup_seconds,
+        capture_seconds=engine.capture_seconds,
     )
 
 
@@ -426,6 +470,7 @@ def run_main(
     progress: bool = True,
     console: Callable[..., Any] = print,
     shapes: str | None = None,
+    warmup: bool | None = None,
 ) -> RunReport:
     """Entry point of ``attn run --model NAME``.
 
@@ -433,7 +478,8 @@ def run_main(
         ``qwen3-next``, ``deepseek-v3``, ``bamba``, ``gpt-oss``, ``gemma-3``, ``nemotron-h``,
         ``qwen2.5-vl-vision``), the path of a ``config.json`` (or of
         its folder) whose model_type one of them covers (run at the config's own sizes, random
-        weights; ``shapes`` does not apply), or a comma list.
+        weights; ``shapes`` does not apply), a checkpoint folder (config.json and safetensors
+        weights, loaded with ``from_pretrained``), or a comma list.
     :param device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``.
     :param dtype: ``"float32"`` / ``"bfloat16"`` / ``"float16"`` (aliases ``fp32``, ``bf16``).
     :param prompts: requests per architecture (images for the vision tower).
@@ -445,6 +491,8 @@ def run_main(
     :param progress: show a progress display.
     :param console: where plain progress lines go.
     :param shapes: ``"tiny"`` or ``"kernel"`` model shapes (default: kernel on CUDA).
+    :param warmup: a warm-up generation before the timed one (None: on CUDA only); its time,
+        JIT compilation and graph capture, is printed on its own line.
     :returns: a :class:`RunReport`; ``report.format()`` is the text to print.
     """
     from attn_core.specs import DTYPES, _canonical_dtype
@@ -463,6 +511,8 @@ def run_main(
                     given.name,
                     config=given.config,
                     label=given.label,
+                    checkpoint=given.checkpoint,
+                    warmup=warmup,
                     device=device,
                     dtype=dtype,
                     prompts=prompts,
