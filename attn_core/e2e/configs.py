@@ -15,7 +15,15 @@ import torch
 
 from attn_core.models import ModelLayout, load_sample, specs_from_hf_config
 
-__all__ = ["ARCHITECTURES", "SHAPES", "TinyModel", "build_tiny", "tiny_config"]
+__all__ = [
+    "ARCHITECTURES",
+    "SHAPES",
+    "TinyModel",
+    "build_tiny",
+    "first_layers",
+    "real_size_config",
+    "tiny_config",
+]
 
 _VOCAB = 256
 
@@ -216,6 +224,66 @@ def tiny_config(name: str, shapes: str = "tiny") -> dict[str, Any]:
     return cfg
 
 
+# Fields that list layer indices (filtered to the kept layers, not cut by position).
+_INDEX_LISTS = ("attn_layer_indices", "fullatt_block_indexes")
+
+
+def _per_layer(key: str) -> bool:
+    """A field with one entry per layer: ``layer_types``, ``mlp_layer_types``,
+    ``layers_block_type``, ``hybrid_override_pattern`` (not any list that happens to have
+    ``num_hidden_layers`` entries, such as a list of eos token ids)."""
+    return key.endswith("layer_types") or key in ("layers_block_type", "hybrid_override_pattern")
+
+
+def first_layers(config: dict[str, Any], n: int) -> dict[str, Any]:
+    """``config`` keeping only its first ``n`` layers, every per-layer pattern kept for them.
+
+    ``num_hidden_layers`` (``depth`` of a vision config) becomes ``n``; every list or string
+    with one entry per layer (``layer_types``, ``layers_block_type``,
+    ``hybrid_override_pattern``, ...) is cut to its first ``n``; index lists
+    (``attn_layer_indices``, ``fullatt_block_indexes``) keep the indices below ``n``. Patterns
+    given by a rule (``full_attention_interval``, ``sliding_window_pattern``,
+    ``first_k_dense_replace``) hold for the first layers unchanged. Nested ``text_config`` /
+    ``vision_config`` are cut the same way. Hidden sizes and head layouts are untouched.
+
+    :raises ValueError: ``n`` not in ``1..num_layers``.
+    """
+    cfg = copy.deepcopy(config)
+    for key in ("text_config", "vision_config"):
+        if isinstance(cfg.get(key), dict):
+            cfg[key] = first_layers(cfg[key], n)
+    count_key = "num_hidden_layers" if "num_hidden_layers" in cfg else "depth"
+    total = cfg.get(count_key)
+    if not isinstance(total, int):
+        if any(isinstance(cfg.get(k), dict) for k in ("text_config", "vision_config")):
+            return cfg
+        raise ValueError(f"config has no num_hidden_layers (or depth) to cut to {n} layers")
+    if not 1 <= n <= total:
+        raise ValueError(f"layers={n}: expected 1..{total} (the config's {count_key})")
+    for key, value in list(cfg.items()):
+        if key in _INDEX_LISTS and isinstance(value, list):
+            cfg[key] = [i for i in value if isinstance(i, int) and i < n]
+        elif _per_layer(key) and isinstance(value, (list, str)) and len(value) == total:
+            cfg[key] = value[:n]
+    cfg[count_key] = n
+    return cfg
+
+
+def real_size_config(name: str) -> dict[str, Any]:
+    """The sample ``name`` at its real sizes (hidden size, heads, vocabulary), ready to build
+    with random weights: no MTP layers, untied head, the init scale of :func:`tiny_config`."""
+    if name not in _SHRINK:
+        raise ValueError(f"model {name!r} is not one the runner drives: {list(ARCHITECTURES)}")
+    cfg = load_sample(name)
+    if name == "qwen2.5-vl-vision":
+        cfg["vision_config"] = {**cfg["vision_config"], "initializer_range": 0.02}
+        return cfg
+    cfg["initializer_range"] = 0.1 * (64 / cfg["hidden_size"]) ** 0.5
+    cfg["tie_word_embeddings"] = False
+    cfg.pop("num_nextn_predict_layers", None)
+    return cfg
+
+
 @dataclass(frozen=True, slots=True)
 class TinyModel:
     """A random-init transformers model, its config dict and the attn-core layout parsed from it.
@@ -302,9 +370,11 @@ def build_tiny(
                 f"{checkpoint}: loading weights is supported for causal LMs; the vision tower "
                 "runs with random weights from a config.json only"
             )
+        hf_cfg = _hf_config(name, cfg)  # the folder's own, or its first layers (--layers)
         # Any: transformers' from_pretrained wrapper types its result loosely
         loaded: Any = transformers.AutoModelForCausalLM.from_pretrained(
             checkpoint,
+            config=hf_cfg,
             dtype=torch_dtype(dtype),
             attn_implementation="eager",
             experts_implementation="batched_mm",  # as below: capturable MoE blocks

@@ -24,7 +24,13 @@ from typing import Any
 import torch
 
 from attn_core.e2e.compare import MatchResult, compare_generation, compare_vision
-from attn_core.e2e.configs import ARCHITECTURES, TinyModel, build_tiny
+from attn_core.e2e.configs import (
+    ARCHITECTURES,
+    TinyModel,
+    build_tiny,
+    first_layers,
+    real_size_config,
+)
 from attn_core.e2e.runner import Engine
 from attn_core.e2e.vision import VisionRunner, sample_images
 from attn_core.models import MODEL_TYPE_FAMILIES, sample_names, specs_from_hf_config
@@ -207,6 +213,7 @@ class ArchitectureRun:
     weights: str = "random"  # "random" (seeded init) or the checkpoint folder loaded
     warmup_seconds: float | None = None  # the warm-up pass (None: none ran)
     capture_seconds: float = 0.0  # CUDA-graph capture, all of it inside the warm-up pass
+    overhead: Any = None  # an OverheadReport when asked for (--overhead)
 
     @property
     def ok(self) -> bool:
@@ -236,6 +243,13 @@ class ArchitectureRun:
             )
         else:
             lines.append("   no warm-up pass: the figures above include first-call costs")
+        if self.overhead is not None:
+            o = self.overhead
+            lines.append(
+                f"   overhead (eager decode step, batch {o.batch_size}, context "
+                f"{o.context_len}): binding {o.binding_ms:.3f} ms, direct {o.direct_ms:.3f} ms, "
+                f"ratio {o.ratio:.3f} ({o.per_layer_us:+.1f} us per attention layer)"
+            )
         if self.graph_replays:
             lines.append(f"   CUDA-graph decode replays: {self.graph_replays}")
         lines += [f"   note: {n}" for n in self.notes]
@@ -258,6 +272,7 @@ class ArchitectureRun:
             "weights": self.weights,
             "warmup_seconds": self.warmup_seconds,
             "capture_seconds": self.capture_seconds,
+            "overhead": self.overhead.to_dict() if self.overhead is not None else None,
         }
 
 
@@ -308,6 +323,8 @@ def run_architecture(
     label: str | None = None,
     checkpoint: str | None = None,
     warmup: bool | None = None,
+    layers: int | None = None,
+    overhead: bool = False,
 ) -> ArchitectureRun:
     """Build, run and compare one architecture (see :func:`run_main`).
 
@@ -317,9 +334,21 @@ def run_architecture(
         instead of random init; the comparison is with transformers' forward of that model.
     :param warmup: run the whole generation once before the timed one, so JIT compilation and
         CUDA-graph capture stay out of the throughput (None: on CUDA only).
+    :param layers: keep only the first ``layers`` layers (their layer pattern kept) of the
+        sample at its real sizes (or of ``config``); ``shapes`` then does not apply.
+    :param overhead: also time one eager decode step through the bindings and with the same
+        kernels called directly (:func:`attn_core.e2e.overhead.measure_overhead`).
     """
     device = torch.device(device)
     registry = registry if registry is not None else default_registry()
+    cut_note = ""
+    if layers is not None:
+        whole = config if config is not None else real_size_config(name)
+        config = first_layers(whole, layers)
+        total = whole.get("num_hidden_layers") or (whole.get("text_config") or {}).get(
+            "num_hidden_layers", (whole.get("vision_config") or {}).get("depth")
+        )
+        cut_note = f"first {layers} of {total} layers, at the config's real sizes"
     model = build_tiny(
         name,
         device=device,
@@ -329,7 +358,7 @@ def run_architecture(
         checkpoint=checkpoint,
     )
     label = label if label is not None else name
-    notes: list[str] = []
+    notes: list[str] = [cut_note] if cut_note else []
     if model.is_encoder:
         grids = [_VISION_GRIDS[i % len(_VISION_GRIDS)] for i in range(max(prompts, 1))]
         tokens = sum(t * h * w for t, h, w in grids)
@@ -421,6 +450,20 @@ def run_architecture(
         weights=checkpoint or "random",
         warmup_seconds=warmup_seconds,
         capture_seconds=engine.capture_seconds,
+        overhead=_overhead(model, registry, device, constraints) if overhead else None,
+    )
+
+
+def _overhead(model: TinyModel, registry: Any, device: torch.device, constraints: Any) -> Any:
+    from attn_core.e2e.overhead import measure_overhead
+
+    return measure_overhead(
+        model.name,
+        str(device),
+        dtype=model.layout.layer_specs[0].dtype,
+        registry=registry,
+        constraints=constraints,
+        model_obj=model,
     )
 
 
@@ -471,6 +514,8 @@ def run_main(
     console: Callable[..., Any] = print,
     shapes: str | None = None,
     warmup: bool | None = None,
+    layers: int | None = None,
+    overhead: bool = False,
 ) -> RunReport:
     """Entry point of ``attn run --model NAME``.
 
@@ -493,6 +538,10 @@ def run_main(
     :param shapes: ``"tiny"`` or ``"kernel"`` model shapes (default: kernel on CUDA).
     :param warmup: a warm-up generation before the timed one (None: on CUDA only); its time,
         JIT compilation and graph capture, is printed on its own line.
+    :param layers: run each model at its real hidden size and head layout with only its first
+        ``layers`` layers (the layer pattern of those kept); samples are not shrunk.
+    :param overhead: print the overhead ratio: an eager decode step through the bindings over
+        the same step with the kernels called directly.
     :returns: a :class:`RunReport`; ``report.format()`` is the text to print.
     """
     from attn_core.specs import DTYPES, _canonical_dtype
@@ -513,6 +562,8 @@ def run_main(
                     label=given.label,
                     checkpoint=given.checkpoint,
                     warmup=warmup,
+                    layers=layers,
+                    overhead=overhead,
                     device=device,
                     dtype=dtype,
                     prompts=prompts,
