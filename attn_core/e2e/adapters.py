@@ -16,18 +16,19 @@ Mixers by layer kind:
   ``[T, H, R]`` mapped back with ``W_UV``.
 - linear Gated DeltaNet (Qwen3-Next): conv over q|k|v, ``g = -exp(A_log) softplus(a + dt_bias)``,
   ``beta = sigmoid(b)``, gated RMSNorm with ``z``.
-- linear Mamba2 (Bamba, Nemotron-H): conv over x|B|C, ``q=C, k=B, v=x`` plus ``dt, A_log, D,
-  dt_bias``; gated RMSNorm with the z gate. A lower ``time_step_limit`` (Nemotron-H's
-  ``time_step_min``) is folded into ``dt`` exactly: ``softplus(dt + bias) >= lo`` iff
-  ``dt >= softplus^-1(lo) - bias``, so ``dt`` is raised to that bound before the binding.
+- linear Mamba2 (Bamba, Nemotron-H, Granite-4.0-H): conv over x|B|C, ``q=C, k=B, v=x`` plus
+  ``dt, A_log, D, dt_bias``; gated RMSNorm with the z gate. A lower ``time_step_limit``
+  (Nemotron-H's ``time_step_min``) is folded into ``dt`` exactly: ``softplus(dt + bias) >= lo``
+  iff ``dt >= softplus^-1(lo) - bias``, so ``dt`` is raised to that bound before the binding.
 
-Families of :data:`LAYER_FORWARD_FAMILIES` (Gemma-3, Nemotron-H) run each transformers decoder
-layer's own ``forward``: norms, residuals, rotary embedding and everything else stay
-transformers' code, and only the attention op is replaced, through transformers' attention
-function interface (an ``"attn_core"`` implementation registered with ``AttentionInterface``,
-switched on for the step), and the Mamba2 mixer module by its class. The hook checks every call
-against the layer's spec: the scale, sliding window, soft-cap and sinks transformers passes must
-be the ones the mapping describes, and every attention layer must have been called.
+Families of :data:`LAYER_FORWARD_FAMILIES` (Gemma-3, Nemotron-H, Granite-4.0-H) run each
+transformers decoder layer's own ``forward``: norms, residuals (and their multipliers), rotary
+embedding and everything else stay transformers' code, and only the attention op is replaced,
+through transformers' attention function interface (an ``"attn_core"`` implementation
+registered with ``AttentionInterface``, switched on for the step), and the Mamba2 mixer module by
+its class. The hook checks every call against the layer's spec: the scale, sliding window,
+soft-cap and sinks transformers passes must be the ones the mapping describes, and every
+attention layer must have been called.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ __all__ = ["LAYER_FORWARD_FAMILIES", "CausalLMAdapter", "layer_params_for"]
 
 #: Families (``ModelLayout.family``) whose decoder layers run their own transformers ``forward``
 #: with the attention op hooked (see the module docstring).
-LAYER_FORWARD_FAMILIES: frozenset[str] = frozenset({"gemma-3", "nemotron-h"})
+LAYER_FORWARD_FAMILIES: frozenset[str] = frozenset({"gemma-3", "nemotron-h", "granite-4.0-h"})
 _HOOK_NAME = "attn_core"
 # The adapter whose step is running (the hook is a module-level function transformers calls).
 _ACTIVE: list[CausalLMAdapter] = []
@@ -233,6 +234,9 @@ class CausalLMAdapter:
         """:meth:`forward` through each decoder layer's own ``forward`` (hooked attention)."""
         embed = getattr(self.base, "embed_tokens", None) or self.base.embeddings
         h = embed(input_ids)[None]  # [1, T, D]
+        multiplier = getattr(self.base, "embedding_multiplier", None)
+        if multiplier is not None:  # Granite: the model scales its embeddings
+            h = h * multiplier
         pes = self._position_embeddings(h, positions)
         self._seen.clear()
         with self._hooked():
@@ -259,6 +263,9 @@ class CausalLMAdapter:
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap is not None:  # as Gemma3ForCausalLM: tanh soft-cap on the final logits
             logits = torch.tanh(logits / cap) * cap
+        scaling = getattr(self.config, "logits_scaling", None)
+        if scaling is not None:  # as Granite's *ForCausalLM: logits divided by logits_scaling
+            logits = logits / scaling
         return logits
 
     def _hooked_attention(

@@ -72,13 +72,18 @@ class _Input:
 # pre-norm layers with q/k/v projections and nothing outside the attention op it does not call
 # (tests/e2e/test_run_dense.py checks them against transformers).
 _DENSE_DRIVEN: tuple[str, ...] = ("ministral", "starcoder2")
+# Families with no bundled sample that run from a config.json (or checkpoint) through the
+# layer-forward adapter (tests/e2e/test_run_families.py checks them against transformers).
+_CONFIG_FAMILIES: tuple[str, ...] = ("granite-4.0-h",)
 
 
 def _driven_model_types() -> list[str]:
     return [
         t
         for t, family in MODEL_TYPE_FAMILIES.items()
-        if family in ARCHITECTURES or (family == "dense" and t in _DENSE_DRIVEN)
+        if family in ARCHITECTURES
+        or family in _CONFIG_FAMILIES
+        or (family == "dense" and t in _DENSE_DRIVEN)
     ]
 
 
@@ -97,7 +102,7 @@ def _config_input(part: str) -> _Input | None:
     checkpoint = str(path) if weights else None
     if layout.family == "dense" and layout.model_type in _DENSE_DRIVEN:
         return _Input(str(path), "qwen3", cfg, checkpoint)
-    if layout.family not in ARCHITECTURES:
+    if layout.family not in ARCHITECTURES and layout.family not in _CONFIG_FAMILIES:
         raise ValueError(
             f"{part}: model_type {layout.model_type!r} is mapped by `attn explain {part}` "
             f"but `attn run` has no adapter for it yet; run drives config.json files of model "

@@ -599,6 +599,42 @@ def _bamba(r: _Reader, o: _Options) -> _Parsed:
     return n, [(i, full if i in attn else mamba) for i in range(n)], {}
 
 
+def _granite_hybrid(r: _Reader, o: _Options) -> _Parsed:
+    """Granite-4.0-H (``granitemoehybrid``): Mamba2 and attention layers by ``layer_types``
+    (``mamba`` / ``attention`` in hub configs, ``linear_attention`` / ``full_attention`` as
+    transformers writes them; all Mamba2 when absent, as GraniteMoeHybridConfig). The softmax
+    scale is ``attention_multiplier``; the embedding, residual and logits multipliers and RoPE
+    or NoPE (``position_embedding_type``) act outside the attention op."""
+    n = r.pos_int("num_hidden_layers")
+    raw = r.cfg.get("layer_types") or r.cfg.get("layers_block_type")
+    types = list(raw) if isinstance(raw, list) else ["linear_attention"] * n
+    if len(types) != n:
+        raise ValueError(f"{r.where}: layer_types has {len(types)} entries; expected {n}")
+    _check_types(r, types, {"mamba", "attention", "linear_attention", "full_attention"})
+    inner = r.pos_int("mamba_expand") * r.pos_int("hidden_size")
+    d_head = r.cfg.get("mamba_d_head", "auto")
+    if d_head in ("auto", None):  # as GraniteMoeHybridConfig
+        d_head = inner // r.pos_int("mamba_n_heads")
+    if not isinstance(d_head, int) or d_head * r.pos_int("mamba_n_heads") != inner:
+        raise ValueError(
+            f"{r.where}: mamba_d_head={d_head!r} * mamba_n_heads={r.get('mamba_n_heads')} must "
+            f"equal mamba_expand * hidden_size = {inner}"
+        )
+    mamba = _mamba2(
+        r,
+        o,
+        n_heads="mamba_n_heads",
+        d_head=d_head,
+        n_groups="mamba_n_groups",
+        d_state="mamba_d_state",
+        d_conv="mamba_d_conv",
+    )
+    scale = r.cfg.get("attention_multiplier")
+    full = o.full(softmax_scale=None if scale is None else float(scale), **_gqa(r, o, _head_dim(r)))
+    attention = {"attention", "full_attention"}
+    return n, [(i, full if t in attention else mamba) for i, t in enumerate(types)], {}
+
+
 _NEMOTRON_PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 
 
@@ -770,6 +806,7 @@ _FAMILIES: tuple[_Family, ...] = (
     ),
     _Family("bamba", _bamba, {"bamba": "BambaForCausalLM"}),
     _Family("nemotron-h", _nemotron_h, {"nemotron_h": "NemotronHForCausalLM"}),
+    _Family("granite-4.0-h", _granite_hybrid, {"granitemoehybrid": "GraniteMoeHybridForCausalLM"}),
     _Family("gpt-oss", _gpt_oss, {"gpt_oss": "GptOssForCausalLM"}),
     _Family(
         "gemma-3",

@@ -125,3 +125,47 @@ def test_run_deepseek_v2_matches_transformers(
     report = run_on_cpu(str(path))
     assert report.ok, report.format()
     assert "DeepseekV2ForCausalLM" in report.format() and "mla 4q/1kv d40/32" in report.format()
+
+
+@pytest.mark.parametrize("position", ["rope", None], ids=["rope", "nope"])
+def test_run_granite_4_h_matches_transformers(
+    tmp_path: Path, position: str | None, run_on_cpu
+) -> None:
+    """Granite-4.0-H: Mamba2 and attention layers by the hub's layer_types names, MoE plus a
+    shared MLP, its embedding / residual / logits multipliers and attention_multiplier scale."""
+    import transformers
+
+    cfg = transformers.GraniteMoeHybridConfig(
+        num_hidden_layers=4,
+        layer_types=["mamba", "attention", "mamba", "attention"],
+        hidden_size=64,
+        intermediate_size=128,
+        shared_intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_n_groups=2,
+        mamba_d_state=16,
+        mamba_chunk_size=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=256,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        logits_scaling=3.0,
+        attention_multiplier=0.2,
+        position_embedding_type=position,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ).to_dict()
+    cfg["layer_types"] = ["mamba", "attention", "mamba", "attention"]  # as hub configs say
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    report = run_on_cpu(str(path))
+    assert report.ok, report.format()
+    groups = {g["group_id"]: g["layers"] for g in report.runs[0].plan["groups"]}
+    assert groups == {"linear": [0, 2], "full": [1, 3]}
