@@ -14,21 +14,21 @@ Mixers by layer kind:
 - full (Qwen3, Qwen3-Next gated, Bamba, gpt-oss with sinks / window): q, k, v ``[T, H|Hkv, D]``.
 - mla (DeepSeek-V3, DeepSeek-V2): absorbed form, ``q [T, H, R + P]``, latent ``[T, R + P]``, output
   ``[T, H, R]`` mapped back with ``W_UV``.
-- linear Gated DeltaNet (Qwen3-Next): conv over q|k|v, ``g = -exp(A_log) softplus(a + dt_bias)``,
-  ``beta = sigmoid(b)``, gated RMSNorm with ``z``.
+- linear Gated DeltaNet (Qwen3-Next, Qwen3.5): conv over q|k|v,
+  ``g = -exp(A_log) softplus(a + dt_bias)``, ``beta = sigmoid(b)``, gated RMSNorm with ``z``.
 - linear Mamba2 (Bamba, Nemotron-H, Granite-4.0-H): conv over x|B|C, ``q=C, k=B, v=x`` plus
   ``dt, A_log, D, dt_bias``; gated RMSNorm with the z gate. A lower ``time_step_limit``
   (Nemotron-H's ``time_step_min``) is folded into ``dt`` exactly: ``softplus(dt + bias) >= lo``
   iff ``dt >= softplus^-1(lo) - bias``, so ``dt`` is raised to that bound before the binding.
 
-Families of :data:`LAYER_FORWARD_FAMILIES` (Gemma-3, Nemotron-H, Granite-4.0-H) run each
+Families of :data:`LAYER_FORWARD_FAMILIES` (Gemma-3, Nemotron-H, Granite-4.0-H, Qwen3.5) run each
 transformers decoder layer's own ``forward``: norms, residuals (and their multipliers), rotary
 embedding and everything else stay transformers' code, and only the attention op is replaced,
-through transformers' attention function interface (an ``"attn_core"`` implementation
-registered with ``AttentionInterface``, switched on for the step), and the Mamba2 mixer module by
-its class. The hook checks every call against the layer's spec: the scale, sliding window,
-soft-cap and sinks transformers passes must be the ones the mapping describes, and every
-attention layer must have been called.
+through transformers' attention function interface (an ``"attn_core"`` implementation registered
+with ``AttentionInterface``, switched on for the step), and the Mamba2 mixer module by its class
+(and the Gated DeltaNet one). The hook checks every call against the layer's spec: the scale,
+sliding window, soft-cap and sinks transformers passes must be the ones the mapping describes,
+and every attention layer must have been called.
 """
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ __all__ = ["LAYER_FORWARD_FAMILIES", "CausalLMAdapter", "layer_params_for"]
 
 #: Families (``ModelLayout.family``) whose decoder layers run their own transformers ``forward``
 #: with the attention op hooked (see the module docstring).
-LAYER_FORWARD_FAMILIES: frozenset[str] = frozenset({"gemma-3", "nemotron-h", "granite-4.0-h"})
+LAYER_FORWARD_FAMILIES: frozenset[str] = frozenset(
+    {"gemma-3", "nemotron-h", "granite-4.0-h", "qwen3.5"}
+)
 _HOOK_NAME = "attn_core"
 # The adapter whose step is running (the hook is a module-level function transformers calls).
 _ACTIVE: list[CausalLMAdapter] = []
@@ -132,8 +134,10 @@ class CausalLMAdapter:
         self._mla_weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._mixers: list[Callable[[int, Any, torch.Tensor, Any], torch.Tensor] | None] = []
         self.layer_forward = layout.family in LAYER_FORWARD_FAMILIES
-        # layer forward: Mamba2 mixer modules replaced during the step, by layer index
+        # Mamba2 mixer modules by layer index; in layer-forward mode every linear mixer module
+        # (Mamba2, Gated DeltaNet) is replaced during the step by its core here.
         self._mamba_modules: dict[int, torch.nn.Module] = {}
+        self._linear_modules: dict[int, tuple[Any, Callable[[int, Any, torch.Tensor], Any]]] = {}
         self._dt_floor: dict[int, float] = {}
         self._seen: set[int] = set()
         if self.layer_forward:
@@ -148,6 +152,7 @@ class CausalLMAdapter:
             elif spec.kind is LayerKind.FULL:
                 self._mixers.append(self._full)
             elif spec.linear_variant is LinearVariant.GATED_DELTANET:
+                self._linear_modules[i] = (layer.linear_attn, self._gdn_core)
                 self._mixers.append(self._gdn)
             elif spec.linear_variant is LinearVariant.MAMBA2:
                 mx = getattr(layer, "mamba", None) or layer.mixer
@@ -160,6 +165,7 @@ class CausalLMAdapter:
                 if lo > 0:
                     self._dt_floor[i] = _softplus_inverse(float(lo))
                 self._mamba_modules[i] = mx
+                self._linear_modules[i] = (mx, self._mamba2_core)
                 self._mixers.append(self._mamba2)
             else:
                 raise ValueError(f"layer {i}: no mixer for {spec.short()}")
@@ -217,15 +223,15 @@ class CausalLMAdapter:
         saved = self.config._attn_implementation
         _ACTIVE.append(self)
         self.config._attn_implementation = _HOOK_NAME
-        for i, mx in self._mamba_modules.items():
+        for i, (mx, core) in self._linear_modules.items():
             # an instance attribute shadows the class's forward for nn.Module.__call__
-            mx.forward = lambda hidden_states, *_a, _i=i, _mx=mx, **_k: self._mamba2_core(
+            mx.forward = lambda hidden_states, *_a, _i=i, _mx=mx, _core=core, **_k: _core(
                 _i, _mx, hidden_states[0]
             )[None]
         try:
             yield
         finally:
-            for mx in self._mamba_modules.values():
+            for mx, _core in self._linear_modules.values():
                 del mx.forward
             self.config._attn_implementation = saved
             _ACTIVE.pop()
@@ -413,12 +419,24 @@ class CausalLMAdapter:
         return at.o_proj(mla_output_from_latent(o_lat, w_uv).reshape(T, -1))
 
     def _gdn(self, i: int, layer, x: torch.Tensor, pe) -> torch.Tensor:
-        la = layer.linear_attn
+        return self._gdn_core(i, layer.linear_attn, x)
+
+    def _gdn_core(self, i: int, la: Any, x: torch.Tensor) -> torch.Tensor:
+        """The Gated DeltaNet mixer ``la`` of layer ``i`` on ``x [T, D]`` -> ``[T, D]``.
+
+        Qwen3-Next projects q|k|v|z and b|a per key-head group (``in_proj_qkvz``,
+        ``in_proj_ba``, reordered by ``fix_query_key_value_ordering``); Qwen3.5 has one
+        projection each (``in_proj_qkv`` already in conv order, ``in_proj_z``, ``_b``, ``_a``)."""
         T = x.shape[0]
-        q, k, v, z, b, a = la.fix_query_key_value_ordering(
-            la.in_proj_qkvz(x[None]), la.in_proj_ba(x[None])
-        )
-        mixed = torch.cat([t.reshape(T, -1) for t in (q, k, v)], dim=-1)
+        if hasattr(la, "in_proj_qkv"):
+            mixed = la.in_proj_qkv(x)
+            z = la.in_proj_z(x).reshape(1, T, -1, la.head_v_dim)
+            b, a = la.in_proj_b(x)[None], la.in_proj_a(x)[None]
+        else:
+            q, k, v, z, b, a = la.fix_query_key_value_ordering(
+                la.in_proj_qkvz(x[None]), la.in_proj_ba(x[None])
+            )
+            mixed = torch.cat([t.reshape(T, -1) for t in (q, k, v)], dim=-1)
         mixed = self._conv(i, mixed, la.conv1d.weight.squeeze(1), la.conv1d.bias, la.activation)
         q, k, v = torch.split(mixed, [la.key_dim, la.key_dim, la.value_dim], dim=-1)
         q = q.reshape(T, -1, la.head_k_dim).contiguous()

@@ -74,7 +74,7 @@ class _Input:
 _DENSE_DRIVEN: tuple[str, ...] = ("ministral", "starcoder2")
 # Families with no bundled sample that run from a config.json (or checkpoint) through the
 # layer-forward adapter (tests/e2e/test_run_families.py checks them against transformers).
-_CONFIG_FAMILIES: tuple[str, ...] = ("granite-4.0-h",)
+_CONFIG_FAMILIES: tuple[str, ...] = ("granite-4.0-h", "qwen3.5")
 
 
 def _driven_model_types() -> list[str]:

@@ -798,6 +798,12 @@ _FAMILIES: tuple[_Family, ...] = (
         },
     ),
     _Family("qwen3-next", _qwen3_next, {"qwen3_next": "Qwen3NextForCausalLM"}),
+    # Qwen3.5 text: the same Gated DeltaNet and gated full-attention layers by layer_types.
+    _Family(
+        "qwen3.5",
+        _qwen3_next,
+        {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"},
+    ),
     # DeepSeek-V2 has the same MLA fields (its rope is always interleaved: no rope_interleave).
     _Family(
         "deepseek-v3",

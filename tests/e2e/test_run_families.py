@@ -169,3 +169,47 @@ def test_run_granite_4_h_matches_transformers(
     assert report.ok, report.format()
     groups = {g["group_id"]: g["layers"] for g in report.runs[0].plan["groups"]}
     assert groups == {"linear": [0, 2], "full": [1, 3]}
+
+
+@pytest.mark.parametrize("cls_name", ["Qwen3_5TextConfig", "Qwen3_5MoeTextConfig"])
+def test_run_qwen3_5_matches_transformers(tmp_path: Path, cls_name: str, run_on_cpu) -> None:
+    """Qwen3.5 (dense and MoE): Gated DeltaNet layers with separate q|k|v, z, b, a projections
+    (no fix_query_key_value_ordering), gated full attention with partial multimodal rope."""
+    import transformers
+
+    moe = (
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+        }
+        if "Moe" in cls_name
+        else {}
+    )
+    cfg = getattr(transformers, cls_name)(
+        num_hidden_layers=4,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        vocab_size=256,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        **moe,
+    )
+    assert not hasattr(
+        transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet,
+        "fix_query_key_value_ordering",
+    )
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    report = run_on_cpu(str(path))
+    assert report.ok, report.format()
+    groups = {g["group_id"]: g["layers"] for g in report.runs[0].plan["groups"]}
+    assert groups == {"linear": [0, 1, 2], "full": [3]}
