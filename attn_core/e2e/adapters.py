@@ -52,7 +52,7 @@ __all__ = ["LAYER_FORWARD_FAMILIES", "CausalLMAdapter", "layer_params_for"]
 #: Families (``ModelLayout.family``) whose decoder layers run their own transformers ``forward``
 #: with the attention op hooked (see the module docstring).
 LAYER_FORWARD_FAMILIES: frozenset[str] = frozenset(
-    {"gemma-3", "nemotron-h", "granite-4.0-h", "qwen3.5"}
+    {"gemma-3", "nemotron-h", "granite-4.0-h", "qwen3.5", "dense"}
 )
 _HOOK_NAME = "attn_core"
 # The adapter whose step is running (the hook is a module-level function transformers calls).

@@ -68,22 +68,20 @@ class _Input:
     checkpoint: str | None = None  # a folder with safetensors weights to load
 
 
-# Model types of the generic dense mapping whose modules the generic (qwen3) adapter drives:
-# pre-norm layers with q/k/v projections and nothing outside the attention op it does not call
-# (tests/e2e/test_run_dense.py checks them against transformers).
-_DENSE_DRIVEN: tuple[str, ...] = ("ministral", "starcoder2")
 # Families with no bundled sample that run from a config.json (or checkpoint) through the
-# layer-forward adapter (tests/e2e/test_run_families.py checks them against transformers).
-_CONFIG_FAMILIES: tuple[str, ...] = ("granite-4.0-h", "qwen3.5")
+# layer-forward adapter: the generic dense mapping's model types (any dense family using the
+# common names, tests/e2e/test_run_dense.py), Granite-4.0-H and Qwen3.5
+# (tests/e2e/test_run_families.py), each checked against transformers.
+_CONFIG_FAMILIES: tuple[str, ...] = ("dense", "granite-4.0-h", "qwen3.5")
 
 
 def _driven_model_types() -> list[str]:
+    """The named model types ``attn run`` drives from a config.json (plus any other model type
+    the generic dense mapping reads)."""
     return [
         t
         for t, family in MODEL_TYPE_FAMILIES.items()
-        if family in ARCHITECTURES
-        or family in _CONFIG_FAMILIES
-        or (family == "dense" and t in _DENSE_DRIVEN)
+        if family in ARCHITECTURES or family in _CONFIG_FAMILIES
     ]
 
 
@@ -100,8 +98,6 @@ def _config_input(part: str) -> _Input | None:
     layout = specs_from_hf_config(cfg)  # an unsupported config fails here, as in explain
     weights = path.is_dir() and any(path.glob("*.safetensors"))
     checkpoint = str(path) if weights else None
-    if layout.family == "dense" and layout.model_type in _DENSE_DRIVEN:
-        return _Input(str(path), "qwen3", cfg, checkpoint)
     if layout.family not in ARCHITECTURES and layout.family not in _CONFIG_FAMILIES:
         raise ValueError(
             f"{part}: model_type {layout.model_type!r} is mapped by `attn explain {part}` "
