@@ -88,10 +88,12 @@ def _softplus_inverse(y: float) -> float:
 
 
 def _decoder(hf_model: torch.nn.Module) -> Any:
-    """The model's decoder stack, ``hf_model.model``. Any to the type checker: its attributes
-    (``layers``, ``embed_tokens``, ``rotary_emb``, the norms) differ by architecture and are
-    resolved at run time by ``nn.Module.__getattr__``."""
-    return hf_model.model
+    """The model's decoder stack, ``hf_model.model`` (its ``language_model`` in a multimodal
+    model such as Gemma3ForConditionalGeneration: text prompts run the language model only).
+    Any to the type checker: its attributes (``layers``, ``embed_tokens``, ``rotary_emb``, the
+    norms) differ by architecture and are resolved at run time by ``nn.Module.__getattr__``."""
+    base = hf_model.model
+    return getattr(base, "language_model", None) or base
 
 
 def layer_params_for(hf_model: torch.nn.Module, layout: ModelLayout) -> dict[int, dict[str, Any]]:
@@ -127,6 +129,8 @@ class CausalLMAdapter:
         self.layout = layout
         self.runtime = runtime
         self.config: Any = hf_model.config
+        # the decoder's own config: the text_config of a multimodal model, else the same object
+        self.text_config: Any = getattr(self.config, "text_config", None) or self.config
         self.base = _decoder(hf_model)
         self.modeling = importlib.import_module(type(hf_model).__module__)
         self.dtype = torch_dtype(layout.layer_specs[0].dtype)
@@ -211,7 +215,7 @@ class CausalLMAdapter:
         if "layer_type" not in inspect.signature(rot.forward).parameters:
             pe = rot(h, positions[None])
             return [pe] * n
-        types = list(self.config.layer_types)
+        types = list(self.text_config.layer_types)
         by_type = {t: rot(h, positions[None], t) for t in sorted(set(types))}
         return [by_type[t] for t in types]
 
@@ -220,9 +224,9 @@ class CausalLMAdapter:
         """Within the block the model's attention modules call :func:`_attention_hook` and the
         Mamba2 mixers :meth:`_mamba2_module`; afterwards the model is transformers' own again
         (the reference forward of the same module objects runs eagerly)."""
-        saved = self.config._attn_implementation
+        saved = self.text_config._attn_implementation
         _ACTIVE.append(self)
-        self.config._attn_implementation = _HOOK_NAME
+        self.text_config._attn_implementation = _HOOK_NAME  # what the attention modules read
         for i, (mx, core) in self._linear_modules.items():
             # an instance attribute shadows the class's forward for nn.Module.__call__
             mx.forward = lambda hidden_states, *_a, _i=i, _mx=mx, _core=core, **_k: _core(
@@ -233,7 +237,7 @@ class CausalLMAdapter:
         finally:
             for mx, _core in self._linear_modules.values():
                 del mx.forward
-            self.config._attn_implementation = saved
+            self.text_config._attn_implementation = saved
             _ACTIVE.pop()
 
     def _forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -266,6 +270,8 @@ class CausalLMAdapter:
             )
         norm = getattr(self.base, "norm", None) or self.base.norm_f
         logits = self.hf.lm_head(norm(h))[0]
+        # The top-level config, as the model class reads it: Gemma3ForCausalLM caps its logits,
+        # Gemma3ForConditionalGeneration (whose config has no such field) does not.
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap is not None:  # as Gemma3ForCausalLM: tanh soft-cap on the final logits
             logits = torch.tanh(logits / cap) * cap

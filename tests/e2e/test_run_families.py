@@ -213,3 +213,30 @@ def test_run_qwen3_5_matches_transformers(tmp_path: Path, cls_name: str, run_on_
     assert report.ok, report.format()
     groups = {g["group_id"]: g["layers"] for g in report.runs[0].plan["groups"]}
     assert groups == {"linear": [0, 1, 2], "full": [3]}
+
+
+def test_run_multimodal_gemma3_config_drives_its_language_model(tmp_path: Path, run_on_cpu) -> None:
+    """A full Gemma-3 config (model_type gemma3, the decoder in text_config): text prompts run
+    its language model; Gemma3ForConditionalGeneration applies no final soft-cap although the
+    text config sets one (Gemma3ForCausalLM would), and the run agrees with it."""
+    import transformers
+
+    text = {k: v for k, v in tiny_config("gemma-3").items() if k != "architectures"}
+    assert text["final_logit_softcapping"] == 30.0
+    cfg = transformers.Gemma3Config(
+        text_config={**text, "model_type": "gemma3_text"},
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 28,
+            "patch_size": 14,
+        },
+        mm_tokens_per_image=4,
+    )
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    report = run_on_cpu(str(path))
+    assert report.ok, report.format()
+    assert "Gemma3ForConditionalGeneration" in report.format()
