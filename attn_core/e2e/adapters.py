@@ -27,8 +27,8 @@ embedding and everything else stay transformers' code, and only the attention op
 through transformers' attention function interface (an ``"attn_core"`` implementation registered
 with ``AttentionInterface``, switched on for the step), and the Mamba2 mixer module by its class
 (and the Gated DeltaNet one). The hook checks every call against the layer's spec: the scale,
-sliding window, soft-cap and sinks transformers passes must be the ones the mapping describes,
-and every attention layer must have been called.
+sliding window, soft-cap, sinks and causality transformers asks for must be the ones the mapping
+describes, and every attention layer must have been called.
 """
 
 from __future__ import annotations
@@ -221,9 +221,9 @@ class CausalLMAdapter:
 
     @contextlib.contextmanager
     def _hooked(self) -> Iterator[None]:
-        """Within the block the model's attention modules call :func:`_attention_hook` and the
-        Mamba2 mixers :meth:`_mamba2_module`; afterwards the model is transformers' own again
-        (the reference forward of the same module objects runs eagerly)."""
+        """Within the block the model's attention modules call :func:`_attention_hook` and its
+        linear mixer modules run :meth:`_mamba2_core` / :meth:`_gdn_core`; afterwards the model
+        is transformers' own again (the reference forward of the same module objects is eager)."""
         saved = self.text_config._attn_implementation
         _ACTIVE.append(self)
         self.text_config._attn_implementation = _HOOK_NAME  # what the attention modules read
@@ -307,6 +307,7 @@ class CausalLMAdapter:
             "logits soft-cap": kwargs.get("softcap"),
             "sinks": getattr(module, "sinks", None) is not None,
             "dropout": float(kwargs.get("dropout") or 0.0),
+            "causal mask": bool(kwargs.get("is_causal", getattr(module, "is_causal", True))),
         }
         described = {
             "softmax scale": spec.scale,
@@ -314,6 +315,7 @@ class CausalLMAdapter:
             "logits soft-cap": spec.logits_soft_cap,
             "sinks": spec.has_sinks,
             "dropout": 0.0,
+            "causal mask": spec.causal,
         }
         for what, got in asked.items():
             want = described[what]

@@ -47,17 +47,59 @@ def test_gemma3_attn_softcap_config_runs_as_transformers_computes(
     assert report.ok, report.format()
 
 
+@pytest.mark.parametrize(
+    ("layout_change", "what"),
+    [({"query_pre_attn_scalar": 16}, "softmax scale"), ({"sliding_window": 8}, "sliding window")],
+)
 def test_hook_refuses_a_mapping_that_disagrees_with_the_module(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, layout_change: dict[str, int], what: str
 ) -> None:
+    """The layout is parsed from a config that differs from the model's: the hook names the
+    layer, the module and the quantity instead of computing other math."""
     real = configs_mod.specs_from_hf_config
 
-    def wrong_scale(cfg, **kw):
-        return real({**cfg, "query_pre_attn_scalar": 16}, **kw)
+    def wrong(cfg, **kw):
+        return real({**cfg, **layout_change}, **kw)
 
-    monkeypatch.setattr(configs_mod, "specs_from_hf_config", wrong_scale)
-    with pytest.raises(ValueError, match=r"layer 0 \(Gemma3Attention\).*softmax scale"):
+    monkeypatch.setattr(configs_mod, "specs_from_hf_config", wrong)
+    with pytest.raises(ValueError, match=rf"layer 0 \(Gemma3Attention\).*{what}"):
         run_architecture("gemma-3", prompts=1, max_new_tokens=1)
+
+
+def test_hook_refuses_a_soft_cap_the_module_does_not_apply(tmp_path: Path) -> None:
+    """The generic dense mapping reads attn_logit_softcapping, but OLMo-2's attention never
+    passes it to the attention function: run refuses rather than cap what the model does not."""
+    import transformers
+
+    from attn_core.e2e.main import run_main
+
+    cfg = transformers.Olmo2Config(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    ).to_dict()
+    cfg["attn_logit_softcapping"] = 30.0
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"Olmo2Attention.*logits soft-cap None.*30"):
+        run_main(
+            str(path),
+            device="cpu",
+            dtype="fp32",
+            prompts=1,
+            max_new_tokens=1,
+            graphs=False,
+            registry=None,
+            constraints=None,
+            progress=False,
+            console=lambda *a: None,
+        )
 
 
 def test_nemotron_h_time_step_floor_is_applied(tmp_path: Path, run_on_cpu) -> None:
