@@ -73,3 +73,21 @@ def test_cli_warmup_flag() -> None:
     assert parser.parse_args(["run"]).warmup is None
     assert parser.parse_args(["run", "--warmup"]).warmup is True
     assert parser.parse_args(["run", "--no-warmup"]).warmup is False
+
+
+def test_checkpoint_first_layers_load_those_layers_weights(tmp_path: Path) -> None:
+    saved = _save_checkpoint("qwen3", tmp_path)  # 2 layers
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    run = run_architecture(
+        "qwen3", config=cfg, checkpoint=str(tmp_path), layers=1, prompts=2, max_new_tokens=3
+    )
+    assert run.ok, run.format()
+    assert "note: first 1 of 2 layers" in run.format()
+    from attn_core.e2e.configs import first_layers
+
+    loaded = build_tiny(
+        "qwen3", config=first_layers(cfg, 1), checkpoint=str(tmp_path)
+    ).hf.state_dict()
+    assert not any(k.startswith("model.layers.1.") for k in loaded)
+    for k, v in loaded.items():
+        assert torch.equal(v, saved[k]), k
