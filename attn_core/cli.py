@@ -295,6 +295,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         console=print,
         shapes=args.shapes,
+        warmup=args.warmup,
+        layers=args.layers,
+        overhead=args.overhead,
     )
     print(report.format())
     return 0 if getattr(report, "ok", True) else 1
@@ -352,8 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default="qwen3-next",
         help="'all', an architecture the runner drives, the path of a Hugging Face config.json "
-        "(or of its folder) of a model type one of them covers, or a comma list (an unknown "
-        "name's error lists them; default: qwen3-next)",
+        "(or of its folder) of a model type one of them covers (a folder with safetensors "
+        "weights loads them), or a comma list (an unknown name's error lists them; default: "
+        "qwen3-next)",
     )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     p.add_argument("--dtype", default=None)
@@ -366,6 +370,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="model shapes: tiny (head dim 16) or kernel (head dims GPU kernels serve); "
         "default kernel on CUDA, tiny on CPU",
+    )
+    p.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="generate once before the timed pass, so JIT compile and CUDA-graph capture stay "
+        "out of tok/s (printed on their own line); default: on CUDA only",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="real hidden size and head layout, only the first N layers (their layer pattern "
+        "kept); samples are not shrunk",
+    )
+    p.add_argument(
+        "--overhead",
+        action="store_true",
+        help="print the overhead ratio: an eager decode step through the bindings over the "
+        "same kernels called directly",
     )
     p.add_argument("--no-progress", action="store_true")
     _add_constraint_args(p)

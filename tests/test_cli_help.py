@@ -39,3 +39,5 @@ def test_run_help_says_which_models_it_takes(capsys):
     text = _help(capsys, "run")
     assert "--model MODEL 'all', an architecture the runner drives, the path of a Hugging " in text
     assert "config.json (or of its folder) of a model type one of them covers" in text
+    assert "(a folder with safetensors weights loads them)" in text
+    assert "--layers LAYERS" in text and "--warmup, --no-warmup" in text

@@ -8,6 +8,7 @@ weights are allocated).
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from typing import Any
@@ -224,6 +225,34 @@ def test_deepseek_without_yarn_uses_plain_scale() -> None:
     assert spec.softmax_scale == pytest.approx(1 / math.sqrt(192)) == pytest.approx(attn.scaling)
 
 
+@pytest.mark.parametrize("rope_type", ["default", "yarn"])
+def test_deepseek_v2_mla_matches_hf(rope_type: str) -> None:
+    kw: dict[str, Any] = dict(
+        num_hidden_layers=3, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32
+    )
+    if rope_type == "yarn":
+        kw["rope_parameters"] = {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        }
+    hf = transformers.DeepseekV2Config(**kw)
+    assert not hasattr(hf, "rope_interleave")
+    layout = specs_from_hf_config(hf.to_dict())
+    assert layout.family == "deepseek-v3" and layout.architecture == "DeepseekV2ForCausalLM"
+    attn = on_meta(transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2Attention, hf, 1)
+    for i in range(3):
+        spec = layout.spec_of(i)
+        assert spec.kind is LayerKind.MLA and spec.mla_dims == (64, 16, 32)
+        assert spec.num_heads == attn.num_heads
+        assert spec.softmax_scale == pytest.approx(attn.scaling, rel=1e-12)
+    if rope_type == "yarn":
+        assert attn.scaling != pytest.approx(48**-0.5)
+
+
 def test_bamba_mamba2_matches_hf_mixer() -> None:
     d = load_sample("bamba")
     layout = specs_from_hf_config(d)
@@ -293,11 +322,14 @@ def test_gemma3_pattern_scale_and_softcap() -> None:
         assert spec.sliding_window == attn.sliding_window
         assert spec.softmax_scale == pytest.approx(attn.scaling)
         assert spec.logits_soft_cap is None is attn.attn_logit_softcapping
-    # Gemma-2-style soft-capping and a scalar that differs from head_dim (Gemma-3-27B: 168)
+    # A scalar that differs from head_dim (Gemma-3-27B: 168) and a Gemma-2-style soft-cap, which
+    # Gemma3Attention keeps but never passes to the attention function: it is not mapped.
     d.update(attn_logit_softcapping=50.0, query_pre_attn_scalar=168, head_dim=128)
     spec = specs_from_hf_config(d).spec_of(5)
     attn = on_meta(mod.Gemma3Attention, hf_config(d), 5)
-    assert spec.logits_soft_cap == 50.0 == attn.attn_logit_softcapping
+    assert attn.attn_logit_softcapping == 50.0
+    assert "softcap" not in inspect.getsource(mod.Gemma3Attention.forward)
+    assert spec.logits_soft_cap is None
     assert spec.softmax_scale == pytest.approx(168**-0.5) == pytest.approx(attn.scaling)
 
 

@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 import pytest
+import torch
 
 from attn_core.models import specs_from_hf_config
 
@@ -138,7 +139,10 @@ def test_wrong_family_layer_type_is_named_with_its_layers() -> None:
 
 
 def test_unsupported_type_names_its_layer_types() -> None:
-    msg = _raises(_granite(), "granitemoehybrid", "not supported", "supported:")
+    # Granite-4.0-H itself now maps; a model_type no family names, with its fields, is refused.
+    msg = _raises(
+        {**_granite(), "model_type": "new_hybrid"}, "new_hybrid", "not supported", "supported:"
+    )
     assert re.search(r"linear_attention in layers 0-1,3", msg), msg
     assert re.search(r"full_attention in layer 2", msg), msg
     # ministral and phi3 now map (the generic dense path); a model_type no family names with a
@@ -185,3 +189,30 @@ def test_nemotron_h_pattern_and_block_types_must_agree() -> None:
     assert specs_from_hf_config(cfg).layer_indices == (0, 2, 3)
     cfg["hybrid_override_pattern"] = "M-MM"
     _raises(cfg, "nemotron_h", "layer 3", "'M'", "full_attention")
+
+
+def test_granite_4_h_maps_mamba2_and_attention_by_layer_types() -> None:
+    import transformers
+
+    cfg = _granite()
+    layout = specs_from_hf_config(cfg)
+    assert layout.family == "granite-4.0-h"
+    assert [layout.spec_of(i).kind.value for i in range(4)] == [
+        "linear",
+        "linear",
+        "full",
+        "linear",
+    ]
+    hf = transformers.GraniteMoeHybridConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+    mod = transformers.models.granitemoehybrid.modeling_granitemoehybrid
+    with torch.device("meta"):
+        attn = mod.GraniteMoeHybridAttention(hf, 2)
+        mamba = mod.GraniteMoeHybridMambaLayer(hf, 0)
+    full, linear = layout.spec_of(2), layout.spec_of(0)
+    assert full.scale == pytest.approx(attn.scaling) and full.head_dim == attn.head_dim
+    assert (linear.num_heads, linear.num_kv_heads) == (mamba.num_heads, mamba.n_groups)
+    assert (linear.head_dim, linear.head_dim_v) == (mamba.ssm_state_size, mamba.head_dim)
+    assert linear.conv_channels == mamba.conv_dim
+    # the hub's own names (mamba / attention) read the same
+    hub = {**cfg, "layer_types": ["mamba", "mamba", "attention", "mamba"]}
+    assert specs_from_hf_config(hub).layer_specs == layout.layer_specs

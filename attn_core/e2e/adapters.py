@@ -12,12 +12,14 @@ batch order (``query_start_loc``), positions from ``batch.positions``.
 Mixers by layer kind:
 
 - full (Qwen3, Qwen3-Next gated, Bamba, gpt-oss with sinks / window): q, k, v ``[T, H|Hkv, D]``.
-- mla (DeepSeek-V3): absorbed form, ``q [T, H, R + P]``, latent ``[T, R + P]``, output
+- mla (DeepSeek-V3, DeepSeek-V2): absorbed form, ``q [T, H, R + P]``, latent ``[T, R + P]``, output
   ``[T, H, R]`` mapped back with ``W_UV``.
-- linear Gated DeltaNet (Qwen3-Next): conv over q|k|v, ``g = -exp(A_log) softplus(a + dt_bias)``,
-  ``beta = sigmoid(b)``, gated RMSNorm with ``z``.
-- linear Mamba2 (Bamba): conv over x|B|C, ``q=C, k=B, v=x`` plus ``dt, A_log, D, dt_bias``;
-  gated RMSNorm with the z gate.
+- linear Gated DeltaNet (Qwen3-Next, Qwen3.5): conv over q|k|v,
+  ``g = -exp(A_log) softplus(a + dt_bias)``, ``beta = sigmoid(b)``, gated RMSNorm with ``z``.
+- linear Mamba2 (Bamba, Nemotron-H, Granite-4.0-H): conv over x|B|C, ``q=C, k=B, v=x`` plus
+  ``dt, A_log, D, dt_bias``; gated RMSNorm with the z gate. A lower ``time_step_limit``
+  (Nemotron-H's ``time_step_min``) is folded into ``dt`` exactly: ``softplus(dt + bias) >= lo``
+  iff ``dt >= softplus^-1(lo) - bias``, so ``dt`` is raised to that bound before the binding.
 - linear lightning (MiniMax-01): ``act(qkv_proj)`` split into q, k, v of every head, the layer's
   ``slope_rate`` as ``slope``; RMSNorm, sigmoid output gate and ``out_proj`` after it.
 - linear short conv (LFM2): ``in_proj`` -> B, C, x; ``binding.conv1d(B * x)`` with no
@@ -26,12 +28,24 @@ Mixers by layer kind:
 Decoder blocks: pre-norm residual (most), MiniMax's residual taken after the norm and scaled by
 its alpha / beta factors, LFM2's ``operator_norm`` / ``ffn_norm`` / ``feed_forward`` and final
 ``embedding_norm``.
+
+Families of :data:`LAYER_FORWARD_FAMILIES` (Gemma-3, Nemotron-H, Granite-4.0-H, Qwen3.5) run each
+transformers decoder layer's own ``forward``: norms, residuals (and their multipliers), rotary
+embedding and everything else stay transformers' code, and only the attention op is replaced,
+through transformers' attention function interface (an ``"attn_core"`` implementation registered
+with ``AttentionInterface``, switched on for the step), and the Mamba2 mixer module by its class
+(and the Gated DeltaNet one). The hook checks every call against the layer's spec: the scale,
+sliding window, soft-cap, sinks and causality transformers asks for must be the ones the mapping
+describes, and every attention layer must have been called.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable
+import inspect
+import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -41,14 +55,53 @@ from attn_core.models import ModelLayout
 from attn_core.reference.ops import mla_absorb_query, mla_output_from_latent, mla_split_kv_b_proj
 from attn_core.specs import LayerKind, LinearVariant, torch_dtype
 
-__all__ = ["CausalLMAdapter", "layer_params_for"]
+__all__ = ["LAYER_FORWARD_FAMILIES", "CausalLMAdapter", "layer_params_for"]
+
+#: Families (``ModelLayout.family``) whose decoder layers run their own transformers ``forward``
+#: with the attention op hooked (see the module docstring).
+LAYER_FORWARD_FAMILIES: frozenset[str] = frozenset(
+    {"gemma-3", "nemotron-h", "granite-4.0-h", "qwen3.5", "dense"}
+)
+_HOOK_NAME = "attn_core"
+# The adapter whose step is running (the hook is a module-level function transformers calls).
+_ACTIVE: list[CausalLMAdapter] = []
+
+
+def _attention_hook(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: ``query [1, H, T, D]``, ``key`` / ``value``
+    ``[1, Hkv, T, D|Dv]`` (rotary already applied) -> ``([1, T, H, Dv], None)``."""
+    if not _ACTIVE:
+        raise RuntimeError("the attn_core attention implementation ran outside an adapter step")
+    return _ACTIVE[-1]._hooked_attention(module, query, key, value, kwargs), None
+
+
+def _register_hook() -> None:
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if _HOOK_NAME not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(_HOOK_NAME, _attention_hook)
+
+
+def _softplus_inverse(y: float) -> float:
+    """``x`` with ``softplus(x) = y`` (``y > 0``), stable for small ``y``."""
+    return y + math.log(-math.expm1(-y))
 
 
 def _decoder(hf_model: torch.nn.Module) -> Any:
-    """The model's decoder stack, ``hf_model.model``. Any to the type checker: its attributes
-    (``layers``, ``embed_tokens``, ``rotary_emb``, the norms) differ by architecture and are
-    resolved at run time by ``nn.Module.__getattr__``."""
-    return hf_model.model
+    """The model's decoder stack, ``hf_model.model`` (its ``language_model`` in a multimodal
+    model such as Gemma3ForConditionalGeneration: text prompts run the language model only).
+    Any to the type checker: its attributes (``layers``, ``embed_tokens``, ``rotary_emb``, the
+    norms) differ by architecture and are resolved at run time by ``nn.Module.__getattr__``."""
+    base = hf_model.model
+    return getattr(base, "language_model", None) or base
 
 
 def layer_params_for(hf_model: torch.nn.Module, layout: ModelLayout) -> dict[int, dict[str, Any]]:
@@ -89,6 +142,8 @@ class CausalLMAdapter:
         self.layout = layout
         self.runtime = runtime
         self.config: Any = hf_model.config
+        # the decoder's own config: the text_config of a multimodal model, else the same object
+        self.text_config: Any = getattr(self.config, "text_config", None) or self.config
         self.base = _decoder(hf_model)
         self.modeling = importlib.import_module(type(hf_model).__module__)
         self.dtype = torch_dtype(layout.layer_specs[0].dtype)
@@ -96,6 +151,15 @@ class CausalLMAdapter:
         self._mla_weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._slopes: dict[int, torch.Tensor] = {}  # lightning layers: slope [H] float32
         self._mixers: list[Callable[[int, Any, torch.Tensor, Any], torch.Tensor] | None] = []
+        self.layer_forward = layout.family in LAYER_FORWARD_FAMILIES
+        # Mamba2 mixer modules by layer index; in layer-forward mode every linear mixer module
+        # (Mamba2, Gated DeltaNet) is replaced during the step by its core here.
+        self._mamba_modules: dict[int, torch.nn.Module] = {}
+        self._linear_modules: dict[int, tuple[Any, Callable[[int, Any, torch.Tensor], Any]]] = {}
+        self._dt_floor: dict[int, float] = {}
+        self._seen: set[int] = set()
+        if self.layer_forward:
+            _register_hook()
         for i, layer in enumerate(self.base.layers):
             if i not in layout.layer_indices:
                 self._mixers.append(None)
@@ -106,18 +170,24 @@ class CausalLMAdapter:
             elif spec.kind is LayerKind.FULL:
                 self._mixers.append(self._full)
             elif spec.linear_variant is LinearVariant.GATED_DELTANET:
+                self._linear_modules[i] = (layer.linear_attn, self._gdn_core)
                 self._mixers.append(self._gdn)
             elif spec.linear_variant is LinearVariant.LIGHTNING:
                 self._mixers.append(self._lightning)
             elif spec.linear_variant is LinearVariant.SHORT_CONV:
                 self._mixers.append(self._short_conv)
             elif spec.linear_variant is LinearVariant.MAMBA2:
-                limit = tuple(getattr(layer.mamba, "time_step_limit", (0.0, float("inf"))))
-                if limit != (0.0, float("inf")):
+                mx = getattr(layer, "mamba", None) or layer.mixer
+                lo, hi = tuple(getattr(mx, "time_step_limit", (0.0, float("inf"))))
+                if hi != float("inf") or lo < 0:
                     raise ValueError(
-                        f"layer {i}: time_step_limit={limit}; the binding's Mamba2 inputs carry "
-                        "no dt clamp, expected (0.0, inf)"
+                        f"layer {i}: time_step_limit=({lo}, {hi}); the binding's Mamba2 inputs "
+                        "carry no upper dt clamp, expected (lo >= 0, inf)"
                     )
+                if lo > 0:
+                    self._dt_floor[i] = _softplus_inverse(float(lo))
+                self._mamba_modules[i] = mx
+                self._linear_modules[i] = (mx, self._mamba2_core)
                 self._mixers.append(self._mamba2)
             else:
                 raise ValueError(f"layer {i}: no mixer for {spec.short()}")
@@ -131,6 +201,8 @@ class CausalLMAdapter:
         :param positions: ``[T]`` int64 absolute positions (``batch.positions``).
         :returns: ``[T, vocab]`` logits in the model dtype.
         """
+        if self.layer_forward:
+            return self._forward_layers(input_ids, positions)
         h = self.base.embed_tokens(input_ids)[None]  # [1, T, D]
         pe = self.base.rotary_emb(h, positions[None]) if hasattr(self.base, "rotary_emb") else None
         for i, layer in enumerate(self.base.layers):
@@ -163,6 +235,140 @@ class CausalLMAdapter:
         )
         return self.hf.lm_head(norm(h))[0]
 
+    def _position_embeddings(self, h: torch.Tensor, positions: torch.Tensor) -> list[Any]:
+        """Per layer the rotary ``(cos, sin)`` (None without a rotary embedding). A rotary
+        embedding whose forward takes ``layer_type`` (Gemma-3: local and global rope) is
+        evaluated once per type of the config's ``layer_types``."""
+        n = len(self.base.layers)
+        rot = getattr(self.base, "rotary_emb", None)
+        if rot is None:
+            return [None] * n
+        if "layer_type" not in inspect.signature(rot.forward).parameters:
+            pe = rot(h, positions[None])
+            return [pe] * n
+        types = list(self.text_config.layer_types)
+        by_type = {t: rot(h, positions[None], t) for t in sorted(set(types))}
+        return [by_type[t] for t in types]
+
+    @contextlib.contextmanager
+    def _hooked(self) -> Iterator[None]:
+        """Within the block the model's attention modules call :func:`_attention_hook` and its
+        linear mixer modules run :meth:`_mamba2_core` / :meth:`_gdn_core`; afterwards the model
+        is transformers' own again (the reference forward of the same module objects is eager)."""
+        saved = self.text_config._attn_implementation
+        _ACTIVE.append(self)
+        self.text_config._attn_implementation = _HOOK_NAME  # what the attention modules read
+        for i, (mx, core) in self._linear_modules.items():
+            # an instance attribute shadows the class's forward for nn.Module.__call__
+            mx.forward = lambda hidden_states, *_a, _i=i, _mx=mx, _core=core, **_k: _core(
+                _i, _mx, hidden_states[0]
+            )[None]
+        try:
+            yield
+        finally:
+            for mx, _core in self._linear_modules.values():
+                del mx.forward
+            self.text_config._attn_implementation = saved
+            _ACTIVE.pop()
+
+    def _forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` through each decoder layer's own ``forward`` (hooked attention)."""
+        embed = getattr(self.base, "embed_tokens", None) or self.base.embeddings
+        h = embed(input_ids)[None]  # [1, T, D]
+        multiplier = getattr(self.base, "embedding_multiplier", None)
+        if multiplier is not None:  # Granite: the model scales its embeddings
+            h = h * multiplier
+        pes = self._position_embeddings(h, positions)
+        self._seen.clear()
+        with self._hooked():
+            for i, layer in enumerate(self.base.layers):
+                kwargs: dict[str, Any] = {"attention_mask": None, "position_ids": positions[None]}
+                if pes[i] is not None:
+                    kwargs["position_embeddings"] = pes[i]
+                out = layer(h, **kwargs)
+                h = out[0] if isinstance(out, tuple) else out
+        attention = {
+            i
+            for i in self.layout.layer_indices
+            if self.layout.spec_of(i).kind is not LayerKind.LINEAR
+        }
+        if self._seen != attention:
+            raise ValueError(
+                f"layers {sorted(attention - self._seen)} of the attention layout did not call "
+                f"the attn_core attention function and layers {sorted(self._seen - attention)} "
+                "called it without being attention layers of the layout; the mapping does not "
+                "describe the model"
+            )
+        norm = getattr(self.base, "norm", None) or self.base.norm_f
+        logits = self.hf.lm_head(norm(h))[0]
+        # The top-level config, as the model class reads it: Gemma3ForCausalLM caps its logits,
+        # Gemma3ForConditionalGeneration (whose config has no such field) does not.
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap is not None:  # as Gemma3ForCausalLM: tanh soft-cap on the final logits
+            logits = torch.tanh(logits / cap) * cap
+        scaling = getattr(self.config, "logits_scaling", None)
+        if scaling is not None:  # as Granite's *ForCausalLM: logits divided by logits_scaling
+            logits = logits / scaling
+        return logits
+
+    def _hooked_attention(
+        self,
+        module: Any,  # the transformers attention module (layer_idx, head_dim, maybe sinks)
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        """The attention op of layer ``module.layer_idx`` through its binding, after checking
+        that what transformers asks for is what the layer's spec describes.
+
+        :param query: ``[1, H, T, D]``; ``key`` / ``value`` ``[1, Hkv, T, D|Dv]``.
+        :returns: ``[1, T, H, Dv]``.
+        """
+        i = int(module.layer_idx)
+        if i not in self.layout.layer_indices:
+            raise ValueError(f"layer {i}: transformers calls attention, the layout has none")
+        spec = self.layout.spec_of(i)
+        scaling = kwargs.get("scaling")
+        if scaling is None:
+            scaling = module.head_dim**-0.5
+        asked = {
+            "softmax scale": float(scaling),
+            "sliding window": kwargs.get("sliding_window"),
+            "logits soft-cap": kwargs.get("softcap"),
+            "sinks": getattr(module, "sinks", None) is not None,
+            "dropout": float(kwargs.get("dropout") or 0.0),
+            "causal mask": bool(kwargs.get("is_causal", getattr(module, "is_causal", True))),
+        }
+        described = {
+            "softmax scale": spec.scale,
+            "sliding window": spec.sliding_window,
+            "logits soft-cap": spec.logits_soft_cap,
+            "sinks": spec.has_sinks,
+            "dropout": 0.0,
+            "causal mask": spec.causal,
+        }
+        for what, got in asked.items():
+            want = described[what]
+            same = (
+                math.isclose(got, want, rel_tol=1e-6)
+                if isinstance(got, float) and isinstance(want, float)
+                else got == want
+            )
+            if not same:
+                raise ValueError(
+                    f"layer {i} ({type(module).__name__}): transformers computes {what} "
+                    f"{got!r}, the layer's spec ({spec.short()}) describes {want!r}"
+                )
+        self._seen.add(i)
+        T = query.shape[2]
+        q = query[0].transpose(0, 1).contiguous()
+        k = key[0].transpose(0, 1).contiguous()
+        v = value[0].transpose(0, 1).contiguous()
+        out = torch.empty(T, spec.num_heads, spec.head_dim_v, dtype=q.dtype, device=q.device)
+        self._attend(i, q, k, v, out)
+        return out[None]
+
     # -- attention calls: through the binding, or straight into the group's context -----------
     def _attend(self, i: int, q, k, v, out, **inputs) -> torch.Tensor:
         binding = self.runtime.binding(i)
@@ -181,7 +387,15 @@ class CausalLMAdapter:
         return binding.conv1d(x, weight, bias, activation=activation)
 
     def _rope(self, q: torch.Tensor, k: torch.Tensor, pe, *, interleave: bool = False):
-        """``q [T, H, D]``, ``k [T, Hk, D]`` through the modeling module's rotary function."""
+        """``q [T, H, D]``, ``k [T, Hk, D]`` through the modeling module's rotary function.
+
+        ``pe`` is ``(cos, sin)``, or DeepSeek-V2's complex ``freqs_cis [1, T, D / 2]`` (its
+        ``apply_rotary_emb`` rotates interleaved pairs; V2 has no ``rope_interleave`` field)."""
+        if isinstance(pe, torch.Tensor):
+            q4, k4 = self.modeling.apply_rotary_emb(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], pe
+            )
+            return q4[0].transpose(0, 1), k4[0].transpose(0, 1)
         cos, sin = pe
         fn = (
             self.modeling.apply_rotary_pos_emb_interleave
@@ -234,7 +448,10 @@ class CausalLMAdapter:
         c, k_rot = torch.split(at.kv_a_proj_with_mqa(x), [R, P], dim=-1)
         c = at.kv_a_layernorm(c)
         q_rot, k_rot = self._rope(
-            q_rot, k_rot.view(T, 1, P), pe, interleave=bool(self.config.rope_interleave)
+            q_rot,
+            k_rot.view(T, 1, P),
+            pe,
+            interleave=bool(getattr(self.config, "rope_interleave", False)),
         )
         q_abs = torch.cat([mla_absorb_query(q_nope, w_uk), q_rot], dim=-1)
         latent = torch.cat([c, k_rot[:, 0]], dim=-1)
@@ -243,12 +460,24 @@ class CausalLMAdapter:
         return at.o_proj(mla_output_from_latent(o_lat, w_uv).reshape(T, -1))
 
     def _gdn(self, i: int, layer, x: torch.Tensor, pe) -> torch.Tensor:
-        la = layer.linear_attn
+        return self._gdn_core(i, layer.linear_attn, x)
+
+    def _gdn_core(self, i: int, la: Any, x: torch.Tensor) -> torch.Tensor:
+        """The Gated DeltaNet mixer ``la`` of layer ``i`` on ``x [T, D]`` -> ``[T, D]``.
+
+        Qwen3-Next projects q|k|v|z and b|a per key-head group (``in_proj_qkvz``,
+        ``in_proj_ba``, reordered by ``fix_query_key_value_ordering``); Qwen3.5 has one
+        projection each (``in_proj_qkv`` already in conv order, ``in_proj_z``, ``_b``, ``_a``)."""
         T = x.shape[0]
-        q, k, v, z, b, a = la.fix_query_key_value_ordering(
-            la.in_proj_qkvz(x[None]), la.in_proj_ba(x[None])
-        )
-        mixed = torch.cat([t.reshape(T, -1) for t in (q, k, v)], dim=-1)
+        if hasattr(la, "in_proj_qkv"):
+            mixed = la.in_proj_qkv(x)
+            z = la.in_proj_z(x).reshape(1, T, -1, la.head_v_dim)
+            b, a = la.in_proj_b(x)[None], la.in_proj_a(x)[None]
+        else:
+            q, k, v, z, b, a = la.fix_query_key_value_ordering(
+                la.in_proj_qkvz(x[None]), la.in_proj_ba(x[None])
+            )
+            mixed = torch.cat([t.reshape(T, -1) for t in (q, k, v)], dim=-1)
         mixed = self._conv(i, mixed, la.conv1d.weight.squeeze(1), la.conv1d.bias, la.activation)
         q, k, v = torch.split(mixed, [la.key_dim, la.key_dim, la.value_dim], dim=-1)
         q = q.reshape(T, -1, la.head_k_dim).contiguous()
@@ -262,12 +491,18 @@ class CausalLMAdapter:
         return la.out_proj(o.reshape(T, -1))
 
     def _mamba2(self, i: int, layer, x: torch.Tensor, pe) -> torch.Tensor:
-        mx = layer.mamba
+        return self._mamba2_core(i, self._mamba_modules[i], x)
+
+    def _mamba2_core(self, i: int, mx: Any, x: torch.Tensor) -> torch.Tensor:
+        """The Mamba2 mixer ``mx`` of layer ``i`` on ``x [T, D]`` -> ``[T, D]``."""
         T = x.shape[0]
         G, N = mx.n_groups, mx.ssm_state_size
         gate, xbc, dt = mx.in_proj(x).split(
             [mx.intermediate_size, mx.conv_dim, mx.num_heads], dim=-1
         )
+        floor = self._dt_floor.get(i)
+        if floor is not None:  # softplus(dt + dt_bias) >= time_step_limit[0], exactly
+            dt = torch.maximum(dt.float(), floor - mx.dt_bias.float()).to(dt.dtype)
         xbc = self._conv(
             i, xbc.contiguous(), mx.conv1d.weight.squeeze(1), mx.conv1d.bias, mx.activation
         )

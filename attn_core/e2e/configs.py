@@ -15,7 +15,15 @@ import torch
 
 from attn_core.models import ModelLayout, load_sample, specs_from_hf_config
 
-__all__ = ["ARCHITECTURES", "SHAPES", "TinyModel", "build_tiny", "tiny_config"]
+__all__ = [
+    "ARCHITECTURES",
+    "SHAPES",
+    "TinyModel",
+    "build_tiny",
+    "first_layers",
+    "real_size_config",
+    "tiny_config",
+]
 
 _VOCAB = 256
 
@@ -121,6 +129,37 @@ _SHRINK: dict[str, dict[str, Any]] = {
         num_key_value_heads=2,
         block_multiple_of=16,
     ),
+    "gemma-3": dict(
+        num_hidden_layers=3,
+        # sliding (local rope, rope_local_base_freq) and global layers from layer_types
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=8,  # scale 8**-0.5, not head_dim**-0.5: the mapping must say so
+        sliding_window=4,
+        final_logit_softcapping=30.0,  # the adapter applies it as Gemma3ForCausalLM does
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=1,
+    ),
+    "nemotron-h": dict(
+        num_hidden_layers=5,
+        hybrid_override_pattern="M-M*-",  # Mamba2, MLP, Mamba2, attention, MLP
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attention_head_dim=16,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        n_groups=2,
+        ssm_state_size=16,
+        chunk_size=16,
+    ),
     "qwen2.5-vl-vision": dict(
         depth=4,
         fullatt_block_indexes=[1, 3],
@@ -157,6 +196,15 @@ _KERNEL_SHAPES: dict[str, dict[str, Any]] = {
     "gpt-oss": dict(hidden_size=256, head_dim=64),
     "minimax": dict(hidden_size=256, head_dim=128, block_size=64),
     "lfm2": dict(hidden_size=256),  # attention heads of 64, a conv of 256 channels
+    "gemma-3": dict(hidden_size=256, head_dim=128, query_pre_attn_scalar=128),
+    "nemotron-h": dict(
+        hidden_size=256,
+        head_dim=128,
+        attention_head_dim=128,
+        mamba_head_dim=64,  # 8 heads * 64 = 2 * hidden 256
+        ssm_state_size=128,
+        chunk_size=64,
+    ),
     "qwen2.5-vl-vision": dict(hidden_size=256, out_hidden_size=256),  # 4 heads of 64
 }
 #: Sample names the runner drives, in report order.
@@ -202,6 +250,66 @@ def tiny_config(name: str, shapes: str = "tiny") -> dict[str, Any]:
     return cfg
 
 
+# Fields that list layer indices (filtered to the kept layers, not cut by position).
+_INDEX_LISTS = ("attn_layer_indices", "fullatt_block_indexes")
+
+
+def _per_layer(key: str) -> bool:
+    """A field with one entry per layer: ``layer_types``, ``mlp_layer_types``,
+    ``layers_block_type``, ``hybrid_override_pattern`` (not any list that happens to have
+    ``num_hidden_layers`` entries, such as a list of eos token ids)."""
+    return key.endswith("layer_types") or key in ("layers_block_type", "hybrid_override_pattern")
+
+
+def first_layers(config: dict[str, Any], n: int) -> dict[str, Any]:
+    """``config`` keeping only its first ``n`` layers, every per-layer pattern kept for them.
+
+    ``num_hidden_layers`` (``depth`` of a vision config) becomes ``n``; every list or string
+    with one entry per layer (``layer_types``, ``layers_block_type``,
+    ``hybrid_override_pattern``, ...) is cut to its first ``n``; index lists
+    (``attn_layer_indices``, ``fullatt_block_indexes``) keep the indices below ``n``. Patterns
+    given by a rule (``full_attention_interval``, ``sliding_window_pattern``,
+    ``first_k_dense_replace``) hold for the first layers unchanged. Nested ``text_config`` /
+    ``vision_config`` are cut the same way. Hidden sizes and head layouts are untouched.
+
+    :raises ValueError: ``n`` not in ``1..num_layers``.
+    """
+    cfg = copy.deepcopy(config)
+    for key in ("text_config", "vision_config"):
+        if isinstance(cfg.get(key), dict):
+            cfg[key] = first_layers(cfg[key], n)
+    count_key = "num_hidden_layers" if "num_hidden_layers" in cfg else "depth"
+    total = cfg.get(count_key)
+    if not isinstance(total, int):
+        if any(isinstance(cfg.get(k), dict) for k in ("text_config", "vision_config")):
+            return cfg
+        raise ValueError(f"config has no num_hidden_layers (or depth) to cut to {n} layers")
+    if not 1 <= n <= total:
+        raise ValueError(f"layers={n}: expected 1..{total} (the config's {count_key})")
+    for key, value in list(cfg.items()):
+        if key in _INDEX_LISTS and isinstance(value, list):
+            cfg[key] = [i for i in value if isinstance(i, int) and i < n]
+        elif _per_layer(key) and isinstance(value, (list, str)) and len(value) == total:
+            cfg[key] = value[:n]
+    cfg[count_key] = n
+    return cfg
+
+
+def real_size_config(name: str) -> dict[str, Any]:
+    """The sample ``name`` at its real sizes (hidden size, heads, vocabulary), ready to build
+    with random weights: no MTP layers, untied head, the init scale of :func:`tiny_config`."""
+    if name not in _SHRINK:
+        raise ValueError(f"model {name!r} is not one the runner drives: {list(ARCHITECTURES)}")
+    cfg = load_sample(name)
+    if name == "qwen2.5-vl-vision":
+        cfg["vision_config"] = {**cfg["vision_config"], "initializer_range": 0.02}
+        return cfg
+    cfg["initializer_range"] = 0.1 * (64 / cfg["hidden_size"]) ** 0.5
+    cfg["tie_word_embeddings"] = False
+    cfg.pop("num_nextn_predict_layers", None)
+    return cfg
+
+
 @dataclass(frozen=True, slots=True)
 class TinyModel:
     """A random-init transformers model, its config dict and the attn-core layout parsed from it.
@@ -211,12 +319,14 @@ class TinyModel:
     :ivar hf: the transformers module (``*ForCausalLM``; the vision transformer for
         ``qwen2.5-vl-vision``) in eval mode, eager attention, on ``device`` in ``dtype``.
     :ivar layout: ``specs_from_hf_config(config, dtype=dtype, tp_size=tp_size)``.
+    :ivar checkpoint: the checkpoint folder the weights came from; None: random init.
     """
 
     name: str
     config: dict[str, Any]
     hf: torch.nn.Module
     layout: ModelLayout
+    checkpoint: str | None = None  # the folder whose safetensors weights were loaded
 
     @property
     def is_encoder(self) -> bool:
@@ -230,8 +340,27 @@ def _hf_config(name: str, cfg: dict[str, Any]):
         from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 
         return Qwen2_5_VLVisionConfig(**cfg["vision_config"])
-    fields = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures")}
+    fields = {
+        k: _decode_floats(v) for k, v in cfg.items() if k not in ("model_type", "architectures")
+    }
     return AutoConfig.for_model(cfg["model_type"], **fields)
+
+
+_SPECIAL_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def _decode_floats(value: Any) -> Any:
+    """A config.json value with transformers' JSON tags for special floats decoded: it writes
+    ``inf`` as ``{"__float__": "Infinity"}`` (Nemotron-H's ``time_step_limit``), which its
+    loader decodes but ``for_model`` keyword arguments would not."""
+    if isinstance(value, dict):
+        tag = value.get("__float__")
+        if len(value) == 1 and tag in _SPECIAL_FLOATS:
+            return _SPECIAL_FLOATS[tag]
+        return {k: _decode_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode_floats(v) for v in value]
+    return value
 
 
 def build_tiny(
@@ -244,6 +373,7 @@ def build_tiny(
     page_size: int = 16,
     shapes: str = "tiny",
     config: dict[str, Any] | None = None,
+    checkpoint: str | None = None,
 ) -> TinyModel:
     """Build the tiny transformers model ``name`` with random weights (seeded) and its layout.
 
@@ -251,10 +381,33 @@ def build_tiny(
     :param shapes: ``"tiny"`` or ``"kernel"`` (see :func:`tiny_config`).
     :param config: a ``config.json`` dict of architecture ``name`` to build instead of the
         shrunk sample, at its own sizes (``shapes`` is then not used).
+    :param checkpoint: a folder holding ``config.json`` and safetensors weights (as
+        ``save_pretrained`` writes them): the causal LM is loaded from it with
+        ``from_pretrained`` instead of random init; ``config`` must be its config.
     """
     import transformers
 
     cfg = copy.deepcopy(config) if config is not None else tiny_config(name, shapes)
+    from attn_core.specs import torch_dtype
+
+    if checkpoint is not None:
+        if name == "qwen2.5-vl-vision":
+            raise ValueError(
+                f"{checkpoint}: loading weights is supported for causal LMs; the vision tower "
+                "runs with random weights from a config.json only"
+            )
+        hf_cfg = _hf_config(name, cfg)  # the folder's own, or its first layers (--layers)
+        # Any: transformers' from_pretrained wrapper types its result loosely
+        loaded: Any = transformers.AutoModelForCausalLM.from_pretrained(
+            checkpoint,
+            config=hf_cfg,
+            dtype=torch_dtype(dtype),
+            attn_implementation="eager",
+            experts_implementation="batched_mm",  # as below: capturable MoE blocks
+        )
+        loaded = loaded.to(device=device).eval()
+        layout = specs_from_hf_config(cfg, dtype=dtype, tp_size=tp_size, page_size=page_size)
+        return TinyModel(name, cfg, loaded, layout, checkpoint)
     hf_cfg = _hf_config(name, cfg)
     hf_cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -274,8 +427,6 @@ def build_tiny(
             hf_cfg, attn_implementation="eager", experts_implementation="batched_mm"
         )
     _spread_weights(model, seed)
-    from attn_core.specs import torch_dtype
-
     model = model.to(device=device, dtype=torch_dtype(dtype)).eval()
     _recompute_decay_buffers(model)
     layout = specs_from_hf_config(cfg, dtype=dtype, tp_size=tp_size, page_size=page_size)

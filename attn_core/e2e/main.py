@@ -5,7 +5,10 @@ plans its attention layout through the registry, runs continuous batching (chunk
 mixed steps, greedy decode, optional CUDA-graph decode) through the bindings, and compares every
 logit and greedy token with transformers' eager forward of the same model. A ``config.json``
 (or a folder holding one) whose model_type one of those architectures covers runs at its own
-sizes, with random weights; any other is refused with what ``attn explain`` maps instead.
+sizes, with random weights, or with the folder's safetensors weights when it has them (a
+``save_pretrained`` checkpoint); any other is refused with what ``attn explain`` maps instead.
+On CUDA a warm-up generation runs first, so the throughput excludes JIT compilation and graph
+capture (printed on a line of their own).
 """
 
 from __future__ import annotations
@@ -21,7 +24,13 @@ from typing import Any
 import torch
 
 from attn_core.e2e.compare import MatchResult, compare_generation, compare_vision
-from attn_core.e2e.configs import ARCHITECTURES, TinyModel, build_tiny
+from attn_core.e2e.configs import (
+    ARCHITECTURES,
+    TinyModel,
+    build_tiny,
+    first_layers,
+    real_size_config,
+)
 from attn_core.e2e.runner import Engine
 from attn_core.e2e.vision import VisionRunner, sample_images
 from attn_core.models import MODEL_TYPE_FAMILIES, sample_names, specs_from_hf_config
@@ -56,12 +65,14 @@ class _Input:
     label: str  # what the report calls it: the sample name or the config path
     name: str  # the architecture (sample name) whose adapter drives it
     config: dict[str, Any] | None = None  # a config.json's dict; None: the shrunk sample
+    checkpoint: str | None = None  # a folder with safetensors weights to load
 
 
-# Model types of the generic dense mapping whose modules the generic (qwen3) adapter drives:
-# pre-norm layers with q/k/v projections and nothing outside the attention op it does not call
-# (tests/e2e/test_run_dense.py checks them against transformers).
-_DENSE_DRIVEN: tuple[str, ...] = ("ministral", "starcoder2")
+# Families with no bundled sample that run from a config.json (or checkpoint) through the
+# layer-forward adapter: the generic dense mapping's model types (any dense family using the
+# common names, tests/e2e/test_run_dense.py), Granite-4.0-H and Qwen3.5
+# (tests/e2e/test_run_families.py), each checked against transformers.
+_CONFIG_FAMILIES: tuple[str, ...] = ("dense", "granite-4.0-h", "qwen3.5")
 
 
 # Hub configs of remote-code models a family maps but transformers cannot build, and the
@@ -73,11 +84,12 @@ _HUB_ONLY: dict[str, str] = {
 
 
 def _driven_model_types() -> list[str]:
+    """The named model types ``attn run`` drives from a config.json (plus any other model type
+    the generic dense mapping reads)."""
     return [
         t
         for t, family in MODEL_TYPE_FAMILIES.items()
-        if (family in ARCHITECTURES and t not in _HUB_ONLY)
-        or (family == "dense" and t in _DENSE_DRIVEN)
+        if (family in ARCHITECTURES or family in _CONFIG_FAMILIES) and t not in _HUB_ONLY
     ]
 
 
@@ -99,15 +111,15 @@ def _config_input(part: str) -> _Input | None:
             f"with transformers: give the config in transformers' form "
             f"({_HUB_ONLY[layout.model_type]})"
         )
-    if layout.family == "dense" and layout.model_type in _DENSE_DRIVEN:
-        return _Input(str(path), "qwen3", cfg)
-    if layout.family not in ARCHITECTURES:
+    weights = path.is_dir() and any(path.glob("*.safetensors"))
+    checkpoint = str(path) if weights else None
+    if layout.family not in ARCHITECTURES and layout.family not in _CONFIG_FAMILIES:
         raise ValueError(
             f"{part}: model_type {layout.model_type!r} is mapped by `attn explain {part}` "
             f"but `attn run` has no adapter for it yet; run drives config.json files of model "
             f"types {_driven_model_types()} and the samples {list(ARCHITECTURES)}"
         )
-    return _Input(str(path), layout.family, cfg)
+    return _Input(str(path), layout.family, cfg, checkpoint)
 
 
 def _resolve(model: str) -> list[_Input]:
@@ -214,6 +226,10 @@ class ArchitectureRun:
     decode_tokens_per_second: float = 0.0
     graph_replays: int = 0
     notes: list[str] = field(default_factory=list)
+    weights: str = "random"  # "random" (seeded init) or the checkpoint folder loaded
+    warmup_seconds: float | None = None  # the warm-up pass (None: none ran)
+    capture_seconds: float = 0.0  # CUDA-graph capture, all of it inside the warm-up pass
+    overhead: Any = None  # an OverheadReport when asked for (--overhead)
 
     @property
     def ok(self) -> bool:
@@ -234,6 +250,8 @@ class ArchitectureRun:
             if others:  # phases served by another backend than prefill / mixed steps
                 lines.append("   " + " " * 12 + "; ".join(f"{ph}: {b}" for ph, b in others.items()))
         lines.append(f"   {self.match.short()}")
+        if self.weights != "random":
+            lines.append(f"   weights: {self.weights}")
         modes = ", ".join(f"{k} {v}" for k, v in sorted(self.mode_counts.items()))
         speed = f"{self.tokens_per_second:,.0f} tok/s"
         if self.decode_tokens_per_second:
@@ -241,6 +259,20 @@ class ArchitectureRun:
         lines.append(
             f"   {self.steps} steps ({modes}); {self.tokens} tokens in {self.seconds:.2f}s: {speed}"
         )
+        if self.warmup_seconds is not None:
+            lines.append(
+                f"   warm-up pass (JIT compile, CUDA-graph capture; not in the figures above): "
+                f"{self.warmup_seconds:.2f}s, of which graph capture {self.capture_seconds:.2f}s"
+            )
+        else:
+            lines.append("   no warm-up pass: the figures above include first-call costs")
+        if self.overhead is not None:
+            o = self.overhead
+            lines.append(
+                f"   overhead (eager decode step, batch {o.batch_size}, context "
+                f"{o.context_len}): binding {o.binding_ms:.3f} ms, direct {o.direct_ms:.3f} ms, "
+                f"ratio {o.ratio:.3f} ({o.per_layer_us:+.1f} us per attention layer)"
+            )
         if self.graph_replays:
             lines.append(f"   CUDA-graph decode replays: {self.graph_replays}")
         lines += [f"   note: {n}" for n in self.notes]
@@ -260,6 +292,10 @@ class ArchitectureRun:
             "decode_tokens_per_second": self.decode_tokens_per_second,
             "graph_replays": self.graph_replays,
             "notes": self.notes,
+            "weights": self.weights,
+            "warmup_seconds": self.warmup_seconds,
+            "capture_seconds": self.capture_seconds,
+            "overhead": self.overhead.to_dict() if self.overhead is not None else None,
         }
 
 
@@ -308,19 +344,44 @@ def run_architecture(
     shapes: str | None = None,
     config: dict[str, Any] | None = None,
     label: str | None = None,
+    checkpoint: str | None = None,
+    warmup: bool | None = None,
+    layers: int | None = None,
+    overhead: bool = False,
 ) -> ArchitectureRun:
     """Build, run and compare one architecture (see :func:`run_main`).
 
     :param config: a ``config.json`` dict of architecture ``name`` to run at its own sizes
         instead of the shrunk sample; ``label`` (default ``name``) names it in the report.
+    :param checkpoint: a folder with safetensors weights (and ``config``'s config.json) to load
+        instead of random init; the comparison is with transformers' forward of that model.
+    :param warmup: run the whole generation once before the timed one, so JIT compilation and
+        CUDA-graph capture stay out of the throughput (None: on CUDA only).
+    :param layers: keep only the first ``layers`` layers (their layer pattern kept) of the
+        sample at its real sizes (or of ``config``); ``shapes`` then does not apply.
+    :param overhead: also time one eager decode step through the bindings and with the same
+        kernels called directly (:func:`attn_core.e2e.overhead.measure_overhead`).
     """
     device = torch.device(device)
     registry = registry if registry is not None else default_registry()
+    cut_note = ""
+    if layers is not None:
+        whole = config if config is not None else real_size_config(name)
+        config = first_layers(whole, layers)
+        total = whole.get("num_hidden_layers") or (whole.get("text_config") or {}).get(
+            "num_hidden_layers", (whole.get("vision_config") or {}).get("depth")
+        )
+        cut_note = f"first {layers} of {total} layers, at the config's real sizes"
     model = build_tiny(
-        name, device=device, dtype=dtype, shapes=default_shapes(device, shapes), config=config
+        name,
+        device=device,
+        dtype=dtype,
+        shapes=default_shapes(device, shapes),
+        config=config,
+        checkpoint=checkpoint,
     )
     label = label if label is not None else name
-    notes: list[str] = []
+    notes: list[str] = [cut_note] if cut_note else []
     if model.is_encoder:
         grids = [_VISION_GRIDS[i % len(_VISION_GRIDS)] for i in range(max(prompts, 1))]
         tokens = sum(t * h * w for t, h, w in grids)
@@ -382,6 +443,15 @@ def run_architecture(
         max_model_len=max_len,
         graphs=graphs,
     )
+    warmup_seconds = None
+    if warmup if warmup is not None else device.type == "cuda":
+        # Same prompts, same schedule: every kernel shape compiles and every graph size is
+        # captured here; the timed pass below only replays. The state is released after it.
+        t0 = time.perf_counter()
+        engine.generate(prompt_ids, max_new_tokens)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        warmup_seconds = time.perf_counter() - t0
     result = engine.generate(prompt_ids, max_new_tokens, progress=on_progress)
     if result.graph_note:
         notes.append(result.graph_note)
@@ -400,6 +470,23 @@ def run_architecture(
         decode_tokens_per_second=result.decode_tokens_per_second,
         graph_replays=result.graph_replays,
         notes=notes,
+        weights=checkpoint or "random",
+        warmup_seconds=warmup_seconds,
+        capture_seconds=engine.capture_seconds,
+        overhead=_overhead(model, registry, device, constraints) if overhead else None,
+    )
+
+
+def _overhead(model: TinyModel, registry: Any, device: torch.device, constraints: Any) -> Any:
+    from attn_core.e2e.overhead import measure_overhead
+
+    return measure_overhead(
+        model.name,
+        str(device),
+        dtype=model.layout.layer_specs[0].dtype,
+        registry=registry,
+        constraints=constraints,
+        model_obj=model,
     )
 
 
@@ -449,13 +536,18 @@ def run_main(
     progress: bool = True,
     console: Callable[..., Any] = print,
     shapes: str | None = None,
+    warmup: bool | None = None,
+    layers: int | None = None,
+    overhead: bool = False,
 ) -> RunReport:
     """Entry point of ``attn run --model NAME``.
 
-    :param model: ``"all"``, one architecture (``qwen3``, ``qwen3-next``, ``deepseek-v3``,
-        ``bamba``, ``gpt-oss``, ``minimax``, ``lfm2``, ``qwen2.5-vl-vision``), the path of a
-        ``config.json`` (or of its folder) whose model_type one of them covers (run at the
-        config's own sizes, random weights; ``shapes`` does not apply), or a comma list.
+    :param model: ``"all"``, one architecture (a sample of :data:`ARCHITECTURES`: ``qwen3``,
+        ``qwen3-next``, ``deepseek-v3``, ``bamba``, ``gpt-oss``, ``minimax``, ``lfm2``,
+        ``gemma-3``, ``nemotron-h``, ``qwen2.5-vl-vision``), the path of a ``config.json`` (or of
+        its folder) whose model_type one of them covers (run at the config's own sizes, random
+        weights; ``shapes`` does not apply), a checkpoint folder (config.json and safetensors
+        weights, loaded with ``from_pretrained``), or a comma list.
     :param device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``.
     :param dtype: ``"float32"`` / ``"bfloat16"`` / ``"float16"`` (aliases ``fp32``, ``bf16``).
     :param prompts: requests per architecture (images for the vision tower).
@@ -467,6 +559,12 @@ def run_main(
     :param progress: show a progress display.
     :param console: where plain progress lines go.
     :param shapes: ``"tiny"`` or ``"kernel"`` model shapes (default: kernel on CUDA).
+    :param warmup: a warm-up generation before the timed one (None: on CUDA only); its time,
+        JIT compilation and graph capture, is printed on its own line.
+    :param layers: run each model at its real hidden size and head layout with only its first
+        ``layers`` layers (the layer pattern of those kept); samples are not shrunk.
+    :param overhead: print the overhead ratio: an eager decode step through the bindings over
+        the same step with the kernels called directly.
     :returns: a :class:`RunReport`; ``report.format()`` is the text to print.
     """
     from attn_core.specs import DTYPES, _canonical_dtype
@@ -485,6 +583,10 @@ def run_main(
                     given.name,
                     config=given.config,
                     label=given.label,
+                    checkpoint=given.checkpoint,
+                    warmup=warmup,
+                    layers=layers,
+                    overhead=overhead,
                     device=device,
                     dtype=dtype,
                     prompts=prompts,

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from attn_core.e2e.adapters import CausalLMAdapter
-from attn_core.e2e.configs import build_tiny
+from attn_core.e2e.configs import TinyModel, build_tiny
 from attn_core.e2e.main import default_registry, default_shapes, plan_for, resolve_models
 from attn_core.e2e.runner import Engine
 from attn_core.specs import ExecutionConstraints
@@ -74,6 +74,7 @@ def measure_overhead(
     registry: Any = None,
     constraints: ExecutionConstraints | None = None,
     shapes: str | None = None,
+    model_obj: TinyModel | None = None,
 ) -> OverheadReport:
     """Time one decode step of the tiny ``model`` through bindings and directly.
 
@@ -83,12 +84,17 @@ def measure_overhead(
     :param batch_size: decode requests in the step.
     :param context_len: tokens already cached per request (prefilled first).
     :param shapes: ``"tiny"`` or ``"kernel"`` model shapes (default: kernel on CUDA).
+    :param model_obj: an already built model to measure (``attn run --overhead``: the run's
+        own, e.g. at real sizes); ``model`` then only names it and ``shapes`` is unused.
     """
-    (name,) = resolve_models(model)
     dev = torch.device(device)
     dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     registry = registry if registry is not None else default_registry()
-    tiny = build_tiny(name, device=dev, dtype=dtype, shapes=default_shapes(dev, shapes))
+    if model_obj is not None:
+        name, tiny = model, model_obj
+    else:
+        (name,) = resolve_models(model)
+        tiny = build_tiny(name, device=dev, dtype=dtype, shapes=default_shapes(dev, shapes))
     if tiny.is_encoder:
         raise ValueError(f"model {name!r} is an encoder: it has no decode step to measure")
     chunk = max(context_len, 1)
@@ -113,7 +119,9 @@ def measure_overhead(
         max_model_len=max_len,
     )
     gen = torch.Generator().manual_seed(0)
-    ctx = torch.randint(3, 256, (batch_size, context_len + 1), generator=gen).tolist()
+    hf: Any = tiny.hf  # a transformers PreTrainedModel (get_input_embeddings)
+    vocab = int(hf.get_input_embeddings().weight.shape[0])
+    ctx = torch.randint(3, min(vocab, 256), (batch_size, context_len + 1), generator=gen).tolist()
     for rid in range(batch_size):
         engine.state.add_request(rid)
     if context_len:

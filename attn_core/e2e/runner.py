@@ -151,6 +151,7 @@ class Engine:
         self.graphs = bool(graphs) and self.device.type == "cuda"
         self.graph_note = "" if graphs == self.graphs else "CUDA graphs need a CUDA device"
         self.last_step_graph = False
+        self.capture_seconds = 0.0  # time spent capturing CUDA graphs (warm-up included)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------------------------
@@ -182,6 +183,13 @@ class Engine:
 
     def _capture(self, size: int):
         """Capture the decode step for ``size`` padded requests on an all-padding batch."""
+        t0 = time.perf_counter()
+        try:
+            return self._capture_timed(size)
+        finally:
+            self.capture_seconds += time.perf_counter() - t0
+
+    def _capture_timed(self, size: int):
         try:
             dummy = self.builder.build([], pad_to=size)
             self.runtime.prepare(dummy)

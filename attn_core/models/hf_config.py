@@ -516,7 +516,7 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
 
 
 def _deepseek_v3(r: _Reader, o: _Options) -> _Parsed:
-    """DeepSeek-V3: MLA on every layer (the MTP layers are not part of the stack)."""
+    """DeepSeek-V3 and V2: MLA on every layer (the MTP layers are not part of the stack)."""
     n = r.pos_int("num_hidden_layers")
     rank, rope, nope = (
         r.pos_int("kv_lora_rank"),
@@ -527,8 +527,9 @@ def _deepseek_v3(r: _Reader, o: _Options) -> _Parsed:
     # Older configs say rope_scaling {"type": "yarn"}, transformers 5 rope_parameters {"rope_type"}.
     rope_cfg = r.cfg.get("rope_parameters") or r.cfg.get("rope_scaling") or {}
     rope_type = rope_cfg.get("rope_type", rope_cfg.get("type", "default"))
-    if rope_type == "yarn" and rope_cfg.get("mscale_all_dim"):
-        # DeepSeek (and HF's yarn_apply_mscale) fold YaRN's temperature, squared, into the scale.
+    if rope_type != "default" and rope_cfg.get("mscale_all_dim"):
+        # DeepSeek (and HF's yarn_apply_mscale, V2 and V3 alike: any non-default rope type)
+        # fold YaRN's temperature, squared, into the scale.
         m = _yarn_mscale(float(rope_cfg["factor"]), float(rope_cfg["mscale_all_dim"]))
         scale *= m * m
     spec = o.full(
@@ -601,6 +602,42 @@ def _bamba(r: _Reader, o: _Options) -> _Parsed:
     )
     full = o.full(**_gqa(r, o, _head_dim(r)))
     return n, [(i, full if i in attn else mamba) for i in range(n)], {}
+
+
+def _granite_hybrid(r: _Reader, o: _Options) -> _Parsed:
+    """Granite-4.0-H (``granitemoehybrid``): Mamba2 and attention layers by ``layer_types``
+    (``mamba`` / ``attention`` in hub configs, ``linear_attention`` / ``full_attention`` as
+    transformers writes them; all Mamba2 when absent, as GraniteMoeHybridConfig). The softmax
+    scale is ``attention_multiplier``; the embedding, residual and logits multipliers and RoPE
+    or NoPE (``position_embedding_type``) act outside the attention op."""
+    n = r.pos_int("num_hidden_layers")
+    raw = r.cfg.get("layer_types") or r.cfg.get("layers_block_type")
+    types = list(raw) if isinstance(raw, list) else ["linear_attention"] * n
+    if len(types) != n:
+        raise ValueError(f"{r.where}: layer_types has {len(types)} entries; expected {n}")
+    _check_types(r, types, {"mamba", "attention", "linear_attention", "full_attention"})
+    inner = r.pos_int("mamba_expand") * r.pos_int("hidden_size")
+    d_head = r.cfg.get("mamba_d_head", "auto")
+    if d_head in ("auto", None):  # as GraniteMoeHybridConfig
+        d_head = inner // r.pos_int("mamba_n_heads")
+    if not isinstance(d_head, int) or d_head * r.pos_int("mamba_n_heads") != inner:
+        raise ValueError(
+            f"{r.where}: mamba_d_head={d_head!r} * mamba_n_heads={r.get('mamba_n_heads')} must "
+            f"equal mamba_expand * hidden_size = {inner}"
+        )
+    mamba = _mamba2(
+        r,
+        o,
+        n_heads="mamba_n_heads",
+        d_head=d_head,
+        n_groups="mamba_n_groups",
+        d_state="mamba_d_state",
+        d_conv="mamba_d_conv",
+    )
+    scale = r.cfg.get("attention_multiplier")
+    full = o.full(softmax_scale=None if scale is None else float(scale), **_gqa(r, o, _head_dim(r)))
+    attention = {"attention", "full_attention"}
+    return n, [(i, full if t in attention else mamba) for i, t in enumerate(types)], {}
 
 
 _NEMOTRON_PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -758,7 +795,8 @@ _GEMMA3_DEFAULTS: dict[str, Any] = {
 
 
 def _gemma3(r: _Reader, o: _Options) -> _Parsed:
-    """Gemma-3 text: 5 local (sliding) : 1 global layers, scale from query_pre_attn_scalar."""
+    """Gemma-3 text: 5 local (sliding) : 1 global layers, scale from query_pre_attn_scalar;
+    ``attn_logit_softcapping`` is not applied (transformers' Gemma-3 ignores it)."""
     n = r.pos_int("num_hidden_layers")
     if r.cfg.get("use_bidirectional_attention"):
         raise ValueError(f"{r.where}: use_bidirectional_attention=True is not supported")
@@ -772,13 +810,14 @@ def _gemma3(r: _Reader, o: _Options) -> _Parsed:
     scalar = r.get("query_pre_attn_scalar")
     if not isinstance(scalar, (int, float)) or scalar <= 0:
         raise ValueError(f"{r.where}: query_pre_attn_scalar={scalar!r}: expected a positive number")
-    soft_cap = r.get("attn_logit_softcapping")  # Gemma-2 sets it; Gemma-3 leaves it null
+    # attn_logit_softcapping is not mapped: transformers' Gemma3Attention stores it but never
+    # passes it to the attention function (Gemma-2 does), so Gemma-3 computes uncapped logits
+    # whatever the config says; mapping it made attn-core cap what the model does not.
     layers = []
     for i, t in enumerate(types):
         sw = window if t == "sliding_attention" else None
         spec = o.full(
             sliding_window=sw,
-            logits_soft_cap=soft_cap,
             softmax_scale=float(scalar) ** -0.5,
             **heads,
         )
@@ -840,9 +879,21 @@ _FAMILIES: tuple[_Family, ...] = (
         },
     ),
     _Family("qwen3-next", _qwen3_next, {"qwen3_next": "Qwen3NextForCausalLM"}),
-    _Family("deepseek-v3", _deepseek_v3, {"deepseek_v3": "DeepseekV3ForCausalLM"}),
+    # Qwen3.5 text: the same Gated DeltaNet and gated full-attention layers by layer_types.
+    _Family(
+        "qwen3.5",
+        _qwen3_next,
+        {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"},
+    ),
+    # DeepSeek-V2 has the same MLA fields (its rope is always interleaved: no rope_interleave).
+    _Family(
+        "deepseek-v3",
+        _deepseek_v3,
+        {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"},
+    ),
     _Family("bamba", _bamba, {"bamba": "BambaForCausalLM"}),
     _Family("nemotron-h", _nemotron_h, {"nemotron_h": "NemotronHForCausalLM"}),
+    _Family("granite-4.0-h", _granite_hybrid, {"granitemoehybrid": "GraniteMoeHybridForCausalLM"}),
     _Family("gpt-oss", _gpt_oss, {"gpt_oss": "GptOssForCausalLM"}),
     _Family(
         "minimax",

@@ -141,7 +141,11 @@ def test_matches_transformers_fp32_gpu(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=gpu) for n in ("qwen3", "bamba", "deepseek-v3")]
+    "name",
+    [
+        pytest.param(n, marks=gpu)
+        for n in ("qwen3", "bamba", "deepseek-v3", "gemma-3", "nemotron-h")
+    ],
 )
 def test_cuda_graph_decode(name: str) -> None:
     """Decode steps replay captured graphs (runtime.update before replay) and still match."""
@@ -154,7 +158,13 @@ def test_cuda_graph_decode(name: str) -> None:
 
 @pytest.mark.parametrize(
     ("name", "dtype"),
-    [("qwen3", "float32"), ("deepseek-v3", "float32"), ("qwen3-next", "bfloat16")],
+    [
+        ("qwen3", "float32"),
+        ("deepseek-v3", "float32"),
+        ("qwen3-next", "bfloat16"),
+        ("gemma-3", "float32"),
+        ("nemotron-h", "float32"),
+    ],
 )
 def test_kernel_shapes_match_transformers_cpu(name: str, dtype: str) -> None:
     """The GPU runs' shapes (head dim 128, MLA ranks 512 + 64) parse and match on CPU too;
@@ -204,5 +214,25 @@ def test_gpu_plugins_match_transformers_bf16(name: str) -> None:
 )
 def test_gpu_plugins_cuda_graph_decode_bf16(name: str) -> None:
     run = _gpu_plugin_run(name, dtype="bfloat16", prompts=3, max_new_tokens=6, graphs=True)
+    assert run.graph_replays > 0, run.format()
+    assert run.ok, run.format()
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=gpu) for n in ("qwen3", "qwen3-next", "deepseek-v3", "gpt-oss")]
+)
+def test_real_size_first_layers_gpu_bf16(name: str) -> None:
+    """Item 7: the sample's real hidden size, heads and vocabulary, first 2 layers, bf16, GPU
+    plugins, CUDA graphs after a warm-up pass, with the overhead ratio."""
+    run = _gpu_plugin_run(
+        name,
+        dtype="bfloat16",
+        prompts=4,
+        max_new_tokens=8,
+        graphs=True,
+        layers=2,
+        overhead=True,
+    )
+    assert run.warmup_seconds is not None and run.overhead is not None, run.format()
     assert run.graph_replays > 0, run.format()
     assert run.ok, run.format()

@@ -1,9 +1,11 @@
-"""``attn run`` drives dense families of the generic mapping through the generic adapter.
+"""``attn run`` drives every dense family of the generic mapping through the layer-forward adapter.
 
-Ministral (sliding and full layers from its layer_types) and Starcoder2 (LayerNorm, biases,
-sliding on every layer) run at tiny sizes with random weights and match transformers' eager
-forward on CPU. The dense families whose modules the adapter cannot drive (OLMo-2's post-norm
-layers, Phi-3's fused qkv, Granite's multipliers) stay refused by run.
+Each transformers decoder layer runs its own forward (post-norms, fused qkv, partial rotary,
+residual and embedding multipliers stay transformers' code) with the attention op hooked, so a
+dense family that uses the common config names needs no adapter code: the named ones (Ministral,
+Starcoder2, OLMo-2, Phi-3, Granite) and model types no family names (Arcee, GLM-4, Helium,
+ERNIE-4.5, OLMo-3) all run at tiny sizes with random weights and match transformers' eager
+forward on CPU.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from attn_core.e2e.main import _driven_model_types, resolve_models
+from attn_core.e2e.main import _driven_model_types
+from attn_core.models import MODEL_TYPE_FAMILIES
 
 transformers = pytest.importorskip("transformers")
 
@@ -53,6 +56,23 @@ def _write(tmp_path: Path, cls_name: str, **extra: Any) -> Path:
             "window=4",
         ),
         ("Starcoder2Config", {"sliding_window": 4}, "window=4"),
+        ("Olmo2Config", {}, ""),  # post-norm layers, q/k norms over the whole projection
+        ("Phi3Config", {"partial_rotary_factor": 0.5}, ""),  # fused qkv_proj, partial rope
+        (
+            "GraniteConfig",  # embedding / residual / logits multipliers, attention_multiplier
+            {
+                "embedding_multiplier": 2.0,
+                "residual_multiplier": 0.5,
+                "logits_scaling": 3.0,
+                "attention_multiplier": 0.2,
+            },
+            "",
+        ),
+        ("Olmo3Config", {"head_dim": 16, "sliding_window": 4}, "window=4"),
+        ("ArceeConfig", {"head_dim": 16}, ""),
+        ("Glm4Config", {"head_dim": 16}, ""),
+        ("HeliumConfig", {"head_dim": 16}, ""),
+        ("Ernie4_5Config", {"head_dim": 16}, ""),
     ],
 )
 def test_run_dense_family_matches_transformers(
@@ -65,14 +85,7 @@ def test_run_dense_family_matches_transformers(
     assert windows in text and "MATCH" in text, text
 
 
-@pytest.mark.parametrize("cls_name", ["Olmo2Config", "Phi3Config", "GraniteConfig"])
-def test_run_refuses_dense_families_it_does_not_drive(tmp_path: Path, cls_name: str) -> None:
-    path = _write(tmp_path, cls_name)
-    with pytest.raises(ValueError, match="no adapter for it yet"):
-        resolve_models(str(path))
-
-
-def test_driven_dense_types() -> None:
-    driven = set(_driven_model_types())
-    assert {"ministral", "starcoder2"} <= driven
-    assert not {"olmo2", "phi3", "granite"} & driven
+def test_every_named_dense_type_is_driven() -> None:
+    dense = {t for t, f in MODEL_TYPE_FAMILIES.items() if f == "dense"}
+    assert {"granite", "ministral", "olmo2", "phi3", "starcoder2"} <= dense
+    assert dense <= set(_driven_model_types())

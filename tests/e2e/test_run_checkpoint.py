@@ -1,0 +1,93 @@
+"""``attn run --model CHECKPOINT_DIR`` and the warm-up pass (issue 22, item 6).
+
+A folder written by ``save_pretrained`` (config.json and safetensors) is loaded with its
+weights instead of random init, and the run matches transformers' forward of that model. On
+request (default: CUDA only) a warm-up generation runs first and its time, JIT compile and
+graph capture, is reported on its own line, not inside the throughput.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from attn_core.e2e import build_tiny, run_architecture
+from attn_core.e2e.configs import tiny_config
+
+pytest.importorskip("transformers")
+
+
+def _save_checkpoint(name: str, folder: Path) -> dict[str, torch.Tensor]:
+    """A tiny model of sample ``name`` with weights no seed-0 init gives, saved to ``folder``."""
+    model = build_tiny(name, seed=7).hf
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.25)
+    model.save_pretrained(folder)
+    assert any(folder.glob("*.safetensors"))
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("name", ["qwen3", "nemotron-h"])
+def test_checkpoint_folder_loads_its_weights(name: str, tmp_path: Path, run_on_cpu) -> None:
+    saved = _save_checkpoint(name, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    loaded = build_tiny(name, config=cfg, checkpoint=str(tmp_path)).hf.state_dict()
+    assert saved.keys() == loaded.keys()
+    for k, v in saved.items():
+        assert torch.equal(v, loaded[k]), k
+    random = build_tiny(name, config=cfg).hf.state_dict()
+    assert not all(torch.equal(v, random[k]) for k, v in saved.items())
+
+    report = run_on_cpu(str(tmp_path))
+    assert report.ok, report.format()
+    assert f"weights: {tmp_path}" in report.format()
+    assert report.runs[0].weights == str(tmp_path)
+
+
+def test_config_folder_without_weights_is_random_init(tmp_path: Path) -> None:
+    from attn_core.e2e.main import _resolve
+
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config("qwen3")))
+    (given,) = _resolve(str(tmp_path))
+    assert given.checkpoint is None
+
+
+def test_warmup_is_reported_apart_from_the_throughput() -> None:
+    run = run_architecture("qwen3", prompts=2, max_new_tokens=3, warmup=True)
+    assert run.ok, run.format()  # the timed pass after the warm-up still matches
+    assert run.warmup_seconds is not None and run.warmup_seconds > 0
+    text = run.format()
+    assert "warm-up pass (JIT compile, CUDA-graph capture; not in the figures above)" in text
+    cold = run_architecture("qwen3", prompts=2, max_new_tokens=3)  # CPU default: none
+    assert cold.warmup_seconds is None and "no warm-up pass" in cold.format()
+
+
+def test_cli_warmup_flag() -> None:
+    from attn_core.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["run"]).warmup is None
+    assert parser.parse_args(["run", "--warmup"]).warmup is True
+    assert parser.parse_args(["run", "--no-warmup"]).warmup is False
+
+
+def test_checkpoint_first_layers_load_those_layers_weights(tmp_path: Path) -> None:
+    saved = _save_checkpoint("qwen3", tmp_path)  # 2 layers
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    run = run_architecture(
+        "qwen3", config=cfg, checkpoint=str(tmp_path), layers=1, prompts=2, max_new_tokens=3
+    )
+    assert run.ok, run.format()
+    assert "note: first 1 of 2 layers" in run.format()
+    from attn_core.e2e.configs import first_layers
+
+    loaded = build_tiny(
+        "qwen3", config=first_layers(cfg, 1), checkpoint=str(tmp_path)
+    ).hf.state_dict()
+    assert not any(k.startswith("model.layers.1.") for k in loaded)
+    for k, v in loaded.items():
+        assert torch.equal(v, saved[k]), k

@@ -1,0 +1,284 @@
+"""``attn run`` drives Gemma-3 and Nemotron-H through their own decoder layers (issue 22).
+
+Both run each transformers decoder layer's ``forward`` with the attention op hooked through
+transformers' attention-function interface (Nemotron-H's Mamba2 mixers replaced by class), and
+match transformers' eager forward on CPU in fp32. The hook checks what transformers asks for
+against the mapping, so a mapping that describes other math fails loudly instead of mismatching.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import attn_core.e2e.configs as configs_mod
+from attn_core.e2e import run_architecture
+from attn_core.e2e.configs import tiny_config
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("name", ["gemma-3", "nemotron-h"])
+def test_run_sample_matches_transformers(name: str, run_on_cpu) -> None:
+    report = run_on_cpu(name)
+    assert report.ok, report.format()
+    (run,) = report.runs
+    assert run.match.max_abs_diff < 1e-4 and run.match.token_agreement == 1.0, run.format()
+
+
+def test_gemma3_layer_pattern_and_local_rope(run_on_cpu) -> None:
+    report = run_on_cpu("gemma-3")
+    groups = {g["group_id"]: g for g in report.runs[0].plan["groups"]}
+    assert groups["full"]["layers"] == [0, 1] and "window=4" in groups["full"]["spec"]
+    assert groups["full.1"]["layers"] == [2] and "window" not in groups["full.1"]["spec"]
+
+
+def test_gemma3_attn_softcap_config_runs_as_transformers_computes(
+    tmp_path: Path, run_on_cpu
+) -> None:
+    """transformers' Gemma-3 ignores attn_logit_softcapping; capping made the logits differ."""
+    cfg = tiny_config("gemma-3")
+    cfg["attn_logit_softcapping"] = 1.0  # tight enough to change every layer if applied
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    report = run_on_cpu(str(path))
+    assert report.ok, report.format()
+
+
+@pytest.mark.parametrize(
+    ("layout_change", "what"),
+    [({"query_pre_attn_scalar": 16}, "softmax scale"), ({"sliding_window": 8}, "sliding window")],
+)
+def test_hook_refuses_a_mapping_that_disagrees_with_the_module(
+    monkeypatch: pytest.MonkeyPatch, layout_change: dict[str, int], what: str
+) -> None:
+    """The layout is parsed from a config that differs from the model's: the hook names the
+    layer, the module and the quantity instead of computing other math."""
+    real = configs_mod.specs_from_hf_config
+
+    def wrong(cfg, **kw):
+        return real({**cfg, **layout_change}, **kw)
+
+    monkeypatch.setattr(configs_mod, "specs_from_hf_config", wrong)
+    with pytest.raises(ValueError, match=rf"layer 0 \(Gemma3Attention\).*{what}"):
+        run_architecture("gemma-3", prompts=1, max_new_tokens=1)
+
+
+def test_hook_refuses_a_soft_cap_the_module_does_not_apply(tmp_path: Path) -> None:
+    """The generic dense mapping reads attn_logit_softcapping, but OLMo-2's attention never
+    passes it to the attention function: run refuses rather than cap what the model does not."""
+    import transformers
+
+    from attn_core.e2e.main import run_main
+
+    cfg = transformers.Olmo2Config(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    ).to_dict()
+    cfg["attn_logit_softcapping"] = 30.0
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"Olmo2Attention.*logits soft-cap None.*30"):
+        run_main(
+            str(path),
+            device="cpu",
+            dtype="fp32",
+            prompts=1,
+            max_new_tokens=1,
+            graphs=False,
+            registry=None,
+            constraints=None,
+            progress=False,
+            console=lambda *a: None,
+        )
+
+
+def test_nemotron_h_time_step_floor_is_applied(tmp_path: Path, run_on_cpu) -> None:
+    """time_step_min clamps softplus(dt + dt_bias) from below in transformers; at 0.5 (dt_bias
+    starts at 1) the clamp is active for many tokens and heads, and the run still matches."""
+    cfg = tiny_config("nemotron-h")
+    cfg["time_step_min"] = 0.5
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    report = run_on_cpu(str(path))
+    assert report.ok, report.format()
+
+
+_DEEPSEEK_V2_SMALL: dict[str, object] = {
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 1,  # layer 0 dense MLP, layer 1 MoE
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "vocab_size": 256,
+    "initializer_range": 0.1,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"q_lora_rank": None},  # V2-Lite: q_proj, no query LoRA
+        {
+            "q_lora_rank": 32,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+        },
+    ],
+    ids=["lite", "yarn"],
+)
+def test_run_deepseek_v2_matches_transformers(
+    tmp_path: Path, extra: dict[str, object], run_on_cpu
+) -> None:
+    """DeepSeek-V2's MLA (complex freqs_cis rope on interleaved pairs, no rope_interleave
+    field) runs in the absorbed form through the binding and matches transformers."""
+    import transformers
+
+    cfg = transformers.DeepseekV2Config(**{**_DEEPSEEK_V2_SMALL, **extra})
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    report = run_on_cpu(str(path))
+    assert report.ok, report.format()
+    assert "DeepseekV2ForCausalLM" in report.format() and "mla 4q/1kv d40/32" in report.format()
+
+
+@pytest.mark.parametrize("position", ["rope", None], ids=["rope", "nope"])
+def test_run_granite_4_h_matches_transformers(
+    tmp_path: Path, position: str | None, run_on_cpu
+) -> None:
+    """Granite-4.0-H: Mamba2 and attention layers by the hub's layer_types names, MoE plus a
+    shared MLP, its embedding / residual / logits multipliers and attention_multiplier scale."""
+    import transformers
+
+    cfg = transformers.GraniteMoeHybridConfig(
+        num_hidden_layers=4,
+        layer_types=["mamba", "attention", "mamba", "attention"],
+        hidden_size=64,
+        intermediate_size=128,
+        shared_intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_n_groups=2,
+        mamba_d_state=16,
+        mamba_chunk_size=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=256,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        logits_scaling=3.0,
+        attention_multiplier=0.2,
+        position_embedding_type=position,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ).to_dict()
+    cfg["layer_types"] = ["mamba", "attention", "mamba", "attention"]  # as hub configs say
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    report = run_on_cpu(str(path))
+    assert report.ok, report.format()
+    groups = {g["group_id"]: g["layers"] for g in report.runs[0].plan["groups"]}
+    assert groups == {"linear": [0, 2], "full": [1, 3]}
+
+
+@pytest.mark.parametrize("cls_name", ["Qwen3_5TextConfig", "Qwen3_5MoeTextConfig"])
+def test_run_qwen3_5_matches_transformers(tmp_path: Path, cls_name: str, run_on_cpu) -> None:
+    """Qwen3.5 (dense and MoE): Gated DeltaNet layers with separate q|k|v, z, b, a projections
+    (no fix_query_key_value_ordering), gated full attention with partial multimodal rope."""
+    import transformers
+
+    moe = (
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+        }
+        if "Moe" in cls_name
+        else {}
+    )
+    cfg = getattr(transformers, cls_name)(
+        num_hidden_layers=4,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        vocab_size=256,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        **moe,
+    )
+    assert not hasattr(
+        transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet,
+        "fix_query_key_value_ordering",
+    )
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    report = run_on_cpu(str(path))
+    assert report.ok, report.format()
+    groups = {g["group_id"]: g["layers"] for g in report.runs[0].plan["groups"]}
+    assert groups == {"linear": [0, 1, 2], "full": [3]}
+
+
+def test_run_multimodal_gemma3_config_drives_its_language_model(tmp_path: Path, run_on_cpu) -> None:
+    """A full Gemma-3 config (model_type gemma3, the decoder in text_config): text prompts run
+    its language model; Gemma3ForConditionalGeneration applies no final soft-cap although the
+    text config sets one (Gemma3ForCausalLM would), and the run agrees with it."""
+    import transformers
+
+    text = {k: v for k, v in tiny_config("gemma-3").items() if k != "architectures"}
+    assert text["final_logit_softcapping"] == 30.0
+    cfg = transformers.Gemma3Config(
+        text_config={**text, "model_type": "gemma3_text"},
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 28,
+            "patch_size": 14,
+        },
+        mm_tokens_per_image=4,
+    )
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    report = run_on_cpu(str(path))
+    assert report.ok, report.format()
+    assert "Gemma3ForConditionalGeneration" in report.format()

@@ -1,0 +1,82 @@
+"""``attn run --layers N``: real hidden size and head layout, only the first N layers (issue 22,
+item 7), and the overhead ratio line (``--overhead``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from attn_core.e2e import run_main
+from attn_core.e2e.configs import first_layers, real_size_config, tiny_config
+from attn_core.models import load_sample, sample_names, specs_from_hf_config
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("name", sample_names())
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_first_layers_keep_each_samples_layer_pattern(name: str, n: int) -> None:
+    full = specs_from_hf_config(load_sample(name))
+    cut = specs_from_hf_config(first_layers(load_sample(name), n))
+    assert cut.num_layers == n
+    kept = [(i, s) for i, s in zip(full.layer_indices, full.layer_specs, strict=True) if i < n]
+    assert list(zip(cut.layer_indices, cut.layer_specs, strict=True)) == kept
+    assert cut.encoder_full_attention_layers == tuple(
+        i for i in full.encoder_full_attention_layers if i < n
+    )
+
+
+def test_first_layers_cut_per_layer_fields_only() -> None:
+    cfg = {**load_sample("gemma-3"), "num_hidden_layers": 2, "eos_token_id": [1, 106]}
+    cfg["layer_types"] = ["sliding_attention", "full_attention"]
+    cut = first_layers(cfg, 1)
+    assert cut["layer_types"] == ["sliding_attention"] and cut["eos_token_id"] == [1, 106]
+    nemotron = first_layers(load_sample("nemotron-h"), 6)
+    assert nemotron["hybrid_override_pattern"] == "M-M-M-"
+    assert first_layers(load_sample("bamba"), 10)["attn_layer_indices"] == [9]
+    with pytest.raises(ValueError, match=r"layers=0: expected 1\.\.36"):
+        first_layers(load_sample("qwen3"), 0)
+
+
+def test_real_size_config_keeps_the_sample_sizes() -> None:
+    cfg = real_size_config("qwen3")
+    sample = load_sample("qwen3")
+    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+        assert cfg[key] == sample[key]
+    assert cfg["vocab_size"] == sample["vocab_size"]
+
+
+def test_run_first_layers_of_a_config_with_overhead(tmp_path: Path) -> None:
+    cfg = {**tiny_config("qwen3-next"), "num_hidden_layers": 8}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    report = run_main(
+        str(path),
+        device="cpu",
+        dtype="fp32",
+        prompts=2,
+        max_new_tokens=3,
+        graphs=False,
+        registry=None,
+        constraints=None,
+        progress=False,
+        console=lambda *a: None,
+        layers=4,
+        overhead=True,
+    )
+    assert report.ok, report.format()
+    (run,) = report.runs
+    groups = {g["group_id"]: g["layers"] for g in run.plan["groups"]}
+    assert groups == {"linear": [0, 1, 2], "full": [3]}
+    assert run.overhead is not None and run.overhead.ratio > 0
+    assert "overhead (eager decode step" in report.format()
+    assert "note: first 4 of 8 layers, at the config's real sizes" in report.format()
+
+
+def test_cli_layers_and_overhead_flags() -> None:
+    from attn_core.cli import build_parser
+
+    args = build_parser().parse_args(["run", "--layers", "2", "--overhead"])
+    assert args.layers == 2 and args.overhead is True
