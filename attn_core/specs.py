@@ -20,7 +20,8 @@ linear   q, k ``[T, num_kv_heads,         v ``[T, num_heads, head_dim_v]``  ``[T
 
 For ``linear`` layers ``num_heads`` are the value heads and ``num_kv_heads`` the query/key heads
 (Gated DeltaNet's ``num_v_heads`` / ``num_k_heads``; Mamba2's ``num_heads`` / ``n_groups`` with
-``head_dim = d_state`` and ``head_dim_v`` = Mamba's head dim). The recurrent state of one head is
+``head_dim = d_state`` and ``head_dim_v`` = Mamba's head dim; Mamba1's ``d_inner`` channels /
+one group with ``head_dim = d_state`` and ``head_dim_v = 1``). The recurrent state of one head is
 ``[head_dim, head_dim_v]``; the conv state of one layer is
 ``[conv_channels, conv_kernel_size - 1]``.
 """
@@ -69,6 +70,9 @@ class LinearVariant(str, enum.Enum):
     GATED_DELTANET = "gated_deltanet"  # Qwen3-Next: scalar gate per head, delta rule
     KDA = "kda"  # Kimi Delta Attention: per-channel gate, delta rule
     MAMBA2 = "mamba2"  # SSD: scalar decay per head, plain outer-product update
+    # Mamba1 selective scan (Jamba, Falcon-Mamba): one "head" per inner channel with a
+    # d_state-wide decay, head_dim_v = 1, one shared B / C group
+    MAMBA1 = "mamba1"
 
     def __str__(self) -> str:
         return self.value
@@ -336,6 +340,25 @@ class LayerSpec:
         )
         self._unset("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim")
         self._unset("sliding_window", "logits_soft_cap", "has_sinks")
+        if self.linear_variant is LinearVariant.MAMBA1:
+            self._validate_mamba1()
+
+    def _validate_mamba1(self) -> None:
+        # Mamba1's state is [d_inner, d_state]: one head per channel, each with a one-wide value
+        # (x of that channel) and the step's single B / C (no groups in Mamba1).
+        _require(
+            self.head_dim_v == 1,
+            "head_dim_v",
+            self.head_dim_v,
+            "for mamba1 each head is one inner channel: head_dim_v must be 1",
+        )
+        _require(
+            self.num_kv_heads == 1,
+            "num_kv_heads",
+            self.num_kv_heads,
+            "mamba1 has one B / C per token shared by every channel: num_kv_heads must be 1",
+        )
+        _require(not self.qk_l2norm, "qk_l2norm", self.qk_l2norm, "mamba1 never L2-normalises")
 
     # -- derived quantities ----------------------------------------------------------------
     @property
@@ -346,8 +369,8 @@ class LayerSpec:
         if self.kind is LayerKind.MLA:
             _, rope, nope = self.mla_dims
             return 1.0 / math.sqrt(nope + rope)
-        if self.linear_variant is LinearVariant.MAMBA2:
-            return 1.0  # SSD reads C . h without scaling
+        if self.linear_variant in (LinearVariant.MAMBA2, LinearVariant.MAMBA1):
+            return 1.0  # SSD / the selective scan read C . h without scaling
         return 1.0 / math.sqrt(self.head_dim)
 
     @property

@@ -215,6 +215,16 @@ SPECS = {
         )
         for variant, hk in (("gated_deltanet", 2), ("kda", 4), ("mamba2", 1))
     },
+    "linear mamba1": LayerSpec(
+        kind="linear",
+        linear_variant="mamba1",
+        num_heads=6,
+        num_kv_heads=1,
+        head_dim=8,
+        head_dim_v=1,
+        conv_kernel_size=4,
+        conv_channels=6,
+    ),
 }
 
 
