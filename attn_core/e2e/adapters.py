@@ -18,6 +18,15 @@ Mixers by layer kind:
   ``beta = sigmoid(b)``, gated RMSNorm with ``z``.
 - linear Mamba2 (Bamba): conv over x|B|C, ``q=C, k=B, v=x`` plus ``dt, A_log, D, dt_bias``;
   gated RMSNorm with the z gate.
+- linear Mamba1 (Jamba, Falcon-Mamba, Mamba): conv over x only, then ``x_proj`` -> dt | B | C
+  (Jamba's and Falcon-Mamba's RMS norms on each), ``dt = dt_proj.weight dt`` with
+  ``dt_bias = dt_proj.bias``; ``q=C [T, 1, N], k=B, v=x [T, d_inner, 1]``, ``A_log [d_inner,
+  N]``, ``D``; the output times ``silu(z)``, then ``out_proj``.
+
+Decoder layouts: pre-norm blocks with an MLP / MoE after the mixer (``input_layernorm`` and
+``post_attention_layernorm`` / ``pre_ff_layernorm``), or Mamba's blocks (``norm`` -> ``mixer``,
+no MLP, the residual optionally in float32) under ``backbone`` instead of ``model``. Jamba has
+no positional encoding: its attention layers get q and k as projected.
 """
 
 from __future__ import annotations
@@ -37,9 +46,12 @@ __all__ = ["CausalLMAdapter", "layer_params_for"]
 
 
 def _decoder(hf_model: torch.nn.Module) -> Any:
-    """The model's decoder stack, ``hf_model.model``. Any to the type checker: its attributes
-    (``layers``, ``embed_tokens``, ``rotary_emb``, the norms) differ by architecture and are
-    resolved at run time by ``nn.Module.__getattr__``."""
+    """The model's decoder stack, ``hf_model.model`` (``hf_model.backbone`` for Mamba and
+    Falcon-Mamba). Any to the type checker: its attributes (``layers``, ``embed_tokens``,
+    ``rotary_emb``, the norms) differ by architecture and are resolved at run time by
+    ``nn.Module.__getattr__``."""
+    if hasattr(hf_model, "backbone"):
+        return hf_model.backbone
     return hf_model.model
 
 
@@ -101,6 +113,8 @@ class CausalLMAdapter:
                         "no dt clamp, expected (0.0, inf)"
                     )
                 self._mixers.append(self._mamba2)
+            elif spec.linear_variant is LinearVariant.MAMBA1:
+                self._mixers.append(self._mamba1)
             else:
                 raise ValueError(f"layer {i}: no mixer for {spec.short()}")
 
@@ -113,12 +127,18 @@ class CausalLMAdapter:
         :param positions: ``[T]`` int64 absolute positions (``batch.positions``).
         :returns: ``[T, vocab]`` logits in the model dtype.
         """
-        h = self.base.embed_tokens(input_ids)[None]  # [1, T, D]
+        embed = getattr(self.base, "embed_tokens", None) or self.base.embeddings
+        h = embed(input_ids)[None]  # [1, T, D]
         pe = self.base.rotary_emb(h, positions[None]) if hasattr(self.base, "rotary_emb") else None
         for i, layer in enumerate(self.base.layers):
             mixer = self._mixers[i]
             if mixer is None:
                 raise ValueError(f"layer {i} is not in the attention layout; nothing to run it")
+            if hasattr(layer, "mixer"):  # Mamba's block: norm, mixer, residual; no MLP
+                residual = h.float() if layer.residual_in_fp32 else h
+                x = layer.norm(h.to(layer.norm.weight.dtype))
+                h = residual + mixer(i, layer, x[0], pe)[None]
+                continue
             residual = h
             x = layer.input_layernorm(h)
             h = residual + mixer(i, layer, x[0], pe)[None]
@@ -129,8 +149,13 @@ class CausalLMAdapter:
             if isinstance(y, tuple):  # MoE blocks also return router logits
                 y = y[0]
             h = residual + y
-        norm = getattr(self.base, "norm", None) or self.base.final_layernorm
-        return self.hf.lm_head(norm(h))[0]
+        norm = (
+            getattr(self.base, "norm", None)
+            or getattr(self.base, "final_layernorm", None)
+            or self.base.norm_f
+        )
+        # a float32 residual (Mamba's residual_in_fp32) goes back to the head's dtype, as HF does
+        return self.hf.lm_head(norm(h).to(self.hf.lm_head.weight.dtype))[0]
 
     # -- attention calls: through the binding, or straight into the group's context -----------
     def _attend(self, i: int, q, k, v, out, **inputs) -> torch.Tensor:
@@ -175,7 +200,8 @@ class CausalLMAdapter:
         v = at.v_proj(x).view(T, -1, spec.head_dim_v)
         if hasattr(at, "q_norm"):
             q, k = at.q_norm(q), at.k_norm(k)
-        q, k = self._rope(q, k, pe)
+        if pe is not None:  # None: the model has no rotary embedding at all (Jamba)
+            q, k = self._rope(q, k, pe)
         out = torch.empty(T, spec.num_heads, spec.head_dim_v, dtype=x.dtype, device=x.device)
         self._attend(i, q.contiguous(), k.contiguous(), v.contiguous(), out)
         o = out.view(T, -1)
@@ -252,3 +278,29 @@ class CausalLMAdapter:
             dt_bias=mx.dt_bias,
         )
         return mx.out_proj(mx.norm(y.view(T, -1), gate).to(x.dtype))
+
+    def _mamba1(self, i: int, layer, x: torch.Tensor, pe) -> torch.Tensor:
+        mx = layer.mixer if hasattr(layer, "mixer") else layer.mamba
+        T, C_in = x.shape[0], mx.intermediate_size
+        N = mx.ssm_state_size
+        xs, gate = mx.in_proj(x).chunk(2, dim=-1)  # [T, d_inner] each
+        xs = self._conv(
+            i, xs.contiguous(), mx.conv1d.weight.squeeze(1), mx.conv1d.bias, mx.activation
+        )
+        step, B, C = torch.split(mx.x_proj(xs), [mx.time_step_rank, N, N], dim=-1)
+        if hasattr(mx, "b_layernorm"):  # Jamba (weighted) and Falcon-Mamba (weightless)
+            step, B, C = mx.dt_layernorm(step), mx.b_layernorm(B), mx.c_layernorm(C)
+        y = torch.empty(T, C_in, 1, dtype=x.dtype, device=x.device)
+        self._attend(
+            i,
+            C.reshape(T, 1, N).contiguous(),
+            B.reshape(T, 1, N).contiguous(),
+            xs.reshape(T, C_in, 1),
+            y,
+            # dt_proj's weight only: its bias is the scan's dt_bias (softplus(dt + bias))
+            dt=F.linear(step, mx.dt_proj.weight).contiguous(),
+            A_log=mx.A_log.float(),
+            D=mx.D.float(),
+            dt_bias=mx.dt_proj.bias.float(),
+        )
+        return mx.out_proj((y[..., 0] * F.silu(gate)).to(x.dtype))
