@@ -46,6 +46,16 @@ def test_moe_models_bf16_cpu_within_tolerance(name: str) -> None:
     assert run.match.rows_within >= 0.9 and run.match.min_rows_within == 0.9
 
 
+@pytest.mark.parametrize("shapes", ["tiny", "kernel"])
+@pytest.mark.parametrize("name", ["jamba", "falcon-mamba"])
+def test_mamba1_models_bf16_cpu_within_tolerance(name: str, shapes: str) -> None:
+    """bf16 on both sides, at the CPU shapes and at the shapes a GPU run uses (Jamba's MoE
+    included); the Mamba1 layers run in float32 inside, transformers' torch path partly in bf16."""
+    run = run_architecture(name, dtype="bfloat16", prompts=4, max_new_tokens=6, shapes=shapes)
+    assert run.ok, run.format()
+    assert any("mamba1" in g["spec"] for g in run.plan["groups"]), run.format()
+
+
 def test_vision_tower_blocks_match_transformers_fp32_cpu() -> None:
     run = run_architecture("qwen2.5-vl-vision", prompts=3)
     assert run.match.max_abs_diff < 1e-4, run.format()
