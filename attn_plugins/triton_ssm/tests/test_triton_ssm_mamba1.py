@@ -189,3 +189,29 @@ def test_shapes_are_checked_with_names() -> None:
         K.mamba1_decode(t["x"], t["dt"], a_log, t["B"], t["C"], st, idx[:1])
     with pytest.raises(TypeError, match="A_log: expected dtype"):
         K.mamba1_decode(t["x"], t["dt"], a_log.double(), t["B"], t["C"], st, idx)
+
+
+def test_strided_x_z_and_out() -> None:
+    """attn-core hands ``v [T, D, 1]`` and ``out`` as views of wider buffers (channel stride
+    > 1): the kernels read and write through the strides, and touch nothing in between."""
+    gen = _gen(5)
+    p, t = _params(gen), _tokens(3, gen)
+    wide = {k: torch.randn(3, Dn, 3, generator=gen) for k in ("x", "z")}
+    for k in wide:
+        wide[k][:, :, 0] = t[k]
+    pool = torch.randn(S, Dn, N, 1, generator=gen) * 0.3
+    slots = [1, 4, 0]
+    ref_pool = pool.clone()
+    want = _reference(t, p, ref_pool, [1] * 3, slots, [True] * 3)
+    out_buf = torch.full((3, Dn, 3), 7.0, device=DEV)
+    st = pool.clone().to(DEV)
+    x, z = (wide[k].to(DEV)[:, :, 0] for k in ("x", "z"))
+    got = K.mamba1_decode(
+        x, t["dt"].to(DEV), p["A_log"].to(DEV), t["B"].to(DEV), t["C"].to(DEV), st,
+        torch.tensor(slots, dtype=torch.int32, device=DEV), D=p["D"].to(DEV),
+        dt_bias=p["dt_bias"].to(DEV), z=z, out=out_buf[:, :, 0], block_d=BLOCK_D,
+    )  # fmt: skip
+    assert got.data_ptr() == out_buf.data_ptr()
+    torch.testing.assert_close(out_buf[:, :, 0].cpu(), want, **TOL)
+    assert bool((out_buf[:, :, 1:] == 7.0).all())
+    torch.testing.assert_close(st.cpu()[slots], ref_pool[slots], **TOL)

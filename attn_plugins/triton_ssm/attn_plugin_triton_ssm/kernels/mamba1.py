@@ -63,11 +63,14 @@ def _mamba1_scan_kernel(
     inter_ptr,
     out_ptr,
     s_xt,
+    s_xd,
     s_dtt,
     s_bt,
     s_ct,
     s_zt,
+    s_zd,
     s_ot,
+    s_od,
     s_ss,
     s_sd,
     s_ib,
@@ -121,7 +124,7 @@ def _mamba1_scan_kernel(
         b_skip = tl.load(d_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)
 
     for t in range(start, end):
-        b_x = tl.load(x_ptr + t * s_xt + o_d, mask=m_d, other=0.0).to(tl.float32)
+        b_x = tl.load(x_ptr + t * s_xt + o_d * s_xd, mask=m_d, other=0.0).to(tl.float32)
         b_dt = tl.load(dt_ptr + t * s_dtt + o_d, mask=m_d, other=0.0).to(tl.float32)
         if HAS_DT_BIAS:
             b_dt += b_bias
@@ -135,10 +138,11 @@ def _mamba1_scan_kernel(
             if HAS_D:
                 b_y += b_skip * b_x
             if HAS_Z:
-                b_z = tl.load(z_ptr + t * s_zt + o_d, mask=m_d, other=0.0).to(tl.float32)
+                b_z = tl.load(z_ptr + t * s_zt + o_d * s_zd, mask=m_d, other=0.0).to(tl.float32)
                 b_y = b_y * b_z * tl.sigmoid(b_z)
             b_y = tl.where(valid, b_y, 0.0)
-            tl.store(out_ptr + t * s_ot + o_d, b_y.to(out_ptr.dtype.element_ty), mask=m_d)
+            p_out = out_ptr + t * s_ot + o_d * s_od
+            tl.store(p_out, b_y.to(out_ptr.dtype.element_ty), mask=m_d)
         if STORE_INTER:
             p_inter = (inter_ptr + pid_b.to(tl.int64) * s_ib + (t - start) * s_ik
                        + o_d[:, None] * s_id + o_n[None, :])  # fmt: skip
@@ -188,7 +192,8 @@ def mamba1_scan(
 ) -> torch.Tensor:
     """Mamba1 over the tokens of ``R`` requests, each continuing from its slot.
 
-    :param x: ``[T, D]`` float, after the conv (``D = d_inner``).
+    :param x: ``[T, D]`` float, after the conv (``D = d_inner``); any strides (``z`` and
+        ``out`` too).
     :param dt: ``[T, D]`` time step after ``dt_proj``'s weight (before ``dt_bias``, softplus).
     :param A_log: ``[D, N]`` float32, packed; ``A = -exp(A_log)``.
     :param B: ``[T, N]`` float; ``C``: ``[T, N]`` float (last dim packed, outer strides free).
@@ -219,9 +224,9 @@ def mamba1_scan(
         check_shape(name, t, [T, N], "[T, N]")
         check_float(name, t)
         check_last_contiguous(name, t)
-    for name, t in (("x", x), ("dt", dt)):
-        check_float(name, t)
-        check_last_contiguous(name, t)
+    check_float("x", x)  # any strides: attn-core's v [T, D, 1] may be a view of a wider buffer
+    check_float("dt", dt)
+    check_last_contiguous("dt", dt)
     state = _pool("ssm_state", ssm_state, Dn, N, 1)
     R = state_indices.shape[0] if state_indices.dim() == 1 else -1
     check_index("state_indices", state_indices, R)
@@ -241,7 +246,6 @@ def mamba1_scan(
             check_last_contiguous(name, p)
     if z is not None:
         check_shape("z", z, [T, Dn], "[T, D]")
-        check_last_contiguous("z", z)
     inter = None
     if intermediate_states is not None:
         inter = _pool("intermediate_states", intermediate_states, Dn, N, 2)
@@ -257,8 +261,7 @@ def mamba1_scan(
     )  # fmt: skip
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    check_shape("out", out, [T, Dn], "[T, D]")
-    check_last_contiguous("out", out)
+    check_shape("out", out, [T, Dn], "[T, D]")  # any strides, as x
     _launch(
         x, dt, A_log, B, C, state, state_indices, out,
         mode=_DECODE if cu_seqlens is None else _VARLEN, cu=cu_seqlens, lengths=None, step=1,
@@ -287,9 +290,9 @@ def _launch(x, dt, A_log, B, C, state, idx, out, *, mode, cu, lengths, step, ini
         init if init is not None else idx,
         inter if inter is not None else state,
         out if out is not None else x,
-        x.stride(0), dt.stride(0), B.stride(0), C.stride(0),
-        z.stride(0) if z is not None else 0,
-        out.stride(0) if out is not None else 0,
+        x.stride(0), x.stride(1), dt.stride(0), B.stride(0), C.stride(0),
+        *(z.stride() if z is not None else (0, 0)),
+        *(out.stride() if out is not None else (0, 0)),
         state.stride(0), state.stride(1),
         *(inter.stride()[:3] if inter is not None else (0, 0, 0)),
         D=Dn, N=N, BD=BD, BN=BN, STEP=step, MODE=mode,
