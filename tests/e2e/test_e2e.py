@@ -151,7 +151,8 @@ def test_matches_transformers_fp32_gpu(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=gpu) for n in ("qwen3", "bamba", "deepseek-v3")]
+    "name",
+    [pytest.param(n, marks=gpu) for n in ("qwen3", "bamba", "deepseek-v3", "falcon-mamba")],
 )
 def test_cuda_graph_decode(name: str) -> None:
     """Decode steps replay captured graphs (runtime.update before replay) and still match."""
@@ -210,7 +211,11 @@ def test_gpu_plugins_match_transformers_bf16(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=gpu) for n in ("qwen3", "qwen3-next", "bamba", "deepseek-v3")]
+    "name",
+    [
+        pytest.param(n, marks=gpu)
+        for n in ("qwen3", "qwen3-next", "bamba", "deepseek-v3", "jamba", "falcon-mamba")
+    ],
 )
 def test_gpu_plugins_cuda_graph_decode_bf16(name: str) -> None:
     run = _gpu_plugin_run(name, dtype="bfloat16", prompts=3, max_new_tokens=6, graphs=True)
