@@ -31,9 +31,9 @@ Sections:
 * mamba1_decode: B = 64..2048, Falcon-Mamba-7B / Jamba mixer (d_inner 8192, d_state 16), fp32
   state, GB/s of state read + write (A_log, read by every request, stays in L2).
 * mamba1_prefill (``--prefill``): the same mixer, T = 8192 as one and as 16 requests: our
-  ``mamba1_scan``, mamba_ssm's ``selective_scan_fn`` (the CUDA kernel Mamba1 models ship with;
-  an error row where it is not installed) and attn-core's torch reference (chunked, T = 2048
-  only: it is slow); tokens/s.
+  ``mamba1_scan`` (default tiling and each ``block_d`` of 16..128), mamba_ssm's
+  ``selective_scan_fn`` (the CUDA kernel Mamba1 models ship with; an error row where it is not
+  installed) and attn-core's torch reference (chunked, T = 2048 only: it is slow); tokens/s.
 * plugin_step (``--plugin``): a 4-layer GDN decode step (conv1d + recurrent update) at B = 64,
   256 through the runtime's bindings vs the same kernels called directly; ratio of times, eager
   (host launch cost included) and with each step captured in a CUDA graph.
@@ -385,7 +385,9 @@ def job_mamba1_decode(B: int, Dn=MAMBA1_D, N=MAMBA1_N) -> dict:
     return {"ms": ms, "GBps": 2 * B * Dn * N * 4 / (ms * 1e-3) / GB}
 
 
-def job_mamba1_prefill(T: int, n_seq: int, impl: str, Dn=MAMBA1_D, N=MAMBA1_N) -> dict:
+def job_mamba1_prefill(
+    T: int, n_seq: int, impl: str, Dn=MAMBA1_D, N=MAMBA1_N, block_d: int | None = None
+) -> dict:
     """One Mamba1 mixer's scan over ``T`` tokens in ``n_seq`` equal requests (bf16 in, fp32
     state): ``impl`` = ``ours`` | ``mamba_ssm`` | ``reference``."""
     import torch
@@ -406,7 +408,7 @@ def job_mamba1_prefill(T: int, n_seq: int, impl: str, Dn=MAMBA1_D, N=MAMBA1_N) -
 
         def run():
             return mamba1_scan(x, dt, A_log, Bm, Cm, state, idx, cu_seqlens=cu, D=Dp,
-                               dt_bias=dt_bias)  # fmt: skip
+                               dt_bias=dt_bias, block_d=block_d)  # fmt: skip
     elif impl == "mamba_ssm":
         from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
 
@@ -897,6 +899,9 @@ def main(argv: list[str] | None = None) -> int:
             for impl in ("ours", "mamba_ssm"):
                 prefill.append(job("mamba1_prefill", {**p, "provider": impl}, T=8192,
                                    n_seq=n_seq, impl=impl))  # fmt: skip
+            for bd in (16, 32, 64, 128):  # the default picks by requests and SMs: which wins?
+                prefill.append(job("mamba1_prefill", {**p, "provider": f"ours block_d={bd}"},
+                                   T=8192, n_seq=n_seq, impl="ours", block_d=bd))  # fmt: skip
         p = {"section": "mamba1_prefill", "T": 2048, "n_seq": 1, "provider": "reference (torch)"}
         prefill.append(job("mamba1_prefill", p, T=2048, n_seq=1, impl="reference"))
     if args.profile:

@@ -25,6 +25,8 @@ The state pool is ``[S, D, N]`` or attn-core's ``[S, D, N, 1]`` (the same memory
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -163,10 +165,26 @@ def _pool(name: str, t: torch.Tensor, D: int, N: int, lead: int) -> torch.Tensor
     return t
 
 
-def _tiles(N: int, block_d: int | None, num_warps: int | None) -> tuple[int, int, int]:
+@functools.cache
+def _num_sms(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def _tiles(
+    N: int, block_d: int | None, num_warps: int | None, *, requests: int = 0, D: int = 0,
+    device: torch.device | None = None,
+) -> tuple[int, int, int]:  # fmt: skip
+    """``(BD, BN, num_warps)``. By default ``BD`` is the largest power of two up to
+    ``2048 / BN`` channels (128 at ``N = 16``) that still gives two programs per SM: a single
+    long prefill at d_inner 8192 would otherwise be 64 programs walking its tokens on 132 SMs
+    (not yet measured: ``bench_ssm.py --prefill`` times each ``block_d``)."""
     BN = next_pow2(N)
     BD = block_d or max(16, min(128, 2048 // BN))
-    return BD, BN, num_warps or (4 if BD * BN <= 2048 else 8)
+    if block_d is None and device is not None and device.type == "cuda" and requests:
+        want = 2 * _num_sms(device.index if device.index is not None else 0)
+        while BD > 16 and requests * triton.cdiv(D, BD) < want:
+            BD //= 2
+    return BD, BN, num_warps or min(8, max(1, BD * BN // 512))  # 4 warps at 128 x 16
 
 
 def mamba1_scan(
@@ -275,8 +293,8 @@ def mamba1_scan(
 def _launch(x, dt, A_log, B, C, state, idx, out, *, mode, cu, lengths, step, init, D, dt_bias,
             z, dt_softplus, inter, write_state, write_out, block_d, num_warps) -> None:  # fmt: skip
     Dn, N = A_log.shape
-    BD, BN, warps = _tiles(N, block_d, num_warps)
     R = idx.shape[0]
+    BD, BN, warps = _tiles(N, block_d, num_warps, requests=R, D=Dn, device=x.device)
     if R == 0:
         return
     _mamba1_scan_kernel[(R, triton.cdiv(Dn, BD))](
