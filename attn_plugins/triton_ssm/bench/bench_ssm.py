@@ -29,7 +29,8 @@ Sections:
   the hi/lo split), ``impl="fla"``, ``impl="torch"`` (T = 8192, one request); tokens/s, the
   ratio to fla's rate in the same run and to the published fused SSD rate.
 * mamba1_decode: B = 64..2048, Falcon-Mamba-7B / Jamba mixer (d_inner 8192, d_state 16), fp32
-  state, GB/s of state read + write (A_log, read by every request, stays in L2).
+  state, GB/s of state read + write (A_log, read by every request, stays in L2), with 1, 2 and
+  4 requests per program.
 * mamba1_prefill (``--prefill``): the same mixer, T = 8192 as one and as 16 requests: our
   ``mamba1_scan`` (default tiling and each ``block_d`` of 16..128), mamba_ssm's
   ``selective_scan_fn`` (the CUDA kernel Mamba1 models ship with; an error row where it is not
@@ -365,7 +366,7 @@ def job_mamba2_decode(B: int, H=128, G=1, N=128, P=64) -> dict:
 MAMBA1_D, MAMBA1_N = 8192, 16  # Falcon-Mamba-7B / Jamba: d_inner, d_state
 
 
-def job_mamba1_decode(B: int, Dn=MAMBA1_D, N=MAMBA1_N) -> dict:
+def job_mamba1_decode(B: int, Dn=MAMBA1_D, N=MAMBA1_N, requests_per_program: int = 1) -> dict:
     import torch
     from attn_plugin_triton_ssm.kernels import mamba1_decode
 
@@ -380,8 +381,9 @@ def job_mamba1_decode(B: int, Dn=MAMBA1_D, N=MAMBA1_N) -> dict:
     idx = torch.randperm(S, device="cuda")[:B].int()
     out = torch.empty_like(x)
     ms = _bench(
-        lambda: mamba1_decode(x, dt, A_log, Bm, Cm, state, idx, D=Dp, dt_bias=dt_bias, out=out)
-    )
+        lambda: mamba1_decode(x, dt, A_log, Bm, Cm, state, idx, D=Dp, dt_bias=dt_bias, out=out,
+                              requests_per_program=requests_per_program)
+    )  # fmt: skip
     return {"ms": ms, "GBps": 2 * B * Dn * N * 4 / (ms * 1e-3) / GB}
 
 
@@ -857,6 +859,10 @@ def main(argv: list[str] | None = None) -> int:
     for B in batches:
         ours.append(job("mamba1_decode", {"section": "mamba1_decode", "provider": "ours",
                                           "B": B}, B=B))  # fmt: skip
+        for rpp in (2, 4):  # A_log shared by rpp requests per program: does it pay?
+            ours.append(job("mamba1_decode", {"section": "mamba1_decode", "B": B,
+                                              "provider": f"ours requests_per_program={rpp}"},
+                            B=B, requests_per_program=rpp))  # fmt: skip
     if args.sweep:
         ours.append(job("gdn_decode_sweep", {"section": "sweep_done"}, batches=batches))
     fla = [

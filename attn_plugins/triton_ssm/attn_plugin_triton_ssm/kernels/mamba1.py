@@ -78,10 +78,12 @@ def _mamba1_scan_kernel(
     s_ib,
     s_ik,
     s_id,
+    R,
     D: tl.constexpr,
     N: tl.constexpr,
     BD: tl.constexpr,
     BN: tl.constexpr,
+    RPP: tl.constexpr,
     STEP: tl.constexpr,
     MODE: tl.constexpr,
     HAS_INIT: tl.constexpr,
@@ -93,64 +95,71 @@ def _mamba1_scan_kernel(
     WRITE_STATE: tl.constexpr,
     WRITE_OUT: tl.constexpr,
 ):
-    pid_b = tl.program_id(0)
+    pid_r = tl.program_id(0)
     pid_d = tl.program_id(1)
-    slot = tl.load(idx_ptr + pid_b).to(tl.int64)
-    if MODE == 0:
-        start = pid_b.to(tl.int64)
-        end = start + 1
-    elif MODE == 1:
-        start = tl.load(cu_ptr + pid_b).to(tl.int64)
-        end = tl.load(cu_ptr + pid_b + 1).to(tl.int64)
-    else:
-        start = pid_b.to(tl.int64) * STEP
-        end = start + tl.load(len_ptr + pid_b).to(tl.int64)
     o_d = pid_d * BD + tl.arange(0, BD)
     o_n = tl.arange(0, BN)
     m_d = o_d < D
     m_n = o_n < N
-    valid = (o_d * 0 + slot) >= 0  # a block: the interpreter rejects scalar & block masks
     m_dn = m_d[:, None] & m_n[None, :]
-    m_state = m_dn & valid[:, None]
-
-    p_state = state_ptr + slot * s_ss + o_d[:, None] * s_sd + o_n[None, :]
-    b_h = tl.load(p_state, mask=m_state, other=0.0).to(tl.float32)
-    if HAS_INIT:
-        # a fresh request's slot holds whatever its previous owner left: never read it
-        fresh = (o_d * 0 + tl.load(init_ptr + pid_b).to(tl.int32)) == 0
-        b_h = tl.where(fresh[:, None], 0.0, b_h)
+    # per channel block, read once for the program's RPP requests (decode: A_log is as large as
+    # one request's state, so sharing it cuts its L2 reads by RPP)
     b_a = -tl.exp(tl.load(a_log_ptr + o_d[:, None] * N + o_n[None, :], mask=m_dn, other=0.0))
     if HAS_DT_BIAS:
         b_bias = tl.load(dt_bias_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)
     if HAS_D:
         b_skip = tl.load(d_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)
 
-    for t in range(start, end):
-        b_x = tl.load(x_ptr + t * s_xt + o_d * s_xd, mask=m_d, other=0.0).to(tl.float32)
-        b_dt = tl.load(dt_ptr + t * s_dtt + o_d, mask=m_d, other=0.0).to(tl.float32)
-        if HAS_DT_BIAS:
-            b_dt += b_bias
-        if DT_SOFTPLUS:
-            b_dt = tl.where(b_dt <= 20.0, tl.log(1.0 + tl.exp(b_dt)), b_dt)
-        b_B = tl.load(b_ptr + t * s_bt + o_n, mask=m_n, other=0.0).to(tl.float32)
-        b_C = tl.load(c_ptr + t * s_ct + o_n, mask=m_n, other=0.0).to(tl.float32)
-        b_h = b_h * tl.exp(b_dt[:, None] * b_a) + (b_dt * b_x)[:, None] * b_B[None, :]
-        if WRITE_OUT:
-            b_y = tl.sum(b_h * b_C[None, :], 1)
-            if HAS_D:
-                b_y += b_skip * b_x
-            if HAS_Z:
-                b_z = tl.load(z_ptr + t * s_zt + o_d * s_zd, mask=m_d, other=0.0).to(tl.float32)
-                b_y = b_y * b_z * tl.sigmoid(b_z)
-            b_y = tl.where(valid, b_y, 0.0)
-            p_out = out_ptr + t * s_ot + o_d * s_od
-            tl.store(p_out, b_y.to(out_ptr.dtype.element_ty), mask=m_d)
-        if STORE_INTER:
-            p_inter = (inter_ptr + pid_b.to(tl.int64) * s_ib + (t - start) * s_ik
-                       + o_d[:, None] * s_id + o_n[None, :])  # fmt: skip
-            tl.store(p_inter, b_h.to(inter_ptr.dtype.element_ty), mask=m_state)
-    if WRITE_STATE:
-        tl.store(p_state, b_h.to(state_ptr.dtype.element_ty), mask=m_state)
+    for i in range(RPP):
+        pid_b = pid_r * RPP + i
+        live = pid_b < R  # past the last request: no tokens, no state, nothing stored
+        slot = tl.load(idx_ptr + pid_b, mask=live, other=-1).to(tl.int64)
+        if MODE == 0:
+            start = pid_b.to(tl.int64)
+            end = tl.where(live, start + 1, start)
+        elif MODE == 1:
+            start = tl.load(cu_ptr + pid_b, mask=live, other=0).to(tl.int64)
+            end = tl.load(cu_ptr + pid_b + 1, mask=live, other=0).to(tl.int64)
+        else:
+            start = pid_b.to(tl.int64) * STEP
+            end = start + tl.load(len_ptr + pid_b, mask=live, other=0).to(tl.int64)
+        valid = (o_d * 0 + slot) >= 0  # a block: the interpreter rejects scalar & block masks
+        m_state = m_dn & valid[:, None]
+
+        p_state = state_ptr + slot * s_ss + o_d[:, None] * s_sd + o_n[None, :]
+        b_h = tl.load(p_state, mask=m_state, other=0.0).to(tl.float32)
+        if HAS_INIT:
+            # a fresh request's slot holds whatever its previous owner left: never read it
+            init = tl.load(init_ptr + pid_b, mask=live, other=1).to(tl.int32)
+            b_h = tl.where(((o_d * 0 + init) == 0)[:, None], 0.0, b_h)
+
+        for t in range(start, end):
+            b_x = tl.load(x_ptr + t * s_xt + o_d * s_xd, mask=m_d, other=0.0).to(tl.float32)
+            b_dt = tl.load(dt_ptr + t * s_dtt + o_d, mask=m_d, other=0.0).to(tl.float32)
+            if HAS_DT_BIAS:
+                b_dt += b_bias
+            if DT_SOFTPLUS:
+                b_dt = tl.where(b_dt <= 20.0, tl.log(1.0 + tl.exp(b_dt)), b_dt)
+            b_B = tl.load(b_ptr + t * s_bt + o_n, mask=m_n, other=0.0).to(tl.float32)
+            b_C = tl.load(c_ptr + t * s_ct + o_n, mask=m_n, other=0.0).to(tl.float32)
+            b_h = b_h * tl.exp(b_dt[:, None] * b_a) + (b_dt * b_x)[:, None] * b_B[None, :]
+            if WRITE_OUT:
+                b_y = tl.sum(b_h * b_C[None, :], 1)
+                if HAS_D:
+                    b_y += b_skip * b_x
+                if HAS_Z:
+                    p_z = z_ptr + t * s_zt + o_d * s_zd
+                    b_z = tl.load(p_z, mask=m_d, other=0.0).to(tl.float32)
+                    b_y = b_y * b_z * tl.sigmoid(b_z)
+                b_y = tl.where(valid, b_y, 0.0)
+                p_out = out_ptr + t * s_ot + o_d * s_od
+                tl.store(p_out, b_y.to(out_ptr.dtype.element_ty), mask=m_d)
+            if STORE_INTER:
+                p_inter = (inter_ptr + pid_b.to(tl.int64) * s_ib + (t - start) * s_ik
+                           + o_d[:, None] * s_id + o_n[None, :])  # fmt: skip
+                tl.store(p_inter, b_h.to(inter_ptr.dtype.element_ty), mask=m_state)
+        if WRITE_STATE:
+            tl.store(p_state, b_h.to(state_ptr.dtype.element_ty), mask=m_state)
 
 
 def _pool(name: str, t: torch.Tensor, D: int, N: int, lead: int) -> torch.Tensor:
@@ -207,6 +216,7 @@ def mamba1_scan(
     out: torch.Tensor | None = None,
     block_d: int | None = None,
     num_warps: int | None = None,
+    requests_per_program: int = 1,
 ) -> torch.Tensor:
     """Mamba1 over the tokens of ``R`` requests, each continuing from its slot.
 
@@ -228,8 +238,15 @@ def mamba1_scan(
         state after each token (speculative verify, native strategy).
     :param update_state: write the final state back to the slot.
     :param out: ``[T, D]`` (allocated like ``x`` when None).
+    :param block_d: channels per program (default: see :func:`_tiles`).
+    :param requests_per_program: requests one program walks in turn for its channel block,
+        sharing its ``A_log`` / ``D`` / ``dt_bias`` reads (tuning knob; 1 by default).
     :returns: ``out``: ``y`` per token and channel.
     """
+    if not isinstance(requests_per_program, int) or requests_per_program < 1:
+        raise ValueError(
+            f"requests_per_program: expected a positive int, got {requests_per_program!r}"
+        )
     check_shape("x", x, [None, None], "[T, D]")
     T, Dn = x.shape
     check_shape("dt", dt, [T, Dn], "[T, D] like x")
@@ -285,19 +302,21 @@ def mamba1_scan(
         mode=_DECODE if cu_seqlens is None else _VARLEN, cu=cu_seqlens, lengths=None, step=1,
         init=has_initial_state, D=D, dt_bias=dt_bias, z=z, dt_softplus=dt_softplus,
         inter=inter, write_state=update_state, write_out=True, block_d=block_d,
-        num_warps=num_warps,
+        num_warps=num_warps, requests_per_program=requests_per_program,
     )  # fmt: skip
     return out
 
 
 def _launch(x, dt, A_log, B, C, state, idx, out, *, mode, cu, lengths, step, init, D, dt_bias,
-            z, dt_softplus, inter, write_state, write_out, block_d, num_warps) -> None:  # fmt: skip
+            z, dt_softplus, inter, write_state, write_out, block_d, num_warps,
+            requests_per_program=1) -> None:  # fmt: skip
     Dn, N = A_log.shape
     R = idx.shape[0]
     BD, BN, warps = _tiles(N, block_d, num_warps, requests=R, D=Dn, device=x.device)
     if R == 0:
         return
-    _mamba1_scan_kernel[(R, triton.cdiv(Dn, BD))](
+    rpp = requests_per_program
+    _mamba1_scan_kernel[(triton.cdiv(R, rpp), triton.cdiv(Dn, BD))](
         x, dt, A_log, B, C,
         D if D is not None else A_log,
         dt_bias if dt_bias is not None else A_log,
@@ -313,7 +332,7 @@ def _launch(x, dt, A_log, B, C, state, idx, out, *, mode, cu, lengths, step, ini
         *(out.stride() if out is not None else (0, 0)),
         state.stride(0), state.stride(1),
         *(inter.stride()[:3] if inter is not None else (0, 0, 0)),
-        D=Dn, N=N, BD=BD, BN=BN, STEP=step, MODE=mode,
+        R, D=Dn, N=N, BD=BD, BN=BN, RPP=rpp, STEP=step, MODE=mode,
         HAS_INIT=init is not None, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
         HAS_Z=z is not None, DT_SOFTPLUS=dt_softplus, STORE_INTER=inter is not None,
         WRITE_STATE=write_state, WRITE_OUT=write_out, num_warps=warps,
