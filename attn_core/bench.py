@@ -96,10 +96,12 @@ def step_inputs(group: LayerGroup, tokens: int, device: torch.device) -> dict[st
             "k": r(tokens, s.num_kv_heads, s.head_dim),
             "v": r(tokens, s.num_heads, s.head_dim_v),
         }
-        if s.linear_variant is LinearVariant.MAMBA2:
+        if s.linear_variant in (LinearVariant.MAMBA2, LinearVariant.MAMBA1):
+            # Mamba1: A per channel and state entry; Mamba2: one per head
+            a_dims = (s.head_dim,) if s.linear_variant is LinearVariant.MAMBA1 else ()
             base.update(
                 dt=r(tokens, s.num_heads),
-                A_log=torch.zeros(s.num_heads, device=device),
+                A_log=torch.zeros(s.num_heads, *a_dims, device=device),
                 D=torch.ones(s.num_heads, device=device),
                 dt_bias=torch.zeros(s.num_heads, device=device),
             )

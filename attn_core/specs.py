@@ -20,7 +20,8 @@ linear   q, k ``[T, num_kv_heads,         v ``[T, num_heads, head_dim_v]``  ``[T
 
 For ``linear`` layers ``num_heads`` are the value heads and ``num_kv_heads`` the query/key heads
 (Gated DeltaNet's ``num_v_heads`` / ``num_k_heads``; Mamba2's ``num_heads`` / ``n_groups`` with
-``head_dim = d_state`` and ``head_dim_v`` = Mamba's head dim). The recurrent state of one head is
+``head_dim = d_state`` and ``head_dim_v`` = Mamba's head dim; Mamba1's ``d_inner`` channels /
+one group with ``head_dim = d_state`` and ``head_dim_v = 1``). The recurrent state of one head is
 ``[head_dim, head_dim_v]``; the conv state of one layer is
 ``[conv_channels, conv_kernel_size - 1]``.
 
@@ -80,6 +81,9 @@ class LinearVariant(str, enum.Enum):
     # -- lightning attention and gated short convolution (issue 23) --
     LIGHTNING = "lightning"  # MiniMax-01: fixed per-head decay, plain outer product, no conv
     SHORT_CONV = "short_conv"  # LFM2: gated causal depthwise conv; conv state only, no SSM state
+    # Mamba1 selective scan (Jamba, Falcon-Mamba): one "head" per inner channel with a
+    # d_state-wide decay, head_dim_v = 1, one shared B / C group
+    MAMBA1 = "mamba1"
 
     def __str__(self) -> str:
         return self.value
@@ -368,6 +372,25 @@ class LayerSpec:
         )
         self._unset("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim")
         self._unset("sliding_window", "logits_soft_cap", "has_sinks")
+        if self.linear_variant is LinearVariant.MAMBA1:
+            self._validate_mamba1()
+
+    def _validate_mamba1(self) -> None:
+        # Mamba1's state is [d_inner, d_state]: one head per channel, each with a one-wide value
+        # (x of that channel) and the step's single B / C (no groups in Mamba1).
+        _require(
+            self.head_dim_v == 1,
+            "head_dim_v",
+            self.head_dim_v,
+            "for mamba1 each head is one inner channel: head_dim_v must be 1",
+        )
+        _require(
+            self.num_kv_heads == 1,
+            "num_kv_heads",
+            self.num_kv_heads,
+            "mamba1 has one B / C per token shared by every channel: num_kv_heads must be 1",
+        )
+        _require(not self.qk_l2norm, "qk_l2norm", self.qk_l2norm, "mamba1 never L2-normalises")
 
     def _validate_lightning(self) -> None:
         """Lightning attention has no conv and one key head per value head."""
@@ -413,8 +436,12 @@ class LayerSpec:
         if self.kind is LayerKind.MLA:
             _, rope, nope = self.mla_dims
             return 1.0 / math.sqrt(nope + rope)
-        if self.linear_variant in (LinearVariant.MAMBA2, LinearVariant.LIGHTNING):
-            return 1.0  # SSD reads C . h, MiniMax's lightning attention q . S, without scaling
+        if self.linear_variant in (
+            LinearVariant.MAMBA2,
+            LinearVariant.MAMBA1,
+            LinearVariant.LIGHTNING,
+        ):
+            return 1.0  # SSD and the selective scan read C . h, lightning attention q . S, unscaled
         return 1.0 / math.sqrt(self.head_dim)
 
     @property

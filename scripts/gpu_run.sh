@@ -6,6 +6,7 @@
 #           kit_fi kit_ssm kit_varlen                       (conformance kit per backend)
 #           kit_ssm_x2                                      (the triton_ssm kit over both GPUs)
 #           t_ssd                                           (triton_ssm Mamba2 / SSD tests only)
+#           t_mamba1                                        (Mamba1: triton_ssm and e2e tests)
 #           b_fi b_ssm b_runtime b_e2e b_kvw                (benchmarks, JSON under $OUT)
 #           run                                             (attn run --model all)
 #           NAME=COMMAND                                    (any shell command, logged as NAME)
@@ -52,13 +53,15 @@ t_tp) run t_tp 300 "${PYTEST[@]}" tests/e2e/test_tp.py ;;
 t_fi) run t_fi 500 "${PYTEST[@]}" attn_plugins/flashinfer/tests ;;
 t_ssm) run t_ssm 500 "${PYTEST[@]}" attn_plugins/triton_ssm/tests ;;
 t_ssd) run t_ssd 300 "${PYTEST[@]}" attn_plugins/triton_ssm/tests -k "ssd or mamba2" ;;
+t_mamba1) run t_mamba1 400 "${PYTEST[@]}" attn_plugins/triton_ssm/tests tests/e2e -k "mamba1 or jamba or falcon" ;;
 t_varlen) run t_varlen 300 "${PYTEST[@]}" attn_plugins/varlen/tests ;;
 t_fa3) run t_fa3 300 "${PYTEST[@]}" attn_plugins/fa3/tests ;;
 kit_fi)  # 8 processes by default: on a cold JIT cache one process ran past 400 s, 8 took 321 s
   run kit_fi 420 python3 -m pytest -q -p no:cacheprovider --tb=short -rfEs -n "${XDIST:-8}" \
     --attn-backend=flashinfer:flashinfer
   run kit_fi_mla 300 "${PYTEST[@]}" --attn-backend=flashinfer:flashinfer_mla ;;
-kit_ssm) run kit_ssm 400 "${PYTEST[@]}" --attn-backend=triton_ssm:triton_ssm ;;
+kit_ssm) run kit_ssm 400 "${PYTEST[@]}" --attn-backend=triton_ssm:triton_ssm
+  run kit_ssm_mamba1 300 "${PYTEST[@]}" --attn-backend=triton_ssm:triton_ssm_mamba1 ;;
 kit_ssm_x2)  # the whole triton_ssm battery in one pass: a shard per GPU, XDIST=8 each (~5 min)
   # -v: one line per finished test, so a run cut by its deadline shows which test was left;
   # --durations: where the time went.

@@ -200,6 +200,18 @@ def _tiny_specs() -> dict[str, LayerSpec]:
             conv_channels=48,
             **f32,
         ),
+        # d_inner 6 channels (one head each), d_state 8; the conv runs over x only
+        "mamba1": LayerSpec(
+            kind="linear",
+            linear_variant="mamba1",
+            num_heads=6,
+            num_kv_heads=1,
+            head_dim=8,
+            head_dim_v=1,
+            conv_kernel_size=4,
+            conv_channels=6,
+            **f32,
+        ),
         "encoder": LayerSpec(
             kind="encoder", num_heads=4, num_kv_heads=4, head_dim=16, causal=False, **f32
         ),
@@ -209,5 +221,5 @@ def _tiny_specs() -> dict[str, LayerSpec]:
 @pytest.fixture
 def tiny_specs() -> dict[str, LayerSpec]:
     """One small float32 spec per kind: ``full``, ``mla``, ``gdn``, ``kda``, ``mamba2``,
-    ``encoder`` (page size 4, so a few tokens already cross page boundaries)."""
+    ``mamba1``, ``encoder`` (page size 4, so a few tokens already cross page boundaries)."""
     return _tiny_specs()

@@ -8,6 +8,7 @@ weights are allocated).
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
 import math
@@ -30,8 +31,10 @@ transformers = pytest.importorskip("transformers")
 SAMPLES = [
     "bamba",
     "deepseek-v3",
+    "falcon-mamba",
     "gemma-3",
     "gpt-oss",
+    "jamba",
     "lfm2",
     "minimax",
     "nemotron-h",
@@ -82,6 +85,9 @@ EXPECTED_GROUPS = {
     "qwen3-next": [("linear", "linear", 36, 32, 16), ("full", "full", 12, 16, 2)],
     "deepseek-v3": [("mla", "mla", 61, 128, 1)],
     "bamba": [("linear", "linear", 29, 128, 1), ("full", "full", 3, 32, 8)],
+    # Mamba1: one head per inner channel (d_inner = 2 * 4096), one B / C group
+    "jamba": [("linear", "linear", 28, 8192, 1), ("full", "full", 4, 32, 8)],
+    "falcon-mamba": [("linear", "linear", 64, 8192, 1)],
     "nemotron-h": [("linear", "linear", 24, 128, 8), ("full", "full", 4, 32, 8)],
     "gpt-oss": [("full", "full", 12, 64, 8), ("full.1", "full", 12, 64, 8)],
     "gemma-3": [("full", "full", 22, 4, 1), ("full.1", "full", 4, 4, 1)],
@@ -94,6 +100,8 @@ EXPECTED_MODEL_TYPE = {
     "qwen3-next": "qwen3_next",
     "deepseek-v3": "deepseek_v3",
     "bamba": "bamba",
+    "jamba": "jamba",
+    "falcon-mamba": "falcon_mamba",
     "nemotron-h": "nemotron_h",
     "gpt-oss": "gpt_oss",
     "gemma-3": "gemma3_text",
@@ -269,6 +277,46 @@ def test_bamba_mamba2_matches_hf_mixer() -> None:
     # tp=2: heads split, the single group replicated on both ranks
     tp2 = specs_from_hf_config(d, tp_size=2).spec_of(0)
     assert (tp2.num_heads, tp2.num_kv_heads, tp2.conv_channels) == (64, 1, 4096 + 2 * 128)
+
+
+@pytest.mark.parametrize(
+    ("name", "module", "mixer_cls", "layer"),
+    [
+        ("jamba", "jamba.modeling_jamba", "JambaMambaMixer", 0),
+        ("falcon-mamba", "falcon_mamba.modeling_falcon_mamba", "FalconMambaMixer", 0),
+    ],
+)
+def test_mamba1_matches_hf_mixer(name: str, module: str, mixer_cls: str, layer: int) -> None:
+    d = load_sample(name)
+    cfg = hf_config(d)
+    modeling = importlib.import_module(f"transformers.models.{module}")
+    mixer = on_meta(getattr(modeling, mixer_cls), cfg, 0)
+    layout = specs_from_hf_config(d)
+    spec = layout.spec_of(layer)
+    assert spec.linear_variant is LinearVariant.MAMBA1
+    assert spec.num_heads == mixer.intermediate_size == 8192
+    assert (spec.num_kv_heads, spec.head_dim, spec.head_dim_v) == (1, mixer.ssm_state_size, 1)
+    assert tuple(mixer.A_log.shape) == (spec.num_heads, spec.head_dim)  # the A_log input
+    assert spec.conv_channels == mixer.conv1d.in_channels == mixer.intermediate_size
+    assert spec.conv_kernel_size == mixer.conv_kernel_size
+    assert spec.ssm_state_shape[:2] == (mixer.intermediate_size, mixer.ssm_state_size)
+    assert not spec.qk_l2norm and spec.scale == 1.0
+    tp2 = specs_from_hf_config(d, tp_size=2).spec_of(layer)
+    assert (tp2.num_heads, tp2.num_kv_heads, tp2.conv_channels) == (4096, 1, 4096)
+
+
+def test_jamba_attention_layers_follow_period_and_offset() -> None:
+    d = load_sample("jamba")
+    layout = specs_from_hf_config(d)
+    cfg = hf_config(d)
+    full = next(g for g in layout.groups if g.group_id == "full")
+    assert list(full.layer_indices) == [
+        i for i, t in enumerate(cfg.layers_block_type) if t == "attention"
+    ]
+    assert full.layer_indices == (4, 12, 20, 28)
+    attn = on_meta(transformers.models.jamba.modeling_jamba.JambaAttention, cfg, 4)
+    assert full.spec.head_dim == attn.head_dim
+    assert full.spec.scale == pytest.approx(attn.scaling)
 
 
 def test_nemotron_h_pattern_and_mlp_layers() -> None:
@@ -514,7 +562,7 @@ def test_unknown_model_type_lists_supported() -> None:
         specs_from_hf_config({"model_type": "falcon", "num_hidden_layers": 2})
     message = str(err.value)
     assert "'falcon'" in message
-    for model_type in ("qwen3_next", "deepseek_v3", "bamba", "nemotron_h", "gpt_oss"):
+    for model_type in ("qwen3_next", "deepseek_v3", "bamba", "jamba", "falcon_mamba", "gpt_oss"):
         assert model_type in message
     assert set(SUPPORTED_MODEL_TYPES) >= {"llama", "mistral", "qwen2", "gemma3_text", "qwen2_5_vl"}
     with pytest.raises(ValueError, match="model_type=None"):

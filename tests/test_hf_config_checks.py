@@ -2,7 +2,7 @@
 
 Configs come from transformers' own config classes at small sizes. A parser's per-layer result
 must agree with the config's ``layer_types``; a feature no layer kind describes (chunked
-attention, Mamba1, parallel attention + Mamba2, Kimi Delta Attention) is refused with the
+attention, parallel attention + Mamba2, Kimi Delta Attention) is refused with the
 feature and the layers that have it, never mapped partially.
 """
 
@@ -79,16 +79,15 @@ def test_kimi_linear_names_kda_layers() -> None:
     _raises(_kimi(), "kimi_linear", "Kimi Delta Attention", "layers 0-2", "no layer kind")
 
 
-def test_jamba_names_mamba1_layers() -> None:
-    cfg = _cfg("JambaConfig", num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1)
-    _raises(cfg, "jamba: Mamba1 mixer in layers 0,2: no layer kind")
+def test_falcon_mamba_intermediate_size_must_follow_expand() -> None:
+    cfg = _cfg("FalconMambaConfig", num_hidden_layers=2, hidden_size=64)
+    cfg["intermediate_size"] = 64
+    _raises(cfg, "intermediate_size=64 but expand * hidden_size = 128")
 
 
-def test_falcon_mamba_names_mamba1_layers() -> None:
-    _raises(
-        _cfg("FalconMambaConfig", num_hidden_layers=3),
-        "falcon_mamba: Mamba1 mixer in layers 0-2: no layer kind",
-    )
+def test_jamba_attn_layer_offset_must_fall_in_the_period() -> None:
+    cfg = {**_cfg("JambaConfig", num_hidden_layers=4), "attn_layer_offset": 8}
+    _raises(cfg, "attn_layer_offset=8", "0..7")
 
 
 def test_falcon_h1_names_parallel_hybrid() -> None:

@@ -224,6 +224,16 @@ SPECS = {
         head_dim=8,
         head_dim_v=6,
     ),
+    "linear mamba1": LayerSpec(
+        kind="linear",
+        linear_variant="mamba1",
+        num_heads=6,
+        num_kv_heads=1,
+        head_dim=8,
+        head_dim_v=1,
+        conv_kernel_size=4,
+        conv_channels=6,
+    ),
 }
 
 

@@ -132,7 +132,7 @@ def test_mla_rejects_sliding_window():
 def test_linear_without_variant_lists_variants():
     kwargs = {**GDN, "linear_variant": None}
     msg = _raises(r"linear_variant=None", **kwargs)
-    for v in ("gated_deltanet", "kda", "mamba2"):
+    for v in ("gated_deltanet", "kda", "mamba2", "mamba1"):
         assert v in msg
 
 
@@ -216,6 +216,39 @@ def test_derived_quantities():
     assert gdn.kv_bytes_per_token == 0 and not gdn.has_kv_cache and gdn.has_recurrent_state
     mamba = LayerSpec(**{**GDN, "linear_variant": "mamba2", "num_kv_heads": 1})
     assert mamba.scale == 1.0
+
+
+MAMBA1 = dict(
+    kind="linear",
+    linear_variant="mamba1",
+    num_heads=8192,  # d_inner of Falcon-Mamba-7B: one head per inner channel
+    num_kv_heads=1,
+    head_dim=16,  # d_state
+    head_dim_v=1,
+    conv_kernel_size=4,
+    conv_channels=8192,  # the conv runs over x only
+)
+
+
+def test_mamba1_state_is_hf_layout_and_sized_per_channel():
+    spec = LayerSpec(**MAMBA1)
+    assert spec.scale == 1.0
+    # [d_inner, d_state, 1]: HF's [d_inner, d_state] cache with a one-wide value dim
+    assert spec.ssm_state_shape == (8192, 16, 1) and spec.conv_state_shape == (8192, 3)
+    assert spec.state_bytes_per_request() == 8192 * 16 * 4 + 8192 * 3 * 2
+    assert spec.short() == "linear mamba1 8192q/1kv d16/1 bfloat16 state=float32"
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"head_dim_v": 2}, "head_dim_v=2 is invalid: for mamba1 each head is one inner channel"),
+        ({"num_kv_heads": 2}, "num_kv_heads=2 is invalid: mamba1 has one B / C per token"),
+        ({"qk_l2norm": True}, "qk_l2norm=True is invalid: mamba1 never"),
+    ],
+)
+def test_mamba1_refuses_groups_wide_values_and_l2norm(change: dict, match: str) -> None:
+    _raises(match, **{**MAMBA1, **change})
 
 
 def test_short_summary():

@@ -20,14 +20,20 @@ Mixers by layer kind:
   ``dt, A_log, D, dt_bias``; gated RMSNorm with the z gate. A lower ``time_step_limit``
   (Nemotron-H's ``time_step_min``) is folded into ``dt`` exactly: ``softplus(dt + bias) >= lo``
   iff ``dt >= softplus^-1(lo) - bias``, so ``dt`` is raised to that bound before the binding.
+- linear Mamba1 (Jamba, Falcon-Mamba, Mamba): conv over x only, then ``x_proj`` -> dt | B | C
+  (Jamba's and Falcon-Mamba's RMS norms on each), ``dt = dt_proj.weight dt`` with
+  ``dt_bias = dt_proj.bias``; ``q=C [T, 1, N], k=B, v=x [T, d_inner, 1]``, ``A_log [d_inner,
+  N]``, ``D``; the output times ``silu(z)``, then ``out_proj``.
 - linear lightning (MiniMax-01): ``act(qkv_proj)`` split into q, k, v of every head, the layer's
   ``slope_rate`` as ``slope``; RMSNorm, sigmoid output gate and ``out_proj`` after it.
 - linear short conv (LFM2): ``in_proj`` -> B, C, x; ``binding.conv1d(B * x)`` with no
   activation (the whole attention core); ``C *`` and ``out_proj`` after it.
 
-Decoder blocks: pre-norm residual (most), MiniMax's residual taken after the norm and scaled by
-its alpha / beta factors, LFM2's ``operator_norm`` / ``ffn_norm`` / ``feed_forward`` and final
-``embedding_norm``.
+Decoder blocks: pre-norm residual (most; an MLP / MoE after the mixer), MiniMax's residual taken
+after the norm and scaled by its alpha / beta factors, LFM2's ``operator_norm`` / ``ffn_norm`` /
+``feed_forward`` and final ``embedding_norm``, Mamba's blocks (``norm`` -> ``mixer``, no MLP, the
+residual optionally in float32) under ``backbone`` instead of ``model``. Jamba has no positional
+encoding: its attention layers get q and k as projected.
 
 Families of :data:`LAYER_FORWARD_FAMILIES` (Gemma-3, Nemotron-H, Granite-4.0-H, Qwen3.5) run each
 transformers decoder layer's own ``forward``: norms, residuals (and their multipliers), rotary
@@ -96,10 +102,13 @@ def _softplus_inverse(y: float) -> float:
 
 
 def _decoder(hf_model: torch.nn.Module) -> Any:
-    """The model's decoder stack, ``hf_model.model`` (its ``language_model`` in a multimodal
-    model such as Gemma3ForConditionalGeneration: text prompts run the language model only).
-    Any to the type checker: its attributes (``layers``, ``embed_tokens``, ``rotary_emb``, the
-    norms) differ by architecture and are resolved at run time by ``nn.Module.__getattr__``."""
+    """The model's decoder stack, ``hf_model.model`` (``hf_model.backbone`` for Mamba and
+    Falcon-Mamba; the ``language_model`` of a multimodal model such as
+    Gemma3ForConditionalGeneration: text prompts run the language model only). Any to the type
+    checker: its attributes (``layers``, ``embed_tokens``, ``rotary_emb``, the norms) differ by
+    architecture and are resolved at run time by ``nn.Module.__getattr__``."""
+    if hasattr(hf_model, "backbone"):
+        return hf_model.backbone
     base = hf_model.model
     return getattr(base, "language_model", None) or base
 
@@ -189,6 +198,8 @@ class CausalLMAdapter:
                 self._mamba_modules[i] = mx
                 self._linear_modules[i] = (mx, self._mamba2_core)
                 self._mixers.append(self._mamba2)
+            elif spec.linear_variant is LinearVariant.MAMBA1:
+                self._mixers.append(self._mamba1)
             else:
                 raise ValueError(f"layer {i}: no mixer for {spec.short()}")
 
@@ -203,7 +214,8 @@ class CausalLMAdapter:
         """
         if self.layer_forward:
             return self._forward_layers(input_ids, positions)
-        h = self.base.embed_tokens(input_ids)[None]  # [1, T, D]
+        embed = getattr(self.base, "embed_tokens", None) or self.base.embeddings
+        h = embed(input_ids)[None]  # [1, T, D]
         pe = self.base.rotary_emb(h, positions[None]) if hasattr(self.base, "rotary_emb") else None
         for i, layer in enumerate(self.base.layers):
             mixer = self._mixers[i]
@@ -221,6 +233,11 @@ class CausalLMAdapter:
                 h = h + mixer(i, layer, layer.operator_norm(h)[0], pe)[None]
                 h = h + layer.feed_forward(layer.ffn_norm(h))
                 continue
+            if hasattr(layer, "mixer"):  # Mamba's block: norm, mixer, residual; no MLP
+                residual = h.float() if layer.residual_in_fp32 else h
+                x = layer.norm(h.to(layer.norm.weight.dtype))
+                h = residual + mixer(i, layer, x[0], pe)[None]
+                continue
             residual = h
             x = layer.input_layernorm(h)
             h = residual + mixer(i, layer, x[0], pe)[None]
@@ -231,9 +248,11 @@ class CausalLMAdapter:
         norm = (
             getattr(self.base, "norm", None)
             or getattr(self.base, "final_layernorm", None)
+            or getattr(self.base, "norm_f", None)  # Mamba / Falcon-Mamba
             or self.base.embedding_norm  # LFM2 names its final norm so
         )
-        return self.hf.lm_head(norm(h))[0]
+        # a float32 residual (Mamba's residual_in_fp32) goes back to the head's dtype, as HF does
+        return self.hf.lm_head(norm(h).to(self.hf.lm_head.weight.dtype))[0]
 
     def _position_embeddings(self, h: torch.Tensor, positions: torch.Tensor) -> list[Any]:
         """Per layer the rotary ``(cos, sin)`` (None without a rotary embedding). A rotary
@@ -422,7 +441,8 @@ class CausalLMAdapter:
             q, k = at.q_norm(q), at.k_norm(k)
         elif hasattr(at, "q_layernorm"):  # LFM2
             q, k = at.q_layernorm(q), at.k_layernorm(k)
-        q, k = self._rope(q, k, pe)
+        if pe is not None:  # None: the model has no rotary embedding at all (Jamba)
+            q, k = self._rope(q, k, pe)
         out = torch.empty(T, spec.num_heads, spec.head_dim_v, dtype=x.dtype, device=x.device)
         self._attend(i, q.contiguous(), k.contiguous(), v.contiguous(), out)
         o = out.view(T, -1)
@@ -549,3 +569,29 @@ class CausalLMAdapter:
         b, c, xs = cv.in_proj(x).chunk(3, dim=-1)
         y = self._conv(i, (b * xs).contiguous(), cv.conv.weight.squeeze(1), cv.conv.bias, None)
         return cv.out_proj(c * y)
+
+    def _mamba1(self, i: int, layer, x: torch.Tensor, pe) -> torch.Tensor:
+        mx = layer.mixer if hasattr(layer, "mixer") else layer.mamba
+        T, C_in = x.shape[0], mx.intermediate_size
+        N = mx.ssm_state_size
+        xs, gate = mx.in_proj(x).chunk(2, dim=-1)  # [T, d_inner] each
+        xs = self._conv(
+            i, xs.contiguous(), mx.conv1d.weight.squeeze(1), mx.conv1d.bias, mx.activation
+        )
+        step, B, C = torch.split(mx.x_proj(xs), [mx.time_step_rank, N, N], dim=-1)
+        if hasattr(mx, "b_layernorm"):  # Jamba (weighted) and Falcon-Mamba (weightless)
+            step, B, C = mx.dt_layernorm(step), mx.b_layernorm(B), mx.c_layernorm(C)
+        y = torch.empty(T, C_in, 1, dtype=x.dtype, device=x.device)
+        self._attend(
+            i,
+            C.reshape(T, 1, N).contiguous(),
+            B.reshape(T, 1, N).contiguous(),
+            xs.reshape(T, C_in, 1),
+            y,
+            # dt_proj's weight only: its bias is the scan's dt_bias (softplus(dt + bias))
+            dt=F.linear(step, mx.dt_proj.weight).contiguous(),
+            A_log=mx.A_log.float(),
+            D=mx.D.float(),
+            dt_bias=mx.dt_proj.bias.float(),
+        )
+        return mx.out_proj((y[..., 0] * F.silu(gate)).to(x.dtype))

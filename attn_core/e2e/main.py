@@ -56,6 +56,8 @@ _ALIASES = {
     "deepseek_v3": "deepseek-v3",
     "gpt_oss": "gpt-oss",
     "mamba2": "bamba",
+    "falcon_mamba": "falcon-mamba",
+    "mamba1": "falcon-mamba",
 }
 _VISION_GRIDS = [(1, 8, 8), (1, 4, 12), (2, 4, 4), (1, 12, 8)]
 

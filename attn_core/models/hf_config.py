@@ -6,19 +6,20 @@
 :func:`attn_core.specs.group_layers` semantics, with heads already divided for one tensor-parallel
 rank.
 
-Tensor parallelism follows vLLM: query heads (and Gated DeltaNet value heads, Mamba2 heads) are
-split evenly across ranks; KV heads (and GDN key heads, Mamba2 groups) are split when there are at
-least ``tp_size`` of them and replicated, one per rank, when there are fewer (``tp_size`` must then
-be a multiple of their count). Anything else raises ``ValueError`` naming the config field.
+Tensor parallelism follows vLLM: query heads (and Gated DeltaNet value heads, Mamba2 heads,
+Mamba1 inner channels) are split evenly across ranks; KV heads (and GDN key heads, Mamba2 groups)
+are split when there are at least ``tp_size`` of them and replicated, one per rank, when there are
+fewer (``tp_size`` must then be a multiple of their count). Anything else raises ``ValueError``
+naming the config field.
 
 A ``model_type`` no family names is read by the generic dense mapping (GQA on every layer, full
 or sliding) when every field of its config is one that mapping understands; any other field is
 refused with its layers, since it may change the attention math.
 
 Where the config has ``layer_types``, every parser's result is checked against it layer by layer,
-and a feature no layer kind describes (``attention_chunk_size``, Mamba1, attention and Mamba2 in
-parallel, Kimi Delta Attention, an unknown ``layer_types`` value) is refused with the layers that
-have it: there is never a partial mapping.
+and a feature no layer kind describes (``attention_chunk_size``, attention and Mamba2 in parallel,
+Kimi Delta Attention, an unknown ``layer_types`` value) is refused with the layers that have it:
+there is never a partial mapping.
 
 Layers that carry no attention (Nemotron-H's MLP / MoE layers) are absent from the layout; their
 indices are simply missing from ``layer_indices``.
@@ -640,6 +641,75 @@ def _granite_hybrid(r: _Reader, o: _Options) -> _Parsed:
     return n, [(i, full if t in attention else mamba) for i, t in enumerate(types)], {}
 
 
+# -- Mamba1 (Jamba, Falcon-Mamba, Mamba) ------------------------------------------------------
+def _mamba1(r: _Reader, o: _Options, *, expand: str, d_state: str, d_conv: str) -> LayerSpec:
+    """One Mamba1 mixer: one head per inner channel, ``d_inner = expand * hidden_size``.
+
+    Tensor parallelism splits the inner channels (in_proj column-parallel, out_proj row-parallel,
+    as vLLM's MambaMixer); the conv and the scan then run on the rank's channels only.
+    """
+    inner = r.pos_int(expand) * r.pos_int("hidden_size")
+    channels = _split(inner, o.tp_size, f"{expand} * hidden_size")
+    state_dtype = r.cfg.get("mamba_ssm_cache_dtype") or "float32"
+    if state_dtype == "auto":  # vLLM: "auto" keeps the SSM state in the model dtype
+        state_dtype = o.dtype
+    return o.linear(
+        linear_variant=LinearVariant.MAMBA1,
+        num_heads=channels,
+        num_kv_heads=1,  # B and C: one d_state vector per token, shared by every channel
+        head_dim=r.pos_int(d_state),
+        head_dim_v=1,
+        conv_kernel_size=r.pos_int(d_conv),
+        conv_channels=channels,  # the conv runs over x only; B, C, dt come from x_proj after it
+        state_dtype=state_dtype,
+    )
+
+
+def _jamba(r: _Reader, o: _Options) -> _Parsed:
+    """Jamba: Mamba1 layers, full attention (no positional encoding) once every
+    ``attn_layer_period`` layers at ``attn_layer_offset``; its MoE is model side."""
+    n = r.pos_int("num_hidden_layers")
+    period = r.pos_int("attn_layer_period")
+    offset = r.get("attn_layer_offset")
+    if not (isinstance(offset, int) and not isinstance(offset, bool) and 0 <= offset < period):
+        raise ValueError(
+            f"{r.where}: config field attn_layer_offset={offset!r}: expected an int in "
+            f"0..attn_layer_period-1 = 0..{period - 1}"
+        )
+    mamba = _mamba1(r, o, expand="mamba_expand", d_state="mamba_d_state", d_conv="mamba_d_conv")
+    full = o.full(**_gqa(r, o, _head_dim(r)))
+    return n, [(i, full if i % period == offset else mamba) for i in range(n)], {}
+
+
+def _falcon_mamba(r: _Reader, o: _Options) -> _Parsed:
+    """Falcon-Mamba and Mamba: a Mamba1 mixer in every layer (Falcon-Mamba's weightless RMS
+    norms on B / C / dt are model side, as are the projections and the z gate)."""
+    n = r.pos_int("num_hidden_layers")
+    inner = r.pos_int("expand") * r.pos_int("hidden_size")
+    declared = r.cfg.get("intermediate_size")
+    if declared is not None and declared != inner:
+        # transformers re-derives intermediate_size from expand (Jamba's is the MLP's width); a
+        # config where they disagree describes a model other than the one it builds
+        raise ValueError(
+            f"{r.where}: intermediate_size={declared} but expand * hidden_size = {inner}; "
+            "transformers builds the mixer from expand"
+        )
+    mamba = _mamba1(r, o, expand="expand", d_state="state_size", d_conv="conv_kernel")
+    return n, [(i, mamba) for i in range(n)], {}
+
+
+# transformers' config defaults (JambaConfig, FalconMambaConfig / MambaConfig): hub configs
+# written by older releases leave some of these out.
+_JAMBA_DEFAULTS: dict[str, Any] = {
+    "attn_layer_period": 8,
+    "attn_layer_offset": 4,
+    "mamba_d_state": 16,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+}
+_MAMBA1_DEFAULTS: dict[str, Any] = {"state_size": 16, "expand": 2, "conv_kernel": 4}
+
+
 _NEMOTRON_PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 
 
@@ -894,6 +964,13 @@ _FAMILIES: tuple[_Family, ...] = (
     _Family("bamba", _bamba, {"bamba": "BambaForCausalLM"}),
     _Family("nemotron-h", _nemotron_h, {"nemotron_h": "NemotronHForCausalLM"}),
     _Family("granite-4.0-h", _granite_hybrid, {"granitemoehybrid": "GraniteMoeHybridForCausalLM"}),
+    _Family("jamba", _jamba, {"jamba": "JambaForCausalLM"}, _JAMBA_DEFAULTS),
+    _Family(
+        "falcon-mamba",
+        _falcon_mamba,
+        {"falcon_mamba": "FalconMambaForCausalLM", "mamba": "MambaForCausalLM"},
+        _MAMBA1_DEFAULTS,
+    ),
     _Family("gpt-oss", _gpt_oss, {"gpt_oss": "GptOssForCausalLM"}),
     _Family(
         "minimax",
@@ -934,14 +1011,6 @@ def _all_layers(cfg: Mapping[str, Any]) -> str:
     return f"layers {_ranges(range(n))}" if n else "every layer"
 
 
-def _jamba_features(cfg: Mapping[str, Any]) -> list[str]:
-    period, offset = cfg.get("attn_layer_period", 8), cfg.get("attn_layer_offset", 4)
-    if not isinstance(period, int) or period <= 0 or not isinstance(offset, int):
-        return [f"Mamba1 mixer in {_all_layers(cfg)}: no layer kind"]
-    mamba = [i for i in range(_n_layers(cfg)) if i % period != offset]
-    return [f"Mamba1 mixer in layer{'s' if len(mamba) > 1 else ''} {_ranges(mamba)}: no layer kind"]
-
-
 def _kimi_features(cfg: Mapping[str, Any]) -> list[str]:
     types = cfg.get("layer_types")
     if isinstance(types, list) and "linear_attention" in types:
@@ -966,9 +1035,6 @@ def _llama4_features(cfg: Mapping[str, Any]) -> list[str]:
 
 # Model types no family parses, with the features that keep them out: the error names them.
 _UNSUPPORTED_FEATURES: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
-    "jamba": _jamba_features,
-    "mamba": lambda c: [f"Mamba1 mixer in {_all_layers(c)}: no layer kind"],
-    "falcon_mamba": lambda c: [f"Mamba1 mixer in {_all_layers(c)}: no layer kind"],
     "falcon_h1": lambda c: [
         f"attention and Mamba2 in parallel inside one decoder layer in {_all_layers(c)}: "
         f"no layer kind"
@@ -1088,7 +1154,8 @@ def specs_from_hf_config(
         Linear and encoder layers keep no KV cache and ignore it.
     :returns: a :class:`ModelLayout`.
     :raises ValueError: unknown ``model_type`` (the message names the features that keep it
-        out, e.g. "jamba: Mamba1 mixer in layers 0,2: no layer kind", and its ``layer_types``,
+        out, e.g. "falcon_h1: attention and Mamba2 in parallel inside one decoder layer in
+        layers 0-1: no layer kind", and its ``layer_types``,
         and lists the supported ones); a feature no layer kind describes (chunked attention,
         an unknown ``layer_types`` value), named with its layers; a mapping that disagrees with
         the config's own ``layer_types`` (the layers, what the config says, what was mapped);

@@ -157,8 +157,8 @@ def decode_linear_step(
     dt_bias: torch.Tensor | None = None,
     slope: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One recurrent step of Gated DeltaNet, KDA, Mamba2 or lightning attention for ``B``
-    requests.
+    """One recurrent step of Gated DeltaNet, KDA, Mamba2, Mamba1 or lightning attention for
+    ``B`` requests.
 
     ``q, k [B, Hk, Dk]``, ``v [B, Hv, Dv]``, ``ssm_state [S, Hv, Dk, Dv]`` (updated in place for
     rows with ``state_indices >= 0``); lightning attention reads ``slope [Hv]`` (``S = e^{-slope}
@@ -171,12 +171,15 @@ def decode_linear_step(
     kf = k.float().repeat_interleave(rep, dim=1)
     vf = v.float()
     s = ssm_state[rows].float()  # [B, Hv, Dk, Dv]
-    if variant == "mamba2":
+    if variant in ("mamba2", "mamba1"):
         if dt is None or A_log is None or D is None or dt_bias is None:
-            raise ValueError("decode_linear_step: mamba2 needs dt, A_log, D and dt_bias")
+            raise ValueError(f"decode_linear_step: {variant} needs dt, A_log, D and dt_bias")
         dtf = F.softplus(dt.float() + dt_bias.float())  # [B, H]
-        decay = torch.exp(dtf * -torch.exp(A_log.float()))
-        s = s * decay[..., None, None] + kf.unsqueeze(-1) * (dtf[..., None] * vf).unsqueeze(-2)
+        if variant == "mamba1":  # A_log [H, N]: a decay per state entry, Dv = 1
+            decay = torch.exp(dtf[..., None] * -torch.exp(A_log.float()))[..., None]
+        else:  # A_log [H]: one decay per head
+            decay = torch.exp(dtf * -torch.exp(A_log.float()))[..., None, None]
+        s = s * decay + kf.unsqueeze(-1) * (dtf[..., None] * vf).unsqueeze(-2)
         y = torch.einsum("bhk,bhkv->bhv", qf, s) + D.float()[None, :, None] * vf
     elif variant == "lightning":
         if slope is None:

@@ -57,7 +57,7 @@ OPTION_SCHEMA = {
 
 CAPABILITIES = BackendCapabilities(
     kinds={"full", "mla", "linear", "encoder"},
-    linear_variants={"gated_deltanet", "kda", "mamba2", "lightning", "short_conv"},
+    linear_variants={"gated_deltanet", "kda", "mamba2", "mamba1", "lightning", "short_conv"},
     device_types={"cpu", "cuda"},
     dtypes={"float32", "bfloat16", "float16"},
     kv_dtypes={"float32", "bfloat16", "float16", "fp8_e4m3"},
@@ -283,8 +283,8 @@ class EncoderContext(_Context):
 
 
 class LinearContext(_Context):
-    """Gated DeltaNet, KDA and Mamba2 with conv state, lightning attention (no conv) and the
-    gated short conv (conv only: ``conv1d`` is its whole core, ``forward`` is refused);
+    """Gated DeltaNet, KDA, Mamba2 and Mamba1 with conv state, lightning attention (no conv) and
+    the gated short conv (conv only: ``conv1d`` is its whole core, ``forward`` is refused);
     speculative verify keeps per-token states ("native" strategy) and
     :meth:`commit_speculative` keeps the accepted prefix's state."""
 
@@ -383,8 +383,9 @@ class LinearContext(_Context):
             name: value[:t] if value.dim() and value.shape[0] == batch.padded_tokens else value
             for name, value in inputs.items()
         }
-        if variant is LinearVariant.MAMBA2:
-            result = ops.mamba2_ssd(
+        if variant in (LinearVariant.MAMBA2, LinearVariant.MAMBA1):
+            scan = ops.mamba2_ssd if variant is LinearVariant.MAMBA2 else ops.mamba1_selective_scan
+            result = scan(
                 v[:t],
                 tok["dt"],
                 tok["A_log"],
@@ -425,13 +426,18 @@ class LinearContext(_Context):
 
     def _check_inputs(self, q: torch.Tensor, v: torch.Tensor, inputs: dict[str, Any]) -> None:
         need: tuple[str, ...] = ("g", "beta")
-        if self.variant is LinearVariant.MAMBA2:
+        if self.variant in (LinearVariant.MAMBA2, LinearVariant.MAMBA1):
             need = ("dt", "A_log", "D", "dt_bias")
         elif self.variant is LinearVariant.LIGHTNING:
             need = ("slope",)
         missing = [n for n in need if inputs.get(n) is None]
         if missing:
             self._bad(f"{self.variant.value} inputs", list(need), f"missing {missing}")
+        if self.variant is LinearVariant.MAMBA1:
+            a_log = inputs["A_log"]
+            a_want = (v.shape[1], q.shape[2])
+            if tuple(a_log.shape) != a_want:
+                self._bad("Mamba1 A_log shape [d_inner, d_state]", a_want, tuple(a_log.shape))
         if self.variant is LinearVariant.KDA:
             g = inputs["g"]
             want = (v.shape[0], v.shape[1], q.shape[2])

@@ -198,7 +198,7 @@ def _mla_spec(r: int, p: int, dtype: str, page_size: int) -> LayerSpec:
 def _linear_spec(
     variant: LinearVariant, dk: int, dv: int, dtype: str, caps: BackendCapabilities
 ) -> LayerSpec:
-    mamba = variant is LinearVariant.MAMBA2
+    mamba = variant in (LinearVariant.MAMBA2, LinearVariant.MAMBA1)
     if variant is LinearVariant.LIGHTNING:  # one key head per value head, no conv
         return LayerSpec(
             kind="linear",
@@ -224,6 +224,11 @@ def _linear_spec(
         )
     hv, hk = (4, 1) if mamba else (4, 2)
     channels = hv * dv + 2 * hk * dk  # x (or v) plus B and C (or q and k), as the models do
+    if variant is LinearVariant.MAMBA1:
+        # one head per inner channel (value width 1, the sweep's dv does not apply); Mamba1's
+        # conv runs over x only, B and C come out of x_proj after it
+        hv, dv = 8, 1
+        channels = hv
     return LayerSpec(
         kind="linear",
         linear_variant=variant,

@@ -226,9 +226,11 @@ def layer_inputs(spec: LayerSpec, tokens: int, gen: torch.Generator) -> dict[str
         out["q"], out["k"] = F.silu(out["q"]), F.silu(out["k"])
         out["slope"] = torch.rand(H, generator=gen) * 1.5 + 0.01
         return out
-    if spec.linear_variant is LinearVariant.MAMBA2:
+    if spec.linear_variant in (LinearVariant.MAMBA2, LinearVariant.MAMBA1):
         out["dt"] = _randn(gen, T, H) - 1.0
-        out["A_log"] = torch.rand(H, generator=gen).mul(2.0).log1p()
+        # Mamba1's A is per channel and state entry [H, N], Mamba2's one per head [H]
+        a_shape = (H, D) if spec.linear_variant is LinearVariant.MAMBA1 else (H,)
+        out["A_log"] = torch.rand(*a_shape, generator=gen).mul(2.0).log1p()
         out["D"] = _randn(gen, H)
         out["dt_bias"] = _randn(gen, H) * 0.5
     else:

@@ -162,6 +162,8 @@ def test_reference_passes_quick(run_kit) -> None:
         "mla: kind",
         "encoder: kind",
         "linear/mamba2: kind",
+        "linear/mamba1: kind",
+        "linear/mamba1: speculative verify k=1",
         "full: kv_dtype fp8_e4m3",
         "full: sinks",
         "linear/kda: speculative verify k=1",

@@ -71,6 +71,7 @@ def test_bfloat16_is_also_checked_past_float16s_range() -> None:
             "linear/mamba2",
             "linear/lightning",
             "linear/short_conv",
+            "linear/mamba1",
         }
         for c in large:
             assert c.check == "correctness" and c.spec.dtype == "bfloat16"
@@ -81,7 +82,7 @@ def test_bfloat16_is_also_checked_past_float16s_range() -> None:
     assert not [c for c in build_matrix(fp32_only) if c.magnitude != 1.0]
 
 
-@pytest.mark.parametrize("kind", ["full", "mla", "encoder", "gdn", "mamba2"])
+@pytest.mark.parametrize("kind", ["full", "mla", "encoder", "gdn", "mamba2", "mamba1"])
 def test_large_inputs_keep_the_logits_and_scale_the_values(kind, tiny_specs) -> None:
     spec = tiny_specs[kind].with_(dtype="bfloat16", kv_dtype=None)
     raw = layer_inputs(spec, 6, torch.Generator().manual_seed(0))

@@ -46,6 +46,16 @@ def test_moe_models_bf16_cpu_within_tolerance(name: str) -> None:
     assert run.match.rows_within >= 0.9 and run.match.min_rows_within == 0.9
 
 
+@pytest.mark.parametrize("shapes", ["tiny", "kernel"])
+@pytest.mark.parametrize("name", ["jamba", "falcon-mamba"])
+def test_mamba1_models_bf16_cpu_within_tolerance(name: str, shapes: str) -> None:
+    """bf16 on both sides, at the CPU shapes and at the shapes a GPU run uses (Jamba's MoE
+    included); the Mamba1 layers run in float32 inside, transformers' torch path partly in bf16."""
+    run = run_architecture(name, dtype="bfloat16", prompts=4, max_new_tokens=6, shapes=shapes)
+    assert run.ok, run.format()
+    assert any("mamba1" in g["spec"] for g in run.plan["groups"]), run.format()
+
+
 def test_vision_tower_blocks_match_transformers_fp32_cpu() -> None:
     run = run_architecture("qwen2.5-vl-vision", prompts=3)
     assert run.match.max_abs_diff < 1e-4, run.format()
@@ -144,7 +154,7 @@ def test_matches_transformers_fp32_gpu(name: str) -> None:
     "name",
     [
         pytest.param(n, marks=gpu)
-        for n in ("qwen3", "bamba", "deepseek-v3", "gemma-3", "nemotron-h")
+        for n in ("qwen3", "bamba", "deepseek-v3", "gemma-3", "nemotron-h", "falcon-mamba")
     ],
 )
 def test_cuda_graph_decode(name: str) -> None:
@@ -210,7 +220,11 @@ def test_gpu_plugins_match_transformers_bf16(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=gpu) for n in ("qwen3", "qwen3-next", "bamba", "deepseek-v3")]
+    "name",
+    [
+        pytest.param(n, marks=gpu)
+        for n in ("qwen3", "qwen3-next", "bamba", "deepseek-v3", "jamba", "falcon-mamba")
+    ],
 )
 def test_gpu_plugins_cuda_graph_decode_bf16(name: str) -> None:
     run = _gpu_plugin_run(name, dtype="bfloat16", prompts=3, max_new_tokens=6, graphs=True)

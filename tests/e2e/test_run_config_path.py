@@ -47,8 +47,8 @@ def test_run_drives_every_sample() -> None:
 
 def test_run_config_error_is_the_mapping_error(tmp_path: Path) -> None:
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "jamba", "num_hidden_layers": 2}))
-    with pytest.raises(ValueError, match="jamba: Mamba1 mixer"):
+    path.write_text(json.dumps({"model_type": "falcon_h1", "num_hidden_layers": 2}))
+    with pytest.raises(ValueError, match="falcon_h1: attention and Mamba2 in parallel"):
         resolve_models(str(path))
 
 
@@ -99,3 +99,40 @@ def test_readme_names_what_run_drives_and_explain_maps() -> None:
 
     assert all(f"`{t}`" in run for t in _HUB_ONLY)  # the exceptions are named
     assert sorted(_driven_model_types()) == sorted(set(SUPPORTED_MODEL_TYPES) - set(_HUB_ONLY))
+
+
+@pytest.mark.parametrize(
+    ("cls_name", "fields"),
+    [
+        # plain Mamba (no B / C / dt norms) goes through the Falcon-Mamba adapter
+        ("MambaConfig", dict(num_hidden_layers=2, hidden_size=64, state_size=8)),
+        ("FalconMambaConfig", dict(num_hidden_layers=2, hidden_size=64, state_size=8)),
+        (
+            "JambaConfig",
+            dict(
+                num_hidden_layers=2,
+                attn_layer_period=2,
+                attn_layer_offset=1,
+                num_experts=2,
+                hidden_size=64,
+                intermediate_size=128,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                mamba_d_state=8,
+            ),
+        ),
+    ],
+)
+def test_run_configs_of_the_mamba1_model_types(
+    tmp_path: Path, cls_name: str, fields: dict[str, object], run_on_cpu
+) -> None:
+    import transformers
+
+    cfg = getattr(transformers, cls_name)(
+        vocab_size=256, initializer_range=0.1, tie_word_embeddings=False, **fields
+    )
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    report = run_on_cpu(str(path))
+    assert report.ok, report.format()
+    assert "linear mamba1" in report.format()

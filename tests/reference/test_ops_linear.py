@@ -7,6 +7,9 @@ Independent ground truth:
 - KDA: fla-core's ``naive_recurrent_kda`` / ``naive_chunk_kda``.
 - Mamba2: transformers' Mamba2 ``mamba2_chunk_scan`` (segsum SSD) and
   ``mamba2_selective_state_update`` (decode step).
+- Mamba1: fla-core's ``naive_recurrent_gla`` (Mamba1 is GLA with one head per channel, a
+  per-state-entry gate ``dt * A``, ``q = C``, ``k = B``, ``v = dt * x``), transformers' Mamba
+  ``mamba_selective_scan`` (prefill) and ``mamba_selective_state_update`` (decode step).
 - causal conv1d: ``torch.nn.functional.conv1d`` and transformers' ``causal_conv1d_update``.
 
 The transformers functions are wrapped by a hub-kernel decorator that swaps in fla's / mamba_ssm's
@@ -27,7 +30,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attn_core.reference.ops.linear import causal_conv1d, gated_delta_rule, kda, mamba2_ssd
+from attn_core.reference.ops.linear import (
+    causal_conv1d,
+    gated_delta_rule,
+    kda,
+    mamba1_selective_scan,
+    mamba2_ssd,
+)
 
 fla_gdn = pytest.importorskip("fla.ops.gated_delta_rule.naive")
 fla_kda = pytest.importorskip("fla.ops.kda.naive")
@@ -39,6 +48,10 @@ hf_gdn_recurrent = inspect.unwrap(hf_qwen3_next.torch_recurrent_gated_delta_rule
 hf_conv_update = inspect.unwrap(hf_qwen3_next.causal_conv1d_update)
 hf_mamba2_scan = inspect.unwrap(hf_mamba2.mamba2_chunk_scan)
 hf_mamba2_step = inspect.unwrap(hf_mamba2.mamba2_selective_state_update)
+fla_gla = pytest.importorskip("fla.ops.gla.naive")
+hf_mamba = pytest.importorskip("transformers.models.mamba.modeling_mamba")
+hf_mamba1_scan = inspect.unwrap(hf_mamba.mamba_selective_scan)
+hf_mamba1_step = inspect.unwrap(hf_mamba.mamba_selective_state_update)
 
 DEVICES = [
     "cpu",
@@ -57,6 +70,8 @@ HK, HV, DK, DV = 2, 4, 8, 6
 # Mamba2: heads, head dim, groups, state size.
 MH, MP, MG, MN = 4, 6, 2, 8
 CONV_C, CONV_K = 12, 4
+# Mamba1: inner channels (one head each), state size.
+M1D, M1N = 6, 8
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -230,11 +245,60 @@ def _ref_conv(t, state):
     return y[0].t(), state[0]
 
 
+# -- Mamba1 ----------------------------------------------------------------------------------
+def _mamba1_tokens(n: int, gen: torch.Generator, device: str) -> dict[str, torch.Tensor]:
+    return {
+        "x": _randn(gen, n, M1D, 1, device=device),
+        "dt": _randn(gen, n, M1D, device=device),
+        "B": _randn(gen, n, 1, M1N, device=device),
+        "C": _randn(gen, n, 1, M1N, device=device),
+    }
+
+
+MAMBA1_PARAMS = {
+    # S4D-real init, A = -(1..N) per channel, perturbed so that channels differ
+    "A_log": torch.arange(1, M1N + 1).float().log().expand(M1D, -1)
+    + torch.randn(M1D, M1N, generator=_PARAMS_GEN) * 0.3,
+    "D": torch.randn(M1D, generator=_PARAMS_GEN),
+    "dt_bias": torch.randn(M1D, generator=_PARAMS_GEN),
+}
+
+
+def _call_mamba1(t, pool, qsl, si, hi, **kw):
+    p = _on(MAMBA1_PARAMS, t["x"].device)
+    return mamba1_selective_scan(
+        t["x"], t["dt"], p["A_log"], t["B"], t["C"], p["D"], p["dt_bias"], pool, qsl, si, hi, **kw
+    )
+
+
+def _ref_mamba1(t, state):
+    """fla's naive recurrent GLA: one head per channel, K = N, V = 1; its state [H, K, V] is
+    ours. It scales q by K^-0.5, undone here."""
+    t = _f32(t)
+    p = _on(MAMBA1_PARAMS, t["x"].device)
+    dt = F.softplus(t["dt"] + p["dt_bias"])  # [L, H]
+    gk = dt[..., None] * -p["A_log"].exp()  # [L, H, N]
+    n = t["x"].shape[0]
+    q = t["C"].expand(n, M1D, M1N) * M1N**0.5
+    k = t["B"].expand(n, M1D, M1N)
+    v = t["x"] * dt[..., None]
+    o, s = fla_gla.naive_recurrent_gla(
+        q[None],
+        k[None],
+        v[None],
+        gk[None],
+        initial_state=None if state is None else state[None].float(),
+        output_final_state=True,
+    )
+    return o[0] + t["x"] * p["D"][:, None], s[0]
+
+
 GDN = Variant("gdn", (HV, DK, DV), _gdn_tokens, _call_gdn, _ref_gdn)
 KDA = Variant("kda", (HV, DK, DV), _kda_tokens, _call_kda, _ref_kda)
 MAMBA2 = Variant("mamba2", (MH, MN, MP), _mamba2_tokens, _call_mamba2, _ref_mamba2)
+MAMBA1 = Variant("mamba1", (M1D, M1N, 1), _mamba1_tokens, _call_mamba1, _ref_mamba1)
 CONV = Variant("conv", (CONV_C, CONV_K - 1), _conv_tokens, _call_conv, _ref_conv)
-SSM_VARIANTS = [GDN, KDA, MAMBA2]
+SSM_VARIANTS = [GDN, KDA, MAMBA2, MAMBA1]
 ALL_VARIANTS = [*SSM_VARIANTS, CONV]
 _IDS = [v.name for v in ALL_VARIANTS]
 
@@ -388,6 +452,95 @@ def test_mamba2_decode_matches_hf_selective_state_update(device: str) -> None:
     )
     torch.testing.assert_close(out, ref, **F32)
     torch.testing.assert_close(pool[slots], hf_state.transpose(-1, -2), **F32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["recurrent", "chunked"])
+def test_mamba1_matches_hf_mamba_selective_scan(mode: str, device: str) -> None:
+    """Prefill from a zero state as MambaMixer runs it: x / dt ``[B, D, L]``, A ``[D, N]``,
+    B / C ``[B, N, L]``, ``delta_bias = dt_proj.bias``, softplus, D skip (the z gate is the
+    adapter's). The HF torch path runs on CPU only."""
+    gen = _gen(11)
+    t = _mamba1_tokens(37, gen, "cpu")
+    p = MAMBA1_PARAMS
+    pool = _randn(gen, 2, M1D, M1N, 1, device=device)  # garbage: has_initial_state=False
+    dev_t = {name: x.to(device) for name, x in t.items()}
+    out = _call_mamba1(dev_t, pool, *_batch([37], [1], [False], device), mode=mode, chunk_size=8)
+    y, s = hf_mamba1_scan(
+        t["x"][..., 0].T[None],
+        t["dt"].T[None],
+        -p["A_log"].exp(),
+        t["B"][:, 0].T[None],
+        t["C"][:, 0].T[None],
+        D=p["D"],
+        delta_bias=p["dt_bias"],
+        delta_softplus=True,
+        return_last_state=True,
+    )
+    torch.testing.assert_close(out[..., 0].cpu(), y[0].T, **F32)
+    torch.testing.assert_close(pool[1, ..., 0].cpu(), s[0], **F32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mamba1_decode_matches_hf_selective_state_update(device: str) -> None:
+    """A decode batch against HF's single-step update (state ``[B, D, N]``, ours
+    ``[B, D, N, 1]``)."""
+    gen = _gen(12)
+    batch = 3
+    t = _mamba1_tokens(batch, gen, device)
+    p = _on(MAMBA1_PARAMS, torch.device(device))
+    pool = _randn(gen, 5, M1D, M1N, 1, device=device) * 0.3
+    slots = [4, 0, 2]
+    hf_state = pool[slots, ..., 0].clone()
+    out = _call_mamba1(t, pool, *_batch([1] * batch, slots, [True] * batch, device), mode="auto")
+    ref = hf_mamba1_step(
+        hf_state,
+        t["x"][..., 0],
+        t["dt"],
+        -p["A_log"].exp(),
+        t["B"][:, 0],
+        t["C"][:, 0],
+        D=p["D"],
+        dt_bias=p["dt_bias"],
+        dt_softplus=True,
+    )
+    torch.testing.assert_close(out[..., 0], ref, **F32)
+    torch.testing.assert_close(pool[slots, ..., 0], hf_state, **F32)
+
+
+def test_mamba1_chunked_equals_recurrent_with_strong_decay() -> None:
+    """Large dt (decays of e^-50 per token and beyond) over many small chunks: the pairwise
+    form must not overflow where a ratio of cumulative decays would; no D / dt_bias."""
+    gen = _gen(13)
+    t = _mamba1_tokens(50, gen, "cpu")
+    dt = t["dt"] * 4 + 6
+    a_log = MAMBA1_PARAMS["A_log"]
+    results = []
+    for mode in ("recurrent", "chunked"):
+        pool = _randn(_gen(14), 1, M1D, M1N, 1)
+        y = mamba1_selective_scan(
+            t["x"], dt, a_log, t["B"], t["C"], None, None, pool,
+            *_batch([50], [0], [True], "cpu"), mode=mode, chunk_size=7,
+        )  # fmt: skip
+        assert torch.isfinite(y).all()
+        results.append((y, pool))
+    torch.testing.assert_close(results[1][0], results[0][0], **F32)
+    torch.testing.assert_close(results[1][1], results[0][1], **F32)
+
+
+def test_mamba1_shapes_are_checked() -> None:
+    t = _mamba1_tokens(3, _gen(15), "cpu")
+    pool = torch.zeros(1, M1D, M1N, 1)
+    meta = _batch([3], [0], [False], "cpu")
+    with pytest.raises(ValueError, match="A_log"):
+        mamba1_selective_scan(
+            t["x"], t["dt"], torch.zeros(M1D), t["B"], t["C"], None, None, pool, *meta
+        )
+    with pytest.raises(ValueError, match="B"):
+        mamba1_selective_scan(
+            t["x"], t["dt"], MAMBA1_PARAMS["A_log"], t["B"].expand(3, 2, M1N), t["C"],
+            None, None, pool, *meta,
+        )  # fmt: skip
 
 
 def test_mamba2_chunked_equals_recurrent_with_dt_limit() -> None:

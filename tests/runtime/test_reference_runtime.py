@@ -3,7 +3,7 @@
 Chunked prefill, mixed and decode steps must give what one shot over the whole sequence gives:
 SDPA for full attention, plain softmax math for MLA and the encoder, a fresh-state one-shot call
 of the reference linear ops (themselves checked against fla's naive kernels in
-tests/reference) for Gated DeltaNet, KDA and Mamba2, and ``F.conv1d`` for the causal conv.
+tests/reference) for Gated DeltaNet, KDA, Mamba2 and Mamba1, and ``F.conv1d`` for the causal conv.
 Also: a request restored from the prefix cache, and speculative verify + commit.
 """
 
@@ -79,6 +79,11 @@ def _layer_params(spec, gen):
             p["A_log"] = torch.rand(H, generator=gen).log()
             p["D"] = torch.randn(H, generator=gen)
             p["dt_bias"] = torch.randn(H, generator=gen) * 0.1
+        if spec.linear_variant.value == "mamba1":  # A_log per channel and state entry
+            H, N = spec.num_heads, spec.head_dim
+            p["A_log"] = torch.rand(H, N, generator=gen).mul(2).log1p()
+            p["D"] = torch.randn(H, generator=gen)
+            p["dt_bias"] = torch.randn(H, generator=gen) * 0.1
     return p
 
 
@@ -94,7 +99,7 @@ def _token_inputs(spec, L, gen):
         return {"q": r(L, H, D), "k": r(L, D)}
     t = {"q": r(L, Hkv, D), "k": r(L, Hkv, D), "v": r(L, H, Dv), "x": r(L, spec.conv_channels)}
     variant = spec.linear_variant.value
-    if variant == "mamba2":
+    if variant in ("mamba2", "mamba1"):
         t["dt"] = r(L, H)
     else:
         g_shape = (L, H, D) if variant == "kda" else (L, H)
@@ -136,8 +141,9 @@ def _expect(spec, inputs, params):
         torch.tensor([False]),
     )
     variant = spec.linear_variant.value
-    if variant == "mamba2":
-        out = ops.mamba2_ssd(
+    if variant in ("mamba2", "mamba1"):
+        scan = ops.mamba2_ssd if variant == "mamba2" else ops.mamba1_selective_scan
+        out = scan(
             inputs["v"],
             inputs["dt"],
             params["A_log"],
@@ -181,7 +187,7 @@ def _assert_close(got, want, what):
 # Chunked prefill, mixed and decode steps == one shot
 # ------------------------------------------------------------------------------------------
 def test_prefill_then_decode_equals_one_shot(tiny_specs, ref_registry):
-    specs = [tiny_specs[k] for k in ("full", "mla", "gdn", "kda", "mamba2")]
+    specs = [tiny_specs[k] for k in ("full", "mla", "gdn", "kda", "mamba2", "mamba1")]
     model = Model(specs, ref_registry)
     lens = {"r0": 7, "r1": 5}
     seqs = {r: _sequence(specs, L, seed) for seed, (r, L) in enumerate(lens.items())}
@@ -258,7 +264,7 @@ def test_prefix_cache_restore_equals_recompute(tiny_specs, ref_registry):
 # ------------------------------------------------------------------------------------------
 # Speculative verify k=2 + commit == decoding the accepted tokens one by one
 # ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("variant", ["gdn", "mamba2"])
+@pytest.mark.parametrize("variant", ["gdn", "mamba2", "mamba1"])
 @pytest.mark.parametrize("accepted", [1, 2, 3])
 def test_verify_and_commit_equal_sequential_decode(tiny_specs, ref_registry, variant, accepted):
     specs = [tiny_specs["full"], tiny_specs[variant]]

@@ -1,5 +1,5 @@
-"""Reference math for linear-attention / SSM layers: Gated DeltaNet, KDA, Mamba2 (SSD) and
-lightning attention (MiniMax-01).
+"""Reference math for linear-attention / SSM layers: Gated DeltaNet, KDA, Mamba2 (SSD), Mamba1
+(selective scan) and lightning attention (MiniMax-01).
 
 Pure PyTorch, device-agnostic, written from the papers and checked against fla-core's naive
 functions and transformers' torch paths. Every op takes a varlen batch (``T`` tokens of ``B``
@@ -10,7 +10,9 @@ updated in place with each request's final state.
 State layout: one head's state is ``[Dk, Dv]`` (fla's ``[.., K, V]``); the output of a token is
 ``o = S^T q``. For Mamba2 ``Dk = N`` (d_state) and ``Dv = P`` (head dim): the pool is
 ``[S, H, N, P]``, the TRANSPOSE of HF's / mamba_ssm's ``ssm_states`` ``[.., H, P, N]``
-(convert with ``.transpose(-1, -2)``).
+(convert with ``.transpose(-1, -2)``). For Mamba1 ``H = d_inner`` (one head per channel),
+``N = d_state`` and ``P = 1``: the pool ``[S, d_inner, N, 1]`` has the memory layout of HF's /
+mamba_ssm's ``[.., d_inner, d_state]`` (``.squeeze(-1)`` / ``.unsqueeze(-1)``, no transpose).
 
 Maths run in float32 whatever the input dtype; states are stored in the pool's dtype and
 outputs in the value's dtype.
@@ -20,7 +22,9 @@ Two algorithms per op, selected by ``mode``:
 - ``"recurrent"``: the token loop of the paper's recurrence (decode, speculative verify).
 - ``"chunked"``: the chunk-parallel prefill form: the WY / UT-transform form of Gated DeltaNet
   (Yang et al. 2024, "Gated Delta Networks"), its per-channel-gate generalisation for KDA, and
-  the state-space-dual block decomposition for Mamba2 (Dao & Gu 2024, "Transformers are SSMs").
+  the state-space-dual block decomposition for Mamba2 (Dao & Gu 2024, "Transformers are SSMs"),
+  and for Mamba1 (whose decay is per channel and per state entry, so SSD's scalar-decay trick
+  does not apply) exact pairwise decays inside each chunk with the state carried across chunks.
 - ``"auto"``: chunked for a request with more than one token, recurrent for one token.
 
 ``intermediate_states`` (speculative verify, the "native" strategy) makes the op run the token
@@ -51,6 +55,7 @@ __all__ = [
     "kda",
     "l2norm",
     "lightning_attention",
+    "mamba1_selective_scan",
     "mamba2_ssd",
 ]
 
@@ -753,5 +758,171 @@ def lightning_attention(
         if states_out is None and _use_chunked(mode, req.num_tokens):
             return _lightning_chunked(qf[sl], kf[sl], vf[sl], log_decay, state, chunk_size)
         return _lightning_recurrent(qf[sl], kf[sl], vf[sl], log_decay, state, states_out)
+
+    return _run_requests(requests, ssm_state, out, intermediate_states, kernel)
+
+
+# --------------------------------------------------------------------------------------------
+# Mamba1 (selective scan)
+# --------------------------------------------------------------------------------------------
+
+
+def _scan1_recurrent(
+    u: torch.Tensor,
+    log_decay: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    state: torch.Tensor,
+    states_out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token loop of Mamba1's selective scan for one request.
+
+    u ``[L, H]`` = ``dt * x``; log_decay ``[L, H, N]`` = ``dt * A``; b, c ``[L, N]``; state
+    ``[H, N]``::
+
+        h = exp(dt A) * h + (dt x) B^T;  y = h C
+    """
+    outputs = []
+    for t in range(u.shape[0]):
+        state = state * log_decay[t].exp() + u[t][:, None] * b[t][None, :]
+        outputs.append(state @ c[t])
+        if states_out is not None:
+            states_out[t] = state[..., None]
+    if not outputs:
+        return u.new_zeros(u.shape), state
+    return torch.stack(outputs), state
+
+
+def _scan1_chunked(
+    u: torch.Tensor,
+    log_decay: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk-parallel form of :func:`_scan1_recurrent` (same inputs).
+
+    Inside a chunk, with ``g_t`` the cumulative log decay from the chunk start (``[H, N]`` per
+    token), ``y_t = sum_{s<=t} sum_n C_t[n] exp(g_t - g_s)[h, n] B_s[n] u_s[h] +
+    sum_n C_t[n] exp(g_t)[h, n] h0[h, n]``. The pairwise decays are taken as differences of
+    cumulative sums masked to ``s <= t`` before the exponential, never as a ratio
+    ``exp(g_t) / exp(g_s)``, which overflows float32 for the strong decays Mamba1 learns. The
+    pairwise tensor is ``[L, L, H, N]``: keep ``chunk_size`` small.
+    """
+    outputs = []
+    for start in range(0, u.shape[0], chunk_size):
+        sl = slice(start, start + chunk_size)
+        uc, bc, cc = u[sl], b[sl], c[sl]
+        g = log_decay[sl].cumsum(0)  # [L, H, N]
+        size = g.shape[0]
+        causal = torch.ones(size, size, dtype=torch.bool, device=g.device).tril()
+        diff = (g[:, None] - g[None, :]).masked_fill(~causal[:, :, None, None], -math.inf)
+        y = torch.einsum("tn,sn,tshn,sh->th", cc, bc, diff.exp(), uc)
+        y = y + torch.einsum("tn,thn,hn->th", cc, g.exp(), state)
+        to_end = (g[-1][None] - g).exp()  # [L, H, N]
+        state = state * g[-1].exp() + torch.einsum("shn,sn,sh->hn", to_end, bc, uc)
+        outputs.append(y)
+    if not outputs:
+        return u.new_zeros(u.shape), state
+    return torch.cat(outputs), state
+
+
+def mamba1_selective_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A_log: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    ssm_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    *,
+    dt_softplus: bool = True,
+    chunk_size: int = 16,
+    mode: str = "auto",
+    intermediate_states: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Mamba1 selective scan (decay per channel and state entry) over a varlen batch.
+
+    Per inner channel ``h`` (one "head" of width 1) and token::
+
+        dt = softplus(dt + dt_bias);  A = -exp(A_log)            A: [H, N]
+        h  = exp(dt A) * h + (dt x) B^T                           h: [N]
+        y  = h . C + D x
+
+    The conv before it runs through :func:`causal_conv1d`; the projections, Falcon-Mamba's and
+    Jamba's RMS norms on B / C / dt and the ``silu(z)`` gate after it are model side, not here.
+
+    :param x: ``[T, H, 1]`` inputs after the conv (``H = d_inner``).
+    :param dt: ``[T, H]`` time step after ``dt_proj``'s weight, before its bias / softplus.
+    :param A_log: ``[H, N]``; ``A = -exp(A_log)``.
+    :param B: ``[T, 1, N]`` input projection, shared by every channel.
+    :param C: ``[T, 1, N]`` output projection, shared by every channel.
+    :param D: ``[H]`` skip, or None.
+    :param dt_bias: ``[H]`` (``dt_proj.bias``), or None.
+    :param ssm_state: ``[S, H, N, 1]`` slot pool (float32 or bfloat16), updated in place; the
+        memory layout of HF's ``[.., d_inner, d_state]`` cache.
+    :param query_start_loc: ``[B + 1]`` int32 cu-seqlens.
+    :param state_indices: ``[B]`` int32 slots (negative: padding request, output zeros).
+    :param has_initial_state: ``[B]`` bool; False starts from a zero state.
+    :param dt_softplus: apply softplus to ``dt + dt_bias``.
+    :param chunk_size: tokens per chunk of the chunked form (memory ``chunk_size^2 * H * N``).
+    :param mode: ``"auto"`` | ``"recurrent"`` | ``"chunked"``.
+    :param intermediate_states: optional ``[B, >= max_q_len, H, N, 1]``: forces the token loop
+        and receives the state after each token of request ``b`` at ``[b, i]``.
+    :param out: optional ``[T, H, 1]`` output buffer (written and returned).
+    :returns: ``[T, H, 1]`` in ``x.dtype`` (or ``out``).
+    """
+    _check_options(mode, chunk_size)
+    check_shape("x", x, (None, None, 1))
+    num_tokens, num_channels, _ = x.shape
+    check_shape("dt", dt, (num_tokens, num_channels))
+    check_shape("A_log", A_log, (num_channels, None))
+    state_size = A_log.shape[1]
+    check_shape("B", B, (num_tokens, 1, state_size))
+    check_shape("C", C, (num_tokens, 1, state_size))
+    if D is not None:
+        check_shape("D", D, (num_channels,))
+    if dt_bias is not None:
+        check_shape("dt_bias", dt_bias, (num_channels,))
+    check_shape("ssm_state", ssm_state, (None, num_channels, state_size, 1))
+    requests = varlen_requests(
+        query_start_loc,
+        state_indices,
+        has_initial_state,
+        num_tokens=num_tokens,
+        num_slots=ssm_state.shape[0],
+    )
+    _check_intermediate(intermediate_states, requests, (num_channels, state_size, 1))
+    out = prepare_out(out, (num_tokens, num_channels, 1), x.dtype, x.device)
+
+    step = dt.to(torch.float32)
+    if dt_bias is not None:
+        step = step + dt_bias.to(torch.float32)
+    if dt_softplus:
+        step = F.softplus(step)
+    log_decay = step[..., None] * -A_log.to(torch.float32).exp()  # [T, H, N], <= 0
+    xf = x[..., 0].to(torch.float32)
+    u = xf * step
+    bf, cf = B[:, 0].to(torch.float32), C[:, 0].to(torch.float32)
+    skip = None if D is None else xf * D.to(torch.float32)
+
+    def kernel(
+        req: VarlenRequest, state: torch.Tensor, states_out: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        sl = slice(req.start, req.end)
+        args = (u[sl], log_decay[sl], bf[sl], cf[sl], state[..., 0])
+        if states_out is None and _use_chunked(mode, req.num_tokens):
+            y, final = _scan1_chunked(*args, chunk_size)
+        else:
+            y, final = _scan1_recurrent(*args, states_out)
+        if skip is not None:
+            y = y + skip[sl]
+        return y[..., None], final[..., None]
 
     return _run_requests(requests, ssm_state, out, intermediate_states, kernel)

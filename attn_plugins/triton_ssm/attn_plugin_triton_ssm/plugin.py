@@ -1,16 +1,21 @@
-"""attn-core plugin wiring of the Triton SSM kernels: backend ``triton_ssm`` for linear layers.
+"""attn-core plugin wiring of the Triton SSM kernels: backends ``triton_ssm`` (Gated DeltaNet,
+KDA, Mamba2) and ``triton_ssm_mamba1`` (Mamba1) for linear layers.
 
-Entry point ``attn_core = triton_ssm`` (qualified backend name ``triton_ssm:triton_ssm``). One
-context serves every layer of a linear group (Gated DeltaNet, KDA or Mamba2); per step it picks
-the kernels by ``batch.mode``:
+Entry point ``attn_core = triton_ssm`` (qualified backend names ``triton_ssm:triton_ssm`` and
+``triton_ssm:triton_ssm_mamba1``). Mamba1 is a backend of its own because its value width is 1
+(one head per inner channel): advertising head dim 1 on ``triton_ssm`` would also admit Gated
+DeltaNet, KDA and Mamba2 layers of that width, which those kernels are not tested for. One
+context serves every layer of a linear group; per step it picks the kernels by ``batch.mode``:
 
 ============ ===================================================================================
 mode         kernels
 ============ ===================================================================================
-``decode``   ``gdn_decode`` / ``kda_decode`` / ``mamba2_decode`` and ``causal_conv1d_update``
+``decode``   ``gdn_decode`` / ``kda_decode`` / ``mamba2_decode`` / ``mamba1_decode`` and
+             ``causal_conv1d_update``
              over the full padded batch (``state_indices == -1`` rows are padding); no host
              reads, so the step can be captured in a CUDA graph (graph mode ``decode``).
-``prefill``  ``gdn_prefill`` / ``kda_prefill`` / ``mamba2_prefill`` over the packed requests,
+``prefill``  ``gdn_prefill`` / ``kda_prefill`` / ``mamba2_prefill`` / ``mamba1_scan`` over the
+             packed requests,
 ``mixed``    a decode being a sequence of length one (the BatchBuilder does not order decodes
              first, so one varlen call covers any order). The conv runs as a vectorised gather
              in torch, planned once per step in :meth:`TritonSSMContext.prepare`.
@@ -74,6 +79,8 @@ __all__ = [
     "BACKEND_NAME",
     "ENV_INTERPRET",
     "HEAD_DIMS",
+    "MAMBA1_BACKEND_NAME",
+    "MAMBA1_HEAD_DIMS",
     "MAX_SPECULATIVE_TOKENS",
     "TritonSSMContext",
     "attn_core_allocate_context",
@@ -92,6 +99,10 @@ ENV_INTERPRET = "ATTN_TRITON_SSM_INTERPRET"
 #: Head dims (``head_dim`` and ``head_dim_v``) advertised: the kernels tile the state as
 #: ``[next_pow2(Dk), BV]`` in registers; fla's chunk kernels take K <= 256.
 HEAD_DIMS = frozenset({16, 32, 64, 128, 256})
+MAMBA1_BACKEND_NAME = "triton_ssm_mamba1"
+#: Mamba1's ``head_dim`` (d_state: the kernel tiles ``[BD, next_pow2(N)]``; models use 16) and
+#: ``head_dim_v`` (always 1).
+MAMBA1_HEAD_DIMS = frozenset({1, 8, 16, 32, 64})
 MAX_SPECULATIVE_TOKENS = 7
 
 _VERIFY_STATES = "verify_states"
@@ -119,16 +130,19 @@ def kernels() -> ModuleType:
 # ------------------------------------------------------------------------------------------
 # Advertisement
 # ------------------------------------------------------------------------------------------
-def capabilities(*, interpret: bool = False) -> BackendCapabilities:
-    """What the backend serves; ``interpret`` is the test-only CPU (Triton interpreter) mode."""
+def capabilities(*, interpret: bool = False, mamba1: bool = False) -> BackendCapabilities:
+    """What the backend serves; ``interpret`` is the test-only CPU (Triton interpreter) mode,
+    ``mamba1`` the ``triton_ssm_mamba1`` backend's."""
     return BackendCapabilities(
         kinds={"linear"},
-        linear_variants={"gated_deltanet", "kda", "mamba2", "lightning", "short_conv"},
+        linear_variants=(
+            {"mamba1"} if mamba1 else {"gated_deltanet", "kda", "mamba2", "lightning", "short_conv"}
+        ),
         device_types={"cpu"} if interpret else {"cuda"},
         min_compute_capability=None if interpret else (8, 0),
         dtypes={"float32", "bfloat16", "float16"},
         state_dtypes={"float32", "bfloat16"},
-        head_dims=HEAD_DIMS,
+        head_dims=MAMBA1_HEAD_DIMS if mamba1 else HEAD_DIMS,
         graph_modes={GraphMode.NONE, GraphMode.DECODE},
         max_speculative_tokens=MAX_SPECULATIVE_TOKENS,
         spec_verify_strategies={"native", "replay"},
@@ -171,6 +185,19 @@ def attn_core_register_backends(register) -> None:
             unavailable_reason=reason,
             # whether fla-core's internal stages (compat.py) serve GDN prefill, and why not
             notes=compat.note(),
+        )
+    )
+    register(
+        Backend(
+            name=MAMBA1_BACKEND_NAME,
+            capabilities=capabilities(interpret=interpret, mamba1=True),
+            priority=100,
+            description=(
+                "Triton Mamba1 selective scan (decode, prefill, speculative verify) for Jamba "
+                "and Falcon-Mamba" + (" (Triton CPU interpreter: tests only)" if interpret else "")
+            ),
+            available=reason is None,
+            unavailable_reason=reason,
         )
     )
 
@@ -512,6 +539,13 @@ class TritonSSMContext:
 
     def _decode(self, layer, q, k, v, out, ssm, idx, inputs) -> torch.Tensor:
         K = self.K
+        if self.variant is LinearVariant.MAMBA1:
+            y = K.mamba1_decode(
+                v[..., 0], inputs["dt"], inputs["A_log"], k[:, 0], q[:, 0], ssm, idx,
+                D=inputs.get("D"), dt_bias=inputs.get("dt_bias"),
+                out=None if out is None else out[..., 0],
+            )  # fmt: skip
+            return y[..., None] if out is None else out
         if self._ssd:
             return K.mamba2_decode(
                 v, inputs["dt"], inputs["A_log"], k, q, ssm, idx,
@@ -530,6 +564,13 @@ class TritonSSMContext:
         if plan.fresh is not None:  # has_initial_state False: start from zeros
             ssm.index_fill_(0, plan.slots_long.index_select(0, plan.fresh), 0)
         out_t = None if out is None else out[:T]
+        if self.variant is LinearVariant.MAMBA1:
+            y = self.K.mamba1_scan(
+                v[:T, :, 0], inputs["dt"][:T], inputs["A_log"], k[:T, 0], q[:T, 0], ssm,
+                plan.slots, cu_seqlens=plan.cu_seqlens, D=inputs.get("D"),
+                dt_bias=inputs.get("dt_bias"), out=None if out_t is None else out_t[..., 0],
+            )  # fmt: skip
+            return y[..., None] if out is None else out
         if self._ssd:
             y = self.K.mamba2_prefill(
                 v[:T], inputs["dt"][:T], inputs["A_log"], k[:T], q[:T], ssm, plan.slots,
@@ -560,6 +601,23 @@ class TritonSSMContext:
         out3 = None if out is None else split(out)
         pending = self._pending_for(layer, batch)
         pending.scale = layer.scale
+        if self.variant is LinearVariant.MAMBA1:
+            toks = {"x": v[:t, :, 0], "dt": inputs["dt"][:t], "B": k[:t, 0], "C": q[:t, 0]}
+            params = {n_: inputs.get(n_) for n_ in ("A_log", "D", "dt_bias")}
+            inter = self._intermediate(layer, n, k1) if self.strategy == "native" else None
+            cu = torch.arange(0, t + 1, k1, dtype=torch.int32, device=idx.device)
+            y = self.K.mamba1_scan(
+                toks["x"], toks["dt"], params["A_log"], toks["B"], toks["C"], ssm, idx,
+                cu_seqlens=cu, D=params["D"],
+                dt_bias=params["dt_bias"], intermediate_states=inter, update_state=False,
+                out=None if out is None else out[:t, :, 0],
+            )  # fmt: skip
+            if inter is not None:
+                pending.intermediate = inter
+            else:
+                pending.replay = {name: x.clone() for name, x in toks.items()}
+            pending.replay_params = params
+            return out if out is not None else y[..., None]
         if self._ssd:
             toks = {"x": split(v), "dt": split(inputs["dt"]), "B": split(k), "C": split(q)}
             params = {n_: inputs.get(n_) for n_ in ("A_log", "D", "dt_bias")}
@@ -665,10 +723,17 @@ class TritonSSMContext:
             if pending.conv_x is not None:
                 K.causal_conv1d_commit(pending.conv_x, acc, st.conv, pending.conv_weight, idx)
             if pending.intermediate is not None:
-                K.gdn_commit(pending.intermediate, acc, st.ssm, idx)
+                commit = K.mamba1_commit if self.variant is LinearVariant.MAMBA1 else K.gdn_commit
+                commit(pending.intermediate, acc, st.ssm, idx)
             elif pending.replay is not None:
                 r = pending.replay
-                if self._ssd:
+                if self.variant is LinearVariant.MAMBA1:
+                    p = pending.replay_params or {}
+                    K.mamba1_replay_commit(
+                        r["x"], r["dt"], p["A_log"], r["B"], r["C"], acc, st.ssm, idx,
+                        D=p.get("D"), dt_bias=p.get("dt_bias"),
+                    )  # fmt: skip
+                elif self._ssd:
                     self._mamba2_steps(r, pending.replay_params, st.ssm, idx, acc, None, None)
                 else:
                     fn = (
@@ -694,13 +759,17 @@ class TritonSSMContext:
 
     def _check_inputs(self, q: torch.Tensor, v: torch.Tensor, inputs: dict[str, Any]) -> None:
         need: tuple[str, ...] = ("g", "beta")
-        if self.variant is LinearVariant.MAMBA2:
+        if self.variant in (LinearVariant.MAMBA2, LinearVariant.MAMBA1):
             need = ("dt", "A_log")
         elif self.variant is LinearVariant.LIGHTNING:
             need = ("slope",)
         if any(inputs.get(n) is None for n in need):
             missing = [n for n in need if inputs.get(n) is None]
             self._bad(f"{self.variant.value} inputs", list(need), f"missing {missing}")
+        if self.variant is LinearVariant.MAMBA1:
+            a_want = (v.shape[1], q.shape[2])
+            if tuple(inputs["A_log"].shape) != a_want:
+                self._bad("Mamba1 A_log shape [d_inner, d_state]", a_want, inputs["A_log"].shape)
         if self.variant is LinearVariant.KDA:
             want = (v.shape[0], v.shape[1], q.shape[2])
             if tuple(inputs["g"].shape) != want:

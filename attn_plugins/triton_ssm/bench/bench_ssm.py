@@ -39,6 +39,13 @@ Sections:
 * short_conv_decode: LFM2-1.2B's short conv (2048 channels, kernel 3), B = 64..2048,
   ``causal_conv1d_update`` with no activation, bf16 conv state; GB/s of conv state read + write
   plus the token's input and output.
+* mamba1_decode: B = 64..2048, Falcon-Mamba-7B / Jamba mixer (d_inner 8192, d_state 16), fp32
+  state, GB/s of state read + write (A_log, read by every request, stays in L2), with 1, 2 and
+  4 requests per program.
+* mamba1_prefill (``--prefill``): the same mixer, T = 8192 as one and as 16 requests: our
+  ``mamba1_scan`` (default tiling and each ``block_d`` of 16..128), mamba_ssm's
+  ``selective_scan_fn`` (the CUDA kernel Mamba1 models ship with; an error row where it is not
+  installed) and attn-core's torch reference (chunked, T = 2048 only: it is slow); tokens/s.
 * plugin_step (``--plugin``): a 4-layer GDN decode step (conv1d + recurrent update) at B = 64,
   256 through the runtime's bindings vs the same kernels called directly; ratio of times, eager
   (host launch cost included) and with each step captured in a CUDA graph.
@@ -455,6 +462,82 @@ def job_short_conv_decode(B: int, C=SHORT_CONV_C, K=SHORT_CONV_K) -> dict:
     return {"ms": ms, "GBps": nbytes / (ms * 1e-3) / GB}
 
 
+MAMBA1_D, MAMBA1_N = 8192, 16  # Falcon-Mamba-7B / Jamba: d_inner, d_state
+
+
+def job_mamba1_decode(B: int, Dn=MAMBA1_D, N=MAMBA1_N, requests_per_program: int = 1) -> dict:
+    import torch
+    from attn_plugin_triton_ssm.kernels import mamba1_decode
+
+    S = B + 8
+    x = torch.randn(B, Dn, device="cuda", dtype=torch.bfloat16)
+    dt = torch.randn(B, Dn, device="cuda", dtype=torch.bfloat16)
+    A_log = torch.randn(Dn, N, device="cuda")
+    Bm = torch.randn(B, N, device="cuda", dtype=torch.bfloat16)
+    Cm = torch.randn(B, N, device="cuda", dtype=torch.bfloat16)
+    Dp, dt_bias = torch.randn(Dn, device="cuda"), torch.randn(Dn, device="cuda")
+    state = torch.randn(S, Dn, N, device="cuda") * 0.01
+    idx = torch.randperm(S, device="cuda")[:B].int()
+    out = torch.empty_like(x)
+    ms = _bench(
+        lambda: mamba1_decode(x, dt, A_log, Bm, Cm, state, idx, D=Dp, dt_bias=dt_bias, out=out,
+                              requests_per_program=requests_per_program)
+    )  # fmt: skip
+    return {"ms": ms, "GBps": 2 * B * Dn * N * 4 / (ms * 1e-3) / GB}
+
+
+def job_mamba1_prefill(
+    T: int, n_seq: int, impl: str, Dn=MAMBA1_D, N=MAMBA1_N, block_d: int | None = None
+) -> dict:
+    """One Mamba1 mixer's scan over ``T`` tokens in ``n_seq`` equal requests (bf16 in, fp32
+    state): ``impl`` = ``ours`` | ``mamba_ssm`` | ``reference``."""
+    import torch
+
+    torch.manual_seed(0)
+    x = torch.randn(T, Dn, device="cuda", dtype=torch.bfloat16)
+    dt = torch.randn(T, Dn, device="cuda", dtype=torch.bfloat16) * 0.5
+    A_log = torch.rand(Dn, N, device="cuda").add(0.5).log()
+    Bm = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
+    Cm = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
+    Dp, dt_bias = torch.randn(Dn, device="cuda"), torch.randn(Dn, device="cuda") - 2.0
+    state = torch.zeros(n_seq, Dn, N, device="cuda")
+    idx = torch.arange(n_seq, dtype=torch.int32, device="cuda")
+    L = T // n_seq
+    cu = torch.arange(0, T + 1, L, dtype=torch.int32, device="cuda")
+    if impl == "ours":
+        from attn_plugin_triton_ssm.kernels import mamba1_scan
+
+        def run():
+            return mamba1_scan(x, dt, A_log, Bm, Cm, state, idx, cu_seqlens=cu, D=Dp,
+                               dt_bias=dt_bias, block_d=block_d)  # fmt: skip
+    elif impl == "mamba_ssm":
+        from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
+
+        # its layout: u, delta [n_seq, D, L]; B, C [n_seq, N, L]; one call for the batch
+        u, d = (t.view(n_seq, L, Dn).transpose(1, 2).contiguous() for t in (x, dt))
+        b, c = (t.view(n_seq, L, N).transpose(1, 2).contiguous() for t in (Bm, Cm))
+        A = -A_log.exp()
+
+        def run():
+            return selective_scan_fn(u, d, A, b, c, Dp, delta_bias=dt_bias, delta_softplus=True,
+                                     return_last_state=True)  # fmt: skip
+    elif impl == "reference":
+        from attn_core.reference.ops import mamba1_selective_scan
+
+        pool = state[..., None]
+        initial = torch.zeros(n_seq, dtype=torch.bool, device="cuda")
+
+        def run():
+            return mamba1_selective_scan(
+                x[..., None], dt, A_log, Bm[:, None], Cm[:, None], Dp, dt_bias, pool, cu, idx,
+                initial, mode="chunked",
+            )  # fmt: skip
+    else:
+        raise ValueError(f"impl={impl!r}")
+    ms = _bench(run, warmup=3, rep=10)
+    return {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6}
+
+
 def _mamba2_prefill_inputs(T: int, n_seq: int, H=128, G=1, N=128, P=64) -> dict:
     """Inputs of a Mamba2 mixer prefill, granite-4.0-h-small-like by default (128 heads of 64,
     state 128, one group): ``T`` tokens as ``n_seq`` requests in slots 2.. of a pool."""
@@ -663,6 +746,8 @@ JOBS = {
     "l2norm_sweep": job_l2norm_sweep,
     "mamba2_decode": job_mamba2_decode,
     "mamba2_prefill": job_mamba2_prefill,
+    "mamba1_decode": job_mamba1_decode,
+    "mamba1_prefill": job_mamba1_prefill,
     "plugin_step": job_plugin_step,
     "lightning_decode": job_lightning_decode,
     "lightning_prefill": job_lightning_prefill,
@@ -851,9 +936,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=600.0, help="wall-clock budget")
     ap.add_argument(
         "--only",
-        help="comma-separated sections to run (gdn_decode, mamba2_decode, gdn_prefill, "
-        "mamba2_prefill, lightning_decode, lightning_prefill, short_conv_decode, plugin_step); "
-        "the copy rows always run",
+        help="comma-separated sections to run (gdn_decode, mamba2_decode, mamba1_decode, "
+        "gdn_prefill, mamba2_prefill, mamba1_prefill, lightning_decode, lightning_prefill, "
+        "short_conv_decode, plugin_step); the copy rows always run",
     )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -886,6 +971,12 @@ def main(argv: list[str] | None = None) -> int:
                                              "B": B}, B=B, provider="ours"))  # fmt: skip
         ours.append(job("short_conv_decode", {"section": "short_conv_decode",
                                               "provider": "ours", "B": B}, B=B))  # fmt: skip
+        ours.append(job("mamba1_decode", {"section": "mamba1_decode", "provider": "ours",
+                                          "B": B}, B=B))  # fmt: skip
+        for rpp in (2, 4):  # A_log shared by rpp requests per program: does it pay?
+            ours.append(job("mamba1_decode", {"section": "mamba1_decode", "B": B,
+                                              "provider": f"ours requests_per_program={rpp}"},
+                            B=B, requests_per_program=rpp))  # fmt: skip
     if args.sweep:
         ours.append(job("gdn_decode_sweep", {"section": "sweep_done"}, batches=batches))
     fla = [
@@ -939,6 +1030,16 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     prefill.append(job("lightning_prefill", {**p, "provider": name}, T=T,
                                        n_seq=n_seq, provider=provider))  # fmt: skip
+        for n_seq in (1, 16):
+            p = {"section": "mamba1_prefill", "T": 8192, "n_seq": n_seq}
+            for impl in ("ours", "mamba_ssm"):
+                prefill.append(job("mamba1_prefill", {**p, "provider": impl}, T=8192,
+                                   n_seq=n_seq, impl=impl))  # fmt: skip
+            for bd in (16, 32, 64, 128):  # the default picks by requests and SMs: which wins?
+                prefill.append(job("mamba1_prefill", {**p, "provider": f"ours block_d={bd}"},
+                                   T=8192, n_seq=n_seq, impl="ours", block_d=bd))  # fmt: skip
+        p = {"section": "mamba1_prefill", "T": 2048, "n_seq": 1, "provider": "reference (torch)"}
+        prefill.append(job("mamba1_prefill", p, T=2048, n_seq=1, impl="reference"))
     if args.profile:
         for n_seq in (1, 16):
             p = {"section": "prefill_profile", "T": 8192, "n_seq": n_seq}

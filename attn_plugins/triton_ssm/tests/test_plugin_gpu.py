@@ -12,6 +12,7 @@ from test_plugin_harness import (
     LAYERS,
     REFERENCE,
     TRITON,
+    TRITON_MAMBA1,
     layer_params,
     make_lane,
     make_registry,
@@ -33,7 +34,15 @@ SHAPES = {
     "gated_deltanet": dict(hv=32, hk=16, dk=128, dv=128, channels=8192),
     "kda": dict(hv=32, hk=32, dk=128, dv=128, channels=12288),
     "mamba2": dict(hv=32, hk=8, dk=128, dv=64, channels=6144),
+    # Falcon-Mamba-7B / Jamba at tp=2: 4096 inner channels (one head each), d_state 16
+    "mamba1": dict(hv=4096, hk=1, dk=16, dv=1, channels=4096),
 }
+
+
+def _backend(variant: str) -> str:
+    return TRITON_MAMBA1 if variant == "mamba1" else TRITON
+
+
 TOL = dict(atol=2e-2, rtol=2e-2)  # bf16 activations, fp32 state and math
 
 
@@ -69,7 +78,7 @@ def test_realistic_shapes_match_reference(registry, variant, strategy):
     )
     lanes = [
         _lane(registry, REFERENCE, spec, c.with_(spec_verify_strategy=None)),
-        _lane(registry, TRITON, spec, c),
+        _lane(registry, _backend(variant), spec, c),
     ]
     reqs = ["a", "b", "c", "d"]
     for lane in lanes:
@@ -103,11 +112,11 @@ def test_realistic_shapes_match_reference(registry, variant, strategy):
                     lane.state.advance(r, t)
 
 
-@pytest.mark.parametrize("variant", ["gated_deltanet", "mamba2"])
+@pytest.mark.parametrize("variant", ["gated_deltanet", "mamba2", "mamba1"])
 def test_cuda_graph_decode_replay_with_new_metadata_equals_eager(registry, variant):
     spec = make_spec(variant, dtype="bfloat16", **SHAPES[variant])
     c = ExecutionConstraints(max_batch_size=16, max_num_tokens=1024, graph_mode="decode")
-    lane = _lane(registry, TRITON, spec, c)
+    lane = _lane(registry, _backend(variant), spec, c)
     reqs = [f"r{i}" for i in range(6)]
     for r in reqs:
         lane.state.add_request(r)

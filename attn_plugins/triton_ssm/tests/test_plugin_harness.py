@@ -28,6 +28,7 @@ from attn_core.specs import (
 from attn_core.state import PersistentState
 
 TRITON = "triton_ssm:triton_ssm"
+TRITON_MAMBA1 = "triton_ssm:triton_ssm_mamba1"
 REFERENCE = "attn_core:reference"
 LAYERS = (0, 1)
 
@@ -86,7 +87,7 @@ def make_spec(
         conv_channels=channels,
         dtype=dtype,
         state_dtype=state_dtype,
-        qk_l2norm=variant != "mamba2",
+        qk_l2norm=variant not in ("mamba2", "mamba1"),
     )
 
 
@@ -125,7 +126,8 @@ def make_lane(
 
 
 def layer_params(spec: LayerSpec, device: str, seed: int) -> dict[int, dict[str, torch.Tensor]]:
-    """Per-layer weights: conv weight / bias, and Mamba2's A_log, D, dt_bias."""
+    """Per-layer weights: conv weight / bias, and Mamba2's / Mamba1's A_log, D, dt_bias
+    (Mamba1's A_log per channel and state entry, ``[H, Dk]``)."""
     gen = torch.Generator().manual_seed(seed)
     dt = torch_dtype(spec.dtype)
     out = {}
@@ -140,6 +142,10 @@ def layer_params(spec: LayerSpec, device: str, seed: int) -> dict[int, dict[str,
             p["slope"] = torch.rand(H, generator=gen) * 1.5 + 0.01
         if spec.linear_variant.value == "mamba2":
             p["A_log"] = torch.randn(H, generator=gen) * 0.5
+            p["D"] = torch.randn(H, generator=gen)
+            p["dt_bias"] = torch.randn(H, generator=gen) * 0.3
+        if spec.linear_variant.value == "mamba1":
+            p["A_log"] = torch.rand(H, spec.head_dim, generator=gen).mul(2).log1p()
             p["D"] = torch.randn(H, generator=gen)
             p["dt_bias"] = torch.randn(H, generator=gen) * 0.3
         out[i] = {k: v.to(device) for k, v in p.items()}
@@ -163,7 +169,7 @@ def step_inputs(spec: LayerSpec, tokens: int, device: str, seed: int) -> dict[in
         variant = spec.linear_variant.value
         if variant in ("lightning", "short_conv"):
             x["extra"] = {}  # lightning's slope is a layer parameter; the conv needs nothing
-        elif variant == "mamba2":
+        elif variant in ("mamba2", "mamba1"):
             x["extra"] = {"dt": r(T, Hv, scale=0.5).to(dt)}
         else:
             g_shape = (T, Hv, Dk) if variant == "kda" else (T, Hv)

@@ -22,6 +22,7 @@ from test_plugin_harness import (  # noqa: E402
     LAYERS,
     REFERENCE,
     TRITON,
+    TRITON_MAMBA1,
     layer_params,
     make_lane,
     make_registry,
@@ -55,12 +56,22 @@ def _target() -> DeviceCapabilities:
     return DeviceCapabilities.detect(DEV)
 
 
+def _backend(spec):
+    return TRITON_MAMBA1 if spec.linear_variant.value == "mamba1" else TRITON
+
+
+def _spec(variant, **kw):
+    if variant == "mamba1":  # 12 inner channels, one head each, d_state 8, conv over x only
+        return make_spec(variant, hv=12, hk=1, dk=8, dv=1, channels=12, **kw)
+    return make_spec(variant, **kw)
+
+
 def _lanes(registry, spec, constraints):
     # the reference verifies natively only; the strategy is triton_ssm's choice
     ref_constraints = constraints.with_(spec_verify_strategy=None)
     lanes = [
         make_lane(registry, REFERENCE, spec, DEV, _target(), ref_constraints),
-        make_lane(registry, TRITON, spec, DEV, _target(), constraints),
+        make_lane(registry, _backend(spec), spec, DEV, _target(), constraints),
     ]
     params = layer_params(spec, DEV, seed=7)
     for lane in lanes:
@@ -122,15 +133,17 @@ def _step(lanes, spec, requests, seed, *, spec_tokens=0, pad_to=None, advance=Tr
 
 
 @pytest.mark.parametrize("strategy", ["native", "replay"])
-@pytest.mark.parametrize("variant", ["gated_deltanet", "kda", "mamba2", "lightning", "short_conv"])
+@pytest.mark.parametrize(
+    "variant", ["gated_deltanet", "kda", "mamba2", "mamba1", "lightning", "short_conv"]
+)
 def test_every_mode_matches_reference(registry, variant, strategy):
-    spec = make_spec(variant)
+    spec = _spec(variant)
     tol = TOL["float32"]
     constraints = ExecutionConstraints(
         max_batch_size=8, max_num_tokens=64, speculative_tokens=2, spec_verify_strategy=strategy
     )
     lanes = _lanes(registry, spec, constraints)
-    assert lanes[1].runtime.groups["linear"].backend.qualified_name == TRITON
+    assert lanes[1].runtime.groups["linear"].backend.qualified_name == _backend(spec)
     _add(lanes, "a", 1)
     _add(lanes, "b", 2)
 
@@ -176,10 +189,10 @@ def _no_outputs():
     return [dict.fromkeys(LAYERS, empty), dict.fromkeys(LAYERS, empty)]
 
 
-@pytest.mark.parametrize("variant", ["gated_deltanet", "mamba2"])
+@pytest.mark.parametrize("variant", ["gated_deltanet", "mamba2", "mamba1"])
 def test_native_and_replay_commit_the_same_state(registry, variant):
     """Both strategies, same verify inputs and accepted counts: bit-identical slots."""
-    spec = make_spec(variant)
+    spec = _spec(variant)
     got = []
     for strategy in ("native", "replay"):
         constraints = ExecutionConstraints(
@@ -199,8 +212,9 @@ def test_native_and_replay_commit_the_same_state(registry, variant):
             assert torch.equal(a, b)
 
 
-def test_bf16_state_and_activations(registry):
-    spec = make_spec("gated_deltanet", dtype="bfloat16", state_dtype="bfloat16")
+@pytest.mark.parametrize("variant", ["gated_deltanet", "mamba1"])
+def test_bf16_state_and_activations(registry, variant):
+    spec = _spec(variant, dtype="bfloat16", state_dtype="bfloat16")
     constraints = ExecutionConstraints(max_batch_size=4, max_num_tokens=32, speculative_tokens=1)
     lanes = _lanes(registry, spec, constraints)
     _add(lanes, "a", 1)

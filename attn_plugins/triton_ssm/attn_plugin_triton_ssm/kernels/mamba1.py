@@ -1,0 +1,465 @@
+"""Mamba1 selective scan (Jamba, Falcon-Mamba) with the state in slots in attn-core's layout.
+
+Per inner channel ``d`` (attn-core's one head of width 1 per channel), with the state row
+``h[d]`` ``[N]`` (``N = d_state``)::
+
+    dt  <- softplus(dt[d] + dt_bias[d])    (dt_softplus; softplus(x) = x for x > 20, as torch)
+    A   <- -exp(A_log[d, :])               [N]: one decay per state entry, unlike Mamba2
+    h   <- h * exp(dt A) + (dt x[d]) B     B, C [N]: one per token, shared by every channel
+    y   <- h . C + D[d] x[d]
+    y   <- y * silu(z[d])                  (when z is given)
+
+One kernel serves decode, prefill and speculative verify: grid ``(requests, D / BD)``, each
+program keeps an ``[BD, N]`` tile of its request's state in registers and walks the request's
+tokens in order (the sequential scan of mamba_ssm's ``selective_scan``, parallel over channels).
+The state is read once and written once per request whatever its length; a token costs
+``x, dt, z, y`` of ``BD`` channels and ``B, C`` of ``N``. Where the tokens of a request come from:
+
+- decode: request ``b`` is token ``b`` (no lengths read: CUDA-graph capturable);
+- varlen: ``cu_seqlens[b] .. cu_seqlens[b + 1]`` (prefill, mixed steps; read on the device);
+- verify replay commit: ``b * K1 .. b * K1 + num_accepted[b]``.
+
+The state pool is ``[S, D, N]`` or attn-core's ``[S, D, N, 1]`` (the same memory: HF's
+``[.., d_inner, d_state]`` cache), fp32 or bf16, maths in fp32, cast on store.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from attn_plugin_triton_ssm.kernels._common import (
+    STATE_DTYPES,
+    check_dtype,
+    check_float,
+    check_index,
+    check_last_contiguous,
+    check_same_device,
+    check_shape,
+    next_pow2,
+)
+
+__all__ = ["mamba1_commit", "mamba1_decode", "mamba1_replay_commit", "mamba1_scan"]
+
+_DECODE, _VARLEN, _STRIDED = 0, 1, 2
+
+
+@triton.jit
+def _mamba1_scan_kernel(
+    x_ptr,
+    dt_ptr,
+    a_log_ptr,
+    b_ptr,
+    c_ptr,
+    d_ptr,
+    dt_bias_ptr,
+    z_ptr,
+    state_ptr,
+    idx_ptr,
+    cu_ptr,
+    len_ptr,
+    init_ptr,
+    inter_ptr,
+    out_ptr,
+    s_xt,
+    s_xd,
+    s_dtt,
+    s_bt,
+    s_ct,
+    s_zt,
+    s_zd,
+    s_ot,
+    s_od,
+    s_ss,
+    s_sd,
+    s_ib,
+    s_ik,
+    s_id,
+    R,
+    D: tl.constexpr,
+    N: tl.constexpr,
+    BD: tl.constexpr,
+    BN: tl.constexpr,
+    RPP: tl.constexpr,
+    STEP: tl.constexpr,
+    MODE: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    HAS_D: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr,
+    STORE_INTER: tl.constexpr,
+    WRITE_STATE: tl.constexpr,
+    WRITE_OUT: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    o_d = pid_d * BD + tl.arange(0, BD)
+    o_n = tl.arange(0, BN)
+    m_d = o_d < D
+    m_n = o_n < N
+    m_dn = m_d[:, None] & m_n[None, :]
+    # per channel block, read once for the program's RPP requests (decode: A_log is as large as
+    # one request's state, so sharing it cuts its L2 reads by RPP)
+    b_a = -tl.exp(tl.load(a_log_ptr + o_d[:, None] * N + o_n[None, :], mask=m_dn, other=0.0))
+    if HAS_DT_BIAS:
+        b_bias = tl.load(dt_bias_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)
+    if HAS_D:
+        b_skip = tl.load(d_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)
+
+    for i in range(RPP):
+        pid_b = pid_r * RPP + i
+        live = pid_b < R  # past the last request: no tokens, no state, nothing stored
+        slot = tl.load(idx_ptr + pid_b, mask=live, other=-1).to(tl.int64)
+        if MODE == 0:
+            start = pid_b.to(tl.int64)
+            end = tl.where(live, start + 1, start)
+        elif MODE == 1:
+            start = tl.load(cu_ptr + pid_b, mask=live, other=0).to(tl.int64)
+            end = tl.load(cu_ptr + pid_b + 1, mask=live, other=0).to(tl.int64)
+        else:
+            start = pid_b.to(tl.int64) * STEP
+            end = start + tl.load(len_ptr + pid_b, mask=live, other=0).to(tl.int64)
+        valid = (o_d * 0 + slot) >= 0  # a block: the interpreter rejects scalar & block masks
+        m_state = m_dn & valid[:, None]
+
+        p_state = state_ptr + slot * s_ss + o_d[:, None] * s_sd + o_n[None, :]
+        b_h = tl.load(p_state, mask=m_state, other=0.0).to(tl.float32)
+        if HAS_INIT:
+            # a fresh request's slot holds whatever its previous owner left: never read it
+            init = tl.load(init_ptr + pid_b, mask=live, other=1).to(tl.int32)
+            b_h = tl.where(((o_d * 0 + init) == 0)[:, None], 0.0, b_h)
+
+        for t in range(start, end):
+            b_x = tl.load(x_ptr + t * s_xt + o_d * s_xd, mask=m_d, other=0.0).to(tl.float32)
+            b_dt = tl.load(dt_ptr + t * s_dtt + o_d, mask=m_d, other=0.0).to(tl.float32)
+            if HAS_DT_BIAS:
+                b_dt += b_bias
+            if DT_SOFTPLUS:
+                b_dt = tl.where(b_dt <= 20.0, tl.log(1.0 + tl.exp(b_dt)), b_dt)
+            b_B = tl.load(b_ptr + t * s_bt + o_n, mask=m_n, other=0.0).to(tl.float32)
+            b_C = tl.load(c_ptr + t * s_ct + o_n, mask=m_n, other=0.0).to(tl.float32)
+            b_h = b_h * tl.exp(b_dt[:, None] * b_a) + (b_dt * b_x)[:, None] * b_B[None, :]
+            if WRITE_OUT:
+                b_y = tl.sum(b_h * b_C[None, :], 1)
+                if HAS_D:
+                    b_y += b_skip * b_x
+                if HAS_Z:
+                    p_z = z_ptr + t * s_zt + o_d * s_zd
+                    b_z = tl.load(p_z, mask=m_d, other=0.0).to(tl.float32)
+                    b_y = b_y * b_z * tl.sigmoid(b_z)
+                b_y = tl.where(valid, b_y, 0.0)
+                p_out = out_ptr + t * s_ot + o_d * s_od
+                tl.store(p_out, b_y.to(out_ptr.dtype.element_ty), mask=m_d)
+            if STORE_INTER:
+                p_inter = (inter_ptr + pid_b.to(tl.int64) * s_ib + (t - start) * s_ik
+                           + o_d[:, None] * s_id + o_n[None, :])  # fmt: skip
+                tl.store(p_inter, b_h.to(inter_ptr.dtype.element_ty), mask=m_state)
+        if WRITE_STATE:
+            tl.store(p_state, b_h.to(state_ptr.dtype.element_ty), mask=m_state)
+
+
+def _pool(name: str, t: torch.Tensor, D: int, N: int, lead: int) -> torch.Tensor:
+    """``t`` as ``[*lead dims, D, N]`` (a view: attn-core's trailing value dim of 1 dropped)."""
+    dims = [None] * lead
+    if t.dim() == lead + 3:
+        check_shape(name, t, [*dims, D, N, 1], f"[{'*, ' * lead}D, N, 1]")
+        t = t.squeeze(-1)
+    check_shape(name, t, [*dims, D, N], f"[{'*, ' * lead}D, N] or [{'*, ' * lead}D, N, 1]")
+    check_dtype(name, t, STATE_DTYPES)
+    check_last_contiguous(name, t)
+    return t
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def _tiles(
+    N: int, block_d: int | None, num_warps: int | None, *, requests: int = 0, D: int = 0,
+    device: torch.device | None = None,
+) -> tuple[int, int, int]:  # fmt: skip
+    """``(BD, BN, num_warps)``. By default ``BD`` is the largest power of two up to
+    ``2048 / BN`` channels (128 at ``N = 16``) that still gives two programs per SM: a single
+    long prefill at d_inner 8192 would otherwise be 64 programs walking its tokens on 132 SMs.
+    Prefill and verify launches default to 16 channels (:func:`_launch`, measured); decode keeps
+    this rule (``bench_ssm.py`` times each ``block_d`` and requests per program)."""
+    BN = next_pow2(N)
+    BD = block_d or max(16, min(128, 2048 // BN))
+    if block_d is None and device is not None and device.type == "cuda" and requests:
+        want = 2 * _num_sms(device.index if device.index is not None else 0)
+        while BD > 16 and requests * triton.cdiv(D, BD) < want:
+            BD //= 2
+    return BD, BN, num_warps or min(8, max(1, BD * BN // 512))  # 4 warps at 128 x 16
+
+
+def mamba1_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A_log: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    D: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_softplus: bool = True,
+    intermediate_states: torch.Tensor | None = None,
+    update_state: bool = True,
+    out: torch.Tensor | None = None,
+    block_d: int | None = None,
+    num_warps: int | None = None,
+    requests_per_program: int = 1,
+) -> torch.Tensor:
+    """Mamba1 over the tokens of ``R`` requests, each continuing from its slot.
+
+    :param x: ``[T, D]`` float, after the conv (``D = d_inner``); any strides (``z`` and
+        ``out`` too).
+    :param dt: ``[T, D]`` time step after ``dt_proj``'s weight (before ``dt_bias``, softplus).
+    :param A_log: ``[D, N]`` float32, packed; ``A = -exp(A_log)``.
+    :param B: ``[T, N]`` float; ``C``: ``[T, N]`` float (last dim packed, outer strides free).
+    :param ssm_state: ``[S, D, N]`` or ``[S, D, N, 1]`` float32 / bfloat16, updated in place
+        (unless ``update_state`` is False).
+    :param state_indices: ``[R]`` int32 slot per request; ``-1``: padding (zeros out, no state).
+    :param cu_seqlens: ``[R + 1]`` int32 / int64 token offsets of the requests (read on the
+        device); None: one token per request (decode, ``R == T``).
+    :param has_initial_state: ``[R]`` bool; False starts the request from zero (its slot's
+        old contents are never read). None: every request continues its slot.
+    :param D: ``[D]`` skip, or None. ``dt_bias``: ``[D]`` (``dt_proj.bias``), or None.
+    :param z: ``[T, D]`` gate (``y *= silu(z)``), or None.
+    :param intermediate_states: ``[R, >= max len, D, N(, 1)]`` state dtype: receives the
+        state after each token (speculative verify, native strategy).
+    :param update_state: write the final state back to the slot.
+    :param out: ``[T, D]`` (allocated like ``x`` when None).
+    :param block_d: channels per program (default: see :func:`_tiles`).
+    :param requests_per_program: requests one program walks in turn for its channel block,
+        sharing its ``A_log`` / ``D`` / ``dt_bias`` reads (tuning knob; 1 by default).
+    :returns: ``out``: ``y`` per token and channel.
+    """
+    if not isinstance(requests_per_program, int) or requests_per_program < 1:
+        raise ValueError(
+            f"requests_per_program: expected a positive int, got {requests_per_program!r}"
+        )
+    check_shape("x", x, [None, None], "[T, D]")
+    T, Dn = x.shape
+    check_shape("dt", dt, [T, Dn], "[T, D] like x")
+    check_shape("A_log", A_log, [Dn, None], "[D, N]")
+    N = A_log.shape[1]
+    check_dtype("A_log", A_log, (torch.float32,))
+    if not A_log.is_contiguous():
+        raise ValueError(f"A_log: expected a packed [D, N] tensor, got strides {A_log.stride()}")
+    for name, t in (("B", B), ("C", C)):
+        check_shape(name, t, [T, N], "[T, N]")
+        check_float(name, t)
+        check_last_contiguous(name, t)
+    check_float("x", x)  # any strides: attn-core's v [T, D, 1] may be a view of a wider buffer
+    check_float("dt", dt)
+    check_last_contiguous("dt", dt)
+    state = _pool("ssm_state", ssm_state, Dn, N, 1)
+    R = state_indices.shape[0] if state_indices.dim() == 1 else -1
+    check_index("state_indices", state_indices, R)
+    if cu_seqlens is None:
+        if R != T:
+            raise ValueError(
+                f"state_indices: decode (no cu_seqlens) takes one token per request: expected "
+                f"{T} entries, got {R}"
+            )
+    else:
+        check_index("cu_seqlens", cu_seqlens, R + 1)
+    if has_initial_state is not None:
+        check_shape("has_initial_state", has_initial_state, [R], "[R] bool")
+    for name, p in (("D", D), ("dt_bias", dt_bias)):
+        if p is not None:
+            check_shape(name, p, [Dn], "[D]")
+            check_last_contiguous(name, p)
+    if z is not None:
+        check_shape("z", z, [T, Dn], "[T, D]")
+    inter = None
+    if intermediate_states is not None:
+        inter = _pool("intermediate_states", intermediate_states, Dn, N, 2)
+        if inter.shape[0] != R:
+            raise ValueError(
+                f"intermediate_states: expected {R} requests in dim 0, got {inter.shape[0]}"
+            )
+    check_same_device(
+        {"x": x, "dt": dt, "A_log": A_log, "B": B, "C": C, "ssm_state": ssm_state,
+         "state_indices": state_indices, "cu_seqlens": cu_seqlens,
+         "has_initial_state": has_initial_state, "D": D, "dt_bias": dt_bias, "z": z,
+         "intermediate_states": intermediate_states}
+    )  # fmt: skip
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    check_shape("out", out, [T, Dn], "[T, D]")  # any strides, as x
+    _launch(
+        x, dt, A_log, B, C, state, state_indices, out,
+        mode=_DECODE if cu_seqlens is None else _VARLEN, cu=cu_seqlens, lengths=None, step=1,
+        init=has_initial_state, D=D, dt_bias=dt_bias, z=z, dt_softplus=dt_softplus,
+        inter=inter, write_state=update_state, write_out=True, block_d=block_d,
+        num_warps=num_warps, requests_per_program=requests_per_program,
+    )  # fmt: skip
+    return out
+
+
+def _launch(x, dt, A_log, B, C, state, idx, out, *, mode, cu, lengths, step, init, D, dt_bias,
+            z, dt_softplus, inter, write_state, write_out, block_d, num_warps,
+            requests_per_program=1) -> None:  # fmt: skip
+    Dn, N = A_log.shape
+    R = idx.shape[0]
+    if block_d is None and mode == _VARLEN and x.shape[0] > R:
+        # a prefill walks its tokens: 16 channels per program ran fastest on the H200 at
+        # d_inner 8192, d_state 16 (T = 8192 as 1 / 16 requests: 4.94 / 1.19 ms at 16, against
+        # 8.7-11.0 / 1.20-1.46 ms at 32-128)
+        block_d = 16
+    BD, BN, warps = _tiles(N, block_d, num_warps, requests=R, D=Dn, device=x.device)
+    if R == 0:
+        return
+    rpp = requests_per_program
+    _mamba1_scan_kernel[(triton.cdiv(R, rpp), triton.cdiv(Dn, BD))](
+        x, dt, A_log, B, C,
+        D if D is not None else A_log,
+        dt_bias if dt_bias is not None else A_log,
+        z if z is not None else x,
+        state, idx,
+        cu if cu is not None else idx,
+        lengths if lengths is not None else idx,
+        init if init is not None else idx,
+        inter if inter is not None else state,
+        out if out is not None else x,
+        x.stride(0), x.stride(1), dt.stride(0), B.stride(0), C.stride(0),
+        *(z.stride() if z is not None else (0, 0)),
+        *(out.stride() if out is not None else (0, 0)),
+        state.stride(0), state.stride(1),
+        *(inter.stride()[:3] if inter is not None else (0, 0, 0)),
+        R, D=Dn, N=N, BD=BD, BN=BN, RPP=rpp, STEP=step, MODE=mode,
+        HAS_INIT=init is not None, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
+        HAS_Z=z is not None, DT_SOFTPLUS=dt_softplus, STORE_INTER=inter is not None,
+        WRITE_STATE=write_state, WRITE_OUT=write_out, num_warps=warps,
+    )  # fmt: skip
+
+
+def mamba1_decode(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A_log: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    **kwargs: object,
+) -> torch.Tensor:
+    """One token per request (``x [B, D]``, ``B, C [B, N]``): :func:`mamba1_scan` without
+    ``cu_seqlens``; reads no lengths, so a step can be captured in a CUDA graph."""
+    if kwargs.get("cu_seqlens") is not None:
+        raise ValueError("mamba1_decode takes one token per request: no cu_seqlens")
+    return mamba1_scan(x, dt, A_log, B, C, ssm_state, state_indices, **kwargs)  # type: ignore[arg-type]
+
+
+def mamba1_replay_commit(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A_log: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    num_accepted: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    *,
+    D: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = True,
+    block_d: int | None = None,
+) -> None:
+    """Replay commit: rerun the first ``num_accepted[b]`` of request ``b``'s ``K1`` verify
+    tokens from its slot and store the state (no outputs).
+
+    :param x: ``[Bt * K1, D]`` (request-major, ``K1`` tokens each); ``dt`` the same; ``B``,
+        ``C``: ``[Bt * K1, N]``.
+    :param num_accepted: ``[Bt]`` int32 in ``0..K1`` (``0``: the slot is left as it is).
+    """
+    Bt = state_indices.shape[0]
+    check_shape("x", x, [None, None], "[B * K1, D]")
+    if Bt == 0 or x.shape[0] % Bt:
+        raise ValueError(f"x: expected B * K1 rows for B={Bt} requests, got {x.shape[0]}")
+    K1 = x.shape[0] // Bt
+    Dn, N = A_log.shape[0], A_log.shape[-1]
+    check_shape("dt", dt, [Bt * K1, Dn], "[B * K1, D]")
+    for name, t in (("B", B), ("C", C)):
+        check_shape(name, t, [Bt * K1, N], "[B * K1, N]")
+        check_last_contiguous(name, t)
+    check_index("num_accepted", num_accepted, Bt)
+    check_index("state_indices", state_indices, Bt)
+    state = _pool("ssm_state", ssm_state, Dn, N, 1)
+    check_same_device(
+        {"x": x, "dt": dt, "A_log": A_log, "B": B, "C": C, "ssm_state": ssm_state,
+         "num_accepted": num_accepted, "state_indices": state_indices}
+    )  # fmt: skip
+    _launch(
+        x, dt, A_log, B, C, state, state_indices, None, mode=_STRIDED, cu=None,
+        lengths=num_accepted, step=K1, init=None, D=D, dt_bias=dt_bias, z=None,
+        dt_softplus=dt_softplus, inter=None, write_state=True, write_out=False,
+        block_d=block_d, num_warps=None,
+    )  # fmt: skip
+
+
+@triton.jit
+def _mamba1_commit_kernel(
+    inter_ptr, acc_ptr, state_ptr, idx_ptr, s_ib, s_ik, s_id, s_ss, s_sd,
+    D: tl.constexpr, N: tl.constexpr, K1: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
+):  # fmt: skip
+    pid_b = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    slot = tl.load(idx_ptr + pid_b).to(tl.int64)
+    acc = tl.load(acc_ptr + pid_b).to(tl.int64)
+    o_d = pid_d * BD + tl.arange(0, BD)
+    o_n = tl.arange(0, BN)
+    keep = (o_d * 0 + slot >= 0) & (o_d * 0 + acc >= 1) & (o_d * 0 + acc <= K1)
+    m = (o_d < D)[:, None] & (o_n < N)[None, :] & keep[:, None]
+    src = inter_ptr + pid_b.to(tl.int64) * s_ib + (acc - 1) * s_ik
+    b_h = tl.load(src + o_d[:, None] * s_id + o_n[None, :], mask=m, other=0.0)
+    p_state = state_ptr + slot * s_ss + o_d[:, None] * s_sd + o_n[None, :]
+    tl.store(p_state, b_h.to(state_ptr.dtype.element_ty), mask=m)
+
+
+def mamba1_commit(
+    intermediate_states: torch.Tensor,
+    num_accepted: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+) -> None:
+    """Native commit: copy ``intermediate_states[b, num_accepted[b] - 1]`` into slot
+    ``state_indices[b]``; ``num_accepted`` out of ``1..K1`` and padding rows leave the slot.
+
+    :param intermediate_states: ``[B, K1, D, N(, 1)]`` from :func:`mamba1_scan`.
+    :param ssm_state: ``[S, D, N(, 1)]`` float32 / bfloat16 (cast on store).
+    """
+    lead = intermediate_states.dim() - (3 if intermediate_states.shape[-1] == 1 else 2)
+    if lead != 2:
+        raise ValueError(
+            f"intermediate_states: expected [B, K1, D, N] or [B, K1, D, N, 1], got "
+            f"{list(intermediate_states.shape)}"
+        )
+    Bt, K1, Dn = intermediate_states.shape[:3]
+    N = intermediate_states.shape[3]
+    inter = _pool("intermediate_states", intermediate_states, Dn, N, 2)
+    state = _pool("ssm_state", ssm_state, Dn, N, 1)
+    check_index("num_accepted", num_accepted, Bt)
+    check_index("state_indices", state_indices, Bt)
+    check_same_device(
+        {"intermediate_states": intermediate_states, "num_accepted": num_accepted,
+         "ssm_state": ssm_state, "state_indices": state_indices}
+    )  # fmt: skip
+    BD, BN, warps = _tiles(N, None, None)
+    if Bt == 0:
+        return
+    _mamba1_commit_kernel[(Bt, triton.cdiv(Dn, BD))](
+        inter, num_accepted, state, state_indices, *inter.stride()[:3], *state.stride()[:2],
+        D=Dn, N=N, K1=K1, BD=BD, BN=BN, num_warps=warps,
+    )  # fmt: skip

@@ -1,0 +1,223 @@
+"""Mamba1 kernels (``kernels/mamba1.py``) against attn-core's reference selective scan, itself
+checked against transformers' Mamba scan / state update and fla's naive GLA
+(tests/reference/test_ops_linear.py).
+
+Without CUDA the kernels run in Triton's CPU interpreter (see ``kernel_device``); with CUDA the
+same small-shape tests run compiled. Shapes: ``D`` inner channels not a multiple of the channel
+block (two and a half blocks of 8), ``N = 8`` state entries.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_device import DEV, K  # first: picks the interpreter on a machine without CUDA
+
+from attn_core.reference.ops import mamba1_selective_scan
+
+Dn, N, S = 20, 8, 6
+BLOCK_D = 8
+TOL = {"atol": 1e-4, "rtol": 1e-4}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _params(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    return {
+        "A_log": (torch.arange(1, N + 1).float().log().expand(Dn, -1)
+                  + torch.randn(Dn, N, generator=gen) * 0.3).contiguous(),
+        "D": torch.randn(Dn, generator=gen),
+        "dt_bias": torch.randn(Dn, generator=gen),
+    }  # fmt: skip
+
+
+def _tokens(T: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    return {
+        "x": torch.randn(T, Dn, generator=gen),
+        "dt": torch.randn(T, Dn, generator=gen),
+        "B": torch.randn(T, N, generator=gen),
+        "C": torch.randn(T, N, generator=gen),
+        "z": torch.randn(T, Dn, generator=gen),
+    }
+
+
+def _dev(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.to(DEV) for k, v in d.items()}
+
+
+def _reference(t, p, pool, lens, slots, initial, *, intermediate=None):
+    """attn-core's reference op in its layout ([T, D, 1], [T, 1, N], pool [S, D, N, 1]),
+    gated by silu(z) as the kernels do; updates ``pool`` (CPU, float32) in place."""
+    qsl = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    y = mamba1_selective_scan(
+        t["x"][..., None], t["dt"], p["A_log"], t["B"][:, None], t["C"][:, None], p["D"],
+        p["dt_bias"], pool, qsl, torch.tensor(slots, dtype=torch.int32),
+        torch.tensor(initial), mode="recurrent", intermediate_states=intermediate,
+    )[..., 0]  # fmt: skip
+    return y * F.silu(t["z"])
+
+
+@pytest.mark.parametrize("rpp", [1, 3])  # 3: four requests, the second program gets one
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pool_dims", [3, 4])
+def test_decode_matches_reference(state_dtype: torch.dtype, pool_dims: int, rpp: int) -> None:
+    gen = _gen(0)
+    p, t = _params(gen), _tokens(4, gen)
+    pool = (torch.randn(S, Dn, N, 1, generator=gen) * 0.3).to(state_dtype)
+    slots = [3, -1, 0, 5]
+    ref_pool = pool.float().clone()
+    want = _reference(t, p, ref_pool, [1] * 4, slots, [True] * 4)
+    st = pool.clone().to(DEV)
+    got = K.mamba1_decode(
+        *(_dev(t)[k] for k in ("x", "dt")), p["A_log"].to(DEV), *(_dev(t)[k] for k in "BC"),
+        st if pool_dims == 4 else st.squeeze(-1), torch.tensor(slots, dtype=torch.int32).to(DEV),
+        D=p["D"].to(DEV), dt_bias=p["dt_bias"].to(DEV), z=t["z"].to(DEV), block_d=BLOCK_D,
+        requests_per_program=rpp,
+    ).cpu()  # fmt: skip
+    tol = TOL if state_dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
+    live = [b for b, s in enumerate(slots) if s >= 0]
+    torch.testing.assert_close(got[live], want[live], **TOL)
+    assert torch.count_nonzero(got[1]) == 0  # the padding row writes zeros
+    used = [s for s in slots if s >= 0]
+    torch.testing.assert_close(st.cpu()[used].float(), ref_pool[used], **tol)
+    untouched = [s for s in range(S) if s not in used]
+    assert torch.equal(st.cpu()[untouched], pool[untouched])
+
+
+@pytest.mark.parametrize("rpp", [1, 2])
+def test_varlen_prefill_with_fresh_and_continued_requests(rpp: int) -> None:
+    """Lengths 7, 1, 0, 12 (a zero-length request, a decode among prefills); request 1 is fresh
+    (its slot holds NaN garbage that must never be read); a padding request rides along."""
+    gen = _gen(1)
+    p = _params(gen)
+    lens, slots, initial = [7, 1, 0, 12, 3], [2, 4, 1, 0, -1], [True, False, True, True, True]
+    t = _tokens(sum(lens), gen)
+    pool = torch.randn(S, Dn, N, 1, generator=gen) * 0.3
+    pool[4] = float("nan")
+    ref_pool = pool.clone()
+    ref_pool[4] = 0.0  # the reference never reads a fresh slot either; keep NaN out of it
+    want = _reference(t, p, ref_pool, lens, slots, initial)
+    st = pool.clone().to(DEV)
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    got = K.mamba1_scan(
+        *(_dev(t)[k] for k in ("x", "dt")), p["A_log"].to(DEV), *(_dev(t)[k] for k in "BC"),
+        st, torch.tensor(slots, dtype=torch.int32).to(DEV), cu_seqlens=cu.to(DEV),
+        has_initial_state=torch.tensor(initial).to(DEV), D=p["D"].to(DEV),
+        dt_bias=p["dt_bias"].to(DEV), z=t["z"].to(DEV), block_d=BLOCK_D,
+        requests_per_program=rpp,
+    ).cpu()  # fmt: skip
+    real = sum(lens[:-1])
+    torch.testing.assert_close(got[:real], want[:real], **TOL)
+    assert torch.count_nonzero(got[real:]) == 0
+    torch.testing.assert_close(st.cpu()[[2, 4, 1, 0]], ref_pool[[2, 4, 1, 0]], **TOL)
+    assert torch.equal(st.cpu()[[3, 5]], pool[[3, 5]])
+
+
+def test_prefill_split_equals_whole() -> None:
+    """State carry: a 13-token request in chunks 5 + 1 + 7 equals one call (no D, dt_bias, z)."""
+    gen = _gen(2)
+    p = _params(gen)
+    t = _tokens(13, gen)
+
+    def args(a: int, b: int) -> tuple[torch.Tensor, ...]:
+        x, dt, B, C = (t[k][a:b].to(DEV) for k in ("x", "dt", "B", "C"))
+        return x, dt, p["A_log"].to(DEV), B, C
+
+    idx = torch.tensor([0], dtype=torch.int32, device=DEV)
+    whole_state = torch.zeros(1, Dn, N, device=DEV)
+    cu = lambda n: torch.tensor([0, n], dtype=torch.int32, device=DEV)  # noqa: E731
+    whole = K.mamba1_scan(*args(0, 13), whole_state, idx, cu_seqlens=cu(13))
+    state = torch.zeros(1, Dn, N, device=DEV)
+    parts = [K.mamba1_scan(*args(a, b), state, idx, cu_seqlens=cu(b - a))
+             for a, b in ((0, 5), (5, 6), (6, 13))]  # fmt: skip
+    torch.testing.assert_close(torch.cat(parts).cpu(), whole.cpu(), **TOL)
+    torch.testing.assert_close(state.cpu(), whole_state.cpu(), **TOL)
+
+
+def test_verify_native_commit_and_replay_commit_agree_for_every_accepted_count() -> None:
+    gen = _gen(3)
+    p = _params(gen)
+    Bt, K1 = 3, 4
+    t = _tokens(Bt * K1, gen)
+    slots = [5, -1, 2]
+    pool = torch.randn(S, Dn, N, 1, generator=gen) * 0.3
+    ref_pool = pool.clone()
+    ref_inter = torch.full((Bt, K1, Dn, N, 1), float("nan"))
+    want = _reference(t, p, ref_pool, [K1] * Bt, slots, [True] * Bt, intermediate=ref_inter)
+    st = pool.clone().to(DEV)
+    inter = torch.full((Bt, K1, Dn, N, 1), float("nan"), device=DEV)
+    idx = torch.tensor(slots, dtype=torch.int32, device=DEV)
+    cu = torch.arange(0, Bt * K1 + 1, K1, dtype=torch.int32, device=DEV)
+    common = dict(D=p["D"].to(DEV), dt_bias=p["dt_bias"].to(DEV))
+    toks = (*(_dev(t)[k] for k in ("x", "dt")), p["A_log"].to(DEV), *(_dev(t)[k] for k in "BC"))
+    got = K.mamba1_scan(*toks, st, idx, cu_seqlens=cu, z=t["z"].to(DEV),
+                        intermediate_states=inter, update_state=False, **common)  # fmt: skip
+    assert torch.equal(st.cpu(), pool), "update_state=False must leave every slot"
+    live = [0, 2]
+    rows = torch.cat([torch.arange(b * K1, (b + 1) * K1) for b in live])
+    torch.testing.assert_close(got.cpu()[rows], want[rows], **TOL)
+    torch.testing.assert_close(inter.cpu()[live], ref_inter[live], **TOL)
+    for n in range(K1 + 1):
+        acc = torch.tensor([n, K1, max(n - 1, 0)], dtype=torch.int32, device=DEV)
+        native, replay = pool.clone().to(DEV), pool.clone().to(DEV)
+        K.mamba1_commit(inter, acc, native, idx)
+        K.mamba1_replay_commit(*toks, acc, replay, idx, **common)
+        for b, s in enumerate(slots):
+            if s < 0:
+                continue
+            a = int(acc[b])
+            expected = pool[s] if a == 0 else ref_inter[b, a - 1]
+            torch.testing.assert_close(native.cpu()[s], expected, **TOL)
+            torch.testing.assert_close(replay.cpu()[s], expected, **TOL)
+        others = [s for s in range(S) if s not in (5, 2)]
+        assert torch.equal(native.cpu()[others], pool[others])
+        assert torch.equal(replay.cpu()[others], pool[others])
+
+
+def test_shapes_are_checked_with_names() -> None:
+    gen = _gen(4)
+    p, t = _params(gen), _dev(_tokens(2, gen))
+    st = torch.zeros(S, Dn, N, device=DEV)
+    idx = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
+    a_log = p["A_log"].to(DEV)
+    with pytest.raises(ValueError, match=r"ssm_state: expected shape \[\*, 20, 8\]"):
+        K.mamba1_decode(t["x"], t["dt"], a_log, t["B"], t["C"], st[:, :, :4], idx)
+    with pytest.raises(ValueError, match=r"B: expected shape \[2, 8\]"):
+        K.mamba1_decode(t["x"], t["dt"], a_log, t["B"][:, :4], t["C"], st, idx)
+    with pytest.raises(ValueError, match="one token per request"):
+        K.mamba1_decode(t["x"], t["dt"], a_log, t["B"], t["C"], st, idx[:1])
+    with pytest.raises(ValueError, match="requests_per_program"):
+        K.mamba1_decode(t["x"], t["dt"], a_log, t["B"], t["C"], st, idx, requests_per_program=0)
+    with pytest.raises(TypeError, match="A_log: expected dtype"):
+        K.mamba1_decode(t["x"], t["dt"], a_log.double(), t["B"], t["C"], st, idx)
+
+
+def test_strided_x_z_and_out() -> None:
+    """attn-core hands ``v [T, D, 1]`` and ``out`` as views of wider buffers (channel stride
+    > 1): the kernels read and write through the strides, and touch nothing in between."""
+    gen = _gen(5)
+    p, t = _params(gen), _tokens(3, gen)
+    wide = {k: torch.randn(3, Dn, 3, generator=gen) for k in ("x", "z")}
+    for k in wide:
+        wide[k][:, :, 0] = t[k]
+    pool = torch.randn(S, Dn, N, 1, generator=gen) * 0.3
+    slots = [1, 4, 0]
+    ref_pool = pool.clone()
+    want = _reference(t, p, ref_pool, [1] * 3, slots, [True] * 3)
+    out_buf = torch.full((3, Dn, 3), 7.0, device=DEV)
+    st = pool.clone().to(DEV)
+    x, z = (wide[k].to(DEV)[:, :, 0] for k in ("x", "z"))
+    got = K.mamba1_decode(
+        x, t["dt"].to(DEV), p["A_log"].to(DEV), t["B"].to(DEV), t["C"].to(DEV), st,
+        torch.tensor(slots, dtype=torch.int32, device=DEV), D=p["D"].to(DEV),
+        dt_bias=p["dt_bias"].to(DEV), z=z, out=out_buf[:, :, 0], block_d=BLOCK_D,
+    )  # fmt: skip
+    assert got.data_ptr() == out_buf.data_ptr()
+    torch.testing.assert_close(out_buf[:, :, 0].cpu(), want, **TOL)
+    assert bool((out_buf[:, :, 1:] == 7.0).all())
+    torch.testing.assert_close(st.cpu()[slots], ref_pool[slots], **TOL)
