@@ -93,9 +93,16 @@ def test_tested_dense_types_are_listed() -> None:
         assert MODEL_TYPE_FAMILIES[t] == "dense"
 
 
-def test_softcap_is_honoured() -> None:
+def test_a_softcap_the_generic_mapping_cannot_know_is_refused() -> None:
+    """transformers' dense families do not apply ``attn_logit_softcapping`` (only Gemma-2-like
+    models do, and those carry fields the generic mapping refuses anyway): mapping the cap would
+    describe a model other than the one transformers runs, so it is refused, naming the field
+    and the layers."""
     cfg = {**_config("olmo2").to_dict(), "attn_logit_softcapping": 30.0}
-    assert specs_from_hf_config(cfg).layer_specs[0].logits_soft_cap == 30.0
+    with pytest.raises(ValueError, match=r"attn_logit_softcapping=30.0 in layers 0-2.*refused"):
+        specs_from_hf_config(cfg)
+    cfg["attn_logit_softcapping"] = None  # as transformers writes an unset cap
+    assert specs_from_hf_config(cfg).layer_specs[0].logits_soft_cap is None
 
 
 @pytest.mark.parametrize(

@@ -438,7 +438,8 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
 
     Without ``layer_types``, a set ``sliding_window`` slides every layer (Mistral, Phi-3,
     Starcoder2) unless ``use_sliding_window`` is false. ``attention_multiplier`` (Granite) is the
-    softmax scale; ``attn_logit_softcapping`` the logits soft-cap.
+    softmax scale. A set ``attn_logit_softcapping`` is refused: the dense families transformers
+    has never apply it.
     """
     n = r.pos_int("num_hidden_layers")
     unknown = sorted(k for k in r.cfg if k not in _DENSE_FIELDS)
@@ -469,7 +470,15 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
     fields_: dict[str, Any] = dict(_gqa(r, o, _head_dim(r)))
     cap = r.cfg.get("attn_logit_softcapping")
     if cap is not None:
-        fields_["logits_soft_cap"] = float(cap)
+        # transformers' dense families store the field but never pass it to the attention
+        # function (only Gemma-2-like models apply it, and they have fields refused above):
+        # capping would describe another model than the one transformers runs
+        raise ValueError(
+            f"{r.where}: attn_logit_softcapping={cap} in layers {_ranges(range(n))}: the "
+            f"generic dense mapping cannot tell whether {r.cfg.get('model_type')!r} applies "
+            f"it to the attention logits (transformers' dense families do not); refused, not "
+            f"guessed"
+        )
     scale = r.cfg.get("attention_multiplier")
     if scale is not None:
         fields_["softmax_scale"] = float(scale)

@@ -66,9 +66,9 @@ def test_hook_refuses_a_mapping_that_disagrees_with_the_module(
         run_architecture("gemma-3", prompts=1, max_new_tokens=1)
 
 
-def test_hook_refuses_a_soft_cap_the_module_does_not_apply(tmp_path: Path) -> None:
-    """The generic dense mapping reads attn_logit_softcapping, but OLMo-2's attention never
-    passes it to the attention function: run refuses rather than cap what the model does not."""
+def test_run_refuses_a_soft_cap_the_module_does_not_apply(tmp_path: Path) -> None:
+    """OLMo-2's attention never passes attn_logit_softcapping to the attention function: the
+    mapping refuses the field (explain and run alike) rather than cap what the model does not."""
     import transformers
 
     from attn_core.e2e.main import run_main
@@ -87,7 +87,7 @@ def test_hook_refuses_a_soft_cap_the_module_does_not_apply(tmp_path: Path) -> No
     cfg["attn_logit_softcapping"] = 30.0
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"Olmo2Attention.*logits soft-cap None.*30"):
+    with pytest.raises(ValueError, match=r"attn_logit_softcapping=30.0 in layers 0-1.*refused"):
         run_main(
             str(path),
             device="cpu",
