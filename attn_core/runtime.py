@@ -30,7 +30,8 @@ import torch
 
 from attn_core.binding import GroupRuntime, LayerAttentionBinding
 from attn_core.errors import BackendInputError, PluginError
-from attn_core.specs import GraphMode, LayerKind, Phase
+from attn_core.selector import constraints_for_phases
+from attn_core.specs import ExecutionConstraints, GraphMode, LayerKind, Phase
 from attn_core.workspace import Workspace
 
 if TYPE_CHECKING:
@@ -90,11 +91,16 @@ class AttentionRuntime:
             group_state = state if group.spec.kind.value != "encoder" else None
             targets: dict[str, tuple[Any, Any, Any]] = {}
             for backend in choice.backends:  # the prefill backend first
+                # a backend is allocated for the demands of the phases it serves (no graph mode
+                # for one that serves only eager prefill steps, no draft tokens for one that
+                # verifies none), as the selector admitted it
+                served = choice.phases_served_by(backend.qualified_name)
+                cons = constraints_for_phases(plan.constraints, served)
                 common: dict[str, Any] = dict(
                     backend=backend,
                     group=group,
                     device=plan.device,
-                    constraints=plan.constraints,
+                    constraints=cons,
                 )
                 reqs = registry.call_owner("attn_core_workspace_requirements", **common) or ()
                 try:
@@ -115,7 +121,7 @@ class AttentionRuntime:
                         RuntimeError(f"returned no context for group {group.group_id!r}"),
                     )
                 fwd = registry.call_owner("attn_core_bind_forward", backend=backend, context=ctx)
-                _check_context(ctx, fwd, group, backend, plan)
+                _check_context(ctx, fwd, group, backend, cons)
                 targets[backend.qualified_name] = (backend, ctx, fwd or ctx.forward)
                 self.backend_workspaces[(group.group_id, backend.qualified_name)] = workspace
             backend, ctx, fwd = targets[choice.backend.qualified_name]
@@ -258,13 +264,15 @@ def _refuse_unloadable(plan: Plan) -> None:
             )
 
 
-def _check_context(ctx: Any, bound: Any, group: Any, backend: Any, plan: Plan) -> None:
+def _check_context(
+    ctx: Any, bound: Any, group: Any, backend: Any, constraints: ExecutionConstraints
+) -> None:
     """Refuse a context that lacks a method the runtime will call, when it is allocated
     rather than in the middle of a step."""
     needed = ["prepare"]
     if bound is None:
         needed.append("forward")
-    if plan.constraints.graph_mode is not GraphMode.NONE:
+    if constraints.graph_mode is not GraphMode.NONE:
         needed.append("update")
     if group.spec.kind is LayerKind.LINEAR:
         needed.append("conv1d")

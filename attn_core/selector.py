@@ -107,6 +107,30 @@ def _nearest(value: int, allowed: Iterable[int]) -> int:
     return min(allowed, key=lambda a: (abs(a - value), -a))
 
 
+def _phase_graph_mode(mode: GraphMode, phase: Phase | None) -> GraphMode:
+    """The graph mode the steps of ``phase`` run under: ``decode`` captures decode steps (and
+    the uniform verify steps), not prefill or mixed ones; ``full`` captures every step."""
+    if mode is GraphMode.DECODE and phase is Phase.PREFILL:
+        return GraphMode.NONE
+    return mode
+
+
+def constraints_for_phases(
+    constraints: ExecutionConstraints, phases: Iterable[Phase]
+) -> ExecutionConstraints:
+    """The run's demands as a backend serving only ``phases`` meets them: no graph mode when
+    none of its steps is captured, no draft tokens when it verifies none (what
+    :func:`check_backend` held it to, and what its context is allocated for)."""
+    phases = tuple(phases)
+    changes: dict[str, Any] = {}
+    modes = {_phase_graph_mode(constraints.graph_mode, p) for p in phases}
+    if constraints.graph_mode is not GraphMode.NONE and modes <= {GraphMode.NONE}:
+        changes["graph_mode"] = GraphMode.NONE
+    if constraints.speculative_tokens and Phase.VERIFY not in phases:
+        changes["speculative_tokens"] = 0
+    return constraints.with_(**changes) if changes else constraints
+
+
 def check_backend(
     backend: Backend,
     spec: LayerSpec,
@@ -124,8 +148,10 @@ def check_backend(
     being tried (None: not constrained yet). ``local=False`` judges for another machine (an
     offline plan): that this machine cannot load the backend is then no reason. ``phase``: the
     phase being planned (a backend that does not serve it is rejected with code ``phase``);
-    None: any. The run's demands (graph mode, draft tokens, ...) hold for every phase: all
-    backends of a group serve one run.
+    None: any. Each phase is held to the demands its own steps make: under graph mode
+    ``decode`` only the decode and verify phases are captured (prefill and mixed steps run
+    eagerly), and only the verify phase carries draft tokens (``speculative_tokens``, the
+    verify strategy); the other demands hold for every phase.
     """
     caps = backend.capabilities
     name = backend.qualified_name
@@ -230,7 +256,8 @@ def check_backend(
                 f"reads KV in layout {_fmt_set(caps.kv_layouts)}, the run uses {kv_layout}",
                 f"kv_layout {kv_layout} -> {sorted(caps.kv_layouts)[0]}",
             )
-    if constraints.graph_mode not in caps.graph_modes:
+    captured = _phase_graph_mode(constraints.graph_mode, phase)
+    if captured not in caps.graph_modes:
         modes = caps.graph_modes
         best = max(modes, key=lambda m: list(GraphMode).index(m))
         reject(
@@ -239,7 +266,8 @@ def check_backend(
             f"{constraints.graph_mode.value}",
             f"graph_mode {constraints.graph_mode.value} -> {best.value}",
         )
-    if constraints.speculative_tokens > caps.max_speculative_tokens:
+    verifies = phase in (None, Phase.VERIFY)  # only verify steps carry draft tokens
+    if verifies and constraints.speculative_tokens > caps.max_speculative_tokens:
         reject(
             "speculative",
             f"verifies at most {caps.max_speculative_tokens} draft tokens per request, the run "
@@ -248,6 +276,7 @@ def check_backend(
         )
     if (
         spec.kind is LayerKind.LINEAR
+        and verifies
         and constraints.speculative_tokens
         and constraints.spec_verify_strategy is not None
         and constraints.spec_verify_strategy not in caps.spec_verify_strategies
@@ -530,6 +559,19 @@ class GroupChoice:
     @property
     def planned_phases(self) -> tuple[Phase, ...]:
         return tuple(p.phase for p in self.phases) or (Phase.PREFILL,)
+
+    def phases_served_by(self, qualified_name: str) -> tuple[Phase, ...]:
+        """The planned phases whose steps (some batch-size bucket included) run on this
+        backend; the prefill phase when the group planned no phases of its own."""
+        served = tuple(
+            p.phase
+            for p in self.phases
+            if p.backend.qualified_name == qualified_name
+            or any(b.qualified_name == qualified_name for _, b in p.by_batch)
+        )
+        if not self.phases and self.backend.qualified_name == qualified_name:
+            return (Phase.PREFILL,)
+        return served
 
     @property
     def backends(self) -> tuple[Backend, ...]:

@@ -582,3 +582,36 @@ def test_no_bucket_switching_when_forced_or_within_one_bucket(registry):
     plan = select(group_layers([FULL]), registry(), H200, small, tuning=_tuning(CROSSING))
     decode = plan.choice("full").phase_choice("decode")
     assert decode.by_batch == () and decode.backend.qualified_name == "fa3:fa3"
+
+
+# ------------------------------------------------------------------------------------------
+# Each phase is held to the demands its own steps make
+# ------------------------------------------------------------------------------------------
+def test_graph_mode_decode_binds_the_decode_and_verify_phases_only(registry):
+    """Under graph mode ``decode`` prefill and mixed steps run eagerly: a prefill backend that
+    cannot be captured serves them; decode (and verify, whose uniform steps a server may
+    capture) still need the mode. Under ``full`` every phase is captured."""
+    eager = _backend("eagerpre", 300, min_compute_capability=(9, 0))  # graph_modes {none}
+    reg = registry(("eagerpre", eager))
+    plan = _plan(reg, graph_mode="decode", speculative_tokens=2)
+    assert plan.constraints.graph_mode.value == "decode"  # not lowered
+    phases = _phases(plan)
+    assert phases["prefill"] == "eagerpre:eagerpre"
+    assert phases["decode"] != "eagerpre:eagerpre" and phases["verify"] != "eagerpre:eagerpre"
+    codes = [r.code for r in plan.choice("full").phase_choice("decode").rejected
+             if r.backend == "eagerpre:eagerpre"]  # fmt: skip
+    assert codes == ["graph_mode"]
+    assert check_backend(eager, FULL, H200, ExecutionConstraints(graph_mode="full"),
+                         phase=Phase.PREFILL)[0].code == "graph_mode"  # fmt: skip
+
+
+def test_draft_tokens_bind_the_verify_phase_only(registry):
+    """A backend that verifies no draft tokens can still serve prefill and decode of a run that
+    verifies; the verify phase goes to one that can."""
+    nospec = _backend("nospec", 300, min_compute_capability=(9, 0), max_speculative_tokens=0)
+    plan = _plan(registry(("nospec", nospec)), speculative_tokens=4)
+    phases = _phases(plan)
+    assert phases["prefill"] == phases["decode"] == "nospec:nospec"
+    assert phases["verify"] == "flashinfer:flashinfer"
+    rejected = plan.choice("full").phase_choice("verify").rejections_by_backend()["nospec:nospec"]
+    assert [r.code for r in rejected] == ["speculative"]

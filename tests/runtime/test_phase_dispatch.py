@@ -49,15 +49,15 @@ SPECS = [GDN, FULL, GDN, FULL]
 
 
 def _caps(**kw) -> BackendCapabilities:
-    return BackendCapabilities(
+    fields: dict = dict(
         kinds={"full", "linear"},
         linear_variants={"gated_deltanet"},
         device_types={"cpu", "cuda"},
         dtypes={"float32"},
         graph_modes={"none", "decode"},
         max_speculative_tokens=4,
-        **kw,
     )
+    return BackendCapabilities(**{**fields, **kw})
 
 
 def _stand_in(make_plugin, name: str, priority: int, log: list[str], **caps) -> object:
@@ -389,3 +389,41 @@ def test_decode_switches_backend_by_batch_bucket_from_tuning(registry, log):
         _, want = reference.step(reqs, inputs)
         for got, exp in zip(outs, want, strict=True):
             torch.testing.assert_close(got, exp, atol=1e-6, rtol=0)
+
+
+def test_each_context_is_allocated_for_the_demands_of_its_own_phases(make_plugin):
+    """Under graph mode decode with draft tokens, a backend that serves only prefill (eager, no
+    graph support) is admitted and allocated without the graph mode or draft tokens; the
+    decode / verify backend gets the run's demands as they are."""
+    seen: dict[str, ExecutionConstraints] = {}
+
+    def recording(name: str, priority: int, **caps) -> object:
+        def allocate(backend, group, device, constraints, state, workspace):
+            seen[backend.qualified_name] = constraints
+            return ref.attn_core_allocate_context(
+                backend=backend, group=group, device=device, constraints=constraints,
+                state=state, workspace=workspace,
+            )  # fmt: skip
+
+        backend = Backend(name=name, capabilities=_caps(**caps), priority=priority)
+        return make_plugin(name, [backend], allocate=allocate)
+
+    reg = Registry(strict=True)
+    reg.register_plugin(ref, name="attn_core")
+    # no graph support, no draft tokens: it could serve none of a graphed, verifying run before
+    eager = recording("eager", 200, graph_modes={"none"}, max_speculative_tokens=0)
+    reg.register_plugin(eager, name="eager")
+    reg.register_plugin(recording("graphs", 100), name="graphs")
+    cons = ExecutionConstraints(graph_mode="decode", speculative_tokens=2, **LIMITS)
+    plan = select(group_layers([FULL]), reg, CPU, cons)
+    assert phase_mapping_from_plan(plan)["full"] == {
+        "prefill": "eager:eager",
+        "decode": "graphs:graphs",
+        "verify": "graphs:graphs",
+    }
+    state = PersistentState.from_plan(plan, num_pages=16, num_slots=0)
+    AttentionRuntime(plan, reg, state=state)
+    assert seen["eager:eager"].graph_mode.value == "none"
+    assert seen["eager:eager"].speculative_tokens == 0
+    assert seen["graphs:graphs"].graph_mode.value == "decode"
+    assert seen["graphs:graphs"].speculative_tokens == 2

@@ -179,7 +179,11 @@ def test_gpt_oss_like_groups_window_softcap_sinks_all_on_fa3():
 def test_speculative_verify_beyond_the_reference():
     choice = _plan([FULL], speculative_tokens=9).choice("full")
     assert choice.backend.qualified_name == "fa3:fa3"
-    assert "speculative" in _codes(choice, "attn_core:reference")
+    verify = choice.phase_choice("verify")  # draft tokens bind the verify phase only
+    assert verify.backend.qualified_name == "fa3:fa3"
+    assert "speculative" in {
+        r.code for r in verify.rejections_by_backend().get("attn_core:reference", [])
+    }
     with pytest.raises(SelectionError, match="speculative_tokens 33 -> 32"):
         _plan([FULL], speculative_tokens=33)
 
