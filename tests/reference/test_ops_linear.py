@@ -4,7 +4,8 @@ Independent ground truth:
 - Gated DeltaNet: fla-core's ``naive_recurrent_gated_delta_rule`` /
   ``naive_chunk_gated_delta_rule`` and transformers' Qwen3-Next
   ``torch_recurrent_gated_delta_rule`` / ``torch_chunk_gated_delta_rule``.
-- KDA: fla-core's ``naive_recurrent_kda`` / ``naive_chunk_kda``.
+- KDA: fla-core's ``naive_recurrent_kda`` / ``naive_chunk_kda`` and transformers' Kimi-Linear
+  ``chunk_kimi_delta_attention`` / ``recurrent_kimi_delta_attention``.
 - Mamba2: transformers' Mamba2 ``mamba2_chunk_scan`` (segsum SSD) and
   ``mamba2_selective_state_update`` (decode step).
 - Mamba1: fla-core's ``naive_recurrent_gla`` (Mamba1 is GLA with one head per channel, a
@@ -42,10 +43,13 @@ fla_gdn = pytest.importorskip("fla.ops.gated_delta_rule.naive")
 fla_kda = pytest.importorskip("fla.ops.kda.naive")
 hf_qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 hf_mamba2 = pytest.importorskip("transformers.models.mamba2.modeling_mamba2")
+hf_kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
 
 hf_gdn_chunk = inspect.unwrap(hf_qwen3_next.torch_chunk_gated_delta_rule)
 hf_gdn_recurrent = inspect.unwrap(hf_qwen3_next.torch_recurrent_gated_delta_rule)
 hf_conv_update = inspect.unwrap(hf_qwen3_next.causal_conv1d_update)
+hf_kda_chunk = inspect.unwrap(hf_kimi.chunk_kimi_delta_attention)
+hf_kda_recurrent = inspect.unwrap(hf_kimi.recurrent_kimi_delta_attention)
 hf_mamba2_scan = inspect.unwrap(hf_mamba2.mamba2_chunk_scan)
 hf_mamba2_step = inspect.unwrap(hf_mamba2.mamba2_selective_state_update)
 fla_gla = pytest.importorskip("fla.ops.gla.naive")
@@ -425,6 +429,32 @@ def test_kda_matches_fla_naive_chunk(device: str) -> None:
     )
     torch.testing.assert_close(out, ref_o[0], **F32)
     torch.testing.assert_close(pool[0], ref_s[0], **F32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["recurrent", "chunked"])
+def test_kda_matches_hf_kimi_linear(mode: str, device: str) -> None:
+    """The op as Kimi-Linear's KDA layer calls it: in-kernel l2norm of q and k (eps inside the
+    sqrt), scale ``Dk ** -0.5``, the per-channel log gate as given, the state decayed before the
+    delta update; a length that is no whole number of chunks, from a non-zero state.
+
+    Kimi-Linear has as many key as value heads; the key heads are expanded first (see
+    :func:`test_gdn_matches_hf_qwen3_next`), so the op's grouped heads are covered too."""
+    gen = _gen(4)
+    n = 45
+    t = _kda_tokens(n, gen, "cpu")
+    state = _randn(gen, HV, DK, DV) * 0.3
+    pool = state[None].clone().to(device)
+    dev_t = {name: x.to(device) for name, x in t.items()}
+    out = _call_kda(dev_t, pool, *_batch([n], [0], [True], device), mode=mode, chunk_size=16)
+    q, k = (t[name].repeat_interleave(HV // HK, dim=1) for name in ("q", "k"))
+    args = (q[None], k[None], t["v"][None], t["g"][None], t["beta"][None])
+    kw = {"initial_state": state[None].clone(), "output_final_state": True}
+    chunk_o, chunk_s = hf_kda_chunk(*args, chunk_size=16, use_qk_l2norm_in_kernel=True, **kw)
+    rec_o, rec_s = hf_kda_recurrent(*args, use_qk_l2norm_in_kernel=True, **kw)
+    for ref_o, ref_s in ((chunk_o, chunk_s), (rec_o, rec_s)):
+        torch.testing.assert_close(out.cpu(), ref_o[0].float(), **F32)
+        torch.testing.assert_close(pool[0].cpu(), ref_s[0].float(), **F32)
 
 
 @pytest.mark.parametrize("device", DEVICES)
