@@ -35,6 +35,7 @@ SAMPLES = [
     "gemma-3",
     "gpt-oss",
     "jamba",
+    "kimi-linear",
     "lfm2",
     "minimax",
     "nemotron-h",
@@ -94,6 +95,8 @@ EXPECTED_GROUPS = {
     "qwen2.5-vl-vision": [("encoder", "encoder", 32, 16, 16)],
     "minimax": [("linear", "linear", 70, 64, 64), ("full", "full", 10, 64, 8)],
     "lfm2": [("linear", "linear", 10, 1, 1), ("full", "full", 6, 32, 8)],
+    # KDA layers 1-3,5-7,...,25-26 and MLA layers 4,8,...,24,27 (1-based in the config)
+    "kimi-linear": [("linear", "linear", 20, 32, 32), ("mla", "mla", 7, 32, 1)],
 }
 EXPECTED_MODEL_TYPE = {
     "qwen3": "qwen3",
@@ -108,6 +111,7 @@ EXPECTED_MODEL_TYPE = {
     "qwen2.5-vl-vision": "qwen2_5_vl",
     "minimax": "minimax",
     "lfm2": "lfm2",
+    "kimi-linear": "kimi_linear",
 }
 
 
@@ -259,6 +263,52 @@ def test_deepseek_v2_mla_matches_hf(rope_type: str) -> None:
         assert spec.softmax_scale == pytest.approx(attn.scaling, rel=1e-12)
     if rope_type == "yarn":
         assert attn.scaling != pytest.approx(48**-0.5)
+
+
+def test_kimi_linear_matches_hf_modules() -> None:
+    """KDA heads, head size, conv width and channels as the KDA module builds them; the MLA
+    ranks and the plain scale (no rope, so no YaRN temperature) as the MLA module does."""
+    d = load_sample("kimi-linear")
+    layout = specs_from_hf_config(d)
+    cfg = hf_config(d)
+    modeling = transformers.models.kimi_linear.modeling_kimi_linear
+    assert (
+        [i for i in layout.layer_indices if layout.spec_of(i).kind is LayerKind.MLA]
+        == [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
+        == [3, 7, 11, 15, 19, 23, 26]
+    )
+    kda = on_meta(modeling.KimiLinearDeltaAttention, cfg, 0)
+    spec = layout.spec_of(0)
+    assert spec.linear_variant is LinearVariant.KDA and spec.qk_l2norm
+    assert (spec.num_heads, spec.num_kv_heads) == (kda.num_heads, kda.num_heads)
+    assert spec.head_dim == spec.head_dim_v == kda.head_dim
+    assert spec.conv_kernel_size == kda.conv_kernel_size
+    assert spec.conv_channels == kda.conv_dim == kda.conv1d.weight.shape[0]
+    assert spec.state_dtype == "float32"
+    mla = on_meta(modeling.KimiLinearAttention, cfg, 3)
+    spec = layout.spec_of(3)
+    assert spec.mla_dims == (mla.kv_lora_rank, mla.qk_rope_head_dim, mla.qk_nope_head_dim)
+    assert spec.num_heads == mla.num_heads
+    assert spec.softmax_scale == pytest.approx(mla.scaling, rel=1e-12)
+    # a YaRN rope_scaling does not change the scale: the MLA layers apply no rope at all
+    d["rope_scaling"] = {"type": "yarn", "factor": 40, "mscale_all_dim": 1.0}
+    assert specs_from_hf_config(d).spec_of(3) == spec
+
+
+def test_kimi_linear_without_lists_follows_layer_types_or_the_default() -> None:
+    d = load_sample("kimi-linear")
+    del d["linear_attn_config"]
+    d["num_hidden_layers"] = 9
+    d["linear_num_heads"], d["linear_head_dim"], d["linear_conv_kernel_dim"] = 4, 16, 3
+    cfg = transformers.KimiLinearConfig(**d)
+    layout = specs_from_hf_config(d)
+    full = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
+    assert full == [4, 8]
+    assert [i for i in layout.layer_indices if layout.spec_of(i).kind is LayerKind.MLA] == full
+    spec = layout.spec_of(0)
+    assert (spec.num_heads, spec.head_dim, spec.conv_kernel_size) == (4, 16, 3)
+    d["layer_types"] = ["full_attention"] + ["linear_attention"] * 8
+    assert specs_from_hf_config(d).spec_of(0).kind is LayerKind.MLA
 
 
 def test_bamba_mamba2_matches_hf_mixer() -> None:

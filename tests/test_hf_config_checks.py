@@ -2,7 +2,7 @@
 
 Configs come from transformers' own config classes at small sizes. A parser's per-layer result
 must agree with the config's ``layer_types``; a feature no layer kind describes (chunked
-attention, parallel attention + Mamba2, Kimi Delta Attention) is refused with the
+attention, parallel attention + Mamba2) is refused with the
 feature and the layers that have it, never mapped partially.
 """
 
@@ -75,8 +75,37 @@ def test_granite_read_as_bamba_is_refused() -> None:
     _raises(cfg, "bamba", "layer 2", "full_attention", "linear")
 
 
-def test_kimi_linear_names_kda_layers() -> None:
-    _raises(_kimi(), "kimi_linear", "Kimi Delta Attention", "layers 0-2", "no layer kind")
+def test_kimi_linear_maps_kda_and_mla_layers() -> None:
+    layout = specs_from_hf_config(_kimi())
+    kinds = [layout.spec_of(i).linear_variant or layout.spec_of(i).kind for i in range(4)]
+    assert [getattr(k, "value", k) for k in kinds] == ["kda", "kda", "kda", "mla"]
+
+
+def test_kimi_linear_lists_that_disagree_with_layer_types_are_refused() -> None:
+    # transformers builds the model from layer_types: layer 0 MLA, layer 3 KDA.
+    cfg = {**_kimi(), "layer_types": ["full_attention"] + ["linear_attention"] * 3}
+    _raises(cfg, "kimi_linear", "layer_types", "layer 0: config says full_attention, mapped linear")
+
+
+@pytest.mark.parametrize(
+    ("lists", "fragments"),
+    [
+        ({"kda_layers": [1, 2], "full_attn_layers": [4]}, ("leave layers 2 (0-based) out",)),
+        ({"kda_layers": [1, 2, 3, 4], "full_attn_layers": [4]}, ("layer 3 (0-based) twice",)),
+        ({"kda_layers": [0, 1, 2], "full_attn_layers": [4]}, ("kda_layers=[0, 1, 2]", "1-based")),
+    ],
+)
+def test_kimi_linear_lists_must_name_every_layer_once(
+    lists: dict[str, list[int]], fragments: tuple[str, ...]
+) -> None:
+    cfg = _kimi()
+    cfg["linear_attn_config"] = {**cfg["linear_attn_config"], **lists}
+    del cfg["layer_types"]
+    _raises(cfg, "kimi-linear (kimi_linear)", *fragments)
+
+
+def test_kimi_linear_mla_with_rope_is_refused() -> None:
+    _raises({**_kimi(), "mla_use_nope": False}, "mla_use_nope=False", "layer 3", "no rope")
 
 
 def test_falcon_mamba_intermediate_size_must_follow_expand() -> None:

@@ -18,7 +18,7 @@ refused with its layers, since it may change the attention math.
 
 Where the config has ``layer_types``, every parser's result is checked against it layer by layer,
 and a feature no layer kind describes (``attention_chunk_size``, attention and Mamba2 in parallel,
-Kimi Delta Attention, an unknown ``layer_types`` value) is refused with the layers that have it:
+an unknown ``layer_types`` value) is refused with the layers that have it:
 there is never a partial mapping.
 
 Layers that carry no attention (Nemotron-H's MLP / MoE layers) are absent from the layout; their
@@ -525,9 +525,10 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _deepseek_v3(r: _Reader, o: _Options) -> _Parsed:
-    """DeepSeek-V3 and V2: MLA on every layer (the MTP layers are not part of the stack)."""
-    n = r.pos_int("num_hidden_layers")
+def _mla(r: _Reader, o: _Options, *, yarn_scale: bool) -> LayerSpec:
+    """The absorbed MLA spec from the DeepSeek field names (``kv_lora_rank``,
+    ``qk_rope_head_dim``, ``qk_nope_head_dim``); ``yarn_scale`` folds a YaRN rope's temperature
+    into the scale, as DeepSeek does."""
     rank, rope, nope = (
         r.pos_int("kv_lora_rank"),
         r.pos_int("qk_rope_head_dim"),
@@ -535,14 +536,16 @@ def _deepseek_v3(r: _Reader, o: _Options) -> _Parsed:
     )
     scale = 1.0 / math.sqrt(nope + rope)
     # Older configs say rope_scaling {"type": "yarn"}, transformers 5 rope_parameters {"rope_type"}.
-    rope_cfg = r.cfg.get("rope_parameters") or r.cfg.get("rope_scaling") or {}
+    rope_cfg = (
+        (r.cfg.get("rope_parameters") or r.cfg.get("rope_scaling") or {}) if yarn_scale else {}
+    )
     rope_type = rope_cfg.get("rope_type", rope_cfg.get("type", "default"))
     if rope_type != "default" and rope_cfg.get("mscale_all_dim"):
         # DeepSeek (and HF's yarn_apply_mscale, V2 and V3 alike: any non-default rope type)
         # fold YaRN's temperature, squared, into the scale.
         m = _yarn_mscale(float(rope_cfg["factor"]), float(rope_cfg["mscale_all_dim"]))
         scale *= m * m
-    spec = o.full(
+    return o.full(
         kind=LayerKind.MLA,
         num_heads=_split(r.pos_int("num_attention_heads"), o.tp_size, "num_attention_heads"),
         num_kv_heads=1,
@@ -553,7 +556,100 @@ def _deepseek_v3(r: _Reader, o: _Options) -> _Parsed:
         qk_nope_head_dim=nope,
         softmax_scale=scale,
     )
+
+
+def _deepseek_v3(r: _Reader, o: _Options) -> _Parsed:
+    """DeepSeek-V3 and V2: MLA on every layer (the MTP layers are not part of the stack)."""
+    n = r.pos_int("num_hidden_layers")
+    spec = _mla(r, o, yarn_scale=True)
     return n, [(i, spec) for i in range(n)], {}
+
+
+def _kimi_types(r: _Reader, n: int) -> list[str]:
+    """Kimi-Linear's layer types: ``linear_attn_config``'s ``kda_layers`` / ``full_attn_layers``
+    (hub configs; 1-based, both needed, together naming every layer once), else ``layer_types``,
+    else transformers' default (KDA except every fourth layer from layer 4, 0-based).
+
+    transformers' ``KimiLinearConfig`` prefers ``layer_types`` when both are given; the result
+    is checked against ``layer_types`` afterwards, so lists that disagree with it are refused."""
+    lac = r.cfg.get("linear_attn_config") or {}
+    kda, full = lac.get("kda_layers"), lac.get("full_attn_layers")
+    if kda is None or full is None:
+        return _layer_types(
+            r, n, lambda i: "full_attention" if i and i % 4 == 0 else "linear_attention"
+        )
+    types: list[str | None] = [None] * n
+    for name, listed, value in (
+        ("kda_layers", kda, "linear_attention"),
+        ("full_attn_layers", full, "full_attention"),
+    ):
+        bad = not isinstance(listed, list) or any(
+            not isinstance(x, int) or isinstance(x, bool) or not 1 <= x <= n for x in listed
+        )
+        if bad:
+            raise ValueError(
+                f"{r.where}: linear_attn_config.{name}={listed!r}: expected a list of 1-based "
+                f"layer numbers in [1, num_hidden_layers={n}]"
+            )
+        for x in listed:
+            if types[x - 1] is not None:
+                raise ValueError(
+                    f"{r.where}: linear_attn_config lists layer {x - 1} (0-based) twice (in "
+                    "kda_layers and full_attn_layers, or twice in one); expected each layer once"
+                )
+            types[x - 1] = value
+    missing = [i for i, t in enumerate(types) if t is None]
+    if missing:
+        raise ValueError(
+            f"{r.where}: linear_attn_config's kda_layers and full_attn_layers leave layers "
+            f"{_ranges(missing)} (0-based) out; expected every layer in one of them"
+        )
+    return [str(t) for t in types]
+
+
+def _kimi_linear(r: _Reader, o: _Options) -> _Parsed:
+    """Kimi-Linear: Kimi Delta Attention layers and MLA layers by layer type.
+
+    KDA: q, k, v of ``num_heads`` heads of ``head_dim`` each (``linear_attn_config``, which
+    transformers prefers, else ``linear_num_heads`` / ``linear_head_dim``), one short conv over
+    q|k|v, per-channel decay, q and k L2-normalised in the kernel, a float32 state. MLA: the
+    DeepSeek fields with no positional encoding at all (transformers' Kimi-Linear applies no
+    rope, ``mla_use_nope``), so no YaRN temperature either.
+    """
+    n = r.pos_int("num_hidden_layers")
+    types = _kimi_types(r, n)
+    _check_types(r, types, {"full_attention", "linear_attention"})
+    if r.cfg.get("mla_use_nope", True) is not True:
+        raise ValueError(
+            f"{r.where}: mla_use_nope={r.cfg['mla_use_nope']!r} (rope on the MLA layers "
+            f"{_layers_of(types, 'full_attention')}): transformers' Kimi-Linear applies no rope, "
+            "so what the model computes is ambiguous; expected true"
+        )
+    lac = r.cfg.get("linear_attn_config") or {}
+    lin = _Reader(
+        lac,
+        f"{r.where} linear_attn_config",
+        {
+            "num_heads": r.cfg.get("linear_num_heads", 32),
+            "head_dim": r.cfg.get("linear_head_dim", 128),
+            "short_conv_kernel_size": r.cfg.get("linear_conv_kernel_dim", 4),
+        },
+    )
+    heads = _split(lin.pos_int("num_heads"), o.tp_size, "linear_attn_config.num_heads")
+    dim = lin.pos_int("head_dim")
+    kda = o.linear(
+        linear_variant=LinearVariant.KDA,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=dim,
+        head_dim_v=dim,
+        conv_kernel_size=lin.pos_int("short_conv_kernel_size"),
+        conv_channels=3 * heads * dim,  # the conv runs over q, k and v
+        qk_l2norm=True,
+        state_dtype="float32",
+    )
+    mla = _mla(r, o, yarn_scale=False)
+    return n, [(i, mla if t == "full_attention" else kda) for i, t in enumerate(types)], {}
 
 
 def _mamba2(
@@ -970,6 +1066,7 @@ _FAMILIES: tuple[_Family, ...] = (
         _deepseek_v3,
         {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"},
     ),
+    _Family("kimi-linear", _kimi_linear, {"kimi_linear": "KimiLinearForCausalLM"}),
     _Family("bamba", _bamba, {"bamba": "BambaForCausalLM"}),
     _Family("nemotron-h", _nemotron_h, {"nemotron_h": "NemotronHForCausalLM"}),
     _Family("granite-4.0-h", _granite_hybrid, {"granitemoehybrid": "GraniteMoeHybridForCausalLM"}),
@@ -1020,16 +1117,6 @@ def _all_layers(cfg: Mapping[str, Any]) -> str:
     return f"layers {_ranges(range(n))}" if n else "every layer"
 
 
-def _kimi_features(cfg: Mapping[str, Any]) -> list[str]:
-    types = cfg.get("layer_types")
-    if isinstance(types, list) and "linear_attention" in types:
-        where = _layers_of(types, "linear_attention")
-    else:
-        kda = (cfg.get("linear_attn_config") or {}).get("kda_layers") or []
-        where = f"layers {_ranges(sorted(i - 1 for i in kda))}" if kda else _all_layers(cfg)
-    return [f"Kimi Delta Attention (KDA) in {where}: no layer kind"]
-
-
 def _llama4_features(cfg: Mapping[str, Any]) -> list[str]:
     cfg = cfg.get("text_config") or cfg
     chunk, types = cfg.get("attention_chunk_size"), cfg.get("layer_types")
@@ -1048,7 +1135,6 @@ _UNSUPPORTED_FEATURES: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
         f"attention and Mamba2 in parallel inside one decoder layer in {_all_layers(c)}: "
         f"no layer kind"
     ],
-    "kimi_linear": _kimi_features,
     "llama4": _llama4_features,
     "llama4_text": _llama4_features,
 }
