@@ -12,10 +12,15 @@ batch order (``query_start_loc``), positions from ``batch.positions``.
 Mixers by layer kind:
 
 - full (Qwen3, Qwen3-Next gated, Bamba, gpt-oss with sinks / window): q, k, v ``[T, H|Hkv, D]``.
-- mla (DeepSeek-V3, DeepSeek-V2): absorbed form, ``q [T, H, R + P]``, latent ``[T, R + P]``, output
-  ``[T, H, R]`` mapped back with ``W_UV``.
+- mla (DeepSeek-V3, DeepSeek-V2, Kimi-Linear): absorbed form, ``q [T, H, R + P]``, latent
+  ``[T, R + P]``, output ``[T, H, R]`` mapped back with ``W_UV``. Kimi-Linear's MLA has no
+  positional encoding (its model has no rotary embedding): q and k go in as projected.
 - linear Gated DeltaNet (Qwen3-Next, Qwen3.5): conv over q|k|v,
   ``g = -exp(A_log) softplus(a + dt_bias)``, ``beta = sigmoid(b)``, gated RMSNorm with ``z``.
+- linear KDA (Kimi-Linear): q, k, v projections, one conv over q|k|v (``binding.conv1d``), the
+  per-channel gate ``g [T, H, Dk] = -exp(A_log) softplus(f_b(f_a(x)) + dt_bias)`` (the module's
+  ``forget_gate``), ``beta = sigmoid(b_proj)``; the sigmoid-gated RMSNorm ``o_norm`` with
+  ``g_b(g_a(x))`` and ``o_proj`` after the core.
 - linear Mamba2 (Bamba, Nemotron-H, Granite-4.0-H): conv over x|B|C, ``q=C, k=B, v=x`` plus
   ``dt, A_log, D, dt_bias``; gated RMSNorm with the z gate. A lower ``time_step_limit``
   (Nemotron-H's ``time_step_min``) is folded into ``dt`` exactly: ``softplus(dt + bias) >= lo``
@@ -35,14 +40,17 @@ after the norm and scaled by its alpha / beta factors, LFM2's ``operator_norm`` 
 residual optionally in float32) under ``backbone`` instead of ``model``. Jamba has no positional
 encoding: its attention layers get q and k as projected.
 
-Families of :data:`LAYER_FORWARD_FAMILIES` (Gemma-3, Nemotron-H, Granite-4.0-H, Qwen3.5) run each
+Families of :data:`LAYER_FORWARD_FAMILIES` (Gemma-3, Nemotron-H, Granite-4.0-H, Qwen3.5,
+Kimi-Linear, the generic dense family) run each
 transformers decoder layer's own ``forward``: norms, residuals (and their multipliers), rotary
 embedding and everything else stay transformers' code, and only the attention op is replaced,
 through transformers' attention function interface (an ``"attn_core"`` implementation registered
 with ``AttentionInterface``, switched on for the step), and the Mamba2 mixer module by its class
-(and the Gated DeltaNet one). The hook checks every call against the layer's spec: the scale,
-sliding window, soft-cap, sinks and causality transformers asks for must be the ones the mapping
-describes, and every attention layer must have been called.
+(and the Gated DeltaNet and KDA ones). An MLA module, whose attention function would only see
+keys and values already expanded from the latent, is replaced whole by the absorbed form; its
+``scaling`` is checked against the spec. The hook checks every call against the layer's spec:
+the scale, sliding window, soft-cap, sinks and causality transformers asks for must be the ones
+the mapping describes, and every attention layer must have been called.
 """
 
 from __future__ import annotations
@@ -66,7 +74,7 @@ __all__ = ["LAYER_FORWARD_FAMILIES", "CausalLMAdapter", "layer_params_for"]
 #: Families (``ModelLayout.family``) whose decoder layers run their own transformers ``forward``
 #: with the attention op hooked (see the module docstring).
 LAYER_FORWARD_FAMILIES: frozenset[str] = frozenset(
-    {"gemma-3", "nemotron-h", "granite-4.0-h", "qwen3.5", "dense"}
+    {"gemma-3", "nemotron-h", "granite-4.0-h", "qwen3.5", "dense", "kimi-linear"}
 )
 _HOOK_NAME = "attn_core"
 # The adapter whose step is running (the hook is a module-level function transformers calls).
@@ -165,6 +173,8 @@ class CausalLMAdapter:
         # (Mamba2, Gated DeltaNet) is replaced during the step by its core here.
         self._mamba_modules: dict[int, torch.nn.Module] = {}
         self._linear_modules: dict[int, tuple[Any, Callable[[int, Any, torch.Tensor], Any]]] = {}
+        # MLA attention modules replaced whole in layer-forward mode (see the module docstring)
+        self._mla_modules: dict[int, Any] = {}
         self._dt_floor: dict[int, float] = {}
         self._seen: set[int] = set()
         if self.layer_forward:
@@ -175,12 +185,17 @@ class CausalLMAdapter:
                 continue
             spec = layout.spec_of(i)
             if spec.kind is LayerKind.MLA:
+                if self.layer_forward:
+                    self._mla_modules[i] = layer.self_attn
                 self._mixers.append(self._mla)
             elif spec.kind is LayerKind.FULL:
                 self._mixers.append(self._full)
             elif spec.linear_variant is LinearVariant.GATED_DELTANET:
                 self._linear_modules[i] = (layer.linear_attn, self._gdn_core)
                 self._mixers.append(self._gdn)
+            elif spec.linear_variant is LinearVariant.KDA:
+                self._linear_modules[i] = (layer.self_attn, self._kda_core)
+                self._mixers.append(self._kda)
             elif spec.linear_variant is LinearVariant.LIGHTNING:
                 self._mixers.append(self._lightning)
             elif spec.linear_variant is LinearVariant.SHORT_CONV:
@@ -271,9 +286,11 @@ class CausalLMAdapter:
 
     @contextlib.contextmanager
     def _hooked(self) -> Iterator[None]:
-        """Within the block the model's attention modules call :func:`_attention_hook` and its
-        linear mixer modules run :meth:`_mamba2_core` / :meth:`_gdn_core`; afterwards the model
-        is transformers' own again (the reference forward of the same module objects is eager)."""
+        """Within the block the model's attention modules call :func:`_attention_hook`, its
+        linear mixer modules run :meth:`_mamba2_core` / :meth:`_gdn_core` / :meth:`_kda_core`
+        and its MLA modules :meth:`_mla_core` (returning transformers' ``(output, weights)``);
+        afterwards the model is transformers' own again (the reference forward of the same
+        module objects is eager)."""
         saved = self.text_config._attn_implementation
         _ACTIVE.append(self)
         self.text_config._attn_implementation = _HOOK_NAME  # what the attention modules read
@@ -282,11 +299,18 @@ class CausalLMAdapter:
             mx.forward = lambda hidden_states, *_a, _i=i, _mx=mx, _core=core, **_k: _core(
                 _i, _mx, hidden_states[0]
             )[None]
+        for i, at in self._mla_modules.items():
+            at.forward = lambda hidden_states, *_a, _i=i, _at=at, **_k: (
+                self._mla_core(_i, _at, hidden_states[0], _k.get("position_embeddings"))[None],
+                None,
+            )
         try:
             yield
         finally:
             for mx, _core in self._linear_modules.values():
                 del mx.forward
+            for at in self._mla_modules.values():
+                del at.forward
             self.text_config._attn_implementation = saved
             _ACTIVE.pop()
 
@@ -451,11 +475,24 @@ class CausalLMAdapter:
         return (at.o_proj if hasattr(at, "o_proj") else at.out_proj)(o)
 
     def _mla(self, i: int, layer, x: torch.Tensor, pe) -> torch.Tensor:
-        at = layer.self_attn
+        return self._mla_core(i, layer.self_attn, x, pe)
+
+    def _mla_core(self, i: int, at: Any, x: torch.Tensor, pe) -> torch.Tensor:
+        """The MLA module ``at`` of layer ``i`` on ``x [T, D]`` -> ``[T, D]`` (absorbed form).
+
+        ``pe`` None: the model has no rotary embedding (Kimi-Linear's NoPE MLA), the rope part
+        of q and of the shared key goes in as projected."""
         spec = self.layout.spec_of(i)
         T, H = x.shape[0], spec.num_heads
         R, P, Dn = spec.mla_dims
+        self._seen.add(i)
         if i not in self._mla_weights:
+            scaling = getattr(at, "scaling", None)
+            if scaling is not None and not math.isclose(scaling, spec.scale, rel_tol=1e-6):
+                raise ValueError(
+                    f"layer {i} ({type(at).__name__}): transformers computes softmax scale "
+                    f"{scaling!r}, the layer's spec ({spec.short()}) describes {spec.scale!r}"
+                )
             self._mla_weights[i] = mla_split_kv_b_proj(
                 at.kv_b_proj.weight, num_heads=H, qk_nope_head_dim=Dn, v_head_dim=at.v_head_dim
             )
@@ -467,12 +504,14 @@ class CausalLMAdapter:
         q_nope, q_rot = torch.split(q.view(T, H, Dn + P), [Dn, P], dim=-1)
         c, k_rot = torch.split(at.kv_a_proj_with_mqa(x), [R, P], dim=-1)
         c = at.kv_a_layernorm(c)
-        q_rot, k_rot = self._rope(
-            q_rot,
-            k_rot.view(T, 1, P),
-            pe,
-            interleave=bool(getattr(self.config, "rope_interleave", False)),
-        )
+        k_rot = k_rot.view(T, 1, P)
+        if pe is not None:
+            q_rot, k_rot = self._rope(
+                q_rot,
+                k_rot,
+                pe,
+                interleave=bool(getattr(self.config, "rope_interleave", False)),
+            )
         q_abs = torch.cat([mla_absorb_query(q_nope, w_uk), q_rot], dim=-1)
         latent = torch.cat([c, k_rot[:, 0]], dim=-1)
         o_lat = torch.empty(T, H, R, dtype=x.dtype, device=x.device)
@@ -509,6 +548,26 @@ class CausalLMAdapter:
         self._attend(i, q, k, v, out, g=g, beta=beta)
         o = la.norm(out.reshape(-1, la.head_v_dim), z.reshape(-1, la.head_v_dim))
         return la.out_proj(o.reshape(T, -1))
+
+    def _kda(self, i: int, layer, x: torch.Tensor, pe) -> torch.Tensor:
+        return self._kda_core(i, layer.self_attn, x)
+
+    def _kda_core(self, i: int, la: Any, x: torch.Tensor) -> torch.Tensor:
+        """Kimi-Linear's KDA mixer ``la`` of layer ``i`` on ``x [T, D]`` -> ``[T, D]``.
+
+        q, k, v ``[T, H, D]`` after the conv (silu) over q|k|v; ``g [T, H, D]`` float32 from
+        the module's own ``forget_gate``; ``beta [T, H]``. The core's output ``[T, H, D]`` goes
+        through ``o_norm`` (RMSNorm times ``sigmoid(g_b(g_a(x)))``) and ``o_proj``."""
+        T, H, D = x.shape[0], la.num_heads, la.head_dim
+        mixed = torch.cat([la.q_proj(x), la.k_proj(x), la.v_proj(x)], dim=-1)
+        mixed = self._conv(i, mixed, la.conv1d.weight.squeeze(1), la.conv1d.bias, la.activation)
+        q, k, v = (t.reshape(T, H, D).contiguous() for t in mixed.split(la.qkv_dim, dim=-1))
+        g = la.forget_gate(x[None])[0].contiguous()  # float32, <= 0
+        beta = torch.sigmoid(la.b_proj(x))
+        out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
+        self._attend(i, q, k, v, out, g=g, beta=beta)
+        gate = la.g_b_proj(la.g_a_proj(x)).view(T, H, D)
+        return la.o_proj(la.o_norm(out, gate).reshape(T, -1))
 
     def _mamba2(self, i: int, layer, x: torch.Tensor, pe) -> torch.Tensor:
         return self._mamba2_core(i, self._mamba_modules[i], x)

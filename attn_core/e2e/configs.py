@@ -74,6 +74,32 @@ _SHRINK: dict[str, dict[str, Any]] = {
         topk_group=1,
         n_shared_experts=1,
     ),
+    "kimi-linear": dict(
+        num_hidden_layers=5,  # KDA, KDA, KDA, MLA, KDA: a KDA layer after the MLA one too
+        linear_attn_config={
+            "kda_layers": [1, 2, 3, 5],  # 1-based, as the hub configs write them
+            "full_attn_layers": [4],
+            "num_heads": 2,
+            "head_dim": 16,
+            "short_conv_kernel_size": 4,
+        },
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        num_experts=8,
+        num_experts_per_token=2,
+        first_k_dense_replace=1,  # layer 0 dense MLP, later layers MoE
+        # the sample's token ids are past the tiny vocabulary (pad would index the embedding)
+        pad_token_id=None,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     "bamba": dict(
         num_hidden_layers=4,
         attn_layer_indices=[1, 3],
@@ -209,6 +235,20 @@ _KERNEL_SHAPES: dict[str, dict[str, Any]] = {
         qk_nope_head_dim=128,
         v_head_dim=128,
     ),
+    "kimi-linear": dict(
+        hidden_size=256,
+        linear_attn_config={
+            "kda_layers": [1, 2, 3, 5],
+            "full_attn_layers": [4],
+            "num_heads": 2,
+            "head_dim": 128,
+            "short_conv_kernel_size": 4,
+        },
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+    ),
     "bamba": dict(
         hidden_size=256,  # attention head dim 256 / 4 = 64
         mamba_n_heads=8,
@@ -297,7 +337,8 @@ def first_layers(config: dict[str, Any], n: int) -> dict[str, Any]:
     ``num_hidden_layers`` (``depth`` of a vision config) becomes ``n``; every list or string
     with one entry per layer (``layer_types``, ``layers_block_type``,
     ``hybrid_override_pattern``, ...) is cut to its first ``n``; index lists
-    (``attn_layer_indices``, ``fullatt_block_indexes``) keep the indices below ``n``. Patterns
+    (``attn_layer_indices``, ``fullatt_block_indexes``) keep the indices below ``n`` (Kimi-Linear's
+    1-based ``linear_attn_config`` lists those up to ``n``). Patterns
     given by a rule (``full_attention_interval``, ``sliding_window_pattern``,
     ``first_k_dense_replace``) hold for the first layers unchanged. Nested ``text_config`` /
     ``vision_config`` are cut the same way. Hidden sizes and head layouts are untouched.
@@ -316,6 +357,11 @@ def first_layers(config: dict[str, Any], n: int) -> dict[str, Any]:
         raise ValueError(f"config has no num_hidden_layers (or depth) to cut to {n} layers")
     if not 1 <= n <= total:
         raise ValueError(f"layers={n}: expected 1..{total} (the config's {count_key})")
+    lac = cfg.get("linear_attn_config")
+    if isinstance(lac, dict):  # Kimi-Linear's 1-based kda_layers / full_attn_layers
+        for key in ("kda_layers", "full_attn_layers"):
+            if isinstance(lac.get(key), list):
+                lac[key] = [i for i in lac[key] if isinstance(i, int) and i <= n]
     for key, value in list(cfg.items()):
         if key in _INDEX_LISTS and isinstance(value, list):
             cfg[key] = [i for i in value if isinstance(i, int) and i < n]

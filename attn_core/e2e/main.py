@@ -54,6 +54,7 @@ _ALIASES = {
     "qwen2_5_vl": "qwen2.5-vl-vision",
     "qwen3_next": "qwen3-next",
     "deepseek_v3": "deepseek-v3",
+    "kimi_linear": "kimi-linear",
     "gpt_oss": "gpt-oss",
     "mamba2": "bamba",
     "falcon_mamba": "falcon-mamba",

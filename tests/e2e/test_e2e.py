@@ -154,7 +154,15 @@ def test_matches_transformers_fp32_gpu(name: str) -> None:
     "name",
     [
         pytest.param(n, marks=gpu)
-        for n in ("qwen3", "bamba", "deepseek-v3", "gemma-3", "nemotron-h", "falcon-mamba")
+        for n in (
+            "qwen3",
+            "bamba",
+            "deepseek-v3",
+            "gemma-3",
+            "nemotron-h",
+            "falcon-mamba",
+            "kimi-linear",
+        )
     ],
 )
 def test_cuda_graph_decode(name: str) -> None:
@@ -174,6 +182,8 @@ def test_cuda_graph_decode(name: str) -> None:
         ("qwen3-next", "bfloat16"),
         ("gemma-3", "float32"),
         ("nemotron-h", "float32"),
+        ("kimi-linear", "float32"),
+        ("kimi-linear", "bfloat16"),
     ],
 )
 def test_kernel_shapes_match_transformers_cpu(name: str, dtype: str) -> None:
@@ -223,7 +233,15 @@ def test_gpu_plugins_match_transformers_bf16(name: str) -> None:
     "name",
     [
         pytest.param(n, marks=gpu)
-        for n in ("qwen3", "qwen3-next", "bamba", "deepseek-v3", "jamba", "falcon-mamba")
+        for n in (
+            "qwen3",
+            "qwen3-next",
+            "bamba",
+            "deepseek-v3",
+            "jamba",
+            "falcon-mamba",
+            "kimi-linear",
+        )
     ],
 )
 def test_gpu_plugins_cuda_graph_decode_bf16(name: str) -> None:

@@ -1,7 +1,9 @@
-"""``attn run`` drives Gemma-3 and Nemotron-H through their own decoder layers (issue 22).
+"""``attn run`` drives Gemma-3, Nemotron-H and Kimi-Linear through their own decoder layers
+(issue 22), and the other families of issue 22 through theirs.
 
-Both run each transformers decoder layer's ``forward`` with the attention op hooked through
-transformers' attention-function interface (Nemotron-H's Mamba2 mixers replaced by class), and
+They run each transformers decoder layer's ``forward`` with the attention op hooked through
+transformers' attention-function interface (Nemotron-H's Mamba2 mixers and Kimi-Linear's KDA
+mixers replaced by class, its MLA modules by the absorbed form), and
 match transformers' eager forward on CPU in fp32. The hook checks what transformers asks for
 against the mapping, so a mapping that describes other math fails loudly instead of mismatching.
 """
@@ -20,7 +22,7 @@ from attn_core.e2e.configs import tiny_config
 pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("name", ["gemma-3", "nemotron-h"])
+@pytest.mark.parametrize("name", ["gemma-3", "nemotron-h", "kimi-linear"])
 def test_run_sample_matches_transformers(name: str, run_on_cpu) -> None:
     report = run_on_cpu(name)
     assert report.ok, report.format()
@@ -282,3 +284,67 @@ def test_run_multimodal_gemma3_config_drives_its_language_model(tmp_path: Path, 
     report = run_on_cpu(str(path))
     assert report.ok, report.format()
     assert "Gemma3ForConditionalGeneration" in report.format()
+
+
+def test_run_kimi_linear_from_its_transformers_config(tmp_path: Path, run_on_cpu) -> None:
+    """A config written by transformers' KimiLinearConfig (layer_types, no linear_attn_config
+    lists: its default pattern puts MLA on layer 4) with a query LoRA, through a config path:
+    KDA layers on both sides of the MLA one, MoE after layer 0, and the run matches."""
+    import transformers
+
+    cfg = transformers.KimiLinearConfig(
+        num_hidden_layers=6,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=16,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        linear_num_heads=4,
+        linear_head_dim=8,
+        linear_conv_kernel_dim=3,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=256,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+    ).to_dict()
+    assert (
+        cfg["layer_types"][4] == "full_attention"
+        and cfg["layer_types"].count("full_attention") == 1
+    )
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    report = run_on_cpu(str(path))
+    assert report.ok, report.format()
+    text = report.format()
+    assert "linear kda 4q/4kv d8" in text and "[layers 0,1,2,3,5]" in text, text
+    assert "mla 4q/1kv d40/32" in text and "[layers 4]" in text, text
+
+
+def test_kimi_linear_mla_scale_is_checked_against_the_module(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A mapping that folded a YaRN temperature into Kimi-Linear's MLA scale (as DeepSeek's
+    does; Kimi-Linear applies no rope) is caught at the MLA module, not run as other math."""
+    import attn_core.models.hf_config as hf_config_mod
+
+    real_mla, real_specs = hf_config_mod._mla, configs_mod.specs_from_hf_config
+    yarn = {"type": "yarn", "factor": 40.0, "mscale_all_dim": 1.0}
+    monkeypatch.setattr(
+        hf_config_mod, "_mla", lambda r, o, yarn_scale: real_mla(r, o, yarn_scale=True)
+    )
+    monkeypatch.setattr(
+        configs_mod,
+        "specs_from_hf_config",
+        lambda cfg, **kw: real_specs({**cfg, "rope_scaling": yarn}, **kw),
+    )
+    with pytest.raises(ValueError, match=r"layer 3 \(KimiLinearAttention\).*softmax scale"):
+        run_architecture("kimi-linear", prompts=1, max_new_tokens=1)

@@ -36,6 +36,8 @@ def test_first_layers_cut_per_layer_fields_only() -> None:
     nemotron = first_layers(load_sample("nemotron-h"), 6)
     assert nemotron["hybrid_override_pattern"] == "M-M-M-"
     assert first_layers(load_sample("bamba"), 10)["attn_layer_indices"] == [9]
+    kimi = first_layers(load_sample("kimi-linear"), 5)["linear_attn_config"]  # 1-based lists
+    assert (kimi["kda_layers"], kimi["full_attn_layers"]) == ([1, 2, 3, 5], [4])
     with pytest.raises(ValueError, match=r"layers=0: expected 1\.\.36"):
         first_layers(load_sample("qwen3"), 0)
 
