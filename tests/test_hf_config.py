@@ -583,6 +583,7 @@ def test_tp_size_halves_heads_for_every_sample() -> None:
         ("bamba", 3, "mamba_n_heads=128"),
         ("qwen2.5-vl-vision", 3, "vision_config.num_heads=16"),
         ("gemma-3", 8, "num_attention_heads=4"),
+        ("kimi-linear", 3, "linear_attn_config.num_heads=32"),
     ],
 )
 def test_tp_size_that_does_not_divide_raises(name: str, tp_size: int, field: str) -> None:
