@@ -299,6 +299,12 @@ def check_backend(
             f"sliding window {spec.sliding_window}",
             "serves full-context attention only",
         )
+    if spec.attention_chunk_size is not None and not caps.chunked_attention:
+        model_mismatch(
+            "chunked_attention",
+            f"chunked attention (chunks of {spec.attention_chunk_size} tokens)",
+            "has no chunk mask",
+        )
     if spec.logits_soft_cap is not None and not caps.logits_soft_cap:
         model_mismatch(
             "soft_cap",

@@ -748,6 +748,7 @@ def test_reason_kv_dtype_must_follow_dtype():
     [
         ({"has_sinks": True}, "sinks"),
         ({"sliding_window": 128}, "sliding_window"),
+        ({"attention_chunk_size": 64}, "chunked_attention"),
         ({"logits_soft_cap": 30.0}, "soft_cap"),
         ({"causal": False}, "non_causal"),
     ],
@@ -763,6 +764,11 @@ def test_reason_texts_of_model_features():
         "[sliding_window] cannot serve this model: sliding window 128 "
         "(serves full-context attention only)"
     ]
+    assert _reasons({}, GLOBAL.with_(attention_chunk_size=64)) == [
+        "[chunked_attention] cannot serve this model: chunked attention (chunks of 64 tokens) "
+        "(has no chunk mask)"
+    ]
+    assert _reasons({"chunked_attention": True}, GLOBAL.with_(attention_chunk_size=64)) == []
     assert _reasons({}, GLOBAL.with_(logits_soft_cap=30.0)) == [
         "[soft_cap] cannot serve this model: logits soft-cap 30 (serves uncapped logits only)"
     ]
