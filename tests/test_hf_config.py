@@ -36,6 +36,7 @@ SAMPLES = [
     "gpt-oss",
     "jamba",
     "lfm2",
+    "llama-4",
     "minimax",
     "nemotron-h",
     "qwen2.5-vl-vision",
@@ -94,6 +95,8 @@ EXPECTED_GROUPS = {
     "qwen2.5-vl-vision": [("encoder", "encoder", 32, 16, 16)],
     "minimax": [("linear", "linear", 70, 64, 64), ("full", "full", 10, 64, 8)],
     "lfm2": [("linear", "linear", 10, 1, 1), ("full", "full", 6, 32, 8)],
+    # 36 chunked rope layers, every 4th a global NoPE layer
+    "llama-4": [("full", "full", 36, 40, 8), ("full.1", "full", 12, 40, 8)],
 }
 EXPECTED_MODEL_TYPE = {
     "qwen3": "qwen3",
@@ -108,6 +111,7 @@ EXPECTED_MODEL_TYPE = {
     "qwen2.5-vl-vision": "qwen2_5_vl",
     "minimax": "minimax",
     "lfm2": "lfm2",
+    "llama-4": "llama4_text",
 }
 
 
