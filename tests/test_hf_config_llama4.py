@@ -83,3 +83,22 @@ def test_tensor_parallel_heads_and_a_bad_pattern_are_named() -> None:
     del bad["layer_types"]
     with pytest.raises(ValueError, match="no_rope_layers="):
         specs_from_hf_config(bad)
+
+
+def test_explain_names_the_plugins_without_a_chunk_mask(monkeypatch, capsys) -> None:
+    """``attn explain llama-4 --target h200``: the chunked group falls to the reference, every
+    GPU plugin that serves full attention is rejected with ``[chunked_attention]``; the global
+    NoPE group keeps a GPU plugin."""
+    import json
+
+    from attn_core import cli, selector
+
+    monkeypatch.setattr(selector, "_local_cuda_devices", lambda: [])  # the same on any machine
+    assert cli.main(["explain", "llama-4", "--target", "h200", "--json"]) == 0
+    groups = {g["group_id"]: g for g in json.loads(capsys.readouterr().out)["groups"]}
+    chunked, full = groups["full"], groups["full.1"]
+    assert "chunk=8192" in chunked["spec"] and "chunk" not in full["spec"]
+    assert chunked["backend"] == "attn_core:reference"
+    codes = {r["backend"]: r["code"] for r in chunked["rejected"]}
+    assert {codes.get("fa3:fa3"), codes.get("flashinfer:flashinfer")} == {"chunked_attention"}
+    assert full["backend"] != "attn_core:reference"
