@@ -37,7 +37,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -331,6 +331,19 @@ def spec_key(spec: LayerSpec) -> str:
     return json.dumps(fields_, sort_keys=True)
 
 
+def _spec_fields_with_defaults(written: Mapping[str, Any]) -> dict[str, Any]:
+    """A tuning file's spec (the fields of :func:`spec_key`) with every ``LayerSpec`` field it
+    lacks at its default: a file written before a field existed (e.g. before
+    ``attention_chunk_size``) describes a layer with that field unset, and must keep matching
+    the :func:`spec_key` of that layer."""
+    missing = {
+        f.name: (str(f.default) if f.default is not None else None)
+        for f in fields(LayerSpec)
+        if f.name not in written
+    }
+    return {**missing, **written}
+
+
 #: The tuning file format ``TuningData.save`` writes; ``load`` reads it and format 1.
 TUNING_FORMAT = 2
 
@@ -430,7 +443,7 @@ class TuningData:
             try:
                 key = (
                     e["backend"],
-                    json.dumps(e["spec"], sort_keys=True),
+                    json.dumps(_spec_fields_with_defaults(e["spec"]), sort_keys=True),
                     None if phase is None else Phase(phase),
                     None if batch is None else int(batch),
                 )

@@ -17,6 +17,7 @@ oldgpu      legacy     full, sm <= 8.9 only                                     
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -25,7 +26,7 @@ from attn_core.backend import Backend, BackendCapabilities
 from attn_core.errors import SelectionError
 from attn_core.models import specs_from_hf_config
 from attn_core.registry import Registry
-from attn_core.selector import Rejection, TuningData, check_backend, select
+from attn_core.selector import Rejection, TuningData, check_backend, select, spec_key
 from attn_core.specs import (
     DeviceCapabilities,
     ExecutionConstraints,
@@ -304,6 +305,22 @@ def test_tuning_data_ranks_before_priority(five, groups, tmp_path, monkeypatch):
     assert TuningData.load(path).times_us == tuning.times_us
     monkeypatch.setenv("ATTN_CORE_TUNING", str(path))
     assert _picked(select(groups, five, H200, _allow()))["full"] == "attn_core:reference"
+
+
+def test_a_tuning_file_from_before_a_spec_field_still_matches(tmp_path):
+    """A file written before ``attention_chunk_size`` existed lacks the field: its times hold
+    for the layer with the field unset (not silently for no layer), and never for a chunked one."""
+    tuning = TuningData(device="h200")
+    tuning.record("fastattn:flash", GLOBAL, 3.0)
+    path = tmp_path / "tuning.json"
+    tuning.save(path)
+    payload = json.loads(path.read_text())
+    for entry in payload["entries"]:
+        del entry["spec"]["attention_chunk_size"]
+    path.write_text(json.dumps(payload))
+    assert TuningData.load(path).times_us == tuning.times_us
+    chunked = spec_key(GLOBAL.with_(attention_chunk_size=64))
+    assert all(key[1] != chunked for key in TuningData.load(path).times_us)
 
 
 # ------------------------------------------------------------------------------------------
