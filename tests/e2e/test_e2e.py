@@ -154,7 +154,15 @@ def test_matches_transformers_fp32_gpu(name: str) -> None:
     "name",
     [
         pytest.param(n, marks=gpu)
-        for n in ("qwen3", "bamba", "deepseek-v3", "gemma-3", "nemotron-h", "falcon-mamba")
+        for n in (
+            "qwen3",
+            "bamba",
+            "deepseek-v3",
+            "gemma-3",
+            "nemotron-h",
+            "falcon-mamba",
+            "llama-4",
+        )
     ],
 )
 def test_cuda_graph_decode(name: str) -> None:

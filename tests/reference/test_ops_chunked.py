@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_ops_attention import WORKLOADS, _allclose, fill_kv_cache, make_batch
+from test_ops_attention import DEVICES, WORKLOADS, _allclose, fill_kv_cache, make_batch
 from transformers import masking_utils
 
 from attn_core.reference.decode import decode_full_attention
@@ -52,11 +52,12 @@ def test_the_dense_mask_is_transformers_chunked_causal_mask():
         assert torch.equal(hf_chunked_mask(length, chunk), mine), (length, chunk)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("workload", ["prefill", "mixed", "page_boundaries", "spec_verify"])
 @pytest.mark.parametrize(("hq", "hkv"), [(4, 2), (4, 1)], ids=["gqa", "mqa"])
-def test_paged_chunked_matches_dense_and_transformers(workload, hq, hkv):
+def test_paged_chunked_matches_dense_and_transformers(device, workload, hq, hkv):
     batch = make_batch(
-        WORKLOADS[workload], hq=hq, hkv=hkv, d=8, dv=8, dtype=torch.float32, device="cpu"
+        WORKLOADS[workload], hq=hq, hkv=hkv, d=8, dv=8, dtype=torch.float32, device=device
     )
     k_cache, v_cache = fill_kv_cache(batch, torch.float32)
     args = (batch.q, k_cache, v_cache, batch.page_table, batch.query_start_loc, batch.seq_lens)
@@ -65,14 +66,15 @@ def test_paged_chunked_matches_dense_and_transformers(workload, hq, hkv):
     qsl = batch.query_start_loc.tolist()
     for b, ql in enumerate(batch.q_lens):
         length = batch.k[b].shape[0]
-        expected = dense_chunked(batch.q_full[b], batch.k[b], batch.v[b], CHUNK, 0.4, True)
+        qf, kb, vb = (t[b].cpu() for t in (batch.q_full, batch.k, batch.v))
+        expected = dense_chunked(qf, kb, vb, CHUNK, 0.4, True)
         _allclose(out[qsl[b] : qsl[b + 1]], expected[length - ql :], 2e-5, 1e-5)
         # the same through transformers' mask, as an additive mask on SDPA
         mask = hf_chunked_mask(length, CHUNK)
         sdpa = torch.nn.functional.scaled_dot_product_attention(
-            batch.q_full[b].transpose(0, 1)[None],
-            batch.k[b].transpose(0, 1)[None],
-            batch.v[b].transpose(0, 1)[None],
+            qf.transpose(0, 1)[None],
+            kb.transpose(0, 1)[None],
+            vb.transpose(0, 1)[None],
             attn_mask=mask,
             scale=0.4,
             enable_gqa=True,
@@ -82,11 +84,12 @@ def test_paged_chunked_matches_dense_and_transformers(workload, hq, hkv):
         assert (out - full)[: qsl[-1]].abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("chunk", [1, 2, 4, 16])
-def test_decode_chunked_matches_dense(chunk):
+def test_decode_chunked_matches_dense(device, chunk):
     """The graph-safe decode path: one token per request at position ``seq_len - 1``."""
     batch = make_batch(
-        WORKLOADS["decode"], hq=4, hkv=2, d=8, dv=8, dtype=torch.float32, device="cpu"
+        WORKLOADS["decode"], hq=4, hkv=2, d=8, dv=8, dtype=torch.float32, device=device
     )
     k_cache, v_cache = fill_kv_cache(batch, torch.float32)
     q = batch.q[: len(batch.q_lens)]
@@ -99,7 +102,8 @@ def test_decode_chunked_matches_dense(chunk):
         scale=0.4, attention_chunk_size=chunk,
     )  # fmt: skip
     for b in range(len(batch.q_lens)):
-        expected = dense_chunked(batch.q_full[b], batch.k[b], batch.v[b], chunk, 0.4, True)
+        qf, kb, vb = (t[b].cpu() for t in (batch.q_full, batch.k, batch.v))
+        expected = dense_chunked(qf, kb, vb, chunk, 0.4, True)
         _allclose(out[b], expected[-1], 2e-5, 1e-5)
     _allclose(out, paged, 2e-5, 1e-5)
 
