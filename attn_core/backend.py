@@ -100,6 +100,8 @@ class BackendCapabilities:
     causal: bool = True
     non_causal: bool = False
     sliding_window: bool = False
+    #: serves ``spec.attention_chunk_size`` (chunked local attention, Llama-4)
+    chunked_attention: bool = False
     logits_soft_cap: bool = False
     sinks: bool = False
     deterministic: bool = False
@@ -225,6 +227,7 @@ class BackendCapabilities:
             "causal",
             "non_causal",
             "sliding_window",
+            "chunked_attention",
             "logits_soft_cap",
             "sinks",
             "deterministic",
@@ -286,6 +289,7 @@ class BackendCapabilities:
             causal: bool = True,
             non_causal: bool = False,
             sliding_window: bool = False,
+            chunked_attention: bool = False,
             logits_soft_cap: bool = False,
             sinks: bool = False,
             deterministic: bool = False,

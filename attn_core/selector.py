@@ -37,7 +37,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -299,6 +299,12 @@ def check_backend(
             f"sliding window {spec.sliding_window}",
             "serves full-context attention only",
         )
+    if spec.attention_chunk_size is not None and not caps.chunked_attention:
+        model_mismatch(
+            "chunked_attention",
+            f"chunked attention (chunks of {spec.attention_chunk_size} tokens)",
+            "has no chunk mask",
+        )
     if spec.logits_soft_cap is not None and not caps.logits_soft_cap:
         model_mismatch(
             "soft_cap",
@@ -323,6 +329,19 @@ def spec_key(spec: LayerSpec) -> str:
     """A stable text key of a layer spec, used by tuning files."""
     fields_ = {k: (str(v) if v is not None else None) for k, v in asdict(spec).items()}
     return json.dumps(fields_, sort_keys=True)
+
+
+def _spec_fields_with_defaults(written: Mapping[str, Any]) -> dict[str, Any]:
+    """A tuning file's spec (the fields of :func:`spec_key`) with every ``LayerSpec`` field it
+    lacks at its default: a file written before a field existed (e.g. before
+    ``attention_chunk_size``) describes a layer with that field unset, and must keep matching
+    the :func:`spec_key` of that layer."""
+    missing = {
+        f.name: (str(f.default) if f.default is not None else None)
+        for f in fields(LayerSpec)
+        if f.name not in written
+    }
+    return {**missing, **written}
 
 
 #: The tuning file format ``TuningData.save`` writes; ``load`` reads it and format 1.
@@ -424,7 +443,7 @@ class TuningData:
             try:
                 key = (
                     e["backend"],
-                    json.dumps(e["spec"], sort_keys=True),
+                    json.dumps(_spec_fields_with_defaults(e["spec"]), sort_keys=True),
                     None if phase is None else Phase(phase),
                     None if batch is None else int(batch),
                 )

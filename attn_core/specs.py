@@ -198,6 +198,9 @@ class LayerSpec:
     page_size: int = 16  # tokens per KV page (full / mla only)
     causal: bool = True
     sliding_window: int | None = None  # tokens a query sees, itself included (HF convention)
+    # chunked (local) attention (Llama-4): the sequence is cut into chunks of this many tokens
+    # and a query at position p sees only keys of its own chunk, [p // C * C, p] when causal
+    attention_chunk_size: int | None = None
     logits_soft_cap: float | None = None  # tanh soft-capping of logits (Gemma-2/3 style)
     has_sinks: bool = False  # learned per-head attention sinks (gpt-oss)
     softmax_scale: float | None = None  # None: 1 / sqrt(head_dim) (for MLA: of nope + rope dims)
@@ -228,6 +231,7 @@ class LayerSpec:
             page_size: int = 16,
             causal: bool = True,
             sliding_window: int | None = None,
+            attention_chunk_size: int | None = None,
             logits_soft_cap: float | None = None,
             has_sinks: bool = False,
             softmax_scale: float | None = None,
@@ -272,6 +276,8 @@ class LayerSpec:
         )
         if self.sliding_window is not None:
             _positive("sliding_window", self.sliding_window)
+        if self.attention_chunk_size is not None:
+            _positive("attention_chunk_size", self.attention_chunk_size)
         if self.logits_soft_cap is not None:
             _require(
                 isinstance(self.logits_soft_cap, (int, float)) and self.logits_soft_cap > 0,
@@ -347,7 +353,7 @@ class LayerSpec:
             f"for MLA the output is the latent: kv_lora_rank = {rank}",
         )
         self._unset("linear_variant", "conv_kernel_size", "conv_channels", "qk_l2norm")
-        self._unset("sliding_window", "logits_soft_cap", "has_sinks")
+        self._unset("sliding_window", "attention_chunk_size", "logits_soft_cap", "has_sinks")
 
     def _validate_linear(self) -> None:
         try:
@@ -371,7 +377,7 @@ class LayerSpec:
             f"linear layers keep no KV cache; it must equal dtype={self.dtype!r}",
         )
         self._unset("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim")
-        self._unset("sliding_window", "logits_soft_cap", "has_sinks")
+        self._unset("sliding_window", "attention_chunk_size", "logits_soft_cap", "has_sinks")
         if self.linear_variant is LinearVariant.MAMBA1:
             self._validate_mamba1()
 
@@ -546,6 +552,8 @@ class LayerSpec:
             parts.append("bidirectional")
         if self.sliding_window:
             parts.append(f"window={self.sliding_window}")
+        if self.attention_chunk_size:
+            parts.append(f"chunk={self.attention_chunk_size}")
         if self.logits_soft_cap:
             parts.append(f"softcap={self.logits_soft_cap:g}")
         if self.has_sinks:

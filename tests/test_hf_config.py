@@ -37,6 +37,7 @@ SAMPLES = [
     "jamba",
     "kimi-linear",
     "lfm2",
+    "llama-4",
     "minimax",
     "nemotron-h",
     "qwen2.5-vl-vision",
@@ -97,6 +98,8 @@ EXPECTED_GROUPS = {
     "lfm2": [("linear", "linear", 10, 1, 1), ("full", "full", 6, 32, 8)],
     # KDA layers 1-3,5-7,...,25-26 and MLA layers 4,8,...,24,27 (1-based in the config)
     "kimi-linear": [("linear", "linear", 20, 32, 32), ("mla", "mla", 7, 32, 1)],
+    # 36 chunked rope layers, every 4th a global NoPE layer
+    "llama-4": [("full", "full", 36, 40, 8), ("full.1", "full", 12, 40, 8)],
 }
 EXPECTED_MODEL_TYPE = {
     "qwen3": "qwen3",
@@ -112,6 +115,7 @@ EXPECTED_MODEL_TYPE = {
     "minimax": "minimax",
     "lfm2": "lfm2",
     "kimi-linear": "kimi_linear",
+    "llama-4": "llama4_text",
 }
 
 

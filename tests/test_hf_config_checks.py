@@ -128,9 +128,9 @@ def test_falcon_h1_names_parallel_hybrid() -> None:
     )
 
 
-def test_llama4_names_chunked_layers() -> None:
-    cfg = _cfg("Llama4TextConfig", num_hidden_layers=4, attention_chunk_size=64)
-    _raises(cfg, "llama4_text", "chunked attention (attention_chunk_size=64)", "layers 0-2")
+def test_llama4_chunked_layers_without_a_chunk_size_are_refused() -> None:
+    cfg = {**_cfg("Llama4TextConfig", num_hidden_layers=4), "attention_chunk_size": None}
+    _raises(cfg, "llama4_text", "chunked_attention in layers 0-2", "attention_chunk_size is null")
 
 
 def test_chunked_attention_refused_by_a_supported_family() -> None:
@@ -140,6 +140,7 @@ def test_chunked_attention_refused_by_a_supported_family() -> None:
         "model_type": "llama",
     }
     _raises(cfg, "llama", "chunked attention (attention_chunk_size=64)", "layers 0-2")
+    _raises(cfg, "llama", "does not read it", "llama-4")
 
 
 def test_unknown_layer_type_is_named_with_its_layers() -> None:

@@ -17,6 +17,7 @@ oldgpu      legacy     full, sm <= 8.9 only                                     
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -25,7 +26,7 @@ from attn_core.backend import Backend, BackendCapabilities
 from attn_core.errors import SelectionError
 from attn_core.models import specs_from_hf_config
 from attn_core.registry import Registry
-from attn_core.selector import Rejection, TuningData, check_backend, select
+from attn_core.selector import Rejection, TuningData, check_backend, select, spec_key
 from attn_core.specs import (
     DeviceCapabilities,
     ExecutionConstraints,
@@ -304,6 +305,22 @@ def test_tuning_data_ranks_before_priority(five, groups, tmp_path, monkeypatch):
     assert TuningData.load(path).times_us == tuning.times_us
     monkeypatch.setenv("ATTN_CORE_TUNING", str(path))
     assert _picked(select(groups, five, H200, _allow()))["full"] == "attn_core:reference"
+
+
+def test_a_tuning_file_from_before_a_spec_field_still_matches(tmp_path):
+    """A file written before ``attention_chunk_size`` existed lacks the field: its times hold
+    for the layer with the field unset (not silently for no layer), and never for a chunked one."""
+    tuning = TuningData(device="h200")
+    tuning.record("fastattn:flash", GLOBAL, 3.0)
+    path = tmp_path / "tuning.json"
+    tuning.save(path)
+    payload = json.loads(path.read_text())
+    for entry in payload["entries"]:
+        del entry["spec"]["attention_chunk_size"]
+    path.write_text(json.dumps(payload))
+    assert TuningData.load(path).times_us == tuning.times_us
+    chunked = spec_key(GLOBAL.with_(attention_chunk_size=64))
+    assert all(key[1] != chunked for key in TuningData.load(path).times_us)
 
 
 # ------------------------------------------------------------------------------------------
@@ -748,6 +765,7 @@ def test_reason_kv_dtype_must_follow_dtype():
     [
         ({"has_sinks": True}, "sinks"),
         ({"sliding_window": 128}, "sliding_window"),
+        ({"attention_chunk_size": 64}, "chunked_attention"),
         ({"logits_soft_cap": 30.0}, "soft_cap"),
         ({"causal": False}, "non_causal"),
     ],
@@ -763,6 +781,11 @@ def test_reason_texts_of_model_features():
         "[sliding_window] cannot serve this model: sliding window 128 "
         "(serves full-context attention only)"
     ]
+    assert _reasons({}, GLOBAL.with_(attention_chunk_size=64)) == [
+        "[chunked_attention] cannot serve this model: chunked attention (chunks of 64 tokens) "
+        "(has no chunk mask)"
+    ]
+    assert _reasons({"chunked_attention": True}, GLOBAL.with_(attention_chunk_size=64)) == []
     assert _reasons({}, GLOBAL.with_(logits_soft_cap=30.0)) == [
         "[soft_cap] cannot serve this model: logits soft-cap 30 (serves uncapped logits only)"
     ]

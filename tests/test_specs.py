@@ -95,6 +95,8 @@ def test_state_dtype_float16_is_rejected():
     ("field", "value", "fragment"),
     [
         ("sliding_window", 0, "positive integer"),
+        ("attention_chunk_size", 0, "positive integer"),
+        ("attention_chunk_size", 2.5, "positive integer"),
         ("logits_soft_cap", -1.0, "positive float"),
         ("softmax_scale", 0.0, "positive float"),
     ],
@@ -127,6 +129,17 @@ def test_mla_head_dim_v_is_rank():
 def test_mla_rejects_sliding_window():
     msg = _raises(r"sliding_window=128", **{**MLA, "sliding_window": 128})
     assert "does not apply to kind='mla'" in msg
+
+
+def test_chunked_attention_is_for_full_and_encoder_layers_only():
+    msg = _raises(r"attention_chunk_size=64", **{**MLA, "attention_chunk_size": 64})
+    assert "does not apply to kind='mla'" in msg
+    msg = _raises(r"attention_chunk_size=64", **{**GDN, "attention_chunk_size": 64})
+    assert "does not apply to kind='linear'" in msg
+    chunked = LayerSpec(**{**FULL, "attention_chunk_size": 64})
+    assert chunked != LayerSpec(**FULL)  # a chunked layer never shares a group with a full one
+    assert chunked.short() == "full 8q/2kv d64 bfloat16 page16 chunk=64"
+    assert LayerSpec(**{**FULL, "kind": "encoder", "attention_chunk_size": 8}).attention_chunk_size
 
 
 def test_linear_without_variant_lists_variants():

@@ -49,8 +49,15 @@ with ``AttentionInterface``, switched on for the step), and the Mamba2 mixer mod
 (and the Gated DeltaNet and KDA ones). An MLA module, whose attention function would only see
 keys and values already expanded from the latent, is replaced whole by the absorbed form; its
 ``scaling`` is checked against the spec. The hook checks every call against the layer's spec:
-the scale, sliding window, soft-cap, sinks and causality transformers asks for must be the ones
-the mapping describes, and every attention layer must have been called.
+the scale, sliding window, chunk size (from the config's ``layer_types``, which transformers
+builds its chunked mask from), soft-cap, sinks and causality transformers asks for must be the
+ones the mapping describes, and every attention layer must have been called.
+
+Llama-4's NoPE layers scale each query by ``1 + attn_scale * log1p(floor((p + 1) /
+floor_scale))`` of its position ``p`` (``attn_temperature_tuning``). transformers takes ``p``
+from its KV cache (``arange(T) + past``), which a flat step of several requests does not have;
+during the step the modules' own scaling is switched off and the hook applies the same factor
+with the step's positions, before the op (as the module does).
 """
 
 from __future__ import annotations
@@ -74,7 +81,7 @@ __all__ = ["LAYER_FORWARD_FAMILIES", "CausalLMAdapter", "layer_params_for"]
 #: Families (``ModelLayout.family``) whose decoder layers run their own transformers ``forward``
 #: with the attention op hooked (see the module docstring).
 LAYER_FORWARD_FAMILIES: frozenset[str] = frozenset(
-    {"gemma-3", "nemotron-h", "granite-4.0-h", "qwen3.5", "dense", "kimi-linear"}
+    {"gemma-3", "nemotron-h", "granite-4.0-h", "qwen3.5", "dense", "kimi-linear", "llama-4"}
 )
 _HOOK_NAME = "attn_core"
 # The adapter whose step is running (the hook is a module-level function transformers calls).
@@ -102,6 +109,14 @@ def _register_hook() -> None:
 
     if _HOOK_NAME not in ALL_ATTENTION_FUNCTIONS:
         AttentionInterface.register(_HOOK_NAME, _attention_hook)
+
+
+def _temperature_tuned(module: torch.nn.Module) -> bool:
+    """A Llama-4 attention module that scales its queries by position (a NoPE layer with
+    ``attn_temperature_tuning``), exactly when its forward would."""
+    return bool(getattr(module, "attn_temperature_tuning", False)) and not getattr(
+        module, "use_rope", True
+    )
 
 
 def _softplus_inverse(y: float) -> float:
@@ -177,6 +192,7 @@ class CausalLMAdapter:
         self._mla_modules: dict[int, Any] = {}
         self._dt_floor: dict[int, float] = {}
         self._seen: set[int] = set()
+        self._positions: torch.Tensor | None = None  # [T] int64 of the running step
         if self.layer_forward:
             _register_hook()
         for i, layer in enumerate(self.base.layers):
@@ -294,6 +310,10 @@ class CausalLMAdapter:
         saved = self.text_config._attn_implementation
         _ACTIVE.append(self)
         self.text_config._attn_implementation = _HOOK_NAME  # what the attention modules read
+        tuned = [m for m in self.hf.modules() if _temperature_tuned(m)]
+        for m in tuned:  # the hook applies it with the step's positions (module docstring)
+            m.attn_temperature_tuning = False
+            m._attn_core_temperature = True
         for i, (mx, core) in self._linear_modules.items():
             # an instance attribute shadows the class's forward for nn.Module.__call__
             mx.forward = lambda hidden_states, *_a, _i=i, _mx=mx, _core=core, **_k: _core(
@@ -307,6 +327,9 @@ class CausalLMAdapter:
         try:
             yield
         finally:
+            for m in tuned:
+                m.attn_temperature_tuning = True
+                del m._attn_core_temperature
             for mx, _core in self._linear_modules.values():
                 del mx.forward
             for at in self._mla_modules.values():
@@ -323,6 +346,7 @@ class CausalLMAdapter:
             h = h * multiplier
         pes = self._position_embeddings(h, positions)
         self._seen.clear()
+        self._positions = positions
         with self._hooked():
             for i, layer in enumerate(self.base.layers):
                 kwargs: dict[str, Any] = {"attention_mask": None, "position_ids": positions[None]}
@@ -375,9 +399,13 @@ class CausalLMAdapter:
         scaling = kwargs.get("scaling")
         if scaling is None:
             scaling = module.head_dim**-0.5
+        config = getattr(module, "config", self.text_config)
+        types = getattr(config, "layer_types", None)
+        chunked = types is not None and types[i] == "chunked_attention"
         asked = {
             "softmax scale": float(scaling),
             "sliding window": kwargs.get("sliding_window"),
+            "attention chunk size": config.attention_chunk_size if chunked else None,
             "logits soft-cap": kwargs.get("softcap"),
             "sinks": getattr(module, "sinks", None) is not None,
             "dropout": float(kwargs.get("dropout") or 0.0),
@@ -386,6 +414,7 @@ class CausalLMAdapter:
         described = {
             "softmax scale": spec.scale,
             "sliding window": spec.sliding_window,
+            "attention chunk size": spec.attention_chunk_size,
             "logits soft-cap": spec.logits_soft_cap,
             "sinks": spec.has_sinks,
             "dropout": 0.0,
@@ -404,6 +433,8 @@ class CausalLMAdapter:
                     f"{got!r}, the layer's spec ({spec.short()}) describes {want!r}"
                 )
         self._seen.add(i)
+        if getattr(module, "_attn_core_temperature", False):
+            query = self._temperature_scaled(module, query)
         T = query.shape[2]
         q = query[0].transpose(0, 1).contiguous()
         k = key[0].transpose(0, 1).contiguous()
@@ -411,6 +442,18 @@ class CausalLMAdapter:
         out = torch.empty(T, spec.num_heads, spec.head_dim_v, dtype=q.dtype, device=q.device)
         self._attend(i, q, k, v, out)
         return out[None]
+
+    def _temperature_scaled(self, module: Any, query: torch.Tensor) -> torch.Tensor:
+        """``query [1, H, T, D]`` times Llama-4's NoPE-layer factor of each token's position,
+        computed as ``Llama4TextAttention.forward`` does (float32, then the query dtype)."""
+        if self._positions is None or self._positions.shape[0] != query.shape[2]:
+            raise ValueError(
+                f"layer {module.layer_idx}: the temperature-tuned query scale needs the step's "
+                f"positions for {query.shape[2]} tokens"
+            )
+        pos = self._positions.to(query.device).float()
+        scales = torch.log1p(torch.floor((pos + 1.0) / module.floor_scale)) * module.attn_scale
+        return (query * (scales + 1.0).view(1, 1, -1, 1)).to(query.dtype)
 
     # -- attention calls: through the binding, or straight into the group's context -----------
     def _attend(self, i: int, q, k, v, out, **inputs) -> torch.Tensor:

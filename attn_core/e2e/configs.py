@@ -194,6 +194,35 @@ _SHRINK: dict[str, dict[str, Any]] = {
         bos_token_id=2,
         eos_token_id=1,
     ),
+    "llama-4": dict(
+        num_hidden_layers=4,
+        # chunked rope layers around one global NoPE layer (the types transformers derives
+        # from no_rope_layers when layer_types is absent)
+        layer_types=[
+            "chunked_attention",
+            "chunked_attention",
+            "full_attention",
+            "chunked_attention",
+        ],
+        no_rope_layers=[1, 1, 0, 1],
+        attention_chunk_size=4,  # every prompt (7 and 14 tokens) and its decodes cross chunks
+        # the NoPE layer's query scale 1 + attn_scale * log1p(floor((p + 1) / floor_scale))
+        # changes every 2 positions here (8192 in the sample: 1 for every tiny prompt)
+        floor_scale=2,
+        attn_scale=0.5,
+        moe_layers=[1, 3],  # dense MLP on layers 0 and 2, MoE on 1 and 3
+        hidden_size=64,
+        intermediate_size=64,
+        intermediate_size_mlp=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     "nemotron-h": dict(
         num_hidden_layers=5,
         hybrid_override_pattern="M-M*-",  # Mamba2, MLP, Mamba2, attention, MLP
@@ -267,6 +296,7 @@ _KERNEL_SHAPES: dict[str, dict[str, Any]] = {
     "minimax": dict(hidden_size=256, head_dim=128, block_size=64),
     "lfm2": dict(hidden_size=256),  # attention heads of 64, a conv of 256 channels
     "gemma-3": dict(hidden_size=256, head_dim=128, query_pre_attn_scalar=128),
+    "llama-4": dict(hidden_size=256, head_dim=64),
     "nemotron-h": dict(
         hidden_size=256,
         head_dim=128,
@@ -321,14 +351,18 @@ def tiny_config(name: str, shapes: str = "tiny") -> dict[str, Any]:
 
 
 # Fields that list layer indices (filtered to the kept layers, not cut by position).
-_INDEX_LISTS = ("attn_layer_indices", "fullatt_block_indexes")
+_INDEX_LISTS = ("attn_layer_indices", "fullatt_block_indexes", "moe_layers")
 
 
 def _per_layer(key: str) -> bool:
     """A field with one entry per layer: ``layer_types``, ``mlp_layer_types``,
-    ``layers_block_type``, ``hybrid_override_pattern`` (not any list that happens to have
-    ``num_hidden_layers`` entries, such as a list of eos token ids)."""
-    return key.endswith("layer_types") or key in ("layers_block_type", "hybrid_override_pattern")
+    ``layers_block_type``, ``hybrid_override_pattern``, ``no_rope_layers`` (not any list that
+    happens to have ``num_hidden_layers`` entries, such as a list of eos token ids)."""
+    return key.endswith("layer_types") or key in (
+        "layers_block_type",
+        "hybrid_override_pattern",
+        "no_rope_layers",  # Llama-4: 1 (rope) / 0 (NoPE) per layer
+    )
 
 
 def first_layers(config: dict[str, Any], n: int) -> dict[str, Any]:
@@ -337,8 +371,8 @@ def first_layers(config: dict[str, Any], n: int) -> dict[str, Any]:
     ``num_hidden_layers`` (``depth`` of a vision config) becomes ``n``; every list or string
     with one entry per layer (``layer_types``, ``layers_block_type``,
     ``hybrid_override_pattern``, ...) is cut to its first ``n``; index lists
-    (``attn_layer_indices``, ``fullatt_block_indexes``) keep the indices below ``n`` (Kimi-Linear's
-    1-based ``linear_attn_config`` lists those up to ``n``). Patterns
+    (``attn_layer_indices``, ``fullatt_block_indexes``, ``moe_layers``) keep the indices below
+    ``n`` (Kimi-Linear's 1-based ``linear_attn_config`` lists those up to ``n``). Patterns
     given by a rule (``full_attention_interval``, ``sliding_window_pattern``,
     ``first_k_dense_replace``) hold for the first layers unchanged. Nested ``text_config`` /
     ``vision_config`` are cut the same way. Hidden sizes and head layouts are untouched.

@@ -17,9 +17,10 @@ or sliding) when every field of its config is one that mapping understands; any 
 refused with its layers, since it may change the attention math.
 
 Where the config has ``layer_types``, every parser's result is checked against it layer by layer,
-and a feature no layer kind describes (``attention_chunk_size``, attention and Mamba2 in parallel,
-an unknown ``layer_types`` value) is refused with the layers that have it:
-there is never a partial mapping.
+and a feature no layer kind describes (attention and Mamba2 in parallel, an unknown
+``layer_types`` value) or the family's mapping does not read (``attention_chunk_size`` outside
+Llama-4) is refused with the layers that have it: there is never a partial mapping.
+Llama-4's chunked layers map to ``LayerSpec.attention_chunk_size``.
 
 Layers that carry no attention (Nemotron-H's MLP / MoE layers) are absent from the layout; their
 indices are simply missing from ``layer_indices``.
@@ -276,6 +277,7 @@ _TYPE_KINDS: dict[str, str] = {
     "full_attention": "full",
     "attention": "full",
     "sliding_attention": "sliding",
+    "chunked_attention": "chunked",  # Llama-4's local layers (attention_chunk_size)
     "linear_attention": "linear",
     "mamba": "linear",
     "conv": "linear",  # LFM2's gated short conv
@@ -287,22 +289,26 @@ def _mapped_as(spec: LayerSpec | None) -> str:
         return "nothing"
     if spec.kind is LayerKind.FULL and spec.sliding_window is not None:
         return "sliding"
+    if spec.kind is LayerKind.FULL and spec.attention_chunk_size is not None:
+        return "chunked"
     return str(spec.kind.value)
 
 
-def _refuse_features(model_type: str, cfg: Mapping[str, Any]) -> None:
-    """Features no layer kind describes, on a config of a supported model_type."""
+def _refuse_features(model_type: str, cfg: Mapping[str, Any], family: str) -> None:
+    """Features no layer kind describes, or the family's mapping does not read, on a config of
+    a supported model_type."""
     chunk = cfg.get("attention_chunk_size")
     types = cfg.get("layer_types")
     n = cfg.get("num_hidden_layers")
-    if chunk is not None:
+    if chunk is not None and family not in _READS_CHUNKS:
         if isinstance(types, list) and "chunked_attention" in types:
             where = _layers_of(types, "chunked_attention")
         else:
             where = f"layers {_ranges(range(n))}" if isinstance(n, int) else "every layer"
         raise ValueError(
-            f"{model_type}: chunked attention (attention_chunk_size={chunk}) in {where}: "
-            f"no layer kind"
+            f"{model_type}: chunked attention (attention_chunk_size={chunk}) in {where}: the "
+            f"{family} mapping does not read it (families that do: {sorted(_READS_CHUNKS)}); "
+            f"refused, not mapped in part"
         )
     if isinstance(types, list):
         unknown = [t for t in dict.fromkeys(types) if t not in _TYPE_KINDS]
@@ -487,6 +493,59 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
         sw = window if t == "sliding_attention" else None
         layers.append((i, o.full(sliding_window=sw, **fields_)))
     return n, layers, {}
+
+
+def _llama4(r: _Reader, o: _Options) -> _Parsed:
+    """Llama-4 text (``llama4_text``; ``llama4`` reads its ``text_config``): chunked (local)
+    attention layers and global full-attention layers, by ``layer_types``.
+
+    Without ``layer_types`` transformers derives them from the NoPE pattern: a layer that uses
+    rope (``no_rope_layers[i] == 1``; by default every layer but each
+    ``no_rope_layer_interval``-th) is chunked when ``attention_chunk_size`` is set, the NoPE
+    layers are full. Everything else acts outside the attention op and stays the model's:
+    rope on the rope layers only, the weightless L2 q/k norm (``use_qk_norm``) on the rope
+    layers, and on NoPE layers with ``attn_temperature_tuning`` the query scale
+    ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))`` of each query's position ``p``
+    (a per-token factor on q before the op, as rope is: the adapter applies it with the
+    step's positions); the softmax scale stays ``head_dim ** -0.5``.
+    """
+    n = r.pos_int("num_hidden_layers")
+    chunk = r.cfg.get("attention_chunk_size")
+    if chunk is not None:
+        chunk = r.pos_int("attention_chunk_size")
+    uses_rope = _llama4_rope_layers(r, n)
+    types = _layer_types(
+        r,
+        n,
+        lambda i: "chunked_attention" if uses_rope[i] and chunk is not None else "full_attention",
+    )
+    _check_types(r, types, {"chunked_attention", "full_attention"})
+    if chunk is None and "chunked_attention" in types:
+        where = _layers_of(types, "chunked_attention")
+        raise ValueError(
+            f"{r.where}: layer_types has chunked_attention in {where} but attention_chunk_size "
+            "is null; expected the chunk size"
+        )
+    heads = _gqa(r, o, _head_dim(r))
+    layers = []
+    for i, t in enumerate(types):
+        size = chunk if t == "chunked_attention" else None
+        layers.append((i, o.full(attention_chunk_size=size, **heads)))
+    return n, layers, {}
+
+
+def _llama4_rope_layers(r: _Reader, n: int) -> list[bool]:
+    """Per layer whether it applies rope: ``no_rope_layers`` (1: rope, 0: NoPE, transformers'
+    naming), or when empty every layer but each ``no_rope_layer_interval``-th."""
+    given = r.cfg.get("no_rope_layers")
+    if not given:
+        interval = r.pos_int("no_rope_layer_interval", 4)
+        return [(i + 1) % interval != 0 for i in range(n)]
+    if not isinstance(given, list) or len(given) != n or any(v not in (0, 1) for v in given):
+        raise ValueError(
+            f"{r.where}: no_rope_layers={given!r}: expected {n} entries of 1 (rope) or 0 (NoPE)"
+        )
+    return [bool(v) for v in given]
 
 
 def _qwen3_next(r: _Reader, o: _Options) -> _Parsed:
@@ -1054,6 +1113,11 @@ _FAMILIES: tuple[_Family, ...] = (
         },
     ),
     _Family("qwen3-next", _qwen3_next, {"qwen3_next": "Qwen3NextForCausalLM"}),
+    _Family(
+        "llama-4",
+        _llama4,
+        {"llama4_text": "Llama4ForCausalLM", "llama4": "Llama4ForConditionalGeneration"},
+    ),
     # Qwen3.5 text: the same Gated DeltaNet and gated full-attention layers by layer_types.
     _Family(
         "qwen3.5",
@@ -1103,6 +1167,8 @@ _FAMILIES: tuple[_Family, ...] = (
         },
     ),
 )
+#: Families whose mapping reads ``attention_chunk_size`` (any other refuses a config with it).
+_READS_CHUNKS: frozenset[str] = frozenset({"llama-4"})
 _DENSE: _Family = next(f for f in _FAMILIES if f.name == "dense")
 _BY_MODEL_TYPE: dict[str, _Family] = {t: f for f in _FAMILIES for t in f.model_types}
 
@@ -1117,26 +1183,12 @@ def _all_layers(cfg: Mapping[str, Any]) -> str:
     return f"layers {_ranges(range(n))}" if n else "every layer"
 
 
-def _llama4_features(cfg: Mapping[str, Any]) -> list[str]:
-    cfg = cfg.get("text_config") or cfg
-    chunk, types = cfg.get("attention_chunk_size"), cfg.get("layer_types")
-    if chunk is None:
-        return []
-    if isinstance(types, list) and "chunked_attention" in types:
-        where = _layers_of(types, "chunked_attention")
-    else:
-        where = _all_layers(cfg)
-    return [f"chunked attention (attention_chunk_size={chunk}) in {where}: no layer kind"]
-
-
 # Model types no family parses, with the features that keep them out: the error names them.
 _UNSUPPORTED_FEATURES: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
     "falcon_h1": lambda c: [
         f"attention and Mamba2 in parallel inside one decoder layer in {_all_layers(c)}: "
         f"no layer kind"
     ],
-    "llama4": _llama4_features,
-    "llama4_text": _llama4_features,
 }
 
 
@@ -1251,8 +1303,9 @@ def specs_from_hf_config(
     :raises ValueError: unknown ``model_type`` (the message names the features that keep it
         out, e.g. "falcon_h1: attention and Mamba2 in parallel inside one decoder layer in
         layers 0-1: no layer kind", and its ``layer_types``,
-        and lists the supported ones); a feature no layer kind describes (chunked attention,
-        an unknown ``layer_types`` value), named with its layers; a mapping that disagrees with
+        and lists the supported ones); a feature no layer kind describes (an unknown
+        ``layer_types`` value) or the family does not read (chunked attention outside
+        Llama-4), named with its layers; a mapping that disagrees with
         the config's own ``layer_types`` (the layers, what the config says, what was mapped);
         a missing or invalid field; or a head count ``tp_size`` does not divide.
     """
@@ -1283,7 +1336,7 @@ def _specs(
     kv_dtype: str | None,
 ) -> ModelLayout:
     cfg, dtype_sources = raw, [raw]
-    if model_type == "gemma3":  # multimodal Gemma-3: the language model lives in text_config
+    if model_type in ("gemma3", "llama4"):  # multimodal: the language model is text_config
         cfg = _sub_config(raw, "text_config", model_type)
         dtype_sources = [cfg, raw]
     elif model_type == "qwen2_5_vl":  # the vision tower lives in vision_config
@@ -1296,7 +1349,7 @@ def _specs(
         kv_dtype=kv_dtype,
     )
     reader = _Reader(cfg, f"{family.name} ({model_type})", family.defaults)
-    _refuse_features(model_type, cfg)
+    _refuse_features(model_type, cfg, family.name)
     num_layers, layers, extra = family.parse(reader, options)
     _check_against_types(model_type, cfg, num_layers, layers)
     indices = tuple(i for i, _ in layers)

@@ -51,6 +51,7 @@ def decode_full_attention(
     *,
     scale: float,
     sliding_window: int | None = None,
+    attention_chunk_size: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
     k_scale: float | torch.Tensor = 1.0,
@@ -60,6 +61,8 @@ def decode_full_attention(
 
     ``page_table [B, W]`` int32 (the whole table width is gathered: fixed shapes),
     ``seq_lens [B]`` int32 including the new token, which sits at position ``seq_len - 1``.
+    ``attention_chunk_size = C``: the token sees keys of its own chunk only,
+    ``(seq_len - 1) // C * C <= j`` (computed on the device: graph-safe).
     """
     hq = q.shape[1]
     k = _gather_pages(k_cache, page_table).float() * k_scale  # [B, L, Hkv, D]
@@ -76,6 +79,8 @@ def decode_full_attention(
     visible = pos < last
     if sliding_window is not None:
         visible = visible & (pos >= last - sliding_window)
+    if attention_chunk_size is not None:  # the chunk of the new token, at position last - 1
+        visible = visible & (pos >= (last - 1) // attention_chunk_size * attention_chunk_size)
     return _masked_softmax_out(logits, v, visible, sinks)
 
 

@@ -70,6 +70,7 @@ CAPABILITIES = BackendCapabilities(
     causal=True,
     non_causal=True,
     sliding_window=True,
+    chunked_attention=True,
     logits_soft_cap=True,
     sinks=True,
     deterministic=True,
@@ -191,6 +192,7 @@ class FullContext(_Context):
         common = dict(
             scale=layer.scale,
             sliding_window=spec.sliding_window,
+            attention_chunk_size=spec.attention_chunk_size,
             logits_soft_cap=spec.logits_soft_cap,
             sinks=layer.sinks,
             k_scale=kv.k_scale,
@@ -277,6 +279,7 @@ class EncoderContext(_Context):
             scale=layer.scale,
             causal=spec.causal,
             sliding_window=spec.sliding_window,
+            attention_chunk_size=spec.attention_chunk_size,
             logits_soft_cap=spec.logits_soft_cap,
         )
         return self._finish(result, out, result.shape[0])

@@ -34,6 +34,9 @@ ANY_MLA_DIMS = ((32, 16), (512, 64))  # (kv_lora_rank, qk_rope_head_dim); DeepSe
 ANY_LINEAR_DIMS = ((32, 32), (64, 128), (128, 128))  # (dk, dv)
 SOFT_CAP = 2.0  # small enough to bend random logits: a backend that ignores it is caught
 WINDOW = 8
+# chunks of 4 tokens: every workload's longer requests span several chunks, and decodes cross
+# a chunk boundary (a backend that ignores the chunk mask, or is off by one at it, is caught)
+CHUNK = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +87,8 @@ class Case:
             parts.append("noncausal")
         if s.sliding_window:
             parts.append(f"win{s.sliding_window}")
+        if s.attention_chunk_size:
+            parts.append(f"chunk{s.attention_chunk_size}")
         if s.logits_soft_cap:
             parts.append("softcap")
         if s.has_sinks:
@@ -432,6 +437,14 @@ def _kind_cases(
         if caps.sliding_window:
             for w in w_opts:
                 add("correctness", base.with_(sliding_window=WINDOW), w, [f"{K}: sliding window"])
+        if caps.chunked_attention:
+            for w in w_opts:
+                add(
+                    "correctness",
+                    base.with_(attention_chunk_size=CHUNK),
+                    w,
+                    [f"{K}: chunked attention"],
+                )
         if caps.logits_soft_cap:
             for w in w_opts:
                 add("correctness", base.with_(logits_soft_cap=SOFT_CAP), w, [f"{K}: soft-cap"])

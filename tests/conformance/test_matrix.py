@@ -31,7 +31,10 @@ def test_narrow_backend_gets_only_its_claims() -> None:
     assert {s.dtype for s in specs} == {"bfloat16"}
     assert {s.head_dim for s in specs} == {128}
     assert {s.page_size for s in specs} == {16, 64}
-    assert not any(s.has_sinks or s.sliding_window or s.logits_soft_cap for s in specs)
+    assert not any(
+        s.has_sinks or s.sliding_window or s.attention_chunk_size or s.logits_soft_cap
+        for s in specs
+    )
     assert {c.spec_tokens for c in cases} == {0, 1, 2}
     graph = [c for c in cases if c.check == "graph"]
     assert len(graph) == 1 and "CUDA is not available" in graph[0].skip
@@ -45,6 +48,8 @@ def test_reference_matrix_covers_every_kind_and_option() -> None:
         "full: sinks",
         "full: soft-cap",
         "full: sliding window",
+        "full: chunked attention",
+        "encoder: chunked attention",
         "encoder: causal",
         "mla: kv_dtype fp8_e4m3",
         "linear/kda: state_dtype bfloat16",

@@ -162,6 +162,7 @@ def test_matches_transformers_fp32_gpu(name: str) -> None:
             "nemotron-h",
             "falcon-mamba",
             "kimi-linear",
+            "llama-4",
         )
     ],
 )
@@ -201,8 +202,9 @@ def test_kernel_shapes_match_transformers_cpu(name: str, dtype: str) -> None:
 # ------------------------------------------------------------------------------------------
 # Rejections that mean "no installed GPU plugin can serve this layer here" rather than a bug:
 # the plugin cannot run (a wheel is missing), serves another kind, or lacks a feature the
-# layer needs (FlashInfer has no attention sinks; gpt-oss needs FlashAttention's).
-_EXPECTED_REJECTIONS = {"unavailable", "kind", "linear_variant", "sinks"}
+# layer needs (FlashInfer has no attention sinks; gpt-oss needs FlashAttention's; no GPU plugin
+# has a chunk mask for Llama-4's chunked layers).
+_EXPECTED_REJECTIONS = {"unavailable", "kind", "linear_variant", "sinks", "chunked_attention"}
 
 
 def _gpu_plugin_run(name: str, **kw):

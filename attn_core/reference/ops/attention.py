@@ -21,6 +21,9 @@ Masking (``p`` = query position, ``j`` = key position):
 * ``sliding_window=W`` (HF convention, a query sees at most ``W`` keys, itself included):
   causal ``p - W < j <= p``; bidirectional ``|p - j| < W`` (FlashAttention's
   ``window_size=(W-1, W-1)``, as vLLM uses for encoder-only models).
+* ``attention_chunk_size=C`` (chunked local attention, Llama-4; transformers'
+  ``chunked_overlay``): a query sees only keys of its own chunk, ``j // C == p // C``; with
+  causal masking ``p // C * C <= j <= p``. It combines with a sliding window (both must hold).
 * ``logits_soft_cap=c``: ``logits = c * tanh(scale * q.k / c)`` (Gemma-2), before masking.
 * ``sinks`` ``[Hq]``: one learned logit per head that joins the softmax denominator only
   (gpt-oss): ``softmax([logits, sink])`` with the sink column dropped afterwards.
@@ -164,15 +167,21 @@ def _write_slots(
 
 
 def _visible(
-    q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, sliding_window: int | None
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    causal: bool,
+    sliding_window: int | None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor | None:
     """``[Lq, Lk]`` bool, True where query ``q_pos[i]`` may read key ``k_pos[j]``; None: all."""
-    if not causal and sliding_window is None:
+    if not causal and sliding_window is None and chunk_size is None:
         return None
     dist = q_pos[:, None] - k_pos[None, :]  # > 0: the key is before the query
     mask = dist >= 0 if causal else torch.ones_like(dist, dtype=torch.bool)
     if sliding_window is not None:
         mask &= (dist < sliding_window) if causal else (dist.abs() < sliding_window)
+    if chunk_size is not None:  # positions are >= 0: floor division is the chunk index
+        mask &= (q_pos[:, None] // chunk_size) == (k_pos[None, :] // chunk_size)
     return mask
 
 
@@ -186,6 +195,7 @@ def _attend(
     scale: float,
     causal: bool,
     sliding_window: int | None = None,
+    chunk_size: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -213,6 +223,7 @@ def _attend(
                 scale=scale,
                 causal=causal,
                 sliding_window=sliding_window,
+                chunk_size=chunk_size,
                 logits_soft_cap=logits_soft_cap,
                 sinks=sinks,
             )
@@ -225,7 +236,7 @@ def _attend(
     logits = torch.einsum("qhgd,khd->hgqk", qg, k) * scale  # [Hkv, group, Lq, Lk]
     if logits_soft_cap is not None:
         logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
-    mask = _visible(q_pos, k_pos, causal, sliding_window)
+    mask = _visible(q_pos, k_pos, causal, sliding_window, chunk_size)
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf"))
     if sinks is not None:
@@ -237,13 +248,20 @@ def _attend(
     return out.reshape(lq, hq, dv)
 
 
-def _check_options(sliding_window: int | None, logits_soft_cap: float | None, scale: float) -> None:
-    if sliding_window is not None and (
-        isinstance(sliding_window, bool)
-        or not isinstance(sliding_window, int)
-        or sliding_window <= 0
+def _check_options(
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+    scale: float,
+    attention_chunk_size: int | None = None,
+) -> None:
+    for name, value in (
+        ("sliding_window", sliding_window),
+        ("attention_chunk_size", attention_chunk_size),
     ):
-        raise ValueError(f"sliding_window={sliding_window!r}: expected None or an integer >= 1")
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value <= 0
+        ):
+            raise ValueError(f"{name}={value!r}: expected None or an integer >= 1")
     if logits_soft_cap is not None and not (
         isinstance(logits_soft_cap, (int, float)) and logits_soft_cap > 0
     ):
@@ -368,6 +386,7 @@ def paged_attention(
     scale: float,
     causal: bool = True,
     sliding_window: int | None = None,
+    attention_chunk_size: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
     k_scale: ScaleLike = 1.0,
@@ -388,6 +407,8 @@ def paged_attention(
     :param scale: softmax scale applied to ``q . k``.
     :param causal: True: a query at position p sees keys ``0..p``; False: all ``seq_len`` keys.
     :param sliding_window: a query sees at most this many keys, itself included.
+    :param attention_chunk_size: a query sees only keys of its own chunk of this many
+        positions (``j // C == p // C``), Llama-4's chunked attention.
     :param logits_soft_cap: ``c`` in ``c * tanh(logits / c)``.
     :param sinks: ``[Hq]`` float, per-head sink logits (denominator only).
     :param k_scale: fp8 dequantisation scale of ``k_cache`` (float or one-element tensor).
@@ -399,7 +420,7 @@ def paged_attention(
     _check_dim(q, "q", 3, "[T, Hq, D]")
     _check_dim(k_cache, "k_cache", 4, "[num_pages, page_size, Hkv, D]")
     _check_dim(v_cache, "v_cache", 4, "[num_pages, page_size, Hkv, Dv]")
-    _check_options(sliding_window, logits_soft_cap, scale)
+    _check_options(sliding_window, logits_soft_cap, scale, attention_chunk_size)
     num_tokens, hq, d = q.shape
     num_pages, page_size, hkv, dk = k_cache.shape
     dv = v_cache.shape[3]
@@ -443,6 +464,7 @@ def paged_attention(
             scale=scale,
             causal=causal,
             sliding_window=sliding_window,
+            chunk_size=attention_chunk_size,
             logits_soft_cap=logits_soft_cap,
             sinks=sinks_f,
         )
@@ -459,6 +481,7 @@ def varlen_attention(
     scale: float,
     causal: bool = False,
     sliding_window: int | None = None,
+    attention_chunk_size: int | None = None,
     logits_soft_cap: float | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -471,6 +494,8 @@ def varlen_attention(
     :param scale: softmax scale applied to ``q . k``.
     :param causal: True: token i sees tokens ``0..i`` of its sequence; False: all of them.
     :param sliding_window: causal: ``i - W < j <= i``; bidirectional: ``|i - j| < W``.
+    :param attention_chunk_size: a query sees only keys of its own chunk of this many
+        positions (``j // C == p // C``), Llama-4's chunked attention.
     :param logits_soft_cap: ``c`` in ``c * tanh(logits / c)``.
     :param out: optional ``[T, Hq, Dv]`` tensor to write into.
     :returns: ``[T, Hq, Dv]`` in ``q.dtype`` (or ``out``). Rows outside
@@ -481,7 +506,7 @@ def varlen_attention(
     _check_dim(v, "v", 3, "[T, Hkv, Dv]")
     _check_dim(cu_seqlens, "cu_seqlens", 1, "[N + 1]")
     _check_int(cu_seqlens, "cu_seqlens")
-    _check_options(sliding_window, logits_soft_cap, scale)
+    _check_options(sliding_window, logits_soft_cap, scale, attention_chunk_size)
     num_tokens, hq, d = q.shape
     if k.shape[0] != num_tokens or v.shape[0] != num_tokens:
         raise ValueError(
@@ -514,6 +539,7 @@ def varlen_attention(
             scale=scale,
             causal=causal,
             sliding_window=sliding_window,
+            chunk_size=attention_chunk_size,
             logits_soft_cap=logits_soft_cap,
         )
         result[start:end] = o.to(result.dtype)

@@ -70,6 +70,7 @@ def capabilities(
         causal=True,
         non_causal=False,  # decoder attention over a KV cache; see providers (tile_n)
         sliding_window=True,
+        chunked_attention=False,  # FA3's kernels have no chunk mask
         logits_soft_cap=True,
         sinks=sinks,
         deterministic=deterministic,

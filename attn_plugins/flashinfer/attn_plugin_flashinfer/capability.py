@@ -63,6 +63,7 @@ FULL_CAPABILITIES = BackendCapabilities(
     causal=True,
     non_causal=False,
     sliding_window=True,
+    chunked_attention=False,  # FlashInfer's kernels have no chunk mask
     logits_soft_cap=True,
     sinks=False,
     deterministic=False,

@@ -61,6 +61,7 @@ def sdpa_capabilities() -> BackendCapabilities:
         causal=True,
         non_causal=True,
         sliding_window=True,  # as a boolean band mask (memory-efficient kernel)
+        chunked_attention=False,  # the band mask is built for windows only
         logits_soft_cap=False,
         sinks=False,
         deterministic=True,
