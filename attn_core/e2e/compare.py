@@ -137,7 +137,7 @@ def compare_vision(
     model: TinyModel,
     result: VisionResult,
     pixel_values: torch.Tensor,
-    grid_thw: torch.Tensor,
+    grid_thw: torch.Tensor | None,
     *,
     tolerance: Tolerance | None = None,
 ) -> MatchResult:

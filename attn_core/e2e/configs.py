@@ -18,6 +18,7 @@ from attn_core.models import ModelLayout, load_sample, specs_from_hf_config
 __all__ = [
     "ARCHITECTURES",
     "SHAPES",
+    "VISION_TOWERS",
     "TinyModel",
     "build_tiny",
     "first_layers",
@@ -309,6 +310,9 @@ _KERNEL_SHAPES: dict[str, dict[str, Any]] = {
 }
 #: Sample names the runner drives, in report order.
 ARCHITECTURES: tuple[str, ...] = tuple(_SHRINK)
+#: The vision towers the runner drives (an encoder pass over images, no decode): the sample
+#: and the families that run from a config.json.
+VISION_TOWERS: tuple[str, ...] = ("qwen2.5-vl-vision", "qwen2-vl-vision", "siglip-vision")
 #: ``tiny``: the smallest shapes (CPU tests); ``kernel``: head dims the GPU kernels serve.
 SHAPES = ("tiny", "kernel")
 
@@ -440,7 +444,17 @@ class TinyModel:
 
     @property
     def is_encoder(self) -> bool:
-        return self.name == "qwen2.5-vl-vision"
+        return self.name in VISION_TOWERS
+
+
+def _tower_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A vision tower's own fields: the whole config's ``vision_config``, or the tower's own
+    config (``model_type`` ``siglip_vision_model``, ``qwen2_vl_vision``, ...) as given."""
+    sub = cfg.get("vision_config")
+    fields = dict(sub) if isinstance(sub, dict) else dict(cfg)
+    for key in ("model_type", "architectures", "transformers_version"):
+        fields.pop(key, None)
+    return fields
 
 
 def _hf_config(name: str, cfg: dict[str, Any]):
@@ -449,7 +463,15 @@ def _hf_config(name: str, cfg: dict[str, Any]):
     if name == "qwen2.5-vl-vision":
         from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 
-        return Qwen2_5_VLVisionConfig(**cfg["vision_config"])
+        return Qwen2_5_VLVisionConfig(**_tower_fields(cfg))
+    if name == "qwen2-vl-vision":
+        from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+
+        return Qwen2VLVisionConfig(**_tower_fields(cfg))
+    if name == "siglip-vision":
+        from transformers import SiglipVisionConfig
+
+        return SiglipVisionConfig(**_tower_fields(cfg))
     fields = {
         k: _decode_floats(v) for k, v in cfg.items() if k not in ("model_type", "architectures")
     }
@@ -501,7 +523,7 @@ def build_tiny(
     from attn_core.specs import torch_dtype
 
     if checkpoint is not None:
-        if name == "qwen2.5-vl-vision":
+        if name in VISION_TOWERS:
             raise ValueError(
                 f"{checkpoint}: loading weights is supported for causal LMs; the vision tower "
                 "runs with random weights from a config.json only"
@@ -529,6 +551,18 @@ def build_tiny(
         model = Qwen2_5_VisionTransformerPretrainedModel._from_config(
             hf_cfg, attn_implementation="eager"
         )
+    elif name == "qwen2-vl-vision":
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+            Qwen2VisionTransformerPretrainedModel,
+        )
+
+        model = Qwen2VisionTransformerPretrainedModel._from_config(
+            hf_cfg, attn_implementation="eager"
+        )
+    elif name == "siglip-vision":
+        from transformers import SiglipVisionModel
+
+        model = SiglipVisionModel._from_config(hf_cfg, attn_implementation="eager")
     else:
         # MoE blocks through batched_mm: transformers' default grouped_mm reads its expert
         # offsets on the host for float32 (H200: "Cannot copy between CPU and CUDA tensors

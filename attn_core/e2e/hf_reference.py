@@ -60,30 +60,43 @@ def hf_causal_logits(
 
 @torch.no_grad()
 def hf_vision_block_outputs(
-    model: torch.nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+    model: torch.nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Qwen2.5-VL vision tower: the hidden states after every block and the merged output.
+    """A vision tower's hidden states after every block and its output.
 
-    :param pixel_values: ``[num_patches, C * temporal_patch * patch * patch]``.
-    :param grid_thw: ``[num_images, 3]`` int64.
-    :returns: (per block ``[num_patches, hidden]`` float32, in the tower's window order;
-        merged ``[num_patches / merge_unit, out_hidden]`` float32, in image order).
+    :param pixel_values: Qwen2-VL / Qwen2.5-VL: ``[num_patches, C * temporal_patch * patch *
+        patch]``; SigLIP: ``[num_images, C, image_size, image_size]``.
+    :param grid_thw: ``[num_images, 3]`` int64 (Qwen towers); None for SigLIP.
+    :returns: (per block ``[num_patches, hidden]`` float32, in the tower's own token order
+        (Qwen2.5-VL: window order; SigLIP: image after image); the output, float32: the
+        Qwen towers' merged ``[num_patches / merge_unit, out_hidden]`` in image order, SigLIP's
+        post-layernorm ``last_hidden_state`` as ``[num_images * patches, hidden]``).
     """
     captured: list[torch.Tensor] = []
-    blocks = model.blocks
+    # Qwen towers keep their blocks in .blocks, SigLIP its layers in .encoder.layers
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        encoder = getattr(model, "encoder", None)
+        blocks = getattr(encoder, "layers", None)
     if not isinstance(blocks, torch.nn.ModuleList):
         raise TypeError(
-            f"{type(model).__name__}.blocks: expected the vision tower's ModuleList, "
-            f"got {type(blocks).__name__}"
+            f"{type(model).__name__}: expected the vision tower's blocks (.blocks or "
+            f".encoder.layers) as a ModuleList, got {type(blocks).__name__}"
         )
     hooks = [
-        blk.register_forward_hook(lambda _m, _i, o: captured.append(o.detach().float()))
+        blk.register_forward_hook(
+            lambda _m, _i, o: captured.append(o.detach().float().reshape(-1, o.shape[-1]))
+        )
         for blk in blocks
     ]
     try:
         with torch_paths(model):
-            result = model(pixel_values, grid_thw=grid_thw)
+            if grid_thw is None:
+                result = model(pixel_values)
+                out = result.last_hidden_state
+            else:
+                out = model(pixel_values, grid_thw=grid_thw).pooler_output
     finally:
         for h in hooks:
             h.remove()
-    return captured, result.pooler_output.float()
+    return captured, out.float().reshape(-1, out.shape[-1])

@@ -32,7 +32,7 @@ from attn_core.e2e.configs import (
     real_size_config,
 )
 from attn_core.e2e.runner import Engine
-from attn_core.e2e.vision import VisionRunner, sample_images
+from attn_core.e2e.vision import VisionRunner, vision_inputs
 from attn_core.models import MODEL_TYPE_FAMILIES, sample_names, specs_from_hf_config
 from attn_core.runtime import AttentionRuntime
 from attn_core.selector import Plan, select
@@ -74,8 +74,15 @@ class _Input:
 # Families with no bundled sample that run from a config.json (or checkpoint) through the
 # layer-forward adapter: the generic dense mapping's model types (any dense family using the
 # common names, tests/e2e/test_run_dense.py), Granite-4.0-H and Qwen3.5
-# (tests/e2e/test_run_families.py), each checked against transformers.
-_CONFIG_FAMILIES: tuple[str, ...] = ("dense", "granite-4.0-h", "qwen3.5")
+# (tests/e2e/test_run_families.py), the SigLIP and Qwen2-VL vision towers
+# (tests/e2e/test_run_towers.py), each checked against transformers.
+_CONFIG_FAMILIES: tuple[str, ...] = (
+    "dense",
+    "granite-4.0-h",
+    "qwen3.5",
+    "qwen2-vl-vision",
+    "siglip-vision",
+)
 
 
 # Hub configs of remote-code models a family maps but transformers cannot build, and the
@@ -387,7 +394,7 @@ def run_architecture(
     notes: list[str] = [cut_note] if cut_note else []
     if model.is_encoder:
         grids = [_VISION_GRIDS[i % len(_VISION_GRIDS)] for i in range(max(prompts, 1))]
-        tokens = sum(t * h * w for t, h, w in grids)
+        pixels, grid_thw, tokens = vision_inputs(model, grids)
         plan = plan_for(
             model,
             registry,
@@ -399,7 +406,6 @@ def run_architecture(
             graphs=False,
         )
         runtime = AttentionRuntime(plan, registry, state=None, device=device)
-        pixels, grid_thw = sample_images(model, grids)
         t0 = time.perf_counter()
         vision = VisionRunner(model, runtime, max_tokens=tokens).forward(pixels, grid_thw)
         if device.type == "cuda":

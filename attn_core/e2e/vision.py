@@ -1,9 +1,12 @@
-"""Qwen2.5-VL's vision tower with every block's attention through an encoder binding.
+"""Vision towers with every block's attention through an encoder binding.
 
-The tower alternates windowed blocks (attention within windows of patches) and full blocks
-(attention within each image); both are bidirectional varlen attention over the same tokens and
-share one layer group, so the runner keeps two encoder batches (window and image cu-seqlens, two
-builders so that both stay valid) and prepares the runtime with the one each block needs.
+SigLIP (every image the same number of patches) and Qwen2-VL (variable-length images, 2D
+rotary inside the tower) run every block as bidirectional attention within each image: one
+encoder batch. Qwen2.5-VL's tower alternates windowed blocks (attention within windows of
+patches) and full blocks (attention within each image); both are bidirectional varlen attention
+over the same tokens and share one layer group, so the runner keeps two encoder batches (window
+and image cu-seqlens, two builders so that both stay valid) and prepares the runtime with the
+one each block needs.
 Everything else (patch embedding, window permutation, rotary, norms, MLP, merger) is the
 transformers modules' own code.
 """
@@ -19,7 +22,7 @@ from attn_core.batch import BatchBuilder
 from attn_core.e2e.configs import TinyModel
 from attn_core.runtime import AttentionRuntime
 
-__all__ = ["VisionResult", "VisionRunner", "sample_images"]
+__all__ = ["VisionResult", "VisionRunner", "sample_images", "vision_inputs"]
 
 
 @dataclass
@@ -47,6 +50,28 @@ def sample_images(model: TinyModel, grids: list[tuple[int, int, int]], *, seed: 
     return pixels, torch.tensor(grids, dtype=torch.long, device=p.device)
 
 
+def vision_inputs(
+    model: TinyModel, grids: list[tuple[int, int, int]], *, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """Random inputs for ``len(grids)`` images of the tower ``model``.
+
+    :param grids: (t, h, w) patches per image for the Qwen towers; SigLIP takes one image of
+        its ``image_size`` per entry (its patch count is fixed by the config).
+    :returns: ``(pixel_values, grid_thw or None, num_patches)``: the Qwen towers' as
+        :func:`sample_images`; SigLIP's ``[n, C, image_size, image_size]`` and None.
+    """
+    if model.name != "siglip-vision":
+        pixels, grid_thw = sample_images(model, grids, seed=seed)
+        return pixels, grid_thw, sum(t * h * w for t, h, w in grids)
+    cfg: Any = model.hf.config  # a SiglipVisionConfig
+    p = next(model.hf.parameters())
+    size = int(cfg.image_size)
+    gen = torch.Generator().manual_seed(seed)
+    pixels = torch.randn(len(grids), cfg.num_channels, size, size, generator=gen)
+    patches = (size // int(cfg.patch_size)) ** 2
+    return pixels.to(device=p.device, dtype=p.dtype), None, len(grids) * patches
+
+
 class VisionRunner:
     """Runs the tower block by block; ``runtime`` has the layout's single encoder group."""
 
@@ -60,7 +85,61 @@ class VisionRunner:
         }
 
     @torch.no_grad()
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> VisionResult:
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None) -> VisionResult:
+        """The tower on the inputs of :func:`vision_inputs` (``grid_thw`` None for SigLIP)."""
+        if self.model.name == "siglip-vision":
+            return self._siglip(pixel_values)
+        if grid_thw is None:
+            raise ValueError(f"{self.model.name}: grid_thw is required (the images' t, h, w)")
+        if self.model.name == "qwen2-vl-vision":
+            return self._qwen2_vl(pixel_values, grid_thw)
+        return self._qwen2_5_vl(pixel_values, grid_thw)
+
+    def _siglip(self, pixel_values: torch.Tensor) -> VisionResult:
+        vt: Any = self.model.hf  # a SiglipVisionModel
+        hs = vt.embeddings(pixel_values)  # [images, patches, hidden]
+        n, patches, width = hs.shape
+        self.runtime.prepare(self._builders["full"].build_encoder([patches] * n))
+        blocks = []
+        for i, layer in enumerate(vt.encoder.layers):
+            at = layer.self_attn
+            x = layer.layer_norm1(hs).reshape(n * patches, width)
+            q, k, v = (
+                proj(x).view(n * patches, at.num_heads, at.head_dim)
+                for proj in (at.q_proj, at.k_proj, at.v_proj)
+            )
+            out = torch.empty_like(q)
+            self.runtime.binding(i).forward(q, k, v, out=out)
+            hs = hs + at.out_proj(out.reshape(n, patches, width))
+            hs = hs + layer.mlp(layer.layer_norm2(hs))
+            blocks.append(hs.reshape(n * patches, width).float())
+        out = vt.post_layernorm(hs).reshape(n * patches, width)
+        return VisionResult(blocks, out.float())
+
+    def _qwen2_vl(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> VisionResult:
+        from transformers.models.qwen2_vl import modeling_qwen2_vl as mq
+        from transformers.vision_utils import get_vision_attention_seqlens, get_vision_position_ids
+
+        vt: Any = self.model.hf  # a Qwen2VisionTransformerPretrainedModel
+        position_ids = get_vision_position_ids(grid_thw, vt.spatial_merge_size, kwargs={})
+        cu_seqlens, _ = get_vision_attention_seqlens(grid_thw, vt.config, kwargs={})
+        self.runtime.prepare(self._builders["full"].build_encoder(_lengths(cu_seqlens)))
+        hs = vt.patch_embed(pixel_values)
+        seq_len = hs.shape[0]
+        cos, sin = vt.rotary_pos_emb(hs, position_ids)
+        blocks = []
+        for i, blk in enumerate(vt.blocks):
+            at = blk.attn
+            q, k, v = at.qkv(blk.norm1(hs)).reshape(seq_len, 3, at.num_heads, -1).unbind(1)
+            q, k = mq.apply_rotary_pos_emb_vision(q, k, cos, sin)
+            out = torch.empty_like(q)
+            self.runtime.binding(i).forward(q.contiguous(), k.contiguous(), v.contiguous(), out=out)
+            hs = hs + at.proj(out.reshape(seq_len, -1))
+            hs = hs + blk.mlp(blk.norm2(hs))
+            blocks.append(hs.float())
+        return VisionResult(blocks, vt.merger(hs).float())
+
+    def _qwen2_5_vl(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> VisionResult:
         from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as mq
         from transformers.vision_utils import (
             get_vision_attention_seqlens,

@@ -1078,6 +1078,38 @@ def _qwen2_5_vl_vision(r: _Reader, o: _Options) -> _Parsed:
     return n, [(i, spec) for i in range(n)], {"encoder_full_attention_layers": full_blocks}
 
 
+def _encoder_tower(r: _Reader, o: _Options, depth: str, heads_key: str, width: str) -> _Parsed:
+    """A vision tower whose every block is the same bidirectional encoder attention over each
+    image's patches (no window pattern): ``depth`` blocks of ``heads_key`` heads of
+    ``width // heads`` (transformers: ``head_dim = width // num_heads``)."""
+    n = r.pos_int(depth)
+    heads = r.pos_int(heads_key)
+    dim = r.pos_int(width)
+    if dim % heads:
+        raise ValueError(f"{r.where}: {width}={dim} is not a multiple of {heads_key}={heads}")
+    per_rank = _split(heads, o.tp_size, heads_key)
+    spec = o.full(
+        kind=LayerKind.ENCODER,
+        num_heads=per_rank,
+        num_kv_heads=per_rank,
+        head_dim=dim // heads,
+        causal=False,
+    )
+    return n, [(i, spec) for i in range(n)], {}
+
+
+def _siglip_vision(r: _Reader, o: _Options) -> _Parsed:
+    """SigLIP's vision tower: every encoder layer non-causal attention over one image's
+    patches (all images have the same patch count)."""
+    return _encoder_tower(r, o, "num_hidden_layers", "num_attention_heads", "hidden_size")
+
+
+def _qwen2_vl_vision(r: _Reader, o: _Options) -> _Parsed:
+    """Qwen2-VL's vision tower: every block full attention within each image (varlen, no
+    windows); its width is ``embed_dim`` (``hidden_size`` is the merger's output width)."""
+    return _encoder_tower(r, o, "depth", "num_heads", "embed_dim")
+
+
 @dataclass(frozen=True, slots=True)
 class _Family:
     name: str  # sample name
@@ -1157,6 +1189,16 @@ _FAMILIES: tuple[_Family, ...] = (
         _gemma3,
         {"gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"},
         _GEMMA3_DEFAULTS,
+    ),
+    _Family("siglip-vision", _siglip_vision, {"siglip_vision_model": "SiglipVisionModel"}),
+    # The whole Qwen2-VL config maps to its vision tower (as Qwen2.5-VL's does).
+    _Family(
+        "qwen2-vl-vision",
+        _qwen2_vl_vision,
+        {
+            "qwen2_vl": "Qwen2VLForConditionalGeneration",
+            "qwen2_vl_vision": "Qwen2VisionTransformerPretrainedModel",
+        },
     ),
     _Family(
         "qwen2.5-vl-vision",
@@ -1339,7 +1381,7 @@ def _specs(
     if model_type in ("gemma3", "llama4"):  # multimodal: the language model is text_config
         cfg = _sub_config(raw, "text_config", model_type)
         dtype_sources = [cfg, raw]
-    elif model_type == "qwen2_5_vl":  # the vision tower lives in vision_config
+    elif model_type in ("qwen2_5_vl", "qwen2_vl"):  # the vision tower lives in vision_config
         cfg = _sub_config(raw, "vision_config", model_type)
         dtype_sources = [raw, cfg]
     options = _Options(
