@@ -1,0 +1,74 @@
+"""SigLIP and Qwen2-VL vision towers mapped to the encoder layer kind (issue 22), from configs
+written by transformers' own config classes; their runs are in tests/e2e/test_run_towers.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from attn_core.models import MODEL_TYPE_FAMILIES, specs_from_hf_config
+from attn_core.specs import LayerKind
+
+transformers = pytest.importorskip("transformers")
+
+
+def _siglip(**fields: Any) -> dict[str, Any]:
+    base: dict[str, Any] = dict(
+        num_hidden_layers=5, hidden_size=96, num_attention_heads=6, intermediate_size=64
+    )
+    return transformers.SiglipVisionConfig(**{**base, **fields}).to_dict()
+
+
+def _qwen2_vl_vision(**fields: Any) -> dict[str, Any]:
+    base: dict[str, Any] = dict(depth=3, embed_dim=128, hidden_size=40, num_heads=8)
+    return transformers.Qwen2VLVisionConfig(**{**base, **fields}).to_dict()
+
+
+def test_siglip_every_layer_is_the_same_bidirectional_encoder_attention() -> None:
+    layout = specs_from_hf_config(_siglip(), dtype="float32")
+    assert (layout.model_type, layout.family) == ("siglip_vision_model", "siglip-vision")
+    assert layout.architecture == "SiglipVisionModel"
+    ((group),) = layout.groups
+    assert group.layer_indices == (0, 1, 2, 3, 4)
+    spec = group.spec
+    assert spec.kind is LayerKind.ENCODER and not spec.causal
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (6, 6, 16)
+    assert spec.softmax_scale is None or spec.softmax_scale == pytest.approx(16**-0.5)
+
+
+def test_qwen2_vl_tower_width_is_embed_dim_not_hidden_size() -> None:
+    """hidden_size is the merger's output (the language model's width): head dim 128 / 8."""
+    whole = transformers.Qwen2VLConfig(
+        vision_config=dict(depth=3, embed_dim=128, hidden_size=40, num_heads=8),
+        text_config=dict(num_hidden_layers=2, hidden_size=40, num_attention_heads=4),
+    ).to_dict()
+    for cfg, model_type in ((whole, "qwen2_vl"), (whole["vision_config"], "qwen2_vl_vision")):
+        layout = specs_from_hf_config(cfg, dtype="float32")
+        assert (layout.model_type, layout.family) == (model_type, "qwen2-vl-vision")
+        ((group),) = layout.groups
+        assert group.layer_indices == (0, 1, 2)
+        spec = group.spec
+        assert spec.kind is LayerKind.ENCODER and not spec.causal
+        assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (8, 8, 16)
+        assert layout.encoder_full_attention_layers == ()  # no windowed blocks
+
+
+def test_towers_split_heads_over_tensor_parallel_ranks() -> None:
+    assert specs_from_hf_config(_siglip(), tp_size=2).groups[0].spec.num_heads == 3
+    assert specs_from_hf_config(_qwen2_vl_vision(), tp_size=4).groups[0].spec.num_heads == 2
+    with pytest.raises(ValueError, match="num_attention_heads=6 is not divisible by tp_size=4"):
+        specs_from_hf_config(_siglip(), tp_size=4)
+    with pytest.raises(ValueError, match="num_heads=8 is not divisible by tp_size=3"):
+        specs_from_hf_config(_qwen2_vl_vision(), tp_size=3)
+
+
+def test_tower_width_not_a_multiple_of_the_heads_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"embed_dim=100 is not a multiple of num_heads=8"):
+        specs_from_hf_config({**_qwen2_vl_vision(), "embed_dim": 100})
+
+
+def test_towers_are_listed_with_their_families() -> None:
+    assert MODEL_TYPE_FAMILIES["siglip_vision_model"] == "siglip-vision"
+    assert MODEL_TYPE_FAMILIES["qwen2_vl"] == "qwen2-vl-vision"
+    assert MODEL_TYPE_FAMILIES["qwen2_vl_vision"] == "qwen2-vl-vision"
