@@ -40,9 +40,11 @@ SAMPLES = [
     "llama-4",
     "minimax",
     "nemotron-h",
+    "qwen2-vl-vision",
     "qwen2.5-vl-vision",
     "qwen3",
     "qwen3-next",
+    "siglip-vision",
 ]
 
 
@@ -94,6 +96,8 @@ EXPECTED_GROUPS = {
     "gpt-oss": [("full", "full", 12, 64, 8), ("full.1", "full", 12, 64, 8)],
     "gemma-3": [("full", "full", 22, 4, 1), ("full.1", "full", 4, 4, 1)],
     "qwen2.5-vl-vision": [("encoder", "encoder", 32, 16, 16)],
+    "qwen2-vl-vision": [("encoder", "encoder", 32, 16, 16)],
+    "siglip-vision": [("encoder", "encoder", 27, 16, 16)],
     "minimax": [("linear", "linear", 70, 64, 64), ("full", "full", 10, 64, 8)],
     "lfm2": [("linear", "linear", 10, 1, 1), ("full", "full", 6, 32, 8)],
     # KDA layers 1-3,5-7,...,25-26 and MLA layers 4,8,...,24,27 (1-based in the config)
@@ -112,6 +116,8 @@ EXPECTED_MODEL_TYPE = {
     "gpt-oss": "gpt_oss",
     "gemma-3": "gemma3_text",
     "qwen2.5-vl-vision": "qwen2_5_vl",
+    "qwen2-vl-vision": "qwen2_vl",
+    "siglip-vision": "siglip_vision_model",
     "minimax": "minimax",
     "lfm2": "lfm2",
     "kimi-linear": "kimi_linear",
@@ -146,6 +152,9 @@ def test_sample_builds_with_its_transformers_config_class(name: str) -> None:
         assert isinstance(cfg, transformers.Qwen2_5_VLConfig)
         assert cfg.vision_config.depth == layout.num_layers
         assert list(cfg.vision_config.fullatt_block_indexes) == [7, 15, 23, 31]
+    elif name == "qwen2-vl-vision":
+        assert isinstance(cfg, transformers.Qwen2VLConfig)
+        assert cfg.vision_config.depth == layout.num_layers
     else:
         assert cfg.num_hidden_layers == layout.num_layers
 

@@ -247,6 +247,16 @@ _SHRINK: dict[str, dict[str, Any]] = {
         num_heads=4,
         out_hidden_size=64,
     ),
+    "qwen2-vl-vision": dict(depth=3, embed_dim=64, hidden_size=48, num_heads=4, mlp_ratio=2),
+    # 16 patches of 8 x 8 per 32 x 32 image
+    "siglip-vision": dict(
+        num_hidden_layers=3,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+    ),
 }
 # ``shapes="kernel"``: still few layers and a small hidden size, but the attention shapes the
 # GPU kernels serve (head dim 64 / 128, DeepSeek's real MLA ranks 512 + 64, Mamba2 heads of 64
@@ -307,6 +317,8 @@ _KERNEL_SHAPES: dict[str, dict[str, Any]] = {
         chunk_size=64,
     ),
     "qwen2.5-vl-vision": dict(hidden_size=256, out_hidden_size=256),  # 4 heads of 64
+    "qwen2-vl-vision": dict(embed_dim=256, hidden_size=256),  # 4 heads of 64
+    "siglip-vision": dict(hidden_size=256),  # 4 heads of 64
 }
 #: Sample names the runner drives, in report order.
 ARCHITECTURES: tuple[str, ...] = tuple(_SHRINK)
@@ -320,7 +332,8 @@ SHAPES = ("tiny", "kernel")
 def tiny_config(name: str, shapes: str = "tiny") -> dict[str, Any]:
     """The sample config ``name`` with sizes shrunk (a fresh dict, ``config.json`` shaped).
 
-    For ``qwen2.5-vl-vision`` the shrink applies to ``vision_config`` (the tower is what runs).
+    For the vision towers the shrink applies to the tower's fields (``vision_config`` of the
+    Qwen-VL samples: the tower is what runs).
 
     :param shapes: ``"tiny"`` (head dims of 16: fast on CPU) or ``"kernel"`` (head dims 64 /
         128 and DeepSeek's real MLA ranks, which FlashInfer, FlashAttention and the Triton SSM
@@ -334,13 +347,8 @@ def tiny_config(name: str, shapes: str = "tiny") -> dict[str, Any]:
     if shapes == "kernel":
         shrink.update(copy.deepcopy(_KERNEL_SHAPES[name]))
     cfg = load_sample(name)
-    if name == "qwen2.5-vl-vision":
-        cfg["vision_config"] = {
-            **cfg["vision_config"],
-            **shrink,
-            "initializer_range": 0.1,
-        }
-        return cfg
+    if name in VISION_TOWERS:
+        return _with_tower_fields(cfg, {**shrink, "initializer_range": 0.1})
     cfg.update(shrink)
     cfg["vocab_size"] = _VOCAB
     # transformers' default std 0.02 leaves the layers' share of the residual stream tiny at
@@ -409,15 +417,24 @@ def first_layers(config: dict[str, Any], n: int) -> dict[str, Any]:
     return cfg
 
 
+def _with_tower_fields(cfg: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` with ``fields`` set on its vision tower (``vision_config``, or the config itself
+    for a tower's own config such as SigLIP's)."""
+    if isinstance(cfg.get("vision_config"), dict):
+        cfg["vision_config"] = {**cfg["vision_config"], **fields}
+    else:
+        cfg.update(fields)
+    return cfg
+
+
 def real_size_config(name: str) -> dict[str, Any]:
     """The sample ``name`` at its real sizes (hidden size, heads, vocabulary), ready to build
     with random weights: no MTP layers, untied head, the init scale of :func:`tiny_config`."""
     if name not in _SHRINK:
         raise ValueError(f"model {name!r} is not one the runner drives: {list(ARCHITECTURES)}")
     cfg = load_sample(name)
-    if name == "qwen2.5-vl-vision":
-        cfg["vision_config"] = {**cfg["vision_config"], "initializer_range": 0.02}
-        return cfg
+    if name in VISION_TOWERS:
+        return _with_tower_fields(cfg, {"initializer_range": 0.02})
     cfg["initializer_range"] = 0.1 * (64 / cfg["hidden_size"]) ** 0.5
     cfg["tie_word_embeddings"] = False
     cfg.pop("num_nextn_predict_layers", None)
@@ -430,8 +447,8 @@ class TinyModel:
 
     :ivar name: sample name (``"qwen3-next"``, ...).
     :ivar config: the ``config.json``-shaped dict both transformers and attn-core read.
-    :ivar hf: the transformers module (``*ForCausalLM``; the vision transformer for
-        ``qwen2.5-vl-vision``) in eval mode, eager attention, on ``device`` in ``dtype``.
+    :ivar hf: the transformers module (``*ForCausalLM``; the vision tower for
+        :data:`VISION_TOWERS`) in eval mode, eager attention, on ``device`` in ``dtype``.
     :ivar layout: ``specs_from_hf_config(config, dtype=dtype, tp_size=tp_size)``.
     :ivar checkpoint: the checkpoint folder the weights came from; None: random init.
     """

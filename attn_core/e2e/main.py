@@ -52,6 +52,9 @@ __all__ = [
 _ALIASES = {
     "qwen2.5-vl": "qwen2.5-vl-vision",
     "qwen2_5_vl": "qwen2.5-vl-vision",
+    "qwen2-vl": "qwen2-vl-vision",
+    "qwen2_vl": "qwen2-vl-vision",
+    "siglip": "siglip-vision",
     "qwen3_next": "qwen3-next",
     "deepseek_v3": "deepseek-v3",
     "kimi_linear": "kimi-linear",
@@ -74,15 +77,8 @@ class _Input:
 # Families with no bundled sample that run from a config.json (or checkpoint) through the
 # layer-forward adapter: the generic dense mapping's model types (any dense family using the
 # common names, tests/e2e/test_run_dense.py), Granite-4.0-H and Qwen3.5
-# (tests/e2e/test_run_families.py), the SigLIP and Qwen2-VL vision towers
-# (tests/e2e/test_run_towers.py), each checked against transformers.
-_CONFIG_FAMILIES: tuple[str, ...] = (
-    "dense",
-    "granite-4.0-h",
-    "qwen3.5",
-    "qwen2-vl-vision",
-    "siglip-vision",
-)
+# (tests/e2e/test_run_families.py), each checked against transformers.
+_CONFIG_FAMILIES: tuple[str, ...] = ("dense", "granite-4.0-h", "qwen3.5")
 
 
 # Hub configs of remote-code models a family maps but transformers cannot build, and the
@@ -553,7 +549,8 @@ def run_main(
 
     :param model: ``"all"``, one architecture (a sample of :data:`ARCHITECTURES`: ``qwen3``,
         ``qwen3-next``, ``deepseek-v3``, ``bamba``, ``gpt-oss``, ``minimax``, ``lfm2``,
-        ``gemma-3``, ``nemotron-h``, ``qwen2.5-vl-vision``), the path of a ``config.json`` (or of
+        ``gemma-3``, ``nemotron-h``, ``qwen2.5-vl-vision``, ``qwen2-vl-vision``,
+        ``siglip-vision``), the path of a ``config.json`` (or of
         its folder) whose model_type one of them covers (run at the config's own sizes, random
         weights; ``shapes`` does not apply), a checkpoint folder (config.json and safetensors
         weights, loaded with ``from_pretrained``), or a comma list.

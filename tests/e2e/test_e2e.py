@@ -20,9 +20,10 @@ from attn_core.e2e import (
     run_architecture,
     run_main,
 )
+from attn_core.e2e.configs import VISION_TOWERS
 from attn_core.e2e.main import default_registry, make_prompts, plan_for, resolve_models
 
-DECODERS = [n for n in ARCHITECTURES if n != "qwen2.5-vl-vision"]
+DECODERS = [n for n in ARCHITECTURES if n not in VISION_TOWERS]
 CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")]
 
@@ -56,10 +57,13 @@ def test_mamba1_models_bf16_cpu_within_tolerance(name: str, shapes: str) -> None
     assert any("mamba1" in g["spec"] for g in run.plan["groups"]), run.format()
 
 
-def test_vision_tower_blocks_match_transformers_fp32_cpu() -> None:
-    run = run_architecture("qwen2.5-vl-vision", prompts=3)
+@pytest.mark.parametrize(
+    ("name", "blocks"), [("qwen2.5-vl-vision", 4), ("qwen2-vl-vision", 3), ("siglip-vision", 3)]
+)
+def test_vision_tower_blocks_match_transformers_fp32_cpu(name: str, blocks: int) -> None:
+    run = run_architecture(name, prompts=3)
     assert run.match.max_abs_diff < 1e-4, run.format()
-    assert run.steps == 4 and run.ok
+    assert run.steps == blocks and run.ok
 
 
 def test_comparison_detects_a_wrong_attention(monkeypatch: pytest.MonkeyPatch) -> None:
