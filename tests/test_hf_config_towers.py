@@ -34,7 +34,7 @@ def test_siglip_every_layer_is_the_same_bidirectional_encoder_attention() -> Non
     spec = group.spec
     assert spec.kind is LayerKind.ENCODER and not spec.causal
     assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (6, 6, 16)
-    assert spec.softmax_scale is None or spec.softmax_scale == pytest.approx(16**-0.5)
+    assert spec.scale == pytest.approx(16**-0.5)
 
 
 def test_qwen2_vl_tower_width_is_embed_dim_not_hidden_size() -> None:
@@ -72,3 +72,32 @@ def test_towers_are_listed_with_their_families() -> None:
     assert MODEL_TYPE_FAMILIES["siglip_vision_model"] == "siglip-vision"
     assert MODEL_TYPE_FAMILIES["qwen2_vl"] == "qwen2-vl-vision"
     assert MODEL_TYPE_FAMILIES["qwen2_vl_vision"] == "qwen2-vl-vision"
+
+
+@pytest.mark.parametrize("name", ["siglip-vision", "qwen2-vl-vision"])
+def test_sample_tower_spec_matches_transformers_attention_module(name: str) -> None:
+    """Head layout, scale and causality as transformers' own attention module has them."""
+    import torch
+
+    from attn_core.models import load_sample
+
+    d = load_sample(name)
+    spec = specs_from_hf_config(d).spec_of(0)
+    with torch.device("meta"):
+        if name == "siglip-vision":
+            from transformers.models.siglip.modeling_siglip import SiglipAttention
+
+            attn = SiglipAttention(transformers.SiglipVisionConfig(**d))
+            scale = attn.scale
+        else:
+            from transformers.models.qwen2_vl.modeling_qwen2_vl import VisionAttention
+
+            attn = VisionAttention(transformers.Qwen2VLVisionConfig(**d["vision_config"]))
+            scale = attn.scaling
+    assert spec.kind is LayerKind.ENCODER and not spec.causal and attn.is_causal is False
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (
+        attn.num_heads,
+        attn.num_heads,
+        attn.head_dim,
+    )
+    assert spec.scale == pytest.approx(scale)
