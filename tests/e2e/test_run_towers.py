@@ -104,3 +104,27 @@ def test_tower_comparison_detects_a_causal_mask(
     run = run_architecture(family, config=json.loads(path.read_text()), prompts=2)
     assert not run.ok
     assert run.match.max_abs_diff > 1e-2
+
+
+@pytest.mark.parametrize("name", ["siglip-vision", "qwen2-vl-vision"])
+@pytest.mark.parametrize(
+    ("dtype", "shapes"), [("float32", "kernel"), ("bfloat16", "tiny"), ("bfloat16", "kernel")]
+)
+def test_tower_samples_kernel_shapes_and_bf16_cpu(name: str, dtype: str, shapes: str) -> None:
+    """The GPU runs' head dim (64) and dtype parse and match on the CPU too (bf16 within the
+    bf16 tolerance, fp32 tight)."""
+    from attn_core.e2e import run_architecture
+
+    run = run_architecture(name, prompts=3, dtype=dtype, shapes=shapes)
+    assert run.ok, run.format()
+    (group,) = run.plan["groups"]
+    assert f"d{64 if shapes == 'kernel' else 16} " in group["spec"], run.format()
+    if dtype == "float32":
+        assert run.match.max_abs_diff < 1e-4, run.format()
+
+
+def test_run_resolves_the_tower_names() -> None:
+    from attn_core.e2e.main import resolve_models
+
+    assert resolve_models("siglip, qwen2_vl") == ["siglip-vision", "qwen2-vl-vision"]
+    assert resolve_models("siglip-vision,qwen2-vl") == ["siglip-vision", "qwen2-vl-vision"]
