@@ -26,6 +26,7 @@ import torch
 from attn_core.e2e.compare import MatchResult, compare_generation, compare_vision
 from attn_core.e2e.configs import (
     ARCHITECTURES,
+    VISION_TOWERS,
     TinyModel,
     build_tiny,
     first_layers,
@@ -374,9 +375,13 @@ def run_architecture(
     if layers is not None:
         whole = config if config is not None else real_size_config(name)
         config = first_layers(whole, layers)
-        total = whole.get("num_hidden_layers") or (whole.get("text_config") or {}).get(
-            "num_hidden_layers", (whole.get("vision_config") or {}).get("depth")
-        )
+        tower = whole.get("vision_config") if name in VISION_TOWERS else None
+        if isinstance(tower, dict):  # a Qwen-VL config: its tower's blocks are what runs
+            total = tower.get("depth")
+        else:
+            total = whole.get("num_hidden_layers") or (whole.get("text_config") or {}).get(
+                "num_hidden_layers", (whole.get("vision_config") or {}).get("depth")
+            )
         cut_note = f"first {layers} of {total} layers, at the config's real sizes"
     model = build_tiny(
         name,

@@ -128,3 +128,16 @@ def test_run_resolves_the_tower_names() -> None:
 
     assert resolve_models("siglip, qwen2_vl") == ["siglip-vision", "qwen2-vl-vision"]
     assert resolve_models("siglip-vision,qwen2-vl") == ["siglip-vision", "qwen2-vl-vision"]
+
+
+@pytest.mark.parametrize(
+    ("name", "total"), [("qwen2-vl-vision", 32), ("qwen2.5-vl-vision", 32), ("siglip-vision", 27)]
+)
+def test_tower_first_layers_note_counts_the_towers_blocks(name: str, total: int) -> None:
+    """``--layers 1`` of a Qwen-VL sample: the note counts the tower's blocks (its
+    ``vision_config.depth``), not the language model's layers the config also holds."""
+    from attn_core.e2e import run_architecture
+
+    run = run_architecture(name, prompts=1, layers=1)
+    assert run.ok, run.format()
+    assert f"first 1 of {total} layers, at the config's real sizes" in run.notes, run.format()
