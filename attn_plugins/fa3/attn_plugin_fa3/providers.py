@@ -286,49 +286,33 @@ def _fa4_provider(*, allow_private: bool = True, why_not: str = "") -> Provider:
             return {"score_mod": softcap, "softcap": 0.0}
         return {"softcap": float(softcap) if isinstance(softcap, (int, float)) else 0.0}
 
-    def run(q, k_cache, v_cache, out, *, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
-            page_table, scale, window_left, softcap, sinks):  # fmt: skip
+    def attend(q, k, v, out, *, kv, max_seqlen_q, max_seqlen_k, scale,
+               window_left, softcap, sinks):  # fmt: skip
+        """Causal attention; ``kv`` says where the keys are: ``seqused_k`` + ``page_table``
+        (paged cache) or ``cu_seqlens_k`` (the step's own K/V)."""
+        args = dict(kv, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                    softmax_scale=scale, causal=True, learnable_sink=sinks)  # fmt: skip
+        right = 0 if window_left is not None else None
         if direct:
             score_mod = softcap if make_mod is not None and softcap is not None else None
-            result, _ = fwd(
-                q,
-                k_cache,
-                v_cache,
-                cu_seqlens_q=cu_seqlens_q,
-                seqused_k=seqused_k,
-                max_seqlen_q=max_seqlen_q,
-                max_seqlen_k=max_seqlen_k,
-                page_table=page_table,
-                softmax_scale=scale,
-                causal=True,
-                softcap=None if score_mod is not None else softcap,
-                window_size_left=window_left,
-                window_size_right=0 if window_left is not None else None,
-                learnable_sink=sinks,
-                score_mod=score_mod,
-                out=out,
-            )
+            result, _ = fwd(q, k, v, **args, softcap=None if score_mod is not None else softcap,
+                            window_size_left=window_left, window_size_right=right,
+                            score_mod=score_mod, out=out)  # fmt: skip
             return result
-        result = public(
-            q,
-            k_cache,
-            v_cache,
-            cu_seqlens_q=cu_seqlens_q,
-            max_seqlen_q=max_seqlen_q,
-            seqused_k=seqused_k,
-            max_seqlen_k=max_seqlen_k,
-            page_table=page_table,
-            softmax_scale=scale,
-            causal=True,
-            window_size=(window_left, 0 if window_left is not None else None),
-            learnable_sink=sinks,
-            **_softcap_args(softcap),
-        )
+        result = public(q, k, v, **args, window_size=(window_left, right),
+                        **_softcap_args(softcap))  # fmt: skip
         result = result[0] if isinstance(result, tuple) else result  # (out, lse) in 4.0.0b14
         if out is not None:
             out.copy_(result)
             return out
         return result
+
+    def run(q, k_cache, v_cache, out, *, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
+            page_table, scale, window_left, softcap, sinks):  # fmt: skip
+        kv = {"cu_seqlens_q": cu_seqlens_q, "seqused_k": seqused_k, "page_table": page_table}
+        return attend(q, k_cache, v_cache, out, kv=kv, max_seqlen_q=max_seqlen_q,
+                      max_seqlen_k=max_seqlen_k, scale=scale, window_left=window_left,
+                      softcap=softcap, sinks=sinks)  # fmt: skip
 
     run_with_lse = None
     if public is not None and "return_lse" in inspect.signature(public).parameters:
@@ -353,41 +337,10 @@ def _fa4_provider(*, allow_private: bool = True, why_not: str = "") -> Provider:
             return out, lse
 
     def run_dense(q, k, v, out, *, cu_seqlens, max_seqlen, scale, window_left, softcap, sinks):
-        if direct:
-            score_mod = softcap if make_mod is not None and softcap is not None else None
-            result, _ = fwd(
-                q,
-                k,
-                v,
-                cu_seqlens_q=cu_seqlens,
-                cu_seqlens_k=cu_seqlens,
-                max_seqlen_q=max_seqlen,
-                max_seqlen_k=max_seqlen,
-                softmax_scale=scale,
-                causal=True,
-                softcap=None if score_mod is not None else softcap,
-                window_size_left=window_left,
-                window_size_right=0 if window_left is not None else None,
-                learnable_sink=sinks,
-                score_mod=score_mod,
-                out=out,
-            )
-            return result
-        result = public(
-            q,
-            k,
-            v,
-            cu_seqlens_q=cu_seqlens,
-            cu_seqlens_k=cu_seqlens,
-            max_seqlen_q=max_seqlen,
-            max_seqlen_k=max_seqlen,
-            softmax_scale=scale,
-            causal=True,
-            window_size=(window_left, 0 if window_left is not None else None),
-            learnable_sink=sinks,
-            **_softcap_args(softcap),
-        )
-        return result[0] if isinstance(result, tuple) else result
+        kv = {"cu_seqlens_q": cu_seqlens, "cu_seqlens_k": cu_seqlens}
+        return attend(q, k, v, out, kv=kv, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+                      scale=scale, window_left=window_left, softcap=softcap,
+                      sinks=sinks)  # fmt: skip
 
     return Provider(
         name="flash-attn-4",
@@ -398,7 +351,7 @@ def _fa4_provider(*, allow_private: bool = True, why_not: str = "") -> Provider:
         _run=run,
         _make_softcap=make_mod,
         _run_with_lse=run_with_lse,
-        _run_dense=run_dense if (direct or public is not None) else None,
+        _run_dense=run_dense,
         note=note,
         uses_private=direct,
     )
