@@ -740,23 +740,20 @@ def _mamba2(
     )
 
 
-def _bamba(r: _Reader, o: _Options) -> _Parsed:
-    """Bamba: Mamba2 layers with full attention at ``attn_layer_indices``."""
-    n = r.pos_int("num_hidden_layers")
-    attn = set(r.cfg.get("attn_layer_indices") or ())
-    bad = sorted(i for i in attn if not (isinstance(i, int) and 0 <= i < n))
-    if bad:
-        raise ValueError(f"{r.where}: attn_layer_indices {bad} are not layers of 0..{n - 1}")
-    d_head = r.cfg.get("mamba_d_head", "auto")
+def _mamba_prefixed_mamba2(r: _Reader, o: _Options, *, auto: tuple[Any, ...]) -> LayerSpec:
+    """The Mamba2 mixer of configs that name its fields ``mamba_*`` (Bamba, Granite-4.0-H):
+    ``mamba_d_head`` in ``auto`` means the inner width ``mamba_expand * hidden_size`` split over
+    ``mamba_n_heads``; any other value must split it exactly."""
     inner = r.pos_int("mamba_expand") * r.pos_int("hidden_size")
-    if d_head == "auto":  # as BambaConfig: the mamba inner width split over the heads
+    d_head = r.cfg.get("mamba_d_head", "auto")
+    if d_head in auto:
         d_head = inner // r.pos_int("mamba_n_heads")
     if not isinstance(d_head, int) or d_head * r.pos_int("mamba_n_heads") != inner:
         raise ValueError(
             f"{r.where}: mamba_d_head={d_head!r} * mamba_n_heads={r.get('mamba_n_heads')} must "
             f"equal mamba_expand * hidden_size = {inner}"
         )
-    mamba = _mamba2(
+    return _mamba2(
         r,
         o,
         n_heads="mamba_n_heads",
@@ -765,6 +762,16 @@ def _bamba(r: _Reader, o: _Options) -> _Parsed:
         d_state="mamba_d_state",
         d_conv="mamba_d_conv",
     )
+
+
+def _bamba(r: _Reader, o: _Options) -> _Parsed:
+    """Bamba: Mamba2 layers with full attention at ``attn_layer_indices``."""
+    n = r.pos_int("num_hidden_layers")
+    attn = set(r.cfg.get("attn_layer_indices") or ())
+    bad = sorted(i for i in attn if not (isinstance(i, int) and 0 <= i < n))
+    if bad:
+        raise ValueError(f"{r.where}: attn_layer_indices {bad} are not layers of 0..{n - 1}")
+    mamba = _mamba_prefixed_mamba2(r, o, auto=("auto",))  # as BambaConfig
     full = o.full(**_gqa(r, o, _head_dim(r)))
     return n, [(i, full if i in attn else mamba) for i in range(n)], {}
 
@@ -781,24 +788,7 @@ def _granite_hybrid(r: _Reader, o: _Options) -> _Parsed:
     if len(types) != n:
         raise ValueError(f"{r.where}: layer_types has {len(types)} entries; expected {n}")
     _check_types(r, types, {"mamba", "attention", "linear_attention", "full_attention"})
-    inner = r.pos_int("mamba_expand") * r.pos_int("hidden_size")
-    d_head = r.cfg.get("mamba_d_head", "auto")
-    if d_head in ("auto", None):  # as GraniteMoeHybridConfig
-        d_head = inner // r.pos_int("mamba_n_heads")
-    if not isinstance(d_head, int) or d_head * r.pos_int("mamba_n_heads") != inner:
-        raise ValueError(
-            f"{r.where}: mamba_d_head={d_head!r} * mamba_n_heads={r.get('mamba_n_heads')} must "
-            f"equal mamba_expand * hidden_size = {inner}"
-        )
-    mamba = _mamba2(
-        r,
-        o,
-        n_heads="mamba_n_heads",
-        d_head=d_head,
-        n_groups="mamba_n_groups",
-        d_state="mamba_d_state",
-        d_conv="mamba_d_conv",
-    )
+    mamba = _mamba_prefixed_mamba2(r, o, auto=("auto", None))  # as GraniteMoeHybridConfig
     scale = r.cfg.get("attention_multiplier")
     full = o.full(softmax_scale=None if scale is None else float(scale), **_gqa(r, o, _head_dim(r)))
     attention = {"attention", "full_attention"}
