@@ -72,6 +72,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from attn_core.e2e.configs import lightning_slopes
 from attn_core.models import ModelLayout
 from attn_core.reference.ops import mla_absorb_query, mla_output_from_latent, mla_split_kv_b_proj
 from attn_core.specs import LayerKind, LinearVariant, torch_dtype
@@ -652,7 +653,7 @@ class CausalLMAdapter:
         if slope is None:
             # ALiBi-style per-head rates scaled by the layer's depth, from the module's own
             # function in float32 (its slope_rate buffer is rounded to the model dtype)
-            slope = at.get_slope_rate(device=x.device).reshape(-1).float()
+            slope = lightning_slopes(at, x.device).reshape(-1)
             if slope.shape[0] != H:
                 # a tensor-parallel rank holds a slice of the heads: it needs its slice of
                 # the slopes, which this adapter (it shards nothing) cannot pick

@@ -594,6 +594,14 @@ def build_tiny(
     return TinyModel(name, cfg, model, layout)
 
 
+def lightning_slopes(module: Any, device: torch.device) -> torch.Tensor:
+    """A MiniMax lightning-attention module's per-head decay rates ``[H, 1, 1]`` float32 on
+    ``device``, from the module's own ``get_slope_rate``. Called without arguments: transformers
+    releases differ in whether it takes ``device`` (5.24 does, earlier 5.x releases do not), and
+    it builds the rates in float32 on the CPU either way."""
+    return module.get_slope_rate().to(device=device, dtype=torch.float32)
+
+
 @torch.no_grad()
 def _recompute_decay_buffers(model: torch.nn.Module) -> None:
     """MiniMax's lightning attention computes its slopes and decay tables as buffers at
@@ -605,7 +613,7 @@ def _recompute_decay_buffers(model: torch.nn.Module) -> None:
         if not (hasattr(module, "get_slope_rate") and hasattr(module, "decay_factors")):
             continue
         mod: Any = module  # a MiniMaxLightningAttention (attributes resolved at run time)
-        slope = mod.get_slope_rate(device=mod.slope_rate.device)
+        slope = lightning_slopes(mod, mod.slope_rate.device)
         tables = (slope, *mod.decay_factors(slope))
         for name, value in zip(
             ("slope_rate", "query_decay", "key_decay", "diagonal_decay"), tables, strict=True

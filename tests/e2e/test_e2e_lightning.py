@@ -43,6 +43,23 @@ def test_wrong_conv_activation_is_caught(monkeypatch: pytest.MonkeyPatch) -> Non
     assert not run.ok and run.match.max_abs_diff > 1e-3
 
 
+def test_transformers_without_the_device_argument_of_get_slope_rate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Earlier transformers 5.x releases define ``get_slope_rate(self)`` with no ``device``
+    argument (the H200's install does): building and running MiniMax must not depend on it."""
+    from transformers.models.minimax import modeling_minimax
+
+    real = modeling_minimax.MiniMaxLightningAttention.get_slope_rate
+
+    def no_device(self):
+        return real(self)
+
+    monkeypatch.setattr(modeling_minimax.MiniMaxLightningAttention, "get_slope_rate", no_device)
+    run = run_architecture("minimax", prompts=2, max_new_tokens=3)
+    assert run.ok, run.format()
+
+
 @pytest.mark.parametrize("name", ["minimax", "lfm2"])
 def test_bf16_cpu_within_tolerance(name: str) -> None:
     run = run_architecture(name, dtype="bfloat16", prompts=4, max_new_tokens=6)
