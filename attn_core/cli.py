@@ -283,10 +283,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     registry = _registry(args)
     _warn_quarantined(registry, "run")
     device = args.device or ("cuda" if _cuda() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    print(f"attn run --model {args.model}  (device {device}, dtype {dtype})", flush=True)
     report = run_main(
         args.model,
         device=device,
-        dtype=args.dtype or ("bfloat16" if device == "cuda" else "float32"),
+        dtype=dtype,
         prompts=args.prompts,
         max_new_tokens=args.max_new_tokens,
         graphs=args.graphs,
@@ -298,8 +300,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         layers=args.layers,
         overhead=args.overhead,
+        on_run=lambda run: print(run.format(), flush=True),  # each model as soon as it ends
     )
-    print(report.format())
+    print(report.format_tail())
     return 0 if getattr(report, "ok", True) else 1
 
 

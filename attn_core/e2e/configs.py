@@ -7,6 +7,7 @@ Weights are random (fixed seed); nothing is downloaded.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import Any
@@ -560,33 +561,38 @@ def build_tiny(
     hf_cfg = _hf_config(name, cfg)
     hf_cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
-    if name == "qwen2.5-vl-vision":
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-            Qwen2_5_VisionTransformerPretrainedModel,
-        )
+    # Built on the device it runs on: a CUDA build initialises its weights there, which at a
+    # real-size vocabulary and hidden size (--layers N) takes a fraction of a second instead
+    # of a minute of CPU random init; a CPU build is unchanged.
+    build_device = torch.device(device)
+    with build_device if build_device.type == "cuda" else contextlib.nullcontext():
+        if name == "qwen2.5-vl-vision":
+            from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+                Qwen2_5_VisionTransformerPretrainedModel,
+            )
 
-        model = Qwen2_5_VisionTransformerPretrainedModel._from_config(
-            hf_cfg, attn_implementation="eager"
-        )
-    elif name == "qwen2-vl-vision":
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import (
-            Qwen2VisionTransformerPretrainedModel,
-        )
+            model = Qwen2_5_VisionTransformerPretrainedModel._from_config(
+                hf_cfg, attn_implementation="eager"
+            )
+        elif name == "qwen2-vl-vision":
+            from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+                Qwen2VisionTransformerPretrainedModel,
+            )
 
-        model = Qwen2VisionTransformerPretrainedModel._from_config(
-            hf_cfg, attn_implementation="eager"
-        )
-    elif name == "siglip-vision":
-        from transformers import SiglipVisionModel
+            model = Qwen2VisionTransformerPretrainedModel._from_config(
+                hf_cfg, attn_implementation="eager"
+            )
+        elif name == "siglip-vision":
+            from transformers import SiglipVisionModel
 
-        model = SiglipVisionModel._from_config(hf_cfg, attn_implementation="eager")
-    else:
-        # MoE blocks through batched_mm: transformers' default grouped_mm reads its expert
-        # offsets on the host for float32 (H200: "Cannot copy between CPU and CUDA tensors
-        # during CUDA graph capture"), so a decode step of DeepSeek-V3 could not be captured.
-        model = transformers.AutoModelForCausalLM.from_config(
-            hf_cfg, attn_implementation="eager", experts_implementation="batched_mm"
-        )
+            model = SiglipVisionModel._from_config(hf_cfg, attn_implementation="eager")
+        else:
+            # MoE blocks through batched_mm: transformers' default grouped_mm reads its expert
+            # offsets on the host for float32 (H200: "Cannot copy between CPU and CUDA tensors
+            # during CUDA graph capture"), so a decode step of DeepSeek-V3 could not be captured.
+            model = transformers.AutoModelForCausalLM.from_config(
+                hf_cfg, attn_implementation="eager", experts_implementation="batched_mm"
+            )
     _spread_weights(model, seed)
     model = model.to(device=device, dtype=torch_dtype(dtype)).eval()
     _recompute_decay_buffers(model)
@@ -626,11 +632,12 @@ def _recompute_decay_buffers(model: torch.nn.Module) -> None:
 def _spread_weights(model: torch.nn.Module, seed: int) -> None:
     """Make random logits decisive: HF's init (std 0.02) gives near-uniform next-token logits
     whose argmax flips on rounding noise; a wider lm_head / embedding separates them."""
-    gen = torch.Generator().manual_seed(seed + 1)
     for name in ("lm_head", "embed_tokens"):
         mod = _find(model, name)
         if mod is not None:
-            mod.weight.copy_(torch.randn(mod.weight.shape, generator=gen) * 0.5)
+            weight = mod.weight
+            gen = torch.Generator(device=weight.device).manual_seed(seed + 1)
+            weight.copy_(torch.randn(weight.shape, generator=gen, device=weight.device) * 0.5)
 
 
 def _find(model: torch.nn.Module, suffix: str):

@@ -319,12 +319,16 @@ class RunReport:
     def ok(self) -> bool:
         return all(r.ok for r in self.runs)
 
-    def format(self) -> str:
-        head = f"attn run --model {self.model}  (device {self.device}, dtype {self.dtype})"
-        body = "\n".join(r.format() for r in self.runs)
+    def format_head(self) -> str:
+        return f"attn run --model {self.model}  (device {self.device}, dtype {self.dtype})"
+
+    def format_tail(self) -> str:
         passed = sum(r.ok for r in self.runs)
-        tail = f"{passed}/{len(self.runs)} architectures match transformers"
-        return f"{head}\n{body}\n{tail}"
+        return f"{passed}/{len(self.runs)} architectures match transformers"
+
+    def format(self) -> str:
+        body = "\n".join(r.format() for r in self.runs)
+        return f"{self.format_head()}\n{body}\n{self.format_tail()}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -549,6 +553,7 @@ def run_main(
     warmup: bool | None = None,
     layers: int | None = None,
     overhead: bool = False,
+    on_run: Callable[[ArchitectureRun], None] | None = None,
 ) -> RunReport:
     """Entry point of ``attn run --model NAME``.
 
@@ -576,6 +581,8 @@ def run_main(
         ``layers`` layers (the layer pattern of those kept); samples are not shrunk.
     :param overhead: print the overhead ratio: an eager decode step through the bindings over
         the same step with the kernels called directly.
+    :param on_run: called with each architecture's result as soon as it is known, so that a
+        long run of several models reports as it goes (``attn run`` prints each one there).
     :returns: a :class:`RunReport`; ``report.format()`` is the text to print.
     """
     from attn_core.specs import DTYPES, _canonical_dtype
@@ -609,4 +616,6 @@ def run_main(
                     shapes=shapes,
                 )
             )
+            if on_run is not None:
+                on_run(runs[-1])
     return RunReport(model, str(torch.device(device)), dtype, runs)

@@ -82,3 +82,30 @@ def test_cli_layers_and_overhead_flags() -> None:
 
     args = build_parser().parse_args(["run", "--layers", "2", "--overhead"])
     assert args.layers == 2 and args.overhead is True
+
+
+def test_the_cli_prints_each_model_as_soon_as_it_ends(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run of several real-size models takes minutes: each model's report is printed when
+    that model ends, not all of them after the last one."""
+    from attn_core import cli
+    from attn_core.e2e import main as e2e_main
+
+    printed_before: dict[str, str] = {}
+
+    class _Run:
+        def __init__(self, name: str) -> None:
+            self.name, self.ok = name, True
+
+        def format(self) -> str:
+            return f"== report of {self.name}"
+
+    def fake_run(name: str, **_: object) -> _Run:
+        printed_before[name] = capsys.readouterr().out
+        return _Run(name)
+
+    monkeypatch.setattr(e2e_main, "run_architecture", fake_run)
+    assert cli.main(["run", "--model", "qwen3,lfm2", "--no-progress", "--device", "cpu"]) == 0
+    assert "== report of qwen3" in printed_before["lfm2"]
+    assert "2/2 architectures match transformers" in capsys.readouterr().out
