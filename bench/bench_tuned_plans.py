@@ -1,0 +1,212 @@
+"""Tuned plans against the fastest admissible backend, per group, phase and shape.
+
+For each model (a sample name): every admissible plugin backend of every layer group and phase
+is timed on a tuning grid (``--tune-batch`` x ``--tune-context``, as ``attn bench`` does), the
+selector plans with that tuning data, and then, at check points on and off the grid
+(``--decode-points`` / ``--prefill-points``, ``BATCHxCONTEXT``), every candidate is timed again in
+``--rounds`` alternating rounds (the order rotates each round) and the plan's choice for that
+batch size is compared with the fastest candidate's median: ``ratio = chosen / fastest``. The
+goal is ``ratio <= 1.03`` everywhere.
+
+The reference backend is left out of the candidates: it is the ground truth, ranked last by the
+default rule and never a speed candidate where a plugin serves the group. A group and phase that
+one plugin alone serves is reported with ratio 1 and ``only candidate``.
+
+Usage (on the GPU, plugins installed)::
+
+    python bench/bench_tuned_plans.py [--models qwen3,gpt-oss,deepseek-v3,qwen3-next]
+        [--rounds 3] [--out tuned.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from attn_core.bench import bench_group  # noqa: E402
+from attn_core.models import load_sample, specs_from_hf_config  # noqa: E402
+from attn_core.registry import Registry  # noqa: E402
+from attn_core.selector import TuningData, check_backend, select  # noqa: E402
+from attn_core.specs import DeviceCapabilities, ExecutionConstraints, Phase  # noqa: E402
+
+REFERENCE = "attn_core:reference"
+
+
+def _points(text: str) -> list[tuple[int, int]]:
+    """``"1x32768,64x4096"`` -> ``[(1, 32768), (64, 4096)]``."""
+    out = []
+    for part in text.split(","):
+        batch, context = part.lower().split("x")
+        out.append((int(batch), int(context)))
+    return out
+
+
+def _ints(text: str) -> list[int]:
+    return [int(p) for p in text.split(",") if p.strip()]
+
+
+def _candidates(group, plan, caps, constraints, registry, phase) -> list[Any]:
+    return [
+        b
+        for b in registry.backends
+        if b.qualified_name != REFERENCE
+        and not check_backend(
+            b,
+            group.spec,
+            caps,
+            constraints,
+            page_size=plan.page_size,
+            kv_layout=plan.kv_layout,
+            phase=phase,
+        )
+    ]
+
+
+def _time(group, backend, registry, plan, device, phase, batch, context, iters) -> float:
+    try:
+        r = bench_group(
+            group,
+            backend,
+            registry,
+            plan,
+            device,
+            batch=batch,
+            context=context,
+            iters=iters,
+            phase=phase,
+        )
+    except Exception as exc:  # a candidate that fails a shape is reported, not fatal
+        print(f"  {backend.qualified_name} {phase.value} B={batch} ctx={context}: {exc}")
+        return float("nan")
+    return r.us_per_layer
+
+
+def bench_model(name: str, registry: Registry, device: torch.device, args) -> list[dict]:
+    caps = DeviceCapabilities.detect(device)
+    layout = specs_from_hf_config(load_sample(name), dtype="bfloat16")
+    constraints = ExecutionConstraints()
+    plan = select(layout.groups, registry, caps, constraints)
+    constraints = plan.constraints
+    tuning = TuningData(device=caps.short())
+    work = []  # (group, phase, candidates)
+    for group in layout.groups:
+        for phase in plan.choice(group.group_id).planned_phases:
+            cands = _candidates(group, plan, caps, constraints, registry, phase)
+            if cands:
+                work.append((group, phase, cands))
+    # 1. the tuning grid
+    for group, phase, cands in work:
+        if len(cands) < 2:
+            continue
+        for backend in cands:
+            for batch in _ints(args.tune_batch):
+                times = []
+                for context in _ints(args.tune_context):
+                    if phase is Phase.PREFILL and batch * context > args.max_prefill_tokens:
+                        continue
+                    us = _time(group, backend, registry, plan, device, phase, batch, context, 10)
+                    if us == us:
+                        times.append(us)
+                if times:
+                    gm = statistics.geometric_mean(times)
+                    tuning.record(backend.qualified_name, group.spec, gm, phase=phase, batch=batch)
+    tuned = select(layout.groups, registry, caps, constraints, tuning=tuning)
+    # 2. the check points, every candidate in alternating rounds
+    rows = []
+    for group, phase, cands in work:
+        points = _points(args.prefill_points if phase is Phase.PREFILL else args.decode_points)
+        pc = tuned.choice(group.group_id).phase_choice(phase)
+        for batch, context in points:
+            chosen = pc.backend_for_batch(batch).qualified_name
+            if len(cands) < 2:
+                rows.append(
+                    dict(
+                        model=name,
+                        group=group.group_id,
+                        phase=phase.value,
+                        batch=batch,
+                        context=context,
+                        chosen=chosen,
+                        fastest=chosen,
+                        ratio=1.0,
+                        note="only candidate",
+                    )
+                )
+                continue
+            samples: dict[str, list[float]] = {b.qualified_name: [] for b in cands}
+            for r in range(args.rounds):
+                order = cands[r % len(cands) :] + cands[: r % len(cands)]
+                for backend in order:
+                    us = _time(
+                        group, backend, registry, plan, device, phase, batch, context, args.iters
+                    )
+                    samples[backend.qualified_name].append(us)
+            medians = {
+                k: statistics.median(v) for k, v in samples.items() if all(x == x for x in v)
+            }
+            fastest = min(medians, key=medians.__getitem__)
+            ratio = medians.get(chosen, float("nan")) / medians[fastest]
+            on_grid = batch in _ints(args.tune_batch) and context in _ints(args.tune_context)
+            rows.append(
+                dict(
+                    model=name,
+                    group=group.group_id,
+                    phase=phase.value,
+                    batch=batch,
+                    context=context,
+                    chosen=chosen,
+                    fastest=fastest,
+                    ratio=ratio,
+                    us={k: round(v, 2) for k, v in medians.items()},
+                    note="tuned point" if on_grid else "not tuned on",
+                )
+            )
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="qwen3,gpt-oss,deepseek-v3,qwen3-next")
+    ap.add_argument("--tune-batch", default="1,16,256")
+    ap.add_argument("--tune-context", default="2048,16384")
+    ap.add_argument("--decode-points", default="1x32768,4x8192,64x4096,256x2048,1024x1024")
+    ap.add_argument("--prefill-points", default="1x8192,2x2048")
+    ap.add_argument("--max-prefill-tokens", type=int, default=16384)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    registry = Registry.discover()
+    rows = []
+    for name in args.models.split(","):
+        rows += bench_model(name, registry, device, args)
+    print(
+        f"{'model':<12} {'group':<8} {'phase':<8} {'B':>5} {'ctx':>7} {'chosen':<24} "
+        f"{'fastest':<24} {'ratio':>6}  note"
+    )
+    for r in rows:
+        print(
+            f"{r['model']:<12} {r['group']:<8} {r['phase']:<8} {r['batch']:>5} "
+            f"{r['context']:>7} {r['chosen']:<24} {r['fastest']:<24} {r['ratio']:>6.3f}  "
+            f"{r['note']}"
+        )
+    worst = max((r["ratio"] for r in rows), default=float("nan"))
+    print(f"worst ratio chosen/fastest: {worst:.3f} (goal <= 1.03) over {len(rows)} points")
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
