@@ -89,6 +89,11 @@ class MatchResult:
     :ivar hf_fp32_error: transformers' own half-precision mean row error against float32 (at
         least one rounding step of the logits' magnitude, so that two exact paths are not
         failed by one ulp); ``fp32_error`` may be :data:`HF_ROUNDING_FACTOR` times this.
+    :ivar hf_rows_within: half precision only: the fraction of transformers' own half-precision
+        rows within the fixed bound of float32. Where that is below ``min_rows_within`` the
+        model is too ill-conditioned for the fixed bound (a real-size random MoE whose router
+        flips experts on rounding), and only the bound relative to transformers' own rounding
+        applies.
     """
 
     max_abs_diff: float
@@ -102,14 +107,20 @@ class MatchResult:
     rtol: float = 0.0
     fp32_error: float | None = None
     hf_fp32_error: float | None = None
+    hf_rows_within: float | None = None
 
     @property
     def ok(self) -> bool:
         return (
-            self.rows_within >= self.min_rows_within
+            (self.rows_within >= self.min_rows_within or self.fixed_bound_waived)
             and self.token_agreement >= self.min_token_agreement
             and self.within_hf_rounding
         )
+
+    @property
+    def fixed_bound_waived(self) -> bool:
+        """transformers' own half precision misses the fixed bound against float32 too."""
+        return self.hf_rows_within is not None and self.hf_rows_within < self.min_rows_within
 
     @property
     def within_hf_rounding(self) -> bool:
@@ -131,6 +142,12 @@ class MatchResult:
                 if self.fp32_error is None or self.hf_fp32_error is None
                 else f"; mean row error vs float32 {self.fp32_error:.2e}, transformers' own "
                 f"{self.hf_fp32_error:.2e} (need <= {HF_ROUNDING_FACTOR:g}x)"
+            )
+            + (
+                f"; fixed bound waived: transformers' own rows within it vs float32: "
+                f"{self.hf_rows_within:.0%}"
+                if self.fixed_bound_waived and self.hf_rows_within is not None
+                else ""
             )
         )
 
@@ -158,9 +175,13 @@ def compare_generation(
     tol = tolerance or TOLERANCES[dtype_name]
     seqs = [p + t[:-1] for p, t in zip(result.prompts, result.tokens, strict=True)]
     ref = hf_causal_logits(model.hf, seqs)
-    fp32_error = hf_fp32_error = None
+    fp32_error = hf_fp32_error = hf_within = None
     if dtype_name != "float32":
         ref32 = hf_causal_logits(_float32_copy(model.hf), seqs)
+        hf_within = sum(
+            int(((h - r).abs().amax(-1) <= tol.bound(r)).sum())
+            for h, r in zip(ref, ref32, strict=True)
+        ) / max(sum(r.shape[0] for r in ref32), 1)
         ours_rows = torch.cat(
             [(o - r.cpu()).abs().amax(-1) for o, r in zip(result.logits, ref32, strict=True)]
         )
@@ -196,6 +217,7 @@ def compare_generation(
         tol.rtol,
         fp32_error,
         hf_fp32_error,
+        hf_within,
     )
 
 
@@ -218,7 +240,7 @@ def compare_vision(
     row_diffs = torch.cat([(a - b).abs().amax(-1) for a, b in pairs])
     bounds = torch.cat([tol.bound(b.reshape(a.shape).to(a.device)) for a, b in pairs])
     within = int((row_diffs <= bounds).sum()) / max(row_diffs.numel(), 1)
-    fp32_error = hf_fp32_error = None
+    fp32_error = hf_fp32_error = hf_within = None
     if dtype_name != "float32":
         blocks32, merged32 = hf_vision_block_outputs(
             _float32_copy(model.hf), pixel_values.float(), grid_thw
@@ -232,6 +254,8 @@ def compare_vision(
         fp32_error = ours_rows.mean().item()
         floor = max(_ulp_floor(b, torch_dtype(dtype_name)) for _, b in ours32)
         hf_fp32_error = max(hf_rows.mean().item(), floor)
+        hf_bounds = torch.cat([tol.bound(b) for _, b in theirs32])
+        hf_within = int((hf_rows <= hf_bounds).sum()) / max(hf_rows.numel(), 1)
     return MatchResult(
         row_diffs.max().item(),
         1.0,
@@ -244,4 +268,5 @@ def compare_vision(
         tol.rtol,
         fp32_error,
         hf_fp32_error,
+        hf_within,
     )
