@@ -258,14 +258,14 @@ class FA3Context:
         plan = split_kv.plan_splits(rows, capacity, batch.page_size, hkv, self._num_sms)
         if plan is None:
             return None
-        fresh = split_kv.build_metadata(plan, batch.page_table, batch.seq_lens[:rows])
         kept = self._split_buffers.get(rows)
         if kept is None or kept.plan != plan:
-            self._split_buffers[rows] = fresh
-            return fresh
-        kept.page_table.copy_(fresh.page_table)
-        kept.seqused_k.copy_(fresh.seqused_k)
-        return kept
+            kept = split_kv.build_metadata(plan, batch.page_table, batch.seq_lens[:rows])
+            self._split_buffers[rows] = kept
+            return kept
+        # refilled in place: the page table stays a view of the builder's (no copy) where the
+        # step's table has the split's width, the chunk lengths take two launches
+        return split_kv.build_metadata(plan, batch.page_table, batch.seq_lens[:rows], out=kept)
 
     def _bad(self, what: str, expected: object, got: object) -> NoReturn:
         raise BackendInputError(

@@ -106,13 +106,41 @@ class SplitMetadata:
     seq_lens: torch.Tensor
 
 
+#: per (device, plan, rows): the chunk start offsets ``[S]`` and ``cu_seqlens_q`` ``[B * S + 1]``,
+#: the same every step: built once instead of two ``arange`` launches per layer per step
+_CONSTANTS: dict[tuple[torch.device, SplitPlan, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_MAX_CONSTANTS = 256
+
+
+def _constants(
+    plan: SplitPlan, num_reqs: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (device, plan, num_reqs)
+    hit = _CONSTANTS.get(key)
+    if hit is None:
+        if len(_CONSTANTS) >= _MAX_CONSTANTS:
+            _CONSTANTS.clear()
+        starts = torch.arange(plan.num_splits, device=device, dtype=torch.int32)
+        cu = torch.arange(num_reqs * plan.num_splits + 1, device=device, dtype=torch.int32)
+        hit = _CONSTANTS[key] = (starts * plan.chunk_tokens, cu)
+    return hit
+
+
 def build_metadata(
-    plan: SplitPlan, page_table: torch.Tensor, seq_lens: torch.Tensor
+    plan: SplitPlan,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: SplitMetadata | None = None,
 ) -> SplitMetadata:
     """Chunk a decode step's page table and lengths (a few small device ops, no host sync).
 
+    The chunked page table is a view of ``page_table`` where its width is the split's
+    (``S * pages_per_chunk``), else a padded copy; the chunk lengths take two launches.
+
     :param page_table: ``[B, max_pages]`` int32 (rows of the step's real requests).
     :param seq_lens: ``[B]`` int32, KV length including the new token.
+    :param out: metadata of the same plan and ``B`` whose buffers are refilled in place (CUDA
+        graph mode: a captured graph reads their addresses); None: fresh tensors.
     """
     num_reqs = seq_lens.shape[0]
     s, ppc = plan.num_splits, plan.pages_per_chunk
@@ -120,14 +148,30 @@ def build_metadata(
     table = page_table[:num_reqs, : min(width, page_table.shape[1])]
     if table.shape[1] < width:  # pages past a request's length are never read: any index works
         table = F.pad(table, (0, width - table.shape[1]))
-    starts = torch.arange(s, device=seq_lens.device, dtype=torch.int32) * plan.chunk_tokens
-    used = (seq_lens[:, None] - starts[None, :]).clamp_(0, plan.chunk_tokens)
+    table = table.reshape(num_reqs * s, ppc)  # a view when the rows are the split's width
+    starts, cu_seqlens_q = _constants(plan, num_reqs, seq_lens.device)
+    chunk_lengths = seq_lens[:num_reqs, None] - starts[None, :]
+    if out is not None:
+        if out.plan != plan or out.num_reqs != num_reqs:
+            raise ValueError(
+                f"split metadata of {out.num_reqs} requests, {out.plan} refilled for "
+                f"{num_reqs} requests, {plan}"
+            )
+        if (
+            table.data_ptr() != out.page_table.data_ptr()
+            or table.stride() != out.page_table.stride()
+        ):
+            out.page_table.copy_(table)
+        torch.clamp(chunk_lengths, 0, plan.chunk_tokens, out=out.seqused_k.view(num_reqs, s))
+        if out.seq_lens.data_ptr() != seq_lens.data_ptr():
+            out.seq_lens.copy_(seq_lens[:num_reqs])
+        return out
     return SplitMetadata(
         plan=plan,
         num_reqs=num_reqs,
-        page_table=table.reshape(num_reqs * s, ppc).contiguous(),
-        seqused_k=used.reshape(-1).to(torch.int32),
-        cu_seqlens_q=torch.arange(num_reqs * s + 1, device=seq_lens.device, dtype=torch.int32),
+        page_table=table.contiguous(),
+        seqused_k=chunk_lengths.clamp_(0, plan.chunk_tokens).reshape(-1).to(torch.int32),
+        cu_seqlens_q=cu_seqlens_q,
         seq_lens=seq_lens[:num_reqs],
     )
 

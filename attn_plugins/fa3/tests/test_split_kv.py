@@ -117,3 +117,29 @@ def test_build_metadata_pads_a_short_page_table():
     meta = split_kv.build_metadata(plan, table, torch.tensor([20, 9], dtype=torch.int32))
     assert meta.page_table.tolist() == [[0, 1], [2, 3], [4, 0], [5, 6], [7, 8], [9, 0]]
     assert meta.seqused_k.tolist() == [8, 8, 4, 8, 1, 0]
+
+
+def test_refilled_metadata_equals_a_fresh_build_and_views_a_table_of_the_splits_width():
+    """Graph mode refills one metadata per padded batch size in place: the result equals a
+    fresh build of the new step, keeps its addresses, and where the builder's page table has
+    the split's width it is read in place (no copy per layer per step)."""
+    plan = split_kv.SplitPlan(num_splits=3, pages_per_chunk=2, page_size=4)
+    table = torch.arange(12, dtype=torch.int32).reshape(2, 6)  # exactly 3 * 2 columns
+    lens = torch.tensor([20, 9], dtype=torch.int32)
+    kept = split_kv.build_metadata(plan, table, lens)
+    assert kept.page_table.data_ptr() == table.data_ptr()  # a view of the builder's table
+    addresses = (kept.page_table.data_ptr(), kept.seqused_k.data_ptr())
+    table.copy_(torch.arange(100, 112, dtype=torch.int32).reshape(2, 6))
+    lens.copy_(torch.tensor([5, 24], dtype=torch.int32))
+    got = split_kv.build_metadata(plan, table, lens, out=kept)
+    want = split_kv.build_metadata(plan, table.clone(), lens.clone())
+    assert got is kept and (got.page_table.data_ptr(), got.seqused_k.data_ptr()) == addresses
+    assert got.page_table.tolist() == want.page_table.tolist()
+    assert got.seqused_k.tolist() == want.seqused_k.tolist() == [5, 0, 0, 8, 8, 8]
+    wide = torch.arange(16, dtype=torch.int32).reshape(2, 8)  # wider: the chunked rows copy
+    copied = split_kv.build_metadata(plan, wide, lens)
+    assert copied.page_table.data_ptr() != wide.data_ptr()
+    assert copied.page_table.tolist() == [[0, 1], [2, 3], [4, 5], [8, 9], [10, 11], [12, 13]]
+    other = split_kv.SplitPlan(num_splits=2, pages_per_chunk=3, page_size=4)
+    with pytest.raises(ValueError, match="refilled"):
+        split_kv.build_metadata(other, table, lens, out=kept)
