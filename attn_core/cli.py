@@ -196,6 +196,14 @@ def format_plan(plan) -> str:
                 f"{_PHASE_TITLES[p.phase.value]}: {p.backend.qualified_name}" for p in phases
             )
         )
+        captured = []
+        for p in phases:
+            asked, granted = plan.phase_graph_modes(p.phase)
+            captured.append(
+                f"{_PHASE_TITLES[p.phase.value]} {granted.value}"
+                + (f" (asked {asked.value})" if asked is not granted else "")
+            )
+        title += "\n  CUDA graphs: " + "; ".join(captured)
         first = phases[0]
         out.append(_phase_table(c, first, title + f"\n  {_PHASE_TITLES[first.phase.value]}:"))
         for p in phases[1:]:
@@ -269,11 +277,14 @@ def cmd_explain(args: argparse.Namespace) -> int:
         payload["warnings"] = [str(w.message) for w in caught]
         payload["quarantined"] = registry.summary()["quarantined"]
         print(json.dumps(payload, indent=1))
-        return 0
-    print(f"model: {args.model} ({layout.architecture}, {layout.num_layers} layers, tp={args.tp})")
-    print(format_plan(plan))
+    else:
+        print(
+            f"model: {args.model} ({layout.architecture}, {layout.num_layers} layers, tp={args.tp})"
+        )
+        print(format_plan(plan))
+    # on stderr, after the plan: stdout stays the plan (or its JSON) alone
     for w in caught:
-        print(f"warning: {w.message}")
+        print(f"attn explain: warning: {w.message}", file=sys.stderr)
     return 0
 
 
