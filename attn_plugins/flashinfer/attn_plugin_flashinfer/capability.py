@@ -58,7 +58,9 @@ FULL_CAPABILITIES = BackendCapabilities(
     head_dims=FULL_HEAD_DIMS,
     page_sizes=None,
     kv_layouts={"NHD"},
-    graph_modes={GraphMode.NONE, GraphMode.DECODE},
+    # full: a mixed step is captured through the paged prefill wrapper in CUDA-graph mode
+    # (fixed buffers, planned at the captured batch size and token count; context.py)
+    graph_modes={GraphMode.NONE, GraphMode.DECODE, GraphMode.FULL},
     max_speculative_tokens=MAX_SPECULATIVE_TOKENS,
     causal=True,
     non_causal=False,
