@@ -1076,6 +1076,13 @@ class BatchBuilder:
     # ------------------------------------------------------------------------------------
     @staticmethod
     def _mode(qlens: np.ndarray, spec_tokens: int) -> BatchMode:
+        return BatchBuilder.step_mode(qlens, spec_tokens)
+
+    @staticmethod
+    def step_mode(qlens: np.ndarray, spec_tokens: int = 0) -> BatchMode:
+        """The mode of a step of ``qlens`` new tokens per request (``[B]`` int): verify when it
+        verifies draft tokens, decode when every request has one token (or none is there),
+        prefill when every one has several, else mixed."""
         if spec_tokens:
             return BatchMode.VERIFY
         if len(qlens) == 0 or (qlens == 1).all():

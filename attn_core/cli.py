@@ -374,7 +374,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None)
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--graphs", action="store_true", help="CUDA-graph decode")
+    p.add_argument(
+        "--graphs",
+        nargs="?",
+        const="decode",
+        default=None,
+        choices=["decode", "full"],
+        help="CUDA graphs: 'decode' (the default of a bare --graphs) captures pure-decode "
+        "steps, 'full' prefill and mixed steps too where every group's prefill backend "
+        "captures them (else lowered per --downgrade)",
+    )
     p.add_argument(
         "--shapes",
         choices=("tiny", "kernel"),

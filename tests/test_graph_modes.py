@@ -248,3 +248,39 @@ def test_explain_shows_requested_and_granted_and_warns_on_stderr(capsys, use_reg
     assert group["phases"]["prefill"]["graph_mode_requested"] == "full"
     assert group["phases"]["prefill"]["graph_mode"] == "none"
     assert "graph mode lowered full -> decode" in err
+
+
+# ------------------------------------------------------------------------------------------
+# attn run --graphs [decode|full]
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("argv", "graphs"),
+    [
+        ([], None),
+        (["--graphs"], "decode"),
+        (["--graphs", "decode"], "decode"),
+        (["--graphs", "full"], "full"),
+    ],
+)
+def test_run_graphs_flag(monkeypatch, use_registry, argv, graphs):
+    import attn_core.e2e as e2e
+    import attn_core.reference.plugin as ref
+
+    reg = Registry(strict=True)
+    reg.register_plugin(ref, name="attn_core")
+    use_registry(reg)
+    seen = {}
+
+    class _Report:
+        ok = True
+
+        def format(self):
+            return "report"
+
+    def fake_run_main(model, **kw):
+        seen.update(kw)
+        return _Report()
+
+    monkeypatch.setattr(e2e, "run_main", fake_run_main)
+    assert cli.main(["run", "--model", "qwen3", "--device", "cpu", *argv]) == 0
+    assert seen["graphs"] == graphs
