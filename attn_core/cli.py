@@ -196,14 +196,16 @@ def format_plan(plan) -> str:
                 f"{_PHASE_TITLES[p.phase.value]}: {p.backend.qualified_name}" for p in phases
             )
         )
-        captured = []
-        for p in phases:
-            asked, granted = plan.phase_graph_modes(p.phase)
-            captured.append(
-                f"{_PHASE_TITLES[p.phase.value]} {granted.value}"
-                + (f" (asked {asked.value})" if asked is not granted else "")
-            )
-        title += "\n  CUDA graphs: " + "; ".join(captured)
+        if (plan.graph_mode_requested or plan.constraints.graph_mode).value != "none":
+            # how each phase's steps are captured: granted, and what was asked where it differs
+            captured = []
+            for p in phases:
+                asked, granted = plan.phase_graph_modes(p.phase)
+                captured.append(
+                    f"{_PHASE_TITLES[p.phase.value]} {granted.value}"
+                    + (f" (asked {asked.value})" if asked is not granted else "")
+                )
+            title += "\n  CUDA graphs: " + "; ".join(captured)
         first = phases[0]
         out.append(_phase_table(c, first, title + f"\n  {_PHASE_TITLES[first.phase.value]}:"))
         for p in phases[1:]:

@@ -241,6 +241,9 @@ def test_explain_shows_requested_and_granted_and_warns_on_stderr(capsys, use_reg
     assert "CUDA graphs: prefill / mixed steps none (asked full); decode steps decode" in out
     assert "warning: graph mode lowered full -> decode" in err
     assert "graph mode lowered" not in out
+    rc = cli.main(["explain", "qwen3", "--target", "cpu"])  # no graphs asked: no line
+    out, err = capsys.readouterr()
+    assert rc == 0 and "CUDA graphs:" not in out and not err
 
     rc = cli.main(["explain", "qwen3", "--target", "cpu", "--graph-mode", "full", "--json"])
     out, err = capsys.readouterr()
