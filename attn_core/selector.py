@@ -13,7 +13,8 @@ backend reads the group's one persistent state) and CUDA-graph mode - are chosen
 model: the selector tries each candidate page size / layout and keeps the first one under which
 every group and phase has a backend, preferring the model's own page size; when
 some group has no backend under the run's graph mode, the downgrade policy may lower it (full ->
-decode -> none).
+decode -> none). Each phase is held to how its steps are captured: under ``full`` prefill / mixed
+steps need ``full``, decode / verify steps ``decode`` (``Plan.phase_graph_modes``).
 
 A plan is for this machine when its device is one this machine has (the CPU, or a CUDA device of
 the same name and compute capability): a backend this machine cannot load (``available=False``)
@@ -685,6 +686,10 @@ class Plan:
             _phase_graph_mode(self.constraints.graph_mode, phase),
         )
 
+    def _phase_dict(self, p: PhaseChoice) -> dict[str, Any]:
+        asked, granted = self.phase_graph_modes(p.phase)
+        return {**p.to_dict(), "graph_mode_requested": asked.value, "graph_mode": granted.value}
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "device": self.device.short(),
@@ -720,19 +725,7 @@ class Plan:
                     ],
                     # every planned phase (prefill's entry repeats the keys above), with how
                     # its steps are captured: asked for and granted (phase_graph_modes)
-                    "phases": {
-                        p.phase.value: {
-                            **p.to_dict(),
-                            **dict(
-                                zip(
-                                    ("graph_mode_requested", "graph_mode"),
-                                    (m.value for m in self.phase_graph_modes(p.phase)),
-                                    strict=True,
-                                )
-                            ),
-                        }
-                        for p in c.phases
-                    },
+                    "phases": {p.phase.value: self._phase_dict(p) for p in c.phases},
                 }
                 for c in self.choices
             ],
