@@ -382,26 +382,6 @@ def test_per_layer_softmax_scales_reach_every_kernel(spec_name, monkeypatch):
 # ------------------------------------------------------------------------------------------
 # Graph mode full: capture one mixed step at the captured sizes, replay it with other splits
 # ------------------------------------------------------------------------------------------
-def _eager_rows(h, step_index, step, T, layers):
-    """``step`` run eagerly (no padding) on the first rows of the captured step's ``T``-row
-    inputs; returns each layer's output."""
-    for rid, _ in step:
-        if rid not in h.positions:
-            h.state.add_request(rid)
-            h.positions[rid] = 0
-    batch = h.builder.build(list(step))
-    h.runtime.prepare(batch)
-    n = batch.num_tokens
-    outs = []
-    for layer in range(layers):
-        q, k, v = (x[:n] for x in wl.inputs(h.spec, step_index, layer, T, CUDA))
-        outs.append(h.runtime.binding(layer).forward(q, k, v).float().cpu())
-    for rid, q_len in step:
-        h.state.advance(rid, q_len)
-        h.positions[rid] += q_len
-    return outs
-
-
 @pytest.mark.parametrize(
     "spec",
     [FULL, FULL.with_(sliding_window=64, logits_soft_cap=30.0), FULL.with_(kv_dtype="fp8_e4m3")],
@@ -470,7 +450,7 @@ def test_cuda_graph_full_mixed_step_replays_other_splits(spec):
             fi.state.advance(rid, n)
             fi.positions[rid] += n
         want = wl.run_step(ref, i, step, pad_to=P, pad_tokens_to=T)
-        same = _eager_rows(eager, i, step, T, layers)
+        same = wl.run_step(eager, i, step, input_rows=T)  # unpadded, the same real inputs
         errors_ref.append(wl.max_error([got], [want]))
         errors_eager.append(wl.max_error([got], [same]))
     tol = 6e-2 if spec.kv_dtype == "fp8_e4m3" else BF16_TOL

@@ -160,13 +160,17 @@ def inputs(spec: LayerSpec, step: int, layer: int, tokens: int, device, *, seed:
 
 def run_step(h: Harness, step_index: int, step: Step, *, spec_tokens: int = 0,
              pad_to: int | None = None, pad_tokens_to: int | None = None, seed: int = 0,
-             update: bool = False) -> list[torch.Tensor]:  # fmt: skip
+             update: bool = False,
+             input_rows: int | None = None) -> list[torch.Tensor]:  # fmt: skip
     """Build, prepare and run one step on every layer; returns each layer's real-token output.
 
     :param pad_tokens_to: with ``pad_to``, a captured mixed step's token count (graph mode
         full: ``BatchBuilder.build(pad_tokens_to=...)``).
     :param update: ``runtime.update(batch)`` (what precedes a graph replay) instead of
         ``prepare``.
+    :param input_rows: draw each layer's inputs for this many rows and pass the first
+        ``padded_tokens`` (default: ``padded_tokens``): an unpadded step then sees the same
+        real-token inputs as the same step padded to ``input_rows`` tokens.
     """
     for rid, _ in step:
         if rid not in h.positions:
@@ -182,7 +186,9 @@ def run_step(h: Harness, step_index: int, step: Step, *, spec_tokens: int = 0,
     outs = []
     spec = h.spec
     for layer in range(h.num_layers):
-        q, k, v = inputs(spec, step_index, layer, batch.padded_tokens, h.device, seed=seed)
+        rows = batch.padded_tokens
+        drawn = inputs(spec, step_index, layer, input_rows or rows, h.device, seed=seed)
+        q, k, v = (x[:rows] if x is not None else None for x in drawn)
         out = torch.full(
             (batch.padded_tokens, spec.num_heads, spec.head_dim_v),
             float("nan"),
