@@ -86,6 +86,12 @@ class AttentionBatch:
     # mixed and verify steps); None for decode and encoder steps. Read it while planning: the
     # builder's host buffers are reused a few steps later.
     slot_mapping_cpu: np.ndarray | None = None
+    # Built for a captured mixed step of graph mode ``full`` (``BatchBuilder.build(...,
+    # pad_tokens_to=T)``): ``padded_reqs`` and ``padded_tokens`` are the captured graph's, the
+    # last padding row holds every padding token beyond one per padding row, and the mode is
+    # MIXED whatever the real split (the graph was captured as a mixed step). Contexts plan
+    # such a step into the fixed buffers their captured kernels read.
+    full_graph: bool = False
 
     @property
     def query_lens_cpu(self) -> np.ndarray:
@@ -386,6 +392,7 @@ class BatchBuilder:
         *,
         spec_tokens: int = 0,
         pad_to: int | None = None,
+        pad_tokens_to: int | None = None,
     ) -> AttentionBatch:
         """Describe one step.
 
@@ -396,10 +403,27 @@ class BatchBuilder:
         :param spec_tokens: ``k`` when this is a speculative-verify step (each request then
             has ``k + 1`` new tokens).
         :param pad_to: pad to this many requests (one token each) for a captured decode graph.
+        :param pad_tokens_to: pad to this many tokens for a captured mixed step (graph mode
+            ``full``, with ``pad_to``): the batch's device tensors are then at the addresses
+            of every other step of ``pad_to`` requests and ``pad_tokens_to`` tokens, whatever
+            the split between prefill chunks and decodes; the padding rows take one token
+            each, the last of them the rest (``query_start_loc[-1] == pad_tokens_to`` when
+            there is a padding row), and the batch is a MIXED step with ``full_graph`` set.
         """
+        if pad_tokens_to is not None:
+            if pad_to is None:
+                raise ValueError(
+                    f"pad_tokens_to={pad_tokens_to} needs pad_to (a captured mixed step has a "
+                    "fixed number of requests too)"
+                )
+            if spec_tokens:
+                raise ValueError(
+                    "pad_tokens_to is for captured mixed steps; a verify step is captured as "
+                    "a uniform one (pad_to only)"
+                )
         steady = self._steady
         reqs = None
-        if steady is not None and pad_to == steady.pad_to and not spec_tokens:
+        if steady is not None and pad_to == steady.pad_to and not spec_tokens and not pad_tokens_to:
             # Tuple equality compares identical objects by identity: a server that passes the
             # same ids pays one pointer compare per request.
             reqs = requests if type(requests) is tuple else tuple(requests)
@@ -428,15 +452,20 @@ class BatchBuilder:
             )
         if not B:
             self._paths[2] += 1
-            return self._build_general((), (), 0, P, spec_tokens)
+            return self._build_general((), (), 0, P, spec_tokens, pad_tokens_to)
         ids, qlens = zip(*requests, strict=True)
-        if not spec_tokens and self.state is not None and qlens.count(1) == B:
+        if (
+            not spec_tokens
+            and pad_tokens_to is None
+            and self.state is not None
+            and qlens.count(1) == B
+        ):
             if reqs is None:
                 reqs = requests if type(requests) is tuple else tuple(requests)
             self._paths[1] += 1
             return self._build_decode(ids, B, P, reqs, pad_to)
         self._paths[2] += 1
-        return self._build_general(ids, qlens, B, P, spec_tokens)
+        return self._build_general(ids, qlens, B, P, spec_tokens, pad_tokens_to)
 
     @property
     def path_counts(self) -> dict[str, int]:
@@ -729,6 +758,7 @@ class BatchBuilder:
         B: int,
         P: int,
         spec_tokens: int,
+        pad_tokens_to: int | None = None,
     ) -> AttentionBatch:
         state = self.state
         qlens = np.fromiter(qlens_in, dtype=np.int64, count=B)
@@ -747,6 +777,14 @@ class BatchBuilder:
             raise ValueError(
                 f"step of {padded_tokens} tokens exceeds max_num_tokens={self.max_num_tokens}"
             )
+        if pad_tokens_to is not None:
+            if pad_tokens_to < padded_tokens or pad_tokens_to > self.max_num_tokens:
+                raise ValueError(
+                    f"pad_tokens_to={pad_tokens_to}: expected {padded_tokens} (the step's "
+                    f"{num_tokens} tokens + {P - B} padding rows) .. max_num_tokens="
+                    f"{self.max_num_tokens}"
+                )
+            padded_tokens = pad_tokens_to
         if spec_tokens and B and (qlens != spec_tokens + 1).any():
             raise ValueError(
                 f"speculative verify with k={spec_tokens} needs {spec_tokens + 1} new tokens "
@@ -755,7 +793,8 @@ class BatchBuilder:
         written = None
         if state is not None and self._has_kv:
             written = self._reserve(ids, dense, ctx, seq)
-        mode = self._mode(qlens, spec_tokens)
+        # a captured mixed step stays one whatever its split: the graph was captured as one
+        mode = BatchMode.MIXED if pad_tokens_to is not None else self._mode(qlens, spec_tokens)
 
         k, slot = self._acquire()
         m = 0
@@ -808,6 +847,7 @@ class BatchBuilder:
             context_lens_cpu=ctx_cpu,
             state_epoch=state.epoch if state is not None else -1,
             slot_mapping_cpu=slot.i64[s : s + padded_tokens] if self._has_kv else None,
+            full_graph=pad_tokens_to is not None,
         )
 
     def _assemble(
@@ -915,9 +955,12 @@ class BatchBuilder:
         return views
 
     def _pad(self, slot: _HostSlot, B: int, P: int, n: int, padded_tokens: int) -> None:
-        """Padding rows: one token each, ``seq_len = 1``, no state, nothing written."""
+        """Padding rows: one token each (the last one every padding token beyond that, in a
+        step padded to a captured mixed graph's token count), ``seq_len = 1``, no state,
+        nothing written."""
         if P > B:
             slot.qsl[B + 1 : P + 1] = n + self._ar64[1 : P - B + 1]
+            slot.qsl[P] = padded_tokens
             slot.seq[B:P] = 1
             slot.ctx[B:P] = 0
             if self._has_slots:
@@ -1033,6 +1076,13 @@ class BatchBuilder:
     # ------------------------------------------------------------------------------------
     @staticmethod
     def _mode(qlens: np.ndarray, spec_tokens: int) -> BatchMode:
+        return BatchBuilder.step_mode(qlens, spec_tokens)
+
+    @staticmethod
+    def step_mode(qlens: np.ndarray, spec_tokens: int = 0) -> BatchMode:
+        """The mode of a step of ``qlens`` new tokens per request (``[B]`` int): verify when it
+        verifies draft tokens, decode when every request has one token (or none is there),
+        prefill when every one has several, else mixed."""
         if spec_tokens:
             return BatchMode.VERIFY
         if len(qlens) == 0 or (qlens == 1).all():

@@ -196,6 +196,16 @@ def format_plan(plan) -> str:
                 f"{_PHASE_TITLES[p.phase.value]}: {p.backend.qualified_name}" for p in phases
             )
         )
+        if (plan.graph_mode_requested or plan.constraints.graph_mode).value != "none":
+            # how each phase's steps are captured: granted, and what was asked where it differs
+            captured = []
+            for p in phases:
+                asked, granted = plan.phase_graph_modes(p.phase)
+                captured.append(
+                    f"{_PHASE_TITLES[p.phase.value]} {granted.value}"
+                    + (f" (asked {asked.value})" if asked is not granted else "")
+                )
+            title += "\n  CUDA graphs: " + "; ".join(captured)
         first = phases[0]
         out.append(_phase_table(c, first, title + f"\n  {_PHASE_TITLES[first.phase.value]}:"))
         for p in phases[1:]:
@@ -269,11 +279,14 @@ def cmd_explain(args: argparse.Namespace) -> int:
         payload["warnings"] = [str(w.message) for w in caught]
         payload["quarantined"] = registry.summary()["quarantined"]
         print(json.dumps(payload, indent=1))
-        return 0
-    print(f"model: {args.model} ({layout.architecture}, {layout.num_layers} layers, tp={args.tp})")
-    print(format_plan(plan))
+    else:
+        print(
+            f"model: {args.model} ({layout.architecture}, {layout.num_layers} layers, tp={args.tp})"
+        )
+        print(format_plan(plan))
+    # on stderr, after the plan: stdout stays the plan (or its JSON) alone
     for w in caught:
-        print(f"warning: {w.message}")
+        print(f"attn explain: warning: {w.message}", file=sys.stderr)
     return 0
 
 
@@ -366,7 +379,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None)
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--graphs", action="store_true", help="CUDA-graph decode")
+    p.add_argument(
+        "--graphs",
+        nargs="?",
+        const="decode",
+        default=None,
+        choices=["decode", "full"],
+        help="CUDA graphs: 'decode' (the default of a bare --graphs) captures pure-decode "
+        "steps, 'full' prefill and mixed steps too where every group's prefill backend "
+        "captures them (else lowered per --downgrade)",
+    )
     p.add_argument(
         "--shapes",
         choices=("tiny", "kernel"),

@@ -13,7 +13,8 @@ backend reads the group's one persistent state) and CUDA-graph mode - are chosen
 model: the selector tries each candidate page size / layout and keeps the first one under which
 every group and phase has a backend, preferring the model's own page size; when
 some group has no backend under the run's graph mode, the downgrade policy may lower it (full ->
-decode -> none).
+decode -> none). Each phase is held to how its steps are captured: under ``full`` prefill / mixed
+steps need ``full``, decode / verify steps ``decode`` (``Plan.phase_graph_modes``).
 
 A plan is for this machine when its device is one this machine has (the CPU, or a CUDA device of
 the same name and compute capability): a backend this machine cannot load (``available=False``)
@@ -108,11 +109,29 @@ def _nearest(value: int, allowed: Iterable[int]) -> int:
 
 
 def _phase_graph_mode(mode: GraphMode, phase: Phase | None) -> GraphMode:
-    """The graph mode the steps of ``phase`` run under: ``decode`` captures decode steps (and
-    the uniform verify steps), not prefill or mixed ones; ``full`` captures every step."""
-    if mode is GraphMode.DECODE and phase is Phase.PREFILL:
-        return GraphMode.NONE
-    return mode
+    """How the steps of ``phase`` are captured under the run's graph mode ``mode``: ``decode``
+    captures decode steps (and the uniform verify steps), not prefill or mixed ones; ``full``
+    captures prefill / mixed steps too (one graph at fixed padded sizes), while its decode and
+    verify steps are captured as under ``decode``. ``phase`` None: any step (``mode`` itself)."""
+    if phase is None:
+        return mode
+    if phase is Phase.PREFILL:
+        return GraphMode.NONE if mode is GraphMode.DECODE else mode
+    return GraphMode.DECODE if mode is GraphMode.FULL else mode
+
+
+def _captures(modes: frozenset[GraphMode], needed: GraphMode) -> bool:
+    """Whether a backend declaring ``modes`` serves steps captured as ``needed``: a backend
+    that captures mixed steps (``full``) captures decode steps too."""
+    return needed in modes or (needed is GraphMode.DECODE and GraphMode.FULL in modes)
+
+
+#: How a rejection names the steps a phase's graph mode captures.
+_CAPTURED_STEPS = {
+    Phase.PREFILL: "prefill / mixed steps",
+    Phase.DECODE: "decode steps",
+    Phase.VERIFY: "verify steps",
+}
 
 
 def constraints_for_phases(
@@ -124,8 +143,11 @@ def constraints_for_phases(
     phases = tuple(phases)
     changes: dict[str, Any] = {}
     modes = {_phase_graph_mode(constraints.graph_mode, p) for p in phases}
-    if constraints.graph_mode is not GraphMode.NONE and modes <= {GraphMode.NONE}:
-        changes["graph_mode"] = GraphMode.NONE
+    # the most captured of its phases' modes: full for a backend that serves mixed steps under
+    # full, decode for one that serves only decode / verify steps there, none for eager ones
+    held = max(modes, key=_GRAPH_MODES_DOWN[::-1].index) if modes else constraints.graph_mode
+    if held is not constraints.graph_mode:
+        changes["graph_mode"] = held
     if constraints.speculative_tokens and Phase.VERIFY not in phases:
         changes["speculative_tokens"] = 0
     return constraints.with_(**changes) if changes else constraints
@@ -140,7 +162,7 @@ def check_backend(
     page_size: int | None = None,
     kv_layout: str | None = None,
     local: bool = True,
-    phase: Phase | None = None,
+    phase: Phase | str | None = None,
 ) -> list[Rejection]:
     """Every reason ``backend`` cannot serve layers of ``spec`` under these conditions.
 
@@ -156,6 +178,7 @@ def check_backend(
     caps = backend.capabilities
     name = backend.qualified_name
     out: list[Rejection] = []
+    phase = Phase(phase) if phase is not None else None
 
     def reject(code: str, reason: str, fix: str | None = None) -> None:
         out.append(Rejection(name, code, reason, fix))
@@ -257,14 +280,25 @@ def check_backend(
                 f"kv_layout {kv_layout} -> {sorted(caps.kv_layouts)[0]}",
             )
     captured = _phase_graph_mode(constraints.graph_mode, phase)
-    if captured not in caps.graph_modes:
+    if not _captures(caps.graph_modes, captured):
         modes = caps.graph_modes
-        best = max(modes, key=lambda m: list(GraphMode).index(m))
+        # the most captured run mode under which this phase's steps need what it declares
+        mode = constraints.graph_mode
+        # (a backend that lacks none, asked for none, is offered the most it captures)
+        best = next(
+            (
+                m
+                for m in _GRAPH_MODES_DOWN[_GRAPH_MODES_DOWN.index(mode) + 1 :]
+                if _captures(modes, _phase_graph_mode(m, phase))
+            ),
+            max(modes, key=_GRAPH_MODES_DOWN[::-1].index),
+        )
+        steps = _CAPTURED_STEPS[phase] if phase is not None else "every step"
         reject(
             "graph_mode",
-            f"supports CUDA-graph modes {_fmt_set(m.value for m in modes)}, the run asks for "
-            f"{constraints.graph_mode.value}",
-            f"graph_mode {constraints.graph_mode.value} -> {best.value}",
+            f"captures CUDA-graph modes {_fmt_set(m.value for m in modes)}; graph mode "
+            f"{mode.value} captures {steps}, which needs {captured.value}",
+            f"graph_mode {mode.value} -> {best.value}",
         )
     verifies = phase in (None, Phase.VERIFY)  # only verify steps carry draft tokens
     if verifies and constraints.speculative_tokens > caps.max_speculative_tokens:
@@ -640,6 +674,22 @@ class Plan:
         choice = self.choice(group_id)
         return choice.backend if phase is None else choice.backend_for_phase(phase)
 
+    def phase_graph_modes(self, phase: Phase | str) -> tuple[GraphMode, GraphMode]:
+        """``(requested, granted)``: how the steps of ``phase`` would be captured under the
+        graph mode the run asked for, and how they are under the plan's (lowered) one. Under
+        ``full`` prefill / mixed steps are captured as ``full`` and decode / verify steps as
+        ``decode``; under ``decode`` prefill / mixed steps run eagerly (``none``)."""
+        phase = Phase(phase)
+        asked = self.graph_mode_requested or self.constraints.graph_mode
+        return (
+            _phase_graph_mode(asked, phase),
+            _phase_graph_mode(self.constraints.graph_mode, phase),
+        )
+
+    def _phase_dict(self, p: PhaseChoice) -> dict[str, Any]:
+        asked, granted = self.phase_graph_modes(p.phase)
+        return {**p.to_dict(), "graph_mode_requested": asked.value, "graph_mode": granted.value}
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "device": self.device.short(),
@@ -673,8 +723,9 @@ class Plan:
                         {"backend": r.backend, "code": r.code, "reason": r.reason, "fix": r.fix}
                         for r in c.rejected
                     ],
-                    # every planned phase (prefill's entry repeats the keys above)
-                    "phases": {p.phase.value: p.to_dict() for p in c.phases},
+                    # every planned phase (prefill's entry repeats the keys above), with how
+                    # its steps are captured: asked for and granted (phase_graph_modes)
+                    "phases": {p.phase.value: self._phase_dict(p) for p in c.phases},
                 }
                 for c in self.choices
             ],
@@ -999,8 +1050,37 @@ def select(
             )
         lowered = replace(lowered, graph_mode_requested=requested)
         if policy is DowngradePolicy.WARN:
+            # Every group that has no backend under the requested mode (at the lowered plan's
+            # page size and layout), each with its candidates and why they were rejected.
+            blocked = []
+            for g in groups:
+                got = _choose(
+                    g,
+                    backends,
+                    registry,
+                    device,
+                    constraints,
+                    lowered.page_size,
+                    lowered.kv_layout,
+                    tuning,
+                    local,
+                )
+                if not isinstance(got, GroupChoice):
+                    blocked.append(
+                        _no_backend_message(
+                            g,
+                            got[1],
+                            constraints,
+                            lowered.page_size,
+                            lowered.kv_layout,
+                            from_env,
+                            got[0],
+                        )
+                    )
             warnings.warn(
-                f"graph mode lowered {requested.value} -> {mode.value}: {message}", stacklevel=2
+                f"graph mode lowered {requested.value} -> {mode.value}: "
+                + ("\n".join(blocked) or message),
+                stacklevel=2,
             )
         _apply_downgrade_policy(lowered)
         return lowered

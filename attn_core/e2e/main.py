@@ -32,7 +32,7 @@ from attn_core.e2e.configs import (
     first_layers,
     real_size_config,
 )
-from attn_core.e2e.runner import Engine
+from attn_core.e2e.runner import Engine, graph_mode_of
 from attn_core.e2e.vision import VisionRunner, vision_inputs
 from attn_core.models import MODEL_TYPE_FAMILIES, sample_names, specs_from_hf_config
 from attn_core.runtime import AttentionRuntime
@@ -203,7 +203,7 @@ def plan_for(
     max_batch_size: int,
     max_num_tokens: int,
     max_model_len: int,
-    graphs: bool,
+    graphs: bool | str,
 ) -> Plan:
     """Select backends for the model's groups under the run's constraints (sizes capped)."""
     base = constraints or ExecutionConstraints()
@@ -211,7 +211,7 @@ def plan_for(
         max_batch_size=max_batch_size,
         max_num_tokens=max_num_tokens,
         max_model_len=max_model_len,
-        graph_mode=GraphMode.DECODE if graphs and not model.is_encoder else GraphMode.NONE,
+        graph_mode=GraphMode.NONE if model.is_encoder else graph_mode_of(graphs),
     )
     return select(model.layout.groups, registry, DeviceCapabilities.detect(device), c)
 
@@ -232,6 +232,7 @@ class ArchitectureRun:
     tokens_per_second: float
     decode_tokens_per_second: float = 0.0
     graph_replays: int = 0
+    mixed_graph_replays: int = 0  # prefill / mixed steps replayed in a graph (graph mode full)
     notes: list[str] = field(default_factory=list)
     weights: str = "random"  # "random" (seeded init) or the checkpoint folder loaded
     warmup_seconds: float | None = None  # the warm-up pass (None: none ran)
@@ -282,6 +283,10 @@ class ArchitectureRun:
             )
         if self.graph_replays:
             lines.append(f"   CUDA-graph decode replays: {self.graph_replays}")
+        if self.mixed_graph_replays:
+            lines.append(
+                f"   CUDA-graph mixed-step replays (graph mode full): {self.mixed_graph_replays}"
+            )
         lines += [f"   note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -298,6 +303,7 @@ class ArchitectureRun:
             "tokens_per_second": self.tokens_per_second,
             "decode_tokens_per_second": self.decode_tokens_per_second,
             "graph_replays": self.graph_replays,
+            "mixed_graph_replays": self.mixed_graph_replays,
             "notes": self.notes,
             "weights": self.weights,
             "warmup_seconds": self.warmup_seconds,
@@ -347,7 +353,7 @@ def run_architecture(
     dtype: str = "float32",
     prompts: int = 4,
     max_new_tokens: int = 8,
-    graphs: bool = False,
+    graphs: bool | str = False,
     registry: Any = None,
     constraints: ExecutionConstraints | None = None,
     chunk_size: int = 5,
@@ -483,6 +489,7 @@ def run_architecture(
         tokens_per_second=result.tokens_per_second,
         decode_tokens_per_second=result.decode_tokens_per_second,
         graph_replays=result.graph_replays,
+        mixed_graph_replays=result.mixed_graph_replays,
         notes=notes,
         weights=checkpoint or "random",
         warmup_seconds=warmup_seconds,
@@ -544,7 +551,7 @@ def run_main(
     dtype: str,
     prompts: int,
     max_new_tokens: int,
-    graphs: bool,
+    graphs: bool | str,
     registry: Any,
     constraints: ExecutionConstraints | None,
     progress: bool = True,
@@ -568,7 +575,10 @@ def run_main(
     :param dtype: ``"float32"`` / ``"bfloat16"`` / ``"float16"`` (aliases ``fp32``, ``bf16``).
     :param prompts: requests per architecture (images for the vision tower).
     :param max_new_tokens: greedy tokens per request.
-    :param graphs: capture pure-decode steps in CUDA graphs (CUDA only; noted otherwise).
+    :param graphs: the CUDA-graph mode (CUDA only; noted otherwise): True / ``"decode"``
+        captures pure-decode steps, ``"full"`` prefill and mixed steps too where the plan
+        grants it (every group's prefill backend declares ``full``; else it is lowered, with
+        a warning and a note).
     :param registry: the loaded :class:`~attn_core.registry.Registry` (None: reference only).
     :param constraints: the run's :class:`ExecutionConstraints`; batch / token / length limits
         and the graph mode are set from the run itself.

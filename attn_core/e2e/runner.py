@@ -15,6 +15,12 @@ Pure-decode steps can run as CUDA graphs: one graph per padded batch size, captu
 all-padding batch (padding rows write no KV and touch no linear state, so capture leaves the
 state untouched); before each replay the real batch is built into the same buffers and
 ``runtime.update(batch)`` refreshes the contexts in place.
+
+Under graph mode ``full`` (``graphs="full"``, where the plan grants it: every group's prefill
+backend declares ``full``) prefill and mixed steps run as one more graph, captured on an
+all-padding batch of ``max_batch_size`` requests and ``max_num_tokens`` tokens
+(``BatchBuilder.build(pad_to=..., pad_tokens_to=...)``) and replayed for every split of prefill
+chunks and decodes; pure-decode steps keep their per-size decode graphs.
 """
 
 from __future__ import annotations
@@ -26,15 +32,29 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from attn_core.batch import BatchBuilder
 from attn_core.e2e.adapters import CausalLMAdapter, layer_params_for
 from attn_core.e2e.configs import TinyModel
 from attn_core.runtime import AttentionRuntime
+from attn_core.specs import GraphMode
 from attn_core.state import PersistentState
 
-__all__ = ["Engine", "GenerationResult"]
+__all__ = ["Engine", "GenerationResult", "graph_mode_of"]
+
+
+def graph_mode_of(graphs: bool | str | GraphMode | None) -> GraphMode:
+    """The graph mode a run's ``graphs`` argument asks for: False / None / ``"none"`` ->
+    ``none``, True / ``"decode"`` -> ``decode`` (pure-decode steps), ``"full"`` -> ``full``
+    (mixed steps too)."""
+    if graphs is None or graphs is False:
+        return GraphMode.NONE
+    if graphs is True:
+        return GraphMode.DECODE
+    return GraphMode(graphs)
+
 
 _GRAPH_SIZES = (1, 2, 4, 8, 16, 32)
 
@@ -55,6 +75,8 @@ class GenerationResult:
     logits: list[torch.Tensor]
     step_modes: list[str] = field(default_factory=list)
     graph_replays: int = 0
+    #: prefill / mixed steps replayed in the captured mixed-step graph (graph mode full)
+    mixed_graph_replays: int = 0
     graph_note: str = ""
     total_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -99,7 +121,9 @@ class Engine:
     :param chunk_size: most prompt tokens of one request per step.
     :param max_batch_size: most requests per step (graph padding included).
     :param max_model_len: most tokens per request.
-    :param graphs: capture pure-decode steps in CUDA graphs (CUDA only).
+    :param graphs: the graph mode (:func:`graph_mode_of`): True / ``"decode"`` captures
+        pure-decode steps, ``"full"`` mixed steps too where the plan grants graph mode full
+        (CUDA only).
     :param direct: the adapter calls contexts directly instead of bindings (overhead studies).
     """
 
@@ -113,7 +137,7 @@ class Engine:
         chunk_size: int = 5,
         max_batch_size: int = 8,
         max_model_len: int = 256,
-        graphs: bool = False,
+        graphs: bool | str = False,
         direct: bool = False,
     ) -> None:
         if chunk_size < 1:
@@ -148,20 +172,56 @@ class Engine:
             device=self.device,
         )
         self.adapter = CausalLMAdapter(model.hf, layout, self.runtime, direct=direct)
-        self.graphs = bool(graphs) and self.device.type == "cuda"
-        self.graph_note = "" if graphs == self.graphs else "CUDA graphs need a CUDA device"
+        mode = graph_mode_of(graphs)
+        cuda = self.device.type == "cuda"
+        self.graphs = mode is not GraphMode.NONE and cuda
+        self.graph_note = (
+            "CUDA graphs need a CUDA device" if mode is not GraphMode.NONE and not cuda else ""
+        )
+        # mixed steps are captured only where the plan grants full (the selector may have
+        # lowered it: a group whose prefill backends capture no mixed step)
+        granted = plan.constraints.graph_mode
+        self.full_graphs = mode is GraphMode.FULL and cuda and granted is GraphMode.FULL
+        if mode is GraphMode.FULL and cuda and granted is not GraphMode.FULL:
+            self.graph_note = (
+                f"graph mode full was lowered to {granted.value} by the plan (a group has no "
+                "backend that captures mixed steps): prefill and mixed steps run eagerly"
+            )
         self.last_step_graph = False
         self.capture_seconds = 0.0  # time spent capturing CUDA graphs (warm-up included)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._full: tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------------------------
-    def step(self, schedule: Sequence[tuple[int, list[int]]], *, use_graph: bool = False):
+    def step(
+        self,
+        schedule: Sequence[tuple[int, list[int]]],
+        *,
+        use_graph: bool = False,
+        use_full_graph: bool = False,
+    ):
         """Run one step: ``schedule`` is ``(request id, token ids fed this step)`` per request.
+
+        ``use_graph``: replay a pure-decode step's graph (of its padded batch size);
+        ``use_full_graph``: replay the captured mixed step (graph mode full), whatever the
+        step's split.
 
         :returns: ``([num_tokens, vocab]`` logits of the real tokens, the batch).
         """
         ids = [t for _, toks in schedule for t in toks]
         reqs = [(rid, len(toks)) for rid, toks in schedule]
+        P, T = self.max_batch_size, self.max_num_tokens
+        if use_full_graph and len(ids) + P - len(reqs) <= T:
+            entry = self._full or self._capture(None)
+            if entry is not None:
+                graph, static_ids, static_logits = entry
+                batch = self.builder.build(reqs, pad_to=P, pad_tokens_to=T)
+                self.runtime.update(batch)
+                static_ids.zero_()
+                static_ids[: len(ids)].copy_(torch.tensor(ids, dtype=torch.long))
+                graph.replay()
+                self.last_step_graph = True
+                return static_logits[: len(ids)], batch
         if use_graph:
             size = next((s for s in _GRAPH_SIZES if s >= len(reqs)), None)
             if size is not None and size <= self.max_batch_size:
@@ -181,19 +241,26 @@ class Engine:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         return self.adapter.forward(input_ids, batch.positions), batch
 
-    def _capture(self, size: int):
-        """Capture the decode step for ``size`` padded requests on an all-padding batch."""
+    def _capture(self, size: int | None):
+        """Capture the decode step for ``size`` padded requests on an all-padding batch, or
+        (``size`` None) the mixed step of graph mode full at ``max_batch_size`` requests and
+        ``max_num_tokens`` tokens."""
         t0 = time.perf_counter()
         try:
             return self._capture_timed(size)
         finally:
             self.capture_seconds += time.perf_counter() - t0
 
-    def _capture_timed(self, size: int):
+    def _capture_timed(self, size: int | None):
         try:
-            dummy = self.builder.build([], pad_to=size)
+            if size is None:
+                dummy = self.builder.build(
+                    [], pad_to=self.max_batch_size, pad_tokens_to=self.max_num_tokens
+                )
+            else:
+                dummy = self.builder.build([], pad_to=size)
             self.runtime.prepare(dummy)
-            static_ids = torch.zeros(size, dtype=torch.long, device=self.device)
+            static_ids = torch.zeros(dummy.padded_tokens, dtype=torch.long, device=self.device)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -204,12 +271,22 @@ class Engine:
             with torch.cuda.graph(graph):
                 static_logits = self.adapter.forward(static_ids, dummy.positions)
         except Exception as exc:  # e.g. a MoE block that syncs on data-dependent shapes
+            torch.cuda.synchronize()
+            if size is None:
+                self.full_graphs = False
+                self.graph_note = (
+                    "mixed-step graph capture failed, prefill and mixed steps run eagerly: "
+                    f"{type(exc).__name__}: {exc}"
+                )
+                return None
             self.graphs = False
             self.graph_note = (
                 f"graph capture failed, decode runs eagerly: {type(exc).__name__}: {exc}"
             )
-            torch.cuda.synchronize()
             return None
+        if size is None:
+            self._full = (graph, static_ids, static_logits)
+            return self._full
         self._graphs[size] = (graph, static_ids, static_logits)
         return self._graphs[size]
 
@@ -260,15 +337,22 @@ class Engine:
             is_decode = all(r.fed >= len(r.prompt) for r, _ in schedule)
             t0 = time.perf_counter()
             logits, batch = self.step(
-                [(r.rid, toks) for r, toks in schedule], use_graph=self.graphs and is_decode
+                [(r.rid, toks) for r, toks in schedule],
+                use_graph=self.graphs and is_decode,
+                use_full_graph=self.full_graphs and not is_decode,
             )
             logits = logits.float().cpu()  # one sync per step: greedy sampling needs it
             if is_decode:
                 result.decode_seconds += time.perf_counter() - t0
                 result.decode_tokens += len(schedule)
                 result.graph_replays += int(self.last_step_graph)
+            else:
+                result.mixed_graph_replays += int(self.last_step_graph)
             result.total_tokens += batch.num_tokens
-            result.step_modes.append(batch.mode.value)
+            # a captured mixed step's batch is MIXED whatever its split: count the real one
+            qlens = np.array([len(toks) for _, toks in schedule])
+            mode = BatchBuilder.step_mode(qlens) if batch.full_graph else batch.mode
+            result.step_modes.append(mode.value)
             off = 0
             for r, toks in schedule:
                 n = len(toks)

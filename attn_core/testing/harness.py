@@ -181,7 +181,12 @@ class Side:
             return self.builder.build_encoder([n for _, n in step.requests])
         for r in step.add:
             self.state.add_request(r)
-        return self.builder.build(step.requests, spec_tokens=step.spec_tokens, pad_to=step.pad_to)
+        return self.builder.build(
+            step.requests,
+            spec_tokens=step.spec_tokens,
+            pad_to=step.pad_to,
+            pad_tokens_to=step.pad_tokens_to,
+        )
 
     def begin(self, step: Step, *, update_only: bool = False) -> AttentionBatch:
         """Build the step's batch and ``prepare`` it (or only ``update``, as before a replay)."""

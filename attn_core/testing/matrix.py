@@ -95,6 +95,8 @@ class Case:
             parts.append("sinks")
         if self.strategy:
             parts.append(self.strategy)
+        if self.graph_mode is not GraphMode.NONE:  # a case per declared mode (decode, full)
+            parts.append(f"graph-{self.graph_mode.value}")
         if self.tag:
             parts.append(self.tag)
         if self.magnitude != 1.0:
@@ -468,6 +470,14 @@ def _kind_cases(
     add("out", base, "out_contract", [f"{K}: out contract (out, strided out, None; guards)"])
     if kind is not LayerKind.ENCODER:
         add("update", base, "replay", [f"{K}: update() refreshes metadata (emulated replay)"])
+        if GraphMode.FULL in caps.graph_modes:
+            add(
+                "update",
+                base,
+                "replay_mixed",
+                [f"{K}: graph_mode full: update() refreshes a captured mixed step (emulated)"],
+                graph_mode=GraphMode.FULL,
+            )
         for mode in (GraphMode.DECODE, GraphMode.FULL):
             if mode in caps.graph_modes:
                 add(

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from attn_core.specs import LayerKind
+from attn_core.specs import GraphMode, LayerKind
 from attn_core.testing.checks import (
     SENTINEL,
     ConformanceFailure,
@@ -68,14 +68,48 @@ def _replay_prologue(pair: Pair) -> None:
     )
 
 
+#: Graph mode full: the captured mixed step's padded sizes, and the splits replayed in it
+#: after a capture on padding only (pure prefill, pure decode, mixed, a prefill continued, a
+#: new request, every row real), request ids 0..4 of the prologue plus 5 and 6.
+MIXED_PAD, MIXED_TOKENS = 4, 40
+MIXED_SPLITS = (
+    [(5, 7), (6, 3)],
+    [(0, 1), (1, 1), (2, 1)],
+    [(5, 1), (3, 6)],
+    [(6, 4), (0, 1), (4, 1), (1, 9)],
+    [(2, 1), (5, 1), (6, 1), (3, 1)],
+)
+
+
+def _mixed_step(requests: list[tuple[int, int]], seen: set[int]) -> Step:
+    """One captured mixed step of ``requests`` (adds those not ``seen`` yet)."""
+    new = tuple(r for r, _ in requests if r not in seen)
+    seen.update(new)
+    return Step(requests, add=new, pad_to=MIXED_PAD, pad_tokens_to=MIXED_TOKENS)
+
+
 def check_update(case: Case, session: Any, gen: torch.Generator) -> None:
     """prepare(first decode batch) once, then only update(batch) before each later decode step.
 
     A context that ignores update() (or keeps metadata copied at prepare time) computes the
-    batch it was prepared for and is caught, with or without CUDA graphs.
+    batch it was prepared for and is caught, with or without CUDA graphs. Under graph mode
+    ``full``: prepare an all-padding mixed step at the captured sizes once, then only update
+    before each split of :data:`MIXED_SPLITS` (what precedes a replay of the captured mixed
+    step).
     """
     pair = _pair(case, session, gen, Limits(max_batch=8, max_tokens=64, max_len=40))
     _replay_prologue(pair)
+    if case.graph_mode is GraphMode.FULL:
+        seen = {0, 1, 2, 3, 4}
+        pair.step(_mixed_step([], seen), "captured mixed step: prepare (padding only)")
+        for i, split in enumerate(MIXED_SPLITS):
+            pair.step(
+                _mixed_step(list(split), seen),
+                f"emulated mixed replay {i} (split {split}, padded to {MIXED_PAD} requests / "
+                f"{MIXED_TOKENS} tokens; update only)",
+                update_only=True,
+            )
+        return
     for i, subset in enumerate(REPLAY_SUBSETS):
         step = Step([(r, 1) for r in subset], pad_to=REPLAY_PAD)
         pair.step(
@@ -87,22 +121,52 @@ def check_update(case: Case, session: Any, gen: torch.Generator) -> None:
 
 
 def check_graph(case: Case, session: Any, gen: torch.Generator) -> None:
-    """Capture the decode forward in a CUDA graph after prepare(), replay after update()."""
+    """Capture the decode forward in a CUDA graph after prepare(), replay after update().
+    Under graph mode ``full``, then capture one mixed step on padding only and replay it for
+    every split of :data:`MIXED_SPLITS`."""
     if not session.has_cuda:
         raise _Skip("CUDA is not available: capture needs a GPU")
     pair = _pair(case, session, gen, Limits(max_batch=8, max_tokens=64, max_len=40))
     _replay_prologue(pair)
+    steps = [
+        (Step([(r, 1) for r in subset], pad_to=REPLAY_PAD),
+         f"graph replay {i} (requests {subset}, padded to {REPLAY_PAD})")
+        for i, subset in enumerate(REPLAY_SUBSETS)
+    ]  # fmt: skip
+    _capture_and_replay(pair, gen, steps, REPLAY_PAD)
+    if case.graph_mode is GraphMode.FULL:
+        seen = {0, 1, 2, 3, 4}
+        mixed = [(_mixed_step([], seen), "mixed-step capture (padding only)")]
+        mixed += [
+            (_mixed_step(list(split), seen),
+             f"mixed-step graph replay {i} (split {split}, padded to {MIXED_PAD} requests / "
+             f"{MIXED_TOKENS} tokens)")
+            for i, split in enumerate(MIXED_SPLITS)
+        ]  # fmt: skip
+        _capture_and_replay(pair, gen, mixed, MIXED_TOKENS)
+
+
+def _capture_and_replay(
+    pair: Pair, gen: torch.Generator, steps: list[tuple[Step, str]], rows: int
+) -> None:
+    """Warm up and capture the first step's forward (after prepare), then replay it for each
+    later step (after update), comparing every replay with the reference run eagerly.
+
+    :param rows: the captured step's ``padded_tokens`` (every step's: they share the graph).
+    """
     spec, test, ref = pair.spec, pair.test, pair.ref
     layers = range(test.num_layers)
-    static = [to_device(layer_inputs(spec, REPLAY_PAD, gen), spec, pair.device) for _ in layers]
-    outs = [test.poisoned_out(REPLAY_PAD) for _ in layers]
+    static = [to_device(layer_inputs(spec, rows, gen), spec, pair.device) for _ in layers]
+    outs = [test.poisoned_out(rows) for _ in layers]
     graph = None
-    for i, subset in enumerate(REPLAY_SUBSETS):
-        step = Step([(r, 1) for r in subset], pad_to=REPLAY_PAD)
-        where = f"graph replay {i} (requests {subset}, padded to {REPLAY_PAD})"
+    for step, where in steps:
         rb = ref.begin(step)
         tb = test.begin(step, update_only=graph is not None)
-        fresh = [layer_inputs(spec, REPLAY_PAD, gen) for _ in layers]
+        if tb.padded_tokens != rows:
+            raise ConformanceFailure(
+                f"{where}: the step has {tb.padded_tokens} padded tokens, the graph {rows}"
+            )
+        fresh = [layer_inputs(spec, rows, gen) for _ in layers]
         for layer in layers:
             for name, t in to_device(fresh[layer], spec, pair.device).items():
                 static[layer][name].copy_(t)

@@ -41,6 +41,8 @@ class Step:
     :ivar release: requests to release after the step.
     :ivar spec_tokens: ``k`` for a speculative-verify step (every request has ``k + 1`` tokens).
     :ivar pad_to: pad the batch to this many requests (graph-style decode).
+    :ivar pad_tokens_to: with ``pad_to``, pad to this many tokens: a captured mixed step of
+        graph mode ``full`` (``BatchBuilder.build(pad_tokens_to=...)``).
     """
 
     requests: list[tuple[int, int]]
@@ -48,6 +50,7 @@ class Step:
     release: tuple[int, ...] = ()
     spec_tokens: int = 0
     pad_to: int | None = None
+    pad_tokens_to: int | None = None
 
 
 @dataclass(slots=True)
@@ -65,7 +68,7 @@ class Workload:
         for s in self.steps:
             self.max_batch = max(self.max_batch, s.pad_to or len(s.requests))
             tokens = sum(n for _, n in s.requests) + max(0, (s.pad_to or 0) - len(s.requests))
-            self.max_tokens = max(self.max_tokens, tokens)
+            self.max_tokens = max(self.max_tokens, tokens, s.pad_tokens_to or 0)
             for r, n in s.requests:
                 lens[r] = lens.get(r, 0) + n
         self.num_requests = len(lens)

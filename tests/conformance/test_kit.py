@@ -105,6 +105,11 @@ BROKEN = textwrap.dedent(
     # decode-only backends: one that raises on any other step, one with a wrong scale
     decode_kernel = Broken("decode_kernel", phases={"decode"})
     decode_wrong_scale = Broken("wrong_scale", name="decode_wrong_scale", phases={"decode"})
+    # graph mode full declared: the reference as it is (its contexts read the builder's
+    # persistent buffers: update() refreshes), and one whose update() keeps stale metadata
+    full_ok = Broken("none", name="full_ok", graph_modes={"none", "decode", "full"})
+    stale_update_full = Broken("stale_update", name="stale_update_full",
+                               graph_modes={"none", "decode", "full"})
     '''
 )
 
@@ -205,6 +210,26 @@ def test_stale_metadata_on_replay_is_caught(pytester, run_kit) -> None:
     assert summary["full: kind"] == "PASS"
     assert summary["full: update() refreshes metadata (emulated replay)"] == "FAIL"
     result.stdout.fnmatch_lines(["*failed:*emulated replay 1*update only*"])
+
+
+FULL_REPLAY = "full: graph_mode full: update() refreshes a captured mixed step (emulated)"
+
+
+def test_a_backend_declaring_graph_mode_full_replays_captured_mixed_steps(pytester, run_kit):
+    """Declaring full adds the emulated replay of a captured mixed step (update only, every
+    split at the captured sizes); it passes where update() refreshes, and the GPU capture is
+    listed (skipped here without CUDA)."""
+    result, summary = _run_broken(pytester, run_kit, "full_ok")
+    assert summary[FULL_REPLAY] == "PASS", result.stdout.str()
+    if not _cuda():
+        assert summary["full: graph_mode full (CUDA graph capture + replay)"] == "SKIP"
+
+
+def test_stale_metadata_on_a_mixed_replay_is_caught(pytester, run_kit) -> None:
+    result, summary = _run_broken(pytester, run_kit, "stale_update_full")
+    assert result.ret == 1
+    assert summary[FULL_REPLAY] == "FAIL"
+    result.stdout.fnmatch_lines(["*failed:*emulated mixed replay 0*update only*"])
 
 
 def test_write_past_out_is_caught(pytester, run_kit) -> None:

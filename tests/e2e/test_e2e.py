@@ -153,6 +153,35 @@ def test_engine_handles_more_requests_than_batch_slots() -> None:
     assert engine.state.request_ids() == []
 
 
+def test_graphs_full_is_lowered_where_a_group_captures_no_mixed_step() -> None:
+    """The reference captures decode steps only: ``graphs="full"`` plans graph mode decode
+    (the downgrade policy warns), the plan says what was asked, and the run still matches."""
+    with pytest.warns(UserWarning, match="graph mode lowered full -> decode"):
+        run = run_architecture("qwen3", prompts=2, max_new_tokens=3, graphs="full")
+    assert (run.plan["graph_mode"], run.plan["graph_mode_requested"]) == ("decode", "full")
+    prefill = run.plan["groups"][0]["phases"]["prefill"]
+    assert (prefill["graph_mode_requested"], prefill["graph_mode"]) == ("full", "none")
+    assert run.mixed_graph_replays == 0 and run.to_dict()["mixed_graph_replays"] == 0
+    assert "CUDA graphs need a CUDA device" in run.format()
+    assert run.ok, run.format()
+
+
+def test_graph_mode_of_the_graphs_argument() -> None:
+    from attn_core.e2e.runner import graph_mode_of
+    from attn_core.specs import GraphMode
+
+    assert [graph_mode_of(g) for g in (None, False, True, "none", "decode", "full")] == [
+        GraphMode.NONE,
+        GraphMode.NONE,
+        GraphMode.DECODE,
+        GraphMode.NONE,
+        GraphMode.DECODE,
+        GraphMode.FULL,
+    ]
+    with pytest.raises(ValueError):
+        graph_mode_of("always")
+
+
 def test_run_main_report() -> None:
     lines: list[str] = []
     report = run_main(
@@ -305,6 +334,19 @@ def test_gpu_plugins_match_transformers_bf16(name: str) -> None:
 def test_gpu_plugins_cuda_graph_decode_bf16(name: str) -> None:
     run = _gpu_plugin_run(name, dtype="bfloat16", prompts=3, max_new_tokens=6, graphs=True)
     assert run.graph_replays > 0, run.format()
+    assert run.ok, run.format()
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=gpu) for n in ("qwen3", "gemma-3")])
+def test_gpu_plugins_cuda_graph_full_bf16(name: str) -> None:
+    """Graph mode full on the GPU plugins: prefill and mixed steps replay one captured mixed
+    step (FlashInfer's paged prefill wrapper in CUDA-graph mode), decode steps their decode
+    graphs, and the generation still matches transformers."""
+    run = _gpu_plugin_run(name, dtype="bfloat16", prompts=3, max_new_tokens=6, graphs="full")
+    if run.plan["graph_mode"] != "full":
+        pytest.skip(f"no installed GPU plugin captures mixed steps of {name}: {run.format()}")
+    assert run.mixed_graph_replays > 0 and run.graph_replays > 0, run.format()
+    assert {"prefill", "mixed", "decode"} <= set(run.mode_counts), run.format()
     assert run.ok, run.format()
 
 

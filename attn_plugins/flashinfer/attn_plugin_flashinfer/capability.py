@@ -8,7 +8,9 @@ templates compile them:
   fp16 activations, bf16 / fp16 / fp8-e4m3 KV (bf16 queries over an fp8 cache run the FA2 kernels;
   fp8 needs sm89+, which the selector checks through ``DeviceCapabilities.supports_fp8``), any page
   size (the kernels divide by a runtime ``uint_fastdiv``), NHD layout, causal only, sliding window
-  (``window_left``) and logits soft-cap. Attention sinks are *not* advertised: in 0.6.7 and
+  (``window_left``) and logits soft-cap, CUDA-graph modes ``none`` / ``decode`` / ``full``
+  (a captured mixed step: the paged prefill wrapper's graph mode, whose scheduler keeps the
+  capture's batch size and row count). Attention sinks are *not* advertised: in 0.6.7 and
   0.6.13 the ``sinks`` argument of ``run()`` reaches only the trtllm-gen (sm100) kernels and is
   silently ignored by the FA2/FA3 paths.
 - MLA: ``kv_lora_rank = 512``, ``qk_rope_head_dim = 64`` (the head dims FlashInfer's MLA kernels
@@ -58,7 +60,9 @@ FULL_CAPABILITIES = BackendCapabilities(
     head_dims=FULL_HEAD_DIMS,
     page_sizes=None,
     kv_layouts={"NHD"},
-    graph_modes={GraphMode.NONE, GraphMode.DECODE},
+    # full: a mixed step is captured through the paged prefill wrapper in CUDA-graph mode
+    # (fixed buffers, planned at the captured batch size and token count; context.py)
+    graph_modes={GraphMode.NONE, GraphMode.DECODE, GraphMode.FULL},
     max_speculative_tokens=MAX_SPECULATIVE_TOKENS,
     causal=True,
     non_causal=False,

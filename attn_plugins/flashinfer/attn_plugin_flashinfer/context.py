@@ -22,6 +22,9 @@ padded requests within       with a 16-bit cache only; FlashInfer is latency-bou
 decode, graph mode DECODE    ``BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=True)``, one
                              per padded batch size, buffers = views of the workspace
 decode                       ``BatchDecodeWithPagedKVCacheWrapper``
+captured mixed step (graph   ``BatchPrefillWithPagedKVCacheWrapper(use_cuda_graph=True)``,
+mode FULL, a ``full_graph``  one per padded batch size, planned into fixed buffers (views of
+batch)                       the workspace) at the captured token count, whatever the split
 prefill without context,     ``BatchPrefillWithRaggedKVCacheWrapper`` over the step's own k/v
 non-fp8 KV                   (they are also written to the cache)
 prefill / mixed / verify     ``BatchPrefillWithPagedKVCacheWrapper`` (causal, bottom-right
@@ -111,6 +114,7 @@ class StepKind(str, enum.Enum):
     DECODE_SMALL = "decode_small"  # captured, small batch: small_decode's fused kernels
     RAGGED = "ragged"
     PAGED = "paged"
+    PAGED_GRAPH = "paged_graph"  # a captured mixed step (graph mode full)
     MLA = "mla"
     MLA_GRAPH = "mla_graph"
     EMPTY = "empty"
@@ -152,7 +156,11 @@ def workspace_requirements(
       (what the page gather and tensor-core decode kernels read).
     - ``kv_indices`` / ``arange`` ``[B * (ceil(max_model_len / page) + 1)]`` int32.
     - ``graph_kv_indptr`` / ``graph_qo_indptr`` ``[B + 1]``, ``graph_kv_len`` ``[B]`` int32:
-      what captured MLA decode kernels read (full attention's read ``dev_meta``).
+      what captured MLA decode kernels read (full attention's read ``dev_meta``, and a
+      captured mixed step's prefill kernel ``graph_qo_indptr`` for its query offsets).
+
+    None of these sizes depends on a step: a captured mixed step (graph mode full) is planned
+    into the same buffers whatever its split between prefill chunks and decodes.
     """
     B = constraints.max_batch_size
     pages = _max_pages(spec, constraints)
@@ -210,6 +218,8 @@ class _PagedContext:
         self._where = f"group {group.group_id!r} (flashinfer): "  # errors' prefix
         self.constraints = constraints
         self.graph_decode = constraints.graph_mode is not GraphMode.NONE
+        #: graph mode full: prefill / mixed steps built with ``full_graph`` are captured too
+        self.graph_full = constraints.graph_mode is GraphMode.FULL
         ws = workspace
         self.float_ws = ws["float_workspace"]
         self.int_ws = ws["int_workspace"]
@@ -248,6 +258,7 @@ class _PagedContext:
         self.step: _Step | None = None
         self._half = 1
         self._graph_wrappers: dict[int, Any] = {}
+        self._full_wrappers: dict[int, Any] = {}  # captured mixed steps, by padded batch size
         self.small_decode_max_batch = 0  # FullAttentionContext turns it on where it applies
         self._small: dict[int, Any] = {}  # small_decode buffers by padded batch size
         self._small_plan_for: Any = None  # small_decode.plan, imported with the buffers
@@ -293,6 +304,11 @@ class _PagedContext:
             raise ValueError("the batch has no page table / slot mapping: build it with a state")
         if P > self.B:
             raise ValueError(f"batch of {P} requests exceeds max_batch_size={self.B}")
+        if batch.full_graph and not self.graph_full:
+            self._bad(
+                "a captured mixed step (a full_graph batch) needs a context allocated for "
+                f"graph mode full, this one is for {self.constraints.graph_mode.value}"
+            )
         graph = self.graph_decode and batch.mode is BatchMode.DECODE
         if (
             batch.mode is BatchMode.DECODE
@@ -344,7 +360,8 @@ class _PagedContext:
         if kind is StepKind.RAGGED and batch.slot_mapping_cpu is not None and not self.fp8:
             runs = slot_runs(batch.slot_mapping_cpu[:n])
         direct_run = kind is StepKind.DECODE and self.fast.can_replan(wrapper)
-        return _Step(kind, wrapper, graph or n != T, kv_runs=runs, direct_run=direct_run)
+        captured = graph or batch.full_graph  # a replay may carry padding rows
+        return _Step(kind, wrapper, captured or n != T, kv_runs=runs, direct_run=direct_run)
 
     def _small_buffers(self, P: int) -> Any:
         raise NotImplementedError
@@ -550,6 +567,26 @@ class FullAttentionContext(_PagedContext):
             self._graph_wrappers[P] = wrapper
         return wrapper
 
+    def _full_graph_wrapper(self, P: int) -> Any:
+        """The prefill wrapper a captured mixed step of ``P`` padded requests runs (graph mode
+        full): its buffers are views of the context's workspace - ``graph_qo_indptr[:P + 1]``,
+        ``dev_meta``'s kv_indptr and last-page lengths, ``kv_indices`` - which every plan()
+        rewrites in place and the captured kernels read."""
+        wrapper = self._full_wrappers.get(P)
+        if wrapper is None:
+            wrapper = self.fi.BatchPrefillWithPagedKVCacheWrapper(
+                self.float_ws,
+                "NHD",
+                use_cuda_graph=True,
+                qo_indptr_buf=self.g_qo_indptr[: P + 1],
+                paged_kv_indptr_buf=self.dev_meta[: P + 1],
+                paged_kv_indices_buf=self.kv_indices,
+                paged_kv_last_page_len_buf=self._last_page_len_dev(P),
+            )
+            self._share(wrapper)
+            self._full_wrappers[P] = wrapper
+        return wrapper
+
     def _small_buffers(self, P: int) -> Any:
         """small_decode's partials for ``P`` padded requests, made on the first plan of that
         size: before the step is captured, so a replay finds them at the same address."""
@@ -629,6 +666,30 @@ class FullAttentionContext(_PagedContext):
             self.fast.mark_planned(wrapper)
             return kind, wrapper
         P = batch.padded_reqs
+        if batch.full_graph:
+            # A captured mixed step: the graph wrapper of P requests, planned into its fixed
+            # buffers. FlashInfer's graph-mode scheduler keeps the batch size and the row
+            # count of the first plan (the capture's, at the full padded token count: the
+            # builder's last padding row takes every padding token), so every replay's plan
+            # has the captured grid and workspace offsets; a smaller split only has shorter
+            # rows. Nothing here depends on the split but the values copied into the buffers.
+            wrapper = self._full_graph_wrapper(P)
+            wrapper.plan(
+                views.qo_indptr_host,
+                views.kv_indptr_host,
+                indices,
+                views.last_page_len_host,
+                H,
+                Hkv,
+                D,
+                batch.page_size,
+                causal=True,
+                non_blocking=True,
+                # fixed, not the split's longest query: the plan must not vary with the split
+                max_token_per_sequence=batch.padded_tokens,
+                **common,
+            )
+            return StepKind.PAGED_GRAPH, wrapper
         no_context = not batch.context_lens_cpu[:P].any()
         if no_context and not self.fp8:
             # Pure prefill: attend over the step's own k/v (contiguous rows, no page walk).

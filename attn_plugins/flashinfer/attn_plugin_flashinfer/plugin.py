@@ -57,8 +57,8 @@ def backends(availability: capability.Availability | None = None) -> list[Backen
             name=FULL_BACKEND,
             capabilities=capability.FULL_CAPABILITIES,
             description=(
-                "FlashInfer paged attention: decode (CUDA-graph capable), prefill, mixed, "
-                "speculative verify; GQA/MQA, sliding window, soft-cap, fp8 KV"
+                "FlashInfer paged attention: decode, prefill, mixed (CUDA graphs: decode and "
+                "full), speculative verify; GQA/MQA, sliding window, soft-cap, fp8 KV"
             ),
             **common,
         ),

@@ -386,7 +386,27 @@ class BatchPrefillWithPagedKVCacheWrapper(_Base):
         jit_kwargs=None,
     ):
         super().__init__(float_workspace_buffer)
-        assert kv_layout == "NHD" and not use_cuda_graph
+        assert kv_layout == "NHD"
+        self._use_cuda_graph = use_cuda_graph
+        self._qo_indptr_buf = qo_indptr_buf
+        self._paged_kv_indptr_buf = paged_kv_indptr_buf
+        self._paged_kv_indices_buf = paged_kv_indices_buf
+        self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buf
+        self._max_total_num_rows = None
+        if use_cuda_graph:
+            # the real constructor's checks: every buffer given, lengths batch + 1 / batch
+            for buf in (qo_indptr_buf, paged_kv_indptr_buf, paged_kv_indices_buf,
+                        paged_kv_last_page_len_buf):  # fmt: skip
+                assert torch.is_tensor(buf), "graph mode needs every buffer"
+            self._fixed_batch_size = len(qo_indptr_buf) - 1
+            assert len(paged_kv_indptr_buf) == self._fixed_batch_size + 1
+            assert len(paged_kv_last_page_len_buf) == self._fixed_batch_size
+        else:
+            self._fixed_batch_size = 0
+
+    @property
+    def is_cuda_graph_enabled(self):
+        return self._use_cuda_graph
 
     def plan(
         self,
@@ -426,6 +446,33 @@ class BatchPrefillWithPagedKVCacheWrapper(_Base):
         disable_split_kv=False,
     ):
         assert max_sequence_kv is None, "0.6.7 breaks for non-cudnn backends with it"
+        total_rows = int(qo_indptr[-1])
+        batch = len(paged_kv_last_page_len)
+        if self._use_cuda_graph:
+            # FlashInfer's graph mode: the first plan fixes the row count the scheduler plans
+            # for (the grid a captured kernel keeps); later plans may have fewer rows, never
+            # more, and exactly the buffers' batch size
+            if self._max_total_num_rows is None:
+                self._max_total_num_rows = total_rows
+            elif total_rows > self._max_total_num_rows:
+                raise ValueError(
+                    f"The total number of rows in qo_indptr {total_rows} in cuda graph mode "
+                    f"cannot exceed the number of rows set during initialization "
+                    f"{self._max_total_num_rows}."
+                )
+            if batch != self._fixed_batch_size:
+                raise ValueError(
+                    f"The batch size should be fixed during the lifecycle of the wrapper in "
+                    f"cuda graph mode, the runtime batch size {batch} mismatches the batch size "
+                    f"{self._fixed_batch_size} set during initialization."
+                )
+            if len(paged_kv_indices) > len(self._paged_kv_indices_buf):
+                raise ValueError("The size of indices should be less than or equal to the buffer")
+            # host -> the fixed device buffers (run() reads them: a graph replay sees them)
+            self._qo_indptr_buf.copy_(qo_indptr)
+            self._paged_kv_indptr_buf.copy_(paged_kv_indptr)
+            self._paged_kv_indices_buf[: len(paged_kv_indices)].copy_(paged_kv_indices)
+            self._paged_kv_last_page_len_buf.copy_(paged_kv_last_page_len)
         self._qo_indptr = qo_indptr.tolist()
         self._kv_indptr = paged_kv_indptr.clone()
         self._kv_indices = paged_kv_indices.to(self.device)
@@ -442,6 +489,21 @@ class BatchPrefillWithPagedKVCacheWrapper(_Base):
             kv_block_scales=None, skip_softmax_threshold_scale_factor=None):  # fmt: skip
         assert k_scale is None and v_scale is None
         assert q.dtype == self._q_dtype and paged_kv_cache[0].dtype == self._kv_dtype
+        if self._use_cuda_graph:
+            # A captured kernel reads only its buffers, with the grid of the capture's rows:
+            # compute from the buffers' current content, over q's captured row count.
+            if q.shape[0] != self._max_total_num_rows:
+                raise ValueError(
+                    f"q.shape[0] ({q.shape[0]}) is not the captured row count "
+                    f"{self._max_total_num_rows}"
+                )
+            result = _paged_attention(
+                q, paged_kv_cache, self._qo_indptr_buf.tolist(), self._paged_kv_indptr_buf,
+                self._paged_kv_indices_buf, self._paged_kv_last_page_len_buf,
+                causal=self._causal, window_left=self._window_left, soft_cap=self._soft_cap,
+                sm_scale=self._scale(q.shape[-1]),
+            )  # fmt: skip
+            return self._out(result, q, out)
         if q.shape[0] != self._qo_indptr[-1]:
             raise ValueError("q.shape[0] does not match qo_indptr[-1]")
         result = self._paged(q, paged_kv_cache, self._qo_indptr, causal=self._causal)

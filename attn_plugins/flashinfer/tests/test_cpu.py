@@ -77,7 +77,9 @@ def test_advertises_two_backends_honestly():
     assert c.sliding_window and c.logits_soft_cap
     assert not c.sinks  # 0.6.7 ignores sinks outside trtllm-gen
     assert not c.non_causal
-    assert c.graph_modes == {GraphMode.NONE, GraphMode.DECODE}
+    # full: mixed steps captured through the paged prefill wrapper's graph mode; MLA: decode
+    assert c.graph_modes == {GraphMode.NONE, GraphMode.DECODE, GraphMode.FULL}
+    assert mla.capabilities.graph_modes == {GraphMode.NONE, GraphMode.DECODE}
     assert c.min_compute_capability == (8, 0)
     assert c.max_speculative_tokens >= 4
     assert mla.capabilities.head_dims == {576, 512}
@@ -226,7 +228,12 @@ def test_rejections_for_what_is_not_advertised(available):
     assert "head_dim" in codes(FULL.with_(head_dim=96))
     assert "kv_dtype" not in codes(FULL.with_(kv_dtype="fp8_e4m3"))
     assert "device_fp8" in codes(FULL.with_(kv_dtype="fp8_e4m3"), device=a100)
-    assert "graph_mode" in codes(FULL, constraints=c.with_(graph_mode="full"))
+    assert "graph_mode" not in codes(FULL, constraints=c.with_(graph_mode="full"))
+    mla = fi_plugin.backends(AVAILABLE)[1].with_plugin("flashinfer")
+    mla_codes = {
+        r.code for r in check_backend(mla, MLA, h200, c.with_(graph_mode="full"), phase="prefill")
+    }
+    assert "graph_mode" in mla_codes
     assert "speculative" in codes(FULL, constraints=c.with_(speculative_tokens=64))
     assert "dtype" in codes(FULL.with_(dtype="float32"))
 
@@ -862,3 +869,116 @@ def test_no_module_but_compat_touches_flashinfer_internals():
         if private.search(line)
     ]
     assert not offenders, offenders
+
+
+# ------------------------------------------------------------------------------------------
+# Graph mode full: a captured mixed step, replayed with other splits
+# ------------------------------------------------------------------------------------------
+FULL_P, FULL_T = 4, 48
+#: every split a captured mixed step replays: pure prefill, pure decode, mixed, a page
+#: crossing, all four rows real (no padding row: the rows past the requests are padding)
+FULL_SCRIPT = [
+    [(0, 13), (1, 5)],
+    [(0, 1), (1, 1)],
+    [(0, 1), (2, 20)],
+    [(2, 9), (0, 1), (1, 1), (3, 6)],
+    [(0, 1), (1, 1), (2, 1), (3, 1)],
+]
+
+
+def _full_harnesses(spec=FULL):
+    kw = dict(max_batch=FULL_P, max_tokens=FULL_T, max_model_len=128)
+    fi = wl.make(spec, "flashinfer:flashinfer", "cpu", graph="full", **kw)
+    ref = wl.make(spec, wl.REFERENCE, "cpu", **kw)
+    return fi, ref
+
+
+def test_graph_full_plan_keeps_full_for_a_model_of_full_attention(available):
+    groups = group_layers([FULL] * 2)
+    reg = wl.registry()
+    plan = select(groups, reg, DeviceCapabilities.target("h200"), ExecutionConstraints(
+        graph_mode="full"))  # fmt: skip
+    assert plan.constraints.graph_mode is GraphMode.FULL and plan.graph_mode_requested is None
+    assert plan.choices[0].backend.qualified_name == "flashinfer:flashinfer"
+    assert plan.phase_graph_modes("prefill") == (GraphMode.FULL, GraphMode.FULL)
+
+
+@pytest.mark.parametrize("spec_kw", [{}, {"sliding_window": 6, "logits_soft_cap": 5.0}])
+def test_captured_mixed_step_replays_every_split_and_matches_reference(fake_fi, spec_kw):
+    """Capture on an all-padding batch at the captured sizes, then update + run (what precedes
+    a replay) for every split: one wrapper, its fixed buffers, the capture's row count; the
+    outputs equal the reference backend run eagerly on the same steps."""
+    spec = FULL.with_(**spec_kw)
+    fi, ref = _full_harnesses(spec)
+    pad = dict(pad_to=FULL_P, pad_tokens_to=FULL_T)
+    wl.run_step(fi, 0, [], **pad)  # the capture: padding only
+    ctx = fi.context
+    assert ctx.step.kind is StepKind.PAGED_GRAPH
+    (w,) = ctx._full_wrappers.values()
+    assert ctx._full_wrappers == {FULL_P: w} and w.is_cuda_graph_enabled
+    assert w._max_total_num_rows == FULL_T  # the capture's rows: the scheduler's fixed grid
+    held = (w._qo_indptr_buf, w._paged_kv_indptr_buf, w._paged_kv_indices_buf,
+            w._paged_kv_last_page_len_buf)  # fmt: skip
+    views = (ctx.g_qo_indptr, ctx.dev_meta, ctx.kv_indices, ctx._last_page_len_dev(FULL_P))
+    assert [b.data_ptr() for b in held] == [b.data_ptr() for b in views]
+    outs_fi, outs_ref = [], []
+    for i, step in enumerate(FULL_SCRIPT, start=1):
+        outs_fi.append(wl.run_step(fi, i, step, update=True, **pad))
+        assert ctx.step.kind is StepKind.PAGED_GRAPH and ctx.step.wrapper is w
+        assert ctx.step.padded  # a replay may carry padding rows: the K/V write skips them
+        outs_ref.append(wl.run_step(ref, i, step, **pad))
+    assert ctx._full_wrappers == {FULL_P: w} and w._max_total_num_rows == FULL_T
+    assert w.plans == 1 + len(FULL_SCRIPT)
+    err = wl.max_error(outs_fi, outs_ref)
+    assert err < 2e-2, err
+
+
+def test_captured_mixed_step_equals_the_eager_paths(fake_fi, monkeypatch):
+    """The same steps through the eager paths (ragged, paged, decode) of another context give
+    the same outputs as the captured mixed step's one wrapper."""
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")  # FlashInfer's decode
+    fi, _ = _full_harnesses()
+    eager = wl.make(FULL, "flashinfer:flashinfer", "cpu", max_batch=FULL_P, max_tokens=FULL_T,
+                    max_model_len=128)  # fmt: skip
+    pad = dict(pad_to=FULL_P, pad_tokens_to=FULL_T)
+    wl.run_step(fi, 0, [], **pad)
+    got, want, kinds = [], [], []
+    for i, step in enumerate(FULL_SCRIPT, start=1):
+        got.append(wl.run_step(fi, i, step, update=True, **pad))
+        want.append(wl.run_step(eager, i, step, input_rows=FULL_T))
+        kinds.append(eager.context.step.kind)
+    assert {StepKind.RAGGED, StepKind.PAGED, StepKind.DECODE} <= set(kinds), kinds
+    assert wl.max_error(got, want) < 1e-5
+
+
+def test_the_plan_of_a_captured_mixed_step_does_not_depend_on_its_split(fake_fi, monkeypatch):
+    """What the captured kernel is planned with - batch size, row budget, buffers, the
+    max_token_per_sequence argument - is the same for every split; only buffer contents vary."""
+    fi, _ = _full_harnesses()
+    ctx = fi.context
+    seen = []
+    real_plan = fake_flashinfer.BatchPrefillWithPagedKVCacheWrapper.plan
+
+    def spy(self, qo_indptr, kv_indptr, kv_indices, last_page_len, *args, **kw):
+        seen.append((len(qo_indptr), int(qo_indptr[-1]) <= FULL_T, len(last_page_len),
+                     kw["max_token_per_sequence"], kw["causal"]))  # fmt: skip
+        return real_plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, *args, **kw)
+
+    monkeypatch.setattr(fake_flashinfer.BatchPrefillWithPagedKVCacheWrapper, "plan", spy)
+    pad = dict(pad_to=FULL_P, pad_tokens_to=FULL_T)
+    wl.run_step(fi, 0, [], **pad)
+    for i, step in enumerate(FULL_SCRIPT, start=1):
+        wl.run_step(fi, i, step, update=True, **pad)
+    assert set(seen) == {(FULL_P + 1, True, FULL_P, FULL_T, True)}, seen
+    assert len(seen) == 1 + len(FULL_SCRIPT)
+    assert ctx.step.kind is StepKind.PAGED_GRAPH
+
+
+def test_a_captured_mixed_step_needs_a_context_for_graph_mode_full(fake_fi):
+    h = wl.make(FULL, "flashinfer:flashinfer", "cpu", graph=True, max_batch=FULL_P,
+                max_tokens=FULL_T, max_model_len=128)  # fmt: skip
+    with pytest.raises(Exception, match=(
+        r"group 'full' \(flashinfer\): a captured mixed step \(a full_graph batch\) needs a "
+        r"context allocated for graph mode full, this one is for decode"
+    )):  # fmt: skip
+        wl.run_step(h, 0, [(0, 3)], pad_to=FULL_P, pad_tokens_to=FULL_T)

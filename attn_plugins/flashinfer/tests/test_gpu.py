@@ -377,3 +377,82 @@ def test_per_layer_softmax_scales_reach_every_kernel(spec_name, monkeypatch):
         spec, wl.WORKLOADS["prefill_decode_mixed"],
         make_kw={"layer_scales": (spec.scale * 0.5, spec.scale * 2.0)},
     )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------
+# Graph mode full: capture one mixed step at the captured sizes, replay it with other splits
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "spec",
+    [FULL, FULL.with_(sliding_window=64, logits_soft_cap=30.0), FULL.with_(kv_dtype="fp8_e4m3")],
+    ids=["bf16", "window_softcap", "fp8_kv"],
+)
+def test_cuda_graph_full_mixed_step_replays_other_splits(spec):
+    """Graph mode full: one graph captured on an all-padding mixed step of P requests and T
+    tokens (FlashInfer's paged prefill wrapper in CUDA-graph mode), replayed with pure prefill,
+    pure decode and mixed splits, page crossings and long contexts; every replay equals the
+    reference and FlashInfer run eagerly without padding. The KV each replay writes is what
+    the next replay reads."""
+    P, T, layers = 4, 512, 2
+    kw = dict(num_layers=layers, max_batch=P, max_tokens=T, num_pages=256, max_model_len=1024)
+    if spec.kv_dtype == "fp8_e4m3":
+        kw["kv_scales"] = (0.02, 0.03)
+    fi = wl.make(spec, _name(spec), CUDA, graph="full", **kw)
+    eager = wl.make(spec, _name(spec), CUDA, **kw)
+    ref = wl.make(spec, wl.REFERENCE, CUDA, **kw)
+    H, Dv = spec.num_heads, spec.head_dim_v
+    static = [wl.inputs(spec, 0, layer, T, CUDA) for layer in range(layers)]
+    outs = [torch.zeros(T, H, Dv, dtype=static[0][0].dtype, device=CUDA) for _ in range(layers)]
+
+    def forward_all():
+        for layer in range(layers):
+            q, k, v = static[layer]
+            fi.runtime.binding(layer).forward(q, k, v, out=outs[layer])
+
+    # capture on an all-padding step: it writes no KV and changes no request
+    dummy = fi.builder.build([], pad_to=P, pad_tokens_to=T)
+    fi.runtime.prepare(dummy)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward_all()  # warm-up outside the graph (JIT, lazy inits)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward_all()
+    assert fi.context.step.kind is StepKind.PAGED_GRAPH
+    steps = [
+        [(0, 300), (1, 150)],  # pure prefill
+        [(0, 1), (1, 1)],  # pure decode, in the mixed graph
+        [(0, 1), (1, 1), (2, 257)],  # mixed, a prefill of a new request
+        [(2, 200), (0, 1), (1, 37), (3, 5)],  # all four rows real: no padding row
+        [(0, 1), (1, 1), (2, 1), (3, 1)],
+        [(3, 17)],  # one request, a long padding row
+    ]
+    errors_ref, errors_eager = [], []
+    for i, step in enumerate(steps, start=1):
+        for rid, _ in step:
+            if rid not in fi.positions:
+                fi.state.add_request(rid)
+                fi.positions[rid] = 0
+        batch = fi.builder.build(list(step), pad_to=P, pad_tokens_to=T)
+        for layer in range(layers):
+            for dst, src in zip(static[layer], wl.inputs(spec, i, layer, T, CUDA), strict=True):
+                dst.copy_(src)
+        fi.runtime.update(batch)
+        graph.replay()
+        torch.cuda.synchronize()
+        got = [o[: batch.num_tokens].float().cpu() for o in outs]
+        assert fi.context.step.kind is StepKind.PAGED_GRAPH
+        for rid, n in step:
+            fi.state.advance(rid, n)
+            fi.positions[rid] += n
+        want = wl.run_step(ref, i, step, pad_to=P, pad_tokens_to=T)
+        same = wl.run_step(eager, i, step, input_rows=T)  # unpadded, the same real inputs
+        errors_ref.append(wl.max_error([got], [want]))
+        errors_eager.append(wl.max_error([got], [same]))
+    tol = 6e-2 if spec.kv_dtype == "fp8_e4m3" else BF16_TOL
+    assert max(errors_ref) < tol, errors_ref
+    assert max(errors_eager) < tol, errors_eager

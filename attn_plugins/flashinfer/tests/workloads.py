@@ -94,20 +94,25 @@ def make(
     max_tokens: int = 160,
     max_model_len: int = 384,
     spec_tokens: int = 0,
-    graph: bool = False,
+    graph: bool | str = False,
     target: DeviceCapabilities | None = None,
     kv_scales: tuple[float, float] | None = None,
     layer_scales: Sequence[float] | None = None,
 ) -> Harness:
     """A runtime whose only group is served by ``backend`` (forced through the selector).
 
+    :param graph: the run's graph mode: True is ``decode``, a string names it (``"full"``).
     :param layer_scales: each layer's own softmax scale (``LayerAttentionBinding.scale``), in
         place of the spec's.
     """
     device = torch.device(device)
     groups = group_layers([spec] * num_layers)
+    if isinstance(graph, str):
+        graph_mode = GraphMode(graph)
+    else:
+        graph_mode = GraphMode.DECODE if graph else GraphMode.NONE
     constraints = ExecutionConstraints(
-        graph_mode=GraphMode.DECODE if graph else GraphMode.NONE,
+        graph_mode=graph_mode,
         max_batch_size=max_batch,
         max_num_tokens=max_tokens,
         max_model_len=max_model_len,
@@ -154,18 +159,36 @@ def inputs(spec: LayerSpec, step: int, layer: int, tokens: int, device, *, seed:
 
 
 def run_step(h: Harness, step_index: int, step: Step, *, spec_tokens: int = 0,
-             pad_to: int | None = None, seed: int = 0) -> list[torch.Tensor]:  # fmt: skip
-    """Build, prepare and run one step on every layer; returns each layer's real-token output."""
+             pad_to: int | None = None, pad_tokens_to: int | None = None, seed: int = 0,
+             update: bool = False,
+             input_rows: int | None = None) -> list[torch.Tensor]:  # fmt: skip
+    """Build, prepare and run one step on every layer; returns each layer's real-token output.
+
+    :param pad_tokens_to: with ``pad_to``, a captured mixed step's token count (graph mode
+        full: ``BatchBuilder.build(pad_tokens_to=...)``).
+    :param update: ``runtime.update(batch)`` (what precedes a graph replay) instead of
+        ``prepare``.
+    :param input_rows: draw each layer's inputs for this many rows and pass the first
+        ``padded_tokens`` (default: ``padded_tokens``): an unpadded step then sees the same
+        real-token inputs as the same step padded to ``input_rows`` tokens.
+    """
     for rid, _ in step:
         if rid not in h.positions:
             h.state.add_request(rid)
             h.positions[rid] = 0
-    batch = h.builder.build(list(step), spec_tokens=spec_tokens, pad_to=pad_to)
-    h.runtime.prepare(batch)
+    batch = h.builder.build(
+        list(step), spec_tokens=spec_tokens, pad_to=pad_to, pad_tokens_to=pad_tokens_to
+    )
+    if update:
+        h.runtime.update(batch)
+    else:
+        h.runtime.prepare(batch)
     outs = []
     spec = h.spec
     for layer in range(h.num_layers):
-        q, k, v = inputs(spec, step_index, layer, batch.padded_tokens, h.device, seed=seed)
+        rows = batch.padded_tokens
+        drawn = inputs(spec, step_index, layer, input_rows or rows, h.device, seed=seed)
+        q, k, v = (x[:rows] if x is not None else None for x in drawn)
         out = torch.full(
             (batch.padded_tokens, spec.num_heads, spec.head_dim_v),
             float("nan"),
