@@ -280,6 +280,9 @@ def test_run_graphs_flag(monkeypatch, use_registry, argv, graphs):
         def format(self):
             return "report"
 
+        def format_tail(self):
+            return "1/1 architectures match transformers"
+
     def fake_run_main(model, **kw):
         seen.update(kw)
         return _Report()
