@@ -155,11 +155,12 @@ def tp_config(name: str) -> tuple[str, dict[str, Any]]:
 
 def tp_generate(
     name: str, *, device: torch.device, tp_size: int, rank: int, prompts: int, new_tokens: int
-) -> tuple[TinyModel, GenerationResult]:
+) -> tuple[TinyModel, GenerationResult, int]:
     """Build model ``name`` (seed 0), shard it for ``rank`` of ``tp_size``, generate greedily.
 
-    :returns: the (sharded) model and the generation of ``prompts`` requests of
-        ``new_tokens`` tokens each (every rank computes the full logits ``[L, vocab]``).
+    :returns: the (sharded) model, the generation of ``prompts`` requests of ``new_tokens``
+        tokens each (every rank computes the full logits ``[L, vocab]``) and the bytes of the
+        engine's KV pages and linear-state slots on this rank (sized from the per-rank specs).
     """
     arch, cfg = tp_config(name)
     model = build_tiny(arch, device=device, tp_size=tp_size, config=cfg)
@@ -182,7 +183,7 @@ def tp_generate(
     engine = Engine(
         model, plan, registry, device=device, max_batch_size=prompts, max_model_len=max_len
     )
-    return model, engine.generate(ids, new_tokens)
+    return model, engine.generate(ids, new_tokens), engine.state.nbytes
 
 
 @torch.no_grad()
@@ -204,6 +205,9 @@ class TPResult:
     :ivar max_abs_diff: max over ranks and positions of ``|logits(tp) - logits(tp=1)|``.
     :ivar tokens_equal: every rank's greedy tokens equal the TP=1 run's.
     :ivar transformers: rank 0's TP run vs transformers (:class:`MatchResult.short`).
+    :ivar state_bytes: rank 0's KV pages and state slots under TP; ``state_bytes_tp1``: the
+        same pools at TP=1 (half of it where every layer's state splits; all of it where it is
+        replicated: MLA's latent, KV heads fewer than ranks).
     :ivar error: why the family could not run (then nothing else is meaningful).
     """
 
@@ -213,6 +217,8 @@ class TPResult:
     max_abs_diff: float = float("nan")
     tokens_equal: bool = False
     transformers: str = ""
+    state_bytes: int = 0
+    state_bytes_tp1: int = 0
     error: str = ""
 
     def format(self) -> str:
@@ -221,7 +227,8 @@ class TPResult:
             return f"tp_check {self.name}: tp={self.tp} ERROR {self.error} -> {verdict}"
         return (
             f"tp_check {self.name}: tp={self.tp} vs tp=1 max|diff|={self.max_abs_diff:.2e} "
-            f"tokens {'equal' if self.tokens_equal else 'DIFFER'}; vs transformers "
+            f"tokens {'equal' if self.tokens_equal else 'DIFFER'}, state "
+            f"{self.state_bytes} of {self.state_bytes_tp1} bytes per rank; vs transformers "
             f"{self.transformers} -> {verdict}"
         )
 
@@ -231,10 +238,10 @@ def check_family(
 ) -> TPResult:
     """TP=``world`` vs TP=1 (every rank) and vs transformers (rank 0) for model ``name``."""
     try:
-        _, tp = tp_generate(
+        _, tp, tp_bytes = tp_generate(
             name, device=device, tp_size=world, rank=rank, prompts=prompts, new_tokens=new_tokens
         )
-        ref_model, ref = tp_generate(
+        ref_model, ref, ref_bytes = tp_generate(
             name, device=device, tp_size=1, rank=0, prompts=prompts, new_tokens=new_tokens
         )
     except ValueError as err:  # deterministic: every rank raises the same
@@ -250,7 +257,7 @@ def check_family(
     diff, differ, mismatch = (float(x) for x in stats.tolist())
     ok = diff < 1e-4 and not differ and not mismatch
     text = match.short() if match is not None else ""
-    return TPResult(name, world, ok, diff, not differ, text)
+    return TPResult(name, world, ok, diff, not differ, text, tp_bytes, ref_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,12 +45,24 @@ def gloo_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"proc": proc, "results": results}
 
 
+# Families whose per-rank state is not half the TP=1 state: MLA's latent KV is shared by all
+# heads (replicated), one KV head is replicated, Kimi-Linear splits its KDA states only.
+_STATE_NOT_HALVED = {"deepseek-v3", "deepseek-v2", "qwen3-kv1", "kimi-linear"}
+
+
 @pytest.mark.parametrize("name", TP_FAMILIES)
 def test_tp2_gloo_matches_tp1_and_transformers(name: str, gloo_results: dict[str, Any]) -> None:
     result = gloo_results["results"][name]
     assert result["ok"], result
     assert result["max_abs_diff"] < 1e-4 and result["tokens_equal"], result
     assert result["transformers"].startswith("MATCH"), result
+    tp, tp1 = result["state_bytes"], result["state_bytes_tp1"]
+    if name == "kimi-linear":
+        assert tp1 // 2 < tp < tp1, result
+    elif name in _STATE_NOT_HALVED:
+        assert tp == tp1, result
+    else:  # the pools are sized from the per-rank specs
+        assert 2 * tp == tp1, result
 
 
 def test_tp_check_exit_status_and_report(gloo_results: dict[str, Any]) -> None:
