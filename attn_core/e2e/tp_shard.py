@@ -15,8 +15,9 @@ a server's column / row parallel layers would hold them (Megatron / vLLM):
 Heads are split when there are at least ``world`` of them; KV heads (and Mamba2 groups) fewer
 than ``world`` are replicated, rank ``r`` keeping head ``r * heads // world``, exactly as
 ``specs_from_hf_config`` sizes them (``_split_or_replicate``). A norm over all heads of a layer
-(OLMo-2's q / k norms, MiniMax's lightning output norm) becomes :class:`ShardedRMSNorm`: its
-sum of squares is all-reduced, so the math is the unsharded norm's. Anything that cannot be
+(OLMo-2's q / k norms, MiniMax's lightning output norm) becomes :class:`ShardedRMSNorm`, and
+Mamba2's gated norm over a group split between ranks :class:`ShardedGatedGroupRMSNorm`: their
+sums of squares are all-reduced, so the math is the unsharded norm's. Anything that cannot be
 split without changing the math raises ``ValueError`` naming the layer, the module, the field
 and the sizes.
 """
@@ -33,7 +34,13 @@ from attn_core.e2e.adapters import _decoder
 from attn_core.e2e.configs import TinyModel
 from attn_core.specs import LayerKind, LayerSpec, LinearVariant
 
-__all__ = ["AllReduceLinear", "ShardedRMSNorm", "head_indices", "shard_model"]
+__all__ = [
+    "AllReduceLinear",
+    "ShardedGatedGroupRMSNorm",
+    "ShardedRMSNorm",
+    "head_indices",
+    "shard_model",
+]
 
 
 class AllReduceLinear(torch.nn.Module):
@@ -81,6 +88,38 @@ class ShardedRMSNorm(torch.nn.Module):
         if self.weight_after_cast:
             return self.weight * h.to(dtype)
         return (self.weight * h).to(dtype)
+
+
+class ShardedGatedGroupRMSNorm(torch.nn.Module):
+    """Mamba2's gated RMSNorm (``x * silu(gate)``, normalised per group of ``group_size``
+    channels, times the weight) when the rank holds only part of one group: fewer groups than
+    ranks. Each rank's sum of squares goes into its group's entry of a ``[..., groups]``
+    vector that is all-reduced, so ranks sharing a group add up exactly its channels.
+
+    :param weight: this rank's channels of the norm's weight ``[intermediate / world]``.
+    :param group: the group this rank's channels belong to; ``groups``: how many there are.
+    """
+
+    def __init__(
+        self, weight: torch.Tensor, eps: float, group_size: int, group: int, groups: int
+    ) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.contiguous(), requires_grad=False)
+        self.variance_epsilon = eps
+        self.group_size, self.group, self.groups = group_size, group, groups
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., C]`` (``gate`` the same shape) -> ``[..., C]`` in ``x``'s dtype."""
+        dtype = x.dtype
+        h = x.float()
+        if gate is not None:
+            h = h * torch.nn.functional.silu(gate.float())
+        sq = h.new_zeros(*h.shape[:-1], self.groups)
+        sq[..., self.group] = h.pow(2).sum(-1)
+        dist.all_reduce(sq)
+        variance = sq[..., self.group : self.group + 1] / self.group_size
+        h = h * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * h.to(dtype)
 
 
 class _RankConfig:
@@ -332,14 +371,10 @@ def _shard_mamba2(mx: Any, rank: int, world: int, where: str) -> None:
     """Mamba2: ``in_proj`` rows ``[z | x | B | C | dt]`` and the conv's ``[x | B | C]``
     channels by head (B, C by group, replicated below ``world`` groups), ``A_log`` / ``D`` /
     ``dt_bias`` per head, the gated norm's weight, ``out_proj`` row parallel. The gated norm
-    normalises each group's channels: a group split over ranks would change it, refused."""
+    normalises each group's channels: with fewer groups than ranks a group's channels span
+    ranks, and the norm becomes :class:`ShardedGatedGroupRMSNorm`."""
     nh, hd, G, N = mx.num_heads, mx.head_dim, mx.n_groups, mx.ssm_state_size
     where = f"{where} ({type(mx).__name__})"
-    if world > G:  # replicated B / C are fine; the gated norm's groups are not
-        raise ValueError(
-            f"{where}: n_groups {G} is fewer than tp {world}: the gated RMSNorm normalises "
-            f"over each group's {mx.intermediate_size // G} channels, which would span ranks"
-        )
     h_where, g_where = f"{where} num_heads", f"{where} n_groups"
     inner = nh * hd
     head_idx = head_indices(_segments(nh, hd), rank, world, where=h_where)
@@ -350,9 +385,20 @@ def _shard_mamba2(mx: Any, rank: int, world: int, where: str) -> None:
     mx.in_proj = _rows(mx.in_proj, rows)
     _conv(mx.conv1d, xbc_idx)
     mx.A_log, mx.D, mx.dt_bias = (_param(p, dt_idx) for p in (mx.A_log, mx.D, mx.dt_bias))
-    mx.norm.weight = _param(mx.norm.weight, head_idx)
+    norm = mx.norm
+    if norm.group_size != inner // G:
+        raise ValueError(
+            f"{where}: the gated norm's group_size {norm.group_size}, expected "
+            f"intermediate_size {inner} / n_groups {G}"
+        )
+    if world > G:  # this rank holds part of group rank * G // world (B, C replicated)
+        mx.norm = ShardedGatedGroupRMSNorm(
+            norm.weight[head_idx], norm.variance_epsilon, norm.group_size, rank * G // world, G
+        )
+    else:  # whole groups on each rank: the module's own norm on its slice
+        norm.weight = _param(norm.weight, head_idx)
     mx.out_proj = _columns(mx.out_proj, head_idx)
-    mx.num_heads, mx.n_groups = nh // world, G // world
+    mx.num_heads, mx.n_groups = nh // world, max(G // world, 1)
     mx.intermediate_size = mx.num_heads * hd
     mx.conv_dim = mx.intermediate_size + 2 * mx.n_groups * N
 
