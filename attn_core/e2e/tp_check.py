@@ -84,6 +84,8 @@ _BUILDERS: dict[str, Callable[[], tuple[str, dict[str, Any]]]] = {
     **{n: _sample(n) for n in ARCHITECTURES if n not in VISION_TOWERS},
     # 4 query heads over 1 KV head: the KV head replicated on both ranks
     "qwen3-kv1": _sample("qwen3", num_key_value_heads=1),
+    # one Gated DeltaNet key head for 4 value heads: the key head replicated on both ranks
+    "qwen3-next-k1": _sample("qwen3-next", linear_num_key_heads=1),
     # one Mamba2 group (as Bamba-9B): B / C replicated, the gated norm's group over both ranks
     "bamba-g1": _sample("bamba", mamba_n_groups=1),
     "deepseek-v2": _config(

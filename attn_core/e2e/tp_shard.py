@@ -313,16 +313,52 @@ def _shard_mla(at: Any, spec: LayerSpec, rank: int, world: int, where: str) -> N
         at.num_heads = spec.num_heads
 
 
+def _grouped_rows(
+    Hk: int,
+    Hv: int,
+    k_parts: Sequence[int],
+    v_parts: Sequence[int],
+    rank: int,
+    world: int,
+    where: str,
+) -> torch.Tensor:
+    """Rows rank ``rank`` keeps of Qwen3-Next's key-head-grouped projections.
+
+    Each of the ``Hk`` blocks holds its key head's parts (``k_parts``: q, k rows) once, then,
+    per value part (``v_parts``: v, z rows, or b, a), that part of each of its ``Hv / Hk``
+    value heads. The rank keeps, in that order, its key heads' parts and its value heads'
+    (a key head shared by ranks, fewer key heads than ranks, is kept by each of them), which
+    is the layout ``fix_query_key_value_ordering`` reads with the rank's head counts.
+    """
+    r = Hv // Hk
+    keys = head_indices([(Hk, Hk)], rank, world, where=f"{where} linear_num_key_heads").tolist()
+    values = head_indices([(Hv, Hv)], rank, world, where=f"{where} linear_num_value_heads")
+    block = sum(k_parts) + r * sum(v_parts)
+    rows: list[int] = []
+    for g in keys:
+        offset = g * block
+        for p in k_parts:
+            rows.extend(range(offset, offset + p))
+            offset += p
+        mine = [j - g * r for j in values.tolist() if j // r == g]
+        for p in v_parts:
+            for local in mine:
+                rows.extend(range(offset + local * p, offset + (local + 1) * p))
+            offset += r * p
+    return torch.tensor(rows)
+
+
 def _shard_gdn(la: Any, rank: int, world: int, where: str) -> None:
-    """Gated DeltaNet: Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` are grouped by key head
-    (each group: its q, k and the v, z, b, a of its value heads), so a contiguous split by key
-    head keeps whole groups; Qwen3.5's separate projections split by their own heads."""
+    """Gated DeltaNet: value heads split; key heads split, or replicated below ``world`` (a
+    value head ``j`` reads key head ``j // (Hv / Hk)``, on the same rank). Qwen3-Next's
+    ``in_proj_qkvz`` / ``in_proj_ba`` are grouped by key head (:func:`_grouped_rows`);
+    Qwen3.5's separate projections and every conv split by their own heads."""
     Hk, Hv, Dk, Dv = la.num_k_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim
     where = f"{where} ({type(la).__name__})"
     k_where = f"{where} linear_num_key_heads"
     v_where = f"{where} linear_num_value_heads"
-    if Hk < world or Hk % world:
-        raise ValueError(f"{k_where}: {Hk} key heads do not split over tp {world}")
+    if Hv % Hk:
+        raise ValueError(f"{where}: {Hv} value heads are not a multiple of {Hk} key heads")
     conv = [(Hk * Dk, Hk), (Hk * Dk, Hk), (Hv * Dv, Hv)]
     if hasattr(la, "in_proj_qkv"):  # Qwen3.5
         la.in_proj_qkv = _rows(la.in_proj_qkv, head_indices(conv, rank, world, where=k_where))
@@ -332,17 +368,14 @@ def _shard_gdn(la: Any, rank: int, world: int, where: str) -> None:
         heads = head_indices([(Hv, Hv)], rank, world, where=v_where)
         la.in_proj_b, la.in_proj_a = _rows(la.in_proj_b, heads), _rows(la.in_proj_a, heads)
     else:  # Qwen3-Next: one block per key head
-        qkvz = la.in_proj_qkvz.out_features
-        la.in_proj_qkvz = _rows(
-            la.in_proj_qkvz, head_indices([(qkvz, Hk)], rank, world, where=k_where)
-        )
-        ba = la.in_proj_ba.out_features
-        la.in_proj_ba = _rows(la.in_proj_ba, head_indices([(ba, Hk)], rank, world, where=k_where))
+        qkvz = _grouped_rows(Hk, Hv, [Dk, Dk], [Dv, Dv], rank, world, where)
+        la.in_proj_qkvz = _rows(la.in_proj_qkvz, qkvz)
+        la.in_proj_ba = _rows(la.in_proj_ba, _grouped_rows(Hk, Hv, [], [1, 1], rank, world, where))
     _conv(la.conv1d, head_indices(conv, rank, world, where=k_where))
     heads = head_indices([(Hv, Hv)], rank, world, where=v_where)
     la.A_log, la.dt_bias = _param(la.A_log, heads), _param(la.dt_bias, heads)
     la.out_proj = _columns(la.out_proj, head_indices(_segments(Hv, Dv), rank, world, where=v_where))
-    la.num_k_heads, la.num_v_heads = Hk // world, Hv // world
+    la.num_k_heads, la.num_v_heads = max(Hk // world, 1), Hv // world
     la.key_dim, la.value_dim = la.num_k_heads * Dk, la.num_v_heads * Dv
     la.conv_dim = 2 * la.key_dim + la.value_dim
 
