@@ -91,6 +91,17 @@ def test_heads_that_do_not_split_name_the_family_field_and_sizes() -> None:
         specs_from_hf_config(cfg, tp_size=2)
     with pytest.raises(ValueError, match=r"^qwen3-next \(qwen3_next\): .*=16 .*tp_size=3"):
         specs_from_hf_config("qwen3-next", tp_size=3)
+    # a model type only the generic dense mapping reads: its heads do not split, it is not
+    # "unsupported" (that was the message, with the split error buried in front of it)
+    import transformers
+
+    arcee = transformers.ArceeConfig(
+        num_hidden_layers=2, hidden_size=96, num_attention_heads=6, num_key_value_heads=3,
+        head_dim=16, vocab_size=256,
+    ).to_dict()  # fmt: skip
+    with pytest.raises(ValueError, match=r"^dense \(arcee\): num_key_value_heads=3 .*=2;") as e:
+        specs_from_hf_config(arcee, tp_size=2)
+    assert "not supported" not in str(e.value)
 
 
 def test_shard_model_refuses_a_layout_of_another_tp_size() -> None:
