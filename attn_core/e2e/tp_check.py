@@ -12,7 +12,10 @@ with a TP=1 run of the same requests, and rank 0 also compares the TP run with t
 eager forward of the unsharded model. Rank 0 prints one line per family (``--json PATH`` also
 writes them); the exit status is 1 when any family mismatches or fails.
 
-``--model`` takes ``all`` (:data:`TP_FAMILIES`) or a comma list of its names.
+``--model`` takes ``all`` (:data:`TP_FAMILIES`) or a comma list of its names. ``--dtype
+bfloat16 --shapes kernel --plugins`` (on CUDA) runs the samples at head dims the GPU kernels serve
+through the installed plugins; in half precision only the comparison with transformers decides
+(see :func:`check_family`).
 """
 
 from __future__ import annotations
@@ -29,12 +32,19 @@ import torch
 import torch.distributed as dist
 
 from attn_core.e2e.compare import compare_generation
-from attn_core.e2e.configs import ARCHITECTURES, VISION_TOWERS, TinyModel, build_tiny, tiny_config
+from attn_core.e2e.configs import (
+    ARCHITECTURES,
+    SHAPES,
+    VISION_TOWERS,
+    TinyModel,
+    build_tiny,
+    tiny_config,
+)
 from attn_core.e2e.main import default_registry, make_prompts, plan_for
 from attn_core.e2e.runner import Engine, GenerationResult
 from attn_core.e2e.tp_shard import shard_model
 
-__all__ = ["TP_FAMILIES", "TPResult", "tp_config", "tp_generate"]
+__all__ = ["TP_FAMILIES", "TPResult", "check_family", "tp_config", "tp_generate"]
 
 _SMALL: dict[str, Any] = {
     "hidden_size": 64,
@@ -64,15 +74,18 @@ def _transformers_config(cls_name: str, **fields: Any) -> dict[str, Any]:
     return getattr(transformers, cls_name)(**{**_SMALL, **fields}).to_dict()
 
 
-def _sample(name: str, **override: Any) -> Callable[[], tuple[str, dict[str, Any]]]:
-    def build() -> tuple[str, dict[str, Any]]:
-        return name, {**tiny_config(name), **override}
+_Builder = Callable[[str], tuple[str, dict[str, Any]]]  # shapes -> (architecture, config)
+
+
+def _sample(name: str, **override: Any) -> _Builder:
+    def build(shapes: str) -> tuple[str, dict[str, Any]]:
+        return name, {**tiny_config(name, shapes), **override}
 
     return build
 
 
-def _config(family: str, cls_name: str, **fields: Any) -> Callable[[], tuple[str, dict[str, Any]]]:
-    def build() -> tuple[str, dict[str, Any]]:
+def _config(family: str, cls_name: str, **fields: Any) -> _Builder:
+    def build(shapes: str) -> tuple[str, dict[str, Any]]:  # its own sizes whatever the shapes
         return family, _transformers_config(cls_name, **fields)
 
     return build
@@ -80,7 +93,7 @@ def _config(family: str, cls_name: str, **fields: Any) -> Callable[[], tuple[str
 
 # Name -> (architecture the adapter drives, config.json dict). The bundled samples' tiny
 # configs, and transformers configs for the families that run from a config.json.
-_BUILDERS: dict[str, Callable[[], tuple[str, dict[str, Any]]]] = {
+_BUILDERS: dict[str, _Builder] = {
     **{n: _sample(n) for n in ARCHITECTURES if n not in VISION_TOWERS},
     # 4 query heads over 1 KV head: the KV head replicated on both ranks
     "qwen3-kv1": _sample("qwen3", num_key_value_heads=1),
@@ -150,28 +163,43 @@ _BUILDERS: dict[str, Callable[[], tuple[str, dict[str, Any]]]] = {
 TP_FAMILIES: tuple[str, ...] = tuple(_BUILDERS)
 
 
-def tp_config(name: str) -> tuple[str, dict[str, Any]]:
-    """``(architecture, config.json dict)`` of the TP check's model ``name``."""
+def tp_config(name: str, shapes: str = "tiny") -> tuple[str, dict[str, Any]]:
+    """``(architecture, config.json dict)`` of the TP check's model ``name``.
+
+    :param shapes: for the samples, ``"tiny"`` or ``"kernel"`` (head dims the GPU kernels
+        serve, :func:`attn_core.e2e.configs.tiny_config`); the other configs keep their sizes.
+    """
     if name not in _BUILDERS:
         raise ValueError(f"tp_check has no model {name!r}; choose 'all' or of {list(TP_FAMILIES)}")
-    return _BUILDERS[name]()
+    return _BUILDERS[name](shapes)
 
 
 def tp_generate(
-    name: str, *, device: torch.device, tp_size: int, rank: int, prompts: int, new_tokens: int
+    name: str,
+    *,
+    device: torch.device,
+    tp_size: int,
+    rank: int,
+    prompts: int,
+    new_tokens: int,
+    dtype: str = "float32",
+    shapes: str = "tiny",
+    registry: Any = None,
 ) -> tuple[TinyModel, GenerationResult, int]:
     """Build model ``name`` (seed 0), shard it for ``rank`` of ``tp_size``, generate greedily.
 
+    :param dtype: the model's and the specs' dtype (``"float32"``, ``"bfloat16"``, ...).
+    :param registry: the backends to select from; None: the reference backend only.
     :returns: the (sharded) model, the generation of ``prompts`` requests of ``new_tokens``
         tokens each (every rank computes the full logits ``[L, vocab]``) and the bytes of the
         engine's KV pages and linear-state slots on this rank (sized from the per-rank specs).
     """
-    arch, cfg = tp_config(name)
-    model = build_tiny(arch, device=device, tp_size=tp_size, config=cfg)
+    arch, cfg = tp_config(name, shapes)
+    model = build_tiny(arch, device=device, dtype=dtype, tp_size=tp_size, config=cfg)
     _random_biases(model.hf)
     if tp_size > 1:
         shard_model(model, rank, tp_size)
-    registry = default_registry()
+    registry = registry if registry is not None else default_registry()
     ids = make_prompts(prompts)
     max_len = max(len(p) for p in ids) + new_tokens + 1
     plan = plan_for(
@@ -237,17 +265,17 @@ class TPResult:
         )
 
 
-def check_family(
-    name: str, *, device: torch.device, rank: int, world: int, prompts: int, new_tokens: int
-) -> TPResult:
-    """TP=``world`` vs TP=1 (every rank) and vs transformers (rank 0) for model ``name``."""
+def check_family(name: str, *, rank: int, world: int, **run: Any) -> TPResult:
+    """TP=``world`` vs TP=1 (every rank) and vs transformers (rank 0) for model ``name``.
+
+    :param run: :func:`tp_generate`'s keywords but ``tp_size`` / ``rank``. In float32 the TP
+        run must give TP=1's tokens and logits to 1e-4; in half precision the all-reduce sums
+        in another order than one matmul, so only the comparison with transformers (its
+        tolerance for the dtype, on the TP run's own prefixes) decides.
+    """
     try:
-        _, tp, tp_bytes = tp_generate(
-            name, device=device, tp_size=world, rank=rank, prompts=prompts, new_tokens=new_tokens
-        )
-        ref_model, ref, ref_bytes = tp_generate(
-            name, device=device, tp_size=1, rank=0, prompts=prompts, new_tokens=new_tokens
-        )
+        _, tp, tp_bytes = tp_generate(name, tp_size=world, rank=rank, **run)
+        ref_model, ref, ref_bytes = tp_generate(name, tp_size=1, rank=0, **run)
     except ValueError as err:  # deterministic: every rank raises the same
         return TPResult(name, world, False, error=str(err))
     diff = max((a - b).abs().max().item() for a, b in zip(tp.logits, ref.logits, strict=True))
@@ -256,10 +284,11 @@ def check_family(
     # every rank's verdict: a rank whose hidden states diverge (a bias added on one rank only)
     # is wrong even when rank 0 is right
     stats = torch.tensor([diff, 0.0 if same else 1.0, 0.0 if match is None or match.ok else 1.0])
-    stats = stats.to(device)
+    stats = stats.to(run["device"])
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     diff, differ, mismatch = (float(x) for x in stats.tolist())
-    ok = diff < 1e-4 and not differ and not mismatch
+    exact = run.get("dtype", "float32") == "float32"
+    ok = not mismatch and (not exact or (diff < 1e-4 and not differ))
     text = match.short() if match is not None else ""
     return TPResult(name, world, ok, diff, not differ, text, tp_bytes, ref_bytes)
 
@@ -271,6 +300,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=4)
     parser.add_argument("--json", default=None, help="write rank 0's results to this file")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--shapes", default="tiny", choices=list(SHAPES), help="the samples' sizes")
+    parser.add_argument(
+        "--plugins",
+        action="store_true",
+        help="select from the plugins installed (entry points), not the reference alone",
+    )
     args = parser.parse_args(argv)
     names = (
         list(TP_FAMILIES)
@@ -286,16 +322,24 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
+    registry = None
+    if args.plugins:
+        from attn_core.registry import Registry
+
+        registry = Registry.discover()
     results: list[TPResult] = []
     try:
         for name in names:
             result = check_family(
                 name,
-                device=device,
                 rank=rank,
                 world=world,
+                device=device,
                 prompts=args.prompts,
                 new_tokens=args.new_tokens,
+                dtype=args.dtype,
+                shapes=args.shapes,
+                registry=registry,
             )
             results.append(result)
             if rank == 0:
