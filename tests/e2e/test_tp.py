@@ -140,3 +140,17 @@ def test_tp2_nccl_matches_tp1() -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("tp_check ")]
     assert len(lines) == len(TP_FAMILIES) and all(ln.endswith("-> OK") for ln in lines)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tp2_nccl_kernel_shapes_through_the_plugins_match_transformers() -> None:
+    """bf16 at the head dims the GPU kernels serve, backends from the installed plugins: every
+    family's TP=2 run against transformers (TP=1 is reported, not required: see check_family)."""
+    proc = _torchrun(
+        "--device", "cuda", "--model", "all", "--dtype", "bfloat16", "--shapes", "kernel",
+        "--plugins", timeout=500,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("tp_check ")]
+    assert len(lines) == len(TP_FAMILIES) and all(ln.endswith("-> OK") for ln in lines)
