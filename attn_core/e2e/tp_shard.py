@@ -13,8 +13,9 @@ a server's column / row parallel layers would hold them (Megatron / vLLM):
   norms, MLPs and MoE blocks, embeddings, ``lm_head``).
 
 Heads are split when there are at least ``world`` of them; KV heads, Gated DeltaNet key heads
-and Mamba2 groups fewer than ``world`` are replicated, rank ``r`` keeping head ``r * heads // world``, exactly as
-``specs_from_hf_config`` sizes them (``_split_or_replicate``). A norm over all heads of a layer
+and Mamba2 groups fewer than ``world`` are replicated, rank ``r`` keeping head
+``r * heads // world``, exactly as ``specs_from_hf_config`` sizes them
+(``_split_or_replicate``). A norm over all heads of a layer
 (OLMo-2's q / k norms, MiniMax's lightning output norm) becomes :class:`ShardedRMSNorm`, and
 Mamba2's gated norm over a group split between ranks :class:`ShardedGatedGroupRMSNorm`: their
 sums of squares are all-reduced, so the math is the unsharded norm's. Anything that cannot be
