@@ -49,7 +49,7 @@ install)
 t_core) run t_core 500 "${PYTEST[@]}" -m gpu tests --ignore=tests/e2e ;;
 t_e2e_gptoss) run t_e2e_gptoss 300 "${PYTEST[@]}" -m gpu tests/e2e -k gpt ;;
 t_e2e) run t_e2e 500 "${PYTEST[@]}" -m gpu tests/e2e --deselect tests/e2e/test_tp.py ;;
-t_tp) run t_tp 300 "${PYTEST[@]}" tests/e2e/test_tp.py ;;
+t_tp) run t_tp 600 "${PYTEST[@]}" tests/e2e/test_tp.py ;;
 t_fi) run t_fi 500 "${PYTEST[@]}" attn_plugins/flashinfer/tests ;;
 t_ssm) run t_ssm 500 "${PYTEST[@]}" attn_plugins/triton_ssm/tests ;;
 t_ssd) run t_ssd 300 "${PYTEST[@]}" attn_plugins/triton_ssm/tests -k "ssd or mamba2" ;;

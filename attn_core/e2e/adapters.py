@@ -655,8 +655,8 @@ class CausalLMAdapter:
             # function in float32 (its slope_rate buffer is rounded to the model dtype)
             slope = lightning_slopes(at, x.device).reshape(-1)
             if slope.shape[0] != H:
-                # a tensor-parallel rank holds a slice of the heads: it needs its slice of
-                # the slopes, which this adapter (it shards nothing) cannot pick
+                # a tensor-parallel rank holds a slice of the heads and needs its slice of
+                # the slopes: the module must give them (tp_shard makes get_slope_rate do so)
                 raise ValueError(
                     f"layer {i}: the module has slopes for {slope.shape[0]} lightning heads, "
                     f"the layer spec {H}; expected one slope per head of this rank"

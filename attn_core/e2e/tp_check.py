@@ -1,77 +1,205 @@
-"""Tensor parallelism check: Qwen3's attention heads sharded over ranks vs the unsharded run.
+"""Tensor parallelism check: every family's heads sharded over ranks vs TP=1 and transformers.
 
-Run with ``torchrun --nproc_per_node 2 -m attn_core.e2e.tp_check [--device cuda]`` (gloo on CPU,
-nccl on CUDA). Every rank builds the same tiny model (same seed), parses its layout with
-``tp_size = world size`` (heads per rank, the same ``specs_from_hf_config`` path a server uses),
-keeps its slice of q/k/v heads and of ``o_proj``'s input columns, and all-reduces the attention
-output; the MLP stays replicated (this checks attention sharding, not MLP sharding). Logits of
-every position are compared with a TP=1 run of the same requests; rank 0 prints the result and
-the exit status is 1 on a mismatch.
+Run with ``torchrun --nproc_per_node 2 -m attn_core.e2e.tp_check [--model all] [--device
+cuda]`` (gloo on CPU, nccl on CUDA). For each family every rank builds the same tiny model (same
+seed), parses its layout with ``tp_size = world size`` (heads per rank, the same
+``specs_from_hf_config`` path a server uses, so the state pools are sized per rank), keeps its
+slice of every attention and linear-mixer layer (:func:`attn_core.e2e.tp_shard.shard_model`:
+q / k / v and mixer heads column parallel, ``o_proj`` / ``out_proj`` row parallel with an
+all-reduce) and generates greedily; MLPs and MoE blocks stay replicated (this checks attention
+sharding, not MLP sharding). Each rank compares its logits of every position and its tokens
+with a TP=1 run of the same requests, and rank 0 also compares the TP run with transformers'
+eager forward of the unsharded model. Rank 0 prints one line per family (``--json PATH`` also
+writes them); the exit status is 1 when any family mismatches or fails.
+
+``--model`` takes ``all`` (:data:`TP_FAMILIES`) or a comma list of its names. ``--dtype
+bfloat16 --shapes kernel --plugins`` (on CUDA) runs the samples at head dims the GPU kernels serve
+through the installed plugins; in half precision only the comparison with transformers decides
+(see :func:`check_family`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from attn_core.e2e.configs import TinyModel, build_tiny
+from attn_core.e2e.compare import compare_generation
+from attn_core.e2e.configs import (
+    ARCHITECTURES,
+    SHAPES,
+    VISION_TOWERS,
+    TinyModel,
+    build_tiny,
+    tiny_config,
+)
 from attn_core.e2e.main import default_registry, make_prompts, plan_for
 from attn_core.e2e.runner import Engine, GenerationResult
+from attn_core.e2e.tp_shard import shard_model
 
-__all__ = ["AllReduceLinear", "shard_attention", "tp_generate"]
+__all__ = ["TP_FAMILIES", "TPResult", "check_family", "tp_config", "tp_generate"]
 
-
-class AllReduceLinear(torch.nn.Module):
-    """A row-parallel linear: this rank's input columns, summed over ranks (bias added once)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(weight.contiguous(), requires_grad=False)
-        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.nn.functional.linear(x, self.weight)
-        dist.all_reduce(y)
-        return y if self.bias is None else y + self.bias
-
-
-def _rows(linear: torch.nn.Linear, start: int, stop: int) -> torch.nn.Linear:
-    out = torch.nn.Linear(linear.in_features, stop - start, bias=linear.bias is not None)
-    out = out.to(device=linear.weight.device, dtype=linear.weight.dtype)
-    with torch.no_grad():
-        out.weight.copy_(linear.weight[start:stop])
-        if linear.bias is not None:
-            out.bias.copy_(linear.bias[start:stop])
-    return out
+_SMALL: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "initializer_range": 0.1,
+    "tie_word_embeddings": False,
+    "pad_token_id": None,
+    "bos_token_id": None,
+    "eos_token_id": None,
+}
+_QWEN3_5: dict[str, Any] = {
+    "num_hidden_layers": 4,  # linear, linear, linear, full
+    "head_dim": 16,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+}
 
 
-@torch.no_grad()
-def shard_attention(model: TinyModel, rank: int, world: int) -> None:
-    """Keep rank ``rank``'s heads of every full-attention layer (in place)."""
-    for i in model.layout.layer_indices:
-        spec = model.layout.spec_of(i)
-        hf: Any = model.hf  # a transformers model: attributes by architecture
-        at = hf.model.layers[i].self_attn
-        D, Dv, H, Hkv = spec.head_dim, spec.head_dim_v, spec.num_heads, spec.num_kv_heads
-        at.q_proj = _rows(at.q_proj, rank * H * D, (rank + 1) * H * D)
-        at.k_proj = _rows(at.k_proj, rank * Hkv * D, (rank + 1) * Hkv * D)
-        at.v_proj = _rows(at.v_proj, rank * Hkv * Dv, (rank + 1) * Hkv * Dv)
-        w = at.o_proj.weight[:, rank * H * Dv : (rank + 1) * H * Dv]
-        at.o_proj = AllReduceLinear(w, at.o_proj.bias if rank == 0 else None)
+def _transformers_config(cls_name: str, **fields: Any) -> dict[str, Any]:
+    import transformers
+
+    return getattr(transformers, cls_name)(**{**_SMALL, **fields}).to_dict()
+
+
+_Builder = Callable[[str], tuple[str, dict[str, Any]]]  # shapes -> (architecture, config)
+
+
+def _sample(name: str, **override: Any) -> _Builder:
+    def build(shapes: str) -> tuple[str, dict[str, Any]]:
+        return name, {**tiny_config(name, shapes), **override}
+
+    return build
+
+
+def _config(family: str, cls_name: str, **fields: Any) -> _Builder:
+    def build(shapes: str) -> tuple[str, dict[str, Any]]:  # its own sizes whatever the shapes
+        return family, _transformers_config(cls_name, **fields)
+
+    return build
+
+
+# Name -> (architecture the adapter drives, config.json dict). The bundled samples' tiny
+# configs, and transformers configs for the families that run from a config.json.
+_BUILDERS: dict[str, _Builder] = {
+    **{n: _sample(n) for n in ARCHITECTURES if n not in VISION_TOWERS},
+    # 4 query heads over 1 KV head: the KV head replicated on both ranks
+    "qwen3-kv1": _sample("qwen3", num_key_value_heads=1),
+    # one Gated DeltaNet key head for 4 value heads: the key head replicated on both ranks
+    "qwen3-next-k1": _sample("qwen3-next", linear_num_key_heads=1),
+    # one Mamba2 group (as Bamba-9B): B / C replicated, the gated norm's group over both ranks
+    "bamba-g1": _sample("bamba", mamba_n_groups=1),
+    "deepseek-v2": _config(
+        "deepseek-v3",  # the MLA adapter drives V2 as V3 (tests/e2e/test_run_families.py)
+        "DeepseekV2Config",
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        moe_intermediate_size=32,
+        num_key_value_heads=4,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        q_lora_rank=None,
+    ),
+    "granite-4.0-h": _config(
+        "granite-4.0-h",
+        "GraniteMoeHybridConfig",
+        num_hidden_layers=2,
+        layer_types=["mamba", "attention"],
+        shared_intermediate_size=64,
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_n_groups=2,
+        mamba_d_state=16,
+        mamba_chunk_size=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        logits_scaling=3.0,
+        attention_multiplier=0.2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "qwen3.5": _config("qwen3.5", "Qwen3_5TextConfig", **_QWEN3_5),
+    "qwen3.5-moe": _config(
+        "qwen3.5",
+        "Qwen3_5MoeTextConfig",
+        **_QWEN3_5,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    ),
+    "phi3": _config("dense", "Phi3Config", num_hidden_layers=2, partial_rotary_factor=0.5),
+    "olmo2": _config("dense", "Olmo2Config", num_hidden_layers=2),  # q / k norms over all heads
+    "ministral": _config(
+        "dense",
+        "MinistralConfig",
+        num_hidden_layers=2,
+        head_dim=16,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+}
+#: The names ``--model`` accepts (``all``: every one), in report order.
+TP_FAMILIES: tuple[str, ...] = tuple(_BUILDERS)
+
+
+def tp_config(name: str, shapes: str = "tiny") -> tuple[str, dict[str, Any]]:
+    """``(architecture, config.json dict)`` of the TP check's model ``name``.
+
+    :param shapes: for the samples, ``"tiny"`` or ``"kernel"`` (head dims the GPU kernels
+        serve, :func:`attn_core.e2e.configs.tiny_config`); the other configs keep their sizes.
+    """
+    if name not in _BUILDERS:
+        raise ValueError(f"tp_check has no model {name!r}; choose 'all' or of {list(TP_FAMILIES)}")
+    return _BUILDERS[name](shapes)
 
 
 def tp_generate(
-    name: str, *, device: torch.device, tp_size: int, rank: int, prompts: int, new_tokens: int
-) -> GenerationResult:
-    model = build_tiny(name, device=device, tp_size=tp_size)
+    name: str,
+    *,
+    device: torch.device,
+    tp_size: int,
+    rank: int,
+    prompts: int,
+    new_tokens: int,
+    dtype: str = "float32",
+    shapes: str = "tiny",
+    registry: Any = None,
+) -> tuple[TinyModel, GenerationResult, int]:
+    """Build model ``name`` (seed 0), shard it for ``rank`` of ``tp_size``, generate greedily.
+
+    :param dtype: the model's and the specs' dtype (``"float32"``, ``"bfloat16"``, ...).
+    :param registry: the backends to select from; None: the reference backend only.
+    :returns: the (sharded) model, the generation of ``prompts`` requests of ``new_tokens``
+        tokens each (every rank computes the full logits ``[L, vocab]``) and the bytes of the
+        engine's KV pages and linear-state slots on this rank (sized from the per-rank specs).
+    """
+    arch, cfg = tp_config(name, shapes)
+    model = build_tiny(arch, device=device, dtype=dtype, tp_size=tp_size, config=cfg)
+    _random_biases(model.hf)
     if tp_size > 1:
-        shard_attention(model, rank, tp_size)
-    registry = default_registry()
+        shard_model(model, rank, tp_size)
+    registry = registry if registry is not None else default_registry()
     ids = make_prompts(prompts)
     max_len = max(len(p) for p in ids) + new_tokens + 1
     plan = plan_for(
@@ -87,52 +215,141 @@ def tp_generate(
     engine = Engine(
         model, plan, registry, device=device, max_batch_size=prompts, max_model_len=max_len
     )
-    return engine.generate(ids, new_tokens)
+    return model, engine.generate(ids, new_tokens), engine.state.nbytes
+
+
+@torch.no_grad()
+def _random_biases(model: torch.nn.Module, seed: int = 0) -> None:
+    """transformers initialises biases to zero, under which a bias sharded or summed wrongly
+    (added on one rank only, or once per rank) changes nothing; seeded random biases on every
+    linear and conv make it count. Same seed, same values for the TP=1 run."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    for module in model.modules():
+        bias = getattr(module, "bias", None)
+        if isinstance(module, (torch.nn.Linear, torch.nn.Conv1d)) and bias is not None:
+            bias.copy_(torch.randn(bias.shape, generator=gen).to(bias) * 0.1)
+
+
+@dataclass(frozen=True, slots=True)
+class TPResult:
+    """One family's check.
+
+    :ivar max_abs_diff: max over ranks and positions of ``|logits(tp) - logits(tp=1)|``.
+    :ivar tokens_equal: every rank's greedy tokens equal the TP=1 run's.
+    :ivar transformers: rank 0's TP run vs transformers (:class:`MatchResult.short`).
+    :ivar state_bytes: rank 0's KV pages and state slots under TP; ``state_bytes_tp1``: the
+        same pools at TP=1 (half of it where every layer's state splits; all of it where it is
+        replicated: MLA's latent, KV heads fewer than ranks).
+    :ivar error: why the family could not run (then nothing else is meaningful).
+    """
+
+    name: str
+    tp: int
+    ok: bool
+    max_abs_diff: float = float("nan")
+    tokens_equal: bool = False
+    transformers: str = ""
+    state_bytes: int = 0
+    state_bytes_tp1: int = 0
+    error: str = ""
+
+    def format(self) -> str:
+        verdict = "OK" if self.ok else "MISMATCH"
+        if self.error:
+            return f"tp_check {self.name}: tp={self.tp} ERROR {self.error} -> {verdict}"
+        return (
+            f"tp_check {self.name}: tp={self.tp} vs tp=1 max|diff|={self.max_abs_diff:.2e} "
+            f"tokens {'equal' if self.tokens_equal else 'DIFFER'}, state "
+            f"{self.state_bytes} of {self.state_bytes_tp1} bytes per rank; vs transformers "
+            f"{self.transformers} -> {verdict}"
+        )
+
+
+def check_family(name: str, *, rank: int, world: int, **run: Any) -> TPResult:
+    """TP=``world`` vs TP=1 (every rank) and vs transformers (rank 0) for model ``name``.
+
+    :param run: :func:`tp_generate`'s keywords but ``tp_size`` / ``rank``. In float32 the TP
+        run must give TP=1's tokens and logits to 1e-4; in half precision the all-reduce sums
+        in another order than one matmul, so only the comparison with transformers (its
+        tolerance for the dtype, on the TP run's own prefixes) decides.
+    """
+    try:
+        _, tp, tp_bytes = tp_generate(name, tp_size=world, rank=rank, **run)
+        ref_model, ref, ref_bytes = tp_generate(name, tp_size=1, rank=0, **run)
+    except ValueError as err:  # deterministic: every rank raises the same
+        return TPResult(name, world, False, error=str(err))
+    diff = max((a - b).abs().max().item() for a, b in zip(tp.logits, ref.logits, strict=True))
+    same = tp.tokens == ref.tokens
+    match = compare_generation(ref_model, tp) if rank == 0 else None
+    # every rank's verdict: a rank whose hidden states diverge (a bias added on one rank only)
+    # is wrong even when rank 0 is right
+    stats = torch.tensor([diff, 0.0 if same else 1.0, 0.0 if match is None or match.ok else 1.0])
+    stats = stats.to(run["device"])
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    diff, differ, mismatch = (float(x) for x in stats.tolist())
+    exact = run.get("dtype", "float32") == "float32"
+    ok = not mismatch and (not exact or (diff < 1e-4 and not differ))
+    text = match.short() if match is not None else ""
+    return TPResult(name, world, ok, diff, not differ, text, tp_bytes, ref_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--model", default="qwen3")
+    parser.add_argument("--model", default="qwen3", help=f"'all' or a comma list of {TP_FAMILIES}")
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=4)
+    parser.add_argument("--json", default=None, help="write rank 0's results to this file")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--shapes", default="tiny", choices=list(SHAPES), help="the samples' sizes")
+    parser.add_argument(
+        "--plugins",
+        action="store_true",
+        help="select from the plugins installed (entry points), not the reference alone",
+    )
     args = parser.parse_args(argv)
-    if args.model != "qwen3":
-        raise SystemExit("tp_check shards dense GQA attention only: --model qwen3")
+    names = (
+        list(TP_FAMILIES)
+        if args.model == "all"
+        else [n.strip() for n in args.model.split(",") if n.strip()]
+    )
+    unknown = [n for n in names if n not in _BUILDERS]
+    if unknown or not names:
+        parser.error(f"--model {args.model!r}: expected 'all' or names of {list(TP_FAMILIES)}")
     cuda = args.device.startswith("cuda")
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
+    registry = None
+    if args.plugins:
+        from attn_core.registry import Registry
+
+        registry = Registry.discover()
+    results: list[TPResult] = []
     try:
-        tp = tp_generate(
-            args.model,
-            device=device,
-            tp_size=world,
-            rank=rank,
-            prompts=args.prompts,
-            new_tokens=args.new_tokens,
-        )
-        ref = tp_generate(
-            args.model,
-            device=device,
-            tp_size=1,
-            rank=0,
-            prompts=args.prompts,
-            new_tokens=args.new_tokens,
-        )
-        diff = max((a - b).abs().max().item() for a, b in zip(tp.logits, ref.logits, strict=True))
-        same = tp.tokens == ref.tokens
-        ok = diff < 1e-4 and same
-        if rank == 0:
-            print(
-                f"tp_check {args.model}: tp={world} vs tp=1 max|diff|={diff:.2e} "
-                f"tokens {'equal' if same else 'DIFFER'} -> {'OK' if ok else 'MISMATCH'}"
+        for name in names:
+            result = check_family(
+                name,
+                rank=rank,
+                world=world,
+                device=device,
+                prompts=args.prompts,
+                new_tokens=args.new_tokens,
+                dtype=args.dtype,
+                shapes=args.shapes,
+                registry=registry,
             )
-        return 0 if ok else 1
+            results.append(result)
+            if rank == 0:
+                print(result.format(), flush=True)
     finally:
         dist.destroy_process_group()
+    if rank == 0 and args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump([asdict(r) for r in results], fh, indent=1)
+    return 0 if all(r.ok for r in results) else 1
 
 
 if __name__ == "__main__":

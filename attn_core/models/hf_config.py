@@ -188,10 +188,15 @@ class _Reader:
         return value
 
 
+class _HeadSplitError(ValueError):
+    """Heads that do not divide over the tensor-parallel ranks; :func:`_specs` names the
+    family and model type in front of the field and the sizes."""
+
+
 def _split(total: int, tp_size: int, name: str) -> int:
     """Heads per rank for heads that must split evenly (query heads, GDN value heads)."""
     if total % tp_size:
-        raise ValueError(
+        raise _HeadSplitError(
             f"{name}={total} is not divisible by tp_size={tp_size}; "
             f"choose a tp_size that divides it"
         )
@@ -203,7 +208,7 @@ def _split_or_replicate(total: int, tp_size: int, name: str) -> int:
     if total >= tp_size:
         return _split(total, tp_size, name)
     if tp_size % total:
-        raise ValueError(
+        raise _HeadSplitError(
             f"{name}={total} is fewer than tp_size={tp_size} and tp_size is not a multiple of it, "
             f"so the heads can be neither split nor replicated evenly"
         )
@@ -1351,6 +1356,8 @@ def specs_from_hf_config(
         # one it understands; otherwise its refusal says why, with the supported list.
         try:
             return _specs(raw, model_type, _DENSE, tp_size, dtype, page_size, kv_dtype)
+        except _HeadSplitError:  # the mapping reads it; its heads do not split over tp_size
+            raise
         except ValueError as err:
             raise _unsupported(model_type, raw, [str(err)]) from None
     if family is None or not isinstance(model_type, str):
@@ -1382,7 +1389,10 @@ def _specs(
     )
     reader = _Reader(cfg, f"{family.name} ({model_type})", family.defaults)
     _refuse_features(model_type, cfg, family.name)
-    num_layers, layers, extra = family.parse(reader, options)
+    try:
+        num_layers, layers, extra = family.parse(reader, options)
+    except _HeadSplitError as err:  # which model's heads: the field alone may be ambiguous
+        raise _HeadSplitError(f"{reader.where}: {err}") from None
     _check_against_types(model_type, cfg, num_layers, layers)
     indices = tuple(i for i, _ in layers)
     specs = tuple(s for _, s in layers)
