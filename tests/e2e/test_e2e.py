@@ -126,6 +126,7 @@ def test_run_main_report() -> None:
 def test_resolve_models() -> None:
     assert resolve_models("all") == list(ARCHITECTURES)
     assert resolve_models("qwen2.5-vl, gpt_oss") == ["qwen2.5-vl-vision", "gpt-oss"]
+    assert resolve_models("falcon_h1") == ["falcon-h1"]
     with pytest.raises(ValueError, match="llama-2"):
         resolve_models("llama-2")
 
@@ -164,6 +165,7 @@ def test_matches_transformers_fp32_gpu(name: str) -> None:
             "deepseek-v3",
             "gemma-3",
             "nemotron-h",
+            "falcon-h1",
             "falcon-mamba",
             "kimi-linear",
             "llama-4",
@@ -187,6 +189,7 @@ def test_cuda_graph_decode(name: str) -> None:
         ("qwen3-next", "bfloat16"),
         ("gemma-3", "float32"),
         ("nemotron-h", "float32"),
+        ("falcon-h1", "float32"),
         ("kimi-linear", "float32"),
         ("kimi-linear", "bfloat16"),
     ],
@@ -245,6 +248,7 @@ def test_gpu_plugins_match_transformers_bf16(name: str) -> None:
             "bamba",
             "deepseek-v3",
             "jamba",
+            "falcon-h1",
             "falcon-mamba",
             "kimi-linear",
         )
