@@ -57,6 +57,18 @@ def test_mamba1_models_bf16_cpu_within_tolerance(name: str, shapes: str) -> None
     assert any("mamba1" in g["spec"] for g in run.plan["groups"]), run.format()
 
 
+@pytest.mark.parametrize("shapes", ["tiny", "kernel"])
+def test_falcon_h1_bf16_cpu_within_tolerance(shapes: str) -> None:
+    """bf16 on both sides, at the CPU shapes and at the shapes a GPU run uses: both ops of
+    every parallel layer (Mamba2 state in float32) within the bf16 tolerance."""
+    run = run_architecture(
+        "falcon-h1", dtype="bfloat16", prompts=4, max_new_tokens=6, shapes=shapes
+    )
+    assert run.ok, run.format()
+    layers = {g["group_id"]: g["layers"] for g in run.plan["groups"]}
+    assert layers["linear"] == layers["full"] == [0, 1, 2], run.format()
+
+
 @pytest.mark.parametrize(
     ("name", "blocks"), [("qwen2.5-vl-vision", 4), ("qwen2-vl-vision", 3), ("siglip-vision", 3)]
 )
