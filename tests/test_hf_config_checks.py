@@ -187,6 +187,8 @@ def test_falcon_h1_defaults_are_falcon_h1_configs() -> None:
             {"time_step_limit": [0.0, 0.1]},
             ("falcon-h1 (falcon_h1)", "time_step_limit=[0.0, 0.1]", "layers 0-2", "upper"),
         ),
+        ({"time_step_limit": [0.1]}, ("time_step_limit=[0.1]", "layers 0-2", "0 <= lo")),
+        ({"time_step_limit": [-1.0, 2.0]}, ("time_step_limit=[-1.0, 2.0]", "0 <= lo")),
         ({"ssm_multipliers": [1.0, 1.0]}, ("ssm_multipliers=[1.0, 1.0]", "layers 0-2", "5")),
         ({"mamba_d_head": 7}, ("mamba_d_head=7 * mamba_n_heads=6", "inner width 96")),
         (
@@ -194,7 +196,14 @@ def test_falcon_h1_defaults_are_falcon_h1_configs() -> None:
             ("'attention' in layer 1", "['hybrid']"),
         ),
     ],
-    ids=["dt-upper-clamp", "ssm-multipliers", "head-split", "layer-types"],
+    ids=[
+        "dt-upper-clamp",
+        "dt-limit-not-a-pair",
+        "dt-negative-floor",
+        "ssm-multipliers",
+        "head-split",
+        "layer-types",
+    ],
 )
 def test_falcon_h1_refuses_what_it_cannot_map(
     change: dict[str, Any], fragments: tuple[str, ...]

@@ -868,12 +868,19 @@ def _falcon_h1(r: _Reader, o: _Options) -> _Parsed:
     every = f"layers {_ranges(range(n))}"
     limit = r.cfg.get("time_step_limit")
     if limit is not None:
-        hi = _decoded_float(limit[1]) if isinstance(limit, (list, tuple)) and limit else None
-        if hi is None or len(limit) != 2 or hi != math.inf:
+        pair = limit if isinstance(limit, (list, tuple)) and len(limit) == 2 else (None, None)
+        lo, hi = (_decoded_float(v) for v in pair)
+        if lo is None or hi is None or lo < 0:
+            raise ValueError(
+                f"{r.where}: time_step_limit={limit!r} in the Mamba2 ops of {every}: expected "
+                "[lo, hi] with 0 <= lo"
+            )
+        if hi != math.inf:
             raise ValueError(
                 f"{r.where}: time_step_limit={limit!r} in the Mamba2 ops of {every}: an upper "
                 "clamp on softplus(dt + dt_bias) that no Mamba2 op input describes (expected "
-                "[lo, inf]); refused, not mapped in part"
+                "[lo, inf]; a lower bound is folded into dt by the model's adapter); refused, "
+                "not mapped in part"
             )
     mup = r.cfg.get("ssm_multipliers")
     if mup is not None and (not isinstance(mup, list) or len(mup) != 5):
