@@ -265,6 +265,20 @@ def _phase_table(c, p, title: str) -> str:
     return render_table(["backend", "decision", "reasons"], rows, title=title)
 
 
+def _span(indices: tuple[int, ...]) -> str:
+    """``(0, 1, 2, 5)`` -> ``"layers 0-2, 5"``."""
+    parts: list[str] = []
+    start = prev = indices[0]
+    for i in [*indices[1:], None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return "layers " + ", ".join(parts)
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     registry = _registry(args)
     _warn_quarantined(registry, "explain")
@@ -276,6 +290,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if args.json:
         payload = plan.to_dict()
         payload["model"] = layout.architecture
+        # layers holding an attention op and a linear op side by side (parallel hybrid)
+        payload["parallel_layers"] = list(layout.parallel_layers)
         payload["warnings"] = [str(w.message) for w in caught]
         payload["quarantined"] = registry.summary()["quarantined"]
         print(json.dumps(payload, indent=1))
@@ -283,6 +299,16 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(
             f"model: {args.model} ({layout.architecture}, {layout.num_layers} layers, tp={args.tp})"
         )
+        # layers two groups list: said, rather than let the groups' counts read as overlap
+        pairs: dict[tuple[str, ...], list[int]] = {}
+        for i in layout.parallel_layers:
+            pairs.setdefault(tuple(g.group_id for g in layout.groups_of(i)), []).append(i)
+        for ids, where in pairs.items():
+            print(
+                f"parallel ops: {len(where)} layers ({_span(tuple(where))}) each hold an op of "
+                f"groups {' and '.join(map(repr, ids))} side by side, with KV pages and a conv / "
+                "SSM slot each"
+            )
         print(format_plan(plan))
     # on stderr, after the plan: stdout stays the plan (or its JSON) alone
     for w in caught:

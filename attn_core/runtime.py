@@ -31,7 +31,7 @@ import torch
 from attn_core.binding import GroupRuntime, LayerAttentionBinding
 from attn_core.errors import BackendInputError, PluginError
 from attn_core.selector import constraints_for_phases
-from attn_core.specs import ExecutionConstraints, GraphMode, LayerKind, Phase
+from attn_core.specs import ExecutionConstraints, GraphMode, LayerKind, Phase, layer_ops
 from attn_core.workspace import Workspace
 
 if TYPE_CHECKING:
@@ -43,7 +43,8 @@ __all__ = ["AttentionRuntime"]
 
 
 class AttentionRuntime:
-    """Contexts for every group of a plan and a :class:`LayerAttentionBinding` per layer.
+    """Contexts for every group of a plan and a :class:`LayerAttentionBinding` per layer (per
+    op of a layer that holds two: a parallel hybrid's attention and linear ops).
 
     :param plan: the selector's plan.
     :param registry: the registry the plan's backends come from.
@@ -82,7 +83,12 @@ class AttentionRuntime:
         self.device = torch.device(device)
         self.groups: dict[str, GroupRuntime] = {}
         self.workspaces: dict[str, Workspace] = {}
+        #: the binding of each layer that holds one op (most layers)
         self.bindings: dict[int, LayerAttentionBinding] = {}
+        #: every binding of each layer, by op kind: a parallel hybrid's layer (Falcon-H1) has
+        #: an attention op and a linear op, each bound to its own group
+        self.layer_bindings: dict[int, dict[LayerKind, LayerAttentionBinding]] = {}
+        layer_ops(c.group for c in plan.choices)  # two ops of one role in a layer: refused
         layer_params = layer_params or {}
         #: per (group id, backend qualified name): the workspace of that backend's context
         self.backend_workspaces: dict[tuple[str, str], Workspace] = {}
@@ -152,7 +158,11 @@ class AttentionRuntime:
             self.workspaces[group.group_id] = workspace
             for index in group.layer_indices:
                 params = layer_params.get(index, {})
-                self.bindings[index] = LayerAttentionBinding(
+                if group.spec.kind is LayerKind.LINEAR:
+                    # scale and sinks are attention parameters: a parallel layer's linear op
+                    # takes none of them
+                    params = {}
+                self.layer_bindings.setdefault(index, {})[group.spec.kind] = LayerAttentionBinding(
                     index,
                     runtime,
                     scale=params.get("scale"),
@@ -162,14 +172,38 @@ class AttentionRuntime:
                     if group.spec.has_recurrent_state
                     else None,
                 )
+        for index, ops in self.layer_bindings.items():
+            if len(ops) == 1:
+                self.bindings[index] = next(iter(ops.values()))
 
-    def binding(self, layer_index: int) -> LayerAttentionBinding:
-        try:
-            return self.bindings[layer_index]
-        except KeyError:
+    def binding(self, layer_index: int, kind: LayerKind | None = None) -> LayerAttentionBinding:
+        """The binding of layer ``layer_index``.
+
+        :param kind: the op's kind; needed for a layer with parallel ops (an attention op and
+            a linear op), optional otherwise (then it must match the layer's op).
+        :raises KeyError: the layer has no binding, or none of ``kind``, or parallel ops and
+            no ``kind``.
+        """
+        ops = self.layer_bindings.get(layer_index)
+        if ops is None:
             raise KeyError(
                 f"layer {layer_index} has no attention binding; bound layers: "
-                f"{sorted(self.bindings)}"
+                f"{sorted(self.layer_bindings)}"
+            )
+        if kind is None:
+            if len(ops) > 1:
+                raise KeyError(
+                    f"layer {layer_index} holds parallel ops "
+                    f"({', '.join(f'{k.value} in group {b.group_id!r}' for k, b in ops.items())}); "
+                    "pass kind= to pick one"
+                )
+            return next(iter(ops.values()))
+        try:
+            return ops[kind]
+        except KeyError:
+            raise KeyError(
+                f"layer {layer_index} has no {kind.value} op; its ops: "
+                f"{', '.join(k.value for k in ops)}"
             ) from None
 
     def prepare(self, batch: AttentionBatch) -> None:

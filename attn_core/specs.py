@@ -58,6 +58,7 @@ __all__ = [
     "LinearVariant",
     "Phase",
     "group_layers",
+    "layer_ops",
     "torch_dtype",
 ]
 
@@ -573,6 +574,44 @@ class LayerGroup:
 
     def __post_init__(self) -> None:
         _require(bool(self.layer_indices), "layer_indices", self.layer_indices, "must not be empty")
+
+
+def _op_role(spec: LayerSpec) -> str:
+    """``"linear"`` for a linear / SSM op (conv and recurrent state), ``"attention"`` for the
+    others (full, mla: KV pages; encoder: no state)."""
+    return "linear" if spec.kind is LayerKind.LINEAR else "attention"
+
+
+def layer_ops(groups: Iterable[LayerGroup]) -> dict[int, tuple[LayerGroup, ...]]:
+    """Per model layer index, the groups that hold an op of that layer (in group order).
+
+    Most layers hold one op. A parallel hybrid (Falcon-H1: attention and Mamba2 side by side
+    in one decoder layer) holds two: one attention op (full / mla / encoder) and one linear op.
+    That is the only mix allowed, because the persistent state is keyed by layer index: the
+    attention op owns the layer's KV pages, the linear op its conv / SSM slot, and two ops of
+    one role would share (and overwrite) the same one.
+
+    :raises ValueError: a layer listed twice in one group, or holding two ops of one role
+        (the message names the layer and the groups).
+    """
+    ops: dict[int, list[LayerGroup]] = {}
+    for g in groups:
+        if len(set(g.layer_indices)) != len(g.layer_indices):
+            dup = sorted({i for i in g.layer_indices if g.layer_indices.count(i) > 1})
+            raise ValueError(f"group {g.group_id!r} lists layers {dup} more than once")
+        for i in g.layer_indices:
+            held = ops.setdefault(i, [])
+            same = [h for h in held if _op_role(h.spec) == _op_role(g.spec)]
+            if same:
+                role = _op_role(g.spec)
+                raise ValueError(
+                    f"layer {i} is in groups {same[0].group_id!r} and {g.group_id!r}, two "
+                    f"{role} ops ({same[0].spec.kind.value} and {g.spec.kind.value}); a layer "
+                    "holds one op, or one attention op and one linear op in parallel (their "
+                    "KV pages and conv / SSM slot are the layer's, one of each)"
+                )
+            held.append(g)
+    return {i: tuple(v) for i, v in sorted(ops.items())}
 
 
 def group_layers(specs: Iterable[LayerSpec], *, prefix: str = "") -> list[LayerGroup]:

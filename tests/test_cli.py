@@ -116,3 +116,24 @@ def test_list_prints_backend_notes_and_the_core_fast_launch_line(
     assert summary["core"] == {"fast_launch": fast_launch.status()}
     (acme,) = [p for p in summary["plugins"] if p["name"] == "acme"]
     assert acme["backends"][0]["notes"] == "fast plan: off (acme 9.9 not tested)"
+
+
+def test_explain_falcon_h1_shows_both_groups_over_the_same_layers(
+    capsys, use_registry, ref_registry
+):
+    """A parallel hybrid: the linear (Mamba2) and full groups list every layer, and a line says
+    that these layers hold both ops (so the counts do not read as a double count)."""
+    use_registry(ref_registry)
+    assert cli.main(["explain", "falcon-h1", "--target", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "parallel ops: 36 layers (layers 0-35) each hold an op of groups 'linear' and 'full'" in out
+    )
+    assert "group linear: linear mamba2 24q/1kv d128/64" in out
+    assert "group full: full 8q/2kv d64" in out
+    assert out.count("36 layers: [0, 1, 2,") == 2
+    assert cli.main(["explain", "falcon-h1", "--target", "cpu", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["parallel_layers"] == list(range(36))
+    layers = {g["group_id"]: g["layers"] for g in payload["groups"]}
+    assert layers == {"linear": list(range(36)), "full": list(range(36))}

@@ -24,13 +24,14 @@ from attn_core.models import (
     sample_names,
     specs_from_hf_config,
 )
-from attn_core.specs import LayerKind, LayerSpec, LinearVariant
+from attn_core.specs import LayerGroup, LayerKind, LayerSpec, LinearVariant
 
 transformers = pytest.importorskip("transformers")
 
 SAMPLES = [
     "bamba",
     "deepseek-v3",
+    "falcon-h1",
     "falcon-mamba",
     "gemma-3",
     "gpt-oss",
@@ -92,6 +93,8 @@ EXPECTED_GROUPS = {
     # Mamba1: one head per inner channel (d_inner = 2 * 4096), one B / C group
     "jamba": [("linear", "linear", 28, 8192, 1), ("full", "full", 4, 32, 8)],
     "falcon-mamba": [("linear", "linear", 64, 8192, 1)],
+    # parallel hybrid: every layer in both groups (Mamba2 24 heads / 1 group, GQA 8q/2kv)
+    "falcon-h1": [("linear", "linear", 36, 24, 1), ("full", "full", 36, 8, 2)],
     "nemotron-h": [("linear", "linear", 24, 128, 8), ("full", "full", 4, 32, 8)],
     "gpt-oss": [("full", "full", 12, 64, 8), ("full.1", "full", 12, 64, 8)],
     "gemma-3": [("full", "full", 22, 4, 1), ("full.1", "full", 4, 4, 1)],
@@ -112,6 +115,7 @@ EXPECTED_MODEL_TYPE = {
     "bamba": "bamba",
     "jamba": "jamba",
     "falcon-mamba": "falcon_mamba",
+    "falcon-h1": "falcon_h1",
     "nemotron-h": "nemotron_h",
     "gpt-oss": "gpt_oss",
     "gemma-3": "gemma3_text",
@@ -133,12 +137,15 @@ def test_sample_groups(name: str) -> None:
     assert layout.family == name
     assert layout.architecture == load_sample(name)["architectures"][0]
     assert layout.tp_size == 1
-    # groups partition the layout's layers, and group_of agrees with layer_specs
+    # groups partition the layout's ops (a parallel layer's index once per op), and group_of
+    # agrees with layer_specs
     grouped = sorted(i for g in layout.groups for i in g.layer_indices)
     assert grouped == list(layout.layer_indices)
     for index, spec in zip(layout.layer_indices, layout.layer_specs, strict=True):
-        assert layout.group_of(index).spec == spec
-        assert layout.spec_of(index) is layout.group_of(index).spec
+        assert layout.group_of(index, spec.kind).spec == spec
+        if index not in layout.parallel_layers:
+            assert layout.spec_of(index) is layout.group_of(index).spec
+    assert (layout.parallel_layers != ()) == (name == "falcon-h1")
     assert all(s.dtype == "bfloat16" for s in layout.layer_specs)
 
 
@@ -685,6 +692,15 @@ def test_layout_is_frozen_hashable_and_validated() -> None:
     spec = LayerSpec(kind="full", num_heads=4, num_kv_heads=1, head_dim=64)
     with pytest.raises(ValueError, match="in no group"):
         ModelLayout("x", "X", 2, (spec,), (0,), (), 1)
-    with pytest.raises(ValueError, match="increasing"):
+    with pytest.raises(ValueError, match="non-decreasing"):
         ModelLayout("x", "X", 2, (spec, spec), (1, 0), (), 1)
+    # a layer holds one attention op and one linear op at most: two full ops would share its
+    # KV pages
+    other = spec.with_(num_heads=8)
+    two = (LayerGroup("full", spec, (0,)), LayerGroup("full.1", other, (0,)))
+    with pytest.raises(ValueError, match=r"layer 0 is in groups 'full' and 'full.1', two atten"):
+        ModelLayout("x", "X", 1, (spec, other), (0, 0), two, 1)
+    # an op listed in a group whose spec is not the layer's
+    with pytest.raises(ValueError, match=r"layers \[1\] have an op in no group"):
+        ModelLayout("x", "X", 2, (spec, other), (0, 1), (LayerGroup("full", spec, (0, 1)),), 1)
     assert "gpt_oss" in layout.short() and "window=128" in layout.short()

@@ -2,7 +2,7 @@
 
 Configs come from transformers' own config classes at small sizes. A parser's per-layer result
 must agree with the config's ``layer_types``; a feature no layer kind describes (chunked
-attention, parallel attention + Mamba2) is refused with the
+attention outside Llama-4, Falcon-H1's upper dt clamp) is refused with the
 feature and the layers that have it, never mapped partially.
 """
 
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from attn_core.models import specs_from_hf_config
+from attn_core.specs import LayerKind, LinearVariant
 
 transformers = pytest.importorskip("transformers")
 
@@ -119,13 +120,95 @@ def test_jamba_attn_layer_offset_must_fall_in_the_period() -> None:
     _raises(cfg, "attn_layer_offset=8", "0..7")
 
 
-def test_falcon_h1_names_parallel_hybrid() -> None:
-    _raises(
-        _cfg("FalconH1Config", num_hidden_layers=2),
-        "falcon_h1",
-        "attention and Mamba2 in parallel",
-        "layers 0-1",
+def _falcon_h1(**kwargs: Any) -> dict[str, Any]:
+    fields: dict[str, Any] = dict(
+        num_hidden_layers=3,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_d_ssm=96,  # not mamba_expand * hidden_size: the mapping must read mamba_d_ssm
+        mamba_n_heads=6,
+        mamba_n_groups=2,
+        mamba_d_state=16,
     )
+    return _cfg("FalconH1Config", **{**fields, **kwargs})
+
+
+def test_falcon_h1_maps_attention_and_mamba2_in_parallel_in_every_layer() -> None:
+    """Both ops of every layer, each in its own group, checked against the modules."""
+    cfg = _falcon_h1(head_dim=24, key_multiplier=0.5, mamba_rms_norm=True)
+    layout = specs_from_hf_config(cfg)
+    assert layout.family == "falcon-h1" and layout.architecture == "FalconH1ForCausalLM"
+    assert layout.layer_indices == (0, 0, 1, 1, 2, 2)
+    assert layout.parallel_layers == (0, 1, 2)
+    assert {g.group_id: g.layer_indices for g in layout.groups} == {
+        "linear": (0, 1, 2),
+        "full": (0, 1, 2),
+    }
+    hf = transformers.FalconH1Config(**{k: v for k, v in cfg.items() if k != "model_type"})
+    mod = transformers.models.falcon_h1.modeling_falcon_h1
+    with torch.device("meta"):
+        attn = mod.FalconH1Attention(hf, 1)
+        mamba = mod.FalconH1Mixer(hf, 1)
+    full, linear = layout.spec_of(1, LayerKind.FULL), layout.spec_of(1, LayerKind.LINEAR)
+    # key_multiplier scales k before the op: the scale is transformers' head_dim ** -0.5
+    assert full.scale == pytest.approx(attn.scaling) and full.head_dim == attn.head_dim == 24
+    assert (full.num_heads, full.num_kv_heads) == (4, 2)
+    assert linear.linear_variant is LinearVariant.MAMBA2
+    assert (linear.num_heads, linear.num_kv_heads) == (mamba.num_heads, mamba.n_groups)
+    assert (linear.head_dim, linear.head_dim_v) == (mamba.ssm_state_size, mamba.head_dim)
+    assert linear.conv_channels == mamba.conv_dim and linear.conv_kernel_size == 4
+    with pytest.raises(ValueError, match=r"layer 1 holds parallel ops in groups 'linear' and"):
+        layout.spec_of(1)
+    # transformers' own layer_types ("hybrid" on every layer) agree with the mapping
+    assert specs_from_hf_config({**cfg, "layer_types": ["hybrid"] * 3}) == layout
+    assert "parallel   layers 0-2" in layout.short()
+
+
+def test_falcon_h1_under_tensor_parallelism_splits_both_ops() -> None:
+    layout = specs_from_hf_config(_falcon_h1(), tp_size=2)
+    full, linear = layout.spec_of(0, LayerKind.FULL), layout.spec_of(0, LayerKind.LINEAR)
+    assert (full.num_heads, full.num_kv_heads) == (2, 1)
+    assert (linear.num_heads, linear.num_kv_heads) == (3, 1)
+    assert linear.conv_channels == 3 * 16 + 2 * 1 * 16
+
+
+def test_falcon_h1_defaults_are_falcon_h1_configs() -> None:
+    from attn_core.models.hf_config import _FALCON_H1_DEFAULTS
+
+    for name, value in _FALCON_H1_DEFAULTS.items():  # the class's field defaults
+        assert getattr(transformers.FalconH1Config, name) == value, name
+
+
+@pytest.mark.parametrize(
+    ("change", "fragments"),
+    [
+        (
+            {"time_step_limit": [0.0, 0.1]},
+            ("falcon-h1 (falcon_h1)", "time_step_limit=[0.0, 0.1]", "layers 0-2", "upper"),
+        ),
+        ({"time_step_limit": [0.1]}, ("time_step_limit=[0.1]", "layers 0-2", "0 <= lo")),
+        ({"time_step_limit": [-1.0, 2.0]}, ("time_step_limit=[-1.0, 2.0]", "0 <= lo")),
+        ({"ssm_multipliers": [1.0, 1.0]}, ("ssm_multipliers=[1.0, 1.0]", "layers 0-2", "5")),
+        ({"mamba_d_head": 7}, ("mamba_d_head=7 * mamba_n_heads=6", "inner width 96")),
+        (
+            {"layer_types": ["hybrid", "attention", "hybrid"]},
+            ("'attention' in layer 1", "['hybrid']"),
+        ),
+    ],
+    ids=[
+        "dt-upper-clamp",
+        "dt-limit-not-a-pair",
+        "dt-negative-floor",
+        "ssm-multipliers",
+        "head-split",
+        "layer-types",
+    ],
+)
+def test_falcon_h1_refuses_what_it_cannot_map(
+    change: dict[str, Any], fragments: tuple[str, ...]
+) -> None:
+    _raises({**_falcon_h1(), **change}, *fragments)
 
 
 def test_llama4_chunked_layers_without_a_chunk_size_are_refused() -> None:

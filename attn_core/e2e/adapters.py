@@ -21,8 +21,11 @@ Mixers by layer kind:
   per-channel gate ``g [T, H, Dk] = -exp(A_log) softplus(f_b(f_a(x)) + dt_bias)`` (the module's
   ``forget_gate``), ``beta = sigmoid(b_proj)``; the sigmoid-gated RMSNorm ``o_norm`` with
   ``g_b(g_a(x))`` and ``o_proj`` after the core.
-- linear Mamba2 (Bamba, Nemotron-H, Granite-4.0-H): conv over x|B|C, ``q=C, k=B, v=x`` plus
-  ``dt, A_log, D, dt_bias``; gated RMSNorm with the z gate. A lower ``time_step_limit``
+- linear Mamba2 (Bamba, Nemotron-H, Granite-4.0-H, Falcon-H1): conv over x|B|C, ``q=C, k=B,
+  v=x`` plus ``dt, A_log, D, dt_bias``; gated RMSNorm with the z gate. Falcon-H1's mixer
+  scales its input by ``ssm_in_multiplier`` and ``in_proj``'s output by its muP vector before
+  the conv (so ``dt`` is scaled too), and gates with ``silu(z)`` alone when ``mamba_rms_norm``
+  is false. A lower ``time_step_limit``
   (Nemotron-H's ``time_step_min``) is folded into ``dt`` exactly: ``softplus(dt + bias) >= lo``
   iff ``dt >= softplus^-1(lo) - bias``, so ``dt`` is raised to that bound before the binding.
 - linear Mamba1 (Jamba, Falcon-Mamba, Mamba): conv over x only, then ``x_proj`` -> dt | B | C
@@ -40,8 +43,8 @@ after the norm and scaled by its alpha / beta factors, LFM2's ``operator_norm`` 
 residual optionally in float32) under ``backbone`` instead of ``model``. Jamba has no positional
 encoding: its attention layers get q and k as projected.
 
-Families of :data:`LAYER_FORWARD_FAMILIES` (Gemma-3, Nemotron-H, Granite-4.0-H, Qwen3.5,
-Kimi-Linear, the generic dense family) run each
+Families of :data:`LAYER_FORWARD_FAMILIES` (Gemma-3, Nemotron-H, Granite-4.0-H, Falcon-H1,
+Qwen3.5, Kimi-Linear, Llama-4, the generic dense family) run each
 transformers decoder layer's own ``forward``: norms, residuals (and their multipliers), rotary
 embedding and everything else stay transformers' code, and only the attention op is replaced,
 through transformers' attention function interface (an ``"attn_core"`` implementation registered
@@ -51,7 +54,15 @@ keys and values already expanded from the latent, is replaced whole by the absor
 ``scaling`` is checked against the spec. The hook checks every call against the layer's spec:
 the scale, sliding window, chunk size (from the config's ``layer_types``, which transformers
 builds its chunked mask from), soft-cap, sinks and causality transformers asks for must be the
-ones the mapping describes, and every attention layer must have been called.
+ones the mapping describes, and every attention layer must have been called (and every
+linear layer's mixer run).
+
+A parallel hybrid's layer (Falcon-H1: Mamba2 and attention side by side on the same normed
+input, their outputs scaled by ``ssm_out_multiplier`` / ``attention_out_multiplier`` and
+summed) holds two ops: the decoder layer's own forward runs both, the attention through the
+hook (its binding ``runtime.binding(i, LayerKind.FULL)``), the Mamba2 mixer by its class
+(``runtime.binding(i, LayerKind.LINEAR)``); the multipliers around them stay transformers'
+code, as do the embedding multiplier and the ``lm_head_multiplier`` the adapter applies.
 
 Llama-4's NoPE layers scale each query by ``1 + attn_scale * log1p(floor((p + 1) /
 floor_scale))`` of its position ``p`` (``attn_temperature_tuning``). transformers takes ``p``
@@ -82,7 +93,16 @@ __all__ = ["LAYER_FORWARD_FAMILIES", "CausalLMAdapter", "layer_params_for"]
 #: Families (``ModelLayout.family``) whose decoder layers run their own transformers ``forward``
 #: with the attention op hooked (see the module docstring).
 LAYER_FORWARD_FAMILIES: frozenset[str] = frozenset(
-    {"gemma-3", "nemotron-h", "granite-4.0-h", "qwen3.5", "dense", "kimi-linear", "llama-4"}
+    {
+        "gemma-3",
+        "nemotron-h",
+        "granite-4.0-h",
+        "falcon-h1",
+        "qwen3.5",
+        "dense",
+        "kimi-linear",
+        "llama-4",
+    }
 )
 _HOOK_NAME = "attn_core"
 # The adapter whose step is running (the hook is a module-level function transformers calls).
@@ -140,10 +160,11 @@ def _decoder(hf_model: torch.nn.Module) -> Any:
 def layer_params_for(hf_model: torch.nn.Module, layout: ModelLayout) -> dict[int, dict[str, Any]]:
     """Per-layer binding parameters taken from the model: gpt-oss's sinks ``[H]`` float32."""
     params: dict[int, dict[str, Any]] = {}
-    for i in layout.layer_indices:
-        if layout.spec_of(i).has_sinks:
-            sinks = _decoder(hf_model).layers[i].self_attn.sinks
-            params[i] = {"sinks": sinks.detach().float()}
+    for group in layout.groups:  # by group: a parallel layer has two ops, one with sinks
+        if group.spec.has_sinks:
+            for i in group.layer_indices:
+                sinks = _decoder(hf_model).layers[i].self_attn.sinks
+                params[i] = {"sinks": sinks.detach().float()}
     return params
 
 
@@ -193,6 +214,7 @@ class CausalLMAdapter:
         self._mla_modules: dict[int, Any] = {}
         self._dt_floor: dict[int, float] = {}
         self._seen: set[int] = set()
+        self._seen_linear: set[int] = set()  # layers whose replaced linear mixer ran
         self._positions: torch.Tensor | None = None  # [T] int64 of the running step
         if self.layer_forward:
             _register_hook()
@@ -200,7 +222,12 @@ class CausalLMAdapter:
             if i not in layout.layer_indices:
                 self._mixers.append(None)
                 continue
-            spec = layout.spec_of(i)
+            ops = layout.groups_of(i)
+            if len(ops) > 1:  # a parallel hybrid's layer: its own forward runs both ops
+                self._mixers.append(None)
+                self._parallel_ops(i, layer, [g.spec for g in ops])
+                continue
+            spec = ops[0].spec
             if spec.kind is LayerKind.MLA:
                 if self.layer_forward:
                     self._mla_modules[i] = layer.self_attn
@@ -218,22 +245,47 @@ class CausalLMAdapter:
             elif spec.linear_variant is LinearVariant.SHORT_CONV:
                 self._mixers.append(self._short_conv)
             elif spec.linear_variant is LinearVariant.MAMBA2:
-                mx = getattr(layer, "mamba", None) or layer.mixer
-                lo, hi = tuple(getattr(mx, "time_step_limit", (0.0, float("inf"))))
-                if hi != float("inf") or lo < 0:
-                    raise ValueError(
-                        f"layer {i}: time_step_limit=({lo}, {hi}); the binding's Mamba2 inputs "
-                        "carry no upper dt clamp, expected (lo >= 0, inf)"
-                    )
-                if lo > 0:
-                    self._dt_floor[i] = _softplus_inverse(float(lo))
-                self._mamba_modules[i] = mx
-                self._linear_modules[i] = (mx, self._mamba2_core)
+                self._add_mamba2(i, layer)
                 self._mixers.append(self._mamba2)
             elif spec.linear_variant is LinearVariant.MAMBA1:
                 self._mixers.append(self._mamba1)
             else:
                 raise ValueError(f"layer {i}: no mixer for {spec.short()}")
+
+    def _add_mamba2(self, i: int, layer: Any) -> None:
+        """Layer ``i``'s Mamba2 mixer module (``mamba`` or ``mixer``), run by its core."""
+        mx = getattr(layer, "mamba", None) or layer.mixer
+        lo, hi = tuple(getattr(mx, "time_step_limit", (0.0, float("inf"))))
+        if hi != float("inf") or lo < 0:
+            raise ValueError(
+                f"layer {i}: time_step_limit=({lo}, {hi}); the binding's Mamba2 inputs "
+                "carry no upper dt clamp, expected (lo >= 0, inf)"
+            )
+        if lo > 0:
+            self._dt_floor[i] = _softplus_inverse(float(lo))
+        self._mamba_modules[i] = mx
+        self._linear_modules[i] = (mx, self._mamba2_core)
+
+    def _parallel_ops(self, i: int, layer: Any, specs: list[Any]) -> None:
+        """Layer ``i`` holds an attention op and a linear op side by side (Falcon-H1): its
+        decoder layer's own forward runs them, the attention through the hook, the Mamba2
+        mixer module replaced by its core; any other pair has no adapter yet."""
+        if not self.layer_forward:
+            raise ValueError(
+                f"layer {i} holds parallel ops ({', '.join(s.short() for s in specs)}); only "
+                f"families that run their decoder layers' own forward drive those "
+                f"({sorted(LAYER_FORWARD_FAMILIES)}), not {self.layout.family!r}"
+            )
+        for spec in specs:
+            if spec.kind is LayerKind.FULL:
+                continue  # the decoder layer's attention module calls the hook
+            if spec.linear_variant is LinearVariant.MAMBA2:
+                self._add_mamba2(i, layer)
+                continue
+            raise ValueError(
+                f"layer {i}: no adapter for the parallel op {spec.short()} (parallel layers "
+                "drive full attention and Mamba2 ops)"
+            )
 
     # -- the step ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -317,8 +369,8 @@ class CausalLMAdapter:
             m._attn_core_temperature = True
         for i, (mx, core) in self._linear_modules.items():
             # an instance attribute shadows the class's forward for nn.Module.__call__
-            mx.forward = lambda hidden_states, *_a, _i=i, _mx=mx, _core=core, **_k: _core(
-                _i, _mx, hidden_states[0]
+            mx.forward = lambda hidden_states, *_a, _i=i, _mx=mx, _core=core, **_k: self._linear(
+                _i, _mx, _core, hidden_states[0]
             )[None]
         for i, at in self._mla_modules.items():
             at.forward = lambda hidden_states, *_a, _i=i, _at=at, **_k: (
@@ -338,6 +390,11 @@ class CausalLMAdapter:
             self.text_config._attn_implementation = saved
             _ACTIVE.pop()
 
+    def _linear(self, i: int, mx: Any, core: Any, x: torch.Tensor) -> torch.Tensor:
+        """A replaced linear mixer module's call: its core on ``x [T, D]``, recorded as run."""
+        self._seen_linear.add(i)
+        return core(i, mx, x)
+
     def _forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` through each decoder layer's own ``forward`` (hooked attention)."""
         embed = getattr(self.base, "embed_tokens", None) or self.base.embeddings
@@ -347,6 +404,7 @@ class CausalLMAdapter:
             h = h * multiplier
         pes = self._position_embeddings(h, positions)
         self._seen.clear()
+        self._seen_linear.clear()
         self._positions = positions
         with self._hooked():
             for i, layer in enumerate(self.base.layers):
@@ -355,10 +413,18 @@ class CausalLMAdapter:
                     kwargs["position_embeddings"] = pes[i]
                 out = layer(h, **kwargs)
                 h = out[0] if isinstance(out, tuple) else out
+        # by group: a parallel layer is in an attention group and in a linear group
         attention = {
             i
-            for i in self.layout.layer_indices
-            if self.layout.spec_of(i).kind is not LayerKind.LINEAR
+            for g in self.layout.groups
+            if g.spec.kind is not LayerKind.LINEAR
+            for i in g.layer_indices
+        }
+        linear = {
+            i
+            for g in self.layout.groups
+            if g.spec.kind is LayerKind.LINEAR
+            for i in g.layer_indices
         }
         if self._seen != attention:
             raise ValueError(
@@ -367,8 +433,22 @@ class CausalLMAdapter:
                 "called it without being attention layers of the layout; the mapping does not "
                 "describe the model"
             )
-        norm = getattr(self.base, "norm", None) or self.base.norm_f
+        if self._seen_linear != linear:
+            raise ValueError(
+                f"the linear mixers of layers {sorted(linear - self._seen_linear)} of the layout "
+                f"did not run (and those of layers {sorted(self._seen_linear - linear)} ran "
+                "without being linear layers of the layout); the mapping does not describe "
+                "the model"
+            )
+        norm = (
+            getattr(self.base, "norm", None)
+            or getattr(self.base, "final_layernorm", None)  # Falcon-H1
+            or self.base.norm_f
+        )
         logits = self.hf.lm_head(norm(h))[0]
+        head_multiplier = getattr(self.base, "lm_head_multiplier", None)
+        if head_multiplier is not None:  # as FalconH1ForCausalLM: logits times the multiplier
+            logits = logits * head_multiplier
         # The top-level config, as the model class reads it: Gemma3ForCausalLM caps its logits,
         # Gemma3ForConditionalGeneration (whose config has no such field) does not.
         cap = getattr(self.config, "final_logit_softcapping", None)
@@ -394,9 +474,7 @@ class CausalLMAdapter:
         :returns: ``[1, T, H, Dv]``.
         """
         i = int(module.layer_idx)
-        if i not in self.layout.layer_indices:
-            raise ValueError(f"layer {i}: transformers calls attention, the layout has none")
-        spec = self.layout.spec_of(i)
+        spec = self._attention_spec(i)
         scaling = kwargs.get("scaling")
         if scaling is None:
             scaling = module.head_dim**-0.5
@@ -441,8 +519,16 @@ class CausalLMAdapter:
         k = key[0].transpose(0, 1).contiguous()
         v = value[0].transpose(0, 1).contiguous()
         out = torch.empty(T, spec.num_heads, spec.head_dim_v, dtype=q.dtype, device=q.device)
-        self._attend(i, q, k, v, out)
+        self._attend(i, q, k, v, out, op=spec.kind)
         return out[None]
+
+    def _attention_spec(self, i: int) -> Any:
+        """The spec of layer ``i``'s attention op (of a parallel layer: the non-linear one)."""
+        groups = self.layout.groups_of(i) if i in self.layout.layer_indices else ()
+        specs = [g.spec for g in groups if g.spec.kind is not LayerKind.LINEAR]
+        if not specs:
+            raise ValueError(f"layer {i}: transformers calls attention, the layout has none")
+        return specs[0]
 
     def _temperature_scaled(self, module: Any, query: torch.Tensor) -> torch.Tensor:
         """``query [1, H, T, D]`` times Llama-4's NoPE-layer factor of each token's position,
@@ -457,8 +543,10 @@ class CausalLMAdapter:
         return (query * (scales + 1.0).view(1, 1, -1, 1)).to(query.dtype)
 
     # -- attention calls: through the binding, or straight into the group's context -----------
-    def _attend(self, i: int, q, k, v, out, **inputs) -> torch.Tensor:
-        binding = self.runtime.binding(i)
+    def _attend(self, i: int, q, k, v, out, *, op: LayerKind | None = None, **inputs):
+        """Layer ``i``'s op through its binding; ``op`` picks one of a parallel layer's ops
+        (its kind; None: the layer's only op)."""
+        binding = self.runtime.binding(i, op)
         if self.direct:
             group = binding._group
             result = group.forward(binding, q, k, v, out, **inputs)
@@ -468,7 +556,7 @@ class CausalLMAdapter:
         return binding.forward(q, k, v, out=out, **inputs)
 
     def _conv(self, i: int, x, weight, bias, activation) -> torch.Tensor:
-        binding = self.runtime.binding(i)
+        binding = self.runtime.binding(i, LayerKind.LINEAR)  # only linear ops have a conv
         if self.direct:
             return binding._group.context.conv1d(binding, x, weight, bias, activation=activation)
         return binding.conv1d(x, weight, bias, activation=activation)
@@ -620,9 +708,14 @@ class CausalLMAdapter:
         """The Mamba2 mixer ``mx`` of layer ``i`` on ``x [T, D]`` -> ``[T, D]``."""
         T = x.shape[0]
         G, N = mx.n_groups, mx.ssm_state_size
-        gate, xbc, dt = mx.in_proj(x).split(
-            [mx.intermediate_size, mx.conv_dim, mx.num_heads], dim=-1
-        )
+        scale_in = getattr(mx, "ssm_in_multiplier", None)
+        if scale_in is not None:  # Falcon-H1: the mixer's input scaled first
+            x = x * scale_in
+        projected = mx.in_proj(x)
+        mup = getattr(mx, "mup_vector", None)
+        if mup is not None:  # Falcon-H1: z|x|B|C|dt times the muP vector [1, 1, P]
+            projected = projected * mup.reshape(-1)
+        gate, xbc, dt = projected.split([mx.intermediate_size, mx.conv_dim, mx.num_heads], dim=-1)
         floor = self._dt_floor.get(i)
         if floor is not None:  # softplus(dt + dt_bias) >= time_step_limit[0], exactly
             dt = torch.maximum(dt.float(), floor - mx.dt_bias.float()).to(dt.dtype)
@@ -637,12 +730,17 @@ class CausalLMAdapter:
             B.reshape(T, G, N).contiguous(),
             hs.reshape(T, mx.num_heads, mx.head_dim).contiguous(),
             y,
+            op=LayerKind.LINEAR,
             dt=dt.contiguous(),
             A_log=mx.A_log,
             D=mx.D,
             dt_bias=mx.dt_bias,
         )
-        return mx.out_proj(mx.norm(y.view(T, -1), gate).to(x.dtype))
+        if getattr(mx, "mamba_rms_norm", True):  # gated RMSNorm (Falcon-H1: optional)
+            o = mx.norm(y.view(T, -1), gate)
+        else:  # Falcon-H1 without mamba_rms_norm: the plain silu(z) gate
+            o = y.view(T, -1) * F.silu(gate)
+        return mx.out_proj(o.to(x.dtype))
 
     def _lightning(self, i: int, layer, x: torch.Tensor, pe) -> torch.Tensor:
         at = layer.self_attn

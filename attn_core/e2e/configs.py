@@ -240,6 +240,32 @@ _SHRINK: dict[str, dict[str, Any]] = {
         ssm_state_size=16,
         chunk_size=16,
     ),
+    "falcon-h1": dict(
+        num_hidden_layers=3,  # every layer: Mamba2 and attention side by side
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        mamba_d_ssm=96,  # not mamba_expand * hidden_size (128): the mapping reads mamba_d_ssm
+        mamba_n_heads=6,
+        mamba_d_head=16,
+        mamba_n_groups=2,
+        mamba_d_state=16,
+        mamba_chunk_size=4,  # transformers' chunked scan crosses chunks in every prompt
+        # muP multipliers, all different from 1 (the attention input multiplier is 1 in the
+        # sample), at magnitudes that leave both branches a large share of the logits: with
+        # the sample's own (z, x, B, C, dt scaled by 0.25-0.5, the SSM branch by 0.24, the
+        # logits by 0.04) zeroing the whole Mamba2 branch moved the tiny model's logits by
+        # only 5e-4
+        attention_in_multiplier=1.5,
+        ssm_multipliers=[1.5, 2.0, 1.25, 0.8, 0.5],
+        ssm_out_multiplier=1.5,
+        lm_head_multiplier=0.5,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     "qwen2.5-vl-vision": dict(
         depth=4,
         fullatt_block_indexes=[1, 3],
@@ -316,6 +342,15 @@ _KERNEL_SHAPES: dict[str, dict[str, Any]] = {
         mamba_head_dim=64,  # 8 heads * 64 = 2 * hidden 256
         ssm_state_size=128,
         chunk_size=64,
+    ),
+    "falcon-h1": dict(
+        hidden_size=256,
+        head_dim=128,  # 4 attention heads of 128 (head_dim is its own field in Falcon-H1)
+        mamba_d_ssm=512,
+        mamba_n_heads=8,
+        mamba_d_head=64,  # 8 heads * 64 = mamba_d_ssm
+        mamba_d_state=128,
+        mamba_chunk_size=64,
     ),
     "qwen2.5-vl-vision": dict(hidden_size=256, out_hidden_size=256),  # 4 heads of 64
     "qwen2-vl-vision": dict(embed_dim=256, hidden_size=256),  # 4 heads of 64

@@ -63,6 +63,7 @@ _ALIASES = {
     "mamba2": "bamba",
     "falcon_mamba": "falcon-mamba",
     "mamba1": "falcon-mamba",
+    "falcon_h1": "falcon-h1",
 }
 _VISION_GRIDS = [(1, 8, 8), (1, 4, 12), (2, 4, 4), (1, 12, 8)]
 

@@ -29,7 +29,9 @@ __all__ = ["OverheadReport", "measure_overhead"]
 class OverheadReport:
     """Median decode-step times (milliseconds) through bindings and direct, and their ratio.
 
-    :ivar per_layer_us: ``(binding - direct) / attention layers``, microseconds per layer call.
+    :ivar attention_layers: the binding calls of one step: one per op, so a parallel
+        hybrid's layer (Falcon-H1: attention and Mamba2) counts twice.
+    :ivar per_layer_us: ``(binding - direct) / attention_layers``, microseconds per call.
     """
 
     model: str
@@ -146,7 +148,7 @@ def measure_overhead(
                 times[key].append(time.perf_counter() - t0)
     b = statistics.median(times["binding"]) * 1e3
     d = statistics.median(times["direct"]) * 1e3
-    n_layers = len(tiny.layout.layer_indices)
+    n_layers = len(tiny.layout.layer_indices)  # ops: a parallel layer's index once per op
     return OverheadReport(
         model=name,
         device=str(dev),

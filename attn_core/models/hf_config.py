@@ -17,13 +17,15 @@ or sliding) when every field of its config is one that mapping understands; any 
 refused with its layers, since it may change the attention math.
 
 Where the config has ``layer_types``, every parser's result is checked against it layer by layer,
-and a feature no layer kind describes (attention and Mamba2 in parallel, an unknown
-``layer_types`` value) or the family's mapping does not read (``attention_chunk_size`` outside
-Llama-4) is refused with the layers that have it: there is never a partial mapping.
-Llama-4's chunked layers map to ``LayerSpec.attention_chunk_size``.
+and a feature no layer kind describes (an unknown ``layer_types`` value) or the family's
+mapping does not read (``attention_chunk_size`` outside Llama-4) is refused with the layers
+that have it: there is never a partial mapping. Llama-4's chunked layers map to
+``LayerSpec.attention_chunk_size``.
 
 Layers that carry no attention (Nemotron-H's MLP / MoE layers) are absent from the layout; their
-indices are simply missing from ``layer_indices``.
+indices are simply missing from ``layer_indices``. A parallel hybrid's layers (Falcon-H1:
+attention and Mamba2 side by side in every decoder layer) hold two ops each, one in an attention
+group and one in a linear group: their index is listed once per op.
 
 Linear layers with one state only: MiniMax-Text-01 / MiniMax-M1's lightning attention (no conv;
 its per-layer slopes are the model's input) and LFM2's gated short conv (``layer_types`` value
@@ -41,7 +43,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, TypedDict
 
-from attn_core.specs import LayerGroup, LayerKind, LayerSpec, LinearVariant, group_layers
+from attn_core.specs import (
+    LayerGroup,
+    LayerKind,
+    LayerSpec,
+    LinearVariant,
+    group_layers,
+    layer_ops,
+)
 
 __all__ = [
     "MODEL_TYPE_FAMILIES",
@@ -62,8 +71,11 @@ _MISSING: Any = object()
 class ModelLayout:
     """The attention layers of one model on one tensor-parallel rank.
 
-    ``layer_specs[i]`` describes model layer ``layer_indices[i]``; layers without attention are
-    absent. ``groups`` partition ``layer_indices`` (ids ``full``, ``full.1``, ``linear``, ...).
+    ``layer_specs[i]`` describes an op of model layer ``layer_indices[i]``; layers without
+    attention are absent. A layer of a parallel hybrid (Falcon-H1: attention and Mamba2 side
+    by side in one decoder layer) appears twice in a row, once per op: an attention op and a
+    linear op (:func:`attn_core.specs.layer_ops` has the rule). ``groups`` partition the ops
+    (ids ``full``, ``full.1``, ``linear``, ...); such a layer is in two groups.
     """
 
     model_type: str  # the config's model_type, e.g. "qwen3_next"
@@ -79,7 +91,7 @@ class ModelLayout:
     # Qwen2.5-VL vision tower: blocks using full (not windowed) attention. Both are encoder
     # varlen attention with different cu_seqlens, so they share one spec and one group.
     encoder_full_attention_layers: tuple[int, ...] = ()
-    _by_layer: dict[int, LayerGroup] = field(
+    _by_layer: dict[int, tuple[LayerGroup, ...]] = field(
         init=False, repr=False, compare=False, hash=False, default_factory=dict
     )
 
@@ -89,58 +101,87 @@ class ModelLayout:
         if len(self.layer_specs) != len(self.layer_indices):
             raise ValueError(
                 f"layer_specs has {len(self.layer_specs)} entries but layer_indices has "
-                f"{len(self.layer_indices)}; expected one spec per layer index"
+                f"{len(self.layer_indices)}; expected one spec per op of each layer"
             )
-        if list(self.layer_indices) != sorted(set(self.layer_indices)) or any(
+        if list(self.layer_indices) != sorted(self.layer_indices) or any(
             not 0 <= i < self.num_layers for i in self.layer_indices
         ):
             raise ValueError(
-                f"layer_indices={self.layer_indices} must be increasing, unique and in "
-                f"[0, num_layers={self.num_layers})"
+                f"layer_indices={self.layer_indices} must be non-decreasing (a layer twice in "
+                f"a row: its parallel ops) and in [0, num_layers={self.num_layers})"
             )
-        specs = dict(zip(self.layer_indices, self.layer_specs, strict=True))
-        by_layer: dict[int, LayerGroup] = {}
-        for group in self.groups:
-            for index in group.layer_indices:
-                if index in by_layer:
-                    raise ValueError(
-                        f"layer {index} is in groups {by_layer[index].group_id!r} "
-                        f"and {group.group_id!r}; expected exactly one"
-                    )
-                if specs.get(index) != group.spec:
-                    raise ValueError(
-                        f"group {group.group_id!r} lists layer {index} whose spec differs "
-                        f"from the group's (or which is not in layer_indices)"
-                    )
-                by_layer[index] = group
-        if set(by_layer) != set(self.layer_indices):
-            missing = sorted(set(self.layer_indices) - set(by_layer))
-            raise ValueError(f"layers {missing} are in no group; every layer needs one")
+        by_layer = layer_ops(self.groups)  # raises: two ops of one role in one layer
+        ops = list(zip(self.layer_indices, self.layer_specs, strict=True))
+        grouped = [(i, g.spec) for i, gs in by_layer.items() for g in gs]
+        if sorted(ops, key=_op_key) != sorted(grouped, key=_op_key):
+            missing = sorted({i for i, s in ops if (i, s) not in grouped})
+            extra = sorted({i for i, s in grouped if (i, s) not in ops})
+            raise ValueError(
+                f"the groups do not partition the ops: layers {missing} have an op in no "
+                f"group, layers {extra} are in a group whose spec is not one of theirs; "
+                "every op of every layer needs exactly one group"
+            )
         self._by_layer.update(by_layer)
 
-    def group_of(self, layer_index: int) -> LayerGroup:
-        """The group serving model layer ``layer_index``; ValueError for attention-free layers."""
+    @property
+    def parallel_layers(self) -> tuple[int, ...]:
+        """Layers that hold an attention op and a linear op side by side (parallel hybrid)."""
+        return tuple(i for i, gs in self._by_layer.items() if len(gs) > 1)
+
+    def groups_of(self, layer_index: int) -> tuple[LayerGroup, ...]:
+        """Every group holding an op of model layer ``layer_index`` (two for a parallel
+        layer); ValueError for attention-free layers."""
         try:
             return self._by_layer[layer_index]
         except KeyError:
             raise ValueError(
                 f"layer {layer_index} carries no attention in this {self.model_type} layout; "
-                f"attention layers are {_ranges(self.layer_indices)} of {self.num_layers}"
+                f"attention layers are {_ranges(sorted(self._by_layer))} of {self.num_layers}"
             ) from None
 
-    def spec_of(self, layer_index: int) -> LayerSpec:
+    def group_of(self, layer_index: int, kind: LayerKind | None = None) -> LayerGroup:
+        """The group serving model layer ``layer_index``; ValueError for attention-free layers.
+
+        :param kind: the op's kind, needed for a layer with parallel ops (which one to pick);
+            a layer without an op of that kind raises.
+        """
+        groups = self.groups_of(layer_index)
+        if kind is not None:
+            picked = [g for g in groups if g.spec.kind is kind]
+            if not picked:
+                have = ", ".join(f"{g.group_id!r} ({g.spec.kind.value})" for g in groups)
+                raise ValueError(f"layer {layer_index} has no {kind.value} op; it is in {have}")
+            return picked[0]
+        if len(groups) > 1:
+            raise ValueError(
+                f"layer {layer_index} holds parallel ops in groups "
+                f"{' and '.join(repr(g.group_id) for g in groups)}; pass kind= "
+                f"({' or '.join(g.spec.kind.value for g in groups)}) to pick one"
+            )
+        return groups[0]
+
+    def spec_of(self, layer_index: int, kind: LayerKind | None = None) -> LayerSpec:
         """The spec of model layer ``layer_index`` (see :meth:`group_of`)."""
-        return self.group_of(layer_index).spec
+        return self.group_of(layer_index, kind).spec
 
     def short(self) -> str:
-        """Multi-line human summary: one line per group."""
+        """Multi-line human summary: one line per group (and one for parallel layers)."""
         head = (
             f"{self.architecture} ({self.model_type}), {self.num_layers} layers, tp={self.tp_size}"
         )
         lines = [head]
         for g in self.groups:
             lines.append(f"  {g.group_id:<10} {len(g.layer_indices):>3} layers  {g.spec.short()}")
+        if self.parallel_layers:
+            lines.append(
+                f"  parallel   layers {_ranges(self.parallel_layers)}: attention and linear "
+                "ops side by side in each"
+            )
         return "\n".join(lines)
+
+
+def _op_key(op: tuple[int, LayerSpec]) -> tuple[int, str]:
+    return op[0], op[1].kind.value
 
 
 def _ranges(indices: Sequence[int]) -> str:
@@ -286,12 +327,12 @@ _TYPE_KINDS: dict[str, str] = {
     "linear_attention": "linear",
     "mamba": "linear",
     "conv": "linear",  # LFM2's gated short conv
+    # Falcon-H1 (its config's layer_types property): attention and Mamba2 in parallel
+    "hybrid": "full+linear",
 }
 
 
-def _mapped_as(spec: LayerSpec | None) -> str:
-    if spec is None:
-        return "nothing"
+def _mapped_as(spec: LayerSpec) -> str:
     if spec.kind is LayerKind.FULL and spec.sliding_window is not None:
         return "sliding"
     if spec.kind is LayerKind.FULL and spec.attention_chunk_size is not None:
@@ -337,11 +378,15 @@ def _check_against_types(
             f"{model_type}: layer_types has {len(types)} entries; "
             f"expected num_hidden_layers={num_layers}"
         )
-    specs = dict(layers)
+    ops: dict[int, list[LayerSpec]] = {}
+    for i, spec in layers:
+        ops.setdefault(i, []).append(spec)
     window_set = cfg.get("sliding_window") is not None
     wrong: dict[tuple[str, str], list[int]] = {}
     for i, t in enumerate(types):
-        want, got = _TYPE_KINDS[t], _mapped_as(specs.get(i))
+        # a parallel layer's ops joined: "full+linear"
+        got = "+".join(sorted(_mapped_as(s) for s in ops.get(i, []))) or "nothing"
+        want = _TYPE_KINDS[t]
         if want == "full" and got == "mla":
             continue
         if want == "sliding" and got == "full" and not window_set:
@@ -800,6 +845,107 @@ def _granite_hybrid(r: _Reader, o: _Options) -> _Parsed:
     return n, [(i, full if t in attention else mamba) for i, t in enumerate(types)], {}
 
 
+def _falcon_h1(r: _Reader, o: _Options) -> _Parsed:
+    """Falcon-H1: every decoder layer runs a Mamba2 mixer and GQA attention side by side on
+    the same normed input and adds their outputs (a parallel hybrid: two ops per layer, one
+    in the ``linear`` group, one in the ``full`` group).
+
+    The Mamba2 op is attn-core's: conv over x|B|C, ``D`` skip, ``softplus(dt + dt_bias)``.
+    Its inner width is ``mamba_d_ssm`` (``mamba_expand * hidden_size`` when null), split into
+    ``mamba_n_heads`` heads of ``mamba_d_head`` (``"auto"``: the width over the heads). What
+    FalconH1Mixer does beyond Bamba's mixer acts outside the op and stays the model's: the
+    input times ``ssm_in_multiplier``, ``in_proj``'s z|x|B|C|dt output times the muP vector
+    (``ssm_multipliers``, so ``dt`` and the conv input are already scaled when they reach
+    the op), and after the op either the gated RMSNorm over ``mamba_n_groups`` groups
+    (``mamba_rms_norm``, normalising before or after the ``silu(z)`` gate by
+    ``mamba_norm_before_gate``) or the plain ``silu(z)`` gate; ``mamba_chunk_size`` only tiles
+    transformers' scan. A lower ``time_step_limit`` is folded into ``dt`` by the adapter; an
+    upper one has no op input and is refused.
+
+    The attention's softmax scale is ``head_dim ** -0.5``; ``key_multiplier`` scales k before
+    rope and the cache (the op sees scaled keys), ``attention_in_multiplier`` the attention's
+    input, ``attention_out_multiplier`` / ``ssm_out_multiplier`` the two branches' outputs,
+    and the embedding, MLP and ``lm_head`` multipliers act outside both ops.
+    """
+    n = r.pos_int("num_hidden_layers")
+    types = _layer_types(r, n, lambda i: "hybrid")
+    _check_types(r, types, {"hybrid"})
+    every = f"layers {_ranges(range(n))}"
+    limit = r.cfg.get("time_step_limit")
+    if limit is not None:
+        pair = limit if isinstance(limit, (list, tuple)) and len(limit) == 2 else (None, None)
+        lo, hi = (_decoded_float(v) for v in pair)
+        if lo is None or hi is None or lo < 0:
+            raise ValueError(
+                f"{r.where}: time_step_limit={limit!r} in the Mamba2 ops of {every}: expected "
+                "[lo, hi] with 0 <= lo"
+            )
+        if hi != math.inf:
+            raise ValueError(
+                f"{r.where}: time_step_limit={limit!r} in the Mamba2 ops of {every}: an upper "
+                "clamp on softplus(dt + dt_bias) that no Mamba2 op input describes (expected "
+                "[lo, inf]; a lower bound is folded into dt by the model's adapter); refused, "
+                "not mapped in part"
+            )
+    mup = r.cfg.get("ssm_multipliers")
+    if mup is not None and (not isinstance(mup, list) or len(mup) != 5):
+        raise ValueError(
+            f"{r.where}: ssm_multipliers={mup!r} in the Mamba2 ops of {every}: expected 5 "
+            "multipliers, of in_proj's z, x, B, C and dt sections"
+        )
+    d_ssm = r.get("mamba_d_ssm")
+    if d_ssm is None:
+        d_ssm = r.pos_int("mamba_expand") * r.pos_int("hidden_size")
+    elif not isinstance(d_ssm, int) or isinstance(d_ssm, bool) or d_ssm <= 0:
+        raise ValueError(f"{r.where}: mamba_d_ssm={d_ssm!r}: expected a positive int or null")
+    heads = r.pos_int("mamba_n_heads")
+    d_head = r.get("mamba_d_head")
+    if d_head in ("auto", None):
+        d_head = d_ssm // heads
+    if not isinstance(d_head, int) or isinstance(d_head, bool) or d_head * heads != d_ssm:
+        raise ValueError(
+            f"{r.where}: mamba_d_head={d_head!r} * mamba_n_heads={heads} must equal the Mamba2 "
+            f"inner width {d_ssm} (mamba_d_ssm, or mamba_expand * hidden_size when null)"
+        )
+    mamba = _mamba2(
+        r,
+        o,
+        n_heads="mamba_n_heads",
+        d_head=d_head,
+        n_groups="mamba_n_groups",
+        d_state="mamba_d_state",
+        d_conv="mamba_d_conv",
+    )
+    full = o.full(**_gqa(r, o, _head_dim(r)))
+    # the model's order within a layer: the Mamba2 branch, then the attention branch
+    return n, [op for i in range(n) for op in ((i, mamba), (i, full))], {}
+
+
+def _decoded_float(value: Any) -> float | None:
+    """A config float, with transformers' JSON tag for infinity (``{"__float__":
+    "Infinity"}``) decoded; None for anything else."""
+    if isinstance(value, dict) and value.get("__float__") in ("Infinity", "inf"):
+        return math.inf
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+# FalconH1Config's defaults (transformers 5.24) of the fields the mapping reads: hub configs
+# may omit them. A test keeps this table equal to the class.
+_FALCON_H1_DEFAULTS: dict[str, Any] = {
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "mamba_d_ssm": 1024,
+    "mamba_n_heads": 128,
+    "mamba_d_head": "auto",
+    "mamba_n_groups": 1,
+    "mamba_d_state": 256,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+}
+
+
 # -- Mamba1 (Jamba, Falcon-Mamba, Mamba) ------------------------------------------------------
 def _mamba1(r: _Reader, o: _Options, *, expand: str, d_state: str, d_conv: str) -> LayerSpec:
     """One Mamba1 mixer: one head per inner channel, ``d_inner = expand * hidden_size``.
@@ -1161,6 +1307,7 @@ _FAMILIES: tuple[_Family, ...] = (
     _Family("bamba", _bamba, {"bamba": "BambaForCausalLM"}),
     _Family("nemotron-h", _nemotron_h, {"nemotron_h": "NemotronHForCausalLM"}),
     _Family("granite-4.0-h", _granite_hybrid, {"granitemoehybrid": "GraniteMoeHybridForCausalLM"}),
+    _Family("falcon-h1", _falcon_h1, {"falcon_h1": "FalconH1ForCausalLM"}, _FALCON_H1_DEFAULTS),
     _Family("jamba", _jamba, {"jamba": "JambaForCausalLM"}, _JAMBA_DEFAULTS),
     _Family(
         "falcon-mamba",
@@ -1210,23 +1357,9 @@ _DENSE: _Family = next(f for f in _FAMILIES if f.name == "dense")
 _BY_MODEL_TYPE: dict[str, _Family] = {t: f for f in _FAMILIES for t in f.model_types}
 
 
-def _n_layers(cfg: Mapping[str, Any]) -> int:
-    n = cfg.get("num_hidden_layers")
-    return n if isinstance(n, int) and n > 0 else 0
-
-
-def _all_layers(cfg: Mapping[str, Any]) -> str:
-    n = _n_layers(cfg)
-    return f"layers {_ranges(range(n))}" if n else "every layer"
-
-
 # Model types no family parses, with the features that keep them out: the error names them.
-_UNSUPPORTED_FEATURES: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
-    "falcon_h1": lambda c: [
-        f"attention and Mamba2 in parallel inside one decoder layer in {_all_layers(c)}: "
-        f"no layer kind"
-    ],
-}
+# (None now: Falcon-H1's parallel attention and Mamba2 map since layers may hold two ops.)
+_UNSUPPORTED_FEATURES: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {}
 
 
 def _unsupported(
@@ -1337,14 +1470,13 @@ def specs_from_hf_config(
     :param kv_dtype: KV cache dtype for full / mla layers (e.g. ``"fp8_e4m3"``); default: dtype.
         Linear and encoder layers keep no KV cache and ignore it.
     :returns: a :class:`ModelLayout`.
-    :raises ValueError: unknown ``model_type`` (the message names the features that keep it
-        out, e.g. "falcon_h1: attention and Mamba2 in parallel inside one decoder layer in
-        layers 0-1: no layer kind", and its ``layer_types``,
-        and lists the supported ones); a feature no layer kind describes (an unknown
-        ``layer_types`` value) or the family does not read (chunked attention outside
-        Llama-4), named with its layers; a mapping that disagrees with
-        the config's own ``layer_types`` (the layers, what the config says, what was mapped);
-        a missing or invalid field; or a head count ``tp_size`` does not divide.
+    :raises ValueError: unknown ``model_type`` (the message names its ``layer_types`` and
+        lists the supported ones); a feature no layer kind describes (an unknown
+        ``layer_types`` value, Falcon-H1's upper ``time_step_limit``) or the family does not
+        read (chunked attention outside Llama-4), named with its layers; a mapping that
+        disagrees with the config's own ``layer_types`` (the layers, what the config says,
+        what was mapped); a missing or invalid field; or a head count ``tp_size`` does not
+        divide.
     """
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size <= 0:
         raise ValueError(f"tp_size={tp_size!r}: expected a positive int")

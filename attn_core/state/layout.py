@@ -10,7 +10,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from attn_core.specs import LayerGroup, LayerKind, LayerSpec
+from attn_core.specs import LayerGroup, LayerKind, LayerSpec, layer_ops
 
 __all__ = ["DEFAULT_PAGE_SIZE", "StateLayout", "spec_hash"]
 
@@ -52,8 +52,10 @@ class StateLayout:
     ) -> StateLayout:
         """Resolve the layout; ``page_size`` / ``kv_dtype`` override the specs of KV layers.
 
-        Raises ``ValueError`` if a layer index appears twice, or if the KV groups disagree on the
-        page size and no ``page_size`` is given.
+        A layer may be in two groups when they hold one attention op and one linear op of it
+        (a parallel hybrid such as Falcon-H1): it then has KV pages and a conv / SSM slot.
+        Raises ``ValueError`` if a layer is in two groups otherwise, or if the KV groups
+        disagree on the page size and no ``page_size`` is given.
         """
         groups = list(groups)
         for g in groups:
@@ -63,12 +65,9 @@ class StateLayout:
             not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0
         ):
             raise ValueError(f"page_size={page_size!r}: expected a positive integer or None")
-        owner: dict[int, str] = {}
-        for g in groups:
-            for i in g.layer_indices:
-                if i in owner:
-                    raise ValueError(f"layer {i} is in two groups: {owner[i]!r} and {g.group_id!r}")
-                owner[i] = g.group_id
+        # a layer may be in two groups only as a parallel hybrid: one attention op (its KV
+        # pages) and one linear op (its conv / SSM slot); layer_ops refuses anything else
+        layer_ops(groups)
         kv_groups = [g for g in groups if g.spec.has_kv_cache]
         if page_size is None:
             sizes = {g.spec.page_size for g in kv_groups}

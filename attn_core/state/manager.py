@@ -245,7 +245,8 @@ class PersistentState:
             diffs.append(f"page_size: plan {plan.page_size}, state {self.page_size}")
         if layout.has_kv and plan.kv_layout not in (None, self.kv_layout):
             diffs.append(f"kv_layout: plan {plan.kv_layout}, state {self.kv_layout}")
-        planned: dict[int, LayerSpec] = {}
+        # keyed by (layer, "kv" | "linear"): a parallel hybrid's layer keeps both
+        planned: dict[tuple[int, str], LayerSpec] = {}
         for choice in plan.choices:
             spec = choice.group.spec
             if spec.has_kv_cache:
@@ -253,16 +254,24 @@ class PersistentState:
                     page_size=self.page_size,
                     kv_dtype=plan.constraints.kv_dtype or spec.kv_dtype,
                 )
-            elif spec.kind is not LayerKind.LINEAR:
+                store = "kv"
+            elif spec.kind is LayerKind.LINEAR:
+                store = "linear"
+            else:
                 continue
-            planned.update(dict.fromkeys(choice.group.layer_indices, spec))
-        here = {**layout.kv_specs, **layout.linear_specs}
-        if extra := sorted(set(planned) - set(here)):
-            diffs.append(f"layers {extra}: in the plan, keep no state here")
-        if missing := sorted(set(here) - set(planned)):
-            diffs.append(f"layers {missing}: keep state here, not in the plan")
-        for i in sorted(set(planned) & set(here)):
-            want, have = planned[i], here[i]
+            planned.update({(i, store): spec for i in choice.group.layer_indices})
+        here = {(i, "kv"): s for i, s in layout.kv_specs.items()}
+        here.update({(i, "linear"): s for i, s in layout.linear_specs.items()})
+
+        def named(keys: set[tuple[int, str]]) -> str:
+            return "[" + ", ".join(f"{i} ({store})" for i, store in sorted(keys)) + "]"
+
+        if extra := set(planned) - set(here):
+            diffs.append(f"layers {named(extra)}: in the plan, keep no state here")
+        if missing := set(here) - set(planned):
+            diffs.append(f"layers {named(missing)}: keep state here, not in the plan")
+        for i, store in sorted(set(planned) & set(here)):
+            want, have = planned[i, store], here[i, store]
             if want.has_kv_cache and want.kv_dtype != have.kv_dtype:
                 diffs.append(f"layer {i}: kv_dtype: plan {want.kv_dtype}, state {have.kv_dtype}")
             elif want != have:

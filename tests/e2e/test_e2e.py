@@ -109,6 +109,18 @@ def test_mamba1_models_bf16_cpu_within_tolerance(name: str, shapes: str) -> None
     assert any("mamba1" in g["spec"] for g in run.plan["groups"]), run.format()
 
 
+@pytest.mark.parametrize("shapes", ["tiny", "kernel"])
+def test_falcon_h1_bf16_cpu_within_tolerance(shapes: str) -> None:
+    """bf16 on both sides, at the CPU shapes and at the shapes a GPU run uses: both ops of
+    every parallel layer (Mamba2 state in float32) within the bf16 tolerance."""
+    run = run_architecture(
+        "falcon-h1", dtype="bfloat16", prompts=4, max_new_tokens=6, shapes=shapes
+    )
+    assert run.ok, run.format()
+    layers = {g["group_id"]: g["layers"] for g in run.plan["groups"]}
+    assert layers["linear"] == layers["full"] == [0, 1, 2], run.format()
+
+
 @pytest.mark.parametrize(
     ("name", "blocks"), [("qwen2.5-vl-vision", 4), ("qwen2-vl-vision", 3), ("siglip-vision", 3)]
 )
@@ -207,6 +219,7 @@ def test_run_main_report() -> None:
 def test_resolve_models() -> None:
     assert resolve_models("all") == list(ARCHITECTURES)
     assert resolve_models("qwen2.5-vl, gpt_oss") == ["qwen2.5-vl-vision", "gpt-oss"]
+    assert resolve_models("falcon_h1") == ["falcon-h1"]
     with pytest.raises(ValueError, match="llama-2"):
         resolve_models("llama-2")
 
@@ -245,6 +258,7 @@ def test_matches_transformers_fp32_gpu(name: str) -> None:
             "deepseek-v3",
             "gemma-3",
             "nemotron-h",
+            "falcon-h1",
             "falcon-mamba",
             "kimi-linear",
             "llama-4",
@@ -268,6 +282,7 @@ def test_cuda_graph_decode(name: str) -> None:
         ("qwen3-next", "bfloat16"),
         ("gemma-3", "float32"),
         ("nemotron-h", "float32"),
+        ("falcon-h1", "float32"),
         ("kimi-linear", "float32"),
         ("kimi-linear", "bfloat16"),
     ],
@@ -326,6 +341,7 @@ def test_gpu_plugins_match_transformers_bf16(name: str) -> None:
             "bamba",
             "deepseek-v3",
             "jamba",
+            "falcon-h1",
             "falcon-mamba",
             "kimi-linear",
         )

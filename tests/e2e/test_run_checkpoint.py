@@ -31,7 +31,7 @@ def _save_checkpoint(name: str, folder: Path) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("name", ["qwen3", "nemotron-h", "kimi-linear"])
+@pytest.mark.parametrize("name", ["qwen3", "nemotron-h", "kimi-linear", "falcon-h1"])
 def test_checkpoint_folder_loads_its_weights(name: str, tmp_path: Path, run_on_cpu) -> None:
     saved = _save_checkpoint(name, tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())

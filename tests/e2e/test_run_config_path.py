@@ -47,8 +47,9 @@ def test_run_drives_every_sample() -> None:
 
 def test_run_config_error_is_the_mapping_error(tmp_path: Path) -> None:
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "falcon_h1", "num_hidden_layers": 2}))
-    with pytest.raises(ValueError, match="falcon_h1: attention and Mamba2 in parallel"):
+    config = {"model_type": "falcon_h1", "num_hidden_layers": 2, "time_step_limit": [0.0, 1.0]}
+    path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"time_step_limit=\[0.0, 1.0\] in the Mamba2 ops"):
         resolve_models(str(path))
 
 

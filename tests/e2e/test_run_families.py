@@ -1,5 +1,6 @@
 """``attn run`` drives Gemma-3, Nemotron-H and Kimi-Linear through their own decoder layers
-(issue 22), and the other families of issue 22 through theirs.
+(issue 22), and the other families of issue 22 through theirs, Falcon-H1's parallel
+attention + Mamba2 layers included.
 
 They run each transformers decoder layer's ``forward`` with the attention op hooked through
 transformers' attention-function interface (Nemotron-H's Mamba2 mixers and Kimi-Linear's KDA
@@ -22,7 +23,7 @@ from attn_core.e2e.configs import tiny_config
 pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("name", ["gemma-3", "nemotron-h", "kimi-linear"])
+@pytest.mark.parametrize("name", ["gemma-3", "nemotron-h", "kimi-linear", "falcon-h1"])
 def test_run_sample_matches_transformers(name: str, run_on_cpu) -> None:
     report = run_on_cpu(name)
     assert report.ok, report.format()
@@ -348,3 +349,67 @@ def test_kimi_linear_mla_scale_is_checked_against_the_module(
     )
     with pytest.raises(ValueError, match=r"layer 3 \(KimiLinearAttention\).*softmax scale"):
         run_architecture("kimi-linear", prompts=1, max_new_tokens=1)
+
+
+# ------------------------------------------------------------------------------------------
+# Falcon-H1: attention and Mamba2 in parallel inside every decoder layer
+# ------------------------------------------------------------------------------------------
+def _falcon_h1_path(tmp_path: Path, **change: object) -> str:
+    cfg = {**tiny_config("falcon-h1"), **change}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_falcon_h1_runs_both_ops_of_every_layer(run_on_cpu) -> None:
+    """Both groups cover every layer; the run (chunked prefill, mixed steps, decode) matches
+    transformers' eager forward at fp32 tolerance with every greedy token equal."""
+    report = run_on_cpu("falcon-h1")
+    assert report.ok, report.format()
+    (run,) = report.runs
+    groups = {g["group_id"]: (g["layers"], g["spec"]) for g in run.plan["groups"]}
+    assert groups["linear"][0] == groups["full"][0] == [0, 1, 2]
+    assert "mamba2 6q/2kv d16" in groups["linear"][1] and "full 4q/2kv d16" in groups["full"][1]
+    assert run.match.max_abs_diff < 1e-4 and run.match.token_agreement == 1.0, run.format()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"mamba_rms_norm": True, "mamba_norm_before_gate": True},  # norm, then the silu(z) gate
+        {"mamba_rms_norm": True, "mamba_norm_before_gate": False},  # gate, then the norm
+        {"mamba_d_ssm": None, "mamba_n_heads": 8, "mamba_d_head": "auto"},  # expand * hidden
+        {"time_step_limit": [0.5, float("inf")]},  # a dt floor active for many tokens
+        {"key_multiplier": 3.0, "ssm_in_multiplier": 0.3, "ssm_out_multiplier": 2.0},
+    ],
+    ids=["norm-before-gate", "gate-before-norm", "d-ssm-from-expand", "dt-floor", "multipliers"],
+)
+def test_falcon_h1_mixer_variants_match_transformers(
+    tmp_path: Path, change: dict[str, object], run_on_cpu
+) -> None:
+    report = run_on_cpu(_falcon_h1_path(tmp_path, **change))
+    assert report.ok, report.format()
+    (run,) = report.runs
+    assert run.match.max_abs_diff < 1e-4 and run.match.token_agreement == 1.0, run.format()
+
+
+@pytest.mark.parametrize("kind", ["full", "linear"])
+def test_falcon_h1_comparison_sees_each_branch(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """One op of every parallel layer zeroed (the other kept): the logits leave tolerance, so
+    a wrong attention or a wrong Mamba2 op would not pass unseen behind the other branch."""
+    from attn_core.binding import LayerAttentionBinding
+
+    real = LayerAttentionBinding.forward
+
+    def zeroed(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        return out.zero_() if self.spec.kind.value == kind else out
+
+    monkeypatch.setattr(LayerAttentionBinding, "forward", zeroed)
+    run = run_architecture("falcon-h1", prompts=2, max_new_tokens=3)
+    assert not run.ok and run.match.max_abs_diff > 1e-2, run.format()
+
+
+def test_falcon_h1_upper_dt_clamp_is_refused_by_run(tmp_path: Path, run_on_cpu) -> None:
+    with pytest.raises(ValueError, match=r"time_step_limit=\[0.0, 1.0\].*layers 0-2.*refused"):
+        run_on_cpu(_falcon_h1_path(tmp_path, time_step_limit=[0.0, 1.0]))

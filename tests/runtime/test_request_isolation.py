@@ -198,7 +198,7 @@ def test_a_state_that_disagrees_with_the_plan_is_refused(tiny_specs, ref_registr
     assert "PersistentState.from_plan" in msg
 
     other = PersistentState(group_layers([spec]), num_pages=4, num_slots=0, page_size=32)
-    with pytest.raises(ValueError, match=r"layers \[1\]: in the plan, keep no state here"):
+    with pytest.raises(ValueError, match=r"layers \[1 \(linear\)\]: in the plan, keep no state"):
         AttentionRuntime(plan, ref_registry, state=other)
 
     fp8 = select(
