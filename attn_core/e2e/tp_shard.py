@@ -219,8 +219,11 @@ def shard_model(model: TinyModel, rank: int, world: int) -> None:
             f"{model.name}: the layout is for tp {model.layout.tp_size}, sharding for {world}"
         )
     layers = _decoder(model.hf).layers
-    for i in model.layout.layer_indices:
-        spec = model.layout.spec_of(i)
+    # op by op: a parallel hybrid's layer (Falcon-H1) holds an attention and a linear op
+    ops = sorted(
+        ((i, g.spec) for g in model.layout.groups for i in g.layer_indices), key=lambda o: o[0]
+    )
+    for i, spec in ops:
         layer = layers[i]
         where = f"{model.name} layer {i}"
         if spec.kind is LayerKind.FULL:
@@ -417,20 +420,25 @@ def _shard_mamba2(mx: Any, rank: int, world: int, where: str) -> None:
     dt_idx = head_indices([(nh, nh)], rank, world, where=h_where)
     rows = torch.cat([head_idx, inner + xbc_idx, inner + mx.conv_dim + dt_idx])
     mx.in_proj = _rows(mx.in_proj, rows)
+    mup = getattr(mx, "mup_vector", None)
+    if mup is not None:  # Falcon-H1: in_proj's output times a muP vector [1, 1, P], row by row
+        mx.mup_vector = mup.reshape(-1)[rows.to(mup.device)].reshape(1, 1, -1).contiguous()
     _conv(mx.conv1d, xbc_idx)
     mx.A_log, mx.D, mx.dt_bias = (_param(p, dt_idx) for p in (mx.A_log, mx.D, mx.dt_bias))
-    norm = mx.norm
-    if norm.group_size != inner // G:
-        raise ValueError(
-            f"{where}: the gated norm's group_size {norm.group_size}, expected "
-            f"intermediate_size {inner} / n_groups {G}"
-        )
-    if world > G:  # this rank holds part of group rank * G // world (B, C replicated)
-        mx.norm = ShardedGatedGroupRMSNorm(
-            norm.weight[head_idx], norm.variance_epsilon, norm.group_size, rank * G // world, G
-        )
-    else:  # whole groups on each rank: the module's own norm on its slice
-        norm.weight = _param(norm.weight, head_idx)
+    # Falcon-H1 without mamba_rms_norm gates with silu(z) and holds an Identity: nothing to split
+    norm = getattr(mx, "norm", None)
+    if norm is not None and not isinstance(norm, torch.nn.Identity):
+        if norm.group_size != inner // G:
+            raise ValueError(
+                f"{where}: the gated norm's group_size {norm.group_size}, expected "
+                f"intermediate_size {inner} / n_groups {G}"
+            )
+        if world > G:  # this rank holds part of group rank * G // world (B, C replicated)
+            mx.norm = ShardedGatedGroupRMSNorm(
+                norm.weight[head_idx], norm.variance_epsilon, norm.group_size, rank * G // world, G
+            )
+        else:  # whole groups on each rank: the module's own norm on its slice
+            norm.weight = _param(norm.weight, head_idx)
     mx.out_proj = _columns(mx.out_proj, head_idx)
     mx.num_heads, mx.n_groups = nh // world, max(G // world, 1)
     mx.intermediate_size = mx.num_heads * hd
