@@ -62,6 +62,7 @@ class AttentionRuntime:
         layer_params: Mapping[int, Mapping[str, Any]] | None = None,
     ) -> None:
         _refuse_unloadable(plan)
+        _refuse_shared_layers(plan)
         if state is not None:
             problems = state.plan_differences(plan)
             if problems:
@@ -229,6 +230,22 @@ class AttentionRuntime:
 
 #: Turns the finite check on for every runtime built while it is set (see check_finite).
 ENV_CHECK_FINITE = "ATTN_CORE_CHECK_FINITE"
+
+
+def _refuse_shared_layers(plan: Plan) -> None:
+    """One binding per layer index: a multi-stack layout's stacks (a vision tower and a
+    language model) each number their layers from 0, so one runtime serves one stack."""
+    owner: dict[int, str] = {}
+    for choice in plan.choices:
+        group = choice.group
+        for index in group.layer_indices:
+            if index in owner:
+                raise ValueError(
+                    f"layer {index} is in group {owner[index]!r} and in group "
+                    f"{group.group_id!r}: a runtime binds each layer once; plan one stack at a "
+                    f"time (select(layout.stack_layout(name).groups, ...))"
+                )
+            owner[index] = group.group_id
 
 
 def _finite_check_source(plan: Plan) -> str | None:

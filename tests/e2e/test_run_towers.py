@@ -65,6 +65,9 @@ def test_tower_blocks_match_transformers_fp32_cpu(
 ) -> None:
     path = make(tmp_path)
     layout = specs_from_hf_config(json.loads(path.read_text()))
+    if layout.stacks:  # the whole Qwen2-VL config: the tower is the stack that runs
+        assert [g.group_id for g in layout.groups] == ["vision.encoder", "text.full"]
+        layout = layout.stack_layout("vision")
     assert layout.family == family
     assert [g.spec.kind.value for g in layout.groups] == ["encoder"]
     assert not layout.groups[0].spec.causal
@@ -73,6 +76,9 @@ def test_tower_blocks_match_transformers_fp32_cpu(
     (run,) = report.runs
     assert run.steps == steps and run.mode_counts == {"encoder": steps}
     assert run.match.max_abs_diff < 1e-4, run.format()
+    if layout.stack:  # the report says which stack ran and why the language model did not
+        assert run.name == f"{path} [vision]"
+        assert any("stack text (qwen2-vl-text) is not run here" in n for n in run.notes)
 
 
 @pytest.mark.parametrize(
