@@ -37,6 +37,7 @@ from attn_core.e2e.runner import Engine
 from attn_core.e2e.vision import VisionRunner, vision_inputs
 from attn_core.models import (
     MODEL_TYPE_FAMILIES,
+    MULTI_STACK_MODEL_TYPES,
     SAMPLE_STACKS,
     load_sample,
     sample_names,
@@ -146,7 +147,13 @@ def _driven_model_types() -> list[str]:
     return [
         t
         for t, family in MODEL_TYPE_FAMILIES.items()
-        if (family in ARCHITECTURES or family in _CONFIG_FAMILIES) and t not in _HUB_ONLY
+        if t not in _HUB_ONLY
+        and (
+            family in ARCHITECTURES
+            or family in _CONFIG_FAMILIES
+            # a multi-stack model type: run drives the stacks it has an adapter for
+            or any(f in ARCHITECTURES for f in MULTI_STACK_MODEL_TYPES.get(t, {}).values())
+        )
     ]
 
 

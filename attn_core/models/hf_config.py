@@ -1458,12 +1458,13 @@ def _unsupported(
     )
 
 
-#: Multi-stack model types -> their stacks' names, in the model's order.
-MULTI_STACK_MODEL_TYPES: dict[str, tuple[str, ...]] = {
-    "gemma3": ("vision", "text"),
-    "qwen2_5_vl": ("vision", "text"),
-    "qwen2_vl": ("vision", "text"),
-    "whisper": ("encoder", "decoder"),
+#: Multi-stack model types -> their stacks, in the model's order -> the family reading each
+#: (``""``: no layer kind describes it; refused). A test keeps it equal to the parsers'.
+MULTI_STACK_MODEL_TYPES: dict[str, dict[str, str]] = {
+    "gemma3": {"vision": "siglip-vision", "text": "gemma-3"},
+    "qwen2_5_vl": {"vision": "qwen2.5-vl-vision", "text": "qwen2-vl-text"},
+    "qwen2_vl": {"vision": "qwen2-vl-vision", "text": "qwen2-vl-text"},
+    "whisper": {"encoder": "whisper-encoder", "decoder": ""},
 }
 
 
