@@ -25,6 +25,12 @@ Llama-4's chunked layers map to ``LayerSpec.attention_chunk_size``.
 Layers that carry no attention (Nemotron-H's MLP / MoE layers) are absent from the layout; their
 indices are simply missing from ``layer_indices``.
 
+Multi-stack models (Qwen2-VL / Qwen2.5-VL and Gemma-3 multimodal: a vision tower and a
+language model; Whisper: an encoder and a decoder) yield every stack's groups, ids prefixed by
+the stack (``vision.encoder``, ``text.full``), one layout per stack in ``ModelLayout.stacks``;
+``stack=`` keeps one. A stack no layer kind describes (Whisper's decoder: cross-attention in
+every layer) is refused unless another stack is asked for, never dropped silently.
+
 Linear layers with one state only: MiniMax-Text-01 / MiniMax-M1's lightning attention (no conv;
 its per-layer slopes are the model's input) and LFM2's gated short conv (``layer_types`` value
 ``conv``; conv state only, its ``hidden_size`` channels split under tensor parallelism).
