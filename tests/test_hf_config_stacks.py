@@ -219,9 +219,12 @@ def test_whisper_heads_split_over_tensor_parallel_ranks() -> None:
 # ------------------------------------------------------------------------------------------
 def test_stacks_are_listed_for_every_multi_stack_model_type() -> None:
     samples = {"qwen2_vl": "qwen2-vl", "qwen2_5_vl": "qwen2.5-vl", "whisper": "whisper"}
-    gemma = transformers.Gemma3Config().to_dict()
+    built = {
+        "gemma3": transformers.Gemma3Config().to_dict(),
+        "llama4": transformers.Llama4Config().to_dict(),
+    }
     for model_type, stacks in MULTI_STACK_MODEL_TYPES.items():
-        cfg = load_sample(samples[model_type]) if model_type in samples else gemma
+        cfg = load_sample(samples[model_type]) if model_type in samples else built[model_type]
         assert stack_families(cfg) == stacks, model_type
     assert stack_families(load_sample("qwen3")) == {}
     assert sorted(MULTI_STACK_MODEL_TYPES) == sorted(

@@ -91,6 +91,8 @@ class _Input:
 _NOT_DRIVEN: dict[str, str] = {
     "qwen2-vl-text": "attn run has no adapter for the Qwen2-VL / Qwen2.5-VL language model "
     "(M-RoPE positions); `attn explain` plans its groups",
+    "llama-4-vision": "attn run has no adapter for the Llama-4 vision tower (2D rotary per "
+    "tile, pixel shuffle); `attn explain` plans its groups",
 }
 
 

@@ -25,7 +25,7 @@ Llama-4's chunked layers map to ``LayerSpec.attention_chunk_size``.
 Layers that carry no attention (Nemotron-H's MLP / MoE layers) are absent from the layout; their
 indices are simply missing from ``layer_indices``.
 
-Multi-stack models (Qwen2-VL / Qwen2.5-VL and Gemma-3 multimodal: a vision tower and a
+Multi-stack models (Qwen2-VL / Qwen2.5-VL, Gemma-3 and Llama-4 multimodal: a vision tower and a
 language model; Whisper: an encoder and a decoder) yield every stack's groups, ids prefixed by
 the stack (``vision.encoder``, ``text.full``), one layout per stack in ``ModelLayout.stacks``;
 ``stack=`` keeps one. A stack no layer kind describes (Whisper's decoder: cross-attention in
@@ -1273,6 +1273,38 @@ _GEMMA3_TEXT = _Family(
     {"gemma3_text": "Gemma3ForCausalLM"},
     _GEMMA3_DEFAULTS,
 )
+# Llama4VisionConfig's defaults (transformers 5.24) for the fields the tower mapping reads.
+_LLAMA4_VISION_DEFAULTS: dict[str, Any] = {
+    "num_hidden_layers": 34,
+    "num_attention_heads": 16,
+    "hidden_size": 768,
+}
+
+
+# Llama-4's vision encoder: every layer bidirectional attention within each image tile (its
+# class token and patches; 2D rotary on q and k outside the op). transformers' eager function
+# applies no mask (its module sets no is_causal), as the reference implementation.
+def _llama4_vision(r: _Reader, o: _Options) -> _Parsed:
+    """Llama-4's vision encoder: ``num_hidden_layers`` layers of ``num_attention_heads`` heads
+    of ``hidden_size // heads``, non-causal."""
+    return _encoder_tower(r, o, "num_hidden_layers", "num_attention_heads", "hidden_size")
+
+
+_LLAMA4_VISION = _Family("llama-4-vision", _llama4_vision, {}, _LLAMA4_VISION_DEFAULTS)
+_LLAMA4_TEXT = _Family("llama-4", _llama4, {"llama4_text": "Llama4ForCausalLM"})
+
+
+def _llama4_stacks(raw: Mapping[str, Any], model_type: str) -> list[_StackPart]:
+    """Llama-4 multimodal: the vision tower (``vision_config``; transformers fills an absent
+    one with Llama4VisionConfig's defaults) and the language model (``text_config``)."""
+    vision = raw.get("vision_config")
+    text = _sub_config(raw, "text_config", model_type)
+    return [
+        _StackPart("vision", dict(vision) if isinstance(vision, Mapping) else {}, _LLAMA4_VISION),
+        _StackPart("text", text, _LLAMA4_TEXT),
+    ]
+
+
 _WHISPER_ENCODER = _Family("whisper-encoder", _whisper_encoder, {}, _WHISPER_DEFAULTS)
 
 # Keys of a flat (hub-style) Qwen-VL config that are not its language model's.
@@ -1348,10 +1380,13 @@ _FAMILIES: tuple[_Family, ...] = (
         },
     ),
     _Family("qwen3-next", _qwen3_next, {"qwen3_next": "Qwen3NextForCausalLM"}),
+    _LLAMA4_TEXT,
+    # Llama-4 multimodal: its vision tower and the language model.
     _Family(
         "llama-4",
-        _llama4,
-        {"llama4_text": "Llama4ForCausalLM", "llama4": "Llama4ForConditionalGeneration"},
+        _refuse_parse,
+        {"llama4": "Llama4ForConditionalGeneration"},
+        stacks=_llama4_stacks,
     ),
     # Qwen3.5 text: the same Gated DeltaNet and gated full-attention layers by layer_types.
     _Family(
@@ -1468,6 +1503,7 @@ def _unsupported(
 #: (``""``: no layer kind describes it; refused). A test keeps it equal to the parsers'.
 MULTI_STACK_MODEL_TYPES: dict[str, dict[str, str]] = {
     "gemma3": {"vision": "siglip-vision", "text": "gemma-3"},
+    "llama4": {"vision": "llama-4-vision", "text": "llama-4"},
     "qwen2_5_vl": {"vision": "qwen2.5-vl-vision", "text": "qwen2-vl-text"},
     "qwen2_vl": {"vision": "qwen2-vl-vision", "text": "qwen2-vl-text"},
     "whisper": {"encoder": "whisper-encoder", "decoder": ""},
@@ -1583,7 +1619,7 @@ def specs_from_hf_config(
 ) -> ModelLayout:
     """The attention layout of a Hugging Face model on one tensor-parallel rank.
 
-    A multi-stack model (Qwen2-VL / Qwen2.5-VL and Gemma-3 multimodal: ``vision`` and
+    A multi-stack model (Qwen2-VL / Qwen2.5-VL, Gemma-3 and Llama-4 multimodal: ``vision`` and
     ``text``; Whisper: ``encoder`` and ``decoder``) yields every stack's groups, their ids
     prefixed by the stack (``vision.encoder``, ``text.full``), each stack's layout in
     ``ModelLayout.stacks``; a stack no layer kind describes (Whisper's decoder, with
@@ -1705,9 +1741,6 @@ def _specs(
 ) -> ModelLayout:
     """One stack: ``raw`` is the config its family reads (a multi-stack model's sub-config)."""
     cfg, dtype_sources = raw, [raw]
-    if model_type == "llama4":  # multimodal: the language model is text_config
-        cfg = _sub_config(raw, "text_config", model_type)
-        dtype_sources = [cfg, raw]
     options = _Options(
         tp_size=tp_size,
         dtype=dtype if dtype is not None else _config_dtype(*dtype_sources),
