@@ -41,7 +41,7 @@ residual optionally in float32) under ``backbone`` instead of ``model``. Jamba h
 encoding: its attention layers get q and k as projected.
 
 Families of :data:`LAYER_FORWARD_FAMILIES` (Gemma-3, Nemotron-H, Granite-4.0-H, Qwen3.5,
-Kimi-Linear, the generic dense family) run each
+Kimi-Linear, Llama-4, the Qwen2-VL / Qwen2.5-VL language model, the generic dense family) run each
 transformers decoder layer's own ``forward``: norms, residuals (and their multipliers), rotary
 embedding and everything else stay transformers' code, and only the attention op is replaced,
 through transformers' attention function interface (an ``"attn_core"`` implementation registered
@@ -81,7 +81,16 @@ __all__ = ["LAYER_FORWARD_FAMILIES", "CausalLMAdapter", "layer_params_for"]
 #: Families (``ModelLayout.family``) whose decoder layers run their own transformers ``forward``
 #: with the attention op hooked (see the module docstring).
 LAYER_FORWARD_FAMILIES: frozenset[str] = frozenset(
-    {"gemma-3", "nemotron-h", "granite-4.0-h", "qwen3.5", "dense", "kimi-linear", "llama-4"}
+    {
+        "gemma-3",
+        "nemotron-h",
+        "granite-4.0-h",
+        "qwen3.5",
+        "dense",
+        "kimi-linear",
+        "llama-4",
+        "qwen2-vl-text",
+    }
 )
 _HOOK_NAME = "attn_core"
 # The adapter whose step is running (the hook is a module-level function transformers calls).
@@ -144,6 +153,15 @@ def layer_params_for(hf_model: torch.nn.Module, layout: ModelLayout) -> dict[int
             sinks = _decoder(hf_model).layers[i].self_attn.sinks
             params[i] = {"sinks": sinks.detach().float()}
     return params
+
+
+def _mrope(config: Any) -> bool:
+    """Whether the rotary embedding is Qwen2-VL's multimodal one (``mrope_section`` set)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = getattr(config, key, None)
+        if isinstance(rope, dict) and rope.get("mrope_section"):
+            return True
+    return False
 
 
 def _mlp_out(y: Any) -> torch.Tensor:
@@ -293,6 +311,11 @@ class CausalLMAdapter:
         rot = getattr(self.base, "rotary_emb", None)
         if rot is None:
             return [None] * n
+        if _mrope(self.text_config):
+            # Qwen2-VL's M-RoPE takes (temporal, height, width) positions [3, 1, T]; a text
+            # token has all three equal to its position (transformers' get_rope_index)
+            pe = rot(h, positions[None, None].expand(3, 1, -1))
+            return [pe] * n
         if "layer_type" not in inspect.signature(rot.forward).parameters:
             pe = rot(h, positions[None])
             return [pe] * n

@@ -650,6 +650,12 @@ def build_tiny(
         from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
         model = WhisperEncoder._from_config(hf_cfg, attn_implementation="eager")
+    elif name == "qwen2-vl-text":
+        # the whole *ForConditionalGeneration (AutoModelForCausalLM has no Qwen-VL class): text
+        # prompts run its language model, and its forward is the reference
+        model = transformers.AutoModelForImageTextToText.from_config(
+            hf_cfg, attn_implementation="eager"
+        )
     else:
         # MoE blocks through batched_mm: transformers' default grouped_mm reads its expert
         # offsets on the host for float32 (H200: "Cannot copy between CPU and CUDA tensors

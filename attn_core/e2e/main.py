@@ -89,15 +89,16 @@ class _Input:
 # Stack families of multi-stack configs that `attn run` has no adapter for, and why: a run of
 # the config drives its other stacks and says this.
 _NOT_DRIVEN: dict[str, str] = {
-    "qwen2-vl-text": "attn run has no adapter for the Qwen2-VL / Qwen2.5-VL language model "
-    "(M-RoPE positions); `attn explain` plans its groups",
     "llama-4-vision": "attn run has no adapter for the Llama-4 vision tower (2D rotary per "
     "tile, pixel shuffle); `attn explain` plans its groups",
 }
 
 
-def _stack_notes(cfg: dict[str, Any], driven: list[str]) -> list[str]:
-    """Notes on a multi-stack config's stacks not in ``driven``: why each is not run."""
+def _stack_notes(
+    cfg: dict[str, Any], driven: list[str], *, skipped: str = "not asked for (--stack)"
+) -> list[str]:
+    """Notes on a multi-stack config's stacks not in ``driven``: why each is not run
+    (``skipped``: why for one the runner could drive)."""
     families = stack_families(cfg)
     notes = []
     for stack, family in families.items():
@@ -109,8 +110,8 @@ def _stack_notes(cfg: dict[str, Any], driven: list[str]) -> list[str]:
                 why = "no layer kind describes it"
             except ValueError as err:  # its first clause: the feature and its layers
                 why = str(err).split("; ")[0]
-        elif family in ARCHITECTURES:
-            why = "not asked for (--stack)" if len(driven) == 1 else "runs on its own"
+        elif family in ARCHITECTURES or family in _CONFIG_FAMILIES:
+            why = skipped
         else:
             why = _NOT_DRIVEN.get(family, f"attn run has no adapter for {family}")
         notes.append(f"stack {stack} ({family or 'unmapped'}) is not run here: {why}")
@@ -125,14 +126,18 @@ def _sample_notes(name: str) -> tuple[str, ...]:
     stack = SAMPLE_STACKS[name][1]
     cfg = load_sample(name)  # the whole model's config
     head = f"runs stack {stack} of {cfg['model_type']} (stacks {', '.join(stack_families(cfg))})"
-    return (head, *_stack_notes(cfg, [stack]))
+    why = (
+        "the sample runs this stack alone, at tiny sizes; `attn run` of a config.json of the "
+        "model runs every stack it has an adapter for"
+    )
+    return (head, *_stack_notes(cfg, [stack], skipped=why))
 
 
 # Families with no bundled sample that run from a config.json (or checkpoint) through the
 # layer-forward adapter: the generic dense mapping's model types (any dense family using the
 # common names, tests/e2e/test_run_dense.py), Granite-4.0-H and Qwen3.5
 # (tests/e2e/test_run_families.py), each checked against transformers.
-_CONFIG_FAMILIES: tuple[str, ...] = ("dense", "granite-4.0-h", "qwen3.5")
+_CONFIG_FAMILIES: tuple[str, ...] = ("dense", "granite-4.0-h", "qwen3.5", "qwen2-vl-text")
 
 
 # Hub configs of remote-code models a family maps but transformers cannot build, and the
@@ -202,7 +207,8 @@ def _stack_inputs(part: str, path: Path, cfg: dict[str, Any], stacks: Any) -> li
     driven = [
         s
         for s in stacks
-        if s.family in ARCHITECTURES and not (checkpoint and s.family in ENCODER_MODELS)
+        if (s.family in ARCHITECTURES or s.family in _CONFIG_FAMILIES)
+        and not (checkpoint and s.family in ENCODER_MODELS)
     ]
     if not driven:
         names = [f"{s.stack} ({s.family})" for s in stacks]

@@ -49,6 +49,9 @@ def _qwen2_vl(tmp_path: Path) -> Path:
             num_attention_heads=4,
             num_key_value_heads=2,
             vocab_size=256,
+            # head dim 12: M-RoPE sections of 2 + 2 + 2 frequencies (the language model runs too)
+            rope_parameters={"rope_type": "default", "mrope_section": [2, 2, 2]},
+            initializer_range=0.1,
         ),
     )
     path = tmp_path / "config.json"
@@ -73,12 +76,15 @@ def test_tower_blocks_match_transformers_fp32_cpu(
     assert not layout.groups[0].spec.causal
     report = run_on_cpu(str(path))
     assert report.ok, report.format()
-    (run,) = report.runs
+    run = report.runs[0]
     assert run.steps == steps and run.mode_counts == {"encoder": steps}
     assert run.match.max_abs_diff < 1e-4, run.format()
-    if layout.stack:  # the report says which stack ran and why the language model did not
-        assert run.name == f"{path} [vision]"
-        assert any("stack text (qwen2-vl-text) is not run here" in n for n in run.notes)
+    if layout.stack:  # the whole config: the tower, then the language model on its own
+        assert [r.name for r in report.runs] == [f"{path} [vision]", f"{path} [text]"]
+        assert run.notes == ["runs stack vision of qwen2_vl"]  # every stack runs: no other note
+        assert report.runs[1].notes == ["runs stack text of qwen2_vl"]
+    else:
+        assert len(report.runs) == 1
 
 
 @pytest.mark.parametrize(
