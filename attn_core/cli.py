@@ -432,6 +432,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument(
+        "--stack",
+        default=None,
+        help="one stack of a multi-stack model (vision, text; Whisper: encoder); default: every "
+        "stack's groups",
+    )
+    p.add_argument(
         "--batch",
         default="8",
         help="requests per step: one or a comma list, e.g. 1,8,64,256 (each a tuning bucket)",
