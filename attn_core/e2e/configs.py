@@ -611,7 +611,13 @@ def build_tiny(
             )
         hf_cfg = _hf_config(name, cfg)  # the folder's own, or its first layers (--layers)
         # Any: transformers' from_pretrained wrapper types its result loosely
-        loaded: Any = transformers.AutoModelForCausalLM.from_pretrained(
+        # a Qwen-VL checkpoint is its whole *ForConditionalGeneration (no causal-LM class)
+        auto: Any = (
+            transformers.AutoModelForImageTextToText
+            if name == "qwen2-vl-text"
+            else transformers.AutoModelForCausalLM
+        )
+        loaded: Any = auto.from_pretrained(
             checkpoint,
             config=hf_cfg,
             dtype=torch_dtype(dtype),

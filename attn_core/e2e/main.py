@@ -39,6 +39,7 @@ from attn_core.models import (
     MODEL_TYPE_FAMILIES,
     MULTI_STACK_MODEL_TYPES,
     SAMPLE_STACKS,
+    ModelLayout,
     load_sample,
     sample_names,
     specs_from_hf_config,
@@ -159,7 +160,10 @@ def _driven_model_types() -> list[str]:
             family in ARCHITECTURES
             or family in _CONFIG_FAMILIES
             # a multi-stack model type: run drives the stacks it has an adapter for
-            or any(f in ARCHITECTURES for f in MULTI_STACK_MODEL_TYPES.get(t, {}).values())
+            or any(
+                f in ARCHITECTURES or f in _CONFIG_FAMILIES
+                for f in MULTI_STACK_MODEL_TYPES.get(t, {}).values()
+            )
         )
     ]
 
@@ -199,7 +203,9 @@ def _config_input(part: str, stack: str | None = None) -> list[_Input] | None:
     return [_Input(str(path), layout.family, cfg, checkpoint)]
 
 
-def _stack_inputs(part: str, path: Path, cfg: dict[str, Any], stacks: Any) -> list[_Input]:
+def _stack_inputs(
+    part: str, path: Path, cfg: dict[str, Any], stacks: Sequence[ModelLayout]
+) -> list[_Input]:
     """The runs of a multi-stack config: each stack (of ``stacks``) the runner has an adapter
     for; refused when there is none."""
     weights = path.is_dir() and any(path.glob("*.safetensors"))
