@@ -20,6 +20,8 @@ _TEXT = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     vocab_size=256,
+    bos_token_id=1,  # inside the tiny vocabulary
+    eos_token_id=2,
     initializer_range=0.1,
     tie_word_embeddings=False,
     rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4},
@@ -73,3 +75,44 @@ def test_the_language_model_alone(tmp_path: Path) -> None:
     path = _config(tmp_path, "Qwen2VLConfig")
     assert resolve_models(str(path)) == [f"{path} [vision]", f"{path} [text]"]
     assert resolve_models(str(path), stack="text") == [f"{path} [text]"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_both_stacks_through_the_gpu_plugins_bf16(tmp_path: Path) -> None:
+    """Head dim 64 on both stacks, so the installed GPU plugins (varlen for the tower,
+    FlashInfer / FA3 for the language model) serve them rather than the reference."""
+    from attn_core.e2e import run_main
+    from attn_core.registry import Registry
+
+    text = dict(
+        hidden_size=256, rope_parameters={**_TEXT["rope_parameters"], "mrope_section": [8, 12, 12]}
+    )
+    vision = dict(
+        depth=2,
+        num_heads=4,
+        hidden_size=256,
+        intermediate_size=256,
+        out_hidden_size=256,
+        fullatt_block_indexes=[1],
+        initializer_range=0.1,
+    )
+    cfg = transformers.Qwen2_5_VLConfig(vision_config=vision, text_config={**_TEXT, **text})
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    report = run_main(
+        str(path),
+        device="cuda",
+        dtype="bfloat16",
+        prompts=3,
+        max_new_tokens=4,
+        graphs=False,
+        registry=Registry.discover(),
+        constraints=None,
+        progress=False,
+    )
+    print(report.format())
+    assert report.ok, report.format()
+    backends = {g["group_id"]: g["backend"] for r in report.runs for g in r.plan["groups"]}
+    assert set(backends) == {"vision.encoder", "text.full"}
+    assert "attn_core:reference" not in backends.values(), backends
