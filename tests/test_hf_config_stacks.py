@@ -241,6 +241,10 @@ def test_stack_errors_name_what_exists() -> None:
         specs_from_hf_config("qwen2.5-vl", stack="audio")
     with pytest.raises(ValueError, match=r"qwen3: stack='text': this model has one stack"):
         specs_from_hf_config("qwen3", stack="text")
+    # a model type the generic dense mapping reads has one stack too
+    dense = {k: v for k, v in load_sample("qwen3").items() if k != "architectures"}
+    with pytest.raises(ValueError, match=r"olmo9: stack='text': this model has one stack"):
+        specs_from_hf_config({**dense, "model_type": "olmo9"}, stack="text")
     layout = specs_from_hf_config("qwen2.5-vl")
     with pytest.raises(ValueError, match=r"layer 0 is ambiguous; use stack_layout\(name\)"):
         layout.group_of(0)

@@ -1655,6 +1655,11 @@ def specs_from_hf_config(
     raw = _as_dict(config)
     model_type = raw.get("model_type")
     family = _BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
+    if stack is not None and (family is None or family.stacks is None):
+        raise ValueError(
+            f"{model_type}: stack={stack!r}: this model has one stack; stacks are those of "
+            f"multi-stack models ({sorted(MULTI_STACK_MODEL_TYPES)})"
+        )
     if family is None and isinstance(model_type, str) and model_type not in _UNSUPPORTED_FEATURES:
         # A model_type no family names: the generic dense mapping reads it when every field is
         # one it understands; otherwise its refusal says why, with the supported list.
@@ -1665,11 +1670,6 @@ def specs_from_hf_config(
     if family is None or not isinstance(model_type, str):
         raise _unsupported(model_type, raw)
     if family.stacks is None:
-        if stack is not None:
-            raise ValueError(
-                f"{model_type}: stack={stack!r}: this model has one stack; stacks are those of "
-                f"multi-stack models ({sorted(t for t, f in _BY_MODEL_TYPE.items() if f.stacks)})"
-            )
         return _specs(raw, model_type, family, tp_size, dtype, page_size, kv_dtype)
     return _multi_stack(raw, model_type, family, stack, tp_size, dtype, page_size, kv_dtype)
 
