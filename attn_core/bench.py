@@ -275,7 +275,8 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
     device = torch.device(device_name)
     caps = DeviceCapabilities.detect(device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    layout = specs_from_hf_config(args.model, tp_size=args.tp, dtype=dtype)
+    stack = getattr(args, "stack", None)  # one stack of a multi-stack model (--stack)
+    layout = specs_from_hf_config(args.model, tp_size=args.tp, dtype=dtype, stack=stack)
     plan = select(layout.groups, registry, caps, constraints)
     constraints = plan.constraints  # the graph mode the policy may have lowered, forced entries
     tuning = TuningData(device=caps.short())

@@ -147,7 +147,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 def _load_layout(args: argparse.Namespace):
     from attn_core.models import specs_from_hf_config
 
-    return specs_from_hf_config(args.model, tp_size=args.tp, dtype=args.dtype)
+    stack = getattr(args, "stack", None)
+    return specs_from_hf_config(args.model, tp_size=args.tp, dtype=args.dtype, stack=stack)
 
 
 def _device(target: str | None):
@@ -292,13 +293,24 @@ def cmd_explain(args: argparse.Namespace) -> int:
         payload["model"] = layout.architecture
         # layers holding an attention op and a linear op side by side (parallel hybrid)
         payload["parallel_layers"] = list(layout.parallel_layers)
+        # which stack each group belongs to (a vision tower and a language model: their group
+        # ids are prefixed by the stack; a single-stack model: one entry named "")
+        payload["stacks"] = {
+            s.stack: [g.group_id for g in s.groups] for s in (layout.stacks or (layout,))
+        }
         payload["warnings"] = [str(w.message) for w in caught]
         payload["quarantined"] = registry.summary()["quarantined"]
         print(json.dumps(payload, indent=1))
     else:
-        print(
-            f"model: {args.model} ({layout.architecture}, {layout.num_layers} layers, tp={args.tp})"
-        )
+        if layout.stacks:
+            stacks = ", ".join(f"{s.stack} ({s.num_layers} layers)" for s in layout.stacks)
+            print(f"model: {args.model} ({layout.architecture}, stacks {stacks}, tp={args.tp})")
+        else:
+            stack = f", stack {layout.stack}" if layout.stack else ""
+            print(
+                f"model: {args.model} ({layout.architecture}, {layout.num_layers} layers{stack}, "
+                f"tp={args.tp})"
+            )
         # layers two groups list: said, rather than let the groups' counts read as overlap
         pairs: dict[tuple[str, ...], list[int]] = {}
         for i in layout.parallel_layers:
@@ -340,6 +352,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         layers=args.layers,
         overhead=args.overhead,
         on_run=lambda run: print(run.format(), flush=True),  # each model as soon as it ends
+        stack=args.stack,
     )
     print(report.format_tail())
     return 0 if getattr(report, "ok", True) else 1
@@ -388,6 +401,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (heads per rank)")
     p.add_argument("--dtype", default=None)
+    p.add_argument(
+        "--stack",
+        default=None,
+        help="one stack of a multi-stack model (vision, text; Whisper: encoder); default: "
+        "every stack (a sample named for a stack, e.g. whisper-encoder: that one)",
+    )
     p.add_argument("--json", action="store_true")
     _add_constraint_args(p)
     p.set_defaults(func=cmd_explain)
@@ -442,6 +461,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the overhead ratio: an eager decode step through the bindings over the "
         "same kernels called directly",
     )
+    p.add_argument(
+        "--stack",
+        default=None,
+        help="one stack of a multi-stack model (Whisper: encoder; vision, text); default: "
+        "every stack the runner drives",
+    )
     p.add_argument("--no-progress", action="store_true")
     _add_constraint_args(p)
     p.set_defaults(func=cmd_run)
@@ -455,6 +480,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument(
+        "--stack",
+        default=None,
+        help="one stack of a multi-stack model (vision, text; Whisper: encoder); default: every "
+        "stack's groups",
+    )
     p.add_argument(
         "--batch",
         default="8",

@@ -63,6 +63,7 @@ class AttentionRuntime:
         layer_params: Mapping[int, Mapping[str, Any]] | None = None,
     ) -> None:
         _refuse_unloadable(plan)
+        _refuse_shared_layers(plan)
         if state is not None:
             problems = state.plan_differences(plan)
             if problems:
@@ -263,6 +264,20 @@ class AttentionRuntime:
 
 #: Turns the finite check on for every runtime built while it is set (see check_finite).
 ENV_CHECK_FINITE = "ATTN_CORE_CHECK_FINITE"
+
+
+def _refuse_shared_layers(plan: Plan) -> None:
+    """One op of each role per layer index (:func:`attn_core.specs.layer_ops`: a parallel
+    hybrid's layer holds an attention op and a linear op). A multi-stack layout's stacks (a
+    vision tower and a language model) each number their layers from 0, so one runtime serves
+    one stack: two stacks in one plan give a layer two attention ops, refused here."""
+    try:
+        layer_ops(c.group for c in plan.choices)
+    except ValueError as err:
+        raise ValueError(
+            f"{err}; a runtime binds each layer's ops once: plan one stack at a time "
+            "(select(layout.stack_layout(name).groups, ...))"
+        ) from None
 
 
 def _finite_check_source(plan: Plan) -> str | None:

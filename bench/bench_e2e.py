@@ -17,7 +17,7 @@ import traceback
 from pathlib import Path
 
 from attn_core.e2e import ARCHITECTURES, run_architecture
-from attn_core.e2e.configs import VISION_TOWERS
+from attn_core.e2e.configs import ENCODER_MODELS
 from attn_core.e2e.overhead import measure_overhead
 from attn_core.registry import Registry
 
@@ -36,14 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models.split(","):
         row: dict = {"model": name}
         try:
-            for graphs in (False, True) if name not in VISION_TOWERS else (False,):
+            for graphs in (False, True) if name not in ENCODER_MODELS else (False,):
                 run = run_architecture(name, device=args.device, dtype=args.dtype,
                                        prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                                        graphs=graphs, registry=registry)  # fmt: skip
                 print(run.format(), flush=True)
                 row["graphs" if graphs else "eager"] = run.to_dict()
                 failures += not run.ok
-            if name not in VISION_TOWERS:
+            if name not in ENCODER_MODELS:
                 for batch in (1, 32):
                     rep = measure_overhead(name, args.device, dtype=args.dtype, batch_size=batch,
                                            context_len=64, iters=30, registry=registry)  # fmt: skip

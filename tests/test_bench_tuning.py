@@ -174,3 +174,19 @@ def test_bench_group_times_each_phase_for_real(registry):
             phase=phase,
         )
         assert res.error is None and res.us_per_layer > 0 and res.phase == phase.value
+
+
+def test_bench_times_every_stack_of_a_multimodal_model(timed, capsys):
+    """Every group of every stack is timed, under its stack-prefixed id; ``--stack`` keeps one;
+    Whisper's decoder is refused as in explain."""
+    argv = ["bench", "--model", "qwen2.5-vl", "--device", "cpu", "--context", "16"]
+    assert cli.main(argv) == 0
+    assert {g for g, *_ in timed} == {"vision.encoder", "text.full"}
+    timed.clear()
+    assert cli.main(["bench", "--model", "whisper", "--stack", "encoder", "--device", "cpu"]) == 0
+    assert {g for g, *_ in timed} == {"encoder.encoder"}
+    capsys.readouterr()
+    assert cli.main(["bench", "--model", "whisper", "--device", "cpu"]) == 2
+    assert (
+        "whisper: cross-attention in decoder layers 0-31: no layer kind" in capsys.readouterr().err
+    )

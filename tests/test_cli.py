@@ -137,3 +137,54 @@ def test_explain_falcon_h1_shows_both_groups_over_the_same_layers(
     assert payload["parallel_layers"] == list(range(36))
     layers = {g["group_id"]: g["layers"] for g in payload["groups"]}
     assert layers == {"linear": list(range(36)), "full": list(range(36))}
+
+
+def _explain_model(capsys, model: str, *extra: str) -> tuple[int, str, str]:
+    rc = cli.main(["explain", model, "--target", "cpu", *extra])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_explain_a_multimodal_config_shows_every_stack(capsys, use_registry, ref_registry):
+    use_registry(ref_registry)
+    rc, out, err = _explain_model(capsys, "qwen2.5-vl")
+    assert (rc, err) == (0, "")
+    assert out.startswith(
+        "model: qwen2.5-vl (Qwen2_5_VLForConditionalGeneration, stacks vision (32 layers), "
+        "text (28 layers), tp=1)"
+    )
+    assert "group vision.encoder: encoder 16q/16kv d80" in out
+    assert "group text.full: full 28q/4kv d128" in out
+    rc, out, _ = _explain_model(capsys, "qwen2.5-vl", "--json")
+    payload = json.loads(out)
+    assert payload["stacks"] == {"vision": ["vision.encoder"], "text": ["text.full"]}
+    assert [g["group_id"] for g in payload["groups"]] == ["vision.encoder", "text.full"]
+    # a group of one stack can be forced by its id
+    rc, out, err = _explain_model(capsys, "qwen2.5-vl", "--backends", "text.full=reference")
+    assert (rc, err) == (0, "") and "chosen (forced)" in out
+
+
+def test_explain_one_stack(capsys, use_registry, ref_registry):
+    use_registry(ref_registry)
+    rc, out, err = _explain_model(capsys, "qwen2.5-vl", "--stack", "text")
+    assert (rc, err) == (0, "")
+    assert out.startswith("model: qwen2.5-vl (Qwen2_5_VLForConditionalGeneration, 28 layers, ")
+    assert "stack text" in out.splitlines()[0]
+    assert "group text.full" in out and "vision.encoder" not in out
+
+
+def test_explain_whisper_refuses_the_decoder_unless_the_encoder_is_asked(
+    capsys, use_registry, ref_registry
+):
+    use_registry(ref_registry)
+    rc, _, err = _explain_model(capsys, "whisper")
+    assert rc == 2
+    assert err.strip() == (
+        "attn explain: error: whisper: cross-attention in decoder layers 0-31: no layer kind; "
+        "the encoder maps alone: stack='encoder' (the sample 'whisper-encoder', `--stack "
+        "encoder`); refused, not mapped in part"
+    )
+    for args in (("whisper", "--stack", "encoder"), ("whisper-encoder",)):
+        rc, out, err = _explain_model(capsys, *args)
+        assert (rc, err) == (0, ""), err
+        assert "group encoder.encoder: encoder 20q/20kv d64 float16 bidirectional" in out

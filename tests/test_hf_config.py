@@ -41,12 +41,17 @@ SAMPLES = [
     "llama-4",
     "minimax",
     "nemotron-h",
+    "qwen2-vl",
     "qwen2-vl-vision",
+    "qwen2.5-vl",
     "qwen2.5-vl-vision",
     "qwen3",
     "qwen3-next",
     "siglip-vision",
+    "whisper-encoder",
 ]
+# Files the stack samples name (SAMPLE_STACKS); ``whisper`` itself is refused (its decoder).
+WHOLE_SAMPLES = {"qwen2-vl-vision": "qwen2-vl", "qwen2.5-vl-vision": "qwen2.5-vl"}
 
 
 def hf_config(d: dict[str, Any]) -> Any:
@@ -70,7 +75,7 @@ def summary(layout: ModelLayout) -> list[tuple[str, str, int, int, int]]:
 # Samples
 # ------------------------------------------------------------------------------------------
 def test_sample_names_lists_every_bundled_config() -> None:
-    assert sample_names() == SAMPLES
+    assert sample_names() == sorted([*SAMPLES, "whisper"])
 
 
 def test_load_sample_returns_a_fresh_dict() -> None:
@@ -98,8 +103,13 @@ EXPECTED_GROUPS = {
     "nemotron-h": [("linear", "linear", 24, 128, 8), ("full", "full", 4, 32, 8)],
     "gpt-oss": [("full", "full", 12, 64, 8), ("full.1", "full", 12, 64, 8)],
     "gemma-3": [("full", "full", 22, 4, 1), ("full.1", "full", 4, 4, 1)],
-    "qwen2.5-vl-vision": [("encoder", "encoder", 32, 16, 16)],
-    "qwen2-vl-vision": [("encoder", "encoder", 32, 16, 16)],
+    "qwen2.5-vl-vision": [("vision.encoder", "encoder", 32, 16, 16)],
+    "qwen2-vl-vision": [("vision.encoder", "encoder", 32, 16, 16)],
+    # the whole Qwen-VL configs: the tower and the language model (28 GQA layers)
+    "qwen2.5-vl": [("vision.encoder", "encoder", 32, 16, 16), ("text.full", "full", 28, 28, 4)],
+    "qwen2-vl": [("vision.encoder", "encoder", 32, 16, 16), ("text.full", "full", 28, 28, 4)],
+    # whisper-large-v3's encoder: 32 layers of 20 heads of 64
+    "whisper-encoder": [("encoder.encoder", "encoder", 32, 20, 20)],
     "siglip-vision": [("encoder", "encoder", 27, 16, 16)],
     "minimax": [("linear", "linear", 70, 64, 64), ("full", "full", 10, 64, 8)],
     "lfm2": [("linear", "linear", 10, 1, 1), ("full", "full", 6, 32, 8)],
@@ -121,6 +131,9 @@ EXPECTED_MODEL_TYPE = {
     "gemma-3": "gemma3_text",
     "qwen2.5-vl-vision": "qwen2_5_vl",
     "qwen2-vl-vision": "qwen2_vl",
+    "qwen2.5-vl": "qwen2_5_vl",
+    "qwen2-vl": "qwen2_vl",
+    "whisper-encoder": "whisper",
     "siglip-vision": "siglip_vision_model",
     "minimax": "minimax",
     "lfm2": "lfm2",
@@ -134,19 +147,36 @@ def test_sample_groups(name: str) -> None:
     layout = specs_from_hf_config(name)
     assert summary(layout) == EXPECTED_GROUPS[name]
     assert layout.model_type == EXPECTED_MODEL_TYPE[name]
-    assert layout.family == name
     assert layout.architecture == load_sample(name)["architectures"][0]
     assert layout.tp_size == 1
-    # groups partition the layout's ops (a parallel layer's index once per op), and group_of
-    # agrees with layer_specs
-    grouped = sorted(i for g in layout.groups for i in g.layer_indices)
-    assert grouped == list(layout.layer_indices)
-    for index, spec in zip(layout.layer_indices, layout.layer_specs, strict=True):
-        assert layout.group_of(index, spec.kind).spec == spec
-        if index not in layout.parallel_layers:
-            assert layout.spec_of(index) is layout.group_of(index).spec
+    # a multi-stack layout's groups are its stacks', each stack's partition its layers
+    if layout.stacks:
+        assert layout.groups == tuple(g for s in layout.stacks for g in s.groups)
+        assert not layout.layer_indices
+        assert all(s.family == SAMPLE_STACK_FAMILIES[name][s.stack] for s in layout.stacks)
+    else:
+        assert layout.family == SAMPLE_STACK_FAMILIES.get(name, name)
+    for stack in layout.stacks or (layout,):
+        # groups partition the stack's ops (a parallel layer's index once per op), and
+        # group_of agrees with layer_specs
+        grouped = sorted(i for g in stack.groups for i in g.layer_indices)
+        assert grouped == list(stack.layer_indices)
+        assert all(g.group_id.startswith(f"{stack.stack}.") for g in stack.groups if stack.stack)
+        for index, spec in zip(stack.layer_indices, stack.layer_specs, strict=True):
+            assert stack.group_of(index, spec.kind).spec == spec
+            if index not in stack.parallel_layers:
+                assert stack.spec_of(index) is stack.group_of(index).spec
+        dtype = "float16" if name == "whisper-encoder" else "bfloat16"  # its torch_dtype
+        assert all(s.dtype == dtype for s in stack.layer_specs)
     assert (layout.parallel_layers != ()) == (name == "falcon-h1")
-    assert all(s.dtype == "bfloat16" for s in layout.layer_specs)
+
+
+# The family that parses each stack (a sample named for one stack: that stack's).
+SAMPLE_STACK_FAMILIES: dict[str, Any] = {
+    "whisper-encoder": "whisper-encoder",
+    "qwen2-vl": {"vision": "qwen2-vl-vision", "text": "qwen2-vl-text"},
+    "qwen2.5-vl": {"vision": "qwen2.5-vl-vision", "text": "qwen2-vl-text"},
+}
 
 
 @pytest.mark.parametrize("name", SAMPLES)
@@ -154,7 +184,7 @@ def test_sample_builds_with_its_transformers_config_class(name: str) -> None:
     d = load_sample(name)
     cfg = hf_config(d)
     assert cfg.model_type == d["model_type"]
-    layout = specs_from_hf_config(d)
+    layout = specs_from_hf_config(name)
     if name == "qwen2.5-vl-vision":
         assert isinstance(cfg, transformers.Qwen2_5_VLConfig)
         assert cfg.vision_config.depth == layout.num_layers
@@ -162,6 +192,14 @@ def test_sample_builds_with_its_transformers_config_class(name: str) -> None:
     elif name == "qwen2-vl-vision":
         assert isinstance(cfg, transformers.Qwen2VLConfig)
         assert cfg.vision_config.depth == layout.num_layers
+    elif name in ("qwen2-vl", "qwen2.5-vl"):
+        assert [s.num_layers for s in layout.stacks] == [
+            cfg.vision_config.depth,
+            cfg.text_config.num_hidden_layers,
+        ]
+    elif name == "whisper-encoder":
+        assert isinstance(cfg, transformers.WhisperConfig)
+        assert cfg.encoder_layers == layout.num_layers
     else:
         assert cfg.num_hidden_layers == layout.num_layers
 
@@ -171,10 +209,13 @@ def test_transformers_to_dict_gives_the_same_layout(name: str) -> None:
     """transformers re-serialises (rope_parameters, layer_types, layers_block_type, dtype)."""
     raw = specs_from_hf_config(name)
     cfg = hf_config(load_sample(name))
-    from_dict = specs_from_hf_config(cfg.to_dict())
-    from_object = specs_from_hf_config(cfg)
+    # a Qwen-VL sample is flat (the hub's form); transformers writes its text_config
+    stack = raw.stack or None
+    from_dict = specs_from_hf_config(cfg.to_dict(), stack=stack)
+    from_object = specs_from_hf_config(cfg, stack=stack)
     assert from_dict.groups == raw.groups
     assert from_object.layer_specs == raw.layer_specs
+    assert [s.groups for s in from_object.stacks] == [s.groups for s in raw.stacks]
 
 
 # ------------------------------------------------------------------------------------------
@@ -467,7 +508,16 @@ def test_gemma3_multimodal_text_config_uses_hf_defaults() -> None:
         },
         "vision_config": {"model_type": "siglip_vision_model"},
     }
-    layout = specs_from_hf_config(d)
+    whole = specs_from_hf_config(d)
+    assert whole.stack_names == ("vision", "text")
+    # the absent vision fields are SiglipVisionConfig's defaults, as transformers fills them
+    vision_cfg = hf_config(d).vision_config
+    vision = whole.stack_layout("vision")
+    assert vision.num_layers == vision_cfg.num_hidden_layers
+    assert vision.spec_of(0).num_heads == vision_cfg.num_attention_heads
+    assert vision.spec_of(0).head_dim == vision_cfg.hidden_size // vision_cfg.num_attention_heads
+    layout = whole.stack_layout("text")
+    assert specs_from_hf_config(d, stack="text") == layout
     hf = hf_config(d).text_config
     assert layout.model_type == "gemma3" and layout.num_layers == 34
     assert [layout.spec_of(i).sliding_window for i in range(34)] == [
@@ -494,7 +544,7 @@ def test_gemma3_defaults_table_matches_transformers() -> None:
 
 def test_qwen2_5_vl_vision_encoder() -> None:
     d = load_sample("qwen2.5-vl-vision")
-    layout = specs_from_hf_config(d)
+    layout = specs_from_hf_config(d, stack="vision")
     vision = hf_config(d).vision_config
     attn = on_meta(
         transformers.models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VLVisionAttention, vision
@@ -506,8 +556,8 @@ def test_qwen2_5_vl_vision_encoder() -> None:
     assert spec.scale == pytest.approx(attn.scaling)
     assert layout.encoder_full_attention_layers == (7, 15, 23, 31)
     assert len(layout.groups) == 1  # window and full blocks share one spec
-    assert specs_from_hf_config(d, dtype="float16").spec_of(0).dtype == "float16"
-    assert specs_from_hf_config(d, tp_size=2).spec_of(0).num_heads == 8
+    assert specs_from_hf_config(d, dtype="float16", stack="vision").spec_of(0).dtype == "float16"
+    assert specs_from_hf_config(d, tp_size=2, stack="vision").spec_of(0).num_heads == 8
 
 
 # ------------------------------------------------------------------------------------------

@@ -10,8 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from attn_core.models import specs_from_hf_config
+from attn_core.specs import LayerKind
 
 transformers = pytest.importorskip("transformers")
 
@@ -68,9 +70,31 @@ def test_multimodal_llama4_reads_its_text_config() -> None:
     text = _text()
     vision = transformers.Llama4VisionConfig(hidden_size=32, num_hidden_layers=1)
     cfg = transformers.Llama4Config(text_config=text.to_dict(), vision_config=vision.to_dict())
-    layout = specs_from_hf_config(cfg.to_dict())
+    whole = specs_from_hf_config(cfg.to_dict())
+    assert whole.stack_names == ("vision", "text")
+    layout = whole.stack_layout("text")
     assert layout.model_type == "llama4" and layout.family == "llama-4"
     assert _chunks(layout) == _chunks(specs_from_hf_config(text.to_dict()))
+    assert [g.group_id for g in layout.groups] == ["text.full", "text.full.1"]
+    # the tower: Llama4VisionAttention's heads and scale, no mask in its eager function
+    from transformers.models.llama4.modeling_llama4 import Llama4VisionAttention
+
+    with torch.device("meta"):
+        attn = Llama4VisionAttention(cfg.vision_config)
+    tower = whole.stack_layout("vision")
+    assert [g.group_id for g in tower.groups] == ["vision.encoder"]
+    assert tower.num_layers == cfg.vision_config.num_hidden_layers
+    spec = tower.spec_of(0)
+    assert spec.kind is LayerKind.ENCODER and not spec.causal
+    assert (spec.num_heads, spec.head_dim) == (attn.num_heads, attn.head_dim)
+    assert spec.scale == pytest.approx(attn.scaling)
+
+
+def test_llama4_vision_defaults_table_matches_transformers() -> None:
+    from attn_core.models.hf_config import _LLAMA4_VISION_DEFAULTS
+
+    cfg = transformers.Llama4VisionConfig()
+    assert {k: getattr(cfg, k) for k in _LLAMA4_VISION_DEFAULTS} == _LLAMA4_VISION_DEFAULTS
 
 
 def test_tensor_parallel_heads_and_a_bad_pattern_are_named() -> None:

@@ -41,10 +41,14 @@ def test_qwen2_vl_tower_width_is_embed_dim_not_hidden_size() -> None:
     """hidden_size is the merger's output (the language model's width): head dim 128 / 8."""
     whole = transformers.Qwen2VLConfig(
         vision_config=dict(depth=3, embed_dim=128, hidden_size=40, num_heads=8),
-        text_config=dict(num_hidden_layers=2, hidden_size=40, num_attention_heads=4),
+        text_config=dict(
+            num_hidden_layers=2, hidden_size=40, num_attention_heads=4, num_key_value_heads=2
+        ),
     ).to_dict()
     for cfg, model_type in ((whole, "qwen2_vl"), (whole["vision_config"], "qwen2_vl_vision")):
         layout = specs_from_hf_config(cfg, dtype="float32")
+        if layout.stacks:
+            layout = layout.stack_layout("vision")
         assert (layout.model_type, layout.family) == (model_type, "qwen2-vl-vision")
         ((group),) = layout.groups
         assert group.layer_indices == (0, 1, 2)
@@ -70,7 +74,7 @@ def test_tower_width_not_a_multiple_of_the_heads_is_refused() -> None:
 
 def test_towers_are_listed_with_their_families() -> None:
     assert MODEL_TYPE_FAMILIES["siglip_vision_model"] == "siglip-vision"
-    assert MODEL_TYPE_FAMILIES["qwen2_vl"] == "qwen2-vl-vision"
+    assert MODEL_TYPE_FAMILIES["qwen2_vl"] == "qwen2-vl"  # the whole model: both stacks
     assert MODEL_TYPE_FAMILIES["qwen2_vl_vision"] == "qwen2-vl-vision"
 
 
@@ -82,7 +86,7 @@ def test_sample_tower_spec_matches_transformers_attention_module(name: str) -> N
     from attn_core.models import load_sample
 
     d = load_sample(name)
-    spec = specs_from_hf_config(d).spec_of(0)
+    spec = specs_from_hf_config(name).spec_of(0)
     with torch.device("meta"):
         if name == "siglip-vision":
             from transformers.models.siglip.modeling_siglip import SiglipAttention

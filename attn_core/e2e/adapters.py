@@ -43,19 +43,19 @@ after the norm and scaled by its alpha / beta factors, LFM2's ``operator_norm`` 
 residual optionally in float32) under ``backbone`` instead of ``model``. Jamba has no positional
 encoding: its attention layers get q and k as projected.
 
-Families of :data:`LAYER_FORWARD_FAMILIES` (Gemma-3, Nemotron-H, Granite-4.0-H, Falcon-H1,
-Qwen3.5, Kimi-Linear, Llama-4, the generic dense family) run each
+Families of :data:`LAYER_FORWARD_FAMILIES` (Gemma-3, Nemotron-H, Granite-4.0-H, Falcon-H1, Qwen3.5,
+Kimi-Linear, Llama-4, the Qwen2-VL / Qwen2.5-VL language model, the generic dense family) run each
 transformers decoder layer's own ``forward``: norms, residuals (and their multipliers), rotary
 embedding and everything else stay transformers' code, and only the attention op is replaced,
 through transformers' attention function interface (an ``"attn_core"`` implementation registered
 with ``AttentionInterface``, switched on for the step), and the Mamba2 mixer module by its class
-(and the Gated DeltaNet and KDA ones). An MLA module, whose attention function would only see
-keys and values already expanded from the latent, is replaced whole by the absorbed form; its
-``scaling`` is checked against the spec. The hook checks every call against the layer's spec:
-the scale, sliding window, chunk size (from the config's ``layer_types``, which transformers
-builds its chunked mask from), soft-cap, sinks and causality transformers asks for must be the
-ones the mapping describes, and every attention layer must have been called (and every
-linear layer's mixer run).
+(and the Gated DeltaNet and KDA ones). An MLA module, whose attention function would only see keys
+and values already expanded from the latent, is replaced whole by the absorbed form; its
+``scaling`` is checked against the spec. The hook checks every call against the layer's spec: the
+scale, sliding window, chunk size (from the config's ``layer_types``, which transformers builds its
+chunked mask from), soft-cap, sinks and causality transformers asks for must be the ones the
+mapping describes, and every attention layer must have been called (and every linear layer's mixer
+run).
 
 A parallel hybrid's layer (Falcon-H1: Mamba2 and attention side by side on the same normed
 input, their outputs scaled by ``ssm_out_multiplier`` / ``attention_out_multiplier`` and
@@ -102,6 +102,7 @@ LAYER_FORWARD_FAMILIES: frozenset[str] = frozenset(
         "dense",
         "kimi-linear",
         "llama-4",
+        "qwen2-vl-text",
     }
 )
 _HOOK_NAME = "attn_core"
@@ -166,6 +167,15 @@ def layer_params_for(hf_model: torch.nn.Module, layout: ModelLayout) -> dict[int
                 sinks = _decoder(hf_model).layers[i].self_attn.sinks
                 params[i] = {"sinks": sinks.detach().float()}
     return params
+
+
+def _mrope(config: Any) -> bool:
+    """Whether the rotary embedding is Qwen2-VL's multimodal one (``mrope_section`` set)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = getattr(config, key, None)
+        if isinstance(rope, dict) and rope.get("mrope_section"):
+            return True
+    return False
 
 
 def _mlp_out(y: Any) -> torch.Tensor:
@@ -346,6 +356,11 @@ class CausalLMAdapter:
         rot = getattr(self.base, "rotary_emb", None)
         if rot is None:
             return [None] * n
+        if _mrope(self.text_config):
+            # Qwen2-VL's M-RoPE takes (temporal, height, width) positions [3, 1, T]; a text
+            # token has all three equal to its position (transformers' get_rope_index)
+            pe = rot(h, positions[None, None].expand(3, 1, -1))
+            return [pe] * n
         if "layer_type" not in inspect.signature(rot.forward).parameters:
             pe = rot(h, positions[None])
             return [pe] * n

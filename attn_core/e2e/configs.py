@@ -14,7 +14,12 @@ from typing import Any
 
 import torch
 
-from attn_core.models import ModelLayout, load_sample, specs_from_hf_config
+from attn_core.models import (
+    MULTI_STACK_MODEL_TYPES,
+    ModelLayout,
+    load_sample,
+    specs_from_hf_config,
+)
 
 __all__ = [
     "ARCHITECTURES",
@@ -275,6 +280,19 @@ _SHRINK: dict[str, dict[str, Any]] = {
         out_hidden_size=64,
     ),
     "qwen2-vl-vision": dict(depth=3, embed_dim=64, hidden_size=48, num_heads=4, mlp_ratio=2),
+    # clips of 2 * 16 mel frames: 16 positions after the stride-2 conv
+    "whisper-encoder": dict(
+        encoder_layers=3,
+        encoder_attention_heads=4,
+        d_model=64,
+        encoder_ffn_dim=128,
+        num_mel_bins=8,
+        max_source_positions=16,
+        decoder_layers=1,
+        decoder_attention_heads=4,
+        decoder_ffn_dim=128,
+        max_target_positions=16,  # the vocabulary stays: the encoder has no embedding of it
+    ),
     # 16 patches of 8 x 8 per 32 x 32 image
     "siglip-vision": dict(
         num_hidden_layers=3,
@@ -355,12 +373,17 @@ _KERNEL_SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-vl-vision": dict(hidden_size=256, out_hidden_size=256),  # 4 heads of 64
     "qwen2-vl-vision": dict(embed_dim=256, hidden_size=256),  # 4 heads of 64
     "siglip-vision": dict(hidden_size=256),  # 4 heads of 64
+    "whisper-encoder": dict(d_model=256),  # 4 heads of 64
 }
 #: Sample names the runner drives, in report order.
 ARCHITECTURES: tuple[str, ...] = tuple(_SHRINK)
 #: The vision towers the runner drives (an encoder pass over images, no decode): the sample
 #: and the families that run from a config.json.
 VISION_TOWERS: tuple[str, ...] = ("qwen2.5-vl-vision", "qwen2-vl-vision", "siglip-vision")
+#: Audio encoders the runner drives (an encoder pass over mel clips, no decode).
+AUDIO_ENCODERS: tuple[str, ...] = ("whisper-encoder",)
+#: Every encoder-only run: the vision towers and the audio encoders.
+ENCODER_MODELS: tuple[str, ...] = VISION_TOWERS + AUDIO_ENCODERS
 #: ``tiny``: the smallest shapes (CPU tests); ``kernel``: head dims the GPU kernels serve.
 SHAPES = ("tiny", "kernel")
 
@@ -385,6 +408,11 @@ def tiny_config(name: str, shapes: str = "tiny") -> dict[str, Any]:
     cfg = load_sample(name)
     if name in VISION_TOWERS:
         return _with_tower_fields(cfg, {**shrink, "initializer_range": 0.1})
+    if name in AUDIO_ENCODERS:  # Whisper initialises with init_std
+        # the common names WhisperConfig maps onto its own fields would override the shrink
+        for alias in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
+            cfg.pop(alias, None)
+        return {**cfg, **shrink, "init_std": 0.1}
     cfg.update(shrink)
     cfg["vocab_size"] = _VOCAB
     # transformers' default std 0.02 leaves the layers' share of the residual stream tiny at
@@ -416,9 +444,9 @@ def _per_layer(key: str) -> bool:
 def first_layers(config: dict[str, Any], n: int) -> dict[str, Any]:
     """``config`` keeping only its first ``n`` layers, every per-layer pattern kept for them.
 
-    ``num_hidden_layers`` (``depth`` of a vision config) becomes ``n``; every list or string
-    with one entry per layer (``layer_types``, ``layers_block_type``,
-    ``hybrid_override_pattern``, ...) is cut to its first ``n``; index lists
+    ``num_hidden_layers`` (``depth`` of a vision config, ``encoder_layers`` of Whisper)
+    becomes ``n``; every list or string with one entry per layer (``layer_types``,
+    ``layers_block_type``, ``hybrid_override_pattern``, ...) is cut to its first ``n``; index lists
     (``attn_layer_indices``, ``fullatt_block_indexes``, ``moe_layers``) keep the indices below
     ``n`` (Kimi-Linear's 1-based ``linear_attn_config`` lists those up to ``n``). Patterns
     given by a rule (``full_attention_interval``, ``sliding_window_pattern``,
@@ -431,6 +459,14 @@ def first_layers(config: dict[str, Any], n: int) -> dict[str, Any]:
     for key in ("text_config", "vision_config"):
         if isinstance(cfg.get(key), dict):
             cfg[key] = first_layers(cfg[key], n)
+    if isinstance(cfg.get("encoder_layers"), int):  # Whisper: its encoder is what runs
+        total = cfg["encoder_layers"]
+        if not 1 <= n <= total:
+            raise ValueError(f"layers={n}: expected 1..{total} (the config's encoder_layers)")
+        cfg["encoder_layers"] = n
+        if "num_hidden_layers" in cfg:  # WhisperConfig's alias of encoder_layers
+            cfg["num_hidden_layers"] = n
+        return cfg
     count_key = "num_hidden_layers" if "num_hidden_layers" in cfg else "depth"
     total = cfg.get(count_key)
     if not isinstance(total, int):
@@ -471,6 +507,8 @@ def real_size_config(name: str) -> dict[str, Any]:
     cfg = load_sample(name)
     if name in VISION_TOWERS:
         return _with_tower_fields(cfg, {"initializer_range": 0.02})
+    if name in AUDIO_ENCODERS:
+        return cfg
     cfg["initializer_range"] = 0.1 * (64 / cfg["hidden_size"]) ** 0.5
     cfg["tie_word_embeddings"] = False
     cfg.pop("num_nextn_predict_layers", None)
@@ -484,8 +522,10 @@ class TinyModel:
     :ivar name: sample name (``"qwen3-next"``, ...).
     :ivar config: the ``config.json``-shaped dict both transformers and attn-core read.
     :ivar hf: the transformers module (``*ForCausalLM``; the vision tower for
-        :data:`VISION_TOWERS`) in eval mode, eager attention, on ``device`` in ``dtype``.
-    :ivar layout: ``specs_from_hf_config(config, dtype=dtype, tp_size=tp_size)``.
+        :data:`VISION_TOWERS`, ``WhisperEncoder`` for ``whisper-encoder``) in eval mode, eager
+        attention, on ``device`` in ``dtype``.
+    :ivar layout: ``specs_from_hf_config(config, dtype=dtype, tp_size=tp_size, stack=...)``:
+        of a multi-stack config, the stack that runs (:func:`run_stack`).
     :ivar checkpoint: the checkpoint folder the weights came from; None: random init.
     """
 
@@ -497,7 +537,20 @@ class TinyModel:
 
     @property
     def is_encoder(self) -> bool:
-        return self.name in VISION_TOWERS
+        return self.name in ENCODER_MODELS
+
+
+def run_stack(name: str, config: dict[str, Any]) -> str | None:
+    """The stack of ``config`` that architecture ``name`` runs: ``"vision"`` for a tower,
+    ``"encoder"`` for Whisper's encoder, ``"text"`` for a language model, of a multi-stack
+    config (:data:`~attn_core.models.MULTI_STACK_MODEL_TYPES`); None for a single-stack one."""
+    if config.get("model_type") not in MULTI_STACK_MODEL_TYPES:
+        return None
+    if name in VISION_TOWERS:
+        return "vision"
+    if name in AUDIO_ENCODERS:
+        return "encoder"
+    return "text"
 
 
 def _tower_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -508,6 +561,9 @@ def _tower_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     for key in ("model_type", "architectures", "transformers_version"):
         fields.pop(key, None)
     return fields
+
+
+_NOT_FIELDS = ("model_type", "architectures", "transformers_version")
 
 
 def _hf_config(name: str, cfg: dict[str, Any]):
@@ -525,6 +581,10 @@ def _hf_config(name: str, cfg: dict[str, Any]):
         from transformers import SiglipVisionConfig
 
         return SiglipVisionConfig(**_tower_fields(cfg))
+    if name == "whisper-encoder":
+        from transformers import WhisperConfig
+
+        return WhisperConfig(**{k: v for k, v in cfg.items() if k not in _NOT_FIELDS})
     fields = {
         k: _decode_floats(v) for k, v in cfg.items() if k not in ("model_type", "architectures")
     }
@@ -559,6 +619,7 @@ def build_tiny(
     shapes: str = "tiny",
     config: dict[str, Any] | None = None,
     checkpoint: str | None = None,
+    stack: str | None = None,
 ) -> TinyModel:
     """Build the tiny transformers model ``name`` with random weights (seeded) and its layout.
 
@@ -569,21 +630,30 @@ def build_tiny(
     :param checkpoint: a folder holding ``config.json`` and safetensors weights (as
         ``save_pretrained`` writes them): the causal LM is loaded from it with
         ``from_pretrained`` instead of random init; ``config`` must be its config.
+    :param stack: the stack of a multi-stack config the layout describes (default:
+        :func:`run_stack`).
     """
     import transformers
 
     cfg = copy.deepcopy(config) if config is not None else tiny_config(name, shapes)
     from attn_core.specs import torch_dtype
 
+    stack = stack if stack is not None else run_stack(name, cfg)
     if checkpoint is not None:
-        if name in VISION_TOWERS:
+        if name in ENCODER_MODELS:
             raise ValueError(
-                f"{checkpoint}: loading weights is supported for causal LMs; the vision tower "
-                "runs with random weights from a config.json only"
+                f"{checkpoint}: loading weights is supported for causal LMs; the encoder "
+                f"({name}) runs with random weights from a config.json only"
             )
         hf_cfg = _hf_config(name, cfg)  # the folder's own, or its first layers (--layers)
         # Any: transformers' from_pretrained wrapper types its result loosely
-        loaded: Any = transformers.AutoModelForCausalLM.from_pretrained(
+        # a Qwen-VL checkpoint is its whole *ForConditionalGeneration (no causal-LM class)
+        auto: Any = (
+            transformers.AutoModelForImageTextToText
+            if name == "qwen2-vl-text"
+            else transformers.AutoModelForCausalLM
+        )
+        loaded: Any = auto.from_pretrained(
             checkpoint,
             config=hf_cfg,
             dtype=torch_dtype(dtype),
@@ -591,7 +661,9 @@ def build_tiny(
             experts_implementation="batched_mm",  # as below: capturable MoE blocks
         )
         loaded = loaded.to(device=device).eval()
-        layout = specs_from_hf_config(cfg, dtype=dtype, tp_size=tp_size, page_size=page_size)
+        layout = specs_from_hf_config(
+            cfg, dtype=dtype, tp_size=tp_size, page_size=page_size, stack=stack
+        )
         return TinyModel(name, cfg, loaded, layout, checkpoint)
     hf_cfg = _hf_config(name, cfg)
     hf_cfg._attn_implementation = "eager"
@@ -621,6 +693,16 @@ def build_tiny(
             from transformers import SiglipVisionModel
 
             model = SiglipVisionModel._from_config(hf_cfg, attn_implementation="eager")
+        elif name == "whisper-encoder":
+            from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+            model = WhisperEncoder._from_config(hf_cfg, attn_implementation="eager")
+        elif name == "qwen2-vl-text":
+            # the whole *ForConditionalGeneration (AutoModelForCausalLM has no Qwen-VL class):
+            # text prompts run its language model, and its forward is the reference
+            model = transformers.AutoModelForImageTextToText.from_config(
+                hf_cfg, attn_implementation="eager"
+            )
         else:
             # MoE blocks through batched_mm: transformers' default grouped_mm reads its expert
             # offsets on the host for float32 (H200: "Cannot copy between CPU and CUDA tensors
@@ -631,7 +713,9 @@ def build_tiny(
     _spread_weights(model, seed)
     model = model.to(device=device, dtype=torch_dtype(dtype)).eval()
     _recompute_decay_buffers(model)
-    layout = specs_from_hf_config(cfg, dtype=dtype, tp_size=tp_size, page_size=page_size)
+    layout = specs_from_hf_config(
+        cfg, dtype=dtype, tp_size=tp_size, page_size=page_size, stack=stack
+    )
     return TinyModel(name, cfg, model, layout)
 
 

@@ -65,7 +65,8 @@ def hf_vision_block_outputs(
     """A vision tower's hidden states after every block and its output.
 
     :param pixel_values: Qwen2-VL / Qwen2.5-VL: ``[num_patches, C * temporal_patch * patch *
-        patch]``; SigLIP: ``[num_images, C, image_size, image_size]``.
+        patch]``; SigLIP: ``[num_images, C, image_size, image_size]``; Whisper's encoder: mel
+        features ``[clips, num_mel_bins, 2 * max_source_positions]``.
     :param grid_thw: ``[num_images, 3]`` int64 (Qwen towers); None for SigLIP.
     :returns: (per block ``[num_patches, hidden]`` float32, in the tower's own token order
         (Qwen2.5-VL: window order; SigLIP: image after image); the output, float32: the
@@ -73,15 +74,18 @@ def hf_vision_block_outputs(
         post-layernorm ``last_hidden_state`` as ``[num_images * patches, hidden]``).
     """
     captured: list[torch.Tensor] = []
-    # Qwen towers keep their blocks in .blocks, SigLIP its layers in .encoder.layers
+    # Qwen towers keep their blocks in .blocks, SigLIP its layers in .encoder.layers,
+    # WhisperEncoder in .layers
     blocks = getattr(model, "blocks", None)
     if blocks is None:
         encoder = getattr(model, "encoder", None)
         blocks = getattr(encoder, "layers", None)
+    if blocks is None:
+        blocks = getattr(model, "layers", None)
     if not isinstance(blocks, torch.nn.ModuleList):
         raise TypeError(
             f"{type(model).__name__}: expected the vision tower's blocks (.blocks or "
-            f".encoder.layers) as a ModuleList, got {type(blocks).__name__}"
+            f".encoder.layers, .layers) as a ModuleList, got {type(blocks).__name__}"
         )
     hooks = [
         blk.register_forward_hook(

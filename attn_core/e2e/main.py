@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,15 +26,25 @@ import torch
 from attn_core.e2e.compare import MatchResult, compare_generation, compare_vision
 from attn_core.e2e.configs import (
     ARCHITECTURES,
-    VISION_TOWERS,
+    ENCODER_MODELS,
     TinyModel,
     build_tiny,
     first_layers,
     real_size_config,
+    run_stack,
 )
 from attn_core.e2e.runner import Engine, graph_mode_of
 from attn_core.e2e.vision import VisionRunner, vision_inputs
-from attn_core.models import MODEL_TYPE_FAMILIES, sample_names, specs_from_hf_config
+from attn_core.models import (
+    MODEL_TYPE_FAMILIES,
+    MULTI_STACK_MODEL_TYPES,
+    SAMPLE_STACKS,
+    ModelLayout,
+    load_sample,
+    sample_names,
+    specs_from_hf_config,
+    stack_families,
+)
 from attn_core.runtime import AttentionRuntime
 from attn_core.selector import Plan, select
 from attn_core.specs import DeviceCapabilities, ExecutionConstraints, GraphMode
@@ -74,13 +84,62 @@ class _Input:
     name: str  # the architecture (sample name) whose adapter drives it
     config: dict[str, Any] | None = None  # a config.json's dict; None: the shrunk sample
     checkpoint: str | None = None  # a folder with safetensors weights to load
+    stack: str | None = None  # the stack of a multi-stack config this run drives
+    notes: tuple[str, ...] = ()  # what of a multi-stack config this run does not drive, and why
+
+
+# Stack families of multi-stack configs that `attn run` has no adapter for, and why: a run of
+# the config drives its other stacks and says this.
+_NOT_DRIVEN: dict[str, str] = {
+    "llama-4-vision": "attn run has no adapter for the Llama-4 vision tower (2D rotary per "
+    "tile, pixel shuffle); `attn explain` plans its groups",
+}
+
+
+def _stack_notes(
+    cfg: dict[str, Any], driven: list[str], *, skipped: str = "not asked for (--stack)"
+) -> list[str]:
+    """Notes on a multi-stack config's stacks not in ``driven``: why each is not run
+    (``skipped``: why for one the runner could drive)."""
+    families = stack_families(cfg)
+    notes = []
+    for stack, family in families.items():
+        if stack in driven:
+            continue
+        if not family:  # a stack no layer kind describes: its refusal says why
+            try:
+                specs_from_hf_config(cfg, stack=stack)
+                why = "no layer kind describes it"
+            except ValueError as err:  # its first clause: the feature and its layers
+                why = str(err).split("; ")[0]
+        elif family in ARCHITECTURES or family in _CONFIG_FAMILIES:
+            why = skipped
+        else:
+            why = _NOT_DRIVEN.get(family, f"attn run has no adapter for {family}")
+        notes.append(f"stack {stack} ({family or 'unmapped'}) is not run here: {why}")
+    return notes
+
+
+def _sample_notes(name: str) -> tuple[str, ...]:
+    """A sample named for one stack of a multi-stack sample (:data:`SAMPLE_STACKS`): which stack
+    runs, and why the others do not."""
+    if name not in SAMPLE_STACKS:
+        return ()
+    stack = SAMPLE_STACKS[name][1]
+    cfg = load_sample(name)  # the whole model's config
+    head = f"runs stack {stack} of {cfg['model_type']} (stacks {', '.join(stack_families(cfg))})"
+    why = (
+        "the sample runs this stack alone, at tiny sizes; `attn run` of a config.json of the "
+        "model runs every stack it has an adapter for"
+    )
+    return (head, *_stack_notes(cfg, [stack], skipped=why))
 
 
 # Families with no bundled sample that run from a config.json (or checkpoint) through the
 # layer-forward adapter: the generic dense mapping's model types (any dense family using the
 # common names, tests/e2e/test_run_dense.py), Granite-4.0-H and Qwen3.5
 # (tests/e2e/test_run_families.py), each checked against transformers.
-_CONFIG_FAMILIES: tuple[str, ...] = ("dense", "granite-4.0-h", "qwen3.5")
+_CONFIG_FAMILIES: tuple[str, ...] = ("dense", "granite-4.0-h", "qwen3.5", "qwen2-vl-text")
 
 
 # Hub configs of remote-code models a family maps but transformers cannot build, and the
@@ -97,12 +156,24 @@ def _driven_model_types() -> list[str]:
     return [
         t
         for t, family in MODEL_TYPE_FAMILIES.items()
-        if (family in ARCHITECTURES or family in _CONFIG_FAMILIES) and t not in _HUB_ONLY
+        if t not in _HUB_ONLY
+        and (
+            family in ARCHITECTURES
+            or family in _CONFIG_FAMILIES
+            # a multi-stack model type: run drives the stacks it has an adapter for
+            or any(
+                f in ARCHITECTURES or f in _CONFIG_FAMILIES
+                for f in MULTI_STACK_MODEL_TYPES.get(t, {}).values()
+            )
+        )
     ]
 
 
-def _config_input(part: str) -> _Input | None:
-    """A config.json path (or a folder holding one) the runner drives; None if not a path."""
+def _config_input(part: str, stack: str | None = None) -> list[_Input] | None:
+    """A config.json path (or a folder holding one) the runner drives; None if not a path.
+
+    A multi-stack config gives one input per stack the runner drives (``stack``: that one),
+    each labelled ``PATH [stack]`` and noting the stacks it does not run."""
     path = Path(part)
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
@@ -111,7 +182,10 @@ def _config_input(part: str) -> _Input | None:
         cfg = json.load(fh)
     if not isinstance(cfg, dict):
         raise ValueError(f"{file}: expected a JSON object, got {type(cfg).__name__}")
-    layout = specs_from_hf_config(cfg)  # an unsupported config fails here, as in explain
+    # an unsupported config (or stack: Whisper's decoder) fails here, as in explain
+    layout = specs_from_hf_config(cfg, stack=stack)
+    if layout.stacks or layout.stack:
+        return _stack_inputs(part, path, cfg, layout.stacks or (layout,))
     if layout.model_type in _HUB_ONLY:
         raise ValueError(
             f"{part}: model_type {layout.model_type!r} is mapped by `attn explain {part}`, but "
@@ -127,23 +201,78 @@ def _config_input(part: str) -> _Input | None:
             f"but `attn run` has no adapter for it yet; run drives config.json files of model "
             f"types {_driven_model_types()} and the samples {list(ARCHITECTURES)}"
         )
-    return _Input(str(path), layout.family, cfg, checkpoint)
+    return [_Input(str(path), layout.family, cfg, checkpoint)]
 
 
-def _resolve(model: str) -> list[_Input]:
+def _stack_inputs(
+    part: str, path: Path, cfg: dict[str, Any], stacks: Sequence[ModelLayout]
+) -> list[_Input]:
+    """The runs of a multi-stack config: each stack (of ``stacks``) the runner has an adapter
+    for; refused when there is none."""
+    weights = path.is_dir() and any(path.glob("*.safetensors"))
+    checkpoint = str(path) if weights else None
+    driven = [
+        s
+        for s in stacks
+        if (s.family in ARCHITECTURES or s.family in _CONFIG_FAMILIES)
+        and not (checkpoint and s.family in ENCODER_MODELS)
+    ]
+    if not driven:
+        names = [f"{s.stack} ({s.family})" for s in stacks]
+        raise ValueError(
+            f"{part}: model_type {cfg.get('model_type')!r}: `attn run` drives none of the "
+            f"stacks {names}; {'; '.join(_stack_notes(cfg, []))}"
+        )
+    notes = _stack_notes(cfg, [s.stack for s in driven])
+    if checkpoint:
+        notes += [
+            f"stack {s.stack} is not run: weights load for language models only"
+            for s in stacks
+            if s.family in ENCODER_MODELS
+        ]
+    return [
+        _Input(
+            f"{path} [{s.stack}]",
+            s.family,
+            cfg,
+            None if s.family in ENCODER_MODELS else checkpoint,
+            s.stack,
+            (f"runs stack {s.stack} of {cfg.get('model_type')}", *notes),
+        )
+        for s in driven
+    ]
+
+
+def _stack_sample(part: str, name: str, stack: str) -> str:
+    """The sample named for stack ``stack`` of sample ``name`` (``--stack``)."""
+    file = SAMPLE_STACKS.get(name, (name, ""))[0]
+    for sample, (whole, named) in SAMPLE_STACKS.items():
+        if whole == file and named == stack:
+            return sample
+    known = [f"{k} ({v[1]})" for k, v in SAMPLE_STACKS.items() if v[0] == file]
+    raise ValueError(
+        f"sample {part!r}: `attn run` drives no stack {stack!r} of it"
+        + (f"; its stacks that run: {known}" if known else " (it has one stack)")
+    )
+
+
+def _resolve(model: str, stack: str | None = None) -> list[_Input]:
     inputs: list[_Input] = []
     for part in (p.strip() for p in model.split(",") if p.strip()):
         if part.lower() == "all":
-            inputs.extend(_Input(n, n) for n in ARCHITECTURES)
+            inputs.extend(_Input(n, n, notes=_sample_notes(n)) for n in ARCHITECTURES)
             continue
-        given = _config_input(part)
+        given = _config_input(part, stack)
         if given is not None:
-            inputs.append(given)
+            inputs.extend(given)
             continue
         name = _ALIASES.get(part.lower(), part.lower())
+        if stack is not None and name in sample_names():
+            name = _stack_sample(part, name, stack)
         if name in ARCHITECTURES:
-            inputs.append(_Input(name, name))
+            inputs.append(_Input(name, name, notes=_sample_notes(name)))
         elif name in sample_names():
+            specs_from_hf_config(name)  # a sample explain refuses too (Whisper): its reason
             raise ValueError(
                 f"sample {part!r} is mapped by `attn explain {part}` but `attn run` has no "
                 f"adapter for it yet; run drives the samples {list(ARCHITECTURES)} and "
@@ -160,10 +289,11 @@ def _resolve(model: str) -> list[_Input]:
     return list({i.label: i for i in inputs}.values())
 
 
-def resolve_models(model: str) -> list[str]:
+def resolve_models(model: str, stack: str | None = None) -> list[str]:
     """``"all"``, a comma list of architecture names (aliases allowed) or config.json paths
-    (files or folders) -> the names the report uses (sample names, or the paths as given)."""
-    return [i.label for i in _resolve(model)]
+    (files or folders) -> the names the report uses (sample names, or the paths as given; a
+    multi-stack config's ``PATH [stack]`` per stack that runs)."""
+    return [i.label for i in _resolve(model, stack)]
 
 
 def default_registry():
@@ -366,6 +496,8 @@ def run_architecture(
     warmup: bool | None = None,
     layers: int | None = None,
     overhead: bool = False,
+    stack: str | None = None,
+    stack_notes: Sequence[str] = (),
 ) -> ArchitectureRun:
     """Build, run and compare one architecture (see :func:`run_main`).
 
@@ -379,6 +511,10 @@ def run_architecture(
         sample at its real sizes (or of ``config``); ``shapes`` then does not apply.
     :param overhead: also time one eager decode step through the bindings and with the same
         kernels called directly (:func:`attn_core.e2e.overhead.measure_overhead`).
+    :param stack: the stack of a multi-stack ``config`` to run (default: the one ``name``
+        drives, :func:`attn_core.e2e.configs.run_stack`).
+    :param stack_notes: lines the report prints with the run (which stack of a multi-stack
+        config runs, and why the others do not).
     """
     device = torch.device(device)
     registry = registry if registry is not None else default_registry()
@@ -386,9 +522,11 @@ def run_architecture(
     if layers is not None:
         whole = config if config is not None else real_size_config(name)
         config = first_layers(whole, layers)
-        tower = whole.get("vision_config") if name in VISION_TOWERS else None
-        if isinstance(tower, dict):  # a Qwen-VL config: its tower's blocks are what runs
-            total = tower.get("depth")
+        tower = whole.get("vision_config") if run_stack(name, whole) == "vision" else None
+        if isinstance(tower, dict):  # a multimodal config: its tower's blocks are what runs
+            total = tower.get("depth", tower.get("num_hidden_layers"))
+        elif name == "whisper-encoder":
+            total = whole.get("encoder_layers")
         else:
             total = whole.get("num_hidden_layers") or (whole.get("text_config") or {}).get(
                 "num_hidden_layers", (whole.get("vision_config") or {}).get("depth")
@@ -401,9 +539,10 @@ def run_architecture(
         shapes=default_shapes(device, shapes),
         config=config,
         checkpoint=checkpoint,
+        stack=stack,
     )
     label = label if label is not None else name
-    notes: list[str] = [cut_note] if cut_note else []
+    notes = [*([cut_note] if cut_note else []), *stack_notes]
     if model.is_encoder:
         grids = [_VISION_GRIDS[i % len(_VISION_GRIDS)] for i in range(max(prompts, 1))]
         pixels, grid_thw, tokens = vision_inputs(model, grids)
@@ -427,7 +566,7 @@ def run_architecture(
             on_progress(len(grids), len(grids), len(vision.blocks))
         match = compare_vision(model, vision, pixels, grid_thw)
         if graphs:
-            notes.append("the vision tower runs without CUDA graphs (one encoder pass)")
+            notes.append("the encoder runs without CUDA graphs (one encoder pass)")
         return ArchitectureRun(
             label,
             model.layout.architecture,
@@ -562,6 +701,7 @@ def run_main(
     layers: int | None = None,
     overhead: bool = False,
     on_run: Callable[[ArchitectureRun], None] | None = None,
+    stack: str | None = None,
 ) -> RunReport:
     """Entry point of ``attn run --model NAME``.
 
@@ -594,12 +734,15 @@ def run_main(
         the same step with the kernels called directly.
     :param on_run: called with each architecture's result as soon as it is known, so that a
         long run of several models reports as it goes (``attn run`` prints each one there).
+    :param stack: one stack of multi-stack inputs (``encoder`` of a Whisper config, ``vision``
+        or ``text``); default: every stack the runner drives (a Whisper config is then refused:
+        its decoder has cross-attention).
     :returns: a :class:`RunReport`; ``report.format()`` is the text to print.
     """
     from attn_core.specs import DTYPES, _canonical_dtype
 
     dtype = _canonical_dtype(dtype, DTYPES, "dtype")
-    inputs = _resolve(model)
+    inputs = _resolve(model, stack)
     if prompts < 1 or max_new_tokens < 1:
         raise ValueError(f"prompts={prompts}, max_new_tokens={max_new_tokens}: both must be >= 1")
     registry = registry if registry is not None else default_registry()
@@ -613,6 +756,8 @@ def run_main(
                     config=given.config,
                     label=given.label,
                     checkpoint=given.checkpoint,
+                    stack=given.stack,
+                    stack_notes=given.notes,
                     warmup=warmup,
                     layers=layers,
                     overhead=overhead,

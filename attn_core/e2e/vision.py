@@ -1,4 +1,5 @@
-"""Vision towers with every block's attention through an encoder binding.
+"""Vision towers and Whisper's audio encoder with every block's attention through an encoder
+binding.
 
 SigLIP (every image the same number of patches) and Qwen2-VL (variable-length images, 2D
 rotary inside the tower) run every block as bidirectional attention within each image: one
@@ -7,8 +8,10 @@ patches) and full blocks (attention within each image); both are bidirectional v
 over the same tokens and share one layer group, so the runner keeps two encoder batches (window
 and image cu-seqlens, two builders so that both stay valid) and prepares the runtime with the
 one each block needs.
-Everything else (patch embedding, window permutation, rotary, norms, MLP, merger) is the
-transformers modules' own code.
+Whisper's encoder runs each clip's ``max_source_positions`` frames (after its two
+convolutions) as one encoder sequence, every layer bidirectional attention within the clip.
+Everything else (patch embedding, convolutions, window permutation, rotary, norms, MLP, merger)
+is the transformers modules' own code.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ __all__ = ["VisionResult", "VisionRunner", "sample_images", "vision_inputs"]
 
 @dataclass
 class VisionResult:
-    """:ivar blocks: per block ``[num_patches, hidden]`` float32 (window order, as transformers).
-    :ivar merged: ``[num_patches / merge_unit, out_hidden]`` float32 in image order."""
+    """:ivar blocks: per block ``[num_patches, hidden]`` float32 (window order, as transformers;
+        Whisper: ``[clips * max_source_positions, d_model]``, clip after clip).
+    :ivar merged: ``[num_patches / merge_unit, out_hidden]`` float32 in image order (SigLIP and
+        Whisper: the final layer norm's output, ``[tokens, hidden]``)."""
 
     blocks: list[torch.Tensor]
     merged: torch.Tensor
@@ -56,10 +61,21 @@ def vision_inputs(
     """Random inputs for ``len(grids)`` images of the tower ``model``.
 
     :param grids: (t, h, w) patches per image for the Qwen towers; SigLIP takes one image of
-        its ``image_size`` per entry (its patch count is fixed by the config).
+        its ``image_size`` per entry (its patch count is fixed by the config), Whisper one clip
+        per entry.
     :returns: ``(pixel_values, grid_thw or None, num_patches)``: the Qwen towers' as
-        :func:`sample_images`; SigLIP's ``[n, C, image_size, image_size]`` and None.
+        :func:`sample_images`; SigLIP's ``[n, C, image_size, image_size]`` and None;
+        Whisper's mel features ``[n, num_mel_bins, 2 * max_source_positions]`` and None
+        (``n * max_source_positions`` tokens).
     """
+    if model.name == "whisper-encoder":
+        wcfg: Any = model.hf.config  # a WhisperConfig
+        p = next(model.hf.parameters())
+        frames = int(wcfg.max_source_positions)
+        gen = torch.Generator().manual_seed(seed)
+        # the encoder checks the input length: two frames per position (conv2 has stride 2)
+        mel = torch.randn(len(grids), wcfg.num_mel_bins, 2 * frames, generator=gen)
+        return mel.to(device=p.device, dtype=p.dtype), None, len(grids) * frames
     if model.name != "siglip-vision":
         pixels, grid_thw = sample_images(model, grids, seed=seed)
         return pixels, grid_thw, sum(t * h * w for t, h, w in grids)
@@ -86,9 +102,12 @@ class VisionRunner:
 
     @torch.no_grad()
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None) -> VisionResult:
-        """The tower on the inputs of :func:`vision_inputs` (``grid_thw`` None for SigLIP)."""
+        """The tower on the inputs of :func:`vision_inputs` (``grid_thw`` None for SigLIP and
+        Whisper, whose ``pixel_values`` are mel features)."""
         if self.model.name == "siglip-vision":
             return self._siglip(pixel_values)
+        if self.model.name == "whisper-encoder":
+            return self._whisper(pixel_values)
         if grid_thw is None:
             raise ValueError(f"{self.model.name}: grid_thw is required (the images' t, h, w)")
         if self.model.name == "qwen2-vl-vision":
@@ -114,6 +133,39 @@ class VisionRunner:
             hs = hs + layer.mlp(layer.layer_norm2(hs))
             blocks.append(hs.reshape(n * patches, width).float())
         out = vt.post_layernorm(hs).reshape(n * patches, width)
+        return VisionResult(blocks, out.float())
+
+    def _whisper(self, features: torch.Tensor) -> VisionResult:
+        """WhisperEncoder.forward with each layer's attention through its binding.
+
+        :param features: ``[clips, num_mel_bins, 2 * max_source_positions]`` mel features.
+        """
+        enc: Any = self.model.hf  # a WhisperEncoder
+        x = torch.nn.functional.gelu(enc.conv1(features))
+        x = torch.nn.functional.gelu(enc.conv2(x)).permute(0, 2, 1)  # [clips, frames, d_model]
+        hs = x + enc.embed_positions.weight  # every clip has all max_source_positions frames
+        n, frames, width = hs.shape
+        self.runtime.prepare(self._builders["full"].build_encoder([frames] * n))
+        blocks = []
+        for i, layer in enumerate(enc.layers):
+            at = layer.self_attn
+            x = layer.self_attn_layer_norm(hs).reshape(n * frames, width)
+            # q unscaled: the binding applies the spec's head_dim ** -0.5, where transformers
+            # multiplies q by it before an op called with scale 1 (the same softmax)
+            q, k, v = (
+                proj(x).view(n * frames, at.num_heads, at.head_dim)
+                for proj in (at.q_proj, at.k_proj, at.v_proj)
+            )
+            out = torch.empty_like(q)
+            self.runtime.binding(i).forward(q, k, v, out=out)
+            hs = hs + at.out_proj(out.reshape(n, frames, width))
+            mlp = layer.activation_fn(layer.fc1(layer.final_layer_norm(hs)))
+            hs = hs + layer.fc2(mlp)
+            if hs.dtype == torch.float16:  # as WhisperEncoderLayer: keep fp16 finite
+                bound = torch.finfo(hs.dtype).max - 1000
+                hs = torch.clamp(hs, min=-bound, max=bound)
+            blocks.append(hs.reshape(n * frames, width).float())
+        out = enc.layer_norm(hs).reshape(n * frames, width)
         return VisionResult(blocks, out.float())
 
     def _qwen2_vl(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> VisionResult:

@@ -27,6 +27,12 @@ indices are simply missing from ``layer_indices``. A parallel hybrid's layers (F
 attention and Mamba2 side by side in every decoder layer) hold two ops each, one in an attention
 group and one in a linear group: their index is listed once per op.
 
+Multi-stack models (Qwen2-VL / Qwen2.5-VL, Gemma-3 and Llama-4 multimodal: a vision tower and a
+language model; Whisper: an encoder and a decoder) yield every stack's groups, ids prefixed by
+the stack (``vision.encoder``, ``text.full``), one layout per stack in ``ModelLayout.stacks``;
+``stack=`` keeps one. A stack no layer kind describes (Whisper's decoder: cross-attention in
+every layer) is refused unless another stack is asked for, never dropped silently.
+
 Linear layers with one state only: MiniMax-Text-01 / MiniMax-M1's lightning attention (no conv;
 its per-layer slopes are the model's input) and LFM2's gated short conv (``layer_types`` value
 ``conv``; conv state only, its ``hidden_size`` channels split under tensor parallelism).
@@ -54,11 +60,14 @@ from attn_core.specs import (
 
 __all__ = [
     "MODEL_TYPE_FAMILIES",
+    "MULTI_STACK_MODEL_TYPES",
+    "SAMPLE_STACKS",
     "SUPPORTED_MODEL_TYPES",
     "ModelLayout",
     "load_sample",
     "sample_names",
     "specs_from_hf_config",
+    "stack_families",
 ]
 
 _MISSING: Any = object()
@@ -91,13 +100,30 @@ class ModelLayout:
     # Qwen2.5-VL vision tower: blocks using full (not windowed) attention. Both are encoder
     # varlen attention with different cu_seqlens, so they share one spec and one group.
     encoder_full_attention_layers: tuple[int, ...] = ()
+    # A model of several stacks (a vision tower and a language model, Whisper's encoder and
+    # decoder): the stack this layout is ("vision", "text", "encoder"), its group ids prefixed
+    # "<stack>."; "" for a model of one stack (ids unprefixed).
+    stack: str = ""
+    # The layout of a whole multi-stack model: one layout per stack, in the model's order. Its
+    # groups are all of theirs; it has no layers of its own (layer_specs, layer_indices empty),
+    # since every stack numbers its layers from 0: address them through stack_layout(name).
+    stacks: tuple[ModelLayout, ...] = ()
     _by_layer: dict[int, tuple[LayerGroup, ...]] = field(
         init=False, repr=False, compare=False, hash=False, default_factory=dict
     )
 
     def __post_init__(self) -> None:
-        for name in ("layer_specs", "layer_indices", "groups", "encoder_full_attention_layers"):
+        for name in (
+            "layer_specs",
+            "layer_indices",
+            "groups",
+            "encoder_full_attention_layers",
+            "stacks",
+        ):
             object.__setattr__(self, name, tuple(getattr(self, name)))  # lists would not hash
+        if self.stacks:
+            self._check_stacks()
+            return
         if len(self.layer_specs) != len(self.layer_indices):
             raise ValueError(
                 f"layer_specs has {len(self.layer_specs)} entries but layer_indices has "
@@ -128,9 +154,49 @@ class ModelLayout:
         """Layers that hold an attention op and a linear op side by side (parallel hybrid)."""
         return tuple(i for i, gs in self._by_layer.items() if len(gs) > 1)
 
+    def _check_stacks(self) -> None:
+        names = [s.stack for s in self.stacks]
+        if "" in names or len(set(names)) != len(names) or any(s.stacks for s in self.stacks):
+            raise ValueError(
+                f"stacks {names}: expected uniquely named single-stack layouts (stack set)"
+            )
+        if self.layer_specs or self.layer_indices:
+            raise ValueError(
+                "a multi-stack layout has no layers of its own (each stack numbers its layers "
+                "from 0); expected empty layer_specs and layer_indices"
+            )
+        want = tuple(g for s in self.stacks for g in s.groups)
+        if self.groups != want:
+            raise ValueError(
+                f"groups {[g.group_id for g in self.groups]}: expected the stacks' groups "
+                f"{[g.group_id for g in want]}, in order"
+            )
+
+    @property
+    def stack_names(self) -> tuple[str, ...]:
+        """The stacks' names (``("vision", "text")``); ``(stack,)`` for a single-stack layout."""
+        return tuple(s.stack for s in self.stacks) if self.stacks else (self.stack,)
+
+    def stack_layout(self, name: str) -> ModelLayout:
+        """The layout of stack ``name`` (``"vision"``, ``"text"``, ``"encoder"``); a
+        single-stack layout returns itself for its own name."""
+        for s in self.stacks or (self,):
+            if s.stack == name:
+                return s
+        raise ValueError(
+            f"{self.model_type}: stack {name!r} is unknown; its stacks: {list(self.stack_names)}"
+        )
+
     def groups_of(self, layer_index: int) -> tuple[LayerGroup, ...]:
         """Every group holding an op of model layer ``layer_index`` (two for a parallel
-        layer); ValueError for attention-free layers."""
+        layer); ValueError for attention-free layers and for a multi-stack layout (whose
+        stacks each have a layer ``layer_index``)."""
+        if self.stacks:
+            raise ValueError(
+                f"{self.model_type} has stacks {list(self.stack_names)}, each numbering its "
+                f"layers from 0: layer {layer_index} is ambiguous; use "
+                f"stack_layout(name).group_of({layer_index})"
+            )
         try:
             return self._by_layer[layer_index]
         except KeyError:
@@ -169,13 +235,24 @@ class ModelLayout:
         head = (
             f"{self.architecture} ({self.model_type}), {self.num_layers} layers, tp={self.tp_size}"
         )
+        if self.stacks:
+            head = (
+                f"{self.architecture} ({self.model_type}), stacks "
+                f"{', '.join(f'{s.stack} ({s.num_layers} layers)' for s in self.stacks)}, "
+                f"tp={self.tp_size}"
+            )
+        elif self.stack:
+            head += f", stack {self.stack}"
+        width = max([10, *(len(g.group_id) for g in self.groups)])
         lines = [head]
         for g in self.groups:
-            lines.append(f"  {g.group_id:<10} {len(g.layer_indices):>3} layers  {g.spec.short()}")
+            lines.append(
+                f"  {g.group_id:<{width}} {len(g.layer_indices):>3} layers  {g.spec.short()}"
+            )
         if self.parallel_layers:
             lines.append(
-                f"  parallel   layers {_ranges(self.parallel_layers)}: attention and linear "
-                "ops side by side in each"
+                f"  {'parallel':<{width}} layers {_ranges(self.parallel_layers)}: attention and "
+                "linear ops side by side in each"
             )
         return "\n".join(lines)
 
@@ -1251,6 +1328,43 @@ def _qwen2_vl_vision(r: _Reader, o: _Options) -> _Parsed:
     return _encoder_tower(r, o, "depth", "num_heads", "embed_dim")
 
 
+# WhisperConfig.attribute_map: the common names it maps onto its own fields (transformers 5.24;
+# given both, the common name wins). A test keeps this table equal to the class's.
+_WHISPER_ALIASES: dict[str, str] = {
+    "num_hidden_layers": "encoder_layers",
+    "num_attention_heads": "encoder_attention_heads",
+    "num_key_value_heads": "encoder_attention_heads",
+    "hidden_size": "d_model",
+}
+# WhisperConfig's defaults for the fields the encoder mapping reads (transformers 5.24).
+_WHISPER_DEFAULTS: dict[str, Any] = {
+    "encoder_layers": 4,
+    "encoder_attention_heads": 6,
+    "d_model": 384,
+}
+
+
+def _whisper_encoder(r: _Reader, o: _Options) -> _Parsed:
+    """Whisper's encoder: every layer non-causal self-attention over one clip's
+    ``max_source_positions`` frames; ``encoder_attention_heads`` heads of
+    ``d_model // heads`` (transformers scales q by ``head_dim ** -0.5`` before the op, which
+    calls it with scale 1: the same softmax as the default scale)."""
+    for alias, name in _WHISPER_ALIASES.items():
+        given, own = r.cfg.get(alias), r.cfg.get(name)
+        if given is not None and own is not None and given != own:
+            raise ValueError(
+                f"{r.where}: {alias}={given!r} and {name}={own!r} disagree; WhisperConfig maps "
+                f"{alias} onto {name} (the former wins): expected equal values"
+            )
+    # the alias stands for the field where the config has only the alias
+    fields_ = dict(r.cfg)
+    for alias, name in _WHISPER_ALIASES.items():
+        if fields_.get(name) is None and fields_.get(alias) is not None:
+            fields_[name] = fields_[alias]
+    reader = _Reader(fields_, r.where, r.defaults)
+    return _encoder_tower(reader, o, "encoder_layers", "encoder_attention_heads", "d_model")
+
+
 @dataclass(frozen=True, slots=True)
 class _Family:
     name: str  # sample name
@@ -1258,6 +1372,137 @@ class _Family:
     # model_type -> the transformers class name, used when the config has no "architectures"
     model_types: Mapping[str, str]
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    # A multi-stack model (a vision tower and a language model, an encoder and a decoder): the
+    # whole config -> its stacks; None: one stack, read by ``parse``.
+    stacks: Callable[[Mapping[str, Any], str], list[_StackPart]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _StackPart:
+    """One stack of a multi-stack config: its name, the sub-config and the family reading it,
+    or, when no layer kind describes it, ``refusal`` (why) and no family."""
+
+    name: str  # "vision", "text", "encoder", "decoder"
+    config: Mapping[str, Any]
+    family: _Family | None
+    refusal: str = ""
+    dtype_first: bool = True  # the stack's own dtype field before the whole config's
+
+
+def _refuse_parse(r: _Reader, o: _Options) -> _Parsed:
+    raise AssertionError(f"{r.where}: a multi-stack family has no single-stack parser")
+
+
+# SiglipVisionConfig's defaults (transformers 5.24): Gemma-3's vision_config may omit them.
+_SIGLIP_DEFAULTS: dict[str, Any] = {
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "hidden_size": 768,
+}
+_SIGLIP = _Family(
+    "siglip-vision",
+    _siglip_vision,
+    {"siglip_vision_model": "SiglipVisionModel"},
+    _SIGLIP_DEFAULTS,
+)
+_QWEN2_VL_VISION = _Family(
+    "qwen2-vl-vision",
+    _qwen2_vl_vision,
+    {"qwen2_vl_vision": "Qwen2VisionTransformerPretrainedModel"},
+)
+_QWEN2_5_VL_VISION = _Family(
+    "qwen2.5-vl-vision",
+    _qwen2_5_vl_vision,
+    {"qwen2_5_vl_vision": "Qwen2_5_VisionTransformerPretrainedModel"},
+)
+# The language model of Qwen2-VL / Qwen2.5-VL: Qwen2's GQA (sliding only with
+# use_sliding_window, from max_window_layers on); M-RoPE acts on q and k outside the op.
+_QWEN_VL_TEXT = _Family("qwen2-vl-text", _dense, {})
+_GEMMA3_TEXT = _Family(
+    "gemma-3",
+    _gemma3,
+    {"gemma3_text": "Gemma3ForCausalLM"},
+    _GEMMA3_DEFAULTS,
+)
+# Llama4VisionConfig's defaults (transformers 5.24) for the fields the tower mapping reads.
+_LLAMA4_VISION_DEFAULTS: dict[str, Any] = {
+    "num_hidden_layers": 34,
+    "num_attention_heads": 16,
+    "hidden_size": 768,
+}
+
+
+# Llama-4's vision encoder: every layer bidirectional attention within each image tile (its
+# class token and patches; 2D rotary on q and k outside the op). transformers' eager function
+# applies no mask (its module sets no is_causal), as the reference implementation.
+def _llama4_vision(r: _Reader, o: _Options) -> _Parsed:
+    """Llama-4's vision encoder: ``num_hidden_layers`` layers of ``num_attention_heads`` heads
+    of ``hidden_size // heads``, non-causal."""
+    return _encoder_tower(r, o, "num_hidden_layers", "num_attention_heads", "hidden_size")
+
+
+_LLAMA4_VISION = _Family("llama-4-vision", _llama4_vision, {}, _LLAMA4_VISION_DEFAULTS)
+_LLAMA4_TEXT = _Family("llama-4", _llama4, {"llama4_text": "Llama4ForCausalLM"})
+
+
+def _llama4_stacks(raw: Mapping[str, Any], model_type: str) -> list[_StackPart]:
+    """Llama-4 multimodal: the vision tower (``vision_config``; transformers fills an absent
+    one with Llama4VisionConfig's defaults) and the language model (``text_config``)."""
+    vision = raw.get("vision_config")
+    text = _sub_config(raw, "text_config", model_type)
+    return [
+        _StackPart("vision", dict(vision) if isinstance(vision, Mapping) else {}, _LLAMA4_VISION),
+        _StackPart("text", text, _LLAMA4_TEXT),
+    ]
+
+
+_WHISPER_ENCODER = _Family("whisper-encoder", _whisper_encoder, {}, _WHISPER_DEFAULTS)
+
+# Keys of a flat (hub-style) Qwen-VL config that are not its language model's.
+_QWEN_VL_NOT_TEXT = frozenset({"vision_config", "text_config", "architectures"})
+
+
+def _qwen_vl_stacks(raw: Mapping[str, Any], model_type: str, tower: _Family) -> list[_StackPart]:
+    """Qwen2-VL / Qwen2.5-VL: the vision tower (``vision_config``) and the language model
+    (``text_config``, or, in the hub's flat form that transformers also reads, the top-level
+    fields)."""
+    vision = _sub_config(raw, "vision_config", model_type)
+    text_sub = raw.get("text_config")
+    if isinstance(text_sub, Mapping):
+        text = dict(text_sub)
+    else:
+        text = {k: v for k, v in raw.items() if k not in _QWEN_VL_NOT_TEXT}
+    text.setdefault("model_type", f"{model_type}_text")
+    return [
+        _StackPart("vision", vision, tower, dtype_first=False),
+        _StackPart("text", text, _QWEN_VL_TEXT),
+    ]
+
+
+def _gemma3_stacks(raw: Mapping[str, Any], model_type: str) -> list[_StackPart]:
+    """Gemma-3 multimodal: the SigLIP vision tower (``vision_config``; transformers fills an
+    absent one with SiglipVisionConfig's defaults) and the language model (``text_config``)."""
+    vision = raw.get("vision_config")
+    text = _sub_config(raw, "text_config", model_type)
+    return [
+        _StackPart("vision", dict(vision) if isinstance(vision, Mapping) else {}, _SIGLIP),
+        _StackPart("text", text, _GEMMA3_TEXT),
+    ]
+
+
+def _whisper_stacks(raw: Mapping[str, Any]) -> list[_StackPart]:
+    """Whisper: the encoder, and a decoder whose every layer has cross-attention (queries from
+    the decoder, keys and values from the encoder's output), which no layer kind describes."""
+    n = raw.get("decoder_layers")
+    where = f"decoder layers {_ranges(range(n))}" if isinstance(n, int) and n > 0 else "decoder"
+    refusal = (
+        f"whisper: cross-attention in {where}: no layer kind; the encoder maps alone: "
+        f"stack='encoder' (the sample 'whisper-encoder', `--stack encoder`)"
+    )
+    return [
+        _StackPart("encoder", raw, _WHISPER_ENCODER),
+        _StackPart("decoder", raw, None, refusal),
+    ]
 
 
 _FAMILIES: tuple[_Family, ...] = (
@@ -1286,10 +1531,13 @@ _FAMILIES: tuple[_Family, ...] = (
         },
     ),
     _Family("qwen3-next", _qwen3_next, {"qwen3_next": "Qwen3NextForCausalLM"}),
+    _LLAMA4_TEXT,
+    # Llama-4 multimodal: its vision tower and the language model.
     _Family(
         "llama-4",
-        _llama4,
-        {"llama4_text": "Llama4ForCausalLM", "llama4": "Llama4ForConditionalGeneration"},
+        _refuse_parse,
+        {"llama4": "Llama4ForConditionalGeneration"},
+        stacks=_llama4_stacks,
     ),
     # Qwen3.5 text: the same Gated DeltaNet and gated full-attention layers by layer_types.
     _Family(
@@ -1326,29 +1574,35 @@ _FAMILIES: tuple[_Family, ...] = (
         },
     ),
     _Family("lfm2", _lfm2, {"lfm2": "Lfm2ForCausalLM"}),
+    _GEMMA3_TEXT,
+    # Gemma-3 multimodal: the SigLIP tower and the language model.
     _Family(
         "gemma-3",
-        _gemma3,
-        {"gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"},
-        _GEMMA3_DEFAULTS,
+        _refuse_parse,
+        {"gemma3": "Gemma3ForConditionalGeneration"},
+        stacks=_gemma3_stacks,
     ),
-    _Family("siglip-vision", _siglip_vision, {"siglip_vision_model": "SiglipVisionModel"}),
-    # The whole Qwen2-VL config maps to its vision tower (as Qwen2.5-VL's does).
+    _SIGLIP,
+    _QWEN2_VL_VISION,
+    _QWEN2_5_VL_VISION,
+    # Multi-stack models: every stack's groups, ids prefixed by the stack.
     _Family(
-        "qwen2-vl-vision",
-        _qwen2_vl_vision,
-        {
-            "qwen2_vl": "Qwen2VLForConditionalGeneration",
-            "qwen2_vl_vision": "Qwen2VisionTransformerPretrainedModel",
-        },
+        "qwen2-vl",
+        _refuse_parse,
+        {"qwen2_vl": "Qwen2VLForConditionalGeneration"},
+        stacks=lambda raw, mt: _qwen_vl_stacks(raw, mt, _QWEN2_VL_VISION),
     ),
     _Family(
-        "qwen2.5-vl-vision",
-        _qwen2_5_vl_vision,
-        {
-            "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-            "qwen2_5_vl_vision": "Qwen2_5_VisionTransformerPretrainedModel",
-        },
+        "qwen2.5-vl",
+        _refuse_parse,
+        {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"},
+        stacks=lambda raw, mt: _qwen_vl_stacks(raw, mt, _QWEN2_5_VL_VISION),
+    ),
+    _Family(
+        "whisper",
+        _refuse_parse,
+        {"whisper": "WhisperForConditionalGeneration"},
+        stacks=lambda raw, mt: _whisper_stacks(raw),
     ),
 )
 #: Families whose mapping reads ``attention_chunk_size`` (any other refuses a config with it).
@@ -1383,6 +1637,33 @@ def _unsupported(
     )
 
 
+#: Multi-stack model types -> their stacks, in the model's order -> the family reading each
+#: (``""``: no layer kind describes it; refused). A test keeps it equal to the parsers'.
+MULTI_STACK_MODEL_TYPES: dict[str, dict[str, str]] = {
+    "gemma3": {"vision": "siglip-vision", "text": "gemma-3"},
+    "llama4": {"vision": "llama-4-vision", "text": "llama-4"},
+    "qwen2_5_vl": {"vision": "qwen2.5-vl-vision", "text": "qwen2-vl-text"},
+    "qwen2_vl": {"vision": "qwen2-vl-vision", "text": "qwen2-vl-text"},
+    "whisper": {"encoder": "whisper-encoder", "decoder": ""},
+}
+
+
+def stack_families(config: Mapping[str, Any]) -> dict[str, str]:
+    """A multi-stack config's stacks -> the family reading each (``""``: a stack no layer kind
+    describes, which :func:`specs_from_hf_config` refuses); ``{}`` for a single-stack model.
+
+    :param config: a parsed ``config.json``.
+    """
+    model_type = config.get("model_type")
+    family = _BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
+    if family is None or family.stacks is None or not isinstance(model_type, str):
+        return {}
+    return {
+        p.name: p.family.name if p.family is not None else ""
+        for p in family.stacks(config, model_type)
+    }
+
+
 #: model_type -> the family (sample name) that parses it, e.g. ``"qwen2" -> "qwen3"``.
 MODEL_TYPE_FAMILIES: dict[str, str] = {t: f.name for t, f in sorted(_BY_MODEL_TYPE.items())}
 #: model_type values :func:`specs_from_hf_config` understands.
@@ -1396,19 +1677,33 @@ def _samples_dir() -> Any:
     return resources.files("attn_core.models") / "samples"
 
 
+#: Sample names that name one stack of a multi-stack sample: name -> (sample file, stack).
+#: ``specs_from_hf_config("qwen2.5-vl-vision")`` is the vision stack of the ``qwen2.5-vl``
+#: config; ``load_sample`` returns the whole config for both names.
+SAMPLE_STACKS: dict[str, tuple[str, str]] = {
+    "qwen2-vl-vision": ("qwen2-vl", "vision"),
+    "qwen2.5-vl-vision": ("qwen2.5-vl", "vision"),
+    "whisper-encoder": ("whisper", "encoder"),
+}
+
+
 def sample_names() -> list[str]:
-    """Names of the bundled sample configs (``"qwen3-next"``, ``"deepseek-v3"``, ...), sorted."""
-    return sorted(
+    """Names of the bundled sample configs (``"qwen3-next"``, ``"deepseek-v3"``, ...) and of
+    the stacks of multi-stack samples (:data:`SAMPLE_STACKS`), sorted."""
+    files = {
         p.name.removesuffix(".json") for p in _samples_dir().iterdir() if p.name.endswith(".json")
-    )
+    }
+    return sorted(files | set(SAMPLE_STACKS))
 
 
 def load_sample(name: str) -> dict[str, Any]:
-    """The bundled ``config.json`` called ``name`` (see :func:`sample_names`), as a fresh dict."""
+    """The bundled ``config.json`` called ``name`` (see :func:`sample_names`), as a fresh dict;
+    for a stack's name (:data:`SAMPLE_STACKS`) the whole model's config."""
     names = sample_names()
     if name not in names:
         raise ValueError(f"sample {name!r} is unknown; available: {names}")
-    return json.loads((_samples_dir() / f"{name}.json").read_text(encoding="utf-8"))
+    file = SAMPLE_STACKS.get(name, (name, ""))[0]
+    return json.loads((_samples_dir() / f"{file}.json").read_text(encoding="utf-8"))
 
 
 def _as_dict(config: Any) -> dict[str, Any]:
@@ -1458,11 +1753,21 @@ def specs_from_hf_config(
     dtype: str | None = None,
     page_size: int = 16,
     kv_dtype: str | None = None,
+    stack: str | None = None,
 ) -> ModelLayout:
     """The attention layout of a Hugging Face model on one tensor-parallel rank.
 
+    A multi-stack model (Qwen2-VL / Qwen2.5-VL, Gemma-3 and Llama-4 multimodal: ``vision`` and
+    ``text``; Whisper: ``encoder`` and ``decoder``) yields every stack's groups, their ids
+    prefixed by the stack (``vision.encoder``, ``text.full``), each stack's layout in
+    ``ModelLayout.stacks``; a stack no layer kind describes (Whisper's decoder, with
+    cross-attention) is refused unless ``stack`` names another one.
+
     :param config: a parsed ``config.json`` (dict), a path to one (or to a folder holding one),
-        a sample name from :func:`sample_names`, or a ``transformers`` config object.
+        a sample name from :func:`sample_names` (a name in :data:`SAMPLE_STACKS` selects that
+        stack), or a ``transformers`` config object.
+    :param stack: one stack of a multi-stack model (``"vision"``, ``"text"``, ``"encoder"``):
+        its layout alone (group ids still prefixed); None: every stack (or the sample's).
     :param tp_size: tensor-parallel ranks; head counts are per rank (see the module docstring).
     :param dtype: activation dtype; default: the config's ``dtype`` / ``torch_dtype``, else
         bfloat16.
@@ -1476,13 +1781,21 @@ def specs_from_hf_config(
         read (chunked attention outside Llama-4), named with its layers; a mapping that
         disagrees with the config's own ``layer_types`` (the layers, what the config says,
         what was mapped); a missing or invalid field; or a head count ``tp_size`` does not
-        divide.
+        divide; a stack no layer kind describes, or a ``stack`` the model does not have.
     """
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size <= 0:
         raise ValueError(f"tp_size={tp_size!r}: expected a positive int")
+    # a sample named for one stack (not a file called so): that stack
+    if stack is None and isinstance(config, str) and config in SAMPLE_STACKS:
+        stack = None if Path(config).exists() else SAMPLE_STACKS[config][1]
     raw = _as_dict(config)
     model_type = raw.get("model_type")
     family = _BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
+    if stack is not None and (family is None or family.stacks is None):
+        raise ValueError(
+            f"{model_type}: stack={stack!r}: this model has one stack; stacks are those of "
+            f"multi-stack models ({sorted(MULTI_STACK_MODEL_TYPES)})"
+        )
     if family is None and isinstance(model_type, str) and model_type not in _UNSUPPORTED_FEATURES:
         # A model_type no family names: the generic dense mapping reads it when every field is
         # one it understands; otherwise its refusal says why, with the supported list.
@@ -1494,7 +1807,62 @@ def specs_from_hf_config(
             raise _unsupported(model_type, raw, [str(err)]) from None
     if family is None or not isinstance(model_type, str):
         raise _unsupported(model_type, raw)
-    return _specs(raw, model_type, family, tp_size, dtype, page_size, kv_dtype)
+    if family.stacks is None:
+        return _specs(raw, model_type, family, tp_size, dtype, page_size, kv_dtype)
+    return _multi_stack(raw, model_type, family, stack, tp_size, dtype, page_size, kv_dtype)
+
+
+def _multi_stack(
+    raw: Mapping[str, Any],
+    model_type: str,
+    family: _Family,
+    stack: str | None,
+    tp_size: int,
+    dtype: str | None,
+    page_size: int,
+    kv_dtype: str | None,
+) -> ModelLayout:
+    """Every stack of a multi-stack config (or the one ``stack`` names), group ids prefixed."""
+    assert family.stacks is not None
+    parts = family.stacks(raw, model_type)
+    names = [p.name for p in parts]
+    if stack is not None and stack not in names:
+        raise ValueError(f"{model_type}: stack {stack!r} is unknown; its stacks: {names}")
+    chosen = [p for p in parts if stack is None or p.name == stack]
+    refused = [p.refusal for p in chosen if p.family is None]
+    if refused:
+        raise ValueError("; ".join(refused) + "; refused, not mapped in part")
+    architectures = raw.get("architectures") or [family.model_types.get(model_type, model_type)]
+    layouts = []
+    for part in chosen:
+        assert part.family is not None
+        sources = [part.config, raw] if part.dtype_first else [raw, part.config]
+        layouts.append(
+            _specs(
+                part.config,
+                model_type,
+                part.family,
+                tp_size,
+                dtype if dtype is not None else _config_dtype(*sources),
+                page_size,
+                kv_dtype,
+                stack=part.name,
+                architecture=str(architectures[0]),
+            )
+        )
+    if stack is not None:
+        return layouts[0]
+    return ModelLayout(
+        model_type=model_type,
+        architecture=str(architectures[0]),
+        num_layers=sum(s.num_layers for s in layouts),
+        layer_specs=(),
+        layer_indices=(),
+        groups=tuple(g for s in layouts for g in s.groups),
+        tp_size=tp_size,
+        family=family.name,
+        stacks=tuple(layouts),
+    )
 
 
 def _specs(
@@ -1505,21 +1873,22 @@ def _specs(
     dtype: str | None,
     page_size: int,
     kv_dtype: str | None,
+    *,
+    stack: str = "",
+    architecture: str | None = None,
 ) -> ModelLayout:
+    """One stack: ``raw`` is the config its family reads (a multi-stack model's sub-config)."""
     cfg, dtype_sources = raw, [raw]
-    if model_type in ("gemma3", "llama4"):  # multimodal: the language model is text_config
-        cfg = _sub_config(raw, "text_config", model_type)
-        dtype_sources = [cfg, raw]
-    elif model_type in ("qwen2_5_vl", "qwen2_vl"):  # the vision tower lives in vision_config
-        cfg = _sub_config(raw, "vision_config", model_type)
-        dtype_sources = [raw, cfg]
     options = _Options(
         tp_size=tp_size,
         dtype=dtype if dtype is not None else _config_dtype(*dtype_sources),
         page_size=page_size,
         kv_dtype=kv_dtype,
     )
-    reader = _Reader(cfg, f"{family.name} ({model_type})", family.defaults)
+    where = (
+        f"{family.name} ({model_type}, stack {stack})" if stack else f"{family.name} ({model_type})"
+    )
+    reader = _Reader(cfg, where, family.defaults)
     _refuse_features(model_type, cfg, family.name)
     try:
         num_layers, layers, extra = family.parse(reader, options)
@@ -1531,18 +1900,21 @@ def _specs(
     # group_layers numbers layers by position; map positions back to model layer indices.
     groups = tuple(
         LayerGroup(g.group_id, g.spec, tuple(indices[p] for p in g.layer_indices))
-        for g in group_layers(specs)
+        for g in group_layers(specs, prefix=f"{stack}." if stack else "")
     )
-    architectures = raw.get("architectures") or [family.model_types.get(model_type, model_type)]
+    if architecture is None:
+        arch = raw.get("architectures") or [family.model_types.get(model_type, model_type)]
+        architecture = str(arch[0])
     return ModelLayout(
         model_type=model_type,
-        architecture=str(architectures[0]),
+        architecture=architecture,
         num_layers=num_layers,
         layer_specs=specs,
         layer_indices=indices,
         groups=groups,
         tp_size=tp_size,
         family=family.name,
+        stack=stack,
         **extra,
     )
 

@@ -20,10 +20,10 @@ from attn_core.e2e import (
     run_architecture,
     run_main,
 )
-from attn_core.e2e.configs import VISION_TOWERS
+from attn_core.e2e.configs import ENCODER_MODELS
 from attn_core.e2e.main import default_registry, make_prompts, plan_for, resolve_models
 
-DECODERS = [n for n in ARCHITECTURES if n not in VISION_TOWERS]
+DECODERS = [n for n in ARCHITECTURES if n not in ENCODER_MODELS]
 CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")]
 
@@ -122,7 +122,13 @@ def test_falcon_h1_bf16_cpu_within_tolerance(shapes: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "blocks"), [("qwen2.5-vl-vision", 4), ("qwen2-vl-vision", 3), ("siglip-vision", 3)]
+    ("name", "blocks"),
+    [
+        ("qwen2.5-vl-vision", 4),
+        ("qwen2-vl-vision", 3),
+        ("siglip-vision", 3),
+        ("whisper-encoder", 3),
+    ],
 )
 def test_vision_tower_blocks_match_transformers_fp32_cpu(name: str, blocks: int) -> None:
     run = run_architecture(name, prompts=3)

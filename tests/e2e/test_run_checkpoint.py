@@ -91,3 +91,34 @@ def test_checkpoint_first_layers_load_those_layers_weights(tmp_path: Path) -> No
     assert not any(k.startswith("model.layers.1.") for k in loaded)
     for k, v in loaded.items():
         assert torch.equal(v, saved[k]), k
+
+
+def test_a_qwen2_vl_checkpoint_loads_its_language_model(tmp_path: Path, run_on_cpu) -> None:
+    """A saved Qwen2VLForConditionalGeneration: its language model runs with the folder's
+    weights; the tower is not run (weights load for language models only), and the report says
+    so."""
+    import transformers
+
+    cfg = transformers.Qwen2VLConfig(
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2),
+        text_config=dict(
+            num_hidden_layers=2,
+            hidden_size=64,
+            intermediate_size=96,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3]},
+        ),
+    )
+    torch.manual_seed(7)
+    model = transformers.Qwen2VLForConditionalGeneration(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)  # decisive greedy tokens
+    model.save_pretrained(tmp_path)
+    report = run_on_cpu(str(tmp_path))
+    assert report.ok, report.format()
+    (run,) = report.runs
+    assert run.name == f"{tmp_path} [text]" and run.weights == str(tmp_path)
+    assert "stack vision is not run: weights load for language models only" in run.notes

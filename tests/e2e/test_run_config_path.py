@@ -40,9 +40,18 @@ def test_run_drives_every_model_type_explain_maps() -> None:
 
 
 def test_run_drives_every_sample() -> None:
+    """Every sample; a whole Qwen-VL sample runs as its tower (the report says so), the whole
+    Whisper sample only with --stack encoder (its decoder is refused)."""
+    from attn_core.e2e.main import _ALIASES
     from attn_core.models import sample_names
 
-    assert resolve_models(",".join(sample_names())) == sample_names()
+    names = [n for n in sample_names() if n != "whisper"]
+    want = list(dict.fromkeys(_ALIASES.get(n, n) for n in names))
+    assert resolve_models(",".join(names)) == want
+    assert "qwen2.5-vl-vision" in want and "qwen2.5-vl" not in want
+    with pytest.raises(ValueError, match=r"whisper: cross-attention in decoder layers 0-31"):
+        resolve_models("whisper")
+    assert resolve_models("whisper", stack="encoder") == ["whisper-encoder"]
 
 
 def test_run_config_error_is_the_mapping_error(tmp_path: Path) -> None:

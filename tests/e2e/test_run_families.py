@@ -285,6 +285,13 @@ def test_run_multimodal_gemma3_config_drives_its_language_model(tmp_path: Path, 
     report = run_on_cpu(str(path))
     assert report.ok, report.format()
     assert "Gemma3ForConditionalGeneration" in report.format()
+    # both stacks run: the SigLIP tower through the encoder path, the language model on text
+    vision, text = report.runs
+    assert (vision.name, text.name) == (f"{path} [vision]", f"{path} [text]")
+    assert [g["group_id"] for g in vision.plan["groups"]] == ["vision.encoder"]
+    assert vision.mode_counts == {"encoder": 1}
+    assert {g["group_id"] for g in text.plan["groups"]} == {"text.full", "text.full.1"}
+    assert "decode" in text.mode_counts
 
 
 def test_run_kimi_linear_from_its_transformers_config(tmp_path: Path, run_on_cpu) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from attn_core.e2e import run_main
 from attn_core.e2e.configs import first_layers, real_size_config, tiny_config
-from attn_core.models import load_sample, sample_names, specs_from_hf_config
+from attn_core.models import SAMPLE_STACKS, load_sample, sample_names, specs_from_hf_config
 
 pytest.importorskip("transformers")
 
@@ -18,14 +18,23 @@ pytest.importorskip("transformers")
 @pytest.mark.parametrize("name", sample_names())
 @pytest.mark.parametrize("n", [1, 2, 5])
 def test_first_layers_keep_each_samples_layer_pattern(name: str, n: int) -> None:
-    full = specs_from_hf_config(load_sample(name))
-    cut = specs_from_hf_config(first_layers(load_sample(name), n))
-    assert cut.num_layers == n
-    kept = [(i, s) for i, s in zip(full.layer_indices, full.layer_specs, strict=True) if i < n]
-    assert list(zip(cut.layer_indices, cut.layer_specs, strict=True)) == kept
-    assert cut.encoder_full_attention_layers == tuple(
-        i for i in full.encoder_full_attention_layers if i < n
-    )
+    # every stack of a multi-stack sample is cut (the whole Whisper sample: its encoder)
+    stack = SAMPLE_STACKS[name][1] if name in SAMPLE_STACKS else None
+    stack = "encoder" if name == "whisper" else stack
+    full = specs_from_hf_config(load_sample(name), stack=stack)
+    cut = specs_from_hf_config(first_layers(load_sample(name), n), stack=stack)
+    assert [s.stack for s in cut.stacks] == [s.stack for s in full.stacks]
+    for full_stack, cut_stack in zip(full.stacks or (full,), cut.stacks or (cut,), strict=True):
+        assert cut_stack.num_layers == n
+        kept = [
+            (i, s)
+            for i, s in zip(full_stack.layer_indices, full_stack.layer_specs, strict=True)
+            if i < n
+        ]
+        assert list(zip(cut_stack.layer_indices, cut_stack.layer_specs, strict=True)) == kept
+        assert cut_stack.encoder_full_attention_layers == tuple(
+            i for i in full_stack.encoder_full_attention_layers if i < n
+        )
 
 
 def test_first_layers_cut_per_layer_fields_only() -> None:

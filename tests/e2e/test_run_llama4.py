@@ -98,5 +98,7 @@ def test_a_multimodal_llama4_config_runs_its_language_model(tmp_path, run_on_cpu
     path.write_text(json.dumps(cfg))
     report = run_on_cpu(str(path))
     assert report.ok, report.format()
-    (run,) = report.runs
+    (run,) = report.runs  # the language model; the tower has no adapter, and the report says so
+    assert run.name == f"{path} [text]"
     assert any("chunk=4" in g["spec"] for g in run.plan["groups"]), run.format()
+    assert any("stack vision (llama-4-vision) is not run here" in n for n in run.notes)

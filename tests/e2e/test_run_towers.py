@@ -49,6 +49,9 @@ def _qwen2_vl(tmp_path: Path) -> Path:
             num_attention_heads=4,
             num_key_value_heads=2,
             vocab_size=256,
+            # head dim 12: M-RoPE sections of 2 + 2 + 2 frequencies (the language model runs too)
+            rope_parameters={"rope_type": "default", "mrope_section": [2, 2, 2]},
+            initializer_range=0.1,
         ),
     )
     path = tmp_path / "config.json"
@@ -65,14 +68,23 @@ def test_tower_blocks_match_transformers_fp32_cpu(
 ) -> None:
     path = make(tmp_path)
     layout = specs_from_hf_config(json.loads(path.read_text()))
+    if layout.stacks:  # the whole Qwen2-VL config: the tower is the stack that runs
+        assert [g.group_id for g in layout.groups] == ["vision.encoder", "text.full"]
+        layout = layout.stack_layout("vision")
     assert layout.family == family
     assert [g.spec.kind.value for g in layout.groups] == ["encoder"]
     assert not layout.groups[0].spec.causal
     report = run_on_cpu(str(path))
     assert report.ok, report.format()
-    (run,) = report.runs
+    run = report.runs[0]
     assert run.steps == steps and run.mode_counts == {"encoder": steps}
     assert run.match.max_abs_diff < 1e-4, run.format()
+    if layout.stack:  # the whole config: the tower, then the language model on its own
+        assert [r.name for r in report.runs] == [f"{path} [vision]", f"{path} [text]"]
+        assert run.notes == ["runs stack vision of qwen2_vl"]  # every stack runs: no other note
+        assert report.runs[1].notes == ["runs stack text of qwen2_vl"]
+    else:
+        assert len(report.runs) == 1
 
 
 @pytest.mark.parametrize(

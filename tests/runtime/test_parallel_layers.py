@@ -84,3 +84,20 @@ def test_two_ops_of_one_role_in_a_layer_are_refused(layout) -> None:
     with pytest.raises(ValueError, match=r"layer 2 .* two linear ops"):
         layer_ops([linear, twin])
     assert set(layer_ops([full, linear])) == {0, 1, 2}
+
+
+def test_a_plan_of_two_stacks_is_refused_but_each_stack_runs(ref_registry) -> None:
+    """A multi-stack layout (Qwen2.5-VL's vision tower and language model) numbers each stack's
+    layers from 0: one runtime over both would give layer 0 two attention ops. The parallel
+    hybrid rule (one attention op and one linear op per layer) refuses it and says what to do."""
+    from attn_core.models import load_sample
+
+    whole = specs_from_hf_config(load_sample("qwen2.5-vl"), dtype="float32")
+    plan = select(whole.groups, ref_registry, CPU, ExecutionConstraints(**LIMITS))
+    with pytest.raises(ValueError, match=r"two attention ops .*plan one stack at a time"):
+        AttentionRuntime(plan, ref_registry, state=None)
+    text = whole.stack_layout("text")
+    plan = select(text.groups, ref_registry, CPU, ExecutionConstraints(**LIMITS))
+    state = PersistentState.from_plan(plan, num_pages=8, num_slots=2)
+    runtime = AttentionRuntime(plan, ref_registry, state=state)
+    assert runtime.binding(text.layer_indices[0]).group_id == "text.full"
