@@ -44,18 +44,20 @@ def backends(availability: capability.Availability | None = None) -> list[Backen
     """The two backends this plugin advertises, marked with this machine's availability."""
     av = capability.probe() if availability is None else availability
     version = f"{__version__} (flashinfer {av.version})" if av.version else __version__
+    # whether the version-gated fast path (compat.py) is on, and why not
+    notes = compat.installed_note() if _flashinfer_installed() else ""
     common: dict[str, Any] = dict(
         priority=PRIORITY,
         version=version,
         available=av.available,
         unavailable_reason=av.reason,
-        # whether the version-gated fast path (compat.py) is on, and why not
-        notes=compat.installed_note() if _flashinfer_installed() else "",
     )
+    full = capability.FULL_CAPABILITIES
     return [
         Backend(
             name=FULL_BACKEND,
-            capabilities=capability.FULL_CAPABILITIES,
+            capabilities=full,
+            notes="; ".join(n for n in (notes, av.sinks_note) if n),
             description=(
                 "FlashInfer paged attention: decode (CUDA-graph capable), prefill, mixed, "
                 "speculative verify; GQA/MQA, sliding window, soft-cap, fp8 KV"
@@ -66,6 +68,7 @@ def backends(availability: capability.Availability | None = None) -> list[Backen
             name=MLA_BACKEND,
             capabilities=capability.MLA_CAPABILITIES,
             description="FlashInfer MLA (absorbed; rank 512, rope 64) over the latent cache",
+            notes=notes,
             **common,
         ),
     ]

@@ -25,7 +25,8 @@ compiled function computes attention only from the arguments it is handed (the p
 indptr / indices / last-page buffers, window, soft-cap and scale), so a fast path that passes
 the wrong buffers, scale or argument layout computes a wrong result or raises here too. Which
 release's layout it has (0.6.13's fa2 ``paged_run`` takes two block-scale tensors before the
-soft-cap, 0.6.7's does not) is :data:`LAYOUT`, set by :func:`install`.
+soft-cap, 0.6.7's does not; the 0.7 schedulers take one or two arguments more, and 0.7 wrappers
+have ``_cudnn_auto``) is :data:`LAYOUT`, set by :func:`install` from :data:`LAYOUTS`.
 
 Install with :func:`install` (puts it in ``sys.modules["flashinfer"]`` and
 ``sys.modules["flashinfer.utils"]`` and tells the plugin's compat module the version).
@@ -40,9 +41,19 @@ import types
 import torch
 
 __version__ = "0.6.7"
-#: The internals' layout of the release this fake stands in for (set by :func:`install`):
-#: ``block_scale_args`` as in ``attn_plugin_flashinfer.compat.Release``.
-LAYOUT = {"block_scale_args": False}
+#: Each release's internals as read from its sources (written here independently of the
+#: plugin's compat table): whether the compiled fa2 ``paged_run`` takes the two block-scale
+#: tensors, what the tensor-core decode ``plan()`` passes the scheduler after
+#: ``num_colocated_ctas`` (0.7.2.post1: ``uniform_q_len`` 0; 0.7.4: ``uniform_q_len`` 1,
+#: ``fixed_uniform_q_len`` True) and whether wrappers carry ``_cudnn_auto`` (0.7).
+LAYOUTS: dict[str, dict] = {
+    "0.6.7": {"block_scale_args": False, "plan_tail": (), "cudnn_auto": False},
+    "0.6.13": {"block_scale_args": True, "plan_tail": (), "cudnn_auto": False},
+    "0.7.2.post1": {"block_scale_args": True, "plan_tail": (0,), "cudnn_auto": True},
+    "0.7.4": {"block_scale_args": True, "plan_tail": (1, True), "cudnn_auto": True},
+}
+#: The internals' layout of the release this fake stands in for (set by :func:`install`).
+LAYOUT = dict(LAYOUTS["0.6.7"])
 
 
 def _attend(q, k, v, *, causal, window_left, soft_cap, sm_scale):
@@ -153,9 +164,18 @@ class _PrefillModule:
 
     def plan(self, float_ws, int_ws, pinned_ws, qo_indptr, kv_indptr, kv_len, total_rows,
              batch, num_qo_heads, num_kv_heads, page_size, graph, head_dim_qk, head_dim_vo,
-             causal, window_left, fixed_split_size, disable_split_kv,
-             num_colocated_ctas):  # fmt: skip
-        """The fa2 scheduler: exactly these 19 arguments; plan info from the host arrays."""
+             causal, window_left, fixed_split_size, disable_split_kv, num_colocated_ctas,
+             *tail):  # fmt: skip
+        """The fa2 scheduler: these 19 arguments and exactly the release's ``plan_tail``
+        (anything else raises, as a C++ binding would); plan info from the host arrays."""
+        want = LAYOUT["plan_tail"]
+        if len(tail) != len(want):
+            raise TypeError(
+                f"plan(): incompatible function arguments: {19 + len(tail)} given, this "
+                f"release takes {19 + len(want)}"
+            )
+        if tuple(tail) != tuple(want) or [type(x) for x in tail] != [type(x) for x in want]:
+            raise ValueError(f"plan(): uniform_q_len arguments {tail}, expected {want}")
         for flag in (graph, causal, disable_split_kv):
             assert isinstance(flag, bool)
         assert len(qo_indptr) == len(kv_indptr) == len(kv_len) + 1 == batch + 1
@@ -247,6 +267,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_Base):
         self._paged_kv_indices_buf = paged_kv_indices_buffer
         self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buffer
         self._qo_indptr_buf = None
+        if LAYOUT["cudnn_auto"]:
+            self._cudnn_auto = False  # 0.7: plan() sets it where "auto" picks cuDNN
         if use_cuda_graph:
             assert len(paged_kv_indptr_buffer) == len(paged_kv_last_page_len_buffer) + 1
             self._fixed_batch_size = len(paged_kv_last_page_len_buffer)
@@ -324,7 +346,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Base):
                 self._float_workspace_buffer, self._int_workspace_buffer,
                 self._pin_memory_int_workspace_buffer, qo_host, indptr, kv_lens.to(torch.int32),
                 batch, batch, num_qo_heads, num_kv_heads, page_size, self.is_cuda_graph_enabled,
-                head_dim, head_dim, False, window_left, -1, False, 0,
+                head_dim, head_dim, False, window_left, -1, False, 0, *LAYOUT["plan_tail"],
             )  # fmt: skip
         self._pos_encoding_mode = pos_encoding_mode
         self._window_left = window_left
@@ -606,7 +628,8 @@ def install(monkeypatch, version: str = "0.6.7", *, layout_of: str | None = None
     """Make ``import flashinfer`` return this module for the test (pytest ``monkeypatch``), as
     release ``version`` (what the plugin's compat module reads as the installed distribution's
     version), with the internals' layout of release ``layout_of`` (default: ``version``'s; a
-    different one stands in for a release whose internals changed under the same version)."""
+    different one stands in for a release whose internals changed under the same version; a
+    release :data:`LAYOUTS` does not know has 0.7.4's)."""
     from attn_plugin_flashinfer import compat
 
     module = sys.modules[__name__]
@@ -614,7 +637,8 @@ def install(monkeypatch, version: str = "0.6.7", *, layout_of: str | None = None
     monkeypatch.setitem(sys.modules, "flashinfer.utils", utils)
     monkeypatch.setattr(module, "__name__", "flashinfer")
     monkeypatch.setattr(module, "__version__", version)
-    monkeypatch.setitem(LAYOUT, "block_scale_args", (layout_of or version) != "0.6.7")
+    for key, value in LAYOUTS.get(layout_of or version, LAYOUTS["0.7.4"]).items():
+        monkeypatch.setitem(LAYOUT, key, value)
     monkeypatch.setattr(compat, "distribution_version", lambda: version)
     monkeypatch.setattr(compat, "_FAST", {})
     return module
