@@ -2,7 +2,8 @@
 
 Backends, both priority 100 (above the reference's 0):
 
-- ``flashinfer:flashinfer``: full attention (see :data:`capability.FULL_CAPABILITIES`).
+- ``flashinfer:flashinfer``: full attention (see :data:`capability.FULL_CAPABILITIES`; with
+  ``sinks`` where the installed release applies them on this device, ``Availability.sinks``).
 - ``flashinfer:flashinfer_mla``: absorbed MLA (see :data:`capability.MLA_CAPABILITIES`).
 
 Both register on every machine; where CUDA, flashinfer or nvcc is missing they register with
@@ -12,6 +13,7 @@ Both register on every machine; where CUDA, flashinfer or nvcc is missing they r
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +55,8 @@ def backends(availability: capability.Availability | None = None) -> list[Backen
         unavailable_reason=av.reason,
     )
     full = capability.FULL_CAPABILITIES
+    if av.sinks:  # the installed release applies them on this device (capability.probe)
+        full = dataclasses.replace(full, sinks=True)
     return [
         Backend(
             name=FULL_BACKEND,

@@ -56,8 +56,11 @@ LAYOUTS: dict[str, dict] = {
 LAYOUT = dict(LAYOUTS["0.6.7"])
 
 
-def _attend(q, k, v, *, causal, window_left, soft_cap, sm_scale):
-    """``q [Lq, H, D]``, ``k [L, Hkv, D]``, ``v [L, Hkv, Dv]`` -> ``[Lq, H, Dv]`` float32."""
+def _attend(q, k, v, *, causal, window_left, soft_cap, sm_scale, sink=None):
+    """``q [Lq, H, D]``, ``k [L, Hkv, D]``, ``v [L, Hkv, Dv]`` -> ``[Lq, H, Dv]`` float32.
+
+    ``sink`` ``[H]``: the sink variant's per-head logit (natural units, not scaled by
+    ``sm_scale``), one more softmax column that carries no value."""
     lq, h, _ = q.shape
     length, hkv = k.shape[0], k.shape[1]
     rep = h // hkv
@@ -74,7 +77,11 @@ def _attend(q, k, v, *, causal, window_left, soft_cap, sm_scale):
     if window_left >= 0:
         mask &= kpos >= qpos - window_left
     logits = logits.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(logits, dim=-1)
+    if sink is not None:
+        column = sink.float().cpu().view(h, 1, 1).expand(h, lq, 1)
+        p = torch.softmax(torch.cat([logits, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(logits, dim=-1)
     return torch.einsum("hqk,khd->qhd", p, vf)
 
 
@@ -85,7 +92,7 @@ def _gather(cache, indices, start, end, length):
 
 
 def _paged_attention(q, cache, qo_indptr, kv_indptr, kv_indices, last_page_len, *, causal,
-                     window_left, soft_cap, sm_scale):  # fmt: skip
+                     window_left, soft_cap, sm_scale, sink=None):  # fmt: skip
     """Attention of ``q`` rows ``qo_indptr[b]:qo_indptr[b+1]`` over request ``b``'s pages."""
     k_cache, v_cache = cache
     ps = k_cache.shape[1]
@@ -103,7 +110,7 @@ def _paged_attention(q, cache, qo_indptr, kv_indptr, kv_indices, last_page_len, 
         v = _gather(v_cache, kv_indices, indptr[b], indptr[b + 1], length)
         out[qs:qe] = _attend(
             q[qs:qe], k, v, causal=causal, window_left=window_left, soft_cap=soft_cap,
-            sm_scale=sm_scale,
+            sm_scale=sm_scale, sink=sink,
         )  # fmt: skip
     return out
 
@@ -467,6 +474,82 @@ class BatchPrefillWithPagedKVCacheWrapper(_Base):
         if q.shape[0] != self._qo_indptr[-1]:
             raise ValueError("q.shape[0] does not match qo_indptr[-1]")
         result = self._paged(q, paged_kv_cache, self._qo_indptr, causal=self._causal)
+        return self._out(result, q, out)
+
+
+class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper):
+    """The paged prefill wrapper's ``AttentionSink`` JIT variant (0.6.7's ``attention.py``, 0.6.13+
+    ``attention/_core.py``): constructed for the dtypes, head dims and window, CUDA-graph
+    capable (buffers given at construction, filled by ``plan()``), and ``run(q, kv, sink,
+    sm_scale)``: the variant takes the sinks ``[H]`` float32 and the softmax scale as its extra
+    run arguments and ignores ``plan()``'s ``sm_scale`` and any soft-cap."""
+
+    def __init__(
+        self,
+        float_workspace_buffer,
+        kv_layout="NHD",
+        use_cuda_graph=False,
+        qo_indptr_buf=None,
+        paged_kv_indptr_buf=None,
+        paged_kv_indices_buf=None,
+        paged_kv_last_page_len_buf=None,
+        custom_mask_buf=None,
+        mask_indptr_buf=None,
+        backend="auto",
+        pos_encoding_mode="NONE",
+        use_fp16_qk_reduction=False,
+        q_data_type=torch.bfloat16,
+        kv_data_type=torch.bfloat16,
+        head_dim_qk=128,
+        head_dim_vo=128,
+        window_left=-1,
+    ):
+        _Base.__init__(self, float_workspace_buffer)
+        assert kv_layout == "NHD"
+        self._use_cuda_graph = use_cuda_graph
+        if use_cuda_graph:
+            assert qo_indptr_buf is not None and paged_kv_indptr_buf is not None
+            assert paged_kv_indices_buf is not None and paged_kv_last_page_len_buf is not None
+            self._fixed_batch_size = len(qo_indptr_buf) - 1
+        self._qo_buf, self._kv_indptr = qo_indptr_buf, paged_kv_indptr_buf
+        self._kv_indices, self._last_page_len = paged_kv_indices_buf, paged_kv_last_page_len_buf
+        self._jit = (q_data_type, kv_data_type, head_dim_qk, head_dim_vo, window_left >= 0)
+
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+             num_qo_heads, num_kv_heads, head_dim_qk, page_size, *, causal=False,
+             window_left=-1, logits_soft_cap=None, sm_scale=None, q_data_type="float16",
+             kv_data_type=None, non_blocking=True, **rest):  # fmt: skip
+        q_dt, kv_dt, d_qk, _, swa = self._jit
+        assert (q_data_type, kv_data_type or q_data_type, head_dim_qk) == (q_dt, kv_dt, d_qk)
+        assert swa == (window_left >= 0), "the module was compiled for the other window mode"
+        g = self._use_cuda_graph
+        if g:
+            assert len(qo_indptr) - 1 == self._fixed_batch_size, "batch size fixed in graph mode"
+            self._qo_buf.copy_(qo_indptr)
+        self._store("_kv_indptr", paged_kv_indptr, g)
+        self._store("_kv_indices", paged_kv_indices, g)
+        self._store("_last_page_len", paged_kv_last_page_len, g)
+        self._qo_indptr = qo_indptr.tolist()
+        self._causal = causal
+        self._window_left = window_left
+        self._q_dtype, self._kv_dtype = q_dt, kv_dt
+        self.plans += 1
+
+    def run(self, q, paged_kv_cache, *args, out=None, lse=None, return_lse=False,
+            enable_pdl=None, **rest):  # fmt: skip
+        sink, sm_scale = args  # the variant's additional tensor and scalar
+        assert sink.dtype == torch.float32 and sink.shape == (q.shape[1],)
+        assert isinstance(sm_scale, float)
+        assert q.dtype == self._q_dtype and paged_kv_cache[0].dtype == self._kv_dtype
+        # graph mode reads the buffers the captured kernels would (rewritten by plan())
+        qo = self._qo_buf.tolist() if self._use_cuda_graph else self._qo_indptr
+        if q.shape[0] != qo[-1]:
+            raise ValueError("q.shape[0] does not match qo_indptr[-1]")
+        result = _paged_attention(
+            q, paged_kv_cache, qo, self._kv_indptr, self._kv_indices, self._last_page_len,
+            causal=self._causal, window_left=self._window_left, soft_cap=0.0,
+            sm_scale=sm_scale, sink=sink,
+        )  # fmt: skip
         return self._out(result, q, out)
 
 

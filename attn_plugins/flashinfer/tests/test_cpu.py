@@ -19,6 +19,7 @@ import workloads as wl
 from attn_plugin_flashinfer import capability, compat, planning
 from attn_plugin_flashinfer.context import StepKind, decode_uses_tensor_cores
 
+from attn_core.errors import PluginError
 from attn_core.registry import Registry
 from attn_core.selector import check_backend, select
 from attn_core.specs import (
@@ -834,6 +835,135 @@ def test_graph_decode_padding_and_update(fake_fi, monkeypatch, small_max, kind):
     steps_kw = {1: {"pad_to": 4}, 2: {"pad_to": 4}}
     seen = _compare(spec, script, tol=2e-2, steps_kw=steps_kw, make_kw={"graph": True})
     assert seen[1:] == [kind, kind]
+
+
+SINKS_AVAILABLE = capability.Availability(
+    True, None, "0.7.4", sinks=True, sinks_note="sinks: on (BatchAttentionWithAttentionSinkWrapper)"
+)
+GPT_OSS = FULL.with_(has_sinks=True)
+
+
+@pytest.fixture
+def sinks_fi(monkeypatch):
+    """The stand-in FlashInfer as 0.7.4, the probe saying it serves sinks here."""
+    monkeypatch.setattr(capability, "probe", lambda: SINKS_AVAILABLE)
+    return fake_flashinfer.install(monkeypatch, "0.7.4")
+
+
+@pytest.mark.parametrize(
+    ("spec", "graph"),
+    [
+        (GPT_OSS, False),
+        (GPT_OSS.with_(sliding_window=6), False),  # gpt-oss's sliding layers
+        (GPT_OSS, True),
+        (GPT_OSS.with_(sliding_window=6), True),
+    ],
+    ids=["full", "window", "graph", "graph_window"],
+)
+def test_sinks_match_the_reference_on_every_step_kind(sinks_fi, monkeypatch, spec, graph):
+    """A layer with sinks runs every step (ragged and paged prefill, mixed, decode, graph decode
+    with padding) through FlashInfer's sink variant with the layer's sinks and its own softmax
+    scale, and matches the reference; the plain wrappers are never built."""
+    script = [
+        [(0, 11), (1, 4), (2, 7)],
+        [(0, 1), (1, 1), (2, 1)],
+        [(0, 1), (2, 1)],
+        [(0, 1), (3, 9), (2, 1)],
+        [(0, 1), (1, 1), (2, 1), (3, 1)],
+    ]
+    steps_kw = {1: {"pad_to": 4}, 2: {"pad_to": 4}} if graph else {}
+    make_kw = {"graph": graph, "layer_scales": (spec.scale * 0.5, spec.scale * 2.0)}
+    seen = _compare(spec, script, tol=2e-2, steps_kw=steps_kw, make_kw=make_kw)
+    decode = StepKind.SINKS_GRAPH if graph else StepKind.SINKS
+    assert seen[0] is StepKind.SINKS and seen[1] is decode and seen[3] is StepKind.SINKS, seen
+
+
+def test_the_sinks_change_the_result(sinks_fi):
+    """The workloads' sinks weigh enough to matter: sinks of no mass give another output, so the
+    comparison with the reference above fails for a path that drops or misplaces them."""
+    h = wl.make(GPT_OSS, "flashinfer:flashinfer", "cpu")
+    step = [(0, 9), (1, 3)]
+    with_sinks = wl.run_step(h, 0, step)
+    h2 = wl.make(GPT_OSS, "flashinfer:flashinfer", "cpu")
+    for layer in range(h2.num_layers):
+        h2.runtime.binding(layer).sinks.fill_(-1e4)  # exp(-1e4): no sink mass
+    without = wl.run_step(h2, 0, step)
+    assert wl.max_error([with_sinks], [without]) > 1e-2
+    assert h.context.decode is None and h.context.sink.plans == 1
+
+
+def test_sinks_are_advertised_only_where_the_probe_says_so(monkeypatch):
+    full = {b.name: b for b in fi_plugin.backends(AVAILABLE)}["flashinfer"]
+    assert not full.capabilities.sinks
+    monkeypatch.setattr(capability, "probe", lambda: SINKS_AVAILABLE)
+    fake_flashinfer.install(monkeypatch, "0.7.4")
+    by_name = {b.name: b for b in fi_plugin.backends(SINKS_AVAILABLE)}
+    assert by_name["flashinfer"].capabilities.sinks
+    assert by_name["flashinfer"].notes.endswith(
+        "; sinks: on (BatchAttentionWithAttentionSinkWrapper)"
+    )
+    assert not by_name["flashinfer_mla"].capabilities.sinks
+    h200 = DeviceCapabilities.target("h200")
+    full = by_name["flashinfer"].with_plugin("flashinfer")
+    assert {r.code for r in check_backend(full, GPT_OSS, h200, ExecutionConstraints())} == set()
+
+
+@pytest.mark.parametrize(
+    ("version", "cc", "drop", "why"),
+    [
+        ("0.6.7", (9, 0), None, ""),
+        ("0.6.13", (9, 0), None, ""),
+        ("0.7.2.post1", (9, 0), None, ""),
+        ("0.7.4", (8, 0), None, ""),
+        ("0.7.4", (7, 5), None, "compute capability (7, 5), the sink variant needs 8.0+"),
+        ("0.8.0", (9, 0), None, "flashinfer 0.8.0 is not a release"),
+        (
+            "0.7.4",
+            (9, 0),
+            "class",
+            "flashinfer 0.7.4 has no BatchAttentionWithAttentionSinkWrapper",
+        ),
+        ("0.7.4", (9, 0), "window_left", "BatchAttentionWithAttentionSinkWrapper.__init__ of"),
+    ],
+)
+def test_sinks_support_follows_the_installed_release_and_device(
+    monkeypatch, version, cc, drop, why
+):
+    fi = fake_flashinfer.install(monkeypatch, version)
+    if drop == "class":
+        monkeypatch.delattr(fi, "BatchAttentionWithAttentionSinkWrapper")
+    elif drop is not None:
+        cls = fi.BatchAttentionWithAttentionSinkWrapper
+        init = cls.__init__
+
+        def without(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False,
+                    qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
+                    paged_kv_last_page_len_buf=None, q_data_type=None, kv_data_type=None,
+                    head_dim_qk=128, head_dim_vo=128):  # fmt: skip
+            init(self, float_workspace_buffer)
+
+        monkeypatch.setattr(cls, "__init__", without)
+    got = capability.sinks_support(fi, version, cc)
+    assert got.startswith(why) and (got == "") == (why == ""), got
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        (GPT_OSS.with_(logits_soft_cap=30.0), "sink variant applies no soft-cap"),
+        (GPT_OSS.with_(kv_dtype="fp8_e4m3"), "sinks over an fp8_e4m3 KV cache"),
+    ],
+)
+def test_what_the_sink_variant_does_not_serve_is_refused_with_the_reason(sinks_fi, spec, match):
+    with pytest.raises(PluginError, match=match) as info:
+        wl.make(spec, "flashinfer:flashinfer", "cpu")
+    assert "group 'full' (flashinfer)" in str(info.value)
+
+
+def test_sinks_without_the_sink_wrapper_are_refused_at_allocation(sinks_fi, monkeypatch):
+    monkeypatch.delattr(sinks_fi, "BatchAttentionWithAttentionSinkWrapper")
+    with pytest.raises(PluginError, match="has no BatchAttentionWithAttentionSinkWrapper"):
+        wl.make(GPT_OSS, "flashinfer:flashinfer", "cpu")
 
 
 def test_small_decode_serves_plain_16_bit_layers_only(fake_fi):
