@@ -49,7 +49,7 @@ __all__ = [
     "probe",
 ]
 
-#: Head dims FlashInfer 0.6.7 compiles for every paged path we use (FA2, FA3, CUDA-core decode).
+#: Head dims FlashInfer compiles for every paged path we use (FA2, FA3, CUDA-core decode).
 FULL_HEAD_DIMS = frozenset({64, 128, 256})
 MLA_KV_LORA_RANK = 512
 MLA_ROPE_DIM = 64
