@@ -73,7 +73,7 @@ FULL_CAPABILITIES = BackendCapabilities(
     sliding_window=True,
     chunked_attention=False,  # FlashInfer's kernels have no chunk mask
     logits_soft_cap=True,
-    sinks=False,
+    sinks=False,  # plugin.backends() sets it where the probe finds the sink variant
     deterministic=False,
     mixed_kv_dtypes=False,  # kernels are built for (q, kv) = (bf16, bf16), (fp16, fp16), fp8 KV
 )

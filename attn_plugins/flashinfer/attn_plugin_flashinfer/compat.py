@@ -39,15 +39,18 @@ Nothing may become silently wrong on an upgrade:
   layer scale into ``q`` for ``run()`` (see ``context.py``).
 - A self-check (:meth:`FastPath.self_check`, GPU only) runs the fast plan and the direct run
   against FlashInfer's public ``plan()``/``run()`` on a tiny case, once per process, before a
-  context first takes the fast path; if they disagree, or raise, the fast path is off for the
-  process and ``attn list`` prints why. On CPU it is skipped (the CPU tests drive the same
-  code through a stand-in FlashInfer, ``tests/fake_flashinfer.py``).
+  context first takes the fast path (where the first context is allocated: it compiles a kernel
+  module, which a cold JIT cache makes too slow for the probe); if they disagree, or raise, the
+  fast path is off for the process, a ``RuntimeWarning`` says why and ``attn list`` prints it.
+  On CPU it is skipped (the CPU tests drive the same code through a stand-in FlashInfer,
+  ``tests/fake_flashinfer.py``).
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
@@ -495,7 +498,12 @@ class FastPath:
         ``run()``; the direct run must give ``run()``'s output at the planned scale and the
         public plan's output at half of it (a layer's own scale reaches the kernel).
         """
-        if self.check is not None or self.release is None or device.type not in self.CHECK_DEVICES:
+        if (
+            self.check is not None
+            or self.release is None
+            or self.facts
+            or device.type not in self.CHECK_DEVICES
+        ):
             return self.check
         try:
             self.check = self._self_check(
@@ -504,6 +512,10 @@ class FastPath:
             )  # fmt: skip
         except Exception as exc:  # any failure of the private path: the public path stays
             self.check = f"{type(exc).__name__}: {exc}"
+        if self.check:
+            # Reported where it happens (the first context of the process), not only in a later
+            # attn list of the same process: the serving stack's log shows why steps cost more.
+            warnings.warn(f"attn_plugin_flashinfer: {self.note()}", RuntimeWarning, stacklevel=2)
         return self.check
 
     def _self_check(self, device: torch.device, dt: torch.dtype, H: int, Hkv: int, D: int,

@@ -41,7 +41,8 @@ Softmax scales go through public arguments only: each plan() takes the group's
 (``spec.scale``, as ``sm_scale``); a layer whose own scale (``LayerAttentionBinding.scale``)
 differs has the ratio folded into ``q`` before ``run()`` (``softmax(s' q.k) =
 softmax(s (s'/s) q).k)``, soft-cap included, which FlashInfer applies after the scale), and the
-fast path's direct decode run takes the layer's scale as an argument. No wrapper attribute is
+fast path's direct decode run and the sink variant's ``run()`` take the layer's scale as an
+argument. No wrapper attribute is
 written for it, so no FlashInfer release can drop it silently. Every other use of FlashInfer's
 internals (fast plan, direct run, shared int workspace) is in :mod:`attn_plugin_flashinfer.compat`,
 gated by the installed release.

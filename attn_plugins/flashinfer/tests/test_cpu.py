@@ -8,6 +8,7 @@ import importlib
 import importlib.machinery
 import math
 import shutil
+import warnings
 from pathlib import Path
 
 import attn_plugin_flashinfer.plugin as fi_plugin
@@ -457,9 +458,14 @@ def test_the_self_check_turns_the_fast_path_off_where_it_disagrees_with_the_publ
     fake_flashinfer.install(monkeypatch, "0.6.7", layout_of=layout_of)
     monkeypatch.setattr(compat.FastPath, "CHECK_DEVICES", ("cuda", "cpu"))
     monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")
-    h = wl.make(FULL, "flashinfer:flashinfer", "cpu")  # the context runs the self-check
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        h = wl.make(FULL, "flashinfer:flashinfer", "cpu")  # the context runs the self-check
     fp = h.context.fast
     assert fp.check is not None and fp.check.startswith(expect)
+    # a failed self-check is reported where it happens, not only in attn list
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert said == ([f"attn_plugin_flashinfer: {fp.note()}"] if expect else []), said
     script = wl.WORKLOADS["prefill_decode_mixed"]
     ref = wl.make(FULL, wl.REFERENCE, "cpu")
     out = [wl.run_step(h, i, step) for i, step in enumerate(script)]
