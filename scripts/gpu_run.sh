@@ -2,6 +2,7 @@
 # GPU verification on the lent H200s: install, GPU tests, conformance kit, benchmarks.
 # Usage (on the device, from the checkout root): bash scripts/gpu_run.sh STAGE ...
 #   stages: info install
+#           fi_install                                      (FlashInfer from $FI_WHEELS, see below)
 #           t_core t_e2e t_e2e_gptoss t_tp t_fi t_ssm t_varlen t_fa3   (pytest; GPU tests of each area)
 #           kit_fi kit_ssm kit_varlen                       (conformance kit per backend)
 #           kit_ssm_x2                                      (the triton_ssm kit over both GPUs)
@@ -13,6 +14,10 @@
 # Stages run in order; pick the GPU with CUDA_VISIBLE_DEVICES to run two lanes at once, and set
 # DEADLINE=$(( $(date +%s) + N )) so that no stage outlives the device call.
 # Logs go to $OUT/<stage>.log (or ./gpu-out), pass/fail lines to $OUT/summary.log.
+# fi_install: FI_WHEELS=DIR (a carried folder) puts DIR's wheels (*.whl: the FlashInfer release and
+# what it imports beyond the H200's stack, apache-tvm-ffi) and packed wheels (*.tar.xz: a wheel's
+# files as they are, xz-compressed to fit a call's carry) into /tmp/site in place of the FlashInfer
+# there; scripts/fi_version_run.sh DIR runs it with the FlashInfer stages in one call.
 set -u
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -41,6 +46,16 @@ for stage in "$@"; do case $stage in
 info)
   nvidia-smi --query-gpu=index,name,compute_cap,memory.total,driver_version --format=csv >>"$OUT/summary.log"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >>"$OUT/summary.log" 2>&1 ;;
+fi_install)
+  dir=${FI_WHEELS:?fi_install needs FI_WHEELS=DIR}
+  rm -rf /tmp/site/flashinfer /tmp/site/flashinfer_python-*.dist-info  # the release carried before
+  for w in "$dir"/*.whl; do
+    [ -f "$w" ] && run "fi_install_${w##*/}" 120 python3 -m pip install -q --no-index --no-deps \
+      --no-compile --no-cache-dir --upgrade --target /tmp/site "$w"
+  done
+  for t in "$dir"/*.tar.xz; do [ -f "$t" ] && run "fi_unpack_${t##*/}" 120 tar -xJf "$t" -C /tmp/site; done
+  run fi_version 60 python3 -c "import flashinfer, importlib.metadata as m; print('flashinfer', \
+m.version('flashinfer-python'), flashinfer.__file__); print(flashinfer.BatchDecodeWithPagedKVCacheWrapper)" ;;
 install)
   editables=(-e .)
   for p in attn_plugins/*/; do [ -f "$p/pyproject.toml" ] && editables+=(-e "$p"); done

@@ -453,6 +453,10 @@ def _kind_cases(
         if caps.sinks and kind is LayerKind.FULL:
             for w in w_opts:
                 add("correctness", base.with_(has_sinks=True), w, [f"{K}: sinks"])
+            if caps.sliding_window:  # gpt-oss's sliding layers carry both
+                gpt_oss = base.with_(has_sinks=True, sliding_window=WINDOW)
+                for w in w_opts:
+                    add("correctness", gpt_oss, w, [f"{K}: sinks + sliding window"])
         if caps.causal and caps.non_causal:  # the other masking mode, also advertised
             other = not base.causal
             label = f"{K}: {'causal' if other else 'non-causal'}"

@@ -46,6 +46,7 @@ def test_reference_matrix_covers_every_kind_and_option() -> None:
     labels = {label for c in full for label in c.capabilities}
     for label in (
         "full: sinks",
+        "full: sinks + sliding window",
         "full: soft-cap",
         "full: sliding window",
         "full: chunked attention",

@@ -1,4 +1,4 @@
-"""attn-plugin-flashinfer: FlashInfer 0.6.7 kernels behind the attn-core plugin contract.
+"""attn-plugin-flashinfer: FlashInfer (0.6.7 to 0.7.x) kernels behind the attn-core plugin contract.
 
 Two backends: ``flashinfer:flashinfer`` (full attention over the core's paged K/V: decode, prefill,
 mixed and speculative-verify steps, GQA/MQA, sliding window, logits soft-cap, bf16/fp16 and fp8

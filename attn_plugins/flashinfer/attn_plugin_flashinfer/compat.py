@@ -4,8 +4,8 @@ release.
 The rest of the plugin calls FlashInfer's public API only: the wrappers' constructors,
 ``plan()`` (the group's softmax scale goes in as ``sm_scale``), ``run()`` and
 ``reset_workspace_buffer()``. Three things go further, here, and only for a release in
-:data:`TESTED_RELEASES` whose sources they were written against (0.6.7 and 0.6.13; their
-differences are in :class:`Release`):
+:data:`TESTED_RELEASES` whose sources they were written against (0.6.7, 0.6.13, 0.7.2.post1
+and 0.7.4; their differences are in :class:`Release`):
 
 - **fast plan** (:meth:`FastPath.replan_tensor_core_decode`): GQA decode through FlashInfer's
   tensor-core kernel reads the KV cache at 4.3-4.5 TB/s on an H200 against 2.7-3.0 TB/s for its
@@ -25,6 +25,10 @@ differences are in :class:`Release`):
 
 Nothing may become silently wrong on an upgrade:
 
+- The import-level facts (:meth:`FastPath.probe`, at the plugin's probe, before any GPU work):
+  the module has the decode wrapper class with the methods and properties the fast path calls,
+  and ``flashinfer.utils`` the two helpers the direct run takes its defaults from. A release
+  that lacks one gets the public path from the start, and ``attn list`` says which.
 - The version gate: the installed distribution's version (``flashinfer-python``) must be one of
   :data:`TESTED_RELEASES`; any other release gets the public path, and ``attn list`` says so.
 - Every private attribute the fast path reads or writes must exist on the wrapper before it
@@ -35,15 +39,18 @@ Nothing may become silently wrong on an upgrade:
   layer scale into ``q`` for ``run()`` (see ``context.py``).
 - A self-check (:meth:`FastPath.self_check`, GPU only) runs the fast plan and the direct run
   against FlashInfer's public ``plan()``/``run()`` on a tiny case, once per process, before a
-  context first takes the fast path; if they disagree, or raise, the fast path is off for the
-  process and ``attn list`` prints why. On CPU it is skipped (the CPU tests drive the same
-  code through a stand-in FlashInfer, ``tests/fake_flashinfer.py``).
+  context first takes the fast path (where the first context is allocated: it compiles a kernel
+  module, which a cold JIT cache makes too slow for the probe); if they disagree, or raise, the
+  fast path is off for the process, a ``RuntimeWarning`` says why and ``attn list`` prints it.
+  On CPU it is skipped (the CPU tests drive the same code through a stand-in FlashInfer,
+  ``tests/fake_flashinfer.py``).
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
@@ -54,8 +61,10 @@ from packaging.version import InvalidVersion, Version
 
 __all__ = [
     "DECODE_ATTRIBUTES",
+    "DECODE_CLASS_ATTRIBUTES",
     "DISTRIBUTION",
     "TESTED_RELEASES",
+    "UTILS_ATTRIBUTES",
     "DecodeRunner",
     "FastPath",
     "Release",
@@ -74,19 +83,47 @@ class Release:
     :ivar block_scale_args: the fa2 ``paged_run`` compiled function takes the key and value
         block-scale tensors (None here) between the item-length pointer and the soft-cap
         (0.6.13's NVFP4 KV; 0.6.7 has no such parameters).
+    :ivar plan_tail: what the tensor-core decode ``plan()`` appends to the fa2 scheduler's
+        arguments after ``num_colocated_ctas`` for one query token per request: 0.7.2.post1
+        ``uniform_q_len`` (0 for one token), 0.7.4 ``uniform_q_len`` (1) and
+        ``fixed_uniform_q_len`` (True); the 0.6 releases nothing.
+    :ivar equal_kv_strides: the Python ``paged_run`` sends K/V caches of unequal strides to a
+        second compiled module (0.7: the primary one is built for equal strides), so the direct
+        run, which calls the primary one, must be given equal strides.
+    :ivar cudnn_auto: ``backend="auto"`` may route a decode ``plan()`` to cuDNN
+        (``_cudnn_auto`` on the wrapper, 0.7); the fast path takes fa2 wrappers only.
     """
 
     version: str
     block_scale_args: bool
+    plan_tail: tuple[int | bool, ...] = ()
+    equal_kv_strides: bool = False
+    cudnn_auto: bool = False
 
 
 #: The FlashInfer releases whose ``decode.py`` / ``prefill.py`` the fast path was written
-#: against (the tensor-core decode ``plan()`` and ``run()``, the fa2 ``paged_run``).
+#: against (the tensor-core decode ``plan()`` and ``run()``, the fa2 ``paged_run``). The 0.7
+#: releases keep 0.6.13's compiled ``paged_run`` arguments and every attribute of
+#: :data:`DECODE_ATTRIBUTES`; their scheduler takes more arguments (``plan_tail``).
 TESTED_RELEASES: dict[str, Release] = {
     "0.6.7": Release("0.6.7", block_scale_args=False),
     "0.6.13": Release("0.6.13", block_scale_args=True),
+    "0.7.2.post1": Release(
+        "0.7.2.post1",
+        block_scale_args=True,
+        plan_tail=(0,),
+        equal_kv_strides=True,
+        cudnn_auto=True,
+    ),
+    "0.7.4": Release(
+        "0.7.4",
+        block_scale_args=True,
+        plan_tail=(1, True),
+        equal_kv_strides=True,
+        cudnn_auto=True,
+    ),
 }
-_TESTED_RANGE = "0.6.7-0.6.13"
+_TESTED_RANGE = ", ".join(TESTED_RELEASES)
 
 #: Private attributes of a planned tensor-core decode wrapper the fast path reads or writes
 #: (``_fixed_batch_size`` only on CUDA-graph wrappers, checked where used).
@@ -114,6 +151,10 @@ DECODE_ATTRIBUTES = (
     "_num_qo_heads",
 )
 _WORKSPACE_ATTRIBUTES = ("_int_workspace_buffer", "_pin_memory_int_workspace_buffer")
+#: Class-level names of the decode wrapper the fast path calls, and ``flashinfer.utils``
+#: helpers the direct run reads its defaults from: checked at probe (:meth:`FastPath.probe`).
+DECODE_CLASS_ATTRIBUTES = ("plan", "run", "is_cuda_graph_enabled", "use_tensor_cores")
+UTILS_ATTRIBUTES = ("_get_cache_alibi_slopes_buf", "device_support_pdl")
 
 #: ``(q, k_cache, v_cache, out) -> None``: one layer of a planned decode step.
 DecodeRunner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -142,7 +183,10 @@ def _release(version: str | None) -> tuple[Release | None, str]:
         return None, f"flashinfer version {version!r} is not a version"
     release = TESTED_RELEASES.get(normal)
     if release is None:
-        return None, f"flashinfer {version} not in the tested range {_TESTED_RANGE}"
+        return None, (
+            f"flashinfer {version} is not a release the fast path was written against "
+            f"({_TESTED_RANGE})"
+        )
     return release, ""
 
 
@@ -159,17 +203,25 @@ class FastPath:
         self.release, self.gate_reason = _release(version)
         #: None: the self-check has not run; "": it passed; else why it failed.
         self.check: str | None = None
+        #: None: the import-level facts were not checked (no module); "": they hold; else
+        #: which one does not (:meth:`probe`).
+        self.facts: str | None = None
+        if module is not None and self.release is not None:
+            self.probe()
 
     # -- status ---------------------------------------------------------------------------
     @property
     def enabled(self) -> bool:
-        """The release is tested and the self-check has not failed."""
-        return self.release is not None and not self.check
+        """The release is tested, its import-level facts hold and the self-check has not
+        failed."""
+        return self.release is not None and not self.facts and not self.check
 
     def off_reason(self) -> str | None:
         """Why the fast path is off (None: on)."""
         if self.release is None:
             return self.gate_reason
+        if self.facts:
+            return f"flashinfer {self.version}: {self.facts}"
         if self.check:
             return f"self-check against public plan()/run() failed: {self.check}"
         return None
@@ -180,7 +232,36 @@ class FastPath:
         if off is not None:
             return f"fast plan: off ({off}; public plan() used)"
         checked = {None: "self-check at first GPU use", "": "self-check passed"}[self.check]
-        return f"fast plan: on (flashinfer {self.version}, {checked})"
+        facts = "import checks passed, " if self.facts == "" and self.check is None else ""
+        return f"fast plan: on (flashinfer {self.version}, {facts}{checked})"
+
+    def probe(self) -> str:
+        """Check, without touching the GPU, what the fast path needs of the imported module
+        beyond its version: the decode wrapper class and its :data:`DECODE_CLASS_ATTRIBUTES`,
+        ``flashinfer.utils`` and its :data:`UTILS_ATTRIBUTES`. Keeps and returns the verdict
+        ("" they hold, else the first missing one); the instance attributes a plan sets are
+        checked per wrapper (:meth:`can_replan`) and the numbers by :meth:`self_check`."""
+        cls = getattr(self.module, "BatchDecodeWithPagedKVCacheWrapper", None)
+        if cls is None:
+            self.facts = "the module has no BatchDecodeWithPagedKVCacheWrapper"
+            return self.facts
+        missing = [a for a in DECODE_CLASS_ATTRIBUTES if not hasattr(cls, a)]
+        if missing:
+            self.facts = f"BatchDecodeWithPagedKVCacheWrapper lacks {missing}"
+            return self.facts
+        try:
+            utils = self._utils()
+        except ImportError as exc:
+            self.facts = f"flashinfer.utils is not importable ({exc})"
+            return self.facts
+        missing = [a for a in UTILS_ATTRIBUTES if not callable(getattr(utils, a, None))]
+        self.facts = f"flashinfer.utils lacks {missing}" if missing else ""
+        return self.facts
+
+    def _attributes(self) -> tuple[str, ...]:
+        """The instance attributes a planned decode wrapper must have for this release."""
+        extra = ("_cudnn_auto",) if self.release is not None and self.release.cudnn_auto else ()
+        return DECODE_ATTRIBUTES + extra
 
     # -- the shared int workspace ---------------------------------------------------------
     def share_int_workspace(self, wrapper: Any, float_ws: torch.Tensor, int_ws: torch.Tensor,
@@ -205,13 +286,15 @@ class FastPath:
             return False
         checked = wrapper.__dict__.get(_CHECKED)
         if checked is None:
-            checked = all(hasattr(wrapper, a) for a in DECODE_ATTRIBUTES)
+            checked = all(hasattr(wrapper, a) for a in self._attributes())
             setattr(wrapper, _CHECKED, checked)
         return bool(
             checked
             and wrapper._use_tensor_cores
             and wrapper._backend == "fa2"
             and wrapper._jit_module is None
+            # 0.7: a plan() that "auto" sent to cuDNN leaves _backend "fa2" from an earlier one
+            and not getattr(wrapper, "_cudnn_auto", False)
         )
 
     @staticmethod
@@ -267,8 +350,9 @@ class FastPath:
             )
         wrapper._batch_size = P
         wrapper._max_kv_len = max_kv_len
-        # The fa2 prefill module's plan arguments of the tensor-core decode plan(), the same
-        # in both tested releases (decode.py; 0.7 appends two more).
+        # The fa2 prefill module's plan arguments of the tensor-core decode plan() (decode.py):
+        # the same 19 in every tested release, then the release's plan_tail.
+        tail = self.release.plan_tail if self.release is not None else ()
         wrapper._plan_info = wrapper._cached_module.plan(
             wrapper._float_workspace_buffer,
             wrapper._int_workspace_buffer,
@@ -289,6 +373,7 @@ class FastPath:
             -1,  # fixed_split_size: let the scheduler choose
             False,  # disable_split_kv
             0,  # num_colocated_ctas
+            *tail,  # 0.7: uniform_q_len [, fixed_uniform_q_len]
         )
 
     # -- direct run -----------------------------------------------------------------------
@@ -351,7 +436,22 @@ class FastPath:
                 out: torch.Tensor) -> None:  # fmt: skip
             compiled(*head, q, k_cache, v_cache, *indptrs, out, *tail)
 
-        return run
+        if not release.equal_kv_strides:
+            return run
+
+        def run_equal_strides(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              out: torch.Tensor) -> None:  # fmt: skip
+            # The module found is the one built for equal K/V strides; run() would route
+            # other strides to a second module this runner does not call.
+            if k_cache.stride() != v_cache.stride():
+                raise ValueError(
+                    f"flashinfer {release.version} direct decode run: K cache strides "
+                    f"{k_cache.stride()} differ from V cache strides {v_cache.stride()}; "
+                    "expected equal strides (the core's K and V caches of one shape)"
+                )
+            compiled(*head, q, k_cache, v_cache, *indptrs, out, *tail)
+
+        return run_equal_strides
 
     def _compiled_paged_run(self, wrapper: Any) -> tuple[Any, bool, torch.Tensor] | None:
         """``(compiled paged_run, run()'s enable_pdl default, run()'s alibi-slopes buffer)`` of
@@ -398,7 +498,12 @@ class FastPath:
         ``run()``; the direct run must give ``run()``'s output at the planned scale and the
         public plan's output at half of it (a layer's own scale reaches the kernel).
         """
-        if self.check is not None or self.release is None or device.type not in self.CHECK_DEVICES:
+        if (
+            self.check is not None
+            or self.release is None
+            or self.facts
+            or device.type not in self.CHECK_DEVICES
+        ):
             return self.check
         try:
             self.check = self._self_check(
@@ -407,6 +512,10 @@ class FastPath:
             )  # fmt: skip
         except Exception as exc:  # any failure of the private path: the public path stays
             self.check = f"{type(exc).__name__}: {exc}"
+        if self.check:
+            # Reported where it happens (the first context of the process), not only in a later
+            # attn list of the same process: the serving stack's log shows why steps cost more.
+            warnings.warn(f"attn_plugin_flashinfer: {self.note()}", RuntimeWarning, stacklevel=2)
         return self.check
 
     def _self_check(self, device: torch.device, dt: torch.dtype, H: int, Hkv: int, D: int,
@@ -452,7 +561,7 @@ class FastPath:
         wrapper, _ = public(first, scale)
         self.mark_planned(wrapper)
         if not self.can_replan(wrapper):
-            missing = [a for a in DECODE_ATTRIBUTES if not hasattr(wrapper, a)]
+            missing = [a for a in self._attributes() if not hasattr(wrapper, a)]
             return f"the decode wrapper lacks {missing or 'a tensor-core fa2 module'}"
         m = metadata_for(second)
         self.replan_tensor_core_decode(

@@ -29,6 +29,9 @@ prefill without context,     ``BatchPrefillWithRaggedKVCacheWrapper`` over the s
 non-fp8 KV                   (they are also written to the cache)
 prefill / mixed / verify     ``BatchPrefillWithPagedKVCacheWrapper`` (causal, bottom-right
                              aligned: the queries are each request's last tokens)
+any step of a layer with     ``BatchAttentionWithAttentionSinkWrapper`` (the paged prefill
+attention sinks              wrapper's ``AttentionSink`` JIT variant, FA2 / FA3 on sm90;
+                             graph variant per padded batch size for graph decode)
 MLA, any step                ``BatchMLAPagedAttentionWrapper`` (graph variant for graph decode)
 ============================ ==============================================================
 
@@ -41,7 +44,8 @@ Softmax scales go through public arguments only: each plan() takes the group's
 (``spec.scale``, as ``sm_scale``); a layer whose own scale (``LayerAttentionBinding.scale``)
 differs has the ratio folded into ``q`` before ``run()`` (``softmax(s' q.k) =
 softmax(s (s'/s) q).k)``, soft-cap included, which FlashInfer applies after the scale), and the
-fast path's direct decode run takes the layer's scale as an argument. No wrapper attribute is
+fast path's direct decode run and the sink variant's ``run()`` take the layer's scale as an
+argument. No wrapper attribute is
 written for it, so no FlashInfer release can drop it silently. Every other use of FlashInfer's
 internals (fast plan, direct run, shared int workspace) is in :mod:`attn_plugin_flashinfer.compat`,
 gated by the installed release.
@@ -115,6 +119,8 @@ class StepKind(str, enum.Enum):
     RAGGED = "ragged"
     PAGED = "paged"
     PAGED_GRAPH = "paged_graph"  # a captured mixed step (graph mode full)
+    SINKS = "sinks"  # a layer with attention sinks: the sink variant, every step
+    SINKS_GRAPH = "sinks_graph"  # the same, graph decode
     MLA = "mla"
     MLA_GRAPH = "mla_graph"
     EMPTY = "empty"
@@ -499,6 +505,10 @@ class FullAttentionContext(_PagedContext):
             )
         self.window_left = planning.window_left(spec.sliding_window)
         self.soft_cap = spec.logits_soft_cap
+        #: attention sinks: every step through the sink variant (_sink_wrapper)
+        self.sinks = spec.has_sinks
+        if self.sinks:
+            self._check_sinks()
         self.tensor_core_decode = decode_uses_tensor_cores(
             spec.num_heads, spec.num_kv_heads, spec.kv_dtype
         )
@@ -530,6 +540,11 @@ class FullAttentionContext(_PagedContext):
         #: Python (compat.FastPath.decode_runner) where compat knows the release;
         #: benchmarks turn it off to compare.
         self.direct_decode_run = True
+        if self.sinks:
+            # The sink variant serves every step; the plain wrappers would never run.
+            self.decode = self.paged = self.ragged = None
+            self.sink = self._share(self._sink_wrapper(None))
+            return
         if self.tensor_core_decode:
             # Once per process, before the first fast plan: the fast path against the public
             # plan()/run() on a tiny case of this group's shape (GPU only; the kernel module it
@@ -549,8 +564,63 @@ class FullAttentionContext(_PagedContext):
         self.paged = self._share(fi.BatchPrefillWithPagedKVCacheWrapper(self.float_ws, "NHD"))
         self.ragged = self._share(fi.BatchPrefillWithRaggedKVCacheWrapper(self.float_ws, "NHD"))
 
+    def _check_sinks(self) -> None:
+        """Refuse, naming the group, what the sink variant does not serve here."""
+        from attn_plugin_flashinfer import capability
+
+        if not hasattr(self.fi, capability.SINK_WRAPPER):
+            self._bad(
+                f"the layers have attention sinks; flashinfer {self.fi_version} has no "
+                f"{capability.SINK_WRAPPER} (attn list shows whether sinks are served)"
+            )
+        if self.soft_cap:
+            self._bad(
+                f"attention sinks with logits_soft_cap={self.soft_cap}: FlashInfer's sink "
+                "variant applies no soft-cap; expected one of the two"
+            )
+        if self.graph_full:
+            # a captured mixed step runs the plain paged prefill wrapper, which ignores sinks
+            self._bad(
+                "attention sinks under graph mode full: the sink variant has no captured "
+                "mixed-step path (graph mode decode captures its decode steps); expected graph "
+                "mode decode or none"
+            )
+        if self.fp8:
+            self._bad(
+                "attention sinks over an fp8_e4m3 KV cache: the sink variant is served with a "
+                f"16-bit cache (the activations' dtype, {self.spec.dtype}) only"
+            )
+
+    def _sink_wrapper(self, P: int | None) -> Any:
+        """FlashInfer's sink variant for this group (JIT-compiled for its dtypes, head dim and
+        window on first plan); ``P``: a CUDA-graph wrapper for ``P`` padded decode requests
+        whose buffers are views of the context's metadata (the step's one host-to-device copy
+        fills what captured kernels read), None: the eager one."""
+        spec = self.spec
+        graph: dict[str, Any] = {}
+        if P is not None:
+            graph = dict(
+                use_cuda_graph=True,
+                qo_indptr_buf=self.g_qo_indptr[: P + 1],
+                paged_kv_indptr_buf=self.dev_meta[: P + 1],
+                paged_kv_indices_buf=self.kv_indices,
+                paged_kv_last_page_len_buf=self._last_page_len_dev(P),
+            )
+        return self.fi.BatchAttentionWithAttentionSinkWrapper(
+            self.float_ws,
+            "NHD",
+            q_data_type=self.q_dtype,
+            kv_data_type=self.kv_dtype,
+            head_dim_qk=spec.head_dim,
+            head_dim_vo=spec.head_dim,
+            window_left=self.window_left,
+            **graph,
+        )
+
     def _graph_wrapper(self, P: int) -> Any:
         wrapper = self._graph_wrappers.get(P)
+        if wrapper is None and self.sinks:
+            wrapper = self._graph_wrappers[P] = self._share(self._sink_wrapper(P))
         if wrapper is None:
             wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
                 self.float_ws,
@@ -630,6 +700,27 @@ class FullAttentionContext(_PagedContext):
             kv_data_type=self.kv_dtype,
         )
         H, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        if self.sinks:
+            # Every step, decode included: causal and bottom-right aligned (a decode query sees
+            # its whole context). The softmax scale is run()'s argument (the variant's).
+            wrapper = self._graph_wrapper(batch.padded_reqs) if graph else self.sink
+            wrapper.plan(
+                views.qo_indptr_host,
+                views.kv_indptr_host,
+                indices,
+                views.last_page_len_host,
+                H,
+                Hkv,
+                D,
+                batch.page_size,
+                causal=True,
+                non_blocking=True,
+                window_left=self.window_left,
+                sm_scale=spec.scale,
+                q_data_type=self.q_dtype,
+                kv_data_type=self.kv_dtype,
+            )
+            return (StepKind.SINKS_GRAPH if graph else StepKind.SINKS), wrapper
         if batch.mode is BatchMode.DECODE:
             wrapper = self._graph_wrapper(batch.padded_reqs) if graph else self.decode
             kind = StepKind.DECODE_GRAPH if graph else StepKind.DECODE
@@ -772,6 +863,15 @@ class FullAttentionContext(_PagedContext):
                 # Join before returning: later work on the main stream (the next step's
                 # attention, or the caller freeing k/v) is ordered after the write.
                 main.wait_stream(side)
+        elif step.kind is StepKind.SINKS or step.kind is StepKind.SINKS_GRAPH:
+            self._write_kv(*write)
+            sinks = layer.sinks
+            if sinks is None:
+                self._bad(f"layer {layer.layer_index} has no sinks tensor [num_heads] (float32)")
+            if sinks.dtype != torch.float32:
+                sinks = sinks.float()  # the variant reads float logits
+            # The variant's run arguments: the sinks [H] and the layer's own softmax scale.
+            result = wrapper.run(q, (k_cache, v_cache), sinks, float(layer.scale), out=o)
         else:
             # One launch on CUDA for K and V (padding rows change nothing).
             self._write_kv(*write)

@@ -2,7 +2,8 @@
 
 Backends, both priority 100 (above the reference's 0):
 
-- ``flashinfer:flashinfer``: full attention (see :data:`capability.FULL_CAPABILITIES`).
+- ``flashinfer:flashinfer``: full attention (see :data:`capability.FULL_CAPABILITIES`; with
+  ``sinks`` where the installed release applies them on this device, ``Availability.sinks``).
 - ``flashinfer:flashinfer_mla``: absorbed MLA (see :data:`capability.MLA_CAPABILITIES`).
 
 Both register on every machine; where CUDA, flashinfer or nvcc is missing they register with
@@ -12,6 +13,7 @@ Both register on every machine; where CUDA, flashinfer or nvcc is missing they r
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from collections.abc import Callable
 from typing import Any
@@ -44,18 +46,22 @@ def backends(availability: capability.Availability | None = None) -> list[Backen
     """The two backends this plugin advertises, marked with this machine's availability."""
     av = capability.probe() if availability is None else availability
     version = f"{__version__} (flashinfer {av.version})" if av.version else __version__
+    # whether the version-gated fast path (compat.py) is on, and why not
+    notes = compat.installed_note() if _flashinfer_installed() else ""
     common: dict[str, Any] = dict(
         priority=PRIORITY,
         version=version,
         available=av.available,
         unavailable_reason=av.reason,
-        # whether the version-gated fast path (compat.py) is on, and why not
-        notes=compat.installed_note() if _flashinfer_installed() else "",
     )
+    full = capability.FULL_CAPABILITIES
+    if av.sinks:  # the installed release applies them on this device (capability.probe)
+        full = dataclasses.replace(full, sinks=True)
     return [
         Backend(
             name=FULL_BACKEND,
-            capabilities=capability.FULL_CAPABILITIES,
+            capabilities=full,
+            notes="; ".join(n for n in (notes, av.sinks_note) if n),
             description=(
                 "FlashInfer paged attention: decode, prefill, mixed (CUDA graphs: decode and "
                 "full), speculative verify; GQA/MQA, sliding window, soft-cap, fp8 KV"
@@ -66,6 +72,7 @@ def backends(availability: capability.Availability | None = None) -> list[Backen
             name=MLA_BACKEND,
             capabilities=capability.MLA_CAPABILITIES,
             description="FlashInfer MLA (absorbed; rank 512, rope 64) over the latent cache",
+            notes=notes,
             **common,
         ),
     ]

@@ -25,7 +25,8 @@ compiled function computes attention only from the arguments it is handed (the p
 indptr / indices / last-page buffers, window, soft-cap and scale), so a fast path that passes
 the wrong buffers, scale or argument layout computes a wrong result or raises here too. Which
 release's layout it has (0.6.13's fa2 ``paged_run`` takes two block-scale tensors before the
-soft-cap, 0.6.7's does not) is :data:`LAYOUT`, set by :func:`install`.
+soft-cap, 0.6.7's does not; the 0.7 schedulers take one or two arguments more, and 0.7 wrappers
+have ``_cudnn_auto``) is :data:`LAYOUT`, set by :func:`install` from :data:`LAYOUTS`.
 
 Install with :func:`install` (puts it in ``sys.modules["flashinfer"]`` and
 ``sys.modules["flashinfer.utils"]`` and tells the plugin's compat module the version).
@@ -40,13 +41,26 @@ import types
 import torch
 
 __version__ = "0.6.7"
-#: The internals' layout of the release this fake stands in for (set by :func:`install`):
-#: ``block_scale_args`` as in ``attn_plugin_flashinfer.compat.Release``.
-LAYOUT = {"block_scale_args": False}
+#: Each release's internals as read from its sources (written here independently of the
+#: plugin's compat table): whether the compiled fa2 ``paged_run`` takes the two block-scale
+#: tensors, what the tensor-core decode ``plan()`` passes the scheduler after
+#: ``num_colocated_ctas`` (0.7.2.post1: ``uniform_q_len`` 0; 0.7.4: ``uniform_q_len`` 1,
+#: ``fixed_uniform_q_len`` True) and whether wrappers carry ``_cudnn_auto`` (0.7).
+LAYOUTS: dict[str, dict] = {
+    "0.6.7": {"block_scale_args": False, "plan_tail": (), "cudnn_auto": False},
+    "0.6.13": {"block_scale_args": True, "plan_tail": (), "cudnn_auto": False},
+    "0.7.2.post1": {"block_scale_args": True, "plan_tail": (0,), "cudnn_auto": True},
+    "0.7.4": {"block_scale_args": True, "plan_tail": (1, True), "cudnn_auto": True},
+}
+#: The internals' layout of the release this fake stands in for (set by :func:`install`).
+LAYOUT = dict(LAYOUTS["0.6.7"])
 
 
-def _attend(q, k, v, *, causal, window_left, soft_cap, sm_scale):
-    """``q [Lq, H, D]``, ``k [L, Hkv, D]``, ``v [L, Hkv, Dv]`` -> ``[Lq, H, Dv]`` float32."""
+def _attend(q, k, v, *, causal, window_left, soft_cap, sm_scale, sink=None):
+    """``q [Lq, H, D]``, ``k [L, Hkv, D]``, ``v [L, Hkv, Dv]`` -> ``[Lq, H, Dv]`` float32.
+
+    ``sink`` ``[H]``: the sink variant's per-head logit (natural units, not scaled by
+    ``sm_scale``), one more softmax column that carries no value."""
     lq, h, _ = q.shape
     length, hkv = k.shape[0], k.shape[1]
     rep = h // hkv
@@ -63,7 +77,11 @@ def _attend(q, k, v, *, causal, window_left, soft_cap, sm_scale):
     if window_left >= 0:
         mask &= kpos >= qpos - window_left
     logits = logits.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(logits, dim=-1)
+    if sink is not None:
+        column = sink.float().cpu().view(h, 1, 1).expand(h, lq, 1)
+        p = torch.softmax(torch.cat([logits, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(logits, dim=-1)
     return torch.einsum("hqk,khd->qhd", p, vf)
 
 
@@ -74,7 +92,7 @@ def _gather(cache, indices, start, end, length):
 
 
 def _paged_attention(q, cache, qo_indptr, kv_indptr, kv_indices, last_page_len, *, causal,
-                     window_left, soft_cap, sm_scale):  # fmt: skip
+                     window_left, soft_cap, sm_scale, sink=None):  # fmt: skip
     """Attention of ``q`` rows ``qo_indptr[b]:qo_indptr[b+1]`` over request ``b``'s pages."""
     k_cache, v_cache = cache
     ps = k_cache.shape[1]
@@ -92,7 +110,7 @@ def _paged_attention(q, cache, qo_indptr, kv_indptr, kv_indices, last_page_len, 
         v = _gather(v_cache, kv_indices, indptr[b], indptr[b + 1], length)
         out[qs:qe] = _attend(
             q[qs:qe], k, v, causal=causal, window_left=window_left, soft_cap=soft_cap,
-            sm_scale=sm_scale,
+            sm_scale=sm_scale, sink=sink,
         )  # fmt: skip
     return out
 
@@ -153,9 +171,18 @@ class _PrefillModule:
 
     def plan(self, float_ws, int_ws, pinned_ws, qo_indptr, kv_indptr, kv_len, total_rows,
              batch, num_qo_heads, num_kv_heads, page_size, graph, head_dim_qk, head_dim_vo,
-             causal, window_left, fixed_split_size, disable_split_kv,
-             num_colocated_ctas):  # fmt: skip
-        """The fa2 scheduler: exactly these 19 arguments; plan info from the host arrays."""
+             causal, window_left, fixed_split_size, disable_split_kv, num_colocated_ctas,
+             *tail):  # fmt: skip
+        """The fa2 scheduler: these 19 arguments and exactly the release's ``plan_tail``
+        (anything else raises, as a C++ binding would); plan info from the host arrays."""
+        want = LAYOUT["plan_tail"]
+        if len(tail) != len(want):
+            raise TypeError(
+                f"plan(): incompatible function arguments: {19 + len(tail)} given, this "
+                f"release takes {19 + len(want)}"
+            )
+        if tuple(tail) != tuple(want) or [type(x) for x in tail] != [type(x) for x in want]:
+            raise ValueError(f"plan(): uniform_q_len arguments {tail}, expected {want}")
         for flag in (graph, causal, disable_split_kv):
             assert isinstance(flag, bool)
         assert len(qo_indptr) == len(kv_indptr) == len(kv_len) + 1 == batch + 1
@@ -247,6 +274,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_Base):
         self._paged_kv_indices_buf = paged_kv_indices_buffer
         self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buffer
         self._qo_indptr_buf = None
+        if LAYOUT["cudnn_auto"]:
+            self._cudnn_auto = False  # 0.7: plan() sets it where "auto" picks cuDNN
         if use_cuda_graph:
             assert len(paged_kv_indptr_buffer) == len(paged_kv_last_page_len_buffer) + 1
             self._fixed_batch_size = len(paged_kv_last_page_len_buffer)
@@ -324,7 +353,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Base):
                 self._float_workspace_buffer, self._int_workspace_buffer,
                 self._pin_memory_int_workspace_buffer, qo_host, indptr, kv_lens.to(torch.int32),
                 batch, batch, num_qo_heads, num_kv_heads, page_size, self.is_cuda_graph_enabled,
-                head_dim, head_dim, False, window_left, -1, False, 0,
+                head_dim, head_dim, False, window_left, -1, False, 0, *LAYOUT["plan_tail"],
             )  # fmt: skip
         self._pos_encoding_mode = pos_encoding_mode
         self._window_left = window_left
@@ -510,6 +539,82 @@ class BatchPrefillWithPagedKVCacheWrapper(_Base):
         return self._out(result, q, out)
 
 
+class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper):
+    """The paged prefill wrapper's ``AttentionSink`` JIT variant (0.6.7's ``attention.py``, 0.6.13+
+    ``attention/_core.py``): constructed for the dtypes, head dims and window, CUDA-graph
+    capable (buffers given at construction, filled by ``plan()``), and ``run(q, kv, sink,
+    sm_scale)``: the variant takes the sinks ``[H]`` float32 and the softmax scale as its extra
+    run arguments and ignores ``plan()``'s ``sm_scale`` and any soft-cap."""
+
+    def __init__(
+        self,
+        float_workspace_buffer,
+        kv_layout="NHD",
+        use_cuda_graph=False,
+        qo_indptr_buf=None,
+        paged_kv_indptr_buf=None,
+        paged_kv_indices_buf=None,
+        paged_kv_last_page_len_buf=None,
+        custom_mask_buf=None,
+        mask_indptr_buf=None,
+        backend="auto",
+        pos_encoding_mode="NONE",
+        use_fp16_qk_reduction=False,
+        q_data_type=torch.bfloat16,
+        kv_data_type=torch.bfloat16,
+        head_dim_qk=128,
+        head_dim_vo=128,
+        window_left=-1,
+    ):
+        _Base.__init__(self, float_workspace_buffer)
+        assert kv_layout == "NHD"
+        self._use_cuda_graph = use_cuda_graph
+        if use_cuda_graph:
+            assert qo_indptr_buf is not None and paged_kv_indptr_buf is not None
+            assert paged_kv_indices_buf is not None and paged_kv_last_page_len_buf is not None
+            self._fixed_batch_size = len(qo_indptr_buf) - 1
+        self._qo_buf, self._kv_indptr = qo_indptr_buf, paged_kv_indptr_buf
+        self._kv_indices, self._last_page_len = paged_kv_indices_buf, paged_kv_last_page_len_buf
+        self._jit = (q_data_type, kv_data_type, head_dim_qk, head_dim_vo, window_left >= 0)
+
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+             num_qo_heads, num_kv_heads, head_dim_qk, page_size, *, causal=False,
+             window_left=-1, logits_soft_cap=None, sm_scale=None, q_data_type="float16",
+             kv_data_type=None, non_blocking=True, **rest):  # fmt: skip
+        q_dt, kv_dt, d_qk, _, swa = self._jit
+        assert (q_data_type, kv_data_type or q_data_type, head_dim_qk) == (q_dt, kv_dt, d_qk)
+        assert swa == (window_left >= 0), "the module was compiled for the other window mode"
+        g = self._use_cuda_graph
+        if g:
+            assert len(qo_indptr) - 1 == self._fixed_batch_size, "batch size fixed in graph mode"
+            self._qo_buf.copy_(qo_indptr)
+        self._store("_kv_indptr", paged_kv_indptr, g)
+        self._store("_kv_indices", paged_kv_indices, g)
+        self._store("_last_page_len", paged_kv_last_page_len, g)
+        self._qo_indptr = qo_indptr.tolist()
+        self._causal = causal
+        self._window_left = window_left
+        self._q_dtype, self._kv_dtype = q_dt, kv_dt
+        self.plans += 1
+
+    def run(self, q, paged_kv_cache, *args, out=None, lse=None, return_lse=False,
+            enable_pdl=None, **rest):  # fmt: skip
+        sink, sm_scale = args  # the variant's additional tensor and scalar
+        assert sink.dtype == torch.float32 and sink.shape == (q.shape[1],)
+        assert isinstance(sm_scale, float)
+        assert q.dtype == self._q_dtype and paged_kv_cache[0].dtype == self._kv_dtype
+        # graph mode reads the buffers the captured kernels would (rewritten by plan())
+        qo = self._qo_buf.tolist() if self._use_cuda_graph else self._qo_indptr
+        if q.shape[0] != qo[-1]:
+            raise ValueError("q.shape[0] does not match qo_indptr[-1]")
+        result = _paged_attention(
+            q, paged_kv_cache, qo, self._kv_indptr, self._kv_indices, self._last_page_len,
+            causal=self._causal, window_left=self._window_left, soft_cap=0.0,
+            sm_scale=sm_scale, sink=sink,
+        )  # fmt: skip
+        return self._out(result, q, out)
+
+
 class BatchPrefillWithRaggedKVCacheWrapper(_Base):
     def __init__(
         self,
@@ -668,7 +773,8 @@ def install(monkeypatch, version: str = "0.6.7", *, layout_of: str | None = None
     """Make ``import flashinfer`` return this module for the test (pytest ``monkeypatch``), as
     release ``version`` (what the plugin's compat module reads as the installed distribution's
     version), with the internals' layout of release ``layout_of`` (default: ``version``'s; a
-    different one stands in for a release whose internals changed under the same version)."""
+    different one stands in for a release whose internals changed under the same version; a
+    release :data:`LAYOUTS` does not know has 0.7.4's)."""
     from attn_plugin_flashinfer import compat
 
     module = sys.modules[__name__]
@@ -676,7 +782,8 @@ def install(monkeypatch, version: str = "0.6.7", *, layout_of: str | None = None
     monkeypatch.setitem(sys.modules, "flashinfer.utils", utils)
     monkeypatch.setattr(module, "__name__", "flashinfer")
     monkeypatch.setattr(module, "__version__", version)
-    monkeypatch.setitem(LAYOUT, "block_scale_args", (layout_of or version) != "0.6.7")
+    for key, value in LAYOUTS.get(layout_of or version, LAYOUTS["0.7.4"]).items():
+        monkeypatch.setitem(LAYOUT, key, value)
     monkeypatch.setattr(compat, "distribution_version", lambda: version)
     monkeypatch.setattr(compat, "_FAST", {})
     return module

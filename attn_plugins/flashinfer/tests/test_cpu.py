@@ -8,6 +8,7 @@ import importlib
 import importlib.machinery
 import math
 import shutil
+import warnings
 from pathlib import Path
 
 import attn_plugin_flashinfer.plugin as fi_plugin
@@ -16,9 +17,10 @@ import numpy as np
 import pytest
 import torch
 import workloads as wl
-from attn_plugin_flashinfer import capability, planning
+from attn_plugin_flashinfer import capability, compat, planning
 from attn_plugin_flashinfer.context import StepKind, decode_uses_tensor_cores
 
+from attn_core.errors import PluginError
 from attn_core.registry import Registry
 from attn_core.selector import check_backend, select
 from attn_core.specs import (
@@ -31,6 +33,7 @@ from attn_core.specs import (
 from attn_core.state.kv_write import quantize, write_slots
 
 AVAILABLE = capability.Availability(True, None, "0.6.7-fake")
+RELEASES = "0.6.7, 0.6.13, 0.7.2.post1, 0.7.4"
 FULL = LayerSpec(kind="full", num_heads=8, num_kv_heads=2, head_dim=64, page_size=4)
 #: small_decode runs these CPU contexts in Triton's interpreter, which the conftest turns on
 #: only where there is no CUDA device (it must be chosen before any kernel is defined, for the
@@ -180,12 +183,15 @@ def test_entry_point_declared():
     # its lower bound is the oldest release the fast path knows
     from attn_plugin_flashinfer import compat
     from packaging.requirements import Requirement
+    from packaging.version import Version
 
     (req,) = [Requirement(d) for d in meta["project"]["dependencies"] if d.startswith("flashinfer")]
     assert req.name == "flashinfer-python" and len(req.specifier) == 2, req
     assert all(v in req.specifier for v in compat.TESTED_RELEASES)
-    assert min(compat.TESTED_RELEASES, key=lambda v: tuple(map(int, v.split(".")))) == "0.6.7"
-    assert "0.7.4" not in req.specifier  # not verified
+    assert min(compat.TESTED_RELEASES, key=Version) == "0.6.7"
+    # the upper bound admits the newest release compat knows and stops below the next minor
+    assert max(compat.TESTED_RELEASES, key=Version) == "0.7.4"
+    assert "0.8.0" not in req.specifier  # not read
 
 
 def test_registry_loads_plugin_on_cpu_without_error():
@@ -254,15 +260,27 @@ def test_decode_kernel_choice():
     [
         ("0.6.7", "fast plan: on (flashinfer 0.6.7, self-check at first GPU use)"),
         ("0.6.13", "fast plan: on (flashinfer 0.6.13, self-check at first GPU use)"),
+        ("0.7.2.post1", "fast plan: on (flashinfer 0.7.2.post1, self-check at first GPU use)"),
+        ("0.7.4", "fast plan: on (flashinfer 0.7.4, self-check at first GPU use)"),
         (
-            "0.7.4",
-            "fast plan: off (flashinfer 0.7.4 not in the tested range 0.6.7-0.6.13; "
-            "public plan() used)",
+            "0.8.0",
+            f"fast plan: off (flashinfer 0.8.0 is not a release the fast path was written "
+            f"against ({RELEASES}); public plan() used)",
         ),
         (
             "0.6.10",
-            "fast plan: off (flashinfer 0.6.10 not in the tested range 0.6.7-0.6.13; "
-            "public plan() used)",
+            f"fast plan: off (flashinfer 0.6.10 is not a release the fast path was written "
+            f"against ({RELEASES}); public plan() used)",
+        ),
+        (
+            "0.7.2",  # not the post-release: its internals were not read
+            f"fast plan: off (flashinfer 0.7.2 is not a release the fast path was written "
+            f"against ({RELEASES}); public plan() used)",
+        ),
+        (
+            "0.7.4+cu128",  # a local build: its sources may differ
+            f"fast plan: off (flashinfer 0.7.4+cu128 is not a release the fast path was "
+            f"written against ({RELEASES}); public plan() used)",
         ),
         (
             None,
@@ -282,11 +300,11 @@ def test_the_fast_path_is_on_only_for_the_releases_it_was_written_against(versio
 def test_attn_list_notes_say_whether_the_fast_path_is_on(monkeypatch):
     from attn_plugin_flashinfer import compat
 
-    fake_flashinfer.install(monkeypatch, "0.7.4")
+    fake_flashinfer.install(monkeypatch, "0.8.0")
     for backend in fi_plugin.backends(AVAILABLE):
         assert backend.notes == (
-            "fast plan: off (flashinfer 0.7.4 not in the tested range 0.6.7-0.6.13; "
-            "public plan() used)"
+            f"fast plan: off (flashinfer 0.8.0 is not a release the fast path was written "
+            f"against ({RELEASES}); public plan() used)"
         )
     fake_flashinfer.install(monkeypatch, "0.6.13")
     fp = compat.fast_path(fake_flashinfer)
@@ -309,14 +327,16 @@ def _decode_counts(h) -> tuple[int, int]:
     return w.plans, (m.compiled_calls - m.python_run_calls if m else 0)
 
 
-@pytest.mark.parametrize("version", ["0.6.7", "0.6.13", "0.7.4"])
+@pytest.mark.parametrize("version", ["0.6.7", "0.6.13", "0.7.2.post1", "0.7.4", "0.8.0"])
 def test_decode_takes_the_fast_path_on_tested_releases_and_public_plan_elsewhere(
     monkeypatch, available, version
 ):
-    """The stand-in FlashInfer has each release's internals: on 0.6.7 and 0.6.13 the decode
-    steps after the first are planned by the fast plan and run by the direct call (0.6.13's
-    argument list has the two block-scale slots; a wrong list raises in the stand-in), on 0.7.4
-    every decode step goes through plan() and run(). The outputs match the reference."""
+    """The stand-in FlashInfer has each release's internals: on the releases compat was written
+    against the decode steps after the first are planned by the fast plan and run by the direct
+    call (0.6.13's and 0.7's run argument lists have the two block-scale slots, 0.7's scheduler
+    one or two arguments more; a wrong list raises in the stand-in), on an unknown release (0.8.0,
+    with 0.7.4's internals) every decode step goes through plan() and run(). The outputs match
+    the reference."""
     fake_flashinfer.install(monkeypatch, version)
     monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")
     script = wl.WORKLOADS["prefill_decode_mixed"]
@@ -327,7 +347,7 @@ def test_decode_takes_the_fast_path_on_tested_releases_and_public_plan_elsewhere
     assert wl.max_error(out_fi, out_ref) < 2e-2
     decodes = 3  # steps 1, 2 and 5 of the script are decode-only
     plans, direct = _decode_counts(fi)
-    if version == "0.7.4":
+    if version == "0.8.0":
         assert (plans, direct) == (decodes, 0)
     else:
         # the first decode planned through plan(), the others by the fast plan; every decode
@@ -347,7 +367,7 @@ def _renamed(monkeypatch, mixin, *names):
         monkeypatch.setattr(fake_flashinfer, name, type(name, (mixin, cls), {}))
 
 
-@pytest.mark.parametrize("version", ["0.6.7", "0.7.4"])
+@pytest.mark.parametrize("version", ["0.6.7", "0.7.4", "0.8.0"])
 @pytest.mark.parametrize("spec_name", ["full", "mla"])
 def test_a_renamed_private_scale_cannot_drop_a_layers_softmax_scale(
     monkeypatch, available, version, spec_name
@@ -445,9 +465,14 @@ def test_the_self_check_turns_the_fast_path_off_where_it_disagrees_with_the_publ
     fake_flashinfer.install(monkeypatch, "0.6.7", layout_of=layout_of)
     monkeypatch.setattr(compat.FastPath, "CHECK_DEVICES", ("cuda", "cpu"))
     monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")
-    h = wl.make(FULL, "flashinfer:flashinfer", "cpu")  # the context runs the self-check
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        h = wl.make(FULL, "flashinfer:flashinfer", "cpu")  # the context runs the self-check
     fp = h.context.fast
     assert fp.check is not None and fp.check.startswith(expect)
+    # a failed self-check is reported where it happens, not only in attn list
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert said == ([f"attn_plugin_flashinfer: {fp.note()}"] if expect else []), said
     script = wl.WORKLOADS["prefill_decode_mixed"]
     ref = wl.make(FULL, wl.REFERENCE, "cpu")
     out = [wl.run_step(h, i, step) for i, step in enumerate(script)]
@@ -464,13 +489,145 @@ def test_the_self_check_turns_the_fast_path_off_where_it_disagrees_with_the_publ
         assert fp.note() == "fast plan: on (flashinfer 0.6.7, self-check passed)"
 
 
+@pytest.mark.parametrize(
+    ("version", "layout_of", "expect"),
+    [
+        ("0.7.2.post1", None, ""),
+        ("0.7.4", None, ""),
+        # 0.7.4 whose scheduler lost fixed_uniform_q_len (0.7.2.post1's plan arguments)
+        ("0.7.4", "0.7.2.post1", "TypeError"),
+        # 0.7.2.post1 whose scheduler took 0.7.4's two arguments
+        ("0.7.2.post1", "0.7.4", "TypeError"),
+        # a 0.7 release with 0.6.13's internals: no _cudnn_auto on its wrappers
+        ("0.7.4", "0.6.13", "the decode wrapper lacks ['_cudnn_auto']"),
+    ],
+)
+def test_the_self_check_on_0_7_catches_a_changed_scheduler_argument_list(
+    monkeypatch, available, version, layout_of, expect
+):
+    """The 0.7 releases' tensor-core decode plan() passes the fa2 scheduler one (0.7.2.post1)
+    or two (0.7.4) arguments more than 0.6; the stand-in's scheduler takes exactly its
+    release's. The self-check passes where compat's table matches the internals and turns the
+    fast path off (the public path then computes every step) where it does not."""
+    fake_flashinfer.install(monkeypatch, version, layout_of=layout_of)
+    monkeypatch.setattr(compat.FastPath, "CHECK_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")
+    h = wl.make(FULL, "flashinfer:flashinfer", "cpu")
+    fp = h.context.fast
+    assert fp.check is not None and fp.check.startswith(expect), fp.check
+    script = wl.WORKLOADS["prefill_decode_mixed"]
+    ref = wl.make(FULL, wl.REFERENCE, "cpu")
+    out = [wl.run_step(h, i, step) for i, step in enumerate(script)]
+    out_ref = [wl.run_step(ref, i, step) for i, step in enumerate(script)]
+    assert wl.max_error(out, out_ref) < 2e-2
+    assert _decode_counts(h) == ((3, 0) if expect else (1, 6))
+    assert fp.enabled == (not expect)
+
+
+def _planned_decode_wrapper(fi, fp, **attrs):
+    """A tensor-core decode wrapper of the stand-in, planned publicly once, with ``attrs``
+    set on it afterwards (what a release's plan() might have left)."""
+    i32 = torch.int32
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(8, dtype=torch.uint8), "NHD",
+                                              use_tensor_cores=True)  # fmt: skip
+    w.plan(torch.tensor([0, 1, 2], dtype=i32), torch.arange(2, dtype=i32),
+           torch.ones(2, dtype=i32), 8, 2, 64, 4, q_data_type=torch.bfloat16)  # fmt: skip
+    for name, value in attrs.items():
+        if value is None:
+            delattr(w, name)
+        else:
+            setattr(w, name, value)
+    fp.mark_planned(w)
+    return w
+
+
+@pytest.mark.parametrize(
+    ("version", "attrs", "replans"),
+    [
+        ("0.6.7", {}, True),
+        ("0.7.4", {}, True),
+        ("0.7.2.post1", {}, True),
+        # "auto" sent this wrapper's plan to cuDNN: its run() is not the fa2 kernel's
+        ("0.7.4", {"_cudnn_auto": True}, False),
+        # a 0.7 wrapper without the attribute that says whether cuDNN took the plan
+        ("0.7.4", {"_cudnn_auto": None}, False),
+        # 0.6 wrappers have no _cudnn_auto, and need none
+        ("0.6.13", {}, True),
+        ("0.7.4", {"_backend": "fa3"}, False),
+        ("0.7.4", {"_max_kv_len": None}, False),
+        ("0.8.0", {}, False),
+    ],
+)
+def test_the_gate_decides_per_release_and_attribute_set(monkeypatch, version, attrs, replans):
+    fi = fake_flashinfer.install(monkeypatch, version)
+    fp = compat.fast_path(fi)
+    w = _planned_decode_wrapper(fi, fp, **attrs)
+    assert fp.can_replan(w) == replans
+    assert fp.enabled == (version != "0.8.0")
+
+
+@pytest.mark.parametrize(
+    ("where", "name", "why"),
+    [
+        ("utils", "device_support_pdl", "flashinfer.utils lacks ['device_support_pdl']"),
+        ("utils", "_get_cache_alibi_slopes_buf", "flashinfer.utils lacks"),
+        ("class", "use_tensor_cores", "BatchDecodeWithPagedKVCacheWrapper lacks"),
+        ("module", "BatchDecodeWithPagedKVCacheWrapper", "the module has no"),
+    ],
+)
+def test_the_probe_checks_import_level_facts_before_any_gpu_work(monkeypatch, where, name, why):
+    """At probe (the plugin imports flashinfer where CUDA is present) compat checks what the
+    fast path needs of the module beyond its version; a missing piece turns the fast path off
+    from the start and attn list says which, before any context or kernel exists."""
+    fi = fake_flashinfer.install(monkeypatch, "0.7.4")
+    target = {"utils": fake_flashinfer.utils, "module": fi,
+              "class": fi.BatchDecodeWithPagedKVCacheWrapper}[where]  # fmt: skip
+    monkeypatch.delattr(target, name)
+    fp = compat.fast_path(fi)
+    assert fp.facts is not None and fp.facts.startswith(why)
+    assert not fp.enabled
+    assert fp.note().startswith(f"fast plan: off (flashinfer 0.7.4: {why}")
+
+
+def test_the_probe_runs_the_import_level_checks(monkeypatch):
+    """capability.probe() (CUDA present) imports flashinfer and hands it to compat, so attn
+    list reports the import-level verdict of this very module."""
+    fi = fake_flashinfer.install(monkeypatch, "0.7.4")
+    monkeypatch.setattr(capability, "_cuda_reason", lambda: None)
+    monkeypatch.setattr(capability, "_toolchain_reason", lambda: None)
+    monkeypatch.setattr(capability, "_device_capability", lambda: (9, 0))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    av = capability.probe()
+    assert av.available and av.version == "0.7.4"
+    assert compat.fast_path(fi).facts == ""
+    assert compat.installed_note() == (
+        "fast plan: on (flashinfer 0.7.4, import checks passed, self-check at first GPU use)"
+    )
+
+
+def test_the_0_7_direct_run_refuses_unequal_kv_strides(monkeypatch):
+    """0.7's run() sends K/V caches of unequal strides to a second compiled module; the
+    direct run calls the equal-stride one, so it refuses other strides with the reason."""
+    fi = fake_flashinfer.install(monkeypatch, "0.7.4")
+    fp = compat.fast_path(fi)
+    w = _planned_decode_wrapper(fi, fp)
+    runner = fp.decode_runner(w, 0.125)
+    assert runner is not None
+    q = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    k = torch.randn(4, 4, 2, 64, dtype=torch.bfloat16)
+    v = torch.randn(4, 4, 2, 128, dtype=torch.bfloat16)[..., :64]
+    with pytest.raises(ValueError, match=r"K cache strides .* differ from V cache strides"):
+        runner(q, k, v, torch.empty_like(q))
+    runner(q, k, v.contiguous(), torch.empty_like(q))  # equal strides: the kernel runs
+
+
 def test_the_int_workspace_is_shared_privately_on_the_fast_path_and_publicly_elsewhere(
     monkeypatch,
 ):
     from attn_plugin_flashinfer import compat
 
     int_ws, pinned, float_ws = (torch.zeros(4, dtype=torch.uint8) for _ in range(3))
-    for version, shares_pinned in (("0.6.7", True), ("0.7.4", False)):
+    for version, shares_pinned in (("0.6.7", True), ("0.7.4", True), ("0.8.0", False)):
         fi = fake_flashinfer.install(monkeypatch, version)
         w = fi.BatchPrefillWithPagedKVCacheWrapper(torch.zeros(8, dtype=torch.uint8))
         compat.fast_path(fi).share_int_workspace(w, float_ws, int_ws, pinned)
@@ -691,6 +848,144 @@ def test_graph_decode_padding_and_update(fake_fi, monkeypatch, small_max, kind):
     steps_kw = {1: {"pad_to": 4}, 2: {"pad_to": 4}}
     seen = _compare(spec, script, tol=2e-2, steps_kw=steps_kw, make_kw={"graph": True})
     assert seen[1:] == [kind, kind]
+
+
+SINKS_AVAILABLE = capability.Availability(
+    True, None, "0.7.4", sinks=True, sinks_note="sinks: on (BatchAttentionWithAttentionSinkWrapper)"
+)
+GPT_OSS = FULL.with_(has_sinks=True)
+
+
+@pytest.fixture
+def sinks_fi(monkeypatch):
+    """The stand-in FlashInfer as 0.7.4, the probe saying it serves sinks here."""
+    monkeypatch.setattr(capability, "probe", lambda: SINKS_AVAILABLE)
+    return fake_flashinfer.install(monkeypatch, "0.7.4")
+
+
+@pytest.mark.parametrize(
+    ("spec", "graph"),
+    [
+        (GPT_OSS, False),
+        (GPT_OSS.with_(sliding_window=6), False),  # gpt-oss's sliding layers
+        (GPT_OSS, True),
+        (GPT_OSS.with_(sliding_window=6), True),
+    ],
+    ids=["full", "window", "graph", "graph_window"],
+)
+def test_sinks_match_the_reference_on_every_step_kind(sinks_fi, monkeypatch, spec, graph):
+    """A layer with sinks runs every step (ragged and paged prefill, mixed, decode, graph decode
+    with padding) through FlashInfer's sink variant with the layer's sinks and its own softmax
+    scale, and matches the reference; the plain wrappers are never built."""
+    script = [
+        [(0, 11), (1, 4), (2, 7)],
+        [(0, 1), (1, 1), (2, 1)],
+        [(0, 1), (2, 1)],
+        [(0, 1), (3, 9), (2, 1)],
+        [(0, 1), (1, 1), (2, 1), (3, 1)],
+    ]
+    steps_kw = {1: {"pad_to": 4}, 2: {"pad_to": 4}} if graph else {}
+    make_kw = {"graph": graph, "layer_scales": (spec.scale * 0.5, spec.scale * 2.0)}
+    seen = _compare(spec, script, tol=2e-2, steps_kw=steps_kw, make_kw=make_kw)
+    decode = StepKind.SINKS_GRAPH if graph else StepKind.SINKS
+    assert seen[0] is StepKind.SINKS and seen[1] is decode and seen[3] is StepKind.SINKS, seen
+
+
+def test_the_sinks_change_the_result(sinks_fi):
+    """The workloads' sinks weigh enough to matter: sinks of no mass give another output, so the
+    comparison with the reference above fails for a path that drops or misplaces them."""
+    h = wl.make(GPT_OSS, "flashinfer:flashinfer", "cpu")
+    step = [(0, 9), (1, 3)]
+    with_sinks = wl.run_step(h, 0, step)
+    h2 = wl.make(GPT_OSS, "flashinfer:flashinfer", "cpu")
+    for layer in range(h2.num_layers):
+        h2.runtime.binding(layer).sinks.fill_(-1e4)  # exp(-1e4): no sink mass
+    without = wl.run_step(h2, 0, step)
+    assert wl.max_error([with_sinks], [without]) > 1e-2
+    assert h.context.decode is None and h.context.sink.plans == 1
+
+
+def test_sinks_are_advertised_only_where_the_probe_says_so(monkeypatch):
+    full = {b.name: b for b in fi_plugin.backends(AVAILABLE)}["flashinfer"]
+    assert not full.capabilities.sinks
+    monkeypatch.setattr(capability, "probe", lambda: SINKS_AVAILABLE)
+    fake_flashinfer.install(monkeypatch, "0.7.4")
+    by_name = {b.name: b for b in fi_plugin.backends(SINKS_AVAILABLE)}
+    assert by_name["flashinfer"].capabilities.sinks
+    assert by_name["flashinfer"].notes.endswith(
+        "; sinks: on (BatchAttentionWithAttentionSinkWrapper)"
+    )
+    assert not by_name["flashinfer_mla"].capabilities.sinks
+    h200 = DeviceCapabilities.target("h200")
+    full = by_name["flashinfer"].with_plugin("flashinfer")
+    assert {r.code for r in check_backend(full, GPT_OSS, h200, ExecutionConstraints())} == set()
+
+
+@pytest.mark.parametrize(
+    ("version", "cc", "drop", "why"),
+    [
+        ("0.6.7", (9, 0), None, ""),
+        ("0.6.13", (9, 0), None, ""),
+        ("0.7.2.post1", (9, 0), None, ""),
+        ("0.7.4", (8, 0), None, ""),
+        ("0.7.4", (7, 5), None, "compute capability (7, 5), the sink variant needs 8.0+"),
+        ("0.8.0", (9, 0), None, "flashinfer 0.8.0 is not a release"),
+        (
+            "0.7.4",
+            (9, 0),
+            "class",
+            "flashinfer 0.7.4 has no BatchAttentionWithAttentionSinkWrapper",
+        ),
+        ("0.7.4", (9, 0), "window_left", "BatchAttentionWithAttentionSinkWrapper.__init__ of"),
+    ],
+)
+def test_sinks_support_follows_the_installed_release_and_device(
+    monkeypatch, version, cc, drop, why
+):
+    fi = fake_flashinfer.install(monkeypatch, version)
+    if drop == "class":
+        monkeypatch.delattr(fi, "BatchAttentionWithAttentionSinkWrapper")
+    elif drop is not None:
+        cls = fi.BatchAttentionWithAttentionSinkWrapper
+        init = cls.__init__
+
+        def without(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False,
+                    qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
+                    paged_kv_last_page_len_buf=None, q_data_type=None, kv_data_type=None,
+                    head_dim_qk=128, head_dim_vo=128):  # fmt: skip
+            init(self, float_workspace_buffer)
+
+        monkeypatch.setattr(cls, "__init__", without)
+    got = capability.sinks_support(fi, version, cc)
+    assert got.startswith(why) and (got == "") == (why == ""), got
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        (GPT_OSS.with_(logits_soft_cap=30.0), "sink variant applies no soft-cap"),
+        (GPT_OSS.with_(kv_dtype="fp8_e4m3"), "sinks over an fp8_e4m3 KV cache"),
+    ],
+)
+def test_what_the_sink_variant_does_not_serve_is_refused_with_the_reason(sinks_fi, spec, match):
+    with pytest.raises(PluginError, match=match) as info:
+        wl.make(spec, "flashinfer:flashinfer", "cpu")
+    assert "group 'full' (flashinfer)" in str(info.value)
+
+
+def test_sinks_under_graph_mode_full_are_refused_at_allocation(sinks_fi):
+    """A captured mixed step runs the plain paged prefill wrapper, which would ignore the
+    sinks: a sinks layer allocated for graph mode full is refused, not served wrong."""
+    with pytest.raises(PluginError, match="sinks under graph mode full") as info:
+        wl.make(GPT_OSS, "flashinfer:flashinfer", "cpu", graph="full")
+    assert "group 'full' (flashinfer)" in str(info.value)
+    assert wl.make(GPT_OSS, "flashinfer:flashinfer", "cpu", graph="decode") is not None
+
+
+def test_sinks_without_the_sink_wrapper_are_refused_at_allocation(sinks_fi, monkeypatch):
+    monkeypatch.delattr(sinks_fi, "BatchAttentionWithAttentionSinkWrapper")
+    with pytest.raises(PluginError, match="has no BatchAttentionWithAttentionSinkWrapper"):
+        wl.make(GPT_OSS, "flashinfer:flashinfer", "cpu")
 
 
 def test_small_decode_serves_plain_16_bit_layers_only(fake_fi):

@@ -132,7 +132,12 @@ def make(
                 state.kv_cache.set_scale(i, k=kv_scales[0], v=kv_scales[0])
             else:
                 state.kv_cache.set_scale(i, k=kv_scales[0], v=kv_scales[1])
-    layer_params = {i: {"scale": s} for i, s in enumerate(layer_scales or ())}
+    layer_params: dict[int, dict] = {i: {"scale": s} for i, s in enumerate(layer_scales or ())}
+    if spec.has_sinks:  # one sink logit per head and layer, the same for every backend
+        g = torch.Generator().manual_seed(1234)
+        for i in range(num_layers):
+            sinks = (torch.randn(spec.num_heads, generator=g) * 2.0).to(device)
+            layer_params.setdefault(i, {})["sinks"] = sinks
     runtime = AttentionRuntime(plan, reg, state=state, device=device, layer_params=layer_params)
     builder = BatchBuilder(
         state,
