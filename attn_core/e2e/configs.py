@@ -738,7 +738,9 @@ def _recompute_decay_buffers(model: torch.nn.Module) -> None:
         if not (hasattr(module, "get_slope_rate") and hasattr(module, "decay_factors")):
             continue
         mod: Any = module  # a MiniMaxLightningAttention (attributes resolved at run time)
-        slope = lightning_slopes(mod, mod.slope_rate.device)
+        # on the CPU, then copied: earlier transformers 5.x releases build decay_factors'
+        # position range on the CPU whatever the slopes' device (a CUDA model raised there)
+        slope = lightning_slopes(mod, torch.device("cpu"))
         tables = (slope, *mod.decay_factors(slope))
         for name, value in zip(
             ("slope_rate", "query_decay", "key_decay", "diagonal_decay"), tables, strict=True

@@ -15,6 +15,7 @@ import torch
 
 from attn_core.e2e import run_architecture, tiny_config
 from attn_core.e2e.adapters import CausalLMAdapter
+from attn_core.e2e.configs import build_tiny
 from attn_core.e2e.main import resolve_models
 from attn_core.models import specs_from_hf_config
 
@@ -58,6 +59,26 @@ def test_transformers_without_the_device_argument_of_get_slope_rate(
     monkeypatch.setattr(modeling_minimax.MiniMaxLightningAttention, "get_slope_rate", no_device)
     run = run_architecture("minimax", prompts=2, max_new_tokens=3)
     assert run.ok, run.format()
+
+
+def test_decay_tables_are_built_from_cpu_slopes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Earlier transformers 5.x releases build ``decay_factors``' position range on the CPU
+    whatever the slopes' device (a CUDA model raised "Expected all tensors to be on the same
+    device" on the H200): the tables are computed from CPU slopes and then copied over."""
+    from transformers.models.minimax import modeling_minimax
+
+    real = modeling_minimax.MiniMaxLightningAttention.decay_factors
+    devices: list[str] = []
+
+    def cpu_range(self, slope_rate):
+        devices.append(slope_rate.device.type)
+        if slope_rate.device.type != "cpu":  # what the earlier release's CPU arange meets
+            raise RuntimeError("Expected all tensors to be on the same device")
+        return real(self, slope_rate)
+
+    monkeypatch.setattr(modeling_minimax.MiniMaxLightningAttention, "decay_factors", cpu_range)
+    build_tiny("minimax")
+    assert devices and set(devices) == {"cpu"}
 
 
 @pytest.mark.parametrize("name", ["minimax", "lfm2"])
