@@ -688,3 +688,31 @@ def test_chunked_layer_through_virtual_batches_equals_the_reference(monkeypatch,
         assert rec.calls[1]["max_seqlen_q"] == 32 and rec.calls[1]["max_seqlen_k"] == 32
     else:
         assert rec.calls[0]["max_seqlen"] == 32
+
+
+def test_explain_llama4_offline_h200_serves_the_chunked_group_on_fa3(monkeypatch, capsys):
+    """``attn explain llama-4 --target h200``: the chunked group goes to fa3 (through local
+    virtual batches), the line under the group says who serves chunked attention and how; at a
+    page size that does not divide the chunk fa3 is rejected with the reason."""
+    from attn_core import cli
+
+    monkeypatch.setattr(cli, "_registry", lambda args: _registry(None))
+    assert cli.main(["explain", "llama-4", "--target", "h200"]) == 0
+    out = capsys.readouterr().out
+    group = out[out.index("group full:") : out.index("group full.1:")]
+    assert "chunk=8192" in group
+    assert "prefill / mixed steps: fa3:fa3; decode steps: fa3:fa3" in group
+    assert (
+        "chunked attention (chunks of 8192 tokens): served by attn_core:reference (native "
+        "chunk mask), fa3:fa3 (local virtual batches)" in group
+    )
+    assert cli.main(["explain", "llama-4", "--target", "h200", "--page-size", "256"]) == 0
+    group = capsys.readouterr().out
+    group = group[group.index("group full:") : group.index("group full.1:")]
+    assert "steps: fa3:fa3" in group  # 8192 is whole pages of 256 too
+    monkeypatch.setattr(plugin, "PAGE_SIZES", frozenset({16, 24}))
+    assert cli.main(["explain", "llama-4", "--target", "h200", "--page-size", "24"]) == 0
+    group = capsys.readouterr().out
+    group = group[group.index("group full:") : group.index("group full.1:")]
+    assert "prefill / mixed steps: attn_core:reference" in group
+    assert "chunks of 8192 tokens, page size 24" in " ".join(group.split())
