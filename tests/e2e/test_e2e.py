@@ -308,6 +308,25 @@ def test_gpu_plugins_cuda_graph_decode_bf16(name: str) -> None:
     assert run.ok, run.format()
 
 
+@pytest.mark.parametrize("graphs", [pytest.param(g, marks=gpu) for g in (False, True)])
+def test_gpu_plugins_serve_llama4_chunked_layers_bf16(graphs: bool) -> None:
+    """Llama-4's chunked layers (kernel shapes: chunks of one 16-token page) on a GPU plugin
+    through local virtual batches (fa3 where installed), eager and with captured decode graphs;
+    the decodes cross chunk boundaries."""
+    run = _gpu_plugin_run("llama-4", dtype="bfloat16", prompts=4, max_new_tokens=6, graphs=graphs)
+    chunked = [g for g in run.plan["groups"] if "chunk=" in g["spec"]]
+    assert chunked, run.format()
+    for g in chunked:
+        if g["backend"] == "attn_core:reference":
+            codes = {r["code"] for r in g["rejected"] if r["backend"] == "fa3:fa3"}
+            if codes <= {"unavailable"}:
+                pytest.skip(f"fa3 is not installed here: {g['rejected']}")
+            raise AssertionError(f"fa3 rejected for {codes}: {run.format()}")
+    if graphs:
+        assert run.graph_replays > 0, run.format()
+    assert run.ok, run.format()
+
+
 @pytest.mark.parametrize(
     "name", [pytest.param(n, marks=gpu) for n in ("qwen3", "qwen3-next", "deepseek-v3", "gpt-oss")]
 )

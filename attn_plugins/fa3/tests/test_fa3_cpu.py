@@ -716,3 +716,23 @@ def test_explain_llama4_offline_h200_serves_the_chunked_group_on_fa3(monkeypatch
     group = group[group.index("group full:") : group.index("group full.1:")]
     assert "prefill / mixed steps: attn_core:reference" in group
     assert "chunks of 8192 tokens, page size 24" in " ".join(group.split())
+
+
+def test_e2e_llama4_kernel_shapes_put_the_chunked_group_on_fa3_for_an_h200():
+    """What tests/e2e's GPU llama-4 run plans on an H200: the kernel-shape config's chunks are
+    one page (16 tokens), so fa3 serves the chunked layers too, not the reference."""
+    from attn_core.e2e.configs import tiny_config
+    from attn_core.models.hf_config import specs_from_hf_config
+
+    cfg = tiny_config("llama-4", "kernel")
+    assert cfg["attention_chunk_size"] == 16
+    layout = specs_from_hf_config(cfg, dtype="bfloat16", page_size=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = select(
+            layout.groups, _registry(True), DeviceCapabilities.target("h200"),
+            ExecutionConstraints(graph_mode="decode"),
+        )  # fmt: skip
+    chunked = [c for c in plan.choices if c.group.spec.attention_chunk_size is not None]
+    assert [c.group.spec.attention_chunk_size for c in chunked] == [16]
+    assert {c.backend_for_phase(p).qualified_name for c in chunked for p in Phase} == {"fa3:fa3"}
