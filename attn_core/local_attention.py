@@ -36,7 +36,7 @@ import torch
 
 from attn_core.batch import AttentionBatch, BatchMode
 
-__all__ = ["LocalVirtualBatcher", "local_virtual_batch"]
+__all__ = ["LocalVirtualBatcher", "local_virtual_batch", "max_virtual_requests"]
 
 
 def _check_chunk(chunk_size: int) -> None:
@@ -119,6 +119,20 @@ class LocalVirtualBatcher:
             max_seq_len=int(vseq_h[:n].max()) if n else 0,
             has_initial_state=None if batch.has_initial_state is None else ctx_b > 0,
         )
+
+
+def max_virtual_requests(max_batch_size: int, max_num_tokens: int, chunk_size: int) -> int:
+    """The most requests a virtual batch of a step within these limits can have (what a
+    backend sizes its per-request buffers for).
+
+    A request adds one virtual request per chunk boundary its new queries cross. A first
+    crossing needs 2 new tokens (one on each side: at most ``min(B, T // 2)`` requests cross
+    any), each further crossing of the same request ``chunk_size`` more (at most ``T // C`` in
+    all): ``B + min(B, T // 2) + T // C``.
+    """
+    _check_chunk(chunk_size)
+    B, T = max_batch_size, max_num_tokens
+    return B + min(B, T // 2) + T // chunk_size
 
 
 def local_virtual_batch(batch: AttentionBatch, chunk_size: int) -> AttentionBatch:

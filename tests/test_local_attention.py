@@ -20,7 +20,11 @@ import torch
 import attn_core.reference.plugin as ref_plugin
 from attn_core.backend import Backend
 from attn_core.batch import AttentionBatch, BatchBuilder, BatchMode
-from attn_core.local_attention import LocalVirtualBatcher, local_virtual_batch
+from attn_core.local_attention import (
+    LocalVirtualBatcher,
+    local_virtual_batch,
+    max_virtual_requests,
+)
 from attn_core.specs import LayerSpec, group_layers
 from attn_core.state.manager import PersistentState
 
@@ -119,6 +123,7 @@ def test_virtual_rows_read_exactly_the_chunk_of_each_query(chunk, kind, seed):
         virt = batcher(batch)
         decode_seen |= batch.mode is BatchMode.DECODE
         _brute_force_check(batch, virt, chunk)
+        assert virt.num_reqs <= max_virtual_requests(4, 256, chunk)
         if batch.mode is BatchMode.DECODE:
             assert virt.num_reqs == batch.num_reqs  # one virtual request each, fixed count
         for r, n in step:
@@ -214,3 +219,21 @@ def test_reference_over_virtual_batches_equals_reference_chunk_mask(kind, chunk,
         assert crosses == (not torch.allclose(full[:t], want[:t], atol=1e-5)), "test workload"
         for r, n in step:
             state.advance(r, n)
+
+
+@pytest.mark.parametrize("chunk", [4, 8])
+def test_the_virtual_request_bound_is_reached_and_never_exceeded(chunk):
+    """The worst case: every request's cached prefix ends one token before a boundary and its
+    new tokens run as far as the step's token budget allows."""
+    _, state, builder = _setup(chunk, max_batch=4)
+    for r in "abcd":
+        state.add_request(r)
+    builder.build([(r, chunk - 1) for r in "abcd"])
+    for r in "abcd":
+        state.advance(r, chunk - 1)
+    budget = 2 * 4 + 3 * chunk  # every request crosses once, one crosses three more times
+    step = [("a", 2 + 3 * chunk), ("b", 2), ("c", 2), ("d", 2)]
+    virt = local_virtual_batch(builder.build(step), chunk)
+    bound = max_virtual_requests(4, budget, chunk)
+    assert virt.num_reqs == 4 + 4 + 3 <= bound
+    assert bound - virt.num_reqs <= 4 + 1  # not loose by more than the min() and one chunk
