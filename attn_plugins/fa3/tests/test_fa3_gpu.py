@@ -334,7 +334,8 @@ def test_chunked_8192_long_prefill_and_decodes_across_the_boundary():
     a cached prefix across it."""
     spec = _spec(num_heads=40, num_kv_heads=8, attention_chunk_size=8192)
     h = Harness(spec, max_batch=3, max_tokens=12288, max_len=12000)
-    h.step([("a", 9000), ("b", 8190)])
+    h.step([("a", 9000)])
+    h.step([("b", 8190), ("a", 1)])
     for _ in range(4):  # b: positions 8190 .. 8193
         h.step([("a", 1), ("b", 1)])
     h.step([("c", 8000)])
@@ -348,7 +349,7 @@ def test_chunked_decode_cuda_graph_replays_across_a_boundary(chunk):
     plan splits)."""
     pad = 4
     h = Harness(_spec(attention_chunk_size=chunk), graph_mode="decode", max_batch=pad,
-                max_tokens=2 * chunk + 64, max_len=2 * chunk + 64)  # fmt: skip
+                max_tokens=3 * chunk + 64, max_len=chunk + 64)  # fmt: skip
     names = [f"r{i}" for i in range(3)]
     h.step([(n, chunk - 2 + i) for i, n in enumerate(names)])  # ends at chunk-3 .. chunk-1
     batch = h.builder.build([(n, 1) for n in names], pad_to=pad)
