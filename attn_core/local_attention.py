@@ -70,7 +70,9 @@ class LocalVirtualBatcher:
     def __init__(self, chunk_size: int) -> None:
         _check_chunk(chunk_size)  # the page size is checked per batch
         self.chunk_size = chunk_size
-        #: padded requests -> (seq_lens, context_lens, page_table) device buffers
+        #: (padded requests, page-table width, device) -> the decode step's device buffers:
+        #: seq_lens [P] int32, context_lens [P] int32, page_table [P, min(C / ps, W)] int32 and
+        #: the column offsets [min(C / ps, W)] int64 of the page-table gather
         self._decode: dict[tuple[int, int, torch.device], tuple[torch.Tensor, ...]] = {}
 
     def __call__(self, batch: AttentionBatch) -> AttentionBatch:
@@ -83,6 +85,9 @@ class LocalVirtualBatcher:
         return _host_batch(batch, self.chunk_size)
 
     def _decode_batch(self, batch: AttentionBatch) -> AttentionBatch:
+        """One virtual request per (padded) request, computed on the device from the batch's
+        ``seq_lens`` and ``page_table`` into this batcher's buffers: no host read-back, and
+        the tensors a captured graph read are the ones the next step refills."""
         C, ps = self.chunk_size, batch.page_size
         pt = batch.page_table
         assert pt is not None and ps is not None  # checked by __call__
@@ -117,6 +122,7 @@ class LocalVirtualBatcher:
             seq_lens_cpu=vseq_h,
             context_lens_cpu=(vseq_h - 1).astype(np.int32),
             max_seq_len=int(vseq_h[:n].max()) if n else 0,
+            # only full-attention groups get virtual batches, and they do not read it
             has_initial_state=None if batch.has_initial_state is None else ctx_b > 0,
         )
 

@@ -194,8 +194,9 @@ class AttentionRuntime:
         phase, reqs = batch.phase, batch.padded_reqs
         for g in self.groups.values():
             g.use_phase(phase, reqs)
+            view = self._view(g, batch)  # the core's own step: its errors are not the plugin's
             try:
-                g.context.prepare(self._view(g, batch))
+                g.context.prepare(view)
             except BackendInputError:
                 raise
             except Exception as exc:
@@ -218,8 +219,9 @@ class AttentionRuntime:
                     ),
                     None,
                 )
+            view = self._view(g, batch)
             try:
-                update(self._view(g, batch))
+                update(view)
             except BackendInputError:
                 raise
             except Exception as exc:
