@@ -102,6 +102,11 @@ class BackendCapabilities:
     sliding_window: bool = False
     #: serves ``spec.attention_chunk_size`` (chunked local attention, Llama-4)
     chunked_attention: bool = False
+    #: serves ``spec.attention_chunk_size`` as plain causal attention over the local virtual
+    #: batches the runtime builds per step (:mod:`attn_core.local_attention`; needs the chunk
+    #: size to be a multiple of the page size). ``chunked_attention`` (a native chunk mask)
+    #: takes precedence where both are set.
+    chunked_virtual_batches: bool = False
     logits_soft_cap: bool = False
     sinks: bool = False
     deterministic: bool = False
@@ -228,6 +233,7 @@ class BackendCapabilities:
             "non_causal",
             "sliding_window",
             "chunked_attention",
+            "chunked_virtual_batches",
             "logits_soft_cap",
             "sinks",
             "deterministic",
@@ -290,6 +296,7 @@ class BackendCapabilities:
             non_causal: bool = False,
             sliding_window: bool = False,
             chunked_attention: bool = False,
+            chunked_virtual_batches: bool = False,
             logits_soft_cap: bool = False,
             sinks: bool = False,
             deterministic: bool = False,

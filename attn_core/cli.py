@@ -16,6 +16,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 
+from attn_core.errors import SelectionError
 from attn_core.registry import Registry
 from attn_core.tables import render_table
 
@@ -166,10 +167,12 @@ def _plan(args, layout, registry, device):
     return select(layout.groups, registry, device, _constraints(args), tuning=tuning)
 
 
-def format_plan(plan) -> str:
+def format_plan(plan, registry=None) -> str:
     """Per group, one table per phase (prefill / mixed, decode, verify when planned): the chosen
     backend (with its options in force) and every rejected candidate with its reasons; a phase
-    whose choice and candidates equal the first phase's is one line."""
+    whose choice and candidates equal the first phase's is one line. A chunked group (Llama-4's
+    ``attention_chunk_size``) says which admissible backends serve it and how (a native chunk
+    mask or local virtual batches); ``registry`` names the admissible ones ranked lower too."""
     out = [
         f"device: {plan.device.short()}   graph mode: {plan.constraints.graph_mode.value}"
         + (
@@ -207,6 +210,9 @@ def format_plan(plan) -> str:
                     + (f" (asked {asked.value})" if asked is not granted else "")
                 )
             title += "\n  CUDA graphs: " + "; ".join(captured)
+        chunked = _chunked_line(c, phases, registry)
+        if chunked:
+            title += "\n  " + chunked
         first = phases[0]
         out.append(_phase_table(c, first, title + f"\n  {_PHASE_TITLES[first.phase.value]}:"))
         for p in phases[1:]:
@@ -226,6 +232,30 @@ def format_plan(plan) -> str:
                 continue
             out.append(_phase_table(c, p, f"  {label}:"))
     return "\n".join(out)
+
+
+def _chunked_line(c, phases, registry) -> str:
+    """``chunked attention (chunks of C tokens): served by ...`` for a chunked group, else ''."""
+    chunk = c.group.spec.attention_chunk_size
+    if chunk is None:
+        return ""
+    found = {p.backend.qualified_name: p.backend for p in phases}
+    if registry is not None:
+        for p in phases:
+            for name in p.outranked:
+                if name not in found:
+                    try:
+                        found[name] = registry.resolve(name)
+                    except SelectionError:
+                        continue
+    how = []
+    for name, backend in sorted(found.items()):
+        caps = backend.capabilities
+        if caps.chunked_attention:
+            how.append(f"{name} (native chunk mask)")
+        elif caps.chunked_virtual_batches:
+            how.append(f"{name} (local virtual batches)")
+    return f"chunked attention (chunks of {chunk} tokens): served by " + ", ".join(how)
 
 
 #: How explain names each phase.
@@ -321,7 +351,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
                 f"groups {' and '.join(map(repr, ids))} side by side, with KV pages and a conv / "
                 "SSM slot each"
             )
-        print(format_plan(plan))
+        print(format_plan(plan, registry))
     # on stderr, after the plan: stdout stays the plan (or its JSON) alone
     for w in caught:
         print(f"attn explain: warning: {w.message}", file=sys.stderr)

@@ -30,6 +30,7 @@ import torch
 
 from attn_core.binding import GroupRuntime, LayerAttentionBinding
 from attn_core.errors import BackendInputError, PluginError
+from attn_core.local_attention import LocalVirtualBatcher
 from attn_core.selector import constraints_for_phases
 from attn_core.specs import ExecutionConstraints, GraphMode, LayerKind, Phase, layer_ops
 from attn_core.workspace import Workspace
@@ -90,6 +91,9 @@ class AttentionRuntime:
         #: an attention op and a linear op, each bound to its own group
         self.layer_bindings: dict[int, dict[LayerKind, LayerAttentionBinding]] = {}
         layer_ops(c.group for c in plan.choices)  # two ops of one role in a layer: refused
+        #: per chunked group (``attention_chunk_size`` set): its local virtual batches, given to
+        #: the backends that declare ``chunked_virtual_batches`` (and no native chunk mask)
+        self.local_batchers: dict[str, LocalVirtualBatcher] = {}
         layer_params = layer_params or {}
         #: per (group id, backend qualified name): the workspace of that backend's context
         self.backend_workspaces: dict[tuple[str, str], Workspace] = {}
@@ -157,6 +161,18 @@ class AttentionRuntime:
             ]
             self.groups[group.group_id] = runtime
             self.workspaces[group.group_id] = workspace
+            if group.spec.attention_chunk_size is not None and any(
+                b.capabilities.chunked_virtual_batches and not b.capabilities.chunked_attention
+                for b in choice.backends
+            ):
+                chunk = group.spec.attention_chunk_size
+                if plan.page_size is not None and chunk % plan.page_size:
+                    raise ValueError(
+                        f"layer group {group.group_id!r}: local virtual batches need "
+                        f"attention_chunk_size ({chunk}) to be a multiple of the page size, "
+                        f"got page size {plan.page_size} (plan with a page size dividing {chunk})"
+                    )
+                self.local_batchers[group.group_id] = LocalVirtualBatcher(chunk)
             for index in group.layer_indices:
                 params = layer_params.get(index, {})
                 if group.spec.kind is LayerKind.LINEAR:
@@ -213,8 +229,9 @@ class AttentionRuntime:
         phase, reqs = batch.phase, batch.padded_reqs
         for g in self.groups.values():
             g.use_phase(phase, reqs)
+            view = self._view(g, batch)  # the core's own step: its errors are not the plugin's
             try:
-                g.context.prepare(batch)
+                g.context.prepare(view)
             except BackendInputError:
                 raise
             except Exception as exc:
@@ -237,13 +254,26 @@ class AttentionRuntime:
                     ),
                     None,
                 )
+            view = self._view(g, batch)
             try:
-                update(batch)
+                update(view)
             except BackendInputError:
                 raise
             except Exception as exc:
                 raise g.plugin_error("update", exc, None) from exc
             g.batch = batch
+
+    def _view(self, g: GroupRuntime, batch: AttentionBatch) -> AttentionBatch:
+        """The batch ``g``'s current backend plans: the step itself, or for a chunked group
+        served through local virtual batches, the step's virtual batch (same tokens and slot
+        mapping, requests cut at chunk boundaries). The group keeps the real batch."""
+        batcher = self.local_batchers.get(g.group_id)
+        if batcher is None:
+            return batch
+        caps = g.backend.capabilities
+        if caps.chunked_attention or not caps.chunked_virtual_batches:
+            return batch  # a native chunk mask (the reference) reads the real batch
+        return batcher(batch)
 
     def commit_speculative(self, batch: AttentionBatch, num_accepted: torch.Tensor) -> None:
         """After a verify step: keep the state of the accepted prefix in every linear group.

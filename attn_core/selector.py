@@ -333,12 +333,51 @@ def check_backend(
             f"sliding window {spec.sliding_window}",
             "serves full-context attention only",
         )
-    if spec.attention_chunk_size is not None and not caps.chunked_attention:
-        model_mismatch(
-            "chunked_attention",
-            f"chunked attention (chunks of {spec.attention_chunk_size} tokens)",
-            "has no chunk mask",
-        )
+    chunk = spec.attention_chunk_size
+    if chunk is not None and not caps.chunked_attention:
+        if not caps.chunked_virtual_batches:
+            model_mismatch(
+                "chunked_attention",
+                f"chunked attention (chunks of {chunk} tokens)",
+                "has no chunk mask and takes no local virtual batches",
+            )
+        else:
+            ps = page_size if page_size is not None else spec.page_size
+            if chunk % ps:
+                # a chunk's virtual page-table row must start on a page boundary
+                fits = sorted(p for p in (caps.page_sizes or {ps}) if chunk % p == 0)
+                reject(
+                    "page_size",
+                    f"serves chunked attention through local virtual batches, which need the "
+                    f"chunk size to be a multiple of the page size: chunks of {chunk} tokens, "
+                    f"page size {ps}",
+                    f"page_size {ps} -> {_nearest(ps, frozenset(fits))}" if fits else None,
+                )
+            if (
+                phase in (None, Phase.VERIFY)
+                and constraints.speculative_tokens
+                and _phase_graph_mode(constraints.graph_mode, Phase.VERIFY) is not GraphMode.NONE
+            ):
+                # a verify step's pieces vary in number with the step: not capturable
+                reject(
+                    "graph_mode",
+                    "serves chunked attention through local virtual batches, whose verify "
+                    "steps vary in shape and cannot be captured",
+                    f"graph_mode {constraints.graph_mode.value} -> none",
+                )
+            if (
+                phase in (None, Phase.PREFILL)
+                and _phase_graph_mode(constraints.graph_mode, Phase.PREFILL) is GraphMode.FULL
+            ):
+                # a mixed step's pieces vary in number with the step: one captured mixed
+                # graph (fixed padded requests) cannot replay them
+                reject(
+                    "graph_mode",
+                    "serves chunked attention through local virtual batches, whose prefill / "
+                    "mixed steps vary in their number of requests and cannot be captured in "
+                    "graph mode full",
+                    "graph_mode full -> decode",
+                )
     if spec.logits_soft_cap is not None and not caps.logits_soft_cap:
         model_mismatch(
             "soft_cap",

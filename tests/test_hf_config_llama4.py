@@ -109,10 +109,13 @@ def test_tensor_parallel_heads_and_a_bad_pattern_are_named() -> None:
         specs_from_hf_config(bad)
 
 
-def test_explain_names_the_plugins_without_a_chunk_mask(monkeypatch, capsys) -> None:
-    """``attn explain llama-4 --target h200``: the chunked group falls to the reference, every
-    GPU plugin that serves full attention is rejected with ``[chunked_attention]``; the global
-    NoPE group keeps a GPU plugin."""
+def test_explain_puts_the_chunked_group_on_gpu_plugins_through_virtual_batches(
+    monkeypatch, capsys
+) -> None:
+    """``attn explain llama-4 --target h200``: FlashInfer and fa3 serve the chunked group through
+    local virtual batches (FlashInfer chosen, fa3 admissible), and the text says so under the
+    group; at a page size that does not divide the chunk both fall back to the reference with
+    the reason. The global NoPE group keeps a GPU plugin."""
     import json
 
     from attn_core import cli, selector
@@ -122,7 +125,20 @@ def test_explain_names_the_plugins_without_a_chunk_mask(monkeypatch, capsys) -> 
     groups = {g["group_id"]: g for g in json.loads(capsys.readouterr().out)["groups"]}
     chunked, full = groups["full"], groups["full.1"]
     assert "chunk=8192" in chunked["spec"] and "chunk" not in full["spec"]
-    assert chunked["backend"] == "attn_core:reference"
-    codes = {r["backend"]: r["code"] for r in chunked["rejected"]}
-    assert {codes.get("fa3:fa3"), codes.get("flashinfer:flashinfer")} == {"chunked_attention"}
+    assert chunked["backend"] == "flashinfer:flashinfer"
+    assert "fa3:fa3" in chunked["outranked"]
+    assert not {r["backend"] for r in chunked["rejected"]} & {"fa3:fa3", "flashinfer:flashinfer"}
     assert full["backend"] != "attn_core:reference"
+    assert cli.main(["explain", "llama-4", "--target", "h200"]) == 0
+    text = capsys.readouterr().out
+    assert (
+        "chunked attention (chunks of 8192 tokens): served by attn_core:reference (native "
+        "chunk mask), fa3:fa3 (local virtual batches), flashinfer:flashinfer (local virtual "
+        "batches)"
+    ) in text
+    assert cli.main(["explain", "llama-4", "--target", "h200", "--page-size", "24", "--json"]) == 0
+    groups = {g["group_id"]: g for g in json.loads(capsys.readouterr().out)["groups"]}
+    chunked = groups["full"]
+    assert chunked["backend"] == "attn_core:reference"
+    (rej,) = [r for r in chunked["rejected"] if r["backend"] == "flashinfer:flashinfer"]
+    assert rej["code"] == "page_size" and "chunks of 8192 tokens, page size 24" in rej["reason"]

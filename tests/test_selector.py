@@ -783,7 +783,7 @@ def test_reason_texts_of_model_features():
     ]
     assert _reasons({}, GLOBAL.with_(attention_chunk_size=64)) == [
         "[chunked_attention] cannot serve this model: chunked attention (chunks of 64 tokens) "
-        "(has no chunk mask)"
+        "(has no chunk mask and takes no local virtual batches)"
     ]
     assert _reasons({"chunked_attention": True}, GLOBAL.with_(attention_chunk_size=64)) == []
     assert _reasons({}, GLOBAL.with_(logits_soft_cap=30.0)) == [

@@ -352,7 +352,9 @@ _KERNEL_SHAPES: dict[str, dict[str, Any]] = {
     "minimax": dict(hidden_size=256, head_dim=128, block_size=64),
     "lfm2": dict(hidden_size=256),  # attention heads of 64, a conv of 256 channels
     "gemma-3": dict(hidden_size=256, head_dim=128, query_pre_attn_scalar=128),
-    "llama-4": dict(hidden_size=256, head_dim=64),
+    # chunks of one 16-token page: GPU plugins serve chunked layers through local virtual
+    # batches only when a chunk is whole pages (prompts of 3-17 tokens and their decodes cross 16)
+    "llama-4": dict(hidden_size=256, head_dim=64, attention_chunk_size=16),
     "nemotron-h": dict(
         hidden_size=256,
         head_dim=128,

@@ -447,6 +447,16 @@ def _kind_cases(
                     w,
                     [f"{K}: chunked attention"],
                 )
+        elif caps.chunked_virtual_batches and base.has_kv_cache:
+            # local virtual batches need chunks of whole pages: chunks of one page, over
+            # workloads whose requests span several pages (prefill, mixed, decode across them)
+            for w in ("page_boundary", "ragged"):
+                add(
+                    "correctness",
+                    base.with_(attention_chunk_size=base.page_size),
+                    w,
+                    [f"{K}: chunked attention (local virtual batches)"],
+                )
         if caps.logits_soft_cap:
             for w in w_opts:
                 add("correctness", base.with_(logits_soft_cap=SOFT_CAP), w, [f"{K}: soft-cap"])

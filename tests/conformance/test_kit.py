@@ -40,6 +40,9 @@ BROKEN = textwrap.dedent(
         @hookimpl
         def attn_core_allocate_context(self, backend, group, device, constraints, state,
                                        workspace):
+            if self.defect in ("virtual_chunks", "ignores_chunks"):  # plain causal attention
+                import dataclasses
+                group = dataclasses.replace(group, spec=group.spec.with_(attention_chunk_size=None))
             inner = ref.attn_core_allocate_context(backend, group, device, constraints, state,
                                                    workspace)
             return Context(inner, self.defect)
@@ -110,6 +113,9 @@ BROKEN = textwrap.dedent(
     full_ok = Broken("none", name="full_ok", graph_modes={"none", "decode", "full"})
     stale_update_full = Broken("stale_update", name="stale_update_full",
                                graph_modes={"none", "decode", "full"})
+    # chunked layers as plain causal attention over the runtime's local virtual batches
+    virtual_chunks = Broken("virtual_chunks", chunked_virtual_batches=True)
+    ignores_chunks = Broken("ignores_chunks", chunked_attention=True)
     '''
 )
 
@@ -186,6 +192,19 @@ def test_sdpa_example_passes(run_kit) -> None:
     assert summary["full: head_dim 128"] == "PASS"
     assert summary["full: dtype bfloat16"] == "PASS"
     assert not any(s == "FAIL" for s in summary.values())
+
+
+def test_chunked_layers_through_virtual_batches_pass_and_a_missing_mask_fails(
+    pytester, run_kit
+) -> None:
+    """A backend without a chunk mask that declares ``chunked_virtual_batches`` passes the
+    battery's chunked cases (the runtime hands it local virtual batches); the same context
+    declaring a native chunk mask it does not apply fails them."""
+    label = "full: chunked attention (local virtual batches)"
+    result, summary = _run_broken(pytester, run_kit, "virtual_chunks", "-k", "chunk")
+    assert summary.get(label) == "PASS", result.stdout.str()[-3000:]
+    result, summary = _run_broken(pytester, run_kit, "ignores_chunks", "-k", "chunk")
+    assert result.ret == 1 and summary.get("full: chunked attention") == "FAIL", summary
 
 
 def test_wrong_scale_is_caught(pytester, run_kit) -> None:

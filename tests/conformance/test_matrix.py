@@ -40,6 +40,20 @@ def test_narrow_backend_gets_only_its_claims() -> None:
     assert len(graph) == 1 and "CUDA is not available" in graph[0].skip
 
 
+def test_virtual_batch_backend_gets_chunks_of_whole_pages() -> None:
+    """A backend serving chunked layers through local virtual batches is tested at chunks of
+    one page (a chunk must be whole pages), over workloads whose requests span several."""
+    import dataclasses
+
+    caps = dataclasses.replace(NARROW, chunked_virtual_batches=True)
+    chunked = [c for c in build_matrix(caps, quick=False) if c.spec.attention_chunk_size]
+    assert {c.workload for c in chunked} == {"page_boundary", "ragged"}
+    assert all(c.spec.attention_chunk_size == c.spec.page_size for c in chunked)
+    assert {c.capabilities for c in chunked} == {
+        ("full: chunked attention (local virtual batches)",)
+    }
+
+
 def test_reference_matrix_covers_every_kind_and_option() -> None:
     full = build_matrix(REFERENCE_CAPS, quick=False)
     quick = build_matrix(REFERENCE_CAPS, quick=True)

@@ -308,8 +308,9 @@ def test_kernel_shapes_match_transformers_cpu(name: str, dtype: str) -> None:
 # ------------------------------------------------------------------------------------------
 # Rejections that mean "no installed GPU plugin can serve this layer here" rather than a bug:
 # the plugin cannot run (a wheel is missing), serves another kind, or lacks a feature the
-# layer needs (FlashInfer has no attention sinks; gpt-oss needs FlashAttention's; no GPU plugin
-# has a chunk mask for Llama-4's chunked layers).
+# layer needs (FlashInfer has no attention sinks; gpt-oss needs FlashAttention's; the GPU
+# plugins serve Llama-4's chunked layers through local virtual batches only when a chunk is
+# whole pages).
 _EXPECTED_REJECTIONS = {"unavailable", "kind", "linear_variant", "sinks", "chunked_attention"}
 
 
@@ -369,6 +370,25 @@ def test_gpu_plugins_cuda_graph_full_bf16(name: str) -> None:
         pytest.skip(f"no installed GPU plugin captures mixed steps of {name}: {run.format()}")
     assert run.mixed_graph_replays > 0 and run.graph_replays > 0, run.format()
     assert {"prefill", "mixed", "decode"} <= set(run.mode_counts), run.format()
+
+
+@pytest.mark.parametrize("graphs", [pytest.param(g, marks=gpu) for g in (False, True)])
+def test_gpu_plugins_serve_llama4_chunked_layers_bf16(graphs: bool) -> None:
+    """Llama-4's chunked layers (kernel shapes: chunks of one 16-token page) on a GPU plugin
+    (fa3 or FlashInfer) through local virtual batches, eager and with captured decode graphs;
+    the decodes cross chunk boundaries."""
+    run = _gpu_plugin_run("llama-4", dtype="bfloat16", prompts=4, max_new_tokens=6, graphs=graphs)
+    chunked = [g for g in run.plan["groups"] if "chunk=" in g["spec"]]
+    assert chunked, run.format()
+    gpu_full = ("fa3:fa3", "flashinfer:flashinfer")
+    for g in chunked:
+        if g["backend"] == "attn_core:reference":
+            codes = {r["code"] for r in g["rejected"] if r["backend"] in gpu_full}
+            if codes <= {"unavailable"}:
+                pytest.skip(f"neither fa3 nor FlashInfer is installed here: {g['rejected']}")
+            raise AssertionError(f"GPU plugins rejected for {codes}: {run.format()}")
+    if graphs:
+        assert run.graph_replays > 0, run.format()
     assert run.ok, run.format()
 
 

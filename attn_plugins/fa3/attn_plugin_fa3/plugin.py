@@ -70,7 +70,10 @@ def capabilities(
         causal=True,
         non_causal=False,  # decoder attention over a KV cache; see providers (tile_n)
         sliding_window=True,
-        chunked_attention=False,  # FA3's kernels have no chunk mask
+        chunked_attention=False,  # FA3's kernels have no chunk mask, but
+        # end-aligned causal varlen over page_table / seqused_k makes each local virtual request
+        # exact (attn_core.local_attention): the runtime hands this context virtual batches
+        chunked_virtual_batches=True,
         logits_soft_cap=True,
         sinks=sinks,
         deterministic=deterministic,

@@ -19,7 +19,13 @@ from attn_core.reference import ops
 from attn_core.registry import Registry
 from attn_core.runtime import AttentionRuntime
 from attn_core.selector import select
-from attn_core.specs import DeviceCapabilities, ExecutionConstraints, LayerSpec, group_layers
+from attn_core.specs import (
+    DeviceCapabilities,
+    ExecutionConstraints,
+    LayerSpec,
+    Phase,
+    group_layers,
+)
 from attn_core.state.manager import PersistentState
 
 FULL = LayerSpec(kind="full", num_heads=8, num_kv_heads=2, head_dim=128, page_size=16)
@@ -578,3 +584,155 @@ def test_a_private_path_that_disagrees_is_dropped_and_the_note_says_why(monkeypa
     assert not fallback.uses_private and problem in fallback.note
     _fake_fa4(monkeypatch, "4.0.0b14", private_scale=1.0)
     assert providers.self_check(providers._fa4_provider(), torch.device("cpu")) is None
+
+
+# ------------------------------------------------------------------------------------------
+# Chunked (local) attention through local virtual batches
+# ------------------------------------------------------------------------------------------
+def test_chunked_layers_are_admitted_when_the_chunk_is_whole_pages():
+    choice = _plan([FULL.with_(attention_chunk_size=8192)]).choice("full")
+    assert choice.backend.qualified_name == "fa3:fa3"
+    assert _codes(choice) == set()
+
+
+@pytest.mark.parametrize(("chunk", "page", "fix"), [(40, 16, None), (48, 32, "page_size 32 -> 16")])
+def test_chunked_layers_whose_chunk_is_not_whole_pages_are_rejected(chunk, page, fix):
+    plan = _plan([FULL.with_(attention_chunk_size=chunk, page_size=page)])
+    choice = plan.choice("full")
+    assert plan.page_size == page  # the reference serves the model's own page size natively
+    assert choice.backend.qualified_name == "attn_core:reference"
+    [rej] = choice.rejections_by_backend()["fa3:fa3"]
+    assert rej.code == "page_size" and rej.fix == fix
+    assert f"chunks of {chunk} tokens, page size {page}" in rej.reason
+    assert "multiple of the page size" in rej.reason
+
+
+def test_chunked_verify_is_not_captured_but_decode_is():
+    """Under graph mode decode a chunked group's verify steps (their count of virtual requests
+    varies) go to the reference; its decode steps (one virtual request each) stay on fa3."""
+    spec = FULL.with_(attention_chunk_size=64)
+    choice = _plan([spec], graph_mode="decode", speculative_tokens=3).choice("full")
+    assert choice.backend_for_phase(Phase.DECODE).qualified_name == "fa3:fa3"
+    verify = choice.phase_choice("verify")
+    assert verify.backend.qualified_name == "attn_core:reference"
+    assert "graph_mode" in {r.code for r in verify.rejections_by_backend()["fa3:fa3"]}
+    eager = _plan([spec], speculative_tokens=3).choice("full")
+    assert eager.phase_choice("verify").backend.qualified_name == "fa3:fa3"
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph_mode_decode"])
+def test_chunked_layer_through_virtual_batches_equals_the_reference(monkeypatch, graphs):
+    """A chunked layer (chunks of 32 tokens, pages of 16) on fa3 with the stand-in provider:
+    fresh prefill (the dense path over the virtual requests), decodes at and across chunk
+    boundaries, a chunked prefill over a cached prefix crossing boundaries, a mixed step: each
+    equals the reference's chunk mask. Graph mode: decode steps go through update() into the
+    same buffers."""
+    from attn_plugin_fa3 import split_kv
+
+    rec = _SplitRecorder()
+    monkeypatch.setattr(plugin, "_PROBE", (rec.as_provider(), None))
+    monkeypatch.setattr(split_kv, "sm_count", lambda device: 132)
+    spec = LayerSpec(
+        kind="full", num_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+        attention_chunk_size=32,
+    )  # fmt: skip
+    groups = group_layers([spec])
+    reg = _registry(True)
+    cons = dict(graph_mode="decode") if graphs else {}
+    plan = select(groups, reg, DeviceCapabilities.target("h200"), ExecutionConstraints(**cons))
+    assert plan.choice("full").backend.qualified_name == "fa3:fa3"
+    ref_plan = select(
+        groups, reg, DeviceCapabilities.target("h200"), ExecutionConstraints(force="full=reference")
+    )
+    state = PersistentState(groups, num_pages=64, num_slots=0)
+    rt = AttentionRuntime(plan, reg, state=state)
+    rt_ref = AttentionRuntime(ref_plan, reg, state=state)
+    assert set(rt.local_batchers) == {"full"}
+    builder = BatchBuilder(state, max_batch_size=4, max_num_tokens=256, max_pages_per_request=16)
+    torch.manual_seed(11)
+    for r in ("a", "b", "c"):
+        state.add_request(r)
+    steps = [
+        [("a", 70), ("b", 31)],  # fresh prefill: a spans 3 chunks, b one
+        [("a", 1), ("b", 1)],  # b's decode lands on position 31, the last of chunk 0
+        [("a", 1), ("b", 1)],  # b crosses into chunk 1
+        [("a", 40), ("b", 1), ("c", 5)],  # cached prefix 72 -> 112 crosses chunk 3; mixed
+        *[[("a", 1), ("b", 1), ("c", 1)]] * 3,
+    ]
+    paths, addresses = [], set()
+    for step in steps:
+        batch = builder.build(step, pad_to=4 if graphs and all(n == 1 for _, n in step) else None)
+        t, rows = batch.num_tokens, batch.padded_tokens
+        q = torch.randn(rows, 4, 64).to(torch.bfloat16)
+        k = torch.randn(rows, 2, 64).to(torch.bfloat16)
+        v = torch.randn(rows, 2, 64).to(torch.bfloat16)
+        rt_ref.prepare(batch)
+        want = rt_ref.binding(0).forward(q, k, v)
+        if graphs and batch.mode.value == "decode":
+            rt.prepare(batch) if not addresses else rt.update(batch)
+            ctx = rt.groups["full"].context
+            addresses.add(ctx.batch.page_table.data_ptr())
+        else:
+            rt.prepare(batch)
+        before = len(rec.calls)
+        got = rt.binding(0).forward(q, k, v)
+        paths.append([c["path"] for c in rec.calls[before:] if "path" in c])
+        torch.testing.assert_close(got[:t].float(), want[:t].float(), atol=2e-2, rtol=2e-2)
+        for r, n in step:
+            state.advance(r, n)
+    # graph mode keeps fresh prefills on the paged call (the dense one is eager only)
+    assert paths[0] == ["paged" if graphs else "dense"] and paths[3] == ["paged"]
+    if graphs:
+        assert len(addresses) == 1  # the decode virtual batch is refilled in place
+        # the context saw virtual requests: a's 70 queries are three of at most 32 keys
+        assert rec.calls[1]["max_seqlen_q"] == 32 and rec.calls[1]["max_seqlen_k"] == 32
+    else:
+        assert rec.calls[0]["max_seqlen"] == 32
+
+
+def test_explain_llama4_offline_h200_serves_the_chunked_group_on_fa3(monkeypatch, capsys):
+    """``attn explain llama-4 --target h200``: the chunked group goes to fa3 (through local
+    virtual batches), the line under the group says who serves chunked attention and how; at a
+    page size that does not divide the chunk fa3 is rejected with the reason."""
+    from attn_core import cli
+
+    monkeypatch.setattr(cli, "_registry", lambda args: _registry(None))
+    assert cli.main(["explain", "llama-4", "--target", "h200"]) == 0
+    out = capsys.readouterr().out
+    group = out[out.index("group full:") : out.index("group full.1:")]
+    assert "chunk=8192" in group
+    assert "prefill / mixed steps: fa3:fa3; decode steps: fa3:fa3" in group
+    assert (
+        "chunked attention (chunks of 8192 tokens): served by attn_core:reference (native "
+        "chunk mask), fa3:fa3 (local virtual batches)" in group
+    )
+    assert cli.main(["explain", "llama-4", "--target", "h200", "--page-size", "256"]) == 0
+    group = capsys.readouterr().out
+    group = group[group.index("group full:") : group.index("group full.1:")]
+    assert "steps: fa3:fa3" in group  # 8192 is whole pages of 256 too
+    monkeypatch.setattr(plugin, "PAGE_SIZES", frozenset({16, 24}))
+    assert cli.main(["explain", "llama-4", "--target", "h200", "--page-size", "24"]) == 0
+    group = capsys.readouterr().out
+    group = group[group.index("group full:") : group.index("group full.1:")]
+    assert "prefill / mixed steps: attn_core:reference" in group
+    assert "chunks of 8192 tokens, page size 24" in " ".join(group.split())
+
+
+def test_e2e_llama4_kernel_shapes_put_the_chunked_group_on_fa3_for_an_h200():
+    """What tests/e2e's GPU llama-4 run plans on an H200: the kernel-shape config's chunks are
+    one page (16 tokens), so fa3 serves the chunked layers too, not the reference."""
+    from attn_core.e2e.configs import tiny_config
+    from attn_core.models.hf_config import specs_from_hf_config
+
+    cfg = tiny_config("llama-4", "kernel")
+    assert cfg["attention_chunk_size"] == 16
+    layout = specs_from_hf_config(cfg, dtype="bfloat16", page_size=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = select(
+            layout.groups, _registry(True), DeviceCapabilities.target("h200"),
+            ExecutionConstraints(graph_mode="decode"),
+        )  # fmt: skip
+    chunked = [c for c in plan.choices if c.group.spec.attention_chunk_size is not None]
+    assert [c.group.spec.attention_chunk_size for c in chunked] == [16]
+    assert {c.backend_for_phase(p).qualified_name for c in chunked for p in Phase} == {"fa3:fa3"}

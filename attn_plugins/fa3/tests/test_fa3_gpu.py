@@ -303,3 +303,76 @@ def test_private_entry_point_passes_its_self_check_here():
     else:
         assert "off (" in provider.note
     assert plugin.make_backend().notes == provider.note
+
+
+# ------------------------------------------------------------------------------------------
+# Chunked (local) attention through local virtual batches
+# ------------------------------------------------------------------------------------------
+# chunks of 256 tokens: prefills spanning several chunks (fresh: the non-paged kernel over the
+# virtual requests), decodes landing on and crossing a boundary, a chunk over a cached prefix
+# that crosses a boundary, mixed steps
+CHUNKED_WORKLOAD = [
+    [("a", 600), ("b", 255), ("c", 129)],
+    [("a", 1), ("b", 1), ("c", 1)],  # b: position 255, the last of chunk 0
+    [("a", 1), ("b", 1), ("c", 1)],  # b: position 256, the first of chunk 1
+    [("a", 1), ("b", 300), ("c", 1), ("d", 77)],  # b's 257 .. 556 cross 512
+    [("d", 1), ("a", 1), ("b", 1)],
+]
+
+
+@pytest.mark.parametrize("page_size", [16, 128, 256])
+def test_chunked_small_chunk_matches_the_reference(page_size):
+    h = Harness(_spec(attention_chunk_size=256, page_size=page_size))
+    assert "full" in h.fa3.local_batchers
+    for requests in CHUNKED_WORKLOAD:
+        h.step(requests)
+
+
+def test_chunked_8192_long_prefill_and_decodes_across_the_boundary():
+    """Llama-4's chunk size at real shapes (40 q / 8 kv heads, head dim 128): a prefill of
+    9000 tokens spans two chunks, then a request decodes across 8192 and another prefills over
+    a cached prefix across it."""
+    spec = _spec(num_heads=40, num_kv_heads=8, attention_chunk_size=8192)
+    h = Harness(spec, max_batch=3, max_tokens=12288, max_len=12000)
+    h.step([("a", 9000)])
+    h.step([("b", 8190), ("a", 1)])
+    for _ in range(4):  # b: positions 8190 .. 8193
+        h.step([("a", 1), ("b", 1)])
+    h.step([("c", 8000)])
+    h.step([("c", 500), ("a", 1)])  # c: 8000 .. 8499 over its cached prefix, across 8192
+
+
+@pytest.mark.parametrize("chunk", [256, 8192])
+def test_chunked_decode_cuda_graph_replays_across_a_boundary(chunk):
+    """Graph mode: the decode virtual batch is refilled in place each step, so one captured
+    graph replays decodes before, on and after a chunk boundary (and through split-KV where the
+    plan splits)."""
+    pad = 4
+    h = Harness(_spec(attention_chunk_size=chunk), graph_mode="decode", max_batch=pad,
+                max_tokens=3 * chunk + 64, max_len=chunk + 64)  # fmt: skip
+    names = [f"r{i}" for i in range(3)]
+    h.step([(n, chunk - 2 + i) for i, n in enumerate(names)])  # ends at chunk-3 .. chunk-1
+    batch = h.builder.build([(n, 1) for n in names], pad_to=pad)
+    q, k, v = h.qkv(pad)
+    out = torch.empty_like(q)
+    binding = h.fa3.binding(0)
+    h.fa3.prepare(batch)
+    binding.forward(q, k, v, out=out)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        binding.forward(q, k, v, out=out)
+    for _ in range(4):
+        batch = h.builder.build([(n, 1) for n in names], pad_to=pad)
+        nq, nk, nv = h.qkv(pad)
+        h.ref.prepare(batch)
+        want = h.ref.binding(0).forward(nq, nk, nv)
+        h.fa3.update(batch)
+        q.copy_(nq)
+        k.copy_(nk)
+        v.copy_(nv)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out[:3].float(), want[:3].float(), **TOL)
+        for n in names:
+            h.state.advance(n, 1)

@@ -76,7 +76,10 @@ FULL_CAPABILITIES = BackendCapabilities(
     causal=True,
     non_causal=False,
     sliding_window=True,
-    chunked_attention=False,  # FlashInfer's kernels have no chunk mask
+    chunked_attention=False,  # FlashInfer's kernels have no chunk mask, but its plans are
+    # built from the batch's metadata and its causal masks are bottom-right aligned: a local
+    # virtual batch (attn_core.local_attention) is exact, the context sized for its requests
+    chunked_virtual_batches=True,
     logits_soft_cap=True,
     sinks=False,  # plugin.backends() sets it where the probe finds the sink variant
     deterministic=False,

@@ -66,6 +66,7 @@ import torch
 
 from attn_core.batch import AttentionBatch, BatchMode
 from attn_core.context import WorkspaceRequirement
+from attn_core.local_attention import max_virtual_requests
 from attn_core.specs import ExecutionConstraints, GraphMode, LayerGroup, LayerKind, LayerSpec
 from attn_core.state.kv_write import (
     FP8_DTYPE,
@@ -84,6 +85,7 @@ __all__ = [
     "MLAContext",
     "StepKind",
     "decode_uses_tensor_cores",
+    "request_rows",
     "workspace_requirements",
 ]
 
@@ -149,6 +151,17 @@ def _max_pages(spec: LayerSpec, constraints: ExecutionConstraints) -> int:
     return constraints.max_batch_size * per_request
 
 
+def request_rows(spec: LayerSpec, constraints: ExecutionConstraints) -> int:
+    """Per-request rows the metadata buffers hold: ``max_batch_size``, or for a chunked layer
+    (served through the core's local virtual batches) the most virtual requests a step can
+    have (:func:`attn_core.local_attention.max_virtual_requests`)."""
+    B = constraints.max_batch_size
+    chunk = spec.attention_chunk_size
+    if chunk is None:
+        return B
+    return max_virtual_requests(B, constraints.max_num_tokens, chunk)
+
+
 def workspace_requirements(
     spec: LayerSpec, constraints: ExecutionConstraints
 ) -> list[WorkspaceRequirement]:
@@ -168,7 +181,7 @@ def workspace_requirements(
     None of these sizes depends on a step: a captured mixed step (graph mode full) is planned
     into the same buffers whatever its split between prefill chunks and decodes.
     """
-    B = constraints.max_batch_size
+    B = request_rows(spec, constraints)
     pages = _max_pages(spec, constraints)
     i32 = torch.int32
     return [
@@ -244,7 +257,7 @@ class _PagedContext:
         self.g_kv_indptr = ws["graph_kv_indptr"]
         self.g_qo_indptr = ws["graph_qo_indptr"]
         self.g_kv_len = ws["graph_kv_len"]
-        self.B = constraints.max_batch_size
+        self.B = request_rows(self.spec, constraints)
         self.offsets = _Offsets(self.B)
         self._views: dict[tuple[int, int], _StepViews] = {}  # by (half, padded batch size)
         # kv_indices on CUDA in one Triton launch (kv_indices.py); torch calls elsewhere
@@ -309,7 +322,10 @@ class _PagedContext:
         if batch.page_table is None or batch.slot_mapping is None or not batch.page_size:
             raise ValueError("the batch has no page table / slot mapping: build it with a state")
         if P > self.B:
-            raise ValueError(f"batch of {P} requests exceeds max_batch_size={self.B}")
+            raise ValueError(
+                f"batch of {P} requests exceeds the {self.B} this context was sized for "
+                "(max_batch_size, or its virtual requests for a chunked layer)"
+            )
         if batch.full_graph and not self.graph_full:
             self._bad(
                 "a captured mixed step (a full_graph batch) needs a context allocated for "

@@ -1277,3 +1277,84 @@ def test_a_captured_mixed_step_needs_a_context_for_graph_mode_full(fake_fi):
         r"context allocated for graph mode full, this one is for decode"
     )):  # fmt: skip
         wl.run_step(h, 0, [(0, 3)], pad_to=FULL_P, pad_tokens_to=FULL_T)
+
+
+# ------------------------------------------------------------------------------------------
+# Chunked (local) attention through the core's local virtual batches
+# ------------------------------------------------------------------------------------------
+CHUNKED = FULL.with_(attention_chunk_size=8)  # two pages of 4
+#: prefill spanning chunks (ragged: every piece starts at its chunk), decodes on and across a
+#: boundary, a chunk over a cached prefix across boundaries (paged), a mixed step
+CHUNKED_SCRIPT = [
+    [(0, 21), (1, 7), (2, 3)],
+    [(0, 1), (1, 1), (2, 1)],  # 1: position 7, the last of chunk 0
+    [(0, 1), (1, 1), (2, 1)],  # 1: position 8, the first of chunk 1
+    [(0, 1), (1, 19), (3, 10)],  # 1: 9 .. 27 across 16 and 24; mixed
+    [(0, 1), (1, 1), (2, 1), (3, 1)],
+]
+
+
+def test_chunked_prefill_is_not_captured_in_graph_mode_full(available):
+    """A chunked group's mixed steps through local virtual batches vary in their number of
+    requests, so one captured mixed graph cannot replay them: under graph mode full the
+    prefill phase rejects FlashInfer with [graph_mode] (the policy lowers the run to decode)."""
+    groups = group_layers([CHUNKED] * 2)
+    reason = check_backend(
+        fi_plugin.backends(AVAILABLE)[0],
+        CHUNKED,
+        DeviceCapabilities.target("h200"),
+        ExecutionConstraints(graph_mode="full"),
+        phase="prefill",
+    )
+    assert [r.code for r in reason] == ["graph_mode"], reason
+    assert "cannot be captured in graph mode full" in reason[0].reason
+    with pytest.warns(UserWarning):
+        plan = select(groups, wl.registry(), DeviceCapabilities.target("h200"),
+                      ExecutionConstraints(graph_mode="full"))  # fmt: skip
+    assert plan.constraints.graph_mode is GraphMode.DECODE
+    assert plan.choices[0].backend.qualified_name == "flashinfer:flashinfer"
+
+
+def test_chunked_layers_are_admitted_through_virtual_batches(fake_fi):
+    caps = fi_plugin.backends(AVAILABLE)[0].capabilities
+    assert caps.chunked_virtual_batches and not caps.chunked_attention
+    h = wl.make(CHUNKED, "flashinfer:flashinfer", "cpu")  # asserts the forced choice stands
+    assert set(h.runtime.local_batchers) == {"full"}
+
+
+@pytest.mark.parametrize(
+    "small", ["0", pytest.param("2", marks=INTERPRETED)], ids=["fi_decode", "small_decode"]
+)
+def test_chunked_layers_match_the_reference_chunk_mask(fake_fi, monkeypatch, small):
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", small)
+    seen = _compare(CHUNKED, CHUNKED_SCRIPT, tol=2e-2, kinds={StepKind.RAGGED, StepKind.PAGED})
+    # the same workload without the chunk mask differs: the comparison would catch a context
+    # that read the real batch
+    fi = wl.make(FULL, "flashinfer:flashinfer", "cpu")
+    ref = wl.make(CHUNKED, wl.REFERENCE, "cpu")
+    plain = [wl.run_step(fi, i, s) for i, s in enumerate(CHUNKED_SCRIPT)]
+    chunked = [wl.run_step(ref, i, s) for i, s in enumerate(CHUNKED_SCRIPT)]
+    assert wl.max_error(plain, chunked) > 0.1, seen
+
+
+@pytest.mark.parametrize(
+    ("small_max", "kind"),
+    [
+        ("0", StepKind.DECODE_GRAPH),
+        pytest.param("4", StepKind.DECODE_SMALL, marks=INTERPRETED),
+    ],
+)
+def test_chunked_graph_decode_and_the_virtual_rows_fit_the_context(
+    fake_fi, monkeypatch, small_max, kind
+):
+    """Graph decode steps of a chunked layer replay into the captured wrapper's buffers (or the
+    fused small-decode kernels'); a prefill whose virtual requests outnumber max_batch_size
+    fits the context's rows."""
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", small_max)
+    script = [[(0, 30), (1, 30)], [(0, 1), (1, 1)], [(0, 1), (1, 1)], [(0, 1), (1, 1)]]
+    steps_kw = {i: {"pad_to": 2} for i in (1, 2, 3)}
+    make_kw = {"graph": True, "max_batch": 2}
+    seen = _compare(CHUNKED, script, tol=2e-2, steps_kw=steps_kw, make_kw=make_kw)
+    assert seen[0] is StepKind.RAGGED and seen[1:] == [kind] * 3
+    h = wl.make(CHUNKED, "flashinfer:flashinfer", "cpu", **make_kw)
+    assert h.context.B >= 8  # 2 requests of 30 tokens: 4 chunks each

@@ -510,3 +510,50 @@ def test_the_probe_checks_the_import_level_facts_of_this_flashinfer():
         pytest.skip(fp.note())
     assert fp.facts == "", fp.note()
     assert compat.installed_note().startswith(f"fast plan: on (flashinfer {fp.version}, ")
+
+
+# Chunked (local) attention through the core's local virtual batches
+# ------------------------------------------------------------------------------------------
+CHUNKED_SCRIPT = [
+    [(0, 300), (1, 255), (2, 31)],  # fresh prefills spanning chunks (ragged over the pieces)
+    [(0, 1), (1, 1), (2, 1)],  # 1 at position 255, the last of its chunk; 2 at 31
+    [(0, 1), (1, 1), (2, 1)],  # 1 at 256, the first of the next
+    [(0, 1), (1, 300), (3, 77)],  # 1: 257 .. 556 over its cached prefix, across 512; mixed
+    [(0, 1), (1, 1), (2, 1), (3, 1)],
+]
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("small", ["0", "2"], ids=["fi_decode", "small_decode"])
+@pytest.mark.parametrize("chunk", [32, 256])
+def test_chunked_layers_match_the_reference(monkeypatch, chunk, small):
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", small)
+    kw = dict(max_batch=4, max_tokens=1024, num_pages=400, max_model_len=1024)
+    kinds = _compare(FULL.with_(attention_chunk_size=chunk), CHUNKED_SCRIPT, make_kw=kw)
+    assert StepKind.RAGGED in kinds and StepKind.PAGED in kinds, kinds
+
+
+@pytest.mark.sm90
+def test_chunked_8192_long_prefill_and_decodes_across_the_boundary():
+    """Llama-4's chunk size at its head layout (40 q / 8 kv heads, head dim 128)."""
+    spec = FULL.with_(num_heads=40, num_kv_heads=8, attention_chunk_size=8192)
+    script = [
+        [(0, 9000)],
+        [(1, 8190), (0, 1)],
+        *[[(0, 1), (1, 1)]] * 4,  # 1: positions 8190 .. 8193
+        [(0, 1), (1, 500)],  # 1: 8194 .. 8693 over its cached prefix
+    ]
+    kw = dict(num_layers=1, max_batch=2, max_tokens=9216, num_pages=1300, max_model_len=10240)
+    _compare(spec, script, make_kw=kw)
+
+
+@pytest.mark.parametrize(
+    ("small_max", "kind"), [("0", StepKind.DECODE_GRAPH), ("8", StepKind.DECODE_SMALL)]
+)
+def test_chunked_cuda_graph_decode_replay(monkeypatch, small_max, kind):
+    """Chunks of 32 (two pages): the capture's prefill (5 .. 70 tokens) spans chunks and its
+    replays decode on and across a boundary (request 2 at positions 31 and 32)."""
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", small_max)
+    errors_ref, errors_eager = _graph_replay(FULL.with_(attention_chunk_size=32), kinds=(kind,))
+    assert max(errors_ref) < BF16_TOL, errors_ref
+    assert max(errors_eager) < 1e-2, errors_eager
