@@ -93,11 +93,18 @@ def test_run_warns_before_it_runs(use, capsys, monkeypatch):
         def format(self):
             return "report"
 
+        def format_tail(self):
+            return "1/1 architectures match transformers"
+
     ran = []
     monkeypatch.setattr(attn_core.e2e, "run_main", lambda *a, **kw: ran.append(a) or Report())
     assert cli.main(["run", "--model", "qwen3", "--device", "cpu", "--no-progress"]) == 0
     out, err = capsys.readouterr()
-    assert ran and out.strip() == "report"
+    # the head line, then each model as it ends (the stand-in reports none), then the tally
+    assert ran and out.splitlines() == [
+        "attn run --model qwen3  (device cpu, dtype float32)",
+        "1/1 architectures match transformers",
+    ]
     assert _warnings(err, "run")[0] == f"attn run: {ACME_WARNING}"
     assert len(_warnings(err, "run")) == 2
 
