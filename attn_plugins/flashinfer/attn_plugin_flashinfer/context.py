@@ -716,19 +716,23 @@ class FullAttentionContext(_PagedContext):
             kv_data_type=self.kv_dtype,
         )
         H, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        # the paged prefill wrappers' (plain, graph-mode, sink variant) positional arguments
+        paged = (
+            views.qo_indptr_host,
+            views.kv_indptr_host,
+            indices,
+            views.last_page_len_host,
+            H,
+            Hkv,
+            D,
+            batch.page_size,
+        )
         if self.sinks:
             # Every step, decode included: causal and bottom-right aligned (a decode query sees
             # its whole context). The softmax scale is run()'s argument (the variant's).
             wrapper = self._graph_wrapper(batch.padded_reqs) if graph else self.sink
             wrapper.plan(
-                views.qo_indptr_host,
-                views.kv_indptr_host,
-                indices,
-                views.last_page_len_host,
-                H,
-                Hkv,
-                D,
-                batch.page_size,
+                *paged,
                 causal=True,
                 non_blocking=True,
                 window_left=self.window_left,
@@ -782,14 +786,7 @@ class FullAttentionContext(_PagedContext):
             # rows. Nothing here depends on the split but the values copied into the buffers.
             wrapper = self._full_graph_wrapper(P)
             wrapper.plan(
-                views.qo_indptr_host,
-                views.kv_indptr_host,
-                indices,
-                views.last_page_len_host,
-                H,
-                Hkv,
-                D,
-                batch.page_size,
+                *paged,
                 causal=True,
                 non_blocking=True,
                 # fixed, not the split's longest query: the plan must not vary with the split
@@ -812,14 +809,7 @@ class FullAttentionContext(_PagedContext):
             )
             return StepKind.RAGGED, self.ragged
         self.paged.plan(
-            views.qo_indptr_host,
-            views.kv_indptr_host,
-            indices,
-            views.last_page_len_host,
-            H,
-            Hkv,
-            D,
-            batch.page_size,
+            *paged,
             causal=True,
             non_blocking=True,
             max_token_per_sequence=max(batch.max_query_len, 1),
