@@ -42,6 +42,7 @@ from attn_core.tables import render_table
 __all__ = [
     "BenchResult",
     "Timing",
+    "admissible_backends",
     "bench_group",
     "plot_figure",
     "run_bench",
@@ -265,6 +266,29 @@ def _geomean(values: Sequence[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
+def admissible_backends(
+    registry, group: LayerGroup, caps, plan: Plan, phase: Phase, options=None
+) -> list[Any]:
+    """Every registered backend that can serve ``group``'s ``phase`` steps under ``plan``'s
+    constraints and layout (page size, KV layout), with the options in force applied (``options``:
+    :func:`~attn_core.options.resolve_backend_options`' result), in registry order."""
+    out = []
+    for backend in registry.backends:
+        if options and backend.qualified_name in options:  # timed with the options in force
+            backend = backend.with_options(options[backend.qualified_name][0])
+        if not check_backend(
+            backend,
+            group.spec,
+            caps,
+            plan.constraints,
+            page_size=plan.page_size,
+            kv_layout=plan.kv_layout,
+            phase=phase,
+        ):
+            out.append(backend)
+    return out
+
+
 def run_bench(args, registry, device_name: str, constraints) -> int:
     from attn_core.models import specs_from_hf_config
     from attn_core.selector import select
@@ -288,20 +312,7 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
     options = resolve_backend_options(registry, constraints)  # checked by select() above
     for group in layout.groups:
         for phase in plan.choice(group.group_id).planned_phases:
-            for registered in registry.backends:
-                backend = registered
-                if backend.qualified_name in options:  # timed with the options in force
-                    backend = backend.with_options(options[backend.qualified_name][0])
-                if check_backend(
-                    backend,
-                    group.spec,
-                    caps,
-                    constraints,
-                    page_size=plan.page_size,
-                    kv_layout=plan.kv_layout,
-                    phase=phase,
-                ):
-                    continue
+            for backend in admissible_backends(registry, group, caps, plan, phase, options):
                 for batch in batches:
                     times = []
                     for context in contexts:

@@ -33,10 +33,10 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from attn_core.bench import bench_group  # noqa: E402
+from attn_core.bench import admissible_backends, bench_group  # noqa: E402
 from attn_core.models import load_sample, specs_from_hf_config  # noqa: E402
 from attn_core.registry import Registry  # noqa: E402
-from attn_core.selector import TuningData, check_backend, select  # noqa: E402
+from attn_core.selector import TuningData, select  # noqa: E402
 from attn_core.specs import DeviceCapabilities, ExecutionConstraints, Phase  # noqa: E402
 
 REFERENCE = "attn_core:reference"
@@ -55,20 +55,12 @@ def _ints(text: str) -> list[int]:
     return [int(p) for p in text.split(",") if p.strip()]
 
 
-def _candidates(group, plan, caps, constraints, registry, phase) -> list[Any]:
+def _candidates(group, plan, caps, registry, phase) -> list[Any]:
+    """The plugin backends admissible for ``group``'s ``phase`` (the reference left out)."""
     return [
         b
-        for b in registry.backends
+        for b in admissible_backends(registry, group, caps, plan, phase)
         if b.qualified_name != REFERENCE
-        and not check_backend(
-            b,
-            group.spec,
-            caps,
-            constraints,
-            page_size=plan.page_size,
-            kv_layout=plan.kv_layout,
-            phase=phase,
-        )
     ]
 
 
@@ -101,7 +93,7 @@ def bench_model(name: str, registry: Registry, device: torch.device, args) -> li
     work = []  # (group, phase, candidates)
     for group in layout.groups:
         for phase in plan.choice(group.group_id).planned_phases:
-            cands = _candidates(group, plan, caps, constraints, registry, phase)
+            cands = _candidates(group, plan, caps, registry, phase)
             if cands:
                 work.append((group, phase, cands))
     # 1. the tuning grid
@@ -128,48 +120,40 @@ def bench_model(name: str, registry: Registry, device: torch.device, args) -> li
         pc = tuned.choice(group.group_id).phase_choice(phase)
         for batch, context in points:
             chosen = pc.backend_for_batch(batch).qualified_name
-            if len(cands) < 2:
-                rows.append(
-                    dict(
-                        model=name,
-                        group=group.group_id,
-                        phase=phase.value,
-                        batch=batch,
-                        context=context,
-                        chosen=chosen,
-                        fastest=chosen,
-                        ratio=1.0,
-                        note="only candidate",
-                    )
-                )
-                continue
-            samples: dict[str, list[float]] = {b.qualified_name: [] for b in cands}
-            for r in range(args.rounds):
-                order = cands[r % len(cands) :] + cands[: r % len(cands)]
-                for backend in order:
-                    us = _time(
-                        group, backend, registry, plan, device, phase, batch, context, args.iters
-                    )
-                    samples[backend.qualified_name].append(us)
-            medians = {
-                k: statistics.median(v) for k, v in samples.items() if all(x == x for x in v)
-            }
-            fastest = min(medians, key=medians.__getitem__)
-            ratio = medians.get(chosen, float("nan")) / medians[fastest]
+            medians: dict[str, float] = {}
+            if len(cands) > 1:
+                samples: dict[str, list[float]] = {b.qualified_name: [] for b in cands}
+                for r in range(args.rounds):
+                    for backend in cands[r % len(cands) :] + cands[: r % len(cands)]:
+                        us = _time(
+                            group, backend, registry, plan, device, phase, batch, context,
+                            args.iters,
+                        )  # fmt: skip
+                        samples[backend.qualified_name].append(us)
+                medians = {
+                    k: statistics.median(v) for k, v in samples.items() if all(x == x for x in v)
+                }
+            fastest = min(medians, key=medians.__getitem__) if medians else chosen
+            ratio = medians.get(chosen, float("nan")) / medians[fastest] if medians else 1.0
             on_grid = batch in _ints(args.tune_batch) and context in _ints(args.tune_context)
+            note = (
+                "only candidate"
+                if len(cands) < 2
+                else ("tuned point" if on_grid else "not tuned on")
+            )
             rows.append(
-                dict(
-                    model=name,
-                    group=group.group_id,
-                    phase=phase.value,
-                    batch=batch,
-                    context=context,
-                    chosen=chosen,
-                    fastest=fastest,
-                    ratio=ratio,
-                    us={k: round(v, 2) for k, v in medians.items()},
-                    note="tuned point" if on_grid else "not tuned on",
-                )
+                {
+                    "model": name,
+                    "group": group.group_id,
+                    "phase": phase.value,
+                    "batch": batch,
+                    "context": context,
+                    "chosen": chosen,
+                    "fastest": fastest,
+                    "ratio": ratio,
+                    "us": {k: round(v, 2) for k, v in medians.items()},
+                    "note": note,
+                }
             )
     return rows
 
