@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 from attn_plugin_fa3 import kv_write, plugin, providers
+from chunk_rows import attend_chunk_rows
 
 import attn_core.reference.plugin as ref_plugin
 from attn_core.backend import Backend, BackendCapabilities
@@ -408,23 +409,7 @@ class _SplitRecorder(_Recorder):
     def run_with_lse(self, q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, max_seqlen_k,
                      page_table, scale, softcap):  # fmt: skip
         self.calls.append({"path": "split", "rows": q.shape[0], "max_seqlen_k": max_seqlen_k})
-        n, h, d = q.shape
-        page, hkv = k_cache.shape[1], k_cache.shape[2]
-        out = torch.zeros_like(q)
-        lse = torch.full((h, n), float("-inf"))
-        for r in range(n):
-            used = int(seqused_k[r])
-            if used == 0:
-                continue
-            pages = page_table[r, : -(-used // page)].long()
-            k = k_cache[pages].reshape(-1, hkv, d)[:used].float().repeat_interleave(h // hkv, 1)
-            v = v_cache[pages].reshape(-1, hkv, d)[:used].float().repeat_interleave(h // hkv, 1)
-            s = torch.einsum("hd,khd->hk", q[r].float(), k) * scale
-            if softcap:
-                s = softcap * torch.tanh(s / softcap)
-            lse[:, r] = torch.logsumexp(s, dim=-1)
-            out[r] = torch.einsum("hk,khd->hd", torch.softmax(s, dim=-1), v).to(q.dtype)
-        return out, lse
+        return attend_chunk_rows(q, k_cache, v_cache, page_table, seqused_k, scale, softcap=softcap)
 
     def run_dense(self, q, k, v, out, *, cu_seqlens, max_seqlen, scale, window_left, softcap,
                   sinks):  # fmt: skip

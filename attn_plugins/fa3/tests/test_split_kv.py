@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 from attn_plugin_fa3 import split_kv
+from chunk_rows import attend_chunk_rows
 
 
 def test_plan_splits_fills_the_gpu_only_when_one_call_does_not():
@@ -33,25 +34,11 @@ def test_plan_splits_fills_the_gpu_only_when_one_call_does_not():
 
 
 def _attend_chunks(q_rows, k_cache, v_cache, meta, scale):
-    """What the kernel returns for the chunk rows: ``out [N, H, D]``, ``lse [H, N]``."""
-    n, h, d = q_rows.shape
-    page = k_cache.shape[1]
-    hkv = k_cache.shape[2]
-    out = torch.full_like(q_rows, float("nan"))  # empty rows: garbage the merge must not read
-    lse = torch.full((h, n), float("nan"))
-    for r in range(n):
-        used = int(meta.seqused_k[r])
-        if used == 0:
-            continue
-        pages = meta.page_table[r, : math.ceil(used / page)].long()
-        k = k_cache[pages].reshape(-1, hkv, d)[:used].float()
-        v = v_cache[pages].reshape(-1, hkv, d)[:used].float()
-        k = k.repeat_interleave(h // hkv, dim=1)
-        v = v.repeat_interleave(h // hkv, dim=1)
-        s = torch.einsum("hd,khd->hk", q_rows[r].float(), k) * scale
-        lse[:, r] = torch.logsumexp(s, dim=-1)
-        out[r] = torch.einsum("hk,khd->hd", torch.softmax(s, dim=-1), v).to(out.dtype)
-    return out, lse
+    """What the kernel returns for the chunk rows: ``out [N, H, D]``, ``lse [H, N]``; empty
+    rows hold NaN, garbage the merge must not read."""
+    return attend_chunk_rows(
+        q_rows, k_cache, v_cache, meta.page_table, meta.seqused_k, scale, empty=float("nan")
+    )
 
 
 def _full_attention(q, k_cache, v_cache, page_table, seq_lens, scale, sinks):
