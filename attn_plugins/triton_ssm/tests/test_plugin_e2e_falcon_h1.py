@@ -19,20 +19,14 @@ if not HAS_CUDA and "attn_plugin_triton_ssm.kernels" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
-from test_plugin_harness import REFERENCE, TRITON, make_registry  # noqa: E402
+from test_plugin_harness import REFERENCE, TRITON, available_registry  # noqa: E402
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 
 
 @pytest.fixture
 def registry(monkeypatch):
-    if not HAS_CUDA:
-        monkeypatch.setenv("ATTN_TRITON_SSM_INTERPRET", "1")
-    reg = make_registry()
-    backend = reg.resolve(TRITON)
-    if not backend.available:
-        pytest.skip(f"triton_ssm unavailable: {backend.unavailable_reason}")
-    return reg
+    return available_registry(monkeypatch, TRITON)
 
 
 def test_falcon_h1_matches_transformers_with_the_mamba2_ops_on_the_plugin(registry):

@@ -18,7 +18,7 @@ if not HAS_CUDA and "attn_plugin_triton_ssm.kernels" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
-from test_plugin_harness import TRITON, make_registry  # noqa: E402
+from test_plugin_harness import TRITON, available_registry  # noqa: E402
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 
@@ -27,13 +27,7 @@ pytest.importorskip("transformers")
 
 @pytest.fixture
 def registry(monkeypatch):
-    if not HAS_CUDA:
-        monkeypatch.setenv("ATTN_TRITON_SSM_INTERPRET", "1")
-    reg = make_registry()
-    backend = reg.resolve(TRITON)
-    if not backend.available:
-        pytest.skip(f"triton_ssm unavailable: {backend.unavailable_reason}")
-    return reg
+    return available_registry(monkeypatch, TRITON)
 
 
 def test_kimi_linear_matches_transformers_through_the_plugin(registry):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,6 +41,21 @@ def make_registry() -> Registry:
     registry.register_plugin(ref_plugin, name="attn_core")
     registry.register_plugin(plugin, name="triton_ssm")
     return registry
+
+
+def available_registry(monkeypatch: Any, backend: str) -> Registry:
+    """:func:`make_registry` for a test that needs ``backend`` (``TRITON``, ``TRITON_MAMBA1``):
+    on a machine without CUDA its kernels run in Triton's interpreter; the test is skipped,
+    with the backend's reason, where it is unavailable."""
+    import pytest
+
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("ATTN_TRITON_SSM_INTERPRET", "1")
+    reg = make_registry()
+    resolved = reg.resolve(backend)
+    if not resolved.available:
+        pytest.skip(f"triton_ssm unavailable: {resolved.unavailable_reason}")
+    return reg
 
 
 def make_spec(

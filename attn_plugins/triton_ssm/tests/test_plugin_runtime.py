@@ -23,9 +23,9 @@ from test_plugin_harness import (  # noqa: E402
     REFERENCE,
     TRITON,
     TRITON_MAMBA1,
+    available_registry,
     layer_params,
     make_lane,
-    make_registry,
     make_spec,
     run_step,
     states,
@@ -43,13 +43,7 @@ TOL = {"float32": dict(atol=1e-3, rtol=1e-3), "bfloat16": dict(atol=3e-2, rtol=3
 
 @pytest.fixture
 def registry(monkeypatch):
-    if not HAS_CUDA:
-        monkeypatch.setenv("ATTN_TRITON_SSM_INTERPRET", "1")
-    reg = make_registry()
-    backend = reg.resolve(TRITON)
-    if not backend.available:
-        pytest.skip(f"triton_ssm unavailable: {backend.unavailable_reason}")
-    return reg
+    return available_registry(monkeypatch, TRITON)
 
 
 def _target() -> DeviceCapabilities:
