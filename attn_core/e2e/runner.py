@@ -211,30 +211,26 @@ class Engine:
         ids = [t for _, toks in schedule for t in toks]
         reqs = [(rid, len(toks)) for rid, toks in schedule]
         P, T = self.max_batch_size, self.max_num_tokens
+
+        def replay(entry, batch):
+            graph, static_ids, static_logits = entry
+            self.runtime.update(batch)
+            static_ids.zero_()
+            static_ids[: len(ids)].copy_(torch.tensor(ids, dtype=torch.long))
+            graph.replay()
+            self.last_step_graph = True
+            return static_logits[: len(ids)], batch
+
         if use_full_graph and len(ids) + P - len(reqs) <= T:
             entry = self._full or self._capture(None)
             if entry is not None:
-                graph, static_ids, static_logits = entry
-                batch = self.builder.build(reqs, pad_to=P, pad_tokens_to=T)
-                self.runtime.update(batch)
-                static_ids.zero_()
-                static_ids[: len(ids)].copy_(torch.tensor(ids, dtype=torch.long))
-                graph.replay()
-                self.last_step_graph = True
-                return static_logits[: len(ids)], batch
+                return replay(entry, self.builder.build(reqs, pad_to=P, pad_tokens_to=T))
         if use_graph:
             size = next((s for s in _GRAPH_SIZES if s >= len(reqs)), None)
             if size is not None and size <= self.max_batch_size:
                 entry = self._graphs.get(size) or self._capture(size)
                 if entry is not None:
-                    graph, static_ids, static_logits = entry
-                    batch = self.builder.build(reqs, pad_to=size)
-                    self.runtime.update(batch)
-                    static_ids.zero_()
-                    static_ids[: len(ids)].copy_(torch.tensor(ids, dtype=torch.long))
-                    graph.replay()
-                    self.last_step_graph = True
-                    return static_logits[: len(ids)], batch
+                    return replay(entry, self.builder.build(reqs, pad_to=size))
         self.last_step_graph = False
         batch = self.builder.build(reqs)
         self.runtime.prepare(batch)
