@@ -9,8 +9,11 @@ q / k / v and mixer heads column parallel, ``o_proj`` / ``out_proj`` row paralle
 all-reduce) and generates greedily; MLPs and MoE blocks stay replicated (this checks attention
 sharding, not MLP sharding). Each rank compares its logits of every position and its tokens
 with a TP=1 run of the same requests, and rank 0 also compares the TP run with transformers'
-eager forward of the unsharded model. Rank 0 prints one line per family (``--json PATH`` also
-writes them); the exit status is 1 when any family mismatches or fails.
+eager forward of the unsharded model. The encoder stacks (the SigLIP and Qwen2-VL / Qwen2.5-VL
+vision towers, Whisper's encoder) run one encoder pass instead (:func:`tp_encode`): every rank
+compares every block's hidden states and the final output with TP=1, rank 0 with transformers'
+tower (:func:`~attn_core.e2e.compare.compare_vision`). Rank 0 prints one line per family
+(``--json PATH`` also writes them); the exit status is 1 when any family mismatches or fails.
 
 ``--model`` takes ``all`` (:data:`TP_FAMILIES`) or a comma list of its names. ``--dtype
 bfloat16 --shapes kernel --plugins`` (on CUDA) runs the samples at head dims the GPU kernels serve
@@ -31,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from attn_core.e2e.compare import compare_generation
+from attn_core.e2e.compare import compare_generation, compare_vision
 from attn_core.e2e.configs import (
     ARCHITECTURES,
     ENCODER_MODELS,
@@ -40,11 +43,13 @@ from attn_core.e2e.configs import (
     build_tiny,
     tiny_config,
 )
-from attn_core.e2e.main import default_registry, make_prompts, plan_for
+from attn_core.e2e.main import _VISION_GRIDS, default_registry, make_prompts, plan_for
 from attn_core.e2e.runner import Engine, GenerationResult
 from attn_core.e2e.tp_shard import shard_model
+from attn_core.e2e.vision import VisionResult, VisionRunner, vision_inputs
+from attn_core.runtime import AttentionRuntime
 
-__all__ = ["TP_FAMILIES", "TPResult", "check_family", "tp_config", "tp_generate"]
+__all__ = ["TP_FAMILIES", "TPResult", "check_family", "tp_config", "tp_encode", "tp_generate"]
 
 _SMALL: dict[str, Any] = {
     "hidden_size": 64,
@@ -95,6 +100,8 @@ def _config(family: str, cls_name: str, **fields: Any) -> _Builder:
 # configs, and transformers configs for the families that run from a config.json.
 _BUILDERS: dict[str, _Builder] = {
     **{n: _sample(n) for n in ARCHITECTURES if n not in ENCODER_MODELS},
+    # the encoder stacks' tiny samples: 4 heads, 2 per rank
+    **{n: _sample(n) for n in ENCODER_MODELS},
     # 4 query heads over 1 KV head: the KV head replicated on both ranks
     "qwen3-kv1": _sample("qwen3", num_key_value_heads=1),
     # one Gated DeltaNet key head for 4 value heads: the key head replicated on both ranks
@@ -218,6 +225,51 @@ def tp_generate(
     return model, engine.generate(ids, new_tokens), engine.state.nbytes
 
 
+def tp_encode(
+    name: str,
+    *,
+    device: torch.device,
+    tp_size: int,
+    rank: int,
+    prompts: int,
+    dtype: str = "float32",
+    shapes: str = "tiny",
+    registry: Any = None,
+    **_: Any,
+) -> tuple[TinyModel, VisionResult, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Build encoder stack ``name`` (seed 0), shard it for ``rank`` of ``tp_size``, run one
+    encoder pass over ``prompts`` inputs (images of the e2e runner's grids, or Whisper clips).
+
+    :param _: :func:`tp_generate`'s keywords an encoder has no use for (``new_tokens``).
+    :returns: the (sharded) model, its :class:`~attn_core.e2e.vision.VisionResult` (every
+        rank holds the full ``[tokens, hidden]`` hidden states of every block and the final
+        output: the row-parallel projections all-reduce) and the inputs ``(pixel_values,
+        grid_thw or None)`` for the comparison with transformers. An encoder keeps no
+        persistent state (the runtime has none), so there are no state bytes to report.
+    """
+    arch, cfg = tp_config(name, shapes)
+    model = build_tiny(arch, device=device, dtype=dtype, tp_size=tp_size, config=cfg)
+    _random_biases(model.hf)
+    if tp_size > 1:
+        shard_model(model, rank, tp_size)
+    registry = registry if registry is not None else default_registry()
+    grids = [_VISION_GRIDS[i % len(_VISION_GRIDS)] for i in range(max(prompts, 1))]
+    pixels, grid_thw, tokens = vision_inputs(model, grids)
+    plan = plan_for(
+        model,
+        registry,
+        device,
+        None,
+        max_batch_size=256,
+        max_num_tokens=tokens,
+        max_model_len=tokens,
+        graphs=False,
+    )
+    runtime = AttentionRuntime(plan, registry, state=None, device=device)
+    result = VisionRunner(model, runtime, max_tokens=tokens).forward(pixels, grid_thw)
+    return model, result, (pixels, grid_thw)
+
+
 @torch.no_grad()
 def _random_biases(model: torch.nn.Module, seed: int = 0) -> None:
     """transformers initialises biases to zero, under which a bias sharded or summed wrongly
@@ -234,8 +286,12 @@ def _random_biases(model: torch.nn.Module, seed: int = 0) -> None:
 class TPResult:
     """One family's check.
 
-    :ivar max_abs_diff: max over ranks and positions of ``|logits(tp) - logits(tp=1)|``.
-    :ivar tokens_equal: every rank's greedy tokens equal the TP=1 run's.
+    :ivar max_abs_diff: max over ranks and positions of ``|logits(tp) - logits(tp=1)|``
+        (encoder stacks: of every block's hidden states and the final output).
+    :ivar tokens_equal: every rank's greedy tokens equal the TP=1 run's (encoder stacks: no
+        tokens, False).
+    :ivar blocks: encoder stacks: the blocks whose hidden states were compared (the final
+        output too); 0 for a causal model.
     :ivar transformers: rank 0's TP run vs transformers (:class:`MatchResult.short`).
     :ivar state_bytes: rank 0's KV pages and state slots under TP; ``state_bytes_tp1``: the
         same pools at TP=1 (half of it where every layer's state splits; all of it where it is
@@ -252,11 +308,18 @@ class TPResult:
     state_bytes: int = 0
     state_bytes_tp1: int = 0
     error: str = ""
+    blocks: int = 0
 
     def format(self) -> str:
         verdict = "OK" if self.ok else "MISMATCH"
         if self.error:
             return f"tp_check {self.name}: tp={self.tp} ERROR {self.error} -> {verdict}"
+        if self.blocks:
+            return (
+                f"tp_check {self.name}: tp={self.tp} vs tp=1 max|diff|={self.max_abs_diff:.2e} "
+                f"over {self.blocks} blocks and the output, no state (encoder); vs "
+                f"transformers {self.transformers} -> {verdict}"
+            )
         return (
             f"tp_check {self.name}: tp={self.tp} vs tp=1 max|diff|={self.max_abs_diff:.2e} "
             f"tokens {'equal' if self.tokens_equal else 'DIFFER'}, state "
@@ -271,8 +334,11 @@ def check_family(name: str, *, rank: int, world: int, **run: Any) -> TPResult:
     :param run: :func:`tp_generate`'s keywords but ``tp_size`` / ``rank``. In float32 the TP
         run must give TP=1's tokens and logits to 1e-4; in half precision the all-reduce sums
         in another order than one matmul, so only the comparison with transformers (its
-        tolerance for the dtype, on the TP run's own prefixes) decides.
+        tolerance for the dtype, on the TP run's own prefixes) decides. An encoder stack's
+        block outputs are held to the same (:func:`_check_encoder`).
     """
+    if name in ENCODER_MODELS:
+        return _check_encoder(name, rank=rank, world=world, **run)
     try:
         _, tp, tp_bytes = tp_generate(name, tp_size=world, rank=rank, **run)
         ref_model, ref, ref_bytes = tp_generate(name, tp_size=1, rank=0, **run)
@@ -291,6 +357,28 @@ def check_family(name: str, *, rank: int, world: int, **run: Any) -> TPResult:
     ok = not mismatch and (not exact or (diff < 1e-4 and not differ))
     text = match.short() if match is not None else ""
     return TPResult(name, world, ok, diff, not differ, text, tp_bytes, ref_bytes)
+
+
+def _check_encoder(name: str, *, rank: int, world: int, **run: Any) -> TPResult:
+    """:func:`check_family` for an encoder stack: every block's hidden states and the final
+    output of TP=``world`` vs TP=1 on every rank, and vs transformers' unsharded tower on rank
+    0 (every block and the output within the dtype's tolerance)."""
+    try:
+        _, tp, _ = tp_encode(name, tp_size=world, rank=rank, **run)
+        ref_model, ref, (pixels, grid_thw) = tp_encode(name, tp_size=1, rank=0, **run)
+    except ValueError as err:  # deterministic: every rank raises the same
+        return TPResult(name, world, False, error=str(err))
+    pairs = [*zip(tp.blocks, ref.blocks, strict=True), (tp.merged, ref.merged)]
+    diff = max((a - b).abs().max().item() for a, b in pairs)
+    match = compare_vision(ref_model, tp, pixels, grid_thw) if rank == 0 else None
+    # every rank's verdict, as check_family: a rank whose hidden states diverge fails the family
+    stats = torch.tensor([diff, 0.0 if match is None or match.ok else 1.0]).to(run["device"])
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    diff, mismatch = (float(x) for x in stats.tolist())
+    exact = run.get("dtype", "float32") == "float32"
+    ok = not mismatch and (not exact or diff < 1e-4)
+    text = match.short() if match is not None else ""
+    return TPResult(name, world, ok, diff, False, text, 0, 0, blocks=len(tp.blocks))
 
 
 def main(argv: list[str] | None = None) -> int:

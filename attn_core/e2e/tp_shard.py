@@ -12,6 +12,12 @@ a server's column / row parallel layers would hold them (Megatron / vLLM):
 - replicated: everything shared by all heads (MLA's latent projections, Mamba1's dt / B / C
   norms, MLPs and MoE blocks, embeddings, ``lm_head``).
 
+The encoder stacks (:data:`~attn_core.e2e.configs.ENCODER_MODELS`: the SigLIP and Qwen2-VL /
+Qwen2.5-VL vision towers, Whisper's encoder) shard their blocks' attention the same way
+(:func:`_shard_encoder_attention`): q / k / v (Qwen-VL's fused ``qkv``) column parallel with
+their biases, ``proj`` / ``out_proj`` row parallel; patch embeddings, convolutions, rotary,
+norms, MLPs and mergers stay replicated.
+
 Heads are split when there are at least ``world`` of them; KV heads, Gated DeltaNet key heads
 and Mamba2 groups fewer than ``world`` are replicated, rank ``r`` keeping head
 ``r * heads // world``, exactly as ``specs_from_hf_config`` sizes them
@@ -218,6 +224,9 @@ def shard_model(model: TinyModel, rank: int, world: int) -> None:
         raise ValueError(
             f"{model.name}: the layout is for tp {model.layout.tp_size}, sharding for {world}"
         )
+    if model.is_encoder:
+        _shard_encoder(model, rank, world)
+        return
     layers = _decoder(model.hf).layers
     # op by op: a parallel hybrid's layer (Falcon-H1) holds an attention and a linear op
     ops = sorted(
@@ -245,6 +254,61 @@ def shard_model(model: TinyModel, rank: int, world: int) -> None:
             _shard_short_conv(layer.conv, rank, world, where)
         else:
             raise ValueError(f"{where}: no tensor-parallel sharding for {spec.short()}")
+
+
+def _encoder_attentions(model: TinyModel) -> list[Any]:
+    """Every block's attention module of an encoder stack, in block order: the Qwen towers'
+    ``blocks[i].attn``, SigLIP's ``encoder.layers[i].self_attn``, Whisper's
+    ``layers[i].self_attn`` (the modules :class:`~attn_core.e2e.vision.VisionRunner` calls)."""
+    hf: Any = model.hf  # a transformers tower: attributes by architecture
+    blocks = getattr(hf, "blocks", None)
+    if blocks is not None:
+        return [blk.attn for blk in blocks]
+    encoder = getattr(hf, "encoder", None)  # SigLIP; Whisper's encoder holds .layers itself
+    layers: Any = hf.layers if encoder is None else encoder.layers
+    return [layer.self_attn for layer in layers]
+
+
+def _shard_encoder(model: TinyModel, rank: int, world: int) -> None:
+    """An encoder stack's blocks: every layer of the layout's encoder group is one block whose
+    attention :func:`_shard_encoder_attention` shards."""
+    attentions = _encoder_attentions(model)
+    for group in model.layout.groups:
+        for i in group.layer_indices:
+            spec = group.spec
+            where = f"{model.name} layer {i}"
+            if spec.kind is not LayerKind.ENCODER:
+                raise ValueError(f"{where}: no tensor-parallel sharding for {spec.short()}")
+            _shard_encoder_attention(attentions[i], spec, rank, world, where)
+
+
+def _shard_encoder_attention(at: Any, spec: LayerSpec, rank: int, world: int, where: str) -> None:
+    """A bidirectional encoder block's attention (``num_heads`` of ``head_dim``, as many K / V
+    heads as query heads): the Qwen-VL towers' fused ``qkv`` (``[3 * H * D]`` rows, q | k | v,
+    with a bias) keeps this rank's heads of each third, SigLIP's and Whisper's ``q_proj`` /
+    ``k_proj`` / ``v_proj`` theirs (biases with them; Whisper's ``k_proj`` has none), and the
+    output projection (``proj`` / ``out_proj``) is row parallel, its bias added once after the
+    all-reduce (:class:`AllReduceLinear`). ``num_heads`` / ``embed_dim`` become the rank's, the
+    sizes the runner views q / k / v with."""
+    H, D = spec.num_heads * world, spec.head_dim
+    where = f"{where} ({type(at).__name__}) num_heads"
+    if at.num_heads != H or at.head_dim != D:
+        raise ValueError(
+            f"{where}: the layout's {H} heads of {D} (tp {world}), the module has "
+            f"{at.num_heads} heads of {at.head_dim}"
+        )
+    heads = head_indices(_segments(H, D), rank, world, where=where)
+    if hasattr(at, "qkv"):  # Qwen2-VL / Qwen2.5-VL: one projection, q | k | v
+        at.qkv = _rows(at.qkv, head_indices(_segments(H, D) * 3, rank, world, where=where))
+        at.proj = _columns(at.proj, heads)
+    else:  # SigLIP, Whisper
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(at, name, _rows(getattr(at, name), heads))
+        at.out_proj = _columns(at.out_proj, heads)
+        at.embed_dim = spec.num_heads * D
+    if hasattr(at, "dim"):
+        at.dim = spec.num_heads * D
+    at.num_heads = spec.num_heads
 
 
 def _shard_full(at: Any, spec: LayerSpec, rank: int, world: int, where: str) -> None:

@@ -129,7 +129,8 @@ class VisionRunner:
             )
             out = torch.empty_like(q)
             self.runtime.binding(i).forward(q, k, v, out=out)
-            hs = hs + at.out_proj(out.reshape(n, patches, width))
+            # -1: the rank's heads under tensor parallelism (out_proj all-reduces to width)
+            hs = hs + at.out_proj(out.reshape(n, patches, -1))
             hs = hs + layer.mlp(layer.layer_norm2(hs))
             blocks.append(hs.reshape(n * patches, width).float())
         out = vt.post_layernorm(hs).reshape(n * patches, width)
@@ -158,7 +159,7 @@ class VisionRunner:
             )
             out = torch.empty_like(q)
             self.runtime.binding(i).forward(q, k, v, out=out)
-            hs = hs + at.out_proj(out.reshape(n, frames, width))
+            hs = hs + at.out_proj(out.reshape(n, frames, -1))  # -1: the rank's heads (TP)
             mlp = layer.activation_fn(layer.fc1(layer.final_layer_norm(hs)))
             hs = hs + layer.fc2(mlp)
             if hs.dtype == torch.float16:  # as WhisperEncoderLayer: keep fp16 finite

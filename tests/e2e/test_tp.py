@@ -1,5 +1,6 @@
 """Tensor parallelism: every family's heads over 2 ranks (torchrun, gloo on CPU) vs the
-unsharded run and transformers; heads that cannot split are refused by name.
+unsharded run and transformers (the encoder stacks: every block's hidden states and the final
+output); heads that cannot split are refused by name.
 
 One torchrun of ``attn_core.e2e.tp_check --model all`` checks every family (two processes
 start once: torch and transformers imports dominate a per-family launch); each family is its
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from attn_core.e2e.configs import ENCODER_MODELS
 from attn_core.e2e.tp_check import TP_FAMILIES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,9 +65,14 @@ _STATE_NOT_HALVED = {
 def test_tp2_gloo_matches_tp1_and_transformers(name: str, gloo_results: dict[str, Any]) -> None:
     result = gloo_results["results"][name]
     assert result["ok"], result
-    assert result["max_abs_diff"] < 1e-4 and result["tokens_equal"], result
+    assert result["max_abs_diff"] < 1e-4, result
     assert result["transformers"].startswith("MATCH"), result
     tp, tp1 = result["state_bytes"], result["state_bytes_tp1"]
+    if name in ENCODER_MODELS:  # one encoder pass: every block compared, no persistent state
+        assert result["blocks"] >= 3 and not result["tokens_equal"], result
+        assert tp == tp1 == 0, result
+        return
+    assert result["tokens_equal"] and result["blocks"] == 0, result
     if name in ("kimi-linear", "bamba-g1", "qwen3-next-k1"):  # partly replicated
         assert tp1 // 2 < tp < tp1, result
     elif name in _STATE_NOT_HALVED:
@@ -80,6 +87,8 @@ def test_tp_check_exit_status_and_report(gloo_results: dict[str, Any]) -> None:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("tp_check ")]
     assert len(lines) == len(TP_FAMILIES), proc.stdout
     assert all("tp=2 vs tp=1" in ln and ln.endswith("-> OK") for ln in lines), proc.stdout
+    encoders = [ln for ln in lines if "(encoder)" in ln]
+    assert len(encoders) == len(ENCODER_MODELS), proc.stdout
 
 
 def test_heads_that_do_not_split_name_the_family_field_and_sizes() -> None:
@@ -102,6 +111,56 @@ def test_heads_that_do_not_split_name_the_family_field_and_sizes() -> None:
     with pytest.raises(ValueError, match=r"^dense \(arcee\): num_key_value_heads=3 .*=2;") as e:
         specs_from_hf_config(arcee, tp_size=2)
     assert "not supported" not in str(e.value)
+
+
+def test_encoder_heads_that_do_not_split_name_the_tower_field_and_sizes() -> None:
+    from attn_core.e2e.configs import run_stack, tiny_config
+    from attn_core.models import specs_from_hf_config
+
+    for name, field in (
+        ("siglip-vision", "num_attention_heads"),
+        ("qwen2-vl-vision", "num_heads"),
+        ("qwen2.5-vl-vision", "num_heads"),
+        ("whisper-encoder", "encoder_attention_heads"),
+    ):
+        cfg = tiny_config(name)
+        stack = run_stack(name, cfg)  # Whisper: its encoder stack
+        assert specs_from_hf_config(cfg, tp_size=2, stack=stack).layer_specs[0].num_heads == 2
+        with pytest.raises(ValueError, match=rf"{field}=4 is not divisible by tp_size=3"):
+            specs_from_hf_config(cfg, tp_size=3, stack=stack)
+
+
+@pytest.mark.parametrize("name", ENCODER_MODELS)
+def test_shard_model_keeps_the_ranks_encoder_heads_and_the_whole_output_bias(name: str) -> None:
+    """Rank 1 of 2 keeps heads 2, 3 of every q / k / v (each third of Qwen-VL's fused qkv)
+    with their biases and the same input columns of the output projection, whose bias stays
+    whole (added once after the all-reduce)."""
+    from attn_core.e2e.configs import build_tiny
+    from attn_core.e2e.tp_shard import AllReduceLinear, _encoder_attentions, shard_model
+
+    full, model = build_tiny(name, tp_size=1), build_tiny(name, tp_size=2)  # same seed
+    shard_model(model, 1, 2)
+    for before, after in zip(_encoder_attentions(full), _encoder_attentions(model), strict=True):
+        D = before.head_dim
+        width = before.num_heads * D
+        mine = torch.arange(2 * D, 4 * D)  # heads 2, 3 of 4
+        assert after.num_heads == 2 and after.head_dim == D
+        if hasattr(before, "qkv"):
+            rows = torch.cat([mine + j * width for j in range(3)])
+            pairs = [(before.qkv, after.qkv, rows)]
+            out_before, out_after = before.proj, after.proj
+        else:
+            names = ("q_proj", "k_proj", "v_proj")
+            pairs = [(getattr(before, n), getattr(after, n), mine) for n in names]
+            out_before, out_after = before.out_proj, after.out_proj
+        for b, a, rows in pairs:
+            assert torch.equal(a.weight, b.weight[rows])
+            assert (a.bias is None) == (b.bias is None)  # Whisper's k_proj has none
+            if b.bias is not None:
+                assert torch.equal(a.bias, b.bias[rows])
+        assert isinstance(out_after, AllReduceLinear)
+        assert torch.equal(out_after.weight, out_before.weight[:, mine])
+        assert torch.equal(out_after.bias, out_before.bias)
 
 
 def test_shard_model_refuses_a_layout_of_another_tp_size() -> None:
