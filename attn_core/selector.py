@@ -574,24 +574,33 @@ class PhaseChoice:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "backend": self.backend.qualified_name,
-            "loadable_here": self.backend.available,
-            "forced": self.forced,
-            "downgraded_from": list(self.downgraded_from),
-            "tuned_us": self.tuned_us,
-            "options": {
-                k: {"value": v, "source": dict(self.option_sources).get(k, "default")}
-                for k, v in self.backend.options
-            },
-            "outranked": list(self.outranked),
-            "rejected": [
-                {"backend": r.backend, "code": r.code, "reason": r.reason, "fix": r.fix}
-                for r in self.rejected
-            ],
+            **_choice_dict(self),
             "by_batch": [
                 {"max_batch": bound, "backend": b.qualified_name} for bound, b in self.by_batch
             ],
         }
+
+
+def _choice_dict(c: PhaseChoice | GroupChoice) -> dict[str, Any]:
+    """The JSON of a choice that a group's entry and each of its phases' entries share: the
+    chosen backend (and whether it loads here), how it was chosen, its options in force with
+    their sources, and every other candidate (ranked lower or rejected)."""
+    sources = dict(c.option_sources)
+    return {
+        "backend": c.backend.qualified_name,
+        "loadable_here": c.backend.available,
+        "forced": c.forced,
+        "downgraded_from": list(c.downgraded_from),
+        "tuned_us": c.tuned_us,
+        "options": {
+            k: {"value": v, "source": sources.get(k, "default")} for k, v in c.backend.options
+        },
+        "outranked": list(c.outranked),
+        "rejected": [
+            {"backend": r.backend, "code": r.code, "reason": r.reason, "fix": r.fix}
+            for r in c.rejected
+        ],
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -745,22 +754,9 @@ class Plan:
                     "group_id": c.group.group_id,
                     "spec": c.group.spec.short(),
                     "layers": list(c.group.layer_indices),
-                    "backend": c.backend.qualified_name,
-                    "loadable_here": c.loadable_here,
+                    **_choice_dict(c),
                     "not_loadable_here": [
                         {"backend": b, "reason": why} for b, why in c.not_loadable_here
-                    ],
-                    "forced": c.forced,
-                    "downgraded_from": list(c.downgraded_from),
-                    "tuned_us": c.tuned_us,
-                    "options": {
-                        k: {"value": v, "source": dict(c.option_sources).get(k, "default")}
-                        for k, v in c.backend.options
-                    },
-                    "outranked": list(c.outranked),
-                    "rejected": [
-                        {"backend": r.backend, "code": r.code, "reason": r.reason, "fix": r.fix}
-                        for r in c.rejected
                     ],
                     # every planned phase (prefill's entry repeats the keys above), with how
                     # its steps are captured: asked for and granted (phase_graph_modes)

@@ -507,6 +507,15 @@ def _ssd_chunked(
     return y[:num_tokens], entering[-1]
 
 
+def _time_step(dt: torch.Tensor, dt_bias: torch.Tensor | None, softplus: bool) -> torch.Tensor:
+    """The Mamba time step in float32: ``softplus(dt + dt_bias)`` (either part optional);
+    ``dt`` ``[T, H]``, ``dt_bias`` ``[H]``."""
+    step = dt.to(torch.float32)
+    if dt_bias is not None:
+        step = step + dt_bias.to(torch.float32)
+    return F.softplus(step) if softplus else step
+
+
 def mamba2_ssd(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -585,12 +594,7 @@ def mamba2_ssd(
     _check_intermediate(intermediate_states, requests, (num_heads, state_size, head_dim))
     out = prepare_out(out, (num_tokens, num_heads, head_dim), x.dtype, x.device)
 
-    step = dt.to(torch.float32)
-    if dt_bias is not None:
-        step = step + dt_bias.to(torch.float32)
-    if dt_softplus:
-        step = F.softplus(step)
-    step = step.clamp(min=dt_limit[0], max=dt_limit[1])
+    step = _time_step(dt, dt_bias, dt_softplus).clamp(min=dt_limit[0], max=dt_limit[1])
     log_decay = step * -A_log.to(torch.float32).exp()  # dt * A, <= 0
     xf = x.to(torch.float32)
     x_dt = xf * step[..., None]
@@ -901,11 +905,7 @@ def mamba1_selective_scan(
     _check_intermediate(intermediate_states, requests, (num_channels, state_size, 1))
     out = prepare_out(out, (num_tokens, num_channels, 1), x.dtype, x.device)
 
-    step = dt.to(torch.float32)
-    if dt_bias is not None:
-        step = step + dt_bias.to(torch.float32)
-    if dt_softplus:
-        step = F.softplus(step)
+    step = _time_step(dt, dt_bias, dt_softplus)
     log_decay = step[..., None] * -A_log.to(torch.float32).exp()  # [T, H, N], <= 0
     xf = x[..., 0].to(torch.float32)
     u = xf * step
