@@ -34,7 +34,7 @@ from attn_core.e2e.configs import (
     run_stack,
 )
 from attn_core.e2e.runner import Engine, graph_mode_of
-from attn_core.e2e.vision import VisionRunner, vision_inputs
+from attn_core.e2e.vision import VisionRunner, encoder_inputs
 from attn_core.models import (
     MODEL_TYPE_FAMILIES,
     MULTI_STACK_MODEL_TYPES,
@@ -75,7 +75,6 @@ _ALIASES = {
     "mamba1": "falcon-mamba",
     "falcon_h1": "falcon-h1",
 }
-_VISION_GRIDS = [(1, 8, 8), (1, 4, 12), (2, 4, 4), (1, 12, 8)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -544,8 +543,7 @@ def run_architecture(
     label = label if label is not None else name
     notes = [*([cut_note] if cut_note else []), *stack_notes]
     if model.is_encoder:
-        grids = [_VISION_GRIDS[i % len(_VISION_GRIDS)] for i in range(max(prompts, 1))]
-        pixels, grid_thw, tokens = vision_inputs(model, grids)
+        pixels, grid_thw, tokens = encoder_inputs(model, prompts)
         plan = plan_for(
             model,
             registry,
@@ -563,7 +561,8 @@ def run_architecture(
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t0
         if on_progress:
-            on_progress(len(grids), len(grids), len(vision.blocks))
+            images = max(prompts, 1)  # the images (clips) encoder_inputs made
+            on_progress(images, images, len(vision.blocks))
         match = compare_vision(model, vision, pixels, grid_thw)
         if graphs:
             notes.append("the encoder runs without CUDA graphs (one encoder pass)")

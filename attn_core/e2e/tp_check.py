@@ -43,10 +43,10 @@ from attn_core.e2e.configs import (
     build_tiny,
     tiny_config,
 )
-from attn_core.e2e.main import _VISION_GRIDS, default_registry, make_prompts, plan_for
+from attn_core.e2e.main import default_registry, make_prompts, plan_for
 from attn_core.e2e.runner import Engine, GenerationResult
 from attn_core.e2e.tp_shard import shard_model
-from attn_core.e2e.vision import VisionResult, VisionRunner, vision_inputs
+from attn_core.e2e.vision import VisionResult, VisionRunner, encoder_inputs
 from attn_core.runtime import AttentionRuntime
 
 __all__ = ["TP_FAMILIES", "TPResult", "check_family", "tp_config", "tp_encode", "tp_generate"]
@@ -181,6 +181,20 @@ def tp_config(name: str, shapes: str = "tiny") -> tuple[str, dict[str, Any]]:
     return _BUILDERS[name](shapes)
 
 
+def _sharded(
+    name: str, *, device: torch.device, dtype: str, shapes: str, tp_size: int, rank: int
+) -> TinyModel:
+    """Model ``name`` built (seed 0) at the per-rank layout of ``tp_size``, with seeded random
+    biases on every linear and conv (a bias added on the wrong ranks shows), sharded for
+    ``rank``."""
+    arch, cfg = tp_config(name, shapes)
+    model = build_tiny(arch, device=device, dtype=dtype, tp_size=tp_size, config=cfg)
+    _random_biases(model.hf)
+    if tp_size > 1:
+        shard_model(model, rank, tp_size)
+    return model
+
+
 def tp_generate(
     name: str,
     *,
@@ -201,11 +215,7 @@ def tp_generate(
         tokens each (every rank computes the full logits ``[L, vocab]``) and the bytes of the
         engine's KV pages and linear-state slots on this rank (sized from the per-rank specs).
     """
-    arch, cfg = tp_config(name, shapes)
-    model = build_tiny(arch, device=device, dtype=dtype, tp_size=tp_size, config=cfg)
-    _random_biases(model.hf)
-    if tp_size > 1:
-        shard_model(model, rank, tp_size)
+    model = _sharded(name, device=device, dtype=dtype, shapes=shapes, tp_size=tp_size, rank=rank)
     registry = registry if registry is not None else default_registry()
     ids = make_prompts(prompts)
     max_len = max(len(p) for p in ids) + new_tokens + 1
@@ -247,14 +257,9 @@ def tp_encode(
         grid_thw or None)`` for the comparison with transformers. An encoder keeps no
         persistent state (the runtime has none), so there are no state bytes to report.
     """
-    arch, cfg = tp_config(name, shapes)
-    model = build_tiny(arch, device=device, dtype=dtype, tp_size=tp_size, config=cfg)
-    _random_biases(model.hf)
-    if tp_size > 1:
-        shard_model(model, rank, tp_size)
+    model = _sharded(name, device=device, dtype=dtype, shapes=shapes, tp_size=tp_size, rank=rank)
     registry = registry if registry is not None else default_registry()
-    grids = [_VISION_GRIDS[i % len(_VISION_GRIDS)] for i in range(max(prompts, 1))]
-    pixels, grid_thw, tokens = vision_inputs(model, grids)
+    pixels, grid_thw, tokens = encoder_inputs(model, prompts)
     plan = plan_for(
         model,
         registry,

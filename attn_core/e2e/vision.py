@@ -25,7 +25,14 @@ from attn_core.batch import BatchBuilder
 from attn_core.e2e.configs import TinyModel
 from attn_core.runtime import AttentionRuntime
 
-__all__ = ["VisionResult", "VisionRunner", "sample_images", "vision_inputs"]
+__all__ = [
+    "IMAGE_GRIDS",
+    "VisionResult",
+    "VisionRunner",
+    "encoder_inputs",
+    "sample_images",
+    "vision_inputs",
+]
 
 
 @dataclass
@@ -53,6 +60,19 @@ def sample_images(model: TinyModel, grids: list[tuple[int, int, int]], *, seed: 
     gen = torch.Generator().manual_seed(seed)
     pixels = torch.randn(n, width, generator=gen).to(device=p.device, dtype=p.dtype)
     return pixels, torch.tensor(grids, dtype=torch.long, device=p.device)
+
+
+#: (t, h, w) patches of the images an encoder run feeds the Qwen towers, taken in turn
+IMAGE_GRIDS = [(1, 8, 8), (1, 4, 12), (2, 4, 4), (1, 12, 8)]
+
+
+def encoder_inputs(
+    model: TinyModel, count: int, *, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """:func:`vision_inputs` for ``count`` (at least one) images or clips, the grids taken in
+    turn from :data:`IMAGE_GRIDS`."""
+    grids = [IMAGE_GRIDS[i % len(IMAGE_GRIDS)] for i in range(max(count, 1))]
+    return vision_inputs(model, grids, seed=seed)
 
 
 def vision_inputs(
