@@ -174,26 +174,23 @@ def compare_generation(
     dtype_name = model.layout.layer_specs[0].dtype
     tol = tolerance or TOLERANCES[dtype_name]
     seqs = [p + t[:-1] for p, t in zip(result.prompts, result.tokens, strict=True)]
-    ref = hf_causal_logits(model.hf, seqs)
+    ref = [r.cpu() for r in hf_causal_logits(model.hf, seqs)]
     fp32_error = hf_fp32_error = hf_within = None
     if dtype_name != "float32":
-        ref32 = hf_causal_logits(_float32_copy(model.hf), seqs)
-        hf_within = sum(
-            int(((h - r).abs().amax(-1) <= tol.bound(r)).sum())
-            for h, r in zip(ref, ref32, strict=True)
-        ) / max(sum(r.shape[0] for r in ref32), 1)
+        ref32 = [r.cpu() for r in hf_causal_logits(_float32_copy(model.hf), seqs)]
         ours_rows = torch.cat(
-            [(o - r.cpu()).abs().amax(-1) for o, r in zip(result.logits, ref32, strict=True)]
+            [(o - r).abs().amax(-1) for o, r in zip(result.logits, ref32, strict=True)]
         )
-        hf_rows = torch.cat([(h - r).abs().amax(-1).cpu() for h, r in zip(ref, ref32, strict=True)])
+        hf_rows = torch.cat([(h - r).abs().amax(-1) for h, r in zip(ref, ref32, strict=True)])
+        hf_bounds = torch.cat([tol.bound(r) for r in ref32])
+        hf_within = int((hf_rows <= hf_bounds).sum()) / max(hf_rows.numel(), 1)
         fp32_error = ours_rows.mean().item()
-        floor = _ulp_floor(torch.cat([r.cpu() for r in ref32]), torch_dtype(dtype_name))
+        floor = _ulp_floor(torch.cat(ref32), torch_dtype(dtype_name))
         hf_fp32_error = max(hf_rows.mean().item(), floor)
     diff, agree, positions, tokens, within = 0.0, 0, 0, 0, 0
     for ours, theirs, prompt, toks in zip(
         result.logits, ref, result.prompts, result.tokens, strict=True
     ):
-        theirs = theirs.cpu()
         if ours.shape != theirs.shape:
             raise ValueError(
                 f"runner logits {tuple(ours.shape)} vs transformers {tuple(theirs.shape)}"
