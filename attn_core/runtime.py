@@ -90,7 +90,6 @@ class AttentionRuntime:
         #: every binding of each layer, by op kind: a parallel hybrid's layer (Falcon-H1) has
         #: an attention op and a linear op, each bound to its own group
         self.layer_bindings: dict[int, dict[LayerKind, LayerAttentionBinding]] = {}
-        layer_ops(c.group for c in plan.choices)  # two ops of one role in a layer: refused
         #: per chunked group (``attention_chunk_size`` set): its local virtual batches, given to
         #: the backends that declare ``chunked_virtual_batches`` (and no native chunk mask)
         self.local_batchers: dict[str, LocalVirtualBatcher] = {}
