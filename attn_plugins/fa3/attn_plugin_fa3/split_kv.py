@@ -15,8 +15,10 @@ added in the merge. Chunks past a request's length (``seqused_k = 0``) get weigh
 kernel wrote for them.
 
 Only decode steps of layers without a sliding window are split (a window already bounds the work,
-and a chunk would need the window's start mask): :func:`plan_splits` decides per step from host
-lengths, so CUDA-graph capture (which may not read lengths) keeps the single call.
+and a chunk would need the window's start mask). :func:`plan_splits` decides from a host length:
+an eager step's longest request, or, in CUDA-graph mode (where a captured graph may not depend on
+the step's lengths), the page table's capacity, so that every replay of one padded batch size
+has the captured split; its metadata is then refilled in place (:func:`build_metadata` ``out=``).
 """
 
 from __future__ import annotations
