@@ -114,8 +114,11 @@ def _mamba_inputs(*, Bn=3, T=1, H=4, G=2, N=16, P=32, S=5, state_dtype=torch.flo
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("extras", [True, False], ids=["D_bias_z", "plain"])
-def test_mamba2_decode_matches_explicit_recurrence(state_dtype, extras):
+@pytest.mark.parametrize(
+    ("extras", "streaming"), [(True, False), (False, False), (True, True)],
+    ids=["D_bias_z", "plain", "D_bias_z_streaming"],
+)  # fmt: skip
+def test_mamba2_decode_matches_explicit_recurrence(state_dtype, extras, streaming):
     x, dt, A_log, Bm, Cm, D, dt_bias, z, state = _mamba_inputs(state_dtype=state_dtype)
     if not extras:
         D = dt_bias = z = None
@@ -125,7 +128,8 @@ def test_mamba2_decode_matches_explicit_recurrence(state_dtype, extras):
     st = state.to(DEV)
     out = K.mamba2_decode(d(x[:, 0]), d(dt[:, 0]), d(A_log), d(Bm[:, 0]), d(Cm[:, 0]), st,
                           d(idx), D=d(D), dt_bias=d(dt_bias),
-                          z=None if z is None else d(z[:, 0]), block_p=16)  # fmt: skip
+                          z=None if z is None else d(z[:, 0]), block_p=16,
+                          streaming=streaming)  # fmt: skip
     y_ref, h_ref = mamba2_ref(x, dt, A_log, Bm, Cm, before[idx.clamp(min=0).long()], D=D,
                               dt_bias=dt_bias, z=z)  # fmt: skip
     tol = (

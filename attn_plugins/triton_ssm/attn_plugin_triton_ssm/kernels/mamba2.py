@@ -71,6 +71,7 @@ def _mamba2_decode_kernel(
     HAS_DT_BIAS: tl.constexpr,
     HAS_Z: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr,
+    STREAM: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_p = tl.program_id(1)
@@ -86,7 +87,11 @@ def _mamba2_decode_kernel(
     m_state = m_n[:, None] & (m_p & valid)[None, :]
 
     p_state = state_ptr + slot * s_ss + i_h * s_sh + o_n[:, None] * s_sn + o_p[None, :]
-    b_s = tl.load(p_state, mask=m_state, other=0.0).to(tl.float32)
+    if STREAM:  # read once, written once: keep it out of L2's way
+        b_s = tl.load(p_state, mask=m_state, other=0.0, eviction_policy="evict_first")
+    else:
+        b_s = tl.load(p_state, mask=m_state, other=0.0)
+    b_s = b_s.to(tl.float32)
 
     b_x = tl.load(x_ptr + i_b * s_xb + i_h * s_xh + o_p, mask=m_p, other=0.0).to(tl.float32)
     b_dt = tl.load(dt_ptr + i_b * s_dtb + i_h).to(tl.float32)
@@ -107,7 +112,10 @@ def _mamba2_decode_kernel(
         b_y = b_y * b_z * tl.sigmoid(b_z)
     b_y = tl.where(valid, b_y, 0.0)
     tl.store(out_ptr + i_b * s_ob + i_h * s_oh + o_p, b_y.to(out_ptr.dtype.element_ty), mask=m_p)
-    tl.store(p_state, b_s.to(state_ptr.dtype.element_ty), mask=m_state)
+    if STREAM:
+        tl.store(p_state, b_s.to(state_ptr.dtype.element_ty), mask=m_state, cache_modifier=".cs")
+    else:
+        tl.store(p_state, b_s.to(state_ptr.dtype.element_ty), mask=m_state)
 
 
 def mamba2_decode(
@@ -126,6 +134,7 @@ def mamba2_decode(
     out: torch.Tensor | None = None,
     block_p: int | None = None,
     num_warps: int | None = None,
+    streaming: bool = False,
 ) -> torch.Tensor:
     """Mamba2 decode: one token per request; updates ``ssm_state`` in place.
 
@@ -141,6 +150,10 @@ def mamba2_decode(
     :param z: ``[Bt, H, P]`` gate (``y *= silu(z)``), or ``None``.
     :param dt_softplus: apply softplus to ``dt + dt_bias``.
     :param out: ``[Bt, H, P]`` (allocated like ``x`` when ``None``).
+    :param block_p: columns of ``P`` per program; ``num_warps``: warps per program (tuning
+        knobs; ``None`` picks).
+    :param streaming: load the state tile with ``evict_first`` and store it with the streaming
+        cache modifier (``.cs``); a tuning knob.
     :returns: ``out``.
     """
     check_shape("x", x, [None, None, None], "[B, H, P]")
@@ -214,6 +227,7 @@ def mamba2_decode(
         HAS_DT_BIAS=dt_bias is not None,
         HAS_Z=z is not None,
         DT_SOFTPLUS=dt_softplus,
+        STREAM=streaming,
         num_warps=num_warps,
     )
     return out

@@ -1,0 +1,286 @@
+"""Decode tilings of every triton_ssm variant against copy bandwidth, at B >= 256.
+
+For each variant and batch (B = 256, 1024, 2048; fp32 state in a pool of B + 8 slots, random
+slot order) every tiling of the variant's grid is timed beside ``torch.clone`` of the same
+number of state bytes, in ``--rounds`` alternating rounds in one process; a config's figure is
+the median over rounds of ``copy time / kernel time`` (state read + write against a copy that
+reads and writes as many bytes). The table gives, per variant and B, the default tiling's ratio
+and the best config's; the JSON keeps every row.
+
+Variants (shapes of the models that use them):
+
+* ``gdn``: Qwen3-Next, Hk=16, Hv=32, Dk=Dv=128 (``gdn_decode``: block_v, num_warps,
+  programs_per_sm); ``kda``: the same heads with a per-channel gate (``kda_decode``).
+* ``mamba2``: H=128, N=128, P=64 (``mamba2_decode``: block_p, num_warps, streaming).
+* ``lightning``: MiniMax-Text-01, H=64, Dk=Dv=128, through ``mamba2_decode`` as the plugin
+  calls it.
+* ``mamba1``: Falcon-Mamba / Jamba, d_inner 8192, d_state 16 (``mamba1_decode``: block_d,
+  num_warps, streaming, requests_per_program).
+* ``short_conv``: LFM2-1.2B, 2048 channels, kernel 3, bf16 conv state (``causal_conv1d_update``,
+  block_c); bytes: conv state read + write plus the token in and out.
+
+Each variant runs in its own subprocess, so a fault ends only that variant's row set.
+
+Usage: ``python bench_decode_sweep.py --out sweep.json [--variants mamba1,lightning]
+[--batches 256,1024,2048] [--rounds 3] [--budget-s 330]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+VARIANTS = ("mamba1", "lightning", "mamba2", "gdn", "kda", "short_conv")
+BATCHES = (256, 1024, 2048)
+
+
+def _bench(fn: Callable[[], object], warmup: int = 5, rep: int = 30) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def _grid(**axes: tuple) -> list[dict]:
+    keys = list(axes)
+    return [dict(zip(keys, vals, strict=True)) for vals in itertools.product(*axes.values())]
+
+
+def _delta_case(B: int, kda: bool):
+    import torch
+    from attn_plugin_triton_ssm.kernels import gdn_decode, kda_decode
+
+    hk, hv, d = 16, 32, 128
+    S = B + 8
+    q = torch.randn(B, hk, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, hv, d, device="cuda", dtype=torch.bfloat16)
+    g = -torch.rand(B, hv, d, device="cuda") * 0.1 if kda else -torch.rand(B, hv, device="cuda")
+    beta = torch.rand(B, hv, device="cuda")
+    state = torch.randn(S, hv, d, d, device="cuda") * 0.01
+    idx = torch.randperm(S, device="cuda")[:B].int()
+    out = torch.empty_like(v)
+    fn = kda_decode if kda else gdn_decode
+
+    def make(cfg: dict) -> Callable[[], object]:
+        return lambda: fn(q, k, v, g, beta, state, idx, out=out, **cfg)
+
+    configs = [{}, *_grid(block_v=(16, 32, 64), num_warps=(2, 4, 8), programs_per_sm=(None, 0))]
+    return make, configs, B * hv * d * d * 4
+
+
+def _mamba2_case(B: int, H: int, N: int, P: int, lightning: bool):
+    import torch
+    from attn_plugin_triton_ssm.kernels import mamba2_decode
+
+    S = B + 8
+    G = H if lightning else 1
+    x = torch.randn(B, H, P, device="cuda", dtype=torch.bfloat16)
+    Bm = torch.randn(B, G, N, device="cuda", dtype=torch.bfloat16)
+    Cm = torch.randn(B, G, N, device="cuda", dtype=torch.bfloat16)
+    state = torch.randn(S, H, N, P, device="cuda") * 0.01
+    idx = torch.randperm(S, device="cuda")[:B].int()
+    out = torch.empty_like(x)
+    if lightning:  # as the plugin calls it: dt = 1, A_log = log(slope), no softplus
+        dt = torch.ones(B, H, device="cuda")
+        a_log = torch.log(2.0 ** (-8.0 * (torch.arange(H, device="cuda") + 1) / H))
+        extra: dict = {"dt_softplus": False}
+    else:
+        dt = torch.randn(B, H, device="cuda", dtype=torch.bfloat16)
+        a_log = torch.randn(H, device="cuda")
+        extra = {"D": torch.randn(H, device="cuda"), "dt_bias": torch.randn(H, device="cuda")}
+
+    def make(cfg: dict) -> Callable[[], object]:
+        return lambda: mamba2_decode(x, dt, a_log, Bm, Cm, state, idx, out=out, **extra, **cfg)
+
+    blocks = (16, 32, 64, 128) if P >= 128 else (16, 32, 64)
+    grid = _grid(block_p=blocks, num_warps=(2, 4, 8, 16), streaming=(False, True))
+    configs = [{}, {"streaming": True}, *grid]
+    return make, configs, B * H * N * P * 4
+
+
+def _mamba1_case(B: int):
+    import torch
+    from attn_plugin_triton_ssm.kernels import mamba1_decode
+
+    Dn, N, S = 8192, 16, B + 8
+    x = torch.randn(B, Dn, device="cuda", dtype=torch.bfloat16)
+    dt = torch.randn(B, Dn, device="cuda", dtype=torch.bfloat16)
+    A_log = torch.randn(Dn, N, device="cuda")
+    Bm = torch.randn(B, N, device="cuda", dtype=torch.bfloat16)
+    Cm = torch.randn(B, N, device="cuda", dtype=torch.bfloat16)
+    Dp, dt_bias = torch.randn(Dn, device="cuda"), torch.randn(Dn, device="cuda")
+    state = torch.randn(S, Dn, N, device="cuda") * 0.01
+    idx = torch.randperm(S, device="cuda")[:B].int()
+    out = torch.empty_like(x)
+
+    def make(cfg: dict) -> Callable[[], object]:
+        return lambda: mamba1_decode(x, dt, A_log, Bm, Cm, state, idx, D=Dp, dt_bias=dt_bias,
+                                     out=out, **cfg)  # fmt: skip
+
+    grid = _grid(block_d=(32, 64, 128, 256), num_warps=(1, 2, 4, 8), streaming=(False, True))
+    configs = [{}, {"streaming": True}, {"requests_per_program": 2}, *grid]
+    return make, configs, B * Dn * N * 4
+
+
+def _short_conv_case(B: int):
+    import torch
+    from attn_plugin_triton_ssm.kernels import causal_conv1d_update
+
+    C, K, S = 2048, 3, B + 8
+    x = torch.randn(B, C, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(C, K, device="cuda", dtype=torch.bfloat16)
+    state = torch.randn(S, C, K - 1, device="cuda", dtype=torch.bfloat16)
+    idx = torch.randperm(S, device="cuda")[:B].int()
+    out = torch.empty_like(x)
+
+    def make(cfg: dict) -> Callable[[], object]:
+        return lambda: causal_conv1d_update(x, state, w, None, idx, activation=None, out=out,
+                                            **cfg)  # fmt: skip
+
+    configs = [{}, *_grid(block_c=(64, 128, 256, 512, 1024))]
+    # half of what is moved per direction: conv state and the token in (out as much again)
+    return make, configs, B * C * (K - 1) * 2 + B * C * 2
+
+
+CASES: dict[str, Callable[[int], tuple]] = {
+    "gdn": lambda B: _delta_case(B, kda=False),
+    "kda": lambda B: _delta_case(B, kda=True),
+    "mamba2": lambda B: _mamba2_case(B, 128, 128, 64, lightning=False),
+    "lightning": lambda B: _mamba2_case(B, 64, 128, 128, lightning=True),
+    "mamba1": _mamba1_case,
+    "short_conv": _short_conv_case,
+}
+
+
+def worker(variant: str, batches: list[int], rounds: int, deadline: float) -> int:
+    """Time one variant; one ``@@ROW`` JSON line per (B, config)."""
+    import torch
+
+    for B in batches:
+        make, configs, half_bytes = CASES[variant](B)
+        src = torch.empty(half_bytes // 4, dtype=torch.float32, device="cuda").uniform_()
+        runs = []
+        for cfg in configs:
+            fn = make(cfg)
+            try:
+                fn()  # compile; a config the kernel refuses is recorded, not fatal
+                torch.cuda.synchronize()
+                runs.append((cfg, fn, None))
+            except Exception as e:  # a tiling the kernel refuses is a result
+                runs.append((cfg, None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+        ratios: dict[int, list[float]] = {i: [] for i in range(len(runs))}
+        times: dict[int, list[float]] = {i: [] for i in range(len(runs))}
+        copies = []
+        for _ in range(rounds):
+            if time.time() > deadline:
+                break
+            for i, (_cfg, fn, err) in enumerate(runs):
+                if err is not None:
+                    continue
+                copy_ms = _bench(src.clone)
+                ms = _bench(fn)
+                copies.append(copy_ms)
+                ratios[i].append(copy_ms / ms)
+                times[i].append(ms)
+        for i, (cfg, _fn, err) in enumerate(runs):
+            row = {"variant": variant, "B": B, "config": cfg or "default"}
+            if err is not None:
+                row["error"] = err
+            elif ratios[i]:
+                ms = statistics.median(times[i])
+                gbps = 2 * half_bytes / (ms * 1e-3) / 1e9
+                ratio = statistics.median(ratios[i])
+                row.update(ms=ms, GBps=gbps, ratio_to_copy=ratio, rounds=len(ratios[i]))
+            else:
+                row["error"] = "not timed: the deadline passed"
+            print("@@ROW " + json.dumps(row), flush=True)
+        if copies:
+            copy_ms = statistics.median(copies)
+            print("@@ROW " + json.dumps({"variant": variant, "B": B, "config": "copy",
+                                         "ms": copy_ms,
+                                         "GBps": 2 * half_bytes / (copy_ms * 1e-3) / 1e9}),
+                  flush=True)  # fmt: skip
+        torch.cuda.empty_cache()
+    return 0
+
+
+def _summary(rows: list[dict]) -> str:
+    lines = [f"{'variant':<11} {'B':>5}  {'copy GB/s':>9}  {'default':>7}  best (ratio to copy)"]
+    keys = sorted(
+        {(r["variant"], r["B"]) for r in rows}, key=lambda k: (VARIANTS.index(k[0]), k[1])
+    )
+    for variant, B in keys:
+        mine = [r for r in rows if (r["variant"], r["B"]) == (variant, B)]
+        copy = next((r["GBps"] for r in mine if r["config"] == "copy"), float("nan"))
+        timed = [r for r in mine if "ratio_to_copy" in r]
+        default = next((r["ratio_to_copy"] for r in timed if r["config"] == "default"), None)
+        best = sorted(timed, key=lambda r: -r["ratio_to_copy"])[:3]
+        errors = sum("error" in r for r in mine)
+        shown = ", ".join(f"{r['ratio_to_copy']:.3f} {r['config']}" for r in best)
+        lines.append(
+            f"{variant:<11} {B:>5}  {copy:9.0f}  "
+            f"{default if default is None else f'{default:.3f}':>7}  {shown}"
+            + (f"  [{errors} errors]" if errors else "")
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=False, help="JSON results path")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--budget-s", type=float, default=330.0)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.worker:
+        return worker(args.worker, batches, args.rounds, args.deadline)
+    if args.out is None:
+        ap.error("--out is required")
+    variants = args.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        ap.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    t0 = time.time()
+    rows: list[dict] = []
+    for n, variant in enumerate(variants):
+        left = args.budget_s - (time.time() - t0)
+        share = left / (len(variants) - n)  # what is left, split over the variants still to run
+        deadline = time.time() + share * 0.9
+        cmd = [sys.executable, __file__, "--worker", variant, "--batches", args.batches,
+               "--rounds", str(args.rounds), "--deadline", str(deadline)]  # fmt: skip
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(share, 5))
+            out, err, rc = proc.stdout, proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            err, rc = "timeout", -9
+        got = [json.loads(ln[6:]) for ln in out.splitlines() if ln.startswith("@@ROW ")]
+        rows += got
+        if rc != 0:
+            tail = " | ".join([ln for ln in err.strip().splitlines() if ln.strip()][-3:])
+            error = f"rc={rc}: {tail}"
+            rows.append({"variant": variant, "B": -1, "config": "worker", "error": error})
+        print(f"{variant}: {len(got)} rows, rc={rc}, {time.time() - t0:.0f}s", flush=True)
+    print("\n" + _summary([r for r in rows if r["B"] >= 0]))
+    for r in rows:
+        if r["B"] < 0:
+            print(f"{r['variant']}: worker error {r['error']}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"rows": rows, "wall_s": round(time.time() - t0, 1)}, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
