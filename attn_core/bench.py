@@ -35,8 +35,15 @@ from attn_core.batch import BatchBuilder
 from attn_core.errors import AttnCoreError
 from attn_core.options import resolve_backend_options
 from attn_core.runtime import AttentionRuntime
-from attn_core.selector import GroupChoice, Plan, TuningData, check_backend
-from attn_core.specs import LayerGroup, LayerKind, LinearVariant, Phase, torch_dtype
+from attn_core.selector import (
+    GroupChoice,
+    Plan,
+    TuningData,
+    check_backend,
+    step_size,
+    step_size_unit,
+)
+from attn_core.specs import LayerGroup, LayerKind, LayerSpec, LinearVariant, Phase, torch_dtype
 from attn_core.tables import render_table
 
 __all__ = [
@@ -266,6 +273,25 @@ def _geomean(values: Sequence[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
+def record_measured(
+    tuning: TuningData,
+    backend: str,
+    spec: LayerSpec,
+    phase: Phase,
+    measured: Sequence[tuple[int, int, float]],
+) -> None:
+    """Record ``(batch, context, us)`` measurements of ``backend`` in ``phase`` as tuning
+    buckets: one per step size (:func:`attn_core.selector.step_size`: the batch in decode and
+    verify, ``batch * context`` query tokens in prefill), the geometric mean of the points that
+    share one."""
+    by_size: dict[int, list[float]] = {}
+    for batch, context, us in measured:
+        by_size.setdefault(step_size(phase, batch, batch * context), []).append(us)
+    for size, times in sorted(by_size.items()):
+        key = {"tokens": size} if step_size_unit(phase) == "tokens" else {"batch": size}
+        tuning.record(backend, spec, _geomean(times), phase=phase, **key)
+
+
 def admissible_backends(
     registry, group: LayerGroup, caps, plan: Plan, phase: Phase, options=None
 ) -> list[Any]:
@@ -313,8 +339,8 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
     for group in layout.groups:
         for phase in plan.choice(group.group_id).planned_phases:
             for backend in admissible_backends(registry, group, caps, plan, phase, options):
+                measured: list[tuple[int, int, float]] = []
                 for batch in batches:
-                    times = []
                     for context in contexts:
                         if phase is Phase.PREFILL and batch * context > max_prefill:
                             skipped.append(
@@ -347,15 +373,8 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
                             )
                         results.append(res)
                         if res.error is None:
-                            times.append(res.us_per_layer)
-                    if times:
-                        tuning.record(
-                            backend.qualified_name,
-                            group.spec,
-                            _geomean(times),
-                            phase=phase,
-                            batch=batch,
-                        )
+                            measured.append((batch, context, res.us_per_layer))
+                record_measured(tuning, backend.qualified_name, group.spec, phase, measured)
     if args.json:
         print(json.dumps([asdict(r) | {"overhead_ratio": r.overhead_ratio} for r in results]))
     else:

@@ -86,20 +86,20 @@ class GroupRuntime:
         self.check_finite = check_finite
         #: per phase, (backend, context, forward) when phases differ in backend; else empty
         self.phase_targets: dict[Phase, _Target] = {}
-        #: per phase whose tuning data has another fastest backend for some batch size:
-        #: ((most requests per step, target), ...) ascending (see PhaseChoice.by_batch)
+        #: per phase whose tuning data has another fastest backend for some step size:
+        #: ((largest step size, target), ...) ascending (see PhaseChoice.by_step_size)
         self.phase_buckets: dict[Phase, tuple[tuple[int, _Target], ...]] = {}
 
-    def use_phase(self, phase: Phase, num_reqs: int = 0) -> None:
-        """Make the backend of ``phase`` (and, where the plan switches by batch size, of a step
-        of ``num_reqs`` padded requests) the group's current one; a phase without an entry
-        keeps the current backend."""
+    def use_phase(self, phase: Phase, size: int = 0) -> None:
+        """Make the backend of ``phase`` (and, where the plan switches by step size, of a step
+        of ``size``: padded requests, or padded query tokens in prefill) the group's current
+        one; a phase without an entry keeps the current backend."""
         target: _Target | None
         buckets = self.phase_buckets.get(phase) if self.phase_buckets else None
         if buckets is not None:
             target = buckets[-1][1]
             for bound, t in buckets:
-                if num_reqs <= bound:
+                if size <= bound:
                     target = t
                     break
         else:

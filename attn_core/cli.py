@@ -217,12 +217,12 @@ def format_plan(plan, registry=None) -> str:
         out.append(_phase_table(c, first, title + f"\n  {_PHASE_TITLES[first.phase.value]}:"))
         for p in phases[1:]:
             label = _PHASE_TITLES[p.phase.value]
-            if (p.backend.qualified_name, p.rejected, p.outranked, p.tuned_us, p.by_batch) == (
+            if (p.backend.qualified_name, p.rejected, p.outranked, p.tuned_us, p.by_step_size) == (
                 first.backend.qualified_name,
                 first.rejected,
                 first.outranked,
                 first.tuned_us,
-                first.by_batch,
+                first.by_step_size,
             ):
                 out.append(
                     f"  {label}: {p.backend.qualified_name}"
@@ -270,6 +270,7 @@ def _phase_table(c, p, title: str) -> str:
     """The table of one phase of group choice ``c``: the chosen backend (with its options in
     force), the admissible ones ranked lower, every rejected candidate with its reasons."""
     from attn_core.options import format_options
+    from attn_core.selector import step_size_unit
 
     here = {b: f"not loadable here: {why}" for b, why in c.not_loadable_here}
     note = " (forced)" if p.forced else ""
@@ -281,10 +282,11 @@ def _phase_table(c, p, title: str) -> str:
     chosen_notes = [here[name]] if name in here else []
     if p.options:
         chosen_notes.append("options: " + format_options(p.options, dict(p.option_sources)))
-    if p.by_batch:
+    if p.by_step_size:
+        unit = step_size_unit(p.phase)
         chosen_notes.append(
-            "by batch size (tuned): "
-            + "; ".join(f"<= {bound} requests: {b.qualified_name}" for bound, b in p.by_batch)
+            "by step size (tuned): "
+            + "; ".join(f"<= {bound} {unit}: {b.qualified_name}" for bound, b in p.by_step_size)
         )
     rows = [[name, "chosen" + note, "\n".join(chosen_notes)]]
     rows += [[b, "admissible, ranked lower", here.get(b, "")] for b in p.outranked]

@@ -31,7 +31,7 @@ import torch
 from attn_core.binding import GroupRuntime, LayerAttentionBinding
 from attn_core.errors import BackendInputError, PluginError
 from attn_core.local_attention import LocalVirtualBatcher
-from attn_core.selector import constraints_for_phases
+from attn_core.selector import constraints_for_phases, step_size
 from attn_core.specs import ExecutionConstraints, GraphMode, LayerKind, Phase, layer_ops
 from attn_core.workspace import Workspace
 
@@ -151,9 +151,9 @@ class AttentionRuntime:
                     for phase in Phase
                 }
                 for pc in choice.phases:
-                    if pc.by_batch:
+                    if pc.by_step_size:
                         runtime.phase_buckets[pc.phase] = tuple(
-                            (bound, targets[b.qualified_name]) for bound, b in pc.by_batch
+                            (bound, targets[b.qualified_name]) for bound, b in pc.by_step_size
                         )
             self.workspaces[group.group_id] = self.backend_workspaces[
                 (group.group_id, choice.backend.qualified_name)
@@ -225,9 +225,9 @@ class AttentionRuntime:
     def prepare(self, batch: AttentionBatch) -> None:
         """Plan ``batch`` in every group (once per step, before the first layer runs), each by
         the backend the plan chose for the batch's phase."""
-        phase, reqs = batch.phase, batch.padded_reqs
+        phase, size = batch.phase, step_size(batch.phase, batch.padded_reqs, batch.padded_tokens)
         for g in self.groups.values():
-            g.use_phase(phase, reqs)
+            g.use_phase(phase, size)
             view = self._view(g, batch)  # the core's own step: its errors are not the plugin's
             try:
                 g.context.prepare(view)
@@ -240,9 +240,9 @@ class AttentionRuntime:
     def update(self, batch: AttentionBatch) -> None:
         """Copy ``batch``'s metadata in place into every group's captured buffers (those of the
         backend of the batch's phase, the one its graph was captured with)."""
-        phase, reqs = batch.phase, batch.padded_reqs
+        phase, size = batch.phase, step_size(batch.phase, batch.padded_reqs, batch.padded_tokens)
         for g in self.groups.values():
-            g.use_phase(phase, reqs)
+            g.use_phase(phase, size)
             update = getattr(g.context, "update", None)
             if update is None:
                 raise g.plugin_error(

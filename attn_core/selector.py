@@ -4,8 +4,9 @@ Selection is deterministic. A plan chooses for every group and every phase the r
 through (:func:`planned_phases`: ``prefill`` for prefill / mixed steps, ``decode``, and ``verify``
 when draft tokens are verified). For each group and phase the admissible backends are ranked by
 measured tuning data when the tuning file has a time for that backend on that group's spec in
-that phase (faster first; the geometric mean over the batch-size buckets, and, where another
-backend is fastest at some buckets, a switch per bucket: ``PhaseChoice.by_batch``); the rest by the
+that phase (faster first; the geometric mean over the step-size buckets, and, where another
+backend is fastest at some buckets, a switch per bucket: ``PhaseChoice.by_step_size``; a step's
+size is its requests in decode and verify, its query tokens in prefill); the rest by the
 default rule: every other backend before the reference (``attn_core:reference``), whatever their
 priorities and names, then by declared priority in that phase (higher first), then by qualified
 name. Settings that must be shared by every group and phase - page size, KV layout (every phase's
@@ -417,12 +418,24 @@ def _spec_fields_with_defaults(written: Mapping[str, Any]) -> dict[str, Any]:
     return {**missing, **written}
 
 
-#: The tuning file format ``TuningData.save`` writes; ``load`` reads it and format 1.
-TUNING_FORMAT = 2
+#: The tuning file format ``TuningData.save`` writes; ``load`` reads it, formats 2 and 1.
+TUNING_FORMAT = 3
 
-#: A measured point: (backend qualified name, spec_key, phase or None, batch size or None);
-#: None: the time holds for every phase / batch size (format 1 files).
+#: A measured point: (backend qualified name, spec_key, phase or None, step size or None);
+#: None: the time holds for every phase / step size (format 1 files).
 TuningKey = tuple[str, str, "Phase | None", "int | None"]
+
+
+def step_size_unit(phase: Phase | None) -> str:
+    """What a step's size counts in ``phase``, the unit of tuning buckets: query ``"tokens"``
+    in prefill (whose time grows with the tokens, whatever the requests they come in),
+    ``"requests"`` in decode and verify (one or ``K + 1`` tokens each)."""
+    return "tokens" if phase is Phase.PREFILL else "requests"
+
+
+def step_size(phase: Phase, num_reqs: int, num_tokens: int) -> int:
+    """A step's size in ``phase``'s unit (:func:`step_size_unit`)."""
+    return num_tokens if phase is Phase.PREFILL else num_reqs
 
 
 def _geomean(values: Sequence[float]) -> float:
@@ -433,11 +446,14 @@ def _geomean(values: Sequence[float]) -> float:
 
 @dataclass(slots=True)
 class TuningData:
-    """Measured times (microseconds per layer) per backend, layer spec, phase and batch size.
+    """Measured times (microseconds per layer) per backend, layer spec, phase and step size.
 
-    ``attn bench --write-tuning`` writes them: for each group and phase, a grid of batch sizes
-    (each a bucket) and context lengths (aggregated into their bucket by geometric mean). A
-    time recorded without a phase or batch size (format 1 files) holds for every phase / batch.
+    A step's size is its requests in decode and verify and its query tokens in prefill
+    (:func:`step_size_unit`). ``attn bench --write-tuning`` writes them: for each group and
+    phase, a grid of batch sizes and context lengths; in decode and verify each batch size is a
+    bucket (its context lengths aggregated by geometric mean), in prefill each token count
+    (``batch * context``). A time recorded without a phase or size (format 1 files) holds for
+    every phase / size.
     """
 
     times_us: dict[TuningKey, float] = field(default_factory=dict)
@@ -451,11 +467,23 @@ class TuningData:
         *,
         phase: Phase | str | None = None,
         batch: int | None = None,
+        tokens: int | None = None,
     ) -> None:
-        """Record ``us`` for ``backend`` on ``spec`` in ``phase`` at ``batch`` requests per step
-        (None: every phase / every batch size)."""
-        key = (backend, spec_key(spec), None if phase is None else Phase(phase), batch)
-        self.times_us[key] = float(us)
+        """Record ``us`` for ``backend`` on ``spec`` in ``phase``, at ``batch`` requests per step
+        (decode, verify) or ``tokens`` query tokens per step (prefill); None: every phase /
+        every size."""
+        ph = None if phase is None else Phase(phase)
+        unit = step_size_unit(ph)
+        wrong = batch if unit == "tokens" else tokens
+        if wrong is not None:
+            given = "batch" if unit == "tokens" else "tokens"
+            raise ValueError(
+                f"TuningData.record: {backend} {ph.value if ph else 'any phase'}: steps are "
+                f"bucketed by {unit} in this phase, got {given}={wrong}"
+            )
+        self.times_us[(backend, spec_key(spec), ph, tokens if unit == "tokens" else batch)] = float(
+            us
+        )
 
     def points(
         self,
@@ -463,19 +491,20 @@ class TuningData:
         spec: LayerSpec,
         phase: Phase | None = None,
         *,
-        max_batch: int | None = None,
+        max_size: int | None = None,
     ) -> dict[int | None, float]:
-        """``{batch size: us}`` measured for ``backend`` on ``spec`` in ``phase``: the phase's
-        own entries, else those recorded for every phase. ``max_batch``: only the batch sizes a
-        plan with that many requests per step can hit (when some are; else all of them)."""
+        """``{step size: us}`` measured for ``backend`` on ``spec`` in ``phase``: the phase's
+        own entries, else those recorded for every phase. ``max_size``: only the sizes a plan
+        with at most that many requests (tokens in prefill) per step can hit (when some are;
+        else all of them)."""
         sk = spec_key(spec)
         mine = {
             (p, b): t for (name, s, p, b), t in self.times_us.items() if name == backend and s == sk
         }
         exact = {b: t for (p, b), t in mine.items() if phase is not None and p is phase}
         chosen = exact or {b: t for (p, b), t in mine.items() if p is None}
-        if max_batch is not None:
-            within = {b: t for b, t in chosen.items() if b is None or b <= max_batch}
+        if max_size is not None:
+            within = {b: t for b, t in chosen.items() if b is None or b <= max_size}
             chosen = within or chosen
         return chosen
 
@@ -485,10 +514,10 @@ class TuningData:
         spec: LayerSpec,
         phase: Phase | None = None,
         *,
-        max_batch: int | None = None,
+        max_size: int | None = None,
     ) -> float | None:
         """The geometric mean of :meth:`points`, or None when nothing was measured."""
-        pts = self.points(backend, spec, phase, max_batch=max_batch)
+        pts = self.points(backend, spec, phase, max_size=max_size)
         return _geomean(list(pts.values())) if pts else None
 
     def save(self, path: str | os.PathLike) -> None:
@@ -497,36 +526,48 @@ class TuningData:
             return (b, s, "" if p is None else p.value, -1 if n is None else n)
 
         entries = [
-            {"backend": b, "spec": json.loads(s), "phase": p and p.value, "batch": n, "us": t}
+            {"backend": b, "spec": json.loads(s), "phase": p and p.value,
+             ("tokens" if step_size_unit(p) == "tokens" else "batch"): n, "us": t}
             for (b, s, p, n), t in sorted(self.times_us.items(), key=order)
-        ]
+        ]  # fmt: skip
         payload = {"format": TUNING_FORMAT, "device": self.device, "entries": entries}
         Path(path).write_text(json.dumps(payload, indent=1))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> TuningData:
-        """Read a tuning file of format 2 or 1 (format 1: times per backend and spec only)."""
+        """Read a tuning file of format 3, 2 or 1. Format 1: times per backend and spec only.
+        Format 2 bucketed prefill by requests per step: those prefill times are kept without a
+        size (their geometric mean per backend and spec), so they rank but never switch."""
         payload = json.loads(Path(path).read_text())
         fmt = payload.get("format")
-        if fmt not in (1, TUNING_FORMAT):
-            raise ValueError(f"tuning file {path}: format {fmt!r}, expected {TUNING_FORMAT} (or 1)")
+        if fmt not in (1, 2, TUNING_FORMAT):
+            raise ValueError(
+                f"tuning file {path}: format {fmt!r}, expected {TUNING_FORMAT} (or 2, 1)"
+            )
         data = cls(device=payload.get("device", ""))
+        folded: dict[TuningKey, list[float]] = {}
         for i, e in enumerate(payload["entries"]):
-            phase, batch = e.get("phase"), e.get("batch")
+            phase = e.get("phase")
             try:
+                ph = None if phase is None else Phase(phase)
+                size = e.get("tokens") if step_size_unit(ph) == "tokens" else e.get("batch")
+                if fmt == 2 and ph is Phase.PREFILL:
+                    size = None
                 key = (
                     e["backend"],
                     json.dumps(_spec_fields_with_defaults(e["spec"]), sort_keys=True),
-                    None if phase is None else Phase(phase),
-                    None if batch is None else int(batch),
+                    ph,
+                    None if size is None else int(size),
                 )
-                data.times_us[key] = float(e["us"])
+                folded.setdefault(key, []).append(float(e["us"]))
             except (KeyError, ValueError, TypeError) as exc:
                 raise ValueError(
                     f"tuning file {path}: entry {i} ({e!r}) is malformed: {exc!r}; expected "
-                    "backend, spec, us and (format 2) phase in "
-                    f"{[p.value for p in Phase]} or null, batch an int or null"
+                    "backend, spec, us and (formats 2, 3) phase in "
+                    f"{[p.value for p in Phase]} or null, batch (decode, verify) or tokens "
+                    "(prefill, format 3) an int or null"
                 ) from None
+        data.times_us = {key: _geomean(v) for key, v in folded.items()}
         return data
 
 
@@ -552,18 +593,19 @@ class PhaseChoice:
     downgraded_from: tuple[str, ...] = ()  # rejected backends that rank above the chosen one
     tuned_us: float | None = None  # the chosen backend's measured time in this phase
     option_sources: tuple[tuple[str, str], ...] = ()  # as GroupChoice.option_sources
-    #: per batch-size bucket, where the tuning data has another fastest backend than
-    #: ``backend`` for some bucket: ``(most requests per step, backend)``, ascending; a step of
-    #: ``n`` (padded) requests runs on the first entry whose bound is ``>= n`` (the last one
-    #: beyond). Empty: ``backend`` serves every step of the phase.
-    by_batch: tuple[tuple[int, Backend], ...] = ()
+    #: per step-size bucket, where the tuning data has another fastest backend than
+    #: ``backend`` for some bucket: ``(largest step size, backend)``, ascending; a step of size
+    #: ``n`` (padded requests in decode / verify, padded query tokens in prefill:
+    #: :func:`step_size`) runs on the first entry whose bound is ``>= n`` (the last one beyond).
+    #: Empty: ``backend`` serves every step of the phase.
+    by_step_size: tuple[tuple[int, Backend], ...] = ()
 
-    def backend_for_batch(self, num_reqs: int) -> Backend:
-        """The backend that serves a step of this phase with ``num_reqs`` (padded) requests."""
-        for bound, backend in self.by_batch:
-            if num_reqs <= bound:
+    def backend_for_step(self, size: int) -> Backend:
+        """The backend that serves a step of this phase of ``size`` (:func:`step_size`)."""
+        for bound, backend in self.by_step_size:
+            if size <= bound:
                 return backend
-        return self.by_batch[-1][1] if self.by_batch else self.backend
+        return self.by_step_size[-1][1] if self.by_step_size else self.backend
 
     @property
     def options(self) -> dict[str, object]:
@@ -575,8 +617,9 @@ class PhaseChoice:
     def to_dict(self) -> dict[str, Any]:
         return {
             **_choice_dict(self),
-            "by_batch": [
-                {"max_batch": bound, "backend": b.qualified_name} for bound, b in self.by_batch
+            "by_step_size": [
+                {"max": bound, "unit": step_size_unit(self.phase), "backend": b.qualified_name}
+                for bound, b in self.by_step_size
             ],
         }
 
@@ -662,13 +705,13 @@ class GroupChoice:
         return tuple(p.phase for p in self.phases) or (Phase.PREFILL,)
 
     def phases_served_by(self, qualified_name: str) -> tuple[Phase, ...]:
-        """The planned phases whose steps (some batch-size bucket included) run on this
+        """The planned phases whose steps (some step-size bucket included) run on this
         backend; the prefill phase when the group planned no phases of its own."""
         served = tuple(
             p.phase
             for p in self.phases
             if p.backend.qualified_name == qualified_name
-            or any(b.qualified_name == qualified_name for _, b in p.by_batch)
+            or any(b.qualified_name == qualified_name for _, b in p.by_step_size)
         )
         if not self.phases and self.backend.qualified_name == qualified_name:
             return (Phase.PREFILL,)
@@ -680,7 +723,7 @@ class GroupChoice:
         out: dict[str, Backend] = {self.backend.qualified_name: self.backend}
         for p in self.phases:
             out.setdefault(p.backend.qualified_name, p.backend)
-            for _, b in p.by_batch:
+            for _, b in p.by_step_size:
                 out.setdefault(b.qualified_name, b)
         return tuple(out.values())
 
@@ -794,16 +837,16 @@ def _phase_times(
     candidates: Sequence[Backend],
     spec: LayerSpec,
     phase: Phase,
-    max_batch: int,
+    max_size: int,
 ) -> dict[str, float]:
-    """Each measured candidate's time in ``phase``: the geometric mean over the batch-size
+    """Each measured candidate's time in ``phase``: the geometric mean over the step-size
     buckets every measured candidate has (so that all are compared on the same points), or over
-    its own buckets when they share none; buckets above ``max_batch`` are left out when others
+    its own buckets when they share none; buckets above ``max_size`` are left out when others
     remain."""
     if tuning is None:
         return {}
     points = {
-        b.qualified_name: tuning.points(b.qualified_name, spec, phase, max_batch=max_batch)
+        b.qualified_name: tuning.points(b.qualified_name, spec, phase, max_size=max_size)
         for b in candidates
     }
     points = {name: pts for name, pts in points.items() if pts}
@@ -1266,12 +1309,11 @@ def _choose_phase(
             admissible.append(b)
     if not admissible:
         return rejected
-    times = _phase_times(tuning, admissible, spec, phase, constraints.max_batch_size)
-    by_batch = (
-        ()
-        if forced is not None
-        else _fastest_by_batch(tuning, admissible, spec, phase, constraints.max_batch_size)
-    )
+    max_size = step_size(phase, constraints.max_batch_size, constraints.max_num_tokens)
+    times = _phase_times(tuning, admissible, spec, phase, max_size)
+    by_step_size: tuple[tuple[int, Backend], ...] = ()
+    if forced is None:
+        by_step_size = _fastest_by_step_size(tuning, admissible, spec, phase, max_size)
     admissible.sort(key=lambda b: _rank_key(b, phase, times))
     chosen = admissible[0]
     # backends that could serve this group and phase but for a run setting (not those of
@@ -1298,31 +1340,32 @@ def _choose_phase(
         forced=forced is not None,
         downgraded_from=downgraded_from,
         tuned_us=times.get(chosen.qualified_name),
-        by_batch=by_batch,
+        by_step_size=by_step_size,
     )
 
 
-def _fastest_by_batch(
+def _fastest_by_step_size(
     tuning: TuningData | None,
     candidates: Sequence[Backend],
     spec: LayerSpec,
     phase: Phase,
-    max_batch: int,
+    max_size: int,
 ) -> tuple[tuple[int, Backend], ...]:
-    """The fastest measured candidate per batch-size bucket, when that is not one backend for
+    """The fastest measured candidate per step-size bucket, when that is not one backend for
     every bucket (else ``()``): the runtime switches between them per step.
 
-    The buckets are the batch sizes every measured candidate was timed at (up to
-    ``max_batch``). A step of ``n`` requests belongs to the measured size nearest in ratio: the
-    bound between sizes ``a < b`` is ``floor(sqrt(a * b))``; the last bucket reaches
-    ``max_batch``. Neighbouring buckets with the same winner are merged.
+    The buckets are the step sizes (requests, or tokens in prefill: :func:`step_size_unit`)
+    every measured candidate was timed at, up to ``max_size``. A step of size ``n`` belongs to
+    the measured size nearest in ratio: the bound between sizes ``a < b`` is
+    ``floor(sqrt(a * b))``; the last bucket reaches ``max_size``. Neighbouring buckets with the
+    same winner are merged.
     """
     if tuning is None:
         return ()
     points: dict[str, tuple[Backend, dict[int, float]]] = {}
     for b in candidates:
-        pts = tuning.points(b.qualified_name, spec, phase, max_batch=max_batch)
-        sized = {n: t for n, t in pts.items() if n is not None and n <= max_batch}
+        pts = tuning.points(b.qualified_name, spec, phase, max_size=max_size)
+        sized = {n: t for n, t in pts.items() if n is not None and n <= max_size}
         if sized:
             points[b.qualified_name] = (b, sized)
     if len(points) < 2:
@@ -1338,7 +1381,7 @@ def _fastest_by_batch(
     winners = [fastest_at(n) for n in common]
     if len({w.qualified_name for w in winners}) == 1:
         return ()
-    bounds = [math.isqrt(a * b) for a, b in itertools.pairwise(common)] + [max_batch]
+    bounds = [math.isqrt(a * b) for a, b in itertools.pairwise(common)] + [max_size]
     merged: list[tuple[int, Backend]] = []
     for bound, winner in zip(bounds, winners, strict=True):
         if merged and merged[-1][1].qualified_name == winner.qualified_name:
@@ -1428,10 +1471,12 @@ def _with_options(
         given = carry(p.backend)
         if given is not None:
             p = replace(p, backend=given[0], option_sources=given[1])
-        if p.by_batch:
+        if p.by_step_size:
             p = replace(
                 p,
-                by_batch=tuple((bound, (carry(b) or (b, ()))[0]) for bound, b in p.by_batch),
+                by_step_size=tuple(
+                    (bound, (carry(b) or (b, ()))[0]) for bound, b in p.by_step_size
+                ),
             )
         phases.append(p)
     given = carry(choice.backend)

@@ -1,7 +1,9 @@
 """Tuned plans against the fastest admissible backend, per group, phase and shape.
 
 For each model (a sample name): every admissible plugin backend of every layer group and phase
-is timed on a tuning grid (``--tune-batch`` x ``--tune-context``, as ``attn bench`` does), the
+is timed on a tuning grid (decode: ``--tune-batch`` x ``--tune-context``, as ``attn bench``
+does; prefill: one request of each ``--tune-prefill`` token count, prefill being bucketed by
+query tokens per step), the
 selector plans with that tuning data, and then, at check points on and off the grid
 (``--decode-points`` / ``--prefill-points``, ``BATCHxCONTEXT``), every candidate is timed again in
 ``--rounds`` alternating rounds (the order rotates each round) and the plan's choice for that
@@ -33,10 +35,10 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from attn_core.bench import admissible_backends, bench_group  # noqa: E402
+from attn_core.bench import admissible_backends, bench_group, record_measured  # noqa: E402
 from attn_core.models import load_sample, specs_from_hf_config  # noqa: E402
 from attn_core.registry import Registry  # noqa: E402
-from attn_core.selector import TuningData, select  # noqa: E402
+from attn_core.selector import TuningData, select, step_size  # noqa: E402
 from attn_core.specs import DeviceCapabilities, ExecutionConstraints, Phase  # noqa: E402
 
 REFERENCE = "attn_core:reference"
@@ -53,6 +55,15 @@ def _points(text: str) -> list[tuple[int, int]]:
 
 def _ints(text: str) -> list[int]:
     return [int(p) for p in text.split(",") if p.strip()]
+
+
+def _tuning_grid(phase: Phase, args) -> list[tuple[int, int]]:
+    """The (batch, context) points a phase is tuned on: decode / verify every
+    ``--tune-batch`` x ``--tune-context``; prefill one request of each ``--tune-prefill``
+    token count (prefill buckets are tokens per step)."""
+    if phase is Phase.PREFILL:
+        return [(1, tokens) for tokens in _ints(args.tune_prefill)]
+    return [(b, c) for b in _ints(args.tune_batch) for c in _ints(args.tune_context)]
 
 
 def _candidates(group, plan, caps, registry, phase) -> list[Any]:
@@ -96,22 +107,17 @@ def bench_model(name: str, registry: Registry, device: torch.device, args) -> li
             cands = _candidates(group, plan, caps, registry, phase)
             if cands:
                 work.append((group, phase, cands))
-    # 1. the tuning grid
+    # 1. the tuning grid: decode / verify per batch size, prefill per token count
     for group, phase, cands in work:
         if len(cands) < 2:
             continue
         for backend in cands:
-            for batch in _ints(args.tune_batch):
-                times = []
-                for context in _ints(args.tune_context):
-                    if phase is Phase.PREFILL and batch * context > args.max_prefill_tokens:
-                        continue
-                    us = _time(group, backend, registry, plan, device, phase, batch, context, 10)
-                    if us == us:
-                        times.append(us)
-                if times:
-                    gm = statistics.geometric_mean(times)
-                    tuning.record(backend.qualified_name, group.spec, gm, phase=phase, batch=batch)
+            measured = []
+            for batch, context in _tuning_grid(phase, args):
+                us = _time(group, backend, registry, plan, device, phase, batch, context, 10)
+                if us == us:
+                    measured.append((batch, context, us))
+            record_measured(tuning, backend.qualified_name, group.spec, phase, measured)
     tuned = select(layout.groups, registry, caps, constraints, tuning=tuning)
     # 2. the check points, every candidate in alternating rounds
     rows = []
@@ -119,7 +125,8 @@ def bench_model(name: str, registry: Registry, device: torch.device, args) -> li
         points = _points(args.prefill_points if phase is Phase.PREFILL else args.decode_points)
         pc = tuned.choice(group.group_id).phase_choice(phase)
         for batch, context in points:
-            chosen = pc.backend_for_batch(batch).qualified_name
+            size = step_size(phase, batch, batch * context)
+            chosen = pc.backend_for_step(size).qualified_name
             medians: dict[str, float] = {}
             if len(cands) > 1:
                 samples: dict[str, list[float]] = {b.qualified_name: [] for b in cands}
@@ -135,7 +142,7 @@ def bench_model(name: str, registry: Registry, device: torch.device, args) -> li
                 }
             fastest = min(medians, key=medians.__getitem__) if medians else chosen
             ratio = medians.get(chosen, float("nan")) / medians[fastest] if medians else 1.0
-            on_grid = batch in _ints(args.tune_batch) and context in _ints(args.tune_context)
+            on_grid = (batch, context) in _tuning_grid(phase, args)
             note = (
                 "only candidate"
                 if len(cands) < 2
@@ -161,11 +168,13 @@ def bench_model(name: str, registry: Registry, device: torch.device, args) -> li
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="qwen3,gpt-oss,deepseek-v3,qwen3-next")
-    ap.add_argument("--tune-batch", default="1,16,256")
+    ap.add_argument("--tune-batch", default="1,4,16,64,256,1024")
     ap.add_argument("--tune-context", default="2048,16384")
-    ap.add_argument("--decode-points", default="1x32768,4x8192,64x4096,256x2048,1024x1024")
-    ap.add_argument("--prefill-points", default="1x8192,2x2048")
-    ap.add_argument("--max-prefill-tokens", type=int, default=16384)
+    ap.add_argument("--tune-prefill", default="1024,2048,4096,8192,16384")
+    ap.add_argument(
+        "--decode-points", default="1x32768,4x8192,8x16384,64x4096,128x2048,256x2048,1024x1024"
+    )
+    ap.add_argument("--prefill-points", default="1x8192,2x2048,3x4000,1x12000,4x1024")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None)

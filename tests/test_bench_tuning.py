@@ -103,14 +103,22 @@ def test_bench_writes_per_phase_and_batch_and_the_selector_ranks_by_it(tmp_path,
     assert len(timed) == 3 * 2 * 3 * 2
     assert {(b, p) for _, b, p, _, _ in timed} == set(BASE)
     payload = json.loads(path.read_text())
-    assert payload["format"] == 2
-    entries = {(e["backend"], e["phase"], e["batch"]): e["us"] for e in payload["entries"]}
-    assert len(entries) == 3 * 2 * 3  # one per backend, phase and batch size
+    assert payload["format"] == 3
+    decode = {(e["backend"], e["batch"]): e["us"] for e in payload["entries"]
+              if e["phase"] == "decode"}  # fmt: skip
+    assert len(decode) == 3 * 3  # one per backend and batch size
     want = math.sqrt(
         _stand_in_time("fast_decode:fd", "decode", 4, 100)
         * _stand_in_time("fast_decode:fd", "decode", 4, 900)
     )
-    assert entries[("fast_decode:fd", "decode", 4)] == pytest.approx(want)  # geomean over contexts
+    assert decode[("fast_decode:fd", 4)] == pytest.approx(want)  # geomean over contexts
+    # prefill: one bucket per token count (batch * context), 6 distinct ones here
+    prefill = {(e["backend"], e["tokens"]): e["us"] for e in payload["entries"]
+               if e["phase"] == "prefill"}  # fmt: skip
+    assert {n for _, n in prefill} == {b * c for b in (1, 4, 16) for c in (100, 900)}
+    assert prefill[("fast_prefill:fp", 3600)] == pytest.approx(
+        _stand_in_time("fast_prefill:fp", "prefill", 4, 900)
+    )
 
     tuning = TuningData.load(path)
     groups = specs_from_hf_config("qwen3", dtype="float32").groups

@@ -84,10 +84,12 @@ def _phases(plan, group="full") -> dict[str, str]:
 
 
 def _tuning(times: dict[tuple[str, str, int], float], spec: LayerSpec = FULL) -> TuningData:
-    """A stand-in timing table: {(backend, phase, batch): us}."""
+    """A stand-in timing table: {(backend, phase, step size): us}; the size is a batch in
+    decode / verify and a token count in prefill."""
     t = TuningData(device="h200")
-    for (backend, phase, batch), us in times.items():
-        t.record(backend, spec, us, phase=phase, batch=batch)
+    for (backend, phase, size), us in times.items():
+        key = {"tokens": size} if phase == "prefill" else {"batch": size}
+        t.record(backend, spec, us, phase=phase, **key)
     return t
 
 
@@ -408,23 +410,52 @@ def test_a_phase_key_forces_every_group_strictly(registry, make_plugin):
 # ------------------------------------------------------------------------------------------
 # The tuning file
 # ------------------------------------------------------------------------------------------
-def test_tuning_file_format_2_round_trip(tmp_path):
-    t = _tuning({("fa3:fa3", "decode", 1): 5.0, ("fa3:fa3", "prefill", 64): 7.5})
-    t.record("flashinfer:flashinfer", FULL, 3.0)  # every phase, every batch size
+def test_tuning_file_format_3_round_trip(tmp_path):
+    t = _tuning({("fa3:fa3", "decode", 1): 5.0, ("fa3:fa3", "prefill", 4096): 7.5})
+    t.record("flashinfer:flashinfer", FULL, 3.0)  # every phase, every step size
     path = tmp_path / "tuning.json"
     t.save(path)
     payload = json.loads(path.read_text())
-    assert payload["format"] == 2
-    assert {(e["backend"], e["phase"], e["batch"]) for e in payload["entries"]} == {
-        ("fa3:fa3", "decode", 1),
-        ("fa3:fa3", "prefill", 64),
-        ("flashinfer:flashinfer", None, None),
+    assert payload["format"] == 3
+    # prefill is bucketed by query tokens per step, decode by requests
+    assert {
+        (e["backend"], e["phase"], e.get("batch"), e.get("tokens")) for e in payload["entries"]
+    } == {
+        ("fa3:fa3", "decode", 1, None),
+        ("fa3:fa3", "prefill", None, 4096),
+        ("flashinfer:flashinfer", None, None, None),
     }
     back = TuningData.load(path)
     assert back.times_us == t.times_us and back.device == "h200"
     assert back.time("fa3:fa3", FULL, Phase.DECODE) == 5.0
     assert back.time("fa3:fa3", FULL, Phase.VERIFY) is None
     assert back.time("flashinfer:flashinfer", FULL, Phase.VERIFY) == 3.0
+
+
+def test_recording_prefill_by_requests_or_decode_by_tokens_is_refused():
+    t = TuningData()
+    with pytest.raises(ValueError, match=r"fa3:fa3 prefill: steps are bucketed by tokens.*batch=4"):
+        t.record("fa3:fa3", FULL, 1.0, phase="prefill", batch=4)
+    with pytest.raises(ValueError, match=r"decode: steps are bucketed by requests.*tokens=64"):
+        t.record("fa3:fa3", FULL, 1.0, phase="decode", tokens=64)
+
+
+def test_a_format_2_file_keeps_its_prefill_times_without_buckets(tmp_path):
+    """Format 2 bucketed prefill by requests per step: read as one size-less time per backend
+    (the geometric mean), so it ranks prefill but never switches it by a wrong unit."""
+    from attn_core.selector import spec_key
+
+    spec = json.loads(spec_key(FULL))
+    entries = [
+        {"backend": "fa3:fa3", "spec": spec, "phase": "prefill", "batch": 1, "us": 4.0},
+        {"backend": "fa3:fa3", "spec": spec, "phase": "prefill", "batch": 16, "us": 9.0},
+        {"backend": "fa3:fa3", "spec": spec, "phase": "decode", "batch": 16, "us": 2.0},
+    ]
+    path = tmp_path / "v2.json"
+    path.write_text(json.dumps({"format": 2, "device": "h200", "entries": entries}))
+    t = TuningData.load(path)
+    assert t.points("fa3:fa3", FULL, Phase.PREFILL) == {None: pytest.approx(6.0)}
+    assert t.points("fa3:fa3", FULL, Phase.DECODE) == {16: 2.0}
 
 
 def test_tuning_file_format_1_still_reads_for_every_phase(tmp_path, registry):
@@ -456,7 +487,7 @@ def test_tuning_file_format_1_still_reads_for_every_phase(tmp_path, registry):
 @pytest.mark.parametrize(
     ("payload", "message"),
     [
-        ({"format": 3, "entries": []}, r"format 3, expected 2 \(or 1\)"),
+        ({"format": 4, "entries": []}, r"format 4, expected 3 \(or 2, 1\)"),
         (
             {"format": 2, "entries": [{"backend": "x", "spec": {}, "us": 1, "phase": "decoding"}]},
             r"entry 0 .* is malformed",
@@ -521,10 +552,11 @@ def test_cli_backends_forces_a_phase_and_json_shows_every_phase(registry, monkey
 
 
 # ------------------------------------------------------------------------------------------
-# Per batch-size bucket
+# Per step-size bucket
 # ------------------------------------------------------------------------------------------
 CROSSING = {
     # fa3 faster for few requests, flashinfer for many (decode); one winner at prefill
+    # (prefill sizes are tokens per step)
     ("fa3:fa3", "decode", 1): 5.0,
     ("fa3:fa3", "decode", 16): 9.0,
     ("fa3:fa3", "decode", 64): 40.0,
@@ -538,17 +570,17 @@ CROSSING = {
 }
 
 
-def test_tuning_with_crossing_backends_switches_per_batch_bucket(registry):
+def test_tuning_with_crossing_backends_switches_per_step_size_bucket(registry):
     plan = select(
         group_layers([FULL]), registry(), H200, ExecutionConstraints(), tuning=_tuning(CROSSING)
     )
     decode = plan.choice("full").phase_choice("decode")
     # buckets 1, 16, 64: bounds isqrt(1 * 16) = 4, isqrt(16 * 64) = 32, then max_batch_size
-    assert [(bound, b.qualified_name) for bound, b in decode.by_batch] == [
+    assert [(bound, b.qualified_name) for bound, b in decode.by_step_size] == [
         (32, "fa3:fa3"),
         (256, "flashinfer:flashinfer"),
     ]
-    assert [decode.backend_for_batch(n).qualified_name for n in (1, 32, 33, 999)] == [
+    assert [decode.backend_for_step(n).qualified_name for n in (1, 32, 33, 999)] == [
         "fa3:fa3",
         "fa3:fa3",
         "flashinfer:flashinfer",
@@ -557,31 +589,57 @@ def test_tuning_with_crossing_backends_switches_per_batch_bucket(registry):
     # the aggregate still names one backend: geomean (5*9*40)^(1/3) = 12.2 < 13.4
     assert decode.backend.qualified_name == "fa3:fa3"
     assert decode.tuned_us == pytest.approx((5.0 * 9.0 * 40.0) ** (1 / 3))
-    assert plan.choice("full").phase_choice("prefill").by_batch == ()  # one winner
+    assert plan.choice("full").phase_choice("prefill").by_step_size == ()  # one winner
     assert {b.qualified_name for b in plan.choice("full").backends} == {
         "flashinfer:flashinfer",
         "fa3:fa3",
     }
-    entry = plan.to_dict()["groups"][0]["phases"]["decode"]["by_batch"]
+    entry = plan.to_dict()["groups"][0]["phases"]["decode"]["by_step_size"]
     assert entry == [
-        {"max_batch": 32, "backend": "fa3:fa3"},
-        {"max_batch": 256, "backend": "flashinfer:flashinfer"},
+        {"max": 32, "unit": "requests", "backend": "fa3:fa3"},
+        {"max": 256, "unit": "requests", "backend": "flashinfer:flashinfer"},
     ]
     from attn_core.cli import format_plan
 
     text = format_plan(plan)
-    assert "by batch size (tuned): <= 32 requests: fa3:fa3; <= 256 requests:" in text
+    assert "by step size (tuned): <= 32 requests: fa3:fa3; <= 256 requests:" in text
+
+
+def test_prefill_switches_by_tokens_per_step_up_to_max_num_tokens(registry):
+    """fa3 faster for short prefill steps, flashinfer for long ones: buckets 1024 and 16384
+    tokens, bound isqrt(1024 * 16384) = 4096, the last one reaching the run's
+    max_num_tokens (not its max_batch_size)."""
+    times = {
+        ("fa3:fa3", "prefill", 1024): 10.0,
+        ("fa3:fa3", "prefill", 16384): 300.0,
+        ("flashinfer:flashinfer", "prefill", 1024): 14.0,
+        ("flashinfer:flashinfer", "prefill", 16384): 200.0,
+    }
+    cons = ExecutionConstraints(max_batch_size=64, max_num_tokens=32768)
+    plan = select(group_layers([FULL]), registry(), H200, cons, tuning=_tuning(times))
+    prefill = plan.choice("full").phase_choice("prefill")
+    assert [(bound, b.qualified_name) for bound, b in prefill.by_step_size] == [
+        (4096, "fa3:fa3"),
+        (32768, "flashinfer:flashinfer"),
+    ]
+    assert prefill.backend_for_step(4097).qualified_name == "flashinfer:flashinfer"
+    entry = plan.to_dict()["groups"][0]["phases"]["prefill"]["by_step_size"]
+    assert {e["unit"] for e in entry} == {"tokens"}
+    from attn_core.cli import format_plan
+
+    text = format_plan(plan)
+    assert "by step size (tuned): <= 4096 tokens: fa3:fa3; <= 32768 tokens:" in text, text
 
 
 def test_no_bucket_switching_when_forced_or_within_one_bucket(registry):
     forced = ExecutionConstraints(force={"decode:full": "flashinfer"})
     plan = select(group_layers([FULL]), registry(), H200, forced, tuning=_tuning(CROSSING))
-    assert plan.choice("full").phase_choice("decode").by_batch == ()
+    assert plan.choice("full").phase_choice("decode").by_step_size == ()
     # a run of at most 8 requests per step can hit only the bucket of 1: fa3, no switching
     small = ExecutionConstraints(max_batch_size=8)
     plan = select(group_layers([FULL]), registry(), H200, small, tuning=_tuning(CROSSING))
     decode = plan.choice("full").phase_choice("decode")
-    assert decode.by_batch == () and decode.backend.qualified_name == "fa3:fa3"
+    assert decode.by_step_size == () and decode.backend.qualified_name == "fa3:fa3"
 
 
 # ------------------------------------------------------------------------------------------

@@ -373,7 +373,10 @@ def test_decode_switches_backend_by_batch_bucket_from_tuning(registry, log):
     cons = ExecutionConstraints(**LIMITS)
     lane = Lane(registry, cons, tuning=tuning)
     decode = lane.plan.choice("full").phase_choice("decode")
-    assert [(n, b.qualified_name) for n, b in decode.by_batch] == [(2, "pre:pre"), (4, "dec:dec")]
+    assert [(n, b.qualified_name) for n, b in decode.by_step_size] == [
+        (2, "pre:pre"),
+        (4, "dec:dec"),
+    ]
     reference = Lane(registry, cons.with_(force={"full": "reference", "linear": "reference"}))
     steps = [
         ([(0, 3), (1, 2), (2, 4)], "pre:pre"),  # prefill
@@ -383,6 +386,34 @@ def test_decode_switches_backend_by_batch_bucket_from_tuning(registry, log):
     ]
     for seed, (reqs, backend) in enumerate(steps):
         inputs = _inputs(sum(n for _, n in reqs), 10 + seed)
+        log.clear()
+        _, outs = lane.step(reqs, inputs)
+        assert log == [backend] * len(SPECS), (reqs, log)
+        _, want = reference.step(reqs, inputs)
+        for got, exp in zip(outs, want, strict=True):
+            torch.testing.assert_close(got, exp, atol=1e-6, rtol=0)
+
+
+def test_prefill_switches_backend_by_tokens_per_step_from_tuning(registry, log):
+    """Tuning says pre:pre prefills 2 tokens faster and dec:dec 16: a prefill step of 3 tokens
+    (over 2 requests) runs on pre:pre (bound isqrt(2 * 16) = 5), one of 9 tokens (over 2
+    requests too) on dec:dec: prefill buckets count tokens, not requests."""
+    tuning = TuningData()
+    for spec in (GDN, FULL):
+        for backend, t2, t16 in (("pre:pre", 1.0, 9.0), ("dec:dec", 2.0, 3.0)):
+            tuning.record(backend, spec, t2, phase="prefill", tokens=2)
+            tuning.record(backend, spec, t16, phase="prefill", tokens=16)
+    cons = ExecutionConstraints(**LIMITS)
+    lane = Lane(registry, cons, tuning=tuning)
+    prefill = lane.plan.choice("full").phase_choice("prefill")
+    assert [(n, b.qualified_name) for n, b in prefill.by_step_size] == [
+        (5, "pre:pre"),
+        (32, "dec:dec"),
+    ]
+    reference = Lane(registry, cons.with_(force={"full": "reference", "linear": "reference"}))
+    steps = [([(0, 2), (1, 1)], "pre:pre"), ([(2, 5), (3, 4)], "dec:dec")]
+    for seed, (reqs, backend) in enumerate(steps):
+        inputs = _inputs(sum(n for _, n in reqs), 30 + seed)
         log.clear()
         _, outs = lane.step(reqs, inputs)
         assert log == [backend] * len(SPECS), (reqs, log)
