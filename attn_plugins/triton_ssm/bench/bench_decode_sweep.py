@@ -100,7 +100,8 @@ def _mamba2_case(B: int, H: int, N: int, P: int, lightning: bool):
         return lambda: mamba2_decode(x, dt, a_log, Bm, Cm, state, idx, out=out, **extra, **cfg)
 
     blocks = (16, 32, 64, 128) if P >= 128 else (16, 32, 64)
-    grid = _grid(block_p=blocks, num_warps=(2, 4, 8, 16), streaming=(False, True))
+    warps = (4, 8, 16) if P >= 128 else (2, 4, 8)
+    grid = _grid(block_p=blocks, num_warps=warps, streaming=(False, True))
     configs = [{}, {"streaming": True}, *grid]
     return make, configs, B * H * N * P * 4
 
@@ -160,10 +161,17 @@ CASES: dict[str, Callable[[int], tuple]] = {
 
 
 def worker(variant: str, batches: list[int], rounds: int, deadline: float) -> int:
-    """Time one variant; one ``@@ROW`` JSON line per (B, config)."""
+    """Time one variant. Prints one ``@@ROW`` JSON line per timed (B, config, round), and per
+    config the kernel refused, as soon as it is known: a worker cut by its deadline or a fault
+    keeps what it measured."""
     import torch
 
+    def emit(row: dict) -> None:
+        print("@@ROW " + json.dumps(row), flush=True)
+
     for B in batches:
+        if time.time() > deadline:
+            break
         make, configs, half_bytes = CASES[variant](B)
         src = torch.empty(half_bytes // 4, dtype=torch.float32, device="cuda").uniform_()
         runs = []
@@ -172,43 +180,47 @@ def worker(variant: str, batches: list[int], rounds: int, deadline: float) -> in
             try:
                 fn()  # compile; a config the kernel refuses is recorded, not fatal
                 torch.cuda.synchronize()
-                runs.append((cfg, fn, None))
+                runs.append((cfg, fn))
             except Exception as e:  # a tiling the kernel refuses is a result
-                runs.append((cfg, None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
-        ratios: dict[int, list[float]] = {i: [] for i in range(len(runs))}
-        times: dict[int, list[float]] = {i: [] for i in range(len(runs))}
-        copies = []
-        for _ in range(rounds):
-            if time.time() > deadline:
-                break
-            for i, (_cfg, fn, err) in enumerate(runs):
-                if err is not None:
-                    continue
+                error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                emit({"variant": variant, "B": B, "config": cfg or "default", "error": error})
+        for r in range(rounds):
+            for cfg, fn in runs:
+                if time.time() > deadline:
+                    break
                 copy_ms = _bench(src.clone)
                 ms = _bench(fn)
-                copies.append(copy_ms)
-                ratios[i].append(copy_ms / ms)
-                times[i].append(ms)
-        for i, (cfg, _fn, err) in enumerate(runs):
-            row = {"variant": variant, "B": B, "config": cfg or "default"}
-            if err is not None:
-                row["error"] = err
-            elif ratios[i]:
-                ms = statistics.median(times[i])
-                gbps = 2 * half_bytes / (ms * 1e-3) / 1e9
-                ratio = statistics.median(ratios[i])
-                row.update(ms=ms, GBps=gbps, ratio_to_copy=ratio, rounds=len(ratios[i]))
-            else:
-                row["error"] = "not timed: the deadline passed"
-            print("@@ROW " + json.dumps(row), flush=True)
-        if copies:
-            copy_ms = statistics.median(copies)
-            print("@@ROW " + json.dumps({"variant": variant, "B": B, "config": "copy",
-                                         "ms": copy_ms,
-                                         "GBps": 2 * half_bytes / (copy_ms * 1e-3) / 1e9}),
-                  flush=True)  # fmt: skip
-        torch.cuda.empty_cache()
+                emit({"variant": variant, "B": B, "config": cfg or "default", "round": r,
+                      "ms": ms, "copy_ms": copy_ms, "bytes": 2 * half_bytes})  # fmt: skip
     return 0
+
+
+def aggregate(rounds: list[dict]) -> list[dict]:
+    """Per (variant, B, config): the median over rounds of ``copy_ms / ms`` and of ``ms``
+    (errors passed through); plus a ``copy`` row per (variant, B)."""
+    out: list[dict] = []
+    groups: dict[tuple, list[dict]] = {}
+    for r in rounds:
+        groups.setdefault((r["variant"], r["B"], json.dumps(r["config"])), []).append(r)
+    copies: dict[tuple, list[dict]] = {}
+    for (variant, B, cfg), rows in groups.items():
+        timed = [r for r in rows if "ms" in r]
+        row: dict = {"variant": variant, "B": B, "config": json.loads(cfg)}
+        if not timed:
+            row["error"] = rows[0].get("error", "not timed")
+        else:
+            ms = statistics.median(r["ms"] for r in timed)
+            nbytes = timed[0]["bytes"]
+            ratio = statistics.median(r["copy_ms"] / r["ms"] for r in timed)
+            gbps = nbytes / (ms * 1e-3) / 1e9
+            row.update(ms=ms, GBps=gbps, rounds=len(timed), ratio_to_copy=ratio)
+            copies.setdefault((variant, B), []).extend(timed)
+        out.append(row)
+    for (variant, B), rows in copies.items():
+        ms = statistics.median(r["copy_ms"] for r in rows)
+        out.append({"variant": variant, "B": B, "config": "copy", "ms": ms,
+                    "GBps": rows[0]["bytes"] / (ms * 1e-3) / 1e9})  # fmt: skip
+    return out
 
 
 def _summary(rows: list[dict]) -> str:
@@ -224,9 +236,9 @@ def _summary(rows: list[dict]) -> str:
         best = sorted(timed, key=lambda r: -r["ratio_to_copy"])[:3]
         errors = sum("error" in r for r in mine)
         shown = ", ".join(f"{r['ratio_to_copy']:.3f} {r['config']}" for r in best)
+        default_text = "-" if default is None else f"{default:.3f}"
         lines.append(
-            f"{variant:<11} {B:>5}  {copy:9.0f}  "
-            f"{default if default is None else f'{default:.3f}':>7}  {shown}"
+            f"{variant:<11} {B:>5}  {copy:9.0f}  {default_text:>7}  {shown}"
             + (f"  [{errors} errors]" if errors else "")
         )
     return "\n".join(lines)
@@ -252,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
     t0 = time.time()
-    rows: list[dict] = []
+    raw: list[dict] = []
+    failures: list[dict] = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for n, variant in enumerate(variants):
         left = args.budget_s - (time.time() - t0)
         share = left / (len(variants) - n)  # what is left, split over the variants still to run
@@ -266,18 +280,18 @@ def main(argv: list[str] | None = None) -> int:
             out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
             err, rc = "timeout", -9
         got = [json.loads(ln[6:]) for ln in out.splitlines() if ln.startswith("@@ROW ")]
-        rows += got
+        raw += got
         if rc != 0:
             tail = " | ".join([ln for ln in err.strip().splitlines() if ln.strip()][-3:])
-            error = f"rc={rc}: {tail}"
-            rows.append({"variant": variant, "B": -1, "config": "worker", "error": error})
-        print(f"{variant}: {len(got)} rows, rc={rc}, {time.time() - t0:.0f}s", flush=True)
-    print("\n" + _summary([r for r in rows if r["B"] >= 0]))
-    for r in rows:
-        if r["B"] < 0:
-            print(f"{r['variant']}: worker error {r['error']}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rows": rows, "wall_s": round(time.time() - t0, 1)}, indent=1))
+            failures.append({"variant": variant, "error": f"rc={rc}: {tail}"})
+        print(f"{variant}: {len(got)} timings, rc={rc}, {time.time() - t0:.0f}s", flush=True)
+        rows = aggregate(raw)  # written after every variant: a cut run keeps the ones before
+        payload = {"rows": rows, "failures": failures, "raw": raw,
+                   "wall_s": round(time.time() - t0, 1)}  # fmt: skip
+        args.out.write_text(json.dumps(payload, indent=1))
+    print("\n" + _summary(aggregate(raw)))
+    for f in failures:
+        print(f"{f['variant']}: worker error {f['error']}")
     print(f"wrote {args.out}")
     return 0
 
