@@ -234,8 +234,9 @@ def test_kda_slot_path_matches_fla_with_gathered_states(dtype, state_dtype, lens
     T, H, D = sum(lens), 32, 128
     q, k = (torch.randn(T, H, D, device="cuda", dtype=dtype) for _ in range(2))
     v = torch.randn(T, H, D, device="cuda", dtype=dtype)
-    # Kimi's gate: -exp(A_log) * softplus(...) per channel, mostly near 0 with some fast
-    g = -torch.exp(torch.randn(T, H, D, device="cuda") - 2.0).clamp(max=3.0)
+    # Kimi's gate, -exp(A_log) * softplus(...) per channel: mostly near 0, some channels fast
+    # (down to -1 a token; fla's unbounded-gate intra stage overflows float32 far below that)
+    g = -torch.exp(torch.randn(T, H, D, device="cuda") - 2.0).clamp(max=1.0)
     beta = torch.rand(T, H, device="cuda")
     state = (torch.randn(12, H, D, D, device="cuda") * 0.1).to(state_dtype)
     idx = torch.tensor([9, 2, 11, 0, 5][: len(lens)], device="cuda", dtype=torch.int32)

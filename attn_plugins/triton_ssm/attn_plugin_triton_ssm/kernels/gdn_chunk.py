@@ -243,7 +243,8 @@ def _tiling(num_programs_bv64: int, V: int) -> tuple[int, int]:
     sequence 0.523 / 2.061 ms at (32, 4), 0.525 / 2.071 at (32, 3), 0.570 / 2.246 at (16, 3),
     0.621 / 2.445 at (64, 2); as 16 sequences 0.497 / 1.898 ms at (64, 2) against 0.563 /
     2.105 at (32, 3). Float32 inputs get fewer stages where these do not fit (see
-    :func:`_fit_stages`)."""
+    :func:`_fit_stages`). KDA's pass (the same loads and dots, plus a ``[K]`` row of decay per
+    chunk) takes the same choice; ``bench_ssm.py --prefill`` times it against fla."""
     sms = _sm_count(torch.cuda.current_device()) if torch.cuda.is_available() else 132
     return (32, 4) if num_programs_bv64 < 2 * sms or V < 64 else (64, 2)
 
