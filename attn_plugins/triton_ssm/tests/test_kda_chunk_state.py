@@ -68,17 +68,17 @@ def _reference(kg, w, u, gk, state, idx, lens):
 
 
 @pytest.mark.parametrize(
-    ("lens", "HV", "dtype", "state_dtype"),
+    ("lens", "HV", "Kd", "Vd", "dtype", "state_dtype"),
     [
-        ([70, BT, 0, 5], 2, torch.float32, torch.float32),  # inside / on a boundary / empty
-        ([2 * BT + 1], 1, torch.bfloat16, torch.float32),
-        ([33, 130], 2, torch.bfloat16, torch.bfloat16),
+        ([70, BT, 0, 5], 2, 32, 16, torch.float32, torch.float32),  # inside / on / empty
+        ([2 * BT + 1], 1, 32, 16, torch.bfloat16, torch.float32),
+        ([33, 130], 2, 32, 16, torch.bfloat16, torch.bfloat16),
+        ([90], 1, 24, 20, torch.float32, torch.float32),  # masked key rows and value columns
     ],
 )
-def test_per_channel_state_pass_matches_the_recurrence(lens, HV, dtype, state_dtype):
+def test_per_channel_state_pass_matches_the_recurrence(lens, HV, Kd, Vd, dtype, state_dtype):
     """Key channels decaying at different rates (some barely, some by 2^-3 per token): a decay
     applied per head, or to the wrong axis of h, misses the recurrence."""
-    Kd, Vd = 32, 16
     g = torch.Generator().manual_seed(1)
     T = sum(lens)
 
