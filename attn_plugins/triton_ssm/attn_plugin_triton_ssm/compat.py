@@ -7,30 +7,35 @@ recurrences the CPU fallback runs (:func:`public_chunk`, :func:`public_simple_gl
 :func:`naive_recurrences`).
 
 Internal fla-core stages (only for a release in :data:`TESTED_STAGES`, whose sources the slot
-pass was written against): the Gated DeltaNet prefill that reads and writes the state slots in
-place (``kernels.gdn_chunk``) runs fla's chunk-local cumsum, intra-chunk WY representation and
-output pass around the plugin's own state pass. Those functions live in fla's internal modules
-(``fla.ops.common.chunk_o``, ``fla.ops.gated_delta_rule.chunk_fwd``, ``fla.ops.utils``), whose
-names and keyword arguments change between releases. :func:`stages` gives them, or why not:
-another release, an import that fails, or a failed self-check. The self-check (GPU only, once
-per process, before the first slot-pass prefill) runs the slot pass against fla's public
-``chunk_gated_delta_rule`` on a tiny case; if the outputs or final states differ, or it
-raises, the prefill gathers and scatters around the public function instead. ``attn list``
-shows which (:func:`note`).
+pass was written against): the Gated DeltaNet and KDA prefills that read and write the state
+slots in place (``kernels.gdn_chunk``) run fla's chunk-local cumsum, intra-chunk WY
+representation and output pass around the plugin's own state pass. Those functions live in
+fla's internal modules (GDN: ``fla.ops.common.chunk_o``, ``fla.ops.gated_delta_rule.chunk_fwd``;
+KDA: ``fla.ops.kda.chunk_intra``, ``fla.ops.gla.chunk``; both: ``fla.ops.utils``), whose names
+and keyword arguments change between releases. :func:`stages` gives a family's functions
+(:data:`KINDS`: ``"gdn"``, ``"kda"``), or why not: another release, an import that fails, or a
+failed self-check. The self-check (GPU only, once per process and family, before its first
+slot-pass prefill) runs the slot pass against fla's public function (``chunk_gated_delta_rule``,
+``chunk_kda``) on a tiny case; if the outputs or final states differ, or it raises, that
+family's prefill gathers and scatters around the public function instead. ``attn list`` shows
+which (:func:`note`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from importlib import metadata
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import torch
 from packaging.version import InvalidVersion, Version
 
 __all__ = [
     "DISTRIBUTION",
+    "KINDS",
+    "PUBLIC",
     "TESTED_STAGES",
+    "Kind",
     "distribution_version",
     "naive_recurrences",
     "note",
@@ -69,88 +74,130 @@ def _gate() -> str | None:
     return None
 
 
-class _State:
-    """What was found, for the process (tests reset it)."""
+#: The prefill families whose slot pass runs fla's internal stages: Gated DeltaNet and KDA.
+Kind = Literal["gdn", "kda"]
+KINDS: tuple[Kind, ...] = ("gdn", "kda")
+#: Each family's public fla function: what its self-check compares against and what runs
+#: (with the gather/scatter) when its stages are off.
+PUBLIC: dict[Kind, str] = {"gdn": "chunk_gated_delta_rule", "kda": "chunk_kda"}
+_SHOWN: dict[Kind, str] = {"gdn": "GDN", "kda": "KDA"}
 
-    stages: dict[str, Any] | None = None
-    reason: str | None = None  # why the internal stages are off; None: not looked up yet
-    check: str | None = None  # the self-check: None not run, "" passed, else why it failed
+
+class _State:
+    """What was found, for the process, per family (tests reset it)."""
+
+    stages: ClassVar[dict[Kind, dict[str, Any]]] = {}
+    #: why the internal stages are off ("" on); a family absent: not looked up yet
+    reason: ClassVar[dict[Kind, str]] = {}
+    #: the self-check: a family absent not run, "" passed, else why it failed
+    check: ClassVar[dict[Kind, str]] = {}
 
     @classmethod
     def reset(cls) -> None:
-        cls.stages, cls.reason, cls.check = None, None, None
+        cls.stages, cls.reason, cls.check = {}, {}, {}
 
 
-def stages() -> tuple[dict[str, Any], str | None]:
-    """``(fla's internal stage functions, None)``, or ``({}, why not)`` (version gate or
-    import). Imports fla on the first call."""
-    if _State.reason is None:
+def _import_stages(kind: Kind) -> dict[str, Any]:
+    """fla's internal functions the ``kind`` slot pass runs (raises ImportError)."""
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+    from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
+
+    common = {
+        "cumsum": chunk_local_cumsum,
+        "RCP_LN2": RCP_LN2,
+        "chunk_indices": prepare_chunk_indices,
+        "chunk_offsets": prepare_chunk_offsets,
+    }
+    if kind == "kda":
+        from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+        from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+
+        return {**common, "intra": chunk_kda_fwd_intra, "chunk_fwd_o": chunk_gla_fwd_o_gk}
+    from fla.ops.common.chunk_o import chunk_fwd_o
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+
+    return {**common, "intra": chunk_gated_delta_rule_fwd_intra, "chunk_fwd_o": chunk_fwd_o}
+
+
+def stages(kind: Kind) -> tuple[dict[str, Any], str | None]:
+    """``(fla's internal stage functions for kind, None)``, or ``({}, why not)`` (version
+    gate or import). Imports fla on the first call for each kind."""
+    if kind not in KINDS:
+        raise ValueError(f"compat.stages: kind must be one of {KINDS}, got {kind!r}")
+    if kind not in _State.reason:
         gate = _gate()
         if gate is not None:
-            _State.stages, _State.reason = {}, gate
+            _State.stages[kind], _State.reason[kind] = {}, gate
         else:
             try:
-                from fla.ops.common.chunk_o import chunk_fwd_o
-                from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-                from fla.ops.utils import chunk_local_cumsum
-                from fla.ops.utils.constant import RCP_LN2
-                from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
+                _State.stages[kind] = _import_stages(kind)
+                _State.reason[kind] = ""
             except ImportError as exc:  # the internals moved under a tested version number
-                _State.stages, _State.reason = {}, f"fla-core internals not importable ({exc})"
-            else:
-                _State.stages = {
-                    "chunk_fwd_o": chunk_fwd_o,
-                    "intra": chunk_gated_delta_rule_fwd_intra,
-                    "cumsum": chunk_local_cumsum,
-                    "RCP_LN2": RCP_LN2,
-                    "chunk_indices": prepare_chunk_indices,
-                    "chunk_offsets": prepare_chunk_offsets,
-                }
-                _State.reason = ""
-    return _State.stages or {}, _State.reason or None
+                _State.stages[kind] = {}
+                _State.reason[kind] = f"fla-core internals not importable ({exc})"
+    return _State.stages[kind], _State.reason[kind] or None
 
 
-def slot_pass_reason(device: torch.device | None = None) -> str | None:
-    """Why the slot-pass prefill may not run (gate, import, failed self-check); None: it may.
-    On a CUDA ``device`` the self-check runs first if it has not."""
-    _, reason = stages()
+def slot_pass_reason(device: torch.device | None, kind: Kind) -> str | None:
+    """Why the ``kind`` slot-pass prefill may not run (gate, import, failed self-check); None:
+    it may. On a CUDA ``device`` that family's self-check runs first if it has not."""
+    _, reason = stages(kind)
     if reason:
         return reason
-    if device is not None and device.type == "cuda" and _State.check is None:
-        self_check(device)
-    if _State.check:
-        return f"self-check against fla's chunk_gated_delta_rule failed: {_State.check}"
+    if device is not None and device.type == "cuda" and kind not in _State.check:
+        self_check(device, kind)
+    if _State.check.get(kind):
+        return f"self-check against fla's {PUBLIC[kind]} failed: {_State.check[kind]}"
     return None
 
 
 def note() -> str:
-    """The line ``attn list`` prints after the backend's status. Imports nothing: before the
-    stages were looked up in this process it says what the version gate says."""
-    reason = _gate() if _State.reason is None else slot_pass_reason()
-    if reason:
-        return f"fla stages: off ({reason}; fla's public chunk_gated_delta_rule used)"
-    checked = {None: "self-check at first GPU prefill", "": "self-check passed"}
-    return f"fla stages: on (fla-core {distribution_version()}, {checked[_State.check]})"
+    """The line ``attn list`` prints after the backend's status: per family, whether its slot
+    pass runs fla's stages, or why not and which public function runs instead (one clause for
+    both where they agree). Imports nothing: a family whose stages were not looked up in this
+    process shows what the version gate says."""
+    clauses: dict[Kind, tuple[str, str]] = {}
+    for kind in KINDS:
+        reason = _gate() if kind not in _State.reason else slot_pass_reason(None, kind)
+        if reason:
+            clauses[kind] = ("off", reason)
+        else:
+            checked = "passed" if kind in _State.check else "at first GPU prefill"
+            clauses[kind] = ("on", f"fla-core {distribution_version()}, self-check {checked}")
+    if len(set(clauses.values())) == 1:  # one clause for both
+        state, text = clauses[KINDS[0]]
+        names = " and ".join(_SHOWN[k] for k in KINDS)
+        if state == "off":
+            text += f"; fla's public {' and '.join(PUBLIC[k] for k in KINDS)} used"
+        return f"fla stages: {names} {state} ({text})"
+    parts = []
+    for kind, (state, text) in clauses.items():
+        if state == "off":
+            text += f"; fla's public {PUBLIC[kind]} used"
+        parts.append(f"{_SHOWN[kind]} {state} ({text})")
+    return "fla stages: " + "; ".join(parts)
 
 
-def self_check(device: torch.device) -> str:
-    """Run the slot-pass prefill against fla's public ``chunk_gated_delta_rule`` on a tiny
-    case on ``device``, once per process; keep and return the verdict ("" passed).
+def self_check(device: torch.device, kind: Kind) -> str:
+    """Run the ``kind`` slot-pass prefill against fla's public function (``chunk_kda`` or
+    ``chunk_gated_delta_rule``) on a tiny case on ``device``, once per process and family; keep
+    and return the verdict ("" passed).
 
     The case: two sequences of 70 and 5 tokens (a chunk boundary and a partial chunk), 2 key /
     4 value heads, K = V = 64, bf16 q/k/v, q/k l2-normalised in the kernel, fp32 states
-    starting from random values in slots 3 and 1 of 4.
+    starting from random values in slots 3 and 1 of 4; the decay per head (GDN) or per key
+    channel (KDA).
     """
-    if _State.check is not None:
-        return _State.check
-    try:
-        _State.check = _self_check(device)
-    except Exception as exc:  # any failure of the internal path: the public path stays
-        _State.check = f"{type(exc).__name__}: {exc}"
-    return _State.check
+    if kind not in _State.check:
+        try:
+            _State.check[kind] = _self_check(device, kind)
+        except Exception as exc:  # any failure of the internal path: the public path stays
+            _State.check[kind] = f"{type(exc).__name__}: {exc}"
+    return _State.check[kind]
 
 
-def _self_check(device: torch.device) -> str:
+def _self_check(device: torch.device, kind: Kind) -> str:
     from attn_plugin_triton_ssm.kernels import gdn_chunk
 
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -159,16 +206,17 @@ def _self_check(device: torch.device) -> str:
         return (torch.randn(*shape, generator=g) * scale).to(device)
 
     T, H, HV, K, V = 75, 2, 4, 64, 64
+    kda = kind == "kda"
     bf = torch.bfloat16
     q, k, v = rnd(T, H, K).to(bf), rnd(T, H, K).to(bf), rnd(T, HV, V).to(bf)
-    gate = -torch.rand(T, HV, generator=g).to(device) * 0.5
+    gate = -torch.rand(*((T, HV, K) if kda else (T, HV)), generator=g).to(device) * 0.5
     beta = torch.rand(T, HV, generator=g).to(device)
     states = rnd(4, HV, K, V, scale=0.1)
     slots = torch.tensor([3, 1], dtype=torch.int32, device=device)
     cu_cpu = torch.tensor([0, 70, 75], dtype=torch.int64)
     cu = cu_cpu.to(device)
     scale = K**-0.5
-    chunk = public_chunk(kda=False)
+    chunk = public_chunk(kda=kda)
     h0 = states.index_select(0, slots.long())
     want, want_ht = chunk(
         q[None], k[None], v[None], gate[None], beta[None], scale=scale, initial_state=h0,
@@ -176,11 +224,12 @@ def _self_check(device: torch.device) -> str:
         cu_seqlens_cpu=cu_cpu,
     )  # fmt: skip
     got_states = states.clone()
-    got = gdn_chunk.gdn_chunk_prefill_slots(
+    slot_fn = gdn_chunk.kda_chunk_prefill_slots if kda else gdn_chunk.gdn_chunk_prefill_slots
+    got = slot_fn(
         q, k, v, gate, beta, got_states, slots, cu, cu_cpu, scale=scale, use_qk_l2norm=True
     )
-    # Both run fla's stages; only the state pass differs: agreement to bf16 rounding (the GPU
-    # test of the slot pass sees 2e-3 relative at Qwen3-Next's shapes).
+    # Both run fla's stages; only the state pass (and the l2norm) differs: agreement to bf16
+    # rounding (the GPU test of the GDN slot pass sees 2e-3 relative at Qwen3-Next's shapes).
     want_o = want[0].float()
     rel = ((got.float() - want_o).abs().mean() / want_o.abs().mean()).item()
     if not rel < 1e-2:
@@ -189,6 +238,9 @@ def _self_check(device: torch.device) -> str:
     rel = ((got_ht - want_ht.float()).abs().max() / want_ht.float().abs().max()).item()
     if not rel < 1e-2:
         return f"final states differ by {rel:.3g} (max, relative)"
+    untouched = [0, 2]
+    if not torch.equal(got_states[untouched], states[untouched]):
+        return "slots of no sequence were written"
     return ""
 
 

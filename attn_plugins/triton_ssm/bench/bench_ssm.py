@@ -16,6 +16,11 @@ Sections:
   wrapper vs fla ``chunk_gated_delta_rule`` called directly; ms and tokens/s. Our row also
   times fla in the same process, alternating three times (min of each): its ratio is the one to
   quote (separate jobs drifted by up to 2.5x between runs on the H200).
+* kda_prefill (``--prefill``): Kimi-Linear's KDA layer (32 heads, Dk=Dv=128), T = 8192 and
+  32768 as one request and as 16: our ``kda_prefill`` (the state pass over slots) against fla
+  ``chunk_kda`` with the states gathered and scattered around it (``slot_pass=False``) and
+  against ``chunk_kda`` alone on dense states, all three in the same process, alternating three
+  times (min of each), eager and in CUDA graphs; the ratios ours / fla.
 * prefill_profile (``--profile``): GPU time per kernel (torch.profiler) of our GDN prefill,
   fla's, and the Triton SSD with and without the hi/lo split, T = 8192 as 1 and 16 requests.
 * mamba2_sweep (``--mamba2-sweep``): the Triton SSD at the granite shape (T = 8192 as one
@@ -69,6 +74,8 @@ import traceback
 from pathlib import Path
 
 HK, HV, D = 16, 32, 128
+#: Kimi-Linear's KDA layer: 32 heads (as many key as value heads), d 128.
+KDA_H, KDA_D = 32, 128
 GB = 1e9
 BATCHES = [64, 256, 1024, 2048]
 #: The fused SSD kernel's published prefill rate on an H100 (about 2.3e7 tokens/s).
@@ -287,6 +294,76 @@ def job_prefill_ours(T: int, n_seq: int, with_fla: bool = True) -> dict:
             res[f"graph_ms[{name}]"] = min(_bench(gr.replay, warmup=10, rep=100) for _ in range(2))
         except Exception as exc:  # reported per variant
             res[f"graph_ms[{name}]"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return res
+
+
+def _kda_prefill_inputs(T: int, n_seq: int, H=KDA_H, D=KDA_D):
+    import torch
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    # per key channel, as Kimi's gate -exp(A_log) * softplus(...) gives: small, some larger
+    g = torch.nn.functional.logsigmoid(torch.randn(T, H, D, device="cuda")) * 0.1
+    beta = torch.rand(T, H, device="cuda", dtype=torch.bfloat16)
+    cu = torch.linspace(0, T, n_seq + 1).round().long().to("cuda")
+    state = torch.randn(n_seq + 4, H, D, D, device="cuda") * 0.01
+    idx = torch.arange(n_seq, device="cuda", dtype=torch.int32) + 2
+    return q, k, v, g, beta, state, idx, cu
+
+
+def job_kda_prefill(T: int, n_seq: int) -> dict:
+    """Our kda_prefill (the state pass over slots), the same wrapper gathering and scattering
+    the states around fla's public chunk_kda (``slot_pass=False``: what it ran before), and
+    chunk_kda alone on dense states (no gather, no scatter: fla at its best), timed in the same
+    process alternating three times (min of each), eager and in CUDA graphs."""
+    from attn_plugin_triton_ssm.kernels import kda_prefill
+    from fla.ops.kda import chunk_kda
+
+    q, k, v, g, beta, state, idx, cu = _kda_prefill_inputs(T, n_seq)
+    cu_cpu = cu.cpu()  # int64 offsets on both sides, built once per step, as the plugin does
+    h0 = state[idx.long()].contiguous()
+
+    def ours():  # slot_pass=True: an error row (not a silent fallback) where the pass is off
+        return kda_prefill(q, k, v, g, beta, state, idx, cu, cu_seqlens_cpu=cu_cpu,
+                           slot_pass=True)  # fmt: skip
+
+    def gather():
+        return kda_prefill(q, k, v, g, beta, state, idx, cu, cu_seqlens_cpu=cu_cpu,
+                           slot_pass=False)  # fmt: skip
+
+    def fla_dense():
+        return chunk_kda(
+            q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], initial_state=h0,
+            output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+            cu_seqlens_cpu=cu_cpu,
+        )  # fmt: skip
+
+    calls = {"ours": ours, "gather": gather, "fla": fla_dense}
+
+    def alternate(fns: dict, warmup: int) -> dict:
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        for _ in range(3):
+            for name, fn in fns.items():
+                times[name].append(_bench(fn, warmup=warmup, rep=100))
+        return {name: min(ts) for name, ts in times.items()}
+
+    best = alternate(calls, warmup=25)
+    ms = best["ours"]
+    res = {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6, "fla_ms": best["fla"],
+           "ratio_to_fla": ms / best["fla"], "gather_ms": best["gather"],
+           "ratio_to_gather": ms / best["gather"]}  # fmt: skip
+    from attn_core.bench_util import capture_graph
+
+    try:
+        graphs = {name: capture_graph(fn).replay for name, fn in calls.items()}
+    except Exception as exc:  # reported; the eager numbers stand
+        res["graph_error"] = f"{type(exc).__name__}: {exc}"
+        return res
+    best = alternate(graphs, warmup=10)
+    res["graph_ms"], res["graph_fla_ms"] = best["ours"], best["fla"]
+    res["graph_gather_ms"] = best["gather"]
+    res["graph_ratio_to_fla"] = best["ours"] / best["fla"]
+    res["graph_ratio_to_gather"] = best["ours"] / best["gather"]
     return res
 
 
@@ -742,6 +819,7 @@ JOBS = {
     "prefill_ours": job_prefill_ours,
     "prefill_fla": job_prefill_fla,
     "prefill_profile": job_prefill_profile,
+    "kda_prefill": job_kda_prefill,
     "mamba2_sweep": job_mamba2_sweep,
     "l2norm_sweep": job_l2norm_sweep,
     "mamba2_decode": job_mamba2_decode,
@@ -875,9 +953,15 @@ def _table(results: list, copy_bw: float | None) -> str:
             if "ratio_to_fla" in r:
                 val += f"  fla (same process, interleaved) {r['fla_ms']:.3f} ms, ratio "
                 val += f"{r['ratio_to_fla']:.3f}"
+            if "ratio_to_gather" in r:
+                val += f"; fla + gather/scatter {r['gather_ms']:.3f} ms, ratio "
+                val += f"{r['ratio_to_gather']:.3f}"
             if "graph_ratio_to_fla" in r:
                 val += f"; CUDA graphs: ours {r['graph_ms']:.3f} ms, fla {r['graph_fla_ms']:.3f} "
                 val += f"ms, ratio {r['graph_ratio_to_fla']:.3f}"
+            if "graph_ratio_to_gather" in r:
+                val += f", fla + gather/scatter {r['graph_gather_ms']:.3f} ms, ratio "
+                val += f"{r['graph_ratio_to_gather']:.3f}"
             elif "graph_error" in r:
                 val += f"; no CUDA graph ({r['graph_error'][:80]})"
             for key, ms in r.items():
@@ -937,8 +1021,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--only",
         help="comma-separated sections to run (gdn_decode, mamba2_decode, mamba1_decode, "
-        "gdn_prefill, mamba2_prefill, mamba1_prefill, lightning_decode, lightning_prefill, "
-        "short_conv_decode, plugin_step); the copy rows always run",
+        "gdn_prefill, kda_prefill, mamba2_prefill, mamba1_prefill, lightning_decode, "
+        "lightning_prefill, short_conv_decode, plugin_step); the copy rows always run",
     )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -1005,6 +1089,12 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.no_fla:
                     prefill.append(job("prefill_fla", {**p, "provider": "fla chunk direct"},
                                        T=T, n_seq=n_seq))  # fmt: skip
+    if args.prefill and not args.no_fla:  # each KDA row times fla beside ours
+        for T in [8192] if args.quick else [8192, 32768]:
+            for n_seq in (1, 16):
+                p = {"section": "kda_prefill", "T": T, "n_seq": n_seq}
+                prefill.append(job("kda_prefill", {**p, "provider": "ours (kda_prefill)"},
+                                   T=T, n_seq=n_seq))  # fmt: skip
 
     if args.prefill:
         for T in [8192] if args.quick else [8192, 32768]:

@@ -1,5 +1,6 @@
-"""fla-core compat (``attn_plugin_triton_ssm.compat``): the version gate on fla's internal stages,
-the self-check's verdict, the line ``attn list`` shows, and the declared version ranges. The
+"""fla-core compat (``attn_plugin_triton_ssm.compat``): the version gate on fla's internal stages
+(Gated DeltaNet's and KDA's, each family on its own), the self-check's verdict, the line
+``attn list`` shows, and the declared version ranges. The
 self-check itself needs CUDA (fla's chunk kernels): the GPU test at the end runs it."""
 
 from __future__ import annotations
@@ -21,63 +22,108 @@ def fresh(monkeypatch):
     compat._State.reset()
 
 
+BOTH_PUBLIC = "fla's public chunk_gated_delta_rule and chunk_kda used"
+
+
 @pytest.mark.parametrize("version", ["0.7.1", "0.5.9", None])
-def test_another_fla_release_keeps_the_internal_stages_off(monkeypatch, version):
+@pytest.mark.parametrize("kind", compat.KINDS)
+def test_another_fla_release_keeps_the_internal_stages_off(monkeypatch, version, kind):
     monkeypatch.setattr(compat, "distribution_version", lambda: version)
-    stages, reason = compat.stages()
+    stages, reason = compat.stages(kind)
     assert stages == {} and reason
     if version is None:
         assert reason == "no fla-core distribution found"
     else:
         assert reason == f"fla-core {version} is not a release the slot pass was tested on (0.6.0)"
-    assert compat.slot_pass_reason(CUDA) == reason  # no self-check on an untested release
-    assert compat._State.check is None
-    assert compat.note() == f"fla stages: off ({reason}; fla's public chunk_gated_delta_rule used)"
+    assert compat.slot_pass_reason(CUDA, kind) == reason  # no self-check on an untested release
+    assert compat._State.check == {}
+    assert compat.note() == f"fla stages: GDN and KDA off ({reason}; {BOTH_PUBLIC})"
 
 
 def test_the_note_imports_nothing_before_the_stages_are_looked_up(monkeypatch):
     monkeypatch.setattr(compat, "distribution_version", lambda: "0.6.0")
     monkeypatch.setitem(sys.modules, "fla.ops.common.chunk_o", None)  # would fail to import
-    assert compat.note() == "fla stages: on (fla-core 0.6.0, self-check at first GPU prefill)"
-    assert compat._State.reason is None
+    monkeypatch.setitem(sys.modules, "fla.ops.kda.chunk_intra", None)
+    assert compat.note() == (
+        "fla stages: GDN and KDA on (fla-core 0.6.0, self-check at first GPU prefill)"
+    )
+    assert compat._State.reason == {}
 
 
-def test_internals_that_moved_under_a_tested_version_turn_the_stages_off(monkeypatch):
+@pytest.mark.parametrize(
+    ("kind", "module"), [("gdn", "fla.ops.common.chunk_o"), ("kda", "fla.ops.kda.chunk_intra")]
+)
+def test_internals_that_moved_under_a_tested_version_turn_that_familys_stages_off(
+    monkeypatch, kind, module
+):
+    """One family's internals failing to import leaves the other's on."""
     pytest.importorskip("fla")
+    for each in compat.KINDS:  # loaded first: the blocked module is imported by both chains
+        compat._import_stages(each)
     monkeypatch.setattr(compat, "distribution_version", lambda: "0.6.0")
-    monkeypatch.setitem(sys.modules, "fla.ops.common.chunk_o", None)  # import raises
-    stages, reason = compat.stages()
+    monkeypatch.setitem(sys.modules, module, None)  # import raises
+    stages, reason = compat.stages(kind)
     assert stages == {} and reason.startswith("fla-core internals not importable (")
-    assert compat.note().startswith("fla stages: off (fla-core internals not importable")
+    other = "kda" if kind == "gdn" else "gdn"
+    assert compat.stages(other)[1] is None
+    public = compat.PUBLIC[kind]
+    clause = {
+        kind: f"{kind.upper()} off (fla-core internals not importable",
+        other: f"{other.upper()} on (fla-core 0.6.0, self-check at first GPU prefill)",
+    }
+    note = compat.note()
+    assert note.startswith("fla stages: " + clause["gdn"]), note
+    assert clause["kda"] in note and f"; fla's public {public} used)" in note, note
 
 
+@pytest.mark.parametrize("kind", compat.KINDS)
 @pytest.mark.parametrize("failure", ["outputs differ by 0.5", RuntimeError("boom")])
-def test_a_failed_self_check_keeps_the_stages_off_and_says_why(monkeypatch, failure):
+def test_a_failed_self_check_keeps_that_familys_stages_off_and_says_why(monkeypatch, failure, kind):
     pytest.importorskip("fla")
     monkeypatch.setattr(compat, "distribution_version", lambda: "0.6.0")
+    other = "kda" if kind == "gdn" else "gdn"
 
-    def check(device):
+    def check(device, checked):
+        if checked == other:
+            return ""
         if isinstance(failure, Exception):
             raise failure
         return failure
 
     monkeypatch.setattr(compat, "_self_check", check)
-    assert compat.stages()[1] is None  # the stages import
-    assert compat.slot_pass_reason(torch.device("cpu")) is None  # no self-check off the GPU
+    assert compat.stages(kind)[1] is None  # the stages import
+    assert compat.slot_pass_reason(torch.device("cpu"), kind) is None  # no self-check off GPU
     why = failure if isinstance(failure, str) else "RuntimeError: boom"
-    reason = compat.slot_pass_reason(CUDA)  # runs the (stubbed) self-check once
-    assert reason == f"self-check against fla's chunk_gated_delta_rule failed: {why}"
-    assert compat.note() == f"fla stages: off ({reason}; fla's public chunk_gated_delta_rule used)"
-    monkeypatch.setattr(compat, "_self_check", lambda device: pytest.fail("ran twice"))
-    assert compat.slot_pass_reason(CUDA) == reason
+    reason = compat.slot_pass_reason(CUDA, kind)  # runs the (stubbed) self-check once
+    assert reason == f"self-check against fla's {compat.PUBLIC[kind]} failed: {why}"
+    assert compat.slot_pass_reason(CUDA, other) is None  # the other family's check passed
+    clause = {
+        kind: f"{kind.upper()} off ({reason}; fla's public {compat.PUBLIC[kind]} used)",
+        other: f"{other.upper()} on (fla-core 0.6.0, self-check passed)",
+    }
+    assert compat.note() == f"fla stages: {clause['gdn']}; {clause['kda']}"
+    monkeypatch.setattr(compat, "_self_check", lambda device, kind: pytest.fail("ran twice"))
+    assert compat.slot_pass_reason(CUDA, kind) == reason
 
 
 def test_a_passed_self_check_is_shown(monkeypatch):
     pytest.importorskip("fla")
     monkeypatch.setattr(compat, "distribution_version", lambda: "0.6.0")
-    monkeypatch.setattr(compat, "_self_check", lambda device: "")
-    assert compat.slot_pass_reason(CUDA) is None
-    assert compat.note() == "fla stages: on (fla-core 0.6.0, self-check passed)"
+    ran = []
+    monkeypatch.setattr(compat, "_self_check", lambda device, kind: ran.append(kind) or "")
+    assert compat.slot_pass_reason(CUDA, "kda") is None
+    assert compat.note() == (
+        "fla stages: GDN on (fla-core 0.6.0, self-check at first GPU prefill); "
+        "KDA on (fla-core 0.6.0, self-check passed)"
+    )
+    assert compat.slot_pass_reason(CUDA, "gdn") is None
+    assert compat.note() == "fla stages: GDN and KDA on (fla-core 0.6.0, self-check passed)"
+    assert ran == ["kda", "gdn"]
+
+
+def test_an_unknown_family_is_refused():
+    with pytest.raises(ValueError, match=r"kind must be one of \('gdn', 'kda'\), got 'mamba2'"):
+        compat.stages("mamba2")  # type: ignore[arg-type]
 
 
 def test_the_backend_carries_the_note(monkeypatch):
@@ -88,7 +134,7 @@ def test_the_backend_carries_the_note(monkeypatch):
     plugin.attn_core_register_backends(seen.append)
     by_name = {b.name: b for b in seen}
     assert by_name[plugin.BACKEND_NAME].notes.startswith(
-        "fla stages: off (fla-core 0.7.1 is not a release"
+        "fla stages: GDN and KDA off (fla-core 0.7.1 is not a release"
     )
     # the Mamba1 backend runs only its own scan kernel: no fla stage to report
     assert by_name[plugin.MAMBA1_BACKEND_NAME].notes == ""
@@ -108,15 +154,16 @@ def test_pyproject_declares_ranges_that_hold_the_tested_releases():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_the_self_check_passes_on_this_fla_core():
+@pytest.mark.parametrize("kind", compat.KINDS)
+def test_the_self_check_passes_on_this_fla_core(kind):
     """On the installed fla-core: the slot pass agrees with fla's public chunked prefill (or
     the stages are off for a stated reason on an untested release)."""
     pytest.importorskip("fla")
-    _, reason = compat.stages()
+    _, reason = compat.stages(kind)
     if reason:
         pytest.skip(reason)
-    assert compat.self_check(CUDA) == ""
-    assert compat.slot_pass_reason(CUDA) is None
+    assert compat.self_check(CUDA, kind) == ""
+    assert compat.slot_pass_reason(CUDA, kind) is None
 
 
 def test_no_module_but_compat_imports_fla():

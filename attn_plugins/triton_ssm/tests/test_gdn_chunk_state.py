@@ -141,18 +141,24 @@ def test_slot_path_matches_fla_with_gathered_states(dtype, state_dtype, lens):
     assert torch.equal(state[untouched], gathered[untouched])
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
-def test_slot_pass_refuses_kda():
-    q = torch.zeros(4, 1, 16, device="cuda", dtype=torch.bfloat16)
-    state = torch.zeros(2, 1, 16, 16, device="cuda")
-    idx = torch.tensor([0], device="cuda", dtype=torch.int32)
-    cu = torch.tensor([0, 4], device="cuda")
-    with pytest.raises(ValueError, match="slot_pass=True"):
+@pytest.mark.parametrize("kda", [False, True])
+def test_slot_pass_true_refuses_what_it_cannot_serve(kda):
+    """``slot_pass=True`` where the slot pass cannot run raises, naming the family and what
+    it needs: off CUDA (the interpreter) and, on CUDA, slots whose [Hv, Dk, Dv] is not packed
+    (a transposed state)."""
+    T, D = 4, 16
+    q = torch.zeros(T, 1, D, device=DEV, dtype=torch.bfloat16)
+    state = torch.zeros(2, 1, D, D, device=DEV)
+    if DEV == "cuda":
+        state = state.transpose(-1, -2)
+    g = torch.zeros(T, 1, D, device=DEV) if kda else torch.zeros(T, 1, device=DEV)
+    idx = torch.tensor([0], device=DEV, dtype=torch.int32)
+    cu = torch.tensor([0, T], device=DEV)
+    kind = "kda" if kda else "gdn"
+    with pytest.raises(ValueError, match=rf"slot_pass=True \({kind} prefill\): needs CUDA"):
         K.prefill._delta_prefill(
-            q, q, q, torch.zeros(4, 1, 16, device="cuda"), torch.zeros(4, 1, device="cuda"),
-            state, idx, cu, kda=True, scale=None, use_qk_l2norm=False, out=None,
-            cu_seqlens_cpu=None, slot_pass=True,
+            q, q, q, g, torch.zeros(T, 1, device=DEV), state, idx, cu, kda=kda, scale=None,
+            use_qk_l2norm=False, out=None, cu_seqlens_cpu=None, slot_pass=True,
         )  # fmt: skip
 
 

@@ -1,31 +1,41 @@
-"""Gated DeltaNet chunked prefill with the recurrent state read from and written to its slots.
+"""Gated DeltaNet and KDA chunked prefill with the recurrent state read from and written to its
+slots.
 
-fla-core's ``chunk_gated_delta_rule`` takes the initial states as a dense ``[N, Hv, K, V]``
-tensor and returns the final states likewise, so a caller whose states live in slots of a pool
-gathers them before and scatters them after: two extra passes over ``N * Hv * K * V`` float32
-(16 sequences of Qwen3-Next's 32 heads: 34 MB each way, ~10 % of a T = 8192 prefill).
+fla-core's ``chunk_gated_delta_rule`` and ``chunk_kda`` take the initial states as a dense
+``[N, Hv, K, V]`` tensor and return the final states likewise, so a caller whose states live in
+slots of a pool gathers them before and scatters them after: two extra passes over
+``N * Hv * K * V`` float32 (16 sequences of Qwen3-Next's 32 heads: 34 MB each way, ~10 % of a
+T = 8192 prefill).
 
 Here fla's stages run as in its forward - the chunk-local cumulative decay, the intra-chunk WY
-representation (``w``, ``u``) and the output pass (``chunk_fwd_o``) - and two are ours: the
-l2norm of q and k (:func:`l2norm_qk`: one launch for both, where fla's two also store
-reciprocal norms that a forward never reads; 30.8 against 33.1 us at T = 8192 on the H200) and
-the inter-chunk state pass (156.7 against fla's 159.8 us there):
-:func:`_chunk_state_kernel` loads each sequence's initial state from
-``ssm_state[state_indices[n]]``, walks its chunks and stores the final state back into the
-same slot. What it writes for fla's output pass is what fla's own state pass writes:
-the state entering every chunk ``h`` ``[1, NT, Hv, K, V]`` (in k's dtype) and the corrected
-values ``v_new = u - w @ h`` ``[1, T, Hv, V]``.
+representation (``w``, ``u``) and the output pass - and two are ours: the l2norm of q and k
+(:func:`l2norm_qk`: one launch for both, where fla's two also store reciprocal norms that a
+forward never reads; 30.8 against 33.1 us at T = 8192 on the H200) and the inter-chunk state
+pass (GDN: 156.7 against fla's 159.8 us there): :func:`_chunk_state_kernel` loads each
+sequence's initial state from ``ssm_state[state_indices[n]]``, walks its chunks and stores the
+final state back into the same slot. What it writes for fla's output pass is what fla's own
+state pass (``chunk_gated_delta_rule_fwd_h``) writes: the state entering every chunk ``h``
+``[1, NT, Hv, K, V]`` (in k's dtype) and the corrected values ``v_new = u - w @ h``
+``[1, T, Hv, V]``.
 
 Per chunk of ``BT`` tokens (``g`` the chunk-local cumulative log2 decay, ``g_last`` its value at
-the chunk's last token)::
+the chunk's last token). Gated DeltaNet, one decay per head (fla's ``chunk_fwd_o`` reads the
+result)::
 
     v_new = u - w @ h
     h     = exp2(g_last) * h + k^T @ (exp2(g_last - g) * v_new)
 
+KDA, one decay per key channel (``g`` ``[T, Hv, K]``); fla's intra stage
+(``chunk_kda_fwd_intra``) has folded the decay into ``w`` and into ``kg = k * exp2(g_last - g)``,
+and ``chunk_gla_fwd_o_gk`` reads the result::
+
+    v_new = u - w @ h
+    h     = exp2(g_last)[:, None] * h + kg^T @ v_new
+
 fla's internal functions come from :mod:`attn_plugin_triton_ssm.compat` (gated by fla-core's
-release, self-checked against fla's public function on the GPU); :func:`unavailable` says why
-this path cannot run, and the prefill wrapper then gathers and scatters around fla's public
-function instead.
+release, self-checked against fla's public function on the GPU, each family on its own);
+:func:`unavailable` says why this path cannot run, and the prefill wrapper then gathers and
+scatters around fla's public function instead.
 """
 
 from __future__ import annotations
@@ -39,24 +49,34 @@ import triton.language as tl
 from attn_plugin_triton_ssm import compat
 from attn_plugin_triton_ssm.kernels._common import INTERPRETED, first_that_fits
 
-__all__ = ["CHUNK", "chunk_state_pass", "gdn_chunk_prefill_slots", "l2norm_qk", "unavailable"]
+__all__ = [
+    "CHUNK",
+    "chunk_state_pass",
+    "gdn_chunk_prefill_slots",
+    "kda_chunk_prefill_slots",
+    "l2norm_qk",
+    "unavailable",
+]
 
-#: fla's chunk size for Gated DeltaNet (its stages are compiled for it).
+#: fla's chunk size for Gated DeltaNet and KDA (the default of both; their stages are
+#: compiled for it).
 CHUNK = 64
 
 
-def unavailable() -> str | None:
-    """Why :func:`gdn_chunk_prefill_slots` cannot run here (fla-core's release, its internals,
-    a failed self-check: :func:`attn_plugin_triton_ssm.compat.slot_pass_reason`), or None."""
-    return compat.slot_pass_reason()
+def unavailable(kind: compat.Kind = "gdn") -> str | None:
+    """Why :func:`gdn_chunk_prefill_slots` (``kind`` ``"gdn"``) or
+    :func:`kda_chunk_prefill_slots` (``"kda"``) cannot run here (fla-core's release, its
+    internals, a failed self-check: :func:`attn_plugin_triton_ssm.compat.slot_pass_reason`),
+    or None."""
+    return compat.slot_pass_reason(None, kind)
 
 
 @triton.jit(do_not_specialize=["slot_stride"])
 def _chunk_state_kernel(
-    k_ptr,  # [T, H, K] (l2-normalised keys), k dtype
+    k_ptr,  # [T, H, K] (l2-normalised keys; KDA: fla's kg, [T, HV, K]), k dtype
     w_ptr,  # [T, HV, K]
     u_ptr,  # [T, HV, V]
-    g_ptr,  # [T, HV] float32, chunk-local cumulative log2 decay
+    g_ptr,  # [T, HV] (KDA: [T, HV, K]) float32, chunk-local cumulative log2 decay
     h_ptr,  # [NT_total, HV, K, V] out: the state entering each chunk, k dtype
     v_new_ptr,  # [T, HV, V] out
     state_ptr,  # [S, HV, K, V] float32 / bfloat16 slots, read then overwritten
@@ -71,12 +91,15 @@ def _chunk_state_kernel(
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    GK: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), N * HV)``: one program carries a ``[K, BV]`` block of one head's
-    state through every chunk of one sequence. ``UPCAST`` (Triton's interpreter, whose 16-bit
-    dots are wrong): dot operands rounded to the input dtype as compiled, then multiplied in
-    float32.
+    state through every chunk of one sequence. ``GK`` (KDA): the decay is per key channel, ``g``
+    ``[T, HV, K]``, and ``k`` already carries each token's decay to the chunk's end (fla's
+    ``kg``), so the state's rows decay by ``exp2(g_last)`` and ``v_new`` enters undecayed.
+    ``UPCAST`` (Triton's interpreter, whose 16-bit dots are wrong): dot operands rounded to the
+    input dtype as compiled, then multiplied in float32.
 
     The loop is a chain of dependent dots, so its length is latency: each tile's addresses are
     a scalar base per chunk (advanced by a constant) plus int32 offsets computed once, rather
@@ -102,13 +125,16 @@ def _chunk_state_kernel(
     w_offs = o_t[:, None] * (HV * K) + o_k[None, :]
     u_offs = o_t[:, None] * (HV * V) + o_v[None, :]
     k_offs = o_t[:, None] * (H * K) + o_k[None, :]
-    g_offs = o_t * HV
+    g_offs = o_t * HV  # GDN's per-head decay of each token
     # per-chunk bases, advanced by one chunk per iteration
     p_w = w_ptr + bos * (HV * K) + i_h * K
     p_u = u_ptr + bos * (HV * V) + i_h * V
     p_vn = v_new_ptr + bos * (HV * V) + i_h * V
     p_k = k_ptr + bos * (H * K) + i_hk * K
-    p_g = g_ptr + bos * HV + i_h
+    if GK:
+        p_g = g_ptr + (bos * HV + i_h) * K
+    else:
+        p_g = g_ptr + bos * HV + i_h
     p_h = h_ptr + (first_chunk * HV + i_h) * (K * V)
     p_state = state_ptr + slot * slot_stride + i_h * K * V + kv_offs
     b_h = tl.load(p_state, mask=m_kv, other=0.0).to(tl.float32)
@@ -129,20 +155,29 @@ def _chunk_state_kernel(
             b_v = b_u.to(tl.float32) - tl.dot(b_w, b_hq)
         tl.store(p_vn + u_offs, b_v.to(v_new_ptr.dtype.element_ty), mask=m_tv)
         # decay to the chunk's end, then add the chunk's keys times its decayed values
-        g_last = tl.load(p_g + (tl.minimum(left, BT) - 1) * HV).to(tl.float32)
-        b_g = tl.load(p_g + g_offs, mask=m_t, other=0.0).to(tl.float32)
-        b_v = b_v * tl.where(m_t, tl.exp2(g_last - b_g), 0.0)[:, None]
+        last = tl.minimum(left, BT) - 1
+        if GK:  # per key channel: the rows of h; the tokens' decay is in k already
+            g_last = tl.load(p_g + last * (HV * K) + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_decay = tl.exp2(g_last)[:, None]
+        else:  # per head: all of h, and each token's value by its decay to the chunk's end
+            g_last = tl.load(p_g + last * HV).to(tl.float32)
+            b_g = tl.load(p_g + g_offs, mask=m_t, other=0.0).to(tl.float32)
+            b_v = b_v * tl.where(m_t, tl.exp2(g_last - b_g), 0.0)[:, None]
+            b_decay = tl.exp2(g_last)
         b_k = tl.load(p_k + k_offs, mask=m_tk, other=0.0)
         b_vq = b_v.to(b_k.dtype)
         if UPCAST:
-            b_h = b_h * tl.exp2(g_last) + tl.dot(tl.trans(b_k.to(tl.float32)), b_vq.to(tl.float32))
+            b_h = b_h * b_decay + tl.dot(tl.trans(b_k.to(tl.float32)), b_vq.to(tl.float32))
         else:
-            b_h = b_h * tl.exp2(g_last) + tl.dot(tl.trans(b_k), b_vq)
+            b_h = b_h * b_decay + tl.dot(tl.trans(b_k), b_vq)
         p_w += BT * HV * K
         p_u += BT * HV * V
         p_vn += BT * HV * V
         p_k += BT * H * K
-        p_g += BT * HV
+        if GK:
+            p_g += BT * HV * K
+        else:
+            p_g += BT * HV
         p_h += HV * K * V
 
     tl.store(p_state, b_h.to(state_ptr.dtype.element_ty), mask=m_kv)
@@ -208,7 +243,8 @@ def _tiling(num_programs_bv64: int, V: int) -> tuple[int, int]:
     sequence 0.523 / 2.061 ms at (32, 4), 0.525 / 2.071 at (32, 3), 0.570 / 2.246 at (16, 3),
     0.621 / 2.445 at (64, 2); as 16 sequences 0.497 / 1.898 ms at (64, 2) against 0.563 /
     2.105 at (32, 3). Float32 inputs get fewer stages where these do not fit (see
-    :func:`_fit_stages`)."""
+    :func:`_fit_stages`). KDA's pass (the same loads and dots, plus a ``[K]`` row of decay per
+    chunk) takes the same choice; ``bench_ssm.py --prefill`` times it against fla."""
     sms = _sm_count(torch.cuda.current_device()) if torch.cuda.is_available() else 132
     return (32, 4) if num_programs_bv64 < 2 * sms or V < 64 else (64, 2)
 
@@ -235,9 +271,11 @@ def chunk_state_pass(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The inter-chunk state pass over slots (see the module docstring).
 
-    :param k: ``[T, H, K]`` keys (already l2-normalised when the layer asks for it).
+    :param k: ``[T, H, K]`` keys (already l2-normalised when the layer asks for it); for KDA
+        fla's ``kg`` ``[T, HV, K]``: the keys times each token's decay to its chunk's end.
     :param w: ``[T, HV, K]``, ``u``: ``[T, HV, V]`` fla's WY representation of each chunk.
-    :param g: ``[T, HV]`` float32 chunk-local cumulative log2 decay.
+    :param g: float32 chunk-local cumulative log2 decay: ``[T, HV]`` per head (Gated
+        DeltaNet), or ``[T, HV, K]`` per key channel (KDA; ``k`` is then ``kg``).
     :param ssm_state: ``[S, HV, K, V]`` float32/bfloat16, each slot's ``[HV, K, V]`` contiguous.
     :param state_indices: ``[N]`` distinct slots; ``cu_seqlens``: ``[N + 1]`` token offsets;
         ``chunk_offsets``: ``[N + 1]`` offsets of each sequence's chunks (``num_chunks`` total).
@@ -246,6 +284,17 @@ def chunk_state_pass(
     """
     T, H, K = k.shape
     HV, V = u.shape[1], u.shape[2]
+    per_channel = g.dim() == 3
+    if g.shape != ((T, HV, K) if per_channel else (T, HV)):
+        raise ValueError(
+            f"chunk_state_pass: g must be [T, HV] (per-head decay) or [T, HV, K] (per key "
+            f"channel) with T={T}, HV={HV}, K={K}, got {list(g.shape)}"
+        )
+    if per_channel and H != HV:
+        raise ValueError(
+            f"chunk_state_pass: a per-channel decay takes fla's kg [T, HV, K] as k (one key "
+            f"row per value head), got k {list(k.shape)} for {HV} value heads"
+        )
     N = state_indices.shape[0]
     h = k.new_empty(1, num_chunks, HV, K, V)
     v_new = torch.empty_like(u)
@@ -259,12 +308,13 @@ def chunk_state_pass(
         args = (k, w, u, g, h, v_new, ssm_state, state_indices, cu_seqlens, chunk_offsets,
                 ssm_state.stride(0))  # fmt: skip
         kw = dict(H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=max(16, triton.next_power_of_2(K)), BV=BV,
-                  UPCAST=INTERPRETED, num_warps=num_warps, num_stages=stages)  # fmt: skip
+                  GK=per_channel, UPCAST=INTERPRETED, num_warps=num_warps,
+                  num_stages=stages)  # fmt: skip
         if warmup:
             return _chunk_state_kernel.warmup(*args, grid=grid, **kw)
         return _chunk_state_kernel[grid](*args, **kw)
 
-    key = (k.device, k.dtype, ssm_state.dtype, H, HV, K, V, BV, num_warps, stages)
+    key = (k.device, k.dtype, ssm_state.dtype, H, HV, K, V, BV, per_channel, num_warps, stages)
     fitted = _FITTED_STAGES.get(key)
     if fitted is None:
         fitted = _FITTED_STAGES[key] = _fit_stages(launch, stages, k.device)
@@ -286,7 +336,21 @@ def _fit_stages(launch, stages: int, device: torch.device) -> int:
     if INTERPRETED or device.type != "cuda":
         return stages
     return first_that_fits(range(stages, 0, -1), lambda st: launch(st, warmup=True), device,
-                           "gdn chunk state pass: no pipeline depth", "stages")  # fmt: skip
+                           "chunk state pass (GDN / KDA): no pipeline depth", "stages")  # fmt: skip
+
+
+def _plan(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, f):
+    """The steps both prefills share: a batch axis for fla, the l2norm, the chunk plan and
+    the chunk-local cumulative log2 decay (per head or per key channel, by ``g``'s rank)."""
+    q, k, v, g, beta = (t[None] for t in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm_qk(q, k)
+    chunk_indices = f["chunk_indices"](cu_seqlens, CHUNK, cu_seqlens_cpu=cu_seqlens_cpu)
+    chunk_offsets = f["chunk_offsets"](cu_seqlens, CHUNK)
+    g = f["cumsum"](
+        g, chunk_size=CHUNK, scale=f["RCP_LN2"], cu_seqlens=cu_seqlens, chunk_indices=chunk_indices
+    )
+    return q, k, v, g, beta, chunk_indices, chunk_offsets
 
 
 def gdn_chunk_prefill_slots(
@@ -312,16 +376,11 @@ def gdn_chunk_prefill_slots(
         host, so that fla plans its chunks without reading the device).
     :returns: the output ``[T, HV, V]`` in v's dtype; the slots hold the final states.
     """
-    f, reason = compat.stages()
+    f, reason = compat.stages("gdn")
     if reason:
         raise RuntimeError(reason)
-    q, k, v, g, beta = (t[None] for t in (q, k, v, g, beta))
-    if use_qk_l2norm:
-        q, k = l2norm_qk(q, k)
-    chunk_indices = f["chunk_indices"](cu_seqlens, CHUNK, cu_seqlens_cpu=cu_seqlens_cpu)
-    chunk_offsets = f["chunk_offsets"](cu_seqlens, CHUNK)
-    g = f["cumsum"](
-        g, chunk_size=CHUNK, scale=f["RCP_LN2"], cu_seqlens=cu_seqlens, chunk_indices=chunk_indices
+    q, k, v, g, beta, chunk_indices, chunk_offsets = _plan(
+        q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, f
     )
     w, u, _ = f["intra"](
         k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
@@ -334,5 +393,54 @@ def gdn_chunk_prefill_slots(
     o = f["chunk_fwd_o"](
         q=q, k=k, v=v_new, h=h, g=g, scale=scale, cu_seqlens=cu_seqlens,
         chunk_indices=chunk_indices, chunk_size=CHUNK,
+    )  # fmt: skip
+    return o[0]
+
+
+def kda_chunk_prefill_slots(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_cpu: torch.Tensor | None,
+    *,
+    scale: float,
+    use_qk_l2norm: bool,
+    **pass_options,
+) -> torch.Tensor:
+    """KDA chunked prefill on CUDA with fla's stages and our state pass over slots: the stages
+    of fla's ``chunk_kda`` forward (per-channel cumsum, ``chunk_kda_fwd_intra``, the output pass
+    ``chunk_gla_fwd_o_gk``) around :func:`chunk_state_pass` with the per-channel decay.
+
+    :param q: ``[T, H, K]``, ``k`` likewise, ``v`` ``[T, HV, V]``, ``g`` ``[T, HV, K]`` log
+        decay (natural log, as ``chunk_kda`` takes it), ``beta`` ``[T, HV]`` (contiguous;
+        checked by the caller).
+    :param cu_seqlens: ``[N + 1]`` int64 device offsets (``cu_seqlens_cpu`` the same on the
+        host, so that fla plans its chunks without reading the device).
+    :returns: the output ``[T, HV, V]`` in v's dtype; the slots hold the final states.
+    """
+    f, reason = compat.stages("kda")
+    if reason:
+        raise RuntimeError(reason)
+    q, k, v, g, beta, chunk_indices, chunk_offsets = _plan(
+        q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, f
+    )
+    # w, u: the WY representation; kg: k decayed to each chunk's end; Aqk: the intra-chunk
+    # attention the output pass reads (qg and Akk are for fla's backward)
+    w, u, _, kg, Aqk, _ = f["intra"](
+        q=q, k=k, v=v, gk=g, beta=beta, scale=scale, cu_seqlens=cu_seqlens,
+        chunk_size=CHUNK, chunk_indices=chunk_indices,
+    )  # fmt: skip
+    h, v_new = chunk_state_pass(
+        kg[0], w[0], u[0], g[0], ssm_state, state_indices, cu_seqlens, chunk_offsets,
+        chunk_indices.shape[0], **pass_options,
+    )  # fmt: skip
+    o = f["chunk_fwd_o"](
+        q=q, v=v_new, g=g, A=Aqk, h=h, scale=scale, cu_seqlens=cu_seqlens, chunk_size=CHUNK,
+        chunk_indices=chunk_indices,
     )  # fmt: skip
     return o[0]

@@ -4,9 +4,10 @@ with the state in slots.
 
 Every wrapper takes the step's tokens packed (varlen) with ``cu_seqlens`` ``[N + 1]``, starts
 each of the ``N`` sequences from its state in ``ssm_state[state_indices]`` and leaves the final
-state in the same slot. Gated DeltaNet on CUDA reads and writes the slots in its own state pass
-(:mod:`.gdn_chunk`); the other paths gather the initial states into a dense tensor, run the
-chunked algorithm and scatter the final states back. Prefill is not graph-captured, so no
+state in the same slot. Gated DeltaNet and KDA on CUDA read and write the slots in our own state
+pass (:mod:`.gdn_chunk`); the other paths (and these where fla's stages are off) gather the
+initial states into a dense tensor, run the chunked algorithm and scatter the final states
+back. Prefill is not graph-captured, so no
 padding rows are expected: every ``state_indices`` entry must be a valid slot.
 
 fla's chunk kernels need CUDA. On CPU the GDN/KDA wrappers fall back to fla's naive recurrent
@@ -73,15 +74,19 @@ def _delta_prefill(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens, *, kd
     _check_varlen(state_indices, cu_seqlens, T)
     if scale is None:
         scale = Dk**-0.5
+    kind = "kda" if kda else "gdn"
     if slot_pass is None:
-        slot_pass = _slot_pass_serves(q, ssm_state, kda)
-    elif slot_pass and not _slot_pass_serves(q, ssm_state, kda):
+        slot_pass = _slot_pass_serves(q, ssm_state, kind)
+    elif slot_pass and not _slot_pass_serves(q, ssm_state, kind):
         raise ValueError(
-            "slot_pass=True: needs CUDA, Gated DeltaNet, K <= 256, each slot's [Hv, Dk, Dv] "
-            f"contiguous and fla-core's stages ({gdn_chunk.unavailable() or 'importable'})"
+            f"slot_pass=True ({kind} prefill): needs CUDA, K <= 256, each slot's [Hv, Dk, Dv] "
+            f"contiguous and fla-core's {kind} stages "
+            f"({gdn_chunk.unavailable(kind) or 'importable'}); got q on {q.device}, K={Dk}, "
+            f"slot strides {list(ssm_state.stride()[1:])}"
         )
     if slot_pass:
-        o = gdn_chunk.gdn_chunk_prefill_slots(
+        slot_fn = gdn_chunk.kda_chunk_prefill_slots if kda else gdn_chunk.gdn_chunk_prefill_slots
+        o = slot_fn(
             q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
             ssm_state, state_indices, cu_seqlens.long(), _host_offsets(cu_seqlens_cpu),
             scale=scale, use_qk_l2norm=use_qk_l2norm,
@@ -105,15 +110,14 @@ def _delta_prefill(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens, *, kd
     return _finish(o, v, out, T, Hv, Dv)
 
 
-def _slot_pass_serves(q: torch.Tensor, ssm_state: torch.Tensor, kda: bool) -> bool:
+def _slot_pass_serves(q: torch.Tensor, ssm_state: torch.Tensor, kind: compat.Kind) -> bool:
     """Whether :mod:`.gdn_chunk` (the state pass reading and writing slots) takes this call."""
     Dk, Dv = ssm_state.shape[2], ssm_state.shape[3]
     return (
         q.is_cuda
-        and not kda
         and Dk <= 256
         and ssm_state.stride()[1:] == (Dk * Dv, Dv, 1)
-        and compat.slot_pass_reason(q.device) is None  # gate, imports, self-check
+        and compat.slot_pass_reason(q.device, kind) is None  # gate, imports, self-check
     )
 
 
@@ -208,11 +212,15 @@ def kda_prefill(
     use_qk_l2norm: bool = True,
     out: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    slot_pass: bool | None = None,
 ) -> torch.Tensor:
-    """:func:`gdn_prefill` for KDA (fla ``chunk_kda``): ``g`` is ``[T, Hv, Dk]``."""
+    """:func:`gdn_prefill` for KDA (fla ``chunk_kda``): ``g`` is ``[T, Hv, Dk]``, the log
+    decay per key channel. On CUDA the state pass over slots is ours as for Gated DeltaNet
+    (:func:`.gdn_chunk.kda_chunk_prefill_slots`, around fla's KDA stages); ``slot_pass`` as
+    there."""
     return _delta_prefill(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens, kda=True,
                           scale=scale, use_qk_l2norm=use_qk_l2norm, out=out,
-                          cu_seqlens_cpu=cu_seqlens_cpu)  # fmt: skip
+                          cu_seqlens_cpu=cu_seqlens_cpu, slot_pass=slot_pass)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
