@@ -6,7 +6,9 @@ Per step and layer the context writes the new tokens' K/V into the paged cache b
 whole batch: ``cu_seqlens_q = batch.query_start_loc``, ``seqused_k = batch.seq_lens`` (KV length
 including the new tokens), ``page_table = batch.page_table``. The kernel aligns each request's
 queries to the end of its ``seqused_k`` keys, which is where the core puts them, so prefill
-chunks, decodes, mixed and speculative-verify steps are all the same call.
+chunks, decodes, mixed and speculative-verify steps are all the same call. A decode step at long
+context and small batch is split over the cached context instead (:mod:`attn_plugin_fa3.split_kv`:
+chunk rows, then one merge kernel that adds the step's own key and stores the new K/V).
 
 CUDA graphs (mode ``decode``): every tensor the call reads is a view of a persistent buffer of the
 :class:`attn_core.batch.BatchBuilder` (same address for the same padded size), no length is read

@@ -221,12 +221,13 @@ def plan(
         partial, lse, meta.seqused_k, meta.seq_lens, sinks if sinks is not None else lse,
         q, k, v, slot_mapping, k_cache, v_cache, out,
     )  # fmt: skip
-    pdl = pdl_enabled(partial.device)  # per call: ATTN_PDL is read each time
+    device = q.get_device()
+    pdl = device >= 0 and pdl_enabled(device)  # per call: ATTN_PDL is read each time
     key = (
         b, s, h, k.shape[1], d, partial.stride(), lse.stride(), q.stride(), k.stride(),
         v.stride(), slot_mapping.stride(0), k_cache.shape, k_cache.stride(), v_cache.stride(),
-        out.stride(), scale, softcap, sinks is not None, *[t.dtype for t in tensors],
-        q.get_device(), pdl,
+        out.stride(), scale, softcap, sinks is not None, *[t.dtype for t in tensors], device,
+        pdl,
     )  # fmt: skip
     found = _PLANS.get(key)
     if found is not None:
