@@ -535,8 +535,8 @@ def check_broadcast_q(
 ) -> str | None:
     """Whether :meth:`Provider.run_with_lse` reads query rows of stride 0 (one request's query
     broadcast over its chunk rows, what a split decode of one request passes instead of a copy)
-    as it reads the same rows copied, at a layer's shape: None where the results agree on
-    ``device``, else why not.
+    as it reads the same rows copied, at a layer's shape, and distinct rows afterwards as before:
+    None where the results agree on ``device``, else why not.
 
     Why a check: the kernel loads q through a TMA descriptor built from q's strides (or, for
     some GQA group sizes, per-thread copies), and nothing in flash-attn-4's interface says a
@@ -552,12 +552,21 @@ def check_broadcast_q(
         k_cache = torch.randn(shape, device=device, generator=g).to(dtype)
         v_cache = torch.randn(shape, device=device, generator=g).to(dtype)
         rows = dict(_chunk_rows_case(device, g, k_cache, v_cache, num_heads), softcap=softcap)
+        used = rows["seqused_k"]
+        # Distinct contiguous rows first: the kernel of this shape compiles from them, as for a
+        # copy (and, were a compile to fix q's strides, the broadcast below would differ).
+        first_o, first_lse = provider.run_with_lse(**rows)
         broadcast = rows["q"][:1].expand(4, *rows["q"].shape[1:])
         o, lse = provider.run_with_lse(**dict(rows, q=broadcast))
         want_o, want_lse = provider.run_with_lse(**dict(rows, q=broadcast.contiguous()))
-        problem = _rows_differ(o, lse, want_o, want_lse, rows["seqused_k"])
+        problem = _rows_differ(o, lse, want_o, want_lse, used)
         if problem is not None:
             return f"query rows of stride 0: the chunk-row call {problem} from a copy"
+        # and the broadcast call left the contiguous one as it was
+        again_o, again_lse = provider.run_with_lse(**rows)
+        problem = _rows_differ(again_o, again_lse, first_o, first_lse, used)
+        if problem is not None:
+            return f"after query rows of stride 0, the chunk-row call {problem} from before"
     except Exception as exc:  # any failure means: copy the rows
         return f"query rows of stride 0: the chunk-row call raised {type(exc).__name__}: {exc}"
     return None

@@ -657,28 +657,39 @@ def _caches_64() -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(torch.randn(8, 16, 2, 64, generator=g).bfloat16() for _ in range(2))
 
 
-@pytest.mark.parametrize("reads_strides", [True, False])
-def test_broadcast_query_rows_only_where_the_kernel_reads_them_right(monkeypatch, reads_strides):
+@pytest.mark.parametrize("kernel", ["reads_strides", "as_if_contiguous", "keeps_stride_0"])
+def test_broadcast_query_rows_only_where_the_kernel_reads_them_right(monkeypatch, kernel):
     """A split decode of one request passes its query broadcast over the chunk rows (stride 0)
     only where :func:`providers.check_broadcast_q` saw the kernel read such rows as it reads a
-    copy; a kernel that reads q's storage as if contiguous fails the check."""
+    copy, and read distinct rows as before afterwards; a kernel that reads q's storage as if
+    contiguous fails the check, and so does one that keeps reading row 0 once it saw stride 0
+    (as a compile fixing q's strides would)."""
+    from dataclasses import replace
+
     _fake_fa4(monkeypatch, "4.0.0b14")
     provider = providers._fa4_provider()
-    if not reads_strides:
-        real = provider._run_with_lse
+    real = provider._run_with_lse
+    seen_zero = []
 
-        def as_if_contiguous(q, *args, **kwargs):
-            dense = torch.as_strided(q, q.shape, (q.shape[1] * q.shape[2], q.shape[2], 1))
-            return real(dense, *args, **kwargs)
+    def as_if_contiguous(q, *args, **kwargs):
+        dense = torch.as_strided(q, q.shape, (q.shape[1] * q.shape[2], q.shape[2], 1))
+        return real(dense, *args, **kwargs)
 
-        from dataclasses import replace
+    def keeps_stride_0(q, *args, **kwargs):
+        if q.stride(0) == 0:
+            seen_zero.append(True)
+        return real(q[:1].expand(q.shape) if seen_zero else q, *args, **kwargs)
 
-        provider = replace(provider, _run_with_lse=as_if_contiguous)
+    if kernel != "reads_strides":
+        fake = as_if_contiguous if kernel == "as_if_contiguous" else keeps_stride_0
+        provider = replace(provider, _run_with_lse=fake)
     problem = providers.check_broadcast_q(provider, torch.device("cpu"))
-    if reads_strides:
+    if kernel == "reads_strides":
         assert problem is None
+    elif kernel == "as_if_contiguous":
+        assert problem is not None and "stride 0: the chunk-row call differs" in problem
     else:
-        assert problem is not None and "stride 0" in problem and "differs" in problem
+        assert problem is not None and "after query rows of stride 0" in problem
 
 
 # ------------------------------------------------------------------------------------------
