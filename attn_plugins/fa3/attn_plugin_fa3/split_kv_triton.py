@@ -3,12 +3,13 @@ K/V write fused in.
 
 One program per (request, head) reads the request's ``S`` chunk log-sum-exps and its ``S``
 partial rows for that head as one ``[S, D]`` tile (each once, unit-stride rows: 16-byte vector
-loads), computes the logit of the step's own key ``q . k_new`` (soft-capped where the layer
-caps), weights everything by ``exp(x - M)`` in float32 and writes ``out[b, h, :]`` in ``out``'s
-dtype, straight into the layer's output buffer. A chunk with no keys (``seqused_k == 0``) has
-weight 0 and its partial row is not read (it may hold anything). The first program of each KV
-head also stores the step's K/V rows at ``slot_mapping[b]`` (``< 0`` or past the cache: nothing),
-which the chunk kernel before it never reads: no write launch before the attention.
+loads, all issued before any is waited for), computes the logit of the step's own key
+``q . k_new`` (soft-capped where the layer caps), weights everything by ``exp(x - M)`` in
+float32 and writes ``out[b, h, :]`` in ``out``'s dtype, straight into the layer's output buffer.
+A chunk with no keys (``seqused_k == 0``) has weight 0, whatever its rows hold. The first
+program of each KV head also stores the step's K/V rows at ``slot_mapping[b]`` (``< 0`` or past
+the cache: nothing), which the chunk kernel before it never reads: no write launch before the
+attention.
 
 Launched through a :class:`MergePlan` per step shape, bound to the compiled kernel after its
 first launch (:meth:`attn_core.fast_launch.CachedLaunch.bind`): an eager decode step of one
@@ -89,25 +90,36 @@ def _merge_kernel(
     kvh = h // GROUP
     s = tl.arange(0, SPLITS_PAD)
     row = b * NUM_SPLITS + s
-    used = tl.load(seqused_ptr + row, mask=s < NUM_SPLITS, other=0)
-    valid = used > 0
-    lse = tl.load(lse_ptr + h * stride_lh + row, mask=valid, other=float("-inf"))
+    real = s < NUM_SPLITS
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
+    # Every load below is issued before any result is used: none waits on the chunk lengths
+    # (an empty chunk's row is read, then dropped by `valid`: it may hold anything, NaN too).
+    used = tl.load(seqused_ptr + row, mask=real, other=0)
+    lse = tl.load(lse_ptr + h * stride_lh + row, mask=real, other=float("-inf"))
+    parts = tl.load(
+        partial_ptr + row[:, None] * stride_pt + h * stride_ph + d[None, :],
+        mask=real[:, None] & dmask[None, :],
+        other=0.0,
+    )
+    valid = used > 0
+    lse = tl.where(valid, lse, float("-inf"))
     q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d, mask=dmask, other=0.0)
     k_new = tl.load(k_ptr + b * stride_kb + kvh * stride_kh + d, mask=dmask, other=0.0)
     v_new = tl.load(v_ptr + b * stride_vb + kvh * stride_vh + d, mask=dmask, other=0.0)
+    seq_len = tl.load(seq_lens_ptr + b)
+    slot = tl.load(slot_ptr + b * stride_slot).to(tl.int64)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32)
     s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=0) * scale
     if SOFTCAP:  # c * tanh(s / c), as the chunk kernel's score_mod; tanh without overflow
         x = s_new / softcap
         t = tl.exp(-2.0 * tl.abs(x))
         th = (1.0 - t) / (1.0 + t)
         s_new = softcap * tl.where(x < 0, -th, th)
-    seq_len = tl.load(seq_lens_ptr + b)
     s_new = tl.where(seq_len > 0, s_new, float("-inf"))
     m = tl.maximum(tl.max(lse, axis=0), s_new)
     if HAS_SINKS:
-        sink = tl.load(sinks_ptr + h).to(tl.float32)
         m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)  # no key at all: every weight below is 0
     w = tl.exp(lse - m)  # [SPLITS_PAD], 0 for empty and padding chunks
@@ -115,30 +127,24 @@ def _merge_kernel(
     denom = tl.sum(w, axis=0) + w_new
     if HAS_SINKS:
         denom += tl.exp(sink - m)
-    parts = tl.load(
-        partial_ptr + row[:, None] * stride_pt + h * stride_ph + d[None, :],
-        mask=valid[:, None] & dmask[None, :],
-        other=0.0,
-    )
-    acc = tl.sum(w[:, None] * parts.to(tl.float32), axis=0) + w_new * v_new.to(tl.float32)
+    parts = tl.where(valid[:, None], parts.to(tl.float32), 0.0)  # 0 * NaN would be NaN
+    acc = tl.sum(w[:, None] * parts, axis=0) + w_new * v_new.to(tl.float32)
     acc = tl.where(denom > 0.0, acc / tl.where(denom > 0.0, denom, 1.0), 0.0)
     tl.store(
         out_ptr + b * stride_ob + h * stride_oh + d, acc.to(out_ptr.dtype.element_ty), mask=dmask
     )
     # The fused K/V write: one program per (request, KV head) stores its rows.
-    if h % GROUP == 0:
-        slot = tl.load(slot_ptr + b * stride_slot).to(tl.int64)
-        if (slot >= 0) & (slot < num_slots):
-            tl.store(
-                k_cache_ptr + slot * kc_slot + kvh * kc_head + d,
-                k_new.to(k_cache_ptr.dtype.element_ty),
-                mask=dmask,
-            )
-            tl.store(
-                v_cache_ptr + slot * vc_slot + kvh * vc_head + d,
-                v_new.to(v_cache_ptr.dtype.element_ty),
-                mask=dmask,
-            )
+    if (h % GROUP == 0) & (slot >= 0) & (slot < num_slots):
+        tl.store(
+            k_cache_ptr + slot * kc_slot + kvh * kc_head + d,
+            k_new.to(k_cache_ptr.dtype.element_ty),
+            mask=dmask,
+        )
+        tl.store(
+            v_cache_ptr + slot * vc_slot + kvh * vc_head + d,
+            v_new.to(v_cache_ptr.dtype.element_ty),
+            mask=dmask,
+        )
 
 
 _MERGE = CachedLaunch(_merge_kernel)
