@@ -266,9 +266,11 @@ class FA3Context:
         #: graph mode: split metadata per padded batch size, at fixed addresses
         self._split_buffers: dict[int, split_kv.SplitMetadata] = {}
         self.split: split_kv.SplitMetadata | None = None  # this step's split, or None
-        #: split decode: the chunk rows' output, log-sum-exp and query buffers per row count
+        #: split decode: the chunk rows' output, log-sum-exp and query buffers per q shape
         #: (shared by the group's layers, which run one after another on one stream)
         self._chunk_buffers: dict[tuple, _ChunkBuffers] = {}
+        self._retired_buffers: list[_ChunkBuffers] = []
+        self._chunk_views: dict[tuple, _ChunkBuffers] = {}  # per (q shape, rows): views of them
         self.dense = False  # this step: prefill without cached prefix, no page table read
 
     def prepare(self, batch: AttentionBatch) -> None:
@@ -453,25 +455,40 @@ class FA3Context:
         return target
 
     def _buffers(self, n: int, q: torch.Tensor) -> _ChunkBuffers:
-        """The chunk rows' buffers for ``n`` rows of q's heads, dtype and device (allocated on
-        a layer's first split step, which runs eagerly before any capture)."""
-        key = (n, q.shape[1], q.shape[2], q.dtype, q.device)
-        found = self._chunk_buffers.get(key)
-        if found is None:
-            h, d = q.shape[1], q.shape[2]
-            found = self._chunk_buffers[key] = _ChunkBuffers(
-                partial=torch.empty(n, h, d, dtype=q.dtype, device=q.device),
-                lse=torch.empty(h, n, dtype=torch.float32, device=q.device),
-                q_rows=torch.empty(n, h, d, dtype=q.dtype, device=q.device),
+        """Views of ``n`` chunk rows into this context's buffers for q's heads, dtype and
+        device: allocated once, for the most rows a split makes (``num_sms // num_kv_heads``:
+        one wave of CTAs), on a layer's first split step, which runs eagerly before any capture.
+        A larger ``n`` allocates anew and keeps the old buffers alive (a captured graph may
+        read them)."""
+        h, d = q.shape[1], q.shape[2]
+        key = (h, d, q.dtype, q.device)
+        views = self._chunk_views.get((key, n))
+        if views is not None:
+            return views
+        flat = self._chunk_buffers.get(key)
+        if flat is None or flat.lse.numel() < h * n:
+            if flat is not None:
+                self._retired_buffers.append(flat)
+                self._chunk_views.clear()
+            rows = max(n, self._num_sms // self.spec.num_kv_heads)
+            flat = self._chunk_buffers[key] = _ChunkBuffers(
+                partial=torch.empty(rows * h * d, dtype=q.dtype, device=q.device),
+                lse=torch.empty(rows * h, dtype=torch.float32, device=q.device),
+                q_rows=torch.empty(rows * h * d, dtype=q.dtype, device=q.device),
             )
-        return found
+        views = self._chunk_views[(key, n)] = _ChunkBuffers(
+            partial=flat.partial[: n * h * d].view(n, h, d),
+            lse=flat.lse[: h * n].view(h, n),
+            q_rows=flat.q_rows[: n * h * d].view(n, h, d),
+        )
+        return views
 
 
 @dataclass(frozen=True, slots=True)
 class _ChunkBuffers:
-    """One split shape's buffers: ``partial`` ``[N, H, D]`` and ``lse`` ``[H, N]`` float32 the
+    """Split decode's buffers: ``partial`` ``[N, H, D]`` and ``lse`` ``[H, N]`` float32 the
     chunk kernel writes (where its private entry point is on), ``q_rows`` ``[N, H, D]`` the
-    query rows copied for it."""
+    query rows copied for it (a context keeps them flat, with room for the most rows)."""
 
     partial: torch.Tensor
     lse: torch.Tensor

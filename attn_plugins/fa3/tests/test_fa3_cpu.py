@@ -528,6 +528,30 @@ def test_one_request_split_decode_broadcasts_its_query_where_the_check_passed(
     assert all((c["q_row_stride"] == 0) is broadcast for c in splits)
 
 
+def test_chunk_buffers_are_views_of_one_allocation_that_outlives_a_larger_one(monkeypatch):
+    """Split decode's chunk-row buffers: every row count a split makes is a view of one
+    allocation sized for one wave of CTAs; a larger count allocates anew and keeps the old
+    buffers (a captured graph may still read them)."""
+    rec = _SplitRecorder()
+    monkeypatch.setattr(plugin, "_PROBE", (rec.as_provider(), None))
+    spec = LayerSpec(kind="full", num_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+    groups = group_layers([spec])
+    reg = _registry(True)
+    plan = select(groups, reg, DeviceCapabilities.target("h200"), ExecutionConstraints())
+    rt = AttentionRuntime(plan, reg, state=PersistentState(groups, num_pages=4, num_slots=0))
+    ctx = rt.groups["full"].context
+    ctx._num_sms = 132  # room for 66 rows of 2 KV heads
+    q = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
+    small, other = ctx._buffers(16, q), ctx._buffers(8, q)
+    assert small.partial.shape == (16, 4, 64) and small.lse.shape == (4, 16)
+    assert small.lse.is_contiguous() and small.q_rows.shape == (16, 4, 64)
+    assert other.partial.data_ptr() == small.partial.data_ptr()  # one allocation
+    assert ctx._buffers(16, q) is small  # views kept per row count
+    big = ctx._buffers(80, q)
+    assert big.partial.data_ptr() != small.partial.data_ptr()
+    assert [b.partial.data_ptr() for b in ctx._retired_buffers] == [small.partial.data_ptr()]
+
+
 # ------------------------------------------------------------------------------------------
 # The private entry point: version gate and self-check
 # ------------------------------------------------------------------------------------------
