@@ -14,12 +14,14 @@ the layer caps) the merge computes itself::
           / (sum_s exp(lse_s - M) + exp(s_new - M) + exp(sink - M))
 
 Why the new token is left out of the chunks: the merge kernel then also stores the step's K/V
-rows into the paged cache (the chunk kernel, which ran before it, never reads that slot), so a
-split decode step is two launches per layer at B=1 (the chunk call and the merge), three at B>1
-(the query rows copied first, :func:`query_rows`), where it took four (KV write, query copy, chunk
-call, merge). Learnable sinks join the softmax denominator once, so they are left out of the
-chunk calls and added in the merge too. Chunks past a request's context (``seqused_k = 0``) get
-weight 0 whatever the kernel wrote for them.
+rows into the paged cache (the chunk kernel, which ran before it, never reads that slot), so no
+write launch precedes the chunks. With the query of a single request passed broadcast over its
+chunk rows (:func:`query_rows`, where the kernel was seen to read such rows right) a split
+decode step is two launches per layer (the chunk call and the merge); several requests copy
+their query rows first (three). It took four: KV write, query copy, chunk call, merge.
+Learnable sinks join the softmax denominator once, so they are left out of the chunk calls and
+added in the merge too. Chunks past a request's context (``seqused_k = 0``) get weight 0 whatever
+the kernel wrote for them.
 
 Only decode steps of layers without a sliding window are split (a window already bounds the work,
 and a chunk would need the window's start mask). :func:`plan_splits` decides from a host length:
