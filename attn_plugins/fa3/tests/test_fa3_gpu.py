@@ -253,8 +253,9 @@ def test_long_context_decode_is_split_and_matches(heads, kv_heads, sinks, softca
 def test_split_decode_equals_the_unsplit_call_and_stores_the_new_kv(batch):
     """The split step (chunk call + merge that also stores the new K/V; at B=1 the query
     broadcast over its chunk rows, no copy) against the unsplit paged call over the same cache
-    after the same K/V write, and against the reference: the same output at bf16 tolerance, and
-    the merge wrote the step's K/V rows exactly where the core's writer puts them."""
+    after the same K/V write, the reference and (where installed) FlashInfer's decode: the same
+    output at bf16 tolerance, and the merge wrote the step's K/V rows exactly where the core's
+    writer puts them."""
     spec = _spec(num_heads=64, num_kv_heads=8)
     h = Harness(spec, max_batch=batch, max_tokens=6000 * batch, max_len=6100)
     names = [f"r{i}" for i in range(batch)]
@@ -282,8 +283,33 @@ def test_split_decode_equals_the_unsplit_call_and_stores_the_new_kv(batch):
         ctx.split = kept
         torch.testing.assert_close(got.float(), unsplit.float(), atol=1e-2, rtol=1e-2)
         torch.testing.assert_close(got.float(), want.float(), **TOL)
+        fi = _flashinfer_decode(q, layer, batch_, spec)
+        if fi is not None:  # FlashInfer's own decode over the same pages, where installed
+            torch.testing.assert_close(got.float(), fi.float(), atol=1e-2, rtol=1e-2)
         for n, m in reqs:
             h.state.advance(n, m)
+
+
+def _flashinfer_decode(q, layer, batch, spec) -> torch.Tensor | None:
+    """FlashInfer's paged decode of ``q`` over the batch's pages (the new K/V written), or None
+    without FlashInfer."""
+    try:
+        import flashinfer
+    except ImportError:
+        return None
+    b, page = batch.num_reqs, spec.page_size
+    seq = torch.from_numpy(batch.seq_lens_cpu[:b].astype("int64"))
+    npages = (seq + page - 1) // page
+    table = batch.page_table[:b].cpu()
+    indices = torch.cat([table[i, : int(n)] for i, n in enumerate(npages)]).int()
+    indptr = torch.zeros(b + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(npages, 0)
+    last = (seq - (npages - 1) * page).int()
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+    w.plan(indptr, indices, last, spec.num_heads, spec.num_kv_heads, spec.head_dim, page,
+           q_data_type=q.dtype)  # fmt: skip
+    return w.run(q[:b], (layer.k, layer.v))
 
 
 def test_broadcast_query_rows_pass_their_check_on_this_gpu():
