@@ -11,7 +11,7 @@ import torch
 
 from attn_core.state.kv_write import write_kv_slots
 
-__all__ = ["write_kv"]
+__all__ = ["check_kv_dtypes", "write_kv"]
 
 
 def write_kv(
@@ -34,9 +34,17 @@ def write_kv(
         and not capturing a graph that may be replayed with padding); lets the torch path (off
         CUDA) skip its padding redirect.
     """
+    check_kv_dtypes(k, v, k_cache, v_cache)
+    write_kv_slots(k, v, k_cache, v_cache, slot_mapping, may_have_padding=may_have_padding)
+
+
+def check_kv_dtypes(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> None:
+    """Raise unless the new K/V are in the cache's dtype (the split-KV merge stores them as
+    they are, like :func:`write_kv`)."""
     if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
         raise ValueError(
             f"k/v dtype {k.dtype}/{v.dtype} must equal the cache dtype {k_cache.dtype}/"
             f"{v_cache.dtype} (this backend stores KV unquantised)"
         )
-    write_kv_slots(k, v, k_cache, v_cache, slot_mapping, may_have_padding=may_have_padding)

@@ -6,7 +6,9 @@ Per step and layer the context writes the new tokens' K/V into the paged cache b
 whole batch: ``cu_seqlens_q = batch.query_start_loc``, ``seqused_k = batch.seq_lens`` (KV length
 including the new tokens), ``page_table = batch.page_table``. The kernel aligns each request's
 queries to the end of its ``seqused_k`` keys, which is where the core puts them, so prefill
-chunks, decodes, mixed and speculative-verify steps are all the same call.
+chunks, decodes, mixed and speculative-verify steps are all the same call. A decode step at long
+context and small batch is split over the cached context instead (:mod:`attn_plugin_fa3.split_kv`:
+chunk rows, then one merge kernel that adds the step's own key and stores the new K/V).
 
 CUDA graphs (mode ``decode``): every tensor the call reads is a view of a persistent buffer of the
 :class:`attn_core.batch.BatchBuilder` (same address for the same padded size), no length is read
@@ -18,7 +20,7 @@ JIT-compiles the kernel, 2-4 s).
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -27,9 +29,16 @@ from attn_core.backend import Backend, BackendCapabilities
 from attn_core.batch import AttentionBatch, BatchMode
 from attn_core.errors import BackendInputError
 from attn_core.hookspecs import hookimpl
-from attn_core.specs import ExecutionConstraints, GraphMode, LayerGroup, LayerKind, Phase
+from attn_core.specs import (
+    ExecutionConstraints,
+    GraphMode,
+    LayerGroup,
+    LayerKind,
+    LayerSpec,
+    Phase,
+)
 from attn_plugin_fa3 import __version__, providers, split_kv
-from attn_plugin_fa3.kv_write import write_kv
+from attn_plugin_fa3.kv_write import check_kv_dtypes, write_kv
 
 if TYPE_CHECKING:
     from attn_core.binding import LayerAttentionBinding
@@ -164,12 +173,41 @@ def checked_provider(device: torch.device) -> providers.Provider:
     return provider
 
 
+#: :func:`providers.check_broadcast_q` verdicts per (provider, device, layer shape): None (the
+#: kernel reads broadcast query rows right) or why not; checked once per process and shape
+_BROADCAST_Q: dict[tuple, str | None] = {}
+
+
+def broadcast_q_problem(
+    provider: providers.Provider, device: torch.device, spec: LayerSpec
+) -> str | None:
+    """Why a split decode of one request at ``spec``'s shape must copy its query rows on
+    ``device`` (CPU: no check, always copied), or None where it may pass ``q[0]`` broadcast."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return "not checked off CUDA"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    dtype = getattr(torch, spec.dtype)
+    key = (
+        provider.name, provider.version, provider.uses_private, index, spec.num_heads,
+        spec.num_kv_heads, spec.head_dim, spec.page_size, dtype, spec.logits_soft_cap,
+    )  # fmt: skip
+    if key not in _BROADCAST_Q:
+        with torch.cuda.device(index):
+            _BROADCAST_Q[key] = providers.check_broadcast_q(
+                provider, torch.device("cuda", index), num_heads=spec.num_heads,
+                num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                page_size=spec.page_size or 16, dtype=dtype,
+                softcap=provider.make_softcap(spec.logits_soft_cap),
+            )  # fmt: skip
+    return _BROADCAST_Q[key]
+
+
 @hookimpl
 def attn_core_allocate_context(backend, group, device, constraints, state, workspace):
     if probe()[0] is None:
         raise RuntimeError(f"{backend.qualified_name} cannot run: {probe()[1]}")
     where = torch.device("cuda" if device.device_type == "cuda" else "cpu")
-    return FA3Context(backend, group, checked_provider(where), constraints)
+    return FA3Context(backend, group, checked_provider(where), constraints, device=where)
 
 
 @hookimpl
@@ -186,6 +224,7 @@ class FA3Context:
         group: LayerGroup,
         provider: providers.Provider,
         constraints: ExecutionConstraints,
+        device: torch.device | None = None,
     ) -> None:
         spec = group.spec
         self.backend = backend
@@ -215,11 +254,23 @@ class FA3Context:
         #: decode steps split over the KV range (see :mod:`attn_plugin_fa3.split_kv`); a
         #: window bounds the work already
         self._split_decode = provider.splits_kv and self.window_left is None
+        #: a split decode of one request passes q[0] broadcast over its chunk rows (no copy)
+        #: where the kernel was seen to read such rows right at this layer's shape
+        self.broadcast_q = (
+            self._split_decode
+            and device is not None
+            and broadcast_q_problem(provider, device, spec) is None
+        )
         self._graphs = constraints.graph_mode is not GraphMode.NONE
         self._num_sms = 0
         #: graph mode: split metadata per padded batch size, at fixed addresses
         self._split_buffers: dict[int, split_kv.SplitMetadata] = {}
         self.split: split_kv.SplitMetadata | None = None  # this step's split, or None
+        #: split decode: the chunk rows' output, log-sum-exp and query buffers per q shape
+        #: (shared by the group's layers, which run one after another on one stream)
+        self._chunk_buffers: dict[tuple, _ChunkBuffers] = {}
+        self._retired_buffers: list[_ChunkBuffers] = []
+        self._chunk_views: dict[tuple, _ChunkBuffers] = {}  # per (q shape, rows): views of them
         self.dense = False  # this step: prefill without cached prefix, no page table read
 
     def prepare(self, batch: AttentionBatch) -> None:
@@ -249,9 +300,9 @@ class FA3Context:
         if not self._num_sms:
             self._num_sms = split_kv.sm_count(batch.seq_lens.device)
         hkv = self.spec.num_kv_heads
-        if not self._graphs:
+        if not self._graphs:  # the chunks cover the cached context, the new token is merged
             plan = split_kv.plan_splits(
-                batch.num_reqs, batch.max_seq_len, batch.page_size, hkv, self._num_sms
+                batch.num_reqs, batch.max_seq_len - 1, batch.page_size, hkv, self._num_sms
             )
             if plan is None:
                 return None
@@ -316,6 +367,12 @@ class FA3Context:
         kv = layer.kv
         if kv.k.dtype != q.dtype:
             self._bad("KV cache dtype", q.dtype, kv.k.dtype)
+        sinks = self._sinks_for(layer, q.device)
+        if self.split is not None:  # the merge kernel stores the new K/V (after the chunks)
+            check_kv_dtypes(k, v, kv.k, kv.v)
+            return self._split_forward(
+                self.split, q, k, v, kv.k, kv.v, batch.slot_mapping, out, layer.scale, sinks
+            )
         padding = batch.padded_tokens != batch.num_tokens or (
             q.is_cuda and torch.cuda.is_current_stream_capturing()
         )
@@ -323,9 +380,6 @@ class FA3Context:
         direct_out = (
             out if out is not None and out.dtype == q.dtype and out.is_contiguous() else None
         )
-        sinks = self._sinks_for(layer, q.device)
-        if self.split is not None:
-            return self._split_forward(self.split, q, kv.k, kv.v, out, layer.scale, sinks)
         if self.dense:
             return self.provider.run_dense(
                 q,
@@ -359,15 +413,26 @@ class FA3Context:
         self,
         meta: split_kv.SplitMetadata,
         q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
         out: torch.Tensor | None,
         scale: float,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
-        """A decode step as ``S`` one-query chunk rows per request, merged by log-sum-exp."""
-        rows = meta.num_reqs
-        q_rows = q[:rows].repeat_interleave(meta.plan.num_splits, dim=0)
+        """A decode step as ``S`` one-query chunk rows per request over the cached context,
+        merged by log-sum-exp with the step's own key; the merge kernel also stores the new
+        K/V. Launches: the chunk call and the merge, plus one copy of the query rows where
+        there is more than one request (or the kernel was not seen to read broadcast rows)."""
+        rows, splits = meta.num_reqs, meta.plan.num_splits
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        bufs = self._buffers(rows * splits, q)
+        if rows == 1 and self.broadcast_q:
+            q_rows = split_kv.query_rows(q[:1], splits, None)  # a view of q[0]: no launch
+        else:
+            q_rows = split_kv.query_rows(q[:rows], splits, bufs.q_rows)
         partial, lse = self.provider.run_with_lse(
             q_rows,
             k_cache,
@@ -378,7 +443,53 @@ class FA3Context:
             page_table=meta.page_table,
             scale=scale,
             softcap=self.softcap,
+            out=bufs.partial,
+            lse=bufs.lse,
         )
         target = out if out is not None and out.stride(-1) == 1 else torch.empty_like(q)
-        split_kv.merge(partial, lse, meta, sinks, target)
+        split_kv.merge(
+            partial, lse, meta, sinks, target, q=q, k=k, v=v, k_cache=k_cache,
+            v_cache=v_cache, slot_mapping=slot_mapping, scale=scale,
+            softcap=self.spec.logits_soft_cap,
+        )  # fmt: skip
         return target
+
+    def _buffers(self, n: int, q: torch.Tensor) -> _ChunkBuffers:
+        """Views of ``n`` chunk rows into this context's buffers for q's heads, dtype and
+        device: allocated once, for the most rows a split makes (``num_sms // num_kv_heads``:
+        one wave of CTAs), on a layer's first split step, which runs eagerly before any capture.
+        A larger ``n`` allocates anew and keeps the old buffers alive (a captured graph may
+        read them)."""
+        h, d = q.shape[1], q.shape[2]
+        key = (h, d, q.dtype, q.device)
+        views = self._chunk_views.get((key, n))
+        if views is not None:
+            return views
+        flat = self._chunk_buffers.get(key)
+        if flat is None or flat.lse.numel() < h * n:
+            if flat is not None:
+                self._retired_buffers.append(flat)
+                self._chunk_views.clear()
+            rows = max(n, self._num_sms // self.spec.num_kv_heads)
+            flat = self._chunk_buffers[key] = _ChunkBuffers(
+                partial=torch.empty(rows * h * d, dtype=q.dtype, device=q.device),
+                lse=torch.empty(rows * h, dtype=torch.float32, device=q.device),
+                q_rows=torch.empty(rows * h * d, dtype=q.dtype, device=q.device),
+            )
+        views = self._chunk_views[(key, n)] = _ChunkBuffers(
+            partial=flat.partial[: n * h * d].view(n, h, d),
+            lse=flat.lse[: h * n].view(h, n),
+            q_rows=flat.q_rows[: n * h * d].view(n, h, d),
+        )
+        return views
+
+
+@dataclass(frozen=True, slots=True)
+class _ChunkBuffers:
+    """Split decode's buffers: ``partial`` ``[N, H, D]`` and ``lse`` ``[H, N]`` float32 the
+    chunk kernel writes (where its private entry point is on), ``q_rows`` ``[N, H, D]`` the
+    query rows copied for it (a context keeps them flat, with room for the most rows)."""
+
+    partial: torch.Tensor
+    lse: torch.Tensor
+    q_rows: torch.Tensor

@@ -11,11 +11,15 @@ Two providers, tried in this order:
      learnable_sink=, score_mod=, out=)`` returns ``(out, lse)``; the public
      ``flash_attn_varlen_func`` wraps it in an autograd Function and takes no ``out``. This
      module is the plugin's only user of that private function (and of
-     ``utils.create_softcap_scoremod``): it calls it, to write into the caller's ``out``, only
-     for a release in :data:`TESTED_DIRECT_RELEASES` whose signature has every argument used
-     here, and only once :func:`self_check` found it equal to the public function on a small
-     paged case on this GPU; otherwise every call is the public function (and a copy into
+     ``utils.create_softcap_scoremod``): it calls it, to write into the caller's ``out`` (and,
+     for split decode's chunk rows, ``lse``), only for a release in
+     :data:`TESTED_DIRECT_RELEASES` whose signature has every argument used here, and only
+     once :func:`self_check` found it equal to the public function on small paged and
+     chunk-row cases on this GPU; otherwise every call is the public function (and a copy into
      ``out``), and ``attn list`` says why (:attr:`Provider.note`).
+   * query rows of stride 0 (a split decode of one request broadcasting its query over its
+     chunk rows): nothing documents them, so :func:`check_broadcast_q` compares them with a
+     copy at each layer shape on the GPU before a context uses them.
    * paged KV: ``k``/``v`` are ``[num_pages, page_size, Hkv, D]``, ``page_table`` int32
      ``[B, max_pages]``, unit stride in the last dim; ``seqused_k`` int32 ``[B]``. A page size
      equal to the kernel's ``tile_n`` loads KV with TMA; any other page size loads rows with
@@ -52,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Provider", "describe_missing", "probe"]
+__all__ = ["Provider", "check_broadcast_q", "describe_missing", "probe", "self_check"]
 
 #: Head dims the paged path is correct for (see the module docstring).
 FA4_HEAD_DIMS = frozenset({64, 96, 128})
@@ -76,6 +80,8 @@ _FA4_FWD_ARGS = frozenset(
         "out",
     }
 )
+#: what ``_flash_attn_fwd`` must also take for the split-KV chunk call into caller buffers
+_FA4_LSE_ARGS = frozenset({"return_lse", "lse", "out", "score_mod", "softcap"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,12 +187,18 @@ class Provider:
         page_table: torch.Tensor,
         scale: float,
         softcap: object,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One query per row over paged KV, no window, no sinks; with the log-sum-exp.
 
-        :param q: ``[N, Hq, D]`` (N chunk rows of a split decode step).
+        :param q: ``[N, Hq, D]`` (N chunk rows of a split decode step), unit stride in D; rows
+            of stride 0 only where :func:`check_broadcast_q` passed for the shape.
         :param seqused_k: ``[N]`` int32 keys of each row (0 allowed).
         :param page_table: ``[N, pages]`` int32.
+        :param out: ``[N, Hq, D]`` contiguous in q's dtype, ``lse``: ``[Hq, N]`` float32
+            contiguous: where the private entry point is on, the kernel writes into them (no
+            allocation per call); otherwise they are ignored.
         :returns: ``(out [N, Hq, D] in q's dtype, lse [Hq, N] float32)``, natural log of the sum
             of ``exp(scale * q.k)`` (soft-capped when set) over each row's keys.
         """
@@ -202,6 +214,8 @@ class Provider:
             page_table=page_table,
             scale=scale,
             softcap=softcap,
+            out=out,
+            lse=lse,
         )
 
     def run_dense(
@@ -253,6 +267,7 @@ def _fa4_provider(*, allow_private: bool = True, why_not: str = "") -> Provider:
     version = _dist_version("flash-attn-4")
     fwd = getattr(iface, "_flash_attn_fwd", None)
     direct = False
+    fwd_args: set[str] = set()
     if not allow_private:
         note = f"_flash_attn_fwd: off ({why_not}); public flash_attn_varlen_func used"
     elif version not in TESTED_DIRECT_RELEASES:
@@ -264,9 +279,10 @@ def _fa4_provider(*, allow_private: bool = True, why_not: str = "") -> Provider:
         note = "_flash_attn_fwd: off (absent); public flash_attn_varlen_func used"
     else:
         try:
-            direct = set(inspect.signature(fwd).parameters) >= _FA4_FWD_ARGS
+            fwd_args = set(inspect.signature(fwd).parameters)
         except (TypeError, ValueError):
-            direct = False
+            fwd_args = set()
+        direct = fwd_args >= _FA4_FWD_ARGS
         note = (
             f"_flash_attn_fwd: on (flash-attn-4 {version}; self-check at first GPU use)"
             if direct
@@ -315,11 +331,22 @@ def _fa4_provider(*, allow_private: bool = True, why_not: str = "") -> Provider:
                       softcap=softcap, sinks=sinks)  # fmt: skip
 
     run_with_lse = None
+    # the private call writes the chunk rows into the caller's buffers (no allocation, no
+    # autograd Function per call); same gate and self-check as run's
+    direct_lse = direct and fwd_args >= _FA4_LSE_ARGS
     if public is not None and "return_lse" in inspect.signature(public).parameters:
 
         def run_with_lse(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, max_seqlen_k,
-                         page_table, scale, softcap):  # fmt: skip
+                         page_table, scale, softcap, out=None, lse=None):  # fmt: skip
             # causal: one query aligned to the end of its row's keys sees all of them
+            if direct_lse:
+                score_mod = softcap if make_mod is not None and softcap is not None else None
+                return fwd(q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=1,
+                           seqused_k=seqused_k, max_seqlen_k=max_seqlen_k,
+                           page_table=page_table, softmax_scale=scale, causal=True,
+                           softcap=None if score_mod is not None else softcap,
+                           score_mod=score_mod, return_lse=True, out=out,
+                           lse=lse)  # fmt: skip
             out, lse = public(
                 q,
                 k_cache,
@@ -404,7 +431,10 @@ def self_check(provider: Provider, device: torch.device) -> str | None:
     why not (a release whose private function changed meaning must not serve silently).
 
     The case: 2 requests (5 + 3 new tokens over 40 / 17 cached), 4 query / 2 KV heads, head dim
-    64, page 16, bf16, soft-cap 30 and a window of 24, written into ``out``."""
+    64, page 16, bf16, soft-cap 30 and a window of 24, written into ``out``. Where the provider
+    splits decode steps, also :meth:`Provider.run_with_lse` into caller buffers (the private
+    call where it is on) against the public function's ``return_lse=True`` on four chunk rows,
+    one of them empty (compared where rows have keys)."""
     try:
         from flash_attn.cute.interface import flash_attn_varlen_func
 
@@ -431,8 +461,114 @@ def self_check(provider: Provider, device: torch.device) -> str | None:
         err = (got.float() - want.float()).abs().max().item()
         if not err <= 1e-2:
             return f"the private call differs from flash_attn_varlen_func by {err:.3g}"
+        if provider.splits_kv:
+            rows = _chunk_rows_case(device, g, k_cache, v_cache)
+            o_buf = torch.full_like(rows["q"], float("nan"))
+            lse_buf = torch.full((hq, 4), float("nan"), device=device)
+            o, lse = provider.run_with_lse(**rows, out=o_buf, lse=lse_buf)
+            want_o, want_lse = flash_attn_varlen_func(
+                rows["q"], k_cache, v_cache, cu_seqlens_q=rows["cu_seqlens_q"], max_seqlen_q=1,
+                seqused_k=rows["seqused_k"], max_seqlen_k=rows["max_seqlen_k"],
+                page_table=rows["page_table"], softmax_scale=rows["scale"], causal=True,
+                return_lse=True,
+            )  # fmt: skip
+            problem = _rows_differ(o, lse, want_o, want_lse, rows["seqused_k"])
+            if problem is not None:
+                return f"the private chunk-row call (with log-sum-exp) {problem}"
     except Exception as exc:  # any failure of the private path means: use the public one
         return f"self-check raised {type(exc).__name__}: {exc}"
+    return None
+
+
+def _chunk_rows_case(
+    device: torch.device, g: torch.Generator, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    num_heads: int = 4,
+) -> dict:  # fmt: skip
+    """The arguments of :meth:`Provider.run_with_lse` for four one-query chunk rows over a
+    cache of 8 pages (of 16 tokens or more): 45, 20, 0 and 16 keys, the third row empty as past
+    a request's context; q of ``num_heads`` heads in the cache's dtype."""
+    d = k_cache.shape[-1]
+    return {
+        "q": torch.randn(4, num_heads, d, device=device, generator=g).to(k_cache.dtype),
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "cu_seqlens_q": torch.arange(5, dtype=torch.int32, device=device),
+        "seqused_k": torch.tensor([45, 20, 0, 16], dtype=torch.int32, device=device),
+        "max_seqlen_k": 48,
+        "page_table": torch.tensor(
+            [[3, 0, 6], [5, 2, 7], [1, 1, 1], [4, 6, 0]], dtype=torch.int32, device=device
+        ),
+        "scale": 0.1,
+        "softcap": None,
+    }
+
+
+def _rows_differ(
+    o: torch.Tensor,
+    lse: torch.Tensor | None,
+    want_o: torch.Tensor,
+    want_lse: torch.Tensor | None,
+    seqused_k: torch.Tensor,
+) -> str | None:
+    """How two chunk-row results differ on the rows that have keys, or None where they agree
+    (the merge reads nothing else of them)."""
+    if lse is None or want_lse is None:
+        return "returned no log-sum-exp"
+    keep = seqused_k > 0
+    err_o = (o[keep].float() - want_o[keep].float()).abs().max().item()
+    err_l = (lse[:, keep].float() - want_lse[:, keep].float()).abs().max().item()
+    if not (err_o <= 1e-2 and err_l <= 1e-3):
+        return f"differs by {err_o:.3g} in the output, {err_l:.3g} in the log-sum-exp"
+    return None
+
+
+def check_broadcast_q(
+    provider: Provider,
+    device: torch.device,
+    *,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    page_size: int = 16,
+    dtype: torch.dtype = torch.bfloat16,
+    softcap: object = None,
+) -> str | None:
+    """Whether :meth:`Provider.run_with_lse` reads query rows of stride 0 (one request's query
+    broadcast over its chunk rows, what a split decode of one request passes instead of a copy)
+    as it reads the same rows copied, at a layer's shape, and distinct rows afterwards as before:
+    None where the results agree on ``device``, else why not.
+
+    Why a check: the kernel loads q through a TMA descriptor built from q's strides (or, for
+    some GQA group sizes, per-thread copies), and nothing in flash-attn-4's interface says a
+    zero stride is served; a kernel that mishandled it would be silently wrong, so the context
+    compares both once per process and layer shape (the same kernel configuration the layer
+    then runs: ``softcap`` is what :meth:`Provider.make_softcap` returned for the layer), and a
+    mismatch keeps the copy."""
+    if not provider.splits_kv:
+        return f"{provider.name} has no chunk-row call"
+    try:
+        g = torch.Generator(device=device).manual_seed(1)
+        shape = (8, page_size, num_kv_heads, head_dim)
+        k_cache = torch.randn(shape, device=device, generator=g).to(dtype)
+        v_cache = torch.randn(shape, device=device, generator=g).to(dtype)
+        rows = dict(_chunk_rows_case(device, g, k_cache, v_cache, num_heads), softcap=softcap)
+        used = rows["seqused_k"]
+        # Distinct contiguous rows first: the kernel of this shape compiles from them, as for a
+        # copy (and, were a compile to fix q's strides, the broadcast below would differ).
+        first_o, first_lse = provider.run_with_lse(**rows)
+        broadcast = rows["q"][:1].expand(4, *rows["q"].shape[1:])
+        o, lse = provider.run_with_lse(**dict(rows, q=broadcast))
+        want_o, want_lse = provider.run_with_lse(**dict(rows, q=broadcast.contiguous()))
+        problem = _rows_differ(o, lse, want_o, want_lse, used)
+        if problem is not None:
+            return f"query rows of stride 0: the chunk-row call {problem} from a copy"
+        # and the broadcast call left the contiguous one as it was
+        again_o, again_lse = provider.run_with_lse(**rows)
+        problem = _rows_differ(again_o, again_lse, first_o, first_lse, used)
+        if problem is not None:
+            return f"after query rows of stride 0, the chunk-row call {problem} from before"
+    except Exception as exc:  # any failure means: copy the rows
+        return f"query rows of stride 0: the chunk-row call raised {type(exc).__name__}: {exc}"
     return None
 
 

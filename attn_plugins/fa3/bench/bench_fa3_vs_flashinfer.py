@@ -6,14 +6,22 @@ called directly over the same pages (planned once; the faster of its tensor-core
 kernels). Prefill without a cached prefix: the fa3 plugin (KV write + non-paged varlen call)
 against FlashAttention-4's own ``flash_attn_varlen_func`` on contiguous q/k/v.
 
-Reports the median over rounds of each time and of the per-round ratios::
+Reports the median over rounds of each time and of the per-round ratios, eager
+(``fa3_over_flashinfer``) and for the split step replayed from a CUDA graph
+(``fa3_graph_over_flashinfer``, FlashInfer's call eager)::
 
     python3 attn_plugins/fa3/bench/bench_fa3_vs_flashinfer.py --out fa3_vs_fi.json [--rounds 15]
+        [--case b1_ctx32k --case b4_ctx128k] [--sweep]
+
+``--case`` keeps the cases whose name contains one of the given strings; ``--sweep`` adds other
+split counts, the chunk kernel alone, and the split step without programmatic dependent launch
+of the merge (``ATTN_PDL=0``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -28,7 +36,7 @@ for p in (_HERE.parents[1], _HERE.parents[3]):  # the plugin, the repository roo
 from attn_plugin_fa3 import plugin, split_kv  # noqa: E402
 
 import attn_core.reference.plugin as ref_plugin  # noqa: E402
-from attn_core import bench_util  # noqa: E402
+from attn_core import bench_util, pdl  # noqa: E402
 from attn_core.batch import BatchBuilder  # noqa: E402
 from attn_core.registry import Registry  # noqa: E402
 from attn_core.runtime import AttentionRuntime  # noqa: E402
@@ -135,7 +143,7 @@ def bench_decode(name, h, hkv, batch, ctx, rounds, sweep) -> dict:
 
     fns = {"fa3": fa3_split, "fa3_unsplit": fa3_unsplit}
     if sweep and saved is not None:  # other split counts, to see the planner's choice in context
-        pages = -(-(ctx + 1) // PAGE)
+        pages = -(-ctx // PAGE)  # the chunks cover the cached context; the merge adds the token
         for n in (2, 4, 8, 12, 16, 20, 24, 32):
             if n == saved.plan.num_splits:
                 continue
@@ -160,6 +168,15 @@ def bench_decode(name, h, hkv, batch, ctx, rounds, sweep) -> dict:
                               softcap=None)  # fmt: skip
 
         fns["fa4_chunks_only"] = chunks_only
+
+        def fa3_no_pdl():  # the merge launched plainly after the chunk kernel
+            os.environ[pdl.ENV_VAR] = "0"
+            try:
+                fa3_split()
+            finally:
+                os.environ.pop(pdl.ENV_VAR, None)
+
+        fns["fa3_no_pdl"] = fa3_no_pdl
     if saved is not None:  # the same call replayed from a CUDA graph: GPU time without host cost
         fa3_split()
         torch.cuda.synchronize()
@@ -175,14 +192,23 @@ def bench_decode(name, h, hkv, batch, ctx, rounds, sweep) -> dict:
     fi_key = min((n for n in times if n.startswith("flashinfer")), key=lambda n: _median(times[n]))
     ratio = [a / c for a, c in zip(times["fa3"], times[fi_key], strict=True)]
     ratio_unsplit = [a / c for a, c in zip(times["fa3_unsplit"], times[fi_key], strict=True)]
+    graph = times.get("fa3_graph")
+    graph_ratio = (
+        round(_median([a / c for a, c in zip(graph, times[fi_key], strict=True)]), 3)
+        if graph
+        else None
+    )
     kv_bytes = batch * (ctx + 1) * hkv * 128 * 2 * 2
     return {
         "case": name,
         "splits": splits,
+        # one request: its query broadcast over the chunk rows (no copy launch)
+        "broadcast_q": bool(ctx_obj.broadcast_q and batch == 1),
         "max_abs_diff_vs_flashinfer": round(err, 5),
         **{f"{n}_us": round(_median(t), 2) for n, t in times.items()},
         "flashinfer_kernel": fi_key,
         "fa3_over_flashinfer": round(_median(ratio), 3),
+        "fa3_graph_over_flashinfer": graph_ratio,
         "fa3_unsplit_over_flashinfer": round(_median(ratio_unsplit), 3),
         "fa3_kv_TB/s": round(kv_bytes / _median(times["fa3"]) / 1e6, 2),
     }
@@ -224,7 +250,13 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--sweep", action="store_true", help="also time other split counts")
+    ap.add_argument("--case", action="append", default=[],
+                    help="only cases whose name contains this (repeatable)")  # fmt: skip
     args = ap.parse_args()
+
+    def wanted(name: str) -> bool:
+        return not args.case or any(c in name for c in args.case)
+
     result = bench_util.new_result()
     provider, reason = plugin.probe()
     result["provider"] = None if provider is None else f"{provider.name} {provider.version}"
@@ -233,9 +265,11 @@ def main() -> int:
         return bench_util.write_result(result, args.out)
     bench_util.record_device(result)
     for case in DECODE:
-        bench_util.run_case(result, case[0], bench_decode, *case, args.rounds, args.sweep)
+        if wanted(case[0]):
+            bench_util.run_case(result, case[0], bench_decode, *case, args.rounds, args.sweep)
     for case in PREFILL:
-        bench_util.run_case(result, case[0], bench_prefill, *case, args.rounds)
+        if wanted(case[0]):
+            bench_util.run_case(result, case[0], bench_prefill, *case, args.rounds)
     return bench_util.write_result(result, args.out)
 
 

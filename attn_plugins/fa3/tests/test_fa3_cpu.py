@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from attn_plugin_fa3 import kv_write, plugin, providers
+from attn_plugin_fa3 import kv_write, plugin, providers, split_kv
 from chunk_rows import attend_chunk_rows
 
 import attn_core.reference.plugin as ref_plugin
@@ -407,8 +407,9 @@ class _SplitRecorder(_Recorder):
         return super().run(*args, **kwargs)
 
     def run_with_lse(self, q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, max_seqlen_k,
-                     page_table, scale, softcap):  # fmt: skip
-        self.calls.append({"path": "split", "rows": q.shape[0], "max_seqlen_k": max_seqlen_k})
+                     page_table, scale, softcap, out=None, lse=None):  # fmt: skip
+        self.calls.append({"path": "split", "rows": q.shape[0], "max_seqlen_k": max_seqlen_k,
+                           "q_row_stride": q.stride(0)})  # fmt: skip
         return attend_chunk_rows(q, k_cache, v_cache, page_table, seqused_k, scale, softcap=softcap)
 
     def run_dense(self, q, k, v, out, *, cu_seqlens, max_seqlen, scale, window_left, softcap,
@@ -483,12 +484,82 @@ def test_long_decode_is_split_and_fresh_prefill_skips_the_page_table(monkeypatch
     assert split_call["rows"] == 2 * 2 and split_call["max_seqlen_k"] == 1504
 
 
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_one_request_split_decode_broadcasts_its_query_where_the_check_passed(
+    monkeypatch, broadcast
+):
+    """A split decode of one request hands the chunk call ``q[0]`` broadcast over its rows
+    (row stride 0, no copy) where the layer shape's broadcast check passed, copied rows where
+    it did not; both equal the reference, and the K/V the merge stored serve the next step."""
+    rec = _SplitRecorder()
+    monkeypatch.setattr(plugin, "_PROBE", (rec.as_provider(), None))
+    monkeypatch.setattr(split_kv, "sm_count", lambda device: 132)
+    verdict = None if broadcast else "a kernel that reads stride 0 wrong"
+    monkeypatch.setattr(plugin, "broadcast_q_problem", lambda *args: verdict)
+    spec = LayerSpec(kind="full", num_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                     logits_soft_cap=30.0)  # fmt: skip
+    groups = group_layers([spec])
+    reg = _registry(True)
+    plan = select(groups, reg, DeviceCapabilities.target("h200"), ExecutionConstraints())
+    ref_plan = select(
+        groups, reg, DeviceCapabilities.target("h200"), ExecutionConstraints(force="full=reference")
+    )
+    state = PersistentState(groups, num_pages=200 + 1, num_slots=0)
+    rt = AttentionRuntime(plan, reg, state=state)
+    rt_ref = AttentionRuntime(ref_plan, reg, state=state)
+    assert rt.groups["full"].context.broadcast_q is broadcast
+    builder = BatchBuilder(state, max_batch_size=1, max_num_tokens=3000, max_pages_per_request=200)
+    torch.manual_seed(6)
+    state.add_request("a")
+    for step in ([("a", 2500)], [("a", 1)], [("a", 1)], [("a", 3)]):
+        batch = builder.build(step)
+        t = batch.num_tokens
+        q = torch.randn(t, 4, 64).to(torch.bfloat16)
+        k = torch.randn(t, 2, 64).to(torch.bfloat16)
+        v = torch.randn(t, 2, 64).to(torch.bfloat16)
+        rt_ref.prepare(batch)
+        want = rt_ref.binding(0).forward(q, k, v)
+        rt.prepare(batch)
+        got = rt.binding(0).forward(q, k, v)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        state.advance("a", t)
+    splits = [c for c in rec.calls if c.get("path") == "split"]
+    assert len(splits) == 2 and all(c["rows"] == 2 for c in splits)  # 2500 keys: 2 chunks
+    assert all((c["q_row_stride"] == 0) is broadcast for c in splits)
+
+
+def test_chunk_buffers_are_views_of_one_allocation_that_outlives_a_larger_one(monkeypatch):
+    """Split decode's chunk-row buffers: every row count a split makes is a view of one
+    allocation sized for one wave of CTAs; a larger count allocates anew and keeps the old
+    buffers (a captured graph may still read them)."""
+    rec = _SplitRecorder()
+    monkeypatch.setattr(plugin, "_PROBE", (rec.as_provider(), None))
+    spec = LayerSpec(kind="full", num_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+    groups = group_layers([spec])
+    reg = _registry(True)
+    plan = select(groups, reg, DeviceCapabilities.target("h200"), ExecutionConstraints())
+    rt = AttentionRuntime(plan, reg, state=PersistentState(groups, num_pages=4, num_slots=0))
+    ctx = rt.groups["full"].context
+    ctx._num_sms = 132  # room for 66 rows of 2 KV heads
+    q = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
+    small, other = ctx._buffers(16, q), ctx._buffers(8, q)
+    assert small.partial.shape == (16, 4, 64) and small.lse.shape == (4, 16)
+    assert small.lse.is_contiguous() and small.q_rows.shape == (16, 4, 64)
+    assert other.partial.data_ptr() == small.partial.data_ptr()  # one allocation
+    assert ctx._buffers(16, q) is small  # views kept per row count
+    big = ctx._buffers(80, q)
+    assert big.partial.data_ptr() != small.partial.data_ptr()
+    assert [b.partial.data_ptr() for b in ctx._retired_buffers] == [small.partial.data_ptr()]
+
+
 # ------------------------------------------------------------------------------------------
 # The private entry point: version gate and self-check
 # ------------------------------------------------------------------------------------------
-def _fake_fa4(monkeypatch, version: str, private_scale: float = 1.0):
+def _fake_fa4(monkeypatch, version: str, private_scale: float = 1.0, lse_scale: float = 1.0):
     """A stand-in ``flash_attn.cute.interface``: the public function computes with the
-    reference op; the private one does the same times ``private_scale`` (1.0: agrees)."""
+    reference op (one-query chunk rows with their log-sum-exp where ``return_lse``); the private
+    one does the same times ``private_scale`` (1.0: agrees), its chunk rows' log-sum-exp times
+    ``lse_scale``."""
     import sys
     import types
 
@@ -498,6 +569,10 @@ def _fake_fa4(monkeypatch, version: str, private_scale: float = 1.0):
                softmax_scale, causal, window_size=(None, None), learnable_sink=None,
                softcap=0.0, score_mod=None, return_lse=False, **_):  # fmt: skip
         calls.append("public")
+        if return_lse:  # the split-KV chunk rows: one query each
+            assert max_seqlen_q == 1 and q.shape[0] == cu_seqlens_q.numel() - 1
+            return attend_chunk_rows(q, k, v, page_table, seqused_k, softmax_scale,
+                                     softcap=softcap or None)  # fmt: skip
         n = cu_seqlens_q.numel() - 1
         o = ops.paged_attention(q.float(), k.float(), v.float(), page_table[:n], cu_seqlens_q,
                                 seqused_k, scale=softmax_scale, causal=True,
@@ -507,14 +582,20 @@ def _fake_fa4(monkeypatch, version: str, private_scale: float = 1.0):
     def private(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
                 max_seqlen_q=None, max_seqlen_k=None, page_table=None, softmax_scale=None,
                 causal=False, softcap=None, window_size_left=None, window_size_right=None,
-                learnable_sink=None, score_mod=None, out=None):  # fmt: skip
+                learnable_sink=None, score_mod=None, out=None, return_lse=False,
+                lse=None):  # fmt: skip
         calls.append("private")
-        o, _ = public(q, k, v, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
-                      seqused_k=seqused_k, max_seqlen_k=max_seqlen_k, page_table=page_table,
-                      softmax_scale=softmax_scale, causal=causal, softcap=softcap)  # fmt: skip
+        o, lse_rows = public(q, k, v, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                             seqused_k=seqused_k, max_seqlen_k=max_seqlen_k,
+                             page_table=page_table, softmax_scale=softmax_scale, causal=causal,
+                             softcap=softcap, return_lse=return_lse)  # fmt: skip
         calls.pop()
+        out = torch.empty_like(o) if out is None else out
         out.copy_(o * private_scale)
-        return out, None
+        if return_lse:
+            lse = torch.empty_like(lse_rows) if lse is None else lse
+            lse.copy_(lse_rows * lse_scale)
+        return out, lse
 
     iface = types.ModuleType("flash_attn.cute.interface")
     iface._flash_attn_fwd = private
@@ -569,6 +650,70 @@ def test_a_private_path_that_disagrees_is_dropped_and_the_note_says_why(monkeypa
     assert not fallback.uses_private and problem in fallback.note
     _fake_fa4(monkeypatch, "4.0.0b14", private_scale=1.0)
     assert providers.self_check(providers._fa4_provider(), torch.device("cpu")) is None
+
+
+def test_the_private_chunk_row_call_writes_into_the_buffers_and_is_self_checked(monkeypatch):
+    """Split decode's chunk call goes through the private entry point into the caller's
+    buffers on the tested release; a private log-sum-exp that disagrees with the public one
+    fails the self-check (which then drops the private path)."""
+    calls = _fake_fa4(monkeypatch, "4.0.0b14")
+    provider = providers._fa4_provider()
+    g = torch.Generator().manual_seed(0)
+    case = providers._chunk_rows_case(torch.device("cpu"), g, *_caches_64())
+    out = torch.zeros_like(case["q"])
+    lse = torch.zeros(case["q"].shape[1], 4)
+    got, got_lse = provider.run_with_lse(**case, out=out, lse=lse)
+    assert calls == ["private"] and got is out and got_lse is lse
+    want, want_lse = attend_chunk_rows(
+        case["q"], case["k_cache"], case["v_cache"], case["page_table"], case["seqused_k"], 0.1
+    )
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_lse, want_lse)
+    assert providers.self_check(provider, torch.device("cpu")) is None
+    _fake_fa4(monkeypatch, "4.0.0b14", lse_scale=1.01)
+    problem = providers.self_check(providers._fa4_provider(), torch.device("cpu"))
+    assert problem is not None and "chunk-row call (with log-sum-exp) differs" in problem
+
+
+def _caches_64() -> tuple[torch.Tensor, torch.Tensor]:
+    """The self-check's cache shape: 8 pages of 16, 2 KV heads, head dim 64 (bf16)."""
+    g = torch.Generator().manual_seed(2)
+    return tuple(torch.randn(8, 16, 2, 64, generator=g).bfloat16() for _ in range(2))
+
+
+@pytest.mark.parametrize("kernel", ["reads_strides", "as_if_contiguous", "keeps_stride_0"])
+def test_broadcast_query_rows_only_where_the_kernel_reads_them_right(monkeypatch, kernel):
+    """A split decode of one request passes its query broadcast over the chunk rows (stride 0)
+    only where :func:`providers.check_broadcast_q` saw the kernel read such rows as it reads a
+    copy, and read distinct rows as before afterwards; a kernel that reads q's storage as if
+    contiguous fails the check, and so does one that keeps reading row 0 once it saw stride 0
+    (as a compile fixing q's strides would)."""
+    from dataclasses import replace
+
+    _fake_fa4(monkeypatch, "4.0.0b14")
+    provider = providers._fa4_provider()
+    real = provider._run_with_lse
+    seen_zero = []
+
+    def as_if_contiguous(q, *args, **kwargs):
+        dense = torch.as_strided(q, q.shape, (q.shape[1] * q.shape[2], q.shape[2], 1))
+        return real(dense, *args, **kwargs)
+
+    def keeps_stride_0(q, *args, **kwargs):
+        if q.stride(0) == 0:
+            seen_zero.append(True)
+        return real(q[:1].expand(q.shape) if seen_zero else q, *args, **kwargs)
+
+    if kernel != "reads_strides":
+        fake = as_if_contiguous if kernel == "as_if_contiguous" else keeps_stride_0
+        provider = replace(provider, _run_with_lse=fake)
+    problem = providers.check_broadcast_q(provider, torch.device("cpu"))
+    if kernel == "reads_strides":
+        assert problem is None
+    elif kernel == "as_if_contiguous":
+        assert problem is not None and "stride 0: the chunk-row call differs" in problem
+    else:
+        assert problem is not None and "after query rows of stride 0" in problem
 
 
 # ------------------------------------------------------------------------------------------
