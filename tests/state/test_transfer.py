@@ -326,8 +326,9 @@ def test_a_parallel_hybrid_layer_exports_its_kv_and_its_linear_state_as_two_entr
         (i, kind) for i in (0, 1, 2) for kind in ("full", "linear")
     ]
     assert exp.meta.entries(1)[1].tensors[0].name == "conv"
-    assert exp.tensor(1, "k").shape[0] == 9 and exp.tensor(1, "conv").shape == (
-        src.state_slots.layer(1).tensors()["conv"].shape[1:]
+    assert (
+        exp.tensor(1, "k").shape[0] == 9
+        and exp.tensor(1, "conv").shape == (src.state_slots.layer(1).tensors()["conv"].shape[1:])
     )
     dst = PersistentState(hybrid(16), num_pages=2, num_slots=2)
     dst.import_request("a", exp)
