@@ -131,7 +131,7 @@ def test_an_engine_prefills_keeps_the_state_and_another_decodes_from_its_import(
     from attn_core.e2e.main import make_prompts
 
     ids = make_prompts(2)
-    prefill, decode = _engines("qwen3-next", ids, 3)
+    prefill, decode = _engines("deepseek-v3", ids, 3)
     ref = decode.generate(ids, 3)
     pre = prefill.generate(ids, 1, release=False)
     assert prefill.state.request_ids() == [0, 1]  # kept for the export
