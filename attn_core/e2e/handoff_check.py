@@ -560,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in HANDOFF_FAMILIES]
     if unknown or not (names or args.corrupt or args.measure):
         parser.error(f"--model {model!r}: expected 'all', 'none' or names of {HANDOFF_FAMILIES}")
+    if args.iters < 1 or args.tokens < 1 or args.layers < 1:
+        parser.error("--iters, --tokens and --layers: expected >= 1")
     if args.new_tokens < 2:
         parser.error("--new-tokens: expected >= 2 (the first token comes from the prefill)")
     cuda = args.device.startswith("cuda")
