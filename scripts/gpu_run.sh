@@ -4,6 +4,7 @@
 #   stages: info install
 #           fi_install                                      (FlashInfer from $FI_WHEELS, see below)
 #           t_core t_e2e t_e2e_gptoss t_tp t_fi t_ssm t_varlen t_fa3   (pytest; GPU tests of each area)
+#           t_handoff                                       (prefill -> decode hand-off, 2 GPUs)
 #           kit_fi kit_ssm kit_varlen                       (conformance kit per backend)
 #           kit_ssm_x2                                      (the triton_ssm kit over both GPUs)
 #           t_ssd                                           (triton_ssm Mamba2 / SSD tests only)
@@ -63,8 +64,10 @@ install)
   run list 60 attn list ;;
 t_core) run t_core 500 "${PYTEST[@]}" -m gpu tests --ignore=tests/e2e ;;
 t_e2e_gptoss) run t_e2e_gptoss 300 "${PYTEST[@]}" -m gpu tests/e2e -k gpt ;;
-t_e2e) run t_e2e 500 "${PYTEST[@]}" -m gpu tests/e2e --deselect tests/e2e/test_tp.py ;;
+t_e2e) run t_e2e 500 "${PYTEST[@]}" -m gpu tests/e2e --deselect tests/e2e/test_tp.py \
+--deselect tests/e2e/test_handoff.py ;;
 t_tp) run t_tp 600 "${PYTEST[@]}" tests/e2e/test_tp.py ;;
+t_handoff) run t_handoff 600 "${PYTEST[@]}" -s tests/e2e/test_handoff.py ;;
 t_fi) run t_fi 500 "${PYTEST[@]}" attn_plugins/flashinfer/tests ;;
 t_ssm) run t_ssm 500 "${PYTEST[@]}" attn_plugins/triton_ssm/tests ;;
 t_ssd) run t_ssd 300 "${PYTEST[@]}" attn_plugins/triton_ssm/tests -k "ssd or mamba2" ;;

@@ -294,12 +294,27 @@ class Engine:
         *,
         admit_per_step: int = 1,
         progress: Any = None,
+        release: bool = True,
+        generated: Sequence[Sequence[int]] | None = None,
     ) -> GenerationResult:
         """Greedy generation of ``max_new_tokens`` for every prompt, continuously batched.
+
+        Request ``i`` is ``self.state``'s request id ``i``. A prefill / decode hand-off splits
+        one generation over two engines: ``generate(prompts, 1, release=False)`` prefills and
+        keeps each request's state for ``state.export_request(i)``; the other engine imports
+        it as request ``i`` and calls ``generate(prompts, n, generated=first_tokens)``.
 
         :param prompts: token ids per request (each at least one token).
         :param admit_per_step: new requests admitted per step (fewer than all: mixed batches).
         :param progress: optional callable ``(done_requests, total_requests, step)``.
+        :param release: release each request's state when it finishes; False keeps it in
+            ``self.state`` (to export it; the caller releases it).
+        :param generated: per request the tokens already generated elsewhere (at least one,
+            fewer than ``max_new_tokens``): the request is in ``self.state`` already (imported)
+            with its prompt and all but the last of them written, and goes on decoding from
+            there; ``max_new_tokens`` counts them. Its :attr:`GenerationResult.logits` rows are
+            then only those computed here (``[max_new_tokens - len(generated[i]), vocab]``) and
+            its ``tokens`` all of them.
         """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 1")
@@ -312,6 +327,9 @@ class Engine:
                 )
         waiting = deque(reqs)
         active: list[_Request] = []
+        if generated is not None:
+            active = list(self._resumed(reqs, generated, max_new_tokens))
+            waiting.clear()
         result = GenerationResult([r.prompt for r in reqs], [], [])
         done = 0
         t_start = time.perf_counter()
@@ -361,7 +379,8 @@ class Engine:
                     r.tokens.append(int(rows[-1].argmax()))
             for r in [r for r in active if len(r.tokens) >= max_new_tokens]:
                 active.remove(r)
-                self.state.release(r.rid)
+                if release:
+                    self.state.release(r.rid)
                 self.builder.invalidate(r.rid)
                 done += 1
             if progress is not None:
@@ -371,3 +390,32 @@ class Engine:
         result.logits = [torch.cat(r.rows) for r in reqs]
         result.graph_note = self.graph_note
         return result
+
+    def _resumed(
+        self, reqs: list[_Request], generated: Sequence[Sequence[int]], max_new_tokens: int
+    ) -> list[_Request]:
+        """``reqs`` set up to go on decoding after ``generated`` tokens each (imported state)."""
+        if len(generated) != len(reqs):
+            raise ValueError(f"generated: {len(generated)} token lists for {len(reqs)} prompts")
+        if len(reqs) > self.max_batch_size:
+            raise ValueError(
+                f"{len(reqs)} handed-off requests exceed max_batch_size={self.max_batch_size}"
+            )
+        for r, toks in zip(reqs, generated, strict=True):
+            toks = list(toks)
+            if not 0 < len(toks) < max_new_tokens:
+                raise ValueError(
+                    f"request {r.rid}: {len(toks)} tokens generated already, expected "
+                    f"1..{max_new_tokens - 1} (max_new_tokens={max_new_tokens} leaves one to "
+                    "decode here)"
+                )
+            want = len(r.prompt) + len(toks) - 1
+            have = self.state.num_tokens(r.rid) if r.rid in self.state else None
+            if have != want:
+                raise ValueError(
+                    f"request {r.rid}: the state holds {have} tokens, expected {want} (its "
+                    f"{len(r.prompt)}-token prompt and all but the last of {len(toks)} "
+                    "generated tokens: import it first)"
+                )
+            r.fed, r.tokens = len(r.prompt), toks
+        return reqs

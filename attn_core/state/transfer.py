@@ -12,6 +12,9 @@ to 16 bytes, zero padding between): first every KV layer in layer order (full: `
 ``latent [num_tokens, kv_lora_rank + qk_rope_head_dim]``), then every linear layer in layer
 order (``conv [C, K-1]``, ``ssm [num_heads, head_dim, head_dim_v]`` and, for offload only,
 ``snapshot.conv`` / ``snapshot.ssm``: a prefix snapshot not yet registered in the prefix cache).
+:attr:`ExportMeta.layers` holds one entry per layer and kind of state, KV entries first where a
+layer has both (a parallel hybrid such as Falcon-H1: its attention's KV and its Mamba mixer's
+conv / SSM state are two entries of one layer index).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ __all__ = [
     "TensorEntry",
     "export_problems",
     "layout_differences",
+    "meta_problems",
     "pack_request",
     "token_index",
     "unpack_request",
@@ -85,10 +89,15 @@ class ExportMeta:
     version: int = FORMAT_VERSION
 
     def layer(self, layer_index: int) -> LayerEntry:
+        """The layer's first entry (its KV one where a parallel hybrid layer has two)."""
         for entry in self.layers:
             if entry.layer_index == layer_index:
                 return entry
         raise KeyError(f"layer {layer_index} is not in this export")
+
+    def entries(self, layer_index: int) -> tuple[LayerEntry, ...]:
+        """Every entry of the layer: one, or KV then linear state for a parallel hybrid."""
+        return tuple(e for e in self.layers if e.layer_index == layer_index)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,10 +109,11 @@ class RequestExport:
 
     def tensor(self, layer_index: int, name: str) -> torch.Tensor:
         """A view of one stored tensor (e.g. ``tensor(3, "k")`` -> ``[num_tokens, Hkv, D]``)."""
-        for t in self.meta.layer(layer_index).tensors:
-            if t.name == name:
-                raw = self.buffer[t.offset : t.offset + t.nbytes]
-                return raw.view(_DTYPES[t.dtype]).view(t.shape)
+        for entry in self.meta.entries(layer_index) or (self.meta.layer(layer_index),):
+            for t in entry.tensors:
+                if t.name == name:
+                    raw = self.buffer[t.offset : t.offset + t.nbytes]
+                    return raw.view(_DTYPES[t.dtype]).view(t.shape)
         raise KeyError(f"layer {layer_index} has no tensor {name!r} in this export")
 
 
@@ -115,6 +125,14 @@ _DTYPES = {
 
 def _dtype_name(d: torch.dtype) -> str:
     return str(d).removeprefix("torch.")
+
+
+_KV_KINDS = ("full", "mla")
+
+
+def _is_kv(entry: LayerEntry) -> bool:
+    """The entry holds token-major KV (else a linear layer's conv / SSM state)."""
+    return entry.kind in _KV_KINDS
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -150,7 +168,8 @@ def pack_request(
 
     :param snapshot: ``(slot, length)`` of a pending prefix snapshot to carry, or ``None``.
     """
-    pieces: list[tuple[int, str, torch.dtype, tuple[int, ...], torch.Tensor]] = []
+    # (layer, holds KV, name, dtype, shape, bytes)
+    pieces: list[tuple[int, bool, str, torch.dtype, tuple[int, ...], torch.Tensor]] = []
     if layout.has_kv:
         idx = token_index(pages, num_tokens, layout.page_size, kv_cache.device)
         for i in kv_cache.layer_indices:
@@ -158,33 +177,36 @@ def pack_request(
             rows = kv_cache.token_rows(i)
             for name, t in layer.tensors().items():
                 data = rows[name][idx]  # gather: a new tensor, the pages may be freed after
-                pieces.append((i, name, t.dtype, (num_tokens, *t.shape[2:]), data.reshape(-1)))
+                shape = (num_tokens, *t.shape[2:])
+                pieces.append((i, True, name, t.dtype, shape, data.reshape(-1)))
     if layout.has_state:
         sources = [("", slot)] + ([("snapshot.", snapshot[0])] if snapshot else [])
         for i in state_slots.layer_indices:
             slots_layer = state_slots.layer(i)
             for prefix, s in sources:
                 for name, t in slots_layer.tensors().items():
-                    pieces.append((i, prefix + name, t.dtype, tuple(t.shape[1:]), _as_bytes(t[s])))
+                    data = _as_bytes(t[s])
+                    pieces.append((i, False, prefix + name, t.dtype, tuple(t.shape[1:]), data))
     offset = 0
-    placed: list[tuple[TensorEntry, int, torch.Tensor]] = []
-    for i, name, dtype, shape, data in pieces:
+    placed: list[tuple[TensorEntry, tuple[int, bool], torch.Tensor]] = []
+    for i, kv, name, dtype, shape, data in pieces:
         entry = TensorEntry(name, _dtype_name(dtype), shape, offset, data.numel())
-        placed.append((entry, i, data))
+        placed.append((entry, (i, kv), data))
         offset += -(-data.numel() // _ALIGN) * _ALIGN
     buffer = torch.zeros(offset, dtype=torch.uint8, device=out_device, pin_memory=pin_memory)
     for entry, _, data in placed:
         # One copy per tensor, straight into the destination: no staging copy on the device.
         buffer[entry.offset : entry.offset + entry.nbytes].copy_(data)
     layers: list[LayerEntry] = []
-    specs = {**layout.kv_specs, **layout.linear_specs}
-    for i in sorted(specs):
-        spec = specs[i]
+    # KV before linear state where a layer has both (sorted by (layer, not KV))
+    keyed = [((i, True), s) for i, s in layout.kv_specs.items()]
+    keyed += [((i, False), s) for i, s in layout.linear_specs.items()]
+    for (i, kv), spec in sorted(keyed, key=lambda item: (item[0][0], not item[0][1])):
         ks = vs = None
-        if i in kv_cache:
+        if kv:
             ks = float(kv_cache.layer(i).k_scale)
             vs = float(kv_cache.layer(i).v_scale)
-        entries = tuple(e for e, li, _ in placed if li == i)
+        entries = tuple(e for e, key, _ in placed if key == (i, kv))
         layers.append(
             LayerEntry(i, spec.kind.value, spec_hash(spec), spec.short(), entries, ks, vs)
         )
@@ -210,15 +232,21 @@ def export_problems(export: RequestExport) -> list[str]:
     if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
         got = f"{buf.dtype} {list(buf.shape)}" if isinstance(buf, torch.Tensor) else type(buf)
         return [f"buffer: expected a 1-D uint8 tensor, got {got}"]
+    return meta_problems(meta, buf.numel())
+
+
+def meta_problems(meta: ExportMeta, buffer_nbytes: int) -> list[str]:
+    """:func:`export_problems` of ``meta`` and a buffer of ``buffer_nbytes`` bytes, without the
+    buffer: a receiver checks the metadata before it receives (or allocates) the bytes."""
     problems = []
-    if buf.numel() != meta.nbytes:
-        problems.append(f"the buffer is {buf.numel()} bytes, meta.nbytes says {meta.nbytes}")
+    if buffer_nbytes != meta.nbytes:
+        problems.append(f"the buffer is {buffer_nbytes} bytes, meta.nbytes says {meta.nbytes}")
     if meta.num_tokens < 0 or meta.page_size <= 0 or meta.num_pages < 0:
         problems.append(
             f"num_tokens {meta.num_tokens}, page_size {meta.page_size}, num_pages "
             f"{meta.num_pages}: expected num_tokens >= 0, page_size > 0, num_pages >= 0"
         )
-    end = min(buf.numel(), meta.nbytes)
+    end = min(buffer_nbytes, meta.nbytes)
     for entry in meta.layers:
         i = entry.layer_index
         for t in entry.tensors:
@@ -239,7 +267,7 @@ def export_problems(export: RequestExport) -> list[str]:
                     f"layer {i}: {t.name}: bytes {t.offset}..{t.offset + t.nbytes} are past the "
                     f"buffer's end {end} or not {_ALIGN}-byte aligned"
                 )
-            if entry.kind in ("full", "mla") and (not t.shape or t.shape[0] != meta.num_tokens):
+            if _is_kv(entry) and (not t.shape or t.shape[0] != meta.num_tokens):
                 n = t.shape[0] if t.shape else 0
                 problems.append(
                     f"layer {i}: {t.name} shape {list(t.shape)}: {n} tokens, the export says "
@@ -249,20 +277,21 @@ def export_problems(export: RequestExport) -> list[str]:
 
 
 def _expected(layout: StateLayout, kv_cache: KVCache, state_slots: StateSlots) -> dict:
-    """Per layer: (kind, spec hash, summary, {name: (dtype, shape without the token dim)})."""
+    """Per (layer, holds KV): (kind, spec hash, summary, {name: (dtype, shape without the token
+    dim)}); a parallel hybrid layer has both keys."""
     out = {}
     for i, spec in layout.kv_specs.items():
         tensors = {
             n: (_dtype_name(t.dtype), tuple(t.shape[2:]))
             for n, t in kv_cache.layer(i).tensors().items()
         }
-        out[i] = (spec.kind.value, spec_hash(spec), spec.short(), tensors)
+        out[i, True] = (spec.kind.value, spec_hash(spec), spec.short(), tensors)
     for i, spec in layout.linear_specs.items():
         tensors = {
             n: (_dtype_name(t.dtype), tuple(t.shape[1:]))
             for n, t in state_slots.layer(i).tensors().items()
         }
-        out[i] = (spec.kind.value, spec_hash(spec), spec.short(), tensors)
+        out[i, False] = (spec.kind.value, spec_hash(spec), spec.short(), tensors)
     return out
 
 
@@ -274,14 +303,27 @@ def layout_differences(
     if meta.version != FORMAT_VERSION:
         diffs.append(f"format version: export {meta.version}, here {FORMAT_VERSION}")
     expected = _expected(layout, kv_cache, state_slots)
-    got = {e.layer_index: e for e in meta.layers}
-    if missing := sorted(set(expected) - set(got)):
+    got: dict[tuple[int, bool], LayerEntry] = {}
+    for e in meta.layers:
+        if (e.layer_index, _is_kv(e)) in got:
+            what = "KV" if _is_kv(e) else "linear-state"
+            diffs.append(f"layer {e.layer_index}: two {what} entries in the export")
+        got[e.layer_index, _is_kv(e)] = e
+    here = {i for i, _ in expected}
+    if missing := sorted({i for i, _ in set(expected) - set(got)} - {i for i, _ in got}):
         diffs.append(f"layers {missing} keep state here but are not in the export")
-    if extra := sorted(set(got) - set(expected)):
+    if extra := sorted({i for i, _ in got} - here):
         diffs.append(f"layers {extra} are in the export but keep no state here")
-    for i in sorted(set(expected) & set(got)):
-        kind, h, summary, tensors = expected[i]
-        entry = got[i]
+    for key in sorted(set(expected) ^ set(got)):
+        i, kv = key
+        if i in here and i in {j for j, _ in got}:  # the layer is on both sides, a kind is not
+            what = "KV" if kv else "linear (conv / SSM) state"
+            side = "here, not in the export" if key in expected else "in the export, not here"
+            diffs.append(f"layer {i}: {what}: {side}")
+    for key in sorted(set(expected) & set(got)):
+        i, kv = key
+        kind, h, summary, tensors = expected[key]
+        entry = got[key]
         before = len(diffs)
         if entry.kind != kind:
             diffs.append(f"layer {i}: kind: export {entry.kind}, here {kind}")
@@ -289,7 +331,7 @@ def layout_differences(
         seen = {}
         for t in entry.tensors:
             name = t.name.removeprefix("snapshot.")
-            tail = t.shape[1:] if layout.kv_specs.get(i) is not None else t.shape
+            tail = t.shape[1:] if kv else t.shape
             seen[name] = (t.dtype, tail)
         for name, (dtype, shape) in tensors.items():
             if name not in seen:
@@ -303,7 +345,7 @@ def layout_differences(
                 )
         if entry.spec_hash != h and len(diffs) == before:
             diffs.append(f"layer {i}: spec: export [{entry.summary}], here [{summary}]")
-        if i in kv_cache:
+        if kv:
             layer = kv_cache.layer(i)
             for which, mine in (("k_scale", layer.k_scale), ("v_scale", layer.v_scale)):
                 theirs = getattr(entry, which)
@@ -334,7 +376,7 @@ def unpack_request(
         i = entry.layer_index
         for t in entry.tensors:
             raw = buf[t.offset : t.offset + t.nbytes].to(kv_cache.device)
-            if i in kv_cache:
+            if _is_kv(entry):
                 rows = kv_cache.token_rows(i)[t.name]
                 rows[idx] = raw.view(meta.num_tokens, rows.shape[1])
             else:

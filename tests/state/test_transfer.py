@@ -306,3 +306,37 @@ def test_a_failure_while_unpacking_gives_every_page_and_slot_back(monkeypatch) -
         src.restore("a")
     assert src.is_offloaded("a") and (src.num_free_pages, src.num_free_slots) == (8, 4)
     src.check_invariants()
+
+
+def test_a_parallel_hybrid_layer_exports_its_kv_and_its_linear_state_as_two_entries() -> None:
+    """Falcon-H1's layers hold attention and a Mamba2 mixer side by side: each layer's KV and
+    conv / SSM state travel as two entries of one layer index (KV first) and import bitwise
+    into a state of another page size; a receiver without the mixer's state names it."""
+    from attn_core.e2e.configs import tiny_config
+    from attn_core.models import specs_from_hf_config
+
+    def hybrid(page_size: int) -> list[LayerGroup]:
+        cfg = tiny_config("falcon-h1")
+        return list(specs_from_hf_config(cfg, dtype="float32", page_size=page_size).groups)
+
+    src = PersistentState(hybrid(4), num_pages=6, num_slots=2)
+    fill(src, "a", 9, seed=3)
+    exp = src.export_request("a")
+    assert [(e.layer_index, e.kind) for e in exp.meta.layers] == [
+        (i, kind) for i in (0, 1, 2) for kind in ("full", "linear")
+    ]
+    assert exp.meta.entries(1)[1].tensors[0].name == "conv"
+    assert (
+        exp.tensor(1, "k").shape[0] == 9
+        and exp.tensor(1, "conv").shape == (src.state_slots.layer(1).tensors()["conv"].shape[1:])
+    )
+    dst = PersistentState(hybrid(16), num_pages=2, num_slots=2)
+    dst.import_request("a", exp)
+    assert same(read(dst, "a"), read(src, "a"))
+    assert torch.equal(dst.export_request("a").buffer, exp.buffer)
+    dst.check_invariants()
+    kv_groups = [g for g in hybrid(4) if g.spec.has_kv_cache]
+    attention_only = PersistentState(kv_groups, num_pages=4, num_slots=1)
+    with pytest.raises(ValueError, match=r"layer 0: linear \(conv / SSM\) state: in the export"):
+        attention_only.import_request("a", exp)
+    assert "a" not in attention_only and attention_only.num_free_pages == 4
