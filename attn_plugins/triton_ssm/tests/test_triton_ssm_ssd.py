@@ -272,7 +272,7 @@ def test_block_p_must_be_a_power_of_two_from_16(block_p):
 # the lengths straddle chunks and 64-token sub-blocks, end on and off them, and include
 # sequences shorter than one chunk (whose later row blocks are empty) and than one sub-block.
 def _chunk_lens(chunk: int) -> list[int]:
-    return [chunk + 70, 1, chunk // 2 + 3, 2 * chunk]
+    return [chunk + 70, 1, chunk // 2 + 3]
 
 
 @pytest.mark.parametrize("chunk", ssd.CHUNK_SIZES)
@@ -291,7 +291,7 @@ def test_every_chunk_size_matches_recurrence(chunk):
                               state_tol=FP32_TOL)  # fmt: skip
 
 
-@pytest.mark.parametrize("chunk", [128, 256])
+@pytest.mark.parametrize("chunk", [256])
 def test_large_chunks_match_torch_chunked_ssd(chunk):
     """Against the torch chunked SSD at the same chunk (its blocks are whole chunks, ours 64
     tokens), no extras, raw dt (no softplus), N and P not powers of two (masked tiles)."""
@@ -307,9 +307,7 @@ def test_large_chunks_match_torch_chunked_ssd(chunk):
     torch.testing.assert_close(st.cpu(), st_torch, **FP32_TOL)
 
 
-@pytest.mark.parametrize(
-    ("chunk", "block_t"), [(64, 16), (128, 32), (256, 32)], ids=lambda v: str(v)
-)
+@pytest.mark.parametrize(("chunk", "block_t"), [(64, 16), (256, 32)], ids=lambda v: str(v))
 def test_token_tiles_do_not_change_results(chunk, block_t):
     """``block_t`` only regroups a chunk's causal sum into blocks (and the state kernel's steps
     into sub-blocks): float32 inputs give the same outputs, states and final states as one
@@ -333,13 +331,12 @@ def test_token_tiles_do_not_change_results(chunk, block_t):
 @pytest.mark.parametrize(
     ("chunk", "precise", "states_dtype"),
     [
-        (64, True, torch.float32),
         (64, False, torch.bfloat16),
         (256, True, torch.float32),
         (256, True, torch.bfloat16),
         (256, False, torch.float32),
     ],
-    ids=["64-precise-f32", "64-plain-bf16", "256-precise-f32", "256-precise-bf16", "256-plain-f32"],
+    ids=["64-plain-bf16", "256-precise-f32", "256-precise-bf16", "256-plain-f32"],
 )
 def test_bf16_precise_and_states_dtype(chunk, precise, states_dtype):
     """bf16 x/B/C at chunk 64 and 256. With the hi/lo split and float32 entering states the
@@ -366,7 +363,7 @@ def test_bf16_precise_and_states_dtype(chunk, precise, states_dtype):
                               state_tol=state_tol)  # fmt: skip
 
 
-@pytest.mark.parametrize(("chunk", "block_t"), [(128, 64), (256, 64)], ids=lambda v: str(v))
+@pytest.mark.parametrize(("chunk", "block_t"), [(256, 64)], ids=lambda v: str(v))
 def test_precomputed_cb_blocks_match_per_head_dots(chunk, block_t):
     """With several token tiles per chunk the scan computes ``C B^T`` blocks per head and block
     (the default) or reads them from the cb pass (``precompute_cb=True``): the same dot
@@ -374,7 +371,7 @@ def test_precomputed_cb_blocks_match_per_head_dots(chunk, block_t):
     compiled (another kernel may pick another MMA shape). Two groups: the blocks of one group
     must not be read by the other's heads."""
     lens = [chunk + 40, 2]
-    inp, extras, state, idx, cu = _case(lens, H=4, G=2, N=16, P=16, dtype=torch.bfloat16,
+    inp, extras, state, idx, cu = _case(lens, H=2, G=2, N=16, P=16, dtype=torch.bfloat16,
                                         seed=13, dt_shift=4.0)  # fmt: skip
     outs = []
     for pre in (True, False):
