@@ -17,7 +17,8 @@ Sections:
   times fla in the same process, alternating three times (min of each): its ratio is the one to
   quote (separate jobs drifted by up to 2.5x between runs on the H200).
 * prefill_profile (``--profile``): GPU time per kernel (torch.profiler) of our GDN prefill,
-  fla's, and the Triton SSD with and without the hi/lo split, T = 8192 as 1 and 16 requests.
+  fla's, and the Triton SSD (chunk 64 and 256) with and without the hi/lo split, T = 8192 as 1
+  and 16 requests.
 * mamba2_sweep (``--mamba2-sweep``): the Triton SSD at the granite shape (T = 8192 as one
   request, 32768 as 16) in each variant of ``SSD_SWEEP`` (chunk 64 / 128 / 256, token tile,
   scan warps, heads per program, the cb pass, float32 or bf16 entering states, with and
@@ -296,8 +297,9 @@ def job_prefill_ours(T: int, n_seq: int, with_fla: bool = True) -> dict:
 
 def job_prefill_profile(T: int, n_seq: int) -> dict:
     """GPU time per kernel (torch.profiler, mean over 5 calls) of our GDN prefill, fla's
-    chunk_gated_delta_rule and the Triton SSD (granite shape, chunk 64, with and without the
-    hi/lo split): which stage to work on."""
+    chunk_gated_delta_rule and the Triton SSD (granite shape, chunk 64 and 256, with and
+    without the hi/lo split): which stage to work on (the SSD's state kernel is sequential
+    over a sequence's 64-token sub-blocks whatever the chunk; its scan's work grows with it)."""
     import torch
     from attn_plugin_triton_ssm.kernels import gdn_prefill
     from attn_plugin_triton_ssm.kernels.ssd import mamba2_ssd_triton
@@ -315,7 +317,10 @@ def job_prefill_profile(T: int, n_seq: int) -> dict:
             cu_seqlens_cpu=cu_cpu,
         ),
         **{
-            f"ssd precise={p}": lambda p=p: mamba2_ssd_triton(**ssd_inputs, precise=p)
+            f"ssd chunk={q} precise={p}": lambda p=p, q=q: mamba2_ssd_triton(
+                **ssd_inputs, precise=p, chunk_size=q
+            )
+            for q in (64, 256)
             for p in (True, False)
         },
     }  # fmt: skip

@@ -564,6 +564,9 @@ def mamba2_ssd_triton(
     # 4 warps for the scan: 8 (a guess at its register needs: C [Q, N], C B^T with decayed
     # hi/lo copies, the entering state [N, BP]) ran 1.46x slower on the H200 at the granite
     # shape (4.82 against 7.05 M tokens/s, T = 8192; 4.76 / 6.85 at T = 32768 as 16 requests).
+    # Measured at chunk 64. With several tiles per chunk, unmeasured: compiled offline for sm90
+    # (Triton 3.9) the scan spilled less on 8 warps at granite's shape (chunk 256, bf16: 40
+    # against 128 bytes per thread; with the cb pass 112 against 936); the sweep times both.
     nw_state, nw_scan = num_warps or (4, 4)
     # One stage for the scan: its loop over a block's heads gains nothing from prefetching
     # the next head's x and state, and the buffers cost occupancy (H200, granite shape: 10.15
@@ -595,8 +598,8 @@ def mamba2_ssd_triton(
             return _ssd_scan_kernel.warmup(*args, grid=grid, **kw)
         return _ssd_scan_kernel[grid](*args, **kw)
 
-    key = (device, x.dtype, N, P, G, hb, chunk_size, BT, BP, ns_scan, precise, dt_softplus,
-           D is not None, z is not None, dt_bias is not None, states_dtype,
+    key = (device, x.dtype, N, P, G, hb, chunk_size, BT, BP, nw_scan, ns_scan, precise,
+           dt_softplus, D is not None, z is not None, dt_bias is not None, states_dtype,
            precompute_cb)  # fmt: skip
     tiling = _SCAN_TILING.get(key)
     if tiling is None:
