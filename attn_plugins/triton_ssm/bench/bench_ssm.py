@@ -594,13 +594,13 @@ def job_mamba2_prefill(T: int, n_seq: int, impl: str, H=128, G=1, N=128, P=64,
 #: Mamba2 SSD variants timed by ``--mamba2-sweep``, most telling first (a job cut off by the
 #: budget keeps the rows it emitted). Defaults: chunk 64 (one 64-token tile per chunk),
 #: ``block_t`` min(chunk, 64), 8 heads per scan program, 64 state rows, P tile 64, warps (4, 4),
-#: stages (3, 1), float32 entering states, hi/lo split, ``C B^T`` dotted in the scan. Sweeps
-#: from (32 rows, warps (4, 8), stages (3, 2)) on the H200 set those at chunk 64, when a chunk
-#: was one [Q, Q] tile: scan warps 4 gave 1.46x, 64 state rows 1.21x, one scan stage 1.08x.
-#: Chunks 128 / 256 now run on 64-token tiles and store 2 / 4x fewer entering states than
-#: chunk 64 (the traffic per token, kernels/ssd.py): the rows below pick the chunk, the states
-#: dtype, the scan's warps and the cb pass. ``states_dtype`` is a name (the driver imports no
-#: torch).
+#: stages (3, 1), float32 entering states split by the scan, hi/lo split, ``C B^T`` dotted in
+#: the scan. Sweeps from (32 rows, warps (4, 8), stages (3, 2)) on the H200 set those at chunk
+#: 64, when a chunk was one [Q, Q] tile: scan warps 4 gave 1.46x, 64 state rows 1.21x, one
+#: scan stage 1.08x. Chunks 128 / 256 now run on 64-token tiles and store 2 / 4x fewer
+#: entering states than chunk 64 (the traffic per token, kernels/ssd.py): the rows below pick
+#: the chunk, the states' dtype and layout, the scan's warps and the cb pass. ``states_dtype``
+#: is a name (the driver imports no torch).
 SSD_SWEEP: list[dict] = [
     {},
     {"chunk_size": 128},
@@ -611,6 +611,9 @@ SSD_SWEEP: list[dict] = [
     {"chunk_size": 64, "precise": False},
     {"chunk_size": 128, "precise": False},
     {"chunk_size": 256, "precise": False},
+    {"chunk_size": 64, "split_states": True},
+    {"chunk_size": 256, "split_states": True},
+    {"chunk_size": 256, "split_states": True, "num_warps": (4, 8)},
     {"chunk_size": 128, "num_warps": (4, 8)},
     {"chunk_size": 256, "num_warps": (4, 8)},
     {"chunk_size": 128, "precompute_cb": True},

@@ -384,3 +384,38 @@ def test_precomputed_cb_blocks_match_per_head_dots(chunk, block_t):
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     else:
         torch.testing.assert_close(outs[0], outs[1], **BF16_OUT_TOL)
+
+
+@pytest.mark.parametrize("chunk", [64, 256])
+def test_split_states_are_the_scans_own_split(chunk):
+    """``split_states=True`` stores each float32 entering state as the bf16 hi + lo halves the
+    scan would split it into: the same values through the same dots, so bit-identical under
+    the interpreter (float32 rounding compiled, where the operands' path differs). And
+    ``precise=False`` stores x's dtype whatever ``states_dtype`` says (the scan rounds the
+    states to it anyway): the same as asking for bf16 states."""
+    lens = [chunk + 21, 2]
+    inp, extras, state, idx, cu = _case(lens, H=2, G=1, N=16, P=16, dtype=torch.bfloat16,
+                                        seed=17, dt_shift=4.0)  # fmt: skip
+
+    def run(**kw):
+        st = state.clone().to(DEV)
+        y = ssd.mamba2_ssd_triton(
+            **_dev(inp),
+            ssm_state=st,
+            state_indices=idx.to(DEV),
+            cu_seqlens_cpu=cu,
+            chunk_size=chunk,
+            **kw,
+            **_dev(extras),
+        )
+        return y.cpu(), st.cpu()  # fmt: skip
+
+    pairs = [
+        (run(split_states=True), run(split_states=False)),
+        (run(precise=False), run(precise=False, states_dtype=torch.bfloat16)),
+    ]
+    for a, b in pairs:
+        if DEV == "cpu":
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        else:
+            torch.testing.assert_close(a, b, **BF16_OUT_TOL)

@@ -28,7 +28,10 @@ rate near 30 M tokens/s at ~4 TB/s, against ~48 KB/token for x (read by both ker
 with ``Q`` is the causal part of the scan: a row block reads ``(m + 1)`` column blocks, on
 average ``(Q / BT + 1) / 2``, so its ``[BT, BT] x [BT, P]`` dots grow linearly with ``Q``.
 ``states_dtype`` = the input dtype halves the states traffic again (and the scan's state dot,
-which then needs no hi/lo split); off by default, see :func:`mamba2_ssd_triton`.
+which then needs no hi/lo split); off by default, see :func:`mamba2_ssd_triton`. With
+``precise=False`` the states are stored in the input dtype anyway (the scan would round them
+to it), and ``split_states`` stores float32 states as the hi + lo halves the scan would split
+them into (same bytes, same values, the split done once per chunk instead of per row block).
 
 Two kernels:
 
@@ -36,9 +39,9 @@ Two kernels:
    of ``BT`` tokens of one sequence in order for a ``[BN, BP]`` tile of one head's state (the
    recurrence at sub-block granularity, one ``[BN, BT] x [BT, BP]`` dot per step). It reads the
    initial state from the slot, stores the state entering every chunk (when a sub-block
-   opens one) in ``states`` ``[chunks, H, N, P]`` and writes the final state back to the
-   slot. A step's contribution does not depend on the running state, so the loads of the next
-   sub-block are pipelined under the current one.
+   opens one) in ``states`` ``[chunks, 1 or 2 halves, H, N, P]`` and writes the final state
+   back to the slot. A step's contribution does not depend on the running state, so the
+   loads of the next sub-block are pipelined under the current one.
 2. ``_ssd_scan_kernel``, grid ``(chunks * Q/BT, H / HB, P / BP)``: one program per row block
    of ``BT`` tokens of a chunk and block of ``HB`` heads of one group. Per head it walks the
    chunk's column blocks from its own down to the first (causal: none after its own, the
@@ -156,6 +159,7 @@ def _ssd_state_kernel(
     H: tl.constexpr, GROUP: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
     SUBS: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr, UPCAST: tl.constexpr,
+    HALVES: tl.constexpr,
 ):  # fmt: skip
     """States entering each chunk of one sequence, for a ``[BN, BP]`` tile of one head.
 
@@ -164,7 +168,9 @@ def _ssd_state_kernel(
     to the sub-block, is the chunk-level one regrouped. The state is stored when a sub-block
     opens a chunk (``b % SUBS == 0``), so the stored states and their traffic scale with the
     chunk, the dots and registers with ``BT``. One loop (no nest per chunk) so that the
-    pipeliner prefetches the next sub-block's ``B`` and ``x`` across chunk boundaries too."""
+    pipeliner prefetches the next sub-block's ``B`` and ``x`` across chunk boundaries too.
+    ``HALVES == 2``: each state is stored as its hi and lo halves in the states dtype (the
+    scan's operands as they are), ``states`` ``[chunks, 2, H, N, P]``."""
     pid_np = tl.program_id(0)
     i_h = tl.program_id(1)
     i_s = tl.program_id(2)
@@ -185,14 +191,17 @@ def _ssd_state_kernel(
 
     p_slot = ssm_ptr + slot * s_ss + i_h * s_sh + o_n[:, None] * s_sn + o_p[None, :]
     h = tl.load(p_slot, mask=m_np, other=0.0).to(tl.float32)
-    # states is ours, contiguous [chunks, H, N, P]
+    # states is ours, contiguous [chunks, HALVES, H, N, P]
     p_states = states_ptr + i_h * (N * P) + o_n[:, None] * P + o_p[None, :]
     for b in range(0, tl.cdiv(eos - bos, BT)):
-        p_in = p_states + (first_chunk + b // SUBS) * (H * N * P)
-        if SUBS == 1:
-            tl.store(p_in, h.to(states_ptr.dtype.element_ty), mask=m_np)
-        else:  # only where sub-block b opens a chunk (a masked store costs no traffic)
-            tl.store(p_in, h.to(states_ptr.dtype.element_ty), mask=m_np & (b % SUBS == 0))
+        p_in = p_states + (first_chunk + b // SUBS) * (HALVES * H * N * P)
+        # only where sub-block b opens a chunk (a masked store costs no traffic)
+        m_in = m_np if SUBS == 1 else m_np & (b % SUBS == 0)
+        hi = h.to(states_ptr.dtype.element_ty)
+        tl.store(p_in, hi, mask=m_in)
+        if HALVES == 2:
+            tl.store(p_in + H * N * P, (h - hi.to(tl.float32)).to(states_ptr.dtype.element_ty),
+                     mask=m_in)  # fmt: skip
         t = bos + b * BT + o_t
         m_t = t < eos
         t64 = t.to(tl.int64)
@@ -249,7 +258,7 @@ def _ssd_scan_kernel(
     SUBS: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, HB: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr,
     HAS_Z: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr, UPCAST: tl.constexpr,
-    STATES_LOW: tl.constexpr, CB_MEM: tl.constexpr,
+    STATES_LOW: tl.constexpr, HALVES: tl.constexpr, CB_MEM: tl.constexpr,
 ):  # fmt: skip
     """Outputs of one row block (``BT`` tokens) of one chunk, for ``HB`` heads of one group and
     ``BP`` columns of ``P``.
@@ -289,7 +298,8 @@ def _ssd_scan_kernel(
             b_t = tl.load(b_ptr + t64[None, :] * s_bt + i_g * s_bg + o_n[:, None],
                           mask=m_n[:, None] & m_t[None, :], other=0.0)  # fmt: skip
             cb0 = _mma(c_m, b_t, tl.zeros((BT, BT), dtype=tl.float32), F32, UPCAST)
-        p_states = states_ptr + i_c.to(tl.int64) * (H * N * P) + o_n[:, None] * P + o_p[None, :]
+        p_states = (states_ptr + i_c.to(tl.int64) * (HALVES * H * N * P) + o_n[:, None] * P
+                    + o_p[None, :])  # fmt: skip
 
         for j in range(HB):
             i_h = h0 + j
@@ -333,9 +343,13 @@ def _ssd_scan_kernel(
                 y = _mma_f32_left(s, x_k, y, SPLIT, F32, UPCAST)
             # The entering state, decayed from the chunk's start: gap is now the log decay of
             # the blocks before this one.
-            h_in = tl.load(p_states + i_h * (N * P), mask=m_n[:, None] & m_p[None, :],
-                           other=0.0)  # fmt: skip
-            if STATES_LOW:  # stored in the dot dtype: one dot, nothing to split
+            m_np = m_n[:, None] & m_p[None, :]
+            h_in = tl.load(p_states + i_h * (N * P), mask=m_np, other=0.0)
+            if HALVES == 2:  # hi and lo halves, split by the state kernel: two dots
+                y_in = _mma(c_m, h_in, tl.zeros((BT, BP), dtype=tl.float32), F32, UPCAST)
+                h_lo = tl.load(p_states + H * N * P + i_h * (N * P), mask=m_np, other=0.0)
+                y_in = _mma(c_m, h_lo, y_in, F32, UPCAST)
+            elif STATES_LOW:  # stored in the dot dtype: one dot, nothing to split
                 y_in = _mma(c_m, h_in, tl.zeros((BT, BP), dtype=tl.float32), F32, UPCAST)
             else:
                 y_in = _mma_f32_right(c_m, h_in, tl.zeros((BT, BP), dtype=tl.float32), SPLIT,
@@ -429,6 +443,7 @@ def mamba2_ssd_triton(
     block_t: int | None = None,
     states_dtype: torch.dtype = torch.float32,
     precompute_cb: bool = False,
+    split_states: bool = False,
     num_warps: tuple[int, int] | None = None,
     num_stages: tuple[int, int] | None = None,
 ) -> torch.Tensor:
@@ -462,6 +477,8 @@ def mamba2_ssd_triton(
         carried state) or ``x``'s dtype (half the traffic, one dot instead of two, but each
         output's inter-chunk term carries one rounding of the state, ~2^-9 relative in bf16:
         what mamba_ssm and fla do). The carried and the final states stay float32 either way.
+        With ``precise=False`` the states are stored in ``x``'s dtype whatever this says: the
+        scan would round them to it before its dot (bit-identical, half the traffic).
     :param precompute_cb: with several token tiles per chunk, compute each chunk's ``C B^T``
         blocks once per group in a third kernel (``[chunks, G, Q, Q]`` float32 scratch, 1 KB
         per token and group at ``Q = 256``) that the scan reads, instead of one more dot per
@@ -471,6 +488,13 @@ def mamba2_ssd_triton(
         ``[BT, N] x [N, BT]`` dot, but compiled for sm90 (Triton 3.9, offline) it spilled
         936 bytes per thread on 4 warps against 128 for the dot (112 / 40 on 8 warps);
         ``bench_ssm.py --mamba2-sweep`` times both.
+    :param split_states: float32 entering states with 16-bit inputs and ``precise``: store
+        them as their hi + lo halves in ``x``'s dtype (as many bytes; the split done once per
+        chunk in the state kernel, and the scan's dot operands come as stored) rather than in
+        float32, split in the scan by each row block and head. Bit-identical values. Off by
+        default until timed: compiled offline for sm90 (Triton 3.9) the scan spilled more
+        with it at chunk 64 (520 against 456 bytes per thread) and less at chunk 256 (96
+        against 128).
     :param num_warps: ``(state kernel, scan kernel)``; ``num_stages`` likewise.
     :returns: ``y`` ``[T, H, P]``.
     """
@@ -574,7 +598,12 @@ def mamba2_ssd_triton(
     # bit-identical outputs). Measured with one block per chunk (chunk 64).
     ns_state, ns_scan = num_stages or (3, 1)
     dummy = A_log
-    states_low = states_dtype != torch.float32
+    # How the entering states are stored: float32 for float32 inputs; x's dtype when asked
+    # or when the scan would round them to it (no hi/lo split); else hi + lo halves in x's
+    # dtype (split_states) or float32 split by the scan.
+    states_low = not f32 and (states_dtype != torch.float32 or not precise)
+    halves = 2 if not f32 and not states_low and split_states else 1
+    store_dtype = x.dtype if states_low or halves == 2 else torch.float32
 
     def cb_mem(bt: int) -> bool:
         return chunk_size > bt and precompute_cb
@@ -593,30 +622,32 @@ def mamba2_ssd_triton(
         kw = dict(H=H, GROUP=group, N=N, P=P, BT=bt, SUBS=subs, BN=max(16, next_pow2(N)), BP=bp,
                   HB=hb, HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,
                   HAS_D=D is not None, HAS_Z=z is not None, **flags, STATES_LOW=states_low,
-                  CB_MEM=cb_mem(bt), num_warps=nw_scan, num_stages=stages)  # fmt: skip
+                  HALVES=halves, CB_MEM=cb_mem(bt), num_warps=nw_scan,
+                  num_stages=stages)  # fmt: skip
         if warmup:
             return _ssd_scan_kernel.warmup(*args, grid=grid, **kw)
         return _ssd_scan_kernel[grid](*args, **kw)
 
     key = (device, x.dtype, N, P, G, hb, chunk_size, BT, BP, nw_scan, ns_scan, precise,
-           dt_softplus, D is not None, z is not None, dt_bias is not None, states_dtype,
+           dt_softplus, D is not None, z is not None, dt_bias is not None, store_dtype, halves,
            precompute_cb)  # fmt: skip
     tiling = _SCAN_TILING.get(key)
     if tiling is None:
         tiling = _SCAN_TILING[key] = _fit_scan(scan, chunk_size, BT, BP, ns_scan, cu, device,
-                                               states_dtype)  # fmt: skip
+                                               store_dtype)  # fmt: skip
     BT, BP_scan, ns_scan = tiling
 
     plan, n_chunks = _chunk_plan(cu, chunk_size, device)
-    # Every chunk's entering state (T=8192, H=128, N=128, P=64 in float32: 512 MiB at chunk
-    # 64, 128 MiB at chunk 256).
-    states = torch.empty((max(n_chunks, 1), H, N, P), dtype=states_dtype, device=device)
+    # Every chunk's entering state (T=8192, H=128, N=128, P=64 in float32 or as bf16 halves:
+    # 512 MiB at chunk 64, 128 MiB at chunk 256).
+    states = torch.empty((max(n_chunks, 1), halves, H, N, P), dtype=store_dtype, device=device)
     _ssd_state_kernel[(triton.cdiv(N, BNs) * triton.cdiv(P, BP), H, n_seq)](
         x, dt, A_log, dt_bias if dt_bias is not None else dummy, B, ssm_state, state_indices,
         plan, states, x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1),
         *ssm_state.stride()[:3], n_seq, H=H, GROUP=group, N=N, P=P, BT=BT,
         SUBS=chunk_size // BT, BN=BNs, BP=BP, HAS_DT_BIAS=dt_bias is not None,
-        DT_SOFTPLUS=dt_softplus, **flags, num_warps=nw_state, num_stages=ns_state,
+        DT_SOFTPLUS=dt_softplus, **flags, HALVES=halves, num_warps=nw_state,
+        num_stages=ns_state,
     )  # fmt: skip
     if n_chunks == 0:
         return out
