@@ -254,8 +254,7 @@ def _ssd_scan_kernel(
     x_ptr, dt_ptr, a_log_ptr, dt_bias_ptr, b_ptr, c_ptr, d_ptr, z_ptr, out_ptr, plan_ptr,
     states_ptr, cb_ptr, s_xt, s_xh, s_dtt, s_bt, s_bg, s_ct, s_cg, s_zt, s_zh, s_ot, s_oh,
     table_off, H: tl.constexpr, GROUP: tl.constexpr, N: tl.constexpr, P: tl.constexpr,
-    BT: tl.constexpr,
-    SUBS: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, HB: tl.constexpr,
+    BT: tl.constexpr, SUBS: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, HB: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr,
     HAS_Z: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr, UPCAST: tl.constexpr,
     STATES_LOW: tl.constexpr, HALVES: tl.constexpr, CB_MEM: tl.constexpr,
@@ -269,7 +268,10 @@ def _ssd_scan_kernel(
     is ``cs_i + gap - cs_j`` with ``cs`` local to each block and ``gap`` the sum of the log
     decays of the blocks ``k + 1 .. m - 1`` plus block ``k``'s own total (0 on the diagonal):
     walking ``k`` down accumulates it, and at the end it is the log decay from the chunk's
-    start to block ``m``, which the entering state's term needs."""
+    start to block ``m``, which the entering state's term needs. ``CB_MEM``: the ``C B^T``
+    blocks come from ``_ssd_cb_kernel`` (``cb_ptr``) instead of a dot per head and block.
+    The entering state comes as float32 (split here when ``SPLIT``), in the dot dtype
+    (``STATES_LOW``: one dot) or as hi and lo halves (``HALVES == 2``: two dots, no split)."""
     pid = tl.program_id(0)
     i_c = pid // SUBS
     i_m = pid % SUBS
