@@ -22,16 +22,21 @@ Sections:
   against ``chunk_kda`` alone on dense states, all three in the same process, alternating three
   times (min of each), eager and in CUDA graphs; the ratios ours / fla.
 * prefill_profile (``--profile``): GPU time per kernel (torch.profiler) of our GDN prefill,
-  fla's, and the Triton SSD with and without the hi/lo split, T = 8192 as 1 and 16 requests.
+  fla's, and the Triton SSD (chunk 64 and 256) with and without the hi/lo split, T = 8192 as 1
+  and 16 requests.
 * mamba2_sweep (``--mamba2-sweep``): the Triton SSD at the granite shape (T = 8192 as one
-  request, 32768 as 16) in each tiling of ``SSD_SWEEP``, with and without the hi/lo split,
-  each checked against the default tiling's output.
+  request, 32768 as 16) in each variant of ``SSD_SWEEP`` (chunk 64 / 128 / 256, token tile,
+  scan warps, heads per program, the cb pass, float32 or bf16 entering states, with and
+  without the hi/lo split), each checked against the default's output and final states and
+  against the float32 torch chunked SSD (max relative difference printed); one row per
+  variant, emitted as it is timed. Alone:
+  ``bench_ssm.py --mamba2-sweep --only mamba2_sweep --no-fla --budget-s 300 --out x.json``.
 * l2norm_sweep (``--l2norm-sweep``): ``l2norm_qk`` block sizes at Qwen3-Next's q/k shape,
   GB/s and max error against torch.
 * mamba2_decode: B = 64..2048, H=128, N=128, P=64 (Mamba2-2.7B-like), fp32 state, GB/s.
 * mamba2_prefill (``--prefill``): granite-4.0-h-small-like (H=128, P=64, N=128, G=1), T = 8192
-  and 32768 as one and 16 requests: ``impl="triton"`` (chunk 64 and 128, each with and without
-  the hi/lo split), ``impl="fla"``, ``impl="torch"`` (T = 8192, one request); tokens/s, the
+  and 32768 as one and 16 requests: ``impl="triton"`` (chunk 64, 128 and 256, each with and
+  without the hi/lo split), ``impl="fla"``, ``impl="torch"`` (T = 8192, one request); tokens/s, the
   ratio to fla's rate in the same run and to the published fused SSD rate.
 * lightning_decode: MiniMax-Text-01's lightning layer (H=64, Dk=Dv=128, one rank), B = 64..2048,
   fp32 state: ours (the Mamba2 decode kernel with dt = 1, A_log = log slope, as the plugin
@@ -369,8 +374,9 @@ def job_kda_prefill(T: int, n_seq: int) -> dict:
 
 def job_prefill_profile(T: int, n_seq: int) -> dict:
     """GPU time per kernel (torch.profiler, mean over 5 calls) of our GDN prefill, fla's
-    chunk_gated_delta_rule and the Triton SSD (granite shape, chunk 64, with and without the
-    hi/lo split): which stage to work on."""
+    chunk_gated_delta_rule and the Triton SSD (granite shape, chunk 64 and 256, with and
+    without the hi/lo split): which stage to work on (the SSD's state kernel is sequential
+    over a sequence's 64-token sub-blocks whatever the chunk; its scan's work grows with it)."""
     import torch
     from attn_plugin_triton_ssm.kernels import gdn_prefill
     from attn_plugin_triton_ssm.kernels.ssd import mamba2_ssd_triton
@@ -388,7 +394,10 @@ def job_prefill_profile(T: int, n_seq: int) -> dict:
             cu_seqlens_cpu=cu_cpu,
         ),
         **{
-            f"ssd precise={p}": lambda p=p: mamba2_ssd_triton(**ssd_inputs, precise=p)
+            f"ssd chunk={q} precise={p}": lambda p=p, q=q: mamba2_ssd_triton(
+                **ssd_inputs, precise=p, chunk_size=q
+            )
+            for q in (64, 256)
             for p in (True, False)
         },
     }  # fmt: skip
@@ -659,51 +668,104 @@ def job_mamba2_prefill(T: int, n_seq: int, impl: str, H=128, G=1, N=128, P=64,
     return {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6}
 
 
-#: Mamba2 SSD tilings timed by ``--mamba2-sweep`` around the default (chunk 64, heads per scan
-#: program 8, state rows 64, P tile 64, warps (4, 4), stages (3, 1)). Sweeps from (32 rows,
-#: warps (4, 8), stages (3, 2)) on the H200 set those defaults: scan warps 4 gave 1.46x, 64
-#: state rows 1.21x, then one scan stage 1.08x. Chunk 128 runs 0.57-0.66x of chunk 64.
-SSD_SWEEP = [
-    {}, {"chunk_size": 128}, {"num_stages": (3, 2)}, {"num_stages": (3, 3)}, {"num_stages": (2, 1)},
-    {"heads_per_program": 1}, {"heads_per_program": 2}, {"heads_per_program": 4},
-    {"block_n": 32}, {"num_warps": (8, 4)}, {"num_warps": (4, 2)},
-    {"heads_per_program": 2, "num_stages": (3, 2)},
+#: Mamba2 SSD variants timed by ``--mamba2-sweep``, most telling first (a job cut off by the
+#: budget keeps the rows it emitted). Defaults: chunk 64 (one 64-token tile per chunk),
+#: ``block_t`` min(chunk, 64), 8 heads per scan program, 64 state rows, P tile 64, warps (4, 4),
+#: stages (3, 1), float32 entering states split by the scan, hi/lo split, ``C B^T`` dotted in
+#: the scan. Sweeps from (32 rows, warps (4, 8), stages (3, 2)) on the H200 set those at chunk
+#: 64, when a chunk was one [Q, Q] tile: scan warps 4 gave 1.46x, 64 state rows 1.21x, one
+#: scan stage 1.08x. Chunks 128 / 256 now run on 64-token tiles and store 2 / 4x fewer
+#: entering states than chunk 64 (the traffic per token, kernels/ssd.py): the rows below pick
+#: the chunk, the states' dtype and layout, the scan's warps and the cb pass. ``states_dtype``
+#: is a name (the driver imports no torch).
+SSD_SWEEP: list[dict] = [
+    {},
+    {"chunk_size": 128},
+    {"chunk_size": 256},
+    {"chunk_size": 64, "states_dtype": "bfloat16"},
+    {"chunk_size": 128, "states_dtype": "bfloat16"},
+    {"chunk_size": 256, "states_dtype": "bfloat16"},
+    {"chunk_size": 64, "precise": False},
+    {"chunk_size": 128, "precise": False},
+    {"chunk_size": 256, "precise": False},
+    {"chunk_size": 64, "split_states": True},
+    {"chunk_size": 256, "split_states": True},
+    {"chunk_size": 256, "split_states": True, "num_warps": (4, 8)},
+    {"chunk_size": 128, "num_warps": (4, 8)},
+    {"chunk_size": 256, "num_warps": (4, 8)},
+    {"chunk_size": 128, "precompute_cb": True},
+    {"chunk_size": 256, "precompute_cb": True},
+    {"chunk_size": 128, "precompute_cb": True, "num_warps": (4, 8)},
+    {"chunk_size": 256, "precompute_cb": True, "num_warps": (4, 8)},
+    {"chunk_size": 256, "block_t": 32},
+    {"chunk_size": 256, "block_t": 32, "num_warps": (4, 8)},
+    {"chunk_size": 256, "block_t": 32, "precompute_cb": True, "num_warps": (4, 8)},
+    {"chunk_size": 256, "heads_per_program": 4},
+    {"chunk_size": 256, "heads_per_program": 2},
+    {"chunk_size": 256, "num_stages": (3, 2)},
+    {"chunk_size": 256, "block_n": 32},
+    {"chunk_size": 64, "num_warps": (4, 8)},
+    {"chunk_size": 256, "precise": False, "states_dtype": "bfloat16", "num_warps": (4, 8)},
+    {"chunk_size": 256, "precise": False, "states_dtype": "bfloat16", "precompute_cb": True,
+     "num_warps": (4, 8)},
 ]  # fmt: skip
 
 
-def job_mamba2_sweep(T: int, n_seq: int, H=128, G=1, N=128, P=64) -> dict:
-    """The Triton SSD at the granite shape in each :data:`SSD_SWEEP` tiling, precise and not.
-    Each tiling's output and final states are first compared with the default tiling's from
-    the same initial states (``maxrel[...]``: max |difference| / max |default|), so a tiling
-    that is fast but wrong shows."""
+def _rel(a, b) -> float:
+    """max |a - b| / max |b| (float32)."""
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def job_mamba2_sweep(T: int, n_seq: int, emit, H=128, G=1, N=128, P=64) -> dict:
+    """The Triton SSD at the granite shape in each :data:`SSD_SWEEP` variant. Each variant's
+    output and final states are first compared with the default's from the same initial
+    states (``maxrel_default``: max |difference| / max |default|) and with the float32 torch
+    chunked SSD (``maxrel_ref``, ``impl="torch"``, where it ran), so a variant that is fast
+    but wrong shows. One row is emitted per variant as soon as it is timed."""
+    import torch
+    from attn_plugin_triton_ssm.kernels import mamba2_prefill
     from attn_plugin_triton_ssm.kernels.ssd import mamba2_ssd_triton
 
     a = _mamba2_prefill_inputs(T, n_seq, H, G, N, P)
     state0 = a.pop("ssm_state")
-    res = {}
-    for precise in (True, False):
+    sl = a["state_indices"].long()
 
-        def run(state, opts, precise=precise):
-            return mamba2_ssd_triton(**a, ssm_state=state, precise=precise, **opts)
+    def run(state, opts):
+        kw = dict(opts)
+        if "states_dtype" in kw:
+            kw["states_dtype"] = getattr(torch, kw["states_dtype"])
+        return mamba2_ssd_triton(**a, ssm_state=state, **kw)
 
-        ref_state = state0.clone()
-        ref_y = run(ref_state, {}).float()
-        for opts in SSD_SWEEP:
-            name = f"precise={precise} " + (
-                " ".join(f"{k}={v}" for k, v in opts.items()) or "default"
-            )
-            try:
-                state = state0.clone()
-                y = run(state, opts).float()
-                res[f"maxrel[{name}]"] = max(
-                    ((y - ref_y).abs().max() / ref_y.abs().max()).item(),
-                    ((state - ref_state).abs().max() / ref_state.abs().max()).item(),
-                )
-                ms = _bench(lambda opts=opts, state=state: run(state, opts), warmup=3, rep=20)
-                res[f"Mtok[{name}]"] = T / (ms * 1e-3) / 1e6
-            except Exception as exc:  # a tiling that does not compile or fit is reported
-                res[f"Mtok[{name}]"] = f"{type(exc).__name__}: {str(exc)[:120]}"
-    return res
+    ref_state = state0.clone()
+    ref_y = run(ref_state, {}).float()
+    torch_ref = None
+    try:
+        st = state0.clone()
+        cu_cpu = a["cu_seqlens_cpu"]
+        y_t = mamba2_prefill(a["x"], a["dt"], a["A_log"], a["B"], a["C"], st,
+                             a["state_indices"], cu_cpu.to(a["x"].device), D=a["D"],
+                             dt_bias=a["dt_bias"], cu_seqlens_cpu=cu_cpu, impl="torch")  # fmt: skip
+        torch_ref = (y_t.float(), st[sl])
+        del y_t
+    except Exception as exc:  # e.g. out of memory: the default comparison still stands
+        emit({"section": "mamba2_sweep", "T": T, "n_seq": n_seq, "provider": "torch reference",
+              "error": f"{type(exc).__name__}: {str(exc)[:120]}"})  # fmt: skip
+    for opts in SSD_SWEEP:
+        name = " ".join(f"{k}={v}" for k, v in opts.items()) or "default"
+        row = {"section": "mamba2_sweep", "T": T, "n_seq": n_seq, "provider": name}
+        try:
+            state = state0.clone()
+            y = run(state, opts).float()
+            row["maxrel_default"] = max(_rel(y, ref_y), _rel(state[sl], ref_state[sl]))
+            if torch_ref is not None:
+                row["maxrel_ref"] = max(_rel(y, torch_ref[0]), _rel(state[sl], torch_ref[1]))
+            del y
+            ms = _bench(lambda opts=opts, state=state: run(state, opts), warmup=3, rep=20)
+            row.update(ms=ms, Mtok_per_s=T / (ms * 1e-3) / 1e6)
+        except Exception as exc:  # a variant that does not compile or fit is reported
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        emit(row)
+    return {"provider": "done", "variants": len(SSD_SWEEP)}
 
 
 def job_l2norm_sweep(T: int) -> dict:
@@ -833,6 +895,11 @@ JOBS = {
 }
 
 
+#: Jobs that emit rows as they go (``emit`` keyword), so that a job cut off by the budget or
+#: by a fault keeps what it measured.
+_EMITTING = {"mamba2_sweep"}
+
+
 def worker(jobs: list[dict]) -> int:
     """Run ``jobs`` (``{"id", "fn", "kw", "row"}``) in order; one JSON line per result."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -860,8 +927,9 @@ def worker(jobs: list[dict]) -> int:
         if job["fn"] == "gdn_decode_sweep":
             res = job_gdn_decode_sweep(job["kw"]["batches"], emit)
         else:
+            kw = dict(job["kw"], emit=emit) if job["fn"] in _EMITTING else job["kw"]
             try:
-                res = JOBS[job["fn"]](**job["kw"])
+                res = JOBS[job["fn"]](**kw)
             except Exception as e:  # not a fault: the context is still usable
                 res = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
                        "traceback": traceback.format_exc(limit=3)}  # fmt: skip
@@ -950,6 +1018,10 @@ def _table(results: list, copy_bw: float | None) -> str:
                 if fla and not r["provider"].startswith("impl=fla"):
                     val += f"  ({r['Mtok_per_s'] / fla:.2f} x fla)"
                 val += f"  ({r['Mtok_per_s'] / MAMBA2_PUBLISHED_MTOK:.2f} x published fused SSD)"
+            if r["section"] == "mamba2_sweep":
+                val += f"  ({r['Mtok_per_s'] / MAMBA2_PUBLISHED_MTOK:.2f} x published fused SSD)"
+                val += f"  max rel. diff: to default {r.get('maxrel_default', float('nan')):.1e}"
+                val += f", to float32 torch {r.get('maxrel_ref', float('nan')):.1e}"
             if "ratio_to_fla" in r:
                 val += f"  fla (same process, interleaved) {r['fla_ms']:.3f} ms, ratio "
                 val += f"{r['ratio_to_fla']:.3f}"
@@ -973,15 +1045,8 @@ def _table(results: list, copy_bw: float | None) -> str:
             if "graph_ratio" in r:
                 val += (f"; graphs {r['graph_ms']:.4f} / {r['graph_direct_ms']:.4f} ms"
                         f"  ratio {r['graph_ratio']:.3f}")  # fmt: skip
-        elif r["section"] == "mamba2_sweep":
-            val = "".join(
-                f"\n{'':<16}{key[len('Mtok[') : -1]}: "
-                + (f"{mt:.2f} Mtok/s" if isinstance(mt, float) else mt)
-                + (f"  (max rel. diff to default {r[key.replace('Mtok', 'maxrel')]:.1e})"
-                   if key.replace("Mtok", "maxrel") in r else "")
-                for key, mt in r.items()
-                if key.startswith("Mtok[")
-            )  # fmt: skip
+        elif r["section"] == "mamba2_sweep":  # the job's closing row: its rows came before
+            continue
         elif r["section"] == "l2norm_sweep":
             val = "".join(
                 f"\n{'':<16}{key[len('GBps[') : -1]}: {bw:.0f} GB/s  "
@@ -1102,7 +1167,7 @@ def main(argv: list[str] | None = None) -> int:
                 p = {"section": "mamba2_prefill", "T": T, "n_seq": n_seq}
                 prefill.append(job("mamba2_prefill", {**p, "provider": "impl=fla (simple_gla)"},
                                    T=T, n_seq=n_seq, impl="fla"))  # fmt: skip
-                for chunk in (64, 128):
+                for chunk in (64, 128, 256):
                     prefill.append(job("mamba2_prefill",
                                        {**p, "provider": f"impl=triton chunk {chunk}"}, T=T,
                                        n_seq=n_seq, impl="triton", chunk_size=chunk))  # fmt: skip

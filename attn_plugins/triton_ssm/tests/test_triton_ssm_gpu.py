@@ -185,23 +185,46 @@ def test_mamba2_prefill_varlen_matches_recurrence(K, impl):
         assert o_rel < 1e-2 and h_rel < 1e-2, f"{impl} sequence {i}: out {o_rel:.2e} h {h_rel:.2e}"
 
 
+_BF16_STATES = {"states_dtype": torch.bfloat16}
+
+
+def _param_id(v) -> str:
+    if isinstance(v, dict):
+        return "-".join(f"{k}={w}" for k, w in v.items()).replace("torch.", "") or "default"
+    return str(v).removeprefix("torch.")
+
+
 @pytest.mark.parametrize(
-    ("dtype", "chunk"),
+    ("dtype", "chunk", "opts"),
     [
-        (torch.bfloat16, 32),
-        (torch.bfloat16, 64),
-        (torch.bfloat16, 128),
-        (torch.float32, 64),
-        (torch.float32, 128),
+        (torch.bfloat16, 32, {}),
+        (torch.bfloat16, 64, {}),
+        (torch.bfloat16, 128, {}),
+        (torch.bfloat16, 256, {}),
+        (torch.float32, 64, {}),
+        (torch.float32, 128, {}),
+        (torch.float32, 256, {}),
+        # the variants bench_ssm.py --mamba2-sweep times, compiled at the shape it times them
+        (torch.bfloat16, 128, {"precompute_cb": True}),
+        (torch.bfloat16, 256, {"precompute_cb": True, "num_warps": (4, 8)}),
+        (torch.bfloat16, 256, {"num_warps": (4, 8)}),
+        (torch.bfloat16, 256, {"block_t": 32}),
+        (torch.bfloat16, 256, {"heads_per_program": 2, "num_stages": (3, 2)}),
+        (torch.bfloat16, 64, _BF16_STATES),
+        (torch.bfloat16, 256, _BF16_STATES),
     ],
+    ids=lambda v: _param_id(v),
 )
-def test_mamba2_prefill_triton_matches_torch_granite_shape(K, dtype, chunk):
+def test_mamba2_prefill_triton_matches_torch_granite_shape(K, dtype, chunk, opts):
     """``impl="triton"`` (our chunked SSD) against ``impl="torch"`` (the float32 chunked SSD in
     torch) at the granite-4.0-h-small-like shape (H=128, P=64, N=128, one B/C group), T=4096 in
     4 packed sequences: one ends on a chunk boundary, one is a single token. Both run on the same
     inputs in float32 arithmetic (ours splits the float32 dot operands in bf16 hi + lo halves,
     or uses tf32x3 dots for float32 inputs): the states agree to ~1e-5, the bf16 outputs to a
-    rounding step. A wrong decay, group mapping or chunk boundary gives tens of percent."""
+    rounding step. A wrong decay, group mapping or chunk boundary gives tens of percent. Chunks
+    above 64 run on 64-token tiles (``opts`` pick others, the cb pass, warps); bf16 entering
+    states add one bf16 rounding of the state to each output's inter-chunk term (looser output
+    bounds; the final states never read them)."""
     lens, H, G, N, P, S = [2048, 1023, 1, 1024], 128, 1, 128, 64, 10
     T = sum(lens)
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -216,8 +239,13 @@ def test_mamba2_prefill_triton_matches_torch_granite_shape(K, dtype, chunk):
     st_torch, st_triton = state.clone(), state.clone()
     common = dict(D=Dp, dt_bias=dt_bias, cu_seqlens_cpu=cu_cpu)
     y_torch = K.mamba2_prefill(x, dt, A_log, Bm, Cm, st_torch, idx, cu, impl="torch", **common)
-    y = K.mamba2_prefill(x, dt, A_log, Bm, Cm, st_triton, idx, cu, impl="triton",
-                         chunk_size=chunk, **common)  # fmt: skip
+    if opts:
+        y = K.mamba2_ssd_triton(x, dt, A_log, Bm, Cm, st_triton, idx, chunk_size=chunk,
+                                **common, **opts)  # fmt: skip
+    else:
+        y = K.mamba2_prefill(x, dt, A_log, Bm, Cm, st_triton, idx, cu, impl="triton",
+                             chunk_size=chunk, **common)  # fmt: skip
+    o_bound, o_atol = (1e-2, 4e-3) if "states_dtype" in opts else (5e-3, 1e-3)
     assert y.dtype == dtype and y.shape == x.shape
     untouched = [s for s in range(S) if s not in idx.tolist()]
     assert torch.equal(st_triton[untouched], state[untouched])
@@ -228,8 +256,8 @@ def test_mamba2_prefill_triton_matches_torch_granite_shape(K, dtype, chunk):
         h_rel = ((h - h_ref).abs().mean() / h_ref.abs().mean()).item()
         stats = f"sequence {i} ({e - s} tokens): out rel {o_rel:.2e}, state rel {h_rel:.2e}"
         print(stats)
-        assert o_rel < 5e-3 and h_rel < 1e-4, stats
-        torch.testing.assert_close(o, o_ref, rtol=1e-2, atol=1e-3 * o_ref.abs().max().item(),
+        assert o_rel < o_bound and h_rel < 1e-4, stats
+        torch.testing.assert_close(o, o_ref, rtol=1e-2, atol=o_atol * o_ref.abs().max().item(),
                                    msg=lambda m, s_=stats: f"{s_}\n{m}")  # fmt: skip
         torch.testing.assert_close(h, h_ref, rtol=1e-3, atol=1e-4 * h_ref.abs().max().item(),
                                    msg=lambda m, s_=stats: f"{s_}\n{m}")  # fmt: skip

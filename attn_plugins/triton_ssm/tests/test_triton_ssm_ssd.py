@@ -20,9 +20,11 @@ SLOTS = [6, 0, 3, 5, 2, 7]  # the first len(lens) are used, in this (non-sorted)
 
 
 def _case(lens, *, H=4, G=1, N=16, P=32, dtype=torch.float32, state_dtype=torch.float32,
-          init=True, seed=0):  # fmt: skip
+          init=True, seed=0, dt_shift=1.0):  # fmt: skip
     """Packed inputs for sequences of ``lens`` tokens, on the host (float32 reference data
-    rounded to ``dtype`` once, so the reference sees the same values)."""
+    rounded to ``dtype`` once, so the reference sees the same values). ``dt`` is drawn from
+    ``N(-dt_shift, 1)`` before bias and softplus: a larger shift decays the state more slowly,
+    so the initial and inter-chunk states still weigh on outputs hundreds of tokens later."""
     g = torch.Generator().manual_seed(seed)
     T = sum(lens)
 
@@ -31,7 +33,7 @@ def _case(lens, *, H=4, G=1, N=16, P=32, dtype=torch.float32, state_dtype=torch.
 
     inp = {
         "x": r(T, H, P).to(dtype),
-        "dt": r(T, H) - 1.0,
+        "dt": r(T, H) - dt_shift,
         "A_log": r(H) * 0.5,
         "B": r(T, G, N).to(dtype),
         "C": r(T, G, N).to(dtype),
@@ -179,8 +181,17 @@ def test_errors_say_what_was_expected():
     st = state.to(DEV)
     with pytest.raises(ValueError, match=r"chunk_size: impl='triton' takes one of .* got 48"):
         _run(inp, extras, st, idx, cu, chunk_size=48)
-    with pytest.raises(ValueError, match=r"takes one of \[16, 32, 64, 128\], got 256"):
-        _run(inp, extras, st, idx, cu, chunk_size=256)
+    with pytest.raises(ValueError, match=r"takes one of \[16, 32, 64, 128, 256\], got 512"):
+        _run(inp, extras, st, idx, cu, chunk_size=512)
+    for bt in (8, 24, 128):
+        with pytest.raises(ValueError, match=rf"block_t: expected a power of two from 16 to "
+                           rf"chunk_size=64, got {bt}"):  # fmt: skip
+            ssd.mamba2_ssd_triton(**_dev(inp), ssm_state=st, state_indices=idx.to(DEV),
+                                  cu_seqlens_cpu=cu, chunk_size=64, block_t=bt)  # fmt: skip
+    with pytest.raises(ValueError, match=r"states_dtype: expected float32 or x's dtype bfloat16, "
+                       r"got float16"):  # fmt: skip
+        ssd.mamba2_ssd_triton(**_dev(inp), ssm_state=st, state_indices=idx.to(DEV),
+                              cu_seqlens_cpu=cu, states_dtype=torch.float16)  # fmt: skip
     with pytest.raises(ValueError, match=r"B: expected x's dtype bfloat16 .* got float32"):
         _run({**inp, "B": inp["B"].float()}, extras, st, idx, cu)
     with pytest.raises(ValueError, match=r"x: impl='triton' takes float32/.* got float64"):
@@ -224,9 +235,9 @@ def test_auto_is_triton_on_cuda_and_torch_on_cpu(monkeypatch):
 @pytest.mark.parametrize("dim", [128, 256])
 def test_fp32_wide_state_picks_a_scan_tiling_that_fits(dim):
     """float32 inputs at N = P = 128 / 256 (the kit's Mamba2 head dims) can need more shared
-    memory than an H200 block has (at chunk 128: 263 / 493 KB against 227 KB); the wrapper
-    picks a scan tiling that fits before writing anything, and the result matches the
-    recurrence."""
+    memory than an H200 block has (at a 128-token tile: 263 / 493 KB against 227 KB); the
+    wrapper picks a scan tiling that fits before writing anything (fewer stages, then smaller
+    token tiles, never a narrower P tile), and the result matches the recurrence."""
     ssd._SCAN_TILING.clear()
     lens = [150, 0, 77]
     inp, extras, state, idx, cu = _case(lens, H=2, N=dim, P=dim, init=True, seed=3)
@@ -234,17 +245,18 @@ def test_fp32_wide_state_picks_a_scan_tiling_that_fits(dim):
     before = state.clone()
     y = _run(inp, extras, st, idx, cu)
     (tiling,) = ssd._SCAN_TILING.values()
-    assert tiling[0] in ssd.CHUNK_SIZES and tiling[1] == ssd._P_TILE, tiling
+    assert tiling[0] in (16, 32, 64) and tiling[1] == ssd._P_TILE, tiling
     _check_against_recurrence(y, st, before, inp, extras, idx, cu, out_tol=FP32_TOL,
                               state_tol=FP32_TOL)  # fmt: skip
 
 
 def test_scan_tilings_to_try_never_narrow_the_p_tile():
-    """Lowering stages and chunks is how the scan fits shared memory; narrowing its P tile is
-    not (32-column tiles are what Triton 3.6 miscompiles on the H200, see ssd.mamba2_ssd_triton)."""
-    tilings = ssd._scan_candidates(128, ssd._P_TILE, 2)
-    assert tilings == [(128, 64, 2), (128, 64, 1), (64, 64, 1), (32, 64, 1), (16, 64, 1)]
-    assert ssd._scan_candidates(ssd.DEFAULT_CHUNK, 64, 1) == [(64, 64, 1), (32, 64, 1), (16, 64, 1)]
+    """Lowering stages and token tiles is how the scan fits shared memory; narrowing its P tile
+    is not (32-column tiles are what Triton 3.6 miscompiles on the H200, see
+    ssd.mamba2_ssd_triton)."""
+    tilings = ssd._scan_candidates(64, ssd._P_TILE, 2)
+    assert tilings == [(64, 64, 2), (64, 64, 1), (32, 64, 1), (16, 64, 1)]
+    assert ssd._scan_candidates(ssd._T_TILE, 64, 1) == [(64, 64, 1), (32, 64, 1), (16, 64, 1)]
     assert ssd._scan_candidates(16, 64, 1) == [(16, 64, 1)]
 
 
@@ -254,3 +266,156 @@ def test_block_p_must_be_a_power_of_two_from_16(block_p):
     with pytest.raises(ValueError, match=f"block_p: expected a power of two >= 16, got {block_p}"):
         ssd.mamba2_ssd_triton(**_dev(inp), ssm_state=state.to(DEV), state_indices=idx.to(DEV),
                               cu_seqlens_cpu=cu, **_dev(extras), block_p=block_p)  # fmt: skip
+
+
+# Chunks of 128 and 256 tokens run as 2 and 4 row / column blocks of 64 (block_t's default);
+# the lengths straddle chunks and 64-token sub-blocks, end on and off them, and include
+# sequences shorter than one chunk (whose later row blocks are empty) and than one sub-block.
+def _chunk_lens(chunk: int) -> list[int]:
+    return [chunk + 70, 1, chunk // 2 + 3]
+
+
+@pytest.mark.parametrize("chunk", ssd.CHUNK_SIZES)
+def test_every_chunk_size_matches_recurrence(chunk):
+    """float32 inputs (tf32x3 dots, exact under the interpreter) at each chunk size with
+    D / dt_bias / z: outputs and final states against the explicit recurrence, initial states
+    read from non-sorted slots, the other slots untouched. The decay is slow (about e^-2 over
+    256 tokens), so an entering state that is wrong, stale or decayed from the wrong block
+    shows in every later output."""
+    lens = _chunk_lens(chunk)
+    inp, extras, state, idx, cu = _case(lens, H=4, G=2, N=16, P=16, seed=chunk, dt_shift=5.0)
+    before = state.clone()
+    st = state.to(DEV)
+    y = _run(inp, extras, st, idx, cu, chunk_size=chunk)
+    _check_against_recurrence(y, st, before, inp, extras, idx, cu, out_tol=FP32_TOL,
+                              state_tol=FP32_TOL)  # fmt: skip
+
+
+@pytest.mark.parametrize("chunk", [256])
+def test_large_chunks_match_torch_chunked_ssd(chunk):
+    """Against the torch chunked SSD at the same chunk (its blocks are whole chunks, ours 64
+    tokens), no extras, raw dt (no softplus), N and P not powers of two (masked tiles)."""
+    lens = [chunk + 64 + 5, 40, 2 * chunk - 1]
+    inp, _, state, idx, cu = _case(lens, H=4, G=1, N=20, P=24, seed=11)
+    inp["dt"] = inp["dt"].abs() * 0.01
+    st_torch = state.clone()
+    y_torch = K.mamba2_prefill(**inp, ssm_state=st_torch, state_indices=idx, cu_seqlens=cu,
+                               dt_softplus=False, chunk_size=chunk, impl="torch")  # fmt: skip
+    st = state.to(DEV)
+    y = _run(inp, {}, st, idx, cu, chunk_size=chunk, dt_softplus=False)
+    torch.testing.assert_close(y.cpu(), y_torch, **FP32_TOL)
+    torch.testing.assert_close(st.cpu(), st_torch, **FP32_TOL)
+
+
+@pytest.mark.parametrize(("chunk", "block_t"), [(64, 16), (256, 32)], ids=lambda v: str(v))
+def test_token_tiles_do_not_change_results(chunk, block_t):
+    """``block_t`` only regroups a chunk's causal sum into blocks (and the state kernel's steps
+    into sub-blocks): float32 inputs give the same outputs, states and final states as one
+    block per chunk (``block_t = chunk`` where the register tile is small enough: 64) or
+    the recurrence, to float32 rounding."""
+    lens = [chunk + 19, 1, chunk // 2 + 33]
+    inp, extras, state, idx, cu = _case(lens, H=2, G=1, N=16, P=16, seed=5, dt_shift=4.0)
+    outs = []
+    for bt in (block_t, min(chunk, 64)):
+        st = state.clone().to(DEV)
+        y = ssd.mamba2_ssd_triton(**_dev(inp), ssm_state=st, state_indices=idx.to(DEV),
+                                  cu_seqlens_cpu=cu, chunk_size=chunk, block_t=bt,
+                                  **_dev(extras))  # fmt: skip
+        outs.append((y.cpu(), st.cpu()))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    before = state.clone()
+    _check_against_recurrence(*outs[0], before, inp, extras, idx, cu, out_tol=FP32_TOL,
+                              state_tol=FP32_TOL)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("chunk", "precise", "states_dtype"),
+    [
+        (64, False, torch.bfloat16),
+        (256, True, torch.float32),
+        (256, True, torch.bfloat16),
+        (256, False, torch.float32),
+    ],
+    ids=["64-plain-bf16", "256-precise-f32", "256-precise-bf16", "256-plain-f32"],
+)
+def test_bf16_precise_and_states_dtype(chunk, precise, states_dtype):
+    """bf16 x/B/C at chunk 64 and 256. With the hi/lo split and float32 entering states the
+    final state stays within float32 rounding of the recurrence on the same bf16 values and
+    the outputs within one bf16 step. Without the split (``dt``-weighted operands rounded to
+    bf16, ~2^-9 per term) or with bf16 entering states (one rounding of the state in each
+    output's inter-chunk term) the outputs are looser, and the final state is exact again
+    only with the split (it never reads the stored states)."""
+    lens = [chunk + 70, 3]
+    inp, extras, state, idx, cu = _case(lens, H=4, G=2, N=16, P=16, dtype=torch.bfloat16,
+                                        seed=9, dt_shift=4.0)  # fmt: skip
+    before = state.clone()
+    st = state.to(DEV)
+    y = ssd.mamba2_ssd_triton(**_dev(inp), ssm_state=st, state_indices=idx.to(DEV),
+                              cu_seqlens_cpu=cu, chunk_size=chunk, precise=precise,
+                              states_dtype=states_dtype, **_dev(extras))  # fmt: skip
+    assert y.dtype == torch.bfloat16
+    exact = precise and states_dtype == torch.float32
+    # Inexact paths: a few 2^-9 (the interpreter truncates: 2^-8) roundings of O(1) terms,
+    # summed over N = 16; a wrong state or decay is off by O(1).
+    out_tol = BF16_OUT_TOL if exact else dict(atol=6e-2, rtol=2e-2)
+    state_tol = FP32_TOL if precise else dict(atol=6e-2, rtol=2e-2)
+    _check_against_recurrence(y, st, before, inp, extras, idx, cu, out_tol=out_tol,
+                              state_tol=state_tol)  # fmt: skip
+
+
+@pytest.mark.parametrize(("chunk", "block_t"), [(256, 64)], ids=lambda v: str(v))
+def test_precomputed_cb_blocks_match_per_head_dots(chunk, block_t):
+    """With several token tiles per chunk the scan computes ``C B^T`` blocks per head and block
+    (the default) or reads them from the cb pass (``precompute_cb=True``): the same dot
+    on the same operands, so bit-identical under the interpreter and equal to float32 rounding
+    compiled (another kernel may pick another MMA shape). Two groups: the blocks of one group
+    must not be read by the other's heads."""
+    lens = [chunk + 40, 2]
+    inp, extras, state, idx, cu = _case(lens, H=2, G=2, N=16, P=16, dtype=torch.bfloat16,
+                                        seed=13, dt_shift=4.0)  # fmt: skip
+    outs = []
+    for pre in (True, False):
+        st = state.clone().to(DEV)
+        y = ssd.mamba2_ssd_triton(**_dev(inp), ssm_state=st, state_indices=idx.to(DEV),
+                                  cu_seqlens_cpu=cu, chunk_size=chunk, block_t=block_t,
+                                  precompute_cb=pre, **_dev(extras))  # fmt: skip
+        outs.append((y.cpu(), st.cpu()))
+    if DEV == "cpu":
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    else:
+        torch.testing.assert_close(outs[0], outs[1], **BF16_OUT_TOL)
+
+
+@pytest.mark.parametrize("chunk", [64, 256])
+def test_split_states_are_the_scans_own_split(chunk):
+    """``split_states=True`` stores each float32 entering state as the bf16 hi + lo halves the
+    scan would split it into: the same values through the same dots, so bit-identical under
+    the interpreter (float32 rounding compiled, where the operands' path differs). And
+    ``precise=False`` stores x's dtype whatever ``states_dtype`` says (the scan rounds the
+    states to it anyway): the same as asking for bf16 states."""
+    lens = [chunk + 21, 2]
+    inp, extras, state, idx, cu = _case(lens, H=2, G=1, N=16, P=16, dtype=torch.bfloat16,
+                                        seed=17, dt_shift=4.0)  # fmt: skip
+
+    def run(**kw):
+        st = state.clone().to(DEV)
+        y = ssd.mamba2_ssd_triton(
+            **_dev(inp),
+            ssm_state=st,
+            state_indices=idx.to(DEV),
+            cu_seqlens_cpu=cu,
+            chunk_size=chunk,
+            **kw,
+            **_dev(extras),
+        )
+        return y.cpu(), st.cpu()  # fmt: skip
+
+    pairs = [
+        (run(split_states=True), run(split_states=False)),
+        (run(precise=False), run(precise=False, states_dtype=torch.bfloat16)),
+    ]
+    for a, b in pairs:
+        if DEV == "cpu":
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        else:
+            torch.testing.assert_close(a, b, **BF16_OUT_TOL)

@@ -288,8 +288,9 @@ def mamba2_prefill(
 
     * ``"triton"``: our two-kernel chunked SSD (:mod:`~attn_plugin_triton_ssm.kernels.ssd`),
       all sequences in one launch each, float32 state and accumulation, B/C shared per group.
-      Inputs it cannot serve raise ``ValueError`` (no fallback). ``chunk_size`` 16, 32, 64
-      or 128 (default 64, see :data:`~attn_plugin_triton_ssm.kernels.ssd.CHUNK_SIZES`).
+      Inputs it cannot serve raise ``ValueError`` (no fallback). ``chunk_size`` 16, 32, 64,
+      128 or 256 (default 64, see :data:`~attn_plugin_triton_ssm.kernels.ssd.CHUNK_SIZES`);
+      chunks above 64 tokens run on 64-token tiles.
     * ``"torch"``: the chunked SSD in torch, one sequence at a time, in float32 (default chunk
       256). Runs anywhere; slow.
     * ``"fla"``: SSD as scalar-gated linear attention (``q = C``, ``k = B``, ``v = dt * x``, log
