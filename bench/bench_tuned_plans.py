@@ -57,6 +57,20 @@ def _ints(text: str) -> list[int]:
     return [int(p) for p in text.split(",") if p.strip()]
 
 
+HEADER = (
+    f"{'model':<12} {'group':<8} {'phase':<8} {'B':>5} {'ctx':>7} {'chosen':<24} "
+    f"{'fastest':<24} {'ratio':>6}  note"
+)
+
+
+def _row_line(r: dict) -> str:
+    return (
+        f"{r['model']:<12} {r['group']:<8} {r['phase']:<8} {r['batch']:>5} "
+        f"{r['context']:>7} {r['chosen']:<24} {r['fastest']:<24} {r['ratio']:>6.3f}  "
+        f"{r['note']}"
+    )
+
+
 def _tuning_grid(phase: Phase, args) -> list[tuple[int, int]]:
     """The (batch, context) points a phase is tuned on: decode / verify every
     ``--tune-batch`` x ``--tune-context``; prefill one request of each ``--tune-prefill``
@@ -162,6 +176,7 @@ def bench_model(name: str, registry: Registry, device: torch.device, args) -> li
                     "note": note,
                 }
             )
+            print(_row_line(rows[-1]), flush=True)  # a run cut short keeps its rows
     return rows
 
 
@@ -181,19 +196,10 @@ def main() -> int:
     args = ap.parse_args()
     device = torch.device("cuda")
     registry = Registry.discover()
+    print(HEADER, flush=True)
     rows = []
     for name in args.models.split(","):
         rows += bench_model(name, registry, device, args)
-    print(
-        f"{'model':<12} {'group':<8} {'phase':<8} {'B':>5} {'ctx':>7} {'chosen':<24} "
-        f"{'fastest':<24} {'ratio':>6}  note"
-    )
-    for r in rows:
-        print(
-            f"{r['model']:<12} {r['group']:<8} {r['phase']:<8} {r['batch']:>5} "
-            f"{r['context']:>7} {r['chosen']:<24} {r['fastest']:<24} {r['ratio']:>6.3f}  "
-            f"{r['note']}"
-        )
     worst = max((r["ratio"] for r in rows), default=float("nan"))
     print(f"worst ratio chosen/fastest: {worst:.3f} (goal <= 1.03) over {len(rows)} points")
     if args.out:
