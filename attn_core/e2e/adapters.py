@@ -105,6 +105,14 @@ LAYER_FORWARD_FAMILIES: frozenset[str] = frozenset(
         "qwen2-vl-text",
     }
 )
+#: Families whose whole transformers ``*ForCausalLM.forward`` runs with the attention op hooked
+#: (the generic dense family): everything around the decoder layers (embedding scales, a norm
+#: before the first layer, the final norm, logit scales and soft-caps, an ``lm_head`` bias) is
+#: the model's own code, so a new dense family needs no adapter code. The attention masks
+#: transformers would build are skipped (an attention implementation it has no mask function for
+#: gets none), so any mask that still reaches the hook was made by the model itself (ALiBi, a
+#: bidirectional prefix) and is refused.
+MODEL_FORWARD_FAMILIES: frozenset[str] = frozenset({"dense"})
 _HOOK_NAME = "attn_core"
 # The adapter whose step is running (the hook is a module-level function transformers calls).
 _ACTIVE: list[CausalLMAdapter] = []
@@ -122,6 +130,7 @@ def _attention_hook(
     ``[1, Hkv, T, D|Dv]`` (rotary already applied) -> ``([1, T, H, Dv], None)``."""
     if not _ACTIVE:
         raise RuntimeError("the attn_core attention implementation ran outside an adapter step")
+    kwargs = {**kwargs, "attention_mask": attention_mask}
     return _ACTIVE[-1]._hooked_attention(module, query, key, value, kwargs), None
 
 
@@ -154,7 +163,8 @@ def _decoder(hf_model: torch.nn.Module) -> Any:
     architecture and are resolved at run time by ``nn.Module.__getattr__``."""
     if hasattr(hf_model, "backbone"):
         return hf_model.backbone
-    base = hf_model.model
+    # the decoder under its own name (GPT-NeoX: ``gpt_neox``), as transformers' base_model finds it
+    base = hf_model.model if hasattr(hf_model, "model") else hf_model.base_model
     return getattr(base, "language_model", None) or base
 
 
@@ -306,6 +316,8 @@ class CausalLMAdapter:
         :param positions: ``[T]`` int64 absolute positions (``batch.positions``).
         :returns: ``[T, vocab]`` logits in the model dtype.
         """
+        if self.layout.family in MODEL_FORWARD_FAMILIES:
+            return self._forward_model(input_ids, positions)
         if self.layer_forward:
             return self._forward_layers(input_ids, positions)
         embed = getattr(self.base, "embed_tokens", None) or self.base.embeddings
@@ -410,24 +422,20 @@ class CausalLMAdapter:
         self._seen_linear.add(i)
         return core(i, mx, x)
 
-    def _forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` through each decoder layer's own ``forward`` (hooked attention)."""
-        embed = getattr(self.base, "embed_tokens", None) or self.base.embeddings
-        h = embed(input_ids)[None]  # [1, T, D]
-        multiplier = getattr(self.base, "embedding_multiplier", None)
-        if multiplier is not None:  # Granite: the model scales its embeddings
-            h = h * multiplier
-        pes = self._position_embeddings(h, positions)
+    def _forward_model(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` through the model's own ``forward`` (hooked attention, no cache):
+        ``input_ids [T]`` as one row, ``positions [T]`` as its ``position_ids``."""
         self._seen.clear()
         self._seen_linear.clear()
         self._positions = positions
         with self._hooked():
-            for i, layer in enumerate(self.base.layers):
-                kwargs: dict[str, Any] = {"attention_mask": None, "position_ids": positions[None]}
-                if pes[i] is not None:
-                    kwargs["position_embeddings"] = pes[i]
-                out = layer(h, **kwargs)
-                h = out[0] if isinstance(out, tuple) else out
+            out = self.hf(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+        self._check_ops_ran()
+        return out.logits[0]
+
+    def _check_ops_ran(self) -> None:
+        """Every attention layer of the layout called the hook, every linear mixer ran, and no
+        other layer did: else the mapping does not describe the model."""
         # by group: a parallel layer is in an attention group and in a linear group
         attention = {
             i
@@ -455,6 +463,26 @@ class CausalLMAdapter:
                 "without being linear layers of the layout); the mapping does not describe "
                 "the model"
             )
+
+    def _forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` through each decoder layer's own ``forward`` (hooked attention)."""
+        embed = getattr(self.base, "embed_tokens", None) or self.base.embeddings
+        h = embed(input_ids)[None]  # [1, T, D]
+        multiplier = getattr(self.base, "embedding_multiplier", None)
+        if multiplier is not None:  # Granite: the model scales its embeddings
+            h = h * multiplier
+        pes = self._position_embeddings(h, positions)
+        self._seen.clear()
+        self._seen_linear.clear()
+        self._positions = positions
+        with self._hooked():
+            for i, layer in enumerate(self.base.layers):
+                kwargs: dict[str, Any] = {"attention_mask": None, "position_ids": positions[None]}
+                if pes[i] is not None:
+                    kwargs["position_embeddings"] = pes[i]
+                out = layer(h, **kwargs)
+                h = out[0] if isinstance(out, tuple) else out
+        self._check_ops_ran()
         norm = (
             getattr(self.base, "norm", None)
             or getattr(self.base, "final_layernorm", None)  # Falcon-H1
@@ -490,6 +518,13 @@ class CausalLMAdapter:
         """
         i = int(module.layer_idx)
         spec = self._attention_spec(i)
+        mask = kwargs.get("attention_mask")
+        if mask is not None:  # the adapter passes none and transformers builds none for the hook
+            raise ValueError(
+                f"layer {i} ({type(module).__name__}): the module passes its own attention mask "
+                f"or bias {tuple(mask.shape)} (ALiBi, a prefix or bidirectional mask, ...): no "
+                f"layer kind describes it"
+            )
         scaling = kwargs.get("scaling")
         if scaling is None:
             scaling = module.head_dim**-0.5

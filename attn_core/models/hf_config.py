@@ -495,7 +495,10 @@ def _gqa(r: _Reader, o: _Options, head_dim: int) -> _Heads:
     return {
         "num_heads": _split(r.pos_int("num_attention_heads"), o.tp_size, "num_attention_heads"),
         "num_kv_heads": _split_or_replicate(
-            r.pos_int("num_key_value_heads", r.get("num_attention_heads")),
+            # absent or null (Nemotron): one KV head per query head, as transformers reads it
+            r.pos_int("num_key_value_heads")
+            if r.get("num_key_value_heads", None) is not None
+            else r.pos_int("num_attention_heads"),
             o.tp_size,
             "num_key_value_heads",
         ),
@@ -540,9 +543,12 @@ def _dense(r: _Reader, o: _Options) -> _Parsed:
 
 
 # Fields the generic dense mapping understands: what every config carries, the common attention
-# names, and fields that act outside the attention op (embeddings, norms, MLP, dropout, RoPE and
-# partial rotary, qk-norm, residual / logit multipliers). Any other field may change the
-# attention math, so a config carrying one is refused rather than mapped on a guess.
+# names, and fields that act outside the attention op: embeddings, norms, MLP and MoE / router
+# blocks, dropout, projection biases and q / k / v clipping or norms, RoPE and its placement
+# (partial rotary, NoPE layers), parallel residuals, residual / logit multipliers, training-only
+# fields. transformers runs all of those itself around the hooked op (the adapter drives the
+# model's own forward). Any other field may change the attention math, so a config carrying one
+# is refused rather than mapped on a guess.
 _DENSE_FIELDS: frozenset[str] = frozenset(
     {
         # every PretrainedConfig
@@ -550,36 +556,175 @@ _DENSE_FIELDS: frozenset[str] = frozenset(
         "id2label", "is_encoder_decoder", "label2id", "model_type", "output_attentions",
         "output_hidden_states", "problem_type", "return_dict", "transformers_version",
         "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings",
+        "eod_token_id", "sep_token_id", "classifier_dropout",
         # sizes and the attention op
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
         "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
         "sliding_window", "use_sliding_window", "layer_types", "attn_logit_softcapping",
-        "attention_multiplier",
-        # outside the op
-        "hidden_act", "initializer_range", "rms_norm_eps", "layer_norm_eps", "norm_epsilon",
-        "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
-        "original_max_position_embeddings", "attention_bias", "attention_dropout", "mlp_bias",
-        "use_bias", "embd_pdrop", "resid_pdrop", "embedding_dropout", "residual_dropout",
-        "embedding_multiplier", "residual_multiplier", "logits_scaling",
-        "final_logit_softcapping", "use_qk_norm",
+        "attention_multiplier", "query_pre_attn_scalar", "use_bidirectional_attention",
+        # the layer pattern, when the config has no layer_types (older configs)
+        "sliding_window_pattern", "max_window_layers",
+        # outside the op: embeddings, norms, MLP, dropout, RoPE, multipliers
+        "hidden_act", "hidden_activation", "initializer_range", "rms_norm_eps",
+        "layer_norm_eps", "norm_eps", "norm_epsilon", "layer_norm_epsilon", "rope_theta",
+        "rope_scaling", "rope_parameters", "partial_rotary_factor",
+        "original_max_position_embeddings",
+        "no_rope_layers", "no_rope_layer_interval", "layer_rope_theta", "attention_bias",
+        "attention_dropout", "mlp_bias", "use_bias", "qkv_bias", "use_qkv_bias",
+        "attention_out_bias", "clip_qkv", "qk_layernorm", "use_qk_norm", "embd_pdrop",
+        "resid_pdrop", "embedding_dropout", "residual_dropout", "hidden_dropout",
+        "embedding_multiplier", "residual_multiplier", "logits_scaling", "logit_scale",
+        "final_logit_softcapping", "lm_head_bias", "use_parallel_residual", "use_post_norm",
+        "is_decoder", "pretraining_tp", "num_nextn_predict_layers",
+        # MoE and router blocks (the MLP side of a layer)
+        "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",
+        "num_experts_per_tok", "moe_k", "moe_topk", "n_shared_experts", "num_shared_experts",
+        "moe_num_shared_experts", "moe_intermediate_size", "shared_expert_intermediate_size",
+        "shared_intermediate_size", "norm_topk_prob", "output_router_logits",
+        "router_aux_loss_coef", "router_jitter_noise", "input_jitter_noise",
+        "routed_scaling_factor", "n_group", "topk_group", "topk_method", "scoring_func",
+        "decoder_sparse_step", "mlp_only_layers", "first_k_dense_replace", "mlp_layer_types",
+        "moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval", "moe_norm_min",
+        "num_dense_layers", "route_scale",
     }
 )  # fmt: skip
+
+# Fields of dense-looking configs that change the attention math in a way no layer kind
+# describes, and what to call the feature in the refusal (when the field is set).
+_ATTENTION_FEATURES: dict[str, str] = {
+    "alibi": "ALiBi position bias",
+    "position_bias_num_buckets": "relative position bias",
+    "lambda_std_dev": "differential attention (two softmax maps subtracted)",
+    "add_cross_attention": "cross-attention",
+    "attention_k_eq_v": "keys shared as values",
+    "attention_value_scale": "a value scale inside the attention op",
+    "keep_window_size": "dynamic mask attention",
+    "prefix_lm": "a bidirectional prefix",
+}
+
+# Model types whose attention modules hold learned per-head sinks (a ``sinks`` parameter, no
+# config field says so): their layers are mapped with sinks.
+_SINK_MODEL_TYPES: frozenset[str] = frozenset({"flint", "granite_swa", "granitemoe_swa"})
+
+# Model types whose attention applies ``attn_logit_softcapping`` (the field is passed as the
+# attention function's ``softcap``); the other dense families store it and never apply it.
+_SOFTCAP_MODEL_TYPES: frozenset[str] = frozenset({"gemma2", "vaultgemma"})
+
+# Attention-side fields only some model types read, and those: on any other model type the
+# field is refused (mapping it would describe a model other than the one transformers runs).
+# The layer-pattern fields matter only without ``layer_types`` (transformers 5 writes the
+# pattern out, and the mapping follows it).
+_FIELD_READERS: dict[str, frozenset[str]] = {
+    "query_pre_attn_scalar": frozenset({"gemma2", "vaultgemma"}),  # softmax scale
+    "sliding_window_pattern": frozenset({"cohere2", "cohere2_moe", "exaone4", "exaone_moe"}),
+    "max_window_layers": frozenset({"dots1", "qwen2_moe"}),
+}
+
+# Fields that name a model's sizes the GPT-2 / BLOOM way, and the common names they stand for:
+# a config that has them instead of the common ones is refused with that said.
+_OTHER_SIZE_NAMES: dict[str, str] = {
+    "n_layer": "num_hidden_layers",
+    "num_layers": "num_hidden_layers",
+    "n_layers": "num_hidden_layers",
+    "n_head": "num_attention_heads",
+    "n_heads": "num_attention_heads",
+    "n_embd": "hidden_size",
+    "d_model": "hidden_size",
+}
+
+
+def _dense_layer_type(cfg: Mapping[str, Any], window: int | None, i: int) -> str:
+    """Layer ``i``'s type for a config without ``layer_types``: full without a window; with
+    one, every layer slides (Mistral, Phi-3, Starcoder2) except every ``sliding_window_pattern``
+    -th (Cohere-2, EXAONE-4) and those below ``max_window_layers`` (Qwen2)."""
+    if window is None:
+        return "full_attention"
+    pattern = cfg.get("sliding_window_pattern")
+    if isinstance(pattern, int) and pattern > 0 and (i + 1) % pattern == 0:
+        return "full_attention"
+    below = cfg.get("max_window_layers")
+    if isinstance(below, int) and "use_sliding_window" in cfg and i < below:
+        return "full_attention"
+    return "sliding_attention"
+
+
+def _refuse_not_dense(r: _Reader) -> None:
+    """A config the generic dense mapping cannot read at all: an encoder-decoder model, or one
+    that names its sizes its own way; the refusal says which."""
+    cfg = r.cfg
+    if cfg.get("is_encoder_decoder") or "decoder_layers" in cfg or "encoder_layers" in cfg:
+        n = cfg.get("decoder_layers", cfg.get("num_hidden_layers"))
+        where = f"layers {_ranges(range(n))}" if isinstance(n, int) and n > 0 else "its decoder"
+        raise ValueError(
+            f"{r.where}: an encoder-decoder model (cross-attention in decoder {where}): no "
+            f"layer kind"
+        )
+    if "num_hidden_layers" not in cfg:
+        other = {k: v for k, v in _OTHER_SIZE_NAMES.items() if k in cfg}
+        if other:
+            names = ", ".join(f"{k} for {v}" for k, v in other.items())
+            raise ValueError(
+                f"{r.where}: names its sizes its own way ({names}); the generic dense mapping "
+                f"reads the common names (num_hidden_layers, num_attention_heads, hidden_size), "
+                f"so no family reads this model_type; refused, not guessed"
+            )
+        composite = ("text_config", "llm_config", "decoder", "language_config")
+        nested = [k for k in composite if k in cfg]
+        if nested:
+            raise ValueError(
+                f"{r.where}: a composite config ({', '.join(nested)}) that no family reads the "
+                f"stacks of; refused, not mapped in part"
+            )
 
 
 def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
     """Any dense family that uses the common names: GQA on every layer, full or sliding.
 
     Without ``layer_types``, a set ``sliding_window`` slides every layer (Mistral, Phi-3,
-    Starcoder2) unless ``use_sliding_window`` is false. ``attention_multiplier`` (Granite) is the
-    softmax scale. A set ``attn_logit_softcapping`` is refused: the dense families transformers
-    has never apply it.
+    Starcoder2) unless ``use_sliding_window`` is false, but for every
+    ``sliding_window_pattern``-th layer and those below ``max_window_layers``.
+    ``attention_multiplier`` (Granite) is the softmax scale, ``query_pre_attn_scalar`` (Gemma-2)
+    its inverse square. A set ``attn_logit_softcapping`` is mapped for the model types that
+    apply it (:data:`_SOFTCAP_MODEL_TYPES`) and refused for the others.
     """
+    _refuse_not_dense(r)
     n = r.pos_int("num_hidden_layers")
-    unknown = sorted(k for k in r.cfg if k not in _DENSE_FIELDS)
+    every = f"layers {_ranges(range(n))}"
+    model_type = r.cfg.get("model_type")
+    features = [
+        f"{what} ({key}={r.cfg[key]!r})"
+        for key, what in _ATTENTION_FEATURES.items()
+        if r.cfg.get(key) not in (None, False, 0)
+    ]
+    if r.cfg.get("use_bidirectional_attention"):
+        features.append("bidirectional attention (use_bidirectional_attention=True)")
+    if features:
+        raise ValueError(f"{r.where}: {'; '.join(features)} in {every}: no layer kind")
+    for key, readers in _FIELD_READERS.items():
+        if r.cfg.get(key) is not None and model_type not in readers:
+            raise ValueError(
+                f"{r.where}: {key!r}={r.cfg[key]!r} in {every}: {model_type!r} is not known to "
+                f"read it (the model types that do: {sorted(readers)}); refused, not guessed"
+            )
+    if r.cfg.get("kv_lora_rank") is not None:
+        raise ValueError(
+            f"{r.where}: multi-head latent attention (kv_lora_rank={r.cfg['kv_lora_rank']}) in "
+            f"{every}: the generic dense mapping does not read MLA (the model types that do: "
+            f"{sorted(t for t, f in _BY_MODEL_TYPE.items() if f.name == 'deepseek-v3')}); "
+            f"refused, not mapped in part"
+        )
+    linear = sorted(k for k in r.cfg if k.startswith(("linear_", "mamba_", "conv_")))
+    if linear:
+        raise ValueError(
+            f"{r.where}: linear-attention / recurrent mixer fields ({', '.join(linear)}) in "
+            f"{every}: the generic dense mapping maps attention layers only, and no family "
+            f"reads {model_type!r}'s mixers; refused, not mapped in part"
+        )
+    unknown = sorted(k for k in r.cfg if k not in _DENSE_FIELDS and k not in _ATTENTION_FEATURES)
     if unknown:
         raise ValueError(
             f"{r.where}: config field{'s' if len(unknown) > 1 else ''} "
-            f"{', '.join(repr(k) for k in unknown)} in layers {_ranges(range(n))}: not understood "
+            f"{', '.join(repr(k) for k in unknown)} in {every}: not understood "
             f"by the generic dense mapping (it may change the attention math); refused, not "
             f"mapped in part"
         )
@@ -589,32 +734,40 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
         if beta is not None:  # Ministral-3: q scaled by a function of the position
             raise ValueError(
                 f"{r.where}: position-dependent query scale ({key}.llama_4_scaling_beta={beta}) "
-                f"in layers {_ranges(range(n))}: no layer kind"
+                f"in {every}: no layer kind"
             )
     window = r.cfg.get("sliding_window")
     if r.cfg.get("use_sliding_window", True) is False:
         window = None
     if window is not None:
         window = r.pos_int("sliding_window")
-    types = _layer_types(
-        r, n, lambda i: "full_attention" if window is None else "sliding_attention"
-    )
+    types = _layer_types(r, n, lambda i: _dense_layer_type(r.cfg, window, i))
     _check_types(r, types, {"full_attention", "sliding_attention"})
     fields_: dict[str, Any] = dict(_gqa(r, o, _head_dim(r)))
     cap = r.cfg.get("attn_logit_softcapping")
-    if cap is not None:
-        # transformers' dense families store the field but never pass it to the attention
-        # function (only Gemma-2-like models apply it, and they have fields refused above):
-        # capping would describe another model than the one transformers runs
+    if model_type in _SINK_MODEL_TYPES:
+        fields_["has_sinks"] = True
+    if cap is not None and model_type in _SOFTCAP_MODEL_TYPES:
+        fields_["logits_soft_cap"] = float(cap)
+    elif cap is not None:
+        # transformers' other dense families store the field but never pass it to the
+        # attention function: capping would describe another model than the one it runs
         raise ValueError(
-            f"{r.where}: attn_logit_softcapping={cap} in layers {_ranges(range(n))}: the "
-            f"generic dense mapping cannot tell whether {r.cfg.get('model_type')!r} applies "
-            f"it to the attention logits (transformers' dense families do not); refused, not "
-            f"guessed"
+            f"{r.where}: attn_logit_softcapping={cap} in {every}: the generic dense mapping "
+            f"cannot tell whether {model_type!r} applies it to the attention logits (the "
+            f"model types known to: {sorted(_SOFTCAP_MODEL_TYPES)}); refused, not guessed"
         )
     scale = r.cfg.get("attention_multiplier")
+    pre = r.cfg.get("query_pre_attn_scalar")
+    if scale is not None and pre is not None:
+        raise ValueError(
+            f"{r.where}: both attention_multiplier={scale} and query_pre_attn_scalar={pre} set "
+            f"the softmax scale in {every}; refused, not guessed"
+        )
     if scale is not None:
         fields_["softmax_scale"] = float(scale)
+    elif pre is not None:
+        fields_["softmax_scale"] = float(pre) ** -0.5
     layers = []
     for i, t in enumerate(types):
         sw = window if t == "sliding_attention" else None
