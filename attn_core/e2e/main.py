@@ -580,8 +580,8 @@ def run_architecture(
             notes=notes,
         )
     # token ids inside the model's vocabulary (a config.json may have fewer than 256 tokens)
-    embeddings: Any = model.hf.get_input_embeddings()  # an nn.Embedding (Module-typed)
-    vocab = int(embeddings.weight.shape[0])
+    hf: Any = model.hf  # a transformers PreTrainedModel (typed as a Module)
+    vocab = int(hf.get_input_embeddings().weight.shape[0])
     prompt_ids = make_prompts(prompts, vocab=min(vocab, 256))
     batch = _pow2(max(prompts, 1))
     max_len = max(len(p) for p in prompt_ids) + max_new_tokens + 1
