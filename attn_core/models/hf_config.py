@@ -576,6 +576,7 @@ _DENSE_FIELDS: frozenset[str] = frozenset(
         "embedding_multiplier", "residual_multiplier", "logits_scaling", "logit_scale",
         "final_logit_softcapping", "lm_head_bias", "use_parallel_residual", "use_post_norm",
         "is_decoder", "pretraining_tp", "num_nextn_predict_layers",
+        "scale_emb", "scale_depth", "dim_model_base", "embedding_initializer_range",
         # MoE and router blocks (the MLP side of a layer)
         "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",
         "num_experts_per_tok", "moe_k", "moe_topk", "n_shared_experts", "num_shared_experts",
@@ -586,6 +587,16 @@ _DENSE_FIELDS: frozenset[str] = frozenset(
         "decoder_sparse_step", "mlp_only_layers", "first_k_dense_replace", "mlp_layer_types",
         "moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval", "moe_norm_min",
         "num_dense_layers", "route_scale",
+    }
+)  # fmt: skip
+
+# DeepSeek's multi-head latent attention names: a config with ``kv_lora_rank`` set is read as
+# MLA on every layer (GLM-4.7-Flash, MiniCPM3, Youtu, ...), the scale as DeepSeek computes it
+# (the adapter checks it against the module's).
+_MLA_FIELDS: frozenset[str] = frozenset(
+    {
+        "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "qk_head_dim",
+        "v_head_dim", "rope_interleave",
     }
 )  # fmt: skip
 
@@ -636,14 +647,11 @@ _OTHER_SIZE_NAMES: dict[str, str] = {
 def _dense_layer_type(cfg: Mapping[str, Any], window: int | None, i: int) -> str:
     """Layer ``i``'s type for a config without ``layer_types``: full without a window; with
     one, every layer slides (Mistral, Phi-3, Starcoder2) except every ``sliding_window_pattern``
-    -th (Cohere-2, EXAONE-4) and those below ``max_window_layers`` (Qwen2)."""
+    -th (Cohere-2, EXAONE-4)."""
     if window is None:
         return "full_attention"
     pattern = cfg.get("sliding_window_pattern")
     if isinstance(pattern, int) and pattern > 0 and (i + 1) % pattern == 0:
-        return "full_attention"
-    below = cfg.get("max_window_layers")
-    if isinstance(below, int) and "use_sliding_window" in cfg and i < below:
         return "full_attention"
     return "sliding_attention"
 
@@ -682,7 +690,8 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
 
     Without ``layer_types``, a set ``sliding_window`` slides every layer (Mistral, Phi-3,
     Starcoder2) unless ``use_sliding_window`` is false, but for every
-    ``sliding_window_pattern``-th layer and those below ``max_window_layers``.
+    ``sliding_window_pattern``-th layer; with ``max_window_layers`` too it is refused (Qwen2
+    and Qwen2-MoE read it differently).
     ``attention_multiplier`` (Granite) is the softmax scale, ``query_pre_attn_scalar`` (Gemma-2)
     its inverse square. A set ``attn_logit_softcapping`` is mapped for the model types that
     apply it (:data:`_SOFTCAP_MODEL_TYPES`) and refused for the others.
@@ -706,13 +715,7 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
                 f"{r.where}: {key!r}={r.cfg[key]!r} in {every}: {model_type!r} is not known to "
                 f"read it (the model types that do: {sorted(readers)}); refused, not guessed"
             )
-    if r.cfg.get("kv_lora_rank") is not None:
-        raise ValueError(
-            f"{r.where}: multi-head latent attention (kv_lora_rank={r.cfg['kv_lora_rank']}) in "
-            f"{every}: the generic dense mapping does not read MLA (the model types that do: "
-            f"{sorted(t for t, f in _BY_MODEL_TYPE.items() if f.name == 'deepseek-v3')}); "
-            f"refused, not mapped in part"
-        )
+    mla = r.cfg.get("kv_lora_rank") is not None
     linear = sorted(k for k in r.cfg if k.startswith(("linear_", "mamba_", "conv_")))
     if linear:
         raise ValueError(
@@ -720,7 +723,8 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
             f"{every}: the generic dense mapping maps attention layers only, and no family "
             f"reads {model_type!r}'s mixers; refused, not mapped in part"
         )
-    unknown = sorted(k for k in r.cfg if k not in _DENSE_FIELDS and k not in _ATTENTION_FEATURES)
+    known = _DENSE_FIELDS | (_MLA_FIELDS if mla else frozenset())
+    unknown = sorted(k for k in r.cfg if k not in known and k not in _ATTENTION_FEATURES)
     if unknown:
         raise ValueError(
             f"{r.where}: config field{'s' if len(unknown) > 1 else ''} "
@@ -741,7 +745,33 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
         window = None
     if window is not None:
         window = r.pos_int("sliding_window")
+    if window is not None and "layer_types" not in r.cfg and "max_window_layers" in r.cfg:
+        # Qwen2 slides the layers from max_window_layers on, Qwen2-MoE every other layer below
+        # it: which layers slide is the model's own rule
+        raise ValueError(
+            f"{r.where}: sliding_window={window} with max_window_layers="
+            f"{r.cfg['max_window_layers']} and no layer_types in {every}: which layers slide "
+            f"differs by model type (write the config's layer_types); refused, not guessed"
+        )
     types = _layer_types(r, n, lambda i: _dense_layer_type(r.cfg, window, i))
+    if mla:  # DeepSeek's MLA field names: the absorbed MLA spec on every layer
+        _check_types(r, types, {"full_attention"})
+        if window is not None or r.cfg.get("attn_logit_softcapping") is not None:
+            raise ValueError(
+                f"{r.where}: multi-head latent attention with a sliding window or a soft-cap in "
+                f"{every}: no layer kind"
+            )
+        if model_type in _SINK_MODEL_TYPES:
+            raise ValueError(f"{r.where}: multi-head latent attention with sinks: no layer kind")
+        missing = [k for k in ("qk_rope_head_dim", "qk_nope_head_dim") if k not in r.cfg]
+        if missing:
+            raise ValueError(
+                f"{r.where}: multi-head latent attention (kv_lora_rank={r.cfg['kv_lora_rank']}) "
+                f"in {every} without {', '.join(missing)}: not DeepSeek's MLA field names; "
+                f"refused, not guessed"
+            )
+        spec = _mla(r, o, yarn_scale=True)
+        return n, [(i, spec) for i in range(n)], {}
     _check_types(r, types, {"full_attention", "sliding_attention"})
     fields_: dict[str, Any] = dict(_gqa(r, o, _head_dim(r)))
     cap = r.cfg.get("attn_logit_softcapping")
