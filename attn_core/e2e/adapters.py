@@ -533,7 +533,8 @@ class CausalLMAdapter:
         chunked = types is not None and types[i] == "chunked_attention"
         asked = {
             "softmax scale": float(scaling),
-            "sliding window": kwargs.get("sliding_window"),
+            # a module that leaves the window to its mask (Qwen2-MoE) holds it as an attribute
+            "sliding window": kwargs.get("sliding_window", getattr(module, "sliding_window", None)),
             "attention chunk size": config.attention_chunk_size if chunked else None,
             "logits soft-cap": kwargs.get("softcap"),
             "sinks": getattr(module, "sinks", None) is not None,

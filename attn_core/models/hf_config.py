@@ -523,13 +523,17 @@ def _dense(r: _Reader, o: _Options) -> _Parsed:
         window = None  # Llama has no sliding window
     elif model_type != "mistral" and not r.cfg.get("use_sliding_window", False):
         window = None  # Qwen: sliding_window is only read when use_sliding_window is set
-    max_window_layers = r.cfg.get("max_window_layers", n)
+    max_window_layers = r.cfg.get("max_window_layers")
+    if max_window_layers is None:  # absent or null (Qwen3-MoE has no such field)
+        max_window_layers = n
 
     def fallback(i: int) -> str:
         if window is None:
             return "full_attention"
-        if model_type == "mistral":
-            return "sliding_attention"  # Mistral slides on every layer
+        if model_type in ("mistral", "qwen3_moe"):
+            # Mistral slides on every layer; so does Qwen3-MoE when use_sliding_window is set
+            # (its config has no layer_types, its model builds one sliding mask for all layers)
+            return "sliding_attention"
         return "sliding_attention" if i >= max_window_layers else "full_attention"
 
     types = _layer_types(r, n, fallback)

@@ -127,14 +127,14 @@ _MLA_TINY: dict[str, Any] = {
 }
 
 
-def _tiny_config(tmp_path: Path, model_type: str, layers: int) -> Path:
+def _tiny_config(tmp_path: Path, model_type: str, layers: int, **extra: Any) -> Path:
     cls = transformers.CONFIG_MAPPING[model_type]
     default = cls().to_dict()
     sizes = {**_TINY, **(_MLA_TINY if "kv_lora_rank" in default else {})}
     kwargs = {k: v for k, v in sizes.items() if k in default}
     if default.get("sliding_window") is None:
         kwargs.pop("sliding_window", None)  # a family without a window by default keeps none
-    cfg = cls(**kwargs, num_hidden_layers=layers)
+    cfg = cls(**{**kwargs, **extra}, num_hidden_layers=layers)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg.to_dict()))
     return path
@@ -169,14 +169,33 @@ _DEFAULTS_CASES: dict[str, tuple[int, str]] = {
 }
 
 
-@pytest.mark.parametrize("model_type", sorted(_DEFAULTS_CASES))
+# Features the defaults leave off, set: (model_type, fields, layers, a text the plan shows).
+_FEATURE_CASES: list[tuple[str, dict[str, Any], int, str]] = [
+    # Qwen3-MoE slides every layer when use_sliding_window is set (no layer_types: the mapping
+    # once made them all full, a MISMATCH)
+    ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 8}, 2, "window=8"),
+    # Qwen2-MoE leaves the window to its mask (no sliding_window argument to the attention
+    # function): the hook reads the module's own window
+    ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 8}, 4, "window=8"),
+    ("gemma2", {"query_pre_attn_scalar": 32, "attn_logit_softcapping": 20.0}, 2, "softcap=20"),
+]
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra", "layers", "shown"),
+    [*((t, {}, *_DEFAULTS_CASES[t]) for t in sorted(_DEFAULTS_CASES)), *_FEATURE_CASES],
+)
 def test_run_family_from_its_config_class_defaults(
-    tmp_path: Path, model_type: str, run_on_cpu
+    tmp_path: Path,
+    model_type: str,
+    extra: dict[str, Any],
+    layers: int,
+    shown: str,
+    run_on_cpu,
 ) -> None:
-    """The reviewer's check: the config class's own defaults at tiny sizes, through
-    ``attn run --model CONFIG.json`` on CPU, against transformers' eager forward."""
-    layers, shown = _DEFAULTS_CASES[model_type]
-    report = run_on_cpu(str(_tiny_config(tmp_path, model_type, layers)))
+    """The reviewer's check: the config class's own defaults at tiny sizes (with ``extra``),
+    through ``attn run --model CONFIG.json`` on CPU, against transformers' eager forward."""
+    report = run_on_cpu(str(_tiny_config(tmp_path, model_type, layers, **extra)))
     text = report.format()
     assert report.ok, text
     assert "MATCH" in text and shown in text, text
