@@ -238,7 +238,8 @@ def test_mla_under_another_model_type_reads_deepseek_names() -> None:
         ("diffllama", {}, r"differential attention .* in layers 0-2: no layer kind"),
         ("gemma2", {"use_bidirectional_attention": True}, r"bidirectional attention .* layers 0"),
         ("olmo_hybrid", {}, r"linear-attention / recurrent mixer fields \(linear_"),
-        ("gemma3n", {}, r"a composite config \(text_config\)"),
+        ("mllama", {}, r"composite config .* alone: .*cross-attention layers"),
+        ("qwen3_5", {}, r"composite config .*its text_config \('qwen3_5_text'\) alone maps"),
     ],
 )
 def test_refusals_name_the_feature_and_the_layers(

@@ -611,6 +611,7 @@ _ATTENTION_FEATURES: dict[str, str] = {
     "position_bias_num_buckets": "relative position bias",
     "lambda_std_dev": "differential attention (two softmax maps subtracted)",
     "add_cross_attention": "cross-attention",
+    "cross_attention_layers": "cross-attention layers (to image tokens)",
     "attention_k_eq_v": "keys shared as values",
     "attention_value_scale": "a value scale inside the attention op",
     "keep_window_size": "dynamic mask attention",
@@ -660,6 +661,19 @@ def _dense_layer_type(cfg: Mapping[str, Any], window: int | None, i: int) -> str
     return "sliding_attention"
 
 
+def _nested_text(sub: Mapping[str, Any], key: str) -> str:
+    """What the mapping makes of a composite config's language model on its own."""
+    inner = sub.get("model_type")
+    try:
+        layout = specs_from_hf_config(sub)
+    except ValueError as err:
+        return f"its {key} ({inner!r}) alone: {str(err).split('; ')[0]}"
+    return (
+        f"its {key} ({inner!r}) alone maps ({layout.num_layers} layers, family {layout.family}): "
+        f"give that config to explain or run the language model"
+    )
+
+
 def _refuse_not_dense(r: _Reader) -> None:
     """A config the generic dense mapping cannot read at all: an encoder-decoder model, or one
     that names its sizes its own way; the refusal says which."""
@@ -681,11 +695,13 @@ def _refuse_not_dense(r: _Reader) -> None:
                 f"so no family reads this model_type; refused, not guessed"
             )
         composite = ("text_config", "llm_config", "decoder", "language_config")
-        nested = [k for k in composite if k in cfg]
+        nested = [k for k in composite if isinstance(cfg.get(k), Mapping)]
         if nested:
+            towers = [k for k in cfg if k.endswith("_config") and isinstance(cfg[k], Mapping)]
             raise ValueError(
-                f"{r.where}: a composite config ({', '.join(nested)}) that no family reads the "
-                f"stacks of; refused, not mapped in part"
+                f"{r.where}: a composite config ({', '.join(towers)}) that no family reads the "
+                f"stacks of; {_nested_text(cfg[nested[0]], nested[0])}; refused, not mapped "
+                f"in part"
             )
 
 
