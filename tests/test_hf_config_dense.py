@@ -233,7 +233,7 @@ def test_mla_under_another_model_type_reads_deepseek_names() -> None:
             {},
             r"encoder-decoder model \(cross-attention in decoder layers 0-\d+\): no layer",
         ),
-        ("gpt2", {}, r"names its sizes its own way \(n_layer for num_hidden_layers"),
+        ("bloom", {}, r"ALiBi position bias \(bloom adds it to every layer's logits\) in layers"),
         ("falcon", {"alibi": True}, r"ALiBi position bias \(alibi=True\) in layers 0-2"),
         ("diffllama", {}, r"differential attention .* in layers 0-2: no layer kind"),
         ("gemma2", {"use_bidirectional_attention": True}, r"bidirectional attention .* layers 0"),
@@ -249,3 +249,23 @@ def test_refusals_name_the_feature_and_the_layers(
     with pytest.raises(ValueError, match=pattern) as err:
         specs_from_hf_config(cfg)
     assert model_type in str(err.value)
+
+
+def test_own_size_names_are_read_through_the_config_class() -> None:
+    """GPT-2 names its sizes ``n_layer`` / ``n_head`` / ``n_embd``: its config class's
+    ``attribute_map`` says they are the common names; ``scale_attn_by_inverse_layer_idx``
+    divides layer ``i``'s scale by ``i + 1``. A model type transformers does not know, naming
+    its sizes so, is refused saying that."""
+    cfg = transformers.GPT2Config(
+        n_layer=3, n_embd=64, n_head=4, vocab_size=128, scale_attn_by_inverse_layer_idx=True
+    ).to_dict()
+    layout = specs_from_hf_config(cfg)
+    config = transformers.GPT2Config(**{k: v for k, v in cfg.items() if k != "model_type"})
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    for i, spec in enumerate(layout.layer_specs):
+        assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (4, 4, 16)
+        assert math.isclose(spec.scale, model.transformer.h[i].attn.scaling, rel_tol=1e-6)
+    cfg["model_type"] = "brand_new_gpt"
+    with pytest.raises(ValueError, match=r"names its sizes its own way \(n_layer for num_hidden"):
+        specs_from_hf_config(cfg)

@@ -168,13 +168,30 @@ def _decoder(hf_model: torch.nn.Module) -> Any:
     return getattr(base, "language_model", None) or base
 
 
+def _layers(base: Any) -> Any:
+    """The decoder layers of a model's decoder stack: ``layers`` (most), GPT-2's ``h``, OPT's
+    ``decoder.layers``."""
+    for path in (("layers",), ("h",), ("decoder", "layers"), ("blocks",)):
+        obj = base
+        for name in path:
+            obj = getattr(obj, name, None)
+        if isinstance(obj, torch.nn.ModuleList):
+            return obj
+    raise ValueError(f"{type(base).__name__}: no decoder layers found (layers, h, decoder.layers)")
+
+
+def _attention_module(layer: Any) -> Any:
+    """A decoder layer's attention module: ``self_attn`` (most), GPT-2's ``attn``."""
+    return getattr(layer, "self_attn", None) or layer.attn
+
+
 def layer_params_for(hf_model: torch.nn.Module, layout: ModelLayout) -> dict[int, dict[str, Any]]:
     """Per-layer binding parameters taken from the model: gpt-oss's sinks ``[H]`` float32."""
     params: dict[int, dict[str, Any]] = {}
     for group in layout.groups:  # by group: a parallel layer has two ops, one with sinks
         if group.spec.has_sinks:
             for i in group.layer_indices:
-                sinks = _decoder(hf_model).layers[i].self_attn.sinks
+                sinks = _attention_module(_layers(_decoder(hf_model))[i]).sinks
                 params[i] = {"sinks": sinks.detach().float()}
     return params
 
@@ -238,7 +255,7 @@ class CausalLMAdapter:
         self._positions: torch.Tensor | None = None  # [T] int64 of the running step
         if self.layer_forward:
             _register_hook()
-        for i, layer in enumerate(self.base.layers):
+        for i, layer in enumerate(_layers(self.base)):
             if i not in layout.layer_indices:
                 self._mixers.append(None)
                 continue
@@ -250,7 +267,7 @@ class CausalLMAdapter:
             spec = ops[0].spec
             if spec.kind is LayerKind.MLA:
                 if self.layer_forward:
-                    self._mla_modules[i] = layer.self_attn
+                    self._mla_modules[i] = _attention_module(layer)
                 self._mixers.append(self._mla)
             elif spec.kind is LayerKind.FULL:
                 self._mixers.append(self._full)

@@ -581,6 +581,17 @@ _DENSE_FIELDS: frozenset[str] = frozenset(
         "final_logit_softcapping", "lm_head_bias", "use_parallel_residual", "use_post_norm",
         "is_decoder", "pretraining_tp", "num_nextn_predict_layers",
         "scale_emb", "scale_depth", "dim_model_base", "embedding_initializer_range",
+        # GPT-2 / OPT style names of the same outside-the-op things (dropout, MLP, heads for
+        # other tasks, numerics of an fp32 softmax that computes the same values)
+        "activation_function", "attn_pdrop", "n_inner", "summary_type", "summary_use_proj",
+        "summary_activation", "summary_proj_to_labels", "summary_first_dropout",
+        "reorder_and_upcast_attn", "attention_softmax_in_fp32",
+        "scale_attention_softmax_in_fp32", "rotary_dim", "enable_bias", "do_layer_norm_before",
+        "word_embed_proj_dim", "_remove_final_layer_norm", "layerdrop", "dropout", "init_std",
+        "ffn_dim", "layer_norm_elementwise_affine", "activation_dropout",
+        "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "multi_query", "n_ctx", "dff",
+        "attention_probs_dropout_prob", "hidden_dropout_prob", "scale_embedding",
+        "decoder_start_token_id",
         # MoE and router blocks (the MLP side of a layer)
         "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",
         "num_experts_per_tok", "moe_k", "moe_topk", "n_shared_experts", "num_shared_experts",
@@ -622,6 +633,10 @@ _ATTENTION_FEATURES: dict[str, str] = {
 # config field says so): their layers are mapped with sinks.
 _SINK_MODEL_TYPES: frozenset[str] = frozenset({"flint", "granite_swa", "granitemoe_swa"})
 
+# Model types whose attention module scales q in its projection and calls the attention op
+# with scale 1 (OPT): the op's softmax scale is 1.
+_PRESCALED_Q_MODEL_TYPES: frozenset[str] = frozenset({"opt"})
+
 # Model types whose attention applies ``attn_logit_softcapping`` (the field is passed as the
 # attention function's ``softcap``); the other dense families store it and never apply it.
 _SOFTCAP_MODEL_TYPES: frozenset[str] = frozenset({"gemma2", "vaultgemma"})
@@ -634,6 +649,10 @@ _FIELD_READERS: dict[str, frozenset[str]] = {
     "query_pre_attn_scalar": frozenset({"gemma2", "vaultgemma"}),  # softmax scale
     "sliding_window_pattern": frozenset({"cohere2", "cohere2_moe", "exaone4", "exaone_moe"}),
     "max_window_layers": frozenset({"dots1", "qwen2_moe"}),
+    # GPT-2 / GPT-BigCode: no scale when false, the scale over (layer + 1) when set, one KV head
+    "scale_attn_weights": frozenset({"gpt2", "gpt_bigcode"}),
+    "scale_attn_by_inverse_layer_idx": frozenset({"gpt2"}),
+    "multi_query": frozenset({"gpt_bigcode"}),
 }
 
 # Fields that name a model's sizes the GPT-2 / BLOOM way, and the common names they stand for:
@@ -659,6 +678,36 @@ def _dense_layer_type(cfg: Mapping[str, Any], window: int | None, i: int) -> str
     if isinstance(pattern, int) and pattern > 0 and (i + 1) % pattern == 0:
         return "full_attention"
     return "sliding_attention"
+
+
+def _own_names(model_type: Any) -> dict[str, str]:
+    """The common field names -> the names ``model_type``'s transformers config class stores
+    them under (its ``attribute_map``: GPT-2's ``n_layer`` for ``num_hidden_layers``); ``{}``
+    without transformers or for a model type it does not know."""
+    if not isinstance(model_type, str):
+        return {}
+    try:
+        from transformers import CONFIG_MAPPING
+    except ImportError:  # the mapping runs without transformers: only the common names then
+        return {}
+    try:
+        cls = CONFIG_MAPPING[model_type]
+    except KeyError:
+        return {}
+    names = getattr(cls, "attribute_map", None)
+    return {k: v for k, v in names.items() if isinstance(v, str)} if isinstance(names, dict) else {}
+
+
+def _common_names(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
+    """``cfg`` with the fields its config class names its own way also under the common names,
+    and those own names (read as the common ones, so not unknown fields)."""
+    out = dict(cfg)
+    aliases = set()
+    for common, own in _own_names(cfg.get("model_type")).items():
+        if own in out and common not in out:
+            out[common] = out[own]
+            aliases.add(own)
+    return out, frozenset(aliases)
 
 
 def _nested_text(sub: Mapping[str, Any], key: str) -> str:
@@ -716,6 +765,8 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
     its inverse square. A set ``attn_logit_softcapping`` is mapped for the model types that
     apply it (:data:`_SOFTCAP_MODEL_TYPES`) and refused for the others.
     """
+    named, aliases = _common_names(r.cfg)
+    r = _Reader(named, r.where, r.defaults)
     _refuse_not_dense(r)
     n = r.pos_int("num_hidden_layers")
     every = f"layers {_ranges(range(n))}"
@@ -727,14 +778,11 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
     ]
     if r.cfg.get("use_bidirectional_attention"):
         features.append("bidirectional attention (use_bidirectional_attention=True)")
+    attn_config = r.cfg.get("attn_config")
+    if model_type == "bloom" or (isinstance(attn_config, Mapping) and attn_config.get("alibi")):
+        features.append(f"ALiBi position bias ({model_type} adds it to every layer's logits)")
     if features:
         raise ValueError(f"{r.where}: {'; '.join(features)} in {every}: no layer kind")
-    for key, readers in _FIELD_READERS.items():
-        if r.cfg.get(key) is not None and model_type not in readers:
-            raise ValueError(
-                f"{r.where}: {key!r}={r.cfg[key]!r} in {every}: {model_type!r} is not known to "
-                f"read it (the model types that do: {sorted(readers)}); refused, not guessed"
-            )
     mla = r.cfg.get("kv_lora_rank") is not None
     linear = sorted(k for k in r.cfg if k.startswith(("linear_", "mamba_", "conv_")))
     if linear:
@@ -743,7 +791,7 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
             f"{every}: the generic dense mapping maps attention layers only, and no family "
             f"reads {model_type!r}'s mixers; refused, not mapped in part"
         )
-    known = _DENSE_FIELDS | (_MLA_FIELDS if mla else frozenset())
+    known = _DENSE_FIELDS | aliases | (_MLA_FIELDS if mla else frozenset())
     unknown = sorted(k for k in r.cfg if k not in known and k not in _ATTENTION_FEATURES)
     if unknown:
         raise ValueError(
@@ -752,6 +800,12 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
             f"by the generic dense mapping (it may change the attention math); refused, not "
             f"mapped in part"
         )
+    for key, readers in _FIELD_READERS.items():
+        if r.cfg.get(key) is not None and model_type not in readers:
+            raise ValueError(
+                f"{r.where}: {key!r}={r.cfg[key]!r} in {every}: {model_type!r} is not known to "
+                f"read it (the model types that do: {sorted(readers)}); refused, not guessed"
+            )
     for key in ("rope_parameters", "rope_scaling"):
         rope = r.cfg.get(key)
         beta = rope.get("llama_4_scaling_beta") if isinstance(rope, Mapping) else None
@@ -793,7 +847,10 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
         spec = _mla(r, o, yarn_scale=True)
         return n, [(i, spec) for i in range(n)], {}
     _check_types(r, types, {"full_attention", "sliding_attention"})
-    fields_: dict[str, Any] = dict(_gqa(r, o, _head_dim(r)))
+    heads = _gqa(r, o, _head_dim(r))
+    if r.cfg.get("multi_query"):  # GPT-BigCode: one KV head for all query heads
+        heads["num_kv_heads"] = 1
+    fields_: dict[str, Any] = dict(heads)
     cap = r.cfg.get("attn_logit_softcapping")
     if model_type in _SINK_MODEL_TYPES:
         fields_["has_sinks"] = True
@@ -818,10 +875,16 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
         fields_["softmax_scale"] = float(scale)
     elif pre is not None:
         fields_["softmax_scale"] = float(pre) ** -0.5
+    elif r.cfg.get("scale_attn_weights") is False or model_type in _PRESCALED_Q_MODEL_TYPES:
+        fields_["softmax_scale"] = 1.0
+    by_layer = bool(r.cfg.get("scale_attn_by_inverse_layer_idx"))
+    base = fields_.pop("softmax_scale", heads["head_dim"] ** -0.5)
     layers = []
     for i, t in enumerate(types):
         sw = window if t == "sliding_attention" else None
-        layers.append((i, o.full(sliding_window=sw, **fields_)))
+        # GPT-2's scale_attn_by_inverse_layer_idx: layer i's scale over (i + 1)
+        sc = base / (i + 1) if by_layer else base
+        layers.append((i, o.full(sliding_window=sw, softmax_scale=sc, **fields_)))
     return n, layers, {}
 
 

@@ -103,6 +103,7 @@ _TINY: dict[str, Any] = {
     "max_position_embeddings": 512,
     "initializer_range": 0.1,
     "sliding_window": 8,  # shorter than the prompts: the window is exercised
+    "rotary_dim": 8,  # GPT-J: the rotary part of a 16-wide head
     "num_experts": 4,
     "num_local_experts": 4,
     "num_experts_per_tok": 2,
@@ -131,10 +132,11 @@ def _tiny_config(tmp_path: Path, model_type: str, layers: int, **extra: Any) -> 
     cls = transformers.CONFIG_MAPPING[model_type]
     default = cls().to_dict()
     sizes = {**_TINY, **(_MLA_TINY if "kv_lora_rank" in default else {})}
-    kwargs = {k: v for k, v in sizes.items() if k in default}
+    own = getattr(cls, "attribute_map", {})  # GPT-2: n_embd for hidden_size, ...
+    kwargs = {own.get(k, k): v for k, v in sizes.items() if own.get(k, k) in default}
     if default.get("sliding_window") is None:
         kwargs.pop("sliding_window", None)  # a family without a window by default keeps none
-    cfg = cls(**{**kwargs, **extra}, num_hidden_layers=layers)
+    cfg = cls(**{**kwargs, **extra, own.get("num_hidden_layers", "num_hidden_layers"): layers})
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg.to_dict()))
     return path
@@ -166,6 +168,11 @@ _DEFAULTS_CASES: dict[str, tuple[int, str]] = {
     "granite_swa": (4, "sinks"),  # learned sinks, sliding layers
     "glm4_moe_lite": (2, "mla"),  # DeepSeek's MLA names under another model_type
     "minicpm3": (2, "mla"),  # MLA with muP embedding / residual / logit scales
+    # sizes named n_layer / n_head / n_embd (the config class's attribute_map), layers under h
+    "gpt2": (2, ""),
+    "gpt_bigcode": (2, "4q/1kv"),  # multi_query: one KV head
+    "gptj": (2, ""),  # rotary_dim: partial rotary on interleaved pairs
+    "opt": (2, ""),  # q scaled in its projection, the op's scale 1; layers under decoder
 }
 
 
@@ -178,6 +185,7 @@ _FEATURE_CASES: list[tuple[str, dict[str, Any], int, str]] = [
     # function): the hook reads the module's own window
     ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 8}, 4, "window=8"),
     ("gemma2", {"query_pre_attn_scalar": 32, "attn_logit_softcapping": 20.0}, 2, "softcap=20"),
+    ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, 2, ""),  # layer i's scale over i + 1
 ]
 
 
