@@ -236,6 +236,7 @@ def test_mla_under_another_model_type_reads_deepseek_names() -> None:
         ("bloom", {}, r"ALiBi position bias \(bloom adds it to every layer's logits\) in layers"),
         ("falcon", {"alibi": True}, r"ALiBi position bias \(alibi=True\) in layers 0-2"),
         ("diffllama", {}, r"differential attention .* in layers 0-2: no layer kind"),
+        ("bert-generation", {}, r"bidirectional attention \(a BERT-style encoder"),
         ("gemma2", {"use_bidirectional_attention": True}, r"bidirectional attention .* layers 0"),
         ("olmo_hybrid", {}, r"linear-attention / recurrent mixer fields \(linear_"),
         ("mllama", {}, r"composite config .* alone: .*cross-attention layers"),
