@@ -778,8 +778,10 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
     ]
     if r.cfg.get("use_bidirectional_attention"):
         features.append("bidirectional attention (use_bidirectional_attention=True)")
-    if "add_cross_attention" in r.cfg and not r.cfg.get("is_decoder"):
-        # a BERT-style model: causal only as a decoder (is_decoder=True)
+    bert_names = "add_cross_attention" in r.cfg and "attention_probs_dropout_prob" in r.cfg
+    if bert_names and not r.cfg.get("is_decoder"):
+        # a BERT-style model (BERT's field names): causal only as a decoder (is_decoder=True);
+        # GPT-2 has add_cross_attention too and is causal either way
         features.append("bidirectional attention (a BERT-style encoder: is_decoder=False)")
     attn_config = r.cfg.get("attn_config")
     if model_type == "bloom" or (isinstance(attn_config, Mapping) and attn_config.get("alibi")):
