@@ -45,7 +45,9 @@ encoding: its attention layers get q and k as projected.
 
 Families of :data:`LAYER_FORWARD_FAMILIES` (Gemma-3, Nemotron-H, Granite-4.0-H, Falcon-H1, Qwen3.5,
 Kimi-Linear, Llama-4, the Qwen2-VL / Qwen2.5-VL language model, the generic dense family) run each
-transformers decoder layer's own ``forward``: norms, residuals (and their multipliers), rotary
+transformers decoder layer's own ``forward`` (the generic dense family, of
+:data:`MODEL_FORWARD_FAMILIES`, the whole model's ``forward``: no adapter code for what a family
+does around its layers): norms, residuals (and their multipliers), rotary
 embedding and everything else stay transformers' code, and only the attention op is replaced,
 through transformers' attention function interface (an ``"attn_core"`` implementation registered
 with ``AttentionInterface``, switched on for the step), and the Mamba2 mixer module by its class
@@ -88,7 +90,12 @@ from attn_core.models import ModelLayout
 from attn_core.reference.ops import mla_absorb_query, mla_output_from_latent, mla_split_kv_b_proj
 from attn_core.specs import LayerKind, LinearVariant, torch_dtype
 
-__all__ = ["LAYER_FORWARD_FAMILIES", "CausalLMAdapter", "layer_params_for"]
+__all__ = [
+    "LAYER_FORWARD_FAMILIES",
+    "MODEL_FORWARD_FAMILIES",
+    "CausalLMAdapter",
+    "layer_params_for",
+]
 
 #: Families (``ModelLayout.family``) whose decoder layers run their own transformers ``forward``
 #: with the attention op hooked (see the module docstring).

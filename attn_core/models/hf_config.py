@@ -13,8 +13,13 @@ fewer (``tp_size`` must then be a multiple of their count). Anything else raises
 naming the config field.
 
 A ``model_type`` no family names is read by the generic dense mapping (GQA on every layer, full
-or sliding) when every field of its config is one that mapping understands; any other field is
-refused with its layers, since it may change the attention math.
+or sliding, or MLA under DeepSeek's field names) when every field of its config is one that
+mapping understands, under the common names or those its transformers config class maps to them
+(``attribute_map``: GPT-2's ``n_layer``); any other field is refused with its layers, since it
+may change the attention math. A few attention-side fields are read only for the model types
+known to apply them (``query_pre_attn_scalar``, ``attn_logit_softcapping``, learned sinks, GPT-2's
+scale fields); features no layer kind describes (ALiBi, cross-attention, bidirectional or
+differential attention, linear mixers) are refused by name.
 
 Where the config has ``layer_types``, every parser's result is checked against it layer by layer,
 and a feature no layer kind describes (an unknown ``layer_types`` value) or the family's

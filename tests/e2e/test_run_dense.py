@@ -1,7 +1,7 @@
 """``attn run`` drives every dense family of the generic mapping through the layer-forward adapter.
 
-Each transformers decoder layer runs its own forward (post-norms, fused qkv, partial rotary,
-residual and embedding multipliers stay transformers' code) with the attention op hooked, so a
+The transformers model runs its own forward (post-norms, fused qkv, partial rotary, residual and
+embedding multipliers, logit scales stay transformers' code) with the attention op hooked, so a
 dense family that uses the common config names needs no adapter code: the named ones (Ministral,
 Starcoder2, OLMo-2, Phi-3, Granite) and model types no family names (Arcee, GLM-4, Helium,
 ERNIE-4.5, OLMo-3) all run at tiny sizes with random weights and match transformers' eager
