@@ -208,3 +208,13 @@ def test_run_family_from_its_config_class_defaults(
     assert report.ok, text
     assert "MATCH" in text and shown in text, text
     assert report.runs[0].plan["groups"], text
+
+
+def test_a_config_transformers_cannot_build_is_refused_as_such(tmp_path: Path, run_on_cpu) -> None:
+    """Ministral's modeling code reads ``head_dim`` without a fallback: a null one fails inside
+    transformers, and ``attn run`` says so (not a traceback that looks like attn-core's)."""
+    path = _tiny_config(tmp_path, "ministral", 2)
+    cfg = json.loads(path.read_text())
+    path.write_text(json.dumps({**cfg, "head_dim": None}))
+    with pytest.raises(ValueError, match=r"transformers cannot build MinistralConfig"):
+        run_on_cpu(str(path))
