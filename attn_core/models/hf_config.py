@@ -709,9 +709,12 @@ def _common_names(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], frozenset[str
     out = dict(cfg)
     aliases = set()
     for common, own in _own_names(cfg.get("model_type")).items():
-        if own in out and common not in out:
-            out[common] = out[own]
-            aliases.add(own)
+        # attribute_map: the attribute -> the field stored; only a common name the mapping
+        # reads stands for another (EXAONE's maps its legacy num_layers to num_hidden_layers)
+        if common in out or own not in out or common not in _DENSE_FIELDS | _MLA_FIELDS:
+            continue
+        out[common] = out[own]
+        aliases.add(own)
     return out, frozenset(aliases)
 
 

@@ -173,6 +173,8 @@ _DEFAULTS_CASES: dict[str, tuple[int, str]] = {
     "gpt_bigcode": (2, "4q/1kv"),  # multi_query: one KV head
     "gptj": (2, ""),  # rotary_dim: partial rotary on interleaved pairs
     "opt": (2, ""),  # q scaled in its projection, the op's scale 1; layers under decoder
+    # attribute_map the other way round: its legacy num_layers names num_hidden_layers
+    "exaone": (2, ""),
 }
 
 
