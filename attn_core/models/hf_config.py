@@ -753,12 +753,12 @@ def _refuse_not_dense(r: _Reader) -> None:
             )
         composite = ("text_config", "llm_config", "decoder", "language_config")
         nested = [k for k in composite if isinstance(cfg.get(k), Mapping)]
-        if nested:
-            towers = [k for k in cfg if k.endswith("_config") and isinstance(cfg[k], Mapping)]
+        towers = [k for k in cfg if k.endswith("_config") and isinstance(cfg[k], Mapping)]
+        if nested or towers:
+            text = _nested_text(cfg[nested[0]], nested[0]) if nested else "none is a text_config"
             raise ValueError(
-                f"{r.where}: a composite config ({', '.join(towers)}) that no family reads the "
-                f"stacks of; {_nested_text(cfg[nested[0]], nested[0])}; refused, not mapped "
-                f"in part"
+                f"{r.where}: a composite config ({', '.join(towers or nested)}) that no family "
+                f"reads the stacks of; {text}; refused, not mapped in part"
             )
 
 
