@@ -474,11 +474,21 @@ class CausalLMAdapter:
             for i in g.layer_indices
         }
         if self._seen != attention:
+            missing = sorted(attention - self._seen)
+            layers = _layers(self.base)
+            modules = sorted(
+                {
+                    type(getattr(layers[i], "self_attn", None) or layers[i]).__name__
+                    for i in missing
+                    if i < len(layers)
+                }
+            )
             raise ValueError(
-                f"layers {sorted(attention - self._seen)} of the attention layout did not call "
-                f"the attn_core attention function and layers {sorted(self._seen - attention)} "
-                "called it without being attention layers of the layout; the mapping does not "
-                "describe the model"
+                f"layers {missing} of the attention layout did not call the attn_core attention "
+                f"function (their modules {modules} compute attention in their own code, not "
+                f"through transformers' attention-function interface, or not at all) and layers "
+                f"{sorted(self._seen - attention)} called it without being attention layers of "
+                "the layout; the mapping does not describe the model"
             )
         if self._seen_linear != linear:
             raise ValueError(

@@ -220,3 +220,11 @@ def test_a_config_transformers_cannot_build_is_refused_as_such(tmp_path: Path, r
     path.write_text(json.dumps({**cfg, "head_dim": None}))
     with pytest.raises(ValueError, match=r"transformers cannot build MinistralConfig"):
         run_on_cpu(str(path))
+
+
+def test_attention_outside_the_interface_is_refused_at_run(tmp_path: Path, run_on_cpu) -> None:
+    """XGLM's config maps, but its attention module computes attention in its own code: the
+    hook never runs, and the run refuses naming the layers and the module (not a MISMATCH)."""
+    path = _tiny_config(tmp_path, "xglm", 2)
+    with pytest.raises(ValueError, match=r"layers \[0, 1\] .* \['XGLMAttention'\] compute"):
+        run_on_cpu(str(path))
