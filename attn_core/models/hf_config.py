@@ -737,10 +737,10 @@ def _refuse_not_dense(r: _Reader) -> None:
     cfg = r.cfg
     if cfg.get("is_encoder_decoder") or "decoder_layers" in cfg or "encoder_layers" in cfg:
         n = cfg.get("decoder_layers", cfg.get("num_hidden_layers"))
-        where = f"layers {_ranges(range(n))}" if isinstance(n, int) and n > 0 else "its decoder"
+        where = f"decoder layers {_ranges(range(n))}" if isinstance(n, int) and n > 0 else ""
         raise ValueError(
-            f"{r.where}: an encoder-decoder model (cross-attention in decoder {where}): no "
-            f"layer kind"
+            f"{r.where}: an encoder-decoder model (cross-attention in "
+            f"{where or 'its decoder layers'}): no layer kind"
         )
     if "num_hidden_layers" not in cfg:
         other = {k: v for k, v in _OTHER_SIZE_NAMES.items() if k in cfg}
