@@ -606,7 +606,8 @@ _DENSE_FIELDS: frozenset[str] = frozenset(
         "routed_scaling_factor", "n_group", "topk_group", "topk_method", "scoring_func",
         "decoder_sparse_step", "mlp_only_layers", "first_k_dense_replace", "mlp_layer_types",
         "moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval", "moe_norm_min",
-        "num_dense_layers", "route_scale",
+        "num_dense_layers", "route_scale", "router_scaling_factor", "enable_moe_fp32_combine",
+        "mtp_layer_types", "mtp_mlp_layer_types", "output_vocab_size",
     }
 )  # fmt: skip
 
