@@ -120,7 +120,7 @@ def test_fields_outside_the_mapping_are_refused(field: str, value: Any) -> None:
     with pytest.raises(ValueError) as err:
         specs_from_hf_config(cfg)
     msg = str(err.value)
-    assert "olmo2" in msg and repr(field) in msg and "layers 0-2" in msg, msg
+    assert "olmo2" in msg and field in msg and "layers 0-2" in msg, msg
 
 
 def test_unknown_type_with_unknown_fields_is_not_supported() -> None:
@@ -152,3 +152,121 @@ def test_position_dependent_query_scale_is_refused() -> None:
         specs_from_hf_config(cfg)
     msg = str(err.value)
     assert "llama_4_scaling_beta" in msg and "layers 0-2" in msg and "not supported" in msg, msg
+
+
+def _defaults(model_type: str, **extra: Any) -> dict[str, Any]:
+    """The config class's own defaults at small sizes (the fields it has)."""
+    cls = transformers.CONFIG_MAPPING[model_type]
+    default = cls().to_dict()
+    kwargs = {k: v for k, v in _SMALL.items() if k in default}
+    if "num_hidden_layers" not in default:
+        kwargs.pop("num_hidden_layers", None)
+    return cls(**{**kwargs, **extra}).to_dict()
+
+
+def test_gemma2_scale_and_softcap_are_its_own() -> None:
+    """Gemma-2 scales by ``query_pre_attn_scalar ** -0.5`` and applies the soft-cap to the
+    attention logits: both mapped, as its attention module computes them."""
+    cfg = _defaults("gemma2", head_dim=16, query_pre_attn_scalar=32, num_hidden_layers=4)
+    layout = specs_from_hf_config(cfg, dtype="float32")
+    config = transformers.Gemma2Config(**{k: v for k, v in cfg.items() if k != "model_type"})
+    for i, spec in enumerate(layout.layer_specs):
+        attn = _attention(config, i)
+        assert math.isclose(spec.scale, attn.scaling, rel_tol=1e-6)
+        assert spec.logits_soft_cap == attn.attn_logit_softcapping == 50.0
+        assert spec.sliding_window == attn.sliding_window
+
+
+def test_sinks_of_the_families_that_have_them() -> None:
+    layout = specs_from_hf_config(_defaults("granite_swa", num_hidden_layers=4))
+    assert all(s.has_sinks for s in layout.layer_specs)
+    assert not any(s.has_sinks for s in specs_from_hf_config(_defaults("mixtral")).layer_specs)
+
+
+@pytest.mark.parametrize(("model_type", "extra"), [("exaone4", {}), ("cohere2", {})])
+def test_a_config_without_layer_types_follows_sliding_window_pattern(
+    model_type: str, extra: dict[str, Any]
+) -> None:
+    """An older config (no ``layer_types``): every ``sliding_window_pattern``-th layer is full,
+    as transformers derives ``layer_types`` from it."""
+    cfg = _defaults(model_type, num_hidden_layers=8, sliding_window=8, **extra)
+    want = ["sliding" if t == "sliding_attention" else "full" for t in cfg.pop("layer_types")]
+    cfg.setdefault("sliding_window_pattern", 4)
+    got = ["sliding" if s.sliding_window else "full" for s in specs_from_hf_config(cfg).layer_specs]
+    assert got == want
+
+
+def test_max_window_layers_without_layer_types_is_refused() -> None:
+    """Qwen2 slides the layers from ``max_window_layers`` on, Qwen2-MoE every other layer below
+    it: without ``layer_types`` the mapping does not guess; with them it follows them."""
+    cfg = _defaults("qwen2_moe", num_hidden_layers=4, use_sliding_window=True, sliding_window=8)
+    cfg["max_window_layers"] = 2
+    want = cfg.pop("layer_types")
+    with pytest.raises(ValueError, match=r"max_window_layers=2 and no layer_types in layers 0-3"):
+        specs_from_hf_config(cfg)
+    cfg["layer_types"] = want
+    got = [s.sliding_window for s in specs_from_hf_config(cfg).layer_specs]
+    assert got == [8 if t == "sliding_attention" else None for t in want]
+    assert got == [8, None, 8, None]  # Qwen2-MoE's own rule (defaults: every other layer)
+
+
+def test_mla_under_another_model_type_reads_deepseek_names() -> None:
+    cfg = _defaults(
+        "glm4_moe_lite",
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+    )
+    spec = specs_from_hf_config(cfg).layer_specs[0]
+    assert spec.kind.value == "mla" and spec.mla_dims == (16, 8, 8)
+    assert math.isclose(spec.scale, 16**-0.5)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra", "pattern"),
+    [
+        (
+            "bart",
+            {},
+            r"encoder-decoder model \(cross-attention in decoder layers 0-\d+\): no layer",
+        ),
+        ("bloom", {}, r"ALiBi position bias \(bloom adds it to every layer's logits\) in layers"),
+        ("falcon", {"alibi": True}, r"ALiBi position bias \(alibi=True\) in layers 0-2"),
+        ("diffllama", {}, r"differential attention .* in layers 0-2: no layer kind"),
+        ("bert-generation", {}, r"bidirectional attention \(a BERT-style encoder"),
+        ("gemma2", {"use_bidirectional_attention": True}, r"bidirectional attention .* layers 0"),
+        ("olmo_hybrid", {}, r"linear-attention / recurrent mixer fields \(linear_"),
+        ("mllama", {}, r"composite config .* alone: .*cross-attention layers"),
+        ("qwen3_5", {}, r"composite config .*its text_config \('qwen3_5_text'\) alone maps"),
+    ],
+)
+def test_refusals_name_the_feature_and_the_layers(
+    model_type: str, extra: dict[str, Any], pattern: str
+) -> None:
+    cfg = _defaults(model_type, **extra)
+    with pytest.raises(ValueError, match=pattern) as err:
+        specs_from_hf_config(cfg)
+    assert model_type in str(err.value)
+
+
+def test_own_size_names_are_read_through_the_config_class() -> None:
+    """GPT-2 names its sizes ``n_layer`` / ``n_head`` / ``n_embd``: its config class's
+    ``attribute_map`` says they are the common names; ``scale_attn_by_inverse_layer_idx``
+    divides layer ``i``'s scale by ``i + 1``. A model type transformers does not know, naming
+    its sizes so, is refused saying that."""
+    cfg = transformers.GPT2Config(
+        n_layer=3, n_embd=64, n_head=4, vocab_size=128, scale_attn_by_inverse_layer_idx=True
+    ).to_dict()
+    layout = specs_from_hf_config(cfg)
+    config = transformers.GPT2Config(**{k: v for k, v in cfg.items() if k != "model_type"})
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    for i, spec in enumerate(layout.layer_specs):
+        assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (4, 4, 16)
+        assert math.isclose(spec.scale, model.transformer.h[i].attn.scaling, rel_tol=1e-6)
+    cfg["model_type"] = "brand_new_gpt"
+    with pytest.raises(ValueError, match=r"names its sizes its own way \(n_layer for num_hidden"):
+        specs_from_hf_config(cfg)

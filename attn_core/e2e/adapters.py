@@ -45,7 +45,9 @@ encoding: its attention layers get q and k as projected.
 
 Families of :data:`LAYER_FORWARD_FAMILIES` (Gemma-3, Nemotron-H, Granite-4.0-H, Falcon-H1, Qwen3.5,
 Kimi-Linear, Llama-4, the Qwen2-VL / Qwen2.5-VL language model, the generic dense family) run each
-transformers decoder layer's own ``forward``: norms, residuals (and their multipliers), rotary
+transformers decoder layer's own ``forward`` (the generic dense family, of
+:data:`MODEL_FORWARD_FAMILIES`, the whole model's ``forward``: no adapter code for what a family
+does around its layers): norms, residuals (and their multipliers), rotary
 embedding and everything else stay transformers' code, and only the attention op is replaced,
 through transformers' attention function interface (an ``"attn_core"`` implementation registered
 with ``AttentionInterface``, switched on for the step), and the Mamba2 mixer module by its class
@@ -88,7 +90,12 @@ from attn_core.models import ModelLayout
 from attn_core.reference.ops import mla_absorb_query, mla_output_from_latent, mla_split_kv_b_proj
 from attn_core.specs import LayerKind, LinearVariant, torch_dtype
 
-__all__ = ["LAYER_FORWARD_FAMILIES", "CausalLMAdapter", "layer_params_for"]
+__all__ = [
+    "LAYER_FORWARD_FAMILIES",
+    "MODEL_FORWARD_FAMILIES",
+    "CausalLMAdapter",
+    "layer_params_for",
+]
 
 #: Families (``ModelLayout.family``) whose decoder layers run their own transformers ``forward``
 #: with the attention op hooked (see the module docstring).
@@ -105,6 +112,14 @@ LAYER_FORWARD_FAMILIES: frozenset[str] = frozenset(
         "qwen2-vl-text",
     }
 )
+#: Families whose whole transformers ``*ForCausalLM.forward`` runs with the attention op hooked
+#: (the generic dense family): everything around the decoder layers (embedding scales, a norm
+#: before the first layer, the final norm, logit scales and soft-caps, an ``lm_head`` bias) is
+#: the model's own code, so a new dense family needs no adapter code. The attention masks
+#: transformers would build are skipped (an attention implementation it has no mask function for
+#: gets none), so any mask that still reaches the hook was made by the model itself (ALiBi, a
+#: bidirectional prefix) and is refused.
+MODEL_FORWARD_FAMILIES: frozenset[str] = frozenset({"dense"})
 _HOOK_NAME = "attn_core"
 # The adapter whose step is running (the hook is a module-level function transformers calls).
 _ACTIVE: list[CausalLMAdapter] = []
@@ -122,6 +137,7 @@ def _attention_hook(
     ``[1, Hkv, T, D|Dv]`` (rotary already applied) -> ``([1, T, H, Dv], None)``."""
     if not _ACTIVE:
         raise RuntimeError("the attn_core attention implementation ran outside an adapter step")
+    kwargs = {**kwargs, "attention_mask": attention_mask}
     return _ACTIVE[-1]._hooked_attention(module, query, key, value, kwargs), None
 
 
@@ -154,8 +170,26 @@ def _decoder(hf_model: torch.nn.Module) -> Any:
     architecture and are resolved at run time by ``nn.Module.__getattr__``."""
     if hasattr(hf_model, "backbone"):
         return hf_model.backbone
-    base = hf_model.model
+    # the decoder under its own name (GPT-NeoX: ``gpt_neox``), as transformers' base_model finds it
+    base = hf_model.model if hasattr(hf_model, "model") else hf_model.base_model
     return getattr(base, "language_model", None) or base
+
+
+def _layers(base: Any) -> Any:
+    """The decoder layers of a model's decoder stack: ``layers`` (most), GPT-2's ``h``, OPT's
+    ``decoder.layers``."""
+    for path in (("layers",), ("h",), ("decoder", "layers"), ("blocks",)):
+        obj = base
+        for name in path:
+            obj = getattr(obj, name, None)
+        if isinstance(obj, torch.nn.ModuleList):
+            return obj
+    raise ValueError(f"{type(base).__name__}: no decoder layers found (layers, h, decoder.layers)")
+
+
+def _attention_module(layer: Any) -> Any:
+    """A decoder layer's attention module: ``self_attn`` (most), GPT-2's ``attn``."""
+    return getattr(layer, "self_attn", None) or layer.attn
 
 
 def layer_params_for(hf_model: torch.nn.Module, layout: ModelLayout) -> dict[int, dict[str, Any]]:
@@ -164,7 +198,7 @@ def layer_params_for(hf_model: torch.nn.Module, layout: ModelLayout) -> dict[int
     for group in layout.groups:  # by group: a parallel layer has two ops, one with sinks
         if group.spec.has_sinks:
             for i in group.layer_indices:
-                sinks = _decoder(hf_model).layers[i].self_attn.sinks
+                sinks = _attention_module(_layers(_decoder(hf_model))[i]).sinks
                 params[i] = {"sinks": sinks.detach().float()}
     return params
 
@@ -228,7 +262,7 @@ class CausalLMAdapter:
         self._positions: torch.Tensor | None = None  # [T] int64 of the running step
         if self.layer_forward:
             _register_hook()
-        for i, layer in enumerate(self.base.layers):
+        for i, layer in enumerate(_layers(self.base)):
             if i not in layout.layer_indices:
                 self._mixers.append(None)
                 continue
@@ -240,7 +274,7 @@ class CausalLMAdapter:
             spec = ops[0].spec
             if spec.kind is LayerKind.MLA:
                 if self.layer_forward:
-                    self._mla_modules[i] = layer.self_attn
+                    self._mla_modules[i] = _attention_module(layer)
                 self._mixers.append(self._mla)
             elif spec.kind is LayerKind.FULL:
                 self._mixers.append(self._full)
@@ -306,6 +340,8 @@ class CausalLMAdapter:
         :param positions: ``[T]`` int64 absolute positions (``batch.positions``).
         :returns: ``[T, vocab]`` logits in the model dtype.
         """
+        if self.layout.family in MODEL_FORWARD_FAMILIES:
+            return self._forward_model(input_ids, positions)
         if self.layer_forward:
             return self._forward_layers(input_ids, positions)
         embed = getattr(self.base, "embed_tokens", None) or self.base.embeddings
@@ -410,6 +446,58 @@ class CausalLMAdapter:
         self._seen_linear.add(i)
         return core(i, mx, x)
 
+    def _forward_model(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` through the model's own ``forward`` (hooked attention, no cache):
+        ``input_ids [T]`` as one row, ``positions [T]`` as its ``position_ids``."""
+        self._seen.clear()
+        self._seen_linear.clear()
+        self._positions = positions
+        with self._hooked():
+            out = self.hf(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+        self._check_ops_ran()
+        return out.logits[0]
+
+    def _check_ops_ran(self) -> None:
+        """Every attention layer of the layout called the hook, every linear mixer ran, and no
+        other layer did: else the mapping does not describe the model."""
+        # by group: a parallel layer is in an attention group and in a linear group
+        attention = {
+            i
+            for g in self.layout.groups
+            if g.spec.kind is not LayerKind.LINEAR
+            for i in g.layer_indices
+        }
+        linear = {
+            i
+            for g in self.layout.groups
+            if g.spec.kind is LayerKind.LINEAR
+            for i in g.layer_indices
+        }
+        if self._seen != attention:
+            missing = sorted(attention - self._seen)
+            layers = _layers(self.base)
+            modules = sorted(
+                {
+                    type(getattr(layers[i], "self_attn", None) or layers[i]).__name__
+                    for i in missing
+                    if i < len(layers)
+                }
+            )
+            raise ValueError(
+                f"layers {missing} of the attention layout did not call the attn_core attention "
+                f"function (their modules {modules} compute attention in their own code, not "
+                f"through transformers' attention-function interface, or not at all) and layers "
+                f"{sorted(self._seen - attention)} called it without being attention layers of "
+                "the layout; the mapping does not describe the model"
+            )
+        if self._seen_linear != linear:
+            raise ValueError(
+                f"the linear mixers of layers {sorted(linear - self._seen_linear)} of the layout "
+                f"did not run (and those of layers {sorted(self._seen_linear - linear)} ran "
+                "without being linear layers of the layout); the mapping does not describe "
+                "the model"
+            )
+
     def _forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` through each decoder layer's own ``forward`` (hooked attention)."""
         embed = getattr(self.base, "embed_tokens", None) or self.base.embeddings
@@ -428,33 +516,7 @@ class CausalLMAdapter:
                     kwargs["position_embeddings"] = pes[i]
                 out = layer(h, **kwargs)
                 h = out[0] if isinstance(out, tuple) else out
-        # by group: a parallel layer is in an attention group and in a linear group
-        attention = {
-            i
-            for g in self.layout.groups
-            if g.spec.kind is not LayerKind.LINEAR
-            for i in g.layer_indices
-        }
-        linear = {
-            i
-            for g in self.layout.groups
-            if g.spec.kind is LayerKind.LINEAR
-            for i in g.layer_indices
-        }
-        if self._seen != attention:
-            raise ValueError(
-                f"layers {sorted(attention - self._seen)} of the attention layout did not call "
-                f"the attn_core attention function and layers {sorted(self._seen - attention)} "
-                "called it without being attention layers of the layout; the mapping does not "
-                "describe the model"
-            )
-        if self._seen_linear != linear:
-            raise ValueError(
-                f"the linear mixers of layers {sorted(linear - self._seen_linear)} of the layout "
-                f"did not run (and those of layers {sorted(self._seen_linear - linear)} ran "
-                "without being linear layers of the layout); the mapping does not describe "
-                "the model"
-            )
+        self._check_ops_ran()
         norm = (
             getattr(self.base, "norm", None)
             or getattr(self.base, "final_layernorm", None)  # Falcon-H1
@@ -490,6 +552,13 @@ class CausalLMAdapter:
         """
         i = int(module.layer_idx)
         spec = self._attention_spec(i)
+        mask = kwargs.get("attention_mask")
+        if mask is not None:  # the adapter passes none and transformers builds none for the hook
+            raise ValueError(
+                f"layer {i} ({type(module).__name__}): the module passes its own attention mask "
+                f"or bias {tuple(mask.shape)} (ALiBi, a prefix or bidirectional mask, ...): no "
+                f"layer kind describes it"
+            )
         scaling = kwargs.get("scaling")
         if scaling is None:
             scaling = module.head_dim**-0.5
@@ -498,7 +567,8 @@ class CausalLMAdapter:
         chunked = types is not None and types[i] == "chunked_attention"
         asked = {
             "softmax scale": float(scaling),
-            "sliding window": kwargs.get("sliding_window"),
+            # a module that leaves the window to its mask (Qwen2-MoE) holds it as an attribute
+            "sliding window": kwargs.get("sliding_window", getattr(module, "sliding_window", None)),
             "attention chunk size": config.attention_chunk_size if chunked else None,
             "logits soft-cap": kwargs.get("softcap"),
             "sinks": getattr(module, "sinks", None) is not None,

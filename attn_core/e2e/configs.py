@@ -709,9 +709,18 @@ def build_tiny(
             # MoE blocks through batched_mm: transformers' default grouped_mm reads its expert
             # offsets on the host for float32 (H200: "Cannot copy between CPU and CUDA tensors
             # during CUDA graph capture"), so a decode step of DeepSeek-V3 could not be captured.
-            model = transformers.AutoModelForCausalLM.from_config(
-                hf_cfg, attn_implementation="eager", experts_implementation="batched_mm"
-            )
+            try:
+                model = transformers.AutoModelForCausalLM.from_config(
+                    hf_cfg, attn_implementation="eager", experts_implementation="batched_mm"
+                )
+            except (TypeError, AttributeError, RuntimeError, IndexError, KeyError) as err:
+                # transformers' own modeling code fails on this config (a field its classes
+                # read without a default, e.g. a null head_dim): not a mapping question
+                raise ValueError(
+                    f"transformers cannot build {type(hf_cfg).__name__} "
+                    f"({hf_cfg.model_type}) from this config: {type(err).__name__}: {err}; "
+                    f"set the field its modeling code reads (attn explain maps the config)"
+                ) from err
     _spread_weights(model, seed)
     model = model.to(device=device, dtype=torch_dtype(dtype)).eval()
     _recompute_decay_buffers(model)

@@ -579,7 +579,10 @@ def run_architecture(
             tokens_per_second=tokens / seconds if seconds else 0.0,
             notes=notes,
         )
-    prompt_ids = make_prompts(prompts)
+    # token ids inside the model's vocabulary (a config.json may have fewer than 256 tokens)
+    hf: Any = model.hf  # a transformers PreTrainedModel (typed as a Module)
+    vocab = int(hf.get_input_embeddings().weight.shape[0])
+    prompt_ids = make_prompts(prompts, vocab=min(vocab, 256))
     batch = _pow2(max(prompts, 1))
     max_len = max(len(p) for p in prompt_ids) + max_new_tokens + 1
     plan = plan_for(

@@ -13,8 +13,13 @@ fewer (``tp_size`` must then be a multiple of their count). Anything else raises
 naming the config field.
 
 A ``model_type`` no family names is read by the generic dense mapping (GQA on every layer, full
-or sliding) when every field of its config is one that mapping understands; any other field is
-refused with its layers, since it may change the attention math.
+or sliding, or MLA under DeepSeek's field names) when every field of its config is one that
+mapping understands, under the common names or those its transformers config class maps to them
+(``attribute_map``: GPT-2's ``n_layer``); any other field is refused with its layers, since it
+may change the attention math. A few attention-side fields are read only for the model types
+known to apply them (``query_pre_attn_scalar``, ``attn_logit_softcapping``, learned sinks, GPT-2's
+scale fields); features no layer kind describes (ALiBi, cross-attention, bidirectional or
+differential attention, linear mixers) are refused by name.
 
 Where the config has ``layer_types``, every parser's result is checked against it layer by layer,
 and a feature no layer kind describes (an unknown ``layer_types`` value) or the family's
@@ -495,7 +500,10 @@ def _gqa(r: _Reader, o: _Options, head_dim: int) -> _Heads:
     return {
         "num_heads": _split(r.pos_int("num_attention_heads"), o.tp_size, "num_attention_heads"),
         "num_kv_heads": _split_or_replicate(
-            r.pos_int("num_key_value_heads", r.get("num_attention_heads")),
+            # absent or null (Nemotron): one KV head per query head, as transformers reads it
+            r.pos_int("num_key_value_heads")
+            if r.get("num_key_value_heads", None) is not None
+            else r.pos_int("num_attention_heads"),
             o.tp_size,
             "num_key_value_heads",
         ),
@@ -520,13 +528,17 @@ def _dense(r: _Reader, o: _Options) -> _Parsed:
         window = None  # Llama has no sliding window
     elif model_type != "mistral" and not r.cfg.get("use_sliding_window", False):
         window = None  # Qwen: sliding_window is only read when use_sliding_window is set
-    max_window_layers = r.cfg.get("max_window_layers", n)
+    max_window_layers = r.cfg.get("max_window_layers")
+    if max_window_layers is None:  # absent or null (Qwen3-MoE has no such field)
+        max_window_layers = n
 
     def fallback(i: int) -> str:
         if window is None:
             return "full_attention"
-        if model_type == "mistral":
-            return "sliding_attention"  # Mistral slides on every layer
+        if model_type in ("mistral", "qwen3_moe"):
+            # Mistral slides on every layer; so does Qwen3-MoE when use_sliding_window is set
+            # (its config has no layer_types, its model builds one sliding mask for all layers)
+            return "sliding_attention"
         return "sliding_attention" if i >= max_window_layers else "full_attention"
 
     types = _layer_types(r, n, fallback)
@@ -540,9 +552,12 @@ def _dense(r: _Reader, o: _Options) -> _Parsed:
 
 
 # Fields the generic dense mapping understands: what every config carries, the common attention
-# names, and fields that act outside the attention op (embeddings, norms, MLP, dropout, RoPE and
-# partial rotary, qk-norm, residual / logit multipliers). Any other field may change the
-# attention math, so a config carrying one is refused rather than mapped on a guess.
+# names, and fields that act outside the attention op: embeddings, norms, MLP and MoE / router
+# blocks, dropout, projection biases and q / k / v clipping or norms, RoPE and its placement
+# (partial rotary, NoPE layers), parallel residuals, residual / logit multipliers, training-only
+# fields. transformers runs all of those itself around the hooked op (the adapter drives the
+# model's own forward). Any other field may change the attention math, so a config carrying one
+# is refused rather than mapped on a guess.
 _DENSE_FIELDS: frozenset[str] = frozenset(
     {
         # every PretrainedConfig
@@ -550,75 +565,340 @@ _DENSE_FIELDS: frozenset[str] = frozenset(
         "id2label", "is_encoder_decoder", "label2id", "model_type", "output_attentions",
         "output_hidden_states", "problem_type", "return_dict", "transformers_version",
         "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings",
+        "eod_token_id", "sep_token_id", "classifier_dropout",
         # sizes and the attention op
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
         "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
         "sliding_window", "use_sliding_window", "layer_types", "attn_logit_softcapping",
-        "attention_multiplier",
-        # outside the op
-        "hidden_act", "initializer_range", "rms_norm_eps", "layer_norm_eps", "norm_epsilon",
-        "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
-        "original_max_position_embeddings", "attention_bias", "attention_dropout", "mlp_bias",
-        "use_bias", "embd_pdrop", "resid_pdrop", "embedding_dropout", "residual_dropout",
-        "embedding_multiplier", "residual_multiplier", "logits_scaling",
-        "final_logit_softcapping", "use_qk_norm",
+        "attention_multiplier", "query_pre_attn_scalar", "use_bidirectional_attention",
+        # the layer pattern, when the config has no layer_types (older configs)
+        "sliding_window_pattern", "max_window_layers",
+        # outside the op: embeddings, norms, MLP, dropout, RoPE, multipliers
+        "hidden_act", "hidden_activation", "initializer_range", "rms_norm_eps",
+        "layer_norm_eps", "norm_eps", "norm_epsilon", "layer_norm_epsilon", "rope_theta",
+        "rope_scaling", "rope_parameters", "partial_rotary_factor",
+        "original_max_position_embeddings",
+        "no_rope_layers", "no_rope_layer_interval", "layer_rope_theta", "attention_bias",
+        "attention_dropout", "mlp_bias", "use_bias", "qkv_bias", "use_qkv_bias",
+        "attention_out_bias", "clip_qkv", "qk_layernorm", "use_qk_norm", "embd_pdrop",
+        "resid_pdrop", "embedding_dropout", "residual_dropout", "hidden_dropout",
+        "embedding_multiplier", "residual_multiplier", "logits_scaling", "logit_scale",
+        "final_logit_softcapping", "lm_head_bias", "use_parallel_residual", "use_post_norm",
+        "is_decoder", "pretraining_tp", "num_nextn_predict_layers",
+        "scale_emb", "scale_depth", "dim_model_base", "embedding_initializer_range",
+        # GPT-2 / OPT style names of the same outside-the-op things (dropout, MLP, heads for
+        # other tasks, numerics of an fp32 softmax that computes the same values)
+        "activation_function", "attn_pdrop", "n_inner", "summary_type", "summary_use_proj",
+        "summary_activation", "summary_proj_to_labels", "summary_first_dropout",
+        "reorder_and_upcast_attn", "attention_softmax_in_fp32",
+        "scale_attention_softmax_in_fp32", "rotary_dim", "enable_bias", "do_layer_norm_before",
+        "word_embed_proj_dim", "_remove_final_layer_norm", "layerdrop", "dropout", "init_std",
+        "ffn_dim", "layer_norm_elementwise_affine", "activation_dropout",
+        "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "multi_query", "n_ctx", "dff",
+        "attention_probs_dropout_prob", "hidden_dropout_prob", "scale_embedding",
+        "decoder_start_token_id",
+        # MoE and router blocks (the MLP side of a layer)
+        "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",
+        "num_experts_per_tok", "moe_k", "moe_topk", "n_shared_experts", "num_shared_experts",
+        "moe_num_shared_experts", "moe_intermediate_size", "shared_expert_intermediate_size",
+        "shared_intermediate_size", "norm_topk_prob", "output_router_logits",
+        "router_aux_loss_coef", "router_jitter_noise", "input_jitter_noise",
+        "routed_scaling_factor", "n_group", "topk_group", "topk_method", "scoring_func",
+        "decoder_sparse_step", "mlp_only_layers", "first_k_dense_replace", "mlp_layer_types",
+        "moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval", "moe_norm_min",
+        "num_dense_layers", "route_scale", "router_scaling_factor", "enable_moe_fp32_combine",
+        "mtp_layer_types", "mtp_mlp_layer_types", "output_vocab_size",
     }
 )  # fmt: skip
+
+# DeepSeek's multi-head latent attention names: a config with ``kv_lora_rank`` set is read as
+# MLA on every layer (GLM-4.7-Flash, MiniCPM3, Youtu, ...), the scale as DeepSeek computes it
+# (the adapter checks it against the module's).
+_MLA_FIELDS: frozenset[str] = frozenset(
+    {
+        "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "qk_head_dim",
+        "v_head_dim", "rope_interleave",
+    }
+)  # fmt: skip
+
+# Fields of dense-looking configs that change the attention math in a way no layer kind
+# describes, and what to call the feature in the refusal (when the field is set).
+_ATTENTION_FEATURES: dict[str, str] = {
+    "alibi": "ALiBi position bias",
+    "position_bias_num_buckets": "relative position bias",
+    "lambda_std_dev": "differential attention (two softmax maps subtracted)",
+    "add_cross_attention": "cross-attention",
+    "cross_attention_layers": "cross-attention layers (to image tokens)",
+    "attention_k_eq_v": "keys shared as values",
+    "attention_value_scale": "a value scale inside the attention op",
+    "keep_window_size": "dynamic mask attention",
+    "prefix_lm": "a bidirectional prefix",
+}
+
+# Model types whose attention modules hold learned per-head sinks (a ``sinks`` parameter, no
+# config field says so): their layers are mapped with sinks.
+_SINK_MODEL_TYPES: frozenset[str] = frozenset({"flint", "granite_swa", "granitemoe_swa"})
+
+# Model types whose attention module scales q in its projection and calls the attention op
+# with scale 1 (OPT): the op's softmax scale is 1.
+_PRESCALED_Q_MODEL_TYPES: frozenset[str] = frozenset({"opt"})
+
+# Model types whose attention applies ``attn_logit_softcapping`` (the field is passed as the
+# attention function's ``softcap``); the other dense families store it and never apply it.
+_SOFTCAP_MODEL_TYPES: frozenset[str] = frozenset({"gemma2", "vaultgemma"})
+
+# Attention-side fields only some model types read, and those: on any other model type the
+# field is refused (mapping it would describe a model other than the one transformers runs).
+# The layer-pattern fields matter only without ``layer_types`` (transformers 5 writes the
+# pattern out, and the mapping follows it).
+_FIELD_READERS: dict[str, frozenset[str]] = {
+    "query_pre_attn_scalar": frozenset({"gemma2", "vaultgemma"}),  # softmax scale
+    "sliding_window_pattern": frozenset({"cohere2", "cohere2_moe", "exaone4", "exaone_moe"}),
+    "max_window_layers": frozenset({"dots1", "qwen2_moe"}),
+    # GPT-2 / GPT-BigCode: no scale when false, the scale over (layer + 1) when set, one KV head
+    "scale_attn_weights": frozenset({"gpt2", "gpt_bigcode"}),
+    "scale_attn_by_inverse_layer_idx": frozenset({"gpt2"}),
+    "multi_query": frozenset({"gpt_bigcode"}),
+}
+
+# Fields that name a model's sizes the GPT-2 / BLOOM way, and the common names they stand for:
+# a config that has them instead of the common ones is refused with that said.
+_OTHER_SIZE_NAMES: dict[str, str] = {
+    "n_layer": "num_hidden_layers",
+    "num_layers": "num_hidden_layers",
+    "n_layers": "num_hidden_layers",
+    "n_head": "num_attention_heads",
+    "n_heads": "num_attention_heads",
+    "n_embd": "hidden_size",
+    "d_model": "hidden_size",
+}
+
+
+def _dense_layer_type(cfg: Mapping[str, Any], window: int | None, i: int) -> str:
+    """Layer ``i``'s type for a config without ``layer_types``: full without a window; with
+    one, every layer slides (Mistral, Phi-3, Starcoder2) except every ``sliding_window_pattern``
+    -th (Cohere-2, EXAONE-4)."""
+    if window is None:
+        return "full_attention"
+    pattern = cfg.get("sliding_window_pattern")
+    if isinstance(pattern, int) and pattern > 0 and (i + 1) % pattern == 0:
+        return "full_attention"
+    return "sliding_attention"
+
+
+def _own_names(model_type: Any) -> dict[str, str]:
+    """The common field names -> the names ``model_type``'s transformers config class stores
+    them under (its ``attribute_map``: GPT-2's ``n_layer`` for ``num_hidden_layers``); ``{}``
+    without transformers or for a model type it does not know."""
+    if not isinstance(model_type, str):
+        return {}
+    try:
+        from transformers import CONFIG_MAPPING
+    except ImportError:  # the mapping runs without transformers: only the common names then
+        return {}
+    try:
+        cls = CONFIG_MAPPING[model_type]
+    except KeyError:
+        return {}
+    names = getattr(cls, "attribute_map", None)
+    return {k: v for k, v in names.items() if isinstance(v, str)} if isinstance(names, dict) else {}
+
+
+def _common_names(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
+    """``cfg`` with the fields its config class names its own way also under the common names,
+    and those own names (read as the common ones, so not unknown fields)."""
+    out = dict(cfg)
+    aliases = set()
+    for common, own in _own_names(cfg.get("model_type")).items():
+        # attribute_map: the attribute -> the field stored; only a common name the mapping
+        # reads stands for another (EXAONE's maps its legacy num_layers to num_hidden_layers)
+        if common in out or own not in out or common not in _DENSE_FIELDS | _MLA_FIELDS:
+            continue
+        out[common] = out[own]
+        aliases.add(own)
+    return out, frozenset(aliases)
+
+
+def _nested_text(sub: Mapping[str, Any], key: str) -> str:
+    """What the mapping makes of a composite config's language model on its own."""
+    inner = sub.get("model_type")
+    try:
+        layout = specs_from_hf_config(sub)
+    except ValueError as err:
+        return f"its {key} ({inner!r}) alone: {str(err).split('; ')[0]}"
+    return (
+        f"its {key} ({inner!r}) alone maps ({layout.num_layers} layers, family {layout.family}): "
+        f"give that config to explain or run the language model"
+    )
+
+
+def _refuse_not_dense(r: _Reader) -> None:
+    """A config the generic dense mapping cannot read at all: an encoder-decoder model, or one
+    that names its sizes its own way; the refusal says which."""
+    cfg = r.cfg
+    if cfg.get("is_encoder_decoder") or "decoder_layers" in cfg or "encoder_layers" in cfg:
+        n = cfg.get("decoder_layers", cfg.get("num_hidden_layers"))
+        where = f"decoder layers {_ranges(range(n))}" if isinstance(n, int) and n > 0 else ""
+        raise ValueError(
+            f"{r.where}: an encoder-decoder model (cross-attention in "
+            f"{where or 'its decoder layers'}): no layer kind"
+        )
+    if "num_hidden_layers" not in cfg:
+        other = {k: v for k, v in _OTHER_SIZE_NAMES.items() if k in cfg}
+        if other:
+            names = ", ".join(f"{k} for {v}" for k, v in other.items())
+            raise ValueError(
+                f"{r.where}: names its sizes its own way ({names}); the generic dense mapping "
+                f"reads the common names (num_hidden_layers, num_attention_heads, hidden_size), "
+                f"so no family reads this model_type; refused, not guessed"
+            )
+        composite = ("text_config", "llm_config", "decoder", "language_config")
+        nested = [k for k in composite if isinstance(cfg.get(k), Mapping)]
+        towers = [k for k in cfg if k.endswith("_config") and isinstance(cfg[k], Mapping)]
+        if nested or towers:
+            text = _nested_text(cfg[nested[0]], nested[0]) if nested else "none is a text_config"
+            raise ValueError(
+                f"{r.where}: a composite config ({', '.join(towers or nested)}) that no family "
+                f"reads the stacks of; {text}; refused, not mapped in part"
+            )
 
 
 def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
     """Any dense family that uses the common names: GQA on every layer, full or sliding.
 
     Without ``layer_types``, a set ``sliding_window`` slides every layer (Mistral, Phi-3,
-    Starcoder2) unless ``use_sliding_window`` is false. ``attention_multiplier`` (Granite) is the
-    softmax scale. A set ``attn_logit_softcapping`` is refused: the dense families transformers
-    has never apply it.
+    Starcoder2) unless ``use_sliding_window`` is false, but for every
+    ``sliding_window_pattern``-th layer; with ``max_window_layers`` too it is refused (Qwen2
+    and Qwen2-MoE read it differently).
+    ``attention_multiplier`` (Granite) is the softmax scale, ``query_pre_attn_scalar`` (Gemma-2)
+    its inverse square. A set ``attn_logit_softcapping`` is mapped for the model types that
+    apply it (:data:`_SOFTCAP_MODEL_TYPES`) and refused for the others.
     """
+    named, aliases = _common_names(r.cfg)
+    r = _Reader(named, r.where, r.defaults)
+    _refuse_not_dense(r)
     n = r.pos_int("num_hidden_layers")
-    unknown = sorted(k for k in r.cfg if k not in _DENSE_FIELDS)
+    every = f"layers {_ranges(range(n))}"
+    model_type = r.cfg.get("model_type")
+    features = [
+        f"{what} ({key}={r.cfg[key]!r})"
+        for key, what in _ATTENTION_FEATURES.items()
+        if r.cfg.get(key) not in (None, False, 0)
+    ]
+    if r.cfg.get("use_bidirectional_attention"):
+        features.append("bidirectional attention (use_bidirectional_attention=True)")
+    bert_names = "add_cross_attention" in r.cfg and "attention_probs_dropout_prob" in r.cfg
+    if bert_names and not r.cfg.get("is_decoder"):
+        # a BERT-style model (BERT's field names): causal only as a decoder (is_decoder=True);
+        # GPT-2 has add_cross_attention too and is causal either way
+        features.append("bidirectional attention (a BERT-style encoder: is_decoder=False)")
+    attn_config = r.cfg.get("attn_config")
+    if model_type == "bloom" or (isinstance(attn_config, Mapping) and attn_config.get("alibi")):
+        features.append(f"ALiBi position bias ({model_type} adds it to every layer's logits)")
+    if features:
+        raise ValueError(f"{r.where}: {'; '.join(features)} in {every}: no layer kind")
+    mla = r.cfg.get("kv_lora_rank") is not None
+    linear = sorted(k for k in r.cfg if k.startswith(("linear_", "mamba_", "conv_")))
+    if linear:
+        raise ValueError(
+            f"{r.where}: linear-attention / recurrent mixer fields ({', '.join(linear)}) in "
+            f"{every}: the generic dense mapping maps attention layers only, and no family "
+            f"reads {model_type!r}'s mixers; refused, not mapped in part"
+        )
+    known = _DENSE_FIELDS | aliases | (_MLA_FIELDS if mla else frozenset())
+    unknown = sorted(k for k in r.cfg if k not in known and k not in _ATTENTION_FEATURES)
     if unknown:
         raise ValueError(
             f"{r.where}: config field{'s' if len(unknown) > 1 else ''} "
-            f"{', '.join(repr(k) for k in unknown)} in layers {_ranges(range(n))}: not understood "
+            f"{', '.join(repr(k) for k in unknown)} in {every}: not understood "
             f"by the generic dense mapping (it may change the attention math); refused, not "
             f"mapped in part"
         )
+    for key, readers in _FIELD_READERS.items():
+        if r.cfg.get(key) is not None and model_type not in readers:
+            raise ValueError(
+                f"{r.where}: {key!r}={r.cfg[key]!r} in {every}: {model_type!r} is not known to "
+                f"read it (the model types that do: {sorted(readers)}); refused, not guessed"
+            )
     for key in ("rope_parameters", "rope_scaling"):
         rope = r.cfg.get(key)
         beta = rope.get("llama_4_scaling_beta") if isinstance(rope, Mapping) else None
         if beta is not None:  # Ministral-3: q scaled by a function of the position
             raise ValueError(
                 f"{r.where}: position-dependent query scale ({key}.llama_4_scaling_beta={beta}) "
-                f"in layers {_ranges(range(n))}: no layer kind"
+                f"in {every}: no layer kind"
             )
     window = r.cfg.get("sliding_window")
     if r.cfg.get("use_sliding_window", True) is False:
         window = None
     if window is not None:
         window = r.pos_int("sliding_window")
-    types = _layer_types(
-        r, n, lambda i: "full_attention" if window is None else "sliding_attention"
-    )
-    _check_types(r, types, {"full_attention", "sliding_attention"})
-    fields_: dict[str, Any] = dict(_gqa(r, o, _head_dim(r)))
-    cap = r.cfg.get("attn_logit_softcapping")
-    if cap is not None:
-        # transformers' dense families store the field but never pass it to the attention
-        # function (only Gemma-2-like models apply it, and they have fields refused above):
-        # capping would describe another model than the one transformers runs
+    if window is not None and "layer_types" not in r.cfg and "max_window_layers" in r.cfg:
+        # Qwen2 slides the layers from max_window_layers on, Qwen2-MoE every other layer below
+        # it: which layers slide is the model's own rule
         raise ValueError(
-            f"{r.where}: attn_logit_softcapping={cap} in layers {_ranges(range(n))}: the "
-            f"generic dense mapping cannot tell whether {r.cfg.get('model_type')!r} applies "
-            f"it to the attention logits (transformers' dense families do not); refused, not "
-            f"guessed"
+            f"{r.where}: sliding_window={window} with max_window_layers="
+            f"{r.cfg['max_window_layers']} and no layer_types in {every}: which layers slide "
+            f"differs by model type (write the config's layer_types); refused, not guessed"
+        )
+    types = _layer_types(r, n, lambda i: _dense_layer_type(r.cfg, window, i))
+    if mla:  # DeepSeek's MLA field names: the absorbed MLA spec on every layer
+        _check_types(r, types, {"full_attention"})
+        if window is not None or r.cfg.get("attn_logit_softcapping") is not None:
+            raise ValueError(
+                f"{r.where}: multi-head latent attention with a sliding window or a soft-cap in "
+                f"{every}: no layer kind"
+            )
+        if model_type in _SINK_MODEL_TYPES:
+            raise ValueError(f"{r.where}: multi-head latent attention with sinks: no layer kind")
+        missing = [k for k in ("qk_rope_head_dim", "qk_nope_head_dim") if k not in r.cfg]
+        if missing:
+            raise ValueError(
+                f"{r.where}: multi-head latent attention (kv_lora_rank={r.cfg['kv_lora_rank']}) "
+                f"in {every} without {', '.join(missing)}: not DeepSeek's MLA field names; "
+                f"refused, not guessed"
+            )
+        spec = _mla(r, o, yarn_scale=True)
+        return n, [(i, spec) for i in range(n)], {}
+    _check_types(r, types, {"full_attention", "sliding_attention"})
+    heads = _gqa(r, o, _head_dim(r))
+    if r.cfg.get("multi_query"):  # GPT-BigCode: one KV head for all query heads
+        heads["num_kv_heads"] = 1
+    fields_: dict[str, Any] = dict(heads)
+    cap = r.cfg.get("attn_logit_softcapping")
+    if model_type in _SINK_MODEL_TYPES:
+        fields_["has_sinks"] = True
+    if cap is not None and model_type in _SOFTCAP_MODEL_TYPES:
+        fields_["logits_soft_cap"] = float(cap)
+    elif cap is not None:
+        # transformers' other dense families store the field but never pass it to the
+        # attention function: capping would describe another model than the one it runs
+        raise ValueError(
+            f"{r.where}: attn_logit_softcapping={cap} in {every}: the generic dense mapping "
+            f"cannot tell whether {model_type!r} applies it to the attention logits (the "
+            f"model types known to: {sorted(_SOFTCAP_MODEL_TYPES)}); refused, not guessed"
         )
     scale = r.cfg.get("attention_multiplier")
+    pre = r.cfg.get("query_pre_attn_scalar")
+    if scale is not None and pre is not None:
+        raise ValueError(
+            f"{r.where}: both attention_multiplier={scale} and query_pre_attn_scalar={pre} set "
+            f"the softmax scale in {every}; refused, not guessed"
+        )
     if scale is not None:
         fields_["softmax_scale"] = float(scale)
+    elif pre is not None:
+        fields_["softmax_scale"] = float(pre) ** -0.5
+    elif r.cfg.get("scale_attn_weights") is False or model_type in _PRESCALED_Q_MODEL_TYPES:
+        fields_["softmax_scale"] = 1.0
+    by_layer = bool(r.cfg.get("scale_attn_by_inverse_layer_idx"))
+    base = fields_.pop("softmax_scale", heads["head_dim"] ** -0.5)
     layers = []
     for i, t in enumerate(types):
         sw = window if t == "sliding_attention" else None
-        layers.append((i, o.full(sliding_window=sw, **fields_)))
+        # GPT-2's scale_attn_by_inverse_layer_idx: layer i's scale over (i + 1)
+        sc = base / (i + 1) if by_layer else base
+        layers.append((i, o.full(sliding_window=sw, softmax_scale=sc, **fields_)))
     return n, layers, {}
 
 

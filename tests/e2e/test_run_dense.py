@@ -1,7 +1,7 @@
 """``attn run`` drives every dense family of the generic mapping through the layer-forward adapter.
 
-Each transformers decoder layer runs its own forward (post-norms, fused qkv, partial rotary,
-residual and embedding multipliers stay transformers' code) with the attention op hooked, so a
+The transformers model runs its own forward (post-norms, fused qkv, partial rotary, residual and
+embedding multipliers, logit scales stay transformers' code) with the attention op hooked, so a
 dense family that uses the common config names needs no adapter code: the named ones (Ministral,
 Starcoder2, OLMo-2, Phi-3, Granite) and model types no family names (Arcee, GLM-4, Helium,
 ERNIE-4.5, OLMo-3) all run at tiny sizes with random weights and match transformers' eager
@@ -89,3 +89,142 @@ def test_every_named_dense_type_is_driven() -> None:
     dense = {t for t, f in MODEL_TYPE_FAMILIES.items() if f == "dense"}
     assert {"granite", "ministral", "olmo2", "phi3", "starcoder2"} <= dense
     assert dense <= set(_driven_model_types())
+
+
+# Sizes for a tiny model of any dense family: each applies where the config class has the field
+# (its other defaults, the family's distinguishing ones, stay).
+_TINY: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 128,  # below the 256 ids make_prompts draws by default
+    "max_position_embeddings": 512,
+    "initializer_range": 0.1,
+    "sliding_window": 8,  # shorter than the prompts: the window is exercised
+    "rotary_dim": 8,  # GPT-J: the rotary part of a 16-wide head
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "shared_intermediate_size": 64,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+_MLA_TINY: dict[str, Any] = {
+    "num_key_value_heads": 4,
+    "head_dim": 8,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_routed_experts": 4,
+    "n_group": 1,
+    "topk_group": 1,
+}
+
+
+def _tiny_config(tmp_path: Path, model_type: str, layers: int, **extra: Any) -> Path:
+    cls = transformers.CONFIG_MAPPING[model_type]
+    default = cls().to_dict()
+    sizes = {**_TINY, **(_MLA_TINY if "kv_lora_rank" in default else {})}
+    own = getattr(cls, "attribute_map", {})  # GPT-2: n_embd for hidden_size, ...
+    kwargs = {own.get(k, k): v for k, v in sizes.items() if own.get(k, k) in default}
+    if default.get("sliding_window") is None:
+        kwargs.pop("sliding_window", None)  # a family without a window by default keeps none
+    cfg = cls(**{**kwargs, **extra, own.get("num_hidden_layers", "num_hidden_layers"): layers})
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    return path
+
+
+# model_type -> (layers, what the family has that the run must get right, a text the plan shows).
+# Each is its config class's defaults at tiny sizes; each was refused, crashed or mismatched
+# before the generic mapping read its fields and the adapter ran the model's own forward.
+_DEFAULTS_CASES: dict[str, tuple[int, str]] = {
+    "gemma": (2, ""),  # embeddings scaled by sqrt(hidden) in the model's forward
+    "gemma2": (4, "softcap=50"),  # attention soft-cap, query_pre_attn_scalar, sliding layers
+    "vaultgemma": (4, "softcap=50"),
+    "cohere": (2, ""),  # logit_scale, parallel attention and MLP
+    "cohere2": (4, "window=8"),  # every 4th layer full, NoPE full layers
+    "exaone4": (4, "window=8"),
+    "phi": (2, ""),  # partial rotary, dense output projection
+    "stablelm": (2, ""),  # per-head q/k layernorm, qkv bias
+    "olmo": (2, ""),  # clip_qkv
+    "olmoe": (2, ""),  # MoE, clip_qkv, q/k norms
+    "mixtral": (2, ""),  # MoE
+    "qwen2_moe": (4, ""),  # MoE with shared experts, qkv bias
+    "granitemoe": (2, ""),  # MoE with Granite's multipliers
+    "smollm3": (4, ""),  # NoPE on every 4th layer
+    "seed_oss": (2, ""),  # attention output bias
+    "hunyuan_v1_dense": (2, ""),  # q/k layernorm after rope
+    "nanochat": (2, ""),  # a norm before the first layer (the old loop missed it)
+    "gpt_neox": (2, ""),  # the decoder under gpt_neox, not model; parallel residual
+    "nemotron": (2, ""),  # num_key_value_heads null: one KV head per query head
+    "granite_swa": (4, "sinks"),  # learned sinks, sliding layers
+    "glm4_moe_lite": (2, "mla"),  # DeepSeek's MLA names under another model_type
+    "minicpm3": (2, "mla"),  # MLA with muP embedding / residual / logit scales
+    # sizes named n_layer / n_head / n_embd (the config class's attribute_map), layers under h
+    "gpt2": (2, ""),
+    "gpt_bigcode": (2, "4q/1kv"),  # multi_query: one KV head
+    "gptj": (2, ""),  # rotary_dim: partial rotary on interleaved pairs
+    "opt": (2, ""),  # q scaled in its projection, the op's scale 1; layers under decoder
+    # attribute_map the other way round: its legacy num_layers names num_hidden_layers
+    "exaone": (2, ""),
+}
+
+
+# Features the defaults leave off, set: (model_type, fields, layers, a text the plan shows).
+_FEATURE_CASES: list[tuple[str, dict[str, Any], int, str]] = [
+    # Qwen3-MoE slides every layer when use_sliding_window is set (no layer_types: the mapping
+    # once made them all full, a MISMATCH)
+    ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 8}, 2, "window=8"),
+    # Qwen2-MoE leaves the window to its mask (no sliding_window argument to the attention
+    # function): the hook reads the module's own window
+    ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 8}, 4, "window=8"),
+    ("gemma2", {"query_pre_attn_scalar": 32, "attn_logit_softcapping": 20.0}, 2, "softcap=20"),
+    ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, 2, ""),  # layer i's scale over i + 1
+]
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra", "layers", "shown"),
+    [*((t, {}, *_DEFAULTS_CASES[t]) for t in sorted(_DEFAULTS_CASES)), *_FEATURE_CASES],
+)
+def test_run_family_from_its_config_class_defaults(
+    tmp_path: Path,
+    model_type: str,
+    extra: dict[str, Any],
+    layers: int,
+    shown: str,
+    run_on_cpu,
+) -> None:
+    """The reviewer's check: the config class's own defaults at tiny sizes (with ``extra``),
+    through ``attn run --model CONFIG.json`` on CPU, against transformers' eager forward."""
+    report = run_on_cpu(str(_tiny_config(tmp_path, model_type, layers, **extra)))
+    text = report.format()
+    assert report.ok, text
+    assert "MATCH" in text and shown in text, text
+    assert report.runs[0].plan["groups"], text
+
+
+def test_a_config_transformers_cannot_build_is_refused_as_such(tmp_path: Path, run_on_cpu) -> None:
+    """Ministral's modeling code reads ``head_dim`` without a fallback: a null one fails inside
+    transformers, and ``attn run`` says so (not a traceback that looks like attn-core's)."""
+    path = _tiny_config(tmp_path, "ministral", 2)
+    cfg = json.loads(path.read_text())
+    path.write_text(json.dumps({**cfg, "head_dim": None}))
+    with pytest.raises(ValueError, match=r"transformers cannot build MinistralConfig"):
+        run_on_cpu(str(path))
+
+
+def test_attention_outside_the_interface_is_refused_at_run(tmp_path: Path, run_on_cpu) -> None:
+    """XGLM's config maps, but its attention module computes attention in its own code: the
+    hook never runs, and the run refuses naming the layers and the module (not a MISMATCH)."""
+    path = _tiny_config(tmp_path, "xglm", 2)
+    with pytest.raises(ValueError, match=r"layers \[0, 1\] .* \['XGLMAttention'\] compute"):
+        run_on_cpu(str(path))
