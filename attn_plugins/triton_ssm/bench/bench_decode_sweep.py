@@ -15,7 +15,7 @@ Variants (shapes of the models that use them):
 * ``lightning``: MiniMax-Text-01, H=64, Dk=Dv=128, through ``mamba2_decode`` as the plugin
   calls it.
 * ``mamba1``: Falcon-Mamba / Jamba, d_inner 8192, d_state 16 (``mamba1_decode``: block_d,
-  num_warps, streaming, requests_per_program).
+  num_warps, requests_per_program).
 * ``short_conv``: LFM2-1.2B, 2048 channels, kernel 3, bf16 conv state (``causal_conv1d_update``,
   block_c); bytes: conv state read + write plus the token in and out.
 
@@ -125,8 +125,8 @@ def _mamba1_case(B: int):
         return lambda: mamba1_decode(x, dt, A_log, Bm, Cm, state, idx, D=Dp, dt_bias=dt_bias,
                                      out=out, **cfg)  # fmt: skip
 
-    grid = _grid(block_d=(32, 64, 128, 256), num_warps=(1, 2, 4, 8), streaming=(False, True))
-    configs = [{}, {"streaming": True}, {"requests_per_program": 2}, *grid]
+    grid = _grid(block_d=(32, 64, 128, 256), num_warps=(1, 2, 4, 8))
+    configs = [{}, {"requests_per_program": 2}, *grid]
     return make, configs, B * Dn * N * 4
 
 

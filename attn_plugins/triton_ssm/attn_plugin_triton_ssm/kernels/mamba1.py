@@ -48,44 +48,6 @@ _DECODE, _VARLEN, _STRIDED = 0, 1, 2
 
 
 @triton.jit
-def _mamba1_token(
-    b_h, t, start, live_d, live_n, valid, m_state, pid_b, x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr,
-    out_ptr, inter_ptr, s_xt, s_xd, s_dtt, s_bt, s_ct, s_zt, s_zd, s_ot, s_od, s_ib, s_ik, s_id,
-    o_d, o_n, m_d, m_n, b_a, b_bias, b_skip,
-    HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, HAS_Z: tl.constexpr,
-    DT_SOFTPLUS: tl.constexpr, STORE_INTER: tl.constexpr, WRITE_OUT: tl.constexpr,
-):  # fmt: skip
-    """Token ``t`` of a request on its ``[BD, BN]`` state tile ``b_h``; returns the new tile.
-    ``live_d`` / ``live_n`` False (a program's requests past the last; blocks, as the
-    interpreter takes no scalar in a block mask): nothing loaded or stored."""
-    m_dl = m_d & live_d
-    b_x = tl.load(x_ptr + t * s_xt + o_d * s_xd, mask=m_dl, other=0.0).to(tl.float32)
-    b_dt = tl.load(dt_ptr + t * s_dtt + o_d, mask=m_dl, other=0.0).to(tl.float32)
-    if HAS_DT_BIAS:
-        b_dt += b_bias
-    if DT_SOFTPLUS:
-        b_dt = tl.where(b_dt <= 20.0, tl.log(1.0 + tl.exp(b_dt)), b_dt)
-    m_nl = m_n & live_n
-    b_B = tl.load(b_ptr + t * s_bt + o_n, mask=m_nl, other=0.0).to(tl.float32)
-    b_C = tl.load(c_ptr + t * s_ct + o_n, mask=m_nl, other=0.0).to(tl.float32)
-    b_h = b_h * tl.exp(b_dt[:, None] * b_a) + (b_dt * b_x)[:, None] * b_B[None, :]
-    if WRITE_OUT:
-        b_y = tl.sum(b_h * b_C[None, :], 1)
-        if HAS_D:
-            b_y += b_skip * b_x
-        if HAS_Z:
-            b_z = tl.load(z_ptr + t * s_zt + o_d * s_zd, mask=m_dl, other=0.0).to(tl.float32)
-            b_y = b_y * b_z * tl.sigmoid(b_z)
-        b_y = tl.where(valid, b_y, 0.0)
-        tl.store(out_ptr + t * s_ot + o_d * s_od, b_y.to(out_ptr.dtype.element_ty), mask=m_dl)
-    if STORE_INTER:
-        p_inter = (inter_ptr + pid_b.to(tl.int64) * s_ib + (t - start) * s_ik
-                   + o_d[:, None] * s_id + o_n[None, :])  # fmt: skip
-        tl.store(p_inter, b_h.to(inter_ptr.dtype.element_ty), mask=m_state & live_d[:, None])
-    return b_h
-
-
-@triton.jit
 def _mamba1_scan_kernel(
     x_ptr,
     dt_ptr,
@@ -132,7 +94,6 @@ def _mamba1_scan_kernel(
     STORE_INTER: tl.constexpr,
     WRITE_STATE: tl.constexpr,
     WRITE_OUT: tl.constexpr,
-    STREAM: tl.constexpr,
 ):
     pid_r = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -144,8 +105,6 @@ def _mamba1_scan_kernel(
     # per channel block, read once for the program's RPP requests (decode: A_log is as large as
     # one request's state, so sharing it cuts its L2 reads by RPP)
     b_a = -tl.exp(tl.load(a_log_ptr + o_d[:, None] * N + o_n[None, :], mask=m_dn, other=0.0))
-    b_bias = tl.zeros([BD], dtype=tl.float32)
-    b_skip = tl.zeros([BD], dtype=tl.float32)
     if HAS_DT_BIAS:
         b_bias = tl.load(dt_bias_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)
     if HAS_D:
@@ -166,43 +125,41 @@ def _mamba1_scan_kernel(
             end = start + tl.load(len_ptr + pid_b, mask=live, other=0).to(tl.int64)
         valid = (o_d * 0 + slot) >= 0  # a block: the interpreter rejects scalar & block masks
         m_state = m_dn & valid[:, None]
-        live_d = (o_d * 0 + pid_b) < R
-        live_n = (o_n * 0 + pid_b) < R
 
         p_state = state_ptr + slot * s_ss + o_d[:, None] * s_sd + o_n[None, :]
-        if STREAM:  # read once, written once: keep it out of L2's way
-            b_h = tl.load(p_state, mask=m_state, other=0.0, eviction_policy="evict_first")
-        else:
-            b_h = tl.load(p_state, mask=m_state, other=0.0)
-        b_h = b_h.to(tl.float32)
+        b_h = tl.load(p_state, mask=m_state, other=0.0).to(tl.float32)
         if HAS_INIT:
             # a fresh request's slot holds whatever its previous owner left: never read it
             init = tl.load(init_ptr + pid_b, mask=live, other=1).to(tl.int32)
             b_h = tl.where(((o_d * 0 + init) == 0)[:, None], 0.0, b_h)
 
-        if MODE == 0:
-            # decode: one token, no loop, so its loads issue beside the state tile's (a loop
-            # with device bounds would wait for the state before loading the token)
-            b_h = _mamba1_token(
-                b_h, start, start, live_d, live_n, valid, m_state, pid_b, x_ptr, dt_ptr, b_ptr,
-                c_ptr, z_ptr, out_ptr, inter_ptr, s_xt, s_xd, s_dtt, s_bt, s_ct, s_zt, s_zd, s_ot,
-                s_od, s_ib, s_ik, s_id, o_d, o_n, m_d, m_n, b_a, b_bias, b_skip,
-                HAS_D, HAS_DT_BIAS, HAS_Z, DT_SOFTPLUS, STORE_INTER, WRITE_OUT,
-            )  # fmt: skip
-        else:
-            for t in range(start, end):
-                b_h = _mamba1_token(
-                    b_h, t, start, live_d, live_n, valid, m_state, pid_b, x_ptr, dt_ptr, b_ptr,
-                    c_ptr, z_ptr, out_ptr, inter_ptr, s_xt, s_xd, s_dtt, s_bt, s_ct, s_zt, s_zd,
-                    s_ot, s_od, s_ib, s_ik, s_id, o_d, o_n, m_d, m_n, b_a, b_bias, b_skip,
-                    HAS_D, HAS_DT_BIAS, HAS_Z, DT_SOFTPLUS, STORE_INTER, WRITE_OUT,
-                )  # fmt: skip
+        for t in range(start, end):
+            b_x = tl.load(x_ptr + t * s_xt + o_d * s_xd, mask=m_d, other=0.0).to(tl.float32)
+            b_dt = tl.load(dt_ptr + t * s_dtt + o_d, mask=m_d, other=0.0).to(tl.float32)
+            if HAS_DT_BIAS:
+                b_dt += b_bias
+            if DT_SOFTPLUS:
+                b_dt = tl.where(b_dt <= 20.0, tl.log(1.0 + tl.exp(b_dt)), b_dt)
+            b_B = tl.load(b_ptr + t * s_bt + o_n, mask=m_n, other=0.0).to(tl.float32)
+            b_C = tl.load(c_ptr + t * s_ct + o_n, mask=m_n, other=0.0).to(tl.float32)
+            b_h = b_h * tl.exp(b_dt[:, None] * b_a) + (b_dt * b_x)[:, None] * b_B[None, :]
+            if WRITE_OUT:
+                b_y = tl.sum(b_h * b_C[None, :], 1)
+                if HAS_D:
+                    b_y += b_skip * b_x
+                if HAS_Z:
+                    p_z = z_ptr + t * s_zt + o_d * s_zd
+                    b_z = tl.load(p_z, mask=m_d, other=0.0).to(tl.float32)
+                    b_y = b_y * b_z * tl.sigmoid(b_z)
+                b_y = tl.where(valid, b_y, 0.0)
+                p_out = out_ptr + t * s_ot + o_d * s_od
+                tl.store(p_out, b_y.to(out_ptr.dtype.element_ty), mask=m_d)
+            if STORE_INTER:
+                p_inter = (inter_ptr + pid_b.to(tl.int64) * s_ib + (t - start) * s_ik
+                           + o_d[:, None] * s_id + o_n[None, :])  # fmt: skip
+                tl.store(p_inter, b_h.to(inter_ptr.dtype.element_ty), mask=m_state)
         if WRITE_STATE:
-            if STREAM:
-                tl.store(p_state, b_h.to(state_ptr.dtype.element_ty), mask=m_state,
-                         cache_modifier=".cs")  # fmt: skip
-            else:
-                tl.store(p_state, b_h.to(state_ptr.dtype.element_ty), mask=m_state)
+            tl.store(p_state, b_h.to(state_ptr.dtype.element_ty), mask=m_state)
 
 
 def _pool(name: str, t: torch.Tensor, D: int, N: int, lead: int) -> torch.Tensor:
@@ -261,7 +218,6 @@ def mamba1_scan(
     block_d: int | None = None,
     num_warps: int | None = None,
     requests_per_program: int = 1,
-    streaming: bool = False,
 ) -> torch.Tensor:
     """Mamba1 over the tokens of ``R`` requests, each continuing from its slot.
 
@@ -286,8 +242,6 @@ def mamba1_scan(
     :param block_d: channels per program (default: see :func:`_tiles`).
     :param requests_per_program: requests one program walks in turn for its channel block,
         sharing its ``A_log`` / ``D`` / ``dt_bias`` reads (tuning knob; 1 by default).
-    :param streaming: load the state tile with ``evict_first`` and store it with the streaming
-        cache modifier (``.cs``): a tuning knob for decode, whose state is touched once.
     :returns: ``out``: ``y`` per token and channel.
     """
     if not isinstance(requests_per_program, int) or requests_per_program < 1:
@@ -349,14 +303,14 @@ def mamba1_scan(
         mode=_DECODE if cu_seqlens is None else _VARLEN, cu=cu_seqlens, lengths=None, step=1,
         init=has_initial_state, D=D, dt_bias=dt_bias, z=z, dt_softplus=dt_softplus,
         inter=inter, write_state=update_state, write_out=True, block_d=block_d,
-        num_warps=num_warps, requests_per_program=requests_per_program, streaming=streaming,
+        num_warps=num_warps, requests_per_program=requests_per_program,
     )  # fmt: skip
     return out
 
 
 def _launch(x, dt, A_log, B, C, state, idx, out, *, mode, cu, lengths, step, init, D, dt_bias,
             z, dt_softplus, inter, write_state, write_out, block_d, num_warps,
-            requests_per_program=1, streaming=False) -> None:  # fmt: skip
+            requests_per_program=1) -> None:  # fmt: skip
     Dn, N = A_log.shape
     R = idx.shape[0]
     if block_d is None and mode == _VARLEN and x.shape[0] > R:
@@ -387,7 +341,7 @@ def _launch(x, dt, A_log, B, C, state, idx, out, *, mode, cu, lengths, step, ini
         R, D=Dn, N=N, BD=BD, BN=BN, RPP=rpp, STEP=step, MODE=mode,
         HAS_INIT=init is not None, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
         HAS_Z=z is not None, DT_SOFTPLUS=dt_softplus, STORE_INTER=inter is not None,
-        WRITE_STATE=write_state, WRITE_OUT=write_out, STREAM=streaming, num_warps=warps,
+        WRITE_STATE=write_state, WRITE_OUT=write_out, num_warps=warps,
     )  # fmt: skip
 
 
