@@ -42,7 +42,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from attn_core.e2e.configs import ARCHITECTURES, ENCODER_MODELS, SHAPES, build_tiny
+from attn_core.e2e.dist_run import end_group, exit_now, write_results
 from attn_core.e2e.main import default_registry, default_shapes, make_prompts, plan_for
 from attn_core.e2e.runner import Engine, GenerationResult
 from attn_core.specs import ExecutionConstraints, LayerSpec, group_layers
@@ -616,19 +617,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         raise
     finally:
-        # every rank done with its sends before any tears the group down (see tp_check)
-        dist.barrier()
-        dist.destroy_process_group()
-    if rank == 0 and args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump([asdict(r) for r in results], fh, indent=1)
+        end_group()
+    if rank == 0:
+        write_results(args.json, results)
     return 0 if all(r.ok for r in results) else 1
 
 
 if __name__ == "__main__":
-    code = main()
-    # as tp_check: leave without C++ static destructors (a joinable gloo thread can abort the
-    # process at interpreter exit after every result was written)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(main())

@@ -24,11 +24,9 @@ through the installed plugins; in half precision only the comparison with transf
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,6 +41,7 @@ from attn_core.e2e.configs import (
     build_tiny,
     tiny_config,
 )
+from attn_core.e2e.dist_run import end_group, exit_now, write_results
 from attn_core.e2e.main import default_registry, make_prompts, plan_for
 from attn_core.e2e.runner import Engine, GenerationResult
 from attn_core.e2e.tp_shard import shard_model
@@ -438,23 +437,11 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 print(result.format(), flush=True)
     finally:
-        # every rank done with its collectives before any tears the group down: without it a
-        # gloo rank that exits first can abort the other's teardown ("terminate called
-        # without an active exception", seen in about one run of three on 2 CPU cores)
-        dist.barrier()
-        dist.destroy_process_group()
-    if rank == 0 and args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump([asdict(r) for r in results], fh, indent=1)
+        end_group()
+    if rank == 0:
+        write_results(args.json, results)
     return 0 if all(r.ok for r in results) else 1
 
 
 if __name__ == "__main__":
-    code = main()
-    # Leave without running C++ static destructors: at interpreter exit a gloo worker's thread
-    # can still be joinable, and its destructor aborts the process ("terminate called without
-    # an active exception", rank 1 in about one run of five on 2 CPU cores) after every result
-    # was printed and written. Everything is flushed first.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(main())
