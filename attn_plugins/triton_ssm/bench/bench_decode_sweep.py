@@ -19,7 +19,8 @@ Variants (shapes of the models that use them):
 * ``short_conv``: LFM2-1.2B, 2048 channels, kernel 3, bf16 conv state (``causal_conv1d_update``,
   block_c); bytes: conv state read + write plus the token in and out.
 
-Each variant runs in its own subprocess, so a fault ends only that variant's row set.
+Each variant runs in its own subprocess, so a fault ends only that variant's row set. Inputs
+and shapes are those of ``bench_ssm.py``'s decode rows (its ``*_decode_call`` builders).
 
 Usage: ``python bench_decode_sweep.py --out sweep.json [--variants mamba1,lightning]
 [--batches 256,1024,2048] [--rounds 3] [--budget-s 330]``.
@@ -37,6 +38,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+# the shapes and inputs of bench_ssm.py's decode rows (this folder is on the path when either
+# runs as a script)
+from bench_ssm import (
+    LIGHTNING_D,
+    _decode_inputs,
+    _state_bytes,
+    lightning_decode_call,
+    mamba1_decode_call,
+    mamba2_decode_call,
+    short_conv_decode_call,
+)
+
 VARIANTS = ("mamba1", "lightning", "mamba2", "gdn", "kda", "short_conv")
 BATCHES = (256, 1024, 2048)
 
@@ -52,109 +65,50 @@ def _grid(**axes: tuple) -> list[dict]:
     return [dict(zip(keys, vals, strict=True)) for vals in itertools.product(*axes.values())]
 
 
+def _tilings(run: Callable[..., object]) -> Callable[[dict], Callable[[], object]]:
+    return lambda cfg: lambda: run(**cfg)
+
+
 def _delta_case(B: int, kda: bool):
     import torch
     from attn_plugin_triton_ssm.kernels import gdn_decode, kda_decode
 
-    hk, hv, d = 16, 32, 128
-    S = B + 8
-    q = torch.randn(B, hk, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(B, hk, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(B, hv, d, device="cuda", dtype=torch.bfloat16)
-    g = -torch.rand(B, hv, d, device="cuda") * 0.1 if kda else -torch.rand(B, hv, device="cuda")
-    beta = torch.rand(B, hv, device="cuda")
-    state = torch.randn(S, hv, d, d, device="cuda") * 0.01
-    idx = torch.randperm(S, device="cuda")[:B].int()
+    q, k, v, g, beta, state, idx = _decode_inputs(B, B + 8, per_channel_g=kda)
     out = torch.empty_like(v)
     fn = kda_decode if kda else gdn_decode
 
-    def make(cfg: dict) -> Callable[[], object]:
-        return lambda: fn(q, k, v, g, beta, state, idx, out=out, **cfg)
+    def run(**tiling):
+        return fn(q, k, v, g, beta, state, idx, out=out, **tiling)
 
     configs = [{}, *_grid(block_v=(16, 32, 64), num_warps=(2, 4, 8), programs_per_sm=(None, 0))]
-    return make, configs, B * hv * d * d * 4
+    return _tilings(run), configs, _state_bytes(B) // 2
 
 
-def _mamba2_case(B: int, H: int, N: int, P: int, lightning: bool):
-    import torch
-    from attn_plugin_triton_ssm.kernels import mamba2_decode
-
-    S = B + 8
-    G = H if lightning else 1
-    x = torch.randn(B, H, P, device="cuda", dtype=torch.bfloat16)
-    Bm = torch.randn(B, G, N, device="cuda", dtype=torch.bfloat16)
-    Cm = torch.randn(B, G, N, device="cuda", dtype=torch.bfloat16)
-    state = torch.randn(S, H, N, P, device="cuda") * 0.01
-    idx = torch.randperm(S, device="cuda")[:B].int()
-    out = torch.empty_like(x)
-    if lightning:  # as the plugin calls it: dt = 1, A_log = log(slope), no softplus
-        dt = torch.ones(B, H, device="cuda")
-        a_log = torch.log(2.0 ** (-8.0 * (torch.arange(H, device="cuda") + 1) / H))
-        extra: dict = {"dt_softplus": False}
-    else:
-        dt = torch.randn(B, H, device="cuda", dtype=torch.bfloat16)
-        a_log = torch.randn(H, device="cuda")
-        extra = {"D": torch.randn(H, device="cuda"), "dt_bias": torch.randn(H, device="cuda")}
-
-    def make(cfg: dict) -> Callable[[], object]:
-        return lambda: mamba2_decode(x, dt, a_log, Bm, Cm, state, idx, out=out, **extra, **cfg)
-
+def _mamba2_case(B: int, lightning: bool):
+    run, half_bytes = lightning_decode_call(B) if lightning else mamba2_decode_call(B)
+    P = LIGHTNING_D if lightning else 64
     blocks = (16, 32, 64, 128) if P >= 128 else (16, 32, 64)
     warps = (4, 8, 16) if P >= 128 else (2, 4, 8)
     grid = _grid(block_p=blocks, num_warps=warps, streaming=(False, True))
-    configs = [{}, {"streaming": True}, *grid]
-    return make, configs, B * H * N * P * 4
+    return _tilings(run), [{}, {"streaming": True}, *grid], half_bytes
 
 
 def _mamba1_case(B: int):
-    import torch
-    from attn_plugin_triton_ssm.kernels import mamba1_decode
-
-    Dn, N, S = 8192, 16, B + 8
-    x = torch.randn(B, Dn, device="cuda", dtype=torch.bfloat16)
-    dt = torch.randn(B, Dn, device="cuda", dtype=torch.bfloat16)
-    A_log = torch.randn(Dn, N, device="cuda")
-    Bm = torch.randn(B, N, device="cuda", dtype=torch.bfloat16)
-    Cm = torch.randn(B, N, device="cuda", dtype=torch.bfloat16)
-    Dp, dt_bias = torch.randn(Dn, device="cuda"), torch.randn(Dn, device="cuda")
-    state = torch.randn(S, Dn, N, device="cuda") * 0.01
-    idx = torch.randperm(S, device="cuda")[:B].int()
-    out = torch.empty_like(x)
-
-    def make(cfg: dict) -> Callable[[], object]:
-        return lambda: mamba1_decode(x, dt, A_log, Bm, Cm, state, idx, D=Dp, dt_bias=dt_bias,
-                                     out=out, **cfg)  # fmt: skip
-
+    run, half_bytes = mamba1_decode_call(B)
     grid = _grid(block_d=(32, 64, 128, 256), num_warps=(1, 2, 4, 8))
-    configs = [{}, {"requests_per_program": 2}, *grid]
-    return make, configs, B * Dn * N * 4
+    return _tilings(run), [{}, {"requests_per_program": 2}, *grid], half_bytes
 
 
 def _short_conv_case(B: int):
-    import torch
-    from attn_plugin_triton_ssm.kernels import causal_conv1d_update
-
-    C, K, S = 2048, 3, B + 8
-    x = torch.randn(B, C, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(C, K, device="cuda", dtype=torch.bfloat16)
-    state = torch.randn(S, C, K - 1, device="cuda", dtype=torch.bfloat16)
-    idx = torch.randperm(S, device="cuda")[:B].int()
-    out = torch.empty_like(x)
-
-    def make(cfg: dict) -> Callable[[], object]:
-        return lambda: causal_conv1d_update(x, state, w, None, idx, activation=None, out=out,
-                                            **cfg)  # fmt: skip
-
-    configs = [{}, *_grid(block_c=(64, 128, 256, 512, 1024))]
-    # half of what is moved per direction: conv state and the token in (out as much again)
-    return make, configs, B * C * (K - 1) * 2 + B * C * 2
+    run, half_bytes = short_conv_decode_call(B)
+    return _tilings(run), [{}, *_grid(block_c=(64, 128, 256, 512, 1024))], half_bytes
 
 
 CASES: dict[str, Callable[[int], tuple]] = {
     "gdn": lambda B: _delta_case(B, kda=False),
     "kda": lambda B: _delta_case(B, kda=True),
-    "mamba2": lambda B: _mamba2_case(B, 128, 128, 64, lightning=False),
-    "lightning": lambda B: _mamba2_case(B, 64, 128, 128, lightning=True),
+    "mamba2": lambda B: _mamba2_case(B, lightning=False),
+    "lightning": lambda B: _mamba2_case(B, lightning=True),
     "mamba1": _mamba1_case,
     "short_conv": _short_conv_case,
 }

@@ -123,14 +123,16 @@ def job_copy(nbytes: int) -> dict:
     return {"ms": ms, "GBps": 2 * nbytes / (ms * 1e-3) / GB}
 
 
-def _decode_inputs(B: int, S: int, seed: int = 0):
+def _decode_inputs(B: int, S: int, seed: int = 0, per_channel_g: bool = False):
+    """Qwen3-Next-shaped delta-rule decode inputs (``per_channel_g``: KDA's ``[B, HV, D]``
+    gate) over a pool of ``S`` fp32 state slots, ``B`` of them in random order."""
     import torch
 
     torch.manual_seed(seed)
     q = torch.randn(B, HK, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(B, HK, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(B, HV, D, device="cuda", dtype=torch.bfloat16)
-    g = -torch.rand(B, HV, device="cuda") * 0.1
+    g = -torch.rand(B, HV, *((D,) if per_channel_g else ()), device="cuda") * 0.1
     beta = torch.rand(B, HV, device="cuda")
     state = torch.randn(S, HV, D, D, device="cuda") * 0.01
     idx = torch.randperm(S, device="cuda")[:B].int()
@@ -440,7 +442,9 @@ def job_prefill_fla(T: int, n_seq: int) -> dict:
     return {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6}
 
 
-def job_mamba2_decode(B: int, H=128, G=1, N=128, P=64) -> dict:
+def mamba2_decode_call(B: int, H=128, G=1, N=128, P=64):
+    """Mamba2 decode at ``B`` requests (bf16 activations, fp32 state in a pool of ``B + 8``
+    slots in random order): ``(run(**tiling), bytes of state read)``."""
     import torch
     from attn_plugin_triton_ssm.kernels import mamba2_decode
 
@@ -454,10 +458,18 @@ def job_mamba2_decode(B: int, H=128, G=1, N=128, P=64) -> dict:
     state = torch.randn(S, H, N, P, device="cuda") * 0.01
     idx = torch.randperm(S, device="cuda")[:B].int()
     out = torch.empty_like(x)
-    ms = _bench(
-        lambda: mamba2_decode(x, dt, A_log, Bm, Cm, state, idx, D=Dp, dt_bias=dt_bias, out=out)
-    )
-    return {"ms": ms, "GBps": 2 * B * H * N * P * 4 / (ms * 1e-3) / GB}
+
+    def run(**tiling):
+        return mamba2_decode(x, dt, A_log, Bm, Cm, state, idx, D=Dp, dt_bias=dt_bias, out=out,
+                             **tiling)  # fmt: skip
+
+    return run, B * H * N * P * 4
+
+
+def job_mamba2_decode(B: int, H=128, G=1, N=128, P=64) -> dict:
+    run, nbytes = mamba2_decode_call(B, H, G, N, P)
+    ms = _bench(run)
+    return {"ms": ms, "GBps": 2 * nbytes / (ms * 1e-3) / GB}
 
 
 # -- lightning attention (MiniMax-01) and the short conv (LFM2) ---------------------------
@@ -472,25 +484,44 @@ def _lightning_slope(H: int):
     return (2.0 ** (-8.0 * (torch.arange(H, device="cuda") + 1) / H)).float()
 
 
-def job_lightning_decode(B: int, provider: str, H=LIGHTNING_H, D=LIGHTNING_D) -> dict:
+def _lightning_decode_inputs(B: int, H: int, D: int):
+    """MiniMax-Text-01 lightning decode inputs: q, k, v ``[B, H, D]`` bf16, the slopes, a pool
+    of ``B + 8`` fp32 ``[H, D, D]`` state slots and ``B`` of them in random order."""
     import torch
 
     S = B + 8
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    slope = _lightning_slope(H)
     state = torch.randn(S, H, D, D, device="cuda") * 0.01
     idx = torch.randperm(S, device="cuda")[:B].int()
+    return q, k, v, _lightning_slope(H), state, idx
+
+
+def lightning_decode_call(B: int, H=LIGHTNING_H, D=LIGHTNING_D):
+    """Ours, as the plugin calls it (the Mamba2 decode kernel with ``dt = 1``, ``A_log =
+    log(slope)``, no softplus): ``(run(**tiling), bytes of state read)``."""
+    import torch
+    from attn_plugin_triton_ssm.kernels import mamba2_decode
+
+    q, k, v, slope, state, idx = _lightning_decode_inputs(B, H, D)
+    ones, a_log, out = torch.ones(B, H, device="cuda"), torch.log(slope), torch.empty_like(v)
+
+    def run(**tiling):
+        return mamba2_decode(v, ones, a_log, k, q, state, idx, dt_softplus=False, out=out,
+                             **tiling)  # fmt: skip
+
+    return run, B * H * D * D * 4
+
+
+def job_lightning_decode(B: int, provider: str, H=LIGHTNING_H, D=LIGHTNING_D) -> dict:
     nbytes = 2 * B * H * D * D * 4
     if provider == "ours":
-        from attn_plugin_triton_ssm.kernels import mamba2_decode
-
-        ones, a_log, out = torch.ones(B, H, device="cuda"), torch.log(slope), torch.empty_like(v)
-        ms = _bench(lambda: mamba2_decode(v, ones, a_log, k, q, state, idx, dt_softplus=False,
-                                          out=out))  # fmt: skip
+        run, _ = lightning_decode_call(B, H, D)
+        ms = _bench(run)
     else:
         from fla.ops.simple_gla import fused_recurrent_simple_gla
 
+        q, k, v, slope, state, idx = _lightning_decode_inputs(B, H, D)
         h0 = state[idx.long()].contiguous()  # fla reads a dense state: gathered once, untimed
         ms = _bench(lambda: fused_recurrent_simple_gla(
             q[:, None], k[:, None], v[:, None], g_gamma=-slope, scale=1.0, initial_state=h0,
@@ -533,7 +564,9 @@ def job_lightning_prefill(T: int, n_seq: int, provider: str, H=LIGHTNING_H, D=LI
     return {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6}
 
 
-def job_short_conv_decode(B: int, C=SHORT_CONV_C, K=SHORT_CONV_K) -> dict:
+def short_conv_decode_call(B: int, C=SHORT_CONV_C, K=SHORT_CONV_K):
+    """LFM2's short conv decode (no activation, bf16 conv state in ``B + 8`` slots):
+    ``(run(**tiling), bytes read: the conv state and the token)``; as many are written."""
     import torch
     from attn_plugin_triton_ssm.kernels import causal_conv1d_update
 
@@ -543,15 +576,26 @@ def job_short_conv_decode(B: int, C=SHORT_CONV_C, K=SHORT_CONV_K) -> dict:
     state = torch.randn(S, C, K - 1, device="cuda", dtype=torch.bfloat16)
     idx = torch.randperm(S, device="cuda")[:B].int()
     out = torch.empty_like(x)
-    ms = _bench(lambda: causal_conv1d_update(x, state, w, None, idx, activation=None, out=out))
-    nbytes = 2 * B * C * (K - 1) * 2 + 2 * B * C * 2  # state read + write, x in, y out (bf16)
-    return {"ms": ms, "GBps": nbytes / (ms * 1e-3) / GB}
+
+    def run(**tiling):
+        return causal_conv1d_update(x, state, w, None, idx, activation=None, out=out, **tiling)
+
+    return run, B * C * (K - 1) * 2 + B * C * 2
+
+
+def job_short_conv_decode(B: int, C=SHORT_CONV_C, K=SHORT_CONV_K) -> dict:
+    run, nbytes = short_conv_decode_call(B, C, K)
+    ms = _bench(run)
+    return {"ms": ms, "GBps": 2 * nbytes / (ms * 1e-3) / GB}  # state read + write, x in, y out
 
 
 MAMBA1_D, MAMBA1_N = 8192, 16  # Falcon-Mamba-7B / Jamba: d_inner, d_state
 
 
-def job_mamba1_decode(B: int, Dn=MAMBA1_D, N=MAMBA1_N, requests_per_program: int = 1) -> dict:
+def mamba1_decode_call(B: int, Dn=MAMBA1_D, N=MAMBA1_N):
+    """A Falcon-Mamba / Jamba mixer's decode (bf16 activations, fp32 state in ``B + 8`` slots
+    in random order; ``A_log`` is read by every request and stays in L2):
+    ``(run(**tiling), bytes of state read)``."""
     import torch
     from attn_plugin_triton_ssm.kernels import mamba1_decode
 
@@ -565,11 +609,18 @@ def job_mamba1_decode(B: int, Dn=MAMBA1_D, N=MAMBA1_N, requests_per_program: int
     state = torch.randn(S, Dn, N, device="cuda") * 0.01
     idx = torch.randperm(S, device="cuda")[:B].int()
     out = torch.empty_like(x)
-    ms = _bench(
-        lambda: mamba1_decode(x, dt, A_log, Bm, Cm, state, idx, D=Dp, dt_bias=dt_bias, out=out,
-                              requests_per_program=requests_per_program)
-    )  # fmt: skip
-    return {"ms": ms, "GBps": 2 * B * Dn * N * 4 / (ms * 1e-3) / GB}
+
+    def run(**tiling):
+        return mamba1_decode(x, dt, A_log, Bm, Cm, state, idx, D=Dp, dt_bias=dt_bias, out=out,
+                             **tiling)  # fmt: skip
+
+    return run, B * Dn * N * 4
+
+
+def job_mamba1_decode(B: int, Dn=MAMBA1_D, N=MAMBA1_N, requests_per_program: int = 1) -> dict:
+    run, nbytes = mamba1_decode_call(B, Dn, N)
+    ms = _bench(lambda: run(requests_per_program=requests_per_program))
+    return {"ms": ms, "GBps": 2 * nbytes / (ms * 1e-3) / GB}
 
 
 def job_mamba1_prefill(
