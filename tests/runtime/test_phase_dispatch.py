@@ -361,6 +361,19 @@ def test_attn_run_decodes_on_the_decode_backend_and_matches_transformers(registr
     assert "full     -> pre:pre" in text and "decode: dec:dec" in text, text
 
 
+def _steps_run_on(lane, reference, steps, log, *, first_seed: int) -> None:
+    """Each ``(requests, backend)`` step runs on ``backend`` in every layer of ``lane`` and its
+    outputs equal ``reference``'s."""
+    for seed, (reqs, backend) in enumerate(steps, start=first_seed):
+        inputs = _inputs(sum(n for _, n in reqs), seed)
+        log.clear()
+        _, outs = lane.step(reqs, inputs)
+        assert log == [backend] * len(SPECS), (reqs, log)
+        _, want = reference.step(reqs, inputs)
+        for got, exp in zip(outs, want, strict=True):
+            torch.testing.assert_close(got, exp, atol=1e-6, rtol=0)
+
+
 def test_decode_switches_backend_by_batch_bucket_from_tuning(registry, log):
     """Tuning says pre:pre decodes 1 request faster, dec:dec 4: a decode step of one request
     runs on pre:pre, one of three (bucket 4: isqrt(1 * 4) = 2 < 3) on dec:dec, with no
@@ -384,14 +397,7 @@ def test_decode_switches_backend_by_batch_bucket_from_tuning(registry, log):
         ([(0, 1), (1, 1), (2, 1)], "dec:dec"),  # decode, 3 requests
         ([(1, 1), (2, 1)], "pre:pre"),  # decode, 2 requests: bucket 1 (bound 2)
     ]
-    for seed, (reqs, backend) in enumerate(steps):
-        inputs = _inputs(sum(n for _, n in reqs), 10 + seed)
-        log.clear()
-        _, outs = lane.step(reqs, inputs)
-        assert log == [backend] * len(SPECS), (reqs, log)
-        _, want = reference.step(reqs, inputs)
-        for got, exp in zip(outs, want, strict=True):
-            torch.testing.assert_close(got, exp, atol=1e-6, rtol=0)
+    _steps_run_on(lane, reference, steps, log, first_seed=10)
 
 
 def test_prefill_switches_backend_by_tokens_per_step_from_tuning(registry, log):
@@ -412,14 +418,7 @@ def test_prefill_switches_backend_by_tokens_per_step_from_tuning(registry, log):
     ]
     reference = Lane(registry, cons.with_(force={"full": "reference", "linear": "reference"}))
     steps = [([(0, 2), (1, 1)], "pre:pre"), ([(2, 5), (3, 4)], "dec:dec")]
-    for seed, (reqs, backend) in enumerate(steps):
-        inputs = _inputs(sum(n for _, n in reqs), 30 + seed)
-        log.clear()
-        _, outs = lane.step(reqs, inputs)
-        assert log == [backend] * len(SPECS), (reqs, log)
-        _, want = reference.step(reqs, inputs)
-        for got, exp in zip(outs, want, strict=True):
-            torch.testing.assert_close(got, exp, atol=1e-6, rtol=0)
+    _steps_run_on(lane, reference, steps, log, first_seed=30)
 
 
 def test_each_context_is_allocated_for_the_demands_of_its_own_phases(make_plugin):
