@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_device import DEV, K  # first: picks the interpreter on a machine without CUDA
+from slot_pass_check import assert_slot_pass_matches_gathered
 
 gdn_chunk = K.gdn_chunk  # the submodule, imported by the package after kernel_device
 BT = gdn_chunk.CHUNK
@@ -127,18 +128,7 @@ def test_slot_path_matches_fla_with_gathered_states(dtype, state_dtype, lens):
     state = (torch.randn(12, Hv, D, D, device="cuda") * 0.1).to(state_dtype)
     idx = torch.tensor([9, 2, 11, 0, 5][: len(lens)], device="cuda", dtype=torch.int32)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
-    cu_cpu = cu.cpu()
-    gathered = state.clone()
-    y_slots = K.gdn_prefill(q, k, v, g, beta, state, idx, cu, cu_seqlens_cpu=cu_cpu,
-                            slot_pass=True)  # fmt: skip
-    y_fla = K.gdn_prefill(q, k, v, g, beta, gathered, idx, cu, cu_seqlens_cpu=cu_cpu,
-                          slot_pass=False)  # fmt: skip
-    rel = ((y_slots.float() - y_fla.float()).abs().mean() / y_fla.float().abs().mean()).item()
-    assert rel < 2e-3, rel
-    s_rel = ((state.float() - gathered.float()).abs().max() / gathered.float().abs().max()).item()
-    assert s_rel < (1e-3 if state_dtype == torch.float32 else 1e-2), s_rel
-    untouched = [s for s in range(12) if s not in idx.tolist()]
-    assert torch.equal(state[untouched], gathered[untouched])
+    assert_slot_pass_matches_gathered(K.gdn_prefill, q, k, v, g, beta, state, idx, cu)
 
 
 @pytest.mark.parametrize("kda", [False, True])
