@@ -10,28 +10,21 @@ own test case reading that run's results.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from two_ranks import torchrun
 
 from attn_core.e2e.configs import ENCODER_MODELS
 from attn_core.e2e.tp_check import TP_FAMILIES
-
-ROOT = Path(__file__).resolve().parents[2]
 
 pytest.importorskip("transformers")
 
 
 def _torchrun(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "-m", "attn_core.e2e.tp_check", *args]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+    return torchrun("attn_core.e2e.tp_check", *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
