@@ -481,9 +481,8 @@ class TuningData:
                 f"TuningData.record: {backend} {ph.value if ph else 'any phase'}: steps are "
                 f"bucketed by {unit} in this phase, got {given}={wrong}"
             )
-        self.times_us[(backend, spec_key(spec), ph, tokens if unit == "tokens" else batch)] = float(
-            us
-        )
+        size = tokens if unit == "tokens" else batch
+        self.times_us[(backend, spec_key(spec), ph, size)] = float(us)
 
     def points(
         self,
