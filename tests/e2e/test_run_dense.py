@@ -228,3 +228,61 @@ def test_attention_outside_the_interface_is_refused_at_run(tmp_path: Path, run_o
     path = _tiny_config(tmp_path, "xglm", 2)
     with pytest.raises(ValueError, match=r"layers \[0, 1\] .* \['XGLMAttention'\] compute"):
         run_on_cpu(str(path))
+
+
+# The generic adapter on the GPU plugins: model types whose forward differs from Llama's in a way
+# the hooked op must get right (soft-cap, sinks, windows, MLA names, multi-query, a scale of 1),
+# at a head dim the kernels serve (64), bf16, eager and with CUDA graphs.
+_GPU_CASES: list[tuple[str, int, dict[str, Any]]] = [
+    ("gemma2", 4, {}),
+    ("cohere2", 4, {}),
+    ("phi", 2, {"rotary_dim": 32}),
+    ("gpt_bigcode", 2, {}),
+    ("opt", 2, {}),
+    ("olmo", 2, {}),
+    ("granite", 2, {"attention_multiplier": 0.2}),
+    ("starcoder2", 2, {"sliding_window": 8}),
+    ("glm4_moe_lite", 2, {}),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, "decode"], ids=["eager", "graphs"])
+@pytest.mark.parametrize(
+    ("model_type", "layers", "extra"), _GPU_CASES, ids=[c[0] for c in _GPU_CASES]
+)
+def test_run_family_on_gpu_plugins_matches_transformers(
+    tmp_path: Path, model_type: str, layers: int, extra: dict[str, Any], graphs: bool | str
+) -> None:
+    """``attn run --model CONFIG.json --device cuda`` (bf16) on the installed GPU plugins: the
+    plan names a plugin backend for every group (not the reference) and the tokens match
+    transformers' own bf16 forward."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from attn_core.e2e import run_main
+
+    sizes = {"hidden_size": 256, "head_dim": 64, "intermediate_size": 512, "rotary_dim": 32}
+    if (
+        model_type == "glm4_moe_lite"
+    ):  # MLA: latent 512 and rope 64, the shape FlashInfer's MLA serves
+        sizes = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+                 "v_head_dim": 128, "hidden_size": 256, "head_dim": 64}  # fmt: skip
+    path = _tiny_config(tmp_path, model_type, layers, **{**sizes, **extra})
+    report = run_main(
+        str(path),
+        device="cuda",
+        dtype="bf16",
+        prompts=3,
+        max_new_tokens=4,
+        graphs=graphs,
+        registry=None,
+        constraints=None,
+        progress=False,
+        console=lambda *a: None,
+    )
+    text = report.format()
+    assert report.ok and "MATCH" in text, text
+    backends = {g["backend"] for g in report.runs[0].plan["groups"]}
+    assert backends and "attn_core:reference" not in backends, text
