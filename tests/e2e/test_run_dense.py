@@ -262,6 +262,7 @@ def test_run_family_on_gpu_plugins_matches_transformers(
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from attn_core.e2e import run_main
+    from attn_core.registry import Registry
 
     sizes = {"hidden_size": 256, "head_dim": 64, "intermediate_size": 512, "rotary_dim": 32}
     if (
@@ -277,7 +278,7 @@ def test_run_family_on_gpu_plugins_matches_transformers(
         prompts=3,
         max_new_tokens=4,
         graphs=graphs,
-        registry=None,
+        registry=Registry.discover(),  # None would mean the reference alone
         constraints=None,
         progress=False,
         console=lambda *a: None,
