@@ -321,6 +321,7 @@ _GPU_CASES: list[tuple[str, int, dict[str, Any]]] = [
     ("granite", 2, {"attention_multiplier": 0.2}),
     ("starcoder2", 2, {"sliding_window": 8}),
     ("glm4_moe_lite", 2, {}),
+    ("jetmoe", 2, {}),  # the tiled KV heads: as many as query heads
 ]
 
 
