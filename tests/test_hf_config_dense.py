@@ -235,6 +235,7 @@ def test_mla_under_another_model_type_reads_deepseek_names() -> None:
         ),
         ("bloom", {}, r"ALiBi position bias \(bloom adds it to every layer's logits\) in layers"),
         ("falcon", {"alibi": True}, r"ALiBi position bias \(alibi=True\) in layers 0-2"),
+        ("xglm", {"num_layers": 3}, r"layers 0-2: their attention modules \['XGLMAttention'\]"),
         ("diffllama", {}, r"differential attention .* in layers 0-2: no layer kind"),
         ("bert-generation", {}, r"bidirectional attention \(a BERT-style encoder"),
         ("gemma2", {"use_bidirectional_attention": True}, r"bidirectional attention .* layers 0"),
@@ -270,3 +271,36 @@ def test_own_size_names_are_read_through_the_config_class() -> None:
     cfg["model_type"] = "brand_new_gpt"
     with pytest.raises(ValueError, match=r"names its sizes its own way \(n_layer for num_hidden"):
         specs_from_hf_config(cfg)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "classes"),
+    [
+        ("xglm", ["XGLMAttention"]),
+        ("falcon", ["FalconAttention", "FalconFlashAttention2"]),
+        ("bloom", ["BloomAttention"]),
+        ("mpt", ["MptAttention"]),
+        ("gpt_neo", ["GPTNeoAttention", "GPTNeoFlashAttention2", "GPTNeoSelfAttention"]),
+        # through the interface, in each style the generic adapter drives: no refusal
+        ("llama", []),
+        ("gpt2", []),
+        ("opt", []),
+        ("gpt_bigcode", []),
+        ("gptj", []),
+        ("gpt_neox", []),
+        ("jetmoe", []),
+        ("deepseek_v3", []),
+        ("falcon_h1", []),
+        ("mamba", []),  # no attention class at all: not this test's to refuse
+        ("brand_new_lm", []),  # no transformers module: the run's own check decides
+    ],
+)
+def test_attention_in_own_code_is_read_from_the_modeling_module(
+    model_type: str, classes: list[str]
+) -> None:
+    """A modeling module that never refers to ``ALL_ATTENTION_FUNCTIONS`` computes attention
+    in its own code: its attention classes are named (the mapping refuses the model with them);
+    any module that uses the interface, or none, gives no names."""
+    from attn_core.models.hf_config import _attention_in_own_code
+
+    assert _attention_in_own_code(model_type) == classes

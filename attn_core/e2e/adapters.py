@@ -188,8 +188,14 @@ def _layers(base: Any) -> Any:
 
 
 def _attention_module(layer: Any) -> Any:
-    """A decoder layer's attention module: ``self_attn`` (most), GPT-2's ``attn``."""
-    return getattr(layer, "self_attn", None) or layer.attn
+    """A decoder layer's attention module: ``self_attn`` (most), GPT-2's ``attn``, JetMoE's and
+    Falcon's ``self_attention``, GPT-Neo's ``attn.attention``; the layer itself if none."""
+    for name in ("self_attn", "attn", "self_attention"):
+        module = getattr(layer, name, None)
+        if isinstance(module, torch.nn.Module):
+            inner = getattr(module, "attention", None)  # GPT-Neo wraps its self-attention
+            return inner if isinstance(inner, torch.nn.Module) else module
+    return layer
 
 
 def layer_params_for(hf_model: torch.nn.Module, layout: ModelLayout) -> dict[int, dict[str, Any]]:
@@ -477,18 +483,16 @@ class CausalLMAdapter:
             missing = sorted(attention - self._seen)
             layers = _layers(self.base)
             modules = sorted(
-                {
-                    type(getattr(layers[i], "self_attn", None) or layers[i]).__name__
-                    for i in missing
-                    if i < len(layers)
-                }
+                {type(_attention_module(layers[i])).__name__ for i in missing if i < len(layers)}
             )
+            # the mapping refuses the model types whose modeling code never uses the interface
+            # (hf_config._attention_in_own_code); this names the ones that test cannot see
             raise ValueError(
                 f"layers {missing} of the attention layout did not call the attn_core attention "
-                f"function (their modules {modules} compute attention in their own code, not "
-                f"through transformers' attention-function interface, or not at all) and layers "
-                f"{sorted(self._seen - attention)} called it without being attention layers of "
-                "the layout; the mapping does not describe the model"
+                f"function (their attention modules {modules} compute attention in their own "
+                f"code, not through transformers' attention-function interface, or not at all) "
+                f"and layers {sorted(self._seen - attention)} called it without being attention "
+                "layers of the layout; the mapping does not describe the model"
             )
         if self._seen_linear != linear:
             raise ValueError(

@@ -45,6 +45,8 @@ its per-layer slopes are the model's input) and LFM2's gated short conv (``layer
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import math
 import os
@@ -602,7 +604,7 @@ _DENSE_FIELDS: frozenset[str] = frozenset(
         "num_experts_per_tok", "moe_k", "moe_topk", "n_shared_experts", "num_shared_experts",
         "moe_num_shared_experts", "moe_intermediate_size", "shared_expert_intermediate_size",
         "shared_intermediate_size", "norm_topk_prob", "output_router_logits",
-        "router_aux_loss_coef", "router_jitter_noise", "input_jitter_noise",
+        "router_aux_loss_coef", "aux_loss_coef", "router_jitter_noise", "input_jitter_noise",
         "routed_scaling_factor", "n_group", "topk_group", "topk_method", "scoring_func",
         "decoder_sparse_step", "mlp_only_layers", "first_k_dense_replace", "mlp_layer_types",
         "moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval", "moe_norm_min",
@@ -642,6 +644,12 @@ _SINK_MODEL_TYPES: frozenset[str] = frozenset({"flint", "granite_swa", "granitem
 # Model types whose attention module scales q in its projection and calls the attention op
 # with scale 1 (OPT): the op's softmax scale is 1.
 _PRESCALED_Q_MODEL_TYPES: frozenset[str] = frozenset({"opt"})
+
+# Model types whose attention module tiles its keys and values to every query head before the
+# attention function (JetMoE's mixture of attention heads: ``num_experts_per_tok`` query-head
+# sets, one per routed expert, ``key.repeat`` over them, not GQA's grouping): the op sees as many
+# KV heads as query heads, so the KV cache holds the tiled copies.
+_TILED_KV_MODEL_TYPES: frozenset[str] = frozenset({"jetmoe"})
 
 # Model types whose attention applies ``attn_logit_softcapping`` (the field is passed as the
 # attention function's ``softcap``); the other dense families store it and never apply it.
@@ -732,6 +740,40 @@ def _nested_text(sub: Mapping[str, Any], key: str) -> str:
     )
 
 
+def _attention_in_own_code(model_type: Any) -> list[str]:
+    """The attention classes of ``model_type``'s transformers modeling module when that module
+    never refers to transformers' attention-function interface (``ALL_ATTENTION_FUNCTIONS``,
+    the one the adapter hooks): its modules compute attention in their own code (XGLM, Falcon,
+    BLOOM, MPT, GPT-Neo in transformers 5), so no backend could serve a layer of it. ``[]`` when
+    the module uses the interface, has no attention class (Mamba), or cannot be imported (no
+    transformers, a model type it does not know): the run's own check (every attention layer
+    must call the hook) still holds there.
+
+    The whole module's source is read, not one class's: a class that reaches the interface
+    through a helper function of its module counts as using it (never refused on a guess)."""
+    if not isinstance(model_type, str):
+        return []
+    try:
+        import torch
+        from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+        name = model_type_to_module_name(model_type)
+        modeling = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        source = inspect.getsource(modeling)
+    except (ImportError, OSError):
+        return []
+    if "ALL_ATTENTION_FUNCTIONS" in source:
+        return []
+    return sorted(
+        n
+        for n, c in vars(modeling).items()
+        if "Attention" in n
+        and inspect.isclass(c)
+        and issubclass(c, torch.nn.Module)
+        and c.__module__ == modeling.__name__
+    )
+
+
 def _refuse_not_dense(r: _Reader) -> None:
     """A config the generic dense mapping cannot read at all: an encoder-decoder model, or one
     that names its sizes its own way; the refusal says which."""
@@ -795,8 +837,18 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
     attn_config = r.cfg.get("attn_config")
     if model_type == "bloom" or (isinstance(attn_config, Mapping) and attn_config.get("alibi")):
         features.append(f"ALiBi position bias ({model_type} adds it to every layer's logits)")
-    if features:
-        raise ValueError(f"{r.where}: {'; '.join(features)} in {every}: no layer kind")
+    reasons = [f"{'; '.join(features)} in {every}: no layer kind"] if features else []
+    own_code = _attention_in_own_code(model_type)
+    if own_code:
+        # the same refusal for explain and run: the hook would never be called (the adapter's
+        # check after a step says the same of a model this test misses)
+        reasons.append(
+            f"{every}: their attention modules {own_code} compute attention in their own code, "
+            f"not through transformers' attention-function interface (the op the adapter "
+            f"replaces), so no backend can serve them; refused, not mapped"
+        )
+    if reasons:
+        raise ValueError(f"{r.where}: {'; '.join(reasons)}")
     mla = r.cfg.get("kv_lora_rank") is not None
     linear = sorted(k for k in r.cfg if k.startswith(("linear_", "mamba_", "conv_")))
     if linear:
@@ -864,6 +916,8 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
     heads = _gqa(r, o, _head_dim(r))
     if r.cfg.get("multi_query"):  # GPT-BigCode: one KV head for all query heads
         heads["num_kv_heads"] = 1
+    if model_type in _TILED_KV_MODEL_TYPES:  # the op gets one (tiled) KV head per query head
+        heads["num_kv_heads"] = heads["num_heads"]
     fields_: dict[str, Any] = dict(heads)
     cap = r.cfg.get("attn_logit_softcapping")
     if model_type in _SINK_MODEL_TYPES:

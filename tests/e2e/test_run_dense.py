@@ -11,6 +11,7 @@ forward on CPU.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +176,9 @@ _DEFAULTS_CASES: dict[str, tuple[int, str]] = {
     "opt": (2, ""),  # q scaled in its projection, the op's scale 1; layers under decoder
     # attribute_map the other way round: its legacy num_layers names num_hidden_layers
     "exaone": (2, ""),
+    # mixture of attention heads: routed query projections, keys tiled to every query head
+    # before the attention function (the op's 4 KV heads, not the config's 2)
+    "jetmoe": (2, "4q/4kv"),
 }
 
 
@@ -222,9 +226,83 @@ def test_a_config_transformers_cannot_build_is_refused_as_such(tmp_path: Path, r
         run_on_cpu(str(path))
 
 
-def test_attention_outside_the_interface_is_refused_at_run(tmp_path: Path, run_on_cpu) -> None:
-    """XGLM's config maps, but its attention module computes attention in its own code: the
-    hook never runs, and the run refuses naming the layers and the module (not a MISMATCH)."""
+# Model types whose transformers attention modules compute attention in their own code (no
+# attention-function interface to hook): (model_type, fields, layers, the module classes named,
+# another feature the refusal names). Falcon in each layout of its attention, rotary or ALiBi.
+_OWN_CODE_CASES: list[tuple[str, dict[str, Any], int, str, str]] = [
+    ("xglm", {}, 2, "['XGLMAttention']", ""),
+    ("falcon", {}, 2, "['FalconAttention', 'FalconFlashAttention2']", ""),  # parallel, MQA
+    (
+        "falcon",
+        {"new_decoder_architecture": True, "num_kv_heads": 2},
+        2,
+        "['FalconAttention', 'FalconFlashAttention2']",
+        "",
+    ),
+    ("falcon", {"parallel_attn": False, "multi_query": False}, 2, "['FalconAttention',", ""),
+    (
+        "falcon",
+        {"alibi": True},
+        2,
+        "['FalconAttention',",
+        r"ALiBi position bias \(alibi=True\) in layers 0-1: no layer kind",
+    ),
+    ("bloom", {}, 2, "['BloomAttention']", r"ALiBi position bias \(bloom adds it"),
+    ("mpt", {}, 2, "['MptAttention']", r"ALiBi position bias \(mpt adds it"),
+    (
+        "gpt_neo",  # local layers (window_size) without the 1/sqrt(d) scale
+        {"attention_types": [[["global", "local"], 2]], "window_size": 8},
+        4,
+        "['GPTNeoAttention', 'GPTNeoFlashAttention2', 'GPTNeoSelfAttention']",
+        "",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra", "layers", "modules", "feature"),
+    _OWN_CODE_CASES,
+    ids=[f"{c[0]}-{i}" for i, c in enumerate(_OWN_CODE_CASES)],
+)
+def test_attention_in_the_modules_own_code_is_refused_alike_by_explain_and_run(
+    tmp_path: Path,
+    model_type: str,
+    extra: dict[str, Any],
+    layers: int,
+    modules: str,
+    feature: str,
+    run_on_cpu,
+    capsys,
+    monkeypatch,
+) -> None:
+    """The hook can never serve such a layer, so the mapping refuses the model, naming every
+    layer and the module classes: ``attn explain`` and ``attn run`` say the same (XGLM used to
+    map in explain and fail only after a step of run)."""
+    from attn_core import cli
+    from attn_core.registry import Registry
+
+    path = _tiny_config(tmp_path, model_type, layers, **extra)
+    every = f"layers 0-{layers - 1}"
+    reason = (
+        f"{every}: their attention modules {re.escape(modules)}.* compute attention in their own "
+        "code, not through transformers' attention-function interface"
+    )
+    with pytest.raises(ValueError, match=f"dense \\({model_type}\\): {feature}.*{reason}") as err:
+        run_on_cpu(str(path))
+    monkeypatch.setattr(cli, "_registry", lambda args: Registry(strict=True))
+    assert cli.main(["explain", str(path), "--target", "cpu"]) == 2
+    assert str(err.value) in capsys.readouterr().err
+
+
+def test_attention_outside_the_interface_is_refused_after_the_step(
+    tmp_path: Path, run_on_cpu, monkeypatch
+) -> None:
+    """The adapter's own check stands behind the mapping's: a model whose attention modules do
+    not call the hook (here XGLM with the mapping's source test switched off) is refused after
+    its first step, naming the layers and the modules (not a MISMATCH)."""
+    from attn_core.models import hf_config
+
+    monkeypatch.setattr(hf_config, "_attention_in_own_code", lambda model_type: [])
     path = _tiny_config(tmp_path, "xglm", 2)
     with pytest.raises(ValueError, match=r"layers \[0, 1\] .* \['XGLMAttention'\] compute"):
         run_on_cpu(str(path))
@@ -243,6 +321,7 @@ _GPU_CASES: list[tuple[str, int, dict[str, Any]]] = [
     ("granite", 2, {"attention_multiplier": 0.2}),
     ("starcoder2", 2, {"sliding_window": 8}),
     ("glm4_moe_lite", 2, {}),
+    ("jetmoe", 2, {}),  # the tiled KV heads: as many as query heads
 ]
 
 
