@@ -283,13 +283,19 @@ def record_measured(
     """Record ``(batch, context, us)`` measurements of ``backend`` in ``phase`` as tuning
     buckets: one per step size (:func:`attn_core.selector.step_size`: the batch in decode and
     verify, ``batch * context`` query tokens in prefill), the geometric mean of the points that
-    share one."""
-    by_size: dict[int, list[float]] = {}
+    share one, with those points kept (:attr:`TuningData.shape_us`: by context in decode and
+    verify, by requests in prefill) for the selector's worst-ratio choice."""
+    by_tokens = step_size_unit(phase) == "tokens"
+    by_size: dict[int, dict[int, list[float]]] = {}
     for batch, context, us in measured:
-        by_size.setdefault(step_size(phase, batch, batch * context), []).append(us)
-    for size, times in sorted(by_size.items()):
-        key = {"tokens": size} if step_size_unit(phase) == "tokens" else {"batch": size}
-        tuning.record(backend, spec, _geomean(times), phase=phase, **key)
+        shape = batch if by_tokens else context
+        size = step_size(phase, batch, batch * context)
+        by_size.setdefault(size, {}).setdefault(shape, []).append(us)
+    for size, shapes in sorted(by_size.items()):
+        key = {"tokens": size} if by_tokens else {"batch": size}
+        times = [t for ts in shapes.values() for t in ts]
+        per_shape = {shape: _geomean(ts) for shape, ts in shapes.items()}
+        tuning.record(backend, spec, _geomean(times), phase=phase, shapes=per_shape, **key)
 
 
 def admissible_backends(

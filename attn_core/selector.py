@@ -454,10 +454,20 @@ class TuningData:
     bucket (its context lengths aggregated by geometric mean), in prefill each token count
     (``batch * context``). A time recorded without a phase or size (format 1 files) holds for
     every phase / size.
+
+    A bucket may also keep the points it aggregates (:attr:`shape_us`): one bucket's steps can
+    differ in their other dimension (a decode batch of 1 at 2k or at 64k cached tokens; a
+    prefill of 4096 tokens as one request or as four), and the fastest backend can differ
+    between them. The selector then picks the bucket's backend by the smallest worst ratio to
+    the fastest over those points rather than by the bucket's mean.
     """
 
     times_us: dict[TuningKey, float] = field(default_factory=dict)
     device: str = ""
+    #: per bucket, its points' times: ``{context: us}`` in decode and verify (cached tokens per
+    #: request at that batch size), ``{requests: us}`` in prefill (the bucket's tokens split
+    #: into that many requests)
+    shape_us: dict[TuningKey, dict[int, float]] = field(default_factory=dict)
 
     def record(
         self,
@@ -468,10 +478,12 @@ class TuningData:
         phase: Phase | str | None = None,
         batch: int | None = None,
         tokens: int | None = None,
+        shapes: Mapping[int, float] | None = None,
     ) -> None:
         """Record ``us`` for ``backend`` on ``spec`` in ``phase``, at ``batch`` requests per step
         (decode, verify) or ``tokens`` query tokens per step (prefill); None: every phase /
-        every size."""
+        every size. ``shapes``: the bucket's points that ``us`` aggregates (:attr:`shape_us`:
+        context -> us in decode / verify, requests -> us in prefill)."""
         ph = None if phase is None else Phase(phase)
         unit = step_size_unit(ph)
         wrong = batch if unit == "tokens" else tokens
@@ -482,7 +494,24 @@ class TuningData:
                 f"bucketed by {unit} in this phase, got {given}={wrong}"
             )
         size = tokens if unit == "tokens" else batch
-        self.times_us[(backend, spec_key(spec), ph, size)] = float(us)
+        key = (backend, spec_key(spec), ph, size)
+        self.times_us[key] = float(us)
+        if shapes:
+            self.shape_us[key] = {int(k): float(v) for k, v in shapes.items()}
+        else:
+            self.shape_us.pop(key, None)
+
+    def shapes(
+        self, backend: str, spec: LayerSpec, phase: Phase | None, size: int | None
+    ) -> dict[int, float]:
+        """The points bucket ``size`` of ``backend`` on ``spec`` aggregates in ``phase``
+        (:attr:`shape_us`; the phase's own bucket, else one recorded for every phase); {} where
+        none were recorded."""
+        sk = spec_key(spec)
+        own = self.shape_us.get((backend, sk, phase, size))
+        if own is None and (backend, sk, phase, size) not in self.times_us:
+            own = self.shape_us.get((backend, sk, None, size))
+        return dict(own or {})
 
     def points(
         self,
@@ -520,17 +549,28 @@ class TuningData:
         return _geomean(list(pts.values())) if pts else None
 
     def save(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    def to_json(self) -> dict[str, Any]:
+        """The tuning file's content (what :meth:`save` writes, :meth:`load` reads)."""
+
         def order(item: tuple[TuningKey, float]) -> tuple[str, str, str, int]:
             (b, s, p, n), _ = item
             return (b, s, "" if p is None else p.value, -1 if n is None else n)
 
-        entries = [
-            {"backend": b, "spec": json.loads(s), "phase": p and p.value,
-             ("tokens" if step_size_unit(p) == "tokens" else "batch"): n, "us": t}
-            for (b, s, p, n), t in sorted(self.times_us.items(), key=order)
-        ]  # fmt: skip
-        payload = {"format": TUNING_FORMAT, "device": self.device, "entries": entries}
-        Path(path).write_text(json.dumps(payload, indent=1))
+        entries = []
+        for key, t in sorted(self.times_us.items(), key=order):
+            b, s, p, n = key
+            by_tokens = step_size_unit(p) == "tokens"
+            entry: dict[str, Any] = {"backend": b, "spec": json.loads(s), "phase": p and p.value,
+                                     ("tokens" if by_tokens else "batch"): n, "us": t}  # fmt: skip
+            if key in self.shape_us:  # the bucket's points: prefill by requests, else context
+                entry["points"] = [
+                    {("batch" if by_tokens else "context"): k, "us": v}
+                    for k, v in sorted(self.shape_us[key].items())
+                ]
+            entries.append(entry)
+        return {"format": TUNING_FORMAT, "device": self.device, "entries": entries}
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> TuningData:
@@ -559,12 +599,16 @@ class TuningData:
                     None if size is None else int(size),
                 )
                 folded.setdefault(key, []).append(float(e["us"]))
+                if e.get("points") is not None and not (fmt == 2 and ph is Phase.PREFILL):
+                    shape = "batch" if step_size_unit(ph) == "tokens" else "context"
+                    data.shape_us[key] = {int(pt[shape]): float(pt["us"]) for pt in e["points"]}
             except (KeyError, ValueError, TypeError) as exc:
                 raise ValueError(
                     f"tuning file {path}: entry {i} ({e!r}) is malformed: {exc!r}; expected "
                     "backend, spec, us and (formats 2, 3) phase in "
                     f"{[p.value for p in Phase]} or null, batch (decode, verify) or tokens "
-                    "(prefill, format 3) an int or null"
+                    "(prefill, format 3) an int or null, and optionally points: a list of "
+                    "{context (decode, verify) or batch (prefill), us}"
                 ) from None
         data.times_us = {key: _geomean(v) for key, v in folded.items()}
         return data
@@ -1310,10 +1354,14 @@ def _choose_phase(
         return rejected
     max_size = step_size(phase, constraints.max_batch_size, constraints.max_num_tokens)
     times = _phase_times(tuning, admissible, spec, phase, max_size)
-    by_step_size: tuple[tuple[int, Backend], ...] = ()
-    if forced is None:
-        by_step_size = _fastest_by_step_size(tuning, admissible, spec, phase, max_size)
+    winners = (
+        [] if forced is not None else _bucket_winners(tuning, admissible, spec, phase, max_size)
+    )
+    by_step_size = _merge_buckets(winners)
     admissible.sort(key=lambda b: _rank_key(b, phase, times))
+    if winners and not by_step_size:  # one backend wins every measured bucket: it serves all
+        only = winners[0][1].qualified_name
+        admissible.sort(key=lambda b: b.qualified_name != only)  # stable: the rest keep rank
     chosen = admissible[0]
     # backends that could serve this group and phase but for a run setting (not those of
     # another kind, that do not serve the phase, or that lost to a forced one)
@@ -1343,24 +1391,24 @@ def _choose_phase(
     )
 
 
-def _fastest_by_step_size(
+def _bucket_winners(
     tuning: TuningData | None,
     candidates: Sequence[Backend],
     spec: LayerSpec,
     phase: Phase,
     max_size: int,
-) -> tuple[tuple[int, Backend], ...]:
-    """The fastest measured candidate per step-size bucket, when that is not one backend for
-    every bucket (else ``()``): the runtime switches between them per step.
+) -> list[tuple[int, Backend]]:
+    """The fastest measured candidate per step-size bucket, ``(largest step size, backend)``
+    ascending; [] where fewer than two candidates share a measured bucket.
 
     The buckets are the step sizes (requests, or tokens in prefill: :func:`step_size_unit`)
     every measured candidate was timed at, up to ``max_size``. A step of size ``n`` belongs to
     the measured size nearest in ratio: the bound between sizes ``a < b`` is
-    ``floor(sqrt(a * b))``; the last bucket reaches ``max_size``. Neighbouring buckets with the
-    same winner are merged.
+    ``floor(sqrt(a * b))``; the last bucket reaches ``max_size``. Each bucket's backend is
+    :func:`_bucket_winner`'s.
     """
     if tuning is None:
-        return ()
+        return []
     points: dict[str, tuple[Backend, dict[int, float]]] = {}
     for b in candidates:
         pts = tuning.points(b.qualified_name, spec, phase, max_size=max_size)
@@ -1368,26 +1416,55 @@ def _fastest_by_step_size(
         if sized:
             points[b.qualified_name] = (b, sized)
     if len(points) < 2:
-        return ()
+        return []
     common = sorted(set.intersection(*(set(sized) for _, sized in points.values())))
-    if len(common) < 2:
-        return ()
-
-    def fastest_at(n: int) -> Backend:
-        backend, _ = min(points.values(), key=lambda item: (item[1][n], item[0].qualified_name))
-        return backend
-
-    winners = [fastest_at(n) for n in common]
-    if len({w.qualified_name for w in winners}) == 1:
-        return ()
+    if not common:
+        return []
+    winners = [
+        _bucket_winner(tuning, [(b, sized[n]) for b, sized in points.values()], spec, phase, n)
+        for n in common
+    ]
     bounds = [math.isqrt(a * b) for a, b in itertools.pairwise(common)] + [max_size]
+    return list(zip(bounds, winners, strict=True))
+
+
+def _bucket_winner(
+    tuning: TuningData,
+    measured: Sequence[tuple[Backend, float]],
+    spec: LayerSpec,
+    phase: Phase,
+    size: int,
+) -> Backend:
+    """The backend for one bucket, from ``(candidate, the bucket's time)``: the smallest worst
+    ratio to the fastest over the points of the bucket every candidate was timed at
+    (:meth:`TuningData.shapes`), so that a bucket whose points disagree on the fastest backend
+    gets the one that loses least where it loses; ties, and buckets without shared points, go
+    to the fastest bucket time."""
+    shapes = {
+        b.qualified_name: tuning.shapes(b.qualified_name, spec, phase, size) for b, _ in measured
+    }
+    common = set.intersection(*(set(pts) for pts in shapes.values()))
+    fastest = {k: min(pts[k] for pts in shapes.values()) for k in common}
+
+    def key(item: tuple[Backend, float]) -> tuple[float, float, str]:
+        b, t = item
+        mine = shapes[b.qualified_name]
+        worst = max((mine[k] / fastest[k] for k in common), default=1.0)
+        return (worst, t, b.qualified_name)
+
+    return min(measured, key=key)[0]
+
+
+def _merge_buckets(winners: Sequence[tuple[int, Backend]]) -> tuple[tuple[int, Backend], ...]:
+    """:attr:`PhaseChoice.by_step_size` from :func:`_bucket_winners`: neighbouring buckets with
+    the same backend merged; () where one backend wins every bucket."""
     merged: list[tuple[int, Backend]] = []
-    for bound, winner in zip(bounds, winners, strict=True):
+    for bound, winner in winners:
         if merged and merged[-1][1].qualified_name == winner.qualified_name:
             merged[-1] = (bound, winner)
         else:
             merged.append((bound, winner))
-    return tuple(merged)
+    return tuple(merged) if len(merged) > 1 else ()
 
 
 def _say_shared_state(

@@ -1,10 +1,13 @@
 """Tuned plans against the fastest admissible backend, per group, phase and shape.
 
 For each model (a sample name): every admissible plugin backend of every layer group and phase
-is timed on a tuning grid (decode: ``--tune-batch`` x ``--tune-context``, as ``attn bench``
-does; prefill: one request of each ``--tune-prefill`` token count, prefill being bucketed by
-query tokens per step), the
-selector plans with that tuning data, and then, at check points on and off the grid
+is timed on a tuning grid (decode: ``--tune-batch`` x ``--tune-context`` up to
+``--max-kv-tokens`` cached tokens per step, as ``attn bench`` does; prefill: each
+``--tune-prefill`` token count as one request and split into ``--tune-prefill-requests``,
+prefill being bucketed by query tokens per step; the contexts of a batch size and the splits of
+a token count are the bucket's points, by which the selector picks each bucket's backend), the
+selector plans with that tuning data (printed per group and phase), and then, at check points on
+and off the grid
 (``--decode-points`` / ``--prefill-points``, ``BATCHxCONTEXT``), every candidate is timed again in
 ``--rounds`` alternating rounds (the order rotates each round) and the plan's choice for that
 batch size is compared with the fastest candidate's median: ``ratio = chosen / fastest``. The
@@ -18,6 +21,8 @@ Usage (on the GPU, plugins installed)::
 
     python bench/bench_tuned_plans.py [--models qwen3,gpt-oss,deepseek-v3,qwen3-next]
         [--rounds 3] [--out tuned.json]
+
+``--out`` holds ``{"rows": [...], "tuning": {model: tuning file content}}``.
 """
 
 from __future__ import annotations
@@ -73,11 +78,23 @@ def _row_line(r: dict) -> str:
 
 def _tuning_grid(phase: Phase, args) -> list[tuple[int, int]]:
     """The (batch, context) points a phase is tuned on: decode / verify every
-    ``--tune-batch`` x ``--tune-context``; prefill one request of each ``--tune-prefill``
-    token count (prefill buckets are tokens per step)."""
+    ``--tune-batch`` x ``--tune-context`` of at most ``--max-kv-tokens`` cached tokens per step;
+    prefill each ``--tune-prefill`` token count split into each of ``--tune-prefill-requests``
+    requests that divides it (prefill buckets are tokens per step; the splits are the bucket's
+    points)."""
     if phase is Phase.PREFILL:
-        return [(1, tokens) for tokens in _ints(args.tune_prefill)]
-    return [(b, c) for b in _ints(args.tune_batch) for c in _ints(args.tune_context)]
+        return [
+            (r, tokens // r)
+            for tokens in _ints(args.tune_prefill)
+            for r in _ints(args.tune_prefill_requests)
+            if tokens % r == 0
+        ]
+    return [
+        (b, c)
+        for b in _ints(args.tune_batch)
+        for c in _ints(args.tune_context)
+        if b * c <= args.max_kv_tokens
+    ]
 
 
 def _candidates(group, plan, caps, registry, phase) -> list[Any]:
@@ -108,7 +125,11 @@ def _time(group, backend, registry, plan, device, phase, batch, context, iters) 
     return r.us_per_layer
 
 
-def bench_model(name: str, registry: Registry, device: torch.device, args) -> list[dict]:
+def bench_model(
+    name: str, registry: Registry, device: torch.device, args, tunings: dict[str, Any]
+) -> list[dict]:
+    """Tune ``name``'s groups, plan with the tuning data (kept in ``tunings[name]``, the tuning
+    file's content) and time every candidate at the check points: one row per point."""
     caps = DeviceCapabilities.detect(device)
     layout = specs_from_hf_config(load_sample(name), dtype="bfloat16")
     constraints = ExecutionConstraints()
@@ -133,6 +154,12 @@ def bench_model(name: str, registry: Registry, device: torch.device, args) -> li
                     measured.append((batch, context, us))
             record_measured(tuning, backend.qualified_name, group.spec, phase, measured)
     tuned = select(layout.groups, registry, caps, constraints, tuning=tuning)
+    tunings[name] = tuning.to_json()
+    for group, phase, _ in work:  # the tuned plan, as explain shows it
+        pc = tuned.choice(group.group_id).phase_choice(phase)
+        switch = "; ".join(f"<= {n}: {b.qualified_name}" for n, b in pc.by_step_size)
+        print(f"# {name} {group.group_id} {phase.value}: {pc.backend.qualified_name}"
+              + (f" (by step size: {switch})" if switch else ""), flush=True)  # fmt: skip
     # 2. the check points, every candidate in alternating rounds
     rows = []
     for group, phase, cands in work:
@@ -184,8 +211,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="qwen3,gpt-oss,deepseek-v3,qwen3-next")
     ap.add_argument("--tune-batch", default="1,4,16,64,256,1024")
-    ap.add_argument("--tune-context", default="2048,16384")
+    ap.add_argument("--tune-context", default="2048,16384,65536")
+    ap.add_argument(
+        "--max-kv-tokens", type=int, default=2**24, help="skip decode grid points above it"
+    )
     ap.add_argument("--tune-prefill", default="1024,2048,4096,8192,16384")
+    ap.add_argument("--tune-prefill-requests", default="1,4")
     ap.add_argument(
         "--decode-points", default="1x32768,4x8192,8x16384,64x4096,128x2048,256x2048,1024x1024"
     )
@@ -197,13 +228,16 @@ def main() -> int:
     device = torch.device("cuda")
     registry = Registry.discover()
     print(HEADER, flush=True)
-    rows = []
-    for name in args.models.split(","):
-        rows += bench_model(name, registry, device, args)
-    worst = max((r["ratio"] for r in rows), default=float("nan"))
-    print(f"worst ratio chosen/fastest: {worst:.3f} (goal <= 1.03) over {len(rows)} points")
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
+    rows: list[dict] = []
+    tunings: dict[str, Any] = {}
+    try:
+        for name in args.models.split(","):
+            rows += bench_model(name, registry, device, args, tunings)
+    finally:  # a run cut short keeps what it measured
+        worst = max((r["ratio"] for r in rows), default=float("nan"))
+        print(f"worst ratio chosen/fastest: {worst:.3f} (goal <= 1.03) over {len(rows)} points")
+        if args.out:
+            Path(args.out).write_text(json.dumps({"rows": rows, "tuning": tunings}, indent=1))
     return 0
 
 

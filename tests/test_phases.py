@@ -673,3 +673,89 @@ def test_draft_tokens_bind_the_verify_phase_only(registry):
     assert phases["verify"] == "flashinfer:flashinfer"
     rejected = plan.choice("full").phase_choice("verify").rejections_by_backend()["nospec:nospec"]
     assert [r.code for r in rejected] == ["speculative"]
+
+
+# ------------------------------------------------------------------------------------------
+# A bucket whose points disagree on the fastest backend
+# ------------------------------------------------------------------------------------------
+def _shaped_tuning(times: dict[tuple[str, str, int, int], float]) -> TuningData:
+    """{(backend, phase, batch, context): us} through :func:`record_measured`, as ``attn bench``
+    and bench/bench_tuned_plans.py record a grid."""
+    from attn_core.bench import record_measured
+
+    t = TuningData(device="h200")
+    by: dict[tuple[str, str], list[tuple[int, int, float]]] = {}
+    for (backend, phase, batch, context), us in times.items():
+        by.setdefault((backend, phase), []).append((batch, context, us))
+    for (backend, phase), measured in by.items():
+        record_measured(t, backend, FULL, Phase(phase), measured)
+    return t
+
+
+# One decode request at three context lengths: flashinfer is fastest at short contexts, fa3 at
+# long ones (as a kernel without a split-KV path loses at long context). By the bucket's
+# geometric mean flashinfer wins ((10 * 10 * 400)^(1/3) = 34 against 45), and then loses 4x
+# at 64k; fa3 loses at most 3x, at 2k.
+SHORT_VS_LONG = {
+    ("flashinfer:flashinfer", "decode", 1, 2048): 10.0,
+    ("flashinfer:flashinfer", "decode", 1, 16384): 10.0,
+    ("flashinfer:flashinfer", "decode", 1, 65536): 400.0,
+    ("fa3:fa3", "decode", 1, 2048): 30.0,
+    ("fa3:fa3", "decode", 1, 16384): 30.0,
+    ("fa3:fa3", "decode", 1, 65536): 100.0,
+    # a second bucket where the two agree, so that the buckets are compared point by point
+    ("flashinfer:flashinfer", "decode", 64, 2048): 50.0,
+    ("fa3:fa3", "decode", 64, 2048): 80.0,
+}
+
+
+def test_a_bucket_goes_to_the_backend_with_the_smallest_worst_ratio_over_its_points(registry):
+    tuning = _shaped_tuning(SHORT_VS_LONG)
+    assert tuning.shapes("fa3:fa3", FULL, Phase.DECODE, 1) == {
+        2048: 30.0,
+        16384: 30.0,
+        65536: 100.0,
+    }
+    plan = select(group_layers([FULL]), registry(), H200, ExecutionConstraints(), tuning=tuning)
+    decode = plan.choice("full").phase_choice("decode")
+    assert decode.backend_for_step(1).qualified_name == "fa3:fa3"
+    assert decode.backend_for_step(64).qualified_name == "flashinfer:flashinfer"
+
+
+def test_prefill_buckets_compare_their_request_splits(registry):
+    """4096 tokens as one request (fa3 1.5x faster) or as four of 1024 (flashinfer 1.19x
+    faster) and as sixteen of 256 (flashinfer 2x faster): flashinfer loses least."""
+    times = {
+        ("fa3:fa3", "prefill", 1, 4096): 100.0,
+        ("fa3:fa3", "prefill", 4, 1024): 158.0,
+        ("fa3:fa3", "prefill", 16, 256): 200.0,
+        ("flashinfer:flashinfer", "prefill", 1, 4096): 150.0,
+        ("flashinfer:flashinfer", "prefill", 4, 1024): 132.0,
+        ("flashinfer:flashinfer", "prefill", 16, 256): 100.0,
+    }
+    tuning = _shaped_tuning(times)
+    assert tuning.shapes("fa3:fa3", FULL, Phase.PREFILL, 4096) == {1: 100.0, 4: 158.0, 16: 200.0}
+    plan = select(group_layers([FULL]), registry(), H200, ExecutionConstraints(), tuning=tuning)
+    prefill = plan.choice("full").phase_choice("prefill")
+    assert prefill.backend.qualified_name == "flashinfer:flashinfer"
+    assert prefill.by_step_size == ()  # one bucket, one backend
+
+
+def test_bucket_points_survive_the_tuning_file(tmp_path, registry):
+    tuning = _shaped_tuning(SHORT_VS_LONG)
+    path = tmp_path / "tuning.json"
+    tuning.save(path)
+    entries = json.loads(path.read_text())["entries"]
+    fa3_b1 = next(e for e in entries if e["backend"] == "fa3:fa3" and e["batch"] == 1)
+    assert fa3_b1["points"] == [
+        {"context": 2048, "us": 30.0},
+        {"context": 16384, "us": 30.0},
+        {"context": 65536, "us": 100.0},
+    ]
+    assert fa3_b1["us"] == pytest.approx((30.0 * 30.0 * 100.0) ** (1 / 3))
+    loaded = TuningData.load(path)
+    assert loaded.shape_us == tuning.shape_us
+    plan = select(group_layers([FULL]), registry(), H200, ExecutionConstraints(), tuning=loaded)
+    assert (
+        plan.choice("full").phase_choice("decode").backend_for_step(1).qualified_name == "fa3:fa3"
+    )
