@@ -37,12 +37,15 @@ run() {  # run NAME TIMEOUT CMD...: log to $OUT/NAME.log, the last lines into th
   local t0=$SECONDS
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
   # skips too: a GPU module that skipped (say FlashAttention-4 not carried) must not read as a pass
-  { grep -E "^(FAILED|ERROR|SKIPPED) " "$OUT/$name.log" | head -40
+  # (-v lines too: "[gw3] [ 40%] FAILED test", all a run cut at its limit leaves of its failures)
+  { grep -E "^(FAILED|ERROR|SKIPPED) |^\[gw[0-9]+\] .*(FAILED|ERROR) " "$OUT/$name.log" | head -40
     tail -n 2 "$OUT/$name.log"; } | sed "s/^/  [$name rc=$rc $((SECONDS - t0))s] /" >>"$OUT/summary.log"
 }
 # XDIST=N spreads a stage's tests over N processes on the lane's GPU: FlashInfer and Triton
 # JIT-compile each new kernel configuration on first use, and N processes compile N at once.
-PYTEST=(python3 -m pytest -q -p no:cacheprovider --tb=short -rfEs ${XDIST:+-n $XDIST})
+# -v: a line per finished test, so a stage cut at its limit still names what failed and what
+# was left (-q prints names only in its closing summary)
+PYTEST=(python3 -m pytest -v -p no:cacheprovider --tb=short -rfEs ${XDIST:+-n $XDIST})
 for stage in "$@"; do case $stage in
 info)
   nvidia-smi --query-gpu=index,name,compute_cap,memory.total,driver_version --format=csv >>"$OUT/summary.log"
@@ -75,7 +78,7 @@ t_mamba1) run t_mamba1 400 "${PYTEST[@]}" attn_plugins/triton_ssm/tests tests/e2
 t_varlen) run t_varlen 300 "${PYTEST[@]}" attn_plugins/varlen/tests ;;
 t_fa3) run t_fa3 300 "${PYTEST[@]}" attn_plugins/fa3/tests ;;
 kit_fi)  # 8 processes by default: on a cold JIT cache one process ran past 400 s, 8 took 321 s
-  run kit_fi 420 python3 -m pytest -q -p no:cacheprovider --tb=short -rfEs -n "${XDIST:-8}" \
+  run kit_fi 420 python3 -m pytest -v -p no:cacheprovider --tb=short -rfEs -n "${XDIST:-8}" \
     --attn-backend=flashinfer:flashinfer
   run kit_fi_mla 300 "${PYTEST[@]}" --attn-backend=flashinfer:flashinfer_mla ;;
 kit_ssm) run kit_ssm 400 "${PYTEST[@]}" --attn-backend=triton_ssm:triton_ssm
