@@ -394,6 +394,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from attn_core.bench import run_bench
 
     registry = _registry(args)
+    _warn_quarantined(registry, "bench")  # its backends are missing from the table
     device = args.device or ("cuda" if _cuda() else "cpu")
     return run_bench(args, registry, device, _constraints(args))
 
