@@ -11,10 +11,12 @@ attn bench --model qwen3 [--device cuda] [--batch 1,8,64] [--context 512,4096]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from attn_core.errors import SelectionError
 from attn_core.registry import Registry
@@ -23,7 +25,8 @@ from attn_core.tables import render_table
 __all__ = ["main"]
 
 
-def _add_constraint_args(p: argparse.ArgumentParser) -> None:
+def _add_constraint_args(p: argparse.ArgumentParser, *, tuning: bool = True) -> None:
+    """The selection's arguments; ``tuning=False`` for a command that ranks nothing (bench)."""
     g = p.add_argument_group("constraints")
     g.add_argument("--graph-mode", default="none", choices=["none", "decode", "full"])
     g.add_argument("--page-size", type=int, default=None)
@@ -53,7 +56,13 @@ def _add_constraint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--deny", default=None, help="comma-separated backend names never used")
     g.add_argument("--downgrade", default="warn", choices=["error", "warn", "allow"])
     g.add_argument("--strict", action="store_true", help="fail on a plugin that does not load")
-    g.add_argument("--tuning", default=None, help="tuning file written by `attn bench`")
+    if tuning:
+        g.add_argument(
+            "--tuning",
+            default=None,
+            help="rank by the times in this file (written by `attn bench --write-tuning`; also "
+            "ATTN_CORE_TUNING)",
+        )
 
 
 def _constraints(args: argparse.Namespace):
@@ -84,6 +93,29 @@ def _constraints(args: argparse.Namespace):
 
 def _registry(args: argparse.Namespace) -> Registry:
     return Registry.discover(strict=True if getattr(args, "strict", False) else None)
+
+
+@contextlib.contextmanager
+def _tuning_for_runner(path: str | None) -> Iterator[None]:
+    """``--tuning FILE`` for a command whose selection is made further in (the runner's, which
+    hands the selector no tuning data): the selector then reads the file ``ATTN_CORE_TUNING``
+    names, so the variable names this one while the command runs. Read once here first, so
+    that a file that does not load fails before anything runs."""
+    if not path:
+        yield
+        return
+    from attn_core.selector import ENV_TUNING, TuningData
+
+    TuningData.load(path)
+    before = os.environ.get(ENV_TUNING)
+    os.environ[ENV_TUNING] = path
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV_TUNING, None)
+        else:
+            os.environ[ENV_TUNING] = before
 
 
 def _warn_quarantined(registry: Registry, command: str) -> None:
@@ -368,24 +400,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if _cuda() else "cpu")
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     print(f"attn run --model {args.model}  (device {device}, dtype {dtype})", flush=True)
-    report = run_main(
-        args.model,
-        device=device,
-        dtype=dtype,
-        prompts=args.prompts,
-        max_new_tokens=args.max_new_tokens,
-        graphs=args.graphs,
-        registry=registry,
-        constraints=_constraints(args),
-        progress=not args.no_progress,
-        console=print,
-        shapes=args.shapes,
-        warmup=args.warmup,
-        layers=args.layers,
-        overhead=args.overhead,
-        on_run=lambda run: print(run.format(), flush=True),  # each model as soon as it ends
-        stack=args.stack,
-    )
+    with _tuning_for_runner(args.tuning):  # the runner's selection reads it
+        report = run_main(
+            args.model,
+            device=device,
+            dtype=dtype,
+            prompts=args.prompts,
+            max_new_tokens=args.max_new_tokens,
+            graphs=args.graphs,
+            registry=registry,
+            constraints=_constraints(args),
+            progress=not args.no_progress,
+            console=print,
+            shapes=args.shapes,
+            warmup=args.warmup,
+            layers=args.layers,
+            overhead=args.overhead,
+            on_run=lambda run: print(run.format(), flush=True),  # each model as soon as it ends
+            stack=args.stack,
+        )
     print(report.format_tail())
     return 0 if getattr(report, "ok", True) else 1
 
@@ -545,7 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(needs matplotlib: pip install 'attn-core[plot]')",
     )
     p.add_argument("--json", action="store_true")
-    _add_constraint_args(p)
+    _add_constraint_args(p, tuning=False)
     p.set_defaults(func=cmd_bench)
     return parser
 
