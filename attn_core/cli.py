@@ -28,15 +28,46 @@ __all__ = ["main"]
 def _add_constraint_args(p: argparse.ArgumentParser, *, tuning: bool = True) -> None:
     """The selection's arguments; ``tuning=False`` for a command that ranks nothing (bench)."""
     g = p.add_argument_group("constraints")
-    g.add_argument("--graph-mode", default="none", choices=["none", "decode", "full"])
-    g.add_argument("--page-size", type=int, default=None)
-    g.add_argument("--kv-layout", default=None, choices=["NHD", "HND"])
-    g.add_argument("--kv-dtype", default=None, help="e.g. fp8_e4m3")
+    g.add_argument(
+        "--graph-mode",
+        default="none",
+        choices=["none", "decode", "full"],
+        help="CUDA graphs the run captures: none (default), decode (pure-decode steps), full "
+        "(prefill and mixed steps too); lowered per --downgrade where a group has no backend",
+    )
+    g.add_argument(
+        "--page-size",
+        type=int,
+        default=None,
+        help="tokens per KV page; default: one the backends of every group accept",
+    )
+    g.add_argument(
+        "--kv-layout",
+        default=None,
+        choices=["NHD", "HND"],
+        help="KV cache layout; default: one the backends of every group read",
+    )
+    g.add_argument(
+        "--kv-dtype", default=None, help="KV cache dtype, e.g. fp8_e4m3; default: the model's"
+    )
     g.add_argument("--spec-tokens", type=int, default=0, help="draft tokens verified per request")
-    g.add_argument("--spec-strategy", default=None, choices=["native", "replay"])
-    g.add_argument("--max-batch", type=int, default=256)
-    g.add_argument("--max-tokens", type=int, default=8192)
-    g.add_argument("--deterministic", action="store_true")
+    g.add_argument(
+        "--spec-strategy",
+        default=None,
+        choices=["native", "replay"],
+        help="how linear layers verify drafts (a backend must declare it); default: any",
+    )
+    g.add_argument(
+        "--max-batch", type=int, default=256, help="most requests in one step (default 256)"
+    )
+    g.add_argument(
+        "--max-tokens", type=int, default=8192, help="most new tokens in one step (default 8192)"
+    )
+    g.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="only backends that give bit-identical results run to run",
+    )
     g.add_argument(
         "--backends",
         default=None,
@@ -54,8 +85,18 @@ def _add_constraint_args(p: argparse.ArgumentParser, *, tuning: bool = True) -> 
     )
     g.add_argument("--allow", default=None, help="comma-separated backend names to consider")
     g.add_argument("--deny", default=None, help="comma-separated backend names never used")
-    g.add_argument("--downgrade", default="warn", choices=["error", "warn", "allow"])
-    g.add_argument("--strict", action="store_true", help="fail on a plugin that does not load")
+    g.add_argument(
+        "--downgrade",
+        default="warn",
+        choices=["error", "warn", "allow"],
+        help="when a backend ranked above the chosen one was rejected, or the graph mode must "
+        "be lowered: error refuses, warn (default) warns, allow goes on silently",
+    )
+    g.add_argument(
+        "--strict",
+        action="store_true",
+        help="fail on a plugin that does not load (also ATTN_CORE_STRICT=1)",
+    )
     if tuning:
         g.add_argument(
             "--tuning",
@@ -449,8 +490,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("list", help="plugins, backends, the kinds they serve, quarantined plugins")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--strict", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the listing as JSON")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="fail on a plugin that does not load (also ATTN_CORE_STRICT=1)",
+    )
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser(
@@ -466,14 +511,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--target", default="auto", help=f"{', '.join(sorted(TARGETS))}, or auto (this machine)"
     )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (heads per rank)")
-    p.add_argument("--dtype", default=None)
+    p.add_argument(
+        "--dtype", default=None, help="activation dtype; default: the config's, else bfloat16"
+    )
     p.add_argument(
         "--stack",
         default=None,
         help="one stack of a multi-stack model (vision, text; Whisper: encoder); default: "
         "every stack (a sample named for a stack, e.g. whisper-encoder: that one)",
     )
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the plan as JSON (with the warnings and the quarantined plugins)",
+    )
     _add_constraint_args(p)
     p.set_defaults(func=cmd_explain)
 
@@ -487,9 +538,15 @@ def build_parser() -> argparse.ArgumentParser:
         "qwen3-next)",
     )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--prompts", type=int, default=3)
-    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument(
+        "--dtype", default=None, help="activation dtype; default: bfloat16 on cuda, float32 on cpu"
+    )
+    p.add_argument(
+        "--prompts", type=int, default=3, help="requests per model (images for a vision tower)"
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=8, help="greedy tokens generated per request"
+    )
     p.add_argument(
         "--graphs",
         nargs="?",
@@ -533,7 +590,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="one stack of a multi-stack model (Whisper: encoder; vision, text); default: "
         "every stack the runner drives",
     )
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress bar while a model generates"
+    )
     _add_constraint_args(p)
     p.set_defaults(func=cmd_run)
 
@@ -542,10 +601,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="time every admissible backend per group (--write-tuning saves the times for the "
         "selector) and phase, over a grid of batch sizes and context lengths",
     )
-    p.add_argument("--model", default="qwen3")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--tp", type=int, default=1)
+    p.add_argument(
+        "--model",
+        default="qwen3",
+        help="a sample or the path of a Hugging Face config.json, as for explain (default: qwen3)",
+    )
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument(
+        "--dtype", default=None, help="activation dtype; default: bfloat16 on cuda, float32 on cpu"
+    )
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (heads per rank)")
     p.add_argument(
         "--stack",
         default=None,
@@ -569,7 +634,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=65536,
         help="skip prefill grid points of more tokens per step (batch x context)",
     )
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--iters", type=int, default=10, help="timed calls per sample of a grid point")
     p.add_argument("--write-tuning", default=None, help="write a tuning file for the selector")
     p.add_argument(
         "--plot",
@@ -577,7 +642,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a PNG of every candidate's time per group, phase and batch size "
         "(needs matplotlib: pip install 'attn-core[plot]')",
     )
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--json", action="store_true", help="print the measurements as JSON instead of a table"
+    )
     _add_constraint_args(p, tuning=False)
     p.set_defaults(func=cmd_bench)
     return parser

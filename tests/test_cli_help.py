@@ -98,3 +98,16 @@ def test_bench_takes_no_tuning_file(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["bench", "--tuning", "t.json"])
     assert exit_.value.code == 2
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    """A flag listed without a word leaves its meaning and default to guessing."""
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
+    bare = [
+        f"attn {name} {'/'.join(action.option_strings) or action.dest}"
+        for name, command in sub.choices.items()
+        for action in command._actions
+        if action.dest != "help" and not (action.help or "").strip()
+    ]
+    assert not bare, bare
