@@ -26,7 +26,7 @@ from attn_core.batch import AttentionBatch, BatchMode
 from attn_core.binding import LayerAttentionBinding
 from attn_core.hookspecs import hookimpl
 from attn_core.registry import Registry
-from attn_core.selector import TuningData, select
+from attn_core.selector import TuningData, check_backend, select
 from attn_core.specs import (
     DeviceCapabilities,
     ExecutionConstraints,
@@ -512,6 +512,28 @@ def test_fp8_scales_are_the_caches_and_set_in_place():
     side.state.kv_cache.set_scale(0, k=0.05, v=0.07)
     assert kv.k_scale is k_scale and math.isclose(k_scale.item(), 0.05, rel_tol=1e-6)
     assert math.isclose(kv.v_scale.item(), 0.07, rel_tol=1e-6)
+
+
+def test_the_reference_serves_a_cache_in_another_dtype_as_its_default_claim_says():
+    """mixed_kv_dtypes is left at its default (True) by the reference, so the selector chooses
+    it for an fp16 layer over a bf16 cache: it serves that, keys and values rounded to the
+    cache's dtype, the math in float32."""
+    spec = LayerSpec(kind="full", num_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
+                     dtype="float16", kv_dtype="bfloat16")  # fmt: skip
+    default = BackendCapabilities(kinds={"full"}, device_types={"cpu"}, dtypes={"float32"})
+    assert default.mixed_kv_dtypes and ref.CAPABILITIES.mixed_kv_dtypes  # left at the default
+    reference = _registry(_Spy())[2]
+    assert check_backend(reference, spec, CPU, ExecutionConstraints()) == []  # admitted
+    (call,) = _spy_run(spec, [Step([(0, 7)], add=(0,))])[0]
+    layer, q, k, v = call["layer"], call["q"], call["k"], call["v"]
+    assert layer.kv.k.dtype == torch.bfloat16 and q.dtype == torch.float16
+    kv_head = torch.arange(4) // 2
+    kb, vb = (t.to(torch.bfloat16).float()[:, kv_head] for t in (k, v))
+    logits = layer.scale * torch.einsum("phd,jhd->hpj", q.float(), kb)
+    p, j = torch.arange(7)[:, None], torch.arange(7)[None, :]
+    probs = torch.softmax(logits.masked_fill(j > p, float("-inf")), dim=-1)
+    want = torch.einsum("hpj,jhd->phd", probs, vb)
+    assert torch.allclose(call["out"].float(), want, atol=2e-3), (call["out"] - want).abs().max()
 
 
 def test_a_layer_with_sinks_and_no_tensor_is_refused_at_build_time():
