@@ -17,6 +17,7 @@ import types
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -422,6 +423,49 @@ def test_the_state_a_layer_owns_per_kind(kind):
                 assert f"layer.{view_name}.{f.name}" in documented, (kind, f.name)
     if spec.kind is LayerKind.MLA:
         assert layer.kv.v_scale is layer.kv.k_scale  # "the same tensor as its k_scale"
+
+
+_BATCH_TENSOR = re.compile(r"^`(\[[^`]*\])` (int32|int64|bool)\b")
+
+
+def test_the_batch_tables_shapes_and_dtypes_are_a_real_batchs():
+    """Each tensor row of the AttentionBatch table (``[shape] dtype``), its host mirrors and the
+    ``None`` cases, against the batches of a prefill and a padded decode step (full) and of a
+    linear layer (the state slots)."""
+    rows = {_code(r["field"]): r["meaning"] for r in _tables("AttentionBatch")[0]}
+    tensors = {n: _BATCH_TENSOR.match(m) for n, m in rows.items() if _BATCH_TENSOR.match(m)}
+    assert set(tensors) >= {"query_start_loc", "page_table", "slot_mapping", "state_indices",
+                            "has_initial_state", "slot_mapping_cpu"}  # fmt: skip
+    mirrors = {n: re.match(r"host mirror of `(\w+)`", m) for n, m in rows.items()}
+    mirrors = {n: m.group(1) for n, m in mirrors.items() if m}
+    assert set(mirrors) == {"query_start_loc_cpu", "seq_lens_cpu", "context_lens_cpu"}
+    full, _ = _spy_run(SPECS["full"], _steps(SPECS["full"]))
+    linear, _ = _spy_run(SPECS["linear gated_deltanet"], _steps(SPECS["linear gated_deltanet"]))
+    seen = set()
+    for call in full + linear:
+        batch = call["batch"]
+        names = {"padded_reqs": batch.padded_reqs, "padded_tokens": batch.padded_tokens}
+        if batch.page_table is not None:
+            names["max_pages_per_request"] = batch.page_table.shape[1]
+        for name, m in tensors.items():
+            t = getattr(batch, name)
+            if t is None:  # documented: None without the layers it serves, or in decode steps
+                assert "None" in rows[name], name
+                continue
+            seen.add(name)
+            assert tuple(t.shape) == _shape(m.group(1), names), (name, batch.mode)
+            dtype = t.dtype if isinstance(t, torch.Tensor) else torch.from_numpy(t[:0]).dtype
+            assert dtype == getattr(torch, m.group(2)), (name, dtype)
+            assert isinstance(t, torch.Tensor) != name.endswith("_cpu"), name  # numpy on host
+        last = call is full[-1] or call is linear[-1]  # earlier steps' device buffers are reused
+        for name, device in mirrors.items():
+            host, dev = getattr(batch, name), getattr(batch, device)
+            assert tuple(host.shape) == tuple(dev.shape) and str(host.dtype) in str(dev.dtype)
+            assert not last or host.tolist() == dev.tolist(), name
+        assert batch.query_lens_cpu.tolist() == np.diff(batch.query_start_loc_cpu).tolist()
+        no_mirror = batch.mode is BatchMode.DECODE or batch.slot_mapping is None
+        assert (batch.slot_mapping_cpu is None) == no_mirror, batch.mode
+    assert seen == set(tensors)  # every documented tensor was seen at least once
 
 
 def test_encoder_batches_are_as_documented():
