@@ -173,6 +173,36 @@ def test_every_binding_attribute_and_method():
     assert set(re.findall(r"`\.(\w+)`", by["linear_state"])) == state_fields
 
 
+def test_every_context_method_and_when_the_runtime_needs_it():
+    """The context table against the reference's contexts (signatures) and the runtime's
+    build-time check (which method it refuses a context without, and when)."""
+    import attn_core.runtime as runtime
+    from attn_core.errors import PluginError
+
+    rows = {_code(r["method"]).partition("(")[0]: r for r in _tables("The context")[0]}
+    assert list(rows) == ["prepare", "forward", "update", "conv1d", "commit_speculative"]
+    linear = ref.LinearContext
+    for name, row in rows.items():
+        assert _code(row["method"]) == _signature(getattr(linear, name)), name
+    group = types.SimpleNamespace(spec=SPECS["linear gated_deltanet"], group_id="linear")
+    backend = types.SimpleNamespace(plugin="p", name="b")
+
+    def refused(without: str, **constraints: Any) -> bool:
+        ctx = types.SimpleNamespace(**{n: lambda *a, **k: None for n in rows if n != without})
+        try:
+            runtime._check_context(ctx, None, group, backend, ExecutionConstraints(**constraints))
+        except PluginError:
+            return True
+        return False
+
+    assert refused("prepare") and refused("forward") and refused("conv1d")
+    assert refused("update", graph_mode="decode") and not refused("update")
+    assert refused("commit_speculative", speculative_tokens=2)
+    assert not refused("commit_speculative")
+    assert "when the run's graph mode is not `none`" in rows["update"]["needed"]
+    assert "`speculative_tokens > 0`" in rows["commit_speculative"]["needed"]
+
+
 # ------------------------------------------------------------------------------------------
 # a run through the core: what a backend is handed
 # ------------------------------------------------------------------------------------------
