@@ -11,10 +11,12 @@ attn bench --model qwen3 [--device cuda] [--batch 1,8,64] [--context 512,4096]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from attn_core.errors import SelectionError
 from attn_core.registry import Registry
@@ -23,17 +25,49 @@ from attn_core.tables import render_table
 __all__ = ["main"]
 
 
-def _add_constraint_args(p: argparse.ArgumentParser) -> None:
+def _add_constraint_args(p: argparse.ArgumentParser, *, tuning: bool = True) -> None:
+    """The selection's arguments; ``tuning=False`` for a command that ranks nothing (bench)."""
     g = p.add_argument_group("constraints")
-    g.add_argument("--graph-mode", default="none", choices=["none", "decode", "full"])
-    g.add_argument("--page-size", type=int, default=None)
-    g.add_argument("--kv-layout", default=None, choices=["NHD", "HND"])
-    g.add_argument("--kv-dtype", default=None, help="e.g. fp8_e4m3")
+    g.add_argument(
+        "--graph-mode",
+        default="none",
+        choices=["none", "decode", "full"],
+        help="CUDA graphs the run captures: none (default), decode (pure-decode steps), full "
+        "(prefill and mixed steps too); lowered per --downgrade where a group has no backend",
+    )
+    g.add_argument(
+        "--page-size",
+        type=int,
+        default=None,
+        help="tokens per KV page; default: one the backends of every group accept",
+    )
+    g.add_argument(
+        "--kv-layout",
+        default=None,
+        choices=["NHD", "HND"],
+        help="KV cache layout; default: one the backends of every group read",
+    )
+    g.add_argument(
+        "--kv-dtype", default=None, help="KV cache dtype, e.g. fp8_e4m3; default: the model's"
+    )
     g.add_argument("--spec-tokens", type=int, default=0, help="draft tokens verified per request")
-    g.add_argument("--spec-strategy", default=None, choices=["native", "replay"])
-    g.add_argument("--max-batch", type=int, default=256)
-    g.add_argument("--max-tokens", type=int, default=8192)
-    g.add_argument("--deterministic", action="store_true")
+    g.add_argument(
+        "--spec-strategy",
+        default=None,
+        choices=["native", "replay"],
+        help="how linear layers verify drafts (a backend must declare it); default: any",
+    )
+    g.add_argument(
+        "--max-batch", type=int, default=256, help="most requests in one step (default 256)"
+    )
+    g.add_argument(
+        "--max-tokens", type=int, default=8192, help="most new tokens in one step (default 8192)"
+    )
+    g.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="only backends that give bit-identical results run to run",
+    )
     g.add_argument(
         "--backends",
         default=None,
@@ -51,9 +85,25 @@ def _add_constraint_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--allow", default=None, help="comma-separated backend names to consider")
     g.add_argument("--deny", default=None, help="comma-separated backend names never used")
-    g.add_argument("--downgrade", default="warn", choices=["error", "warn", "allow"])
-    g.add_argument("--strict", action="store_true", help="fail on a plugin that does not load")
-    g.add_argument("--tuning", default=None, help="tuning file written by `attn bench`")
+    g.add_argument(
+        "--downgrade",
+        default="warn",
+        choices=["error", "warn", "allow"],
+        help="when a backend ranked above the chosen one was rejected, or the graph mode must "
+        "be lowered: error refuses, warn (default) warns, allow goes on silently",
+    )
+    g.add_argument(
+        "--strict",
+        action="store_true",
+        help="fail on a plugin that does not load (also ATTN_CORE_STRICT=1)",
+    )
+    if tuning:
+        g.add_argument(
+            "--tuning",
+            default=None,
+            help="rank by the times in this file (written by `attn bench --write-tuning`; also "
+            "ATTN_CORE_TUNING)",
+        )
 
 
 def _constraints(args: argparse.Namespace):
@@ -84,6 +134,29 @@ def _constraints(args: argparse.Namespace):
 
 def _registry(args: argparse.Namespace) -> Registry:
     return Registry.discover(strict=True if getattr(args, "strict", False) else None)
+
+
+@contextlib.contextmanager
+def _tuning_for_runner(path: str | None) -> Iterator[None]:
+    """``--tuning FILE`` for a command whose selection is made further in (the runner's, which
+    hands the selector no tuning data): the selector then reads the file ``ATTN_CORE_TUNING``
+    names, so the variable names this one while the command runs. Read once here first, so
+    that a file that does not load fails before anything runs."""
+    if not path:
+        yield
+        return
+    from attn_core.selector import ENV_TUNING, TuningData
+
+    TuningData.load(path)
+    before = os.environ.get(ENV_TUNING)
+    os.environ[ENV_TUNING] = path
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV_TUNING, None)
+        else:
+            os.environ[ENV_TUNING] = before
 
 
 def _warn_quarantined(registry: Registry, command: str) -> None:
@@ -368,24 +441,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if _cuda() else "cpu")
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     print(f"attn run --model {args.model}  (device {device}, dtype {dtype})", flush=True)
-    report = run_main(
-        args.model,
-        device=device,
-        dtype=dtype,
-        prompts=args.prompts,
-        max_new_tokens=args.max_new_tokens,
-        graphs=args.graphs,
-        registry=registry,
-        constraints=_constraints(args),
-        progress=not args.no_progress,
-        console=print,
-        shapes=args.shapes,
-        warmup=args.warmup,
-        layers=args.layers,
-        overhead=args.overhead,
-        on_run=lambda run: print(run.format(), flush=True),  # each model as soon as it ends
-        stack=args.stack,
-    )
+    with _tuning_for_runner(args.tuning):  # the runner's selection reads it
+        report = run_main(
+            args.model,
+            device=device,
+            dtype=dtype,
+            prompts=args.prompts,
+            max_new_tokens=args.max_new_tokens,
+            graphs=args.graphs,
+            registry=registry,
+            constraints=_constraints(args),
+            progress=not args.no_progress,
+            console=print,
+            shapes=args.shapes,
+            warmup=args.warmup,
+            layers=args.layers,
+            overhead=args.overhead,
+            on_run=lambda run: print(run.format(), flush=True),  # each model as soon as it ends
+            stack=args.stack,
+        )
     print(report.format_tail())
     return 0 if getattr(report, "ok", True) else 1
 
@@ -394,6 +468,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from attn_core.bench import run_bench
 
     registry = _registry(args)
+    _warn_quarantined(registry, "bench")  # its backends are missing from the table
     device = args.device or ("cuda" if _cuda() else "cpu")
     return run_bench(args, registry, device, _constraints(args))
 
@@ -415,8 +490,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("list", help="plugins, backends, the kinds they serve, quarantined plugins")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--strict", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the listing as JSON")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="fail on a plugin that does not load (also ATTN_CORE_STRICT=1)",
+    )
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser(
@@ -432,14 +511,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--target", default="auto", help=f"{', '.join(sorted(TARGETS))}, or auto (this machine)"
     )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (heads per rank)")
-    p.add_argument("--dtype", default=None)
+    p.add_argument(
+        "--dtype", default=None, help="activation dtype; default: the config's, else bfloat16"
+    )
     p.add_argument(
         "--stack",
         default=None,
         help="one stack of a multi-stack model (vision, text; Whisper: encoder); default: "
         "every stack (a sample named for a stack, e.g. whisper-encoder: that one)",
     )
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the plan as JSON (with the warnings and the quarantined plugins)",
+    )
     _add_constraint_args(p)
     p.set_defaults(func=cmd_explain)
 
@@ -453,9 +538,15 @@ def build_parser() -> argparse.ArgumentParser:
         "qwen3-next)",
     )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--prompts", type=int, default=3)
-    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument(
+        "--dtype", default=None, help="activation dtype; default: bfloat16 on cuda, float32 on cpu"
+    )
+    p.add_argument(
+        "--prompts", type=int, default=3, help="requests per model (images for a vision tower)"
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=8, help="greedy tokens generated per request"
+    )
     p.add_argument(
         "--graphs",
         nargs="?",
@@ -499,7 +590,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="one stack of a multi-stack model (Whisper: encoder; vision, text); default: "
         "every stack the runner drives",
     )
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress bar while a model generates"
+    )
     _add_constraint_args(p)
     p.set_defaults(func=cmd_run)
 
@@ -508,10 +601,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="time every admissible backend per group (--write-tuning saves the times for the "
         "selector) and phase, over a grid of batch sizes and context lengths",
     )
-    p.add_argument("--model", default="qwen3")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--tp", type=int, default=1)
+    p.add_argument(
+        "--model",
+        default="qwen3",
+        help="a sample or the path of a Hugging Face config.json, as for explain (default: qwen3)",
+    )
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument(
+        "--dtype", default=None, help="activation dtype; default: bfloat16 on cuda, float32 on cpu"
+    )
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (heads per rank)")
     p.add_argument(
         "--stack",
         default=None,
@@ -535,7 +634,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=65536,
         help="skip prefill grid points of more tokens per step (batch x context)",
     )
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--iters", type=int, default=10, help="timed calls per sample of a grid point")
     p.add_argument("--write-tuning", default=None, help="write a tuning file for the selector")
     p.add_argument(
         "--plot",
@@ -543,8 +642,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a PNG of every candidate's time per group, phase and batch size "
         "(needs matplotlib: pip install 'attn-core[plot]')",
     )
-    p.add_argument("--json", action="store_true")
-    _add_constraint_args(p)
+    p.add_argument(
+        "--json", action="store_true", help="print the measurements as JSON instead of a table"
+    )
+    _add_constraint_args(p, tuning=False)
     p.set_defaults(func=cmd_bench)
     return parser
 

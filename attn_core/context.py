@@ -81,7 +81,13 @@ class WorkspaceRequirement:
 
 @runtime_checkable
 class AttentionContext(Protocol):
-    """What ``attn_core_allocate_context`` returns (duck-typed; no base class needed)."""
+    """What ``attn_core_allocate_context`` returns (duck-typed; no base class needed).
+
+    The methods every context may need; two more are needed only by some groups, so the
+    protocol leaves them out: ``conv1d(layer, x, weight, bias, *, activation='silu',
+    out=None)`` for linear groups, and ``commit_speculative(batch, num_accepted)`` for linear
+    groups that verify drafts (docs/reference.md, "The context").
+    """
 
     def prepare(self, batch: AttentionBatch) -> None:
         """Plan the step for ``batch`` (host work allowed; called once per step per group)."""

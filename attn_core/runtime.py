@@ -354,6 +354,8 @@ def _check_context(
         needed.append("update")
     if group.spec.kind is LayerKind.LINEAR:
         needed.append("conv1d")
+        if constraints.speculative_tokens:  # else the drafts' states stay in the slots
+            needed.append("commit_speculative")
     missing = [m for m in needed if not callable(getattr(ctx, m, None))]
     if missing:
         raise PluginError(

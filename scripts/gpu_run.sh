@@ -17,8 +17,9 @@
 # Logs go to $OUT/<stage>.log (or ./gpu-out), pass/fail lines to $OUT/summary.log.
 # fi_install: FI_WHEELS=DIR (a carried folder) puts DIR's wheels (*.whl: the FlashInfer release and
 # what it imports beyond the H200's stack, apache-tvm-ffi) and packed wheels (*.tar.xz: a wheel's
-# files as they are, xz-compressed to fit a call's carry) into /tmp/site in place of the FlashInfer
-# there; scripts/fi_version_run.sh DIR runs it with the FlashInfer stages in one call.
+# files as they are, xz-compressed to fit a call's carry) into the site folder device_setup.sh
+# made, in place of the FlashInfer there; scripts/fi_version_run.sh DIR runs it with the
+# FlashInfer stages in one call.
 set -u
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_DISABLE_PIP_VERSION_CHECK=1

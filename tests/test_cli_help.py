@@ -41,3 +41,73 @@ def test_run_help_says_which_models_it_takes(capsys):
     assert "config.json (or of its folder) of a model type one of them covers" in text
     assert "(a folder with safetensors weights loads them)" in text
     assert "--layers LAYERS" in text and "--warmup, --no-warmup" in text
+
+
+def test_run_ranks_by_the_tuning_file_its_help_says_it_takes(
+    ref_registry, make_plugin, tmp_path, capsys, monkeypatch
+):
+    """``attn run --tuning FILE`` reaches the runner's selection: with a file that measured the
+    reference faster, it serves the group; without the file, the default rule puts the plugin's
+    backend first. The variable it goes through is left as it was."""
+    import attn_core.e2e
+    from attn_core.backend import Backend, BackendCapabilities
+    from attn_core.models import specs_from_hf_config
+    from attn_core.selector import ENV_TUNING, TuningData, select
+    from attn_core.specs import DeviceCapabilities
+
+    caps = BackendCapabilities(kinds={"full"}, device_types={"cpu"}, dtypes={"float32"})
+    ref_registry.register_plugin(
+        make_plugin("acme", [Backend(name="naive", capabilities=caps)]), name="acme"
+    )
+    monkeypatch.setattr(cli, "_registry", lambda args: ref_registry)
+    monkeypatch.delenv(ENV_TUNING, raising=False)
+    (group,) = specs_from_hf_config("qwen3", dtype="float32").groups
+    tuning = TuningData()
+    tuning.record("attn_core:reference", group.spec, 1.0)
+    tuning.record("acme:naive", group.spec, 9.0)
+    path = tmp_path / "tuning.json"
+    tuning.save(str(path))
+    served: list[str] = []
+
+    class Report:
+        ok = True
+
+        def format_tail(self) -> str:
+            return ""
+
+    def run_main(model, *, registry, constraints, **kw):  # selects as the runner does
+        layout = specs_from_hf_config(model, dtype="float32")
+        plan = select(layout.groups, registry, DeviceCapabilities.target("cpu"), constraints)
+        served.append(plan.choices[0].backend.qualified_name)
+        return Report()
+
+    monkeypatch.setattr(attn_core.e2e, "run_main", run_main)
+    argv = ["run", "--model", "qwen3", "--device", "cpu", "--no-progress"]
+    assert cli.main([*argv, "--tuning", str(path)]) == 0
+    assert cli.main(argv) == 0
+    assert served == ["attn_core:reference", "acme:naive"]
+    assert ENV_TUNING not in __import__("os").environ
+    assert "--tuning TUNING" in _help(capsys, "run")
+
+
+def test_bench_takes_no_tuning_file(capsys):
+    """bench times every admissible backend, whatever their rank: a ``--tuning`` there would be
+    read by nothing, so it is not offered (``--write-tuning`` writes one)."""
+    text = _help(capsys, "bench")
+    assert "--tuning" not in text.replace("--write-tuning", "")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", "--tuning", "t.json"])
+    assert exit_.value.code == 2
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    """A flag listed without a word leaves its meaning and default to guessing."""
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
+    bare = [
+        f"attn {name} {'/'.join(action.option_strings) or action.dest}"
+        for name, command in sub.choices.items()
+        for action in command._actions
+        if action.dest != "help" and not (action.help or "").strip()
+    ]
+    assert not bare, bare

@@ -495,6 +495,15 @@ sys.modules["triton"] = None  # import triton raises ImportError, as where it is
 import attn_core.fast_launch as fl
 assert fl.status() == "fast launch: off (triton is not installed)", fl.status()
 assert not fl._hooks_set()
+import types, warnings
+import torch
+from attn_core import pdl
+from attn_core.state import kv_write
+assert not pdl.pdl_enabled(torch.device("cuda", 0))  # the other launch helpers: PDL stays off,
+with warnings.catch_warnings(record=True) as caught:  # a CUDA KV write takes the torch path
+    warnings.simplefilter("always")
+    assert kv_write._kernels(types.SimpleNamespace(is_cuda=True)) is None
+assert "Triton is not importable" in str(caught[0].message), [str(w.message) for w in caught]
 import pytest
 sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", sys.argv[1]]))
 """
@@ -502,7 +511,8 @@ sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", sys.argv
 
 def test_the_module_and_these_tests_load_without_triton():
     """triton is no core dependency: the module imports, says why it is off, and this file
-    collects (its Triton-only tests skip) in an interpreter where ``import triton`` fails."""
+    collects (its Triton-only tests skip) in an interpreter where ``import triton`` fails; the
+    other launch helpers too (PDL off, a CUDA KV write on the torch path with a warning)."""
     done = subprocess.run(
         [sys.executable, "-c", _WITHOUT_TRITON, __file__],
         cwd=ROOT,

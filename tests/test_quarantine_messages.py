@@ -1,9 +1,10 @@
-"""A quarantined plugin is named wherever its backend is asked for, and explain / run warn of it.
+"""A quarantined plugin is named wherever its backend is asked for, and explain / run / bench warn
+of it.
 
 The paths that ask for a backend by name: ``--backends`` / ``ATTN_CORE_BACKENDS`` / ``force``
-(Registry.resolve), the allow list, and the conformance kit's ``--attn-backend``. ``attn explain``
-and ``attn run`` print one warning line per quarantined plugin on stderr; ``--json`` keeps stdout
-JSON and lists them in it.
+(Registry.resolve), the allow list, and the conformance kit's ``--attn-backend``. ``attn explain``,
+``attn run`` and ``attn bench`` print one warning line per quarantined plugin on stderr;
+``--json`` keeps stdout JSON and lists them in it.
 """
 
 from __future__ import annotations
@@ -155,3 +156,33 @@ def test_the_kit_lists_the_quarantined_for_a_name_it_cannot_place(world):
     message = str(info.value)
     assert "no backend named 'naive' is registered" in message
     assert f"quarantined plugins: acme (register): {REASON}; old (api-version): " in message
+
+
+BENCH = ["bench", "--model", "qwen3", "--device", "cpu", "--batch", "1", "--context", "8"]
+
+
+def test_bench_warns_and_forcing_a_quarantined_backend_names_the_quarantine(use, capsys):
+    """bench times every admissible backend: a plugin missing from its table is said, and a
+    forced backend of that plugin fails naming the quarantine, before anything is timed."""
+    rc = cli.main([*BENCH, "--iters", "1", "--backends", "full=acme:naive"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert _warnings(err, "bench")[0] == f"attn bench: {ACME_WARNING}"
+    (error,) = [line for line in err.splitlines() if line.startswith("attn bench: error:")]
+    assert error == (
+        "attn bench: error: no backend named 'acme:naive' is registered: plugin 'acme' is "
+        f"quarantined: {REASON} (stage register)"
+    )
+
+
+def test_run_with_a_forced_quarantined_backend_names_the_quarantine(use, capsys):
+    """Through the real runner (not a stand-in): the plan it makes for the model fails."""
+    argv = ["run", "--model", "qwen3", "--device", "cpu", "--no-progress", "--prompts", "1"]
+    rc = cli.main([*argv, "--max-new-tokens", "1", "--backends", "full=acme:naive"])
+    _, err = capsys.readouterr()
+    assert rc == 2
+    (error,) = [line for line in err.splitlines() if line.startswith("attn run: error:")]
+    assert error == (
+        "attn run: error: no backend named 'acme:naive' is registered: plugin 'acme' is "
+        f"quarantined: {REASON} (stage register)"
+    )

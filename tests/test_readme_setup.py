@@ -71,3 +71,16 @@ def test_extractor_fails_without_the_section(tmp_path: Path):
     )
     assert out.returncode == 1 and "Set-up commands" in out.stderr
     assert out.stdout == ""
+
+
+def test_ci_type_checks_the_core_and_every_plugin_package():
+    """``.ci/run`` runs plain ``mypy``, which checks what ``[tool.mypy] files`` lists: the core
+    and each plugin package under attn_plugins/ (a plugin added without it goes unchecked)."""
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    steps = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert 'step "types" "mypy"' in steps, "CI no longer runs mypy"
+    files = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
+    packages = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("attn_plugins/*/attn_plugin_*"))
+    assert packages and sorted(files) == sorted(["attn_core", *packages])

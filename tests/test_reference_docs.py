@@ -17,6 +17,7 @@ import types
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -26,7 +27,7 @@ from attn_core.batch import AttentionBatch, BatchMode
 from attn_core.binding import LayerAttentionBinding
 from attn_core.hookspecs import hookimpl
 from attn_core.registry import Registry
-from attn_core.selector import TuningData, select
+from attn_core.selector import TuningData, check_backend, select
 from attn_core.specs import (
     DeviceCapabilities,
     ExecutionConstraints,
@@ -170,6 +171,36 @@ def test_every_binding_attribute_and_method():
     assert set(re.findall(r"`\.(\w+)`", by["kv"])) == kv_fields
     state_fields = {f.name for f in dataclasses.fields(LinearStateLayer)}
     assert set(re.findall(r"`\.(\w+)`", by["linear_state"])) == state_fields
+
+
+def test_every_context_method_and_when_the_runtime_needs_it():
+    """The context table against the reference's contexts (signatures) and the runtime's
+    build-time check (which method it refuses a context without, and when)."""
+    import attn_core.runtime as runtime
+    from attn_core.errors import PluginError
+
+    rows = {_code(r["method"]).partition("(")[0]: r for r in _tables("The context")[0]}
+    assert list(rows) == ["prepare", "forward", "update", "conv1d", "commit_speculative"]
+    linear = ref.LinearContext
+    for name, row in rows.items():
+        assert _code(row["method"]) == _signature(getattr(linear, name)), name
+    group = types.SimpleNamespace(spec=SPECS["linear gated_deltanet"], group_id="linear")
+    backend = types.SimpleNamespace(plugin="p", name="b")
+
+    def refused(without: str, **constraints: Any) -> bool:
+        ctx = types.SimpleNamespace(**{n: lambda *a, **k: None for n in rows if n != without})
+        try:
+            runtime._check_context(ctx, None, group, backend, ExecutionConstraints(**constraints))
+        except PluginError:
+            return True
+        return False
+
+    assert refused("prepare") and refused("forward") and refused("conv1d")
+    assert refused("update", graph_mode="decode") and not refused("update")
+    assert refused("commit_speculative", speculative_tokens=2)
+    assert not refused("commit_speculative")
+    assert "when the run's graph mode is not `none`" in rows["update"]["needed"]
+    assert "`speculative_tokens > 0`" in rows["commit_speculative"]["needed"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -424,6 +455,49 @@ def test_the_state_a_layer_owns_per_kind(kind):
         assert layer.kv.v_scale is layer.kv.k_scale  # "the same tensor as its k_scale"
 
 
+_BATCH_TENSOR = re.compile(r"^`(\[[^`]*\])` (int32|int64|bool)\b")
+
+
+def test_the_batch_tables_shapes_and_dtypes_are_a_real_batchs():
+    """Each tensor row of the AttentionBatch table (``[shape] dtype``), its host mirrors and the
+    ``None`` cases, against the batches of a prefill and a padded decode step (full) and of a
+    linear layer (the state slots)."""
+    rows = {_code(r["field"]): r["meaning"] for r in _tables("AttentionBatch")[0]}
+    tensors = {n: _BATCH_TENSOR.match(m) for n, m in rows.items() if _BATCH_TENSOR.match(m)}
+    assert set(tensors) >= {"query_start_loc", "page_table", "slot_mapping", "state_indices",
+                            "has_initial_state", "slot_mapping_cpu"}  # fmt: skip
+    mirrors = {n: re.match(r"host mirror of `(\w+)`", m) for n, m in rows.items()}
+    mirrors = {n: m.group(1) for n, m in mirrors.items() if m}
+    assert set(mirrors) == {"query_start_loc_cpu", "seq_lens_cpu", "context_lens_cpu"}
+    full, _ = _spy_run(SPECS["full"], _steps(SPECS["full"]))
+    linear, _ = _spy_run(SPECS["linear gated_deltanet"], _steps(SPECS["linear gated_deltanet"]))
+    seen = set()
+    for call in full + linear:
+        batch = call["batch"]
+        names = {"padded_reqs": batch.padded_reqs, "padded_tokens": batch.padded_tokens}
+        if batch.page_table is not None:
+            names["max_pages_per_request"] = batch.page_table.shape[1]
+        for name, m in tensors.items():
+            t = getattr(batch, name)
+            if t is None:  # documented: None without the layers it serves, or in decode steps
+                assert "None" in rows[name], name
+                continue
+            seen.add(name)
+            assert tuple(t.shape) == _shape(m.group(1), names), (name, batch.mode)
+            dtype = t.dtype if isinstance(t, torch.Tensor) else torch.from_numpy(t[:0]).dtype
+            assert dtype == getattr(torch, m.group(2)), (name, dtype)
+            assert isinstance(t, torch.Tensor) != name.endswith("_cpu"), name  # numpy on host
+        last = call is full[-1] or call is linear[-1]  # earlier steps' device buffers are reused
+        for name, device in mirrors.items():
+            host, dev = getattr(batch, name), getattr(batch, device)
+            assert tuple(host.shape) == tuple(dev.shape) and str(host.dtype) in str(dev.dtype)
+            assert not last or host.tolist() == dev.tolist(), name
+        assert batch.query_lens_cpu.tolist() == np.diff(batch.query_start_loc_cpu).tolist()
+        no_mirror = batch.mode is BatchMode.DECODE or batch.slot_mapping is None
+        assert (batch.slot_mapping_cpu is None) == no_mirror, batch.mode
+    assert seen == set(tensors)  # every documented tensor was seen at least once
+
+
 def test_encoder_batches_are_as_documented():
     calls, _ = _spy_run(SPECS["encoder"], [Step([(0, 5), (1, 3)])])
     batch = calls[0]["batch"]
@@ -512,6 +586,28 @@ def test_fp8_scales_are_the_caches_and_set_in_place():
     side.state.kv_cache.set_scale(0, k=0.05, v=0.07)
     assert kv.k_scale is k_scale and math.isclose(k_scale.item(), 0.05, rel_tol=1e-6)
     assert math.isclose(kv.v_scale.item(), 0.07, rel_tol=1e-6)
+
+
+def test_the_reference_serves_a_cache_in_another_dtype_as_its_default_claim_says():
+    """mixed_kv_dtypes is left at its default (True) by the reference, so the selector chooses
+    it for an fp16 layer over a bf16 cache: it serves that, keys and values rounded to the
+    cache's dtype, the math in float32."""
+    spec = LayerSpec(kind="full", num_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
+                     dtype="float16", kv_dtype="bfloat16")  # fmt: skip
+    default = BackendCapabilities(kinds={"full"}, device_types={"cpu"}, dtypes={"float32"})
+    assert default.mixed_kv_dtypes and ref.CAPABILITIES.mixed_kv_dtypes  # left at the default
+    reference = _registry(_Spy())[2]
+    assert check_backend(reference, spec, CPU, ExecutionConstraints()) == []  # admitted
+    (call,) = _spy_run(spec, [Step([(0, 7)], add=(0,))])[0]
+    layer, q, k, v = call["layer"], call["q"], call["k"], call["v"]
+    assert layer.kv.k.dtype == torch.bfloat16 and q.dtype == torch.float16
+    kv_head = torch.arange(4) // 2
+    kb, vb = (t.to(torch.bfloat16).float()[:, kv_head] for t in (k, v))
+    logits = layer.scale * torch.einsum("phd,jhd->hpj", q.float(), kb)
+    p, j = torch.arange(7)[:, None], torch.arange(7)[None, :]
+    probs = torch.softmax(logits.masked_fill(j > p, float("-inf")), dim=-1)
+    want = torch.einsum("hpj,jhd->phd", probs, vb)
+    assert torch.allclose(call["out"].float(), want, atol=2e-3), (call["out"] - want).abs().max()
 
 
 def test_a_layer_with_sinks_and_no_tensor_is_refused_at_build_time():

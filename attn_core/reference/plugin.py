@@ -184,9 +184,9 @@ class FullContext(_Context):
     ) -> torch.Tensor:
         batch = self._batch()
         spec = self.spec
+        # A cache of any dtype it declares serves any compute dtype (mixed_kv_dtypes): writes
+        # round K/V to the cache's dtype, reads dequantise to float32 for the math.
         kv = layer.kv
-        if kv.k.dtype != q.dtype and kv.k.dtype != torch.float8_e4m3fn:
-            self._bad("KV cache dtype", q.dtype, kv.k.dtype)
         page_table, slot_mapping = self._paged(batch)
         ops.write_paged_kv(k, v, kv.k, kv.v, slot_mapping, k_scale=kv.k_scale, v_scale=kv.v_scale)
         common = dict(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from attn_core.backend import BackendCapabilities
-from attn_core.specs import GraphMode, LayerKind, LayerSpec, LinearVariant, Phase
+from attn_core.specs import DTYPES, GraphMode, LayerKind, LayerSpec, LinearVariant, Phase
 from attn_core.testing.workloads import LARGE_MAGNITUDE
 
 __all__ = ["CHECKS", "Case", "build_matrix", "kind_label"]
@@ -261,6 +261,8 @@ def _device_skip(spec: LayerSpec, device: torch.device | None, caps_device) -> s
         return f"the device does not support {spec.dtype}"
     if spec.kv_dtype == "fp8_e4m3" and not caps_device.supports_fp8:
         return "the device has no fp8 support"
+    if spec.kv_dtype in DTYPES and spec.kv_dtype not in caps_device.dtypes:
+        return f"the device does not support {spec.kv_dtype} (the KV cache's dtype)"
     return None
 
 
@@ -387,6 +389,15 @@ def _kind_cases(
                 spec = base.with_(dtype=dtype, kv_dtype=kv)
                 for w in ("mixed",) if quick else ("mixed", "page_boundary"):
                     add("correctness", spec, w, [f"{K}: kv_dtype {kv}"])
+    if base.has_kv_cache and caps.mixed_kv_dtypes:
+        # A cache in one compute dtype under a layer of another (fp16 over bf16): the sweeps
+        # above keep each cache in its layer's dtype, but mixed_kv_dtypes (the default) lets the
+        # selector choose the backend for every such pair.
+        pairs = [(d, kv) for kv in sorted(caps.kv_dtypes & caps.dtypes)
+                 for d in sorted(caps.dtypes - {kv})]  # fmt: skip
+        for dtype, kv in pairs[:1] if quick else pairs:
+            spec = base.with_(dtype=dtype, kv_dtype=kv)
+            add("correctness", spec, "mixed", [f"{K}: mixed_kv_dtypes"])
     if base.has_ssm_state:  # the short conv keeps no SSM state: no state dtype to sweep
         for sd in sorted(caps.state_dtypes - {base.state_dtype}):
             add("correctness", base.with_(state_dtype=sd), "mixed", [f"{K}: state_dtype {sd}"])

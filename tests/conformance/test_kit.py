@@ -83,11 +83,15 @@ BROKEN = textwrap.dedent(
                     kv = types.SimpleNamespace(k=layer.kv.k, v=layer.kv.v, k_scale=one,
                                                v_scale=one)
                     view = types.SimpleNamespace(scale=layer.scale, kv=kv, sinks=layer.sinks)
-            if self.defect == "computes_in_fp16":  # what a kernel that runs bf16 as fp16 sees
-                q, k, v = (t.to(torch.float16).to(t.dtype) for t in (q, k, v))
+            if self.defect == "same_kv_dtype" and layer.kv.k.dtype != q.dtype:
+                # what a naive kernel does with q @ k of two dtypes
+                raise RuntimeError(f"expected both operands in {q.dtype}, got {layer.kv.k.dtype}")
+            low = {"computes_in_fp16": torch.float16, "computes_in_bf16": torch.bfloat16}
+            if self.defect in low:  # what a kernel that runs one 16-bit dtype as the other sees
+                q, k, v = (t.to(low[self.defect]).to(t.dtype) for t in (q, k, v))
             result = self.inner.forward(view, q, k, v, out, **inputs)
-            if self.defect == "computes_in_fp16":
-                result = result.to(torch.float16).to(q.dtype)
+            if self.defect in low:
+                result = result.to(low[self.defect]).to(q.dtype)
                 if out is not None:
                     out.copy_(result)
                     result = out
@@ -105,6 +109,9 @@ BROKEN = textwrap.dedent(
     fp8_ignores_scale = Broken("fp8_ignores_scale", kv_dtypes={"float32", "fp8_e4m3"})
     fp8_raises = Broken("fp8_raises", kv_dtypes={"float32", "fp8_e4m3"})
     computes_in_fp16 = Broken("computes_in_fp16", dtypes={"bfloat16"})
+    computes_in_bf16 = Broken("computes_in_bf16", dtypes={"float16"})
+    # mixed_kv_dtypes left at its default (True) by a kernel that needs KV in q's dtype
+    same_kv_dtype = Broken("same_kv_dtype", dtypes={"bfloat16", "float16"})
     # decode-only backends: one that raises on any other step, one with a wrong scale
     decode_kernel = Broken("decode_kernel", phases={"decode"})
     decode_wrong_scale = Broken("wrong_scale", name="decode_wrong_scale", phases={"decode"})
@@ -287,6 +294,30 @@ def test_bf16_backend_computing_in_fp16_fails_the_dtype_check(pytester, run_kit)
     assert "x131072" in line  # the large-magnitude case, named in the item id
     # k * 2^17 is inf in fp16: the logits are, and the output is NaN (not "never written")
     assert "NaN where the reference is finite" in line and "or computed as NaN" in line
+
+
+def test_fp16_backend_computing_in_bf16_fails_the_dtype_check(pytester, run_kit) -> None:
+    """The converse: bf16 keeps 8 bits of mantissa to fp16's 11, so rounding an fp16 layer's
+    inputs and output to bf16 exceeds fp16's tolerance at unit scale (every check of the line
+    fails on this seed, a few elements each)."""
+    result, summary = _run_broken(pytester, run_kit, "computes_in_bf16", "--attn-seed=1")
+    assert result.ret == 1
+    assert summary["full: dtype float16"] == "FAIL"
+    (line,) = [line for line in result.outlines if line.startswith("FAIL  full: dtype float16")]
+    assert "attention output differs from the reference" in line, line
+
+
+def test_a_kernel_that_needs_kv_in_the_query_dtype_fails_the_default_mixed_claim(
+    pytester, run_kit
+) -> None:
+    """mixed_kv_dtypes defaults to True (the selector then puts an fp16 layer over a bf16 cache
+    on the backend): a backend that leaves it so without serving the mix fails that line alone."""
+    result, summary = _run_broken(pytester, run_kit, "same_kv_dtype")
+    assert result.ret == 1
+    assert summary["full: mixed_kv_dtypes"] == "FAIL"
+    assert summary["full: dtype bfloat16"] == summary["full: dtype float16"] == "PASS"
+    (line,) = [line for line in result.outlines if line.startswith("FAIL  full: mixed_kv_dtypes")]
+    assert "expected both operands in torch." in line
 
 
 def test_registry_hook_supplies_the_registry(pytester, run_kit) -> None:

@@ -54,6 +54,28 @@ def test_virtual_batch_backend_gets_chunks_of_whole_pages() -> None:
     }
 
 
+def test_a_mixed_kv_dtype_claim_is_tested_and_only_where_it_is_made() -> None:
+    """mixed_kv_dtypes (default True) lets the selector put a layer of one 16-bit dtype over a
+    cache of another: the kit runs each such pair a backend would be chosen for, once."""
+    import dataclasses
+
+    both = dataclasses.replace(
+        NARROW, dtypes={"bfloat16", "float16"}, kv_dtypes={"bfloat16", "float16"}
+    )
+    mixed = [c for c in build_matrix(both) if c.spec.kv_dtype != c.spec.dtype]
+    assert sorted((c.spec.dtype, c.spec.kv_dtype) for c in mixed) == [
+        ("bfloat16", "float16"),
+        ("float16", "bfloat16"),
+    ]
+    assert {c.capabilities for c in mixed} == {("full: mixed_kv_dtypes",)}
+    assert len(build_matrix(both, quick=True)) < len(build_matrix(both))
+    quick = [c for c in build_matrix(both, quick=True) if c.spec.kv_dtype != c.spec.dtype]
+    assert len(quick) == 1
+    same = dataclasses.replace(both, mixed_kv_dtypes=False)
+    assert not [c for c in build_matrix(same) if c.spec.kv_dtype != c.spec.dtype]
+    assert not [c for c in build_matrix(NARROW) if c.spec.kv_dtype != c.spec.dtype]  # one dtype
+
+
 def test_reference_matrix_covers_every_kind_and_option() -> None:
     full = build_matrix(REFERENCE_CAPS, quick=False)
     quick = build_matrix(REFERENCE_CAPS, quick=True)
@@ -71,6 +93,8 @@ def test_reference_matrix_covers_every_kind_and_option() -> None:
         "full: speculative verify k=4",
         "full: head_dim 80",
         "full: page_size 1",
+        "full: mixed_kv_dtypes",
+        "mla: mixed_kv_dtypes",
     ):
         assert label in labels, label
     assert len(quick) < len(full)

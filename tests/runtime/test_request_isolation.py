@@ -332,6 +332,44 @@ def test_a_context_without_forward_is_refused_when_the_runtime_is_built(
     assert "the context NoForward has no forward" in msg
 
 
+@pytest.mark.parametrize("spec_tokens", [0, 2])
+def test_a_linear_context_that_verifies_drafts_needs_commit_speculative(
+    tiny_specs, make_plugin, make_caps, spec_tokens
+):
+    """Without ``commit_speculative`` the runtime skips the commit after a verify step, and
+    every draft's state (the rejected ones' too) would stay in the slot: refused at build time
+    when the context serves verify steps, accepted when it does not."""
+
+    class NoCommit:
+        def prepare(self, batch):
+            pass
+
+        def forward(self, layer, q, k, v, out, **inputs):
+            return out
+
+        def conv1d(self, layer, x, weight, bias, *, activation="silu", out=None):
+            return x
+
+    caps = make_caps(kinds={"linear"}, linear_variants={"gated_deltanet"},
+                     max_speculative_tokens=2)  # fmt: skip
+    reg = Registry(strict=True)
+    backend = Backend(name="lin", capabilities=caps)
+    reg.register_plugin(
+        make_plugin("vendor", [backend], allocate=lambda: NoCommit()), name="vendor"
+    )
+    groups = group_layers([tiny_specs["gdn"]])
+    constraints = ExecutionConstraints(speculative_tokens=spec_tokens, **LIMITS)
+    plan = select(groups, reg, CPU, constraints)
+    assert plan.backend_for("linear").qualified_name == "vendor:lin"
+    state = PersistentState.from_plan(plan, num_pages=0, num_slots=4)
+    if not spec_tokens:
+        AttentionRuntime(plan, reg, state=state)
+        return
+    with pytest.raises(PluginError) as info:
+        AttentionRuntime(plan, reg, state=state)
+    assert "the context NoCommit has no commit_speculative" in str(info.value)
+
+
 class _Recorder(_Returns):
     """Counts forward calls: a caller's mistake must never reach the plugin."""
 

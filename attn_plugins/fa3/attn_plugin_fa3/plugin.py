@@ -70,7 +70,10 @@ def capabilities(
         min_compute_capability=(9, 0),  # Hopper only: wgmma / TMA kernels
         max_compute_capability=(9, 0),
         dtypes={"bfloat16", "float16"},
-        kv_dtypes={"bfloat16", "float16"},  # must equal the layer dtype (checked at allocation)
+        kv_dtypes={"bfloat16", "float16"},
+        # FA3 reads KV in the query's dtype only: said here, so that the selector picks another
+        # backend for an fp16 layer over a bf16 cache (allocation still checks it)
+        mixed_kv_dtypes=False,
         head_dims=head_dims,
         page_sizes=PAGE_SIZES,
         kv_layouts={"NHD"},

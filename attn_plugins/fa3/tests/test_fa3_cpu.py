@@ -107,6 +107,7 @@ def test_capabilities_hopper_only_with_what_the_kernel_serves():
     assert caps.device_types == frozenset({"cuda"})
     assert caps.dtypes == frozenset({"bfloat16", "float16"})
     assert caps.kv_dtypes == frozenset({"bfloat16", "float16"})  # no fp8 on sm90 in FA4
+    assert not caps.mixed_kv_dtypes  # KV in the query's dtype only
     assert caps.head_dims == frozenset({64, 96, 128})
     assert caps.page_sizes == frozenset({16, 32, 64, 128, 256})
     assert {m.value for m in caps.graph_modes} == {"none", "decode"}
@@ -145,6 +146,16 @@ def test_non_hopper_rejected_for_compute_capability(target, fix):
     [rej] = choice.rejections_by_backend()["fa3:fa3"]
     assert rej.code == "compute_capability" and fix in rej.fix
     assert choice.downgraded_from == ("fa3:fa3",)
+
+
+def test_a_cache_in_another_16_bit_dtype_is_rejected_by_the_selector_not_at_allocation():
+    """FA3 reads KV in the query dtype only: an fp16 layer over a bf16 cache goes to another
+    backend at selection (code kv_dtype), instead of choosing fa3 and failing to allocate."""
+    fp16 = FULL.with_(dtype="float16", kv_dtype=None)  # its cache in fp16 too
+    choice = _plan([fp16], kv_dtype="bfloat16").choice("full")
+    assert choice.backend.qualified_name == "attn_core:reference"
+    assert "kv_dtype" in _codes(choice)
+    assert _plan([fp16]).choice("full").backend.qualified_name == "fa3:fa3"
 
 
 def test_cpu_target_rejected_for_device_type():

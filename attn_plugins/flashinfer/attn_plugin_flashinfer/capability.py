@@ -142,7 +142,7 @@ def sinks_support(module: object, version: str | None,
 
     if compute_capability is None or compute_capability < (8, 0):
         return f"compute capability {compute_capability}, the sink variant needs 8.0+"
-    release, why = compat._release(version)
+    release, why = compat.tested_release(version)
     if release is None:
         return f"{why}; its sink variant was not read"
     cls = getattr(module, SINK_WRAPPER, None)

@@ -71,6 +71,7 @@ __all__ = [
     "distribution_version",
     "fast_path",
     "installed_note",
+    "tested_release",
 ]
 
 DISTRIBUTION = "flashinfer-python"
@@ -173,8 +174,9 @@ def distribution_version() -> str | None:
         return None
 
 
-def _release(version: str | None) -> tuple[Release | None, str]:
-    """``(release, "")`` for a tested version, else ``(None, why not)``."""
+def tested_release(version: str | None) -> tuple[Release | None, str]:
+    """``(release, "")`` for a tested version, else ``(None, why not)``: the version gate, also
+    read by :mod:`attn_plugin_flashinfer.capability` for the sink variant."""
     if version is None:
         return None, f"no {DISTRIBUTION} distribution found, its version unknown"
     try:
@@ -200,7 +202,7 @@ class FastPath:
     def __init__(self, module: Any, version: str | None) -> None:
         self.module = module
         self.version = version
-        self.release, self.gate_reason = _release(version)
+        self.release, self.gate_reason = tested_release(version)
         #: None: the self-check has not run; "": it passed; else why it failed.
         self.check: str | None = None
         #: None: the import-level facts were not checked (no module); "": they hold; else

@@ -1,4 +1,5 @@
-"""Every use of fla-core by this plugin, in one module, gated by the installed release.
+"""Every use of fla-core's internals and Triton's by this plugin, in one module, gated by the
+installed release (fla-core) or checked against public numbers (Triton).
 
 Public fla-core API (any release in the declared range): ``fla.ops.gated_delta_rule``'s
 ``chunk_gated_delta_rule`` and ``fla.ops.kda``'s ``chunk_kda`` (chunked prefill over a gathered
@@ -19,6 +20,12 @@ slot-pass prefill) runs the slot pass against fla's public function (``chunk_gat
 ``chunk_kda``) on a tiny case; if the outputs or final states differ, or it raises, that
 family's prefill gathers and scatters around the public function instead. ``attn list`` shows
 which (:func:`note`).
+
+Triton internals (any release; read at first use on a CUDA device, never at import): the opt-in
+shared-memory limit per block the kernels' tilings are fitted to (:func:`max_shared_memory`),
+and a warmed-up kernel's registers and shared memory, which size the delta rule's persistent
+grid (:func:`kernel_resources`). Both are checked against what they must be and fall back to a
+safe public value, which ``attn list`` names (:func:`note`).
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ __all__ = [
     "TESTED_STAGES",
     "Kind",
     "distribution_version",
+    "kernel_resources",
+    "max_shared_memory",
     "naive_recurrences",
     "note",
     "public_chunk",
@@ -44,6 +53,7 @@ __all__ = [
     "self_check",
     "slot_pass_reason",
     "stages",
+    "triton_note",
 ]
 
 DISTRIBUTION = "fla-core"
@@ -92,9 +102,12 @@ class _State:
     #: the self-check: a family absent not run, "" passed, else why it failed
     check: ClassVar[dict[Kind, str]] = {}
 
+    #: per CUDA device index: the shared-memory limit used, and why Triton's was not ("" it was)
+    shared_memory: ClassVar[dict[int, tuple[int, str]]] = {}
+
     @classmethod
     def reset(cls) -> None:
-        cls.stages, cls.reason, cls.check = {}, {}, {}
+        cls.stages, cls.reason, cls.check, cls.shared_memory = {}, {}, {}, {}
 
 
 def _import_stages(kind: Kind) -> dict[str, Any]:
@@ -155,8 +168,14 @@ def slot_pass_reason(device: torch.device | None, kind: Kind) -> str | None:
 def note() -> str:
     """The line ``attn list`` prints after the backend's status: per family, whether its slot
     pass runs fla's stages, or why not and which public function runs instead (one clause for
-    both where they agree). Imports nothing: a family whose stages were not looked up in this
-    process shows what the version gate says."""
+    both where they agree), then any Triton internal that fell back (:func:`triton_note`).
+    Imports nothing: a family whose stages were not looked up in this process shows what the
+    version gate says."""
+    triton = triton_note()
+    return _fla_note() + (f"; {triton}" if triton else "")
+
+
+def _fla_note() -> str:
     clauses: dict[Kind, tuple[str, str]] = {}
     for kind in KINDS:
         reason = _gate() if kind not in _State.reason else slot_pass_reason(None, kind)
@@ -177,6 +196,72 @@ def note() -> str:
             text += f"; fla's public {PUBLIC[kind]} used"
         parts.append(f"{_SHOWN[kind]} {state} ({text})")
     return "fla stages: " + "; ".join(parts)
+
+
+def triton_note() -> str:
+    """``attn list``'s clause for the Triton internals: empty while they agree with the public
+    numbers (or were not read), else which device fell back and why."""
+    fallbacks = [(i, why) for i, (_, why) in sorted(_State.shared_memory.items()) if why]
+    return "; ".join(
+        f"cuda:{i} shared-memory limit: torch's public per-block limit used ({why})"
+        for i, why in fallbacks
+    )
+
+
+def max_shared_memory(device_index: int) -> int:
+    """Bytes of shared memory one block may opt in to on CUDA device ``device_index``.
+
+    Read from Triton's driver utilities (``triton.runtime.driver.active.utils``, not public
+    API): Triton rejects a kernel against exactly this number, and torch's public device
+    properties lack the opt-in maximum. It must lie between torch's ``shared_memory_per_block``
+    (what any block may use) and ``shared_memory_per_multiprocessor``; where Triton's utility
+    is absent, raises or gives another number, torch's ``shared_memory_per_block`` is used
+    (smaller tiles, never a kernel that does not fit) and :func:`triton_note` says why. Once
+    per device and process.
+    """
+    if device_index not in _State.shared_memory:
+        props = torch.cuda.get_device_properties(device_index)
+        low = int(props.shared_memory_per_block)
+        high = int(getattr(props, "shared_memory_per_multiprocessor", 0)) or None
+        try:
+            import triton
+
+            info = triton.runtime.driver.active.utils.get_device_properties(device_index)
+            value, why = int(info["max_shared_mem"]), ""
+        except Exception as exc:  # renamed or removed in another release: the public bound
+            value, why = low, f"Triton's device properties unreadable: {type(exc).__name__}: {exc}"
+        if not why and not (low <= value and (high is None or value <= high)):
+            why = f"Triton says {value} bytes, outside torch's {low}..{high}"
+            value = low
+        _State.shared_memory[device_index] = (value, why)
+    return _State.shared_memory[device_index][0]
+
+
+#: Registers per thread an NVIDIA kernel can have: a count outside 1..255 is not one.
+_MAX_REGISTERS = 255
+
+
+def kernel_resources(compiled: Any) -> tuple[int, int] | None:
+    """``(registers per thread, bytes of shared memory per block)`` of a compiled Triton kernel
+    (what ``kernel.warmup(...)`` returns); None where the installed Triton does not say.
+
+    Triton fills ``n_regs`` when it loads the binary, lazily at the first launch, through the
+    private ``_init_handles``; a warmed-up kernel was never launched, so that is called here
+    where it exists. Only a sizing hint reads the result (how many persistent programs share
+    an SM): a missing or implausible value (registers outside 1..255, negative shared memory)
+    gives None, and the caller's fixed programs per SM, which changes speed, never results.
+    """
+    try:
+        init = getattr(compiled, "_init_handles", None)
+        if init is not None:
+            init()
+        n_regs = int(compiled.n_regs)
+        shared = int(compiled.metadata.shared)
+    except Exception:  # interpreter, or a Triton without these fields
+        return None
+    if not 0 < n_regs <= _MAX_REGISTERS or shared < 0:
+        return None
+    return n_regs, shared
 
 
 def self_check(device: torch.device, kind: Kind) -> str:

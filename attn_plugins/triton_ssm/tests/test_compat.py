@@ -179,3 +179,64 @@ def test_no_module_but_compat_imports_fla():
         if re.match(r"\s*(from fla[. ]|import fla\b)", line)
     ]
     assert not offenders, offenders
+
+
+# ------------------------------------------------------------------------------------------
+# Triton internals: the shared-memory limit and a compiled kernel's resources
+# ------------------------------------------------------------------------------------------
+class _Props:
+    """torch's public device properties of an H200-like device."""
+
+    shared_memory_per_block = 48 * 1024
+    shared_memory_per_multiprocessor = 228 * 1024
+
+
+def _triton_says(monkeypatch, get_device_properties):
+    triton = pytest.importorskip("triton")
+    utils = type("U", (), {"get_device_properties": staticmethod(get_device_properties)})
+    active = type("A", (), {"utils": utils})
+    monkeypatch.setattr(triton.runtime, "driver", type("D", (), {"active": active})())
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: _Props())
+
+
+def test_the_shared_memory_limit_is_tritons_where_it_lies_within_torchs_public_bounds(
+    monkeypatch,
+):
+    _triton_says(monkeypatch, lambda index: {"max_shared_mem": 227 * 1024})
+    assert compat.max_shared_memory(0) == 227 * 1024
+    assert compat.triton_note() == "" and "shared-memory" not in compat.note()
+
+
+@pytest.mark.parametrize(
+    ("says", "why"),
+    [
+        ({"max_shared_mem": 300 * 1024}, "Triton says 307200 bytes, outside torch's 49152..233472"),
+        ({"max_shared_mem": 1024}, "Triton says 1024 bytes, outside torch's 49152..233472"),
+        ({"renamed": 1}, "Triton's device properties unreadable: KeyError: 'max_shared_mem'"),
+    ],
+)
+def test_a_shared_memory_limit_triton_cannot_give_falls_back_to_torchs_and_attn_list_says_so(
+    monkeypatch, says, why
+):
+    _triton_says(monkeypatch, lambda index: says)
+    assert compat.max_shared_memory(1) == 48 * 1024  # smaller tiles, never one that cannot fit
+    expected = f"cuda:1 shared-memory limit: torch's public per-block limit used ({why})"
+    assert compat.triton_note() == expected
+    assert compat.note().endswith("; " + expected)
+
+
+def test_kernel_resources_loads_the_binary_and_refuses_what_cannot_be_a_kernels():
+    class Compiled:
+        metadata = type("M", (), {"shared": 4096})()
+        n_regs: object = None
+
+        def _init_handles(self):  # Triton fills the register count when it loads the binary
+            self.n_regs = 128
+
+    assert compat.kernel_resources(Compiled()) == (128, 4096)
+    without_loader = type("C", (), {"n_regs": 40, "metadata": Compiled.metadata})()
+    assert compat.kernel_resources(without_loader) == (40, 4096)
+    for n_regs in (0, 300, None):
+        odd = type("C", (), {"n_regs": n_regs, "metadata": Compiled.metadata})()
+        assert compat.kernel_resources(odd) is None, n_regs
+    assert compat.kernel_resources(object()) is None

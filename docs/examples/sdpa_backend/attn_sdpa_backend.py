@@ -16,6 +16,7 @@ CAPS = BackendCapabilities(
     dtypes={"float32", "bfloat16"},
     head_dims={64, 128},
     page_sizes={16},
+    mixed_kv_dtypes=False,  # SDPA takes q, k and v in one dtype: the cache in the layer's
 )
 
 

@@ -14,6 +14,8 @@ import torch
 import triton
 from triton import knobs
 
+from attn_plugin_triton_ssm import compat
+
 __all__ = [
     "INTERPRETED",
     "check_dtype",
@@ -39,11 +41,11 @@ def next_pow2(n: int) -> int:
 
 
 def max_shared_memory(device: torch.device) -> int:
-    """Bytes of shared memory one block may use on a CUDA ``device`` (opt-in maximum)."""
-    props = triton.runtime.driver.active.utils.get_device_properties(
+    """Bytes of shared memory one block may use on a CUDA ``device`` (opt-in maximum; read
+    through :func:`attn_plugin_triton_ssm.compat.max_shared_memory`)."""
+    return compat.max_shared_memory(
         device.index if device.index is not None else torch.cuda.current_device()
     )
-    return int(props["max_shared_mem"])
 
 
 def first_that_fits(candidates: Sequence[T], compile_one: Callable[[T], Any],

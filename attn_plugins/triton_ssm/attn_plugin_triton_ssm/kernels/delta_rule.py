@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attn_plugin_triton_ssm import compat
 from attn_plugin_triton_ssm.kernels._common import (
     STATE_DTYPES,
     check_dtype,
@@ -319,17 +320,11 @@ def _num_sms(device: torch.device) -> int:
 def _resident_programs(compiled, num_warps: int, device: torch.device) -> int | None:
     """How many programs of ``compiled`` fit on one SM at once (registers, threads, shared
     memory), or ``None`` when the compiled kernel does not say."""
-    try:
-        init = getattr(compiled, "_init_handles", None)
-        if init is not None:
-            init()
-        n_regs = int(compiled.n_regs)
-        shared = int(compiled.metadata.shared)
-        props = torch.cuda.get_device_properties(device)
-    except Exception:  # interpreter, or a Triton without these fields
+    resources = compat.kernel_resources(compiled)  # registers, shared memory; None: unknown
+    if resources is None:
         return None
-    if n_regs <= 0:
-        return None
+    n_regs, shared = resources
+    props = torch.cuda.get_device_properties(device)
     regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
     threads_sm = getattr(props, "max_threads_per_multi_processor", 2048)
     smem_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
