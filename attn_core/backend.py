@@ -31,6 +31,7 @@ from attn_core.specs import (
     KV_DTYPES,
     GraphMode,
     LayerKind,
+    LayerSpec,
     LinearVariant,
     Phase,
     _canonical_dtype,
@@ -39,7 +40,7 @@ from attn_core.specs import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Backend", "BackendCapabilities", "OptionSpec"]
+__all__ = ["RANK_FEATURES", "Backend", "BackendCapabilities", "OptionSpec", "layer_has_feature"]
 
 
 class _Required:
@@ -67,6 +68,42 @@ def _frozen(value: Iterable | None, name: str, convert=None) -> frozenset | None
         raise ValueError(f"{name}={value!r}: expected a set of values or None")
     items = [convert(v) if convert else v for v in value]
     return frozenset(items)
+
+
+#: The layer features a backend may rank itself lower for (``feature_priority``), each a
+#: :class:`LayerSpec` field: ``sinks`` (``has_sinks``), ``sliding_window``,
+#: ``logits_soft_cap``, ``attention_chunk_size`` (set, not None).
+RANK_FEATURES: tuple[str, ...] = (
+    "attention_chunk_size",
+    "logits_soft_cap",
+    "sinks",
+    "sliding_window",
+)
+
+
+def layer_has_feature(spec: LayerSpec, feature: str) -> bool:
+    """Whether a layer of ``spec`` has ``feature`` (one of :data:`RANK_FEATURES`)."""
+    if feature == "sinks":
+        return bool(spec.has_sinks)
+    return getattr(spec, feature) is not None
+
+
+def _phase_priorities(given: Any, field_name: str) -> tuple[tuple[Phase, int], ...]:
+    """``{phase: int}`` (or pairs) checked and kept as pairs sorted by phase."""
+    pairs = given.items() if isinstance(given, Mapping) else given
+    if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Iterable):
+        raise ValueError(f"{field_name}={given!r}: expected a mapping {{phase: int}}")
+    checked: dict[Phase, int] = {}
+    for item in pairs:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise ValueError(f"{field_name}={given!r}: expected a mapping {{phase: int}}")
+        phase, prio = _enum(Phase, field_name)(item[0]), item[1]
+        if not isinstance(prio, int) or isinstance(prio, bool):
+            raise ValueError(f"{field_name}: {phase.value}: {prio!r} is not an int (a priority)")
+        if phase in checked:
+            raise ValueError(f"{field_name}: {phase.value} is given twice")
+        checked[phase] = prio
+    return tuple(sorted(checked.items(), key=lambda kv: kv[0].value))
 
 
 def _enum(enum_cls, name):
@@ -120,6 +157,11 @@ class BackendCapabilities:
     #: ``{phase: priority}`` (kept as sorted pairs): the backend's rank in that phase when no
     #: tuning data decides; a phase left out ranks by ``Backend.priority``
     phase_priority: tuple[tuple[Phase, int], ...] = ()
+    #: ``{feature: {phase: priority}}`` (kept as sorted pairs): the backend's rank in that phase
+    #: for a layer with that feature (:data:`RANK_FEATURES`), where the backend serves it on a
+    #: slower path than its usual one; the lowest entry among the layer's features replaces
+    #: ``phase_priority`` / ``Backend.priority``
+    feature_priority: tuple[tuple[str, tuple[tuple[Phase, int], ...]], ...] = ()
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -211,23 +253,29 @@ class BackendCapabilities:
             raise ValueError(
                 "phases=set(): a backend must serve at least one phase (prefill, decode, verify)"
             )
-        given = self.phase_priority
-        pairs = given.items() if isinstance(given, Mapping) else given
-        if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Iterable):
-            raise ValueError(f"phase_priority={given!r}: expected a mapping {{phase: int}}")
-        checked: dict[Phase, int] = {}
-        for item in pairs:
+        set_(self, "phase_priority", _phase_priorities(self.phase_priority, "phase_priority"))
+        given = self.feature_priority
+        items = given.items() if isinstance(given, Mapping) else given
+        if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+            raise ValueError(
+                f"feature_priority={given!r}: expected a mapping {{feature: {{phase: int}}}}"
+            )
+        features: dict[str, tuple[tuple[Phase, int], ...]] = {}
+        for item in items:
             if not (isinstance(item, (tuple, list)) and len(item) == 2):
-                raise ValueError(f"phase_priority={given!r}: expected a mapping {{phase: int}}")
-            phase, prio = _enum(Phase, "phase_priority")(item[0]), item[1]
-            if not isinstance(prio, int) or isinstance(prio, bool):
                 raise ValueError(
-                    f"phase_priority: {phase.value}: {prio!r} is not an int (a priority)"
+                    f"feature_priority={given!r}: expected a mapping {{feature: {{phase: int}}}}"
                 )
-            if phase in checked:
-                raise ValueError(f"phase_priority: {phase.value} is given twice")
-            checked[phase] = prio
-        set_(self, "phase_priority", tuple(sorted(checked.items(), key=lambda kv: kv[0].value)))
+            feature, by_phase = item
+            if feature not in RANK_FEATURES:
+                raise ValueError(
+                    f"feature_priority: {feature!r} is not a feature; expected one of "
+                    f"{', '.join(RANK_FEATURES)}"
+                )
+            if feature in features:
+                raise ValueError(f"feature_priority: {feature} is given twice")
+            features[feature] = _phase_priorities(by_phase, f"feature_priority[{feature!r}]")
+        set_(self, "feature_priority", tuple(sorted(features.items())))
         for name in (
             "causal",
             "non_causal",
@@ -306,6 +354,8 @@ class BackendCapabilities:
             phase_priority: Mapping[Phase, int]
             | Mapping[str, int]
             | Iterable[tuple[Phase | str, int]] = (),
+            feature_priority: Mapping[str, Mapping[Phase, int] | Mapping[str, int]]
+            | Iterable[tuple[str, Iterable[tuple[Phase | str, int]]]] = (),
         ) -> None: ...
 
 
@@ -395,10 +445,20 @@ class Backend:
     def option(self, key: str, default: object = None) -> object:
         return dict(self.options).get(key, default)
 
-    def priority_for(self, phase: Phase | str) -> int:
-        """The backend's priority in ``phase``: its ``capabilities.phase_priority`` entry, else
-        ``priority``."""
-        return dict(self.capabilities.phase_priority).get(Phase(phase), self.priority)
+    def priority_for(self, phase: Phase | str, spec: LayerSpec | None = None) -> int:
+        """The backend's priority in ``phase`` (for a layer of ``spec``): the lowest
+        ``capabilities.feature_priority`` entry of that phase among the layer's features, else
+        its ``capabilities.phase_priority`` entry, else ``priority``."""
+        ph = Phase(phase)
+        if spec is not None:
+            lowered = [
+                dict(by_phase)[ph]
+                for feature, by_phase in self.capabilities.feature_priority
+                if ph in dict(by_phase) and layer_has_feature(spec, feature)
+            ]
+            if lowered:
+                return min(lowered)
+        return dict(self.capabilities.phase_priority).get(ph, self.priority)
 
     def serves_phase(self, phase: Phase | str) -> bool:
         return Phase(phase) in self.capabilities.phases

@@ -572,6 +572,11 @@ class Registry:
                                 for ph in Phase
                                 if ph in b.capabilities.phases
                             },
+                            # where a layer feature ranks it lower: {feature: {phase: priority}}
+                            "feature_priority": {
+                                feature: {ph.value: prio for ph, prio in by_phase}
+                                for feature, by_phase in b.capabilities.feature_priority
+                            },
                             "available": b.available,
                             "unavailable_reason": b.unavailable_reason,
                             "notes": b.notes,

@@ -853,24 +853,26 @@ class Plan:
         }
 
 
-def _default_rank(backend: Backend, phase: Phase = Phase.PREFILL) -> tuple[int, int]:
+def _default_rank(
+    backend: Backend, phase: Phase = Phase.PREFILL, spec: LayerSpec | None = None
+) -> tuple[int, int]:
     """The default rule without measurements: the reference last, then the backend's priority
-    in ``phase`` (higher first)."""
+    in ``phase`` for a layer of ``spec`` (higher first; :meth:`Backend.priority_for`)."""
     return (
         1 if backend.qualified_name == REFERENCE_BACKEND else 0,
-        -backend.priority_for(phase),
+        -backend.priority_for(phase, spec),
     )
 
 
 def _rank_key(
-    backend: Backend, phase: Phase, times: Mapping[str, float]
+    backend: Backend, phase: Phase, times: Mapping[str, float], spec: LayerSpec | None = None
 ) -> tuple[int, float, int, int, str]:
     """Measured candidates first (fastest first), then the default rule, then name."""
     t = times.get(backend.qualified_name)
     return (
         0 if t is not None else 1,
         t or 0.0,
-        *_default_rank(backend, phase),
+        *_default_rank(backend, phase, spec),
         backend.qualified_name,
     )
 
@@ -1358,7 +1360,7 @@ def _choose_phase(
         [] if forced is not None else _bucket_winners(tuning, admissible, spec, phase, max_size)
     )
     by_step_size = _merge_buckets(winners)
-    admissible.sort(key=lambda b: _rank_key(b, phase, times))
+    admissible.sort(key=lambda b: _rank_key(b, phase, times, spec))
     if winners and not by_step_size:  # one backend wins every measured bucket: it serves all
         only = winners[0][1].qualified_name
         admissible.sort(key=lambda b: b.qualified_name != only)  # stable: the rest keep rank
@@ -1372,7 +1374,7 @@ def _choose_phase(
             b.qualified_name
             for b in backends
             if b.qualified_name in serving
-            and _default_rank(b, phase) < _default_rank(chosen, phase)  # above it by default
+            and _default_rank(b, phase, spec) < _default_rank(chosen, phase, spec)  # above it
             and not any(
                 r.backend == b.qualified_name and r.code in ("denied", "not_allowed")
                 for r in rejected
@@ -1491,7 +1493,8 @@ def _say_shared_state(
                 times = _phase_times(
                     tuning, [p.backend, b], c.group.spec, p.phase, plan.constraints.max_batch_size
                 )
-                if _rank_key(b, p.phase, times) >= _rank_key(p.backend, p.phase, times):
+                spec = c.group.spec
+                if _rank_key(b, p.phase, times, spec) >= _rank_key(p.backend, p.phase, times, spec):
                     continue
                 caps = b.capabilities
                 pages = (
@@ -1587,7 +1590,7 @@ def _downgrade(c: GroupChoice, p: PhaseChoice, policy: DowngradePolicy) -> None:
     rank = (
         "the reference, ranked last"
         if p.backend.qualified_name == REFERENCE_BACKEND
-        else f"priority {p.backend.priority_for(p.phase)}"
+        else f"priority {p.backend.priority_for(p.phase, c.group.spec)}"
     )
     phase = "" if p.phase is Phase.PREFILL else f" in the {p.phase.value} phase"
     message = (

@@ -112,6 +112,19 @@ def test_phase_capabilities_default_to_every_phase_at_the_backend_priority():
         ({"phase_priority": {"decod": 1}}, r"phase_priority: 'decod' is not one of"),
         ({"phase_priority": {"decode": "high"}}, r"phase_priority: decode: 'high' is not an int"),
         ({"phase_priority": 5}, r"phase_priority=5: expected a mapping"),
+        (
+            {"feature_priority": {"sink": {"decode": 1}}},
+            r"feature_priority: 'sink' is not a feature",
+        ),
+        (
+            {"feature_priority": {"sinks": {"decod": 1}}},
+            r"feature_priority\['sinks'\]: 'decod' is not one of",
+        ),
+        (
+            {"feature_priority": {"sinks": {"decode": 1.5}}},
+            r"feature_priority\['sinks'\]: decode: 1.5 is not an int",
+        ),
+        ({"feature_priority": ["sinks"]}, r"feature_priority=\['sinks'\]: expected a mapping"),
     ],
 )
 def test_bad_phase_capabilities_name_the_field(caps, message):
@@ -759,3 +772,45 @@ def test_bucket_points_survive_the_tuning_file(tmp_path, registry):
     assert (
         plan.choice("full").phase_choice("decode").backend_for_step(1).qualified_name == "fa3:fa3"
     )
+
+
+# ------------------------------------------------------------------------------------------
+# A slower path for one layer feature
+# ------------------------------------------------------------------------------------------
+SINKS_LAYER = LayerSpec(
+    kind="full", num_heads=64, num_kv_heads=8, head_dim=64, page_size=16, has_sinks=True
+)
+
+
+def test_a_feature_priority_ranks_the_backend_lower_for_layers_with_that_feature(make_plugin):
+    """FlashInfer's sink variant (feature_priority sinks 50) under fa3 (90, decode 60) for a
+    layer with sinks, in every phase; a layer without sinks keeps FlashInfer's 100."""
+    import attn_core.reference.plugin as ref
+
+    slow_sinks = _backend(
+        "flashinfer", 100, sinks=True, feature_priority={"sinks": dict.fromkeys(Phase, 50)}
+    )
+    fa3 = _backend("fa3", 90, sinks=True, phase_priority={"decode": 60, "verify": 60})
+    assert slow_sinks.priority_for("decode", SINKS_LAYER) == 50
+    assert slow_sinks.priority_for("decode", FULL) == 100
+    assert slow_sinks.priority_for("decode") == 100
+    reg = Registry(strict=True)
+    reg.register_plugin(ref, name="attn_core")
+    reg.register_plugin(make_plugin("fa3", [fa3]), name="fa3")
+    reg.register_plugin(make_plugin("flashinfer", [slow_sinks]), name="flashinfer")
+    plan = _plan(reg, specs=(SINKS_LAYER, FULL), speculative_tokens=2)
+    groups = phase_mapping_from_plan(plan)
+    sinks_group = next(g for g in plan.choices if g.group.spec.has_sinks).group.group_id
+    plain_group = next(g for g in plan.choices if not g.group.spec.has_sinks).group.group_id
+    assert set(dict(groups[sinks_group]).values()) == {"fa3:fa3"}
+    assert dict(groups[plain_group]) == {
+        "prefill": "flashinfer:flashinfer",
+        "decode": "flashinfer:flashinfer",
+        "verify": "flashinfer:flashinfer",
+    }
+    # without fa3 the sink variant still outranks the reference
+    alone = Registry(strict=True)
+    alone.register_plugin(ref, name="attn_core")
+    alone.register_plugin(make_plugin("flashinfer", [slow_sinks]), name="flashinfer")
+    plan = _plan(alone, specs=(SINKS_LAYER,))
+    assert set(_phases(plan, plan.choices[0].group.group_id).values()) == {"flashinfer:flashinfer"}

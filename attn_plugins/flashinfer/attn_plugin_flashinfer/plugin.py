@@ -20,12 +20,14 @@ from typing import Any
 
 from attn_core.backend import Backend
 from attn_core.hookspecs import hookimpl
-from attn_core.specs import LayerKind
+from attn_core.specs import LayerKind, Phase
 from attn_plugin_flashinfer import __version__, capability, compat
 from attn_plugin_flashinfer import context as ctx
 
 ATTN_CORE_API_VERSION = "1.1"
 PRIORITY = 100
+#: a layer with attention sinks: FlashInfer's sink variant ranks here in every phase
+SINKS_PRIORITY = 50
 FULL_BACKEND = "flashinfer"
 MLA_BACKEND = "flashinfer_mla"
 
@@ -34,6 +36,7 @@ __all__ = [
     "FULL_BACKEND",
     "MLA_BACKEND",
     "PRIORITY",
+    "SINKS_PRIORITY",
     "attn_core_allocate_context",
     "attn_core_bind_forward",
     "attn_core_register_backends",
@@ -56,7 +59,12 @@ def backends(availability: capability.Availability | None = None) -> list[Backen
     )
     full = capability.FULL_CAPABILITIES
     if av.sinks:  # the installed release applies them on this device (capability.probe)
-        full = dataclasses.replace(full, sinks=True)
+        # The sink variant is a slower path (gpt-oss's full layers on the H200, FlashInfer
+        # 0.6.7: decode 3.5x fa3's time at 1 x 32k, 7x at 64 x 4k; prefill 1.1-1.5x): below
+        # fa3's priorities (90, decode 60), above the reference, in every phase.
+        full = dataclasses.replace(
+            full, sinks=True, feature_priority={"sinks": dict.fromkeys(Phase, SINKS_PRIORITY)}
+        )
     return [
         Backend(
             name=FULL_BACKEND,

@@ -863,6 +863,22 @@ def sinks_fi(monkeypatch):
     return fake_flashinfer.install(monkeypatch, "0.7.4")
 
 
+def test_the_sink_variant_ranks_below_fa3_for_layers_with_sinks():
+    """Where the installed FlashInfer serves sinks, a layer with sinks ranks the full backend
+    at SINKS_PRIORITY in every phase: below the fa3 plugin's priorities (its sink variant is the
+    slower path on the H200), above the reference; a layer without sinks keeps PRIORITY."""
+    from attn_plugin_fa3 import plugin as fa3_plugin
+
+    full = next(b for b in fi_plugin.backends(SINKS_AVAILABLE) if b.name == fi_plugin.FULL_BACKEND)
+    assert full.capabilities.sinks
+    for phase in ("prefill", "decode", "verify"):
+        assert full.priority_for(phase, GPT_OSS) == fi_plugin.SINKS_PRIORITY
+        assert full.priority_for(phase, FULL) == fi_plugin.PRIORITY
+    assert 0 < fi_plugin.SINKS_PRIORITY < min(fa3_plugin.PRIORITY, fa3_plugin.DECODE_PRIORITY)
+    plain = next(b for b in fi_plugin.backends(AVAILABLE) if b.name == fi_plugin.FULL_BACKEND)
+    assert plain.capabilities.feature_priority == ()
+
+
 @pytest.mark.parametrize(
     ("spec", "graph"),
     [
