@@ -62,9 +62,8 @@ def backends(availability: capability.Availability | None = None) -> list[Backen
         # The sink variant is a slower path (gpt-oss's full layers on the H200, FlashInfer
         # 0.6.7: decode 3.5x fa3's time at 1 x 32k, 7x at 64 x 4k; prefill 1.1-1.5x): below
         # fa3's priorities (90, decode 60), above the reference, in every phase.
-        full = dataclasses.replace(
-            full, sinks=True, feature_priority={"sinks": dict.fromkeys(Phase, SINKS_PRIORITY)}
-        )
+        every_phase = tuple((phase, SINKS_PRIORITY) for phase in Phase)
+        full = dataclasses.replace(full, sinks=True, feature_priority=(("sinks", every_phase),))
     return [
         Backend(
             name=FULL_BACKEND,
