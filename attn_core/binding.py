@@ -53,6 +53,7 @@ class GroupRuntime:
         "group_id",
         "phase_buckets",
         "phase_targets",
+        "request_rules",
         "spec",
         "state",
     )
@@ -89,20 +90,29 @@ class GroupRuntime:
         #: per phase whose tuning data has another fastest backend for some step size:
         #: ((largest step size, target), ...) ascending (see PhaseChoice.by_step_size)
         self.phase_buckets: dict[Phase, tuple[tuple[int, _Target], ...]] = {}
+        #: prefill steps whose token bucket switches by requests (PhaseChoice.by_requests):
+        #: ((tokens above, tokens at most, requests at most, target), ...)
+        self.request_rules: tuple[tuple[int, int, int, _Target], ...] = ()
 
-    def use_phase(self, phase: Phase, size: int = 0) -> None:
+    def use_phase(self, phase: Phase, size: int = 0, requests: int | None = None) -> None:
         """Make the backend of ``phase`` (and, where the plan switches by step size, of a step
-        of ``size``: padded requests, or padded query tokens in prefill) the group's current
-        one; a phase without an entry keeps the current backend."""
-        target: _Target | None
+        of ``size``: padded requests, or padded query tokens in prefill, in ``requests``
+        requests) the group's current one; a phase without an entry keeps the current
+        backend."""
+        target: _Target | None = None
+        if phase is Phase.PREFILL and requests is not None:
+            for above, at_most, max_requests, t in self.request_rules:
+                if above < size <= at_most and requests <= max_requests:
+                    target = t
+                    break
         buckets = self.phase_buckets.get(phase) if self.phase_buckets else None
-        if buckets is not None:
+        if target is None and buckets is not None:
             target = buckets[-1][1]
             for bound, t in buckets:
                 if size <= bound:
                     target = t
                     break
-        else:
+        elif target is None:
             target = self.phase_targets.get(phase)
         if target is not None and target[1] is not self.context:
             self.backend, self.context, self.forward = target

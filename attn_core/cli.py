@@ -290,12 +290,20 @@ def format_plan(plan, registry=None) -> str:
         out.append(_phase_table(c, first, title + f"\n  {_PHASE_TITLES[first.phase.value]}:"))
         for p in phases[1:]:
             label = _PHASE_TITLES[p.phase.value]
-            if (p.backend.qualified_name, p.rejected, p.outranked, p.tuned_us, p.by_step_size) == (
+            if (
+                p.backend.qualified_name,
+                p.rejected,
+                p.outranked,
+                p.tuned_us,
+                p.by_step_size,
+                p.by_requests,
+            ) == (
                 first.backend.qualified_name,
                 first.rejected,
                 first.outranked,
                 first.tuned_us,
                 first.by_step_size,
+                first.by_requests,
             ):
                 out.append(
                     f"  {label}: {p.backend.qualified_name}"
@@ -360,6 +368,14 @@ def _phase_table(c, p, title: str) -> str:
         chosen_notes.append(
             "by step size (tuned): "
             + "; ".join(f"<= {bound} {unit}: {b.qualified_name}" for bound, b in p.by_step_size)
+        )
+    if p.by_requests:
+        chosen_notes.append(
+            "by requests (tuned): "
+            + "; ".join(
+                f"{above + 1}-{at_most} tokens, <= {r} requests: {b.qualified_name}"
+                for above, at_most, r, b in p.by_requests
+            )
         )
     rows = [[name, "chosen" + note, "\n".join(chosen_notes)]]
     rows += [[b, "admissible, ranked lower", here.get(b, "")] for b in p.outranked]

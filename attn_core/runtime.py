@@ -155,6 +155,11 @@ class AttentionRuntime:
                         runtime.phase_buckets[pc.phase] = tuple(
                             (bound, targets[b.qualified_name]) for bound, b in pc.by_step_size
                         )
+                    if pc.by_requests:
+                        runtime.request_rules = tuple(
+                            (above, at_most, r, targets[b.qualified_name])
+                            for above, at_most, r, b in pc.by_requests
+                        )
             self.workspaces[group.group_id] = self.backend_workspaces[
                 (group.group_id, choice.backend.qualified_name)
             ]
@@ -227,7 +232,7 @@ class AttentionRuntime:
         the backend the plan chose for the batch's phase."""
         phase, size = batch.phase, step_size(batch.phase, batch.padded_reqs, batch.padded_tokens)
         for g in self.groups.values():
-            g.use_phase(phase, size)
+            g.use_phase(phase, size, batch.padded_reqs)
             view = self._view(g, batch)  # the core's own step: its errors are not the plugin's
             try:
                 g.context.prepare(view)
@@ -242,7 +247,7 @@ class AttentionRuntime:
         backend of the batch's phase, the one its graph was captured with)."""
         phase, size = batch.phase, step_size(batch.phase, batch.padded_reqs, batch.padded_tokens)
         for g in self.groups.values():
-            g.use_phase(phase, size)
+            g.use_phase(phase, size, batch.padded_reqs)
             update = getattr(g.context, "update", None)
             if update is None:
                 raise g.plugin_error(

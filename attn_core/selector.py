@@ -6,10 +6,13 @@ when draft tokens are verified). For each group and phase the admissible backend
 measured tuning data when the tuning file has a time for that backend on that group's spec in
 that phase (faster first; the geometric mean over the step-size buckets, and, where another
 backend is fastest at some buckets, a switch per bucket: ``PhaseChoice.by_step_size``; a step's
-size is its requests in decode and verify, its query tokens in prefill); the rest by the
-default rule: every other backend before the reference (``attn_core:reference``), whatever their
-priorities and names, then by declared priority in that phase (higher first), then by qualified
-name. Settings that must be shared by every group and phase - page size, KV layout (every phase's
+size is its requests in decode and verify, its query tokens in prefill; a bucket's backend is
+the one with the smallest worst ratio to the fastest over the bucket's points, and a prefill
+bucket whose request splits disagree also switches by requests: ``PhaseChoice.by_requests``);
+the rest by the default rule: every other backend before the reference
+(``attn_core:reference``), whatever their priorities and names, then by declared priority in
+that phase for the layer (higher first; ``feature_priority`` lowers it for a layer feature),
+then by qualified name. Settings that must be shared by every group and phase - page size, KV layout (every phase's
 backend reads the group's one persistent state) and CUDA-graph mode - are chosen for the whole
 model: the selector tries each candidate page size / layout and keeps the first one under which
 every group and phase has a backend, preferring the model's own page size; when
@@ -642,13 +645,32 @@ class PhaseChoice:
     #: :func:`step_size`) runs on the first entry whose bound is ``>= n`` (the last one beyond).
     #: Empty: ``backend`` serves every step of the phase.
     by_step_size: tuple[tuple[int, Backend], ...] = ()
+    #: prefill only, where a token bucket's request splits disagree on the fastest backend:
+    #: ``(tokens above, tokens at most, requests at most, backend)``; a step of ``n`` query
+    #: tokens in ``r`` requests inside a rule's token range runs on the first of its rules with
+    #: ``r <=`` their bound, ahead of :attr:`by_step_size`. Never under graph mode ``full``
+    #: (a captured prefill graph replays with other request counts).
+    by_requests: tuple[tuple[int, int, int, Backend], ...] = ()
 
-    def backend_for_step(self, size: int) -> Backend:
-        """The backend that serves a step of this phase of ``size`` (:func:`step_size`)."""
+    def backend_for_step(self, size: int, requests: int | None = None) -> Backend:
+        """The backend that serves a step of this phase of ``size`` (:func:`step_size`) and, in
+        prefill, ``requests`` requests (None: by size alone)."""
+        if requests is not None:
+            for above, at_most, max_requests, backend in self.by_requests:
+                if above < size <= at_most and requests <= max_requests:
+                    return backend
         for bound, backend in self.by_step_size:
             if size <= bound:
                 return backend
         return self.by_step_size[-1][1] if self.by_step_size else self.backend
+
+    @property
+    def switch_backends(self) -> tuple[Backend, ...]:
+        """The backends of :attr:`by_step_size` and :attr:`by_requests`, in order, each once."""
+        seen: dict[str, Backend] = {}
+        for b in [b for _, b in self.by_step_size] + [r[3] for r in self.by_requests]:
+            seen.setdefault(b.qualified_name, b)
+        return tuple(seen.values())
 
     @property
     def options(self) -> dict[str, object]:
@@ -663,6 +685,15 @@ class PhaseChoice:
             "by_step_size": [
                 {"max": bound, "unit": step_size_unit(self.phase), "backend": b.qualified_name}
                 for bound, b in self.by_step_size
+            ],
+            "by_requests": [
+                {
+                    "tokens_above": above,
+                    "tokens_max": at_most,
+                    "requests_max": max_requests,
+                    "backend": b.qualified_name,
+                }
+                for above, at_most, max_requests, b in self.by_requests
             ],
         }
 
@@ -754,7 +785,7 @@ class GroupChoice:
             p.phase
             for p in self.phases
             if p.backend.qualified_name == qualified_name
-            or any(b.qualified_name == qualified_name for _, b in p.by_step_size)
+            or any(b.qualified_name == qualified_name for b in p.switch_backends)
         )
         if not self.phases and self.backend.qualified_name == qualified_name:
             return (Phase.PREFILL,)
@@ -766,7 +797,7 @@ class GroupChoice:
         out: dict[str, Backend] = {self.backend.qualified_name: self.backend}
         for p in self.phases:
             out.setdefault(p.backend.qualified_name, p.backend)
-            for _, b in p.by_step_size:
+            for b in p.switch_backends:
                 out.setdefault(b.qualified_name, b)
         return tuple(out.values())
 
@@ -1359,9 +1390,13 @@ def _choose_phase(
     winners = (
         [] if forced is not None else _bucket_winners(tuning, admissible, spec, phase, max_size)
     )
-    by_step_size = _merge_buckets(winners)
+    by_step_size = _merge_buckets([(bound, b) for bound, b, _ in winners])
+    by_requests: tuple[tuple[int, int, int, Backend], ...] = ()
+    if winners and phase is Phase.PREFILL and constraints.graph_mode is not GraphMode.FULL:
+        assert tuning is not None  # winners come from tuning data
+        by_requests = _request_splits(tuning, admissible, spec, winners, constraints.max_batch_size)
     admissible.sort(key=lambda b: _rank_key(b, phase, times, spec))
-    if winners and not by_step_size:  # one backend wins every measured bucket: it serves all
+    if winners and not by_step_size:  # one backend wins every bucket: it serves the rest
         only = winners[0][1].qualified_name
         admissible.sort(key=lambda b: b.qualified_name != only)  # stable: the rest keep rank
     chosen = admissible[0]
@@ -1390,6 +1425,7 @@ def _choose_phase(
         downgraded_from=downgraded_from,
         tuned_us=times.get(chosen.qualified_name),
         by_step_size=by_step_size,
+        by_requests=by_requests,
     )
 
 
@@ -1399,9 +1435,10 @@ def _bucket_winners(
     spec: LayerSpec,
     phase: Phase,
     max_size: int,
-) -> list[tuple[int, Backend]]:
-    """The fastest measured candidate per step-size bucket, ``(largest step size, backend)``
-    ascending; [] where fewer than two candidates share a measured bucket.
+) -> list[tuple[int, Backend, int]]:
+    """The fastest measured candidate per step-size bucket, ``(largest step size, backend, the
+    bucket's measured size)`` ascending; [] where fewer than two candidates share a measured
+    bucket.
 
     The buckets are the step sizes (requests, or tokens in prefill: :func:`step_size_unit`)
     every measured candidate was timed at, up to ``max_size``. A step of size ``n`` belongs to
@@ -1427,7 +1464,7 @@ def _bucket_winners(
         for n in common
     ]
     bounds = [math.isqrt(a * b) for a, b in itertools.pairwise(common)] + [max_size]
-    return list(zip(bounds, winners, strict=True))
+    return list(zip(bounds, winners, common, strict=True))
 
 
 def _bucket_winner(
@@ -1455,6 +1492,41 @@ def _bucket_winner(
         return (worst, t, b.qualified_name)
 
     return min(measured, key=key)[0]
+
+
+def _request_splits(
+    tuning: TuningData,
+    candidates: Sequence[Backend],
+    spec: LayerSpec,
+    winners: Sequence[tuple[int, Backend, int]],
+    max_requests: int,
+) -> tuple[tuple[int, int, int, Backend], ...]:
+    """:attr:`PhaseChoice.by_requests` for prefill: in each token bucket of ``winners``
+    (:func:`_bucket_winners`), the fastest candidate at each request split every measured
+    candidate was timed at (:meth:`TuningData.shapes`), where they are not all one backend; the
+    bound between splits of ``a < b`` requests is ``floor(sqrt(a * b))``, the last reaching
+    ``max_requests``."""
+    rules: list[tuple[int, int, int, Backend]] = []
+    above = 0
+    for at_most, _, size in winners:
+        timed = [
+            (b, tuning.shapes(b.qualified_name, spec, Phase.PREFILL, size)) for b in candidates
+        ]
+        timed = [(b, pts) for b, pts in timed if pts]
+        common = sorted(set.intersection(*(set(pts) for _, pts in timed))) if timed else []
+        if len(timed) >= 2 and len(common) >= 2:
+            fastest = [_fastest_at(timed, r) for r in common]
+            if len({b.qualified_name for b in fastest}) > 1:
+                bounds = [math.isqrt(a * b) for a, b in itertools.pairwise(common)]
+                splits = list(zip([*bounds, max_requests], fastest, strict=True))
+                rules += [(above, at_most, r, b) for r, b in _merge_buckets(splits)]
+        above = at_most
+    return tuple(rules)
+
+
+def _fastest_at(timed: Sequence[tuple[Backend, dict[int, float]]], shape: int) -> Backend:
+    """The candidate of ``timed`` (backend, its points) fastest at point ``shape``."""
+    return min(timed, key=lambda item: (item[1][shape], item[0].qualified_name))[0]
 
 
 def _merge_buckets(winners: Sequence[tuple[int, Backend]]) -> tuple[tuple[int, Backend], ...]:
@@ -1550,11 +1622,15 @@ def _with_options(
         given = carry(p.backend)
         if given is not None:
             p = replace(p, backend=given[0], option_sources=given[1])
-        if p.by_step_size:
+        if p.by_step_size or p.by_requests:
             p = replace(
                 p,
                 by_step_size=tuple(
                     (bound, (carry(b) or (b, ()))[0]) for bound, b in p.by_step_size
+                ),
+                by_requests=tuple(
+                    (above, at_most, r, (carry(b) or (b, ()))[0])
+                    for above, at_most, r, b in p.by_requests
                 ),
             )
         phases.append(p)

@@ -158,6 +158,10 @@ def bench_model(
     for group, phase, _ in work:  # the tuned plan, as explain shows it
         pc = tuned.choice(group.group_id).phase_choice(phase)
         switch = "; ".join(f"<= {n}: {b.qualified_name}" for n, b in pc.by_step_size)
+        switch += "".join(
+            f"; {above + 1}-{at_most} tokens in <= {r} requests: {b.qualified_name}"
+            for above, at_most, r, b in pc.by_requests
+        )
         print(f"# {name} {group.group_id} {phase.value}: {pc.backend.qualified_name}"
               + (f" (by step size: {switch})" if switch else ""), flush=True)  # fmt: skip
     # 2. the check points, every candidate in alternating rounds
@@ -167,7 +171,8 @@ def bench_model(
         pc = tuned.choice(group.group_id).phase_choice(phase)
         for batch, context in points:
             size = step_size(phase, batch, batch * context)
-            chosen = pc.backend_for_step(size).qualified_name
+            requests = batch if phase is Phase.PREFILL else None  # prefill may switch by them
+            chosen = pc.backend_for_step(size, requests).qualified_name
             medians: dict[str, float] = {}
             if len(cands) > 1:
                 samples: dict[str, list[float]] = {b.qualified_name: [] for b in cands}

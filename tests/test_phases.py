@@ -814,3 +814,69 @@ def test_a_feature_priority_ranks_the_backend_lower_for_layers_with_that_feature
     alone.register_plugin(make_plugin("flashinfer", [slow_sinks]), name="flashinfer")
     plan = _plan(alone, specs=(SINKS_LAYER,))
     assert set(_phases(plan, plan.choices[0].group.group_id).values()) == {"flashinfer:flashinfer"}
+
+
+# gpt-oss's sliding layers on the H200 (us): 4096 prefill tokens as one request, fa3 is faster;
+# as four of 1024, flashinfer; at 8192 tokens fa3 both ways.
+SPLITS = {
+    ("fa3:fa3", "prefill", 1, 4096): 100.0,
+    ("fa3:fa3", "prefill", 4, 1024): 158.4,
+    ("flashinfer:flashinfer", "prefill", 1, 4096): 150.0,
+    ("flashinfer:flashinfer", "prefill", 4, 1024): 132.7,
+    ("fa3:fa3", "prefill", 1, 8192): 187.2,
+    ("fa3:fa3", "prefill", 4, 2048): 300.0,
+    ("flashinfer:flashinfer", "prefill", 1, 8192): 275.6,
+    ("flashinfer:flashinfer", "prefill", 4, 2048): 310.0,
+}
+
+
+def test_a_prefill_bucket_whose_request_splits_disagree_switches_by_requests(registry):
+    cons = ExecutionConstraints(max_batch_size=64, max_num_tokens=16384)
+    plan = select(group_layers([FULL]), registry(), H200, cons, tuning=_shaped_tuning(SPLITS))
+    prefill = plan.choice("full").phase_choice("prefill")
+    # token buckets 4096 and 8192: bound isqrt(4096 * 8192) = 5792; requests 1 and 4: bound 2
+    assert [(a, m, r, b.qualified_name) for a, m, r, b in prefill.by_requests] == [
+        (0, 5792, 2, "fa3:fa3"),
+        (0, 5792, 64, "flashinfer:flashinfer"),
+    ]
+    assert prefill.by_step_size == ()  # fa3 loses least in both buckets
+    assert prefill.backend.qualified_name == "fa3:fa3"
+    assert [
+        prefill.backend_for_step(t, r).qualified_name
+        for t, r in ((4096, 1), (4096, 4), (4000, 3), (12000, 1), (8192, 4))
+    ] == ["fa3:fa3", "flashinfer:flashinfer", "flashinfer:flashinfer", "fa3:fa3", "fa3:fa3"]
+    assert prefill.backend_for_step(4096).qualified_name == "fa3:fa3"  # by tokens alone
+    assert {b.qualified_name for b in plan.choice("full").backends} == {
+        "fa3:fa3",
+        "flashinfer:flashinfer",
+    }
+    entry = plan.to_dict()["groups"][0]["phases"]["prefill"]["by_requests"]
+    assert entry[0] == {
+        "tokens_above": 0,
+        "tokens_max": 5792,
+        "requests_max": 2,
+        "backend": "fa3:fa3",
+    }
+    from attn_core.cli import format_plan
+
+    text = format_plan(plan)
+    assert "by requests (tuned): 1-5792 tokens, <= 2 requests: fa3:fa3;" in text, text
+    assert "1-5792 tokens, <= 64 requests: flashinfer:flashinfer" in text, text
+
+
+def test_no_request_switching_when_prefill_steps_are_captured(make_plugin):
+    """Graph mode full replays a captured prefill graph for other request counts: no
+    by_requests (the token buckets still switch)."""
+    import attn_core.reference.plugin as ref
+
+    graphs = {"none", "decode", "full"}
+    reg = Registry(strict=True)
+    reg.register_plugin(ref, name="attn_core")
+    for name, prio in (("fa3", 90), ("flashinfer", 100)):
+        reg.register_plugin(
+            make_plugin(name, [_backend(name, prio, graph_modes=graphs)]), name=name
+        )
+    cons = ExecutionConstraints(max_batch_size=64, max_num_tokens=16384, graph_mode="full")
+    plan = select(group_layers([FULL]), reg, H200, cons, tuning=_shaped_tuning(SPLITS))
+    assert plan.constraints.graph_mode.value == "full"
+    assert plan.choice("full").phase_choice("prefill").by_requests == ()

@@ -421,6 +421,33 @@ def test_prefill_switches_backend_by_tokens_per_step_from_tuning(registry, log):
     _steps_run_on(lane, reference, steps, log, first_seed=30)
 
 
+def test_prefill_switches_backend_by_requests_within_a_token_bucket(registry, log):
+    """One token bucket (8) timed as 1 request and as 4: pre:pre faster as one, dec:dec as
+    four. A prefill of 8 tokens in 1 or 2 requests runs on pre:pre (bound isqrt(1 * 4) = 2),
+    in 3 or 4 on dec:dec, without re-planning; outputs equal the reference's."""
+    tuning = TuningData()
+    for spec in (GDN, FULL):
+        for backend, one, four in (("pre:pre", 1.0, 5.0), ("dec:dec", 3.0, 2.0)):
+            shapes = {1: one, 4: four}
+            tuning.record(backend, spec, (one * four) ** 0.5, phase="prefill", tokens=8,
+                          shapes=shapes)  # fmt: skip
+    cons = ExecutionConstraints(**LIMITS)
+    lane = Lane(registry, cons, tuning=tuning)
+    prefill = lane.plan.choice("full").phase_choice("prefill")
+    assert [(a, m, r, b.qualified_name) for a, m, r, b in prefill.by_requests] == [
+        (0, 32, 2, "pre:pre"),
+        (0, 32, 4, "dec:dec"),
+    ]
+    reference = Lane(registry, cons.with_(force={"full": "reference", "linear": "reference"}))
+    steps = [
+        ([(0, 8)], "pre:pre"),
+        ([(1, 2), (2, 2), (3, 2), (4, 2)], "dec:dec"),
+        ([(5, 4), (6, 4)], "pre:pre"),
+        ([(0, 3), (1, 3), (2, 2)], "dec:dec"),  # more prompt of three of them: chunked prefill
+    ]
+    _steps_run_on(lane, reference, steps, log, first_seed=40)
+
+
 def test_each_context_is_allocated_for_the_demands_of_its_own_phases(make_plugin):
     """Under graph mode decode with draft tokens, a backend that serves only prefill (eager, no
     graph support) is admitted and allocated without the graph mode or draft tokens; the
