@@ -378,7 +378,15 @@ def _phase_table(c, p, title: str) -> str:
             )
         )
     rows = [[name, "chosen" + note, "\n".join(chosen_notes)]]
-    rows += [[b, "admissible, ranked lower", here.get(b, "")] for b in p.outranked]
+    switching = {b.qualified_name for b in p.switch_backends} - {name}
+    rows += [
+        [
+            b,
+            "serves some steps (tuned)" if b in switching else "admissible, ranked lower",
+            here.get(b, ""),
+        ]
+        for b in p.outranked
+    ]
     for backend, reasons in sorted(p.rejections_by_backend().items()):
         lines = [f"[{r.code}] {r.reason}" + (f" -> fix: {r.fix}" if r.fix else "") for r in reasons]
         if backend in here:

@@ -862,6 +862,7 @@ def test_a_prefill_bucket_whose_request_splits_disagree_switches_by_requests(reg
     text = format_plan(plan)
     assert "by requests (tuned): 1-5792 tokens, <= 2 requests: fa3:fa3;" in text, text
     assert "1-5792 tokens, <= 64 requests: flashinfer:flashinfer" in text, text
+    assert "serves some steps (tuned)" in text, text  # flashinfer, not "ranked lower"
 
 
 def test_no_request_switching_when_prefill_steps_are_captured(make_plugin):
