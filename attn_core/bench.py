@@ -17,6 +17,11 @@ lengths), which the selector ranks each phase (and batch-size bucket) by. Option
 ``plot`` extra, ``pip install 'attn-core[plot]'``). Framework overhead is reported as a ratio:
 the layer call through ``LayerAttentionBinding.forward`` over the same backend forward called
 directly with the same inputs.
+
+Steps are timed the way the run would take them: eagerly (back-to-back calls, so a backend
+whose launch costs more host time than its kernels shows it), and, for the phases the run's
+graph mode captures (``--graph-mode decode``: decode and verify; ``full``: prefill too), as a
+CUDA-graph replay of the step after one ``prepare``. Tune with the graph mode the server runs.
 """
 
 from __future__ import annotations
@@ -43,7 +48,15 @@ from attn_core.selector import (
     step_size,
     step_size_unit,
 )
-from attn_core.specs import LayerGroup, LayerKind, LayerSpec, LinearVariant, Phase, torch_dtype
+from attn_core.specs import (
+    GraphMode,
+    LayerGroup,
+    LayerKind,
+    LayerSpec,
+    LinearVariant,
+    Phase,
+    torch_dtype,
+)
 from attn_core.tables import render_table
 
 __all__ = [
@@ -234,8 +247,17 @@ def bench_group(
     def direct():
         group_rt.forward(binding, q, k, v, out, **inputs)
 
-    us = _time(through_binding, iters, device)
-    us_direct = _time(direct, iters, device)
+    if device.type == "cuda" and _captured(one, phase):
+        # the run replays this phase's steps from CUDA graphs: time the replay, so that host
+        # time per call (large for some kernel libraries' Python launchers) does not rank
+        # backends as it would an eager run
+        from attn_core.bench_util import capture_graph
+
+        us = _time(capture_graph(through_binding).replay, iters, device)
+        us_direct = _time(capture_graph(direct).replay, iters, device)
+    else:
+        us = _time(through_binding, iters, device)
+        us_direct = _time(direct, iters, device)
     return BenchResult(
         group.group_id,
         backend.qualified_name,
@@ -245,6 +267,12 @@ def bench_group(
         batch=batch,
         context=context,
     )
+
+
+def _captured(plan: Plan, phase: Phase) -> bool:
+    """Whether ``plan``'s run captures ``phase``'s steps in CUDA graphs (decode and verify under
+    graph mode ``decode`` or ``full``, prefill under ``full``)."""
+    return plan.phase_graph_modes(phase)[1] is not GraphMode.NONE
 
 
 def _grid(text: str | int, flag: str) -> list[int]:

@@ -22,7 +22,9 @@ Usage (on the GPU, plugins installed)::
     python bench/bench_tuned_plans.py [--models qwen3,gpt-oss,deepseek-v3,qwen3-next]
         [--rounds 3] [--out tuned.json]
 
-``--out`` holds ``{"rows": [...], "tuning": {model: tuning file content}}``.
+``--out`` holds ``{"rows": [...], "tuning": {model: tuning file content}}``. ``--graph-mode
+decode`` tunes and checks the way a server replaying decode graphs runs (decode and verify
+steps timed as CUDA-graph replays).
 """
 
 from __future__ import annotations
@@ -132,7 +134,7 @@ def bench_model(
     file's content) and time every candidate at the check points: one row per point."""
     caps = DeviceCapabilities.detect(device)
     layout = specs_from_hf_config(load_sample(name), dtype="bfloat16")
-    constraints = ExecutionConstraints()
+    constraints = ExecutionConstraints(graph_mode=args.graph_mode)  # captured phases: replays
     plan = select(layout.groups, registry, caps, constraints)
     constraints = plan.constraints
     tuning = TuningData(device=caps.short())
@@ -226,6 +228,12 @@ def main() -> int:
         "--decode-points", default="1x32768,4x8192,8x16384,64x4096,128x2048,256x2048,1024x1024"
     )
     ap.add_argument("--prefill-points", default="1x8192,2x2048,3x4000,1x12000,4x1024")
+    ap.add_argument(
+        "--graph-mode",
+        default="none",
+        choices=["none", "decode", "full"],
+        help="the run's CUDA-graph mode: the phases it captures are timed as graph replays",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None)

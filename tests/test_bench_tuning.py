@@ -198,3 +198,37 @@ def test_bench_times_every_stack_of_a_multimodal_model(timed, capsys):
     assert (
         "whisper: cross-attention in decoder layers 0-31: no layer kind" in capsys.readouterr().err
     )
+
+
+def test_the_phases_a_graph_mode_captures_are_the_ones_timed_as_replays():
+    """bench_group times a phase as a CUDA-graph replay exactly where the run's graph mode
+    captures it: decode and verify under decode and full, prefill under full only."""
+    from attn_core.bench import _captured
+    from attn_core.selector import Plan
+    from attn_core.specs import DeviceCapabilities, ExecutionConstraints
+
+    def plan(mode: str) -> Plan:
+        return Plan(
+            device=DeviceCapabilities.target("h200"),
+            constraints=ExecutionConstraints(graph_mode=mode),
+            choices=(),
+            page_size=16,
+            kv_layout="NHD",
+        )
+
+    captured = {
+        (mode, phase.value): _captured(plan(mode), phase)
+        for mode in ("none", "decode", "full")
+        for phase in Phase
+    }
+    assert captured == {
+        ("none", "prefill"): False,
+        ("none", "decode"): False,
+        ("none", "verify"): False,
+        ("decode", "prefill"): False,
+        ("decode", "decode"): True,
+        ("decode", "verify"): True,
+        ("full", "prefill"): True,
+        ("full", "decode"): True,
+        ("full", "verify"): True,
+    }
