@@ -363,7 +363,7 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
     layout = specs_from_hf_config(args.model, tp_size=args.tp, dtype=dtype, stack=stack)
     plan = select(layout.groups, registry, caps, constraints)
     constraints = plan.constraints  # the graph mode the policy may have lowered, forced entries
-    tuning = TuningData(device=caps.short())
+    tuning = TuningData(device=caps.short(), graph_mode=constraints.graph_mode.value)
     results: list[BenchResult] = []
     skipped: list[str] = []
     batches = _grid(args.batch, "--batch")

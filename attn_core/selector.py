@@ -12,13 +12,14 @@ bucket whose request splits disagree also switches by requests: ``PhaseChoice.by
 the rest by the default rule: every other backend before the reference
 (``attn_core:reference``), whatever their priorities and names, then by declared priority in
 that phase for the layer (higher first; ``feature_priority`` lowers it for a layer feature),
-then by qualified name. Settings that must be shared by every group and phase - page size, KV layout (every phase's
-backend reads the group's one persistent state) and CUDA-graph mode - are chosen for the whole
-model: the selector tries each candidate page size / layout and keeps the first one under which
-every group and phase has a backend, preferring the model's own page size; when
-some group has no backend under the run's graph mode, the downgrade policy may lower it (full ->
-decode -> none). Each phase is held to how its steps are captured: under ``full`` prefill / mixed
-steps need ``full``, decode / verify steps ``decode`` (``Plan.phase_graph_modes``).
+then by qualified name. Settings that must be shared by every group and phase - page size, KV
+layout (every phase's backend reads the group's one persistent state) and CUDA-graph mode - are
+chosen for the whole model: the selector tries each candidate page size / layout and keeps the
+first one under which every group and phase has a backend, preferring the model's own page
+size; when some group has no backend under the run's graph mode, the downgrade policy may lower
+it (full -> decode -> none). Each phase is held to how its steps are captured: under ``full``
+prefill / mixed steps need ``full``, decode / verify steps ``decode``
+(``Plan.phase_graph_modes``).
 
 A plan is for this machine when its device is one this machine has (the CPU, or a CUDA device of
 the same name and compute capability): a backend this machine cannot load (``available=False``)
@@ -466,7 +467,11 @@ class TuningData:
     """
 
     times_us: dict[TuningKey, float] = field(default_factory=dict)
+    #: the device measured on (:meth:`DeviceCapabilities.short`); "" unknown
     device: str = ""
+    #: the graph mode the captured phases were timed under ("none": every step eager; ""
+    #: unknown, as in files written before it was recorded)
+    graph_mode: str = ""
     #: per bucket, its points' times: ``{context: us}`` in decode and verify (cached tokens per
     #: request at that batch size), ``{requests: us}`` in prefill (the bucket's tokens split
     #: into that many requests)
@@ -573,7 +578,10 @@ class TuningData:
                     for k, v in sorted(self.shape_us[key].items())
                 ]
             entries.append(entry)
-        return {"format": TUNING_FORMAT, "device": self.device, "entries": entries}
+        payload: dict[str, Any] = {"format": TUNING_FORMAT, "device": self.device}
+        if self.graph_mode:
+            payload["graph_mode"] = self.graph_mode
+        return {**payload, "entries": entries}
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> TuningData:
@@ -586,7 +594,7 @@ class TuningData:
             raise ValueError(
                 f"tuning file {path}: format {fmt!r}, expected {TUNING_FORMAT} (or 2, 1)"
             )
-        data = cls(device=payload.get("device", ""))
+        data = cls(device=payload.get("device", ""), graph_mode=payload.get("graph_mode") or "")
         folded: dict[TuningKey, list[float]] = {}
         for i, e in enumerate(payload["entries"]):
             phase = e.get("phase")
@@ -1094,6 +1102,8 @@ def select(
         local = is_this_machine(device)
     if tuning is None and os.environ.get(ENV_TUNING):
         tuning = TuningData.load(os.environ[ENV_TUNING])
+    if tuning is not None:
+        _warn_foreign_tuning(tuning, device, constraints)
     backends = registry.backends
     targets = {k.value for k in LayerKind} | {g.group_id for g in groups}
     expected = (
@@ -1239,6 +1249,28 @@ def select(
         _apply_downgrade_policy(lowered)
         return lowered
     raise SelectionError(message)
+
+
+def _warn_foreign_tuning(
+    tuning: TuningData, device: DeviceCapabilities, constraints: ExecutionConstraints
+) -> None:
+    """Warn where the tuning data was measured on another device, or timed the captured phases
+    under another graph mode than the run's: its times rank backends as they ran there."""
+    differ = []
+    if tuning.device and tuning.device != device.short():
+        differ.append(f"measured on {tuning.device}, the plan is for {device.short()}")
+    if tuning.graph_mode and tuning.graph_mode != constraints.graph_mode.value:
+        differ.append(
+            f"timed under graph mode {tuning.graph_mode}, the run asks for "
+            f"{constraints.graph_mode.value}"
+        )
+    if differ:
+        warnings.warn(
+            "the tuning data ranks backends as they ran where it was measured: "
+            + "; ".join(differ)
+            + " (re-run attn bench --write-tuning on this device with the run's --graph-mode)",
+            stacklevel=3,
+        )
 
 
 #: Graph modes from the most captured to none: the order the downgrade policy lowers them in.

@@ -137,7 +137,7 @@ def bench_model(
     constraints = ExecutionConstraints(graph_mode=args.graph_mode)  # captured phases: replays
     plan = select(layout.groups, registry, caps, constraints)
     constraints = plan.constraints
-    tuning = TuningData(device=caps.short())
+    tuning = TuningData(device=caps.short(), graph_mode=constraints.graph_mode.value)
     work = []  # (group, phase, candidates)
     for group in layout.groups:
         for phase in plan.choice(group.group_id).planned_phases:

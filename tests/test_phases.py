@@ -86,7 +86,7 @@ def _phases(plan, group="full") -> dict[str, str]:
 def _tuning(times: dict[tuple[str, str, int], float], spec: LayerSpec = FULL) -> TuningData:
     """A stand-in timing table: {(backend, phase, step size): us}; the size is a batch in
     decode / verify and a token count in prefill."""
-    t = TuningData(device="h200")
+    t = TuningData(device=H200.short())
     for (backend, phase, size), us in times.items():
         key = {"tokens": size} if phase == "prefill" else {"batch": size}
         t.record(backend, spec, us, phase=phase, **key)
@@ -439,7 +439,7 @@ def test_tuning_file_format_3_round_trip(tmp_path):
         ("flashinfer:flashinfer", None, None, None),
     }
     back = TuningData.load(path)
-    assert back.times_us == t.times_us and back.device == "h200"
+    assert back.times_us == t.times_us and back.device == H200.short()
     assert back.time("fa3:fa3", FULL, Phase.DECODE) == 5.0
     assert back.time("fa3:fa3", FULL, Phase.VERIFY) is None
     assert back.time("flashinfer:flashinfer", FULL, Phase.VERIFY) == 3.0
@@ -696,7 +696,7 @@ def _shaped_tuning(times: dict[tuple[str, str, int, int], float]) -> TuningData:
     and bench/bench_tuned_plans.py record a grid."""
     from attn_core.bench import record_measured
 
-    t = TuningData(device="h200")
+    t = TuningData(device=H200.short())
     by: dict[tuple[str, str], list[tuple[int, int, float]]] = {}
     for (backend, phase, batch, context), us in times.items():
         by.setdefault((backend, phase), []).append((batch, context, us))

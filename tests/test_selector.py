@@ -290,7 +290,7 @@ def test_graph_mode_full_has_no_linear_backend(five, groups):
 # Ranking by tuning data, then priority
 # ------------------------------------------------------------------------------------------
 def test_tuning_data_ranks_before_priority(five, groups, tmp_path, monkeypatch):
-    tuning = TuningData(device="h200")
+    tuning = TuningData(device=H200.short())
     tuning.record("attn_core:reference", GLOBAL, 5.0)  # measured faster than flash (unmeasured)
     plan = select(groups, five, H200, _allow(), tuning=tuning)
     assert _picked(plan)["full"] == "attn_core:reference"
@@ -310,7 +310,7 @@ def test_tuning_data_ranks_before_priority(five, groups, tmp_path, monkeypatch):
 def test_a_tuning_file_from_before_a_spec_field_still_matches(tmp_path):
     """A file written before ``attention_chunk_size`` existed lacks the field: its times hold
     for the layer with the field unset (not silently for no layer), and never for a chunked one."""
-    tuning = TuningData(device="h200")
+    tuning = TuningData(device=H200.short())
     tuning.record("fastattn:flash", GLOBAL, 3.0)
     path = tmp_path / "tuning.json"
     tuning.save(path)
@@ -873,3 +873,26 @@ def test_explain_says_the_graph_mode_was_lowered(make_plugin):
     assert "graph mode: decode (lowered from full)   " in format_plan(plan)
     plan = select(group_layers([SMALL]), reg, CPU, _allow(graph_mode="decode"))
     assert "graph mode: decode   " in format_plan(plan)
+
+
+def test_tuning_from_another_device_or_graph_mode_is_named_in_a_warning(five, groups, tmp_path):
+    """A tuning file keeps the device and the graph mode it was timed under; a plan for another
+    device, or a run with another graph mode, warns that its ranking is foreign (and still
+    uses it)."""
+    tuning = TuningData(device=H200.short(), graph_mode="none")
+    tuning.record("attn_core:reference", GLOBAL, 5.0)
+    path = tmp_path / "tuning.json"
+    tuning.save(path)
+    loaded = TuningData.load(path)
+    assert (loaded.device, loaded.graph_mode) == (H200.short(), "none")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same device and graph mode: silent
+        select(groups, five, H200, _allow(), tuning=loaded)
+    h100 = DeviceCapabilities.target("h100")
+    with pytest.warns(
+        UserWarning, match=r"measured on NVIDIA H200 .*, the plan is for NVIDIA H100"
+    ):
+        plan = select(groups, five, h100, _allow(), tuning=loaded)
+    assert _picked(plan)["full"] == "attn_core:reference"  # still ranked by it
+    with pytest.warns(UserWarning, match=r"timed under graph mode none, the run asks for decode"):
+        select(groups, five, H200, _allow(graph_mode="decode"), tuning=loaded)
