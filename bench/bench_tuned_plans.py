@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
 from pathlib import Path
@@ -128,10 +129,16 @@ def _time(group, backend, registry, plan, device, phase, batch, context, iters) 
 
 
 def bench_model(
-    name: str, registry: Registry, device: torch.device, args, tunings: dict[str, Any]
-) -> list[dict]:
+    name: str,
+    registry: Registry,
+    device: torch.device,
+    args,
+    tunings: dict[str, Any],
+    rows: list[dict],
+) -> None:
     """Tune ``name``'s groups, plan with the tuning data (kept in ``tunings[name]``, the tuning
-    file's content) and time every candidate at the check points: one row per point."""
+    file's content) and time every candidate at the check points: one row per point, appended
+    to ``rows`` as it is measured."""
     caps = DeviceCapabilities.detect(device)
     layout = specs_from_hf_config(load_sample(name), dtype="bfloat16")
     constraints = ExecutionConstraints(graph_mode=args.graph_mode)  # captured phases: replays
@@ -167,7 +174,6 @@ def bench_model(
         print(f"# {name} {group.group_id} {phase.value}: {pc.backend.qualified_name}"
               + (f" (by step size: {switch})" if switch else ""), flush=True)  # fmt: skip
     # 2. the check points, every candidate in alternating rounds
-    rows = []
     for group, phase, cands in work:
         points = _points(args.prefill_points if phase is Phase.PREFILL else args.decode_points)
         pc = tuned.choice(group.group_id).phase_choice(phase)
@@ -211,7 +217,6 @@ def bench_model(
                 }
             )
             print(_row_line(rows[-1]), flush=True)  # a run cut short keeps its rows
-    return rows
 
 
 def main() -> int:
@@ -243,10 +248,12 @@ def main() -> int:
     print(HEADER, flush=True)
     rows: list[dict] = []
     tunings: dict[str, Any] = {}
+    # a run cut at its limit (timeout sends SIGTERM) still writes what it measured
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     try:
         for name in args.models.split(","):
-            rows += bench_model(name, registry, device, args, tunings)
-    finally:  # a run cut short keeps what it measured
+            bench_model(name, registry, device, args, tunings, rows)
+    finally:
         worst = max((r["ratio"] for r in rows), default=float("nan"))
         print(f"worst ratio chosen/fastest: {worst:.3f} (goal <= 1.03) over {len(rows)} points")
         if args.out:
