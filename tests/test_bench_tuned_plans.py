@@ -1,0 +1,110 @@
+"""bench/bench_tuned_plans.py on the CPU with stand-in timings: the tuning grid, the tuned plan
+and the check rows are the script's own; only the kernel times are a table."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import attn_core.reference.plugin as ref
+from attn_core.backend import Backend, BackendCapabilities
+from attn_core.bench import BenchResult
+from attn_core.registry import Registry
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location(
+        "bench_tuned_plans", ROOT / "bench" / "bench_tuned_plans.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _time(backend: str, phase: str, batch: int, context: int) -> float:
+    """short:s is fastest at short contexts and single-request prefill, long:l at long contexts
+    and split prefill: every bucket's points disagree."""
+    if phase == "prefill":
+        per_token = (
+            {"short:s": 1.0, "long:l": 1.3} if batch == 1 else {"short:s": 1.6, "long:l": 1.2}
+        )
+        return per_token[backend] * batch * context
+    per_token = (
+        {"short:s": 1.0, "long:l": 2.0} if context <= 4096 else {"short:s": 4.0, "long:l": 1.5}
+    )
+    return per_token[backend] * batch * context / 1000
+
+
+@pytest.fixture
+def registry(make_plugin) -> Registry:
+    def backend(name: str, priority: int) -> Backend:
+        caps = BackendCapabilities(
+            kinds={"full"}, device_types={"cpu"}, dtypes={"bfloat16", "float32"}
+        )
+        return Backend(name=name, capabilities=caps, priority=priority)
+
+    def allocate(backend, group, device, constraints, state, workspace):
+        return ref.attn_core_allocate_context(
+            backend=backend, group=group, device=device, constraints=constraints, state=state,
+            workspace=workspace,
+        )  # fmt: skip
+
+    reg = Registry(strict=True)
+    reg.register_plugin(ref, name="attn_core")
+    reg.register_plugin(make_plugin("short", [backend("s", 50)], allocate=allocate), name="short")
+    reg.register_plugin(make_plugin("long", [backend("l", 60)], allocate=allocate), name="long")
+    return reg
+
+
+def test_the_tuned_plan_is_checked_on_and_off_its_grid(registry, monkeypatch, capsys):
+    script = _script()
+    timed = []
+
+    def stand_in(group, backend, registry, plan, device, *, batch, context, iters, phase):
+        timed.append((phase.value, backend.qualified_name, batch, context))
+        us = _time(backend.qualified_name, phase.value, batch, context)
+        return BenchResult(group.group_id, backend.qualified_name, us, us, phase=phase.value,
+                           batch=batch, context=context)  # fmt: skip
+
+    monkeypatch.setattr(script, "bench_group", stand_in)
+    args = argparse.Namespace(
+        tune_batch="1,16", tune_context="2048,16384", max_kv_tokens=2**18,
+        tune_prefill="1024,4096", tune_prefill_requests="1,4", graph_mode="none",
+        decode_points="1x2048,1x32768,16x8192", prefill_points="1x4096,4x1024,2x2048",
+        rounds=2, iters=1,
+    )  # fmt: skip
+    rows: list[dict] = []
+    tunings: dict = {}
+    script.bench_model("qwen3", registry, torch.device("cpu"), args, tunings, rows)
+    # the decode grid stops at max_kv_tokens: 16 x 16384 = 2^18 is in, nothing above
+    assert {(b, c) for ph, n, b, c in timed if ph == "decode" and n == "long:l"} >= {
+        (1, 2048), (1, 16384), (16, 2048), (16, 16384)
+    }  # fmt: skip
+    got = {(r["phase"], r["batch"], r["context"]): (r["chosen"], r["fastest"]) for r in rows}
+    # prefill: one token bucket per count, switched by requests (1: short, 4: long)
+    assert got[("prefill", 1, 4096)] == ("short:s", "short:s")
+    assert got[("prefill", 4, 1024)] == ("long:l", "long:l")
+    # decode: a batch bucket's contexts disagree; the worst ratio decides (long loses 2x at 2k,
+    # short 2.7x at 16k), so 1 x 2048 is a miss the check reports
+    assert got[("decode", 1, 2048)] == ("long:l", "short:s")
+    assert got[("decode", 1, 32768)] == ("long:l", "long:l")
+    ratios = {(r["phase"], r["batch"], r["context"]): r["ratio"] for r in rows}
+    assert ratios[("decode", 1, 2048)] == pytest.approx(2.0)
+    assert ratios[("prefill", 4, 1024)] == pytest.approx(1.0)
+    notes = {(r["phase"], r["batch"], r["context"]): r["note"] for r in rows}
+    assert (
+        notes[("prefill", 4, 1024)] == "tuned point"
+        and notes[("decode", 1, 32768)] == "not tuned on"
+    )
+    # the tuning data the plan used travels with the rows
+    entries = tunings["qwen3"]["entries"]
+    assert any(e.get("points") for e in entries)
+    out = capsys.readouterr().out
+    assert "# qwen3 full prefill:" in out and "tokens in <= 2 requests: short:s" in out, out
