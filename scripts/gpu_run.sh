@@ -9,7 +9,9 @@
 #           kit_ssm_x2                                      (the triton_ssm kit over both GPUs)
 #           t_ssd                                           (triton_ssm Mamba2 / SSD tests only)
 #           t_mamba1                                        (Mamba1: triton_ssm and e2e tests)
+#           t_generic                                       (generic adapter on the GPU plugins)
 #           b_fi b_ssm b_runtime b_e2e b_kvw b_tuned        (benchmarks, JSON under $OUT)
+#           b_ssd b_gdn b_kda                               (triton_ssm prefill rows, one each)
 #           run                                             (attn run --model all)
 #           NAME=COMMAND                                    (any shell command, logged as NAME)
 # Stages run in order; pick the GPU with CUDA_VISIBLE_DEVICES to run two lanes at once, and set
@@ -98,6 +100,10 @@ kit_varlen) run kit_varlen 300 "${PYTEST[@]}" --attn-backend=varlen:varlen
 b_fi) run b_fi 400 python3 attn_plugins/flashinfer/bench/bench_flashinfer.py ${BENCH_FI_ARGS:-} --out "$OUT/bench_flashinfer.json" ;;
 b_ssm) run b_ssm 450 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --prefill --plugin --budget-s 400 --out "$OUT/bench_ssm.json" ;;
 b_kvw) run b_kvw 120 python3 bench/bench_kv_write.py ;;
+t_generic) run t_generic 400 "${PYTEST[@]}" tests/e2e/test_run_dense.py -k on_gpu_plugins ;;
+b_ssd) run b_ssd 300 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --mamba2-sweep --only mamba2_sweep --no-fla --budget-s 280 --out "$OUT/bench_ssd.json" ;;
+b_gdn) run b_gdn 300 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --prefill --only gdn_prefill --budget-s 280 --out "$OUT/bench_gdn.json" ;;
+b_kda) run b_kda 360 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --prefill --only kda_prefill --budget-s 340 --out "$OUT/bench_kda.json" ;;
 b_tuned) run b_tuned 400 python3 bench/bench_tuned_plans.py ${BENCH_TUNED_ARGS:-} --out "$OUT/bench_tuned.json" ;;
 b_runtime) run b_runtime 120 python3 bench/bench_runtime.py --device cuda --count-calls --out "$OUT/bench_runtime.json" ;;
 b_e2e) run b_e2e 450 python3 bench/bench_e2e.py --device cuda --out "$OUT/bench_e2e.json" ;;
