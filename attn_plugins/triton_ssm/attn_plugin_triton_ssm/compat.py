@@ -221,7 +221,8 @@ def max_shared_memory(device_index: int) -> int:
     """
     if device_index not in _State.shared_memory:
         props = torch.cuda.get_device_properties(device_index)
-        low = int(props.shared_memory_per_block)
+        # 48 KiB: what any CUDA block may use, where torch does not name the number
+        low = int(getattr(props, "shared_memory_per_block", 0)) or 48 * 1024
         high = int(getattr(props, "shared_memory_per_multiprocessor", 0)) or None
         try:
             import triton
