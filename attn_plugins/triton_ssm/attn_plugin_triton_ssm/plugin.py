@@ -59,6 +59,7 @@ from attn_core.batch import AttentionBatch, BatchMode
 from attn_core.context import WorkspaceRequirement
 from attn_core.errors import BackendInputError
 from attn_core.hookspecs import hookimpl
+from attn_core.options import OptionSpec
 from attn_core.specs import (
     DeviceCapabilities,
     ExecutionConstraints,
@@ -167,6 +168,21 @@ def _unavailable_reason(interpret: bool) -> str | None:
     return None
 
 
+#: The ``triton_ssm`` backend's options (``--option triton_ssm.ssd_states=activations``).
+OPTIONS = {
+    "ssd_states": OptionSpec(
+        str,
+        "float32",
+        "the dtype the Mamba2 / lightning SSD prefill stores its entering states in between "
+        "its kernels: float32 (exact as the carried state) or activations (the layer's dtype, "
+        "as mamba_ssm stores them: 1.2x the prefill rate at the granite-4.0-h shape on the "
+        "H200, the same error against a float32 reference there); carried and final states "
+        "stay float32",
+        choices=("float32", "activations"),
+    )
+}
+
+
 @hookimpl
 def attn_core_register_backends(register) -> None:
     interpret = _interpret_requested()
@@ -185,6 +201,7 @@ def attn_core_register_backends(register) -> None:
             unavailable_reason=reason,
             # whether fla-core's internal stages (compat.py) serve GDN prefill, and why not
             notes=compat.note(),
+            option_schema=OPTIONS,
         )
     )
     register(
@@ -379,6 +396,8 @@ class TritonSSMContext:
         self._conv_kernel = group.spec.conv_dims[1] if group.spec.has_conv else 1
         # Mamba2 and lightning attention (Mamba2 with dt = 1, no softplus) share the SSD kernels
         self._ssd = variant in (LinearVariant.MAMBA2, LinearVariant.LIGHTNING)
+        #: the SSD prefill's entering states in the activations' dtype (option ssd_states)
+        self._ssd_states_in_activations = backend.option("ssd_states") == "activations"
         self._dt_softplus = variant is LinearVariant.MAMBA2
         self._ones: torch.Tensor | None = None  # lightning's dt = 1, [max_num_tokens, H]
         self.constraints = constraints
@@ -577,6 +596,7 @@ class TritonSSMContext:
                 plan.cu_seqlens, D=inputs.get("D"), dt_bias=inputs.get("dt_bias"),
                 dt_softplus=self._dt_softplus,
                 cu_seqlens_cpu=plan.cu_seqlens_cpu,  # host offsets: no device sync
+                states_dtype=v.dtype if self._ssd_states_in_activations else None,
             )  # fmt: skip
             if out_t is None:
                 return y

@@ -264,3 +264,46 @@ def test_workspace_declared_per_layer_for_native_only(registry):
     assert tuple(ws["verify_states.0"].shape) == (4, 4, *spec.ssm_state_shape)
     replay = native.with_(spec_verify_strategy="replay")
     assert len(_lanes(registry, spec, replay)[1].runtime.workspaces["linear"]) == 0
+
+
+@pytest.mark.parametrize("states", [None, "float32", "activations"])
+@pytest.mark.parametrize("variant", ["mamba2", "lightning"])
+def test_the_ssd_states_option_reaches_the_prefill_and_matches_the_reference(
+    registry, monkeypatch, variant, states
+):
+    """``--option triton_ssm.ssd_states=activations``: the SSD prefill is asked for entering
+    states in the activations' dtype (float32 otherwise, the default), and the outputs and
+    states still match the reference (on CUDA the Triton SSD runs with them; without CUDA the
+    torch SSD runs, which keeps float32 states)."""
+    from attn_plugin_triton_ssm import kernels
+
+    asked: list[object] = []
+    real = kernels.mamba2_prefill
+
+    def recording(*args, **kwargs):
+        asked.append(kwargs.get("states_dtype"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "mamba2_prefill", recording)
+    spec = _spec(variant, dtype="bfloat16")
+    options = {} if states is None else {TRITON: {"ssd_states": states}}
+    constraints = ExecutionConstraints(max_batch_size=4, max_num_tokens=32, backend_options=options)
+    lanes = _lanes(registry, spec, constraints)
+    assert dict(lanes[1].runtime.plan.choices[0].backend.options) == {
+        "ssd_states": states or "float32"
+    }
+    _add(lanes, "a", 1)
+    _add(lanes, "b", 2)
+    res, t = _step(lanes, spec, [("a", 9), ("b", 5)], 3)
+    _compare(lanes, res, t, TOL["bfloat16"], f"{variant} prefill, ssd_states={states}")
+    want = torch.bfloat16 if states == "activations" else None
+    assert asked and set(asked) == {want}, asked
+
+
+def test_a_bad_ssd_states_value_names_the_choices(registry):
+    from attn_core.errors import SelectionError
+
+    spec = _spec("mamba2")
+    bad = ExecutionConstraints(backend_options={TRITON: {"ssd_states": "fp8"}})
+    with pytest.raises(SelectionError, match=r"ssd_states.*'fp8'.*float32.*activations"):
+        _lanes(registry, spec, bad)

@@ -280,6 +280,7 @@ def mamba2_prefill(
     chunk_size: int | None = None,
     impl: str = "auto",
     cu_seqlens_cpu: torch.Tensor | None = None,
+    states_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Mamba2 chunked prefill (SSD) over packed sequences, state in slots.
 
@@ -305,6 +306,9 @@ def mamba2_prefill(
     ``[N_seq]``, ``cu_seqlens`` ``[N_seq + 1]`` (device or host), ``cu_seqlens_cpu`` the same
     on the host when the caller has it (no device sync), ``D``/``dt_bias`` ``[H]``, ``z``
     ``[T, H, P]``.
+    :param states_dtype: ``"triton"``: the dtype the SSD stores its entering states in between
+        its kernels (:func:`~attn_plugin_triton_ssm.kernels.ssd.mamba2_ssd_triton`; None:
+        float32); the other implementations keep float32 states.
     :returns: ``y`` ``[T, H, P]`` in ``x``'s dtype.
     """
     check_shape("x", x, [None, None, None], "[T, H, P]")
@@ -332,6 +336,7 @@ def mamba2_prefill(
         return mamba2_ssd_triton(
             x, dt, A_log, B, C, ssm_state, state_indices, cu_seqlens_cpu, D=D, dt_bias=dt_bias,
             z=z, dt_softplus=dt_softplus, chunk_size=chunk_size or DEFAULT_CHUNK,
+            states_dtype=states_dtype or torch.float32,
         )  # fmt: skip
 
     dtf = dt.float() + (dt_bias.float() if dt_bias is not None else 0.0)
