@@ -274,6 +274,38 @@ def test_own_size_names_are_read_through_the_config_class() -> None:
 
 
 @pytest.mark.parametrize(
+    ("model_type", "extra", "pattern"),
+    [
+        # Falcon's attention takes hidden_size / heads; a head_dim field is not its config's
+        ("falcon", {"head_dim": 8}, r"config field 'head_dim' in layers 0-2: not understood"),
+        (
+            "gpt_neo",
+            {"attention_types": [[["global", "local"], 2]]},
+            r"attention_types=.* gives 4 layers; expected num_hidden_layers=3",
+        ),
+        (
+            "gpt_neo",
+            {"attention_types": [[["global", "sparse", "local"], 1]]},
+            r"attention_types has \['sparse'\]; GPT-Neo's layers are \['global', 'local'\]",
+        ),
+    ],
+)
+def test_module_adapted_model_types_refuse_what_they_do_not_read(
+    model_type: str, extra: dict[str, Any], pattern: str
+) -> None:
+    """Falcon and GPT-Neo (their attention modules replaced by the adapter's) map only their
+    config class's own fields and layer patterns."""
+    if model_type == "falcon":
+        cfg = _defaults(model_type, num_hidden_layers=3)
+    else:  # a valid GPT-Neo config, its pattern then changed (the class checks its length)
+        cfg = _defaults(
+            model_type, num_layers=3, attention_types=[[["global", "local"], 1], [["global"], 1]]
+        )
+    with pytest.raises(ValueError, match=pattern):
+        specs_from_hf_config({**cfg, **extra})
+
+
+@pytest.mark.parametrize(
     ("model_type", "classes"),
     [
         ("xglm", ["XGLMAttention"]),
@@ -299,8 +331,9 @@ def test_attention_in_own_code_is_read_from_the_modeling_module(
     model_type: str, classes: list[str]
 ) -> None:
     """A modeling module that never refers to ``ALL_ATTENTION_FUNCTIONS`` computes attention
-    in its own code: its attention classes are named (the mapping refuses the model with them);
-    any module that uses the interface, or none, gives no names."""
+    in its own code: its attention classes are named (the mapping refuses the model with them,
+    but for Falcon's rotary layouts and GPT-Neo, whose modules the adapter replaces); any module
+    that uses the interface, or none, gives no names."""
     from attn_core.models.hf_config import _attention_in_own_code
 
     assert _attention_in_own_code(model_type) == classes

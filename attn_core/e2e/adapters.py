@@ -59,6 +59,16 @@ chunked mask from), soft-cap, sinks and causality transformers asks for must be 
 mapping describes, and every attention layer must have been called (and every linear layer's mixer
 run).
 
+Model types whose attention modules compute attention in their own code and never call the
+attention-function interface (Falcon's rotary layouts, GPT-Neo) have a module adapter
+(:data:`MODULE_ADAPTERS`, keyed by ``model_type``): like an MLA module, each attention module is
+replaced whole during the step by a forward that does the module's own projections (Falcon's
+fused ``query_key_value`` split, its rotary from the model's ``position_embeddings``, ``dense``;
+GPT-Neo's ``q_proj`` / ``k_proj`` / ``v_proj`` / ``out_proj``) and calls the layer's binding for
+the attention; what the module computes (heads, scale: GPT-Neo's is 1, window: GPT-Neo's local
+layers) is checked against the spec on the first call. Everything around the modules stays the
+model's own ``forward``.
+
 A parallel hybrid's layer (Falcon-H1: Mamba2 and attention side by side on the same normed
 input, their outputs scaled by ``ssm_out_multiplier`` / ``attention_out_multiplier`` and
 summed) holds two ops: the decoder layer's own forward runs both, the attention through the
@@ -79,7 +89,9 @@ import contextlib
 import importlib
 import inspect
 import math
+import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -93,7 +105,9 @@ from attn_core.specs import LayerKind, LinearVariant, torch_dtype
 __all__ = [
     "LAYER_FORWARD_FAMILIES",
     "MODEL_FORWARD_FAMILIES",
+    "MODULE_ADAPTERS",
     "CausalLMAdapter",
+    "ModuleAdapter",
     "layer_params_for",
 ]
 
@@ -223,6 +237,104 @@ def _mlp_out(y: Any) -> torch.Tensor:
     return y[0] if isinstance(y, tuple) else y
 
 
+#: The layer's attention op as a module adapter calls it: ``q [T, H, D]``, ``k`` / ``v``
+#: ``[T, Hkv, D]`` (rotary applied, one sequence or a flat step) -> ``[T, H, D]``.
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _falcon_attention(
+    at: Any, x: torch.Tensor, kwargs: dict[str, Any], attend: Attend
+) -> torch.Tensor:
+    """``FalconAttention.forward`` (rotary, eval: no dropout) on ``x [T, hidden]`` ->
+    ``[T, hidden]``, the attention itself through ``attend``.
+
+    ``query_key_value``'s fused output is split as ``_split_heads`` does: with the new decoder
+    architecture by KV group ``[T, Hkv, H / Hkv + 2, D]`` (the group's queries, its key, its
+    value: query head ``h`` reads KV head ``h // (H / Hkv)``, GQA's order); multi-query
+    ``[T, H + 2, D]`` (every query, one key, one value); else ``[T, H, 3, D]`` (q, k, v per
+    head). Rotary with the model's ``(cos, sin) [1, T, D]`` (``position_embeddings``) through
+    its modeling module's ``apply_rotary_pos_emb``; ``dense`` after the op."""
+    if kwargs.get("alibi") is not None:  # the mapping refuses ALiBi Falcons
+        raise ValueError(
+            f"layer {at.layer_idx} ({type(at).__name__}): ALiBi attention has no layer kind"
+        )
+    T, H, D = x.shape[0], at.num_heads, at.head_dim
+    fused = at.query_key_value(x)
+    if at.new_decoder_architecture:
+        qkv = fused.view(T, -1, H // at.num_kv_heads + 2, D)
+        q, k, v = qkv[:, :, :-2].reshape(T, H, D), qkv[:, :, -2], qkv[:, :, -1]
+    elif at.multi_query:
+        qkv = fused.view(T, H + 2, D)
+        q, k, v = qkv[:, :H], qkv[:, H : H + 1], qkv[:, H + 1 :]
+    else:
+        q, k, v = fused.view(T, H, 3, D).unbind(2)
+    cos, sin = kwargs["position_embeddings"]
+    rotary = sys.modules[type(at).__module__].apply_rotary_pos_emb
+    q4, k4 = rotary(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    out = attend(q4[0].transpose(0, 1), k4[0].transpose(0, 1), v)
+    return at.dense(out.reshape(T, H * D))
+
+
+def _falcon_computes(at: Any) -> dict[str, Any]:
+    """What ``FalconAttention`` computes: its eager scores over ``sqrt(head_dim)`` (SDPA's
+    default scale too), no window, its KV heads."""
+    kv = at.num_kv_heads if at.new_decoder_architecture or not at.multi_query else 1
+    return {
+        "query heads": at.num_heads,
+        "KV heads": kv,
+        "softmax scale": at.head_dim**-0.5,
+        "sliding window": None,
+    }
+
+
+def _gpt_neo_attention(
+    at: Any, x: torch.Tensor, kwargs: dict[str, Any], attend: Attend
+) -> torch.Tensor:
+    """``GPTNeoSelfAttention.forward`` (eval: no dropout) on ``x [T, hidden]`` ->
+    ``[T, hidden]``: ``q_proj`` / ``k_proj`` / ``v_proj`` to ``[T, H, D]`` (no positional
+    encoding in the module: the model adds ``wpe`` to its embeddings), the op, ``out_proj``."""
+    T, H, D = x.shape[0], at.num_heads, at.head_dim
+    q, k, v = (p(x).view(T, H, D) for p in (at.q_proj, at.k_proj, at.v_proj))
+    out = attend(q, k, v)
+    return at.resid_dropout(at.out_proj(out.reshape(T, H * D)))
+
+
+def _gpt_neo_computes(at: Any) -> dict[str, Any]:
+    """What ``GPTNeoSelfAttention._attn`` computes: ``q . k`` unscaled (scale 1), a local
+    layer's mask ``tril(1) xor tril(1, -window_size)`` (the last ``window_size`` tokens, itself
+    included: the spec's window convention)."""
+    return {
+        "query heads": at.num_heads,
+        "KV heads": at.num_heads,
+        "softmax scale": 1.0,
+        "sliding window": at.config.window_size if at.attention_type == "local" else None,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleAdapter:
+    """Stands in for an attention module that computes attention in its own code.
+
+    :param forward: ``(module, x [T, hidden], the module call's keyword arguments, attend) ->
+        [T, hidden]``: the module's own projections, positional encoding and output, with
+        ``attend`` for the attention.
+    :param computes: ``module -> {"query heads", "KV heads", "softmax scale", "sliding
+        window"}`` as the module's own code computes them; checked against the layer's spec.
+    """
+
+    forward: Callable[[Any, torch.Tensor, dict[str, Any], Attend], torch.Tensor]
+    computes: Callable[[Any], dict[str, Any]]
+
+
+#: ``model_type`` -> the adapter of its attention modules (each decoder layer's
+#: :func:`_attention_module`), replaced during a step; ``attn_core.models.hf_config`` maps the
+#: same model types (its ``_OWN_ATTENTION``).
+MODULE_ADAPTERS: dict[str, ModuleAdapter] = {
+    "falcon": ModuleAdapter(_falcon_attention, _falcon_computes),
+    "gpt_neo": ModuleAdapter(_gpt_neo_attention, _gpt_neo_computes),
+}
+
+
 class CausalLMAdapter:
     """A transformers ``*ForCausalLM`` driven step by step through an attention runtime.
 
@@ -262,6 +374,11 @@ class CausalLMAdapter:
         self._linear_modules: dict[int, tuple[Any, Callable[[int, Any, torch.Tensor], Any]]] = {}
         # MLA attention modules replaced whole in layer-forward mode (see the module docstring)
         self._mla_modules: dict[int, Any] = {}
+        # attention modules of a model type with a module adapter, replaced in layer-forward
+        # mode by the adapter's forward (their own code never calls the hook)
+        self._module_adapter = MODULE_ADAPTERS.get(getattr(self.text_config, "model_type", ""))
+        self._own_modules: dict[int, Any] = {}
+        self._own_checked: set[int] = set()
         self._dt_floor: dict[int, float] = {}
         self._seen: set[int] = set()
         self._seen_linear: set[int] = set()  # layers whose replaced linear mixer ran
@@ -283,6 +400,8 @@ class CausalLMAdapter:
                     self._mla_modules[i] = _attention_module(layer)
                 self._mixers.append(self._mla)
             elif spec.kind is LayerKind.FULL:
+                if self.layer_forward and self._module_adapter is not None:
+                    self._own_modules[i] = _attention_module(layer)
                 self._mixers.append(self._full)
             elif spec.linear_variant is LinearVariant.GATED_DELTANET:
                 self._linear_modules[i] = (layer.linear_attn, self._gdn_core)
@@ -434,9 +553,16 @@ class CausalLMAdapter:
                 self._mla_core(_i, _at, hidden_states[0], _k.get("position_embeddings"))[None],
                 None,
             )
+        for i, at in self._own_modules.items():
+            at.forward = lambda hidden_states, *_a, _i=i, _at=at, **_k: (
+                self._own_attention(_i, _at, hidden_states[0], _k)[None],
+                None,
+            )
         try:
             yield
         finally:
+            for at in self._own_modules.values():
+                del at.forward
             for m in tuned:
                 m.attn_temperature_tuning = True
                 del m._attn_core_temperature
@@ -446,6 +572,48 @@ class CausalLMAdapter:
                 del at.forward
             self.text_config._attn_implementation = saved
             _ACTIVE.pop()
+
+    def _own_attention(
+        self, i: int, at: Any, x: torch.Tensor, kwargs: dict[str, Any]
+    ) -> torch.Tensor:
+        """A replaced attention module's call (:data:`MODULE_ADAPTERS`): ``x [T, hidden]`` ->
+        ``[T, hidden]``, the op through layer ``i``'s binding; on its first call what the
+        module computes is checked against the layer's spec."""
+        adapter = self._module_adapter
+        assert adapter is not None  # only modules of a model type with an adapter are replaced
+        spec = self._attention_spec(i)
+        if kwargs.get("attention_mask") is not None:  # none is built for the hook's name
+            raise ValueError(
+                f"layer {i} ({type(at).__name__}): the model passes an attention mask "
+                f"{tuple(kwargs['attention_mask'].shape)}: no layer kind describes it"
+            )
+        if i not in self._own_checked:
+            described = {
+                "query heads": spec.num_heads,
+                "KV heads": spec.num_kv_heads,
+                "softmax scale": spec.scale,
+                "sliding window": spec.sliding_window,
+            }
+            for what, got in adapter.computes(at).items():
+                want = described[what]
+                same = (
+                    math.isclose(got, want, rel_tol=1e-6)
+                    if isinstance(got, float) and isinstance(want, float)
+                    else got == want
+                )
+                if not same:
+                    raise ValueError(
+                        f"layer {i} ({type(at).__name__}): the module computes {what} {got!r}, "
+                        f"the layer's spec ({spec.short()}) describes {want!r}"
+                    )
+            self._own_checked.add(i)
+        self._seen.add(i)
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(*q.shape[:2], spec.head_dim_v, dtype=q.dtype, device=q.device)
+            return self._attend(i, q.contiguous(), k.contiguous(), v.contiguous(), out)
+
+        return adapter.forward(at, x, kwargs, attend)
 
     def _linear(self, i: int, mx: Any, core: Any, x: torch.Tensor) -> torch.Tensor:
         """A replaced linear mixer module's call: its core on ``x [T, D]``, recorded as run."""

@@ -553,6 +553,17 @@ def _dense(r: _Reader, o: _Options) -> _Parsed:
     return n, layers, {}
 
 
+# Fields every PretrainedConfig carries (none acts on the attention op).
+_CONFIG_FIELDS: frozenset[str] = frozenset(
+    {
+        "_name_or_path", "architectures", "chunk_size_feed_forward", "dtype", "torch_dtype",
+        "id2label", "is_encoder_decoder", "label2id", "model_type", "output_attentions",
+        "output_hidden_states", "problem_type", "return_dict", "transformers_version",
+        "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings",
+        "eod_token_id", "sep_token_id", "classifier_dropout",
+    }
+)  # fmt: skip
+
 # Fields the generic dense mapping understands: what every config carries, the common attention
 # names, and fields that act outside the attention op: embeddings, norms, MLP and MoE / router
 # blocks, dropout, projection biases and q / k / v clipping or norms, RoPE and its placement
@@ -560,14 +571,8 @@ def _dense(r: _Reader, o: _Options) -> _Parsed:
 # fields. transformers runs all of those itself around the hooked op (the adapter drives the
 # model's own forward). Any other field may change the attention math, so a config carrying one
 # is refused rather than mapped on a guess.
-_DENSE_FIELDS: frozenset[str] = frozenset(
+_DENSE_FIELDS: frozenset[str] = _CONFIG_FIELDS | frozenset(
     {
-        # every PretrainedConfig
-        "_name_or_path", "architectures", "chunk_size_feed_forward", "dtype", "torch_dtype",
-        "id2label", "is_encoder_decoder", "label2id", "model_type", "output_attentions",
-        "output_hidden_states", "problem_type", "return_dict", "transformers_version",
-        "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings",
-        "eod_token_id", "sep_token_id", "classifier_dropout",
         # sizes and the attention op
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
         "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
@@ -744,7 +749,9 @@ def _attention_in_own_code(model_type: Any) -> list[str]:
     """The attention classes of ``model_type``'s transformers modeling module when that module
     never refers to transformers' attention-function interface (``ALL_ATTENTION_FUNCTIONS``,
     the one the adapter hooks): its modules compute attention in their own code (XGLM, Falcon,
-    BLOOM, MPT, GPT-Neo in transformers 5), so no backend could serve a layer of it. ``[]`` when
+    BLOOM, MPT, GPT-Neo in transformers 5), so no backend could serve a layer of it (the
+    caller skips the model types of :data:`_OWN_ATTENTION`, whose modules the adapter
+    replaces: Falcon's rotary layouts, GPT-Neo). ``[]`` when
     the module uses the interface, has no attention class (Mamba), or cannot be imported (no
     transformers, a model type it does not know): the run's own check (every attention layer
     must call the hook) still holds there.
@@ -772,6 +779,130 @@ def _attention_in_own_code(model_type: Any) -> list[str]:
         and issubclass(c, torch.nn.Module)
         and c.__module__ == modeling.__name__
     )
+
+
+def _falcon_layers(r: _Reader, o: _Options, n: int) -> list[tuple[int, LayerSpec]]:
+    """Falcon's rotary attention (ALiBi is refused before this): ``query_key_value`` holds
+    ``num_kv_heads`` KV heads with the new decoder architecture (GQA), else one with
+    ``multi_query``, else one per query head; ``head_dim = hidden_size // num_attention_heads``
+    and the scale ``1 / sqrt(head_dim)`` on every layer. Absent fields take FalconConfig's
+    defaults (``multi_query`` True, ``new_decoder_architecture`` False)."""
+    heads = r.pos_int("num_attention_heads")
+    hidden = r.pos_int("hidden_size")
+    if hidden % heads:
+        raise ValueError(
+            f"{r.where}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}"
+        )
+    if r.cfg.get("new_decoder_architecture", False):
+        # FalconConfig reads a null num_kv_heads as one per query head
+        kv = r.pos_int("num_kv_heads") if r.cfg.get("num_kv_heads") is not None else heads
+    elif r.cfg.get("multi_query", True):
+        kv = 1
+    else:  # the fused projection splits q, k, v per head: as many KV heads as query heads
+        kv = heads
+    spec = o.full(
+        num_heads=_split(heads, o.tp_size, "num_attention_heads"),
+        num_kv_heads=_split_or_replicate(kv, o.tp_size, "num_kv_heads"),
+        head_dim=hidden // heads,
+    )
+    return [(i, spec) for i in range(n)]
+
+
+def _gpt_neo_layers(r: _Reader, o: _Options, n: int) -> list[tuple[int, LayerSpec]]:
+    """GPT-Neo: ``attention_types`` (``[[["global", "local"], 12]]``: the pattern and its
+    repeats, expanded as GPTNeoConfig does; its ``attention_layers`` is derived from it) gives
+    each layer global (causal) or local attention; a local layer sees the last ``window_size``
+    tokens, itself included (the module's mask is ``tril(1) xor tril(1, -window_size)``: ``i -
+    window_size < j <= i``). No layer scales ``q . k`` (the op's scale is 1)."""
+    pattern = r.get("attention_types", [[["global", "local"], 12]])
+    try:
+        types = [t for kinds, repeat in pattern for _ in range(repeat) for t in kinds]
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{r.where}: attention_types={pattern!r}: expected [[[type, ...], repeats], ...]"
+        ) from None
+    if len(types) != n:
+        raise ValueError(
+            f"{r.where}: attention_types={pattern!r} gives {len(types)} layers; expected "
+            f"num_hidden_layers={n}"
+        )
+    bad = sorted({str(t) for t in types} - {"global", "local"})
+    if bad:
+        raise ValueError(
+            f"{r.where}: attention_types has {bad}; GPT-Neo's layers are ['global', 'local']"
+        )
+    heads = r.pos_int("num_attention_heads")
+    hidden = r.pos_int("hidden_size")
+    if hidden % heads:
+        raise ValueError(
+            f"{r.where}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}"
+        )
+    window = r.pos_int("window_size", 256) if "local" in types else None
+    h = _split(heads, o.tp_size, "num_attention_heads")
+    return [
+        (
+            i,
+            o.full(
+                num_heads=h,
+                num_kv_heads=h,
+                head_dim=hidden // heads,
+                sliding_window=window if t == "local" else None,
+                softmax_scale=1.0,
+            ),
+        )
+        for i, t in enumerate(types)
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class _OwnAttention:
+    """A model type whose attention modules compute attention in their own code, for which the
+    adapter replaces each module's forward by one that calls the op
+    (``attn_core.e2e.adapters.MODULE_ADAPTERS``, the same model types): the fields its config
+    class adds to every PretrainedConfig's, and its layers' specs (``(reader, options,
+    num_layers) -> [(layer, spec)]``)."""
+
+    fields: frozenset[str]
+    layers: Callable[[_Reader, _Options, int], list[tuple[int, LayerSpec]]]
+
+
+# The fields Falcon's and GPT-Neo's config classes add to every PretrainedConfig's (sizes,
+# the attention layout, and what acts outside the op: norms, MLP, dropout, RoPE).
+_FALCON_FIELDS: frozenset[str] = frozenset(
+    {
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_kv_heads",
+        "alibi", "new_decoder_architecture", "multi_query", "parallel_attn",
+        "num_ln_in_parallel_attn", "bias", "ffn_hidden_size", "activation", "hidden_dropout",
+        "attention_dropout", "layer_norm_epsilon", "initializer_range",
+        "max_position_embeddings", "rope_parameters", "rope_theta", "rope_scaling",
+    }
+)  # fmt: skip
+_GPT_NEO_FIELDS: frozenset[str] = frozenset(
+    {
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+        "attention_types", "attention_layers", "window_size", "intermediate_size",
+        "activation_function", "resid_dropout", "embed_dropout", "attention_dropout",
+        "layer_norm_epsilon", "initializer_range", "max_position_embeddings",
+    }
+)  # fmt: skip
+
+#: Model types mapped although their modules never call the attention-function interface.
+_OWN_ATTENTION: dict[str, _OwnAttention] = {
+    "falcon": _OwnAttention(_FALCON_FIELDS, _falcon_layers),
+    "gpt_neo": _OwnAttention(_GPT_NEO_FIELDS, _gpt_neo_layers),
+}
+
+
+def _refuse_unknown(r: _Reader, known: frozenset[str], every: str) -> None:
+    """Any field outside ``known`` (and the refused features' own) is refused, named."""
+    unknown = sorted(k for k in r.cfg if k not in known and k not in _ATTENTION_FEATURES)
+    if unknown:
+        raise ValueError(
+            f"{r.where}: config field{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(repr(k) for k in unknown)} in {every}: not understood "
+            f"by the generic dense mapping (it may change the attention math); refused, not "
+            f"mapped in part"
+        )
 
 
 def _refuse_not_dense(r: _Reader) -> None:
@@ -838,7 +969,8 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
     if model_type == "bloom" or (isinstance(attn_config, Mapping) and attn_config.get("alibi")):
         features.append(f"ALiBi position bias ({model_type} adds it to every layer's logits)")
     reasons = [f"{'; '.join(features)} in {every}: no layer kind"] if features else []
-    own_code = _attention_in_own_code(model_type)
+    own = _OWN_ATTENTION.get(model_type) if isinstance(model_type, str) else None
+    own_code = _attention_in_own_code(model_type) if own is None else []
     if own_code:
         # the same refusal for explain and run: the hook would never be called (the adapter's
         # check after a step says the same of a model this test misses)
@@ -849,6 +981,9 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
         )
     if reasons:
         raise ValueError(f"{r.where}: {'; '.join(reasons)}")
+    if own is not None:  # the adapter replaces its attention modules: its own fields only
+        _refuse_unknown(r, _CONFIG_FIELDS | aliases | own.fields, every)
+        return n, own.layers(r, o, n), {}
     mla = r.cfg.get("kv_lora_rank") is not None
     linear = sorted(k for k in r.cfg if k.startswith(("linear_", "mamba_", "conv_")))
     if linear:
@@ -857,15 +992,7 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
             f"{every}: the generic dense mapping maps attention layers only, and no family "
             f"reads {model_type!r}'s mixers; refused, not mapped in part"
         )
-    known = _DENSE_FIELDS | aliases | (_MLA_FIELDS if mla else frozenset())
-    unknown = sorted(k for k in r.cfg if k not in known and k not in _ATTENTION_FEATURES)
-    if unknown:
-        raise ValueError(
-            f"{r.where}: config field{'s' if len(unknown) > 1 else ''} "
-            f"{', '.join(repr(k) for k in unknown)} in {every}: not understood "
-            f"by the generic dense mapping (it may change the attention math); refused, not "
-            f"mapped in part"
-        )
+    _refuse_unknown(r, _DENSE_FIELDS | aliases | (_MLA_FIELDS if mla else frozenset()), every)
     for key, readers in _FIELD_READERS.items():
         if r.cfg.get(key) is not None and model_type not in readers:
             raise ValueError(

@@ -227,35 +227,12 @@ def test_a_config_transformers_cannot_build_is_refused_as_such(tmp_path: Path, r
 
 
 # Model types whose transformers attention modules compute attention in their own code (no
-# attention-function interface to hook): (model_type, fields, layers, the module classes named,
-# another feature the refusal names). Falcon in each layout of its attention, rotary or ALiBi.
+# attention-function interface to hook) and that have no module adapter: (model_type, fields,
+# layers, the module classes named, another feature the refusal names).
 _OWN_CODE_CASES: list[tuple[str, dict[str, Any], int, str, str]] = [
     ("xglm", {}, 2, "['XGLMAttention']", ""),
-    ("falcon", {}, 2, "['FalconAttention', 'FalconFlashAttention2']", ""),  # parallel, MQA
-    (
-        "falcon",
-        {"new_decoder_architecture": True, "num_kv_heads": 2},
-        2,
-        "['FalconAttention', 'FalconFlashAttention2']",
-        "",
-    ),
-    ("falcon", {"parallel_attn": False, "multi_query": False}, 2, "['FalconAttention',", ""),
-    (
-        "falcon",
-        {"alibi": True},
-        2,
-        "['FalconAttention',",
-        r"ALiBi position bias \(alibi=True\) in layers 0-1: no layer kind",
-    ),
     ("bloom", {}, 2, "['BloomAttention']", r"ALiBi position bias \(bloom adds it"),
     ("mpt", {}, 2, "['MptAttention']", r"ALiBi position bias \(mpt adds it"),
-    (
-        "gpt_neo",  # local layers (window_size) without the 1/sqrt(d) scale
-        {"attention_types": [[["global", "local"], 2]], "window_size": 8},
-        4,
-        "['GPTNeoAttention', 'GPTNeoFlashAttention2', 'GPTNeoSelfAttention']",
-        "",
-    ),
 ]
 
 
@@ -294,6 +271,164 @@ def test_attention_in_the_modules_own_code_is_refused_alike_by_explain_and_run(
     assert str(err.value) in capsys.readouterr().err
 
 
+# Model types whose attention modules the adapter replaces (adapters.MODULE_ADAPTERS): (model_type,
+# fields, layers, a text the plan shows). Falcon in each rotary layout of its fused projection.
+_MODULE_ADAPTER_CASES: list[tuple[str, dict[str, Any], int, str]] = [
+    ("falcon", {}, 2, "4q/1kv"),  # parallel attention and MLP, multi-query
+    ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2}, 2, "4q/2kv"),  # GQA
+    ("falcon", {"parallel_attn": False, "multi_query": False}, 2, "4q/4kv"),  # sequential, MHA
+    # global and local layers (the last window_size tokens), q . k unscaled (scale 1)
+    ("gpt_neo", {"attention_types": [[["global", "local"], 2]], "window_size": 4}, 4, "window=4"),
+]
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra", "layers", "shown"),
+    _MODULE_ADAPTER_CASES,
+    ids=[f"{c[0]}-{i}" for i, c in enumerate(_MODULE_ADAPTER_CASES)],
+)
+def test_run_model_type_with_a_module_adapter_matches_transformers(
+    tmp_path: Path, model_type: str, extra: dict[str, Any], layers: int, shown: str, run_on_cpu
+) -> None:
+    """Attention modules that compute attention in their own code, replaced whole by the
+    adapter's forward (the module's projections and rotary, the op through the binding):
+    ``attn run`` on CPU matches transformers' eager forward, and ``attn explain`` maps it."""
+    from attn_core.models.hf_config import _attention_in_own_code
+
+    assert _attention_in_own_code(model_type), "the module adapter would not be needed"
+    report = run_on_cpu(str(_tiny_config(tmp_path, model_type, layers, **extra)))
+    text = report.format()
+    assert report.ok, text
+    assert "MATCH" in text and shown in text, text
+    if model_type == "gpt_neo":  # GPT-Neo scales no layer's q . k: the specs say 1
+        from attn_core.models import specs_from_hf_config
+
+        cfg = json.loads((tmp_path / "config.json").read_text())
+        layout = specs_from_hf_config(cfg)
+        assert [s.scale for s in layout.layer_specs] == [1.0] * layers
+        assert [s.sliding_window for s in layout.layer_specs] == [None, 4, None, 4]
+
+
+def test_falcon_alibi_is_still_refused(tmp_path: Path, run_on_cpu, capsys, monkeypatch) -> None:
+    """Falcon's ALiBi layout adds a position bias no layer kind describes: refused by the
+    mapping (run and explain alike), naming the layers, although its rotary layouts map."""
+    from attn_core import cli
+    from attn_core.registry import Registry
+
+    path = _tiny_config(tmp_path, "falcon", 2, alibi=True)
+    want = r"dense \(falcon\): ALiBi position bias \(alibi=True\) in layers 0-1: no layer kind"
+    with pytest.raises(ValueError, match=want) as err:
+        run_on_cpu(str(path))
+    monkeypatch.setattr(cli, "_registry", lambda args: Registry(strict=True))
+    assert cli.main(["explain", str(path), "--target", "cpu"]) == 2
+    assert str(err.value) in capsys.readouterr().err
+
+
+def test_module_adapters_and_the_mapping_name_the_same_model_types() -> None:
+    from attn_core.e2e.adapters import MODULE_ADAPTERS
+    from attn_core.models.hf_config import _OWN_ATTENTION
+
+    assert set(MODULE_ADAPTERS) == set(_OWN_ATTENTION) == {"falcon", "gpt_neo"}
+
+
+def _module_and_inputs(tmp_path: Path, model_type: str, extra: dict[str, Any], layers: int):
+    """Layer ``layers - 1``'s attention module of an eager fp32 model of the case's config,
+    random hidden states ``[1, T, hidden]`` and the module call's keyword arguments (Falcon:
+    the model's rotary ``position_embeddings`` and an additive causal mask ``[1, 1, T, T]``;
+    GPT-Neo's module builds its own mask)."""
+    import torch
+
+    from attn_core.e2e.adapters import _attention_module, _decoder, _layers
+
+    cfg = json.loads(_tiny_config(tmp_path, model_type, layers, **extra).read_text())
+    config = transformers.CONFIG_MAPPING[model_type].from_dict(cfg)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    hf = hf.eval()
+    base = _decoder(hf)
+    at = _attention_module(_layers(base)[layers - 1])
+    T = 12  # longer than GPT-Neo's window
+    x = torch.randn(1, T, config.hidden_size)
+    kwargs: dict[str, Any] = {}
+    if model_type == "falcon":
+        kwargs["position_embeddings"] = base.rotary_emb(x, torch.arange(T)[None] + 3)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        mask = torch.zeros(T, T).masked_fill(~causal, torch.finfo(torch.float32).min)
+        kwargs["attention_mask"] = mask[None, None]
+        kwargs["alibi"] = None
+    return at, x, kwargs
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra", "layers", "shown"),
+    _MODULE_ADAPTER_CASES,
+    ids=[f"{c[0]}-{i}" for i, c in enumerate(_MODULE_ADAPTER_CASES)],
+)
+def test_module_adapter_computes_what_the_module_it_replaces_computes(
+    tmp_path: Path, model_type: str, extra: dict[str, Any], layers: int, shown: str
+) -> None:
+    """The adapter's forward (with the reference attention at the scale and window the adapter
+    says the module computes) against the transformers module's own forward, fp32, on random
+    hidden states: the fused split, the rotary, the scale and GPT-Neo's window convention. The
+    same with a window one token wider does not match (the comparison sees the window)."""
+    import torch
+
+    from attn_core.e2e.adapters import MODULE_ADAPTERS
+    from attn_core.reference.ops.attention import varlen_attention
+
+    at, x, kwargs = _module_and_inputs(tmp_path, model_type, extra, layers)
+    adapter = MODULE_ADAPTERS[model_type]
+    computes = adapter.computes(at)
+
+    def attend(window: int | None):
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            assert (q.shape[1], k.shape[1], v.shape[1]) == (
+                computes["query heads"],
+                computes["KV heads"],
+                computes["KV heads"],
+            )
+            cu = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+            return varlen_attention(
+                q, k, v, cu, scale=computes["softmax scale"], causal=True, sliding_window=window
+            )
+
+        return run
+
+    with torch.no_grad():
+        want = at(x, **kwargs)[0][0]
+        got = adapter.forward(at, x[0], kwargs, attend(computes["sliding window"]))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if computes["sliding window"] is not None:
+        with torch.no_grad():
+            wider = adapter.forward(at, x[0], kwargs, attend(computes["sliding window"] + 1))
+        assert (wider - want).abs().max() > 1e-3
+
+
+def test_module_adapter_refuses_a_spec_that_disagrees_with_the_module(
+    tmp_path: Path, run_on_cpu, monkeypatch
+) -> None:
+    """A mapping whose window disagrees with GPT-Neo's local layers is refused on the step's
+    first call of the module, naming the layer, the module, what each says."""
+    from attn_core.e2e import adapters
+
+    real = adapters._gpt_neo_computes
+    monkeypatch.setitem(
+        adapters.MODULE_ADAPTERS,
+        "gpt_neo",
+        adapters.ModuleAdapter(
+            adapters._gpt_neo_attention,
+            lambda at: {**real(at), "softmax scale": at.head_dim**-0.5},
+        ),
+    )
+    path = _tiny_config(tmp_path, "gpt_neo", 2, attention_types=[[["global", "local"], 1]])
+    with pytest.raises(
+        ValueError,
+        match=r"layer 0 \(GPTNeoSelfAttention\): the module computes softmax scale 0\.25, "
+        r"the layer's spec .* describes 1\.0",
+    ):
+        run_on_cpu(str(path))
+
+
 def test_attention_outside_the_interface_is_refused_after_the_step(
     tmp_path: Path, run_on_cpu, monkeypatch
 ) -> None:
@@ -322,6 +457,13 @@ _GPU_CASES: list[tuple[str, int, dict[str, Any]]] = [
     ("starcoder2", 2, {"sliding_window": 8}),
     ("glm4_moe_lite", 2, {}),
     ("jetmoe", 2, {}),  # the tiled KV heads: as many as query heads
+    # module adapters (attention in the modules' own code): Falcon multi-query, GQA, MHA;
+    # GPT-Neo's local layers (window) with scale 1. Their config classes have no head_dim /
+    # rotary_dim / intermediate_size (Falcon): head_dim is hidden_size 256 over 4 heads.
+    ("falcon", 2, {}),
+    ("falcon", 2, {"new_decoder_architecture": True, "num_kv_heads": 2}),
+    ("falcon", 2, {"parallel_attn": False, "multi_query": False}),
+    ("gpt_neo", 4, {"attention_types": [[["global", "local"], 2]], "window_size": 8}),
 ]
 
 
@@ -341,6 +483,7 @@ def test_run_family_on_gpu_plugins_matches_transformers(
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from attn_core.e2e import run_main
+    from attn_core.e2e.adapters import MODULE_ADAPTERS
     from attn_core.registry import Registry
 
     sizes = {"hidden_size": 256, "head_dim": 64, "intermediate_size": 512, "rotary_dim": 32}
@@ -349,6 +492,8 @@ def test_run_family_on_gpu_plugins_matches_transformers(
     ):  # MLA: latent 512 and rope 64, the shape FlashInfer's MLA serves
         sizes = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
                  "v_head_dim": 128, "hidden_size": 256, "head_dim": 64}  # fmt: skip
+    if model_type in MODULE_ADAPTERS:  # only fields its config class has (see _GPU_CASES)
+        sizes = {"hidden_size": 256}
     path = _tiny_config(tmp_path, model_type, layers, **{**sizes, **extra})
     report = run_main(
         str(path),
