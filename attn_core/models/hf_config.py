@@ -756,8 +756,11 @@ def _attention_in_own_code(model_type: Any) -> list[str]:
     transformers, a model type it does not know): the run's own check (every attention layer
     must call the hook) still holds there.
 
-    The whole module's source is read, not one class's: a class that reaches the interface
-    through a helper function of its module counts as using it (never refused on a guess)."""
+    The module's namespace is what is read (no source text): a module whose code dispatches
+    through the interface imports ``ALL_ATTENTION_FUNCTIONS``, and so holds the name whichever
+    of its classes or helper functions uses it (a module that uses it is never refused on a
+    guess). Over transformers 5's modeling modules this gives what reading their sources for
+    the name gives."""
     if not isinstance(model_type, str):
         return []
     try:
@@ -766,10 +769,9 @@ def _attention_in_own_code(model_type: Any) -> list[str]:
 
         name = model_type_to_module_name(model_type)
         modeling = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-        source = inspect.getsource(modeling)
-    except (ImportError, OSError):
+    except ImportError:
         return []
-    if "ALL_ATTENTION_FUNCTIONS" in source:
+    if hasattr(modeling, "ALL_ATTENTION_FUNCTIONS"):
         return []
     return sorted(
         n
