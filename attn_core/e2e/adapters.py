@@ -90,7 +90,7 @@ import importlib
 import inspect
 import math
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -333,6 +333,30 @@ MODULE_ADAPTERS: dict[str, ModuleAdapter] = {
     "falcon": ModuleAdapter(_falcon_attention, _falcon_computes),
     "gpt_neo": ModuleAdapter(_gpt_neo_attention, _gpt_neo_computes),
 }
+
+
+def _refuse_disagreement(
+    i: int,
+    module: Any,
+    spec: Any,
+    computed: Mapping[str, Any],
+    described: Mapping[str, Any],
+    who: str,
+) -> None:
+    """Refuse layer ``i`` where what ``who`` computes in ``module`` (``{what: value}``) differs
+    from what its spec describes (``described``, the same keys); floats compare to 1e-6."""
+    for what, got in computed.items():
+        want = described[what]
+        same = (
+            math.isclose(got, want, rel_tol=1e-6)
+            if isinstance(got, float) and isinstance(want, float)
+            else got == want
+        )
+        if not same:
+            raise ValueError(
+                f"layer {i} ({type(module).__name__}): {who} computes {what} {got!r}, the "
+                f"layer's spec ({spec.short()}) describes {want!r}"
+            )
 
 
 class CausalLMAdapter:
@@ -594,18 +618,7 @@ class CausalLMAdapter:
                 "softmax scale": spec.scale,
                 "sliding window": spec.sliding_window,
             }
-            for what, got in adapter.computes(at).items():
-                want = described[what]
-                same = (
-                    math.isclose(got, want, rel_tol=1e-6)
-                    if isinstance(got, float) and isinstance(want, float)
-                    else got == want
-                )
-                if not same:
-                    raise ValueError(
-                        f"layer {i} ({type(at).__name__}): the module computes {what} {got!r}, "
-                        f"the layer's spec ({spec.short()}) describes {want!r}"
-                    )
+            _refuse_disagreement(i, at, spec, adapter.computes(at), described, "the module")
             self._own_checked.add(i)
         self._seen.add(i)
 
@@ -756,18 +769,7 @@ class CausalLMAdapter:
             "dropout": 0.0,
             "causal mask": spec.causal,
         }
-        for what, got in asked.items():
-            want = described[what]
-            same = (
-                math.isclose(got, want, rel_tol=1e-6)
-                if isinstance(got, float) and isinstance(want, float)
-                else got == want
-            )
-            if not same:
-                raise ValueError(
-                    f"layer {i} ({type(module).__name__}): transformers computes {what} "
-                    f"{got!r}, the layer's spec ({spec.short()}) describes {want!r}"
-                )
+        _refuse_disagreement(i, module, spec, asked, described, "transformers")
         self._seen.add(i)
         if getattr(module, "_attn_core_temperature", False):
             query = self._temperature_scaled(module, query)
