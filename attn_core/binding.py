@@ -21,6 +21,7 @@ import torch
 
 from attn_core.errors import BackendInputError, NonFiniteInputError, PluginError
 from attn_core.specs import LayerKind, LayerSpec, Phase, torch_dtype
+from attn_core.step_buckets import pick_for_step
 
 if TYPE_CHECKING:
     from attn_core.backend import Backend
@@ -99,21 +100,10 @@ class GroupRuntime:
         of ``size``: padded requests, or padded query tokens in prefill, in ``requests``
         requests) the group's current one; a phase without an entry keeps the current
         backend."""
-        target: _Target | None = None
-        if phase is Phase.PREFILL and requests is not None:
-            for above, at_most, max_requests, t in self.request_rules:
-                if above < size <= at_most and requests <= max_requests:
-                    target = t
-                    break
-        buckets = self.phase_buckets.get(phase) if self.phase_buckets else None
-        if target is None and buckets is not None:
-            target = buckets[-1][1]
-            for bound, t in buckets:
-                if size <= bound:
-                    target = t
-                    break
-        elif target is None:
-            target = self.phase_targets.get(phase)
+        rules = self.request_rules if phase is Phase.PREFILL else ()
+        target: _Target | None = pick_for_step(
+            self.phase_buckets.get(phase, ()), rules, self.phase_targets.get(phase), size, requests
+        )
         if target is not None and target[1] is not self.context:
             self.backend, self.context, self.forward = target
 

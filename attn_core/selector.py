@@ -62,6 +62,7 @@ from attn_core.specs import (
     LinearVariant,
     Phase,
 )
+from attn_core.step_buckets import pick_for_step
 
 __all__ = [
     "GroupChoice",
@@ -663,14 +664,7 @@ class PhaseChoice:
     def backend_for_step(self, size: int, requests: int | None = None) -> Backend:
         """The backend that serves a step of this phase of ``size`` (:func:`step_size`) and, in
         prefill, ``requests`` requests (None: by size alone)."""
-        if requests is not None:
-            for above, at_most, max_requests, backend in self.by_requests:
-                if above < size <= at_most and requests <= max_requests:
-                    return backend
-        for bound, backend in self.by_step_size:
-            if size <= bound:
-                return backend
-        return self.by_step_size[-1][1] if self.by_step_size else self.backend
+        return pick_for_step(self.by_step_size, self.by_requests, self.backend, size, requests)
 
     @property
     def switch_backends(self) -> tuple[Backend, ...]:
