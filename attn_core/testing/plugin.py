@@ -22,7 +22,7 @@ from typing import Any, cast
 
 import pytest
 
-from attn_core.testing.report import CapabilityReport
+from attn_core.testing.report import CapabilityReport, reason
 
 ENV_BACKEND = "ATTN_CORE_CONFORMANCE_BACKEND"
 ENV_QUICK = "ATTN_CORE_CONFORMANCE_QUICK"
@@ -122,7 +122,8 @@ def pytest_configure(config: pytest.Config) -> None:
         backend=session.backend_name, device=session.device_label, seed=session.seed
     )
     if not hasattr(config, "workerinput"):  # an xdist worker's controller records its reports
-        config.pluginmanager.register(_CapabilityRecorder(report), "attn_core_capabilities")
+        recorder = _CapabilityRecorder(report, config.pluginmanager.get_plugin("terminalreporter"))
+        config.pluginmanager.register(recorder, "attn_core_capabilities")
     # Collect the battery instead of the project's tests; keep explicit battery node ids
     # (``battery.py::test_x[...]``) the user gave.
     battery = str(BATTERY)
@@ -201,16 +202,25 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
 
 class _CapabilityRecorder:
     """Records the capability labels of every item's report where the terminal summary is
-    written: in the only process, or in the xdist controller (workers forward their reports)."""
+    written: in the only process, or in the xdist controller (workers forward their reports).
 
-    def __init__(self, report: CapabilityReport) -> None:
+    A failure's reason is also written the moment it arrives (``attn-core FAIL <test>:
+    <reason>``): a run cut by a time limit never reaches its closing summary, and pytest's
+    own progress lines name the test but not why it failed.
+    """
+
+    def __init__(self, report: CapabilityReport, terminal: Any = None) -> None:
         self.report = report
+        self.terminal = terminal
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         for key, value in report.user_properties:
             if key == _CAPS:  # stored by pytest_runtest_makereport: (labels, message)
                 capabilities, message = cast("tuple[tuple[str, ...], str]", value)
                 self.report.record(capabilities, report.outcome, report.nodeid, message)
+                if report.failed and self.terminal is not None:
+                    test = report.nodeid.rpartition("::")[2]
+                    self.terminal.write_line(f"attn-core FAIL {test}: {reason(message)}")
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:

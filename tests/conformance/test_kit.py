@@ -229,6 +229,19 @@ def test_wrong_scale_is_caught(pytester, run_kit) -> None:
     assert "advertised" not in line and not line.endswith("...")
 
 
+def test_a_failure_reason_is_printed_when_the_failure_happens(pytester, run_kit) -> None:
+    # A GPU run cut by its time limit never prints the closing summary: each failure's reason
+    # must already be on the terminal, ahead of that summary.
+    result, _ = _run_broken(pytester, run_kit, "wrong_scale")
+    lines = result.outlines
+    early = [i for i, line in enumerate(lines) if line.startswith("attn-core FAIL test_")]
+    # the closing section's header (the run's own header line reads the same)
+    summary = max(i for i, line in enumerate(lines) if "attn-core conformance:" in line)
+    assert early and max(early) < summary
+    assert any("attention output differs" in lines[i] for i in early)
+    assert not any("advertised [" in lines[i] for i in early)
+
+
 def test_stale_metadata_on_replay_is_caught(pytester, run_kit) -> None:
     result, summary = _run_broken(pytester, run_kit, "stale_update")
     assert result.ret == 1
