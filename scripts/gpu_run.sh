@@ -26,6 +26,11 @@ set -u
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 export FLASHINFER_WORKSPACE_BASE=$PWD/.jit TRITON_CACHE_DIR=$PWD/.jit/triton
+# FlashInfer's JIT runs ninja at nproc + 2 jobs per process unless MAX_JOBS is set: 12 pytest
+# processes compiling at once would start ~200 nvcc jobs on 16 cores (FlashInfer 0.7.4's kit
+# did not finish in 2 x 420 s that way). Share the cores between the processes instead.
+procs=${XDIST:-8}; jobs=$(( $(nproc) / procs )); [ "$jobs" -lt 2 ] && jobs=2
+export MAX_JOBS=${MAX_JOBS:-$jobs}
 . ./scripts/device_setup.sh
 lane="gpu${CUDA_VISIBLE_DEVICES:-all}"
 log() { echo "=== [$lane] $* ($(date +%T))" >>"$OUT/summary.log"; }

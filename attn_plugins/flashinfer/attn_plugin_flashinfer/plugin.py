@@ -57,7 +57,11 @@ def backends(availability: capability.Availability | None = None) -> list[Backen
         available=av.available,
         unavailable_reason=av.reason,
     )
-    full = capability.FULL_CAPABILITIES
+    full, mla = capability.FULL_CAPABILITIES, capability.MLA_CAPABILITIES
+    # graph modes follow the installed release: those its kit run failed are not declared
+    full_graph, mla_graph, graph_note = capability.graph_modes(av.version)
+    full = dataclasses.replace(full, graph_modes=full_graph)
+    mla = dataclasses.replace(mla, graph_modes=mla_graph)
     if av.sinks:  # the installed release applies them on this device (capability.probe)
         # The sink variant is a slower path (gpt-oss's full layers on the H200, FlashInfer
         # 0.6.7: decode 3.5x fa3's time at 1 x 32k, 7x at 64 x 4k; prefill 1.1-1.5x): below
@@ -68,7 +72,7 @@ def backends(availability: capability.Availability | None = None) -> list[Backen
         Backend(
             name=FULL_BACKEND,
             capabilities=full,
-            notes="; ".join(n for n in (notes, av.sinks_note) if n),
+            notes="; ".join(n for n in (notes, av.sinks_note, graph_note) if n),
             description=(
                 "FlashInfer paged attention: decode, prefill, mixed (CUDA graphs: decode and "
                 "full), speculative verify; GQA/MQA, sliding window, soft-cap, fp8 KV"
@@ -77,9 +81,9 @@ def backends(availability: capability.Availability | None = None) -> list[Backen
         ),
         Backend(
             name=MLA_BACKEND,
-            capabilities=capability.MLA_CAPABILITIES,
+            capabilities=mla,
             description="FlashInfer MLA (absorbed; rank 512, rope 64) over the latent cache",
-            notes=notes,
+            notes="; ".join(n for n in (notes, graph_note) if n),
             **common,
         ),
     ]

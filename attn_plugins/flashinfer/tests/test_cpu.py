@@ -4,6 +4,7 @@ pure-PyTorch stand-in for FlashInfer (:mod:`fake_flashinfer`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.machinery
 import math
@@ -928,9 +929,7 @@ def test_sinks_are_advertised_only_where_the_probe_says_so(monkeypatch):
     fake_flashinfer.install(monkeypatch, "0.7.4")
     by_name = {b.name: b for b in fi_plugin.backends(SINKS_AVAILABLE)}
     assert by_name["flashinfer"].capabilities.sinks
-    assert by_name["flashinfer"].notes.endswith(
-        "; sinks: on (BatchAttentionWithAttentionSinkWrapper)"
-    )
+    assert "; sinks: on (BatchAttentionWithAttentionSinkWrapper)" in by_name["flashinfer"].notes
     assert not by_name["flashinfer_mla"].capabilities.sinks
     h200 = DeviceCapabilities.target("h200")
     full = by_name["flashinfer"].with_plugin("flashinfer")
@@ -989,9 +988,13 @@ def test_what_the_sink_variant_does_not_serve_is_refused_with_the_reason(sinks_f
     assert "group 'full' (flashinfer)" in str(info.value)
 
 
-def test_sinks_under_graph_mode_full_are_refused_at_allocation(sinks_fi):
+def test_sinks_under_graph_mode_full_are_refused_at_allocation(monkeypatch):
     """A captured mixed step runs the plain paged prefill wrapper, which would ignore the
-    sinks: a sinks layer allocated for graph mode full is refused, not served wrong."""
+    sinks: a sinks layer allocated for graph mode full is refused, not served wrong (on 0.6.13,
+    a release that declares graph mode full and has the sink variant)."""
+    av = dataclasses.replace(SINKS_AVAILABLE, version="0.6.13")
+    monkeypatch.setattr(capability, "probe", lambda: av)
+    fake_flashinfer.install(monkeypatch, "0.6.13")
     with pytest.raises(PluginError, match="sinks under graph mode full") as info:
         wl.make(GPT_OSS, "flashinfer:flashinfer", "cpu", graph="full")
     assert "group 'full' (flashinfer)" in str(info.value)
@@ -1374,3 +1377,25 @@ def test_chunked_graph_decode_and_the_virtual_rows_fit_the_context(
     assert seen[0] is StepKind.RAGGED and seen[1:] == [kind] * 3
     h = wl.make(CHUNKED, "flashinfer:flashinfer", "cpu", **make_kw)
     assert h.context.B >= 8  # 2 requests of 30 tokens: 4 chunks each
+
+
+@pytest.mark.parametrize(
+    "version, full_modes, mla_modes",
+    [
+        ("0.6.7", {"none", "decode", "full"}, {"none", "decode"}),
+        ("0.6.13", {"none", "decode", "full"}, {"none", "decode"}),
+        ("0.7.2.post1", {"none", "decode"}, {"none"}),
+        ("0.7.4", {"none", "decode"}, {"none"}),
+    ],
+)
+def test_graph_modes_follow_the_installed_release(version, full_modes, mla_modes):
+    """The graph modes FlashInfer 0.7.4 failed in the kit (captured MLA decode, captured mixed
+    steps) are not declared on 0.7 releases; ``attn list``'s note says so."""
+    av = capability.Availability(True, None, version)
+    by_name = {b.name: b for b in fi_plugin.backends(av)}
+    full, mla = by_name["flashinfer"], by_name["flashinfer_mla"]
+    assert {m.value for m in full.capabilities.graph_modes} == full_modes
+    assert {m.value for m in mla.capabilities.graph_modes} == mla_modes
+    withdrawn = version.startswith("0.7")
+    for backend in (full, mla):
+        assert ("conformance kit" in backend.notes) is withdrawn
