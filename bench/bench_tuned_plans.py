@@ -228,7 +228,7 @@ def main() -> int:
         "--max-kv-tokens", type=int, default=2**24, help="skip decode grid points above it"
     )
     ap.add_argument("--tune-prefill", default="1024,2048,4096,8192,16384")
-    ap.add_argument("--tune-prefill-requests", default="1,4")
+    ap.add_argument("--tune-prefill-requests", default="1,2,4")
     ap.add_argument(
         "--decode-points", default="1x32768,4x8192,8x16384,64x4096,128x2048,256x2048,1024x1024"
     )
