@@ -865,6 +865,29 @@ def test_a_prefill_bucket_whose_request_splits_disagree_switches_by_requests(reg
     assert "serves some steps (tuned)" in text, text  # flashinfer, not "ranked lower"
 
 
+def test_a_two_request_split_moves_the_request_bound(registry):
+    """With 1, 2 and 4 requests timed, the bounds are isqrt(1 * 2) = 1 and isqrt(2 * 4) = 2:
+    the H200 run that had only 1 and 4 put 2 x 2048 with the single request (fa3, 1.209x the
+    fastest); timed, 2 requests go with 4 (flashinfer)."""
+    shapes = dict(SPLITS) | {
+        ("fa3:fa3", "prefill", 2, 2048): 140.0,
+        ("flashinfer:flashinfer", "prefill", 2, 2048): 115.8,
+        ("fa3:fa3", "prefill", 2, 4096): 240.0,
+        ("flashinfer:flashinfer", "prefill", 2, 4096): 290.0,
+    }
+    cons = ExecutionConstraints(max_batch_size=64, max_num_tokens=16384)
+    plan = select(group_layers([FULL]), registry(), H200, cons, tuning=_shaped_tuning(shapes))
+    prefill = plan.choice("full").phase_choice("prefill")
+    assert [(a, m, r, b.qualified_name) for a, m, r, b in prefill.by_requests] == [
+        (0, 5792, 1, "fa3:fa3"),
+        (0, 5792, 64, "flashinfer:flashinfer"),
+    ]
+    assert [
+        prefill.backend_for_step(t, r).qualified_name
+        for t, r in ((4096, 1), (4096, 2), (4096, 4), (8192, 2))
+    ] == ["fa3:fa3", "flashinfer:flashinfer", "flashinfer:flashinfer", "fa3:fa3"]
+
+
 def test_no_request_switching_when_prefill_steps_are_captured(make_plugin):
     """Graph mode full replays a captured prefill graph for other request counts: no
     by_requests (the token buckets still switch)."""
