@@ -22,8 +22,12 @@ Variants (shapes of the models that use them):
 Each variant runs in its own subprocess, so a fault ends only that variant's row set. Inputs
 and shapes are those of ``bench_ssm.py``'s decode rows (its ``*_decode_call`` builders).
 
+Kernel and copy are timed the same way: as CUDA-graph replays by default (how a server runs
+decode; a small state such as the short conv's is otherwise timed as launch and host time), or
+as eager calls with ``--timing eager``.
+
 Usage: ``python bench_decode_sweep.py --out sweep.json [--variants mamba1,lightning]
-[--batches 256,1024,2048] [--rounds 3] [--budget-s 330]``.
+[--batches 256,1024,2048] [--rounds 3] [--budget-s 330] [--timing graph|eager]``.
 """
 
 from __future__ import annotations
@@ -54,9 +58,14 @@ VARIANTS = ("mamba1", "lightning", "mamba2", "gdn", "kda", "short_conv")
 BATCHES = (256, 1024, 2048)
 
 
-def _bench(fn: Callable[[], object], warmup: int = 5, rep: int = 30) -> float:
+def _bench(fn: Callable[[], object], graph: bool, warmup: int = 5, rep: int = 30) -> float:
+    """Median milliseconds of ``fn()``: replays of it captured in a CUDA graph (``graph``, how a
+    server runs decode: no launch or host time, which decide small states such as the short
+    conv's 8 KiB per request), else eager calls."""
     import triton.testing
 
+    if graph:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
@@ -114,7 +123,7 @@ CASES: dict[str, Callable[[int], tuple]] = {
 }
 
 
-def worker(variant: str, batches: list[int], rounds: int, deadline: float) -> int:
+def worker(variant: str, batches: list[int], rounds: int, deadline: float, graph: bool) -> int:
     """Time one variant. Prints one ``@@ROW`` JSON line per timed (B, config, round), and per
     config the kernel refused, as soon as it is known: a worker cut by its deadline or a fault
     keeps what it measured."""
@@ -142,10 +151,11 @@ def worker(variant: str, batches: list[int], rounds: int, deadline: float) -> in
             for cfg, fn in runs:
                 if time.time() > deadline:
                     break
-                copy_ms = _bench(src.clone)
-                ms = _bench(fn)
+                copy_ms = _bench(src.clone, graph)
+                ms = _bench(fn, graph)
                 emit({"variant": variant, "B": B, "config": cfg or "default", "round": r,
-                      "ms": ms, "copy_ms": copy_ms, "bytes": 2 * half_bytes})  # fmt: skip
+                      "ms": ms, "copy_ms": copy_ms, "bytes": 2 * half_bytes,
+                      "timing": "graph" if graph else "eager"})  # fmt: skip
     return 0
 
 
@@ -205,12 +215,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=330.0)
+    ap.add_argument(
+        "--timing",
+        choices=("graph", "eager"),
+        default="graph",
+        help="time kernel and copy as CUDA-graph replays (default) or eager calls",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     if args.worker:
-        return worker(args.worker, batches, args.rounds, args.deadline)
+        return worker(args.worker, batches, args.rounds, args.deadline, args.timing == "graph")
     if args.out is None:
         ap.error("--out is required")
     variants = args.variants.split(",")
@@ -226,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         share = left / (len(variants) - n)  # what is left, split over the variants still to run
         deadline = time.time() + share * 0.9
         cmd = [sys.executable, __file__, "--worker", variant, "--batches", args.batches,
-               "--rounds", str(args.rounds), "--deadline", str(deadline)]  # fmt: skip
+               "--rounds", str(args.rounds), "--deadline", str(deadline),
+               "--timing", args.timing]  # fmt: skip
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(share, 5))
             out, err, rc = proc.stdout, proc.stderr, proc.returncode
