@@ -12,6 +12,7 @@
 #           t_generic                                       (generic adapter on the GPU plugins)
 #           b_fi b_ssm b_runtime b_e2e b_kvw b_tuned        (benchmarks, JSON under $OUT)
 #           b_ssd b_gdn b_kda                               (triton_ssm prefill rows, one each)
+#           b_sweep                                         (triton_ssm decode tilings vs copy)
 #           run                                             (attn run --model all)
 #           NAME=COMMAND                                    (any shell command, logged as NAME)
 # Stages run in order; pick the GPU with CUDA_VISIBLE_DEVICES to run two lanes at once, and set
@@ -108,6 +109,7 @@ b_kvw) run b_kvw 120 python3 bench/bench_kv_write.py ;;
 t_generic) run t_generic 400 "${PYTEST[@]}" tests/e2e/test_run_dense.py -k on_gpu_plugins ;;
 b_ssd) run b_ssd 300 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --mamba2-sweep --only mamba2_sweep --no-fla --budget-s 280 --out "$OUT/bench_ssd.json" ;;
 b_gdn) run b_gdn 300 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --prefill --only gdn_prefill --budget-s 280 --out "$OUT/bench_gdn.json" ;;
+b_sweep) run b_sweep 400 python3 attn_plugins/triton_ssm/bench/bench_decode_sweep.py ${BENCH_SWEEP_ARGS:-} --budget-s 370 --out "$OUT/bench_decode_sweep.json" ;;
 b_kda) run b_kda 360 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --prefill --only kda_prefill --budget-s 340 --out "$OUT/bench_kda.json" ;;
 b_tuned) run b_tuned 400 python3 bench/bench_tuned_plans.py ${BENCH_TUNED_ARGS:-} --out "$OUT/bench_tuned.json" ;;
 b_runtime) run b_runtime 120 python3 bench/bench_runtime.py --device cuda --count-calls --out "$OUT/bench_runtime.json" ;;
