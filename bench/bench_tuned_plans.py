@@ -34,6 +34,7 @@ import json
 import signal
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -135,10 +136,13 @@ def bench_model(
     args,
     tunings: dict[str, Any],
     rows: list[dict],
+    save: Callable[[], None] = lambda: None,
 ) -> None:
     """Tune ``name``'s groups, plan with the tuning data (kept in ``tunings[name]``, the tuning
     file's content) and time every candidate at the check points: one row per point, appended
-    to ``rows`` as it is measured."""
+    to ``rows`` as it is measured. ``save()`` runs after the tuning and after every row: a run
+    killed at its limit keeps what it measured (a SIGTERM handler alone did not: the H200 run
+    cut at its limit wrote nothing)."""
     caps = DeviceCapabilities.detect(device)
     layout = specs_from_hf_config(load_sample(name), dtype="bfloat16")
     constraints = ExecutionConstraints(graph_mode=args.graph_mode)  # captured phases: replays
@@ -164,6 +168,7 @@ def bench_model(
             record_measured(tuning, backend.qualified_name, group.spec, phase, measured)
     tuned = select(layout.groups, registry, caps, constraints, tuning=tuning)
     tunings[name] = tuning.to_json()
+    save()
     for group, phase, _ in work:  # the tuned plan, as explain shows it
         pc = tuned.choice(group.group_id).phase_choice(phase)
         switch = "; ".join(f"<= {n}: {b.qualified_name}" for n, b in pc.by_step_size)
@@ -217,6 +222,7 @@ def bench_model(
                 }
             )
             print(_row_line(rows[-1]), flush=True)  # a run cut short keeps its rows
+            save()
 
 
 def main() -> int:
@@ -248,16 +254,21 @@ def main() -> int:
     print(HEADER, flush=True)
     rows: list[dict] = []
     tunings: dict[str, Any] = {}
-    # a run cut at its limit (timeout sends SIGTERM) still writes what it measured
+
+    def save() -> None:
+        if args.out:
+            Path(args.out).write_text(json.dumps({"rows": rows, "tuning": tunings}, indent=1))
+
+    # a run cut at its limit (timeout sends SIGTERM) still prints its summary line where the
+    # handler gets to run; the rows are saved as they come either way
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     try:
         for name in args.models.split(","):
-            bench_model(name, registry, device, args, tunings, rows)
+            bench_model(name, registry, device, args, tunings, rows, save)
     finally:
         worst = max((r["ratio"] for r in rows), default=float("nan"))
         print(f"worst ratio chosen/fastest: {worst:.3f} (goal <= 1.03) over {len(rows)} points")
-        if args.out:
-            Path(args.out).write_text(json.dumps({"rows": rows, "tuning": tunings}, indent=1))
+        save()
     return 0
 
 

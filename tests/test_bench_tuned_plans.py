@@ -82,7 +82,14 @@ def test_the_tuned_plan_is_checked_on_and_off_its_grid(registry, monkeypatch, ca
     )  # fmt: skip
     rows: list[dict] = []
     tunings: dict = {}
-    script.bench_model("qwen3", registry, torch.device("cpu"), args, tunings, rows)
+    saved: list[tuple[int, bool]] = []  # (rows, tuning present) at each save
+
+    def save() -> None:
+        saved.append((len(rows), "qwen3" in tunings))
+
+    script.bench_model("qwen3", registry, torch.device("cpu"), args, tunings, rows, save)
+    # saved once the tuning is known, then after every row: a killed run keeps what it measured
+    assert saved == [(n, True) for n in range(len(rows) + 1)]
     # the decode grid stops at max_kv_tokens: 16 x 16384 = 2^18 is in, nothing above
     assert {(b, c) for ph, n, b, c in timed if ph == "decode" and n == "long:l"} >= {
         (1, 2048), (1, 16384), (16, 2048), (16, 16384)
