@@ -17,7 +17,7 @@ Variants (shapes of the models that use them):
 * ``mamba1``: Falcon-Mamba / Jamba, d_inner 8192, d_state 16 (``mamba1_decode``: block_d,
   num_warps, requests_per_program).
 * ``short_conv``: LFM2-1.2B, 2048 channels, kernel 3, bf16 conv state (``causal_conv1d_update``,
-  block_c); bytes: conv state read + write plus the token in and out.
+  block_c, requests_per_program); bytes: conv state read + write plus the token in and out.
 
 Each variant runs in its own subprocess, so a fault ends only that variant's row set. Inputs
 and shapes are those of ``bench_ssm.py``'s decode rows (its ``*_decode_call`` builders).
@@ -110,7 +110,8 @@ def _mamba1_case(B: int):
 
 def _short_conv_case(B: int):
     run, half_bytes = short_conv_decode_call(B)
-    return _tilings(run), [{}, *_grid(block_c=(64, 128, 256, 512, 1024))], half_bytes
+    per_program = _grid(block_c=(256, 1024, 2048), requests_per_program=(2, 4, 8))
+    return _tilings(run), [{}, *_grid(block_c=(64, 128, 256, 512, 1024)), *per_program], half_bytes
 
 
 CASES: dict[str, Callable[[int], tuple]] = {

@@ -35,7 +35,8 @@ def _assert_state_equal(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("T", "two_d"), [(1, True), (1, False), (3, False)])
 @pytest.mark.parametrize(("bias", "act"), [(True, "silu"), (False, None)])
-def test_conv1d_update_matches_torch_conv1d(state_dtype, T, two_d, bias, act):
+@pytest.mark.parametrize("rpp", [None, 2, 4])  # 2: the last program has one row past the batch
+def test_conv1d_update_matches_torch_conv1d(state_dtype, T, two_d, bias, act, rpp):
     g = _gen()
     Bn, C, KW, S = 3, 40, 4, 5
     x = torch.randn(Bn, T, C, generator=g)
@@ -48,7 +49,7 @@ def test_conv1d_update_matches_torch_conv1d(state_dtype, T, two_d, bias, act):
     dev = lambda t: None if t is None else t.to(DEV)  # noqa: E731
     st = state.to(DEV)
     out = K.causal_conv1d_update(dev(xin), st, dev(w), dev(b), dev(idx), activation=act,
-                                 block_c=16)  # fmt: skip
+                                 block_c=16, requests_per_program=rpp)  # fmt: skip
     assert out.shape == xin.shape
     out3 = (out[:, None] if two_d else out).cpu()
     for bi, s in enumerate(IDX):
@@ -61,7 +62,8 @@ def test_conv1d_update_matches_torch_conv1d(state_dtype, T, two_d, bias, act):
     assert torch.equal(st[UNTOUCHED].cpu(), before[UNTOUCHED])
 
 
-def test_conv1d_verify_then_commit_each_accepted_count():
+@pytest.mark.parametrize("rpp", [None, 2])
+def test_conv1d_verify_then_commit_each_accepted_count(rpp):
     g = _gen(1)
     Bn, T, C, KW, S = 3, 3, 24, 4, 5
     x = torch.randn(Bn, T, C, generator=g).to(DEV)
@@ -74,7 +76,7 @@ def test_conv1d_verify_then_commit_each_accepted_count():
     for n in range(T + 1):
         st = before.clone()
         num = torch.tensor([n, T, 1], dtype=torch.int32, device=DEV)
-        K.causal_conv1d_commit(x, num, st, w, idx)
+        K.causal_conv1d_commit(x, num, st, w, idx, requests_per_program=rpp)
         for bi, s in enumerate(IDX):
             if s < 0:
                 continue
@@ -94,6 +96,9 @@ def test_conv1d_errors():
     with pytest.raises(ValueError, match="activation: expected one of"):
         K.causal_conv1d_update(x, torch.zeros(3, 8, 3, device=DEV), w, None, idx,
                                activation="gelu")  # fmt: skip
+    with pytest.raises(ValueError, match="requests_per_program: expected a positive count"):
+        K.causal_conv1d_update(x, torch.zeros(3, 8, 3, device=DEV), w, None, idx,
+                               requests_per_program=0)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ then stores ``seq[n : n + K - 1]`` back as the new conv state, with ``n = T`` (p
 ``n = num_accepted[b]`` (speculative commit). This is the convention of vLLM's and Dao-AILab's
 ``causal_conv1d_update`` with ``conv_state`` ``[S, C, K - 1]`` (oldest input first).
 
-Grid ``(B, C / BC)``; each program owns a block of channels of one request.
+Grid ``(B / RPP, C / BC)``; each program owns a block of channels of ``RPP`` requests in turn
+(``requests_per_program``: a short conv's state is a few KiB per request, so one request per
+program launches many tiny programs).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def _conv1d_update_kernel(
     idx_ptr,
     nacc_ptr,
     out_ptr,
+    B,
     C,
     s_xb,
     s_xt,
@@ -62,24 +65,64 @@ def _conv1d_update_kernel(
     STORE_OUT: tl.constexpr,
     WRITE_STATE: tl.constexpr,
     HAS_NACC: tl.constexpr,
+    RPP: tl.constexpr,
 ):
-    i_b = tl.program_id(0).to(tl.int64)
+    pid_b = tl.program_id(0).to(tl.int64)
     pid_c = tl.program_id(1)
-    slot = tl.load(idx_ptr + i_b).to(tl.int64)
     o_c = pid_c * BC + tl.arange(0, BC)
-    valid = (o_c * 0 + slot) >= 0  # a block: the interpreter rejects scalar & block masks
     m_c = o_c < C
-    m_cv = m_c & valid
-    p_state = state_ptr + slot * s_ss + o_c * s_sc
-    p_x = x_ptr + i_b * s_xb + o_c
+    b_bias = tl.zeros([BC], dtype=tl.float32)
+    if STORE_OUT and HAS_BIAS:
+        b_bias = tl.load(bias_ptr + o_c, mask=m_c, other=0.0).to(tl.float32)
+    for r in tl.static_range(RPP):
+        i_b = pid_b * RPP + r
+        # blocks: the interpreter rejects scalar & block masks
+        m_b = m_c & ((o_c * 0 + i_b) < B)  # a row of this batch (the last program's may not be)
+        slot = tl.load(idx_ptr + i_b, mask=i_b < B, other=-1).to(tl.int64)
+        valid = (o_c * 0 + slot) >= 0
+        m_cv = m_c & valid
+        p_state = state_ptr + slot * s_ss + o_c * s_sc
+        p_x = x_ptr + i_b * s_xb + o_c
+        _conv1d_update_row(p_state, p_x, w_ptr, nacc_ptr, out_ptr, i_b, B, o_c, m_c, m_b, m_cv,
+                           valid, b_bias, s_sk, s_xt, s_wc, s_wk, s_ob, s_ot, T, KW, BKM1,
+                           SILU, STORE_OUT, WRITE_STATE, HAS_NACC)  # fmt: skip
 
+
+@triton.jit
+def _conv1d_update_row(
+    p_state,
+    p_x,
+    w_ptr,
+    nacc_ptr,
+    out_ptr,
+    i_b,
+    B,
+    o_c,
+    m_c,
+    m_b,
+    m_cv,
+    valid,
+    b_bias,
+    s_sk,
+    s_xt,
+    s_wc,
+    s_wk,
+    s_ob,
+    s_ot,
+    T: tl.constexpr,
+    KW: tl.constexpr,
+    BKM1: tl.constexpr,
+    SILU: tl.constexpr,
+    STORE_OUT: tl.constexpr,
+    WRITE_STATE: tl.constexpr,
+    HAS_NACC: tl.constexpr,
+):
+    """One request's block of channels: its outputs, then its new conv state (``m_b``: the
+    row is one of the batch; ``m_cv``: and its slot is not padding; ``b_bias``: the bias
+    block, zeros without one)."""
     if STORE_OUT:
-        if HAS_BIAS:
-            b_bias = tl.load(bias_ptr + o_c, mask=m_c, other=0.0).to(tl.float32)
         for t in tl.static_range(T):
-            acc = tl.zeros([BC], dtype=tl.float32)
-            if HAS_BIAS:
-                acc += b_bias
+            acc = b_bias  # zeros without a bias
             for j in tl.static_range(KW):
                 if t + j < KW - 1:
                     xv = tl.load(p_state + (t + j) * s_sk, mask=m_cv, other=0.0)
@@ -91,12 +134,13 @@ def _conv1d_update_kernel(
                 acc = acc * tl.sigmoid(acc)
             acc = tl.where(valid, acc, 0.0)
             tl.store(
-                out_ptr + i_b * s_ob + t * s_ot + o_c, acc.to(out_ptr.dtype.element_ty), mask=m_c
+                out_ptr + i_b * s_ob + t * s_ot + o_c, acc.to(out_ptr.dtype.element_ty), mask=m_b
             )
 
     if WRITE_STATE:
         if HAS_NACC:
-            n = tl.minimum(tl.maximum(tl.load(nacc_ptr + i_b).to(tl.int32), 0), T)
+            n = tl.load(nacc_ptr + i_b, mask=i_b < B, other=0)
+            n = tl.minimum(tl.maximum(n.to(tl.int32), 0), T)
         else:
             n = T
         o_j = tl.arange(0, BKM1)
@@ -118,7 +162,7 @@ def _conv1d_update_kernel(
         tl.debug_barrier()
         tl.store(
             p_state[:, None] + o_j[None, :] * s_sk,
-            b_new.to(state_ptr.dtype.element_ty),
+            b_new.to(p_state.dtype.element_ty),
             mask=m2,
         )
 
@@ -154,11 +198,14 @@ def _prepare(x, conv_state, weight, bias, state_indices, activation):
 
 
 def _run(x3, conv_state, weight, bias, state_indices, num_accepted, out3, *, silu, write_state,
-         block_c):  # fmt: skip
+         block_c, requests_per_program):  # fmt: skip
     B, T, C = x3.shape
     K = weight.shape[1]
     BC = block_c or min(256, next_pow2(C))
-    _conv1d_update_kernel[(B, triton.cdiv(C, BC))](
+    rpp = 1 if requests_per_program is None else requests_per_program
+    if rpp < 1:
+        raise ValueError(f"requests_per_program: expected a positive count, got {rpp}")
+    _conv1d_update_kernel[(triton.cdiv(B, rpp), triton.cdiv(C, BC))](
         x3,
         conv_state,
         weight,
@@ -166,6 +213,7 @@ def _run(x3, conv_state, weight, bias, state_indices, num_accepted, out3, *, sil
         state_indices,
         num_accepted if num_accepted is not None else state_indices,
         out3 if out3 is not None else x3,
+        B,
         C,
         x3.stride(0),
         x3.stride(1),
@@ -181,6 +229,7 @@ def _run(x3, conv_state, weight, bias, state_indices, num_accepted, out3, *, sil
         STORE_OUT=out3 is not None,
         WRITE_STATE=write_state,
         HAS_NACC=num_accepted is not None,
+        RPP=rpp,
     )
 
 
@@ -195,6 +244,7 @@ def causal_conv1d_update(
     update_state: bool = True,
     out: torch.Tensor | None = None,
     block_c: int | None = None,
+    requests_per_program: int | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv over this step's tokens, continuing each request's conv state.
 
@@ -209,6 +259,8 @@ def causal_conv1d_update(
         for speculative verify and call :func:`causal_conv1d_commit` once the accepted count
         is known.
     :param out: like ``x`` (allocated when ``None``).
+    :param block_c: channels per program (default ``min(256, next_pow2(C))``);
+        ``requests_per_program``: requests each program takes in turn (default 1).
     :returns: ``out``, shaped like ``x``.
     """
     x3, _, _, _ = _prepare(x, conv_state, weight, bias, state_indices, activation)
@@ -218,7 +270,8 @@ def causal_conv1d_update(
     check_last_contiguous("out", out)
     out3 = out.unsqueeze(1) if out.dim() == 2 else out
     _run(x3, conv_state, weight, bias, state_indices, None, out3, silu=activation is not None,
-         write_state=update_state, block_c=block_c)  # fmt: skip
+         write_state=update_state, block_c=block_c,
+         requests_per_program=requests_per_program)  # fmt: skip
     return out
 
 
@@ -230,6 +283,7 @@ def causal_conv1d_commit(
     state_indices: torch.Tensor,
     *,
     block_c: int | None = None,
+    requests_per_program: int | None = None,
 ) -> None:
     """Advance each slot's conv state by the first ``num_accepted[b]`` tokens of ``x``.
 
@@ -242,4 +296,5 @@ def causal_conv1d_commit(
     check_index("num_accepted", num_accepted, B)
     check_dtype("num_accepted", num_accepted, (torch.int32, torch.int64))
     _run(x3, conv_state, weight, None, state_indices, num_accepted, None, silu=False,
-         write_state=True, block_c=block_c)  # fmt: skip
+         write_state=True, block_c=block_c,
+         requests_per_program=requests_per_program)  # fmt: skip
