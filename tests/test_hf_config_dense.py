@@ -144,14 +144,17 @@ def test_layer_types_outside_full_and_sliding_are_refused() -> None:
         specs_from_hf_config(cfg)
 
 
-def test_position_dependent_query_scale_is_refused() -> None:
-    # Ministral-3 multiplies q by a function of the position (llama_4_scaling_beta): no spec
-    # field says so, so the config is refused rather than mapped with a constant scale.
+def test_a_position_dependent_query_scale_before_the_op_maps_as_plain_attention() -> None:
+    # Ministral-3 multiplies q by a function of the position (llama_4_scaling_beta) in its
+    # attention module, before the attention function, as it applies RoPE: the op is plain
+    # attention at the usual scale (tests/e2e/test_run_dense.py runs it against transformers
+    # with every position from 2 on scaled).
     cfg = transformers.Ministral3Config(**_SMALL).to_dict()
-    with pytest.raises(ValueError) as err:
-        specs_from_hf_config(cfg)
-    msg = str(err.value)
-    assert "llama_4_scaling_beta" in msg and "layers 0-2" in msg and "not supported" in msg, msg
+    assert cfg["rope_parameters"]["llama_4_scaling_beta"]
+    layout = specs_from_hf_config(cfg)
+    (group,) = layout.groups
+    assert group.spec.kind.value == "full" and group.spec.causal
+    assert group.spec.scale == pytest.approx(group.spec.head_dim**-0.5)
 
 
 def _defaults(model_type: str, **extra: Any) -> dict[str, Any]:

@@ -637,7 +637,6 @@ _ATTENTION_FEATURES: dict[str, str] = {
     "add_cross_attention": "cross-attention",
     "cross_attention_layers": "cross-attention layers (to image tokens)",
     "attention_k_eq_v": "keys shared as values",
-    "attention_value_scale": "a value scale inside the attention op",
     "keep_window_size": "dynamic mask attention",
     "prefix_lm": "a bidirectional prefix",
 }
@@ -1000,14 +999,6 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
             raise ValueError(
                 f"{r.where}: {key!r}={r.cfg[key]!r} in {every}: {model_type!r} is not known to "
                 f"read it (the model types that do: {sorted(readers)}); refused, not guessed"
-            )
-    for key in ("rope_parameters", "rope_scaling"):
-        rope = r.cfg.get(key)
-        beta = rope.get("llama_4_scaling_beta") if isinstance(rope, Mapping) else None
-        if beta is not None:  # Ministral-3: q scaled by a function of the position
-            raise ValueError(
-                f"{r.where}: position-dependent query scale ({key}.llama_4_scaling_beta={beta}) "
-                f"in {every}: no layer kind"
             )
     window = r.cfg.get("sliding_window")
     if r.cfg.get("use_sliding_window", True) is False:

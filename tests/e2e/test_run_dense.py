@@ -192,6 +192,28 @@ _FEATURE_CASES: list[tuple[str, dict[str, Any], int, str]] = [
     ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 8}, 4, "window=8"),
     ("gemma2", {"query_pre_attn_scalar": 32, "attn_logit_softcapping": 20.0}, 2, "softcap=20"),
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, 2, ""),  # layer i's scale over i + 1
+    # Ministral-3 scales q by 1 + beta * log(1 + floor(position / original_max)) before the
+    # attention function, like RoPE: the op is plain attention (once refused as "no layer
+    # kind"). original_max 2: every position from 2 on is scaled.
+    (
+        "ministral3",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "type": "yarn",
+                "rope_theta": 1e6,
+                "factor": 16.0,
+                "original_max_position_embeddings": 2,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale_all_dim": 1.0,
+                "mscale": 1.0,
+                "llama_4_scaling_beta": 0.5,
+            }
+        },
+        2,
+        "",
+    ),
 ]
 
 
