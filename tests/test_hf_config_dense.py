@@ -340,3 +340,21 @@ def test_attention_in_own_code_is_read_from_the_modeling_module(
     from attn_core.models.hf_config import _attention_in_own_code
 
     assert _attention_in_own_code(model_type) == classes
+
+
+def test_a_layer_pattern_field_is_read_only_through_the_layer_types_beside_it() -> None:
+    """AFMoE's class derives layer_types from global_attn_every_n_layers: with them the mapping
+    follows layer_types; a config.json holding the pattern alone is refused (the rule that
+    turns it into layers is the class's code, not something to guess)."""
+    cfg = transformers.CONFIG_MAPPING["afmoe"](
+        **{**_SMALL, "num_hidden_layers": 4, "sliding_window": 8}
+    ).to_dict()
+    assert cfg["global_attn_every_n_layers"] and "full_attention" in cfg["layer_types"]
+    layout = specs_from_hf_config(cfg)
+    windows = {i: g.spec.sliding_window for g in layout.groups for i in g.layer_indices}
+    assert [windows[i] for i in range(4)] == [
+        8 if t == "sliding_attention" else None for t in cfg["layer_types"]
+    ]
+    del cfg["layer_types"]
+    with pytest.raises(ValueError, match=r"'global_attn_every_n_layers'.*not understood"):
+        specs_from_hf_config(cfg)

@@ -615,8 +615,19 @@ _DENSE_FIELDS: frozenset[str] = _CONFIG_FIELDS | frozenset(
         "moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval", "moe_norm_min",
         "num_dense_layers", "route_scale", "router_scaling_factor", "enable_moe_fp32_combine",
         "mtp_layer_types", "mtp_mlp_layer_types", "output_vocab_size",
+        "expert_selection_fn", "shared_expert_combination_strategy",
+        "prefix_dense_intermediate_size",
+        # muP input scaling of the embeddings (AFMoE)
+        "mup_enabled",
     }
 )  # fmt: skip
+
+# Layer-pattern fields from which a config class derives its ``layer_types``: read only through
+# the ``layer_types`` the class wrote beside them (a config.json without them is refused: the
+# pattern rule is the class's own code).
+_PATTERN_FIELDS: frozenset[str] = frozenset(
+    {"global_attn_every_n_layers", "prefix_dense_sliding_window_pattern"}
+)
 
 # DeepSeek's multi-head latent attention names: a config with ``kv_lora_rank`` set is read as
 # MLA on every layer (GLM-4.7-Flash, MiniCPM3, Youtu, ...), the scale as DeepSeek computes it
@@ -993,7 +1004,9 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
             f"{every}: the generic dense mapping maps attention layers only, and no family "
             f"reads {model_type!r}'s mixers; refused, not mapped in part"
         )
-    _refuse_unknown(r, _DENSE_FIELDS | aliases | (_MLA_FIELDS if mla else frozenset()), every)
+    patterns = _PATTERN_FIELDS if isinstance(r.cfg.get("layer_types"), list) else frozenset()
+    known = _DENSE_FIELDS | aliases | patterns | (_MLA_FIELDS if mla else frozenset())
+    _refuse_unknown(r, known, every)
     for key, readers in _FIELD_READERS.items():
         if r.cfg.get(key) is not None and model_type not in readers:
             raise ValueError(

@@ -179,6 +179,11 @@ _DEFAULTS_CASES: dict[str, tuple[int, str]] = {
     # mixture of attention heads: routed query projections, keys tiled to every query head
     # before the attention function (the op's 4 KV heads, not the config's 2)
     "jetmoe": (2, "4q/4kv"),
+    # layer_types derived from global_attn_every_n_layers; q/k norms, an output gate and RoPE
+    # on the sliding layers only, all around the op; muP embedding scale
+    "afmoe": (4, "window=8"),
+    # MoE with a dense prefix whose own sliding pattern the class writes into layer_types
+    "cohere2_moe": (4, "window=8"),
 }
 
 
