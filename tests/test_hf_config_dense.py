@@ -358,3 +358,19 @@ def test_a_layer_pattern_field_is_read_only_through_the_layer_types_beside_it() 
     del cfg["layer_types"]
     with pytest.raises(ValueError, match=r"'global_attn_every_n_layers'.*not understood"):
         specs_from_hf_config(cfg)
+
+
+def test_per_layer_head_counts_give_each_layer_its_spec() -> None:
+    """Laguna's num_attention_heads_per_layer: layers of 4 and 8 query heads are two groups
+    (the KV heads and head_dim shared); a list of the wrong length is refused, named."""
+    cfg = transformers.CONFIG_MAPPING["laguna"](
+        **{**_SMALL, "num_hidden_layers": 4, "head_dim": 16,
+           "num_attention_heads_per_layer": [4, 8, 4, 8]}
+    ).to_dict()  # fmt: skip
+    layout = specs_from_hf_config(cfg)
+    heads = {i: g.spec.num_heads for g in layout.groups for i in g.layer_indices}
+    assert [heads[i] for i in range(4)] == [4, 8, 4, 8]
+    assert {g.spec.num_kv_heads for g in layout.groups} == {2}
+    bad = {**cfg, "num_attention_heads_per_layer": [4, 8]}
+    with pytest.raises(ValueError, match=r"num_attention_heads_per_layer: expected 4 positive"):
+        specs_from_hf_config(bad)

@@ -617,8 +617,12 @@ _DENSE_FIELDS: frozenset[str] = _CONFIG_FIELDS | frozenset(
         "mtp_layer_types", "mtp_mlp_layer_types", "output_vocab_size",
         "expert_selection_fn", "shared_expert_combination_strategy",
         "prefix_dense_intermediate_size",
-        # muP input scaling of the embeddings (AFMoE)
-        "mup_enabled",
+        "moe_apply_router_weight_on_input", "moe_routed_scaling_factor",
+        "moe_router_logit_softcapping",
+        # muP input scaling of the embeddings (AFMoE); an output gate after the op (Laguna)
+        "mup_enabled", "gating",
+        # per-layer query head counts (Laguna): each layer's spec has its own
+        "num_attention_heads_per_layer",
     }
 )  # fmt: skip
 
@@ -1080,13 +1084,35 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
         fields_["softmax_scale"] = 1.0
     by_layer = bool(r.cfg.get("scale_attn_by_inverse_layer_idx"))
     base = fields_.pop("softmax_scale", heads["head_dim"] ** -0.5)
+    per_layer_heads = _heads_per_layer(r, o, n)
     layers = []
     for i, t in enumerate(types):
         sw = window if t == "sliding_attention" else None
         # GPT-2's scale_attn_by_inverse_layer_idx: layer i's scale over (i + 1)
         sc = base / (i + 1) if by_layer else base
+        if per_layer_heads is not None:
+            fields_["num_heads"] = per_layer_heads[i]
         layers.append((i, o.full(sliding_window=sw, softmax_scale=sc, **fields_)))
     return n, layers, {}
+
+
+def _heads_per_layer(r: _Reader, o: _Options, n: int) -> list[int] | None:
+    """``num_attention_heads_per_layer`` (Laguna: each layer's query heads, the KV heads and
+    head_dim shared), split for tensor parallelism; None when the config has no such list."""
+    value = r.cfg.get("num_attention_heads_per_layer")
+    if value is None:
+        return None
+    if (
+        not isinstance(value, list)
+        or len(value) != n
+        or not all(isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in value)
+    ):
+        raise ValueError(
+            f"{r.where}: num_attention_heads_per_layer: expected {n} positive ints (one per "
+            f"layer), got {value!r}"
+        )
+    key = "num_attention_heads_per_layer"
+    return [_split(h, o.tp_size, f"{key}[{i}]") for i, h in enumerate(value)]
 
 
 def _llama4(r: _Reader, o: _Options) -> _Parsed:

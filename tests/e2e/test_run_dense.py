@@ -197,6 +197,9 @@ _FEATURE_CASES: list[tuple[str, dict[str, Any], int, str]] = [
     ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 8}, 4, "window=8"),
     ("gemma2", {"query_pre_attn_scalar": 32, "attn_logit_softcapping": 20.0}, 2, "softcap=20"),
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, 2, ""),  # layer i's scale over i + 1
+    # Laguna: each layer its own query heads (num_attention_heads_per_layer), one group each;
+    # a per-head output gate after the op
+    ("laguna", {"num_attention_heads_per_layer": [4, 8, 4, 8]}, 4, "8q/2kv"),
     # Ministral-3 scales q by 1 + beta * log(1 + floor(position / original_max)) before the
     # attention function, like RoPE: the op is plain attention (once refused as "no layer
     # kind"). original_max 2: every position from 2 on is scaled.
