@@ -374,3 +374,30 @@ def test_per_layer_head_counts_give_each_layer_its_spec() -> None:
     bad = {**cfg, "num_attention_heads_per_layer": [4, 8]}
     with pytest.raises(ValueError, match=r"num_attention_heads_per_layer: expected 4 positive"):
         specs_from_hf_config(bad)
+
+
+def _gemma4_text(**extra: Any) -> dict[str, Any]:
+    return transformers.CONFIG_MAPPING["gemma4_text"](
+        **{**_SMALL, "num_hidden_layers": 6, "head_dim": 16, "sliding_window": 8,
+           "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 16, **extra}
+    ).to_dict()  # fmt: skip
+
+
+def test_gemma4_per_layer_overrides_and_kv_sharing() -> None:
+    """Gemma-4's per_layer_config gives its full layer another head_dim and KV heads; the op's
+    scale is 1 (q and k RMS-normed); KV sharing, which no layer kind describes, is refused with
+    its layers, and so is an override the mapping does not read."""
+    cfg = _gemma4_text(per_layer_config={"5": {"head_dim": 32, "num_key_value_heads": 1}})
+    layout = specs_from_hf_config(cfg)
+    by_layer = {i: g.spec for g in layout.groups for i in g.layer_indices}
+    assert (by_layer[5].head_dim, by_layer[5].num_kv_heads, by_layer[5].sliding_window) == (
+        32, 1, None
+    )  # fmt: skip
+    assert (by_layer[0].head_dim, by_layer[0].num_kv_heads, by_layer[0].sliding_window) == (
+        16, 2, 8
+    )  # fmt: skip
+    assert {s.scale for s in by_layer.values()} == {1.0}
+    with pytest.raises(ValueError, match=r"num_kv_shared_layers=2\) in layers 4-5: no layer kind"):
+        specs_from_hf_config(_gemma4_text(num_kv_shared_layers=2))
+    with pytest.raises(ValueError, match=r"per_layer_config\['5'\] sets \['sliding_window'\]"):
+        specs_from_hf_config({**cfg, "per_layer_config": {"5": {"sliding_window": 4}}})

@@ -623,6 +623,10 @@ _DENSE_FIELDS: frozenset[str] = _CONFIG_FIELDS | frozenset(
         "mup_enabled", "gating",
         # per-layer query head counts (Laguna): each layer's spec has its own
         "num_attention_heads_per_layer",
+        # Gemma-4: per-layer inputs beside the embeddings, its MoE block, per-layer overrides
+        # (read by _per_layer_overrides), KV sharing (refused when on)
+        "hidden_size_per_layer_input", "vocab_size_per_layer_input", "enable_moe_block",
+        "top_k_experts", "use_double_wide_mlp", "per_layer_config", "num_kv_shared_layers",
     }
 )  # fmt: skip
 
@@ -660,9 +664,9 @@ _ATTENTION_FEATURES: dict[str, str] = {
 # config field says so): their layers are mapped with sinks.
 _SINK_MODEL_TYPES: frozenset[str] = frozenset({"flint", "granite_swa", "granitemoe_swa"})
 
-# Model types whose attention module scales q in its projection and calls the attention op
-# with scale 1 (OPT): the op's softmax scale is 1.
-_PRESCALED_Q_MODEL_TYPES: frozenset[str] = frozenset({"opt"})
+# Model types whose attention module calls the attention op with scale 1: OPT scales q in its
+# projection, Gemma-4 RMS-normalizes q and k.
+_PRESCALED_Q_MODEL_TYPES: frozenset[str] = frozenset({"opt", "gemma4_text"})
 
 # Model types whose attention module tiles its keys and values to every query head before the
 # attention function (JetMoE's mixture of attention heads: ``num_experts_per_tok`` query-head
@@ -679,6 +683,9 @@ _SOFTCAP_MODEL_TYPES: frozenset[str] = frozenset({"gemma2", "vaultgemma"})
 # The layer-pattern fields matter only without ``layer_types`` (transformers 5 writes the
 # pattern out, and the mapping follows it).
 _FIELD_READERS: dict[str, frozenset[str]] = {
+    # per-layer head_dim / KV heads (Gemma-4's full layers: head_dim 512), and KV sharing
+    "per_layer_config": frozenset({"gemma4_text"}),
+    "num_kv_shared_layers": frozenset({"gemma4_text"}),
     "query_pre_attn_scalar": frozenset({"gemma2", "vaultgemma"}),  # softmax scale
     "sliding_window_pattern": frozenset({"cohere2", "cohere2_moe", "exaone4", "exaone_moe"}),
     "max_window_layers": frozenset({"dots1", "qwen2_moe"}),
@@ -1085,6 +1092,8 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
     by_layer = bool(r.cfg.get("scale_attn_by_inverse_layer_idx"))
     base = fields_.pop("softmax_scale", heads["head_dim"] ** -0.5)
     per_layer_heads = _heads_per_layer(r, o, n)
+    overrides = _per_layer_overrides(r, o, n)
+    _refuse_kv_sharing(r, n)
     layers = []
     for i, t in enumerate(types):
         sw = window if t == "sliding_attention" else None
@@ -1092,8 +1101,69 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
         sc = base / (i + 1) if by_layer else base
         if per_layer_heads is not None:
             fields_["num_heads"] = per_layer_heads[i]
-        layers.append((i, o.full(sliding_window=sw, softmax_scale=sc, **fields_)))
+        layer_fields = {**fields_, **overrides.get(i, {})}
+        layers.append((i, o.full(sliding_window=sw, softmax_scale=sc, **layer_fields)))
     return n, layers, {}
+
+
+#: ``per_layer_config`` keys and the spec field each sets; other keys outside the op are
+#: accepted as they are (the MLP's sizes), any other is refused.
+_PER_LAYER_SPEC_KEYS = {"head_dim": "head_dim", "num_key_value_heads": "num_kv_heads"}
+_PER_LAYER_OUTSIDE_KEYS = frozenset({"intermediate_size", "moe_intermediate_size"})
+
+
+def _per_layer_overrides(r: _Reader, o: _Options, n: int) -> dict[int, dict[str, int]]:
+    """Gemma-4's ``per_layer_config`` (layer index as a string, ``"5"`` or ``"05"`` -> the
+    fields that layer overrides): the spec fields it sets per layer (head_dim, KV heads)."""
+    cfg = r.cfg.get("per_layer_config")
+    if cfg is None:
+        return {}
+    if not isinstance(cfg, Mapping):
+        raise ValueError(f"{r.where}: per_layer_config: expected a mapping, got {cfg!r}")
+    out: dict[int, dict[str, int]] = {}
+    for key, fields in cfg.items():
+        index = int(key) if isinstance(key, str) and key.isdigit() else -1
+        if not 0 <= index < n or not isinstance(fields, Mapping):
+            raise ValueError(
+                f"{r.where}: per_layer_config[{key!r}]: expected a layer 0..{n - 1} and its "
+                f"fields, got {fields!r}"
+            )
+        unknown = sorted(set(fields) - set(_PER_LAYER_SPEC_KEYS) - _PER_LAYER_OUTSIDE_KEYS)
+        if unknown:
+            raise ValueError(
+                f"{r.where}: per_layer_config[{key!r}] sets {unknown} for layer {index}: not "
+                f"understood by the generic dense mapping; refused, not mapped in part"
+            )
+        spec: dict[str, int] = {}
+        for name, spec_field in _PER_LAYER_SPEC_KEYS.items():
+            value = fields.get(name)
+            if value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(
+                    f"{r.where}: per_layer_config[{key!r}].{name}: expected a positive int, "
+                    f"got {value!r}"
+                )
+            spec[spec_field] = value
+        if "num_kv_heads" in spec:
+            spec["num_kv_heads"] = _split_or_replicate(
+                spec["num_kv_heads"], o.tp_size, f"per_layer_config[{key!r}].num_key_value_heads"
+            )
+        out[index] = spec
+    return out
+
+
+def _refuse_kv_sharing(r: _Reader, n: int) -> None:
+    """Gemma-4's last ``num_kv_shared_layers`` layers attend over an earlier layer's keys and
+    values, writing none of their own: no layer kind describes reading another layer's cache."""
+    shared = r.cfg.get("num_kv_shared_layers")
+    if shared:
+        first = n - int(shared)
+        raise ValueError(
+            f"{r.where}: keys and values shared from earlier layers (num_kv_shared_layers="
+            f"{shared}) in layers {_ranges(range(max(first, 0), n))}: no layer kind; refused, "
+            f"not mapped in part"
+        )
 
 
 def _heads_per_layer(r: _Reader, o: _Options, n: int) -> list[int] | None:

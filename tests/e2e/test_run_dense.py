@@ -197,6 +197,18 @@ _FEATURE_CASES: list[tuple[str, dict[str, Any], int, str]] = [
     ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 8}, 4, "window=8"),
     ("gemma2", {"query_pre_attn_scalar": 32, "attn_logit_softcapping": 20.0}, 2, "softcap=20"),
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, 2, ""),  # layer i's scale over i + 1
+    # Gemma-4 text: per-layer inputs beside the embeddings, q/k RMS-normed (the op's scale 1),
+    # a full layer with its own head_dim and KV heads (per_layer_config), sliding layers
+    (
+        "gemma4_text",
+        {
+            "vocab_size_per_layer_input": 128,
+            "hidden_size_per_layer_input": 16,
+            "per_layer_config": {"5": {"head_dim": 32, "num_key_value_heads": 1}},
+        },
+        6,
+        "4q/1kv d32",
+    ),
     # Laguna: each layer its own query heads (num_attention_heads_per_layer), one group each;
     # a per-head output gate after the op
     ("laguna", {"num_attention_heads_per_layer": [4, 8, 4, 8]}, 4, "8q/2kv"),
