@@ -146,6 +146,9 @@ class BackendCapabilities:
     chunked_virtual_batches: bool = False
     logits_soft_cap: bool = False
     sinks: bool = False
+    #: serves full / encoder layers whose values have another width than queries and keys
+    #: (``spec.head_dim_v != spec.head_dim``, MiMo-V2-Flash); MLA layers are exempt
+    distinct_value_head_dim: bool = False
     deterministic: bool = False
     spec_verify_strategies: frozenset[str] = frozenset({"native"})
     #: False: an unquantised KV cache must be in the compute dtype (no fp16 queries over a
@@ -347,6 +350,7 @@ class BackendCapabilities:
             chunked_virtual_batches: bool = False,
             logits_soft_cap: bool = False,
             sinks: bool = False,
+            distinct_value_head_dim: bool = False,
             deterministic: bool = False,
             spec_verify_strategies: Iterable[str] = frozenset({"native"}),
             mixed_kv_dtypes: bool = True,

@@ -271,6 +271,16 @@ def check_backend(
             if dim not in caps.head_dims:
                 model_mismatch("head_dim", f"{label} {dim}", f"serves {_fmt_set(caps.head_dims)}")
                 break
+    if (
+        spec.kind is not LayerKind.MLA
+        and spec.head_dim_v != spec.head_dim
+        and not caps.distinct_value_head_dim
+    ):
+        model_mismatch(
+            "head_dim_v",
+            f"head_dim_v {spec.head_dim_v} beside head_dim {spec.head_dim}",
+            "serves values as wide as queries and keys only",
+        )
     if spec.has_kv_cache:
         ps = page_size if page_size is not None else spec.page_size
         if caps.page_sizes is not None and ps not in caps.page_sizes:

@@ -401,3 +401,21 @@ def test_gemma4_per_layer_overrides_and_kv_sharing() -> None:
         specs_from_hf_config(_gemma4_text(num_kv_shared_layers=2))
     with pytest.raises(ValueError, match=r"per_layer_config\['5'\] sets \['sliding_window'\]"):
         specs_from_hf_config({**cfg, "per_layer_config": {"5": {"sliding_window": 4}}})
+
+
+def test_mimo_sliding_layers_have_twice_the_kv_heads_and_sinks() -> None:
+    """MiMo-V2-Flash's module gives its sliding layers 2 x num_key_value_heads and learned
+    sinks, its full layers neither; values are v_head_dim wide on every layer."""
+    cfg = transformers.CONFIG_MAPPING["mimo_v2_flash"](
+        **{**_SMALL, "num_hidden_layers": 4, "head_dim": 16, "v_head_dim": 32, "sliding_window": 8}
+    ).to_dict()
+    layout = specs_from_hf_config(cfg)
+    by_layer = {i: g.spec for g in layout.groups for i in g.layer_indices}
+    for i, t in enumerate(cfg["layer_types"]):
+        spec = by_layer[i]
+        sliding = t == "sliding_attention"
+        assert (spec.num_kv_heads, spec.has_sinks, spec.sliding_window) == (
+            (4, True, 8) if sliding else (2, False, None)
+        ), (i, spec)
+        assert (spec.head_dim, spec.head_dim_v) == (16, 32)
+    assert {t for t in cfg["layer_types"]} == {"full_attention", "sliding_attention"}

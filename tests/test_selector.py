@@ -696,6 +696,19 @@ def test_reason_head_dim_cannot_serve_the_model_and_proposes_no_change():
     ]
 
 
+def test_values_of_another_width_need_the_capability():
+    """A full layer with head_dim_v != head_dim (MiMo-V2-Flash) is refused by a backend that
+    does not declare distinct_value_head_dim, even where both widths are in its head_dims (a
+    kernel that assumes equal K and V strides would read the cache wrong); MLA is exempt."""
+    spec = GLOBAL.with_(head_dim=128, head_dim_v=64)
+    assert _reasons({"head_dims": {64, 128}}, spec) == [
+        "[head_dim_v] cannot serve this model: head_dim_v 64 beside head_dim 128 (serves values "
+        "as wide as queries and keys only)"
+    ]
+    assert _codes({"head_dims": {64, 128}, "distinct_value_head_dim": True}, spec) == []
+    assert _codes({"head_dims": {576, 512}}, MLA) == []
+
+
 def test_reason_page_size():
     assert _codes({"page_sizes": {64, 128}}, GLOBAL) == [("page_size", "page_size 16 -> 64")]
     assert _codes({"page_sizes": {64}}, GLOBAL, page_size=64) == []

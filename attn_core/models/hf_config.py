@@ -623,6 +623,8 @@ _DENSE_FIELDS: frozenset[str] = _CONFIG_FIELDS | frozenset(
         "mup_enabled", "gating",
         # per-layer query head counts (Laguna): each layer's spec has its own
         "num_attention_heads_per_layer",
+        # a value scale applied to v before the op (MiMo-V2-Flash); v's own head width
+        "attention_value_scale", "v_head_dim",
         # Gemma-4: per-layer inputs beside the embeddings, its MoE block, per-layer overrides
         # (read by _per_layer_overrides), KV sharing (refused when on)
         "hidden_size_per_layer_input", "vocab_size_per_layer_input", "enable_moe_block",
@@ -663,6 +665,11 @@ _ATTENTION_FEATURES: dict[str, str] = {
 # Model types whose attention modules hold learned per-head sinks (a ``sinks`` parameter, no
 # config field says so): their layers are mapped with sinks.
 _SINK_MODEL_TYPES: frozenset[str] = frozenset({"flint", "granite_swa", "granitemoe_swa"})
+
+# Model types whose sliding layers, by their module's code (no config field says so), have
+# twice the config's KV heads and learned per-head sinks (MiMo-V2-Flash); the full layers
+# have neither.
+_SWA_DOUBLE_KV_SINK_MODEL_TYPES: frozenset[str] = frozenset({"mimo_v2_flash"})
 
 # Model types whose attention module calls the attention op with scale 1: OPT scales q in its
 # projection, Gemma-4 RMS-normalizes q and k.
@@ -1063,6 +1070,8 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
     if model_type in _TILED_KV_MODEL_TYPES:  # the op gets one (tiled) KV head per query head
         heads["num_kv_heads"] = heads["num_heads"]
     fields_: dict[str, Any] = dict(heads)
+    if not mla and r.cfg.get("v_head_dim") is not None:  # values of another width (MiMo)
+        fields_["head_dim_v"] = r.pos_int("v_head_dim")
     cap = r.cfg.get("attn_logit_softcapping")
     if model_type in _SINK_MODEL_TYPES:
         fields_["has_sinks"] = True
@@ -1102,6 +1111,11 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
         if per_layer_heads is not None:
             fields_["num_heads"] = per_layer_heads[i]
         layer_fields = {**fields_, **overrides.get(i, {})}
+        if sw is not None and model_type in _SWA_DOUBLE_KV_SINK_MODEL_TYPES:
+            kv = _split_or_replicate(
+                2 * r.pos_int("num_key_value_heads"), o.tp_size, "2 x num_key_value_heads"
+            )
+            layer_fields.update(num_kv_heads=kv, has_sinks=True)
         layers.append((i, o.full(sliding_window=sw, softmax_scale=sc, **layer_fields)))
     return n, layers, {}
 

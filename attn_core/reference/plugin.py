@@ -73,6 +73,7 @@ CAPABILITIES = BackendCapabilities(
     chunked_attention=True,
     logits_soft_cap=True,
     sinks=True,
+    distinct_value_head_dim=True,
     deterministic=True,
     spec_verify_strategies={"native"},
 )

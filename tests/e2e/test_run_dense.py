@@ -184,6 +184,9 @@ _DEFAULTS_CASES: dict[str, tuple[int, str]] = {
     "afmoe": (4, "window=8"),
     # MoE with a dense prefix whose own sliding pattern the class writes into layer_types
     "cohere2_moe": (4, "window=8"),
+    # values 128 wide against q/k's 16; sliding layers with twice the KV heads and sinks (the
+    # module's rule), v scaled before the op
+    "mimo_v2_flash": (4, "sinks"),
 }
 
 
