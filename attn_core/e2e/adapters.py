@@ -495,8 +495,9 @@ class CausalLMAdapter:
             return self._forward_layers(input_ids, positions)
         embed = getattr(self.base, "embed_tokens", None) or self.base.embeddings
         h = embed(input_ids)[None]  # [1, T, D]
-        pe = self.base.rotary_emb(h, positions[None]) if hasattr(self.base, "rotary_emb") else None
+        pes = self._position_embeddings(h, positions)
         for i, layer in enumerate(self.base.layers):
+            pe = pes[i]
             mixer = self._mixers[i]
             if mixer is None:
                 raise ValueError(f"layer {i} is not in the attention layout; nothing to run it")
@@ -538,7 +539,8 @@ class CausalLMAdapter:
         embedding whose forward takes ``layer_type`` (Gemma-3: local and global rope) is
         evaluated once per type of the config's ``layer_types``."""
         n = len(self.base.layers)
-        rot = getattr(self.base, "rotary_emb", None)
+        # LFM2-MoE names it pos_emb
+        rot = getattr(self.base, "rotary_emb", None) or getattr(self.base, "pos_emb", None)
         if rot is None:
             return [None] * n
         if _mrope(self.text_config):
@@ -550,8 +552,10 @@ class CausalLMAdapter:
             pe = rot(h, positions[None])
             return [pe] * n
         types = list(self.text_config.layer_types)
-        by_type = {t: rot(h, positions[None], t) for t in sorted(set(types))}
-        return [by_type[t] for t in types]
+        # a rope per attention type; a layer of another type (a conv) has none
+        attention = {t for t in types if t.endswith("attention")}
+        by_type = {t: rot(h, positions[None], t) for t in sorted(attention)}
+        return [by_type.get(t) for t in types]
 
     @contextlib.contextmanager
     def _hooked(self) -> Iterator[None]:

@@ -1771,8 +1771,9 @@ def _minimax(r: _Reader, o: _Options) -> _Parsed:
 
 
 def _lfm2(r: _Reader, o: _Options) -> _Parsed:
-    """LFM2: gated short-conv layers (``conv``: a causal depthwise conv over ``hidden_size``
-    channels, conv state only) and GQA layers, per ``layer_types`` / ``full_attn_idxs``.
+    """LFM2 and LFM2-MoE: gated short-conv layers (``conv``: a causal depthwise conv over
+    ``hidden_size`` channels, conv state only) and GQA layers, per ``layer_types`` /
+    ``full_attn_idxs``.
 
     Under tensor parallelism the conv's channels split across ranks, as its in / out
     projections do.
@@ -2150,7 +2151,11 @@ _FAMILIES: tuple[_Family, ...] = (
             "minimax_text_01": "MiniMaxText01ForCausalLM",
         },
     ),
-    _Family("lfm2", _lfm2, {"lfm2": "Lfm2ForCausalLM"}),
+    _Family(
+        "lfm2",
+        _lfm2,
+        {"lfm2": "Lfm2ForCausalLM", "lfm2_moe": "Lfm2MoeForCausalLM"},
+    ),
     _GEMMA3_TEXT,
     # Gemma-3 multimodal: the SigLIP tower and the language model.
     _Family(

@@ -212,6 +212,14 @@ _FEATURE_CASES: list[tuple[str, dict[str, Any], int, str]] = [
         6,
         "4q/1kv d32",
     ),
+    # LFM2-MoE: LFM2's short-conv and attention layers by layer_types, MoE blocks, its rotary
+    # embedding named pos_emb (the block-by-block forward once ran its attention without RoPE)
+    (
+        "lfm2_moe",
+        {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
+        4,
+        "short_conv",
+    ),
     # Laguna: each layer its own query heads (num_attention_heads_per_layer), one group each;
     # a per-head output gate after the op
     ("laguna", {"num_attention_heads_per_layer": [4, 8, 4, 8]}, 4, "8q/2kv"),
