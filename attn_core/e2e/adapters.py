@@ -921,9 +921,15 @@ class CausalLMAdapter:
 
         Qwen3-Next projects q|k|v|z and b|a per key-head group (``in_proj_qkvz``,
         ``in_proj_ba``, reordered by ``fix_query_key_value_ordering``); Qwen3.5 has one
-        projection each (``in_proj_qkv`` already in conv order, ``in_proj_z``, ``_b``, ``_a``)."""
+        projection each (``in_proj_qkv`` already in conv order, ``in_proj_z``, ``_b``, ``_a``);
+        OLMo-Hybrid one per q, k, v, gate, b and a, beta doubled under ``allow_neg_eigval``,
+        its gated norm ``o_norm`` and ``o_proj``."""
         T = x.shape[0]
-        if hasattr(la, "in_proj_qkv"):
+        if hasattr(la, "g_proj"):  # OLMo-Hybrid
+            mixed = torch.cat([la.q_proj(x), la.k_proj(x), la.v_proj(x)], dim=-1)
+            z = la.g_proj(x)
+            b, a = la.b_proj(x)[None], la.a_proj(x)[None]
+        elif hasattr(la, "in_proj_qkv"):
             mixed = la.in_proj_qkv(x)
             z = la.in_proj_z(x).reshape(1, T, -1, la.head_v_dim)
             b, a = la.in_proj_b(x)[None], la.in_proj_a(x)[None]
@@ -938,11 +944,14 @@ class CausalLMAdapter:
         k = k.reshape(T, -1, la.head_k_dim).contiguous()
         v = v.reshape(T, -1, la.head_v_dim).contiguous()
         beta = b[0].sigmoid()
+        if getattr(la, "allow_neg_eigval", False):  # beta in [0, 2]
+            beta = beta * 2.0
         g = -la.A_log.float().exp() * F.softplus(a[0].float() + la.dt_bias)
         out = torch.empty(T, la.num_v_heads, la.head_v_dim, dtype=x.dtype, device=x.device)
         self._attend(i, q, k, v, out, g=g, beta=beta)
-        o = la.norm(out.reshape(-1, la.head_v_dim), z.reshape(-1, la.head_v_dim))
-        return la.out_proj(o.reshape(T, -1))
+        norm = getattr(la, "norm", None) or la.o_norm
+        o = norm(out.reshape(-1, la.head_v_dim), z.reshape(-1, la.head_v_dim))
+        return (getattr(la, "out_proj", None) or la.o_proj)(o.reshape(T, -1))
 
     def _kda(self, i: int, layer, x: torch.Tensor, pe) -> torch.Tensor:
         return self._kda_core(i, layer.self_attn, x)

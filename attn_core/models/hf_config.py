@@ -2121,7 +2121,13 @@ _FAMILIES: tuple[_Family, ...] = (
     _Family(
         "qwen3.5",
         _qwen3_next,
-        {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"},
+        {
+            "qwen3_5_text": "Qwen3_5ForCausalLM",
+            "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+            # OLMo-Hybrid: the same Gated DeltaNet fields (its beta range [0, 2] under
+            # linear_allow_neg_eigval is the mixer's, before the op) and OLMo attention
+            "olmo_hybrid": "OlmoHybridForCausalLM",
+        },
     ),
     # DeepSeek-V2 has the same MLA fields (its rope is always interleaved: no rope_interleave).
     _Family(

@@ -220,6 +220,20 @@ _FEATURE_CASES: list[tuple[str, dict[str, Any], int, str]] = [
         4,
         "short_conv",
     ),
+    # OLMo-Hybrid: Gated DeltaNet layers with separate q / k / v / gate projections and beta in
+    # [0, 2] (linear_allow_neg_eigval), an OLMo attention layer (post-norms)
+    (
+        "olmo_hybrid",
+        {
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_allow_neg_eigval": True,
+        },
+        4,
+        "gated_deltanet",
+    ),
     # Laguna: each layer its own query heads (num_attention_heads_per_layer), one group each;
     # a per-head output gate after the op
     ("laguna", {"num_attention_heads_per_layer": [4, 8, 4, 8]}, 4, "8q/2kv"),
