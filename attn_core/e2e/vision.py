@@ -16,7 +16,7 @@ is the transformers modules' own code.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,11 +40,15 @@ class VisionResult:
     """:ivar blocks: per block ``[num_patches, hidden]`` float32 (window order, as transformers;
         Whisper: ``[clips * max_source_positions, d_model]``, clip after clip).
     :ivar merged: ``[num_patches / merge_unit, out_hidden]`` float32 in image order (SigLIP and
-        Whisper: the final layer norm's output, ``[tokens, hidden]``)."""
+        Whisper: the final layer norm's output, ``[tokens, hidden]``).
+    :ivar deepstack: Qwen3-VL's DeepStack features, one ``[num_patches / merge_unit,
+        out_hidden]`` float32 per ``deepstack_visual_indexes`` entry, in that order; empty for
+        towers without them."""
 
     blocks: list[torch.Tensor]
     merged: torch.Tensor
     seconds: float = 0.0
+    deepstack: list[torch.Tensor] = field(default_factory=list)
 
 
 def sample_images(model: TinyModel, grids: list[tuple[int, int, int]], *, seed: int = 0):
