@@ -443,7 +443,13 @@ def tiny_config(name: str, shapes: str = "tiny") -> dict[str, Any]:
 
 
 # Fields that list layer indices (filtered to the kept layers, not cut by position).
-_INDEX_LISTS = ("attn_layer_indices", "fullatt_block_indexes", "moe_layers")
+# Lists of layer (block) indices: an index past the cut names no layer of the kept ones.
+_INDEX_LISTS = (
+    "attn_layer_indices",
+    "fullatt_block_indexes",
+    "moe_layers",
+    "deepstack_visual_indexes",  # Qwen3-VL: the blocks whose DeepStack mergers run
+)
 
 
 def _per_layer(key: str) -> bool:

@@ -215,6 +215,38 @@ def test_a_wrong_tower_output_fails_the_comparison(tmp_path: Path, cls: str) -> 
             compare_vision(model, result, pixels, grid_thw)
 
 
+def test_first_layers_of_a_qwen3_vl_config_keep_the_deepstack_blocks_they_hold(
+    tmp_path: Path,
+) -> None:
+    """``--layers 2``: both stacks cut to their first 2 layers, the DeepStack index of block 2
+    dropped with it (block 0's kept), each stack still matching transformers."""
+    from attn_core.e2e import run_main
+    from attn_core.e2e.configs import first_layers
+
+    path = _qwen3_config(tmp_path, "Qwen3VLConfig")
+    cut = first_layers(json.loads(path.read_text()), 2)
+    assert cut["vision_config"]["deepstack_visual_indexes"] == [0]
+    assert (cut["vision_config"]["depth"], cut["text_config"]["num_hidden_layers"]) == (2, 2)
+    report = run_main(
+        str(path),
+        device="cpu",
+        dtype="fp32",
+        prompts=2,
+        max_new_tokens=3,
+        graphs=False,
+        registry=None,
+        constraints=None,
+        progress=False,
+        console=lambda *a: None,
+        layers=2,
+    )
+    assert report.ok, report.format()
+    vision, text = report.runs
+    assert vision.mode_counts == {"encoder": 2}
+    assert vision.match.positions == 2 * 112 + 28 + 28, vision.format()
+    assert [g["layers"] for g in text.plan["groups"]] == [[0, 1]]
+
+
 @pytest.mark.parametrize(
     ("cls", "family"),
     [
