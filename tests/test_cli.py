@@ -164,6 +164,58 @@ def test_explain_a_multimodal_config_shows_every_stack(capsys, use_registry, ref
     assert (rc, err) == (0, "") and "chosen (forced)" in out
 
 
+@pytest.mark.parametrize(
+    ("cls", "head", "groups"),
+    [
+        (
+            "Qwen3VLConfig",
+            "Qwen3VLForConditionalGeneration, stacks vision (27 layers), text (32 layers)",
+            {"vision.encoder": "encoder 16q/16kv d72", "text.full": "full 32q/32kv d128"},
+        ),
+        (
+            "Qwen3VLMoeConfig",
+            "Qwen3VLMoeForConditionalGeneration, stacks vision (27 layers), text (24 layers)",
+            {"vision.encoder": "encoder 16q/16kv d72", "text.full": "full 16q/16kv d128"},
+        ),
+        (
+            "Qwen3_5Config",
+            "Qwen3_5ForConditionalGeneration, stacks vision (27 layers), text (32 layers)",
+            {
+                "vision.encoder": "encoder 16q/16kv d72",
+                "text.linear": "linear gated_deltanet 32q/16kv d128",
+                "text.full": "full 16q/4kv d256",
+            },
+        ),
+        (
+            "Qwen3_5MoeConfig",
+            "Qwen3_5MoeForConditionalGeneration, stacks vision (27 layers), text (40 layers)",
+            {
+                "vision.encoder": "encoder 16q/16kv d72",
+                "text.linear": "linear gated_deltanet 32q/16kv d128",
+                "text.full": "full 16q/2kv d256",
+            },
+        ),
+    ],
+)
+def test_explain_qwen3_vl_and_qwen3_5_show_both_stacks(
+    capsys, use_registry, ref_registry, tmp_path, cls, head, groups
+):
+    """transformers' default configs of the four model types: the tower's and the language
+    model's groups, at the sizes its config classes give."""
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(getattr(transformers, cls)().to_dict()))
+    use_registry(ref_registry)
+    rc, out, err = _explain_model(capsys, str(path))
+    assert (rc, err) == (0, "")
+    assert out.startswith(f"model: {path} ({head}, tp=1)")
+    for group, spec in groups.items():
+        assert f"group {group}: {spec}" in out
+    rc, out, _ = _explain_model(capsys, str(path), "--json")
+    text = [g for g in groups if g.startswith("text.")]
+    assert json.loads(out)["stacks"] == {"vision": ["vision.encoder"], "text": text}
+
+
 def test_explain_one_stack(capsys, use_registry, ref_registry):
     use_registry(ref_registry)
     rc, out, err = _explain_model(capsys, "qwen2.5-vl", "--stack", "text")

@@ -244,7 +244,8 @@ def test_mla_under_another_model_type_reads_deepseek_names() -> None:
         ("gemma2", {"use_bidirectional_attention": True}, r"bidirectional attention .* layers 0"),
         ("olmo_hybrid", {}, r"linear-attention / recurrent mixer fields \(linear_"),
         ("mllama", {}, r"composite config .* alone: .*cross-attention layers"),
-        ("qwen3_5", {}, r"composite config .*its text_config \('qwen3_5_text'\) alone maps"),
+        # a multimodal config no family reads (Qwen3.5's now maps: tests/e2e/test_run_qwen_vl.py)
+        ("llava", {}, r"composite config .*its text_config \('llama'\) alone maps"),
     ],
 )
 def test_refusals_name_the_feature_and_the_layers(

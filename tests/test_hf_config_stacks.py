@@ -142,6 +142,42 @@ def test_siglip_defaults_table_matches_transformers() -> None:
     assert {k: getattr(cfg, k) for k in _SIGLIP_DEFAULTS} == _SIGLIP_DEFAULTS
 
 
+@pytest.mark.parametrize(
+    ("table", "cls"),
+    [
+        ("_QWEN3_VISION_DEFAULTS", "Qwen3VLVisionConfig"),
+        ("_QWEN3_VISION_DEFAULTS", "Qwen3_5VisionConfig"),
+        ("_QWEN3_VL_TEXT_DEFAULTS", "Qwen3VLTextConfig"),
+    ],
+)
+def test_qwen3_vl_defaults_tables_match_transformers(table: str, cls: str) -> None:
+    from attn_core.models import hf_config
+
+    defaults = getattr(hf_config, table)
+    cfg = getattr(transformers, cls)()
+    assert {k: getattr(cfg, k) for k in defaults} == defaults
+
+
+@pytest.mark.parametrize("cls", ["Qwen3VLConfig", "Qwen3_5MoeConfig"])
+def test_qwen3_towers_match_the_attention_module(cls: str) -> None:
+    """Every block of the tower: non-causal attention of the module's heads, head dim and
+    scale (a tiny tower of transformers' class)."""
+    vision = dict(depth=2, hidden_size=64, num_heads=4, intermediate_size=32, out_hidden_size=32)
+    if cls == "Qwen3VLConfig":
+        vision["deepstack_visual_indexes"] = [1]
+    cfg = getattr(transformers, cls)(vision_config=vision)
+    layout = specs_from_hf_config(cfg.to_dict(), stack="vision")
+    tower = transformers.AutoModel.from_config(cfg.vision_config)
+    for i, blk in enumerate(tower.blocks):
+        spec, attn = layout.spec_of(i), blk.attn
+        assert spec.kind is LayerKind.ENCODER and not spec.causal and attn.is_causal is False
+        assert (spec.num_heads, spec.head_dim, spec.scale) == (
+            attn.num_heads,
+            attn.head_dim,
+            pytest.approx(attn.scaling),
+        )
+
+
 # ------------------------------------------------------------------------------------------
 # Whisper: the encoder; the decoder refused
 # ------------------------------------------------------------------------------------------
@@ -222,6 +258,10 @@ def test_stacks_are_listed_for_every_multi_stack_model_type() -> None:
     built = {
         "gemma3": transformers.Gemma3Config().to_dict(),
         "llama4": transformers.Llama4Config().to_dict(),
+        "qwen3_vl": transformers.Qwen3VLConfig().to_dict(),
+        "qwen3_vl_moe": transformers.Qwen3VLMoeConfig().to_dict(),
+        "qwen3_5": transformers.Qwen3_5Config().to_dict(),
+        "qwen3_5_moe": transformers.Qwen3_5MoeConfig().to_dict(),
     }
     for model_type, stacks in MULTI_STACK_MODEL_TYPES.items():
         cfg = load_sample(samples[model_type]) if model_type in samples else built[model_type]

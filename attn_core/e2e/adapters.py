@@ -44,8 +44,8 @@ residual optionally in float32) under ``backbone`` instead of ``model``. Jamba h
 encoding: its attention layers get q and k as projected.
 
 Families of :data:`LAYER_FORWARD_FAMILIES` (Gemma-3, Nemotron-H, Granite-4.0-H, Falcon-H1, Qwen3.5,
-Kimi-Linear, Llama-4, the Qwen2-VL / Qwen2.5-VL language model, the generic dense family) run each
-transformers decoder layer's own ``forward`` (the generic dense family, of
+Kimi-Linear, Llama-4, the Qwen2-VL / Qwen2.5-VL and Qwen3-VL language models, the generic dense
+family) run each transformers decoder layer's own ``forward`` (the generic dense family, of
 :data:`MODEL_FORWARD_FAMILIES`, the whole model's ``forward``: no adapter code for what a family
 does around its layers): norms, residuals (and their multipliers), rotary
 embedding and everything else stay transformers' code, and only the attention op is replaced,
@@ -124,6 +124,7 @@ LAYER_FORWARD_FAMILIES: frozenset[str] = frozenset(
         "kimi-linear",
         "llama-4",
         "qwen2-vl-text",
+        "qwen3-vl-text",
     }
 )
 #: Families whose whole transformers ``*ForCausalLM.forward`` runs with the attention op hooked

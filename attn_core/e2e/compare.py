@@ -226,24 +226,34 @@ def compare_vision(
     *,
     tolerance: Tolerance | None = None,
 ) -> MatchResult:
-    """Every block's hidden states and the merged output vs transformers' vision tower."""
+    """Every block's hidden states, the merged output and the DeepStack features (Qwen3-VL)
+    vs transformers' vision tower; a feature count that differs raises."""
     dtype_name = model.layout.layer_specs[0].dtype
     tol = tolerance or TOLERANCES[dtype_name]
-    blocks, merged = hf_vision_block_outputs(model.hf, pixel_values, grid_thw)
+    blocks, merged, deepstack = hf_vision_block_outputs(model.hf, pixel_values, grid_thw)
     pairs: Sequence[tuple[torch.Tensor, torch.Tensor]] = [
         *zip(result.blocks, blocks, strict=True),
         (result.merged, merged),
+        *zip(result.deepstack, deepstack, strict=True),
     ]
     row_diffs = torch.cat([(a - b).abs().amax(-1) for a, b in pairs])
     bounds = torch.cat([tol.bound(b.reshape(a.shape).to(a.device)) for a, b in pairs])
     within = int((row_diffs <= bounds).sum()) / max(row_diffs.numel(), 1)
     fp32_error = hf_fp32_error = hf_within = None
     if dtype_name != "float32":
-        blocks32, merged32 = hf_vision_block_outputs(
+        blocks32, merged32, deepstack32 = hf_vision_block_outputs(
             _float32_copy(model.hf), pixel_values.float(), grid_thw
         )
-        ours32 = [*zip(result.blocks, blocks32, strict=True), (result.merged, merged32)]
-        theirs32 = [*zip(blocks, blocks32, strict=True), (merged, merged32)]
+        ours32 = [
+            *zip(result.blocks, blocks32, strict=True),
+            (result.merged, merged32),
+            *zip(result.deepstack, deepstack32, strict=True),
+        ]
+        theirs32 = [
+            *zip(blocks, blocks32, strict=True),
+            (merged, merged32),
+            *zip(deepstack, deepstack32, strict=True),
+        ]
         ours_rows = torch.cat(
             [(a - b.reshape(a.shape).to(a.device)).abs().amax(-1) for a, b in ours32]
         )

@@ -23,6 +23,8 @@ from attn_core.models import (
 
 __all__ = [
     "ARCHITECTURES",
+    "CONFIG_TOWERS",
+    "ENCODER_RUNS",
     "SHAPES",
     "VISION_TOWERS",
     "TinyModel",
@@ -382,10 +384,22 @@ ARCHITECTURES: tuple[str, ...] = tuple(_SHRINK)
 #: The vision towers the runner drives (an encoder pass over images, no decode): the sample
 #: and the families that run from a config.json.
 VISION_TOWERS: tuple[str, ...] = ("qwen2.5-vl-vision", "qwen2-vl-vision", "siglip-vision")
+#: Vision towers with no sample that run from a config.json only: the whole model's config
+#: class (or the tower's own) picks the tower class, so each model type gets its own
+#: (Qwen3-VL-MoE's, Qwen3.5-MoE's).
+CONFIG_TOWERS: tuple[str, ...] = ("qwen3-vl-vision", "qwen3.5-vision")
+#: Multimodal model types whose language model runs inside the whole
+#: ``*ForConditionalGeneration`` (AutoModelForImageTextToText): text prompts run its language
+#: model, and its forward is the reference.
+_WHOLE_MODEL_TEXT: frozenset[str] = frozenset(
+    {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"}
+)
 #: Audio encoders the runner drives (an encoder pass over mel clips, no decode).
 AUDIO_ENCODERS: tuple[str, ...] = ("whisper-encoder",)
-#: Every encoder-only run: the vision towers and the audio encoders.
+#: The encoder-only samples: the sample vision towers and the audio encoders.
 ENCODER_MODELS: tuple[str, ...] = VISION_TOWERS + AUDIO_ENCODERS
+#: Every encoder-only run: those and the towers that run from a config.json only.
+ENCODER_RUNS: tuple[str, ...] = ENCODER_MODELS + CONFIG_TOWERS
 #: ``tiny``: the smallest shapes (CPU tests); ``kernel``: head dims the GPU kernels serve.
 SHAPES = ("tiny", "kernel")
 
@@ -429,7 +443,13 @@ def tiny_config(name: str, shapes: str = "tiny") -> dict[str, Any]:
 
 
 # Fields that list layer indices (filtered to the kept layers, not cut by position).
-_INDEX_LISTS = ("attn_layer_indices", "fullatt_block_indexes", "moe_layers")
+# Lists of layer (block) indices: an index past the cut names no layer of the kept ones.
+_INDEX_LISTS = (
+    "attn_layer_indices",
+    "fullatt_block_indexes",
+    "moe_layers",
+    "deepstack_visual_indexes",  # Qwen3-VL: the blocks whose DeepStack mergers run
+)
 
 
 def _per_layer(key: str) -> bool:
@@ -524,8 +544,8 @@ class TinyModel:
     :ivar name: sample name (``"qwen3-next"``, ...).
     :ivar config: the ``config.json``-shaped dict both transformers and attn-core read.
     :ivar hf: the transformers module (``*ForCausalLM``; the vision tower for
-        :data:`VISION_TOWERS`, ``WhisperEncoder`` for ``whisper-encoder``) in eval mode, eager
-        attention, on ``device`` in ``dtype``.
+        :data:`VISION_TOWERS` and :data:`CONFIG_TOWERS`, ``WhisperEncoder`` for
+        ``whisper-encoder``) in eval mode, eager attention, on ``device`` in ``dtype``.
     :ivar layout: ``specs_from_hf_config(config, dtype=dtype, tp_size=tp_size, stack=...)``:
         of a multi-stack config, the stack that runs (:func:`run_stack`).
     :ivar checkpoint: the checkpoint folder the weights came from; None: random init.
@@ -539,7 +559,7 @@ class TinyModel:
 
     @property
     def is_encoder(self) -> bool:
-        return self.name in ENCODER_MODELS
+        return self.name in ENCODER_RUNS
 
 
 def run_stack(name: str, config: dict[str, Any]) -> str | None:
@@ -548,7 +568,7 @@ def run_stack(name: str, config: dict[str, Any]) -> str | None:
     config (:data:`~attn_core.models.MULTI_STACK_MODEL_TYPES`); None for a single-stack one."""
     if config.get("model_type") not in MULTI_STACK_MODEL_TYPES:
         return None
-    if name in VISION_TOWERS:
+    if name in VISION_TOWERS or name in CONFIG_TOWERS:
         return "vision"
     if name in AUDIO_ENCODERS:
         return "encoder"
@@ -579,6 +599,8 @@ def _hf_config(name: str, cfg: dict[str, Any]):
         from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
 
         return Qwen2VLVisionConfig(**_tower_fields(cfg))
+    if name in CONFIG_TOWERS:
+        return _auto_tower_config(cfg)
     if name == "siglip-vision":
         from transformers import SiglipVisionConfig
 
@@ -591,6 +613,22 @@ def _hf_config(name: str, cfg: dict[str, Any]):
         k: _decode_floats(v) for k, v in cfg.items() if k not in ("model_type", "architectures")
     }
     return AutoConfig.for_model(cfg["model_type"], **fields)
+
+
+def _auto_tower_config(cfg: dict[str, Any]) -> Any:
+    """The tower's transformers config: the ``vision_config`` of the whole model's config class
+    (which fixes old hub ``model_type`` values), or the tower's own config as given."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in cfg.items() if k not in _NOT_FIELDS}
+    whole = AutoConfig.for_model(cfg["model_type"], **fields)
+    return whole.vision_config if "vision_config" in cfg else whole
+
+
+def _whole_model_text(name: str, cfg: dict[str, Any]) -> bool:
+    """Whether architecture ``name`` runs the language model of a multimodal config inside its
+    whole ``*ForConditionalGeneration``."""
+    return name not in ENCODER_RUNS and cfg.get("model_type") in _WHOLE_MODEL_TEXT
 
 
 _SPECIAL_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
@@ -642,7 +680,7 @@ def build_tiny(
 
     stack = stack if stack is not None else run_stack(name, cfg)
     if checkpoint is not None:
-        if name in ENCODER_MODELS:
+        if name in ENCODER_RUNS:
             raise ValueError(
                 f"{checkpoint}: loading weights is supported for causal LMs; the encoder "
                 f"({name}) runs with random weights from a config.json only"
@@ -652,7 +690,7 @@ def build_tiny(
         # a Qwen-VL checkpoint is its whole *ForConditionalGeneration (no causal-LM class)
         auto: Any = (
             transformers.AutoModelForImageTextToText
-            if name == "qwen2-vl-text"
+            if _whole_model_text(name, cfg)
             else transformers.AutoModelForCausalLM
         )
         loaded: Any = auto.from_pretrained(
@@ -691,6 +729,8 @@ def build_tiny(
             model = Qwen2VisionTransformerPretrainedModel._from_config(
                 hf_cfg, attn_implementation="eager"
             )
+        elif name in CONFIG_TOWERS:
+            model = transformers.AutoModel.from_config(hf_cfg, attn_implementation="eager")
         elif name == "siglip-vision":
             from transformers import SiglipVisionModel
 
@@ -699,7 +739,7 @@ def build_tiny(
             from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
             model = WhisperEncoder._from_config(hf_cfg, attn_implementation="eager")
-        elif name == "qwen2-vl-text":
+        elif _whole_model_text(name, cfg):
             # the whole *ForConditionalGeneration (AutoModelForCausalLM has no Qwen-VL class):
             # text prompts run its language model, and its forward is the reference
             model = transformers.AutoModelForImageTextToText.from_config(

@@ -61,7 +61,7 @@ def hf_causal_logits(
 @torch.no_grad()
 def hf_vision_block_outputs(
     model: torch.nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None
-) -> tuple[list[torch.Tensor], torch.Tensor]:
+) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
     """A vision tower's hidden states after every block and its output.
 
     :param pixel_values: Qwen2-VL / Qwen2.5-VL: ``[num_patches, C * temporal_patch * patch *
@@ -71,7 +71,9 @@ def hf_vision_block_outputs(
     :returns: (per block ``[num_patches, hidden]`` float32, in the tower's own token order
         (Qwen2.5-VL: window order; SigLIP: image after image); the output, float32: the
         Qwen towers' merged ``[num_patches / merge_unit, out_hidden]`` in image order, SigLIP's
-        post-layernorm ``last_hidden_state`` as ``[num_images * patches, hidden]``).
+        post-layernorm ``last_hidden_state`` as ``[num_images * patches, hidden]``), and
+        Qwen3-VL's DeepStack features (``deepstack_features``: per listed block
+        ``[num_patches / merge_unit, out_hidden]`` float32; empty for other towers).
     """
     captured: list[torch.Tensor] = []
     # Qwen towers keep their blocks in .blocks, SigLIP its layers in .encoder.layers,
@@ -99,8 +101,10 @@ def hf_vision_block_outputs(
                 result = model(pixel_values)
                 out = result.last_hidden_state
             else:
-                out = model(pixel_values, grid_thw=grid_thw).pooler_output
+                result = model(pixel_values, grid_thw=grid_thw)
+                out = result.pooler_output
     finally:
         for h in hooks:
             h.remove()
-    return captured, out.float().reshape(-1, out.shape[-1])
+    deepstack = [f.float() for f in getattr(result, "deepstack_features", None) or []]
+    return captured, out.float().reshape(-1, out.shape[-1]), deepstack

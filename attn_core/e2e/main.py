@@ -26,7 +26,7 @@ import torch
 from attn_core.e2e.compare import MatchResult, compare_generation, compare_vision
 from attn_core.e2e.configs import (
     ARCHITECTURES,
-    ENCODER_MODELS,
+    ENCODER_RUNS,
     TinyModel,
     build_tiny,
     first_layers,
@@ -134,11 +134,21 @@ def _sample_notes(name: str) -> tuple[str, ...]:
     return (head, *_stack_notes(cfg, [stack], skipped=why))
 
 
-# Families with no bundled sample that run from a config.json (or checkpoint) through the
-# layer-forward adapter: the generic dense mapping's model types (any dense family using the
+# Families with no bundled sample that run from a config.json (or checkpoint): through the
+# layer-forward adapter the generic dense mapping's model types (any dense family using the
 # common names, tests/e2e/test_run_dense.py), Granite-4.0-H and Qwen3.5
-# (tests/e2e/test_run_families.py), each checked against transformers.
-_CONFIG_FAMILIES: tuple[str, ...] = ("dense", "granite-4.0-h", "qwen3.5", "qwen2-vl-text")
+# (tests/e2e/test_run_families.py) and the Qwen-VL language models; through the tower driver
+# the Qwen3-VL and Qwen3.5 vision towers (tests/e2e/test_run_qwen_vl.py); each checked
+# against transformers.
+_CONFIG_FAMILIES: tuple[str, ...] = (
+    "dense",
+    "granite-4.0-h",
+    "qwen3.5",
+    "qwen2-vl-text",
+    "qwen3-vl-text",
+    "qwen3-vl-vision",
+    "qwen3.5-vision",
+)
 
 
 # Hub configs of remote-code models a family maps but transformers cannot build, and the
@@ -214,7 +224,7 @@ def _stack_inputs(
         s
         for s in stacks
         if (s.family in ARCHITECTURES or s.family in _CONFIG_FAMILIES)
-        and not (checkpoint and s.family in ENCODER_MODELS)
+        and not (checkpoint and s.family in ENCODER_RUNS)
     ]
     if not driven:
         names = [f"{s.stack} ({s.family})" for s in stacks]
@@ -227,14 +237,14 @@ def _stack_inputs(
         notes += [
             f"stack {s.stack} is not run: weights load for language models only"
             for s in stacks
-            if s.family in ENCODER_MODELS
+            if s.family in ENCODER_RUNS
         ]
     return [
         _Input(
             f"{path} [{s.stack}]",
             s.family,
             cfg,
-            None if s.family in ENCODER_MODELS else checkpoint,
+            None if s.family in ENCODER_RUNS else checkpoint,
             s.stack,
             (f"runs stack {s.stack} of {cfg.get('model_type')}", *notes),
         )

@@ -36,6 +36,7 @@ from attn_core.e2e.compare import compare_generation, compare_vision
 from attn_core.e2e.configs import (
     ARCHITECTURES,
     ENCODER_MODELS,
+    ENCODER_RUNS,
     SHAPES,
     TinyModel,
     build_tiny,
@@ -84,6 +85,46 @@ _Builder = Callable[[str], tuple[str, dict[str, Any]]]  # shapes -> (architectur
 def _sample(name: str, **override: Any) -> _Builder:
     def build(shapes: str) -> tuple[str, dict[str, Any]]:
         return name, {**tiny_config(name, shapes), **override}
+
+    return build
+
+
+# A Qwen3-VL / Qwen3.5 tower of 4 heads (2 per rank) over 8 x 8 and 4 x 12 patch images, its
+# learned position grid resampled to each.
+_QWEN3_TOWER: dict[str, Any] = {
+    "depth": 3,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_heads": 4,
+    "out_hidden_size": 64,
+    "patch_size": 8,
+    "num_position_embeddings": 64,
+    "initializer_range": 0.1,
+}
+_QWEN3_VL_TEXT: dict[str, Any] = {
+    **_SMALL,
+    "num_hidden_layers": 2,
+    "head_dim": 16,
+    "rope_parameters": {
+        "rope_type": "default",
+        "mrope_section": [2, 3, 3],
+        "mrope_interleaved": True,
+        "rope_theta": 1e4,
+    },
+}
+
+
+def _multimodal(
+    family: str, cls_name: str, vision: dict[str, Any], text: dict[str, Any]
+) -> _Builder:
+    """The stack ``family`` runs of a transformers multimodal config (``vision_config`` and
+    ``text_config`` given as they are)."""
+
+    def build(shapes: str) -> tuple[str, dict[str, Any]]:  # its own sizes whatever the shapes
+        import transformers
+
+        cls = getattr(transformers, cls_name)
+        return family, cls(vision_config=vision, text_config=text).to_dict()
 
     return build
 
@@ -153,6 +194,22 @@ _BUILDERS: dict[str, _Builder] = {
         num_experts_per_tok=2,
         moe_intermediate_size=32,
         shared_expert_intermediate_size=32,
+    ),
+    # Qwen3-VL's tower with DeepStack mergers after blocks 0 and 2 (their features compared
+    # too), Qwen3.5's without, and Qwen3-VL's M-RoPE language model
+    "qwen3-vl-vision": _multimodal(
+        "qwen3-vl-vision",
+        "Qwen3VLConfig",
+        {**_QWEN3_TOWER, "deepstack_visual_indexes": [0, 2]},
+        _QWEN3_VL_TEXT,
+    ),
+    "qwen3.5-vision": _multimodal(
+        "qwen3.5-vision", "Qwen3_5Config", _QWEN3_TOWER, {**_SMALL, **_QWEN3_5}
+    ),
+    "qwen3-vl-text": _multimodal("qwen3-vl-text", "Qwen3VLConfig", _QWEN3_TOWER, _QWEN3_VL_TEXT),
+    # Qwen3.5's language model inside its Qwen3_5ForConditionalGeneration
+    "qwen3.5-multimodal": _multimodal(
+        "qwen3.5", "Qwen3_5Config", _QWEN3_TOWER, {**_SMALL, **_QWEN3_5}
     ),
     "phi3": _config("dense", "Phi3Config", num_hidden_layers=2, partial_rotary_factor=0.5),
     "olmo2": _config("dense", "Olmo2Config", num_hidden_layers=2),  # q / k norms over all heads
@@ -341,7 +398,7 @@ def check_family(name: str, *, rank: int, world: int, **run: Any) -> TPResult:
         tolerance for the dtype, on the TP run's own prefixes) decides. An encoder stack's
         block outputs are held to the same (:func:`_check_encoder`).
     """
-    if name in ENCODER_MODELS:
+    if name in ENCODER_RUNS:
         return _check_encoder(name, rank=rank, world=world, **run)
     try:
         _, tp, tp_bytes = tp_generate(name, tp_size=world, rank=rank, **run)
@@ -372,7 +429,11 @@ def _check_encoder(name: str, *, rank: int, world: int, **run: Any) -> TPResult:
         ref_model, ref, (pixels, grid_thw) = tp_encode(name, tp_size=1, rank=0, **run)
     except ValueError as err:  # deterministic: every rank raises the same
         return TPResult(name, world, False, error=str(err))
-    pairs = [*zip(tp.blocks, ref.blocks, strict=True), (tp.merged, ref.merged)]
+    pairs = [
+        *zip(tp.blocks, ref.blocks, strict=True),
+        (tp.merged, ref.merged),
+        *zip(tp.deepstack, ref.deepstack, strict=True),
+    ]
     diff = max((a - b).abs().max().item() for a, b in pairs)
     match = compare_vision(ref_model, tp, pixels, grid_thw) if rank == 0 else None
     # every rank's verdict, as check_family: a rank whose hidden states diverge fails the family

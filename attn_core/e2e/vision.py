@@ -1,22 +1,27 @@
 """Vision towers and Whisper's audio encoder with every block's attention through an encoder
 binding.
 
-SigLIP (every image the same number of patches) and Qwen2-VL (variable-length images, 2D
-rotary inside the tower) run every block as bidirectional attention within each image: one
-encoder batch. Qwen2.5-VL's tower alternates windowed blocks (attention within windows of
-patches) and full blocks (attention within each image); both are bidirectional varlen attention
-over the same tokens and share one layer group, so the runner keeps two encoder batches (window
-and image cu-seqlens, two builders so that both stay valid) and prepares the runtime with the
-one each block needs.
+SigLIP (every image the same number of patches), Qwen2-VL (variable-length images, 2D
+rotary inside the tower) and Qwen3-VL / Qwen3.5 (Qwen2-VL's pattern, a learned position grid
+resampled to each image added before the blocks) run every block as bidirectional attention
+within each image frame: one encoder batch. Qwen3-VL's DeepStack mergers turn the hidden
+states after the blocks of ``deepstack_visual_indexes`` into extra features for the language
+model; they are returned (and compared) with the merged output.
+Qwen2.5-VL's tower alternates windowed blocks (attention within windows of patches) and full
+blocks (attention within each image); both are bidirectional varlen attention over the same
+tokens and share one layer group, so the runner keeps two encoder batches (window and image
+cu-seqlens, two builders so that both stay valid) and prepares the runtime with the one each
+block needs.
 Whisper's encoder runs each clip's ``max_source_positions`` frames (after its two
 convolutions) as one encoder sequence, every layer bidirectional attention within the clip.
-Everything else (patch embedding, convolutions, window permutation, rotary, norms, MLP, merger)
-is the transformers modules' own code.
+Everything else (patch embedding, position grid, convolutions, window permutation, rotary,
+norms, MLP, mergers) is the transformers modules' own code.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,11 +45,15 @@ class VisionResult:
     """:ivar blocks: per block ``[num_patches, hidden]`` float32 (window order, as transformers;
         Whisper: ``[clips * max_source_positions, d_model]``, clip after clip).
     :ivar merged: ``[num_patches / merge_unit, out_hidden]`` float32 in image order (SigLIP and
-        Whisper: the final layer norm's output, ``[tokens, hidden]``)."""
+        Whisper: the final layer norm's output, ``[tokens, hidden]``).
+    :ivar deepstack: Qwen3-VL's DeepStack features, one ``[num_patches / merge_unit,
+        out_hidden]`` float32 per ``deepstack_visual_indexes`` entry, in that order; empty for
+        towers without them."""
 
     blocks: list[torch.Tensor]
     merged: torch.Tensor
     seconds: float = 0.0
+    deepstack: list[torch.Tensor] = field(default_factory=list)
 
 
 def sample_images(model: TinyModel, grids: list[tuple[int, int, int]], *, seed: int = 0):
@@ -132,6 +141,8 @@ class VisionRunner:
             raise ValueError(f"{self.model.name}: grid_thw is required (the images' t, h, w)")
         if self.model.name == "qwen2-vl-vision":
             return self._qwen2_vl(pixel_values, grid_thw)
+        if self.model.name in ("qwen3-vl-vision", "qwen3.5-vision"):
+            return self._qwen3_vl(pixel_values, grid_thw)
         return self._qwen2_5_vl(pixel_values, grid_thw)
 
     def _siglip(self, pixel_values: torch.Tensor) -> VisionResult:
@@ -211,6 +222,54 @@ class VisionRunner:
             hs = hs + blk.mlp(blk.norm2(hs))
             blocks.append(hs.float())
         return VisionResult(blocks, vt.merger(hs).float())
+
+    def _qwen3_vl(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> VisionResult:
+        """Qwen3VLVisionModel.forward (Qwen3.5's tower: the same without DeepStack) with each
+        block's attention through its binding: one encoder batch of the image frames.
+
+        :param pixel_values: ``[num_patches, C * temporal_patch * patch * patch]``.
+        :param grid_thw: ``[num_images, 3]`` int64.
+        """
+        from transformers.vision_utils import (
+            get_vision_attention_seqlens,
+            get_vision_interpolation_indices_and_weights,
+            get_vision_position_ids,
+        )
+
+        vt: Any = self.model.hf  # Qwen3VLVisionModel, its MoE form, or Qwen3.5's tower
+        # the tower's own modeling module: its rotary helper (the MoE forms have their copy)
+        mq = importlib.import_module(type(vt).__module__)
+        indices, weights = get_vision_interpolation_indices_and_weights(
+            grid_thw,
+            num_grid_per_side=vt.num_grid_per_side,
+            mode=vt.interpolation_mode,
+            align_corners=vt.interpolation_align_corners,
+            spatial_merge_size=vt.config.spatial_merge_size,
+            kwargs={},
+        )
+        position_ids = get_vision_position_ids(grid_thw, vt.spatial_merge_size, kwargs={})
+        cu_seqlens, _ = get_vision_attention_seqlens(grid_thw, vt.config, kwargs={})
+        self.runtime.prepare(self._builders["full"].build_encoder(_lengths(cu_seqlens)))
+        hs = vt.patch_embed(pixel_values)  # [num_patches, hidden]
+        # the learned position grid, resampled bilinearly to each image's grid
+        hs = hs + (vt.pos_embed(indices) * weights[:, :, None]).sum(1).to(hs.dtype)
+        cos, sin = vt.rotary_pos_emb(hs, position_ids)
+        seq_len = hs.shape[0]
+        # Qwen3.5's tower has no DeepStack mergers (its class deletes them)
+        indexes = list(getattr(vt, "deepstack_visual_indexes", ()))
+        blocks, deepstack = [], []
+        for i, blk in enumerate(vt.blocks):
+            at = blk.attn
+            q, k, v = at.qkv(blk.norm1(hs)).reshape(seq_len, 3, at.num_heads, -1).unbind(1)
+            q, k = mq.apply_rotary_pos_emb_vision(q, k, cos, sin)
+            out = torch.empty_like(q)
+            self.runtime.binding(i).forward(q.contiguous(), k.contiguous(), v.contiguous(), out=out)
+            hs = hs + at.proj(out.reshape(seq_len, -1))
+            hs = hs + blk.mlp(blk.norm2(hs))
+            blocks.append(hs.float())
+            if i in indexes:
+                deepstack.append(vt.deepstack_merger_list[indexes.index(i)](hs).float())
+        return VisionResult(blocks, vt.merger(hs).float(), deepstack=deepstack)
 
     def _qwen2_5_vl(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> VisionResult:
         from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as mq

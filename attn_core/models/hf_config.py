@@ -32,11 +32,12 @@ indices are simply missing from ``layer_indices``. A parallel hybrid's layers (F
 attention and Mamba2 side by side in every decoder layer) hold two ops each, one in an attention
 group and one in a linear group: their index is listed once per op.
 
-Multi-stack models (Qwen2-VL / Qwen2.5-VL, Gemma-3 and Llama-4 multimodal: a vision tower and a
-language model; Whisper: an encoder and a decoder) yield every stack's groups, ids prefixed by
-the stack (``vision.encoder``, ``text.full``), one layout per stack in ``ModelLayout.stacks``;
-``stack=`` keeps one. A stack no layer kind describes (Whisper's decoder: cross-attention in
-every layer) is refused unless another stack is asked for, never dropped silently.
+Multi-stack models (Qwen2-VL / Qwen2.5-VL, Qwen3-VL and Qwen3.5 with their MoE forms, Gemma-3
+and Llama-4 multimodal: a vision tower and a language model; Whisper: an encoder and a decoder)
+yield every stack's groups, ids prefixed by the stack (``vision.encoder``, ``text.full``), one
+layout per stack in ``ModelLayout.stacks``; ``stack=`` keeps one. A stack no layer kind
+describes (Whisper's decoder: cross-attention in every layer) is refused unless another stack
+is asked for, never dropped silently.
 
 Linear layers with one state only: MiniMax-Text-01 / MiniMax-M1's lightning attention (no conv;
 its per-layer slopes are the model's input) and LFM2's gated short conv (``layer_types`` value
@@ -1906,6 +1907,27 @@ def _qwen2_vl_vision(r: _Reader, o: _Options) -> _Parsed:
     return _encoder_tower(r, o, "depth", "num_heads", "embed_dim")
 
 
+def _qwen3_vision(r: _Reader, o: _Options) -> _Parsed:
+    """Qwen3-VL's and Qwen3.5's vision towers (and their MoE forms'): every block full
+    attention within each image frame (varlen, no windows) over ``hidden_size // num_heads``
+    heads. Qwen3-VL's DeepStack mergers read the hidden states after the blocks of
+    ``deepstack_visual_indexes`` (transformers skips an index past the last block): outside the
+    attention op, which is the same in every block either way."""
+    return _encoder_tower(r, o, "depth", "num_heads", "hidden_size")
+
+
+def _qwen3_vl_text(r: _Reader, o: _Options) -> _Parsed:
+    """Qwen3-VL's language model (``qwen3_vl_text`` / ``qwen3_vl_moe_text``): Qwen3's GQA on
+    every layer, full causal attention (its attention module passes no window and its mask is
+    causal whatever the config says); q / k norms and the interleaved M-RoPE act outside the
+    op."""
+    n = r.pos_int("num_hidden_layers")
+    types = _layer_types(r, n, lambda i: "full_attention")
+    _check_types(r, types, {"full_attention"})
+    spec = o.full(**_gqa(r, o, r.pos_int("head_dim")))
+    return n, [(i, spec) for i in range(n)], {}
+
+
 # WhisperConfig.attribute_map: the common names it maps onto its own fields (transformers 5.24;
 # given both, the common name wins). A test keeps this table equal to the class's.
 _WHISPER_ALIASES: dict[str, str] = {
@@ -1993,6 +2015,34 @@ _QWEN2_5_VL_VISION = _Family(
     _qwen2_5_vl_vision,
     {"qwen2_5_vl_vision": "Qwen2_5_VisionTransformerPretrainedModel"},
 )
+# Qwen3VLVisionConfig's defaults (transformers 5.24) for the fields the tower mappings read;
+# Qwen3_5VisionConfig's are the same.
+_QWEN3_VISION_DEFAULTS: dict[str, Any] = {"depth": 27, "hidden_size": 1152, "num_heads": 16}
+# Two families of one mapping: Qwen3-VL's tower has DeepStack mergers (its runs compare their
+# features too), Qwen3.5's has none.
+_QWEN3_VL_VISION = _Family(
+    "qwen3-vl-vision",
+    _qwen3_vision,
+    {
+        "qwen3_vl_vision": "Qwen3VLVisionModel",
+        "qwen3_vl_moe_vision": "Qwen3VLMoeVisionModel",
+    },
+    _QWEN3_VISION_DEFAULTS,
+)
+_QWEN3_5_VISION = _Family(
+    "qwen3.5-vision",
+    _qwen3_vision,
+    {"qwen3_5_vision": "Qwen3_5VisionModel", "qwen3_5_moe_vision": "Qwen3_5MoeVisionModel"},
+    _QWEN3_VISION_DEFAULTS,
+)
+# Qwen3VLTextConfig's defaults (transformers 5.24) for the fields the mapping reads.
+_QWEN3_VL_TEXT_DEFAULTS: dict[str, Any] = {
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "head_dim": 128,
+}
+_QWEN3_VL_TEXT = _Family("qwen3-vl-text", _qwen3_vl_text, {}, _QWEN3_VL_TEXT_DEFAULTS)
 # The language model of Qwen2-VL / Qwen2.5-VL: Qwen2's GQA (sliding only with
 # use_sliding_window, from max_window_layers on); M-RoPE acts on q and k outside the op.
 _QWEN_VL_TEXT = _Family("qwen2-vl-text", _dense, {})
@@ -2040,10 +2090,12 @@ _WHISPER_ENCODER = _Family("whisper-encoder", _whisper_encoder, {}, _WHISPER_DEF
 _QWEN_VL_NOT_TEXT = frozenset({"vision_config", "text_config", "architectures"})
 
 
-def _qwen_vl_stacks(raw: Mapping[str, Any], model_type: str, tower: _Family) -> list[_StackPart]:
-    """Qwen2-VL / Qwen2.5-VL: the vision tower (``vision_config``) and the language model
-    (``text_config``, or, in the hub's flat form that transformers also reads, the top-level
-    fields)."""
+def _qwen_vl_stacks(
+    raw: Mapping[str, Any], model_type: str, tower: _Family, text_family: _Family
+) -> list[_StackPart]:
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 (and their MoE forms): the vision tower
+    (``vision_config``) and the language model (``text_config``, or, in the hub's flat form
+    that transformers also reads, the top-level fields)."""
     vision = _sub_config(raw, "vision_config", model_type)
     text_sub = raw.get("text_config")
     if isinstance(text_sub, Mapping):
@@ -2053,7 +2105,7 @@ def _qwen_vl_stacks(raw: Mapping[str, Any], model_type: str, tower: _Family) -> 
     text.setdefault("model_type", f"{model_type}_text")
     return [
         _StackPart("vision", vision, tower, dtype_first=False),
-        _StackPart("text", text, _QWEN_VL_TEXT),
+        _StackPart("text", text, text_family),
     ]
 
 
@@ -2082,6 +2134,18 @@ def _whisper_stacks(raw: Mapping[str, Any]) -> list[_StackPart]:
         _StackPart("decoder", raw, None, refusal),
     ]
 
+
+_QWEN3_5_TEXT = _Family(
+    "qwen3.5",
+    _qwen3_next,
+    {
+        "qwen3_5_text": "Qwen3_5ForCausalLM",
+        "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+        # OLMo-Hybrid: the same Gated DeltaNet fields (its beta range [0, 2] under
+        # linear_allow_neg_eigval is the mixer's, before the op) and OLMo attention
+        "olmo_hybrid": "OlmoHybridForCausalLM",
+    },
+)
 
 _FAMILIES: tuple[_Family, ...] = (
     _Family(
@@ -2118,17 +2182,7 @@ _FAMILIES: tuple[_Family, ...] = (
         stacks=_llama4_stacks,
     ),
     # Qwen3.5 text: the same Gated DeltaNet and gated full-attention layers by layer_types.
-    _Family(
-        "qwen3.5",
-        _qwen3_next,
-        {
-            "qwen3_5_text": "Qwen3_5ForCausalLM",
-            "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-            # OLMo-Hybrid: the same Gated DeltaNet fields (its beta range [0, 2] under
-            # linear_allow_neg_eigval is the mixer's, before the op) and OLMo attention
-            "olmo_hybrid": "OlmoHybridForCausalLM",
-        },
-    ),
+    _QWEN3_5_TEXT,
     # DeepSeek-V2 has the same MLA fields (its rope is always interleaved: no rope_interleave).
     _Family(
         "deepseek-v3",
@@ -2173,18 +2227,39 @@ _FAMILIES: tuple[_Family, ...] = (
     _SIGLIP,
     _QWEN2_VL_VISION,
     _QWEN2_5_VL_VISION,
+    _QWEN3_VL_VISION,
+    _QWEN3_5_VISION,
     # Multi-stack models: every stack's groups, ids prefixed by the stack.
     _Family(
         "qwen2-vl",
         _refuse_parse,
         {"qwen2_vl": "Qwen2VLForConditionalGeneration"},
-        stacks=lambda raw, mt: _qwen_vl_stacks(raw, mt, _QWEN2_VL_VISION),
+        stacks=lambda raw, mt: _qwen_vl_stacks(raw, mt, _QWEN2_VL_VISION, _QWEN_VL_TEXT),
     ),
     _Family(
         "qwen2.5-vl",
         _refuse_parse,
         {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"},
-        stacks=lambda raw, mt: _qwen_vl_stacks(raw, mt, _QWEN2_5_VL_VISION),
+        stacks=lambda raw, mt: _qwen_vl_stacks(raw, mt, _QWEN2_5_VL_VISION, _QWEN_VL_TEXT),
+    ),
+    _Family(
+        "qwen3-vl",
+        _refuse_parse,
+        {
+            "qwen3_vl": "Qwen3VLForConditionalGeneration",
+            "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+        },
+        stacks=lambda raw, mt: _qwen_vl_stacks(raw, mt, _QWEN3_VL_VISION, _QWEN3_VL_TEXT),
+    ),
+    # Qwen3.5 multimodal: Qwen3-VL's tower without DeepStack and the Qwen3.5 language model.
+    _Family(
+        "qwen3.5",
+        _refuse_parse,
+        {
+            "qwen3_5": "Qwen3_5ForConditionalGeneration",
+            "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+        },
+        stacks=lambda raw, mt: _qwen_vl_stacks(raw, mt, _QWEN3_5_VISION, _QWEN3_5_TEXT),
     ),
     _Family(
         "whisper",
@@ -2232,6 +2307,10 @@ MULTI_STACK_MODEL_TYPES: dict[str, dict[str, str]] = {
     "llama4": {"vision": "llama-4-vision", "text": "llama-4"},
     "qwen2_5_vl": {"vision": "qwen2.5-vl-vision", "text": "qwen2-vl-text"},
     "qwen2_vl": {"vision": "qwen2-vl-vision", "text": "qwen2-vl-text"},
+    "qwen3_5": {"vision": "qwen3.5-vision", "text": "qwen3.5"},
+    "qwen3_5_moe": {"vision": "qwen3.5-vision", "text": "qwen3.5"},
+    "qwen3_vl": {"vision": "qwen3-vl-vision", "text": "qwen3-vl-text"},
+    "qwen3_vl_moe": {"vision": "qwen3-vl-vision", "text": "qwen3-vl-text"},
     "whisper": {"encoder": "whisper-encoder", "decoder": ""},
 }
 
@@ -2345,11 +2424,12 @@ def specs_from_hf_config(
 ) -> ModelLayout:
     """The attention layout of a Hugging Face model on one tensor-parallel rank.
 
-    A multi-stack model (Qwen2-VL / Qwen2.5-VL, Gemma-3 and Llama-4 multimodal: ``vision`` and
-    ``text``; Whisper: ``encoder`` and ``decoder``) yields every stack's groups, their ids
-    prefixed by the stack (``vision.encoder``, ``text.full``), each stack's layout in
-    ``ModelLayout.stacks``; a stack no layer kind describes (Whisper's decoder, with
-    cross-attention) is refused unless ``stack`` names another one.
+    A multi-stack model (Qwen2-VL / Qwen2.5-VL, Qwen3-VL / Qwen3.5 and their MoE forms, Gemma-3
+    and Llama-4 multimodal: ``vision`` and ``text``; Whisper: ``encoder`` and ``decoder``)
+    yields every stack's groups, their ids prefixed by the stack (``vision.encoder``,
+    ``text.full``), each stack's layout in ``ModelLayout.stacks``; a stack no layer kind
+    describes (Whisper's decoder, with cross-attention) is refused unless ``stack`` names
+    another one.
 
     :param config: a parsed ``config.json`` (dict), a path to one (or to a folder holding one),
         a sample name from :func:`sample_names` (a name in :data:`SAMPLE_STACKS` selects that

@@ -122,3 +122,60 @@ def test_a_qwen2_vl_checkpoint_loads_its_language_model(tmp_path: Path, run_on_c
     (run,) = report.runs
     assert run.name == f"{tmp_path} [text]" and run.weights == str(tmp_path)
     assert "stack vision is not run: weights load for language models only" in run.notes
+
+
+@pytest.mark.parametrize(
+    ("cls", "family", "text"),
+    [
+        ("Qwen3VLConfig", "qwen3-vl-text", {}),
+        (
+            "Qwen3_5Config",
+            "qwen3.5",
+            dict(
+                layer_types=["linear_attention", "full_attention"],
+                linear_key_head_dim=16,
+                linear_value_head_dim=16,
+                linear_num_key_heads=2,
+                linear_num_value_heads=4,
+            ),
+        ),
+    ],
+)
+def test_a_qwen3_vl_or_qwen3_5_checkpoint_loads_its_language_model(
+    tmp_path: Path, cls: str, family: str, text: dict, run_on_cpu
+) -> None:
+    """A saved Qwen3VLForConditionalGeneration / Qwen3_5ForConditionalGeneration: its language
+    model runs with the folder's weights (every saved tensor of it loaded as saved), the tower
+    is not run and the report says so."""
+    import transformers
+
+    cfg = getattr(transformers, cls)(
+        vision_config=dict(depth=1, hidden_size=32, num_heads=2, out_hidden_size=64),
+        text_config=dict(
+            num_hidden_layers=2,
+            hidden_size=64,
+            intermediate_size=96,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=256,
+            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3]},
+            **text,
+        ),
+    )
+    torch.manual_seed(7)
+    model = getattr(transformers, cls.replace("Config", "ForConditionalGeneration"))(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)  # decisive greedy tokens
+    model.save_pretrained(tmp_path)
+    report = run_on_cpu(str(tmp_path))
+    assert report.ok, report.format()
+    (run,) = report.runs
+    assert run.name == f"{tmp_path} [text]" and run.weights == str(tmp_path)
+    assert "stack vision is not run: weights load for language models only" in run.notes
+    whole = json.loads((tmp_path / "config.json").read_text())
+    loaded = build_tiny(family, config=whole, checkpoint=str(tmp_path)).hf.state_dict()
+    saved = model.state_dict()
+    assert loaded.keys() == saved.keys()
+    for k, v in loaded.items():
+        assert torch.equal(v, saved[k]), k
