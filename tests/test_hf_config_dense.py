@@ -242,7 +242,8 @@ def test_mla_under_another_model_type_reads_deepseek_names() -> None:
         ("diffllama", {}, r"differential attention .* in layers 0-2: no layer kind"),
         ("bert-generation", {}, r"bidirectional attention \(a BERT-style encoder"),
         ("gemma2", {"use_bidirectional_attention": True}, r"bidirectional attention .* layers 0"),
-        ("olmo_hybrid", {}, r"linear-attention / recurrent mixer fields \(linear_"),
+        # OLMo-Hybrid now maps (the qwen3.5 family); another hybrid whose mixers none reads
+        ("bailing_hybrid", {}, r"linear-attention / recurrent mixer fields \(linear_"),
         ("mllama", {}, r"composite config .* alone: .*cross-attention layers"),
         # a multimodal config no family reads (Qwen3.5's now maps: tests/e2e/test_run_qwen_vl.py)
         ("llava", {}, r"composite config .*its text_config \('llama'\) alone maps"),
