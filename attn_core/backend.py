@@ -147,7 +147,7 @@ class BackendCapabilities:
     logits_soft_cap: bool = False
     sinks: bool = False
     #: serves full / encoder layers whose values have another width than queries and keys
-    #: (``spec.head_dim_v != spec.head_dim``, MiMo-V2-Flash); MLA layers are exempt
+    #: (``spec.head_dim_v != spec.head_dim``, MiMo-V2-Flash); MLA and linear layers are exempt
     distinct_value_head_dim: bool = False
     deterministic: bool = False
     spec_verify_strategies: frozenset[str] = frozenset({"native"})

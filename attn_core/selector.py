@@ -272,7 +272,7 @@ def check_backend(
                 model_mismatch("head_dim", f"{label} {dim}", f"serves {_fmt_set(caps.head_dims)}")
                 break
     if (
-        spec.kind is not LayerKind.MLA
+        spec.kind in (LayerKind.FULL, LayerKind.ENCODER)  # MLA and linear widths are their own
         and spec.head_dim_v != spec.head_dim
         and not caps.distinct_value_head_dim
     ):

@@ -707,6 +707,9 @@ def test_values_of_another_width_need_the_capability():
     ]
     assert _codes({"head_dims": {64, 128}, "distinct_value_head_dim": True}, spec) == []
     assert _codes({"head_dims": {576, 512}}, MLA) == []
+    # a linear layer's key and value widths are its variant's (OLMo-Hybrid's GDN: 96 and 192)
+    wide = GDN.with_(head_dim=96, head_dim_v=192)
+    assert _codes({"linear_variants": {"gated_deltanet"}}, wide) == []
 
 
 def test_reason_page_size():
