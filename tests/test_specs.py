@@ -213,6 +213,17 @@ def test_with_revalidates():
         spec.with_(page_size=0)
 
 
+def test_with_keeps_values_as_wide_as_keys():
+    """A new head_dim moves an equal head_dim_v along (four plugin tests had built specs of
+    64-wide keys over 128-wide values by accident); set, or already different, it stays."""
+    spec = LayerSpec(**FULL)
+    assert spec.head_dim == spec.head_dim_v
+    assert spec.with_(head_dim=128).head_dim_v == 128
+    assert spec.with_(head_dim=128, head_dim_v=32).head_dim_v == 32
+    wide = spec.with_(head_dim_v=256)
+    assert wide.with_(head_dim=128).head_dim_v == 256
+
+
 def test_derived_quantities():
     full = LayerSpec(**FULL)
     assert math.isclose(full.scale, 1 / 8)
