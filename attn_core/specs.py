@@ -532,9 +532,9 @@ class LayerSpec:
         """A copy with some fields changed (validated again). Values as wide as the keys stay
         so: a new ``head_dim`` moves ``head_dim_v`` along unless the call sets it or the two
         differed (MLA, a wider value head)."""
-        if "head_dim" in changes and "head_dim_v" not in changes:
-            if self.head_dim_v == self.head_dim:
-                changes["head_dim_v"] = changes["head_dim"]
+        tied = self.head_dim_v == self.head_dim
+        if tied and "head_dim" in changes and "head_dim_v" not in changes:
+            changes["head_dim_v"] = changes["head_dim"]
         return replace(self, **changes)
 
     def short(self) -> str:
