@@ -233,6 +233,10 @@ def _mrope(config: Any) -> bool:
     return False
 
 
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def _mlp_out(y: Any) -> torch.Tensor:
     """An MLP / MoE block's output (MoE blocks also return router logits)."""
     return y[0] if isinstance(y, tuple) else y
@@ -510,9 +514,11 @@ class CausalLMAdapter:
                 h = layer.post_attention_layernorm(h)
                 h = h * layer.mlp_alpha_factor + _mlp_out(layer.mlp(h)) * layer.mlp_beta_factor
                 continue
-            if hasattr(layer, "operator_norm"):  # LFM2
-                h = h + mixer(i, layer, layer.operator_norm(h)[0], pe)[None]
-                h = h + layer.feed_forward(layer.ffn_norm(h))
+            if hasattr(layer, "operator_norm"):  # LFM2; LFM3's sandwich norms after each part
+                post_op = getattr(layer, "post_operator_norm", _identity)
+                post_ffn = getattr(layer, "post_ffn_norm", _identity)
+                h = h + post_op(mixer(i, layer, layer.operator_norm(h)[0], pe)[None])
+                h = h + post_ffn(layer.feed_forward(layer.ffn_norm(h)))
                 continue
             if hasattr(layer, "mixer"):  # Mamba's block: norm, mixer, residual; no MLP
                 residual = h.float() if layer.residual_in_fp32 else h
@@ -865,7 +871,10 @@ class CausalLMAdapter:
             q, k = self._rope(q, k, pe)
         out = torch.empty(T, spec.num_heads, spec.head_dim_v, dtype=x.dtype, device=x.device)
         self._attend(i, q.contiguous(), k.contiguous(), v.contiguous(), out)
-        o = out.view(T, -1)
+        head_gate = getattr(at, "g_proj", None)
+        if head_gate is not None:  # LFM3: one sigmoid gate per head, from the layer's input
+            out = out * torch.sigmoid(head_gate(x)).unsqueeze(-1)
+        o = out.reshape(T, -1)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return (at.o_proj if hasattr(at, "o_proj") else at.out_proj)(o)

@@ -1772,9 +1772,10 @@ def _minimax(r: _Reader, o: _Options) -> _Parsed:
 
 
 def _lfm2(r: _Reader, o: _Options) -> _Parsed:
-    """LFM2 and LFM2-MoE: gated short-conv layers (``conv``: a causal depthwise conv over
+    """LFM2, LFM2-MoE and LFM3: gated short-conv layers (``conv``: a causal depthwise conv over
     ``hidden_size`` channels, conv state only) and GQA layers, per ``layer_types`` /
-    ``full_attn_idxs``.
+    ``full_attn_idxs``; LFM3's ``sliding_attention`` layers slide over ``sliding_window`` (its
+    attention gate and sandwich norms act outside the op).
 
     Under tensor parallelism the conv's channels split across ranks, as its in / out
     projections do.
@@ -1783,9 +1784,12 @@ def _lfm2(r: _Reader, o: _Options) -> _Parsed:
     listed = r.cfg.get("full_attn_idxs")
     attn = set(range(n)) if listed is None else set(listed)  # Lfm2Config's default: all full
     types = _layer_types(r, n, lambda i: "full_attention" if i in attn else "conv")
-    _check_types(r, types, {"full_attention", "conv"})
+    _check_types(r, types, {"full_attention", "sliding_attention", "conv"})
     channels = _split(r.pos_int("hidden_size"), o.tp_size, "hidden_size")
-    full = o.full(**_gqa(r, o, _head_dim(r)))
+    heads = _gqa(r, o, _head_dim(r))
+    full = o.full(**heads)
+    if "sliding_attention" in types:
+        sliding = o.full(sliding_window=r.pos_int("sliding_window"), **heads)
     conv = o.linear(
         linear_variant=LinearVariant.SHORT_CONV,
         num_heads=1,
@@ -1794,7 +1798,10 @@ def _lfm2(r: _Reader, o: _Options) -> _Parsed:
         conv_kernel_size=r.pos_int("conv_L_cache", 3),
         conv_channels=channels,
     )
-    return n, [(i, full if t == "full_attention" else conv) for i, t in enumerate(types)], {}
+    by_type = {"full_attention": full, "conv": conv}
+    if "sliding_attention" in types:
+        by_type["sliding_attention"] = sliding
+    return n, [(i, by_type[t]) for i, t in enumerate(types)], {}
 
 
 def _gpt_oss(r: _Reader, o: _Options) -> _Parsed:
@@ -2214,7 +2221,7 @@ _FAMILIES: tuple[_Family, ...] = (
     _Family(
         "lfm2",
         _lfm2,
-        {"lfm2": "Lfm2ForCausalLM", "lfm2_moe": "Lfm2MoeForCausalLM"},
+        {"lfm2": "Lfm2ForCausalLM", "lfm2_moe": "Lfm2MoeForCausalLM", "lfm3": "Lfm3ForCausalLM"},
     ),
     _GEMMA3_TEXT,
     # Gemma-3 multimodal: the SigLIP tower and the language model.

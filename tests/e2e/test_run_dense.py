@@ -234,6 +234,9 @@ _FEATURE_CASES: list[tuple[str, dict[str, Any], int, str]] = [
         4,
         "gated_deltanet",
     ),
+    # LFM3: LFM2's short conv (kernel 7) with sliding and full attention layers, a sigmoid gate
+    # per head after the op, sandwich norms, a rope per layer type (once MISMATCHed)
+    ("lfm3", {}, 6, "window=8"),
     # Laguna: each layer its own query heads (num_attention_heads_per_layer), one group each;
     # a per-head output gate after the op
     ("laguna", {"num_attention_heads_per_layer": [4, 8, 4, 8]}, 4, "8q/2kv"),
