@@ -421,3 +421,15 @@ def test_mimo_sliding_layers_have_twice_the_kv_heads_and_sinks() -> None:
         ), (i, spec)
         assert (spec.head_dim, spec.head_dim_v) == (16, 32)
     assert {t for t in cfg["layer_types"]} == {"full_attention", "sliding_attention"}
+
+
+def test_dbrx_attention_fields_are_read_nested_and_unknown_ones_refused() -> None:
+    cfg = transformers.CONFIG_MAPPING["dbrx"](
+        d_model=64, n_heads=4, n_layers=2, attn_config={"kv_n_heads": 2, "clip_qkv": 8.0}
+    ).to_dict()
+    cfg.pop("num_key_value_heads", None)
+    (group,) = specs_from_hf_config(cfg).groups
+    assert (group.spec.num_heads, group.spec.num_kv_heads) == (4, 2)
+    bad = {**cfg, "attn_config": {**cfg["attn_config"], "qk_ln": True}}
+    with pytest.raises(ValueError, match=r"attn_config sets \['qk_ln'\]"):
+        specs_from_hf_config(bad)

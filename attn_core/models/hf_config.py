@@ -626,6 +626,8 @@ _DENSE_FIELDS: frozenset[str] = _CONFIG_FIELDS | frozenset(
         "num_attention_heads_per_layer",
         # a value scale applied to v before the op (MiMo-V2-Flash); v's own head width
         "attention_value_scale", "v_head_dim",
+        # DBRX: its attention and MoE fields nested (read for dbrx only: _FIELD_READERS)
+        "attn_config", "ffn_config", "emb_pdrop",
         # Gemma-4: per-layer inputs beside the embeddings, its MoE block, per-layer overrides
         # (read by _per_layer_overrides), KV sharing (refused when on)
         "hidden_size_per_layer_input", "vocab_size_per_layer_input", "enable_moe_block",
@@ -691,6 +693,9 @@ _SOFTCAP_MODEL_TYPES: frozenset[str] = frozenset({"gemma2", "vaultgemma"})
 # The layer-pattern fields matter only without ``layer_types`` (transformers 5 writes the
 # pattern out, and the mapping follows it).
 _FIELD_READERS: dict[str, frozenset[str]] = {
+    # DBRX's nested attention fields (kv_n_heads, clip_qkv: _dbrx_attention) and its MoE block
+    "attn_config": frozenset({"dbrx"}),
+    "ffn_config": frozenset({"dbrx"}),
     # per-layer head_dim / KV heads (Gemma-4's full layers: head_dim 512), and KV sharing
     "per_layer_config": frozenset({"gemma4_text"}),
     "num_kv_shared_layers": frozenset({"gemma4_text"}),
@@ -1065,6 +1070,8 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
         spec = _mla(r, o, yarn_scale=True)
         return n, [(i, spec) for i in range(n)], {}
     _check_types(r, types, {"full_attention", "sliding_attention"})
+    if model_type == "dbrx":
+        r = _dbrx_attention(r)
     heads = _gqa(r, o, _head_dim(r))
     if r.cfg.get("multi_query"):  # GPT-BigCode: one KV head for all query heads
         heads["num_kv_heads"] = 1
@@ -1179,6 +1186,34 @@ def _refuse_kv_sharing(r: _Reader, n: int) -> None:
             f"{shared}) in layers {_ranges(range(max(first, 0), n))}: no layer kind; refused, "
             f"not mapped in part"
         )
+
+
+#: DBRX's ``attn_config`` keys: its KV heads, and what acts outside the op (dropout, q/k/v
+#: clipping, the RoPE base of older configs); anything else is refused
+_DBRX_ATTENTION_KEYS = frozenset({"kv_n_heads", "attn_pdrop", "clip_qkv", "rope_theta"})
+
+
+def _dbrx_attention(r: _Reader) -> _Reader:
+    """DBRX keeps its KV heads in ``attn_config.kv_n_heads`` (a hub config.json has no
+    top-level ``num_key_value_heads``): ``r`` with them read there."""
+    attn = r.cfg.get("attn_config")
+    if not isinstance(attn, Mapping):
+        return r
+    unknown = sorted(set(attn) - _DBRX_ATTENTION_KEYS - _CONFIG_FIELDS - {"attn_impl"})
+    if unknown:
+        raise ValueError(
+            f"{r.where}: attn_config sets {unknown}: not understood by the generic dense mapping; "
+            f"refused, not mapped in part"
+        )
+    kv = attn.get("kv_n_heads")
+    if kv is None:
+        return r
+    top = r.cfg.get("num_key_value_heads")
+    if top is not None and top != kv:
+        raise ValueError(
+            f"{r.where}: num_key_value_heads={top} but attn_config.kv_n_heads={kv}; refused"
+        )
+    return _Reader({**r.cfg, "num_key_value_heads": kv}, r.where, r.defaults)
 
 
 def _heads_per_layer(r: _Reader, o: _Options, n: int) -> list[int] | None:

@@ -581,3 +581,22 @@ def test_run_family_on_gpu_plugins_matches_transformers(
     assert report.ok and "MATCH" in text, text
     backends = {g["backend"] for g in report.runs[0].plan["groups"]}
     assert backends and "attn_core:reference" not in backends, text
+
+
+def test_dbrx_reads_its_kv_heads_from_attn_config(tmp_path: Path, run_on_cpu) -> None:
+    """DBRX nests its KV heads (attn_config.kv_n_heads) and q/k/v clipping; a hub config.json
+    has no top-level num_key_value_heads. Mapped from the nested field (4 query heads over 2 KV
+    heads, not 4 over 4), it matches transformers."""
+    cfg = transformers.CONFIG_MAPPING["dbrx"](
+        d_model=64, n_heads=4, n_layers=2, max_seq_len=512, vocab_size=128,
+        initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        attn_config={"kv_n_heads": 2, "clip_qkv": 0.5, "rope_theta": 10000.0},
+        ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2,
+                    "hidden_size": 64},
+    ).to_dict()  # fmt: skip
+    cfg.pop("num_key_value_heads", None)  # as the hub's config.json has it
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    report = run_on_cpu(str(path))
+    text = report.format()
+    assert report.ok and "MATCH" in text and "4q/2kv" in text, text
