@@ -108,24 +108,29 @@ def test_sample_tower_spec_matches_transformers_attention_module(name: str) -> N
 
 
 @pytest.mark.parametrize(
+    ("cls", "family"), [("LlavaConfig", "llava"), ("LlavaNextConfig", "llava-next")]
+)
+@pytest.mark.parametrize(
     "vision",
     [
-        None,  # LlavaConfig's own tower defaults (24 layers of 16 heads, width 1024)
+        None,  # the config class's own tower defaults (24 layers of 16 heads, width 1024)
         {"num_hidden_layers": 3},  # a given vision_config: CLIPVisionConfig's defaults
         {"num_hidden_layers": 2, "hidden_size": 96, "num_attention_heads": 6},
     ],
 )
-def test_llava_clip_tower_matches_transformers_attention_module(vision: Any) -> None:
+def test_llava_clip_tower_matches_transformers_attention_module(
+    cls: str, family: str, vision: Any
+) -> None:
     """LLaVA's CLIP tower: as many encoder layers as the CLIPVisionModel LlavaConfig builds
     (all of them, whatever ``vision_feature_layer`` reads), each with CLIPAttention's heads,
     scale and causality; the text stack the family its Llama text_config maps to."""
     import torch
     from transformers.models.clip.modeling_clip import CLIPAttention
 
-    cfg = transformers.LlavaConfig(vision_config=vision)
+    cfg = getattr(transformers, cls)(vision_config=vision)
     layout = specs_from_hf_config(cfg.to_dict())
     tower, text = layout.stacks
-    assert (layout.family, tower.family, text.family) == ("llava", "clip-vision", "qwen3")
+    assert (layout.family, tower.family, text.family) == (family, "clip-vision", "qwen3")
     vc = cfg.vision_config
     ((group),) = tower.groups
     assert group.group_id == "vision.encoder"

@@ -392,7 +392,16 @@ CONFIG_TOWERS: tuple[str, ...] = ("qwen3-vl-vision", "qwen3.5-vision", "clip-vis
 #: ``*ForConditionalGeneration`` (AutoModelForImageTextToText): text prompts run its language
 #: model, and its forward is the reference.
 _WHOLE_MODEL_TEXT: frozenset[str] = frozenset(
-    {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "llava"}
+    {
+        "qwen2_vl",
+        "qwen2_5_vl",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "llava",
+        "llava_next",
+    }
 )
 #: Audio encoders the runner drives (an encoder pass over mel clips, no decode).
 AUDIO_ENCODERS: tuple[str, ...] = ("whisper-encoder",)

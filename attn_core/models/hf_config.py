@@ -2128,7 +2128,8 @@ _CLIP_DEFAULTS: dict[str, Any] = {
     "num_attention_heads": 12,
     "hidden_size": 768,
 }
-# LlavaConfig's vision_config when the config has none (its sub_configs_defaults, 5.24).
+# LlavaConfig's vision_config when the config has none (its sub_configs_defaults, 5.24;
+# LlavaNextConfig's are the same).
 _LLAVA_VISION: dict[str, Any] = {
     "model_type": "clip_vision_model",
     "num_hidden_layers": 24,
@@ -2155,10 +2156,11 @@ _CLIP = _Family(
 
 
 def _llava_stacks(raw: Mapping[str, Any], model_type: str) -> list[_StackPart]:
-    """LLaVA: the CLIP vision tower (``vision_config``; LlavaConfig fills an absent one with
-    its own tower defaults) and the language model (``text_config``, ``llama`` unless it says
-    otherwise), read by the family its ``model_type`` maps to (the generic dense mapping for
-    one no family names, as a lone config of it). Another tower class is refused."""
+    """LLaVA and LLaVA-NeXT: the CLIP vision tower (``vision_config``; the config class fills
+    an absent one with its own tower defaults) and the language model (``text_config``,
+    ``llama`` unless it says otherwise), read by the family its ``model_type`` maps to (the
+    generic dense mapping for one no family names, as a lone config of it). Another tower
+    class is refused."""
     sub = raw.get("vision_config")
     vision = dict(sub) if isinstance(sub, Mapping) else dict(_LLAVA_VISION)
     tower = vision.get("model_type", "clip_vision_model")
@@ -2300,6 +2302,14 @@ _FAMILIES: tuple[_Family, ...] = (
         {"llava": "LlavaForConditionalGeneration"},
         stacks=_llava_stacks,
     ),
+    # LLaVA-NeXT: the same tower (run over each image's anyres tiles, every tile a full
+    # image_size image: the tiling is before the tower) and language model.
+    _Family(
+        "llava-next",
+        _refuse_parse,
+        {"llava_next": "LlavaNextForConditionalGeneration"},
+        stacks=_llava_stacks,
+    ),
     _CLIP,
     _QWEN2_VL_VISION,
     _QWEN2_5_VL_VISION,
@@ -2383,6 +2393,7 @@ MULTI_STACK_MODEL_TYPES: dict[str, dict[str, str]] = {
     "llama4": {"vision": "llama-4-vision", "text": "llama-4"},
     # the default text_config (llama) is read by the qwen3 family
     "llava": {"vision": "clip-vision", "text": "qwen3"},
+    "llava_next": {"vision": "clip-vision", "text": "qwen3"},
     "qwen2_5_vl": {"vision": "qwen2.5-vl-vision", "text": "qwen2-vl-text"},
     "qwen2_vl": {"vision": "qwen2-vl-vision", "text": "qwen2-vl-text"},
     "qwen3_5": {"vision": "qwen3.5-vision", "text": "qwen3.5"},

@@ -41,9 +41,9 @@ _TEXT = dict(
 _TOKENS = 2 * (16 + 1)  # the run's two images, class token and patches each
 
 
-def _config(tmp_path: Path, **fields) -> Path:
-    """A tiny LLaVA config as transformers' own LlavaConfig writes it."""
-    cfg = transformers.LlavaConfig(vision_config=_TOWER, text_config=_TEXT, **fields)
+def _config(tmp_path: Path, cls: str = "LlavaConfig", **fields) -> Path:
+    """A tiny LLaVA (or LLaVA-NeXT) config as transformers' own config class writes it."""
+    cfg = getattr(transformers, cls)(vision_config=_TOWER, text_config=_TEXT, **fields)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg.to_dict()))
     return path
@@ -63,8 +63,13 @@ def test_both_stacks_map(tmp_path: Path) -> None:
     assert text.groups[0].layer_indices == (0, 1, 2)
 
 
-def test_both_stacks_match_transformers_fp32_cpu(tmp_path: Path, run_on_cpu) -> None:
-    path = _config(tmp_path)
+@pytest.mark.parametrize("cls", ["LlavaConfig", "LlavaNextConfig"])
+def test_both_stacks_match_transformers_fp32_cpu(tmp_path: Path, cls: str, run_on_cpu) -> None:
+    """LLaVA-NeXT's tower runs over each image's anyres tiles, each a full image_size image:
+    the batch of fixed-size images the run feeds it."""
+    path = _config(tmp_path, cls)
+    layout = specs_from_hf_config(str(path))
+    assert [g.group_id for g in layout.groups] == ["vision.encoder", "text.full"]
     report = run_on_cpu(str(path))
     assert report.ok, report.format()
     vision, text = report.runs
