@@ -154,3 +154,35 @@ def test_a_clip_tower_config_alone_matches_transformers(tmp_path: Path, run_on_c
     (run,) = report.runs
     assert run.mode_counts == {"encoder": 2}
     assert run.match.positions == 3 * _TOKENS and run.match.max_abs_diff < 1e-4, run.format()
+
+
+@pytest.mark.parametrize(("text_type", "family"), [("mistral", "qwen3"), ("phi3", "dense")])
+def test_the_text_stack_is_read_by_its_text_configs_family(
+    tmp_path: Path, text_type: str, family: str, run_on_cpu
+) -> None:
+    """A Mistral or Phi-3 language model: the family its model_type maps to alone (Phi-3's
+    the generic dense mapping, run through the whole model's forward), matching transformers.
+    """
+    text = {**_TEXT, "model_type": text_type, "pad_token_id": 0}  # inside the tiny vocabulary
+    cfg = transformers.LlavaConfig(vision_config=_TOWER, text_config=text)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    assert specs_from_hf_config(str(path), stack="text").family == family
+    from attn_core.e2e import run_main
+
+    report = run_main(
+        str(path),
+        device="cpu",
+        dtype="fp32",
+        prompts=2,
+        max_new_tokens=3,
+        graphs=False,
+        registry=None,
+        constraints=None,
+        progress=False,
+        console=lambda *a: None,
+        stack="text",
+    )
+    assert report.ok, report.format()
+    (run,) = report.runs
+    assert run.match.max_abs_diff < 1e-4 and run.match.token_agreement == 1.0, run.format()
