@@ -245,8 +245,9 @@ def test_mla_under_another_model_type_reads_deepseek_names() -> None:
         # OLMo-Hybrid now maps (the qwen3.5 family); another hybrid whose mixers none reads
         ("bailing_hybrid", {}, r"linear-attention / recurrent mixer fields \(linear_"),
         ("mllama", {}, r"composite config .* alone: .*cross-attention layers"),
-        # a multimodal config no family reads (Qwen3.5's now maps: tests/e2e/test_run_qwen_vl.py)
-        ("llava", {}, r"composite config .*its text_config \('llama'\) alone maps"),
+        # a multimodal config no family reads (Qwen3.5's and LLaVA's now map:
+        # tests/e2e/test_run_qwen_vl.py, tests/e2e/test_run_llava.py)
+        ("idefics3", {}, r"composite config .*its text_config \('llama'\) alone maps"),
     ],
 )
 def test_refusals_name_the_feature_and_the_layers(

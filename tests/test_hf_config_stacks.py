@@ -258,6 +258,8 @@ def test_stacks_are_listed_for_every_multi_stack_model_type() -> None:
     built = {
         "gemma3": transformers.Gemma3Config().to_dict(),
         "llama4": transformers.Llama4Config().to_dict(),
+        "llava": transformers.LlavaConfig().to_dict(),
+        "llava_next": transformers.LlavaNextConfig().to_dict(),
         "qwen3_vl": transformers.Qwen3VLConfig().to_dict(),
         "qwen3_vl_moe": transformers.Qwen3VLMoeConfig().to_dict(),
         "qwen3_5": transformers.Qwen3_5Config().to_dict(),

@@ -105,3 +105,52 @@ def test_sample_tower_spec_matches_transformers_attention_module(name: str) -> N
         attn.head_dim,
     )
     assert spec.scale == pytest.approx(scale)
+
+
+@pytest.mark.parametrize(
+    ("cls", "family"), [("LlavaConfig", "llava"), ("LlavaNextConfig", "llava-next")]
+)
+@pytest.mark.parametrize(
+    "vision",
+    [
+        None,  # the config class's own tower defaults (24 layers of 16 heads, width 1024)
+        {"num_hidden_layers": 3},  # a given vision_config: CLIPVisionConfig's defaults
+        {"num_hidden_layers": 2, "hidden_size": 96, "num_attention_heads": 6},
+    ],
+)
+def test_llava_clip_tower_matches_transformers_attention_module(
+    cls: str, family: str, vision: Any
+) -> None:
+    """LLaVA's CLIP tower: as many encoder layers as the CLIPVisionModel LlavaConfig builds
+    (all of them, whatever ``vision_feature_layer`` reads), each with CLIPAttention's heads,
+    scale and causality; the text stack the family its Llama text_config maps to."""
+    import torch
+    from transformers.models.clip.modeling_clip import CLIPAttention
+
+    cfg = getattr(transformers, cls)(vision_config=vision)
+    layout = specs_from_hf_config(cfg.to_dict())
+    tower, text = layout.stacks
+    assert (layout.family, tower.family, text.family) == (family, "clip-vision", "qwen3")
+    vc = cfg.vision_config
+    ((group),) = tower.groups
+    assert group.group_id == "vision.encoder"
+    assert group.layer_indices == tuple(range(vc.num_hidden_layers))
+    with torch.device("meta"):
+        attn = CLIPAttention(vc)
+    spec = group.spec
+    assert spec.kind is LayerKind.ENCODER and not spec.causal and attn.is_causal is False
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (
+        attn.num_heads,
+        attn.num_heads,
+        attn.head_dim,
+    )
+    assert spec.scale == pytest.approx(attn.scale)
+    assert text.num_layers == cfg.text_config.num_hidden_layers
+
+
+def test_a_clip_tower_config_alone_maps() -> None:
+    d = transformers.CLIPVisionConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4)
+    layout = specs_from_hf_config(d.to_dict())
+    assert (layout.family, layout.architecture) == ("clip-vision", "CLIPVisionModel")
+    assert layout.groups[0].layer_indices == (0, 1)
+    assert layout.spec_of(0).head_dim == 16

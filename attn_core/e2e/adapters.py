@@ -390,7 +390,9 @@ class CausalLMAdapter:
         # the decoder's own config: the text_config of a multimodal model, else the same object
         self.text_config: Any = getattr(self.config, "text_config", None) or self.config
         self.base = _decoder(hf_model)
-        self.modeling = importlib.import_module(type(hf_model).__module__)
+        # the decoder's own modeling module (its rotary functions): LLaVA's language model is
+        # Llama's, whose functions llava's module does not hold
+        self.modeling = importlib.import_module(type(self.base).__module__)
         self.dtype = torch_dtype(layout.layer_specs[0].dtype)
         self.direct = direct
         self._mla_weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -387,12 +387,21 @@ VISION_TOWERS: tuple[str, ...] = ("qwen2.5-vl-vision", "qwen2-vl-vision", "sigli
 #: Vision towers with no sample that run from a config.json only: the whole model's config
 #: class (or the tower's own) picks the tower class, so each model type gets its own
 #: (Qwen3-VL-MoE's, Qwen3.5-MoE's).
-CONFIG_TOWERS: tuple[str, ...] = ("qwen3-vl-vision", "qwen3.5-vision")
+CONFIG_TOWERS: tuple[str, ...] = ("qwen3-vl-vision", "qwen3.5-vision", "clip-vision")
 #: Multimodal model types whose language model runs inside the whole
 #: ``*ForConditionalGeneration`` (AutoModelForImageTextToText): text prompts run its language
 #: model, and its forward is the reference.
 _WHOLE_MODEL_TEXT: frozenset[str] = frozenset(
-    {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"}
+    {
+        "qwen2_vl",
+        "qwen2_5_vl",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "llava",
+        "llava_next",
+    }
 )
 #: Audio encoders the runner drives (an encoder pass over mel clips, no decode).
 AUDIO_ENCODERS: tuple[str, ...] = ("whisper-encoder",)

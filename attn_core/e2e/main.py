@@ -138,7 +138,8 @@ def _sample_notes(name: str) -> tuple[str, ...]:
 # layer-forward adapter the generic dense mapping's model types (any dense family using the
 # common names, tests/e2e/test_run_dense.py), Granite-4.0-H and Qwen3.5
 # (tests/e2e/test_run_families.py) and the Qwen-VL language models; through the tower driver
-# the Qwen3-VL and Qwen3.5 vision towers (tests/e2e/test_run_qwen_vl.py); each checked
+# the Qwen3-VL and Qwen3.5 vision towers (tests/e2e/test_run_qwen_vl.py) and LLaVA's CLIP tower
+# (tests/e2e/test_run_llava.py); each checked
 # against transformers.
 _CONFIG_FAMILIES: tuple[str, ...] = (
     "dense",
@@ -148,6 +149,7 @@ _CONFIG_FAMILIES: tuple[str, ...] = (
     "qwen3-vl-text",
     "qwen3-vl-vision",
     "qwen3.5-vision",
+    "clip-vision",
 )
 
 

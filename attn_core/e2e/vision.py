@@ -1,7 +1,8 @@
 """Vision towers and Whisper's audio encoder with every block's attention through an encoder
 binding.
 
-SigLIP (every image the same number of patches), Qwen2-VL (variable-length images, 2D
+SigLIP and CLIP (every image the same number of patches; CLIP's class token ahead of them and a
+layer norm before the first layer), Qwen2-VL (variable-length images, 2D
 rotary inside the tower) and Qwen3-VL / Qwen3.5 (Qwen2-VL's pattern, a learned position grid
 resampled to each image added before the blocks) run every block as bidirectional attention
 within each image frame: one encoder batch. Qwen3-VL's DeepStack mergers turn the hidden
@@ -56,6 +57,10 @@ class VisionResult:
     deepstack: list[torch.Tensor] = field(default_factory=list)
 
 
+#: Towers whose every image has the config's ``image_size`` (no grid_thw): SigLIP and CLIP.
+_FIXED_SIZE_TOWERS = ("siglip-vision", "clip-vision")
+
+
 def sample_images(model: TinyModel, grids: list[tuple[int, int, int]], *, seed: int = 0):
     """Random pixel patches for images of ``grids`` (t, h, w patches each).
 
@@ -105,15 +110,16 @@ def vision_inputs(
         # the encoder checks the input length: two frames per position (conv2 has stride 2)
         mel = torch.randn(len(grids), wcfg.num_mel_bins, 2 * frames, generator=gen)
         return mel.to(device=p.device, dtype=p.dtype), None, len(grids) * frames
-    if model.name != "siglip-vision":
+    if model.name not in _FIXED_SIZE_TOWERS:
         pixels, grid_thw = sample_images(model, grids, seed=seed)
         return pixels, grid_thw, sum(t * h * w for t, h, w in grids)
-    cfg: Any = model.hf.config  # a SiglipVisionConfig
+    cfg: Any = model.hf.config  # a SiglipVisionConfig or CLIPVisionConfig
     p = next(model.hf.parameters())
     size = int(cfg.image_size)
     gen = torch.Generator().manual_seed(seed)
     pixels = torch.randn(len(grids), cfg.num_channels, size, size, generator=gen)
-    patches = (size // int(cfg.patch_size)) ** 2
+    # CLIP's tokens: its class token ahead of the patches
+    patches = (size // int(cfg.patch_size)) ** 2 + (model.name == "clip-vision")
     return pixels.to(device=p.device, dtype=p.dtype), None, len(grids) * patches
 
 
@@ -135,6 +141,8 @@ class VisionRunner:
         Whisper, whose ``pixel_values`` are mel features)."""
         if self.model.name == "siglip-vision":
             return self._siglip(pixel_values)
+        if self.model.name == "clip-vision":
+            return self._clip(pixel_values)
         if self.model.name == "whisper-encoder":
             return self._whisper(pixel_values)
         if grid_thw is None:
@@ -166,6 +174,35 @@ class VisionRunner:
             blocks.append(hs.reshape(n * patches, width).float())
         out = vt.post_layernorm(hs).reshape(n * patches, width)
         return VisionResult(blocks, out.float())
+
+    def _clip(self, pixel_values: torch.Tensor) -> VisionResult:
+        """CLIPVisionModel.forward with each layer's attention through its binding: one
+        encoder batch of the images' class token and patches.
+
+        :param pixel_values: ``[images, C, image_size, image_size]``.
+        :returns: per layer ``[images * (patches + 1), hidden]``; ``merged``: the encoder's
+            ``last_hidden_state`` (before ``post_layernorm``, which transformers applies to
+            the pooled class token only; LLaVA reads the hidden states).
+        """
+        vt: Any = self.model.hf  # a CLIPVisionModel
+        hs = vt.pre_layrnorm(vt.embeddings(pixel_values))  # [images, 1 + patches, hidden]
+        n, tokens, width = hs.shape
+        self.runtime.prepare(self._builders["full"].build_encoder([tokens] * n))
+        blocks = []
+        for i, layer in enumerate(vt.encoder.layers):
+            at = layer.self_attn
+            x = layer.layer_norm1(hs).reshape(n * tokens, width)
+            q, k, v = (
+                proj(x).view(n * tokens, -1, at.head_dim)
+                for proj in (at.q_proj, at.k_proj, at.v_proj)
+            )
+            out = torch.empty_like(q)
+            # the spec's scale is head_dim ** -0.5, CLIPAttention's ``scale``
+            self.runtime.binding(i).forward(q, k, v, out=out)
+            hs = hs + at.out_proj(out.reshape(n, tokens, -1))  # -1: the rank's heads (TP)
+            hs = hs + layer.mlp(layer.layer_norm2(hs))
+            blocks.append(hs.reshape(n * tokens, width).float())
+        return VisionResult(blocks, hs.reshape(n * tokens, width).float())
 
     def _whisper(self, features: torch.Tensor) -> VisionResult:
         """WhisperEncoder.forward with each layer's attention through its binding.

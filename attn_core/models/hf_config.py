@@ -33,7 +33,8 @@ attention and Mamba2 side by side in every decoder layer) hold two ops each, one
 group and one in a linear group: their index is listed once per op.
 
 Multi-stack models (Qwen2-VL / Qwen2.5-VL, Qwen3-VL and Qwen3.5 with their MoE forms, Gemma-3
-and Llama-4 multimodal: a vision tower and a language model; Whisper: an encoder and a decoder)
+and Llama-4 multimodal, LLaVA: a vision tower and a language model; Whisper: an encoder and a
+decoder)
 yield every stack's groups, ids prefixed by the stack (``vision.encoder``, ``text.full``), one
 layout per stack in ``ModelLayout.stacks``; ``stack=`` keeps one. A stack no layer kind
 describes (Whisper's decoder: cross-attention in every layer) is refused unless another stack
@@ -2162,6 +2163,75 @@ def _gemma3_stacks(raw: Mapping[str, Any], model_type: str) -> list[_StackPart]:
     ]
 
 
+# CLIPVisionConfig's defaults (transformers 5.24): a LLaVA vision_config given without them
+# gets these (LlavaConfig's own tower defaults apply only to an absent vision_config).
+_CLIP_DEFAULTS: dict[str, Any] = {
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "hidden_size": 768,
+}
+# LlavaConfig's vision_config when the config has none (its sub_configs_defaults, 5.24;
+# LlavaNextConfig's are the same).
+_LLAVA_VISION: dict[str, Any] = {
+    "model_type": "clip_vision_model",
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "hidden_size": 1024,
+}
+
+
+def _clip_vision(r: _Reader, o: _Options) -> _Parsed:
+    """CLIP's vision tower: every encoder layer non-causal attention over one image's class
+    token and patches (all images the same count); ``hidden_size // num_attention_heads``
+    heads. The embeddings and pre-layernorm act before the first layer, outside the op.
+    LLaVA's ``vision_feature_layer`` picks one hidden state, but every layer runs (the ones
+    after it too), so every layer is mapped."""
+    return _encoder_tower(r, o, "num_hidden_layers", "num_attention_heads", "hidden_size")
+
+
+_CLIP = _Family(
+    "clip-vision",
+    _clip_vision,
+    {"clip_vision_model": "CLIPVisionModel"},
+    _CLIP_DEFAULTS,
+)
+
+
+def _llava_stacks(raw: Mapping[str, Any], model_type: str) -> list[_StackPart]:
+    """LLaVA and LLaVA-NeXT: the CLIP vision tower (``vision_config``; the config class fills
+    an absent one with its own tower defaults) and the language model (``text_config``,
+    ``llama`` unless it says otherwise), read by the family its ``model_type`` maps to (the
+    generic dense mapping for one no family names, as a lone config of it). Another tower
+    class is refused."""
+    sub = raw.get("vision_config")
+    vision = dict(sub) if isinstance(sub, Mapping) else dict(_LLAVA_VISION)
+    tower = vision.get("model_type", "clip_vision_model")
+    text = dict(raw.get("text_config") or {})
+    inner = text.setdefault("model_type", "llama")
+    family = _BY_MODEL_TYPE.get(inner, _DENSE) if isinstance(inner, str) else None
+    parts = [
+        _StackPart("vision", vision, _CLIP)
+        if tower == "clip_vision_model"
+        else _StackPart(
+            "vision",
+            vision,
+            None,
+            f"{model_type}: vision_config model_type {tower!r}: only LLaVA's CLIP tower "
+            f"('clip_vision_model') is mapped",
+        ),
+        _StackPart("text", text, family)
+        if family is not None and family.stacks is None
+        else _StackPart(
+            "text",
+            text,
+            None,
+            f"{model_type}: text_config model_type {inner!r} is not a single-stack language "
+            f"model a family reads",
+        ),
+    ]
+    return parts
+
+
 def _whisper_stacks(raw: Mapping[str, Any]) -> list[_StackPart]:
     """Whisper: the encoder, and a decoder whose every layer has cross-attention (queries from
     the decoder, keys and values from the encoder's output), which no layer kind describes."""
@@ -2267,6 +2337,22 @@ _FAMILIES: tuple[_Family, ...] = (
         stacks=_gemma3_stacks,
     ),
     _SIGLIP,
+    # LLaVA: the CLIP tower and the language model its text_config names.
+    _Family(
+        "llava",
+        _refuse_parse,
+        {"llava": "LlavaForConditionalGeneration"},
+        stacks=_llava_stacks,
+    ),
+    # LLaVA-NeXT: the same tower (run over each image's anyres tiles, every tile a full
+    # image_size image: the tiling is before the tower) and language model.
+    _Family(
+        "llava-next",
+        _refuse_parse,
+        {"llava_next": "LlavaNextForConditionalGeneration"},
+        stacks=_llava_stacks,
+    ),
+    _CLIP,
     _QWEN2_VL_VISION,
     _QWEN2_5_VL_VISION,
     _QWEN3_VL_VISION,
@@ -2347,6 +2433,9 @@ def _unsupported(
 MULTI_STACK_MODEL_TYPES: dict[str, dict[str, str]] = {
     "gemma3": {"vision": "siglip-vision", "text": "gemma-3"},
     "llama4": {"vision": "llama-4-vision", "text": "llama-4"},
+    # the default text_config (llama) is read by the qwen3 family
+    "llava": {"vision": "clip-vision", "text": "qwen3"},
+    "llava_next": {"vision": "clip-vision", "text": "qwen3"},
     "qwen2_5_vl": {"vision": "qwen2.5-vl-vision", "text": "qwen2-vl-text"},
     "qwen2_vl": {"vision": "qwen2-vl-vision", "text": "qwen2-vl-text"},
     "qwen3_5": {"vision": "qwen3.5-vision", "text": "qwen3.5"},
@@ -2467,7 +2556,7 @@ def specs_from_hf_config(
     """The attention layout of a Hugging Face model on one tensor-parallel rank.
 
     A multi-stack model (Qwen2-VL / Qwen2.5-VL, Qwen3-VL / Qwen3.5 and their MoE forms, Gemma-3
-    and Llama-4 multimodal: ``vision`` and ``text``; Whisper: ``encoder`` and ``decoder``)
+    and Llama-4 multimodal, LLaVA: ``vision`` and ``text``; Whisper: ``encoder`` and ``decoder``)
     yields every stack's groups, their ids prefixed by the stack (``vision.encoder``,
     ``text.full``), each stack's layout in ``ModelLayout.stacks``; a stack no layer kind
     describes (Whisper's decoder, with cross-attention) is refused unless ``stack`` names
