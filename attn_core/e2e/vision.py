@@ -22,6 +22,7 @@ norms, MLP, mergers) is the transformers modules' own code.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -246,9 +247,19 @@ class VisionRunner:
         cu_seqlens, _ = get_vision_attention_seqlens(grid_thw, vt.config, kwargs={})
         self.runtime.prepare(self._builders["full"].build_encoder(_lengths(cu_seqlens)))
         hs = vt.patch_embed(pixel_values)
-        seq_len = hs.shape[0]
         cos, sin = vt.rotary_pos_emb(hs, position_ids)
-        blocks = []
+        blocks, last = [], hs
+        for _, last in self._rope_blocks(vt, hs, cos, sin, mq):
+            blocks.append(last.float())
+        return VisionResult(blocks, vt.merger(last).float())
+
+    def _rope_blocks(
+        self, vt: Any, hs: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mq: Any
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Qwen2-VL / Qwen3-VL tower blocks with each block's attention through its binding
+        (the encoder batch prepared): ``(block index, hidden [num_patches, hidden])`` after
+        each block; ``mq`` the tower's modeling module (its vision rotary helper)."""
+        seq_len = hs.shape[0]
         for i, blk in enumerate(vt.blocks):
             at = blk.attn
             q, k, v = at.qkv(blk.norm1(hs)).reshape(seq_len, 3, at.num_heads, -1).unbind(1)
@@ -257,8 +268,7 @@ class VisionRunner:
             self.runtime.binding(i).forward(q.contiguous(), k.contiguous(), v.contiguous(), out=out)
             hs = hs + at.proj(out.reshape(seq_len, -1))
             hs = hs + blk.mlp(blk.norm2(hs))
-            blocks.append(hs.float())
-        return VisionResult(blocks, vt.merger(hs).float())
+            yield i, hs
 
     def _qwen3_vl(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> VisionResult:
         """Qwen3VLVisionModel.forward (Qwen3.5's tower: the same without DeepStack) with each
@@ -291,22 +301,14 @@ class VisionRunner:
         # the learned position grid, resampled bilinearly to each image's grid
         hs = hs + (vt.pos_embed(indices) * weights[:, :, None]).sum(1).to(hs.dtype)
         cos, sin = vt.rotary_pos_emb(hs, position_ids)
-        seq_len = hs.shape[0]
         # Qwen3.5's tower has no DeepStack mergers (its class deletes them)
         indexes = list(getattr(vt, "deepstack_visual_indexes", ()))
-        blocks, deepstack = [], []
-        for i, blk in enumerate(vt.blocks):
-            at = blk.attn
-            q, k, v = at.qkv(blk.norm1(hs)).reshape(seq_len, 3, at.num_heads, -1).unbind(1)
-            q, k = mq.apply_rotary_pos_emb_vision(q, k, cos, sin)
-            out = torch.empty_like(q)
-            self.runtime.binding(i).forward(q.contiguous(), k.contiguous(), v.contiguous(), out=out)
-            hs = hs + at.proj(out.reshape(seq_len, -1))
-            hs = hs + blk.mlp(blk.norm2(hs))
-            blocks.append(hs.float())
+        blocks, deepstack, last = [], [], hs
+        for i, last in self._rope_blocks(vt, hs, cos, sin, mq):
+            blocks.append(last.float())
             if i in indexes:
-                deepstack.append(vt.deepstack_merger_list[indexes.index(i)](hs).float())
-        return VisionResult(blocks, vt.merger(hs).float(), deepstack=deepstack)
+                deepstack.append(vt.deepstack_merger_list[indexes.index(i)](last).float())
+        return VisionResult(blocks, vt.merger(last).float(), deepstack=deepstack)
 
     def _qwen2_5_vl(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> VisionResult:
         from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as mq
