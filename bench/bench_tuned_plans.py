@@ -110,6 +110,16 @@ def _candidates(group, plan, caps, registry, phase) -> list[Any]:
     ]
 
 
+def _not_loadable(group, registry) -> list[str]:
+    """Plugin backends of ``group``'s kind that cannot load on this machine: a point with one
+    candidate left says which were not timed, rather than reading as uncontested."""
+    return sorted(
+        b.qualified_name
+        for b in registry.backends
+        if not b.available and group.spec.kind in b.capabilities.kinds
+    )
+
+
 def _time(group, backend, registry, plan, device, phase, batch, context, iters) -> float:
     try:
         r = bench_group(
@@ -202,11 +212,12 @@ def bench_model(
             fastest = min(medians, key=medians.__getitem__) if medians else chosen
             ratio = medians.get(chosen, float("nan")) / medians[fastest] if medians else 1.0
             on_grid = (batch, context) in _tuning_grid(phase, args)
+            missing = _not_loadable(group, registry)
             note = (
                 "only candidate"
                 if len(cands) < 2
                 else ("tuned point" if on_grid else "not tuned on")
-            )
+            ) + (f"; not loadable here: {', '.join(missing)}" if missing else "")
             rows.append(
                 {
                     "model": name,
@@ -219,6 +230,7 @@ def bench_model(
                     "ratio": ratio,
                     "us": {k: round(v, 2) for k, v in medians.items()},
                     "note": note,
+                    "not_loadable": missing,
                 }
             )
             print(_row_line(rows[-1]), flush=True)  # a run cut short keeps its rows
@@ -268,6 +280,9 @@ def main() -> int:
     finally:
         worst = max((r["ratio"] for r in rows), default=float("nan"))
         print(f"worst ratio chosen/fastest: {worst:.3f} (goal <= 1.03) over {len(rows)} points")
+        missing = sorted({b for r in rows for b in r["not_loadable"]})
+        if missing:  # their points were not contested: the figure above does not cover them
+            print(f"not measured (not loadable here): {', '.join(missing)}")
         save()
     return 0
 

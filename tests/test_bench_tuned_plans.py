@@ -115,3 +115,40 @@ def test_the_tuned_plan_is_checked_on_and_off_its_grid(registry, monkeypatch, ca
     assert any(e.get("points") for e in entries)
     out = capsys.readouterr().out
     assert "# qwen3 full prefill:" in out and "tokens in <= 2 requests: short:s" in out, out
+
+
+def test_a_point_with_a_candidate_not_loadable_here_says_so(make_plugin, monkeypatch):
+    """A backend that cannot load on this machine (fa3 without its FlashAttention parts) leaves
+    one candidate: its rows read 'only candidate; not loadable here: ...', not as uncontested."""
+    script = _script()
+    caps = BackendCapabilities(kinds={"full"}, device_types={"cpu"}, dtypes={"bfloat16", "float32"})
+    gone = Backend(name="g", capabilities=caps, available=False, unavailable_reason="no kernels")
+
+    def allocate(backend, group, device, constraints, state, workspace):
+        return ref.attn_core_allocate_context(
+            backend=backend, group=group, device=device, constraints=constraints, state=state,
+            workspace=workspace,
+        )  # fmt: skip
+
+    registry = Registry(strict=True)
+    registry.register_plugin(ref, name="attn_core")
+    short = Backend(name="s", capabilities=caps, priority=50)
+    registry.register_plugin(make_plugin("short", [short], allocate=allocate), name="short")
+    registry.register_plugin(make_plugin("gone", [gone]), name="gone")
+
+    def stand_in(group, backend, registry, plan, device, *, batch, context, iters, phase):
+        us = _time(backend.qualified_name, phase.value, batch, context)
+        return BenchResult(group.group_id, backend.qualified_name, us, us, phase=phase.value,
+                           batch=batch, context=context)  # fmt: skip
+
+    monkeypatch.setattr(script, "bench_group", stand_in)
+    args = argparse.Namespace(
+        tune_batch="1", tune_context="2048", max_kv_tokens=2**18, tune_prefill="1024",
+        tune_prefill_requests="1", graph_mode="none", decode_points="1x2048",
+        prefill_points="1x1024", rounds=1, iters=1,
+    )  # fmt: skip
+    rows: list[dict] = []
+    script.bench_model("qwen3", registry, torch.device("cpu"), args, {}, rows)
+    assert rows and all(r["chosen"] == "short:s" for r in rows)
+    assert all(r["note"] == "only candidate; not loadable here: gone:g" for r in rows), rows
+    assert all(r["not_loadable"] == ["gone:g"] for r in rows)
