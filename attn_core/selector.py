@@ -599,12 +599,14 @@ class TuningData:
         """Read a tuning file of format 3, 2 or 1. Format 1: times per backend and spec only.
         Format 2 bucketed prefill by requests per step: those prefill times are kept without a
         size (their geometric mean per backend and spec), so they rank but never switch."""
-        payload = json.loads(Path(path).read_text())
+        return cls.from_json(json.loads(Path(path).read_text()), source=f"tuning file {path}")
+
+    @classmethod
+    def from_json(cls, payload: dict[str, Any], source: str = "tuning data") -> TuningData:
+        """:meth:`load` from the file's parsed content (``source`` names it in errors)."""
         fmt = payload.get("format")
         if fmt not in (1, 2, TUNING_FORMAT):
-            raise ValueError(
-                f"tuning file {path}: format {fmt!r}, expected {TUNING_FORMAT} (or 2, 1)"
-            )
+            raise ValueError(f"{source}: format {fmt!r}, expected {TUNING_FORMAT} (or 2, 1)")
         data = cls(device=payload.get("device", ""), graph_mode=payload.get("graph_mode") or "")
         folded: dict[TuningKey, list[float]] = {}
         for i, e in enumerate(payload["entries"]):
@@ -626,7 +628,7 @@ class TuningData:
                     data.shape_us[key] = {int(pt[shape]): float(pt["us"]) for pt in e["points"]}
             except (KeyError, ValueError, TypeError) as exc:
                 raise ValueError(
-                    f"tuning file {path}: entry {i} ({e!r}) is malformed: {exc!r}; expected "
+                    f"{source}: entry {i} ({e!r}) is malformed: {exc!r}; expected "
                     "backend, spec, us and (formats 2, 3) phase in "
                     f"{[p.value for p in Phase]} or null, batch (decode, verify) or tokens "
                     "(prefill, format 3) an int or null, and optionally points: a list of "

@@ -22,7 +22,8 @@ Usage (on the GPU, plugins installed)::
     python bench/bench_tuned_plans.py [--models qwen3,gpt-oss,deepseek-v3,qwen3-next]
         [--rounds 3] [--out tuned.json]
 
-``--out`` holds ``{"rows": [...], "tuning": {model: tuning file content}}``. ``--graph-mode
+``--out`` holds ``{"rows": [...], "tuning": {model: tuning file content}}``; ``--tuning-in``
+takes such a file and checks its models' tuned plans without tuning them again. ``--graph-mode
 decode`` tunes and checks the way a server replaying decode graphs runs (decode and verify
 steps timed as CUDA-graph replays).
 """
@@ -34,6 +35,7 @@ import json
 import signal
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -158,24 +160,35 @@ def bench_model(
     constraints = ExecutionConstraints(graph_mode=args.graph_mode)  # captured phases: replays
     plan = select(layout.groups, registry, caps, constraints)
     constraints = plan.constraints
-    tuning = TuningData(device=caps.short(), graph_mode=constraints.graph_mode.value)
+    reused = getattr(args, "tuning_in", None) or {}
     work = []  # (group, phase, candidates)
     for group in layout.groups:
         for phase in plan.choice(group.group_id).planned_phases:
             cands = _candidates(group, plan, caps, registry, phase)
             if cands:
                 work.append((group, phase, cands))
-    # 1. the tuning grid: decode / verify per batch size, prefill per token count
-    for group, phase, cands in work:
-        if len(cands) < 2:
-            continue
-        for backend in cands:
-            measured = []
-            for batch, context in _tuning_grid(phase, args):
-                us = _time(group, backend, registry, plan, device, phase, batch, context, 10)
-                if us == us:
-                    measured.append((batch, context, us))
-            record_measured(tuning, backend.qualified_name, group.spec, phase, measured)
+    # 1. the tuning grid: decode / verify per batch size, prefill per token count; a line per
+    # point as it is timed (a cold JIT cache makes this the long part: a run cut here still
+    # shows how far it got), or an earlier run's tuning of this model (--tuning-in)
+    if name in reused:
+        tuning = TuningData.from_json(reused[name], source=f"--tuning-in, model {name}")
+        print(f"# {name}: tuning from --tuning-in ({len(tuning.times_us)} entries)", flush=True)
+    else:
+        tuning = TuningData(device=caps.short(), graph_mode=constraints.graph_mode.value)
+        start = time.monotonic()
+        for group, phase, cands in work:
+            if len(cands) < 2:
+                continue
+            for backend in cands:
+                measured = []
+                for batch, context in _tuning_grid(phase, args):
+                    us = _time(group, backend, registry, plan, device, phase, batch, context, 10)
+                    print(f"# tune {name} {group.group_id} {phase.value} {backend.qualified_name}"
+                          f" B={batch} ctx={context}: {us:.1f} us/layer"
+                          f" ({time.monotonic() - start:.0f} s)", flush=True)  # fmt: skip
+                    if us == us:
+                        measured.append((batch, context, us))
+                record_measured(tuning, backend.qualified_name, group.spec, phase, measured)
     tuned = select(layout.groups, registry, caps, constraints, tuning=tuning)
     tunings[name] = tuning.to_json()
     save()
@@ -260,6 +273,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--tuning-in",
+        type=lambda path: json.loads(Path(path).read_text())["tuning"],
+        default=None,
+        help="an earlier run's --out file: its models' tuning is used, not measured again "
+        "(a call cut during the check points goes on from there)",
+    )
     args = ap.parse_args()
     device = torch.device("cuda")
     registry = Registry.discover()

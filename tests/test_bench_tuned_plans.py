@@ -115,6 +115,17 @@ def test_the_tuned_plan_is_checked_on_and_off_its_grid(registry, monkeypatch, ca
     assert any(e.get("points") for e in entries)
     out = capsys.readouterr().out
     assert "# qwen3 full prefill:" in out and "tokens in <= 2 requests: short:s" in out, out
+    assert "# tune qwen3 full decode long:l B=16 ctx=16384: " in out, out  # progress per point
+
+    # --tuning-in: a second call checks the same plan from the saved tuning, timing no grid
+    timed.clear()
+    args.tuning_in = tunings
+    again: list[dict] = []
+    script.bench_model("qwen3", registry, torch.device("cpu"), args, {}, again)
+    assert [(r["chosen"], r["ratio"]) for r in again] == [(r["chosen"], r["ratio"]) for r in rows]
+    checks = len(rows) * 2 * args.rounds  # every check point: both candidates, every round
+    assert len(timed) == checks, timed
+    assert "# qwen3: tuning from --tuning-in" in capsys.readouterr().out
 
 
 def test_a_point_with_a_candidate_not_loadable_here_says_so(make_plugin, monkeypatch):
