@@ -27,7 +27,7 @@ pytest.importorskip("flashinfer", reason="flashinfer is not importable")
 from attn_plugin_flashinfer import capability  # noqa: E402
 from attn_plugin_flashinfer.context import StepKind  # noqa: E402
 
-from attn_core.specs import LayerSpec  # noqa: E402
+from attn_core.specs import GraphMode, LayerSpec  # noqa: E402
 
 CUDA = torch.device("cuda")
 FULL = LayerSpec(kind="full", num_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
@@ -298,7 +298,18 @@ def test_cuda_graph_decode_fp8_replay():
     assert max(errors_eager) < 2e-2, errors_eager
 
 
+def _mla_graph_declared() -> tuple[bool, str]:
+    """Whether the plugin declares MLA graph decode for the installed FlashInfer, and which."""
+    version = capability.probe().version
+    _, mla_modes, _ = capability.graph_modes(version)
+    return GraphMode.DECODE in mla_modes, version
+
+
 def test_cuda_graph_mla_replay():
+    declared, version = _mla_graph_declared()
+    if not declared:
+        pytest.skip(f"the plugin declares no MLA graph mode on flashinfer {version}: see "
+                    "test_flashinfer_mla_graph_wrapper_replays_a_new_plan")  # fmt: skip
     errors_ref, errors_eager = _graph_replay(MLA, pad=8)
     assert max(errors_ref) < BF16_TOL, errors_ref
     assert max(errors_eager) < 1e-2, errors_eager
@@ -557,3 +568,101 @@ def test_chunked_cuda_graph_decode_replay(monkeypatch, small_max, kind):
     errors_ref, errors_eager = _graph_replay(FULL.with_(attention_chunk_size=32), kinds=(kind,))
     assert max(errors_ref) < BF16_TOL, errors_ref
     assert max(errors_eager) < 1e-2, errors_eager
+
+
+# ------------------------------------------------------------------------------------------
+# FlashInfer's own MLA graph wrapper: the fact capability.graph_modes declares from
+# ------------------------------------------------------------------------------------------
+def _mla_decode_metadata(lens: list[int], order: list[int], page: int, pages_per: int):
+    """Decode metadata for ``len(lens)`` requests: request ``i`` holds ``lens[i]`` cached
+    latents in the pages of slot ``order[i]`` (slot ``s`` owns pages ``s * pages_per ...``).
+    Host int32 indptr / lengths, device int32 page indices (as the plugin passes them)."""
+    pages = [-(-n // page) for n in lens]
+    kv_indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32)
+    indices = torch.cat(
+        [torch.arange(s * pages_per, s * pages_per + n, dtype=torch.int32)
+         for s, n in zip(order, pages, strict=True)]
+    )  # fmt: skip
+    qo_indptr = torch.arange(len(lens) + 1, dtype=torch.int32)
+    return qo_indptr, kv_indptr, indices.to(CUDA), torch.tensor(lens, dtype=torch.int32)
+
+
+def test_flashinfer_mla_graph_wrapper_replays_a_new_plan(request):
+    """FlashInfer's MLA wrapper in CUDA-graph mode, called directly: capture a decode step of
+    4 requests, plan it again for other lengths and another page order (as the kit's replay
+    does), replay; the output must equal a fresh eager wrapper planned the same way, and so
+    must the graph wrapper's own eager run() after the new plan (that one tells a replay that
+    reads stale metadata from a plan that computed it wrong).
+
+    The plugin declares MLA graph decode exactly where this holds (``capability.graph_modes``):
+    on a release where it declares none, the test is a strict xfail, so a release that mends
+    the replay fails it and says to declare the mode again."""
+    import flashinfer
+
+    declared, version = _mla_graph_declared()
+    if not declared:
+        why = (
+            f"the plugin declares no MLA graph mode on flashinfer {version}; if this passes, "
+            "the release replays a new plan correctly: declare it in capability.graph_modes"
+        )
+        request.applymarker(pytest.mark.xfail(strict=True, reason=why))
+    H, R, P, page, pages_per, B = 16, 512, 64, 16, 8, 4
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    bf16 = torch.bfloat16
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=CUDA, dtype=bf16)
+
+    ckv, kpe = randn(B * pages_per, page, R), randn(B * pages_per, page, P)
+    scale = (128 + 64) ** -0.5
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=CUDA)
+    graph_wrapper = flashinfer.BatchMLAPagedAttentionWrapper(
+        workspace,
+        use_cuda_graph=True,
+        qo_indptr=torch.empty(B + 1, dtype=torch.int32, device=CUDA),
+        kv_indptr=torch.empty(B + 1, dtype=torch.int32, device=CUDA),
+        kv_indices=torch.empty(B * pages_per, dtype=torch.int32, device=CUDA),
+        kv_len_arr=torch.empty(B, dtype=torch.int32, device=CUDA),
+    )
+
+    def plan(wrapper, lens, order):
+        meta = _mla_decode_metadata(lens, order, page, pages_per)
+        wrapper.plan(*meta, H, R, P, page, False, scale, bf16, bf16)
+
+    q_nope, q_pe, out = (
+        randn(B, H, R),
+        randn(B, H, P),
+        torch.zeros(B, H, R, dtype=bf16, device=CUDA),
+    )
+
+    def run(wrapper, o):
+        return wrapper.run(q_nope, q_pe, ckv, kpe, out=o)
+
+    def fresh(lens, order):
+        eager = flashinfer.BatchMLAPagedAttentionWrapper(torch.empty_like(workspace))
+        plan(eager, lens, order)
+        return run(eager, None)
+
+    first = ([37, 100, 5, 64], [0, 1, 2, 3])
+    plan(graph_wrapper, *first)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run(graph_wrapper, out)  # warm-up outside the graph (JIT, lazy inits)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(graph_wrapper, out)
+    graph.replay()
+    torch.cuda.synchronize()
+    errors = {"capture plan, replay": (out - fresh(*first)).abs().max().item()}
+    second = ([90, 20, 120, 7], [1, 0, 3, 2])  # other lengths, another page order
+    plan(graph_wrapper, *second)
+    want = fresh(*second)  # the same queries and cache: only the plan changed
+    graph.replay()
+    torch.cuda.synchronize()
+    errors["new plan, replay"] = (out - want).abs().max().item()
+    errors["new plan, eager run"] = (run(graph_wrapper, None) - want).abs().max().item()
+    seen = {a: str(getattr(graph_wrapper, a)) for a in ("_backend", "_planned_backend_name")
+            if hasattr(graph_wrapper, a)}  # fmt: skip
+    assert max(errors.values()) < 1e-2, f"flashinfer {version} {seen}: max |diff| {errors}"
