@@ -42,25 +42,33 @@ def _time(backend: str, phase: str, batch: int, context: int) -> float:
     return per_token[backend] * batch * context / 1000
 
 
-@pytest.fixture
-def registry(make_plugin) -> Registry:
-    def backend(name: str, priority: int) -> Backend:
-        caps = BackendCapabilities(
-            kinds={"full"}, device_types={"cpu"}, dtypes={"bfloat16", "float32"}
-        )
-        return Backend(name=name, capabilities=caps, priority=priority)
+CAPS = BackendCapabilities(kinds={"full"}, device_types={"cpu"}, dtypes={"bfloat16", "float32"})
 
-    def allocate(backend, group, device, constraints, state, workspace):
-        return ref.attn_core_allocate_context(
-            backend=backend, group=group, device=device, constraints=constraints, state=state,
-            workspace=workspace,
-        )  # fmt: skip
 
+def _allocate(backend, group, device, constraints, state, workspace):
+    """The stand-in plugins' contexts are the reference's (only their timings are made up)."""
+    return ref.attn_core_allocate_context(
+        backend=backend, group=group, device=device, constraints=constraints, state=state,
+        workspace=workspace,
+    )  # fmt: skip
+
+
+def _registry(make_plugin, *backends: tuple[str, Backend]) -> Registry:
+    """The reference plus one plugin per ``(plugin name, backend)``."""
     reg = Registry(strict=True)
     reg.register_plugin(ref, name="attn_core")
-    reg.register_plugin(make_plugin("short", [backend("s", 50)], allocate=allocate), name="short")
-    reg.register_plugin(make_plugin("long", [backend("l", 60)], allocate=allocate), name="long")
+    for plugin, backend in backends:
+        reg.register_plugin(make_plugin(plugin, [backend], allocate=_allocate), name=plugin)
     return reg
+
+
+@pytest.fixture
+def registry(make_plugin) -> Registry:
+    return _registry(
+        make_plugin,
+        ("short", Backend(name="s", capabilities=CAPS, priority=50)),
+        ("long", Backend(name="l", capabilities=CAPS, priority=60)),
+    )
 
 
 def test_the_tuned_plan_is_checked_on_and_off_its_grid(registry, monkeypatch, capsys):
@@ -132,20 +140,10 @@ def test_a_point_with_a_candidate_not_loadable_here_says_so(make_plugin, monkeyp
     """A backend that cannot load on this machine (fa3 without its FlashAttention parts) leaves
     one candidate: its rows read 'only candidate; not loadable here: ...', not as uncontested."""
     script = _script()
-    caps = BackendCapabilities(kinds={"full"}, device_types={"cpu"}, dtypes={"bfloat16", "float32"})
-    gone = Backend(name="g", capabilities=caps, available=False, unavailable_reason="no kernels")
-
-    def allocate(backend, group, device, constraints, state, workspace):
-        return ref.attn_core_allocate_context(
-            backend=backend, group=group, device=device, constraints=constraints, state=state,
-            workspace=workspace,
-        )  # fmt: skip
-
-    registry = Registry(strict=True)
-    registry.register_plugin(ref, name="attn_core")
-    short = Backend(name="s", capabilities=caps, priority=50)
-    registry.register_plugin(make_plugin("short", [short], allocate=allocate), name="short")
-    registry.register_plugin(make_plugin("gone", [gone]), name="gone")
+    gone = Backend(name="g", capabilities=CAPS, available=False, unavailable_reason="no kernels")
+    registry = _registry(
+        make_plugin, ("short", Backend(name="s", capabilities=CAPS, priority=50)), ("gone", gone)
+    )
 
     def stand_in(group, backend, registry, plan, device, *, batch, context, iters, phase):
         us = _time(backend.qualified_name, phase.value, batch, context)
