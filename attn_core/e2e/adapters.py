@@ -45,19 +45,19 @@ encoding: its attention layers get q and k as projected.
 
 Families of :data:`LAYER_FORWARD_FAMILIES` (Gemma-3, Nemotron-H, Granite-4.0-H, Falcon-H1, Qwen3.5,
 Kimi-Linear, Llama-4, the Qwen2-VL / Qwen2.5-VL and Qwen3-VL language models, the generic dense
-family) run each transformers decoder layer's own ``forward`` (the generic dense family, of
-:data:`MODEL_FORWARD_FAMILIES`, the whole model's ``forward``: no adapter code for what a family
-does around its layers): norms, residuals (and their multipliers), rotary
-embedding and everything else stay transformers' code, and only the attention op is replaced,
-through transformers' attention function interface (an ``"attn_core"`` implementation registered
-with ``AttentionInterface``, switched on for the step), and the Mamba2 mixer module by its class
-(and the Gated DeltaNet and KDA ones). An MLA module, whose attention function would only see keys
-and values already expanded from the latent, is replaced whole by the absorbed form; its
-``scaling`` is checked against the spec. The hook checks every call against the layer's spec: the
-scale, sliding window, chunk size (from the config's ``layer_types``, which transformers builds its
-chunked mask from), soft-cap, sinks and causality transformers asks for must be the ones the
-mapping describes, and every attention layer must have been called (and every linear layer's mixer
-run).
+family) run each transformers decoder layer's own ``forward`` (the generic dense family and the
+``gdn-hybrid`` one (Lara-Mini, Qwen4-Exp), of :data:`MODEL_FORWARD_FAMILIES`, the whole model's
+``forward``: no adapter code for what a family does around its layers): norms, residuals (and their
+multipliers), rotary embedding and everything else stay transformers' code, and only the attention
+op is replaced, through transformers' attention function interface (an ``"attn_core"``
+implementation registered with ``AttentionInterface``, switched on for the step), and the Mamba2
+mixer module by its class (and the Gated DeltaNet and KDA ones). An MLA module, whose attention
+function would only see keys and values already expanded from the latent, is replaced whole by the
+absorbed form; its ``scaling`` is checked against the spec. The hook checks every call against the
+layer's spec: the scale, sliding window, chunk size (from the config's ``layer_types``, which
+transformers builds its chunked mask from), soft-cap, sinks and causality transformers asks for
+must be the ones the mapping describes, and every attention layer must have been called (and every
+linear layer's mixer run).
 
 Model types whose attention modules compute attention in their own code and never call the
 attention-function interface (Falcon's rotary layouts, GPT-Neo) have a module adapter
@@ -122,6 +122,7 @@ LAYER_FORWARD_FAMILIES: frozenset[str] = frozenset(
         "qwen3.5",
         "dense",
         "kimi-linear",
+        "gdn-hybrid",
         "llama-4",
         "qwen2-vl-text",
         "qwen3-vl-text",
@@ -134,7 +135,7 @@ LAYER_FORWARD_FAMILIES: frozenset[str] = frozenset(
 #: transformers would build are skipped (an attention implementation it has no mask function for
 #: gets none), so any mask that still reaches the hook was made by the model itself (ALiBi, a
 #: bidirectional prefix) and is refused.
-MODEL_FORWARD_FAMILIES: frozenset[str] = frozenset({"dense"})
+MODEL_FORWARD_FAMILIES: frozenset[str] = frozenset({"dense", "gdn-hybrid"})
 _HOOK_NAME = "attn_core"
 # The adapter whose step is running (the hook is a module-level function transformers calls).
 _ACTIVE: list[CausalLMAdapter] = []

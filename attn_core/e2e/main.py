@@ -136,15 +136,15 @@ def _sample_notes(name: str) -> tuple[str, ...]:
 
 # Families with no bundled sample that run from a config.json (or checkpoint): through the
 # layer-forward adapter the generic dense mapping's model types (any dense family using the
-# common names, tests/e2e/test_run_dense.py), Granite-4.0-H and Qwen3.5
-# (tests/e2e/test_run_families.py) and the Qwen-VL language models; through the tower driver
-# the Qwen3-VL and Qwen3.5 vision towers (tests/e2e/test_run_qwen_vl.py) and LLaVA's CLIP tower
-# (tests/e2e/test_run_llava.py); each checked
-# against transformers.
+# common names, tests/e2e/test_run_dense.py), Granite-4.0-H, Qwen3.5 and the gdn-hybrid family
+# (Lara-Mini, Qwen4-Exp; tests/e2e/test_run_families.py) and the Qwen-VL language models;
+# through the tower driver the Qwen3-VL and Qwen3.5 vision towers (tests/e2e/test_run_qwen_vl.py)
+# and LLaVA's CLIP tower (tests/e2e/test_run_llava.py); each checked against transformers.
 _CONFIG_FAMILIES: tuple[str, ...] = (
     "dense",
     "granite-4.0-h",
     "qwen3.5",
+    "gdn-hybrid",
     "qwen2-vl-text",
     "qwen3-vl-text",
     "qwen3-vl-vision",

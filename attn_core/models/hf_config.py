@@ -418,6 +418,15 @@ _TYPE_KINDS: dict[str, str] = {
 }
 
 
+# layer_types values no layer kind describes, and what they compute (named in the refusal).
+_NO_KIND_TYPES: dict[str, str] = {
+    # Qwen4-Exp (every attention module has the indexer; its config renames full_attention)
+    "indexed_attention": "QSA sparse attention: per query a learned indexer scores blocks of "
+    "mean-pooled keys and the query attends only to the top-k blocks' tokens and its "
+    "incomplete last block (DeepSeek-style)",
+}
+
+
 def _mapped_as(spec: LayerSpec) -> str:
     if spec.kind is LayerKind.FULL and spec.sliding_window is not None:
         return "sliding"
@@ -445,7 +454,11 @@ def _refuse_features(model_type: str, cfg: Mapping[str, Any], family: str) -> No
     if isinstance(types, list):
         unknown = [t for t in dict.fromkeys(types) if t not in _TYPE_KINDS]
         if unknown:
-            found = "; ".join(f"{t!r} in {_layers_of(types, t)}" for t in unknown)
+            found = "; ".join(
+                f"{t!r} in {_layers_of(types, t)}"
+                + (f" ({_NO_KIND_TYPES[t]})" if t in _NO_KIND_TYPES else "")
+                for t in unknown
+            )
             raise ValueError(
                 f"{model_type}: layer_types has {found}: no layer kind "
                 f"(known layer_types: {sorted(_TYPE_KINDS)})"
@@ -1289,16 +1302,32 @@ def _llama4_rope_layers(r: _Reader, n: int) -> list[bool]:
     return [bool(v) for v in given]
 
 
+# Gated DeltaNet model types whose attention layers also slide (``sliding_attention`` layers
+# over ``sliding_window``, beside ``full_attention`` ones): Lara-Mini.
+_GDN_SLIDING: frozenset[str] = frozenset({"lara_mini"})
+
+
 def _qwen3_next(r: _Reader, o: _Options) -> _Parsed:
-    """Qwen3-Next: Gated DeltaNet layers and gated full-attention layers (3 : 1)."""
+    """Qwen3-Next: Gated DeltaNet layers and gated full-attention layers (3 : 1); Lara-Mini's
+    attention layers slide or not by ``layer_types``."""
     n = r.pos_int("num_hidden_layers")
     interval = r.pos_int("full_attention_interval", 4)
     types = _layer_types(
         r, n, lambda i: "linear_attention" if (i + 1) % interval else "full_attention"
     )
-    _check_types(r, types, {"full_attention", "linear_attention"})
-    # The full-attention output gate (q_proj emits q and a gate) is applied by the model.
-    full = o.full(**_gqa(r, o, _head_dim(r)))
+    sliding = r.cfg.get("model_type") in _GDN_SLIDING
+    _check_types(
+        r,
+        types,
+        {"full_attention", "linear_attention"} | ({"sliding_attention"} if sliding else set()),
+    )
+    # The full-attention output gate (q_proj emits q and a gate) is applied by the model, as
+    # are Lara-Mini's rope on its sliding layers only (its global layers have none).
+    heads = _gqa(r, o, _head_dim(r))
+    full = o.full(**heads)
+    by_type = {"full_attention": full}
+    if "sliding_attention" in types:
+        by_type["sliding_attention"] = o.full(sliding_window=r.pos_int("sliding_window"), **heads)
     v_heads = _split(r.pos_int("linear_num_value_heads"), o.tp_size, "linear_num_value_heads")
     k_heads = _split_or_replicate(
         r.pos_int("linear_num_key_heads"), o.tp_size, "linear_num_key_heads"
@@ -1315,7 +1344,8 @@ def _qwen3_next(r: _Reader, o: _Options) -> _Parsed:
         qk_l2norm=True,
         state_dtype="float32",
     )
-    return n, [(i, full if t == "full_attention" else linear) for i, t in enumerate(types)], {}
+    by_type["linear_attention"] = linear
+    return n, [(i, by_type[t]) for i, t in enumerate(types)], {}
 
 
 def _yarn_mscale(factor: float, mscale: float) -> float:
@@ -2302,6 +2332,14 @@ _FAMILIES: tuple[_Family, ...] = (
         {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"},
     ),
     _Family("kimi-linear", _kimi_linear, {"kimi_linear": "KimiLinearForCausalLM"}),
+    # Gated DeltaNet hybrids whose model code around the mixers (Lara-Mini's NoPE global
+    # layers, Qwen4-Exp's hyper-connections) runs as transformers' whole forward: Qwen3.5's
+    # Gated DeltaNet; Lara-Mini's ungated GQA, sliding or global (no rope).
+    _Family(
+        "gdn-hybrid",
+        _qwen3_next,
+        {"lara_mini": "LaraMiniForCausalLM", "qwen4_exp_text": "Qwen4ExpForCausalLM"},
+    ),
     _Family("bamba", _bamba, {"bamba": "BambaForCausalLM"}),
     _Family("nemotron-h", _nemotron_h, {"nemotron_h": "NemotronHForCausalLM"}),
     _Family("granite-4.0-h", _granite_hybrid, {"granitemoehybrid": "GraniteMoeHybridForCausalLM"}),

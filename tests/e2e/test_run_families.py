@@ -420,3 +420,96 @@ def test_falcon_h1_comparison_sees_each_branch(monkeypatch: pytest.MonkeyPatch, 
 def test_falcon_h1_upper_dt_clamp_is_refused_by_run(tmp_path: Path, run_on_cpu) -> None:
     with pytest.raises(ValueError, match=r"time_step_limit=\[0.0, 1.0\].*layers 0-2.*refused"):
         run_on_cpu(_falcon_h1_path(tmp_path, time_step_limit=[0.0, 1.0]))
+
+
+# ------------------------------------------------------------------------------------------
+# Gated DeltaNet / KDA hybrids of transformers 5.24: Lara-Mini, Qwen4-Exp, Bailing-Hybrid
+# ------------------------------------------------------------------------------------------
+_GDN_SMALL = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    vocab_size=256,
+    eos_token_id=2,
+    initializer_range=0.1,
+    tie_word_embeddings=False,
+)
+
+
+def _config_path(tmp_path: Path, cfg: dict[str, object]) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _groups(run) -> dict[str, list[int]]:
+    return {g["group_id"]: g["layers"] for g in run.plan["groups"]}
+
+
+def test_run_lara_mini_matches_transformers(tmp_path: Path, run_on_cpu) -> None:
+    """Lara-Mini: Qwen3.5's Gated DeltaNet (in_proj_qkv / _z / _b / _a) beside ungated GQA
+    layers, ``sliding_attention`` ones with rope and ``full_attention`` ones with none (NoPE);
+    the whole model's forward runs, so which layers get rope stays transformers' code."""
+    import transformers
+
+    cfg = transformers.LaraMiniConfig(num_hidden_layers=5, sliding_window=4, **_GDN_SMALL)
+    assert cfg.layer_types == [
+        "linear_attention",
+        "sliding_attention",
+        "linear_attention",
+        "full_attention",
+        "sliding_attention",
+    ]
+    report = run_on_cpu(_config_path(tmp_path, cfg.to_dict()))
+    assert report.ok, report.format()
+    (run,) = report.runs
+    assert run.match.max_abs_diff < 1e-4 and run.match.token_agreement == 1.0, run.format()
+    assert _groups(run) == {"linear": [0, 2], "full": [1, 4], "full.1": [3]}, _groups(run)
+    text = report.format()
+    assert "linear gated_deltanet 4q/2kv d16" in text and "window=4  [layers 1,4]" in text, text
+
+
+def test_run_qwen4_exp_linear_layers_match_transformers(tmp_path: Path, run_on_cpu) -> None:
+    """Qwen4-Exp without attention layers: its Gated DeltaNet (Qwen3.5's, a sigmoid output
+    gate) inside its hyper-connections (four residual streams mixed around each mixer); the
+    whole model's forward runs, so the streams stay transformers' code."""
+    from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
+
+    cfg = Qwen4ExpTextConfig(
+        num_hidden_layers=3,
+        layer_types=["linear_attention"] * 3,
+        hc_lowrank=8,
+        output_gate_type="sigmoid",
+        **_GDN_SMALL,
+    )
+    report = run_on_cpu(_config_path(tmp_path, cfg.to_dict()))
+    assert report.ok, report.format()
+    (run,) = report.runs
+    assert run.match.max_abs_diff < 1e-4 and run.match.token_agreement == 1.0, run.format()
+    assert _groups(run) == {"linear": [0, 1, 2]}
+
+
+def test_qwen4_exp_indexed_attention_is_refused_naming_its_layers(tmp_path: Path) -> None:
+    """Qwen4-Exp's attention layers are all QSA-indexed (every attention module has the
+    indexer): no layer kind, so the config is refused, the feature and the layers named."""
+    from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
+
+    from attn_core.models.hf_config import specs_from_hf_config
+
+    cfg = Qwen4ExpTextConfig(num_hidden_layers=8, hc_lowrank=8, **_GDN_SMALL).to_dict()
+    assert cfg["layer_types"].count("indexed_attention") == 2
+    with pytest.raises(ValueError) as err:
+        specs_from_hf_config(cfg)
+    msg = str(err.value)
+    assert "qwen4_exp_text: layer_types has 'indexed_attention' in layers 3,7" in msg, msg
+    assert "QSA" in msg and "top-k" in msg and "no layer kind" in msg, msg
+    assert "is not supported" not in msg, msg  # the model type maps; those layers do not
