@@ -9,12 +9,13 @@ import pytest
 
 
 @pytest.fixture
-def run_on_cpu() -> Callable[[str], Any]:
+def run_on_cpu() -> Callable[..., Any]:
     """``attn run --model MODEL`` in fp32 on the CPU, eager, quiet: 2 prompts, 3 new tokens;
-    returns the run's report."""
+    keyword arguments go to ``run_main`` as well (``stack=``, ``layers=``, ...); returns the
+    run's report."""
     from attn_core.e2e import run_main
 
-    def run(model: str) -> Any:
+    def run(model: str, **options: Any) -> Any:
         return run_main(
             model,
             device="cpu",
@@ -26,6 +27,7 @@ def run_on_cpu() -> Callable[[str], Any]:
             constraints=None,
             progress=False,
             console=lambda *a: None,
+            **options,
         )
 
     return run

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from attn_core.e2e import run_main
 from attn_core.e2e.configs import first_layers, real_size_config, tiny_config
 from attn_core.models import SAMPLE_STACKS, load_sample, sample_names, specs_from_hf_config
 
@@ -59,24 +58,11 @@ def test_real_size_config_keeps_the_sample_sizes() -> None:
     assert cfg["vocab_size"] == sample["vocab_size"]
 
 
-def test_run_first_layers_of_a_config_with_overhead(tmp_path: Path) -> None:
+def test_run_first_layers_of_a_config_with_overhead(tmp_path: Path, run_on_cpu) -> None:
     cfg = {**tiny_config("qwen3-next"), "num_hidden_layers": 8}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    report = run_main(
-        str(path),
-        device="cpu",
-        dtype="fp32",
-        prompts=2,
-        max_new_tokens=3,
-        graphs=False,
-        registry=None,
-        constraints=None,
-        progress=False,
-        console=lambda *a: None,
-        layers=4,
-        overhead=True,
-    )
+    report = run_on_cpu(str(path), layers=4, overhead=True)
     assert report.ok, report.format()
     (run,) = report.runs
     groups = {g["group_id"]: g["layers"] for g in run.plan["groups"]}

@@ -168,21 +168,7 @@ def test_the_text_stack_is_read_by_its_text_configs_family(
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg.to_dict()))
     assert specs_from_hf_config(str(path), stack="text").family == family
-    from attn_core.e2e import run_main
-
-    report = run_main(
-        str(path),
-        device="cpu",
-        dtype="fp32",
-        prompts=2,
-        max_new_tokens=3,
-        graphs=False,
-        registry=None,
-        constraints=None,
-        progress=False,
-        console=lambda *a: None,
-        stack="text",
-    )
+    report = run_on_cpu(str(path), stack="text")
     assert report.ok, report.format()
     (run,) = report.runs
     assert run.match.max_abs_diff < 1e-4 and run.match.token_agreement == 1.0, run.format()

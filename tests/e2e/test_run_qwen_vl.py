@@ -216,30 +216,17 @@ def test_a_wrong_tower_output_fails_the_comparison(tmp_path: Path, cls: str) -> 
 
 
 def test_first_layers_of_a_qwen3_vl_config_keep_the_deepstack_blocks_they_hold(
-    tmp_path: Path,
+    tmp_path: Path, run_on_cpu
 ) -> None:
     """``--layers 2``: both stacks cut to their first 2 layers, the DeepStack index of block 2
     dropped with it (block 0's kept), each stack still matching transformers."""
-    from attn_core.e2e import run_main
     from attn_core.e2e.configs import first_layers
 
     path = _qwen3_config(tmp_path, "Qwen3VLConfig")
     cut = first_layers(json.loads(path.read_text()), 2)
     assert cut["vision_config"]["deepstack_visual_indexes"] == [0]
     assert (cut["vision_config"]["depth"], cut["text_config"]["num_hidden_layers"]) == (2, 2)
-    report = run_main(
-        str(path),
-        device="cpu",
-        dtype="fp32",
-        prompts=2,
-        max_new_tokens=3,
-        graphs=False,
-        registry=None,
-        constraints=None,
-        progress=False,
-        console=lambda *a: None,
-        layers=2,
-    )
+    report = run_on_cpu(str(path), layers=2)
     assert report.ok, report.format()
     vision, text = report.runs
     assert vision.mode_counts == {"encoder": 2}
