@@ -358,6 +358,29 @@ def plan_for(
     return select(model.layout.groups, registry, DeviceCapabilities.detect(device), c)
 
 
+def encoder_runner(
+    model: TinyModel,
+    registry: Any,
+    device: torch.device,
+    constraints: ExecutionConstraints | None,
+    tokens: int,
+) -> VisionRunner:
+    """An encoder stack's runner: its groups planned for one pass over ``tokens`` tokens
+    (no persistent state, no CUDA graphs: an encoder runs once per input)."""
+    plan = plan_for(
+        model,
+        registry,
+        device,
+        constraints,
+        max_batch_size=256,
+        max_num_tokens=max(tokens, 1),
+        max_model_len=max(tokens, 1),
+        graphs=False,
+    )
+    runtime = AttentionRuntime(plan, registry, state=None, device=device)
+    return VisionRunner(model, runtime, max_tokens=tokens)
+
+
 @dataclass
 class ArchitectureRun:
     """One architecture's run: what was selected, whether it matched, how fast, how many steps."""
@@ -556,19 +579,9 @@ def run_architecture(
     notes = [*([cut_note] if cut_note else []), *stack_notes]
     if model.is_encoder:
         pixels, grid_thw, tokens = encoder_inputs(model, prompts)
-        plan = plan_for(
-            model,
-            registry,
-            device,
-            constraints,
-            max_batch_size=256,
-            max_num_tokens=max(tokens, 1),
-            max_model_len=max(tokens, 1),
-            graphs=False,
-        )
-        runtime = AttentionRuntime(plan, registry, state=None, device=device)
+        runner = encoder_runner(model, registry, device, constraints, tokens)
         t0 = time.perf_counter()
-        vision = VisionRunner(model, runtime, max_tokens=tokens).forward(pixels, grid_thw)
+        vision = runner.forward(pixels, grid_thw)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t0
@@ -582,7 +595,7 @@ def run_architecture(
             label,
             model.layout.architecture,
             model.layout.short(),
-            plan.to_dict(),
+            runner.runtime.plan.to_dict(),
             match,
             steps=len(vision.blocks),
             mode_counts={"encoder": len(vision.blocks)},

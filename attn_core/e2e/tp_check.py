@@ -43,11 +43,10 @@ from attn_core.e2e.configs import (
     tiny_config,
 )
 from attn_core.e2e.dist_run import end_group, exit_now, write_results
-from attn_core.e2e.main import default_registry, make_prompts, plan_for
+from attn_core.e2e.main import default_registry, encoder_runner, make_prompts, plan_for
 from attn_core.e2e.runner import Engine, GenerationResult
 from attn_core.e2e.tp_shard import shard_model
-from attn_core.e2e.vision import VisionResult, VisionRunner, encoder_inputs
-from attn_core.runtime import AttentionRuntime
+from attn_core.e2e.vision import VisionResult, encoder_inputs
 
 __all__ = ["TP_FAMILIES", "TPResult", "check_family", "tp_config", "tp_encode", "tp_generate"]
 
@@ -316,18 +315,7 @@ def tp_encode(
     model = _sharded(name, device=device, dtype=dtype, shapes=shapes, tp_size=tp_size, rank=rank)
     registry = registry if registry is not None else default_registry()
     pixels, grid_thw, tokens = encoder_inputs(model, prompts)
-    plan = plan_for(
-        model,
-        registry,
-        device,
-        None,
-        max_batch_size=256,
-        max_num_tokens=tokens,
-        max_model_len=tokens,
-        graphs=False,
-    )
-    runtime = AttentionRuntime(plan, registry, state=None, device=device)
-    result = VisionRunner(model, runtime, max_tokens=tokens).forward(pixels, grid_thw)
+    result = encoder_runner(model, registry, device, None, tokens).forward(pixels, grid_thw)
     return model, result, (pixels, grid_thw)
 
 

@@ -90,27 +90,14 @@ def test_a_wrong_tower_output_fails_the_comparison(tmp_path: Path) -> None:
 
     from attn_core.e2e.compare import compare_vision
     from attn_core.e2e.configs import build_tiny
-    from attn_core.e2e.main import default_registry, plan_for
-    from attn_core.e2e.vision import VisionRunner, encoder_inputs
-    from attn_core.runtime import AttentionRuntime
+    from attn_core.e2e.main import default_registry, encoder_runner
+    from attn_core.e2e.vision import encoder_inputs
 
     cfg = json.loads(_config(tmp_path).read_text())
     model = build_tiny("clip-vision", config=cfg, stack="vision")
     pixels, grid_thw, tokens = encoder_inputs(model, 2)
     assert tokens == _TOKENS
-    registry = default_registry()
-    plan = plan_for(
-        model,
-        registry,
-        torch.device("cpu"),
-        None,
-        max_batch_size=256,
-        max_num_tokens=tokens,
-        max_model_len=tokens,
-        graphs=False,
-    )
-    runtime = AttentionRuntime(plan, registry, state=None, device="cpu")
-    runner = VisionRunner(model, runtime, max_tokens=tokens)
+    runner = encoder_runner(model, default_registry(), torch.device("cpu"), None, tokens)
     result = runner.forward(pixels, grid_thw)
     assert compare_vision(model, result, pixels, grid_thw).ok
     for features in [result.blocks[0], result.merged]:
