@@ -23,6 +23,18 @@ from attn_core.e2e.configs import tiny_config
 pytest.importorskip("transformers")
 
 
+def _config_path(tmp_path: Path, cfg: dict[str, object]) -> str:
+    """``cfg`` written as ``tmp_path/config.json``; its path, as ``attn run`` takes it."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _groups(run) -> dict[str, list[int]]:
+    """A run's plan as ``{group id: layers}``."""
+    return {g["group_id"]: g["layers"] for g in run.plan["groups"]}
+
+
 @pytest.mark.parametrize("name", ["gemma-3", "nemotron-h", "kimi-linear", "falcon-h1"])
 def test_run_sample_matches_transformers(name: str, run_on_cpu) -> None:
     report = run_on_cpu(name)
@@ -44,8 +56,7 @@ def test_gemma3_attn_softcap_config_runs_as_transformers_computes(
     """transformers' Gemma-3 ignores attn_logit_softcapping; capping made the logits differ."""
     cfg = tiny_config("gemma-3")
     cfg["attn_logit_softcapping"] = 1.0  # tight enough to change every layer if applied
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg))
+    path = _config_path(tmp_path, cfg)
     report = run_on_cpu(str(path))
     assert report.ok, report.format()
 
@@ -88,8 +99,7 @@ def test_run_refuses_a_soft_cap_the_module_does_not_apply(tmp_path: Path) -> Non
         eos_token_id=None,
     ).to_dict()
     cfg["attn_logit_softcapping"] = 30.0
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg))
+    path = _config_path(tmp_path, cfg)
     with pytest.raises(ValueError, match=r"attn_logit_softcapping=30.0 in layers 0-1.*refused"):
         run_main(
             str(path),
@@ -110,8 +120,7 @@ def test_nemotron_h_time_step_floor_is_applied(tmp_path: Path, run_on_cpu) -> No
     starts at 1) the clamp is active for many tokens and heads, and the run still matches."""
     cfg = tiny_config("nemotron-h")
     cfg["time_step_min"] = 0.5
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg))
+    path = _config_path(tmp_path, cfg)
     report = run_on_cpu(str(path))
     assert report.ok, report.format()
 
@@ -165,8 +174,7 @@ def test_run_deepseek_v2_matches_transformers(
     import transformers
 
     cfg = transformers.DeepseekV2Config(**{**_DEEPSEEK_V2_SMALL, **extra})
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg.to_dict()))
+    path = _config_path(tmp_path, cfg.to_dict())
     report = run_on_cpu(str(path))
     assert report.ok, report.format()
     assert "DeepseekV2ForCausalLM" in report.format() and "mla 4q/1kv d40/32" in report.format()
@@ -208,11 +216,10 @@ def test_run_granite_4_h_matches_transformers(
         eos_token_id=2,
     ).to_dict()
     cfg["layer_types"] = ["mamba", "attention", "mamba", "attention"]  # as hub configs say
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg))
+    path = _config_path(tmp_path, cfg)
     report = run_on_cpu(str(path))
     assert report.ok, report.format()
-    groups = {g["group_id"]: g["layers"] for g in report.runs[0].plan["groups"]}
+    groups = _groups(report.runs[0])
     assert groups == {"linear": [0, 2], "full": [1, 3]}
 
 
@@ -252,11 +259,10 @@ def test_run_qwen3_5_matches_transformers(tmp_path: Path, cls_name: str, run_on_
         transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet,
         "fix_query_key_value_ordering",
     )
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg.to_dict()))
+    path = _config_path(tmp_path, cfg.to_dict())
     report = run_on_cpu(str(path))
     assert report.ok, report.format()
-    groups = {g["group_id"]: g["layers"] for g in report.runs[0].plan["groups"]}
+    groups = _groups(report.runs[0])
     assert groups == {"linear": [0, 1, 2], "full": [3]}
 
 
@@ -280,8 +286,7 @@ def test_run_multimodal_gemma3_config_drives_its_language_model(tmp_path: Path, 
         },
         mm_tokens_per_image=4,
     )
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg.to_dict()))
+    path = _config_path(tmp_path, cfg.to_dict())
     report = run_on_cpu(str(path))
     assert report.ok, report.format()
     assert "Gemma3ForConditionalGeneration" in report.format()
@@ -328,8 +333,7 @@ def test_run_kimi_linear_from_its_transformers_config(tmp_path: Path, run_on_cpu
         cfg["layer_types"][4] == "full_attention"
         and cfg["layer_types"].count("full_attention") == 1
     )
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg))
+    path = _config_path(tmp_path, cfg)
     report = run_on_cpu(str(path))
     assert report.ok, report.format()
     text = report.format()
@@ -362,10 +366,7 @@ def test_kimi_linear_mla_scale_is_checked_against_the_module(
 # Falcon-H1: attention and Mamba2 in parallel inside every decoder layer
 # ------------------------------------------------------------------------------------------
 def _falcon_h1_path(tmp_path: Path, **change: object) -> str:
-    cfg = {**tiny_config("falcon-h1"), **change}
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg))
-    return str(path)
+    return _config_path(tmp_path, {**tiny_config("falcon-h1"), **change})
 
 
 def test_falcon_h1_runs_both_ops_of_every_layer(run_on_cpu) -> None:
@@ -443,16 +444,6 @@ _GDN_SMALL = dict(
     initializer_range=0.1,
     tie_word_embeddings=False,
 )
-
-
-def _config_path(tmp_path: Path, cfg: dict[str, object]) -> str:
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg))
-    return str(path)
-
-
-def _groups(run) -> dict[str, list[int]]:
-    return {g["group_id"]: g["layers"] for g in run.plan["groups"]}
 
 
 def test_run_lara_mini_matches_transformers(tmp_path: Path, run_on_cpu) -> None:
