@@ -31,6 +31,20 @@ def _save_checkpoint(name: str, folder: Path) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+def _run_saved_multimodal(model: torch.nn.Module, folder: Path, run_on_cpu) -> None:
+    """Save a multimodal ``model`` (its LM head scaled for decisive greedy tokens) to
+    ``folder`` and run the folder: its language model runs with the saved weights and matches;
+    the tower is not run, and the report says so."""
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    model.save_pretrained(folder)
+    report = run_on_cpu(str(folder))
+    assert report.ok, report.format()
+    (run,) = report.runs
+    assert run.name == f"{folder} [text]" and run.weights == str(folder)
+    assert "stack vision is not run: weights load for language models only" in run.notes
+
+
 @pytest.mark.parametrize("name", ["qwen3", "nemotron-h", "kimi-linear", "falcon-h1"])
 def test_checkpoint_folder_loads_its_weights(name: str, tmp_path: Path, run_on_cpu) -> None:
     saved = _save_checkpoint(name, tmp_path)
@@ -114,14 +128,7 @@ def test_a_qwen2_vl_checkpoint_loads_its_language_model(tmp_path: Path, run_on_c
     )
     torch.manual_seed(7)
     model = transformers.Qwen2VLForConditionalGeneration(cfg)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20.0)  # decisive greedy tokens
-    model.save_pretrained(tmp_path)
-    report = run_on_cpu(str(tmp_path))
-    assert report.ok, report.format()
-    (run,) = report.runs
-    assert run.name == f"{tmp_path} [text]" and run.weights == str(tmp_path)
-    assert "stack vision is not run: weights load for language models only" in run.notes
+    _run_saved_multimodal(model, tmp_path, run_on_cpu)
 
 
 @pytest.mark.parametrize(
@@ -165,14 +172,7 @@ def test_a_qwen3_vl_or_qwen3_5_checkpoint_loads_its_language_model(
     )
     torch.manual_seed(7)
     model = getattr(transformers, cls.replace("Config", "ForConditionalGeneration"))(cfg)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20.0)  # decisive greedy tokens
-    model.save_pretrained(tmp_path)
-    report = run_on_cpu(str(tmp_path))
-    assert report.ok, report.format()
-    (run,) = report.runs
-    assert run.name == f"{tmp_path} [text]" and run.weights == str(tmp_path)
-    assert "stack vision is not run: weights load for language models only" in run.notes
+    _run_saved_multimodal(model, tmp_path, run_on_cpu)
     whole = json.loads((tmp_path / "config.json").read_text())
     loaded = build_tiny(family, config=whole, checkpoint=str(tmp_path)).hf.state_dict()
     saved = model.state_dict()
