@@ -154,6 +154,23 @@ class VisionRunner:
             return self._qwen3_vl(pixel_values, grid_thw)
         return self._qwen2_5_vl(pixel_values, grid_thw)
 
+    def _self_attention(
+        self, i: int, at: Any, x: torch.Tensor, n: int, tokens: int
+    ) -> torch.Tensor:
+        """Layer ``i``'s self-attention module ``at`` (separate q / k / v projections and an
+        ``out_proj``: SigLIP, CLIP, Whisper) with its op through the binding.
+
+        :param x: ``[n * tokens, width]`` normed hidden states of ``n`` inputs of ``tokens``.
+        :returns: ``[n, tokens, width]``, ``out_proj``'s output (under tensor parallelism it
+            all-reduces the rank's heads to the full width).
+        """
+        q, k, v = (
+            proj(x).view(n * tokens, -1, at.head_dim) for proj in (at.q_proj, at.k_proj, at.v_proj)
+        )  # -1: the rank's heads under tensor parallelism
+        out = torch.empty_like(q)
+        self.runtime.binding(i).forward(q, k, v, out=out)
+        return at.out_proj(out.reshape(n, tokens, -1))
+
     def _siglip(self, pixel_values: torch.Tensor) -> VisionResult:
         vt: Any = self.model.hf  # a SiglipVisionModel
         hs = vt.embeddings(pixel_values)  # [images, patches, hidden]
@@ -163,14 +180,7 @@ class VisionRunner:
         for i, layer in enumerate(vt.encoder.layers):
             at = layer.self_attn
             x = layer.layer_norm1(hs).reshape(n * patches, width)
-            q, k, v = (
-                proj(x).view(n * patches, at.num_heads, at.head_dim)
-                for proj in (at.q_proj, at.k_proj, at.v_proj)
-            )
-            out = torch.empty_like(q)
-            self.runtime.binding(i).forward(q, k, v, out=out)
-            # -1: the rank's heads under tensor parallelism (out_proj all-reduces to width)
-            hs = hs + at.out_proj(out.reshape(n, patches, -1))
+            hs = hs + self._self_attention(i, at, x, n, patches)
             hs = hs + layer.mlp(layer.layer_norm2(hs))
             blocks.append(hs.reshape(n * patches, width).float())
         out = vt.post_layernorm(hs).reshape(n * patches, width)
@@ -193,14 +203,8 @@ class VisionRunner:
         for i, layer in enumerate(vt.encoder.layers):
             at = layer.self_attn
             x = layer.layer_norm1(hs).reshape(n * tokens, width)
-            q, k, v = (
-                proj(x).view(n * tokens, -1, at.head_dim)
-                for proj in (at.q_proj, at.k_proj, at.v_proj)
-            )
-            out = torch.empty_like(q)
             # the spec's scale is head_dim ** -0.5, CLIPAttention's ``scale``
-            self.runtime.binding(i).forward(q, k, v, out=out)
-            hs = hs + at.out_proj(out.reshape(n, tokens, -1))  # -1: the rank's heads (TP)
+            hs = hs + self._self_attention(i, at, x, n, tokens)
             hs = hs + layer.mlp(layer.layer_norm2(hs))
             blocks.append(hs.reshape(n * tokens, width).float())
         return VisionResult(blocks, hs.reshape(n * tokens, width).float())
@@ -222,13 +226,7 @@ class VisionRunner:
             x = layer.self_attn_layer_norm(hs).reshape(n * frames, width)
             # q unscaled: the binding applies the spec's head_dim ** -0.5, where transformers
             # multiplies q by it before an op called with scale 1 (the same softmax)
-            q, k, v = (
-                proj(x).view(n * frames, at.num_heads, at.head_dim)
-                for proj in (at.q_proj, at.k_proj, at.v_proj)
-            )
-            out = torch.empty_like(q)
-            self.runtime.binding(i).forward(q, k, v, out=out)
-            hs = hs + at.out_proj(out.reshape(n, frames, -1))  # -1: the rank's heads (TP)
+            hs = hs + self._self_attention(i, at, x, n, frames)
             mlp = layer.activation_fn(layer.fc1(layer.final_layer_norm(hs)))
             hs = hs + layer.fc2(mlp)
             if hs.dtype == torch.float16:  # as WhisperEncoderLayer: keep fp16 finite
