@@ -145,7 +145,8 @@ def scan(text: str, package: str, label: str) -> list[tuple[int, str]]:
 
 
 def _packages() -> list[Path]:
-    return sorted(p for p in PLUGINS.glob("*/attn_plugin_*") if p.is_dir())
+    # only import packages: ``pip install -e`` leaves ``attn_plugin_*.egg-info`` folders beside them
+    return sorted(p for p in PLUGINS.glob("*/attn_plugin_*") if (p / "__init__.py").is_file())
 
 
 def test_every_plugin_package_names_its_compat_module():
