@@ -22,8 +22,12 @@ Usage (on the GPU, plugins installed)::
     python bench/bench_tuned_plans.py [--models qwen3,gpt-oss,deepseek-v3,qwen3-next]
         [--rounds 3] [--out tuned.json]
 
-``--out`` holds ``{"rows": [...], "tuning": {model: tuning file content}}``; ``--tuning-in``
-takes such a file and checks its models' tuned plans without tuning them again. ``--graph-mode
+``--out`` holds ``{"rows": [...], "tuning": {model: tuning file content}, "tuned": {model:
+["group/phase/backend", ...]}}`` and is rewritten after every candidate's tuning grid and every
+check row. ``--tuning-in`` takes such a file and checks its models' tuned plans without tuning
+them again; ``--resume`` takes the file of a run cut at its limit and goes on where it stopped:
+the candidates whose grids it finished are not tuned again and the check rows it has are kept
+(a row is measured again only if it is missing). ``--graph-mode
 decode`` tunes and checks the way a server replaying decode graphs runs (decode and verify
 steps timed as CUDA-graph replays).
 """
@@ -62,6 +66,10 @@ def _points(text: str) -> list[tuple[int, int]]:
         batch, context = part.lower().split("x")
         out.append((int(batch), int(context)))
     return out
+
+
+def _row_key(row: dict) -> tuple[str, str, str, int, int]:
+    return (row["model"], row["group"], row["phase"], row["batch"], row["context"])
 
 
 def _ints(text: str) -> list[int]:
@@ -149,18 +157,27 @@ def bench_model(
     tunings: dict[str, Any],
     rows: list[dict],
     save: Callable[[], None] = lambda: None,
+    progress: dict[str, list[str]] | None = None,
 ) -> None:
     """Tune ``name``'s groups, plan with the tuning data (kept in ``tunings[name]``, the tuning
     file's content) and time every candidate at the check points: one row per point, appended
     to ``rows`` as it is measured. ``save()`` runs after the tuning and after every row: a run
     killed at its limit keeps what it measured (a SIGTERM handler alone did not: the H200 run
-    cut at its limit wrote nothing)."""
+    cut at its limit wrote nothing), and after every candidate's tuning grid, with the grids
+    done so far in ``progress[name]`` (``"group/phase/backend"``): ``--resume`` goes on from
+    there."""
+    progress = {} if progress is None else progress
     caps = DeviceCapabilities.detect(device)
     layout = specs_from_hf_config(load_sample(name), dtype="bfloat16")
     constraints = ExecutionConstraints(graph_mode=args.graph_mode)  # captured phases: replays
     plan = select(layout.groups, registry, caps, constraints)
     constraints = plan.constraints
     reused = getattr(args, "tuning_in", None) or {}
+    resumed = getattr(args, "resume", None) or {}
+    done = set(resumed.get("tuned", {}).get(name, ()))  # "group/phase/backend" tuned already
+    kept = {  # the check rows a cut run measured: not measured again
+        _row_key(r): r for r in resumed.get("rows", ()) if r["model"] == name
+    }
     work = []  # (group, phase, candidates)
     for group in layout.groups:
         for phase in plan.choice(group.group_id).planned_phases:
@@ -175,11 +192,20 @@ def bench_model(
         print(f"# {name}: tuning from --tuning-in ({len(tuning.times_us)} entries)", flush=True)
     else:
         tuning = TuningData(device=caps.short(), graph_mode=constraints.graph_mode.value)
+        if name in resumed.get("tuning", {}):
+            tuning = TuningData.from_json(resumed["tuning"][name], source=f"--resume, {name}")
+            print(f"# {name}: resuming, {len(done)} candidate grids tuned already", flush=True)
+            tunings[name] = resumed["tuning"][name]  # kept by this run's saves from the start
+        finished = progress.setdefault(name, [])
+        finished[:] = sorted(done)
         start = time.monotonic()
         for group, phase, cands in work:
             if len(cands) < 2:
                 continue
             for backend in cands:
+                task = f"{group.group_id}/{phase.value}/{backend.qualified_name}"
+                if task in done:
+                    continue
                 measured = []
                 for batch, context in _tuning_grid(phase, args):
                     us = _time(group, backend, registry, plan, device, phase, batch, context, 10)
@@ -189,6 +215,9 @@ def bench_model(
                     if us == us:
                         measured.append((batch, context, us))
                 record_measured(tuning, backend.qualified_name, group.spec, phase, measured)
+                tunings[name] = tuning.to_json()  # a run cut later keeps this grid
+                finished.append(task)
+                save()
     tuned = select(layout.groups, registry, caps, constraints, tuning=tuning)
     tunings[name] = tuning.to_json()
     save()
@@ -206,6 +235,11 @@ def bench_model(
         points = _points(args.prefill_points if phase is Phase.PREFILL else args.decode_points)
         pc = tuned.choice(group.group_id).phase_choice(phase)
         for batch, context in points:
+            key = (name, group.group_id, phase.value, batch, context)
+            if key in kept:  # measured by the run this one resumes
+                rows.append(kept[key])
+                print(_row_line(rows[-1]) + " (resumed)", flush=True)
+                continue
             size = step_size(phase, batch, batch * context)
             requests = batch if phase is Phase.PREFILL else None  # prefill may switch by them
             chosen = pc.backend_for_step(size, requests).qualified_name
@@ -278,7 +312,14 @@ def main() -> int:
         type=lambda path: json.loads(Path(path).read_text())["tuning"],
         default=None,
         help="an earlier run's --out file: its models' tuning is used, not measured again "
-        "(a call cut during the check points goes on from there)",
+        "(the check points are all timed again; --resume keeps those it has)",
+    )
+    ap.add_argument(
+        "--resume",
+        type=lambda path: json.loads(Path(path).read_text()),
+        default=None,
+        help="the --out file of a run cut at its limit: the candidate grids it tuned and the "
+        "check rows it measured are kept, the rest is measured",
     )
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -286,17 +327,19 @@ def main() -> int:
     print(HEADER, flush=True)
     rows: list[dict] = []
     tunings: dict[str, Any] = {}
+    progress: dict[str, list[str]] = {}
 
     def save() -> None:
         if args.out:
-            Path(args.out).write_text(json.dumps({"rows": rows, "tuning": tunings}, indent=1))
+            out = {"rows": rows, "tuning": tunings, "tuned": progress}
+            Path(args.out).write_text(json.dumps(out, indent=1))
 
     # a run cut at its limit (timeout sends SIGTERM) still prints its summary line where the
     # handler gets to run; the rows are saved as they come either way
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     try:
         for name in args.models.split(","):
-            bench_model(name, registry, device, args, tunings, rows, save)
+            bench_model(name, registry, device, args, tunings, rows, save, progress)
     finally:
         worst = max((r["ratio"] for r in rows), default=float("nan"))
         print(f"worst ratio chosen/fastest: {worst:.3f} (goal <= 1.03) over {len(rows)} points")

@@ -113,7 +113,12 @@ b_ssd) run b_ssd 300 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --mamba2
 b_gdn) run b_gdn 300 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --prefill --only gdn_prefill --budget-s 280 --out "$OUT/bench_gdn.json" ;;
 b_sweep) run b_sweep 400 python3 attn_plugins/triton_ssm/bench/bench_decode_sweep.py ${BENCH_SWEEP_ARGS:-} --budget-s 370 --out "$OUT/bench_decode_sweep.json" ;;
 b_kda) run b_kda 360 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --prefill --only kda_prefill --budget-s 340 --out "$OUT/bench_kda.json" ;;
-b_tuned) run b_tuned 400 python3 bench/bench_tuned_plans.py ${BENCH_TUNED_ARGS:-} --out "$OUT/bench_tuned.json" ;;
+b_tuned)  # the --out file stays on the machine (bench-out/): a call cut at its limit is resumed
+  # by the next b_tuned on the same warm machine (same BENCH_TUNED_ARGS)
+  mkdir -p bench-out; resume=(); [ -f bench-out/bench_tuned.json ] && resume=(--resume bench-out/bench_tuned.json)
+  run b_tuned 500 python3 bench/bench_tuned_plans.py ${BENCH_TUNED_ARGS:-} "${resume[@]}" \
+    --out bench-out/bench_tuned.json
+  cp bench-out/bench_tuned.json "$OUT/" 2>/dev/null ;;
 b_runtime) run b_runtime 120 python3 bench/bench_runtime.py --device cuda --count-calls --out "$OUT/bench_runtime.json" ;;
 b_e2e) run b_e2e 450 python3 bench/bench_e2e.py --device cuda --out "$OUT/bench_e2e.json" ;;
 run) run attn_run 300 attn run --model all --device cuda --no-progress ;;

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,18 @@ def _script():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _stand_in(timed: list):
+    """bench_group with :func:`_time`'s table, appending each timing to ``timed``."""
+
+    def bench_group(group, backend, registry, plan, device, *, batch, context, iters, phase):
+        timed.append((phase.value, backend.qualified_name, batch, context))
+        us = _time(backend.qualified_name, phase.value, batch, context)
+        return BenchResult(group.group_id, backend.qualified_name, us, us, phase=phase.value,
+                           batch=batch, context=context)  # fmt: skip
+
+    return bench_group
 
 
 def _time(backend: str, phase: str, batch: int, context: int) -> float:
@@ -96,8 +109,9 @@ def test_the_tuned_plan_is_checked_on_and_off_its_grid(registry, monkeypatch, ca
         saved.append((len(rows), "qwen3" in tunings))
 
     script.bench_model("qwen3", registry, torch.device("cpu"), args, tunings, rows, save)
-    # saved once the tuning is known, then after every row: a killed run keeps what it measured
-    assert saved == [(n, True) for n in range(len(rows) + 1)]
+    # saved after each candidate's grid (2 candidates x 2 phases), once the tuning is complete,
+    # then after every row: a killed run keeps what it measured
+    assert saved == [(0, True)] * 4 + [(n, True) for n in range(len(rows) + 1)]
     # the decode grid stops at max_kv_tokens: 16 x 16384 = 2^18 is in, nothing above
     assert {(b, c) for ph, n, b, c in timed if ph == "decode" and n == "long:l"} >= {
         (1, 2048), (1, 16384), (16, 2048), (16, 16384)
@@ -161,3 +175,53 @@ def test_a_point_with_a_candidate_not_loadable_here_says_so(make_plugin, monkeyp
     assert rows and all(r["chosen"] == "short:s" for r in rows)
     assert all(r["note"] == "only candidate; not loadable here: gone:g" for r in rows), rows
     assert all(r["not_loadable"] == ["gone:g"] for r in rows)
+
+
+@pytest.mark.parametrize("cut_after", [2, 6], ids=["in the tuning", "in the check rows"])
+def test_a_run_cut_at_its_limit_is_resumed_without_measuring_twice(
+    registry, monkeypatch, cut_after: int
+):
+    """--resume: a call killed in the middle of its work (as the H200's limit cut gpt-oss's
+    tuning) leaves an --out file; the next call tunes only the candidates it had not finished,
+    keeps the check rows it has, and ends with the plan and rows of an uncut run. Saves come
+    after each of the 4 candidate grids, after the complete tuning, then after each row."""
+    script = _script()
+    args = argparse.Namespace(
+        tune_batch="1,16", tune_context="2048,16384", max_kv_tokens=2**18,
+        tune_prefill="1024,4096", tune_prefill_requests="1,4", graph_mode="none",
+        decode_points="1x2048,1x32768", prefill_points="1x4096,4x1024", rounds=1, iters=1,
+    )  # fmt: skip
+    uncut_timed: list = []
+    monkeypatch.setattr(script, "bench_group", _stand_in(uncut_timed))
+    uncut: list[dict] = []
+    script.bench_model("qwen3", registry, torch.device("cpu"), args, {}, uncut)
+
+    class Killed(Exception):
+        pass
+
+    timed: list = []
+    monkeypatch.setattr(script, "bench_group", _stand_in(timed))
+    rows: list[dict] = []
+    tunings: dict = {}
+    progress: dict = {}
+    files: list[str] = []
+
+    def save() -> None:
+        files.append(json.dumps({"rows": rows, "tuning": tunings, "tuned": progress}))
+        if len(files) == cut_after:
+            raise Killed
+
+    with pytest.raises(Killed):
+        script.bench_model(
+            "qwen3", registry, torch.device("cpu"), args, tunings, rows, save, progress
+        )
+    file = json.loads(files[-1])
+    assert len(file["tuned"]["qwen3"]) == min(cut_after, 4)
+    assert len(file["rows"]) == max(cut_after - 5, 0)
+    cut_timed = len(timed)
+    args.resume = file
+    again: list[dict] = []
+    script.bench_model("qwen3", registry, torch.device("cpu"), args, {}, again, progress={})
+    assert [(r["chosen"], r["ratio"]) for r in again] == [(r["chosen"], r["ratio"]) for r in uncut]
+    # nothing measured twice: the cut run and the resumed one time what one uncut run does
+    assert cut_timed < len(timed) == len(uncut_timed)
