@@ -18,6 +18,7 @@
 # Stages run in order; pick the GPU with CUDA_VISIBLE_DEVICES to run two lanes at once, and set
 # DEADLINE=$(( $(date +%s) + N )) so that no stage outlives the device call.
 # Logs go to $OUT/<stage>.log (or ./gpu-out), pass/fail lines to $OUT/summary.log.
+# RESUME=1: pytest stages leave out what they passed in earlier calls on the same warm machine.
 # fi_install: FI_WHEELS=DIR (a carried folder) puts DIR's wheels (*.whl: the FlashInfer release and
 # what it imports beyond the H200's stack, apache-tvm-ffi) and packed wheels (*.tar.xz: a wheel's
 # files as they are, xz-compressed to fit a call's carry) into the site folder device_setup.sh
@@ -42,9 +43,22 @@ run() {  # run NAME TIMEOUT CMD...: log to $OUT/NAME.log, the last lines into th
     [ "$left" -lt "$limit" ] && limit=$left
     if [ "$limit" -lt 15 ]; then log "$name: skipped, no time left before DEADLINE"; return; fi
   fi
-  log "$name: $*"
+  # RESUME=1: a pytest stage leaves out the tests it passed in an earlier call on this machine
+  # (listed in bench-out/passed_NAME.txt), so a stage cut at its limit goes on where it stopped
+  local passed="bench-out/passed_$name.txt" skipped_passed=0
+  local cmd="$*"
+  if [ "${RESUME:-0}" = 1 ] && [ -s "$passed" ] && [ "${cmd#python3 -m pytest}" != "$cmd" ]; then
+    local ids id; mapfile -t ids <"$passed"
+    for id in "${ids[@]}"; do set -- "$@" --deselect "$id"; done
+    skipped_passed=${#ids[@]}
+  fi
+  log "$name: ${*:1:40}$([ "$skipped_passed" -gt 0 ] && echo " (RESUME: $skipped_passed passed tests left out)")"
   local t0=$SECONDS
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
+  mkdir -p bench-out
+  # -v lines: "[gw3] [ 40%] PASSED ID" under xdist, "ID PASSED   [ 40%]" without it
+  sed -nE -e 's/^\[gw[0-9]+\] \[ *[0-9]+%\] PASSED (.*[^ ]) *$/\1/p' \
+    -e 's/^(.*::.*[^ ]) PASSED +\[ *[0-9]+%\]$/\1/p' "$OUT/$name.log" >>"$passed"
   # skips too: a GPU module that skipped (say FlashAttention-4 not carried) must not read as a pass
   # (-v lines too: "[gw3] [ 40%] FAILED test", all a run cut at its limit leaves of its failures)
   { grep -E "^(FAILED|ERROR|SKIPPED) |^\[gw[0-9]+\] .*(FAILED|ERROR) " "$OUT/$name.log" | head -40
