@@ -68,7 +68,10 @@ run() {  # run NAME TIMEOUT CMD...: log to $OUT/NAME.log, the last lines into th
 # JIT-compile each new kernel configuration on first use, and N processes compile N at once.
 # -v: a line per finished test, so a stage cut at its limit still names what failed and what
 # was left (-q prints names only in its closing summary)
-PYTEST=(python3 -m pytest -v -p no:cacheprovider --tb=short -rfEs ${XDIST:+-n $XDIST})
+# attn_core.testing.timing: each finished test's seconds into $OUT/test_times.tsv as it ends
+# (where a stage's time went, also for one cut at its limit)
+export ATTN_TEST_TIMES=${ATTN_TEST_TIMES:-$OUT/test_times.tsv}
+PYTEST=(python3 -m pytest -v -p no:cacheprovider -p attn_core.testing.timing --tb=short -rfEs ${XDIST:+-n $XDIST})
 for stage in "$@"; do case $stage in
 info)
   nvidia-smi --query-gpu=index,name,compute_cap,memory.total,driver_version --format=csv >>"$OUT/summary.log"
@@ -103,7 +106,7 @@ t_mamba1) run t_mamba1 400 "${PYTEST[@]}" attn_plugins/triton_ssm/tests tests/e2
 t_varlen) run t_varlen 300 "${PYTEST[@]}" attn_plugins/varlen/tests ;;
 t_fa3) run t_fa3 300 "${PYTEST[@]}" attn_plugins/fa3/tests ;;
 kit_fi)  # 8 processes by default: on a cold JIT cache one process ran past 400 s, 8 took 321 s
-  run kit_fi 420 python3 -m pytest -v -p no:cacheprovider --tb=short -rfEs -n "${XDIST:-8}" \
+  run kit_fi 420 python3 -m pytest -v -p no:cacheprovider -p attn_core.testing.timing --tb=short -rfEs -n "${XDIST:-8}" \
     --attn-backend=flashinfer:flashinfer
   run kit_fi_mla 300 "${PYTEST[@]}" --attn-backend=flashinfer:flashinfer_mla ;;
 kit_ssm) run kit_ssm 400 "${PYTEST[@]}" --attn-backend=triton_ssm:triton_ssm
