@@ -33,6 +33,9 @@ export FLASHINFER_WORKSPACE_BASE=$PWD/.jit TRITON_CACHE_DIR=$PWD/.jit/triton
 # did not finish in 2 x 420 s that way). Share the cores between the processes instead.
 procs=${XDIST:-8}; jobs=$(( $(nproc) / procs )); [ "$jobs" -lt 2 ] && jobs=2
 export MAX_JOBS=${MAX_JOBS:-$jobs}
+# torch's CPU ops (transformers' float32 references, the gloo TP runs) start one thread per core
+# in every process: 8 processes would run 128 threads on 16 cores. Share the cores the same way.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$jobs}
 . ./scripts/device_setup.sh
 lane="gpu${CUDA_VISIBLE_DEVICES:-all}"
 log() { echo "=== [$lane] $* ($(date +%T))" >>"$OUT/summary.log"; }
