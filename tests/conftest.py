@@ -7,7 +7,8 @@
 - ``make_plugin`` builds a plugin module (``types.ModuleType``) from backends and hook functions,
   the way a third-party package would write one, without touching ``sys.modules``.
 - ``tiny_specs`` gives one small spec per layer kind (float32, so CPU math is exact enough).
-- Terminal width is 120 columns in every test (``COLUMNS``): tables wrap to it.
+- Every test sees a terminal 120 columns wide (``COLUMNS``, set by ``clean_attn_env``): the
+  CLI's tables wrap to it.
 - ``cuda`` is a skip marker for tests that need a CUDA device; tests marked ``gpu`` are skipped
   without one as well.
 - Plugin probes (:mod:`attn_core.probe`) of the whole run share one cache file in pytest's
@@ -65,14 +66,6 @@ def probe_cache_in_tmp(
     monkeypatch.setenv(
         "ATTN_CORE_PROBE_CACHE", str(tmp_path_factory.getbasetemp() / "plugin-probes.json")
     )
-
-
-@pytest.fixture(autouse=True)
-def terminal_width_120(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tables wrap to the terminal (``shutil.get_terminal_size``), which differs between a
-    shell, CI and pytest-xdist's workers (80 columns): pin it, so text assertions see one
-    layout everywhere."""
-    monkeypatch.setenv("COLUMNS", "120")
 
 
 @pytest.fixture

@@ -12,7 +12,8 @@ are module attributes of the conftest::
   without ``pip install``;
 - :func:`pytest_collection_modifyitems` skips tests marked ``gpu`` when there is no CUDA device;
 - :func:`clean_attn_env` (autouse) removes the ``ATTN_CORE_*`` variables a developer's shell may
-  have set, so ``ATTN_CORE_STRICT=1`` or ``ATTN_CORE_BACKENDS=...`` never changes a result.
+  have set, so ``ATTN_CORE_STRICT=1`` or ``ATTN_CORE_BACKENDS=...`` never changes a result, and
+  pins the terminal width that tables wrap to.
 
 Not imported by :mod:`attn_core.testing` (it imports torch); only the conftests import it.
 """
@@ -51,7 +52,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def clean_attn_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Remove every ``ATTN_CORE_*`` environment variable for the duration of a test."""
+    """Remove every ``ATTN_CORE_*`` environment variable for the duration of a test, and make
+    the terminal 120 columns wide (``COLUMNS``): the CLI's tables wrap to the terminal, which
+    differs between a shell, CI and pytest-xdist's workers (80 columns), and a test's text
+    assertions must see one layout everywhere."""
     for name in list(os.environ):
         if name.startswith("ATTN_CORE_"):
             monkeypatch.delenv(name)
+    monkeypatch.setenv("COLUMNS", "120")

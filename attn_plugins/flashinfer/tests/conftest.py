@@ -20,3 +20,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # Must be set before flashinfer is imported (flashinfer.jit.env reads it at import time).
 os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", str(_REPO_ROOT / ".jit"))
+
+# every test without the developer's ATTN_CORE_* variables, at a fixed terminal width
+from attn_core.testing.gpu import clean_attn_env  # noqa: E402, F401
