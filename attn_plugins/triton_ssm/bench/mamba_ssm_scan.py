@@ -68,6 +68,9 @@ CXX_FLAGS = ("-O3", "-std=c++17")
 #: Not upstream's ``selective_scan_cuda``: an installed mamba_ssm keeps its own module.
 EXT_NAME = "attn_mamba_ssm_selective_scan_fwd"
 
+#: A build directory's ``lock`` older than this is left by a killed build and removed.
+STALE_LOCK_S = 300.0
+
 _MODULE: Any = None
 
 
@@ -111,6 +114,12 @@ def load(
     from torch.utils.cpp_extension import load as cpp_load
 
     build.mkdir(parents=True, exist_ok=True)
+    # cpp_extension waits, without end, on the `lock` file of a build killed midway (the bench
+    # worker cut at its budget); a device call lasts at most 10 minutes and nothing else builds
+    # this extension beside the bench's one worker, so an old lock is a dead build's.
+    lock = build / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
     _MODULE = cpp_load(
         name=EXT_NAME,
         sources=[str(src / f) for f in SOURCES] + [str(STUB)],
