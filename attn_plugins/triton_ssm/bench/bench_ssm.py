@@ -56,7 +56,7 @@ Sections:
   ``mamba1_scan`` (default tiling and each ``block_d`` of 16..128), mamba_ssm's CUDA
   ``selective_scan`` forward (the kernel Mamba1 models ship with: the installed package's
   ``selective_scan_fn``, else the extension ``mamba_ssm_scan.py`` builds from the sources
-  ``scripts/pack_mamba_ssm_src.sh`` packs into ``.ext/mamba_ssm_src``, about a minute on first
+  ``scripts/pack_mamba_ssm_src.sh`` packs into ``.ext/mamba_ssm_src``, 1-2 minutes on first
   use; an error row saying so where neither is there; the row's ``provider`` names which ran,
   only the kernel call is timed) and attn-core's torch reference (chunked, T = 2048 only: it is
   slow); tokens/s. The mamba_ssm rows also run our ``mamba1_scan`` on the same inputs: max abs
@@ -651,7 +651,7 @@ def _mamba_ssm_scan():
     """``(scan, provider)``: ``scan(u, delta, A, B, C, D, delta_bias=, delta_softplus=)`` returns
     ``(out, last_state)`` from mamba_ssm's CUDA selective-scan forward: the installed package
     if it imports, else the extension built from ``.ext/mamba_ssm_src`` (``mamba_ssm_scan.py``;
-    the first call on a machine compiles for about a minute). Raises with the reason if
+    the first call on a machine compiles for 1-2 minutes). Raises with the reason if
     neither is there."""
     try:
         from mamba_ssm.ops.selective_scan_interface import selective_scan_fn

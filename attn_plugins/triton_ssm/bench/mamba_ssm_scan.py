@@ -4,12 +4,13 @@ The H200 cannot pip-install mamba_ssm (no internet, no wheel for its torch), so
 ``scripts/pack_mamba_ssm_src.sh`` copies the forward kernel's sources (``csrc/selective_scan/``
 of state-spaces/mamba, Apache-2.0) into the git-ignored ``.ext/mamba_ssm_src/`` on the
 development machine, the checkout carries them to the device, and :func:`load` builds them there
-with ``torch.utils.cpp_extension.load`` on first use (about a minute on the H200's 16 cores: the
-three forward ``.cu`` files compile in parallel, 55-80 s each on one core; cached in
-``.jit/mamba_ssm`` while the machine stays warm). Upstream's ``selective_scan.cpp`` binds the
-backward too: ``mamba_ssm_ext/selective_scan_bwd_stub.cpp`` (ours) defines the six
-``selective_scan_bwd_cuda`` instantiations it dispatches as functions that raise, so the slow
-backward kernels are never compiled.
+with ``torch.utils.cpp_extension.load`` on first use (1-2 minutes on the H200's 16 cores: the
+three forward ``.cu`` files, 160 kernels each, compile in parallel, 50-65 s of CPU time each on
+the development machine; cached in ``.jit/mamba_ssm`` while the machine stays warm).
+Upstream's ``selective_scan.cpp`` binds the backward too:
+``mamba_ssm_ext/selective_scan_bwd_stub.cpp`` (ours) defines the six ``selective_scan_bwd_cuda``
+instantiations it dispatches as functions that raise, so the slow backward kernels are never
+compiled.
 
 Build ahead of a benchmark (the bench's first mamba_ssm row would otherwise spend its budget
 compiling)::
@@ -96,7 +97,7 @@ def load(
     build_dir: str | Path = ".jit/mamba_ssm",
     verbose: bool = False,
 ) -> Any:
-    """Build (first call on a machine: about a minute) or load the extension; returns the
+    """Build (first call on a machine: 1-2 minutes) or load the extension; returns the
     module. ``module.fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus)`` is upstream's
     ``selective_scan_fwd``: ``[out, x]`` plus ``out_z`` when ``z`` is given, where ``x`` is
     ``[batch, dim, n_chunks, 2 * dstate]`` (chunks of 2048 tokens; odd entries: the state).
