@@ -53,9 +53,14 @@ Sections:
   state, GB/s of state read + write (A_log, read by every request, stays in L2), with 1, 2 and
   4 requests per program.
 * mamba1_prefill (``--prefill``): the same mixer, T = 8192 as one and as 16 requests: our
-  ``mamba1_scan`` (default tiling and each ``block_d`` of 16..128), mamba_ssm's
-  ``selective_scan_fn`` (the CUDA kernel Mamba1 models ship with; an error row where it is not
-  installed) and attn-core's torch reference (chunked, T = 2048 only: it is slow); tokens/s.
+  ``mamba1_scan`` (default tiling and each ``block_d`` of 16..128), mamba_ssm's CUDA
+  ``selective_scan`` forward (the kernel Mamba1 models ship with: the installed package's
+  ``selective_scan_fn``, else the extension ``mamba_ssm_scan.py`` builds from the sources
+  ``scripts/pack_mamba_ssm_src.sh`` packs into ``.ext/mamba_ssm_src``, 1-2 minutes on first
+  use; an error row saying so where neither is there; the row's ``provider`` names which ran,
+  only the kernel call is timed) and attn-core's torch reference (chunked, T = 2048 only: it is
+  slow); tokens/s. The mamba_ssm rows also run our ``mamba1_scan`` on the same inputs: max abs
+  and relative difference of the output and the final state, ``MISMATCH`` above 2e-2.
 * plugin_step (``--plugin``): a 4-layer GDN decode step (conv1d + recurrent update) at B = 64,
   256 through the runtime's bindings vs the same kernels called directly; ratio of times, eager
   (host launch cost included) and with each step captured in a CUDA graph.
@@ -623,6 +628,62 @@ def job_mamba1_decode(B: int, Dn=MAMBA1_D, N=MAMBA1_N, requests_per_program: int
     return {"ms": ms, "GBps": 2 * nbytes / (ms * 1e-3) / GB}
 
 
+#: Largest max |ours - mamba_ssm| / max |mamba_ssm| (output, final state) the mamba1_prefill
+#: check passes; bf16 outputs differ by rounding steps (~4e-3 of a value), a wrong decay or
+#: skip term by tens of percent. Above it the row reads MISMATCH.
+MAMBA1_CHECK_TOL = 2e-2
+
+
+def _diff(name: str, ours, ref) -> dict:
+    """``{name_maxabs, name_maxrel}``: max |ours - ref| and that over max |ref| (NaN stays NaN)."""
+    d = (ours.float() - ref.float()).abs().max().item()
+    scale = ref.float().abs().max().item()
+    return {f"{name}_maxabs": d, f"{name}_maxrel": d / scale if scale else float("inf")}
+
+
+def _check_verdict(*maxrels: float, tol: float = MAMBA1_CHECK_TOL) -> str:
+    """``"ok"`` if every relative difference is at most ``tol``, else ``"MISMATCH"``; a NaN
+    fails (``<=`` is False for it, where ``max()`` could drop it)."""
+    return "ok" if all(r <= tol for r in maxrels) else "MISMATCH"
+
+
+def _mamba_ssm_scan():
+    """``(scan, provider)``: ``scan(u, delta, A, B, C, D, delta_bias=, delta_softplus=)`` returns
+    ``(out, last_state)`` from mamba_ssm's CUDA selective-scan forward: the installed package
+    if it imports, else the extension built from ``.ext/mamba_ssm_src`` (``mamba_ssm_scan.py``;
+    the first call on a machine compiles for 1-2 minutes). Raises with the reason if
+    neither is there."""
+    try:
+        from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
+    except ImportError as e:
+        reason = f"mamba_ssm not importable ({e})"
+    else:
+
+        def scan_pkg(u, d, A, b, c, D, **kw):
+            return selective_scan_fn(u, d, A, b, c, D, return_last_state=True, **kw)
+
+        import mamba_ssm
+
+        return scan_pkg, f"mamba_ssm {getattr(mamba_ssm, '__version__', '?')} selective_scan_fn"
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import mamba_ssm_scan
+
+    commit = mamba_ssm_scan.source_commit()
+    if commit is None:
+        raise RuntimeError(
+            f"skipped: {reason}, and no .ext/mamba_ssm_src to build it from "
+            "(scripts/pack_mamba_ssm_src.sh on the development machine, then carry .ext)"
+        )
+    mod = mamba_ssm_scan.load()
+
+    def scan_src(u, d, A, b, c, D, **kw):
+        return mamba_ssm_scan.selective_scan_fwd(u, d, A, b, c, D, module=mod, **kw)
+
+    return scan_src, f"mamba_ssm selective_scan_cuda (built from source {commit[:12]})"
+
+
 def job_mamba1_prefill(
     T: int, n_seq: int, impl: str, Dn=MAMBA1_D, N=MAMBA1_N, block_d: int | None = None
 ) -> dict:
@@ -648,16 +709,32 @@ def job_mamba1_prefill(
             return mamba1_scan(x, dt, A_log, Bm, Cm, state, idx, cu_seqlens=cu, D=Dp,
                                dt_bias=dt_bias, block_d=block_d)  # fmt: skip
     elif impl == "mamba_ssm":
-        from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
+        scan, provider = _mamba_ssm_scan()
 
-        # its layout: u, delta [n_seq, D, L]; B, C [n_seq, N, L]; one call for the batch
+        # its layout: u, delta [n_seq, D, L]; B, C [n_seq, N, L]; one call for the batch.
+        # Transposed here, outside the timed call.
         u, d = (t.view(n_seq, L, Dn).transpose(1, 2).contiguous() for t in (x, dt))
         b, c = (t.view(n_seq, L, N).transpose(1, 2).contiguous() for t in (Bm, Cm))
         A = -A_log.exp()
 
         def run():
-            return selective_scan_fn(u, d, A, b, c, Dp, delta_bias=dt_bias, delta_softplus=True,
-                                     return_last_state=True)  # fmt: skip
+            return scan(u, d, A, b, c, Dp, delta_bias=dt_bias, delta_softplus=True)
+
+        ms = _bench(run, warmup=3, rep=10)
+        row = {"provider": provider, "ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6}
+        try:  # our kernel on the same inputs against this output and final state
+            y_ref, last_ref = run()
+            from attn_plugin_triton_ssm.kernels import mamba1_scan
+
+            st = torch.zeros(n_seq, Dn, N, device="cuda")
+            y = mamba1_scan(x, dt, A_log, Bm, Cm, st, idx, cu_seqlens=cu, D=Dp,
+                            dt_bias=dt_bias)  # fmt: skip
+            row.update(_diff("out", y, y_ref.transpose(1, 2).reshape(T, Dn)))
+            row.update(_diff("state", st, last_ref))
+            row["check"] = _check_verdict(row["out_maxrel"], row["state_maxrel"])
+        except Exception as e:
+            row["check"] = f"check failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        return row
     elif impl == "reference":
         from attn_core.reference.ops import mamba1_selective_scan
 
@@ -1069,6 +1146,13 @@ def _table(results: list, copy_bw: float | None) -> str:
                 if fla and not r["provider"].startswith("impl=fla"):
                     val += f"  ({r['Mtok_per_s'] / fla:.2f} x fla)"
                 val += f"  ({r['Mtok_per_s'] / MAMBA2_PUBLISHED_MTOK:.2f} x published fused SSD)"
+            if r["section"] == "mamba1_prefill" and "check" in r:
+                if "out_maxrel" in r:
+                    val += (f"  ours vs it: out max|d| {r['out_maxabs']:.1e} (rel "
+                            f"{r['out_maxrel']:.1e}), state max|d| {r['state_maxabs']:.1e} "
+                            f"(rel {r['state_maxrel']:.1e})")  # fmt: skip
+                if r["check"] != "ok":
+                    val += f"  {r['check']}"
             if r["section"] == "mamba2_sweep":
                 val += f"  ({r['Mtok_per_s'] / MAMBA2_PUBLISHED_MTOK:.2f} x published fused SSD)"
                 val += f"  max rel. diff: to default {r.get('maxrel_default', float('nan')):.1e}"
