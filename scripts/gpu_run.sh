@@ -11,7 +11,8 @@
 #           t_mamba1                                        (Mamba1: triton_ssm and e2e tests)
 #           t_generic                                       (generic adapter on the GPU plugins)
 #           b_fi b_ssm b_runtime b_e2e b_kvw b_tuned        (benchmarks, JSON under $OUT)
-#           b_ssd b_gdn b_kda                               (triton_ssm prefill rows, one each)
+#           b_ssd b_gdn b_kda b_mamba1                      (triton_ssm prefill rows, one each;
+#                                                            b_mamba1 carries .ext: mamba_ssm's scan)
 #           b_sweep                                         (triton_ssm decode tilings vs copy)
 #           run                                             (attn run --model all)
 #           NAME=COMMAND                                    (any shell command, logged as NAME)
@@ -132,6 +133,11 @@ t_generic) run t_generic 400 "${PYTEST[@]}" tests/e2e/test_run_dense.py -k on_gp
 b_ssd) run b_ssd 300 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --mamba2-sweep --only mamba2_sweep --no-fla --budget-s 280 --out "$OUT/bench_ssd.json" ;;
 b_gdn) run b_gdn 300 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --prefill --only gdn_prefill --budget-s 280 --out "$OUT/bench_gdn.json" ;;
 b_sweep) run b_sweep 400 python3 attn_plugins/triton_ssm/bench/bench_decode_sweep.py ${BENCH_SWEEP_ARGS:-} --budget-s 370 --out "$OUT/bench_decode_sweep.json" ;;
+b_mamba1)  # Mamba1 prefill against mamba_ssm's CUDA scan, built here from the carried .ext/
+  # (scripts/pack_mamba_ssm_src.sh; 1-2 minutes on the first call of a machine)
+  run b_mamba1_build 400 python3 attn_plugins/triton_ssm/bench/mamba_ssm_scan.py
+  run b_mamba1 300 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --prefill --only mamba1_prefill \
+    --budget-s 280 --out "$OUT/bench_mamba1.json" ;;
 b_kda) run b_kda 360 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --prefill --only kda_prefill --budget-s 340 --out "$OUT/bench_kda.json" ;;
 b_tuned)  # the --out file stays on the machine (bench-out/): a call cut at its limit is resumed
   # by the next b_tuned on the same warm machine (same BENCH_TUNED_ARGS)
