@@ -19,6 +19,7 @@ import pytest
 
 from attn_core.e2e.main import _driven_model_types
 from attn_core.models import MODEL_TYPE_FAMILIES
+from attn_core.testing.hf import since_transformers
 
 transformers = pytest.importorskip("transformers")
 
@@ -265,9 +266,26 @@ _FEATURE_CASES: list[tuple[str, dict[str, Any], int, str]] = [
 ]
 
 
+# What a case needs that came after the oldest transformers attn-core supports: it skips on an
+# older release, naming this (and runs on that release or a newer one).
+_SINCE: dict[str, pytest.MarkDecorator] = {
+    "exaone": since_transformers("5.24.0", "ExaoneConfig ('exaone')"),
+    "lfm3": since_transformers("5.23.0", "Lfm3Config ('lfm3')"),
+    # before it GPTJAttention computes attention in its own code: the mapping refuses GPT-J
+    # naming its modules (tests/test_hf_config_dense.py checks that on such a release)
+    "gptj": since_transformers("5.24.0", "GPTJAttention through the attention-function interface"),
+}
+
+
 @pytest.mark.parametrize(
     ("model_type", "extra", "layers", "shown"),
-    [*((t, {}, *_DEFAULTS_CASES[t]) for t in sorted(_DEFAULTS_CASES)), *_FEATURE_CASES],
+    [
+        pytest.param(*case, marks=_SINCE.get(case[0], ()))
+        for case in [
+            *((t, {}, *_DEFAULTS_CASES[t]) for t in sorted(_DEFAULTS_CASES)),
+            *_FEATURE_CASES,
+        ]
+    ],
 )
 def test_run_family_from_its_config_class_defaults(
     tmp_path: Path,

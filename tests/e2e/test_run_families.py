@@ -19,6 +19,7 @@ import pytest
 import attn_core.e2e.configs as configs_mod
 from attn_core.e2e import run_architecture
 from attn_core.e2e.configs import tiny_config
+from attn_core.testing.hf import since_transformers
 
 pytest.importorskip("transformers")
 
@@ -446,6 +447,7 @@ _GDN_SMALL = dict(
 )
 
 
+@since_transformers("5.24.0", "LaraMiniConfig ('lara_mini')")
 def test_run_lara_mini_matches_transformers(tmp_path: Path, run_on_cpu) -> None:
     """Lara-Mini: Qwen3.5's Gated DeltaNet (in_proj_qkv / _z / _b / _a) beside ungated GQA
     layers, ``sliding_attention`` ones with rope and ``full_attention`` ones with none (NoPE);
