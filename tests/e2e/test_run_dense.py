@@ -605,14 +605,17 @@ def test_dbrx_reads_its_kv_heads_from_attn_config(tmp_path: Path, run_on_cpu) ->
     """DBRX nests its KV heads (attn_config.kv_n_heads) and q/k/v clipping; a hub config.json
     has no top-level num_key_value_heads. Mapped from the nested field (4 query heads over 2 KV
     heads, not 4 over 4), it matches transformers."""
+    attn = {"kv_n_heads": 2, "clip_qkv": 0.5, "rope_theta": 10000.0}
+    ffn = {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2, "hidden_size": 64}
     cfg = transformers.CONFIG_MAPPING["dbrx"](
         d_model=64, n_heads=4, n_layers=2, max_seq_len=512, vocab_size=128,
         initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        attn_config={"kv_n_heads": 2, "clip_qkv": 0.5, "rope_theta": 10000.0},
-        ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2,
-                    "hidden_size": 64},
+        attn_config=attn, ffn_config=ffn,
     ).to_dict()  # fmt: skip
     cfg.pop("num_key_value_heads", None)  # as the hub's config.json has it
+    # and its nested configs as given (before transformers 5.20 the nested classes refuse the
+    # _name_or_path / output_attentions that to_dict writes into them)
+    cfg.update(attn_config=attn, ffn_config=ffn)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     report = run_on_cpu(str(path))
