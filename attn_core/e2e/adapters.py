@@ -553,7 +553,9 @@ class CausalLMAdapter:
         rot = getattr(self.base, "rotary_emb", None) or getattr(self.base, "pos_emb", None)
         if rot is None:
             return [None] * n
-        if _mrope(self.text_config):
+        # a rotary module with sections is M-RoPE whatever the config says: Qwen3.5's (before
+        # transformers 5.24 it indexes three position rows even without mrope_section)
+        if _mrope(self.text_config) or getattr(rot, "mrope_section", None):
             # Qwen2-VL's M-RoPE takes (temporal, height, width) positions [3, 1, T]; a text
             # token has all three equal to its position (transformers' get_rope_index)
             pe = rot(h, positions[None, None].expand(3, 1, -1))

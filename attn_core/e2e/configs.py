@@ -621,7 +621,23 @@ def _hf_config(name: str, cfg: dict[str, Any]):
     fields = {
         k: _decode_floats(v) for k, v in cfg.items() if k not in ("model_type", "architectures")
     }
+    _require_config_class(cfg["model_type"])
     return AutoConfig.for_model(cfg["model_type"], **fields)
+
+
+def _require_config_class(model_type: str) -> None:
+    """Refuse a model type the installed transformers has no config class for (one added in a
+    later release), naming the release, instead of AutoConfig's list of every known type."""
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        from attn_core.e2e.hf_version import installed_transformers
+
+        raise ValueError(
+            f"model_type {model_type!r}: the installed transformers "
+            f"{installed_transformers()} has no config class for it (a later release may "
+            f"add it); `attn run` builds the model with transformers"
+        )
 
 
 def _auto_tower_config(cfg: dict[str, Any]) -> Any:

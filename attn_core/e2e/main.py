@@ -766,8 +766,10 @@ def run_main(
         its decoder has cross-attention).
     :returns: a :class:`RunReport`; ``report.format()`` is the text to print.
     """
+    from attn_core.e2e.hf_version import require_transformers
     from attn_core.specs import DTYPES, _canonical_dtype
 
+    require_transformers()  # an older release's classes and defaults are not what it checks
     dtype = _canonical_dtype(dtype, DTYPES, "dtype")
     inputs = _resolve(model, stack)
     if prompts < 1 or max_new_tokens < 1:

@@ -492,14 +492,24 @@ def _shard_mamba2(mx: Any, rank: int, world: int, where: str) -> None:
     # Falcon-H1 without mamba_rms_norm gates with silu(z) and holds an Identity: nothing to split
     norm = getattr(mx, "norm", None)
     if norm is not None and not isinstance(norm, torch.nn.Identity):
-        if norm.group_size != inner // G:
+        size = getattr(norm, "group_size", None)
+        groups = G
+        if size is None and not hasattr(norm, "n_groups"):
+            # Bamba's and Granite-4.0-H's norm before transformers 5.23 has no groups: it
+            # normalises over all intermediate channels, whatever n_groups says (one group)
+            size, groups = inner, 1
+        elif size != inner // G:
             raise ValueError(
-                f"{where}: the gated norm's group_size {norm.group_size}, expected "
+                f"{where}: the gated norm's group_size {size}, expected "
                 f"intermediate_size {inner} / n_groups {G}"
             )
-        if world > G:  # this rank holds part of group rank * G // world (B, C replicated)
+        if world > groups:  # this rank holds part of a group (B, C replicated)
             mx.norm = ShardedGatedGroupRMSNorm(
-                norm.weight[head_idx], norm.variance_epsilon, norm.group_size, rank * G // world, G
+                norm.weight[head_idx],
+                norm.variance_epsilon,
+                size,
+                rank * groups // world,
+                groups,
             )
         else:  # whole groups on each rank: the module's own norm on its slice
             norm.weight = _param(norm.weight, head_idx)

@@ -419,11 +419,15 @@ _TYPE_KINDS: dict[str, str] = {
 
 
 # layer_types values no layer kind describes, and what they compute (named in the refusal).
+_QSA = (
+    "QSA sparse attention: per query a learned indexer scores blocks of mean-pooled keys and "
+    "the query attends only to the top-k blocks' tokens and its incomplete last block "
+    "(DeepSeek-style)"
+)
 _NO_KIND_TYPES: dict[str, str] = {
     # Qwen4-Exp (every attention module has the indexer; its config renames full_attention)
-    "indexed_attention": "QSA sparse attention: per query a learned indexer scores blocks of "
-    "mean-pooled keys and the query attends only to the top-k blocks' tokens and its "
-    "incomplete last block (DeepSeek-style)",
+    "indexed_attention": _QSA,
+    "qwen_sparse_attention": _QSA,  # the same layers' name before transformers 5.18
 }
 
 

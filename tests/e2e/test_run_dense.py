@@ -19,6 +19,7 @@ import pytest
 
 from attn_core.e2e.main import _driven_model_types
 from attn_core.models import MODEL_TYPE_FAMILIES
+from attn_core.testing.hf import since_transformers
 
 transformers = pytest.importorskip("transformers")
 
@@ -265,9 +266,26 @@ _FEATURE_CASES: list[tuple[str, dict[str, Any], int, str]] = [
 ]
 
 
+# What a case needs that came after the oldest transformers attn-core supports: it skips on an
+# older release, naming this (and runs on that release or a newer one).
+_SINCE: dict[str, pytest.MarkDecorator] = {
+    "exaone": since_transformers("5.24.0", "ExaoneConfig ('exaone')"),
+    "lfm3": since_transformers("5.23.0", "Lfm3Config ('lfm3')"),
+    # before it GPTJAttention computes attention in its own code: the mapping refuses GPT-J
+    # naming its modules (tests/test_hf_config_dense.py checks that on such a release)
+    "gptj": since_transformers("5.24.0", "GPTJAttention through the attention-function interface"),
+}
+
+
 @pytest.mark.parametrize(
     ("model_type", "extra", "layers", "shown"),
-    [*((t, {}, *_DEFAULTS_CASES[t]) for t in sorted(_DEFAULTS_CASES)), *_FEATURE_CASES],
+    [
+        pytest.param(*case, marks=_SINCE.get(case[0], ()))
+        for case in [
+            *((t, {}, *_DEFAULTS_CASES[t]) for t in sorted(_DEFAULTS_CASES)),
+            *_FEATURE_CASES,
+        ]
+    ],
 )
 def test_run_family_from_its_config_class_defaults(
     tmp_path: Path,
@@ -587,14 +605,17 @@ def test_dbrx_reads_its_kv_heads_from_attn_config(tmp_path: Path, run_on_cpu) ->
     """DBRX nests its KV heads (attn_config.kv_n_heads) and q/k/v clipping; a hub config.json
     has no top-level num_key_value_heads. Mapped from the nested field (4 query heads over 2 KV
     heads, not 4 over 4), it matches transformers."""
+    attn = {"kv_n_heads": 2, "clip_qkv": 0.5, "rope_theta": 10000.0}
+    ffn = {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2, "hidden_size": 64}
     cfg = transformers.CONFIG_MAPPING["dbrx"](
         d_model=64, n_heads=4, n_layers=2, max_seq_len=512, vocab_size=128,
         initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        attn_config={"kv_n_heads": 2, "clip_qkv": 0.5, "rope_theta": 10000.0},
-        ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2,
-                    "hidden_size": 64},
+        attn_config=attn, ffn_config=ffn,
     ).to_dict()  # fmt: skip
     cfg.pop("num_key_value_heads", None)  # as the hub's config.json has it
+    # and its nested configs as given (before transformers 5.20 the nested classes refuse the
+    # _name_or_path / output_attentions that to_dict writes into them)
+    cfg.update(attn_config=attn, ffn_config=ffn)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     report = run_on_cpu(str(path))

@@ -19,6 +19,7 @@ import pytest
 import attn_core.e2e.configs as configs_mod
 from attn_core.e2e import run_architecture
 from attn_core.e2e.configs import tiny_config
+from attn_core.testing.hf import since_transformers, transformers_before
 
 pytest.importorskip("transformers")
 
@@ -446,6 +447,7 @@ _GDN_SMALL = dict(
 )
 
 
+@since_transformers("5.24.0", "LaraMiniConfig ('lara_mini')")
 def test_run_lara_mini_matches_transformers(tmp_path: Path, run_on_cpu) -> None:
     """Lara-Mini: Qwen3.5's Gated DeltaNet (in_proj_qkv / _z / _b / _a) beside ungated GQA
     layers, ``sliding_attention`` ones with rope and ``full_attention`` ones with none (NoPE);
@@ -497,10 +499,12 @@ def test_qwen4_exp_indexed_attention_is_refused_naming_its_layers(tmp_path: Path
     from attn_core.models.hf_config import specs_from_hf_config
 
     cfg = Qwen4ExpTextConfig(num_hidden_layers=8, hc_lowrank=8, **_GDN_SMALL).to_dict()
-    assert cfg["layer_types"].count("indexed_attention") == 2
+    # the layers' name from transformers 5.18 on; qwen_sparse_attention before
+    name = "qwen_sparse_attention" if transformers_before("5.18.0") else "indexed_attention"
+    assert cfg["layer_types"].count(name) == 2
     with pytest.raises(ValueError) as err:
         specs_from_hf_config(cfg)
     msg = str(err.value)
-    assert "qwen4_exp_text: layer_types has 'indexed_attention' in layers 3,7" in msg, msg
+    assert f"qwen4_exp_text: layer_types has {name!r} in layers 3,7" in msg, msg
     assert "QSA" in msg and "top-k" in msg and "no layer kind" in msg, msg
     assert "is not supported" not in msg, msg  # the model type maps; those layers do not

@@ -153,9 +153,11 @@ def test_matches_hf_minimax_prefill_then_decode(mode: str) -> None:
     hidden = torch.randn(22, 32, generator=gen)
     cache = hf_minimax.MiniMaxCache()
     with torch.no_grad():
-        hf_prefill, _ = layer(hidden[None, :19], None, None, cache=cache)
+        # the cache positionally: its keyword is past_key_values before transformers 5.24,
+        # cache from 5.24 on (a keyword the module does not take is swallowed by **kwargs)
+        hf_prefill, _ = layer(hidden[None, :19], None, None, cache)
         steps = (19, 20, 21)
-        hf_decode = [layer(hidden[None, t : t + 1], None, None, cache=cache)[0] for t in steps]
+        hf_decode = [layer(hidden[None, t : t + 1], None, None, cache)[0] for t in steps]
         q, k, v = _hf_qkv(layer, hidden)
         pool = torch.zeros(1, H, DK, DK)  # MiniMax: value heads as wide as key heads
         meta = _batch([19], [0], [False], "cpu")

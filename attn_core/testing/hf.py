@@ -1,0 +1,34 @@
+"""Tests of what a transformers release has: skip markers naming the release that brought it.
+
+attn-core supports transformers from :data:`attn_core.e2e.hf_version.TRANSFORMERS_FLOOR` on;
+a test of a config class or modeling code that came in a later release skips on an older one,
+saying which (and runs wherever that release or a newer one is installed)::
+
+    pytest.param("exaone", ..., marks=since_transformers("5.24.0", "ExaoneConfig ('exaone')"))
+
+Not imported by :mod:`attn_core.testing`; the test modules import it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from attn_core.e2e.hf_version import installed_transformers, parse_version
+
+__all__ = ["since_transformers", "transformers_before"]
+
+
+def transformers_before(version: str) -> bool:
+    """Whether the installed transformers is older than ``version`` (False where it is not
+    installed: the test module's own ``importorskip`` says so)."""
+    have = installed_transformers()
+    return have is not None and parse_version(have) < parse_version(version)
+
+
+def since_transformers(version: str, what: str) -> pytest.MarkDecorator:
+    """Skip where the installed transformers is older than ``version``, the first release with
+    ``what`` (a config class, a modeling module's behaviour)."""
+    return pytest.mark.skipif(
+        transformers_before(version),
+        reason=f"{what}: transformers {version} or newer; this is {installed_transformers()}",
+    )
