@@ -79,7 +79,8 @@ PYTEST=(python3 -m pytest -v -p no:cacheprovider -p attn_core.testing.timing --t
 for stage in "$@"; do case $stage in
 info)
   nvidia-smi --query-gpu=index,name,compute_cap,memory.total,driver_version --format=csv >>"$OUT/summary.log"
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >>"$OUT/summary.log" 2>&1 ;;
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', \
+triton.__version__, 'transformers', transformers.__version__)" >>"$OUT/summary.log" 2>&1 ;;
 fi_install)
   dir=${FI_WHEELS:?fi_install needs FI_WHEELS=DIR}
   rm -rf /tmp/site/flashinfer /tmp/site/flashinfer_python-*.dist-info  # the release carried before
