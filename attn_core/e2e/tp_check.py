@@ -212,6 +212,18 @@ _BUILDERS: dict[str, _Builder] = {
     ),
     "phi3": _config("dense", "Phi3Config", num_hidden_layers=2, partial_rotary_factor=0.5),
     "olmo2": _config("dense", "Olmo2Config", num_hidden_layers=2),  # q / k norms over all heads
+    # per-layer query head counts (4 and 8: 2 and 4 per rank) over 2 KV heads, an output gate
+    "laguna": _config(
+        "dense",
+        "LagunaConfig",
+        num_hidden_layers=4,
+        head_dim=16,
+        num_attention_heads_per_layer=[4, 8, 4, 8],
+    ),
+    # the same gate per (head, channel)
+    "laguna-channel-gate": _config(
+        "dense", "LagunaConfig", num_hidden_layers=2, head_dim=16, gating="per-element"
+    ),
     "ministral": _config(
         "dense",
         "MinistralConfig",

@@ -312,9 +312,9 @@ def _shard_encoder_attention(at: Any, spec: LayerSpec, rank: int, world: int, wh
 
 
 def _shard_full(at: Any, spec: LayerSpec, rank: int, world: int, where: str) -> None:
-    """q / k / v (fused or not; Qwen3-Next's query carries its gate per head) column
-    parallel, the output projection row parallel, sinks and whole-projection q / k norms
-    per head."""
+    """q / k / v (fused or not; Qwen3-Next's query carries its gate per head) and an output
+    gate projection (``g_proj``: Laguna, LFM3) column parallel, the output projection row
+    parallel, sinks and whole-projection q / k norms per head."""
     D, Dv, H = spec.head_dim, spec.head_dim_v, spec.num_heads * world
     where = f"{where} ({type(at).__name__})"
     if hasattr(at, "qkv_proj"):  # Phi-3: one projection, q | k | v
@@ -358,6 +358,15 @@ def _shard_full(at: Any, spec: LayerSpec, rank: int, world: int, where: str) -> 
         )
     if getattr(at, "sinks", None) is not None:  # gpt-oss: one sink logit per query head
         at.sinks = _param(at.sinks, head_indices([(H, H)], rank, world, where=f"{where} sinks"))
+    gate = getattr(at, "g_proj", None)  # an output gate after the op, from the layer's input
+    if isinstance(gate, torch.nn.Linear):  # Laguna, LFM3: one per head, or one per channel
+        if gate.out_features not in (H, H * Dv):
+            raise ValueError(
+                f"{where}: g_proj has {gate.out_features} outputs, expected {H} heads or "
+                f"{H} heads * {Dv}"
+            )
+        per = _segments(H, gate.out_features // H)
+        at.g_proj = _rows(gate, head_indices(per, rank, world, where=f"{where} g_proj"))
     out_name = "o_proj" if hasattr(at, "o_proj") else "out_proj"
     out = getattr(at, out_name)
     cols = head_indices(_segments(H, Dv), rank, world, where=f"{where} {out_name}")
