@@ -224,6 +224,29 @@ _BUILDERS: dict[str, _Builder] = {
     "laguna-channel-gate": _config(
         "dense", "LagunaConfig", num_hidden_layers=2, head_dim=16, gating="per-element"
     ),
+    # an output gate per channel (gate_proj) and q / k norms around the op, sliding layers
+    "afmoe": _config(
+        "dense",
+        "AfmoeConfig",
+        num_hidden_layers=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        num_dense_layers=1,
+        sliding_window=8,
+        global_attn_every_n_layers=2,
+    ),
+    # a LayerNorm per head over q and k (a ModuleList: the rank keeps its heads'), views by
+    # the module's own head counts
+    "stablelm": _config(
+        "dense", "StableLmConfig", num_hidden_layers=2, qk_layernorm=True, use_qkv_bias=True
+    ),
+    # layers under decoder.layers; multi-head (OPT has no num_key_value_heads: none written)
+    "opt": _config(
+        "dense", "OPTConfig", num_hidden_layers=2, ffn_dim=128, num_key_value_heads=None
+    ),
+    "phi": _config("dense", "PhiConfig", num_hidden_layers=2),  # the output projection `dense`
     "ministral": _config(
         "dense",
         "MinistralConfig",

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from attn_core.e2e.adapters import _decoder
+from attn_core.e2e.adapters import _attention_module, _decoder, _layers
 from attn_core.e2e.configs import TinyModel
 from attn_core.specs import LayerKind, LayerSpec, LinearVariant
 
@@ -227,7 +227,7 @@ def shard_model(model: TinyModel, rank: int, world: int) -> None:
     if model.is_encoder:
         _shard_encoder(model, rank, world)
         return
-    layers = _decoder(model.hf).layers
+    layers = _layers(_decoder(model.hf))  # most: layers; GPT-2: h; OPT: decoder.layers
     # op by op: a parallel hybrid's layer (Falcon-H1) holds an attention and a linear op
     ops = sorted(
         ((i, g.spec) for g in model.layout.groups for i in g.layer_indices), key=lambda o: o[0]
@@ -237,7 +237,8 @@ def shard_model(model: TinyModel, rank: int, world: int) -> None:
         where = f"{model.name} layer {i}"
         if spec.kind is LayerKind.FULL:
             # Nemotron-H's blocks hold every mixer, attention too, as .mixer
-            _shard_full(getattr(layer, "self_attn", None) or layer.mixer, spec, rank, world, where)
+            at = getattr(layer, "mixer", None) or _attention_module(layer)
+            _shard_full(at, spec, rank, world, where)
         elif spec.kind is LayerKind.MLA:
             _shard_mla(layer.self_attn, spec, rank, world, where)
         elif spec.linear_variant is LinearVariant.GATED_DELTANET:
@@ -329,7 +330,7 @@ def _shard_full(at: Any, spec: LayerSpec, rank: int, world: int, where: str) -> 
         at.config = _RankConfig(
             at.config, num_attention_heads=spec.num_heads, num_key_value_heads=local_kv
         )
-    else:
+    elif all(isinstance(getattr(at, n, None), torch.nn.Linear) for n in ("q_proj", "k_proj")):
         q_rows = at.q_proj.out_features  # Qwen3-Next: [q | gate] per head, 2 * D rows each
         Hkv = at.k_proj.out_features // D
         q_where = f"{where} num_attention_heads"
@@ -338,6 +339,11 @@ def _shard_full(at: Any, spec: LayerSpec, rank: int, world: int, where: str) -> 
         at.k_proj = _rows(at.k_proj, kv)
         vv = head_indices(_segments(Hkv, Dv), rank, world, where=f"{where} num_key_value_heads")
         at.v_proj = _rows(at.v_proj, vv)
+    else:  # GPT-2's Conv1D c_attn, GPT-NeoX's interleaved query_key_value, JetMoE's experts
+        raise ValueError(
+            f"{where}: no tensor-parallel sharding for this attention module (expected "
+            "q_proj / k_proj / v_proj or a fused qkv_proj)"
+        )
     for name, heads in (("q_norm", H), ("k_norm", Hkv)):
         norm = getattr(at, name, None)
         weight = getattr(norm, "weight", None)
@@ -358,16 +364,32 @@ def _shard_full(at: Any, spec: LayerSpec, rank: int, world: int, where: str) -> 
         )
     if getattr(at, "sinks", None) is not None:  # gpt-oss: one sink logit per query head
         at.sinks = _param(at.sinks, head_indices([(H, H)], rank, world, where=f"{where} sinks"))
-    gate = getattr(at, "g_proj", None)  # an output gate after the op, from the layer's input
-    if isinstance(gate, torch.nn.Linear):  # Laguna, LFM3: one per head, or one per channel
+    for name in ("g_proj", "gate_proj"):  # an output gate after the op, from the layer's input
+        gate = getattr(at, name, None)  # Laguna, LFM3: one per head; AFMoE: one per channel
+        if not isinstance(gate, torch.nn.Linear):
+            continue
         if gate.out_features not in (H, H * Dv):
             raise ValueError(
-                f"{where}: g_proj has {gate.out_features} outputs, expected {H} heads or "
+                f"{where}: {name} has {gate.out_features} outputs, expected {H} heads or "
                 f"{H} heads * {Dv}"
             )
         per = _segments(H, gate.out_features // H)
-        at.g_proj = _rows(gate, head_indices(per, rank, world, where=f"{where} g_proj"))
-    out_name = "o_proj" if hasattr(at, "o_proj") else "out_proj"
+        setattr(at, name, _rows(gate, head_indices(per, rank, world, where=f"{where} {name}")))
+    # modules that view their projections by their own head counts (StableLM) get the rank's
+    local_kv = max(Hkv // world, 1)
+    for attr, local in (("num_heads", spec.num_heads), ("num_key_value_heads", local_kv)):
+        if isinstance(getattr(at, attr, None), int):
+            setattr(at, attr, local)
+    for name, heads in (("q_layernorm", H), ("k_layernorm", Hkv)):  # StableLM: a norm per head
+        norms = getattr(getattr(at, name, None), "norms", None)
+        if isinstance(norms, torch.nn.ModuleList) and len(norms) == heads:
+            keep = head_indices([(heads, heads)], rank, world, where=f"{where} {name}")
+            per_head = getattr(at, name)
+            per_head.norms = torch.nn.ModuleList(norms[int(h)] for h in keep)
+            per_head.num_heads = len(per_head.norms)
+    out_name = next((n for n in ("o_proj", "out_proj", "dense") if hasattr(at, n)), None)
+    if out_name is None:
+        raise ValueError(f"{where}: no output projection (o_proj, out_proj or dense) to split")
     out = getattr(at, out_name)
     cols = head_indices(_segments(H, Dv), rank, world, where=f"{where} {out_name}")
     setattr(at, out_name, _columns(out, cols))

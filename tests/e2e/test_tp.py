@@ -165,6 +165,28 @@ def test_shard_model_refuses_a_layout_of_another_tp_size() -> None:
         shard_model(model, 0, 2)
 
 
+@pytest.mark.parametrize(
+    ("cls_name", "module"),
+    [("GPT2Config", "GPT2Attention"), ("GPTBigCodeConfig", "GPTBigCodeAttention")],
+)
+def test_shard_model_refuses_an_attention_it_cannot_split_by_name(
+    cls_name: str, module: str
+) -> None:
+    """GPT-2's fused Conv1D ``c_attn`` (and GPT-BigCode's) has no sharding: the refusal names
+    the layer and the module, not an AttributeError from inside the sharder."""
+    import transformers
+
+    from attn_core.e2e.configs import build_tiny
+    from attn_core.e2e.tp_shard import shard_model
+
+    cfg = getattr(transformers, cls_name)(
+        n_embd=64, n_head=4, n_layer=1, vocab_size=256, n_positions=64
+    ).to_dict()
+    model = build_tiny("dense", tp_size=2, config=cfg)
+    with pytest.raises(ValueError, match=rf"layer 0 \({module}\): no tensor-parallel sharding"):
+        shard_model(model, 0, 2)
+
+
 def test_head_indices_split_and_replicate() -> None:
     from attn_core.e2e.tp_shard import head_indices
 
