@@ -314,8 +314,10 @@ def _shard_encoder_attention(at: Any, spec: LayerSpec, rank: int, world: int, wh
 
 def _shard_full(at: Any, spec: LayerSpec, rank: int, world: int, where: str) -> None:
     """q / k / v (fused or not; Qwen3-Next's query carries its gate per head) and an output
-    gate projection (``g_proj``: Laguna, LFM3) column parallel, the output projection row
-    parallel, sinks and whole-projection q / k norms per head."""
+    gate projection (``g_proj``: Laguna, LFM3; ``gate_proj``: AFMoE) column parallel, the
+    output projection (``o_proj``, ``out_proj`` or ``dense``) row parallel, sinks,
+    whole-projection q / k norms and StableLM's per-head norm modules per head, and the
+    module's own head counts set to the rank's; any other projection layout is refused."""
     D, Dv, H = spec.head_dim, spec.head_dim_v, spec.num_heads * world
     where = f"{where} ({type(at).__name__})"
     if hasattr(at, "qkv_proj"):  # Phi-3: one projection, q | k | v

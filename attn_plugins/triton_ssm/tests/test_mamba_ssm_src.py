@@ -25,13 +25,18 @@ SCRIPT = ROOT / "scripts" / "pack_mamba_ssm_src.sh"
 PACKED_DIR = ROOT / ".ext" / "mamba_ssm_src"
 
 
-@pytest.fixture(scope="module")
-def mss():
+def _bench_module(name: str):
+    """Import ``name`` from the bench folder (not a package) for a module's tests."""
     sys.path.insert(0, str(BENCH))
     try:
-        yield importlib.import_module("mamba_ssm_scan")
+        yield importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def mss():
+    yield from _bench_module("mamba_ssm_scan")
 
 
 def _script_files() -> list[str]:
@@ -180,11 +185,7 @@ def test_packed_dir_is_complete_and_records_a_commit(mss):
 # --- the bench's side -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("bench_ssm")
-    finally:
-        sys.path.remove(str(BENCH))
+    yield from _bench_module("bench_ssm")
 
 
 def test_check_verdict(bench):
