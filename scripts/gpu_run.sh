@@ -11,8 +11,10 @@
 #           t_mamba1                                        (Mamba1: triton_ssm and e2e tests)
 #           t_generic                                       (generic adapter on the GPU plugins)
 #           b_fi b_ssm b_runtime b_e2e b_kvw b_tuned        (benchmarks, JSON under $OUT)
-#           b_ssd b_gdn b_kda b_mamba1                      (triton_ssm prefill rows, one each;
-#                                                            b_mamba1 carries .ext: mamba_ssm's scan)
+#           b_ssd b_gdn b_kda b_mamba1 b_ssd_ref            (triton_ssm prefill rows, one each;
+#                                                            b_mamba1 carries .ext: mamba_ssm's scan;
+#                                                            b_ssd_ref carries .ext: mamba_ssm's
+#                                                            Triton SSD, our SSD timed against it)
 #           b_sweep                                         (triton_ssm decode tilings vs copy)
 #           run                                             (attn run --model all)
 #           NAME=COMMAND                                    (any shell command, logged as NAME)
@@ -139,6 +141,12 @@ b_mamba1)  # Mamba1 prefill against mamba_ssm's CUDA scan, built here from the c
   run b_mamba1_build 400 python3 attn_plugins/triton_ssm/bench/mamba_ssm_scan.py
   run b_mamba1 300 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --prefill --only mamba1_prefill \
     --budget-s 280 --out "$OUT/bench_mamba1.json" ;;
+b_ssd_ref)  # Mamba2 SSD prefill against mamba_ssm's Triton mamba_chunk_scan_combined, imported
+  # from the carried .ext/mamba_ssm_triton (scripts/pack_mamba_ssm_triton.sh; pure Triton, no
+  # build; its kernels autotune on the first call, tens of seconds). BENCH_SSD_REF_ARGS: e.g.
+  # "--mamba-ssm-chunk 128 --our-chunk 256"
+  run b_ssd_ref 330 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --only mamba2_vs_mamba_ssm \
+    --no-fla ${BENCH_SSD_REF_ARGS:-} --budget-s 310 --out "$OUT/bench_ssd_ref.json" ;;
 b_kda) run b_kda 360 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --prefill --only kda_prefill --budget-s 340 --out "$OUT/bench_kda.json" ;;
 b_tuned)  # the --out file stays on the machine (bench-out/): a call cut at its limit is resumed
   # by the next b_tuned on the same warm machine (same BENCH_TUNED_ARGS)

@@ -38,6 +38,18 @@ Sections:
   and 32768 as one and 16 requests: ``impl="triton"`` (chunk 64, 128 and 256, each with and
   without the hi/lo split), ``impl="fla"``, ``impl="torch"`` (T = 8192, one request); tokens/s, the
   ratio to fla's rate in the same run and to the published fused SSD rate.
+* mamba2_vs_mamba_ssm (``--vs-mamba-ssm``, or ``--only mamba2_vs_mamba_ssm``): the same granite
+  shape, T = 8192 and 32768 as one and 16 requests: our SSD (``impl="triton"``, our default
+  chunk unless ``--our-chunk``) against mamba_ssm's Triton ``mamba_chunk_scan_combined`` (chunk
+  ``--mamba-ssm-chunk``, default 256 as in its Mamba2 module; ``dt_bias``, ``dt_softplus=True``,
+  the ``D`` skip, no ``z``; its default bf16 inter-chunk states and ``state_dtype=float32``),
+  from the installed mamba_ssm, else from the sources ``scripts/pack_mamba_ssm_triton.sh``
+  packs into ``.ext/mamba_ssm_triton`` (``mamba_ssm_ssd.py``; an error row saying how where
+  neither is there). The 16 requests go to it as its batch and, a second row, as one packed
+  row with ``seq_idx`` (zero initial states there). Alternating rounds in one process, median
+  of each; tokens/s of both, our rate over its, and the check: max relative difference of the
+  outputs and final states (``MISMATCH`` above 2e-2), and of both to the float32 torch SSD.
+  Alone: ``bench_ssm.py --only mamba2_vs_mamba_ssm --no-fla --budget-s 280 --out x.json``.
 * lightning_decode: MiniMax-Text-01's lightning layer (H=64, Dk=Dv=128, one rank), B = 64..2048,
   fp32 state: ours (the Mamba2 decode kernel with dt = 1, A_log = log slope, as the plugin
   calls it) and fla ``fused_recurrent_simple_gla`` (``g_gamma`` = -slope) on a dense gathered
@@ -88,7 +100,8 @@ HK, HV, D = 16, 32, 128
 KDA_H, KDA_D = 32, 128
 GB = 1e9
 BATCHES = [64, 256, 1024, 2048]
-#: The fused SSD kernel's published prefill rate on an H100 (about 2.3e7 tokens/s).
+#: The fused SSD kernel's published prefill rate on an H100 (about 2.3e7 tokens/s). The
+#: mamba2_vs_mamba_ssm section measures mamba_ssm's kernel itself, on the same GPU.
 MAMBA2_PUBLISHED_MTOK = 23.0
 # (block_v, num_warps, programs_per_sm); programs_per_sm 0 = one program per work item,
 # None = as many as fit on an SM at once (the default).
@@ -752,23 +765,26 @@ def job_mamba1_prefill(
     return {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6}
 
 
-def _mamba2_prefill_inputs(T: int, n_seq: int, H=128, G=1, N=128, P=64) -> dict:
+def _mamba2_prefill_inputs(T: int, n_seq: int, H=128, G=1, N=128, P=64, device: str = "cuda",
+                           dtype: str = "bfloat16") -> dict:  # fmt: skip
     """Inputs of a Mamba2 mixer prefill, granite-4.0-h-small-like by default (128 heads of 64,
-    state 128, one group): ``T`` tokens as ``n_seq`` requests in slots 2.. of a pool."""
+    state 128, one group): ``T`` tokens as ``n_seq`` requests in slots 2.. of a pool;
+    ``dtype`` of ``x``, ``dt``, ``B``, ``C`` (the rest float32)."""
     import torch
 
     torch.manual_seed(0)
+    act = getattr(torch, dtype)
     cu_cpu = torch.linspace(0, T, n_seq + 1).round().int()
     return {
-        "x": torch.randn(T, H, P, device="cuda", dtype=torch.bfloat16),
-        "dt": torch.randn(T, H, device="cuda", dtype=torch.bfloat16),
-        "A_log": torch.randn(H, device="cuda"),
-        "B": torch.randn(T, G, N, device="cuda", dtype=torch.bfloat16),
-        "C": torch.randn(T, G, N, device="cuda", dtype=torch.bfloat16),
-        "D": torch.randn(H, device="cuda"),
-        "dt_bias": torch.randn(H, device="cuda"),
-        "ssm_state": torch.randn(n_seq + 4, H, N, P, device="cuda") * 0.01,
-        "state_indices": torch.arange(n_seq, device="cuda", dtype=torch.int32) + 2,
+        "x": torch.randn(T, H, P, device=device, dtype=act),
+        "dt": torch.randn(T, H, device=device, dtype=act),
+        "A_log": torch.randn(H, device=device),
+        "B": torch.randn(T, G, N, device=device, dtype=act),
+        "C": torch.randn(T, G, N, device=device, dtype=act),
+        "D": torch.randn(H, device=device),
+        "dt_bias": torch.randn(H, device=device),
+        "ssm_state": torch.randn(n_seq + 4, H, N, P, device=device) * 0.01,
+        "state_indices": torch.arange(n_seq, device=device, dtype=torch.int32) + 2,
         "cu_seqlens_cpu": cu_cpu,
     }
 
@@ -794,6 +810,136 @@ def job_mamba2_prefill(T: int, n_seq: int, impl: str, H=128, G=1, N=128, P=64,
 
     ms = _bench(run, warmup=3, rep=20)
     return {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6}
+
+
+#: Largest max |ours - mamba_ssm| / max |mamba_ssm| (output, final states) the
+#: mamba2_vs_mamba_ssm check passes: mamba_ssm rounds its inter-chunk states (by default) and
+#: its decayed ``C B^T`` blocks to bf16 before the dots (~2^-9 of a value each), ours keeps
+#: them in float32; a wrong decay, skip or state layout is off by tens of percent.
+MAMBA2_CHECK_TOL = 2e-2
+#: ``state_dtypes`` of :func:`job_mamba2_vs_mamba_ssm`: ``"default"`` (its ``state_dtype=None``:
+#: inter-chunk states in the activations' dtype, what its Mamba2 module runs) and float32
+#: (our SSD's default, the same precision as ours).
+MAMBA_SSM_STATE_DTYPES = ("default", "float32")
+
+
+def _mamba_ssm_ssd():
+    """``(mamba_chunk_scan_combined, provider)``: the installed mamba_ssm's, else the one
+    ``scripts/pack_mamba_ssm_triton.sh`` packed into ``.ext/mamba_ssm_triton``
+    (``mamba_ssm_ssd.py``). Raises ``RuntimeError("skipped: ...")`` with the fix if neither
+    imports (einops missing included)."""
+    return _bench_module("mamba_ssm_ssd").load()
+
+
+def _bench_module(name: str):
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import importlib
+
+    return importlib.import_module(name)
+
+
+def _mamba_ssm_variant(sd: str) -> str:
+    """The row's key prefix of one of :data:`MAMBA_SSM_STATE_DTYPES`."""
+    return "mamba_ssm" if sd == "default" else f"mamba_ssm_{sd}"
+
+
+def job_mamba2_vs_mamba_ssm(
+    T: int, n_seq: int, layout: str = "batch", chunk_size: int = 256,
+    our_chunk: int | None = None, state_dtypes: tuple[str, ...] = MAMBA_SSM_STATE_DTYPES,
+    rounds: int = 5, with_ref: bool = True, impl: str = "triton", H=128, G=1, N=128, P=64,
+    device: str = "cuda", dtype: str = "bfloat16",
+) -> dict:  # fmt: skip
+    """Our SSD prefill (``mamba2_prefill(impl="triton")`` as :func:`job_mamba2_prefill` times
+    it, chunk ``our_chunk``, None: our default) against mamba_ssm's Triton
+    ``mamba_chunk_scan_combined`` (chunk ``chunk_size``, each of ``state_dtypes``) at the
+    granite shape, in ONE process: ``rounds`` alternating rounds of ``_bench`` each, median
+    per provider; ``speed`` = our tokens/s over its. First the check: our output and final
+    states from the same initial states (``layout="varlen"``: zero, see ``mamba_ssm_ssd.py``)
+    against its (max abs / relative difference, ``check`` ok or MISMATCH above
+    :data:`MAMBA2_CHECK_TOL`), and both against the float32 torch chunked SSD (``with_ref``).
+    ``device="cpu"`` (TRITON_INTERPRET=1, MAMBA_DETERMINISTIC=1, small shapes, ``impl`` as
+    wanted) runs the check only; there ``dtype="float32"``: Triton 3.9's interpreter computes
+    ``tl.dot`` of bf16 operands wrong (~1e10 off), which mamba_ssm's kernels run in x's dtype."""
+    import statistics
+
+    import torch
+    from attn_plugin_triton_ssm.kernels import mamba2_prefill
+    from attn_plugin_triton_ssm.kernels.ssd import DEFAULT_CHUNK
+
+    mss = _bench_module("mamba_ssm_ssd")
+    fn, provider = _mamba_ssm_ssd()
+    a = _mamba2_prefill_inputs(T, n_seq, H, G, N, P, device=device, dtype=dtype)
+    cu_cpu = a.pop("cu_seqlens_cpu")
+    cu = cu_cpu.to(device)
+    idx = a["state_indices"].long()
+    if layout == "varlen":  # its initial_states would reach the first request only
+        a["ssm_state"][idx] = 0.0
+    state0 = a["ssm_state"].clone()
+    row: dict = {"mamba_ssm": provider, "layout": layout, "chunk_size": chunk_size,
+                 "our_chunk": our_chunk or DEFAULT_CHUNK, "impl": impl}  # fmt: skip
+
+    def ours_on(state, impl=impl, chunk=our_chunk):
+        return mamba2_prefill(a["x"], a["dt"], a["A_log"], a["B"], a["C"], state,
+                              a["state_indices"], cu, D=a["D"], dt_bias=a["dt_bias"],
+                              cu_seqlens_cpu=cu_cpu, impl=impl, chunk_size=chunk)  # fmt: skip
+
+    # its calls, prepared (initial states gathered from state0) before ours overwrites slots
+    theirs = {_mamba_ssm_variant(sd): mss.call(fn, a, cu_cpu, layout, chunk_size,
+                                               None if sd == "default" else getattr(torch, sd))
+              for sd in state_dtypes}  # fmt: skip
+    st = state0.clone()
+    y = ours_on(st)
+    s_ours = st[idx]
+    ref = None
+    if with_ref:
+        try:
+            st_r = state0.clone()
+            ref = (ours_on(st_r, impl="torch", chunk=None), st_r[idx])
+            row.update(_diff("ours_ref_out", y, ref[0]))
+            row.update(_diff("ours_ref_state", s_ours, ref[1]))
+        except Exception as e:  # e.g. out of memory: the comparison with mamba_ssm stands
+            row["ref_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            ref = None
+    failed = []
+    for name, (run, unpack) in theirs.items():
+        try:
+            y_m, s_m = unpack(run())
+            row.update(_diff(f"{name}_out", y, y_m))
+            row.update(_diff(f"{name}_state", s_ours, s_m))
+            row[f"{name}_check"] = _check_verdict(row[f"{name}_out_maxrel"],
+                                                  row[f"{name}_state_maxrel"],
+                                                  tol=MAMBA2_CHECK_TOL)  # fmt: skip
+            if ref is not None:
+                row.update(_diff(f"{name}_ref_out", y_m, ref[0]))
+                row.update(_diff(f"{name}_ref_state", s_m, ref[1]))
+        except Exception as e:
+            row[f"{name}_check"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            failed.append(name)
+    del y, s_ours, ref
+    checks = [row[f"{_mamba_ssm_variant(sd)}_check"] for sd in state_dtypes]
+    row["check"] = "ok" if all(c == "ok" for c in checks) else next(c for c in checks if c != "ok")
+    if device == "cpu":  # dry run: the check only
+        return row
+
+    pool = a["ssm_state"]  # overwritten by each of our calls, as in job_mamba2_prefill
+    fns = {"ours": lambda: ours_on(pool), **{n: r for n, (r, _) in theirs.items()
+                                             if n not in failed}}  # fmt: skip
+    times: dict[str, list[float]] = {n: [] for n in fns}
+    for _ in range(rounds):
+        for name, f in fns.items():
+            times[name].append(_bench(f, warmup=3, rep=20))
+    med = {n: statistics.median(ts) for n, ts in times.items()}
+    row.update(ms=med["ours"], Mtok_per_s=T / (med["ours"] * 1e-3) / 1e6,
+               ms_rounds=times["ours"])  # fmt: skip
+    for name in fns:
+        if name == "ours":
+            continue
+        row[f"{name}_ms"], row[f"{name}_ms_rounds"] = med[name], times[name]
+        row[f"{name}_Mtok_per_s"] = T / (med[name] * 1e-3) / 1e6
+        row[f"{name}_speed"] = med[name] / med["ours"]  # our tokens/s over its
+    return row
 
 
 #: Mamba2 SSD variants timed by ``--mamba2-sweep``, most telling first (a job cut off by the
@@ -1014,6 +1160,7 @@ JOBS = {
     "l2norm_sweep": job_l2norm_sweep,
     "mamba2_decode": job_mamba2_decode,
     "mamba2_prefill": job_mamba2_prefill,
+    "mamba2_vs_mamba_ssm": job_mamba2_vs_mamba_ssm,
     "mamba1_decode": job_mamba1_decode,
     "mamba1_prefill": job_mamba1_prefill,
     "plugin_step": job_plugin_step,
@@ -1112,6 +1259,41 @@ def run_isolated(jobs: list[dict], results: list[dict], timeout_s: float) -> Non
             break
 
 
+def _vs_mamba_ssm_text(r: dict) -> str:
+    """The mamba2_vs_mamba_ssm row's lines after our ms and Mtok/s: each mamba_ssm variant's
+    rate, our rate over it, the differences to it and the check; the float32 torch
+    reference's differences."""
+
+    def rel(key: str) -> str:
+        return f"{r[key]:.1e}" if key in r else "-"
+
+    val = f"  ({r.get('mamba_ssm', '?')}, {r.get('layout')}, its chunk {r.get('chunk_size')}, ours "
+    val += f"{r.get('our_chunk')})"
+    for sd in MAMBA_SSM_STATE_DTYPES:
+        name = _mamba_ssm_variant(sd)
+        if f"{name}_check" not in r and f"{name}_ms" not in r:
+            continue
+        states = "its default states" if sd == "default" else f"state_dtype={sd}"
+        line = f"\n{'':<16}mamba_ssm ({states}): "
+        if f"{name}_ms" in r:
+            line += (f"{r[f'{name}_ms']:.3f} ms  {r[f'{name}_Mtok_per_s']:.2f} Mtok/s, ours "
+                     f"{r[f'{name}_speed']:.2f} x its rate")  # fmt: skip
+        else:
+            line += "not timed"
+        line += (f"; ours vs it: out rel {rel(f'{name}_out_maxrel')}, state rel "
+                 f"{rel(f'{name}_state_maxrel')} {r.get(f'{name}_check', '')}")  # fmt: skip
+        if f"{name}_ref_out_maxrel" in r:
+            line += (f"; it vs float32 torch: out rel {rel(f'{name}_ref_out_maxrel')}, state rel "
+                     f"{rel(f'{name}_ref_state_maxrel')}")  # fmt: skip
+        val += line
+    if "ours_ref_out_maxrel" in r:
+        val += (f"\n{'':<16}ours vs float32 torch: out rel {rel('ours_ref_out_maxrel')}, state "
+                f"rel {rel('ours_ref_state_maxrel')}")  # fmt: skip
+    elif "ref_error" in r:
+        val += f"\n{'':<16}float32 torch reference: {r['ref_error'][:100]}"
+    return val
+
+
 def _table(results: list, copy_bw: float | None) -> str:
     lines = []
     for r in results:
@@ -1153,6 +1335,8 @@ def _table(results: list, copy_bw: float | None) -> str:
                             f"(rel {r['state_maxrel']:.1e})")  # fmt: skip
                 if r["check"] != "ok":
                     val += f"  {r['check']}"
+            if r["section"] == "mamba2_vs_mamba_ssm":
+                val += _vs_mamba_ssm_text(r)
             if r["section"] == "mamba2_sweep":
                 val += f"  ({r['Mtok_per_s'] / MAMBA2_PUBLISHED_MTOK:.2f} x published fused SSD)"
                 val += f"  max rel. diff: to default {r.get('maxrel_default', float('nan')):.1e}"
@@ -1202,6 +1386,21 @@ def _table(results: list, copy_bw: float | None) -> str:
     return "\n".join(lines)
 
 
+def _vs_mamba_ssm_jobs(job, chunk_size: int = 256, our_chunk: int | None = None) -> list[dict]:
+    """The mamba2_vs_mamba_ssm jobs: T = 8192 and 32768 as one request and as 16 of equal
+    length, mamba_ssm given them as its batch; the 16 also as one packed row (``seq_idx``,
+    what a server's mixed batch passes). ``job`` is ``main``'s job builder."""
+    jobs = []
+    for T in (8192, 32768):
+        for n_seq in (1, 16):
+            for layout in ("batch", "varlen") if n_seq > 1 else ("batch",):
+                p = {"section": "mamba2_vs_mamba_ssm", "T": T, "n_seq": n_seq,
+                     "provider": f"ours vs mamba_ssm {layout}"}  # fmt: skip
+                jobs.append(job("mamba2_vs_mamba_ssm", p, T=T, n_seq=n_seq, layout=layout,
+                                chunk_size=chunk_size, our_chunk=our_chunk))  # fmt: skip
+    return jobs
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="JSON results path")
@@ -1217,11 +1416,29 @@ def main(argv: list[str] | None = None) -> int:
         "--mamba2-sweep", action="store_true", help="Triton SSD tilings at the granite shape"
     )
     ap.add_argument("--l2norm-sweep", action="store_true", help="l2norm_qk block sizes")
+    ap.add_argument(
+        "--vs-mamba-ssm", action="store_true",
+        help="our SSD against mamba_ssm's Triton mamba_chunk_scan_combined (section "
+        "mamba2_vs_mamba_ssm; also run by --only mamba2_vs_mamba_ssm)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--mamba-ssm-chunk",
+        type=int,
+        default=256,
+        help="mamba2_vs_mamba_ssm: mamba_ssm's chunk_size (256: its Mamba2 default)",
+    )
+    ap.add_argument(
+        "--our-chunk",
+        type=int,
+        default=None,
+        help="mamba2_vs_mamba_ssm: our SSD's chunk_size (default: ours)",
+    )
     ap.add_argument("--budget-s", type=float, default=600.0, help="wall-clock budget")
     ap.add_argument(
         "--only",
         help="comma-separated sections to run (gdn_decode, mamba2_decode, mamba1_decode, "
-        "gdn_prefill, kda_prefill, mamba2_prefill, mamba1_prefill, lightning_decode, "
+        "gdn_prefill, kda_prefill, mamba2_prefill, mamba2_vs_mamba_ssm, mamba1_prefill, "
+        "lightning_decode, "
         "lightning_prefill, short_conv_decode, plugin_step); the copy rows always run",
     )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -1338,6 +1555,8 @@ def main(argv: list[str] | None = None) -> int:
         for T, n_seq in ((8192, 1), (32768, 16)):
             p = {"section": "mamba2_sweep", "T": T, "n_seq": n_seq}
             prefill.append(job("mamba2_sweep", p, T=T, n_seq=n_seq))
+    if args.vs_mamba_ssm or "mamba2_vs_mamba_ssm" in (args.only or "").split(","):
+        prefill += _vs_mamba_ssm_jobs(job, args.mamba_ssm_chunk, args.our_chunk)
     if args.l2norm_sweep:
         for T in (8192, 32768):
             prefill.append(job("l2norm_sweep", {"section": "l2norm_sweep", "T": T}, T=T))
