@@ -821,6 +821,14 @@ MAMBA2_CHECK_TOL = 2e-2
 #: inter-chunk states in the activations' dtype, what its Mamba2 module runs) and float32
 #: (our SSD's default, the same precision as ours).
 MAMBA_SSM_STATE_DTYPES = ("default", "float32")
+#: Our SSD's variants beside the default that :func:`job_mamba2_vs_mamba_ssm` times in the same
+#: rounds, as the triton_ssm options select them: ``ssd_states=activations`` (entering states
+#: stored in bf16) and ``ssd_dots=activations`` (float32 dot operands rounded to bf16, no hi/lo
+#: split, states in bf16: what mamba_ssm computes).
+OUR_SSD_VARIANTS = {
+    "ours_states_act": {"states_dtype": "activations"},
+    "ours_dots_act": {"precise": False},
+}
 
 
 def _mamba_ssm_ssd():
@@ -850,6 +858,7 @@ def job_mamba2_vs_mamba_ssm(
     our_chunk: int | None = None, state_dtypes: tuple[str, ...] = MAMBA_SSM_STATE_DTYPES,
     rounds: int = 5, with_ref: bool = True, impl: str = "triton", H=128, G=1, N=128, P=64,
     device: str = "cuda", dtype: str = "bfloat16",
+    our_variants: tuple[str, ...] = tuple(OUR_SSD_VARIANTS),
 ) -> dict:  # fmt: skip
     """Our SSD prefill (``mamba2_prefill(impl="triton")`` as :func:`job_mamba2_prefill` times
     it, chunk ``our_chunk``, None: our default) against mamba_ssm's Triton
@@ -861,7 +870,10 @@ def job_mamba2_vs_mamba_ssm(
     :data:`MAMBA2_CHECK_TOL`), and both against the float32 torch chunked SSD (``with_ref``).
     ``device="cpu"`` (TRITON_INTERPRET=1, MAMBA_DETERMINISTIC=1, small shapes, ``impl`` as
     wanted) runs the check only; there ``dtype="float32"``: Triton 3.9's interpreter computes
-    ``tl.dot`` of bf16 operands wrong (~1e10 off), which mamba_ssm's kernels run in x's dtype."""
+    ``tl.dot`` of bf16 operands wrong (~1e10 off), which mamba_ssm's kernels run in x's dtype.
+    ``our_variants`` (names in :data:`OUR_SSD_VARIANTS`) are timed in the same rounds, each
+    checked against the float32 torch SSD (``NAME_ref_out_maxrel`` ...; ``NAME_speed`` = its
+    tokens/s over mamba_ssm's default)."""
     import statistics
 
     import torch
@@ -880,10 +892,13 @@ def job_mamba2_vs_mamba_ssm(
     row: dict = {"mamba_ssm": provider, "layout": layout, "chunk_size": chunk_size,
                  "our_chunk": our_chunk or DEFAULT_CHUNK, "impl": impl}  # fmt: skip
 
-    def ours_on(state, impl=impl, chunk=our_chunk):
+    def ours_on(state, impl=impl, chunk=our_chunk, states_dtype=None, precise=True):
+        if states_dtype == "activations":
+            states_dtype = a["x"].dtype
         return mamba2_prefill(a["x"], a["dt"], a["A_log"], a["B"], a["C"], state,
                               a["state_indices"], cu, D=a["D"], dt_bias=a["dt_bias"],
-                              cu_seqlens_cpu=cu_cpu, impl=impl, chunk_size=chunk)  # fmt: skip
+                              cu_seqlens_cpu=cu_cpu, impl=impl, chunk_size=chunk,
+                              states_dtype=states_dtype, precise=precise)  # fmt: skip
 
     # its calls, prepared (initial states gathered from state0) before ours overwrites slots
     theirs = {_mamba_ssm_variant(sd): mss.call(fn, a, cu_cpu, layout, chunk_size,
@@ -917,6 +932,17 @@ def job_mamba2_vs_mamba_ssm(
         except Exception as e:
             row[f"{name}_check"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
             failed.append(name)
+    for name in our_variants:
+        kw = OUR_SSD_VARIANTS[name]
+        try:
+            st_v = state0.clone()
+            y_v = ours_on(st_v, **kw)
+            if ref is not None:
+                row.update(_diff(f"{name}_ref_out", y_v, ref[0]))
+                row.update(_diff(f"{name}_ref_state", st_v[idx], ref[1]))
+        except Exception as e:
+            row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            failed.append(name)
     del y, s_ours, ref
     checks = [row[f"{_mamba_ssm_variant(sd)}_check"] for sd in state_dtypes]
     row["check"] = "ok" if all(c == "ok" for c in checks) else next(c for c in checks if c != "ok")
@@ -926,6 +952,9 @@ def job_mamba2_vs_mamba_ssm(
     pool = a["ssm_state"]  # overwritten by each of our calls, as in job_mamba2_prefill
     fns = {"ours": lambda: ours_on(pool), **{n: r for n, (r, _) in theirs.items()
                                              if n not in failed}}  # fmt: skip
+    for name in our_variants:
+        if name not in failed:
+            fns[name] = lambda kw=OUR_SSD_VARIANTS[name]: ours_on(pool, **kw)
     times: dict[str, list[float]] = {n: [] for n in fns}
     for _ in range(rounds):
         for name, f in fns.items():
@@ -933,12 +962,17 @@ def job_mamba2_vs_mamba_ssm(
     med = {n: statistics.median(ts) for n, ts in times.items()}
     row.update(ms=med["ours"], Mtok_per_s=T / (med["ours"] * 1e-3) / 1e6,
                ms_rounds=times["ours"])  # fmt: skip
+    base = _mamba_ssm_variant("default")
     for name in fns:
         if name == "ours":
             continue
         row[f"{name}_ms"], row[f"{name}_ms_rounds"] = med[name], times[name]
         row[f"{name}_Mtok_per_s"] = T / (med[name] * 1e-3) / 1e6
-        row[f"{name}_speed"] = med[name] / med["ours"]  # our tokens/s over its
+        if name in OUR_SSD_VARIANTS:  # this variant's tokens/s over mamba_ssm's default
+            if base in med:
+                row[f"{name}_speed"] = med[base] / med[name]
+        else:
+            row[f"{name}_speed"] = med[name] / med["ours"]  # our tokens/s over its
     return row
 
 
@@ -1286,6 +1320,21 @@ def _vs_mamba_ssm_text(r: dict) -> str:
             line += (f"; it vs float32 torch: out rel {rel(f'{name}_ref_out_maxrel')}, state rel "
                      f"{rel(f'{name}_ref_state_maxrel')}")  # fmt: skip
         val += line
+    for name, kw in OUR_SSD_VARIANTS.items():
+        if f"{name}_ms" not in r and f"{name}_error" not in r:
+            continue
+        opt = ", ".join(f"{k}={v}" for k, v in kw.items())
+        line = f"\n{'':<16}ours ({opt}): "
+        if f"{name}_error" in r:
+            line += f"failed: {r[f'{name}_error']}"
+        else:
+            line += f"{r[f'{name}_ms']:.3f} ms  {r[f'{name}_Mtok_per_s']:.2f} Mtok/s"
+            if f"{name}_speed" in r:
+                line += f", {r[f'{name}_speed']:.2f} x mamba_ssm's rate (its default states)"
+        if f"{name}_ref_out_maxrel" in r:
+            line += (f"; vs float32 torch: out rel {rel(f'{name}_ref_out_maxrel')}, state rel "
+                     f"{rel(f'{name}_ref_state_maxrel')}")  # fmt: skip
+        val += line
     if "ours_ref_out_maxrel" in r:
         val += (f"\n{'':<16}ours vs float32 torch: out rel {rel('ours_ref_out_maxrel')}, state "
                 f"rel {rel('ours_ref_state_maxrel')}")  # fmt: skip
@@ -1386,12 +1435,17 @@ def _table(results: list, copy_bw: float | None) -> str:
     return "\n".join(lines)
 
 
-def _vs_mamba_ssm_jobs(job, chunk_size: int = 256, our_chunk: int | None = None) -> list[dict]:
-    """The mamba2_vs_mamba_ssm jobs: T = 8192 and 32768 as one request and as 16 of equal
+def _vs_mamba_ssm_jobs(
+    job,
+    chunk_size: int = 256,
+    our_chunk: int | None = None,
+    tokens: tuple[int, ...] = (8192, 32768),
+) -> list[dict]:
+    """The mamba2_vs_mamba_ssm jobs: each of ``tokens`` as one request and as 16 of equal
     length, mamba_ssm given them as its batch; the 16 also as one packed row (``seq_idx``,
     what a server's mixed batch passes). ``job`` is ``main``'s job builder."""
     jobs = []
-    for T in (8192, 32768):
+    for T in tokens:
         for n_seq in (1, 16):
             for layout in ("batch", "varlen") if n_seq > 1 else ("batch",):
                 p = {"section": "mamba2_vs_mamba_ssm", "T": T, "n_seq": n_seq,
@@ -1432,6 +1486,11 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="mamba2_vs_mamba_ssm: our SSD's chunk_size (default: ours)",
+    )
+    ap.add_argument(
+        "--vs-mamba-ssm-tokens",
+        default="8192,32768",
+        help="mamba2_vs_mamba_ssm: the token counts, comma-separated",
     )
     ap.add_argument("--budget-s", type=float, default=600.0, help="wall-clock budget")
     ap.add_argument(
@@ -1556,7 +1615,8 @@ def main(argv: list[str] | None = None) -> int:
             p = {"section": "mamba2_sweep", "T": T, "n_seq": n_seq}
             prefill.append(job("mamba2_sweep", p, T=T, n_seq=n_seq))
     if args.vs_mamba_ssm or "mamba2_vs_mamba_ssm" in (args.only or "").split(","):
-        prefill += _vs_mamba_ssm_jobs(job, args.mamba_ssm_chunk, args.our_chunk)
+        tokens = tuple(int(t) for t in args.vs_mamba_ssm_tokens.split(","))
+        prefill += _vs_mamba_ssm_jobs(job, args.mamba_ssm_chunk, args.our_chunk, tokens)
     if args.l2norm_sweep:
         for T in (8192, 32768):
             prefill.append(job("l2norm_sweep", {"section": "l2norm_sweep", "T": T}, T=T))

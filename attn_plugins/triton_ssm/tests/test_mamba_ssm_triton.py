@@ -298,6 +298,12 @@ def test_section_jobs(bench):
     assert all(j["fn"] == "mamba2_vs_mamba_ssm" in bench.JOBS for j in jobs)
     assert {j["row"]["section"] for j in jobs} == {"mamba2_vs_mamba_ssm"}
     assert {(j["kw"]["chunk_size"], j["kw"]["our_chunk"]) for j in jobs} == {(128, 256)}
+    long_only = bench._vs_mamba_ssm_jobs(job, tokens=(32768,))
+    assert sorted((j["kw"]["T"], j["kw"]["n_seq"]) for j in long_only) == [
+        (32768, 1),
+        (32768, 16),
+        (32768, 16),
+    ]
 
 
 def test_section_text(bench):
@@ -308,8 +314,15 @@ def test_section_text(bench):
          "mamba_ssm_state_maxrel": 1e-3, "mamba_ssm_check": "ok",
          "mamba_ssm_float32_check": "MISMATCH", "mamba_ssm_float32_out_maxrel": 0.5,
          "mamba_ssm_float32_state_maxrel": 1e-3, "ours_ref_out_maxrel": 1e-6,
-         "ours_ref_state_maxrel": 2e-6}  # fmt: skip
+         "ours_ref_state_maxrel": 2e-6, "ours_dots_act_ms": 0.25,
+         "ours_dots_act_Mtok_per_s": 32.8, "ours_dots_act_speed": 1.6,
+         "ours_dots_act_ref_out_maxrel": 3e-3, "ours_dots_act_ref_state_maxrel": 4e-3,
+         "ours_states_act_error": "ValueError: no"}  # fmt: skip
     text = bench._table([r], None)
+    dots = next(ln for ln in text.splitlines() if "ours (precise=False)" in ln)
+    assert "32.80 Mtok/s, 1.60 x mamba_ssm's rate" in dots and "out rel 3.0e-03" in dots
+    assert any("ours (states_dtype=activations): failed: ValueError" in ln
+               for ln in text.splitlines())  # fmt: skip
     assert "16.40 Mtok/s" in text and "20.50 Mtok/s, ours 0.80 x its rate" in text
     assert "out rel 3.0e-03, state rel 1.0e-03 ok" in text
     lines = text.splitlines()
@@ -322,7 +335,7 @@ def test_section_text(bench):
 
 
 @needs_packed
-def test_interpreter_check_against_our_torch_ssd():
+def test_interpreter_check_against_our_torch_ssd(bench):
     """mamba_chunk_scan_combined under Triton's interpreter (float32, small shapes) against our
     float32 torch SSD through the bench's own check path: batch (initial states from the
     slots) and varlen (seq_idx, requests of unequal length whose boundaries fall inside
@@ -355,4 +368,7 @@ def test_interpreter_check_against_our_torch_ssd():
             for what in ("out", "state"):
                 assert row[f"{v}_{what}_maxrel"] < 1e-4, (row["layout"], v, what, row)
                 assert row[f"{v}_ref_{what}_maxrel"] < 1e-4
+        for v in bench.OUR_SSD_VARIANTS:
+            for what in ("out", "state"):
+                assert row[f"{v}_ref_{what}_maxrel"] < 1e-4, (row["layout"], v, what, row)
         assert "ms" not in row  # the CPU dry run times nothing

@@ -290,7 +290,8 @@ def test_the_ssd_states_option_reaches_the_prefill_and_matches_the_reference(
     constraints = ExecutionConstraints(max_batch_size=4, max_num_tokens=32, backend_options=options)
     lanes = _lanes(registry, spec, constraints)
     assert dict(lanes[1].runtime.plan.choices[0].backend.options) == {
-        "ssd_states": states or "float32"
+        "ssd_states": states or "float32",
+        "ssd_dots": "split",
     }
     _add(lanes, "a", 1)
     _add(lanes, "b", 2)
@@ -300,10 +301,42 @@ def test_the_ssd_states_option_reaches_the_prefill_and_matches_the_reference(
     assert asked and set(asked) == {want}, asked
 
 
+@pytest.mark.parametrize("dots", [None, "split", "activations"])
+def test_the_ssd_dots_option_reaches_the_prefill_and_matches_the_reference(
+    registry, monkeypatch, dots
+):
+    """``--option triton_ssm.ssd_dots=activations``: the SSD prefill is asked not to split its
+    float32 dot operands (``precise=False``; split, the default, otherwise), and the outputs and
+    states still match the reference (without CUDA the torch SSD runs, float32 throughout)."""
+    from attn_plugin_triton_ssm import kernels
+
+    asked: list[object] = []
+    real = kernels.mamba2_prefill
+
+    def recording(*args, **kwargs):
+        asked.append(kwargs.get("precise"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "mamba2_prefill", recording)
+    spec = _spec("mamba2", dtype="bfloat16")
+    options = {} if dots is None else {TRITON: {"ssd_dots": dots}}
+    constraints = ExecutionConstraints(max_batch_size=4, max_num_tokens=32, backend_options=options)
+    lanes = _lanes(registry, spec, constraints)
+    assert dict(lanes[1].runtime.plan.choices[0].backend.options)["ssd_dots"] == (dots or "split")
+    _add(lanes, "a", 1)
+    _add(lanes, "b", 2)
+    res, t = _step(lanes, spec, [("a", 9), ("b", 5)], 3)
+    _compare(lanes, res, t, TOL["bfloat16"], f"mamba2 prefill, ssd_dots={dots}")
+    assert asked and set(asked) == {dots != "activations"}, asked
+
+
 def test_a_bad_ssd_states_value_names_the_choices(registry):
     from attn_core.errors import SelectionError
 
     spec = _spec("mamba2")
     bad = ExecutionConstraints(backend_options={TRITON: {"ssd_states": "fp8"}})
     with pytest.raises(SelectionError, match=r"ssd_states.*'fp8'.*float32.*activations"):
+        _lanes(registry, spec, bad)
+    bad = ExecutionConstraints(backend_options={TRITON: {"ssd_dots": "tf32"}})
+    with pytest.raises(SelectionError, match=r"ssd_dots.*'tf32'.*split.*activations"):
         _lanes(registry, spec, bad)

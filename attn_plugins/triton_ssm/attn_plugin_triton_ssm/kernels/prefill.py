@@ -281,6 +281,7 @@ def mamba2_prefill(
     impl: str = "auto",
     cu_seqlens_cpu: torch.Tensor | None = None,
     states_dtype: torch.dtype | None = None,
+    precise: bool = True,
 ) -> torch.Tensor:
     """Mamba2 chunked prefill (SSD) over packed sequences, state in slots.
 
@@ -309,6 +310,11 @@ def mamba2_prefill(
     :param states_dtype: ``"triton"``: the dtype the SSD stores its entering states in between
         its kernels (:func:`~attn_plugin_triton_ssm.kernels.ssd.mamba2_ssd_triton`; None:
         float32); the other implementations keep float32 states.
+    :param precise: ``"triton"``: split the float32 dot operands (decay times ``dt``, the
+        entering state) in hi + lo halves of the 16-bit input dtype (the default, ~2^-16
+        operand error); False rounds them to the input dtype, one dot each, and stores the
+        entering states in it, as mamba_ssm's SSD computes (~2^-9 per term). Ignored by the
+        other implementations (float32 throughout).
     :returns: ``y`` ``[T, H, P]`` in ``x``'s dtype.
     """
     check_shape("x", x, [None, None, None], "[T, H, P]")
@@ -336,7 +342,7 @@ def mamba2_prefill(
         return mamba2_ssd_triton(
             x, dt, A_log, B, C, ssm_state, state_indices, cu_seqlens_cpu, D=D, dt_bias=dt_bias,
             z=z, dt_softplus=dt_softplus, chunk_size=chunk_size or DEFAULT_CHUNK,
-            states_dtype=states_dtype or torch.float32,
+            states_dtype=states_dtype or torch.float32, precise=precise,
         )  # fmt: skip
 
     dtf = dt.float() + (dt_bias.float() if dt_bias is not None else 0.0)
