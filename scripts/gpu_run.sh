@@ -33,12 +33,20 @@ export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 export FLASHINFER_WORKSPACE_BASE=$PWD/.jit TRITON_CACHE_DIR=$PWD/.jit/triton
 # FlashInfer's JIT runs ninja at nproc + 2 jobs per process unless MAX_JOBS is set: 12 pytest
 # processes compiling at once would start ~200 nvcc jobs on 16 cores (FlashInfer 0.7.4's kit
-# did not finish in 2 x 420 s that way). Share the cores between the processes instead.
+# did not finish in 2 x 420 s that way). A stage of several pytest processes (-n) shares the
+# cores between them; a single-process stage (a benchmark) gets them all: with a pytest share
+# of 4, b_tuned spent 250 s compiling one FlashInfer sink variant. MAX_JOBS set by the caller
+# applies to every stage.
 procs=${XDIST:-8}; jobs=$(( $(nproc) / procs )); [ "$jobs" -lt 2 ] && jobs=2
-export MAX_JOBS=${MAX_JOBS:-$jobs}
+max_jobs_set=${MAX_JOBS:-}
 # torch's CPU ops (transformers' float32 references, the gloo TP runs) start one thread per core
 # in every process: 8 processes would run 128 threads on 16 cores. Share the cores the same way.
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$jobs}
+omp_set=${OMP_NUM_THREADS:-}
+stage_env() {  # stage_env CMD...: MAX_JOBS and OMP_NUM_THREADS for the command, as above
+  local share=$(nproc)
+  case " $* " in *" -n "*) share=$jobs ;; esac
+  export MAX_JOBS=${max_jobs_set:-$share} OMP_NUM_THREADS=${omp_set:-$share}
+}
 . ./scripts/device_setup.sh
 lane="gpu${CUDA_VISIBLE_DEVICES:-all}"
 log() { echo "=== [$lane] $* ($(date +%T))" >>"$OUT/summary.log"; }
@@ -60,6 +68,7 @@ run() {  # run NAME TIMEOUT CMD...: log to $OUT/NAME.log, the last lines into th
   fi
   log "$name: ${*:1:40}$([ "$skipped_passed" -gt 0 ] && echo " (RESUME: $skipped_passed passed tests left out)")"
   local t0=$SECONDS
+  stage_env "$@"
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
   mkdir -p bench-out
   # -v lines: "[gw3] [ 40%] PASSED ID" under xdist, "ID PASSED   [ 40%]" without it
