@@ -30,23 +30,8 @@ files=(
   static_switch.h
 )
 
-if [ -d "$src/csrc/selective_scan" ] && [ "$rev" = HEAD ]; then
-  # a work tree: copy the files as they are on disk
-  mode=worktree
-  show() { cat "$src/$1"; }
-  commit=$(git -C "$src" rev-parse HEAD 2>/dev/null || echo unknown)
-  if [ "$commit" != unknown ] && [ -n "$(git -C "$src" status --porcelain -- csrc/selective_scan LICENSE 2>/dev/null)" ]; then
-    commit="$commit (+ local changes)"
-  fi
-elif git -C "$src" rev-parse --git-dir >/dev/null 2>&1; then
-  # a git directory (bare, a mirror) or a work tree read at REV: read the files from the commit
-  mode=git
-  commit=$(git -C "$src" rev-parse --verify "$rev^{commit}")
-  show() { git -C "$src" show "$commit:$1"; }
-else
-  echo "pack_mamba_ssm_src.sh: $src is neither a state-spaces/mamba work tree nor a git dir" >&2
-  exit 2
-fi
+. "$(dirname "$0")/upstream_source.sh"
+open_upstream pack_mamba_ssm_src.sh "$src" "$rev" csrc/selective_scan csrc/selective_scan LICENSE
 
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 for f in "${files[@]}"; do
