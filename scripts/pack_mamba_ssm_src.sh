@@ -52,9 +52,4 @@ done
   (cd "$tmp" && sha256sum "${files[@]}" LICENSE | sed 's/^/  /')
 } >"$tmp/SOURCE"
 
-rm -rf "$out"
-mkdir -p "$(dirname "$out")"
-mv "$tmp" "$out"
-trap - EXIT
-chmod 755 "$out"
-echo "$out: ${#files[@]} files + LICENSE from state-spaces/mamba $commit ($(du -sh "$out" | cut -f1))"
+install_pack "$tmp" "$out" "${#files[@]}"

@@ -73,9 +73,4 @@ done
   echo "written empty: ${inits[*]}"
 } >"$tmp/SOURCE"
 
-rm -rf "$out"
-mkdir -p "$(dirname "$out")"
-mv "$tmp" "$out"
-trap - EXIT
-chmod 755 "$out"
-echo "$out: ${#files[@]} files + LICENSE from state-spaces/mamba $commit ($(du -sh "$out" | cut -f1))"
+install_pack "$tmp" "$out" "${#files[@]}"

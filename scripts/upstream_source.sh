@@ -1,4 +1,5 @@
-# Sourced by scripts/pack_mamba_ssm_*.sh: read files of a state-spaces/mamba checkout.
+# Sourced by scripts/pack_mamba_ssm_*.sh: read files of a state-spaces/mamba checkout, install
+# the packed folder.
 #   open_upstream NAME SRC REV PROBE_DIR PATHSPEC...
 # SRC is a work tree (PROBE_DIR in it, REV HEAD: the files as they are on disk; PATHSPEC with
 # local changes marks the commit "(+ local changes)") or a git directory (bare, a mirror, or a
@@ -23,4 +24,16 @@ open_upstream() {
     echo "$name: $src is neither a state-spaces/mamba work tree nor a git dir" >&2
     exit 2
   fi
+}
+
+# install_pack TMP OUT COUNT: replace OUT with the packed folder TMP (made by mktemp -d, whose
+# EXIT trap this clears) and say what it holds.
+install_pack() {
+  local tmp=$1 out=$2 count=$3
+  rm -rf "$out"
+  mkdir -p "$(dirname "$out")"
+  mv "$tmp" "$out"
+  trap - EXIT
+  chmod 755 "$out"
+  echo "$out: $count files + LICENSE from state-spaces/mamba $commit ($(du -sh "$out" | cut -f1))"
 }
