@@ -327,11 +327,6 @@ def _shard_full(at: Any, spec: LayerSpec, rank: int, world: int, where: str) -> 
         segs = [(q_rows, H), (kv_rows, Hkv), (kv_rows * Dv // D, Hkv)]
         qkv_where = f"{where} qkv_proj heads"
         at.qkv_proj = _rows(at.qkv_proj, head_indices(segs, rank, world, where=qkv_where))
-        local_kv = max(Hkv // world, 1)
-        at.num_key_value_heads = local_kv
-        at.config = _RankConfig(
-            at.config, num_attention_heads=spec.num_heads, num_key_value_heads=local_kv
-        )
     elif all(isinstance(getattr(at, n, None), torch.nn.Linear) for n in ("q_proj", "k_proj")):
         q_rows = at.q_proj.out_features  # Qwen3-Next: [q | gate] per head, 2 * D rows each
         Hkv = at.k_proj.out_features // D
@@ -345,6 +340,11 @@ def _shard_full(at: Any, spec: LayerSpec, rank: int, world: int, where: str) -> 
         raise ValueError(
             f"{where}: no tensor-parallel sharding for this attention module (expected "
             "q_proj / k_proj / v_proj or a fused qkv_proj)"
+        )
+    local_kv = max(Hkv // world, 1)
+    if hasattr(at, "qkv_proj"):  # Phi-3 splits its fused output by the config's head counts
+        at.config = _RankConfig(
+            at.config, num_attention_heads=spec.num_heads, num_key_value_heads=local_kv
         )
     for name, heads in (("q_norm", H), ("k_norm", Hkv)):
         norm = getattr(at, name, None)
@@ -378,7 +378,6 @@ def _shard_full(at: Any, spec: LayerSpec, rank: int, world: int, where: str) -> 
         per = _segments(H, gate.out_features // H)
         setattr(at, name, _rows(gate, head_indices(per, rank, world, where=f"{where} {name}")))
     # modules that view their projections by their own head counts (StableLM) get the rank's
-    local_kv = max(Hkv // world, 1)
     for attr, local in (("num_heads", spec.num_heads), ("num_key_value_heads", local_kv)):
         if isinstance(getattr(at, attr, None), int):
             setattr(at, attr, local)
