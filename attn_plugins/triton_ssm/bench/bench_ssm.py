@@ -65,14 +65,16 @@ Sections:
   state, GB/s of state read + write (A_log, read by every request, stays in L2), with 1, 2 and
   4 requests per program.
 * mamba1_prefill (``--prefill``): the same mixer, T = 8192 as one and as 16 requests: our
-  ``mamba1_scan`` (default tiling and each ``block_d`` of 16..128), mamba_ssm's CUDA
-  ``selective_scan`` forward (the kernel Mamba1 models ship with: the installed package's
-  ``selective_scan_fn``, else the extension ``mamba_ssm_scan.py`` builds from the sources
-  ``scripts/pack_mamba_ssm_src.sh`` packs into ``.ext/mamba_ssm_src``, 1-2 minutes on first
-  use; an error row saying so where neither is there; the row's ``provider`` names which ran,
-  only the kernel call is timed) and attn-core's torch reference (chunked, T = 2048 only: it is
-  slow); tokens/s. The mamba_ssm rows also run our ``mamba1_scan`` on the same inputs: max abs
-  and relative difference of the output and the final state, ``MISMATCH`` above 2e-2.
+  ``mamba1_scan`` (default tiling, the time-chunked scan with ``time_chunk`` 128, 256, 512,
+  each ``block_d`` of 16..128), mamba_ssm's CUDA ``selective_scan`` forward (the kernel Mamba1
+  models ship with: the installed package's ``selective_scan_fn``, else the extension
+  ``mamba_ssm_scan.py`` builds from the sources ``scripts/pack_mamba_ssm_src.sh`` packs into
+  ``.ext/mamba_ssm_src``, 1-2 minutes on first use; an error row saying so where neither is
+  there; the row's ``provider`` names which ran, only the kernel call is timed) and attn-core's
+  torch reference (chunked, T = 2048 only: it is slow); tokens/s. The mamba_ssm rows also run
+  our ``mamba1_scan`` on the same inputs: max abs and relative difference of the output and
+  the final state, ``MISMATCH`` above 2e-2; the ``time_chunk`` rows diff the same way against
+  our sequential kernel (``time_chunk=0``).
 * plugin_step (``--plugin``): a 4-layer GDN decode step (conv1d + recurrent update) at B = 64,
   256 through the runtime's bindings vs the same kernels called directly; ratio of times, eager
   (host launch cost included) and with each step captured in a CUDA graph.
@@ -698,10 +700,13 @@ def _mamba_ssm_scan():
 
 
 def job_mamba1_prefill(
-    T: int, n_seq: int, impl: str, Dn=MAMBA1_D, N=MAMBA1_N, block_d: int | None = None
-) -> dict:
+    T: int, n_seq: int, impl: str, Dn=MAMBA1_D, N=MAMBA1_N, block_d: int | None = None,
+    time_chunk: int | None = None,
+) -> dict:  # fmt: skip
     """One Mamba1 mixer's scan over ``T`` tokens in ``n_seq`` equal requests (bf16 in, fp32
-    state): ``impl`` = ``ours`` | ``mamba_ssm`` | ``reference``."""
+    state): ``impl`` = ``ours`` | ``mamba_ssm`` | ``reference``. ``time_chunk`` (ours): passed
+    to ``mamba1_scan``; given, the row also diffs that output and final state against the
+    sequential kernel (``time_chunk=0``) on the same inputs, from one random initial state."""
     import torch
 
     torch.manual_seed(0)
@@ -720,7 +725,26 @@ def job_mamba1_prefill(
 
         def run():
             return mamba1_scan(x, dt, A_log, Bm, Cm, state, idx, cu_seqlens=cu, D=Dp,
-                               dt_bias=dt_bias, block_d=block_d)  # fmt: skip
+                               dt_bias=dt_bias, block_d=block_d, time_chunk=time_chunk)  # fmt: skip
+
+        if time_chunk is not None:
+            ms = _bench(run, warmup=3, rep=10)
+            row = {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6}
+            try:  # against the sequential kernel, both from one nonzero initial state
+                init = torch.randn(n_seq, Dn, N, device="cuda") * 0.1
+                ys, sts = [], []
+                for tc in (time_chunk, 0):
+                    st = init.clone()
+                    kw = dict(cu_seqlens=cu, D=Dp, dt_bias=dt_bias, block_d=block_d)
+                    ys.append(mamba1_scan(x, dt, A_log, Bm, Cm, st, idx, time_chunk=tc, **kw))
+                    sts.append(st)
+                row.update(_diff("out", ys[0], ys[1]))
+                row.update(_diff("state", sts[0], sts[1]))
+                row["check"] = _check_verdict(row["out_maxrel"], row["state_maxrel"])
+                row["check_against"] = "ours time_chunk=0"
+            except Exception as e:
+                row["check"] = f"check failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            return row
     elif impl == "mamba_ssm":
         scan, provider = _mamba_ssm_scan()
 
@@ -1379,7 +1403,8 @@ def _table(results: list, copy_bw: float | None) -> str:
                 val += f"  ({r['Mtok_per_s'] / MAMBA2_PUBLISHED_MTOK:.2f} x published fused SSD)"
             if r["section"] == "mamba1_prefill" and "check" in r:
                 if "out_maxrel" in r:
-                    val += (f"  ours vs it: out max|d| {r['out_maxabs']:.1e} (rel "
+                    who = f"vs {r['check_against']}" if "check_against" in r else "ours vs it"
+                    val += (f"  {who}: out max|d| {r['out_maxabs']:.1e} (rel "
                             f"{r['out_maxrel']:.1e}), state max|d| {r['state_maxabs']:.1e} "
                             f"(rel {r['state_maxrel']:.1e})")  # fmt: skip
                 if r["check"] != "ok":
@@ -1601,6 +1626,9 @@ def main(argv: list[str] | None = None) -> int:
             for impl in ("ours", "mamba_ssm"):
                 prefill.append(job("mamba1_prefill", {**p, "provider": impl}, T=8192,
                                    n_seq=n_seq, impl=impl))  # fmt: skip
+            for L in (128, 256, 512):  # time-chunked (off by default): which L, if any, wins?
+                prefill.append(job("mamba1_prefill", {**p, "provider": f"ours time_chunk={L}"},
+                                   T=8192, n_seq=n_seq, impl="ours", time_chunk=L))  # fmt: skip
             for bd in (16, 32, 64, 128):  # the default picks by requests and SMs: which wins?
                 prefill.append(job("mamba1_prefill", {**p, "provider": f"ours block_d={bd}"},
                                    T=8192, n_seq=n_seq, impl="ours", block_d=bd))  # fmt: skip

@@ -221,3 +221,120 @@ def test_strided_x_z_and_out() -> None:
     torch.testing.assert_close(out_buf[:, :, 0].cpu(), want, **TOL)
     assert bool((out_buf[:, :, 1:] == 7.0).all())
     torch.testing.assert_close(st.cpu()[slots], ref_pool[slots], **TOL)
+
+
+def _varlen(t, p, st, slots, lens, initial, **kw) -> torch.Tensor:
+    """``mamba1_scan`` over ``lens`` with D and dt_bias (``kw``: z, time_chunk, out, ...)."""
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=DEV)
+    return K.mamba1_scan(
+        *(_dev(t)[k] for k in ("x", "dt")), p["A_log"].to(DEV), *(_dev(t)[k] for k in "BC"),
+        st, torch.tensor(slots, dtype=torch.int32, device=DEV), cu_seqlens=cu,
+        has_initial_state=None if initial is None else torch.tensor(initial, device=DEV),
+        D=p["D"].to(DEV), dt_bias=p["dt_bias"].to(DEV), block_d=BLOCK_D, **kw,
+    )  # fmt: skip
+
+
+#: Lengths 7, 1, 0, 12, 3 and 9: a zero-length request, a decode among prefills, a padding
+#: request (slot -1) between live ones; request 1 is fresh (NaN garbage in its slot).
+CHUNK_LENS, CHUNK_SLOTS = [7, 1, 0, 12, 3, 9], [2, 4, 1, 0, -1, 5]
+CHUNK_INITIAL = [True, False, True, True, True, True]
+
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+# L = 1 (a chunk per token), 4 (divides only the 12), 5 (divides none), 16 (longer than every
+# request); each with both pool dtypes, z and has_initial_state on in one and off in the other
+@pytest.mark.parametrize(
+    ("L", "state_dtype", "gate", "with_initial"),
+    [(1, F32, True, True), (1, BF16, False, False), (4, F32, False, False),
+     (4, BF16, True, True), (5, F32, True, True), (5, BF16, False, False),
+     (16, F32, False, False), (16, BF16, True, True)],
+)  # fmt: skip
+def test_time_chunked_prefill_matches_sequential_and_reference(
+    L: int, state_dtype: torch.dtype, gate: bool, with_initial: bool
+) -> None:
+    """``time_chunk=L`` (chunks from a zero state, carry, re-scan) against the sequential
+    kernel (``time_chunk=0``) and attn-core's reference: outputs, final states, untouched slots
+    and the ``out`` buffer's other columns. ``with_initial`` False: no ``has_initial_state``
+    (every request continues its slot)."""
+    gen = _gen(6)
+    p = _params(gen)
+    lens, slots = CHUNK_LENS, CHUNK_SLOTS
+    initial = CHUNK_INITIAL if with_initial else None
+    t = _tokens(sum(lens), gen)
+    if not gate:
+        t["z"] = torch.full_like(t["z"], 30.0)  # silu(30) = 30 to 1e-13: the reference's gate off
+    pool = (torch.randn(S + 1, Dn, N, 1, generator=gen) * 0.3).to(state_dtype)
+    if with_initial:
+        pool[4] = float("nan")
+    ref_pool = pool.float().clone()
+    if with_initial:
+        ref_pool[4] = 0.0
+    want = _reference(t, p, ref_pool, lens, slots, initial if with_initial else [True] * 6)
+    if not gate:
+        want = want / 30.0
+    kw = {"z": t["z"].to(DEV)} if gate else {}
+    seq_st = pool.clone().to(DEV)
+    seq = _varlen(t, p, seq_st, slots, lens, initial, time_chunk=0, **kw).cpu()
+    T = sum(lens)
+    out_buf = torch.full((T, Dn, 2), 7.0, device=DEV)
+    st = pool.clone().to(DEV)
+    got = _varlen(t, p, st, slots, lens, initial, time_chunk=L, out=out_buf[:, :, 0], **kw)
+    assert got.data_ptr() == out_buf.data_ptr()
+    got = got.cpu()
+    assert bool((out_buf[:, :, 1] == 7.0).all())
+    pad = slice(sum(lens[:4]), sum(lens[:5]))  # the padding request's tokens: zeros
+    assert torch.count_nonzero(got[pad]) == 0
+    live = torch.cat([torch.arange(sum(lens[:b]), sum(lens[: b + 1]))
+                      for b in range(len(lens)) if slots[b] >= 0])  # fmt: skip
+    torch.testing.assert_close(got, seq, **TOL)
+    torch.testing.assert_close(got[live], want[live], **TOL)
+    used = [s for s in slots if s >= 0]
+    tol = TOL if state_dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
+    torch.testing.assert_close(st.cpu()[used].float(), seq_st.cpu()[used].float(), **tol)
+    torch.testing.assert_close(st.cpu()[used].float(), ref_pool[used], **tol)
+    others = [s for s in range(S + 1) if s not in used]
+    assert torch.equal(st.cpu()[others], pool[others])
+
+
+def test_time_chunked_prefill_without_state_update_and_argument_checks(monkeypatch) -> None:
+    """``update_state=False`` leaves every slot and gives the same outputs; ``time_chunk`` is
+    checked, refuses ``intermediate_states`` and is ignored by decode calls; the chunked path
+    runs exactly where asked (else the comparisons above could pass on the sequential one)."""
+    from attn_plugin_triton_ssm.kernels import mamba1 as m1
+
+    calls: list[int] = []
+    chunked = m1._launch_chunked
+
+    def spy(*a, **kw):
+        calls.append(kw["L"])
+        return chunked(*a, **kw)
+
+    monkeypatch.setattr(m1, "_launch_chunked", spy)
+    gen = _gen(7)
+    p = _params(gen)
+    lens, slots, initial = [10, 6], [1, 3], [True, False]
+    t = _tokens(sum(lens), gen)
+    pool = torch.randn(S, Dn, N, 1, generator=gen) * 0.3
+    st = pool.clone().to(DEV)
+    seq = _varlen(t, p, st.clone(), slots, lens, initial, time_chunk=0).cpu()
+    got = _varlen(t, p, st, slots, lens, initial, time_chunk=4, update_state=False).cpu()
+    assert torch.equal(st.cpu(), pool)
+    torch.testing.assert_close(got, seq, **TOL)
+    _varlen(t, p, st.clone(), slots, lens, initial)  # None: automatic, off for now
+    assert calls == [4]
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="time_chunk: expected None or an int >= 0"):
+            _varlen(t, p, st, slots, lens, initial, time_chunk=bad)
+    inter = torch.zeros(2, 10, Dn, N, device=DEV)
+    with pytest.raises(ValueError, match="keeps no per-token states"):
+        _varlen(t, p, st, slots, lens, initial, time_chunk=4, intermediate_states=inter)
+    d = _dev(_tokens(2, gen))
+    idx = torch.tensor([0, 2], dtype=torch.int32, device=DEV)
+    a, b = pool.clone().to(DEV), pool.clone().to(DEV)
+    args = (d["x"], d["dt"], p["A_log"].to(DEV), d["B"], d["C"])
+    y0 = K.mamba1_decode(*args, a, idx, block_d=BLOCK_D)
+    y1 = K.mamba1_decode(*args, b, idx, block_d=BLOCK_D, time_chunk=8)
+    assert torch.equal(y0, y1) and torch.equal(a, b)
+    assert calls == [4]

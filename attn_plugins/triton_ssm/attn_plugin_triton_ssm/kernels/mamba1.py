@@ -19,6 +19,11 @@ The state is read once and written once per request whatever its length; a token
 - varlen: ``cu_seqlens[b] .. cu_seqlens[b + 1]`` (prefill, mixed steps; read on the device);
 - verify replay commit: ``b * K1 .. b * K1 + num_accepted[b]``.
 
+A long prefill among few requests leaves most SMs idle (``D / BD`` programs, each walking
+thousands of dependent steps). ``mamba1_scan(time_chunk=L)`` cuts each request into chunks of
+``L`` tokens and runs the same kernel over the chunks (from zero, then again from the carried
+state) with a cheap carry pass in between (:func:`_launch_chunked`); off unless asked for.
+
 The state pool is ``[S, D, N]`` or attn-core's ``[S, D, N, 1]`` (the same memory: HF's
 ``[.., d_inner, d_state]`` cache), fp32 or bf16, maths in fp32, cast on store.
 """
@@ -64,6 +69,7 @@ def _mamba1_scan_kernel(
     init_ptr,
     inter_ptr,
     out_ptr,
+    dts_ptr,
     s_xt,
     s_xd,
     s_dtt,
@@ -94,6 +100,7 @@ def _mamba1_scan_kernel(
     STORE_INTER: tl.constexpr,
     WRITE_STATE: tl.constexpr,
     WRITE_OUT: tl.constexpr,
+    STORE_DTSUM: tl.constexpr,
 ):
     pid_r = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -132,6 +139,8 @@ def _mamba1_scan_kernel(
             # a fresh request's slot holds whatever its previous owner left: never read it
             init = tl.load(init_ptr + pid_b, mask=live, other=1).to(tl.int32)
             b_h = tl.where(((o_d * 0 + init) == 0)[:, None], 0.0, b_h)
+        if STORE_DTSUM:
+            b_dts = tl.zeros([BD], dtype=tl.float32)
 
         for t in range(start, end):
             b_x = tl.load(x_ptr + t * s_xt + o_d * s_xd, mask=m_d, other=0.0).to(tl.float32)
@@ -141,9 +150,11 @@ def _mamba1_scan_kernel(
             if DT_SOFTPLUS:
                 b_dt = tl.where(b_dt <= 20.0, tl.log(1.0 + tl.exp(b_dt)), b_dt)
             b_B = tl.load(b_ptr + t * s_bt + o_n, mask=m_n, other=0.0).to(tl.float32)
-            b_C = tl.load(c_ptr + t * s_ct + o_n, mask=m_n, other=0.0).to(tl.float32)
             b_h = b_h * tl.exp(b_dt[:, None] * b_a) + (b_dt * b_x)[:, None] * b_B[None, :]
+            if STORE_DTSUM:
+                b_dts += b_dt
             if WRITE_OUT:
+                b_C = tl.load(c_ptr + t * s_ct + o_n, mask=m_n, other=0.0).to(tl.float32)
                 b_y = tl.sum(b_h * b_C[None, :], 1)
                 if HAS_D:
                     b_y += b_skip * b_x
@@ -160,6 +171,8 @@ def _mamba1_scan_kernel(
                 tl.store(p_inter, b_h.to(inter_ptr.dtype.element_ty), mask=m_state)
         if WRITE_STATE:
             tl.store(p_state, b_h.to(state_ptr.dtype.element_ty), mask=m_state)
+        if STORE_DTSUM:  # time-chunked pass 1: the chunk's total dt per channel (pass 2's decay)
+            tl.store(dts_ptr + slot * D + o_d, b_dts, mask=m_d & valid)
 
 
 def _pool(name: str, t: torch.Tensor, D: int, N: int, lead: int) -> torch.Tensor:
@@ -218,6 +231,7 @@ def mamba1_scan(
     block_d: int | None = None,
     num_warps: int | None = None,
     requests_per_program: int = 1,
+    time_chunk: int | None = None,
 ) -> torch.Tensor:
     """Mamba1 over the tokens of ``R`` requests, each continuing from its slot.
 
@@ -242,11 +256,29 @@ def mamba1_scan(
     :param block_d: channels per program (default: see :func:`_tiles`).
     :param requests_per_program: requests one program walks in turn for its channel block,
         sharing its ``A_log`` / ``D`` / ``dt_bias`` reads (tuning knob; 1 by default).
+    :param time_chunk: ``L > 0``: a varlen call (``cu_seqlens`` given) scans each request in
+        time chunks of ``L`` tokens, parallel over chunks (:func:`_launch_chunked`: three
+        launches plus a few small torch ops building the chunk table, no host sync; a
+        per-call workspace of ``(T / L + R) * D * N`` float32). For few long requests, where
+        the sequential walk leaves the GPU idle. ``0``: off. ``None`` (automatic): currently
+        off, until the H200 bench (``bench_ssm.py --prefill --only mamba1_prefill``, rows
+        ``ours time_chunk=L``) has measured where it wins. Decode calls (no ``cu_seqlens``)
+        ignore it; it cannot produce ``intermediate_states`` (ValueError); ``block_d`` applies
+        to its scans, ``requests_per_program`` does not.
     :returns: ``out``: ``y`` per token and channel.
     """
     if not isinstance(requests_per_program, int) or requests_per_program < 1:
         raise ValueError(
             f"requests_per_program: expected a positive int, got {requests_per_program!r}"
+        )
+    if time_chunk is not None and (
+        not isinstance(time_chunk, int) or isinstance(time_chunk, bool) or time_chunk < 0
+    ):
+        raise ValueError(f"time_chunk: expected None or an int >= 0, got {time_chunk!r}")
+    if time_chunk and intermediate_states is not None:
+        raise ValueError(
+            "time_chunk: the time-chunked scan keeps no per-token states; pass time_chunk=0 "
+            "(or None) with intermediate_states"
         )
     check_shape("x", x, [None, None], "[T, D]")
     T, Dn = x.shape
@@ -298,6 +330,13 @@ def mamba1_scan(
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     check_shape("out", out, [T, Dn], "[T, D]")  # any strides, as x
+    if time_chunk and cu_seqlens is not None:
+        _launch_chunked(
+            x, dt, A_log, B, C, state, state_indices, out, cu=cu_seqlens, L=time_chunk,
+            init=has_initial_state, D=D, dt_bias=dt_bias, z=z, dt_softplus=dt_softplus,
+            write_state=update_state, block_d=block_d, num_warps=num_warps,
+        )  # fmt: skip
+        return out
     _launch(
         x, dt, A_log, B, C, state, state_indices, out,
         mode=_DECODE if cu_seqlens is None else _VARLEN, cu=cu_seqlens, lengths=None, step=1,
@@ -310,7 +349,7 @@ def mamba1_scan(
 
 def _launch(x, dt, A_log, B, C, state, idx, out, *, mode, cu, lengths, step, init, D, dt_bias,
             z, dt_softplus, inter, write_state, write_out, block_d, num_warps,
-            requests_per_program=1) -> None:  # fmt: skip
+            requests_per_program=1, dtsum=None) -> None:  # fmt: skip
     Dn, N = A_log.shape
     R = idx.shape[0]
     if block_d is None and mode == _VARLEN and x.shape[0] > R:
@@ -333,6 +372,7 @@ def _launch(x, dt, A_log, B, C, state, idx, out, *, mode, cu, lengths, step, ini
         init if init is not None else idx,
         inter if inter is not None else state,
         out if out is not None else x,
+        dtsum if dtsum is not None else A_log,
         x.stride(0), x.stride(1), dt.stride(0), B.stride(0), C.stride(0),
         *(z.stride() if z is not None else (0, 0)),
         *(out.stride() if out is not None else (0, 0)),
@@ -341,8 +381,112 @@ def _launch(x, dt, A_log, B, C, state, idx, out, *, mode, cu, lengths, step, ini
         R, D=Dn, N=N, BD=BD, BN=BN, RPP=rpp, STEP=step, MODE=mode,
         HAS_INIT=init is not None, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
         HAS_Z=z is not None, DT_SOFTPLUS=dt_softplus, STORE_INTER=inter is not None,
-        WRITE_STATE=write_state, WRITE_OUT=write_out, num_warps=warps,
+        WRITE_STATE=write_state, WRITE_OUT=write_out, STORE_DTSUM=dtsum is not None,
+        num_warps=warps,
     )  # fmt: skip
+
+
+@triton.jit
+def _mamba1_chunk_carry_kernel(
+    ws_ptr, dts_ptr, a_log_ptr, state_ptr, idx_ptr, init_ptr, ccu_ptr, s_ss, s_sd,
+    D: tl.constexpr, N: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
+    HAS_INIT: tl.constexpr, WRITE_STATE: tl.constexpr,
+):  # fmt: skip
+    """Time-chunked pass 2, grid ``(R, D / BD)``: walk request ``b``'s chunks
+    ``ccu[b] .. ccu[b + 1]`` in order; ``ws[c]`` holds chunk ``c``'s end state from a zero start
+    (pass 1) and is replaced by the state entering it, ``h_in(c + 1) = exp(A dtsum_c) h_in(c) +
+    ws[c]``; the state after the last chunk goes to the slot."""
+    pid_b = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    o_d = pid_d * BD + tl.arange(0, BD)
+    o_n = tl.arange(0, BN)
+    m_d = o_d < D
+    m_dn = m_d[:, None] & (o_n < N)[None, :]
+    slot = tl.load(idx_ptr + pid_b).to(tl.int64)
+    valid = (o_d * 0 + slot) >= 0
+    m_state = m_dn & valid[:, None]
+    b_a = -tl.exp(tl.load(a_log_ptr + o_d[:, None] * N + o_n[None, :], mask=m_dn, other=0.0))
+    p_state = state_ptr + slot * s_ss + o_d[:, None] * s_sd + o_n[None, :]
+    b_h = tl.load(p_state, mask=m_state, other=0.0).to(tl.float32)
+    if HAS_INIT:  # as _mamba1_scan_kernel: a fresh request's slot is never read
+        init = tl.load(init_ptr + pid_b).to(tl.int32)
+        b_h = tl.where(((o_d * 0 + init) == 0)[:, None], 0.0, b_h)
+    c0 = tl.load(ccu_ptr + pid_b).to(tl.int64)
+    c1 = tl.load(ccu_ptr + pid_b + 1).to(tl.int64)
+    for c in range(c0, c1):
+        p_ws = ws_ptr + c * (D * N) + o_d[:, None] * N + o_n[None, :]
+        b_end = tl.load(p_ws, mask=m_state, other=0.0)
+        b_s = tl.load(dts_ptr + c * D + o_d, mask=m_d & valid, other=0.0)
+        tl.store(p_ws, b_h, mask=m_state)
+        b_h = b_h * tl.exp(b_s[:, None] * b_a) + b_end
+    if WRITE_STATE:
+        tl.store(p_state, b_h.to(state_ptr.dtype.element_ty), mask=m_state)
+
+
+def _chunk_table(
+    cu: torch.Tensor, idx: torch.Tensor, T: int, L: int
+) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(n, chunk_cu [n + 1], chunk_idx [n], ccu [R + 1])`` on the device, no host sync:
+    request ``b`` (tokens ``cu[b] .. cu[b + 1]``) is cut into ``cdiv(len_b, L)`` chunks of ``L``
+    tokens, the last one shorter (chunks never cross a request boundary); its chunks are
+    ``ccu[b] .. ccu[b + 1]``, chunk ``c`` spans tokens ``chunk_cu[c] .. chunk_cu[c + 1]``.
+    ``n = cdiv(T, L) + R`` bounds the chunk count (each request adds at most one partial
+    chunk); chunks past the real count are empty. ``chunk_idx[c]`` is ``c`` (its workspace
+    row), ``-1`` for the chunks of padding requests (slot ``-1``) and the unused ones."""
+    R = idx.shape[0]
+    n = triton.cdiv(T, L) + R
+    cu64 = cu.to(torch.int64)
+    counts = torch.div(cu64[1:] - cu64[:-1] + (L - 1), L, rounding_mode="floor")
+    ccu = torch.zeros(R + 1, dtype=torch.int64, device=cu.device)
+    torch.cumsum(counts, 0, out=ccu[1:])
+    c = torch.arange(n, dtype=torch.int64, device=cu.device)
+    b = torch.searchsorted(ccu[1:], c, right=True).clamp_(max=R - 1)  # chunk c's request
+    used = c < ccu[R]
+    start = torch.where(used, cu64[b] + (c - ccu[b]) * L, cu64[R])
+    chunk_cu = torch.cat([start, cu64[R:]])
+    chunk_idx = torch.where(used & (idx[b] >= 0), c, -1).to(torch.int32)
+    return n, chunk_cu, chunk_idx, ccu
+
+
+def _launch_chunked(x, dt, A_log, B, C, state, idx, out, *, cu, L, init, D, dt_bias, z,
+                    dt_softplus, write_state, block_d, num_warps) -> None:  # fmt: skip
+    """The time-chunked varlen scan (``mamba1_scan(time_chunk=L)``), three launches:
+
+    1. :func:`_mamba1_scan_kernel` over the chunks as requests, each from a zero state, no
+       outputs: each chunk's end state into the workspace ``ws [n, D, N]`` (float32, whatever
+       the pool's dtype) and its total ``dt`` per channel into ``dtsum [n, D]``;
+    2. :func:`_mamba1_chunk_carry_kernel` per request (sequential over its chunks, cheap):
+       ``ws[c]`` becomes the state entering chunk ``c``; the final state goes to the slot;
+    3. :func:`_mamba1_scan_kernel` over the chunks again, each from its ``ws[c]``, writing
+       ``y`` (``D``, ``z`` as usual).
+
+    Pass 3 re-scans the chunk rather than adding ``C_t . (exp(A cumdt_t) h_in)`` to pass 1's
+    local outputs: it is the sequential kernel itself (same code, same rounding, ``D`` / ``z``
+    applied once on the full ``y``), and it needs no ``[T, D]`` float32 workspace for the local
+    outputs and cumulative ``dt`` (written and read once more each, more traffic than reading
+    ``x, dt, B, C`` again). Both ways cost one ``exp`` per token, channel and state entry."""
+    Dn, N = A_log.shape
+    T, R = x.shape[0], idx.shape[0]
+    if R == 0:
+        return
+    n, chunk_cu, chunk_idx, ccu = _chunk_table(cu, idx, T, L)
+    ws = torch.empty(n, Dn, N, dtype=torch.float32, device=x.device)
+    dtsum = torch.empty(n, Dn, dtype=torch.float32, device=x.device)
+    zero = torch.zeros(n, dtype=torch.bool, device=x.device)  # every chunk from a zero state
+    common = dict(
+        mode=_VARLEN, cu=chunk_cu, lengths=None, step=1, D=D, dt_bias=dt_bias,
+        dt_softplus=dt_softplus, inter=None, block_d=block_d, num_warps=num_warps,
+    )  # fmt: skip
+    _launch(x, dt, A_log, B, C, ws, chunk_idx, None, init=zero, z=None, write_state=True,
+            write_out=False, dtsum=dtsum, **common)  # fmt: skip
+    BD, BN, warps = _tiles(N, None, None, requests=R, D=Dn, device=x.device)
+    _mamba1_chunk_carry_kernel[(R, triton.cdiv(Dn, BD))](
+        ws, dtsum, A_log, state, idx, init if init is not None else idx, ccu,
+        state.stride(0), state.stride(1), D=Dn, N=N, BD=BD, BN=BN,
+        HAS_INIT=init is not None, WRITE_STATE=write_state, num_warps=warps,
+    )  # fmt: skip
+    _launch(x, dt, A_log, B, C, ws, chunk_idx, out, init=None, z=z, write_state=False,
+            write_out=True, **common)  # fmt: skip
 
 
 def mamba1_decode(
