@@ -32,8 +32,11 @@ def test_readme_has_the_two_setup_commands():
     assert main.endswith(" && attn run --model qwen3-next"), main
     assert 'pip install -e ".[run]"' in main, main
     assert 'pip install -e ".[test]"' in tests, tests
-    # what CI needs of pytest is what the README says; no .pytest_cache in the tree
-    assert tests.endswith(" && pytest -q -p no:cacheprovider"), tests
+    # what CI needs of pytest is what the README says; no .pytest_cache in the tree, and the
+    # suite spread over every core by pytest-xdist, which the test extra must then install
+    assert tests.endswith(" && pytest -q -p no:cacheprovider -n auto"), tests
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert '"pytest-xdist' in pyproject, "the README runs pytest -n auto; the test extra lacks it"
 
 
 def test_readme_installs_every_plugin_in_one_pip_call():
