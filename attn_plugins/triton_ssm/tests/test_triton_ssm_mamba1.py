@@ -338,3 +338,38 @@ def test_time_chunked_prefill_without_state_update_and_argument_checks(monkeypat
     y1 = K.mamba1_decode(*args, b, idx, block_d=BLOCK_D, time_chunk=8)
     assert torch.equal(y0, y1) and torch.equal(a, b)
     assert calls == [4]
+
+
+@pytest.mark.parametrize("K1", [1, 4])
+def test_verify_and_replay_commit_launch_the_same_tiles(monkeypatch, K1) -> None:
+    """Bit-identical commits need the same compiled arithmetic: the verify scan and the replay
+    commit must run ``_mamba1_scan_kernel`` with the same channel block and warps (on the H200
+    the replay's wider default tile rounded some states differently at d_inner 8192)."""
+    from attn_plugin_triton_ssm.kernels import mamba1
+
+    launched: list[tuple[int, int]] = []
+    real = mamba1._mamba1_scan_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append((kw["BD"], kw["num_warps"]))
+                return real[grid](*args, **kw)
+
+            return launch
+
+    monkeypatch.setattr(mamba1, "_mamba1_scan_kernel", Recorder())
+    gen = _gen(11)
+    p = _params(gen)
+    Bt = 3
+    t = _dev(_tokens(Bt * K1, gen))
+    toks = (t["x"], t["dt"], p["A_log"].to(DEV), t["B"], t["C"])
+    idx = torch.tensor([1, 4, 0], dtype=torch.int32, device=DEV)
+    cu = torch.arange(0, Bt * K1 + 1, K1, dtype=torch.int32, device=DEV)
+    pool = torch.randn(S, Dn, N, generator=gen).to(DEV)
+    inter = torch.empty(Bt, K1, Dn, N, device=DEV)
+    K.mamba1_scan(*toks, pool, idx, cu_seqlens=cu, intermediate_states=inter, update_state=False)
+    acc = torch.full((Bt,), K1, dtype=torch.int32, device=DEV)
+    K.mamba1_replay_commit(*toks, acc, pool, idx)
+    assert len(launched) == 2
+    assert launched[0] == launched[1], f"verify scan {launched[0]} vs replay commit {launched[1]}"

@@ -352,10 +352,13 @@ def _launch(x, dt, A_log, B, C, state, idx, out, *, mode, cu, lengths, step, ini
             requests_per_program=1, dtsum=None) -> None:  # fmt: skip
     Dn, N = A_log.shape
     R = idx.shape[0]
-    if block_d is None and mode == _VARLEN and x.shape[0] > R:
+    walks = (mode == _VARLEN and x.shape[0] > R) or (mode == _STRIDED and step > 1)
+    if block_d is None and walks:
         # a prefill walks its tokens: 16 channels per program ran fastest on the H200 at
         # d_inner 8192, d_state 16 (T = 8192 as 1 / 16 requests: 4.94 / 1.19 ms at 16, against
-        # 8.7-11.0 / 1.20-1.46 ms at 32-128)
+        # 8.7-11.0 / 1.20-1.46 ms at 32-128). The replay commit (strided, K1 tokens a request)
+        # takes the verify scan's tile: another tile compiles to other roundings, and the two
+        # commit strategies must store bit-identical states.
         block_d = 16
     BD, BN, warps = _tiles(N, block_d, num_warps, requests=R, D=Dn, device=x.device)
     if R == 0:
