@@ -62,10 +62,13 @@ def _reference(t, p, pool, lens, slots, initial, *, intermediate=None):
     return y * F.silu(t["z"])
 
 
-@pytest.mark.parametrize("rpp", [1, 3])  # 3: four requests, the second program gets one
+# requests_per_program 3: four requests, the second program gets one; with the streaming hints
+@pytest.mark.parametrize(
+    "tuning", [{}, {"requests_per_program": 3, "cache_hints": True}], ids=["default", "rpp3-hints"]
+)
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("pool_dims", [3, 4])
-def test_decode_matches_reference(state_dtype: torch.dtype, pool_dims: int, rpp: int) -> None:
+def test_decode_matches_reference(state_dtype: torch.dtype, pool_dims: int, tuning: dict) -> None:
     gen = _gen(0)
     p, t = _params(gen), _tokens(4, gen)
     pool = (torch.randn(S, Dn, N, 1, generator=gen) * 0.3).to(state_dtype)
@@ -77,7 +80,7 @@ def test_decode_matches_reference(state_dtype: torch.dtype, pool_dims: int, rpp:
         *(_dev(t)[k] for k in ("x", "dt")), p["A_log"].to(DEV), *(_dev(t)[k] for k in "BC"),
         st if pool_dims == 4 else st.squeeze(-1), torch.tensor(slots, dtype=torch.int32).to(DEV),
         D=p["D"].to(DEV), dt_bias=p["dt_bias"].to(DEV), z=t["z"].to(DEV), block_d=BLOCK_D,
-        requests_per_program=rpp,
+        **tuning,
     ).cpu()  # fmt: skip
     tol = TOL if state_dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
     live = [b for b, s in enumerate(slots) if s >= 0]
@@ -89,8 +92,11 @@ def test_decode_matches_reference(state_dtype: torch.dtype, pool_dims: int, rpp:
     assert torch.equal(st.cpu()[untouched], pool[untouched])
 
 
-@pytest.mark.parametrize("rpp", [1, 2])
-def test_varlen_prefill_with_fresh_and_continued_requests(rpp: int) -> None:
+# the token walk software-pipelined 3 deep: the loads run ahead, the tokens must not
+@pytest.mark.parametrize(
+    "tuning", [{}, {"requests_per_program": 2}, {"num_stages": 3}], ids=["default", "rpp2", "st3"]
+)
+def test_varlen_prefill_with_fresh_and_continued_requests(tuning: dict) -> None:
     """Lengths 7, 1, 0, 12 (a zero-length request, a decode among prefills); request 1 is fresh
     (its slot holds NaN garbage that must never be read); a padding request rides along."""
     gen = _gen(1)
@@ -108,8 +114,7 @@ def test_varlen_prefill_with_fresh_and_continued_requests(rpp: int) -> None:
         *(_dev(t)[k] for k in ("x", "dt")), p["A_log"].to(DEV), *(_dev(t)[k] for k in "BC"),
         st, torch.tensor(slots, dtype=torch.int32).to(DEV), cu_seqlens=cu.to(DEV),
         has_initial_state=torch.tensor(initial).to(DEV), D=p["D"].to(DEV),
-        dt_bias=p["dt_bias"].to(DEV), z=t["z"].to(DEV), block_d=BLOCK_D,
-        requests_per_program=rpp,
+        dt_bias=p["dt_bias"].to(DEV), z=t["z"].to(DEV), block_d=BLOCK_D, **tuning,
     ).cpu()  # fmt: skip
     real = sum(lens[:-1])
     torch.testing.assert_close(got[:real], want[:real], **TOL)
@@ -193,6 +198,8 @@ def test_shapes_are_checked_with_names() -> None:
         K.mamba1_decode(t["x"], t["dt"], a_log, t["B"], t["C"], st, idx[:1])
     with pytest.raises(ValueError, match="requests_per_program"):
         K.mamba1_decode(t["x"], t["dt"], a_log, t["B"], t["C"], st, idx, requests_per_program=0)
+    with pytest.raises(ValueError, match="num_stages: expected None or an int >= 1, got 0"):
+        K.mamba1_decode(t["x"], t["dt"], a_log, t["B"], t["C"], st, idx, num_stages=0)
     with pytest.raises(TypeError, match="A_log: expected dtype"):
         K.mamba1_decode(t["x"], t["dt"], a_log.double(), t["B"], t["C"], st, idx)
 

@@ -101,6 +101,8 @@ def _mamba1_scan_kernel(
     WRITE_STATE: tl.constexpr,
     WRITE_OUT: tl.constexpr,
     STORE_DTSUM: tl.constexpr,
+    STAGES: tl.constexpr,
+    HINTS: tl.constexpr,
 ):
     pid_r = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -117,7 +119,8 @@ def _mamba1_scan_kernel(
     if HAS_D:
         b_skip = tl.load(d_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)
 
-    for i in range(RPP):
+    # unrolled: the RPP requests' state loads can be in flight together
+    for i in tl.static_range(RPP):
         pid_b = pid_r * RPP + i
         live = pid_b < R  # past the last request: no tokens, no state, nothing stored
         slot = tl.load(idx_ptr + pid_b, mask=live, other=-1).to(tl.int64)
@@ -134,7 +137,11 @@ def _mamba1_scan_kernel(
         m_state = m_dn & valid[:, None]
 
         p_state = state_ptr + slot * s_ss + o_d[:, None] * s_sd + o_n[None, :]
-        b_h = tl.load(p_state, mask=m_state, other=0.0).to(tl.float32)
+        if HINTS:  # the state streams through once; A_log is read by every request
+            b_h = tl.load(p_state, mask=m_state, other=0.0, eviction_policy="evict_first")
+        else:
+            b_h = tl.load(p_state, mask=m_state, other=0.0)
+        b_h = b_h.to(tl.float32)
         if HAS_INIT:
             # a fresh request's slot holds whatever its previous owner left: never read it
             init = tl.load(init_ptr + pid_b, mask=live, other=1).to(tl.int32)
@@ -142,7 +149,9 @@ def _mamba1_scan_kernel(
         if STORE_DTSUM:
             b_dts = tl.zeros([BD], dtype=tl.float32)
 
-        for t in range(start, end):
+        # STAGES > 1: the next tokens' x, dt, B, C, z loads are issued while this one computes
+        # (a prefill step otherwise waits a full load latency: its work per token is tiny)
+        for t in tl.range(start, end, num_stages=STAGES):
             b_x = tl.load(x_ptr + t * s_xt + o_d * s_xd, mask=m_d, other=0.0).to(tl.float32)
             b_dt = tl.load(dt_ptr + t * s_dtt + o_d, mask=m_d, other=0.0).to(tl.float32)
             if HAS_DT_BIAS:
@@ -170,7 +179,11 @@ def _mamba1_scan_kernel(
                            + o_d[:, None] * s_id + o_n[None, :])  # fmt: skip
                 tl.store(p_inter, b_h.to(inter_ptr.dtype.element_ty), mask=m_state)
         if WRITE_STATE:
-            tl.store(p_state, b_h.to(state_ptr.dtype.element_ty), mask=m_state)
+            if HINTS:
+                tl.store(p_state, b_h.to(state_ptr.dtype.element_ty), mask=m_state,
+                         cache_modifier=".cs")  # fmt: skip
+            else:
+                tl.store(p_state, b_h.to(state_ptr.dtype.element_ty), mask=m_state)
         if STORE_DTSUM:  # time-chunked pass 1: the chunk's total dt per channel (pass 2's decay)
             tl.store(dts_ptr + slot * D + o_d, b_dts, mask=m_d & valid)
 
@@ -232,6 +245,8 @@ def mamba1_scan(
     num_warps: int | None = None,
     requests_per_program: int = 1,
     time_chunk: int | None = None,
+    num_stages: int | None = None,
+    cache_hints: bool = False,
 ) -> torch.Tensor:
     """Mamba1 over the tokens of ``R`` requests, each continuing from its slot.
 
@@ -265,8 +280,17 @@ def mamba1_scan(
         ``ours time_chunk=L``) has measured where it wins. Decode calls (no ``cu_seqlens``)
         ignore it; it cannot produce ``intermediate_states`` (ValueError); ``block_d`` applies
         to its scans, ``requests_per_program`` does not.
+    :param num_stages: software-pipelining depth of the token walk (Triton's ``tl.range``
+        ``num_stages``): ``s > 1`` loads the inputs of the next ``s - 1`` tokens while one
+        computes. None: 1 (tuning knob, timed by ``bench_ssm.py``'s ``mamba1_prefill`` rows).
+    :param cache_hints: stream the state (``evict_first`` loads, ``.cs`` stores) so that
+        ``A_log``, read by every request, stays in L2 (tuning knob for decode; off).
     :returns: ``out``: ``y`` per token and channel.
     """
+    if num_stages is not None and (
+        not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1
+    ):
+        raise ValueError(f"num_stages: expected None or an int >= 1, got {num_stages!r}")
     if not isinstance(requests_per_program, int) or requests_per_program < 1:
         raise ValueError(
             f"requests_per_program: expected a positive int, got {requests_per_program!r}"
@@ -335,6 +359,7 @@ def mamba1_scan(
             x, dt, A_log, B, C, state, state_indices, out, cu=cu_seqlens, L=time_chunk,
             init=has_initial_state, D=D, dt_bias=dt_bias, z=z, dt_softplus=dt_softplus,
             write_state=update_state, block_d=block_d, num_warps=num_warps,
+            num_stages=num_stages, cache_hints=cache_hints,
         )  # fmt: skip
         return out
     _launch(
@@ -343,13 +368,15 @@ def mamba1_scan(
         init=has_initial_state, D=D, dt_bias=dt_bias, z=z, dt_softplus=dt_softplus,
         inter=inter, write_state=update_state, write_out=True, block_d=block_d,
         num_warps=num_warps, requests_per_program=requests_per_program,
+        num_stages=num_stages, cache_hints=cache_hints,
     )  # fmt: skip
     return out
 
 
 def _launch(x, dt, A_log, B, C, state, idx, out, *, mode, cu, lengths, step, init, D, dt_bias,
             z, dt_softplus, inter, write_state, write_out, block_d, num_warps,
-            requests_per_program=1, dtsum=None) -> None:  # fmt: skip
+            requests_per_program=1, dtsum=None, num_stages=None,
+            cache_hints=False) -> None:  # fmt: skip
     Dn, N = A_log.shape
     R = idx.shape[0]
     walks = (mode == _VARLEN and x.shape[0] > R) or (mode == _STRIDED and step > 1)
@@ -385,7 +412,7 @@ def _launch(x, dt, A_log, B, C, state, idx, out, *, mode, cu, lengths, step, ini
         HAS_INIT=init is not None, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
         HAS_Z=z is not None, DT_SOFTPLUS=dt_softplus, STORE_INTER=inter is not None,
         WRITE_STATE=write_state, WRITE_OUT=write_out, STORE_DTSUM=dtsum is not None,
-        num_warps=warps,
+        STAGES=num_stages or 1, HINTS=bool(cache_hints), num_warps=warps,
     )  # fmt: skip
 
 
@@ -452,7 +479,8 @@ def _chunk_table(
 
 
 def _launch_chunked(x, dt, A_log, B, C, state, idx, out, *, cu, L, init, D, dt_bias, z,
-                    dt_softplus, write_state, block_d, num_warps) -> None:  # fmt: skip
+                    dt_softplus, write_state, block_d, num_warps, num_stages=None,
+                    cache_hints=False) -> None:  # fmt: skip
     """The time-chunked varlen scan (``mamba1_scan(time_chunk=L)``), three launches:
 
     1. :func:`_mamba1_scan_kernel` over the chunks as requests, each from a zero state, no
@@ -479,6 +507,7 @@ def _launch_chunked(x, dt, A_log, B, C, state, idx, out, *, cu, L, init, D, dt_b
     common = dict(
         mode=_VARLEN, cu=chunk_cu, lengths=None, step=1, D=D, dt_bias=dt_bias,
         dt_softplus=dt_softplus, inter=None, block_d=block_d, num_warps=num_warps,
+        num_stages=num_stages, cache_hints=cache_hints,
     )  # fmt: skip
     _launch(x, dt, A_log, B, C, ws, chunk_idx, None, init=zero, z=None, write_state=True,
             write_out=False, dtsum=dtsum, **common)  # fmt: skip
