@@ -159,7 +159,11 @@ def _mamba1_scan_kernel(
             if DT_SOFTPLUS:
                 b_dt = tl.where(b_dt <= 20.0, tl.log(1.0 + tl.exp(b_dt)), b_dt)
             b_B = tl.load(b_ptr + t * s_bt + o_n, mask=m_n, other=0.0).to(tl.float32)
-            b_h = b_h * tl.exp(b_dt[:, None] * b_a) + (b_dt * b_x)[:, None] * b_B[None, :]
+            # an explicit FMA: left to LLVM, the contraction depends on the specialization
+            # (the verify build fused h * e, the replay commit's (dt x) B), and the two
+            # commit strategies must store bit-identical states
+            b_u = (b_dt * b_x)[:, None] * b_B[None, :]
+            b_h = tl.fma(b_h, tl.exp(b_dt[:, None] * b_a), b_u)
             if STORE_DTSUM:
                 b_dts += b_dt
             if WRITE_OUT:
@@ -210,17 +214,18 @@ def _tiles(
     device: torch.device | None = None,
 ) -> tuple[int, int, int]:  # fmt: skip
     """``(BD, BN, num_warps)``. By default ``BD`` is the largest power of two up to
-    ``2048 / BN`` channels (128 at ``N = 16``) that still gives two programs per SM: a single
-    long prefill at d_inner 8192 would otherwise be 64 programs walking its tokens on 132 SMs.
-    Prefill and verify launches default to 16 channels (:func:`_launch`, measured); decode keeps
-    this rule (``bench_ssm.py`` times each ``block_d`` and requests per program)."""
+    ``1024 / BN`` channels (64 at ``N = 16``, on one warp) that still gives two programs per
+    SM. Prefill and verify launches default to 16 channels (:func:`_launch`, measured); decode
+    keeps this rule: on the H200 at B = 256, d_inner 8192, 64 channels on one warp with the
+    streaming hints moved 3506 GB/s, the earlier 128 on four warps 3147 (``bench_decode_sweep.py``
+    times each tiling)."""
     BN = next_pow2(N)
-    BD = block_d or max(16, min(128, 2048 // BN))
+    BD = block_d or max(16, min(64, 1024 // BN))
     if block_d is None and device is not None and device.type == "cuda" and requests:
         want = 2 * _num_sms(device.index if device.index is not None else 0)
         while BD > 16 and requests * triton.cdiv(D, BD) < want:
             BD //= 2
-    return BD, BN, num_warps or min(8, max(1, BD * BN // 512))  # 4 warps at 128 x 16
+    return BD, BN, num_warps or min(8, max(1, BD * BN // 1024))  # 1 warp at 64 x 16
 
 
 def mamba1_scan(
@@ -246,7 +251,7 @@ def mamba1_scan(
     requests_per_program: int = 1,
     time_chunk: int | None = None,
     num_stages: int | None = None,
-    cache_hints: bool = False,
+    cache_hints: bool | None = None,
 ) -> torch.Tensor:
     """Mamba1 over the tokens of ``R`` requests, each continuing from its slot.
 
@@ -284,7 +289,9 @@ def mamba1_scan(
         ``num_stages``): ``s > 1`` loads the inputs of the next ``s - 1`` tokens while one
         computes. None: 1 (tuning knob, timed by ``bench_ssm.py``'s ``mamba1_prefill`` rows).
     :param cache_hints: stream the state (``evict_first`` loads, ``.cs`` stores) so that
-        ``A_log``, read by every request, stays in L2 (tuning knob for decode; off).
+        ``A_log``, read by every request, stays in L2. None: on for decode (no
+        ``cu_seqlens``: a state tile per request, ``A_log`` as large as one request's state),
+        off for prefill.
     :returns: ``out``: ``y`` per token and channel.
     """
     if num_stages is not None and (
@@ -359,16 +366,17 @@ def mamba1_scan(
             x, dt, A_log, B, C, state, state_indices, out, cu=cu_seqlens, L=time_chunk,
             init=has_initial_state, D=D, dt_bias=dt_bias, z=z, dt_softplus=dt_softplus,
             write_state=update_state, block_d=block_d, num_warps=num_warps,
-            num_stages=num_stages, cache_hints=cache_hints,
+            num_stages=num_stages, cache_hints=bool(cache_hints),
         )  # fmt: skip
         return out
+    hints = cu_seqlens is None if cache_hints is None else cache_hints  # None: on for decode
     _launch(
         x, dt, A_log, B, C, state, state_indices, out,
         mode=_DECODE if cu_seqlens is None else _VARLEN, cu=cu_seqlens, lengths=None, step=1,
         init=has_initial_state, D=D, dt_bias=dt_bias, z=z, dt_softplus=dt_softplus,
         inter=inter, write_state=update_state, write_out=True, block_d=block_d,
         num_warps=num_warps, requests_per_program=requests_per_program,
-        num_stages=num_stages, cache_hints=cache_hints,
+        num_stages=num_stages, cache_hints=hints,
     )  # fmt: skip
     return out
 

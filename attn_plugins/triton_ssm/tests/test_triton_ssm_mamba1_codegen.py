@@ -1,0 +1,92 @@
+"""The Mamba1 scan's verify and replay-commit specializations round the state update alike.
+
+The two commit strategies of speculative decoding must store bit-identical states: the native
+one copies the verify scan's per-token state, the replay one re-runs the accepted tokens in a
+launch without outputs. Both compile ``_mamba1_scan_kernel`` with other constexprs, and LLVM
+contracted ``h * exp(dt A) + (dt x) B`` into an FMA as it saw fit: on the H200 the verify build
+fused ``fma(h, e, dt x B)`` and the replay build ``fma(dt x, B, h e)``, and the states differed
+in the last bit (hence the explicit ``tl.fma`` there). This test compiles both for sm90 on the
+CPU (Triton's own compiler, no GPU) and compares the float instructions of the update's lines.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+from attn_plugin_triton_ssm.kernels import mamba1  # noqa: E402
+
+_POINTERS = {
+    "x_ptr": "*bf16", "dt_ptr": "*bf16", "a_log_ptr": "*fp32", "b_ptr": "*bf16",
+    "c_ptr": "*bf16", "d_ptr": "*fp32", "dt_bias_ptr": "*fp32", "z_ptr": "*bf16",
+    "state_ptr": "*fp32", "idx_ptr": "*i32", "cu_ptr": "*i32", "len_ptr": "*i32",
+    "init_ptr": "*i32", "inter_ptr": "*fp32", "out_ptr": "*bf16", "dts_ptr": "*fp32",
+}  # fmt: skip
+#: what the verify scan and the replay commit share (the tiles _launch gives both)
+_COMMON = dict(
+    D=8192, N=16, BD=16, BN=16, RPP=1, HAS_INIT=False, HAS_D=True, HAS_DT_BIAS=True,
+    HAS_Z=False, DT_SOFTPLUS=True, STORE_DTSUM=False, STAGES=1, HINTS=False,
+    s_xd=1, s_zd=1, s_od=1,
+)  # fmt: skip
+VERIFY = dict(MODE=1, STEP=1, STORE_INTER=True, WRITE_STATE=False, WRITE_OUT=True)
+REPLAY = dict(MODE=2, STEP=4, STORE_INTER=False, WRITE_STATE=True, WRITE_OUT=False)
+
+
+def _ptx(kernel, constexprs: dict) -> str:
+    """PTX of ``kernel`` for sm90 with ``constexprs``, the other ints as 16-divisible i32 (as
+    a launch with these strides specializes them)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(kernel, JITFunction):  # the CPU interpreter's wrapper: compile its source
+        kernel = JITFunction(kernel.fn)
+    names = list(inspect.signature(kernel.fn).parameters)
+    sig = {n: _POINTERS.get(n, "constexpr" if n in constexprs else "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] != "constexpr"}
+    src = ASTSource(
+        fn=kernel, signature=sig,
+        constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs,
+    )  # fmt: skip
+    try:
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+    except Exception as e:  # a Triton without its NVIDIA backend or ptxas
+        pytest.skip(f"cannot compile for sm90 here: {type(e).__name__}: {e}")
+    return compiled.asm["ptx"]
+
+
+def _update_ops(ptx: str) -> Counter:
+    """``((line, column), opcode)`` counts of the float instructions PTX attributes to the
+    state update's lines in mamba1.py (the column tells which product an FMA absorbed)."""
+    src = Path(mamba1.__file__).read_text().splitlines()
+    # the token's input term and the update itself
+    lines = {i + 1 for i, s in enumerate(src) if s.strip().startswith(("b_u = ", "b_h = tl.fma("))}
+    assert len(lines) == 2, f"expected the two lines of the state update in mamba1.py: {lines}"
+    files = dict(re.findall(r'\.file\s+(\d+)\s+"([^"]+)"', ptx))
+    ours = {k for k, v in files.items() if v.endswith("mamba1.py")}
+    ops: Counter = Counter()
+    column = None
+    for text in ptx.splitlines():
+        loc = re.match(r"\s*\.loc\s+(\d+)\s+(\d+)\s+(\d+)", text)
+        if loc:
+            here = loc.group(1) in ours and int(loc.group(2)) in lines
+            column = (int(loc.group(2)), int(loc.group(3))) if here else None
+            continue
+        op = re.match(r"\s*((?:fma|mul|add|sub)\.[a-z.]*f32)\s", text)
+        if column is not None and op:
+            ops[(column, op.group(1))] += 1
+    return ops
+
+
+def test_verify_and_replay_commit_round_the_state_update_alike() -> None:
+    kernel = mamba1._mamba1_scan_kernel
+    verify = _update_ops(_ptx(kernel, {**_COMMON, **VERIFY}))
+    replay = _update_ops(_ptx(kernel, {**_COMMON, **REPLAY}))
+    assert verify, "no instructions found for the update line: the test lost track of it"
+    assert verify == replay
+    assert any(op.startswith("fma") for _, op in verify)
