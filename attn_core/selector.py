@@ -794,7 +794,9 @@ class GroupChoice:
 
     def phases_served_by(self, qualified_name: str) -> tuple[Phase, ...]:
         """The planned phases whose steps (some step-size bucket included) run on this
-        backend; the prefill phase when the group planned no phases of its own."""
+        backend; every phase for the backend of a choice without phases (made by hand: it
+        serves them all). A phase a plan left out never runs (verify without draft tokens,
+        decode of an encoder group), so it counts for no backend."""
         served = tuple(
             p.phase
             for p in self.phases
@@ -802,7 +804,7 @@ class GroupChoice:
             or any(b.qualified_name == qualified_name for b in p.switch_backends)
         )
         if not self.phases and self.backend.qualified_name == qualified_name:
-            return (Phase.PREFILL,)
+            return tuple(Phase)
         return served
 
     @property

@@ -200,6 +200,21 @@ def test_an_encoder_group_plans_its_prefill_phase_only(registry):
     )
 
 
+def test_a_hand_made_choice_serves_every_phase_and_is_allocated_for_them(registry):
+    """A GroupChoice without phases (the conformance kit's, a server's own) is served by its one
+    backend in every phase: its context must be allocated for the draft tokens and the graph
+    mode of the run (it was allocated for prefill only: no native-verify workspace)."""
+    from attn_core.selector import GroupChoice, constraints_for_phases
+
+    group = group_layers([FULL])[0]
+    choice = GroupChoice(group, FLASHINFER, (), ())
+    assert choice.phases_served_by(FLASHINFER.qualified_name) == tuple(Phase)
+    assert choice.phases_served_by(FA3.qualified_name) == ()
+    cons = ExecutionConstraints(speculative_tokens=3, graph_mode="decode")
+    served = constraints_for_phases(cons, choice.phases_served_by(FLASHINFER.qualified_name))
+    assert (served.speculative_tokens, served.graph_mode.value) == (3, "decode")
+
+
 def test_a_phase_only_backend_serves_its_phase_and_is_no_downgrade_elsewhere(registry):
     dec = _backend("deconly", 300, min_compute_capability=(9, 0), phases={"decode"})
     with warnings.catch_warnings():
