@@ -47,6 +47,7 @@ its per-layer slopes are the model's input) and LFM2's gated short conv (``layer
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import json
@@ -774,14 +775,40 @@ def _common_names(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], frozenset[str
     and those own names (read as the common ones, so not unknown fields)."""
     out = dict(cfg)
     aliases = set()
+    fields_ = _class_fields(cfg.get("model_type"))
     for common, own in _own_names(cfg.get("model_type")).items():
         # attribute_map: the attribute -> the field stored; only a common name the mapping
         # reads stands for another (EXAONE's maps its legacy num_layers to num_hidden_layers)
-        if common in out or own not in out or common not in _DENSE_FIELDS | _MLA_FIELDS:
+        if own not in out or common not in _DENSE_FIELDS | _MLA_FIELDS:
+            continue
+        if common in out:
+            # both given: the class sets its fields first and a name that is no field of it
+            # last, through attribute_map, so the alias's value is the one the model reads
+            # (Glm4MoeLite's head_dim for qk_rope_head_dim: its rope width and its scale)
+            if common not in fields_:
+                out[own] = out[common]
             continue
         out[common] = out[own]
         aliases.add(own)
     return out, frozenset(aliases)
+
+
+def _class_fields(model_type: Any) -> frozenset[str]:
+    """The dataclass fields of ``model_type``'s transformers config class (``{}`` without
+    transformers, for a model type it does not know, or a class that is no dataclass)."""
+    if not isinstance(model_type, str):
+        return frozenset()
+    try:
+        from transformers import CONFIG_MAPPING
+    except ImportError:
+        return frozenset()
+    try:
+        cls = CONFIG_MAPPING[model_type]
+    except KeyError:
+        return frozenset()
+    if not dataclasses.is_dataclass(cls):
+        return frozenset()
+    return frozenset(f.name for f in dataclasses.fields(cls))
 
 
 def _nested_text(sub: Mapping[str, Any], key: str) -> str:
