@@ -57,6 +57,39 @@ def _config(model_type: str, **fields: Any) -> dict[str, Any]:
     return transformers.CONFIG_MAPPING[model_type](**fields).to_dict()
 
 
+# -- 2. DeepSeek-V2's class defaults: num_experts_per_tok None -----------------------------------
+
+
+def test_deepseek_v2_defaults_without_top_k_are_refused_naming_the_layer_and_field(
+    tmp_path: Path, run_on_cpu
+) -> None:
+    """DeepseekV2Config defaults ``num_experts_per_tok`` (and ``n_group`` / ``topk_group``) to
+    None, and with ``first_k_dense_replace`` 0 every layer is an MoE block: transformers' own
+    forward calls ``topk(k=None)``. Refused before any step: the layer, its group, the module,
+    the null field the module reads."""
+    sizes = {k: v for k, v in _MLA.items() if k not in ("num_experts_per_tok", "n_group")}
+    cfg = _config("deepseek_v2", **{**sizes, "topk_group": None, "first_k_dense_replace": 0})
+    assert cfg["num_experts_per_tok"] is None
+    want = (
+        r"transformers' own forward of DeepseekV2ForCausalLM fails on this config in layer 0 "
+        r"\(group 'mla', module model\.layers\.0\.mlp.*DeepseekV2Moe.*\): TypeError: topk\(\).*"
+        r"null fields its code reads: num_experts_per_tok"
+    )
+    with pytest.raises(ValueError, match=want):
+        run_on_cpu(_write(tmp_path, cfg))
+
+
+def test_deepseek_v2_defaults_with_top_k_set_match_transformers(tmp_path: Path, run_on_cpu) -> None:
+    """The same defaults with ``num_experts_per_tok`` set (greedy routing: ``n_group`` /
+    ``topk_group`` stay None, as the class leaves them) run and match transformers."""
+    sizes = {k: v for k, v in _MLA.items() if k not in ("n_group", "topk_group")}
+    cfg = _config("deepseek_v2", **{**sizes, "first_k_dense_replace": 0})
+    assert cfg["n_group"] is None and cfg["topk_method"] == "greedy"
+    report = run_on_cpu(_write(tmp_path, cfg))
+    assert report.ok, report.format()
+    assert "MATCH" in report.format()
+
+
 # -- 3. GLM-4.7-Flash (glm4_moe_lite): head_dim is an alias of qk_rope_head_dim ----------------
 
 
@@ -92,3 +125,48 @@ def test_glm4_moe_lite_head_dim_alias_wins_as_in_transformers(
     text = report.format()
     assert report.ok, text
     assert f"mla 4q/1kv d{32 + head_dim}/32" in text and "MATCH" in text, text
+
+
+def test_mla_with_fewer_kv_heads_than_query_heads_is_refused_naming_both(
+    tmp_path: Path, run_on_cpu
+) -> None:
+    """MLA expands its keys to every query head; transformers' eager attention then repeats them
+    ``num_attention_heads // num_key_value_heads`` times more, and its own forward fails. The
+    sweep's num_key_value_heads=2 beside 4 query heads: refused saying what was expected."""
+    cfg = _config("glm4_moe_lite", **{**_MLA, "num_key_value_heads": 2})
+    want = (
+        r"in layer 0 \(group 'mla', module model\.layers\.0\.self_attn.*Glm4MoeLiteAttention"
+        r".*expected num_key_value_heads = num_attention_heads = 4, got 2"
+    )
+    with pytest.raises(ValueError, match=want):
+        run_on_cpu(_write(tmp_path, cfg))
+
+
+# -- 5. CodeGen / GPT-J: rotary_dim; Gemma-3's nested sizes -------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ["codegen", "gptj"])
+def test_rotary_dim_wider_than_the_head_is_refused_naming_both(
+    tmp_path: Path, model_type: str, run_on_cpu
+) -> None:
+    """The class's default rotary_dim 64 beside a shrunk head of 16: transformers' own forward
+    fails; refused naming the layer, the field and the head width."""
+    cfg = _config(model_type, n_embd=64, n_layer=2, n_head=4, vocab_size=128)
+    assert cfg["rotary_dim"] == 64
+    want = (
+        r"in layer 0 \(group 'full', module .*h\.0\.attn.*\).*rotary_dim=64 is wider than the "
+        r"head \(hidden_size 64 / num_attention_heads 4\): expected rotary_dim <= 16, got 64"
+    )
+    with pytest.raises(ValueError, match=want):
+        run_on_cpu(_write(tmp_path, cfg))
+
+
+def test_codegen_at_tiny_sizes_matches_transformers(tmp_path: Path, run_on_cpu) -> None:
+    """CodeGen (fused qkv in its mp_num blocks, partial rotary) shrunk through its own names
+    (n_embd, n_layer, n_head: hidden_size etc. are not in its to_dict) runs in seconds."""
+    cfg = _config(
+        "codegen", n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=128, n_positions=256
+    )
+    report = run_on_cpu(_write(tmp_path, cfg))
+    assert report.ok, report.format()
+    assert "MATCH" in report.format()
