@@ -142,6 +142,51 @@ def test_mla_with_fewer_kv_heads_than_query_heads_is_refused_naming_both(
         run_on_cpu(_write(tmp_path, cfg))
 
 
+# -- 4. LFM2-MoE / LFM3 without layer_types ----------------------------------------------------
+
+
+def test_lfm2_moe_without_layer_types_is_refused_by_explain_and_run(
+    tmp_path: Path, run_on_cpu, capsys, monkeypatch
+) -> None:
+    """Lfm2MoeConfig derives no layer_types (Lfm2Config derives them from full_attn_idxs): its
+    class defaults leave them None and transformers cannot build the model. The mapping used
+    Lfm2's rule (every layer attention) and ``attn run`` then failed inside transformers with
+    "'NoneType' object is not subscriptable"; both now refuse naming the field and layers."""
+    from attn_core import cli
+    from attn_core.registry import Registry
+
+    cfg = _config("lfm2_moe", num_hidden_layers=2, hidden_size=64, vocab_size=128)
+    assert cfg["layer_types"] is None
+    path = _write(tmp_path, cfg)
+    want = (
+        r"lfm2 \(lfm2_moe\): layers 0-1: no layer_types, and Lfm2MoeConfig derives none .*"
+        r"expected a list of 2 of \['conv', 'full_attention'\], got None"
+    )
+    with pytest.raises(ValueError, match=want) as err:
+        run_on_cpu(path)
+    monkeypatch.setattr(cli, "_registry", lambda args: Registry(strict=True))
+    assert cli.main(["explain", path, "--target", "cpu"]) == 2
+    assert str(err.value) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model_type", ["lfm2", "lfm3"])
+def test_lfm_layer_types_derived_as_their_config_class_derives_them(model_type: str) -> None:
+    """A config.json without layer_types: the mapping's layer kinds are the ones the config
+    class writes (LFM3: full every 4th from layer 2, sliding every 4th from layer 4, conv
+    else; LFM2: full_attn_idxs, all full by default), not LFM2's rule for both."""
+    if model_type not in transformers.CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type} config class")
+    cfg = _config(model_type, num_hidden_layers=9, hidden_size=64, vocab_size=128)
+    want = cfg.pop("layer_types")
+    cfg.pop("full_attn_idxs", None)
+    layout = specs_from_hf_config(cfg)
+    kind = {"conv": "linear", "full_attention": "full", "sliding_attention": "full"}
+    got = [layout.spec_of(i).kind.value for i in range(9)]
+    windows = [layout.spec_of(i).sliding_window is not None for i in range(9)]
+    assert got == [kind[t] for t in want], (got, want)
+    assert windows == [t == "sliding_attention" for t in want], (windows, want)
+
+
 # -- 5. CodeGen / GPT-J: rotary_dim; Gemma-3's nested sizes -------------------------------------
 
 
