@@ -577,7 +577,7 @@ def run_architecture(
         stack=stack,
     )
     label = label if label is not None else name
-    notes = [*([cut_note] if cut_note else []), *stack_notes]
+    notes = [*([cut_note] if cut_note else []), *stack_notes, *model.notes]
     if model.is_encoder:
         pixels, grid_thw, tokens = encoder_inputs(model, prompts)
         runner = encoder_runner(model, registry, device, constraints, tokens)

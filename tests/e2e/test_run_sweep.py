@@ -57,6 +57,30 @@ def _config(model_type: str, **fields: Any) -> dict[str, Any]:
     return transformers.CONFIG_MAPPING[model_type](**fields).to_dict()
 
 
+# -- 1. DeepSeek-V3 (and the A.X K1 / Kimi-K2 configs read as it) with a head_dim field --------
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "axk1"])
+def test_mla_config_with_a_head_dim_other_than_its_rope_width_runs(
+    tmp_path: Path, model_type: str, run_on_cpu
+) -> None:
+    """DeepseekV3Config derives ``head_dim = qk_rope_head_dim``, but a ``head_dim`` given in the
+    config.json overrides it, and transformers' rotary embedding is then ``head_dim`` wide
+    against MLA's ``qk_rope_head_dim`` rotary part: its own forward failed (``The size of tensor
+    a (32) must match the size of tensor b (8)``, the sweep's crash). The model the config
+    describes ropes ``qk_rope_head_dim`` channels (the mapping says so); ``attn run`` builds
+    transformers' model with the head_dim the class derives, says so, and matches it."""
+    if model_type not in transformers.CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type} config class")
+    cfg = _config(model_type, **_MLA, head_dim=16)
+    assert cfg["head_dim"] == 16 and cfg["qk_rope_head_dim"] == 8
+    report = run_on_cpu(_write(tmp_path, cfg))
+    text = report.format()
+    assert report.ok, text
+    assert "MATCH" in text and "mla 4q/1kv d40/32" in text, text
+    assert "head_dim=16" in text and "qk_rope_head_dim=8" in text, text
+
+
 # -- 2. DeepSeek-V2's class defaults: num_experts_per_tok None -----------------------------------
 
 
