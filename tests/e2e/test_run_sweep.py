@@ -239,3 +239,46 @@ def test_codegen_at_tiny_sizes_matches_transformers(tmp_path: Path, run_on_cpu) 
     report = run_on_cpu(_write(tmp_path, cfg))
     assert report.ok, report.format()
     assert "MATCH" in report.format()
+
+
+def test_gemma3_multimodal_config_shrunk_in_its_sub_configs_runs(
+    tmp_path: Path, run_on_cpu
+) -> None:
+    """Gemma-3's sizes are in text_config / vision_config: shrinking the top level only (the
+    sweep) leaves the real 26-layer, 262k-vocabulary model; shrunk there both stacks run."""
+    text = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_hidden_layers": 2,
+        "vocab_size": 300,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 2,
+    }
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "num_hidden_layers": 2,
+        "image_size": 32,
+        "patch_size": 8,
+    }
+    cfg = _config(
+        "gemma3",
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_index=299,
+        boi_token_index=297,
+        eoi_token_index=298,
+    )
+    report = run_on_cpu(_write(tmp_path, cfg))
+    text_out = report.format()
+    assert report.ok and len(report.runs) == 2, text_out
+    assert text_out.count("MATCH") == 2 and "window=8" in text_out, text_out
