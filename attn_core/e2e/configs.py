@@ -558,6 +558,8 @@ class TinyModel:
     :ivar layout: ``specs_from_hf_config(config, dtype=dtype, tp_size=tp_size, stack=...)``:
         of a multi-stack config, the stack that runs (:func:`run_stack`).
     :ivar checkpoint: the checkpoint folder the weights came from; None: random init.
+    :ivar notes: lines the report prints: a config field transformers' model was built
+        without, and why (:func:`_derived_head_dim`).
     """
 
     name: str
@@ -565,6 +567,7 @@ class TinyModel:
     hf: torch.nn.Module
     layout: ModelLayout
     checkpoint: str | None = None  # the folder whose safetensors weights were loaded
+    notes: tuple[str, ...] = ()  # what of the config the transformers model was built without
 
     @property
     def is_encoder(self) -> bool:
@@ -622,7 +625,47 @@ def _hf_config(name: str, cfg: dict[str, Any]):
         k: _decode_floats(v) for k, v in cfg.items() if k not in ("model_type", "architectures")
     }
     _require_config_class(cfg["model_type"])
+    fields, _notes = _derived_head_dim(cfg["model_type"], fields)
     return AutoConfig.for_model(cfg["model_type"], **fields)
+
+
+def _derived_head_dim(model_type: str, fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``fields`` without a ``head_dim`` that an MLA config class derives itself, when the
+    given one differs, and a note saying so (else ``fields`` unchanged, no note).
+
+    DeepseekV3Config (A.X K1's, Kimi-Linear's alike) sets ``head_dim = qk_rope_head_dim`` in
+    its ``__post_init__``, and ``head_dim`` is no field of it: a config.json that carries one
+    (hub configs of DeepSeek-V3-like models written by other tools) sets it afterwards, and
+    transformers' rotary embedding, ``head_dim`` wide, then fails against the
+    ``qk_rope_head_dim`` rotary part of q and k. The model the config describes ropes
+    ``qk_rope_head_dim`` channels (as the mapping reads it): transformers' model is built
+    with the class's own ``head_dim``. A class whose ``head_dim`` is a field keeps it."""
+    import dataclasses
+
+    from transformers import CONFIG_MAPPING
+
+    if fields.get("kv_lora_rank") is None or fields.get("head_dim") is None:
+        return fields, []
+    cls = CONFIG_MAPPING[model_type]
+    own = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    if "head_dim" in own or "head_dim" in getattr(cls, "attribute_map", {}):
+        return fields, []
+    without = {k: v for k, v in fields.items() if k != "head_dim"}
+    try:
+        derived = getattr(cls(**without), "head_dim", None)
+    except (TypeError, ValueError):  # the config is refused anyway when it is built
+        return fields, []
+    given = fields["head_dim"]
+    if derived is None or derived == given:
+        return fields, []
+    note = (
+        f"head_dim={given} in the config is not what {cls.__name__} derives (head_dim = "
+        f"{derived}, the MLA rotary width qk_rope_head_dim={fields.get('qk_rope_head_dim')}); "
+        f"given, transformers' rotary embedding would be {given} wide and its own forward "
+        f"fail: transformers' model is built with the derived head_dim, as the mapping reads "
+        f"the config"
+    )
+    return without, [note]
 
 
 def _require_config_class(model_type: str) -> None:
@@ -729,7 +772,7 @@ def build_tiny(
         layout = specs_from_hf_config(
             cfg, dtype=dtype, tp_size=tp_size, page_size=page_size, stack=stack
         )
-        return TinyModel(name, cfg, loaded, layout, checkpoint)
+        return TinyModel(name, cfg, loaded, layout, checkpoint, _build_notes(name, cfg))
     hf_cfg = _hf_config(name, cfg)
     hf_cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -792,7 +835,21 @@ def build_tiny(
     layout = specs_from_hf_config(
         cfg, dtype=dtype, tp_size=tp_size, page_size=page_size, stack=stack
     )
-    return TinyModel(name, cfg, model, layout)
+    return TinyModel(name, cfg, model, layout, notes=_build_notes(name, cfg))
+
+
+def _build_notes(name: str, cfg: dict[str, Any]) -> tuple[str, ...]:
+    """What :func:`_hf_config` left out of ``cfg`` building transformers' config, and why."""
+    if name in ENCODER_RUNS or not isinstance(cfg.get("model_type"), str):
+        return ()
+    from transformers import CONFIG_MAPPING
+
+    if cfg["model_type"] not in CONFIG_MAPPING:
+        return ()
+    fields = {
+        k: _decode_floats(v) for k, v in cfg.items() if k not in ("model_type", "architectures")
+    }
+    return tuple(_derived_head_dim(cfg["model_type"], fields)[1])
 
 
 def lightning_slopes(module: Any, device: torch.device) -> torch.Tensor:

@@ -33,6 +33,7 @@ from attn_core.e2e.configs import (
     real_size_config,
     run_stack,
 )
+from attn_core.e2e.hf_reference import check_hf_forward
 from attn_core.e2e.runner import Engine, graph_mode_of
 from attn_core.e2e.vision import VisionRunner, encoder_inputs
 from attn_core.models import (
@@ -576,7 +577,7 @@ def run_architecture(
         stack=stack,
     )
     label = label if label is not None else name
-    notes = [*([cut_note] if cut_note else []), *stack_notes]
+    notes = [*([cut_note] if cut_note else []), *stack_notes, *model.notes]
     if model.is_encoder:
         pixels, grid_thw, tokens = encoder_inputs(model, prompts)
         runner = encoder_runner(model, registry, device, constraints, tokens)
@@ -608,6 +609,9 @@ def run_architecture(
     hf: Any = model.hf  # a transformers PreTrainedModel (typed as a Module)
     vocab = int(hf.get_input_embeddings().weight.shape[0])
     prompt_ids = make_prompts(prompts, vocab=min(vocab, 256))
+    # transformers' forward is what every logit is compared with: a config it cannot run is
+    # refused here, naming the layer and module, before a step fails inside its modules
+    check_hf_forward(hf, model.layout, prompt_ids[0][:4])
     batch = _pow2(max(prompts, 1))
     max_len = max(len(p) for p in prompt_ids) + max_new_tokens + 1
     plan = plan_for(

@@ -47,6 +47,7 @@ its per-layer slopes are the model's input) and LFM2's gated short conv (``layer
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import json
@@ -774,14 +775,40 @@ def _common_names(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], frozenset[str
     and those own names (read as the common ones, so not unknown fields)."""
     out = dict(cfg)
     aliases = set()
+    fields_ = _class_fields(cfg.get("model_type"))
     for common, own in _own_names(cfg.get("model_type")).items():
         # attribute_map: the attribute -> the field stored; only a common name the mapping
         # reads stands for another (EXAONE's maps its legacy num_layers to num_hidden_layers)
-        if common in out or own not in out or common not in _DENSE_FIELDS | _MLA_FIELDS:
+        if own not in out or common not in _DENSE_FIELDS | _MLA_FIELDS:
+            continue
+        if common in out:
+            # both given: the class sets its fields first and a name that is no field of it
+            # last, through attribute_map, so the alias's value is the one the model reads
+            # (Glm4MoeLite's head_dim for qk_rope_head_dim: its rope width and its scale)
+            if common not in fields_:
+                out[own] = out[common]
             continue
         out[common] = out[own]
         aliases.add(own)
     return out, frozenset(aliases)
+
+
+def _class_fields(model_type: Any) -> frozenset[str]:
+    """The dataclass fields of ``model_type``'s transformers config class (``{}`` without
+    transformers, for a model type it does not know, or a class that is no dataclass)."""
+    if not isinstance(model_type, str):
+        return frozenset()
+    try:
+        from transformers import CONFIG_MAPPING
+    except ImportError:
+        return frozenset()
+    try:
+        cls = CONFIG_MAPPING[model_type]
+    except KeyError:
+        return frozenset()
+    if not dataclasses.is_dataclass(cls):
+        return frozenset()
+    return frozenset(f.name for f in dataclasses.fields(cls))
 
 
 def _nested_text(sub: Mapping[str, Any], key: str) -> str:
@@ -1843,17 +1870,40 @@ def _minimax(r: _Reader, o: _Options) -> _Parsed:
 
 def _lfm2(r: _Reader, o: _Options) -> _Parsed:
     """LFM2, LFM2-MoE and LFM3: gated short-conv layers (``conv``: a causal depthwise conv over
-    ``hidden_size`` channels, conv state only) and GQA layers, per ``layer_types`` /
-    ``full_attn_idxs``; LFM3's ``sliding_attention`` layers slide over ``sliding_window`` (its
-    attention gate and sandwich norms act outside the op).
+    ``hidden_size`` channels, conv state only) and GQA layers, per ``layer_types``, else as the
+    config class derives them (LFM2: ``full_attn_idxs``; LFM3: its own pattern; LFM2-MoE
+    derives none and is refused without them); LFM3's ``sliding_attention`` layers slide over
+    ``sliding_window`` (its attention gate and sandwich norms act outside the op).
 
     Under tensor parallelism the conv's channels split across ranks, as its in / out
     projections do.
     """
     n = r.pos_int("num_hidden_layers")
-    listed = r.cfg.get("full_attn_idxs")
-    attn = set(range(n)) if listed is None else set(listed)  # Lfm2Config's default: all full
-    types = _layer_types(r, n, lambda i: "full_attention" if i in attn else "conv")
+    model_type = r.cfg.get("model_type")
+    if model_type == "lfm2_moe" and r.cfg.get("layer_types") is None:
+        # transformers' Lfm2MoeModel indexes config.layer_types, which its config class
+        # leaves None (it reads no full_attn_idxs): which layers are conv is not known
+        raise ValueError(
+            f"{r.where}: layers {_ranges(range(n))}: no layer_types, and Lfm2MoeConfig derives "
+            f"none (Lfm2Config derives them from full_attn_idxs; Lfm2MoeConfig reads no such "
+            f"field and transformers cannot build the model); expected a list of {n} of "
+            f"['conv', 'full_attention'], got {r.cfg.get('layer_types')!r}"
+        )
+    if model_type == "lfm3":
+        # Lfm3Config's own default: full attention every 4th layer from layer 2, sliding
+        # every 4th from layer 4, the short conv elsewhere
+        def fallback(i: int) -> str:
+            if i % 4 == 2:
+                return "full_attention"
+            return "sliding_attention" if i % 4 == 0 and i > 0 else "conv"
+    else:
+        listed = r.cfg.get("full_attn_idxs")
+        attn = set(range(n)) if listed is None else set(listed)  # Lfm2Config's: all full
+
+        def fallback(i: int) -> str:
+            return "full_attention" if i in attn else "conv"
+
+    types = _layer_types(r, n, fallback)
     _check_types(r, types, {"full_attention", "sliding_attention", "conv"})
     channels = _split(r.pos_int("hidden_size"), o.tp_size, "hidden_size")
     heads = _gqa(r, o, _head_dim(r))
