@@ -66,7 +66,7 @@ Sections:
   4 requests per program.
 * mamba1_prefill (``--prefill``): the same mixer, T = 8192 as one and as 16 requests: our
   ``mamba1_scan`` (default tiling, the time-chunked scan with ``time_chunk`` 128, 256, 512,
-  the token walk pipelined ``num_stages`` 2..4 deep, plain and at ``time_chunk`` 256),
+  the block scan with ``token_block`` 8..32 and two channel tiles),
   mamba_ssm's CUDA ``selective_scan`` forward (the kernel Mamba1
   models ship with: the installed package's ``selective_scan_fn``, else the extension
   ``mamba_ssm_scan.py`` builds from the sources ``scripts/pack_mamba_ssm_src.sh`` packs into
@@ -74,8 +74,8 @@ Sections:
   there; the row's ``provider`` names which ran, only the kernel call is timed) and attn-core's
   torch reference (chunked, T = 2048 only: it is slow); tokens/s. The mamba_ssm rows also run
   our ``mamba1_scan`` on the same inputs: max abs and relative difference of the output and
-  the final state, ``MISMATCH`` above 2e-2; the ``time_chunk`` and ``num_stages`` rows diff
-  the same way against our plain sequential walk (``time_chunk=0``, ``num_stages=1``).
+  the final state, ``MISMATCH`` above 2e-2; the ``time_chunk`` and ``token_block`` rows diff
+  the same way against our plain sequential walk (``time_chunk=0``).
 * plugin_step (``--plugin``): a 4-layer GDN decode step (conv1d + recurrent update) at B = 64,
   256 through the runtime's bindings vs the same kernels called directly; ratio of times, eager
   (host launch cost included) and with each step captured in a CUDA graph.
@@ -702,7 +702,7 @@ def _mamba_ssm_scan():
 
 def job_mamba1_prefill(
     T: int, n_seq: int, impl: str, Dn=MAMBA1_D, N=MAMBA1_N, block_d: int | None = None,
-    time_chunk: int | None = None, num_stages: int | None = None,
+    time_chunk: int | None = None, num_stages: int | None = None, token_block: int | None = None,
 ) -> dict:  # fmt: skip
     """One Mamba1 mixer's scan over ``T`` tokens in ``n_seq`` equal requests (bf16 in, fp32
     state): ``impl`` = ``ours`` | ``mamba_ssm`` | ``reference``. ``time_chunk`` (ours): passed
@@ -727,20 +727,21 @@ def job_mamba1_prefill(
         def run():
             return mamba1_scan(x, dt, A_log, Bm, Cm, state, idx, cu_seqlens=cu, D=Dp,
                                dt_bias=dt_bias, block_d=block_d, time_chunk=time_chunk,
-                               num_stages=num_stages)  # fmt: skip
+                               num_stages=num_stages, token_block=token_block)  # fmt: skip
 
-        if time_chunk is not None or num_stages is not None:
+        if time_chunk is not None or num_stages is not None or token_block is not None:
             ms = _bench(run, warmup=3, rep=10)
             row = {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6}
             try:  # against the sequential kernel, both from one nonzero initial state
                 init = torch.randn(n_seq, Dn, N, device="cuda") * 0.1
                 ys, sts = [], []
                 # this row's variant, then the plain walk (no chunks, no pipelining)
-                for tc, stages in ((time_chunk, num_stages), (0, None)):
+                variants = ((time_chunk, num_stages, token_block, block_d), (0, None, None, None))
+                for tc, stages, tb, bd in variants:
                     st = init.clone()
-                    kw = dict(cu_seqlens=cu, D=Dp, dt_bias=dt_bias, block_d=block_d)
+                    kw = dict(cu_seqlens=cu, D=Dp, dt_bias=dt_bias, block_d=bd)
                     ys.append(mamba1_scan(x, dt, A_log, Bm, Cm, st, idx, time_chunk=tc,
-                                          num_stages=stages, **kw))  # fmt: skip
+                                          num_stages=stages, token_block=tb, **kw))  # fmt: skip
                     sts.append(st)
                 row.update(_diff("out", ys[0], ys[1]))
                 row.update(_diff("state", sts[0], sts[1]))
@@ -1633,14 +1634,12 @@ def main(argv: list[str] | None = None) -> int:
             for L in (128, 256, 512):  # time-chunked (off by default): which L, if any, wins?
                 prefill.append(job("mamba1_prefill", {**p, "provider": f"ours time_chunk={L}"},
                                    T=8192, n_seq=n_seq, impl="ours", time_chunk=L))  # fmt: skip
-            for st in (2, 3, 4):  # the token walk software-pipelined: how deep, if at all?
-                prefill.append(job("mamba1_prefill", {**p, "provider": f"ours num_stages={st}"},
-                                   T=8192, n_seq=n_seq, impl="ours", time_chunk=0,
-                                   num_stages=st))  # fmt: skip
-                name = f"ours time_chunk=256 num_stages={st}"
+            # the parallel scan over blocks of tokens: which block, which channel tile?
+            for tb, bd in ((8, None), (16, None), (32, None), (16, 8), (16, 32)):
+                name = f"ours token_block={tb}" + (f" block_d={bd}" if bd else "")
                 prefill.append(job("mamba1_prefill", {**p, "provider": name}, T=8192,
-                                   n_seq=n_seq, impl="ours", time_chunk=256,
-                                   num_stages=st))  # fmt: skip
+                                   n_seq=n_seq, impl="ours", token_block=tb,
+                                   block_d=bd))  # fmt: skip
         p = {"section": "mamba1_prefill", "T": 2048, "n_seq": 1, "provider": "reference (torch)"}
         prefill.append(job("mamba1_prefill", p, T=2048, n_seq=1, impl="reference"))
     if args.profile:

@@ -92,10 +92,7 @@ def test_decode_matches_reference(state_dtype: torch.dtype, pool_dims: int, tuni
     assert torch.equal(st.cpu()[untouched], pool[untouched])
 
 
-# the token walk software-pipelined 3 deep: the loads run ahead, the tokens must not
-@pytest.mark.parametrize(
-    "tuning", [{}, {"requests_per_program": 2}, {"num_stages": 3}], ids=["default", "rpp2", "st3"]
-)
+@pytest.mark.parametrize("tuning", [{}, {"requests_per_program": 2}], ids=["default", "rpp2"])
 def test_varlen_prefill_with_fresh_and_continued_requests(tuning: dict) -> None:
     """Lengths 7, 1, 0, 12 (a zero-length request, a decode among prefills); request 1 is fresh
     (its slot holds NaN garbage that must never be read); a padding request rides along."""
@@ -198,8 +195,6 @@ def test_shapes_are_checked_with_names() -> None:
         K.mamba1_decode(t["x"], t["dt"], a_log, t["B"], t["C"], st, idx[:1])
     with pytest.raises(ValueError, match="requests_per_program"):
         K.mamba1_decode(t["x"], t["dt"], a_log, t["B"], t["C"], st, idx, requests_per_program=0)
-    with pytest.raises(ValueError, match="num_stages: expected None or an int >= 1, got 0"):
-        K.mamba1_decode(t["x"], t["dt"], a_log, t["B"], t["C"], st, idx, num_stages=0)
     with pytest.raises(TypeError, match="A_log: expected dtype"):
         K.mamba1_decode(t["x"], t["dt"], a_log.double(), t["B"], t["C"], st, idx)
 
@@ -261,10 +256,33 @@ F32, BF16 = torch.float32, torch.bfloat16
 def test_time_chunked_prefill_matches_sequential_and_reference(
     L: int, state_dtype: torch.dtype, gate: bool, with_initial: bool
 ) -> None:
-    """``time_chunk=L`` (chunks from a zero state, carry, re-scan) against the sequential
-    kernel (``time_chunk=0``) and attn-core's reference: outputs, final states, untouched slots
-    and the ``out`` buffer's other columns. ``with_initial`` False: no ``has_initial_state``
-    (every request continues its slot)."""
+    """``time_chunk=L`` (chunks from a zero state, carry, re-scan): see
+    :func:`_check_against_sequential`."""
+    _check_against_sequential({"time_chunk": L}, state_dtype, gate, with_initial)
+
+
+# BT = 2 (every request but the empty one spans blocks), 4 (divides only the 12), 16 (longer
+# than every request): the padding rows of a block must be the identity map
+@pytest.mark.parametrize(
+    ("BT", "state_dtype", "gate", "with_initial"),
+    [(2, F32, True, True), (4, BF16, False, False), (4, F32, True, False),
+     (16, F32, False, True), (16, BF16, True, True)],
+)  # fmt: skip
+def test_block_scan_prefill_matches_sequential_and_reference(
+    BT: int, state_dtype: torch.dtype, gate: bool, with_initial: bool
+) -> None:
+    """``token_block=BT`` (an associative scan per block of tokens): see
+    :func:`_check_against_sequential`."""
+    _check_against_sequential({"token_block": BT}, state_dtype, gate, with_initial)
+
+
+def _check_against_sequential(
+    variant: dict, state_dtype: torch.dtype, gate: bool, with_initial: bool
+) -> None:
+    """``mamba1_scan(**variant)`` against the sequential kernel (``time_chunk=0``) and
+    attn-core's reference: outputs, final states, untouched slots and the ``out`` buffer's
+    other columns. ``with_initial`` False: no ``has_initial_state`` (every request continues
+    its slot)."""
     gen = _gen(6)
     p = _params(gen)
     lens, slots = CHUNK_LENS, CHUNK_SLOTS
@@ -287,7 +305,7 @@ def test_time_chunked_prefill_matches_sequential_and_reference(
     T = sum(lens)
     out_buf = torch.full((T, Dn, 2), 7.0, device=DEV)
     st = pool.clone().to(DEV)
-    got = _varlen(t, p, st, slots, lens, initial, time_chunk=L, out=out_buf[:, :, 0], **kw)
+    got = _varlen(t, p, st, slots, lens, initial, out=out_buf[:, :, 0], **variant, **kw)
     assert got.data_ptr() == out_buf.data_ptr()
     got = got.cpu()
     assert bool((out_buf[:, :, 1] == 7.0).all())
@@ -343,6 +361,49 @@ def test_time_chunked_prefill_without_state_update_and_argument_checks(monkeypat
     args = (d["x"], d["dt"], p["A_log"].to(DEV), d["B"], d["C"])
     y0 = K.mamba1_decode(*args, a, idx, block_d=BLOCK_D)
     y1 = K.mamba1_decode(*args, b, idx, block_d=BLOCK_D, time_chunk=8)
+    assert torch.equal(y0, y1) and torch.equal(a, b)
+    assert calls == [4]
+
+
+def test_block_scan_runs_where_asked_and_checks_its_arguments(monkeypatch) -> None:
+    """``token_block`` launches the block scan for varlen calls only (else the comparisons
+    above could pass on the sequential kernel), refuses bad sizes, ``time_chunk`` and
+    ``intermediate_states``; ``update_state=False`` leaves the slots."""
+    from attn_plugin_triton_ssm.kernels import mamba1 as m1
+
+    calls: list[int] = []
+    real = m1.launch_block_scan
+
+    def spy(*a, **kw):
+        calls.append(kw["token_block"])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(m1, "launch_block_scan", spy)
+    gen = _gen(8)
+    p = _params(gen)
+    lens, slots, initial = [9, 4], [1, 3], [True, False]
+    t = _tokens(sum(lens), gen)
+    pool = torch.randn(S, Dn, N, 1, generator=gen) * 0.3
+    st = pool.clone().to(DEV)
+    seq = _varlen(t, p, st.clone(), slots, lens, initial).cpu()
+    got = _varlen(t, p, st, slots, lens, initial, token_block=4, update_state=False).cpu()
+    assert calls == [4]
+    assert torch.equal(st.cpu(), pool)
+    torch.testing.assert_close(got, seq, **TOL)
+    for bad in (1, 3, 128, -2, 4.0, True):
+        with pytest.raises(ValueError, match="token_block: expected None, 0 or a power of two"):
+            _varlen(t, p, st, slots, lens, initial, token_block=bad)
+    with pytest.raises(ValueError, match="does not combine with time_chunk"):
+        _varlen(t, p, st, slots, lens, initial, token_block=4, time_chunk=4)
+    inter = torch.zeros(2, 9, Dn, N, device=DEV)
+    with pytest.raises(ValueError, match="keeps no per-token states"):
+        _varlen(t, p, st, slots, lens, initial, token_block=4, intermediate_states=inter)
+    d = _dev(_tokens(2, gen))
+    idx = torch.tensor([0, 2], dtype=torch.int32, device=DEV)
+    args = (d["x"], d["dt"], p["A_log"].to(DEV), d["B"], d["C"])
+    a, b = pool.clone().to(DEV), pool.clone().to(DEV)
+    y0 = K.mamba1_decode(*args, a, idx, block_d=BLOCK_D)
+    y1 = K.mamba1_decode(*args, b, idx, block_d=BLOCK_D, token_block=8)
     assert torch.equal(y0, y1) and torch.equal(a, b)
     assert calls == [4]
 

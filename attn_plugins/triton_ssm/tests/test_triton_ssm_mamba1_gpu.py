@@ -119,6 +119,30 @@ def test_time_chunked_prefill_real_shape(K, L, state_dtype):
     torch.testing.assert_close(chunk_state.float(), seq_state.float(), **tol)
 
 
+@pytest.mark.parametrize("BT", [8, 16, 32])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_block_scan_prefill_real_shape(K, BT, state_dtype):
+    """``token_block=BT`` compiled against the sequential kernel: unequal lengths not multiples
+    of ``BT``, fresh and continued requests, a padding request, z."""
+    lens, slots = [300, 1, 77, 0, 1500, 33], [7, 2, 0, 4, -1, 9]
+    initial = [True, False, True, True, True, False]
+    tok, params, state = _case(sum(lens), 10, 5, state_dtype=state_dtype)
+    z = torch.randn_like(tok["x"])
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+    idx = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    args = (tok["x"], tok["dt"], params["A_log"], tok["B"], tok["C"])
+    kw = dict(cu_seqlens=cu, has_initial_state=torch.tensor(initial, device="cuda"),
+              D=params["D"], dt_bias=params["dt_bias"], z=z)  # fmt: skip
+    seq_state, block_state = state.clone(), state.clone()
+    want = K.mamba1_scan(*args, seq_state, idx, **kw)
+    got = K.mamba1_scan(*args, block_state, idx, token_block=BT, **kw)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    pad = slice(sum(lens[:4]), sum(lens[:5]))
+    assert torch.count_nonzero(got[pad]) == 0
+    tol = dict(atol=1e-3, rtol=1e-3) if state_dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(block_state.float(), seq_state.float(), **tol)
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_native_and_replay_commit_identical_real_shape(K, state_dtype):
     Bn, K1, S = 16, 4, 40

@@ -23,6 +23,8 @@ A long prefill among few requests leaves most SMs idle (``D / BD`` programs, eac
 thousands of dependent steps). ``mamba1_scan(time_chunk=L)`` cuts each request into chunks of
 ``L`` tokens and runs the same kernel over the chunks (from zero, then again from the carried
 state) with a cheap carry pass in between (:func:`_launch_chunked`); off unless asked for.
+``mamba1_scan(token_block=BT)`` instead takes ``BT`` tokens per step with a parallel scan
+inside the block (:mod:`.mamba1_blockscan`).
 
 The state pool is ``[S, D, N]`` or attn-core's ``[S, D, N, 1]`` (the same memory: HF's
 ``[.., d_inner, d_state]`` cache), fp32 or bf16, maths in fp32, cast on store.
@@ -46,6 +48,7 @@ from attn_plugin_triton_ssm.kernels._common import (
     check_shape,
     next_pow2,
 )
+from attn_plugin_triton_ssm.kernels.mamba1_blockscan import launch_block_scan
 
 __all__ = ["mamba1_commit", "mamba1_decode", "mamba1_replay_commit", "mamba1_scan"]
 
@@ -101,7 +104,6 @@ def _mamba1_scan_kernel(
     WRITE_STATE: tl.constexpr,
     WRITE_OUT: tl.constexpr,
     STORE_DTSUM: tl.constexpr,
-    STAGES: tl.constexpr,
     HINTS: tl.constexpr,
 ):
     pid_r = tl.program_id(0)
@@ -149,9 +151,9 @@ def _mamba1_scan_kernel(
         if STORE_DTSUM:
             b_dts = tl.zeros([BD], dtype=tl.float32)
 
-        # STAGES > 1: the next tokens' x, dt, B, C, z loads are issued while this one computes
-        # (a prefill step otherwise waits a full load latency: its work per token is tiny)
-        for t in tl.range(start, end, num_stages=STAGES):
+        # (software-pipelining this walk, tl.range num_stages 2-4, ran 1.1-1.3x slower on the
+        # H200: the step is bound by its dependent arithmetic, not by its loads)
+        for t in range(start, end):
             b_x = tl.load(x_ptr + t * s_xt + o_d * s_xd, mask=m_d, other=0.0).to(tl.float32)
             b_dt = tl.load(dt_ptr + t * s_dtt + o_d, mask=m_d, other=0.0).to(tl.float32)
             if HAS_DT_BIAS:
@@ -250,8 +252,8 @@ def mamba1_scan(
     num_warps: int | None = None,
     requests_per_program: int = 1,
     time_chunk: int | None = None,
-    num_stages: int | None = None,
     cache_hints: bool | None = None,
+    token_block: int | None = None,
 ) -> torch.Tensor:
     """Mamba1 over the tokens of ``R`` requests, each continuing from its slot.
 
@@ -285,19 +287,17 @@ def mamba1_scan(
         ``ours time_chunk=L``) has measured where it wins. Decode calls (no ``cu_seqlens``)
         ignore it; it cannot produce ``intermediate_states`` (ValueError); ``block_d`` applies
         to its scans, ``requests_per_program`` does not.
-    :param num_stages: software-pipelining depth of the token walk (Triton's ``tl.range``
-        ``num_stages``): ``s > 1`` loads the inputs of the next ``s - 1`` tokens while one
-        computes. None: 1 (tuning knob, timed by ``bench_ssm.py``'s ``mamba1_prefill`` rows).
     :param cache_hints: stream the state (``evict_first`` loads, ``.cs`` stores) so that
         ``A_log``, read by every request, stays in L2. None: on for decode (no
         ``cu_seqlens``: a state tile per request, ``A_log`` as large as one request's state),
         off for prefill.
+    :param token_block: ``BT`` (a power of two, 2..64): a varlen call scans each request in
+        blocks of ``BT`` tokens with a parallel (associative) scan inside the block
+        (:mod:`.mamba1_blockscan`) instead of one token at a time; for few long requests.
+        ``0`` or None: off. Not with ``time_chunk`` or ``intermediate_states`` (ValueError);
+        decode calls ignore it; ``block_d`` and ``num_warps`` apply to it.
     :returns: ``out``: ``y`` per token and channel.
     """
-    if num_stages is not None and (
-        not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1
-    ):
-        raise ValueError(f"num_stages: expected None or an int >= 1, got {num_stages!r}")
     if not isinstance(requests_per_program, int) or requests_per_program < 1:
         raise ValueError(
             f"requests_per_program: expected a positive int, got {requests_per_program!r}"
@@ -306,6 +306,20 @@ def mamba1_scan(
         not isinstance(time_chunk, int) or isinstance(time_chunk, bool) or time_chunk < 0
     ):
         raise ValueError(f"time_chunk: expected None or an int >= 0, got {time_chunk!r}")
+    if token_block is not None and (
+        not isinstance(token_block, int) or isinstance(token_block, bool)
+        or not (token_block == 0 or 2 <= token_block <= 64)
+        or token_block & (token_block - 1)
+    ):  # fmt: skip
+        raise ValueError(
+            f"token_block: expected None, 0 or a power of two in 2..64, got {token_block!r}"
+        )
+    if token_block and (time_chunk or intermediate_states is not None):
+        raise ValueError(
+            "token_block: the block scan keeps no per-token states and does not combine with "
+            f"time_chunk; got time_chunk={time_chunk!r} and "
+            f"intermediate_states={'given' if intermediate_states is not None else None}"
+        )
     if time_chunk and intermediate_states is not None:
         raise ValueError(
             "time_chunk: the time-chunked scan keeps no per-token states; pass time_chunk=0 "
@@ -361,12 +375,20 @@ def mamba1_scan(
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     check_shape("out", out, [T, Dn], "[T, D]")  # any strides, as x
+    if token_block and cu_seqlens is not None:
+        launch_block_scan(
+            x, dt, A_log, B, C, state, state_indices, out, cu=cu_seqlens,
+            init=has_initial_state, D=D, dt_bias=dt_bias, z=z, dt_softplus=dt_softplus,
+            write_state=update_state, token_block=token_block, block_d=block_d,
+            num_warps=num_warps,
+        )  # fmt: skip
+        return out
     if time_chunk and cu_seqlens is not None:
         _launch_chunked(
             x, dt, A_log, B, C, state, state_indices, out, cu=cu_seqlens, L=time_chunk,
             init=has_initial_state, D=D, dt_bias=dt_bias, z=z, dt_softplus=dt_softplus,
             write_state=update_state, block_d=block_d, num_warps=num_warps,
-            num_stages=num_stages, cache_hints=bool(cache_hints),
+            cache_hints=bool(cache_hints),
         )  # fmt: skip
         return out
     hints = cu_seqlens is None if cache_hints is None else cache_hints  # None: on for decode
@@ -376,15 +398,14 @@ def mamba1_scan(
         init=has_initial_state, D=D, dt_bias=dt_bias, z=z, dt_softplus=dt_softplus,
         inter=inter, write_state=update_state, write_out=True, block_d=block_d,
         num_warps=num_warps, requests_per_program=requests_per_program,
-        num_stages=num_stages, cache_hints=hints,
+        cache_hints=hints,
     )  # fmt: skip
     return out
 
 
 def _launch(x, dt, A_log, B, C, state, idx, out, *, mode, cu, lengths, step, init, D, dt_bias,
             z, dt_softplus, inter, write_state, write_out, block_d, num_warps,
-            requests_per_program=1, dtsum=None, num_stages=None,
-            cache_hints=False) -> None:  # fmt: skip
+            requests_per_program=1, dtsum=None, cache_hints=False) -> None:  # fmt: skip
     Dn, N = A_log.shape
     R = idx.shape[0]
     walks = (mode == _VARLEN and x.shape[0] > R) or (mode == _STRIDED and step > 1)
@@ -420,7 +441,7 @@ def _launch(x, dt, A_log, B, C, state, idx, out, *, mode, cu, lengths, step, ini
         HAS_INIT=init is not None, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
         HAS_Z=z is not None, DT_SOFTPLUS=dt_softplus, STORE_INTER=inter is not None,
         WRITE_STATE=write_state, WRITE_OUT=write_out, STORE_DTSUM=dtsum is not None,
-        STAGES=num_stages or 1, HINTS=bool(cache_hints), num_warps=warps,
+        HINTS=bool(cache_hints), num_warps=warps,
     )  # fmt: skip
 
 
@@ -487,7 +508,7 @@ def _chunk_table(
 
 
 def _launch_chunked(x, dt, A_log, B, C, state, idx, out, *, cu, L, init, D, dt_bias, z,
-                    dt_softplus, write_state, block_d, num_warps, num_stages=None,
+                    dt_softplus, write_state, block_d, num_warps,
                     cache_hints=False) -> None:  # fmt: skip
     """The time-chunked varlen scan (``mamba1_scan(time_chunk=L)``), three launches:
 
@@ -515,7 +536,7 @@ def _launch_chunked(x, dt, A_log, B, C, state, idx, out, *, cu, L, init, D, dt_b
     common = dict(
         mode=_VARLEN, cu=chunk_cu, lengths=None, step=1, D=D, dt_bias=dt_bias,
         dt_softplus=dt_softplus, inter=None, block_d=block_d, num_warps=num_warps,
-        num_stages=num_stages, cache_hints=cache_hints,
+        cache_hints=cache_hints,
     )  # fmt: skip
     _launch(x, dt, A_log, B, C, ws, chunk_idx, None, init=zero, z=None, write_state=True,
             write_out=False, dtsum=dtsum, **common)  # fmt: skip
