@@ -32,6 +32,44 @@ def _assert_state_equal(got: torch.Tensor, want: torch.Tensor) -> None:
 # --------------------------------------------------------------------------------------------
 # conv1d
 # --------------------------------------------------------------------------------------------
+def test_conv1d_update_default_groups_a_large_batch_and_matches_torch_conv1d(monkeypatch):
+    """B = 258 requests of 24 channels: the default takes 4 requests a program (the last
+    program has two rows past the batch), and every row still matches torch's conv."""
+    from attn_plugin_triton_ssm.kernels import conv1d
+
+    seen: list[int] = []
+    kernel = conv1d._conv1d_update_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                seen.append(kw["RPP"])
+                return kernel[grid](*a, **kw)
+
+            return launch
+
+    monkeypatch.setattr(conv1d, "_conv1d_update_kernel", Spy())
+    g = _gen(3)
+    Bn, C, KW, S = 258, 24, 3, 262
+    x = torch.randn(Bn, C, generator=g)
+    state = torch.randn(S, C, KW - 1, generator=g)
+    w = torch.randn(C, KW, generator=g)
+    idx = torch.randperm(S, generator=g)[:Bn].int()
+    idx[7] = -1
+    st = state.clone().to(DEV)
+    out = K.causal_conv1d_update(x.to(DEV), st, w.to(DEV), None, idx.to(DEV), activation=None)
+    assert seen == [4]
+    out, st = out.cpu(), st.cpu()
+    for bi in (0, 7, 255, 256, 257):
+        s = int(idx[bi])
+        if s < 0:
+            assert torch.count_nonzero(out[bi]) == 0
+            continue
+        ref, seq = conv_ref(state[s], x[bi][None], w, None, False)
+        torch.testing.assert_close(out[bi], ref[0], atol=1e-5, rtol=1e-5)
+        assert torch.equal(st[s], seq[:, 1:])
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("T", "two_d"), [(1, True), (1, False), (3, False)])
 @pytest.mark.parametrize(("bias", "act"), [(True, "silu"), (False, None)])

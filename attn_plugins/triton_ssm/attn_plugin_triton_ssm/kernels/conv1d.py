@@ -202,7 +202,12 @@ def _run(x3, conv_state, weight, bias, state_indices, num_accepted, out3, *, sil
     B, T, C = x3.shape
     K = weight.shape[1]
     BC = block_c or min(256, next_pow2(C))
-    rpp = 1 if requests_per_program is None else requests_per_program
+    rpp = requests_per_program
+    if rpp is None:
+        # a short conv's state is a few KiB a request: at LFM2's 2048 channels the H200 moved
+        # 1859 / 2990 GB/s at B = 256 / 1024 with 4 requests a program, 1724 / 2395 with one
+        # (bench_decode_sweep.py); wider convs (GDN's 8192 channels) were not timed so: one
+        rpp = 4 if B >= 256 and C <= 2048 else 1
     if rpp < 1:
         raise ValueError(f"requests_per_program: expected a positive count, got {rpp}")
     _conv1d_update_kernel[(triton.cdiv(B, rpp), triton.cdiv(C, BC))](
@@ -260,7 +265,8 @@ def causal_conv1d_update(
         is known.
     :param out: like ``x`` (allocated when ``None``).
     :param block_c: channels per program (default ``min(256, next_pow2(C))``);
-        ``requests_per_program``: requests each program takes in turn (default 1).
+        ``requests_per_program``: requests each program takes in turn (default 4 for
+        ``B >= 256`` requests of at most 2048 channels, else 1).
     :returns: ``out``, shaped like ``x``.
     """
     x3, _, _, _ = _prepare(x, conv_state, weight, bias, state_indices, activation)
