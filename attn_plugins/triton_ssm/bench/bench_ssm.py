@@ -702,7 +702,7 @@ def _mamba_ssm_scan():
 
 def job_mamba1_prefill(
     T: int, n_seq: int, impl: str, Dn=MAMBA1_D, N=MAMBA1_N, block_d: int | None = None,
-    time_chunk: int | None = None, num_stages: int | None = None, token_block: int | None = None,
+    time_chunk: int | None = None, token_block: int | None = None,
 ) -> dict:  # fmt: skip
     """One Mamba1 mixer's scan over ``T`` tokens in ``n_seq`` equal requests (bf16 in, fp32
     state): ``impl`` = ``ours`` | ``mamba_ssm`` | ``reference``. ``time_chunk`` (ours): passed
@@ -727,21 +727,21 @@ def job_mamba1_prefill(
         def run():
             return mamba1_scan(x, dt, A_log, Bm, Cm, state, idx, cu_seqlens=cu, D=Dp,
                                dt_bias=dt_bias, block_d=block_d, time_chunk=time_chunk,
-                               num_stages=num_stages, token_block=token_block)  # fmt: skip
+                               token_block=token_block)  # fmt: skip
 
-        if time_chunk is not None or num_stages is not None or token_block is not None:
+        if time_chunk is not None or token_block is not None:
             ms = _bench(run, warmup=3, rep=10)
             row = {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6}
             try:  # against the sequential kernel, both from one nonzero initial state
                 init = torch.randn(n_seq, Dn, N, device="cuda") * 0.1
                 ys, sts = [], []
                 # this row's variant, then the plain walk (no chunks, no pipelining)
-                variants = ((time_chunk, num_stages, token_block, block_d), (0, None, None, None))
-                for tc, stages, tb, bd in variants:
+                variants = ((time_chunk, token_block, block_d), (0, None, None))
+                for tc, tb, bd in variants:
                     st = init.clone()
                     kw = dict(cu_seqlens=cu, D=Dp, dt_bias=dt_bias, block_d=bd)
                     ys.append(mamba1_scan(x, dt, A_log, Bm, Cm, st, idx, time_chunk=tc,
-                                          num_stages=stages, token_block=tb, **kw))  # fmt: skip
+                                          token_block=tb, **kw))  # fmt: skip
                     sts.append(st)
                 row.update(_diff("out", ys[0], ys[1]))
                 row.update(_diff("state", sts[0], sts[1]))
