@@ -600,9 +600,25 @@ def _tower_fields(cfg: dict[str, Any]) -> dict[str, Any]:
 _NOT_FIELDS = ("model_type", "architectures", "transformers_version")
 
 
-def _hf_config(name: str, cfg: dict[str, Any]):
+def _hf_config(name: str, cfg: dict[str, Any]) -> tuple[Any, tuple[str, ...]]:
+    """``(transformers config, notes)``: the config ``cfg`` describes, and what of ``cfg`` it
+    was built without, and why (:func:`_derived_head_dim`)."""
     from transformers import AutoConfig
 
+    tower = _tower_config(name, cfg)
+    if tower is not None:
+        return tower, ()
+    fields = {
+        k: _decode_floats(v) for k, v in cfg.items() if k not in ("model_type", "architectures")
+    }
+    _require_config_class(cfg["model_type"])
+    fields, notes = _derived_head_dim(cfg["model_type"], fields)
+    return AutoConfig.for_model(cfg["model_type"], **fields), tuple(notes)
+
+
+def _tower_config(name: str, cfg: dict[str, Any]) -> Any:
+    """The transformers config of an encoder run (a vision tower, Whisper's encoder); None for
+    a causal LM."""
     if name == "qwen2.5-vl-vision":
         from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 
@@ -621,12 +637,7 @@ def _hf_config(name: str, cfg: dict[str, Any]):
         from transformers import WhisperConfig
 
         return WhisperConfig(**{k: v for k, v in cfg.items() if k not in _NOT_FIELDS})
-    fields = {
-        k: _decode_floats(v) for k, v in cfg.items() if k not in ("model_type", "architectures")
-    }
-    _require_config_class(cfg["model_type"])
-    fields, _notes = _derived_head_dim(cfg["model_type"], fields)
-    return AutoConfig.for_model(cfg["model_type"], **fields)
+    return None
 
 
 def _derived_head_dim(model_type: str, fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -640,15 +651,14 @@ def _derived_head_dim(model_type: str, fields: dict[str, Any]) -> tuple[dict[str
     ``qk_rope_head_dim`` rotary part of q and k. The model the config describes ropes
     ``qk_rope_head_dim`` channels (as the mapping reads it): transformers' model is built
     with the class's own ``head_dim``. A class whose ``head_dim`` is a field keeps it."""
-    import dataclasses
-
     from transformers import CONFIG_MAPPING
+
+    from attn_core.models.hf_config import class_fields
 
     if fields.get("kv_lora_rank") is None or fields.get("head_dim") is None:
         return fields, []
     cls = CONFIG_MAPPING[model_type]
-    own = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
-    if "head_dim" in own or "head_dim" in getattr(cls, "attribute_map", {}):
+    if "head_dim" in class_fields(model_type) or "head_dim" in getattr(cls, "attribute_map", {}):
         return fields, []
     without = {k: v for k, v in fields.items() if k != "head_dim"}
     try:
@@ -753,7 +763,7 @@ def build_tiny(
                 f"{checkpoint}: loading weights is supported for causal LMs; the encoder "
                 f"({name}) runs with random weights from a config.json only"
             )
-        hf_cfg = _hf_config(name, cfg)  # the folder's own, or its first layers (--layers)
+        hf_cfg, notes = _hf_config(name, cfg)  # the folder's own, or its first layers (--layers)
         # Any: transformers' from_pretrained wrapper types its result loosely
         # a Qwen-VL checkpoint is its whole *ForConditionalGeneration (no causal-LM class)
         auto: Any = (
@@ -772,8 +782,8 @@ def build_tiny(
         layout = specs_from_hf_config(
             cfg, dtype=dtype, tp_size=tp_size, page_size=page_size, stack=stack
         )
-        return TinyModel(name, cfg, loaded, layout, checkpoint, _build_notes(name, cfg))
-    hf_cfg = _hf_config(name, cfg)
+        return TinyModel(name, cfg, loaded, layout, checkpoint, notes)
+    hf_cfg, notes = _hf_config(name, cfg)
     hf_cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     # Built on the device it runs on: a CUDA build initialises its weights there, which at a
@@ -835,21 +845,7 @@ def build_tiny(
     layout = specs_from_hf_config(
         cfg, dtype=dtype, tp_size=tp_size, page_size=page_size, stack=stack
     )
-    return TinyModel(name, cfg, model, layout, notes=_build_notes(name, cfg))
-
-
-def _build_notes(name: str, cfg: dict[str, Any]) -> tuple[str, ...]:
-    """What :func:`_hf_config` left out of ``cfg`` building transformers' config, and why."""
-    if name in ENCODER_RUNS or not isinstance(cfg.get("model_type"), str):
-        return ()
-    from transformers import CONFIG_MAPPING
-
-    if cfg["model_type"] not in CONFIG_MAPPING:
-        return ()
-    fields = {
-        k: _decode_floats(v) for k, v in cfg.items() if k not in ("model_type", "architectures")
-    }
-    return tuple(_derived_head_dim(cfg["model_type"], fields)[1])
+    return TinyModel(name, cfg, model, layout, notes=notes)
 
 
 def lightning_slopes(module: Any, device: torch.device) -> torch.Tensor:

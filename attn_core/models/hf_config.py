@@ -775,7 +775,7 @@ def _common_names(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], frozenset[str
     and those own names (read as the common ones, so not unknown fields)."""
     out = dict(cfg)
     aliases = set()
-    fields_ = _class_fields(cfg.get("model_type"))
+    fields_ = class_fields(cfg.get("model_type"))
     for common, own in _own_names(cfg.get("model_type")).items():
         # attribute_map: the attribute -> the field stored; only a common name the mapping
         # reads stands for another (EXAONE's maps its legacy num_layers to num_hidden_layers)
@@ -793,7 +793,7 @@ def _common_names(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], frozenset[str
     return out, frozenset(aliases)
 
 
-def _class_fields(model_type: Any) -> frozenset[str]:
+def class_fields(model_type: Any) -> frozenset[str]:
     """The dataclass fields of ``model_type``'s transformers config class (``{}`` without
     transformers, for a model type it does not know, or a class that is no dataclass)."""
     if not isinstance(model_type, str):

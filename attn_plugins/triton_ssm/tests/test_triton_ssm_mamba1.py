@@ -323,20 +323,39 @@ def _check_against_sequential(
     assert torch.equal(st.cpu()[others], pool[others])
 
 
+def _record_launches(monkeypatch, launcher: str, key: str) -> list:
+    """Wrap ``mamba1.<launcher>`` so that each call appends its keyword ``key`` to the list
+    returned (the path runs, and only where asked: else the comparisons against the sequential
+    kernel could pass on the sequential kernel itself)."""
+    from attn_plugin_triton_ssm.kernels import mamba1 as m1
+
+    calls: list = []
+    real = getattr(m1, launcher)
+
+    def spy(*a, **kw):
+        calls.append(kw[key])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(m1, launcher, spy)
+    return calls
+
+
+def _assert_decode_ignores(gen, p, pool, **kw) -> None:
+    """A decode call (no ``cu_seqlens``) gives the same outputs and states with ``kw``."""
+    d = _dev(_tokens(2, gen))
+    idx = torch.tensor([0, 2], dtype=torch.int32, device=DEV)
+    a, b = pool.clone().to(DEV), pool.clone().to(DEV)
+    args = (d["x"], d["dt"], p["A_log"].to(DEV), d["B"], d["C"])
+    y0 = K.mamba1_decode(*args, a, idx, block_d=BLOCK_D)
+    y1 = K.mamba1_decode(*args, b, idx, block_d=BLOCK_D, **kw)
+    assert torch.equal(y0, y1) and torch.equal(a, b)
+
+
 def test_time_chunked_prefill_without_state_update_and_argument_checks(monkeypatch) -> None:
     """``update_state=False`` leaves every slot and gives the same outputs; ``time_chunk`` is
     checked, refuses ``intermediate_states`` and is ignored by decode calls; the chunked path
-    runs exactly where asked (else the comparisons above could pass on the sequential one)."""
-    from attn_plugin_triton_ssm.kernels import mamba1 as m1
-
-    calls: list[int] = []
-    chunked = m1._launch_chunked
-
-    def spy(*a, **kw):
-        calls.append(kw["L"])
-        return chunked(*a, **kw)
-
-    monkeypatch.setattr(m1, "_launch_chunked", spy)
+    runs exactly where asked."""
+    calls = _record_launches(monkeypatch, "_launch_chunked", "L")
     gen = _gen(7)
     p = _params(gen)
     lens, slots, initial = [10, 6], [1, 3], [True, False]
@@ -355,30 +374,14 @@ def test_time_chunked_prefill_without_state_update_and_argument_checks(monkeypat
     inter = torch.zeros(2, 10, Dn, N, device=DEV)
     with pytest.raises(ValueError, match="keeps no per-token states"):
         _varlen(t, p, st, slots, lens, initial, time_chunk=4, intermediate_states=inter)
-    d = _dev(_tokens(2, gen))
-    idx = torch.tensor([0, 2], dtype=torch.int32, device=DEV)
-    a, b = pool.clone().to(DEV), pool.clone().to(DEV)
-    args = (d["x"], d["dt"], p["A_log"].to(DEV), d["B"], d["C"])
-    y0 = K.mamba1_decode(*args, a, idx, block_d=BLOCK_D)
-    y1 = K.mamba1_decode(*args, b, idx, block_d=BLOCK_D, time_chunk=8)
-    assert torch.equal(y0, y1) and torch.equal(a, b)
+    _assert_decode_ignores(gen, p, pool, time_chunk=8)
     assert calls == [4]
 
 
 def test_block_scan_runs_where_asked_and_checks_its_arguments(monkeypatch) -> None:
-    """``token_block`` launches the block scan for varlen calls only (else the comparisons
-    above could pass on the sequential kernel), refuses bad sizes, ``time_chunk`` and
-    ``intermediate_states``; ``update_state=False`` leaves the slots."""
-    from attn_plugin_triton_ssm.kernels import mamba1 as m1
-
-    calls: list[int] = []
-    real = m1.launch_block_scan
-
-    def spy(*a, **kw):
-        calls.append(kw["token_block"])
-        return real(*a, **kw)
-
-    monkeypatch.setattr(m1, "launch_block_scan", spy)
+    """``token_block`` launches the block scan for varlen calls only, refuses bad sizes,
+    ``time_chunk`` and ``intermediate_states``; ``update_state=False`` leaves the slots."""
+    calls = _record_launches(monkeypatch, "launch_block_scan", "token_block")
     gen = _gen(8)
     p = _params(gen)
     lens, slots, initial = [9, 4], [1, 3], [True, False]
@@ -398,13 +401,7 @@ def test_block_scan_runs_where_asked_and_checks_its_arguments(monkeypatch) -> No
     inter = torch.zeros(2, 9, Dn, N, device=DEV)
     with pytest.raises(ValueError, match="keeps no per-token states"):
         _varlen(t, p, st, slots, lens, initial, token_block=4, intermediate_states=inter)
-    d = _dev(_tokens(2, gen))
-    idx = torch.tensor([0, 2], dtype=torch.int32, device=DEV)
-    args = (d["x"], d["dt"], p["A_log"].to(DEV), d["B"], d["C"])
-    a, b = pool.clone().to(DEV), pool.clone().to(DEV)
-    y0 = K.mamba1_decode(*args, a, idx, block_d=BLOCK_D)
-    y1 = K.mamba1_decode(*args, b, idx, block_d=BLOCK_D, token_block=8)
-    assert torch.equal(y0, y1) and torch.equal(a, b)
+    _assert_decode_ignores(gen, p, pool, token_block=8)
     assert calls == [4]
 
 

@@ -95,11 +95,18 @@ def test_varlen_prefill_real_shape(K):
     torch.testing.assert_close(state[slots], ref_pool[slots], atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("L", [64, 256, 1000])  # 1000: longer than every request but one
+# time_chunk 1000: longer than every request but one; token_block: blocks of BT tokens
+@pytest.mark.parametrize(
+    "variant",
+    [{"time_chunk": 64}, {"time_chunk": 256}, {"time_chunk": 1000},
+     {"token_block": 8}, {"token_block": 16}, {"token_block": 32}],
+    ids=lambda v: "-".join(f"{k}{n}" for k, n in v.items()),
+)  # fmt: skip
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_time_chunked_prefill_real_shape(K, L, state_dtype):
-    """``time_chunk=L`` compiled against the sequential kernel: unequal lengths not multiples
-    of ``L``, fresh and continued requests, a padding request, z."""
+def test_parallel_prefill_real_shape(K, variant, state_dtype):
+    """The time-chunked scan and the block scan compiled against the sequential kernel:
+    unequal lengths not multiples of the chunk or block, fresh and continued requests, a
+    padding request, z."""
     lens, slots = [300, 1, 77, 0, 1500, 33], [7, 2, 0, 4, -1, 9]
     initial = [True, False, True, True, True, False]
     tok, params, state = _case(sum(lens), 10, 5, state_dtype=state_dtype)
@@ -109,38 +116,14 @@ def test_time_chunked_prefill_real_shape(K, L, state_dtype):
     args = (tok["x"], tok["dt"], params["A_log"], tok["B"], tok["C"])
     kw = dict(cu_seqlens=cu, has_initial_state=torch.tensor(initial, device="cuda"),
               D=params["D"], dt_bias=params["dt_bias"], z=z)  # fmt: skip
-    seq_state, chunk_state = state.clone(), state.clone()
+    seq_state, par_state = state.clone(), state.clone()
     want = K.mamba1_scan(*args, seq_state, idx, time_chunk=0, **kw)
-    got = K.mamba1_scan(*args, chunk_state, idx, time_chunk=L, **kw)
+    got = K.mamba1_scan(*args, par_state, idx, **variant, **kw)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     pad = slice(sum(lens[:4]), sum(lens[:5]))
     assert torch.count_nonzero(got[pad]) == 0
     tol = dict(atol=1e-3, rtol=1e-3) if state_dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(chunk_state.float(), seq_state.float(), **tol)
-
-
-@pytest.mark.parametrize("BT", [8, 16, 32])
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_block_scan_prefill_real_shape(K, BT, state_dtype):
-    """``token_block=BT`` compiled against the sequential kernel: unequal lengths not multiples
-    of ``BT``, fresh and continued requests, a padding request, z."""
-    lens, slots = [300, 1, 77, 0, 1500, 33], [7, 2, 0, 4, -1, 9]
-    initial = [True, False, True, True, True, False]
-    tok, params, state = _case(sum(lens), 10, 5, state_dtype=state_dtype)
-    z = torch.randn_like(tok["x"])
-    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
-    idx = torch.tensor(slots, dtype=torch.int32, device="cuda")
-    args = (tok["x"], tok["dt"], params["A_log"], tok["B"], tok["C"])
-    kw = dict(cu_seqlens=cu, has_initial_state=torch.tensor(initial, device="cuda"),
-              D=params["D"], dt_bias=params["dt_bias"], z=z)  # fmt: skip
-    seq_state, block_state = state.clone(), state.clone()
-    want = K.mamba1_scan(*args, seq_state, idx, **kw)
-    got = K.mamba1_scan(*args, block_state, idx, token_block=BT, **kw)
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
-    pad = slice(sum(lens[:4]), sum(lens[:5]))
-    assert torch.count_nonzero(got[pad]) == 0
-    tol = dict(atol=1e-3, rtol=1e-3) if state_dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(block_state.float(), seq_state.float(), **tol)
+    torch.testing.assert_close(par_state.float(), seq_state.float(), **tol)
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
