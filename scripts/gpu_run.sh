@@ -125,7 +125,7 @@ kit_fi)  # 8 processes by default: on a cold JIT cache one process ran past 400 
   run kit_fi 420 python3 -m pytest -v -p no:cacheprovider -p attn_core.testing.timing --tb=short -rfEs -n "${XDIST:-8}" \
     --attn-backend=flashinfer:flashinfer
   run kit_fi_mla 300 "${PYTEST[@]}" --attn-backend=flashinfer:flashinfer_mla ;;
-kit_ssm) run kit_ssm 400 "${PYTEST[@]}" --attn-backend=triton_ssm:triton_ssm
+kit_ssm) run kit_ssm 540 "${PYTEST[@]}" --attn-backend=triton_ssm:triton_ssm
   run kit_ssm_mamba1 300 "${PYTEST[@]}" --attn-backend=triton_ssm:triton_ssm_mamba1 ;;
 kit_ssm_x2)  # the whole triton_ssm battery in one pass: a shard per GPU, XDIST=8 each (~5 min)
   # -v: one line per finished test, so a run cut by its deadline shows which test was left;
