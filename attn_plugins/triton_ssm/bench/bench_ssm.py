@@ -65,8 +65,7 @@ Sections:
   state, GB/s of state read + write (A_log, read by every request, stays in L2), with 1, 2 and
   4 requests per program.
 * mamba1_prefill (``--prefill``): the same mixer, T = 8192 as one and as 16 requests: our
-  ``mamba1_scan`` (default tiling, the time-chunked scan with ``time_chunk`` 128, 256, 512,
-  the block scan with ``token_block`` 8..32 and two channel tiles),
+  ``mamba1_scan`` (default, the time-chunked scan with ``time_chunk`` 128, 256, 512),
   mamba_ssm's CUDA ``selective_scan`` forward (the kernel Mamba1
   models ship with: the installed package's ``selective_scan_fn``, else the extension
   ``mamba_ssm_scan.py`` builds from the sources ``scripts/pack_mamba_ssm_src.sh`` packs into
@@ -74,8 +73,11 @@ Sections:
   there; the row's ``provider`` names which ran, only the kernel call is timed) and attn-core's
   torch reference (chunked, T = 2048 only: it is slow); tokens/s. The mamba_ssm rows also run
   our ``mamba1_scan`` on the same inputs: max abs and relative difference of the output and
-  the final state, ``MISMATCH`` above 2e-2; the ``time_chunk`` and ``token_block`` rows diff
+  the final state, ``MISMATCH`` above 2e-2; the ``time_chunk`` rows diff
   the same way against our plain sequential walk (``time_chunk=0``).
+* mamba1_chunk_rule (``--prefill``): T = 8192 as 1..32 requests, the walk (``time_chunk=0``),
+  chunks of 256 and the default (``auto_time_chunk``): where the automatic chunking should
+  switch on.
 * plugin_step (``--plugin``): a 4-layer GDN decode step (conv1d + recurrent update) at B = 64,
   256 through the runtime's bindings vs the same kernels called directly; ratio of times, eager
   (host launch cost included) and with each step captured in a CUDA graph.
@@ -702,7 +704,7 @@ def _mamba_ssm_scan():
 
 def job_mamba1_prefill(
     T: int, n_seq: int, impl: str, Dn=MAMBA1_D, N=MAMBA1_N, block_d: int | None = None,
-    time_chunk: int | None = None, token_block: int | None = None,
+    time_chunk: int | None = None,
 ) -> dict:  # fmt: skip
     """One Mamba1 mixer's scan over ``T`` tokens in ``n_seq`` equal requests (bf16 in, fp32
     state): ``impl`` = ``ours`` | ``mamba_ssm`` | ``reference``. ``time_chunk`` (ours): passed
@@ -726,22 +728,20 @@ def job_mamba1_prefill(
 
         def run():
             return mamba1_scan(x, dt, A_log, Bm, Cm, state, idx, cu_seqlens=cu, D=Dp,
-                               dt_bias=dt_bias, block_d=block_d, time_chunk=time_chunk,
-                               token_block=token_block)  # fmt: skip
+                               dt_bias=dt_bias, block_d=block_d,
+                               time_chunk=time_chunk)  # fmt: skip
 
-        if time_chunk is not None or token_block is not None:
+        if time_chunk is not None:
             ms = _bench(run, warmup=3, rep=10)
             row = {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6}
             try:  # against the sequential kernel, both from one nonzero initial state
                 init = torch.randn(n_seq, Dn, N, device="cuda") * 0.1
                 ys, sts = [], []
                 # this row's variant, then the plain walk (no chunks, no pipelining)
-                variants = ((time_chunk, token_block, block_d), (0, None, None))
-                for tc, tb, bd in variants:
+                for tc, bd in ((time_chunk, block_d), (0, None)):
                     st = init.clone()
                     kw = dict(cu_seqlens=cu, D=Dp, dt_bias=dt_bias, block_d=bd)
-                    ys.append(mamba1_scan(x, dt, A_log, Bm, Cm, st, idx, time_chunk=tc,
-                                          token_block=tb, **kw))  # fmt: skip
+                    ys.append(mamba1_scan(x, dt, A_log, Bm, Cm, st, idx, time_chunk=tc, **kw))
                     sts.append(st)
                 row.update(_diff("out", ys[0], ys[1]))
                 row.update(_diff("state", sts[0], sts[1]))
@@ -1527,6 +1527,7 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         help="comma-separated sections to run (gdn_decode, mamba2_decode, mamba1_decode, "
         "gdn_prefill, kda_prefill, mamba2_prefill, mamba2_vs_mamba_ssm, mamba1_prefill, "
+        "mamba1_chunk_rule, "
         "lightning_decode, "
         "lightning_prefill, short_conv_decode, plugin_step); the copy rows always run",
     )
@@ -1634,14 +1635,15 @@ def main(argv: list[str] | None = None) -> int:
             for L in (128, 256, 512):  # time-chunked (off by default): which L, if any, wins?
                 prefill.append(job("mamba1_prefill", {**p, "provider": f"ours time_chunk={L}"},
                                    T=8192, n_seq=n_seq, impl="ours", time_chunk=L))  # fmt: skip
-            # the parallel scan over blocks of tokens: which block, which channel tile?
-            for tb, bd in ((8, None), (16, None), (32, None), (16, 8), (16, 32)):
-                name = f"ours token_block={tb}" + (f" block_d={bd}" if bd else "")
-                prefill.append(job("mamba1_prefill", {**p, "provider": name}, T=8192,
-                                   n_seq=n_seq, impl="ours", token_block=tb,
-                                   block_d=bd))  # fmt: skip
         p = {"section": "mamba1_prefill", "T": 2048, "n_seq": 1, "provider": "reference (torch)"}
         prefill.append(job("mamba1_prefill", p, T=2048, n_seq=1, impl="reference"))
+        # where the automatic time chunk switches on: the walk, chunks, and the default
+        for n_seq in (1, 2, 4, 8, 16, 32):
+            p = {"section": "mamba1_chunk_rule", "T": 8192, "n_seq": n_seq}
+            for name, tc in (("ours time_chunk=0", 0), ("ours time_chunk=256", 256),
+                             ("ours (default)", None)):  # fmt: skip
+                prefill.append(job("mamba1_prefill", {**p, "provider": name}, T=8192,
+                                   n_seq=n_seq, impl="ours", time_chunk=tc))  # fmt: skip
     if args.profile:
         for n_seq in (1, 16):
             p = {"section": "prefill_profile", "T": 8192, "n_seq": n_seq}

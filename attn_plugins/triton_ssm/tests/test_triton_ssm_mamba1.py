@@ -261,21 +261,6 @@ def test_time_chunked_prefill_matches_sequential_and_reference(
     _check_against_sequential({"time_chunk": L}, state_dtype, gate, with_initial)
 
 
-# BT = 2 (every request but the empty one spans blocks), 4 (divides only the 12), 16 (longer
-# than every request): the padding rows of a block must be the identity map
-@pytest.mark.parametrize(
-    ("BT", "state_dtype", "gate", "with_initial"),
-    [(2, F32, True, True), (4, BF16, False, False), (4, F32, True, False),
-     (16, F32, False, True), (16, BF16, True, True)],
-)  # fmt: skip
-def test_block_scan_prefill_matches_sequential_and_reference(
-    BT: int, state_dtype: torch.dtype, gate: bool, with_initial: bool
-) -> None:
-    """``token_block=BT`` (an associative scan per block of tokens): see
-    :func:`_check_against_sequential`."""
-    _check_against_sequential({"token_block": BT}, state_dtype, gate, with_initial)
-
-
 def _check_against_sequential(
     variant: dict, state_dtype: torch.dtype, gate: bool, with_initial: bool
 ) -> None:
@@ -366,7 +351,7 @@ def test_time_chunked_prefill_without_state_update_and_argument_checks(monkeypat
     got = _varlen(t, p, st, slots, lens, initial, time_chunk=4, update_state=False).cpu()
     assert torch.equal(st.cpu(), pool)
     torch.testing.assert_close(got, seq, **TOL)
-    _varlen(t, p, st.clone(), slots, lens, initial)  # None: automatic, off for now
+    _varlen(t, p, st.clone(), slots, lens, initial)  # None: automatic, off off CUDA
     assert calls == [4]
     for bad in (-1, 2.0, True):
         with pytest.raises(ValueError, match="time_chunk: expected None or an int >= 0"):
@@ -378,31 +363,55 @@ def test_time_chunked_prefill_without_state_update_and_argument_checks(monkeypat
     assert calls == [4]
 
 
-def test_block_scan_runs_where_asked_and_checks_its_arguments(monkeypatch) -> None:
-    """``token_block`` launches the block scan for varlen calls only, refuses bad sizes,
-    ``time_chunk`` and ``intermediate_states``; ``update_state=False`` leaves the slots."""
-    calls = _record_launches(monkeypatch, "launch_block_scan", "token_block")
-    gen = _gen(8)
+def test_automatic_time_chunk_switches_on_where_the_walk_leaves_sms_idle(monkeypatch) -> None:
+    """``auto_time_chunk``: chunks below the programs-per-SM threshold when the requests are
+    long enough for two chunks on average; never off CUDA. ``decode_defaults`` by batch."""
+    from attn_plugin_triton_ssm.kernels import mamba1 as m1
+
+    monkeypatch.setattr(m1, "_num_sms", lambda index: 132)
+    cuda, L = torch.device("cuda"), m1.AUTO_TIME_CHUNK
+    most = m1.AUTO_CHUNK_BELOW_PROGRAMS_PER_SM * 132  # programs the walk may start and chunk
+    d = 8192  # 512 programs of 16 channels per request
+    r_max = -(-most // 512) - 1  # the most requests below the threshold
+    assert m1.auto_time_chunk(8192, 1, d, cuda) == L
+    assert m1.auto_time_chunk(2 * L * r_max, r_max, d, cuda) == L
+    assert m1.auto_time_chunk(2 * L * (r_max + 1), r_max + 1, d, cuda) == 0
+    assert m1.auto_time_chunk(2 * L - 1, 1, d, cuda) == 0  # under two chunks a request
+    assert m1.auto_time_chunk(8192, 0, d, cuda) == 0
+    assert m1.auto_time_chunk(8192, 1, d, torch.device("cpu")) == 0
+    # decode: the streaming hints below 1024 requests, 4 requests a program from there
+    assert m1.decode_defaults(1023) == (1, True) and m1.decode_defaults(1024) == (4, False)
+
+
+def test_automatic_choices_reach_the_launches(monkeypatch) -> None:
+    """``time_chunk=None`` takes ``auto_time_chunk``'s answer (same outputs as asking for it),
+    except with ``intermediate_states`` (never chunked) and for decode; a decode call with
+    ``requests_per_program`` / ``cache_hints`` None takes ``decode_defaults``."""
+    from attn_plugin_triton_ssm.kernels import mamba1 as m1
+
+    asked: list = []
+    monkeypatch.setattr(m1, "auto_time_chunk", lambda T, R, D, device: asked.append(T) or 4)
+    chunked = _record_launches(monkeypatch, "_launch_chunked", "L")
+    gen = _gen(9)
     p = _params(gen)
-    lens, slots, initial = [9, 4], [1, 3], [True, False]
+    lens, slots, initial = [10, 6], [1, 3], [True, False]
     t = _tokens(sum(lens), gen)
     pool = torch.randn(S, Dn, N, 1, generator=gen) * 0.3
-    st = pool.clone().to(DEV)
-    seq = _varlen(t, p, st.clone(), slots, lens, initial).cpu()
-    got = _varlen(t, p, st, slots, lens, initial, token_block=4, update_state=False).cpu()
-    assert calls == [4]
-    assert torch.equal(st.cpu(), pool)
-    torch.testing.assert_close(got, seq, **TOL)
-    for bad in (1, 3, 128, -2, 4.0, True):
-        with pytest.raises(ValueError, match="token_block: expected None, 0 or a power of two"):
-            _varlen(t, p, st, slots, lens, initial, token_block=bad)
-    with pytest.raises(ValueError, match="does not combine with time_chunk"):
-        _varlen(t, p, st, slots, lens, initial, token_block=4, time_chunk=4)
-    inter = torch.zeros(2, 9, Dn, N, device=DEV)
-    with pytest.raises(ValueError, match="keeps no per-token states"):
-        _varlen(t, p, st, slots, lens, initial, token_block=4, intermediate_states=inter)
-    _assert_decode_ignores(gen, p, pool, token_block=8)
-    assert calls == [4]
+    a, b = pool.clone().to(DEV), pool.clone().to(DEV)
+    auto = _varlen(t, p, a, slots, lens, initial).cpu()
+    explicit = _varlen(t, p, b, slots, lens, initial, time_chunk=4).cpu()
+    assert asked == [16] and chunked == [4, 4]
+    assert torch.equal(auto, explicit) and torch.equal(a, b)
+    inter = torch.zeros(2, 10, Dn, N, device=DEV)
+    _varlen(t, p, pool.clone().to(DEV), slots, lens, initial, intermediate_states=inter)
+    assert asked == [16] and chunked == [4, 4]
+
+    launches = _record_launches(monkeypatch, "_launch", "requests_per_program")
+    hints = _record_launches(monkeypatch, "_launch", "cache_hints")
+    monkeypatch.setattr(m1, "decode_defaults", lambda R: (3, False))
+    _assert_decode_ignores(gen, p, pool)  # two decode calls, both with the defaults
+    assert launches[-2:] == [3, 3] and hints[-2:] == [False, False]
+    assert asked == [16]
 
 
 @pytest.mark.parametrize("K1", [1, 4])

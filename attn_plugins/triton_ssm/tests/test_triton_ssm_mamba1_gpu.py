@@ -95,16 +95,15 @@ def test_varlen_prefill_real_shape(K):
     torch.testing.assert_close(state[slots], ref_pool[slots], atol=1e-3, rtol=1e-3)
 
 
-# time_chunk 1000: longer than every request but one; token_block: blocks of BT tokens
+# time_chunk 1000: longer than every request but one
 @pytest.mark.parametrize(
     "variant",
-    [{"time_chunk": 64}, {"time_chunk": 256}, {"time_chunk": 1000},
-     {"token_block": 8}, {"token_block": 16}, {"token_block": 32}],
+    [{"time_chunk": 64}, {"time_chunk": 256}, {"time_chunk": 1000}],
     ids=lambda v: "-".join(f"{k}{n}" for k, n in v.items()),
 )  # fmt: skip
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_parallel_prefill_real_shape(K, variant, state_dtype):
-    """The time-chunked scan and the block scan compiled against the sequential kernel:
+    """The time-chunked scan compiled against the sequential kernel:
     unequal lengths not multiples of the chunk or block, fresh and continued requests, a
     padding request, z."""
     lens, slots = [300, 1, 77, 0, 1500, 33], [7, 2, 0, 4, -1, 9]
@@ -124,6 +123,32 @@ def test_parallel_prefill_real_shape(K, variant, state_dtype):
     assert torch.count_nonzero(got[pad]) == 0
     tol = dict(atol=1e-3, rtol=1e-3) if state_dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(par_state.float(), seq_state.float(), **tol)
+
+
+def test_default_chunks_two_long_requests_and_matches_the_walk(K, monkeypatch):
+    """``time_chunk=None`` on two long requests (1024 programs of the walk: a few per SM) takes
+    the chunked path, with the walk's outputs and states."""
+    from attn_plugin_triton_ssm.kernels import mamba1
+
+    lens, slots = [5000, 700], [3, 1]
+    T = sum(lens)
+    assert mamba1.auto_time_chunk(T, 2, D, torch.device("cuda")) == mamba1.AUTO_TIME_CHUNK
+    tok, params, state = _case(T, 4, 11)
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+    idx = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    args = (tok["x"], tok["dt"], params["A_log"], tok["B"], tok["C"])
+    kw = dict(cu_seqlens=cu, D=params["D"], dt_bias=params["dt_bias"])
+    walk_state, auto_state = state.clone(), state.clone()
+    want = K.mamba1_scan(*args, walk_state, idx, time_chunk=0, **kw)
+    chunks: list = []
+    real = mamba1._launch_chunked
+    monkeypatch.setattr(
+        mamba1, "_launch_chunked", lambda *a, **k: chunks.append(k["L"]) or real(*a, **k)
+    )
+    got = K.mamba1_scan(*args, auto_state, idx, **kw)
+    assert chunks == [mamba1.AUTO_TIME_CHUNK]
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(auto_state, walk_state, atol=1e-3, rtol=1e-3)
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])

@@ -22,9 +22,8 @@ The state is read once and written once per request whatever its length; a token
 A long prefill among few requests leaves most SMs idle (``D / BD`` programs, each walking
 thousands of dependent steps). ``mamba1_scan(time_chunk=L)`` cuts each request into chunks of
 ``L`` tokens and runs the same kernel over the chunks (from zero, then again from the carried
-state) with a cheap carry pass in between (:func:`_launch_chunked`); off unless asked for.
-``mamba1_scan(token_block=BT)`` instead takes ``BT`` tokens per step with a parallel scan
-inside the block (:mod:`.mamba1_blockscan`).
+state) with a cheap carry pass in between (:func:`_launch_chunked`); :func:`auto_time_chunk`
+turns it on where the walk would leave SMs idle.
 
 The state pool is ``[S, D, N]`` or attn-core's ``[S, D, N, 1]`` (the same memory: HF's
 ``[.., d_inner, d_state]`` cache), fp32 or bf16, maths in fp32, cast on store.
@@ -48,7 +47,6 @@ from attn_plugin_triton_ssm.kernels._common import (
     check_shape,
     next_pow2,
 )
-from attn_plugin_triton_ssm.kernels.mamba1_blockscan import launch_block_scan
 
 __all__ = ["mamba1_commit", "mamba1_decode", "mamba1_replay_commit", "mamba1_scan"]
 
@@ -250,10 +248,9 @@ def mamba1_scan(
     out: torch.Tensor | None = None,
     block_d: int | None = None,
     num_warps: int | None = None,
-    requests_per_program: int = 1,
+    requests_per_program: int | None = None,
     time_chunk: int | None = None,
     cache_hints: bool | None = None,
-    token_block: int | None = None,
 ) -> torch.Tensor:
     """Mamba1 over the tokens of ``R`` requests, each continuing from its slot.
 
@@ -277,28 +274,24 @@ def mamba1_scan(
     :param out: ``[T, D]`` (allocated like ``x`` when None).
     :param block_d: channels per program (default: see :func:`_tiles`).
     :param requests_per_program: requests one program walks in turn for its channel block,
-        sharing its ``A_log`` / ``D`` / ``dt_bias`` reads (tuning knob; 1 by default).
+        sharing its ``A_log`` / ``D`` / ``dt_bias`` reads. None: see
+        :func:`decode_defaults` for decode, 1 otherwise.
     :param time_chunk: ``L > 0``: a varlen call (``cu_seqlens`` given) scans each request in
         time chunks of ``L`` tokens, parallel over chunks (:func:`_launch_chunked`: three
         launches plus a few small torch ops building the chunk table, no host sync; a
         per-call workspace of ``(T / L + R) * D * N`` float32). For few long requests, where
-        the sequential walk leaves the GPU idle. ``0``: off. ``None`` (automatic): currently
-        off, until the H200 bench (``bench_ssm.py --prefill --only mamba1_prefill``, rows
-        ``ours time_chunk=L``) has measured where it wins. Decode calls (no ``cu_seqlens``)
-        ignore it; it cannot produce ``intermediate_states`` (ValueError); ``block_d`` applies
-        to its scans, ``requests_per_program`` does not.
+        the sequential walk leaves the GPU idle. ``0``: off. ``None``: :func:`auto_time_chunk`
+        decides (off on the CPU and with ``intermediate_states``). Decode calls (no
+        ``cu_seqlens``) ignore it; it cannot produce ``intermediate_states`` (ValueError);
+        ``block_d`` applies to its scans, ``requests_per_program`` does not.
     :param cache_hints: stream the state (``evict_first`` loads, ``.cs`` stores) so that
-        ``A_log``, read by every request, stays in L2. None: on for decode (no
-        ``cu_seqlens``: a state tile per request, ``A_log`` as large as one request's state),
-        off for prefill.
-    :param token_block: ``BT`` (a power of two, 2..64): a varlen call scans each request in
-        blocks of ``BT`` tokens with a parallel (associative) scan inside the block
-        (:mod:`.mamba1_blockscan`) instead of one token at a time; for few long requests.
-        ``0`` or None: off. Not with ``time_chunk`` or ``intermediate_states`` (ValueError);
-        decode calls ignore it; ``block_d`` and ``num_warps`` apply to it.
+        ``A_log``, read by every request, stays in L2. None: see :func:`decode_defaults` for
+        decode, off for prefill.
     :returns: ``out``: ``y`` per token and channel.
     """
-    if not isinstance(requests_per_program, int) or requests_per_program < 1:
+    if requests_per_program is not None and (
+        not isinstance(requests_per_program, int) or requests_per_program < 1
+    ):
         raise ValueError(
             f"requests_per_program: expected a positive int, got {requests_per_program!r}"
         )
@@ -306,20 +299,6 @@ def mamba1_scan(
         not isinstance(time_chunk, int) or isinstance(time_chunk, bool) or time_chunk < 0
     ):
         raise ValueError(f"time_chunk: expected None or an int >= 0, got {time_chunk!r}")
-    if token_block is not None and (
-        not isinstance(token_block, int) or isinstance(token_block, bool)
-        or not (token_block == 0 or 2 <= token_block <= 64)
-        or token_block & (token_block - 1)
-    ):  # fmt: skip
-        raise ValueError(
-            f"token_block: expected None, 0 or a power of two in 2..64, got {token_block!r}"
-        )
-    if token_block and (time_chunk or intermediate_states is not None):
-        raise ValueError(
-            "token_block: the block scan keeps no per-token states and does not combine with "
-            f"time_chunk; got time_chunk={time_chunk!r} and "
-            f"intermediate_states={'given' if intermediate_states is not None else None}"
-        )
     if time_chunk and intermediate_states is not None:
         raise ValueError(
             "time_chunk: the time-chunked scan keeps no per-token states; pass time_chunk=0 "
@@ -375,14 +354,8 @@ def mamba1_scan(
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     check_shape("out", out, [T, Dn], "[T, D]")  # any strides, as x
-    if token_block and cu_seqlens is not None:
-        launch_block_scan(
-            x, dt, A_log, B, C, state, state_indices, out, cu=cu_seqlens,
-            init=has_initial_state, D=D, dt_bias=dt_bias, z=z, dt_softplus=dt_softplus,
-            write_state=update_state, token_block=token_block, block_d=block_d,
-            num_warps=num_warps,
-        )  # fmt: skip
-        return out
+    if time_chunk is None and cu_seqlens is not None and inter is None:
+        time_chunk = auto_time_chunk(T, R, Dn, x.device)
     if time_chunk and cu_seqlens is not None:
         _launch_chunked(
             x, dt, A_log, B, C, state, state_indices, out, cu=cu_seqlens, L=time_chunk,
@@ -391,16 +364,52 @@ def mamba1_scan(
             cache_hints=bool(cache_hints),
         )  # fmt: skip
         return out
-    hints = cu_seqlens is None if cache_hints is None else cache_hints  # None: on for decode
+    rpp, hints = requests_per_program or 1, bool(cache_hints)
+    if cu_seqlens is None:
+        rpp_auto, hints_auto = decode_defaults(R)
+        rpp = requests_per_program or rpp_auto
+        hints = hints_auto if cache_hints is None else cache_hints
     _launch(
         x, dt, A_log, B, C, state, state_indices, out,
         mode=_DECODE if cu_seqlens is None else _VARLEN, cu=cu_seqlens, lengths=None, step=1,
         init=has_initial_state, D=D, dt_bias=dt_bias, z=z, dt_softplus=dt_softplus,
         inter=inter, write_state=update_state, write_out=True, block_d=block_d,
-        num_warps=num_warps, requests_per_program=requests_per_program,
+        num_warps=num_warps, requests_per_program=rpp,
         cache_hints=hints,
     )  # fmt: skip
     return out
+
+
+#: The time chunk :func:`auto_time_chunk` picks. On the H200 (d_inner 8192, d_state 16,
+#: T = 8192 in one request) chunks of 128 / 256 / 512 tokens took 2.24 / 2.24 / 2.40 ms.
+AUTO_TIME_CHUNK = 256
+#: :func:`auto_time_chunk` chunks while the sequential walk would start fewer programs (of
+#: 16 channels, one request) than this many per SM. On the H200 (132 SMs) at d_inner 8192,
+#: T = 8192 in 1 / 2 / 4 / 8 / 16 / 32 equal requests (3.9 / 7.8 / 15.5 / ... programs per
+#: SM) the walk took 4.69 / 2.45 / 1.43 / 1.30 / 1.16 / 1.10 ms, chunks of 256 took 2.24 /
+#: 2.27 / 2.24 / 2.28 / 2.28 / 2.31 ms (``bench_ssm.py`` section ``mamba1_chunk_rule``).
+AUTO_CHUNK_BELOW_PROGRAMS_PER_SM = 12
+
+
+def auto_time_chunk(T: int, R: int, D: int, device: torch.device) -> int:
+    """The ``time_chunk`` :func:`mamba1_scan` uses when given None, for ``T`` tokens of ``R``
+    requests over ``D`` channels: :data:`AUTO_TIME_CHUNK` where the sequential walk leaves the
+    GPU idle (few programs, at least two chunks a request on average), else 0 (the walk).
+    Always 0 off CUDA: Triton's interpreter gains nothing from chunks."""
+    if device.type != "cuda" or R == 0 or T < 2 * AUTO_TIME_CHUNK * R:
+        return 0
+    programs = R * triton.cdiv(D, 16)  # the walk's tile for a prefill (see _launch)
+    sms = _num_sms(device.index if device.index is not None else 0)
+    return AUTO_TIME_CHUNK if programs < AUTO_CHUNK_BELOW_PROGRAMS_PER_SM * sms else 0
+
+
+def decode_defaults(R: int) -> tuple[int, bool]:
+    """``(requests_per_program, cache_hints)`` of a decode step of ``R`` requests when the
+    caller gives None. On the H200 (d_inner 8192, d_state 16, fp32 state, 64 channels on one
+    warp): at B = 256 the streaming hints moved the state at 0.85 of copy bandwidth, 0.82
+    without; at B = 1024 they cost (0.82 with, 0.85 without) and 4 requests a program, sharing
+    the ``A_log`` / ``D`` / ``dt_bias`` reads, reached 0.87 (``bench_decode_sweep.py``)."""
+    return (4, False) if R >= 1024 else (1, True)
 
 
 def _launch(x, dt, A_log, B, C, state, idx, out, *, mode, cu, lengths, step, init, D, dt_bias,
