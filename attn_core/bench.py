@@ -10,6 +10,10 @@ a fresh runtime:
 - prefill: ``batch`` requests of ``context`` new tokens each, nothing cached (points over
   ``--max-prefill-tokens`` tokens in all are skipped).
 
+A layer's step is its ``binding.forward`` with the inputs its spec needs (sinks, lightning's
+slopes, Mamba's and the gated kinds' extra tensors), except the gated short conv (LFM2), whose
+step is its ``binding.conv1d``: the conv is its whole core and it has no ``forward``.
+
 The time per layer goes into tuning data the selector uses (``attn explain --tuning FILE``):
 one entry per backend, group spec, phase and batch size (the geometric mean over the context
 lengths), which the selector ranks each phase (and batch-size bucket) by. Optionally plotted
@@ -102,7 +106,13 @@ class Timing:
 
 
 def step_inputs(group: LayerGroup, tokens: int, device: torch.device) -> dict[str, Any]:
-    """Random inputs of one step for a layer of ``group`` (shapes from :mod:`attn_core.specs`)."""
+    """Random inputs of one step for a layer of ``group`` (shapes from :mod:`attn_core.specs`).
+
+    ``q``, ``k``, ``v`` and the kind's extra forward inputs (lightning's ``slope``, Mamba's
+    ``dt``, ``A_log``, ``D``, ``dt_bias``, the gates ``g``, ``beta`` of the others), except for
+    the gated short conv, whose layers call ``binding.conv1d`` only: ``conv_x [T, C]``,
+    ``conv_weight [C, K]`` and ``conv_bias [C]``.
+    """
     s = group.spec
     dt = torch_dtype(s.dtype)
 
@@ -111,6 +121,13 @@ def step_inputs(group: LayerGroup, tokens: int, device: torch.device) -> dict[st
 
     if s.kind is LayerKind.MLA:
         return {"q": r(tokens, s.num_heads, s.head_dim), "k": r(tokens, s.head_dim), "v": None}
+    if s.linear_variant is LinearVariant.SHORT_CONV:
+        channels, width = s.conv_dims
+        return {
+            "conv_x": r(tokens, channels),
+            "conv_weight": r(channels, width, scale=0.5),
+            "conv_bias": r(channels, scale=0.1),
+        }
     if s.kind is LayerKind.LINEAR:
         base = {
             "q": r(tokens, s.num_kv_heads, s.head_dim),
@@ -126,6 +143,10 @@ def step_inputs(group: LayerGroup, tokens: int, device: torch.device) -> dict[st
                 D=torch.ones(s.num_heads, device=device),
                 dt_bias=torch.zeros(s.num_heads, device=device),
             )
+        elif s.linear_variant is LinearVariant.LIGHTNING:
+            # MiniMax's per-head decay rates ([H] float32, > 0): a per-layer constant the model
+            # passes in place of the gates (the backend refuses a step without it)
+            base["slope"] = torch.rand(s.num_heads, device=device).mul_(1.5).add_(0.01)
         else:
             g_shape = (tokens, s.num_heads) + (
                 (s.head_dim,) if s.linear_variant is LinearVariant.KDA else ()
@@ -236,16 +257,33 @@ def bench_group(
         step = builder.build([(r, q_len) for r in range(batch)], spec_tokens=k)
     runtime.prepare(step)
     inputs = step_inputs(single, step.padded_tokens, device)
-    q, k, v = inputs.pop("q"), inputs.pop("k"), inputs.pop("v")
+    q, k, v = inputs.pop("q", None), inputs.pop("k", None), inputs.pop("v", None)
     dv = group.spec.head_dim_v
-    out = torch.empty(step.padded_tokens, group.spec.num_heads, dv, device=device, dtype=q.dtype)
+    dtype = torch_dtype(group.spec.dtype)
+    out = torch.empty(step.padded_tokens, group.spec.num_heads, dv, device=device, dtype=dtype)
     group_rt = runtime.groups[single.group_id]
 
-    def through_binding():
-        binding.forward(q, k, v, out=out, **inputs)
+    if group.spec.linear_variant is LinearVariant.SHORT_CONV:
+        # the gated short conv's whole core is its conv (no activation: the gates are the
+        # model's); its layers never call forward, which backends refuse for it. The output is
+        # written into out's one "head", as the model reads it.
+        x, weight, bias = inputs["conv_x"], inputs["conv_weight"], inputs["conv_bias"]
+        flat = out[:, 0]
 
-    def direct():
-        group_rt.forward(binding, q, k, v, out, **inputs)
+        def through_binding() -> None:
+            binding.conv1d(x, weight, bias, activation=None, out=flat)
+
+        def direct() -> None:
+            conv1d = group_rt.context.conv1d  # type: ignore[attr-defined]  # a linear context
+            conv1d(binding, x, weight, bias, activation=None, out=flat)
+
+    else:
+
+        def through_binding() -> None:
+            binding.forward(q, k, v, out=out, **inputs)
+
+        def direct() -> None:
+            group_rt.forward(binding, q, k, v, out, **inputs)
 
     if device.type == "cuda" and _captured(one, phase):
         # the run replays this phase's steps from CUDA graphs: time the replay, so that host
