@@ -97,6 +97,8 @@ def test_the_fixed_bf16_bound_is_waived_only_where_transformers_misses_it_too() 
     assert match(0.6, 0.9).ok and "waived" in match(0.6, 0.9).short()
     assert not match(0.95, 0.9).ok  # transformers meets the fixed bound: so must attn-core
     assert not match(0.6, 1.3).ok  # farther from float32 than transformers' own rounding
+    assert not match(0.6, 1.05).ok  # no sampling room: at most transformers' own error
+    assert match(0.6, 1.0).ok
 
 
 @pytest.mark.parametrize("shapes", ["tiny", "kernel"])
@@ -242,9 +244,20 @@ def test_measure_overhead_cpu() -> None:
 # ------------------------------------------------------------------------------------------
 # GPU: bf16 with an explicit looser tolerance, and CUDA-graph decode
 # ------------------------------------------------------------------------------------------
+#: bf16 comparisons over more prompts where a few rows' error against float32 moves the mean
+#: (Kimi-Linear's tiny sample: 1.18x transformers' own over 4 prompts on CPU, 0.79x over 8)
+_BF16_PROMPTS = {"kimi-linear": 8}
+
+
+def _bf16_prompts(name: str, default: int) -> int:
+    return _BF16_PROMPTS.get(name, default)
+
+
 @pytest.mark.parametrize("name", [pytest.param(n, marks=gpu) for n in ARCHITECTURES])
 def test_matches_transformers_bf16_gpu(name: str) -> None:
-    run = run_architecture(name, device="cuda", dtype="bfloat16", prompts=4, max_new_tokens=6)
+    run = run_architecture(
+        name, device="cuda", dtype="bfloat16", prompts=_bf16_prompts(name, 4), max_new_tokens=6
+    )
     assert run.ok, run.format()
 
 
@@ -334,7 +347,7 @@ def _gpu_plugin_run(name: str, **kw):
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=gpu) for n in ARCHITECTURES])
 def test_gpu_plugins_match_transformers_bf16(name: str) -> None:
-    run = _gpu_plugin_run(name, dtype="bfloat16", prompts=4, max_new_tokens=6)
+    run = _gpu_plugin_run(name, dtype="bfloat16", prompts=_bf16_prompts(name, 4), max_new_tokens=6)
     assert run.ok, run.format()
 
 
@@ -355,7 +368,9 @@ def test_gpu_plugins_match_transformers_bf16(name: str) -> None:
     ],
 )
 def test_gpu_plugins_cuda_graph_decode_bf16(name: str) -> None:
-    run = _gpu_plugin_run(name, dtype="bfloat16", prompts=3, max_new_tokens=6, graphs=True)
+    run = _gpu_plugin_run(
+        name, dtype="bfloat16", prompts=_bf16_prompts(name, 3), max_new_tokens=6, graphs=True
+    )
     assert run.graph_replays > 0, run.format()
     assert run.ok, run.format()
 
