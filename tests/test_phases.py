@@ -272,6 +272,52 @@ def test_a_faster_phase_backend_that_cannot_share_the_state_says_so(make_plugin)
     assert "shared_state" not in [r.code for r in prefill.rejections_by_backend()["dec64:dec64"]]
 
 
+def test_a_faster_phase_backend_that_reads_another_kv_layout_says_so(make_plugin):
+    """The KV layout branch of the shared-state check: dechnd (decode only, layout HND only)
+    ranks first for decode, but under HND no backend serves prefill (the reference is denied,
+    flashinfer and fa3 read NHD only): decode stays on flashinfer, and dechnd's shared_state
+    rejection names both layouts and the phase that has no backend under its own."""
+    dechnd = _backend(
+        "dechnd", 300, min_compute_capability=(9, 0), kv_layouts={"HND"}, phases={"decode"}
+    )
+    import attn_core.reference.plugin as ref
+
+    reg = Registry(strict=True)
+    reg.register_plugin(ref, name="attn_core")
+    for plugin, b in (("flashinfer", FLASHINFER), ("fa3", FA3), ("dechnd", dechnd)):
+        reg.register_plugin(make_plugin(plugin, [b]), name=plugin)
+    plan = _plan(reg, deny={"reference"})
+    assert (plan.page_size, plan.kv_layout) == (16, "NHD")
+    assert _phases(plan) == {"prefill": "flashinfer:flashinfer", "decode": "flashinfer:flashinfer"}
+    decode = plan.choice("full").phase_choice("decode")
+    by = decode.rejections_by_backend()["dechnd:dechnd"]
+    assert [r.code for r in by] == ["kv_layout", "shared_state"]
+    assert "reads KV in layout HND, the run uses NHD" in by[0].reason
+    shared = by[1].reason
+    assert "ranks above flashinfer:flashinfer for decode but cannot share" in shared
+    assert "(page_size 16, kv_layout NHD)" in shared  # what the plan shares
+    assert "under page_size 16, kv_layout HND, which it serves" in shared  # what it reads
+    assert "layer group 'full' has no backend for prefill" in shared
+    prefill = plan.choice("full").phase_choice("prefill")
+    assert "shared_state" not in [r.code for r in prefill.rejections_by_backend()["dechnd:dechnd"]]
+
+
+def test_a_faster_phase_backend_that_stores_another_kv_dtype_says_so(registry):
+    """The KV dtype is no setting the selector picks for the shared state: it is the run's (its
+    ``kv_dtype``, else the model's), and every phase's backend is held to it. A faster decode
+    backend that stores only fp8 KV is rejected for the dtype, naming both; no shared_state
+    rejection (no other dtype is tried)."""
+    decfp8 = _backend(
+        "decfp8", 300, min_compute_capability=(9, 0), kv_dtypes={"fp8_e4m3"}, phases={"decode"}
+    )
+    plan = _plan(registry(("decfp8", decfp8)))
+    assert _phases(plan) == {"prefill": "flashinfer:flashinfer", "decode": "flashinfer:flashinfer"}
+    decode = plan.choice("full").phase_choice("decode")
+    by = decode.rejections_by_backend()["decfp8:decfp8"]
+    assert [r.code for r in by] == ["kv_dtype"]
+    assert "stores KV as fp8_e4m3, the run asks for bfloat16" in by[0].reason
+
+
 def test_the_downgrade_policy_names_the_phase(registry):
     old = _backend("old", 500, max_compute_capability=(8, 9), phases={"decode"})
     _plan(registry(("old", old)), downgrade="error", deny={"old"})  # denied: no downgrade
