@@ -57,6 +57,12 @@ _FALSE = ("0", "false", "no", "off")
 OptionTable = tuple[tuple[str, tuple[tuple[str, object], ...]], ...]
 
 
+def _article(t: type) -> str:
+    """``"an int"``, ``"a float"``: the type's name with its article, for error messages."""
+    name = t.__name__
+    return f"{'an' if name[:1] in 'aeiou' else 'a'} {name}"
+
+
 @dataclass(frozen=True, slots=True)
 class OptionSpec:
     """One option a backend accepts: its type, default, meaning and (optionally) its choices.
@@ -93,7 +99,7 @@ class OptionSpec:
         if t is float and isinstance(value, int) and not isinstance(value, bool):
             return float(value)
         if not ok:
-            raise ValueError(f"OptionSpec {what}={value!r}: expected a {t.__name__}")
+            raise ValueError(f"OptionSpec {what}={value!r}: expected {_article(t)}")
         return value
 
     def allowed(self) -> str:
@@ -102,7 +108,7 @@ class OptionSpec:
             return "one of " + ", ".join(repr(c) for c in self.choices)
         if self.type is bool:
             return "a bool (true/false)"
-        return f"a {self.type.__name__}"
+        return _article(self.type)
 
     def convert(self, value: object) -> object:
         """``value`` (typed, or text from the CLI / environment) as this option's type.

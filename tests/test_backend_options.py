@@ -92,8 +92,13 @@ def test_option_spec_converts_text_and_refuses_bad_values():
     assert s.convert("lpt") == "lpt"
     with pytest.raises(ValueError, match=r"'maybe' is not a bool \(true/false\)"):
         b.convert("maybe")
-    with pytest.raises(ValueError, match="True is not a int"):
+    # "an int", "a float": the article follows the type's name
+    with pytest.raises(ValueError, match="True is not an int"):
         OptionSpec(int, 0).convert(True)  # a bool is no int
+    with pytest.raises(ValueError, match="'x' is not a float"):
+        OptionSpec(float, 0.5).convert("x")
+    with pytest.raises(ValueError, match="OptionSpec default='0': expected an int"):
+        OptionSpec(int, "0")
     with pytest.raises(ValueError, match="'fifo' is not one of 'auto', 'lpt'"):
         s.convert("fifo")
     with pytest.raises(ValueError, match="default='x' is not among choices"):
@@ -157,7 +162,7 @@ def test_constraints_beat_cli_beat_env(registry, tiny_specs, monkeypatch):
             {},
             "fast.num_splits=four",
             r"ATTN_CORE_BACKEND_OPTIONS='fast.num_splits=four': option 'num_splits' of backend "
-            r"'vendor:fast': 'four' is not a int",
+            r"'vendor:fast': 'four' is not an int",
         ),
         (
             {},
