@@ -147,49 +147,50 @@ _DEEPSEEK_V2_SMALL: dict[str, object] = {
 }
 
 
-@pytest.mark.parametrize(
-    "extra",
-    [
-        {"q_lora_rank": None},  # V2-Lite: q_proj, no query LoRA
-        {
-            "q_lora_rank": 32,
-            "rope_parameters": {
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 64,
-                "mscale": 1.0,
-                "mscale_all_dim": 1.0,
-                "beta_fast": 32,
-                "beta_slow": 1,
-            },
+# DeepSeek-V2's variants: V2-Lite (q_proj, no query LoRA) and query LoRA with YaRN rope
+_DEEPSEEK_V2_VARIANTS: dict[str, dict[str, object]] = {
+    "lite": {"q_lora_rank": None},
+    "yarn": {
+        "q_lora_rank": 32,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "beta_fast": 32,
+            "beta_slow": 1,
         },
-    ],
-    ids=["lite", "yarn"],
-)
-def test_run_deepseek_v2_matches_transformers(
-    tmp_path: Path, extra: dict[str, object], run_on_cpu
-) -> None:
-    """DeepSeek-V2's MLA (complex freqs_cis rope on interleaved pairs, no rope_interleave
-    field) runs in the absorbed form through the binding and matches transformers."""
+    },
+}
+
+
+def _deepseek_v2_config(variant: str, **sizes: object) -> dict[str, object]:
+    """The DeepSeek-V2 config of the CPU test (``variant`` of :data:`_DEEPSEEK_V2_VARIANTS`),
+    ``sizes`` changed (the GPU test's kernel shapes), as ``config.json`` holds it."""
     import transformers
 
-    cfg = transformers.DeepseekV2Config(**{**_DEEPSEEK_V2_SMALL, **extra})
-    path = _config_path(tmp_path, cfg.to_dict())
+    fields = {**_DEEPSEEK_V2_SMALL, **_DEEPSEEK_V2_VARIANTS[variant], **sizes}
+    return transformers.DeepseekV2Config(**fields).to_dict()
+
+
+@pytest.mark.parametrize("variant", list(_DEEPSEEK_V2_VARIANTS))
+def test_run_deepseek_v2_matches_transformers(tmp_path: Path, variant: str, run_on_cpu) -> None:
+    """DeepSeek-V2's MLA (complex freqs_cis rope on interleaved pairs, no rope_interleave
+    field) runs in the absorbed form through the binding and matches transformers."""
+    path = _config_path(tmp_path, _deepseek_v2_config(variant))
     report = run_on_cpu(str(path))
     assert report.ok, report.format()
     assert "DeepseekV2ForCausalLM" in report.format() and "mla 4q/1kv d40/32" in report.format()
 
 
-@pytest.mark.parametrize("position", ["rope", None], ids=["rope", "nope"])
-def test_run_granite_4_h_matches_transformers(
-    tmp_path: Path, position: str | None, run_on_cpu
-) -> None:
-    """Granite-4.0-H: Mamba2 and attention layers by the hub's layer_types names, MoE plus a
-    shared MLP, its embedding / residual / logits multipliers and attention_multiplier scale."""
+def _granite_4_h_config(position: str | None, **sizes: object) -> dict[str, object]:
+    """The Granite-4.0-H config of the CPU test (``position_embedding_type`` ``position``),
+    ``sizes`` changed (the GPU test's kernel shapes), with the hub's ``layer_types`` names."""
     import transformers
 
-    cfg = transformers.GraniteMoeHybridConfig(
+    fields: dict[str, object] = dict(
         num_hidden_layers=4,
         layer_types=["mamba", "attention", "mamba", "attention"],
         hidden_size=64,
@@ -215,19 +216,28 @@ def test_run_granite_4_h_matches_transformers(
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
-    ).to_dict()
+    )
+    cfg = transformers.GraniteMoeHybridConfig(**{**fields, **sizes}).to_dict()
     cfg["layer_types"] = ["mamba", "attention", "mamba", "attention"]  # as hub configs say
-    path = _config_path(tmp_path, cfg)
+    return cfg
+
+
+@pytest.mark.parametrize("position", ["rope", None], ids=["rope", "nope"])
+def test_run_granite_4_h_matches_transformers(
+    tmp_path: Path, position: str | None, run_on_cpu
+) -> None:
+    """Granite-4.0-H: Mamba2 and attention layers by the hub's layer_types names, MoE plus a
+    shared MLP, its embedding / residual / logits multipliers and attention_multiplier scale."""
+    path = _config_path(tmp_path, _granite_4_h_config(position))
     report = run_on_cpu(str(path))
     assert report.ok, report.format()
     groups = _groups(report.runs[0])
     assert groups == {"linear": [0, 2], "full": [1, 3]}
 
 
-@pytest.mark.parametrize("cls_name", ["Qwen3_5TextConfig", "Qwen3_5MoeTextConfig"])
-def test_run_qwen3_5_matches_transformers(tmp_path: Path, cls_name: str, run_on_cpu) -> None:
-    """Qwen3.5 (dense and MoE): Gated DeltaNet layers with separate q|k|v, z, b, a projections
-    (no fix_query_key_value_ordering), gated full attention with partial multimodal rope."""
+def _qwen3_5_config(cls_name: str, **sizes: object) -> dict[str, object]:
+    """The Qwen3.5 config of the CPU test (``cls_name``: the dense or the MoE text config
+    class), ``sizes`` changed (the GPU test's kernel shapes), as ``config.json`` holds it."""
     import transformers
 
     moe = (
@@ -240,7 +250,7 @@ def test_run_qwen3_5_matches_transformers(tmp_path: Path, cls_name: str, run_on_
         if "Moe" in cls_name
         else {}
     )
-    cfg = getattr(transformers, cls_name)(
+    fields: dict[str, object] = dict(
         num_hidden_layers=4,
         hidden_size=64,
         intermediate_size=128,
@@ -256,11 +266,23 @@ def test_run_qwen3_5_matches_transformers(tmp_path: Path, cls_name: str, run_on_
         tie_word_embeddings=False,
         **moe,
     )
+    return getattr(transformers, cls_name)(**{**fields, **sizes}).to_dict()
+
+
+_QWEN3_5_CLASSES = ["Qwen3_5TextConfig", "Qwen3_5MoeTextConfig"]
+
+
+@pytest.mark.parametrize("cls_name", _QWEN3_5_CLASSES)
+def test_run_qwen3_5_matches_transformers(tmp_path: Path, cls_name: str, run_on_cpu) -> None:
+    """Qwen3.5 (dense and MoE): Gated DeltaNet layers with separate q|k|v, z, b, a projections
+    (no fix_query_key_value_ordering), gated full attention with partial multimodal rope."""
+    import transformers
+
     assert not hasattr(
         transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet,
         "fix_query_key_value_ordering",
     )
-    path = _config_path(tmp_path, cfg.to_dict())
+    path = _config_path(tmp_path, _qwen3_5_config(cls_name))
     report = run_on_cpu(str(path))
     assert report.ok, report.format()
     groups = _groups(report.runs[0])
