@@ -556,24 +556,26 @@ _GPU_CASES: list[tuple[str, int, dict[str, Any]]] = [
 ]
 
 
+_GRAPHS = pytest.mark.parametrize("graphs", [False, "decode"], ids=["eager", "graphs"])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("graphs", [False, "decode"], ids=["eager", "graphs"])
+@_GRAPHS
 @pytest.mark.parametrize(
     ("model_type", "layers", "extra"), _GPU_CASES, ids=[c[0] for c in _GPU_CASES]
 )
 def test_run_family_on_gpu_plugins_matches_transformers(
-    tmp_path: Path, model_type: str, layers: int, extra: dict[str, Any], graphs: bool | str
+    tmp_path: Path,
+    model_type: str,
+    layers: int,
+    extra: dict[str, Any],
+    graphs: bool | str,
+    run_on_gpu_plugins,
 ) -> None:
     """``attn run --model CONFIG.json --device cuda`` (bf16) on the installed GPU plugins: the
-    plan names a plugin backend for every group (not the reference) and the tokens match
-    transformers' own bf16 forward."""
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from attn_core.e2e import run_main
+    plan names a plugin backend for every phase of every group (not the reference), the tokens
+    match transformers' own bf16 forward and with graphs decode steps replay captured graphs."""
     from attn_core.e2e.adapters import MODULE_ADAPTERS
-    from attn_core.registry import Registry
 
     sizes = {"hidden_size": 256, "head_dim": 64, "intermediate_size": 512, "rotary_dim": 32}
     if (
@@ -584,22 +586,7 @@ def test_run_family_on_gpu_plugins_matches_transformers(
     if model_type in MODULE_ADAPTERS:  # only fields its config class has (see _GPU_CASES)
         sizes = {"hidden_size": 256}
     path = _tiny_config(tmp_path, model_type, layers, **{**sizes, **extra})
-    report = run_main(
-        str(path),
-        device="cuda",
-        dtype="bf16",
-        prompts=3,
-        max_new_tokens=4,
-        graphs=graphs,
-        registry=Registry.discover(),  # None would mean the reference alone
-        constraints=None,
-        progress=False,
-        console=lambda *a: None,
-    )
-    text = report.format()
-    assert report.ok and "MATCH" in text, text
-    backends = {g["backend"] for g in report.runs[0].plan["groups"]}
-    assert backends and "attn_core:reference" not in backends, text
+    run_on_gpu_plugins(str(path), graphs=graphs)
 
 
 def test_dbrx_reads_its_kv_heads_from_attn_config(tmp_path: Path, run_on_cpu) -> None:
