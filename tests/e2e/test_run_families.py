@@ -12,6 +12,7 @@ against the mapping, so a mapping that describes other math fails loudly instead
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -287,6 +288,75 @@ def test_run_qwen3_5_matches_transformers(tmp_path: Path, cls_name: str, run_on_
     assert report.ok, report.format()
     groups = _groups(report.runs[0])
     assert groups == {"linear": [0, 1, 2], "full": [3]}
+
+
+# ------------------------------------------------------------------------------------------
+# GPU: the configs above at kernel shapes on the plugins found by entry points (issue 22)
+# ------------------------------------------------------------------------------------------
+# The shapes of attn_core.e2e.configs' kernel samples: hidden 256, full attention heads of 128
+# (Qwen3.5) or 64 (Granite: 256 / 4), Gated DeltaNet heads of 128, Mamba2 heads of 64 with state
+# 128 (mamba_expand 2 * 256 = 8 heads * 64), DeepSeek's real MLA ranks 512 + 64 (FlashInfer's
+# MLA), and that rule's init std for hidden 256 (0.1 * sqrt(64 / 256)); the rest as on CPU.
+_KERNEL_INIT = 0.1 * (64 / 256) ** 0.5
+_QWEN3_5_KERNEL: dict[str, object] = dict(
+    hidden_size=256,
+    head_dim=128,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    initializer_range=_KERNEL_INIT,
+)
+_DEEPSEEK_V2_KERNEL: dict[str, object] = dict(
+    hidden_size=256,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    initializer_range=_KERNEL_INIT,
+)
+_GRANITE_4_H_KERNEL: dict[str, object] = dict(
+    hidden_size=256,
+    mamba_d_head=64,
+    mamba_d_state=128,
+    mamba_chunk_size=64,
+    initializer_range=_KERNEL_INIT,
+)
+#: Every CPU case above at kernel shapes: id -> its config.json contents.
+_GPU_CONFIGS: dict[str, Callable[[], dict[str, object]]] = {
+    "qwen3_5": lambda: _qwen3_5_config("Qwen3_5TextConfig", **_QWEN3_5_KERNEL),
+    "qwen3_5_moe": lambda: _qwen3_5_config("Qwen3_5MoeTextConfig", **_QWEN3_5_KERNEL),
+    **{
+        f"deepseek_v2_{v}": (lambda v=v: _deepseek_v2_config(v, **_DEEPSEEK_V2_KERNEL))
+        for v in _DEEPSEEK_V2_VARIANTS
+    },
+    "granite_4_h_rope": lambda: _granite_4_h_config("rope", **_GRANITE_4_H_KERNEL),
+    "granite_4_h_nope": lambda: _granite_4_h_config(None, **_GRANITE_4_H_KERNEL),
+}
+_GRAPHS = pytest.mark.parametrize("graphs", [False, "decode"], ids=["eager", "graphs"])
+
+
+@_GRAPHS
+@pytest.mark.parametrize("case", list(_GPU_CONFIGS))
+def test_issue_22_gpu_configs_plan_a_plugin_for_every_group_on_an_h200(
+    tmp_path: Path, case: str, graphs: bool | str, h200_plan
+) -> None:
+    """On CPU: the GPU test's configs have the shapes the GPU plugins serve; an H200's
+    offline plan puts every group on a plugin, CUDA-graph decode granted."""
+    plan = h200_plan(_config_path(tmp_path, _GPU_CONFIGS[case]()), graphs=graphs)
+    kinds = {g["spec"].split()[0] for g in plan["groups"]}
+    assert kinds == ({"mla"} if case.startswith("deepseek") else {"linear", "full"}), plan
+
+
+@pytest.mark.gpu
+@_GRAPHS
+@pytest.mark.parametrize("case", list(_GPU_CONFIGS))
+def test_issue_22_family_on_gpu_plugins_matches_transformers(
+    tmp_path: Path, case: str, graphs: bool | str, run_on_gpu_plugins
+) -> None:
+    """``attn run --model CONFIG.json --device cuda [--graphs]`` (bf16) on the plugins found by
+    entry points: Qwen3.5 dense and MoE (Gated DeltaNet on triton_ssm, gated full attention),
+    DeepSeek-V2 (MLA on FlashInfer's MLA), Granite-4.0-H (Mamba2 on triton_ssm, attention)
+    match transformers, every group on a GPU plugin."""
+    run_on_gpu_plugins(_config_path(tmp_path, _GPU_CONFIGS[case]()), graphs=graphs)
 
 
 def test_run_multimodal_gemma3_config_drives_its_language_model(tmp_path: Path, run_on_cpu) -> None:
