@@ -4,6 +4,7 @@
 #   stages: info install
 #           fi_install                                      (FlashInfer from $FI_WHEELS, see below)
 #           t_core t_e2e t_e2e_plugins t_e2e_gptoss t_tp t_fi t_ssm t_varlen t_fa3   (pytest; GPU tests of each area)
+#           t_families                                      (issue 22's config families on the GPU plugins)
 #           t_handoff                                       (prefill -> decode hand-off, 2 GPUs)
 #           kit_fi kit_ssm kit_varlen                       (conformance kit per backend)
 #           kit_ssm_x2                                      (the triton_ssm kit over both GPUs)
@@ -113,6 +114,8 @@ t_e2e) run t_e2e 500 "${PYTEST[@]}" -m gpu tests/e2e --deselect tests/e2e/test_t
 --deselect tests/e2e/test_handoff.py ;;
 t_e2e_plugins) run t_e2e_plugins 500 "${PYTEST[@]}" -m gpu tests/e2e --deselect tests/e2e/test_tp.py \
 --deselect tests/e2e/test_handoff.py -k "gpu_plugins or triton_ssm_serves" ;;  # the plugin half of t_e2e
+t_families) run t_families 400 "${PYTEST[@]}" -m gpu tests/e2e/test_run_families.py \
+tests/e2e/test_run_dense.py -k issue_22_family ;;  # issue 22's families: t_e2e_plugins runs them too
 t_tp) run t_tp 600 "${PYTEST[@]}" tests/e2e/test_tp.py ;;
 t_handoff) run t_handoff 600 "${PYTEST[@]}" -s tests/e2e/test_handoff.py ;;
 t_fi) run t_fi 500 "${PYTEST[@]}" attn_plugins/flashinfer/tests ;;
