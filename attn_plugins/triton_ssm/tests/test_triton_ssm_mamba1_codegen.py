@@ -11,8 +11,11 @@ CPU (Triton's own compiler, no GPU) and compares the float instructions of the u
 
 from __future__ import annotations
 
-import inspect
+import json
+import os
 import re
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -37,27 +40,44 @@ VERIFY = dict(MODE=1, STEP=1, STORE_INTER=True, WRITE_STATE=False, WRITE_OUT=Tru
 REPLAY = dict(MODE=2, STEP=4, STORE_INTER=False, WRITE_STATE=True, WRITE_OUT=False)
 
 
-def _ptx(kernel, constexprs: dict) -> str:
-    """PTX of ``kernel`` for sm90 with ``constexprs``, the other ints as 16-divisible i32 (as
-    a launch with these strides specializes them)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
+#: compiles ``_mamba1_scan_kernel`` for sm90 and writes its PTX to stdout (argv: pointer types,
+#: constexprs, as JSON), in a fresh interpreter: a test process whose kernel tests ran in
+#: Triton's CPU interpreter has its language module patched for it and cannot compile
+_COMPILE = """
+import inspect, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from attn_plugin_triton_ssm.kernels import mamba1
 
-    if not isinstance(kernel, JITFunction):  # the CPU interpreter's wrapper: compile its source
-        kernel = JITFunction(kernel.fn)
-    names = list(inspect.signature(kernel.fn).parameters)
-    sig = {n: _POINTERS.get(n, "constexpr" if n in constexprs else "i32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] != "constexpr"}
-    src = ASTSource(
-        fn=kernel, signature=sig,
-        constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs,
+pointers, constexprs = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+kernel = mamba1._mamba1_scan_kernel
+names = list(inspect.signature(kernel.fn).parameters)
+sig = {n: pointers.get(n, "constexpr" if n in constexprs else "i32") for n in names}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] != "constexpr"}
+src = ASTSource(
+    fn=kernel, signature=sig,
+    constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs,
+)
+compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+sys.stdout.write(compiled.asm["ptx"])
+"""
+
+
+def _ptx(constexprs: dict) -> str:
+    """PTX of the Mamba1 scan kernel for sm90 with ``constexprs``, the other ints as
+    16-divisible i32 (as a launch with these strides specializes them)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE, json.dumps(_POINTERS), json.dumps(constexprs)],
+        env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
-    try:
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
-    except Exception as e:  # a Triton without its NVIDIA backend or ptxas
-        pytest.skip(f"cannot compile for sm90 here: {type(e).__name__}: {e}")
-    return compiled.asm["ptx"]
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
+        if "CompilationError" not in proc.stderr and re.search(r"ptxas|nvidia", proc.stderr, re.I):
+            pytest.skip(f"cannot compile for sm90 here (no NVIDIA backend or ptxas): {tail[0]}")
+        pytest.fail(f"compiling the kernel for sm90 failed:\n{proc.stderr[-3000:]}")
+    return proc.stdout
 
 
 def _update_ops(ptx: str) -> Counter:
@@ -83,13 +103,9 @@ def _update_ops(ptx: str) -> Counter:
     return ops
 
 
-def test_verify_and_replay_commit_round_the_state_update_alike(monkeypatch) -> None:
-    # a process whose kernel tests run in Triton's CPU interpreter has TRITON_INTERPRET=1 set
-    # (tests/kernel_device.py): compiling needs it off
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    kernel = mamba1._mamba1_scan_kernel
-    verify = _update_ops(_ptx(kernel, {**_COMMON, **VERIFY}))
-    replay = _update_ops(_ptx(kernel, {**_COMMON, **REPLAY}))
+def test_verify_and_replay_commit_round_the_state_update_alike() -> None:
+    verify = _update_ops(_ptx({**_COMMON, **VERIFY}))
+    replay = _update_ops(_ptx({**_COMMON, **REPLAY}))
     assert verify, "no instructions found for the update line: the test lost track of it"
     assert verify == replay
     assert any(op.startswith("fma") for _, op in verify)
