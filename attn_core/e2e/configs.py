@@ -30,6 +30,7 @@ __all__ = [
     "TinyModel",
     "build_tiny",
     "first_layers",
+    "init_std",
     "real_size_config",
     "tiny_config",
 ]
@@ -413,6 +414,16 @@ ENCODER_RUNS: tuple[str, ...] = ENCODER_MODELS + CONFIG_TOWERS
 SHAPES = ("tiny", "kernel")
 
 
+def init_std(hidden_size: int) -> float:
+    """The weight init std of a random test model of ``hidden_size``: 0.1 at hidden 64, and
+    ``0.1 * sqrt(64 / hidden)`` wider. transformers' default 0.02 leaves the layers' share of
+    the residual stream tiny at hidden 64, so logits would hardly depend on attention; 0.1 gives
+    every layer weight. Wider layers keep the same per-layer share: at 0.1 and hidden 256 random
+    Gated DeltaNet layers amplified bf16 rounding so much that transformers' own bf16 logits were
+    10 away from its float32 logits."""
+    return 0.1 * (64 / hidden_size) ** 0.5
+
+
 def tiny_config(name: str, shapes: str = "tiny") -> dict[str, Any]:
     """The sample config ``name`` with sizes shrunk (a fresh dict, ``config.json`` shaped).
 
@@ -440,12 +451,7 @@ def tiny_config(name: str, shapes: str = "tiny") -> dict[str, Any]:
         return {**cfg, **shrink, "init_std": 0.1}
     cfg.update(shrink)
     cfg["vocab_size"] = _VOCAB
-    # transformers' default std 0.02 leaves the layers' share of the residual stream tiny at
-    # hidden 64, so logits would hardly depend on attention; 0.1 gives every layer weight.
-    # Wider layers (kernel shapes, hidden 256) keep the same per-layer share at 0.1 * sqrt(64 /
-    # hidden): at 0.1 their random Gated DeltaNet layers amplified bf16 rounding so much that
-    # transformers' own bf16 logits were 10 away from its float32 logits.
-    cfg["initializer_range"] = 0.1 * (64 / cfg["hidden_size"]) ** 0.5
+    cfg["initializer_range"] = init_std(cfg["hidden_size"])
     cfg["tie_word_embeddings"] = False
     cfg.pop("num_nextn_predict_layers", None)
     return cfg
@@ -540,7 +546,7 @@ def real_size_config(name: str) -> dict[str, Any]:
         return _with_tower_fields(cfg, {"initializer_range": 0.02})
     if name in AUDIO_ENCODERS:
         return cfg
-    cfg["initializer_range"] = 0.1 * (64 / cfg["hidden_size"]) ** 0.5
+    cfg["initializer_range"] = init_std(cfg["hidden_size"])
     cfg["tie_word_embeddings"] = False
     cfg.pop("num_nextn_predict_layers", None)
     return cfg

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from attn_core.e2e.configs import init_std
 from attn_core.e2e.main import _driven_model_types
 from attn_core.models import MODEL_TYPE_FAMILIES
 from attn_core.testing.hf import since_transformers
@@ -594,10 +595,10 @@ def test_run_family_on_gpu_plugins_matches_transformers(
 
 # Issue 22's dense families: the CPU cases of test_run_dense_family_matches_transformers at
 # head dims the GPU kernels serve (hidden 256 over 4 heads: 64; Ministral's own head_dim 64) and
-# attn_core.e2e.configs' init std for hidden 256, 0.1 * sqrt(64 / 256): at _SMALL's 0.1 the bf16
+# attn_core.e2e.configs.init_std(256) (0.05): at _SMALL's 0.1 the bf16
 # runs' error against float32 was 0.94-0.98x transformers' own on CPU (the bound is 1x), at 0.05
 # 0.25-0.49x
-_KERNEL_INIT = 0.1 * (64 / 256) ** 0.5
+_KERNEL_INIT = init_std(256)
 _ISSUE_22_DENSE = {
     "ministral": "MinistralConfig",  # sliding and full layers by layer_types
     "olmo2": "Olmo2Config",

@@ -19,7 +19,7 @@ import pytest
 
 import attn_core.e2e.configs as configs_mod
 from attn_core.e2e import run_architecture
-from attn_core.e2e.configs import tiny_config
+from attn_core.e2e.configs import init_std, tiny_config
 from attn_core.testing.hf import since_transformers, transformers_before
 
 pytest.importorskip("transformers")
@@ -296,8 +296,8 @@ def test_run_qwen3_5_matches_transformers(tmp_path: Path, cls_name: str, run_on_
 # The shapes of attn_core.e2e.configs' kernel samples: hidden 256, full attention heads of 128
 # (Qwen3.5) or 64 (Granite: 256 / 4), Gated DeltaNet heads of 128, Mamba2 heads of 64 with state
 # 128 (mamba_expand 2 * 256 = 8 heads * 64), DeepSeek's real MLA ranks 512 + 64 (FlashInfer's
-# MLA), and that rule's init std for hidden 256 (0.1 * sqrt(64 / 256)); the rest as on CPU.
-_KERNEL_INIT = 0.1 * (64 / 256) ** 0.5
+# MLA), and configs.init_std for hidden 256; the rest as on CPU.
+_KERNEL_INIT = init_std(256)
 _QWEN3_5_KERNEL: dict[str, object] = dict(
     hidden_size=256,
     head_dim=128,
