@@ -380,6 +380,9 @@ def mamba1_scan(
     return out
 
 
+#: Channels per program of a prefill or verify walk unless the caller sets ``block_d`` (see
+#: :func:`_launch`); :func:`auto_time_chunk` counts the walk's programs by it.
+_WALK_BLOCK_D = 16
 #: The time chunk :func:`auto_time_chunk` picks. On the H200 (d_inner 8192, d_state 16,
 #: T = 8192 in one request) chunks of 128 / 256 / 512 tokens took 2.24 / 2.24 / 2.40 ms.
 AUTO_TIME_CHUNK = 256
@@ -398,7 +401,7 @@ def auto_time_chunk(T: int, R: int, D: int, device: torch.device) -> int:
     Always 0 off CUDA: Triton's interpreter gains nothing from chunks."""
     if device.type != "cuda" or R == 0 or T < 2 * AUTO_TIME_CHUNK * R:
         return 0
-    programs = R * triton.cdiv(D, 16)  # the walk's tile for a prefill (see _launch)
+    programs = R * triton.cdiv(D, _WALK_BLOCK_D)
     sms = _num_sms(device.index if device.index is not None else 0)
     return AUTO_TIME_CHUNK if programs < AUTO_CHUNK_BELOW_PROGRAMS_PER_SM * sms else 0
 
@@ -424,7 +427,7 @@ def _launch(x, dt, A_log, B, C, state, idx, out, *, mode, cu, lengths, step, ini
         # 8.7-11.0 / 1.20-1.46 ms at 32-128). The replay commit (strided, K1 tokens a request)
         # takes the verify scan's tile: another tile compiles to other roundings, and the two
         # commit strategies must store bit-identical states.
-        block_d = 16
+        block_d = _WALK_BLOCK_D
     BD, BN, warps = _tiles(N, block_d, num_warps, requests=R, D=Dn, device=x.device)
     if R == 0:
         return
