@@ -68,7 +68,8 @@ run() {  # run NAME TIMEOUT CMD...: log to $OUT/NAME.log, the last lines into th
     skipped_passed=${#ids[@]}
   fi
   log "$name: ${*:1:40}$([ "$skipped_passed" -gt 0 ] && echo " (RESUME: $skipped_passed passed tests left out)")"
-  local t0=$SECONDS
+  local t0=$SECONDS timed_before
+  timed_before=$(cat "$ATTN_TEST_TIMES" 2>/dev/null | wc -l)
   stage_env "$@"
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
   mkdir -p bench-out
@@ -78,7 +79,11 @@ run() {  # run NAME TIMEOUT CMD...: log to $OUT/NAME.log, the last lines into th
   # skips too: a GPU module that skipped (say FlashAttention-4 not carried) must not read as a pass
   # (-v lines too: "[gw3] [ 40%] FAILED test", all a run cut at its limit leaves of its failures)
   { grep -E "^(FAILED|ERROR|SKIPPED) |^\[gw[0-9]+\] .*(FAILED|ERROR) " "$OUT/$name.log" | head -40
-    tail -n 2 "$OUT/$name.log"; } | sed "s/^/  [$name rc=$rc $((SECONDS - t0))s] /" >>"$OUT/summary.log"
+    tail -n 2 "$OUT/$name.log"
+    # why each test failed (attn_core.testing.timing's last column): a run cut at its limit
+    # never prints pytest's closing summary with the tracebacks
+    tail -n +$((timed_before + 1)) "$ATTN_TEST_TIMES" 2>/dev/null | awk -F'\t' '$2 == "failed" {print "WHY " $3 ": " $4}'
+  } | sed "s/^/  [$name rc=$rc $((SECONDS - t0))s] /" >>"$OUT/summary.log"
 }
 # XDIST=N spreads a stage's tests over N processes on the lane's GPU: FlashInfer and Triton
 # JIT-compile each new kernel configuration on first use, and N processes compile N at once.

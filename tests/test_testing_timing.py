@@ -1,5 +1,6 @@
 """attn_core.testing.timing: a line per finished test, written as it ends (a run cut at its
-time limit keeps the lines of what finished), from the controlling process only."""
+time limit keeps the lines of what finished, and why each failed one failed), from the
+controlling process only."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ def test_slow():
     time.sleep(0.2)
 
 def test_fails():
-    assert False
+    assert 1 + 1 == 3, "arithmetic\\tbroke\\nhere"
 
 @pytest.mark.skip(reason="not here")
 def test_skipped():
@@ -33,8 +34,13 @@ def test_each_finished_test_gets_one_line_with_its_time_and_outcome(
     result = pytester.runpytest_subprocess(*args)
     result.assert_outcomes(passed=1, failed=1, skipped=1)
     lines = [line.split("\t") for line in times.read_text().splitlines()]
-    by_test = {node.split("::")[1]: (float(s), outcome) for s, outcome, node in lines}
+    assert {len(line) for line in lines} == {4}, lines
+    by_test = {node.split("::")[1]: (float(s), outcome) for s, outcome, node, _ in lines}
+    why = {line[2].split("::")[1]: line[3] for line in lines}
     assert len(lines) == 3, lines  # one per test, none doubled by the workers' reports
+    # a failed test's crash message on its one line (tabs and newlines folded), others none
+    assert why["test_fails"].startswith("AssertionError: arithmetic broke here"), why
+    assert why["test_slow"] == why["test_skipped"] == "", why
     assert {k: v[1] for k, v in by_test.items()} == {
         "test_slow": "passed",
         "test_fails": "failed",

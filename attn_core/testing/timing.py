@@ -4,7 +4,11 @@ pytest's ``--durations`` prints its table at the end of the session, which a run
 limit never reaches. Loaded with ``-p attn_core.testing.timing`` and given a file in
 ``ATTN_TEST_TIMES``, this plugin appends one line per finished test as it finishes::
 
-    <seconds setup + call + teardown>\t<outcome>\t<node id>
+    <seconds setup + call + teardown>\t<outcome>\t<node id>\t<why it failed, or empty>
+
+The last column is the failure's crash message (``AssertionError: ...``, tabs and newlines
+folded into spaces, at most :data:`WHY_CHARS` characters): pytest prints tracebacks only in its
+closing summary, which a cut run never reaches either.
 
 Under pytest-xdist only the controlling process writes (the workers' reports reach it), so one
 file holds every worker's tests. Without ``ATTN_TEST_TIMES`` the plugin does nothing.
@@ -16,13 +20,15 @@ import os
 
 import pytest
 
-__all__ = ["ENV_TIMES", "pytest_configure", "pytest_runtest_logreport"]
+__all__ = ["ENV_TIMES", "WHY_CHARS", "pytest_configure", "pytest_runtest_logreport"]
 
 ENV_TIMES = "ATTN_TEST_TIMES"
+WHY_CHARS = 400
 
 _path: str | None = None
 _seconds: dict[str, float] = {}
 _outcome: dict[str, str] = {}
+_why: dict[str, str] = {}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -38,6 +44,16 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _seconds[node] = _seconds.get(node, 0.0) + report.duration
     if report.failed or report.when == "call" or node not in _outcome:
         _outcome[node] = "skipped" if report.skipped else report.outcome
+    if report.failed and node not in _why:
+        _why[node] = _crash_message(report)
     if report.when == "teardown":
         with open(_path, "a", encoding="utf-8") as f:
-            f.write(f"{_seconds.pop(node):.2f}\t{_outcome.pop(node)}\t{node}\n")
+            why = _why.pop(node, "")
+            f.write(f"{_seconds.pop(node):.2f}\t{_outcome.pop(node)}\t{node}\t{why}\n")
+
+
+def _crash_message(report: pytest.TestReport) -> str:
+    """The failure's one-line reason: its crash message, else the report's last text line."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = getattr(crash, "message", None) or (report.longreprtext.strip().splitlines() or [""])[-1]
+    return " ".join(text.split())[:WHY_CHARS]
