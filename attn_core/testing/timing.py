@@ -7,8 +7,8 @@ limit never reaches. Loaded with ``-p attn_core.testing.timing`` and given a fil
     <seconds setup + call + teardown>\t<outcome>\t<node id>\t<why it failed, or empty>
 
 The last column is the failure's crash message (``AssertionError: ...``, tabs and newlines
-folded into spaces, at most :data:`WHY_CHARS` characters): pytest prints tracebacks only in its
-closing summary, which a cut run never reaches either.
+folded into spaces; one longer than :data:`WHY_CHARS` characters keeps its two ends): pytest
+prints tracebacks only in its closing summary, which a cut run never reaches either.
 
 Under pytest-xdist only the controlling process writes (the workers' reports reach it), so one
 file holds every worker's tests. Without ``ATTN_TEST_TIMES`` the plugin does nothing.
@@ -56,4 +56,9 @@ def _crash_message(report: pytest.TestReport) -> str:
     """The failure's one-line reason: its crash message, else the report's last text line."""
     crash = getattr(report.longrepr, "reprcrash", None)
     text = getattr(crash, "message", None) or (report.longreprtext.strip().splitlines() or [""])[-1]
-    return " ".join(text.split())[:WHY_CHARS]
+    text = " ".join(text.split())
+    if len(text) <= WHY_CHARS:
+        return text
+    # both ends: an assertion's message opens with its text and ends with the failed expression
+    head = WHY_CHARS // 3
+    return f"{text[:head]} ... {text[head + 5 - WHY_CHARS :]}"

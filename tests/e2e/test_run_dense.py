@@ -580,7 +580,29 @@ def test_run_family_on_gpu_plugins_matches_transformers(
     plan names a plugin backend for every phase of every group (not the reference), the tokens
     match transformers' own bf16 forward and with graphs decode steps replay captured graphs."""
     path = _gpu_case_config(tmp_path, model_type, layers, extra)
-    run_on_gpu_plugins(str(path), graphs=graphs)
+    run_on_gpu_plugins(str(path), graphs=graphs, capture_fails=model_type in _NO_CAPTURE)
+
+
+#: families whose transformers code cannot be captured in a CUDA graph (a host sync in the
+#: forward): with graphs the run must say so and decode eagerly, still matching
+_NO_CAPTURE = {
+    # JetMoE's mixture-of-attention router: ``expert_size.tolist()`` (transformers marks the
+    # model ``_can_compile_fullgraph = False`` for the same line)
+    "jetmoe",
+}
+
+
+def test_no_capture_families_sync_on_the_host_in_their_own_code() -> None:
+    """``_NO_CAPTURE`` is the model's limit, not ours: its transformers module still syncs."""
+    import importlib
+    import inspect
+
+    for model_type in _NO_CAPTURE:
+        modeling = importlib.import_module(
+            f"transformers.models.{model_type}.modeling_{model_type}"
+        )
+        source = inspect.getsource(modeling)
+        assert ".tolist()" in source, model_type
 
 
 #: how close to the bf16 bound (HF_ROUNDING_FACTOR x transformers' own error) a GPU case may
