@@ -36,13 +36,12 @@ def _on_reference(plan: dict[str, Any]) -> dict[str, list[str]]:
 @pytest.fixture
 def run_on_cpu() -> Callable[..., Any]:
     """``attn run --model MODEL`` in fp32 on the CPU, eager, quiet: 2 prompts, 3 new tokens;
-    keyword arguments go to ``run_main`` as well (``stack=``, ``layers=``, ...); returns the
-    run's report."""
+    keyword arguments go to ``run_main`` as well and take the place of these (``stack=``,
+    ``layers=``, ``dtype="bf16"``, ...); returns the run's report."""
     from attn_core.e2e import run_main
 
     def run(model: str, **options: Any) -> Any:
-        return run_main(
-            model,
+        defaults: dict[str, Any] = dict(
             device="cpu",
             dtype="fp32",
             prompts=2,
@@ -52,8 +51,8 @@ def run_on_cpu() -> Callable[..., Any]:
             constraints=None,
             progress=False,
             console=lambda *a: None,
-            **options,
         )
+        return run_main(model, **{**defaults, **options})
 
     return run
 
