@@ -89,14 +89,22 @@ class World:
             "attn-core", "0.1.0", entry_points={"attn_core": "attn_core.reference.plugin"}
         )
 
-    def entry_points(self, **selection: str) -> list[metadata.EntryPoint]:
+    def entry_points(self, **selection: str) -> metadata.EntryPoints:
+        """This world's ``attn_core`` entry points (for that group or none named); any other
+        group is the real installation's: ``import triton``, first made in a test that lists
+        the world, selects its own group from the result."""
+        if selection.get("group", "attn_core") != "attn_core":
+            return _REAL_ENTRY_POINTS(**selection)
         found = {d.metadata["Name"]: d for d in metadata.distributions(path=[str(self.root)])}
-        return [
+        return metadata.EntryPoints(
             ep
             for name in self.order
             for ep in found[name].entry_points
             if ep.group == selection.get("group", ep.group)
-        ]
+        )
+
+
+_REAL_ENTRY_POINTS = metadata.entry_points
 
 
 @pytest.fixture
