@@ -40,7 +40,14 @@ from attn_core.specs import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["RANK_FEATURES", "Backend", "BackendCapabilities", "OptionSpec", "layer_has_feature"]
+__all__ = [
+    "RANK_FEATURES",
+    "Backend",
+    "BackendCapabilities",
+    "OptionSpec",
+    "SelfCheck",
+    "layer_has_feature",
+]
 
 
 class _Required:
@@ -470,3 +477,26 @@ class Backend:
     def with_options(self, options: Mapping[str, object]) -> Backend:
         """A copy carrying ``options`` (what the selector hands the chosen backend)."""
         return replace(self, options=tuple(sorted(options.items())))
+
+
+@dataclass(frozen=True, slots=True)
+class SelfCheck:
+    """What a backend's fast-path self-checks found when asked to run them now
+    (``attn_core_self_check``, ``attn list --self-check``).
+
+    :ivar notes: the backend's :attr:`Backend.notes` line after the checks ran (verdicts in
+        place of "self-check at first GPU use").
+    :ivar failed: one line per fast path whose check failed and is now off (the backend serves
+        through its public path); empty when every check passed.
+    """
+
+    notes: str
+    failed: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.notes, str):
+            raise TypeError(f"SelfCheck.notes: expected a str, got {type(self.notes).__name__}")
+        failed = self.failed
+        if isinstance(failed, str) or not all(isinstance(f, str) and f for f in failed):
+            raise TypeError(f"SelfCheck.failed: expected a tuple of non-empty str, got {failed!r}")
+        object.__setattr__(self, "failed", tuple(failed))

@@ -17,10 +17,14 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from attn_core.errors import SelectionError
 from attn_core.registry import Registry
 from attn_core.tables import render_table
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["main"]
 
@@ -174,10 +178,25 @@ def _warn_quarantined(registry: Registry, command: str) -> None:
 # ------------------------------------------------------------------------------------------
 def cmd_list(args: argparse.Namespace) -> int:
     registry = _registry(args)
-    summary = registry.summary()
+    checks = None
+    if args.self_check:
+        device = _self_check_device()
+        checks = registry.self_check(device)
+    summary = registry.summary()  # after the checks: the core's fast-launch line too
+    failed: dict[str, tuple[str, ...]] = {}
+    if checks is not None:
+        for p in summary["plugins"]:
+            for b in p["backends"]:
+                check = checks.get(b["name"])
+                if check is not None:
+                    b["notes"] = check.notes
+                    b["self_check_failed"] = list(check.failed)
+                    if check.failed:
+                        failed[b["name"]] = check.failed
+        summary["self_check"] = {"device": str(device), "checked": sorted(checks)}
     if args.json:
         print(json.dumps(summary, indent=1))
-        return 0
+        return 1 if failed else 0
     rows = []
     for p in summary["plugins"]:
         for b in p["backends"] or [None]:
@@ -215,7 +234,26 @@ def cmd_list(args: argparse.Namespace) -> int:
     for name, why in summary["skipped"].items():
         print(f"skipped {name}: {why}")
     print(f"core: {summary['core']['fast_launch']}")
-    return 0
+    if checks is not None:
+        checked = ", ".join(sorted(checks)) or "none (no backend here has a self-check)"
+        print(f"self-check on {device}: {checked}")
+        for name, lines in failed.items():
+            for line in lines:
+                print(f"self-check FAILED {name}: {line}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _self_check_device() -> torch.device:
+    """The CUDA device ``attn list --self-check`` checks on (torch's current one); a
+    ValueError where there is none: the checks compare GPU kernels."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "--self-check runs the backends' fast paths against their public APIs on a CUDA "
+            f"device; torch {torch.__version__} sees none (torch.cuda.is_available() is False)"
+        )
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _load_layout(args: argparse.Namespace):
@@ -519,6 +557,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--strict",
         action="store_true",
         help="fail on a plugin that does not load (also ATTN_CORE_STRICT=1)",
+    )
+    p.add_argument(
+        "--self-check",
+        action="store_true",
+        help="run every backend's fast-path self-checks now on this machine's GPU (by "
+        "default they run at first use) and show the verdicts; exit 1 if one failed",
     )
     p.set_defaults(func=cmd_list)
 

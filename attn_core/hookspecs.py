@@ -1,9 +1,9 @@
 """The plugin contract: pluggy hook specifications of project ``attn_core``.
 
 A plugin is a module (or object) found through the ``attn_core`` entry-point group. It declares
-the contract version it was written for as ``ATTN_CORE_API_VERSION = "1.1"`` and implements some of
-the hooks below with :data:`hookimpl`. pluggy lets an implementation accept a subset of a spec's
-arguments, so arguments added in a later minor version never break an older plugin.
+the contract version it was written for as ``ATTN_CORE_API_VERSION = "1.2"`` and implements
+some of the hooks below with :data:`hookimpl`. pluggy lets an implementation accept a subset of
+a spec's arguments, so arguments added in a later minor version never break an older plugin.
 
 Versions of the contract (``major.minor``; a plugin is loaded when its major equals the core's
 and its minor is not newer):
@@ -11,6 +11,8 @@ and its minor is not newer):
 - 1.0: ``attn_core_register_backends``, ``attn_core_allocate_context`` (without ``workspace``).
 - 1.1: ``workspace`` argument to ``attn_core_allocate_context``,
   ``attn_core_workspace_requirements`` and ``attn_core_bind_forward``.
+- 1.2: ``attn_core_self_check`` (optional: ``attn list --self-check`` runs a backend's
+  fast-path self-checks before serving instead of at first use).
 
 Life cycle, for each layer group of a model:
 
@@ -32,7 +34,9 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from attn_core.backend import Backend
+    import torch
+
+    from attn_core.backend import Backend, SelfCheck
     from attn_core.context import AttentionContext, WorkspaceRequirement
     from attn_core.specs import DeviceCapabilities, ExecutionConstraints, LayerGroup
     from attn_core.state import PersistentState
@@ -40,7 +44,7 @@ if TYPE_CHECKING:
 
 PROJECT = "attn_core"
 #: The contract version this core implements, ``(major, minor)``.
-API_VERSION: tuple[int, int] = (1, 1)
+API_VERSION: tuple[int, int] = (1, 2)
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -140,12 +144,35 @@ def attn_core_bind_forward(
     """
 
 
+# ------------------------------------------------------------------------------------------
+# Self-check on request (cold: attn list --self-check)
+# ------------------------------------------------------------------------------------------
+@hookspec(firstresult=True)
+def attn_core_self_check(backend: Backend, device: torch.device) -> SelfCheck | None:
+    """Run ``backend``'s fast-path self-checks now on ``device`` (since API 1.2, optional).
+
+    :param backend: one of this plugin's available backends.
+    :param device: the CUDA device to check on (``torch.device("cuda", i)``).
+    :returns: an :class:`attn_core.backend.SelfCheck`: the backend's notes line after the
+        checks and which fast paths failed theirs (and are now off); None where the backend
+        has no self-check.
+
+    A backend whose fast path leans on a kernel library's internals checks it against the
+    public API on a tiny case, by default at first use (the first context of the process).
+    ``attn list --self-check`` calls this hook so that a server's operator sees the verdicts
+    before serving; the verdicts hold for the rest of the process. Only the owning plugin's
+    implementation is called (firstresult); an exception is reported as that backend's failed
+    check, naming plugin and backend.
+    """
+
+
 __all__ = [
     "API_VERSION",
     "PROJECT",
     "attn_core_allocate_context",
     "attn_core_bind_forward",
     "attn_core_register_backends",
+    "attn_core_self_check",
     "attn_core_workspace_requirements",
     "hookimpl",
     "hookspec",

@@ -38,7 +38,7 @@ from typing import Any
 import pluggy
 
 from attn_core import hookspecs, probe
-from attn_core.backend import Backend
+from attn_core.backend import Backend, SelfCheck
 from attn_core.errors import PluginError, PluginLoadError, SelectionError
 from attn_core.specs import Phase
 
@@ -542,6 +542,36 @@ class Registry:
 
     def plugin_object(self, name: str) -> object:
         return self._objects[name]
+
+    def self_check(self, device: Any) -> dict[str, SelfCheck]:
+        """Run every available backend's fast-path self-checks now on ``device`` (a CUDA
+        ``torch.device``) through its plugin's ``attn_core_self_check``.
+
+        :returns: ``{qualified backend name: SelfCheck}`` for the backends that have checks.
+            A hook that raises, or returns something else than a :class:`SelfCheck`, counts
+            as that backend's failed check (its notes as registered), named in ``failed``.
+        """
+        results: dict[str, SelfCheck] = {}
+        for plugin in sorted(self.plugins.values(), key=lambda p: p.name):
+            for backend in plugin.backends:
+                if not backend.available:
+                    continue
+                try:
+                    got = self.call_owner("attn_core_self_check", backend, device=device)
+                except PluginError as exc:
+                    results[backend.qualified_name] = SelfCheck(backend.notes, (str(exc),))
+                    continue
+                if got is None:
+                    continue
+                if not isinstance(got, SelfCheck):
+                    why = (
+                        f"plugin {backend.plugin!r}, backend {backend.qualified_name!r}: "
+                        "attn_core_self_check returned "
+                        f"{type(got).__name__}, expected an attn_core.backend.SelfCheck or None"
+                    )
+                    got = SelfCheck(backend.notes, (why,))
+                results[backend.qualified_name] = got
+        return results
 
     def summary(self) -> dict[str, Any]:
         """A JSON-ready description of plugins, backends and quarantined plugins."""

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU verification on the lent H200s: install, GPU tests, conformance kit, benchmarks.
 # Usage (on the device, from the checkout root): bash scripts/gpu_run.sh STAGE ...
-#   stages: info install
+#   stages: info install selfcheck                            (selfcheck: attn list --self-check)
 #           fi_install                                      (FlashInfer from $FI_WHEELS, see below)
 #           t_core t_e2e t_e2e_plugins t_e2e_gptoss t_tp t_fi t_ssm t_varlen t_fa3   (pytest; GPU tests of each area)
 #           t_families                                      (issue 22's config families on the GPU plugins)
@@ -113,6 +113,7 @@ install)
   for p in attn_plugins/*/; do [ -f "$p/pyproject.toml" ] && editables+=(-e "$p"); done
   run install 300 python3 -m pip install -q --no-deps --no-build-isolation "${editables[@]}"
   run list 60 attn list ;;
+selfcheck) run selfcheck 300 attn list --self-check ;;  # every fast path's self-check, at once
 t_core) run t_core 500 "${PYTEST[@]}" -m gpu tests --ignore=tests/e2e ;;
 t_e2e_gptoss) run t_e2e_gptoss 300 "${PYTEST[@]}" -m gpu tests/e2e -k gpt ;;
 t_e2e) run t_e2e 500 "${PYTEST[@]}" -m gpu tests/e2e --deselect tests/e2e/test_tp.py \

@@ -118,6 +118,114 @@ def test_list_prints_backend_notes_and_the_core_fast_launch_line(
     assert acme["backends"][0]["notes"] == "fast plan: off (acme 9.9 not tested)"
 
 
+def _self_check_registry(use_registry, ref_registry, make_plugin):
+    """acme:good (its check passes), acme:bad (fails), acme:plain (no check), acme:broken (the
+    hook raises) and acme:odd (returns a str, not a SelfCheck); the devices asked are kept."""
+    from attn_core.backend import Backend, BackendCapabilities, SelfCheck
+    from attn_core.hookspecs import hookimpl
+
+    caps = BackendCapabilities(kinds={"full"}, device_types={"cuda"}, dtypes={"bfloat16"})
+    names = ("good", "bad", "plain", "broken", "odd")
+    asked: list[object] = []
+
+    def check(backend, device):
+        asked.append(device)
+        if backend.name == "good":
+            return SelfCheck("fast thing: on (self-check passed)")
+        if backend.name == "bad":
+            return SelfCheck("fast thing: off (differs by 0.5)", ("fast thing: differs by 0.5",))
+        if backend.name == "broken":
+            raise RuntimeError("kernel image not found")
+        if backend.name == "odd":
+            return "passed"
+        return None
+
+    mod = make_plugin("acme", [Backend(n, caps, notes="fast thing: at first use") for n in names])
+    mod.ATTN_CORE_API_VERSION = "1.2"
+    mod.attn_core_self_check = hookimpl(check)
+    reg = use_registry(ref_registry)
+    reg.register_plugin(mod, name="acme")
+    return asked
+
+
+def test_list_self_check_runs_each_backends_checks_and_fails_on_a_failed_one(
+    capsys, use_registry, ref_registry, make_plugin, monkeypatch
+):
+    """``attn list --self-check`` calls every available backend's ``attn_core_self_check`` on
+    the current CUDA device, shows the notes it returns, names each failure on stderr (a hook
+    that raises or returns something else counts as failed, naming plugin and backend) and
+    exits 1; the reference has no check."""
+    import torch
+
+    asked = _self_check_registry(use_registry, ref_registry, make_plugin)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setenv("COLUMNS", "250")
+    assert cli.main(["list", "--self-check"]) == 1
+    out, err = capsys.readouterr()
+    assert asked == [torch.device("cuda", 0)] * 5
+    table = [line for line in out.splitlines() if line.startswith("│") and "acme:" in line]
+    rows = {line.split("│")[4].strip().partition(":")[2]: line for line in table}
+    assert "available; fast thing: on (self-check passed)" in rows["good"]
+    assert "available; fast thing: off (differs by 0.5)" in rows["bad"]
+    assert "available; fast thing: at first use" in rows["plain"]
+    assert "self-check on cuda:0: acme:bad, acme:broken, acme:good, acme:odd" in out
+    failed = [line for line in err.splitlines() if line.startswith("self-check FAILED")]
+    assert failed[0] == "self-check FAILED acme:bad: fast thing: differs by 0.5"
+    assert failed[1] == (
+        "self-check FAILED acme:broken: plugin 'acme', backend 'acme:broken' failed in "
+        "attn_core_self_check: RuntimeError: kernel image not found"
+    )
+    assert failed[2] == (
+        "self-check FAILED acme:odd: plugin 'acme', backend 'acme:odd': attn_core_self_check "
+        "returned str, expected an attn_core.backend.SelfCheck or None"
+    )
+    assert len(failed) == 3
+    assert cli.main(["list", "--self-check", "--json"]) == 1
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["self_check"] == {
+        "device": "cuda:0",
+        "checked": ["acme:bad", "acme:broken", "acme:good", "acme:odd"],
+    }
+    (acme,) = [p for p in summary["plugins"] if p["name"] == "acme"]
+    by_name = {b["name"]: b for b in acme["backends"]}
+    assert by_name["acme:good"]["self_check_failed"] == []
+    assert by_name["acme:bad"]["self_check_failed"] == ["fast thing: differs by 0.5"]
+    assert "self_check_failed" not in by_name["acme:plain"]
+
+
+def test_list_self_check_passes_where_every_check_passes(
+    capsys, use_registry, ref_registry, make_plugin, monkeypatch
+):
+    import torch
+
+    from attn_core.backend import Backend, BackendCapabilities, SelfCheck
+    from attn_core.hookspecs import hookimpl
+
+    caps = BackendCapabilities(kinds={"full"}, device_types={"cuda"}, dtypes={"bfloat16"})
+    mod = make_plugin("acme", [Backend("good", caps)])
+    mod.attn_core_self_check = hookimpl(lambda backend: SelfCheck("fast: on (checked)"))
+    use_registry(ref_registry).register_plugin(mod, name="acme")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert cli.main(["list", "--self-check"]) == 0
+    out, err = capsys.readouterr()
+    assert "self-check on cuda:0: acme:good" in out and err == ""
+
+
+def test_list_self_check_without_a_gpu_is_an_error_that_says_so(
+    capsys, use_registry, ref_registry, monkeypatch
+):
+    import torch
+
+    use_registry(ref_registry)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["list", "--self-check"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attn list: error: --self-check runs the backends' fast paths")
+    assert "torch.cuda.is_available() is False" in err
+
+
 def test_explain_falcon_h1_shows_both_groups_over_the_same_layers(
     capsys, use_registry, ref_registry
 ):

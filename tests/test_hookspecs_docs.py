@@ -36,6 +36,7 @@ def test_the_contract_has_the_documented_hooks():
         "attn_core_workspace_requirements",
         "attn_core_allocate_context",
         "attn_core_bind_forward",
+        "attn_core_self_check",
     }
     assert set(HOOKS) <= set(hookspecs.__all__)
 

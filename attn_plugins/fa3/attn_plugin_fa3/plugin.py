@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
-from attn_core.backend import Backend, BackendCapabilities
+from attn_core.backend import Backend, BackendCapabilities, SelfCheck
 from attn_core.batch import AttentionBatch, BatchMode
 from attn_core.errors import BackendInputError
 from attn_core.hookspecs import hookimpl
@@ -43,7 +43,7 @@ from attn_plugin_fa3.kv_write import check_kv_dtypes, write_kv
 if TYPE_CHECKING:
     from attn_core.binding import LayerAttentionBinding
 
-ATTN_CORE_API_VERSION = "1.1"
+ATTN_CORE_API_VERSION = "1.2"  # attn_core_self_check
 
 BACKEND_NAME = "fa3"
 #: Page sizes served and covered by the GPU tests. 128 (= tile_n for head dims <= 128) loads
@@ -161,19 +161,46 @@ def checked_provider(device: torch.device) -> providers.Provider:
     """The probed provider, its private entry point compared with the public one on this GPU
     once per process (:func:`providers.self_check`); a mismatch leaves the public path only,
     and the backend's note in ``attn list`` says why."""
-    global _PROBE
     provider, reason = probe()
     if provider is None:
         raise RuntimeError(f"fa3 cannot run: {reason}")
     if provider.uses_private and device.type == "cuda":
-        problem = providers.self_check(provider, device)
-        if problem is None:
-            provider = replace(provider, uses_private=False, note=provider.note.replace(
-                "self-check at first GPU use", "self-check passed"))  # fmt: skip
-        else:
-            provider = providers.public_only(provider, problem)
-        _PROBE = (provider, None)
+        provider = _run_self_check(provider, device)
     return provider
+
+
+#: the private entry point's self-check for the process: None not run, "" passed, else why not
+_CHECK: str | None = None
+
+
+def _run_self_check(provider: providers.Provider, device: torch.device) -> providers.Provider:
+    """Check ``provider``'s private entry point on ``device``; keep and return the provider the
+    process serves with from now on (the private path marked checked, or the public one)."""
+    global _PROBE, _CHECK
+    problem = providers.self_check(provider, device)
+    _CHECK = problem or ""
+    if problem is None:
+        provider = replace(provider, uses_private=False, note=provider.note.replace(
+            "self-check at first GPU use", "self-check passed"))  # fmt: skip
+    else:
+        provider = providers.public_only(provider, problem)
+    _PROBE = (provider, None)
+    return provider
+
+
+@hookimpl
+def attn_core_self_check(backend: Backend, device: torch.device) -> SelfCheck | None:
+    """The private entry point's self-check on ``device`` now rather than in the first
+    context (``attn list --self-check``); None where the provider has no private path."""
+    provider, _ = probe()
+    if provider is None:
+        return None
+    if provider.uses_private:  # not checked yet in this process
+        _run_self_check(provider, device)
+    if _CHECK is None:
+        return None
+    failed = (f"_flash_attn_fwd: self-check failed: {_CHECK}",) if _CHECK else ()
+    return SelfCheck(make_backend().notes, failed)
 
 
 #: :func:`providers.check_broadcast_q` verdicts per (provider, device, layer shape): None (the

@@ -671,6 +671,40 @@ def test_a_private_path_that_disagrees_is_dropped_and_the_note_says_why(monkeypa
     assert providers.self_check(providers._fa4_provider(), torch.device("cpu")) is None
 
 
+@pytest.mark.parametrize("private_scale", [1.0, 1.5], ids=["agrees", "disagrees"])
+def test_attn_list_self_check_checks_the_private_entry_point_before_any_context(
+    monkeypatch, private_scale
+):
+    """``attn list --self-check`` (hook ``attn_core_self_check``) compares the private entry
+    point with the public function at once: the backend's note then says "self-check passed",
+    or names the disagreement as failed and the public path serves from then on."""
+    _fake_fa4(monkeypatch, "4.0.0b14", private_scale=private_scale)
+    provider = providers._fa4_provider()
+    monkeypatch.setattr(plugin, "_PROBE", (provider, None))
+    monkeypatch.setattr(plugin, "_CHECK", None)
+    assert "self-check at first GPU use" in plugin.make_backend().notes
+    check = plugin.attn_core_self_check(plugin.make_backend(), torch.device("cpu"))
+    assert check is not None
+    served, _ = plugin.probe()
+    assert served is not None and check.notes == served.note == plugin.make_backend().notes
+    if private_scale == 1.0:
+        assert check.failed == () and "self-check passed" in check.notes, check
+    else:
+        (line,) = check.failed
+        assert "differs from flash_attn_varlen_func" in line, line
+        assert not served.uses_private and "public flash_attn_varlen_func used" in check.notes
+    # the verdict holds for the process: asked again, nothing runs again
+    again = plugin.attn_core_self_check(plugin.make_backend(), torch.device("cpu"))
+    assert again == check
+
+
+def test_attn_list_self_check_has_nothing_to_check_without_a_private_path(monkeypatch):
+    _fake_fa4(monkeypatch, "4.0.0b36")  # not a tested release: public path only
+    monkeypatch.setattr(plugin, "_PROBE", (providers._fa4_provider(), None))
+    monkeypatch.setattr(plugin, "_CHECK", None)
+    assert plugin.attn_core_self_check(plugin.make_backend(), torch.device("cpu")) is None
+
+
 def test_the_private_chunk_row_call_writes_into_the_buffers_and_is_self_checked(monkeypatch):
     """Split decode's chunk call goes through the private entry point into the caller's
     buffers on the tested release; a private log-sum-exp that disagrees with the public one

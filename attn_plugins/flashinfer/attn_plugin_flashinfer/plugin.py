@@ -18,13 +18,15 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any
 
-from attn_core.backend import Backend
+import torch
+
+from attn_core.backend import Backend, SelfCheck
 from attn_core.hookspecs import hookimpl
 from attn_core.specs import LayerKind, Phase
 from attn_plugin_flashinfer import __version__, capability, compat
 from attn_plugin_flashinfer import context as ctx
 
-ATTN_CORE_API_VERSION = "1.1"
+ATTN_CORE_API_VERSION = "1.2"  # attn_core_self_check
 PRIORITY = 100
 #: a layer with attention sinks: FlashInfer's sink variant ranks here in every phase
 SINKS_PRIORITY = 50
@@ -40,6 +42,7 @@ __all__ = [
     "attn_core_allocate_context",
     "attn_core_bind_forward",
     "attn_core_register_backends",
+    "attn_core_self_check",
     "attn_core_workspace_requirements",
     "backends",
 ]
@@ -123,3 +126,19 @@ def attn_core_allocate_context(backend, group, device, constraints, state, works
 def attn_core_bind_forward(backend, context):
     # The context's bound method: one direct call per layer per step, no hook dispatch.
     return context.forward
+
+
+@hookimpl
+def attn_core_self_check(backend: Backend, device: torch.device) -> SelfCheck | None:
+    """The fast plan's self-check (:meth:`compat.FastPath.self_check`, its default tiny bf16
+    case) on ``device`` now rather than in the first context; the verdict holds for the
+    process. Both backends share the fast path, so both report it."""
+    if not _flashinfer_installed():
+        return None
+    import flashinfer
+
+    fast = compat.fast_path(flashinfer)
+    fast.self_check(device)
+    notes = {b.name: b.notes for b in backends()}[backend.name]
+    failed = (f"fast plan: {fast.off_reason()}",) if fast.check else ()
+    return SelfCheck(notes, failed)

@@ -88,7 +88,7 @@ def test_advertises_two_backends_honestly():
     assert c.max_speculative_tokens >= 4
     assert mla.capabilities.head_dims == {576, 512}
     assert mla.capabilities.kv_dtypes == {"bfloat16", "float16"}
-    assert fi_plugin.ATTN_CORE_API_VERSION == "1.1"
+    assert fi_plugin.ATTN_CORE_API_VERSION == "1.2"
 
 
 def test_this_machine_reports_unavailable_with_reason():
@@ -488,6 +488,37 @@ def test_the_self_check_turns_the_fast_path_off_where_it_disagrees_with_the_publ
     else:
         assert fp.enabled and _decode_counts(h) == (1, 6)
         assert fp.note() == "fast plan: on (flashinfer 0.6.7, self-check passed)"
+
+
+@pytest.mark.parametrize(
+    ("layout_of", "failed"), [("0.6.7", False), ("0.6.13", True)], ids=["passes", "fails"]
+)
+def test_attn_list_self_check_runs_the_fast_plan_check_before_any_context(
+    monkeypatch, available, layout_of, failed
+):
+    """``attn list --self-check`` (hook ``attn_core_self_check``) runs the fast plan's
+    self-check at once, with no context: both backends' notes then carry the verdict, and a
+    failure (0.6.7 whose compiled paged_run takes 0.6.13's arguments) is named as failed."""
+    fake_flashinfer.install(monkeypatch, "0.6.7", layout_of=layout_of)
+    monkeypatch.setattr(compat.FastPath, "CHECK_DEVICES", ("cuda", "cpu"))
+    full, mla = fi_plugin.backends(AVAILABLE)
+    assert "self-check at first GPU use" in full.notes
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        checks = [fi_plugin.attn_core_self_check(b, torch.device("cpu")) for b in (full, mla)]
+    for check in checks:
+        assert check is not None
+        if failed:
+            assert check.notes.startswith(
+                "fast plan: off (self-check against public plan()/run() failed: TypeError"
+            ), check.notes
+            (line,) = check.failed
+            assert line.startswith("fast plan: self-check against public plan()/run() failed")
+        else:
+            assert check.notes.startswith("fast plan: on (flashinfer 0.6.7, self-check passed)"), (
+                check.notes
+            )
+            assert check.failed == ()
 
 
 @pytest.mark.parametrize(

@@ -51,6 +51,7 @@ __all__ = [
     "public_chunk",
     "public_simple_gla",
     "self_check",
+    "self_check_now",
     "slot_pass_reason",
     "stages",
     "triton_note",
@@ -263,6 +264,26 @@ def kernel_resources(compiled: Any) -> tuple[int, int] | None:
     if not 0 < n_regs <= _MAX_REGISTERS or shared < 0:
         return None
     return n_regs, shared
+
+
+def self_check_now(device: torch.device) -> tuple[str, ...] | None:
+    """Run the self-check of every family whose stages load (``attn list --self-check``), on
+    ``device``, where it has not run in this process.
+
+    :returns: one line per family whose check failed (its stages now off); None where no
+        family has stages to check (another release, internals not importable).
+    """
+    checked = [kind for kind in KINDS if stages(kind)[1] is None]
+    for kind in checked:
+        self_check(device, kind)
+    if not checked:
+        return None
+    return tuple(
+        f"fla stages: {_SHOWN[kind]}: self-check against fla's {PUBLIC[kind]} failed: "
+        f"{_State.check[kind]}"
+        for kind in checked
+        if _State.check[kind]
+    )
 
 
 def self_check(device: torch.device, kind: Kind) -> str:

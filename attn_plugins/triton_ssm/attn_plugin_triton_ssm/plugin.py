@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import numpy as np
 import torch
 
-from attn_core.backend import Backend, BackendCapabilities
+from attn_core.backend import Backend, BackendCapabilities, SelfCheck
 from attn_core.batch import AttentionBatch, BatchMode
 from attn_core.context import WorkspaceRequirement
 from attn_core.errors import BackendInputError
@@ -87,13 +87,14 @@ __all__ = [
     "attn_core_allocate_context",
     "attn_core_bind_forward",
     "attn_core_register_backends",
+    "attn_core_self_check",
     "attn_core_workspace_requirements",
     "capabilities",
     "kernels",
     "verify_state_buffer_name",
 ]
 
-ATTN_CORE_API_VERSION = "1.1"
+ATTN_CORE_API_VERSION = "1.2"  # attn_core_self_check
 BACKEND_NAME = "triton_ssm"
 #: Set to ``1`` to run the kernels in Triton's CPU interpreter (tests only, see module doc).
 ENV_INTERPRET = "ATTN_TRITON_SSM_INTERPRET"
@@ -227,6 +228,16 @@ def attn_core_register_backends(register) -> None:
             unavailable_reason=reason,
         )
     )
+
+
+@hookimpl
+def attn_core_self_check(backend: Backend, device: torch.device) -> SelfCheck | None:
+    """fla's internal stages against its public chunk functions on ``device`` now rather than
+    at the first prefill (``attn list --self-check``); the Mamba1 backend has none."""
+    if backend.name != BACKEND_NAME:
+        return None
+    failed = compat.self_check_now(device)
+    return None if failed is None else SelfCheck(compat.note(), failed)
 
 
 # ------------------------------------------------------------------------------------------

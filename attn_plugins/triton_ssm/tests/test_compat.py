@@ -121,6 +121,50 @@ def test_a_passed_self_check_is_shown(monkeypatch):
     assert ran == ["kda", "gdn"]
 
 
+@pytest.mark.parametrize("gdn", ["", "outputs differ by 0.5"], ids=["passes", "gdn_fails"])
+def test_attn_list_self_check_runs_both_families_checks_at_once(monkeypatch, gdn):
+    """``attn list --self-check`` (the plugin's ``attn_core_self_check``) runs each family's
+    self-check before any prefill: the note then carries both verdicts, a failure is named."""
+    pytest.importorskip("fla")
+    from attn_plugin_triton_ssm import plugin
+
+    monkeypatch.setattr(compat, "distribution_version", lambda: "0.6.0")
+    ran = []
+    verdicts = {"gdn": gdn, "kda": ""}
+    monkeypatch.setattr(
+        compat, "_self_check", lambda device, kind: ran.append(kind) or verdicts[kind]
+    )
+    backend = plugin.Backend(
+        name=plugin.BACKEND_NAME, capabilities=plugin.capabilities(interpret=True)
+    )
+    check = plugin.attn_core_self_check(backend, CUDA)
+    assert check is not None and ran == ["gdn", "kda"] and check.notes == compat.note()
+    if gdn:
+        assert check.failed == (
+            "fla stages: GDN: self-check against fla's chunk_gated_delta_rule failed: "
+            "outputs differ by 0.5",
+        )
+        assert "GDN off (self-check against fla's chunk_gated_delta_rule failed" in check.notes
+    else:
+        assert check.failed == ()
+        assert check.notes == "fla stages: GDN and KDA on (fla-core 0.6.0, self-check passed)"
+    mamba1 = plugin.Backend(
+        name=plugin.MAMBA1_BACKEND_NAME, capabilities=plugin.capabilities(interpret=True)
+    )
+    assert plugin.attn_core_self_check(mamba1, CUDA) is None  # Mamba1 has no fla stages
+
+
+def test_attn_list_self_check_has_nothing_to_run_on_another_fla_release(monkeypatch):
+    from attn_plugin_triton_ssm import plugin
+
+    monkeypatch.setattr(compat, "distribution_version", lambda: "0.7.1")
+    monkeypatch.setattr(compat, "_self_check", lambda device, kind: pytest.fail("ran"))
+    backend = plugin.Backend(
+        name=plugin.BACKEND_NAME, capabilities=plugin.capabilities(interpret=True)
+    )
+    assert plugin.attn_core_self_check(backend, CUDA) is None
+
+
 def test_an_unknown_family_is_refused():
     with pytest.raises(ValueError, match=r"kind must be one of \('gdn', 'kda'\), got 'mamba2'"):
         compat.stages("mamba2")  # type: ignore[arg-type]
