@@ -88,7 +88,7 @@ def _codes(choice, backend="fa3:fa3"):
 def test_plugin_loads_with_api_version():
     reg = _registry(None)
     assert not reg.quarantined
-    assert reg.plugins["fa3"].api_version == (1, 1)
+    assert reg.plugins["fa3"].api_version == (1, 2)
     assert reg.resolve("fa3").qualified_name == "fa3:fa3"
     assert reg.resolve("fa3").priority == 90
 

@@ -37,7 +37,7 @@ def qwen3_next():
 def test_contract_version_and_capabilities(no_interpret):
     from attn_plugin_triton_ssm import plugin
 
-    assert plugin.ATTN_CORE_API_VERSION == "1.1"
+    assert plugin.ATTN_CORE_API_VERSION == "1.2"
     backend = make_registry().resolve(TRITON)
     caps = backend.capabilities
     assert backend.priority == 100
