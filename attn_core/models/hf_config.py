@@ -881,6 +881,8 @@ def _falcon_layers(r: _Reader, o: _Options, n: int) -> list[tuple[int, LayerSpec
         kv = 1
     else:  # the fused projection splits q, k, v per head: as many KV heads as query heads
         kv = heads
+    # transformers 5.25's FalconConfig also writes a num_key_value_heads (derived as above
+    # unless given); FalconAttention never reads it, so neither does the mapping
     spec = o.full(
         num_heads=_split(heads, o.tp_size, "num_attention_heads"),
         num_kv_heads=_split_or_replicate(kv, o.tp_size, "num_kv_heads"),
@@ -948,11 +950,12 @@ class _OwnAttention:
 
 
 # The fields Falcon's and GPT-Neo's config classes add to every PretrainedConfig's (sizes,
-# the attention layout, and what acts outside the op: norms, MLP, dropout, RoPE).
+# the attention layout, and what acts outside the op: norms, MLP, dropout, RoPE); Falcon's
+# num_key_value_heads (transformers 5.25 on) is one its modules do not read.
 _FALCON_FIELDS: frozenset[str] = frozenset(
     {
         "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_kv_heads",
-        "alibi", "new_decoder_architecture", "multi_query", "parallel_attn",
+        "num_key_value_heads", "alibi", "new_decoder_architecture", "multi_query", "parallel_attn",
         "num_ln_in_parallel_attn", "bias", "ffn_hidden_size", "activation", "hidden_dropout",
         "attention_dropout", "layer_norm_epsilon", "initializer_range",
         "max_position_embeddings", "rope_parameters", "rope_theta", "rope_scaling",

@@ -384,8 +384,12 @@ def test_run_model_type_with_a_module_adapter_matches_transformers(
     adapter's forward (the module's projections and rotary, the op through the binding):
     ``attn run`` on CPU matches transformers' eager forward, and ``attn explain`` maps it."""
     from attn_core.models.hf_config import _attention_in_own_code
+    from attn_core.testing.hf import transformers_before
 
-    assert _attention_in_own_code(model_type), "the module adapter would not be needed"
+    # From transformers 5.25 Falcon's modules call the interface; the adapter still replaces
+    # them whole, as the generic mapping does not read Falcon's fused-projection fields.
+    if model_type != "falcon" or transformers_before("5.25.0"):
+        assert _attention_in_own_code(model_type), "the module adapter would not be needed"
     report = run_on_cpu(str(_tiny_config(tmp_path, model_type, layers, **extra)))
     text = report.format()
     assert report.ok, text
