@@ -11,7 +11,9 @@
 #           t_ssd                                           (triton_ssm Mamba2 / SSD tests only)
 #           t_mamba1                                        (Mamba1: triton_ssm and e2e tests)
 #           t_generic                                       (generic adapter on the GPU plugins)
+#           t_pick                                          (PICK="test ids ...": those tests only)
 #           b_fi b_ssm b_runtime b_e2e b_kvw b_tuned        (benchmarks, JSON under $OUT)
+#           b_samples                                       (attn bench --device cuda per BENCH_SAMPLES)
 #           b_ssd b_gdn b_kda b_mamba1 b_ssd_ref            (triton_ssm prefill rows, one each;
 #                                                            b_mamba1 carries .ext: mamba_ssm's scan;
 #                                                            b_ssd_ref carries .ext: mamba_ssm's
@@ -122,6 +124,7 @@ t_e2e_plugins) run t_e2e_plugins 500 "${PYTEST[@]}" -m gpu tests/e2e --deselect 
 --deselect tests/e2e/test_handoff.py -k "gpu_plugins or triton_ssm_serves" ;;  # the plugin half of t_e2e
 t_families) run t_families 400 "${PYTEST[@]}" -m gpu tests/e2e/test_run_families.py \
 tests/e2e/test_run_dense.py -k issue_22_family ;;  # issue 22's families: t_e2e_plugins runs them too
+t_pick) run t_pick 500 "${PYTEST[@]}" ${PICK:?t_pick needs PICK="test ids"} ;;  # words split on purpose
 t_tp) run t_tp 600 "${PYTEST[@]}" tests/e2e/test_tp.py ;;
 t_handoff) run t_handoff 600 "${PYTEST[@]}" -s tests/e2e/test_handoff.py ;;
 t_fi) run t_fi 500 "${PYTEST[@]}" attn_plugins/flashinfer/tests ;;
@@ -172,6 +175,11 @@ b_tuned)  # the --out file stays on the machine (bench-out/): a call cut at its 
   run b_tuned 500 python3 bench/bench_tuned_plans.py ${BENCH_TUNED_ARGS:-} "${resume[@]}" \
     --out bench-out/bench_tuned.json
   cp bench-out/bench_tuned.json "$OUT/" 2>/dev/null ;;
+b_samples)  # attn bench on the GPU for the samples whose bench inputs need more than q/k/v
+  for m in ${BENCH_SAMPLES:-minimax lfm2 gpt-oss}; do
+    run "b_samples_$m" 300 attn bench --model "$m" --device cuda --batch 8 --context 1024 \
+      --spec-tokens 2 --iters 5
+  done ;;
 b_runtime) run b_runtime 120 python3 bench/bench_runtime.py --device cuda --count-calls --out "$OUT/bench_runtime.json" ;;
 b_e2e) run b_e2e 450 python3 bench/bench_e2e.py --device cuda --out "$OUT/bench_e2e.json" ;;
 run) run attn_run 300 attn run --model all --device cuda --no-progress ;;
