@@ -3,6 +3,8 @@
 # Usage (on the device, from the checkout root): bash scripts/gpu_run.sh STAGE ...
 #   stages: info install selfcheck                            (selfcheck: attn list --self-check)
 #           fi_install                                      (FlashInfer from $FI_WHEELS, see below)
+#           stack_install                                   (STACK=DIR: the newest kernel stack in
+#                                                            parts, scripts/pack_newest_stack.sh)
 #           t_core t_e2e t_e2e_plugins t_e2e_gptoss t_tp t_fi t_ssm t_varlen t_fa3   (pytest; GPU tests of each area)
 #           t_families                                      (issue 22's config families on the GPU plugins)
 #           t_handoff                                       (prefill -> decode hand-off, 2 GPUs)
@@ -110,6 +112,13 @@ fi_install)
   for t in "$dir"/*.tar.xz; do [ -f "$t" ] && run "fi_unpack_${t##*/}" 120 tar -xJf "$t" -C /tmp/site; done
   run fi_version 60 python3 -c "import flashinfer, importlib.metadata as m; print('flashinfer', \
 m.version('flashinfer-python'), flashinfer.__file__); print(flashinfer.BatchDecodeWithPagedKVCacheWrapper)" ;;
+stack_install)  # STACK=DIR: the newest stack (scripts/pack_newest_stack.sh), parts over calls
+  run stack_install 240 bash scripts/stack_unpack.sh "${STACK:?stack_install needs STACK=DIR}" \
+    /tmp/site /tmp/stack-stage
+  # the versions once the stack is in (not while parts are still to come)
+  compgen -G "/tmp/site/.stack-*" >/dev/null && run stack_versions 120 python3 -c "import importlib.metadata as m; print(*(f'{d} {m.version(d)}' \
+for d in ('flashinfer-python', 'flash-attn-4', 'nvidia-cutlass-dsl', 'fla-core')), sep='; '); \
+import flashinfer, flash_attn.cute.interface, fla" ;;
 install)
   editables=(-e .)
   for p in attn_plugins/*/; do [ -f "$p/pyproject.toml" ] && editables+=(-e "$p"); done

@@ -1,0 +1,161 @@
+"""scripts/stack_unpack.sh assembles the newest kernel stack (scripts/pack_newest_stack.sh) from
+parts carried over several device calls: nothing is unpacked until every part is there and the
+archive's checksum matches, and a call that still lacks parts names them."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import lzma
+import os
+import random
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "stack_unpack.sh"
+
+
+def _pack(tmp_path: Path, files: dict[str, bytes], part_size: int) -> tuple[bytes, list[Path]]:
+    """An xz tarball of ``files`` cut into ``part_aa``, ``part_ab``, ... as split(1) names them."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(f"./{name}")  # as tar -cf - . names them
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    archive = lzma.compress(raw.getvalue())
+    chunks = [archive[i : i + part_size] for i in range(0, len(archive), part_size)]
+    names = [f"part_a{chr(ord('a') + i)}" for i in range(len(chunks))]
+    parts = []
+    for name, chunk in zip(names, chunks, strict=True):
+        (tmp_path / "all").mkdir(exist_ok=True)
+        path = tmp_path / "all" / name
+        path.write_bytes(chunk)
+        parts.append(path)
+    return archive, parts
+
+
+def _carry(tmp_path: Path, call: str, manifest: str, parts: list[Path]) -> Path:
+    """The folder one device call carries: the MANIFEST and some of the parts."""
+    d = tmp_path / call
+    d.mkdir()
+    (d / "MANIFEST").write_text(manifest)
+    for p in parts:
+        shutil.copy(p, d / p.name)
+    return d
+
+
+def _unpack(carried: Path, site: Path, stage: Path) -> subprocess.CompletedProcess[str]:
+    if shutil.which("bash") is None or shutil.which("xz") is None:
+        pytest.skip("needs bash and xz")
+    return subprocess.run(
+        ["bash", str(SCRIPT), str(carried), str(site), str(stage)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_parts_over_two_calls_unpack_once_all_are_there(tmp_path):
+    rng = random.Random(0)  # incompressible contents, so that the archive needs several parts
+    payload = {"flashinfer/__init__.py": rng.randbytes(1500), "fla/__init__.py": rng.randbytes(900)}
+    archive, parts = _pack(tmp_path, payload, part_size=400)
+    assert len(parts) >= 3, "the test needs an archive of several parts"
+    manifest = (
+        f"parts {len(parts)}\nsha256 {hashlib.sha256(archive).hexdigest()}\n"
+        "wheel flashinfer_python-0.7.4-py3-none-any.whl\n"
+    )
+    site, stage = tmp_path / "site", tmp_path / "stage"
+
+    first = _unpack(_carry(tmp_path, "call1", manifest, parts[:1]), site, stage)
+    assert first.returncode == 3, first.stdout + first.stderr
+    rest = " ".join(p.name for p in parts[1:])
+    assert f"1 of {len(parts)} parts here; carry {rest} in the next call" in first.stdout
+    assert not (site / "flashinfer").exists(), "nothing may be unpacked before every part is in"
+
+    second = _unpack(_carry(tmp_path, "call2", manifest, parts[1:]), site, stage)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert (site / "flashinfer" / "__init__.py").read_bytes() == payload["flashinfer/__init__.py"]
+    assert (site / "fla" / "__init__.py").read_bytes() == payload["fla/__init__.py"]
+    assert "flashinfer_python-0.7.4-py3-none-any.whl" in second.stdout
+
+    (site / "fla" / "__init__.py").write_bytes(b"changed after the unpack\n")
+    third = _unpack(_carry(tmp_path, "call3", manifest, []), site, stage)
+    assert third.returncode == 0 and "already unpacked" in third.stdout
+    assert (site / "fla" / "__init__.py").read_bytes() == b"changed after the unpack\n"
+
+
+def test_a_part_that_does_not_match_the_checksum_leaves_the_site_alone(tmp_path):
+    archive, parts = _pack(
+        tmp_path, {"flashinfer/__init__.py": random.Random(1).randbytes(1000)}, part_size=300
+    )
+    manifest = f"parts {len(parts)}\nsha256 {hashlib.sha256(archive).hexdigest()}\n"
+    parts[-1].write_bytes(parts[-1].read_bytes()[:-1] + b"\0")  # one byte off in transit
+    site, stage = tmp_path / "site", tmp_path / "stage"
+    r = _unpack(_carry(tmp_path, "call", manifest, parts), site, stage)
+    assert r.returncode == 1
+    assert "checksum mismatch" in r.stderr
+    assert not (site / "flashinfer").exists()
+
+
+def test_the_stack_replaces_the_site_s_folders_of_the_same_names(tmp_path):
+    """A machine that had FlashInfer 0.6.7 from .whl: none of its files or its dist-info may
+    stay beside the stack's release; what the stack does not bring stays."""
+    rng = random.Random(3)
+    payload = {
+        "flashinfer/__init__.py": rng.randbytes(500),
+        "flashinfer_python-0.7.4.dist-info/METADATA": b"Version: 0.7.4\n",
+    }
+    archive, parts = _pack(tmp_path, payload, part_size=10_000)
+    manifest = f"parts {len(parts)}\nsha256 {hashlib.sha256(archive).hexdigest()}\n"
+    site = tmp_path / "site"
+    for old in ("flashinfer/stale_module.py", "flashinfer_python-0.6.7.dist-info/METADATA",
+                "triton_extra/keep.py"):  # fmt: skip
+        (site / old).parent.mkdir(parents=True, exist_ok=True)
+        (site / old).write_text("old\n")
+
+    r = _unpack(_carry(tmp_path, "call", manifest, parts), site, tmp_path / "stage")
+
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (site / "flashinfer" / "__init__.py").read_bytes() == payload["flashinfer/__init__.py"]
+    assert not (site / "flashinfer" / "stale_module.py").exists()
+    assert not (site / "flashinfer_python-0.6.7.dist-info").exists()
+    assert (site / "flashinfer_python-0.7.4.dist-info" / "METADATA").exists()
+    assert (site / "triton_extra" / "keep.py").read_text() == "old\n"
+
+
+def test_without_a_manifest_it_says_so(tmp_path):
+    carried = tmp_path / "call"
+    carried.mkdir()
+    r = _unpack(carried, tmp_path / "site", tmp_path / "stage")
+    assert r.returncode == 1 and "no MANIFEST" in r.stderr
+
+
+def test_gpu_run_s_stage_reports_the_missing_parts_and_waits_for_them(tmp_path):
+    """stack_install in gpu_run.sh: the summary says what to carry next; no version check runs
+    against a site that lacks the stack."""
+    if shutil.which("bash") is None or shutil.which("timeout") is None:
+        pytest.skip("needs bash and coreutils' timeout")
+    archive, parts = _pack(tmp_path, {"x/__init__.py": random.Random(2).randbytes(900)}, 300)
+    manifest = f"parts {len(parts)}\nsha256 {hashlib.sha256(archive).hexdigest()}\n"
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    for name in ("gpu_run.sh", "stack_unpack.sh"):
+        script = (ROOT / "scripts" / name).read_text().replace("/tmp/", f"{tmp_path}/")
+        (repo / "scripts" / name).write_text(script)
+    (repo / "scripts" / "device_setup.sh").write_text("")  # the H200's wheels: not here
+    carried = _carry(repo, ".whl-new", manifest, parts[:1])
+    out = tmp_path / "out"
+    r = subprocess.run(
+        ["bash", "scripts/gpu_run.sh", "stack_install"], cwd=repo, capture_output=True,
+        text=True, timeout=60, env={"PATH": os.environ["PATH"], "OUT": str(out),
+                                    "STACK": carried.name},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    summary = (out / "summary.log").read_text()
+    assert "carry " + " ".join(p.name for p in parts[1:]) in summary, summary
+    assert "stack_install rc=3" in summary, summary
+    assert "stack_versions" not in summary, summary
