@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -408,6 +409,7 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
     contexts = _grid(args.context, "--context")
     max_prefill = getattr(args, "max_prefill_tokens", None) or 65536
     options = resolve_backend_options(registry, constraints)  # checked by select() above
+    progress = not getattr(args, "no_progress", False)
     for group in layout.groups:
         for phase in plan.choice(group.group_id).planned_phases:
             for backend in admissible_backends(registry, group, caps, plan, phase, options):
@@ -446,6 +448,8 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
                         results.append(res)
                         if res.error is None:
                             measured.append((batch, context, res.us_per_layer))
+                        if progress:  # a run cut at a time limit still shows what it measured
+                            print(_progress_line(res), file=sys.stderr, flush=True)
                 record_measured(tuning, backend.qualified_name, group.spec, phase, measured)
     if args.json:
         print(json.dumps([asdict(r) | {"overhead_ratio": r.overhead_ratio} for r in results]))
@@ -498,6 +502,15 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
         else:
             print(f"no plot written to {args.plot}: no candidate ran")
     return 0 if all(r.error is None for r in results) else 1
+
+
+def _progress_line(res: BenchResult) -> str:
+    """One measured grid point, as the table will show it: ``bench: GROUP PHASE BACKEND B=..
+    ctx=..: X us/layer (binding), Y direct`` or the error."""
+    where = f"bench: {res.group_id} {res.phase} {res.backend} B={res.batch} ctx={res.context}"
+    if res.error is not None:
+        return f"{where}: {res.error}"
+    return f"{where}: {res.us_per_layer:.1f} us/layer (binding), {res.us_direct:.1f} direct"
 
 
 def _by_point(results: Sequence[BenchResult]) -> dict[tuple[str, str, int, str], list[float]]:

@@ -713,6 +713,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--json", action="store_true", help="print the measurements as JSON instead of a table"
     )
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no line on stderr as each grid point is measured (the table comes at the end)",
+    )
     _add_constraint_args(p, tuning=False)
     p.set_defaults(func=cmd_bench)
     return parser

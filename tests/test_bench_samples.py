@@ -143,3 +143,26 @@ def test_a_sample_the_mapper_refuses_names_the_one_to_bench(
     assert instead in sample_names()  # which the test above benches
     assert stand_in_time == []
     assert not (tmp_path / "tuning.json").exists()
+
+
+def test_each_point_is_reported_on_stderr_as_it_is_measured(
+    tmp_path, capsys, stand_in_time, ref_registry
+) -> None:
+    """A bench cut at a device call's time limit printed nothing: the table comes at the end.
+    Each grid point now has a line on stderr as it ends (the JSON on stdout stays one line)."""
+    argv = _argv("qwen3", str(tmp_path / "tuning.json"))
+    expected = _expected("qwen3", ref_registry, argv)
+
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    lines = [x for x in captured.err.splitlines() if x.startswith("bench: ")]
+    assert len(lines) == len(expected), captured.err
+    for group_id, phase, backend in expected:
+        head = f"bench: {group_id} {phase} {backend} B={BATCH} ctx={CONTEXT}: "
+        want = f"{head}{BASE_US[phase]:.1f} us/layer (binding), {BASE_US[phase]:.1f} direct"
+        assert want in lines, (want, lines)
+    assert "bench: " not in captured.out  # stdout keeps the JSON a reader parses
+    json.loads(captured.out.splitlines()[0])
+
+    assert cli.main([*argv, "--no-progress"]) == 0
+    assert "bench: " not in capsys.readouterr().err
