@@ -113,10 +113,13 @@ fi_install)
   run fi_version 60 python3 -c "import flashinfer, importlib.metadata as m; print('flashinfer', \
 m.version('flashinfer-python'), flashinfer.__file__); print(flashinfer.BatchDecodeWithPagedKVCacheWrapper)" ;;
 stack_install)  # STACK=DIR: the newest stack (scripts/pack_newest_stack.sh), parts over calls
+  # STACK_SITE / STACK_STAGE: where it goes (device_setup.sh's site folder) and where the parts
+  # of earlier calls wait
+  site=${STACK_SITE:-/tmp/site}
   run stack_install 240 bash scripts/stack_unpack.sh "${STACK:?stack_install needs STACK=DIR}" \
-    /tmp/site /tmp/stack-stage
+    "$site" "${STACK_STAGE:-/tmp/stack-stage}"
   # the versions once the stack is in (not while parts are still to come)
-  compgen -G "/tmp/site/.stack-*" >/dev/null && run stack_versions 120 python3 -c "import importlib.metadata as m; print(*(f'{d} {m.version(d)}' \
+  compgen -G "$site/.stack-*" >/dev/null && run stack_versions 120 python3 -c "import importlib.metadata as m; print(*(f'{d} {m.version(d)}' \
 for d in ('flashinfer-python', 'flash-attn-4', 'nvidia-cutlass-dsl', 'fla-core')), sep='; '); \
 import flashinfer, flash_attn.cute.interface, fla" ;;
 install)

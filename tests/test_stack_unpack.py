@@ -144,15 +144,15 @@ def test_gpu_run_s_stage_reports_the_missing_parts_and_waits_for_them(tmp_path):
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
     for name in ("gpu_run.sh", "stack_unpack.sh"):
-        script = (ROOT / "scripts" / name).read_text().replace("/tmp/", f"{tmp_path}/")
-        (repo / "scripts" / name).write_text(script)
+        shutil.copy(ROOT / "scripts" / name, repo / "scripts" / name)
     (repo / "scripts" / "device_setup.sh").write_text("")  # the H200's wheels: not here
     carried = _carry(repo, ".whl-new", manifest, parts[:1])
     out = tmp_path / "out"
     r = subprocess.run(
         ["bash", "scripts/gpu_run.sh", "stack_install"], cwd=repo, capture_output=True,
         text=True, timeout=60, env={"PATH": os.environ["PATH"], "OUT": str(out),
-                                    "STACK": carried.name},
+                                    "STACK": carried.name, "STACK_SITE": str(tmp_path / "site"),
+                                    "STACK_STAGE": str(tmp_path / "stage")},
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     summary = (out / "summary.log").read_text()
