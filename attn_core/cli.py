@@ -718,6 +718,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no line on stderr as each grid point is measured (the table comes at the end)",
     )
+    p.add_argument(
+        "--include-reference",
+        action="store_true",
+        help="time attn_core:reference too where a plugin is a candidate (by default it is left "
+        "out there: it ranks below every plugin without a time)",
+    )
     _add_constraint_args(p, tuning=False)
     p.set_defaults(func=cmd_bench)
     return parser

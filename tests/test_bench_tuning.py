@@ -98,6 +98,7 @@ def timed(monkeypatch, registry):
 def test_bench_writes_per_phase_and_batch_and_the_selector_ranks_by_it(tmp_path, timed, registry):
     path = tmp_path / "tuning.json"
     argv = ["bench", "--model", "qwen3", "--device", "cpu", "--batch", "1,4,16"]
+    argv += ["--include-reference"]
     assert cli.main([*argv, "--context", "100,900", "--write-tuning", str(path)]) == 0
     # every candidate, phase and grid point was timed
     assert len(timed) == 3 * 2 * 3 * 2
@@ -135,6 +136,29 @@ def test_bench_writes_per_phase_and_batch_and_the_selector_ranks_by_it(tmp_path,
     forced = ExecutionConstraints(force={"prefill:full": "fd"})
     plan = select(groups, registry, cpu, forced, tuning=tuning)
     assert phase_mapping_from_plan(plan)["full"]["prefill"] == "fast_decode:fd"
+
+
+def test_the_reference_is_not_timed_where_a_plugin_is_a_candidate(tmp_path, timed, capsys):
+    """On the H200 a bench at ctx 32768 printed nothing in a 185 s call: the reference's
+    prefill, 46x flashinfer's time at 8 x 1024 tokens and quadratic in the context, is where
+    such a run goes. The default rule ranks the reference below every plugin anyway, so it is
+    left out (and said so) and the selector's choice from the file is the same."""
+    path = tmp_path / "tuning.json"
+    argv = ["bench", "--model", "qwen3", "--device", "cpu", "--batch", "1,4", "--context", "100"]
+    assert cli.main([*argv, "--write-tuning", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert {b for _, b, _, _, _ in timed} == {"fast_prefill:fp", "fast_decode:fd"}
+    assert "attn_core:reference not timed where a plugin is a candidate (full prefill, " in out
+    assert "--include-reference" in out
+    assert "attn_core:reference" not in {e["backend"] for e in json.loads(path.read_text())[
+        "entries"]}  # fmt: skip
+    groups = specs_from_hf_config("qwen3", dtype="float32").groups
+    plan = select(groups, cli._registry(None), DeviceCapabilities.target("cpu"),
+                  ExecutionConstraints(), tuning=TuningData.load(path))  # fmt: skip
+    assert phase_mapping_from_plan(plan)["full"] == {
+        "prefill": "fast_prefill:fp",
+        "decode": "fast_decode:fd",
+    }
 
 
 def test_bench_times_verify_with_speculative_tokens(timed):
