@@ -44,6 +44,7 @@ import torch
 from attn_core.batch import BatchBuilder
 from attn_core.errors import AttnCoreError
 from attn_core.options import resolve_backend_options
+from attn_core.registry import REFERENCE_BACKEND
 from attn_core.runtime import AttentionRuntime
 from attn_core.selector import (
     GroupChoice,
@@ -104,10 +105,6 @@ class Timing:
     batch: int  # requests per step
     backend: str
     us: float
-
-
-#: the ground-truth backend, which the bench leaves out where a plugin is a candidate
-REFERENCE = "attn_core:reference"
 
 
 def step_inputs(group: LayerGroup, tokens: int, device: torch.device) -> dict[str, Any]:
@@ -422,7 +419,7 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
             if not include_reference and len(candidates) > 1:
                 # The reference is the ground truth, not a speed candidate: the default rule
                 # ranks it below every plugin, and at long contexts its steps take minutes.
-                kept = [b for b in candidates if b.qualified_name != REFERENCE]
+                kept = [b for b in candidates if b.qualified_name != REFERENCE_BACKEND]
                 if len(kept) < len(candidates):
                     left_out.append(f"{group.group_id} {phase.value}")
                 candidates = kept
@@ -504,8 +501,9 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
             print(f"skipped (over --max-prefill-tokens {max_prefill}): {line}")
         if left_out:
             print(
-                f"{REFERENCE} not timed where a plugin is a candidate ({', '.join(left_out)}): "
-                "it ranks below them without a time (--include-reference times it too)"
+                f"{REFERENCE_BACKEND} not timed where a plugin is a candidate "
+                f"({', '.join(left_out)}): it ranks below them without a time "
+                "(--include-reference times it too)"
             )
     if args.write_tuning:
         tuning.save(args.write_tuning)
