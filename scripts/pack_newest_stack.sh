@@ -51,7 +51,7 @@ mkdir -p "$out"
 (cd "$work/tree" && tar -cf - . | xz -9e -T0) >"$work/stack.tar.xz"
 (cd "$out" && split -b "$part_size" "$work/stack.tar.xz" part_)
 {
-  echo "parts $(ls "$out" | grep -c '^part_')"
+  for p in "$out"/part_*; do echo "part ${p##*/}"; done  # in order: the archive is their cat
   echo "sha256 $(sha256sum "$work/stack.tar.xz" | cut -d' ' -f1)"
   for w in "$work"/wheels/*.whl; do echo "wheel ${w##*/}"; done
 } >"$out/MANIFEST"

@@ -3,8 +3,10 @@
 # and unpack it into SITE once every part is there and the archive's checksum matches.
 # Usage (device, checkout root): bash scripts/stack_unpack.sh DIR SITE STAGE_DIR
 #   DIR: the carried folder (MANIFEST and this call's part_* files); STAGE_DIR keeps the parts
-#   of earlier calls on this machine. Exit 0 when SITE holds the stack (now or before), 3 while
-#   parts are missing (it names them), 1 on a checksum mismatch or a failed unpack.
+#   of earlier calls on this machine. MANIFEST lists the parts in order ("part NAME"), the
+#   archive's "sha256" and the "wheel"s in it. Exit 0 when SITE holds the stack (now or
+#   before), 3 while parts are missing (it names them), 1 on a checksum mismatch or a failed
+#   unpack.
 set -u
 dir=${1:?usage: stack_unpack.sh DIR SITE STAGE_DIR} site=${2:?SITE} stage=${3:?STAGE_DIR}
 mkdir -p "$stage" "$site"
@@ -19,17 +21,19 @@ if [ -f "$site/.stack-$sha" ]; then
   exit 0
 fi
 for p in "$dir"/part_*; do [ -f "$p" ] && cp "$p" "$stage/"; done
-count=$(sed -n 's/^parts //p' "$stage/MANIFEST")
-have=$(ls "$stage" | grep -c '^part_')
-if [ "$have" -lt "$count" ]; then
-  # split names parts aa, ab, ...: name the ones still to carry
-  missing=$(python3 -c "import string, sys; n = int(sys.argv[1]); have = set(sys.argv[2:]); \
-names = ['part_' + a + b for a in string.ascii_lowercase for b in string.ascii_lowercase][:n]; \
-print(' '.join(x for x in names if x not in have))" "$count" $(ls "$stage" | grep '^part_'))
-  echo "stack: $have of $count parts here; carry $missing in the next call while the machine is warm"
+mapfile -t parts < <(sed -n 's/^part //p' "$stage/MANIFEST")
+if [ "${#parts[@]}" -eq 0 ]; then
+  echo "stack: the MANIFEST lists no parts: pack again" >&2
+  exit 1
+fi
+missing=()
+for p in "${parts[@]}"; do [ -f "$stage/$p" ] || missing+=("$p"); done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "stack: $((${#parts[@]} - ${#missing[@]})) of ${#parts[@]} parts here; carry" \
+    "${missing[*]} in the next call while the machine is warm"
   exit 3
 fi
-got=$(cat "$stage"/part_* | sha256sum | cut -d' ' -f1)
+got=$(cd "$stage" && cat "${parts[@]}" | sha256sum | cut -d' ' -f1)
 if [ "$got" != "$sha" ]; then
   echo "stack: checksum mismatch (MANIFEST $sha, parts $got): pack again" >&2
   exit 1
@@ -37,7 +41,10 @@ fi
 # what the stack brings replaces what the site holds under the same names: a package folder
 # of another release (FlashInfer 0.6.7's from .whl) must not keep its files among the new ones,
 # nor its dist-info answer importlib.metadata
-cat "$stage"/part_* | xz -d >"$stage/stack.tar" || { echo "stack: xz failed" >&2; exit 1; }
+if ! (cd "$stage" && cat "${parts[@]}") | xz -d >"$stage/stack.tar"; then
+  echo "stack: xz failed" >&2
+  exit 1
+fi
 for top in $(tar -tf "$stage/stack.tar" | sed -e 's|^\./||' -e 's|/.*||' | sort -u); do
   [ -n "$top" ] || continue
   rm -rf "${site:?}/$top"

@@ -40,6 +40,11 @@ def _pack(tmp_path: Path, files: dict[str, bytes], part_size: int) -> tuple[byte
     return archive, parts
 
 
+def _part_lines(parts: list[Path]) -> str:
+    """The MANIFEST's part list, in the order the archive is their concatenation."""
+    return "".join(f"part {p.name}\n" for p in parts)
+
+
 def _carry(tmp_path: Path, call: str, manifest: str, parts: list[Path]) -> Path:
     """The folder one device call carries: the MANIFEST and some of the parts."""
     d = tmp_path / call
@@ -65,7 +70,7 @@ def test_parts_over_two_calls_unpack_once_all_are_there(tmp_path):
     archive, parts = _pack(tmp_path, payload, part_size=400)
     assert len(parts) >= 3, "the test needs an archive of several parts"
     manifest = (
-        f"parts {len(parts)}\nsha256 {hashlib.sha256(archive).hexdigest()}\n"
+        _part_lines(parts) + f"sha256 {hashlib.sha256(archive).hexdigest()}\n"
         "wheel flashinfer_python-0.7.4-py3-none-any.whl\n"
     )
     site, stage = tmp_path / "site", tmp_path / "stage"
@@ -92,7 +97,7 @@ def test_a_part_that_does_not_match_the_checksum_leaves_the_site_alone(tmp_path)
     archive, parts = _pack(
         tmp_path, {"flashinfer/__init__.py": random.Random(1).randbytes(1000)}, part_size=300
     )
-    manifest = f"parts {len(parts)}\nsha256 {hashlib.sha256(archive).hexdigest()}\n"
+    manifest = _part_lines(parts) + f"sha256 {hashlib.sha256(archive).hexdigest()}\n"
     parts[-1].write_bytes(parts[-1].read_bytes()[:-1] + b"\0")  # one byte off in transit
     site, stage = tmp_path / "site", tmp_path / "stage"
     r = _unpack(_carry(tmp_path, "call", manifest, parts), site, stage)
@@ -110,7 +115,7 @@ def test_the_stack_replaces_the_site_s_folders_of_the_same_names(tmp_path):
         "flashinfer_python-0.7.4.dist-info/METADATA": b"Version: 0.7.4\n",
     }
     archive, parts = _pack(tmp_path, payload, part_size=10_000)
-    manifest = f"parts {len(parts)}\nsha256 {hashlib.sha256(archive).hexdigest()}\n"
+    manifest = _part_lines(parts) + f"sha256 {hashlib.sha256(archive).hexdigest()}\n"
     site = tmp_path / "site"
     for old in ("flashinfer/stale_module.py", "flashinfer_python-0.6.7.dist-info/METADATA",
                 "triton_extra/keep.py"):  # fmt: skip
@@ -127,6 +132,20 @@ def test_the_stack_replaces_the_site_s_folders_of_the_same_names(tmp_path):
     assert (site / "triton_extra" / "keep.py").read_text() == "old\n"
 
 
+def test_a_part_left_from_an_earlier_pack_is_not_read(tmp_path):
+    """The stage folder of a warm machine may still hold a part of an earlier, longer pack:
+    only the parts the MANIFEST lists make the archive."""
+    archive, parts = _pack(tmp_path, {"fla/__init__.py": random.Random(4).randbytes(500)}, 300)
+    stale = f"part_a{chr(ord('a') + len(parts))}"  # the name a next part would have
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    (stage / stale).write_bytes(b"a part of another pack")
+    manifest = _part_lines(parts) + f"sha256 {hashlib.sha256(archive).hexdigest()}\n"
+    r = _unpack(_carry(tmp_path, "call", manifest, parts), tmp_path / "site", stage)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "site" / "fla" / "__init__.py").exists()
+
+
 def test_without_a_manifest_it_says_so(tmp_path):
     carried = tmp_path / "call"
     carried.mkdir()
@@ -140,7 +159,7 @@ def test_gpu_run_s_stage_reports_the_missing_parts_and_waits_for_them(tmp_path):
     if shutil.which("bash") is None or shutil.which("timeout") is None:
         pytest.skip("needs bash and coreutils' timeout")
     archive, parts = _pack(tmp_path, {"x/__init__.py": random.Random(2).randbytes(900)}, 300)
-    manifest = f"parts {len(parts)}\nsha256 {hashlib.sha256(archive).hexdigest()}\n"
+    manifest = _part_lines(parts) + f"sha256 {hashlib.sha256(archive).hexdigest()}\n"
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
     for name in ("gpu_run.sh", "stack_unpack.sh"):
