@@ -844,8 +844,8 @@ SINKS_LAYER = LayerSpec(
 
 
 def test_a_feature_priority_ranks_the_backend_lower_for_layers_with_that_feature(make_plugin):
-    """FlashInfer's sink variant (feature_priority sinks 50) under fa3 (90, decode 60) for a
-    layer with sinks, in every phase; a layer without sinks keeps FlashInfer's 100."""
+    """A backend whose sinks path is slower (feature_priority sinks 50) under another (90,
+    decode 60) for a layer with sinks, in every phase; a layer without sinks keeps its 100."""
     import attn_core.reference.plugin as ref
 
     slow_sinks = _backend(
@@ -869,7 +869,7 @@ def test_a_feature_priority_ranks_the_backend_lower_for_layers_with_that_feature
         "decode": "flashinfer:flashinfer",
         "verify": "flashinfer:flashinfer",
     }
-    # without fa3 the sink variant still outranks the reference
+    # without fa3 the slower sinks path still outranks the reference
     alone = Registry(strict=True)
     alone.register_plugin(ref, name="attn_core")
     alone.register_plugin(make_plugin("flashinfer", [slow_sinks]), name="flashinfer")

@@ -11,15 +11,11 @@ their Python wrappers and JIT templates compile them:
   (``window_left``) and logits soft-cap, CUDA-graph modes ``none`` / ``decode`` / ``full``
   (a captured mixed step: the paged prefill wrapper's graph mode, whose scheduler keeps the
   capture's batch size and row count; ``full`` only on the 0.6 releases, :func:`graph_modes`).
-  Attention sinks (gpt-oss) follow the installed release (:func:`sinks_support`): the ``sinks``
-  argument of the wrappers' ``run()`` reaches only the trtllm-gen (sm100) and cuDNN kernels and is
-  ignored by the FA2/FA3 paths in every release read, but each of them has
-  ``BatchAttentionWithAttentionSinkWrapper``, a JIT variant (``AttentionSink``) of the paged
-  prefill wrapper that compiles the sink into the FA2 (sm80+) or FA3 (sm90) kernel and takes it as
-  ``run(q, kv, sinks, sm_scale)``. The plugin serves a sinks layer's every step with it (decode
-  included) where the installed release is one whose variant was read and its constructor takes
-  the arguments the plugin passes; not together with a soft-cap (the variant applies none), an fp8
-  cache (not verified) or graph mode full (no captured mixed-step path for the variant).
+  Attention sinks (gpt-oss) on every release: ``run()`` of each wrapper returns the rows'
+  log-sum-exp, and the plugin rescales the output by it (:mod:`attn_plugin_flashinfer.sinks`),
+  with any window, soft-cap, cache dtype and graph mode. (The ``sinks`` argument of ``run()``
+  reaches only the trtllm-gen (sm100) and cuDNN kernels, and the FA2/FA3 ``AttentionSink`` JIT
+  variant of the prefill wrapper was 3.5-7x slower than the plain decode on the H200.)
 - MLA: ``kv_lora_rank = 512``, ``qk_rope_head_dim = 64`` (the head dims FlashInfer's MLA kernels
   are written for: the absorbed query is 576 wide, the output 512), bf16 / fp16 with a KV cache of
   the same dtype; graph mode ``decode`` on the 0.6 releases only (:func:`graph_modes`).
@@ -48,8 +44,6 @@ __all__ = [
     "MLA_CAPABILITIES",
     "MLA_KV_LORA_RANK",
     "MLA_ROPE_DIM",
-    "SINK_WRAPPER",
-    "SINK_WRAPPER_PARAMETERS",
     "Availability",
     "graph_modes",
     "probe",
@@ -84,7 +78,7 @@ FULL_CAPABILITIES = BackendCapabilities(
     # virtual batch (attn_core.local_attention) is exact, the context sized for its requests
     chunked_virtual_batches=True,
     logits_soft_cap=True,
-    sinks=False,  # plugin.backends() sets it where the probe finds the sink variant
+    sinks=True,  # the output rescaled by run()'s log-sum-exp (sinks.py), every release
     deterministic=False,
     mixed_kv_dtypes=False,  # kernels are built for (q, kv) = (bf16, bf16), (fp16, fp16), fp8 KV
 )
@@ -133,68 +127,13 @@ def graph_modes(version: str | None) -> tuple[frozenset[GraphMode], frozenset[Gr
     return full - {GraphMode.FULL}, frozenset({GraphMode.NONE}), note
 
 
-#: FlashInfer's paged prefill wrapper with the attention-sink JIT variant, and the constructor
-#: parameters the plugin passes it (every release read has them).
-SINK_WRAPPER = "BatchAttentionWithAttentionSinkWrapper"
-SINK_WRAPPER_PARAMETERS = (
-    "float_workspace_buffer", "kv_layout", "use_cuda_graph", "qo_indptr_buf",
-    "paged_kv_indptr_buf", "paged_kv_indices_buf", "paged_kv_last_page_len_buf", "q_data_type",
-    "kv_data_type", "head_dim_qk", "head_dim_vo", "window_left",
-)  # fmt: skip
-
-
 @dataclass(frozen=True, slots=True)
 class Availability:
-    """Whether the backends can run here; ``reason`` lists every missing piece when not.
-
-    :ivar sinks: the installed FlashInfer applies attention sinks on this device
-        (:func:`sinks_support`); the full backend then advertises ``sinks``.
-    :ivar sinks_note: ``attn list``'s line for it ("" where flashinfer was not imported).
-    """
+    """Whether the backends can run here; ``reason`` lists every missing piece when not."""
 
     available: bool
     reason: str | None
     version: str
-    sinks: bool = False
-    sinks_note: str = ""
-
-
-def sinks_support(module: object, version: str | None,
-                  compute_capability: tuple[int, int] | None) -> str:  # fmt: skip
-    """Why the installed FlashInfer ``module`` (distribution ``version``) cannot serve attention
-    sinks on a device of ``compute_capability``; "" where it can: the release is one whose sink
-    variant was read (``compat.TESTED_RELEASES``), the module has :data:`SINK_WRAPPER` taking
-    :data:`SINK_WRAPPER_PARAMETERS`, and the device is sm80+ (FA2; FA3 on sm90)."""
-    import inspect
-
-    from attn_plugin_flashinfer import compat
-
-    if compute_capability is None or compute_capability < (8, 0):
-        return f"compute capability {compute_capability}, the sink variant needs 8.0+"
-    release, why = compat.tested_release(version)
-    if release is None:
-        return f"{why}; its sink variant was not read"
-    cls = getattr(module, SINK_WRAPPER, None)
-    if cls is None:
-        return f"flashinfer {version} has no {SINK_WRAPPER}"
-    try:
-        params = inspect.signature(cls.__init__).parameters
-    except (TypeError, ValueError) as exc:
-        return f"{SINK_WRAPPER}.__init__ has no readable signature ({exc})"
-    missing = [p for p in SINK_WRAPPER_PARAMETERS if p not in params]
-    if missing:
-        return f"{SINK_WRAPPER}.__init__ of flashinfer {version} lacks {missing}"
-    return ""
-
-
-def _device_capability() -> tuple[int, int] | None:
-    import torch
-
-    try:
-        major, minor = torch.cuda.get_device_capability()
-    except Exception:  # no usable device: the CUDA check names it
-        return None
-    return (major, minor)
 
 
 def _cuda_reason() -> str | None:
@@ -242,8 +181,7 @@ def probe() -> Availability:
 
     Where flashinfer is imported (CUDA present) the probe also runs the checks that need no GPU
     work: the fast path's import-level facts (``compat.FastPath.probe``, via
-    ``compat.fast_path``) and whether this release serves attention sinks on this device
-    (:func:`sinks_support`). The numeric self-check compiles kernels (a cold JIT takes longer
+    ``compat.fast_path``). The numeric self-check compiles kernels (a cold JIT takes longer
     than a probe may), so it runs where a context is first allocated."""
     from attn_plugin_flashinfer import compat
 
@@ -257,12 +195,8 @@ def probe() -> Availability:
     tool = _toolchain_reason()
     if tool:
         reasons.append(tool)
-    sinks, sinks_note = False, ""
     if module is not None:
-        fp = compat.fast_path(module)  # the import-level facts, kept for attn list's note
-        why = sinks_support(module, fp.version, _device_capability())
-        sinks = not why
-        sinks_note = f"sinks: on ({SINK_WRAPPER})" if sinks else f"sinks: off ({why})"
+        compat.fast_path(module)  # the import-level facts, kept for attn list's note
     if reasons:
-        return Availability(False, "; ".join(reasons), version, False, sinks_note)
-    return Availability(True, None, version, sinks, sinks_note)
+        return Availability(False, "; ".join(reasons), version)
+    return Availability(True, None, version)

@@ -158,7 +158,9 @@ DECODE_CLASS_ATTRIBUTES = ("plan", "run", "is_cuda_graph_enabled", "use_tensor_c
 UTILS_ATTRIBUTES = ("_get_cache_alibi_slopes_buf", "device_support_pdl")
 
 #: ``(q, k_cache, v_cache, out) -> None``: one layer of a planned decode step.
-DecodeRunner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+DecodeRunner = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], None
+]
 
 _MARK = "_attn_core_public_plan_done"
 _CHECKED = "_attn_core_attributes_checked"
@@ -380,14 +382,15 @@ class FastPath:
 
     # -- direct run -----------------------------------------------------------------------
     def decode_runner(self, wrapper: Any, sm_scale: float) -> DecodeRunner | None:
-        """The compiled kernel call of ``wrapper.run(q, (k_cache, v_cache), out=out)`` at softmax
-        scale ``sm_scale`` for the step the wrapper is planned for; None where the fast path
-        does not know the wrapper's ``run()`` (then call it).
+        """The compiled kernel call of ``wrapper.run(q, (k_cache, v_cache), out=out, lse=lse)``
+        at softmax scale ``sm_scale`` for the step the wrapper is planned for; None where the
+        fast path does not know the wrapper's ``run()`` (then call it).
 
         Call it after the step's plan (it binds the plan's buffers and schedule) and only for
         a wrapper :meth:`can_replan` accepts. The runner checks nothing: ``q`` ``[P, H, D]``,
-        ``k_cache``/``v_cache`` ``[pages, page_size, Hkv, D]`` (NHD) of the planned dtypes, and
-        a contiguous ``out`` like ``q``, all on the wrapper's device.
+        ``k_cache``/``v_cache`` ``[pages, page_size, Hkv, D]`` (NHD) of the planned dtypes, a
+        contiguous ``out`` like ``q`` and ``lse`` None or ``[P, H]`` float32 contiguous (the
+        rows' base-2 log-sum-exp, written by the kernel), all on the wrapper's device.
         """
         release = self.release
         if (
@@ -411,11 +414,10 @@ class FastPath:
             wrapper._paged_kv_indices_buf,
             wrapper._paged_kv_last_page_len_buf,
         )
-        # run()'s fa2 argument list after the output: lse, mask mode, layout, window, PDL,
-        # custom mask + indptr, alibi slopes, three item pointers, [block scales,] soft-cap,
-        # scale, reciprocal rope scale and theta, item count.
+        # run()'s fa2 argument list after the output and the lse: mask mode, layout, window,
+        # PDL, custom mask + indptr, alibi slopes, three item pointers, [block scales,]
+        # soft-cap, scale, reciprocal rope scale and theta, item count.
         tail = (
-            None,  # lse
             0,  # MaskMode.NON_CAUSAL
             0,  # TensorLayout.NHD
             wrapper._window_left,
@@ -435,14 +437,15 @@ class FastPath:
         )
 
         def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                out: torch.Tensor) -> None:  # fmt: skip
-            compiled(*head, q, k_cache, v_cache, *indptrs, out, *tail)
+                out: torch.Tensor, lse: torch.Tensor | None = None) -> None:  # fmt: skip
+            compiled(*head, q, k_cache, v_cache, *indptrs, out, lse, *tail)
 
         if not release.equal_kv_strides:
             return run
 
         def run_equal_strides(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              out: torch.Tensor) -> None:  # fmt: skip
+                              out: torch.Tensor,
+                              lse: torch.Tensor | None = None) -> None:  # fmt: skip
             # The module found is the one built for equal K/V strides; run() would route
             # other strides to a second module this runner does not call.
             if k_cache.stride() != v_cache.stride():
@@ -451,7 +454,7 @@ class FastPath:
                     f"{k_cache.stride()} differ from V cache strides {v_cache.stride()}; "
                     "expected equal strides (the core's K and V caches of one shape)"
                 )
-            compiled(*head, q, k_cache, v_cache, *indptrs, out, *tail)
+            compiled(*head, q, k_cache, v_cache, *indptrs, out, lse, *tail)
 
         return run_equal_strides
 
@@ -498,7 +501,8 @@ class FastPath:
         planned publicly for other lengths, then re-planned by the fast path, must hold the
         plan info a fresh wrapper's public ``plan()`` gives and compute the same output through
         ``run()``; the direct run must give ``run()``'s output at the planned scale and the
-        public plan's output at half of it (a layer's own scale reaches the kernel).
+        public plan's output at half of it (a layer's own scale reaches the kernel), and the
+        log-sum-exp rows ``run(..., return_lse=True)`` gives (what attention sinks rescale by).
         """
         if (
             self.check is not None
@@ -548,7 +552,7 @@ class FastPath:
             host["indices"] = torch.arange(indptr[-1], dtype=torch.int32, device=device)
             return host
 
-        def public(lens: list[int], sm_scale: float) -> tuple[Any, torch.Tensor]:
+        def public(lens: list[int], sm_scale: float) -> tuple[Any, torch.Tensor, torch.Tensor]:
             w = fi.BatchDecodeWithPagedKVCacheWrapper(
                 torch.zeros(32 * 2**20, dtype=torch.uint8, device=device), "NHD",
                 use_tensor_cores=True,
@@ -558,9 +562,10 @@ class FastPath:
                    pos_encoding_mode="NONE", window_left=window_left,
                    logits_soft_cap=soft_cap or None, sm_scale=sm_scale, q_data_type=dt,
                    kv_data_type=dt)  # fmt: skip
-            return w, w.run(q, (k_cache, v_cache))
+            out, lse = w.run(q, (k_cache, v_cache), return_lse=True)
+            return w, out, lse
 
-        wrapper, _ = public(first, scale)
+        wrapper, _, _ = public(first, scale)
         self.mark_planned(wrapper)
         if not self.can_replan(wrapper):
             missing = [a for a in self._attributes() if not hasattr(wrapper, a)]
@@ -574,7 +579,7 @@ class FastPath:
             num_qo_heads=H, num_kv_heads=Hkv, head_dim=D, page_size=page,
             window_left=window_left,
         )  # fmt: skip
-        reference, expected = public(second, scale)
+        reference, expected, expected_lse = public(second, scale)
         if list(wrapper._plan_info) != list(reference._plan_info):
             return "the fast plan's schedule differs from plan()'s"
         got = wrapper.run(q, (k_cache, v_cache))
@@ -585,11 +590,17 @@ class FastPath:
             if runner is None:
                 return "the compiled paged_run was not found"
             out = torch.full_like(q, float("nan"))
-            runner(q, k_cache, v_cache, out)
-            want = expected if sm_scale == scale else public(second, sm_scale)[1]
+            lse = torch.full(q.shape[:2], float("nan"), device=device)
+            runner(q, k_cache, v_cache, out, lse)
+            want, want_lse = (
+                (expected, expected_lse) if sm_scale == scale else public(second, sm_scale)[1:]
+            )
             if not torch.allclose(out, want, atol=1e-3, rtol=1e-3):
                 err = (out.float() - want.float()).abs().max().item()
                 return f"the direct run at scale {sm_scale:.4g} differs from run() by {err:.3g}"
+            if not torch.allclose(lse, want_lse, atol=1e-3, rtol=1e-4):
+                err = (lse - want_lse).abs().max().item()
+                return f"the direct run's log-sum-exp differs from run()'s by {err:.3g}"
         return ""
 
 

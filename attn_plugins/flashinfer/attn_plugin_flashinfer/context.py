@@ -29,11 +29,13 @@ prefill without context,     ``BatchPrefillWithRaggedKVCacheWrapper`` over the s
 non-fp8 KV                   (they are also written to the cache)
 prefill / mixed / verify     ``BatchPrefillWithPagedKVCacheWrapper`` (causal, bottom-right
                              aligned: the queries are each request's last tokens)
-any step of a layer with     ``BatchAttentionWithAttentionSinkWrapper`` (the paged prefill
-attention sinks              wrapper's ``AttentionSink`` JIT variant, FA2 / FA3 on sm90;
-                             graph variant per padded batch size for graph decode)
 MLA, any step                ``BatchMLAPagedAttentionWrapper`` (graph variant for graph decode)
 ============================ ==============================================================
+
+Attention sinks (gpt-oss) take the same wrappers as any other layer: ``run()`` also returns
+the log-sum-exp of each row, and one elementwise pass (:mod:`attn_plugin_flashinfer.sinks`)
+rescales the output by ``sigmoid(lse - sink)``: every step kind, graph modes, soft-cap and an
+fp8 cache included (small_decode's kernels take no sinks: such layers keep FlashInfer's decode).
 
 FP8 KV: FlashInfer's ``k_scale``/``v_scale`` run arguments are host floats, while the core keeps
 each layer's scale as a 0-dim device tensor (set in place, read by captured graphs). So the
@@ -44,8 +46,7 @@ Softmax scales go through public arguments only: each plan() takes the group's
 (``spec.scale``, as ``sm_scale``); a layer whose own scale (``LayerAttentionBinding.scale``)
 differs has the ratio folded into ``q`` before ``run()`` (``softmax(s' q.k) =
 softmax(s (s'/s) q).k)``, soft-cap included, which FlashInfer applies after the scale), and the
-fast path's direct decode run and the sink variant's ``run()`` take the layer's scale as an
-argument. No wrapper attribute is
+fast path's direct decode run takes the layer's scale as an argument. No wrapper attribute is
 written for it, so no FlashInfer release can drop it silently. Every other use of FlashInfer's
 internals (fast plan, direct run, shared int workspace) is in :mod:`attn_plugin_flashinfer.compat`,
 gated by the installed release.
@@ -77,6 +78,7 @@ from attn_core.state.kv_write import (
     write_slots,
 )
 from attn_plugin_flashinfer import compat, planning
+from attn_plugin_flashinfer.sinks import apply_sinks_
 
 __all__ = [
     "FLOAT_WORKSPACE_BYTES",
@@ -121,8 +123,6 @@ class StepKind(str, enum.Enum):
     RAGGED = "ragged"
     PAGED = "paged"
     PAGED_GRAPH = "paged_graph"  # a captured mixed step (graph mode full)
-    SINKS = "sinks"  # a layer with attention sinks: the sink variant, every step
-    SINKS_GRAPH = "sinks_graph"  # the same, graph decode
     MLA = "mla"
     MLA_GRAPH = "mla_graph"
     EMPTY = "empty"
@@ -177,6 +177,9 @@ def workspace_requirements(
     - ``graph_kv_indptr`` / ``graph_qo_indptr`` ``[B + 1]``, ``graph_kv_len`` ``[B]`` int32:
       what captured MLA decode kernels read (full attention's read ``dev_meta``, and a
       captured mixed step's prefill kernel ``graph_qo_indptr`` for its query offsets).
+    - ``sink_lse`` ``[max_num_tokens, num_heads]`` float32, layers with attention sinks only:
+      the log-sum-exp rows ``run()`` writes and the sinks rescale reads (fixed, so a captured
+      step reads the same buffer on replay).
 
     None of these sizes depends on a step: a captured mixed step (graph mode full) is planned
     into the same buffers whatever its split between prefill chunks and decodes.
@@ -184,7 +187,15 @@ def workspace_requirements(
     B = request_rows(spec, constraints)
     pages = _max_pages(spec, constraints)
     i32 = torch.int32
+    sinks = (
+        [WorkspaceRequirement(
+            "sink_lse", (max(constraints.max_num_tokens, 1), spec.num_heads), torch.float32
+        )]
+        if spec.has_sinks
+        else []
+    )  # fmt: skip
     return [
+        *sinks,
         WorkspaceRequirement("float_workspace", (FLOAT_WORKSPACE_BYTES,), torch.uint8, zero=True),
         WorkspaceRequirement("int_workspace", (INT_WORKSPACE_BYTES,), torch.uint8, zero=True),
         WorkspaceRequirement("host_meta", (2, 5 * B + 2), i32, host=True, zero=True),
@@ -521,10 +532,10 @@ class FullAttentionContext(_PagedContext):
             )
         self.window_left = planning.window_left(spec.sliding_window)
         self.soft_cap = spec.logits_soft_cap
-        #: attention sinks: every step through the sink variant (_sink_wrapper)
+        #: attention sinks: every step's output rescaled by its log-sum-exp (sinks.py), which
+        #: run() writes into the workspace's ``sink_lse`` rows
         self.sinks = spec.has_sinks
-        if self.sinks:
-            self._check_sinks()
+        self.sink_lse: torch.Tensor | None = workspace["sink_lse"] if self.sinks else None
         self.tensor_core_decode = decode_uses_tensor_cores(
             spec.num_heads, spec.num_kv_heads, spec.kv_dtype
         )
@@ -556,11 +567,6 @@ class FullAttentionContext(_PagedContext):
         #: Python (compat.FastPath.decode_runner) where compat knows the release;
         #: benchmarks turn it off to compare.
         self.direct_decode_run = True
-        if self.sinks:
-            # The sink variant serves every step; the plain wrappers would never run.
-            self.decode = self.paged = self.ragged = None
-            self.sink = self._share(self._sink_wrapper(None))
-            return
         if self.tensor_core_decode:
             # Once per process, before the first fast plan: the fast path against the public
             # plan()/run() on a tiny case of this group's shape (GPU only; the kernel module it
@@ -580,63 +586,8 @@ class FullAttentionContext(_PagedContext):
         self.paged = self._share(fi.BatchPrefillWithPagedKVCacheWrapper(self.float_ws, "NHD"))
         self.ragged = self._share(fi.BatchPrefillWithRaggedKVCacheWrapper(self.float_ws, "NHD"))
 
-    def _check_sinks(self) -> None:
-        """Refuse, naming the group, what the sink variant does not serve here."""
-        from attn_plugin_flashinfer import capability
-
-        if not hasattr(self.fi, capability.SINK_WRAPPER):
-            self._bad(
-                f"the layers have attention sinks; flashinfer {self.fi_version} has no "
-                f"{capability.SINK_WRAPPER} (attn list shows whether sinks are served)"
-            )
-        if self.soft_cap:
-            self._bad(
-                f"attention sinks with logits_soft_cap={self.soft_cap}: FlashInfer's sink "
-                "variant applies no soft-cap; expected one of the two"
-            )
-        if self.graph_full:
-            # a captured mixed step runs the plain paged prefill wrapper, which ignores sinks
-            self._bad(
-                "attention sinks under graph mode full: the sink variant has no captured "
-                "mixed-step path (graph mode decode captures its decode steps); expected graph "
-                "mode decode or none"
-            )
-        if self.fp8:
-            self._bad(
-                "attention sinks over an fp8_e4m3 KV cache: the sink variant is served with a "
-                f"16-bit cache (the activations' dtype, {self.spec.dtype}) only"
-            )
-
-    def _sink_wrapper(self, P: int | None) -> Any:
-        """FlashInfer's sink variant for this group (JIT-compiled for its dtypes, head dim and
-        window on first plan); ``P``: a CUDA-graph wrapper for ``P`` padded decode requests
-        whose buffers are views of the context's metadata (the step's one host-to-device copy
-        fills what captured kernels read), None: the eager one."""
-        spec = self.spec
-        graph: dict[str, Any] = {}
-        if P is not None:
-            graph = dict(
-                use_cuda_graph=True,
-                qo_indptr_buf=self.g_qo_indptr[: P + 1],
-                paged_kv_indptr_buf=self.dev_meta[: P + 1],
-                paged_kv_indices_buf=self.kv_indices,
-                paged_kv_last_page_len_buf=self._last_page_len_dev(P),
-            )
-        return self.fi.BatchAttentionWithAttentionSinkWrapper(
-            self.float_ws,
-            "NHD",
-            q_data_type=self.q_dtype,
-            kv_data_type=self.kv_dtype,
-            head_dim_qk=spec.head_dim,
-            head_dim_vo=spec.head_dim,
-            window_left=self.window_left,
-            **graph,
-        )
-
     def _graph_wrapper(self, P: int) -> Any:
         wrapper = self._graph_wrappers.get(P)
-        if wrapper is None and self.sinks:
-            wrapper = self._graph_wrappers[P] = self._share(self._sink_wrapper(P))
         if wrapper is None:
             wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
                 self.float_ws,
@@ -716,7 +667,7 @@ class FullAttentionContext(_PagedContext):
             kv_data_type=self.kv_dtype,
         )
         H, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        # the paged prefill wrappers' (plain, graph-mode, sink variant) positional arguments
+        # the paged prefill wrappers' (plain and graph-mode) positional arguments
         paged = (
             views.qo_indptr_host,
             views.kv_indptr_host,
@@ -727,20 +678,6 @@ class FullAttentionContext(_PagedContext):
             D,
             batch.page_size,
         )
-        if self.sinks:
-            # Every step, decode included: causal and bottom-right aligned (a decode query sees
-            # its whole context). The softmax scale is run()'s argument (the variant's).
-            wrapper = self._graph_wrapper(batch.padded_reqs) if graph else self.sink
-            wrapper.plan(
-                *paged,
-                causal=True,
-                non_blocking=True,
-                window_left=self.window_left,
-                sm_scale=spec.scale,
-                q_data_type=self.q_dtype,
-                kv_data_type=self.kv_dtype,
-            )
-            return (StepKind.SINKS_GRAPH if graph else StepKind.SINKS), wrapper
         if batch.mode is BatchMode.DECODE:
             wrapper = self._graph_wrapper(batch.padded_reqs) if graph else self.decode
             kind = StepKind.DECODE_GRAPH if graph else StepKind.DECODE
@@ -848,13 +785,16 @@ class FullAttentionContext(_PagedContext):
         write = (k, v, k_cache, v_cache, kv.k_scale if fp8 else None, kv.v_scale if fp8 else None)
         wrapper = step.wrapper
         o = out if out is not None and out.is_contiguous() else None
+        # attention sinks: run() also writes each row's log-sum-exp, the output is rescaled
+        sinks, lse = self._sinks_and_lse(layer, q.shape[0]) if self.sinks else (None, None)
+        lse_kw: dict[str, Any] = {} if lse is None else {"lse": lse, "return_lse": True}
         if step.kind is StepKind.RAGGED:
             # The ragged kernel reads the step's own k/v, not the cache: the cache write can
             # run beside it on a side stream (memory-bound next to compute-bound).
             side = self._side_stream()
             if side is None:
                 self._write_kv(*write)
-                result = wrapper.run(self._q_for(layer, q), k, v, out=o)
+                result = wrapper.run(self._q_for(layer, q), k, v, out=o, **lse_kw)
             else:
                 main = torch.cuda.current_stream(self.device)
                 side.wait_stream(main)  # k and v are ready
@@ -865,19 +805,10 @@ class FullAttentionContext(_PagedContext):
                         write_kv_runs(k, v, k_cache, v_cache, step.kv_runs)
                     else:
                         self._write_kv(*write)
-                result = wrapper.run(self._q_for(layer, q), k, v, out=o)
+                result = wrapper.run(self._q_for(layer, q), k, v, out=o, **lse_kw)
                 # Join before returning: later work on the main stream (the next step's
                 # attention, or the caller freeing k/v) is ordered after the write.
                 main.wait_stream(side)
-        elif step.kind is StepKind.SINKS or step.kind is StepKind.SINKS_GRAPH:
-            self._write_kv(*write)
-            sinks = layer.sinks
-            if sinks is None:
-                self._bad(f"layer {layer.layer_index} has no sinks tensor [num_heads] (float32)")
-            if sinks.dtype != torch.float32:
-                sinks = sinks.float()  # the variant reads float logits
-            # The variant's run arguments: the sinks [H] and the layer's own softmax scale.
-            result = wrapper.run(q, (k_cache, v_cache), sinks, float(layer.scale), out=o)
         else:
             # One launch on CUDA for K and V (padding rows change nothing).
             self._write_kv(*write)
@@ -887,12 +818,31 @@ class FullAttentionContext(_PagedContext):
             runner = self._direct_run(step, layer.scale) if direct else None
             if runner is not None:  # the layer's scale is the runner's argument
                 result = o if o is not None else torch.empty_like(q)
-                runner(qk, k_cache, v_cache, result)
+                runner(qk, k_cache, v_cache, result, lse)
             else:
-                result = wrapper.run(self._q_for(layer, qk), (k_cache, v_cache), out=o)
+                result = wrapper.run(self._q_for(layer, qk), (k_cache, v_cache), out=o, **lse_kw)
+                result = _output(result)
             if fp8:
                 result.mul_(kv.v_scale)
+        result = _output(result)
+        if sinks is not None and lse is not None:
+            apply_sinks_(result, lse, sinks)
         return self._finish(result, out)
+
+    def _sinks_and_lse(self, layer: Any, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's sinks ``[H]`` float32 and ``[T, H]`` float32 rows for run()'s LSE: the
+        workspace's ``sink_lse`` (fixed rows a captured step reads on replay), or a fresh
+        tensor for a step longer than ``max_num_tokens`` (eager only: the builder refuses
+        such a step for a graph)."""
+        sinks = layer.sinks
+        if sinks is None:
+            self._bad(f"layer {layer.layer_index} has no sinks tensor [num_heads] (float32)")
+        if sinks.dtype != torch.float32:
+            sinks = sinks.float()
+        buf = self.sink_lse
+        if buf is not None and buf.shape[0] >= T:
+            return sinks, buf[:T]
+        return sinks, torch.empty(T, self.spec.num_heads, dtype=torch.float32, device=self.device)
 
     def _direct_run(self, step: _Step, scale: float) -> Any:
         """The step's compiled decode call at softmax ``scale`` (compat), made on the first
@@ -944,6 +894,11 @@ class FullAttentionContext(_PagedContext):
             )
         plan(*args)
         return self._finish(o, out)
+
+
+def _output(result: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """run()'s output: ``(out, lse)`` where it was asked for the LSE, else ``out``."""
+    return result[0] if isinstance(result, tuple) else result
 
 
 def _copyable(x: torch.Tensor, cache: torch.Tensor) -> bool:

@@ -2,8 +2,8 @@
 
 Backends, both priority 100 (above the reference's 0):
 
-- ``flashinfer:flashinfer``: full attention (see :data:`capability.FULL_CAPABILITIES`; with
-  ``sinks`` where the installed release applies them on this device, ``Availability.sinks``).
+- ``flashinfer:flashinfer``: full attention (see :data:`capability.FULL_CAPABILITIES`),
+  attention sinks included.
 - ``flashinfer:flashinfer_mla``: absorbed MLA (see :data:`capability.MLA_CAPABILITIES`).
 
 Both register on every machine; where CUDA, flashinfer or nvcc is missing they register with
@@ -22,14 +22,12 @@ import torch
 
 from attn_core.backend import Backend, SelfCheck
 from attn_core.hookspecs import hookimpl
-from attn_core.specs import LayerKind, Phase
+from attn_core.specs import LayerKind
 from attn_plugin_flashinfer import __version__, capability, compat
 from attn_plugin_flashinfer import context as ctx
 
 ATTN_CORE_API_VERSION = "1.2"  # attn_core_self_check
 PRIORITY = 100
-#: a layer with attention sinks: FlashInfer's sink variant ranks here in every phase
-SINKS_PRIORITY = 50
 FULL_BACKEND = "flashinfer"
 MLA_BACKEND = "flashinfer_mla"
 
@@ -38,7 +36,6 @@ __all__ = [
     "FULL_BACKEND",
     "MLA_BACKEND",
     "PRIORITY",
-    "SINKS_PRIORITY",
     "attn_core_allocate_context",
     "attn_core_bind_forward",
     "attn_core_register_backends",
@@ -65,20 +62,14 @@ def backends(availability: capability.Availability | None = None) -> list[Backen
     full_graph, mla_graph, graph_note = capability.graph_modes(av.version)
     full = dataclasses.replace(full, graph_modes=full_graph)
     mla = dataclasses.replace(mla, graph_modes=mla_graph)
-    if av.sinks:  # the installed release applies them on this device (capability.probe)
-        # The sink variant is a slower path (gpt-oss's full layers on the H200, FlashInfer
-        # 0.6.7: decode 3.5x fa3's time at 1 x 32k, 7x at 64 x 4k; prefill 1.1-1.5x): below
-        # fa3's priorities (90, decode 60), above the reference, in every phase.
-        every_phase = tuple((phase, SINKS_PRIORITY) for phase in Phase)
-        full = dataclasses.replace(full, sinks=True, feature_priority=(("sinks", every_phase),))
     return [
         Backend(
             name=FULL_BACKEND,
             capabilities=full,
-            notes="; ".join(n for n in (notes, av.sinks_note, graph_note) if n),
+            notes="; ".join(n for n in (notes, graph_note) if n),
             description=(
                 "FlashInfer paged attention: decode, prefill, mixed (CUDA graphs: decode and "
-                "full), speculative verify; GQA/MQA, sliding window, soft-cap, fp8 KV"
+                "full), speculative verify; GQA/MQA, sliding window, soft-cap, sinks, fp8 KV"
             ),
             **common,
         ),

@@ -32,6 +32,12 @@ Sections (each isolated: a failure is recorded in the JSON and the next section 
    directly, captured the same way. ``--graph-cases BxCTX,...`` picks the cases,
    ``--force-small`` takes small_decode past the plugin's limits, ``--small-sweep`` times 44
    tilings of it too.
+6. ``sinks``: gpt-oss's layer shape (64 q / 8 kv heads, d64, page 16, sinks), eager decode at
+   ``--sinks-cases`` and a ragged prefill of 2 x 4096: the plugin on a sinks layer (plain
+   kernel + log-sum-exp + rescale) against the plugin on the same layer without sinks, the
+   plain wrapper's ``run()`` called directly and FlashInfer's ``AttentionSink`` variant
+   (``BatchAttentionWithAttentionSinkWrapper``) called directly on the same cache, in 20
+   alternating turns; the sinks output is checked against the variant's.
 
 Usage (from the repository root, on the GPU machine)::
 
@@ -73,7 +79,8 @@ def _iters_for(us_guess: float, budget_s: float = 1.0, lo: int = 20, hi: int = 2
 
 
 def _setup(spec, *, batch: int, ctx: int, layers: int = 1, graph: bool = False,
-           max_tokens: int | None = None, cached: bool = True):  # fmt: skip
+           max_tokens: int | None = None, cached: bool = True,
+           layer_params: dict | None = None):  # fmt: skip
     """Runtime + state for requests of up to ``ctx`` tokens; with ``cached``, ``batch`` requests
     of ``ctx - 1`` cached tokens (pages reserved, contents left as allocated)."""
     import attn_plugin_flashinfer.plugin as fi_plugin
@@ -99,7 +106,7 @@ def _setup(spec, *, batch: int, ctx: int, layers: int = 1, graph: bool = False,
     plan = select(groups, reg, DeviceCapabilities.detect(), constraints)
     pages = batch * (math.ceil(max_len / PAGE) + 1)
     state = PersistentState(groups, num_pages=pages, num_slots=0, device="cuda")
-    runtime = AttentionRuntime(plan, reg, state=state, device="cuda")
+    runtime = AttentionRuntime(plan, reg, state=state, device="cuda", layer_params=layer_params)
     builder = BatchBuilder(
         state,
         max_batch_size=batch,
@@ -784,6 +791,101 @@ def bench_graph(spec, layers: int = 32, batch: int = 64, ctx: int = 4096,
     return res
 
 
+def bench_sinks(batch: int, ctx: int, prefill: bool = False) -> dict:
+    """gpt-oss's full layers: ``batch`` decode requests at ``ctx`` (or, ``prefill``, ``batch``
+    new requests of ``ctx`` tokens) through the plugin with and without sinks, FlashInfer's
+    plain wrapper and its sink variant called directly, on one cache."""
+    import flashinfer
+
+    from attn_core.specs import LayerSpec
+
+    Hs, Hkvs, Ds = 64, 8, 64
+    plain_spec = LayerSpec(kind="full", num_heads=Hs, num_kv_heads=Hkvs, head_dim=Ds,
+                           page_size=PAGE)  # fmt: skip
+    sink_spec = plain_spec.with_(has_sinks=True)
+    sinks = torch.randn(Hs, device="cuda", dtype=torch.float32)
+    tokens = batch * ctx if prefill else batch
+    setup = dict(batch=batch, ctx=ctx, max_tokens=max(tokens, 256), cached=not prefill)
+    rt_s, _, builder_s = _setup(sink_spec, layer_params={0: {"sinks": sinks}}, **setup)
+    rt_p, _, builder_p = _setup(plain_spec, **setup)
+    step = [(r, ctx if prefill else 1) for r in range(batch)]
+    for rt, builder in ((rt_s, builder_s), (rt_p, builder_p)):
+        ctx_obj = _context(rt)
+        ctx_obj.small_decode_max_batch = 0  # FlashInfer's decode: small_decode takes no sinks
+        if prefill:
+            for r in range(batch):
+                rt.state.add_request(r)
+        rt.prepare(builder.build(step))
+    q = torch.randn(tokens, Hs, Ds, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(tokens, Hkvs, Ds, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    out_s, out_p, out_d, out_v = (torch.empty_like(q) for _ in range(4))
+    b_s, b_p = rt_s.binding(0), rt_p.binding(0)
+    kind = _context(rt_s).step.kind.value
+    plain_wrapper = _context(rt_p).step.wrapper
+    kv_s = b_s.kv
+
+    def with_sinks():
+        b_s.forward(q, k, v, out=out_s)
+
+    def without():
+        b_p.forward(q, k, v, out=out_p)
+
+    with_sinks()  # the K/V of the step in the sinks cache before the direct calls read it
+    # FlashInfer's sink variant over the sinks runtime's cache and pages
+    batch_obj = _context(rt_s).batch
+    pages = math.ceil(ctx / PAGE)
+    qo = torch.arange(batch + 1, dtype=torch.int32) * (ctx if prefill else 1)
+    kv_indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
+    indices = batch_obj.page_table[:batch, :pages].reshape(-1).contiguous()
+    last = torch.full((batch,), (ctx - 1) % PAGE + 1, dtype=torch.int32)
+    variant = flashinfer.BatchAttentionWithAttentionSinkWrapper(
+        torch.zeros(128 * 2**20, dtype=torch.uint8, device="cuda"), "NHD",
+        q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, head_dim_qk=Ds,
+        head_dim_vo=Ds, window_left=-1,
+    )  # fmt: skip
+    variant.plan(qo, kv_indptr, indices, last, Hs, Hkvs, Ds, PAGE, causal=True,
+                 window_left=-1, sm_scale=sink_spec.scale, q_data_type=torch.bfloat16,
+                 kv_data_type=torch.bfloat16)  # fmt: skip
+
+    def sink_variant():
+        variant.run(q, (kv_s.k, kv_s.v), sinks, float(sink_spec.scale), out=out_v)
+
+    if prefill:
+        kv_p = b_p.kv
+
+        def direct():
+            plain_wrapper.run(q, k, v, out=out_d)
+    else:
+        kv_p = b_p.kv
+
+        def direct():
+            plain_wrapper.run(q, (kv_p.k, kv_p.v), out=out_d)
+
+    fns = {"sinks": with_sinks, "plain": without, "direct": direct, "variant": sink_variant}
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    err = (out_s.float() - out_v.float()).abs().max().item()
+    t0 = time.perf_counter()
+    direct()
+    torch.cuda.synchronize()
+    repeat = max(1, _iters_for((time.perf_counter() - t0) * 1e6) // 20)
+    rounds = alternating_us(fns, rounds=20, repeat=repeat)
+    med = {name: statistics.median(times) for name, times in rounds.items()}
+    return {
+        "B": batch,
+        "ctx": ctx,
+        "phase": "prefill" if prefill else "decode",
+        "kind": kind,
+        **{f"{name}_us": us for name, us in med.items()},
+        "sinks_over_plain": med["sinks"] / med["plain"],
+        "sinks_over_direct": med["sinks"] / med["direct"],
+        "sinks_over_variant": med["sinks"] / med["variant"],
+        "max_abs_diff_vs_variant": err,
+    }
+
+
 def _free() -> None:
     gc.collect()
     torch.cuda.empty_cache()
@@ -919,6 +1021,19 @@ def _table(results: dict) -> str:
             )
     for e in results.get("errors", []):
         lines.append(f"ERROR in {e['section']} {e['args']}: {e['error']}")
+    if "sinks" in results:
+        lines.append(
+            "sinks, gpt-oss 64q/8kv d64 page16 | phase   |  B |   ctx | plugin with sinks us | "
+            "without us | FI run() us | FI sink variant us | with / without | with / run() | "
+            "with / variant | max |diff| to the variant"
+        )
+        for r in results["sinks"]:
+            lines.append(
+                f"  {r['phase']:7} | {r['B']:3} | {r['ctx']:5} | {r['sinks_us']:9.1f} | "
+                f"{r['plain_us']:9.1f} | {r['direct_us']:9.1f} | {r['variant_us']:9.1f} | "
+                f"{r['sinks_over_plain']:.3f} | {r['sinks_over_direct']:.3f} | "
+                f"{r['sinks_over_variant']:.3f} | {r['max_abs_diff_vs_variant']:.2e}"
+            )
     return "\n".join(lines)
 
 
@@ -962,9 +1077,14 @@ def main(argv: list[str] | None = None) -> int:
         "4096 and 32768 (say 1x16384,1x24576 for where small_decode and FlashInfer cross)",
     )
     parser.add_argument(
+        "--sinks-cases",
+        default="1x4096,64x4096,1x32768,8x32768",
+        help="sinks section: comma-separated BATCHxCTX decode cases",
+    )
+    parser.add_argument(
         "--only",
-        help="comma-separated sections: decode, variants, prefill, prepare, profile, graph "
-        "(the copy bandwidth always runs)",
+        help="comma-separated sections: decode, variants, prefill, prepare, profile, graph, "
+        "sinks (the copy bandwidth always runs)",
     )
     args = parser.parse_args(argv)
     only = set(args.only.split(",")) if args.only else None
@@ -1011,6 +1131,10 @@ def main(argv: list[str] | None = None) -> int:
         for batch, ctx in _cases(args.graph_cases):
             _run(results, "graph", bench_graph, spec, batch=batch, ctx=ctx,
                  sweep=args.small_sweep, force_small=args.force_small)  # fmt: skip
+    if want("sinks"):
+        for batch, ctx in _cases(args.sinks_cases):
+            _run(results, "sinks", bench_sinks, batch, ctx)
+        _run(results, "sinks", bench_sinks, 2, 4096, prefill=True)
     results["total_s"] = round(time.perf_counter() - started, 1)
     table = _table(results)
     print("\n" + table)

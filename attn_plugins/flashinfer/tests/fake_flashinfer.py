@@ -56,11 +56,9 @@ LAYOUTS: dict[str, dict] = {
 LAYOUT = dict(LAYOUTS["0.6.7"])
 
 
-def _attend(q, k, v, *, causal, window_left, soft_cap, sm_scale, sink=None):
-    """``q [Lq, H, D]``, ``k [L, Hkv, D]``, ``v [L, Hkv, Dv]`` -> ``[Lq, H, Dv]`` float32.
-
-    ``sink`` ``[H]``: the sink variant's per-head logit (natural units, not scaled by
-    ``sm_scale``), one more softmax column that carries no value."""
+def _attend(q, k, v, *, causal, window_left, soft_cap, sm_scale):
+    """``q [Lq, H, D]``, ``k [L, Hkv, D]``, ``v [L, Hkv, Dv]`` -> ``([Lq, H, Dv], [Lq, H])``
+    float32: the output and each row's log-sum-exp in base 2 (FlashInfer's convention)."""
     lq, h, _ = q.shape
     length, hkv = k.shape[0], k.shape[1]
     rep = h // hkv
@@ -77,12 +75,9 @@ def _attend(q, k, v, *, causal, window_left, soft_cap, sm_scale, sink=None):
     if window_left >= 0:
         mask &= kpos >= qpos - window_left
     logits = logits.masked_fill(~mask, float("-inf"))
-    if sink is not None:
-        column = sink.float().cpu().view(h, 1, 1).expand(h, lq, 1)
-        p = torch.softmax(torch.cat([logits, column], dim=-1), dim=-1)[..., :-1]
-    else:
-        p = torch.softmax(logits, dim=-1)
-    return torch.einsum("hqk,khd->qhd", p, vf)
+    p = torch.softmax(logits, dim=-1)
+    lse2 = torch.logsumexp(logits, dim=-1).t() / math.log(2.0)  # [Lq, H]
+    return torch.einsum("hqk,khd->qhd", p, vf), lse2
 
 
 def _gather(cache, indices, start, end, length):
@@ -92,14 +87,16 @@ def _gather(cache, indices, start, end, length):
 
 
 def _paged_attention(q, cache, qo_indptr, kv_indptr, kv_indices, last_page_len, *, causal,
-                     window_left, soft_cap, sm_scale, sink=None):  # fmt: skip
-    """Attention of ``q`` rows ``qo_indptr[b]:qo_indptr[b+1]`` over request ``b``'s pages."""
+                     window_left, soft_cap, sm_scale):  # fmt: skip
+    """Attention of ``q`` rows ``qo_indptr[b]:qo_indptr[b+1]`` over request ``b``'s pages:
+    ``(out [T, H, Dv], lse [T, H])`` float32 (rows of no request: zeros and -inf)."""
     k_cache, v_cache = cache
     ps = k_cache.shape[1]
     qo = [int(x) for x in qo_indptr]
     indptr = kv_indptr.tolist()
     last = last_page_len.tolist()
     out = torch.zeros(q.shape[0], q.shape[1], v_cache.shape[-1])
+    lse = torch.full(q.shape[:2], float("-inf"))
     for b in range(len(last)):
         npages = indptr[b + 1] - indptr[b]
         length = (npages - 1) * ps + last[b] if npages else 0
@@ -108,11 +105,11 @@ def _paged_attention(q, cache, qo_indptr, kv_indptr, kv_indices, last_page_len, 
             continue
         k = _gather(k_cache, kv_indices, indptr[b], indptr[b + 1], length)
         v = _gather(v_cache, kv_indices, indptr[b], indptr[b + 1], length)
-        out[qs:qe] = _attend(
+        out[qs:qe], lse[qs:qe] = _attend(
             q[qs:qe], k, v, causal=causal, window_left=window_left, soft_cap=soft_cap,
-            sm_scale=sm_scale, sink=sink,
+            sm_scale=sm_scale,
         )  # fmt: skip
-    return out
+    return out, lse
 
 
 class _PrefillModule:
@@ -141,18 +138,21 @@ class _PrefillModule:
                 assert key_scales is None and value_scales is None
             soft_cap, sm_scale, rope_rcp_scale, rope_rcp_theta, item_len = rest
             assert isinstance(sm_scale, float) and isinstance(soft_cap, float)
-            assert (mask_mode, layout, lse, item_len) == (0, 0, None, 0)
+            assert (mask_mode, layout, item_len) == (0, 0, 0)
             assert (rope_rcp_scale, rope_rcp_theta) == (1.0, 1e-4)
             assert isinstance(enable_pdl, bool) and alibi is not None
             batch, rows = plan_info[0], plan_info[1]
             assert len(last_page_len) == batch and q.shape[0] == rows, (plan_info, q.shape)
             self.compiled_calls += 1
-            result = _paged_attention(
+            result, rows_lse = _paged_attention(
                 q, (k_cache, v_cache), qo_indptr.tolist(), kv_indptr[: batch + 1],
                 kv_indices, last_page_len[:batch], causal=False, window_left=window_left,
                 soft_cap=soft_cap, sm_scale=sm_scale,
             )  # fmt: skip
             o.copy_(result)
+            if lse is not None:
+                assert lse.shape == q.shape[:2] and lse.dtype == torch.float32
+                lse.copy_(rows_lse)
 
         def paged_run(float_ws, int_ws, plan_info, q, k_cache, v_cache, qo_indptr, kv_indptr,
                       kv_indices, last_page_len, o, lse, mask_mode, layout, window_left,
@@ -235,11 +235,22 @@ class _Base:
         )  # fmt: skip
 
     @staticmethod
-    def _out(result, q, out):
+    def _out(result, q, out, lse=None, return_lse=False):
+        """``(result [T, H, Dv], lse [T, H])`` as run() hands them out: into ``out`` / the
+        ``lse`` buffer where given, ``(out, lse)`` where ``return_lse``."""
+        result, rows_lse = result
         if out is None:
-            return result.to(q.dtype)
-        out.copy_(result)
-        return out
+            out = result.to(q.dtype)
+        else:
+            out.copy_(result)
+        if not return_lse:
+            return out
+        if lse is None:
+            lse = rows_lse
+        else:
+            assert lse.shape == q.shape[:2] and lse.dtype == torch.float32, lse.shape
+            lse.copy_(rows_lse)
+        return out, lse
 
 
 class BatchDecodeWithPagedKVCacheWrapper(_Base):
@@ -369,6 +380,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Base):
             q_len_per_req=1, skip_softmax_threshold_scale_factor=None,
             kv_block_scales=None):  # fmt: skip
         assert k_scale is None and v_scale is None and q_scale is None
+        assert sinks is None, "the sinks argument reaches no sm90 kernel"
         assert q.dtype == self._q_dtype and paged_kv_cache[0].dtype == self._kv_dtype
         batch = self._paged_kv_last_page_len_buf.size(0)
         if q.shape[0] != batch:
@@ -383,19 +395,22 @@ class BatchDecodeWithPagedKVCacheWrapper(_Base):
                 window_left=self._window_left, soft_cap=self._soft_cap,
                 sm_scale=self._scale(q.shape[-1]),
             )  # fmt: skip
-            return self._out(result, q, out)
+            return self._out(result, q, out, lse, return_lse)
         result = out if out is not None else torch.empty_like(q)
+        if return_lse and lse is None:
+            lse = torch.empty(q.shape[:2], dtype=torch.float32)
         # The release's run_args for the tensor-core path, then the module's paged_run.
         self._cached_module.paged_run(
             self._float_workspace_buffer, self._int_workspace_buffer, self._plan_info, q,
             paged_kv_cache[0], paged_kv_cache[1], self._qo_indptr_buf,
             getattr(self, self._INDPTR_ATTR), self._paged_kv_indices_buf,
-            self._paged_kv_last_page_len_buf, result, None, 0, 0, self._window_left, False,
+            self._paged_kv_last_page_len_buf, result, lse if return_lse else None, 0, 0,
+            self._window_left, False,
             None, None, torch.empty(0), None, None, None, self._soft_cap,
             float(self._scale(q.shape[-1])), None, None, None, self._rope_scale or 1.0,
             self._rope_theta or 1e4, 0, 0, paged_kv_cache, self._num_qo_heads,
         )  # fmt: skip
-        return result
+        return (result, lse) if return_lse else result
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_Base):
@@ -517,6 +532,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Base):
             lse=None, return_lse=False, enable_pdl=None, window_left=None, sinks=None,
             kv_block_scales=None, skip_softmax_threshold_scale_factor=None):  # fmt: skip
         assert k_scale is None and v_scale is None
+        assert sinks is None, "the sinks argument reaches no sm90 kernel"
         assert q.dtype == self._q_dtype and paged_kv_cache[0].dtype == self._kv_dtype
         if self._use_cuda_graph:
             # A captured kernel reads only its buffers, with the grid of the capture's rows:
@@ -532,87 +548,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_Base):
                 causal=self._causal, window_left=self._window_left, soft_cap=self._soft_cap,
                 sm_scale=self._scale(q.shape[-1]),
             )  # fmt: skip
-            return self._out(result, q, out)
+            return self._out(result, q, out, lse, return_lse)
         if q.shape[0] != self._qo_indptr[-1]:
             raise ValueError("q.shape[0] does not match qo_indptr[-1]")
         result = self._paged(q, paged_kv_cache, self._qo_indptr, causal=self._causal)
-        return self._out(result, q, out)
-
-
-class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper):
-    """The paged prefill wrapper's ``AttentionSink`` JIT variant (0.6.7's ``attention.py``, 0.6.13+
-    ``attention/_core.py``): constructed for the dtypes, head dims and window, CUDA-graph
-    capable (buffers given at construction, filled by ``plan()``), and ``run(q, kv, sink,
-    sm_scale)``: the variant takes the sinks ``[H]`` float32 and the softmax scale as its extra
-    run arguments and ignores ``plan()``'s ``sm_scale`` and any soft-cap."""
-
-    def __init__(
-        self,
-        float_workspace_buffer,
-        kv_layout="NHD",
-        use_cuda_graph=False,
-        qo_indptr_buf=None,
-        paged_kv_indptr_buf=None,
-        paged_kv_indices_buf=None,
-        paged_kv_last_page_len_buf=None,
-        custom_mask_buf=None,
-        mask_indptr_buf=None,
-        backend="auto",
-        pos_encoding_mode="NONE",
-        use_fp16_qk_reduction=False,
-        q_data_type=torch.bfloat16,
-        kv_data_type=torch.bfloat16,
-        head_dim_qk=128,
-        head_dim_vo=128,
-        window_left=-1,
-    ):
-        _Base.__init__(self, float_workspace_buffer)
-        assert kv_layout == "NHD"
-        self._use_cuda_graph = use_cuda_graph
-        if use_cuda_graph:
-            assert qo_indptr_buf is not None and paged_kv_indptr_buf is not None
-            assert paged_kv_indices_buf is not None and paged_kv_last_page_len_buf is not None
-            self._fixed_batch_size = len(qo_indptr_buf) - 1
-        self._qo_buf, self._kv_indptr = qo_indptr_buf, paged_kv_indptr_buf
-        self._kv_indices, self._last_page_len = paged_kv_indices_buf, paged_kv_last_page_len_buf
-        self._jit = (q_data_type, kv_data_type, head_dim_qk, head_dim_vo, window_left >= 0)
-
-    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
-             num_qo_heads, num_kv_heads, head_dim_qk, page_size, *, causal=False,
-             window_left=-1, logits_soft_cap=None, sm_scale=None, q_data_type="float16",
-             kv_data_type=None, non_blocking=True, **rest):  # fmt: skip
-        q_dt, kv_dt, d_qk, _, swa = self._jit
-        assert (q_data_type, kv_data_type or q_data_type, head_dim_qk) == (q_dt, kv_dt, d_qk)
-        assert swa == (window_left >= 0), "the module was compiled for the other window mode"
-        g = self._use_cuda_graph
-        if g:
-            assert len(qo_indptr) - 1 == self._fixed_batch_size, "batch size fixed in graph mode"
-            self._qo_buf.copy_(qo_indptr)
-        self._store("_kv_indptr", paged_kv_indptr, g)
-        self._store("_kv_indices", paged_kv_indices, g)
-        self._store("_last_page_len", paged_kv_last_page_len, g)
-        self._qo_indptr = qo_indptr.tolist()
-        self._causal = causal
-        self._window_left = window_left
-        self._q_dtype, self._kv_dtype = q_dt, kv_dt
-        self.plans += 1
-
-    def run(self, q, paged_kv_cache, *args, out=None, lse=None, return_lse=False,
-            enable_pdl=None, **rest):  # fmt: skip
-        sink, sm_scale = args  # the variant's additional tensor and scalar
-        assert sink.dtype == torch.float32 and sink.shape == (q.shape[1],)
-        assert isinstance(sm_scale, float)
-        assert q.dtype == self._q_dtype and paged_kv_cache[0].dtype == self._kv_dtype
-        # graph mode reads the buffers the captured kernels would (rewritten by plan())
-        qo = self._qo_buf.tolist() if self._use_cuda_graph else self._qo_indptr
-        if q.shape[0] != qo[-1]:
-            raise ValueError("q.shape[0] does not match qo_indptr[-1]")
-        result = _paged_attention(
-            q, paged_kv_cache, qo, self._kv_indptr, self._kv_indices, self._last_page_len,
-            causal=self._causal, window_left=self._window_left, soft_cap=0.0,
-            sm_scale=sm_scale, sink=sink,
-        )  # fmt: skip
-        return self._out(result, q, out)
+        return self._out(result, q, out, lse, return_lse)
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_Base):
@@ -667,11 +607,12 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Base):
     def run(self, q, k, v, *args, q_scale=None, k_scale=None, v_scale=None, o_scale=None,
             out=None, lse=None, return_lse=False, enable_pdl=None):  # fmt: skip
         result = torch.zeros(q.shape[0], q.shape[1], v.shape[-1])
+        rows_lse = torch.full(q.shape[:2], float("-inf"))
         for b in range(len(self._qo_indptr) - 1):
             qs, qe = self._qo_indptr[b], self._qo_indptr[b + 1]
             ks, ke = self._kv[b], self._kv[b + 1]
             if qe > qs:
-                result[qs:qe] = _attend(
+                result[qs:qe], rows_lse[qs:qe] = _attend(
                     q[qs:qe],
                     k[ks:ke],
                     v[ks:ke],
@@ -680,7 +621,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Base):
                     soft_cap=self._soft_cap,
                     sm_scale=self._scale(q.shape[-1]),
                 )
-        return self._out(result, q, out)
+        return self._out((result, rows_lse), q, out, lse, return_lse)
 
 
 class BatchMLAPagedAttentionWrapper(_Base):
@@ -743,7 +684,7 @@ class BatchMLAPagedAttentionWrapper(_Base):
             if qe == qs:
                 continue
             lat = _gather(latent, self._kv_indices, indptr[b], indptr[b + 1], lens[b])[:, None]
-            result[qs:qe] = _attend(
+            result[qs:qe], _ = _attend(
                 q[qs:qe],
                 lat,
                 lat[..., :r],

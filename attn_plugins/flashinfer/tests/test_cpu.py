@@ -4,7 +4,6 @@ pure-PyTorch stand-in for FlashInfer (:mod:`fake_flashinfer`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.machinery
 import math
@@ -21,7 +20,6 @@ import workloads as wl
 from attn_plugin_flashinfer import capability, compat, planning
 from attn_plugin_flashinfer.context import StepKind, decode_uses_tensor_cores
 
-from attn_core.errors import PluginError
 from attn_core.registry import Registry
 from attn_core.selector import check_backend, select
 from attn_core.specs import (
@@ -79,7 +77,7 @@ def test_advertises_two_backends_honestly():
     assert c.kv_dtypes == {"bfloat16", "float16", "fp8_e4m3"}
     assert c.dtypes == {"bfloat16", "float16"}
     assert c.sliding_window and c.logits_soft_cap
-    assert not c.sinks  # 0.6.7 ignores sinks outside trtllm-gen
+    assert c.sinks  # through run()'s log-sum-exp and the rescale (sinks.py)
     assert not c.non_causal
     # full: mixed steps captured through the paged prefill wrapper's graph mode; MLA: decode
     assert c.graph_modes == {GraphMode.NONE, GraphMode.DECODE, GraphMode.FULL}
@@ -231,7 +229,7 @@ def test_rejections_for_what_is_not_advertised(available):
         return {r.code for r in check_backend(full, spec, device, constraints)}
 
     assert codes(FULL) == set()
-    assert "sinks" in codes(FULL.with_(has_sinks=True))
+    assert "sinks" not in codes(FULL.with_(has_sinks=True))
     assert "head_dim" in codes(FULL.with_(head_dim=96))
     assert "kv_dtype" not in codes(FULL.with_(kv_dtype="fp8_e4m3"))
     assert "device_fp8" in codes(FULL.with_(kv_dtype="fp8_e4m3"), device=a100)
@@ -627,7 +625,6 @@ def test_the_probe_runs_the_import_level_checks(monkeypatch):
     fi = fake_flashinfer.install(monkeypatch, "0.7.4")
     monkeypatch.setattr(capability, "_cuda_reason", lambda: None)
     monkeypatch.setattr(capability, "_toolchain_reason", lambda: None)
-    monkeypatch.setattr(capability, "_device_capability", lambda: (9, 0))
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
     av = capability.probe()
     assert av.available and av.version == "0.7.4"
@@ -882,49 +879,47 @@ def test_graph_decode_padding_and_update(fake_fi, monkeypatch, small_max, kind):
     assert seen[1:] == [kind, kind]
 
 
-SINKS_AVAILABLE = capability.Availability(
-    True, None, "0.7.4", sinks=True, sinks_note="sinks: on (BatchAttentionWithAttentionSinkWrapper)"
-)
 GPT_OSS = FULL.with_(has_sinks=True)
 
 
-@pytest.fixture
-def sinks_fi(monkeypatch):
-    """The stand-in FlashInfer as 0.7.4, the probe saying it serves sinks here."""
-    monkeypatch.setattr(capability, "probe", lambda: SINKS_AVAILABLE)
-    return fake_flashinfer.install(monkeypatch, "0.7.4")
-
-
-def test_the_sink_variant_ranks_below_fa3_for_layers_with_sinks():
-    """Where the installed FlashInfer serves sinks, a layer with sinks ranks the full backend
-    at SINKS_PRIORITY in every phase: below the fa3 plugin's priorities (its sink variant is the
-    slower path on the H200), above the reference; a layer without sinks keeps PRIORITY."""
-    from attn_plugin_fa3 import plugin as fa3_plugin
-
-    full = next(b for b in fi_plugin.backends(SINKS_AVAILABLE) if b.name == fi_plugin.FULL_BACKEND)
-    assert full.capabilities.sinks
+def test_sinks_are_served_on_every_release_at_the_plain_priority():
+    """Sinks go through the plain wrappers plus the LSE rescale: the full backend advertises
+    them whatever the installed release, ranks a sinks layer like any other (no feature
+    priority), and an offline H200 plan admits it; the MLA backend has no sinks."""
+    by_name = {b.name: b for b in fi_plugin.backends(AVAILABLE)}
+    full = by_name["flashinfer"]
+    assert full.capabilities.sinks and full.capabilities.feature_priority == ()
     for phase in ("prefill", "decode", "verify"):
-        assert full.priority_for(phase, GPT_OSS) == fi_plugin.SINKS_PRIORITY
-        assert full.priority_for(phase, FULL) == fi_plugin.PRIORITY
-    assert 0 < fi_plugin.SINKS_PRIORITY < min(fa3_plugin.PRIORITY, fa3_plugin.DECODE_PRIORITY)
-    plain = next(b for b in fi_plugin.backends(AVAILABLE) if b.name == fi_plugin.FULL_BACKEND)
-    assert plain.capabilities.feature_priority == ()
+        assert full.priority_for(phase, GPT_OSS) == full.priority_for(phase, FULL)
+    assert not by_name["flashinfer_mla"].capabilities.sinks
+    h200 = DeviceCapabilities.target("h200")
+    qualified = full.with_plugin("flashinfer")
+    rejections = check_backend(qualified, GPT_OSS, h200, ExecutionConstraints())
+    assert {r.code for r in rejections} == set()
 
 
+@pytest.mark.parametrize("version", ["0.6.7", "0.7.4"])
 @pytest.mark.parametrize(
-    ("spec", "graph"),
+    ("spec", "graph", "make_kw", "tol"),
     [
-        (GPT_OSS, False),
-        (GPT_OSS.with_(sliding_window=6), False),  # gpt-oss's sliding layers
-        (GPT_OSS, True),
-        (GPT_OSS.with_(sliding_window=6), True),
+        (GPT_OSS, False, {}, 2e-2),
+        (GPT_OSS.with_(sliding_window=6), False, {}, 2e-2),  # gpt-oss's sliding layers
+        (GPT_OSS, True, {}, 2e-2),
+        (GPT_OSS.with_(sliding_window=6), True, {}, 2e-2),
+        (GPT_OSS.with_(logits_soft_cap=5.0), False, {}, 2e-2),
+        (GPT_OSS.with_(kv_dtype="fp8_e4m3"), False, {"kv_scales": (0.02, 0.03)}, 6e-2),
     ],
-    ids=["full", "window", "graph", "graph_window"],
+    ids=["full", "window", "graph", "graph_window", "soft_cap", "fp8"],
 )
-def test_sinks_match_the_reference_on_every_step_kind(sinks_fi, monkeypatch, spec, graph):
-    """A layer with sinks runs every step (ragged and paged prefill, mixed, decode, graph decode
-    with padding) through FlashInfer's sink variant with the layer's sinks and its own softmax
-    scale, and matches the reference; the plain wrappers are never built."""
+def test_sinks_match_the_reference_on_every_step_kind(
+    available, monkeypatch, version, spec, graph, make_kw, tol
+):
+    """A layer with sinks runs ragged and paged prefill, mixed, eager decode (the fast path's
+    direct run on a tested release) and graph decode with padding through the plain wrappers,
+    each layer at its own softmax scale, and matches the reference (which adds the sink as a
+    softmax column); soft-cap and an fp8 cache too."""
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")
+    fake_flashinfer.install(monkeypatch, version)
     script = [
         [(0, 11), (1, 4), (2, 7)],
         [(0, 1), (1, 1), (2, 1)],
@@ -933,109 +928,63 @@ def test_sinks_match_the_reference_on_every_step_kind(sinks_fi, monkeypatch, spe
         [(0, 1), (1, 1), (2, 1), (3, 1)],
     ]
     steps_kw = {1: {"pad_to": 4}, 2: {"pad_to": 4}} if graph else {}
-    make_kw = {"graph": graph, "layer_scales": (spec.scale * 0.5, spec.scale * 2.0)}
-    seen = _compare(spec, script, tol=2e-2, steps_kw=steps_kw, make_kw=make_kw)
-    decode = StepKind.SINKS_GRAPH if graph else StepKind.SINKS
-    assert seen[0] is StepKind.SINKS and seen[1] is decode and seen[3] is StepKind.SINKS, seen
+    kw = {"graph": graph, "layer_scales": (spec.scale * 0.5, spec.scale * 2.0), **make_kw}
+    seen = _compare(spec, script, tol=tol, steps_kw=steps_kw, make_kw=kw)
+    first = StepKind.PAGED if spec.kv_dtype == "fp8_e4m3" else StepKind.RAGGED
+    decode = StepKind.DECODE_GRAPH if graph else StepKind.DECODE
+    assert seen[0] is first and seen[1] is decode and seen[3] is StepKind.PAGED, seen
 
 
-def test_the_sinks_change_the_result(sinks_fi):
+def test_the_sinks_change_the_result(fake_fi):
     """The workloads' sinks weigh enough to matter: sinks of no mass give another output, so the
     comparison with the reference above fails for a path that drops or misplaces them."""
-    h = wl.make(GPT_OSS, "flashinfer:flashinfer", "cpu")
     step = [(0, 9), (1, 3)]
+    h = wl.make(GPT_OSS, "flashinfer:flashinfer", "cpu")
     with_sinks = wl.run_step(h, 0, step)
     h2 = wl.make(GPT_OSS, "flashinfer:flashinfer", "cpu")
     for layer in range(h2.num_layers):
         h2.runtime.binding(layer).sinks.fill_(-1e4)  # exp(-1e4): no sink mass
     without = wl.run_step(h2, 0, step)
+    plain = wl.make(FULL, "flashinfer:flashinfer", "cpu")
     assert wl.max_error([with_sinks], [without]) > 1e-2
-    assert h.context.decode is None and h.context.sink.plans == 1
+    assert wl.max_error([without], [wl.run_step(plain, 0, step)]) < 1e-5
 
 
-def test_sinks_are_advertised_only_where_the_probe_says_so(monkeypatch):
-    full = {b.name: b for b in fi_plugin.backends(AVAILABLE)}["flashinfer"]
-    assert not full.capabilities.sinks
-    monkeypatch.setattr(capability, "probe", lambda: SINKS_AVAILABLE)
-    fake_flashinfer.install(monkeypatch, "0.7.4")
-    by_name = {b.name: b for b in fi_plugin.backends(SINKS_AVAILABLE)}
-    assert by_name["flashinfer"].capabilities.sinks
-    assert "; sinks: on (BatchAttentionWithAttentionSinkWrapper)" in by_name["flashinfer"].notes
-    assert not by_name["flashinfer_mla"].capabilities.sinks
-    h200 = DeviceCapabilities.target("h200")
-    full = by_name["flashinfer"].with_plugin("flashinfer")
-    assert {r.code for r in check_backend(full, GPT_OSS, h200, ExecutionConstraints())} == set()
+def _with_sink_column(o_logits, v, sinks):
+    """Independent of the LSE identity: softmax over the logits and a sink column, then ``p v``
+    (``o_logits [T, H, L]``, ``v [L, H, D]``, ``sinks [H]``) -> ``[T, H, D]`` float32."""
+    T, H, _ = o_logits.shape
+    column = sinks.view(1, H, 1).expand(T, H, 1)
+    p = torch.softmax(torch.cat([o_logits, column], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("thl,lhd->thd", p, v)
 
 
 @pytest.mark.parametrize(
-    ("version", "cc", "drop", "why"),
-    [
-        ("0.6.7", (9, 0), None, ""),
-        ("0.6.13", (9, 0), None, ""),
-        ("0.7.2.post1", (9, 0), None, ""),
-        ("0.7.4", (8, 0), None, ""),
-        ("0.7.4", (7, 5), None, "compute capability (7, 5), the sink variant needs 8.0+"),
-        ("0.8.0", (9, 0), None, "flashinfer 0.8.0 is not a release"),
-        (
-            "0.7.4",
-            (9, 0),
-            "class",
-            "flashinfer 0.7.4 has no BatchAttentionWithAttentionSinkWrapper",
-        ),
-        ("0.7.4", (9, 0), "window_left", "BatchAttentionWithAttentionSinkWrapper.__init__ of"),
-    ],
+    "interpret", [False, pytest.param(True, marks=INTERPRETED)], ids=["torch", "triton"]
 )
-def test_sinks_support_follows_the_installed_release_and_device(
-    monkeypatch, version, cc, drop, why
-):
-    fi = fake_flashinfer.install(monkeypatch, version)
-    if drop == "class":
-        monkeypatch.delattr(fi, "BatchAttentionWithAttentionSinkWrapper")
-    elif drop is not None:
-        cls = fi.BatchAttentionWithAttentionSinkWrapper
-        init = cls.__init__
+def test_apply_sinks_equals_a_softmax_with_a_sink_column(monkeypatch, interpret):
+    """sinks.apply_sinks_ on a plain output and its base-2 LSE gives the softmax with the sink
+    as one more column, in bf16 and float32, a row that saw no key included (all mass on the
+    sink: zeros); the Triton kernel under the interpreter, torch ops otherwise."""
+    from attn_plugin_flashinfer.sinks import LN2, apply_sinks_
 
-        def without(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False,
-                    qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
-                    paged_kv_last_page_len_buf=None, q_data_type=None, kv_data_type=None,
-                    head_dim_qk=128, head_dim_vo=128):  # fmt: skip
-            init(self, float_workspace_buffer)
-
-        monkeypatch.setattr(cls, "__init__", without)
-    got = capability.sinks_support(fi, version, cc)
-    assert got.startswith(why) and (got == "") == (why == ""), got
-
-
-@pytest.mark.parametrize(
-    ("spec", "match"),
-    [
-        (GPT_OSS.with_(logits_soft_cap=30.0), "sink variant applies no soft-cap"),
-        (GPT_OSS.with_(kv_dtype="fp8_e4m3"), "sinks over an fp8_e4m3 KV cache"),
-    ],
-)
-def test_what_the_sink_variant_does_not_serve_is_refused_with_the_reason(sinks_fi, spec, match):
-    with pytest.raises(PluginError, match=match) as info:
-        wl.make(spec, "flashinfer:flashinfer", "cpu")
-    assert "group 'full' (flashinfer)" in str(info.value)
-
-
-def test_sinks_under_graph_mode_full_are_refused_at_allocation(monkeypatch):
-    """A captured mixed step runs the plain paged prefill wrapper, which would ignore the
-    sinks: a sinks layer allocated for graph mode full is refused, not served wrong (on 0.6.13,
-    a release that declares graph mode full and has the sink variant)."""
-    av = dataclasses.replace(SINKS_AVAILABLE, version="0.6.13")
-    monkeypatch.setattr(capability, "probe", lambda: av)
-    fake_flashinfer.install(monkeypatch, "0.6.13")
-    with pytest.raises(PluginError, match="sinks under graph mode full") as info:
-        wl.make(GPT_OSS, "flashinfer:flashinfer", "cpu", graph="full")
-    assert "group 'full' (flashinfer)" in str(info.value)
-    assert wl.make(GPT_OSS, "flashinfer:flashinfer", "cpu", graph="decode") is not None
-
-
-def test_sinks_without_the_sink_wrapper_are_refused_at_allocation(sinks_fi, monkeypatch):
-    monkeypatch.delattr(sinks_fi, "BatchAttentionWithAttentionSinkWrapper")
-    with pytest.raises(PluginError, match="has no BatchAttentionWithAttentionSinkWrapper"):
-        wl.make(GPT_OSS, "flashinfer:flashinfer", "cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if interpret else "0")
+    g = torch.Generator().manual_seed(3)
+    T, H, L, D = 5, 4, 7, 24  # D not a power of two: the kernel's masked tail
+    logits = torch.randn(T, H, L, generator=g) * 3
+    logits[2, 1] = float("-inf")
+    v = torch.randn(L, H, D, generator=g)
+    sinks = torch.randn(H, generator=g) * 2
+    plain = torch.einsum("thl,lhd->thd", torch.softmax(logits, dim=-1).nan_to_num(0.0), v)
+    lse2 = torch.logsumexp(logits, dim=-1) / LN2
+    want = _with_sink_column(logits, v, sinks)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        out = plain.to(dtype, copy=True)
+        assert apply_sinks_(out, lse2, sinks) is out
+        assert (out.float() - want).abs().max().item() < tol, dtype
+        assert torch.equal(out[2, 1].float(), torch.zeros(D))
+    with pytest.raises(ValueError, match=r"needs lse \[5, 4\] and sinks \[4\]"):
+        apply_sinks_(plain.clone(), lse2[:4], sinks)
 
 
 def test_small_decode_serves_plain_16_bit_layers_only(fake_fi):
@@ -1250,7 +1199,11 @@ def test_graph_full_plan_keeps_full_for_a_model_of_full_attention(available):
     assert plan.phase_graph_modes("prefill") == (GraphMode.FULL, GraphMode.FULL)
 
 
-@pytest.mark.parametrize("spec_kw", [{}, {"sliding_window": 6, "logits_soft_cap": 5.0}])
+@pytest.mark.parametrize(
+    "spec_kw",
+    [{}, {"sliding_window": 6, "logits_soft_cap": 5.0}, {"has_sinks": True}],
+    ids=["plain", "window_soft_cap", "sinks"],
+)
 def test_captured_mixed_step_replays_every_split_and_matches_reference(fake_fi, spec_kw):
     """Capture on an all-padding batch at the captured sizes, then update + run (what precedes
     a replay) for every split: one wrapper, its fixed buffers, the capture's row count; the

@@ -7,8 +7,8 @@ by ``attn_core:reference``, on identical inputs, and compares every layer's outp
 JIT: FlashInfer compiles one module per (kernel family, dtypes, head dim, window/soft-cap flags)
 on first use (20-80 s each, cached under ``<repo>/.jit``). Without the ``slow`` tests the file
 needs seven modules: decode + FA3 prefill (bf16), decode + FA2 prefill (fp8 KV), decode + FA3
-prefill (window + soft-cap), MLA; the sinks tests (where the installed release serves sinks)
-add FlashInfer's sink variant at d64, with and without a window; the ``slow`` ones add FA2
+prefill (window + soft-cap), MLA; the sinks tests add d64 modules (gpt-oss's head dim: plain,
+window, soft-cap, fp8 KV) and the rescale's Triton kernel; the ``slow`` ones add FA2
 prefill kernels for tensor-core decode (GQA group 16) and fp16 decode + prefill.
 """
 
@@ -396,8 +396,13 @@ def test_per_layer_softmax_scales_reach_every_kernel(spec_name, monkeypatch):
 # ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "spec",
-    [FULL, FULL.with_(sliding_window=64, logits_soft_cap=30.0), FULL.with_(kv_dtype="fp8_e4m3")],
-    ids=["bf16", "window_softcap", "fp8_kv"],
+    [
+        FULL,
+        FULL.with_(sliding_window=64, logits_soft_cap=30.0),
+        FULL.with_(kv_dtype="fp8_e4m3"),
+        FULL.with_(has_sinks=True),
+    ],
+    ids=["bf16", "window_softcap", "fp8_kv", "sinks"],
 )
 def test_cuda_graph_full_mixed_step_replays_other_splits(spec):
     """Graph mode full: one graph captured on an all-padding mixed step of P requests and T
@@ -470,40 +475,42 @@ def test_cuda_graph_full_mixed_step_replays_other_splits(spec):
     assert max(errors_eager) < tol, errors_eager
 
 
-# Attention sinks (gpt-oss): FlashInfer's sink variant, where the installed release serves them
+# Attention sinks (gpt-oss): the plain kernels' log-sum-exp and the rescale (sinks.py)
 # ------------------------------------------------------------------------------------------
 GPT_OSS = LayerSpec(
     kind="full", num_heads=64, num_kv_heads=8, head_dim=64, page_size=16, has_sinks=True
 )
 
 
-def _sinks_served():
-    av = capability.probe()
-    if not av.sinks:
-        pytest.skip(av.sinks_note or "the probe found no sink support")
-
-
-@pytest.mark.sm90
-@pytest.mark.parametrize("window", [None, 128], ids=["full", "sliding_128"])
-def test_sinks_match_the_reference(window):
+@pytest.mark.parametrize(
+    ("spec_kw", "make_kw", "tol"),
+    [
+        ({}, {}, BF16_TOL),
+        ({"sliding_window": 128}, {}, BF16_TOL),
+        ({"logits_soft_cap": 30.0}, {}, BF16_TOL),
+        ({"kv_dtype": "fp8_e4m3"}, {"kv_scales": (0.02, 0.03)}, 6e-2),
+    ],
+    ids=["full", "sliding_128", "soft_cap", "fp8_kv"],
+)
+def test_sinks_match_the_reference(monkeypatch, spec_kw, make_kw, tol):
     """gpt-oss's layers (64 q / 8 kv heads, d64, sinks; every other one with a 128-token
-    window): prefill, mixed and decode steps, long contexts (split KV: the sink joins one chunk
-    only), with layer scales of their own, against the reference."""
-    _sinks_served()
-    spec = GPT_OSS.with_(sliding_window=window)
-    kw = {"layer_scales": (spec.scale * 0.5, spec.scale * 2.0)}
-    kinds = _compare(spec, wl.WORKLOADS["prefill_decode_mixed"], make_kw=kw)
-    assert set(kinds) == {StepKind.SINKS}, kinds
+    window): ragged and paged prefill, mixed and decode steps (the fast path's direct run),
+    long contexts (FlashInfer's split KV: its LSE spans every chunk), with layer scales of
+    their own, against the reference; also with a soft-cap and over an fp8 cache."""
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")
+    spec = GPT_OSS.with_(**spec_kw)
+    kw = {"layer_scales": (spec.scale * 0.5, spec.scale * 2.0), **make_kw}
+    kinds = _compare(spec, wl.WORKLOADS["prefill_decode_mixed"], tol=tol, make_kw=kw)
+    assert {StepKind.PAGED, StepKind.DECODE} <= set(kinds), kinds
     long_kw = {"num_pages": 200, "max_model_len": 2048, "max_tokens": 2400, **kw}
-    _compare(spec, LONG, make_kw=long_kw)
+    _compare(spec, LONG, tol=tol, make_kw=long_kw)
 
 
-@pytest.mark.sm90
 def test_cuda_graph_decode_with_sinks_replay_matches_eager():
-    """A captured sinks decode step (the sink variant's graph wrapper) replayed with other
-    requests and lengths matches the reference and the eager sink path."""
-    _sinks_served()
-    errors_ref, errors_eager = _graph_replay(GPT_OSS, pad=8, kinds=(StepKind.SINKS_GRAPH,))
+    """A captured sinks decode step (FlashInfer's graph decode wrapper, then the rescale over
+    the context's fixed LSE rows) replayed with other requests and lengths matches the
+    reference and the eager path."""
+    errors_ref, errors_eager = _graph_replay(GPT_OSS, pad=8, kinds=(StepKind.DECODE_GRAPH,))
     assert max(errors_ref) < BF16_TOL, errors_ref
     assert max(errors_eager) < 1e-2, errors_eager
 
