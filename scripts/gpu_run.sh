@@ -40,7 +40,7 @@ export FLASHINFER_WORKSPACE_BASE=$PWD/.jit TRITON_CACHE_DIR=$PWD/.jit/triton
 # processes compiling at once would start ~200 nvcc jobs on 16 cores (FlashInfer 0.7.4's kit
 # did not finish in 2 x 420 s that way). A stage of several pytest processes (-n) shares the
 # cores between them; a single-process stage (a benchmark) gets them all: with a pytest share
-# of 4, b_tuned spent 250 s compiling one FlashInfer sink variant. MAX_JOBS set by the caller
+# of 4, b_tuned spent 250 s compiling one FlashInfer kernel module. MAX_JOBS set by the caller
 # applies to every stage.
 procs=${XDIST:-8}; jobs=$(( $(nproc) / procs )); [ "$jobs" -lt 2 ] && jobs=2
 max_jobs_set=${MAX_JOBS:-}

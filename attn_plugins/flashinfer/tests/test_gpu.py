@@ -409,7 +409,12 @@ def test_cuda_graph_full_mixed_step_replays_other_splits(spec):
     tokens (FlashInfer's paged prefill wrapper in CUDA-graph mode), replayed with pure prefill,
     pure decode and mixed splits, page crossings and long contexts; every replay equals the
     reference and FlashInfer run eagerly without padding. The KV each replay writes is what
-    the next replay reads."""
+    the next replay reads. Skipped where the plugin declares no graph mode full (0.7 releases,
+    whose captured mixed-step replay failed the kit: the selector would lower it to decode)."""
+    version = capability.probe().version
+    full_modes, _, note = capability.graph_modes(version)
+    if GraphMode.FULL not in full_modes:
+        pytest.skip(f"no graph mode full declared on flashinfer {version}: {note}")
     P, T, layers = 4, 512, 2
     kw = dict(num_layers=layers, max_batch=P, max_tokens=T, num_pages=256, max_model_len=1024)
     if spec.kv_dtype == "fp8_e4m3":
