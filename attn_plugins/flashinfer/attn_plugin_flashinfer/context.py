@@ -787,14 +787,13 @@ class FullAttentionContext(_PagedContext):
         o = out if out is not None and out.is_contiguous() else None
         # attention sinks: run() also writes each row's log-sum-exp, the output is rescaled
         sinks, lse = self._sinks_and_lse(layer, q.shape[0]) if self.sinks else (None, None)
-        lse_kw: dict[str, Any] = {} if lse is None else {"lse": lse, "return_lse": True}
         if step.kind is StepKind.RAGGED:
             # The ragged kernel reads the step's own k/v, not the cache: the cache write can
             # run beside it on a side stream (memory-bound next to compute-bound).
             side = self._side_stream()
             if side is None:
                 self._write_kv(*write)
-                result = wrapper.run(self._q_for(layer, q), k, v, out=o, **lse_kw)
+                result = _run(wrapper, self._q_for(layer, q), k, v, out=o, lse=lse)
             else:
                 main = torch.cuda.current_stream(self.device)
                 side.wait_stream(main)  # k and v are ready
@@ -805,7 +804,7 @@ class FullAttentionContext(_PagedContext):
                         write_kv_runs(k, v, k_cache, v_cache, step.kv_runs)
                     else:
                         self._write_kv(*write)
-                result = wrapper.run(self._q_for(layer, q), k, v, out=o, **lse_kw)
+                result = _run(wrapper, self._q_for(layer, q), k, v, out=o, lse=lse)
                 # Join before returning: later work on the main stream (the next step's
                 # attention, or the caller freeing k/v) is ordered after the write.
                 main.wait_stream(side)
@@ -820,11 +819,9 @@ class FullAttentionContext(_PagedContext):
                 result = o if o is not None else torch.empty_like(q)
                 runner(qk, k_cache, v_cache, result, lse)
             else:
-                result = wrapper.run(self._q_for(layer, qk), (k_cache, v_cache), out=o, **lse_kw)
-                result = _output(result)
+                result = _run(wrapper, self._q_for(layer, qk), (k_cache, v_cache), out=o, lse=lse)
             if fp8:
                 result.mul_(kv.v_scale)
-        result = _output(result)
         if sinks is not None and lse is not None:
             apply_sinks_(result, lse, sinks)
         return self._finish(result, out)
@@ -896,9 +893,13 @@ class FullAttentionContext(_PagedContext):
         return self._finish(o, out)
 
 
-def _output(result: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """run()'s output: ``(out, lse)`` where it was asked for the LSE, else ``out``."""
-    return result[0] if isinstance(result, tuple) else result
+def _run(wrapper: Any, *args: Any, out: torch.Tensor | None,
+         lse: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """``wrapper.run(*args, out=out)``'s output; with ``lse`` (``[T, H]`` float32) the run
+    also writes the rows' log-sum-exp into it (``return_lse``: run() then returns a pair)."""
+    if lse is None:
+        return wrapper.run(*args, out=out)
+    return wrapper.run(*args, out=out, lse=lse, return_lse=True)[0]
 
 
 def _copyable(x: torch.Tensor, cache: torch.Tensor) -> bool:

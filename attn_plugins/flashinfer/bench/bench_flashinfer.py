@@ -851,13 +851,12 @@ def bench_sinks(batch: int, ctx: int, prefill: bool = False) -> dict:
     def sink_variant():
         variant.run(q, (kv_s.k, kv_s.v), sinks, float(sink_spec.scale), out=out_v)
 
-    if prefill:
-        kv_p = b_p.kv
+    kv_p = b_p.kv
+    if prefill:  # the ragged wrapper reads the step's own k/v
 
         def direct():
             plain_wrapper.run(q, k, v, out=out_d)
     else:
-        kv_p = b_p.kv
 
         def direct():
             plain_wrapper.run(q, (kv_p.k, kv_p.v), out=out_d)
