@@ -5,7 +5,12 @@ slot order) every tiling of the variant's grid is timed beside a copy (``copy_``
 made once) of the same number of state bytes, in ``--rounds`` alternating rounds in one
 process; a config's figure is the median over rounds of ``copy time / kernel time`` (state read
 + write against a copy that reads and writes as many bytes). The table gives, per variant and
-B, the default tiling's ratio and the best config's; the JSON keeps every row.
+B, the default tiling's ratio and the best config's; the JSON keeps every row. Each row also
+gives ``ratio_all``, the same time over every byte the step moves (the state plus the token's
+inputs and outputs, which Mamba1's step reads and writes 5 % beside its state), and
+``ratio_to_inplace``: against an in-place elementwise pass over as many bytes (``mul_(1.0)``,
+torch's vectorised kernel), which reads and writes the same addresses as a state update does,
+where a copy writes elsewhere.
 
 Variants (shapes of the models that use them):
 
@@ -48,6 +53,9 @@ from pathlib import Path
 # runs as a script)
 from bench_ssm import (
     LIGHTNING_D,
+    LIGHTNING_H,
+    MAMBA1_D,
+    MAMBA1_N,
     _decode_inputs,
     _state_bytes,
     lightning_decode_call,
@@ -91,8 +99,13 @@ def _delta_case(B: int, kda: bool):
     def run(**tiling):
         return fn(q, k, v, g, beta, state, idx, out=out, **tiling)
 
-    configs = [{}, *_grid(block_v=(16, 32, 64), num_warps=(2, 4, 8), programs_per_sm=(None, 0))]
-    return _tilings(run), configs, _state_bytes(B) // 2
+    # 8 and 16 warps (cross-warp reductions) ran at 0.40-0.75 of copy, 128-wide blocks at
+    # 0.60-0.75; loading two work items ahead, or leaving the loads to Triton's pipeliner,
+    # measured the same as the default's one (0.91-0.93): the step is not short of loads in
+    # flight
+    configs = [{}, *_grid(block_v=(16, 32, 64), num_warps=(2, 4), programs_per_sm=(None, 0))]
+    token_bytes = sum(t.numel() * t.element_size() for t in (q, k, v, g, beta, out))
+    return _tilings(run), configs, _state_bytes(B) // 2, token_bytes
 
 
 def _mamba2_case(B: int, lightning: bool):
@@ -101,21 +114,29 @@ def _mamba2_case(B: int, lightning: bool):
     blocks = (16, 32, 64, 128) if P >= 128 else (16, 32, 64)
     warps = (4, 8, 16) if P >= 128 else (2, 4, 8)
     grid = _grid(block_p=blocks, num_warps=warps, streaming=(False, True))
-    return _tilings(run), [{}, {"streaming": True}, *grid], half_bytes
+    if lightning:  # v in, o out, k and q (as B and C, one per head) [B, H, D] bf16, dt [B, H]
+        token_bytes = B * (4 * LIGHTNING_H * LIGHTNING_D * 2 + LIGHTNING_H * 4)
+    else:  # x in, y out [B, H, P] bf16, B and C [B, 1, N] bf16, dt [B, H] bf16
+        token_bytes = B * (2 * 128 * P * 2 + 2 * 128 * 2 + 128 * 2)
+    return _tilings(run), [{}, {"streaming": True}, *grid], half_bytes, token_bytes
 
 
 def _mamba1_case(B: int):
     run, half_bytes = mamba1_decode_call(B)
-    # 32 and 256 channels per program, and 8 warps, lost everywhere in earlier sweeps
+    # 32 and 256 channels per program, 8 warps, and 8 or 16 requests a program (0.40-0.86
+    # against the default's 0.85-0.87) lost everywhere in earlier sweeps
     grid = _grid(block_d=(64, 128), num_warps=(1, 2, 4), requests_per_program=(1, 2, 4),
                  cache_hints=(False, True))  # fmt: skip
-    return _tilings(run), [{}, {"cache_hints": True}, *grid], half_bytes
+    # x, dt in and y out [B, d_inner] bf16, B and C [B, d_state] bf16
+    token_bytes = B * (3 * MAMBA1_D * 2 + 2 * MAMBA1_N * 2)
+    return _tilings(run), [{}, {"cache_hints": True}, *grid], half_bytes, token_bytes
 
 
 def _short_conv_case(B: int, C: int = 2048, K: int = 3):
     run, half_bytes = short_conv_decode_call(B, C, K)
     per_program = _grid(block_c=(256, 1024, 2048), requests_per_program=(2, 4, 8))
-    return _tilings(run), [{}, *_grid(block_c=(64, 128, 256, 512, 1024)), *per_program], half_bytes
+    configs = [{}, *_grid(block_c=(64, 128, 256, 512, 1024)), *per_program]
+    return _tilings(run), configs, half_bytes, 0  # half_bytes counts the token already
 
 
 CASES: dict[str, Callable[[int], tuple]] = {
@@ -142,13 +163,14 @@ def worker(variant: str, batches: list[int], rounds: int, deadline: float, graph
     for B in batches:
         if time.time() > deadline:
             break
-        make, configs, half_bytes = CASES[variant](B)
+        make, configs, half_bytes, token_bytes = CASES[variant](B)
         src = torch.empty(half_bytes // 4, dtype=torch.float32, device="cuda").uniform_()
         # into a buffer made once: a clone inside the timed CUDA graph allocates from the
         # graph's pool on every call and ran at 2713 GB/s at 1 GiB (4250 eager), so ratios
         # against it read above 1
         dst = torch.empty_like(src)
         copy = functools.partial(dst.copy_, src)
+        inplace = functools.partial(torch.empty_like(src).uniform_().mul_, 1.0)
         runs = []
         for cfg in configs:
             fn = make(cfg)
@@ -166,9 +188,12 @@ def worker(variant: str, batches: list[int], rounds: int, deadline: float, graph
                 # the faster of a replayed and an eager copy: large copies ran at 2760 GB/s as
                 # graph replays against 4250 eager on the H200; small ones lose the launch
                 copy_ms = min(_bench(copy, graph), _bench(copy, False))
+                inplace_ms = min(_bench(inplace, graph), _bench(inplace, False))
                 ms = _bench(fn, graph)
                 emit({"variant": variant, "B": B, "config": cfg or "default", "round": r,
-                      "ms": ms, "copy_ms": copy_ms, "bytes": 2 * half_bytes,
+                      "ms": ms, "copy_ms": copy_ms, "inplace_ms": inplace_ms,
+                      "bytes": 2 * half_bytes,
+                      "token_bytes": token_bytes,
                       "timing": "graph" if graph else "eager"})  # fmt: skip
     return 0
 
@@ -191,32 +216,51 @@ def aggregate(rounds: list[dict]) -> list[dict]:
             nbytes = timed[0]["bytes"]
             ratio = statistics.median(r["copy_ms"] / r["ms"] for r in timed)
             gbps = nbytes / (ms * 1e-3) / 1e9
-            row.update(ms=ms, GBps=gbps, rounds=len(timed), ratio_to_copy=ratio)
+            share = 1 + timed[0].get("token_bytes", 0) / nbytes  # all bytes moved / state bytes
+            row.update(ms=ms, GBps=gbps, rounds=len(timed), ratio_to_copy=ratio,
+                       ratio_all=ratio * share)  # fmt: skip
+            if all("inplace_ms" in r for r in timed):
+                inplace = statistics.median(r["inplace_ms"] / r["ms"] for r in timed)
+                row["ratio_to_inplace"] = inplace
             copies.setdefault((variant, B), []).extend(timed)
         out.append(row)
     for (variant, B), rows in copies.items():
         ms = statistics.median(r["copy_ms"] for r in rows)
         out.append({"variant": variant, "B": B, "config": "copy", "ms": ms,
                     "GBps": rows[0]["bytes"] / (ms * 1e-3) / 1e9})  # fmt: skip
+        if all("inplace_ms" in r for r in rows):
+            ms = statistics.median(r["inplace_ms"] for r in rows)
+            out.append({"variant": variant, "B": B, "config": "inplace", "ms": ms,
+                        "GBps": rows[0]["bytes"] / (ms * 1e-3) / 1e9})  # fmt: skip
     return out
 
 
 def _summary(rows: list[dict]) -> str:
-    lines = [f"{'variant':<11} {'B':>5}  {'copy GB/s':>9}  {'default':>7}  best (ratio to copy)"]
+    """Per (variant, B): copy and in-place GB/s, the default's ratio to copy, and the three
+    best configs as ``copy ratio / all-bytes ratio / in-place ratio``."""
+    lines = [f"{'variant':<11} {'B':>5}  {'copy GB/s':>9}  {'in-place':>8}  {'default':>7}  "
+             "best (time against a copy of the state bytes / the same over every byte "
+             "moved / against an in-place pass over the state bytes)"]  # fmt: skip
     keys = sorted(
         {(r["variant"], r["B"]) for r in rows}, key=lambda k: (VARIANTS.index(k[0]), k[1])
     )
+    nan = float("nan")
     for variant, B in keys:
         mine = [r for r in rows if (r["variant"], r["B"]) == (variant, B)]
-        copy = next((r["GBps"] for r in mine if r["config"] == "copy"), float("nan"))
+        copy = next((r["GBps"] for r in mine if r["config"] == "copy"), nan)
+        inplace = next((r["GBps"] for r in mine if r["config"] == "inplace"), nan)
         timed = [r for r in mine if "ratio_to_copy" in r]
         default = next((r["ratio_to_copy"] for r in timed if r["config"] == "default"), None)
         best = sorted(timed, key=lambda r: -r["ratio_to_copy"])[:3]
         errors = sum("error" in r for r in mine)
-        shown = ", ".join(f"{r['ratio_to_copy']:.3f} {r['config']}" for r in best)
+        shown = ", ".join(
+            f"{r['ratio_to_copy']:.3f}/{r.get('ratio_all', r['ratio_to_copy']):.3f}/"
+            f"{r.get('ratio_to_inplace', nan):.3f} {r['config']}"
+            for r in best
+        )
         default_text = "-" if default is None else f"{default:.3f}"
         lines.append(
-            f"{variant:<11} {B:>5}  {copy:9.0f}  {default_text:>7}  {shown}"
+            f"{variant:<11} {B:>5}  {copy:9.0f}  {inplace:8.0f}  {default_text:>7}  {shown}"
             + (f"  [{errors} errors]" if errors else "")
         )
     return "\n".join(lines)
