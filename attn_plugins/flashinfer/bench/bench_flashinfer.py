@@ -37,7 +37,9 @@ Sections (each isolated: a failure is recorded in the JSON and the next section 
    kernel + log-sum-exp + rescale) against the plugin on the same layer without sinks, the
    plain wrapper's ``run()`` called directly and FlashInfer's ``AttentionSink`` variant
    (``BatchAttentionWithAttentionSinkWrapper``) called directly on the same cache, in 20
-   alternating turns; the sinks output is checked against the variant's.
+   alternating turns; the sinks output is checked against the variant's
+   (``--no-sink-variant`` leaves the variant out). Then a 32-layer decode step with and without
+   sinks captured in one CUDA graph at ``--sinks-graph-cases``.
 
 Usage (from the repository root, on the GPU machine)::
 
@@ -791,18 +793,28 @@ def bench_graph(spec, layers: int = 32, batch: int = 64, ctx: int = 4096,
     return res
 
 
-def bench_sinks(batch: int, ctx: int, prefill: bool = False) -> dict:
-    """gpt-oss's full layers: ``batch`` decode requests at ``ctx`` (or, ``prefill``, ``batch``
-    new requests of ``ctx`` tokens) through the plugin with and without sinks, FlashInfer's
-    plain wrapper and its sink variant called directly, on one cache."""
-    import flashinfer
+#: gpt-oss's attention layer: q heads, kv heads, head dim
+SINK_SHAPE = (64, 8, 64)
 
+
+def _sink_specs():
     from attn_core.specs import LayerSpec
 
-    Hs, Hkvs, Ds = 64, 8, 64
-    plain_spec = LayerSpec(kind="full", num_heads=Hs, num_kv_heads=Hkvs, head_dim=Ds,
-                           page_size=PAGE)  # fmt: skip
-    sink_spec = plain_spec.with_(has_sinks=True)
+    Hs, Hkvs, Ds = SINK_SHAPE
+    plain = LayerSpec(kind="full", num_heads=Hs, num_kv_heads=Hkvs, head_dim=Ds, page_size=PAGE)
+    return plain, plain.with_(has_sinks=True)
+
+
+def bench_sinks(batch: int, ctx: int, prefill: bool = False, variant: bool = True) -> dict:
+    """gpt-oss's full layers: ``batch`` decode requests at ``ctx`` (or, ``prefill``, ``batch``
+    new requests of ``ctx`` tokens) through the plugin with and without sinks, FlashInfer's
+    plain wrapper and (``variant``) its sink variant called directly, on one cache. Without
+    the variant (its JIT build took over 5 minutes on a cold cache of FlashInfer 0.7.4) no
+    output is compared."""
+    import flashinfer
+
+    Hs, Hkvs, Ds = SINK_SHAPE
+    plain_spec, sink_spec = _sink_specs()
     sinks = torch.randn(Hs, device="cuda", dtype=torch.float32)
     tokens = batch * ctx if prefill else batch
     setup = dict(batch=batch, ctx=ctx, max_tokens=max(tokens, 256), cached=not prefill)
@@ -832,24 +844,27 @@ def bench_sinks(batch: int, ctx: int, prefill: bool = False) -> dict:
         b_p.forward(q, k, v, out=out_p)
 
     with_sinks()  # the K/V of the step in the sinks cache before the direct calls read it
-    # FlashInfer's sink variant over the sinks runtime's cache and pages
-    batch_obj = _context(rt_s).batch
-    pages = math.ceil(ctx / PAGE)
-    qo = torch.arange(batch + 1, dtype=torch.int32) * (ctx if prefill else 1)
-    kv_indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
-    indices = batch_obj.page_table[:batch, :pages].reshape(-1).contiguous()
-    last = torch.full((batch,), (ctx - 1) % PAGE + 1, dtype=torch.int32)
-    variant = flashinfer.BatchAttentionWithAttentionSinkWrapper(
-        torch.zeros(128 * 2**20, dtype=torch.uint8, device="cuda"), "NHD",
-        q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, head_dim_qk=Ds,
-        head_dim_vo=Ds, window_left=-1,
-    )  # fmt: skip
-    variant.plan(qo, kv_indptr, indices, last, Hs, Hkvs, Ds, PAGE, causal=True,
-                 window_left=-1, sm_scale=sink_spec.scale, q_data_type=torch.bfloat16,
-                 kv_data_type=torch.bfloat16)  # fmt: skip
+    fns = {"sinks": with_sinks, "plain": without}
+    if variant:  # FlashInfer's sink variant over the sinks runtime's cache and pages
+        batch_obj = _context(rt_s).batch
+        pages = math.ceil(ctx / PAGE)
+        qo = torch.arange(batch + 1, dtype=torch.int32) * (ctx if prefill else 1)
+        kv_indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
+        indices = batch_obj.page_table[:batch, :pages].reshape(-1).contiguous()
+        last = torch.full((batch,), (ctx - 1) % PAGE + 1, dtype=torch.int32)
+        sink_wrapper = flashinfer.BatchAttentionWithAttentionSinkWrapper(
+            torch.zeros(128 * 2**20, dtype=torch.uint8, device="cuda"), "NHD",
+            q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, head_dim_qk=Ds,
+            head_dim_vo=Ds, window_left=-1,
+        )  # fmt: skip
+        sink_wrapper.plan(qo, kv_indptr, indices, last, Hs, Hkvs, Ds, PAGE, causal=True,
+                          window_left=-1, sm_scale=sink_spec.scale,
+                          q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)  # fmt: skip
 
-    def sink_variant():
-        variant.run(q, (kv_s.k, kv_s.v), sinks, float(sink_spec.scale), out=out_v)
+        def sink_variant():
+            sink_wrapper.run(q, (kv_s.k, kv_s.v), sinks, float(sink_spec.scale), out=out_v)
+
+        fns["variant"] = sink_variant
 
     kv_p = b_p.kv
     if prefill:  # the ragged wrapper reads the step's own k/v
@@ -861,11 +876,11 @@ def bench_sinks(batch: int, ctx: int, prefill: bool = False) -> dict:
         def direct():
             plain_wrapper.run(q, (kv_p.k, kv_p.v), out=out_d)
 
-    fns = {"sinks": with_sinks, "plain": without, "direct": direct, "variant": sink_variant}
+    fns["direct"] = direct
     for fn in fns.values():
         fn()
     torch.cuda.synchronize()
-    err = (out_s.float() - out_v.float()).abs().max().item()
+    err = (out_s.float() - out_v.float()).abs().max().item() if variant else None
     t0 = time.perf_counter()
     direct()
     torch.cuda.synchronize()
@@ -880,8 +895,56 @@ def bench_sinks(batch: int, ctx: int, prefill: bool = False) -> dict:
         **{f"{name}_us": us for name, us in med.items()},
         "sinks_over_plain": med["sinks"] / med["plain"],
         "sinks_over_direct": med["sinks"] / med["direct"],
-        "sinks_over_variant": med["sinks"] / med["variant"],
+        "sinks_over_variant": med["sinks"] / med["variant"] if variant else None,
         "max_abs_diff_vs_variant": err,
+    }
+
+
+def bench_sinks_graph(batch: int, ctx: int, layers: int = 32) -> dict:
+    """A ``layers``-layer decode step of gpt-oss's full layers captured in one CUDA graph, with
+    sinks (FlashInfer's decode, its log-sum-exp and the rescale launch) and without (the same
+    decode kernel: small_decode off in both), per layer; replays timed in 5 alternating
+    rounds, medians."""
+    Hs, Hkvs, Ds = SINK_SHAPE
+    plain_spec, sink_spec = _sink_specs()
+    sinks = torch.randn(Hs, device="cuda", dtype=torch.float32)
+    q = torch.randn(batch, Hs, Ds, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(batch, Hkvs, Ds, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    graphs, keep = {}, []  # the runtimes and outputs must outlive the graphs
+    for name, spec, params in (
+        ("sinks", sink_spec, {i: {"sinks": sinks} for i in range(layers)}),
+        ("plain", plain_spec, None),
+    ):
+        runtime, _state, builder = _setup(spec, batch=batch, ctx=ctx, layers=layers, graph=True,
+                                          layer_params=params)  # fmt: skip
+        _context(runtime).small_decode_max_batch = 0  # small_decode takes no sinks
+        runtime.prepare(builder.build([(r, 1) for r in range(batch)], pad_to=batch))
+        outs = [torch.empty_like(q) for _ in range(layers)]
+        bindings = [runtime.binding(i) for i in range(layers)]
+
+        def step(bindings=bindings, outs=outs):
+            for i, bd in enumerate(bindings):
+                bd.forward(q, k, v, out=outs[i])
+
+        graphs[name] = capture_graph(step)
+        keep.append((runtime, outs))
+        _sync(f"sinks graph {name} capture")
+    for name, g in graphs.items():
+        g.replay()
+        _sync(f"first replay of {name}")
+    rounds: dict[str, list[float]] = {name: [] for name in graphs}
+    for _ in range(5):
+        for name, g in graphs.items():
+            rounds[name].append(back_to_back_us(g.replay, 50) / layers)
+    med = {name: statistics.median(ts) for name, ts in rounds.items()}
+    return {
+        "B": batch,
+        "ctx": ctx,
+        "layers": layers,
+        "sinks_graph_us_per_layer": med["sinks"],
+        "plain_graph_us_per_layer": med["plain"],
+        "sinks_over_plain": med["sinks"] / med["plain"],
     }
 
 
@@ -1027,11 +1090,28 @@ def _table(results: dict) -> str:
             "with / variant | max |diff| to the variant"
         )
         for r in results["sinks"]:
+            has_variant = r["sinks_over_variant"] is not None
             lines.append(
                 f"  {r['phase']:7} | {r['B']:3} | {r['ctx']:5} | {r['sinks_us']:9.1f} | "
-                f"{r['plain_us']:9.1f} | {r['direct_us']:9.1f} | {r['variant_us']:9.1f} | "
-                f"{r['sinks_over_plain']:.3f} | {r['sinks_over_direct']:.3f} | "
-                f"{r['sinks_over_variant']:.3f} | {r['max_abs_diff_vs_variant']:.2e}"
+                f"{r['plain_us']:9.1f} | {r['direct_us']:9.1f} | "
+                + (f"{r['variant_us']:9.1f} | " if has_variant else "        - | ")
+                + f"{r['sinks_over_plain']:.3f} | {r['sinks_over_direct']:.3f} | "
+                + (
+                    f"{r['sinks_over_variant']:.3f} | {r['max_abs_diff_vs_variant']:.2e}"
+                    if has_variant
+                    else "- | -"
+                )
+            )
+    if "sinks_graph" in results:
+        lines.append(
+            "sinks in a CUDA graph, gpt-oss 64q/8kv d64 | B | ctx | layers | with sinks us/layer | "
+            "without | with / without"
+        )
+        for r in results["sinks_graph"]:
+            lines.append(
+                f"  {r['B']:3} | {r['ctx']:5} | {r['layers']} | "
+                f"{r['sinks_graph_us_per_layer']:7.2f} | {r['plain_graph_us_per_layer']:7.2f} | "
+                f"{r['sinks_over_plain']:.3f}"
             )
     return "\n".join(lines)
 
@@ -1079,6 +1159,17 @@ def main(argv: list[str] | None = None) -> int:
         "--sinks-cases",
         default="1x4096,64x4096,1x32768,8x32768",
         help="sinks section: comma-separated BATCHxCTX decode cases",
+    )
+    parser.add_argument(
+        "--sinks-graph-cases",
+        default="1x4096,64x4096,8x32768",
+        help="sinks section: comma-separated BATCHxCTX cases of a 32-layer captured decode step",
+    )
+    parser.add_argument(
+        "--no-sink-variant",
+        action="store_true",
+        help="sinks section: leave out FlashInfer's sink variant (and the output comparison "
+        "with it): its JIT build is the slowest of the section on a cold cache",
     )
     parser.add_argument(
         "--only",
@@ -1131,9 +1222,12 @@ def main(argv: list[str] | None = None) -> int:
             _run(results, "graph", bench_graph, spec, batch=batch, ctx=ctx,
                  sweep=args.small_sweep, force_small=args.force_small)  # fmt: skip
     if want("sinks"):
+        variant = not args.no_sink_variant
         for batch, ctx in _cases(args.sinks_cases):
-            _run(results, "sinks", bench_sinks, batch, ctx)
-        _run(results, "sinks", bench_sinks, 2, 4096, prefill=True)
+            _run(results, "sinks", bench_sinks, batch, ctx, variant=variant)
+        _run(results, "sinks", bench_sinks, 2, 4096, prefill=True, variant=variant)
+        for batch, ctx in _cases(args.sinks_graph_cases):
+            _run(results, "sinks_graph", bench_sinks_graph, batch, ctx)
     results["total_s"] = round(time.perf_counter() - started, 1)
     table = _table(results)
     print("\n" + table)
