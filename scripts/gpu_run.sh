@@ -8,7 +8,8 @@
 #           t_core t_e2e t_e2e_plugins t_e2e_gptoss t_tp t_fi t_ssm t_varlen t_fa3   (pytest; GPU tests of each area)
 #           t_families                                      (issue 22's config families on the GPU plugins)
 #           t_handoff                                       (prefill -> decode hand-off, 2 GPUs)
-#           kit_fi kit_ssm kit_varlen                       (conformance kit per backend)
+#           kit_fi kit_ssm kit_varlen                       (conformance kit per backend;
+#                                                            kit_fi with KIT_SHARDS=N: N shards)
 #           kit_ssm_x2                                      (the triton_ssm kit over both GPUs)
 #           t_ssd                                           (triton_ssm Mamba2 / SSD tests only)
 #           t_mamba1                                        (Mamba1: triton_ssm and e2e tests)
@@ -50,6 +51,8 @@ omp_set=${OMP_NUM_THREADS:-}
 stage_env() {  # stage_env CMD...: MAX_JOBS and OMP_NUM_THREADS for the command, as above
   local share=$(nproc)
   case " $* " in *" -n "*) share=$jobs ;; esac
+  # one of KIT_SHARDS kit runs at once (kit_shards): the cores split over the shards
+  case " $* " in *" --attn-shard="*) share=$(( $(nproc) / ${KIT_SHARDS:-1} )); [ "$share" -lt 2 ] && share=2 ;; esac
   export MAX_JOBS=${max_jobs_set:-$share} OMP_NUM_THREADS=${omp_set:-$share}
 }
 . ./scripts/device_setup.sh
@@ -97,6 +100,20 @@ run() {  # run NAME TIMEOUT CMD...: log to $OUT/NAME.log, the last lines into th
 # (where a stage's time went, also for one cut at its limit)
 export ATTN_TEST_TIMES=${ATTN_TEST_TIMES:-$OUT/test_times.tsv}
 PYTEST=(python3 -m pytest -v -p no:cacheprovider -p attn_core.testing.timing --tb=short -rfEs ${XDIST:+-n $XDIST})
+# KIT_SHARDS=N: a kit stage runs as N kit processes at once on the lane's GPU, shard K of N
+# each (--attn-shard: a layer spec's checks stay in one shard), the cores split over them, in
+# place of one pytest-xdist run. FlashInfer builds each kernel module behind a file lock: xdist
+# deals out neighbouring checks, which need the same modules, so its processes can wait on
+# one build at a time (FlashInfer 0.7.4's cold kit: 16 processes finished 3 of 39 checks in 420 s).
+kit_shards() {  # kit_shards NAME LIMIT BACKEND: logs NAME_0 .. NAME_{N-1}
+  local name=$1 limit=$2 backend=$3 i
+  for ((i = 0; i < KIT_SHARDS; i++)); do
+    run "${name}_$i" "$limit" python3 -m pytest -v -p no:cacheprovider -p attn_core.testing.timing \
+      --tb=short -rfEs --attn-backend="$backend" --attn-seed="${KIT_SEED:-7}" \
+      --attn-shard="$i/$KIT_SHARDS" &
+  done
+  wait
+}
 for stage in "$@"; do case $stage in
 info)
   nvidia-smi --query-gpu=index,name,compute_cap,memory.total,driver_version --format=csv >>"$OUT/summary.log"
@@ -146,8 +163,10 @@ t_mamba1) run t_mamba1 400 "${PYTEST[@]}" attn_plugins/triton_ssm/tests tests/e2
 t_varlen) run t_varlen 300 "${PYTEST[@]}" attn_plugins/varlen/tests ;;
 t_fa3) run t_fa3 300 "${PYTEST[@]}" attn_plugins/fa3/tests ;;
 kit_fi)  # 8 processes by default: on a cold JIT cache one process ran past 400 s, 8 took 321 s
-  run kit_fi 420 python3 -m pytest -v -p no:cacheprovider -p attn_core.testing.timing --tb=short -rfEs -n "${XDIST:-8}" \
+  if [ -n "${KIT_SHARDS:-}" ]; then kit_shards kit_fi 420 flashinfer:flashinfer
+  else run kit_fi 420 python3 -m pytest -v -p no:cacheprovider -p attn_core.testing.timing --tb=short -rfEs -n "${XDIST:-8}" \
     --attn-backend=flashinfer:flashinfer
+  fi
   run kit_fi_mla 300 "${PYTEST[@]}" --attn-backend=flashinfer:flashinfer_mla ;;
 kit_ssm) run kit_ssm 540 "${PYTEST[@]}" --attn-backend=triton_ssm:triton_ssm
   run kit_ssm_mamba1 300 "${PYTEST[@]}" --attn-backend=triton_ssm:triton_ssm_mamba1 ;;

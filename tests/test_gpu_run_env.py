@@ -14,8 +14,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run_stages(tmp_path: Path, *stages: str, **env: str) -> str:
-    """Run gpu_run.sh with a stub device set-up and a 16-core ``nproc``; the summary log."""
+def _run_stages(tmp_path: Path, *stages: str, python3: str | None = None, **env: str) -> str:
+    """Run gpu_run.sh with a stub device set-up and a 16-core ``nproc`` (and ``python3``: a
+    stand-in script for python3); the stages' logs."""
     if shutil.which("bash") is None or shutil.which("timeout") is None:
         pytest.skip("needs bash and coreutils' timeout")
     (tmp_path / "scripts").mkdir()
@@ -25,13 +26,17 @@ def _run_stages(tmp_path: Path, *stages: str, **env: str) -> str:
     bin_dir.mkdir()
     (bin_dir / "nproc").write_text("#!/bin/sh\necho 16\n")
     (bin_dir / "nproc").chmod(0o755)
+    if python3 is not None:
+        (bin_dir / "python3").write_text(python3)
+        (bin_dir / "python3").chmod(0o755)
     out = tmp_path / "out"
     run_env = {k: v for k, v in os.environ.items() if k not in ("MAX_JOBS", "OMP_NUM_THREADS")}
     run_env.update(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out), **env)
     r = subprocess.run(["bash", "scripts/gpu_run.sh", *stages], cwd=tmp_path, env=run_env,
                        capture_output=True, text=True, timeout=60)  # fmt: skip
     assert r.returncode == 0, r.stderr
-    return "\n".join((out / f"{s.split('=')[0]}.log").read_text() for s in stages)
+    logs = [out / f"{s.split('=')[0]}.log" for s in stages]
+    return "\n".join(log.read_text() for log in logs if log.exists())
 
 
 SHOW = 'echo "$0 MAX_JOBS=$MAX_JOBS OMP=$OMP_NUM_THREADS"'
@@ -52,3 +57,17 @@ def test_a_caller_s_max_jobs_holds_for_every_stage(tmp_path):
         XDIST="4", MAX_JOBS="3", OMP_NUM_THREADS="5",
     )  # fmt: skip
     assert "pytest MAX_JOBS=3 OMP=5" in text and "bench MAX_JOBS=3 OMP=5" in text, text
+
+
+def test_kit_shards_run_at_once_with_the_cores_split_over_them(tmp_path):
+    # a stand-in python3 that says what it was asked and with which MAX_JOBS
+    stub = '#!/bin/sh\necho "python3 $* MAX_JOBS=$MAX_JOBS"\n'
+    _run_stages(tmp_path, "kit_fi", python3=stub, KIT_SHARDS="4")
+    out = tmp_path / "out"
+    for k in range(4):
+        text = (out / f"kit_fi_{k}.log").read_text()
+        assert f"--attn-shard={k}/4" in text and "--attn-backend=flashinfer:flashinfer " in text
+        assert "MAX_JOBS=4" in text and " -n " not in text, text
+    mla = (out / "kit_fi_mla.log").read_text()  # the MLA kit: one run, as before
+    assert "--attn-backend=flashinfer:flashinfer_mla" in mla and "--attn-shard" not in mla
+    assert not (out / "kit_fi.log").exists()

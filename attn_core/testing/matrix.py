@@ -70,12 +70,30 @@ class Case:
 
     @property
     def id(self) -> str:
-        s = self.spec
-        parts = [kind_label(s).replace("/", "-"), self.workload]
+        parts = [kind_label(self.spec).replace("/", "-"), self.workload]
         if self.spec_tokens:
             parts.append(f"k{self.spec_tokens}")
+        parts += self._spec_parts()
+        if self.strategy:
+            parts.append(self.strategy)
+        if self.graph_mode is not GraphMode.NONE:  # a case per declared mode (decode, full)
+            parts.append(f"graph-{self.graph_mode.value}")
+        if self.tag:
+            parts.append(self.tag)
+        if self.magnitude != 1.0:
+            parts.append(f"x{self.magnitude:g}")
+        return "-".join(parts)
+
+    @property
+    def spec_label(self) -> str:
+        """The layer spec alone (the id without the workload and the run's options): every
+        check of one spec shares it, and ``--attn-shard`` keeps them in one shard."""
+        return "-".join([kind_label(self.spec).replace("/", "-"), *self._spec_parts()])
+
+    def _spec_parts(self) -> list[str]:
+        s = self.spec
         dims = f"d{s.head_dim}" + (f"v{s.head_dim_v}" if s.head_dim_v != s.head_dim else "")
-        parts += [dims, s.dtype]
+        parts = [dims, s.dtype]
         if s.kv_dtype != s.dtype:
             parts.append(f"kv-{s.kv_dtype}")
         if s.has_kv_cache:
@@ -93,15 +111,7 @@ class Case:
             parts.append("softcap")
         if s.has_sinks:
             parts.append("sinks")
-        if self.strategy:
-            parts.append(self.strategy)
-        if self.graph_mode is not GraphMode.NONE:  # a case per declared mode (decode, full)
-            parts.append(f"graph-{self.graph_mode.value}")
-        if self.tag:
-            parts.append(self.tag)
-        if self.magnitude != 1.0:
-            parts.append(f"x{self.magnitude:g}")
-        return "-".join(parts)
+        return parts
 
 
 def kind_label(spec: LayerSpec) -> str:

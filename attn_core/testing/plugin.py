@@ -76,8 +76,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--attn-shard",
         default=os.environ.get(ENV_SHARD) or None,
         metavar="K/N",
-        help="run only shard K of N (0 <= K < N; every N-th battery case from the K-th), to "
-        f"spread one battery over N GPUs as N runs with the same --attn-seed; env {ENV_SHARD}",
+        help="run only shard K of N (0 <= K < N; the layer specs of the battery dealt out in "
+        "turn, each spec's checks in one shard), to spread one battery over N GPUs or N "
+        f"processes as N runs with the same --attn-seed; env {ENV_SHARD}",
     )
     group.addoption(
         "--attn-device",
@@ -155,12 +156,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if shard is None:
         return
     k, n = shard
-    # Collection order is the battery's (deterministic), so the N runs split it exactly.
-    keep = [item for i, item in enumerate(items) if i % n == k]
-    drop = [item for i, item in enumerate(items) if i % n != k]
+    # Collection order is the battery's (deterministic), so the N runs split it exactly. A
+    # layer spec's checks stay in one shard: a backend that JIT-compiles per configuration
+    # (FlashInfer, Triton) then builds each spec's kernels in one run, where shards that
+    # shared a spec would build the same modules (FlashInfer: one at a time, behind its lock).
+    mine = [group % n == k for group in _spec_groups(items)]
+    keep = [item for item, ok in zip(items, mine, strict=True) if ok]
+    drop = [item for item, ok in zip(items, mine, strict=True) if not ok]
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+def _spec_groups(items: list[pytest.Item]) -> list[int]:
+    """Per item, the number of its layer spec in order of first appearance (an item without a
+    case, such as a check's skip placeholder, is a group of its own)."""
+    numbers: dict[object, int] = {}
+    groups = []
+    for i, item in enumerate(items):
+        callspec = getattr(item, "callspec", None)
+        case = callspec.params.get("case") if callspec is not None else None
+        key = case.spec_label if case is not None else ("item", i)
+        groups.append(numbers.setdefault(key, len(numbers)))
+    return groups
 
 
 def pytest_report_header(config: pytest.Config) -> list[str] | None:

@@ -150,19 +150,43 @@ def _run_broken(
     return result, _summary(result)
 
 
-def test_shards_split_the_battery_exactly(run_kit) -> None:
-    """``--attn-shard K/N`` runs are disjoint and together collect the whole battery."""
+SPEC_LABELS = """
+import pytest
 
-    def collected(*extra: str) -> list[str]:
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        case = getattr(item, "callspec", None) and item.callspec.params.get("case")
+        print("SPEC", item.nodeid, case.spec_label if case else "-")
+"""
+
+
+def test_shards_split_the_battery_exactly_and_keep_a_spec_together(pytester, run_kit) -> None:
+    """``--attn-shard K/N`` runs are disjoint and together collect the whole battery; every
+    check of one layer spec lands in the same shard (a JIT-compiling backend builds that
+    spec's kernels in one run)."""
+    pytester.makepyfile(spec_labels=SPEC_LABELS)
+
+    def collected(*extra: str) -> tuple[list[str], dict[str, str]]:
         result = run_kit("--attn-backend=attn_core:reference", "--attn-quick",
-                         "--collect-only", "-q", *extra)  # fmt: skip
+                         "--collect-only", "-q", "-p", "spec_labels", *extra)  # fmt: skip
         assert result.ret == 0, result.stdout.str()[-2000:]
-        return [line for line in result.stdout.lines if "::" in line]
+        labels = dict(line.split()[1:3] for line in result.stdout.lines if line.startswith("SPEC "))
+        lines = [line for line in result.stdout.lines if "::" in line and " " not in line]
+        return lines, labels
 
-    whole = collected()
+    whole, labels = collected()
     parts = [collected(f"--attn-shard={k}/3") for k in range(3)]
-    assert len(whole) > 30 and all(parts)
-    assert sorted(line for part in parts for line in part) == sorted(whole)
+    assert len(whole) > 30 and all(lines for lines, _ in parts)
+    assert sorted(line for lines, _ in parts for line in lines) == sorted(whole)
+    shard_of: dict[str, set[int]] = {}
+    for k, (lines, _) in enumerate(parts):
+        for line in lines:
+            node = line.split("::", 1)[1]
+            shard_of.setdefault(labels["::" + node], set()).add(k)
+    assert len(shard_of) > 3, shard_of
+    assert all(len(shards) == 1 for label, shards in shard_of.items() if label != "-"), shard_of
     bad = run_kit("--attn-backend=attn_core:reference", "--attn-shard=3/3", "--collect-only")
     assert bad.ret != 0 and "expected K/N with 0 <= K < N" in bad.stderr.str()
 

@@ -217,3 +217,19 @@ def test_lightning_and_short_conv_are_certified_on_their_own_terms() -> None:
     assert set(lt) == {"q", "k", "v", "slope"} and bool((lt["slope"] > 0).all())
     sc = layer_inputs(specs[LinearVariant.SHORT_CONV], 5, gen)
     assert set(sc) == {"conv_x"}
+
+
+def test_spec_label_groups_the_checks_of_one_layer_spec() -> None:
+    cases = build_matrix(REFERENCE_CAPS, quick=True)
+    by_label: dict[str, set] = {}
+    for c in cases:
+        by_label.setdefault(c.spec_label, set()).add(c.spec)
+    # one spec per label, one label per spec: a label neither merges specs nor splits one
+    assert all(len(specs) == 1 for specs in by_label.values()), by_label
+    assert len(by_label) == len({c.spec for c in cases})
+    # a spec's checks differ in workload and run options, not in the label
+    shared = [label for label in by_label if sum(c.spec_label == label for c in cases) > 1]
+    assert shared, "every spec has a single check: the grouping would do nothing"
+    for c in cases:
+        assert c.id.startswith(c.spec_label.split("-")[0])
+        assert c.workload not in c.spec_label.split("-")
