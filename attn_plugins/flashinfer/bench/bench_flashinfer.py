@@ -603,6 +603,19 @@ def _sync(label: str) -> None:
         raise RuntimeError(f"CUDA fault at or before: {label}") from exc
 
 
+def _replay_rounds(graphs: dict, layers: int, rounds: int) -> dict[str, list[float]]:
+    """Per graph, ``rounds`` timings (us per layer of 50 back-to-back replays), the graphs
+    taken in turn in every round; each replayed once first."""
+    for name, g in graphs.items():
+        g.replay()
+        _sync(f"first replay of {name}")
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, g in graphs.items():
+            times[name].append(back_to_back_us(g.replay, 50) / layers)
+    return times
+
+
 def bench_graph(spec, layers: int = 32, batch: int = 64, ctx: int = 4096,
                 sweep: bool = False, force_small: bool = False) -> dict:  # fmt: skip
     """A ``layers``-layer decode step captured in one CUDA graph, per layer: the plugin as
@@ -735,13 +748,7 @@ def bench_graph(spec, layers: int = 32, batch: int = 64, ctx: int = 4096,
                 torch.cuda.synchronize()
                 continue
             _sync(f"{name} capture")
-    for name, g in graphs.items():
-        g.replay()
-        _sync(f"first replay of {name}")
-    rounds: dict[str, list[float]] = {name: [] for name in graphs}
-    for _ in range(3):
-        for name, g in graphs.items():
-            rounds[name].append(back_to_back_us(g.replay, 50) / layers)
+    rounds = _replay_rounds(graphs, layers, rounds=3)
     per_layer = {name: min(ts) for name, ts in rounds.items()}
     per_layer.setdefault("plugin", per_layer["plugin_fi"])  # above the limit: the same graph
     # host cost of update() before a replay (new batch built outside the timing)
@@ -930,13 +937,7 @@ def bench_sinks_graph(batch: int, ctx: int, layers: int = 32) -> dict:
         graphs[name] = capture_graph(step)
         keep.append((runtime, outs))
         _sync(f"sinks graph {name} capture")
-    for name, g in graphs.items():
-        g.replay()
-        _sync(f"first replay of {name}")
-    rounds: dict[str, list[float]] = {name: [] for name in graphs}
-    for _ in range(5):
-        for name, g in graphs.items():
-            rounds[name].append(back_to_back_us(g.replay, 50) / layers)
+    rounds = _replay_rounds(graphs, layers, rounds=5)
     med = {name: statistics.median(ts) for name, ts in rounds.items()}
     return {
         "B": batch,
