@@ -11,7 +11,9 @@ and off the grid
 (``--decode-points`` / ``--prefill-points``, ``BATCHxCONTEXT``), every candidate is timed again in
 ``--rounds`` alternating rounds (the order rotates each round) and the plan's choice for that
 batch size is compared with the fastest candidate's median: ``ratio = chosen / fastest``. The
-goal is ``ratio <= 1.03`` everywhere.
+goal is ``ratio <= 1.03`` everywhere. A layer spec that several models of a run share (qwen3,
+bamba, jamba and nemotron-h have the same attention layers) is timed once, for the first of
+them; the others' rows say whose timings they reuse.
 
 The reference backend is left out of the candidates: it is the ground truth, ranked last by the
 default rule and never a speed candidate where a plugin serves the group. A group and phase that
@@ -149,6 +151,22 @@ def _time(group, backend, registry, plan, device, phase, batch, context, iters) 
     return r.us_per_layer
 
 
+def _tune(name, group, backend, registry, plan, device, phase, args,
+          start: float) -> list[tuple[int, int, float]]:  # fmt: skip
+    """``backend``'s time at every point of ``phase``'s tuning grid, ``(batch, context, us per
+    layer)`` (a point it failed left out), with a line per point as it is timed (a cold JIT
+    cache makes this the long part: a run cut here still shows how far it got)."""
+    measured = []
+    for batch, context in _tuning_grid(phase, args):
+        us = _time(group, backend, registry, plan, device, phase, batch, context, 10)
+        print(f"# tune {name} {group.group_id} {phase.value} {backend.qualified_name}"
+              f" B={batch} ctx={context}: {us:.1f} us/layer"
+              f" ({time.monotonic() - start:.0f} s)", flush=True)  # fmt: skip
+        if us == us:
+            measured.append((batch, context, us))
+    return measured
+
+
 def bench_model(
     name: str,
     registry: Registry,
@@ -158,6 +176,7 @@ def bench_model(
     rows: list[dict],
     save: Callable[[], None] = lambda: None,
     progress: dict[str, list[str]] | None = None,
+    shared: dict[tuple, Any] | None = None,
 ) -> None:
     """Tune ``name``'s groups, plan with the tuning data (kept in ``tunings[name]``, the tuning
     file's content) and time every candidate at the check points: one row per point, appended
@@ -165,8 +184,13 @@ def bench_model(
     killed at its limit keeps what it measured (a SIGTERM handler alone did not: the H200 run
     cut at its limit wrote nothing), and after every candidate's tuning grid, with the grids
     done so far in ``progress[name]`` (``"group/phase/backend"``): ``--resume`` goes on from
-    there."""
+    there.
+
+    ``shared``, one dict for every model of a run: a layer spec's tuning grid per candidate and
+    its check points' medians, measured once per run whichever model has the spec (four
+    samples share qwen3's 32q/8kv d128 layers, four the Qwen2-VL text and vision layers)."""
     progress = {} if progress is None else progress
+    shared = {} if shared is None else shared
     caps = DeviceCapabilities.detect(device)
     layout = specs_from_hf_config(load_sample(name), dtype="bfloat16")
     constraints = ExecutionConstraints(graph_mode=args.graph_mode)  # captured phases: replays
@@ -206,14 +230,15 @@ def bench_model(
                 task = f"{group.group_id}/{phase.value}/{backend.qualified_name}"
                 if task in done:
                     continue
-                measured = []
-                for batch, context in _tuning_grid(phase, args):
-                    us = _time(group, backend, registry, plan, device, phase, batch, context, 10)
-                    print(f"# tune {name} {group.group_id} {phase.value} {backend.qualified_name}"
-                          f" B={batch} ctx={context}: {us:.1f} us/layer"
-                          f" ({time.monotonic() - start:.0f} s)", flush=True)  # fmt: skip
-                    if us == us:
-                        measured.append((batch, context, us))
+                grid_key = ("grid", group.spec, phase, backend.qualified_name)
+                if grid_key in shared:
+                    measured, owner = shared[grid_key]
+                    print(f"# tune {name} {group.group_id} {phase.value} {backend.qualified_name}:"
+                          f" {owner}'s grid (the same layer spec)", flush=True)  # fmt: skip
+                else:
+                    measured = _tune(name, group, backend, registry, plan, device, phase, args,
+                                     start)  # fmt: skip
+                    shared[grid_key] = (measured, name)
                 record_measured(tuning, backend.qualified_name, group.spec, phase, measured)
                 tunings[name] = tuning.to_json()  # a run cut later keeps this grid
                 finished.append(task)
@@ -244,7 +269,12 @@ def bench_model(
             requests = batch if phase is Phase.PREFILL else None  # prefill may switch by them
             chosen = pc.backend_for_step(size, requests).qualified_name
             medians: dict[str, float] = {}
-            if len(cands) > 1:
+            check_key = ("check", group.spec, phase, batch, context,
+                         tuple(b.qualified_name for b in cands))  # fmt: skip
+            timed_with = None
+            if len(cands) > 1 and check_key in shared:
+                medians, timed_with = shared[check_key]
+            elif len(cands) > 1:
                 samples: dict[str, list[float]] = {b.qualified_name: [] for b in cands}
                 for r in range(args.rounds):
                     for backend in cands[r % len(cands) :] + cands[: r % len(cands)]:
@@ -256,6 +286,7 @@ def bench_model(
                 medians = {
                     k: statistics.median(v) for k, v in samples.items() if all(x == x for x in v)
                 }
+                shared[check_key] = (medians, name)
             fastest = min(medians, key=medians.__getitem__) if medians else chosen
             ratio = medians.get(chosen, float("nan")) / medians[fastest] if medians else 1.0
             on_grid = (batch, context) in _tuning_grid(phase, args)
@@ -265,6 +296,8 @@ def bench_model(
                 if len(cands) < 2
                 else ("tuned point" if on_grid else "not tuned on")
             ) + (f"; not loadable here: {', '.join(missing)}" if missing else "")
+            if timed_with is not None:
+                note += f"; timed with {timed_with} (the same layer spec)"
             rows.append(
                 {
                     "model": name,
@@ -328,6 +361,7 @@ def main() -> int:
     rows: list[dict] = []
     tunings: dict[str, Any] = {}
     progress: dict[str, list[str]] = {}
+    shared: dict[tuple, Any] = {}  # a layer spec's timings, whichever model has it
 
     def save() -> None:
         if args.out:
@@ -339,7 +373,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     try:
         for name in args.models.split(","):
-            bench_model(name, registry, device, args, tunings, rows, save, progress)
+            bench_model(name, registry, device, args, tunings, rows, save, progress, shared)
     finally:
         worst = max((r["ratio"] for r in rows), default=float("nan"))
         print(f"worst ratio chosen/fastest: {worst:.3f} (goal <= 1.03) over {len(rows)} points")

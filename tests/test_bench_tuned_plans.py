@@ -225,3 +225,37 @@ def test_a_run_cut_at_its_limit_is_resumed_without_measuring_twice(
     assert [(r["chosen"], r["ratio"]) for r in again] == [(r["chosen"], r["ratio"]) for r in uncut]
     # nothing measured twice: the cut run and the resumed one time what one uncut run does
     assert cut_timed < len(timed) == len(uncut_timed)
+
+
+def test_a_layer_spec_two_models_share_is_timed_once_per_run(registry, monkeypatch, capsys):
+    """bamba's attention layers have qwen3's spec (32q/8kv d128): with one ``shared`` dict for
+    the run, bamba's tuning grid and check points come from qwen3's timings, and its rows
+    say so; a spec of its own would be timed."""
+    script = _script()
+    timed: list = []
+    monkeypatch.setattr(script, "bench_group", _stand_in(timed))
+    args = argparse.Namespace(
+        tune_batch="1,16", tune_context="2048,16384", max_kv_tokens=2**18,
+        tune_prefill="1024,4096", tune_prefill_requests="1,4", graph_mode="none",
+        decode_points="1x2048,1x32768", prefill_points="1x4096,4x1024", rounds=1, iters=1,
+    )  # fmt: skip
+    shared: dict = {}
+    qwen3: list[dict] = []
+    script.bench_model("qwen3", registry, torch.device("cpu"), args, {}, qwen3, shared=shared)
+    first = len(timed)
+    assert first > 0
+    bamba: list[dict] = []
+    tunings: dict = {}
+    script.bench_model("bamba", registry, torch.device("cpu"), args, tunings, bamba,
+                       shared=shared)  # fmt: skip
+    assert len(timed) == first, "bamba's attention layers were timed again"
+    full = [r for r in bamba if r["group"] == "full"]
+    assert full and all("timed with qwen3 (the same layer spec)" in r["note"] for r in full)
+    by_point = {(r["phase"], r["batch"], r["context"]): (r["chosen"], r["us"]) for r in qwen3}
+    assert all(by_point[(r["phase"], r["batch"], r["context"])] == (r["chosen"], r["us"])
+               for r in full)  # fmt: skip
+    assert tunings["bamba"]["entries"], "bamba's tuning data is recorded all the same"
+    assert "qwen3's grid (the same layer spec)" in capsys.readouterr().out
+    # without the shared dict every model times its own layers
+    script.bench_model("bamba", registry, torch.device("cpu"), args, {}, [])
+    assert len(timed) > first
