@@ -8,8 +8,9 @@
 #           t_core t_e2e t_e2e_plugins t_e2e_gptoss t_tp t_fi t_ssm t_varlen t_fa3   (pytest; GPU tests of each area)
 #           t_families                                      (issue 22's config families on the GPU plugins)
 #           t_handoff                                       (prefill -> decode hand-off, 2 GPUs)
-#           kit_fi kit_ssm kit_varlen                       (conformance kit per backend;
-#                                                            kit_fi with KIT_SHARDS=N: N shards)
+#           kit_fi kit_fa3 kit_ssm kit_varlen               (conformance kit per backend;
+#                                                            kit_fi, kit_fa3 with KIT_SHARDS=N:
+#                                                            N shard runs at once)
 #           kit_ssm_x2                                      (the triton_ssm kit over both GPUs)
 #           t_ssd                                           (triton_ssm Mamba2 / SSD tests only)
 #           t_mamba1                                        (Mamba1: triton_ssm and e2e tests)
@@ -114,6 +115,11 @@ kit_shards() {  # kit_shards NAME LIMIT BACKEND: logs NAME_0 .. NAME_{N-1}
   done
   wait
 }
+kit_run() {  # kit_run NAME LIMIT BACKEND PROCS: the kit on PROCS xdist processes, or KIT_SHARDS shards
+  if [ -n "${KIT_SHARDS:-}" ]; then kit_shards "$1" "$2" "$3"; return; fi
+  run "$1" "$2" python3 -m pytest -v -p no:cacheprovider -p attn_core.testing.timing --tb=short \
+    -rfEs -n "$4" --attn-backend="$3"
+}
 for stage in "$@"; do case $stage in
 info)
   nvidia-smi --query-gpu=index,name,compute_cap,memory.total,driver_version --format=csv >>"$OUT/summary.log"
@@ -163,11 +169,9 @@ t_mamba1) run t_mamba1 400 "${PYTEST[@]}" attn_plugins/triton_ssm/tests tests/e2
 t_varlen) run t_varlen 300 "${PYTEST[@]}" attn_plugins/varlen/tests ;;
 t_fa3) run t_fa3 300 "${PYTEST[@]}" attn_plugins/fa3/tests ;;
 kit_fi)  # 8 processes by default: on a cold JIT cache one process ran past 400 s, 8 took 321 s
-  if [ -n "${KIT_SHARDS:-}" ]; then kit_shards kit_fi 420 flashinfer:flashinfer
-  else run kit_fi 420 python3 -m pytest -v -p no:cacheprovider -p attn_core.testing.timing --tb=short -rfEs -n "${XDIST:-8}" \
-    --attn-backend=flashinfer:flashinfer
-  fi
+  kit_run kit_fi 420 flashinfer:flashinfer "${XDIST:-8}"
   run kit_fi_mla 300 "${PYTEST[@]}" --attn-backend=flashinfer:flashinfer_mla ;;
+kit_fa3) kit_run kit_fa3 420 fa3:fa3 "${XDIST:-8}" ;;  # FlashAttention-4 carried (.whl-one / .whl-new)
 kit_ssm) run kit_ssm 540 "${PYTEST[@]}" --attn-backend=triton_ssm:triton_ssm
   run kit_ssm_mamba1 300 "${PYTEST[@]}" --attn-backend=triton_ssm:triton_ssm_mamba1 ;;
 kit_ssm_x2)  # the whole triton_ssm battery in one pass: a shard per GPU, XDIST=8 each (~5 min)
