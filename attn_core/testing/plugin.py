@@ -76,9 +76,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--attn-shard",
         default=os.environ.get(ENV_SHARD) or None,
         metavar="K/N",
-        help="run only shard K of N (0 <= K < N; the layer specs of the battery dealt out in "
-        "turn, each spec's checks in one shard), to spread one battery over N GPUs or N "
-        f"processes as N runs with the same --attn-seed; env {ENV_SHARD}",
+        help="run only shard K of N (0 <= K < N; each layer spec's checks in one shard, the "
+        "shards balanced), to spread one battery over N GPUs or N processes as N runs with "
+        f"the same --attn-seed; env {ENV_SHARD}",
     )
     group.addoption(
         "--attn-device",
@@ -160,7 +160,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # layer spec's checks stay in one shard: a backend that JIT-compiles per configuration
     # (FlashInfer, Triton) then builds each spec's kernels in one run, where shards that
     # shared a spec would build the same modules (FlashInfer: one at a time, behind its lock).
-    mine = [group % n == k for group in _spec_groups(items)]
+    groups = _spec_groups(items)
+    shard_of = _balanced_shards(groups, n)
+    mine = [shard_of[group] == k for group in groups]
     keep = [item for item, ok in zip(items, mine, strict=True) if ok]
     drop = [item for item, ok in zip(items, mine, strict=True) if not ok]
     if drop:
@@ -179,6 +181,21 @@ def _spec_groups(items: list[pytest.Item]) -> list[int]:
         key = case.spec_label if case is not None else ("item", i)
         groups.append(numbers.setdefault(key, len(numbers)))
     return groups
+
+
+def _balanced_shards(groups: list[int], n: int) -> dict[int, int]:
+    """Group number -> shard: the largest groups first, each to the shard with the fewest
+    items so far (lowest shard on a tie); the same for every one of the N runs."""
+    sizes: dict[int, int] = {}
+    for group in groups:
+        sizes[group] = sizes.get(group, 0) + 1
+    load = [0] * n
+    shard_of = {}
+    for group in sorted(sizes, key=lambda g: (-sizes[g], g)):
+        shard = min(range(n), key=lambda s: (load[s], s))
+        shard_of[group] = shard
+        load[shard] += sizes[group]
+    return shard_of
 
 
 def pytest_report_header(config: pytest.Config) -> list[str] | None:

@@ -165,7 +165,7 @@ def pytest_collection_modifyitems(config, items):
 def test_shards_split_the_battery_exactly_and_keep_a_spec_together(pytester, run_kit) -> None:
     """``--attn-shard K/N`` runs are disjoint and together collect the whole battery; every
     check of one layer spec lands in the same shard (a JIT-compiling backend builds that
-    spec's kernels in one run)."""
+    spec's kernels in one run), and the shards are about the same size."""
     pytester.makepyfile(spec_labels=SPEC_LABELS)
 
     def collected(*extra: str) -> tuple[list[str], dict[str, str]]:
@@ -187,6 +187,12 @@ def test_shards_split_the_battery_exactly_and_keep_a_spec_together(pytester, run
             shard_of.setdefault(labels["::" + node], set()).add(k)
     assert len(shard_of) > 3, shard_of
     assert all(len(shards) == 1 for label, shards in shard_of.items() if label != "-"), shard_of
+    # balanced: the shards differ by at most one spec's checks (the largest spec first, each to
+    # the emptiest shard); dealt out in turn, the first spec's many checks made one shard twice
+    # the size of another
+    sizes = [len(lines) for lines, _ in parts]
+    largest = max(list(labels.values()).count(label) for label in shard_of if label != "-")
+    assert max(sizes) - min(sizes) <= largest, (sizes, largest)
     bad = run_kit("--attn-backend=attn_core:reference", "--attn-shard=3/3", "--collect-only")
     assert bad.ret != 0 and "expected K/N with 0 <= K < N" in bad.stderr.str()
 
