@@ -311,17 +311,21 @@ def job_prefill_ours(T: int, n_seq: int, with_fla: bool = True) -> dict:
                            slot_pass=False)  # fmt: skip
 
     variants = {"gather_scatter": gather}
-    for bv, nw, ns in PASS_TILINGS:
-        variants[f"pass BV={bv} warps={nw} stages={ns}"] = (
-            lambda bv=bv, nw=nw, ns=ns: gdn_chunk.gdn_chunk_prefill_slots(
-                q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
-                use_qk_l2norm=True, block_v=bv, num_warps=nw, num_stages=ns,
-            )
-        )  # fmt: skip
+    for fused in (False, True):  # the output in the state pass, or fla's output pass after it
+        for bv, nw, ns in PASS_TILINGS:
+            name = f"{'fused output, ' if fused else ''}pass BV={bv} warps={nw} stages={ns}"
+            variants[name] = (
+                lambda bv=bv, nw=nw, ns=ns, fused=fused: gdn_chunk.gdn_chunk_prefill_slots(
+                    q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
+                    use_qk_l2norm=True, fuse_output=fused, block_v=bv, num_warps=nw,
+                    num_stages=ns,
+                )
+            )  # fmt: skip
     for name, fn in variants.items():
         try:
             gr = capture_graph(fn)
             res[f"graph_ms[{name}]"] = min(_bench(gr.replay, warmup=10, rep=100) for _ in range(2))
+            res[f"graph_ratio_to_fla[{name}]"] = res[f"graph_ms[{name}]"] / res["graph_fla_ms"]
         except Exception as exc:  # reported per variant
             res[f"graph_ms[{name}]"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     return res

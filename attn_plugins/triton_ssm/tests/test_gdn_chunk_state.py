@@ -103,6 +103,69 @@ def test_state_pass_matches_the_recurrence(lens, H, HV, dtype, state_dtype):
     assert torch.equal(state[untouched], before[untouched])
 
 
+def _output_reference(q, k, gc, h_chunks, v_new, cu, lens, scale):
+    """fla's ``chunk_fwd_o`` written out in float64: per chunk ``c`` of a sequence,
+    ``o = scale * (exp2(g) * (q @ h_c) + (causal(q @ k^T) * exp2(g_i - g_j)) @ v_new)``, from
+    the pass's own ``h`` (entering each chunk) and ``v_new``."""
+    d = torch.float64
+    H, HV = q.shape[1], v_new.shape[1]
+    qq = q.to(d).repeat_interleave(HV // H, dim=1)
+    kk = k.to(d).repeat_interleave(HV // H, dim=1)
+    o = torch.empty(v_new.shape, dtype=d, device=v_new.device)
+    c_global = 0
+    for i, n in enumerate(lens):
+        s0 = int(cu[i])
+        for c in range(0, n, BT):
+            s, e = s0 + c, s0 + min(c + BT, n)
+            g = gc[s:e].to(d)  # [t, HV]
+            h = h_chunks[c_global].to(d)  # [HV, K, V]
+            inter = torch.einsum("thk,hkv->thv", qq[s:e], h) * torch.exp2(g)[..., None]
+            a = torch.einsum("ihk,jhk->hij", qq[s:e], kk[s:e])
+            a = a * torch.exp2(g.T[:, :, None] - g.T[:, None, :])
+            a = a * torch.tril(torch.ones(e - s, e - s, dtype=d, device=a.device))
+            intra = torch.einsum("hij,jhv->ihv", a, v_new[s:e].to(d))
+            o[s:e] = scale * (inter + intra)
+            c_global += 1
+    return o
+
+
+@pytest.mark.parametrize(
+    ("lens", "H", "HV", "dtype", "state_dtype"),
+    [
+        ([70, BT, 5], 2, 4, torch.float32, torch.float32),  # inside / on a chunk boundary
+        ([33, 130], 2, 2, torch.bfloat16, torch.bfloat16),
+    ],
+)
+def test_state_and_output_in_one_pass_match_the_two_passes(lens, H, HV, dtype, state_dtype):
+    """``chunk_state_output_pass`` (the output computed in the state pass) against
+    ``chunk_state_pass`` plus fla's output formula written out: the same final states, and the
+    output of the formula on the pass's ``h`` and ``v_new``."""
+    Kd, Vd = 32, 32
+    k, w, u, gc, state, idx, cu, chunk_off, nt = _inputs(lens, H, HV, Kd, Vd, dtype, state_dtype)
+    q = (torch.randn(k.shape, generator=torch.Generator().manual_seed(1)) * Kd**-0.5).to(DEV)
+    q = q.to(dtype)
+    two = state.clone()
+    h, v_new = gdn_chunk.chunk_state_pass(
+        k, w, u, gc, two, idx, cu, chunk_off, nt, block_v=16, num_warps=2
+    )
+    o_ref = _output_reference(q, k, gc, h[0], v_new[0], cu, lens, scale=0.7)
+    before = state.clone()
+    o = gdn_chunk.chunk_state_output_pass(
+        q, k, w, u, gc, state, idx, cu, chunk_off, scale=0.7, block_v=16, num_warps=2
+    )
+    assert o.shape == u.shape and o.dtype == u.dtype
+    tol = 3e-2 if dtype != torch.float32 else (2e-5 if DEV == "cpu" else 4e-3)
+    assert (o.double() - o_ref).abs().max().item() < tol * o_ref.abs().max().item()
+    # the state half is the same pass: final states as the two-pass path's
+    assert torch.equal(state, two) if DEV == "cpu" else torch.allclose(state, two, atol=1e-6)
+    untouched = [s for s in range(S) if s not in idx.tolist()]
+    assert torch.equal(state[untouched], before[untouched])
+    with pytest.raises(ValueError, match=r"per-head decay g \[T, HV\] only"):
+        gdn_chunk.chunk_state_output_pass(
+            q, k, w, u, gc[..., None].expand(-1, -1, Kd), state, idx, cu, chunk_off, scale=1.0
+        )
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEV != "cuda", reason="needs CUDA (fla's chunk stages)")
 @pytest.mark.parametrize(
@@ -129,6 +192,38 @@ def test_slot_path_matches_fla_with_gathered_states(dtype, state_dtype, lens):
     idx = torch.tensor([9, 2, 11, 0, 5][: len(lens)], device="cuda", dtype=torch.int32)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
     assert_slot_pass_matches_gathered(K.gdn_prefill, q, k, v, g, beta, state, idx, cu)
+
+
+def _prefill_with_fused_output(q, k, v, g, beta, state, idx, cu, *, cu_seqlens_cpu, slot_pass):
+    """``gdn_prefill``'s signature for :func:`assert_slot_pass_matches_gathered`: the slot path
+    with the output computed in the state pass, or (``slot_pass=False``) fla's public function
+    around gathered states."""
+    if not slot_pass:
+        return K.gdn_prefill(q, k, v, g, beta, state, idx, cu, cu_seqlens_cpu=cu_seqlens_cpu,
+                             slot_pass=False)  # fmt: skip
+    return gdn_chunk.gdn_chunk_prefill_slots(
+        q, k, v, g, beta, state, idx, cu.long(), cu_seqlens_cpu.long(), scale=q.shape[-1] ** -0.5,
+        use_qk_l2norm=True, fuse_output=True,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA (fla's chunk stages)")
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_fused_output_slot_path_matches_fla_with_gathered_states(state_dtype):
+    """The output computed in the state pass (``fuse_output``) against fla's public function,
+    at Qwen3-Next's heads, sequences ending inside and on chunk boundaries."""
+    torch.manual_seed(0)
+    lens = [1000, 64, 1, 257, 2100]
+    T, Hk, Hv, D = sum(lens), 16, 32, 128
+    q, k = (torch.randn(T, Hk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(T, Hv, D, device="cuda", dtype=torch.bfloat16)
+    g = -torch.rand(T, Hv, device="cuda") * 0.3
+    beta = torch.rand(T, Hv, device="cuda")
+    state = (torch.randn(12, Hv, D, D, device="cuda") * 0.1).to(state_dtype)
+    idx = torch.tensor([9, 2, 11, 0, 5], device="cuda", dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
+    assert_slot_pass_matches_gathered(_prefill_with_fused_output, q, k, v, g, beta, state, idx, cu)
 
 
 @pytest.mark.parametrize("kda", [False, True])

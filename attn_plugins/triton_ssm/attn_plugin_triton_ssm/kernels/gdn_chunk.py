@@ -51,6 +51,7 @@ from attn_plugin_triton_ssm.kernels._common import INTERPRETED, first_that_fits
 
 __all__ = [
     "CHUNK",
+    "chunk_state_output_pass",
     "chunk_state_pass",
     "gdn_chunk_prefill_slots",
     "kda_chunk_prefill_slots",
@@ -71,6 +72,15 @@ def unavailable(kind: compat.Kind = "gdn") -> str | None:
     return compat.slot_pass_reason(None, kind)
 
 
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr):
+    """``a @ b`` in float32; ``UPCAST`` (Triton's interpreter, whose 16-bit dots are wrong):
+    the operands, already rounded to the input dtype, multiplied in float32."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
 @triton.jit(do_not_specialize=["slot_stride"])
 def _chunk_state_kernel(
     k_ptr,  # [T, H, K] (l2-normalised keys; KDA: fla's kg, [T, HV, K]), k dtype
@@ -83,6 +93,9 @@ def _chunk_state_kernel(
     slot_ptr,  # [N] slots
     cu_ptr,  # [N + 1] token offsets
     chunk_off_ptr,  # [N + 1] chunk offsets
+    q_ptr,  # [T, H, K] (l2-normalised queries), k dtype; FUSE_O only
+    o_ptr,  # [T, HV, V] out, u dtype; FUSE_O only
+    scale,
     slot_stride,
     H: tl.constexpr,
     HV: tl.constexpr,
@@ -93,13 +106,19 @@ def _chunk_state_kernel(
     BV: tl.constexpr,
     GK: tl.constexpr,
     UPCAST: tl.constexpr,
+    FUSE_O: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), N * HV)``: one program carries a ``[K, BV]`` block of one head's
     state through every chunk of one sequence. ``GK`` (KDA): the decay is per key channel, ``g``
     ``[T, HV, K]``, and ``k`` already carries each token's decay to the chunk's end (fla's
     ``kg``), so the state's rows decay by ``exp2(g_last)`` and ``v_new`` enters undecayed.
-    ``UPCAST`` (Triton's interpreter, whose 16-bit dots are wrong): dot operands rounded to the
-    input dtype as compiled, then multiplied in float32.
+    ``UPCAST``: see :func:`_dot`.
+
+    ``FUSE_O`` (Gated DeltaNet only): the chunk's output as fla's ``chunk_fwd_o`` computes it
+    from ``h`` and ``v_new`` (both rounded to the inputs' dtype, as fla stores them), here from
+    the registers that hold them, so neither is written::
+
+        o = scale * (exp2(g) * (q @ h) + (causal(q @ k^T) * exp2(g_i - g_j)) @ v_new)
 
     The loop is a chain of dependent dots, so its length is latency: each tile's addresses are
     a scalar base per chunk (advanced by a constant) plus int32 offsets computed once, rather
@@ -137,23 +156,36 @@ def _chunk_state_kernel(
         p_g = g_ptr + bos * HV + i_h
     p_h = h_ptr + (first_chunk * HV + i_h) * (K * V)
     p_state = state_ptr + slot * slot_stride + i_h * K * V + kv_offs
+    p_q = q_ptr + bos * (H * K) + i_hk * K
+    p_o = o_ptr + bos * (HV * V) + i_h * V
     b_h = tl.load(p_state, mask=m_kv, other=0.0).to(tl.float32)
 
     for i_t in range(tl.cdiv(T, BT)):
         left = T - i_t * BT  # tokens from this chunk's start to the sequence's end
         m_t = o_t < left
-        # the state entering this chunk, for fla's output pass
-        tl.store(p_h + kv_offs, b_h.to(h_ptr.dtype.element_ty), mask=m_kv)
+        if not FUSE_O:  # the state entering this chunk, for fla's output pass
+            tl.store(p_h + kv_offs, b_h.to(h_ptr.dtype.element_ty), mask=m_kv)
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         b_w = tl.load(p_w + w_offs, mask=m_tk, other=0.0)
         b_u = tl.load(p_u + u_offs, mask=m_tv, other=0.0)
         b_hq = b_h.to(b_w.dtype)
-        if UPCAST:
-            b_v = b_u.to(tl.float32) - tl.dot(b_w.to(tl.float32), b_hq.to(tl.float32))
+        b_v = b_u.to(tl.float32) - _dot(b_w, b_hq, UPCAST)
+        if FUSE_O:
+            # fla's output pass on this chunk (see the docstring); independent of the state
+            # update below, so the two chains of dots can overlap
+            b_q = tl.load(p_q + k_offs, mask=m_tk, other=0.0)
+            b_kt = tl.load(p_k + k_offs, mask=m_tk, other=0.0)
+            b_gt = tl.load(p_g + g_offs, mask=m_t, other=0.0).to(tl.float32)
+            b_o = _dot(b_q, b_hq, UPCAST) * tl.exp2(b_gt)[:, None]
+            b_a = _dot(b_q, tl.trans(b_kt), UPCAST) * tl.exp2(b_gt[:, None] - b_gt[None, :])
+            causal = (o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :]
+            b_a = tl.where(causal, b_a, 0.0)
+            b_vo = b_v.to(b_kt.dtype)  # v_new as fla's pass reads it
+            b_o = b_o * scale + _dot(b_a.to(b_vo.dtype), b_vo, UPCAST) * scale
+            tl.store(p_o + u_offs, b_o.to(o_ptr.dtype.element_ty), mask=m_tv)
         else:
-            b_v = b_u.to(tl.float32) - tl.dot(b_w, b_hq)
-        tl.store(p_vn + u_offs, b_v.to(v_new_ptr.dtype.element_ty), mask=m_tv)
+            tl.store(p_vn + u_offs, b_v.to(v_new_ptr.dtype.element_ty), mask=m_tv)
         # decay to the chunk's end, then add the chunk's keys times its decayed values
         last = tl.minimum(left, BT) - 1
         if GK:  # per key channel: the rows of h; the tokens' decay is in k already
@@ -164,16 +196,18 @@ def _chunk_state_kernel(
             b_g = tl.load(p_g + g_offs, mask=m_t, other=0.0).to(tl.float32)
             b_v = b_v * tl.where(m_t, tl.exp2(g_last - b_g), 0.0)[:, None]
             b_decay = tl.exp2(g_last)
-        b_k = tl.load(p_k + k_offs, mask=m_tk, other=0.0)
-        b_vq = b_v.to(b_k.dtype)
-        if UPCAST:
-            b_h = b_h * b_decay + tl.dot(tl.trans(b_k.to(tl.float32)), b_vq.to(tl.float32))
+        if FUSE_O:
+            b_k = b_kt  # loaded for the output above
         else:
-            b_h = b_h * b_decay + tl.dot(tl.trans(b_k), b_vq)
+            b_k = tl.load(p_k + k_offs, mask=m_tk, other=0.0)
+        b_vq = b_v.to(b_k.dtype)
+        b_h = b_h * b_decay + _dot(tl.trans(b_k), b_vq, UPCAST)
         p_w += BT * HV * K
         p_u += BT * HV * V
         p_vn += BT * HV * V
         p_k += BT * H * K
+        p_q += BT * H * K
+        p_o += BT * HV * V
         if GK:
             p_g += BT * HV * K
         else:
@@ -282,6 +316,63 @@ def chunk_state_pass(
     :returns: ``h`` ``[1, num_chunks, HV, K, V]`` in k's dtype and ``v_new`` like ``u``
         (``[1, T, HV, V]``), the tensors fla's ``chunk_fwd_o`` reads.
     """
+    K, (HV, V) = k.shape[2], u.shape[1:]
+    h = k.new_empty(1, num_chunks, HV, K, V)
+    v_new = torch.empty_like(u)
+    _launch_pass(k, w, u, g, ssm_state, state_indices, cu_seqlens, chunk_offsets, h=h,
+                 v_new=v_new, q=None, o=None, scale=1.0, block_v=block_v, num_warps=num_warps,
+                 num_stages=num_stages)  # fmt: skip
+    return h, v_new[None]
+
+
+def chunk_state_output_pass(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    u: torch.Tensor,
+    g: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    chunk_offsets: torch.Tensor,
+    *,
+    scale: float,
+    block_v: int | None = None,
+    num_warps: int = 4,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Gated DeltaNet's state pass and output in one pass: :func:`chunk_state_pass` with fla's
+    ``chunk_fwd_o`` computed chunk by chunk from the registers holding ``h`` and ``v_new``, so
+    neither is written to memory nor read back (at T = 8192 with 32 heads of 128, ``h`` alone
+    is 128 MiB each way).
+
+    :param q: ``[T, H, K]`` queries (already l2-normalised when the layer asks for it), k's
+        dtype; ``k``, ``w``, ``u``, ``g`` (``[T, HV]``, per head) and the rest as
+        :func:`chunk_state_pass`.
+    :param scale: the query scale.
+    :returns: the output ``o`` ``[T, HV, V]`` in u's dtype; the slots hold the final states.
+    """
+    if q.shape != k.shape or q.dtype != k.dtype:
+        raise ValueError(
+            f"chunk_state_output_pass: q must be like k [T, H, K] {k.dtype}, got "
+            f"{list(q.shape)} {q.dtype} and k {list(k.shape)}"
+        )
+    if g.dim() != 2:
+        raise ValueError(
+            f"chunk_state_output_pass: Gated DeltaNet's per-head decay g [T, HV] only (KDA's "
+            f"output pass reads fla's intra-chunk attention), got g {list(g.shape)}"
+        )
+    o = torch.empty_like(u)
+    _launch_pass(k, w, u, g, ssm_state, state_indices, cu_seqlens, chunk_offsets, h=o,
+                 v_new=o, q=q, o=o, scale=scale, block_v=block_v, num_warps=num_warps,
+                 num_stages=num_stages)  # fmt: skip
+    return o
+
+
+def _launch_pass(k, w, u, g, ssm_state, state_indices, cu_seqlens, chunk_offsets, *, h, v_new,
+                 q, o, scale, block_v, num_warps, num_stages) -> None:  # fmt: skip
+    """One launch of :func:`_chunk_state_kernel` (``q`` given: with the output, ``FUSE_O``;
+    ``h`` and ``v_new`` then unwritten placeholders)."""
     T, H, K = k.shape
     HV, V = u.shape[1], u.shape[2]
     per_channel = g.dim() == 3
@@ -296,30 +387,29 @@ def chunk_state_pass(
             f"row per value head), got k {list(k.shape)} for {HV} value heads"
         )
     N = state_indices.shape[0]
-    h = k.new_empty(1, num_chunks, HV, K, V)
-    v_new = torch.empty_like(u)
     if not N or not T:
-        return h, v_new[None]
+        return
+    fuse = q is not None
     BV, stages = _tiling(triton.cdiv(V, 64) * N * HV, V)
     BV, stages = block_v or BV, num_stages or stages
     grid = (triton.cdiv(V, BV), N * HV)
 
     def launch(stages: int, warmup: bool = False):
         args = (k, w, u, g, h, v_new, ssm_state, state_indices, cu_seqlens, chunk_offsets,
-                ssm_state.stride(0))  # fmt: skip
+                q if fuse else k, o if fuse else u, float(scale), ssm_state.stride(0))  # fmt: skip
         kw = dict(H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=max(16, triton.next_power_of_2(K)), BV=BV,
-                  GK=per_channel, UPCAST=INTERPRETED, num_warps=num_warps,
+                  GK=per_channel, UPCAST=INTERPRETED, FUSE_O=fuse, num_warps=num_warps,
                   num_stages=stages)  # fmt: skip
         if warmup:
             return _chunk_state_kernel.warmup(*args, grid=grid, **kw)
         return _chunk_state_kernel[grid](*args, **kw)
 
-    key = (k.device, k.dtype, ssm_state.dtype, H, HV, K, V, BV, per_channel, num_warps, stages)
+    key = (k.device, k.dtype, ssm_state.dtype, H, HV, K, V, BV, per_channel, fuse, num_warps,
+           stages)  # fmt: skip
     fitted = _FITTED_STAGES.get(key)
     if fitted is None:
         fitted = _FITTED_STAGES[key] = _fit_stages(launch, stages, k.device)
     launch(fitted)
-    return h, v_new[None]
 
 
 #: Pipeline stages of the state pass that fit the device's shared memory, by (device, dtypes,
@@ -366,9 +456,12 @@ def gdn_chunk_prefill_slots(
     *,
     scale: float,
     use_qk_l2norm: bool,
+    fuse_output: bool = False,
     **pass_options,
 ) -> torch.Tensor:
-    """Gated DeltaNet chunked prefill on CUDA with fla's stages and our state pass over slots.
+    """Gated DeltaNet chunked prefill on CUDA with fla's stages and our state pass over slots
+    (``fuse_output``: the output computed in that pass, :func:`chunk_state_output_pass`, in
+    place of fla's ``chunk_fwd_o`` after it).
 
     :param q: ``[T, H, K]``, ``k`` likewise, ``v`` ``[T, HV, V]``, ``g`` ``[T, HV]`` log
         decay, ``beta`` ``[T, HV]`` (contiguous; checked by the caller).
@@ -386,6 +479,11 @@ def gdn_chunk_prefill_slots(
         k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
         chunk_size=CHUNK,
     )  # fmt: skip
+    if fuse_output:
+        return chunk_state_output_pass(
+            q[0], k[0], w[0], u[0], g[0], ssm_state, state_indices, cu_seqlens, chunk_offsets,
+            scale=scale, **pass_options,
+        )  # fmt: skip
     h, v_new = chunk_state_pass(
         k[0], w[0], u[0], g[0], ssm_state, state_indices, cu_seqlens, chunk_offsets,
         chunk_indices.shape[0], **pass_options,
