@@ -15,7 +15,8 @@ where a copy writes elsewhere.
 Variants (shapes of the models that use them):
 
 * ``gdn``: Qwen3-Next, Hk=16, Hv=32, Dk=Dv=128 (``gdn_decode``: block_v, num_warps,
-  programs_per_sm); ``kda``: the same heads with a per-channel gate (``kda_decode``).
+  programs_per_sm, and the default tiling writing its states to other slots,
+  ``out_of_place``); ``kda``: the same heads with a per-channel gate (``kda_decode``).
 * ``mamba2``: H=128, N=128, P=64 (``mamba2_decode``: block_p, num_warps, streaming).
 * ``lightning``: MiniMax-Text-01, H=64, Dk=Dv=128, through ``mamba2_decode`` as the plugin
   calls it.
@@ -92,18 +93,27 @@ def _delta_case(B: int, kda: bool):
     import torch
     from attn_plugin_triton_ssm.kernels import gdn_decode, kda_decode
 
-    q, k, v, g, beta, state, idx = _decode_inputs(B, B + 8, per_channel_g=kda)
+    # a pool of 2B + 8 slots: B read in random order, B others for the out-of-place rows
+    q, k, v, g, beta, state, idx = _decode_inputs(B, 2 * B + 8, per_channel_g=kda)
+    taken = torch.zeros(state.shape[0], dtype=torch.bool, device=idx.device)
+    taken[idx.long()] = True
+    free = (~taken).nonzero()[:, 0]
+    out_idx = free[torch.randperm(free.numel(), device=free.device)[:B]].int()
     out = torch.empty_like(v)
     fn = kda_decode if kda else gdn_decode
 
-    def run(**tiling):
-        return fn(q, k, v, g, beta, state, idx, out=out, **tiling)
+    def run(out_of_place: bool = False, **tiling):
+        # out of place: the new states go to other slots, as a copy writes elsewhere (an
+        # in-place update reads and writes the same addresses)
+        return fn(q, k, v, g, beta, state, idx, out=out,
+                  state_indices_out=out_idx if out_of_place else None, **tiling)  # fmt: skip
 
     # 8 and 16 warps (cross-warp reductions) ran at 0.40-0.75 of copy, 128-wide blocks at
     # 0.60-0.75; loading two work items ahead, or leaving the loads to Triton's pipeliner,
     # measured the same as the default's one (0.91-0.93): the step is not short of loads in
     # flight
-    configs = [{}, *_grid(block_v=(16, 32, 64), num_warps=(2, 4), programs_per_sm=(None, 0))]
+    tilings = _grid(block_v=(16, 32, 64), num_warps=(2, 4), programs_per_sm=(None, 0))
+    configs = [{}, {"out_of_place": True}, *tilings]
     token_bytes = sum(t.numel() * t.element_size() for t in (q, k, v, g, beta, out))
     return _tilings(run), configs, _state_bytes(B) // 2, token_bytes
 

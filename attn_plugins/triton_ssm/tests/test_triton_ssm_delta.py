@@ -59,6 +59,26 @@ def test_decode_matches_fla_naive(state_dtype, kda, dk, dv, block_v):
     assert torch.equal(state[UNTOUCHED], before[UNTOUCHED]), "slots not in the batch changed"
 
 
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_decode_out_of_place_writes_the_out_slots_and_keeps_the_read_ones(kda):
+    # request 0 reads slot 5 and writes slot 1; request 1 is padding (its out slot 4 stays);
+    # request 2 reads slot 2 and stores nothing (-1)
+    q, k, v, g, beta, state, idx = _inputs(T=1, dk=16, dv=32, kda=kda, state_dtype=torch.float32)
+    fn = K.kda_decode if kda else K.gdn_decode
+    args = (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+    in_place = state.clone()
+    o_in = fn(*args, in_place, idx, block_v=16)
+    before = state.clone()
+    out_idx = torch.tensor([1, 4, -1], dtype=torch.int32, device=DEV)
+    o_out = fn(*args, state, idx, block_v=16, state_indices_out=out_idx)
+    assert torch.equal(o_out, o_in), "where the state goes changed the outputs"
+    assert torch.equal(state[1], in_place[5]), "request 0's new state is not in its out slot"
+    kept = [0, 2, 3, 4, 5, 6]  # the read slots, the padding row's out slot, the others
+    assert torch.equal(state[kept], before[kept])
+    with pytest.raises(ValueError, match=r"state_indices_out: expected shape \[3\]"):
+        fn(*args, state, idx, state_indices_out=out_idx[:2])
+
+
 def test_decode_options_scale_no_l2norm_strided_inputs():
     q, k, v, g, beta, state, idx = _inputs(T=1, dk=16, dv=16, kda=False, state_dtype=torch.float32)
     before = state.clone()

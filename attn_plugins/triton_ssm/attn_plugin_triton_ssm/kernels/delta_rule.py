@@ -19,7 +19,8 @@ offsets are computed in int64: ``slot * stride`` overflows int32 past 2 GiB of s
 
 Public wrappers (all write in place and return ``out``):
 
-* ``gdn_decode`` / ``kda_decode``: one token per request, state updated in the slot.
+* ``gdn_decode`` / ``kda_decode``: one token per request, state updated in the slot (or,
+  with ``state_indices_out``, written to another slot: out of place).
 * ``gdn_verify_native`` / ``kda_verify_native``: ``K1`` tokens, every per-position state stored
   in ``intermediate_states``; slot untouched. ``gdn_commit`` then copies the state after the
   accepted prefix into the slot.
@@ -179,13 +180,14 @@ def _step(b_s, b_q, b_k, b_v, b_g, b_beta, scale, USE_L2NORM: tl.constexpr,
 @triton.jit
 def _delta_rule_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, idx_ptr, ntok_ptr, out_ptr, inter_ptr,
-    scale, n_work,
+    widx_ptr, scale, n_work,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
     s_ss, s_sh, s_ob, s_ot, s_oh, s_ib, s_it, s_ih,
     T: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NVB: tl.constexpr, PER_CHANNEL_G: tl.constexpr,
     USE_L2NORM: tl.constexpr, EPS: tl.constexpr, HAS_NTOK: tl.constexpr,
     STORE_OUT: tl.constexpr, STORE_INTER: tl.constexpr, WRITE_SLOT: tl.constexpr,
+    OUT_OF_PLACE: tl.constexpr,
 ):  # fmt: skip
     # Persistent: program p handles work items p, p + P, p + 2P, ... (P = grid size) and loads
     # item i + P (state tile and first token) before computing item i, so a state read is in
@@ -253,9 +255,20 @@ def _delta_rule_kernel(
                 p_i = p_i + o_k[:, None] * DV + o_v[None, :]
                 tl.store(p_i, b_s.to(inter_ptr.dtype.element_ty), mask=m_st)
         if WRITE_SLOT:
-            p_s = state_ptr + tl.maximum(slot, 0).to(tl.int64) * s_ss + i_hv * s_sh
+            if OUT_OF_PLACE:  # into the request's out slot (-1: not stored); a padding row: none
+                w_slot = tl.load(widx_ptr + i_b).to(tl.int32)
+                w_slot = tl.where(slot >= 0, w_slot, -1)
+                m_w = (zero_kv + w_slot) >= 0
+                if not EVEN_K:
+                    m_w = m_w & (o_k[:, None] < DK)
+                if not EVEN_V:
+                    m_w = m_w & (o_v[None, :] < DV)
+            else:
+                w_slot = slot
+                m_w = m_st
+            p_s = state_ptr + tl.maximum(w_slot, 0).to(tl.int64) * s_ss + i_hv * s_sh
             p_s = p_s + o_k[:, None] * DV + o_v[None, :]
-            tl.store(p_s, b_s.to(state_ptr.dtype.element_ty), mask=m_st)
+            tl.store(p_s, b_s.to(state_ptr.dtype.element_ty), mask=m_w)
 
         i_b, i_hv, i_hk, i_vb, slot = n_b, n_hv, n_hk, n_vb, n_slot
         b_s, b_q, b_k, b_v, b_g, b_beta = n_s, n_q, n_k, n_v, n_g, n_beta
@@ -372,6 +385,7 @@ def _launch(
     block_v: int | None,
     num_warps: int | None,
     programs_per_sm: int | None = None,
+    state_indices_out: torch.Tensor | None = None,
 ) -> None:
     """q, k, v, g, beta, out, intermediate_states are 4-D/5-D ``[B, T, ...]`` here.
 
@@ -398,7 +412,8 @@ def _launch(
     )
     args = (
         q, k, v, g, beta, ssm_state, state_indices,
-        num_tokens if num_tokens is not None else state_indices, o, inter, float(scale), n_work,
+        num_tokens if num_tokens is not None else state_indices, o, inter,
+        state_indices_out if state_indices_out is not None else state_indices, float(scale), n_work,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride()[:3], *beta.stride()[:3],
         *ssm_state.stride()[:2], *(out.stride()[:3] if out is not None else (0, 0, 0)),
         *inter_strides,
@@ -407,7 +422,8 @@ def _launch(
         T=T, HV=Hv, GROUP=Hv // Hk, DK=Dk, DV=Dv, BK=BK, BV=BV, NVB=NVB,
         PER_CHANNEL_G=per_channel_g, USE_L2NORM=use_qk_l2norm, EPS=_L2_EPS,
         HAS_NTOK=num_tokens is not None, STORE_OUT=out is not None,
-        STORE_INTER=intermediate_states is not None, WRITE_SLOT=write_slot, num_warps=nw,
+        STORE_INTER=intermediate_states is not None, WRITE_SLOT=write_slot,
+        OUT_OF_PLACE=state_indices_out is not None, num_warps=nw,
     )  # fmt: skip
     if programs_per_sm is None:
         pps = _programs_per_sm(args, meta, q, v, ssm_state, o, inter)
@@ -522,6 +538,7 @@ def _decode_op(per_channel_g: bool) -> Callable[..., torch.Tensor]:
         block_v: int | None = None,
         num_warps: int | None = None,
         programs_per_sm: int | None = None,
+        state_indices_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Gated DeltaNet decode: one token per request; updates ``ssm_state`` in place.
 
@@ -544,12 +561,19 @@ def _decode_op(per_channel_g: bool) -> Callable[..., torch.Tensor]:
         :param programs_per_sm: persistent grid of this many programs per SM, each looping over
             (request, head, Dv block) items and prefetching the next; ``0`` launches one
             program per item; ``None`` picks the tuned default.
+        :param state_indices_out: ``[B]`` int32: each request's updated state goes to this slot
+            instead (out of place: the slot it was read from keeps its state; ``-1``: not
+            stored). A request's out slot must not be another request's slot of the step,
+            read or written. ``None``: back into ``state_indices``.
         :returns: ``out``.
         """
         _check_inputs(
             q=q, k=k, v=v, g=g, beta=beta, ssm_state=ssm_state, state_indices=state_indices,
             per_channel_g=per_channel_g, multi_token=False,
         )  # fmt: skip
+        if state_indices_out is not None:
+            check_index("state_indices_out", state_indices_out, q.shape[0])
+            check_same_device({"ssm_state": ssm_state, "state_indices_out": state_indices_out})
         out = _alloc_out(out, v)
         _launch(
             q=q.unsqueeze(1), k=k.unsqueeze(1), v=v.unsqueeze(1), g=g.unsqueeze(1),
@@ -557,6 +581,7 @@ def _decode_op(per_channel_g: bool) -> Callable[..., torch.Tensor]:
             num_tokens=None, out=out.unsqueeze(1), intermediate_states=None, scale=scale,
             use_qk_l2norm=use_qk_l2norm, per_channel_g=per_channel_g, write_slot=True,
             block_v=block_v, num_warps=num_warps, programs_per_sm=programs_per_sm,
+            state_indices_out=state_indices_out,
         )  # fmt: skip
         return out
 
