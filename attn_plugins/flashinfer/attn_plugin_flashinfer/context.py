@@ -78,7 +78,7 @@ from attn_core.state.kv_write import (
     write_slots,
 )
 from attn_plugin_flashinfer import compat, planning
-from attn_plugin_flashinfer.sinks import apply_sinks_
+from attn_plugin_flashinfer.sinks import apply_sinks_, triton_runs_on
 
 __all__ = [
     "FLOAT_WORKSPACE_BYTES",
@@ -539,9 +539,7 @@ class FullAttentionContext(_PagedContext):
         self.tensor_core_decode = decode_uses_tensor_cores(
             spec.num_heads, spec.num_kv_heads, spec.kv_dtype
         )
-        if small_decode_serves(spec, self.kv_dtype, self.q_dtype) and small_decode_runs_on(
-            self.device
-        ):
+        if small_decode_serves(spec, self.kv_dtype, self.q_dtype) and triton_runs_on(self.device):
             cap = int(
                 os.environ.get(
                     "ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", str(SMALL_DECODE_MAX_BATCH)
@@ -912,12 +910,6 @@ def small_decode_batch_limit(max_model_len: int, cap: int = SMALL_DECODE_MAX_BAT
     no more than ``SMALL_DECODE_MAX_KV_TOKENS`` KV positions at ``max_model_len`` each (0: the
     path is off)."""
     return max(0, min(cap, SMALL_DECODE_MAX_KV_TOKENS // max(max_model_len, 1)))
-
-
-def small_decode_runs_on(device: torch.device) -> bool:
-    """small_decode's kernels are Triton's: they run on CUDA tensors, and on CPU tensors only
-    under Triton's interpreter (``TRITON_INTERPRET=1``, the CPU tests)."""
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def small_decode_serves(spec: LayerSpec, kv_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:

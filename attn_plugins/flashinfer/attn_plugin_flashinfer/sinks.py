@@ -24,7 +24,7 @@ import os
 
 import torch
 
-__all__ = ["LN2", "apply_sinks_"]
+__all__ = ["LN2", "apply_sinks_", "triton_runs_on"]
 
 LN2 = math.log(2.0)
 #: query rows (token x head) one program rescales
@@ -49,7 +49,7 @@ def apply_sinks_(out: torch.Tensor, lse_log2: torch.Tensor, sinks: torch.Tensor)
         )
     if T == 0:
         return out
-    if out.device.type == "cuda" or _interpreted():
+    if triton_runs_on(out.device):
         _launch(out, lse_log2, sinks)
         return out
     factor = torch.sigmoid(lse_log2.float() * LN2 - sinks.float())  # [T, H]
@@ -57,8 +57,11 @@ def apply_sinks_(out: torch.Tensor, lse_log2: torch.Tensor, sinks: torch.Tensor)
     return out
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether the plugin's Triton kernels (this rescale, small_decode) run on tensors of
+    ``device``: CUDA, and CPU only under Triton's interpreter (``TRITON_INTERPRET=1``, the CPU
+    tests)."""
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 _KERNEL = None

@@ -1012,14 +1012,15 @@ def test_small_decode_serves_plain_16_bit_layers_only(fake_fi):
     assert h.context.step.kind is StepKind.DECODE_GRAPH
 
 
-def test_small_decode_runs_on_cuda_or_in_triton_s_interpreter(monkeypatch):
-    from attn_plugin_flashinfer.context import small_decode_runs_on
+def test_the_triton_kernels_run_on_cuda_or_in_triton_s_interpreter(monkeypatch):
+    """small_decode and the sinks rescale: on CUDA tensors, on CPU ones only interpreted."""
+    from attn_plugin_flashinfer.sinks import triton_runs_on
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert small_decode_runs_on(torch.device("cuda", 0))
-    assert not small_decode_runs_on(torch.device("cpu"))
+    assert triton_runs_on(torch.device("cuda", 0))
+    assert not triton_runs_on(torch.device("cpu"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert small_decode_runs_on(torch.device("cpu"))
+    assert triton_runs_on(torch.device("cpu"))
 
 
 @INTERPRETED
