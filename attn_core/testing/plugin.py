@@ -17,6 +17,7 @@ with one line per advertised capability. Environment equivalents: ``ATTN_CORE_CO
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any, cast
 
@@ -186,9 +187,7 @@ def _spec_groups(items: list[pytest.Item]) -> list[int]:
 def _balanced_shards(groups: list[int], n: int) -> dict[int, int]:
     """Group number -> shard: the largest groups first, each to the shard with the fewest
     items so far (lowest shard on a tie); the same for every one of the N runs."""
-    sizes: dict[int, int] = {}
-    for group in groups:
-        sizes[group] = sizes.get(group, 0) + 1
+    sizes = Counter(groups)
     load = [0] * n
     shard_of = {}
     for group in sorted(sizes, key=lambda g: (-sizes[g], g)):
