@@ -118,16 +118,24 @@ def _delta_case(B: int, kda: bool):
     return _tilings(run), configs, _state_bytes(B) // 2, token_bytes
 
 
+#: Mamba2-2.7B-like decode heads (one B/C group), as ``mamba2_decode_call`` is called here
+MAMBA2_H, MAMBA2_N, MAMBA2_P = 128, 128, 64
+
+
 def _mamba2_case(B: int, lightning: bool):
-    run, half_bytes = lightning_decode_call(B) if lightning else mamba2_decode_call(B)
-    P = LIGHTNING_D if lightning else 64
+    if lightning:
+        run, half_bytes = lightning_decode_call(B)
+        P = LIGHTNING_D
+        # v in, o out, k and q (as B and C, one per head) [B, H, D] bf16; dt [B, H] float32
+        token_bytes = B * (4 * LIGHTNING_H * LIGHTNING_D * 2 + LIGHTNING_H * 4)
+    else:
+        run, half_bytes = mamba2_decode_call(B, H=MAMBA2_H, N=MAMBA2_N, P=MAMBA2_P)
+        P = MAMBA2_P
+        # x in, y out [B, H, P] bf16; B and C [B, 1, N] bf16; dt [B, H] bf16
+        token_bytes = B * (2 * MAMBA2_H * P * 2 + 2 * MAMBA2_N * 2 + MAMBA2_H * 2)
     blocks = (16, 32, 64, 128) if P >= 128 else (16, 32, 64)
     warps = (4, 8, 16) if P >= 128 else (2, 4, 8)
     grid = _grid(block_p=blocks, num_warps=warps, streaming=(False, True))
-    if lightning:  # v in, o out, k and q (as B and C, one per head) [B, H, D] bf16, dt [B, H]
-        token_bytes = B * (4 * LIGHTNING_H * LIGHTNING_D * 2 + LIGHTNING_H * 4)
-    else:  # x in, y out [B, H, P] bf16, B and C [B, 1, N] bf16, dt [B, H] bf16
-        token_bytes = B * (2 * 128 * P * 2 + 2 * 128 * 2 + 128 * 2)
     return _tilings(run), [{}, {"streaming": True}, *grid], half_bytes, token_bytes
 
 
