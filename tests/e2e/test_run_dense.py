@@ -316,6 +316,15 @@ def test_a_config_transformers_cannot_build_is_refused_as_such(tmp_path: Path, r
         run_on_cpu(str(path))
 
 
+def test_a_config_transformers_asserts_on_is_refused_as_such(tmp_path: Path, run_on_cpu) -> None:
+    """Phi-3's class default ``pad_token_id`` 32000 at a tiny vocabulary: torch's
+    ``nn.Embedding`` fails an assertion inside transformers' constructor. ``attn run`` names the
+    config class and torch's message, not a traceback that looks like attn-core's."""
+    path = _tiny_config(tmp_path, "phi3", 2, pad_token_id=32000)
+    with pytest.raises(ValueError, match=r"transformers cannot build Phi3Config.*Padding_idx"):
+        run_on_cpu(str(path))
+
+
 # Model types whose transformers attention modules compute attention in their own code (no
 # attention-function interface to hook) and that have no module adapter: (model_type, fields,
 # layers, the module classes named, another feature the refusal names).
