@@ -17,7 +17,7 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from attn_core.errors import SelectionError
 from attn_core.registry import Registry
@@ -256,13 +256,6 @@ def _self_check_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _load_layout(args: argparse.Namespace):
-    from attn_core.models import specs_from_hf_config
-
-    stack = getattr(args, "stack", None)
-    return specs_from_hf_config(args.model, tp_size=args.tp, dtype=args.dtype, stack=stack)
-
-
 def _device(target: str | None):
     from attn_core.specs import DeviceCapabilities
 
@@ -448,13 +441,63 @@ def _span(indices: tuple[int, ...]) -> str:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
+    from attn_core.e2e.main import explain_inputs
+    from attn_core.errors import AttnCoreError
+
     registry = _registry(args)
     _warn_quarantined(registry, "explain")
-    layout = _load_layout(args)
+    names = explain_inputs(args.model)
+    if len(names) == 1:  # one model: its plan (or JSON object) alone; an error is main()'s
+        shown, messages = _explain_model(args, names[0], registry)
+        print(json.dumps(shown, indent=1) if isinstance(shown, dict) else shown)
+        # on stderr, after the plan: stdout stays the plan (or its JSON) alone
+        for message in messages:
+            print(f"attn explain: warning: {message}", file=sys.stderr)
+        return 0
+    # several ('all', a comma list): every model is planned, a refused one named and counted
+    payloads: list[dict[str, Any]] = []
+    refused: list[str] = []
+    for name in names:
+        try:
+            shown, messages = _explain_model(args, name, registry)
+        except (AttnCoreError, ValueError, KeyError) as exc:
+            refused.append(name)
+            said = str(exc)  # the mapping's errors start with the model's name already
+            named = said if said.startswith(f"{name}:") else f"{name}: {said}"
+            print(f"attn explain: error: {named}", file=sys.stderr)
+            payloads.append({"input": name, "error": str(exc)})
+            continue
+        if isinstance(shown, dict):
+            payloads.append({"input": name, **shown})
+        else:
+            print(shown + "\n")
+        for message in messages:
+            print(f"attn explain: warning: {name}: {message}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(payloads, indent=1))
+    if refused:
+        print(
+            f"attn explain: {len(refused)} of {len(names)} models not planned: "
+            f"{', '.join(refused)}",
+            file=sys.stderr,
+        )
+        return 2
+    return 0
+
+
+def _explain_model(
+    args: argparse.Namespace, model: str, registry: Any
+) -> tuple[dict[str, Any] | str, list[str]]:
+    """One model's plan: its JSON payload (``--json``) or its text, and the warnings selection
+    gave (downgrades, ...)."""
+    from attn_core.models import specs_from_hf_config
+
+    layout = specs_from_hf_config(model, tp_size=args.tp, dtype=args.dtype, stack=args.stack)
     device = _device(args.target)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan = _plan(args, layout, registry, device)
+    messages = [str(w.message) for w in caught]
     if args.json:
         payload = plan.to_dict()
         payload["model"] = layout.architecture
@@ -465,34 +508,31 @@ def cmd_explain(args: argparse.Namespace) -> int:
         payload["stacks"] = {
             s.stack: [g.group_id for g in s.groups] for s in (layout.stacks or (layout,))
         }
-        payload["warnings"] = [str(w.message) for w in caught]
+        payload["warnings"] = messages
         payload["quarantined"] = registry.summary()["quarantined"]
-        print(json.dumps(payload, indent=1))
+        return payload, messages
+    lines = []
+    if layout.stacks:
+        stacks = ", ".join(f"{s.stack} ({s.num_layers} layers)" for s in layout.stacks)
+        lines.append(f"model: {model} ({layout.architecture}, stacks {stacks}, tp={args.tp})")
     else:
-        if layout.stacks:
-            stacks = ", ".join(f"{s.stack} ({s.num_layers} layers)" for s in layout.stacks)
-            print(f"model: {args.model} ({layout.architecture}, stacks {stacks}, tp={args.tp})")
-        else:
-            stack = f", stack {layout.stack}" if layout.stack else ""
-            print(
-                f"model: {args.model} ({layout.architecture}, {layout.num_layers} layers{stack}, "
-                f"tp={args.tp})"
-            )
-        # layers two groups list: said, rather than let the groups' counts read as overlap
-        pairs: dict[tuple[str, ...], list[int]] = {}
-        for i in layout.parallel_layers:
-            pairs.setdefault(tuple(g.group_id for g in layout.groups_of(i)), []).append(i)
-        for ids, where in pairs.items():
-            print(
-                f"parallel ops: {len(where)} layers ({_span(tuple(where))}) each hold an op of "
-                f"groups {' and '.join(map(repr, ids))} side by side, with KV pages and a conv / "
-                "SSM slot each"
-            )
-        print(format_plan(plan, registry))
-    # on stderr, after the plan: stdout stays the plan (or its JSON) alone
-    for w in caught:
-        print(f"attn explain: warning: {w.message}", file=sys.stderr)
-    return 0
+        stack = f", stack {layout.stack}" if layout.stack else ""
+        lines.append(
+            f"model: {model} ({layout.architecture}, {layout.num_layers} layers{stack}, "
+            f"tp={args.tp})"
+        )
+    # layers two groups list: said, rather than let the groups' counts read as overlap
+    pairs: dict[tuple[str, ...], list[int]] = {}
+    for i in layout.parallel_layers:
+        pairs.setdefault(tuple(g.group_id for g in layout.groups_of(i)), []).append(i)
+    for ids, where in pairs.items():
+        lines.append(
+            f"parallel ops: {len(where)} layers ({_span(tuple(where))}) each hold an op of "
+            f"groups {' and '.join(map(repr, ids))} side by side, with KV pages and a conv / "
+            "SSM slot each"
+        )
+    lines.append(format_plan(plan, registry))
+    return "\n".join(lines), messages
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -572,8 +612,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "model",
-        help=f"a sample ({', '.join(sample_names())}), or the path of a Hugging Face "
-        "config.json (or of its folder)",
+        help=f"a sample ({', '.join(sample_names())}), the path of a Hugging Face "
+        "config.json (or of its folder), 'all' (every architecture attn run drives) or a comma "
+        "list of these, as attn run --model takes",
     )
     p.add_argument(
         "--target", default="auto", help=f"{', '.join(sorted(TARGETS))}, or auto (this machine)"

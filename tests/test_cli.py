@@ -348,3 +348,62 @@ def test_explain_whisper_refuses_the_decoder_unless_the_encoder_is_asked(
         rc, out, err = _explain_model(capsys, *args)
         assert (rc, err) == (0, ""), err
         assert "group encoder.encoder: encoder 20q/20kv d64 float16 bidirectional" in out
+
+
+def test_explain_all_plans_every_architecture_run_drives(capsys, use_registry, ref_registry):
+    """``attn explain all`` takes ``attn run``'s ``all``: one plan per architecture the runner
+    drives, each headed by its name, nothing refused."""
+    from attn_core.e2e.configs import ARCHITECTURES
+
+    use_registry(ref_registry)
+    rc, out, err = _explain_model(capsys, "all")
+    assert (rc, err) == (0, "")
+    heads = [line.split(" (")[0] for line in out.splitlines() if line.startswith("model: ")]
+    assert heads == [f"model: {name}" for name in ARCHITECTURES]
+
+
+def test_explain_a_comma_list_with_run_aliases_gives_one_json_plan_each(
+    capsys, use_registry, ref_registry
+):
+    """A comma list, with run's spelling of a name (``qwen3_next``), as JSON: a list of the
+    plans in the order given, each saying which input it answers."""
+    use_registry(ref_registry)
+    rc, out, err = _explain_model(capsys, "qwen3,qwen3_next", "--json")
+    assert (rc, err) == (0, "")
+    payloads = json.loads(out)
+    assert [p["input"] for p in payloads] == ["qwen3", "qwen3-next"]
+    assert [p["model"] for p in payloads] == ["Qwen3ForCausalLM", "Qwen3NextForCausalLM"]
+    assert {g["group_id"] for g in payloads[1]["groups"]} == {"linear", "full"}
+
+
+def test_explain_a_list_goes_on_past_a_refused_model_and_exits_2(
+    capsys, use_registry, ref_registry
+):
+    """One refused model of a list: the others are still planned, the refusal is named on
+    stderr (and in the JSON), and the exit status says that not every model was planned."""
+    use_registry(ref_registry)
+    rc, out, err = _explain_model(capsys, "qwen3,whisper")
+    assert rc == 2
+    assert out.startswith("model: qwen3 (Qwen3ForCausalLM, ")
+    assert "attn explain: error: whisper: cross-attention in decoder layers 0-31" in err
+    assert err.strip().endswith("attn explain: 1 of 2 models not planned: whisper")
+    rc, out, _ = _explain_model(capsys, "qwen3,whisper", "--json")
+    assert rc == 2
+    first, second = json.loads(out)
+    assert first["input"] == "qwen3" and first["groups"]
+    assert second["input"] == "whisper" and "cross-attention" in second["error"]
+
+
+def test_explain_accepts_what_run_accepts(capsys, use_registry, ref_registry, tmp_path):
+    """Every input form ``attn run --model`` resolves (``all``, aliases, comma lists, a
+    config.json and its folder) is one ``attn explain`` plans."""
+    from attn_core.e2e.main import resolve_models
+    from attn_core.models import load_sample
+
+    use_registry(ref_registry)
+    (tmp_path / "config.json").write_text(json.dumps(load_sample("qwen3")))
+    for model in ("all", "qwen3_next,falcon_h1", str(tmp_path), str(tmp_path / "config.json")):
+        assert resolve_models(model), model
+        rc, out, err = _explain_model(capsys, model)
+        assert (rc, err) == (0, ""), (model, err)
+        assert out.startswith("model: "), model

@@ -54,6 +54,7 @@ __all__ = [
     "ArchitectureRun",
     "RunReport",
     "default_registry",
+    "explain_inputs",
     "make_prompts",
     "plan_for",
     "resolve_models",
@@ -306,6 +307,25 @@ def resolve_models(model: str, stack: str | None = None) -> list[str]:
     (files or folders) -> the names the report uses (sample names, or the paths as given; a
     multi-stack config's ``PATH [stack]`` per stack that runs)."""
     return [i.label for i in _resolve(model, stack)]
+
+
+def explain_inputs(model: str) -> list[str]:
+    """``attn run``'s ``--model`` vocabulary as ``attn explain`` reads it: ``"all"`` (every
+    architecture the runner drives), a comma list, run's spellings of a name (``qwen3_next``),
+    samples and config.json paths (files or folders), each once, in the order given.
+
+    A sample keeps its own meaning (``qwen2-vl``: the whole model, both stacks, where ``attn
+    run qwen2-vl`` drives its vision tower); any other name is left as given, for explain's
+    own error to name."""
+    names: list[str] = []
+    for part in (p.strip() for p in model.split(",") if p.strip()):
+        if part.lower() == "all":
+            names.extend(ARCHITECTURES)
+        elif Path(part).exists() or part in sample_names():
+            names.append(part)
+        else:
+            names.append(_ALIASES.get(part.lower(), part))
+    return list(dict.fromkeys(names))
 
 
 def default_registry():
