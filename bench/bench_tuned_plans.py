@@ -25,8 +25,9 @@ Usage (on the GPU, plugins installed)::
         [--rounds 3] [--out tuned.json]
 
 ``--out`` holds ``{"rows": [...], "tuning": {model: tuning file content}, "tuned": {model:
-["group/phase/backend", ...]}}`` and is rewritten after every candidate's tuning grid and every
-check row. ``--tuning-in`` takes such a file and checks its models' tuned plans without tuning
+["group/phase/backend", ...]}, "plans": {model: {"group/phase": tuned plan}}}`` and is
+rewritten after every candidate's tuning grid and every check row; ``--summary FILE`` prints
+such a file as a markdown table (the same table ends every run). ``--tuning-in`` takes such a file and checks its models' tuned plans without tuning
 them again; ``--resume`` takes the file of a run cut at its limit and goes on where it stopped:
 the candidates whose grids it finished are not tuned again and the check rows it has are kept
 (a row is measured again only if it is missing). ``--graph-mode
@@ -177,6 +178,7 @@ def bench_model(
     save: Callable[[], None] = lambda: None,
     progress: dict[str, list[str]] | None = None,
     shared: dict[tuple, Any] | None = None,
+    plans: dict[str, dict[str, str]] | None = None,
 ) -> None:
     """Tune ``name``'s groups, plan with the tuning data (kept in ``tunings[name]``, the tuning
     file's content) and time every candidate at the check points: one row per point, appended
@@ -188,9 +190,13 @@ def bench_model(
 
     ``shared``, one dict for every model of a run: a layer spec's tuning grid per candidate and
     its check points' medians, measured once per run whichever model has the spec (four
-    samples share qwen3's 32q/8kv d128 layers, four the Qwen2-VL text and vision layers)."""
+    samples share qwen3's 32q/8kv d128 layers, four the Qwen2-VL text and vision layers).
+
+    ``plans[name]``: the tuned plan of each ``"group/phase"`` as explain says it (the backend,
+    and where it switches by step size or requests), for :func:`summary_table`."""
     progress = {} if progress is None else progress
     shared = {} if shared is None else shared
+    plans = {} if plans is None else plans
     caps = DeviceCapabilities.detect(device)
     layout = specs_from_hf_config(load_sample(name), dtype="bfloat16")
     constraints = ExecutionConstraints(graph_mode=args.graph_mode)  # captured phases: replays
@@ -253,8 +259,9 @@ def bench_model(
             f"; {above + 1}-{at_most} tokens in <= {r} requests: {b.qualified_name}"
             for above, at_most, r, b in pc.by_requests
         )
-        print(f"# {name} {group.group_id} {phase.value}: {pc.backend.qualified_name}"
-              + (f" (by step size: {switch})" if switch else ""), flush=True)  # fmt: skip
+        said = pc.backend.qualified_name + (f" (by step size: {switch})" if switch else "")
+        plans.setdefault(name, {})[f"{group.group_id}/{phase.value}"] = said
+        print(f"# {name} {group.group_id} {phase.value}: {said}", flush=True)
     # 2. the check points, every candidate in alternating rounds
     for group, phase, cands in work:
         points = _points(args.prefill_points if phase is Phase.PREFILL else args.decode_points)
@@ -317,6 +324,33 @@ def bench_model(
             save()
 
 
+def summary_table(out: dict[str, Any], goal: float = 1.03) -> str:
+    """A saved ``--out`` file as a markdown table: per model, group and phase its tuned plan,
+    the check points, how many of them the plan's choice is within ``goal`` of the fastest
+    candidate, the worst ratio, and which points were tuned on and which not."""
+    lines = [
+        "| model | group | phase | tuned plan | check points | within "
+        f"{goal:.2f} | worst | not tuned on |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    keyed: dict[tuple[str, str, str], list[dict]] = {}
+    for row in out.get("rows", ()):
+        keyed.setdefault((row["model"], row["group"], row["phase"]), []).append(row)
+    for (model, group, phase), rows in keyed.items():
+        plan = out.get("plans", {}).get(model, {}).get(f"{group}/{phase}", "?")
+        ratios = [r["ratio"] for r in rows]
+        off_grid = [r for r in rows if r["note"].startswith("not tuned on")]
+        points = ", ".join(f"{r['batch']}x{r['context']}" for r in rows)
+        only = all(r["note"].startswith("only candidate") for r in rows)
+        lines.append(
+            f"| {model} | {group} | {phase} | {plan}{' (only candidate)' if only else ''} | "
+            f"{points} | "
+            f"{sum(x <= goal for x in ratios)} of {len(ratios)} | {max(ratios):.3f} | "
+            f"{len(off_grid)} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="qwen3,gpt-oss,deepseek-v3,qwen3-next")
@@ -341,6 +375,12 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None)
     ap.add_argument(
+        "--summary",
+        type=lambda path: json.loads(Path(path).read_text()),
+        default=None,
+        help="print the markdown table of an earlier run's --out file and exit (nothing timed)",
+    )
+    ap.add_argument(
         "--tuning-in",
         type=lambda path: json.loads(Path(path).read_text())["tuning"],
         default=None,
@@ -355,6 +395,9 @@ def main() -> int:
         "check rows it measured are kept, the rest is measured",
     )
     args = ap.parse_args()
+    if args.summary is not None:
+        print(summary_table(args.summary))
+        return 0
     device = torch.device("cuda")
     registry = Registry.discover()
     print(HEADER, flush=True)
@@ -362,10 +405,11 @@ def main() -> int:
     tunings: dict[str, Any] = {}
     progress: dict[str, list[str]] = {}
     shared: dict[tuple, Any] = {}  # a layer spec's timings, whichever model has it
+    plans: dict[str, dict[str, str]] = dict((args.resume or {}).get("plans", {}))
 
     def save() -> None:
         if args.out:
-            out = {"rows": rows, "tuning": tunings, "tuned": progress}
+            out = {"rows": rows, "tuning": tunings, "tuned": progress, "plans": plans}
             Path(args.out).write_text(json.dumps(out, indent=1))
 
     # a run cut at its limit (timeout sends SIGTERM) still prints its summary line where the
@@ -373,7 +417,9 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     try:
         for name in args.models.split(","):
-            bench_model(name, registry, device, args, tunings, rows, save, progress, shared)
+            bench_model(
+                name, registry, device, args, tunings, rows, save, progress, shared, plans
+            )
     finally:
         worst = max((r["ratio"] for r in rows), default=float("nan"))
         print(f"worst ratio chosen/fastest: {worst:.3f} (goal <= 1.03) over {len(rows)} points")
@@ -381,6 +427,7 @@ def main() -> int:
         if missing:  # their points were not contested: the figure above does not cover them
             print(f"not measured (not loadable here): {', '.join(missing)}")
         save()
+        print(summary_table({"rows": rows, "plans": plans}))
     return 0
 
 

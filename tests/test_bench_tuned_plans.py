@@ -259,3 +259,35 @@ def test_a_layer_spec_two_models_share_is_timed_once_per_run(registry, monkeypat
     # without the shared dict every model times its own layers
     script.bench_model("bamba", registry, torch.device("cpu"), args, {}, [])
     assert len(timed) > first
+
+
+def test_the_summary_table_says_per_group_and_phase_how_the_plan_did(
+    registry, monkeypatch, tmp_path, capsys
+):
+    """The table a run ends with, and ``--summary FILE`` prints from its saved file: per group
+    and phase the tuned plan, its check points, how many are within 1.03, the worst ratio."""
+    script = _script()
+    monkeypatch.setattr(script, "bench_group", _stand_in([]))
+    args = argparse.Namespace(
+        tune_batch="1,16", tune_context="2048,16384", max_kv_tokens=2**18,
+        tune_prefill="1024,4096", tune_prefill_requests="1,4", graph_mode="none",
+        decode_points="1x2048,1x32768", prefill_points="1x4096,4x1024",
+        rounds=1, iters=1,
+    )  # fmt: skip
+    rows: list[dict] = []
+    plans: dict = {}
+    script.bench_model("qwen3", registry, torch.device("cpu"), args, {}, rows, plans=plans)
+    assert set(plans["qwen3"]) == {"full/prefill", "full/decode"}
+    table = script.summary_table({"rows": rows, "plans": plans}).splitlines()
+    assert table[0].startswith("| model | group | phase | tuned plan | check points |")
+    decode = next(line for line in table if "| decode |" in line)
+    prefill = next(line for line in table if "| prefill |" in line)
+    # decode 1 x 2048 is the stand-in's miss (2.0), 1 x 32768 is off the grid
+    assert decode.endswith("| 1x2048, 1x32768 | 1 of 2 | 2.000 | 1 |"), decode
+    assert prefill.endswith("| 1x4096, 4x1024 | 2 of 2 | 1.000 | 0 |"), prefill
+    assert f"| {plans['qwen3']['full/prefill']} |" in prefill
+    saved = tmp_path / "tuned.json"
+    saved.write_text(json.dumps({"rows": rows, "plans": plans}))
+    monkeypatch.setattr("sys.argv", ["bench_tuned_plans.py", "--summary", str(saved)])
+    assert script.main() == 0
+    assert capsys.readouterr().out.strip().splitlines()[-2:] == table[-2:]
