@@ -27,12 +27,12 @@ Usage (on the GPU, plugins installed)::
 ``--out`` holds ``{"rows": [...], "tuning": {model: tuning file content}, "tuned": {model:
 ["group/phase/backend", ...]}, "plans": {model: {"group/phase": tuned plan}}}`` and is
 rewritten after every candidate's tuning grid and every check row; ``--summary FILE`` prints
-such a file as a markdown table (the same table ends every run). ``--tuning-in`` takes such a file and checks its models' tuned plans without tuning
-them again; ``--resume`` takes the file of a run cut at its limit and goes on where it stopped:
-the candidates whose grids it finished are not tuned again and the check rows it has are kept
-(a row is measured again only if it is missing). ``--graph-mode
-decode`` tunes and checks the way a server replaying decode graphs runs (decode and verify
-steps timed as CUDA-graph replays).
+such a file as a markdown table (the same table ends every run). ``--tuning-in`` takes such a
+file and checks its models' tuned plans without tuning them again; ``--resume`` takes the file
+of a run cut at its limit and goes on where it stopped: the candidates whose grids it finished
+are not tuned again and the check rows it has are kept (a row is measured again only if it is
+missing). ``--graph-mode decode`` tunes and checks the way a server replaying decode graphs
+runs (decode and verify steps timed as CUDA-graph replays).
 """
 
 from __future__ import annotations
@@ -417,9 +417,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     try:
         for name in args.models.split(","):
-            bench_model(
-                name, registry, device, args, tunings, rows, save, progress, shared, plans
-            )
+            bench_model(name, registry, device, args, tunings, rows, save, progress, shared, plans)
     finally:
         worst = max((r["ratio"] for r in rows), default=float("nan"))
         print(f"worst ratio chosen/fastest: {worst:.3f} (goal <= 1.03) over {len(rows)} points")
