@@ -16,7 +16,7 @@
 #           t_mamba1                                        (Mamba1: triton_ssm and e2e tests)
 #           t_generic                                       (generic adapter on the GPU plugins)
 #           t_pick                                          (PICK="test ids ...": those tests only)
-#           b_fi b_ssm b_runtime b_e2e b_kvw b_tuned        (benchmarks, JSON under $OUT)
+#           b_fi b_ssm b_varlen b_runtime b_e2e b_kvw b_tuned (benchmarks, JSON under $OUT)
 #           b_samples                                       (attn bench --device cuda per BENCH_SAMPLES)
 #           b_ssd b_gdn b_kda b_mamba1 b_ssd_ref            (triton_ssm prefill rows, one each;
 #                                                            b_mamba1 carries .ext: mamba_ssm's scan;
@@ -188,6 +188,7 @@ kit_varlen) run kit_varlen 300 "${PYTEST[@]}" --attn-backend=varlen:varlen
 b_fi) run b_fi 400 python3 attn_plugins/flashinfer/bench/bench_flashinfer.py ${BENCH_FI_ARGS:-} --out "$OUT/bench_flashinfer.json" ;;
 b_ssm) run b_ssm 450 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --prefill --plugin --budget-s 400 --out "$OUT/bench_ssm.json" ;;
 b_kvw) run b_kvw 120 python3 bench/bench_kv_write.py ;;
+b_varlen) run b_varlen 200 python3 attn_plugins/varlen/bench/bench_varlen.py --out "$OUT/bench_varlen.json" ;;
 t_generic) run t_generic 400 "${PYTEST[@]}" tests/e2e/test_run_dense.py -k on_gpu_plugins ;;
 b_ssd) run b_ssd 300 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --mamba2-sweep --only mamba2_sweep --no-fla --budget-s 280 --out "$OUT/bench_ssd.json" ;;
 b_gdn) run b_gdn 300 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --prefill --only gdn_prefill --budget-s 280 --out "$OUT/bench_gdn.json" ;;
