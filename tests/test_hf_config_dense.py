@@ -254,6 +254,18 @@ def test_mla_under_another_model_type_reads_deepseek_names() -> None:
         # a multimodal config no family reads (Qwen3.5's and LLaVA's now map:
         # tests/e2e/test_run_qwen_vl.py, tests/e2e/test_run_llava.py)
         ("idefics3", {}, r"composite config .*its text_config \('llama'\) alone maps"),
+        # composite configs that also carry a common size name at the top: still named as
+        # composite, not as a list of unknown fields (text_config, vision_config, ...)
+        (
+            "gemma4",
+            {"num_hidden_layers": 2},
+            r"composite config \(text_config\) .*its text_config \('gemma4_text'\) al",
+        ),
+        (
+            "emu3",
+            {"num_hidden_layers": 2},
+            r"composite config \(vq_config, text_config\) .*text_config \('emu3_text_m",
+        ),
     ],
 )
 def test_refusals_name_the_feature_and_the_layers(

@@ -1000,7 +1000,8 @@ def _refuse_not_dense(r: _Reader) -> None:
             f"{r.where}: an encoder-decoder model (cross-attention in "
             f"{where or 'its decoder layers'}): no layer kind"
         )
-    if "num_hidden_layers" not in cfg:
+    sizes = "num_hidden_layers" in cfg
+    if not sizes:
         other = {k: v for k, v in _OTHER_SIZE_NAMES.items() if k in cfg}
         if other:
             names = ", ".join(f"{k} for {v}" for k, v in other.items())
@@ -1009,15 +1010,17 @@ def _refuse_not_dense(r: _Reader) -> None:
                 f"reads the common names (num_hidden_layers, num_attention_heads, hidden_size), "
                 f"so no family reads this model_type; refused, not guessed"
             )
-        composite = ("text_config", "llm_config", "decoder", "language_config")
-        nested = [k for k in composite if isinstance(cfg.get(k), Mapping)]
-        towers = [k for k in cfg if k.endswith("_config") and isinstance(cfg[k], Mapping)]
-        if nested or towers:
-            text = _nested_text(cfg[nested[0]], nested[0]) if nested else "none is a text_config"
-            raise ValueError(
-                f"{r.where}: a composite config ({', '.join(towers or nested)}) that no family "
-                f"reads the stacks of; {text}; refused, not mapped in part"
-            )
+    composite = ("text_config", "llm_config", "decoder", "language_config")
+    nested = [k for k in composite if isinstance(cfg.get(k), Mapping)]
+    towers = [k for k in cfg if k.endswith("_config") and isinstance(cfg[k], Mapping)]
+    # a language model nested in the config is a composite config even where its class also
+    # forwards the text sizes to the top (Gemma-4, Emu3): named as such, not as unknown fields
+    if nested or (towers and not sizes):
+        text = _nested_text(cfg[nested[0]], nested[0]) if nested else "none is a text_config"
+        raise ValueError(
+            f"{r.where}: a composite config ({', '.join(towers or nested)}) that no family "
+            f"reads the stacks of; {text}; refused, not mapped in part"
+        )
 
 
 def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
