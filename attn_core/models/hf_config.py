@@ -651,15 +651,31 @@ _DENSE_FIELDS: frozenset[str] = _CONFIG_FIELDS | frozenset(
         # (read by _per_layer_overrides), KV sharing (refused when on)
         "hidden_size_per_layer_input", "vocab_size_per_layer_input", "enable_moe_block",
         "top_k_experts", "use_double_wide_mlp", "per_layer_config", "num_kv_shared_layers",
+        # Ergo: a dense-MLP prefix before the MoE layers; q and k scaled by the root of
+        # global_attention_scale before the attention function on its full layers
+        "num_dense_blocks", "first_dense_intermediate_size", "global_attention_scale",
+        # an embedding model's pooling of the last hidden states (Cohere Compass)
+        "pooling",
+        # ModernBERT's decoder: norm and LM-head biases, MLP dropout, its classifier head, the
+        # init; local_attention is the window's source (_DERIVED_WINDOWS)
+        "norm_bias", "decoder_bias", "mlp_dropout", "classifier_bias", "classifier_activation",
+        "cls_token_id", "initializer_cutoff_factor", "local_attention",
     }
 )  # fmt: skip
+
+# Fields from which a config class derives ``sliding_window`` (``field // divisor``) when the
+# config gives none; a ``sliding_window`` the config gives is the one its class keeps.
+_DERIVED_WINDOWS: dict[str, int] = {"local_attention": 2}  # ModernBERT's decoder
 
 # Layer-pattern fields from which a config class derives its ``layer_types``: read only through
 # the ``layer_types`` the class wrote beside them (a config.json without them is refused: the
 # pattern rule is the class's own code).
 _PATTERN_FIELDS: frozenset[str] = frozenset(
-    {"global_attn_every_n_layers", "prefix_dense_sliding_window_pattern"}
-)
+    {
+        "global_attn_every_n_layers", "prefix_dense_sliding_window_pattern",
+        "global_attention_every_n_layers",
+    }
+)  # fmt: skip
 
 # DeepSeek's multi-head latent attention names: a config with ``kv_lora_rank`` set is read as
 # MLA on every layer (GLM-4.7-Flash, MiniCPM3, Youtu, ...), the scale as DeepSeek computes it
@@ -1088,6 +1104,9 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
                 f"{r.where}: {key!r}={r.cfg[key]!r} in {every}: {model_type!r} is not known to "
                 f"read it (the model types that do: {sorted(readers)}); refused, not guessed"
             )
+    for key, divisor in _DERIVED_WINDOWS.items():
+        if "sliding_window" not in r.cfg and r.cfg.get(key):  # the class's rule, as it holds it
+            r = _Reader({**r.cfg, "sliding_window": r.cfg[key] // divisor}, r.where, r.defaults)
     window = r.cfg.get("sliding_window")
     if r.cfg.get("use_sliding_window", True) is False:
         window = None

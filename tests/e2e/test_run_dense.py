@@ -190,6 +190,8 @@ _DEFAULTS_CASES: dict[str, tuple[int, str]] = {
     # values 128 wide against q/k's 16; sliding layers with twice the KV heads and sinks (the
     # module's rule), v scaled before the op
     "mimo_v2_flash": (4, "sinks"),
+    # layer_types from global_attention_every_n_layers, a dense-MLP prefix before MoE layers
+    "ergo": (4, "window=8"),
 }
 
 
@@ -237,6 +239,21 @@ _FEATURE_CASES: list[tuple[str, dict[str, Any], int, str]] = [
         4,
         "gated_deltanet",
     ),
+    # an embedding model's decoder: its pooling field is read by the embedding head alone
+    # (its class defaults carry no RoPE parameters, which its rotary embedding reads per
+    # layer type: transformers cannot build them as they are)
+    (
+        "cohere_compass_text",
+        {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+        2,
+        "",
+    ),
+    # Ergo's full layers scale q and k by sqrt(global_attention_scale) before the attention
+    # function (the op's logits scaled; the cache holds the scaled keys)
+    ("ergo", {"global_attention_scale": 2.0}, 4, "window=8"),
+    # ModernBERT's decoder: classifier and LM-head fields outside the op; the window it is
+    # given (its class derives one from local_attention only where none is given: below)
+    ("modernbert-decoder", {"local_attention": 8}, 4, "window=8"),
     # LFM3: LFM2's short conv (kernel 7) with sliding and full attention layers, a sigmoid gate
     # per head after the op, sandwich norms, a rope per layer type (once MISMATCHed)
     ("lfm3", {}, 6, "window=8"),
@@ -271,6 +288,7 @@ _FEATURE_CASES: list[tuple[str, dict[str, Any], int, str]] = [
 # What a case needs that came after the oldest transformers attn-core supports: it skips on an
 # older release, naming this (and runs on that release or a newer one).
 _SINCE: dict[str, pytest.MarkDecorator] = {
+    "ergo": since_transformers("5.25.0", "ErgoConfig ('ergo')"),
     "exaone": since_transformers("5.24.0", "ExaoneConfig ('exaone')"),
     "lfm3": since_transformers("5.23.0", "Lfm3Config ('lfm3')"),
     # before it GPTJAttention computes attention in its own code: the mapping refuses GPT-J
@@ -304,6 +322,20 @@ def test_run_family_from_its_config_class_defaults(
     assert report.ok, text
     assert "MATCH" in text and shown in text, text
     assert report.runs[0].plan["groups"], text
+
+
+def test_a_window_derived_by_the_config_class_is_the_one_mapped(tmp_path: Path, run_on_cpu):
+    """ModernBERT's decoder config without ``sliding_window``: its class derives it as
+    ``local_attention // 2`` (4 here, shorter than the prompts), and so does the mapping."""
+    path = _tiny_config(tmp_path, "modernbert-decoder", 4, local_attention=8)
+    cfg = json.loads(path.read_text())
+    del cfg["sliding_window"]
+    path.write_text(json.dumps(cfg))
+    cls = transformers.CONFIG_MAPPING["modernbert-decoder"]
+    assert cls.from_dict({k: v for k, v in cfg.items() if k != "model_type"}).sliding_window == 4
+    report = run_on_cpu(str(path))
+    text = report.format()
+    assert report.ok and "MATCH" in text and "window=4" in text, text
 
 
 def test_a_config_transformers_cannot_build_is_refused_as_such(tmp_path: Path, run_on_cpu) -> None:
