@@ -732,6 +732,100 @@ def _decode_floats(value: Any) -> Any:
     return value
 
 
+def _construct(name: str, cfg: dict[str, Any], hf_cfg: Any) -> Any:
+    """The transformers model of architecture ``name`` from ``hf_cfg`` (random init, on the
+    current default device: a ``torch.device`` context picks it, ``meta`` allocates nothing)."""
+    import transformers
+
+    if name == "qwen2.5-vl-vision":
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel,
+        )
+
+        model = Qwen2_5_VisionTransformerPretrainedModel._from_config(
+            hf_cfg, attn_implementation="eager"
+        )
+    elif name == "qwen2-vl-vision":
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+            Qwen2VisionTransformerPretrainedModel,
+        )
+
+        model = Qwen2VisionTransformerPretrainedModel._from_config(
+            hf_cfg, attn_implementation="eager"
+        )
+    elif name in CONFIG_TOWERS:
+        model = transformers.AutoModel.from_config(hf_cfg, attn_implementation="eager")
+    elif name == "siglip-vision":
+        from transformers import SiglipVisionModel
+
+        model = SiglipVisionModel._from_config(hf_cfg, attn_implementation="eager")
+    elif name == "whisper-encoder":
+        from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+        model = WhisperEncoder._from_config(hf_cfg, attn_implementation="eager")
+    elif _whole_model_text(name, cfg):
+        # the whole *ForConditionalGeneration (AutoModelForCausalLM has no Qwen-VL class):
+        # text prompts run its language model, and its forward is the reference
+        model = transformers.AutoModelForImageTextToText.from_config(
+            hf_cfg, attn_implementation="eager"
+        )
+    else:
+        # MoE blocks through batched_mm: transformers' default grouped_mm reads its expert
+        # offsets on the host for float32 (H200: "Cannot copy between CPU and CUDA tensors
+        # during CUDA graph capture"), so a decode step of DeepSeek-V3 could not be captured.
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(
+                hf_cfg, attn_implementation="eager", experts_implementation="batched_mm"
+            )
+        except Exception as err:
+            # transformers' own modeling code fails on this config (a field its classes
+            # read without a default, e.g. a null head_dim; an assertion in a torch module
+            # it builds, e.g. a pad_token_id outside the vocabulary): not a mapping question
+            raise ValueError(
+                f"transformers cannot build {type(hf_cfg).__name__} "
+                f"({hf_cfg.model_type}) from this config: {type(err).__name__}: {err}; "
+                f"set the field its modeling code reads (attn explain maps the config)"
+            ) from err
+    return model
+
+
+def _check_fits(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse a model whose weights would not fit in what ``device`` has free, as built (the
+    config's dtype) or as run (``dtype``), whichever is larger: built anyway, a full-size
+    config on a small machine is killed by the kernel's out-of-memory killer minutes later,
+    with no word of why. ``model`` is the same model built on the meta device (nothing
+    allocated)."""
+    size = max(dtype.itemsize, *(p.element_size() for p in model.parameters()))
+    params = sum(p.numel() for p in model.parameters())
+    need = params * size + sum(b.numel() * b.element_size() for b in model.buffers())
+    free = available_memory(device)
+    if free is not None and need > 0.9 * free:
+        config = getattr(model, "config", None)
+        kind = getattr(config, "model_type", None)
+        raise ValueError(
+            f"{type(model).__name__}{f' ({kind})' if kind else ''} at its config's sizes holds "
+            f"{params / 1e9:.2f} B parameters, {need / 2**30:.1f} GiB in {str(dtype)[6:]}; "
+            f"{device} has {free / 2**30:.1f} GiB free: run its first layers at real sizes "
+            f"(attn run --layers N) or give a smaller config"
+        )
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free for a model on ``device``: CUDA's free memory, the host's MemAvailable
+    (Linux); None where neither can be read (no refusal then)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def build_tiny(
     name: str,
     *,
@@ -791,61 +885,21 @@ def build_tiny(
         return TinyModel(name, cfg, loaded, layout, checkpoint, notes)
     hf_cfg, notes = _hf_config(name, cfg)
     hf_cfg._attn_implementation = "eager"
+    build_device = torch.device(device)
+    if config is not None:  # a config.json at its own sizes: refused here if it cannot fit
+        try:
+            with torch.device("meta"):
+                sized = _construct(name, cfg, hf_cfg)
+        except Exception:  # an init that reads tensor values has no meta build: not sized
+            sized = None
+        if sized is not None:
+            _check_fits(sized, build_device, torch_dtype(dtype))
     torch.manual_seed(seed)
     # Built on the device it runs on: a CUDA build initialises its weights there, which at a
     # real-size vocabulary and hidden size (--layers N) takes a fraction of a second instead
     # of a minute of CPU random init; a CPU build is unchanged.
-    build_device = torch.device(device)
     with build_device if build_device.type == "cuda" else contextlib.nullcontext():
-        if name == "qwen2.5-vl-vision":
-            from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-                Qwen2_5_VisionTransformerPretrainedModel,
-            )
-
-            model = Qwen2_5_VisionTransformerPretrainedModel._from_config(
-                hf_cfg, attn_implementation="eager"
-            )
-        elif name == "qwen2-vl-vision":
-            from transformers.models.qwen2_vl.modeling_qwen2_vl import (
-                Qwen2VisionTransformerPretrainedModel,
-            )
-
-            model = Qwen2VisionTransformerPretrainedModel._from_config(
-                hf_cfg, attn_implementation="eager"
-            )
-        elif name in CONFIG_TOWERS:
-            model = transformers.AutoModel.from_config(hf_cfg, attn_implementation="eager")
-        elif name == "siglip-vision":
-            from transformers import SiglipVisionModel
-
-            model = SiglipVisionModel._from_config(hf_cfg, attn_implementation="eager")
-        elif name == "whisper-encoder":
-            from transformers.models.whisper.modeling_whisper import WhisperEncoder
-
-            model = WhisperEncoder._from_config(hf_cfg, attn_implementation="eager")
-        elif _whole_model_text(name, cfg):
-            # the whole *ForConditionalGeneration (AutoModelForCausalLM has no Qwen-VL class):
-            # text prompts run its language model, and its forward is the reference
-            model = transformers.AutoModelForImageTextToText.from_config(
-                hf_cfg, attn_implementation="eager"
-            )
-        else:
-            # MoE blocks through batched_mm: transformers' default grouped_mm reads its expert
-            # offsets on the host for float32 (H200: "Cannot copy between CPU and CUDA tensors
-            # during CUDA graph capture"), so a decode step of DeepSeek-V3 could not be captured.
-            try:
-                model = transformers.AutoModelForCausalLM.from_config(
-                    hf_cfg, attn_implementation="eager", experts_implementation="batched_mm"
-                )
-            except Exception as err:
-                # transformers' own modeling code fails on this config (a field its classes
-                # read without a default, e.g. a null head_dim; an assertion in a torch module
-                # it builds, e.g. a pad_token_id outside the vocabulary): not a mapping question
-                raise ValueError(
-                    f"transformers cannot build {type(hf_cfg).__name__} "
-                    f"({hf_cfg.model_type}) from this config: {type(err).__name__}: {err}; "
-                    f"set the field its modeling code reads (attn explain maps the config)"
-                ) from err
+        model = _construct(name, cfg, hf_cfg)
     _spread_weights(model, seed)
     model = model.to(device=device, dtype=torch_dtype(dtype)).eval()
     _recompute_decay_buffers(model)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from attn_core.e2e.configs import init_std
 from attn_core.e2e.main import _driven_model_types
@@ -336,6 +337,48 @@ def test_a_window_derived_by_the_config_class_is_the_one_mapped(tmp_path: Path, 
     report = run_on_cpu(str(path))
     text = report.format()
     assert report.ok and "MATCH" in text and "window=4" in text, text
+
+
+def test_a_config_too_large_for_the_device_is_refused_before_it_is_built(
+    tmp_path: Path, run_on_cpu, monkeypatch
+) -> None:
+    """A config.json at sizes the machine cannot hold: refused from its meta-device build,
+    naming the size and ``--layers``, instead of being built until the out-of-memory killer
+    ends the process (a full-size Qwen3-8B config on a 24 GiB machine did)."""
+    import attn_core.e2e.configs as configs
+
+    built: list[str] = []
+    construct = configs._construct
+
+    def counted(*args: Any) -> Any:
+        model = construct(*args)
+        built.append(next(model.parameters()).device.type)
+        return model
+
+    monkeypatch.setattr(configs, "_construct", counted)
+    monkeypatch.setattr(configs, "available_memory", lambda device: 1024)  # 1 KiB free
+    path = _tiny_config(tmp_path, "olmo2", 2)
+    with pytest.raises(ValueError, match=r"Olmo2ForCausalLM \(olmo2\) at its config's sizes holds"
+                       r" 0\.00 B parameters, .* GiB in float32; cpu has 0\.0 GiB free: run its "
+                       r"first layers at real sizes \(attn run --layers N\)"):  # fmt: skip
+        run_on_cpu(str(path))
+    assert built == ["meta"]  # never built for real
+
+
+def test_the_size_check_counts_the_larger_of_the_built_and_the_run_dtype(monkeypatch) -> None:
+    """A bfloat16 config run in float32 is converted after it is built: 4 bytes a parameter."""
+    import attn_core.e2e.configs as configs
+
+    free = configs.available_memory(torch.device("cpu"))
+    assert free is not None and free > 2**23  # the host's MemAvailable was read
+    with torch.device("meta"):
+        model = torch.nn.Linear(1024, 1024, bias=False, dtype=torch.bfloat16)
+    # 4 MiB free (90 % of it usable): the 2 MiB bfloat16 build fits, its float32 copy does not
+    monkeypatch.setattr(configs, "available_memory", lambda device: 4 * 2**20)
+    configs._check_fits(model, torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(ValueError, match=r"Linear at its config's sizes holds 0\.00 B "
+                       r"parameters, 0\.0 GiB in float32"):  # fmt: skip
+        configs._check_fits(model, torch.device("cpu"), torch.float32)
 
 
 def test_a_config_transformers_cannot_build_is_refused_as_such(tmp_path: Path, run_on_cpu) -> None:
