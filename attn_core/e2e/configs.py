@@ -789,13 +789,40 @@ def _construct(name: str, cfg: dict[str, Any], hf_cfg: Any) -> Any:
     return model
 
 
-def _check_fits(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Refuse a model whose weights would not fit in what ``device`` has free, as built (the
-    config's dtype) or as run (``dtype``), whichever is larger: built anyway, a full-size
-    config on a small machine is killed by the kernel's out-of-memory killer minutes later,
-    with no word of why. ``model`` is the same model built on the meta device (nothing
-    allocated)."""
-    size = max(dtype.itemsize, *(p.element_size() for p in model.parameters()))
+def _refuse_if_too_large(
+    name: str,
+    cfg: dict[str, Any],
+    hf_cfg: Any,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    loaded: bool,
+) -> None:
+    """Refuse, before it is built or loaded, a model whose weights would not fit in what
+    ``device`` has free: built anyway, a full-size config on a small machine is killed by the
+    kernel's out-of-memory killer minutes later, with no word of why. Sized from the same model
+    built on the meta device (nothing allocated); one whose init reads tensor values has no
+    meta build and is not sized.
+
+    :param loaded: the weights load in ``dtype`` (a checkpoint); else they are built in the
+        config's dtype and converted to ``dtype``, and the larger of the two counts."""
+    try:
+        with torch.device("meta"):
+            model = _construct(name, cfg, hf_cfg)
+    except Exception:
+        return
+    _check_fits(model, device, dtype, as_built=not loaded)
+
+
+def _check_fits(
+    model: torch.nn.Module, device: torch.device, dtype: torch.dtype, *, as_built: bool = True
+) -> None:
+    """Refuse ``model`` (built on the meta device) where its weights in ``dtype`` (and, with
+    ``as_built``, in the dtype it was built in, if larger) exceed 90 % of what ``device`` has
+    free."""
+    size = dtype.itemsize
+    if as_built:
+        size = max(size, *(p.element_size() for p in model.parameters()))
     params = sum(p.numel() for p in model.parameters())
     need = params * size + sum(b.numel() * b.element_size() for b in model.buffers())
     free = available_memory(device)
@@ -864,6 +891,9 @@ def build_tiny(
                 f"({name}) runs with random weights from a config.json only"
             )
         hf_cfg, notes = _hf_config(name, cfg)  # the folder's own, or its first layers (--layers)
+        _refuse_if_too_large(
+            name, cfg, hf_cfg, torch.device(device), torch_dtype(dtype), loaded=True
+        )
         # Any: transformers' from_pretrained wrapper types its result loosely
         # a Qwen-VL checkpoint is its whole *ForConditionalGeneration (no causal-LM class)
         auto: Any = (
@@ -887,13 +917,7 @@ def build_tiny(
     hf_cfg._attn_implementation = "eager"
     build_device = torch.device(device)
     if config is not None:  # a config.json at its own sizes: refused here if it cannot fit
-        try:
-            with torch.device("meta"):
-                sized = _construct(name, cfg, hf_cfg)
-        except Exception:  # an init that reads tensor values has no meta build: not sized
-            sized = None
-        if sized is not None:
-            _check_fits(sized, build_device, torch_dtype(dtype))
+        _refuse_if_too_large(name, cfg, hf_cfg, build_device, torch_dtype(dtype), loaded=False)
     torch.manual_seed(seed)
     # Built on the device it runs on: a CUDA build initialises its weights there, which at a
     # real-size vocabulary and hidden size (--layers N) takes a fraction of a second instead

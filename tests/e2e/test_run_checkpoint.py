@@ -179,3 +179,24 @@ def test_a_qwen3_vl_or_qwen3_5_checkpoint_loads_its_language_model(
     assert loaded.keys() == saved.keys()
     for k, v in loaded.items():
         assert torch.equal(v, saved[k]), k
+
+
+def test_a_checkpoint_too_large_for_the_device_is_refused_before_it_loads(
+    tmp_path: Path, run_on_cpu, monkeypatch
+) -> None:
+    """The checkpoint's model, sized on the meta device in the run's dtype (its weights load
+    in it), against the device's free memory: refused before ``from_pretrained`` reads a byte."""
+    import transformers
+
+    import attn_core.e2e.configs as configs
+
+    _save_checkpoint("qwen3", tmp_path)
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("from_pretrained ran")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", must_not_load)
+    monkeypatch.setattr(configs, "available_memory", lambda device: 1024)  # 1 KiB free
+    with pytest.raises(ValueError, match=r"Qwen3ForCausalLM \(qwen3\) at its config's sizes holds "
+                       r".* GiB in float32; cpu has 0\.0 GiB free"):  # fmt: skip
+        run_on_cpu(str(tmp_path))
