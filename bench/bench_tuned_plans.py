@@ -55,11 +55,9 @@ import torch  # noqa: E402
 
 from attn_core.bench import admissible_backends, bench_group, record_measured  # noqa: E402
 from attn_core.models import load_sample, specs_from_hf_config  # noqa: E402
-from attn_core.registry import Registry  # noqa: E402
+from attn_core.registry import REFERENCE_BACKEND, Registry  # noqa: E402
 from attn_core.selector import TuningData, select, step_size  # noqa: E402
 from attn_core.specs import DeviceCapabilities, ExecutionConstraints, Phase  # noqa: E402
-
-REFERENCE = "attn_core:reference"
 
 
 def _points(text: str) -> list[tuple[int, int]]:
@@ -119,7 +117,7 @@ def _candidates(group, plan, caps, registry, phase) -> list[Any]:
     return [
         b
         for b in admissible_backends(registry, group, caps, plan, phase)
-        if b.qualified_name != REFERENCE
+        if b.qualified_name != REFERENCE_BACKEND
     ]
 
 

@@ -13,13 +13,13 @@ import torch
 
 from attn_core.backend import Backend
 from attn_core.errors import SelectionError
-from attn_core.registry import Registry
+from attn_core.registry import REFERENCE_BACKEND, Registry
 from attn_core.specs import DeviceCapabilities
 
 __all__ = ["REFERENCE", "KitError", "KitSession", "build_session", "load_plugin_object"]
 
 #: The ground truth every check compares with.
-REFERENCE = "attn_core:reference"
+REFERENCE = REFERENCE_BACKEND  # the kit compares every backend with it
 REFERENCE_PLUGIN = "attn_core"
 
 

@@ -17,7 +17,7 @@ import torch
 
 import attn_core.reference.plugin as reference_plugin
 from attn_core.batch import BatchBuilder
-from attn_core.registry import Registry
+from attn_core.registry import REFERENCE_BACKEND, Registry
 from attn_core.runtime import AttentionRuntime
 from attn_core.selector import select
 from attn_core.specs import (
@@ -31,7 +31,7 @@ from attn_core.specs import (
 )
 from attn_core.state.manager import PersistentState
 
-REFERENCE = "attn_core:reference"
+REFERENCE = REFERENCE_BACKEND
 
 # A step: [(request id, new tokens), ...]; requests appear in the step they start.
 Step = Sequence[tuple[int, int]]
