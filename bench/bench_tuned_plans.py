@@ -43,6 +43,7 @@ import signal
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from attn_core.bench import admissible_backends, bench_group, record_measured  # noqa: E402
-from attn_core.models import load_sample, specs_from_hf_config  # noqa: E402
+from attn_core.models import specs_from_hf_config  # noqa: E402
 from attn_core.registry import REFERENCE_BACKEND, Registry  # noqa: E402
 from attn_core.selector import TuningData, select, step_size  # noqa: E402
 from attn_core.specs import DeviceCapabilities, ExecutionConstraints, Phase  # noqa: E402
@@ -110,6 +111,21 @@ def _tuning_grid(phase: Phase, args) -> list[tuple[int, int]]:
         for c in _ints(args.tune_context)
         if b * c <= args.max_kv_tokens
     ]
+
+
+def _constraints(args) -> ExecutionConstraints:
+    """The run's limits, large enough for every step the bench times: the plan is selected for
+    steps up to ``max_num_tokens`` tokens of ``max_batch_size`` requests, and a larger step
+    (a bucket the selector never saw) would fall to the phase's default backend. The graph
+    mode's captured phases are timed as replays."""
+    decode = _tuning_grid(Phase.DECODE, args) + _points(args.decode_points)
+    prefill = _tuning_grid(Phase.PREFILL, args) + _points(args.prefill_points)
+    defaults = ExecutionConstraints()
+    return ExecutionConstraints(
+        graph_mode=args.graph_mode,
+        max_batch_size=max(defaults.max_batch_size, *(b for b, _ in decode + prefill)),
+        max_num_tokens=max(defaults.max_num_tokens, *(b * c for b, c in prefill)),
+    )
 
 
 def _candidates(group, plan, caps, registry, phase) -> list[Any]:
@@ -196,8 +212,8 @@ def bench_model(
     shared = {} if shared is None else shared
     plans = {} if plans is None else plans
     caps = DeviceCapabilities.detect(device)
-    layout = specs_from_hf_config(load_sample(name), dtype="bfloat16")
-    constraints = ExecutionConstraints(graph_mode=args.graph_mode)  # captured phases: replays
+    layout = specs_from_hf_config(name, dtype="bfloat16")  # a stack sample: its stack
+    constraints = _constraints(args)
     plan = select(layout.groups, registry, caps, constraints)
     constraints = plan.constraints
     reused = getattr(args, "tuning_in", None) or {}
@@ -252,12 +268,7 @@ def bench_model(
     save()
     for group, phase, _ in work:  # the tuned plan, as explain shows it
         pc = tuned.choice(group.group_id).phase_choice(phase)
-        switch = "; ".join(f"<= {n}: {b.qualified_name}" for n, b in pc.by_step_size)
-        switch += "".join(
-            f"; {above + 1}-{at_most} tokens in <= {r} requests: {b.qualified_name}"
-            for above, at_most, r, b in pc.by_requests
-        )
-        said = pc.backend.qualified_name + (f" (by step size: {switch})" if switch else "")
+        said = _said(pc)
         plans.setdefault(name, {})[f"{group.group_id}/{phase.value}"] = said
         print(f"# {name} {group.group_id} {phase.value}: {said}", flush=True)
     # 2. the check points, every candidate in alternating rounds
@@ -322,6 +333,52 @@ def bench_model(
             save()
 
 
+def replan(
+    saved: dict[str, Any], args, registry: Registry, caps: DeviceCapabilities
+) -> tuple[list[dict], dict[str, dict[str, str]]]:
+    """A saved run's check rows scored anew, nothing timed: each model re-planned from the
+    run's own tuning data with this script's limits (:func:`_constraints`) for ``caps`` (the
+    device the run measured on, as a target: its plugins need not load here), and each row's
+    choice looked up in that plan against the medians the row measured. Returns the rows
+    (``chosen``, ``ratio`` and ``note`` recomputed) and the plans as :func:`bench_model`
+    records them."""
+    rows: list[dict] = []
+    plans: dict[str, dict[str, str]] = {}
+    for name, content in saved["tuning"].items():
+        layout = specs_from_hf_config(name, dtype="bfloat16")
+        tuning = TuningData.from_json(content, source=f"--replan, model {name}")
+        with warnings.catch_warnings():  # measured on that device: the target is its name
+            warnings.simplefilter("ignore")
+            plan = select(layout.groups, registry, caps, _constraints(args), tuning=tuning)
+        for row in (r for r in saved["rows"] if r["model"] == name):
+            phase = Phase(row["phase"])
+            pc = plan.choice(row["group"]).phase_choice(phase)
+            plans.setdefault(name, {})[f"{row['group']}/{row['phase']}"] = _said(pc)
+            size = step_size(phase, row["batch"], row["batch"] * row["context"])
+            requests = row["batch"] if phase is Phase.PREFILL else None
+            chosen = pc.backend_for_step(size, requests).qualified_name
+            us = row["us"]
+            ratio = us[chosen] / min(us.values()) if us else 1.0
+            note = row["note"]  # where the row's point stands: this script's grid decides
+            if us:
+                on_grid = (row["batch"], row["context"]) in _tuning_grid(phase, args)
+                rest = note.partition(";")[1:]
+                note = ("tuned point" if on_grid else "not tuned on") + "".join(rest)
+            rows.append({**row, "chosen": chosen, "ratio": ratio, "note": note})
+    return rows, plans
+
+
+def _said(pc) -> str:
+    """A phase choice as explain says it: the backend, and where it switches by step size or
+    by requests."""
+    switch = "; ".join(f"<= {n}: {b.qualified_name}" for n, b in pc.by_step_size)
+    switch += "".join(
+        f"; {above + 1}-{at_most} tokens in <= {r} requests: {b.qualified_name}"
+        for above, at_most, r, b in pc.by_requests
+    )
+    return pc.backend.qualified_name + (f" (by step size: {switch})" if switch else "")
+
+
 def summary_table(out: dict[str, Any], goal: float = 1.03) -> str:
     """A saved ``--out`` file as a markdown table: per model, group and phase its tuned plan,
     the check points, how many of them the plan's choice is within ``goal`` of the fastest
@@ -373,6 +430,15 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None)
     ap.add_argument(
+        "--replan",
+        type=lambda path: json.loads(Path(path).read_text()),
+        default=None,
+        help="an earlier run's --out file: re-plan its models from its tuning data with this "
+        "script's step limits and score its check rows from their measured medians (nothing "
+        "timed; with --target, the device it measured on), then print the rows and the table",
+    )
+    ap.add_argument("--target", default="h200", help="--replan's device (a target name)")
+    ap.add_argument(
         "--summary",
         type=lambda path: json.loads(Path(path).read_text()),
         default=None,
@@ -395,6 +461,18 @@ def main() -> int:
     args = ap.parse_args()
     if args.summary is not None:
         print(summary_table(args.summary))
+        return 0
+    if args.replan is not None:
+        caps = DeviceCapabilities.target(args.target)
+        rows, plans = replan(args.replan, args, Registry.discover(), caps)
+        print(HEADER)
+        for row in rows:
+            print(_row_line(row))
+        worst = max((r["ratio"] for r in rows), default=float("nan"))
+        print(f"worst ratio chosen/fastest: {worst:.3f} (goal <= 1.03) over {len(rows)} points")
+        print(summary_table({"rows": rows, "plans": plans}))
+        if args.out:
+            Path(args.out).write_text(json.dumps({**args.replan, "rows": rows, "plans": plans}))
         return 0
     device = torch.device("cuda")
     registry = Registry.discover()

@@ -291,3 +291,59 @@ def test_the_summary_table_says_per_group_and_phase_how_the_plan_did(
     monkeypatch.setattr("sys.argv", ["bench_tuned_plans.py", "--summary", str(saved)])
     assert script.main() == 0
     assert capsys.readouterr().out.strip().splitlines()[-2:] == table[-2:]
+
+
+def test_the_plan_is_made_for_the_largest_step_the_bench_times(registry, monkeypatch):
+    """The tuned plan is selected with step limits that hold every tuning and check point: a
+    plan under the default 8192-token limit left a 16384-token step to the phase's default
+    backend, though the tuning had timed another one faster at every split of that size."""
+    script = _script()
+
+    def bench_group(group, backend, registry, plan, device, *, batch, context, iters, phase):
+        tokens = batch * context  # short:s fastest up to 8192 tokens, long:l above
+        fast = (backend.qualified_name == "short:s") == (tokens <= 8192)
+        us = tokens * (1.0 if fast else 1.5)
+        return BenchResult(group.group_id, backend.qualified_name, us, us, phase=phase.value,
+                           batch=batch, context=context)  # fmt: skip
+
+    monkeypatch.setattr(script, "bench_group", bench_group)
+    args = argparse.Namespace(
+        tune_batch="1,512", tune_context="2048", max_kv_tokens=2**20,
+        tune_prefill="4096,16384", tune_prefill_requests="1,2", graph_mode="none",
+        decode_points="512x2048", prefill_points="1x16384,2x8192,1x4096",
+        rounds=1, iters=1,
+    )  # fmt: skip
+    rows: list[dict] = []
+    script.bench_model("qwen3", registry, torch.device("cpu"), args, {}, rows)
+    chosen = {(r["phase"], r["batch"], r["context"]): r["chosen"] for r in rows}
+    assert chosen[("prefill", 1, 16384)] == "long:l"
+    assert chosen[("prefill", 2, 8192)] == "long:l"
+    assert chosen[("prefill", 1, 4096)] == "short:s"
+    assert max(r["ratio"] for r in rows) == pytest.approx(1.0)
+
+
+def test_replan_scores_a_saved_run_from_its_own_tuning_and_medians(registry, monkeypatch):
+    """``--replan``: the saved rows' choices come from a plan made anew from the saved tuning
+    (nothing timed), their ratios from the medians the rows measured."""
+    from attn_core.specs import DeviceCapabilities
+
+    script = _script()
+    monkeypatch.setattr(script, "bench_group", _stand_in([]))
+    args = argparse.Namespace(
+        tune_batch="1,16", tune_context="2048,16384", max_kv_tokens=2**18,
+        tune_prefill="1024,4096", tune_prefill_requests="1,4", graph_mode="none",
+        decode_points="1x2048,1x32768", prefill_points="1x4096,4x1024", rounds=1, iters=1,
+    )  # fmt: skip
+    rows: list[dict] = []
+    tunings: dict = {}
+    plans: dict = {}
+    script.bench_model("qwen3", registry, torch.device("cpu"), args, tunings, rows, plans=plans)
+    # a saved run whose plan chose otherwise: every row on the other backend
+    other = {"short:s": "long:l", "long:l": "short:s"}
+    saved = {"tuning": tunings, "rows": [{**r, "chosen": other[r["chosen"]]} for r in rows]}
+    monkeypatch.setattr(script, "bench_group", None)  # nothing may be timed
+    again, replanned = script.replan(saved, args, registry, DeviceCapabilities.detect("cpu"))
+    assert [(r["chosen"], r["ratio"], r["note"]) for r in again] == [
+        (r["chosen"], r["ratio"], r["note"]) for r in rows
+    ]
+    assert replanned == plans
