@@ -91,7 +91,9 @@ def make_backends(*, available: bool | None = None) -> list[Backend]:
         Backend(
             name=VARLEN,
             capabilities=varlen_capabilities(window=window),
-            priority=50,
+            # below SDPA: on sm90 varlen_attn ran 0.5-0.8x SDPA's rate at every encoder shape
+            # bench_varlen.py times, ragged batches too (docs/results.md)
+            priority=40,
             description="torch.nn.attention.varlen.varlen_attn (FlashAttention-2), one launch per "
             "ragged batch",
             version=f"attn-plugin-varlen {__version__}, torch {torch.__version__}",
@@ -104,7 +106,7 @@ def make_backends(*, available: bool | None = None) -> list[Backend]:
         Backend(
             name=SDPA,
             capabilities=sdpa_capabilities(),
-            priority=40,
+            priority=50,
             description="torch SDPA per run of equal-length sequences (host offsets, no sync)",
             version=f"attn-plugin-varlen {__version__}, torch {torch.__version__}",
             available=sdpa_ok,
