@@ -84,6 +84,16 @@ def registry(make_plugin) -> Registry:
     )
 
 
+def _small_grid() -> argparse.Namespace:
+    """Two batch sizes and contexts, two prefill sizes in 1 and 4 requests, a check point on
+    and one off the grid per phase, one round."""
+    return argparse.Namespace(
+        tune_batch="1,16", tune_context="2048,16384", max_kv_tokens=2**18,
+        tune_prefill="1024,4096", tune_prefill_requests="1,4", graph_mode="none",
+        decode_points="1x2048,1x32768", prefill_points="1x4096,4x1024", rounds=1, iters=1,
+    )  # fmt: skip
+
+
 def test_the_tuned_plan_is_checked_on_and_off_its_grid(registry, monkeypatch, capsys):
     script = _script()
     timed = []
@@ -186,11 +196,7 @@ def test_a_run_cut_at_its_limit_is_resumed_without_measuring_twice(
     keeps the check rows it has, and ends with the plan and rows of an uncut run. Saves come
     after each of the 4 candidate grids, after the complete tuning, then after each row."""
     script = _script()
-    args = argparse.Namespace(
-        tune_batch="1,16", tune_context="2048,16384", max_kv_tokens=2**18,
-        tune_prefill="1024,4096", tune_prefill_requests="1,4", graph_mode="none",
-        decode_points="1x2048,1x32768", prefill_points="1x4096,4x1024", rounds=1, iters=1,
-    )  # fmt: skip
+    args = _small_grid()
     uncut_timed: list = []
     monkeypatch.setattr(script, "bench_group", _stand_in(uncut_timed))
     uncut: list[dict] = []
@@ -234,11 +240,7 @@ def test_a_layer_spec_two_models_share_is_timed_once_per_run(registry, monkeypat
     script = _script()
     timed: list = []
     monkeypatch.setattr(script, "bench_group", _stand_in(timed))
-    args = argparse.Namespace(
-        tune_batch="1,16", tune_context="2048,16384", max_kv_tokens=2**18,
-        tune_prefill="1024,4096", tune_prefill_requests="1,4", graph_mode="none",
-        decode_points="1x2048,1x32768", prefill_points="1x4096,4x1024", rounds=1, iters=1,
-    )  # fmt: skip
+    args = _small_grid()
     shared: dict = {}
     qwen3: list[dict] = []
     script.bench_model("qwen3", registry, torch.device("cpu"), args, {}, qwen3, shared=shared)
@@ -268,12 +270,7 @@ def test_the_summary_table_says_per_group_and_phase_how_the_plan_did(
     and phase the tuned plan, its check points, how many are within 1.03, the worst ratio."""
     script = _script()
     monkeypatch.setattr(script, "bench_group", _stand_in([]))
-    args = argparse.Namespace(
-        tune_batch="1,16", tune_context="2048,16384", max_kv_tokens=2**18,
-        tune_prefill="1024,4096", tune_prefill_requests="1,4", graph_mode="none",
-        decode_points="1x2048,1x32768", prefill_points="1x4096,4x1024",
-        rounds=1, iters=1,
-    )  # fmt: skip
+    args = _small_grid()
     rows: list[dict] = []
     plans: dict = {}
     script.bench_model("qwen3", registry, torch.device("cpu"), args, {}, rows, plans=plans)
@@ -329,11 +326,7 @@ def test_replan_scores_a_saved_run_from_its_own_tuning_and_medians(registry, mon
 
     script = _script()
     monkeypatch.setattr(script, "bench_group", _stand_in([]))
-    args = argparse.Namespace(
-        tune_batch="1,16", tune_context="2048,16384", max_kv_tokens=2**18,
-        tune_prefill="1024,4096", tune_prefill_requests="1,4", graph_mode="none",
-        decode_points="1x2048,1x32768", prefill_points="1x4096,4x1024", rounds=1, iters=1,
-    )  # fmt: skip
+    args = _small_grid()
     rows: list[dict] = []
     tunings: dict = {}
     plans: dict = {}
