@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from attn_core.errors import SelectionError
+from attn_core.errors import AttnCoreError, SelectionError
 from attn_core.registry import Registry
 from attn_core.tables import render_table
 
@@ -27,6 +27,10 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["main"]
+
+# What a command reports as an error line (exit 2) rather than a traceback: attn-core's own
+# errors and bad input (a config, a model name, an option).
+_EXPECTED_ERRORS = (AttnCoreError, ValueError, KeyError)
 
 
 def _add_constraint_args(p: argparse.ArgumentParser, *, tuning: bool = True) -> None:
@@ -442,7 +446,6 @@ def _span(indices: tuple[int, ...]) -> str:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from attn_core.e2e.main import explain_inputs
-    from attn_core.errors import AttnCoreError
 
     registry = _registry(args)
     _warn_quarantined(registry, "explain")
@@ -460,7 +463,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     for name in names:
         try:
             shown, messages = _explain_model(args, name, registry)
-        except (AttnCoreError, ValueError, KeyError) as exc:
+        except _EXPECTED_ERRORS as exc:
             refused.append(name)
             said = str(exc)  # the mapping's errors start with the model's name already
             named = said if said.startswith(f"{name}:") else f"{name}: {said}"
@@ -776,9 +779,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:  # ATTN_CORE_BACKENDS is read by the selector, which names it in its errors
         return args.func(args)
     except Exception as exc:  # a CLI prints the error, not a traceback, for expected failures
-        from attn_core.errors import AttnCoreError
-
-        if isinstance(exc, (AttnCoreError, ValueError, KeyError)):
+        if isinstance(exc, _EXPECTED_ERRORS):
             print(f"attn {args.command}: error: {exc}", file=sys.stderr)
             return 2
         raise

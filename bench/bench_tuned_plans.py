@@ -281,9 +281,7 @@ def bench_model(
                 rows.append(kept[key])
                 print(_row_line(rows[-1]) + " (resumed)", flush=True)
                 continue
-            size = step_size(phase, batch, batch * context)
-            requests = batch if phase is Phase.PREFILL else None  # prefill may switch by them
-            chosen = pc.backend_for_step(size, requests).qualified_name
+            chosen = _chosen(pc, phase, batch, context)
             medians: dict[str, float] = {}
             check_key = ("check", group.spec, phase, batch, context,
                          tuple(b.qualified_name for b in cands))  # fmt: skip
@@ -354,9 +352,7 @@ def replan(
             phase = Phase(row["phase"])
             pc = plan.choice(row["group"]).phase_choice(phase)
             plans.setdefault(name, {})[f"{row['group']}/{row['phase']}"] = _said(pc)
-            size = step_size(phase, row["batch"], row["batch"] * row["context"])
-            requests = row["batch"] if phase is Phase.PREFILL else None
-            chosen = pc.backend_for_step(size, requests).qualified_name
+            chosen = _chosen(pc, phase, row["batch"], row["context"])
             us = row["us"]
             ratio = us[chosen] / min(us.values()) if us else 1.0
             note = row["note"]  # where the row's point stands: this script's grid decides
@@ -366,6 +362,13 @@ def replan(
                 note = ("tuned point" if on_grid else "not tuned on") + "".join(rest)
             rows.append({**row, "chosen": chosen, "ratio": ratio, "note": note})
     return rows, plans
+
+
+def _chosen(pc, phase: Phase, batch: int, context: int) -> str:
+    """The backend a phase choice serves a step of ``batch`` x ``context`` with (prefill may
+    switch by requests too)."""
+    requests = batch if phase is Phase.PREFILL else None
+    return pc.backend_for_step(step_size(phase, batch, batch * context), requests).qualified_name
 
 
 def _said(pc) -> str:
