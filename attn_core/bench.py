@@ -35,7 +35,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -347,17 +347,27 @@ def record_measured(
     spec: LayerSpec,
     phase: Phase,
     measured: Sequence[tuple[int, int, float]],
+    *,
+    bucket_of: Callable[[int, int], int] | None = None,
 ) -> None:
     """Record ``(batch, context, us)`` measurements of ``backend`` in ``phase`` as tuning
     buckets: one per step size (:func:`attn_core.selector.step_size`: the batch in decode and
     verify, ``batch * context`` query tokens in prefill), the geometric mean of the points that
     share one, with those points kept (:attr:`TuningData.shape_us`: by context in decode and
-    verify, by requests in prefill) for the selector's worst-ratio choice."""
+    verify, by requests in prefill) for the selector's worst-ratio choice.
+
+    ``bucket_of(batch, context)``: the step size a point is recorded under, where it is not
+    the point's own (a prefill of 4096 tokens split into 3 requests is timed as 3 x 1365 =
+    4095 tokens and belongs with the other splits of 4096)."""
     by_tokens = step_size_unit(phase) == "tokens"
     by_size: dict[int, dict[int, list[float]]] = {}
     for batch, context, us in measured:
         shape = batch if by_tokens else context
-        size = step_size(phase, batch, batch * context)
+        size = (
+            bucket_of(batch, context)
+            if bucket_of is not None
+            else step_size(phase, batch, batch * context)
+        )
         by_size.setdefault(size, {}).setdefault(shape, []).append(us)
     for size, shapes in sorted(by_size.items()):
         key = {"tokens": size} if by_tokens else {"batch": size}

@@ -96,14 +96,14 @@ def _tuning_grid(phase: Phase, args) -> list[tuple[int, int]]:
     """The (batch, context) points a phase is tuned on: decode / verify every
     ``--tune-batch`` x ``--tune-context`` of at most ``--max-kv-tokens`` cached tokens per step;
     prefill each ``--tune-prefill`` token count split into each of ``--tune-prefill-requests``
-    requests that divides it (prefill buckets are tokens per step; the splits are the bucket's
-    points)."""
+    requests, ``tokens // requests`` each (prefill buckets are tokens per step; the splits are
+    the bucket's points, :func:`_prefill_bucket`)."""
     if phase is Phase.PREFILL:
         return [
             (r, tokens // r)
             for tokens in _ints(args.tune_prefill)
             for r in _ints(args.tune_prefill_requests)
-            if tokens % r == 0
+            if r <= tokens
         ]
     return [
         (b, c)
@@ -111,6 +111,18 @@ def _tuning_grid(phase: Phase, args) -> list[tuple[int, int]]:
         for c in _ints(args.tune_context)
         if b * c <= args.max_kv_tokens
     ]
+
+
+def _prefill_bucket(args) -> Callable[[int, int], int]:
+    """The token bucket of a prefill tuning point: the ``--tune-prefill`` count it splits
+    (3 x 1365 is a split of 4096: a split that does not divide its count stays in its bucket,
+    with the others the selector compares by requests)."""
+    nominal = {
+        (r, tokens // r): tokens
+        for tokens in _ints(args.tune_prefill)
+        for r in _ints(args.tune_prefill_requests)
+    }
+    return lambda batch, context: nominal.get((batch, context), batch * context)
 
 
 def _constraints(args) -> ExecutionConstraints:
@@ -259,7 +271,9 @@ def bench_model(
                     measured = _tune(name, group, backend, registry, plan, device, phase, args,
                                      start)  # fmt: skip
                     shared[grid_key] = (measured, name)
-                record_measured(tuning, backend.qualified_name, group.spec, phase, measured)
+                record_measured(tuning, backend.qualified_name, group.spec, phase, measured,
+                                bucket_of=_prefill_bucket(args) if phase is Phase.PREFILL
+                                else None)  # fmt: skip
                 tunings[name] = tuning.to_json()  # a run cut later keeps this grid
                 finished.append(task)
                 save()
@@ -418,7 +432,7 @@ def main() -> int:
         "--max-kv-tokens", type=int, default=2**24, help="skip decode grid points above it"
     )
     ap.add_argument("--tune-prefill", default="1024,2048,4096,8192,16384")
-    ap.add_argument("--tune-prefill-requests", default="1,2,4")
+    ap.add_argument("--tune-prefill-requests", default="1,2,3,4")
     ap.add_argument(
         "--decode-points", default="1x32768,4x8192,8x16384,64x4096,128x2048,256x2048,1024x1024"
     )
