@@ -3,7 +3,9 @@
 For each layer group, each phase the plan steps it through (``prefill``, ``decode``, ``verify``
 with ``--spec-tokens``) and each backend that can serve it there, one step is timed per point of
 the grid ``--batch`` x ``--context`` (comma lists: ``--batch 1,8,64 --context 512,4096``) through
-a fresh runtime:
+a fresh runtime; where several backends are candidates, each point times them in ``--rounds``
+alternating rounds (the order rotated each round) and keeps each one's median, so that drift
+over the run does not decide the ranking:
 
 - decode: ``batch`` requests of one new token over ``context`` cached tokens;
 - verify: ``batch`` requests of ``k + 1`` new tokens over ``context`` cached tokens;
@@ -33,11 +35,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any, TypeVar
 
 import torch
 
@@ -69,7 +72,9 @@ __all__ = [
     "BenchResult",
     "Timing",
     "admissible_backends",
+    "alternating",
     "bench_group",
+    "median_result",
     "plot_figure",
     "run_bench",
     "step_inputs",
@@ -77,6 +82,8 @@ __all__ = [
 ]
 
 PLOT_INSTALL = "pip install 'attn-core[plot]'"
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -422,6 +429,7 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
     options = resolve_backend_options(registry, constraints)  # checked by select() above
     progress = not getattr(args, "no_progress", False)
     include_reference = getattr(args, "include_reference", False)
+    rounds = max(1, getattr(args, "rounds", 1))
     left_out: list[str] = []  # groups and phases whose reference run was left out
     for group in layout.groups:
         for phase in plan.choice(group.group_id).planned_phases:
@@ -433,45 +441,37 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
                 if len(kept) < len(candidates):
                     left_out.append(f"{group.group_id} {phase.value}")
                 candidates = kept
-            for backend in candidates:
-                measured: list[tuple[int, int, float]] = []
-                for batch in batches:
-                    for context in contexts:
-                        if phase is Phase.PREFILL and batch * context > max_prefill:
-                            skipped.append(
-                                f"{group.group_id} {phase.value} {backend.qualified_name} "
-                                f"B={batch} ctx={context}"
-                            )
-                            continue
-                        try:
-                            res = bench_group(
-                                group,
-                                backend,
-                                registry,
-                                plan,
-                                device,
-                                batch=batch,
-                                context=context,
-                                iters=args.iters,
-                                phase=phase,
-                            )
-                        except Exception as exc:  # report and go on with the other candidates
-                            res = BenchResult(
-                                group.group_id,
-                                backend.qualified_name,
-                                float("nan"),
-                                float("nan"),
-                                f"{type(exc).__name__}: {exc}",
-                                phase=phase.value,
-                                batch=batch,
-                                context=context,
-                            )
+            measured: dict[str, list[tuple[int, int, float]]] = {
+                b.qualified_name: [] for b in candidates
+            }
+            for batch in batches:
+                for context in contexts:
+                    if phase is Phase.PREFILL and batch * context > max_prefill:
+                        skipped += [
+                            f"{group.group_id} {phase.value} {b.qualified_name} "
+                            f"B={batch} ctx={context}"
+                            for b in candidates
+                        ]
+                        continue
+                    samples: dict[str, list[BenchResult]] = {
+                        b.qualified_name: [] for b in candidates
+                    }
+                    # one sample where there is nothing to rank against
+                    for backend in alternating(candidates, rounds if len(candidates) > 1 else 1):
+                        res = _bench_or_error(
+                            group, backend, registry, plan, device, args.iters, phase, batch,
+                            context,
+                        )  # fmt: skip
+                        samples[backend.qualified_name].append(res)
+                    for name, taken in samples.items():
+                        res = median_result(taken)
                         results.append(res)
                         if res.error is None:
-                            measured.append((batch, context, res.us_per_layer))
+                            measured[name].append((batch, context, res.us_per_layer))
                         if progress:  # a run cut at a time limit still shows what it measured
                             print(_progress_line(res), file=sys.stderr, flush=True)
-                record_measured(tuning, backend.qualified_name, group.spec, phase, measured)
+            for name, points in measured.items():
+                record_measured(tuning, name, group.spec, phase, points)
     if args.json:
         print(json.dumps([asdict(r) | {"overhead_ratio": r.overhead_ratio} for r in results]))
     else:
@@ -529,6 +529,53 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
         else:
             print(f"no plot written to {args.plot}: no candidate ran")
     return 0 if all(r.error is None for r in results) else 1
+
+
+def alternating(candidates: Sequence[T], rounds: int) -> Iterator[T]:
+    """Each candidate once per round for ``rounds`` rounds, the order rotated by one each round
+    (``a b c``, ``b c a``, ``c a b``, ...): a drift over the run (clocks, heat, a neighbour on a
+    shared GPU) falls on every candidate in turn instead of on whichever is timed last."""
+    n = len(candidates)
+    for r in range(rounds):
+        for i in range(n):
+            yield candidates[(r + i) % n]
+
+
+def median_result(samples: Sequence[BenchResult]) -> BenchResult:
+    """One point's result from its rounds' samples: the medians of the binding and direct
+    times; the first error where a round failed."""
+    failed = [s for s in samples if s.error is not None]
+    if failed or len(samples) == 1:
+        return (failed or list(samples))[0]
+    return replace(
+        samples[0],
+        us_per_layer=statistics.median(s.us_per_layer for s in samples),
+        us_direct=statistics.median(s.us_direct for s in samples),
+    )
+
+
+def _bench_or_error(
+    group: LayerGroup,
+    backend,
+    registry,
+    plan: Plan,
+    device: torch.device,
+    iters: int,
+    phase: Phase,
+    batch: int,
+    context: int,
+) -> BenchResult:
+    """:func:`bench_group`, or its failure as a result (reported; the other candidates go on)."""
+    try:
+        return bench_group(
+            group, backend, registry, plan, device, batch=batch, context=context, iters=iters,
+            phase=phase,
+        )  # fmt: skip
+    except Exception as exc:
+        return BenchResult(
+            group.group_id, backend.qualified_name, float("nan"), float("nan"),
+            f"{type(exc).__name__}: {exc}", phase=phase.value, batch=batch, context=context,
+        )  # fmt: skip
 
 
 def _progress_line(res: BenchResult) -> str:

@@ -747,6 +747,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip prefill grid points of more tokens per step (batch x context)",
     )
     p.add_argument("--iters", type=int, default=10, help="timed calls per sample of a grid point")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="samples per grid point and candidate where a group and phase has several, taken "
+        "in alternating rounds (every candidate once a round, the order rotated each round); "
+        "each candidate's median is kept (default: 3)",
+    )
     p.add_argument("--write-tuning", default=None, help="write a tuning file for the selector")
     p.add_argument(
         "--plot",

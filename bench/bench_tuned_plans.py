@@ -5,7 +5,8 @@ is timed on a tuning grid (decode: ``--tune-batch`` x ``--tune-context`` up to
 ``--max-kv-tokens`` cached tokens per step, as ``attn bench`` does; prefill: each
 ``--tune-prefill`` token count as one request and split into ``--tune-prefill-requests``,
 prefill being bucketed by query tokens per step; the contexts of a batch size and the splits of
-a token count are the bucket's points, by which the selector picks each bucket's backend), the
+a token count are the bucket's points, by which the selector picks each bucket's backend; each
+point times the candidates in ``--tune-rounds`` alternating rounds and keeps their medians), the
 selector plans with that tuning data (printed per group and phase), and then, at check points on
 and off the grid
 (``--decode-points`` / ``--prefill-points``, ``BATCHxCONTEXT``), every candidate is timed again in
@@ -26,7 +27,7 @@ Usage (on the GPU, plugins installed)::
 
 ``--out`` holds ``{"rows": [...], "tuning": {model: tuning file content}, "tuned": {model:
 ["group/phase/backend", ...]}, "plans": {model: {"group/phase": tuned plan}}}`` and is
-rewritten after every candidate's tuning grid and every check row; ``--summary FILE`` prints
+rewritten after every group and phase's tuning grid and every check row; ``--summary FILE`` prints
 such a file as a markdown table (the same table ends every run). ``--tuning-in`` takes such a
 file and checks its models' tuned plans without tuning them again; ``--resume`` takes the file
 of a run cut at its limit and goes on where it stopped: the candidates whose grids it finished
@@ -54,7 +55,12 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from attn_core.bench import admissible_backends, bench_group, record_measured  # noqa: E402
+from attn_core.bench import (  # noqa: E402
+    admissible_backends,
+    alternating,
+    bench_group,
+    record_measured,
+)
 from attn_core.models import specs_from_hf_config  # noqa: E402
 from attn_core.registry import REFERENCE_BACKEND, Registry  # noqa: E402
 from attn_core.selector import TuningData, select, step_size  # noqa: E402
@@ -178,19 +184,30 @@ def _time(group, backend, registry, plan, device, phase, batch, context, iters) 
     return r.us_per_layer
 
 
-def _tune(name, group, backend, registry, plan, device, phase, args,
-          start: float) -> list[tuple[int, int, float]]:  # fmt: skip
-    """``backend``'s time at every point of ``phase``'s tuning grid, ``(batch, context, us per
-    layer)`` (a point it failed left out), with a line per point as it is timed (a cold JIT
-    cache makes this the long part: a run cut here still shows how far it got)."""
-    measured = []
+def _tune(name, group, cands, registry, plan, device, phase, args,
+          start: float) -> dict[str, list[tuple[int, int, float]]]:  # fmt: skip
+    """Every candidate's time at every point of ``phase``'s tuning grid, ``{backend: [(batch,
+    context, us per layer), ...]}`` (a point it failed left out): each point times the
+    candidates in ``--tune-rounds`` alternating rounds and keeps each one's median (timed one
+    candidate's whole grid after another, a drift over the run ranked the H100's prefill
+    near-ties by the order they were timed in: 10 % apart one way in the tuning, 11 % the other
+    at the check). A line per point as it is timed (a cold JIT cache makes this the long part: a
+    run cut here still shows how far it got)."""
+    rounds = max(1, getattr(args, "tune_rounds", 1))
+    measured: dict[str, list[tuple[int, int, float]]] = {b.qualified_name: [] for b in cands}
     for batch, context in _tuning_grid(phase, args):
-        us = _time(group, backend, registry, plan, device, phase, batch, context, 10)
-        print(f"# tune {name} {group.group_id} {phase.value} {backend.qualified_name}"
-              f" B={batch} ctx={context}: {us:.1f} us/layer"
-              f" ({time.monotonic() - start:.0f} s)", flush=True)  # fmt: skip
-        if us == us:
-            measured.append((batch, context, us))
+        samples: dict[str, list[float]] = {b.qualified_name: [] for b in cands}
+        for backend in alternating(cands, rounds):
+            samples[backend.qualified_name].append(
+                _time(group, backend, registry, plan, device, phase, batch, context, 10)
+            )
+        for backend_name, taken in samples.items():
+            us = statistics.median(taken) if all(x == x for x in taken) else float("nan")
+            print(f"# tune {name} {group.group_id} {phase.value} {backend_name}"
+                  f" B={batch} ctx={context}: {us:.1f} us/layer"
+                  f" ({time.monotonic() - start:.0f} s)", flush=True)  # fmt: skip
+            if us == us:
+                measured[backend_name].append((batch, context, us))
     return measured
 
 
@@ -210,9 +227,9 @@ def bench_model(
     file's content) and time every candidate at the check points: one row per point, appended
     to ``rows`` as it is measured. ``save()`` runs after the tuning and after every row: a run
     killed at its limit keeps what it measured (a SIGTERM handler alone did not: the H200 run
-    cut at its limit wrote nothing), and after every candidate's tuning grid, with the grids
-    done so far in ``progress[name]`` (``"group/phase/backend"``): ``--resume`` goes on from
-    there.
+    cut at its limit wrote nothing), and after every group and phase's tuning grid, with the
+    candidates done so far in ``progress[name]`` (``"group/phase/backend"``): ``--resume``
+    goes on from there.
 
     ``shared``, one dict for every model of a run: a layer spec's tuning grid per candidate and
     its check points' medians, measured once per run whichever model has the spec (four
@@ -258,25 +275,24 @@ def bench_model(
         for group, phase, cands in work:
             if len(cands) < 2:
                 continue
-            for backend in cands:
-                task = f"{group.group_id}/{phase.value}/{backend.qualified_name}"
-                if task in done:
-                    continue
-                grid_key = ("grid", group.spec, phase, backend.qualified_name)
-                if grid_key in shared:
-                    measured, owner = shared[grid_key]
-                    print(f"# tune {name} {group.group_id} {phase.value} {backend.qualified_name}:"
-                          f" {owner}'s grid (the same layer spec)", flush=True)  # fmt: skip
-                else:
-                    measured = _tune(name, group, backend, registry, plan, device, phase, args,
-                                     start)  # fmt: skip
-                    shared[grid_key] = (measured, name)
-                record_measured(tuning, backend.qualified_name, group.spec, phase, measured,
+            tasks = [f"{group.group_id}/{phase.value}/{b.qualified_name}" for b in cands]
+            if all(task in done for task in tasks):
+                continue
+            grid_key = ("grid", group.spec, phase, tuple(b.qualified_name for b in cands))
+            if grid_key in shared:
+                measured, owner = shared[grid_key]
+                print(f"# tune {name} {group.group_id} {phase.value}: {owner}'s grid"
+                      " (the same layer spec)", flush=True)  # fmt: skip
+            else:
+                measured = _tune(name, group, cands, registry, plan, device, phase, args, start)
+                shared[grid_key] = (measured, name)
+            for backend_name, points in measured.items():
+                record_measured(tuning, backend_name, group.spec, phase, points,
                                 bucket_of=_prefill_bucket(args) if phase is Phase.PREFILL
                                 else None)  # fmt: skip
-                tunings[name] = tuning.to_json()  # a run cut later keeps this grid
-                finished.append(task)
-                save()
+            tunings[name] = tuning.to_json()  # a run cut later keeps this grid
+            finished.extend(tasks)
+            save()
     tuned = select(layout.groups, registry, caps, constraints, tuning=tuning)
     tunings[name] = tuning.to_json()
     save()
@@ -304,13 +320,11 @@ def bench_model(
                 medians, timed_with = shared[check_key]
             elif len(cands) > 1:
                 samples: dict[str, list[float]] = {b.qualified_name: [] for b in cands}
-                for r in range(args.rounds):
-                    for backend in cands[r % len(cands) :] + cands[: r % len(cands)]:
-                        us = _time(
-                            group, backend, registry, plan, device, phase, batch, context,
-                            args.iters,
-                        )  # fmt: skip
-                        samples[backend.qualified_name].append(us)
+                for backend in alternating(cands, args.rounds):
+                    us = _time(
+                        group, backend, registry, plan, device, phase, batch, context, args.iters
+                    )
+                    samples[backend.qualified_name].append(us)
                 medians = {
                     k: statistics.median(v) for k, v in samples.items() if all(x == x for x in v)
                 }
@@ -442,6 +456,12 @@ def main() -> int:
         default="none",
         choices=["none", "decode", "full"],
         help="the run's CUDA-graph mode: the phases it captures are timed as graph replays",
+    )
+    ap.add_argument(
+        "--tune-rounds",
+        type=int,
+        default=3,
+        help="alternating rounds per tuning point (each candidate's median is kept)",
     )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)

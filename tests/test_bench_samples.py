@@ -51,6 +51,8 @@ def _argv(name: str, tuning: str) -> list[str]:
         str(SPEC_TOKENS),
         "--iters",
         "1",
+        "--rounds",
+        "1",
         "--json",
         "--write-tuning",
         tuning,

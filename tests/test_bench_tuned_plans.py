@@ -122,9 +122,9 @@ def test_the_tuned_plan_is_checked_on_and_off_its_grid(registry, monkeypatch, ca
         saved.append((len(rows), "qwen3" in tunings))
 
     script.bench_model("qwen3", registry, torch.device("cpu"), args, tunings, rows, save)
-    # saved after each candidate's grid (2 candidates x 2 phases), once the tuning is complete,
+    # saved after each phase's grid (both candidates, 2 phases), once the tuning is complete,
     # then after every row: a killed run keeps what it measured
-    assert saved == [(0, True)] * 4 + [(n, True) for n in range(len(rows) + 1)]
+    assert saved == [(0, True)] * 2 + [(n, True) for n in range(len(rows) + 1)]
     # the decode grid stops at max_kv_tokens: 16 x 16384 = 2^18 is in, nothing above
     assert {(b, c) for ph, n, b, c in timed if ph == "decode" and n == "long:l"} >= {
         (1, 2048), (1, 16384), (16, 2048), (16, 16384)
@@ -190,14 +190,15 @@ def test_a_point_with_a_candidate_not_loadable_here_says_so(make_plugin, monkeyp
     assert all(r["not_loadable"] == ["gone:g"] for r in rows)
 
 
-@pytest.mark.parametrize("cut_after", [2, 6], ids=["in the tuning", "in the check rows"])
+@pytest.mark.parametrize("cut_after", [1, 5], ids=["in the tuning", "in the check rows"])
 def test_a_run_cut_at_its_limit_is_resumed_without_measuring_twice(
     registry, monkeypatch, cut_after: int
 ):
     """--resume: a call killed in the middle of its work (as the H200's limit cut gpt-oss's
     tuning) leaves an --out file; the next call tunes only the candidates it had not finished,
     keeps the check rows it has, and ends with the plan and rows of an uncut run. Saves come
-    after each of the 4 candidate grids, after the complete tuning, then after each row."""
+    after each of the 2 phases' grids (2 candidates each), after the complete tuning, then
+    after each row."""
     script = _script()
     args = _small_grid()
     uncut_timed: list = []
@@ -225,8 +226,8 @@ def test_a_run_cut_at_its_limit_is_resumed_without_measuring_twice(
             "qwen3", registry, torch.device("cpu"), args, tunings, rows, save, progress
         )
     file = json.loads(files[-1])
-    assert len(file["tuned"]["qwen3"]) == min(cut_after, 4)
-    assert len(file["rows"]) == max(cut_after - 5, 0)
+    assert len(file["tuned"]["qwen3"]) == 2 * min(cut_after, 2)
+    assert len(file["rows"]) == max(cut_after - 3, 0)
     cut_timed = len(timed)
     args.resume = file
     again: list[dict] = []
@@ -373,3 +374,33 @@ def test_a_split_that_does_not_divide_the_token_count_is_tuned_in_its_bucket(reg
     assert tuning.points("short:s", group.spec, Phase.PREFILL).keys() == {1024, 4096}
     chosen = {(r["batch"], r["context"]): r["chosen"] for r in rows if r["phase"] == "prefill"}
     assert chosen == {(3, 1300): "short:s", (4, 1000): "long:l", (2, 2000): "short:s"}
+
+
+def test_the_tuning_times_the_candidates_in_alternating_rounds(registry, monkeypatch):
+    """Each tuning point times every candidate once a round for --tune-rounds rounds, the order
+    rotated each round, and records each candidate's median: a slow sample of the faster
+    backend (a clock dip) does not hand its bucket to the other."""
+    script = _script()
+    order: list[str] = []
+    #: each backend's 1st, 2nd and 3rd sample at every point: short:s is faster but for one
+    samples = {"short:s": [1.0, 9.0, 1.1], "long:l": [2.0, 2.1, 2.2]}
+
+    def bench_group(group, backend, registry, plan, device, *, batch, context, iters, phase):
+        name = backend.qualified_name
+        if phase is Phase.PREFILL and (batch, context) == (1, 1024):
+            order.append(name)
+        us = samples[name][sum(1 for n in order if n == name) - 1] if order else 1.0
+        return BenchResult(group.group_id, name, us, us, phase=phase.value, batch=batch,
+                           context=context)  # fmt: skip
+
+    monkeypatch.setattr(script, "bench_group", bench_group)
+    args = _small_grid()
+    args.tune_rounds = 3
+    tunings: dict = {}
+    script.bench_model("qwen3", registry, torch.device("cpu"), args, tunings, [])
+    first = order[:6]
+    assert first[:2] == first[4:6] == first[3:1:-1] and set(first[:2]) == set(samples)
+    tuning = TuningData.from_json(tunings["qwen3"])
+    spec = specs_from_hf_config("qwen3", dtype="bfloat16").groups[0].spec
+    assert tuning.shapes("short:s", spec, Phase.PREFILL, 1024)[1] == pytest.approx(1.1)
+    assert tuning.shapes("long:l", spec, Phase.PREFILL, 1024)[1] == pytest.approx(2.1)

@@ -100,8 +100,8 @@ def test_bench_writes_per_phase_and_batch_and_the_selector_ranks_by_it(tmp_path,
     argv = ["bench", "--model", "qwen3", "--device", "cpu", "--batch", "1,4,16"]
     argv += ["--include-reference"]
     assert cli.main([*argv, "--context", "100,900", "--write-tuning", str(path)]) == 0
-    # every candidate, phase and grid point was timed
-    assert len(timed) == 3 * 2 * 3 * 2
+    # every candidate, phase and grid point was timed, in 3 rounds (the default)
+    assert len(timed) == 3 * 2 * 3 * 2 * 3
     assert {(b, p) for _, b, p, _, _ in timed} == set(BASE)
     payload = json.loads(path.read_text())
     assert payload["format"] == 3
@@ -256,3 +256,37 @@ def test_the_phases_a_graph_mode_captures_are_the_ones_timed_as_replays():
         ("full", "decode"): True,
         ("full", "verify"): True,
     }
+
+
+def test_bench_times_the_candidates_in_alternating_rounds_and_keeps_each_median(
+    tmp_path, monkeypatch, registry
+):
+    """Every grid point times every candidate once per round, the order rotated each round (a
+    drift over the run, clocks or heat, falls on each candidate in turn), and the tuning keeps
+    each candidate's median: a single slow sample does not rank a backend."""
+    calls: list[tuple[str, int]] = []
+    #: per backend, the time of its 1st, 2nd, 3rd sample at a point: one outlier each
+    samples = {"fast_prefill:fp": [10.0, 90.0, 12.0], "fast_decode:fd": [50.0, 11.0, 11.5]}
+
+    def fake_bench_group(group, backend, registry, plan, device, *, batch, context, iters, phase):
+        name = backend.qualified_name
+        us = 1.0
+        if phase is Phase.DECODE:
+            us = samples[name][sum(1 for n, _ in calls if n == name)]
+            calls.append((name, batch))
+        return BenchResult(group.group_id, name, us, us / 2, phase=phase.value, batch=batch,
+                           context=context)  # fmt: skip
+
+    monkeypatch.setattr(cli, "_registry", lambda args: registry)
+    monkeypatch.setattr(bench, "bench_group", fake_bench_group)
+    path = tmp_path / "tuning.json"
+    argv = ["bench", "--model", "qwen3", "--device", "cpu", "--batch", "4", "--context", "100"]
+    assert cli.main([*argv, "--rounds", "3", "--write-tuning", str(path), "--json"]) == 0
+    assert [n for n, _ in calls] == [
+        "fast_decode:fd", "fast_prefill:fp",
+        "fast_prefill:fp", "fast_decode:fd",
+        "fast_decode:fd", "fast_prefill:fp",
+    ]  # fmt: skip
+    decode = {e["backend"]: e["us"] for e in json.loads(path.read_text())["entries"]
+              if e["phase"] == "decode"}  # fmt: skip
+    assert decode == {"fast_prefill:fp": 12.0, "fast_decode:fd": 11.5}
