@@ -404,3 +404,28 @@ def test_the_tuning_times_the_candidates_in_alternating_rounds(registry, monkeyp
     spec = specs_from_hf_config("qwen3", dtype="bfloat16").groups[0].spec
     assert tuning.shapes("short:s", spec, Phase.PREFILL, 1024)[1] == pytest.approx(1.1)
     assert tuning.shapes("long:l", spec, Phase.PREFILL, 1024)[1] == pytest.approx(2.1)
+
+
+def test_a_plan_that_switches_only_by_requests_reads_without_an_empty_step_size_list():
+    """gpt-oss's full layers switched by requests in one token bucket and by nothing else: the
+    H100 run's table read "fa3:fa3 (by step size: ; 8193-16384 tokens in <= 2 requests: ...)"."""
+    script = _script()
+    fa3 = Backend(name="fa3", capabilities=CAPS, plugin="fa3")
+    fi = Backend(name="flashinfer", capabilities=CAPS, plugin="flashinfer")
+    only_requests = argparse.Namespace(
+        backend=fa3, by_step_size=(), by_requests=((8192, 16384, 2, fi), (8192, 16384, 1024, fa3))
+    )
+    assert script._said(only_requests) == (
+        "fa3:fa3 (by requests: 8193-16384 tokens in <= 2 requests: flashinfer:flashinfer; "
+        "8193-16384 tokens in <= 1024 requests: fa3:fa3)"
+    )
+    both = argparse.Namespace(
+        backend=fa3, by_step_size=((2048, fa3), (16384, fi)), by_requests=((0, 2048, 1, fi),)
+    )
+    assert script._said(both) == (
+        "fa3:fa3 (by step size: <= 2048: fa3:fa3; <= 16384: flashinfer:flashinfer; "
+        "by requests: 1-2048 tokens in <= 1 requests: flashinfer:flashinfer)"
+    )
+    assert script._said(argparse.Namespace(backend=fi, by_step_size=(), by_requests=())) == (
+        "flashinfer:flashinfer"
+    )
