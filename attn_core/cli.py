@@ -33,6 +33,17 @@ __all__ = ["main"]
 _EXPECTED_ERRORS = (AttnCoreError, ValueError, KeyError)
 
 
+def _count(text: str) -> int:
+    """An argparse type: a whole number >= 1 (timed calls, rounds)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def _add_constraint_args(p: argparse.ArgumentParser, *, tuning: bool = True) -> None:
     """The selection's arguments; ``tuning=False`` for a command that ranks nothing (bench)."""
     g = p.add_argument_group("constraints")
@@ -746,10 +757,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=65536,
         help="skip prefill grid points of more tokens per step (batch x context)",
     )
-    p.add_argument("--iters", type=int, default=10, help="timed calls per sample of a grid point")
+    p.add_argument(
+        "--iters", type=_count, default=10, help="timed calls per sample of a grid point"
+    )
     p.add_argument(
         "--rounds",
-        type=int,
+        type=_count,
         default=3,
         help="samples per grid point and candidate where a group and phase has several, taken "
         "in alternating rounds (every candidate once a round, the order rotated each round); "

@@ -185,6 +185,18 @@ def test_bench_grid_errors_name_the_flag(timed, capsys, flag, value, message):
     assert f"{flag} {value!r}: {message}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--iters", "--rounds"])
+@pytest.mark.parametrize("value", ["0", "-2", "x"])
+def test_bench_counts_below_one_are_an_error_naming_the_flag(timed, capsys, flag, value):
+    """--iters 0 printed "float division by zero" as every candidate's error."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--model", "qwen3", "--device", "cpu", flag, value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: expected a whole number >= 1, got {value!r}" in err
+    assert timed == []
+
+
 def test_bench_group_times_each_phase_for_real(registry):
     """bench_group itself (no stand-in) runs a step of each phase on the CPU."""
     import torch
