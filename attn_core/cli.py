@@ -397,7 +397,6 @@ def _phase_table(c, p, title: str) -> str:
     """The table of one phase of group choice ``c``: the chosen backend (with its options in
     force), the admissible ones ranked lower, every rejected candidate with its reasons."""
     from attn_core.options import format_options
-    from attn_core.selector import step_size_unit
 
     here = {b: f"not loadable here: {why}" for b, why in c.not_loadable_here}
     note = " (forced)" if p.forced else ""
@@ -409,20 +408,7 @@ def _phase_table(c, p, title: str) -> str:
     chosen_notes = [here[name]] if name in here else []
     if p.options:
         chosen_notes.append("options: " + format_options(p.options, dict(p.option_sources)))
-    if p.by_step_size:
-        unit = step_size_unit(p.phase)
-        chosen_notes.append(
-            "by step size (tuned): "
-            + "; ".join(f"<= {bound} {unit}: {b.qualified_name}" for bound, b in p.by_step_size)
-        )
-    if p.by_requests:
-        chosen_notes.append(
-            "by requests (tuned): "
-            + "; ".join(
-                f"{above + 1}-{at_most} tokens, <= {r} requests: {b.qualified_name}"
-                for above, at_most, r, b in p.by_requests
-            )
-        )
+    chosen_notes += p.switch_notes()
     rows = [[name, "chosen" + note, "\n".join(chosen_notes)]]
     switching = {b.qualified_name for b in p.switch_backends} - {name}
     rows += [

@@ -686,6 +686,27 @@ class PhaseChoice:
             seen.setdefault(b.qualified_name, b)
         return tuple(seen.values())
 
+    def switch_notes(self) -> list[str]:
+        """Where this phase switches backend, as ``attn explain`` says it: ``"by step size
+        (tuned): <= 2048 tokens: fa3:fa3; ..."`` and ``"by requests (tuned): 2049-8192 tokens,
+        <= 2 requests: ..."``, each present only where the phase switches that way."""
+        notes = []
+        if self.by_step_size:
+            unit = step_size_unit(self.phase)
+            notes.append(
+                "by step size (tuned): "
+                + "; ".join(f"<= {n} {unit}: {b.qualified_name}" for n, b in self.by_step_size)
+            )
+        if self.by_requests:
+            notes.append(
+                "by requests (tuned): "
+                + "; ".join(
+                    f"{above + 1}-{at_most} tokens, <= {r} requests: {b.qualified_name}"
+                    for above, at_most, r, b in self.by_requests
+                )
+            )
+        return notes
+
     @property
     def options(self) -> dict[str, object]:
         return dict(self.backend.options)

@@ -401,21 +401,9 @@ def _chosen(pc, phase: Phase, batch: int, context: int) -> str:
 
 def _said(pc) -> str:
     """A phase choice as explain says it: the backend, and where it switches by step size or
-    by requests."""
-    parts = []
-    if pc.by_step_size:
-        parts.append(
-            "by step size: " + "; ".join(f"<= {n}: {b.qualified_name}" for n, b in pc.by_step_size)
-        )
-    if pc.by_requests:
-        parts.append(
-            "by requests: "
-            + "; ".join(
-                f"{above + 1}-{at_most} tokens in <= {r} requests: {b.qualified_name}"
-                for above, at_most, r, b in pc.by_requests
-            )
-        )
-    return pc.backend.qualified_name + (f" ({'; '.join(parts)})" if parts else "")
+    by requests (:meth:`PhaseChoice.switch_notes`)."""
+    notes = pc.switch_notes()
+    return pc.backend.qualified_name + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def summary_table(out: dict[str, Any], goal: float = 1.03) -> str:

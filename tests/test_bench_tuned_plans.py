@@ -16,7 +16,7 @@ from attn_core.backend import Backend, BackendCapabilities
 from attn_core.bench import BenchResult
 from attn_core.models import specs_from_hf_config
 from attn_core.registry import Registry
-from attn_core.selector import TuningData
+from attn_core.selector import PhaseChoice, TuningData
 from attn_core.specs import Phase
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,7 +149,7 @@ def test_the_tuned_plan_is_checked_on_and_off_its_grid(registry, monkeypatch, ca
     entries = tunings["qwen3"]["entries"]
     assert any(e.get("points") for e in entries)
     out = capsys.readouterr().out
-    assert "# qwen3 full prefill:" in out and "tokens in <= 2 requests: short:s" in out, out
+    assert "# qwen3 full prefill:" in out and "tokens, <= 2 requests: short:s" in out, out
     assert "# tune qwen3 full decode long:l B=16 ctx=16384: " in out, out  # progress per point
 
     # --tuning-in: a second call checks the same plan from the saved tuning, timing no grid
@@ -408,24 +408,25 @@ def test_the_tuning_times_the_candidates_in_alternating_rounds(registry, monkeyp
 
 def test_a_plan_that_switches_only_by_requests_reads_without_an_empty_step_size_list():
     """gpt-oss's full layers switched by requests in one token bucket and by nothing else: the
-    H100 run's table read "fa3:fa3 (by step size: ; 8193-16384 tokens in <= 2 requests: ...)"."""
+    H100 run's table read "fa3:fa3 (by step size: ; 8193-16384 tokens in <= 2 requests: ...)".
+    The table now says it as explain does."""
     script = _script()
     fa3 = Backend(name="fa3", capabilities=CAPS, plugin="fa3")
     fi = Backend(name="flashinfer", capabilities=CAPS, plugin="flashinfer")
-    only_requests = argparse.Namespace(
-        backend=fa3, by_step_size=(), by_requests=((8192, 16384, 2, fi), (8192, 16384, 1024, fa3))
-    )
+
+    def choice(by_step_size=(), by_requests=(), backend=fa3) -> PhaseChoice:
+        return PhaseChoice(phase=Phase.PREFILL, backend=backend, rejected=(), outranked=(),
+                           by_step_size=by_step_size, by_requests=by_requests)  # fmt: skip
+
+    only_requests = choice(by_requests=((8192, 16384, 2, fi), (8192, 16384, 1024, fa3)))
     assert script._said(only_requests) == (
-        "fa3:fa3 (by requests: 8193-16384 tokens in <= 2 requests: flashinfer:flashinfer; "
-        "8193-16384 tokens in <= 1024 requests: fa3:fa3)"
+        "fa3:fa3 (by requests (tuned): 8193-16384 tokens, <= 2 requests: flashinfer:flashinfer; "
+        "8193-16384 tokens, <= 1024 requests: fa3:fa3)"
     )
-    both = argparse.Namespace(
-        backend=fa3, by_step_size=((2048, fa3), (16384, fi)), by_requests=((0, 2048, 1, fi),)
-    )
+    both = choice(by_step_size=((2048, fa3), (16384, fi)), by_requests=((0, 2048, 1, fi),))
     assert script._said(both) == (
-        "fa3:fa3 (by step size: <= 2048: fa3:fa3; <= 16384: flashinfer:flashinfer; "
-        "by requests: 1-2048 tokens in <= 1 requests: flashinfer:flashinfer)"
+        "fa3:fa3 (by step size (tuned): <= 2048 tokens: fa3:fa3; <= 16384 tokens: "
+        "flashinfer:flashinfer; by requests (tuned): 1-2048 tokens, <= 1 requests: "
+        "flashinfer:flashinfer)"
     )
-    assert script._said(argparse.Namespace(backend=fi, by_step_size=(), by_requests=())) == (
-        "flashinfer:flashinfer"
-    )
+    assert script._said(choice(backend=fi)) == "flashinfer:flashinfer"
