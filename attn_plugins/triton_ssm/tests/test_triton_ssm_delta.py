@@ -60,6 +60,22 @@ def test_decode_matches_fla_naive(state_dtype, kda, dk, dv, block_v):
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("programs_per_sm", [0, 1], ids=["a program per item", "one per SM"])
+def test_decode_grids_compute_the_same_states(kda, programs_per_sm):
+    """One program per work item (``programs_per_sm=0``, faster on the H100) and a persistent
+    grid whose programs loop over several items (and prefetch the next) run the same float
+    operations per item: outputs and states equal the default grid's bit for bit."""
+    q, k, v, g, beta, state, idx = _inputs(T=1, dk=16, dv=32, kda=kda, state_dtype=torch.float32)
+    fn = K.kda_decode if kda else K.gdn_decode
+    args = (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+    default_state = state.clone()
+    want = fn(*args, default_state, idx, block_v=8)
+    out = fn(*args, state, idx, block_v=8, programs_per_sm=programs_per_sm)
+    assert torch.equal(out, want)
+    assert torch.equal(state, default_state)
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 def test_decode_out_of_place_writes_the_out_slots_and_keeps_the_read_ones(kda):
     # request 0 reads slot 5 and writes slot 1; request 1 is padding (its out slot 4 stays);
     # request 2 reads slot 2 and stores nothing (-1)
