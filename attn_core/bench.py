@@ -421,6 +421,8 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
     plan = select(layout.groups, registry, caps, constraints)
     constraints = plan.constraints  # the graph mode the policy may have lowered, forced entries
     tuning = TuningData(device=caps.short(), graph_mode=constraints.graph_mode.value)
+    # checked before anything is timed: a run whose times cannot join the file is refused now
+    earlier = _earlier_tuning(args.write_tuning, tuning) if args.write_tuning else None
     results: list[BenchResult] = []
     skipped: list[str] = []
     batches = _grid(args.batch, "--batch")
@@ -516,8 +518,17 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
                 "(--include-reference times it too)"
             )
     if args.write_tuning:
+        said = f"tuning data written to {args.write_tuning}: {len(tuning.times_us)} entries "
+        said += "measured now"
+        if earlier is not None:
+            said += (
+                f", {len(set(earlier.times_us) - set(tuning.times_us))} kept from "
+                f"{args.write_tuning}"
+            )
+            earlier.update(tuning)
+            tuning = earlier
         tuning.save(args.write_tuning)
-        print(f"tuning data written to {args.write_tuning}")
+        print(said)
     if args.plot:
         table = [
             Timing(group_id, phase_, batch, backend_, _geomean(us))
@@ -529,6 +540,30 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
         else:
             print(f"no plot written to {args.plot}: no candidate ran")
     return 0 if all(r.error is None for r in results) else 1
+
+
+def _earlier_tuning(path: str | os.PathLike, run: TuningData) -> TuningData | None:
+    """The tuning file ``--write-tuning`` names, when it exists: the run's measurements go into
+    it (a file tuned for one model keeps its entries when another model is tuned into it).
+    Refused when it cannot be read or holds another device's or graph mode's times."""
+    if not os.path.exists(path):
+        return None
+    try:
+        earlier = TuningData.load(path)
+    except (OSError, ValueError) as exc:
+        raise AttnCoreError(
+            f"--write-tuning {path}: the file exists but is not a tuning file this release "
+            f"reads ({exc}); write to another file or remove it"
+        ) from None
+    if (earlier.device, earlier.graph_mode) != (run.device, run.graph_mode):
+        raise AttnCoreError(
+            f"--write-tuning {path}: its times were measured on "
+            f"{earlier.device or 'an unknown device'} under graph mode "
+            f"{earlier.graph_mode or 'unknown'}, this run measures on {run.device} under graph "
+            f"mode {run.graph_mode}; one file holds one device's times: write to another file "
+            "(or remove it)"
+        )
+    return earlier
 
 
 def alternating(candidates: Sequence[T], rounds: int) -> Iterator[T]:

@@ -567,6 +567,25 @@ class TuningData:
         pts = self.points(backend, spec, phase, max_size=max_size)
         return _geomean(list(pts.values())) if pts else None
 
+    def update(self, newer: TuningData) -> None:
+        """Take ``newer``'s measurements in: each of its buckets (with its points) replaces this
+        one's bucket of the same backend, spec, phase and size; the others stay. Both must be
+        measured on one device under one graph mode (``ValueError`` otherwise): a file mixing
+        machines would rank backends by the mix."""
+        if (newer.device, newer.graph_mode) != (self.device, self.graph_mode):
+            raise ValueError(
+                f"tuning data measured on {newer.device or 'an unknown device'} under graph "
+                f"mode {newer.graph_mode or 'unknown'} cannot join data measured on "
+                f"{self.device or 'an unknown device'} under graph mode "
+                f"{self.graph_mode or 'unknown'}"
+            )
+        for key, us in newer.times_us.items():
+            self.times_us[key] = us
+            if key in newer.shape_us:
+                self.shape_us[key] = dict(newer.shape_us[key])
+            else:
+                self.shape_us.pop(key, None)
+
     def save(self, path: str | os.PathLike) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))
 

@@ -302,3 +302,53 @@ def test_bench_times_the_candidates_in_alternating_rounds_and_keeps_each_median(
     decode = {e["backend"]: e["us"] for e in json.loads(path.read_text())["entries"]
               if e["phase"] == "decode"}  # fmt: skip
     assert decode == {"fast_prefill:fp": 12.0, "fast_decode:fd": 11.5}
+
+
+def test_write_tuning_adds_to_an_existing_file_and_replaces_what_it_measures_again(
+    tmp_path, timed, registry, capsys
+):
+    """A server serving several models tunes each into one file: a second --write-tuning of
+    another model keeps the first model's entries (it overwrote them, a whole run lost), and
+    points measured again replace their old entries instead of sitting beside them."""
+    path = tmp_path / "tuning.json"
+    base = ["bench", "--device", "cpu", "--rounds", "1", "--write-tuning", str(path)]
+    assert cli.main([*base, "--model", "qwen3", "--batch", "1,4", "--context", "100"]) == 0
+    qwen3 = TuningData.load(path)
+    assert cli.main([*base, "--model", "gpt-oss", "--batch", "1", "--context", "100"]) == 0
+    both = TuningData.load(path)
+    assert set(qwen3.times_us) < set(both.times_us)  # gpt-oss's specs added, qwen3's kept
+    assert all(both.times_us[k] == v for k, v in qwen3.times_us.items())
+    out = capsys.readouterr().out
+    assert f"tuning data written to {path}: " in out and f"kept from {path}" in out, out
+
+    BASE[("fast_decode:fd", "decode")] = 50.0  # measured again, slower now
+    try:
+        assert cli.main([*base, "--model", "qwen3", "--batch", "4", "--context", "100"]) == 0
+    finally:
+        BASE[("fast_decode:fd", "decode")] = 5.0
+    again = TuningData.load(path)
+    assert set(again.times_us) == set(both.times_us)  # replaced, not added beside
+    for key, us in both.times_us.items():
+        backend, _, phase, size = key
+        remeasured = key in qwen3.times_us and (backend, phase, size) == (
+            "fast_decode:fd",
+            Phase.DECODE,
+            4,
+        )
+        assert again.times_us[key] == pytest.approx(10 * us if remeasured else us), key
+
+
+def test_write_tuning_refuses_a_file_measured_on_another_device_before_timing(
+    tmp_path, timed, capsys
+):
+    """Times from two devices in one file would rank backends by a mix of machines: the run
+    stops before timing anything, naming the file's device and graph mode and its own."""
+    path = tmp_path / "tuning.json"
+    TuningData(device="h200", graph_mode="none").save(path)
+    argv = ["bench", "--model", "qwen3", "--device", "cpu", "--write-tuning", str(path)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--write-tuning {path}" in err and "h200" in err and "cpu" in err, err
+    assert "another file" in err
+    assert timed == []
+    assert TuningData.load(path).device == "h200"
