@@ -266,6 +266,15 @@ def test_mla_under_another_model_type_reads_deepseek_names() -> None:
             {"num_hidden_layers": 2},
             r"composite config \(vq_config, text_config\) .*text_config \('emu3_text_m",
         ),
+        # the language model's sizes at the top and another stack nested: the refusal still
+        # lists the fields, and says the nested config is another stack
+        ("git", {}, r"'vision_config' is a nested model config: a composite model"),
+        (
+            "moshi",
+            {},
+            r"'audio_encoder_config', 'depth_decoder_config' are nested model configs: a "
+            r"composite model",
+        ),
     ],
 )
 def test_refusals_name_the_feature_and_the_layers(

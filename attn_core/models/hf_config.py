@@ -997,11 +997,19 @@ def _refuse_unknown(r: _Reader, known: frozenset[str], every: str) -> None:
     """Any field outside ``known`` (and the refused features' own) is refused, named."""
     unknown = sorted(k for k in r.cfg if k not in known and k not in _ATTENTION_FEATURES)
     if unknown:
+        # a sub-model's config beside the language model's sizes (Git's vision tower, Moshi's
+        # audio encoder): another stack, which no family of this mapping reads
+        stacks = [k for k in unknown if k.endswith("_config") and isinstance(r.cfg[k], Mapping)]
+        nested = ""
+        if stacks:
+            names = ", ".join(repr(k) for k in stacks)
+            are = "are nested model configs" if len(stacks) > 1 else "is a nested model config"
+            nested = f"; {names} {are}: a composite model, whose other stack no family reads"
         raise ValueError(
             f"{r.where}: config field{'s' if len(unknown) > 1 else ''} "
             f"{', '.join(repr(k) for k in unknown)} in {every}: not understood "
-            f"by the generic dense mapping (it may change the attention math); refused, not "
-            f"mapped in part"
+            f"by the generic dense mapping (it may change the attention math){nested}; "
+            "refused, not mapped in part"
         )
 
 
