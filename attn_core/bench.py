@@ -460,6 +460,9 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
                     }
                     # one sample where there is nothing to rank against
                     for backend in alternating(candidates, rounds if len(candidates) > 1 else 1):
+                        taken = samples[backend.qualified_name]
+                        if taken and taken[-1].error is not None:  # failed here: said once
+                            continue
                         res = _bench_or_error(
                             group, backend, registry, plan, device, args.iters, phase, batch,
                             context,

@@ -198,9 +198,10 @@ def _tune(name, group, cands, registry, plan, device, phase, args,
     for batch, context in _tuning_grid(phase, args):
         samples: dict[str, list[float]] = {b.qualified_name: [] for b in cands}
         for backend in alternating(cands, rounds):
-            samples[backend.qualified_name].append(
-                _time(group, backend, registry, plan, device, phase, batch, context, 10)
-            )
+            taken = samples[backend.qualified_name]
+            if taken and taken[-1] != taken[-1]:  # failed at this point: reported once
+                continue
+            taken.append(_time(group, backend, registry, plan, device, phase, batch, context, 10))
         for backend_name, taken in samples.items():
             us = statistics.median(taken) if all(x == x for x in taken) else float("nan")
             print(f"# tune {name} {group.group_id} {phase.value} {backend_name}"
@@ -321,10 +322,13 @@ def bench_model(
             elif len(cands) > 1:
                 samples: dict[str, list[float]] = {b.qualified_name: [] for b in cands}
                 for backend in alternating(cands, args.rounds):
-                    us = _time(
-                        group, backend, registry, plan, device, phase, batch, context, args.iters
-                    )
-                    samples[backend.qualified_name].append(us)
+                    taken = samples[backend.qualified_name]
+                    if taken and taken[-1] != taken[-1]:  # failed at this point: reported once
+                        continue
+                    taken.append(
+                        _time(group, backend, registry, plan, device, phase, batch, context,
+                              args.iters)
+                    )  # fmt: skip
                 medians = {
                     k: statistics.median(v) for k, v in samples.items() if all(x == x for x in v)
                 }

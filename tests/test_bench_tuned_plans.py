@@ -430,3 +430,29 @@ def test_a_plan_that_switches_only_by_requests_reads_without_an_empty_step_size_
         "flashinfer:flashinfer)"
     )
     assert script._said(choice(backend=fi)) == "flashinfer:flashinfer"
+
+
+def test_a_candidate_that_fails_a_point_is_timed_once_there(registry, monkeypatch, capsys):
+    """long:l fails every step: each tuning and check point reports it once, not once a round,
+    and the plan and the rows go to the candidate that ran."""
+    script = _script()
+    timed: list[tuple[str, str, int, int]] = []
+
+    def bench_group(group, backend, registry, plan, device, *, batch, context, iters, phase):
+        timed.append((backend.qualified_name, phase.value, batch, context))
+        if backend.qualified_name == "long:l":
+            raise RuntimeError("no kernel for this shape")
+        us = _time(backend.qualified_name, phase.value, batch, context)
+        return BenchResult(group.group_id, backend.qualified_name, us, us, phase=phase.value,
+                           batch=batch, context=context)  # fmt: skip
+
+    monkeypatch.setattr(script, "bench_group", bench_group)
+    args = _small_grid()
+    args.tune_rounds = args.rounds = 3
+    rows: list[dict] = []
+    script.bench_model("qwen3", registry, torch.device("cpu"), args, {}, rows)
+    points = 4 + 4 + 2 + 2  # tuning grid (prefill, decode), then check points (decode, prefill)
+    assert len([t for t in timed if t[0] == "long:l"]) == points  # once a point
+    assert len([t for t in timed if t[0] == "short:s"]) == 3 * points  # every round
+    assert rows and all(r["chosen"] == r["fastest"] == "short:s" for r in rows)
+    assert capsys.readouterr().out.count("long:l prefill B=1 ctx=1024: no kernel") == 1

@@ -352,3 +352,29 @@ def test_write_tuning_refuses_a_file_measured_on_another_device_before_timing(
     assert "another file" in err
     assert timed == []
     assert TuningData.load(path).device == "h200"
+
+
+def test_a_candidate_that_fails_a_point_is_not_timed_again_in_later_rounds(
+    monkeypatch, registry, capsys
+):
+    """A backend that errors at a point reports the error once; the other rounds time only the
+    candidates that ran."""
+    calls: list[str] = []
+
+    def fake_bench_group(group, backend, registry, plan, device, *, batch, context, iters, phase):
+        calls.append(backend.qualified_name)
+        if backend.qualified_name == "fast_prefill:fp":
+            raise RuntimeError("no kernel for this shape")
+        return BenchResult(group.group_id, backend.qualified_name, 5.0, 5.0, phase=phase.value,
+                           batch=batch, context=context)  # fmt: skip
+
+    monkeypatch.setattr(cli, "_registry", lambda args: registry)
+    monkeypatch.setattr(bench, "bench_group", fake_bench_group)
+    argv = ["bench", "--model", "qwen3", "--device", "cpu", "--batch", "1", "--context", "8"]
+    assert cli.main([*argv, "--rounds", "3", "--json"]) == 1  # a candidate failed
+    phases = 2  # prefill and decode, one point each
+    assert calls.count("fast_prefill:fp") == phases
+    assert calls.count("fast_decode:fd") == 3 * phases
+    results = json.loads(capsys.readouterr().out.splitlines()[0])
+    errors = [r["error"] for r in results if r["backend"] == "fast_prefill:fp"]
+    assert errors == ["RuntimeError: no kernel for this shape"] * phases
