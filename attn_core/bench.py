@@ -558,13 +558,11 @@ def _earlier_tuning(path: str | os.PathLike, run: TuningData) -> TuningData | No
             f"--write-tuning {path}: the file exists but is not a tuning file this release "
             f"reads ({exc}); write to another file or remove it"
         ) from None
-    if (earlier.device, earlier.graph_mode) != (run.device, run.graph_mode):
+    if earlier.measured_where() != run.measured_where():
         raise AttnCoreError(
-            f"--write-tuning {path}: its times were measured on "
-            f"{earlier.device or 'an unknown device'} under graph mode "
-            f"{earlier.graph_mode or 'unknown'}, this run measures on {run.device} under graph "
-            f"mode {run.graph_mode}; one file holds one device's times: write to another file "
-            "(or remove it)"
+            f"--write-tuning {path}: its times were measured {earlier.measured_where()}, this "
+            f"run measures {run.measured_where()}; one file holds one device's times: write to "
+            "another file (or remove it)"
         )
     return earlier
 

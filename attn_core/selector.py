@@ -567,17 +567,22 @@ class TuningData:
         pts = self.points(backend, spec, phase, max_size=max_size)
         return _geomean(list(pts.values())) if pts else None
 
+    def measured_where(self) -> str:
+        """``"on h200 under graph mode none"``: what the times hold for."""
+        return (
+            f"on {self.device or 'an unknown device'} under graph mode "
+            f"{self.graph_mode or 'unknown'}"
+        )
+
     def update(self, newer: TuningData) -> None:
         """Take ``newer``'s measurements in: each of its buckets (with its points) replaces this
         one's bucket of the same backend, spec, phase and size; the others stay. Both must be
         measured on one device under one graph mode (``ValueError`` otherwise): a file mixing
         machines would rank backends by the mix."""
-        if (newer.device, newer.graph_mode) != (self.device, self.graph_mode):
+        if newer.measured_where() != self.measured_where():
             raise ValueError(
-                f"tuning data measured on {newer.device or 'an unknown device'} under graph "
-                f"mode {newer.graph_mode or 'unknown'} cannot join data measured on "
-                f"{self.device or 'an unknown device'} under graph mode "
-                f"{self.graph_mode or 'unknown'}"
+                f"tuning data measured {newer.measured_where()} cannot join data measured "
+                f"{self.measured_where()}"
             )
         for key, us in newer.times_us.items():
             self.times_us[key] = us

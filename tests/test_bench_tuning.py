@@ -378,3 +378,14 @@ def test_a_candidate_that_fails_a_point_is_not_timed_again_in_later_rounds(
     results = json.loads(capsys.readouterr().out.splitlines()[0])
     errors = [r["error"] for r in results if r["backend"] == "fast_prefill:fp"]
     assert errors == ["RuntimeError: no kernel for this shape"] * phases
+
+
+def test_tuning_data_from_two_devices_does_not_merge():
+    """TuningData.update refuses another device's or graph mode's times, naming both."""
+    base = TuningData(device="h200", graph_mode="none")
+    with pytest.raises(ValueError, match="measured on h100 under graph mode none cannot join "
+                       "data measured on h200 under graph mode none"):  # fmt: skip
+        base.update(TuningData(device="h100", graph_mode="none"))
+    with pytest.raises(ValueError, match="under graph mode decode cannot join"):
+        base.update(TuningData(device="h200", graph_mode="decode"))
+    assert base.times_us == {}
