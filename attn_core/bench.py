@@ -32,6 +32,7 @@ CUDA-graph replay of the step after one ``prepare``. Tune with the graph mode th
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -77,6 +78,7 @@ __all__ = [
     "median_result",
     "plot_figure",
     "run_bench",
+    "sample_alternating",
     "step_inputs",
     "write_plot",
 ]
@@ -84,6 +86,7 @@ __all__ = [
 PLOT_INSTALL = "pip install 'attn-core[plot]'"
 
 T = TypeVar("T")
+S = TypeVar("S")
 
 
 @dataclass(slots=True)
@@ -455,19 +458,22 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
                             for b in candidates
                         ]
                         continue
-                    samples: dict[str, list[BenchResult]] = {
-                        b.qualified_name: [] for b in candidates
-                    }
-                    # one sample where there is nothing to rank against
-                    for backend in alternating(candidates, rounds if len(candidates) > 1 else 1):
-                        taken = samples[backend.qualified_name]
-                        if taken and taken[-1].error is not None:  # failed here: said once
-                            continue
-                        res = _bench_or_error(
-                            group, backend, registry, plan, device, args.iters, phase, batch,
-                            context,
-                        )  # fmt: skip
-                        samples[backend.qualified_name].append(res)
+                    samples = sample_alternating(
+                        candidates,
+                        rounds if len(candidates) > 1 else 1,  # nothing to rank against: once
+                        functools.partial(
+                            _bench_or_error,
+                            group=group,
+                            registry=registry,
+                            plan=plan,
+                            device=device,
+                            iters=args.iters,
+                            phase=phase,
+                            batch=batch,
+                            context=context,
+                        ),
+                        failed=lambda res: res.error is not None,
+                    )
                     for name, taken in samples.items():
                         res = median_result(taken)
                         results.append(res)
@@ -577,6 +583,25 @@ def alternating(candidates: Sequence[T], rounds: int) -> Iterator[T]:
             yield candidates[(r + i) % n]
 
 
+def sample_alternating(
+    candidates: Sequence[Any],
+    rounds: int,
+    take: Callable[[Any], S],
+    *,
+    failed: Callable[[S], bool],
+) -> dict[str, list[S]]:
+    """One point's samples of every candidate (a backend), ``{qualified name: [sample, ...]}``:
+    ``take(candidate)`` once a round for ``rounds`` rounds in :func:`alternating` order; a
+    candidate whose sample ``failed`` is not taken again at this point (its failure is
+    reported once)."""
+    samples: dict[str, list[S]] = {c.qualified_name: [] for c in candidates}
+    for candidate in alternating(candidates, rounds):
+        taken = samples[candidate.qualified_name]
+        if not (taken and failed(taken[-1])):
+            taken.append(take(candidate))
+    return samples
+
+
 def median_result(samples: Sequence[BenchResult]) -> BenchResult:
     """One point's result from its rounds' samples: the medians of the binding and direct
     times; the first error where a round failed."""
@@ -591,8 +616,8 @@ def median_result(samples: Sequence[BenchResult]) -> BenchResult:
 
 
 def _bench_or_error(
-    group: LayerGroup,
     backend,
+    group: LayerGroup,
     registry,
     plan: Plan,
     device: torch.device,

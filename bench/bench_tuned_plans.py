@@ -39,6 +39,7 @@ runs (decode and verify steps timed as CUDA-graph replays).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import signal
 import statistics
@@ -57,9 +58,9 @@ import torch  # noqa: E402
 
 from attn_core.bench import (  # noqa: E402
     admissible_backends,
-    alternating,
     bench_group,
     record_measured,
+    sample_alternating,
 )
 from attn_core.models import specs_from_hf_config  # noqa: E402
 from attn_core.registry import REFERENCE_BACKEND, Registry  # noqa: E402
@@ -165,7 +166,7 @@ def _not_loadable(group, registry) -> list[str]:
     )
 
 
-def _time(group, backend, registry, plan, device, phase, batch, context, iters) -> float:
+def _time(backend, group, registry, plan, device, phase, batch, context, iters) -> float:
     try:
         r = bench_group(
             group,
@@ -184,6 +185,16 @@ def _time(group, backend, registry, plan, device, phase, batch, context, iters) 
     return r.us_per_layer
 
 
+def _failed(us: float) -> bool:
+    """A :func:`_time` sample of a candidate that failed the step (NaN)."""
+    return us != us
+
+
+def _median(samples: list[float]) -> float:
+    """The median of a candidate's samples at one point; NaN where one failed."""
+    return float("nan") if any(map(_failed, samples)) else statistics.median(samples)
+
+
 def _tune(name, group, cands, registry, plan, device, phase, args,
           start: float) -> dict[str, list[tuple[int, int, float]]]:  # fmt: skip
     """Every candidate's time at every point of ``phase``'s tuning grid, ``{backend: [(batch,
@@ -196,14 +207,24 @@ def _tune(name, group, cands, registry, plan, device, phase, args,
     rounds = max(1, getattr(args, "tune_rounds", 1))
     measured: dict[str, list[tuple[int, int, float]]] = {b.qualified_name: [] for b in cands}
     for batch, context in _tuning_grid(phase, args):
-        samples: dict[str, list[float]] = {b.qualified_name: [] for b in cands}
-        for backend in alternating(cands, rounds):
-            taken = samples[backend.qualified_name]
-            if taken and taken[-1] != taken[-1]:  # failed at this point: reported once
-                continue
-            taken.append(_time(group, backend, registry, plan, device, phase, batch, context, 10))
+        samples = sample_alternating(
+            cands,
+            rounds,
+            functools.partial(
+                _time,
+                group=group,
+                registry=registry,
+                plan=plan,
+                device=device,
+                phase=phase,
+                batch=batch,
+                context=context,
+                iters=10,
+            ),
+            failed=_failed,
+        )
         for backend_name, taken in samples.items():
-            us = statistics.median(taken) if all(x == x for x in taken) else float("nan")
+            us = _median(taken)
             print(f"# tune {name} {group.group_id} {phase.value} {backend_name}"
                   f" B={batch} ctx={context}: {us:.1f} us/layer"
                   f" ({time.monotonic() - start:.0f} s)", flush=True)  # fmt: skip
@@ -320,18 +341,23 @@ def bench_model(
             if len(cands) > 1 and check_key in shared:
                 medians, timed_with = shared[check_key]
             elif len(cands) > 1:
-                samples: dict[str, list[float]] = {b.qualified_name: [] for b in cands}
-                for backend in alternating(cands, args.rounds):
-                    taken = samples[backend.qualified_name]
-                    if taken and taken[-1] != taken[-1]:  # failed at this point: reported once
-                        continue
-                    taken.append(
-                        _time(group, backend, registry, plan, device, phase, batch, context,
-                              args.iters)
-                    )  # fmt: skip
-                medians = {
-                    k: statistics.median(v) for k, v in samples.items() if all(x == x for x in v)
-                }
+                samples = sample_alternating(
+                    cands,
+                    args.rounds,
+                    functools.partial(
+                        _time,
+                        group=group,
+                        registry=registry,
+                        plan=plan,
+                        device=device,
+                        phase=phase,
+                        batch=batch,
+                        context=context,
+                        iters=args.iters,
+                    ),
+                    failed=_failed,
+                )
+                medians = {k: m for k, v in samples.items() if not _failed(m := _median(v))}
                 shared[check_key] = (medians, name)
             fastest = min(medians, key=medians.__getitem__) if medians else chosen
             ratio = medians.get(chosen, float("nan")) / medians[fastest] if medians else 1.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,12 +33,14 @@ def _script():
     return module
 
 
-def _stand_in(timed: list):
-    """bench_group with :func:`_time`'s table, appending each timing to ``timed``."""
+def _stand_in(timed: list | None = None, time: Callable[[str, str, int, int], float] | None = None):
+    """bench_group with ``time(backend, phase, batch, context)`` (default :func:`_time`'s
+    table; it may raise, as a failing kernel does), appending each timing to ``timed``."""
 
     def bench_group(group, backend, registry, plan, device, *, batch, context, iters, phase):
-        timed.append((phase.value, backend.qualified_name, batch, context))
-        us = _time(backend.qualified_name, phase.value, batch, context)
+        if timed is not None:
+            timed.append((phase.value, backend.qualified_name, batch, context))
+        us = (time or _time)(backend.qualified_name, phase.value, batch, context)
         return BenchResult(group.group_id, backend.qualified_name, us, us, phase=phase.value,
                            batch=batch, context=context)  # fmt: skip
 
@@ -99,15 +102,8 @@ def _small_grid() -> argparse.Namespace:
 
 def test_the_tuned_plan_is_checked_on_and_off_its_grid(registry, monkeypatch, capsys):
     script = _script()
-    timed = []
-
-    def stand_in(group, backend, registry, plan, device, *, batch, context, iters, phase):
-        timed.append((phase.value, backend.qualified_name, batch, context))
-        us = _time(backend.qualified_name, phase.value, batch, context)
-        return BenchResult(group.group_id, backend.qualified_name, us, us, phase=phase.value,
-                           batch=batch, context=context)  # fmt: skip
-
-    monkeypatch.setattr(script, "bench_group", stand_in)
+    timed: list = []
+    monkeypatch.setattr(script, "bench_group", _stand_in(timed))
     args = argparse.Namespace(
         tune_batch="1,16", tune_context="2048,16384", max_kv_tokens=2**18,
         tune_prefill="1024,4096", tune_prefill_requests="1,4", graph_mode="none",
@@ -171,13 +167,7 @@ def test_a_point_with_a_candidate_not_loadable_here_says_so(make_plugin, monkeyp
     registry = _registry(
         make_plugin, ("short", Backend(name="s", capabilities=CAPS, priority=50)), ("gone", gone)
     )
-
-    def stand_in(group, backend, registry, plan, device, *, batch, context, iters, phase):
-        us = _time(backend.qualified_name, phase.value, batch, context)
-        return BenchResult(group.group_id, backend.qualified_name, us, us, phase=phase.value,
-                           batch=batch, context=context)  # fmt: skip
-
-    monkeypatch.setattr(script, "bench_group", stand_in)
+    monkeypatch.setattr(script, "bench_group", _stand_in())
     args = argparse.Namespace(
         tune_batch="1", tune_context="2048", max_kv_tokens=2**18, tune_prefill="1024",
         tune_prefill_requests="1", graph_mode="none", decode_points="1x2048",
@@ -300,14 +290,12 @@ def test_the_plan_is_made_for_the_largest_step_the_bench_times(registry, monkeyp
     backend, though the tuning had timed another one faster at every split of that size."""
     script = _script()
 
-    def bench_group(group, backend, registry, plan, device, *, batch, context, iters, phase):
+    def time(backend: str, phase: str, batch: int, context: int) -> float:
         tokens = batch * context  # short:s fastest up to 8192 tokens, long:l above
-        fast = (backend.qualified_name == "short:s") == (tokens <= 8192)
-        us = tokens * (1.0 if fast else 1.5)
-        return BenchResult(group.group_id, backend.qualified_name, us, us, phase=phase.value,
-                           batch=batch, context=context)  # fmt: skip
+        fast = (backend == "short:s") == (tokens <= 8192)
+        return tokens * (1.0 if fast else 1.5)
 
-    monkeypatch.setattr(script, "bench_group", bench_group)
+    monkeypatch.setattr(script, "bench_group", _stand_in(time=time))
     args = argparse.Namespace(
         tune_batch="1,512", tune_context="2048", max_kv_tokens=2**20,
         tune_prefill="4096,16384", tune_prefill_requests="1,2", graph_mode="none",
@@ -352,13 +340,11 @@ def test_a_split_that_does_not_divide_the_token_count_is_tuned_in_its_bucket(reg
     4-request winner (the H100 run's 3 x 4000 miss, 1.11 of the fastest)."""
     script = _script()
 
-    def bench_group(group, backend, registry, plan, device, *, batch, context, iters, phase):
-        fast = (backend.qualified_name == "short:s") == (batch <= 3)  # s up to 3 requests
-        us = batch * context * (1.0 if fast else 1.5)
-        return BenchResult(group.group_id, backend.qualified_name, us, us, phase=phase.value,
-                           batch=batch, context=context)  # fmt: skip
+    def time(backend: str, phase: str, batch: int, context: int) -> float:
+        fast = (backend == "short:s") == (batch <= 3)  # s up to 3 requests
+        return batch * context * (1.0 if fast else 1.5)
 
-    monkeypatch.setattr(script, "bench_group", bench_group)
+    monkeypatch.setattr(script, "bench_group", _stand_in(time=time))
     args = argparse.Namespace(
         tune_batch="1", tune_context="2048", max_kv_tokens=2**20,
         tune_prefill="1024,4096", tune_prefill_requests="1,2,3,4", graph_mode="none",
@@ -385,15 +371,12 @@ def test_the_tuning_times_the_candidates_in_alternating_rounds(registry, monkeyp
     #: each backend's 1st, 2nd and 3rd sample at every point: short:s is faster but for one
     samples = {"short:s": [1.0, 9.0, 1.1], "long:l": [2.0, 2.1, 2.2]}
 
-    def bench_group(group, backend, registry, plan, device, *, batch, context, iters, phase):
-        name = backend.qualified_name
-        if phase is Phase.PREFILL and (batch, context) == (1, 1024):
-            order.append(name)
-        us = samples[name][sum(1 for n in order if n == name) - 1] if order else 1.0
-        return BenchResult(group.group_id, name, us, us, phase=phase.value, batch=batch,
-                           context=context)  # fmt: skip
+    def time(backend: str, phase: str, batch: int, context: int) -> float:
+        if phase == "prefill" and (batch, context) == (1, 1024):
+            order.append(backend)
+        return samples[backend][order.count(backend) - 1] if order else 1.0
 
-    monkeypatch.setattr(script, "bench_group", bench_group)
+    monkeypatch.setattr(script, "bench_group", _stand_in(time=time))
     args = _small_grid()
     args.tune_rounds = 3
     tunings: dict = {}
@@ -438,21 +421,18 @@ def test_a_candidate_that_fails_a_point_is_timed_once_there(registry, monkeypatc
     script = _script()
     timed: list[tuple[str, str, int, int]] = []
 
-    def bench_group(group, backend, registry, plan, device, *, batch, context, iters, phase):
-        timed.append((backend.qualified_name, phase.value, batch, context))
-        if backend.qualified_name == "long:l":
+    def time(backend: str, phase: str, batch: int, context: int) -> float:
+        if backend == "long:l":
             raise RuntimeError("no kernel for this shape")
-        us = _time(backend.qualified_name, phase.value, batch, context)
-        return BenchResult(group.group_id, backend.qualified_name, us, us, phase=phase.value,
-                           batch=batch, context=context)  # fmt: skip
+        return _time(backend, phase, batch, context)
 
-    monkeypatch.setattr(script, "bench_group", bench_group)
+    monkeypatch.setattr(script, "bench_group", _stand_in(timed, time))
     args = _small_grid()
     args.tune_rounds = args.rounds = 3
     rows: list[dict] = []
     script.bench_model("qwen3", registry, torch.device("cpu"), args, {}, rows)
     points = 4 + 4 + 2 + 2  # tuning grid (prefill, decode), then check points (decode, prefill)
-    assert len([t for t in timed if t[0] == "long:l"]) == points  # once a point
-    assert len([t for t in timed if t[0] == "short:s"]) == 3 * points  # every round
+    assert len([t for t in timed if t[1] == "long:l"]) == points  # once a point
+    assert len([t for t in timed if t[1] == "short:s"]) == 3 * points  # every round
     assert rows and all(r["chosen"] == r["fastest"] == "short:s" for r in rows)
     assert capsys.readouterr().out.count("long:l prefill B=1 ctx=1024: no kernel") == 1
