@@ -195,6 +195,15 @@ def _median(samples: list[float]) -> float:
     return float("nan") if any(map(_failed, samples)) else statistics.median(samples)
 
 
+def _samples(cands, rounds, group, registry, plan, device, phase, batch, context,
+             iters) -> dict[str, list[float]]:  # fmt: skip
+    """Every candidate's :func:`_time` samples at one point, in ``rounds`` alternating rounds
+    (:func:`sample_alternating`: a candidate that failed is not timed again there)."""
+    take = functools.partial(_time, group=group, registry=registry, plan=plan, device=device,
+                             phase=phase, batch=batch, context=context, iters=iters)  # fmt: skip
+    return sample_alternating(cands, rounds, take, failed=_failed)
+
+
 def _tune(name, group, cands, registry, plan, device, phase, args,
           start: float) -> dict[str, list[tuple[int, int, float]]]:  # fmt: skip
     """Every candidate's time at every point of ``phase``'s tuning grid, ``{backend: [(batch,
@@ -207,22 +216,7 @@ def _tune(name, group, cands, registry, plan, device, phase, args,
     rounds = max(1, getattr(args, "tune_rounds", 1))
     measured: dict[str, list[tuple[int, int, float]]] = {b.qualified_name: [] for b in cands}
     for batch, context in _tuning_grid(phase, args):
-        samples = sample_alternating(
-            cands,
-            rounds,
-            functools.partial(
-                _time,
-                group=group,
-                registry=registry,
-                plan=plan,
-                device=device,
-                phase=phase,
-                batch=batch,
-                context=context,
-                iters=10,
-            ),
-            failed=_failed,
-        )
+        samples = _samples(cands, rounds, group, registry, plan, device, phase, batch, context, 10)
         for backend_name, taken in samples.items():
             us = _median(taken)
             print(f"# tune {name} {group.group_id} {phase.value} {backend_name}"
@@ -341,22 +335,8 @@ def bench_model(
             if len(cands) > 1 and check_key in shared:
                 medians, timed_with = shared[check_key]
             elif len(cands) > 1:
-                samples = sample_alternating(
-                    cands,
-                    args.rounds,
-                    functools.partial(
-                        _time,
-                        group=group,
-                        registry=registry,
-                        plan=plan,
-                        device=device,
-                        phase=phase,
-                        batch=batch,
-                        context=context,
-                        iters=args.iters,
-                    ),
-                    failed=_failed,
-                )
+                samples = _samples(cands, args.rounds, group, registry, plan, device, phase,
+                                   batch, context, args.iters)  # fmt: skip
                 medians = {k: m for k, v in samples.items() if not _failed(m := _median(v))}
                 shared[check_key] = (medians, name)
             fastest = min(medians, key=medians.__getitem__) if medians else chosen
