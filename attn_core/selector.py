@@ -8,8 +8,9 @@ that phase (faster first; the geometric mean over the step-size buckets, and, wh
 backend is fastest at some buckets, a switch per bucket: ``PhaseChoice.by_step_size``; a step's
 size is its requests in decode and verify, its query tokens in prefill; a bucket's backend is
 the one with the smallest worst ratio to the fastest over the bucket's points, and a prefill
-bucket whose request splits disagree also switches by requests: ``PhaseChoice.by_requests``);
-the rest by the default rule: every other backend before the reference
+bucket whose request splits disagree also switches by requests: ``PhaseChoice.by_requests``;
+a lead under :data:`MEASURED_TIE` is a tie, which the default rule decides); the rest by the
+default rule: every other backend before the reference
 (``attn_core:reference``), whatever their priorities and names, then by declared priority in
 that phase for the layer (higher first; ``feature_priority`` lowers it for a layer feature),
 then by qualified name. Settings that must be shared by every group and phase - page size, KV
@@ -435,6 +436,12 @@ def _spec_fields_with_defaults(written: Mapping[str, Any]) -> dict[str, Any]:
 
 #: The tuning file format ``TuningData.save`` writes; ``load`` reads it, formats 2 and 1.
 TUNING_FORMAT = 3
+
+#: Measured times within this fraction of the fastest are a tie, which the default rule
+#: (priority per phase, :func:`_default_rank`) decides: the GPUs tuning files come from drift by
+#: a few percent between runs, so a smaller lead is noise. On an H100, a 0.6 % tuning lead of
+#: one backend at 16384 prefill tokens came out a 5.6 % loss when the same step was timed again.
+MEASURED_TIE = 0.02
 
 #: A measured point: (backend qualified name, spec_key, phase or None, step size or None);
 #: None: the time holds for every phase / step size (format 1 files).
@@ -956,15 +963,24 @@ def _default_rank(
     )
 
 
+def _within_tie(t: float, fastest: float) -> float:
+    """``t`` as ranking sees it: ``fastest`` where ``t`` is within :data:`MEASURED_TIE` of it
+    (a tie, for the default rule to decide), else ``t``."""
+    return fastest if t <= fastest * (1.0 + MEASURED_TIE) else t
+
+
 def _rank_key(
     backend: Backend, phase: Phase, times: Mapping[str, float], spec: LayerSpec | None = None
-) -> tuple[int, float, int, int, str]:
-    """Measured candidates first (fastest first), then the default rule, then name."""
+) -> tuple[int, float, int, int, float, str]:
+    """Measured candidates first (fastest first; within :data:`MEASURED_TIE` of the fastest a
+    tie), then the default rule, then the measured time, then name."""
     t = times.get(backend.qualified_name)
+    fastest = min(times.values(), default=0.0)
     return (
         0 if t is not None else 1,
-        t or 0.0,
+        _within_tie(t, fastest) if t is not None else 0.0,
         *_default_rank(backend, phase, spec),
+        t or 0.0,
         backend.qualified_name,
     )
 
@@ -1562,19 +1578,28 @@ def _bucket_winner(
     """The backend for one bucket, from ``(candidate, the bucket's time)``: the smallest worst
     ratio to the fastest over the points of the bucket every candidate was timed at
     (:meth:`TuningData.shapes`), so that a bucket whose points disagree on the fastest backend
-    gets the one that loses least where it loses; ties, and buckets without shared points, go
-    to the fastest bucket time."""
+    gets the one that loses least where it loses; buckets without shared points go to the
+    fastest bucket time. Within :data:`MEASURED_TIE` of the best it is a tie: the default
+    rule decides, then the bucket time."""
     shapes = {
         b.qualified_name: tuning.shapes(b.qualified_name, spec, phase, size) for b, _ in measured
     }
     common = set.intersection(*(set(pts) for pts in shapes.values()))
     fastest = {k: min(pts[k] for pts in shapes.values()) for k in common}
+    quickest = min(t for _, t in measured)
 
-    def key(item: tuple[Backend, float]) -> tuple[float, float, str]:
+    def score(item: tuple[Backend, float]) -> float:
         b, t = item
         mine = shapes[b.qualified_name]
-        worst = max((mine[k] / fastest[k] for k in common), default=1.0)
-        return (worst, t, b.qualified_name)
+        if not common:
+            return t / quickest
+        return max(mine[k] / fastest[k] for k in common)
+
+    best = min(score(item) for item in measured)
+
+    def key(item: tuple[Backend, float]) -> tuple[float, int, int, float, str]:
+        b, t = item
+        return (_within_tie(score(item), best), *_default_rank(b, phase, spec), t, b.qualified_name)
 
     return min(measured, key=key)[0]
 
@@ -1600,7 +1625,7 @@ def _request_splits(
         timed = [(b, pts) for b, pts in timed if pts]
         common = sorted(set.intersection(*(set(pts) for _, pts in timed))) if timed else []
         if len(timed) >= 2 and len(common) >= 2:
-            fastest = [_fastest_at(timed, r) for r in common]
+            fastest = [_fastest_at(timed, r, spec) for r in common]
             if len({b.qualified_name for b in fastest}) > 1:
                 bounds = [math.isqrt(a * b) for a, b in itertools.pairwise(common)]
                 splits = list(zip([*bounds, max_requests], fastest, strict=True))
@@ -1609,9 +1634,24 @@ def _request_splits(
     return tuple(rules)
 
 
-def _fastest_at(timed: Sequence[tuple[Backend, dict[int, float]]], shape: int) -> Backend:
-    """The candidate of ``timed`` (backend, its points) fastest at point ``shape``."""
-    return min(timed, key=lambda item: (item[1][shape], item[0].qualified_name))[0]
+def _fastest_at(
+    timed: Sequence[tuple[Backend, dict[int, float]]], shape: int, spec: LayerSpec
+) -> Backend:
+    """The candidate of ``timed`` (backend, its prefill points) fastest at point ``shape``;
+    within :data:`MEASURED_TIE` of the fastest a tie, which the default rule decides."""
+    fastest = min(pts[shape] for _, pts in timed)
+
+    def key(item: tuple[Backend, dict[int, float]]) -> tuple[float, int, int, float, str]:
+        b, pts = item
+        t = pts[shape]
+        return (
+            _within_tie(t, fastest),
+            *_default_rank(b, Phase.PREFILL, spec),
+            t,
+            b.qualified_name,
+        )
+
+    return min(timed, key=key)[0]
 
 
 def _merge_buckets(winners: Sequence[tuple[int, Backend]]) -> tuple[tuple[int, Backend], ...]:
