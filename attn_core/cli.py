@@ -393,6 +393,23 @@ _PHASE_TITLES = {
 }
 
 
+def _measured_note(p, backend: str) -> str:
+    """`` (tuned: X us)`` for a backend ranked lower in phase choice ``p`` that has a measured
+    time, saying so where it measured faster than the chosen one by less than
+    ``MEASURED_TIE``: a tie, which the default rule decided."""
+    from attn_core.selector import MEASURED_TIE
+
+    t = dict(p.outranked_us).get(backend)
+    if t is None:
+        return ""
+    if p.tuned_us is not None and t < p.tuned_us <= t * (1.0 + MEASURED_TIE):
+        return (
+            f" (tuned: {t:.1f} us: a lead under {MEASURED_TIE * 100:g} %, a tie the default "
+            "rule decided)"
+        )
+    return f" (tuned: {t:.1f} us)"
+
+
 def _phase_table(c, p, title: str) -> str:
     """The table of one phase of group choice ``c``: the chosen backend (with its options in
     force), the admissible ones ranked lower, every rejected candidate with its reasons."""
@@ -414,7 +431,9 @@ def _phase_table(c, p, title: str) -> str:
     rows += [
         [
             b,
-            "serves some steps (tuned)" if b in switching else "admissible, ranked lower",
+            "serves some steps" + (_measured_note(p, b) or " (tuned)")
+            if b in switching
+            else "admissible, ranked lower" + _measured_note(p, b),
             here.get(b, ""),
         ]
         for b in p.outranked

@@ -691,6 +691,9 @@ class PhaseChoice:
     downgraded_from: tuple[str, ...] = ()  # rejected backends that rank above the chosen one
     tuned_us: float | None = None  # the chosen backend's measured time in this phase
     option_sources: tuple[tuple[str, str], ...] = ()  # as GroupChoice.option_sources
+    #: ``(backend, us)``: the measured time in this phase of each backend of :attr:`outranked`
+    #: that has one (a faster one lost a tie, :data:`MEASURED_TIE`, or a bucket)
+    outranked_us: tuple[tuple[str, float], ...] = ()
     #: per step-size bucket, where the tuning data has another fastest backend than
     #: ``backend`` for some bucket: ``(largest step size, backend)``, ascending; a step of size
     #: ``n`` (padded requests in decode / verify, padded query tokens in prefill:
@@ -748,6 +751,7 @@ class PhaseChoice:
     def to_dict(self) -> dict[str, Any]:
         return {
             **_choice_dict(self),
+            "outranked_us": dict(self.outranked_us),
             "by_step_size": [
                 {"max": bound, "unit": step_size_unit(self.phase), "backend": b.qualified_name}
                 for bound, b in self.by_step_size
@@ -1525,6 +1529,11 @@ def _choose_phase(
         forced=forced is not None,
         downgraded_from=downgraded_from,
         tuned_us=times.get(chosen.qualified_name),
+        outranked_us=tuple(
+            (b.qualified_name, times[b.qualified_name])
+            for b in admissible[1:]
+            if b.qualified_name in times
+        ),
         by_step_size=by_step_size,
         by_requests=by_requests,
     )

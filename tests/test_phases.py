@@ -17,6 +17,7 @@ and, where a test needs them, ``dec64`` (decode only, page size 64 only) and ``p
 from __future__ import annotations
 
 import json
+import re
 import warnings
 
 import pytest
@@ -81,6 +82,14 @@ def _plan(reg, specs=(FULL,), **kw):
 
 def _phases(plan, group="full") -> dict[str, str]:
     return dict(phase_mapping_from_plan(plan)[group])
+
+
+def _explained(plan) -> str:
+    """``attn explain``'s text of ``plan`` with the table borders and line breaks gone: a
+    cell's text wraps wherever the table's column widths put it."""
+    from attn_core.cli import format_plan
+
+    return re.sub(r"[\s│┌┐└┘├┤┬┴┼─]+", " ", format_plan(plan))
 
 
 def _tuning(times: dict[tuple[str, str, int], float], spec: LayerSpec = FULL) -> TuningData:
@@ -673,9 +682,7 @@ def test_tuning_with_crossing_backends_switches_per_step_size_bucket(registry):
         {"max": 32, "unit": "requests", "backend": "fa3:fa3"},
         {"max": 256, "unit": "requests", "backend": "flashinfer:flashinfer"},
     ]
-    from attn_core.cli import format_plan
-
-    text = format_plan(plan)
+    text = _explained(plan)
     assert "by step size (tuned): <= 32 requests: fa3:fa3; <= 256 requests:" in text
 
 
@@ -699,9 +706,7 @@ def test_prefill_switches_by_tokens_per_step_up_to_max_num_tokens(registry):
     assert prefill.backend_for_step(4097).qualified_name == "flashinfer:flashinfer"
     entry = plan.to_dict()["groups"][0]["phases"]["prefill"]["by_step_size"]
     assert {e["unit"] for e in entry} == {"tokens"}
-    from attn_core.cli import format_plan
-
-    text = format_plan(plan)
+    text = _explained(plan)
     assert "by step size (tuned): <= 4096 tokens: fa3:fa3; <= 32768 tokens:" in text, text
 
 
@@ -918,12 +923,11 @@ def test_a_prefill_bucket_whose_request_splits_disagree_switches_by_requests(reg
         "requests_max": 2,
         "backend": "fa3:fa3",
     }
-    from attn_core.cli import format_plan
-
-    text = format_plan(plan)
+    text = _explained(plan)
     assert "by requests (tuned): 1-5792 tokens, <= 2 requests: fa3:fa3;" in text, text
     assert "1-5792 tokens, <= 64 requests: flashinfer:flashinfer" in text, text
-    assert "serves some steps (tuned)" in text, text  # flashinfer, not "ranked lower"
+    # flashinfer, not "ranked lower", with its measured time
+    assert "flashinfer:flashinfer serves some steps (tuned: " in text, text
 
 
 def test_a_two_request_split_moves_the_request_bound(registry):
@@ -976,6 +980,25 @@ def test_measured_leads_within_the_tie_band_go_to_the_default_rule(registry):
     assert tied.backend.qualified_name == "flashinfer:flashinfer"
     assert tied.by_requests == () and tied.by_step_size == ()
     assert tied_decode.backend.qualified_name == "flashinfer:flashinfer"
+    # explain and the JSON give the measured time of each candidate ranked lower, and say
+    # where a faster one lost a tie
+    assert dict(tied_decode.outranked_us) == {"fa3:fa3": pytest.approx(49.5)}
+    assert tied_decode.to_dict()["outranked_us"] == {"fa3:fa3": pytest.approx(49.5)}
+    plan = select(
+        group_layers([FULL]),
+        registry(),
+        H200,
+        cons,
+        tuning=_tuning(
+            {("fa3:fa3", "decode", 8): 49.5, ("flashinfer:flashinfer", "decode", 8): 50.0}
+        ),
+    )
+    text = _explained(plan)
+    assert "flashinfer:flashinfer chosen (tuned: 50.0 us)" in text, text
+    assert (
+        "fa3:fa3 admissible, ranked lower (tuned: 49.5 us: a lead under 2 %, a tie the default "
+        "rule decided)" in text
+    ), text
     led, led_decode = prefill(95.0, 47.5)
     assert [(m, r, b.qualified_name) for _, m, r, b in led.by_requests] == [
         (16384, 2, "fa3:fa3"),
