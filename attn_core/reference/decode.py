@@ -32,6 +32,9 @@ def _masked_softmax_out(
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     logits = logits.masked_fill(~visible, float("-inf"))
+    # the values too: the gathered row holds other requests' pages and stale slots, and a
+    # masked-out NaN or infinity there would still reach the output (0 x NaN is NaN)
+    values = values.masked_fill(~visible.unsqueeze(-1), 0.0)
     m = logits.amax(-1, keepdim=True)
     if sinks is not None:
         m = torch.maximum(m, sinks.float().view(1, -1, 1))

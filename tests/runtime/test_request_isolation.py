@@ -496,3 +496,48 @@ def test_a_batch_replayed_after_its_pages_became_shared_is_refused(tiny_specs, r
     with pytest.raises(BackendInputError, match="stale batch"):
         runtime.binding(0).forward(q, torch.randn_like(k), torch.randn_like(v))
     assert _same(_kv_bytes(state), before)
+
+
+# ------------------------------------------------------------------------------------------
+# Non-finite values stay in their own request
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["full", "mla"])
+def test_a_nan_in_one_requests_pages_never_reaches_another_requests_decode(
+    tiny_specs, ref_registry, kind
+):
+    """The fixed-shape decode gathers a request's whole page-table row: its unused entries
+    (page 0, another request's) and the slots past its length hold other bytes. Masked logits
+    are not enough: 0 x NaN is NaN, so those values must be masked too."""
+    spec = tiny_specs[kind]
+    state, runtime = _runtime([spec], ref_registry, num_pages=8)
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
+    g = torch.Generator().manual_seed(0)
+
+    def step(reqs, fill=None):
+        batch = builder.build(reqs)
+        runtime.prepare(batch)
+        T = batch.num_tokens
+        if kind == "full":
+            q = torch.randn(T, spec.num_heads, spec.head_dim, generator=g)
+            k = torch.randn(T, spec.num_kv_heads, spec.head_dim, generator=g)
+            v = torch.randn(T, spec.num_kv_heads, spec.head_dim, generator=g)
+            if fill is not None:
+                v.fill_(fill)
+        else:  # MLA: the latent arrives as k, v is None
+            q = torch.randn(T, spec.num_heads, spec.kv_lora_rank + spec.qk_rope_head_dim,
+                            generator=g)  # fmt: skip
+            k = torch.randn(T, spec.kv_lora_rank + spec.qk_rope_head_dim, generator=g)
+            v = None
+            if fill is not None:
+                k.fill_(fill)
+        out = runtime.binding(0).forward(q, k, v)
+        for r, n in reqs:
+            state.advance(r, n)
+        return out
+
+    state.add_request("b")
+    step([("b", 3)], fill=float("nan"))  # b holds page 0, its values NaN: b's own problem
+    state.add_request("a")
+    step([("a", 2)])
+    assert state.pages("a") != state.pages("b")
+    assert torch.isfinite(step([("a", 1)])).all(), "a's decode read b's NaN"
