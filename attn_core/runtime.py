@@ -282,18 +282,61 @@ class AttentionRuntime:
     def commit_speculative(self, batch: AttentionBatch, num_accepted: torch.Tensor) -> None:
         """After a verify step: keep the state of the accepted prefix in every linear group.
 
-        :param num_accepted: ``[num_reqs]`` int32, tokens accepted per request (1..k+1).
+        :param batch: the verify batch that ran, the one the runtime last prepared (its
+            per-token states are dropped when the next batch is prepared).
+        :param num_accepted: ``[num_reqs]`` (or longer: the rest is ignored) int32 / int64,
+            tokens accepted per request (1..k+1).
+
+        Refused before any group commits: another batch than the one prepared (the same
+        requests in another order would swap their states), and a ``num_accepted`` that is
+        not one integer per request (a shorter one would broadcast one request's count).
         """
-        for g in self.groups.values():
-            commit = getattr(g.context, "commit_speculative", None)
-            if commit is not None:
-                g.check_fresh(batch, "commit_speculative")
-                try:
-                    commit(batch, num_accepted)
-                except BackendInputError:
-                    raise
-                except Exception as exc:
-                    raise g.plugin_error("commit", exc, None) from exc
+        commits = [
+            (g, commit)
+            for g in self.groups.values()
+            if (commit := getattr(g.context, "commit_speculative", None)) is not None
+        ]
+        for g, _ in commits:
+            g.check_fresh(batch, "commit_speculative")
+            if g.batch is not batch:
+                prepared = g.batch
+                raise BackendInputError(
+                    group=g.group_id,
+                    backend=g.backend.qualified_name,
+                    what="commit_speculative: not the batch the runtime last prepared (commit "
+                    "the verify batch that ran, before preparing the next step)",
+                    expected="the prepared verify batch"
+                    + (
+                        f" (step {prepared.step}, {prepared.num_reqs} requests)" if prepared else ""
+                    ),
+                    got=f"a batch of step {batch.step}, {batch.num_reqs} requests",
+                )
+        if commits and not (
+            isinstance(num_accepted, torch.Tensor)
+            and num_accepted.dim() == 1
+            and num_accepted.shape[0] >= batch.num_reqs
+            and num_accepted.dtype in (torch.int32, torch.int64)
+        ):
+            g = commits[0][0]
+            got = (
+                f"{list(num_accepted.shape)} {str(num_accepted.dtype).removeprefix('torch.')}"
+                if isinstance(num_accepted, torch.Tensor)
+                else type(num_accepted).__name__
+            )
+            raise BackendInputError(
+                group=g.group_id,
+                backend=g.backend.qualified_name,
+                what="commit_speculative: num_accepted, one count per request",
+                expected=f"[>= {batch.num_reqs}] int32 or int64",
+                got=got,
+            )
+        for g, commit in commits:
+            try:
+                commit(batch, num_accepted)
+            except BackendInputError:
+                raise
+            except Exception as exc:
+                raise g.plugin_error("commit", exc, None) from exc
 
 
 #: Turns the finite check on for every runtime built while it is set (see check_finite).

@@ -541,3 +541,70 @@ def test_a_nan_in_one_requests_pages_never_reaches_another_requests_decode(
     step([("a", 2)])
     assert state.pages("a") != state.pages("b")
     assert torch.isfinite(step([("a", 1)])).all(), "a's decode read b's NaN"
+
+
+# ------------------------------------------------------------------------------------------
+# commit_speculative takes the verify batch that ran, and num_accepted per request
+# ------------------------------------------------------------------------------------------
+def _verified(tiny_specs, ref_registry):
+    """Requests a and b after a verify step of one draft each (not yet committed)."""
+    spec = tiny_specs["gdn"]
+    state, runtime = _runtime(
+        [spec], ref_registry, constraints=ExecutionConstraints(**LIMITS, speculative_tokens=1)
+    )
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
+    for r in "ab":
+        state.add_request(r)
+    batch = builder.build([("a", 2), ("b", 2)], spec_tokens=1)
+    runtime.prepare(batch)
+    g = torch.Generator().manual_seed(0)
+    T, H, Hk = 4, spec.num_heads, spec.num_kv_heads
+    runtime.binding(0).forward(
+        torch.randn(T, Hk, spec.head_dim, generator=g),
+        torch.randn(T, Hk, spec.head_dim, generator=g),
+        torch.randn(T, H, spec.head_dim_v, generator=g),
+        g=-torch.rand(T, H, generator=g),
+        beta=torch.rand(T, H, generator=g),
+    )
+    return state, runtime, builder, batch
+
+
+def test_commit_of_another_verify_batch_than_the_one_that_ran_is_refused(tiny_specs, ref_registry):
+    """The same requests in another order, built after the verify step ran (same epoch):
+    committing it would write each request's verified state into the other's slot."""
+    state, runtime, builder, _ = _verified(tiny_specs, ref_registry)
+    other = builder.build([("b", 2), ("a", 2)], spec_tokens=1)
+    ssm = state.state_slots.layer(0).ssm
+    before = ssm.clone()
+    with pytest.raises(BackendInputError, match="not the batch the runtime last prepared"):
+        runtime.commit_speculative(other, torch.tensor([2, 2], dtype=torch.int32))
+    assert torch.equal(ssm, before)
+
+
+def test_commit_after_another_batch_was_prepared_is_refused(tiny_specs, ref_registry):
+    """Preparing the next step drops the verify step's per-token states: a commit after it
+    used to do nothing and say nothing, leaving the rejected drafts in the slots."""
+    state, runtime, builder, verify = _verified(tiny_specs, ref_registry)
+    state.add_request("c")
+    runtime.prepare(builder.build([("c", 3)]))
+    with pytest.raises(BackendInputError, match="not the batch the runtime last prepared"):
+        runtime.commit_speculative(verify, torch.tensor([1, 1], dtype=torch.int32))
+
+
+@pytest.mark.parametrize(
+    ("accepted", "got"),
+    [
+        (torch.tensor([1], dtype=torch.int32), "[1] int32"),  # broadcast over both requests
+        (torch.tensor([1.9, 1.9]), "[2] float32"),  # truncated to 1
+        (torch.tensor([[1, 1]], dtype=torch.int32), "[1, 2] int32"),
+    ],
+    ids=["too-short", "float", "2-d"],
+)
+def test_num_accepted_must_be_one_integer_per_request(tiny_specs, ref_registry, accepted, got):
+    state, runtime, _, batch = _verified(tiny_specs, ref_registry)
+    ssm = state.state_slots.layer(0).ssm
+    before = ssm.clone()
+    with pytest.raises(BackendInputError, match="num_accepted") as err:
+        runtime.commit_speculative(batch, accepted)
+    assert "[>= 2] int32 or int64" in str(err.value) and got in str(err.value)
+    assert torch.equal(ssm, before)
