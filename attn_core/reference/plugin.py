@@ -360,7 +360,7 @@ class LinearContext(_Context):
                 "a forward call",
             )
         indices, initial = self._slots(batch)
-        self._check_inputs(q, v, inputs)
+        self._check_inputs(layer.layer_index, q, v, inputs)
         if batch.mode is BatchMode.DECODE:
             result = dec.decode_linear_step(
                 variant.value,
@@ -428,29 +428,29 @@ class LinearContext(_Context):
             )
         return self._finish(result, out, result.shape[0])
 
-    def _check_inputs(self, q: torch.Tensor, v: torch.Tensor, inputs: dict[str, Any]) -> None:
-        need: tuple[str, ...] = ("g", "beta")
-        if self.variant in (LinearVariant.MAMBA2, LinearVariant.MAMBA1):
-            need = ("dt", "A_log", "D", "dt_bias")
-        elif self.variant is LinearVariant.LIGHTNING:
-            need = ("slope",)
-        missing = [n for n in need if inputs.get(n) is None]
-        if missing:
-            self._bad(f"{self.variant.value} inputs", list(need), f"missing {missing}")
-        if self.variant is LinearVariant.MAMBA1:
-            a_log = inputs["A_log"]
-            a_want = (v.shape[1], q.shape[2])
-            if tuple(a_log.shape) != a_want:
-                self._bad("Mamba1 A_log shape [d_inner, d_state]", a_want, tuple(a_log.shape))
+    def _check_inputs(
+        self, layer: int, q: torch.Tensor, v: torch.Tensor, inputs: dict[str, Any]
+    ) -> None:
+        """The variant's own inputs, present and shaped for this step (``v [T, H, Dv]``,
+        ``q [T, Hk, Dk]``), in every mode: a decode step's broadcasting would otherwise spread
+        one request's gate or step size over the others' states."""
+        T, H, Dk = v.shape[0], v.shape[1], q.shape[2]
+        shapes: dict[str, tuple[int, ...]] = {"g": (T, H), "beta": (T, H)}
         if self.variant is LinearVariant.KDA:
-            g = inputs["g"]
-            want = (v.shape[0], v.shape[1], q.shape[2])
-            if tuple(g.shape) != want:
-                self._bad("KDA gate g shape [T, Hv, Dk]", want, tuple(g.shape))
-        if self.variant is LinearVariant.LIGHTNING:
-            slope = inputs["slope"]
-            if tuple(slope.shape) != (v.shape[1],):
-                self._bad("lightning slope shape [H]", (v.shape[1],), tuple(slope.shape))
+            shapes["g"] = (T, H, Dk)
+        if self.variant in (LinearVariant.MAMBA2, LinearVariant.MAMBA1):
+            a_log = (H, Dk) if self.variant is LinearVariant.MAMBA1 else (H,)
+            shapes = {"dt": (T, H), "A_log": a_log, "D": (H,), "dt_bias": (H,)}
+        elif self.variant is LinearVariant.LIGHTNING:
+            shapes = {"slope": (H,)}
+        where = f"layer {layer}: {self.variant.value}"
+        missing = [n for n in shapes if inputs.get(n) is None]
+        if missing:
+            self._bad(f"{where} inputs", list(shapes), f"missing {missing}")
+        for name, want in shapes.items():
+            got = tuple(inputs[name].shape)
+            if got != want:
+                self._bad(f"{where} input {name} shape", list(want), list(got))
 
     def commit_speculative(self, batch: AttentionBatch, num_accepted: torch.Tensor) -> None:
         """Write the state after each request's accepted tokens into its slot."""

@@ -608,3 +608,48 @@ def test_num_accepted_must_be_one_integer_per_request(tiny_specs, ref_registry, 
         runtime.commit_speculative(batch, accepted)
     assert "[>= 2] int32 or int64" in str(err.value) and got in str(err.value)
     assert torch.equal(ssm, before)
+
+
+# ------------------------------------------------------------------------------------------
+# A linear layer's own inputs are checked in every step, not only in prefill
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kind", "name"),
+    [
+        ("gdn", "g"),
+        ("gdn", "beta"),
+        ("kda", "beta"),
+        ("mamba2", "dt"),
+        ("mamba2", "D"),
+        ("mamba1", "dt_bias"),
+        ("mamba1", "A_log"),
+    ],
+)
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_a_linear_input_of_the_wrong_shape_is_the_callers_error_naming_the_layer(
+    tiny_specs, ref_registry, kind, name, mode
+):
+    """In a decode step of two requests, ``g`` of one row used to broadcast request a's
+    gate onto request b's state; prefill refused it as the plugin's failure. Both are the
+    caller's mistake, named with the layer, before any state is written."""
+    from attn_core.testing.workloads import layer_inputs
+
+    spec = tiny_specs[kind]
+    state, runtime = _runtime([spec], ref_registry)
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
+    for r in "ab":
+        state.add_request(r)
+    n = 1 if mode == "decode" else 3
+    batch = builder.build([("a", n), ("b", n)])
+    runtime.prepare(batch)
+    inputs = layer_inputs(spec, 2 * n, torch.Generator().manual_seed(0))
+    inputs.pop("conv_x")
+    good = tuple(inputs[name].shape)
+    inputs[name] = inputs[name][:1]  # one row (per-token) or one head (per-head) too few
+    before = [t.clone() for t in (state.state_slots.layer(0).ssm, state.state_slots.layer(0).conv)]
+    q, k, v = inputs.pop("q"), inputs.pop("k"), inputs.pop("v")
+    with pytest.raises(BackendInputError, match=f"layer 0: .*{name}") as err:
+        runtime.binding(0).forward(q, k, v, **inputs)
+    assert f"expected {list(good)}, got [1" in str(err.value)
+    after = (state.state_slots.layer(0).ssm, state.state_slots.layer(0).conv)
+    assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
