@@ -328,21 +328,28 @@ def layout_differences(
         if entry.kind != kind:
             diffs.append(f"layer {i}: kind: export {entry.kind}, here {kind}")
             continue
-        seen = {}
+        # a "snapshot." tensor is extra (a speculative snapshot carried along): it never
+        # stands in for the state itself, which import writes into the new slot
+        seen: dict[str, tuple] = {}
         for t in entry.tensors:
-            name = t.name.removeprefix("snapshot.")
-            tail = t.shape[1:] if kv else t.shape
-            seen[name] = (t.dtype, tail)
+            base = t.name.removeprefix("snapshot.")
+            if base not in tensors:
+                diffs.append(f"layer {i}: tensor {t.name!r} in the export is not kept here")
+                continue
+            seen[t.name] = (t.dtype, t.shape[1:] if kv else t.shape)
         for name, (dtype, shape) in tensors.items():
             if name not in seen:
                 diffs.append(f"layer {i}: tensor {name!r} missing from the export")
-                continue
-            if seen[name][0] != dtype:
-                diffs.append(f"layer {i}: {name} dtype: export {seen[name][0]}, here {dtype}")
-            if seen[name][1] != shape:
-                diffs.append(
-                    f"layer {i}: {name} shape: export {list(seen[name][1])}, here {list(shape)}"
-                )
+            for label in (name, f"snapshot.{name}"):
+                if label not in seen:
+                    continue
+                if seen[label][0] != dtype:
+                    diffs.append(f"layer {i}: {label} dtype: export {seen[label][0]}, here {dtype}")
+                if seen[label][1] != shape:
+                    diffs.append(
+                        f"layer {i}: {label} shape: export {list(seen[label][1])}, "
+                        f"here {list(shape)}"
+                    )
         if entry.spec_hash != h and len(diffs) == before:
             diffs.append(f"layer {i}: spec: export [{entry.summary}], here [{summary}]")
         if kv:

@@ -227,13 +227,13 @@ def _tampered(exp: RequestExport, **changes) -> RequestExport:
     return RequestExport(dataclasses.replace(exp.meta, **changes), exp.buffer)
 
 
-def _retensor(exp: RequestExport, layer: int, name: str, **changes) -> RequestExport:
+def _retensor(exp: RequestExport, layer: int, tensor: str, **changes) -> RequestExport:
     """``exp`` with one tensor entry of one layer changed."""
     layers = []
     for entry in exp.meta.layers:
         if entry.layer_index == layer:
             tensors = tuple(
-                dataclasses.replace(t, **changes) if t.name == name else t for t in entry.tensors
+                dataclasses.replace(t, **changes) if t.name == tensor else t for t in entry.tensors
             )
             entry = dataclasses.replace(entry, tensors=tensors)
         layers.append(entry)
@@ -249,6 +249,10 @@ def _retensor(exp: RequestExport, layer: int, name: str, **changes) -> RequestEx
         ("nbytes", r"the buffer is \d+ bytes, meta.nbytes says 64"),
         ("offset", r"layer 3: ssm: bytes \d+\.\.\d+ are past the buffer's end \d+"),
         ("buffer", r"the buffer is 100 bytes, meta.nbytes says \d+"),
+        # a snapshot of the state is extra: it never stands in for the state itself (unpack
+        # skips it, and the new slot would keep its previous owner's state)
+        ("snapshot-only", r"layer 3: tensor 'ssm' missing from the export"),
+        ("unknown-tensor", r"layer 3: tensor 'ssm_old' in the export is not kept here"),
     ],
 )
 def test_an_export_whose_metadata_disagrees_with_its_buffer_is_refused_with_nothing_held(
@@ -268,6 +272,10 @@ def test_an_export_whose_metadata_disagrees_with_its_buffer_is_refused_with_noth
     elif case == "offset":
         ssm = next(t for t in exp.meta.layer(3).tensors if t.name == "ssm")
         bad = _retensor(exp, 3, "ssm", offset=exp.meta.nbytes - ssm.nbytes + 16)
+    elif case == "snapshot-only":
+        bad = _retensor(exp, 3, "ssm", name="snapshot.ssm")
+    elif case == "unknown-tensor":
+        bad = _retensor(exp, 3, "ssm", name="ssm_old")
     else:
         bad = RequestExport(exp.meta, exp.buffer[:100].clone())
     dst = PersistentState(model(), num_pages=8, num_slots=4)
