@@ -430,7 +430,8 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
     skipped: list[str] = []
     batches = _grid(args.batch, "--batch")
     contexts = _grid(args.context, "--context")
-    max_prefill = getattr(args, "max_prefill_tokens", None) or 65536
+    max_prefill = getattr(args, "max_prefill_tokens", None)
+    max_prefill = 65536 if max_prefill is None else max_prefill
     options = resolve_backend_options(registry, constraints)  # checked by select() above
     progress = not getattr(args, "no_progress", False)
     include_reference = getattr(args, "include_reference", False)
@@ -556,6 +557,12 @@ def _earlier_tuning(path: str | os.PathLike, run: TuningData) -> TuningData | No
     it (a file tuned for one model keeps its entries when another model is tuned into it).
     Refused when it cannot be read or holds another device's or graph mode's times."""
     if not os.path.exists(path):
+        folder = os.path.dirname(os.path.abspath(path))
+        if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            raise AttnCoreError(
+                f"--write-tuning {path}: cannot write there (the folder {folder} does not "
+                "exist or is not writable); nothing was timed"
+            )
         return None
     try:
         earlier = TuningData.load(path)

@@ -758,7 +758,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-prefill-tokens",
-        type=int,
+        type=_count,
         default=65536,
         help="skip prefill grid points of more tokens per step (batch x context)",
     )

@@ -460,6 +460,24 @@ def step_size(phase: Phase, num_reqs: int, num_tokens: int) -> int:
     return num_tokens if phase is Phase.PREFILL else num_reqs
 
 
+def _time_us(name: str, value: object) -> float:
+    """A measured time from a tuning file: a finite number of microseconds above 0 (ranking
+    divides by it, and a negative or NaN time would rank first)."""
+    t = float(value)  # type: ignore[arg-type]  # a str or None raises, which the caller names
+    if not (math.isfinite(t) and t > 0):
+        raise ValueError(f"{name}: a time > 0 (microseconds), got {value!r}")
+    return t
+
+
+def _count(name: str, value: object) -> int:
+    """A step size from a tuning file: an int >= 1 (8.7 is not a batch size)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise ValueError(f"{name}: an int >= 1, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name}: an int >= 1, got {value!r}")
+    return int(value)
+
+
 def _geomean(values: Sequence[float]) -> float:
     if len(values) == 1:
         return float(values[0])  # exact: a single measurement is shown as it was recorded
@@ -521,9 +539,12 @@ class TuningData:
             )
         size = tokens if unit == "tokens" else batch
         key = (backend, spec_key(spec), ph, size)
-        self.times_us[key] = float(us)
+        self.times_us[key] = _time_us(f"TuningData.record: {backend} us", us)
         if shapes:
-            self.shape_us[key] = {int(k): float(v) for k, v in shapes.items()}
+            self.shape_us[key] = {
+                int(k): _time_us(f"TuningData.record: {backend} point {k}", v)
+                for k, v in shapes.items()
+            }
         else:
             self.shape_us.pop(key, None)
 
@@ -630,34 +651,61 @@ class TuningData:
         """Read a tuning file of format 3, 2 or 1. Format 1: times per backend and spec only.
         Format 2 bucketed prefill by requests per step: those prefill times are kept without a
         size (their geometric mean per backend and spec), so they rank but never switch."""
-        return cls.from_json(json.loads(Path(path).read_text()), source=f"tuning file {path}")
+        source = f"tuning file {path}"
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ValueError(f"{source}: cannot read it: {exc}") from None
+        try:
+            payload = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"{source}: not JSON: {exc}") from None
+        return cls.from_json(payload, source=source)
 
     @classmethod
     def from_json(cls, payload: dict[str, Any], source: str = "tuning data") -> TuningData:
         """:meth:`load` from the file's parsed content (``source`` names it in errors)."""
+        if not isinstance(payload, dict) or "entries" not in payload:
+            raise ValueError(
+                f"{source}: expected a JSON object with format and entries, got "
+                + (
+                    f"keys {sorted(payload)}"
+                    if isinstance(payload, dict)
+                    else type(payload).__name__
+                )
+            )
         fmt = payload.get("format")
         if fmt not in (1, 2, TUNING_FORMAT):
             raise ValueError(f"{source}: format {fmt!r}, expected {TUNING_FORMAT} (or 2, 1)")
+        entries = payload["entries"]
+        if not isinstance(entries, list):
+            raise ValueError(f"{source}: entries: expected a list, got {type(entries).__name__}")
         data = cls(device=payload.get("device", ""), graph_mode=payload.get("graph_mode") or "")
         folded: dict[TuningKey, list[float]] = {}
-        for i, e in enumerate(payload["entries"]):
-            phase = e.get("phase")
+        for i, e in enumerate(entries):
             try:
+                phase = e.get("phase")
                 ph = None if phase is None else Phase(phase)
-                size = e.get("tokens") if step_size_unit(ph) == "tokens" else e.get("batch")
+                unit = step_size_unit(ph)
+                size = e.get("tokens") if unit == "tokens" else e.get("batch")
                 if fmt == 2 and ph is Phase.PREFILL:
                     size = None
                 key = (
                     e["backend"],
                     json.dumps(_spec_fields_with_defaults(e["spec"]), sort_keys=True),
                     ph,
-                    None if size is None else int(size),
+                    None
+                    if size is None
+                    else _count("tokens" if unit == "tokens" else "batch", size),
                 )
-                folded.setdefault(key, []).append(float(e["us"]))
+                folded.setdefault(key, []).append(_time_us("us", e["us"]))
                 if e.get("points") is not None and not (fmt == 2 and ph is Phase.PREFILL):
-                    shape = "batch" if step_size_unit(ph) == "tokens" else "context"
-                    data.shape_us[key] = {int(pt[shape]): float(pt["us"]) for pt in e["points"]}
-            except (KeyError, ValueError, TypeError) as exc:
+                    shape = "batch" if unit == "tokens" else "context"
+                    data.shape_us[key] = {
+                        _count(f"points: {shape}", pt[shape]): _time_us("points: us", pt["us"])
+                        for pt in e["points"]
+                    }
+            except (KeyError, ValueError, TypeError, AttributeError) as exc:
                 raise ValueError(
                     f"{source}: entry {i} ({e!r}) is malformed: {exc!r}; expected "
                     "backend, spec, us and (formats 2, 3) phase in "

@@ -185,10 +185,11 @@ def test_bench_grid_errors_name_the_flag(timed, capsys, flag, value, message):
     assert f"{flag} {value!r}: {message}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", ["--iters", "--rounds"])
+@pytest.mark.parametrize("flag", ["--iters", "--rounds", "--max-prefill-tokens"])
 @pytest.mark.parametrize("value", ["0", "-2", "x"])
 def test_bench_counts_below_one_are_an_error_naming_the_flag(timed, capsys, flag, value):
-    """--iters 0 printed "float division by zero" as every candidate's error."""
+    """--iters 0 printed "float division by zero" as every candidate's error;
+    --max-prefill-tokens 0 meant 65536 and -1 skipped every prefill point."""
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["bench", "--model", "qwen3", "--device", "cpu", flag, value])
     assert exit_info.value.code == 2
@@ -352,6 +353,19 @@ def test_write_tuning_refuses_a_file_measured_on_another_device_before_timing(
     assert "another file" in err
     assert timed == []
     assert TuningData.load(path).device == "h200"
+
+
+def test_write_tuning_into_a_folder_that_does_not_exist_is_refused_before_timing(
+    tmp_path, timed, capsys
+):
+    """The file was written only after every point was timed, and a missing folder then lost
+    the whole run in a traceback."""
+    path = tmp_path / "no-such-folder" / "tuning.json"
+    argv = ["bench", "--model", "qwen3", "--device", "cpu", "--write-tuning", str(path)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--write-tuning {path}: cannot write there" in err, err
+    assert timed == []
 
 
 def test_a_candidate_that_fails_a_point_is_not_timed_again_in_later_rounds(

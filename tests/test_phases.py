@@ -584,6 +584,47 @@ def test_a_bad_tuning_file_is_an_error_naming_it(tmp_path, payload, message):
         TuningData.load(path)
 
 
+_ENTRY = {"backend": "fa3:fa3", "spec": {}, "phase": "decode", "batch": 8, "us": 10.0}
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, r"cannot read it: .*No such file"),  # no file
+        ("{oops", r"not JSON: Expecting property name"),
+        ("[1, 2]", r"expected a JSON object with format and entries, got list"),
+        ('{"format": 3, "device": "h200"}', r"expected a JSON object with format and entries"),
+        ('{"format": 3, "entries": null}', r"entries: expected a list, got NoneType"),
+        ('{"format": 3, "entries": ["x"]}', r"entry 0 \('x'\) is malformed"),
+        (json.dumps({"format": 3, "entries": [{**_ENTRY, "us": 0.0}]}), r"us: a time > 0"),
+        (json.dumps({"format": 3, "entries": [{**_ENTRY, "us": -5.0}]}), r"us: a time > 0"),
+        (json.dumps({"format": 3, "entries": [{**_ENTRY, "us": float("nan")}]}), r"us: a time > 0"),
+        (json.dumps({"format": 3, "entries": [{**_ENTRY, "batch": 0}]}), r"batch: an int >= 1"),
+        (json.dumps({"format": 3, "entries": [{**_ENTRY, "batch": 8.7}]}), r"batch: an int >= 1"),
+        (
+            json.dumps(
+                {"format": 3, "entries": [{**_ENTRY, "points": [{"context": 2048, "us": 0}]}]}
+            ),
+            r"points: .*a time > 0",
+        ),
+    ],
+    ids=[
+        "missing", "not-json", "list", "no-entries", "null-entries", "str-entry", "zero-us",
+        "negative-us", "nan-us", "zero-batch", "float-batch", "zero-point",
+    ],
+)  # fmt: skip
+def test_an_unreadable_or_unphysical_tuning_file_is_refused_naming_it(tmp_path, content, message):
+    """Each of these used to end in a traceback (a missing file, a list, null entries), a
+    ZeroDivisionError in ranking (a time of 0) or a silently wrong plan (a negative or NaN
+    time ranked first)."""
+    path = tmp_path / "tuning.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=message) as err:
+        TuningData.load(path)
+    assert f"tuning file {path}" in str(err.value)
+
+
 # ------------------------------------------------------------------------------------------
 # attn explain
 # ------------------------------------------------------------------------------------------
