@@ -44,6 +44,29 @@ def _count(text: str) -> int:
     return value
 
 
+def _torch_device(text: str) -> str:
+    """An argparse type: a torch device this machine has (``cpu``, ``cuda``, ``cuda:1``)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"expected a torch device (cpu, cuda, cuda:N), got {text!r}"
+        ) from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: this machine has no CUDA device (torch {torch.__version__})"
+            )
+        if device.index is not None and device.index >= count:
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} CUDA devices")
+    elif device.type != "cpu":
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda[:N], got {text!r}")
+    return text
+
+
 def _add_constraint_args(p: argparse.ArgumentParser, *, tuning: bool = True) -> None:
     """The selection's arguments; ``tuning=False`` for a command that ranks nothing (bench)."""
     g = p.add_argument_group("constraints")
@@ -560,7 +583,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     registry = _registry(args)
     _warn_quarantined(registry, "run")
     device = args.device or ("cuda" if _cuda() else "cpu")
-    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     print(f"attn run --model {args.model}  (device {device}, dtype {dtype})", flush=True)
     with _tuning_for_runner(args.tuning):  # the runner's selection reads it
         report = run_main(
@@ -665,7 +688,12 @@ def build_parser() -> argparse.ArgumentParser:
         "weights loads them), or a comma list (an unknown name's error lists them; default: "
         "qwen3-next)",
     )
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument(
+        "--device",
+        type=_torch_device,
+        default=None,
+        help="cpu or cuda[:N] (default: cuda if present)",
+    )
     p.add_argument(
         "--dtype", default=None, help="activation dtype; default: bfloat16 on cuda, float32 on cpu"
     )
@@ -734,7 +762,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="qwen3",
         help="a sample or the path of a Hugging Face config.json, as for explain (default: qwen3)",
     )
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument(
+        "--device",
+        type=_torch_device,
+        default=None,
+        help="cpu or cuda[:N] (default: cuda if present)",
+    )
     p.add_argument(
         "--dtype", default=None, help="activation dtype; default: bfloat16 on cuda, float32 on cpu"
     )

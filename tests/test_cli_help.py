@@ -111,3 +111,26 @@ def test_every_option_of_every_command_says_what_it_does():
         if action.dest != "help" and not (action.help or "").strip()
     ]
     assert not bare, bare
+
+
+@pytest.mark.parametrize("command", ["run", "bench"])
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("bogus", "expected a torch device (cpu, cuda, cuda:N), got 'bogus'"),
+        ("meta", "expected cpu or cuda[:N], got 'meta'"),
+        ("cuda", "'cuda': this machine has no CUDA device"),
+    ],
+)
+def test_a_device_this_machine_does_not_have_is_a_usage_error(
+    capsys, monkeypatch, command, device, message
+):
+    """These ended in tracebacks (a bad name, CUDA on a machine without it), or blamed the
+    model's config."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--model", "qwen3", "--device", device])
+    assert exit_info.value.code == 2
+    assert f"argument --device: {message}" in capsys.readouterr().err
