@@ -466,3 +466,44 @@ def test_dbrx_attention_fields_are_read_nested_and_unknown_ones_refused() -> Non
     bad = {**cfg, "attn_config": {**cfg["attn_config"], "qk_ln": True}}
     with pytest.raises(ValueError, match=r"attn_config sets \['qk_ln'\]"):
         specs_from_hf_config(bad)
+
+
+def test_head_dim_defaults_match_transformers_for_every_supported_model_type():
+    """A config that leaves ``head_dim`` out gets what transformers' config class gives it:
+    Qwen3Config defaults to 128 whatever the hidden size, where the mapping used to take
+    hidden_size // num_attention_heads (64 at 512 / 8) and ``attn run`` then failed on a
+    shape mismatch."""
+    import logging
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from attn_core.models.hf_config import _HEAD_DIM_DEFAULTS
+
+    fixed = {}
+    logging.disable(logging.WARNING)  # token-id range warnings of configs built this small
+    try:
+        for model_type in SUPPORTED_MODEL_TYPES:
+            if model_type not in CONFIG_MAPPING:
+                continue
+            try:
+                cfg = CONFIG_MAPPING[model_type](
+                    hidden_size=512, num_attention_heads=8, num_key_value_heads=8
+                )
+                head_dim = getattr(cfg, "head_dim", None)
+            except Exception:  # a composite or per-layer config: no single head_dim
+                continue
+            if head_dim is not None and head_dim != 512 // 8:
+                fixed[model_type] = head_dim
+    finally:
+        logging.disable(logging.NOTSET)
+    assert fixed == _HEAD_DIM_DEFAULTS
+
+
+def test_a_qwen3_config_without_head_dim_maps_transformers_default():
+    cfg = {
+        "model_type": "qwen3", "num_hidden_layers": 2, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "hidden_size": 512, "intermediate_size": 1024,
+        "vocab_size": 1000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+    }  # fmt: skip
+    layout = specs_from_hf_config(cfg, dtype="bfloat16")
+    assert {g.spec.head_dim for g in layout.groups} == {128}

@@ -533,10 +533,33 @@ def _gqa(r: _Reader, o: _Options, head_dim: int) -> _Heads:
     }
 
 
+#: ``head_dim`` of the model types whose transformers config class defaults it to a fixed
+#: value rather than ``hidden_size // num_attention_heads`` (Qwen3Config: 128 whatever the
+#: hidden size); a config that leaves it out gets this. Checked against transformers by
+#: tests/test_hf_config_dense.py for every supported model type.
+_HEAD_DIM_DEFAULTS: dict[str, int] = {
+    "gemma3_text": 256,
+    "lara_mini": 128,
+    "lfm3": 128,
+    "llama4_text": 128,
+    "nemotron_h": 128,
+    "qwen3": 128,
+    "qwen3_5_moe_text": 256,
+    "qwen3_5_text": 256,
+    "qwen3_next": 256,
+    "qwen4_exp_text": 256,
+}
+
+
 def _head_dim(r: _Reader) -> int:
-    """``head_dim`` when set (Qwen3, Mistral-Nemo), else hidden_size // num_attention_heads."""
+    """``head_dim`` when set (Qwen3, Mistral-Nemo), else the model type's default in its
+    transformers config class (:data:`_HEAD_DIM_DEFAULTS`), else hidden_size //
+    num_attention_heads."""
     value = r.cfg.get("head_dim")
     if value is None:
+        default = _HEAD_DIM_DEFAULTS.get(r.cfg.get("model_type", ""))
+        if default is not None:
+            return default
         return r.pos_int("hidden_size") // r.pos_int("num_attention_heads")
     return r.pos_int("head_dim")
 
