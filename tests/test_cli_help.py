@@ -134,3 +134,10 @@ def test_a_device_this_machine_does_not_have_is_a_usage_error(
         cli.main([command, "--model", "qwen3", "--device", device])
     assert exit_info.value.code == 2
     assert f"argument --device: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["", ",", " , "])
+def test_explain_of_no_model_is_refused_as_run_refuses_it(capsys, model):
+    """It printed nothing and exited 0 (--json: [])."""
+    assert cli.main(["explain", model, "--target", "h200"]) == 2
+    assert f"model={model!r}: expected 'all' or one of" in capsys.readouterr().err

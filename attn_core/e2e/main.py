@@ -325,6 +325,8 @@ def explain_inputs(model: str) -> list[str]:
             names.append(part)
         else:
             names.append(_ALIASES.get(part.lower(), part))
+    if not names:  # "" or ",": run refuses them alike
+        raise ValueError(f"model={model!r}: expected 'all' or one of {list(ARCHITECTURES)}")
     return list(dict.fromkeys(names))
 
 
