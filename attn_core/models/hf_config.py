@@ -2660,8 +2660,11 @@ def _as_dict(config: Any) -> dict[str, Any]:
         if path.is_dir():
             path = path / "config.json"
         if path.is_file():
-            with path.open(encoding="utf-8") as fh:
-                data = json.load(fh)
+            try:
+                with path.open(encoding="utf-8") as fh:
+                    data = json.load(fh)
+            except ValueError as exc:  # json.JSONDecodeError, or bytes that are not UTF-8
+                raise ValueError(f"{path}: not a JSON config: {exc}") from None
             if not isinstance(data, dict):
                 raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
             return data
