@@ -145,7 +145,7 @@ def test_explain_of_no_model_is_refused_as_run_refuses_it(capsys, model):
 
 @pytest.mark.parametrize("content", ["{oops", ""], ids=["broken", "empty"])
 def test_a_config_file_that_is_not_json_is_named(tmp_path, capsys, content):
-    """"Expecting value: line 1 column 1 (char 0)" named no file."""
+    """The parser's own message ("Expecting value: line 1 column 1") named no file."""
     path = tmp_path / "config.json"
     path.write_text(content)
     assert cli.main(["explain", str(path), "--target", "h200"]) == 2
