@@ -94,6 +94,9 @@ class Rejection:
     code: str  # e.g. "head_dim", "page_size", "unavailable"
     reason: str
     fix: str | None = None  # the smallest change of a run-time knob that would admit it
+    #: True: what the model is (its kind, head dims, dtypes, features) rules the backend out;
+    #: no run setting would admit it, so it is no downgrade when a lower one serves instead
+    model: bool = False
 
     def __str__(self) -> str:
         return f"[{self.code}] {self.reason}" + (f" (fix: {self.fix})" if self.fix else "")
@@ -187,12 +190,12 @@ def check_backend(
     out: list[Rejection] = []
     phase = Phase(phase) if phase is not None else None
 
-    def reject(code: str, reason: str, fix: str | None = None) -> None:
-        out.append(Rejection(name, code, reason, fix))
+    def reject(code: str, reason: str, fix: str | None = None, model: bool = False) -> None:
+        out.append(Rejection(name, code, reason, fix, model))
 
     def model_mismatch(code: str, what: str, serves: str) -> None:
         """The model is what it is: say what the backend serves, propose no change."""
-        reject(code, f"cannot serve this model: {what} ({serves})")
+        reject(code, f"cannot serve this model: {what} ({serves})", model=True)
 
     if spec.kind not in caps.kinds:
         model_mismatch(
@@ -1555,7 +1558,9 @@ def _choose_phase(
     chosen = admissible[0]
     # backends that could serve this group and phase but for a run setting (not those of
     # another kind, that do not serve the phase, or that lost to a forced one)
-    not_serving = {r.backend for r in rejected if r.code in ("kind", "not_forced", "phase")}
+    not_serving = {
+        r.backend for r in rejected if r.model or r.code in ("kind", "not_forced", "phase")
+    }
     serving = {r.backend for r in rejected} - not_serving
     downgraded_from = tuple(
         sorted(

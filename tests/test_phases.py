@@ -1064,3 +1064,22 @@ def test_no_request_switching_when_prefill_steps_are_captured(make_plugin):
     plan = select(group_layers([FULL]), reg, H200, cons, tuning=_shaped_tuning(SPLITS))
     assert plan.constraints.graph_mode.value == "full"
     assert plan.choice("full").phase_choice("prefill").by_requests == ()
+
+
+def test_a_backend_that_cannot_serve_the_model_is_no_downgrade(make_plugin):
+    """A head dim the backend does not serve is what the model is, not a run setting: the
+    reference serving a d256 layer is no downgrade from a d128-only kernel (it warned, and
+    --downgrade error refused a valid plan). A page size it does not take still is one."""
+    import attn_core.reference.plugin as ref
+
+    reg = Registry(strict=True)
+    reg.register_plugin(ref, name="attn_core")
+    d128 = _backend("d128", 100, head_dims={128}, page_sizes={16})
+    reg.register_plugin(make_plugin("d128", [d128]), name="d128")
+    d256 = LayerSpec(kind="full", num_heads=32, num_kv_heads=8, head_dim=256, page_size=16)
+    plan = _plan(reg, specs=(d256,), downgrade="error")
+    choice = plan.choice("full").phase_choice("decode")
+    assert choice.backend.qualified_name == "attn_core:reference"
+    assert choice.downgraded_from == ()
+    with pytest.raises(SelectionError, match="downgrade"):
+        _plan(reg, specs=(FULL,), downgrade="error", page_size=64)
