@@ -507,3 +507,17 @@ def test_a_qwen3_config_without_head_dim_maps_transformers_default():
     }  # fmt: skip
     layout = specs_from_hf_config(cfg, dtype="bfloat16")
     assert {g.spec.head_dim for g in layout.groups} == {128}
+
+
+def test_a_head_dim_that_does_not_divide_is_refused_as_run_refuses_it():
+    """explain planned d62 for hidden size 500 over 8 heads; transformers (attn run) refuses
+    to build that model."""
+    cfg = {
+        "model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "hidden_size": 500, "intermediate_size": 1024,
+        "vocab_size": 1000,
+    }  # fmt: skip
+    with pytest.raises(
+        ValueError, match="hidden_size 500 is not a multiple of num_attention_heads 8"
+    ):
+        specs_from_hf_config(cfg, dtype="bfloat16")

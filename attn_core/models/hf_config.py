@@ -560,7 +560,13 @@ def _head_dim(r: _Reader) -> int:
         default = _HEAD_DIM_DEFAULTS.get(r.cfg.get("model_type", ""))
         if default is not None:
             return default
-        return r.pos_int("hidden_size") // r.pos_int("num_attention_heads")
+        hidden, heads = r.pos_int("hidden_size"), r.pos_int("num_attention_heads")
+        if hidden % heads:  # transformers refuses to build such a model too
+            raise ValueError(
+                f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} and "
+                "the config sets no head_dim"
+            )
+        return hidden // heads
     return r.pos_int("head_dim")
 
 
