@@ -1229,6 +1229,7 @@ def select(
     if tuning is not None:
         _warn_foreign_tuning(tuning, device, constraints)
     backends = registry.backends
+    _warn_unmatched_deny(registry, constraints)
     targets = {k.value for k in LayerKind} | {g.group_id for g in groups}
     expected = (
         f"expected one of {sorted(targets)}, a phase {[p.value for p in Phase]}, or "
@@ -1421,6 +1422,21 @@ def is_this_machine(device: DeviceCapabilities) -> bool:
     if device.device_type == "cpu":
         return True
     return (device.name, device.compute_capability) in _local_cuda_devices()
+
+
+def _warn_unmatched_deny(registry: Registry, constraints: ExecutionConstraints) -> None:
+    """A deny-list entry that names no registered backend excludes nothing: a typo would leave
+    the backend it meant in the race. A warning, not an error: a server's deny list may name a
+    plugin that one of its machines does not install."""
+    for entry in sorted(constraints.deny):
+        if any(registry.matches(entry, b) for b in registry.backends):
+            continue
+        try:
+            registry.resolve(entry)
+            why = "it matches no backend"
+        except SelectionError as exc:
+            why = str(exc)
+        warnings.warn(f"deny list entry {entry!r} excludes nothing: {why}", stacklevel=3)
 
 
 def _allow_list_notes(registry: Registry, constraints: ExecutionConstraints) -> str:

@@ -1083,3 +1083,15 @@ def test_a_backend_that_cannot_serve_the_model_is_no_downgrade(make_plugin):
     assert choice.downgraded_from == ()
     with pytest.raises(SelectionError, match="downgrade"):
         _plan(reg, specs=(FULL,), downgrade="error", page_size=64)
+
+
+def test_a_deny_entry_that_names_no_backend_warns_that_it_excludes_nothing(registry):
+    """--deny flashinfr (a typo) was accepted without a word, and flashinfer still served."""
+    with pytest.warns(
+        UserWarning, match="deny list entry 'flashinfr' excludes nothing: no backend"
+    ):
+        plan = _plan(registry(), deny=frozenset({"flashinfr"}))
+    assert _phases(plan)["decode"] == "flashinfer:flashinfer"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _plan(registry(), deny=frozenset({"fa3"}))  # a real one: no warning
