@@ -335,8 +335,11 @@ def format_plan(plan, registry=None) -> str:
         layers = list(c.group.layer_indices)
         shown = layers if len(layers) <= 12 else [*layers[:12], "..."]
         phases = c.phases or (c.phase_choice("prefill"),)
+        spec = c.group.spec
+        if spec.page_size is not None and plan.page_size not in (None, spec.page_size):
+            spec = spec.with_(page_size=plan.page_size)  # the page size the run keeps KV in
         title = (
-            f"\ngroup {c.group.group_id}: {c.group.spec.short()}\n  {len(layers)} layers: {shown}"
+            f"\ngroup {c.group.group_id}: {spec.short()}\n  {len(layers)} layers: {shown}"
             + "\n  "
             + "; ".join(
                 f"{_PHASE_TITLES[p.phase.value]}: {p.backend.qualified_name}" for p in phases

@@ -150,3 +150,11 @@ def test_a_config_file_that_is_not_json_is_named(tmp_path, capsys, content):
     path.write_text(content)
     assert cli.main(["explain", str(path), "--target", "h200"]) == 2
     assert f"{path}: not a JSON config: Expecting" in capsys.readouterr().err
+
+
+def test_explain_heads_a_group_with_the_page_size_the_plan_keeps_its_kv_in(capsys):
+    """--page-size 64 showed 'page size: 64' on the device line and 'page16' (the model's
+    default) in the group's header."""
+    assert cli.main(["explain", "qwen3", "--target", "h200", "--page-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "page size: 64" in out and "group full: full 32q/8kv d128 bfloat16 page64" in out, out
