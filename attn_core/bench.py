@@ -566,7 +566,7 @@ def _earlier_tuning(path: str | os.PathLike, run: TuningData) -> TuningData | No
         return None
     try:
         earlier = TuningData.load(path)
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:  # load names an unreadable file so too
         raise AttnCoreError(
             f"--write-tuning {path}: the file exists but is not a tuning file this release "
             f"reads ({exc}); write to another file or remove it"

@@ -423,12 +423,12 @@ def _measured_note(p, backend: str) -> str:
     """`` (tuned: X us)`` for a backend ranked lower in phase choice ``p`` that has a measured
     time, saying so where it measured faster than the chosen one by less than
     ``MEASURED_TIE``: a tie, which the default rule decided."""
-    from attn_core.selector import MEASURED_TIE
+    from attn_core.selector import MEASURED_TIE, is_measured_tie
 
     t = dict(p.outranked_us).get(backend)
     if t is None:
         return ""
-    if p.tuned_us is not None and t < p.tuned_us <= t * (1.0 + MEASURED_TIE):
+    if p.tuned_us is not None and t < p.tuned_us and is_measured_tie(p.tuned_us, t):
         return (
             f" (tuned: {t:.1f} us: a lead under {MEASURED_TIE * 100:g} %, a tie the default "
             "rule decided)"

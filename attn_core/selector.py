@@ -474,9 +474,12 @@ def _time_us(name: str, value: object) -> float:
 
 def _count(name: str, value: object) -> int:
     """A step size from a tuning file: an int >= 1 (8.7 is not a batch size)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
-        raise ValueError(f"{name}: an int >= 1, got {value!r}")
-    if value < 1:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or value != int(value)
+        or value < 1
+    ):
         raise ValueError(f"{name}: an int >= 1, got {value!r}")
     return int(value)
 
@@ -1018,10 +1021,20 @@ def _default_rank(
     )
 
 
-def _within_tie(t: float, fastest: float) -> float:
-    """``t`` as ranking sees it: ``fastest`` where ``t`` is within :data:`MEASURED_TIE` of it
-    (a tie, for the default rule to decide), else ``t``."""
-    return fastest if t <= fastest * (1.0 + MEASURED_TIE) else t
+def is_measured_tie(t: float, fastest: float) -> bool:
+    """Whether a time ``t`` is within :data:`MEASURED_TIE` of ``fastest``: a tie, which the
+    default rule decides."""
+    return t <= fastest * (1.0 + MEASURED_TIE)
+
+
+def _measured_key(
+    t: float, fastest: float, backend: Backend, phase: Phase, spec: LayerSpec | None, us: float
+) -> tuple[float, int, int, float, str]:
+    """The sort key of a measured candidate whose score is ``t`` (a time or a ratio, lower
+    first) against the best ``fastest``: within :data:`MEASURED_TIE` of it a tie, then the
+    default rule, then its measured time ``us``, then its name."""
+    banded = fastest if is_measured_tie(t, fastest) else t
+    return (banded, *_default_rank(backend, phase, spec), us, backend.qualified_name)
 
 
 def _rank_key(
@@ -1030,14 +1043,9 @@ def _rank_key(
     """Measured candidates first (fastest first; within :data:`MEASURED_TIE` of the fastest a
     tie), then the default rule, then the measured time, then name."""
     t = times.get(backend.qualified_name)
-    fastest = min(times.values(), default=0.0)
-    return (
-        0 if t is not None else 1,
-        _within_tie(t, fastest) if t is not None else 0.0,
-        *_default_rank(backend, phase, spec),
-        t or 0.0,
-        backend.qualified_name,
-    )
+    if t is None:
+        return (1, 0.0, *_default_rank(backend, phase, spec), 0.0, backend.qualified_name)
+    return (0, *_measured_key(t, min(times.values()), backend, phase, spec, t))
 
 
 def _phase_times(
@@ -1665,19 +1673,17 @@ def _bucket_winner(
     common = set.intersection(*(set(pts) for pts in shapes.values()))
     fastest = {k: min(pts[k] for pts in shapes.values()) for k in common}
     quickest = min(t for _, t in measured)
-
-    def score(item: tuple[Backend, float]) -> float:
-        b, t = item
-        mine = shapes[b.qualified_name]
-        if not common:
-            return t / quickest
-        return max(mine[k] / fastest[k] for k in common)
-
-    best = min(score(item) for item in measured)
+    score = {
+        b.qualified_name: max(shapes[b.qualified_name][k] / fastest[k] for k in common)
+        if common
+        else t / quickest
+        for b, t in measured
+    }
+    best = min(score.values())
 
     def key(item: tuple[Backend, float]) -> tuple[float, int, int, float, str]:
         b, t = item
-        return (_within_tie(score(item), best), *_default_rank(b, phase, spec), t, b.qualified_name)
+        return _measured_key(score[b.qualified_name], best, b, phase, spec, t)
 
     return min(measured, key=key)[0]
 
@@ -1721,13 +1727,7 @@ def _fastest_at(
 
     def key(item: tuple[Backend, dict[int, float]]) -> tuple[float, int, int, float, str]:
         b, pts = item
-        t = pts[shape]
-        return (
-            _within_tie(t, fastest),
-            *_default_rank(b, Phase.PREFILL, spec),
-            t,
-            b.qualified_name,
-        )
+        return _measured_key(pts[shape], fastest, b, Phase.PREFILL, spec, pts[shape])
 
     return min(timed, key=key)[0]
 
