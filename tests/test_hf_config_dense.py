@@ -521,3 +521,35 @@ def test_a_head_dim_that_does_not_divide_is_refused_as_run_refuses_it():
         ValueError, match="hidden_size 500 is not a multiple of num_attention_heads 8"
     ):
         specs_from_hf_config(cfg, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_more_kv_heads_than_query_heads_is_refused_naming_both_fields(model_type):
+    """The error came from LayerSpec ("num_heads=8 is invalid: must be a multiple of
+    num_kv_heads=16"), naming neither config field nor the model."""
+    cfg = {
+        "model_type": model_type, "num_hidden_layers": 2, "num_attention_heads": 8,
+        "num_key_value_heads": 16, "hidden_size": 512, "head_dim": 64,
+        "intermediate_size": 1024, "vocab_size": 1000,
+    }  # fmt: skip
+    with pytest.raises(ValueError) as info:
+        specs_from_hf_config(cfg, dtype="bfloat16")
+    message = str(info.value)
+    assert "num_attention_heads=8" in message and "num_key_value_heads=16" in message, message
+    assert model_type in message and "multiple" in message, message
+
+
+def test_a_bad_field_value_of_a_generically_mapped_model_is_not_called_unsupported():
+    """gemma2 (no family names it; the generic dense mapping reads it): a bad value was
+    reported, then wrapped as "model_type='gemma2' is not supported" with the whole list."""
+    cfg = {
+        "model_type": "gemma2", "num_hidden_layers": 2, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "head_dim": 64, "hidden_size": 512,
+        "intermediate_size": 1024, "vocab_size": 1000, "sliding_window": -5,
+        "query_pre_attn_scalar": 64,
+    }  # fmt: skip
+    with pytest.raises(ValueError) as info:
+        specs_from_hf_config(cfg, dtype="bfloat16")
+    message = str(info.value)
+    assert "sliding_window=-5: expected a positive int" in message, message
+    assert "not supported" not in message and "supported:" not in message, message

@@ -289,6 +289,12 @@ def _ranges(indices: Sequence[int]) -> str:
 # ------------------------------------------------------------------------------------------
 # Reading fields
 # ------------------------------------------------------------------------------------------
+class _FieldValueError(ValueError):
+    """A field the mapping reads holds a value it cannot take (present, but wrong): the
+    config's error, reported as it is; a model type the generic dense mapping reads is not
+    then called unsupported."""
+
+
 class _Reader:
     """Field access on one config dict, with errors that name the field and the model type."""
 
@@ -310,7 +316,7 @@ class _Reader:
     def pos_int(self, name: str, default: Any = _MISSING) -> int:
         value = self.get(name, default)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(
+            raise _FieldValueError(
                 f"{self.where}: config field {name}={value!r}: expected a positive int"
             )
         return value
@@ -519,16 +525,22 @@ class _Heads(TypedDict):
 
 
 def _gqa(r: _Reader, o: _Options, head_dim: int) -> _Heads:
+    heads = r.pos_int("num_attention_heads")
+    # absent or null (Nemotron): one KV head per query head, as transformers reads it
+    kv_heads = (
+        r.pos_int("num_key_value_heads")
+        if r.get("num_key_value_heads", None) is not None
+        else heads
+    )
+    if heads % kv_heads:
+        raise _FieldValueError(
+            f"{r.where}: config fields num_attention_heads={heads}, num_key_value_heads="
+            f"{kv_heads}: the query heads must be a multiple of the KV heads (each KV head "
+            f"serves a group of query heads)"
+        )
     return {
-        "num_heads": _split(r.pos_int("num_attention_heads"), o.tp_size, "num_attention_heads"),
-        "num_kv_heads": _split_or_replicate(
-            # absent or null (Nemotron): one KV head per query head, as transformers reads it
-            r.pos_int("num_key_value_heads")
-            if r.get("num_key_value_heads", None) is not None
-            else r.pos_int("num_attention_heads"),
-            o.tp_size,
-            "num_key_value_heads",
-        ),
+        "num_heads": _split(heads, o.tp_size, "num_attention_heads"),
+        "num_kv_heads": _split_or_replicate(kv_heads, o.tp_size, "num_key_value_heads"),
         "head_dim": head_dim,
     }
 
@@ -2757,7 +2769,8 @@ def specs_from_hf_config(
         # one it understands; otherwise its refusal says why, with the supported list.
         try:
             return _specs(raw, model_type, _DENSE, tp_size, dtype, page_size, kv_dtype)
-        except _HeadSplitError:  # the mapping reads it; its heads do not split over tp_size
+        # the mapping reads it: its heads do not split over tp_size, or a field's value is wrong
+        except (_HeadSplitError, _FieldValueError):
             raise
         except ValueError as err:
             raise _unsupported(model_type, raw, [str(err)]) from None
