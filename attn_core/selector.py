@@ -1263,6 +1263,7 @@ def select(
             f"forced backend keys {sorted(unknown)} name no layer kind, group or phase of this "
             f"model ({details}); {expected}"
         )
+    _warn_unmatched_force(groups, constraints)
     for group in groups:
         for phase in planned_phases(group, constraints):
             fkey = _forced_key(group, constraints, phase)
@@ -1430,6 +1431,21 @@ def is_this_machine(device: DeviceCapabilities) -> bool:
     if device.device_type == "cpu":
         return True
     return (device.name, device.compute_capability) in _local_cuda_devices()
+
+
+def _warn_unmatched_force(groups: Sequence[LayerGroup], constraints: ExecutionConstraints) -> None:
+    """A forced entry naming a layer kind the model has no layers of forces nothing: a typo
+    (``linear`` for ``full``) would leave the layers it meant to the ranking. A warning, not
+    an error: a server's forced backends may name kinds that only some of its models have."""
+    kinds = {g.spec.kind.value for g in groups}
+    for key in sorted(constraints.forced):
+        target = key.partition(":")[2] or key
+        if target in {k.value for k in LayerKind} and target not in kinds:
+            warnings.warn(
+                f"forced entry '{key}={constraints.forced[key]}' applies to no layer: this "
+                f"model has no {target} layers (its kinds: {', '.join(sorted(kinds))})",
+                stacklevel=3,
+            )
 
 
 def _warn_unmatched_deny(registry: Registry, constraints: ExecutionConstraints) -> None:

@@ -1095,3 +1095,15 @@ def test_a_deny_entry_that_names_no_backend_warns_that_it_excludes_nothing(regis
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _plan(registry(), deny=frozenset({"fa3"}))  # a real one: no warning
+
+
+@pytest.mark.parametrize("key", ["linear", "decode:mla"])
+def test_a_forced_kind_the_model_has_no_layers_of_warns_that_it_applies_to_none(registry, key):
+    """--backends linear=reference on a model of full-attention layers only was accepted
+    without a word (a server's shared setting may name kinds a model lacks: a warning)."""
+    with pytest.warns(UserWarning, match=rf"forced entry '{key}=reference' applies to no layer"):
+        plan = _plan(registry(), force={key: "reference"})
+    assert _phases(plan)["decode"] == "flashinfer:flashinfer"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _plan(registry(), force={"decode:full": "fa3"})  # one that applies: no warning
