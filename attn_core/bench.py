@@ -328,10 +328,10 @@ def _captured(plan: Plan, phase: Phase) -> bool:
 def _grid(text: str | int, flag: str) -> list[int]:
     """``"1,8,64"`` -> ``[1, 8, 64]`` (positive integers, each once, in order)."""
     out: list[int] = []
-    for part in str(text).split(","):
+    for i, part in enumerate(str(text).split(","), start=1):
         part = part.strip()
         if not part:
-            continue
+            raise AttnCoreError(f"{flag} {text!r}: entry {i} is empty; expected e.g. 1,8,64")
         try:
             value = int(part)
         except ValueError:

@@ -835,11 +835,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _warnings_as_lines(command: str) -> Iterator[None]:
+    """Print each ``UserWarning`` (the selector's downgrades, an unmatched ``--deny`` entry,
+    ...) as ``attn COMMAND: warning: MESSAGE`` on stderr, as ``explain`` prints its own, in
+    place of Python's ``FILE:LINE: UserWarning: MESSAGE`` and the source line; other
+    categories (a library's DeprecationWarning) print as they would."""
+    original = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, UserWarning):
+            print(f"attn {command}: warning: {message}", file=sys.stderr)
+        else:
+            original(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = original
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:  # ATTN_CORE_BACKENDS is read by the selector, which names it in its errors
-        return args.func(args)
+        with _warnings_as_lines(args.command):
+            return args.func(args)
     except Exception as exc:  # a CLI prints the error, not a traceback, for expected failures
         if isinstance(exc, _EXPECTED_ERRORS):
             print(f"attn {args.command}: error: {exc}", file=sys.stderr)

@@ -177,7 +177,13 @@ def test_bench_skips_prefill_points_over_the_token_cap(timed, capsys):
 
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
-    [("--batch", "1,x", "'x' is not an integer"), ("--context", "0", "0 is not positive")],
+    [
+        ("--batch", "1,x", "'x' is not an integer"),
+        ("--context", "0", "0 is not positive"),
+        # "1,,2" timed 1 and 2 and said nothing of the empty entry (a lost digit?)
+        ("--batch", "1,,2", "entry 2 is empty"),
+        ("--context", "64,", "entry 2 is empty"),
+    ],
 )
 def test_bench_grid_errors_name_the_flag(timed, capsys, flag, value, message):
     rc = cli.main(["bench", "--model", "qwen3", "--device", "cpu", flag, value])

@@ -158,3 +158,30 @@ def test_explain_heads_a_group_with_the_page_size_the_plan_keeps_its_kv_in(capsy
     assert cli.main(["explain", "qwen3", "--target", "h200", "--page-size", "64"]) == 0
     out = capsys.readouterr().out
     assert "page size: 64" in out and "group full: full 32q/8kv d128 bfloat16 page64" in out, out
+
+
+def test_run_prints_the_selectors_warnings_as_its_own_lines(monkeypatch, capsys):
+    """attn run and attn bench printed the selector's warnings as raw UserWarnings, with the
+    library's file, line and source line; explain printed them as its own lines."""
+    import warnings as _warnings
+
+    from attn_core import cli
+
+    def warn_and_return(args):
+        _warnings.warn("deny list entry 'flashinfr' excludes nothing", stacklevel=1)
+        _warnings.warn("a library's own warning", DeprecationWarning, stacklevel=1)
+        return 0
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["run", "--model", "qwen3", "--device", "cpu"])
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    monkeypatch.setattr(parser, "parse_args", lambda argv=None: args)
+    monkeypatch.setattr(args, "func", warn_and_return)
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("always")
+        assert cli.main(["run"]) == 0
+    err = capsys.readouterr().err
+    assert "attn run: warning: deny list entry 'flashinfr' excludes nothing\n" in err, err
+    assert "UserWarning" not in err, err
+    # another category goes to Python's own display (pytest's record here), not our line
+    assert "a library's own warning" not in err, err
