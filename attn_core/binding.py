@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from attn_core.errors import BackendInputError, NonFiniteInputError, PluginError
-from attn_core.specs import LayerKind, LayerSpec, Phase, torch_dtype
+from attn_core.specs import LINEAR_LAYER_INPUTS, LayerKind, LayerSpec, Phase, torch_dtype
 from attn_core.step_buckets import pick_for_step
 
 if TYPE_CHECKING:
@@ -375,8 +375,9 @@ class LayerAttentionBinding:
             batch.padded_tokens != self._conv_tokens
             or x.shape != self._conv_x_shape
             or weight.shape != self._conv_w_shape
+            or (out is not None and (out.shape != x.shape or out.dtype is not x.dtype))
         ):
-            self._check_conv(x, weight, batch)
+            self._check_conv(x, weight, out, batch)
         if group.check_finite is not None:
             self._check_finite(batch, (("conv x", x),))
         try:
@@ -388,6 +389,23 @@ class LayerAttentionBinding:
             raise
         except Exception as exc:
             raise group.plugin_error("conv1d", exc, self.layer_index) from exc
+        if (
+            not isinstance(result, torch.Tensor)
+            or result.shape != x.shape
+            or result.dtype is not x.dtype
+        ):
+            got = (
+                f"{tuple(result.shape)} {result.dtype}"
+                if isinstance(result, torch.Tensor)
+                else type(result).__name__
+            )
+            raise group.plugin_error(
+                "conv1d",
+                TypeError(
+                    f"conv1d returned a bad result: expected {tuple(x.shape)} {x.dtype}, got {got}"
+                ),
+                self.layer_index,
+            )
         if out is not None and result is not out:
             out.copy_(result)
             return out
@@ -427,7 +445,11 @@ class LayerAttentionBinding:
         for name, t in tensors:
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 continue
-            per_token = t.dim() > 0 and t.shape[0] == batch.padded_tokens
+            per_token = (
+                t.dim() > 0
+                and t.shape[0] == batch.padded_tokens
+                and name not in LINEAR_LAYER_INPUTS
+            )
             flat = t[: batch.num_tokens].reshape(batch.num_tokens, -1) if per_token else t
             bad = ~torch.isfinite(flat)
             if not bool(bad.any()):
@@ -452,8 +474,16 @@ class LayerAttentionBinding:
                 source=source,
             )
 
-    def _check_conv(self, x: torch.Tensor, weight: torch.Tensor, batch: AttentionBatch) -> None:
-        """conv1d's input checks; remembers the accepted shapes for the batch's token count."""
+    def _check_conv(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        out: torch.Tensor | None,
+        batch: AttentionBatch,
+    ) -> None:
+        """conv1d's input checks; remembers the accepted shapes for the batch's token count.
+        ``out`` must be what the call returns, ``x``'s shape and dtype on its device: one the
+        plugin could not write would fail after the conv state moved."""
         spec = self.spec
         expected = spec.conv_dims
         if tuple(weight.shape) != expected:
@@ -462,6 +492,19 @@ class LayerAttentionBinding:
             self._bad("conv input shape", f"[T, {spec.conv_channels}]", tuple(x.shape))
         if x.shape[0] != batch.padded_tokens:
             self._bad("conv input tokens", batch.padded_tokens, x.shape[0])
+        if out is not None:
+            if out.shape != x.shape:
+                self._bad("conv out shape", tuple(x.shape), tuple(out.shape))
+            if out.dtype is not x.dtype:
+                self._bad("conv out dtype", x.dtype, out.dtype)
+            if out.device != x.device:
+                self._bad("conv out device", str(x.device), str(out.device))
+            if _overlaps_itself(out):
+                self._bad(
+                    "conv out layout",
+                    "every element at its own address",
+                    f"strides {out.stride()} over shape {tuple(out.shape)}",
+                )
         self._conv_tokens, self._conv_x_shape = batch.padded_tokens, x.shape
 
     def _expect(self, tokens: int) -> None:

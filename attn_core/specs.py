@@ -48,6 +48,7 @@ from attn_core.options import OptionTable, options_table
 __all__ = [
     "DTYPES",
     "KV_DTYPES",
+    "LINEAR_LAYER_INPUTS",
     "DeviceCapabilities",
     "DowngradePolicy",
     "ExecutionConstraints",
@@ -88,6 +89,13 @@ class LinearVariant(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+#: A linear layer's forward inputs that are the layer's own, not one row per token: Mamba's
+#: ``A_log`` (``[H]``, Mamba1 ``[H, N]``), ``D`` and ``dt_bias`` (``[H]``), lightning's
+#: ``slope`` (``[H]``). Every other input (``g``, ``beta``, ``dt``) has a row per token. A
+#: constant's first dim may equal a step's token count: the name, not the shape, says which.
+LINEAR_LAYER_INPUTS: frozenset[str] = frozenset({"A_log", "D", "dt_bias", "slope"})
 
 
 class GraphMode(str, enum.Enum):

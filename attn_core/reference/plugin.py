@@ -27,6 +27,7 @@ from attn_core.options import OptionSpec
 from attn_core.reference import decode as dec
 from attn_core.reference import ops
 from attn_core.specs import (
+    LINEAR_LAYER_INPUTS,
     DeviceCapabilities,
     ExecutionConstraints,
     GraphMode,
@@ -165,12 +166,20 @@ class _Context:
             self._bad("batch state indices", "a batch over linear-state slots", None)
         return indices, initial
 
-    @staticmethod
-    def _finish(result: torch.Tensor, out: torch.Tensor | None, rows: int) -> torch.Tensor:
-        if out is None:
-            return result.to(result.dtype)
-        out[:rows].copy_(result[:rows])
-        return out
+    def _finish(self, result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """``result`` (the real tokens' rows, or every padded row) into ``out``, or as a new
+        ``[padded_tokens, ...]`` tensor when ``out`` is None: the binding's contract holds for
+        a padded step too (its padding rows are zeros here; they are garbage by contract)."""
+        rows = result.shape[0]
+        if out is not None:
+            out[:rows].copy_(result)
+            return out
+        padded = self._batch().padded_tokens
+        if rows == padded:
+            return result
+        full = result.new_zeros((padded, *result.shape[1:]))
+        full[:rows].copy_(result)
+        return full
 
 
 class FullContext(_Context):
@@ -215,7 +224,7 @@ class FullContext(_Context):
                 causal=spec.causal,
                 **common,
             )
-        return self._finish(result, out, result.shape[0])
+        return self._finish(result, out)
 
 
 class MLAContext(_Context):
@@ -257,7 +266,7 @@ class MLAContext(_Context):
                 causal=spec.causal,
                 latent_scale=kv.k_scale,
             )
-        return self._finish(result, out, result.shape[0])
+        return self._finish(result, out)
 
 
 class EncoderContext(_Context):
@@ -283,7 +292,7 @@ class EncoderContext(_Context):
             attention_chunk_size=spec.attention_chunk_size,
             logits_soft_cap=spec.logits_soft_cap,
         )
-        return self._finish(result, out, result.shape[0])
+        return self._finish(result, out)
 
 
 class LinearContext(_Context):
@@ -338,7 +347,7 @@ class LinearContext(_Context):
                 initial[:n],
                 activation=activation,
             )
-        return self._finish(result, out, result.shape[0])
+        return self._finish(result, out)
 
     def forward(
         self,
@@ -373,7 +382,7 @@ class LinearContext(_Context):
                 use_qk_l2norm=spec.qk_l2norm,
                 **inputs,
             )
-            return self._finish(result, out, result.shape[0])
+            return self._finish(result, out)
         n, t = batch.num_reqs, batch.num_tokens
         intermediate = None
         if batch.mode is BatchMode.VERIFY:
@@ -383,8 +392,10 @@ class LinearContext(_Context):
             )
             self._verify_states[layer.layer_index] = intermediate
         meta = (batch.query_start_loc[: n + 1], indices[:n], initial[:n])
+        # the per-token inputs cut to the real tokens, by name: a per-layer constant ([H])
+        # may have as many rows as the step has padded tokens
         tok = {
-            name: value[:t] if value.dim() and value.shape[0] == batch.padded_tokens else value
+            name: value if name in LINEAR_LAYER_INPUTS else value[:t]
             for name, value in inputs.items()
         }
         if variant in (LinearVariant.MAMBA2, LinearVariant.MAMBA1):
@@ -426,7 +437,7 @@ class LinearContext(_Context):
                 use_qk_l2norm=spec.qk_l2norm,
                 intermediate_states=intermediate,
             )
-        return self._finish(result, out, result.shape[0])
+        return self._finish(result, out)
 
     def _check_inputs(
         self, layer: int, q: torch.Tensor, v: torch.Tensor, inputs: dict[str, Any]

@@ -653,3 +653,148 @@ def test_a_linear_input_of_the_wrong_shape_is_the_callers_error_naming_the_layer
     assert f"expected {list(good)}, got [1" in str(err.value)
     after = (state.state_slots.layer(0).ssm, state.state_slots.layer(0).conv)
     assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+
+
+# ------------------------------------------------------------------------------------------
+# conv1d's out, results of padded steps, per-layer constants of padded steps
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+@pytest.mark.parametrize("bad", ["shape", "dtype"])
+def test_a_conv1d_out_the_caller_got_wrong_is_refused_before_any_conv_state_moves(
+    tiny_specs, ref_registry, mode, bad
+):
+    """conv1d never checked ``out``: the reference advanced every request's conv state, then
+    failed copying into it, and the error blamed the plugin. A retry applied the conv twice."""
+    spec = tiny_specs["gdn"]
+    state, runtime = _runtime([spec], ref_registry)
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
+    for r in "ab":
+        state.add_request(r)
+    n = 1 if mode == "decode" else 3
+    runtime.prepare(builder.build([("a", n), ("b", n)]))
+    conv = state.state_slots.layer(0).conv
+    conv.normal_()
+    before = conv.clone()
+    C = spec.conv_channels
+    out = torch.empty(2 * n, C + 1) if bad == "shape" else torch.empty(2 * n, C).double()
+    with pytest.raises(BackendInputError, match="layer 0: conv out") as info:
+        runtime.binding(0).conv1d(torch.randn(2 * n, C), torch.randn(*spec.conv_dims), out=out)
+    assert info.value.backend == "attn_core:reference"
+    assert torch.equal(conv, before)
+
+
+def _padded_step(spec, registry, mode):
+    """A runtime with requests a (3 tokens) and b (2) through a step padded to 4 requests: a
+    prefill, or a verify of 2 drafts each."""
+    spec_tokens = 2 if mode == "verify" else 0
+    cons = ExecutionConstraints(**LIMITS, speculative_tokens=spec_tokens)
+    state, runtime = _runtime([spec], registry, constraints=cons)
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=4)
+    for r in "ab":
+        state.add_request(r)
+    if mode == "verify":
+        runtime.prepare(builder.build([("a", 3), ("b", 2)]))  # a context to verify against
+        _run_layer(spec, runtime, builder.build([("a", 3), ("b", 2)]))
+        state.advance("a", 3)
+        state.advance("b", 2)
+        batch = builder.build([("a", 3), ("b", 3)], spec_tokens=2, pad_to=4)
+    else:
+        batch = builder.build([("a", 3), ("b", 2)], pad_to=4)
+    runtime.prepare(batch)
+    return state, runtime, batch
+
+
+def _run_layer(spec, runtime, batch, *, with_out=True, inputs=None):
+    from attn_core.testing.workloads import layer_inputs
+
+    if inputs is None:
+        inputs = layer_inputs(spec, batch.padded_tokens, torch.Generator().manual_seed(1))
+    inputs = dict(inputs)
+    runtime.prepare(batch)
+    binding = runtime.binding(0)
+    conv_x = inputs.pop("conv_x", None)
+    results = {}
+    if conv_x is not None:
+        w = torch.randn(*spec.conv_dims, generator=torch.Generator().manual_seed(2))
+        out = torch.empty_like(conv_x) if with_out else None
+        results["conv"] = binding.conv1d(conv_x, w, out=out)
+    q, k, v = inputs.pop("q"), inputs.pop("k"), inputs.pop("v", None)
+    rows, heads, dv = batch.padded_tokens, spec.num_heads, spec.head_dim_v
+    out = torch.empty(rows, heads, dv) if with_out else None
+    results["forward"] = binding.forward(q, k, v, out=out, **inputs)
+    return results
+
+
+@pytest.mark.parametrize("mode", ["prefill", "verify"])
+@pytest.mark.parametrize("kind", ["full", "mla", "gdn", "mamba2"])
+def test_a_padded_step_with_out_none_returns_every_padded_row(tiny_specs, ref_registry, kind, mode):
+    """With ``out=None`` the reference returned ``[num_tokens, ...]`` for a padded step: forward
+    failed as the plugin's bad result after the KV or SSM state was written, and conv1d
+    returned the short tensor without a word. Both now return ``[padded_tokens, ...]``, whose
+    real rows equal the run with ``out`` given."""
+    from attn_core.testing.workloads import layer_inputs
+
+    spec = tiny_specs[kind]
+    got = {}
+    for with_out in (True, False):
+        _, runtime, batch = _padded_step(spec, ref_registry, mode)
+        assert batch.padded_tokens > batch.num_tokens  # the step has padding rows
+        inputs = layer_inputs(spec, batch.padded_tokens, torch.Generator().manual_seed(1))
+        got[with_out] = _run_layer(spec, runtime, batch, with_out=with_out, inputs=inputs)
+    t = batch.num_tokens
+    for name, result in got[False].items():
+        assert result.shape[0] == batch.padded_tokens, (name, tuple(result.shape))
+        assert torch.equal(result[:t], got[True][name][:t]), name
+
+
+def test_per_layer_inputs_are_not_cut_when_the_padded_token_count_equals_the_heads(
+    tiny_specs, ref_registry
+):
+    """Mamba2 with 4 heads, a step of 3 tokens padded to 4: ``A_log``, ``D`` and ``dt_bias``
+    (``[H]``) were cut to the 3 real tokens as if they were per-token inputs, and the valid
+    step failed as the plugin's error after conv1d had moved the conv state."""
+    from attn_core.testing.workloads import layer_inputs
+
+    spec = tiny_specs["mamba2"]
+    state, runtime = _runtime([spec], ref_registry)
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
+    state.add_request("a")
+    batch = builder.build([("a", 3)], pad_to=2)
+    assert batch.padded_tokens == spec.num_heads  # the coincidence the test is about
+    inputs = layer_inputs(spec, batch.padded_tokens, torch.Generator().manual_seed(1))
+    padded = _run_layer(spec, runtime, batch, inputs=inputs)
+    # the same tokens unpadded, from a fresh state
+    state, runtime = _runtime([spec], ref_registry)
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
+    state.add_request("a")
+    plain = builder.build([("a", 3)])
+    cut = {k: (v[:3] if v.shape[0] == 4 and k not in ("A_log", "D", "dt_bias") else v)
+           for k, v in inputs.items()}  # fmt: skip
+    unpadded = _run_layer(spec, runtime, plain, inputs=cut)
+    assert torch.allclose(padded["forward"][:3], unpadded["forward"][:3], atol=1e-6)
+
+
+def test_the_finite_check_reads_a_per_layer_input_whole_whatever_the_token_count(
+    tiny_specs, ref_registry
+):
+    """Mamba2 with 4 heads, 3 tokens padded to 4: ``A_log [H]`` was taken for a per-token
+    input, so only its first 3 entries were checked and a NaN in the fourth went through."""
+    from attn_core.testing.workloads import layer_inputs
+
+    spec = tiny_specs["mamba2"]
+    cons = ExecutionConstraints(**LIMITS, check_finite=True)
+    state, runtime = _runtime([spec], ref_registry, constraints=cons)
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
+    state.add_request("a")
+    batch = builder.build([("a", 3)], pad_to=2)
+    assert batch.padded_tokens == spec.num_heads
+    runtime.prepare(batch)
+    inputs = layer_inputs(spec, batch.padded_tokens, torch.Generator().manual_seed(1))
+    inputs.pop("conv_x")
+    inputs["A_log"][3] = float("nan")
+    q, k, v = inputs.pop("q"), inputs.pop("k"), inputs.pop("v")
+    before = state.state_slots.layer(0).ssm.clone()
+    with pytest.raises(NonFiniteInputError) as info:
+        runtime.binding(0).forward(q, k, v, **inputs)
+    assert (info.value.tensor, info.value.request_id) == ("A_log", None)
+    assert torch.equal(state.state_slots.layer(0).ssm, before)

@@ -476,6 +476,8 @@ class TritonSSMContext:
             self._bad("conv activation", list(_ACTIVATIONS), activation)
         conv_state = layer.linear_state.conv
         mode = batch.mode
+        if out is None and mode is not BatchMode.DECODE and batch.padded_tokens > batch.num_tokens:
+            out = torch.empty_like(x)  # the result has every padded row (theirs: untouched)
         if mode is BatchMode.DECODE:
             return self.K.causal_conv1d_update(
                 x, conv_state, weight, bias, self._state_indices, activation=activation, out=out
@@ -555,10 +557,13 @@ class TritonSSMContext:
                 "a forward call",
             )
         self._check_inputs(q, v, inputs)
+        mode = batch.mode
+        if out is None and mode is not BatchMode.DECODE and batch.padded_tokens > batch.num_tokens:
+            # the kernels compute the real tokens' rows; the result has every padded row
+            out = torch.empty_like(v)
         if self.variant is LinearVariant.LIGHTNING:
             q, k, v, inputs = self._lightning_as_ssd(layer, q, k, v, inputs)
         ssm = layer.linear_state.ssm
-        mode = batch.mode
         if mode is BatchMode.DECODE:
             return self._decode(layer, q, k, v, out, ssm, self._state_indices, inputs)
         if mode is BatchMode.VERIFY:

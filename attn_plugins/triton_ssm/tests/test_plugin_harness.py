@@ -209,8 +209,10 @@ def run_step(
     *,
     spec_tokens: int = 0,
     pad_to: int | None = None,
+    out_none: bool = False,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Build, prepare, and run conv1d + forward on every layer; returns (conv out, out)."""
+    """Build, prepare, and run conv1d + forward on every layer; returns (conv out, out).
+    ``out_none``: pass ``out=None`` (the backend allocates what it returns)."""
     batch = lane.builder.build(requests, spec_tokens=spec_tokens, pad_to=pad_to)
     lane.batch = batch
     lane.runtime.prepare(batch)
@@ -227,7 +229,7 @@ def run_step(
                 p["conv_w"],
                 p["conv_b"],
                 activation=act,
-                out=torch.empty_like(x["conv_x"]),
+                out=None if out_none else torch.empty_like(x["conv_x"]),
             )
         if variant == "short_conv":  # the conv is the layer's whole core
             results[i] = (conv, conv)
@@ -237,7 +239,9 @@ def run_step(
             extra.update(A_log=p["A_log"], D=p["D"], dt_bias=p["dt_bias"])
         if "slope" in p:
             extra["slope"] = p["slope"]
-        out = b.forward(x["q"], x["k"], x["v"], out=torch.empty_like(x["v"]), **extra)
+        out = b.forward(
+            x["q"], x["k"], x["v"], out=None if out_none else torch.empty_like(x["v"]), **extra
+        )
         results[i] = (conv, out)
     return results
 

@@ -178,6 +178,39 @@ def test_every_mode_matches_reference(registry, variant, strategy):
     _compare(lanes, res, t, tol, "decode after commit")
 
 
+@pytest.mark.parametrize("variant", ["gated_deltanet", "mamba2", "short_conv"])
+def test_a_padded_step_with_out_none_returns_every_padded_row(registry, variant):
+    """With ``out=None`` a padded prefill or verify step returned the real tokens' rows only:
+    forward failed the binding's result check after the state was written, and conv1d's short
+    result went through unchecked. Every padded row comes back now, the real ones as the
+    reference's."""
+    spec = _spec(variant)
+    constraints = ExecutionConstraints(max_batch_size=8, max_num_tokens=64, speculative_tokens=2)
+    lanes = _lanes(registry, spec, constraints)
+    _add(lanes, "a", 1)
+    _add(lanes, "b", 2)
+    steps = [([("a", 3), ("b", 2)], 0), ([("a", 3), ("b", 3)], 2)]  # prefill, then verify
+    for requests, spec_tokens in steps:
+        n_tok = sum(n for _, n in requests)
+        inputs = step_inputs(spec, n_tok + 2, DEV, 20 + spec_tokens)
+        results = [
+            run_step(lane, requests, inputs, spec_tokens=spec_tokens, pad_to=4, out_none=True)
+            for lane in lanes
+        ]
+        assert lanes[1].batch.padded_tokens == n_tok + 2
+        for i in LAYERS:
+            for name, got in zip(("conv", "out"), results[1][i], strict=True):
+                assert got.shape[0] == n_tok + 2, (variant, spec_tokens, name, tuple(got.shape))
+        _compare(lanes, results, n_tok, TOL["float32"], "padded", check_states=False)
+        if spec_tokens:
+            for lane in lanes:
+                lane.runtime.commit_speculative(lane.batch, torch.tensor([1, 2], dtype=torch.int32))
+        else:
+            for lane in lanes:
+                for r, n in requests:
+                    lane.state.advance(r, n)
+
+
 def _no_outputs():
     empty = (torch.zeros(0), torch.zeros(0))
     return [dict.fromkeys(LAYERS, empty), dict.fromkeys(LAYERS, empty)]
