@@ -44,6 +44,17 @@ def _count(text: str) -> int:
     return value
 
 
+def _backend_names(text: str) -> frozenset[str]:
+    """An argparse type: comma-separated backend names, at least one (an empty ``--allow``
+    would otherwise allow every backend, as if the flag were not given)."""
+    names = frozenset(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} names no backend; give comma-separated backend names"
+        )
+    return names
+
+
 def _torch_device(text: str) -> str:
     """An argparse type: a torch device this machine has (``cpu``, ``cuda``, ``cuda:1``)."""
     import torch
@@ -125,8 +136,18 @@ def _add_constraint_args(p: argparse.ArgumentParser, *, tuning: bool = True) -> 
         help="set an option a backend declares, e.g. reference.decode_path=ragged (repeatable; "
         "also ATTN_CORE_BACKEND_OPTIONS, which --option overrides)",
     )
-    g.add_argument("--allow", default=None, help="comma-separated backend names to consider")
-    g.add_argument("--deny", default=None, help="comma-separated backend names never used")
+    g.add_argument(
+        "--allow",
+        type=_backend_names,
+        default=None,
+        help="comma-separated backend names to consider",
+    )
+    g.add_argument(
+        "--deny",
+        type=_backend_names,
+        default=None,
+        help="comma-separated backend names never used",
+    )
     g.add_argument(
         "--downgrade",
         default="warn",
@@ -763,7 +784,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default="qwen3",
-        help="a sample or the path of a Hugging Face config.json, as for explain (default: qwen3)",
+        help="one model: a sample or the path of a Hugging Face config.json (default: qwen3)",
     )
     p.add_argument(
         "--device",

@@ -185,3 +185,23 @@ def test_run_prints_the_selectors_warnings_as_its_own_lines(monkeypatch, capsys)
     assert "UserWarning" not in err, err
     # another category goes to Python's own display (pytest's record here), not our line
     assert "a library's own warning" not in err, err
+
+
+@pytest.mark.parametrize("flag", ["--allow", "--deny"])
+@pytest.mark.parametrize("value", ["", ",", " , "])
+def test_a_backend_list_that_names_no_backend_is_a_usage_error(capsys, flag, value):
+    """--allow '' (or ',') planned with every backend, as if the flag were absent."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["explain", "qwen3", "--target", "h200", flag, value])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: {value!r} names no backend" in capsys.readouterr().err
+
+
+def test_bench_help_says_which_models_it_takes(capsys):
+    """It said 'as for explain', but bench takes one model, not 'all' or a comma list."""
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "as for explain" not in text
+    assert "one model" in text
+    assert cli.main(["bench", "--model", "all"]) == 2

@@ -104,3 +104,23 @@ def test_the_cli_prints_each_model_as_soon_as_it_ends(
     assert cli.main(["run", "--model", "qwen3,lfm2", "--no-progress", "--device", "cpu"]) == 0
     assert "== report of qwen3" in printed_before["lfm2"]
     assert "2/2 architectures match transformers" in capsys.readouterr().out
+
+
+def test_first_layers_of_a_config_that_counts_its_layers_by_their_pattern() -> None:
+    """A Nemotron-H config as transformers 5 writes it has layers_block_type and no
+    num_hidden_layers (a property of the pattern's length): --layers refused it."""
+    transformers = pytest.importorskip("transformers")
+
+    cfg = transformers.AutoConfig.for_model(
+        "nemotron_h",
+        layers_block_type=["mamba", "moe", "attention", "mlp", "mamba", "attention"],
+    ).to_dict()
+    assert "num_hidden_layers" not in cfg  # the case this test is about
+    cut = first_layers(cfg, 3)
+    assert cut["layers_block_type"] == cfg["layers_block_type"][:3]
+    assert "num_hidden_layers" not in cut
+    assert specs_from_hf_config(cut).num_layers == 3
+    with pytest.raises(
+        ValueError, match=r"layers=7: expected 1..6 \(the config's layers_block_type"
+    ):
+        first_layers(cfg, 7)
