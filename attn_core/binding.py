@@ -20,7 +20,14 @@ import numpy as np
 import torch
 
 from attn_core.errors import BackendInputError, NonFiniteInputError, PluginError
-from attn_core.specs import LINEAR_LAYER_INPUTS, LayerKind, LayerSpec, Phase, torch_dtype
+from attn_core.specs import (
+    CONV_ACTIVATIONS,
+    LINEAR_LAYER_INPUTS,
+    LayerKind,
+    LayerSpec,
+    Phase,
+    torch_dtype,
+)
 from attn_core.step_buckets import pick_for_step
 
 if TYPE_CHECKING:
@@ -376,8 +383,10 @@ class LayerAttentionBinding:
             or x.shape != self._conv_x_shape
             or weight.shape != self._conv_w_shape
             or (out is not None and (out.shape != x.shape or out.dtype is not x.dtype))
+            or (bias is not None and bias.shape != weight.shape[:1])
+            or activation not in CONV_ACTIVATIONS
         ):
-            self._check_conv(x, weight, out, batch)
+            self._check_conv(x, weight, bias, activation, out, batch)
         if group.check_finite is not None:
             self._check_finite(batch, (("conv x", x),))
         try:
@@ -478,16 +487,23 @@ class LayerAttentionBinding:
         self,
         x: torch.Tensor,
         weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        activation: str | None,
         out: torch.Tensor | None,
         batch: AttentionBatch,
     ) -> None:
         """conv1d's input checks; remembers the accepted shapes for the batch's token count.
         ``out`` must be what the call returns, ``x``'s shape and dtype on its device: one the
-        plugin could not write would fail after the conv state moved."""
+        plugin could not write would fail after the conv state moved. ``bias`` is the layer's
+        ``[conv_channels]`` (a ``[T, C]`` one would broadcast over a decode step's requests)."""
         spec = self.spec
         expected = spec.conv_dims
         if tuple(weight.shape) != expected:
             self._bad("conv weight shape", expected, tuple(weight.shape))
+        if bias is not None and tuple(bias.shape) != expected[:1]:
+            self._bad("conv bias shape", expected[:1], tuple(bias.shape))
+        if activation not in CONV_ACTIVATIONS:
+            self._bad("conv activation", list(CONV_ACTIVATIONS), activation)
         if x.dim() != 2 or x.shape[1] != spec.conv_channels:
             self._bad("conv input shape", f"[T, {spec.conv_channels}]", tuple(x.shape))
         if x.shape[0] != batch.padded_tokens:

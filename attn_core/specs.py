@@ -46,6 +46,7 @@ import torch
 from attn_core.options import OptionTable, options_table
 
 __all__ = [
+    "CONV_ACTIVATIONS",
     "DTYPES",
     "KV_DTYPES",
     "LINEAR_LAYER_INPUTS",
@@ -96,6 +97,10 @@ class LinearVariant(str, enum.Enum):
 #: ``slope`` (``[H]``). Every other input (``g``, ``beta``, ``dt``) has a row per token. A
 #: constant's first dim may equal a step's token count: the name, not the shape, says which.
 LINEAR_LAYER_INPUTS: frozenset[str] = frozenset({"A_log", "D", "dt_bias", "slope"})
+
+#: What a linear layer's ``conv1d`` may apply after the conv: SiLU (``"swish"`` is its other
+#: name, as causal-conv1d takes it) or nothing.
+CONV_ACTIVATIONS: tuple[str | None, ...] = ("silu", "swish", None)
 
 
 class GraphMode(str, enum.Enum):

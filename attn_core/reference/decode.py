@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from attn_core.specs import CONV_ACTIVATIONS
+
 __all__ = [
     "decode_conv1d",
     "decode_full_attention",
@@ -139,10 +141,10 @@ def decode_conv1d(
     y = (window * weight.float().unsqueeze(0)).sum(-1)
     if bias is not None:
         y = y + bias.float()
-    if activation == "silu":
+    if activation in ("silu", "swish"):
         y = F.silu(y)
     elif activation is not None:
-        raise ValueError(f"activation={activation!r}: expected 'silu' or None")
+        raise ValueError(f"activation={activation!r}: expected one of {list(CONV_ACTIVATIONS)}")
     _scatter_rows(conv_state, rows, valid, window[..., 1:])
     return y.to(x.dtype)
 

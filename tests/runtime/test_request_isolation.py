@@ -798,3 +798,51 @@ def test_the_finite_check_reads_a_per_layer_input_whole_whatever_the_token_count
         runtime.binding(0).forward(q, k, v, **inputs)
     assert (info.value.tensor, info.value.request_id) == ("A_log", None)
     assert torch.equal(state.state_slots.layer(0).ssm, before)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+@pytest.mark.parametrize("bad", ["bias-per-token", "bias-short", "activation"])
+def test_a_conv_bias_or_activation_the_caller_got_wrong_is_refused_before_any_state_moves(
+    tiny_specs, ref_registry, mode, bad
+):
+    """A [T, C] bias broadcast over the tokens in decode (prefill refused it, as the plugin's
+    failure); an unknown activation was the plugin's failure too. Both are the caller's."""
+    spec = tiny_specs["gdn"]
+    state, runtime = _runtime([spec], ref_registry)
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
+    for r in "ab":
+        state.add_request(r)
+    n = 1 if mode == "decode" else 3
+    runtime.prepare(builder.build([("a", n), ("b", n)]))
+    conv = state.state_slots.layer(0).conv
+    conv.normal_()
+    before = conv.clone()
+    C, T = spec.conv_channels, 2 * n
+    kw: dict = {"bias": torch.randn(T, C) if bad == "bias-per-token" else torch.randn(C - 1)}
+    if bad == "activation":
+        kw = {"bias": torch.randn(C), "activation": "gelu"}
+    what = "conv activation" if bad == "activation" else "conv bias shape"
+    with pytest.raises(BackendInputError, match=f"layer 0: {what}"):
+        runtime.binding(0).conv1d(torch.randn(T, C), torch.randn(*spec.conv_dims), **kw)
+    assert torch.equal(conv, before)
+
+
+def test_a_swish_conv_decodes_as_it_prefills(tiny_specs, ref_registry):
+    """'swish' (SiLU's other name) was accepted in prefill and refused in decode."""
+    spec = tiny_specs["gdn"]
+    results = {}
+    for activation in ("silu", "swish"):
+        state, runtime = _runtime([spec], ref_registry)
+        builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
+        state.add_request("a")
+        gen = torch.Generator().manual_seed(3)
+        w = torch.randn(*spec.conv_dims, generator=gen)
+        outs = []
+        for n in (3, 1):
+            runtime.prepare(builder.build([("a", n)]))
+            x = torch.randn(n, spec.conv_channels, generator=gen)
+            outs.append(runtime.binding(0).conv1d(x, w, activation=activation))
+            state.advance("a", n)
+        results[activation] = outs
+    for a, b in zip(results["silu"], results["swish"], strict=True):
+        assert torch.equal(a, b)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from attn_core.specs import CONV_ACTIVATIONS
+
 __all__ = ["causal_conv1d"]
 
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -140,9 +142,6 @@ def prepare_out(
     return out
 
 
-_ACTIVATIONS = ("silu", "swish", None)
-
-
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -177,8 +176,10 @@ def causal_conv1d(
     :param out: optional ``[T, C]`` output buffer (written and returned).
     :returns: ``[T, C]`` in ``x.dtype`` (or ``out``).
     """
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {list(_ACTIVATIONS)}, got {activation!r}")
+    if activation not in CONV_ACTIVATIONS:
+        raise ValueError(
+            f"activation: expected one of {list(CONV_ACTIVATIONS)}, got {activation!r}"
+        )
     check_shape("x", x, (None, None))
     num_tokens, channels = x.shape
     check_shape("weight", weight, (channels, None))
