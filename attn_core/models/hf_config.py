@@ -322,6 +322,39 @@ class _Reader:
         return value
 
 
+def _int_list(r: _Reader, name: str, what: str) -> list[int]:
+    """Field ``name`` as a list of ints (``what`` they are, for the error); ``[]`` when absent
+    or null. Any other value is refused here: iterating a string or an int would map a wrong
+    plan or fail without naming the field."""
+    value = r.cfg.get(name)
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        got = type(value).__name__
+    else:
+        bad = [i for i in value if not isinstance(i, int) or isinstance(i, bool)]
+        got = f"entries {bad!r}" if bad else ""
+    if got:
+        raise ValueError(
+            f"{r.where}: config field {name}={value!r}: expected a list of ints ({what}), got {got}"
+        )
+    return list(value)
+
+
+def _mapping(r: _Reader, name: str) -> Mapping[str, Any]:
+    """Field ``name`` as a mapping (``{}`` when absent or null); any other value is refused
+    naming the field."""
+    value = r.cfg.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"{r.where}: config field {name}={value!r}: expected a mapping (a JSON object), "
+            f"got {type(value).__name__}"
+        )
+    return value
+
+
 class _HeadSplitError(ValueError):
     """Heads that do not divide over the tensor-parallel ranks; :func:`_specs` names the
     family and model type in front of the field and the sizes."""
@@ -488,6 +521,8 @@ def _check_against_types(
             f"{model_type}: layer_types has {len(types)} entries; "
             f"expected num_hidden_layers={num_layers}"
         )
+    if model_type in _LAYER_TYPES_UNREAD:
+        return  # the model does not follow the list (the parser says what it does instead)
     ops: dict[int, list[LayerSpec]] = {}
     for i, spec in layers:
         ops.setdefault(i, []).append(spec)
@@ -582,11 +617,29 @@ def _head_dim(r: _Reader) -> int:
     return r.pos_int("head_dim")
 
 
+#: ``sliding_window`` of the model types :func:`_dense` reads whose transformers config class
+#: defaults it (MistralConfig: 4096; Qwen's apply it under ``use_sliding_window``): a config
+#: that leaves it out slides by this. Checked against transformers by
+#: tests/test_hf_config_review.py.
+_SLIDING_WINDOW_DEFAULTS: dict[str, int] = {
+    "mistral": 4096,
+    "qwen2": 4096,
+    "qwen3": 4096,
+    "qwen3_moe": 4096,
+}
+
+#: Model types whose transformers model never reads ``layer_types`` (their config class may
+#: store one, MistralConfig warning that it is unused): every layer gets the same attention,
+#: sliding over ``sliding_window`` when one applies. The config's list is validated as
+#: transformers validates it, then not followed.
+_LAYER_TYPES_UNREAD: frozenset[str] = frozenset({"llama", "mistral", "qwen3_moe"})
+
+
 def _dense(r: _Reader, o: _Options) -> _Parsed:
     """Llama / Mistral / Qwen2 / Qwen3 (+MoE): GQA on every layer, optionally sliding."""
     n = r.pos_int("num_hidden_layers")
-    window = r.cfg.get("sliding_window")
     model_type = r.cfg["model_type"]
+    window = r.cfg.get("sliding_window", _SLIDING_WINDOW_DEFAULTS.get(model_type))
     if model_type == "llama":
         window = None  # Llama has no sliding window
     elif model_type != "mistral" and not r.cfg.get("use_sliding_window", False):
@@ -606,6 +659,8 @@ def _dense(r: _Reader, o: _Options) -> _Parsed:
 
     types = _layer_types(r, n, fallback)
     _check_types(r, types, {"full_attention", "sliding_attention"})
+    if model_type in _LAYER_TYPES_UNREAD:
+        types = [fallback(i) for i in range(n)]  # the model's own rule, whatever the list says
     heads = _gqa(r, o, _head_dim(r))
     layers = []
     for i, t in enumerate(types):
@@ -759,6 +814,30 @@ _PRESCALED_Q_MODEL_TYPES: frozenset[str] = frozenset({"opt", "gemma4_text"})
 # sets, one per routed expert, ``key.repeat`` over them, not GQA's grouping): the op sees as many
 # KV heads as query heads, so the KV cache holds the tiled copies.
 _TILED_KV_MODEL_TYPES: frozenset[str] = frozenset({"jetmoe"})
+
+#: ``attention_multiplier`` of the model types whose transformers config class defaults it
+#: (GraniteConfig: 1.0) and whose attention module takes it as the softmax scale: a config that
+#: leaves it out is scaled by this, not by ``1 / sqrt(head_dim)``. Checked against transformers
+#: by tests/test_hf_config_review.py.
+_ATTENTION_MULTIPLIER_DEFAULTS: dict[str, float] = {
+    "granite": 1.0,
+    "granite4_vision_text": 1.0,
+    "granite_docling_text": 0.015625,
+    "granite_swa": 1.0,
+    "granitemoe": 1.0,
+    "granitemoe_swa": 1.0,
+    "granitemoehybrid": 1.0,
+    "granitemoeshared": 1.0,
+}
+
+
+def _attention_multiplier(r: _Reader) -> Any:
+    """The config's ``attention_multiplier``; when absent, its config class's default
+    (:data:`_ATTENTION_MULTIPLIER_DEFAULTS`), else None (the ``1 / sqrt(head_dim)`` scale)."""
+    if "attention_multiplier" in r.cfg:
+        return r.cfg["attention_multiplier"]
+    return _ATTENTION_MULTIPLIER_DEFAULTS.get(r.cfg.get("model_type", ""))
+
 
 # Model types whose attention applies ``attn_logit_softcapping`` (the field is passed as the
 # attention function's ``softcap``); the other dense families store it and never apply it.
@@ -1095,9 +1174,10 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
     Starcoder2) unless ``use_sliding_window`` is false, but for every
     ``sliding_window_pattern``-th layer; with ``max_window_layers`` too it is refused (Qwen2
     and Qwen2-MoE read it differently).
-    ``attention_multiplier`` (Granite) is the softmax scale, ``query_pre_attn_scalar`` (Gemma-2)
-    its inverse square. A set ``attn_logit_softcapping`` is mapped for the model types that
-    apply it (:data:`_SOFTCAP_MODEL_TYPES`) and refused for the others.
+    ``attention_multiplier`` (Granite; absent, its config class's default) is the softmax
+    scale, ``query_pre_attn_scalar`` (Gemma-2) its inverse square. A set
+    ``attn_logit_softcapping`` is mapped for the model types that apply it
+    (:data:`_SOFTCAP_MODEL_TYPES`) and refused for the others.
     """
     named, aliases = _common_names(r.cfg)
     r = _Reader(named, r.where, r.defaults)
@@ -1212,7 +1292,7 @@ def _generic_dense(r: _Reader, o: _Options) -> _Parsed:
             f"cannot tell whether {model_type!r} applies it to the attention logits (the "
             f"model types known to: {sorted(_SOFTCAP_MODEL_TYPES)}); refused, not guessed"
         )
-    scale = r.cfg.get("attention_multiplier")
+    scale = _attention_multiplier(r)
     pre = r.cfg.get("query_pre_attn_scalar")
     if scale is not None and pre is not None:
         raise ValueError(
@@ -1471,14 +1551,20 @@ def _mla(r: _Reader, o: _Options, *, yarn_scale: bool) -> LayerSpec:
     )
     scale = 1.0 / math.sqrt(nope + rope)
     # Older configs say rope_scaling {"type": "yarn"}, transformers 5 rope_parameters {"rope_type"}.
-    rope_cfg = (
-        (r.cfg.get("rope_parameters") or r.cfg.get("rope_scaling") or {}) if yarn_scale else {}
-    )
+    name = "rope_parameters" if r.cfg.get("rope_parameters") else "rope_scaling"
+    rope_cfg = _mapping(r, name) if yarn_scale else {}
     rope_type = rope_cfg.get("rope_type", rope_cfg.get("type", "default"))
     if rope_type != "default" and rope_cfg.get("mscale_all_dim"):
         # DeepSeek (and HF's yarn_apply_mscale, V2 and V3 alike: any non-default rope type)
         # fold YaRN's temperature, squared, into the scale.
-        m = _yarn_mscale(float(rope_cfg["factor"]), float(rope_cfg["mscale_all_dim"]))
+        factor = rope_cfg.get("factor")
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool):
+            raise ValueError(
+                f"{r.where}: config field {name}={dict(rope_cfg)!r}: rope type {rope_type!r} "
+                f"with mscale_all_dim scales attention by its 'factor': expected a number, "
+                f"got {factor!r}"
+            )
+        m = _yarn_mscale(float(factor), float(rope_cfg["mscale_all_dim"]))
         scale *= m * m
     return o.full(
         kind=LayerKind.MLA,
@@ -1507,7 +1593,7 @@ def _kimi_types(r: _Reader, n: int) -> list[str]:
 
     transformers' ``KimiLinearConfig`` prefers ``layer_types`` when both are given; the result
     is checked against ``layer_types`` afterwards, so lists that disagree with it are refused."""
-    lac = r.cfg.get("linear_attn_config") or {}
+    lac = _mapping(r, "linear_attn_config")
     kda, full = lac.get("kda_layers"), lac.get("full_attn_layers")
     if kda is None or full is None:
         return _layer_types(
@@ -1560,7 +1646,7 @@ def _kimi_linear(r: _Reader, o: _Options) -> _Parsed:
             f"{_layers_of(types, 'full_attention')}): transformers' Kimi-Linear applies no rope, "
             "so what the model computes is ambiguous; expected true"
         )
-    lac = r.cfg.get("linear_attn_config") or {}
+    lac = _mapping(r, "linear_attn_config")
     lin = _Reader(
         lac,
         f"{r.where} linear_attn_config",
@@ -1643,10 +1729,11 @@ def _mamba_prefixed_mamba2(r: _Reader, o: _Options, *, auto: tuple[Any, ...]) ->
 def _bamba(r: _Reader, o: _Options) -> _Parsed:
     """Bamba: Mamba2 layers with full attention at ``attn_layer_indices``."""
     n = r.pos_int("num_hidden_layers")
-    attn = set(r.cfg.get("attn_layer_indices") or ())
-    bad = sorted(i for i in attn if not (isinstance(i, int) and 0 <= i < n))
+    attn = set(_int_list(r, "attn_layer_indices", "0-based layer indices"))
+    bad = sorted(i for i in attn if not 0 <= i < n)
     if bad:
         raise ValueError(f"{r.where}: attn_layer_indices {bad} are not layers of 0..{n - 1}")
+    _refuse_dt_clamp(r, [i for i in range(n) if i not in attn])
     mamba = _mamba_prefixed_mamba2(r, o, auto=("auto",))  # as BambaConfig
     full = o.full(**_gqa(r, o, _head_dim(r)))
     return n, [(i, full if i in attn else mamba) for i in range(n)], {}
@@ -1656,18 +1743,26 @@ def _granite_hybrid(r: _Reader, o: _Options) -> _Parsed:
     """Granite-4.0-H (``granitemoehybrid``): Mamba2 and attention layers by ``layer_types``
     (``mamba`` / ``attention`` in hub configs, ``linear_attention`` / ``full_attention`` as
     transformers writes them; all Mamba2 when absent, as GraniteMoeHybridConfig). The softmax
-    scale is ``attention_multiplier``; the embedding, residual and logits multipliers and RoPE
-    or NoPE (``position_embedding_type``) act outside the attention op."""
+    scale is ``attention_multiplier`` (1.0 when absent, as the class); the embedding, residual
+    and logits multipliers and RoPE or NoPE (``position_embedding_type``) act outside the
+    attention op."""
     n = r.pos_int("num_hidden_layers")
-    raw = r.cfg.get("layer_types") or r.cfg.get("layers_block_type")
-    types = list(raw) if isinstance(raw, list) else ["linear_attention"] * n
+    key = "layer_types" if r.cfg.get("layer_types") else "layers_block_type"
+    raw = r.cfg.get(key)
+    if raw is not None and not isinstance(raw, list):  # a string would map every layer Mamba2
+        raise ValueError(
+            f"{r.where}: config field {key}={raw!r}: expected a list of {n} layer types "
+            f"('mamba' / 'attention'), got {type(raw).__name__}"
+        )
+    types = list(raw) if raw else ["linear_attention"] * n
     if len(types) != n:
         raise ValueError(f"{r.where}: layer_types has {len(types)} entries; expected {n}")
     _check_types(r, types, {"mamba", "attention", "linear_attention", "full_attention"})
-    mamba = _mamba_prefixed_mamba2(r, o, auto=("auto", None))  # as GraniteMoeHybridConfig
-    scale = r.cfg.get("attention_multiplier")
-    full = o.full(softmax_scale=None if scale is None else float(scale), **_gqa(r, o, _head_dim(r)))
     attention = {"attention", "full_attention"}
+    _refuse_dt_clamp(r, [i for i, t in enumerate(types) if t not in attention])
+    mamba = _mamba_prefixed_mamba2(r, o, auto=("auto", None))  # as GraniteMoeHybridConfig
+    scale = _attention_multiplier(r)
+    full = o.full(softmax_scale=None if scale is None else float(scale), **_gqa(r, o, _head_dim(r)))
     return n, [(i, full if t in attention else mamba) for i, t in enumerate(types)], {}
 
 
@@ -1697,22 +1792,7 @@ def _falcon_h1(r: _Reader, o: _Options) -> _Parsed:
     types = _layer_types(r, n, lambda i: "hybrid")
     _check_types(r, types, {"hybrid"})
     every = f"layers {_ranges(range(n))}"
-    limit = r.cfg.get("time_step_limit")
-    if limit is not None:
-        pair = limit if isinstance(limit, (list, tuple)) and len(limit) == 2 else (None, None)
-        lo, hi = (_decoded_float(v) for v in pair)
-        if lo is None or hi is None or lo < 0:
-            raise ValueError(
-                f"{r.where}: time_step_limit={limit!r} in the Mamba2 ops of {every}: expected "
-                "[lo, hi] with 0 <= lo"
-            )
-        if hi != math.inf:
-            raise ValueError(
-                f"{r.where}: time_step_limit={limit!r} in the Mamba2 ops of {every}: an upper "
-                "clamp on softplus(dt + dt_bias) that no Mamba2 op input describes (expected "
-                "[lo, inf]; a lower bound is folded into dt by the model's adapter); refused, "
-                "not mapped in part"
-            )
+    _refuse_dt_clamp(r, range(n))
     mup = r.cfg.get("ssm_multipliers")
     if mup is not None and (not isinstance(mup, list) or len(mup) != 5):
         raise ValueError(
@@ -1745,6 +1825,28 @@ def _falcon_h1(r: _Reader, o: _Options) -> _Parsed:
     full = o.full(**_gqa(r, o, _head_dim(r)))
     # the model's order within a layer: the Mamba2 branch, then the attention branch
     return n, [op for i in range(n) for op in ((i, mamba), (i, full))], {}
+
+
+def _refuse_dt_clamp(
+    r: _Reader, mamba_layers: Sequence[int], name: str = "time_step_limit"
+) -> None:
+    """A Mamba2 mixer's ``time_step_limit`` (``name``): ``[lo, inf]`` with ``0 <= lo`` maps (the
+    model's adapter folds a lower bound into dt); an upper clamp on ``softplus(dt + dt_bias)``
+    has no Mamba2 op input, so it is refused here rather than when the model runs."""
+    limit = r.cfg.get(name)
+    if limit is None or not mamba_layers:
+        return
+    where = f"the Mamba2 ops of layer{'s' if len(mamba_layers) > 1 else ''} {_ranges(mamba_layers)}"
+    pair = limit if isinstance(limit, (list, tuple)) and len(limit) == 2 else (None, None)
+    lo, hi = (_decoded_float(v) for v in pair)
+    if lo is None or hi is None or lo < 0:
+        raise ValueError(f"{r.where}: {name}={limit!r} in {where}: expected [lo, hi] with 0 <= lo")
+    if hi != math.inf:
+        raise ValueError(
+            f"{r.where}: {name}={limit!r} in {where}: an upper clamp on softplus(dt + dt_bias) "
+            "that no Mamba2 op input describes (expected [lo, inf]; a lower bound is folded into "
+            "dt by the model's adapter); refused, not mapped in part"
+        )
 
 
 def _decoded_float(value: Any) -> float | None:
@@ -1875,6 +1977,9 @@ def _nemotron_h(r: _Reader, o: _Options) -> _Parsed:
         raise ValueError(
             f"{r.where}: num_hidden_layers={declared} but the layer pattern has {n} layers"
         )
+    # NemotronHConfig takes a legacy mamba_dt_limit, when given, as its time_step_limit
+    limit = "mamba_dt_limit" if "mamba_dt_limit" in r.cfg else "time_step_limit"
+    _refuse_dt_clamp(r, [i for i, t in enumerate(types) if t == "linear_attention"], limit)
     mamba = _mamba2(
         r,
         o,
@@ -1884,9 +1989,9 @@ def _nemotron_h(r: _Reader, o: _Options) -> _Parsed:
         d_state="ssm_state_size",
         d_conv="conv_kernel",
     )
-    # NVIDIA's original configs call it attention_head_dim; transformers calls it head_dim.
-    head_dim = r.cfg.get("head_dim") or r.cfg.get("attention_head_dim") or _head_dim(r)
-    full = o.full(**_gqa(r, o, head_dim))
+    # head_dim, 128 when absent (NemotronHConfig's): the class has no attention_head_dim
+    # (NVIDIA's original configs' name), so the model transformers builds never reads it
+    full = o.full(**_gqa(r, o, _head_dim(r)))
     by_type = {"linear_attention": mamba, "full_attention": full}
     return n, [(i, by_type[t]) for i, t in enumerate(types) if t in by_type], {}
 
@@ -1894,8 +1999,11 @@ def _nemotron_h(r: _Reader, o: _Options) -> _Parsed:
 # -- lightning attention (MiniMax-01) and the gated short conv (LFM2) --------------------------
 def _minimax_types(r: _Reader, n: int) -> list[str]:
     """``layer_types`` (transformers' MiniMaxConfig) or the hub configs' ``attn_type_list``
-    (0: lightning attention, 1: softmax attention); transformers' default alternates."""
+    (0: lightning attention, 1: softmax attention; read for their own model types only:
+    MiniMaxConfig never reads it); transformers' default alternates."""
     listed = r.cfg.get("attn_type_list")
+    if r.cfg.get("model_type") == "minimax":
+        listed = None  # MiniMaxConfig derives layer_types by its own rule instead
     if r.cfg.get("layer_types") is None and listed is not None:
         if not isinstance(listed, list) or len(listed) != n or set(listed) - {0, 1}:
             raise ValueError(
@@ -1947,7 +2055,8 @@ def _lfm2(r: _Reader, o: _Options) -> _Parsed:
     ``hidden_size`` channels, conv state only) and GQA layers, per ``layer_types``, else as the
     config class derives them (LFM2: ``full_attn_idxs``; LFM3: its own pattern; LFM2-MoE
     derives none and is refused without them); LFM3's ``sliding_attention`` layers slide over
-    ``sliding_window`` (its attention gate and sandwich norms act outside the op).
+    ``sliding_window`` (its attention gate and sandwich norms act outside the op); LFM2 and
+    LFM2-MoE have no sliding layers, so such a layer type is refused for them.
 
     Under tensor parallelism the conv's channels split across ranks, as its in / out
     projections do.
@@ -1971,14 +2080,20 @@ def _lfm2(r: _Reader, o: _Options) -> _Parsed:
                 return "full_attention"
             return "sliding_attention" if i % 4 == 0 and i > 0 else "conv"
     else:
-        listed = r.cfg.get("full_attn_idxs")
-        attn = set(range(n)) if listed is None else set(listed)  # Lfm2Config's: all full
+        attn: set[int] = set()
+        if r.cfg.get("layer_types") is None:  # Lfm2Config reads full_attn_idxs only then
+            listed = _int_list(r, "full_attn_idxs", "0-based indices of the attention layers")
+            # absent or null: Lfm2Config's default, every layer full attention
+            attn = set(range(n)) if r.cfg.get("full_attn_idxs") is None else set(listed)
 
         def fallback(i: int) -> str:
             return "full_attention" if i in attn else "conv"
 
     types = _layer_types(r, n, fallback)
-    _check_types(r, types, {"full_attention", "sliding_attention", "conv"})
+    # LFM3 alone has sliding layers: Lfm2Model and Lfm2MoeModel build masks for
+    # full_attention and conv layers only (a sliding_attention layer fails there)
+    slides = {"sliding_attention"} if model_type == "lfm3" else set()
+    _check_types(r, types, {"full_attention", "conv"} | slides)
     channels = _split(r.pos_int("hidden_size"), o.tp_size, "hidden_size")
     heads = _gqa(r, o, _head_dim(r))
     full = o.full(**heads)
@@ -2069,8 +2184,8 @@ def _qwen2_5_vl_vision(r: _Reader, o: _Options) -> _Parsed:
         head_dim=r.pos_int("hidden_size") // heads,
         causal=False,
     )
-    full_blocks = tuple(r.cfg.get("fullatt_block_indexes") or ())
-    bad = [i for i in full_blocks if not (isinstance(i, int) and 0 <= i < n)]
+    full_blocks = tuple(_int_list(r, "fullatt_block_indexes", "0-based block indices"))
+    bad = [i for i in full_blocks if not 0 <= i < n]
     if bad:
         raise ValueError(f"{r.where}: fullatt_block_indexes {bad} are not blocks of 0..{n - 1}")
     return n, [(i, spec) for i in range(n)], {"encoder_full_attention_layers": full_blocks}
@@ -2745,8 +2860,8 @@ def specs_from_hf_config(
     :returns: a :class:`ModelLayout`.
     :raises ValueError: unknown ``model_type`` (the message names its ``layer_types`` and
         lists the supported ones); a feature no layer kind describes (an unknown
-        ``layer_types`` value, Falcon-H1's upper ``time_step_limit``) or the family does not
-        read (chunked attention outside Llama-4), named with its layers; a mapping that
+        ``layer_types`` value, a Mamba2 mixer's upper ``time_step_limit``) or the family does
+        not read (chunked attention outside Llama-4), named with its layers; a mapping that
         disagrees with the config's own ``layer_types`` (the layers, what the config says,
         what was mapped); a missing or invalid field; or a head count ``tp_size`` does not
         divide; a stack no layer kind describes, or a ``stack`` the model does not have.
