@@ -458,6 +458,9 @@ class LinearContext(_Context):
         missing = [n for n in shapes if inputs.get(n) is None]
         if missing:
             self._bad(f"{where} inputs", list(shapes), f"missing {missing}")
+        unknown = sorted(set(inputs) - set(shapes))
+        if unknown:
+            self._bad(f"{where} inputs", list(shapes), f"also {unknown}, which it does not take")
         for name, want in shapes.items():
             got = tuple(inputs[name].shape)
             if got != want:

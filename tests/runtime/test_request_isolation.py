@@ -846,3 +846,28 @@ def test_a_swish_conv_decodes_as_it_prefills(tiny_specs, ref_registry):
         results[activation] = outs
     for a, b in zip(results["silu"], results["swish"], strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_an_input_the_linear_variant_does_not_take_is_the_callers_error(
+    tiny_specs, ref_registry, mode
+):
+    """An unknown keyword (a typo: ``bta=``) reached decode's kernel call as a TypeError,
+    reported as the plugin's failure."""
+    from attn_core.testing.workloads import layer_inputs
+
+    spec = tiny_specs["gdn"]
+    state, runtime = _runtime([spec], ref_registry)
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
+    for r in "ab":
+        state.add_request(r)
+    n = 1 if mode == "decode" else 3
+    runtime.prepare(builder.build([("a", n), ("b", n)]))
+    inputs = layer_inputs(spec, 2 * n, torch.Generator().manual_seed(0))
+    inputs.pop("conv_x")
+    inputs["bta"] = inputs["beta"]
+    before = state.state_slots.layer(0).ssm.clone()
+    q, k, v = inputs.pop("q"), inputs.pop("k"), inputs.pop("v")
+    with pytest.raises(BackendInputError, match="layer 0: gated_deltanet inputs"):
+        runtime.binding(0).forward(q, k, v, **inputs)
+    assert torch.equal(state.state_slots.layer(0).ssm, before)
