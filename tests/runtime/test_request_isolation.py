@@ -658,6 +658,20 @@ def test_a_linear_input_of_the_wrong_shape_is_the_callers_error_naming_the_layer
 # ------------------------------------------------------------------------------------------
 # conv1d's out, results of padded steps, per-layer constants of padded steps
 # ------------------------------------------------------------------------------------------
+def _conv_step_of_two_requests(spec, registry, mode):
+    """A runtime prepared for a step of requests a and b (1 token each in decode, 3 in
+    prefill), their conv slots filled with noise: ``(runtime, conv state, tokens each)``."""
+    state, runtime = _runtime([spec], registry)
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
+    for r in "ab":
+        state.add_request(r)
+    n = 1 if mode == "decode" else 3
+    runtime.prepare(builder.build([("a", n), ("b", n)]))
+    conv = state.state_slots.layer(0).conv
+    conv.normal_()
+    return runtime, conv, n
+
+
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
 @pytest.mark.parametrize("bad", ["shape", "dtype"])
 def test_a_conv1d_out_the_caller_got_wrong_is_refused_before_any_conv_state_moves(
@@ -666,14 +680,7 @@ def test_a_conv1d_out_the_caller_got_wrong_is_refused_before_any_conv_state_move
     """conv1d never checked ``out``: the reference advanced every request's conv state, then
     failed copying into it, and the error blamed the plugin. A retry applied the conv twice."""
     spec = tiny_specs["gdn"]
-    state, runtime = _runtime([spec], ref_registry)
-    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
-    for r in "ab":
-        state.add_request(r)
-    n = 1 if mode == "decode" else 3
-    runtime.prepare(builder.build([("a", n), ("b", n)]))
-    conv = state.state_slots.layer(0).conv
-    conv.normal_()
+    runtime, conv, n = _conv_step_of_two_requests(spec, ref_registry, mode)
     before = conv.clone()
     C = spec.conv_channels
     out = torch.empty(2 * n, C + 1) if bad == "shape" else torch.empty(2 * n, C).double()
@@ -808,14 +815,7 @@ def test_a_conv_bias_or_activation_the_caller_got_wrong_is_refused_before_any_st
     """A [T, C] bias broadcast over the tokens in decode (prefill refused it, as the plugin's
     failure); an unknown activation was the plugin's failure too. Both are the caller's."""
     spec = tiny_specs["gdn"]
-    state, runtime = _runtime([spec], ref_registry)
-    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
-    for r in "ab":
-        state.add_request(r)
-    n = 1 if mode == "decode" else 3
-    runtime.prepare(builder.build([("a", n), ("b", n)]))
-    conv = state.state_slots.layer(0).conv
-    conv.normal_()
+    runtime, conv, n = _conv_step_of_two_requests(spec, ref_registry, mode)
     before = conv.clone()
     C, T = spec.conv_channels, 2 * n
     kw: dict = {"bias": torch.randn(T, C) if bad == "bias-per-token" else torch.randn(C - 1)}
