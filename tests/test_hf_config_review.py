@@ -192,6 +192,42 @@ def test_absent_sliding_window_maps_the_config_class_default(
     assert 4096 in got
 
 
+@pytest.mark.parametrize("cls_name", ["Qwen2Config", "Qwen3Config"])
+def test_absent_max_window_layers_slides_the_layers_the_config_class_slides(
+    cls_name: str,
+) -> None:
+    """Qwen2 / Qwen3 with use_sliding_window and neither layer_types nor max_window_layers:
+    the mapping slid no layer, the config class's default (28) slides the layers from 28 on."""
+    import transformers
+
+    fields = {**_SMALL, "num_hidden_layers": 30, "use_sliding_window": True, "sliding_window": 8}
+    want = getattr(transformers, cls_name)(**fields).layer_types
+    assert "sliding_attention" in want  # the case this test is about
+    d = {**_cfg(cls_name, **fields)}
+    d.pop("layer_types", None)
+    d.pop("max_window_layers", None)
+    layout = specs_from_hf_config(d)
+    got = [
+        "sliding_attention" if layout.spec_of(i).sliding_window else "full_attention"
+        for i in range(30)
+    ]
+    assert got == want
+
+
+def test_max_window_layers_defaults_match_transformers_config_classes() -> None:
+    from transformers import CONFIG_MAPPING
+
+    from attn_core.models.hf_config import _BY_MODEL_TYPE, _MAX_WINDOW_LAYERS_DEFAULTS, _dense
+
+    dense = {t for t, f in _BY_MODEL_TYPE.items() if f.parse is _dense}
+    want = {}
+    for model_type in sorted(dense):
+        value = getattr(CONFIG_MAPPING[model_type](), "max_window_layers", None)
+        if value is not None:
+            want[model_type] = value
+    assert want == _MAX_WINDOW_LAYERS_DEFAULTS
+
+
 def test_sliding_window_defaults_match_transformers_config_classes() -> None:
     from transformers import CONFIG_MAPPING
 

@@ -628,6 +628,12 @@ _SLIDING_WINDOW_DEFAULTS: dict[str, int] = {
     "qwen3_moe": 4096,
 }
 
+#: ``max_window_layers`` of the model types :func:`_dense` reads whose config class defaults it
+#: (Qwen2Config, Qwen3Config: 28, the layers from it on slide): a config without the field and
+#: without ``layer_types`` slides those. Checked against transformers by
+#: tests/test_hf_config_review.py.
+_MAX_WINDOW_LAYERS_DEFAULTS: dict[str, int] = {"qwen2": 28, "qwen3": 28}
+
 #: Model types whose transformers model never reads ``layer_types`` (their config class may
 #: store one, MistralConfig warning that it is unused): every layer gets the same attention,
 #: sliding over ``sliding_window`` when one applies. The config's list is validated as
@@ -644,8 +650,8 @@ def _dense(r: _Reader, o: _Options) -> _Parsed:
         window = None  # Llama has no sliding window
     elif model_type != "mistral" and not r.cfg.get("use_sliding_window", False):
         window = None  # Qwen: sliding_window is only read when use_sliding_window is set
-    max_window_layers = r.cfg.get("max_window_layers")
-    if max_window_layers is None:  # absent or null (Qwen3-MoE has no such field)
+    max_window_layers = r.cfg.get("max_window_layers", _MAX_WINDOW_LAYERS_DEFAULTS.get(model_type))
+    if max_window_layers is None:  # null, or a class without the field (Qwen3-MoE)
         max_window_layers = n
 
     def fallback(i: int) -> str:
