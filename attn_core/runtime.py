@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from attn_core.batch import BatchMode
 from attn_core.binding import GroupRuntime, LayerAttentionBinding
 from attn_core.errors import BackendInputError, PluginError
 from attn_core.local_attention import LocalVirtualBatcher
@@ -85,6 +86,9 @@ class AttentionRuntime:
         self.device = torch.device(device)
         self.groups: dict[str, GroupRuntime] = {}
         self.workspaces: dict[str, Workspace] = {}
+        #: the verify batch prepared last, until commit_speculative: its per-token states live
+        #: in the linear groups' contexts until the commit, so no other step may be prepared
+        self._uncommitted: AttentionBatch | None = None
         #: the binding of each layer that holds one op (most layers)
         self.bindings: dict[int, LayerAttentionBinding] = {}
         #: every binding of each layer, by op kind: a parallel hybrid's layer (Falcon-H1) has
@@ -229,7 +233,13 @@ class AttentionRuntime:
 
     def prepare(self, batch: AttentionBatch) -> None:
         """Plan ``batch`` in every group (once per step, before the first layer runs), each by
-        the backend the plan chose for the batch's phase."""
+        the backend the plan chose for the batch's phase.
+
+        :raises BackendInputError: a verify step of a model with linear layers was prepared
+            and not committed (``commit_speculative``): preparing another step would drop its
+            per-token states, leaving the slots with every draft or none accepted.
+        """
+        self._refuse_uncommitted(batch, "prepare")
         phase, size = batch.phase, step_size(batch.phase, batch.padded_reqs, batch.padded_tokens)
         for g in self.groups.values():
             g.use_phase(phase, size, batch.padded_reqs)
@@ -241,10 +251,12 @@ class AttentionRuntime:
             except Exception as exc:
                 raise g.plugin_error("prepare", exc, None) from exc
             g.batch = batch
+        self._note_verify(batch)
 
     def update(self, batch: AttentionBatch) -> None:
         """Copy ``batch``'s metadata in place into every group's captured buffers (those of the
         backend of the batch's phase, the one its graph was captured with)."""
+        self._refuse_uncommitted(batch, "update")
         phase, size = batch.phase, step_size(batch.phase, batch.padded_reqs, batch.padded_tokens)
         for g in self.groups.values():
             g.use_phase(phase, size, batch.padded_reqs)
@@ -266,6 +278,36 @@ class AttentionRuntime:
             except Exception as exc:
                 raise g.plugin_error("update", exc, None) from exc
             g.batch = batch
+        self._note_verify(batch)
+
+    def _note_verify(self, batch: AttentionBatch) -> None:
+        """Remember a verify batch that some group must commit (a linear group's context has
+        ``commit_speculative``); a model of attention layers only has nothing to commit."""
+        if batch.mode is BatchMode.VERIFY and any(
+            getattr(g.context, "commit_speculative", None) is not None for g in self.groups.values()
+        ):
+            self._uncommitted = batch
+
+    def _refuse_uncommitted(self, batch: AttentionBatch, call: str) -> None:
+        pending = self._uncommitted
+        if pending is None or pending is batch:
+            return
+        g = next(
+            g
+            for g in self.groups.values()
+            if getattr(g.context, "commit_speculative", None) is not None
+        )
+        raise BackendInputError(
+            group=g.group_id,
+            backend=g.backend.qualified_name,
+            what=f"{call}: the verify step before it is not committed",
+            expected=(
+                f"commit_speculative(batch, num_accepted) of the verify batch (step "
+                f"{pending.step}, {pending.num_reqs} requests) first: its per-token states "
+                "would be dropped"
+            ),
+            got=f"a batch of step {batch.step}, {batch.num_reqs} requests",
+        )
 
     def _view(self, g: GroupRuntime, batch: AttentionBatch) -> AttentionBatch:
         """The batch ``g``'s current backend plans: the step itself, or for a chunked group
@@ -337,6 +379,7 @@ class AttentionRuntime:
                 raise
             except Exception as exc:
                 raise g.plugin_error("commit", exc, None) from exc
+        self._uncommitted = None
 
 
 #: Turns the finite check on for every runtime built while it is set (see check_finite).

@@ -581,14 +581,26 @@ def test_commit_of_another_verify_batch_than_the_one_that_ran_is_refused(tiny_sp
     assert torch.equal(ssm, before)
 
 
-def test_commit_after_another_batch_was_prepared_is_refused(tiny_specs, ref_registry):
-    """Preparing the next step drops the verify step's per-token states: a commit after it
-    used to do nothing and say nothing, leaving the rejected drafts in the slots."""
+def test_the_next_step_is_refused_until_the_verify_step_is_committed(tiny_specs, ref_registry):
+    """Preparing the next step dropped the verify step's per-token states without a word: the
+    reference's slots then kept the rejected drafts (triton_ssm's, none of the accepted ones),
+    and the commit that came too late was refused. The next prepare is refused now, naming
+    the verify step; after the commit it goes on."""
     state, runtime, builder, verify = _verified(tiny_specs, ref_registry)
     state.add_request("c")
-    runtime.prepare(builder.build([("c", 3)]))
-    with pytest.raises(BackendInputError, match="not the batch the runtime last prepared"):
-        runtime.commit_speculative(verify, torch.tensor([1, 1], dtype=torch.int32))
+    nxt = builder.build([("c", 3)])
+    ssm = state.state_slots.layer(0).ssm
+    before = ssm.clone()
+    with pytest.raises(BackendInputError, match="commit_speculative") as info:
+        runtime.prepare(nxt)
+    assert f"step {verify.step}" in str(info.value)
+    with pytest.raises(BackendInputError, match="commit_speculative"):
+        runtime.update(nxt)
+    assert torch.equal(ssm, before)
+    runtime.commit_speculative(verify, torch.tensor([1, 2], dtype=torch.int32))
+    for r, n in (("a", 1), ("b", 2)):
+        state.advance(r, n)
+    runtime.prepare(builder.build([("c", 3)]))  # a step built after the commit
 
 
 @pytest.mark.parametrize(
