@@ -292,6 +292,11 @@ class AttentionRuntime:
         pending = self._uncommitted
         if pending is None or pending is batch:
             return
+        if self.state is not None and pending.state_epoch != self.state.epoch:
+            # stale: requests were released, offloaded or restored since (the remedy for a step
+            # that failed part-way), so no commit can take it any more
+            self._uncommitted = None
+            return
         g = next(
             g
             for g in self.groups.values()

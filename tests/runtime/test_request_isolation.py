@@ -603,6 +603,19 @@ def test_the_next_step_is_refused_until_the_verify_step_is_committed(tiny_specs,
     runtime.prepare(builder.build([("c", 3)]))  # a step built after the commit
 
 
+def test_a_verify_step_whose_requests_were_released_no_longer_holds_the_next_step(
+    tiny_specs, ref_registry
+):
+    """After a verify step that failed part-way, the remedy is to release (or restore) its
+    requests; the batch is stale then and no commit can take it, so it must not block every
+    later step."""
+    state, runtime, builder, _ = _verified(tiny_specs, ref_registry)
+    state.release("a")
+    state.add_request("c")
+    runtime.prepare(builder.build([("c", 3), ("b", 1)]))
+    assert runtime.groups["linear"].batch.num_reqs == 2
+
+
 @pytest.mark.parametrize(
     ("accepted", "got"),
     [
