@@ -340,7 +340,9 @@ class LayerAttentionBinding:
             or result.dtype is not dtype
             or result.get_device() != dev
         ):
-            self._bad_result(result)
+            self._bad_result(
+                result, "forward", "a tensor [T, num_heads, head_dim_v]", self._o_shape, dtype
+            )
         if out is None:
             return result
         if (
@@ -403,42 +405,32 @@ class LayerAttentionBinding:
             or result.shape != x.shape
             or result.dtype is not x.dtype
         ):
-            got = (
-                f"{tuple(result.shape)} {result.dtype}"
-                if isinstance(result, torch.Tensor)
-                else type(result).__name__
-            )
-            raise group.plugin_error(
-                "conv1d",
-                TypeError(
-                    f"conv1d returned a bad result: expected {tuple(x.shape)} {x.dtype}, got {got}"
-                ),
-                self.layer_index,
-            )
+            self._bad_result(result, "conv1d", "a tensor [T, conv_channels]", x.shape, x.dtype)
         if out is not None and result is not out:
             out.copy_(result)
             return out
         return result
 
     # -- checks ----------------------------------------------------------------------------
-    def _bad_result(self, result: object) -> NoReturn:
-        """A forward result that is not ``[T, num_heads, head_dim_v]`` of the group's dtype on its
-        device: the plugin broke the contract (copying it would broadcast or cast silently)."""
+    def _bad_result(
+        self, result: object, stage: str, what: str, shape: torch.Size, dtype: torch.dtype
+    ) -> NoReturn:
+        """A ``stage`` (forward / conv1d) result that is not ``what`` (``shape``, ``dtype``, on
+        the group's device): the plugin broke the contract (copying it would broadcast or cast
+        silently)."""
         problem: tuple[object, object]
         if not isinstance(result, torch.Tensor):
-            problem = ("a tensor [T, num_heads, head_dim_v]", type(result).__name__)
-            if result is None:
-                problem = (problem[0], "None")
-        elif result.shape != self._o_shape:
-            problem = (tuple(self._o_shape), tuple(result.shape))
-        elif result.dtype is not self._dtype:
-            problem = (self._dtype, result.dtype)
+            problem = (what, "None" if result is None else type(result).__name__)
+        elif result.shape != shape:
+            problem = (tuple(shape), tuple(result.shape))
+        elif result.dtype is not dtype:
+            problem = (dtype, result.dtype)
         else:
             problem = (f"device {self._group.device_index}", str(result.device))
         expected, got = problem
         raise self._group.plugin_error(
-            "forward",
-            TypeError(f"forward returned a bad result: expected {expected}, got {got}"),
+            stage,
+            TypeError(f"{stage} returned a bad result: expected {expected}, got {got}"),
             self.layer_index,
         )
 
@@ -509,18 +501,9 @@ class LayerAttentionBinding:
         if x.shape[0] != batch.padded_tokens:
             self._bad("conv input tokens", batch.padded_tokens, x.shape[0])
         if out is not None:
-            if out.shape != x.shape:
-                self._bad("conv out shape", tuple(x.shape), tuple(out.shape))
-            if out.dtype is not x.dtype:
-                self._bad("conv out dtype", x.dtype, out.dtype)
+            self._check_out("conv out", out, tuple(x.shape), x.dtype)
             if out.device != x.device:
                 self._bad("conv out device", str(x.device), str(out.device))
-            if _overlaps_itself(out):
-                self._bad(
-                    "conv out layout",
-                    "every element at its own address",
-                    f"strides {out.stride()} over shape {tuple(out.shape)}",
-                )
         self._conv_tokens, self._conv_x_shape = batch.padded_tokens, x.shape
 
     def _expect(self, tokens: int) -> None:
@@ -573,16 +556,23 @@ class LayerAttentionBinding:
             if v.dtype != self._dtype:
                 self._bad("v dtype", self._dtype, v.dtype)
         if out is not None:
-            if out.shape[0] != tokens or out.shape[1:] != self._out_tail:
-                self._bad("out shape", (tokens, *self._out_tail), tuple(out.shape))
-            if out.dtype != self._dtype:
-                self._bad("out dtype", self._dtype, out.dtype)
-            if _overlaps_itself(out):
-                self._bad(
-                    "out layout",
-                    "every element at its own address",
-                    f"strides {out.stride()} over shape {tuple(out.shape)}",
-                )
+            self._check_out("out", out, (tokens, *self._out_tail), self._dtype)
+
+    def _check_out(
+        self, what: str, out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> None:
+        """The caller's ``out`` (``what`` names it): ``shape`` and ``dtype``, every element at
+        its own address (the plugin writes it; a broadcast view would sum rows into one)."""
+        if tuple(out.shape) != tuple(shape):
+            self._bad(f"{what} shape", tuple(shape), tuple(out.shape))
+        if out.dtype != dtype:
+            self._bad(f"{what} dtype", dtype, out.dtype)
+        if _overlaps_itself(out):
+            self._bad(
+                f"{what} layout",
+                "every element at its own address",
+                f"strides {out.stride()} over shape {tuple(out.shape)}",
+            )
 
 
 def _overlaps_itself(t: torch.Tensor) -> bool:

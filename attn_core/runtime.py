@@ -280,12 +280,18 @@ class AttentionRuntime:
             g.batch = batch
         self._note_verify(batch)
 
+    def _committing(self) -> list[tuple[GroupRuntime, Any]]:
+        """``(group, its context's commit_speculative)`` for every group that commits verify
+        steps (linear groups); none in a model of attention layers only."""
+        return [
+            (g, commit)
+            for g in self.groups.values()
+            if (commit := getattr(g.context, "commit_speculative", None)) is not None
+        ]
+
     def _note_verify(self, batch: AttentionBatch) -> None:
-        """Remember a verify batch that some group must commit (a linear group's context has
-        ``commit_speculative``); a model of attention layers only has nothing to commit."""
-        if batch.mode is BatchMode.VERIFY and any(
-            getattr(g.context, "commit_speculative", None) is not None for g in self.groups.values()
-        ):
+        """Remember a verify batch that some group must commit."""
+        if batch.mode is BatchMode.VERIFY and self._committing():
             self._uncommitted = batch
 
     def _refuse_uncommitted(self, batch: AttentionBatch, call: str) -> None:
@@ -297,11 +303,7 @@ class AttentionRuntime:
             # that failed part-way), so no commit can take it any more
             self._uncommitted = None
             return
-        g = next(
-            g
-            for g in self.groups.values()
-            if getattr(g.context, "commit_speculative", None) is not None
-        )
+        g = self._committing()[0][0]
         raise BackendInputError(
             group=g.group_id,
             backend=g.backend.qualified_name,
@@ -338,11 +340,7 @@ class AttentionRuntime:
         requests in another order would swap their states), and a ``num_accepted`` that is
         not one integer per request (a shorter one would broadcast one request's count).
         """
-        commits = [
-            (g, commit)
-            for g in self.groups.values()
-            if (commit := getattr(g.context, "commit_speculative", None)) is not None
-        ]
+        commits = self._committing()
         for g, _ in commits:
             g.check_fresh(batch, "commit_speculative")
             if g.batch is not batch:
