@@ -1438,9 +1438,10 @@ def _warn_unmatched_force(groups: Sequence[LayerGroup], constraints: ExecutionCo
     (``linear`` for ``full``) would leave the layers it meant to the ranking. A warning, not
     an error: a server's forced backends may name kinds that only some of its models have."""
     kinds = {g.spec.kind.value for g in groups}
+    absent = {k.value for k in LayerKind} - kinds
     for key in sorted(constraints.forced):
         target = key.partition(":")[2] or key
-        if target in {k.value for k in LayerKind} and target not in kinds:
+        if target in absent:
             warnings.warn(
                 f"forced entry '{key}={constraints.forced[key]}' applies to no layer: this "
                 f"model has no {target} layers (its kinds: {', '.join(sorted(kinds))})",

@@ -504,19 +504,16 @@ def first_layers(config: dict[str, Any], n: int) -> dict[str, Any]:
         if "num_hidden_layers" in cfg:  # WhisperConfig's alias of encoder_layers
             cfg["num_hidden_layers"] = n
         return cfg
-    named = "num_hidden_layers" if "num_hidden_layers" in cfg else "depth"
-    count_key: str | None = named
-    total = cfg.get(named)
+    count_key = "num_hidden_layers" if "num_hidden_layers" in cfg else "depth"
+    total = cfg.get(count_key)
     if not isinstance(total, int) and isinstance(cfg.get("layers_block_type"), list):
         # Nemotron-H as transformers 5 writes it: the pattern's length is the layer count
-        # (num_hidden_layers is a property of it, not a field)
-        count_key, total = None, len(cfg["layers_block_type"])
+        # (num_hidden_layers is a property of it, not a field: the cut pattern alone says n)
+        count_key, total = "layers_block_type", len(cfg["layers_block_type"])
     if not isinstance(total, int):
         if any(isinstance(cfg.get(k), dict) for k in ("text_config", "vision_config")):
             return cfg
         raise ValueError(f"config has no num_hidden_layers (or depth) to cut to {n} layers")
-    if count_key is None and not 1 <= n <= total:
-        raise ValueError(f"layers={n}: expected 1..{total} (the config's layers_block_type)")
     if not 1 <= n <= total:
         raise ValueError(f"layers={n}: expected 1..{total} (the config's {count_key})")
     lac = cfg.get("linear_attn_config")
@@ -529,7 +526,7 @@ def first_layers(config: dict[str, Any], n: int) -> dict[str, Any]:
             cfg[key] = [i for i in value if isinstance(i, int) and i < n]
         elif _per_layer(key) and isinstance(value, (list, str)) and len(value) == total:
             cfg[key] = value[:n]
-    if count_key is not None:
+    if count_key != "layers_block_type":  # that one is cut above, with every pattern
         cfg[count_key] = n
     return cfg
 
