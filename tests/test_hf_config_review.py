@@ -257,18 +257,26 @@ def test_minimax_ignores_attn_type_list_as_its_config_class_does() -> None:
 # ------------------------------------------------------------------------------------------
 # 4. Nemotron-H's attention head_dim is NemotronHConfig's head_dim
 # ------------------------------------------------------------------------------------------
-def test_nemotron_h_reads_head_dim_not_attention_head_dim() -> None:
-    from transformers.models.nemotron_h import modeling_nemotron_h
-
-    d = _cfg(
+def _nemotron_h(
+    blocks: tuple[str, ...] = ("mamba", "attention", "mamba"), **extra: Any
+) -> dict[str, Any]:
+    """A small NemotronHConfig dict of three layers, ``blocks`` their types."""
+    return _cfg(
         "NemotronHConfig",
         **{**_SMALL, "num_hidden_layers": 3},
-        layers_block_type=["mamba", "attention", "mlp"],
+        layers_block_type=list(blocks),
         mamba_num_heads=8,
         mamba_head_dim=16,
         n_groups=2,
         ssm_state_size=16,
+        **extra,
     )
+
+
+def test_nemotron_h_reads_head_dim_not_attention_head_dim() -> None:
+    from transformers.models.nemotron_h import modeling_nemotron_h
+
+    d = _nemotron_h(("mamba", "attention", "mlp"))
     del d["head_dim"]
     d["attention_head_dim"] = 32
     layout = specs_from_hf_config(d)
@@ -292,19 +300,6 @@ def _bamba(**extra: Any) -> dict[str, Any]:
             "mamba_d_state": 16,
             **extra,
         },
-    )
-
-
-def _nemotron_h(**extra: Any) -> dict[str, Any]:
-    return _cfg(
-        "NemotronHConfig",
-        **{**_SMALL, "num_hidden_layers": 3},
-        layers_block_type=["mamba", "attention", "mamba"],
-        mamba_num_heads=8,
-        mamba_head_dim=16,
-        n_groups=2,
-        ssm_state_size=16,
-        **extra,
     )
 
 

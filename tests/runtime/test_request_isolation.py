@@ -660,13 +660,7 @@ def test_a_linear_input_of_the_wrong_shape_is_the_callers_error_naming_the_layer
     from attn_core.testing.workloads import layer_inputs
 
     spec = tiny_specs[kind]
-    state, runtime = _runtime([spec], ref_registry)
-    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
-    for r in "ab":
-        state.add_request(r)
-    n = 1 if mode == "decode" else 3
-    batch = builder.build([("a", n), ("b", n)])
-    runtime.prepare(batch)
+    state, runtime, n = _step_of_two_requests(spec, ref_registry, mode)
     inputs = layer_inputs(spec, 2 * n, torch.Generator().manual_seed(0))
     inputs.pop("conv_x")
     good = tuple(inputs[name].shape)
@@ -683,15 +677,22 @@ def test_a_linear_input_of_the_wrong_shape_is_the_callers_error_naming_the_layer
 # ------------------------------------------------------------------------------------------
 # conv1d's out, results of padded steps, per-layer constants of padded steps
 # ------------------------------------------------------------------------------------------
-def _conv_step_of_two_requests(spec, registry, mode):
-    """A runtime prepared for a step of requests a and b (1 token each in decode, 3 in
-    prefill), their conv slots filled with noise: ``(runtime, conv state, tokens each)``."""
+def _step_of_two_requests(spec, registry, mode):
+    """A runtime prepared for a step of requests a and b, 1 token each in decode, 3 in
+    prefill: ``(state, runtime, tokens each)``."""
     state, runtime = _runtime([spec], registry)
     builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
     for r in "ab":
         state.add_request(r)
     n = 1 if mode == "decode" else 3
     runtime.prepare(builder.build([("a", n), ("b", n)]))
+    return state, runtime, n
+
+
+def _conv_step_of_two_requests(spec, registry, mode):
+    """:func:`_step_of_two_requests` with the conv slots filled with noise:
+    ``(runtime, conv state, tokens each)``."""
+    state, runtime, n = _step_of_two_requests(spec, registry, mode)
     conv = state.state_slots.layer(0).conv
     conv.normal_()
     return runtime, conv, n
@@ -882,12 +883,7 @@ def test_an_input_the_linear_variant_does_not_take_is_the_callers_error(
     from attn_core.testing.workloads import layer_inputs
 
     spec = tiny_specs["gdn"]
-    state, runtime = _runtime([spec], ref_registry)
-    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
-    for r in "ab":
-        state.add_request(r)
-    n = 1 if mode == "decode" else 3
-    runtime.prepare(builder.build([("a", n), ("b", n)]))
+    state, runtime, n = _step_of_two_requests(spec, ref_registry, mode)
     inputs = layer_inputs(spec, 2 * n, torch.Generator().manual_seed(0))
     inputs.pop("conv_x")
     inputs["bta"] = inputs["beta"]
