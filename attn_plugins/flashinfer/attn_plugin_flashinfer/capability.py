@@ -103,12 +103,20 @@ MLA_CAPABILITIES = BackendCapabilities(
 
 #: The first release whose CUDA-graph paths failed the conformance kit on the H200 (0.7.4): MLA
 #: decode replayed after a re-plan gave another batch's output (6798 of 8192 elements wrong,
-#: max |diff| 3.1, the replay's requests reordered) and the full backend's update-then-replay
+#: max |diff| 3.1, the replay's requests reordered) and the full backend's update-then-run
 #: check of a captured mixed step failed. From it on the MLA backend declares no graph mode
-#: and the full backend no graph mode ``full``; the 0.6 releases pass both. FlashInfer's MLA
-#: wrapper called alone replays a re-plan correctly on 0.7.4, so the MLA fault lies in how the
-#: plugin drives it; it is not located yet (tests/test_gpu.py::test_cuda_graph_mla_replay runs
-#: the plugin's path with the mode forced).
+#: and the full backend no graph mode ``full``; the 0.6 releases pass both.
+#:
+#: - The mixed-step failure was the plugin's, on every release: a split whose requests fill
+#:   every row gave run() the padded token count where FlashInfer takes exactly the plan's
+#:   query rows. Fixed; with the mode declared, the kit's graph and update checks then passed
+#:   on 0.7.4 (an H100). ``full`` stays undeclared until the plugin's own mixed-step replay
+#:   test (tests/test_gpu.py::test_cuda_graph_full_mixed_step_replays_other_splits, run with
+#:   the mode forced on 0.7) passes there for every variant: one of four has so far.
+#: - MLA: on an H100 the kit with the mode declared passed under 0.7.4 (8 seeds), as does
+#:   FlashInfer's wrapper alone (test_flashinfer_mla_graph_wrapper_replays_a_new_plan); the H200
+#:   failure is not located, so the mode stays undeclared until an H200 run passes
+#:   (test_cuda_graph_mla_replay runs it forced).
 GRAPH_KIT_FAILED_FROM = (0, 7)
 
 

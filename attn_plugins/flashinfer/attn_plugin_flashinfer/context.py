@@ -224,6 +224,10 @@ class _Step:
     kv_runs: list[tuple[int, int, int]] | None = None
     # DECODE: compat may call the wrapper's compiled kernel itself (a tested release)
     direct_run: bool = False
+    # the query rows the plan covers (its qo_indptr[-1]); fewer than the step's padded tokens
+    # only in a captured mixed step whose requests fill every row, where the padding tokens
+    # past the last request belong to no row (0: the kind plans no rows)
+    rows: int = 0
 
 
 class _PagedContext:
@@ -394,7 +398,8 @@ class _PagedContext:
             runs = slot_runs(batch.slot_mapping_cpu[:n])
         direct_run = kind is StepKind.DECODE and self.fast.can_replan(wrapper)
         captured = graph or batch.full_graph  # a replay may carry padding rows
-        return _Step(kind, wrapper, captured or n != T, kv_runs=runs, direct_run=direct_run)
+        return _Step(kind, wrapper, captured or n != T, kv_runs=runs, direct_run=direct_run,
+                     rows=int(batch.query_start_loc_cpu[P]))  # fmt: skip
 
     def _small_buffers(self, P: int) -> Any:
         raise NotImplementedError
@@ -780,7 +785,14 @@ class FullAttentionContext(_PagedContext):
         if step.kind is StepKind.DECODE_SMALL:
             return self._small_decode(layer, q, k, v, out, step)
         fp8 = self.fp8
+        # the K/V write takes every padded token (slot -1 writes nothing), attention the plan's
+        # rows: FlashInfer's run() refuses a q with more rows than the plan's qo_indptr[-1]
         write = (k, v, k_cache, v_cache, kv.k_scale if fp8 else None, kv.v_scale if fp8 else None)
+        whole = out
+        if step.rows < q.shape[0]:
+            if whole is None:  # the caller still gets every padded row (those past: garbage)
+                whole = q.new_empty(q.shape[0], self.spec.num_heads, self.spec.head_dim_v)
+            q, k, v, out = q[: step.rows], k[: step.rows], v[: step.rows], whole[: step.rows]
         wrapper = step.wrapper
         o = out if out is not None and out.is_contiguous() else None
         # attention sinks: run() also writes each row's log-sum-exp, the output is rescaled
@@ -822,7 +834,8 @@ class FullAttentionContext(_PagedContext):
                 result.mul_(kv.v_scale)
         if sinks is not None and lse is not None:
             apply_sinks_(result, lse, sinks)
-        return self._finish(result, out)
+        result = self._finish(result, out)
+        return whole if whole is not None else result
 
     def _sinks_and_lse(self, layer: Any, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's sinks ``[H]`` float32 and ``[T, H]`` float32 rows for run()'s LSE: the

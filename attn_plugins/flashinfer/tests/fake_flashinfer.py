@@ -534,14 +534,16 @@ class BatchPrefillWithPagedKVCacheWrapper(_Base):
         assert k_scale is None and v_scale is None
         assert sinks is None, "the sinks argument reaches no sm90 kernel"
         assert q.dtype == self._q_dtype and paged_kv_cache[0].dtype == self._kv_dtype
+        # FlashInfer's host check (0.6.7 and 0.7.4), graph mode or not: q has the rows of the
+        # last plan's qo_indptr, no more (a captured step's padding tokens past the last
+        # request are not rows of the plan)
+        if q.shape[0] != self._qo_indptr[-1]:
+            raise ValueError(
+                f"q.shape[0] ({q.size(0)}) does not match qo_indptr[-1] ({self._qo_indptr[-1]})"
+            )
         if self._use_cuda_graph:
             # A captured kernel reads only its buffers, with the grid of the capture's rows:
-            # compute from the buffers' current content, over q's captured row count.
-            if q.shape[0] != self._max_total_num_rows:
-                raise ValueError(
-                    f"q.shape[0] ({q.shape[0]}) is not the captured row count "
-                    f"{self._max_total_num_rows}"
-                )
+            # compute from the buffers' current content.
             result = _paged_attention(
                 q, paged_kv_cache, self._qo_indptr_buf.tolist(), self._paged_kv_indptr_buf,
                 self._paged_kv_indices_buf, self._paged_kv_last_page_len_buf,
@@ -549,8 +551,6 @@ class BatchPrefillWithPagedKVCacheWrapper(_Base):
                 sm_scale=self._scale(q.shape[-1]),
             )  # fmt: skip
             return self._out(result, q, out, lse, return_lse)
-        if q.shape[0] != self._qo_indptr[-1]:
-            raise ValueError("q.shape[0] does not match qo_indptr[-1]")
         result = self._paged(q, paged_kv_cache, self._qo_indptr, causal=self._causal)
         return self._out(result, q, out, lse, return_lse)
 

@@ -1275,6 +1275,37 @@ def test_the_plan_of_a_captured_mixed_step_does_not_depend_on_its_split(fake_fi,
     assert ctx.step.kind is StepKind.PAGED_GRAPH
 
 
+def test_a_captured_mixed_step_whose_requests_fill_every_row_runs_the_plans_rows(fake_fi):
+    """A split with no padding row (its padding tokens past the last request belong to no
+    row): FlashInfer's run() takes exactly the plan's qo_indptr[-1] query rows, so the update
+    before a replay, then forward, attends over those rows; out=None still returns every
+    padded row, and a strided out gets the real rows (the kit's emulated mixed replay)."""
+    fi, ref = _full_harnesses()
+    pad = dict(pad_to=FULL_P, pad_tokens_to=FULL_T)
+    wl.run_step(fi, 0, [], **pad)  # the capture: padding only
+    step = [(0, 5), (1, 3), (2, 1), (3, 2)]  # every one of FULL_P rows real, 11 tokens
+    for h in (fi, ref):
+        for rid, _ in step:
+            h.state.add_request(rid)
+            h.positions[rid] = 0
+    batch = fi.builder.build(list(step), **pad)
+    assert batch.padded_reqs == batch.num_reqs == FULL_P and batch.padded_tokens == FULL_T
+    fi.runtime.update(batch)
+    ref_batch = ref.builder.build(list(step), **pad)
+    ref.runtime.prepare(ref_batch)
+    H, Dv, n = FULL.num_heads, FULL.head_dim_v, batch.num_tokens
+    for layer in range(fi.num_layers):
+        q, k, v = wl.inputs(FULL, 1, layer, FULL_T, "cpu")
+        want = ref.runtime.binding(layer).forward(q, k, v, out=None)[:n]
+        got = fi.runtime.binding(layer).forward(q, k, v, out=None)
+        assert got.shape == (FULL_T, H, Dv)
+        assert (got[:n] - want).abs().max() < 2e-2
+        wide = torch.full((FULL_T, H, Dv + 3), float("nan"), dtype=q.dtype)
+        fi.runtime.binding(layer).forward(q, k, v, out=wide[..., :Dv])
+        assert (wide[:n, :, :Dv] - want).abs().max() < 2e-2
+        assert wide[..., Dv:].isnan().all()  # the gap columns untouched
+
+
 def test_a_captured_mixed_step_needs_a_context_for_graph_mode_full(fake_fi):
     h = wl.make(FULL, "flashinfer:flashinfer", "cpu", graph=True, max_batch=FULL_P,
                 max_tokens=FULL_T, max_model_len=128)  # fmt: skip

@@ -305,28 +305,31 @@ def _mla_graph_declared() -> tuple[bool, str]:
     return GraphMode.DECODE in mla_modes, version
 
 
+def _declared_or_forced(monkeypatch, request, backend: str, mode: GraphMode) -> None:
+    """Nothing where the plugin declares graph ``mode`` for ``backend`` (``"full"`` or
+    ``"mla"``) on the installed FlashInfer; else the declaration is forced for the test, marked
+    a non-strict xfail (0.7 releases: capability.GRAPH_KIT_FAILED_FROM), so that a GPU run
+    says whether the mode could be declared there."""
+    version = capability.probe().version
+    full_modes, mla_modes, _ = capability.graph_modes(version)
+    if mode in (full_modes if backend == "full" else mla_modes):
+        return
+    real = capability.graph_modes
+
+    def forced(v):
+        full, mla, note = real(v)
+        return (full | {mode}, mla, note) if backend == "full" else (full, mla | {mode}, note)
+
+    monkeypatch.setattr(capability, "graph_modes", forced)
+    why = f"flashinfer {version}: the plugin declares no {backend} graph mode {mode.value} (forced)"
+    request.applymarker(pytest.mark.xfail(strict=False, reason=why))
+
+
 def test_cuda_graph_mla_replay(monkeypatch, request):
-    """The plugin's MLA decode captured in a CUDA graph, replayed after re-plans.
-
-    Where the plugin declares no MLA graph mode (0.7 releases: the kit's replay failed there),
-    the declaration is forced for this test and a failure is expected: a non-strict xfail, so
-    that a GPU run of this file says whether the plugin's own path reproduces the kit's failure
-    (FlashInfer's wrapper alone replays correctly there:
-    test_flashinfer_mla_graph_wrapper_replays_a_new_plan)."""
-    declared, version = _mla_graph_declared()
-    if not declared:
-        real = capability.graph_modes
-
-        def with_mla_decode(v):
-            full, mla, note = real(v)
-            return full, mla | {GraphMode.DECODE}, note
-
-        monkeypatch.setattr(capability, "graph_modes", with_mla_decode)
-        why = (
-            f"the plugin declares no MLA graph mode on flashinfer {version}: its kit replay "
-            "failed there (declared here for the test)"
-        )
-        request.applymarker(pytest.mark.xfail(strict=False, reason=why))
+    """The plugin's MLA decode captured in a CUDA graph, replayed after re-plans (forced where
+    undeclared: :func:`_declared_or_forced`; FlashInfer's wrapper alone replays correctly on
+    0.7.4: test_flashinfer_mla_graph_wrapper_replays_a_new_plan)."""
+    _declared_or_forced(monkeypatch, request, "mla", GraphMode.DECODE)
     errors_ref, errors_eager = _graph_replay(MLA, pad=8)
     assert max(errors_ref) < BF16_TOL, errors_ref
     assert max(errors_eager) < 1e-2, errors_eager
@@ -421,17 +424,15 @@ def test_per_layer_softmax_scales_reach_every_kernel(spec_name, monkeypatch):
     ],
     ids=["bf16", "window_softcap", "fp8_kv", "sinks"],
 )
-def test_cuda_graph_full_mixed_step_replays_other_splits(spec):
+def test_cuda_graph_full_mixed_step_replays_other_splits(spec, monkeypatch, request):
     """Graph mode full: one graph captured on an all-padding mixed step of P requests and T
     tokens (FlashInfer's paged prefill wrapper in CUDA-graph mode), replayed with pure prefill,
     pure decode and mixed splits, page crossings and long contexts; every replay equals the
     reference and FlashInfer run eagerly without padding. The KV each replay writes is what
-    the next replay reads. Skipped where the plugin declares no graph mode full (0.7 releases,
-    whose captured mixed-step replay failed the kit: the selector would lower it to decode)."""
-    version = capability.probe().version
-    full_modes, _, note = capability.graph_modes(version)
-    if GraphMode.FULL not in full_modes:
-        pytest.skip(f"no graph mode full declared on flashinfer {version}: {note}")
+    the next replay reads.
+
+    Forced where undeclared (:func:`_declared_or_forced`)."""
+    _declared_or_forced(monkeypatch, request, "full", GraphMode.FULL)
     P, T, layers = 4, 512, 2
     kw = dict(num_layers=layers, max_batch=P, max_tokens=T, num_pages=256, max_model_len=1024)
     if spec.kv_dtype == "fp8_e4m3":
