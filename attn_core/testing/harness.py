@@ -401,8 +401,11 @@ class Pair:
                 layer, dev, self.ref.poisoned_out(rb.padded_tokens), conv=self.conv[layer]
             )
             out = outs[layer] if outs is not None else self.test.poisoned_out(tb.padded_tokens)
-            got, got_conv = self.test.forward(layer, dev, out, conv=self.conv[layer])
             at = f"{where}, layer {layer}, batch mode {rb.mode.value}"
+            try:
+                got, got_conv = self.test.forward(layer, dev, out, conv=self.conv[layer])
+            except BackendRaised as exc:  # the report names the step that raised
+                raise BackendRaised(f"{exc.stage} ({at})", exc.cause) from exc.cause
             if got_conv is not None and want_conv is not None:
                 self.compare_out(got_conv, want_conv, rows, "conv1d output", at)
             self.compare_out(got, want, rows, "attention output", at)

@@ -95,6 +95,9 @@ BROKEN = textwrap.dedent(
                 if out is not None:
                     out.copy_(result)
                     result = out
+            if self.defect == "real_rows_only" and out is None:
+                # what a kernel that allocates its own output for the real tokens returns
+                result = result[: self.inner.batch.num_tokens]
             if self.defect == "writes_past_out" and out is not None:
                 rows = out.shape[0] + 1  # one row past the end, when the storage has room
                 need = (out.storage_offset() + rows * out.stride(0)) * out.element_size()
@@ -120,6 +123,8 @@ BROKEN = textwrap.dedent(
     full_ok = Broken("none", name="full_ok", graph_modes={"none", "decode", "full"})
     stale_update_full = Broken("stale_update", name="stale_update_full",
                                graph_modes={"none", "decode", "full"})
+    # out=None on a padded step: only the real tokens' rows come back
+    real_rows_only = Broken("real_rows_only", graph_modes={"none", "decode", "full"})
     # chunked layers as plain causal attention over the runtime's local virtual batches
     virtual_chunks = Broken("virtual_chunks", chunked_virtual_batches=True)
     ignores_chunks = Broken("ignores_chunks", chunked_attention=True)
@@ -299,6 +304,17 @@ def test_stale_metadata_on_a_mixed_replay_is_caught(pytester, run_kit) -> None:
     assert result.ret == 1
     assert summary[FULL_REPLAY] == "FAIL"
     result.stdout.fnmatch_lines(["*failed:*emulated mixed replay 0*update only*"])
+
+
+def test_a_padded_step_returning_only_the_real_rows_for_out_none_is_caught(pytester, run_kit):
+    """out=None on a padded step (a captured decode step's, a captured mixed step whose
+    requests fill every row) must return every padded row: a caller indexes the output by the
+    padded layout."""
+    result, summary = _run_broken(pytester, run_kit, "real_rows_only")
+    assert result.ret == 1
+    assert summary["full: update() refreshes metadata (emulated replay)"] == "FAIL"
+    assert summary[FULL_REPLAY] == "FAIL"
+    result.stdout.fnmatch_lines(["*failed:*out=None*"])
 
 
 def test_write_past_out_is_caught(pytester, run_kit) -> None:
