@@ -67,6 +67,7 @@ import torch
 
 from attn_core.batch import AttentionBatch, BatchMode
 from attn_core.context import WorkspaceRequirement
+from attn_core.errors import BackendInputError
 from attn_core.local_attention import max_virtual_requests
 from attn_core.specs import ExecutionConstraints, GraphMode, LayerGroup, LayerKind, LayerSpec
 from attn_core.state.kv_write import (
@@ -790,6 +791,20 @@ class FullAttentionContext(_PagedContext):
         write = (k, v, k_cache, v_cache, kv.k_scale if fp8 else None, kv.v_scale if fp8 else None)
         whole = out
         if step.rows < q.shape[0]:
+            if _capturing(q.device):
+                # the temporaries below (fp8's scaled q, a scale ratio, the sinks rescale)
+                # would cover these rows only, and a replay with more rows reads past them
+                batch = self.batch
+                raise BackendInputError(
+                    group=self.group.group_id,
+                    backend=self.backend.qualified_name,
+                    what=f"layer {layer.layer_index}: a CUDA-graph capture of a mixed step "
+                    "whose requests fill every row",
+                    expected="a padding row (capture on BatchBuilder.build([], pad_to=P, "
+                    "pad_tokens_to=T))",
+                    got=f"{batch.num_reqs if batch else '?'} requests with {step.rows} tokens "
+                    f"of {q.shape[0]}",
+                )
             if whole is None:  # the caller still gets every padded row (those past: garbage)
                 whole = q.new_empty(q.shape[0], self.spec.num_heads, self.spec.head_dim_v)
             q, k, v, out = q[: step.rows], k[: step.rows], v[: step.rows], whole[: step.rows]
@@ -902,6 +917,11 @@ class FullAttentionContext(_PagedContext):
             )
         plan(*args)
         return self._finish(o, out)
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current CUDA stream is capturing a graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _run(wrapper: Any, *args: Any, out: torch.Tensor | None,

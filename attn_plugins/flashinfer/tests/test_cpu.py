@@ -1306,6 +1306,32 @@ def test_a_captured_mixed_step_whose_requests_fill_every_row_runs_the_plans_rows
         assert wide[..., Dv:].isnan().all()  # the gap columns untouched
 
 
+def test_capturing_a_mixed_step_whose_requests_fill_every_row_is_refused(fake_fi, monkeypatch):
+    """Captured on a split without a padding row, the step's temporaries (fp8's scaled q, a
+    layer's scale ratio, the sinks rescale) would cover only its real rows, and a replay with
+    more rows would read past them: the capture is refused, naming the batch to capture on.
+    Eager runs of the same step (the kit's emulated replay) stay allowed."""
+    from attn_plugin_flashinfer import context as fi_context
+
+    from attn_core.errors import BackendInputError
+
+    fi, _ = _full_harnesses()
+    pad = dict(pad_to=FULL_P, pad_tokens_to=FULL_T)
+    wl.run_step(fi, 0, [], **pad)
+    step = [(0, 5), (1, 3), (2, 1), (3, 2)]  # every row real: 11 of FULL_T tokens
+    wl.run_step(fi, 1, step, update=True, **pad)  # eagerly: fine
+    monkeypatch.setattr(fi_context, "_capturing", lambda device: True)
+    with pytest.raises(BackendInputError, match=(
+        r"layer group 'full', backend 'flashinfer:flashinfer': layer 0: a CUDA-graph capture "
+        r"of a mixed step whose requests fill every row: expected a padding row \(capture on "
+        rf"BatchBuilder.build\(\[\], pad_to=P, pad_tokens_to=T\)\), got 4 requests with 4 "
+        rf"tokens of {FULL_T}"
+    )):  # fmt: skip
+        wl.run_step(fi, 2, [(0, 1), (1, 1), (2, 1), (3, 1)], update=True, **pad)
+    monkeypatch.setattr(fi_context, "_capturing", lambda device: False)
+    wl.run_step(fi, 3, [(0, 1), (1, 1), (2, 1), (3, 1)], update=True, **pad)  # no state moved
+
+
 def test_a_captured_mixed_step_needs_a_context_for_graph_mode_full(fake_fi):
     h = wl.make(FULL, "flashinfer:flashinfer", "cpu", graph=True, max_batch=FULL_P,
                 max_tokens=FULL_T, max_model_len=128)  # fmt: skip
