@@ -133,7 +133,8 @@ def graph_modes(version: str | None) -> tuple[frozenset[GraphMode], frozenset[Gr
         return full, mla, ""
     note = (
         f"graph modes: full attention none/decode, MLA none (flashinfer {version}: its captured "
-        "MLA decode and mixed-step replays failed the conformance kit; 0.6 releases pass)"
+        "MLA decode replay failed the conformance kit on an H200, and the captured mixed step "
+        "has not passed its GPU tests on it yet; 0.6 releases pass)"
     )
     return full - {GraphMode.FULL}, frozenset({GraphMode.NONE}), note
 
