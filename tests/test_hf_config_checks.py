@@ -16,6 +16,7 @@ import torch
 
 from attn_core.models import specs_from_hf_config
 from attn_core.specs import LayerKind, LinearVariant
+from attn_core.testing.hf import mapping_refuses
 
 transformers = pytest.importorskip("transformers")
 
@@ -55,25 +56,16 @@ def _granite() -> dict[str, Any]:
     )
 
 
-def _raises(config: dict[str, Any], *fragments: str) -> str:
-    with pytest.raises(ValueError) as err:
-        specs_from_hf_config(config)
-    message = str(err.value)
-    for fragment in fragments:
-        assert fragment in message, f"{fragment!r} not in {message!r}"
-    return message
-
-
 def test_kimi_linear_read_as_deepseek_v3_is_refused() -> None:
     # All layers would be MLA; 3 of 4 are Kimi Delta Attention.
     cfg = {**_kimi(), "model_type": "deepseek_v3"}
-    _raises(cfg, "deepseek_v3", "layers 0-2", "linear_attention", "mla")
+    mapping_refuses(cfg, "deepseek_v3", "layers 0-2", "linear_attention", "mla")
 
 
 def test_granite_read_as_bamba_is_refused() -> None:
     # attn_layer_indices is absent, so bamba would map the attention layer 2 to Mamba2.
     cfg = {**_granite(), "model_type": "bamba"}
-    _raises(cfg, "bamba", "layer 2", "full_attention", "linear")
+    mapping_refuses(cfg, "bamba", "layer 2", "full_attention", "linear")
 
 
 def test_kimi_linear_maps_kda_and_mla_layers() -> None:
@@ -85,7 +77,9 @@ def test_kimi_linear_maps_kda_and_mla_layers() -> None:
 def test_kimi_linear_lists_that_disagree_with_layer_types_are_refused() -> None:
     # transformers builds the model from layer_types: layer 0 MLA, layer 3 KDA.
     cfg = {**_kimi(), "layer_types": ["full_attention"] + ["linear_attention"] * 3}
-    _raises(cfg, "kimi_linear", "layer_types", "layer 0: config says full_attention, mapped linear")
+    mapping_refuses(
+        cfg, "kimi_linear", "layer_types", "layer 0: config says full_attention, mapped linear"
+    )
 
 
 @pytest.mark.parametrize(
@@ -102,22 +96,22 @@ def test_kimi_linear_lists_must_name_every_layer_once(
     cfg = _kimi()
     cfg["linear_attn_config"] = {**cfg["linear_attn_config"], **lists}
     del cfg["layer_types"]
-    _raises(cfg, "kimi-linear (kimi_linear)", *fragments)
+    mapping_refuses(cfg, "kimi-linear (kimi_linear)", *fragments)
 
 
 def test_kimi_linear_mla_with_rope_is_refused() -> None:
-    _raises({**_kimi(), "mla_use_nope": False}, "mla_use_nope=False", "layer 3", "no rope")
+    mapping_refuses({**_kimi(), "mla_use_nope": False}, "mla_use_nope=False", "layer 3", "no rope")
 
 
 def test_falcon_mamba_intermediate_size_must_follow_expand() -> None:
     cfg = _cfg("FalconMambaConfig", num_hidden_layers=2, hidden_size=64)
     cfg["intermediate_size"] = 64
-    _raises(cfg, "intermediate_size=64 but expand * hidden_size = 128")
+    mapping_refuses(cfg, "intermediate_size=64 but expand * hidden_size = 128")
 
 
 def test_jamba_attn_layer_offset_must_fall_in_the_period() -> None:
     cfg = {**_cfg("JambaConfig", num_hidden_layers=4), "attn_layer_offset": 8}
-    _raises(cfg, "attn_layer_offset=8", "0..7")
+    mapping_refuses(cfg, "attn_layer_offset=8", "0..7")
 
 
 def _falcon_h1(**kwargs: Any) -> dict[str, Any]:
@@ -208,12 +202,14 @@ def test_falcon_h1_defaults_are_falcon_h1_configs() -> None:
 def test_falcon_h1_refuses_what_it_cannot_map(
     change: dict[str, Any], fragments: tuple[str, ...]
 ) -> None:
-    _raises({**_falcon_h1(), **change}, *fragments)
+    mapping_refuses({**_falcon_h1(), **change}, *fragments)
 
 
 def test_llama4_chunked_layers_without_a_chunk_size_are_refused() -> None:
     cfg = {**_cfg("Llama4TextConfig", num_hidden_layers=4), "attention_chunk_size": None}
-    _raises(cfg, "llama4_text", "chunked_attention in layers 0-2", "attention_chunk_size is null")
+    mapping_refuses(
+        cfg, "llama4_text", "chunked_attention in layers 0-2", "attention_chunk_size is null"
+    )
 
 
 def test_chunked_attention_refused_by_a_supported_family() -> None:
@@ -222,8 +218,8 @@ def test_chunked_attention_refused_by_a_supported_family() -> None:
         **_cfg("Llama4TextConfig", num_hidden_layers=4, attention_chunk_size=64),
         "model_type": "llama",
     }
-    _raises(cfg, "llama", "chunked attention (attention_chunk_size=64)", "layers 0-2")
-    _raises(cfg, "llama", "does not read it", "llama-4")
+    mapping_refuses(cfg, "llama", "chunked attention (attention_chunk_size=64)", "layers 0-2")
+    mapping_refuses(cfg, "llama", "does not read it", "llama-4")
 
 
 def test_unknown_layer_type_is_named_with_its_layers() -> None:
@@ -235,7 +231,7 @@ def test_unknown_layer_type_is_named_with_its_layers() -> None:
         num_key_value_heads=2,
     )
     cfg["layer_types"] = ["full_attention", "hyper_attention", "hyper_attention", "full_attention"]
-    _raises(cfg, "qwen3", "'hyper_attention'", "layers 1-2")
+    mapping_refuses(cfg, "qwen3", "'hyper_attention'", "layers 1-2")
 
 
 def test_wrong_family_layer_type_is_named_with_its_layers() -> None:
@@ -247,12 +243,12 @@ def test_wrong_family_layer_type_is_named_with_its_layers() -> None:
         num_key_value_heads=2,
     )
     cfg["layer_types"] = ["full_attention", "linear_attention", "full_attention", "full_attention"]
-    _raises(cfg, "qwen3", "'linear_attention'", "layer 1")
+    mapping_refuses(cfg, "qwen3", "'linear_attention'", "layer 1")
 
 
 def test_unsupported_type_names_its_layer_types() -> None:
     # Granite-4.0-H itself now maps; a model_type no family names, with its fields, is refused.
-    msg = _raises(
+    msg = mapping_refuses(
         {**_granite(), "model_type": "new_hybrid"}, "new_hybrid", "not supported", "supported:"
     )
     assert re.search(r"linear_attention in layers 0-1,3", msg), msg
@@ -260,10 +256,10 @@ def test_unsupported_type_names_its_layer_types() -> None:
     # ministral and phi3 now map (the generic dense path); a model_type no family names with a
     # field that path does not understand is refused with the field and its layer_types.
     cfg = {**_cfg("MinistralConfig", num_hidden_layers=2), "model_type": "new_lm", "moe_x": 1}
-    msg = _raises(cfg, "'new_lm'", "'moe_x'", "sliding_attention", "not supported")
+    msg = mapping_refuses(cfg, "'new_lm'", "'moe_x'", "sliding_attention", "not supported")
     assert "layers 0-1" in msg
     cfg = {**_cfg("Phi3Config", num_hidden_layers=2), "model_type": "new_lm", "moe_x": 1}
-    _raises(cfg, "'new_lm'", "'moe_x'", "no layer_types")
+    mapping_refuses(cfg, "'new_lm'", "'moe_x'", "no layer_types")
 
 
 def test_agreeing_layer_types_still_parse() -> None:
@@ -300,7 +296,7 @@ def test_nemotron_h_pattern_and_block_types_must_agree() -> None:
     )
     assert specs_from_hf_config(cfg).layer_indices == (0, 2, 3)
     cfg["hybrid_override_pattern"] = "M-MM"
-    _raises(cfg, "nemotron_h", "layer 3", "'M'", "full_attention")
+    mapping_refuses(cfg, "nemotron_h", "layer 3", "'M'", "full_attention")
 
 
 def test_granite_4_h_maps_mamba2_and_attention_by_layer_types() -> None:

@@ -17,6 +17,7 @@ import torch
 
 from attn_core.models import load_sample, specs_from_hf_config
 from attn_core.specs import LayerKind
+from attn_core.testing.hf import mapping_refuses
 
 transformers = pytest.importorskip("transformers")
 
@@ -86,15 +87,6 @@ def _attention_calls(d: dict[str, Any]) -> dict[int, dict[str, Any]]:
     with torch.no_grad():
         model(torch.zeros(1, 6, dtype=torch.long))
     return dict(_PROBED)
-
-
-def _raises(config: dict[str, Any], *fragments: str) -> str:
-    with pytest.raises(ValueError) as err:
-        specs_from_hf_config(config)
-    message = str(err.value)
-    for fragment in fragments:
-        assert fragment in message, f"{fragment!r} not in {message!r}"
-    return message
 
 
 # ------------------------------------------------------------------------------------------
@@ -314,7 +306,7 @@ _HYBRIDS = {"bamba": _bamba, "nemotron_h": _nemotron_h, "granitemoehybrid": _gra
 def test_mamba2_hybrids_refuse_an_upper_time_step_limit(model_type: str) -> None:
     d = _HYBRIDS[model_type](time_step_limit=(0.0, 10.0))
     assert tuple(_hf(d).time_step_limit) == (0.0, 10.0)  # transformers clamps dt at 10
-    _raises(d, model_type, "time_step_limit=", "10.0", "expected [lo, inf]", "upper")
+    mapping_refuses(d, model_type, "time_step_limit=", "10.0", "expected [lo, inf]", "upper")
     for fine in ((0.0, float("inf")), (0.001, float("inf")), None):
         d["time_step_limit"] = fine
         specs_from_hf_config(d)
@@ -324,7 +316,7 @@ def test_nemotron_h_legacy_mamba_dt_limit_is_read_as_transformers_reads_it() -> 
     d = _nemotron_h()
     d["mamba_dt_limit"] = [0.0, 5.0]
     assert tuple(_hf(d).time_step_limit) == (0.0, 5.0)
-    _raises(d, "nemotron_h", "mamba_dt_limit=", "5.0", "upper")
+    mapping_refuses(d, "nemotron_h", "mamba_dt_limit=", "5.0", "upper")
 
 
 # ------------------------------------------------------------------------------------------
@@ -383,7 +375,7 @@ _WRONG_TYPES = {
 @pytest.mark.parametrize("case", sorted(_WRONG_TYPES))
 def test_a_wrongly_typed_field_is_a_value_error_naming_it(case: str) -> None:
     config, fragments = _WRONG_TYPES[case]
-    _raises(config, *fragments)
+    mapping_refuses(config, *fragments)
 
 
 def test_lfm2_full_attn_idxs_is_read_only_without_layer_types() -> None:
@@ -399,7 +391,7 @@ def test_lfm2_full_attn_idxs_is_read_only_without_layer_types() -> None:
 # ------------------------------------------------------------------------------------------
 def test_lfm2_sliding_attention_layer_is_refused() -> None:
     d = _lfm2(layer_types=["conv", "sliding_attention", "conv", "full_attention"], sliding_window=4)
-    _raises(d, "lfm2", "'sliding_attention' in layer 1", "full_attention")
+    mapping_refuses(d, "lfm2", "'sliding_attention' in layer 1", "full_attention")
     # transformers' Lfm2Model builds masks for full_attention and conv layers only
     config = _hf(d)
     model = transformers.AutoModelForCausalLM.from_config(config)

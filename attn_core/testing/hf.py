@@ -1,4 +1,5 @@
-"""Tests of what a transformers release has: skip markers naming the release that brought it.
+"""Helpers for tests of transformers configs: skip markers naming the release that brought a
+config class, and the check that the config mapping refuses a config.
 
 attn-core supports transformers from :data:`attn_core.e2e.hf_version.TRANSFORMERS_FLOOR` on;
 a test of a config class or modeling code that came in a later release skips on an older one,
@@ -11,11 +12,14 @@ Not imported by :mod:`attn_core.testing`; the test modules import it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from attn_core.e2e.hf_version import installed_transformers, parse_version
+from attn_core.models import specs_from_hf_config
 
-__all__ = ["since_transformers", "transformers_before"]
+__all__ = ["mapping_refuses", "since_transformers", "transformers_before"]
 
 
 def transformers_before(version: str) -> bool:
@@ -32,3 +36,14 @@ def since_transformers(version: str, what: str) -> pytest.MarkDecorator:
         transformers_before(version),
         reason=f"{what}: transformers {version} or newer; this is {installed_transformers()}",
     )
+
+
+def mapping_refuses(config: dict[str, Any], *fragments: str) -> str:
+    """Assert that ``specs_from_hf_config(config)`` raises a ValueError whose message holds
+    every one of ``fragments``; returns the message."""
+    with pytest.raises(ValueError) as err:
+        specs_from_hf_config(config)
+    message = str(err.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return message
