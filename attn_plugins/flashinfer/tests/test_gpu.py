@@ -298,13 +298,6 @@ def test_cuda_graph_decode_fp8_replay():
     assert max(errors_eager) < 2e-2, errors_eager
 
 
-def _mla_graph_declared() -> tuple[bool, str]:
-    """Whether the plugin declares MLA graph decode for the installed FlashInfer, and which."""
-    version = capability.probe().version
-    _, mla_modes, _ = capability.graph_modes(version)
-    return GraphMode.DECODE in mla_modes, version
-
-
 def _declared_or_forced(monkeypatch, request, backend: str, mode: GraphMode) -> None:
     """Nothing where the plugin declares graph ``mode`` for ``backend`` (``"full"`` or
     ``"mla"``) on the installed FlashInfer; else the declaration is forced for the test, marked
@@ -629,7 +622,7 @@ def test_flashinfer_mla_graph_wrapper_replays_a_new_plan():
     decode undeclared on 0.7 until its own replay passes (test_cuda_graph_mla_replay)."""
     import flashinfer
 
-    _, version = _mla_graph_declared()
+    version = capability.probe().version
     H, R, P, page, pages_per, B = 16, 512, 64, 16, 8, 4
     gen = torch.Generator(device=CUDA).manual_seed(0)
     bf16 = torch.bfloat16
