@@ -2,13 +2,14 @@
 
 Two providers, tried in this order:
 
-1. ``flash_attn.cute.interface`` of **flash-attn-4** (4.0.0b14 + nvidia-cutlass-dsl 4.4.2): its
-   Hopper path is FlashAttention-3's design written in the CuTe DSL. Read from the 4.0.0b14
-   sources:
+1. ``flash_attn.cute.interface`` of **flash-attn-4** (4.0.0b14 + nvidia-cutlass-dsl 4.4.2, or
+   4.0.0b40 + 4.8.1): its Hopper path is FlashAttention-3's design written in the CuTe DSL.
+   Read from the 4.0.0b14 and 4.0.0b40 sources:
 
    * ``_flash_attn_fwd(q, k, v, cu_seqlens_q=, seqused_k=, max_seqlen_q=, max_seqlen_k=,
      page_table=, softmax_scale=, causal=, softcap=, window_size_left=, window_size_right=,
-     learnable_sink=, score_mod=, out=)`` returns ``(out, lse)``; the public
+     learnable_sink=, score_mod=, out=)`` returns ``(out, lse)`` (4.0.0b40: ``(out, lse, p,
+     row_max, o_lo)``, the last three None in a forward; only the first two are read); the public
      ``flash_attn_varlen_func`` wraps it in an autograd Function and takes no ``out``. This
      module is the plugin's only user of that private function (and of
      ``utils.create_softcap_scoremod``): it calls it, to write into the caller's ``out`` (and,
@@ -62,7 +63,7 @@ __all__ = ["Provider", "check_broadcast_q", "describe_missing", "probe", "self_c
 FA4_HEAD_DIMS = frozenset({64, 96, 128})
 FA3_HEAD_DIMS = frozenset({64, 96, 128, 192, 256})
 #: flash-attn-4 releases whose private ``_flash_attn_fwd`` this module was written against.
-TESTED_DIRECT_RELEASES = frozenset({"4.0.0b14"})
+TESTED_DIRECT_RELEASES = frozenset({"4.0.0b14", "4.0.0b40"})
 _FA4_FWD_ARGS = frozenset(
     {
         "cu_seqlens_q",
@@ -311,10 +312,10 @@ def _fa4_provider(*, allow_private: bool = True, why_not: str = "") -> Provider:
         right = 0 if window_left is not None else None
         if direct:
             score_mod = softcap if make_mod is not None and softcap is not None else None
-            result, _ = fwd(q, k, v, **args, softcap=None if score_mod is not None else softcap,
-                            window_size_left=window_left, window_size_right=right,
-                            score_mod=score_mod, out=out)  # fmt: skip
-            return result
+            results = fwd(q, k, v, **args, softcap=None if score_mod is not None else softcap,
+                          window_size_left=window_left, window_size_right=right,
+                          score_mod=score_mod, out=out)  # fmt: skip
+            return results[0]
         result = public(q, k, v, **args, window_size=(window_left, right),
                         **_softcap_args(softcap))  # fmt: skip
         result = result[0] if isinstance(result, tuple) else result  # (out, lse) in 4.0.0b14
@@ -341,12 +342,13 @@ def _fa4_provider(*, allow_private: bool = True, why_not: str = "") -> Provider:
             # causal: one query aligned to the end of its row's keys sees all of them
             if direct_lse:
                 score_mod = softcap if make_mod is not None and softcap is not None else None
-                return fwd(q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=1,
-                           seqused_k=seqused_k, max_seqlen_k=max_seqlen_k,
-                           page_table=page_table, softmax_scale=scale, causal=True,
-                           softcap=None if score_mod is not None else softcap,
-                           score_mod=score_mod, return_lse=True, out=out,
-                           lse=lse)  # fmt: skip
+                results = fwd(q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=1,
+                              seqused_k=seqused_k, max_seqlen_k=max_seqlen_k,
+                              page_table=page_table, softmax_scale=scale, causal=True,
+                              softcap=None if score_mod is not None else softcap,
+                              score_mod=score_mod, return_lse=True, out=out,
+                              lse=lse)  # fmt: skip
+                return results[0], results[1]
             out, lse = public(
                 q,
                 k_cache,

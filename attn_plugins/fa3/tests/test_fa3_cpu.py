@@ -578,7 +578,8 @@ def _fake_fa4(monkeypatch, version: str, private_scale: float = 1.0, lse_scale: 
     """A stand-in ``flash_attn.cute.interface``: the public function computes with the
     reference op (one-query chunk rows with their log-sum-exp where ``return_lse``); the private
     one does the same times ``private_scale`` (1.0: agrees), its chunk rows' log-sum-exp times
-    ``lse_scale``."""
+    ``lse_scale``. The private one returns ``(out, lse)`` as 4.0.0b14's does, or from 4.0.0b40
+    on ``(out, lse, p, row_max, o_lo)`` with the last three None, as 4.0.0b40's does."""
     import sys
     import types
 
@@ -614,7 +615,7 @@ def _fake_fa4(monkeypatch, version: str, private_scale: float = 1.0, lse_scale: 
         if return_lse:
             lse = torch.empty_like(lse_rows) if lse is None else lse
             lse.copy_(lse_rows * lse_scale)
-        return out, lse
+        return (out, lse) if version == "4.0.0b14" else (out, lse, None, None, None)
 
     iface = types.ModuleType("flash_attn.cute.interface")
     iface._flash_attn_fwd = private
@@ -645,17 +646,22 @@ def _small_paged_call(provider):
     return got, out
 
 
-def test_private_entry_point_only_for_the_tested_release(monkeypatch):
-    calls = _fake_fa4(monkeypatch, "4.0.0b14")
+@pytest.mark.parametrize("version", ["4.0.0b14", "4.0.0b40"])
+def test_private_entry_point_only_for_the_tested_release(monkeypatch, version):
+    calls = _fake_fa4(monkeypatch, version)
     provider = providers._fa4_provider()
-    assert provider.uses_private and "on (flash-attn-4 4.0.0b14" in provider.note
-    _small_paged_call(provider)
-    assert calls == ["private"]
+    assert provider.uses_private and f"on (flash-attn-4 {version}" in provider.note
+    got, out = _small_paged_call(provider)
+    assert calls == ["private"] and got is out and out.abs().sum() > 0
+    # b40's five results and b14's two both pass the self-check (chunk rows included)
+    assert providers.self_check(provider, torch.device("cpu")) is None
 
     calls = _fake_fa4(monkeypatch, "4.0.0b36")
     provider = providers._fa4_provider()
     assert not provider.uses_private
-    assert "off (flash-attn-4 4.0.0b36 not in the tested releases 4.0.0b14)" in provider.note
+    assert (
+        "off (flash-attn-4 4.0.0b36 not in the tested releases 4.0.0b14, 4.0.0b40)" in provider.note
+    )
     got, out = _small_paged_call(provider)
     assert calls == ["public"] and got is out and out.abs().sum() > 0  # copied into out
 
