@@ -10,7 +10,7 @@ their Python wrappers and JIT templates compile them:
   size (the kernels divide by a runtime ``uint_fastdiv``), NHD layout, causal only, sliding window
   (``window_left``) and logits soft-cap, CUDA-graph modes ``none`` / ``decode`` / ``full``
   (a captured mixed step: the paged prefill wrapper's graph mode, whose scheduler keeps the
-  capture's batch size and row count; ``full`` only on the 0.6 releases, :func:`graph_modes`).
+  capture's batch size and row count).
   Attention sinks (gpt-oss) on every release: ``run()`` of each wrapper returns the rows'
   log-sum-exp, and the plugin rescales the output by it (:mod:`attn_plugin_flashinfer.sinks`),
   with any window, soft-cap, cache dtype and graph mode. (The ``sinks`` argument of ``run()``
@@ -101,42 +101,40 @@ MLA_CAPABILITIES = BackendCapabilities(
 )
 
 
-#: The first release whose CUDA-graph paths failed the conformance kit on the H200 (0.7.4): MLA
-#: decode replayed after a re-plan gave another batch's output (6798 of 8192 elements wrong,
-#: max |diff| 3.1, the replay's requests reordered) and the full backend's update-then-run
-#: check of a captured mixed step failed. From it on the MLA backend declares no graph mode
-#: and the full backend no graph mode ``full``; the 0.6 releases pass both.
+#: The first release whose captured MLA decode failed the conformance kit on the H200 (0.7.4):
+#: replayed after a re-plan it gave another batch's output (6798 of 8192 elements wrong, max
+#: |diff| 3.1, the replay's requests reordered). From it on the MLA backend declares no graph
+#: mode; the 0.6 releases pass. On an H100 the kit with the mode forced passed under 0.7.4 (8
+#: seeds), as do the plugin's replay test and FlashInfer's wrapper alone
+#: (test_flashinfer_mla_graph_wrapper_replays_a_new_plan); the H200 failure is not located, so
+#: the mode stays undeclared until an H200 run passes (test_cuda_graph_mla_replay runs it
+#: forced, as a non-strict xfail).
 #:
-#: - The mixed-step failure was the plugin's, on every release: a split whose requests fill
-#:   every row gave run() the padded token count where FlashInfer takes exactly the plan's
-#:   query rows. Fixed; with the mode declared, the kit's graph and update checks then passed
-#:   on 0.7.4 (an H100). ``full`` stays undeclared until the plugin's own mixed-step replay
-#:   test (tests/test_gpu.py::test_cuda_graph_full_mixed_step_replays_other_splits, run with
-#:   the mode forced on 0.7) passes there for every variant: one of four has so far.
-#: - MLA: on an H100 the kit with the mode declared passed under 0.7.4 (8 seeds), as does
-#:   FlashInfer's wrapper alone (test_flashinfer_mla_graph_wrapper_replays_a_new_plan); the H200
-#:   failure is not located, so the mode stays undeclared until an H200 run passes
-#:   (test_cuda_graph_mla_replay runs it forced).
-GRAPH_KIT_FAILED_FROM = (0, 7)
+#: The full backend's graph mode ``full`` failed the same kit run, but that failure was the
+#: plugin's, on every release (a split whose requests fill every row gave run() the padded
+#: token count where FlashInfer takes exactly the plan's query rows). Fixed, it is declared on
+#: every release: on 0.7.4 the kit's graph and update checks and all four variants of
+#: test_cuda_graph_full_mixed_step_replays_other_splits passed.
+MLA_GRAPH_FAILED_FROM = (0, 7)
 
 
 def graph_modes(version: str | None) -> tuple[frozenset[GraphMode], frozenset[GraphMode], str]:
-    """``(full backend's graph modes, MLA backend's, attn list's note)`` for the installed
-    release ``version``; the note is "" where the release keeps every graph mode."""
+    """``(full backend's graph modes, MLA backend's, the MLA backend's note in attn list)`` for
+    the installed release ``version``; the note is "" where the release keeps every graph
+    mode."""
     full = frozenset(FULL_CAPABILITIES.graph_modes)
     mla = frozenset(MLA_CAPABILITIES.graph_modes)
     try:
         release = Version(version or "").release[:2]
     except InvalidVersion:  # unparsable (the CPU tests' stand-in): what the code was written for
         return full, mla, ""
-    if release < GRAPH_KIT_FAILED_FROM:
+    if release < MLA_GRAPH_FAILED_FROM:
         return full, mla, ""
     note = (
-        f"graph modes: full attention none/decode, MLA none (flashinfer {version}: its captured "
-        "MLA decode replay failed the conformance kit on an H200, and the captured mixed step "
-        "has not passed its GPU tests on it yet; 0.6 releases pass)"
+        f"MLA graph modes: none (flashinfer {version}: its captured MLA decode replay failed "
+        "the conformance kit on an H200; 0.6 releases pass)"
     )
-    return full - {GraphMode.FULL}, frozenset({GraphMode.NONE}), note
+    return full, frozenset({GraphMode.NONE}), note
 
 
 @dataclass(frozen=True, slots=True)

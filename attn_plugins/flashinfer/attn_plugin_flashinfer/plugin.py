@@ -58,15 +58,16 @@ def backends(availability: capability.Availability | None = None) -> list[Backen
         unavailable_reason=av.reason,
     )
     full, mla = capability.FULL_CAPABILITIES, capability.MLA_CAPABILITIES
-    # graph modes follow the installed release: those its kit run failed are not declared
-    full_graph, mla_graph, graph_note = capability.graph_modes(av.version)
+    # graph modes follow the installed release: those its kit run failed are not declared (MLA
+    # graph decode on 0.7; the note goes with the MLA backend)
+    full_graph, mla_graph, mla_graph_note = capability.graph_modes(av.version)
     full = dataclasses.replace(full, graph_modes=full_graph)
     mla = dataclasses.replace(mla, graph_modes=mla_graph)
     return [
         Backend(
             name=FULL_BACKEND,
             capabilities=full,
-            notes="; ".join(n for n in (notes, graph_note) if n),
+            notes=notes,
             description=(
                 "FlashInfer paged attention: decode, prefill, mixed (CUDA graphs: decode and "
                 "full), speculative verify; GQA/MQA, sliding window, soft-cap, sinks, fp8 KV"
@@ -77,7 +78,7 @@ def backends(availability: capability.Availability | None = None) -> list[Backen
             name=MLA_BACKEND,
             capabilities=mla,
             description="FlashInfer MLA (absorbed; rank 512, rope 64) over the latent cache",
-            notes="; ".join(n for n in (notes, graph_note) if n),
+            notes="; ".join(n for n in (notes, mla_graph_note) if n),
             **common,
         ),
     ]

@@ -301,7 +301,7 @@ def test_cuda_graph_decode_fp8_replay():
 def _declared_or_forced(monkeypatch, request, backend: str, mode: GraphMode) -> None:
     """Nothing where the plugin declares graph ``mode`` for ``backend`` (``"full"`` or
     ``"mla"``) on the installed FlashInfer; else the declaration is forced for the test, marked
-    a non-strict xfail (0.7 releases: capability.GRAPH_KIT_FAILED_FROM), so that a GPU run
+    a non-strict xfail (MLA on 0.7 releases: capability.MLA_GRAPH_FAILED_FROM), so that a GPU run
     says whether the mode could be declared there."""
     version = capability.probe().version
     full_modes, mla_modes, _ = capability.graph_modes(version)
