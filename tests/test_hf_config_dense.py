@@ -13,21 +13,11 @@ from typing import Any
 import pytest
 
 from attn_core.models import MODEL_TYPE_FAMILIES, SUPPORTED_MODEL_TYPES, specs_from_hf_config
-from attn_core.testing.hf import since_transformers, transformers_before
+from attn_core.testing.hf import since_transformers, small_decoder, transformers_before
 
 transformers = pytest.importorskip("transformers")
 
-_SMALL: dict[str, Any] = {
-    "num_hidden_layers": 3,
-    "hidden_size": 64,
-    "intermediate_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 128,
-    "pad_token_id": None,
-    "bos_token_id": None,
-    "eos_token_id": None,
-}
+_SMALL: dict[str, Any] = small_decoder(3)
 
 # (config class, extra kwargs); each keeps a feature that distinguishes it
 _CASES: dict[str, tuple[str, dict[str, Any]]] = {

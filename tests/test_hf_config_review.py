@@ -17,21 +17,11 @@ import torch
 
 from attn_core.models import load_sample, specs_from_hf_config
 from attn_core.specs import LayerKind
-from attn_core.testing.hf import mapping_refuses
+from attn_core.testing.hf import mapping_refuses, small_decoder
 
 transformers = pytest.importorskip("transformers")
 
-_SMALL: dict[str, Any] = {
-    "num_hidden_layers": 2,
-    "hidden_size": 64,
-    "intermediate_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 128,
-    "pad_token_id": None,
-    "bos_token_id": None,
-    "eos_token_id": None,
-}
+_SMALL: dict[str, Any] = small_decoder(2)
 
 # Granite-4.0-H's Mamba2 sizes that fit _SMALL (mamba_expand * hidden_size = 4 * 32)
 _GRANITE_H: dict[str, Any] = {

@@ -1,5 +1,6 @@
 """Helpers for tests of transformers configs: skip markers naming the release that brought a
-config class, and the check that the config mapping refuses a config.
+config class, the check that the config mapping refuses a config, and the sizes of a small
+decoder config.
 
 attn-core supports transformers from :data:`attn_core.e2e.hf_version.TRANSFORMERS_FLOOR` on;
 a test of a config class or modeling code that came in a later release skips on an older one,
@@ -19,7 +20,7 @@ import pytest
 from attn_core.e2e.hf_version import installed_transformers, parse_version
 from attn_core.models import specs_from_hf_config
 
-__all__ = ["mapping_refuses", "since_transformers", "transformers_before"]
+__all__ = ["mapping_refuses", "since_transformers", "small_decoder", "transformers_before"]
 
 
 def transformers_before(version: str) -> bool:
@@ -47,3 +48,21 @@ def mapping_refuses(config: dict[str, Any], *fragments: str) -> str:
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in {message!r}"
     return message
+
+
+def small_decoder(num_hidden_layers: int) -> dict[str, Any]:
+    """A decoder config's sizes, small enough to build any transformers config class on the
+    CPU: ``num_hidden_layers`` layers, hidden size 64, 4 query heads over 2 KV heads (head dim
+    16), vocabulary 128, no special token ids. Test cases add the fields that tell a family
+    apart."""
+    return {
+        "num_hidden_layers": num_hidden_layers,
+        "hidden_size": 64,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 128,
+        "pad_token_id": None,
+        "bos_token_id": None,
+        "eos_token_id": None,
+    }
