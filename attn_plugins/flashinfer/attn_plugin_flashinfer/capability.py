@@ -32,6 +32,7 @@ import os
 import shutil
 from dataclasses import dataclass
 
+from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from attn_core.backend import BackendCapabilities
@@ -116,25 +117,45 @@ MLA_CAPABILITIES = BackendCapabilities(
 #: every release: on 0.7.4 the kit's graph and update checks and all four variants of
 #: test_cuda_graph_full_mixed_step_replays_other_splits passed.
 MLA_GRAPH_FAILED_FROM = (0, 7)
+#: The flashinfer-python releases the plugin is tested on: the package's requirement. A release
+#: outside it (installed past pip, e.g. with ``--no-deps`` beside another stack) still runs the
+#: public ``plan()``/``run()``, without what depends on a release's behaviour (see
+#: :func:`outside_supported`).
+SUPPORTED_RELEASES = ">=0.6.7,<0.8"
+
+
+def outside_supported(version: str | None) -> bool:
+    """Whether ``version`` is a release outside :data:`SUPPORTED_RELEASES` (False where it
+    cannot be read: :func:`graph_modes` then declares less by itself)."""
+    try:
+        return Version(version or "") not in SpecifierSet(SUPPORTED_RELEASES)
+    except InvalidVersion:
+        return False
 
 
 def graph_modes(version: str | None) -> tuple[frozenset[GraphMode], frozenset[GraphMode], str]:
     """``(full backend's graph modes, MLA backend's, the MLA backend's note in attn list)`` for
     the installed release ``version``; the note is "" where the release keeps every graph
-    mode."""
+    mode. MLA graph decode is declared on 0.6 releases only: never where ``version`` cannot
+    say which release is installed (empty, unparsable, a source build's ``0.0.0+unknown``)."""
     full = frozenset(FULL_CAPABILITIES.graph_modes)
     mla = frozenset(MLA_CAPABILITIES.graph_modes)
     try:
         release = Version(version or "").release[:2]
-    except InvalidVersion:  # unparsable (the CPU tests' stand-in): what the code was written for
+    except InvalidVersion:
+        release = None
+    if release is not None and (0, 6) <= release < MLA_GRAPH_FAILED_FROM:
         return full, mla, ""
-    if release < MLA_GRAPH_FAILED_FROM:
-        return full, mla, ""
-    note = (
-        f"MLA graph modes: none (flashinfer {version}: its captured MLA decode replay failed "
-        "the conformance kit on an H200; 0.6 releases pass)"
-    )
-    return full, frozenset({GraphMode.NONE}), note
+    if release is None:
+        why = f"flashinfer version unknown ({version!r}): graph decode is declared on 0.6 only"
+    elif release >= MLA_GRAPH_FAILED_FROM:
+        why = (
+            f"flashinfer {version}: withdrawn from 0.7 on: 0.7.4's captured MLA decode replay "
+            "failed the conformance kit on an H200; 0.6 releases pass"
+        )
+    else:
+        why = f"flashinfer {version}: graph decode is declared on 0.6 releases only"
+    return full, frozenset({GraphMode.NONE}), f"MLA graph modes: none ({why})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +207,14 @@ def _flashinfer_reason(cuda_ok: bool) -> tuple[str | None, str, object]:
     return None, str(getattr(module, "__version__", "")), module
 
 
+def _installed_version(module_version: str) -> str:
+    """The installed ``flashinfer-python`` distribution's version (what pip resolved and the
+    fast path's gate reads), else the imported module's ``__version__``, else ""."""
+    from attn_plugin_flashinfer import compat
+
+    return compat.distribution_version() or module_version
+
+
 def probe() -> Availability:
     """Check CUDA, flashinfer and the JIT toolchain; every failing check is named in ``reason``.
 
@@ -199,9 +228,10 @@ def probe() -> Availability:
     cuda = _cuda_reason()
     if cuda:
         reasons.append(cuda)
-    fi, version, module = _flashinfer_reason(cuda is None)
+    fi, module_version, module = _flashinfer_reason(cuda is None)
     if fi:
         reasons.append(fi)
+    version = _installed_version(module_version) if not fi else module_version
     tool = _toolchain_reason()
     if tool:
         reasons.append(tool)

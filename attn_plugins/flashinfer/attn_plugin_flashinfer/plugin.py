@@ -22,7 +22,7 @@ import torch
 
 from attn_core.backend import Backend, SelfCheck
 from attn_core.hookspecs import hookimpl
-from attn_core.specs import LayerKind
+from attn_core.specs import GraphMode, LayerKind
 from attn_plugin_flashinfer import __version__, capability, compat
 from attn_plugin_flashinfer import context as ctx
 
@@ -61,13 +61,23 @@ def backends(availability: capability.Availability | None = None) -> list[Backen
     # graph modes follow the installed release: those its kit run failed are not declared (MLA
     # graph decode on 0.7; the note goes with the MLA backend)
     full_graph, mla_graph, mla_graph_note = capability.graph_modes(av.version)
+    full_note = ""
+    if capability.outside_supported(av.version):
+        # not a release the kit ran on: no captured mixed step, no sinks (the rescale reads
+        # run()'s log-sum-exp in base 2, a release's convention), no MLA graph decode
+        full_graph, mla_graph = full_graph - {GraphMode.FULL}, frozenset({GraphMode.NONE})
+        full = dataclasses.replace(full, sinks=False)
+        full_note = mla_graph_note = (
+            f"flashinfer {av.version} is outside the supported releases "
+            f"({capability.SUPPORTED_RELEASES}): no sinks, graph modes none/decode (MLA: none)"
+        )
     full = dataclasses.replace(full, graph_modes=full_graph)
     mla = dataclasses.replace(mla, graph_modes=mla_graph)
     return [
         Backend(
             name=FULL_BACKEND,
             capabilities=full,
-            notes=notes,
+            notes="; ".join(n for n in (notes, full_note) if n),
             description=(
                 "FlashInfer paged attention: decode, prefill, mixed (CUDA graphs: decode and "
                 "full), speculative verify; GQA/MQA, sliding window, soft-cap, sinks, fp8 KV"

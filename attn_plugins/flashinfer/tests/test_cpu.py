@@ -31,7 +31,7 @@ from attn_core.specs import (
 )
 from attn_core.state.kv_write import quantize, write_slots
 
-AVAILABLE = capability.Availability(True, None, "0.6.7-fake")
+AVAILABLE = capability.Availability(True, None, "0.6.7")
 RELEASES = "0.6.7, 0.6.13, 0.7.2.post1, 0.7.4"
 FULL = LayerSpec(kind="full", num_heads=8, num_kv_heads=2, head_dim=64, page_size=4)
 #: small_decode runs these CPU contexts in Triton's interpreter, which the conftest turns on
@@ -116,6 +116,57 @@ def test_probe_available_when_everything_is_there(monkeypatch):
     _all_present(monkeypatch)
     av = capability.probe()
     assert av.available and av.reason is None and av.version == "0.6.7"
+
+
+def test_probe_reads_the_installed_distributions_version(monkeypatch):
+    """The version the graph modes and the fast path follow is one: the installed
+    ``flashinfer-python`` distribution's, also where flashinfer is not imported (no CUDA), and
+    before the module's ``__version__`` (a source build reports ``0.0.0+unknown`` there)."""
+    from attn_plugin_flashinfer import compat
+
+    _all_present(monkeypatch)
+    monkeypatch.setattr(compat, "distribution_version", lambda: "0.7.4")
+    assert capability.probe().version == "0.7.4"  # its module says 0.6.7
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert capability.probe().version == "0.7.4"  # not imported
+    monkeypatch.setattr(compat, "distribution_version", lambda: None)
+    assert capability.probe().version == ""  # neither: unknown (no graph decode for MLA)
+
+
+@pytest.mark.parametrize("version", ["0.8.0", "1.0.0rc1", "0.6.5"])
+def test_a_release_outside_the_supported_range_serves_without_release_specific_capabilities(
+    version,
+):
+    """A release installed past pip's range (``--no-deps`` beside another stack) still serves
+    through the public API, but without what the kit verified per release: sinks (the rescale
+    reads run()'s log-sum-exp in base 2), graph mode full, MLA graph decode; both notes say so."""
+    av = capability.Availability(True, None, version)
+    assert capability.outside_supported(version)
+    full, mla = fi_plugin.backends(av)
+    assert full.available and mla.available
+    assert not full.capabilities.sinks
+    assert {m.value for m in full.capabilities.graph_modes} == {"none", "decode"}
+    assert {m.value for m in mla.capabilities.graph_modes} == {"none"}
+    for backend in (full, mla):
+        assert f"flashinfer {version} is outside the supported releases (>=0.6.7,<0.8)" in (
+            backend.notes
+        )
+    inside = fi_plugin.backends(capability.Availability(True, None, "0.7.4"))[0]
+    assert inside.capabilities.sinks and "outside" not in inside.notes
+
+
+def test_supported_range_is_the_packages_requirement():
+    """One range: what pip enforces (pyproject.toml) is what probe() checks."""
+    from pathlib import Path
+
+    import tomllib
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    pyproject = Path(fi_plugin.__file__).parents[1] / "pyproject.toml"
+    requires = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    assert f"flashinfer-python{capability.SUPPORTED_RELEASES}" in requires
+    assert Version("0.7.4") in SpecifierSet(capability.SUPPORTED_RELEASES)
 
 
 def test_probe_names_no_cuda(monkeypatch):
@@ -1424,22 +1475,32 @@ def test_chunked_graph_decode_and_the_virtual_rows_fit_the_context(
 
 
 @pytest.mark.parametrize(
-    "version, full_modes, mla_modes",
+    "version, mla_modes, note",
     [
-        ("0.6.7", {"none", "decode", "full"}, {"none", "decode"}),
-        ("0.6.13", {"none", "decode", "full"}, {"none", "decode"}),
-        ("0.7.2.post1", {"none", "decode", "full"}, {"none"}),
-        ("0.7.4", {"none", "decode", "full"}, {"none"}),
+        ("0.6.7", {"none", "decode"}, ""),
+        ("0.6.13", {"none", "decode"}, ""),
+        ("0.7.2.post1", {"none"}, "withdrawn from 0.7 on: 0.7.4's captured MLA decode"),
+        ("0.7.4", {"none"}, "withdrawn from 0.7 on: 0.7.4's captured MLA decode"),
+        ("0.7.4+cu128", {"none"}, "withdrawn from 0.7 on"),
+        # a version that says nothing (a source build's, an unreadable one): not declared
+        ("0.0.0+unknown", {"none"}, "outside the supported releases"),
+        ("", {"none"}, "version unknown"),
+        ("garbage", {"none"}, "version unknown"),
     ],
 )
-def test_graph_modes_follow_the_installed_release(version, full_modes, mla_modes):
-    """The graph mode FlashInfer 0.7.4 failed in the kit on the H200 (captured MLA decode) is
-    not declared on 0.7 releases; ``attn list``'s note says so."""
+def test_graph_modes_follow_the_installed_release(version, mla_modes, note):
+    """MLA graph decode (FlashInfer 0.7.4's captured MLA decode failed the kit on the H200) is
+    declared on the 0.6 releases only, and never where the version cannot tell which release
+    is installed; ``attn list``'s note says why, without claiming a kit run on a release that
+    had none. The full backend keeps every graph mode inside the supported range."""
     av = capability.Availability(True, None, version)
     by_name = {b.name: b for b in fi_plugin.backends(av)}
     full, mla = by_name["flashinfer"], by_name["flashinfer_mla"]
+    full_modes = {"none", "decode"} | (set() if "outside" in note else {"full"})
     assert {m.value for m in full.capabilities.graph_modes} == full_modes
     assert {m.value for m in mla.capabilities.graph_modes} == mla_modes
-    withdrawn = version.startswith("0.7")
-    assert ("conformance kit" in mla.notes) is withdrawn
-    assert "conformance kit" not in full.notes
+    if note:
+        assert note in mla.notes, mla.notes
+    else:
+        assert "graph modes" not in mla.notes
+    assert ("outside" in full.notes) is ("outside" in note)
