@@ -125,15 +125,17 @@ class GroupRuntime:
         return batch
 
     def check_fresh(self, batch: AttentionBatch, where: str) -> None:
-        """Refuse a stale batch: one built before pages or slots were freed or replaced. Its
-        page table, slot mapping and state indices may point at another request's state."""
+        """Refuse a stale batch: one built before pages or slots were freed or replaced, or by
+        another PersistentState (epochs are unique in the process). Its page table, slot
+        mapping and state indices may point at another request's state, or past the pools."""
         state = self.state
         if state is not None and batch.state_epoch != state.epoch:
             raise BackendInputError(
                 group=self.group_id,
                 backend=self.backend.qualified_name,
-                what=f"{where}: stale batch (pages or slots freed or replaced after it was "
-                "built; rebuild it)",
+                what=f"{where}: stale batch, or one built by another PersistentState (pages or "
+                "slots freed or replaced after it was built; rebuild it with this runtime's "
+                "state)",
                 expected=f"state epoch {state.epoch}",
                 got=f"batch built at epoch {batch.state_epoch}",
             )

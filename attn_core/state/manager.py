@@ -18,6 +18,7 @@ Lifecycle of one request::
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
@@ -48,6 +49,11 @@ if TYPE_CHECKING:
     from attn_core.selector import Plan
 
 __all__ = ["PersistentState", "PrefixHit", "RequestRows"]
+
+#: Every epoch value of every PersistentState of the process, drawn once: a batch built by one
+#: state never matches another's epoch, so the binding refuses it before its slot and page
+#: indices reach another pool (two fresh states would both be at epoch 0 otherwise).
+_EPOCHS = itertools.count()
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,8 +199,9 @@ class PersistentState:
         self._version = 0
         #: Bumped whenever pages are freed or replaced, or gain a holder (a cached prefix, a
         #: request that shares them): a batch built before no longer holds (its writes were
-        #: planned for pages that were private then).
-        self.epoch = 0
+        #: planned for pages that were private then). Unique in the process (``_EPOCHS``), so
+        #: that a batch of another state is refused too; compare it for equality only.
+        self.epoch = next(_EPOCHS)
         #: Bumped whenever a request's dense row, liveness, slot, page count or page version
         #: changes (every ``_publish`` and ``release``); not by ``advance``. With
         #: ``page_allocator.changes`` it tells the BatchBuilder that a step's rows and pages
@@ -438,7 +445,7 @@ class PersistentState:
         pages = list(prefix.pages) if prefix else []
         self.page_allocator.incref(pages)
         if pages:  # shared now: a batch built before may write them without copying first
-            self.epoch += 1
+            self.epoch = next(_EPOCHS)
         slot = slots[0] if slots else None
         if slot is not None:
             if prefix and prefix.snapshot is not None:
@@ -583,7 +590,7 @@ class PersistentState:
         self._row_of.pop(req_id, None)
         self._row_live[req.row] = False
         self._free_rows.append(req.row)
-        self.epoch += 1
+        self.epoch = next(_EPOCHS)
         self.changes += 1
 
     # ------------------------------------------------------------------------------------------
@@ -651,7 +658,7 @@ class PersistentState:
             chain.append(block)
         cache.touch(chain)
         if shared:  # the request's pages back a cached prefix: a batch built before is stale
-            self.epoch += 1
+            self.epoch = next(_EPOCHS)
         if req.snapshot is not None:
             slot, length = req.snapshot
             k = length // ps
@@ -992,7 +999,7 @@ class PersistentState:
         req.pages = []
         req.slot = None
         req.snapshot = None
-        self.epoch += 1
+        self.epoch = next(_EPOCHS)
 
     def _validate_hit(self, hit: PrefixHit) -> list[CachedBlock]:
         ps = self.page_size
@@ -1053,7 +1060,7 @@ class PersistentState:
             pa.decref(old)  # still held by the cache / other requests: never freed here
         req.pages.extend(extra)
         if cow:
-            self.epoch += 1
+            self.epoch = next(_EPOCHS)
         if cow or extra:
             self._publish(req, new_pages=bool(cow))
         return extra

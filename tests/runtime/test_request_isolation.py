@@ -76,6 +76,25 @@ def test_conv1d_of_a_stale_batch_is_refused_and_the_new_owner_of_the_slot_keeps_
     assert torch.equal(conv, before)
 
 
+def test_a_batch_built_by_another_state_is_refused_before_any_state_moves(tiny_specs, ref_registry):
+    """Two fresh states share no epoch: a batch of the second (16 slots, a request in slot 9)
+    handed to a runtime over the first (8 slots) would index past its pools."""
+    state, runtime = _runtime([tiny_specs["gdn"]], ref_registry)
+    other, _ = _runtime([tiny_specs["gdn"]], ref_registry, num_slots=16)
+    state.add_request("a")
+    for i in range(10):
+        other.add_request(f"r{i}")
+    foreign = BatchBuilder(other, **LIMITS, max_pages_per_request=2).build([("r9", 1)])
+    assert int(foreign.state_indices[0]) >= state.state_slots.layer(0).conv.shape[0]
+    conv = state.state_slots.layer(0).conv
+    before = conv.clone()
+    runtime.prepare(foreign)
+    with pytest.raises(BackendInputError) as info:
+        runtime.binding(0).conv1d(torch.randn(1, 64), torch.randn(64, 4))
+    assert "another PersistentState" in info.value.what
+    assert torch.equal(conv, before)
+
+
 def test_conv1d_before_prepare_is_named(tiny_specs, ref_registry):
     _, runtime = _runtime([tiny_specs["gdn"]], ref_registry)
     with pytest.raises(RuntimeError, match=r"layer 0 \(group 'linear'\): conv1d before"):
