@@ -279,7 +279,7 @@ class FA3Context:
             raise ValueError(f"group {group.group_id!r}: fa3 serves causal layers only")
         self.window_left = spec.sliding_window - 1 if spec.sliding_window is not None else None
         self.softcap = provider.make_softcap(spec.logits_soft_cap)
-        self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._sinks: dict[int, torch.Tensor] = {}  # per layer: its sinks in bfloat16
         self.batch: AttentionBatch | None = None
         #: decode steps split over the KV range (see :mod:`attn_plugin_fa3.split_kv`); a
         #: window bounds the work already
@@ -361,19 +361,33 @@ class FA3Context:
         )
 
     def _sinks_for(self, layer: Any, device: torch.device) -> torch.Tensor | None:
-        """The layer's sinks as the kernel wants them: ``[Hq]`` bfloat16 on the device, cached
-        per layer (converted once, outside any graph capture, on the first call)."""
+        """The layer's sinks as the kernel wants them: ``[Hq]`` bfloat16 on the device, read
+        at every call (a weight reload writes them in place): a bf16 tensor on the device as it
+        is, another dtype copied into one bf16 buffer per layer (a captured graph replays the
+        copy, so it too reads the current values)."""
         src = layer.sinks
         if src is None:
             return None
         if not self.provider.sinks:
             self._bad("sinks", f"none ({self.provider.name} has no learnable sinks)", "a tensor")
-        cached = self._sinks.get(layer.layer_index)
-        if cached is None or cached[0] is not src:
-            converted = src.detach().to(device=device, dtype=torch.bfloat16).contiguous()
-            cached = (src, converted)
-            self._sinks[layer.layer_index] = cached
-        return cached[1]
+        src = src.detach()
+        if src.dtype == torch.bfloat16 and src.device == device and src.is_contiguous():
+            return src
+        if (
+            src.device != device
+            and device.type == "cuda"
+            and torch.cuda.is_current_stream_capturing()
+        ):
+            # a host-to-device copy cannot be captured: keep the model's sinks on its device
+            self._bad(
+                f"layer {layer.layer_index}: sinks device (captured)", str(device), str(src.device)
+            )
+        buffer = self._sinks.get(layer.layer_index)
+        if buffer is None or buffer.shape != src.shape:
+            buffer = torch.empty(src.shape, dtype=torch.bfloat16, device=device)
+            self._sinks[layer.layer_index] = buffer
+        buffer.copy_(src)
+        return buffer
 
     def forward(
         self,

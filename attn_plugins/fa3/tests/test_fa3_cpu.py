@@ -503,6 +503,45 @@ def test_long_decode_is_split_and_fresh_prefill_skips_the_page_table(monkeypatch
     assert split_call["rows"] == 2 * 2 and split_call["max_seqlen_k"] == 1504
 
 
+@_CPU_ONLY
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_sinks_written_in_place_reach_the_kernel(monkeypatch, dtype):
+    """A weight reload writes the sinks into the same tensor: the context kept a bf16 copy per
+    tensor object and served the old values (max |fa3 - reference| 0.98). Every step now reads
+    the layer's sinks: a bf16 tensor as it is, another dtype copied into one bf16 buffer (so a
+    captured graph replays the copy too)."""
+    rec = _SplitRecorder()
+    monkeypatch.setattr(plugin, "_PROBE", (rec.as_provider(), None))
+    spec = LayerSpec(kind="full", num_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                     has_sinks=True)  # fmt: skip
+    groups = group_layers([spec])
+    reg = _registry(True)
+    plan = select(groups, reg, DeviceCapabilities.target("h200"), ExecutionConstraints())
+    ref_plan = select(
+        groups, reg, DeviceCapabilities.target("h200"), ExecutionConstraints(force="full=reference")
+    )
+    state = PersistentState(groups, num_pages=9, num_slots=0)
+    sinks = torch.zeros(4, dtype=dtype)
+    params = {0: {"sinks": sinks}}
+    rt = AttentionRuntime(plan, reg, state=state, layer_params=params)
+    rt_ref = AttentionRuntime(ref_plan, reg, state=state, layer_params=params)
+    builder = BatchBuilder(state, max_batch_size=2, max_num_tokens=64, max_pages_per_request=4)
+    state.add_request("a")
+    torch.manual_seed(0)
+    for step, new in (([("a", 8)], None), ([("a", 1)], 4.0), ([("a", 1)], -2.0)):
+        if new is not None:
+            sinks.fill_(new)  # in place: the same tensor object
+        batch = builder.build(step)
+        t = batch.num_tokens
+        q, k, v = (torch.randn(t, h, 64).to(torch.bfloat16) for h in (4, 2, 2))
+        rt_ref.prepare(batch)
+        want = rt_ref.binding(0).forward(q, k, v).clone()
+        rt.prepare(batch)
+        got = rt.binding(0).forward(q, k, v)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        state.advance("a", t)
+
+
 @pytest.mark.parametrize("broadcast", [True, False])
 def test_one_request_split_decode_broadcasts_its_query_where_the_check_passed(
     monkeypatch, broadcast
