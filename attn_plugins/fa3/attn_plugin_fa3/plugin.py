@@ -209,24 +209,30 @@ _BROADCAST_Q: dict[tuple, str | None] = {}
 
 
 def broadcast_q_problem(
-    provider: providers.Provider, device: torch.device, spec: LayerSpec
+    provider: providers.Provider,
+    device: torch.device,
+    spec: LayerSpec,
+    page_size: int | None = None,
 ) -> str | None:
     """Why a split decode of one request at ``spec``'s shape must copy its query rows on
-    ``device`` (CPU: no check, always copied), or None where it may pass ``q[0]`` broadcast."""
+    ``device`` (CPU: no check, always copied), or None where it may pass ``q[0]`` broadcast.
+    ``page_size``: the KV cache's (the kernel loads a page of ``tile_n`` rows by TMA, any
+    other by rows: another kernel); None: the spec's, else 16."""
+    page_size = page_size or spec.page_size or 16
     if device.type != "cuda" or not torch.cuda.is_available():
         return "not checked off CUDA"
     index = device.index if device.index is not None else torch.cuda.current_device()
     dtype = getattr(torch, spec.dtype)
     key = (
         provider.name, provider.version, provider.uses_private, index, spec.num_heads,
-        spec.num_kv_heads, spec.head_dim, spec.page_size, dtype, spec.logits_soft_cap,
+        spec.num_kv_heads, spec.head_dim, page_size, dtype, spec.logits_soft_cap,
     )  # fmt: skip
     if key not in _BROADCAST_Q:
         with torch.cuda.device(index):
             _BROADCAST_Q[key] = providers.check_broadcast_q(
                 provider, torch.device("cuda", index), num_heads=spec.num_heads,
                 num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                page_size=spec.page_size or 16, dtype=dtype,
+                page_size=page_size, dtype=dtype,
                 softcap=provider.make_softcap(spec.logits_soft_cap),
             )  # fmt: skip
     return _BROADCAST_Q[key]
@@ -237,7 +243,9 @@ def attn_core_allocate_context(backend, group, device, constraints, state, works
     if probe()[0] is None:
         raise RuntimeError(f"{backend.qualified_name} cannot run: {probe()[1]}")
     where = torch.device("cuda" if device.device_type == "cuda" else "cpu")
-    return FA3Context(backend, group, checked_provider(where), constraints, device=where)
+    page_size = getattr(state, "page_size", None) or constraints.page_size
+    return FA3Context(backend, group, checked_provider(where), constraints, device=where,
+                      page_size=page_size)  # fmt: skip
 
 
 @hookimpl
@@ -255,7 +263,9 @@ class FA3Context:
         provider: providers.Provider,
         constraints: ExecutionConstraints,
         device: torch.device | None = None,
+        page_size: int | None = None,
     ) -> None:
+        """``page_size``: the KV cache's (the state's); None: the spec's."""
         spec = group.spec
         self.backend = backend
         self.group = group
@@ -286,10 +296,11 @@ class FA3Context:
         self._split_decode = provider.splits_kv and self.window_left is None
         #: a split decode of one request passes q[0] broadcast over its chunk rows (no copy)
         #: where the kernel was seen to read such rows right at this layer's shape
+        self._page_size = page_size or spec.page_size
         self.broadcast_q = (
             self._split_decode
             and device is not None
-            and broadcast_q_problem(provider, device, spec) is None
+            and broadcast_q_problem(provider, device, spec, self._page_size) is None
         )
         self._graphs = constraints.graph_mode is not GraphMode.NONE
         self._num_sms = 0
@@ -473,7 +484,7 @@ class FA3Context:
         rows, splits = meta.num_reqs, meta.plan.num_splits
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         bufs = self._buffers(rows * splits, q)
-        if rows == 1 and self.broadcast_q:
+        if rows == 1 and self.broadcast_q and meta.plan.page_size == self._page_size:
             q_rows = split_kv.query_rows(q[:1], splits, None)  # a view of q[0]: no launch
         else:
             q_rows = split_kv.query_rows(q[:rows], splits, bufs.q_rows)

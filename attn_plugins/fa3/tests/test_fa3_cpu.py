@@ -586,6 +586,27 @@ def test_one_request_split_decode_broadcasts_its_query_where_the_check_passed(
     assert all((c["q_row_stride"] == 0) is broadcast for c in splits)
 
 
+def test_the_broadcast_check_runs_at_the_page_size_the_cache_has(monkeypatch):
+    """The spec says page 16, the plan and the state 128 (TMA loads, another kernel variant):
+    the broadcast-query check ran at the spec's 16 and its verdict served the 128 kernel."""
+    rec = _SplitRecorder()
+    monkeypatch.setattr(plugin, "_PROBE", (rec.as_provider(), None))
+    seen = []
+
+    def check(provider, device, spec, page_size=None):
+        seen.append(page_size)
+
+    monkeypatch.setattr(plugin, "broadcast_q_problem", check)
+    spec = LayerSpec(kind="full", num_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+    groups = group_layers([spec])
+    reg = _registry(True)
+    cons = ExecutionConstraints(page_size=128)
+    plan = select(groups, reg, DeviceCapabilities.target("h200"), cons)
+    state = PersistentState(groups, num_pages=4, num_slots=0, page_size=128)
+    AttentionRuntime(plan, reg, state=state)
+    assert seen == [128]
+
+
 def test_chunk_buffers_are_views_of_one_allocation_that_outlives_a_larger_one(monkeypatch):
     """Split decode's chunk-row buffers: every row count a split makes is a view of one
     allocation sized for one wave of CTAs; a larger count allocates anew and keeps the old
