@@ -25,6 +25,7 @@ from attn_core.specs import (
     LINEAR_LAYER_INPUTS,
     LayerKind,
     LayerSpec,
+    LinearVariant,
     Phase,
     torch_dtype,
 )
@@ -61,6 +62,7 @@ class GroupRuntime:
         "group_id",
         "phase_buckets",
         "phase_targets",
+        "ran",
         "request_rules",
         "spec",
         "state",
@@ -90,6 +92,10 @@ class GroupRuntime:
         self.context = context
         self.forward = forward
         self.batch: AttentionBatch | None = None
+        #: ``(layer, "forward" | "conv1d")`` of each op that returned since the batch was
+        #: prepared (or updated): a verify step commits only when every layer of the group ran
+        #: (:meth:`last_op`).
+        self.ran: set[tuple[int, str]] = set()
         #: Why inputs are checked for NaN / inf before each forward (the setting that asked
         #: for it, named in the error), or None: not checked.
         self.check_finite = check_finite
@@ -101,6 +107,12 @@ class GroupRuntime:
         #: prefill steps whose token bucket switches by requests (PhaseChoice.by_requests):
         #: ((tokens above, tokens at most, requests at most, target), ...)
         self.request_rules: tuple[tuple[int, int, int, _Target], ...] = ()
+
+    def last_op(self) -> str:
+        """The op a layer of this group runs last in a step: ``conv1d`` for a short conv (LFM2:
+        conv state only), else ``forward``."""
+        short_conv = self.spec.linear_variant is LinearVariant.SHORT_CONV
+        return "conv1d" if short_conv else "forward"
 
     def use_phase(self, phase: Phase, size: int = 0, requests: int | None = None) -> None:
         """Make the backend of ``phase`` (and, where the plan switches by step size, of a step
@@ -335,6 +347,7 @@ class LayerAttentionBinding:
         except Exception as exc:
             raise group.plugin_error("forward", exc, self.layer_index) from exc
         if result is out and out is not None:
+            group.ran.add((self.layer_index, "forward"))
             return out
         if (
             not isinstance(result, torch.Tensor)
@@ -345,6 +358,7 @@ class LayerAttentionBinding:
             self._bad_result(
                 result, "forward", "a tensor [T, num_heads, head_dim_v]", self._o_shape, dtype
             )
+        group.ran.add((self.layer_index, "forward"))
         if out is None:
             return result
         if (
@@ -408,6 +422,7 @@ class LayerAttentionBinding:
             or result.dtype is not x.dtype
         ):
             self._bad_result(result, "conv1d", "a tensor [T, conv_channels]", x.shape, x.dtype)
+        group.ran.add((self.layer_index, "conv1d"))
         if out is not None and result is not out:
             out.copy_(result)
             return out
@@ -500,6 +515,10 @@ class LayerAttentionBinding:
             self._bad("conv activation", list(CONV_ACTIVATIONS), activation)
         if x.dim() != 2 or x.shape[1] != spec.conv_channels:
             self._bad("conv input shape", f"[T, {spec.conv_channels}]", tuple(x.shape))
+        # the layer's dtype, as forward's q (a float64 or int x would come back in its dtype)
+        for what, t in (("conv input", x), ("conv weight", weight), ("conv bias", bias)):
+            if t is not None and t.dtype != self._dtype:
+                self._bad(f"{what} dtype", self._dtype, t.dtype)
         if x.shape[0] != batch.padded_tokens:
             self._bad("conv input tokens", batch.padded_tokens, x.shape[0])
         if out is not None:

@@ -85,6 +85,8 @@ class AttentionRuntime:
         self.state = state
         self.device = torch.device(device)
         self.groups: dict[str, GroupRuntime] = {}
+        #: each group's layer indices (a verify step commits once every one of them ran)
+        self._group_layers: dict[str, tuple[int, ...]] = {}
         self.workspaces: dict[str, Workspace] = {}
         #: the verify batch prepared last, until commit_speculative: its per-token states live
         #: in the linear groups' contexts until the commit, so no other step may be prepared
@@ -181,6 +183,7 @@ class AttentionRuntime:
                         f"got page size {plan.page_size} (plan with a page size dividing {chunk})"
                     )
                 self.local_batchers[group.group_id] = LocalVirtualBatcher(chunk)
+            self._group_layers[group.group_id] = tuple(group.layer_indices)
             for index in group.layer_indices:
                 params = layer_params.get(index, {})
                 if group.spec.kind is LayerKind.LINEAR:
@@ -251,6 +254,7 @@ class AttentionRuntime:
             except Exception as exc:
                 raise g.plugin_error("prepare", exc, None) from exc
             g.batch = batch
+            g.ran = set()
         self._note_verify(batch)
 
     def update(self, batch: AttentionBatch) -> None:
@@ -278,6 +282,7 @@ class AttentionRuntime:
             except Exception as exc:
                 raise g.plugin_error("update", exc, None) from exc
             g.batch = batch
+            g.ran = set()
         self._note_verify(batch)
 
     def _committing(self) -> list[tuple[GroupRuntime, Any]]:
@@ -375,6 +380,21 @@ class AttentionRuntime:
                 expected=f"[>= {batch.num_reqs}] int32 or int64",
                 got=got,
             )
+        for g, _ in commits:
+            op = g.last_op()
+            layers = self._group_layers[g.group_id]
+            missing = [i for i in layers if (i, op) not in g.ran]
+            if missing:
+                raise BackendInputError(
+                    group=g.group_id,
+                    backend=g.backend.qualified_name,
+                    what=f"commit_speculative: layer {missing[0]} did not run this verify step "
+                    f"(its {op} was refused or not called; committing would move the other "
+                    "layers' slots and not its own: run the step again, its slots have not "
+                    "moved, then commit)",
+                    expected=f"{op} of layers {list(layers)}",
+                    got=f"{op} of layers {sorted(i for i, o in g.ran if o == op)}",
+                )
         for g, commit in commits:
             try:
                 commit(batch, num_accepted)

@@ -588,6 +588,45 @@ def _verified(tiny_specs, ref_registry):
     return state, runtime, builder, batch
 
 
+def test_commit_of_a_verify_step_whose_layers_did_not_all_run_is_refused(tiny_specs, ref_registry):
+    """A verify step of two linear layers whose second layer's forward never returned (refused,
+    or not called): committing it would move the first layer's slots and not the second's,
+    leaving the request's layers at different tokens. Refused before any slot moves, naming
+    the layer; the step can be run again (its slots have not moved) and then committed."""
+    spec = tiny_specs["gdn"]
+    state, runtime = _runtime(
+        [spec, spec], ref_registry, constraints=ExecutionConstraints(**LIMITS, speculative_tokens=1)
+    )
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
+    state.add_request("a")
+    batch = builder.build([("a", 2)], spec_tokens=1)
+    g = torch.Generator().manual_seed(0)
+    T, H, Hk = 2, spec.num_heads, spec.num_kv_heads
+
+    def run(layer):
+        runtime.binding(layer).forward(
+            torch.randn(T, Hk, spec.head_dim, generator=g),
+            torch.randn(T, Hk, spec.head_dim, generator=g),
+            torch.randn(T, H, spec.head_dim_v, generator=g),
+            g=-torch.rand(T, H, generator=g),
+            beta=torch.rand(T, H, generator=g),
+        )
+
+    runtime.prepare(batch)
+    run(0)
+    slots = [state.state_slots.layer(i).ssm for i in (0, 1)]
+    before = [t.clone() for t in slots]
+    with pytest.raises(BackendInputError) as info:
+        runtime.commit_speculative(batch, torch.tensor([2], dtype=torch.int32))
+    assert "layer 1" in info.value.what and info.value.group == "linear"
+    assert all(torch.equal(t, b) for t, b in zip(slots, before, strict=True))
+    runtime.prepare(batch)  # the same step again, every layer this time
+    run(0)
+    run(1)
+    runtime.commit_speculative(batch, torch.tensor([2], dtype=torch.int32))
+    assert not any(torch.equal(t, b) for t, b in zip(slots, before, strict=True))
+
+
 def test_commit_of_another_verify_batch_than_the_one_that_ran_is_refused(tiny_specs, ref_registry):
     """The same requests in another order, built after the verify step ran (same epoch):
     committing it would write each request's verified state into the other's slot."""
@@ -732,6 +771,36 @@ def test_a_conv1d_out_the_caller_got_wrong_is_refused_before_any_conv_state_move
     with pytest.raises(BackendInputError, match="layer 0: conv out") as info:
         runtime.binding(0).conv1d(torch.randn(2 * n, C), torch.randn(*spec.conv_dims), out=out)
     assert info.value.backend == "attn_core:reference"
+    assert torch.equal(conv, before)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+@pytest.mark.parametrize(
+    "bad, what",
+    [("x", "conv input dtype"), ("x_int", "conv input dtype"), ("weight", "conv weight dtype"),
+     ("bias", "conv bias dtype")],
+)  # fmt: skip
+def test_a_conv1d_input_of_another_dtype_than_the_layers_is_refused_before_any_conv_state_moves(
+    tiny_specs, ref_registry, mode, bad, what
+):
+    """conv1d checked shapes only: a prefill took float64 or int32 ``x`` (and returned that
+    dtype), a bf16 weight on a float32 layer passed every mode, and the conv state moved."""
+    spec = tiny_specs["gdn"]  # float32
+    runtime, conv, n = _conv_step_of_two_requests(spec, ref_registry, mode)
+    before = conv.clone()
+    C = spec.conv_channels
+    x, w, b = torch.randn(2 * n, C), torch.randn(*spec.conv_dims), torch.randn(C)
+    if bad == "x":
+        x = x.double()
+    elif bad == "x_int":
+        x = x.int()
+    elif bad == "weight":
+        w = w.bfloat16()
+    else:
+        b = b.half()
+    with pytest.raises(BackendInputError, match=f"layer 0: {what}") as info:
+        runtime.binding(0).conv1d(x, w, b)
+    assert "float32" in str(info.value.expected)
     assert torch.equal(conv, before)
 
 
