@@ -20,6 +20,7 @@ JIT-compiles the kernel, 2-4 s).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -184,6 +185,12 @@ def _run_self_check(provider: providers.Provider, device: torch.device) -> provi
             "self-check at first GPU use", "self-check passed"))  # fmt: skip
     else:
         provider = providers.public_only(provider, problem)
+        warnings.warn(
+            f"fa3: _flash_attn_fwd failed its self-check on {device} ({problem}); this "
+            "process serves through the public flash_attn_varlen_func",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     _PROBE = (provider, None)
     return provider
 

@@ -737,6 +737,18 @@ def test_a_private_path_that_disagrees_is_dropped_and_the_note_says_why(monkeypa
     assert providers.self_check(providers._fa4_provider(), torch.device("cpu")) is None
 
 
+def test_a_failed_self_check_at_the_first_context_warns_once_naming_why(monkeypatch):
+    """The first context's self-check that fails moves the process to the public function:
+    that is said (a RuntimeWarning naming the reason), not only in a later attn list."""
+    _fake_fa4(monkeypatch, "4.0.0b40", private_scale=1.5)
+    provider = providers._fa4_provider()
+    monkeypatch.setattr(plugin, "_PROBE", (provider, None))
+    monkeypatch.setattr(plugin, "_CHECK", None)
+    with pytest.warns(RuntimeWarning, match="_flash_attn_fwd.*differs from flash_attn_varlen_func"):
+        served = plugin._run_self_check(provider, torch.device("cpu"))
+    assert not served.uses_private
+
+
 @pytest.mark.parametrize("private_scale", [1.0, 1.5], ids=["agrees", "disagrees"])
 def test_attn_list_self_check_checks_the_private_entry_point_before_any_context(
     monkeypatch, private_scale
