@@ -369,11 +369,11 @@ class FA3Context:
         # step's table has the split's width, the chunk lengths take two launches
         return split_kv.build_metadata(plan, batch.page_table, batch.seq_lens[:rows], out=kept)
 
-    def _bad(self, what: str, expected: object, got: object) -> NoReturn:
+    def _bad(self, what: str, expected: object, got: object, layer: int | None = None) -> NoReturn:
         raise BackendInputError(
             group=self.group.group_id,
             backend=self.backend.qualified_name,
-            what=what,
+            what=what if layer is None else f"layer {layer}: {what}",
             expected=expected,
             got=got,
         )
@@ -387,7 +387,8 @@ class FA3Context:
         if src is None:
             return None
         if not self.provider.sinks:
-            self._bad("sinks", f"none ({self.provider.name} has no learnable sinks)", "a tensor")
+            none = f"none ({self.provider.name} has no learnable sinks)"
+            self._bad("sinks", none, "a tensor", layer.layer_index)
         src = src.detach()
         if src.dtype == torch.bfloat16 and src.device == device and src.is_contiguous():
             return src
@@ -428,7 +429,7 @@ class FA3Context:
             self._bad("batch", "a prepared paged batch (prepare before forward)", batch)
         kv = layer.kv
         if kv.k.dtype != q.dtype:
-            self._bad("KV cache dtype", q.dtype, kv.k.dtype)
+            self._bad("KV cache dtype", q.dtype, kv.k.dtype, layer.layer_index)
         sinks = self._sinks_for(layer, q.device)
         if self.split is not None:  # the merge kernel stores the new K/V (after the chunks)
             check_kv_dtypes(k, v, kv.k, kv.v)

@@ -288,6 +288,20 @@ def test_missing_inputs_are_named(registry):
         lane.runtime.binding(0).forward(x["q"], x["k"], x["v"], g=x["extra"]["g"])
 
 
+@pytest.mark.parametrize("variant, name", [("lightning", "slope"), ("mamba1", "A_log")])
+def test_a_layer_parameter_of_the_wrong_shape_is_named_with_its_layer(registry, variant, name):
+    """The plugin's own input checks named the group and the backend, not the layer."""
+    spec = _spec(variant)
+    lane = _lanes(registry, spec, ExecutionConstraints(max_batch_size=4, max_num_tokens=32))[1]
+    lane.state.add_request("a")
+    lane.runtime.prepare(lane.builder.build([("a", 1)]))
+    x, p = step_inputs(spec, 1, DEV, 0)[1], lane.params[1]
+    kw = {**x["extra"], **{n: t for n, t in p.items() if n not in ("conv_w", "conv_b")}}
+    kw[name] = kw[name][:1]
+    with pytest.raises(BackendInputError, match=f"layer 1: .*{name} shape"):
+        lane.runtime.binding(1).forward(x["q"], x["k"], x["v"], **kw)
+
+
 def test_workspace_declared_per_layer_for_native_only(registry):
     spec = make_spec("gated_deltanet")
     native = ExecutionConstraints(max_batch_size=4, max_num_tokens=32, speculative_tokens=3)
