@@ -214,6 +214,12 @@ class LayerAttentionBinding:
                 f"layer {layer_index} (group {group.group_id!r}) has sinks in its spec but no "
                 f"sinks tensor [num_heads={spec.num_heads}] was given"
             )
+        if sinks is not None and not spec.has_sinks:
+            # a backend reads the spec (FlashInfer applies none), another the tensor
+            raise ValueError(
+                f"layer {layer_index} (group {group.group_id!r}): a sinks tensor was given but "
+                "its spec has has_sinks=False (declare them in the spec, or give none)"
+            )
         if sinks is not None and tuple(sinks.shape) != (spec.num_heads,):
             raise ValueError(
                 f"layer {layer_index}: sinks shape {tuple(sinks.shape)}, expected "

@@ -27,6 +27,7 @@ from attn_core.batch import AttentionBatch, BatchMode
 from attn_core.binding import LayerAttentionBinding
 from attn_core.hookspecs import hookimpl
 from attn_core.registry import Registry
+from attn_core.runtime import AttentionRuntime
 from attn_core.selector import TuningData, check_backend, select
 from attn_core.specs import (
     DeviceCapabilities,
@@ -36,6 +37,7 @@ from attn_core.specs import (
     group_layers,
     torch_dtype,
 )
+from attn_core.state import PersistentState
 from attn_core.state.kv_cache import FullKVLayer, MLAKVLayer
 from attn_core.state.slots import LinearStateLayer
 from attn_core.testing.harness import Limits, Pair, Side
@@ -614,6 +616,21 @@ def test_a_layer_with_sinks_and_no_tensor_is_refused_at_build_time():
     spec = SPECS["full"].with_(has_sinks=True, kv_dtype=None)
     with pytest.raises(Exception, match="has sinks in its spec but no sinks tensor"):
         _spy_run(spec, [])
+
+
+def test_sinks_for_a_layer_whose_spec_has_none_are_refused_at_build_time():
+    """The binding took them: the reference and fa3 then applied them, FlashInfer ignored them
+    (its spec said no sinks), the official FA3 build failed: one model, three answers."""
+    spec = SPECS["full"].with_(kv_dtype=None)
+    assert not spec.has_sinks
+    groups = group_layers([spec])
+    reg = Registry(strict=True)
+    reg.register_plugin(ref, name="attn_core")
+    plan = select(groups, reg, CPU, ExecutionConstraints())
+    state = PersistentState.from_plan(plan, num_pages=4, num_slots=0)
+    sinks = {0: {"sinks": torch.zeros(spec.num_heads)}}
+    with pytest.raises(ValueError, match=r"layer 0 .*sinks tensor was given.*has_sinks=False"):
+        AttentionRuntime(plan, reg, state=state, layer_params=sinks)
 
 
 # ------------------------------------------------------------------------------------------
