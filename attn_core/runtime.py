@@ -243,6 +243,7 @@ class AttentionRuntime:
             per-token states, leaving the slots with every draft or none accepted.
         """
         self._refuse_uncommitted(batch, "prepare")
+        self._refuse_undeclared_drafts(batch)
         phase, size = batch.phase, step_size(batch.phase, batch.padded_reqs, batch.padded_tokens)
         for g in self.groups.values():
             g.use_phase(phase, size, batch.padded_reqs)
@@ -261,6 +262,7 @@ class AttentionRuntime:
         """Copy ``batch``'s metadata in place into every group's captured buffers (those of the
         backend of the batch's phase, the one its graph was captured with)."""
         self._refuse_uncommitted(batch, "update")
+        self._refuse_undeclared_drafts(batch)
         phase, size = batch.phase, step_size(batch.phase, batch.padded_reqs, batch.padded_tokens)
         for g in self.groups.values():
             g.use_phase(phase, size, batch.padded_reqs)
@@ -284,6 +286,21 @@ class AttentionRuntime:
             g.batch = batch
             g.ran = set()
         self._note_verify(batch)
+
+    def _refuse_undeclared_drafts(self, batch: AttentionBatch) -> None:
+        """A verify step of more drafts than the plan's ``speculative_tokens``: the backends
+        were chosen (and verify workspaces sized) for that many."""
+        declared = self.plan.constraints.speculative_tokens
+        if batch.spec_tokens > declared and self.groups:
+            g = next(iter(self.groups.values()))
+            raise BackendInputError(
+                group=g.group_id,
+                backend=g.backend.qualified_name,
+                what="prepare: a verify step of more draft tokens than the plan was made for "
+                "(plan with ExecutionConstraints(speculative_tokens=k))",
+                expected=f"at most {declared} draft tokens (the plan's speculative_tokens)",
+                got=f"{batch.spec_tokens} draft tokens",
+            )
 
     def _committing(self) -> list[tuple[GroupRuntime, Any]]:
         """``(group, its context's commit_speculative)`` for every group that commits verify

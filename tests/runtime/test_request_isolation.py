@@ -627,6 +627,23 @@ def test_commit_of_a_verify_step_whose_layers_did_not_all_run_is_refused(tiny_sp
     assert not any(torch.equal(t, b) for t, b in zip(slots, before, strict=True))
 
 
+def test_a_verify_step_with_more_drafts_than_the_plan_declared_is_refused_at_prepare(
+    tiny_specs, ref_registry
+):
+    """The plan chose backends (and sized verify workspaces) for ``speculative_tokens``: a
+    native verify of more drafts failed on its workspace, a replay one ran and committed."""
+    spec = tiny_specs["gdn"]
+    state, runtime = _runtime(
+        [spec], ref_registry, constraints=ExecutionConstraints(**LIMITS, speculative_tokens=1)
+    )
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
+    state.add_request("a")
+    with pytest.raises(BackendInputError, match="speculative_tokens") as info:
+        runtime.prepare(builder.build([("a", 3)], spec_tokens=2))
+    assert info.value.expected == "at most 1 draft tokens (the plan's speculative_tokens)"
+    runtime.prepare(builder.build([("a", 2)], spec_tokens=1))  # as declared: fine
+
+
 def test_commit_of_another_verify_batch_than_the_one_that_ran_is_refused(tiny_specs, ref_registry):
     """The same requests in another order, built after the verify step ran (same epoch):
     committing it would write each request's verified state into the other's slot."""
