@@ -63,6 +63,7 @@ class GroupRuntime:
         "phase_buckets",
         "phase_targets",
         "ran",
+        "records_ops",
         "request_rules",
         "spec",
         "state",
@@ -96,6 +97,9 @@ class GroupRuntime:
         #: prepared (or updated): a verify step commits only when every layer of the group ran
         #: (:meth:`last_op`).
         self.ran: set[tuple[int, str]] = set()
+        #: whether ``ran`` is kept: a linear group's (its verify steps commit); attention
+        #: groups' forwards skip it (the decode path's host time)
+        self.records_ops = spec.kind is LayerKind.LINEAR
         #: Why inputs are checked for NaN / inf before each forward (the setting that asked
         #: for it, named in the error), or None: not checked.
         self.check_finite = check_finite
@@ -353,7 +357,8 @@ class LayerAttentionBinding:
         except Exception as exc:
             raise group.plugin_error("forward", exc, self.layer_index) from exc
         if result is out and out is not None:
-            group.ran.add((self.layer_index, "forward"))
+            if group.records_ops:
+                group.ran.add((self.layer_index, "forward"))
             return out
         if (
             not isinstance(result, torch.Tensor)
@@ -364,7 +369,8 @@ class LayerAttentionBinding:
             self._bad_result(
                 result, "forward", "a tensor [T, num_heads, head_dim_v]", self._o_shape, dtype
             )
-        group.ran.add((self.layer_index, "forward"))
+        if group.records_ops:
+            group.ran.add((self.layer_index, "forward"))
         if out is None:
             return result
         if (
@@ -428,7 +434,8 @@ class LayerAttentionBinding:
             or result.dtype is not x.dtype
         ):
             self._bad_result(result, "conv1d", "a tensor [T, conv_channels]", x.shape, x.dtype)
-        group.ran.add((self.layer_index, "conv1d"))
+        if group.records_ops:
+            group.ran.add((self.layer_index, "conv1d"))
         if out is not None and result is not out:
             out.copy_(result)
             return out

@@ -255,7 +255,8 @@ class AttentionRuntime:
             except Exception as exc:
                 raise g.plugin_error("prepare", exc, None) from exc
             g.batch = batch
-            g.ran = set()
+            if g.records_ops:
+                g.ran.clear()
         self._note_verify(batch)
 
     def update(self, batch: AttentionBatch) -> None:
@@ -284,7 +285,8 @@ class AttentionRuntime:
             except Exception as exc:
                 raise g.plugin_error("update", exc, None) from exc
             g.batch = batch
-            g.ran = set()
+            if g.records_ops:
+                g.ran.clear()
         self._note_verify(batch)
 
     def _refuse_undeclared_drafts(self, batch: AttentionBatch) -> None:
