@@ -285,8 +285,9 @@ class AttentionRuntime:
             except Exception as exc:
                 raise g.plugin_error("update", exc, None) from exc
             g.batch = batch
-            if g.records_ops:
-                g.ran.clear()
+            if g.records_ops:  # a graph replay runs every captured layer, no forward in Python
+                op = g.last_op()
+                g.ran = {(i, op) for i in self._group_layers[g.group_id]}
         self._note_verify(batch)
 
     def _refuse_undeclared_drafts(self, batch: AttentionBatch) -> None:

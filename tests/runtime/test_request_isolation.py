@@ -627,6 +627,19 @@ def test_commit_of_a_verify_step_whose_layers_did_not_all_run_is_refused(tiny_sp
     assert not any(torch.equal(t, b) for t, b in zip(slots, before, strict=True))
 
 
+def test_a_replayed_verify_step_commits_without_forwards_in_python(tiny_specs, ref_registry):
+    """update() before a graph replay: the captured kernels run every layer, no forward is
+    called in Python, so the commit of a replayed verify step must not ask for one."""
+    spec = tiny_specs["gdn"]
+    cons = ExecutionConstraints(**LIMITS, speculative_tokens=1, graph_mode="full")
+    state, runtime = _runtime([spec, spec], ref_registry, constraints=cons)
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
+    state.add_request("a")
+    batch = builder.build([("a", 2)], spec_tokens=1)
+    runtime.update(batch)  # the replay's metadata; the graph would now run both layers
+    runtime.commit_speculative(batch, torch.tensor([2], dtype=torch.int32))
+
+
 def test_a_verify_step_with_more_drafts_than_the_plan_declared_is_refused_at_prepare(
     tiny_specs, ref_registry
 ):
