@@ -179,6 +179,8 @@ class LayerAttentionBinding:
         "_conv_x_shape",
         "_dtype",
         "_group",
+        "_input_shapes",
+        "_input_tails",
         "_k_shape",
         "_kind",
         "_kv_tail",
@@ -259,6 +261,23 @@ class LayerAttentionBinding:
             self._kv_tail = (Hkv, D)
             self._v_tail = (Hkv, Dv)
             self._out_tail = (H, Dv)
+        # a linear layer's own inputs (docs/reference.md's table): name -> (per token, tail)
+        self._input_tails: dict[str, tuple[bool, tuple[int, ...]]] = {}
+        self._input_shapes: dict[str, torch.Size] = {}
+        variant = spec.linear_variant if spec.kind is LayerKind.LINEAR else None
+        if variant in (LinearVariant.GATED_DELTANET, LinearVariant.KDA):
+            g_tail = (H, D) if variant is LinearVariant.KDA else (H,)
+            self._input_tails = {"g": (True, g_tail), "beta": (True, (H,))}
+        elif variant in (LinearVariant.MAMBA2, LinearVariant.MAMBA1):
+            a_log = (H, D) if variant is LinearVariant.MAMBA1 else (H,)
+            self._input_tails = {
+                "dt": (True, (H,)),
+                "A_log": (False, a_log),
+                "D": (False, (H,)),
+                "dt_bias": (False, (H,)),
+            }
+        elif variant is LinearVariant.LIGHTNING:
+            self._input_tails = {"slope": (False, (H,))}
 
     # -- accessors -------------------------------------------------------------------------
     @property
@@ -345,6 +364,14 @@ class LayerAttentionBinding:
             )
         ):
             self._check(q, k, v, out, tokens)
+        if inputs and self._input_shapes:  # a linear layer's own inputs, where given
+            shapes = self._input_shapes
+            for name, t in inputs.items():
+                want = shapes.get(name)
+                if want is not None and isinstance(t, torch.Tensor) and t.shape != want:
+                    variant = self.spec.linear_variant
+                    what = f"{variant.value if variant else 'linear'} input {name} shape"
+                    self._bad(what, list(want), list(t.shape))
         state = group.state
         if state is not None and batch.state_epoch != state.epoch:
             group.check_fresh(batch, f"layer {self.layer_index}")  # raises: stale
@@ -541,6 +568,10 @@ class LayerAttentionBinding:
         self._conv_tokens, self._conv_x_shape = batch.padded_tokens, x.shape
 
     def _expect(self, tokens: int) -> None:
+        self._input_shapes = {
+            name: torch.Size((tokens, *tail) if per_token else tail)
+            for name, (per_token, tail) in self._input_tails.items()
+        }
         self._q_shape = torch.Size((tokens, *self._q_tail))
         self._k_shape = torch.Size((tokens, *self._kv_tail))
         self._v_shape = None if self._v_tail is None else torch.Size((tokens, *self._v_tail))

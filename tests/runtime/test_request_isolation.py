@@ -762,6 +762,55 @@ def test_a_linear_input_of_the_wrong_shape_is_the_callers_error_naming_the_layer
     assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
 
 
+class _LinearRecorder(_Recorder):
+    """A linear context that checks nothing itself (as a vendor's might): counts forwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.make = lambda q: None
+
+    def forward(self, layer, q, k, v, out, **inputs):
+        self.calls += 1
+        return torch.zeros(q.shape[0], layer.spec.num_heads, layer.spec.head_dim_v)
+
+    def conv1d(self, layer, x, weight, bias, *, activation="silu", out=None):
+        return x.clone()
+
+
+@pytest.mark.parametrize(
+    ("kind", "name", "bad"),
+    [("mamba1", "dt", lambda t: t[..., None]), ("mamba1", "D", lambda t: t[:1]),
+     ("kda", "g", lambda t: t[..., :1]), ("mamba2", "A_log", lambda t: t[:1])],
+)  # fmt: skip
+def test_a_linear_input_shape_is_checked_by_the_core_for_every_backend(
+    tiny_specs, make_plugin, make_caps, kind, name, bad
+):
+    """The reference checked its inputs' shapes itself; triton_ssm's kernels raised on some
+    (reported as the plugin's failure) and a vendor's context need not check at all. The
+    binding now refuses a present input of another shape than the layer's, naming it."""
+    from attn_core.testing.workloads import layer_inputs
+
+    spec = tiny_specs[kind]
+    ctx = _LinearRecorder()
+    caps = make_caps(kinds={"linear"}, linear_variants={spec.linear_variant.value})
+    backend = Backend(name="lin", capabilities=caps)
+    reg = Registry(strict=True)
+    reg.register_plugin(make_plugin("vendor", [backend], allocate=lambda: ctx), name="vendor")
+    state, runtime = _runtime([spec], reg)
+    builder = BatchBuilder(state, **LIMITS, max_pages_per_request=2)
+    state.add_request("a")
+    runtime.prepare(builder.build([("a", 3)]))
+    inputs = layer_inputs(spec, 3, torch.Generator().manual_seed(0))
+    inputs.pop("conv_x")
+    q, k, v = inputs.pop("q"), inputs.pop("k"), inputs.pop("v")
+    good = list(inputs[name].shape)
+    inputs[name] = bad(inputs[name])
+    with pytest.raises(BackendInputError, match=f"layer 0: .*input {name} shape") as info:
+        runtime.binding(0).forward(q, k, v, **inputs)
+    assert info.value.expected == good and info.value.backend == "vendor:lin"
+    assert ctx.calls == 0
+
+
 # ------------------------------------------------------------------------------------------
 # conv1d's out, results of padded steps, per-layer constants of padded steps
 # ------------------------------------------------------------------------------------------
