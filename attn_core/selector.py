@@ -466,7 +466,10 @@ def step_size(phase: Phase, num_reqs: int, num_tokens: int) -> int:
 def _time_us(name: str, value: object) -> float:
     """A measured time from a tuning file: a finite number of microseconds above 0 (ranking
     divides by it, and a negative or NaN time would rank first)."""
-    t = float(value)  # type: ignore[arg-type]  # a str or None raises, which the caller names
+    # a JSON number only: float("50") and float(True) would pass a string or a boolean
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name}: a time > 0 (microseconds), got {value!r}")
+    t = float(value)
     if not (math.isfinite(t) and t > 0):
         raise ValueError(f"{name}: a time > 0 (microseconds), got {value!r}")
     return t
@@ -477,6 +480,7 @@ def _count(name: str, value: object) -> int:
     if (
         isinstance(value, bool)
         or not isinstance(value, int | float)
+        or not math.isfinite(value)  # int(inf) raises OverflowError
         or value != int(value)
         or value < 1
     ):

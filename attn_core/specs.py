@@ -812,7 +812,10 @@ def _parse_mapping(value: _ForceMapping | None, field_name: str) -> tuple[tuple[
         pairs = value
     seen: dict[str, str] = {}
     for k, v in pairs:
-        key, val = str(k), str(v)
+        key, val = str(k).strip(), str(v).strip()
+        _require(bool(key), field_name, given, f"an empty key (for {val!r})")
+        # an empty value would force, or set, nothing without a word
+        _require(bool(val), field_name, given, f"{key!r} names no backend (or value)")
         # Sorting below would make the alphabetically last value win: a repeat is a mistake.
         _require(
             key not in seen,

@@ -601,6 +601,10 @@ _ENTRY = {"backend": "fa3:fa3", "spec": {}, "phase": "decode", "batch": 8, "us":
         (json.dumps({"format": 3, "entries": [{**_ENTRY, "us": float("nan")}]}), r"us: a time > 0"),
         (json.dumps({"format": 3, "entries": [{**_ENTRY, "batch": 0}]}), r"batch: an int >= 1"),
         (json.dumps({"format": 3, "entries": [{**_ENTRY, "batch": 8.7}]}), r"batch: an int >= 1"),
+        (json.dumps({"format": 3, "entries": [{**_ENTRY, "batch": float("inf")}]}),
+         r"batch: an int >= 1"),
+        (json.dumps({"format": 3, "entries": [{**_ENTRY, "us": True}]}), r"us: a time > 0"),
+        (json.dumps({"format": 3, "entries": [{**_ENTRY, "us": "50"}]}), r"us: a time > 0"),
         (
             json.dumps(
                 {"format": 3, "entries": [{**_ENTRY, "points": [{"context": 2048, "us": 0}]}]}
@@ -610,7 +614,8 @@ _ENTRY = {"backend": "fa3:fa3", "spec": {}, "phase": "decode", "batch": 8, "us":
     ],
     ids=[
         "missing", "not-json", "list", "no-entries", "null-entries", "str-entry", "zero-us",
-        "negative-us", "nan-us", "zero-batch", "float-batch", "zero-point",
+        "negative-us", "nan-us", "zero-batch", "float-batch", "inf-batch", "bool-us", "str-us",
+        "zero-point",
     ],
 )  # fmt: skip
 def test_an_unreadable_or_unphysical_tuning_file_is_refused_naming_it(tmp_path, content, message):

@@ -378,6 +378,10 @@ def test_detect_cpu():
         ({"force": "full"}, r"force='full'.*kind=backend"),
         ({"force": "full=a, full=b"}, r"force=.*'full' is given twice \('a' and 'b'\)"),
         ({"force": [("full", "b"), ("full", "a")]}, r"'full' is given twice \('b' and 'a'\)"),
+        # the mapping forms were let through with an empty backend, which forced nothing
+        ({"force": {"full": ""}}, r"force=.*'full' names no backend"),
+        ({"force": {"decode:full": " "}}, r"force=.*'decode:full' names no backend"),
+        ({"force": [("", "fa3")]}, r"force=.*an empty key"),
     ],
 )
 def test_constraint_validation(kwargs, match):
