@@ -78,16 +78,23 @@ def _torch_device(text: str) -> str:
     return text
 
 
-def _add_constraint_args(p: argparse.ArgumentParser, *, tuning: bool = True) -> None:
-    """The selection's arguments; ``tuning=False`` for a command that ranks nothing (bench)."""
+def _add_constraint_args(
+    p: argparse.ArgumentParser, *, tuning: bool = True, run_sized: bool = False
+) -> None:
+    """The selection's arguments; ``tuning=False`` for a command that ranks nothing (bench);
+    ``run_sized`` for ``attn run``, which plans its graph mode from ``--graphs`` and its step
+    sizes from its prompts, so it offers neither ``--graph-mode`` nor ``--max-batch`` /
+    ``--max-tokens``."""
     g = p.add_argument_group("constraints")
-    g.add_argument(
-        "--graph-mode",
-        default="none",
-        choices=["none", "decode", "full"],
-        help="CUDA graphs the run captures: none (default), decode (pure-decode steps), full "
-        "(prefill and mixed steps too); lowered per --downgrade where a group has no backend",
-    )
+    if not run_sized:
+        g.add_argument(
+            "--graph-mode",
+            default="none",
+            choices=["none", "decode", "full"],
+            help="CUDA graphs the run captures: none (default), decode (pure-decode steps), "
+            "full (prefill and mixed steps too); lowered per --downgrade where a group has no "
+            "backend",
+        )
     g.add_argument(
         "--page-size",
         type=int,
@@ -110,12 +117,16 @@ def _add_constraint_args(p: argparse.ArgumentParser, *, tuning: bool = True) -> 
         choices=["native", "replay"],
         help="how linear layers verify drafts (a backend must declare it); default: any",
     )
-    g.add_argument(
-        "--max-batch", type=int, default=256, help="most requests in one step (default 256)"
-    )
-    g.add_argument(
-        "--max-tokens", type=int, default=8192, help="most new tokens in one step (default 8192)"
-    )
+    if not run_sized:
+        g.add_argument(
+            "--max-batch", type=int, default=256, help="most requests in one step (default 256)"
+        )
+        g.add_argument(
+            "--max-tokens",
+            type=int,
+            default=8192,
+            help="most new tokens in one step (default 8192)",
+        )
     g.add_argument(
         "--deterministic",
         action="store_true",
@@ -178,14 +189,14 @@ def _constraints(args: argparse.Namespace):
     force = parse_forced(args.backends, source="--backends") if args.backends else {}
     options = parse_option_entries(getattr(args, "option", None) or [], source=SOURCE_CLI)
     return ExecutionConstraints(
-        graph_mode=args.graph_mode,
+        graph_mode=getattr(args, "graph_mode", "none"),  # attn run: its --graphs (plan_for)
         page_size=args.page_size,
         kv_layout=args.kv_layout,
         kv_dtype=args.kv_dtype,
         speculative_tokens=args.spec_tokens,
         spec_verify_strategy=args.spec_strategy,
-        max_batch_size=args.max_batch,
-        max_num_tokens=args.max_tokens,
+        max_batch_size=getattr(args, "max_batch", 256),  # attn run: sized by plan_for
+        max_num_tokens=getattr(args, "max_tokens", 8192),
         deterministic=args.deterministic,
         force=force,
         allow=args.allow or frozenset(),
@@ -773,7 +784,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-progress", action="store_true", help="no progress bar while a model generates"
     )
-    _add_constraint_args(p)
+    _add_constraint_args(p, run_sized=True)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser(

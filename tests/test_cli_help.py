@@ -205,3 +205,17 @@ def test_bench_help_says_which_models_it_takes(capsys):
     assert "as for explain" not in text
     assert "one model" in text
     assert cli.main(["bench", "--model", "all"]) == 2
+
+
+@pytest.mark.parametrize(
+    "flag", [["--graph-mode", "full"], ["--max-batch", "4"], ["--max-tokens", "64"]]
+)
+def test_run_offers_no_constraint_it_would_override(capsys, flag):
+    """attn run listed --graph-mode, --max-batch and --max-tokens but planned with --graphs
+    and its own sizes: --graph-mode full --downgrade error ran without graphs, quietly."""
+    text = _help(capsys, "run")
+    assert flag[0] not in text and "--graphs" in text
+    with pytest.raises(SystemExit) as info:
+        cli.main(["run", *flag])
+    assert info.value.code == 2
+    assert f"unrecognized arguments: {' '.join(flag)}" in capsys.readouterr().err
