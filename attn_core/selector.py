@@ -1331,6 +1331,7 @@ def select(
     result = attempt(constraints)
     if isinstance(result, Plan):
         _apply_downgrade_policy(result)
+        _warn_unused_tuning(result, tuning)
         return result
     group, phase, rejections, page_size, layout = result
     message = _no_backend_message(
@@ -1385,8 +1386,26 @@ def select(
                 stacklevel=2,
             )
         _apply_downgrade_policy(lowered)
+        _warn_unused_tuning(lowered, tuning)
         return lowered
     raise SelectionError(message)
+
+
+def _warn_unused_tuning(plan: Plan, tuning: TuningData | None) -> None:
+    """Warn where tuning data was given and timed no group of ``plan`` in any phase: its
+    entries are for other layer specs (another model, dtype, tensor-parallel size) or backend
+    names not registered, so the plan ranked by priority alone."""
+    if tuning is None or not tuning.times_us:
+        return
+    for choice in plan.choices:
+        if choice.tuned_us is not None or any(p.tuned_us is not None for p in choice.phases):
+            return
+    warnings.warn(
+        "the tuning data times no group of this plan (its entries are for other layer specs, "
+        "e.g. another model, dtype or --tp, or for backends not registered here): backends "
+        "rank by priority (re-run attn bench --write-tuning for this model and settings)",
+        stacklevel=3,
+    )
 
 
 def _warn_foreign_tuning(

@@ -567,6 +567,22 @@ def test_tuning_file_format_1_still_reads_for_every_phase(tmp_path, registry):
     assert _phases(plan) == {"prefill": "fa3:fa3", "decode": "fa3:fa3"}
 
 
+def test_tuning_data_that_times_nothing_of_the_plan_is_said(registry):
+    """Entries for another model's spec (or an unregistered backend name) ranked nothing and
+    the plan fell back to priorities without a word; a file that times some group says
+    nothing."""
+    other = FULL.with_(num_heads=FULL.num_heads * 2)
+    t = TuningData()
+    t.record("fa3:fa3", other, 1.0, phase="decode", batch=1)
+    t.record("fa3:fa3x", FULL, 1.0, phase="decode", batch=1)
+    with pytest.warns(UserWarning, match="the tuning data times no group of this plan"):
+        select(group_layers([FULL]), registry(), H200, ExecutionConstraints(), tuning=t)
+    t.record("fa3:fa3", FULL, 1.0, phase="decode", batch=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        select(group_layers([FULL]), registry(), H200, ExecutionConstraints(), tuning=t)
+
+
 @pytest.mark.parametrize(
     ("payload", "message"),
     [
