@@ -50,6 +50,13 @@ if TYPE_CHECKING:
 
 __all__ = ["PersistentState", "PrefixHit", "RequestRows"]
 
+
+def _token_ids(tokens: Sequence[int]) -> Sequence[int]:
+    """``tokens`` as the prefix cache keys them: a tensor's elements hash by identity, so a
+    tensor of ids becomes a list of ints (a list or an array of ints is kept as it is)."""
+    return tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
+
+
 #: Every epoch value of every PersistentState of the process, drawn once: a batch built by one
 #: state never matches another's epoch, so the binding refuses it before its slot and page
 #: indices reach another pool (two fresh states would both be at epoch 0 otherwise).
@@ -515,6 +522,14 @@ class PersistentState:
                 f"append_pages({req.req_id!r}): {req.num_tokens} tokens in "
                 f"{len(req.pages)} pages of {ps}; the last page is not full"
             )
+        pa = self.page_allocator
+        if n > pa.num_free:  # the step's requests are short of pages, not the first alone
+            evictable = self.prefix_cache.evictable_pages(pa.refcount)
+            if n > pa.num_free + evictable:
+                raise OutOfPagesError(
+                    n, pa.num_free, evictable=evictable, requests=list(req_ids),
+                    page_size=self.page_size,
+                )  # fmt: skip
         pages, _ = self._reserve(n, 0, req_id=req_ids[0], num_tokens=None)
         for req, page in zip(reqs, pages, strict=True):
             req.pages.append(page)
@@ -627,6 +642,7 @@ class PersistentState:
         of these tokens. Blocks already cached are kept (the request's copy is not added).
         """
         req = self._get(req_id)
+        tokens = _token_ids(tokens)
         ps = self.page_size
         if self.has_kv:
             n_blocks = min(len(tokens), req.num_tokens) // ps
@@ -679,6 +695,7 @@ class PersistentState:
         on the first write. Pass ``max_tokens=len(tokens) - 1`` to keep at least one token to
         compute. Marks the hit most recently used; nothing is held until ``add_request``.
         """
+        tokens = _token_ids(tokens)
         limit = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
         if limit <= 0 or not (self.has_kv or self.has_state):
             return PrefixHit()

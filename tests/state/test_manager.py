@@ -183,8 +183,10 @@ def test_append_pages_gives_each_full_request_one_fresh_page_or_changes_nothing(
     with pytest.raises(StateError, match="last page is not full"):
         s.append_pages(["a", "c"])  # c holds 3 tokens in a page of PS
     assert len(s.pages("a")) == 1 and s.num_free_pages == 1  # nothing changed
-    with pytest.raises(OutOfPagesError):
+    with pytest.raises(OutOfPagesError) as err:
         s.append_pages(["a", "b"])  # two pages wanted, one free
+    # the step's requests, not the first one alone (a server preempts by it)
+    assert tuple(err.value.requests) == ("a", "b") and err.value.req_id is None
     assert len(s.pages("a")) == 1 and len(s.pages("b")) == 2 and s.num_free_pages == 1
     before = s.pages("b")
     (page,) = s.append_pages(["b"])
@@ -415,6 +417,18 @@ def test_offloaded_request_rejects_live_access() -> None:
         s.restore("a")
     s.release("a")
     assert s.num_free_pages == 4 and s.num_free_slots == 2
+
+
+def test_token_ids_as_a_tensor_cache_and_match_as_the_same_ints_do() -> None:
+    """A tensor's elements hash by identity: keys from tensor ids matched nothing, and the
+    request's pages then belonged to blocks no later request could hit."""
+    s = PersistentState(kv_only(), num_pages=8, num_slots=0)
+    fill(s, "a", 12, seed=1)
+    ids = torch.arange(100, 112)
+    assert s.cache_prefix("a", ids) == 12
+    assert s.match_prefix(ids).num_tokens == 12
+    assert s.match_prefix(ids.tolist()).num_tokens == 12
+    s.check_invariants()
 
 
 def test_cache_prefix_with_changed_tokens_does_not_double_register_a_page() -> None:
