@@ -1033,6 +1033,8 @@ class PersistentState:
         pages = tuple(b.page for b in blocks)
         if self.has_kv and (len(blocks) != -(-hit.num_tokens // ps) or pages != tuple(hit.pages)):
             raise stale
+        if not self.has_kv and hit.pages:  # another state's hit: no page here is its
+            raise stale
         if self.has_state and (
             len(blocks) * ps != hit.num_tokens or blocks[-1].snapshot != hit.snapshot
         ):

@@ -348,6 +348,27 @@ def test_lru_eviction_of_unused_prefixes() -> None:
     s.check_invariants()
 
 
+def test_a_hit_listing_pages_in_a_model_without_paged_kv_is_refused_without_changes() -> None:
+    """The slot was reserved before the hit's pages were checked (they were not, without paged
+    KV), and incref of a page the model does not have raised after it: the slot leaked."""
+    import dataclasses
+
+    s = PersistentState(
+        group_layers([linear_spec(), linear_spec()]), num_pages=0, num_slots=3, page_size=PS
+    )
+    tokens = list(range(8))
+    fill(s, "a", 8, seed=1)
+    s.take_snapshot("a")
+    s.cache_prefix("a", tokens)
+    hit = s.match_prefix(tokens)
+    assert hit.num_tokens == 8 and hit.pages == ()
+    free = s.num_free_slots
+    with pytest.raises(StaleprefixError):
+        s.add_request("b", prefix=dataclasses.replace(hit, pages=(0,)))
+    assert "b" not in s and s.num_free_slots == free
+    s.check_invariants()
+
+
 def test_stale_hit_is_refused_without_changes() -> None:
     s = PersistentState(hybrid(), num_pages=6, num_slots=3)
     tokens = [5] * 8
