@@ -328,11 +328,12 @@ def layout_differences(
         if entry.kind != kind:
             diffs.append(f"layer {i}: kind: export {entry.kind}, here {kind}")
             continue
-        # a "snapshot." tensor is extra (a speculative snapshot carried along): it never
-        # stands in for the state itself, which import writes into the new slot
+        # a "snapshot." tensor is extra (a linear layer's speculative snapshot carried along):
+        # it never stands in for the state itself, which import writes into the new slot; a
+        # KV layer carries none
         seen: dict[str, tuple] = {}
         for t in entry.tensors:
-            base = t.name.removeprefix("snapshot.")
+            base = t.name if kv else t.name.removeprefix("snapshot.")
             if base not in tensors:
                 diffs.append(f"layer {i}: tensor {t.name!r} in the export is not kept here")
                 continue

@@ -369,6 +369,30 @@ def test_a_hit_listing_pages_in_a_model_without_paged_kv_is_refused_without_chan
     s.check_invariants()
 
 
+def test_an_export_with_a_snapshot_tensor_on_a_kv_layer_is_refused_before_anything_moves():
+    """'snapshot.' marks a linear layer's carried snapshot; on a KV entry it passed every
+    check and the import then failed with a bare KeyError, after evicting a cached prefix."""
+    import dataclasses
+
+    from attn_core.state.transfer import layout_differences
+
+    src = PersistentState(kv_only(), num_pages=4, num_slots=0)
+    fill(src, "a", 8, seed=1)
+    exp = src.export_request("a")
+    e0 = exp.meta.layers[0]
+    extra = dataclasses.replace(e0.tensors[0], name=f"snapshot.{e0.tensors[0].name}")
+    layers = (dataclasses.replace(e0, tensors=(*e0.tensors, extra)), *exp.meta.layers[1:])
+    bad = type(exp)(dataclasses.replace(exp.meta, layers=layers), exp.buffer)
+    dst = PersistentState(kv_only(), num_pages=4, num_slots=0)
+    diffs = layout_differences(bad.meta, dst.layout, dst.kv_cache, dst.state_slots)
+    assert f"layer 0: tensor {extra.name!r} in the export is not kept here" in diffs
+    free = dst.num_free_pages
+    with pytest.raises(ValueError, match="not kept here"):
+        dst.import_request("b", bad)
+    assert "b" not in dst and dst.num_free_pages == free
+    dst.check_invariants()
+
+
 def test_stale_hit_is_refused_without_changes() -> None:
     s = PersistentState(hybrid(), num_pages=6, num_slots=3)
     tokens = [5] * 8
