@@ -522,15 +522,8 @@ class PersistentState:
                 f"append_pages({req.req_id!r}): {req.num_tokens} tokens in "
                 f"{len(req.pages)} pages of {ps}; the last page is not full"
             )
-        pa = self.page_allocator
-        if n > pa.num_free:  # the step's requests are short of pages, not the first alone
-            evictable = self.prefix_cache.evictable_pages(pa.refcount)
-            if n > pa.num_free + evictable:
-                raise OutOfPagesError(
-                    n, pa.num_free, evictable=evictable, requests=list(req_ids),
-                    page_size=self.page_size,
-                )  # fmt: skip
-        pages, _ = self._reserve(n, 0, req_id=req_ids[0], num_tokens=None)
+        # the step's requests are short of pages together, not the first alone
+        pages, _ = self._reserve(n, 0, requests=req_ids)
         for req, page in zip(reqs, pages, strict=True):
             req.pages.append(page)
         self._row_num_pages[rows] += 1
@@ -1092,6 +1085,7 @@ class PersistentState:
         req_id: Hashable | None = None,
         num_tokens: int | None = None,
         protect_snapshot: int | None = None,
+        requests: Sequence[Hashable] | None = None,
     ) -> tuple[list[int], list[int]]:
         """Allocate pages and slots, evicting unused cached prefixes (LRU) if needed.
 
@@ -1108,6 +1102,7 @@ class PersistentState:
                     req_id=req_id,
                     num_tokens=num_tokens,
                     page_size=self.page_size,
+                    requests=requests,
                 )
         if n_slots > sa.num_free:
             snaps = cache.snapshot_slots()
