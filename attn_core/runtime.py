@@ -243,7 +243,7 @@ class AttentionRuntime:
             per-token states, leaving the slots with every draft or none accepted.
         """
         self._refuse_uncommitted(batch, "prepare")
-        self._refuse_undeclared_drafts(batch)
+        self._refuse_undeclared_drafts(batch, "prepare")
         phase, size = batch.phase, step_size(batch.phase, batch.padded_reqs, batch.padded_tokens)
         for g in self.groups.values():
             g.use_phase(phase, size, batch.padded_reqs)
@@ -263,7 +263,7 @@ class AttentionRuntime:
         """Copy ``batch``'s metadata in place into every group's captured buffers (those of the
         backend of the batch's phase, the one its graph was captured with)."""
         self._refuse_uncommitted(batch, "update")
-        self._refuse_undeclared_drafts(batch)
+        self._refuse_undeclared_drafts(batch, "update")
         phase, size = batch.phase, step_size(batch.phase, batch.padded_reqs, batch.padded_tokens)
         for g in self.groups.values():
             g.use_phase(phase, size, batch.padded_reqs)
@@ -290,7 +290,7 @@ class AttentionRuntime:
                 g.ran = {(i, op) for i in self._group_layers[g.group_id]}
         self._note_verify(batch)
 
-    def _refuse_undeclared_drafts(self, batch: AttentionBatch) -> None:
+    def _refuse_undeclared_drafts(self, batch: AttentionBatch, call: str) -> None:
         """A verify step of more drafts than the plan's ``speculative_tokens``: the backends
         were chosen (and verify workspaces sized) for that many."""
         declared = self.plan.constraints.speculative_tokens
@@ -299,7 +299,7 @@ class AttentionRuntime:
             raise BackendInputError(
                 group=g.group_id,
                 backend=g.backend.qualified_name,
-                what="prepare: a verify step of more draft tokens than the plan was made for "
+                what=f"{call}: a verify step of more draft tokens than the plan was made for "
                 "(plan with ExecutionConstraints(speculative_tokens=k))",
                 expected=f"at most {declared} draft tokens (the plan's speculative_tokens)",
                 got=f"{batch.spec_tokens} draft tokens",
