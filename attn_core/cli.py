@@ -188,15 +188,24 @@ def _constraints(args: argparse.Namespace):
     # Parsed here, not by ExecutionConstraints, so that a mistake names the option.
     force = parse_forced(args.backends, source="--backends") if args.backends else {}
     options = parse_option_entries(getattr(args, "option", None) or [], source=SOURCE_CLI)
+    # attn run offers no --graph-mode / --max-batch / --max-tokens (plan_for sets them from
+    # --graphs and its prompts): the constraints' defaults stand in for them there
+    given = {
+        field: getattr(args, name)
+        for field, name in (
+            ("graph_mode", "graph_mode"),
+            ("max_batch_size", "max_batch"),
+            ("max_num_tokens", "max_tokens"),
+        )
+        if hasattr(args, name)
+    }
     return ExecutionConstraints(
-        graph_mode=getattr(args, "graph_mode", "none"),  # attn run: its --graphs (plan_for)
+        **given,
         page_size=args.page_size,
         kv_layout=args.kv_layout,
         kv_dtype=args.kv_dtype,
         speculative_tokens=args.spec_tokens,
         spec_verify_strategy=args.spec_strategy,
-        max_batch_size=getattr(args, "max_batch", 256),  # attn run: sized by plan_for
-        max_num_tokens=getattr(args, "max_tokens", 8192),
         deterministic=args.deterministic,
         force=force,
         allow=args.allow or frozenset(),
