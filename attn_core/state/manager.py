@@ -439,8 +439,7 @@ class PersistentState:
         Raises ``ValueError`` for a known id, :class:`StaleprefixError` if the hit was evicted
         since, :class:`OutOfSlotsError` if no slot can be had.
         """
-        if req_id in self._requests:
-            raise ValueError(f"request {req_id!r} already exists; release it first")
+        self._check_new_id(req_id)
         blocks: list[CachedBlock] = []
         if prefix is not None:
             if not isinstance(prefix, PrefixHit):
@@ -806,8 +805,7 @@ class PersistentState:
         """Add ``req_id`` with the tokens and state of ``export`` (from any state of the same
         layout; the page size may differ). ``ValueError`` listing every difference if the
         layout does not fit; out-of-memory errors leave everything as it was."""
-        if req_id in self._requests:
-            raise ValueError(f"request {req_id!r} already exists; release it first")
+        self._check_new_id(req_id)
         if not isinstance(export, RequestExport):
             raise TypeError(f"export: expected RequestExport, got {type(export).__name__}")
         problems = export_problems(export)
@@ -895,6 +893,16 @@ class PersistentState:
     # ------------------------------------------------------------------------------------------
     # Internals
     # ------------------------------------------------------------------------------------------
+    def _check_new_id(self, req_id: Hashable) -> None:
+        """``req_id`` can key a new request: hashable (the dict lookup would raise a bare
+        ``unhashable type``) and not taken."""
+        try:
+            taken = req_id in self._requests
+        except TypeError:
+            raise TypeError(f"req_id {req_id!r} is not hashable") from None
+        if taken:
+            raise ValueError(f"request {req_id!r} already exists; release it first")
+
     def _get(self, req_id: Hashable, *, live: bool = True) -> _Request:
         try:
             req = self._requests[req_id]

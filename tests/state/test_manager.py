@@ -211,6 +211,19 @@ def test_release_frees_everything_and_unknown_id_is_keyerror() -> None:
     s.check_invariants()
 
 
+def test_an_unhashable_request_id_is_refused_by_name_and_changes_nothing() -> None:
+    s = PersistentState(hybrid(), num_pages=6, num_slots=3)
+    fill(s, "a", 5, seed=1)
+    free = (s.num_free_pages, s.num_free_slots)
+    with pytest.raises(TypeError, match=r"req_id \['b'\] is not hashable"):
+        s.add_request(["b"])
+    with pytest.raises(TypeError, match=r"req_id \['b'\] is not hashable"):
+        s.import_request(["b"], s.export_request("a"))
+    assert (s.num_free_pages, s.num_free_slots) == free
+    assert s.request_ids() == ["a"]
+    s.check_invariants()
+
+
 def test_new_request_slot_is_zeroed_even_when_reused() -> None:
     s = PersistentState(hybrid(), num_pages=4, num_slots=1)
     fill(s, "a", 2, seed=3)
