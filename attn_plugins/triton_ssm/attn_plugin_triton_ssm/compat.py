@@ -45,6 +45,7 @@ __all__ = [
     "Kind",
     "distribution_version",
     "kernel_resources",
+    "kernel_shared_memory",
     "max_shared_memory",
     "naive_recurrences",
     "note",
@@ -105,10 +106,13 @@ class _State:
 
     #: per CUDA device index: the shared-memory limit used, and why Triton's was not ("" it was)
     shared_memory: ClassVar[dict[int, tuple[int, str]]] = {}
+    #: why a compiled kernel's shared memory could not be read ("" it could, or was not asked)
+    unsized: ClassVar[str] = ""
 
     @classmethod
     def reset(cls) -> None:
         cls.stages, cls.reason, cls.check, cls.shared_memory = {}, {}, {}, {}
+        cls.unsized = ""
 
 
 def _import_stages(kind: Kind) -> dict[str, Any]:
@@ -203,10 +207,15 @@ def triton_note() -> str:
     """``attn list``'s clause for the Triton internals: empty while they agree with the public
     numbers (or were not read), else which device fell back and why."""
     fallbacks = [(i, why) for i, (_, why) in sorted(_State.shared_memory.items()) if why]
-    return "; ".join(
+    clauses = [
         f"cuda:{i} shared-memory limit: torch's public per-block limit used ({why})"
         for i, why in fallbacks
-    )
+    ]
+    if _State.unsized:
+        clauses.append(
+            f"kernel shared memory unreadable: the smallest tiling used ({_State.unsized})"
+        )
+    return "; ".join(clauses)
 
 
 def max_shared_memory(device_index: int) -> int:
@@ -243,6 +252,22 @@ def max_shared_memory(device_index: int) -> int:
 _MAX_REGISTERS = 255
 
 
+def kernel_shared_memory(compiled: Any) -> int | None:
+    """Bytes of shared memory per block a compiled Triton kernel (what ``kernel.warmup(...)``
+    returns) needs, from its ``metadata.shared``; None where the installed Triton does not say
+    or gives what cannot be a size, and :func:`triton_note` then says so (the caller takes its
+    smallest tiling: slower, never a wrong result)."""
+    try:
+        shared = int(compiled.metadata.shared)
+    except Exception as exc:  # renamed or removed in another release
+        _State.unsized = f"{type(exc).__name__}: {exc}"
+        return None
+    if shared < 0:
+        _State.unsized = f"Triton says {shared} bytes"
+        return None
+    return shared
+
+
 def kernel_resources(compiled: Any) -> tuple[int, int] | None:
     """``(registers per thread, bytes of shared memory per block)`` of a compiled Triton kernel
     (what ``kernel.warmup(...)`` returns); None where the installed Triton does not say.
@@ -258,10 +283,10 @@ def kernel_resources(compiled: Any) -> tuple[int, int] | None:
         if init is not None:
             init()
         n_regs = int(compiled.n_regs)
-        shared = int(compiled.metadata.shared)
     except Exception:  # interpreter, or a Triton without these fields
         return None
-    if not 0 < n_regs <= _MAX_REGISTERS or shared < 0:
+    shared = kernel_shared_memory(compiled)
+    if not 0 < n_regs <= _MAX_REGISTERS or shared is None:
         return None
     return n_regs, shared
 

@@ -290,3 +290,23 @@ def test_first_that_fits_takes_the_first_candidate_under_the_limit(monkeypatch):
     assert compiled == [4, 3, 2]  # stops at the first fit
     with pytest.raises(ValueError, match=r"x fits in 100 bytes .* by stages: \{4: 180, 3: 120\}"):
         common.first_that_fits([4, 3], compile_one, "cuda", "x", "stages")
+
+
+def test_first_that_fits_takes_the_smallest_candidate_where_triton_does_not_say_its_bytes(
+    monkeypatch,
+):
+    """A compiled kernel's shared memory is read through the compat module: where the installed
+    Triton does not report it (renamed, or a value that cannot be a size), the fit cannot be
+    judged, so the last candidate (the smallest tiling) is used and ``attn list`` says why."""
+    from types import SimpleNamespace
+
+    from attn_plugin_triton_ssm import compat
+
+    common = K._common
+    monkeypatch.setattr(common, "max_shared_memory", lambda device: 100)
+    monkeypatch.setattr(compat._State, "unsized", "")
+    for compiled in (SimpleNamespace(), SimpleNamespace(metadata=SimpleNamespace(shared=-1))):
+        compat._State.unsized = ""
+        compile_one = lambda st, c=compiled: c  # noqa: E731
+        assert common.first_that_fits([4, 3, 2], compile_one, "cuda", "x", "stages") == 2
+        assert "kernel shared memory unreadable: the smallest tiling used" in compat.triton_note()

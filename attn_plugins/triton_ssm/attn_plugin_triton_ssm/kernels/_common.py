@@ -50,9 +50,10 @@ def max_shared_memory(device: torch.device) -> int:
 
 def first_that_fits(candidates: Sequence[T], compile_one: Callable[[T], Any],
                     device: torch.device, what: str, labels: str) -> T:  # fmt: skip
-    """The first of ``candidates`` (tilings, best first) whose kernel, compiled by
-    ``compile_one(candidate)`` (a Triton ``warmup``: nothing is launched or written), fits in
-    the shared memory one block may use on ``device``.
+    """The first of ``candidates`` (tilings, best first, the smallest last) whose kernel,
+    compiled by ``compile_one(candidate)`` (a Triton ``warmup``: nothing is launched or
+    written), fits in the shared memory one block may use on ``device``. Where the installed
+    Triton does not report a kernel's bytes, the last candidate.
 
     :raises ValueError: none fits; the message gives ``what``, the limit and each candidate's
         bytes (``labels`` names the candidate's fields).
@@ -60,8 +61,11 @@ def first_that_fits(candidates: Sequence[T], compile_one: Callable[[T], Any],
     limit = max_shared_memory(device)
     needed = {}
     for candidate in candidates:
-        needed[candidate] = compile_one(candidate).metadata.shared
-        if needed[candidate] <= limit:
+        shared = compat.kernel_shared_memory(compile_one(candidate))
+        if shared is None:
+            return candidates[-1]
+        needed[candidate] = shared
+        if shared <= limit:
             return candidate
     raise ValueError(
         f"{what} fits in {limit} bytes of shared memory per block (bytes needed by {labels}: "
