@@ -146,7 +146,9 @@ def graph_modes(version: str | None) -> tuple[frozenset[GraphMode], frozenset[Gr
         release = None
     if release is not None and (0, 6) <= release < MLA_GRAPH_FAILED_FROM:
         return full, mla, ""
-    if release is None:
+    if not version:  # nothing to serve with; attn list shows the backend unavailable
+        why = "flashinfer-python not installed"
+    elif release is None:
         why = f"flashinfer version unknown ({version!r}): graph decode is declared on 0.6 only"
     elif release >= MLA_GRAPH_FAILED_FROM:
         why = (
