@@ -387,3 +387,23 @@ def test_a_bad_ssd_states_value_names_the_choices(registry):
     bad = ExecutionConstraints(backend_options={TRITON: {"ssd_dots": "tf32"}})
     with pytest.raises(SelectionError, match=r"ssd_dots.*'tf32'.*split.*activations"):
         _lanes(registry, spec, bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the Triton SSD is the default")
+@pytest.mark.parametrize("variant", ["mamba2", "lightning"])
+def test_every_mode_matches_reference_through_the_triton_ssd(registry, monkeypatch, variant):
+    """Without CUDA the plugin's Mamba2 and lightning prefill take the torch SSD; here the GPU's
+    Triton SSD (lightning's mapping onto it included) runs in the interpreter through every
+    mode of the test above."""
+    from attn_plugin_triton_ssm import kernels
+
+    ssd = kernels.mamba2_prefill
+    impls: list[str] = []
+
+    def triton_ssd(*args, **kwargs):
+        impls.append("triton")
+        return ssd(*args, **{**kwargs, "impl": "triton"})
+
+    monkeypatch.setattr(kernels, "mamba2_prefill", triton_ssd)
+    test_every_mode_matches_reference(registry, variant, "native")
+    assert impls, "the plugin's prefill did not reach mamba2_prefill"
