@@ -216,7 +216,9 @@ def _no_outputs():
     return [dict.fromkeys(LAYERS, empty), dict.fromkeys(LAYERS, empty)]
 
 
-@pytest.mark.parametrize("variant", ["gated_deltanet", "mamba2", "mamba1"])
+@pytest.mark.parametrize(
+    "variant", ["gated_deltanet", "kda", "mamba2", "mamba1", "lightning", "short_conv"]
+)
 def test_native_and_replay_commit_the_same_state(registry, variant):
     """Both strategies, same verify inputs and accepted counts: bit-identical slots."""
     spec = _spec(variant)
