@@ -131,6 +131,56 @@ BROKEN = textwrap.dedent(
     '''
 )
 
+# A linear backend: the reference's linear context with one defect switched on by name.
+BROKEN_LINEAR = textwrap.dedent(
+    """
+    import dataclasses
+    import attn_core.reference.plugin as ref
+    from attn_core.backend import Backend
+    from attn_core.hookspecs import hookimpl
+
+    class BrokenLinear:
+        ATTN_CORE_API_VERSION = "1.1"
+
+        def __init__(self, defect, variants):
+            self.defect = defect
+            self.caps = dataclasses.replace(
+                ref.CAPABILITIES, kinds={"linear"}, linear_variants=set(variants),
+                device_types={"cpu"}, dtypes={"float32"}, graph_modes={"none"})
+
+        @hookimpl
+        def attn_core_register_backends(self, register):
+            register(Backend(name=self.defect, capabilities=self.caps))
+
+        @hookimpl
+        def attn_core_allocate_context(self, backend, group, device, constraints, state,
+                                       workspace):
+            inner = ref.attn_core_allocate_context(backend, group, device, constraints, state,
+                                                   workspace)
+            return LinearContext(inner, self.defect)
+
+    class LinearContext:
+        def __init__(self, inner, defect):
+            self.inner, self.defect = inner, defect
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def forward(self, layer, q, k, v, out, **inputs):
+            if self.defect == "slope_off":  # a decay 10 % off, as a wrong slope table gives
+                inputs["slope"] = inputs["slope"] * 1.1
+            return self.inner.forward(layer, q, k, v, out, **inputs)
+
+        def commit_speculative(self, batch, num_accepted):
+            if self.defect == "commit_one_short":  # keeps one accepted token too few
+                num_accepted = (num_accepted - 1).clamp(min=1)
+            self.inner.commit_speculative(batch, num_accepted)
+
+    slope_off = BrokenLinear("slope_off", {"lightning"})
+    commit_one_short = BrokenLinear("commit_one_short", {"mamba2"})
+    """
+)
+
 
 def _summary(result: pytest.RunResult) -> dict[str, str]:
     """Capability -> PASS / FAIL / SKIP from the kit's terminal summary."""
@@ -454,3 +504,30 @@ def test_a_decode_only_backend_is_tested_on_decode_steps_only(pytester, run_kit)
     assert summary["full: kind"] == "FAIL"
     (line,) = [line for line in result.outlines if line.startswith("FAIL  full: kind - ")]
     assert "batch mode decode" in line, line
+
+
+@pytest.mark.parametrize(
+    ("defect", "failing", "passing"),
+    [
+        ("slope_off", "linear/lightning: kind", None),
+        (
+            "commit_one_short",
+            "linear/mamba2: speculative verify k=4",
+            "linear/mamba2: state hand-off (chunked prefill)",
+        ),
+    ],
+)
+def test_a_broken_linear_backend_is_caught(pytester, run_kit, defect, failing, passing) -> None:
+    """The linear checks can fail: a lightning decay off by 10 %, and a commit that keeps one
+    accepted token too few (every other step of that backend right)."""
+    pytester.makepyfile(broken_linear=BROKEN_LINEAR)
+    result = run_kit(
+        f"--attn-plugin=broken_linear=broken_linear:{defect}",
+        f"--attn-backend=broken_linear:{defect}",
+        "--attn-quick",
+    )
+    summary = _summary(result)
+    assert result.ret == 1, result.stdout.str()[-3000:]
+    assert summary.get(failing) == "FAIL", summary
+    if passing:
+        assert summary.get(passing) == "PASS", summary
