@@ -35,10 +35,9 @@ Two implementations, picked by device (not a fallback: both have the semantics a
 The Triton kernel launches through :class:`attn_core.fast_launch.CachedLaunch`, and on sm90
 as a programmatic dependent launch (:mod:`attn_core.pdl`). A backend that writes one shape per
 layer of a step keeps a :class:`KVWriter`: the checks on its first write, a bound launch after.
-Every CUDA write takes the kernel, small eager ones too: two ``index_copy_`` calls are cheaper
-only than a launch through Triton's own launcher (46 against 113 us of the H200 server's host
-time); through CachedLaunch both cost the same host time (52.4 against 52.5 us per B=1 step of
-the plugin on FlashInfer) and the one kernel less GPU time.
+Every CUDA write takes the kernel, small eager ones too: through CachedLaunch it costs the host
+what two ``index_copy_`` calls do, and less GPU time (figures: docs/results.md); only through
+Triton's own launcher would the two calls be cheaper.
 """
 
 from __future__ import annotations
@@ -188,9 +187,8 @@ class KVWriter:
     strides, dtypes and device, the same kinds of scale (tensor, float value, None) and the same
     token count: a backend's forward keeps one writer per step and per what may change between
     its layers (k/v strides, scales). Why: an eager decode step writes once per layer, and the
-    checks and launch keys cost more host time than the launch (H200: with a checked write per
-    layer, FlashInfer's path at B=1 took 50 us of host time per step against 17.5 for its
-    ``run()`` alone).
+    checks and launch keys cost more host time than the launch; a checked write per layer
+    nearly tripled the host time of FlashInfer's path at B=1.
     """
 
     __slots__ = ("_bound", "_may_have_padding", "_tried")
@@ -378,10 +376,9 @@ def write_kv_runs(
     """Write K and V rows whose slots form ``runs`` (:func:`slot_runs`) as plain copies: one
     contiguous ``copy_`` per run and tensor, which torch issues as a device-to-device memcpy.
 
-    Why: the memcpy runs beside a compute-bound kernel without taking its SMs. On the H200 a
-    ragged prefill's K/V (16k tokens, 16 heads, d128: 134 MB) copied on a side stream added
-    15 us to FlashInfer's 922 us prefill kernel, where the write kernel on a side stream added
-    55 (it waits for SMs the prefill holds).
+    Why: the memcpy runs beside a compute-bound kernel without taking its SMs, where the write
+    kernel on a side stream waits for the SMs the prefill holds; beside a 16k-token ragged
+    prefill the copies cost about a quarter of what the kernel did.
 
     :param k: ``[T, Hkv, D]`` contiguous, the cache's dtype (no fp8 quantisation here);
         ``v`` ``[T, Hkv, Dv]`` likewise.

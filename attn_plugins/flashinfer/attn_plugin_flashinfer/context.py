@@ -556,10 +556,9 @@ class FullAttentionContext(_PagedContext):
                 if self.graph_decode
                 else max(0, cap)  # an eager step checks its own KV positions
             )
-        #: small_decode's kernels as programmatic dependents (attn_core.pdl): off, measured
-        #: slower in a 32-layer graph (B=1 ctx 4096 13.87 against 12.62 us per layer, B=1 ctx
-        #: 32768 44.59 against 43.39); the benchmark turns it on to compare. The K/V write
-        #: before FlashInfer's kernel does launch that way (15.77 -> 14.77 us at B=1).
+        #: small_decode's kernels as programmatic dependents (attn_core.pdl): off, as they ran
+        #: slower that way in a 32-layer graph at B=1; the benchmark turns it on to compare. The
+        #: K/V write before FlashInfer's kernel does launch that way (figures: docs/results.md).
         self.pdl = False
         #: Ragged prefill writes the KV cache on a side stream, overlapping the attention
         #: kernel (``ATTN_FLASHINFER_OVERLAP_KV_WRITE=0`` turns it off; benchmarks toggle it).

@@ -1,16 +1,12 @@
 """Small-batch paged decode with the step's K/V write fused in: two Triton launches in all.
 
-Why: at a handful of requests FlashInfer's decode is latency-bound, not bandwidth-bound. On the
-H200, one layer of B=1, 32 q / 8 kv heads, d128, ctx 4096 (16 MiB of KV) took 13.9 us per layer
-inside a CUDA graph - 1.2 TB/s against 4.2 TB/s of copy bandwidth - and the plugin's separate
-K/V write launch added 2 us more. Here one kernel writes the new rows into the cache *and*
-attends over the whole context, split across the SMs, and a second one merges the splits: no
-write launch. In a 32-layer graph (us per layer, against FlashInfer's kernel alone / FlashInfer +
-the write launched as a programmatic dependent): B=1 ctx 4096 12.7 (13.9 / 14.8),
-B=2 17.8 (17.9 / 18.8), B=4 26.9 (26.6 / 27.3), B=1 ctx 32768 43.4 (41.5 / 41.7). From about 20k
-positions FlashInfer's kernels read faster, so a step uses this one only below
+Why: at a handful of requests FlashInfer's decode is latency-bound, not bandwidth-bound (at B=1,
+ctx 4096 it reads the KV at about 1.2 of 4.2 TB/s), and the plugin's separate K/V write is one
+launch more. Here one kernel writes the new rows into the cache *and* attends over the whole
+context, split across the SMs, and a second one merges the splits: no write launch. From about
+20k positions FlashInfer's kernels read faster, so a step uses this one only below
 ``context.SMALL_DECODE_MAX_KV_TOKENS`` (a captured one at ``max_model_len``, an eager one at
-its requests' own lengths).
+its requests' own lengths) (figures: docs/results.md).
 
 How (flash-decoding): program ``(b, kv_head, split)`` covers one of ``num_splits`` equal,
 ``BLOCK_N``-aligned ranges of request ``b``'s ``seq_len`` positions, for the ``group`` query
@@ -20,19 +16,17 @@ step's ``k``/``v`` inputs, and the program whose range holds it also stores thos
 ``slot_mapping[b]`` (``< 0``, a padding row: nothing). No other program reads that slot, so
 the fused write cannot race. Each program leaves its partial output (normalised, ``o / l``) and
 base-2 log-sum-exp in float32; the merge kernel weights the partials by ``exp2(lse - max)``.
-(A one-launch variant, in which the last program of each (request, kv head) to finish merged
-the splits after an atomic ticket, measured slower at B=1: 14.2 against 13.4 us per layer at
-ctx 4096, its merge running on eight programs instead of 32 and its registers lowering the
-split loop's occupancy.)
+(Two launches, not one: a single launch in which the last program of each (request, kv head)
+merges the splits after an atomic ticket ran slower at B=1, its merge on far fewer programs and
+its registers lowering the split loop's occupancy.)
 
 Both kernels are launched through a :class:`SmallDecodePlan` per step shape (:func:`plan`):
 an eager decode step of one request is host-bound, and the plan checks once what
 :class:`~attn_core.fast_launch.CachedLaunch`'s keys would check per launch, then calls both
-kernels' C launch functions with the tensors' addresses. Host time per B=1 step on the H200:
-13.9 us through the plan (two bound launches 10.6), 15.8 through Triton's launcher
-objects, 30.0 through CachedLaunch's keys, 40.5 through Triton's own launcher; FlashInfer's
-``run()`` 17.5. ``pdl`` launches both as programmatic dependents (:mod:`attn_core.pdl`);
-measured slower at one and four requests, the context leaves it off.
+kernels' C launch functions with the tensors' addresses, which takes a B=1 step below
+FlashInfer's ``run()`` in host time (about half of what CachedLaunch's per-launch keys cost).
+``pdl`` launches both as programmatic dependents (:mod:`attn_core.pdl`); the context leaves it
+off, as it ran slower at one and four requests.
 
 The ranges are cut from the device-side ``seq_lens`` inside the kernel, so a captured graph
 stays right when a replay brings other lengths; ``num_splits`` (the grid) is fixed per padded

@@ -272,11 +272,9 @@ def l2norm_qk(
 def _tiling(num_programs_bv64: int, V: int) -> tuple[int, int]:
     """``(BV, num_stages)``: 32-wide value blocks with 4 stages when blocks of 64 would leave
     SMs idle (one long sequence: the pass is a chain of chunks, so parallelism comes from heads
-    and value blocks only), else 64 with 2. Measured on the H200 (bench_ssm --prefill, 32 value
-    heads, d 128, 4 warps, the whole prefill in a CUDA graph): T = 8192 / 32768 as one
-    sequence 0.523 / 2.061 ms at (32, 4), 0.525 / 2.071 at (32, 3), 0.570 / 2.246 at (16, 3),
-    0.621 / 2.445 at (64, 2); as 16 sequences 0.497 / 1.898 ms at (64, 2) against 0.563 /
-    2.105 at (32, 3). Float32 inputs get fewer stages where these do not fit (see
+    and value blocks only), else 64 with 2: (32, 4) ran fastest for one long sequence (about
+    15 % ahead of (64, 2)), (64, 2) for 16 sequences (``bench_ssm.py --prefill``, 32 value
+    heads, d 128). Float32 inputs get fewer stages where these do not fit (see
     :func:`_fit_stages`). KDA's pass (the same loads and dots, plus a ``[K]`` row of decay per
     chunk) takes the same choice; ``bench_ssm.py --prefill`` times it against fla."""
     sms = _sm_count(torch.cuda.current_device()) if torch.cuda.is_available() else 132

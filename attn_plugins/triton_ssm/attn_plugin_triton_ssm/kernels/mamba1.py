@@ -215,10 +215,10 @@ def _tiles(
 ) -> tuple[int, int, int]:  # fmt: skip
     """``(BD, BN, num_warps)``. By default ``BD`` is the largest power of two up to
     ``1024 / BN`` channels (64 at ``N = 16``, on one warp) that still gives two programs per
-    SM. Prefill and verify launches default to 16 channels (:func:`_launch`, measured); decode
-    keeps this rule: on the H200 at B = 256, d_inner 8192, 64 channels on one warp with the
-    streaming hints moved 3506 GB/s, the earlier 128 on four warps 3147 (``bench_decode_sweep.py``
-    times each tiling)."""
+    SM. Prefill and verify launches default to 16 channels (:func:`_launch`); decode keeps this
+    rule, as 64 channels on one warp with the streaming hints moved the state over 10 % faster
+    than 128 channels on four warps (figures: docs/results.md; ``bench_decode_sweep.py`` times
+    each tiling)."""
     BN = next_pow2(N)
     BD = block_d or max(16, min(64, 1024 // BN))
     if block_d is None and device is not None and device.type == "cuda" and requests:
@@ -383,14 +383,13 @@ def mamba1_scan(
 #: Channels per program of a prefill or verify walk unless the caller sets ``block_d`` (see
 #: :func:`_launch`); :func:`auto_time_chunk` counts the walk's programs by it.
 _WALK_BLOCK_D = 16
-#: The time chunk :func:`auto_time_chunk` picks. On the H200 (d_inner 8192, d_state 16,
-#: T = 8192 in one request) chunks of 128 / 256 / 512 tokens took 2.24 / 2.24 / 2.40 ms.
+#: The time chunk :func:`auto_time_chunk` picks: 256 tokens ran as fast as 128 and faster than
+#: 512 for one long request (figures: docs/results.md).
 AUTO_TIME_CHUNK = 256
 #: :func:`auto_time_chunk` chunks while the sequential walk would start fewer programs (of
-#: 16 channels, one request) than this many per SM. On the H200 (132 SMs) at d_inner 8192,
-#: T = 8192 in 1 / 2 / 4 / 8 / 16 / 32 equal requests (3.9 / 7.8 / 15.5 / ... programs per
-#: SM) the walk took 4.69 / 2.45 / 1.43 / 1.30 / 1.16 / 1.10 ms, chunks of 256 took 2.24 /
-#: 2.27 / 2.24 / 2.28 / 2.28 / 2.31 ms (``bench_ssm.py`` section ``mamba1_chunk_rule``).
+#: 16 channels, one request) than this many per SM: the walk lost to chunks of 256 at 7.8
+#: programs per SM and beat them from 15.5 (``bench_ssm.py`` section ``mamba1_chunk_rule``;
+#: figures: docs/results.md).
 AUTO_CHUNK_BELOW_PROGRAMS_PER_SM = 12
 
 
