@@ -38,9 +38,10 @@ Nothing may become silently wrong on an upgrade:
   group's, the direct run takes the layer's as an argument, and the context folds any other
   layer scale into ``q`` for ``run()`` (see ``context.py``).
 - A self-check (:meth:`FastPath.self_check`, GPU only) runs the fast plan and the direct run
-  against FlashInfer's public ``plan()``/``run()`` on a tiny case, once per process, before a
-  context first takes the fast path (where the first context is allocated: it compiles a kernel
-  module, which a cold JIT cache makes too slow for the probe); if they disagree, or raise, the
+  against FlashInfer's public ``plan()``/``run()`` on a tiny case of a context's own
+  configuration (dtype, heads, head dim, page, window, soft-cap), once per process and
+  configuration, where a context of it is allocated (it compiles the kernel module that context
+  needs, which a cold JIT cache makes too slow for the probe); if they disagree, or raise, the
   fast path is off for the process, a ``RuntimeWarning`` says why and ``attn list`` prints it.
   On CPU it is skipped (the CPU tests drive the same code through a stand-in FlashInfer,
   ``tests/fake_flashinfer.py``).
@@ -207,6 +208,8 @@ class FastPath:
         self.release, self.gate_reason = tested_release(version)
         #: None: the self-check has not run; "": it passed; else why it failed.
         self.check: str | None = None
+        #: the configurations the self-check passed on (:meth:`self_check`'s arguments)
+        self.checked: set[tuple[Any, ...]] = set()
         #: None: the import-level facts were not checked (no module); "": they hold; else
         #: which one does not (:meth:`probe`).
         self.facts: str | None = None
@@ -493,10 +496,13 @@ class FastPath:
                    logits_soft_cap: float = 0.0) -> str | None:  # fmt: skip
         """Run the fast plan and the direct run against the public ``plan()``/``run()`` on a
         tiny decode case on ``device`` (a CUDA device; elsewhere nothing runs), once per
-        process; keep and return the verdict ("" passed, else why not; None: skipped).
+        process and configuration; keep and return the verdict ("" passed on every
+        configuration so far, else why not; None: skipped). A failure turns the fast path off
+        for the process.
 
         A context passes its own dtype, heads, head dim, page size, window and soft-cap, so
-        the kernel module compiled for the check is the one it needs anyway. The case: 3
+        the kernel module compiled for the check is the one it needs anyway, and a group of
+        another configuration is checked before the fast path serves it. The case: 3
         requests (a full page, a single token, a few pages) with random bf16/fp16 K/V. A wrapper
         planned publicly for other lengths, then re-planned by the fast path, must hold the
         plan info a fresh wrapper's public ``plan()`` gives and compute the same output through
@@ -504,20 +510,32 @@ class FastPath:
         public plan's output at half of it (a layer's own scale reaches the kernel), and the
         log-sum-exp rows ``run(..., return_lse=True)`` gives (what attention sinks rescale by).
         """
+        config = (device.type, dtype, num_qo_heads, num_kv_heads, head_dim, page_size,
+                  window_left, float(logits_soft_cap))  # fmt: skip
         if (
-            self.check is not None
+            self.check
+            or config in self.checked
             or self.release is None
             or self.facts
             or device.type not in self.CHECK_DEVICES
         ):
             return self.check
         try:
-            self.check = self._self_check(
+            failed = self._self_check(
                 device, dtype, num_qo_heads, num_kv_heads, head_dim, page_size, window_left,
                 logits_soft_cap,
             )  # fmt: skip
         except Exception as exc:  # any failure of the private path: the public path stays
-            self.check = f"{type(exc).__name__}: {exc}"
+            failed = f"{type(exc).__name__}: {exc}"
+        if failed and self.checked:  # an earlier configuration passed: name this one
+            failed = (
+                f"{failed} (dtype={str(dtype).removeprefix('torch.')}, heads "
+                f"{num_qo_heads}/{num_kv_heads}, head_dim={head_dim}, page_size={page_size}, "
+                f"window_left={window_left}, logits_soft_cap={logits_soft_cap})"
+            )
+        self.check = failed
+        if not failed:
+            self.checked.add(config)
         if self.check:
             # Reported where it happens (the first context of the process), not only in a later
             # attn list of the same process: the serving stack's log shows why steps cost more.

@@ -571,9 +571,10 @@ class FullAttentionContext(_PagedContext):
         #: benchmarks turn it off to compare.
         self.direct_decode_run = True
         if self.tensor_core_decode:
-            # Once per process, before the first fast plan: the fast path against the public
-            # plan()/run() on a tiny case of this group's shape (GPU only; the kernel module it
-            # compiles is this context's); a failure turns it off, attn list says why.
+            # Once per process and configuration, before this group's first fast plan: the
+            # fast path against the public plan()/run() on a tiny case of this group's shape
+            # (GPU only; the kernel module it compiles is this context's); a failure turns it
+            # off, attn list says why.
             self.fast.self_check(
                 self.device, dtype=self.q_dtype, num_qo_heads=spec.num_heads,
                 num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,

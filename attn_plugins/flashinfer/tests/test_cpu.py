@@ -1197,6 +1197,41 @@ def test_the_self_check_runs_on_the_groups_own_shape_window_and_soft_cap(monkeyp
     assert note == "fast plan: on (flashinfer 0.6.13, self-check passed)"
 
 
+def test_each_new_configuration_gets_its_own_self_check_before_its_fast_path(
+    monkeypatch, available
+):
+    """The check a context runs covers its own configuration (dtype, heads, head dim, page,
+    window, soft-cap) only: a later group of another configuration runs its own before the
+    fast path serves it, a repeated one does not, and a failure there turns the fast path off
+    for the process, the note naming that configuration."""
+    from attn_plugin_flashinfer import compat
+
+    fake_flashinfer.install(monkeypatch, "0.6.13")
+    monkeypatch.setattr(compat.FastPath, "CHECK_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")
+    calls = []
+    real = compat.FastPath._self_check
+
+    def spy(self, *args):
+        calls.append(args[1:])
+        if args[4] == 64 and args[6] == 5:  # the windowed group: its kernel disagrees
+            return "output differs"
+        return real(self, *args)
+
+    monkeypatch.setattr(compat.FastPath, "_self_check", spy)
+    plain = wl.make(FULL, "flashinfer:flashinfer", "cpu")
+    wl.make(FULL, "flashinfer:flashinfer", "cpu")  # the same configuration: checked already
+    assert calls == [(torch.bfloat16, 8, 2, 64, 4, -1, 0.0)]
+    assert plain.context.fast.enabled
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        wl.make(FULL.with_(sliding_window=6), "flashinfer:flashinfer", "cpu")
+    assert len(calls) == 2 and calls[1][5] == 5
+    fp = plain.context.fast
+    assert not fp.enabled
+    assert "output differs" in fp.note() and "window_left=5" in fp.note(), fp.note()
+
+
 def test_no_module_but_compat_touches_flashinfer_internals():
     """Private attributes of FlashInfer objects (wrappers, modules, flashinfer.utils) are read
     and written in compat.py only; the scale is never written into a wrapper anywhere."""
