@@ -371,7 +371,10 @@ class PersistentState:
         return spec
 
     def __contains__(self, req_id: object) -> bool:
-        return req_id in self._requests
+        try:
+            return req_id in self._requests
+        except TypeError:
+            raise TypeError(f"req_id {req_id!r} is not hashable") from None
 
     def request_ids(self) -> list[Hashable]:
         return list(self._requests)
@@ -896,11 +899,7 @@ class PersistentState:
     def _check_new_id(self, req_id: Hashable) -> None:
         """``req_id`` can key a new request: hashable (the dict lookup would raise a bare
         ``unhashable type``) and not taken."""
-        try:
-            taken = req_id in self._requests
-        except TypeError:
-            raise TypeError(f"req_id {req_id!r} is not hashable") from None
-        if taken:
+        if req_id in self:  # raises the named TypeError for an unhashable id
             raise ValueError(f"request {req_id!r} already exists; release it first")
 
     def _get(self, req_id: Hashable, *, live: bool = True) -> _Request:

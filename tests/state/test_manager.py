@@ -219,6 +219,8 @@ def test_an_unhashable_request_id_is_refused_by_name_and_changes_nothing() -> No
         s.add_request(["b"])
     with pytest.raises(TypeError, match=r"req_id \['b'\] is not hashable"):
         s.import_request(["b"], s.export_request("a"))
+    with pytest.raises(TypeError, match=r"req_id \['b'\] is not hashable"):
+        ["b"] in s  # noqa: B015
     assert (s.num_free_pages, s.num_free_slots) == free
     assert s.request_ids() == ["a"]
     s.check_invariants()

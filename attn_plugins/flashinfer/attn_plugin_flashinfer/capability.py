@@ -146,8 +146,8 @@ def graph_modes(version: str | None) -> tuple[frozenset[GraphMode], frozenset[Gr
         release = None
     if release is not None and (0, 6) <= release < MLA_GRAPH_FAILED_FROM:
         return full, mla, ""
-    if not version:  # nothing to serve with; attn list shows the backend unavailable
-        why = "flashinfer-python not installed"
+    if not version:  # not installed or not importable: the backend's status says which
+        why = "no flashinfer release to read: see the backend's status"
     elif release is None:
         why = f"flashinfer version unknown ({version!r}): graph decode is declared on 0.6 only"
     elif release >= MLA_GRAPH_FAILED_FROM:

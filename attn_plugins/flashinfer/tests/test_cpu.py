@@ -1519,7 +1519,7 @@ def test_chunked_graph_decode_and_the_virtual_rows_fit_the_context(
         ("0.7.4+cu128", {"none"}, "withdrawn from 0.7 on"),
         # a version that says nothing (a source build's, an unreadable one): not declared
         ("0.0.0+unknown", {"none"}, "outside the supported releases"),
-        ("", {"none"}, "MLA graph modes: none (flashinfer-python not installed)"),
+        ("", {"none"}, "MLA graph modes: none (no flashinfer release to read: see the backend"),
         ("garbage", {"none"}, "version unknown"),
     ],
 )
