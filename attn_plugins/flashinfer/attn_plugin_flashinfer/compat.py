@@ -537,7 +537,7 @@ class FastPath:
         if not failed:
             self.checked.add(config)
         if self.check:
-            # Reported where it happens (the first context of the process), not only in a later
+            # Reported where it happens (the configuration's first context), not only in a later
             # attn list of the same process: the serving stack's log shows why steps cost more.
             warnings.warn(f"attn_plugin_flashinfer: {self.note()}", RuntimeWarning, stacklevel=2)
         return self.check

@@ -234,6 +234,10 @@ class _Step:
 class _PagedContext:
     """Planning shared by the full-attention and MLA contexts."""
 
+    #: whether compat's fast plan may serve this context's decode steps (a full-attention
+    #: context of a configuration the self-check covers; MLA plans publicly)
+    fast_checked: bool = False
+
     def __init__(
         self,
         backend: Any,
@@ -397,10 +401,14 @@ class _PagedContext:
         runs = None
         if kind is StepKind.RAGGED and batch.slot_mapping_cpu is not None and not self.fp8:
             runs = slot_runs(batch.slot_mapping_cpu[:n])
-        direct_run = kind is StepKind.DECODE and self.fast.can_replan(wrapper)
+        direct_run = kind is StepKind.DECODE and self._fast_replan(wrapper)
         captured = graph or batch.full_graph  # a replay may carry padding rows
         return _Step(kind, wrapper, captured or n != T, kv_runs=runs, direct_run=direct_run,
                      rows=int(batch.query_start_loc_cpu[P]))  # fmt: skip
+
+    def _fast_replan(self, wrapper: Any) -> bool:
+        """Whether the fast plan (and the direct run) may serve ``wrapper``'s decode step."""
+        return self.fast_checked and self.fast.can_replan(wrapper)
 
     def _small_buffers(self, P: int) -> Any:
         raise NotImplementedError
@@ -570,7 +578,11 @@ class FullAttentionContext(_PagedContext):
         #: Python (compat.FastPath.decode_runner) where compat knows the release;
         #: benchmarks turn it off to compare.
         self.direct_decode_run = True
-        if self.tensor_core_decode:
+        #: The fast path serves the configurations its self-check runs: K/V in the query's
+        #: dtype. An fp8 cache on tensor-core decode (head groups the CUDA-core kernel lacks)
+        #: plans and runs through the public API.
+        self.fast_checked = self.tensor_core_decode and self.kv_dtype == self.q_dtype
+        if self.fast_checked:
             # Once per process and configuration, before this group's first fast plan: the
             # fast path against the public plan()/run() on a tiny case of this group's shape
             # (GPU only; the kernel module it compiles is this context's); a failure turns it
@@ -685,7 +697,7 @@ class FullAttentionContext(_PagedContext):
         if batch.mode is BatchMode.DECODE:
             wrapper = self._graph_wrapper(batch.padded_reqs) if graph else self.decode
             kind = StepKind.DECODE_GRAPH if graph else StepKind.DECODE
-            if self.fast.can_replan(wrapper):
+            if self._fast_replan(wrapper):
                 self.fast.replan_tensor_core_decode(
                     wrapper,
                     qo_indptr_host=views.qo_indptr_host,

@@ -133,8 +133,9 @@ def attn_core_bind_forward(backend, context):
 @hookimpl
 def attn_core_self_check(backend: Backend, device: torch.device) -> SelfCheck | None:
     """The fast plan's self-check (:meth:`compat.FastPath.self_check`, its default tiny bf16
-    case) on ``device`` now rather than in the first context; the verdict holds for the
-    process. Both backends share the fast path, so both report it."""
+    case) on ``device`` now rather than in the first context of that configuration (every
+    other configuration is checked where its first context is allocated); a failure holds for
+    the process. Both backends share the fast path, so both report it."""
     if not _flashinfer_installed():
         return None
     import flashinfer

@@ -405,6 +405,28 @@ def test_decode_takes_the_fast_path_on_tested_releases_and_public_plan_elsewhere
         assert (plans, direct) == (1, 2 * decodes)
 
 
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
+def test_the_fast_path_serves_only_configurations_its_self_check_covers(
+    monkeypatch, available, kv_dtype
+):
+    """The self-check builds K/V in the query's dtype. An fp8 cache on tensor-core decode (a
+    head group the CUDA-core kernel is not compiled for, here 5) is a configuration it never
+    ran, so such a group plans every decode step through plan() and run(); the same group over
+    a bf16 cache takes the fast path."""
+    fake_flashinfer.install(monkeypatch, "0.6.13")
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")
+    spec = FULL.with_(num_heads=10, num_kv_heads=2, kv_dtype=kv_dtype)
+    script = wl.WORKLOADS["prefill_decode_mixed"]
+    fi = wl.make(spec, "flashinfer:flashinfer", "cpu")
+    assert fi.context.tensor_core_decode
+    ref = wl.make(spec, wl.REFERENCE, "cpu")
+    out_fi = [wl.run_step(fi, i, step) for i, step in enumerate(script)]
+    out_ref = [wl.run_step(ref, i, step) for i, step in enumerate(script)]
+    assert wl.max_error(out_fi, out_ref) < (1e-1 if kv_dtype == "fp8_e4m3" else 2e-2)
+    decodes = 3
+    assert _decode_counts(fi) == ((decodes, 0) if kv_dtype == "fp8_e4m3" else (1, 2 * decodes))
+
+
 class _RenamedScale:
     """A release that renamed the wrappers' ``_sm_scale``: what plan() stores, run() reads."""
 
