@@ -252,19 +252,25 @@ def max_shared_memory(device_index: int) -> int:
 _MAX_REGISTERS = 255
 
 
-def kernel_shared_memory(compiled: Any) -> int | None:
-    """Bytes of shared memory per block a compiled Triton kernel (what ``kernel.warmup(...)``
-    returns) needs, from its ``metadata.shared``; None where the installed Triton does not say
-    or gives what cannot be a size, and :func:`triton_note` then says so (the caller takes its
-    smallest tiling: slower, never a wrong result)."""
+def _read_shared_memory(compiled: Any) -> tuple[int | None, str]:
+    """``(bytes, "")`` from a compiled kernel's ``metadata.shared``, or ``(None, why not)``."""
     try:
         shared = int(compiled.metadata.shared)
     except Exception as exc:  # renamed or removed in another release
-        _State.unsized = f"{type(exc).__name__}: {exc}"
-        return None
+        return None, f"{type(exc).__name__}: {exc}"
     if shared < 0:
-        _State.unsized = f"Triton says {shared} bytes"
-        return None
+        return None, f"Triton says {shared} bytes"
+    return shared, ""
+
+
+def kernel_shared_memory(compiled: Any) -> int | None:
+    """Bytes of shared memory per block a compiled Triton kernel (what ``kernel.warmup(...)``
+    returns) needs, for fitting a tiling to the device; None where the installed Triton does
+    not say or gives what cannot be a size, and :func:`triton_note` then says so (the caller
+    takes its smallest tiling: slower, never a wrong result)."""
+    shared, why = _read_shared_memory(compiled)
+    if shared is None:
+        _State.unsized = why
     return shared
 
 
@@ -285,7 +291,7 @@ def kernel_resources(compiled: Any) -> tuple[int, int] | None:
         n_regs = int(compiled.n_regs)
     except Exception:  # interpreter, or a Triton without these fields
         return None
-    shared = kernel_shared_memory(compiled)
+    shared, _ = _read_shared_memory(compiled)  # a sizing hint: no tiling is chosen by it
     if not 0 < n_regs <= _MAX_REGISTERS or shared is None:
         return None
     return n_regs, shared
