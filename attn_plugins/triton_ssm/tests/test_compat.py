@@ -284,5 +284,6 @@ def test_kernel_resources_loads_the_binary_and_refuses_what_cannot_be_a_kernels(
         odd = type("C", (), {"n_regs": n_regs, "metadata": Compiled.metadata})()
         assert compat.kernel_resources(odd) is None, n_regs
     assert compat.kernel_resources(object()) is None
+    assert compat.kernel_resources(type("C", (), {"n_regs": 40})()) is None  # no metadata
     # a sizing hint only: attn list does not claim a tiling fell back
     assert "kernel shared memory unreadable" not in compat.triton_note()
