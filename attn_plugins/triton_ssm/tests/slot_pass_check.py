@@ -1,11 +1,22 @@
-"""The check both slot-pass GPU tests (GDN, KDA) make: a prefill through the slot pass against
-the same prefill gathering and scattering around fla's public function."""
+"""What both slot-pass tests (GDN, KDA) share: the chunks of a varlen batch, and the GPU check
+of a prefill through the slot pass against the same prefill gathering and scattering around
+fla's public function."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
+
+
+def chunk_spans(lens: list[int], chunk: int) -> list[tuple[int, int]]:
+    """``(start, end)`` token offsets of every ``chunk``-token chunk of every sequence of
+    ``lens`` (packed in order); a sequence's last chunk may be shorter."""
+    out, s0 = [], 0
+    for n in lens:
+        out += [(s0 + c, s0 + min(c + chunk, n)) for c in range(0, n, chunk)]
+        s0 += n
+    return out
 
 
 def assert_slot_pass_matches_gathered(

@@ -9,10 +9,12 @@ Qwen3-Next's head shape.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from kernel_device import DEV, K  # first: picks the interpreter on a machine without CUDA
-from slot_pass_check import assert_slot_pass_matches_gathered
+from slot_pass_check import assert_slot_pass_matches_gathered, chunk_spans
 
 gdn_chunk = K.gdn_chunk  # the submodule, imported by the package after kernel_device
 BT = gdn_chunk.CHUNK
@@ -164,6 +166,96 @@ def test_state_and_output_in_one_pass_match_the_two_passes(lens, H, HV, dtype, s
         gdn_chunk.chunk_state_output_pass(
             q, k, w, u, gc[..., None].expand(-1, -1, Kd), state, idx, cu, chunk_off, scale=1.0
         )
+
+
+def _torch_gdn_forward(q, k, v, g, beta, state, idx, lens, scale):
+    """Chunked Gated DeltaNet as fla-core 0.6.0's ``chunk_gated_delta_rule`` forward computes
+    it, fla's stages written out in float64 torch around the kernel's state pass:
+
+    * ``gc``: the chunk-local cumulative decay, in log2 as the pass takes it;
+    * ``A = (I + strict_tril(beta_i k_i . k_j exp2(gc_i - gc_j)))^-1``, ``u = A @ (beta v)``,
+      ``w = A @ (beta k exp2(gc))`` (``chunk_scaled_dot_kkt``, ``solve_tril``,
+      ``recompute_w_u``);
+    * ``o = scale (q exp2(gc)) @ h + tril(scale q_i . k_j exp2(gc_i - gc_j)) @ v_new``
+      (``chunk_fwd_o``).
+    """
+    d = torch.float64
+    HV = v.shape[1]
+    group = HV // q.shape[1]
+    qq, kk = (x.to(d).repeat_interleave(group, dim=1) for x in (q, k))
+    v, beta = v.to(d), beta.to(d)
+    gc = torch.empty_like(g, dtype=d)
+    for s, e in _chunks(lens):
+        gc[s:e] = (g[s:e].to(d) / math.log(2)).cumsum(0)
+    w, u, aqk = torch.empty_like(kk), torch.empty_like(v), []
+    for s, e in _chunks(lens):
+        kc, gcc, bc = kk[s:e], gc[s:e], beta[s:e]
+        decay = torch.exp2(gcc[:, None] - gcc[None, :])  # [i, j, HV]
+        eye = torch.eye(e - s, dtype=d)
+        lower = torch.einsum("ihc,jhc->hij", kc, kc) * decay.permute(2, 0, 1) * bc.T[:, :, None]
+        a = torch.linalg.inv(eye + torch.tril(lower, -1))
+        u[s:e] = torch.einsum("hij,jhv->ihv", a, v[s:e] * bc[..., None])
+        w[s:e] = torch.einsum("hij,jhk->ihk", a, kc * (bc * torch.exp2(gcc))[..., None])
+        qk = torch.einsum("ihc,jhc->hij", qq[s:e], kc) * decay.permute(2, 0, 1) * scale
+        aqk.append(torch.tril(qk))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEV)
+    nchunks = [-(-n // BT) for n in lens]
+    chunk_off = torch.tensor([0, *torch.tensor(nchunks).cumsum(0).tolist()], device=DEV)
+    h, v_new = gdn_chunk.chunk_state_pass(
+        k.float().to(DEV), w.float().to(DEV), u.float().to(DEV), gc.float().to(DEV), state,
+        idx, cu, chunk_off, sum(nchunks), block_v=16, num_warps=2,
+    )  # fmt: skip
+    h, v_new = h[0].cpu().to(d), v_new[0].cpu().to(d)
+    o = torch.empty_like(v)
+    for c, (s, e) in enumerate(_chunks(lens)):
+        inter = torch.einsum("ihk,hkv->ihv", qq[s:e] * torch.exp2(gc[s:e])[..., None], h[c])
+        o[s:e] = inter * scale + torch.einsum("hij,jhv->ihv", aqk[c], v_new[s:e])
+    return o
+
+
+def _chunks(lens):
+    return chunk_spans(lens, BT)
+
+
+def test_chunked_gdn_around_the_state_pass_matches_the_naive_recurrence():
+    """The formulation the slot pass is written for (log2 chunk-local decay, v_new undecayed,
+    k decayed to the chunk's end inside the pass) composes with fla's stages into Gated
+    DeltaNet itself: fla's token-by-token ``naive_recurrent_gated_delta_rule``, outputs and
+    final states, two value heads per key head, sequences ending inside and on chunk ends."""
+    from attn_plugin_triton_ssm import compat
+
+    naive_gdn = compat.naive_recurrences()[0]
+    lens, H, HV, Kd, Vd = [70, 5, BT], 1, 2, 16, 16
+    T = sum(lens)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(T, H, Kd, generator=g)
+    k = torch.nn.functional.normalize(torch.randn(T, H, Kd, generator=g), dim=-1)
+    v = torch.randn(T, HV, Vd, generator=g)
+    gate = -torch.rand(T, HV, generator=g) * 0.3
+    beta = torch.rand(T, HV, generator=g)
+    state = torch.randn(S, HV, Kd, Vd, generator=g) * 0.3
+    idx = torch.tensor(SLOTS[: len(lens)], dtype=torch.int32)
+    scale = Kd**-0.5
+    want_o, want_ht, s0 = [], {}, 0
+    for i, n in enumerate(lens):
+        qi, ki = (x[s0 : s0 + n].repeat_interleave(HV // H, dim=1) for x in (q, k))
+        o_i, ht_i = naive_gdn(
+            *(x[None].double() for x in (qi, ki, v[s0 : s0 + n], beta[s0 : s0 + n],
+                                         gate[s0 : s0 + n])),
+            scale=scale, initial_state=state[int(idx[i])][None].double(),
+            output_final_state=True,
+        )  # fmt: skip
+        want_o.append(o_i[0])
+        want_ht[int(idx[i])] = ht_i[0]
+        s0 += n
+    want = torch.cat(want_o)
+    slots = state.to(DEV)
+    got = _torch_gdn_forward(q, k, v, gate, beta, slots, idx.to(DEV), lens, scale)
+    tol = 1e-5 if DEV == "cpu" else 5e-3  # compiled float32 dots are tf32
+    assert (got - want).abs().max().item() < tol * want.abs().max().item()
+    for slot, ht in want_ht.items():
+        err = (slots[slot].cpu().double() - ht).abs().max().item()
+        assert err < tol * ht.abs().max().item(), slot
 
 
 @pytest.mark.gpu

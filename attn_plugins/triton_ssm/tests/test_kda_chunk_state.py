@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 from kernel_device import DEV, K  # first: picks the interpreter on a machine without CUDA
-from slot_pass_check import assert_slot_pass_matches_gathered
+from slot_pass_check import assert_slot_pass_matches_gathered, chunk_spans
 
 gdn_chunk = K.gdn_chunk
 BT = gdn_chunk.CHUNK
@@ -25,12 +25,7 @@ SLOTS = [5, 0, 3, 6]
 
 
 def _chunks(lens):
-    """``(start, end)`` of every chunk of every sequence, in order."""
-    out, s0 = [], 0
-    for n in lens:
-        out += [(s0 + c, s0 + min(c + BT, n)) for c in range(0, n, BT)]
-        s0 += n
-    return out
+    return chunk_spans(lens, BT)
 
 
 def _chunk_cumsum(x, lens):
