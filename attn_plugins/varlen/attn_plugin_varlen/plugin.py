@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NoReturn
 
+import numpy as np
 import torch
 
 from attn_core.backend import Backend, BackendCapabilities
@@ -154,6 +155,24 @@ class _EncoderContext:
     def prepare(self, batch: AttentionBatch) -> None:
         if batch.mode is not BatchMode.ENCODER:
             self._bad("batch mode", "an encoder batch (BatchBuilder.build_encoder)", batch.mode)
+        # The kernels cut the tokens by these offsets and check nothing: offsets that go back
+        # or stop short gave zero rows, past the end a bare reshape error.
+        cu = batch.query_start_loc_cpu
+        n, T = batch.num_reqs, batch.num_tokens
+        offsets = cu[: n + 1] if cu is not None else None
+        if (
+            offsets is None
+            or len(offsets) != n + 1
+            or offsets[0] != 0
+            or offsets[-1] != T
+            or bool((np.diff(offsets) < 0).any())
+        ):
+            got = None if cu is None else [int(x) for x in cu]
+            self._bad(
+                "query_start_loc",
+                f"{n + 1} offsets from 0 to {T}, non-decreasing (one sequence each)",
+                got,
+            )
         self.batch = batch
 
     update = prepare

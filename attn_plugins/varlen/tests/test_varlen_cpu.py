@@ -260,3 +260,29 @@ def test_decode_batch_is_rejected_with_a_clear_error():
     builder = BatchBuilder(None, max_batch_size=4, max_num_tokens=8)
     with pytest.raises(ValueError, match="encoder batch"):
         ctx.prepare(builder.build([("a", 1)]))
+
+
+@pytest.mark.parametrize("offsets", [[1, 3, 6], [0, 4, 2], [0, 3, 9], [0, 2, 4], [0, 6]], ids=str)
+def test_offsets_that_do_not_cut_the_batch_into_its_requests_are_refused(offsets):
+    """A batch whose offsets do not start at 0, go back, pass the token count, stop short of
+    it, or miss a request gave silent zero rows or a bare unflatten error; prepare refuses it,
+    naming the group and backend, before any forward."""
+    import dataclasses
+
+    spec = LayerSpec(kind="encoder", num_heads=2, num_kv_heads=2, head_dim=16, dtype="float32")
+    group = group_layers([spec])[0]
+    base = BatchBuilder(None, max_batch_size=8, max_num_tokens=64).build_encoder([3, 3])
+    cu = np.array(offsets, dtype=np.int32)
+    bad = dataclasses.replace(base, query_start_loc_cpu=cu, query_start_loc=torch.from_numpy(cu))
+    for backend in plugin.make_backends(available=True):
+        if backend.name == "sdpa":
+            ctx = plugin.SdpaContext(backend, group)
+        else:  # prepare reads no kernel: a stand-in for what this torch's varlen_attn takes
+            info = kernels.VarlenAttnInfo(lambda *a, **k: None, None, True, False, False)
+            ctx = plugin.VarlenContext(backend, group, info)
+        with pytest.raises(
+            ValueError, match=r"query_start_loc.*expected 3 offsets from 0 to 6"
+        ) as e:
+            ctx.prepare(bad)
+        assert f"backend {backend.qualified_name!r}" in str(e.value)
+        ctx.prepare(base)  # the batch as built is fine
