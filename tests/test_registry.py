@@ -238,8 +238,13 @@ def fake_entry_points(monkeypatch, make_plugin, make_caps):
                 monkeypatch.setitem(sys.modules, modname, mod)
             eps.append(EntryPoint(name=name, value=modname, group="attn_core"))
 
+        real = importlib.metadata.entry_points
+
         def entry_points(**kwargs):
-            assert kwargs == {"group": "attn_core"}, kwargs
+            if kwargs != {"group": "attn_core"}:
+                # another library's discovery: Triton reads its backends' entry points on its
+                # first import, which attn list's summary may trigger inside this test
+                return real(**kwargs)
             return list(eps)
 
         monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
