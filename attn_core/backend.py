@@ -296,6 +296,7 @@ class BackendCapabilities:
             "sinks",
             "deterministic",
             "mixed_kv_dtypes",
+            "distinct_value_head_dim",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected True or False")
@@ -441,6 +442,10 @@ class Backend:
                 )
             checked.append((key, spec))
         object.__setattr__(self, "option_schema", tuple(sorted(checked, key=lambda kv: kv[0])))
+        if not isinstance(self.available, bool):  # "False" is truthy: it would be selected
+            raise ValueError(
+                f"Backend {self.name!r}: available={self.available!r}: expected True or False"
+            )
         if not self.available and not self.unavailable_reason:
             raise ValueError(
                 f"Backend {self.name!r}: available=False needs an unavailable_reason that says why"

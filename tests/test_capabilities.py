@@ -69,3 +69,21 @@ def test_a_plugin_that_leaves_device_types_out_is_quarantined_saying_why(registr
     q = registry.quarantined["acme"]
     assert q.stage == "register"
     assert "BackendCapabilities: device_types is required" in q.reason
+
+
+@pytest.mark.parametrize("field", ["distinct_value_head_dim", "sinks", "causal"])
+def test_a_flag_that_is_not_a_bool_is_an_error_naming_it(field):
+    """A string such as "no" is truthy: taken as given it would declare what the author meant
+    to deny."""
+    with pytest.raises(ValueError, match=rf"{field}='no': expected True or False"):
+        BackendCapabilities(
+            kinds={"full"}, device_types={"cpu"}, dtypes={"float32"}, **{field: "no"}
+        )
+
+
+def test_available_that_is_not_a_bool_is_an_error_naming_it():
+    """``available="False"`` is truthy: the backend was selected although its plugin said it
+    could not run."""
+    caps = BackendCapabilities(kinds={"full"}, device_types={"cpu"}, dtypes={"float32"})
+    with pytest.raises(ValueError, match=r"Backend 'x': available='False': expected True or False"):
+        Backend(name="x", capabilities=caps, available="False", unavailable_reason="no driver")
