@@ -357,6 +357,17 @@ class Registry:
         version: str,
         started: float,
     ) -> PluginInfo | None:
+        if not isinstance(name, str) or not name or any(c in name for c in ":=, \t\n"):
+            # backends are named plugin:backend; an empty name left them un-namespaced (taking
+            # another plugin's short name), "a:b" made "a:b:x"
+            self._quarantine(
+                str(name),
+                "register",
+                f"plugin name {name!r}: expected a non-empty name without ':', '=', ',' or "
+                "whitespace (its backends are named 'plugin:backend')",
+                distribution=distribution,
+            )
+            return None
         if name in self.plugins or name in self.quarantined:
             self._quarantine(
                 name,

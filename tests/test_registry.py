@@ -91,6 +91,24 @@ def test_duplicate_plugin_name_is_quarantined_first_kept(registry, make_plugin, 
     assert q.stage == "register" and "already registered" in q.reason
 
 
+@pytest.mark.parametrize("name", ["", "a:b", "a b", "a=b", "a,b"])
+def test_a_plugin_name_that_cannot_prefix_its_backends_is_quarantined(
+    registry, make_plugin, make_caps, name
+):
+    """A backend's qualified name is ``plugin:backend``: with no plugin name its backends went
+    in un-namespaced (``reference``) and took the short name from ``attn_core:reference``;
+    ``a:b`` made ``a:b:x``."""
+    import attn_core.reference.plugin as ref
+
+    registry.register_plugin(ref, name="attn_core")
+    assert registry.register_plugin(make_plugin("m", [_backend(make_caps, "reference")]),
+                                    name=name) is None  # fmt: skip
+    assert [b.qualified_name for b in registry.backends] == ["attn_core:reference"]
+    assert registry.resolve("reference").qualified_name == "attn_core:reference"
+    q = registry.quarantined[name]
+    assert q.stage == "register" and f"plugin name {name!r}" in q.reason, q.reason
+
+
 def test_backend_registered_twice_quarantines_plugin(registry, make_plugin, make_caps):
     mod = make_plugin("twice", [_backend(make_caps, "x"), _backend(make_caps, "x")])
     registry.register_plugin(mod, name="twice")
