@@ -876,6 +876,12 @@ class BatchBuilder:
 
     def build_encoder(self, seq_lens: Sequence[int]) -> AttentionBatch:
         """A batch of independent encoder sequences (bidirectional, no persistent state)."""
+        for i, n in enumerate(seq_lens):
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+                raise ValueError(
+                    f"seq_lens[{i}]={n!r}: expected a non-negative int (the tokens of encoder "
+                    f"sequence {i})"
+                )
         B = len(seq_lens)
         if self.max_batch_size < B:
             raise ValueError(f"{B} sequences exceed max_batch_size={self.max_batch_size}")

@@ -277,6 +277,18 @@ def test_encoder_batch():
         builder.build_encoder([30, 3])
 
 
+@pytest.mark.parametrize(
+    ("lens", "index", "value"), [([2.7, 3], 0, "2.7"), ([5, -2], 1, "-2"), ([3, True], 1, "True")]
+)
+def test_encoder_lengths_that_are_not_token_counts_are_refused_by_index(lens, index, value):
+    """2.7 was cut to 2 tokens in silence, -2 raised numpy's bare "repeats may not contain
+    negative values"."""
+    builder = BatchBuilder(None, max_batch_size=4, max_num_tokens=32)
+    with pytest.raises(ValueError, match=rf"seq_lens\[{index}\]={value}: expected a non-negative"):
+        builder.build_encoder(lens)
+    assert builder.build_encoder([3, 0]).query_start_loc.tolist() == [0, 3, 3]
+
+
 def test_build_reads_nothing_back_from_device_tensors(state, builder, monkeypatch):
     """On CPU: build() must not call .item() / .tolist() / bool() / int() on torch tensors
     (on CUDA each of those would be a device-to-host synchronisation)."""
