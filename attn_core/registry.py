@@ -381,7 +381,10 @@ class Registry:
         try:
             api = self._check_api_version(obj, name)
             self.pm.register(obj, name=name)
+            self._check_hook_names(obj)
         except _Quarantine as q:
+            if self.pm.is_registered(obj):
+                self.pm.unregister(obj)
             self._quarantine(name, q.stage, q.reason, distribution=distribution)
             return None
         except Exception as exc:  # pluggy validates hookimpl signatures on register
@@ -426,10 +429,29 @@ class Registry:
             raise _Quarantine("api-version", problem)
         return version
 
+    def _check_hook_names(self, obj: object) -> None:
+        """Every hook ``obj`` implements is one attn-core defines: pluggy takes a hook without
+        a spec silently, so a misspelt ``attn_core_register_backend`` loaded a plugin that
+        registered nothing."""
+        unknown = sorted(c.name for c in self.pm.get_hookcallers(obj) or [] if c.spec is None)
+        if unknown:
+            known = sorted(n for n in dir(self.pm.hook) if n.startswith("attn_core_"))
+            raise _Quarantine(
+                "register",
+                f"implements {', '.join(unknown)}, which attn-core does not define (its hooks: "
+                f"{', '.join(known)})",
+            )
+
     def _collect_backends(self, obj: object, plugin: str) -> list[Backend]:
         collected: list[Backend] = []
+        open_ = [True]
 
         def register(backend: Backend) -> None:
+            if not open_[0]:  # kept and called later: the registry would not see the backend
+                raise RuntimeError(
+                    f"plugin {plugin!r}: register() called after attn_core_register_backends "
+                    "returned; register every backend inside the hook"
+                )
             if not isinstance(backend, Backend):
                 raise _Quarantine(
                     "capabilities",
@@ -443,7 +465,13 @@ class Registry:
         impl = self._impl_of("attn_core_register_backends", obj)
         try:
             if impl is not None:
-                impl.function(*({"register": register}[a] for a in impl.argnames))
+                result = impl.function(*({"register": register}[a] for a in impl.argnames))
+                if result is not None:
+                    raise _Quarantine(
+                        "register",
+                        f"attn_core_register_backends returned {type(result).__name__}; it "
+                        "registers each backend with register(backend) and returns None",
+                    )
         except _Quarantine:
             raise
         except Exception as exc:
@@ -451,7 +479,9 @@ class Registry:
                 "register",
                 f"attn_core_register_backends raised {type(exc).__name__}: {exc}",
             ) from None
-        return collected
+        finally:
+            open_[0] = False
+        return list(collected)
 
     def _quarantine(
         self,

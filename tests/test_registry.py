@@ -14,6 +14,7 @@ import torch
 from attn_core.backend import Backend
 from attn_core.batch import BatchBuilder
 from attn_core.errors import BackendInputError, PluginError, PluginLoadError, SelectionError
+from attn_core.hookspecs import hookimpl
 from attn_core.registry import Registry, parse_api_version
 from attn_core.runtime import AttentionRuntime
 from attn_core.selector import select
@@ -107,6 +108,55 @@ def test_a_plugin_name_that_cannot_prefix_its_backends_is_quarantined(
     assert registry.resolve("reference").qualified_name == "attn_core:reference"
     q = registry.quarantined[name]
     assert q.stage == "register" and f"plugin name {name!r}" in q.reason, q.reason
+
+
+def test_a_register_hook_that_returns_its_backends_is_quarantined(registry, make_caps):
+    """The hook calls ``register(backend)``; one that returns a list registered nothing and
+    loaded as a plugin without backends."""
+
+    class Returns:
+        ATTN_CORE_API_VERSION = "1.1"
+
+        @hookimpl
+        def attn_core_register_backends(self, register):
+            return [_backend(make_caps, "x")]
+
+    assert registry.register_plugin(Returns(), name="returns") is None
+    q = registry.quarantined["returns"]
+    assert q.stage == "register" and "returned list" in q.reason and "register(" in q.reason
+
+
+def test_register_called_after_the_hook_returned_raises_and_changes_nothing(registry, make_caps):
+    kept = []
+
+    class Lazy:
+        ATTN_CORE_API_VERSION = "1.1"
+
+        @hookimpl
+        def attn_core_register_backends(self, register):
+            kept.append(register)
+
+    info = registry.register_plugin(Lazy(), name="lazy")
+    with pytest.raises(RuntimeError, match="after attn_core_register_backends returned"):
+        kept[0](_backend(make_caps, "late"))
+    assert info.backends == [] and registry.backends == []
+
+
+def test_a_hook_attn_core_does_not_define_is_quarantined_naming_it(registry, make_caps):
+    """A misspelt hook (``attn_core_register_backend``) loaded as a plugin that registered
+    nothing, without a word."""
+
+    class Misspelt:
+        ATTN_CORE_API_VERSION = "1.1"
+
+        @hookimpl
+        def attn_core_register_backend(self, register):
+            register(_backend(make_caps, "x"))
+
+    assert registry.register_plugin(Misspelt(), name="misspelt") is None
+    q = registry.quarantined["misspelt"]
+    assert q.stage == "register" and "attn_core_register_backend" in q.reason, q.reason
+    assert "attn_core_register_backends" in q.reason  # the hooks there are
 
 
 def test_backend_registered_twice_quarantines_plugin(registry, make_plugin, make_caps):
