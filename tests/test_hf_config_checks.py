@@ -114,6 +114,17 @@ def test_jamba_attn_layer_offset_must_fall_in_the_period() -> None:
     mapping_refuses(cfg, "attn_layer_offset=8", "0..7")
 
 
+def test_qwen3_next_linear_value_heads_must_group_over_the_key_heads() -> None:
+    """The delta rule's value heads share key heads in groups: the error names both config
+    fields (it came from LayerSpec, naming neither, nor the model)."""
+    cfg = {
+        **_cfg("Qwen3NextConfig", num_hidden_layers=4, hidden_size=64),
+        "linear_num_value_heads": 3,
+        "linear_num_key_heads": 2,
+    }
+    mapping_refuses(cfg, "linear_num_value_heads=3", "linear_num_key_heads=2")
+
+
 def _falcon_h1(**kwargs: Any) -> dict[str, Any]:
     fields: dict[str, Any] = dict(
         num_hidden_layers=3,

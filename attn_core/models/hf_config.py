@@ -1519,10 +1519,15 @@ def _qwen3_next(r: _Reader, o: _Options) -> _Parsed:
     by_type = {"full_attention": full}
     if "sliding_attention" in types:
         by_type["sliding_attention"] = o.full(sliding_window=r.pos_int("sliding_window"), **heads)
-    v_heads = _split(r.pos_int("linear_num_value_heads"), o.tp_size, "linear_num_value_heads")
-    k_heads = _split_or_replicate(
-        r.pos_int("linear_num_key_heads"), o.tp_size, "linear_num_key_heads"
-    )
+    all_v, all_k = r.pos_int("linear_num_value_heads"), r.pos_int("linear_num_key_heads")
+    if all_v % all_k:
+        raise _FieldValueError(
+            f"{r.where}: config fields linear_num_value_heads={all_v}, linear_num_key_heads="
+            f"{all_k}: the value heads must be a multiple of the key heads (each key head "
+            "serves a group of value heads)"
+        )
+    v_heads = _split(all_v, o.tp_size, "linear_num_value_heads")
+    k_heads = _split_or_replicate(all_k, o.tp_size, "linear_num_key_heads")
     dk, dv = r.pos_int("linear_key_head_dim"), r.pos_int("linear_value_head_dim")
     linear = o.linear(
         linear_variant=LinearVariant.GATED_DELTANET,
