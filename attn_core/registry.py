@@ -369,14 +369,19 @@ class Registry:
             )
             return None
         if name in self.plugins or name in self.quarantined:
-            self._quarantine(
-                name,
-                "register",
-                f"a plugin named {name!r} is already registered "
-                f"(from {self.plugins[name].distribution if name in self.plugins else '?'})",
-                distribution=distribution,
-                key=f"{name} (duplicate)",
-            )
+            if name in self.plugins:
+                source = self.plugins[name].distribution or "a direct registration"
+                why = f"a plugin named {name!r} is already registered (from {source})"
+            else:
+                first = self.quarantined[name]
+                why = (
+                    f"a plugin named {name!r} was quarantined before ({first.stage}: "
+                    f"{first.reason}); the name stays taken"
+                )
+            key, n = f"{name} (duplicate)", 2
+            while key in self.quarantined:  # every later one keeps its own record
+                key, n = f"{name} (duplicate {n})", n + 1
+            self._quarantine(name, "register", why, distribution=distribution, key=key)
             return None
         try:
             api = self._check_api_version(obj, name)

@@ -90,6 +90,21 @@ def test_duplicate_plugin_name_is_quarantined_first_kept(registry, make_plugin, 
     assert [b.qualified_name for b in registry.backends] == ["dup:x"]
     q = registry.quarantined["dup (duplicate)"]
     assert q.stage == "register" and "already registered" in q.reason
+    assert "(from a direct registration)" in q.reason  # not "(from None)"
+    # a third of that name keeps the second's record
+    registry.register_plugin(make_plugin("c", [_backend(make_caps, "z")]), name="dup")
+    assert set(registry.quarantined) == {"dup (duplicate)", "dup (duplicate 2)"}
+
+
+def test_a_name_quarantined_before_is_said_to_be_so_when_taken_again(
+    registry, make_plugin, make_caps
+):
+    registry.register_plugin(make_plugin("a", [], api=None), name="fixme")  # no API version
+    assert registry.register_plugin(make_plugin("b", [_backend(make_caps, "y")]),
+                                    name="fixme") is None  # fmt: skip
+    reason = registry.quarantined["fixme (duplicate)"].reason
+    assert "was quarantined before (api-version: does not declare" in reason, reason
+    assert "already registered" not in reason
 
 
 @pytest.mark.parametrize("name", ["", "a:b", "a b", "a=b", "a,b"])
