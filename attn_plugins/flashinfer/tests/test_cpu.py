@@ -1195,23 +1195,31 @@ def test_a_ragged_prefill_plans_its_slots_as_runs_of_consecutive_rows(fake_fi, m
     assert h.context.step.kind is StepKind.RAGGED and h.context.step.kv_runs is None
 
 
-def test_the_self_check_runs_on_the_groups_own_shape_window_and_soft_cap(monkeypatch, available):
-    """The context hands the self-check its dtype, heads, head dim, page, window and soft-cap
-    (the kernel module compiled for the check is the group's); it passes on the stand-in and
-    the group's windowed, soft-capped decode steps then take the fast path."""
+def _spy_on_the_self_check(monkeypatch, fails=lambda cfg: False) -> list[tuple]:
+    """Install the stand-in FlashInfer 0.6.13 with its self-check on the CPU; returns the list
+    each check's configuration ``(dtype, heads, kv heads, head dim, page, window_left,
+    soft-cap)`` goes to. A configuration ``fails`` accepts reports "output differs"."""
     from attn_plugin_flashinfer import compat
 
     fake_flashinfer.install(monkeypatch, "0.6.13")
     monkeypatch.setattr(compat.FastPath, "CHECK_DEVICES", ("cuda", "cpu"))
     monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")
-    calls = []
+    calls: list[tuple] = []
     real = compat.FastPath._self_check
 
     def spy(self, *args):
         calls.append(args[1:])
-        return real(self, *args)
+        return "output differs" if fails(args[1:]) else real(self, *args)
 
     monkeypatch.setattr(compat.FastPath, "_self_check", spy)
+    return calls
+
+
+def test_the_self_check_runs_on_the_groups_own_shape_window_and_soft_cap(monkeypatch, available):
+    """The context hands the self-check its dtype, heads, head dim, page, window and soft-cap
+    (the kernel module compiled for the check is the group's); it passes on the stand-in and
+    the group's windowed, soft-capped decode steps then take the fast path."""
+    calls = _spy_on_the_self_check(monkeypatch)
     spec = FULL.with_(sliding_window=6, logits_soft_cap=5.0, dtype="float16", kv_dtype="float16")
     _compare(spec, wl.WORKLOADS["prefill_decode_mixed"], tol=2e-2, kinds={StepKind.DECODE})
     assert calls == [(torch.float16, 8, 2, 64, 4, 5, 5.0)]  # window_left = window - 1
@@ -1226,21 +1234,8 @@ def test_each_new_configuration_gets_its_own_self_check_before_its_fast_path(
     window, soft-cap) only: a later group of another configuration runs its own before the
     fast path serves it, a repeated one does not, and a failure there turns the fast path off
     for the process, the note naming that configuration."""
-    from attn_plugin_flashinfer import compat
-
-    fake_flashinfer.install(monkeypatch, "0.6.13")
-    monkeypatch.setattr(compat.FastPath, "CHECK_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")
-    calls = []
-    real = compat.FastPath._self_check
-
-    def spy(self, *args):
-        calls.append(args[1:])
-        if args[4] == 64 and args[6] == 5:  # the windowed group: its kernel disagrees
-            return "output differs"
-        return real(self, *args)
-
-    monkeypatch.setattr(compat.FastPath, "_self_check", spy)
+    # the windowed group's kernel disagrees
+    calls = _spy_on_the_self_check(monkeypatch, fails=lambda cfg: cfg[5] == 5)
     plain = wl.make(FULL, "flashinfer:flashinfer", "cpu")
     wl.make(FULL, "flashinfer:flashinfer", "cpu")  # the same configuration: checked already
     assert calls == [(torch.bfloat16, 8, 2, 64, 4, -1, 0.0)]
