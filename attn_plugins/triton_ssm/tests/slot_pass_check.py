@@ -1,6 +1,6 @@
-"""What both slot-pass tests (GDN, KDA) share: the chunks of a varlen batch, and the GPU check
-of a prefill through the slot pass against the same prefill gathering and scattering around
-fla's public function."""
+"""What both slot-pass tests (GDN, KDA) share: the chunks of a varlen batch, the CPU check of
+the chunked formulation against fla's naive recurrence, and the GPU check of a prefill through
+the slot pass against the same prefill gathering and scattering around fla's public function."""
 
 from __future__ import annotations
 
@@ -17,6 +17,62 @@ def chunk_spans(lens: list[int], chunk: int) -> list[tuple[int, int]]:
         out += [(s0 + c, s0 + min(c + chunk, n)) for c in range(0, n, chunk)]
         s0 += n
     return out
+
+
+def assert_chunked_matches_naive(
+    naive: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    chunked: Callable[..., torch.Tensor],
+    make_gate: Callable[[int, int, int, torch.Generator], torch.Tensor],
+    *,
+    chunk: int,
+    slots: list[int],
+    num_slots: int,
+    device: str,
+    repeat_qk_for_naive: bool = False,
+) -> None:
+    """``chunked(q, k, v, gate, beta, state, idx, lens, scale)`` (writing the final states into
+    ``state [num_slots, HV, K, V]`` at ``idx``) against fla's token-by-token ``naive`` per
+    sequence in float64, outputs and final states: sequences of 70, 5 and ``chunk`` tokens
+    (ending inside and on chunk ends), one key head, two value heads, head dims 16, random
+    unit-norm keys and ``make_gate(T, HV, K, generator)``. ``repeat_qk_for_naive``: q and k go
+    to ``naive`` repeated to the value heads. Within 1e-5 relative on the CPU (interpreted),
+    5e-3 compiled (tf32 dots)."""
+    lens, H, HV, Kd, Vd = [70, 5, chunk], 1, 2, 16, 16
+    T = sum(lens)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(T, H, Kd, generator=g)
+    k = torch.nn.functional.normalize(torch.randn(T, H, Kd, generator=g), dim=-1)
+    v = torch.randn(T, HV, Vd, generator=g)
+    gate = make_gate(T, HV, Kd, g)
+    beta = torch.rand(T, HV, generator=g)
+    state = torch.randn(num_slots, HV, Kd, Vd, generator=g) * 0.3
+    idx = torch.tensor(slots[: len(lens)], dtype=torch.int32)
+    scale = Kd**-0.5
+    want_o, want_ht, s0 = [], {}, 0
+    for i, n in enumerate(lens):
+        qi, ki = (x[s0 : s0 + n] for x in (q, k))
+        if repeat_qk_for_naive:
+            qi, ki = (x.repeat_interleave(HV // H, dim=1) for x in (qi, ki))
+        # by keyword: fla's GDN takes (.., beta, g), its KDA (.., g, beta)
+        o_i, ht_i = naive(
+            *(x[None].double() for x in (qi, ki, v[s0 : s0 + n])),
+            g=gate[s0 : s0 + n][None].double(), beta=beta[s0 : s0 + n][None].double(),
+            scale=scale, initial_state=state[int(idx[i])][None].double(),
+            output_final_state=True,
+        )  # fmt: skip
+        want_o.append(o_i[0])
+        want_ht[int(idx[i])] = ht_i[0]
+        s0 += n
+    want = torch.cat(want_o)
+    slots_dev = state.to(device)
+    got = chunked(
+        *(x.to(device) for x in (q, k, v, gate, beta)), slots_dev, idx.to(device), lens, scale
+    ).cpu()
+    tol = 1e-5 if device == "cpu" else 5e-3
+    assert (got - want).abs().max().item() < tol * want.abs().max().item()
+    for slot, ht in want_ht.items():
+        err = (slots_dev[slot].cpu().double() - ht).abs().max().item()
+        assert err < tol * ht.abs().max().item(), slot
 
 
 def assert_slot_pass_matches_gathered(

@@ -14,7 +14,11 @@ import math
 import pytest
 import torch
 from kernel_device import DEV, K  # first: picks the interpreter on a machine without CUDA
-from slot_pass_check import assert_slot_pass_matches_gathered, chunk_spans
+from slot_pass_check import (
+    assert_chunked_matches_naive,
+    assert_slot_pass_matches_gathered,
+    chunk_spans,
+)
 
 gdn_chunk = K.gdn_chunk  # the submodule, imported by the package after kernel_device
 BT = gdn_chunk.CHUNK
@@ -180,6 +184,7 @@ def _torch_gdn_forward(q, k, v, g, beta, state, idx, lens, scale):
       (``chunk_fwd_o``).
     """
     d = torch.float64
+    q, k, v, g, beta = (x.cpu() for x in (q, k, v, g, beta))
     HV = v.shape[1]
     group = HV // q.shape[1]
     qq, kk = (x.to(d).repeat_interleave(group, dim=1) for x in (q, k))
@@ -224,38 +229,11 @@ def test_chunked_gdn_around_the_state_pass_matches_the_naive_recurrence():
     final states, two value heads per key head, sequences ending inside and on chunk ends."""
     from attn_plugin_triton_ssm import compat
 
-    naive_gdn = compat.naive_recurrences()[0]
-    lens, H, HV, Kd, Vd = [70, 5, BT], 1, 2, 16, 16
-    T = sum(lens)
-    g = torch.Generator().manual_seed(4)
-    q = torch.randn(T, H, Kd, generator=g)
-    k = torch.nn.functional.normalize(torch.randn(T, H, Kd, generator=g), dim=-1)
-    v = torch.randn(T, HV, Vd, generator=g)
-    gate = -torch.rand(T, HV, generator=g) * 0.3
-    beta = torch.rand(T, HV, generator=g)
-    state = torch.randn(S, HV, Kd, Vd, generator=g) * 0.3
-    idx = torch.tensor(SLOTS[: len(lens)], dtype=torch.int32)
-    scale = Kd**-0.5
-    want_o, want_ht, s0 = [], {}, 0
-    for i, n in enumerate(lens):
-        qi, ki = (x[s0 : s0 + n].repeat_interleave(HV // H, dim=1) for x in (q, k))
-        o_i, ht_i = naive_gdn(
-            *(x[None].double() for x in (qi, ki, v[s0 : s0 + n], beta[s0 : s0 + n],
-                                         gate[s0 : s0 + n])),
-            scale=scale, initial_state=state[int(idx[i])][None].double(),
-            output_final_state=True,
-        )  # fmt: skip
-        want_o.append(o_i[0])
-        want_ht[int(idx[i])] = ht_i[0]
-        s0 += n
-    want = torch.cat(want_o)
-    slots = state.to(DEV)
-    got = _torch_gdn_forward(q, k, v, gate, beta, slots, idx.to(DEV), lens, scale)
-    tol = 1e-5 if DEV == "cpu" else 5e-3  # compiled float32 dots are tf32
-    assert (got - want).abs().max().item() < tol * want.abs().max().item()
-    for slot, ht in want_ht.items():
-        err = (slots[slot].cpu().double() - ht).abs().max().item()
-        assert err < tol * ht.abs().max().item(), slot
+    assert_chunked_matches_naive(
+        compat.naive_recurrences()[0], _torch_gdn_forward,
+        lambda T, HV, K, g: -torch.rand(T, HV, generator=g) * 0.3,
+        chunk=BT, slots=SLOTS, num_slots=S, device=DEV, repeat_qk_for_naive=True,
+    )  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -16,7 +16,11 @@ import math
 import pytest
 import torch
 from kernel_device import DEV, K  # first: picks the interpreter on a machine without CUDA
-from slot_pass_check import assert_slot_pass_matches_gathered, chunk_spans
+from slot_pass_check import (
+    assert_chunked_matches_naive,
+    assert_slot_pass_matches_gathered,
+    chunk_spans,
+)
 
 gdn_chunk = K.gdn_chunk
 BT = gdn_chunk.CHUNK
@@ -172,37 +176,11 @@ def test_chunked_kda_around_the_state_pass_matches_the_naive_recurrence():
     ``naive_recurrent_kda``, outputs and final states, two value heads per key head."""
     from attn_plugin_triton_ssm import compat
 
-    naive_kda = compat.naive_recurrences()[1]
-    lens, H, HV, Kd, Vd = [70, 5, BT], 1, 2, 16, 16
-    T = sum(lens)
-    g = torch.Generator().manual_seed(4)
-    q = torch.randn(T, H, Kd, generator=g)
-    k = torch.nn.functional.normalize(torch.randn(T, H, Kd, generator=g), dim=-1)
-    v = torch.randn(T, HV, Vd, generator=g)
-    gate = -torch.rand(T, HV, Kd, generator=g) * torch.linspace(0.01, 0.8, Kd)
-    beta = torch.rand(T, HV, generator=g)
-    state = torch.randn(S, HV, Kd, Vd, generator=g) * 0.3
-    idx = torch.tensor(SLOTS[: len(lens)], dtype=torch.int32)
-    scale = Kd**-0.5
-    want_o, want_ht, s0 = [], {}, 0
-    for i, n in enumerate(lens):
-        o_i, ht_i = naive_kda(
-            *(x[s0 : s0 + n][None].double() for x in (q, k, v, gate, beta)), scale=scale,
-            initial_state=state[int(idx[i])][None].double(), output_final_state=True,
-        )  # fmt: skip
-        want_o.append(o_i[0])
-        want_ht[int(idx[i])] = ht_i[0]
-        s0 += n
-    want = torch.cat(want_o)
-    slots = state.to(DEV)
-    got = _torch_kda_forward(
-        *(x.to(DEV) for x in (q, k, v, gate, beta)), slots, idx.to(DEV), lens, scale
-    ).cpu()
-    tol = 1e-5 if DEV == "cpu" else 5e-3  # compiled float32 dots are tf32
-    assert (got - want).abs().max().item() < tol * want.abs().max().item()
-    for slot, ht in want_ht.items():
-        err = (slots[slot].cpu().double() - ht).abs().max().item()
-        assert err < tol * ht.abs().max().item(), slot
+    assert_chunked_matches_naive(
+        compat.naive_recurrences()[1], _torch_kda_forward,
+        lambda T, HV, K, g: -torch.rand(T, HV, K, generator=g) * torch.linspace(0.01, 0.8, K),
+        chunk=BT, slots=SLOTS, num_slots=S, device=DEV,
+    )  # fmt: skip
 
 
 @pytest.mark.gpu
