@@ -438,7 +438,12 @@ class Registry:
         """Every hook ``obj`` implements is one attn-core defines: pluggy takes a hook without
         a spec silently, so a misspelt ``attn_core_register_backend`` loaded a plugin that
         registered nothing."""
-        unknown = sorted(c.name for c in self.pm.get_hookcallers(obj) or [] if c.spec is None)
+        unknown = sorted(
+            c.name
+            for c in self.pm.get_hookcallers(obj) or []
+            if c.spec is None  # optionalhook=True: a later release's hook, meant to be absent
+            and any(i.plugin is obj and not i.optionalhook for i in c.get_hookimpls())
+        )
         if unknown:
             known = sorted(n for n in dir(self.pm.hook) if n.startswith("attn_core_"))
             raise _Quarantine(

@@ -173,6 +173,20 @@ def test_a_hook_attn_core_does_not_define_is_quarantined_naming_it(registry, mak
     assert q.stage == "register" and "attn_core_register_backend" in q.reason, q.reason
     assert "attn_core_register_backends" in q.reason  # the hooks there are
 
+    class Optional:  # a hook of a later release, marked optional: loads
+        ATTN_CORE_API_VERSION = "1.1"
+
+        @hookimpl
+        def attn_core_register_backends(self, register):
+            register(_backend(make_caps, "x"))
+
+        @hookimpl(optionalhook=True)
+        def attn_core_a_later_hook(self):
+            pass
+
+    registry.register_plugin(Optional(), name="optional")
+    assert [b.qualified_name for b in registry.backends] == ["optional:x"]
+
 
 def test_backend_registered_twice_quarantines_plugin(registry, make_plugin, make_caps):
     mod = make_plugin("twice", [_backend(make_caps, "x"), _backend(make_caps, "x")])
