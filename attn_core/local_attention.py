@@ -49,6 +49,8 @@ def _check(chunk_size: int, page_size: int | None) -> None:
         raise ValueError(
             "local virtual batches need a paged batch (page_size set), got a batch without pages"
         )
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+        raise ValueError(f"page size {page_size!r}: expected a positive int")
     if chunk_size % page_size:
         raise ValueError(
             f"attention_chunk_size {chunk_size} is not a multiple of the page size {page_size}: "
@@ -70,10 +72,13 @@ class LocalVirtualBatcher:
     def __init__(self, chunk_size: int) -> None:
         _check_chunk(chunk_size)  # the page size is checked per batch
         self.chunk_size = chunk_size
-        #: (padded requests, page-table width, device) -> the decode step's device buffers:
-        #: seq_lens [P] int32, context_lens [P] int32, page_table [P, min(C / ps, W)] int32 and
-        #: the column offsets [min(C / ps, W)] int64 of the page-table gather
-        self._decode: dict[tuple[int, int, torch.device], tuple[torch.Tensor, ...]] = {}
+        #: (padded requests, page-table width, device, page-table dtype) -> the decode step's
+        #: device buffers: seq_lens [P] int32, context_lens [P] int32, page_table
+        #: [P, min(C / ps, W)] of the page table's dtype and the column offsets
+        #: [min(C / ps, W)] int64 of the page-table gather
+        self._decode: dict[
+            tuple[int, int, torch.device, torch.dtype], tuple[torch.Tensor, ...]
+        ] = {}
 
     def __call__(self, batch: AttentionBatch) -> AttentionBatch:
         """The virtual batch of ``batch`` (see the module docstring)."""
@@ -92,7 +97,7 @@ class LocalVirtualBatcher:
         pt = batch.page_table
         assert pt is not None and ps is not None  # checked by __call__
         rows, width = pt.shape[0], min(C // ps, pt.shape[1])
-        key = (rows, pt.shape[1], pt.device)
+        key = (rows, pt.shape[1], pt.device, pt.dtype)
         bufs = self._decode.get(key)
         if bufs is None:
             seq_b = torch.empty(rows, dtype=torch.int32, device=pt.device)

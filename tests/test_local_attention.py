@@ -175,6 +175,37 @@ def test_a_chunk_that_is_not_a_multiple_of_the_page_size_is_refused():
         LocalVirtualBatcher(0)
 
 
+def test_a_decode_batch_whose_page_table_changes_dtype_gets_buffers_of_that_dtype():
+    """The decode buffers were keyed by shape and device only: an int64 page table after an
+    int32 one of the same shape failed with torch's bare 'Expected out tensor to have dtype'."""
+    import dataclasses
+
+    _, state, builder = _setup(8)
+    for r in "ab":
+        state.add_request(r)
+    builder.build([("a", 7), ("b", 9)])
+    state.advance("a", 7)
+    state.advance("b", 9)
+    batch = builder.build([("a", 1), ("b", 1)], pad_to=4)
+    batcher = LocalVirtualBatcher(8)
+    first = batcher(batch)
+    wide = dataclasses.replace(batch, page_table=batch.page_table.long())
+    virt = batcher(wide)
+    assert virt.page_table.dtype == torch.int64
+    assert torch.equal(virt.page_table, first.page_table.long())
+
+
+@pytest.mark.parametrize("page_size", [0, -4])
+def test_a_page_size_that_is_not_positive_is_refused_by_name(page_size):
+    import dataclasses
+
+    _, state, builder = _setup(8)
+    state.add_request("a")
+    batch = dataclasses.replace(builder.build([("a", 5)]), page_size=page_size)
+    with pytest.raises(ValueError, match=rf"page size {page_size}: expected a positive int"):
+        local_virtual_batch(batch, 8)
+
+
 # ------------------------------------------------------------------------------------------
 # The key equivalence: the reference's chunk mask == plain causal over the virtual batch
 # ------------------------------------------------------------------------------------------
