@@ -765,6 +765,16 @@ class PhaseChoice:
     #: (a captured prefill graph replays with other request counts).
     by_requests: tuple[tuple[int, int, int, Backend], ...] = ()
 
+    def __post_init__(self) -> None:
+        bounds = [bound for bound, _ in self.by_step_size]
+        if any(b <= a for a, b in itertools.pairwise(bounds)):
+            # the first bound that holds a step picks its backend: out of order, a small step
+            # would run on a large bucket's backend in silence
+            raise ValueError(
+                f"PhaseChoice {self.phase.value}: by_step_size bounds {bounds}: expected "
+                "ascending, each bound once"
+            )
+
     def backend_for_step(self, size: int, requests: int | None = None) -> Backend:
         """The backend that serves a step of this phase of ``size`` (:func:`step_size`) and, in
         prefill, ``requests`` requests (None: by size alone)."""

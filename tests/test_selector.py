@@ -912,3 +912,17 @@ def test_tuning_from_another_device_or_graph_mode_is_named_in_a_warning(five, gr
     assert _picked(plan)["full"] == "attn_core:reference"  # still ranked by it
     with pytest.warns(UserWarning, match=r"timed under graph mode none, the run asks for decode"):
         select(groups, five, H200, _allow(graph_mode="decode"), tuning=loaded)
+
+
+def test_step_size_buckets_out_of_order_are_refused(make_caps):
+    """A step runs on the first bucket whose bound holds it: with the bounds out of order a
+    step of 4 went to the backend of the 64 bucket, in silence."""
+    from attn_core.selector import PhaseChoice
+    from attn_core.specs import Phase
+
+    big, small = (Backend(name=n, capabilities=make_caps()) for n in ("big", "small"))
+    kw = dict(phase=Phase.DECODE, backend=big, rejected=(), outranked=())
+    with pytest.raises(ValueError, match=r"by_step_size bounds \[64, 8\]: expected ascending"):
+        PhaseChoice(**kw, by_step_size=((64, big), (8, small)))
+    choice = PhaseChoice(**kw, by_step_size=((8, small), (64, big)))
+    assert choice.backend_for_step(4).name == "small" and choice.backend_for_step(9).name == "big"
