@@ -9,9 +9,10 @@ skipped (with their reason).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["CapabilityOutcome", "CapabilityReport", "reason"]
+__all__ = ["CapabilityOutcome", "CapabilityReport", "reason", "statuses"]
 
 #: The battery's failure message starts ``<backend> advertised [<labels>], failed: <reason>``;
 #: the labels are the report's own lines, so a report line keeps only the reason.
@@ -22,6 +23,17 @@ def reason(message: str) -> str:
     """The whole first line of an item's message, without the battery's claims prefix."""
     lines = message.strip().splitlines()
     return _CLAIMS.sub("", lines[0]) if lines else ""
+
+
+#: A line of :meth:`CapabilityReport.lines`: status, capability, then its counts or reason.
+_LINE = re.compile(r"^(PASS|FAIL|SKIP)  (.+?)( \(\d+ checks.*| - .*)?$")
+
+
+def statuses(lines: Iterable[str]) -> dict[str, str]:
+    """Capability -> ``PASS`` / ``FAIL`` / ``SKIP`` read back from a run's output lines (the
+    summary :meth:`CapabilityReport.lines` wrote; other lines are ignored)."""
+    matches = (_LINE.match(line) for line in lines)
+    return {m.group(2): m.group(1) for m in matches if m}
 
 
 @dataclass(slots=True)

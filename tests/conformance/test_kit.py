@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from attn_core.testing.report import statuses
+
 # A plugin that serves full attention like the reference, with one defect switched on by name.
 BROKEN = textwrap.dedent(
     '''
@@ -184,12 +186,7 @@ BROKEN_LINEAR = textwrap.dedent(
 
 def _summary(result: pytest.RunResult) -> dict[str, str]:
     """Capability -> PASS / FAIL / SKIP from the kit's terminal summary."""
-    out = {}
-    for line in result.outlines:
-        m = re.match(r"^(PASS|FAIL|SKIP)  (.+?)( \(\d+ checks.*| - .*)?$", line)
-        if m:
-            out[m.group(2)] = m.group(1)
-    return out
+    return statuses(result.outlines)
 
 
 def _run_broken(

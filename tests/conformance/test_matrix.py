@@ -9,7 +9,7 @@ from attn_core.backend import BackendCapabilities
 from attn_core.reference.plugin import CAPABILITIES as REFERENCE_CAPS
 from attn_core.specs import LayerKind
 from attn_core.testing.matrix import build_matrix, kind_label
-from attn_core.testing.report import CapabilityReport
+from attn_core.testing.report import CapabilityReport, statuses
 from attn_core.testing.session import KitError, load_plugin_object
 from attn_core.testing.workloads import LARGE_MAGNITUDE, layer_inputs, scale_inputs
 
@@ -156,6 +156,8 @@ def test_report_statuses() -> None:
     assert lines[1].startswith("FAIL  b") and "test_one[2]: advertised b, failed: boom" in lines[1]
     assert lines[2] == "SKIP  c - skipped: no GPU"
     assert report.counts == {"PASS": 1, "FAIL": 1, "SKIP": 1}
+    # read back from a run's output, other lines among them
+    assert statuses(["collected 3 items", *lines]) == {"a": "PASS", "b": "FAIL", "c": "SKIP"}
 
 
 def test_report_line_keeps_the_whole_first_line_of_the_reason() -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from test_plugin_harness import TRITON, TRITON_MAMBA1
+
+from attn_core.testing.report import statuses
 
 VARIANTS = {
     TRITON: ("gated_deltanet", "kda", "mamba2", "lightning", "short_conv"),
@@ -30,15 +31,6 @@ CHECKS = (
     "state hand-off (chunked prefill)",
     "prefix-cache restore (conv + SSM)",
 )
-
-
-def _summary(stdout: str) -> dict[str, str]:
-    """Capability -> PASS / FAIL / SKIP from the kit's terminal summary."""
-    lines = (
-        re.match(r"^(PASS|FAIL|SKIP)  (.+?)( \(\d+ checks.*| - .*)?$", s)
-        for s in stdout.splitlines()
-    )
-    return {m.group(2): m.group(1) for m in lines if m}
 
 
 @pytest.mark.slow
@@ -59,7 +51,7 @@ def test_the_kit_passes_on_the_interpreted_kernels(tmp_path: Path, backend: str)
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    summary = _summary(proc.stdout)
+    summary = statuses(proc.stdout.splitlines())
     assert not [c for c, s in summary.items() if s == "FAIL"], summary
     for variant in VARIANTS[backend]:
         for check in CHECKS:
