@@ -454,10 +454,10 @@ class Registry:
 
     def _collect_backends(self, obj: object, plugin: str) -> list[Backend]:
         collected: list[Backend] = []
-        open_ = [True]
+        closed = False  # set once the hook returned; register reads it through its closure
 
         def register(backend: Backend) -> None:
-            if not open_[0]:  # kept and called later: the registry would not see the backend
+            if closed:  # kept and called later: the registry would not see the backend
                 raise RuntimeError(
                     f"plugin {plugin!r}: register() called after attn_core_register_backends "
                     "returned; register every backend inside the hook"
@@ -490,7 +490,7 @@ class Registry:
                 f"attn_core_register_backends raised {type(exc).__name__}: {exc}",
             ) from None
         finally:
-            open_[0] = False
+            closed = True
         return list(collected)
 
     def _quarantine(
