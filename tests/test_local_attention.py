@@ -131,14 +131,20 @@ def test_virtual_rows_read_exactly_the_chunk_of_each_query(chunk, kind, seed):
     assert decode_seen == (kind == "decode")
 
 
+def _prefilled(state, builder, **tokens: int) -> None:
+    """Requests named by ``tokens`` added, prefilled with that many tokens in one step and
+    advanced past it."""
+    for r in tokens:
+        state.add_request(r)
+    builder.build(list(tokens.items()))
+    for r, n in tokens.items():
+        state.advance(r, n)
+
+
 def test_decode_buffers_keep_their_address_and_padding_rows_pass_through():
     _, state, builder = _setup(8)
     batcher = LocalVirtualBatcher(8)
-    for r in "ab":
-        state.add_request(r)
-    builder.build([("a", 7), ("b", 9)])
-    state.advance("a", 7)
-    state.advance("b", 9)
+    _prefilled(state, builder, a=7, b=9)
     addresses = None
     for _ in range(4):
         batch = builder.build([("a", 1), ("b", 1)], pad_to=4)
@@ -153,11 +159,7 @@ def test_decode_buffers_keep_their_address_and_padding_rows_pass_through():
 
 def test_verify_step_cut_at_a_boundary_becomes_mixed():
     _, state, builder = _setup(8)
-    for r in "ab":
-        state.add_request(r)
-    builder.build([("a", 6), ("b", 2)])
-    state.advance("a", 6)
-    state.advance("b", 2)
+    _prefilled(state, builder, a=6, b=2)
     batch = builder.build([("a", 3), ("b", 3)], spec_tokens=2)
     assert batch.mode is BatchMode.VERIFY
     virt = local_virtual_batch(batch, 8)
@@ -181,11 +183,7 @@ def test_a_decode_batch_whose_page_table_changes_dtype_gets_buffers_of_that_dtyp
     import dataclasses
 
     _, state, builder = _setup(8)
-    for r in "ab":
-        state.add_request(r)
-    builder.build([("a", 7), ("b", 9)])
-    state.advance("a", 7)
-    state.advance("b", 9)
+    _prefilled(state, builder, a=7, b=9)
     batch = builder.build([("a", 1), ("b", 1)], pad_to=4)
     batcher = LocalVirtualBatcher(8)
     first = batcher(batch)
