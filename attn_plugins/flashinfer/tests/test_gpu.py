@@ -179,6 +179,21 @@ def test_gqa16_speculative_verify_and_tensor_core_decode(monkeypatch):
     assert kinds[1] is StepKind.PAGED and kinds[3] is StepKind.DECODE
 
 
+@pytest.mark.slow  # FA2 prefill kernels for tensor-core decode over an fp8 cache
+def test_fp8_kv_on_tensor_core_decode_plans_publicly_and_matches_the_reference(monkeypatch):
+    """A head group the CUDA-core decode kernel lacks (16) over an fp8 cache: the fast plan's
+    self-check builds K/V in the query's dtype only, so this group plans every decode step
+    through the public plan() and run(), and its output matches the reference."""
+    monkeypatch.setenv("ATTN_FLASHINFER_SMALL_DECODE_MAX_BATCH", "0")  # FlashInfer's decode
+    spec = FULL.with_(num_heads=32, num_kv_heads=2, kv_dtype="fp8_e4m3")
+    fi = wl.make(spec, _name(spec), CUDA, kv_scales=(0.05, 0.04))
+    assert fi.context.tensor_core_decode and not fi.context.fast_checked
+    kinds = _compare(
+        spec, wl.WORKLOADS["prefill_decode_mixed"], tol=8e-2, make_kw={"kv_scales": (0.05, 0.04)}
+    )
+    assert StepKind.DECODE in kinds
+
+
 def test_mla():
     kinds = _compare(MLA, wl.WORKLOADS["chunked_prefill"])
     assert set(kinds) == {StepKind.MLA}
@@ -390,6 +405,30 @@ def test_the_fast_path_self_check_passes_on_this_flashinfer():
         pytest.skip(fp.note())
     assert fp.self_check(CUDA) == "", fp.note()
     assert fp.note().endswith("self-check passed)")
+
+
+def test_the_self_check_passes_on_each_configuration_a_context_brings():
+    """One FastPath checks each new configuration before its fast plan (dtype, heads, head dim,
+    page, window, soft-cap): every one of these, in one process, passes on a tested release
+    and is recorded, and a configuration seen before is not run again."""
+    import flashinfer
+    from attn_plugin_flashinfer import compat
+
+    fp = compat.FastPath(flashinfer, compat.distribution_version())
+    if fp.release is None:
+        pytest.skip(fp.note())
+    configs = [
+        dict(),
+        dict(dtype=torch.float16),
+        dict(num_qo_heads=32, num_kv_heads=8, head_dim=64, page_size=1),
+        dict(window_left=63),
+        dict(logits_soft_cap=30.0),
+    ]
+    for i, kw in enumerate(configs):
+        assert fp.self_check(CUDA, **kw) == "", f"configuration {kw}: {fp.note()}"
+        assert len(fp.checked) == i + 1, f"configuration {kw} was not recorded as checked"
+    assert fp.self_check(CUDA, **configs[1]) == ""
+    assert len(fp.checked) == len(configs)
 
 
 @pytest.mark.parametrize("spec_name", ["full", "mla"])

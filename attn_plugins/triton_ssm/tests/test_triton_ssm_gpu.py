@@ -278,3 +278,33 @@ def test_conv1d_update_real_shape(K):
         ref, seq = conv_ref(before[s], x[bi][None], w.bfloat16(), b.bfloat16(), True)
         torch.testing.assert_close(out[bi].float(), ref[0], atol=3e-2, rtol=3e-2)
         assert torch.equal(state[s], seq[:, 1:].bfloat16())
+
+
+def test_triton_reports_the_shared_memory_the_tilings_are_fitted_by(K):
+    """On the GPU the installed Triton says how much shared memory a compiled kernel needs
+    (compat.kernel_shared_memory), so the GDN state pass and the SSD scan fit their tilings to
+    the device instead of falling back to the smallest one: after both ran, attn list's
+    Triton clause is empty."""
+    from attn_plugin_triton_ssm import compat
+    from attn_plugin_triton_ssm.kernels import gdn_chunk
+
+    q = torch.randn(64 * HK, D, device="cuda", dtype=torch.bfloat16)
+    compiled = gdn_chunk._l2norm_qk_kernel.warmup(
+        q, q, q, q, 64 * HK, 1e-6, D=D, BR=16, BD=D, grid=(64, 2)
+    )
+    shared = compat.kernel_shared_memory(compiled)
+    assert isinstance(shared, int) and shared >= 0, shared
+    T, H, P, N = 512, 8, 64, 128
+    x = torch.randn(T, H, P, device="cuda", dtype=torch.bfloat16)
+    dt = torch.randn(T, H, device="cuda") - 2.0
+    A_log = torch.rand(H, device="cuda").add(1).log()
+    Bm = torch.randn(T, 1, N, device="cuda", dtype=torch.bfloat16)
+    state = torch.zeros(2, H, N, P, device="cuda")
+    idx = torch.tensor([1], dtype=torch.int32, device="cuda")
+    cu_cpu = torch.tensor([0, T], dtype=torch.int32)
+    K.mamba2_prefill(x, dt, A_log, Bm, Bm, state, idx, cu_cpu.cuda(), impl="triton",
+                     cu_seqlens_cpu=cu_cpu)  # fmt: skip
+    q, k, v, g, beta, st, _ = _inputs(1, 2, T=T)
+    K.gdn_prefill(q[0], k[0], v[0], g[0], beta[0], st, idx,
+                  torch.tensor([0, T], dtype=torch.int32, device="cuda"))  # fmt: skip
+    assert compat.triton_note() == ""
