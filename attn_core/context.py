@@ -28,9 +28,12 @@ one seen at capture.
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -60,12 +63,7 @@ class WorkspaceRequirement:
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
             raise ValueError(f"WorkspaceRequirement name={self.name!r}: expected a non-empty str")
-        shape = tuple(self.shape)
-        if not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise ValueError(
-                f"WorkspaceRequirement {self.name!r}: shape={self.shape!r}, expected ints >= 0"
-            )
-        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "shape", _sizes(self.name, self.shape))
         if not isinstance(self.dtype, torch.dtype):
             raise ValueError(
                 f"WorkspaceRequirement {self.name!r}: dtype={self.dtype!r}, expected a torch.dtype"
@@ -77,6 +75,23 @@ class WorkspaceRequirement:
         for s in self.shape:
             n *= s
         return n
+
+
+def _sizes(name: str, shape: object) -> tuple[int, ...]:
+    """``shape`` as a tuple of Python ints >= 0; any integer type counts (numpy's, from a
+    sizing formula), a bool does not (``True`` would be one element), nor does a bare int or a
+    string (not a shape)."""
+    try:
+        if isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable):
+            raise TypeError
+        sizes = tuple(-1 if isinstance(s, (bool, np.bool_)) else operator.index(s) for s in shape)
+    except TypeError:
+        sizes = (-1,)
+    if any(s < 0 for s in sizes):
+        raise ValueError(
+            f"WorkspaceRequirement {name!r}: shape={shape!r}, expected a tuple of sizes (ints >= 0)"
+        )
+    return sizes
 
 
 @runtime_checkable
