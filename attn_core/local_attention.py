@@ -142,6 +142,9 @@ def max_virtual_requests(max_batch_size: int, max_num_tokens: int, chunk_size: i
     all): ``B + min(B, T // 2) + T // C``.
     """
     _check_chunk(chunk_size)
+    for name, value in (("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
     B, T = max_batch_size, max_num_tokens
     return B + min(B, T // 2) + T // chunk_size
 

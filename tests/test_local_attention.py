@@ -266,3 +266,16 @@ def test_the_virtual_request_bound_is_reached_and_never_exceeded(chunk):
     bound = max_virtual_requests(4, budget, chunk)
     assert virt.num_reqs == 4 + 4 + 3 <= bound
     assert bound - virt.num_reqs <= 4 + 1  # not loose by more than the min() and one chunk
+
+
+@pytest.mark.parametrize(
+    "args, name",
+    [((-1, 256, 64), "max_batch_size"), ((4, -8, 64), "max_num_tokens"),
+     ((4.0, 256, 64), "max_batch_size"), ((4, True, 64), "max_num_tokens")],
+    ids=["negative-batch", "negative-tokens", "float-batch", "bool-tokens"],
+)  # fmt: skip
+def test_max_virtual_requests_refuses_sizes_that_are_not_counts(args, name):
+    """A backend sizes its per-request buffers by this bound: a negative or float limit gave a
+    negative or float bound in silence."""
+    with pytest.raises(ValueError, match=name):
+        max_virtual_requests(*args)
