@@ -53,8 +53,10 @@ class AttentionBatch:
 
     Host mirrors (``*_cpu``, numpy) exist so that backends plan without syncing with the GPU.
     Padding rows (``num_reqs <= i < padded_reqs``, only when the builder pads for a captured
-    graph) have ``q_len = 1``, ``seq_len = 1``, page-table row of page 0, ``slot_mapping = -1``
-    (nothing written) and ``state_indices = -1`` (no state touched); their output is garbage.
+    graph) have ``q_len = seq_len = 1`` (``k + 1`` in a verify step), page-table row from page
+    0, ``slot_mapping = -1`` (nothing written) and ``state_indices = -1`` (no state touched);
+    their output is garbage. A ``full_graph`` step's last padding row takes the rest of the
+    padding tokens with ``seq_len = 1`` (docs/reference.md).
     """
 
     mode: BatchMode
@@ -402,7 +404,9 @@ class BatchBuilder:
             ``max_pages_per_request``, :class:`OutOfPagesError`) changed no request.
         :param spec_tokens: ``k`` when this is a speculative-verify step (each request then
             has ``k + 1`` new tokens).
-        :param pad_to: pad to this many requests (one token each) for a captured decode graph.
+        :param pad_to: pad to this many requests for a captured decode or verify graph (one
+            token each, ``k + 1`` in a verify step: its size is then ``pad_to * (k + 1)``
+            tokens, at the same device addresses for any number of real requests).
         :param pad_tokens_to: pad to this many tokens for a captured mixed step (graph mode
             ``full``, with ``pad_to``): the batch's device tensors are then at the addresses
             of every other step of ``pad_to`` requests and ``pad_tokens_to`` tokens, whatever
@@ -772,7 +776,10 @@ class BatchBuilder:
             ctx = np.zeros(B, dtype=np.int64)
         seq = ctx + qlens
         num_tokens = int(qlens.sum())
-        padded_tokens = num_tokens + (P - B)
+        # a verify step is captured as a uniform one: every padding request has k + 1 tokens
+        # too, so the step's size (and its device addresses) do not depend on B
+        per_pad = spec_tokens + 1
+        padded_tokens = num_tokens + (P - B) * per_pad
         if padded_tokens > self.max_num_tokens:
             raise ValueError(
                 f"step of {padded_tokens} tokens exceeds max_num_tokens={self.max_num_tokens}"
@@ -823,7 +830,7 @@ class BatchBuilder:
             s = self._tok_stride(padded_tokens)
             page = self._pt_flat[self._rowbase[req_of_token] + tok // ps]
             slot.i64[s : s + num_tokens] = page * self._ps64 + tok % ps
-        self._pad(slot, B, P, num_tokens, padded_tokens)
+        self._pad(slot, B, P, num_tokens, padded_tokens, per_pad)
         views = self._req_views.get(P) or self._make_req_views(P)
         positions, slot_mapping, s, tok_end = self._tok_views.get(
             padded_tokens
@@ -960,14 +967,16 @@ class BatchBuilder:
         self._tok_views[n] = views
         return views
 
-    def _pad(self, slot: _HostSlot, B: int, P: int, n: int, padded_tokens: int) -> None:
-        """Padding rows: one token each (the last one every padding token beyond that, in a
-        step padded to a captured mixed graph's token count), ``seq_len = 1``, no state,
-        nothing written."""
+    def _pad(
+        self, slot: _HostSlot, B: int, P: int, n: int, padded_tokens: int, per_row: int = 1
+    ) -> None:
+        """Padding rows: ``per_row`` tokens each (``k + 1`` in a verify step, else one; the last
+        row every padding token beyond that, in a step padded to a captured mixed graph's
+        token count), ``seq_len = per_row``, no state, nothing written."""
         if P > B:
-            slot.qsl[B + 1 : P + 1] = n + self._ar64[1 : P - B + 1]
+            slot.qsl[B + 1 : P + 1] = n + per_row * self._ar64[1 : P - B + 1]
             slot.qsl[P] = padded_tokens
-            slot.seq[B:P] = 1
+            slot.seq[B:P] = per_row
             slot.ctx[B:P] = 0
             if self._has_slots:
                 slot.slots[B:P] = -1

@@ -118,3 +118,33 @@ def test_limits(state, builder):
         builder.build([("a", 1)], pad_to=4, pad_tokens_to=17)
     with pytest.raises(ValueError, match="a verify step is captured as a uniform one"):
         builder.build([("a", 3)], pad_to=4, pad_tokens_to=T, spec_tokens=2)
+
+
+def test_a_verify_step_padded_for_its_graph_has_the_same_sizes_and_addresses_at_any_batch(
+    state,
+):
+    """A verify step is captured as a uniform one: ``pad_to=P`` gives every padding request
+    ``k + 1`` tokens too (``seq_len = k + 1``, no context, no KV written, no state), so the
+    step has ``P * (k + 1)`` tokens at the same device addresses whatever the number of real
+    requests, and one graph captured at P requests replays every smaller batch. With one
+    token per padding request the token count, and with it the slot mapping's address,
+    moved with the batch: the graph's KV write would have read a stale slot mapping."""
+    k, P = 2, 4
+    builder = BatchBuilder(state, max_batch_size=8, max_num_tokens=32, max_pages_per_request=8)
+    for req in "abcd":
+        _start(state, req, 5)
+    ptrs = None
+    for reqs in ("", "ab", "abc", "abcd"):
+        batch = builder.build([(r, k + 1) for r in reqs], spec_tokens=k, pad_to=P)
+        B = len(reqs)
+        assert batch.mode is BatchMode.VERIFY and batch.padded_reqs == P
+        assert batch.padded_tokens == P * (k + 1), (reqs, batch.padded_tokens)
+        assert batch.query_lens_cpu.tolist() == [k + 1] * P
+        assert batch.seq_lens_cpu[B:P].tolist() == [k + 1] * (P - B)
+        assert batch.context_lens_cpu[B:P].tolist() == [0] * (P - B)
+        assert batch.seq_lens.cpu().tolist()[B:P] == [k + 1] * (P - B)
+        assert (batch.slot_mapping[B * (k + 1) :] == -1).all()
+        assert (batch.state_indices[B:P] == -1).all()
+        addresses = [t.data_ptr() for t in _tensors(batch)]
+        assert ptrs is None or addresses == ptrs, reqs
+        ptrs = addresses

@@ -192,15 +192,16 @@ def test_a_padded_step_with_out_none_returns_every_padded_row(registry, variant)
     steps = [([("a", 3), ("b", 2)], 0), ([("a", 3), ("b", 3)], 2)]  # prefill, then verify
     for requests, spec_tokens in steps:
         n_tok = sum(n for _, n in requests)
-        inputs = step_inputs(spec, n_tok + 2, DEV, 20 + spec_tokens)
+        padded = n_tok + 2 * (spec_tokens + 1)  # 2 padding requests, k + 1 tokens in verify
+        inputs = step_inputs(spec, padded, DEV, 20 + spec_tokens)
         results = [
             run_step(lane, requests, inputs, spec_tokens=spec_tokens, pad_to=4, out_none=True)
             for lane in lanes
         ]
-        assert lanes[1].batch.padded_tokens == n_tok + 2
+        assert lanes[1].batch.padded_tokens == padded
         for i in LAYERS:
             for name, got in zip(("conv", "out"), results[1][i], strict=True):
-                assert got.shape[0] == n_tok + 2, (variant, spec_tokens, name, tuple(got.shape))
+                assert got.shape[0] == padded, (variant, spec_tokens, name, tuple(got.shape))
         _compare(lanes, results, n_tok, TOL["float32"], "padded", check_states=False)
         if spec_tokens:
             for lane in lanes:
