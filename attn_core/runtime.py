@@ -170,7 +170,6 @@ class AttentionRuntime:
                 (group.group_id, choice.backend.qualified_name)
             ]
             self.groups[group.group_id] = runtime
-            self.workspaces[group.group_id] = workspace
             if group.spec.attention_chunk_size is not None and any(
                 b.capabilities.chunked_virtual_batches and not b.capabilities.chunked_attention
                 for b in choice.backends

@@ -214,6 +214,9 @@ def test_each_step_runs_on_its_phase_backend_and_matches_the_reference(registry,
         ("linear", "dec:dec"),
         ("linear", "pre:pre"),
     ]
+    # a group's workspace is its chosen (prefill) backend's, not the last one allocated
+    for g in ("full", "linear"):
+        assert rt.workspaces[g] is rt.backend_workspaces[(g, "pre:pre")], g
     full = rt.groups["full"]
     assert set(full.phase_targets) == set(Phase)
     assert full.phase_targets[Phase.VERIFY][0].qualified_name == "pre:pre"
