@@ -57,6 +57,7 @@ from attn_core.selector import (
     check_backend,
     step_size,
     step_size_unit,
+    tuning_spec,
 )
 from attn_core.specs import (
     GraphMode,
@@ -416,14 +417,21 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
 
     if args.plot:
         _require_matplotlib()  # before anything is timed
+        _require_writable("--plot", args.plot)
     device = torch.device(device_name)
     caps = DeviceCapabilities.detect(device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     stack = getattr(args, "stack", None)  # one stack of a multi-stack model (--stack)
     layout = specs_from_hf_config(args.model, tp_size=args.tp, dtype=dtype, stack=stack)
-    plan = select(layout.groups, registry, caps, constraints)
+    # every candidate is timed whatever a tuning file says: an empty one, not ATTN_CORE_TUNING's
+    # (which may name the very file this run writes)
+    plan = select(layout.groups, registry, caps, constraints, tuning=TuningData())
     constraints = plan.constraints  # the graph mode the policy may have lowered, forced entries
-    tuning = TuningData(device=caps.short(), graph_mode=constraints.graph_mode.value)
+    tuning = TuningData(
+        device=caps.short(),
+        graph_mode=constraints.graph_mode.value,
+        speculative_tokens=constraints.speculative_tokens,
+    )
     # checked before anything is timed: a run whose times cannot join the file is refused now
     earlier = _earlier_tuning(args.write_tuning, tuning) if args.write_tuning else None
     results: list[BenchResult] = []
@@ -482,8 +490,12 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
                             measured[name].append((batch, context, res.us_per_layer))
                         if progress:  # a run cut at a time limit still shows what it measured
                             print(_progress_line(res), file=sys.stderr, flush=True)
-            for name, points in measured.items():
-                record_measured(tuning, name, group.spec, phase, points)
+            for name, points in measured.items():  # under the run's page size
+                record_measured(
+                    tuning, name, tuning_spec(group.spec, plan.page_size), phase, points
+                )
+    # under --json, stdout holds the JSON only: what else the run says goes to stderr
+    said_to = sys.stderr if args.json else sys.stdout
     if args.json:
         print(json.dumps([asdict(r) | {"overhead_ratio": r.overhead_ratio} for r in results]))
     else:
@@ -519,14 +531,15 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
                 f"cached tokens per request; prefill: new tokens per request) on {caps.short()}",
             )
         )
-        for line in skipped:
-            print(f"skipped (over --max-prefill-tokens {max_prefill}): {line}")
-        if left_out:
-            print(
-                f"{REFERENCE_BACKEND} not timed where a plugin is a candidate "
-                f"({', '.join(left_out)}): it ranks below them without a time "
-                "(--include-reference times it too)"
-            )
+    for line in skipped:
+        print(f"skipped (over --max-prefill-tokens {max_prefill}): {line}", file=said_to)
+    if left_out:
+        print(
+            f"{REFERENCE_BACKEND} not timed where a plugin is a candidate "
+            f"({', '.join(left_out)}): it ranks below them without a time "
+            "(--include-reference times it too)",
+            file=said_to,
+        )
     if args.write_tuning:
         said = f"tuning data written to {args.write_tuning}: {len(tuning.times_us)} entries "
         said += "measured now"
@@ -538,7 +551,7 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
             earlier.update(tuning)
             tuning = earlier
         tuning.save(args.write_tuning)
-        print(said)
+        print(said, file=said_to)
     if args.plot:
         table = [
             Timing(group_id, phase_, batch, backend_, _geomean(us))
@@ -546,9 +559,9 @@ def run_bench(args, registry, device_name: str, constraints) -> int:
         ]
         if table:
             write_plot(table, args.plot)
-            print(f"plot written to {args.plot}")
+            print(f"plot written to {args.plot}", file=said_to)
         else:
-            print(f"no plot written to {args.plot}: no candidate ran")
+            print(f"no plot written to {args.plot}: no candidate ran", file=said_to)
     return 0 if all(r.error is None for r in results) else 1
 
 
@@ -557,12 +570,7 @@ def _earlier_tuning(path: str | os.PathLike, run: TuningData) -> TuningData | No
     it (a file tuned for one model keeps its entries when another model is tuned into it).
     Refused when it cannot be read or holds another device's or graph mode's times."""
     if not os.path.exists(path):
-        folder = os.path.dirname(os.path.abspath(path))
-        if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-            raise AttnCoreError(
-                f"--write-tuning {path}: cannot write there (the folder {folder} does not "
-                "exist or is not writable); nothing was timed"
-            )
+        _require_writable("--write-tuning", path)
         return None
     try:
         earlier = TuningData.load(path)
@@ -577,7 +585,23 @@ def _earlier_tuning(path: str | os.PathLike, run: TuningData) -> TuningData | No
             f"run measures {run.measured_where()}; one file holds one device's times: write to "
             "another file (or remove it)"
         )
+    conflict = earlier.verify_conflict(run)
+    if conflict:
+        raise AttnCoreError(
+            f"--write-tuning {path}: {conflict} (this run); one file holds one count's verify "
+            "times: write to another file (or remove it); nothing was timed"
+        )
     return earlier
+
+
+def _require_writable(flag: str, path: str | os.PathLike) -> None:
+    """Refuse, before anything is timed, a file the run could not write at its end."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+        raise AttnCoreError(
+            f"{flag} {path}: cannot write there (the folder {folder} does not exist or is not "
+            "writable); nothing was timed"
+        )
 
 
 def alternating(candidates: Sequence[T], rounds: int) -> Iterator[T]:

@@ -79,6 +79,7 @@ __all__ = [
     "planned_phases",
     "select",
     "spec_key",
+    "tuning_spec",
 ]
 
 #: e.g. "full=flashinfer,linear=triton_ssm,decode:full=flashinfer" (see parse_forced)
@@ -424,6 +425,17 @@ def spec_key(spec: LayerSpec) -> str:
     return json.dumps(fields_, sort_keys=True)
 
 
+def tuning_spec(spec: LayerSpec, page_size: int | None) -> LayerSpec:
+    """The layer spec a tuning entry of ``spec``'s group is keyed by in a plan (or a bench run)
+    of ``page_size``: a paged kind's time depends on the page size, which the plan sets for the
+    whole model while the group's spec carries the model's default; None: the spec's own."""
+    if page_size is None or page_size == spec.page_size:
+        return spec
+    if spec.kind not in (LayerKind.FULL, LayerKind.MLA):
+        return spec
+    return spec.with_(page_size=page_size)
+
+
 def _spec_fields_with_defaults(written: Mapping[str, Any]) -> dict[str, Any]:
     """A tuning file's spec (the fields of :func:`spec_key`) with every ``LayerSpec`` field it
     lacks at its default: a file written before a field existed (e.g. before
@@ -522,6 +534,9 @@ class TuningData:
     #: request at that batch size), ``{requests: us}`` in prefill (the bucket's tokens split
     #: into that many requests)
     shape_us: dict[TuningKey, dict[int, float]] = field(default_factory=dict)
+    #: the draft tokens per request its verify times were measured with (``--spec-tokens``);
+    #: 0: none measured, or a file written before it was recorded (they then hold for any)
+    speculative_tokens: int = 0
 
     def record(
         self,
@@ -612,16 +627,32 @@ class TuningData:
             f"{self.graph_mode or 'unknown'}"
         )
 
+    def verify_conflict(self, other: TuningData) -> str | None:
+        """Why ``other``'s verify times cannot sit beside this data's (measured with another
+        count of draft tokens), or None."""
+        mine, theirs = self.speculative_tokens, other.speculative_tokens
+        if mine and theirs and mine != theirs:
+            return (
+                f"its verify times were measured with {mine} draft token(s) per request, the "
+                f"other's with {theirs}"
+            )
+        return None
+
     def update(self, newer: TuningData) -> None:
         """Take ``newer``'s measurements in: each of its buckets (with its points) replaces this
         one's bucket of the same backend, spec, phase and size; the others stay. Both must be
-        measured on one device under one graph mode (``ValueError`` otherwise): a file mixing
-        machines would rank backends by the mix."""
+        measured on one device under one graph mode, and their verify times with one count of
+        draft tokens (``ValueError`` otherwise): a file mixing machines would rank backends by
+        the mix."""
         if newer.measured_where() != self.measured_where():
             raise ValueError(
                 f"tuning data measured {newer.measured_where()} cannot join data measured "
                 f"{self.measured_where()}"
             )
+        conflict = self.verify_conflict(newer)
+        if conflict:
+            raise ValueError(f"tuning data cannot join: {conflict}")
+        self.speculative_tokens = self.speculative_tokens or newer.speculative_tokens
         for key, us in newer.times_us.items():
             self.times_us[key] = us
             if key in newer.shape_us:
@@ -654,6 +685,8 @@ class TuningData:
         payload: dict[str, Any] = {"format": TUNING_FORMAT, "device": self.device}
         if self.graph_mode:
             payload["graph_mode"] = self.graph_mode
+        if self.speculative_tokens:
+            payload["speculative_tokens"] = self.speculative_tokens
         return {**payload, "entries": entries}
 
     @classmethod
@@ -690,7 +723,21 @@ class TuningData:
         entries = payload["entries"]
         if not isinstance(entries, list):
             raise ValueError(f"{source}: entries: expected a list, got {type(entries).__name__}")
-        data = cls(device=payload.get("device", ""), graph_mode=payload.get("graph_mode") or "")
+        device = payload.get("device", "")
+        if not isinstance(device, str):
+            raise ValueError(f"{source}: device: expected a string (e.g. 'h200'), got {device!r}")
+        graph_mode = payload.get("graph_mode") or ""
+        if graph_mode not in ("", *(m.value for m in GraphMode)):
+            raise ValueError(
+                f"{source}: graph_mode: expected one of {[m.value for m in GraphMode]}, got "
+                f"{graph_mode!r}"
+            )
+        spec_tokens = payload.get("speculative_tokens", 0)
+        if isinstance(spec_tokens, bool) or not isinstance(spec_tokens, int) or spec_tokens < 0:
+            raise ValueError(
+                f"{source}: speculative_tokens: expected an int >= 0, got {spec_tokens!r}"
+            )
+        data = cls(device=device, graph_mode=graph_mode, speculative_tokens=spec_tokens)
         folded: dict[TuningKey, list[float]] = {}
         for i, e in enumerate(entries):
             try:
@@ -1431,6 +1478,14 @@ def _warn_foreign_tuning(
             f"timed under graph mode {tuning.graph_mode}, the run asks for "
             f"{constraints.graph_mode.value}"
         )
+    k, run_k = tuning.speculative_tokens, constraints.speculative_tokens
+    if k and run_k and k != run_k:
+        warnings.warn(
+            f"the tuning data's verify times were measured with {k} draft token(s) per request, "
+            f"the run verifies {run_k}: the verify phase ranks by priority (re-run attn bench "
+            f"--write-tuning --spec-tokens {run_k} into another file)",
+            stacklevel=3,
+        )
     if differ:
         warnings.warn(
             "the tuning data ranks backends as they ran where it was measured: "
@@ -1616,15 +1671,25 @@ def _choose_phase(
     if not admissible:
         return rejected
     max_size = step_size(phase, constraints.max_batch_size, constraints.max_num_tokens)
-    times = _phase_times(tuning, admissible, spec, phase, max_size)
+    # the times of this page size; verify times of another draft-token count do not hold
+    timed = tuning_spec(spec, page_size)
+    if (
+        tuning is not None
+        and phase is Phase.VERIFY
+        and tuning.speculative_tokens not in (0, constraints.speculative_tokens)
+    ):
+        tuning = None  # said by _warn_foreign_tuning
+    times = _phase_times(tuning, admissible, timed, phase, max_size)
     winners = (
-        [] if forced is not None else _bucket_winners(tuning, admissible, spec, phase, max_size)
+        [] if forced is not None else _bucket_winners(tuning, admissible, timed, phase, max_size)
     )
     by_step_size = _merge_buckets([(bound, b) for bound, b, _ in winners])
     by_requests: tuple[tuple[int, int, int, Backend], ...] = ()
     if winners and phase is Phase.PREFILL and constraints.graph_mode is not GraphMode.FULL:
         assert tuning is not None  # winners come from tuning data
-        by_requests = _request_splits(tuning, admissible, spec, winners, constraints.max_batch_size)
+        by_requests = _request_splits(
+            tuning, admissible, timed, winners, constraints.max_batch_size
+        )
     admissible.sort(key=lambda b: _rank_key(b, phase, times, spec))
     if winners and not by_step_size:  # one backend wins every bucket: it serves the rest
         only = winners[0][1].qualified_name

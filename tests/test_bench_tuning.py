@@ -46,7 +46,7 @@ def registry(make_plugin) -> Registry:
         return Backend(
             name=name,
             capabilities=BackendCapabilities(
-                kinds={"full"}, device_types={"cpu"}, dtypes={"float32"}
+                kinds={"full"}, device_types={"cpu"}, dtypes={"float32"}, max_speculative_tokens=8
             ),
             priority=priority,
         )
@@ -409,3 +409,103 @@ def test_tuning_data_from_two_devices_does_not_merge():
     with pytest.raises(ValueError, match="under graph mode decode cannot join"):
         base.update(TuningData(device="h200", graph_mode="decode"))
     assert base.times_us == {}
+
+
+def _bench(tmp_path, *extra):
+    argv = ["bench", "--model", "qwen3", "--device", "cpu", "--rounds", "1"]
+    return cli.main([*argv, "--batch", "1,4", "--context", "100", *extra])
+
+
+def test_tuning_times_hold_for_the_page_size_they_were_measured_at(tmp_path, timed, registry):
+    """Times measured with --page-size 64 were recorded under the model's page size (16): a
+    later run at page 16 ranked by them in silence, and a page-16 run into the same file
+    replaced them. Each page size now has its own entries, and a plan uses those of its own."""
+    path = tmp_path / "tuning.json"
+    assert _bench(tmp_path, "--page-size", "64", "--write-tuning", str(path)) == 0
+    assert _bench(tmp_path, "--page-size", "16", "--write-tuning", str(path)) == 0
+    tuning = TuningData.load(path)
+    pages = {json.loads(spec)["page_size"] for _, spec, _, _ in tuning.times_us}
+    assert pages == {"16", "64"}
+    groups = specs_from_hf_config("qwen3", dtype="float32").groups
+    cpu = DeviceCapabilities.target("cpu")
+    for page in (16, 64):
+        plan = select(groups, registry, cpu, ExecutionConstraints(page_size=page), tuning=tuning)
+        assert plan.choice("full").tuned_us is not None, page
+    only64 = TuningData.load(path)
+    only64.times_us = {k: v for k, v in only64.times_us.items() if '"page_size": "64"' in k[1]}
+    with pytest.warns(UserWarning, match="times no group"):
+        plan = select(groups, registry, cpu, ExecutionConstraints(page_size=16), tuning=only64)
+    assert plan.choice("full").tuned_us is None
+
+
+def test_verify_times_hold_for_the_draft_tokens_they_were_measured_with(
+    tmp_path, timed, registry, capsys
+):
+    """Verify times measured with 7 draft tokens replaced those measured with 1, and a plan
+    verifying 1 ranked by them without a word. The file records the draft tokens its verify
+    times hold for: another count is refused before timing, and a plan verifying another
+    count ranks its verify phase by priority, saying why."""
+    path = tmp_path / "tuning.json"
+    assert _bench(tmp_path, "--spec-tokens", "1", "--write-tuning", str(path)) == 0
+    tuning = TuningData.load(path)
+    assert tuning.speculative_tokens == 1
+    assert json.loads(path.read_text())["speculative_tokens"] == 1
+    before = len(timed)
+    assert _bench(tmp_path, "--spec-tokens", "7", "--write-tuning", str(path)) == 2
+    err = capsys.readouterr().err
+    assert "1 draft token" in err and "7" in err, err
+    assert len(timed) == before
+    assert _bench(tmp_path, "--write-tuning", str(path)) == 0  # no verify: joins
+    assert TuningData.load(path).speculative_tokens == 1
+    groups = specs_from_hf_config("qwen3", dtype="float32").groups
+    cpu = DeviceCapabilities.target("cpu")
+    plan = select(groups, registry, cpu, ExecutionConstraints(speculative_tokens=1),
+                  tuning=tuning)  # fmt: skip
+    verify = {p.phase: p for p in plan.choice("full").phases}[Phase.VERIFY]
+    assert verify.tuned_us is not None and verify.backend.qualified_name == "fast_decode:fd"
+    with pytest.warns(UserWarning, match="1 draft token.*verifies 7"):
+        plan = select(groups, registry, cpu, ExecutionConstraints(speculative_tokens=7),
+                      tuning=tuning)  # fmt: skip
+    verify = {p.phase: p for p in plan.choice("full").phases}[Phase.VERIFY]
+    assert verify.tuned_us is None
+
+
+@pytest.mark.parametrize(
+    "header, words",
+    [({"device": 5}, "device"), ({"graph_mode": ["a"]}, "graph_mode"),
+     ({"graph_mode": "bogus"}, "graph_mode"), ({"speculative_tokens": -1}, "speculative_tokens")],
+    ids=["device-int", "graph-mode-list", "graph-mode-unknown", "negative-draft-tokens"],
+)  # fmt: skip
+def test_a_tuning_file_header_of_the_wrong_type_is_refused(tmp_path, header, words):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"format": 3, "device": "cpu", "entries": [], **header}))
+    with pytest.raises(ValueError, match=words):
+        TuningData.load(path)
+
+
+def test_bench_does_not_read_the_tuning_file_the_environment_names(
+    tmp_path, timed, monkeypatch, capsys
+):
+    """ATTN_CORE_TUNING is for the runs that rank by it: bench read it in its own selection,
+    so pointing it at the file about to be written failed before anything was timed."""
+    path = tmp_path / "new.json"
+    monkeypatch.setenv("ATTN_CORE_TUNING", str(path))
+    assert _bench(tmp_path, "--write-tuning", str(path)) == 0, capsys.readouterr().err
+    assert TuningData.load(path).times_us
+
+
+def test_a_plot_path_that_cannot_be_written_is_refused_before_timing(tmp_path, timed, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "no-such-folder" / "bench.png"
+    assert _bench(tmp_path, "--plot", str(path)) == 2
+    assert f"--plot {path}: cannot write there" in capsys.readouterr().err
+    assert timed == []
+
+
+def test_bench_json_output_stays_json_when_it_writes_a_file(tmp_path, timed, capsys):
+    path = tmp_path / "tuning.json"
+    assert _bench(tmp_path, "--json", "--write-tuning", str(path)) == 0
+    out, err = capsys.readouterr()
+    rows = json.loads(out)
+    assert rows and all("backend" in r for r in rows)
+    assert f"tuning data written to {path}" in err
