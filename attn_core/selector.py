@@ -1457,10 +1457,20 @@ def _warn_unused_tuning(plan: Plan, tuning: TuningData | None) -> None:
     for choice in plan.choices:
         if choice.tuned_us is not None or any(p.tuned_us is not None for p in choice.phases):
             return
+    # the usual cause: attn bench's dtype default (float32 on a CPU, bfloat16 on CUDA) is not
+    # explain's (the config's)
+    measured = {json.loads(spec).get("dtype") for _, spec, _, _ in tuning.times_us}
+    planned = {c.group.spec.dtype for c in plan.choices}
+    hint = ""
+    if measured.isdisjoint(planned):
+        hint = (
+            f"; its times are for dtype {', '.join(sorted(map(str, measured)))}, the plan's "
+            f"groups are {', '.join(sorted(planned))}: pass the --dtype it was measured with"
+        )
     warnings.warn(
         "the tuning data times no group of this plan (its entries are for other layer specs, "
         "e.g. another model, dtype or --tp, or for backends not registered here): backends "
-        "rank by priority (re-run attn bench --write-tuning for this model and settings)",
+        "rank by priority (re-run attn bench --write-tuning for this model and settings)" + hint,
         stacklevel=3,
     )
 

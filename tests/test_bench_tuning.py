@@ -509,3 +509,14 @@ def test_bench_json_output_stays_json_when_it_writes_a_file(tmp_path, timed, cap
     rows = json.loads(out)
     assert rows and all("backend" in r for r in rows)
     assert f"tuning data written to {path}" in err
+
+
+def test_tuning_data_of_another_dtype_says_which_dtype_to_plan_with(tmp_path, timed, registry):
+    """attn bench on a CPU measures float32 by default, attn explain plans the config's dtype:
+    the warning that the file times no group now names both dtypes and the flag."""
+    path = tmp_path / "tuning.json"
+    assert _bench(tmp_path, "--write-tuning", str(path)) == 0
+    groups = specs_from_hf_config("qwen3", dtype="bfloat16").groups
+    with pytest.warns(UserWarning, match=r"dtype float32, the plan's groups are bfloat16.*--dtype"):
+        select(groups, registry, DeviceCapabilities.target("h200"), ExecutionConstraints(),
+               tuning=TuningData.load(path))  # fmt: skip
