@@ -50,7 +50,7 @@ from attn_core.testing.workloads import (
     to_device,
 )
 
-__all__ = ["Limits", "Pair", "Side"]
+__all__ = ["Limits", "Pair", "Side", "fp8_kv_scales"]
 
 
 class Limits:
@@ -181,6 +181,14 @@ class Side:
             return self.builder.build_encoder([n for _, n in step.requests])
         for r in step.add:
             self.state.add_request(r)
+            if self.state.has_state:
+                # What a slot's previous owner leaves where an engine recycles slots without
+                # zeroing them (the core zeroes them): a fresh request (has_initial_state False)
+                # must start from zero, never read it.
+                slot = self.state.slot(r)
+                for la in self.state.state_slots.layers():
+                    la.conv[slot].fill_(STALE_STATE)
+                    la.ssm[slot].fill_(STALE_STATE)
         return self.builder.build(
             step.requests,
             spec_tokens=step.spec_tokens,
@@ -261,6 +269,21 @@ class Side:
                 invalidate(r)
 
 
+#: what :meth:`Side.build` fills a fresh request's linear-state slot with: finite (a backend
+#: may zero a fresh state by multiplying), far from any state a step computes
+STALE_STATE = 1000.0
+
+
+def fp8_kv_scales(gen: torch.Generator) -> tuple[float, float]:
+    """``(k_scale, v_scale)`` of an fp8 KV cache: far from 1 (a backend that ignores them reads
+    values 10-50x off) and one 2-4x the other, in a random order (a backend that reads them
+    swapped is off by that much; drawn independently, they could come within 1 %)."""
+    low = 0.02 + 0.03 * torch.rand((), generator=gen).item()
+    high = low * (2.0 + 2.0 * torch.rand((), generator=gen).item())
+    swap = bool(torch.rand((), generator=gen).item() < 0.5)
+    return (high, low) if swap else (low, high)
+
+
 class Pair:
     """The backend under test and the reference, built alike and fed alike.
 
@@ -276,6 +299,7 @@ class Pair:
         gen: torch.Generator,
         *,
         magnitude: float = 1.0,
+        layer_scales: bool = False,
         **kwargs: Any,
     ):
         self.spec = spec
@@ -283,19 +307,15 @@ class Pair:
         self.magnitude = magnitude
         self.device = session.device
         num_layers = kwargs.get("num_layers", 1)
-        layer_params = None
+        params: dict[int, dict[str, Any]] = {i: {} for i in range(num_layers)}
         if spec.has_sinks:
-            layer_params = {
-                i: {"sinks": torch.randn(spec.num_heads, generator=gen).to(self.device)}
-                for i in range(num_layers)
-            }
-        kv_scales = None
-        if spec.kv_dtype == "fp8_e4m3":
-            # Scales far from 1: a backend that ignores them reads values 10-30x off.
-            kv_scales = (
-                0.03 + 0.05 * torch.rand((), generator=gen).item(),
-                0.03 + 0.05 * torch.rand((), generator=gen).item(),
-            )
+            for p in params.values():
+                p["sinks"] = torch.randn(spec.num_heads, generator=gen).to(self.device)
+        if layer_scales:  # the first layer keeps the spec's scale, the others have their own
+            for i in range(1, num_layers):
+                params[i]["scale"] = spec.scale * (0.4 + 0.3 * torch.rand((), generator=gen).item())
+        layer_params = {i: p for i, p in params.items() if p} or None
+        kv_scales = fp8_kv_scales(gen) if spec.kv_dtype == "fp8_e4m3" else None
         common = dict(
             device=session.device,
             device_caps=session.device_caps,

@@ -54,6 +54,8 @@ class Case:
     :ivar skip: a reason to skip on this device, or None.
     :ivar magnitude: inputs scaled by :func:`~attn_core.testing.workloads.scale_inputs` (1: the
         unit-scale random inputs); the output tolerance's ``atol`` is scaled alike.
+    :ivar layer_scales: every layer after the first has a softmax scale of its own
+        (``LayerAttentionBinding.scale``), unlike the spec's; the first keeps the spec's.
     """
 
     check: str
@@ -67,6 +69,7 @@ class Case:
     skip: str | None = None
     tag: str = ""
     magnitude: float = 1.0
+    layer_scales: bool = False
 
     @property
     def id(self) -> str:
@@ -82,6 +85,8 @@ class Case:
             parts.append(self.tag)
         if self.magnitude != 1.0:
             parts.append(f"x{self.magnitude:g}")
+        if self.layer_scales:
+            parts.append("layer-scales")
         return "-".join(parts)
 
     @property
@@ -336,6 +341,13 @@ def _replace(case: Case, **changes) -> Case:
     return replace(case, **changes)
 
 
+#: the linear variants whose outputs scale by the layer's softmax scale (``o = S^T q *
+#: scale``); Mamba's and the short conv's have none
+_SCALED_VARIANTS = frozenset(
+    {LinearVariant.GATED_DELTANET, LinearVariant.KDA, LinearVariant.LIGHTNING}
+)
+
+
 def _kind_cases(
     base: LayerSpec, caps: BackendCapabilities, quick: bool, has_cuda: bool
 ) -> list[Case]:
@@ -364,6 +376,17 @@ def _kind_cases(
         base_labels.append(f"{K}: page_size {base.page_size}")
     for w in workloads:
         add("correctness", base, w, base_labels, num_layers=2 if w == "mixed" else 1)
+    # a layer's own softmax scale (Gemma-2's query_pre_attn_scalar, MLA's mscale, any
+    # override), where the kind has one: the second of two layers scales unlike the spec
+    if kind is not LayerKind.LINEAR or base.linear_variant in _SCALED_VARIANTS:
+        add(
+            "correctness",
+            base,
+            "ragged" if kind is LayerKind.ENCODER else "mixed",
+            [f"{K}: per-layer softmax scale"],
+            num_layers=2,
+            layer_scales=True,
+        )
     # verify cases test the verify phase: a backend that does not serve it has none
     if (
         kind is not LayerKind.ENCODER
@@ -491,8 +514,10 @@ def _kind_cases(
         if caps.causal and caps.non_causal:  # the other masking mode, also advertised
             other = not base.causal
             label = f"{K}: {'causal' if other else 'non-causal'}"
-            workload = "prefill" if kind is LayerKind.FULL else "ragged"
-            add("correctness", base.with_(causal=other), workload, [label])
+            # full attention over a KV cache: later steps too, where the cached context holds
+            # keys the step's own do not
+            for workload in ("prefill", *w_opts) if kind is LayerKind.FULL else ("ragged",):
+                add("correctness", base.with_(causal=other), workload, [label])
 
     # -- life cycle, out contract, state ---------------------------------------------------------
     add(

@@ -34,6 +34,7 @@ def _pair(case: Case, session: Any, gen: torch.Generator, limits: Limits, **kw: 
         graph_mode=case.graph_mode,
         strategy=case.strategy,
         magnitude=case.magnitude,
+        layer_scales=case.layer_scales,
         **kw,
     )
 

@@ -77,7 +77,14 @@ BROKEN = textwrap.dedent(
             if self.defect == "wrong_scale":
                 view = types.SimpleNamespace(scale=layer.scale * 1.25, kv=layer.kv,
                                              sinks=layer.sinks)
+            if self.defect == "spec_scale":  # the spec's scale, not the layer's own
+                view = types.SimpleNamespace(scale=layer.spec.scale, kv=layer.kv,
+                                             sinks=layer.sinks)
             if layer.kv.k.dtype == torch.float8_e4m3fn:
+                if self.defect == "fp8_swaps_scales":  # k_scale and v_scale read swapped
+                    kv = types.SimpleNamespace(k=layer.kv.k, v=layer.kv.v,
+                                               k_scale=layer.kv.v_scale, v_scale=layer.kv.k_scale)
+                    view = types.SimpleNamespace(scale=layer.scale, kv=kv, sinks=layer.sinks)
                 if self.defect == "fp8_raises":
                     raise NotImplementedError("fp8 KV is not implemented")
                 if self.defect == "fp8_ignores_scale":
@@ -97,6 +104,19 @@ BROKEN = textwrap.dedent(
                 if out is not None:
                     out.copy_(result)
                     result = out
+            if self.defect == "noncausal_new_only" and not layer.spec.causal:
+                # a non-causal layer served by varlen attention over the step's own K/V: right
+                # for a first prefill, blind to the cached context of every later step
+                b = self.inner.batch
+                qsl = b.query_start_loc_cpu
+                group = q.shape[1] // k.shape[1]
+                for i in range(b.num_reqs):
+                    s, e = int(qsl[i]), int(qsl[i + 1])
+                    qq, kk, vv = (t[s:e].transpose(0, 1) for t in (q, k, v))
+                    kk, vv = kk.repeat_interleave(group, 0), vv.repeat_interleave(group, 0)
+                    o = torch.nn.functional.scaled_dot_product_attention(
+                        qq, kk, vv, scale=layer.scale)
+                    result[s:e] = o.transpose(0, 1).to(result.dtype)
             if self.defect == "real_rows_only" and out is None:
                 # what a kernel that allocates its own output for the real tokens returns
                 result = result[: self.inner.batch.num_tokens]
@@ -109,6 +129,9 @@ BROKEN = textwrap.dedent(
             return result
 
     wrong_scale = Broken("wrong_scale")
+    spec_scale = Broken("spec_scale")
+    noncausal_new_only = Broken("noncausal_new_only", non_causal=True)
+    fp8_swaps_scales = Broken("fp8_swaps_scales", kv_dtypes={"float32", "fp8_e4m3"})
     stale_update = Broken("stale_update", graph_modes={"none", "decode"})
     writes_past_out = Broken("writes_past_out")
     fp8_ignores_scale = Broken("fp8_ignores_scale", kv_dtypes={"float32", "fp8_e4m3"})
@@ -137,6 +160,7 @@ BROKEN = textwrap.dedent(
 BROKEN_LINEAR = textwrap.dedent(
     """
     import dataclasses
+    import torch
     import attn_core.reference.plugin as ref
     from attn_core.backend import Backend
     from attn_core.hookspecs import hookimpl
@@ -173,11 +197,18 @@ BROKEN_LINEAR = textwrap.dedent(
                 inputs["slope"] = inputs["slope"] * 1.1
             return self.inner.forward(layer, q, k, v, out, **inputs)
 
+        def prepare(self, batch):
+            if self.defect == "ignore_initial":  # every slot read, a fresh request's too
+                batch = dataclasses.replace(
+                    batch, has_initial_state=torch.ones_like(batch.has_initial_state))
+            self.inner.prepare(batch)
+
         def commit_speculative(self, batch, num_accepted):
             if self.defect == "commit_one_short":  # keeps one accepted token too few
                 num_accepted = (num_accepted - 1).clamp(min=1)
             self.inner.commit_speculative(batch, num_accepted)
 
+    ignore_initial = BrokenLinear("ignore_initial", {"gated_deltanet", "mamba2"})
     slope_off = BrokenLinear("slope_off", {"lightning"})
     commit_one_short = BrokenLinear("commit_one_short", {"mamba2"})
     """
@@ -507,6 +538,9 @@ def test_a_decode_only_backend_is_tested_on_decode_steps_only(pytester, run_kit)
     ("defect", "failing", "passing"),
     [
         ("slope_off", "linear/lightning: kind", None),
+        # the core zeroes a fresh request's slot; an engine that recycles slots may not: a
+        # backend must start such a request from zero, not read the slot
+        ("ignore_initial", "linear/mamba2: kind", None),
         (
             "commit_one_short",
             "linear/mamba2: speculative verify k=4",
@@ -528,3 +562,37 @@ def test_a_broken_linear_backend_is_caught(pytester, run_kit, defect, failing, p
     assert summary.get(failing) == "FAIL", summary
     if passing:
         assert summary.get(passing) == "PASS", summary
+
+
+def test_a_backend_that_ignores_a_layers_own_scale_is_caught(pytester, run_kit) -> None:
+    """Every layer's scale was the spec's 1/sqrt(d): a backend reading the spec's scale (or a
+    hard-coded one) instead of the layer's own passed every check."""
+    result, summary = _run_broken(pytester, run_kit, "spec_scale")
+    assert result.ret == 1, result.stdout.str()[-3000:]
+    assert summary.get("full: per-layer softmax scale") == "FAIL", summary
+    assert summary.get("full: kind") == "PASS", summary
+
+
+def test_a_non_causal_backend_blind_to_the_cached_context_is_caught(pytester, run_kit) -> None:
+    """The non-causal case ran one prefill from an empty cache, where the step's own keys are
+    all the keys: a backend that never reads the cached context passed."""
+    result, summary = _run_broken(pytester, run_kit, "noncausal_new_only")
+    assert result.ret == 1, result.stdout.str()[-3000:]
+    assert summary.get("full: non-causal") == "FAIL", summary
+
+
+def test_the_fp8_scales_of_k_and_v_are_far_apart_in_either_order() -> None:
+    """k_scale and v_scale were drawn independently from [0.03, 0.08]: at some seeds within
+    1 % of each other, and a backend that read them swapped passed there. Now one is 2-4x the
+    other, either way round, at every seed."""
+    import torch
+
+    from attn_core.testing.harness import fp8_kv_scales
+
+    larger_k = 0
+    for seed in range(200):
+        k, v = fp8_kv_scales(torch.Generator().manual_seed(seed))
+        assert 2.0 <= max(k, v) / min(k, v) <= 4.0, (seed, k, v)
+        assert min(k, v) >= 0.01 and max(k, v) <= 0.5, (seed, k, v)  # far from 1: 2-100x off
+        larger_k += k > v
+    assert 60 < larger_k < 140, larger_k
