@@ -222,7 +222,7 @@ class Side:
         inputs: dict[str, torch.Tensor],
         out: torch.Tensor | None,
         *,
-        conv: tuple[torch.Tensor, ...] | None = None,  # (weight, bias)
+        conv: tuple[torch.Tensor, torch.Tensor | None] | None = None,  # (weight, bias)
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run one layer (conv first for linear layers); returns (output, conv output)."""
         binding = self.runtime.binding(layer)
@@ -328,12 +328,17 @@ class Pair:
         self.test = Side(
             "backend", session.backend, session.registry, spec, fill=session.reference, **common
         )
-        self.conv = [
-            tuple(t.to(self.device, torch_dtype(spec.dtype)) for t in conv_params(spec, gen))
-            if spec.has_conv
-            else None
-            for _ in range(num_layers)
-        ]
+        # the second layer's conv has no bias (Qwen3-Next's has none): its activation still
+        # applies
+        self.conv: list[tuple[torch.Tensor, torch.Tensor | None] | None] = []
+        for i in range(num_layers):
+            if not spec.has_conv:
+                self.conv.append(None)
+                continue
+            weight, bias = (
+                t.to(self.device, torch_dtype(spec.dtype)) for t in conv_params(spec, gen)
+            )
+            self.conv.append((weight, bias if i == 0 else None))
         self.atol, self.rtol = tolerance(spec)
         self.atol *= magnitude
 

@@ -244,7 +244,9 @@ def _linear_spec(
             conv_channels=c,
             dtype=dtype,
         )
-    hv, hk = (4, 1) if mamba else (4, 2)
+    # two key heads (Mamba2: two B / C groups, as Nemotron-H's eight): with one, every mapping
+    # of heads to groups reads the same
+    hv, hk = (4, 1) if variant is LinearVariant.MAMBA1 else (4, 2)
     channels = hv * dv + 2 * hk * dk  # x (or v) plus B and C (or q and k), as the models do
     if variant is LinearVariant.MAMBA1:
         # one head per inner channel (value width 1, the sweep's dv does not apply); Mamba1's

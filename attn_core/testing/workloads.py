@@ -129,10 +129,13 @@ def _tiny_batch(spec: LayerSpec, quick: bool, k: int) -> list[Step]:
 
 def _verify(spec: LayerSpec, quick: bool, k: int) -> list[Step]:
     ids = (0, 1, 2)
+    # verified in another order than added: a batch row is not its request's slot (a commit
+    # that reads per-token states by slot instead of by row reads the wrong request's)
+    order = (2, 0, 1)
     return [
         Step(list(zip(ids, (6, 11, 3), strict=True)), add=ids),
-        Step([(r, k + 1) for r in ids], spec_tokens=k),
-        Step([(r, k + 1) for r in ids], spec_tokens=k),
+        Step([(r, k + 1) for r in order], spec_tokens=k),
+        Step([(r, k + 1) for r in order], spec_tokens=k),
         Step([(r, 1) for r in ids]),
     ]
 

@@ -195,7 +195,16 @@ BROKEN_LINEAR = textwrap.dedent(
         def forward(self, layer, q, k, v, out, **inputs):
             if self.defect == "slope_off":  # a decay 10 % off, as a wrong slope table gives
                 inputs["slope"] = inputs["slope"] * 1.1
+            heads, groups = v.shape[1], k.shape[1]
+            if self.defect == "groups_modulo" and groups < heads:
+                # head h reads B / C group h % G (tiled) instead of h // (H / G)
+                q, k = q.repeat(1, heads // groups, 1), k.repeat(1, heads // groups, 1)
             return self.inner.forward(layer, q, k, v, out, **inputs)
+
+        def conv1d(self, layer, x, weight, bias, *, activation, out=None):
+            if self.defect == "silu_only_with_bias" and bias is None:
+                activation = None  # the activation skipped with the bias
+            return self.inner.conv1d(layer, x, weight, bias, activation=activation, out=out)
 
         def prepare(self, batch):
             if self.defect == "ignore_initial":  # every slot read, a fresh request's too
@@ -204,11 +213,21 @@ BROKEN_LINEAR = textwrap.dedent(
             self.inner.prepare(batch)
 
         def commit_speculative(self, batch, num_accepted):
+            if self.defect == "commit_by_slot":  # per-token states kept by slot, read by row
+                n = batch.num_reqs
+                slots = batch.state_indices[:n].long()
+                for li, st in list(self.inner._verify_states.items()):
+                    by_slot = torch.zeros((int(slots.max()) + 1, *st.shape[1:]), dtype=st.dtype)
+                    by_slot[slots] = st[:n]
+                    self.inner._verify_states[li] = by_slot[:n]
             if self.defect == "commit_one_short":  # keeps one accepted token too few
                 num_accepted = (num_accepted - 1).clamp(min=1)
             self.inner.commit_speculative(batch, num_accepted)
 
     ignore_initial = BrokenLinear("ignore_initial", {"gated_deltanet", "mamba2"})
+    groups_modulo = BrokenLinear("groups_modulo", {"mamba2"})
+    silu_only_with_bias = BrokenLinear("silu_only_with_bias", {"gated_deltanet"})
+    commit_by_slot = BrokenLinear("commit_by_slot", {"gated_deltanet"})
     slope_off = BrokenLinear("slope_off", {"lightning"})
     commit_one_short = BrokenLinear("commit_one_short", {"mamba2"})
     """
@@ -541,6 +560,12 @@ def test_a_decode_only_backend_is_tested_on_decode_steps_only(pytester, run_kit)
         # the core zeroes a fresh request's slot; an engine that recycles slots may not: a
         # backend must start such a request from zero, not read the slot
         ("ignore_initial", "linear/mamba2: kind", None),
+        # Mamba2 had one B/C group: every head-to-group mapping read the same one
+        ("groups_modulo", "linear/mamba2: kind", None),
+        # every conv had a bias (Qwen3-Next's has none)
+        ("silu_only_with_bias", "linear/gated_deltanet: kind", None),
+        # verify rows were the requests' slots in order: a commit by slot read the right row
+        ("commit_by_slot", "linear/gated_deltanet: speculative verify k=1", None),
         (
             "commit_one_short",
             "linear/mamba2: speculative verify k=4",
