@@ -23,6 +23,10 @@ from attn_core.testing.workloads import InputBank, Step, Workload, layer_inputs,
 
 __all__ = ["run_case"]
 
+#: the chunk of the chunked prefill kernels backends build on (fla's and triton_ssm's GDN, KDA
+#: and SSD stages: 64 tokens); the chunked-prefill check's one-step prefill spans more than two
+KERNEL_CHUNK = 64
+
 
 def _pair(case: Case, session: Any, gen: torch.Generator, limits: Limits, **kw: Any) -> Pair:
     return Pair(
@@ -399,7 +403,9 @@ def check_chunked_prefill(case: Case, session: Any, gen: torch.Generator) -> Non
     equal to the reference."""
     spec = case.spec
     ps = spec.page_size if spec.has_kv_cache else 16
-    n = 3 * ps + 5
+    # longer than two chunks of a chunked kernel (fla's and triton_ssm's 64 tokens) in one step,
+    # then decodes over that context: the state carried between chunks, a split over the KV
+    n = max(3 * ps + 5, 2 * KERNEL_CHUNK + 5)
     chunks = [max(ps - 3, 1), ps + 3, n - max(ps - 3, 1) - (ps + 3)]
     decodes = 3
     bank = InputBank(spec, n + decodes, case.num_layers, gen)

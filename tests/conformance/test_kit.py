@@ -195,11 +195,37 @@ BROKEN_LINEAR = textwrap.dedent(
         def forward(self, layer, q, k, v, out, **inputs):
             if self.defect == "slope_off":  # a decay 10 % off, as a wrong slope table gives
                 inputs["slope"] = inputs["slope"] * 1.1
+            if self.defect == "drop_chunk_carry":
+                return self._drop_chunk_carry(layer, q, k, v, out, inputs)
             heads, groups = v.shape[1], k.shape[1]
             if self.defect == "groups_modulo" and groups < heads:
                 # head h reads B / C group h % G (tiled) instead of h // (H / G)
                 q, k = q.repeat(1, heads // groups, 1), k.repeat(1, heads // groups, 1)
             return self.inner.forward(layer, q, k, v, out, **inputs)
+
+        def _drop_chunk_carry(self, layer, q, k, v, out, inputs):
+            # a chunked kernel (chunks of 64) that drops the state carried into every chunk
+            # after a request's first in one step: tokens 64.. restart from zero
+            from attn_core.reference import ops
+
+            res = self.inner.forward(layer, q, k, v, out, **inputs)
+            b = self.inner.batch
+            qsl = [int(x) for x in b.query_start_loc_cpu]
+            ssm = layer.linear_state.ssm
+            for i in range(b.num_reqs):
+                s, e = qsl[i], qsl[i + 1]
+                if e - s <= 64:
+                    continue
+                s2 = s + 64
+                pool = torch.zeros((1, *ssm.shape[1:]), dtype=ssm.dtype)
+                o = ops.gated_delta_rule(
+                    q[s2:e], k[s2:e], v[s2:e], inputs["g"][s2:e], inputs["beta"][s2:e], pool,
+                    torch.tensor([0, e - s2], dtype=torch.int32),
+                    torch.tensor([0], dtype=torch.int32), torch.tensor([False]),
+                    scale=layer.scale, use_qk_l2norm=layer.spec.qk_l2norm)
+                res[s2:e] = o.to(res.dtype)
+                ssm[int(b.state_indices[i])] = pool[0]
+            return res
 
         def conv1d(self, layer, x, weight, bias, *, activation, out=None):
             if self.defect == "silu_only_with_bias" and bias is None:
@@ -228,6 +254,7 @@ BROKEN_LINEAR = textwrap.dedent(
     groups_modulo = BrokenLinear("groups_modulo", {"mamba2"})
     silu_only_with_bias = BrokenLinear("silu_only_with_bias", {"gated_deltanet"})
     commit_by_slot = BrokenLinear("commit_by_slot", {"gated_deltanet"})
+    drop_chunk_carry = BrokenLinear("drop_chunk_carry", {"gated_deltanet"})
     slope_off = BrokenLinear("slope_off", {"lightning"})
     commit_one_short = BrokenLinear("commit_one_short", {"mamba2"})
     """
@@ -566,6 +593,12 @@ def test_a_decode_only_backend_is_tested_on_decode_steps_only(pytester, run_kit)
         ("silu_only_with_bias", "linear/gated_deltanet: kind", None),
         # verify rows were the requests' slots in order: a commit by slot read the right row
         ("commit_by_slot", "linear/gated_deltanet: speculative verify k=1", None),
+        # no quick step was longer than 64 tokens, a chunked kernel's chunk
+        (
+            "drop_chunk_carry",
+            "linear/gated_deltanet: state hand-off (chunked prefill)",
+            "linear/gated_deltanet: kind",
+        ),
         (
             "commit_one_short",
             "linear/mamba2: speculative verify k=4",
