@@ -520,6 +520,11 @@ def _kind_cases(
             # keys the step's own do not
             for workload in ("prefill", *w_opts) if kind is LayerKind.FULL else ("ragged",):
                 add("correctness", base.with_(causal=other), workload, [label])
+    elif kind is LayerKind.MLA and caps.causal and caps.non_causal:  # over the latent cache too
+        other = not base.causal
+        label = f"{K}: {'causal' if other else 'non-causal'}"
+        for workload in ("prefill", "mixed", "decode"):
+            add("correctness", base.with_(causal=other), workload, [label])
 
     # -- life cycle, out contract, state ---------------------------------------------------------
     add(

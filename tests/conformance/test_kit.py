@@ -45,6 +45,9 @@ BROKEN = textwrap.dedent(
             if self.defect in ("virtual_chunks", "ignores_chunks"):  # plain causal attention
                 import dataclasses
                 group = dataclasses.replace(group, spec=group.spec.with_(attention_chunk_size=None))
+            if self.defect == "mla_always_causal":  # advertises non-causal, serves causal
+                import dataclasses
+                group = dataclasses.replace(group, spec=group.spec.with_(causal=True))
             inner = ref.attn_core_allocate_context(backend, group, device, constraints, state,
                                                    workspace)
             return Context(inner, self.defect)
@@ -80,7 +83,8 @@ BROKEN = textwrap.dedent(
             if self.defect == "spec_scale":  # the spec's scale, not the layer's own
                 view = types.SimpleNamespace(scale=layer.spec.scale, kv=layer.kv,
                                              sinks=layer.sinks)
-            if layer.kv.k.dtype == torch.float8_e4m3fn:
+            cache = getattr(layer.kv, "k", None)  # MLA's latent cache has no k
+            if cache is not None and cache.dtype == torch.float8_e4m3fn:
                 if self.defect == "fp8_swaps_scales":  # k_scale and v_scale read swapped
                     kv = types.SimpleNamespace(k=layer.kv.k, v=layer.kv.v,
                                                k_scale=layer.kv.v_scale, v_scale=layer.kv.k_scale)
@@ -92,7 +96,7 @@ BROKEN = textwrap.dedent(
                     kv = types.SimpleNamespace(k=layer.kv.k, v=layer.kv.v, k_scale=one,
                                                v_scale=one)
                     view = types.SimpleNamespace(scale=layer.scale, kv=kv, sinks=layer.sinks)
-            if self.defect == "same_kv_dtype" and layer.kv.k.dtype != q.dtype:
+            if self.defect == "same_kv_dtype" and cache is not None and cache.dtype != q.dtype:
                 # what a naive kernel does with q @ k of two dtypes
                 raise RuntimeError(f"expected both operands in {q.dtype}, got {layer.kv.k.dtype}")
             low = {"computes_in_fp16": torch.float16, "computes_in_bf16": torch.bfloat16}
@@ -130,6 +134,8 @@ BROKEN = textwrap.dedent(
 
     wrong_scale = Broken("wrong_scale")
     spec_scale = Broken("spec_scale")
+    mla_always_causal = Broken("mla_always_causal", kinds={"mla"}, head_dims=None,
+                               non_causal=True)
     noncausal_new_only = Broken("noncausal_new_only", non_causal=True)
     fp8_swaps_scales = Broken("fp8_swaps_scales", kv_dtypes={"float32", "fp8_e4m3"})
     stale_update = Broken("stale_update", graph_modes={"none", "decode"})
@@ -654,3 +660,12 @@ def test_the_fp8_scales_of_k_and_v_are_far_apart_in_either_order() -> None:
         assert min(k, v) >= 0.01 and max(k, v) <= 0.5, (seed, k, v)  # far from 1: 2-100x off
         larger_k += k > v
     assert 60 < larger_k < 140, larger_k
+
+
+def test_an_mla_backend_that_serves_non_causal_as_causal_is_caught(pytester, run_kit) -> None:
+    """MLA's masking modes were never swept: an MLA backend advertising non-causal layers and
+    serving them causally passed."""
+    result, summary = _run_broken(pytester, run_kit, "mla_always_causal")
+    assert result.ret == 1, result.stdout.str()[-3000:]
+    assert summary.get("mla: non-causal") == "FAIL", summary
+    assert summary.get("mla: kind") == "PASS", summary
