@@ -358,7 +358,10 @@ def test_reference_passes_quick(run_kit) -> None:
 
 
 def test_sdpa_example_passes(run_kit) -> None:
-    result = run_kit("--attn-plugin=sdpa=attn_sdpa_backend", "--attn-backend=sdpa:sdpa")
+    # a fixed seed: a float32 backend against the reference must not fail CI by the draw
+    result = run_kit(
+        "--attn-plugin=sdpa=attn_sdpa_backend", "--attn-backend=sdpa:sdpa", "--attn-seed=7"
+    )
     assert result.ret == 0, result.stdout.str()[-3000:]
     summary = _summary(result)
     assert summary["full: head_dim 128"] == "PASS"
