@@ -627,11 +627,18 @@ class TuningData:
             f"{self.graph_mode or 'unknown'}"
         )
 
+    def verify_times_hold_for(self, speculative_tokens: int) -> bool:
+        """Whether the verify times hold for a run (or other data) verifying
+        ``speculative_tokens`` draft tokens: measured with that count, or either count unknown
+        (0)."""
+        mine = self.speculative_tokens
+        return not mine or not speculative_tokens or mine == speculative_tokens
+
     def verify_conflict(self, other: TuningData) -> str | None:
         """Why ``other``'s verify times cannot sit beside this data's (measured with another
         count of draft tokens), or None."""
         mine, theirs = self.speculative_tokens, other.speculative_tokens
-        if mine and theirs and mine != theirs:
+        if not self.verify_times_hold_for(theirs):
             return (
                 f"its verify times were measured with {mine} draft token(s) per request, the "
                 f"other's with {theirs}"
@@ -1489,7 +1496,7 @@ def _warn_foreign_tuning(
             f"{constraints.graph_mode.value}"
         )
     k, run_k = tuning.speculative_tokens, constraints.speculative_tokens
-    if k and run_k and k != run_k:
+    if not tuning.verify_times_hold_for(run_k):
         warnings.warn(
             f"the tuning data's verify times were measured with {k} draft token(s) per request, "
             f"the run verifies {run_k}: the verify phase ranks by priority (re-run attn bench "
@@ -1686,7 +1693,7 @@ def _choose_phase(
     if (
         tuning is not None
         and phase is Phase.VERIFY
-        and tuning.speculative_tokens not in (0, constraints.speculative_tokens)
+        and not tuning.verify_times_hold_for(constraints.speculative_tokens)
     ):
         tuning = None  # said by _warn_foreign_tuning
     times = _phase_times(tuning, admissible, timed, phase, max_size)

@@ -513,17 +513,13 @@ def _kind_cases(
                 gpt_oss = base.with_(has_sinks=True, sliding_window=WINDOW)
                 for w in w_opts:
                     add("correctness", gpt_oss, w, [f"{K}: sinks + sliding window"])
-        if caps.causal and caps.non_causal:  # the other masking mode, also advertised
-            other = not base.causal
-            label = f"{K}: {'causal' if other else 'non-causal'}"
-            # full attention over a KV cache: later steps too, where the cached context holds
-            # keys the step's own do not
-            for workload in ("prefill", *w_opts) if kind is LayerKind.FULL else ("ragged",):
-                add("correctness", base.with_(causal=other), workload, [label])
-    elif kind is LayerKind.MLA and caps.causal and caps.non_causal:  # over the latent cache too
+    # the other masking mode, also advertised; over a KV or latent cache, later steps too,
+    # where the cached context holds keys the step's own do not
+    if kind is not LayerKind.LINEAR and caps.causal and caps.non_causal:
         other = not base.causal
         label = f"{K}: {'causal' if other else 'non-causal'}"
-        for workload in ("prefill", "mixed", "decode"):
+        masked = ("ragged",) if kind is LayerKind.ENCODER else ("prefill", "mixed", "decode")
+        for workload in masked:
             add("correctness", base.with_(causal=other), workload, [label])
 
     # -- life cycle, out contract, state ---------------------------------------------------------
