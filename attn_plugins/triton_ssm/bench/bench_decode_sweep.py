@@ -22,8 +22,9 @@ Variants (shapes of the models that use them):
   calls it.
 * ``mamba1``: Falcon-Mamba / Jamba, d_inner 8192, d_state 16 (``mamba1_decode``: block_d,
   num_warps, requests_per_program, cache_hints).
-* ``short_conv``: LFM2-1.2B, 2048 channels, kernel 3, bf16 conv state (``causal_conv1d_update``,
-  block_c, requests_per_program); bytes: conv state read + write plus the token in and out.
+* ``short_conv``: LFM2-1.2B, 2048 channels, kernel 3, bf16 conv state (``causal_conv1d_update``:
+  the packed kernel's block_c, requests_per_program, num_warps, and the general kernel's with
+  ``packed_pairs=False``); bytes: conv state read + write plus the token in and out.
   ``gdn_conv``: the same kernel at Qwen3-Next's GDN conv, 8192 channels, kernel 4.
 
 Each variant runs in its own subprocess, so a fault ends only that variant's row set. Inputs
@@ -152,8 +153,13 @@ def _mamba1_case(B: int):
 
 def _short_conv_case(B: int, C: int = 2048, K: int = 3):
     run, half_bytes = short_conv_decode_call(B, C, K)
-    per_program = _grid(block_c=(256, 1024, 2048), requests_per_program=(2, 4, 8))
-    configs = [{}, *_grid(block_c=(64, 128, 256, 512, 1024)), *per_program]
+    # the general kernel (two strided column loads and the weights per request); 8 requests a
+    # program and blocks under 256 channels lost to these everywhere in earlier sweeps
+    general = _grid(packed_pairs=(False,), block_c=(256, 1024), requests_per_program=(1, 4))
+    configs = [{}, *general]
+    if K == 3:  # the packed kernel-3 path: each slot's [C, 2] loaded as one flat vector
+        configs += _grid(block_c=(256, 512, 1024, 2048), requests_per_program=(1, 2, 4),
+                         num_warps=(2, 4, 8))  # fmt: skip
     return _tilings(run), configs, half_bytes, 0  # half_bytes counts the token already
 
 

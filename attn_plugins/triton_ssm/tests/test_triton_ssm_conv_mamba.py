@@ -33,8 +33,9 @@ def _assert_state_equal(got: torch.Tensor, want: torch.Tensor) -> None:
 # conv1d
 # --------------------------------------------------------------------------------------------
 def test_conv1d_update_default_groups_a_large_batch_and_matches_torch_conv1d(monkeypatch):
-    """B = 258 requests of 24 channels: the default takes 4 requests a program (the last
-    program has two rows past the batch), and every row still matches torch's conv."""
+    """B = 258 requests of 24 channels on the general kernel: the default takes 4 requests a
+    program (the last program has two rows past the batch), and every row still matches
+    torch's conv."""
     from attn_plugin_triton_ssm.kernels import conv1d
 
     seen: list[int] = []
@@ -57,7 +58,8 @@ def test_conv1d_update_default_groups_a_large_batch_and_matches_torch_conv1d(mon
     idx = torch.randperm(S, generator=g)[:Bn].int()
     idx[7] = -1
     st = state.clone().to(DEV)
-    out = K.causal_conv1d_update(x.to(DEV), st, w.to(DEV), None, idx.to(DEV), activation=None)
+    out = K.causal_conv1d_update(x.to(DEV), st, w.to(DEV), None, idx.to(DEV), activation=None,
+                                 packed_pairs=False)  # fmt: skip
     assert seen == [4]
     out, st = out.cpu(), st.cpu()
     for bi in (0, 7, 255, 256, 257):

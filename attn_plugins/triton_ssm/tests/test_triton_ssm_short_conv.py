@@ -54,3 +54,65 @@ def test_decode_and_verify_match_the_reference() -> None:
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_lfm2_shape_on_gpu() -> None:
     _check(256, 2048, torch.bfloat16, "cuda", dict(atol=2e-2, rtol=2e-2))
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("block_c", "rpp"), [(None, None), (8, 2), (16, 3)])
+def test_packed_decode_matches_the_reference_with_padding_rows(state_dtype, block_c, rpp) -> None:
+    # one token of a kernel-3 conv over packed [C, 2] slots takes the packed kernel: a channel
+    # count no block divides, padding rows (-1), a bias and silu, bf16 tokens over a float32 pool
+    g = torch.Generator().manual_seed(3)
+    B, C, S = 5, 20, 9
+    state = torch.randn(S, C, 2, generator=g).to(state_dtype)
+    idx = torch.tensor([4, -1, 0, 7, -1], dtype=torch.int32)
+    w = torch.randn(C, 3, generator=g)
+    bias = torch.randn(C, generator=g)
+    x = torch.randn(B, C, generator=g).bfloat16()
+    ref_state = state.clone()
+    want = decode_conv1d(x.float(), w, bias, ref_state, idx, activation="silu")
+    want[idx < 0] = 0
+    dev = [t.to(DEV) for t in (x, state, w, bias, idx)]
+    got = K.causal_conv1d_update(*dev[:4], dev[4], activation="silu", packed_pairs=True,
+                                 block_c=block_c, requests_per_program=rpp)  # fmt: skip
+    torch.testing.assert_close(got.float().cpu(), want.bfloat16().float(), atol=2e-2, rtol=2e-2)
+    # the slots of real rows advanced by the token, padding rows' and free slots untouched
+    torch.testing.assert_close(dev[1].cpu(), ref_state.to(state_dtype), atol=0, rtol=0)
+
+
+def test_packed_decode_refuses_a_call_it_cannot_serve() -> None:
+    x, state, w, idx = _case(3, 8)
+    with pytest.raises(ValueError, match="packed_pairs: expected one token of a kernel-3 conv"):
+        K.causal_conv1d_update(x, state, w, None, idx, update_state=False, packed_pairs=True)
+    strided = torch.zeros(state.shape[0], 2, state.shape[1], device=DEV).transpose(1, 2)
+    with pytest.raises(ValueError, match=r"packed_pairs: expected each slot's \[C, 2\] packed"):
+        K.causal_conv1d_update(x[:, 0], strided, w, None, idx, packed_pairs=True)
+
+
+def test_a_short_conv_decode_step_takes_the_packed_kernel_by_default(monkeypatch) -> None:
+    # the general kernel reads the two state columns as strided loads at 0.6 of a copy's rate
+    # where the packed one reaches 0.8-0.9 (H100): a decode step must not fall back to it
+    from attn_plugin_triton_ssm.kernels import conv1d
+
+    seen: list[tuple[str, int]] = []
+
+    def spy(name, kernel):
+        class Spy:
+            def __getitem__(self, grid):
+                def launch(*a, **kw):
+                    seen.append((name, kw["RPP"]))
+                    return kernel[grid](*a, **kw)
+
+                return launch
+
+        return Spy()
+
+    monkeypatch.setattr(conv1d, "_conv1d_decode_pairs_kernel",
+                        spy("packed", conv1d._conv1d_decode_pairs_kernel))  # fmt: skip
+    monkeypatch.setattr(
+        conv1d, "_conv1d_update_kernel", spy("general", conv1d._conv1d_update_kernel)
+    )
+    x, state, w, idx = _case(257, 8)
+    K.causal_conv1d_update(x[:, 0], state, w, None, idx, activation=None)
+    assert seen == [("packed", 2)]  # two requests a program from B = 256, the last one alone
+    K.causal_conv1d_update(x, state, w, None, idx, activation=None, update_state=False)
+    assert seen[-1][0] == "general"  # a verify step's three tokens
