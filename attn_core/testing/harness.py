@@ -393,6 +393,14 @@ class Pair:
                 atol=atol,
                 rtol=rtol,
             )
+            if la.ssm.dtype in (torch.bfloat16, torch.float16):
+                # Each side rounds its own float32 state into the 16-bit pool, and a few
+                # entries land one ulp apart across a rounding boundary. A later output reads
+                # them times C: one ulp of a state entry of 2.6 is 0.0156, beyond the output
+                # tolerance of a result near 0 whatever the backend. The reference continues
+                # from the backend's state (within the tolerance just checked), so that each
+                # step's outputs compare from the same state.
+                lb.ssm.copy_(la.ssm)
 
     # -- one step --------------------------------------------------------------------------
     def step(
