@@ -11,6 +11,7 @@ import torch
 from attn_core.specs import LayerSpec
 
 __all__ = [
+    "FP32_STATE_RTOL",
     "NAN_POISON",
     "SENTINEL",
     "BackendRaised",
@@ -45,6 +46,10 @@ LINEAR_FP32_TOLERANCE = (1e-3, 1e-3)
 #: 16-bit recurrent state: both sides round the state every step, and an output read from a
 #: state one bf16 ulp (2^-8 relative) apart differs by about that much (H200: 1.3e-3 at 0.26).
 LINEAR_16BIT_STATE_TOLERANCE = (8e-3, 8e-3)
+#: a float32 SSM state after one decode step from the same state on both sides: relative
+#: 2^-11, four times finer than a bfloat16 rounding (2^-9), as coarse as TF32 (10-bit mantissa)
+#: arithmetic; the absolute floor is that fraction of the pool's mean magnitude
+FP32_STATE_RTOL = 2.0**-11
 
 
 class ConformanceFailure(AssertionError):

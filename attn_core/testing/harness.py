@@ -33,6 +33,7 @@ from attn_core.specs import (
 )
 from attn_core.state import PersistentState
 from attn_core.testing.checks import (
+    FP32_STATE_RTOL,
     NAN_POISON,
     BackendRaised,
     ReferenceRaised,
@@ -401,6 +402,34 @@ class Pair:
                 # from the backend's state (within the tolerance just checked), so that each
                 # step's outputs compare from the same state.
                 lb.ssm.copy_(la.ssm)
+
+    def continue_reference_from_backend(self) -> None:
+        """Copy the backend's SSM pools into the reference's: the next step starts both sides
+        from the same state (linear layers)."""
+        a, b = self.test.state, self.ref.state
+        if a is None or b is None or self.spec.kind is not LayerKind.LINEAR:
+            return
+        for i in range(self.test.num_layers):
+            b.state_slots.layer(i).ssm.copy_(a.state_slots.layer(i).ssm)
+
+    def compare_ssm_precision(self, where: str) -> None:
+        """The backend's float32 SSM pools within :data:`FP32_STATE_RTOL` of the reference's."""
+        a, b = self.test.state, self.ref.state
+        if a is None or b is None:
+            return
+        for i in range(self.test.num_layers):
+            got, want = a.state_slots.layer(i).ssm, b.state_slots.layer(i).ssm
+            for slot in range(want.shape[0]):  # the floor per slot: unused ones hold 1000.0
+                scale = float(want[slot].float().abs().mean())
+                assert_close(
+                    got[slot],
+                    want[slot],
+                    atol=FP32_STATE_RTOL * scale,
+                    rtol=FP32_STATE_RTOL,
+                    what=f"layer {i} float32 SSM state of slot {slot} (2^-11 relative; a "
+                    f"bfloat16 rounding is 2^-9)",
+                    where=where,
+                )
 
     # -- one step --------------------------------------------------------------------------
     def step(

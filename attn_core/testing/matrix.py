@@ -554,6 +554,8 @@ def _kind_cases(
         if kind is LayerKind.LINEAR:
             add("state", base, "chunked_prefill", [f"{K}: state hand-off (chunked prefill)"])
             add("state", base, "prefix_restore", [f"{K}: prefix-cache restore (conv + SSM)"])
+            if base.has_ssm_state and base.state_dtype == "float32":
+                add("state", base, "state_precision", [f"{K}: float32 state precision"])
         else:
             add("state", base, "chunked_prefill", [f"{K}: paged KV (chunked prefill == one)"])
             add("state", base, "prefix_restore", [f"{K}: prefix-cache restore (shared pages)"])

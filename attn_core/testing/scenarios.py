@@ -472,11 +472,31 @@ def check_prefix_restore(case: Case, session: Any, gen: torch.Generator) -> None
     )
 
 
+def check_state_precision(case: Case, session: Any, gen: torch.Generator) -> None:
+    """A float32 SSM state keeps float32's precision: after a prefill, both sides continue from
+    the backend's state through one decode step, whose new state must be within
+    :data:`~attn_core.testing.checks.FP32_STATE_RTOL` of the reference's. The state tolerance
+    of the other checks (five times the output's) is wider than a bfloat16 rounding: a backend
+    that keeps a float32 pool's values in bfloat16 passed them."""
+    spec = case.spec
+    bank = InputBank(spec, 10, case.num_layers, gen)
+    steps = [Step([(0, 9), (1, 5)], add=(0, 1)), Step([(0, 1), (1, 1)])]
+    pair = _pair(case, session, gen, Limits(Workload("precision", steps)))
+    pos = {0: 0, 1: 0}
+    record: dict[int, dict[int, torch.Tensor]] = {}
+    _bank_step(pair, bank, pos, steps[0], "float32 state precision: prefill", record)
+    pair.continue_reference_from_backend()
+    _bank_step(pair, bank, pos, steps[1], "float32 state precision: decode", record)
+    pair.compare_ssm_precision("float32 state precision: one decode step from the same state")
+
+
 def check_state(case: Case, session: Any, gen: torch.Generator) -> None:
     if case.workload == "chunked_prefill":
         check_chunked_prefill(case, session, gen)
     elif case.workload == "prefix_restore":
         check_prefix_restore(case, session, gen)
+    elif case.workload == "state_precision":
+        check_state_precision(case, session, gen)
     else:
         raise ValueError(f"state check {case.workload!r} is unknown")
 

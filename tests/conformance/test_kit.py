@@ -207,7 +207,11 @@ BROKEN_LINEAR = textwrap.dedent(
             if self.defect == "groups_modulo" and groups < heads:
                 # head h reads B / C group h % G (tiled) instead of h // (H / G)
                 q, k = q.repeat(1, heads // groups, 1), k.repeat(1, heads // groups, 1)
-            return self.inner.forward(layer, q, k, v, out, **inputs)
+            res = self.inner.forward(layer, q, k, v, out, **inputs)
+            if self.defect == "state_through_bf16":  # a float32 pool holding bf16 values
+                ssm = layer.linear_state.ssm
+                ssm.copy_(ssm.to(torch.bfloat16).to(ssm.dtype))
+            return res
 
         def _drop_chunk_carry(self, layer, q, k, v, out, inputs):
             # a chunked kernel (chunks of 64) that drops the state carried into every chunk
@@ -263,6 +267,7 @@ BROKEN_LINEAR = textwrap.dedent(
     drop_chunk_carry = BrokenLinear("drop_chunk_carry", {"gated_deltanet"})
     slope_off = BrokenLinear("slope_off", {"lightning"})
     commit_one_short = BrokenLinear("commit_one_short", {"mamba2"})
+    state_through_bf16 = BrokenLinear("state_through_bf16", {"gated_deltanet"})
     """
 )
 
@@ -612,6 +617,13 @@ def test_a_decode_only_backend_is_tested_on_decode_steps_only(pytester, run_kit)
             "commit_one_short",
             "linear/mamba2: speculative verify k=4",
             "linear/mamba2: state hand-off (chunked prefill)",
+        ),
+        # a float32 state rounded through bf16 every step is within the state tolerance of
+        # steps that prefill in chunks (5e-3 + 5e-3 |s|, wider than bf16's 2^-9)
+        (
+            "state_through_bf16",
+            "linear/gated_deltanet: float32 state precision",
+            "linear/gated_deltanet: kind",
         ),
     ],
 )
