@@ -106,6 +106,8 @@ class Case:
         parts.append(f"h{s.num_heads}-{s.num_kv_heads}")
         if s.kind is LayerKind.LINEAR and s.state_dtype != "float32":
             parts.append(f"state-{s.state_dtype}")
+        if s.linear_variant in _L2NORM_VARIANTS and not s.qk_l2norm:
+            parts.append("no-l2norm")
         if not s.causal:
             parts.append("noncausal")
         if s.sliding_window:
@@ -348,6 +350,8 @@ def _replace(case: Case, **changes) -> Case:
 _SCALED_VARIANTS = frozenset(
     {LinearVariant.GATED_DELTANET, LinearVariant.KDA, LinearVariant.LIGHTNING}
 )
+#: the variants whose layers choose whether the kernel L2-normalises q and k (``qk_l2norm``)
+_L2NORM_VARIANTS = frozenset({LinearVariant.GATED_DELTANET, LinearVariant.KDA})
 
 
 def _kind_cases(
@@ -405,6 +409,9 @@ def _kind_cases(
                 if strategy and len(strategies) > 1:
                     label += f" ({strategy})"
                 add("correctness", base, "verify", [*L, label], spec_tokens=k, strategy=strategy)
+
+    if base.linear_variant in _L2NORM_VARIANTS:  # a layer may leave q and k as they come
+        add("correctness", base.with_(qk_l2norm=False), "mixed", [f"{K}: without the q/k l2norm"])
 
     # -- dtypes, KV dtypes, state dtypes -----------------------------------------------------
     for dtype in sorted(caps.dtypes - {base.dtype}):

@@ -243,6 +243,10 @@ def layer_inputs(spec: LayerSpec, tokens: int, gen: torch.Generator) -> dict[str
         g_shape = (T, H, D) if spec.linear_variant is LinearVariant.KDA else (T, H)
         out["g"] = F.logsigmoid(_randn(gen, *g_shape) + 2.0)  # log decay <= 0, mostly near 0
         out["beta"] = torch.sigmoid(_randn(gen, T, H))
+        if not spec.qk_l2norm:
+            # the layer takes q and k as they come: keys of norm about 0.5 keep the delta rule
+            # contracting (beta |k|^2 < 2), and a kernel that normalises them anyway doubles them
+            out["q"], out["k"] = out["q"] * (0.5 / D**0.5), out["k"] * (0.5 / D**0.5)
     out["conv_x"] = _randn(gen, T, spec.conv_dims[0])
     return out
 

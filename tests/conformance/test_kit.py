@@ -201,6 +201,10 @@ BROKEN_LINEAR = textwrap.dedent(
         def forward(self, layer, q, k, v, out, **inputs):
             if self.defect == "slope_off":  # a decay 10 % off, as a wrong slope table gives
                 inputs["slope"] = inputs["slope"] * 1.1
+            if self.defect == "always_l2norm" and not layer.spec.qk_l2norm:
+                # a kernel that always normalises q and k (Qwen3-Next's layers ask for it)
+                q = torch.nn.functional.normalize(q.float(), dim=-1).to(q.dtype)
+                k = torch.nn.functional.normalize(k.float(), dim=-1).to(k.dtype)
             if self.defect == "drop_chunk_carry":
                 return self._drop_chunk_carry(layer, q, k, v, out, inputs)
             heads, groups = v.shape[1], k.shape[1]
@@ -268,6 +272,7 @@ BROKEN_LINEAR = textwrap.dedent(
     slope_off = BrokenLinear("slope_off", {"lightning"})
     commit_one_short = BrokenLinear("commit_one_short", {"mamba2"})
     state_through_bf16 = BrokenLinear("state_through_bf16", {"gated_deltanet"})
+    always_l2norm = BrokenLinear("always_l2norm", {"gated_deltanet", "kda"})
     """
 )
 
@@ -618,6 +623,9 @@ def test_a_decode_only_backend_is_tested_on_decode_steps_only(pytester, run_kit)
             "linear/mamba2: speculative verify k=4",
             "linear/mamba2: state hand-off (chunked prefill)",
         ),
+        # every Gated DeltaNet and KDA layer the kit built asked for the q/k l2norm
+        ("always_l2norm", "linear/gated_deltanet: without the q/k l2norm", "linear/kda: kind"),
+        ("always_l2norm", "linear/kda: without the q/k l2norm", "linear/gated_deltanet: kind"),
         # a float32 state rounded through bf16 every step is within the state tolerance of
         # steps that prefill in chunks (5e-3 + 5e-3 |s|, wider than bf16's 2^-9)
         (
