@@ -116,3 +116,19 @@ def test_a_short_conv_decode_step_takes_the_packed_kernel_by_default(monkeypatch
     assert seen == [("packed", 2)]  # two requests a program from B = 256, the last one alone
     K.causal_conv1d_update(x, state, w, None, idx, activation=None, update_state=False)
     assert seen[-1][0] == "general"  # a verify step's three tokens
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_bad_tilings_strided_bias_and_out_over_x_are_refused(packed) -> None:
+    x, state, w, idx = _case(3, 8)
+    x1 = x[:, 0].contiguous()
+    with pytest.raises(ValueError, match="requests_per_program: expected a positive count"):
+        K.causal_conv1d_update(x1, state, w, None, idx, packed_pairs=packed,
+                               requests_per_program=0)  # fmt: skip
+    # a bias view with a stride: the kernels read [C] contiguous
+    bias = torch.randn(8, 2, device=DEV)[:, 0]
+    with pytest.raises(ValueError, match="bias"):
+        K.causal_conv1d_update(x1, state, w, bias, idx, packed_pairs=packed)
+    # the general kernel reads x for the new state after it stored the output
+    with pytest.raises(ValueError, match=r"out: must not be x itself"):
+        K.causal_conv1d_update(x1, state, w, None, idx, packed_pairs=packed, out=x1)

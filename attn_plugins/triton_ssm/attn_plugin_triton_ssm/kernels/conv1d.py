@@ -252,6 +252,7 @@ def _prepare(x, conv_state, weight, bias, state_indices, activation):
     if bias is not None:
         check_shape("bias", bias, [C], "[C]")
         check_float("bias", bias)
+        check_last_contiguous("bias", bias)
     check_index("state_indices", state_indices, B)
     for name, t in (("x", x3), ("conv_state", conv_state), ("weight", weight)):
         check_float(name, t)
@@ -288,7 +289,9 @@ def _run(x3, conv_state, weight, bias, state_indices, num_accepted, out3, *, sil
         # copy of the same bytes): 256 channels, 2 requests a program, 2 warps 0.80 / 0.91 at
         # B = 256 / 1024; blocks of 1024 or 2048 channels 0.54-0.89, 4 requests 0.71-0.91
         BC = block_c or min(256, next_pow2(C))
-        rpp = requests_per_program or (2 if B >= 256 else 1)
+        rpp = requests_per_program
+        if rpp is None:
+            rpp = 2 if B >= 256 else 1
         if rpp < 1:
             raise ValueError(f"requests_per_program: expected a positive count, got {rpp}")
         _conv1d_decode_pairs_kernel[(triton.cdiv(B, rpp), triton.cdiv(C, BC))](
@@ -379,6 +382,9 @@ def causal_conv1d_update(
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     check_shape("out", out, list(x.shape), "like x")
     check_last_contiguous("out", out)
+    if update_state and out.data_ptr() == x.data_ptr():
+        # the general kernel reads x again for the new state after it stored the output
+        raise ValueError("out: must not be x itself when the step writes the state")
     out3 = out.unsqueeze(1) if out.dim() == 2 else out
     _run(x3, conv_state, weight, bias, state_indices, None, out3, silu=activation is not None,
          write_state=update_state, block_c=block_c, requests_per_program=requests_per_program,
