@@ -245,8 +245,10 @@ def layer_inputs(spec: LayerSpec, tokens: int, gen: torch.Generator) -> dict[str
         out["beta"] = torch.sigmoid(_randn(gen, T, H))
         if not spec.qk_l2norm:
             # the layer takes q and k as they come: keys of norm about 0.5 keep the delta rule
-            # contracting (beta |k|^2 < 2), and a kernel that normalises them anyway doubles them
-            out["q"], out["k"] = out["q"] * (0.5 / D**0.5), out["k"] * (0.5 / D**0.5)
+            # contracting (beta |k|^2 < 2), queries of norm about 2 keep the outputs well
+            # above the absolute tolerance, and a kernel that normalises them anyway doubles
+            # the keys and halves the queries
+            out["q"], out["k"] = out["q"] * (2.0 / D**0.5), out["k"] * (0.5 / D**0.5)
     out["conv_x"] = _randn(gen, T, spec.conv_dims[0])
     return out
 
