@@ -235,3 +235,19 @@ def test_spec_label_groups_the_checks_of_one_layer_spec() -> None:
     for c in cases:
         assert c.id.startswith(c.spec_label.split("-")[0])
         assert c.workload not in c.spec_label.split("-")
+
+
+def test_the_float32_state_precision_check_needs_a_backend_that_decodes() -> None:
+    """The check's one decode step from the same state: a backend that serves no decode steps
+    leaves it to the reference, which would pass it against itself."""
+    import dataclasses
+
+    linear = dataclasses.replace(
+        REFERENCE_CAPS, kinds={"linear"}, linear_variants={"mamba2"}, device_types={"cpu"}
+    )
+    labels = {label for c in build_matrix(linear, quick=True) for label in c.capabilities}
+    assert "linear/mamba2: float32 state precision" in labels
+    prefill_only = dataclasses.replace(linear, phases={"prefill"})
+    labels = {label for c in build_matrix(prefill_only, quick=True) for label in c.capabilities}
+    assert "linear/mamba2: float32 state precision" not in labels
+    assert "linear/mamba2: state hand-off (chunked prefill)" in labels
