@@ -284,31 +284,27 @@ def _run(x3, conv_state, weight, bias, state_indices, num_accepted, out3, *, sil
         raise ValueError(f"packed_pairs: expected {why_not}")
     if packed_pairs is None:
         packed_pairs = why_not is None
-    if packed_pairs:
+    BC = block_c or min(256, next_pow2(C))
+    rpp = requests_per_program
+    if rpp is None and packed_pairs:
         # LFM2's 2048 channels on an H100 (bench_decode_sweep.py, CUDA-graph replays, against a
         # copy of the same bytes): 256 channels, 2 requests a program, 2 warps 0.80 / 0.91 at
         # B = 256 / 1024; blocks of 1024 or 2048 channels 0.54-0.89, 4 requests 0.71-0.91
-        BC = block_c or min(256, next_pow2(C))
-        rpp = requests_per_program
-        if rpp is None:
-            rpp = 2 if B >= 256 else 1
-        if rpp < 1:
-            raise ValueError(f"requests_per_program: expected a positive count, got {rpp}")
-        _conv1d_decode_pairs_kernel[(triton.cdiv(B, rpp), triton.cdiv(C, BC))](
-            x3, conv_state, weight, bias if bias is not None else weight, state_indices, out3,
-            B, C, x3.stride(0), conv_state.stride(0), *weight.stride(), out3.stride(0),
-            BC=BC, HAS_BIAS=bias is not None, SILU=silu, RPP=rpp, num_warps=num_warps or 2,
-        )  # fmt: skip
-        return
-    BC = block_c or min(256, next_pow2(C))
-    rpp = requests_per_program
-    if rpp is None:
+        rpp = 2 if B >= 256 else 1
+    elif rpp is None:
         # a short conv's state is a few KiB a request: at LFM2's 2048 channels the H200 moved
         # 1859 / 2990 GB/s at B = 256 / 1024 with 4 requests a program, 1724 / 2395 with one
         # (bench_decode_sweep.py); wider convs (GDN's 8192 channels) were not timed so: one
         rpp = 4 if B >= 256 and C <= 2048 else 1
     if rpp < 1:
         raise ValueError(f"requests_per_program: expected a positive count, got {rpp}")
+    if packed_pairs:
+        _conv1d_decode_pairs_kernel[(triton.cdiv(B, rpp), triton.cdiv(C, BC))](
+            x3, conv_state, weight, bias if bias is not None else weight, state_indices, out3,
+            B, C, x3.stride(0), conv_state.stride(0), *weight.stride(), out3.stride(0),
+            BC=BC, HAS_BIAS=bias is not None, SILU=silu, RPP=rpp, num_warps=num_warps or 2,
+        )  # fmt: skip
+        return
     _conv1d_update_kernel[(triton.cdiv(B, rpp), triton.cdiv(C, BC))](
         x3,
         conv_state,
