@@ -31,7 +31,7 @@ from attn_core.specs import (
     group_layers,
     torch_dtype,
 )
-from attn_core.state import PersistentState
+from attn_core.state import LinearStateLayer, PersistentState
 from attn_core.testing.checks import (
     FP32_STATE_RTOL,
     NAN_POISON,
@@ -372,10 +372,7 @@ class Pair:
                     where=where,
                     **tol,
                 )
-        for i in range(self.test.num_layers):
-            if self.spec.kind is not LayerKind.LINEAR:
-                break
-            la, lb = a.state_slots.layer(i), b.state_slots.layer(i)
+        for i, la, lb in self._linear_layers():
             assert_equal_state(
                 la.conv,
                 lb.conv,
@@ -405,22 +402,24 @@ class Pair:
                 ulp = torch.finfo(la.ssm.dtype).eps * torch.maximum(ga.abs(), gb.abs())
                 lb.ssm.copy_(torch.where((ga - gb).abs() <= ulp, la.ssm, lb.ssm))
 
-    def continue_reference_from_backend(self) -> None:
-        """Copy the backend's SSM pools into the reference's: the next step starts both sides
-        from the same state (linear layers)."""
+    def _linear_layers(self) -> Iterator[tuple[int, LinearStateLayer, LinearStateLayer]]:
+        """``(layer, the backend's state slots of it, the reference's)`` of a linear spec."""
         a, b = self.test.state, self.ref.state
         if a is None or b is None or self.spec.kind is not LayerKind.LINEAR:
             return
         for i in range(self.test.num_layers):
-            b.state_slots.layer(i).ssm.copy_(a.state_slots.layer(i).ssm)
+            yield i, a.state_slots.layer(i), b.state_slots.layer(i)
+
+    def continue_reference_from_backend(self) -> None:
+        """Copy the backend's SSM pools into the reference's: the next step starts both sides
+        from the same state (linear layers)."""
+        for _, la, lb in self._linear_layers():
+            lb.ssm.copy_(la.ssm)
 
     def compare_ssm_precision(self, where: str) -> None:
         """The backend's float32 SSM pools within :data:`FP32_STATE_RTOL` of the reference's."""
-        a, b = self.test.state, self.ref.state
-        if a is None or b is None:
-            return
-        for i in range(self.test.num_layers):
-            got, want = a.state_slots.layer(i).ssm, b.state_slots.layer(i).ssm
+        for i, la, lb in self._linear_layers():
+            got, want = la.ssm, lb.ssm
             for slot in range(want.shape[0]):  # the floor per slot: unused ones hold 1000.0
                 scale = float(want[slot].float().abs().mean())
                 assert_close(
