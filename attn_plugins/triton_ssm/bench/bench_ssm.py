@@ -861,6 +861,9 @@ MAMBA_SSM_STATE_DTYPES = ("default", "float32")
 OUR_SSD_VARIANTS = {
     "ours_states_act": {"states_dtype": "activations"},
     "ours_dots_act": {"precise": False},
+    "ours_pre_decay": {"precompute_decay": True},
+    "ours_dots_act_pre_decay": {"precise": False, "precompute_decay": True},
+    "ours_c256_pre_decay": {"chunk": 256, "precompute_decay": True},
 }
 
 
@@ -911,7 +914,7 @@ def job_mamba2_vs_mamba_ssm(
 
     import torch
     from attn_plugin_triton_ssm.kernels import mamba2_prefill
-    from attn_plugin_triton_ssm.kernels.ssd import DEFAULT_CHUNK
+    from attn_plugin_triton_ssm.kernels.ssd import DEFAULT_CHUNK, mamba2_ssd_triton
 
     mss = _bench_module("mamba_ssm_ssd")
     fn, provider = _mamba_ssm_ssd()
@@ -925,9 +928,14 @@ def job_mamba2_vs_mamba_ssm(
     row: dict = {"mamba_ssm": provider, "layout": layout, "chunk_size": chunk_size,
                  "our_chunk": our_chunk or DEFAULT_CHUNK, "impl": impl}  # fmt: skip
 
-    def ours_on(state, impl=impl, chunk=our_chunk, states_dtype=None, precise=True):
+    def ours_on(state, impl=impl, chunk=our_chunk, states_dtype=None, precise=True, **ssd):
         if states_dtype == "activations":
             states_dtype = a["x"].dtype
+        if ssd:  # options of the Triton SSD itself (precompute_decay ...)
+            return mamba2_ssd_triton(a["x"], a["dt"], a["A_log"], a["B"], a["C"], state,
+                                     a["state_indices"], cu_cpu, D=a["D"], dt_bias=a["dt_bias"],
+                                     chunk_size=chunk or DEFAULT_CHUNK, precise=precise,
+                                     states_dtype=states_dtype or torch.float32, **ssd)  # fmt: skip
         return mamba2_prefill(a["x"], a["dt"], a["A_log"], a["B"], a["C"], state,
                               a["state_indices"], cu, D=a["D"], dt_bias=a["dt_bias"],
                               cu_seqlens_cpu=cu_cpu, impl=impl, chunk_size=chunk,

@@ -212,6 +212,9 @@ def _param_id(v) -> str:
         (torch.bfloat16, 256, {"heads_per_program": 2, "num_stages": (3, 2)}),
         (torch.bfloat16, 64, _BF16_STATES),
         (torch.bfloat16, 256, _BF16_STATES),
+        (torch.bfloat16, 64, {"precompute_decay": True}),
+        (torch.bfloat16, 256, {"precompute_decay": True}),
+        (torch.float32, 128, {"precompute_decay": True}),
     ],
     ids=lambda v: _param_id(v),
 )

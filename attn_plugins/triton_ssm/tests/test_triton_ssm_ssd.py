@@ -386,6 +386,38 @@ def test_precomputed_cb_blocks_match_per_head_dots(chunk, block_t):
         torch.testing.assert_close(outs[0], outs[1], **BF16_OUT_TOL)
 
 
+@pytest.mark.parametrize(
+    ("lens", "chunk", "block_t", "bias"),
+    [
+        ([37, 0, 16, 5], 16, 16, True),  # a tile per chunk; an empty sequence; short tails
+        ([150, 3, 64], 64, 16, True),  # four tiles a chunk; the last chunk's tiles partial
+        ([150, 3, 64], 64, 16, False),  # no dt_bias (and softplus still on)
+    ],
+    ids=["tile_per_chunk", "four_tiles", "no_bias"],
+)
+def test_precomputed_decays_match_the_recurrence(lens, chunk, block_t, bias):
+    """``precompute_decay=True``: the decay pass's ``dt`` and cumulative log decays, read by
+    both kernels (the tile's last value by one load: on a short last tile it must be the last
+    real token's), give the recurrence's outputs and states, and agree with the path that
+    computes them in each kernel to float32 rounding (the cumulative sum over a tile of heads
+    may add in another order)."""
+    inp, extras, state, idx, cu = _case(lens, H=4, G=2, N=16, P=16, seed=21, dt_shift=3.0)
+    if not bias:
+        extras.pop("dt_bias")
+    before = state.clone()
+    runs = []
+    for pre in (True, False):
+        st = state.clone().to(DEV)
+        y = ssd.mamba2_ssd_triton(**_dev(inp), ssm_state=st, state_indices=idx.to(DEV),
+                                  cu_seqlens_cpu=cu, chunk_size=chunk, block_t=block_t,
+                                  precompute_decay=pre, **_dev(extras))  # fmt: skip
+        runs.append((y.cpu(), st.cpu()))
+    (y, st), other = runs
+    _check_against_recurrence(y, st, before, inp, extras, idx, cu, out_tol=FP32_TOL,
+                              state_tol=FP32_TOL)  # fmt: skip
+    torch.testing.assert_close((y, st), other, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("chunk", [64, 256])
 def test_split_states_are_the_scans_own_split(chunk):
     """``split_states=True`` stores each float32 entering state as the bf16 hi + lo halves the

@@ -51,6 +51,11 @@ Two kernels:
    is computed once for the ``HB`` heads, with several it is recomputed per head and column
    block (the ``HB`` heads' accumulators cannot all stay live across blocks).
 
+With ``precompute_decay`` a decay pass first writes every token's ``dt`` (bias, softplus) and
+its cumulative log decay within its tile into ``[H, T]`` buffers, which both kernels then load
+instead of computing them (a cumulative sum and a reduction across warps per sub-block, and
+again per head and column block in the scan).
+
 Chunk boundaries come from the host offsets (``cu_seqlens_cpu``): a small int32 plan on the
 device ``[cu_seqlens (N_seq + 1) | first chunk of each sequence (N_seq) | (start, end) of each
 chunk]``, cached by content so that all layers of a step share one upload.
@@ -117,6 +122,57 @@ def _chunk_decay(dt_ptr, dt_bias_ptr, a, offs_t, mask_t, s_dt_t, i_h,
 
 
 @triton.jit
+def _decay_of(dt_ptr, dt_bias_ptr, dts_ptr, cs_ptr, a, offs_t, mask_t, s_dt_t, i_h, n_tok,
+              PRE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr):  # fmt: skip
+    """``(d, cs)`` ``[BT]`` of one head over the tile ``offs_t``: read from the decay pass's
+    ``[H, n_tok]`` buffers (``PRE``; 0 past the tile's end) or computed here."""
+    if PRE:
+        row = i_h.to(tl.int64) * n_tok + offs_t
+        d = tl.load(dts_ptr + row, mask=mask_t, other=0.0)
+        cs = tl.load(cs_ptr + row, mask=mask_t, other=0.0)
+    else:
+        d, cs = _chunk_decay(dt_ptr, dt_bias_ptr, a, offs_t, mask_t, s_dt_t, i_h, HAS_DT_BIAS,
+                             DT_SOFTPLUS)  # fmt: skip
+    return d, cs
+
+
+@triton.jit
+def _ssd_decay_kernel(
+    dt_ptr, dt_bias_ptr, a_log_ptr, plan_ptr, dts_ptr, cs_ptr, s_dtt, table_off, n_tok,
+    H: tl.constexpr, BT: tl.constexpr, SUBS: tl.constexpr, BH: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+):  # fmt: skip
+    """The decay pass, grid ``(chunks * SUBS, H / BH)``: ``dt`` after bias and softplus and its
+    cumulative log decay ``cs`` over tile ``m`` of one chunk (``BT`` tokens, local to the tile,
+    as :func:`_chunk_decay` computes them) for ``BH`` heads, into ``dts`` and ``cs``
+    ``[H, n_tok]`` float32, head-major so that the kernels' per-head tile loads are
+    contiguous."""
+    pid = tl.program_id(0)
+    i_c = pid // SUBS
+    i_m = pid % SUBS
+    start = tl.load(plan_ptr + table_off + 2 * i_c)
+    end = tl.load(plan_ptr + table_off + 2 * i_c + 1)
+    row0 = start + i_m * BT
+    if row0 < end:
+        t = (row0 + tl.arange(0, BT)).to(tl.int64)
+        m_t = t < end
+        o_h = tl.program_id(1) * BH + tl.arange(0, BH)
+        m_h = o_h < H
+        m = m_t[:, None] & m_h[None, :]
+        d = tl.load(dt_ptr + t[:, None] * s_dtt + o_h[None, :], mask=m, other=0.0).to(tl.float32)
+        if HAS_DT_BIAS:
+            d += tl.load(dt_bias_ptr + o_h, mask=m_h, other=0.0).to(tl.float32)[None, :]
+        if DT_SOFTPLUS:
+            d = tl.where(d <= 20.0, tl.log(1.0 + tl.exp(d)), d)  # threshold 20, as torch
+        d = tl.where(m, d, 0.0)
+        a = -tl.exp(tl.load(a_log_ptr + o_h, mask=m_h, other=0.0).to(tl.float32))
+        cs = tl.cumsum(d * a[None, :], 0)
+        at = o_h.to(tl.int64)[None, :] * n_tok + t[:, None]
+        tl.store(dts_ptr + at, d, mask=m)
+        tl.store(cs_ptr + at, cs, mask=m)
+
+
+@triton.jit
 def _mma(a, b, acc, F32: tl.constexpr, UPCAST: tl.constexpr):
     """``acc + a @ b`` for operands already in the dot dtype."""
     if F32:
@@ -155,11 +211,11 @@ def _mma_f32_right(a, b, acc, SPLIT: tl.constexpr, F32: tl.constexpr, UPCAST: tl
 @triton.jit
 def _ssd_state_kernel(
     x_ptr, dt_ptr, a_log_ptr, dt_bias_ptr, b_ptr, ssm_ptr, idx_ptr, plan_ptr, states_ptr,
-    s_xt, s_xh, s_dtt, s_bt, s_bg, s_ss, s_sh, s_sn, n_seq,
+    dts_ptr, cs_ptr, s_xt, s_xh, s_dtt, s_bt, s_bg, s_ss, s_sh, s_sn, n_seq, n_tok,
     H: tl.constexpr, GROUP: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
     SUBS: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr, UPCAST: tl.constexpr,
-    HALVES: tl.constexpr,
+    HALVES: tl.constexpr, PRE_DECAY: tl.constexpr,
 ):  # fmt: skip
     """States entering each chunk of one sequence, for a ``[BN, BP]`` tile of one head.
 
@@ -205,9 +261,13 @@ def _ssd_state_kernel(
         t = bos + b * BT + o_t
         m_t = t < eos
         t64 = t.to(tl.int64)
-        d, cs = _chunk_decay(dt_ptr, dt_bias_ptr, a, t64, m_t, s_dtt, i_h, HAS_DT_BIAS,
-                             DT_SOFTPLUS)  # fmt: skip
-        last = tl.sum(tl.where(o_t == BT - 1, cs, 0.0), 0)  # cs[BT - 1], exactly
+        d, cs = _decay_of(dt_ptr, dt_bias_ptr, dts_ptr, cs_ptr, a, t64, m_t, s_dtt, i_h, n_tok,
+                          PRE_DECAY, HAS_DT_BIAS, DT_SOFTPLUS)  # fmt: skip
+        if PRE_DECAY:  # cs at the sub-block's last token: one load, no reduction
+            t_last = tl.minimum(bos + b * BT + BT, eos) - 1
+            last = tl.load(cs_ptr + i_h.to(tl.int64) * n_tok + t_last)
+        else:
+            last = tl.sum(tl.where(o_t == BT - 1, cs, 0.0), 0)  # cs[BT - 1], exactly
         w = tl.exp(last - cs) * d  # decay from each token to the sub-block's end, times dt
         b_t = tl.load(b_ptr + t64[None, :] * s_bt + i_g * s_bg + o_n[:, None],
                       mask=m_n[:, None] & m_t[None, :], other=0.0)  # fmt: skip
@@ -252,12 +312,14 @@ def _ssd_cb_kernel(
 @triton.jit
 def _ssd_scan_kernel(
     x_ptr, dt_ptr, a_log_ptr, dt_bias_ptr, b_ptr, c_ptr, d_ptr, z_ptr, out_ptr, plan_ptr,
-    states_ptr, cb_ptr, s_xt, s_xh, s_dtt, s_bt, s_bg, s_ct, s_cg, s_zt, s_zh, s_ot, s_oh,
-    table_off, H: tl.constexpr, GROUP: tl.constexpr, N: tl.constexpr, P: tl.constexpr,
-    BT: tl.constexpr, SUBS: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, HB: tl.constexpr,
+    states_ptr, cb_ptr, dts_ptr, cs_ptr, s_xt, s_xh, s_dtt, s_bt, s_bg, s_ct, s_cg, s_zt, s_zh,
+    s_ot, s_oh, table_off, n_tok, H: tl.constexpr, GROUP: tl.constexpr, N: tl.constexpr,
+    P: tl.constexpr, BT: tl.constexpr, SUBS: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr,
+    HB: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr,
     HAS_Z: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr, UPCAST: tl.constexpr,
     STATES_LOW: tl.constexpr, HALVES: tl.constexpr, CB_MEM: tl.constexpr,
+    PRE_DECAY: tl.constexpr,
 ):  # fmt: skip
     """Outputs of one row block (``BT`` tokens) of one chunk, for ``HB`` heads of one group and
     ``BP`` columns of ``P``.
@@ -306,8 +368,8 @@ def _ssd_scan_kernel(
         for j in range(HB):
             i_h = h0 + j
             a = -tl.exp(tl.load(a_log_ptr + i_h).to(tl.float32))
-            d_m, cs_m = _chunk_decay(dt_ptr, dt_bias_ptr, a, t64, m_t, s_dtt, i_h, HAS_DT_BIAS,
-                                     DT_SOFTPLUS)  # fmt: skip
+            d_m, cs_m = _decay_of(dt_ptr, dt_bias_ptr, dts_ptr, cs_ptr, a, t64, m_t, s_dtt, i_h,
+                                  n_tok, PRE_DECAY, HAS_DT_BIAS, DT_SOFTPLUS)  # fmt: skip
             y = tl.zeros((BT, BP), dtype=tl.float32)
             gap = tl.sum(tl.zeros((BT,), dtype=tl.float32), 0)
             for kk in range(0, i_m + 1):
@@ -332,9 +394,14 @@ def _ssd_scan_kernel(
                         b_k = tl.load(b_ptr + tk64[None, :] * s_bt + i_g * s_bg + o_n[:, None],
                                       mask=m_n[:, None] & m_k[None, :], other=0.0)  # fmt: skip
                         cb = _mma(c_m, b_k, tl.zeros((BT, BT), dtype=tl.float32), F32, UPCAST)
-                    d_k, cs_k = _chunk_decay(dt_ptr, dt_bias_ptr, a, tk64, m_k, s_dtt, i_h,
-                                             HAS_DT_BIAS, DT_SOFTPLUS)  # fmt: skip
-                    total_k = tl.sum(tl.where(o_t == BT - 1, cs_k, 0.0), 0)
+                    d_k, cs_k = _decay_of(dt_ptr, dt_bias_ptr, dts_ptr, cs_ptr, a, tk64, m_k,
+                                          s_dtt, i_h, n_tok, PRE_DECAY, HAS_DT_BIAS,
+                                          DT_SOFTPLUS)  # fmt: skip
+                    if PRE_DECAY:  # block k < m is whole: its last token's cs, one load
+                        total_k = tl.load(cs_ptr + i_h.to(tl.int64) * n_tok + start + k * BT
+                                          + BT - 1, mask=k < i_m, other=0.0)  # fmt: skip
+                    else:
+                        total_k = tl.sum(tl.where(o_t == BT - 1, cs_k, 0.0), 0)
                     gap += tl.where(k < i_m, total_k, 0.0)
                     x_k = tl.load(x_ptr + tk64[:, None] * s_xt + i_h * s_xh + o_p[None, :],
                                   mask=m_k[:, None] & m_p[None, :], other=0.0)  # fmt: skip
@@ -446,6 +513,7 @@ def mamba2_ssd_triton(
     states_dtype: torch.dtype = torch.float32,
     precompute_cb: bool = False,
     split_states: bool = False,
+    precompute_decay: bool = False,
     num_warps: tuple[int, int] | None = None,
     num_stages: tuple[int, int] | None = None,
 ) -> torch.Tensor:
@@ -497,6 +565,13 @@ def mamba2_ssd_triton(
         default until timed: compiled offline for sm90 (Triton 3.9) the scan spilled more
         with it at chunk 64 (520 against 456 bytes per thread) and less at chunk 256 (96
         against 128).
+    :param precompute_decay: compute ``dt`` (bias, softplus) and its cumulative log decay per
+        token tile once, in a third kernel, into two ``[H, T]`` float32 buffers that the
+        state kernel and the scan load, instead of each computing them (a strided ``dt``
+        load, a softplus, a cumulative sum and a reduction across warps for the tile's last
+        value) per sub-block, and the scan again per head and column block. Both kernels
+        then see the same decays by construction. Costs ``8 H`` bytes per token written and
+        read again.
     :param num_warps: ``(state kernel, scan kernel)``; ``num_stages`` likewise.
     :returns: ``y`` ``[T, H, P]``.
     """
@@ -611,28 +686,29 @@ def mamba2_ssd_triton(
         return chunk_size > bt and precompute_cb
 
     def scan(bt: int, bp: int, stages: int, plan: torch.Tensor, states: torch.Tensor, n: int,
-             cb: torch.Tensor, warmup: bool = False):  # fmt: skip
+             cb: torch.Tensor, decay: tuple[torch.Tensor, torch.Tensor],
+             warmup: bool = False):  # fmt: skip
         subs = chunk_size // bt
         grid = (n * subs, H // hb, triton.cdiv(P, bp))
         args = (
             x, dt, A_log, dt_bias if dt_bias is not None else dummy, B, C,
             D if D is not None else dummy, z if z is not None else x, out, plan, states, cb,
-            x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0),
-            C.stride(1), *(z.stride()[:2] if z is not None else (0, 0)), out.stride(0),
-            out.stride(1), 2 * n_seq + 1,
+            *decay, x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1),
+            C.stride(0), C.stride(1), *(z.stride()[:2] if z is not None else (0, 0)),
+            out.stride(0), out.stride(1), 2 * n_seq + 1, T,
         )  # fmt: skip
         kw = dict(H=H, GROUP=group, N=N, P=P, BT=bt, SUBS=subs, BN=max(16, next_pow2(N)), BP=bp,
                   HB=hb, HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,
                   HAS_D=D is not None, HAS_Z=z is not None, **flags, STATES_LOW=states_low,
-                  HALVES=halves, CB_MEM=cb_mem(bt), num_warps=nw_scan,
-                  num_stages=stages)  # fmt: skip
+                  HALVES=halves, CB_MEM=cb_mem(bt), PRE_DECAY=precompute_decay,
+                  num_warps=nw_scan, num_stages=stages)  # fmt: skip
         if warmup:
             return _ssd_scan_kernel.warmup(*args, grid=grid, **kw)
         return _ssd_scan_kernel[grid](*args, **kw)
 
     key = (device, x.dtype, N, P, G, hb, chunk_size, BT, BP, nw_scan, ns_scan, precise,
            dt_softplus, D is not None, z is not None, dt_bias is not None, store_dtype, halves,
-           precompute_cb)  # fmt: skip
+           precompute_cb, precompute_decay)  # fmt: skip
     tiling = _SCAN_TILING.get(key)
     if tiling is None:
         tiling = _SCAN_TILING[key] = _fit_scan(scan, chunk_size, BT, BP, ns_scan, cu, device,
@@ -643,17 +719,29 @@ def mamba2_ssd_triton(
     # Every chunk's entering state (T=8192, H=128, N=128, P=64 in float32 or as bf16 halves:
     # 512 MiB at chunk 64, 128 MiB at chunk 256).
     states = torch.empty((max(n_chunks, 1), halves, H, N, P), dtype=store_dtype, device=device)
+    subs = chunk_size // BT
+    decay = (dummy, dummy)
+    if precompute_decay and n_chunks:
+        # [H, T] float32 each: 1 MiB per 1024 tokens at H = 128, against the 4 MiB of one
+        # entering state at the granite shape
+        decay = (torch.empty((H, T), dtype=torch.float32, device=device),
+                 torch.empty((H, T), dtype=torch.float32, device=device))  # fmt: skip
+        bh = min(32, next_pow2(H))
+        _ssd_decay_kernel[(n_chunks * subs, triton.cdiv(H, bh))](
+            dt, dt_bias if dt_bias is not None else dummy, A_log, plan, *decay, dt.stride(0),
+            2 * n_seq + 1, T, H=H, BT=BT, SUBS=subs, BH=bh, HAS_DT_BIAS=dt_bias is not None,
+            DT_SOFTPLUS=dt_softplus, num_warps=4,
+        )  # fmt: skip
     _ssd_state_kernel[(triton.cdiv(N, BNs) * triton.cdiv(P, BP), H, n_seq)](
         x, dt, A_log, dt_bias if dt_bias is not None else dummy, B, ssm_state, state_indices,
-        plan, states, x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1),
-        *ssm_state.stride()[:3], n_seq, H=H, GROUP=group, N=N, P=P, BT=BT,
-        SUBS=chunk_size // BT, BN=BNs, BP=BP, HAS_DT_BIAS=dt_bias is not None,
-        DT_SOFTPLUS=dt_softplus, **flags, HALVES=halves, num_warps=nw_state,
+        plan, states, *decay, x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1),
+        *ssm_state.stride()[:3], n_seq, T, H=H, GROUP=group, N=N, P=P, BT=BT, SUBS=subs,
+        BN=BNs, BP=BP, HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, **flags,
+        HALVES=halves, PRE_DECAY=precompute_decay and n_chunks > 0, num_warps=nw_state,
         num_stages=ns_state,
     )  # fmt: skip
     if n_chunks == 0:
         return out
-    subs = chunk_size // BT
     cb = dummy
     if cb_mem(BT):
         cb = torch.empty((n_chunks, G, subs, subs, BT, BT), dtype=torch.float32, device=device)
@@ -662,7 +750,7 @@ def mamba2_ssd_triton(
             G=G, N=N, BT=BT, SUBS=subs, BN=max(16, next_pow2(N)), F32=f32, UPCAST=INTERPRETED,
             num_warps=4, num_stages=1,
         )  # fmt: skip
-    scan(BT, BP_scan, ns_scan, plan, states, n_chunks, cb)
+    scan(BT, BP_scan, ns_scan, plan, states, n_chunks, cb, decay)
     return out
 
 
@@ -708,7 +796,7 @@ def _fit_scan(scan, chunk: int, block_t: int, bp: int, stages: int, cu: torch.Te
         bt, b, st = tiling
         states = torch.empty(1, dtype=states_dtype, device=device)
         cb = torch.empty(1, dtype=torch.float32, device=device)
-        return scan(bt, b, st, plan, states, n, cb, warmup=True)
+        return scan(bt, b, st, plan, states, n, cb, (cb, cb), warmup=True)
 
     return first_that_fits(candidates, compile_one, device, "mamba2_ssd_triton: no scan tiling",
                            "(block_t, BP, stages)")  # fmt: skip
