@@ -864,6 +864,10 @@ OUR_SSD_VARIANTS = {
     "ours_pre_decay": {"precompute_decay": True},
     "ours_dots_act_pre_decay": {"precise": False, "precompute_decay": True},
     "ours_c256_pre_decay": {"chunk": 256, "precompute_decay": True},
+    "ours_fused": {"fused": True},
+    "ours_fused_bt32": {"fused": True, "chunk": 64, "block_t": 32},
+    "ours_fused_w4": {"fused": True, "num_warps": (4, 4)},
+    "ours_fused_plain": {"fused": True, "precise": False},
 }
 
 

@@ -418,6 +418,51 @@ def test_precomputed_decays_match_the_recurrence(lens, chunk, block_t, bias):
     torch.testing.assert_close((y, st), other, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_fp32_matches_recurrence(case):
+    """``fused=True``: one kernel walks each sequence's tiles with the state in registers, so
+    the tile's outputs must see the state of every tile before it (several tiles a sequence),
+    none of another sequence's (varlen, G = 2 and 4, an empty sequence whose slot must come
+    back bit for bit), and leave the final state in the slot."""
+    lens, G, chunk = CASES[case]
+    inp, extras, state, idx, cu = _case(lens, G=G, seed=len(case) + 40)
+    before = state.clone()
+    st = state.to(DEV)
+    y = ssd.mamba2_ssd_triton(**_dev(inp), ssm_state=st, state_indices=idx.to(DEV),
+                              cu_seqlens_cpu=cu, chunk_size=chunk, fused=True,
+                              **_dev(extras))  # fmt: skip
+    _check_against_recurrence(y, st, before, inp, extras, idx, cu, out_tol=FP32_TOL,
+                              state_tol=FP32_TOL)  # fmt: skip
+
+
+@pytest.mark.parametrize("precise", [True, False], ids=["precise", "plain"])
+def test_fused_bf16_matches_recurrence(precise):
+    """bf16 inputs: with the hi/lo split the fused kernel keeps the float32 state exact (its
+    entering-state dot splits the state as the two-kernel scan does); without it the operands
+    are rounded to bf16, ~2^-9 a term."""
+    lens = [150, 3, 64]
+    inp, extras, state, idx, cu = _case(lens, H=4, G=2, N=16, P=16, dtype=torch.bfloat16,
+                                        seed=23, dt_shift=4.0)  # fmt: skip
+    before = state.clone()
+    st = state.to(DEV)
+    y = ssd.mamba2_ssd_triton(**_dev(inp), ssm_state=st, state_indices=idx.to(DEV),
+                              cu_seqlens_cpu=cu, chunk_size=64, block_t=32, fused=True,
+                              precise=precise, **_dev(extras))  # fmt: skip
+    out_tol = BF16_OUT_TOL if precise else dict(atol=6e-2, rtol=2e-2)
+    state_tol = FP32_TOL if precise else dict(atol=6e-2, rtol=2e-2)
+    _check_against_recurrence(y, st, before, inp, extras, idx, cu, out_tol=out_tol,
+                              state_tol=state_tol)  # fmt: skip
+
+
+def test_fused_refuses_a_state_too_large_for_its_registers():
+    inp, extras, state, idx, cu = _case([8], H=2, N=256, P=16)
+    st = state.to(DEV)
+    with pytest.raises(ValueError, match=r"fused: expected a state size N <= 128.*N=256"):
+        ssd.mamba2_ssd_triton(**_dev(inp), ssm_state=st, state_indices=idx.to(DEV),
+                              cu_seqlens_cpu=cu, fused=True, **_dev(extras))  # fmt: skip
+    assert torch.equal(st.cpu(), state), "a refused call wrote the pool"
+
+
 @pytest.mark.parametrize("chunk", [64, 256])
 def test_split_states_are_the_scans_own_split(chunk):
     """``split_states=True`` stores each float32 entering state as the bf16 hi + lo halves the

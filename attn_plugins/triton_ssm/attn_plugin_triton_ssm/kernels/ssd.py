@@ -514,6 +514,7 @@ def mamba2_ssd_triton(
     precompute_cb: bool = False,
     split_states: bool = False,
     precompute_decay: bool = False,
+    fused: bool = False,
     num_warps: tuple[int, int] | None = None,
     num_stages: tuple[int, int] | None = None,
 ) -> torch.Tensor:
@@ -572,7 +573,14 @@ def mamba2_ssd_triton(
         value) per sub-block, and the scan again per head and column block. Both kernels
         then see the same decays by construction. Costs ``8 H`` bytes per token written and
         read again.
-    :param num_warps: ``(state kernel, scan kernel)``; ``num_stages`` likewise.
+    :param fused: run the single-pass kernel of :mod:`~attn_plugin_triton_ssm.kernels.ssd_fused`
+        instead: one program per head, ``P`` block and sequence walks the sequence's tiles of
+        ``block_t`` tokens with the state in registers, so no entering state is stored
+        (``chunk_size`` only bounds the tile; ``states_dtype``, ``split_states``,
+        ``precompute_cb``, ``precompute_decay``, ``heads_per_program`` and ``block_n`` do not
+        apply). Takes ``N`` up to :data:`~attn_plugin_triton_ssm.kernels.ssd_fused.FUSED_MAX_N`.
+    :param num_warps: ``(state kernel, scan kernel)``; ``num_stages`` likewise. With ``fused``
+        the second entry of each applies to the fused kernel (default 8 warps, 2 stages).
     :returns: ``y`` ``[T, H, P]``.
     """
     check_shape("x", x, [None, None, None], "[T, H, P]")
@@ -668,6 +676,19 @@ def mamba2_ssd_triton(
     # Measured at chunk 64. With several tiles per chunk, unmeasured: compiled offline for sm90
     # (Triton 3.9) the scan spilled less on 8 warps at granite's shape (chunk 256, bf16: 40
     # against 128 bytes per thread; with the cb pass 112 against 936); the sweep times both.
+    if fused:
+        from attn_plugin_triton_ssm.kernels.ssd_fused import launch_fused
+
+        plan, _ = _chunk_plan(cu, chunk_size, device)  # its head: the offsets on the device
+        launch_fused(
+            x, dt, A_log, B, C, ssm_state, state_indices, plan, out, D=D, dt_bias=dt_bias, z=z,
+            dt_softplus=dt_softplus, block_t=BT, block_p=BP, split=flags["SPLIT"],
+            # 8 warps: compiled for sm90 (Triton 3.6, granite's shape, bf16) 4 warps spilled
+            # 1.7 KB a thread, 8 warps 460 bytes (the two-kernel scan about as much)
+            num_warps=num_warps[1] if num_warps else 8,
+            num_stages=num_stages[1] if num_stages else 2,
+        )  # fmt: skip
+        return out
     nw_state, nw_scan = num_warps or (4, 4)
     # One stage for the scan: its loop over a block's heads gains nothing from prefetching
     # the next head's x and state, and the buffers cost occupancy (H200, granite shape: 10.15
