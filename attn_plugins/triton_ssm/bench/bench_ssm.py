@@ -868,6 +868,7 @@ OUR_SSD_VARIANTS = {
     "ours_fused_bt32": {"fused": True, "chunk": 64, "block_t": 32},
     "ours_fused_w4": {"fused": True, "num_warps": (4, 4)},
     "ours_fused_plain": {"fused": True, "precise": False},
+    "ours_fused_pre_decay": {"fused": True, "precompute_decay": True},
 }
 
 

@@ -218,6 +218,7 @@ def _param_id(v) -> str:
         (torch.bfloat16, 64, {"fused": True}),
         (torch.bfloat16, 64, {"fused": True, "block_t": 32}),
         (torch.bfloat16, 64, {"fused": True, "num_warps": (4, 4)}),
+        (torch.bfloat16, 64, {"fused": True, "precompute_decay": True}),
         (torch.float32, 64, {"fused": True}),
     ],
     ids=lambda v: _param_id(v),

@@ -435,11 +435,15 @@ def test_fused_fp32_matches_recurrence(case):
                               state_tol=FP32_TOL)  # fmt: skip
 
 
-@pytest.mark.parametrize("precise", [True, False], ids=["precise", "plain"])
-def test_fused_bf16_matches_recurrence(precise):
+@pytest.mark.parametrize(
+    ("precise", "pre"), [(True, False), (False, False), (True, True)],
+    ids=["precise", "plain", "precise-decay_pass"],
+)  # fmt: skip
+def test_fused_bf16_matches_recurrence(precise, pre):
     """bf16 inputs: with the hi/lo split the fused kernel keeps the float32 state exact (its
     entering-state dot splits the state as the two-kernel scan does); without it the operands
-    are rounded to bf16, ~2^-9 a term."""
+    are rounded to bf16, ~2^-9 a term. With the decay pass (``pre``) the tile totals come
+    from one load each, the last tile of a sequence short."""
     lens = [150, 3, 64]
     inp, extras, state, idx, cu = _case(lens, H=4, G=2, N=16, P=16, dtype=torch.bfloat16,
                                         seed=23, dt_shift=4.0)  # fmt: skip
@@ -447,7 +451,8 @@ def test_fused_bf16_matches_recurrence(precise):
     st = state.to(DEV)
     y = ssd.mamba2_ssd_triton(**_dev(inp), ssm_state=st, state_indices=idx.to(DEV),
                               cu_seqlens_cpu=cu, chunk_size=64, block_t=32, fused=True,
-                              precise=precise, **_dev(extras))  # fmt: skip
+                              precise=precise, precompute_decay=pre,
+                              **_dev(extras))  # fmt: skip
     out_tol = BF16_OUT_TOL if precise else dict(atol=6e-2, rtol=2e-2)
     state_tol = FP32_TOL if precise else dict(atol=6e-2, rtol=2e-2)
     _check_against_recurrence(y, st, before, inp, extras, idx, cu, out_tol=out_tol,

@@ -577,8 +577,9 @@ def mamba2_ssd_triton(
         instead: one program per head, ``P`` block and sequence walks the sequence's tiles of
         ``block_t`` tokens with the state in registers, so no entering state is stored
         (``chunk_size`` only bounds the tile; ``states_dtype``, ``split_states``,
-        ``precompute_cb``, ``precompute_decay``, ``heads_per_program`` and ``block_n`` do not
-        apply). Takes ``N`` up to :data:`~attn_plugin_triton_ssm.kernels.ssd_fused.FUSED_MAX_N`.
+        ``precompute_cb``, ``heads_per_program`` and ``block_n`` do not apply; with
+        ``precompute_decay`` it reads the decay pass's buffers). Takes ``N`` up to
+        :data:`~attn_plugin_triton_ssm.kernels.ssd_fused.FUSED_MAX_N`.
     :param num_warps: ``(state kernel, scan kernel)``; ``num_stages`` likewise. With ``fused``
         the second entry of each applies to the fused kernel (default 8 warps, 2 stages).
     :returns: ``y`` ``[T, H, P]``.
@@ -679,10 +680,13 @@ def mamba2_ssd_triton(
     if fused:
         from attn_plugin_triton_ssm.kernels.ssd_fused import launch_fused
 
-        plan, _ = _chunk_plan(cu, chunk_size, device)  # its head: the offsets on the device
+        plan, n_chunks = _chunk_plan(cu, chunk_size, device)  # its head: the offsets
+        pre = None
+        if precompute_decay and n_chunks:
+            pre = _decay_pass(dt, dt_bias, A_log, plan, n_chunks, chunk_size, BT, dt_softplus)
         launch_fused(
             x, dt, A_log, B, C, ssm_state, state_indices, plan, out, D=D, dt_bias=dt_bias, z=z,
-            dt_softplus=dt_softplus, block_t=BT, block_p=BP, split=flags["SPLIT"],
+            dt_softplus=dt_softplus, block_t=BT, block_p=BP, split=flags["SPLIT"], decay=pre,
             # 8 warps: compiled for sm90 (Triton 3.6, granite's shape, bf16) 4 warps spilled
             # 1.7 KB a thread, 8 warps 460 bytes (the two-kernel scan about as much)
             num_warps=num_warps[1] if num_warps else 8,
@@ -743,16 +747,7 @@ def mamba2_ssd_triton(
     subs = chunk_size // BT
     decay = (dummy, dummy)
     if precompute_decay and n_chunks:
-        # [H, T] float32 each: 1 MiB per 1024 tokens at H = 128, against the 4 MiB of one
-        # entering state at the granite shape
-        decay = (torch.empty((H, T), dtype=torch.float32, device=device),
-                 torch.empty((H, T), dtype=torch.float32, device=device))  # fmt: skip
-        bh = min(32, next_pow2(H))
-        _ssd_decay_kernel[(n_chunks * subs, triton.cdiv(H, bh))](
-            dt, dt_bias if dt_bias is not None else dummy, A_log, plan, *decay, dt.stride(0),
-            2 * n_seq + 1, T, H=H, BT=BT, SUBS=subs, BH=bh, HAS_DT_BIAS=dt_bias is not None,
-            DT_SOFTPLUS=dt_softplus, num_warps=4,
-        )  # fmt: skip
+        decay = _decay_pass(dt, dt_bias, A_log, plan, n_chunks, chunk_size, BT, dt_softplus)
     _ssd_state_kernel[(triton.cdiv(N, BNs) * triton.cdiv(P, BP), H, n_seq)](
         x, dt, A_log, dt_bias if dt_bias is not None else dummy, B, ssm_state, state_indices,
         plan, states, *decay, x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1),
@@ -773,6 +768,24 @@ def mamba2_ssd_triton(
         )  # fmt: skip
     scan(BT, BP_scan, ns_scan, plan, states, n_chunks, cb, decay)
     return out
+
+
+def _decay_pass(dt, dt_bias, A_log, plan, n_chunks: int, chunk: int, bt: int,
+                dt_softplus: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(dts, cs)`` ``[H, T]`` float32 from :func:`_ssd_decay_kernel` over the chunks of
+    ``plan`` (:func:`_chunk_plan` at ``chunk``) in tiles of ``bt`` tokens: 1 MiB each per 1024
+    tokens at H = 128, against the 4 MiB of one entering state at the granite shape."""
+    T, H = dt.shape
+    n_seq = (plan.numel() - 1 - 2 * n_chunks) // 2
+    dts = torch.empty((H, T), dtype=torch.float32, device=dt.device)
+    cs = torch.empty((H, T), dtype=torch.float32, device=dt.device)
+    bh = min(32, next_pow2(H))
+    _ssd_decay_kernel[(n_chunks * (chunk // bt), triton.cdiv(H, bh))](
+        dt, dt_bias if dt_bias is not None else A_log, A_log, plan, dts, cs, dt.stride(0),
+        2 * n_seq + 1, T, H=H, BT=bt, SUBS=chunk // bt, BH=bh, HAS_DT_BIAS=dt_bias is not None,
+        DT_SOFTPLUS=dt_softplus, num_warps=4,
+    )  # fmt: skip
+    return dts, cs
 
 
 #: Scan-kernel tiling that fits the device's shared memory, by (device, dtype, shape, flags):

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from attn_plugin_triton_ssm.kernels._common import INTERPRETED, next_pow2
-from attn_plugin_triton_ssm.kernels.ssd import _chunk_decay, _mma, _mma_f32_left, _mma_f32_right
+from attn_plugin_triton_ssm.kernels.ssd import _decay_of, _mma, _mma_f32_left, _mma_f32_right
 
 __all__ = ["FUSED_MAX_N", "launch_fused"]
 
@@ -42,14 +42,17 @@ FUSED_MAX_N = 128
 @triton.jit
 def _ssd_fused_kernel(
     x_ptr, dt_ptr, a_log_ptr, dt_bias_ptr, b_ptr, c_ptr, d_ptr, z_ptr, out_ptr, ssm_ptr, idx_ptr,
-    cu_ptr, s_xt, s_xh, s_dtt, s_bt, s_bg, s_ct, s_cg, s_zt, s_zh, s_ot, s_oh, s_ss, s_sh, s_sn,
-    GROUP: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-    BP: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr,
-    HAS_Z: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr, UPCAST: tl.constexpr,
+    cu_ptr, dts_ptr, cs_ptr, s_xt, s_xh, s_dtt, s_bt, s_bg, s_ct, s_cg, s_zt, s_zh, s_ot, s_oh,
+    s_ss, s_sh, s_sn, n_tok, GROUP: tl.constexpr, N: tl.constexpr, P: tl.constexpr,
+    BT: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, SPLIT: tl.constexpr,
+    F32: tl.constexpr, UPCAST: tl.constexpr, PRE_DECAY: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(P / BP, H, N_seq)``: one head's ``[N, BP]`` state block of one sequence, carried
     through the sequence's tiles of ``BT`` tokens in order; each tile's ``y`` ``[BT, BP]`` is
-    written as it is done. ``cu_ptr``: the sequences' int32 offsets ``[N_seq + 1]``."""
+    written as it is done. ``cu_ptr``: the sequences' int32 offsets ``[N_seq + 1]``;
+    ``PRE_DECAY``: ``dt`` and its cumulative decays come from the decay pass's ``[H, n_tok]``
+    buffers (:func:`~attn_plugin_triton_ssm.kernels.ssd._decay_pass`)."""
     pid_p = tl.program_id(0)
     i_h = tl.program_id(1)
     i_s = tl.program_id(2)
@@ -77,9 +80,13 @@ def _ssd_fused_kernel(
         m_t = t < eos
         t64 = t.to(tl.int64)
         m_tp = m_t[:, None] & m_p[None, :]
-        d, cs = _chunk_decay(dt_ptr, dt_bias_ptr, a, t64, m_t, s_dtt, i_h, HAS_DT_BIAS,
-                             DT_SOFTPLUS)  # fmt: skip
-        last = tl.sum(tl.where(o_t == BT - 1, cs, 0.0), 0)  # cs[BT - 1]: the tile's total
+        d, cs = _decay_of(dt_ptr, dt_bias_ptr, dts_ptr, cs_ptr, a, t64, m_t, s_dtt, i_h, n_tok,
+                          PRE_DECAY, HAS_DT_BIAS, DT_SOFTPLUS)  # fmt: skip
+        if PRE_DECAY:  # the tile's total: cs at its last token, one load
+            last = tl.load(cs_ptr + i_h.to(tl.int64) * n_tok + tl.minimum(bos + b * BT + BT, eos)
+                           - 1)  # fmt: skip
+        else:
+            last = tl.sum(tl.where(o_t == BT - 1, cs, 0.0), 0)  # cs[BT - 1]
         c_t = tl.load(c_ptr + t64[:, None] * s_ct + i_g * s_cg + o_n[None, :],
                       mask=m_t[:, None] & m_n[None, :], other=0.0)  # fmt: skip
         b_t = tl.load(b_ptr + t64[None, :] * s_bt + i_g * s_bg + o_n[:, None],
@@ -111,10 +118,11 @@ def _ssd_fused_kernel(
 
 def launch_fused(x, dt, A_log, B, C, ssm_state, state_indices, cu_dev: torch.Tensor, out, *,
                  D, dt_bias, z, dt_softplus: bool, block_t: int, block_p: int, split: bool,
-                 num_warps: int, num_stages: int) -> None:  # fmt: skip
+                 decay: tuple[torch.Tensor, torch.Tensor] | None, num_warps: int,
+                 num_stages: int) -> None:  # fmt: skip
     """Run :func:`_ssd_fused_kernel` on arguments :func:`~attn_plugin_triton_ssm.kernels.ssd.
     mamba2_ssd_triton` has checked (``cu_dev``: the sequences' offsets ``[N_seq + 1]``, int32,
-    on the device: the head of its chunk plan)."""
+    on the device: the head of its chunk plan; ``decay``: the decay pass's buffers, or None)."""
     H, P = x.shape[1], x.shape[2]
     G, N = B.shape[1], B.shape[2]
     if N > FUSED_MAX_N:
@@ -128,10 +136,11 @@ def launch_fused(x, dt, A_log, B, C, ssm_state, state_indices, cu_dev: torch.Ten
     _ssd_fused_kernel[(triton.cdiv(P, block_p), H, n_seq)](
         x, dt, A_log, dt_bias if dt_bias is not None else dummy, B, C,
         D if D is not None else dummy, z if z is not None else x, out, ssm_state, state_indices,
-        cu_dev, x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0),
-        C.stride(1), *(z.stride()[:2] if z is not None else (0, 0)), out.stride(0),
-        out.stride(1), *ssm_state.stride()[:3], GROUP=H // G, N=N, P=P, BT=block_t,
-        BN=max(16, next_pow2(N)), BP=block_p, HAS_DT_BIAS=dt_bias is not None,
+        cu_dev, *(decay or (dummy, dummy)), x.stride(0), x.stride(1), dt.stride(0), B.stride(0),
+        B.stride(1), C.stride(0), C.stride(1), *(z.stride()[:2] if z is not None else (0, 0)),
+        out.stride(0), out.stride(1), *ssm_state.stride()[:3], x.shape[0], GROUP=H // G, N=N,
+        P=P, BT=block_t, BN=max(16, next_pow2(N)), BP=block_p, HAS_DT_BIAS=dt_bias is not None,
         DT_SOFTPLUS=dt_softplus, HAS_D=D is not None, HAS_Z=z is not None, SPLIT=split,
-        F32=f32, UPCAST=INTERPRETED, num_warps=num_warps, num_stages=num_stages,
+        F32=f32, UPCAST=INTERPRETED, PRE_DECAY=decay is not None, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
