@@ -157,7 +157,7 @@ def _short_conv_case(B: int, C: int = 2048, K: int = 3):
     # program and blocks under 256 channels lost to these everywhere in earlier sweeps
     general = _grid(packed_pairs=(False,), block_c=(256, 1024), requests_per_program=(1, 4))
     configs = [{}, *general]
-    if K == 3:  # the packed kernel-3 path: each slot's [C, 2] loaded as one flat vector
+    if K == 3:  # the packed kernel-3 path: a channel's two state values moved as one word
         configs += _grid(block_c=(256, 512, 1024, 2048), requests_per_program=(1, 2, 4),
                          num_warps=(2, 4, 8))  # fmt: skip
     return _tilings(run), configs, half_bytes, 0  # half_bytes counts the token already

@@ -56,11 +56,17 @@ def test_lfm2_shape_on_gpu() -> None:
     _check(256, 2048, torch.bfloat16, "cuda", dict(atol=2e-2, rtol=2e-2))
 
 
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("block_c", "rpp"), [(None, None), (8, 2), (16, 3)])
-def test_packed_decode_matches_the_reference_with_padding_rows(state_dtype, block_c, rpp) -> None:
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("block_c", "rpp", "num_warps"), [(None, None, None), (8, 2, 2), (16, 3, 4), (64, 8, 1)]
+)
+def test_packed_decode_matches_the_reference_with_padding_rows(
+    state_dtype, block_c, rpp, num_warps
+) -> None:
     # one token of a kernel-3 conv over packed [C, 2] slots takes the packed kernel: a channel
-    # count no block divides, padding rows (-1), a bias and silu, bf16 tokens over a float32 pool
+    # count no block divides, padding rows (-1), a bias and silu, bf16 tokens over a float32
+    # pool; blocks narrower than a program's threads (a word held by several threads, on a
+    # GPU), one block wider than the channels, a program with more requests than the batch
     g = torch.Generator().manual_seed(3)
     B, C, S = 5, 20, 9
     state = torch.randn(S, C, 2, generator=g).to(state_dtype)
@@ -73,7 +79,8 @@ def test_packed_decode_matches_the_reference_with_padding_rows(state_dtype, bloc
     want[idx < 0] = 0
     dev = [t.to(DEV) for t in (x, state, w, bias, idx)]
     got = K.causal_conv1d_update(*dev[:4], dev[4], activation="silu", packed_pairs=True,
-                                 block_c=block_c, requests_per_program=rpp)  # fmt: skip
+                                 block_c=block_c, requests_per_program=rpp,
+                                 num_warps=num_warps)  # fmt: skip
     torch.testing.assert_close(got.float().cpu(), want.bfloat16().float(), atol=2e-2, rtol=2e-2)
     # the slots of real rows advanced by the token, padding rows' and free slots untouched
     torch.testing.assert_close(dev[1].cpu(), ref_state.to(state_dtype), atol=0, rtol=0)
@@ -86,6 +93,26 @@ def test_packed_decode_refuses_a_call_it_cannot_serve() -> None:
     strided = torch.zeros(state.shape[0], 2, state.shape[1], device=DEV).transpose(1, 2)
     with pytest.raises(ValueError, match=r"packed_pairs: expected each slot's \[C, 2\] packed"):
         K.causal_conv1d_update(x[:, 0], strided, w, None, idx, packed_pairs=True)
+    # packed, but a pair straddles two words of its width: the packed kernel loads it as one
+    S, C = state.shape[:2]
+    odd = torch.zeros(S * C * 2 + 1, device=DEV)[1:].view(S, C, 2)
+    with pytest.raises(ValueError, match=r"packed_pairs: expected .* 8-byte aligned pairs"):
+        K.causal_conv1d_update(x[:, 0], odd, w, None, idx, packed_pairs=True)
+
+
+def test_a_misaligned_packed_pool_takes_the_general_kernel(monkeypatch) -> None:
+    from attn_plugin_triton_ssm.kernels import conv1d
+
+    monkeypatch.setattr(conv1d, "_conv1d_decode_pairs_kernel", None)  # not to be launched
+    x, state, w, idx = _case(3, 8)
+    S, C = state.shape[:2]
+    odd = torch.empty(S * C * 2 + 1, device=DEV)[1:].view(S, C, 2)
+    odd.copy_(state)
+    want_state = state.clone()
+    want = decode_conv1d(x[:, 0], w, None, want_state, idx, activation="silu")
+    got = K.causal_conv1d_update(x[:, 0], odd, w, None, idx, activation="silu")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(odd, want_state, atol=0, rtol=0)
 
 
 def test_a_short_conv_decode_step_takes_the_packed_kernel_by_default(monkeypatch) -> None:

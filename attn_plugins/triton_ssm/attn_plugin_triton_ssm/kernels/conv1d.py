@@ -13,8 +13,9 @@ then stores ``seq[n : n + K - 1]`` back as the new conv state, with ``n = T`` (p
 Grid ``(B / RPP, C / BC)``; each program owns a block of channels of ``RPP`` requests in turn
 (``requests_per_program``: a short conv's state is a few KiB per request, so one request per
 program launches many tiny programs). A decode token of a kernel-3 conv (LFM2's) over packed
-``[C, 2]`` slots runs :func:`_conv1d_decode_pairs_kernel`, which loads and stores a slot's
-block as one flat vector: 1.3-1.5x the general kernel's rate at LFM2's shape.
+``[C, 2]`` slots runs :func:`_conv1d_decode_pairs_kernel`, which moves each channel's two
+state values as one word, in the layout of the token and the output, where the general kernel
+reads the two columns as strided loads.
 """
 
 from __future__ import annotations
@@ -191,18 +192,51 @@ def _conv1d_decode_pairs_kernel(
 ):
     """One decode token of a kernel-3 conv (LFM2's), each slot's state ``[C, 2]`` packed.
 
-    Grid ``(B / RPP, C / BC)``. A slot's block of ``BC`` channels is ``2 * BC`` contiguous
-    values, loaded and stored as one flat vector (wide loads) and split into its two columns in
-    registers; the weights are loaded once for the program's ``RPP`` requests. The general
-    kernel reads the two columns as two strided loads and the weights per request, about
-    fifteen narrow memory instructions per request and thread where this takes five wide ones.
+    Grid ``(B / RPP, C / BC)``. A channel's two state values are adjacent in its slot, so the
+    kernel moves them as one unsigned word of twice their width (``uint32`` for a 16-bit state,
+    ``uint64`` for float32; the slot's pairs must be aligned to it) and takes the columns apart
+    with shifts in registers. The slot's block is then a ``[BC]`` vector like the token, the
+    weights and the output, and every tensor of the kernel has one layout: no reshape, no
+    layout conversion through shared memory, no barrier. A program loads the slots, the state
+    words and the tokens of its ``RPP`` requests before it computes and stores any of them,
+    and the weights once for all of them. Two rows of a batch must not share a slot.
     """
+    s_ty = state_ptr.dtype.element_ty
+    tl.static_assert(s_ty.primitive_bitwidth == 16 or s_ty.primitive_bitwidth == 32)
+    if s_ty.primitive_bitwidth == 16:
+        word_ty = tl.uint32
+        half_ty = tl.uint16
+    else:
+        word_ty = tl.uint64
+        half_ty = tl.uint32
+    HALF: tl.constexpr = s_ty.primitive_bitwidth
+    # Channels per thread and access: 16 bytes of words, the widest store. Triton's layout
+    # pass gives a store at most one 16-byte vector per thread but a load as many as its
+    # neighbours take (the token's 16 bytes are 8 bf16 channels where the words hold 4), and
+    # the two layouts would meet through shared memory, with barriers, on every request.
+    VEC: tl.constexpr = 64 // HALF
     pid_b = tl.program_id(0).to(tl.int64)
     pid_c = tl.program_id(1)
-    o_c = pid_c * BC + tl.arange(0, BC)
+    o_c = pid_c * BC + tl.max_contiguous(tl.arange(0, BC), VEC)
     m_c = o_c < C
-    o_f = pid_c * (2 * BC) + tl.arange(0, 2 * BC)  # the block's [BC, 2] values, flat
-    m_f = o_f < 2 * C
+    # All the loads first: the compiler cannot move a request's loads above the previous
+    # one's stores (they might alias), so a request at a time would wait on memory twice
+    # (its slot, then its state) and RPP requests 2 * RPP times.
+    # (tuples grow by +: Triton's code generator takes no * in a tuple)
+    slots = ()
+    for r in tl.static_range(RPP):
+        i_b = pid_b * RPP + r
+        slot = tl.load(idx_ptr + i_b, mask=i_b < B, other=-1).to(tl.int64)
+        slots = slots + (slot,)  # type: ignore[assignment]  # noqa: RUF005
+    words = ()
+    xs = ()
+    for r in tl.static_range(RPP):
+        # blocks: the interpreter rejects scalar & block masks
+        m_cv = m_c & ((o_c * 0 + slots[r]) >= 0)
+        p_word = (state_ptr + slots[r] * s_ss).to(tl.pointer_type(word_ty)) + o_c
+        words = words + (tl.load(p_word, mask=m_cv, other=0),)  # type: ignore[assignment]  # noqa: RUF005
+        p_x = x_ptr + (pid_b * RPP + r) * s_xb + o_c
+        xs = xs + (tl.load(p_x, mask=m_cv, other=0.0),)  # type: ignore[assignment]  # noqa: RUF005
     w0 = tl.load(w_ptr + o_c * s_wc, mask=m_c, other=0.0).to(tl.float32)
     w1 = tl.load(w_ptr + o_c * s_wc + s_wk, mask=m_c, other=0.0).to(tl.float32)
     w2 = tl.load(w_ptr + o_c * s_wc + 2 * s_wk, mask=m_c, other=0.0).to(tl.float32)
@@ -211,26 +245,26 @@ def _conv1d_decode_pairs_kernel(
         b_bias = tl.load(bias_ptr + o_c, mask=m_c, other=0.0).to(tl.float32)
     for r in tl.static_range(RPP):
         i_b = pid_b * RPP + r
-        in_batch = i_b < B
-        slot = tl.load(idx_ptr + i_b, mask=in_batch, other=-1).to(tl.int64)
-        # blocks: the interpreter rejects scalar & block masks
-        valid_c = (o_c * 0 + slot) >= 0
-        valid_f = (o_f * 0 + slot) >= 0
-        p_state = state_ptr + slot * s_ss + o_f
-        flat = tl.load(p_state, mask=m_f & valid_f, other=0.0)
-        s0, s1 = tl.split(tl.reshape(flat, [BC, 2]))
-        xv = tl.load(x_ptr + i_b * s_xb + o_c, mask=m_c & valid_c, other=0.0)
+        valid = (o_c * 0 + slots[r]) >= 0
+        m_cv = m_c & valid
+        # little-endian: column 0 is the low half
+        s0 = words[r].to(half_ty).to(s_ty, bitcast=True)  # type: ignore[var-annotated]
+        s1_bits = words[r] >> HALF
+        s1 = s1_bits.to(half_ty).to(s_ty, bitcast=True)
+        xv = xs[r]
         acc = b_bias + w0 * s0.to(tl.float32) + w1 * s1.to(tl.float32) + w2 * xv.to(tl.float32)
         if SILU:
             acc = acc * tl.sigmoid(acc)
-        acc = tl.where(valid_c, acc, 0.0)
+        acc = tl.where(valid, acc, 0.0)
         m_out = m_c & ((o_c * 0 + i_b) < B)
         tl.store(out_ptr + i_b * s_ob + o_c, acc.to(out_ptr.dtype.element_ty), mask=m_out)
-        new = tl.reshape(tl.join(s1, xv.to(s1.dtype)), [2 * BC])
-        # every thread has read the old values before any overwrites them (the flat store's
-        # layout need not give a thread the values it loaded)
-        tl.debug_barrier()
-        tl.store(p_state, new, mask=m_f & valid_f)
+        x_bits = xv.to(s_ty).to(half_ty, bitcast=True).to(word_ty)
+        # No barrier before the in-place store: it takes the pointers of its load, so every
+        # thread stores only words it loaded itself (where the layout gives a word to several
+        # threads, one of them stores it), and the word it stores is computed from the one it
+        # loaded: no thread can overwrite a word before the thread that reads it has read it.
+        p_word = (state_ptr + slots[r] * s_ss).to(tl.pointer_type(word_ty)) + o_c
+        tl.store(p_word, s1_bits | (x_bits << HALF), mask=m_cv)
 
 
 def _prepare(x, conv_state, weight, bias, state_indices, activation):
@@ -272,6 +306,13 @@ def _pairs_apply(x3, conv_state, weight, num_accepted, out3, write_state) -> str
         return "a decode step that writes its output and its state"
     if conv_state.stride(2) != 1 or conv_state.stride(1) != 2:
         return f"each slot's [C, 2] packed, got strides {tuple(conv_state.stride())}"
+    # the kernel moves a channel's two values as one word of twice their width
+    pair = 2 * conv_state.element_size()
+    if conv_state.data_ptr() % pair or (conv_state.shape[0] > 1 and conv_state.stride(0) % 2):
+        return (
+            f"each slot's [C, 2] packed in {pair}-byte aligned pairs, got address "
+            f"{conv_state.data_ptr():#x} and strides {tuple(conv_state.stride())}"
+        )
     return None
 
 
@@ -367,10 +408,10 @@ def causal_conv1d_update(
         ``B = 256`` on the packed path, 4 on the general one for ``B >= 256`` requests of at
         most 2048 channels, else 1).
     :param packed_pairs: one decode token of a kernel-3 conv over slots whose ``[C, 2]`` is
-        packed (LFM2's short conv) takes a kernel that moves
-        each slot as one flat vector (``None``: wherever it applies; ``True`` raises where it
-        does not; ``False``: the general kernel). ``num_warps``: per program (default 2 on
-        the packed path, 4 on the general one).
+        packed (LFM2's short conv) in pairs aligned to their size takes a kernel that moves
+        each channel's two state values as one word (``None``: wherever it applies; ``True``
+        raises where it does not; ``False``: the general kernel). ``num_warps``: per program
+        (default 2 on the packed path, 4 on the general one).
     :returns: ``out``, shaped like ``x``.
     """
     x3, _, _, _ = _prepare(x, conv_state, weight, bias, state_indices, activation)
