@@ -328,10 +328,10 @@ def _run(x3, conv_state, weight, bias, state_indices, num_accepted, out3, *, sil
     BC = block_c or min(256, next_pow2(C))
     rpp = requests_per_program
     if rpp is None and packed_pairs:
-        # LFM2's 2048 channels on an H100 (bench_decode_sweep.py, CUDA-graph replays, against a
-        # copy of the same bytes): 256 channels, 2 requests a program, 2 warps 0.80 / 0.91 at
-        # B = 256 / 1024; blocks of 1024 or 2048 channels 0.54-0.89, 4 requests 0.71-0.91
-        rpp = 2 if B >= 256 else 1
+        # LFM2's 2048 channels on the H200 (bench_decode_sweep.py, CUDA-graph replays, against
+        # a copy of the same bytes): 256 channels, 4 requests a program, 2 warps 0.82 / 0.88
+        # at B = 256 / 1024, against 0.74 / 0.79 with 2 requests and 0.72 / 0.68 with one
+        rpp = 4 if B >= 256 else 1
     elif rpp is None:
         # a short conv's state is a few KiB a request: at LFM2's 2048 channels the H200 moved
         # 1859 / 2990 GB/s at B = 256 / 1024 with 4 requests a program, 1724 / 2395 with one
