@@ -51,10 +51,11 @@ Two kernels:
    is computed once for the ``HB`` heads, with several it is recomputed per head and column
    block (the ``HB`` heads' accumulators cannot all stay live across blocks).
 
-With ``precompute_decay`` a decay pass first writes every token's ``dt`` (bias, softplus) and
-its cumulative log decay within its tile into ``[H, T]`` buffers, which both kernels then load
-instead of computing them (a cumulative sum and a reduction across warps per sub-block, and
-again per head and column block in the scan).
+First, by default (``precompute_decay``), a decay pass writes every token's ``dt`` (bias,
+softplus) and its cumulative log decay within its tile into ``[H, T]`` buffers, which both
+kernels then load instead of computing them (a cumulative sum and a reduction across warps
+per sub-block, and again per head and column block in the scan): the same outputs in
+0.75-0.81 of the time on the H200 at granite's shape.
 
 Chunk boundaries come from the host offsets (``cu_seqlens_cpu``): a small int32 plan on the
 device ``[cu_seqlens (N_seq + 1) | first chunk of each sequence (N_seq) | (start, end) of each
