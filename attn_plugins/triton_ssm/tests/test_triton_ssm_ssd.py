@@ -79,6 +79,19 @@ def _check_against_recurrence(y, st, before, inp, extras, idx, cu, *, out_tol, s
     assert torch.equal(st[untouched], before[untouched]), "slots outside the batch were written"
 
 
+def _with_and_without(option, inp, extras, state, idx, cu, **kw):
+    """``[(y, final pool) with option=True, (y, final pool) with option=False]`` (host tensors),
+    each from a copy of ``state``."""
+    runs = []
+    for on in (True, False):
+        st = state.clone().to(DEV)
+        y = ssd.mamba2_ssd_triton(**_dev(inp), ssm_state=st, state_indices=idx.to(DEV),
+                                  cu_seqlens_cpu=cu, **{option: on}, **kw,
+                                  **_dev(extras))  # fmt: skip
+        runs.append((y.cpu(), st.cpu()))
+    return runs
+
+
 FP32_TOL = dict(atol=1e-4, rtol=1e-4)
 # bf16 outputs: one ulp (the interpreter truncates to bf16, 2**-7 relative; the GPU rounds).
 BF16_OUT_TOL = dict(atol=1e-3, rtol=2**-7)
@@ -373,13 +386,8 @@ def test_precomputed_cb_blocks_match_per_head_dots(chunk, block_t):
     lens = [chunk + 40, 2]
     inp, extras, state, idx, cu = _case(lens, H=2, G=2, N=16, P=16, dtype=torch.bfloat16,
                                         seed=13, dt_shift=4.0)  # fmt: skip
-    outs = []
-    for pre in (True, False):
-        st = state.clone().to(DEV)
-        y = ssd.mamba2_ssd_triton(**_dev(inp), ssm_state=st, state_indices=idx.to(DEV),
-                                  cu_seqlens_cpu=cu, chunk_size=chunk, block_t=block_t,
-                                  precompute_cb=pre, **_dev(extras))  # fmt: skip
-        outs.append((y.cpu(), st.cpu()))
+    outs = _with_and_without("precompute_cb", inp, extras, state, idx, cu, chunk_size=chunk,
+                             block_t=block_t)  # fmt: skip
     if DEV == "cpu":
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     else:
@@ -405,14 +413,8 @@ def test_precomputed_decays_match_the_recurrence(lens, chunk, block_t, bias):
     if not bias:
         extras.pop("dt_bias")
     before = state.clone()
-    runs = []
-    for pre in (True, False):
-        st = state.clone().to(DEV)
-        y = ssd.mamba2_ssd_triton(**_dev(inp), ssm_state=st, state_indices=idx.to(DEV),
-                                  cu_seqlens_cpu=cu, chunk_size=chunk, block_t=block_t,
-                                  precompute_decay=pre, **_dev(extras))  # fmt: skip
-        runs.append((y.cpu(), st.cpu()))
-    (y, st), other = runs
+    (y, st), other = _with_and_without("precompute_decay", inp, extras, state, idx, cu,
+                                       chunk_size=chunk, block_t=block_t)  # fmt: skip
     _check_against_recurrence(y, st, before, inp, extras, idx, cu, out_tol=FP32_TOL,
                               state_tol=FP32_TOL)  # fmt: skip
     torch.testing.assert_close((y, st), other, atol=1e-5, rtol=1e-5)
