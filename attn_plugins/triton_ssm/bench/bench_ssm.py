@@ -861,14 +861,13 @@ MAMBA_SSM_STATE_DTYPES = ("default", "float32")
 OUR_SSD_VARIANTS = {
     "ours_states_act": {"states_dtype": "activations"},
     "ours_dots_act": {"precise": False},
-    "ours_pre_decay": {"precompute_decay": True},
-    "ours_dots_act_pre_decay": {"precise": False, "precompute_decay": True},
-    "ours_c256_pre_decay": {"chunk": 256, "precompute_decay": True},
+    "ours_no_decay_pass": {"precompute_decay": False},
+    "ours_c256": {"chunk": 256},
     "ours_fused": {"fused": True},
     "ours_fused_bt32": {"fused": True, "chunk": 64, "block_t": 32},
-    "ours_fused_w4": {"fused": True, "num_warps": (4, 4)},
+    "ours_fused_w8": {"fused": True, "num_warps": (4, 8)},
     "ours_fused_plain": {"fused": True, "precise": False},
-    "ours_fused_pre_decay": {"fused": True, "precompute_decay": True},
+    "ours_fused_decay_pass": {"fused": True, "precompute_decay": True},
 }
 
 

@@ -420,6 +420,25 @@ def test_precomputed_decays_match_the_recurrence(lens, chunk, block_t, bias):
     torch.testing.assert_close((y, st), other, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("cb", [False, True], ids=["scan_dots", "cb_pass"])
+def test_a_smaller_tile_from_the_fit_reaches_every_kernel(monkeypatch, cb):
+    """Where the scan's tiling does not fit the device's shared memory, ``_fit_scan`` falls back
+    to a smaller token tile (compiled only): the decay pass, the cb pass and the state kernel
+    must then run on that tile too, or their per-tile decays no longer line up with the
+    scan's. Here the fit is patched to halve the requested tile."""
+    monkeypatch.setattr(ssd, "_SCAN_TILING", {})
+    monkeypatch.setattr(ssd, "_fit_scan", lambda scan, chunk, bt, bp, stages, *a: (bt // 2, bp, 1))
+    inp, extras, state, idx, cu = _case([150, 3, 64], H=4, G=2, N=16, P=16, seed=29,
+                                        dt_shift=3.0)  # fmt: skip
+    before = state.clone()
+    st = state.to(DEV)
+    y = ssd.mamba2_ssd_triton(**_dev(inp), ssm_state=st, state_indices=idx.to(DEV),
+                              cu_seqlens_cpu=cu, chunk_size=64, block_t=32, precompute_cb=cb,
+                              **_dev(extras))  # fmt: skip
+    _check_against_recurrence(y, st, before, inp, extras, idx, cu, out_tol=FP32_TOL,
+                              state_tol=FP32_TOL)  # fmt: skip
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_fused_fp32_matches_recurrence(case):
     """``fused=True``: one kernel walks each sequence's tiles with the state in registers, so

@@ -397,14 +397,15 @@ def causal_conv1d_update(
     :param conv_state: ``[S, C, K-1]`` float32/bfloat16/float16, any strides; slot
         ``state_indices[b]`` holds the last ``K-1`` inputs, oldest first.
     :param weight: ``[C, K]``; ``bias``: ``[C]`` or ``None``.
-    :param state_indices: ``[B]`` int32; ``-1`` = padding row (zeros out, state untouched).
+    :param state_indices: ``[B]`` int32, distinct slots; ``-1`` = padding row (zeros out,
+        state untouched).
     :param activation: ``"silu"`` (alias ``"swish"``) or ``None``.
     :param update_state: write the state after all ``K1`` tokens into the slot. Pass ``False``
         for speculative verify and call :func:`causal_conv1d_commit` once the accepted count
         is known.
     :param out: like ``x`` (allocated when ``None``).
     :param block_c: channels per program (default ``min(256, next_pow2(C))``);
-        ``requests_per_program``: requests each program takes in turn (default: 2 from
+        ``requests_per_program``: requests each program takes in turn (default: 4 from
         ``B = 256`` on the packed path, 4 on the general one for ``B >= 256`` requests of at
         most 2048 channels, else 1).
     :param packed_pairs: one decode token of a kernel-3 conv over slots whose ``[C, 2]`` is

@@ -33,7 +33,7 @@ which then needs no hi/lo split); off by default, see :func:`mamba2_ssd_triton`.
 to it), and ``split_states`` stores float32 states as the hi + lo halves the scan would split
 them into (same bytes, same values, the split done once per chunk instead of per row block).
 
-Two kernels:
+Two main kernels (after the decay pass, below):
 
 1. ``_ssd_state_kernel``, grid ``(N/BN * P/BP, H, N_seq)``: one program walks the sub-blocks
    of ``BT`` tokens of one sequence in order for a ``[BN, BP]`` tile of one head's state (the
@@ -55,7 +55,8 @@ First, by default (``precompute_decay``), a decay pass writes every token's ``dt
 softplus) and its cumulative log decay within its tile into ``[H, T]`` buffers, which both
 kernels then load instead of computing them (a cumulative sum and a reduction across warps
 per sub-block, and again per head and column block in the scan): the same outputs in
-0.75-0.81 of the time on the H200 at granite's shape.
+0.75-0.81 of the time on the H200 at granite's shape (float32 rounding apart: the cumulative
+sum may add in another order).
 
 Chunk boundaries come from the host offsets (``cu_seqlens_cpu``): a small int32 plan on the
 device ``[cu_seqlens (N_seq + 1) | first chunk of each sequence (N_seq) | (start, end) of each
@@ -514,7 +515,7 @@ def mamba2_ssd_triton(
     states_dtype: torch.dtype = torch.float32,
     precompute_cb: bool = False,
     split_states: bool = False,
-    precompute_decay: bool = True,
+    precompute_decay: bool | None = None,
     fused: bool = False,
     num_warps: tuple[int, int] | None = None,
     num_stages: tuple[int, int] | None = None,
@@ -573,10 +574,12 @@ def mamba2_ssd_triton(
         load, a softplus, a cumulative sum and a reduction across warps for the tile's last
         value) per sub-block, and the scan again per head and column block. Both kernels
         then see the same decays by construction. Costs ``8 H`` bytes per token written and
-        read again. On by default: on the H200 at granite's shape (T = 32768, chunk 64, float32
-        entering states, the same outputs to the float32 torch SSD) it took 0.75-0.81 of the
-        time without it (2.50 against 3.31 ms as one sequence, 2.40 against 2.97 as 16), and
-        0.59-0.65 with ``precise=False`` (1.49 against 2.54 ms as one sequence).
+        read again. ``None`` (the default): on for the two kernels, off for ``fused``. On the
+        H200 at granite's shape (T = 32768, chunk 64, float32 entering states, outputs as far
+        from the float32 torch SSD as without it) the two kernels took 0.75-0.81 of the time
+        without it (2.50 against 3.31 ms as one sequence, 2.40 against 2.97 as 16), and
+        0.59-0.65 with ``precise=False`` (1.49 against 2.54 ms as one sequence). The fused
+        kernel on 4 warps was timed without it (on 8 warps it gained 10 %).
     :param fused: run the single-pass kernel of :mod:`~attn_plugin_triton_ssm.kernels.ssd_fused`
         instead: one program per head, ``P`` block and sequence walks the sequence's tiles of
         ``block_t`` tokens with the state in registers, so no entering state is stored
@@ -682,6 +685,12 @@ def mamba2_ssd_triton(
     # (Triton 3.9) the scan spilled less on 8 warps at granite's shape (chunk 256, bf16: 40
     # against 128 bytes per thread; with the cb pass 112 against 936); the sweep times both.
     if fused:
+        from attn_plugin_triton_ssm.kernels.ssd_fused import check_fused
+
+        check_fused(N)  # before the plan and the decay pass
+    if precompute_decay is None:
+        precompute_decay = not fused
+    if fused:
         from attn_plugin_triton_ssm.kernels.ssd_fused import launch_fused
 
         plan, n_chunks = _chunk_plan(cu, chunk_size, device)  # its head: the offsets
@@ -778,8 +787,8 @@ def mamba2_ssd_triton(
 def _decay_pass(dt, dt_bias, A_log, plan, n_chunks: int, chunk: int, bt: int,
                 dt_softplus: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(dts, cs)`` ``[H, T]`` float32 from :func:`_ssd_decay_kernel` over the chunks of
-    ``plan`` (:func:`_chunk_plan` at ``chunk``) in tiles of ``bt`` tokens: 1 MiB each per 1024
-    tokens at H = 128, against the 4 MiB of one entering state at the granite shape."""
+    ``plan`` (:func:`_chunk_plan` at ``chunk``) in tiles of ``bt`` tokens: 0.5 MiB each per
+    1024 tokens at H = 128, against the 4 MiB of one entering state at the granite shape."""
     T, H = dt.shape
     n_seq = (plan.numel() - 1 - 2 * n_chunks) // 2
     dts = torch.empty((H, T), dtype=torch.float32, device=dt.device)

@@ -32,7 +32,7 @@ import triton.language as tl
 from attn_plugin_triton_ssm.kernels._common import INTERPRETED, next_pow2
 from attn_plugin_triton_ssm.kernels.ssd import _decay_of, _mma, _mma_f32_left, _mma_f32_right
 
-__all__ = ["FUSED_MAX_N", "launch_fused"]
+__all__ = ["FUSED_MAX_N", "check_fused", "launch_fused"]
 
 #: The largest state size ``N`` the fused kernel takes: its program holds the whole ``[N, BP]``
 #: float32 state in registers (32 KiB at N = 128, BP = 64), and C S needs all of N at once.
@@ -116,6 +116,15 @@ def _ssd_fused_kernel(
     tl.store(p_slot, h.to(ssm_ptr.dtype.element_ty), mask=m_np)
 
 
+def check_fused(N: int) -> None:
+    """Raise ``ValueError`` unless the fused kernel takes a state of ``N`` rows."""
+    if N > FUSED_MAX_N:
+        raise ValueError(
+            f"fused: expected a state size N <= {FUSED_MAX_N} (the whole [N, P] block stays in "
+            f"registers), got N={N}; use fused=False"
+        )
+
+
 def launch_fused(x, dt, A_log, B, C, ssm_state, state_indices, cu_dev: torch.Tensor, out, *,
                  D, dt_bias, z, dt_softplus: bool, block_t: int, block_p: int, split: bool,
                  decay: tuple[torch.Tensor, torch.Tensor] | None, num_warps: int,
@@ -125,11 +134,7 @@ def launch_fused(x, dt, A_log, B, C, ssm_state, state_indices, cu_dev: torch.Ten
     on the device: the head of its chunk plan; ``decay``: the decay pass's buffers, or None)."""
     H, P = x.shape[1], x.shape[2]
     G, N = B.shape[1], B.shape[2]
-    if N > FUSED_MAX_N:
-        raise ValueError(
-            f"fused: expected a state size N <= {FUSED_MAX_N} (the whole [N, P] block stays in "
-            f"registers), got N={N}; use fused=False"
-        )
+    check_fused(N)
     n_seq = state_indices.shape[0]
     dummy = A_log
     f32 = x.dtype == torch.float32
