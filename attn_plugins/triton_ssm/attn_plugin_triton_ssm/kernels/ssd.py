@@ -678,21 +678,12 @@ def mamba2_ssd_triton(
         if block_p < 16 or block_p & (block_p - 1):
             raise ValueError(f"block_p: expected a power of two >= 16, got {block_p}")
         BP = block_p
-    # 4 warps for the scan: 8 (a guess at its register needs: C [Q, N], C B^T with decayed
-    # hi/lo copies, the entering state [N, BP]) ran 1.46x slower on the H200 at the granite
-    # shape (4.82 against 7.05 M tokens/s, T = 8192; 4.76 / 6.85 at T = 32768 as 16 requests).
-    # Measured at chunk 64. With several tiles per chunk, unmeasured: compiled offline for sm90
-    # (Triton 3.9) the scan spilled less on 8 warps at granite's shape (chunk 256, bf16: 40
-    # against 128 bytes per thread; with the cb pass 112 against 936); the sweep times both.
-    if fused:
-        from attn_plugin_triton_ssm.kernels.ssd_fused import check_fused
-
-        check_fused(N)  # before the plan and the decay pass
     if precompute_decay is None:
         precompute_decay = not fused
     if fused:
-        from attn_plugin_triton_ssm.kernels.ssd_fused import launch_fused
+        from attn_plugin_triton_ssm.kernels.ssd_fused import check_fused, launch_fused
 
+        check_fused(N)  # before the plan and the decay pass
         plan, n_chunks = _chunk_plan(cu, chunk_size, device)  # its head: the offsets
         pre = None
         if precompute_decay and n_chunks:
@@ -707,6 +698,12 @@ def mamba2_ssd_triton(
             num_stages=num_stages[1] if num_stages else 2,
         )  # fmt: skip
         return out
+    # 4 warps for the scan: 8 (a guess at its register needs: C [Q, N], C B^T with decayed
+    # hi/lo copies, the entering state [N, BP]) ran 1.46x slower on the H200 at the granite
+    # shape (4.82 against 7.05 M tokens/s, T = 8192; 4.76 / 6.85 at T = 32768 as 16 requests).
+    # Measured at chunk 64. With several tiles per chunk, unmeasured: compiled offline for sm90
+    # (Triton 3.9) the scan spilled less on 8 warps at granite's shape (chunk 256, bf16: 40
+    # against 128 bytes per thread; with the cb pass 112 against 936); the sweep times both.
     nw_state, nw_scan = num_warps or (4, 4)
     # One stage for the scan: its loop over a block's heads gains nothing from prefetching
     # the next head's x and state, and the buffers cost occupancy (H200, granite shape: 10.15
