@@ -139,6 +139,28 @@ def _decay_of(dt_ptr, dt_bias_ptr, dts_ptr, cs_ptr, a, offs_t, mask_t, s_dt_t, i
 
 
 @triton.jit
+def _tile_total(cs_ptr, cs, o_t, i_h, n_tok, t_last, BT: tl.constexpr, PRE: tl.constexpr):
+    """A tile's total log decay, ``cs`` at its last real token ``t_last``: one load from the
+    decay pass's buffer (``PRE``), else ``cs[BT - 1]``, the same value since ``dt`` is 0 past
+    the tile's end (a sum with one nonzero term: exact)."""
+    if PRE:
+        last = tl.load(cs_ptr + i_h.to(tl.int64) * n_tok + t_last)
+    else:
+        last = tl.sum(tl.where(o_t == BT - 1, cs, 0.0), 0)
+    return last
+
+
+@triton.jit
+def _carry_state(h, b_t, x, d, cs, last, SPLIT: tl.constexpr, F32: tl.constexpr,
+                 UPCAST: tl.constexpr):  # fmt: skip
+    """The state leaving a tile, ``exp(last) h + (B * exp(last - cs) dt)^T x``: ``h``
+    ``[BN, BP]`` float32, ``b_t`` ``[BN, BT]`` (B transposed), ``x`` ``[BT, BP]``, ``d`` and
+    ``cs`` ``[BT]``."""
+    bw = b_t.to(tl.float32) * (tl.exp(last - cs) * d)[None, :]
+    return _mma_f32_left(bw, x, h * tl.exp(last), SPLIT, F32, UPCAST)
+
+
+@triton.jit
 def _ssd_decay_kernel(
     dt_ptr, dt_bias_ptr, a_log_ptr, plan_ptr, dts_ptr, cs_ptr, s_dtt, table_off, n_tok,
     H: tl.constexpr, BT: tl.constexpr, SUBS: tl.constexpr, BH: tl.constexpr,
@@ -265,18 +287,13 @@ def _ssd_state_kernel(
         t64 = t.to(tl.int64)
         d, cs = _decay_of(dt_ptr, dt_bias_ptr, dts_ptr, cs_ptr, a, t64, m_t, s_dtt, i_h, n_tok,
                           PRE_DECAY, HAS_DT_BIAS, DT_SOFTPLUS)  # fmt: skip
-        if PRE_DECAY:  # cs at the sub-block's last token: one load, no reduction
-            t_last = tl.minimum(bos + b * BT + BT, eos) - 1
-            last = tl.load(cs_ptr + i_h.to(tl.int64) * n_tok + t_last)
-        else:
-            last = tl.sum(tl.where(o_t == BT - 1, cs, 0.0), 0)  # cs[BT - 1], exactly
-        w = tl.exp(last - cs) * d  # decay from each token to the sub-block's end, times dt
+        last = _tile_total(cs_ptr, cs, o_t, i_h, n_tok, tl.minimum(bos + b * BT + BT, eos) - 1,
+                           BT, PRE_DECAY)  # fmt: skip
         b_t = tl.load(b_ptr + t64[None, :] * s_bt + i_g * s_bg + o_n[:, None],
                       mask=m_n[:, None] & m_t[None, :], other=0.0)  # fmt: skip
         x_c = tl.load(x_ptr + t64[:, None] * s_xt + i_h * s_xh + o_p[None, :],
                       mask=m_t[:, None] & m_p[None, :], other=0.0)  # fmt: skip
-        bw = b_t.to(tl.float32) * w[None, :]  # [BN, BT]
-        h = _mma_f32_left(bw, x_c, h * tl.exp(last), SPLIT, F32, UPCAST)
+        h = _carry_state(h, b_t, x_c, d, cs, last, SPLIT, F32, UPCAST)
     tl.store(p_slot, h.to(ssm_ptr.dtype.element_ty), mask=m_np)
 
 

@@ -30,7 +30,14 @@ import triton
 import triton.language as tl
 
 from attn_plugin_triton_ssm.kernels._common import INTERPRETED, next_pow2
-from attn_plugin_triton_ssm.kernels.ssd import _decay_of, _mma, _mma_f32_left, _mma_f32_right
+from attn_plugin_triton_ssm.kernels.ssd import (
+    _carry_state,
+    _decay_of,
+    _mma,
+    _mma_f32_left,
+    _mma_f32_right,
+    _tile_total,
+)
 
 __all__ = ["FUSED_MAX_N", "check_fused", "launch_fused"]
 
@@ -82,11 +89,8 @@ def _ssd_fused_kernel(
         m_tp = m_t[:, None] & m_p[None, :]
         d, cs = _decay_of(dt_ptr, dt_bias_ptr, dts_ptr, cs_ptr, a, t64, m_t, s_dtt, i_h, n_tok,
                           PRE_DECAY, HAS_DT_BIAS, DT_SOFTPLUS)  # fmt: skip
-        if PRE_DECAY:  # the tile's total: cs at its last token, one load
-            last = tl.load(cs_ptr + i_h.to(tl.int64) * n_tok + tl.minimum(bos + b * BT + BT, eos)
-                           - 1)  # fmt: skip
-        else:
-            last = tl.sum(tl.where(o_t == BT - 1, cs, 0.0), 0)  # cs[BT - 1]
+        last = _tile_total(cs_ptr, cs, o_t, i_h, n_tok, tl.minimum(bos + b * BT + BT, eos) - 1,
+                           BT, PRE_DECAY)  # fmt: skip
         c_t = tl.load(c_ptr + t64[:, None] * s_ct + i_g * s_cg + o_n[None, :],
                       mask=m_t[:, None] & m_n[None, :], other=0.0)  # fmt: skip
         b_t = tl.load(b_ptr + t64[None, :] * s_bt + i_g * s_bg + o_n[:, None],
@@ -98,8 +102,7 @@ def _ssd_fused_kernel(
         # (the old one is dead after), then the causal term within the tile.
         y = _mma_f32_right(c_t, h, tl.zeros((BT, BP), dtype=tl.float32), SPLIT, F32, UPCAST)
         y = y * tl.exp(cs)[:, None]
-        bw = b_t.to(tl.float32) * (tl.exp(last - cs) * d)[None, :]  # [BN, BT]
-        h = _mma_f32_left(bw, x_t, h * tl.exp(last), SPLIT, F32, UPCAST)
+        h = _carry_state(h, b_t, x_t, d, cs, last, SPLIT, F32, UPCAST)
         # C B^T: exact products of 16-bit values, float32 sums; decayed, causal (-inf above
         # the diagonal: exp gives 0, never overflows), times dt
         cb = _mma(c_t, b_t, tl.zeros((BT, BT), dtype=tl.float32), F32, UPCAST)
