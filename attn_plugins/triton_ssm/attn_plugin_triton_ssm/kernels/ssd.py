@@ -704,7 +704,9 @@ def mamba2_ssd_triton(
         plan, n_chunks = _chunk_plan(cu, chunk_size, device)  # its head: the offsets
         pre = None
         if precompute_decay and n_chunks:
-            pre = _decay_pass(dt, dt_bias, A_log, plan, n_chunks, chunk_size, BT, dt_softplus)
+            pre = _decay_pass(
+                dt, dt_bias, A_log, plan, n_seq, n_chunks, chunk_size, BT, dt_softplus
+            )
         launch_fused(
             x, dt, A_log, B, C, ssm_state, state_indices, plan, out, D=D, dt_bias=dt_bias, z=z,
             dt_softplus=dt_softplus, block_t=BT, block_p=BP, split=flags["SPLIT"], decay=pre,
@@ -775,7 +777,7 @@ def mamba2_ssd_triton(
     subs = chunk_size // BT
     decay = (dummy, dummy)
     if precompute_decay and n_chunks:
-        decay = _decay_pass(dt, dt_bias, A_log, plan, n_chunks, chunk_size, BT, dt_softplus)
+        decay = _decay_pass(dt, dt_bias, A_log, plan, n_seq, n_chunks, chunk_size, BT, dt_softplus)
     _ssd_state_kernel[(triton.cdiv(N, BNs) * triton.cdiv(P, BP), H, n_seq)](
         x, dt, A_log, dt_bias if dt_bias is not None else dummy, B, ssm_state, state_indices,
         plan, states, *decay, x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1),
@@ -798,13 +800,12 @@ def mamba2_ssd_triton(
     return out
 
 
-def _decay_pass(dt, dt_bias, A_log, plan, n_chunks: int, chunk: int, bt: int,
+def _decay_pass(dt, dt_bias, A_log, plan, n_seq: int, n_chunks: int, chunk: int, bt: int,
                 dt_softplus: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(dts, cs)`` ``[H, T]`` float32 from :func:`_ssd_decay_kernel` over the chunks of
     ``plan`` (:func:`_chunk_plan` at ``chunk``) in tiles of ``bt`` tokens: 0.5 MiB each per
     1024 tokens at H = 128, against the 4 MiB of one entering state at the granite shape."""
     T, H = dt.shape
-    n_seq = (plan.numel() - 1 - 2 * n_chunks) // 2
     dts = torch.empty((H, T), dtype=torch.float32, device=dt.device)
     cs = torch.empty((H, T), dtype=torch.float32, device=dt.device)
     bh = min(32, next_pow2(H))
