@@ -3,8 +3,9 @@
 # Usage (on the device, from the checkout root): bash scripts/gpu_run.sh STAGE ...
 #   stages: info install selfcheck                            (selfcheck: attn list --self-check)
 #           fi_install                                      (FlashInfer from $FI_WHEELS, see below)
-#           stack_install                                   (STACK=DIR: the newest kernel stack in
-#                                                            parts, scripts/pack_newest_stack.sh)
+#           stack_install                                   (STACK="DIR ...": the newest kernel
+#                                                            stack's layers in parts,
+#                                                            scripts/pack_newest_stack.sh)
 #           t_core t_e2e t_e2e_plugins t_e2e_gptoss t_tp t_fi t_ssm t_varlen t_fa3   (pytest; GPU tests of each area)
 #           t_families                                      (issue 22's config families on the GPU plugins)
 #           t_handoff                                       (prefill -> decode hand-off, 2 GPUs)
@@ -135,16 +136,28 @@ fi_install)
   for t in "$dir"/*.tar.xz; do [ -f "$t" ] && run "fi_unpack_${t##*/}" 120 tar -xJf "$t" -C /tmp/site; done
   run fi_version 60 python3 -c "import flashinfer, importlib.metadata as m; print('flashinfer', \
 m.version('flashinfer-python'), flashinfer.__file__); print(flashinfer.BatchDecodeWithPagedKVCacheWrapper)" ;;
-stack_install)  # STACK=DIR: the newest stack (scripts/pack_newest_stack.sh), parts over calls
-  # STACK_SITE / STACK_STAGE: where it goes (device_setup.sh's site folder) and where the parts
-  # of earlier calls wait
-  site=${STACK_SITE:-/tmp/site}
-  run stack_install 240 bash scripts/stack_unpack.sh "${STACK:?stack_install needs STACK=DIR}" \
-    "$site" "${STACK_STAGE:-/tmp/stack-stage}"
-  # the versions once the stack is in (not while parts are still to come)
-  compgen -G "$site/.stack-*" >/dev/null && run stack_versions 120 python3 -c "import importlib.metadata as m; print(*(f'{d} {m.version(d)}' \
-for d in ('flashinfer-python', 'flash-attn-4', 'nvidia-cutlass-dsl', 'fla-core')), sep='; '); \
-import flashinfer, flash_attn.cute.interface, fla" ;;
+stack_install)  # STACK="DIR ...": the newest stack's layers (scripts/pack_newest_stack.sh), parts over calls
+  # STACK_SITE / STACK_STAGE: where they go (device_setup.sh's site folder) and where the parts
+  # of earlier calls wait, a folder per layer
+  site=${STACK_SITE:-/tmp/site} whole=0
+  for dir in ${STACK:?stack_install needs STACK="DIR ..."}; do
+    layer=${dir%/}; layer=${layer##*/}; stage=${STACK_STAGE:-/tmp/stack-stage}/$layer
+    run "stack_install_$layer" 240 bash scripts/stack_unpack.sh "$dir" "$site" "$stage"
+    sha=$(sed -n 's/^sha256 //p' "$stage/MANIFEST" 2>/dev/null)
+    [ -n "$sha" ] && [ -f "$site/.stack-$sha" ] && whole=$((whole + 1))
+  done
+  # the versions once a layer is in (not while its parts are still to come): each library of
+  # the stack, and an import of those present
+  [ "$whole" -gt 0 ] && run stack_versions 120 python3 -c "import importlib, importlib.metadata as m
+for d, mod in (('flashinfer-python', 'flashinfer'), ('fla-core', 'fla'), ('nvidia-cutlass-dsl', 'cutlass.cute'), ('flash-attn-4', 'flash_attn.cute.interface')):
+    try:
+        v = m.version(d)
+    except m.PackageNotFoundError:
+        print(d, 'absent'); continue
+    try:
+        importlib.import_module(mod); print(d, v, 'imports')
+    except Exception as e:
+        print(d, v, 'import failed:', type(e).__name__, e)" ;;
 install)
   editables=(-e .)
   for p in attn_plugins/*/; do [ -f "$p/pyproject.toml" ] && editables+=(-e "$p"); done

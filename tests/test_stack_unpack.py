@@ -153,28 +153,69 @@ def test_without_a_manifest_it_says_so(tmp_path):
     assert r.returncode == 1 and "no MANIFEST" in r.stderr
 
 
-def test_gpu_run_s_stage_reports_the_missing_parts_and_waits_for_them(tmp_path):
-    """stack_install in gpu_run.sh: the summary says what to carry next; no version check runs
-    against a site that lacks the stack."""
+def _gpu_run_stack_install(repo: Path, tmp_path: Path, stack: str) -> str:
+    """gpu_run.sh's stack_install stage in a copy of the scripts: the summary it writes."""
+    out = tmp_path / "out"
+    r = subprocess.run(
+        ["bash", "scripts/gpu_run.sh", "stack_install"], cwd=repo, capture_output=True,
+        text=True, timeout=60, env={"PATH": os.environ["PATH"], "OUT": str(out),
+                                    "STACK": stack, "STACK_SITE": str(tmp_path / "site"),
+                                    "STACK_STAGE": str(tmp_path / "stage")},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    summary = (out / "summary.log").read_text()
+    (out / "summary.log").unlink()
+    return summary
+
+
+def test_gpu_run_s_stage_installs_each_whole_layer_and_names_the_parts_to_carry(tmp_path):
+    """stack_install in gpu_run.sh over the two layers pack_newest_stack.sh makes: a layer
+    whose parts have all come is unpacked (and the versions are read), the other says what to
+    carry next; the next call completes it from the parts the first left on the machine. No
+    version check runs while no layer is whole."""
     if shutil.which("bash") is None or shutil.which("timeout") is None:
         pytest.skip("needs bash and coreutils' timeout")
-    archive, parts = _pack(tmp_path, {"x/__init__.py": random.Random(2).randbytes(900)}, 300)
-    manifest = _part_lines(parts) + f"sha256 {hashlib.sha256(archive).hexdigest()}\n"
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
     for name in ("gpu_run.sh", "stack_unpack.sh"):
         shutil.copy(ROOT / "scripts" / name, repo / "scripts" / name)
     (repo / "scripts" / "device_setup.sh").write_text("")  # the H200's wheels: not here
-    carried = _carry(repo, ".whl-new", manifest, parts[:1])
-    out = tmp_path / "out"
-    r = subprocess.run(
-        ["bash", "scripts/gpu_run.sh", "stack_install"], cwd=repo, capture_output=True,
-        text=True, timeout=60, env={"PATH": os.environ["PATH"], "OUT": str(out),
-                                    "STACK": carried.name, "STACK_SITE": str(tmp_path / "site"),
-                                    "STACK_STAGE": str(tmp_path / "stage")},
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    summary = (out / "summary.log").read_text()
-    assert "carry " + " ".join(p.name for p in parts[1:]) in summary, summary
-    assert "stack_install rc=3" in summary, summary
-    assert "stack_versions" not in summary, summary
+    layers = {}
+    for layer, seed in (("kernels", 5), ("cutlass", 6)):
+        (tmp_path / layer).mkdir()
+        payload = {f"{layer}_pkg/__init__.py": random.Random(seed).randbytes(900)}
+        archive, parts = _pack(tmp_path / layer, payload, 10_000 if layer == "kernels" else 800)
+        manifest = _part_lines(parts) + f"sha256 {hashlib.sha256(archive).hexdigest()}\n"
+        layers[layer] = manifest, parts
+    stack = ".whl-new/kernels .whl-new/cutlass"
+    (repo / ".whl-new").mkdir()
+    kernels_manifest, kernels_parts = layers["kernels"]
+    cutlass_manifest, cutlass_parts = layers["cutlass"]
+    assert len(kernels_parts) == 1 and len(cutlass_parts) >= 2
+
+    # a first call with no layer whole: nothing unpacked, no version check
+    _carry(repo / ".whl-new", "kernels", kernels_manifest, [])
+    _carry(repo / ".whl-new", "cutlass", cutlass_manifest, cutlass_parts[:1])
+    summary = _gpu_run_stack_install(repo, tmp_path, stack)
+    assert "[stack_install_kernels rc=3" in summary and "stack_versions" not in summary, summary
+
+    # the kernels layer whole, cutlass still waiting on its later parts
+    shutil.rmtree(repo / ".whl-new")
+    (repo / ".whl-new").mkdir()
+    _carry(repo / ".whl-new", "kernels", kernels_manifest, kernels_parts)
+    _carry(repo / ".whl-new", "cutlass", cutlass_manifest, [])
+    summary = _gpu_run_stack_install(repo, tmp_path, stack)
+    assert "[stack_install_kernels rc=0" in summary, summary
+    later = " ".join(p.name for p in cutlass_parts[1:])
+    assert "[stack_install_cutlass rc=3" in summary and f"carry {later}" in summary, summary
+    assert "stack_versions" in summary, summary
+    assert (tmp_path / "site" / "kernels_pkg" / "__init__.py").exists()
+    assert not (tmp_path / "site" / "cutlass_pkg").exists()
+
+    # the next call carries the rest of cutlass and not the kernels layer
+    shutil.rmtree(repo / ".whl-new")
+    (repo / ".whl-new").mkdir()
+    _carry(repo / ".whl-new", "cutlass", cutlass_manifest, cutlass_parts[1:])
+    summary = _gpu_run_stack_install(repo, tmp_path, stack)
+    assert "[stack_install_kernels rc=0" in summary and "[stack_install_cutlass rc=0" in summary
+    assert (tmp_path / "site" / "cutlass_pkg" / "__init__.py").exists()
