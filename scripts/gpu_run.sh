@@ -10,7 +10,7 @@
 #           t_families                                      (issue 22's config families on the GPU plugins)
 #           t_handoff                                       (prefill -> decode hand-off, 2 GPUs)
 #           kit_fi kit_fa3 kit_ssm kit_varlen               (conformance kit per backend;
-#                                                            kit_fi, kit_fa3 with KIT_SHARDS=N:
+#                                                            kit_fi, kit_fa3, kit_ssm with KIT_SHARDS=N:
 #                                                            N shard runs at once)
 #           kit_ssm_x2                                      (the triton_ssm kit over both GPUs)
 #           t_ssd                                           (triton_ssm Mamba2 / SSD tests only)
@@ -185,7 +185,10 @@ kit_fi)  # 8 processes by default: on a cold JIT cache one process ran past 400 
   kit_run kit_fi 420 flashinfer:flashinfer "${XDIST:-8}"
   run kit_fi_mla 300 "${PYTEST[@]}" --attn-backend=flashinfer:flashinfer_mla ;;
 kit_fa3) kit_run kit_fa3 420 fa3:fa3 "${XDIST:-8}" ;;  # FlashAttention-4 carried (.whl-one / .whl-new)
-kit_ssm) run kit_ssm 540 "${PYTEST[@]}" --attn-backend=triton_ssm:triton_ssm
+kit_ssm)  # KIT_SHARDS=N as for kit_fi: fla's and our Triton kernels compile per layer spec, and
+  # xdist deals a spec's checks to every process at once (the first eight, one GDN spec, each
+  # built the same kernels), where a shard keeps a spec's checks in one process
+  kit_run kit_ssm 540 triton_ssm:triton_ssm "${XDIST:-8}"
   run kit_ssm_mamba1 300 "${PYTEST[@]}" --attn-backend=triton_ssm:triton_ssm_mamba1 ;;
 kit_ssm_x2)  # the whole triton_ssm battery in one pass: a shard per GPU, XDIST=8 each (~5 min)
   # -v: one line per finished test, so a run cut by its deadline shows which test was left;

@@ -71,3 +71,21 @@ def test_kit_shards_run_at_once_with_the_cores_split_over_them(tmp_path):
     mla = (out / "kit_fi_mla.log").read_text()  # the MLA kit: one run, as before
     assert "--attn-backend=flashinfer:flashinfer_mla" in mla and "--attn-shard" not in mla
     assert not (out / "kit_fi.log").exists()
+
+
+def test_the_triton_ssm_kit_runs_as_shards_too(tmp_path):
+    stub = '#!/bin/sh\necho "python3 $* MAX_JOBS=$MAX_JOBS"\n'
+    sharded, whole = tmp_path / "sharded", tmp_path / "whole"
+    sharded.mkdir()
+    whole.mkdir()
+    _run_stages(sharded, "kit_ssm", python3=stub, KIT_SHARDS="2")
+    for k in range(2):
+        text = (sharded / "out" / f"kit_ssm_{k}.log").read_text()
+        assert f"--attn-shard={k}/2" in text and "--attn-backend=triton_ssm:triton_ssm " in text
+        assert "MAX_JOBS=8" in text and " -n " not in text, text
+    mamba1 = (sharded / "out" / "kit_ssm_mamba1.log").read_text()  # one run, as before
+    assert "--attn-backend=triton_ssm:triton_ssm_mamba1" in mamba1 and "--attn-shard" not in mamba1
+    # without KIT_SHARDS: one xdist run over the stage's processes
+    _run_stages(whole, "kit_ssm", python3=stub, XDIST="6")
+    text = (whole / "out" / "kit_ssm.log").read_text()
+    assert "-n 6 --attn-backend=triton_ssm:triton_ssm" in text and "--attn-shard" not in text
