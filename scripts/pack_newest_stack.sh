@@ -8,10 +8,10 @@
 #                    quack-kernels: part_aa beside the kernels layer in the first call, the
 #                    rest in the next.
 # FlashInfer 0.7 wants nvidia-cutlass-dsl>=4.8 where the DSL is installed (0.7.4 imports and
-# ran the kit without it); flash-attn-4 betas after 4.0.0b14 need >=4.6.2. From 4.8 the DSL's Python
-# sources (cutlass.cute) ship in nvidia-cutlass-dsl-libs-core and the compiled libraries in
-# -libs-cu12 / -libs-cu13 (64 MB xz-compressed on their own: more than one call carries beside
-# the working tree), so all four cutlass wheels go in the second layer.
+# ran the kit without it); flash-attn-4 betas after 4.0.0b14 need >=4.6.2. From 4.8 the DSL's
+# Python sources (cutlass.cute) ship in nvidia-cutlass-dsl-libs-core and the compiled
+# libraries in -libs-cu12 / -libs-cu13 (64 MB xz-compressed on their own: more than one call
+# carries beside the working tree), so all four cutlass wheels go in the second layer.
 # Usage (development machine, checkout root): bash scripts/pack_newest_stack.sh [OUT_DIR]
 # Device: call 1 carries OUT_DIR/kernels, OUT_DIR/cutlass/MANIFEST and OUT_DIR/cutlass/part_aa;
 #   call 2, on the same warm machine, OUT_DIR/cutlass/MANIFEST and the other cutlass parts.
