@@ -109,6 +109,13 @@ _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # device helpers
 # --------------------------------------------------------------------------------------------
 @triton.jit
+def _softplus(d):
+    """torch's softplus (threshold 20) of float32 ``d``, any shape: the decay pass and the
+    in-kernel decay both take it from here, so the two paths' ``dt`` agree."""
+    return tl.where(d <= 20.0, tl.log(1.0 + tl.exp(d)), d)
+
+
+@triton.jit
 def _chunk_decay(dt_ptr, dt_bias_ptr, a, offs_t, mask_t, s_dt_t, i_h,
                  HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr):  # fmt: skip
     """``dt`` after bias and softplus ``[Q]`` (0 past the chunk's end, so the tail neither decays
@@ -118,7 +125,7 @@ def _chunk_decay(dt_ptr, dt_bias_ptr, a, offs_t, mask_t, s_dt_t, i_h,
     if HAS_DT_BIAS:
         d += tl.load(dt_bias_ptr + i_h).to(tl.float32)
     if DT_SOFTPLUS:
-        d = tl.where(d <= 20.0, tl.log(1.0 + tl.exp(d)), d)  # threshold 20, as torch
+        d = _softplus(d)
     d = tl.where(mask_t, d, 0.0)
     return d, tl.cumsum(d * a, 0)
 
@@ -187,7 +194,7 @@ def _ssd_decay_kernel(
         if HAS_DT_BIAS:
             d += tl.load(dt_bias_ptr + o_h, mask=m_h, other=0.0).to(tl.float32)[None, :]
         if DT_SOFTPLUS:
-            d = tl.where(d <= 20.0, tl.log(1.0 + tl.exp(d)), d)  # threshold 20, as torch
+            d = _softplus(d)
         d = tl.where(m, d, 0.0)
         a = -tl.exp(tl.load(a_log_ptr + o_h, mask=m_h, other=0.0).to(tl.float32))
         cs = tl.cumsum(d * a[None, :], 0)
