@@ -122,9 +122,6 @@ SWEEP = [
 PASS_TILINGS = [
     (16, 4, 3), (32, 4, 3), (32, 4, 4), (32, 8, 3), (64, 4, 2), (64, 4, 3),
 ]  # fmt: skip
-#: (state block_v, state num_stages, output block_vo) of the output beside the state pass
-#: (``output_beside``) timed beside its default (32, 2, 64).
-BESIDE_TILINGS = [(32, 2, 128), (64, 2, 64)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -314,26 +311,16 @@ def job_prefill_ours(T: int, n_seq: int, with_fla: bool = True) -> dict:
                            slot_pass=False)  # fmt: skip
 
     variants = {"gather_scatter": gather}
-    variants["output beside"] = lambda: gdn_chunk.gdn_chunk_prefill_slots(
-        q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
-        use_qk_l2norm=True, output_beside=True,
-    )  # fmt: skip
-    for bv, ns, bvo in BESIDE_TILINGS:
-        variants[f"output beside, pass BV={bv} stages={ns}, output BV={bvo}"] = (
-            lambda bv=bv, ns=ns, bvo=bvo: gdn_chunk.gdn_chunk_prefill_slots(
-                q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
-                use_qk_l2norm=True, output_beside=True, block_v=bv, num_stages=ns,
-                block_vo=bvo,
-            )
-        )  # fmt: skip
-    for bv, nw, ns in PASS_TILINGS:  # the state pass's tilings, fla's output pass after it
-        variants[f"pass BV={bv} warps={nw} stages={ns}"] = (
-            lambda bv=bv, nw=nw, ns=ns: gdn_chunk.gdn_chunk_prefill_slots(
-                q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
-                use_qk_l2norm=True, output_beside=False, block_v=bv, num_warps=nw,
-                num_stages=ns,
-            )
-        )  # fmt: skip
+    for fused in (False, True):  # the output in the state pass, or fla's output pass after it
+        for bv, nw, ns in PASS_TILINGS:
+            name = f"{'fused output, ' if fused else ''}pass BV={bv} warps={nw} stages={ns}"
+            variants[name] = (
+                lambda bv=bv, nw=nw, ns=ns, fused=fused: gdn_chunk.gdn_chunk_prefill_slots(
+                    q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
+                    use_qk_l2norm=True, fuse_output=fused, block_v=bv, num_warps=nw,
+                    num_stages=ns,
+                )
+            )  # fmt: skip
     for name, fn in variants.items():
         try:
             gr = capture_graph(fn)
@@ -385,15 +372,7 @@ def job_kda_prefill(T: int, n_seq: int) -> dict:
             cu_seqlens_cpu=cu_cpu,
         )  # fmt: skip
 
-    from attn_plugin_triton_ssm.kernels import gdn_chunk
-
-    def output_beside():  # fla's output pass beside the state pass, in one launch
-        return gdn_chunk.kda_chunk_prefill_slots(
-            q, k, v, g, beta, state, idx, cu, cu_cpu, scale=k.shape[-1] ** -0.5,
-            use_qk_l2norm=True, output_beside=True,
-        )  # fmt: skip
-
-    calls = {"ours": ours, "gather": gather, "fla": fla_dense, "output_beside": output_beside}
+    calls = {"ours": ours, "gather": gather, "fla": fla_dense}
 
     def alternate(fns: dict, warmup: int) -> dict:
         times: dict[str, list[float]] = {name: [] for name in fns}
@@ -419,8 +398,6 @@ def job_kda_prefill(T: int, n_seq: int) -> dict:
     res["graph_gather_ms"] = best["gather"]
     res["graph_ratio_to_fla"] = best["ours"] / best["fla"]
     res["graph_ratio_to_gather"] = best["ours"] / best["gather"]
-    res["graph_output_beside_ms"] = best["output_beside"]
-    res["graph_ratio_output_beside_to_ours"] = best["output_beside"] / best["ours"]
     return res
 
 

@@ -172,52 +172,6 @@ def test_state_and_output_in_one_pass_match_the_two_passes(lens, H, HV, dtype, s
         )
 
 
-def _chunk_indices(lens):
-    """fla's ``prepare_chunk_indices``: (sequence, chunk within it) of every chunk in order."""
-    rows = [(i, c) for i, n in enumerate(lens) for c in range(-(-n // BT))]
-    return torch.tensor(rows, dtype=torch.int64, device=DEV).reshape(-1, 2)
-
-
-@pytest.mark.parametrize(
-    ("lens", "H", "HV", "dtype", "state_dtype", "block_vo"),
-    [
-        ([70, BT, 5], 2, 4, torch.float32, torch.float32, 16),  # inside / on a chunk boundary
-        ([33, 130], 2, 2, torch.bfloat16, torch.bfloat16, 32),  # one output block a head
-    ],
-)
-def test_output_beside_the_state_pass_matches_the_two_passes(lens, H, HV, dtype, state_dtype,
-                                                              block_vo):  # fmt: skip
-    """``chunk_state_output_beside`` (the state pass and the output programs in one launch,
-    roles by ticket) against ``chunk_state_pass`` plus fla's output formula written out: the
-    same final states, the formula's output on the pass's ``h`` and ``v_new``, other slots
-    untouched."""
-    Kd, Vd = 32, 32
-    k, w, u, gc, state, idx, cu, chunk_off, nt = _inputs(lens, H, HV, Kd, Vd, dtype, state_dtype)
-    q = (torch.randn(k.shape, generator=torch.Generator().manual_seed(1)) * Kd**-0.5).to(DEV)
-    q = q.to(dtype)
-    two = state.clone()
-    h, v_new = gdn_chunk.chunk_state_pass(
-        k, w, u, gc, two, idx, cu, chunk_off, nt, block_v=16, num_warps=2
-    )
-    o_ref = _output_reference(q, k, gc, h[0], v_new[0], cu, lens, scale=0.7)
-    before = state.clone()
-    o = gdn_chunk.chunk_state_output_beside(
-        q, k, w, u, gc, state, idx, cu, chunk_off, _chunk_indices(lens), scale=0.7,
-        block_v=16, block_vo=block_vo, num_warps=2,
-    )  # fmt: skip
-    assert o.shape == u.shape and o.dtype == u.dtype
-    tol = 3e-2 if dtype != torch.float32 else (2e-5 if DEV == "cpu" else 4e-3)
-    assert (o.double() - o_ref).abs().max().item() < tol * o_ref.abs().max().item()
-    assert torch.equal(state, two) if DEV == "cpu" else torch.allclose(state, two, atol=1e-6)
-    untouched = [s for s in range(S) if s not in idx.tolist()]
-    assert torch.equal(state[untouched], before[untouched])
-    with pytest.raises(ValueError, match=r"pass attn \[T, HV, 64\] with g \[T, HV, K\]"):
-        gdn_chunk.chunk_state_output_beside(
-            q, k, w, u, gc[..., None].expand(-1, -1, Kd), state, idx, cu, chunk_off,
-            _chunk_indices(lens), scale=1.0,
-        )  # fmt: skip
-
-
 def _torch_gdn_forward(q, k, v, g, beta, state, idx, lens, scale):
     """Chunked Gated DeltaNet as fla-core 0.6.0's ``chunk_gated_delta_rule`` forward computes
     it, fla's stages written out in float64 torch around the kernel's state pass:
@@ -310,33 +264,25 @@ def test_slot_path_matches_fla_with_gathered_states(dtype, state_dtype, lens):
     assert_slot_pass_matches_gathered(K.gdn_prefill, q, k, v, g, beta, state, idx, cu)
 
 
-def _prefill_with_output(mode):
+def _prefill_with_fused_output(q, k, v, g, beta, state, idx, cu, *, cu_seqlens_cpu, slot_pass):
     """``gdn_prefill``'s signature for :func:`assert_slot_pass_matches_gathered`: the slot path
-    with the output computed in the state pass (``mode`` ``"fused"``) or beside it
-    (``"beside"``), or (``slot_pass=False``) fla's public function around gathered states."""
-
-    def prefill(q, k, v, g, beta, state, idx, cu, *, cu_seqlens_cpu, slot_pass):
-        if not slot_pass:
-            return K.gdn_prefill(q, k, v, g, beta, state, idx, cu, cu_seqlens_cpu=cu_seqlens_cpu,
-                                 slot_pass=False)  # fmt: skip
-        return gdn_chunk.gdn_chunk_prefill_slots(
-            q, k, v, g, beta, state, idx, cu.long(), cu_seqlens_cpu.long(),
-            scale=q.shape[-1] ** -0.5, use_qk_l2norm=True, fuse_output=mode == "fused",
-            output_beside=mode == "beside",
-        )  # fmt: skip
-
-    return prefill
+    with the output computed in the state pass, or (``slot_pass=False``) fla's public function
+    around gathered states."""
+    if not slot_pass:
+        return K.gdn_prefill(q, k, v, g, beta, state, idx, cu, cu_seqlens_cpu=cu_seqlens_cpu,
+                             slot_pass=False)  # fmt: skip
+    return gdn_chunk.gdn_chunk_prefill_slots(
+        q, k, v, g, beta, state, idx, cu.long(), cu_seqlens_cpu.long(), scale=q.shape[-1] ** -0.5,
+        use_qk_l2norm=True, fuse_output=True,
+    )  # fmt: skip
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEV != "cuda", reason="needs CUDA (fla's chunk stages)")
-@pytest.mark.parametrize("mode", ["fused", "beside"])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_output_in_or_beside_the_pass_matches_fla_with_gathered_states(state_dtype, mode):
-    """The output computed in the state pass (``fuse_output``) or beside it in the same
-    launch (``output_beside``, here over five sequences: more state programs than one
-    wave, so output programs start late) against fla's public function, at Qwen3-Next's
-    heads, sequences ending inside and on chunk boundaries."""
+def test_fused_output_slot_path_matches_fla_with_gathered_states(state_dtype):
+    """The output computed in the state pass (``fuse_output``) against fla's public function,
+    at Qwen3-Next's heads, sequences ending inside and on chunk boundaries."""
     torch.manual_seed(0)
     lens = [1000, 64, 1, 257, 2100]
     T, Hk, Hv, D = sum(lens), 16, 32, 128
@@ -347,7 +293,7 @@ def test_output_in_or_beside_the_pass_matches_fla_with_gathered_states(state_dty
     state = (torch.randn(12, Hv, D, D, device="cuda") * 0.1).to(state_dtype)
     idx = torch.tensor([9, 2, 11, 0, 5], device="cuda", dtype=torch.int32)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
-    assert_slot_pass_matches_gathered(_prefill_with_output(mode), q, k, v, g, beta, state, idx, cu)
+    assert_slot_pass_matches_gathered(_prefill_with_fused_output, q, k, v, g, beta, state, idx, cu)
 
 
 @pytest.mark.parametrize("kda", [False, True])

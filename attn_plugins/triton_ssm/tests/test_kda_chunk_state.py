@@ -129,68 +129,6 @@ def test_per_channel_state_pass_refuses_a_decay_of_the_wrong_shape():
         gdn_chunk.chunk_state_pass(z[:, :1], z, z, z, state, idx, cu, cu, 1)
 
 
-@pytest.mark.parametrize(
-    ("lens", "H", "HV", "dtype", "state_dtype", "block_vo"),
-    [
-        ([70, BT, 0, 5], 2, 2, torch.float32, torch.float32, 16),  # inside / on / empty
-        ([33, 130], 1, 2, torch.bfloat16, torch.bfloat16, 32),  # two value heads a query head
-    ],
-)
-def test_output_beside_the_per_channel_pass_matches_the_formula(
-    lens, H, HV, dtype, state_dtype, block_vo
-):
-    """``chunk_state_output_beside`` with a per-channel decay (KDA: ``kg`` as k, fla's
-    intra-chunk attention ``A``): the final states of the pass written out, and fla's
-    ``chunk_gla_fwd_o_gk`` formula ``o = scale (q exp2(g)) @ h + causal(A) @ v_new`` on the
-    recurrence's own ``h`` and ``v_new``; other slots untouched."""
-    Kd, Vd = 32, 16
-    g = torch.Generator().manual_seed(2)
-    T = sum(lens)
-
-    def r(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(DEV)
-
-    rate = torch.linspace(0.01, 3.0, Kd)
-    gk = _chunk_cumsum(-(torch.rand(T, HV, Kd, generator=g) * rate).to(DEV), lens)
-    kg, w = (r(T, HV, Kd, scale=Kd**-0.5).to(dtype) for _ in range(2))
-    u = r(T, HV, Vd).to(dtype)
-    q = r(T, H, Kd, scale=Kd**-0.5).to(dtype)
-    attn = r(T, HV, BT, scale=0.1).to(dtype)  # fla's Aqk; the kernel keeps its causal part
-    state = r(S, HV, Kd, Vd).to(state_dtype)
-    idx = torch.tensor(SLOTS[: len(lens)], device=DEV, dtype=torch.int32)
-    cu, chunk_off, _ = _offsets(lens)
-    chunk_idx = torch.tensor(
-        [(i, c) for i, n in enumerate(lens) for c in range(-(-n // BT))], device=DEV
-    ).reshape(-1, 2)
-    before = state.clone()
-    h_ref, v_ref, finals = _reference(kg, w, u, gk, before, idx, lens)
-    o = gdn_chunk.chunk_state_output_beside(
-        q, kg, w, u, gk, state, idx, cu, chunk_off, chunk_idx, scale=0.7, attn=attn,
-        block_v=16, block_vo=block_vo, num_warps=2,
-    )  # fmt: skip
-    d = torch.float64
-    qq = q.to(d).repeat_interleave(HV // H, dim=1)
-    o_ref = torch.empty(u.shape, dtype=d, device=DEV)
-    for c, (s, e) in enumerate(_chunks(lens)):
-        causal = torch.tril(torch.ones(e - s, e - s, dtype=d, device=DEV))
-        a = attn[s:e, :, : e - s].to(d).permute(1, 0, 2) * causal  # [HV, i, j]
-        inter = torch.einsum("thk,hkv->thv", qq[s:e] * torch.exp2(gk[s:e].to(d)), h_ref[c])
-        o_ref[s:e] = 0.7 * inter + torch.einsum("hij,jhv->ihv", a, v_ref[s:e])
-    tol = 3e-2 if dtype != torch.float32 else (2e-5 if DEV == "cpu" else 4e-3)
-    assert o.shape == u.shape and o.dtype == u.dtype
-    assert (o.double() - o_ref).abs().max().item() < tol * o_ref.abs().max().item()
-    s_tol = tol if state_dtype == torch.float32 else 3e-2
-    for slot, want in finals.items():
-        got = state[slot].double()
-        assert (got - want).abs().max().item() < s_tol * want.abs().max().item(), slot
-    untouched = [s for s in range(S) if s not in finals]
-    assert torch.equal(state[untouched], before[untouched])
-    with pytest.raises(ValueError, match=r"pass attn \[T, HV, 64\] with g \[T, HV, K\]"):
-        gdn_chunk.chunk_state_output_beside(
-            q, kg, w, u, gk, state, idx, cu, chunk_off, chunk_idx, scale=0.7
-        )
-
-
 def _torch_kda_forward(q, k, v, g, beta, state, idx, lens, scale):
     """Chunked KDA as fla-core 0.6.0's ``chunk_kda`` forward computes it, with the stages fla
     runs written out in float64 torch and the inter-chunk state pass the kernel's:

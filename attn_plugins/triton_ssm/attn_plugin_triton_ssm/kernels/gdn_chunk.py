@@ -32,13 +32,6 @@ and ``chunk_gla_fwd_o_gk`` reads the result::
     v_new = u - w @ h
     h     = exp2(g_last)[:, None] * h + kg^T @ v_new
 
-One long sequence gives the pass few programs (heads times value blocks), each a chain of
-dependent dots through every chunk, so most SMs idle until it ends. For Gated DeltaNet the
-output can then run beside it (:func:`chunk_state_output_beside`): one launch whose first
-programs to start are the state pass and whose later ones compute fla's output formula for one
-chunk each, as soon as the pass has stored that chunk's ``h`` and ``v_new`` (a per-head count
-in global memory, released by the pass, acquired by the outputs).
-
 fla's internal functions come from :mod:`attn_plugin_triton_ssm.compat` (gated by fla-core's
 release, self-checked against fla's public function on the GPU, each family on its own);
 :func:`unavailable` says why this path cannot run, and the prefill wrapper then gathers and
@@ -58,7 +51,6 @@ from attn_plugin_triton_ssm.kernels._common import INTERPRETED, first_that_fits
 
 __all__ = [
     "CHUNK",
-    "chunk_state_output_beside",
     "chunk_state_output_pass",
     "chunk_state_pass",
     "gdn_chunk_prefill_slots",
@@ -131,31 +123,8 @@ def _chunk_state_kernel(
     The loop is a chain of dependent dots, so its length is latency: each tile's addresses are
     a scalar base per chunk (advanced by a constant) plus int32 offsets computed once, rather
     than int64 arithmetic per element per chunk."""
-    _state_program(
-        tl.program_id(0), tl.program_id(1), k_ptr, w_ptr, u_ptr, g_ptr, h_ptr, v_new_ptr,
-        state_ptr, slot_ptr, cu_ptr, chunk_off_ptr, q_ptr, o_ptr, slot_ptr, scale, slot_stride,
-        H, HV, K, V, BT, BK, BV, GK, UPCAST, FUSE_O, False, 1,
-    )  # fmt: skip
-
-
-@triton.jit
-def _state_program(
-    i_v, i_nh, k_ptr, w_ptr, u_ptr, g_ptr, h_ptr, v_new_ptr, state_ptr, slot_ptr, cu_ptr,
-    chunk_off_ptr, q_ptr, o_ptr, progress_ptr, scale, slot_stride, H: tl.constexpr,
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, GK: tl.constexpr, UPCAST: tl.constexpr, FUSE_O: tl.constexpr,
-    SIGNAL: tl.constexpr, THREADS: tl.constexpr,
-):  # fmt: skip
-    """Value block ``i_v`` of head and sequence ``i_nh`` (``n * HV + head``) through every chunk
-    of its sequence: :func:`_chunk_state_kernel`'s program. ``SIGNAL``: for the output
-    programs of :func:`_state_output_beside_kernel`, each of the program's ``THREADS``
-    threads adds 1 with release to its count ``progress_ptr[i_nh * cdiv(V, BV) + i_v]`` at
-    the start of every chunk and once after the last, so a count of ``(c + 2) * THREADS``
-    says every thread has stored chunk ``c``'s ``h`` and ``v_new`` and whoever reads it sees
-    them. Each thread's release orders its own stores, and a barrier between two adds (the
-    chunk's dots pass operands through shared memory) keeps any thread from adding twice
-    before every thread has added once. The adds come a chunk after the stores, which are
-    done by then, so the release waits on nothing."""
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
     i_n = i_nh // HV
     i_h = i_nh % HV
     i_hk = i_h // (HV // H)  # the key head this value head reads (GQA-style grouping)
@@ -191,11 +160,7 @@ def _state_program(
     p_o = o_ptr + bos * (HV * V) + i_h * V
     b_h = tl.load(p_state, mask=m_kv, other=0.0).to(tl.float32)
 
-    if SIGNAL:
-        p_count = progress_ptr + i_nh * tl.cdiv(V, BV) + i_v + tl.zeros([THREADS], tl.int32)
     for i_t in range(tl.cdiv(T, BT)):
-        if SIGNAL:  # chunk i_t - 1's h and v_new are stored (see the docstring)
-            tl.atomic_add(p_count, 1, sem="release", scope="gpu")
         left = T - i_t * BT  # tokens from this chunk's start to the sequence's end
         m_t = o_t < left
         if not FUSE_O:  # the state entering this chunk, for fla's output pass
@@ -249,121 +214,7 @@ def _state_program(
             p_g += BT * HV
         p_h += HV * K * V
 
-    if SIGNAL:  # the last chunk's h and v_new are stored
-        tl.atomic_add(p_count, 1, sem="release", scope="gpu")
     tl.store(p_state, b_h.to(state_ptr.dtype.element_ty), mask=m_kv)
-
-
-@triton.jit
-def _output_program(
-    j, q_ptr, k_ptr, g_ptr, a_ptr, h_ptr, v_new_ptr, o_ptr, cu_ptr, chunk_off_ptr,
-    chunk_idx_ptr, progress_ptr, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-    V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVO: tl.constexpr,
-    GK: tl.constexpr, UPCAST: tl.constexpr, THREADS: tl.constexpr,
-):  # fmt: skip
-    """Output program ``j`` of :func:`_state_output_beside_kernel`: chunk ``j // (HV * nvo)``
-    (``nvo = cdiv(V, BVO)``), then head, then ``BVO``-wide value block. Waits until every
-    value block of its head's state pass has stored the chunk's ``h`` and ``v_new``, then
-    computes fla's output pass on them: Gated DeltaNet's ``chunk_fwd_o``::
-
-        o = scale * (exp2(g) * (q @ h) + (causal(q @ k^T) * exp2(g_i - g_j)) @ v_new)
-
-    or (``GK``, KDA's per-channel decay ``g`` ``[T, HV, K]``) ``chunk_gla_fwd_o_gk``, with
-    fla's intra-chunk attention ``A`` ``[T, HV, BT]`` (scaled already)::
-
-        o = scale * (q * exp2(g)) @ h + causal(A) @ v_new
-    """
-    n_vo = tl.cdiv(V, BVO)
-    i_c = j // (HV * n_vo)
-    i_h = (j // n_vo) % HV
-    i_vo = j % n_vo
-    i_hk = i_h // (HV // H)
-    i_n = tl.load(chunk_idx_ptr + 2 * i_c).to(tl.int64)
-    i_t = tl.load(chunk_idx_ptr + 2 * i_c + 1).to(tl.int32)
-    bos = tl.load(cu_ptr + i_n).to(tl.int64)
-    T = (tl.load(cu_ptr + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-    first_chunk = tl.load(chunk_off_ptr + i_n).to(tl.int64)
-    # the state programs (value blocks) whose columns this program reads: each has stored
-    # chunk i_t once its count reaches (i_t + 2) * THREADS (see _state_program)
-    n_v = tl.cdiv(V, BV)
-    p_progress = progress_ptr + (i_n * HV + i_h) * n_v
-    for i_v in range((i_vo * BVO) // BV, tl.minimum(((i_vo + 1) * BVO + BV - 1) // BV, n_v)):
-        done = tl.atomic_add(p_progress + i_v, 0, sem="acquire", scope="gpu")
-        while done < (i_t + 2) * THREADS:
-            done = tl.atomic_add(p_progress + i_v, 0, sem="acquire", scope="gpu")
-
-    o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    o_v = i_vo * BVO + tl.arange(0, BVO)
-    m_t = o_t < T - i_t * BT
-    m_k = o_k < K
-    m_v = o_v < V
-    t0 = bos + i_t * BT
-    m_tk = m_t[:, None] & m_k[None, :]
-    m_tv = m_t[:, None] & m_v[None, :]
-    k_offs = (t0 + o_t)[:, None] * (H * K) + i_hk * K + o_k[None, :]
-    v_offs = (t0 + o_t)[:, None] * (HV * V) + i_h * V + o_v[None, :]
-    b_q = tl.load(q_ptr + k_offs, mask=m_tk, other=0.0)
-    # written by other programs during this launch: read past L1 (.cg), after the count
-    p_h = h_ptr + ((first_chunk + i_t) * HV + i_h) * (K * V)
-    b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
-                  other=0.0, cache_modifier=".cg")  # fmt: skip
-    b_vn = tl.load(v_new_ptr + v_offs, mask=m_tv, other=0.0, cache_modifier=".cg")
-    causal = (o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :]
-    if GK:
-        g_offs = (t0 + o_t)[:, None] * (HV * K) + i_h * K + o_k[None, :]
-        b_gk = tl.load(g_ptr + g_offs, mask=m_tk, other=0.0).to(tl.float32)
-        b_qg = (b_q * tl.exp2(b_gk)).to(b_q.dtype)
-        a_offs = (t0 + o_t)[:, None] * (HV * BT) + i_h * BT + o_t[None, :]
-        b_a = tl.load(a_ptr + a_offs, mask=m_t[:, None], other=0.0)
-        b_a = tl.where(causal, b_a, 0.0)
-        b_o = _dot(b_qg, b_h, UPCAST) * scale + _dot(b_a.to(b_vn.dtype), b_vn, UPCAST)
-    else:
-        b_k = tl.load(k_ptr + k_offs, mask=m_tk, other=0.0)
-        b_g = tl.load(g_ptr + (t0 + o_t) * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
-        b_o = _dot(b_q, b_h, UPCAST) * tl.exp2(b_g)[:, None]
-        b_a = _dot(b_q, tl.trans(b_k), UPCAST) * tl.exp2(b_g[:, None] - b_g[None, :])
-        b_a = tl.where(causal, b_a, 0.0)
-        b_o = b_o * scale + _dot(b_a.to(b_vn.dtype), b_vn, UPCAST) * scale
-    tl.store(o_ptr + v_offs, b_o.to(o_ptr.dtype.element_ty), mask=m_tv)
-
-
-@triton.jit(do_not_specialize=["slot_stride", "n_state"])
-def _state_output_beside_kernel(
-    k_ptr, w_ptr, u_ptr, g_ptr, h_ptr, v_new_ptr, state_ptr, slot_ptr, cu_ptr, chunk_off_ptr,
-    q_ptr, o_ptr, a_ptr, chunk_idx_ptr, sync_ptr, scale, slot_stride, n_state,
-    H: tl.constexpr, HQ: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVO: tl.constexpr, GK: tl.constexpr,
-    UPCAST: tl.constexpr, THREADS: tl.constexpr,
-):  # fmt: skip
-    """The state pass and fla's output pass in one launch, side by side (Gated DeltaNet; with
-    ``GK`` KDA: ``k`` is fla's ``kg`` ``[T, HV, K]``, ``a_ptr`` its intra-chunk attention;
-    ``H`` counts k's heads, ``HQ`` q's). The first ``n_state`` programs to start are the state
-    pass (:func:`_state_program`, grid order ``(value block, n * HV + head)`` flattened),
-    every later one computes one chunk's output for one head and ``BVO`` values
-    (:func:`_output_program`) once the pass has stored that chunk. One long sequence's pass
-    has few programs (heads times value blocks), each a chain of dependent dots, and leaves
-    most of the GPU idle; the outputs fill it.
-
-    ``sync_ptr`` ``[1 + n_state]`` int32, zeros: a ticket counter, then each state program's
-    count of stored chunks (:func:`_state_program`). A program's role comes from its
-    ticket, taken when it starts, not from its program id: every state program has started
-    before any output program waits, and a state program never waits, so the launch cannot
-    deadlock whatever order the hardware starts programs in."""
-    ticket = tl.atomic_add(sync_ptr, 1)
-    n_v = tl.cdiv(V, BV)
-    if ticket < n_state:
-        _state_program(
-            ticket % n_v, ticket // n_v, k_ptr, w_ptr, u_ptr, g_ptr, h_ptr, v_new_ptr,
-            state_ptr, slot_ptr, cu_ptr, chunk_off_ptr, q_ptr, o_ptr, sync_ptr + 1, scale,
-            slot_stride, H, HV, K, V, BT, BK, BV, GK, UPCAST, False, True, THREADS,
-        )  # fmt: skip
-    else:
-        _output_program(
-            ticket - n_state, q_ptr, k_ptr, g_ptr, a_ptr, h_ptr, v_new_ptr, o_ptr, cu_ptr,
-            chunk_off_ptr, chunk_idx_ptr, sync_ptr + 1, scale, HQ, HV, K, V, BT, BK, BV, BVO, GK,
-            UPCAST, THREADS,
-        )  # fmt: skip
 
 
 @triton.jit
@@ -516,112 +367,6 @@ def chunk_state_output_pass(
     return o
 
 
-def chunk_state_output_beside(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    w: torch.Tensor,
-    u: torch.Tensor,
-    g: torch.Tensor,
-    ssm_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    chunk_offsets: torch.Tensor,
-    chunk_indices: torch.Tensor,
-    *,
-    scale: float,
-    attn: torch.Tensor | None = None,
-    block_v: int | None = None,
-    block_vo: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 2,
-) -> torch.Tensor:
-    """The state pass with fla's output pass beside it, in one launch
-    (:func:`_state_output_beside_kernel`): each chunk's output is computed as soon as the pass
-    has stored the chunk's ``h`` and ``v_new``, on the SMs the pass leaves idle, in place of
-    :func:`chunk_state_pass` followed by fla's output pass (Gated DeltaNet's ``chunk_fwd_o``,
-    KDA's ``chunk_gla_fwd_o_gk``). The same arithmetic on the same rounded ``h`` and
-    ``v_new`` as that pair.
-
-    :param q: ``[T, H, K]`` queries (already l2-normalised when the layer asks for it), k's
-        dtype; ``k``, ``w``, ``u``, ``g`` (``[T, HV]`` per head, or KDA's ``[T, HV, K]`` per
-        key channel with ``k`` fla's ``kg``), the slots and offsets as
-        :func:`chunk_state_pass`.
-    :param chunk_indices: ``[num_chunks, 2]`` int64, (sequence, chunk within it) of every
-        chunk in order (fla's ``prepare_chunk_indices``).
-    :param attn: KDA only (and required there): fla's intra-chunk attention ``Aqk``
-        ``[T, HV, 64]``, scaled, which the output pass reads in place of ``q @ k^T``.
-    :param block_vo: values per output program; ``num_stages``: the state pass's pipeline
-        depth (2 by default: deeper pipelines take the shared memory an output program
-        would run in beside it).
-    :returns: the output ``o`` ``[T, HV, V]`` in u's dtype; the slots hold the final states.
-    """
-    T, H, K = k.shape
-    HV, V = u.shape[1], u.shape[2]
-    per_channel = g.dim() == 3
-    if g.shape != ((T, HV, K) if per_channel else (T, HV)):
-        raise ValueError(
-            f"chunk_state_output_beside: g must be [T, HV] (per-head decay) or [T, HV, K] (per "
-            f"key channel) with T={T}, HV={HV}, K={K}, got {list(g.shape)}"
-        )
-    if per_channel != (attn is not None):
-        raise ValueError(
-            "chunk_state_output_beside: a per-channel decay (KDA) reads fla's intra-chunk "
-            "attention: pass attn [T, HV, 64] with g [T, HV, K], and neither with g [T, HV]; got "
-            f"g {list(g.shape)}, attn {None if attn is None else list(attn.shape)}"
-        )
-    if attn is not None and attn.shape != (T, HV, CHUNK):
-        raise ValueError(
-            f"chunk_state_output_beside: attn must be [T, HV, {CHUNK}] = [{T}, {HV}, {CHUNK}], "
-            f"got {list(attn.shape)}"
-        )
-    if q.shape[0] != T or q.shape[2] != K or q.dtype != k.dtype or HV % q.shape[1]:
-        raise ValueError(
-            f"chunk_state_output_beside: q must be [T={T}, H, K={K}] in {k.dtype} with H "
-            f"dividing HV={HV}, got {list(q.shape)} {q.dtype}"
-        )
-    if not per_channel and q.shape != k.shape:
-        raise ValueError(
-            f"chunk_state_output_beside: q must be like k {list(k.shape)}, got {list(q.shape)}"
-        )
-    n_chunks = chunk_indices.shape[0]
-    if chunk_indices.shape != (n_chunks, 2):
-        raise ValueError(
-            f"chunk_state_output_beside: chunk_indices must be [num_chunks, 2] (sequence, "
-            f"chunk), got {list(chunk_indices.shape)}"
-        )
-    o = torch.empty_like(u)
-    N = state_indices.shape[0]
-    if not N or not T:
-        return o
-    h = k.new_empty(n_chunks, HV, K, V)
-    v_new = torch.empty_like(u)
-    BV = block_v or _tiling(triton.cdiv(V, 64) * N * HV, V)[0]
-    n_state = triton.cdiv(V, BV) * N * HV
-    # the ticket counter, then each state program's count of stored chunks
-    sync = torch.zeros(1 + n_state, dtype=torch.int32, device=k.device)
-    grid = (n_state + n_chunks * HV * triton.cdiv(V, block_vo),)
-
-    def launch(stages: int, warmup: bool = False):
-        args = (k, w, u, g, h, v_new, ssm_state, state_indices, cu_seqlens, chunk_offsets, q, o,
-                u if attn is None else attn, chunk_indices, sync, float(scale),
-                ssm_state.stride(0), n_state)  # fmt: skip
-        kw = dict(H=H, HQ=q.shape[1], HV=HV, K=K, V=V, BT=CHUNK,
-                  BK=max(16, triton.next_power_of_2(K)), BV=BV, BVO=block_vo, GK=per_channel,
-                  UPCAST=INTERPRETED,
-                  THREADS=32 * num_warps, num_warps=num_warps, num_stages=stages)  # fmt: skip
-        if warmup:
-            return _state_output_beside_kernel.warmup(*args, grid=grid, **kw)
-        return _state_output_beside_kernel[grid](*args, **kw)
-
-    key = ("beside", k.device, k.dtype, ssm_state.dtype, q.shape[1], HV, K, V, BV, block_vo,
-           per_channel, num_warps, num_stages)  # fmt: skip
-    fitted = _FITTED_STAGES.get(key)
-    if fitted is None:
-        fitted = _FITTED_STAGES[key] = _fit_stages(launch, num_stages, k.device)
-    launch(fitted)
-    return o
-
-
 def _launch_pass(k, w, u, g, ssm_state, state_indices, cu_seqlens, chunk_offsets, *, h, v_new,
                  q, o, scale, block_v, num_warps, num_stages) -> None:  # fmt: skip
     """One launch of :func:`_chunk_state_kernel` (``q`` given: with the output, ``FUSE_O``;
@@ -710,13 +455,11 @@ def gdn_chunk_prefill_slots(
     scale: float,
     use_qk_l2norm: bool,
     fuse_output: bool = False,
-    output_beside: bool = False,
     **pass_options,
 ) -> torch.Tensor:
-    """Gated DeltaNet chunked prefill on CUDA with fla's stages and our state pass over slots,
-    then fla's ``chunk_fwd_o``; or the output computed in that pass (``fuse_output``,
-    :func:`chunk_state_output_pass`), or beside it in the same launch (``output_beside``,
-    :func:`chunk_state_output_beside`).
+    """Gated DeltaNet chunked prefill on CUDA with fla's stages and our state pass over slots
+    (``fuse_output``: the output computed in that pass, :func:`chunk_state_output_pass`, in
+    place of fla's ``chunk_fwd_o`` after it).
 
     :param q: ``[T, H, K]``, ``k`` likewise, ``v`` ``[T, HV, V]``, ``g`` ``[T, HV]`` log
         decay, ``beta`` ``[T, HV]`` (contiguous; checked by the caller).
@@ -734,19 +477,10 @@ def gdn_chunk_prefill_slots(
         k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
         chunk_size=CHUNK,
     )  # fmt: skip
-    if fuse_output and output_beside:
-        raise ValueError(
-            "gdn_chunk_prefill_slots: fuse_output and output_beside exclude each other"
-        )
     if fuse_output:
         return chunk_state_output_pass(
             q[0], k[0], w[0], u[0], g[0], ssm_state, state_indices, cu_seqlens, chunk_offsets,
             scale=scale, **pass_options,
-        )  # fmt: skip
-    if output_beside:
-        return chunk_state_output_beside(
-            q[0], k[0], w[0], u[0], g[0], ssm_state, state_indices, cu_seqlens, chunk_offsets,
-            chunk_indices, scale=scale, **pass_options,
         )  # fmt: skip
     h, v_new = chunk_state_pass(
         k[0], w[0], u[0], g[0], ssm_state, state_indices, cu_seqlens, chunk_offsets,
@@ -772,14 +506,11 @@ def kda_chunk_prefill_slots(
     *,
     scale: float,
     use_qk_l2norm: bool,
-    output_beside: bool = False,
     **pass_options,
 ) -> torch.Tensor:
     """KDA chunked prefill on CUDA with fla's stages and our state pass over slots: the stages
     of fla's ``chunk_kda`` forward (per-channel cumsum, ``chunk_kda_fwd_intra``, the output pass
-    ``chunk_gla_fwd_o_gk``) around :func:`chunk_state_pass` with the per-channel decay; the
-    output pass beside the state pass in one launch with ``output_beside``
-    (:func:`chunk_state_output_beside`).
+    ``chunk_gla_fwd_o_gk``) around :func:`chunk_state_pass` with the per-channel decay.
 
     :param q: ``[T, H, K]``, ``k`` likewise, ``v`` ``[T, HV, V]``, ``g`` ``[T, HV, K]`` log
         decay (natural log, as ``chunk_kda`` takes it), ``beta`` ``[T, HV]`` (contiguous;
@@ -800,11 +531,6 @@ def kda_chunk_prefill_slots(
         q=q, k=k, v=v, gk=g, beta=beta, scale=scale, cu_seqlens=cu_seqlens,
         chunk_size=CHUNK, chunk_indices=chunk_indices,
     )  # fmt: skip
-    if output_beside:
-        return chunk_state_output_beside(
-            q[0], kg[0], w[0], u[0], g[0], ssm_state, state_indices, cu_seqlens, chunk_offsets,
-            chunk_indices, scale=scale, attn=Aqk[0], **pass_options,
-        )  # fmt: skip
     h, v_new = chunk_state_pass(
         kg[0], w[0], u[0], g[0], ssm_state, state_indices, cu_seqlens, chunk_offsets,
         chunk_indices.shape[0], **pass_options,
