@@ -423,6 +423,8 @@ class TritonSSMContext:
         self._ssd_precise = backend.option("ssd_dots") == "split"
         self._dt_softplus = variant is LinearVariant.MAMBA2
         self._ones: torch.Tensor | None = None  # lightning's dt = 1, [max_num_tokens, H]
+        #: per layer, the (storage, version) of the last lightning slope that passed its check
+        self._slope_checked: dict[int, tuple[int, int]] = {}
         self.constraints = constraints
         self.strategy = _strategy(constraints)
         self.state = state
@@ -816,6 +818,28 @@ class TritonSSMContext:
         if any(inputs.get(n) is None for n in need):
             missing = [n for n in need if inputs.get(n) is None]
             self._bad(f"{self.variant.value} inputs", list(need), f"missing {missing}", layer)
+        if self.variant is LinearVariant.LIGHTNING:
+            self._check_slope(inputs["slope"], layer)
+
+    def _check_slope(self, slope: torch.Tensor, layer: int) -> None:
+        """Lightning's kernels decay a head's state by ``e^(-slope)`` a token through
+        ``A_log = log(slope)``, which is NaN for a negative slope (a state that grows): refuse
+        one, or a NaN. The values are read on the host once per slope tensor (its storage and
+        version: a layer's constant slope costs one device sync, at its first step, and is
+        checked again if changed in place); a step being captured into a CUDA graph cannot
+        read them and is not checked."""
+        key = (slope.data_ptr(), slope._version)
+        if self._slope_checked.get(layer) == key:
+            return
+        if slope.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        bad = ~(slope >= 0)  # NaN compares false
+        if bool(bad.any()):
+            heads = bad.nonzero().flatten().tolist()
+            shown = ", ".join(f"head {h}: {slope[h].item():g}" for h in heads[:4])
+            expected = "slope >= 0 in every head (the state decays by e^-slope a token)"
+            self._bad("lightning slope", expected, shown + " ..." * (len(heads) > 4), layer)
+        self._slope_checked[layer] = key
 
     def _bad(self, what: str, expected: object, got: object, layer: int | None = None) -> NoReturn:
         raise BackendInputError(

@@ -305,6 +305,32 @@ def test_a_layer_parameter_of_the_wrong_shape_is_named_with_its_layer(registry, 
         lane.runtime.binding(1).forward(x["q"], x["k"], x["v"], **kw)
 
 
+def test_a_negative_lightning_slope_is_refused_before_any_state_changes(registry):
+    """Lightning's kernels decay by ``e^(-slope)`` through ``A_log = log(slope)``: a negative
+    slope (a state that grows) came out as NaN in the slot. It is refused, naming the layer
+    and the head, before the step writes anything; a slope changed in place after it passed
+    is checked again (the check keys on the tensor's storage and version)."""
+    spec = _spec("lightning")
+    lane = _lanes(registry, spec, ExecutionConstraints(max_batch_size=4, max_num_tokens=32))[1]
+    lane.state.add_request("a")
+    lane.runtime.prepare(lane.builder.build([("a", 3)]))
+    x, p = step_inputs(spec, 3, DEV, 0)[1], lane.params[1]
+    slope = p["slope"].clone()
+    bad = slope.clone()
+    bad[1] = -0.25
+    before = states(lane)
+    with pytest.raises(BackendInputError, match=r"layer 1: lightning slope: .*head 1"):
+        lane.runtime.binding(1).forward(x["q"], x["k"], x["v"], slope=bad)
+    after = states(lane)
+    assert all(torch.equal(before[i][1], after[i][1]) for i in LAYERS)
+    lane.runtime.binding(1).forward(x["q"], x["k"], x["v"], slope=slope)  # a valid slope runs
+    assert torch.isfinite(lane.state.state_slots.layer(1).ssm).all()
+    slope[1] = float("nan")  # in place: a new version of the same storage
+    lane.runtime.prepare(lane.builder.build([("a", 3)]))
+    with pytest.raises(BackendInputError, match=r"layer 1: lightning slope: .*head 1"):
+        lane.runtime.binding(1).forward(x["q"], x["k"], x["v"], slope=slope)
+
+
 def test_workspace_declared_per_layer_for_native_only(registry):
     spec = make_spec("gated_deltanet")
     native = ExecutionConstraints(max_batch_size=4, max_num_tokens=32, speculative_tokens=3)
