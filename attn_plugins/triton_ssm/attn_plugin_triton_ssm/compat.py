@@ -55,6 +55,7 @@ __all__ = [
     "self_check_now",
     "slot_pass_reason",
     "stages",
+    "tensor_version",
     "triton_note",
 ]
 
@@ -261,6 +262,15 @@ def _read_shared_memory(compiled: Any) -> tuple[int | None, str]:
     if shared < 0:
         return None, f"Triton says {shared} bytes"
     return shared, ""
+
+
+def tensor_version(t: torch.Tensor) -> int | None:
+    """torch's count of in-place changes to ``t`` (``Tensor._version``: private, the counter
+    autograd itself checks), or None where the installed torch has none. The lightning slope
+    check keys on it, so that a slope changed in place is checked again; without it a slope is
+    checked once per storage."""
+    version = getattr(t, "_version", None)
+    return version if isinstance(version, int) else None
 
 
 def kernel_shared_memory(compiled: Any) -> int | None:

@@ -424,7 +424,7 @@ class TritonSSMContext:
         self._dt_softplus = variant is LinearVariant.MAMBA2
         self._ones: torch.Tensor | None = None  # lightning's dt = 1, [max_num_tokens, H]
         #: per layer, the (storage, version) of the last lightning slope that passed its check
-        self._slope_checked: dict[int, tuple[int, int]] = {}
+        self._slope_checked: dict[int, tuple[int, int | None]] = {}
         self.constraints = constraints
         self.strategy = _strategy(constraints)
         self.state = state
@@ -828,7 +828,7 @@ class TritonSSMContext:
         version: a layer's constant slope costs one device sync, at its first step, and is
         checked again if changed in place); a step being captured into a CUDA graph cannot
         read them and is not checked."""
-        key = (slope.data_ptr(), slope._version)
+        key = (slope.data_ptr(), compat.tensor_version(slope))
         if self._slope_checked.get(layer) == key:
             return
         if slope.is_cuda and torch.cuda.is_current_stream_capturing():

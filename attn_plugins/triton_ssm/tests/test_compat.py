@@ -287,3 +287,19 @@ def test_kernel_resources_loads_the_binary_and_refuses_what_cannot_be_a_kernels(
     assert compat.kernel_resources(type("C", (), {"n_regs": 40})()) is None  # no metadata
     # a sizing hint only: attn list does not claim a tiling fell back
     assert "kernel shared memory unreadable" not in compat.triton_note()
+
+
+def test_tensor_version_counts_in_place_changes_and_is_none_without_the_counter():
+    """The lightning slope check's key: torch's in-place counter moves on ``add_`` and not on a
+    read; an object without one (another torch) gives None, not an error."""
+    t = torch.ones(3)
+    before = compat.tensor_version(t)
+    assert isinstance(before, int)
+    assert compat.tensor_version(t) == before
+    t.add_(1)
+    assert compat.tensor_version(t) == before + 1
+
+    class NoCounter:
+        pass
+
+    assert compat.tensor_version(NoCounter()) is None  # type: ignore[arg-type]
