@@ -268,7 +268,7 @@ def tensor_version(t: torch.Tensor) -> int | None:
     """torch's count of in-place changes to ``t`` (``Tensor._version``: private, the counter
     autograd itself checks), or None where the installed torch has none. The lightning slope
     check keys on it, so that a slope changed in place is checked again; without it a slope is
-    checked once per storage."""
+    checked once per tensor."""
     version = getattr(t, "_version", None)
     return version if isinstance(version, int) else None
 

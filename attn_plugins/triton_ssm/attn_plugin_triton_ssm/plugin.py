@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import weakref
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -423,8 +424,9 @@ class TritonSSMContext:
         self._ssd_precise = backend.option("ssd_dots") == "split"
         self._dt_softplus = variant is LinearVariant.MAMBA2
         self._ones: torch.Tensor | None = None  # lightning's dt = 1, [max_num_tokens, H]
-        #: per layer, the (storage, version) of the last lightning slope that passed its check
-        self._slope_checked: dict[int, tuple[int, int | None]] = {}
+        #: per layer, the last lightning slope that passed its check (held weakly, so a new
+        #: tensor at a freed one's address is not taken for it) and its in-place count then
+        self._slope_checked: dict[int, tuple[weakref.ref[torch.Tensor], int | None]] = {}
         self.constraints = constraints
         self.strategy = _strategy(constraints)
         self.state = state
@@ -824,12 +826,14 @@ class TritonSSMContext:
     def _check_slope(self, slope: torch.Tensor, layer: int) -> None:
         """Lightning's kernels decay a head's state by ``e^(-slope)`` a token through
         ``A_log = log(slope)``, which is NaN for a negative slope (a state that grows): refuse
-        one, or a NaN. The values are read on the host once per slope tensor (its storage and
-        version: a layer's constant slope costs one device sync, at its first step, and is
-        checked again if changed in place); a step being captured into a CUDA graph cannot
-        read them and is not checked."""
-        key = (slope.data_ptr(), compat.tensor_version(slope))
-        if self._slope_checked.get(layer) == key:
+        one, or a NaN. The values are read on the host once per slope tensor and in-place
+        count (a layer's constant slope costs one device sync, at its first step, and is
+        checked again if changed in place through it or a view; a write through an unrelated
+        tensor over the same memory is not seen); a step being captured into a CUDA graph
+        cannot read them and is not checked."""
+        version = compat.tensor_version(slope)
+        checked = self._slope_checked.get(layer)
+        if checked is not None and checked[0]() is slope and checked[1] == version:
             return
         if slope.is_cuda and torch.cuda.is_current_stream_capturing():
             return
@@ -839,7 +843,7 @@ class TritonSSMContext:
             shown = ", ".join(f"head {h}: {slope[h].item():g}" for h in heads[:4])
             expected = "slope >= 0 in every head (the state decays by e^-slope a token)"
             self._bad("lightning slope", expected, shown + " ..." * (len(heads) > 4), layer)
-        self._slope_checked[layer] = key
+        self._slope_checked[layer] = (weakref.ref(slope), version)
 
     def _bad(self, what: str, expected: object, got: object, layer: int | None = None) -> NoReturn:
         raise BackendInputError(

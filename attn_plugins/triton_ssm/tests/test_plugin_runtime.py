@@ -331,6 +331,29 @@ def test_a_negative_lightning_slope_is_refused_before_any_state_changes(registry
         lane.runtime.binding(1).forward(x["q"], x["k"], x["v"], slope=slope)
 
 
+@pytest.mark.skipif(DEV != "cpu", reason="aliases host memory (torch.frombuffer)")
+def test_a_new_slope_tensor_at_a_checked_address_is_checked_again(registry):
+    """The check's record names the tensor itself, not its address: a new tensor at the
+    address of one that passed, with the same in-place count (0), is read again. Here both
+    view one host buffer, whose values turned negative after the first passed."""
+    import numpy as np
+
+    spec = _spec("lightning")
+    lane = _lanes(registry, spec, ExecutionConstraints(max_batch_size=4, max_num_tokens=32))[1]
+    lane.state.add_request("a")
+    lane.runtime.prepare(lane.builder.build([("a", 3)]))
+    x, p = step_inputs(spec, 3, DEV, 0)[1], lane.params[1]
+    buf = bytearray(p["slope"].float().numpy().tobytes())
+    first = torch.frombuffer(buf, dtype=torch.float32)
+    lane.runtime.binding(1).forward(x["q"], x["k"], x["v"], slope=first)
+    np.frombuffer(buf, dtype=np.float32)[1] = -0.25  # not through torch: no count moves
+    second = torch.frombuffer(buf, dtype=torch.float32)
+    assert second.data_ptr() == first.data_ptr()
+    lane.runtime.prepare(lane.builder.build([("a", 3)]))
+    with pytest.raises(BackendInputError, match=r"layer 1: lightning slope: .*head 1"):
+        lane.runtime.binding(1).forward(x["q"], x["k"], x["v"], slope=second)
+
+
 def test_workspace_declared_per_layer_for_native_only(registry):
     spec = make_spec("gated_deltanet")
     native = ExecutionConstraints(max_batch_size=4, max_num_tokens=32, speculative_tokens=3)
