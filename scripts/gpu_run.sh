@@ -12,6 +12,7 @@
 #           kit_fi kit_fa3 kit_ssm kit_varlen               (conformance kit per backend;
 #                                                            kit_fi, kit_fa3, kit_ssm with KIT_SHARDS=N:
 #                                                            N shard runs at once)
+#                                                           (KIT_LIMIT=S: seconds per kit run)
 #           kit_ssm_x2                                      (the triton_ssm kit over both GPUs)
 #           t_ssd                                           (triton_ssm Mamba2 / SSD tests only)
 #           t_mamba1                                        (Mamba1: triton_ssm and e2e tests)
@@ -182,13 +183,13 @@ t_mamba1) run t_mamba1 400 "${PYTEST[@]}" attn_plugins/triton_ssm/tests tests/e2
 t_varlen) run t_varlen 300 "${PYTEST[@]}" attn_plugins/varlen/tests ;;
 t_fa3) run t_fa3 300 "${PYTEST[@]}" attn_plugins/fa3/tests ;;
 kit_fi)  # 8 processes by default: on a cold JIT cache one process ran past 400 s, 8 took 321 s
-  kit_run kit_fi 420 flashinfer:flashinfer "${XDIST:-8}"
+  kit_run kit_fi "${KIT_LIMIT:-420}" flashinfer:flashinfer "${XDIST:-8}"
   run kit_fi_mla 300 "${PYTEST[@]}" --attn-backend=flashinfer:flashinfer_mla ;;
-kit_fa3) kit_run kit_fa3 420 fa3:fa3 "${XDIST:-8}" ;;  # FlashAttention-4 carried (.whl-one / .whl-new)
+kit_fa3) kit_run kit_fa3 "${KIT_LIMIT:-420}" fa3:fa3 "${XDIST:-8}" ;;  # FlashAttention-4 carried (.whl-one / .whl-new)
 kit_ssm)  # KIT_SHARDS=N as for kit_fi: fla's and our Triton kernels compile per layer spec, and
   # xdist deals a spec's checks to every process at once (the first eight, one GDN spec, each
   # built the same kernels), where a shard keeps a spec's checks in one process
-  kit_run kit_ssm 540 triton_ssm:triton_ssm "${XDIST:-8}"
+  kit_run kit_ssm "${KIT_LIMIT:-540}" triton_ssm:triton_ssm "${XDIST:-8}"
   run kit_ssm_mamba1 300 "${PYTEST[@]}" --attn-backend=triton_ssm:triton_ssm_mamba1 ;;
 kit_ssm_x2)  # the whole triton_ssm battery in one pass: a shard per GPU, XDIST=8 each (~5 min)
   # -v: one line per finished test, so a run cut by its deadline shows which test was left;

@@ -21,7 +21,7 @@ Variants (shapes of the models that use them):
 * ``lightning``: MiniMax-Text-01, H=64, Dk=Dv=128, through ``mamba2_decode`` as the plugin
   calls it.
 * ``mamba1``: Falcon-Mamba / Jamba, d_inner 8192, d_state 16 (``mamba1_decode``: block_d,
-  num_warps, requests_per_program, cache_hints).
+  num_warps, requests_per_program, cache_hints, pipeline).
 * ``short_conv``: LFM2-1.2B, 2048 channels, kernel 3, bf16 conv state (``causal_conv1d_update``:
   the packed kernel's block_c, requests_per_program, num_warps, and the general kernel's with
   ``packed_pairs=False``); bytes: conv state read + write plus the token in and out.
@@ -142,10 +142,15 @@ def _mamba2_case(B: int, lightning: bool):
 
 def _mamba1_case(B: int):
     run, half_bytes = mamba1_decode_call(B)
-    # 32 and 256 channels per program, 8 warps, and 8 or 16 requests a program (0.40-0.86
-    # against the default's 0.85-0.87) lost everywhere in earlier sweeps
-    grid = _grid(block_d=(64, 128), num_warps=(1, 2, 4), requests_per_program=(1, 2, 4),
+    # 32 and 256 channels per program, 8 warps, and 8 or 16 unrolled requests a program
+    # (0.40-0.86 against the default's 0.85-0.87) lost everywhere in earlier sweeps, as did
+    # 128 channels on 1 or 2 warps
+    grid = _grid(block_d=(64,), num_warps=(1, 2), requests_per_program=(1, 2, 4),
                  cache_hints=(False, True))  # fmt: skip
+    grid += _grid(block_d=(128,), num_warps=(4,), requests_per_program=(1, 4))
+    # the requests as a software-pipelined loop: state tiles in flight in shared memory
+    grid += _grid(block_d=(32, 64), num_warps=(1, 2), requests_per_program=(4, 8),
+                  pipeline=(2, 3))  # fmt: skip
     # x, dt in and y out [B, d_inner] bf16, B and C [B, d_state] bf16
     token_bytes = B * (3 * MAMBA1_D * 2 + 2 * MAMBA1_N * 2)
     return _tilings(run), [{}, {"cache_hints": True}, *grid], half_bytes, token_bytes

@@ -62,10 +62,14 @@ def _reference(t, p, pool, lens, slots, initial, *, intermediate=None):
     return y * F.silu(t["z"])
 
 
-# requests_per_program 3: four requests, the second program gets one; with the streaming hints
+# requests_per_program 3: four requests, the second program gets one; with the streaming hints,
+# and as a pipelined loop
 @pytest.mark.parametrize(
-    "tuning", [{}, {"requests_per_program": 3, "cache_hints": True}], ids=["default", "rpp3-hints"]
-)
+    "tuning",
+    [{}, {"requests_per_program": 3, "cache_hints": True},
+     {"requests_per_program": 3, "pipeline": 2}],
+    ids=["default", "rpp3-hints", "rpp3-pipelined"],
+)  # fmt: skip
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("pool_dims", [3, 4])
 def test_decode_matches_reference(state_dtype: torch.dtype, pool_dims: int, tuning: dict) -> None:
@@ -195,6 +199,9 @@ def test_shapes_are_checked_with_names() -> None:
         K.mamba1_decode(t["x"], t["dt"], a_log, t["B"], t["C"], st, idx[:1])
     with pytest.raises(ValueError, match="requests_per_program"):
         K.mamba1_decode(t["x"], t["dt"], a_log, t["B"], t["C"], st, idx, requests_per_program=0)
+    for stages in (1, -2, True):  # one stage is no pipeline: refused rather than taken as 0
+        with pytest.raises(ValueError, match="pipeline: expected 0"):
+            K.mamba1_decode(t["x"], t["dt"], a_log, t["B"], t["C"], st, idx, pipeline=stages)
     with pytest.raises(TypeError, match="A_log: expected dtype"):
         K.mamba1_decode(t["x"], t["dt"], a_log.double(), t["B"], t["C"], st, idx)
 

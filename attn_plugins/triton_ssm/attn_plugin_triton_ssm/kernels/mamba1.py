@@ -54,6 +54,118 @@ _DECODE, _VARLEN, _STRIDED = 0, 1, 2
 
 
 @triton.jit
+def _mamba1_token(
+    t, tok_mask, valid, b_h, b_a, b_bias, b_skip, x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, out_ptr,
+    o_d, o_n, m_n, s_xt, s_xd, s_dtt, s_bt, s_ct, s_zt, s_zd, s_ot, s_od,
+    HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, HAS_Z: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr, WRITE_OUT: tl.constexpr,
+):  # fmt: skip
+    """Token ``t`` on the ``[BD, N]`` state tile ``b_h``: returns ``(new tile, dt [BD])`` and
+    stores ``y`` where ``WRITE_OUT``. ``tok_mask`` ``[BD]``: the channels whose token inputs
+    are read and whose ``y`` is stored; ``valid`` ``[BD]``: False on a padding row (``y = 0``)."""
+    b_x = tl.load(x_ptr + t * s_xt + o_d * s_xd, mask=tok_mask, other=0.0).to(tl.float32)
+    b_dt = tl.load(dt_ptr + t * s_dtt + o_d, mask=tok_mask, other=0.0).to(tl.float32)
+    if HAS_DT_BIAS:
+        b_dt += b_bias
+    if DT_SOFTPLUS:
+        b_dt = tl.where(b_dt <= 20.0, tl.log(1.0 + tl.exp(b_dt)), b_dt)
+    b_B = tl.load(b_ptr + t * s_bt + o_n, mask=m_n, other=0.0).to(tl.float32)
+    # an explicit FMA: left to LLVM, the contraction depends on the specialization (the verify
+    # build fused h * e, the replay commit's (dt x) B), and the two commit strategies must
+    # store bit-identical states
+    b_u = (b_dt * b_x)[:, None] * b_B[None, :]
+    b_h = tl.fma(b_h, tl.exp(b_dt[:, None] * b_a), b_u)
+    if WRITE_OUT:
+        b_C = tl.load(c_ptr + t * s_ct + o_n, mask=m_n, other=0.0).to(tl.float32)
+        b_y = tl.sum(b_h * b_C[None, :], 1)
+        if HAS_D:
+            b_y += b_skip * b_x
+        if HAS_Z:
+            p_z = z_ptr + t * s_zt + o_d * s_zd
+            b_z = tl.load(p_z, mask=tok_mask, other=0.0).to(tl.float32)
+            b_y = b_y * b_z * tl.sigmoid(b_z)
+        b_y = tl.where(valid, b_y, 0.0)
+        p_out = out_ptr + t * s_ot + o_d * s_od
+        tl.store(p_out, b_y.to(out_ptr.dtype.element_ty), mask=tok_mask)
+    return b_h, b_dt
+
+
+@triton.jit
+def _mamba1_request(
+    pid_b, x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, state_ptr, idx_ptr, cu_ptr, len_ptr, init_ptr,
+    inter_ptr, out_ptr, dts_ptr, b_a, b_bias, b_skip, o_d, o_n, m_d, m_n, m_dn,
+    s_xt, s_xd, s_dtt, s_bt, s_ct, s_zt, s_zd, s_ot, s_od, s_ss, s_sd, s_ib, s_ik, s_id, R,
+    D: tl.constexpr, BD: tl.constexpr, STEP: tl.constexpr, MODE: tl.constexpr,
+    HAS_INIT: tl.constexpr, HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    HAS_Z: tl.constexpr, DT_SOFTPLUS: tl.constexpr, STORE_INTER: tl.constexpr,
+    WRITE_STATE: tl.constexpr, WRITE_OUT: tl.constexpr, STORE_DTSUM: tl.constexpr,
+    HINTS: tl.constexpr,
+):  # fmt: skip
+    """Request ``pid_b`` on the program's channel block: its state tile in, its tokens, the
+    tile out. Past the last request (``pid_b >= R``): no tokens, no state, nothing stored."""
+    live = pid_b < R
+    slot = tl.load(idx_ptr + pid_b, mask=live, other=-1).to(tl.int64)
+    valid = (o_d * 0 + slot) >= 0  # a block: the interpreter rejects scalar & block masks
+    m_state = m_dn & valid[:, None]
+
+    p_state = state_ptr + slot * s_ss + o_d[:, None] * s_sd + o_n[None, :]
+    if HINTS:  # the state streams through once; A_log is read by every request
+        b_h = tl.load(p_state, mask=m_state, other=0.0, eviction_policy="evict_first")
+    else:
+        b_h = tl.load(p_state, mask=m_state, other=0.0)
+    b_h = b_h.to(tl.float32)
+    if HAS_INIT:
+        # a fresh request's slot holds whatever its previous owner left: never read it
+        init = tl.load(init_ptr + pid_b, mask=live, other=1).to(tl.int32)
+        b_h = tl.where(((o_d * 0 + init) == 0)[:, None], 0.0, b_h)
+
+    if MODE == 0:
+        # decode: request b is token b, with no loop around it, so that a pipelined loop
+        # over the program's requests stays innermost (Triton pipelines only those)
+        b_h, b_dt = _mamba1_token(
+            pid_b.to(tl.int64), m_d & ((o_d * 0 + pid_b) < R), valid, b_h, b_a, b_bias,
+            b_skip, x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, out_ptr, o_d, o_n, m_n, s_xt, s_xd,
+            s_dtt, s_bt, s_ct, s_zt, s_zd, s_ot, s_od, HAS_D, HAS_DT_BIAS, HAS_Z, DT_SOFTPLUS,
+            WRITE_OUT,
+        )  # fmt: skip
+        b_dts = b_dt
+        if STORE_INTER:
+            p_inter = (inter_ptr + pid_b.to(tl.int64) * s_ib + o_d[:, None] * s_id
+                       + o_n[None, :])  # fmt: skip
+            tl.store(p_inter, b_h.to(inter_ptr.dtype.element_ty), mask=m_state)
+    else:
+        if MODE == 1:
+            start = tl.load(cu_ptr + pid_b, mask=live, other=0).to(tl.int64)
+            end = tl.load(cu_ptr + pid_b + 1, mask=live, other=0).to(tl.int64)
+        else:
+            start = pid_b.to(tl.int64) * STEP
+            end = start + tl.load(len_ptr + pid_b, mask=live, other=0).to(tl.int64)
+        b_dts = tl.zeros([BD], dtype=tl.float32)
+        # (software-pipelining this walk, tl.range num_stages 2-4, ran 1.1-1.3x slower on the
+        # H200: the step is bound by its dependent arithmetic, not by its loads)
+        for t in range(start, end):
+            b_h, b_dt = _mamba1_token(
+                t, m_d, valid, b_h, b_a, b_bias, b_skip, x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr,
+                out_ptr, o_d, o_n, m_n, s_xt, s_xd, s_dtt, s_bt, s_ct, s_zt, s_zd, s_ot, s_od,
+                HAS_D, HAS_DT_BIAS, HAS_Z, DT_SOFTPLUS, WRITE_OUT,
+            )  # fmt: skip
+            if STORE_DTSUM:
+                b_dts += b_dt
+            if STORE_INTER:
+                p_inter = (inter_ptr + pid_b.to(tl.int64) * s_ib + (t - start) * s_ik
+                           + o_d[:, None] * s_id + o_n[None, :])  # fmt: skip
+                tl.store(p_inter, b_h.to(inter_ptr.dtype.element_ty), mask=m_state)
+    if WRITE_STATE:
+        if HINTS:
+            tl.store(p_state, b_h.to(state_ptr.dtype.element_ty), mask=m_state,
+                     cache_modifier=".cs")  # fmt: skip
+        else:
+            tl.store(p_state, b_h.to(state_ptr.dtype.element_ty), mask=m_state)
+    if STORE_DTSUM:  # time-chunked pass 1: the chunk's total dt per channel (pass 2's decay)
+        tl.store(dts_ptr + slot * D + o_d, b_dts, mask=m_d & valid)
+
+
+@triton.jit
 def _mamba1_scan_kernel(
     x_ptr,
     dt_ptr,
@@ -103,7 +215,14 @@ def _mamba1_scan_kernel(
     WRITE_OUT: tl.constexpr,
     STORE_DTSUM: tl.constexpr,
     HINTS: tl.constexpr,
+    PIPELINE: tl.constexpr,
 ):
+    """Grid ``(cdiv(R, RPP), cdiv(D, BD))``: a program takes ``RPP`` requests in turn on one
+    block of ``BD`` channels. ``PIPELINE`` (decode only, ``MODE == 0``): ``0`` unrolls the
+    requests; ``n >= 2`` runs them as a loop that Triton software-pipelines over ``n``
+    stages, the next requests' state tiles loading into shared memory while one is updated
+    (an unrolled request's loads wait for the previous request's stores, and a tile in flight
+    costs registers)."""
     pid_r = tl.program_id(0)
     pid_d = tl.program_id(1)
     o_d = pid_d * BD + tl.arange(0, BD)
@@ -114,82 +233,31 @@ def _mamba1_scan_kernel(
     # per channel block, read once for the program's RPP requests (decode: A_log is as large as
     # one request's state, so sharing it cuts its L2 reads by RPP)
     b_a = -tl.exp(tl.load(a_log_ptr + o_d[:, None] * N + o_n[None, :], mask=m_dn, other=0.0))
+    b_bias = tl.zeros([BD], dtype=tl.float32)
     if HAS_DT_BIAS:
         b_bias = tl.load(dt_bias_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_skip = tl.zeros([BD], dtype=tl.float32)
     if HAS_D:
         b_skip = tl.load(d_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)
 
-    # unrolled: the RPP requests' state loads can be in flight together
-    for i in tl.static_range(RPP):
-        pid_b = pid_r * RPP + i
-        live = pid_b < R  # past the last request: no tokens, no state, nothing stored
-        slot = tl.load(idx_ptr + pid_b, mask=live, other=-1).to(tl.int64)
-        if MODE == 0:
-            start = pid_b.to(tl.int64)
-            end = tl.where(live, start + 1, start)
-        elif MODE == 1:
-            start = tl.load(cu_ptr + pid_b, mask=live, other=0).to(tl.int64)
-            end = tl.load(cu_ptr + pid_b + 1, mask=live, other=0).to(tl.int64)
-        else:
-            start = pid_b.to(tl.int64) * STEP
-            end = start + tl.load(len_ptr + pid_b, mask=live, other=0).to(tl.int64)
-        valid = (o_d * 0 + slot) >= 0  # a block: the interpreter rejects scalar & block masks
-        m_state = m_dn & valid[:, None]
-
-        p_state = state_ptr + slot * s_ss + o_d[:, None] * s_sd + o_n[None, :]
-        if HINTS:  # the state streams through once; A_log is read by every request
-            b_h = tl.load(p_state, mask=m_state, other=0.0, eviction_policy="evict_first")
-        else:
-            b_h = tl.load(p_state, mask=m_state, other=0.0)
-        b_h = b_h.to(tl.float32)
-        if HAS_INIT:
-            # a fresh request's slot holds whatever its previous owner left: never read it
-            init = tl.load(init_ptr + pid_b, mask=live, other=1).to(tl.int32)
-            b_h = tl.where(((o_d * 0 + init) == 0)[:, None], 0.0, b_h)
-        if STORE_DTSUM:
-            b_dts = tl.zeros([BD], dtype=tl.float32)
-
-        # (software-pipelining this walk, tl.range num_stages 2-4, ran 1.1-1.3x slower on the
-        # H200: the step is bound by its dependent arithmetic, not by its loads)
-        for t in range(start, end):
-            b_x = tl.load(x_ptr + t * s_xt + o_d * s_xd, mask=m_d, other=0.0).to(tl.float32)
-            b_dt = tl.load(dt_ptr + t * s_dtt + o_d, mask=m_d, other=0.0).to(tl.float32)
-            if HAS_DT_BIAS:
-                b_dt += b_bias
-            if DT_SOFTPLUS:
-                b_dt = tl.where(b_dt <= 20.0, tl.log(1.0 + tl.exp(b_dt)), b_dt)
-            b_B = tl.load(b_ptr + t * s_bt + o_n, mask=m_n, other=0.0).to(tl.float32)
-            # an explicit FMA: left to LLVM, the contraction depends on the specialization
-            # (the verify build fused h * e, the replay commit's (dt x) B), and the two
-            # commit strategies must store bit-identical states
-            b_u = (b_dt * b_x)[:, None] * b_B[None, :]
-            b_h = tl.fma(b_h, tl.exp(b_dt[:, None] * b_a), b_u)
-            if STORE_DTSUM:
-                b_dts += b_dt
-            if WRITE_OUT:
-                b_C = tl.load(c_ptr + t * s_ct + o_n, mask=m_n, other=0.0).to(tl.float32)
-                b_y = tl.sum(b_h * b_C[None, :], 1)
-                if HAS_D:
-                    b_y += b_skip * b_x
-                if HAS_Z:
-                    p_z = z_ptr + t * s_zt + o_d * s_zd
-                    b_z = tl.load(p_z, mask=m_d, other=0.0).to(tl.float32)
-                    b_y = b_y * b_z * tl.sigmoid(b_z)
-                b_y = tl.where(valid, b_y, 0.0)
-                p_out = out_ptr + t * s_ot + o_d * s_od
-                tl.store(p_out, b_y.to(out_ptr.dtype.element_ty), mask=m_d)
-            if STORE_INTER:
-                p_inter = (inter_ptr + pid_b.to(tl.int64) * s_ib + (t - start) * s_ik
-                           + o_d[:, None] * s_id + o_n[None, :])  # fmt: skip
-                tl.store(p_inter, b_h.to(inter_ptr.dtype.element_ty), mask=m_state)
-        if WRITE_STATE:
-            if HINTS:
-                tl.store(p_state, b_h.to(state_ptr.dtype.element_ty), mask=m_state,
-                         cache_modifier=".cs")  # fmt: skip
-            else:
-                tl.store(p_state, b_h.to(state_ptr.dtype.element_ty), mask=m_state)
-        if STORE_DTSUM:  # time-chunked pass 1: the chunk's total dt per channel (pass 2's decay)
-            tl.store(dts_ptr + slot * D + o_d, b_dts, mask=m_d & valid)
+    if PIPELINE > 0:
+        for i in tl.range(0, RPP, num_stages=PIPELINE):
+            _mamba1_request(
+                pid_r * RPP + i, x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, state_ptr, idx_ptr, cu_ptr,
+                len_ptr, init_ptr, inter_ptr, out_ptr, dts_ptr, b_a, b_bias, b_skip, o_d, o_n,
+                m_d, m_n, m_dn, s_xt, s_xd, s_dtt, s_bt, s_ct, s_zt, s_zd, s_ot, s_od, s_ss,
+                s_sd, s_ib, s_ik, s_id, R, D, BD, STEP, MODE, HAS_INIT, HAS_D, HAS_DT_BIAS,
+                HAS_Z, DT_SOFTPLUS, STORE_INTER, WRITE_STATE, WRITE_OUT, STORE_DTSUM, HINTS,
+            )  # fmt: skip
+    else:
+        for i in tl.static_range(RPP):
+            _mamba1_request(
+                pid_r * RPP + i, x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, state_ptr, idx_ptr, cu_ptr,
+                len_ptr, init_ptr, inter_ptr, out_ptr, dts_ptr, b_a, b_bias, b_skip, o_d, o_n,
+                m_d, m_n, m_dn, s_xt, s_xd, s_dtt, s_bt, s_ct, s_zt, s_zd, s_ot, s_od, s_ss,
+                s_sd, s_ib, s_ik, s_id, R, D, BD, STEP, MODE, HAS_INIT, HAS_D, HAS_DT_BIAS,
+                HAS_Z, DT_SOFTPLUS, STORE_INTER, WRITE_STATE, WRITE_OUT, STORE_DTSUM, HINTS,
+            )  # fmt: skip
 
 
 def _pool(name: str, t: torch.Tensor, D: int, N: int, lead: int) -> torch.Tensor:
@@ -251,6 +319,7 @@ def mamba1_scan(
     requests_per_program: int | None = None,
     time_chunk: int | None = None,
     cache_hints: bool | None = None,
+    pipeline: int = 0,
 ) -> torch.Tensor:
     """Mamba1 over the tokens of ``R`` requests, each continuing from its slot.
 
@@ -287,6 +356,9 @@ def mamba1_scan(
     :param cache_hints: stream the state (``evict_first`` loads, ``.cs`` stores) so that
         ``A_log``, read by every request, stays in L2. None: see :func:`decode_defaults` for
         decode, off for prefill.
+    :param pipeline: decode only (ignored with ``cu_seqlens``): ``n >= 2`` takes a program's
+        requests as a loop Triton software-pipelines over ``n`` stages (the next requests'
+        state tiles load into shared memory while one is updated); ``0`` unrolls them.
     :returns: ``out``: ``y`` per token and channel.
     """
     if requests_per_program is not None and (
@@ -295,6 +367,8 @@ def mamba1_scan(
         raise ValueError(
             f"requests_per_program: expected a positive int, got {requests_per_program!r}"
         )
+    if not isinstance(pipeline, int) or isinstance(pipeline, bool) or pipeline == 1 or pipeline < 0:
+        raise ValueError(f"pipeline: expected 0 (off) or a stage count >= 2, got {pipeline!r}")
     if time_chunk is not None and (
         not isinstance(time_chunk, int) or isinstance(time_chunk, bool) or time_chunk < 0
     ):
@@ -375,7 +449,7 @@ def mamba1_scan(
         init=has_initial_state, D=D, dt_bias=dt_bias, z=z, dt_softplus=dt_softplus,
         inter=inter, write_state=update_state, write_out=True, block_d=block_d,
         num_warps=num_warps, requests_per_program=rpp,
-        cache_hints=hints,
+        cache_hints=hints, pipeline=pipeline,
     )  # fmt: skip
     return out
 
@@ -416,7 +490,8 @@ def decode_defaults(R: int) -> tuple[int, bool]:
 
 def _launch(x, dt, A_log, B, C, state, idx, out, *, mode, cu, lengths, step, init, D, dt_bias,
             z, dt_softplus, inter, write_state, write_out, block_d, num_warps,
-            requests_per_program=1, dtsum=None, cache_hints=False) -> None:  # fmt: skip
+            requests_per_program=1, dtsum=None, cache_hints=False,
+            pipeline=0) -> None:  # fmt: skip
     Dn, N = A_log.shape
     R = idx.shape[0]
     walks = (mode == _VARLEN and x.shape[0] > R) or (mode == _STRIDED and step > 1)
@@ -452,7 +527,7 @@ def _launch(x, dt, A_log, B, C, state, idx, out, *, mode, cu, lengths, step, ini
         HAS_INIT=init is not None, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
         HAS_Z=z is not None, DT_SOFTPLUS=dt_softplus, STORE_INTER=inter is not None,
         WRITE_STATE=write_state, WRITE_OUT=write_out, STORE_DTSUM=dtsum is not None,
-        HINTS=bool(cache_hints), num_warps=warps,
+        HINTS=bool(cache_hints), PIPELINE=pipeline if mode == _DECODE else 0, num_warps=warps,
     )  # fmt: skip
 
 
