@@ -148,9 +148,12 @@ def _mamba1_case(B: int):
     grid = _grid(block_d=(64,), num_warps=(1, 2), requests_per_program=(1, 2, 4),
                  cache_hints=(False, True))  # fmt: skip
     grid += _grid(block_d=(128,), num_warps=(4,), requests_per_program=(1, 4))
-    # the requests as a software-pipelined loop: state tiles in flight in shared memory
-    grid += _grid(block_d=(32, 64), num_warps=(1, 2), requests_per_program=(4, 8),
-                  pipeline=(2, 3))  # fmt: skip
+    # the requests as a software-pipelined loop: state tiles in flight in shared memory (a
+    # tile in registers costs as many registers again: compiled for sm90, every unrolled
+    # tiling holds about 64 KiB in flight an SM); 32 channels a warp, 120-134 registers
+    for block_d, warps in ((32, 1), (64, 2)):
+        grid += _grid(block_d=(block_d,), num_warps=(warps,), requests_per_program=(8, 16),
+                      pipeline=(3, 4, 5))  # fmt: skip
     # x, dt in and y out [B, d_inner] bf16, B and C [B, d_state] bf16
     token_bytes = B * (3 * MAMBA1_D * 2 + 2 * MAMBA1_N * 2)
     return _tilings(run), [{}, {"cache_hints": True}, *grid], half_bytes, token_bytes
