@@ -56,9 +56,19 @@ def _reference(tok, params, pool, lens, slots, initial, **kw):
     )[..., 0]  # fmt: skip
 
 
+# the tilings decode can take: the default, unrolled requests, and the pipelined request loop
+# (60 requests: the last program of 8 gets 4)
+DECODE_TILINGS = {
+    "default": {},
+    "rpp4": {"requests_per_program": 4},
+    "pipelined": {"requests_per_program": 8, "pipeline": 3, "block_d": 32, "num_warps": 1},
+}
+
+
+@pytest.mark.parametrize("tuning", DECODE_TILINGS.values(), ids=DECODE_TILINGS.keys())
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_decode_real_shape(K, state_dtype):
-    Bn, S = 64, 100
+def test_decode_real_shape(K, state_dtype, tuning):
+    Bn, S = 60, 100
     tok, params, state = _case(Bn, S, 0, state_dtype=state_dtype)
     slots = torch.randperm(S, device="cuda")[:Bn].int()
     slots[3::7] = -1
@@ -67,7 +77,7 @@ def test_decode_real_shape(K, state_dtype):
                       mode="recurrent")  # fmt: skip
     before = state.clone()
     out = K.mamba1_decode(tok["x"], tok["dt"], params["A_log"], tok["B"], tok["C"], state, slots,
-                          D=params["D"], dt_bias=params["dt_bias"])  # fmt: skip
+                          D=params["D"], dt_bias=params["dt_bias"], **tuning)  # fmt: skip
     valid = slots >= 0
     torch.testing.assert_close(out[valid].float(), want[valid].float(), atol=2e-2, rtol=2e-2)
     assert torch.count_nonzero(out[~valid]) == 0
