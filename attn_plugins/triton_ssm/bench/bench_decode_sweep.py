@@ -21,7 +21,7 @@ Variants (shapes of the models that use them):
 * ``lightning``: MiniMax-Text-01, H=64, Dk=Dv=128, through ``mamba2_decode`` as the plugin
   calls it.
 * ``mamba1``: Falcon-Mamba / Jamba, d_inner 8192, d_state 16 (``mamba1_decode``: block_d,
-  num_warps, requests_per_program, cache_hints, pipeline).
+  num_warps, requests_per_program, cache_hints, pipeline, loads_first).
 * ``short_conv``: LFM2-1.2B, 2048 channels, kernel 3, bf16 conv state (``causal_conv1d_update``:
   the packed kernel's block_c, requests_per_program, num_warps, and the general kernel's with
   ``packed_pairs=False``); bytes: conv state read + write plus the token in and out.
@@ -154,6 +154,9 @@ def _mamba1_case(B: int):
     for block_d, warps in ((32, 1), (64, 2)):
         grid += _grid(block_d=(block_d,), num_warps=(warps,), requests_per_program=(8, 16),
                       pipeline=(3, 4, 5))  # fmt: skip
+        # every request's tile loaded before any is updated (94-159 registers)
+        grid += _grid(block_d=(block_d,), num_warps=(warps,), requests_per_program=(2, 4),
+                      loads_first=(True,))  # fmt: skip
     # x, dt in and y out [B, d_inner] bf16, B and C [B, d_state] bf16
     token_bytes = B * (3 * MAMBA1_D * 2 + 2 * MAMBA1_N * 2)
     return _tilings(run), [{}, {"cache_hints": True}, *grid], half_bytes, token_bytes

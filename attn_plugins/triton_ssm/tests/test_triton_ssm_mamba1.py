@@ -67,8 +67,8 @@ def _reference(t, p, pool, lens, slots, initial, *, intermediate=None):
 @pytest.mark.parametrize(
     "tuning",
     [{}, {"requests_per_program": 3, "cache_hints": True},
-     {"requests_per_program": 3, "pipeline": 2}],
-    ids=["default", "rpp3-hints", "rpp3-pipelined"],
+     {"requests_per_program": 3, "pipeline": 2}, {"requests_per_program": 3, "loads_first": True}],
+    ids=["default", "rpp3-hints", "rpp3-pipelined", "rpp3-loads-first"],
 )  # fmt: skip
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("pool_dims", [3, 4])

@@ -34,6 +34,7 @@ _POINTERS = {
 _COMMON = dict(
     D=8192, N=16, BD=16, BN=16, RPP=1, HAS_INIT=False, HAS_D=True, HAS_DT_BIAS=True,
     HAS_Z=False, DT_SOFTPLUS=True, STORE_DTSUM=False, HINTS=False, PIPELINE=0,
+    LOADS_FIRST=False,
     s_xd=1, s_zd=1, s_od=1,
 )  # fmt: skip
 VERIFY = dict(MODE=1, STEP=1, STORE_INTER=True, WRITE_STATE=False, WRITE_OUT=True)

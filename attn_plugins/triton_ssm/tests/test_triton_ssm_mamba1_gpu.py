@@ -62,6 +62,7 @@ DECODE_TILINGS = {
     "default": {},
     "rpp4": {"requests_per_program": 4},
     "pipelined": {"requests_per_program": 8, "pipeline": 3, "block_d": 32, "num_warps": 1},
+    "loads-first": {"requests_per_program": 2, "loads_first": True},
 }
 
 

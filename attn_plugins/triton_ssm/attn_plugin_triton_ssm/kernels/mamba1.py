@@ -91,23 +91,17 @@ def _mamba1_token(
 
 
 @triton.jit
-def _mamba1_request(
-    pid_b, x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, state_ptr, idx_ptr, cu_ptr, len_ptr, init_ptr,
-    inter_ptr, out_ptr, dts_ptr, b_a, b_bias, b_skip, o_d, o_n, m_d, m_n, m_dn,
-    s_xt, s_xd, s_dtt, s_bt, s_ct, s_zt, s_zd, s_ot, s_od, s_ss, s_sd, s_ib, s_ik, s_id, R,
-    D: tl.constexpr, BD: tl.constexpr, STEP: tl.constexpr, MODE: tl.constexpr,
-    HAS_INIT: tl.constexpr, HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    HAS_Z: tl.constexpr, DT_SOFTPLUS: tl.constexpr, STORE_INTER: tl.constexpr,
-    WRITE_STATE: tl.constexpr, WRITE_OUT: tl.constexpr, STORE_DTSUM: tl.constexpr,
-    HINTS: tl.constexpr,
+def _mamba1_state_in(
+    pid_b, state_ptr, idx_ptr, init_ptr, o_d, o_n, m_dn, s_ss, s_sd, R,
+    HAS_INIT: tl.constexpr, HINTS: tl.constexpr,
 ):  # fmt: skip
-    """Request ``pid_b`` on the program's channel block: its state tile in, its tokens, the
-    tile out. Past the last request (``pid_b >= R``): no tokens, no state, nothing stored."""
+    """``(slot, [BD, N] float32 tile)`` of request ``pid_b``: its slot's state on the
+    program's channel block, zeros for a fresh request, a padding row or past the last
+    request."""
     live = pid_b < R
     slot = tl.load(idx_ptr + pid_b, mask=live, other=-1).to(tl.int64)
     valid = (o_d * 0 + slot) >= 0  # a block: the interpreter rejects scalar & block masks
     m_state = m_dn & valid[:, None]
-
     p_state = state_ptr + slot * s_ss + o_d[:, None] * s_sd + o_n[None, :]
     if HINTS:  # the state streams through once; A_log is read by every request
         b_h = tl.load(p_state, mask=m_state, other=0.0, eviction_policy="evict_first")
@@ -118,6 +112,27 @@ def _mamba1_request(
         # a fresh request's slot holds whatever its previous owner left: never read it
         init = tl.load(init_ptr + pid_b, mask=live, other=1).to(tl.int32)
         b_h = tl.where(((o_d * 0 + init) == 0)[:, None], 0.0, b_h)
+    return slot, b_h
+
+
+@triton.jit
+def _mamba1_request(
+    pid_b, slot, b_h, x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, state_ptr, cu_ptr, len_ptr,
+    inter_ptr, out_ptr, dts_ptr, b_a, b_bias, b_skip, o_d, o_n, m_d, m_n, m_dn,
+    s_xt, s_xd, s_dtt, s_bt, s_ct, s_zt, s_zd, s_ot, s_od, s_ss, s_sd, s_ib, s_ik, s_id, R,
+    D: tl.constexpr, BD: tl.constexpr, STEP: tl.constexpr, MODE: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    HAS_Z: tl.constexpr, DT_SOFTPLUS: tl.constexpr, STORE_INTER: tl.constexpr,
+    WRITE_STATE: tl.constexpr, WRITE_OUT: tl.constexpr, STORE_DTSUM: tl.constexpr,
+    HINTS: tl.constexpr,
+):  # fmt: skip
+    """Request ``pid_b`` on the program's channel block from its state tile ``b_h`` (read from
+    ``slot`` by :func:`_mamba1_state_in`): its tokens, then the tile back to the slot. Past the
+    last request (``pid_b >= R``): no tokens, nothing stored."""
+    live = pid_b < R
+    valid = (o_d * 0 + slot) >= 0
+    m_state = m_dn & valid[:, None]
+    p_state = state_ptr + slot * s_ss + o_d[:, None] * s_sd + o_n[None, :]
 
     if MODE == 0:
         # decode: request b is token b, with no loop around it, so that a pipelined loop
@@ -216,13 +231,15 @@ def _mamba1_scan_kernel(
     STORE_DTSUM: tl.constexpr,
     HINTS: tl.constexpr,
     PIPELINE: tl.constexpr,
+    LOADS_FIRST: tl.constexpr,
 ):
     """Grid ``(cdiv(R, RPP), cdiv(D, BD))``: a program takes ``RPP`` requests in turn on one
     block of ``BD`` channels. ``PIPELINE`` (decode only, ``MODE == 0``): ``0`` unrolls the
     requests; ``n >= 2`` runs them as a loop that Triton software-pipelines over ``n``
     stages, the next requests' state tiles loading into shared memory while one is updated
     (an unrolled request's loads wait for the previous request's stores, and a tile in flight
-    costs registers)."""
+    costs registers). ``LOADS_FIRST`` (unrolled): every request's state tile is loaded before
+    any is updated."""
     pid_r = tl.program_id(0)
     pid_d = tl.program_id(1)
     o_d = pid_d * BD + tl.arange(0, BD)
@@ -242,21 +259,46 @@ def _mamba1_scan_kernel(
 
     if PIPELINE > 0:
         for i in tl.range(0, RPP, num_stages=PIPELINE):
+            pid_b = pid_r * RPP + i
+            slot, b_h = _mamba1_state_in(pid_b, state_ptr, idx_ptr, init_ptr, o_d, o_n, m_dn,
+                                         s_ss, s_sd, R, HAS_INIT, HINTS)  # fmt: skip
             _mamba1_request(
-                pid_r * RPP + i, x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, state_ptr, idx_ptr, cu_ptr,
-                len_ptr, init_ptr, inter_ptr, out_ptr, dts_ptr, b_a, b_bias, b_skip, o_d, o_n,
-                m_d, m_n, m_dn, s_xt, s_xd, s_dtt, s_bt, s_ct, s_zt, s_zd, s_ot, s_od, s_ss,
-                s_sd, s_ib, s_ik, s_id, R, D, BD, STEP, MODE, HAS_INIT, HAS_D, HAS_DT_BIAS,
-                HAS_Z, DT_SOFTPLUS, STORE_INTER, WRITE_STATE, WRITE_OUT, STORE_DTSUM, HINTS,
+                pid_b, slot, b_h, x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, state_ptr, cu_ptr, len_ptr,
+                inter_ptr, out_ptr, dts_ptr, b_a, b_bias, b_skip, o_d, o_n, m_d, m_n, m_dn,
+                s_xt, s_xd, s_dtt, s_bt, s_ct, s_zt, s_zd, s_ot, s_od, s_ss, s_sd, s_ib, s_ik,
+                s_id, R, D, BD, STEP, MODE, HAS_D, HAS_DT_BIAS, HAS_Z, DT_SOFTPLUS,
+                STORE_INTER, WRITE_STATE, WRITE_OUT, STORE_DTSUM, HINTS,
+            )  # fmt: skip
+    elif LOADS_FIRST:
+        # every request's state tile before any request is updated: the compiler cannot move
+        # a load above an earlier request's stores (they might alias), so unrolled requests
+        # would each wait on memory in turn (tuples grow by +: no * in a tuple)
+        slots = ()
+        tiles = ()
+        for i in tl.static_range(RPP):
+            slot, b_h = _mamba1_state_in(pid_r * RPP + i, state_ptr, idx_ptr, init_ptr, o_d,
+                                         o_n, m_dn, s_ss, s_sd, R, HAS_INIT, HINTS)  # fmt: skip
+            slots = slots + (slot,)  # type: ignore[assignment]  # noqa: RUF005
+            tiles = tiles + (b_h,)  # type: ignore[assignment]  # noqa: RUF005
+        for i in tl.static_range(RPP):
+            _mamba1_request(
+                pid_r * RPP + i, slots[i], tiles[i], x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr,
+                state_ptr, cu_ptr, len_ptr, inter_ptr, out_ptr, dts_ptr, b_a, b_bias, b_skip,
+                o_d, o_n, m_d, m_n, m_dn, s_xt, s_xd, s_dtt, s_bt, s_ct, s_zt, s_zd, s_ot, s_od,
+                s_ss, s_sd, s_ib, s_ik, s_id, R, D, BD, STEP, MODE, HAS_D, HAS_DT_BIAS, HAS_Z,
+                DT_SOFTPLUS, STORE_INTER, WRITE_STATE, WRITE_OUT, STORE_DTSUM, HINTS,
             )  # fmt: skip
     else:
         for i in tl.static_range(RPP):
+            pid_b = pid_r * RPP + i
+            slot, b_h = _mamba1_state_in(pid_b, state_ptr, idx_ptr, init_ptr, o_d, o_n, m_dn,
+                                         s_ss, s_sd, R, HAS_INIT, HINTS)  # fmt: skip
             _mamba1_request(
-                pid_r * RPP + i, x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, state_ptr, idx_ptr, cu_ptr,
-                len_ptr, init_ptr, inter_ptr, out_ptr, dts_ptr, b_a, b_bias, b_skip, o_d, o_n,
-                m_d, m_n, m_dn, s_xt, s_xd, s_dtt, s_bt, s_ct, s_zt, s_zd, s_ot, s_od, s_ss,
-                s_sd, s_ib, s_ik, s_id, R, D, BD, STEP, MODE, HAS_INIT, HAS_D, HAS_DT_BIAS,
-                HAS_Z, DT_SOFTPLUS, STORE_INTER, WRITE_STATE, WRITE_OUT, STORE_DTSUM, HINTS,
+                pid_b, slot, b_h, x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, state_ptr, cu_ptr, len_ptr,
+                inter_ptr, out_ptr, dts_ptr, b_a, b_bias, b_skip, o_d, o_n, m_d, m_n, m_dn,
+                s_xt, s_xd, s_dtt, s_bt, s_ct, s_zt, s_zd, s_ot, s_od, s_ss, s_sd, s_ib, s_ik,
+                s_id, R, D, BD, STEP, MODE, HAS_D, HAS_DT_BIAS, HAS_Z, DT_SOFTPLUS,
+                STORE_INTER, WRITE_STATE, WRITE_OUT, STORE_DTSUM, HINTS,
             )  # fmt: skip
 
 
@@ -320,6 +362,7 @@ def mamba1_scan(
     time_chunk: int | None = None,
     cache_hints: bool | None = None,
     pipeline: int = 0,
+    loads_first: bool = False,
 ) -> torch.Tensor:
     """Mamba1 over the tokens of ``R`` requests, each continuing from its slot.
 
@@ -359,6 +402,8 @@ def mamba1_scan(
     :param pipeline: decode only (ignored with ``cu_seqlens``): ``n >= 2`` takes a program's
         requests as a loop Triton software-pipelines over ``n`` stages (the next requests'
         state tiles load into shared memory while one is updated); ``0`` unrolls them.
+    :param loads_first: decode only, unrolled requests: load every request's state tile
+        before updating any (in registers: more in flight, more registers).
     :returns: ``out``: ``y`` per token and channel.
     """
     if requests_per_program is not None and (
@@ -449,7 +494,7 @@ def mamba1_scan(
         init=has_initial_state, D=D, dt_bias=dt_bias, z=z, dt_softplus=dt_softplus,
         inter=inter, write_state=update_state, write_out=True, block_d=block_d,
         num_warps=num_warps, requests_per_program=rpp,
-        cache_hints=hints, pipeline=pipeline,
+        cache_hints=hints, pipeline=pipeline, loads_first=loads_first,
     )  # fmt: skip
     return out
 
@@ -491,7 +536,7 @@ def decode_defaults(R: int) -> tuple[int, bool]:
 def _launch(x, dt, A_log, B, C, state, idx, out, *, mode, cu, lengths, step, init, D, dt_bias,
             z, dt_softplus, inter, write_state, write_out, block_d, num_warps,
             requests_per_program=1, dtsum=None, cache_hints=False,
-            pipeline=0) -> None:  # fmt: skip
+            pipeline=0, loads_first=False) -> None:  # fmt: skip
     Dn, N = A_log.shape
     R = idx.shape[0]
     walks = (mode == _VARLEN and x.shape[0] > R) or (mode == _STRIDED and step > 1)
@@ -527,7 +572,8 @@ def _launch(x, dt, A_log, B, C, state, idx, out, *, mode, cu, lengths, step, ini
         HAS_INIT=init is not None, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
         HAS_Z=z is not None, DT_SOFTPLUS=dt_softplus, STORE_INTER=inter is not None,
         WRITE_STATE=write_state, WRITE_OUT=write_out, STORE_DTSUM=dtsum is not None,
-        HINTS=bool(cache_hints), PIPELINE=pipeline if mode == _DECODE else 0, num_warps=warps,
+        HINTS=bool(cache_hints), PIPELINE=pipeline if mode == _DECODE else 0,
+        LOADS_FIRST=bool(loads_first) and mode == _DECODE, num_warps=warps,
     )  # fmt: skip
 
 
