@@ -269,37 +269,30 @@ def _mamba1_scan_kernel(
                 s_id, R, D, BD, STEP, MODE, HAS_D, HAS_DT_BIAS, HAS_Z, DT_SOFTPLUS,
                 STORE_INTER, WRITE_STATE, WRITE_OUT, STORE_DTSUM, HINTS,
             )  # fmt: skip
-    elif LOADS_FIRST:
-        # every request's state tile before any request is updated: the compiler cannot move
-        # a load above an earlier request's stores (they might alias), so unrolled requests
-        # would each wait on memory in turn (tuples grow by +: no * in a tuple)
-        slots = ()
-        tiles = ()
-        for i in tl.static_range(RPP):
-            slot, b_h = _mamba1_state_in(pid_r * RPP + i, state_ptr, idx_ptr, init_ptr, o_d,
-                                         o_n, m_dn, s_ss, s_sd, R, HAS_INIT, HINTS)  # fmt: skip
-            slots = slots + (slot,)  # type: ignore[assignment]  # noqa: RUF005
-            tiles = tiles + (b_h,)  # type: ignore[assignment]  # noqa: RUF005
-        for i in tl.static_range(RPP):
-            _mamba1_request(
-                pid_r * RPP + i, slots[i], tiles[i], x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr,
-                state_ptr, cu_ptr, len_ptr, inter_ptr, out_ptr, dts_ptr, b_a, b_bias, b_skip,
-                o_d, o_n, m_d, m_n, m_dn, s_xt, s_xd, s_dtt, s_bt, s_ct, s_zt, s_zd, s_ot, s_od,
-                s_ss, s_sd, s_ib, s_ik, s_id, R, D, BD, STEP, MODE, HAS_D, HAS_DT_BIAS, HAS_Z,
-                DT_SOFTPLUS, STORE_INTER, WRITE_STATE, WRITE_OUT, STORE_DTSUM, HINTS,
-            )  # fmt: skip
     else:
-        for i in tl.static_range(RPP):
-            pid_b = pid_r * RPP + i
-            slot, b_h = _mamba1_state_in(pid_b, state_ptr, idx_ptr, init_ptr, o_d, o_n, m_dn,
-                                         s_ss, s_sd, R, HAS_INIT, HINTS)  # fmt: skip
-            _mamba1_request(
-                pid_b, slot, b_h, x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, state_ptr, cu_ptr, len_ptr,
-                inter_ptr, out_ptr, dts_ptr, b_a, b_bias, b_skip, o_d, o_n, m_d, m_n, m_dn,
-                s_xt, s_xd, s_dtt, s_bt, s_ct, s_zt, s_zd, s_ot, s_od, s_ss, s_sd, s_ib, s_ik,
-                s_id, R, D, BD, STEP, MODE, HAS_D, HAS_DT_BIAS, HAS_Z, DT_SOFTPLUS,
-                STORE_INTER, WRITE_STATE, WRITE_OUT, STORE_DTSUM, HINTS,
-            )  # fmt: skip
+        # LOADS_FIRST: every request's state tile before any request is updated. The compiler
+        # cannot move a load above an earlier request's stores (they might alias), so
+        # unrolled requests one at a time each wait on memory in turn. (Groups of one
+        # request without it; tuples grow by +: no * in a tuple.)
+        G: tl.constexpr = RPP if LOADS_FIRST else 1
+        for g in tl.static_range(RPP // G):
+            slots = ()
+            tiles = ()
+            for j in tl.static_range(G):
+                slot, b_h = _mamba1_state_in(pid_r * RPP + g * G + j, state_ptr, idx_ptr,
+                                             init_ptr, o_d, o_n, m_dn, s_ss, s_sd, R, HAS_INIT,
+                                             HINTS)  # fmt: skip
+                slots = slots + (slot,)  # type: ignore[assignment]  # noqa: RUF005
+                tiles = tiles + (b_h,)  # type: ignore[assignment]  # noqa: RUF005
+            for j in tl.static_range(G):
+                _mamba1_request(
+                    pid_r * RPP + g * G + j, slots[j], tiles[j], x_ptr, dt_ptr, b_ptr, c_ptr,
+                    z_ptr, state_ptr, cu_ptr, len_ptr, inter_ptr, out_ptr, dts_ptr, b_a, b_bias,
+                    b_skip, o_d, o_n, m_d, m_n, m_dn, s_xt, s_xd, s_dtt, s_bt, s_ct, s_zt, s_zd,
+                    s_ot, s_od, s_ss, s_sd, s_ib, s_ik, s_id, R, D, BD, STEP, MODE, HAS_D,
+                    HAS_DT_BIAS, HAS_Z, DT_SOFTPLUS, STORE_INTER, WRITE_STATE, WRITE_OUT,
+                    STORE_DTSUM, HINTS,
+                )  # fmt: skip
 
 
 def _pool(name: str, t: torch.Tensor, D: int, N: int, lead: int) -> torch.Tensor:
