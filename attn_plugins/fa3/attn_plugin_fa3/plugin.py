@@ -158,20 +158,51 @@ def attn_core_register_backends(register) -> None:
     register(make_backend())
 
 
-def checked_provider(device: torch.device) -> providers.Provider:
+def checked_provider(device: torch.device, *, sinks: bool = False) -> providers.Provider:
     """The probed provider, its private entry point compared with the public one on this GPU
-    once per process (:func:`providers.self_check`); a mismatch leaves the public path only,
-    and the backend's note in ``attn list`` says why."""
+    once per process (:func:`providers.self_check`; with ``sinks``, for a group whose layers
+    have learnable sinks, also :func:`providers.self_check_sinks`); a mismatch leaves the
+    public path only, and the backend's note in ``attn list`` says why."""
     provider, reason = probe()
     if provider is None:
         raise RuntimeError(f"fa3 cannot run: {reason}")
-    if provider.uses_private and device.type == "cuda":
-        provider = _run_self_check(provider, device)
+    if device.type == "cuda":
+        provider = _checked(provider, device, sinks=sinks)
     return provider
 
 
 #: the private entry point's self-check for the process: None not run, "" passed, else why not
 _CHECK: str | None = None
+#: the same for its call with learnable sinks (run once the plain check passed)
+_CHECK_SINKS: str | None = None
+
+
+def _checked(provider: providers.Provider, device: torch.device, *, sinks: bool
+             ) -> providers.Provider:  # fmt: skip
+    """``provider`` once the checks it still needs on ``device`` ran: the plain one where
+    not run yet, the sinks one where ``sinks`` and the plain one passed."""
+    global _PROBE, _CHECK_SINKS
+    if provider.uses_private:  # not checked yet in this process
+        provider = _run_self_check(provider, device)
+    if sinks and _CHECK == "" and _CHECK_SINKS is None:
+        problem = providers.self_check_sinks(provider, device)
+        _CHECK_SINKS = problem or ""
+        if problem is not None:
+            provider = _fall_back(provider, device, problem)
+            _PROBE = (provider, None)
+    return provider
+
+
+def _fall_back(provider: providers.Provider, device: torch.device, problem: str
+               ) -> providers.Provider:  # fmt: skip
+    """The public path in place of ``provider``'s private one, said in a RuntimeWarning."""
+    warnings.warn(
+        f"fa3: _flash_attn_fwd failed its self-check on {device} ({problem}); this "
+        "process serves through the public flash_attn_varlen_func",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return providers.public_only(provider, problem)
 
 
 def _run_self_check(provider: providers.Provider, device: torch.device) -> providers.Provider:
@@ -184,13 +215,7 @@ def _run_self_check(provider: providers.Provider, device: torch.device) -> provi
         provider = replace(provider, uses_private=False, note=provider.note.replace(
             "self-check at first GPU use", "self-check passed"))  # fmt: skip
     else:
-        provider = providers.public_only(provider, problem)
-        warnings.warn(
-            f"fa3: _flash_attn_fwd failed its self-check on {device} ({problem}); this "
-            "process serves through the public flash_attn_varlen_func",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+        provider = _fall_back(provider, device, problem)
     _PROBE = (provider, None)
     return provider
 
@@ -202,11 +227,14 @@ def attn_core_self_check(backend: Backend, device: torch.device) -> SelfCheck | 
     provider, _ = probe()
     if provider is None:
         return None
-    if provider.uses_private:  # not checked yet in this process
-        _run_self_check(provider, device)
+    _checked(provider, device, sinks=True)  # the sinks case too: check everything now
     if _CHECK is None:
         return None
-    failed = (f"_flash_attn_fwd: self-check failed: {_CHECK}",) if _CHECK else ()
+    failed = tuple(
+        f"_flash_attn_fwd: self-check failed: {problem}"
+        for problem in (_CHECK, _CHECK_SINKS)
+        if problem
+    )
     return SelfCheck(make_backend().notes, failed)
 
 
@@ -251,7 +279,8 @@ def attn_core_allocate_context(backend, group, device, constraints, state, works
         raise RuntimeError(f"{backend.qualified_name} cannot run: {probe()[1]}")
     where = torch.device("cuda" if device.device_type == "cuda" else "cpu")
     page_size = getattr(state, "page_size", None) or constraints.page_size
-    return FA3Context(backend, group, checked_provider(where), constraints, device=where,
+    provider = checked_provider(where, sinks=group.spec.has_sinks)
+    return FA3Context(backend, group, provider, constraints, device=where,
                       page_size=page_size)  # fmt: skip
 
 

@@ -57,7 +57,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Provider", "check_broadcast_q", "describe_missing", "probe", "self_check"]
+__all__ = [
+    "Provider",
+    "check_broadcast_q",
+    "describe_missing",
+    "probe",
+    "self_check",
+    "self_check_sinks",
+]
 
 #: Head dims the paged path is correct for (see the module docstring).
 FA4_HEAD_DIMS = frozenset({64, 96, 128})
@@ -441,13 +448,8 @@ def self_check(provider: Provider, device: torch.device) -> str | None:
         from flash_attn.cute.interface import flash_attn_varlen_func
 
         g = torch.Generator(device=device).manual_seed(0)
-        pages, page, hkv, hq, d = 8, 16, 2, 4, 64
-        k_cache = torch.randn(pages, page, hkv, d, device=device, generator=g).bfloat16()
-        v_cache = torch.randn(pages, page, hkv, d, device=device, generator=g).bfloat16()
-        q = torch.randn(8, hq, d, device=device, generator=g).bfloat16()
-        cu = torch.tensor([0, 5, 8], dtype=torch.int32, device=device)
-        used = torch.tensor([45, 20], dtype=torch.int32, device=device)
-        table = torch.tensor([[3, 0, 6, 1], [5, 2, 7, 4]], dtype=torch.int32, device=device)
+        q, k_cache, v_cache, cu, used, table = _paged_case(device, g)
+        hq = q.shape[1]
         out = torch.full_like(q, float("nan"))
         got = provider.run(q, k_cache, v_cache, out, cu_seqlens_q=cu, max_seqlen_q=5,
                            seqused_k=used, max_seqlen_k=45, page_table=table, scale=0.1,
@@ -480,6 +482,52 @@ def self_check(provider: Provider, device: torch.device) -> str | None:
     except Exception as exc:  # any failure of the private path means: use the public one
         return f"self-check raised {type(exc).__name__}: {exc}"
     return None
+
+
+def self_check_sinks(provider: Provider, device: torch.device) -> str | None:
+    """Compare :meth:`Provider.run` with learnable sinks (the private entry point's
+    ``learnable_sink``) with the public ``flash_attn_varlen_func``'s on :func:`self_check`'s
+    paged step (no soft-cap, no window; sinks of magnitude up to about 2, bf16): None when they
+    agree, else why not. Run apart from :func:`self_check`, when a layer with sinks first needs
+    the provider, as the sinks are one more kernel to compile."""
+    try:
+        from flash_attn.cute.interface import flash_attn_varlen_func
+
+        g = torch.Generator(device=device).manual_seed(3)
+        q, k_cache, v_cache, cu, used, table = _paged_case(device, g)
+        sinks = torch.randn(q.shape[1], device=device, generator=g).bfloat16()
+        out = torch.full_like(q, float("nan"))
+        got = provider.run(q, k_cache, v_cache, out, cu_seqlens_q=cu, max_seqlen_q=5,
+                           seqused_k=used, max_seqlen_k=45, page_table=table, scale=0.1,
+                           window_left=None, softcap=None, sinks=sinks)  # fmt: skip
+        want = flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=cu, max_seqlen_q=5,
+                                      seqused_k=used, max_seqlen_k=45, page_table=table,
+                                      softmax_scale=0.1, causal=True,
+                                      learnable_sink=sinks)  # fmt: skip
+        want = want[0] if isinstance(want, tuple) else want
+        err = (got.float() - want.float()).abs().max().item()
+        if not err <= 1e-2:
+            return (
+                f"the private call with learnable sinks differs from flash_attn_varlen_func "
+                f"by {err:.3g}"
+            )
+    except Exception as exc:  # any failure of the private path means: use the public one
+        return f"self-check with learnable sinks raised {type(exc).__name__}: {exc}"
+    return None
+
+
+def _paged_case(device: torch.device, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """``(q, k_cache, v_cache, cu_seqlens_q, seqused_k, page_table)`` of the self-checks'
+    paged step: 2 requests (5 + 3 new tokens over 40 / 17 cached), 4 query / 2 KV heads, head
+    dim 64, 8 pages of 16, bf16."""
+    pages, page, hkv, hq, d = 8, 16, 2, 4, 64
+    k_cache = torch.randn(pages, page, hkv, d, device=device, generator=g).bfloat16()
+    v_cache = torch.randn(pages, page, hkv, d, device=device, generator=g).bfloat16()
+    q = torch.randn(8, hq, d, device=device, generator=g).bfloat16()
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32, device=device)
+    used = torch.tensor([45, 20], dtype=torch.int32, device=device)
+    table = torch.tensor([[3, 0, 6, 1], [5, 2, 7, 4]], dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, cu, used, table
 
 
 def _chunk_rows_case(

@@ -634,12 +634,15 @@ def test_chunk_buffers_are_views_of_one_allocation_that_outlives_a_larger_one(mo
 # ------------------------------------------------------------------------------------------
 # The private entry point: version gate and self-check
 # ------------------------------------------------------------------------------------------
-def _fake_fa4(monkeypatch, version: str, private_scale: float = 1.0, lse_scale: float = 1.0):
+def _fake_fa4(monkeypatch, version: str, private_scale: float = 1.0, lse_scale: float = 1.0,
+              private_drops_sinks: bool = False):  # fmt: skip
     """A stand-in ``flash_attn.cute.interface``: the public function computes with the
-    reference op (one-query chunk rows with their log-sum-exp where ``return_lse``); the private
-    one does the same times ``private_scale`` (1.0: agrees), its chunk rows' log-sum-exp times
-    ``lse_scale``. The private one returns ``(out, lse)`` as 4.0.0b14's does, or from 4.0.0b40
-    on ``(out, lse, p, row_max, o_lo)`` with the last three None, as 4.0.0b40's does."""
+    reference op (learnable sinks included; one-query chunk rows with their log-sum-exp where
+    ``return_lse``); the private one does the same times ``private_scale`` (1.0: agrees), its
+    chunk rows' log-sum-exp times ``lse_scale``, and ignores ``learnable_sink`` where
+    ``private_drops_sinks`` (a release that changed what the argument means). The private one
+    returns ``(out, lse)`` as 4.0.0b14's does, or from 4.0.0b40 on ``(out, lse, p, row_max,
+    o_lo)`` with the last three None, as 4.0.0b40's does."""
     import sys
     import types
 
@@ -654,9 +657,13 @@ def _fake_fa4(monkeypatch, version: str, private_scale: float = 1.0, lse_scale: 
             return attend_chunk_rows(q, k, v, page_table, seqused_k, softmax_scale,
                                      softcap=softcap or None)  # fmt: skip
         n = cu_seqlens_q.numel() - 1
+        window = window_size[0] if window_size[0] is not None and window_size[0] >= 0 else None
         o = ops.paged_attention(q.float(), k.float(), v.float(), page_table[:n], cu_seqlens_q,
                                 seqused_k, scale=softmax_scale, causal=True,
-                                logits_soft_cap=softcap or None).to(q.dtype)  # fmt: skip
+                                sliding_window=None if window is None else window + 1,
+                                logits_soft_cap=softcap or None,
+                                sinks=None if learnable_sink is None else learnable_sink.float(),
+                                ).to(q.dtype)  # fmt: skip
         return o, None
 
     def private(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
@@ -665,10 +672,13 @@ def _fake_fa4(monkeypatch, version: str, private_scale: float = 1.0, lse_scale: 
                 learnable_sink=None, score_mod=None, out=None, return_lse=False,
                 lse=None):  # fmt: skip
         calls.append("private")
+        sink = None if private_drops_sinks else learnable_sink
         o, lse_rows = public(q, k, v, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
                              seqused_k=seqused_k, max_seqlen_k=max_seqlen_k,
                              page_table=page_table, softmax_scale=softmax_scale, causal=causal,
-                             softcap=softcap, return_lse=return_lse)  # fmt: skip
+                             window_size=(window_size_left, window_size_right),
+                             learnable_sink=sink, softcap=softcap,
+                             return_lse=return_lse)  # fmt: skip
         calls.pop()
         out = torch.empty_like(o) if out is None else out
         out.copy_(o * private_scale)
@@ -744,9 +754,50 @@ def test_a_failed_self_check_at_the_first_context_warns_once_naming_why(monkeypa
     provider = providers._fa4_provider()
     monkeypatch.setattr(plugin, "_PROBE", (provider, None))
     monkeypatch.setattr(plugin, "_CHECK", None)
+    monkeypatch.setattr(plugin, "_CHECK_SINKS", None)
     with pytest.warns(RuntimeWarning, match="_flash_attn_fwd.*differs from flash_attn_varlen_func"):
         served = plugin._run_self_check(provider, torch.device("cpu"))
     assert not served.uses_private
+
+
+def test_a_private_path_that_drops_sinks_fails_the_sinks_check_only(monkeypatch):
+    """A release whose private function no longer applies ``learnable_sink`` as the public one
+    does passes the plain self-check (no sinks in it) but not the sinks check."""
+    _fake_fa4(monkeypatch, "4.0.0b40", private_drops_sinks=True)
+    provider = providers._fa4_provider()
+    assert providers.self_check(provider, torch.device("cpu")) is None
+    problem = providers.self_check_sinks(provider, torch.device("cpu"))
+    assert problem is not None and "with learnable sinks" in problem, problem
+    assert "differs from flash_attn_varlen_func" in problem
+    _fake_fa4(monkeypatch, "4.0.0b40")
+    assert providers.self_check_sinks(providers._fa4_provider(), torch.device("cpu")) is None
+
+
+def test_the_first_context_with_sinks_checks_them_once_and_falls_back_with_a_warning(
+    monkeypatch,
+):
+    """The sinks check runs when a context of a group with sinks needs the checked provider
+    (not for groups without sinks, not twice); where it fails the process serves through the
+    public function, and a RuntimeWarning and ``attn list`` say why."""
+    _fake_fa4(monkeypatch, "4.0.0b40", private_drops_sinks=True)
+    provider = providers._fa4_provider()
+    monkeypatch.setattr(plugin, "_PROBE", (provider, None))
+    monkeypatch.setattr(plugin, "_CHECK", None)
+    monkeypatch.setattr(plugin, "_CHECK_SINKS", None)
+    ran: list[str] = []
+    real = providers.self_check_sinks
+    monkeypatch.setattr(providers, "self_check_sinks", lambda *a: ran.append("sinks") or real(*a))
+    cpu = torch.device("cpu")
+    served = plugin._checked(provider, cpu, sinks=False)
+    assert served.note.endswith("self-check passed") or "self-check passed" in served.note
+    assert ran == []
+    with pytest.warns(RuntimeWarning, match="learnable sinks.*differs from flash_attn_varlen"):
+        served = plugin._checked(served, cpu, sinks=True)
+    assert ran == ["sinks"] and not served.uses_private
+    assert "public flash_attn_varlen_func used" in served.note
+    assert "with learnable sinks" in plugin.make_backend().notes
+    again = plugin._checked(plugin.probe()[0], cpu, sinks=True)  # the verdict holds
+    assert ran == ["sinks"] and again.note == served.note
 
 
 @pytest.mark.parametrize("private_scale", [1.0, 1.5], ids=["agrees", "disagrees"])
@@ -760,6 +811,7 @@ def test_attn_list_self_check_checks_the_private_entry_point_before_any_context(
     provider = providers._fa4_provider()
     monkeypatch.setattr(plugin, "_PROBE", (provider, None))
     monkeypatch.setattr(plugin, "_CHECK", None)
+    monkeypatch.setattr(plugin, "_CHECK_SINKS", None)
     assert "self-check at first GPU use" in plugin.make_backend().notes
     check = plugin.attn_core_self_check(plugin.make_backend(), torch.device("cpu"))
     assert check is not None
@@ -780,6 +832,7 @@ def test_attn_list_self_check_has_nothing_to_check_without_a_private_path(monkey
     _fake_fa4(monkeypatch, "4.0.0b36")  # not a tested release: public path only
     monkeypatch.setattr(plugin, "_PROBE", (providers._fa4_provider(), None))
     monkeypatch.setattr(plugin, "_CHECK", None)
+    monkeypatch.setattr(plugin, "_CHECK_SINKS", None)
     assert plugin.attn_core_self_check(plugin.make_backend(), torch.device("cpu")) is None
 
 

@@ -382,6 +382,15 @@ def test_private_entry_point_passes_its_self_check_here():
     assert plugin.make_backend().notes == provider.note
 
 
+def test_private_entry_point_passes_its_sinks_check_here():
+    """With learnable sinks too (the check a group with sinks runs at its first context)."""
+    provider, _ = plugin.probe()
+    assert provider is not None
+    if provider.version not in providers.TESTED_DIRECT_RELEASES:
+        pytest.skip(f"flash-attn-4 {provider.version}: no private path to check")
+    assert providers.self_check_sinks(provider, torch.device("cuda")) is None
+
+
 # ------------------------------------------------------------------------------------------
 # Chunked (local) attention through local virtual batches
 # ------------------------------------------------------------------------------------------
