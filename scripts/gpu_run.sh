@@ -12,7 +12,7 @@
 #           kit_fi kit_fa3 kit_ssm kit_varlen               (conformance kit per backend;
 #                                                            kit_fi, kit_fa3, kit_ssm with KIT_SHARDS=N:
 #                                                            N shard runs at once)
-#                                                           (KIT_LIMIT=S: seconds per kit run)
+#                                                            (KIT_LIMIT=S: seconds per kit run)
 #           kit_ssm_x2                                      (the triton_ssm kit over both GPUs)
 #           t_ssd                                           (triton_ssm Mamba2 / SSD tests only)
 #           t_mamba1                                        (Mamba1: triton_ssm and e2e tests)
