@@ -122,6 +122,9 @@ SWEEP = [
 PASS_TILINGS = [
     (16, 4, 3), (32, 4, 3), (32, 4, 4), (32, 8, 3), (64, 4, 2), (64, 4, 3),
 ]  # fmt: skip
+#: Segment counts of one sequence's prefill on two streams (``gdn_chunk_prefill_slots``'s
+#: ``segments``): the state pass of a segment overlaps the other segments' fla stages.
+SEGMENTS = (2, 4, 8)
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,6 +260,7 @@ def job_prefill_ours(T: int, n_seq: int, with_fla: bool = True) -> dict:
     """Our gdn_prefill; with ``with_fla``, fla's chunk_gated_delta_rule on the same inputs timed
     in the same process, alternating three times (min of each), so GPU clock and warm-up drift
     hit both alike and the ratio is comparable run to run."""
+    import torch
     from attn_plugin_triton_ssm.kernels import gdn_prefill
 
     q, k, v, g, beta, state, idx, cu = _prefill_inputs(T, n_seq)
@@ -311,6 +315,20 @@ def job_prefill_ours(T: int, n_seq: int, with_fla: bool = True) -> dict:
                            slot_pass=False)  # fmt: skip
 
     variants = {"gather_scatter": gather}
+    out_buf = torch.empty_like(v)
+    # as the plugin calls it: into the layer's output buffer (the default path then copies)
+    variants["out given"] = lambda: gdn_prefill(
+        q, k, v, g, beta, state, idx, cu64, cu_seqlens_cpu=cu_cpu, out=out_buf
+    )
+    if n_seq == 1:  # one sequence in chunk-aligned segments on two streams (opt-in)
+        for segs in SEGMENTS:
+            for given in (False, True):
+                variants[f"segments={segs}{', out given' if given else ''}"] = (
+                    lambda segs=segs, given=given: gdn_chunk.gdn_chunk_prefill_slots(
+                        q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
+                        use_qk_l2norm=True, segments=segs, out=out_buf if given else None,
+                    )
+                )  # fmt: skip
     for fused in (False, True):  # the output in the state pass, or fla's output pass after it
         for bv, nw, ns in PASS_TILINGS:
             name = f"{'fused output, ' if fused else ''}pass BV={bv} warps={nw} stages={ns}"
