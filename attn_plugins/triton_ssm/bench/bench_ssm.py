@@ -256,10 +256,13 @@ def _prefill_inputs(T: int, n_seq: int):
     return q, k, v, g, beta, state, idx, cu
 
 
-def job_prefill_ours(T: int, n_seq: int, with_fla: bool = True) -> dict:
+def job_prefill_ours(
+    T: int, n_seq: int, with_fla: bool = True, variants_only: list[str] | None = None
+) -> dict:
     """Our gdn_prefill; with ``with_fla``, fla's chunk_gated_delta_rule on the same inputs timed
     in the same process, alternating three times (min of each), so GPU clock and warm-up drift
-    hit both alike and the ratio is comparable run to run."""
+    hit both alike and the ratio is comparable run to run. ``variants_only``: time only the
+    variants whose names start with one of these (``--gdn-variants``)."""
     import torch
     from attn_plugin_triton_ssm.kernels import gdn_prefill
 
@@ -339,6 +342,9 @@ def job_prefill_ours(T: int, n_seq: int, with_fla: bool = True) -> dict:
                     num_stages=ns,
                 )
             )  # fmt: skip
+    if variants_only is not None:
+        keep = tuple(variants_only)  # a list once it has passed through the worker's JSON
+        variants = {n: fn for n, fn in variants.items() if n.startswith(keep)}
     for name, fn in variants.items():
         try:
             gr = capture_graph(fn)
@@ -1556,6 +1562,11 @@ def main(argv: list[str] | None = None) -> int:
         default="8192,32768",
         help="mamba2_vs_mamba_ssm: the token counts, comma-separated",
     )
+    ap.add_argument(
+        "--gdn-variants",
+        help="gdn_prefill: time only the variants whose names start with one of these "
+        "(comma-separated, e.g. 'segments,out given'); default all",
+    )
     ap.add_argument("--budget-s", type=float, default=600.0, help="wall-clock budget")
     ap.add_argument(
         "--only",
@@ -1621,12 +1632,14 @@ def main(argv: list[str] | None = None) -> int:
         for B in batches
     ]
     prefill = []
+    gdn_variants = args.gdn_variants.split(",") if args.gdn_variants else None
     if args.prefill:
         for T in [8192] if args.quick else [8192, 32768]:
             for n_seq in (1, 16):
                 p = {"section": "gdn_prefill", "T": T, "n_seq": n_seq}
                 prefill.append(job("prefill_ours", {**p, "provider": "ours (gdn_prefill)"},
-                                   T=T, n_seq=n_seq, with_fla=not args.no_fla))  # fmt: skip
+                                   T=T, n_seq=n_seq, with_fla=not args.no_fla,
+                                   variants_only=gdn_variants))  # fmt: skip
                 if not args.no_fla:
                     prefill.append(job("prefill_fla", {**p, "provider": "fla chunk direct"},
                                        T=T, n_seq=n_seq))  # fmt: skip
