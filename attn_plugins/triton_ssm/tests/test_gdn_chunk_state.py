@@ -424,6 +424,7 @@ def test_segment_bounds_are_chunk_aligned_and_cover_the_sequence():
                                                         (4 * BT, 5 * BT + 17)]  # fmt: skip
     assert gdn_chunk.segment_bounds(2 * BT + 1, 9) == [(0, BT), (BT, 2 * BT), (2 * BT, 2 * BT + 1)]
     assert gdn_chunk.segment_bounds(BT, 1) == [(0, BT)]
+    assert gdn_chunk.segment_bounds(0, 4) == []
 
 
 @pytest.mark.parametrize("segments", [0, -2, True, 2.0])

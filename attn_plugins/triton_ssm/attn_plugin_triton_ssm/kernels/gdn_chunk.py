@@ -520,7 +520,7 @@ def segment_bounds(num_tokens: int, segments: int) -> list[tuple[int, int]]:
     sequence, each starting on a chunk boundary (so fla's chunk-local stages see the chunks
     they would see in the whole sequence) and all but the last a whole number of chunks."""
     chunks = triton.cdiv(num_tokens, CHUNK)
-    per = triton.cdiv(chunks, segments) * CHUNK
+    per = max(1, triton.cdiv(chunks, segments)) * CHUNK
     return [(a, min(a + per, num_tokens)) for a in range(0, num_tokens, per)]
 
 
