@@ -332,6 +332,15 @@ def job_prefill_ours(
                         use_qk_l2norm=True, segments=segs, out=out_buf if given else None,
                     )
                 )  # fmt: skip
+        # fewer pipeline stages: less shared memory a state-pass program, so fla's programs
+        # can share its SMs
+        for segs, stages in ((4, 2), (4, 3)):
+            variants[f"segments={segs} stages={stages}, out given"] = (
+                lambda segs=segs, stages=stages: gdn_chunk.gdn_chunk_prefill_slots(
+                    q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
+                    use_qk_l2norm=True, segments=segs, out=out_buf, num_stages=stages,
+                )
+            )  # fmt: skip
     for fused in (False, True):  # the output in the state pass, or fla's output pass after it
         for bv, nw, ns in PASS_TILINGS:
             name = f"{'fused output, ' if fused else ''}pass BV={bv} warps={nw} stages={ns}"

@@ -526,7 +526,10 @@ def segment_bounds(num_tokens: int, segments: int) -> list[tuple[int, int]]:
 
 @functools.cache
 def _side_stream(device_index: int) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device_index)
+    # the highest priority (torch maps a number below the device's range to its highest):
+    # the state passes are the step's critical chain, so the block scheduler should start
+    # their programs first as the other stream's programs retire
+    return torch.cuda.Stream(device_index, priority=-(2**10))
 
 
 class _TwoStreams:
