@@ -9,6 +9,7 @@ Qwen3-Next's head shape.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -172,50 +173,88 @@ def test_state_and_output_in_one_pass_match_the_two_passes(lens, H, HV, dtype, s
         )
 
 
+def _stand_in_stages():
+    """fla-core 0.6.0's two Gated DeltaNet stages around the state pass, written out in float64
+    torch on one sequence's ``[1, T, ...]`` tensors without ``cu_seqlens`` (as the segmented
+    prefill calls them); ``g`` is the chunk-local cumulative log2 decay ``gc``:
+
+    * ``intra`` (``chunk_scaled_dot_kkt``, ``solve_tril``, ``recompute_w_u``):
+      ``A = (I + strict_tril(beta_i k_i . k_j exp2(gc_i - gc_j)))^-1``, ``u = A @ (beta v)``,
+      ``w = A @ (beta k exp2(gc))``;
+    * ``chunk_fwd_o``: ``o = scale (q exp2(gc)) @ h + tril(scale q_i . k_j exp2(gc_i - gc_j))
+      @ v_new``.
+    """
+
+    def chunks(T):
+        return [(s, min(s + BT, T)) for s in range(0, T, BT)]
+
+    def intra(*, k, v, g, beta, cu_seqlens, chunk_size):
+        assert cu_seqlens is None and chunk_size == BT
+        group = v.shape[2] // k.shape[2]
+        kk = k[0].double().repeat_interleave(group, dim=1)
+        vv, gg, bb = v[0].double(), g[0].double(), beta[0].double()
+        w, u = torch.empty_like(kk), torch.empty_like(vv)
+        for s, e in chunks(kk.shape[0]):
+            decay = torch.exp2(gg[s:e, None] - gg[None, s:e]).permute(2, 0, 1)
+            lower = torch.einsum("ihc,jhc->hij", kk[s:e], kk[s:e]) * decay * bb[s:e].T[..., None]
+            a = torch.linalg.inv(torch.eye(e - s, dtype=kk.dtype) + torch.tril(lower, -1))
+            u[s:e] = torch.einsum("hij,jhv->ihv", a, vv[s:e] * bb[s:e, :, None])
+            w[s:e] = torch.einsum(
+                "hij,jhk->ihk", a, kk[s:e] * (bb[s:e] * torch.exp2(gg[s:e]))[..., None]
+            )
+        return w[None].to(k.dtype), u[None].to(v.dtype), None
+
+    def chunk_fwd_o(*, q, k, v, h, g, scale, cu_seqlens, chunk_size):
+        assert cu_seqlens is None and chunk_size == BT
+        group = v.shape[2] // q.shape[2]
+        qq, kk = (x[0].double().repeat_interleave(group, dim=1) for x in (q, k))
+        vv, gg = v[0].double(), g[0].double()
+        o = torch.empty_like(vv)
+        for c, (s, e) in enumerate(chunks(qq.shape[0])):
+            inter = torch.einsum("thk,hkv->thv", qq[s:e], h[0, c].double())
+            a = torch.einsum("ihk,jhk->hij", qq[s:e], kk[s:e])
+            a = torch.tril(a * torch.exp2(gg[s:e].T[:, :, None] - gg[s:e].T[:, None, :]))
+            intra_o = torch.einsum("hij,jhv->ihv", a, vv[s:e])
+            o[s:e] = scale * (inter * torch.exp2(gg[s:e])[..., None] + intra_o)
+        return o[None].to(v.dtype)
+
+    return {"intra": intra, "chunk_fwd_o": chunk_fwd_o}
+
+
 def _torch_gdn_forward(q, k, v, g, beta, state, idx, lens, scale):
     """Chunked Gated DeltaNet as fla-core 0.6.0's ``chunk_gated_delta_rule`` forward computes
-    it, fla's stages written out in float64 torch around the kernel's state pass:
-
-    * ``gc``: the chunk-local cumulative decay, in log2 as the pass takes it;
-    * ``A = (I + strict_tril(beta_i k_i . k_j exp2(gc_i - gc_j)))^-1``, ``u = A @ (beta v)``,
-      ``w = A @ (beta k exp2(gc))`` (``chunk_scaled_dot_kkt``, ``solve_tril``,
-      ``recompute_w_u``);
-    * ``o = scale (q exp2(gc)) @ h + tril(scale q_i . k_j exp2(gc_i - gc_j)) @ v_new``
-      (``chunk_fwd_o``).
-    """
+    it: fla's stages written out in float64 torch (:func:`_stand_in_stages`), one sequence at a
+    time, around the kernel's state pass over the whole varlen batch; ``gc``, the chunk-local
+    cumulative decay, in log2 as the pass takes it."""
     d = torch.float64
-    q, k, v, g, beta = (x.cpu() for x in (q, k, v, g, beta))
-    HV = v.shape[1]
-    group = HV // q.shape[1]
-    qq, kk = (x.to(d).repeat_interleave(group, dim=1) for x in (q, k))
-    v, beta = v.to(d), beta.to(d)
-    gc = torch.empty_like(g, dtype=d)
+    q, k, v, g, beta = (x.cpu().to(d) for x in (q, k, v, g, beta))
+    gc = torch.empty_like(g)
     for s, e in _chunks(lens):
-        gc[s:e] = (g[s:e].to(d) / math.log(2)).cumsum(0)
-    w, u, aqk = torch.empty_like(kk), torch.empty_like(v), []
-    for s, e in _chunks(lens):
-        kc, gcc, bc = kk[s:e], gc[s:e], beta[s:e]
-        decay = torch.exp2(gcc[:, None] - gcc[None, :])  # [i, j, HV]
-        eye = torch.eye(e - s, dtype=d)
-        lower = torch.einsum("ihc,jhc->hij", kc, kc) * decay.permute(2, 0, 1) * bc.T[:, :, None]
-        a = torch.linalg.inv(eye + torch.tril(lower, -1))
-        u[s:e] = torch.einsum("hij,jhv->ihv", a, v[s:e] * bc[..., None])
-        w[s:e] = torch.einsum("hij,jhk->ihk", a, kc * (bc * torch.exp2(gcc))[..., None])
-        qk = torch.einsum("ihc,jhc->hij", qq[s:e], kc) * decay.permute(2, 0, 1) * scale
-        aqk.append(torch.tril(qk))
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEV)
+        gc[s:e] = (g[s:e] / math.log(2)).cumsum(0)
+    bounds = [0, *itertools.accumulate(lens)]
+    seqs = list(itertools.pairwise(bounds))
+    stages = _stand_in_stages()
+    wu = [
+        stages["intra"](k=k[None, s:e], v=v[None, s:e], g=gc[None, s:e], beta=beta[None, s:e],
+                        cu_seqlens=None, chunk_size=BT)
+        for s, e in seqs
+    ]  # fmt: skip
+    w, u = (torch.cat([x[i][0] for x in wu]) for i in (0, 1))
+    cu = torch.tensor(bounds, device=DEV)
     nchunks = [-(-n // BT) for n in lens]
-    chunk_off = torch.tensor([0, *torch.tensor(nchunks).cumsum(0).tolist()], device=DEV)
+    chunk_off = torch.tensor([0, *itertools.accumulate(nchunks)], device=DEV)
     h, v_new = gdn_chunk.chunk_state_pass(
         k.float().to(DEV), w.float().to(DEV), u.float().to(DEV), gc.float().to(DEV), state,
         idx, cu, chunk_off, sum(nchunks), block_v=16, num_warps=2,
     )  # fmt: skip
-    h, v_new = h[0].cpu().to(d), v_new[0].cpu().to(d)
-    o = torch.empty_like(v)
-    for c, (s, e) in enumerate(_chunks(lens)):
-        inter = torch.einsum("ihk,hkv->ihv", qq[s:e] * torch.exp2(gc[s:e])[..., None], h[c])
-        o[s:e] = inter * scale + torch.einsum("hij,jhv->ihv", aqk[c], v_new[s:e])
-    return o
+    h, v_new = h.cpu().to(d), v_new.cpu().to(d)
+    o = []
+    for (s, e), (c0, c1) in zip(seqs, itertools.pairwise(chunk_off.tolist()), strict=True):
+        o.append(stages["chunk_fwd_o"](
+            q=q[None, s:e], k=k[None, s:e], v=v_new[:, s:e], h=h[:, c0:c1], g=gc[None, s:e],
+            scale=scale, cu_seqlens=None, chunk_size=BT,
+        )[0])  # fmt: skip
+    return torch.cat(o)
 
 
 def _chunks(lens):
@@ -328,48 +367,6 @@ def test_segmented_slot_path_matches_fla_with_gathered_states(state_dtype):
     idx = torch.tensor([9], device="cuda", dtype=torch.int32)
     cu = torch.tensor([0, T], device="cuda")
     assert_slot_pass_matches_gathered(_prefill_in_segments, q, k, v, g, beta, state, idx, cu)
-
-
-def _stand_in_stages():
-    """fla's two stages that the segmented prefill calls per segment, written out in float64
-    torch on ``[1, T, ...]`` tensors without ``cu_seqlens`` (as the segments call them): the
-    intra-chunk WY representation (``w``, ``u``) and the output pass. ``g`` is the chunk-local
-    cumulative log2 decay."""
-
-    def chunks(T):
-        return [(s, min(s + BT, T)) for s in range(0, T, BT)]
-
-    def intra(*, k, v, g, beta, cu_seqlens, chunk_size):
-        assert cu_seqlens is None and chunk_size == BT
-        group = v.shape[2] // k.shape[2]
-        kk = k[0].double().repeat_interleave(group, dim=1)
-        vv, gg, bb = v[0].double(), g[0].double(), beta[0].double()
-        w, u = torch.empty_like(kk), torch.empty_like(vv)
-        for s, e in chunks(kk.shape[0]):
-            decay = torch.exp2(gg[s:e, None] - gg[None, s:e]).permute(2, 0, 1)
-            lower = torch.einsum("ihc,jhc->hij", kk[s:e], kk[s:e]) * decay * bb[s:e].T[..., None]
-            a = torch.linalg.inv(torch.eye(e - s, dtype=kk.dtype) + torch.tril(lower, -1))
-            u[s:e] = torch.einsum("hij,jhv->ihv", a, vv[s:e] * bb[s:e, :, None])
-            w[s:e] = torch.einsum(
-                "hij,jhk->ihk", a, kk[s:e] * (bb[s:e] * torch.exp2(gg[s:e]))[..., None]
-            )
-        return w[None].to(k.dtype), u[None].to(v.dtype), None
-
-    def chunk_fwd_o(*, q, k, v, h, g, scale, cu_seqlens, chunk_size):
-        assert cu_seqlens is None and chunk_size == BT
-        group = v.shape[2] // q.shape[2]
-        qq, kk = (x[0].double().repeat_interleave(group, dim=1) for x in (q, k))
-        vv, gg = v[0].double(), g[0].double()
-        o = torch.empty_like(vv)
-        for c, (s, e) in enumerate(chunks(qq.shape[0])):
-            inter = torch.einsum("thk,hkv->thv", qq[s:e], h[0, c].double())
-            a = torch.einsum("ihk,jhk->hij", qq[s:e], kk[s:e])
-            a = torch.tril(a * torch.exp2(gg[s:e].T[:, :, None] - gg[s:e].T[:, None, :]))
-            intra_o = torch.einsum("hij,jhv->ihv", a, vv[s:e])
-            o[s:e] = scale * (inter * torch.exp2(gg[s:e])[..., None] + intra_o)
-        return o[None].to(v.dtype)
-
-    return {"intra": intra, "chunk_fwd_o": chunk_fwd_o}
 
 
 @pytest.mark.parametrize(("T", "segments"), [(5 * BT + 17, 3), (3 * BT, 2), (2 * BT + 1, 9)])
