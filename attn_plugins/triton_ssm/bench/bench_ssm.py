@@ -122,9 +122,6 @@ SWEEP = [
 PASS_TILINGS = [
     (16, 4, 3), (32, 4, 3), (32, 4, 4), (32, 8, 3), (64, 4, 2), (64, 4, 3),
 ]  # fmt: skip
-#: Segment counts of one sequence's prefill on two streams (``gdn_chunk_prefill_slots``'s
-#: ``segments``): the state pass of a segment overlaps the other segments' fla stages.
-SEGMENTS = (2, 4, 8)
 
 
 # --------------------------------------------------------------------------------------------
@@ -323,24 +320,6 @@ def job_prefill_ours(
     variants["out given"] = lambda: gdn_prefill(
         q, k, v, g, beta, state, idx, cu64, cu_seqlens_cpu=cu_cpu, out=out_buf
     )
-    if n_seq == 1:  # one sequence in chunk-aligned segments on two streams (opt-in)
-        for segs in SEGMENTS:
-            for given in (False, True):
-                variants[f"segments={segs}{', out given' if given else ''}"] = (
-                    lambda segs=segs, given=given: gdn_chunk.gdn_chunk_prefill_slots(
-                        q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
-                        use_qk_l2norm=True, segments=segs, out=out_buf if given else None,
-                    )
-                )  # fmt: skip
-        # fewer pipeline stages: less shared memory a state-pass program, so fla's programs
-        # can share its SMs
-        for segs, stages in ((4, 2), (4, 3)):
-            variants[f"segments={segs} stages={stages}, out given"] = (
-                lambda segs=segs, stages=stages: gdn_chunk.gdn_chunk_prefill_slots(
-                    q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
-                    use_qk_l2norm=True, segments=segs, out=out_buf, num_stages=stages,
-                )
-            )  # fmt: skip
     for fused in (False, True):  # the output in the state pass, or fla's output pass after it
         for bv, nw, ns in PASS_TILINGS:
             name = f"{'fused output, ' if fused else ''}pass BV={bv} warps={nw} stages={ns}"
@@ -1574,7 +1553,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--gdn-variants",
         help="gdn_prefill: time only the variants whose names start with one of these "
-        "(comma-separated, e.g. 'segments,out given'); default all",
+        "(comma-separated, e.g. 'out given,pass BV=32'); default all",
     )
     ap.add_argument("--budget-s", type=float, default=600.0, help="wall-clock budget")
     ap.add_argument(

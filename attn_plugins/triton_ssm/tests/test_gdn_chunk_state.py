@@ -175,8 +175,8 @@ def test_state_and_output_in_one_pass_match_the_two_passes(lens, H, HV, dtype, s
 
 def _stand_in_stages():
     """fla-core 0.6.0's two Gated DeltaNet stages around the state pass, written out in float64
-    torch on one sequence's ``[1, T, ...]`` tensors without ``cu_seqlens`` (as the segmented
-    prefill calls them); ``g`` is the chunk-local cumulative log2 decay ``gc``:
+    torch on one sequence's ``[1, T, ...]`` tensors without ``cu_seqlens``;
+    ``g`` is the chunk-local cumulative log2 decay ``gc``:
 
     * ``intra`` (``chunk_scaled_dot_kkt``, ``solve_tril``, ``recompute_w_u``):
       ``A = (I + strict_tril(beta_i k_i . k_j exp2(gc_i - gc_j)))^-1``, ``u = A @ (beta v)``,
@@ -333,106 +333,6 @@ def test_fused_output_slot_path_matches_fla_with_gathered_states(state_dtype):
     idx = torch.tensor([9, 2, 11, 0, 5], device="cuda", dtype=torch.int32)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
     assert_slot_pass_matches_gathered(_prefill_with_fused_output, q, k, v, g, beta, state, idx, cu)
-
-
-def _prefill_in_segments(q, k, v, g, beta, state, idx, cu, *, cu_seqlens_cpu, slot_pass):
-    """``gdn_prefill``'s signature for :func:`assert_slot_pass_matches_gathered`: one sequence
-    in three segments on two streams, written into a given ``out``; or (``slot_pass=False``)
-    fla's public function around gathered states."""
-    if not slot_pass:
-        return K.gdn_prefill(q, k, v, g, beta, state, idx, cu, cu_seqlens_cpu=cu_seqlens_cpu,
-                             slot_pass=False)  # fmt: skip
-    out = torch.full_like(v, float("nan"))
-    got = gdn_chunk.gdn_chunk_prefill_slots(
-        q, k, v, g, beta, state, idx, cu.long(), cu_seqlens_cpu.long(), scale=q.shape[-1] ** -0.5,
-        use_qk_l2norm=True, segments=3, out=out,
-    )  # fmt: skip
-    assert got is out
-    return got
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA (fla's chunk stages)")
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_segmented_slot_path_matches_fla_with_gathered_states(state_dtype):
-    """One sequence of 2100 tokens (ending inside a chunk) in three segments on two streams,
-    at Qwen3-Next's heads, against fla's public function with the state gathered."""
-    torch.manual_seed(0)
-    T, Hk, Hv, D = 2100, 16, 32, 128
-    q, k = (torch.randn(T, Hk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    v = torch.randn(T, Hv, D, device="cuda", dtype=torch.bfloat16)
-    g = -torch.rand(T, Hv, device="cuda") * 0.3
-    beta = torch.rand(T, Hv, device="cuda")
-    state = (torch.randn(12, Hv, D, D, device="cuda") * 0.1).to(state_dtype)
-    idx = torch.tensor([9], device="cuda", dtype=torch.int32)
-    cu = torch.tensor([0, T], device="cuda")
-    assert_slot_pass_matches_gathered(_prefill_in_segments, q, k, v, g, beta, state, idx, cu)
-
-
-@pytest.mark.parametrize(("T", "segments"), [(5 * BT + 17, 3), (3 * BT, 2), (2 * BT + 1, 9)])
-def test_segments_carry_the_state_through_the_slot(T, segments):
-    """One sequence cut into chunk-aligned segments (``gdn_chunk_prefill_slots(segments=n)``,
-    two streams on CUDA): each segment's state pass starts from the slot the segment before it
-    left, so outputs and the final state equal the single pass over the whole sequence with the
-    same stages; the other slots stay untouched. Lengths ending inside a chunk, on a chunk end,
-    and more segments than chunks."""
-    H, HV, Kd, Vd = 1, 2, 16, 16
-    gen = torch.Generator().manual_seed(11)
-    q = torch.nn.functional.normalize(torch.randn(1, T, H, Kd, generator=gen), dim=-1)
-    k = torch.nn.functional.normalize(torch.randn(1, T, H, Kd, generator=gen), dim=-1)
-    v = torch.randn(1, T, HV, Vd, generator=gen)
-    gc = torch.empty(1, T, HV)
-    step = -torch.rand(T, HV, generator=gen) * 0.3 / math.log(2)
-    for s in range(0, T, BT):
-        gc[0, s : s + BT] = step[s : s + BT].cumsum(0)
-    beta = torch.rand(1, T, HV, generator=gen)
-    q, k, v, gc, beta = (x.to(DEV) for x in (q, k, v, gc, beta))
-    state = (torch.randn(S, HV, Kd, Vd, generator=gen) * 0.3).to(DEV)
-    idx = torch.tensor([3], device=DEV, dtype=torch.int32)
-    f = _stand_in_stages()
-    opts = {"block_v": 16, "num_warps": 2}
-
-    whole = state.clone()
-    w, u, _ = f["intra"](k=k, v=v, g=gc, beta=beta, cu_seqlens=None, chunk_size=BT)
-    nt = -(-T // BT)
-    cu = torch.tensor([0, T], device=DEV)
-    h, v_new = gdn_chunk.chunk_state_pass(
-        k[0], w[0], u[0], gc[0], whole, idx, cu, torch.tensor([0, nt], device=DEV), nt, **opts
-    )
-    want = f["chunk_fwd_o"](q=q, k=k, v=v_new, h=h, g=gc, scale=0.5, cu_seqlens=None,
-                            chunk_size=BT)[0]  # fmt: skip
-
-    got_state = state.clone()
-    out = torch.full((T, HV, Vd), float("nan"), device=DEV)
-    got = gdn_chunk._overlapped_segments(
-        f, q, k, v, gc, beta, got_state, idx, scale=0.5, segments=segments, out=out,
-        pass_options=opts,
-    )  # fmt: skip
-    assert got is out and not got.isnan().any()
-    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
-    assert torch.allclose(got_state[3], whole[3], rtol=1e-5, atol=1e-6)
-    assert not torch.allclose(got_state[3], state[3])  # the final state was written
-    others = [s for s in range(S) if s != 3]
-    assert torch.equal(got_state[others], state[others])
-
-
-def test_segment_bounds_are_chunk_aligned_and_cover_the_sequence():
-    assert gdn_chunk.segment_bounds(5 * BT + 17, 3) == [(0, 2 * BT), (2 * BT, 4 * BT),
-                                                        (4 * BT, 5 * BT + 17)]  # fmt: skip
-    assert gdn_chunk.segment_bounds(2 * BT + 1, 9) == [(0, BT), (BT, 2 * BT), (2 * BT, 2 * BT + 1)]
-    assert gdn_chunk.segment_bounds(BT, 1) == [(0, BT)]
-    assert gdn_chunk.segment_bounds(0, 4) == []
-
-
-@pytest.mark.parametrize("segments", [0, -2, True, 2.0])
-def test_segments_must_be_a_positive_int(segments):
-    z = torch.zeros(BT, 1, 16, device=DEV)
-    with pytest.raises(ValueError, match="segments must be an int >= 1"):
-        gdn_chunk.gdn_chunk_prefill_slots(
-            z, z, z, z[..., 0], z[..., 0], torch.zeros(2, 1, 16, 16, device=DEV),
-            torch.zeros(1, dtype=torch.int32, device=DEV), torch.tensor([0, BT], device=DEV),
-            None, scale=1.0, use_qk_l2norm=False, segments=segments,
-        )  # fmt: skip
 
 
 @pytest.mark.parametrize("kda", [False, True])

@@ -40,7 +40,6 @@ scatters around fla's public function instead.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -57,7 +56,6 @@ __all__ = [
     "gdn_chunk_prefill_slots",
     "kda_chunk_prefill_slots",
     "l2norm_qk",
-    "segment_bounds",
     "unavailable",
 ]
 
@@ -457,172 +455,42 @@ def gdn_chunk_prefill_slots(
     scale: float,
     use_qk_l2norm: bool,
     fuse_output: bool = False,
-    segments: int = 1,
-    out: torch.Tensor | None = None,
     **pass_options,
 ) -> torch.Tensor:
     """Gated DeltaNet chunked prefill on CUDA with fla's stages and our state pass over slots
     (``fuse_output``: the output computed in that pass, :func:`chunk_state_output_pass`, in
     place of fla's ``chunk_fwd_o`` after it).
 
-    ``segments`` > 1 (one sequence only; more sequences, or ``fuse_output``, take the single
-    pass): the sequence is cut into that many chunk-aligned segments whose stages overlap on two
-    streams (:func:`_overlapped_segments`), since one sequence's state pass, a chain over its
-    chunks, leaves most of each SM idle. Opt-in until timed against the single pass.
-
     :param q: ``[T, H, K]``, ``k`` likewise, ``v`` ``[T, HV, V]``, ``g`` ``[T, HV]`` log
         decay, ``beta`` ``[T, HV]`` (contiguous; checked by the caller).
     :param cu_seqlens: ``[N + 1]`` int64 device offsets (``cu_seqlens_cpu`` the same on the
         host, so that fla plans its chunks without reading the device).
-    :param out: ``[T, HV, V]``, written when given (the segments write into it directly).
-    :returns: the output ``[T, HV, V]`` in v's dtype (``out`` when given); the slots hold the
-        final states.
+    :returns: the output ``[T, HV, V]`` in v's dtype; the slots hold the final states.
     """
-    if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
-        raise ValueError(f"gdn_chunk_prefill_slots: segments must be an int >= 1, got {segments!r}")
     f, reason = compat.stages("gdn")
     if reason:
         raise RuntimeError(reason)
     q, k, v, g, beta, chunk_indices, chunk_offsets = _plan(
         q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, f
     )
-    if segments > 1 and state_indices.shape[0] == 1 and not fuse_output:
-        return _overlapped_segments(
-            f, q, k, v, g, beta, ssm_state, state_indices, scale=scale, segments=segments,
-            out=out, pass_options=pass_options,
-        )  # fmt: skip
     w, u, _ = f["intra"](
         k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
         chunk_size=CHUNK,
     )  # fmt: skip
     if fuse_output:
-        o = chunk_state_output_pass(
+        return chunk_state_output_pass(
             q[0], k[0], w[0], u[0], g[0], ssm_state, state_indices, cu_seqlens, chunk_offsets,
             scale=scale, **pass_options,
         )  # fmt: skip
-    else:
-        h, v_new = chunk_state_pass(
-            k[0], w[0], u[0], g[0], ssm_state, state_indices, cu_seqlens, chunk_offsets,
-            chunk_indices.shape[0], **pass_options,
-        )  # fmt: skip
-        o = f["chunk_fwd_o"](
-            q=q, k=k, v=v_new, h=h, g=g, scale=scale, cu_seqlens=cu_seqlens,
-            chunk_indices=chunk_indices, chunk_size=CHUNK,
-        )[0]  # fmt: skip
-    if out is None:
-        return o
-    out.copy_(o)
-    return out
-
-
-def segment_bounds(num_tokens: int, segments: int) -> list[tuple[int, int]]:
-    """``(start, end)`` token offsets of at most ``segments`` consecutive pieces of one
-    sequence, each starting on a chunk boundary (so fla's chunk-local stages see the chunks
-    they would see in the whole sequence) and all but the last a whole number of chunks."""
-    chunks = triton.cdiv(num_tokens, CHUNK)
-    per = max(1, triton.cdiv(chunks, segments)) * CHUNK
-    return [(a, min(a + per, num_tokens)) for a in range(0, num_tokens, per)]
-
-
-@functools.cache
-def _side_stream(device_index: int) -> torch.cuda.Stream:
-    # the highest priority (torch maps a number below the device's range to its highest):
-    # the state passes are the step's critical chain, so the block scheduler should start
-    # their programs first as the other stream's programs retire
-    return torch.cuda.Stream(device_index, priority=-(2**10))
-
-
-class _TwoStreams:
-    """The caller's stream and a side stream on CUDA; on the CPU (Triton's interpreter) one
-    stream in program order, so that the segment bookkeeping runs in CPU tests too."""
-
-    def __init__(self, device: torch.device) -> None:
-        cuda = device.type == "cuda"
-        index = (
-            device.index if device.index is not None else torch.cuda.current_device() if cuda else 0
-        )
-        self.main = torch.cuda.current_stream(device) if cuda else None
-        self.side = _side_stream(index) if cuda else None
-
-    def fork(self) -> None:
-        if self.side is not None and self.main is not None:
-            self.side.wait_stream(self.main)
-
-    def on_side(self):
-        return torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext()
-
-    @staticmethod
-    def mark(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
-        if stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(stream)
-        return event
-
-    @staticmethod
-    def wait(stream: torch.cuda.Stream | None, event: torch.cuda.Event | None) -> None:
-        if stream is not None and event is not None:
-            stream.wait_event(event)
-
-
-def _overlapped_segments(f, q, k, v, g, beta, ssm_state, state_indices, *, scale, segments,
-                         out, pass_options) -> torch.Tensor:  # fmt: skip
-    """One sequence's prefill in chunk-aligned segments (:func:`segment_bounds`) on two
-    streams: the caller's stream runs fla's intra-chunk stage of every segment, then each
-    segment's output pass; a side stream runs the state pass segment after segment (each reads
-    the slot the one before wrote). A segment's state pass starts once its own intra stage is
-    done and overlaps the next segments' intra stages; its output pass overlaps the next
-    segments' state passes.
-
-    ``q``, ``k``, ``v``, ``g``, ``beta`` as :func:`_plan` returns them: ``[1, T, ...]``,
-    l2-normalised, ``g`` the chunk-local cumulative log2 decay. Every tensor the side stream
-    touches stays referenced until the caller's stream has waited for the last state pass.
-    """
-    T, HV, V = v.shape[1], v.shape[2], v.shape[3]
-    K = k.shape[3]
-    o = out if out is not None else v.new_empty(T, HV, V)
-    streams = _TwoStreams(q.device)
-    segs = []
-    for a, b in segment_bounds(T, segments):
-        n_chunks = triton.cdiv(b - a, CHUNK)
-        # [0, tokens] and [0, chunks] of the segment on the device, made by kernels rather
-        # than copied from the host, so that the step can be captured in a CUDA graph
-        steps = torch.arange(2, device=q.device, dtype=torch.int64)
-        segs.append((a, b, n_chunks, steps * (b - a), steps * n_chunks))
-    streams.fork()  # the inputs (l2norm, cumsum) and the slot are ready
-    kept, done = [], []
-    for a, b, n_chunks, cu_seg, chunk_off_seg in segs:
-        w, u, _ = f["intra"](
-            k=k[:, a:b], v=v[:, a:b], g=g[:, a:b], beta=beta[:, a:b], cu_seqlens=None,
-            chunk_size=CHUNK,
-        )  # fmt: skip
-        h = k.new_empty(1, n_chunks, HV, K, V)
-        v_new = torch.empty_like(u)
-        intra_done = streams.mark(streams.main)
-        with streams.on_side():
-            streams.wait(streams.side, intra_done)
-            _launch_pass(k[0, a:b], w[0], u[0], g[0, a:b], ssm_state, state_indices, cu_seg,
-                         chunk_off_seg, h=h, v_new=v_new[0], q=None, o=None, scale=1.0,
-                         **_pass_kwargs(pass_options))  # fmt: skip
-            done.append(streams.mark(streams.side))
-        kept.append((w, u, h, v_new))
-    for (a, b, *_), (_, _, h, v_new), state_done in zip(segs, kept, done, strict=True):
-        streams.wait(streams.main, state_done)
-        o_seg = f["chunk_fwd_o"](
-            q=q[:, a:b], k=k[:, a:b], v=v_new, h=h, g=g[:, a:b], scale=scale, cu_seqlens=None,
-            chunk_size=CHUNK,
-        )  # fmt: skip
-        o[a:b].copy_(o_seg[0])
-    return o
-
-
-def _pass_kwargs(pass_options: dict) -> dict:
-    """The state pass's tiling options (``block_v``, ``num_warps``, ``num_stages``) with the
-    defaults of :func:`chunk_state_pass`."""
-    unknown = set(pass_options) - {"block_v", "num_warps", "num_stages"}
-    if unknown:
-        raise TypeError(f"state pass options: unexpected {sorted(unknown)}")
-    return {"block_v": None, "num_warps": 4, "num_stages": None, **pass_options}
+    h, v_new = chunk_state_pass(
+        k[0], w[0], u[0], g[0], ssm_state, state_indices, cu_seqlens, chunk_offsets,
+        chunk_indices.shape[0], **pass_options,
+    )  # fmt: skip
+    o = f["chunk_fwd_o"](
+        q=q, k=k, v=v_new, h=h, g=g, scale=scale, cu_seqlens=cu_seqlens,
+        chunk_indices=chunk_indices, chunk_size=CHUNK,
+    )  # fmt: skip
+    return o[0]
 
 
 def kda_chunk_prefill_slots(
