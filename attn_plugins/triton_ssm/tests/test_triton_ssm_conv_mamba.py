@@ -242,3 +242,23 @@ def test_delta_prefill_cpu_fallback_matches_decode_kernel_token_by_token(kda):
         o = decode(q_t, k_t, v_t, g_t, b_t, st, idx[rows].to(DEV))
         torch.testing.assert_close(o.cpu(), y[pos], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(st.cpu(), state, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_delta_prefill_refuses_a_misshapen_out_before_writing_a_slot(kda):
+    """An ``out`` of the wrong shape is bad input: the prefill raises naming it and what it
+    expected, and no slot, this batch's or another's, has moved (the check used to come after
+    the final states were written)."""
+    gen = _gen(6)
+    T, Hk, Hv, D = 5, 2, 4, 16
+    q, k = torch.randn(T, Hk, D, generator=gen), torch.randn(T, Hk, D, generator=gen)
+    v = torch.randn(T, Hv, D, generator=gen)
+    g = -torch.rand(T, Hv, D, generator=gen) if kda else -torch.rand(T, Hv, generator=gen)
+    beta = torch.rand(T, Hv, generator=gen)
+    state = torch.randn(4, Hv, D, D, generator=gen)
+    before = state.clone()
+    prefill = K.kda_prefill if kda else K.gdn_prefill
+    idx, cu = torch.tensor([2, 0], dtype=torch.int32), torch.tensor([0, 3, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"out: expected shape \[5, 4, 16\]"):
+        prefill(q, k, v, g, beta, state, idx, cu, out=torch.empty(T, Hv, D + 1))
+    assert torch.equal(state, before)

@@ -72,6 +72,8 @@ def _delta_prefill(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens, *, kd
     check_shape("ssm_state", ssm_state, [None, Hv, Dk, Dv], "[S, Hv, Dk, Dv]")
     check_dtype("ssm_state", ssm_state, STATE_DTYPES)
     _check_varlen(state_indices, cu_seqlens, T)
+    if out is not None:  # before any slot is written
+        check_shape("out", out, [T, Hv, Dv], "[T, Hv, Dv]")
     if scale is None:
         scale = Dk**-0.5
     kind = "kda" if kda else "gdn"
@@ -91,7 +93,7 @@ def _delta_prefill(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens, *, kd
             ssm_state, state_indices, cu_seqlens.long(), _host_offsets(cu_seqlens_cpu),
             scale=scale, use_qk_l2norm=use_qk_l2norm,
         )  # fmt: skip
-        return _finish(o, v, out, T, Hv, Dv)
+        return _finish(o, v, out)
     idx = state_indices.long()
     h0 = ssm_state.index_select(0, idx).float()
 
@@ -107,7 +109,7 @@ def _delta_prefill(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens, *, kd
         o, ht = _naive_varlen(q, k, v, g, beta, h0, cu_seqlens, kda=kda, scale=scale,
                               use_qk_l2norm=use_qk_l2norm)  # fmt: skip
     ssm_state.index_copy_(0, idx, ht.to(ssm_state.dtype))
-    return _finish(o, v, out, T, Hv, Dv)
+    return _finish(o, v, out)
 
 
 def _slot_pass_serves(q: torch.Tensor, ssm_state: torch.Tensor, kind: compat.Kind) -> bool:
@@ -121,10 +123,9 @@ def _slot_pass_serves(q: torch.Tensor, ssm_state: torch.Tensor, kind: compat.Kin
     )
 
 
-def _finish(o: torch.Tensor, v: torch.Tensor, out, T: int, Hv: int, Dv: int) -> torch.Tensor:
+def _finish(o: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     if out is None:
         return o.to(v.dtype)
-    check_shape("out", out, [T, Hv, Dv], "[T, Hv, Dv]")
     out.copy_(o)
     return out
 
