@@ -7,19 +7,19 @@ dense state), ``fla.ops.simple_gla``'s ``chunk_simple_gla`` (Mamba2's SSD) and t
 recurrences the CPU fallback runs (:func:`public_chunk`, :func:`public_simple_gla`,
 :func:`naive_recurrences`).
 
-Internal fla-core stages (only for a release in :data:`TESTED_STAGES`, whose sources the slot
-pass was written against): the Gated DeltaNet and KDA prefills that read and write the state
-slots in place (``kernels.gdn_chunk``) run fla's chunk-local cumsum, intra-chunk WY
-representation and output pass around the plugin's own state pass. Those functions live in
-fla's internal modules (GDN: ``fla.ops.common.chunk_o``, ``fla.ops.gated_delta_rule.chunk_fwd``;
-KDA: ``fla.ops.kda.chunk_intra``, ``fla.ops.gla.chunk``; both: ``fla.ops.utils``), whose names
-and keyword arguments change between releases. :func:`stages` gives a family's functions
-(:data:`KINDS`: ``"gdn"``, ``"kda"``), or why not: another release, an import that fails, or a
-failed self-check. The self-check (GPU only, once per process and family, before its first
-slot-pass prefill) runs the slot pass against fla's public function (``chunk_gated_delta_rule``,
-``chunk_kda``) on a tiny case; if the outputs or final states differ, or it raises, that
-family's prefill gathers and scatters around the public function instead. ``attn list`` shows
-which (:func:`note`).
+Internal fla-core stages (only for a release in :data:`TESTED_STAGES`, whose sources the slot pass
+was written against): the Gated DeltaNet and KDA prefills that read and write the state slots in
+place (``kernels.gdn_chunk``) run fla's chunk-local cumsum, intra-chunk WY representation and output
+pass around the plugin's own state pass; the output pass's Triton kernel is launched directly, into
+the layer's output buffer (:func:`_output_pass_into`). Those functions live in fla's internal
+modules (GDN: ``fla.ops.common.chunk_o``, ``fla.ops.gated_delta_rule.chunk_fwd``; KDA:
+``fla.ops.kda.chunk_intra``, ``fla.ops.gla.chunk``; both: ``fla.ops.utils``), whose names and
+keyword arguments change between releases. :func:`stages` gives a family's functions (:data:`KINDS`:
+``"gdn"``, ``"kda"``), or why not: another release, an import that fails, or a failed self-check.
+The self-check (GPU only, once per process and family, before its first slot-pass prefill) runs the
+slot pass against fla's public function (``chunk_gated_delta_rule``, ``chunk_kda``) on a tiny case;
+if the outputs or final states differ, or it raises, that family's prefill gathers and scatters
+around the public function instead. ``attn list`` shows which (:func:`note`).
 
 Triton internals (any release; read at first use on a CUDA device, never at import): the opt-in
 shared-memory limit per block the kernels' tilings are fitted to (:func:`max_shared_memory`),
@@ -129,14 +129,54 @@ def _import_stages(kind: Kind) -> dict[str, Any]:
         "chunk_offsets": prepare_chunk_offsets,
     }
     if kind == "kda":
-        from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+        from fla.ops.gla.chunk import chunk_gla_fwd_kernel_o
         from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
 
-        return {**common, "intra": chunk_kda_fwd_intra, "chunk_fwd_o": chunk_gla_fwd_o_gk}
-    from fla.ops.common.chunk_o import chunk_fwd_o
+        return {
+            **common,
+            "intra": chunk_kda_fwd_intra,
+            "output_into": _output_pass_into(chunk_gla_fwd_kernel_o, kda=True),
+        }
+    from fla.ops.common.chunk_o import chunk_fwd_kernel_o
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
 
-    return {**common, "intra": chunk_gated_delta_rule_fwd_intra, "chunk_fwd_o": chunk_fwd_o}
+    return {
+        **common,
+        "intra": chunk_gated_delta_rule_fwd_intra,
+        "output_into": _output_pass_into(chunk_fwd_kernel_o, kda=False),
+    }
+
+
+def _output_pass_into(kernel: Any, *, kda: bool) -> Callable[..., torch.Tensor]:
+    """fla-core 0.6.0's output pass (GDN: ``chunk_fwd_o``'s ``chunk_fwd_kernel_o``; KDA:
+    ``chunk_gla_fwd_o_gk``'s ``chunk_gla_fwd_kernel_o``) launched as those functions launch it,
+    but into a given ``o``: theirs allocate the output, which the layer would then copy into
+    its own buffer (at T = 8192 with 32 heads of 128, 7 % of a GDN prefill on an H100).
+
+    The returned ``output_into(o, *, q, k, v, h, g, A, scale, cu_seqlens, chunk_indices,
+    chunk_size)`` takes ``[1, T, ...]`` tensors as the stage functions do (``k`` GDN only, the
+    intra-chunk attention ``A`` KDA only; the other None), every sequence's chunks listed in
+    ``chunk_indices``, and ``o`` ``[1, T, HV, V]`` contiguous in any float dtype (the kernel
+    rounds to it on store); every row of ``o`` is written."""
+
+    def output_into(o, *, q, k, v, h, g, A, scale, cu_seqlens, chunk_indices, chunk_size):
+        B, T, H, K = q.shape
+        HV, V = v.shape[2], v.shape[3]
+        NT = len(chunk_indices)
+
+        def grid(meta: dict[str, Any]) -> tuple[int, int]:
+            return ((V + meta["BV"] - 1) // meta["BV"] * NT, B * HV)
+
+        sizes = dict(scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=chunk_size, STATE_V_FIRST=False)
+        if kda:
+            kernel[grid](q=q, v=v, g=g, h=h, o=o, A=A, cu_seqlens=cu_seqlens,
+                         chunk_indices=chunk_indices, USE_GRAPH=False, **sizes)  # fmt: skip
+        else:
+            kernel[grid](q=q, k=k, v=v, h=h, g=g, g_gamma=None, o=o, cu_seqlens=cu_seqlens,
+                         chunk_indices=chunk_indices, **sizes)  # fmt: skip
+        return o
+
+    return output_into
 
 
 def stages(kind: Kind) -> tuple[dict[str, Any], str | None]:
@@ -373,9 +413,11 @@ def _self_check(device: torch.device, kind: Kind) -> str:
     )  # fmt: skip
     got_states = states.clone()
     slot_fn = gdn_chunk.kda_chunk_prefill_slots if kda else gdn_chunk.gdn_chunk_prefill_slots
+    # into a given output buffer, as the plugin calls it (fla's output pass writes it directly)
     got = slot_fn(
-        q, k, v, gate, beta, got_states, slots, cu, cu_cpu, scale=scale, use_qk_l2norm=True
-    )
+        q, k, v, gate, beta, got_states, slots, cu, cu_cpu, scale=scale, use_qk_l2norm=True,
+        out=torch.empty_like(v),
+    )  # fmt: skip
     # Both run fla's stages; only the state pass (and the l2norm) differs: agreement to bf16
     # rounding (the GPU test of the GDN slot pass sees 2e-3 relative at Qwen3-Next's shapes).
     want_o = want[0].float()

@@ -316,7 +316,7 @@ def job_prefill_ours(
 
     variants = {"gather_scatter": gather}
     out_buf = torch.empty_like(v)
-    # as the plugin calls it: into the layer's output buffer (the default path then copies)
+    # as the plugin calls it: into the layer's output buffer (fla's output pass writes it)
     variants["out given"] = lambda: gdn_prefill(
         q, k, v, g, beta, state, idx, cu64, cu_seqlens_cpu=cu_cpu, out=out_buf
     )

@@ -4,8 +4,10 @@ the slot pass against the same prefill gathering and scattering around fla's pub
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 
+import pytest
 import torch
 
 
@@ -99,3 +101,63 @@ def assert_slot_pass_matches_gathered(
     assert s_rel < (1e-3 if state.dtype == torch.float32 else 1e-2), s_rel
     untouched = [s for s in range(state.shape[0]) if s not in idx.tolist()]
     assert torch.equal(state[untouched], gathered[untouched])
+
+
+def one_config_per_fla_autotuner(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Give every autotuned kernel of the imported fla modules a single config (its last), so
+    that fla's stages run in Triton's interpreter: an autotuner with several configs times them
+    on a GPU driver, which the interpreter has not. Restored by ``monkeypatch``.
+
+    :returns: how many autotuners were narrowed.
+    """
+    from triton.runtime.autotuner import Autotuner
+
+    def wrapped(obj: object) -> Iterator[object]:  # heuristics wrap the autotuner: follow .fn
+        while obj is not None and not isinstance(obj, type):
+            yield obj
+            obj = getattr(obj, "fn", None)
+
+    narrowed = 0
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("fla.") or module is None:
+            continue
+        for value in list(vars(module).values()):
+            for obj in wrapped(value):
+                if isinstance(obj, Autotuner) and len(obj.configs) > 1:
+                    monkeypatch.setattr(obj, "configs", obj.configs[-1:])
+                    narrowed += 1
+    return narrowed
+
+
+def slot_path_on_fla_stages(
+    slot_fn: Callable[..., torch.Tensor], out_kind: str
+) -> Callable[..., torch.Tensor]:
+    """``slot_fn`` (``gdn_chunk_prefill_slots`` / ``kda_chunk_prefill_slots``: fla's stages
+    around the slot pass) as :func:`assert_chunked_matches_naive` calls its ``chunked``, q and k
+    taken as they come (no l2norm). ``out_kind``: ``"none"`` (the function allocates),
+    ``"given"`` (a NaN-filled contiguous ``out``, which must be what comes back, written in
+    place) or ``"strided"`` (a NaN-filled ``out`` whose rows are not packed: the output is
+    copied into it)."""
+
+    def chunked(q, k, v, gate, beta, state, idx, lens, scale):
+        cu_cpu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+        T, HV, V = v.shape
+        out = None
+        if out_kind == "given":
+            out = torch.full_like(v, float("nan"))
+
+            def no_copy(*_: object, **__: object) -> None:
+                raise AssertionError("out was filled by a copy, not by the output pass")
+
+            out.copy_ = no_copy  # type: ignore[method-assign]
+        elif out_kind == "strided":
+            out = torch.full((T, HV, 2 * V), float("nan"), device=v.device)[..., :V]
+        got = slot_fn(
+            q, k, v, gate, beta, state, idx, cu_cpu.to(v.device), cu_cpu, scale=scale,
+            use_qk_l2norm=False, out=out,
+        )  # fmt: skip
+        if out is not None:
+            assert got is out and not got.isnan().any()
+        return got
+
+    return chunked

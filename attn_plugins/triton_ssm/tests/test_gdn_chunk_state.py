@@ -19,6 +19,8 @@ from slot_pass_check import (
     assert_chunked_matches_naive,
     assert_slot_pass_matches_gathered,
     chunk_spans,
+    one_config_per_fla_autotuner,
+    slot_path_on_fla_stages,
 )
 
 gdn_chunk = K.gdn_chunk  # the submodule, imported by the package after kernel_device
@@ -270,6 +272,27 @@ def test_chunked_gdn_around_the_state_pass_matches_the_naive_recurrence():
 
     assert_chunked_matches_naive(
         compat.naive_recurrences()[0], _torch_gdn_forward,
+        lambda T, HV, K, g: -torch.rand(T, HV, generator=g) * 0.3,
+        chunk=BT, slots=SLOTS, num_slots=S, device=DEV, repeat_qk_for_naive=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("out_kind", ["none", "given", "strided"])
+def test_slot_path_on_fla_stages_matches_the_naive_recurrence(out_kind, monkeypatch):
+    """The slot path as it runs on a GPU - fla-core's own stages (cumsum, intra-chunk WY, the
+    output pass launched into the layer's ``out``) around the state pass over slots - against
+    fla's token-by-token ``naive_recurrent_gated_delta_rule`` in float64: outputs, final
+    states, other slots untouched; the output written into a given ``out`` in place, or copied
+    into one whose rows are not packed. On the CPU fla's kernels run in Triton's interpreter."""
+    from attn_plugin_triton_ssm import compat
+
+    if compat.stages("gdn")[1]:
+        pytest.skip(f"fla's GDN stages: {compat.stages('gdn')[1]}")
+    if DEV == "cpu":
+        assert one_config_per_fla_autotuner(monkeypatch) > 0
+    assert_chunked_matches_naive(
+        compat.naive_recurrences()[0],
+        slot_path_on_fla_stages(gdn_chunk.gdn_chunk_prefill_slots, out_kind),
         lambda T, HV, K, g: -torch.rand(T, HV, generator=g) * 0.3,
         chunk=BT, slots=SLOTS, num_slots=S, device=DEV, repeat_qk_for_naive=True,
     )  # fmt: skip

@@ -20,6 +20,8 @@ from slot_pass_check import (
     assert_chunked_matches_naive,
     assert_slot_pass_matches_gathered,
     chunk_spans,
+    one_config_per_fla_autotuner,
+    slot_path_on_fla_stages,
 )
 
 gdn_chunk = K.gdn_chunk
@@ -178,6 +180,27 @@ def test_chunked_kda_around_the_state_pass_matches_the_naive_recurrence():
 
     assert_chunked_matches_naive(
         compat.naive_recurrences()[1], _torch_kda_forward,
+        lambda T, HV, K, g: -torch.rand(T, HV, K, generator=g) * torch.linspace(0.01, 0.8, K),
+        chunk=BT, slots=SLOTS, num_slots=S, device=DEV,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("out_kind", ["none", "given", "strided"])
+def test_kda_slot_path_on_fla_stages_matches_the_naive_recurrence(out_kind, monkeypatch):
+    """The KDA slot path as it runs on a GPU - fla-core's KDA stages (per-channel cumsum,
+    ``chunk_kda_fwd_intra``, the output pass launched into the layer's ``out``) around the
+    per-channel state pass - against fla's ``naive_recurrent_kda`` in float64; ``out`` written
+    in place, or copied into one whose rows are not packed. On the CPU fla's kernels run in
+    Triton's interpreter."""
+    from attn_plugin_triton_ssm import compat
+
+    if compat.stages("kda")[1]:
+        pytest.skip(f"fla's KDA stages: {compat.stages('kda')[1]}")
+    if DEV == "cpu":
+        assert one_config_per_fla_autotuner(monkeypatch) > 0
+    assert_chunked_matches_naive(
+        compat.naive_recurrences()[1],
+        slot_path_on_fla_stages(gdn_chunk.kda_chunk_prefill_slots, out_kind),
         lambda T, HV, K, g: -torch.rand(T, HV, K, generator=g) * torch.linspace(0.01, 0.8, K),
         chunk=BT, slots=SLOTS, num_slots=S, device=DEV,
     )  # fmt: skip

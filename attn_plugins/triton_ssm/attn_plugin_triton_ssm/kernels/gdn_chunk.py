@@ -455,6 +455,7 @@ def gdn_chunk_prefill_slots(
     scale: float,
     use_qk_l2norm: bool,
     fuse_output: bool = False,
+    out: torch.Tensor | None = None,
     **pass_options,
 ) -> torch.Tensor:
     """Gated DeltaNet chunked prefill on CUDA with fla's stages and our state pass over slots
@@ -465,7 +466,9 @@ def gdn_chunk_prefill_slots(
         decay, ``beta`` ``[T, HV]`` (contiguous; checked by the caller).
     :param cu_seqlens: ``[N + 1]`` int64 device offsets (``cu_seqlens_cpu`` the same on the
         host, so that fla plans its chunks without reading the device).
-    :returns: the output ``[T, HV, V]`` in v's dtype; the slots hold the final states.
+    :param out: ``[T, HV, V]``, any float dtype: fla's output pass writes into it directly when
+        it is contiguous (else the output is copied into it).
+    :returns: ``out``, or a new ``[T, HV, V]`` in v's dtype; the slots hold the final states.
     """
     f, reason = compat.stages("gdn")
     if reason:
@@ -478,19 +481,38 @@ def gdn_chunk_prefill_slots(
         chunk_size=CHUNK,
     )  # fmt: skip
     if fuse_output:
-        return chunk_state_output_pass(
+        o = chunk_state_output_pass(
             q[0], k[0], w[0], u[0], g[0], ssm_state, state_indices, cu_seqlens, chunk_offsets,
             scale=scale, **pass_options,
         )  # fmt: skip
+        return _into(out, o)
     h, v_new = chunk_state_pass(
         k[0], w[0], u[0], g[0], ssm_state, state_indices, cu_seqlens, chunk_offsets,
         chunk_indices.shape[0], **pass_options,
     )  # fmt: skip
-    o = f["chunk_fwd_o"](
-        q=q, k=k, v=v_new, h=h, g=g, scale=scale, cu_seqlens=cu_seqlens,
-        chunk_indices=chunk_indices, chunk_size=CHUNK,
+    o = f["output_into"](
+        _output_buffer(out, v_new, zeros=False), q=q, k=k, v=v_new, h=h, g=g, A=None,
+        scale=scale, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=CHUNK,
     )  # fmt: skip
-    return o[0]
+    return _into(out, o[0])
+
+
+def _output_buffer(out: torch.Tensor | None, v_new: torch.Tensor, *, zeros: bool) -> torch.Tensor:
+    """Where fla's output pass writes: ``out`` ``[T, HV, V]`` itself where it has the layout
+    the kernel stores (contiguous), so the layer's buffer is written once rather than filled
+    by a copy; else a new ``[1, T, HV, V]`` tensor in ``v_new``'s dtype (``zeros``: as fla's
+    KDA pass allocates its output)."""
+    if out is not None and out.shape == v_new.shape[1:] and out.is_contiguous():
+        return out[None]
+    return torch.zeros_like(v_new) if zeros else torch.empty_like(v_new)
+
+
+def _into(out: torch.Tensor | None, o: torch.Tensor) -> torch.Tensor:
+    """``o``, in ``out`` when one is given (a copy unless ``o`` is ``out`` already)."""
+    if out is None or o.data_ptr() == out.data_ptr():
+        return o if out is None else out
+    out.copy_(o)
+    return out
 
 
 def kda_chunk_prefill_slots(
@@ -506,6 +528,7 @@ def kda_chunk_prefill_slots(
     *,
     scale: float,
     use_qk_l2norm: bool,
+    out: torch.Tensor | None = None,
     **pass_options,
 ) -> torch.Tensor:
     """KDA chunked prefill on CUDA with fla's stages and our state pass over slots: the stages
@@ -517,7 +540,8 @@ def kda_chunk_prefill_slots(
         checked by the caller).
     :param cu_seqlens: ``[N + 1]`` int64 device offsets (``cu_seqlens_cpu`` the same on the
         host, so that fla plans its chunks without reading the device).
-    :returns: the output ``[T, HV, V]`` in v's dtype; the slots hold the final states.
+    :param out: as :func:`gdn_chunk_prefill_slots`.
+    :returns: ``out``, or a new ``[T, HV, V]`` in v's dtype; the slots hold the final states.
     """
     f, reason = compat.stages("kda")
     if reason:
@@ -535,8 +559,8 @@ def kda_chunk_prefill_slots(
         kg[0], w[0], u[0], g[0], ssm_state, state_indices, cu_seqlens, chunk_offsets,
         chunk_indices.shape[0], **pass_options,
     )  # fmt: skip
-    o = f["chunk_fwd_o"](
-        q=q, v=v_new, g=g, A=Aqk, h=h, scale=scale, cu_seqlens=cu_seqlens, chunk_size=CHUNK,
-        chunk_indices=chunk_indices,
+    o = f["output_into"](
+        _output_buffer(out, v_new, zeros=True), q=q, k=None, v=v_new, h=h, g=g, A=Aqk,
+        scale=scale, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=CHUNK,
     )  # fmt: skip
-    return o[0]
+    return _into(out, o[0])

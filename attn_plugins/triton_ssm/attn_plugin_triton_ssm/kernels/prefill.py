@@ -91,9 +91,9 @@ def _delta_prefill(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens, *, kd
         o = slot_fn(
             q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
             ssm_state, state_indices, cu_seqlens.long(), _host_offsets(cu_seqlens_cpu),
-            scale=scale, use_qk_l2norm=use_qk_l2norm,
+            scale=scale, use_qk_l2norm=use_qk_l2norm, out=out,
         )  # fmt: skip
-        return _finish(o, v, out)
+        return o if out is None else out  # written in place (or copied) by the slot pass
     idx = state_indices.long()
     h0 = ssm_state.index_select(0, idx).float()
 
