@@ -298,6 +298,42 @@ def test_slot_path_on_fla_stages_matches_the_naive_recurrence(out_kind, monkeypa
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_an_out_over_the_queries_is_not_written_while_they_are_read(kda, monkeypatch):
+    """``out`` may be the queries' own buffer (an in-place layer). fla's output pass reads every
+    key channel of a chunk's queries while other programs store other value blocks of the same
+    rows, so it must not write into that buffer directly: the result equals the call with a
+    separate ``out``, value blocks narrower than the head (V = 64 in 32-wide blocks)."""
+    from attn_plugin_triton_ssm import compat
+
+    kind = "kda" if kda else "gdn"
+    if compat.stages(kind)[1]:
+        pytest.skip(f"fla's {kind} stages: {compat.stages(kind)[1]}")
+    if DEV == "cpu":
+        assert one_config_per_fla_autotuner(monkeypatch) > 0
+    gen = torch.Generator().manual_seed(2)
+    T, H, D = 70, 2, 64
+    q = torch.randn(T, H, D, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(T, H, D, generator=gen), dim=-1)
+    v = torch.randn(T, H, D, generator=gen)
+    gate = -torch.rand(*((T, H, D) if kda else (T, H)), generator=gen) * 0.3
+    beta = torch.rand(T, H, generator=gen)
+    state = torch.randn(3, H, D, D, generator=gen) * 0.1
+    q, k, v, gate, beta, state = (x.to(DEV) for x in (q, k, v, gate, beta, state))
+    idx, cu = torch.tensor([1], dtype=torch.int32, device=DEV), torch.tensor([0, T])
+    fn = gdn_chunk.kda_chunk_prefill_slots if kda else gdn_chunk.gdn_chunk_prefill_slots
+
+    def run(q_in, out):
+        return fn(q_in, k, v, gate, beta, state.clone(), idx, cu.to(DEV), cu, scale=D**-0.5,
+                  use_qk_l2norm=False, out=out)  # fmt: skip
+
+    want = run(q, torch.empty_like(v))
+    q_buffer = q.clone()
+    got = run(q_buffer, q_buffer)
+    assert got is q_buffer
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEV != "cuda", reason="needs CUDA (fla's chunk stages)")
 @pytest.mark.parametrize(

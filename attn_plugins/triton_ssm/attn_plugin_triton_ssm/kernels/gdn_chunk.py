@@ -467,12 +467,14 @@ def gdn_chunk_prefill_slots(
     :param cu_seqlens: ``[N + 1]`` int64 device offsets (``cu_seqlens_cpu`` the same on the
         host, so that fla plans its chunks without reading the device).
     :param out: ``[T, HV, V]``, any float dtype: fla's output pass writes into it directly when
-        it is contiguous (else the output is copied into it).
+        it is contiguous and shares no memory with ``q`` or ``k`` (else the output is copied
+        into it).
     :returns: ``out``, or a new ``[T, HV, V]`` in v's dtype; the slots hold the final states.
     """
     f, reason = compat.stages("gdn")
     if reason:
         raise RuntimeError(reason)
+    callers = (q, k)
     q, k, v, g, beta, chunk_indices, chunk_offsets = _plan(
         q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, f
     )
@@ -491,20 +493,34 @@ def gdn_chunk_prefill_slots(
         chunk_indices.shape[0], **pass_options,
     )  # fmt: skip
     o = f["output_into"](
-        _output_buffer(out, v_new, zeros=False), q=q, k=k, v=v_new, h=h, g=g, A=None,
-        scale=scale, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=CHUNK,
+        _output_buffer(out, v_new, zeros=False, callers=callers), q=q, k=k, v=v_new, h=h, g=g,
+        A=None, scale=scale, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=CHUNK,
     )  # fmt: skip
     return _into(out, o[0])
 
 
-def _output_buffer(out: torch.Tensor | None, v_new: torch.Tensor, *, zeros: bool) -> torch.Tensor:
+def _output_buffer(
+    out: torch.Tensor | None, v_new: torch.Tensor, *, zeros: bool, callers: tuple[torch.Tensor, ...]
+) -> torch.Tensor:
     """Where fla's output pass writes: ``out`` ``[T, HV, V]`` itself where it has the layout
-    the kernel stores (contiguous), so the layer's buffer is written once rather than filled
-    by a copy; else a new ``[1, T, HV, V]`` tensor in ``v_new``'s dtype (``zeros``: as fla's
-    KDA pass allocates its output)."""
-    if out is not None and out.shape == v_new.shape[1:] and out.is_contiguous():
+    the kernel stores (contiguous) and shares no memory with the caller's tensors the pass reads
+    (``callers``: q and k; the pass reads a chunk's every key channel while other programs store
+    other value blocks of the same rows), so the layer's buffer is written once rather than
+    filled by a copy; else a new ``[1, T, HV, V]`` tensor in ``v_new``'s dtype (``zeros``: as
+    fla's KDA pass allocates its output)."""
+    if (
+        out is not None
+        and out.shape == v_new.shape[1:]
+        and out.is_contiguous()
+        and not any(_same_memory(out, t) for t in callers)
+    ):
         return out[None]
     return torch.zeros_like(v_new) if zeros else torch.empty_like(v_new)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # one storage: views of one buffer may interleave, so any shared storage counts
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _into(out: torch.Tensor | None, o: torch.Tensor) -> torch.Tensor:
@@ -546,6 +562,7 @@ def kda_chunk_prefill_slots(
     f, reason = compat.stages("kda")
     if reason:
         raise RuntimeError(reason)
+    callers = (q, k)
     q, k, v, g, beta, chunk_indices, chunk_offsets = _plan(
         q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, f
     )
@@ -560,7 +577,7 @@ def kda_chunk_prefill_slots(
         chunk_indices.shape[0], **pass_options,
     )  # fmt: skip
     o = f["output_into"](
-        _output_buffer(out, v_new, zeros=True), q=q, k=None, v=v_new, h=h, g=g, A=Aqk,
-        scale=scale, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=CHUNK,
+        _output_buffer(out, v_new, zeros=True, callers=callers), q=q, k=None, v=v_new, h=h, g=g,
+        A=Aqk, scale=scale, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=CHUNK,
     )  # fmt: skip
     return _into(out, o[0])
