@@ -129,6 +129,19 @@ def one_config_per_fla_autotuner(monkeypatch: pytest.MonkeyPatch) -> int:
     return narrowed
 
 
+def fla_stages_here(kind: str, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Skip unless fla's internal stages of ``kind`` (``"gdn"``, ``"kda"``) load here; on the
+    CPU narrow fla's autotuners (:func:`one_config_per_fla_autotuner`) so that they run in
+    Triton's interpreter."""
+    from attn_plugin_triton_ssm import compat
+
+    reason = compat.stages(kind)[1]  # type: ignore[arg-type]
+    if reason:
+        pytest.skip(f"fla's {kind} stages: {reason}")
+    if device == "cpu":
+        assert one_config_per_fla_autotuner(monkeypatch) > 0
+
+
 def slot_path_on_fla_stages(
     slot_fn: Callable[..., torch.Tensor], out_kind: str
 ) -> Callable[..., torch.Tensor]:

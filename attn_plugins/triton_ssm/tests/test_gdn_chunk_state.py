@@ -19,7 +19,7 @@ from slot_pass_check import (
     assert_chunked_matches_naive,
     assert_slot_pass_matches_gathered,
     chunk_spans,
-    one_config_per_fla_autotuner,
+    fla_stages_here,
     slot_path_on_fla_stages,
 )
 
@@ -286,10 +286,7 @@ def test_slot_path_on_fla_stages_matches_the_naive_recurrence(out_kind, monkeypa
     into one whose rows are not packed. On the CPU fla's kernels run in Triton's interpreter."""
     from attn_plugin_triton_ssm import compat
 
-    if compat.stages("gdn")[1]:
-        pytest.skip(f"fla's GDN stages: {compat.stages('gdn')[1]}")
-    if DEV == "cpu":
-        assert one_config_per_fla_autotuner(monkeypatch) > 0
+    fla_stages_here("gdn", DEV, monkeypatch)
     assert_chunked_matches_naive(
         compat.naive_recurrences()[0],
         slot_path_on_fla_stages(gdn_chunk.gdn_chunk_prefill_slots, out_kind),
@@ -304,13 +301,7 @@ def test_an_out_over_the_queries_is_not_written_while_they_are_read(kda, monkeyp
     key channel of a chunk's queries while other programs store other value blocks of the same
     rows, so it must not write into that buffer directly: the result equals the call with a
     separate ``out``, value blocks narrower than the head (V = 64 in 32-wide blocks)."""
-    from attn_plugin_triton_ssm import compat
-
-    kind = "kda" if kda else "gdn"
-    if compat.stages(kind)[1]:
-        pytest.skip(f"fla's {kind} stages: {compat.stages(kind)[1]}")
-    if DEV == "cpu":
-        assert one_config_per_fla_autotuner(monkeypatch) > 0
+    fla_stages_here("kda" if kda else "gdn", DEV, monkeypatch)
     gen = torch.Generator().manual_seed(2)
     T, H, D = 70, 2, 64
     q = torch.randn(T, H, D, generator=gen)

@@ -20,7 +20,7 @@ from slot_pass_check import (
     assert_chunked_matches_naive,
     assert_slot_pass_matches_gathered,
     chunk_spans,
-    one_config_per_fla_autotuner,
+    fla_stages_here,
     slot_path_on_fla_stages,
 )
 
@@ -194,10 +194,7 @@ def test_kda_slot_path_on_fla_stages_matches_the_naive_recurrence(out_kind, monk
     Triton's interpreter."""
     from attn_plugin_triton_ssm import compat
 
-    if compat.stages("kda")[1]:
-        pytest.skip(f"fla's KDA stages: {compat.stages('kda')[1]}")
-    if DEV == "cpu":
-        assert one_config_per_fla_autotuner(monkeypatch) > 0
+    fla_stages_here("kda", DEV, monkeypatch)
     assert_chunked_matches_naive(
         compat.naive_recurrences()[1],
         slot_path_on_fla_stages(gdn_chunk.kda_chunk_prefill_slots, out_kind),

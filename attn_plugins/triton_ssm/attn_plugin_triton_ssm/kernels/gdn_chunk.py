@@ -492,9 +492,19 @@ def gdn_chunk_prefill_slots(
         k[0], w[0], u[0], g[0], ssm_state, state_indices, cu_seqlens, chunk_offsets,
         chunk_indices.shape[0], **pass_options,
     )  # fmt: skip
+    return _output_pass(f, out, callers, q=q, k=k, v_new=v_new, h=h, g=g, A=None, scale=scale,
+                        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)  # fmt: skip
+
+
+def _output_pass(f, out, callers, *, q, k, v_new, h, g, A, scale, cu_seqlens,
+                 chunk_indices) -> torch.Tensor:  # fmt: skip
+    """fla's output pass (``f["output_into"]``, GDN with ``k``, KDA with the intra-chunk
+    attention ``A``) into ``out`` or a new tensor (:func:`_output_buffer`); returns
+    ``[T, HV, V]``, ``out`` when given."""
     o = f["output_into"](
-        _output_buffer(out, v_new, zeros=False, callers=callers), q=q, k=k, v=v_new, h=h, g=g,
-        A=None, scale=scale, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=CHUNK,
+        _output_buffer(out, v_new, zeros=A is not None, callers=callers), q=q, k=k, v=v_new, h=h,
+        g=g, A=A, scale=scale, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+        chunk_size=CHUNK,
     )  # fmt: skip
     return _into(out, o[0])
 
@@ -576,8 +586,5 @@ def kda_chunk_prefill_slots(
         kg[0], w[0], u[0], g[0], ssm_state, state_indices, cu_seqlens, chunk_offsets,
         chunk_indices.shape[0], **pass_options,
     )  # fmt: skip
-    o = f["output_into"](
-        _output_buffer(out, v_new, zeros=True, callers=callers), q=q, k=None, v=v_new, h=h, g=g,
-        A=Aqk, scale=scale, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=CHUNK,
-    )  # fmt: skip
-    return _into(out, o[0])
+    return _output_pass(f, out, callers, q=q, k=None, v_new=v_new, h=h, g=g, A=Aqk, scale=scale,
+                        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)  # fmt: skip
