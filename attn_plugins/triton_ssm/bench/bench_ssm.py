@@ -362,6 +362,7 @@ def job_kda_prefill(T: int, n_seq: int) -> dict:
     the states around fla's public chunk_kda (``slot_pass=False``: what it ran before), and
     chunk_kda alone on dense states (no gather, no scatter: fla at its best), timed in the same
     process alternating three times (min of each), eager and in CUDA graphs."""
+    import torch
     from attn_plugin_triton_ssm.kernels import kda_prefill
     from fla.ops.kda import chunk_kda
 
@@ -372,6 +373,12 @@ def job_kda_prefill(T: int, n_seq: int) -> dict:
     def ours():  # slot_pass=True: an error row (not a silent fallback) where the pass is off
         return kda_prefill(q, k, v, g, beta, state, idx, cu, cu_seqlens_cpu=cu_cpu,
                            slot_pass=True)  # fmt: skip
+
+    out_buf = torch.empty_like(v)
+
+    def ours_out():  # as the plugin calls it: into the layer's output buffer
+        return kda_prefill(q, k, v, g, beta, state, idx, cu, cu_seqlens_cpu=cu_cpu,
+                           slot_pass=True, out=out_buf)  # fmt: skip
 
     def gather():
         return kda_prefill(q, k, v, g, beta, state, idx, cu, cu_seqlens_cpu=cu_cpu,
@@ -384,7 +391,7 @@ def job_kda_prefill(T: int, n_seq: int) -> dict:
             cu_seqlens_cpu=cu_cpu,
         )  # fmt: skip
 
-    calls = {"ours": ours, "gather": gather, "fla": fla_dense}
+    calls = {"ours": ours, "out given": ours_out, "gather": gather, "fla": fla_dense}
 
     def alternate(fns: dict, warmup: int) -> dict:
         times: dict[str, list[float]] = {name: [] for name in fns}
@@ -397,7 +404,8 @@ def job_kda_prefill(T: int, n_seq: int) -> dict:
     ms = best["ours"]
     res = {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6, "fla_ms": best["fla"],
            "ratio_to_fla": ms / best["fla"], "gather_ms": best["gather"],
-           "ratio_to_gather": ms / best["gather"]}  # fmt: skip
+           "ratio_to_gather": ms / best["gather"], "out_given_ms": best["out given"],
+           "out_given_ratio_to_fla": best["out given"] / best["fla"]}  # fmt: skip
     from attn_core.bench_util import capture_graph
 
     try:
@@ -410,6 +418,8 @@ def job_kda_prefill(T: int, n_seq: int) -> dict:
     res["graph_gather_ms"] = best["gather"]
     res["graph_ratio_to_fla"] = best["ours"] / best["fla"]
     res["graph_ratio_to_gather"] = best["ours"] / best["gather"]
+    res["graph_out_given_ms"] = best["out given"]
+    res["graph_out_given_ratio_to_fla"] = best["out given"] / best["fla"]
     return res
 
 
@@ -1462,6 +1472,9 @@ def _table(results: list, copy_bw: float | None) -> str:
                 val += f"{r['graph_ratio_to_gather']:.3f}"
             elif "graph_error" in r:
                 val += f"; no CUDA graph ({r['graph_error'][:80]})"
+            if "graph_out_given_ratio_to_fla" in r:
+                val += f"\n{'':<16}out given: {r['graph_out_given_ms']:.3f} ms, ratio to fla "
+                val += f"{r['graph_out_given_ratio_to_fla']:.3f} (CUDA graphs)"
             for key, ms in r.items():
                 if key.startswith("graph_ms["):
                     ms = f"{ms:.3f} ms" if isinstance(ms, float) else ms
