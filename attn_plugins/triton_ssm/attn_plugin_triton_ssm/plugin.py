@@ -629,12 +629,9 @@ class TritonSSMContext:
                 dt_softplus=self._dt_softplus,
                 cu_seqlens_cpu=plan.cu_seqlens_cpu,  # host offsets: no device sync
                 states_dtype=v.dtype if self._ssd_states_in_activations else None,
-                precise=self._ssd_precise,
+                precise=self._ssd_precise, out=out_t,
             )  # fmt: skip
-            if out_t is None:
-                return y
-            out_t.copy_(y)
-            return out
+            return y if out is None else out
         fn = self.K.kda_prefill if self.variant is LinearVariant.KDA else self.K.gdn_prefill
         y = fn(
             q[:T], k[:T], v[:T], inputs["g"][:T], inputs["beta"][:T], ssm, plan.slots,

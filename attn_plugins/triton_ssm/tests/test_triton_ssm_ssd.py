@@ -522,3 +522,36 @@ def test_split_states_are_the_scans_own_split(chunk):
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
         else:
             torch.testing.assert_close(a, b, **BF16_OUT_TOL)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_mamba2_prefill_writes_into_a_given_out(impl):
+    """``out`` (the layer's buffer, here a strided view of a wider one) is what comes back,
+    holding what the call without it returns; the Triton SSD stores into it directly. A
+    misshapen ``out`` is refused before any slot is written."""
+    inp, extras, state, idx, cu = _case([5, 7])
+    kw = dict(state_indices=idx.to(DEV), cu_seqlens=cu.to(DEV), cu_seqlens_cpu=cu, impl=impl,
+              chunk_size=16, **_dev(extras))  # fmt: skip
+    want_state = state.clone().to(DEV)
+    want = K.mamba2_prefill(**_dev(inp), ssm_state=want_state, **kw)
+    T, H, P = want.shape
+    wide = torch.full((T, H, 2 * P), float("nan"), dtype=want.dtype, device=DEV)
+    out = wide[..., :P]
+    if impl == "triton":  # stored by the scan kernel, not copied in
+
+        def no_copy(*_: object, **__: object) -> None:
+            raise AssertionError("out was filled by a copy, not by the SSD's scan kernel")
+
+        out.copy_ = no_copy  # type: ignore[method-assign]
+    got_state = state.clone().to(DEV)
+    got = K.mamba2_prefill(**_dev(inp), ssm_state=got_state, out=out, **kw)
+    assert got is out
+    assert torch.equal(got, want) and torch.equal(got_state, want_state)
+    assert wide[..., P:].isnan().all()  # nothing written outside out
+    every_other = torch.zeros(T, H, 2 * P, dtype=want.dtype, device=DEV)[..., ::2]
+    got = K.mamba2_prefill(**_dev(inp), ssm_state=state.clone().to(DEV), out=every_other, **kw)
+    assert got is every_other and torch.equal(got, want)  # not packed: copied in
+    untouched = state.clone().to(DEV)
+    with pytest.raises(ValueError, match=r"out: expected shape \[12, 4, 32\]"):
+        K.mamba2_prefill(**_dev(inp), ssm_state=untouched, out=wide[:, :, : P + 1], **kw)
+    assert torch.equal(untouched, state.to(DEV))

@@ -283,6 +283,7 @@ def mamba2_prefill(
     cu_seqlens_cpu: torch.Tensor | None = None,
     states_dtype: torch.dtype | None = None,
     precise: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mamba2 chunked prefill (SSD) over packed sequences, state in slots.
 
@@ -316,7 +317,10 @@ def mamba2_prefill(
         operand error); False rounds them to the input dtype, one dot each, and stores the
         entering states in it, as mamba_ssm's SSD computes (~2^-9 per term). Ignored by the
         other implementations (float32 throughout).
-    :returns: ``y`` ``[T, H, P]`` in ``x``'s dtype.
+    :param out: ``[T, H, P]`` (the layer's buffer; its shape is checked before any slot is
+        written): ``"triton"`` stores ``y`` into it directly where its last dim is packed, the
+        others copy ``y`` in.
+    :returns: ``y`` ``[T, H, P]`` in ``x``'s dtype: ``out`` when given.
     """
     check_shape("x", x, [None, None, None], "[T, H, P]")
     T, H, P = x.shape
@@ -329,6 +333,8 @@ def mamba2_prefill(
     check_shape("ssm_state", ssm_state, [None, H, N, P], "[S, H, N, P]")
     check_dtype("ssm_state", ssm_state, STATE_DTYPES)
     _check_varlen(state_indices, cu_seqlens, T)
+    if out is not None:
+        check_shape("out", out, [T, H, P], "[T, H, P]")
     if chunk_size is not None and chunk_size <= 0:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size}")
     if impl not in ("auto", "fla", "torch", "triton"):
@@ -340,11 +346,15 @@ def mamba2_prefill(
 
         if cu_seqlens_cpu is None:
             cu_seqlens_cpu = cu_seqlens.cpu()  # chunks are planned on the host: a device sync
-        return mamba2_ssd_triton(
+        # the scan kernel stores rows with any outer strides but packed heads' values
+        direct = out is not None and out.stride(-1) == 1
+        y = mamba2_ssd_triton(
             x, dt, A_log, B, C, ssm_state, state_indices, cu_seqlens_cpu, D=D, dt_bias=dt_bias,
             z=z, dt_softplus=dt_softplus, chunk_size=chunk_size or DEFAULT_CHUNK,
             states_dtype=states_dtype or torch.float32, precise=precise,
+            out=out if direct else None,
         )  # fmt: skip
+        return y if out is None or direct else _finish(y, x, out)
 
     dtf = dt.float() + (dt_bias.float() if dt_bias is not None else 0.0)
     if dt_softplus:
@@ -357,7 +367,7 @@ def mamba2_prefill(
             y = y + D.float()[:, None] * x.float()
         if z is not None:
             y = y * F.silu(z.float())
-        return y.to(x.dtype)
+        return _finish(y, x, out)
     Bh = B.float().repeat_interleave(H // G, dim=1)
     Ch = C.float().repeat_interleave(H // G, dim=1)
     xf = x.float()
@@ -377,7 +387,7 @@ def mamba2_prefill(
     if z is not None:
         y = y * F.silu(z.float())
     ssm_state.index_copy_(0, idx, ht.to(ssm_state.dtype))
-    return y.to(x.dtype)
+    return _finish(y, x, out)
 
 
 def _mamba2_fla(x, dtf, A, B, C, ssm_state, idx, cu_seqlens, cu_seqlens_cpu) -> torch.Tensor:
