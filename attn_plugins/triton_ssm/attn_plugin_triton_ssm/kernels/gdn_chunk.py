@@ -535,9 +535,10 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _into(out: torch.Tensor | None, o: torch.Tensor) -> torch.Tensor:
     """``o``, in ``out`` when one is given (a copy unless ``o`` is ``out`` already)."""
-    if out is None or o.data_ptr() == out.data_ptr():
-        return o if out is None else out
-    out.copy_(o)
+    if out is None:
+        return o
+    if o.data_ptr() != out.data_ptr():  # else the output pass wrote it in place
+        out.copy_(o)
     return out
 
 

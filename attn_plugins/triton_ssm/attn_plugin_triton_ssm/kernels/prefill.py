@@ -93,7 +93,7 @@ def _delta_prefill(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens, *, kd
             ssm_state, state_indices, cu_seqlens.long(), _host_offsets(cu_seqlens_cpu),
             scale=scale, use_qk_l2norm=use_qk_l2norm, out=out,
         )  # fmt: skip
-        return o if out is None else out  # written in place (or copied) by the slot pass
+        return o  # out itself when given: written in place (or copied) by the slot pass
     idx = state_indices.long()
     h0 = ssm_state.index_select(0, idx).float()
 
@@ -354,7 +354,7 @@ def mamba2_prefill(
             states_dtype=states_dtype or torch.float32, precise=precise,
             out=out if direct else None,
         )  # fmt: skip
-        return y if out is None or direct else _finish(y, x, out)
+        return y if direct else _finish(y, x, out)
 
     dtf = dt.float() + (dt_bias.float() if dt_bias is not None else 0.0)
     if dt_softplus:
