@@ -34,11 +34,11 @@ def assert_chunked_matches_naive(
 ) -> None:
     """``chunked(q, k, v, gate, beta, state, idx, lens, scale)`` (writing the final states into
     ``state [num_slots, HV, K, V]`` at ``idx``) against fla's token-by-token ``naive`` per
-    sequence in float64, outputs and final states: sequences of 70, 5 and ``chunk`` tokens
-    (ending inside and on chunk ends), one key head, two value heads, head dims 16, random
-    unit-norm keys and ``make_gate(T, HV, K, generator)``. ``repeat_qk_for_naive``: q and k go
-    to ``naive`` repeated to the value heads. Within 1e-5 relative on the CPU (interpreted),
-    5e-3 compiled (tf32 dots)."""
+    sequence (which computes in float32), outputs and final states: sequences of 70, 5 and
+    ``chunk`` tokens (ending inside and on chunk ends), one key head, two value heads, head dims
+    16, random unit-norm keys and ``make_gate(T, HV, K, generator)``. ``repeat_qk_for_naive``:
+    q and k go to ``naive`` repeated to the value heads. Within 1e-5 relative on the CPU
+    (interpreted), 5e-3 compiled (tf32 dots)."""
     lens, H, HV, Kd, Vd = [70, 5, chunk], 1, 2, 16, 16
     T = sum(lens)
     g = torch.Generator().manual_seed(4)

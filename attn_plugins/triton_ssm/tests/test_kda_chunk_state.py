@@ -189,7 +189,7 @@ def test_chunked_kda_around_the_state_pass_matches_the_naive_recurrence():
 def test_kda_slot_path_on_fla_stages_matches_the_naive_recurrence(out_kind, monkeypatch):
     """The KDA slot path as it runs on a GPU - fla-core's KDA stages (per-channel cumsum,
     ``chunk_kda_fwd_intra``, the output pass launched into the layer's ``out``) around the
-    per-channel state pass - against fla's ``naive_recurrent_kda`` in float64; ``out`` written
+    per-channel state pass - against fla's ``naive_recurrent_kda`` (float32); ``out`` written
     in place, or copied into one whose rows are not packed. On the CPU fla's kernels run in
     Triton's interpreter."""
     from attn_plugin_triton_ssm import compat
