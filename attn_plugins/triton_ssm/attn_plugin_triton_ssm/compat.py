@@ -138,13 +138,42 @@ def _import_stages(kind: Kind) -> dict[str, Any]:
             "output_into": _output_pass_into(chunk_gla_fwd_kernel_o, kda=True),
         }
     from fla.ops.common.chunk_o import chunk_fwd_kernel_o
-    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.gated_delta_rule.chunk_fwd import (
+        chunk_gated_delta_rule_fwd_intra,
+        chunk_gated_delta_rule_fwd_kkt_solve_kernel,
+    )
 
     return {
         **common,
         "intra": chunk_gated_delta_rule_fwd_intra,
+        "kkt_solve_into": _kkt_solve_into(chunk_gated_delta_rule_fwd_kkt_solve_kernel),
         "output_into": _output_pass_into(chunk_fwd_kernel_o, kda=False),
     }
+
+
+def _kkt_solve_into(kernel: Any) -> Callable[..., torch.Tensor]:
+    """fla-core 0.6.0's fused ``beta k k^T`` and triangular solve of Gated DeltaNet
+    (``chunk_gated_delta_rule_fwd_kkt_solve_kernel``, the first half of
+    ``chunk_gated_delta_rule_fwd_intra`` at chunk 64), launched as that function launches it but
+    into a given ``Ai``: the state pass folds the second half (``recompute_w_u``) in, so only
+    ``Ai`` is wanted. fla zero-fills ``Ai`` first; the kernel stores each chunk's lower
+    triangle of 16-row blocks only, and the state pass reads no other entries, so ``Ai`` may
+    come uninitialised.
+
+    The returned ``kkt_solve_into(Ai, *, k, g, beta, cu_seqlens, chunk_indices, chunk_size)``
+    takes ``[1, T, ...]`` tensors as the stage functions do (``Ai`` ``[1, T, HV, chunk_size]``
+    in k's dtype, chunk_size 64) and returns ``Ai``."""
+
+    def kkt_solve_into(Ai, *, k, g, beta, cu_seqlens, chunk_indices, chunk_size):
+        B, T, H, K = k.shape
+        HV = beta.shape[2]
+        kernel[(len(chunk_indices), B * HV)](
+            k=k, g=g, beta=beta, A=Ai, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T,
+            H=H, HV=HV, K=K, BT=chunk_size, BC=16,
+        )  # fmt: skip
+        return Ai
+
+    return kkt_solve_into
 
 
 def _output_pass_into(kernel: Any, *, kda: bool) -> Callable[..., torch.Tensor]:

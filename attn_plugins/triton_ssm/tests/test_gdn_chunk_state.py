@@ -9,6 +9,7 @@ Qwen3-Next's head shape.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -110,6 +111,76 @@ def test_state_pass_matches_the_recurrence(lens, H, HV, dtype, state_dtype):
         assert (got - want).abs().max().item() < s_tol * want.abs().max().item(), slot
     untouched = [s for s in range(S) if s not in finals]
     assert torch.equal(state[untouched], before[untouched])
+
+
+def _wy_inputs(k, gc, cu, lens, HV, Vd, dtype, seed=1):
+    """Values, beta and a solved ``Ai`` ``[T, HV, BT]`` (unit lower triangle, NaN above it, as
+    the entries fla never stores may hold anything) for :func:`.chunk_state_pass_wy`, and the
+    ``w``, ``u`` fla's ``recompute_w_u`` makes of them in float64 (``w = Ai (beta exp2(g) k)``,
+    ``u = Ai (beta v)`` per chunk)."""
+    g = torch.Generator().manual_seed(seed)
+    T, H, _ = k.shape
+    v = (torch.randn(T, HV, Vd, generator=g)).to(DEV, dtype)
+    beta = torch.rand(T, HV, generator=g).to(DEV)
+    Ai = torch.full((T, HV, BT), float("nan"))
+    for s, e in _chunks(lens):
+        n = e - s
+        tril = torch.tril(torch.randn(HV, n, n, generator=g) * 0.2, -1) + torch.eye(n)
+        Ai[s:e, :, :n] = tril.transpose(0, 1)  # row t of the chunk at Ai[s + t]
+    Ai = Ai.to(DEV, dtype)
+    d = torch.float64
+    kk = k.to(d).repeat_interleave(HV // H, dim=1)
+    kb = kk * (beta.to(d) * torch.exp2(gc.to(d)))[..., None]
+    vb = v.to(d) * beta.to(d)[..., None]
+    w, u = torch.empty_like(kb), torch.empty_like(vb)
+    for s, e in _chunks(lens):
+        a = Ai[s:e, :, : e - s].to(d).transpose(0, 1)  # [HV, n, n]
+        w[s:e] = torch.einsum("hts,shk->thk", a, kb[s:e])
+        u[s:e] = torch.einsum("hts,shv->thv", a, vb[s:e])
+    return v, beta, Ai, w, u
+
+
+@pytest.mark.parametrize(
+    ("lens", "H", "HV", "dtype", "state_dtype"),
+    [
+        ([70, BT, 5], 2, 4, torch.float32, torch.float32),
+        ([2 * BT + 1, 33], 1, 2, torch.bfloat16, torch.float32),
+    ],
+)
+def test_state_pass_with_the_wy_folded_in_matches_the_recurrence(lens, H, HV, dtype, state_dtype):
+    """The pass reading the values, beta and fla's solved ``Ai`` (``WY``) equals the recurrence
+    over the ``w`` and ``u`` fla's ``recompute_w_u`` would make of them, reading only ``Ai``'s
+    lower triangle (NaN above it), the sequences' last chunks partial."""
+    Kd, Vd = 32, 32
+    k, _, _, gc, state, idx, cu, chunk_off, nt = _inputs(lens, H, HV, Kd, Vd, dtype, state_dtype)
+    v, beta, Ai, w, u = _wy_inputs(k, gc, cu, lens, HV, Vd, dtype)
+    before = state.clone()
+    h_ref, v_ref, finals = _reference(k, w, u, gc, before, idx, cu, lens)
+    h, v_new = gdn_chunk.chunk_state_pass_wy(
+        k, v, beta, Ai, gc, state, idx, cu, chunk_off, nt, block_v=16, num_warps=2
+    )
+    assert h.shape == (1, nt, HV, Kd, Vd) and v_new.shape == (1, *v.shape)
+    assert v_new.dtype == dtype and not v_new.isnan().any()
+    tol = 3e-2 if dtype != torch.float32 else (2e-5 if DEV == "cpu" else 4e-3)
+    assert (h[0].double() - h_ref).abs().max().item() < tol * h_ref.abs().max().item()
+    assert (v_new[0].double() - v_ref).abs().max().item() < tol * v_ref.abs().max().item()
+    for slot, want in finals.items():
+        got = state[slot].double()
+        assert (got - want).abs().max().item() < tol * want.abs().max().item(), slot
+    untouched = [s for s in range(S) if s not in finals]
+    assert torch.equal(state[untouched], before[untouched])
+
+
+def test_state_pass_with_the_wy_folded_in_refuses_a_per_channel_decay():
+    T, HV, D = 8, 2, 16
+    k = torch.zeros(T, HV, D, device=DEV)
+    with pytest.raises(ValueError, match=r"per-head decay g \[T, HV\].*got g \[8, 2, 16\]"):
+        gdn_chunk.chunk_state_pass_wy(
+            k, torch.zeros(T, HV, D, device=DEV), torch.zeros(T, HV, device=DEV),
+            torch.zeros(T, HV, BT, device=DEV), torch.zeros(T, HV, D, device=DEV),
+            torch.zeros(2, HV, D, D, device=DEV), torch.tensor([0], device=DEV),
+            torch.tensor([0, T], device=DEV), torch.tensor([0, 1], device=DEV), 1,
+        )  # fmt: skip
 
 
 def _output_reference(q, k, gc, h_chunks, v_new, cu, lens, scale):
@@ -277,19 +348,22 @@ def test_chunked_gdn_around_the_state_pass_matches_the_naive_recurrence():
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("wy_in_pass", [False, True], ids=["wu_stored", "wy_in_pass"])
 @pytest.mark.parametrize("out_kind", ["none", "given", "strided"])
-def test_slot_path_on_fla_stages_matches_the_naive_recurrence(out_kind, monkeypatch):
-    """The slot path as it runs on a GPU - fla-core's own stages (cumsum, intra-chunk WY, the
-    output pass launched into the layer's ``out``) around the state pass over slots - against
-    fla's token-by-token ``naive_recurrent_gated_delta_rule`` in float64: outputs, final
-    states, other slots untouched; the output written into a given ``out`` in place, or copied
-    into one whose rows are not packed. On the CPU fla's kernels run in Triton's interpreter."""
+def test_slot_path_on_fla_stages_matches_the_naive_recurrence(out_kind, wy_in_pass, monkeypatch):
+    """The slot path as it runs on a GPU - fla-core's own stages (cumsum, intra-chunk WY or,
+    ``wy_in_pass``, only its kkt-and-solve kernel, the output pass launched into the layer's
+    ``out``) around the state pass over slots - against fla's token-by-token
+    ``naive_recurrent_gated_delta_rule`` (float32): outputs, final states, other slots
+    untouched; the output written into a given ``out`` in place, or copied into one whose rows
+    are not packed. On the CPU fla's kernels run in Triton's interpreter."""
     from attn_plugin_triton_ssm import compat
 
     fla_stages_here("gdn", DEV, monkeypatch)
+    slot_fn = functools.partial(gdn_chunk.gdn_chunk_prefill_slots, wy_in_pass=wy_in_pass)
     assert_chunked_matches_naive(
         compat.naive_recurrences()[0],
-        slot_path_on_fla_stages(gdn_chunk.gdn_chunk_prefill_slots, out_kind),
+        slot_path_on_fla_stages(slot_fn, out_kind),
         lambda T, HV, K, g: -torch.rand(T, HV, generator=g) * 0.3,
         chunk=BT, slots=SLOTS, num_slots=S, device=DEV, repeat_qk_for_naive=True,
     )  # fmt: skip
@@ -383,6 +457,83 @@ def test_fused_output_slot_path_matches_fla_with_gathered_states(state_dtype):
     idx = torch.tensor([9, 2, 11, 0, 5], device="cuda", dtype=torch.int32)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
     assert_slot_pass_matches_gathered(_prefill_with_fused_output, q, k, v, g, beta, state, idx, cu)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA (fla's chunk stages)")
+@pytest.mark.parametrize(
+    "lens",
+    [[1000, 64, 1, 257, 700], [1500]],  # more programs than 2 per SM (64-wide blocks); fewer
+)
+def test_wy_in_pass_is_as_close_to_the_recurrence_as_fla(lens):
+    """With ``wy_in_pass`` the bf16 rounding falls elsewhere than in fla (``w`` and ``u`` are
+    never rounded; ``beta v - kb h`` enters ``Ai`` in tf32), so the outputs differ from fla's
+    by its own rounding (2.7e-3 mean relative at Qwen3-Next's heads, where the stored path
+    matches fla's stages to 2e-3). The measure is the recurrence token by token (fla's naive,
+    float32, per sequence): outputs and final states within 1.1x fla's public function's error
+    to it, other slots untouched."""
+    from attn_plugin_triton_ssm import compat
+
+    torch.manual_seed(0)
+    T, Hk, Hv, D = sum(lens), 16, 32, 128
+    q, k = (torch.randn(T, Hk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(T, Hv, D, device="cuda", dtype=torch.bfloat16)
+    g = -torch.rand(T, Hv, device="cuda") * 0.3
+    beta = torch.rand(T, Hv, device="cuda")
+    state = torch.randn(12, Hv, D, D, device="cuda") * 0.1
+    idx = torch.tensor([9, 2, 11, 0, 5][: len(lens)], device="cuda", dtype=torch.int32)
+    cu_cpu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    cu, scale = cu_cpu.cuda(), D**-0.5
+    before = state.clone()
+    got = gdn_chunk.gdn_chunk_prefill_slots(
+        q, k, v, g, beta, state, idx, cu, cu_cpu, scale=scale, use_qk_l2norm=True,
+        wy_in_pass=True,
+    ).double()  # fmt: skip
+    fla_o, fla_ht = compat.public_chunk(kda=False)(
+        q[None], k[None], v[None], g[None], beta[None], scale=scale,
+        initial_state=before[idx.long()], output_final_state=True, use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+    )  # fmt: skip
+    naive = compat.naive_recurrences()[0]
+    qn, kn = (torch.nn.functional.normalize(x.double(), dim=-1) for x in (q, k))
+    want_o, want_ht = [], []
+    for i, (s0, s1) in enumerate(itertools.pairwise(cu_cpu.tolist())):
+        o_i, ht_i = naive(
+            *(x[s0:s1].repeat_interleave(Hv // Hk, dim=1)[None] for x in (qn, kn)),
+            v[s0:s1][None].double(), beta[s0:s1][None].double(), g[s0:s1][None].double(),
+            scale=scale, initial_state=before[int(idx[i])][None].double(),
+            output_final_state=True,
+        )  # fmt: skip
+        want_o.append(o_i[0])
+        want_ht.append(ht_i[0])
+    want, want_states = torch.cat(want_o), torch.stack(want_ht)
+
+    def err(x, ref):
+        return ((x.double() - ref).abs().mean() / ref.abs().mean()).item()
+
+    assert err(got, want) <= 1.1 * err(fla_o[0], want), (err(got, want), err(fla_o[0], want))
+    ours_ht = state[idx.long()]
+    assert err(ours_ht, want_states) <= 1.1 * err(fla_ht, want_states) + 1e-6
+    untouched = [s for s in range(state.shape[0]) if s not in idx.tolist()]
+    assert torch.equal(state[untouched], before[untouched])
+
+
+def test_wy_in_pass_refuses_what_it_does_not_serve():
+    """``wy_in_pass`` with the output fused into the pass, or on 8 warps a program (which
+    faulted on an H100), is refused before anything runs."""
+    T, D = 4, 16
+    x = torch.zeros(T, 1, D, device=DEV)
+    args = (x, x, x, torch.zeros(T, 1, device=DEV), torch.zeros(T, 1, device=DEV),
+            torch.zeros(2, 1, D, D, device=DEV), torch.tensor([0], device=DEV),
+            torch.tensor([0, T], device=DEV), torch.tensor([0, T]))  # fmt: skip
+    with pytest.raises(ValueError, match="fuse_output needs wy_in_pass=False"):
+        gdn_chunk.gdn_chunk_prefill_slots(
+            *args, scale=1.0, use_qk_l2norm=False, wy_in_pass=True, fuse_output=True
+        )
+    with pytest.raises(ValueError, match="2 or 4 warps a program, got num_warps=8"):
+        gdn_chunk.gdn_chunk_prefill_slots(
+            *args, scale=1.0, use_qk_l2norm=False, wy_in_pass=True, num_warps=8
+        )
 
 
 @pytest.mark.parametrize("kda", [False, True])

@@ -53,6 +53,7 @@ __all__ = [
     "CHUNK",
     "chunk_state_output_pass",
     "chunk_state_pass",
+    "chunk_state_pass_wy",
     "gdn_chunk_prefill_slots",
     "kda_chunk_prefill_slots",
     "l2norm_qk",
@@ -95,6 +96,9 @@ def _chunk_state_kernel(
     chunk_off_ptr,  # [N + 1] chunk offsets
     q_ptr,  # [T, H, K] (l2-normalised queries), k dtype; FUSE_O only
     o_ptr,  # [T, HV, V] out, u dtype; FUSE_O only
+    a_ptr,  # [T, HV, BT] fla's (I + A)^-1 per chunk, lower triangle only; WY only
+    vin_ptr,  # [T, HV, V] the values; WY only
+    beta_ptr,  # [T, HV]; WY only
     scale,
     slot_stride,
     H: tl.constexpr,
@@ -107,6 +111,7 @@ def _chunk_state_kernel(
     GK: tl.constexpr,
     UPCAST: tl.constexpr,
     FUSE_O: tl.constexpr,
+    WY: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), N * HV)``: one program carries a ``[K, BV]`` block of one head's
     state through every chunk of one sequence. ``GK`` (KDA): the decay is per key channel, ``g``
@@ -119,6 +124,15 @@ def _chunk_state_kernel(
     the registers that hold them, so neither is written::
 
         o = scale * (exp2(g) * (q @ h) + (causal(q @ k^T) * exp2(g_i - g_j)) @ v_new)
+
+    ``WY`` (Gated DeltaNet only): ``w`` and ``u`` are not read but folded into the pass from
+    fla's solved ``Ai = (I + A)^-1`` (``w = Ai @ (beta exp2(g) k)``, ``u = Ai @ (beta v)``)::
+
+        v_new = Ai @ (beta v - (beta exp2(g) k) @ h)
+
+    which needs one ``[BT, BT] x [BT, BV]`` dot more on the chain but no ``[BT, K]`` one, and
+    spares fla's ``recompute_w_u`` its pass over k and v and the write and read of w and u. Only
+    ``Ai``'s lower triangle is read (fla stores no other blocks), so it needs no zero-fill.
 
     The loop is a chain of dependent dots, so its length is latency: each tile's addresses are
     a scalar base per chunk (advanced by a constant) plus int32 offsets computed once, rather
@@ -158,6 +172,11 @@ def _chunk_state_kernel(
     p_state = state_ptr + slot * slot_stride + i_h * K * V + kv_offs
     p_q = q_ptr + bos * (H * K) + i_hk * K
     p_o = o_ptr + bos * (HV * V) + i_h * V
+    p_a = a_ptr + (bos * HV + i_h) * BT
+    p_vin = vin_ptr + bos * (HV * V) + i_h * V
+    p_beta = beta_ptr + bos * HV + i_h
+    a_offs = o_t[:, None] * (HV * BT) + o_t[None, :]
+    lower = o_t[None, :] <= o_t[:, None]
     b_h = tl.load(p_state, mask=m_kv, other=0.0).to(tl.float32)
 
     for i_t in range(tl.cdiv(T, BT)):
@@ -167,10 +186,23 @@ def _chunk_state_kernel(
             tl.store(p_h + kv_offs, b_h.to(h_ptr.dtype.element_ty), mask=m_kv)
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        b_w = tl.load(p_w + w_offs, mask=m_tk, other=0.0)
-        b_u = tl.load(p_u + u_offs, mask=m_tv, other=0.0)
-        b_hq = b_h.to(b_w.dtype)
-        b_v = b_u.to(tl.float32) - _dot(b_w, b_hq, UPCAST)
+        if WY:
+            # fla's recompute_w_u's operands (k * beta rounded to k's dtype, then the decay),
+            # applied to h before Ai rather than to Ai before h
+            b_k = tl.load(p_k + k_offs, mask=m_tk, other=0.0)
+            b_hq = b_h.to(b_k.dtype)
+            b_beta = tl.load(p_beta + g_offs, mask=m_t, other=0.0)
+            b_gt = tl.load(p_g + g_offs, mask=m_t, other=0.0).to(tl.float32)
+            b_kb = ((b_k * b_beta[:, None]) * tl.exp2(b_gt)[:, None]).to(b_k.dtype)
+            b_vin = tl.load(p_vin + u_offs, mask=m_tv, other=0.0).to(tl.float32)
+            b_x = b_vin * b_beta.to(tl.float32)[:, None] - _dot(b_kb, b_hq, UPCAST)
+            b_a = tl.load(p_a + a_offs, mask=m_t[:, None] & lower, other=0.0)
+            b_v = _dot(b_a.to(tl.float32), b_x, UPCAST)  # tf32: Ai exact, x to 10 bits
+        else:
+            b_w = tl.load(p_w + w_offs, mask=m_tk, other=0.0)
+            b_u = tl.load(p_u + u_offs, mask=m_tv, other=0.0)
+            b_hq = b_h.to(b_w.dtype)
+            b_v = b_u.to(tl.float32) - _dot(b_w, b_hq, UPCAST)
         if FUSE_O:
             # fla's output pass on this chunk (see the docstring); independent of the state
             # update below, so the two chains of dots can overlap
@@ -198,7 +230,7 @@ def _chunk_state_kernel(
             b_decay = tl.exp2(g_last)
         if FUSE_O:
             b_k = b_kt  # loaded for the output above
-        else:
+        elif not WY:  # (WY loaded it for the values above)
             b_k = tl.load(p_k + k_offs, mask=m_tk, other=0.0)
         b_vq = b_v.to(b_k.dtype)
         b_h = b_h * b_decay + _dot(tl.trans(b_k), b_vq, UPCAST)
@@ -208,6 +240,9 @@ def _chunk_state_kernel(
         p_k += BT * H * K
         p_q += BT * H * K
         p_o += BT * HV * V
+        p_a += BT * HV * BT
+        p_vin += BT * HV * V
+        p_beta += BT * HV
         if GK:
             p_g += BT * HV * K
         else:
@@ -318,8 +353,53 @@ def chunk_state_pass(
     h = k.new_empty(1, num_chunks, HV, K, V)
     v_new = torch.empty_like(u)
     _launch_pass(k, w, u, g, ssm_state, state_indices, cu_seqlens, chunk_offsets, h=h,
-                 v_new=v_new, q=None, o=None, scale=1.0, block_v=block_v, num_warps=num_warps,
-                 num_stages=num_stages)  # fmt: skip
+                 v_new=v_new, q=None, o=None, scale=1.0, wy=None, block_v=block_v,
+                 num_warps=num_warps, num_stages=num_stages)  # fmt: skip
+    return h, v_new[None]
+
+
+def chunk_state_pass_wy(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    Ai: torch.Tensor,
+    g: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    chunk_offsets: torch.Tensor,
+    num_chunks: int,
+    *,
+    block_v: int | None = None,
+    num_warps: int = 4,
+    num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet's state pass with fla's ``recompute_w_u`` folded in (the kernel's ``WY``):
+    it reads the values, ``beta`` and the solved ``Ai`` in place of ``w`` and ``u``.
+
+    :param k: ``[T, H, K]`` keys (already l2-normalised when the layer asks for it).
+    :param v: ``[T, HV, V]`` values, k's dtype; ``beta``: ``[T, HV]``.
+    :param Ai: ``[T, HV, BT]`` in k's dtype: each chunk's ``(I + A)^-1`` as fla's fused
+        kkt-and-solve kernel stores it (row ``t`` of a chunk at ``Ai[t]``, its columns the
+        chunk's tokens); only the lower triangle is read.
+    :param g: ``[T, HV]`` float32 chunk-local cumulative log2 decay; the rest as
+        :func:`chunk_state_pass`.
+    :returns: ``h`` ``[1, num_chunks, HV, K, V]`` in k's dtype and ``v_new`` ``[1, T, HV, V]``
+        in v's dtype, as :func:`chunk_state_pass`.
+    """
+    T, HV = beta.shape
+    if g.dim() != 2 or Ai.shape != (T, HV, CHUNK) or v.shape[:2] != (T, HV):
+        raise ValueError(
+            f"chunk_state_pass_wy: Gated DeltaNet's per-head decay g [T, HV], Ai [T, HV, "
+            f"{CHUNK}] and v [T, HV, V] with T={T}, HV={HV}; got g {list(g.shape)}, Ai "
+            f"{list(Ai.shape)}, v {list(v.shape)}"
+        )
+    K, V = k.shape[2], v.shape[2]
+    h = k.new_empty(1, num_chunks, HV, K, V)
+    v_new = torch.empty_like(v)
+    _launch_pass(k, k, v, g, ssm_state, state_indices, cu_seqlens, chunk_offsets, h=h,
+                 v_new=v_new, q=None, o=None, scale=1.0, wy=(Ai, v, beta), block_v=block_v,
+                 num_warps=num_warps, num_stages=num_stages)  # fmt: skip
     return h, v_new[None]
 
 
@@ -362,15 +442,16 @@ def chunk_state_output_pass(
         )
     o = torch.empty_like(u)
     _launch_pass(k, w, u, g, ssm_state, state_indices, cu_seqlens, chunk_offsets, h=o,
-                 v_new=o, q=q, o=o, scale=scale, block_v=block_v, num_warps=num_warps,
+                 v_new=o, q=q, o=o, scale=scale, wy=None, block_v=block_v, num_warps=num_warps,
                  num_stages=num_stages)  # fmt: skip
     return o
 
 
 def _launch_pass(k, w, u, g, ssm_state, state_indices, cu_seqlens, chunk_offsets, *, h, v_new,
-                 q, o, scale, block_v, num_warps, num_stages) -> None:  # fmt: skip
+                 q, o, scale, wy, block_v, num_warps, num_stages) -> None:  # fmt: skip
     """One launch of :func:`_chunk_state_kernel` (``q`` given: with the output, ``FUSE_O``;
-    ``h`` and ``v_new`` then unwritten placeholders)."""
+    ``h`` and ``v_new`` then unwritten placeholders; ``wy`` given, ``(Ai, v, beta)``: ``WY``,
+    ``w`` then unread and ``u`` the values)."""
     T, H, K = k.shape
     HV, V = u.shape[1], u.shape[2]
     per_channel = g.dim() == 3
@@ -392,18 +473,21 @@ def _launch_pass(k, w, u, g, ssm_state, state_indices, cu_seqlens, chunk_offsets
     BV, stages = block_v or BV, num_stages or stages
     grid = (triton.cdiv(V, BV), N * HV)
 
+    Ai, v, beta = wy if wy is not None else (w, u, g)  # placeholders where not WY
+
     def launch(stages: int, warmup: bool = False):
         args = (k, w, u, g, h, v_new, ssm_state, state_indices, cu_seqlens, chunk_offsets,
-                q if fuse else k, o if fuse else u, float(scale), ssm_state.stride(0))  # fmt: skip
+                q if fuse else k, o if fuse else u, Ai, v, beta, float(scale),
+                ssm_state.stride(0))  # fmt: skip
         kw = dict(H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=max(16, triton.next_power_of_2(K)), BV=BV,
-                  GK=per_channel, UPCAST=INTERPRETED, FUSE_O=fuse, num_warps=num_warps,
-                  num_stages=stages)  # fmt: skip
+                  GK=per_channel, UPCAST=INTERPRETED, FUSE_O=fuse, WY=wy is not None,
+                  num_warps=num_warps, num_stages=stages)  # fmt: skip
         if warmup:
             return _chunk_state_kernel.warmup(*args, grid=grid, **kw)
         return _chunk_state_kernel[grid](*args, **kw)
 
-    key = (k.device, k.dtype, ssm_state.dtype, H, HV, K, V, BV, per_channel, fuse, num_warps,
-           stages)  # fmt: skip
+    key = (k.device, k.dtype, ssm_state.dtype, H, HV, K, V, BV, per_channel, fuse,
+           wy is not None, num_warps, stages)  # fmt: skip
     fitted = _FITTED_STAGES.get(key)
     if fitted is None:
         fitted = _FITTED_STAGES[key] = _fit_stages(launch, stages, k.device)
@@ -455,12 +539,19 @@ def gdn_chunk_prefill_slots(
     scale: float,
     use_qk_l2norm: bool,
     fuse_output: bool = False,
+    wy_in_pass: bool = False,
     out: torch.Tensor | None = None,
     **pass_options,
 ) -> torch.Tensor:
-    """Gated DeltaNet chunked prefill on CUDA with fla's stages and our state pass over slots
-    (``fuse_output``: the output computed in that pass, :func:`chunk_state_output_pass`, in
-    place of fla's ``chunk_fwd_o`` after it).
+    """Gated DeltaNet chunked prefill on CUDA with fla's stages and our state pass over slots:
+    fla's intra-chunk stage (``w``, ``u``), then :func:`chunk_state_pass`.
+
+    ``wy_in_pass`` (opt-in): fla's fused kkt-and-solve kernel only, its ``recompute_w_u``
+    folded into the pass (:func:`chunk_state_pass_wy`; 2 or 4 warps a program). Ahead where
+    the pass is throughput-bound (many sequences), well behind for one long sequence, whose
+    pass is a chain of chunks that the extra dot lengthens (docs/results.md). ``fuse_output``
+    (not with ``wy_in_pass``): the output computed in the pass,
+    :func:`chunk_state_output_pass`, in place of fla's ``chunk_fwd_o`` after it.
 
     :param q: ``[T, H, K]``, ``k`` likewise, ``v`` ``[T, HV, V]``, ``g`` ``[T, HV]`` log
         decay, ``beta`` ``[T, HV]`` (contiguous; checked by the caller).
@@ -471,6 +562,15 @@ def gdn_chunk_prefill_slots(
         into it).
     :returns: ``out``, or a new ``[T, HV, V]`` in v's dtype; the slots hold the final states.
     """
+    if wy_in_pass and fuse_output:
+        raise ValueError("gdn_chunk_prefill_slots: fuse_output needs wy_in_pass=False")
+    if wy_in_pass and pass_options.get("num_warps", 4) not in (2, 4):
+        # 8 warps a program faulted (an illegal address) on an H100 at 16 sequences, where
+        # the same tiling ran clean for one; not served until that is understood
+        raise ValueError(
+            f"gdn_chunk_prefill_slots: wy_in_pass runs on 2 or 4 warps a program, got "
+            f"num_warps={pass_options['num_warps']}"
+        )
     f, reason = compat.stages("gdn")
     if reason:
         raise RuntimeError(reason)
@@ -478,20 +578,30 @@ def gdn_chunk_prefill_slots(
     q, k, v, g, beta, chunk_indices, chunk_offsets = _plan(
         q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, f
     )
-    w, u, _ = f["intra"](
-        k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
-        chunk_size=CHUNK,
-    )  # fmt: skip
-    if fuse_output:
-        o = chunk_state_output_pass(
-            q[0], k[0], w[0], u[0], g[0], ssm_state, state_indices, cu_seqlens, chunk_offsets,
-            scale=scale, **pass_options,
+    if wy_in_pass:
+        Ai = f["kkt_solve_into"](
+            k.new_empty(*v.shape[:3], CHUNK), k=k, g=g, beta=beta, cu_seqlens=cu_seqlens,
+            chunk_indices=chunk_indices, chunk_size=CHUNK,
         )  # fmt: skip
-        return _into(out, o)
-    h, v_new = chunk_state_pass(
-        k[0], w[0], u[0], g[0], ssm_state, state_indices, cu_seqlens, chunk_offsets,
-        chunk_indices.shape[0], **pass_options,
-    )  # fmt: skip
+        h, v_new = chunk_state_pass_wy(
+            k[0], v[0], beta[0], Ai[0], g[0], ssm_state, state_indices, cu_seqlens,
+            chunk_offsets, chunk_indices.shape[0], **pass_options,
+        )  # fmt: skip
+    else:
+        w, u, _ = f["intra"](
+            k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+            chunk_size=CHUNK,
+        )  # fmt: skip
+        if fuse_output:
+            o = chunk_state_output_pass(
+                q[0], k[0], w[0], u[0], g[0], ssm_state, state_indices, cu_seqlens,
+                chunk_offsets, scale=scale, **pass_options,
+            )  # fmt: skip
+            return _into(out, o)
+        h, v_new = chunk_state_pass(
+            k[0], w[0], u[0], g[0], ssm_state, state_indices, cu_seqlens, chunk_offsets,
+            chunk_indices.shape[0], **pass_options,
+        )  # fmt: skip
     return _output_pass(f, out, callers, q=q, k=k, v_new=v_new, h=h, g=g, A=None, scale=scale,
                         cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)  # fmt: skip
 
