@@ -15,15 +15,18 @@ Sections:
 * gdn_prefill (``--prefill``): T = 8192 and 32768 as one request and as 16 (cu_seqlens), our
   wrapper vs fla ``chunk_gated_delta_rule`` called directly; ms and tokens/s. Our row also
   times fla in the same process, alternating three times (min of each): its ratio is the one to
-  quote (separate jobs drifted by up to 2.5x between runs on the H200).
+  quote (separate jobs drifted by up to 2.5x between runs on the H200). In CUDA graphs also
+  the variants (``--gdn-variants`` picks them by name): into a given ``out``, the state pass's
+  tilings, fla's ``recompute_w_u`` folded into the pass (``wy in pass``) and the output
+  computed in it (``fused output``).
 * kda_prefill (``--prefill``): Kimi-Linear's KDA layer (32 heads, Dk=Dv=128), T = 8192 and
   32768 as one request and as 16: our ``kda_prefill`` (the state pass over slots) against fla
   ``chunk_kda`` with the states gathered and scattered around it (``slot_pass=False``) and
   against ``chunk_kda`` alone on dense states, all three in the same process, alternating three
   times (min of each), eager and in CUDA graphs; the ratios ours / fla.
-* prefill_profile (``--profile``): GPU time per kernel (torch.profiler) of our GDN prefill,
-  fla's, and the Triton SSD (chunk 64 and 256) with and without the hi/lo split, T = 8192 as 1
-  and 16 requests.
+* prefill_profile (``--profile``): GPU time per kernel (torch.profiler) of our GDN prefill
+  (also with ``wy_in_pass``), fla's, and the Triton SSD (chunk 64 and 256) with and without
+  the hi/lo split, T = 8192 as 1 and 16 requests.
 * mamba2_sweep (``--mamba2-sweep``): the Triton SSD at the granite shape (T = 8192 as one
   request, 32768 as 16) in each variant of ``SSD_SWEEP`` (chunk 64 / 128 / 256, token tile,
   scan warps, heads per program, the cb pass, float32 or bf16 entering states, with and
@@ -320,15 +323,26 @@ def job_prefill_ours(
     variants["out given"] = lambda: gdn_prefill(
         q, k, v, g, beta, state, idx, cu64, cu_seqlens_cpu=cu_cpu, out=out_buf
     )
-    for fused in (False, True):  # the output in the state pass, or fla's output pass after it
-        for bv, nw, ns in PASS_TILINGS:
-            name = f"{'fused output, ' if fused else ''}pass BV={bv} warps={nw} stages={ns}"
-            variants[name] = (
-                lambda bv=bv, nw=nw, ns=ns, fused=fused: gdn_chunk.gdn_chunk_prefill_slots(
-                    q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
-                    use_qk_l2norm=True, fuse_output=fused, block_v=bv, num_warps=nw,
-                    num_stages=ns,
-                )
+    # the state pass reading fla's stored w and u (the default), fla's recompute_w_u folded
+    # into it instead, or the output computed in it too; each at its default tiling, then at
+    # every tiling of PASS_TILINGS (8 warps not with the WY folded in: refused)
+    modes = {
+        "": {},
+        "wy in pass, ": dict(wy_in_pass=True),
+        "fused output, ": dict(fuse_output=True),
+    }
+    for prefix, mode in modes.items():
+        for tiling in (None, *PASS_TILINGS):
+            if mode.get("wy_in_pass") and tiling is not None and tiling[1] > 4:
+                continue
+            opts, name = {}, prefix + "pass default tiling"
+            if tiling is not None:
+                bv, nw, ns = tiling
+                opts = dict(block_v=bv, num_warps=nw, num_stages=ns)
+                name = f"{prefix}pass BV={bv} warps={nw} stages={ns}"
+            variants[name] = lambda mode=mode, opts=opts: gdn_chunk.gdn_chunk_prefill_slots(
+                q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
+                use_qk_l2norm=True, **mode, **opts,
             )  # fmt: skip
     if variants_only is not None:
         keep = tuple(variants_only)  # a list once it has passed through the worker's JSON
@@ -430,6 +444,7 @@ def job_prefill_profile(T: int, n_seq: int) -> dict:
     over a sequence's 64-token sub-blocks whatever the chunk; its scan's work grows with it)."""
     import torch
     from attn_plugin_triton_ssm.kernels import gdn_prefill
+    from attn_plugin_triton_ssm.kernels.gdn_chunk import gdn_chunk_prefill_slots
     from attn_plugin_triton_ssm.kernels.ssd import mamba2_ssd_triton
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -439,6 +454,10 @@ def job_prefill_profile(T: int, n_seq: int) -> dict:
     ssd_inputs = _mamba2_prefill_inputs(T, n_seq)
     calls = {
         "gdn ours": lambda: gdn_prefill(q, k, v, g, beta, state, idx, cu64, cu_seqlens_cpu=cu_cpu),
+        "gdn ours, wy in pass": lambda: gdn_chunk_prefill_slots(
+            q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
+            use_qk_l2norm=True, wy_in_pass=True,
+        ),
         "gdn fla": lambda: chunk_gated_delta_rule(
             q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], initial_state=h0,
             output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu64,
