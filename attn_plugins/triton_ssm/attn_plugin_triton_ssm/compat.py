@@ -11,15 +11,17 @@ Internal fla-core stages (only for a release in :data:`TESTED_STAGES`, whose sou
 was written against): the Gated DeltaNet and KDA prefills that read and write the state slots in
 place (``kernels.gdn_chunk``) run fla's chunk-local cumsum, intra-chunk WY representation and output
 pass around the plugin's own state pass; the output pass's Triton kernel is launched directly, into
-the layer's output buffer (:func:`_output_pass_into`). Those functions live in fla's internal
-modules (GDN: ``fla.ops.common.chunk_o``, ``fla.ops.gated_delta_rule.chunk_fwd``; KDA:
-``fla.ops.kda.chunk_intra``, ``fla.ops.gla.chunk``; both: ``fla.ops.utils``), whose names and
-keyword arguments change between releases. :func:`stages` gives a family's functions (:data:`KINDS`:
-``"gdn"``, ``"kda"``), or why not: another release, an import that fails, or a failed self-check.
-The self-check (GPU only, once per process and family, before its first slot-pass prefill) runs the
-slot pass against fla's public function (``chunk_gated_delta_rule``, ``chunk_kda``) on a tiny case;
-if the outputs or final states differ, or it raises, that family's prefill gathers and scatters
-around the public function instead. ``attn list`` shows which (:func:`note`).
+the layer's output buffer (:func:`_output_pass_into`), and so, for the opt-in GDN pass that folds
+``recompute_w_u`` in, is the fused kkt-and-solve kernel (:func:`_kkt_solve_into`). Those functions
+live in fla's internal modules (GDN: ``fla.ops.common.chunk_o``,
+``fla.ops.gated_delta_rule.chunk_fwd``; KDA: ``fla.ops.kda.chunk_intra``, ``fla.ops.gla.chunk``;
+both: ``fla.ops.utils``), whose names and keyword arguments change between releases. :func:`stages`
+gives a family's functions (:data:`KINDS`: ``"gdn"``, ``"kda"``), or why not: another release, an
+import that fails, or a failed self-check. The self-check (GPU only, once per process and family,
+before its first slot-pass prefill) runs the slot pass against fla's public function
+(``chunk_gated_delta_rule``, ``chunk_kda``) on a tiny case; if the outputs or final states differ,
+or it raises, that family's prefill gathers and scatters around the public function instead. ``attn
+list`` shows which (:func:`note`).
 
 Triton internals (any release; read at first use on a CUDA device, never at import): the opt-in
 shared-memory limit per block the kernels' tilings are fitted to (:func:`max_shared_memory`),

@@ -36,6 +36,9 @@ fla's internal functions come from :mod:`attn_plugin_triton_ssm.compat` (gated b
 release, self-checked against fla's public function on the GPU, each family on its own);
 :func:`unavailable` says why this path cannot run, and the prefill wrapper then gathers and
 scatters around fla's public function instead.
+
+Opt-in for Gated DeltaNet, the pass reads fla's solved ``(I + A)^-1``, the values and ``beta``
+instead of ``w`` and ``u``, folding fla's ``recompute_w_u`` in (:func:`chunk_state_pass_wy`).
 """
 
 from __future__ import annotations
