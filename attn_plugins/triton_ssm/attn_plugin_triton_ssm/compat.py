@@ -20,8 +20,8 @@ gives a family's functions (:data:`KINDS`: ``"gdn"``, ``"kda"``), or why not: an
 import that fails, or a failed self-check. The self-check (GPU only, once per process and family,
 before its first slot-pass prefill) runs the slot pass against fla's public function
 (``chunk_gated_delta_rule``, ``chunk_kda``) on a tiny case; if the outputs or final states differ,
-or it raises, that family's prefill gathers and scatters around the public function instead. ``attn
-list`` shows which (:func:`note`).
+or it raises, that family's prefill gathers and scatters around the public function instead.
+``attn list`` shows which (:func:`note`).
 
 Triton internals (any release; read at first use on a CUDA device, never at import): the opt-in
 shared-memory limit per block the kernels' tilings are fitted to (:func:`max_shared_memory`),
