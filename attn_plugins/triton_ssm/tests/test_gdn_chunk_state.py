@@ -171,13 +171,20 @@ def test_state_pass_with_the_wy_folded_in_matches_the_recurrence(lens, H, HV, dt
     assert torch.equal(state[untouched], before[untouched])
 
 
-def test_state_pass_with_the_wy_folded_in_refuses_a_per_channel_decay():
+@pytest.mark.parametrize(
+    ("g_shape", "beta_shape", "got"),
+    [((8, 2, 16), (8, 2), r"got g \[8, 2, 16\]"), ((8, 2), (8,), r"beta \[8\]")],
+    ids=["per_channel_decay", "one_beta_a_token"],
+)
+def test_state_pass_with_the_wy_folded_in_refuses_misshapen_inputs(g_shape, beta_shape, got):
+    """A per-channel decay (KDA's) or a beta that is not ``[T, HV]`` is refused by name before
+    any launch."""
     T, HV, D = 8, 2, 16
     k = torch.zeros(T, HV, D, device=DEV)
-    with pytest.raises(ValueError, match=r"per-head decay g \[T, HV\].*got g \[8, 2, 16\]"):
+    with pytest.raises(ValueError, match=r"per-head decay g \[T, HV\], beta \[T, HV\].*" + got):
         gdn_chunk.chunk_state_pass_wy(
-            k, torch.zeros(T, HV, D, device=DEV), torch.zeros(T, HV, device=DEV),
-            torch.zeros(T, HV, BT, device=DEV), torch.zeros(T, HV, D, device=DEV),
+            k, torch.zeros(T, HV, D, device=DEV), torch.zeros(*beta_shape, device=DEV),
+            torch.zeros(T, HV, BT, device=DEV), torch.zeros(*g_shape, device=DEV),
             torch.zeros(2, HV, D, D, device=DEV), torch.tensor([0], device=DEV),
             torch.tensor([0, T], device=DEV), torch.tensor([0, 1], device=DEV), 1,
         )  # fmt: skip

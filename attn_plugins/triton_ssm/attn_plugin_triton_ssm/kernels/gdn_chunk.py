@@ -390,12 +390,12 @@ def chunk_state_pass_wy(
     :returns: ``h`` ``[1, num_chunks, HV, K, V]`` in k's dtype and ``v_new`` ``[1, T, HV, V]``
         in v's dtype, as :func:`chunk_state_pass`.
     """
-    T, HV = beta.shape
-    if g.dim() != 2 or Ai.shape != (T, HV, CHUNK) or v.shape[:2] != (T, HV):
+    T, HV = v.shape[:2]
+    if g.shape != (T, HV) or beta.shape != (T, HV) or Ai.shape != (T, HV, CHUNK):
         raise ValueError(
-            f"chunk_state_pass_wy: Gated DeltaNet's per-head decay g [T, HV], Ai [T, HV, "
-            f"{CHUNK}] and v [T, HV, V] with T={T}, HV={HV}; got g {list(g.shape)}, Ai "
-            f"{list(Ai.shape)}, v {list(v.shape)}"
+            f"chunk_state_pass_wy: Gated DeltaNet's per-head decay g [T, HV], beta [T, HV] and "
+            f"Ai [T, HV, {CHUNK}] with v's T={T}, HV={HV}; got g {list(g.shape)}, beta "
+            f"{list(beta.shape)}, Ai {list(Ai.shape)}"
         )
     K, V = k.shape[2], v.shape[2]
     h = k.new_empty(1, num_chunks, HV, K, V)
