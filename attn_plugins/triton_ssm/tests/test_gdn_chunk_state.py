@@ -541,6 +541,14 @@ def test_wy_in_pass_refuses_what_it_does_not_serve():
         gdn_chunk.gdn_chunk_prefill_slots(
             *args, scale=1.0, use_qk_l2norm=False, wy_in_pass=True, num_warps=8
         )
+    before = args[5].clone()
+    with pytest.raises(ValueError, match=r"chunk_state_pass_wy: .* got num_warps=8"):
+        gdn_chunk.chunk_state_pass_wy(
+            x, x, torch.zeros(T, 1, device=DEV), torch.zeros(T, 1, BT, device=DEV),
+            torch.zeros(T, 1, device=DEV), args[5], args[6], args[7],
+            torch.tensor([0, 1], device=DEV), 1, num_warps=8,
+        )  # fmt: skip
+    assert torch.equal(args[5], before)
 
 
 @pytest.mark.parametrize("kda", [False, True])

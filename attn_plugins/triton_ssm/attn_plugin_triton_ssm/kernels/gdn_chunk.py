@@ -386,7 +386,7 @@ def chunk_state_pass_wy(
         kkt-and-solve kernel stores it (row ``t`` of a chunk at ``Ai[t]``, its columns the
         chunk's tokens); only the lower triangle is read.
     :param g: ``[T, HV]`` float32 chunk-local cumulative log2 decay; the rest as
-        :func:`chunk_state_pass`.
+        :func:`chunk_state_pass`, but ``num_warps`` 2 or 4 only.
     :returns: ``h`` ``[1, num_chunks, HV, K, V]`` in k's dtype and ``v_new`` ``[1, T, HV, V]``
         in v's dtype, as :func:`chunk_state_pass`.
     """
@@ -397,6 +397,7 @@ def chunk_state_pass_wy(
             f"Ai [T, HV, {CHUNK}] with v's T={T}, HV={HV}; got g {list(g.shape)}, beta "
             f"{list(beta.shape)}, Ai {list(Ai.shape)}"
         )
+    _check_wy_warps("chunk_state_pass_wy", num_warps)
     K, V = k.shape[2], v.shape[2]
     h = k.new_empty(1, num_chunks, HV, K, V)
     v_new = torch.empty_like(v)
@@ -404,6 +405,16 @@ def chunk_state_pass_wy(
                  v_new=v_new, q=None, o=None, scale=1.0, wy=(Ai, v, beta), block_v=block_v,
                  num_warps=num_warps, num_stages=num_stages)  # fmt: skip
     return h, v_new[None]
+
+
+def _check_wy_warps(caller: str, num_warps: int) -> None:
+    # 8 warps a program faulted (an illegal address) on an H100 at 16 sequences, where the same
+    # tiling ran clean for one and 4 warps at 16; not served until that is understood
+    if num_warps not in (2, 4):
+        raise ValueError(
+            f"{caller}: the pass with the WY folded in runs on 2 or 4 warps a program, got "
+            f"num_warps={num_warps}"
+        )
 
 
 def chunk_state_output_pass(
@@ -567,13 +578,8 @@ def gdn_chunk_prefill_slots(
     """
     if wy_in_pass and fuse_output:
         raise ValueError("gdn_chunk_prefill_slots: fuse_output needs wy_in_pass=False")
-    if wy_in_pass and pass_options.get("num_warps", 4) not in (2, 4):
-        # 8 warps a program faulted (an illegal address) on an H100 at 16 sequences, where
-        # the same tiling ran clean for one; not served until that is understood
-        raise ValueError(
-            f"gdn_chunk_prefill_slots: wy_in_pass runs on 2 or 4 warps a program, got "
-            f"num_warps={pass_options['num_warps']}"
-        )
+    if wy_in_pass:
+        _check_wy_warps("gdn_chunk_prefill_slots", pass_options.get("num_warps", 4))
     f, reason = compat.stages("gdn")
     if reason:
         raise RuntimeError(reason)
