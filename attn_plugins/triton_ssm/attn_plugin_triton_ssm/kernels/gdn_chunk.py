@@ -228,7 +228,10 @@ def _chunk_state_kernel(
             b_decay = tl.exp2(g_last)[:, None]
         else:  # per head: all of h, and each token's value by its decay to the chunk's end
             g_last = tl.load(p_g + last * HV).to(tl.float32)
-            b_g = tl.load(p_g + g_offs, mask=m_t, other=0.0).to(tl.float32)
+            if WY or FUSE_O:
+                b_g = b_gt  # each token's decay, loaded above
+            else:
+                b_g = tl.load(p_g + g_offs, mask=m_t, other=0.0).to(tl.float32)
             b_v = b_v * tl.where(m_t, tl.exp2(g_last - b_g), 0.0)[:, None]
             b_decay = tl.exp2(g_last)
         if FUSE_O:
