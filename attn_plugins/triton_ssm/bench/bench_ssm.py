@@ -17,16 +17,17 @@ Sections:
   times fla in the same process, alternating three times (min of each): its ratio is the one to
   quote (separate jobs drifted by up to 2.5x between runs on the H200). In CUDA graphs also
   the variants (``--gdn-variants`` picks them by name): into a given ``out``, the state pass's
-  tilings, fla's ``recompute_w_u`` folded into the pass (``wy in pass``) and the output
-  computed in it (``fused output``).
+  tilings, fla's ``recompute_w_u`` folded into the pass (``wy in pass``), the output
+  computed in it (``fused output``) and our one-kernel WY stage in place of fla's two
+  (``our wy``; ``our wy, wy BK=...``: its tilings).
 * kda_prefill (``--prefill``): Kimi-Linear's KDA layer (32 heads, Dk=Dv=128), T = 8192 and
   32768 as one request and as 16: our ``kda_prefill`` (the state pass over slots) against fla
   ``chunk_kda`` with the states gathered and scattered around it (``slot_pass=False``) and
   against ``chunk_kda`` alone on dense states, all three in the same process, alternating three
   times (min of each), eager and in CUDA graphs; the ratios ours / fla.
 * prefill_profile (``--profile``): GPU time per kernel (torch.profiler) of our GDN prefill
-  (also with ``wy_in_pass``), fla's, and the Triton SSD (chunk 64 and 256) with and without
-  the hi/lo split, T = 8192 as 1 and 16 requests.
+  (also with ``wy_in_pass`` and with our WY stage), fla's, and the Triton SSD (chunk 64 and
+  256) with and without the hi/lo split, T = 8192 as 1 and 16 requests.
 * mamba2_sweep (``--mamba2-sweep``): the Triton SSD at the granite shape (T = 8192 as one
   request, 32768 as 16) in each variant of ``SSD_SWEEP`` (chunk 64 / 128 / 256, token tile,
   scan warps, heads per program, the cb pass, float32 or bf16 entering states, with and
@@ -131,8 +132,11 @@ PASS_TILINGS = [
 #: one run
 DEFAULT_GDN_VARIANTS = (
     "gather_scatter", "out given", "wy in pass, pass default tiling",
-    "fused output, pass default tiling",
+    "fused output, pass default tiling", "our wy, pass default tiling",
 )  # fmt: skip
+#: (block_k, block_v, num_warps) of our one-kernel WY stage (``gdn_wy``) timed beside its
+#: default when ``--gdn-variants`` names ``our wy, wy``
+WY_TILINGS = [(32, 32, 2), (64, 64, 2), (64, 64, 8), (128, 128, 4), (128, 128, 8), (32, 32, 4)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -339,6 +343,7 @@ def job_prefill_ours(
         "": {},
         "wy in pass, ": dict(wy_in_pass=True),
         "fused output, ": dict(fuse_output=True),
+        "our wy, ": dict(wy_stage="ours"),
     }
     for prefix, mode in modes.items():
         for tiling in (None, *PASS_TILINGS):
@@ -353,6 +358,13 @@ def job_prefill_ours(
                 q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
                 use_qk_l2norm=True, **mode, **opts,
             )  # fmt: skip
+    for bk, bv, nw in WY_TILINGS:  # our WY stage's tilings, the state pass at its default
+        name = f"our wy, wy BK={bk} BV={bv} warps={nw}"
+        opts = dict(block_k=bk, block_v=bv, num_warps=nw)
+        variants[name] = lambda opts=opts: gdn_chunk.gdn_chunk_prefill_slots(
+            q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
+            use_qk_l2norm=True, wy_stage="ours", wy_options=opts,
+        )  # fmt: skip
     # a list once it has passed through the worker's JSON
     keep = tuple(variants_only) if variants_only is not None else DEFAULT_GDN_VARIANTS
     variants = {n: fn for n, fn in variants.items() if n.startswith(keep)}
@@ -466,6 +478,10 @@ def job_prefill_profile(T: int, n_seq: int) -> dict:
         "gdn ours, wy in pass": lambda: gdn_chunk_prefill_slots(
             q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
             use_qk_l2norm=True, wy_in_pass=True,
+        ),
+        "gdn ours, our wy": lambda: gdn_chunk_prefill_slots(
+            q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
+            use_qk_l2norm=True, wy_stage="ours",
         ),
         "gdn fla": lambda: chunk_gated_delta_rule(
             q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], initial_state=h0,
