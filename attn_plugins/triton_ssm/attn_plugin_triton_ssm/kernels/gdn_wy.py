@@ -94,6 +94,32 @@ def _scaled(a, g_i, g_j, beta_i, m_i, m_j):
 
 
 @triton.jit
+def _apply_inverse(ai, scales, src, src_stride, dst, dst_stride, cols, m_cols, o_c, left,
+                   UPCAST: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+    """``dst = Ai @ (scales * src)`` on columns ``cols`` of a chunk: ``ai`` the ten lower
+    ``[16, 16]`` blocks of ``Ai`` (row-major: 00, 10, 11, 20, ...), ``scales`` four ``[16]``
+    row scales. ``Ai`` and the scaled rows enter the dots in ``src``'s dtype, as fla stores and
+    rounds them; the sums are float32, stored in ``dst``'s dtype."""
+    dt = src.dtype.element_ty
+    c00, c10, c11, c20, c21 = ai[0].to(dt), ai[1].to(dt), ai[2].to(dt), ai[3].to(dt), ai[4].to(dt)
+    c22, c30, c31, c32, c33 = ai[5].to(dt), ai[6].to(dt), ai[7].to(dt), ai[8].to(dt), ai[9].to(dt)
+    x0 = _load_rows(src, 0, o_c, left, src_stride, cols, m_cols).to(tl.float32) * scales[0][:, None]
+    x1 = _load_rows(src, 1, o_c, left, src_stride, cols, m_cols).to(tl.float32) * scales[1][:, None]
+    x2 = _load_rows(src, 2, o_c, left, src_stride, cols, m_cols).to(tl.float32) * scales[2][:, None]
+    x3 = _load_rows(src, 3, o_c, left, src_stride, cols, m_cols).to(tl.float32) * scales[3][:, None]
+    x0, x1, x2, x3 = x0.to(dt), x1.to(dt), x2.to(dt), x3.to(dt)
+    y0 = _mm(c00, x0, UPCAST, PREC)
+    y1 = _mm(c10, x0, UPCAST, PREC) + _mm(c11, x1, UPCAST, PREC)
+    y2 = _mm(c20, x0, UPCAST, PREC) + _mm(c21, x1, UPCAST, PREC) + _mm(c22, x2, UPCAST, PREC)
+    y3 = (_mm(c30, x0, UPCAST, PREC) + _mm(c31, x1, UPCAST, PREC) + _mm(c32, x2, UPCAST, PREC)
+          + _mm(c33, x3, UPCAST, PREC))  # fmt: skip
+    _store_rows(dst, y0, 0, o_c, left, dst_stride, cols, m_cols)
+    _store_rows(dst, y1, 1, o_c, left, dst_stride, cols, m_cols)
+    _store_rows(dst, y2, 2, o_c, left, dst_stride, cols, m_cols)
+    _store_rows(dst, y3, 3, o_c, left, dst_stride, cols, m_cols)
+
+
+@triton.jit
 def _wy_kernel(
     k_ptr,  # [T, H, K]
     v_ptr,  # [T, HV, V]
@@ -186,50 +212,19 @@ def _wy_kernel(
     ai31 = -_f32mm(ai33, _f32mm(a31, ai11) + _f32mm(a32, ai21))
     ai30 = -_f32mm(ai33, _f32mm(a30, ai00) + _f32mm(a31, ai10) + _f32mm(a32, ai20))
 
-    # w = Ai @ (beta exp2(g) k): Ai and the operand rounded to k's dtype, as fla stores them
-    dk = k_ptr.dtype.element_ty
-    c00, c10, c11, c20, c21 = ai00.to(dk), ai10.to(dk), ai11.to(dk), ai20.to(dk), ai21.to(dk)
-    c22, c30, c31, c32, c33 = ai22.to(dk), ai30.to(dk), ai31.to(dk), ai32.to(dk), ai33.to(dk)
-    s0, s1 = b0 * tl.exp2(g0), b1 * tl.exp2(g1)
-    s2, s3 = b2 * tl.exp2(g2), b3 * tl.exp2(g3)
+    # w = Ai @ (beta exp2(g) k) and u = Ai @ (beta v)
+    ai = (ai00, ai10, ai11, ai20, ai21, ai22, ai30, ai31, ai32, ai33)
+    scales = (b0 * tl.exp2(g0), b1 * tl.exp2(g1), b2 * tl.exp2(g2), b3 * tl.exp2(g3))
     p_w = w_ptr + t0 * (HV * K) + i_h * K
     for k0 in tl.static_range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
-        m_k = o_k < K
-        x0 = (_load_rows(p_k, 0, o_c, left, H * K, o_k, m_k).to(tl.float32) * s0[:, None]).to(dk)
-        x1 = (_load_rows(p_k, 1, o_c, left, H * K, o_k, m_k).to(tl.float32) * s1[:, None]).to(dk)
-        x2 = (_load_rows(p_k, 2, o_c, left, H * K, o_k, m_k).to(tl.float32) * s2[:, None]).to(dk)
-        x3 = (_load_rows(p_k, 3, o_c, left, H * K, o_k, m_k).to(tl.float32) * s3[:, None]).to(dk)
-        _store_rows(p_w, _mm(c00, x0, UPCAST, PREC), 0, o_c, left, HV * K, o_k, m_k)
-        _store_rows(p_w, _mm(c10, x0, UPCAST, PREC) + _mm(c11, x1, UPCAST, PREC),
-                    1, o_c, left, HV * K, o_k, m_k)  # fmt: skip
-        _store_rows(p_w, _mm(c20, x0, UPCAST, PREC) + _mm(c21, x1, UPCAST, PREC)
-                    + _mm(c22, x2, UPCAST, PREC), 2, o_c, left, HV * K, o_k, m_k)  # fmt: skip
-        _store_rows(p_w, _mm(c30, x0, UPCAST, PREC) + _mm(c31, x1, UPCAST, PREC)
-                    + _mm(c32, x2, UPCAST, PREC) + _mm(c33, x3, UPCAST, PREC),
-                    3, o_c, left, HV * K, o_k, m_k)  # fmt: skip
-
-    # u = Ai @ (beta v), likewise in v's dtype
-    dv = v_ptr.dtype.element_ty
-    e00, e10, e11, e20, e21 = ai00.to(dv), ai10.to(dv), ai11.to(dv), ai20.to(dv), ai21.to(dv)
-    e22, e30, e31, e32, e33 = ai22.to(dv), ai30.to(dv), ai31.to(dv), ai32.to(dv), ai33.to(dv)
+        _apply_inverse(ai, scales, p_k, H * K, p_w, HV * K, o_k, o_k < K, o_c, left, UPCAST, PREC)
     p_v = v_ptr + t0 * (HV * V) + i_h * V
     p_u = u_ptr + t0 * (HV * V) + i_h * V
     for v0 in tl.static_range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
-        m_v = o_v < V
-        x0 = (_load_rows(p_v, 0, o_c, left, HV * V, o_v, m_v).to(tl.float32) * b0[:, None]).to(dv)
-        x1 = (_load_rows(p_v, 1, o_c, left, HV * V, o_v, m_v).to(tl.float32) * b1[:, None]).to(dv)
-        x2 = (_load_rows(p_v, 2, o_c, left, HV * V, o_v, m_v).to(tl.float32) * b2[:, None]).to(dv)
-        x3 = (_load_rows(p_v, 3, o_c, left, HV * V, o_v, m_v).to(tl.float32) * b3[:, None]).to(dv)
-        _store_rows(p_u, _mm(e00, x0, UPCAST, PREC), 0, o_c, left, HV * V, o_v, m_v)
-        _store_rows(p_u, _mm(e10, x0, UPCAST, PREC) + _mm(e11, x1, UPCAST, PREC),
-                    1, o_c, left, HV * V, o_v, m_v)  # fmt: skip
-        _store_rows(p_u, _mm(e20, x0, UPCAST, PREC) + _mm(e21, x1, UPCAST, PREC)
-                    + _mm(e22, x2, UPCAST, PREC), 2, o_c, left, HV * V, o_v, m_v)  # fmt: skip
-        _store_rows(p_u, _mm(e30, x0, UPCAST, PREC) + _mm(e31, x1, UPCAST, PREC)
-                    + _mm(e32, x2, UPCAST, PREC) + _mm(e33, x3, UPCAST, PREC),
-                    3, o_c, left, HV * V, o_v, m_v)  # fmt: skip
+        _apply_inverse(ai, (b0, b1, b2, b3), p_v, HV * V, p_u, HV * V, o_v, o_v < V, o_c, left,
+                       UPCAST, PREC)  # fmt: skip
 
 
 def gdn_wy(
