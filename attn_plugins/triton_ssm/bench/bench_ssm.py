@@ -134,9 +134,12 @@ DEFAULT_GDN_VARIANTS = (
     "gather_scatter", "out given", "wy in pass, pass default tiling",
     "fused output, pass default tiling", "our wy, pass default tiling",
 )  # fmt: skip
-#: (block_k, block_v, num_warps) of our one-kernel WY stage (``gdn_wy``) timed beside its
-#: default when ``--gdn-variants`` names ``our wy, wy``
-WY_TILINGS = [(32, 32, 2), (64, 64, 2), (64, 64, 8), (128, 128, 4), (128, 128, 8), (32, 32, 4)]
+#: (block_k, block_v, num_warps, solve_precision) of our one-kernel WY stage (``gdn_wy``)
+#: timed beside its default when ``--gdn-variants`` names ``our wy, wy``
+WY_TILINGS = [
+    (64, 64, 4, "tf32x3"), (128, 128, 4, "ieee"), (128, 128, 4, "tf32x3"), (64, 64, 8, "ieee"),
+    (64, 64, 8, "tf32x3"), (64, 64, 2, "ieee"), (32, 32, 4, "ieee"),
+]  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -358,9 +361,9 @@ def job_prefill_ours(
                 q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
                 use_qk_l2norm=True, **mode, **opts,
             )  # fmt: skip
-    for bk, bv, nw in WY_TILINGS:  # our WY stage's tilings, the state pass at its default
-        name = f"our wy, wy BK={bk} BV={bv} warps={nw}"
-        opts = dict(block_k=bk, block_v=bv, num_warps=nw)
+    for bk, bv, nw, solve in WY_TILINGS:  # our WY stage's tilings, the pass at its default
+        name = f"our wy, wy BK={bk} BV={bv} warps={nw} solve={solve}"
+        opts = dict(block_k=bk, block_v=bv, num_warps=nw, solve_precision=solve)
         variants[name] = lambda opts=opts: gdn_chunk.gdn_chunk_prefill_slots(
             q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
             use_qk_l2norm=True, wy_stage="ours", wy_options=opts,

@@ -77,13 +77,16 @@ def _rel(got, want):
     ],
     ids=["float32", "float32-beta2", "bfloat16"],
 )
-def test_wy_matches_the_chunks_solved_in_float64(lens, H, HV, Kd, Vd, dtype, beta_max, tol):
+@pytest.mark.parametrize("solve", ["ieee", "tf32x3"])
+def test_wy_matches_the_chunks_solved_in_float64(lens, H, HV, Kd, Vd, dtype, beta_max, tol, solve):
     """Sequences ending mid-chunk and on a chunk's end, a one-token sequence, two value heads a
     key head, head dims under a block (masked columns), beta up to 2: ``w`` and ``u`` equal the
-    float64 solve to float32's precision, or to the rounding of bf16 operands and outputs."""
+    float64 solve to float32's precision, or to the rounding of bf16 operands and outputs, with
+    the solve's products on CUDA cores or as three tf32 products each."""
     k, v, gc, beta, cu, chunk_indices = _inputs(lens, H, HV, Kd, Vd, dtype, beta_max)
     want_w, want_u = _solved(k, v, gc, beta, lens)
-    w, u = wy.gdn_wy(*(t.to(DEV) for t in (k, v, gc, beta, cu, chunk_indices)), block_k=16)
+    w, u = wy.gdn_wy(*(t.to(DEV) for t in (k, v, gc, beta, cu, chunk_indices)), block_k=16,
+                     solve_precision=solve)  # fmt: skip
     assert (w.dtype, u.dtype) == (dtype, dtype)
     assert _rel(w.cpu(), want_w) < tol and _rel(u.cpu(), want_u) < tol, (
         _rel(w.cpu(), want_w),
@@ -160,9 +163,16 @@ def test_wy_refuses_misshapen_inputs(change, match):
         wy.gdn_wy(**change(args))
 
 
-def test_wy_refuses_a_block_that_is_not_a_power_of_two():
-    with pytest.raises(ValueError, match="block_v must be a power of two >= 16, got 24"):
+@pytest.mark.parametrize(
+    ("option", "match"),
+    [
+        ({"block_v": 24}, "block_v must be a power of two >= 16, got 24"),
+        ({"solve_precision": "tf32"}, "solve_precision must be 'ieee' or 'tf32x3', got 'tf32'"),
+    ],
+)
+def test_wy_refuses_an_option_it_does_not_serve(option, match):
+    with pytest.raises(ValueError, match=match):
         wy.gdn_wy(
             torch.zeros(3, 1, 16), torch.zeros(3, 1, 16), torch.zeros(3, 1), torch.zeros(3, 1),
-            torch.tensor([0, 3]), torch.tensor([[0, 0]]), block_v=24,
+            torch.tensor([0, 3]), torch.tensor([[0, 0]]), **option,
         )  # fmt: skip

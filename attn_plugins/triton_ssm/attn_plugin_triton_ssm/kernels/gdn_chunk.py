@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import triton
@@ -561,7 +561,7 @@ def gdn_chunk_prefill_slots(
     fuse_output: bool = False,
     wy_in_pass: bool = False,
     wy_stage: Literal["fla", "ours"] = "fla",
-    wy_options: Mapping[str, int] | None = None,
+    wy_options: Mapping[str, Any] | None = None,
     out: torch.Tensor | None = None,
     **pass_options,
 ) -> torch.Tensor:

@@ -29,6 +29,8 @@ dtype. The solve itself runs in float32 throughout (fla's block merges use tf32)
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import triton
 import triton.language as tl
@@ -52,22 +54,24 @@ def _mm(a, b, UPCAST: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _f32mm(a, b):
-    """``a @ b`` of float32 blocks in float32 (no tf32: the solve's errors would compound)."""
-    return tl.dot(a, b, input_precision="ieee")
+def _f32mm(a, b, SOLVE: tl.constexpr):
+    """``a @ b`` of float32 blocks to float32's precision (not tf32: the solve's errors would
+    compound): ``SOLVE`` ``"ieee"`` (CUDA cores) or ``"tf32x3"`` (three tf32 tensor-core
+    products, the operands split into high and low parts)."""
+    return tl.dot(a, b, input_precision=SOLVE)
 
 
 @triton.jit
-def _block_inverse(a, eye):
+def _block_inverse(a, eye, SOLVE: tl.constexpr):
     """``(I + a)^-1`` of a strictly lower ``[16, 16]`` float32 block (see the module docstring)."""
     n = -a
     p = eye + n
-    n = _f32mm(n, n)  # n^2
-    p = p + _f32mm(p, n)
-    n = _f32mm(n, n)  # n^4
-    p = p + _f32mm(p, n)
-    n = _f32mm(n, n)  # n^8
-    return p + _f32mm(p, n)
+    n = _f32mm(n, n, SOLVE)  # n^2
+    p = p + _f32mm(p, n, SOLVE)
+    n = _f32mm(n, n, SOLVE)  # n^4
+    p = p + _f32mm(p, n, SOLVE)
+    n = _f32mm(n, n, SOLVE)  # n^8
+    return p + _f32mm(p, n, SOLVE)
 
 
 @triton.jit
@@ -137,6 +141,7 @@ def _wy_kernel(
     BV: tl.constexpr,
     UPCAST: tl.constexpr,
     PREC: tl.constexpr,
+    SOLVE: tl.constexpr,
 ):
     """Grid ``(NT, HV)``: one program per chunk and value head, the chunk as four blocks of
     16 rows (the inverse's series is exact for 16)."""
@@ -194,10 +199,10 @@ def _wy_kernel(
     strict = o_c[:, None] > o_c[None, :]
     eye = (o_c[:, None] == o_c[None, :]).to(tl.float32)
     # the diagonal blocks: strictly lower, then inverted
-    ai00 = _block_inverse(tl.where(strict, _scaled(a00, g0, g0, b0, m0, m0), 0.0), eye)
-    ai11 = _block_inverse(tl.where(strict, _scaled(a11, g1, g1, b1, m1, m1), 0.0), eye)
-    ai22 = _block_inverse(tl.where(strict, _scaled(a22, g2, g2, b2, m2, m2), 0.0), eye)
-    ai33 = _block_inverse(tl.where(strict, _scaled(a33, g3, g3, b3, m3, m3), 0.0), eye)
+    ai00 = _block_inverse(tl.where(strict, _scaled(a00, g0, g0, b0, m0, m0), 0.0), eye, SOLVE)
+    ai11 = _block_inverse(tl.where(strict, _scaled(a11, g1, g1, b1, m1, m1), 0.0), eye, SOLVE)
+    ai22 = _block_inverse(tl.where(strict, _scaled(a22, g2, g2, b2, m2, m2), 0.0), eye, SOLVE)
+    ai33 = _block_inverse(tl.where(strict, _scaled(a33, g3, g3, b3, m3, m3), 0.0), eye, SOLVE)
     a10 = _scaled(a10, g1, g0, b1, m1, m0)
     a20 = _scaled(a20, g2, g0, b2, m2, m0)
     a21 = _scaled(a21, g2, g1, b2, m2, m1)
@@ -205,12 +210,13 @@ def _wy_kernel(
     a31 = _scaled(a31, g3, g1, b3, m3, m1)
     a32 = _scaled(a32, g3, g2, b3, m3, m2)
     # the blocks below the diagonal, one block-diagonal at a time
-    ai10 = -_f32mm(ai11, _f32mm(a10, ai00))
-    ai21 = -_f32mm(ai22, _f32mm(a21, ai11))
-    ai32 = -_f32mm(ai33, _f32mm(a32, ai22))
-    ai20 = -_f32mm(ai22, _f32mm(a20, ai00) + _f32mm(a21, ai10))
-    ai31 = -_f32mm(ai33, _f32mm(a31, ai11) + _f32mm(a32, ai21))
-    ai30 = -_f32mm(ai33, _f32mm(a30, ai00) + _f32mm(a31, ai10) + _f32mm(a32, ai20))
+    ai10 = -_f32mm(ai11, _f32mm(a10, ai00, SOLVE), SOLVE)
+    ai21 = -_f32mm(ai22, _f32mm(a21, ai11, SOLVE), SOLVE)
+    ai32 = -_f32mm(ai33, _f32mm(a32, ai22, SOLVE), SOLVE)
+    ai20 = -_f32mm(ai22, _f32mm(a20, ai00, SOLVE) + _f32mm(a21, ai10, SOLVE), SOLVE)
+    ai31 = -_f32mm(ai33, _f32mm(a31, ai11, SOLVE) + _f32mm(a32, ai21, SOLVE), SOLVE)
+    x30 = _f32mm(a30, ai00, SOLVE) + _f32mm(a31, ai10, SOLVE) + _f32mm(a32, ai20, SOLVE)
+    ai30 = -_f32mm(ai33, x30, SOLVE)
 
     # w = Ai @ (beta exp2(g) k) and u = Ai @ (beta v)
     ai = (ai00, ai10, ai11, ai20, ai21, ai22, ai30, ai31, ai32, ai33)
@@ -239,6 +245,7 @@ def gdn_wy(
     block_v: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    solve_precision: Literal["ieee", "tf32x3"] = "ieee",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated DeltaNet's ``w`` and ``u`` per 64-token chunk of every sequence (the module
     docstring gives the formulas); what fla-core's ``chunk_gated_delta_rule_fwd_intra``
@@ -255,6 +262,9 @@ def gdn_wy(
         64-token chunk, as fla's ``prepare_chunk_indices`` gives them.
     :param block_k: key columns a program handles at once (a power of two, at least 16);
         ``block_v`` likewise for the values.
+    :param solve_precision: how the solve's float32 block products run: ``"ieee"`` (CUDA
+        cores) or ``"tf32x3"`` (tensor cores, three tf32 products each); both keep float32's
+        precision. The interpreter computes both in float32.
     :returns: ``(w, u)``: ``[T, HV, K]`` in k's dtype and ``[T, HV, V]`` in v's dtype.
     """
     T, H, K = k.shape
@@ -278,6 +288,10 @@ def gdn_wy(
         raise ValueError(
             f"gdn_wy: expected chunk_indices [NT, 2], got {tuple(chunk_indices.shape)}"
         )
+    if solve_precision not in ("ieee", "tf32x3"):
+        raise ValueError(
+            f"gdn_wy: solve_precision must be 'ieee' or 'tf32x3', got {solve_precision!r}"
+        )
     for name, block in (("block_k", block_k), ("block_v", block_v)):
         if block < 16 or block & (block - 1):
             raise ValueError(f"gdn_wy: {name} must be a power of two >= 16, got {block}")
@@ -289,6 +303,7 @@ def gdn_wy(
             k, v, g, beta, w, u, cu_seqlens, chunk_indices,
             H=H, HV=HV, K=K, V=V, BK=min(block_k, triton.next_power_of_2(K)),
             BV=min(block_v, triton.next_power_of_2(V)), UPCAST=INTERPRETED,
-            PREC="ieee" if full else "tf32", num_warps=num_warps, num_stages=num_stages,
+            PREC="ieee" if full else "tf32", SOLVE=solve_precision, num_warps=num_warps,
+            num_stages=num_stages,
         )  # fmt: skip
     return w, u
