@@ -98,6 +98,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -1613,8 +1614,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--gdn-variants",
         help="gdn_prefill: time only the variants whose names start with one of these "
-        "(comma-separated, e.g. 'out given,pass BV=32'); default: each alternative at its "
-        "default tiling, no tiling sweep",
+        "(separated by commas without a space, since names hold ', ': e.g. "
+        "'out given,our wy, wy,pass BV=32'); default: each alternative at its default tiling, "
+        "no tiling sweep",
     )
     ap.add_argument("--budget-s", type=float, default=600.0, help="wall-clock budget")
     ap.add_argument(
@@ -1681,7 +1683,8 @@ def main(argv: list[str] | None = None) -> int:
         for B in batches
     ]
     prefill = []
-    gdn_variants = args.gdn_variants.split(",") if args.gdn_variants else None
+    # a comma followed by a space is part of a name ("our wy, wy BK=..."), not a separator
+    gdn_variants = re.split(r",(?! )", args.gdn_variants) if args.gdn_variants else None
     if args.prefill:
         for T in [8192] if args.quick else [8192, 32768]:
             for n_seq in (1, 16):
