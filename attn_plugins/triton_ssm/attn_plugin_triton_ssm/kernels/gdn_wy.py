@@ -22,9 +22,10 @@ squarings::
 (six float32 dots, no row-by-row substitution). The off-diagonal blocks follow from the rows of
 ``(I + A) Ai = I``: ``Ai[i, j] = -Ai[i, i] @ sum_{j <= m < i} A[i, m] @ Ai[m, j]``.
 
-Rounding as fla's: ``Ai`` and the operands ``beta * exp2(g) * k``, ``beta * v`` enter the last
-dots in the inputs' dtype, with float32 accumulation; ``w`` and ``u`` are stored in k's and v's
-dtype. The solve itself runs in float32 throughout (fla's block merges use tf32).
+Rounding as in fla: ``Ai`` and the scaled operands ``beta * exp2(g) * k``, ``beta * v`` enter the
+last dots rounded to the inputs' dtype (each scaled in float32 and rounded once), with float32
+accumulation; ``w`` and ``u`` are stored in k's and v's dtype. The solve itself keeps float32's
+precision throughout (fla's block merges use tf32).
 """
 
 from __future__ import annotations
