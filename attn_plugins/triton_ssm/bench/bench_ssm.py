@@ -17,17 +17,16 @@ Sections:
   times fla in the same process, alternating three times (min of each): its ratio is the one to
   quote (separate jobs drifted by up to 2.5x between runs on the H200). In CUDA graphs also
   the variants (``--gdn-variants`` picks them by name): into a given ``out``, the state pass's
-  tilings, fla's ``recompute_w_u`` folded into the pass (``wy in pass``), the output
-  computed in it (``fused output``) and our one-kernel WY stage in place of fla's two
-  (``our wy``; ``our wy, wy BK=...``: its tilings).
+  tilings, fla's ``recompute_w_u`` folded into the pass (``wy in pass``) and the output
+  computed in it (``fused output``).
 * kda_prefill (``--prefill``): Kimi-Linear's KDA layer (32 heads, Dk=Dv=128), T = 8192 and
   32768 as one request and as 16: our ``kda_prefill`` (the state pass over slots) against fla
   ``chunk_kda`` with the states gathered and scattered around it (``slot_pass=False``) and
   against ``chunk_kda`` alone on dense states, all three in the same process, alternating three
   times (min of each), eager and in CUDA graphs; the ratios ours / fla.
 * prefill_profile (``--profile``): GPU time per kernel (torch.profiler) of our GDN prefill
-  (also with ``wy_in_pass`` and with our WY stage), fla's, and the Triton SSD (chunk 64 and
-  256) with and without the hi/lo split, T = 8192 as 1 and 16 requests.
+  (also with ``wy_in_pass``), fla's, and the Triton SSD (chunk 64 and 256) with and without
+  the hi/lo split, T = 8192 as 1 and 16 requests.
 * mamba2_sweep (``--mamba2-sweep``): the Triton SSD at the granite shape (T = 8192 as one
   request, 32768 as 16) in each variant of ``SSD_SWEEP`` (chunk 64 / 128 / 256, token tile,
   scan warps, heads per program, the cb pass, float32 or bf16 entering states, with and
@@ -133,14 +132,8 @@ PASS_TILINGS = [
 #: one run
 DEFAULT_GDN_VARIANTS = (
     "gather_scatter", "out given", "wy in pass, pass default tiling",
-    "fused output, pass default tiling", "our wy, pass default tiling",
+    "fused output, pass default tiling",
 )  # fmt: skip
-#: (block_k, block_v, num_warps, solve_precision) of our one-kernel WY stage (``gdn_wy``)
-#: timed beside its default when ``--gdn-variants`` names ``our wy, wy``
-WY_TILINGS = [
-    (64, 64, 4, "tf32x3"), (128, 128, 4, "ieee"), (128, 128, 4, "tf32x3"), (64, 64, 8, "ieee"),
-    (64, 64, 8, "tf32x3"), (64, 64, 2, "ieee"), (32, 32, 4, "ieee"),
-]  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -347,7 +340,6 @@ def job_prefill_ours(
         "": {},
         "wy in pass, ": dict(wy_in_pass=True),
         "fused output, ": dict(fuse_output=True),
-        "our wy, ": dict(wy_stage="ours"),
     }
     for prefix, mode in modes.items():
         for tiling in (None, *PASS_TILINGS):
@@ -362,13 +354,6 @@ def job_prefill_ours(
                 q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
                 use_qk_l2norm=True, **mode, **opts,
             )  # fmt: skip
-    for bk, bv, nw, solve in WY_TILINGS:  # our WY stage's tilings, the pass at its default
-        name = f"our wy, wy BK={bk} BV={bv} warps={nw} solve={solve}"
-        opts = dict(block_k=bk, block_v=bv, num_warps=nw, solve_precision=solve)
-        variants[name] = lambda opts=opts: gdn_chunk.gdn_chunk_prefill_slots(
-            q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
-            use_qk_l2norm=True, wy_stage="ours", wy_options=opts,
-        )  # fmt: skip
     # a list once it has passed through the worker's JSON
     keep = tuple(variants_only) if variants_only is not None else DEFAULT_GDN_VARIANTS
     variants = {n: fn for n, fn in variants.items() if n.startswith(keep)}
@@ -482,10 +467,6 @@ def job_prefill_profile(T: int, n_seq: int) -> dict:
         "gdn ours, wy in pass": lambda: gdn_chunk_prefill_slots(
             q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
             use_qk_l2norm=True, wy_in_pass=True,
-        ),
-        "gdn ours, our wy": lambda: gdn_chunk_prefill_slots(
-            q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
-            use_qk_l2norm=True, wy_stage="ours",
         ),
         "gdn fla": lambda: chunk_gated_delta_rule(
             q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], initial_state=h0,
@@ -1615,8 +1596,8 @@ def main(argv: list[str] | None = None) -> int:
         "--gdn-variants",
         help="gdn_prefill: time only the variants whose names start with one of these "
         "(separated by commas without a space, since names hold ', ': e.g. "
-        "'out given,our wy, wy,pass BV=32'); default: each alternative at its default tiling, "
-        "no tiling sweep",
+        "'out given,wy in pass, pass BV=32,pass BV=64'); default: each alternative at its "
+        "default tiling, no tiling sweep",
     )
     ap.add_argument("--budget-s", type=float, default=600.0, help="wall-clock budget")
     ap.add_argument(
@@ -1683,7 +1664,7 @@ def main(argv: list[str] | None = None) -> int:
         for B in batches
     ]
     prefill = []
-    # a comma followed by a space is part of a name ("our wy, wy BK=..."), not a separator
+    # a comma followed by a space is part of a name ("wy in pass, pass BV=..."), not a separator
     gdn_variants = re.split(r",(?! )", args.gdn_variants) if args.gdn_variants else None
     if args.prefill:
         for T in [8192] if args.quick else [8192, 32768]:

@@ -355,23 +355,19 @@ def test_chunked_gdn_around_the_state_pass_matches_the_naive_recurrence():
     )  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "wy",
-    [{}, {"wy_in_pass": True}, {"wy_stage": "ours"}],
-    ids=["wu_stored", "wy_in_pass", "our_wy_stage"],
-)
+@pytest.mark.parametrize("wy_in_pass", [False, True], ids=["wu_stored", "wy_in_pass"])
 @pytest.mark.parametrize("out_kind", ["none", "given", "strided"])
-def test_slot_path_on_fla_stages_matches_the_naive_recurrence(out_kind, wy, monkeypatch):
+def test_slot_path_on_fla_stages_matches_the_naive_recurrence(out_kind, wy_in_pass, monkeypatch):
     """The slot path as it runs on a GPU - fla-core's own stages (cumsum, intra-chunk WY or,
-    ``wy_in_pass``, only its kkt-and-solve kernel, or, ``wy_stage="ours"``, our WY kernel; the
-    output pass launched into the layer's ``out``) around the state pass over slots - against
-    fla's token-by-token ``naive_recurrent_gated_delta_rule`` (float32): outputs, final
-    states, other slots untouched; the output written into a given ``out`` in place, or copied
-    into one whose rows are not packed. On the CPU fla's kernels run in Triton's interpreter."""
+    ``wy_in_pass``, only its kkt-and-solve kernel, the output pass launched into the layer's
+    ``out``) around the state pass over slots - against fla's token-by-token
+    ``naive_recurrent_gated_delta_rule`` (float32): outputs, final states, other slots
+    untouched; the output written into a given ``out`` in place, or copied into one whose rows
+    are not packed. On the CPU fla's kernels run in Triton's interpreter."""
     from attn_plugin_triton_ssm import compat
 
     fla_stages_here("gdn", DEV, monkeypatch)
-    slot_fn = functools.partial(gdn_chunk.gdn_chunk_prefill_slots, **wy)
+    slot_fn = functools.partial(gdn_chunk.gdn_chunk_prefill_slots, wy_in_pass=wy_in_pass)
     assert_chunked_matches_naive(
         compat.naive_recurrences()[0],
         slot_path_on_fla_stages(slot_fn, out_kind),
@@ -438,33 +434,25 @@ def test_slot_path_matches_fla_with_gathered_states(dtype, state_dtype, lens):
     assert_slot_pass_matches_gathered(K.gdn_prefill, q, k, v, g, beta, state, idx, cu)
 
 
-def _prefill_with(**options):
+def _prefill_with_fused_output(q, k, v, g, beta, state, idx, cu, *, cu_seqlens_cpu, slot_pass):
     """``gdn_prefill``'s signature for :func:`assert_slot_pass_matches_gathered`: the slot path
-    with ``options`` (``fuse_output``, ``wy_stage``), or (``slot_pass=False``) fla's public
-    function around gathered states."""
-
-    def prefill(q, k, v, g, beta, state, idx, cu, *, cu_seqlens_cpu, slot_pass):
-        if not slot_pass:
-            return K.gdn_prefill(q, k, v, g, beta, state, idx, cu, cu_seqlens_cpu=cu_seqlens_cpu,
-                                 slot_pass=False)  # fmt: skip
-        return gdn_chunk.gdn_chunk_prefill_slots(
-            q, k, v, g, beta, state, idx, cu.long(), cu_seqlens_cpu.long(),
-            scale=q.shape[-1] ** -0.5, use_qk_l2norm=True, **options,
-        )  # fmt: skip
-
-    return prefill
+    with the output computed in the state pass, or (``slot_pass=False``) fla's public function
+    around gathered states."""
+    if not slot_pass:
+        return K.gdn_prefill(q, k, v, g, beta, state, idx, cu, cu_seqlens_cpu=cu_seqlens_cpu,
+                             slot_pass=False)  # fmt: skip
+    return gdn_chunk.gdn_chunk_prefill_slots(
+        q, k, v, g, beta, state, idx, cu.long(), cu_seqlens_cpu.long(), scale=q.shape[-1] ** -0.5,
+        use_qk_l2norm=True, fuse_output=True,
+    )  # fmt: skip
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEV != "cuda", reason="needs CUDA (fla's chunk stages)")
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "options", [{"fuse_output": True}, {"wy_stage": "ours"}], ids=["fused_output", "our_wy_stage"]
-)
-def test_slot_path_variant_matches_fla_with_gathered_states(options, state_dtype):
-    """The output computed in the state pass (``fuse_output``), and ``w`` and ``u`` from our
-    one-kernel WY stage (``wy_stage="ours"``), against fla's public function at Qwen3-Next's
-    heads, sequences ending inside and on chunk boundaries."""
+def test_fused_output_slot_path_matches_fla_with_gathered_states(state_dtype):
+    """The output computed in the state pass (``fuse_output``) against fla's public function,
+    at Qwen3-Next's heads, sequences ending inside and on chunk boundaries."""
     torch.manual_seed(0)
     lens = [1000, 64, 1, 257, 2100]
     T, Hk, Hv, D = sum(lens), 16, 32, 128
@@ -475,7 +463,7 @@ def test_slot_path_variant_matches_fla_with_gathered_states(options, state_dtype
     state = (torch.randn(12, Hv, D, D, device="cuda") * 0.1).to(state_dtype)
     idx = torch.tensor([9, 2, 11, 0, 5], device="cuda", dtype=torch.int32)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
-    assert_slot_pass_matches_gathered(_prefill_with(**options), q, k, v, g, beta, state, idx, cu)
+    assert_slot_pass_matches_gathered(_prefill_with_fused_output, q, k, v, g, beta, state, idx, cu)
 
 
 @pytest.mark.gpu

@@ -44,8 +44,6 @@ instead of ``w`` and ``u``, folding fla's ``recompute_w_u`` in (:func:`chunk_sta
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from typing import Any, Literal
 
 import torch
 import triton
@@ -53,7 +51,6 @@ import triton.language as tl
 
 from attn_plugin_triton_ssm import compat
 from attn_plugin_triton_ssm.kernels._common import INTERPRETED, first_that_fits
-from attn_plugin_triton_ssm.kernels.gdn_wy import gdn_wy
 
 __all__ = [
     "CHUNK",
@@ -560,8 +557,6 @@ def gdn_chunk_prefill_slots(
     use_qk_l2norm: bool,
     fuse_output: bool = False,
     wy_in_pass: bool = False,
-    wy_stage: Literal["fla", "ours"] = "fla",
-    wy_options: Mapping[str, Any] | None = None,
     out: torch.Tensor | None = None,
     **pass_options,
 ) -> torch.Tensor:
@@ -574,9 +569,6 @@ def gdn_chunk_prefill_slots(
     pass is a chain of chunks that the extra dot lengthens (docs/results.md). ``fuse_output``
     (not with ``wy_in_pass``): the output computed in the pass,
     :func:`chunk_state_output_pass`, in place of fla's ``chunk_fwd_o`` after it.
-    ``wy_stage="ours"`` (not with ``wy_in_pass``): ``w`` and ``u`` from our one-kernel
-    :func:`~attn_plugin_triton_ssm.kernels.gdn_wy.gdn_wy` (``wy_options``: its tiling) in place
-    of fla's two kernels and ``Ai``'s round trip through memory.
 
     :param q: ``[T, H, K]``, ``k`` likewise, ``v`` ``[T, HV, V]``, ``g`` ``[T, HV]`` log
         decay, ``beta`` ``[T, HV]`` (contiguous; checked by the caller).
@@ -589,11 +581,6 @@ def gdn_chunk_prefill_slots(
     """
     if wy_in_pass and fuse_output:
         raise ValueError("gdn_chunk_prefill_slots: fuse_output needs wy_in_pass=False")
-    if wy_stage not in ("fla", "ours") or (wy_in_pass and wy_stage != "fla"):
-        raise ValueError(
-            f"gdn_chunk_prefill_slots: wy_stage must be 'fla' or 'ours' (and 'fla' with "
-            f"wy_in_pass, which computes no w and u), got {wy_stage!r} with wy_in_pass={wy_in_pass}"
-        )
     if wy_in_pass:
         _check_wy_warps("gdn_chunk_prefill_slots", pass_options.get("num_warps", 4))
     f, reason = compat.stages("gdn")
@@ -613,15 +600,10 @@ def gdn_chunk_prefill_slots(
             chunk_offsets, chunk_indices.shape[0], **pass_options,
         )  # fmt: skip
     else:
-        if wy_stage == "ours":
-            w, u = (x[None] for x in gdn_wy(
-                k[0], v[0], g[0], beta[0], cu_seqlens, chunk_indices, **(wy_options or {})
-            ))  # fmt: skip
-        else:
-            w, u, _ = f["intra"](
-                k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
-                chunk_size=CHUNK,
-            )  # fmt: skip
+        w, u, _ = f["intra"](
+            k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+            chunk_size=CHUNK,
+        )  # fmt: skip
         if fuse_output:
             o = chunk_state_output_pass(
                 q[0], k[0], w[0], u[0], g[0], ssm_state, state_indices, cu_seqlens,
