@@ -11,15 +11,17 @@ Internal fla-core stages (only for a release in :data:`TESTED_STAGES`, whose sou
 was written against): the Gated DeltaNet and KDA prefills that read and write the state slots in
 place (``kernels.gdn_chunk``) run fla's chunk-local cumsum, intra-chunk WY representation and output
 pass around the plugin's own state pass; the output pass's Triton kernel is launched directly, into
-the layer's output buffer (:func:`_output_pass_into`), and so, for the opt-in GDN pass that folds
-``recompute_w_u`` in, is the fused kkt-and-solve kernel (:func:`_kkt_solve_into`). Those functions
+the layer's output buffer (:func:`_output_pass_into`), and so, for the GDN pass that folds
+``recompute_w_u`` in (the default for batches that fill the GPU), is the fused kkt-and-solve
+kernel (:func:`_kkt_solve_into`). Those functions
 live in fla's internal modules (GDN: ``fla.ops.common.chunk_o``,
 ``fla.ops.gated_delta_rule.chunk_fwd``; KDA: ``fla.ops.kda.chunk_intra``, ``fla.ops.gla.chunk``;
 both: ``fla.ops.utils``), whose names and keyword arguments change between releases. :func:`stages`
 gives a family's functions (:data:`KINDS`: ``"gdn"``, ``"kda"``), or why not: another release, an
 import that fails, or a failed self-check. The self-check (GPU only, once per process and family,
 before its first slot-pass prefill) runs the slot pass against fla's public function
-(``chunk_gated_delta_rule``, ``chunk_kda``) on a tiny case; if the outputs or final states differ,
+(``chunk_gated_delta_rule``, ``chunk_kda``) on a tiny case (GDN's both ways: with ``w`` and
+``u`` stored and with ``recompute_w_u`` folded in); if the outputs or final states differ,
 or it raises, that family's prefill gathers and scatters around the public function instead.
 ``attn list`` shows which (:func:`note`).
 
@@ -442,26 +444,33 @@ def _self_check(device: torch.device, kind: Kind) -> str:
         output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
         cu_seqlens_cpu=cu_cpu,
     )  # fmt: skip
-    got_states = states.clone()
-    slot_fn = gdn_chunk.kda_chunk_prefill_slots if kda else gdn_chunk.gdn_chunk_prefill_slots
-    # into a given output buffer, as the plugin calls it (fla's output pass writes it directly)
-    got = slot_fn(
-        q, k, v, gate, beta, got_states, slots, cu, cu_cpu, scale=scale, use_qk_l2norm=True,
-        out=torch.empty_like(v),
-    )  # fmt: skip
-    # Both run fla's stages; only the state pass (and the l2norm) differs: agreement to bf16
-    # rounding (the GPU test of the GDN slot pass sees 2e-3 relative at Qwen3-Next's shapes).
-    want_o = want[0].float()
-    rel = ((got.float() - want_o).abs().mean() / want_o.abs().mean()).item()
-    if not rel < 1e-2:
-        return f"outputs differ by {rel:.3g} (mean, relative)"
-    got_ht = got_states.index_select(0, slots.long())
-    rel = ((got_ht - want_ht.float()).abs().max() / want_ht.float().abs().max()).item()
-    if not rel < 1e-2:
-        return f"final states differ by {rel:.3g} (max, relative)"
-    untouched = [0, 2]
-    if not torch.equal(got_states[untouched], states[untouched]):
-        return "slots of no sequence were written"
+    # KDA's pass, and GDN's both ways: reading w and u, and with recompute_w_u folded in
+    # (fla's kkt-and-solve kernel launched into an uninitialised Ai), which the default takes
+    # for batches that fill the GPU
+    variants = [{}] if kda else [{"wy_in_pass": False}, {"wy_in_pass": True}]
+    for options in variants:
+        got_states = states.clone()
+        slot_fn = gdn_chunk.kda_chunk_prefill_slots if kda else gdn_chunk.gdn_chunk_prefill_slots
+        # into a given output buffer, as the plugin calls it (fla's output pass writes it)
+        got = slot_fn(
+            q, k, v, gate, beta, got_states, slots, cu, cu_cpu, scale=scale, use_qk_l2norm=True,
+            out=torch.empty_like(v), **options,
+        )  # fmt: skip
+        # Both run fla's stages; only the state pass (and the l2norm) differs: agreement to
+        # bf16 rounding (the GPU test of the GDN slot pass sees 2e-3 relative at Qwen3-Next's
+        # shapes; 2.7e-3 with the WY folded in, which rounds elsewhere).
+        how = "".join(f" ({name}={value})" for name, value in options.items())
+        want_o = want[0].float()
+        rel = ((got.float() - want_o).abs().mean() / want_o.abs().mean()).item()
+        if not rel < 1e-2:
+            return f"outputs differ by {rel:.3g} (mean, relative){how}"
+        got_ht = got_states.index_select(0, slots.long())
+        rel = ((got_ht - want_ht.float()).abs().max() / want_ht.float().abs().max()).item()
+        if not rel < 1e-2:
+            return f"final states differ by {rel:.3g} (max, relative){how}"
+        untouched = [0, 2]
+        if not torch.equal(got_states[untouched], states[untouched]):
+            return f"slots of no sequence were written{how}"
     return ""
 
 

@@ -17,16 +17,17 @@ Sections:
   times fla in the same process, alternating three times (min of each): its ratio is the one to
   quote (separate jobs drifted by up to 2.5x between runs on the H200). In CUDA graphs also
   the variants (``--gdn-variants`` picks them by name): into a given ``out``, the state pass's
-  tilings, fla's ``recompute_w_u`` folded into the pass (``wy in pass``) and the output
-  computed in it (``fused output``).
+  tilings, with fla's ``recompute_w_u`` folded in or not whatever the batch (``wy in pass``,
+  ``w u stored``; the default folds it where the batch fills the GPU) and the output computed
+  in it (``fused output``).
 * kda_prefill (``--prefill``): Kimi-Linear's KDA layer (32 heads, Dk=Dv=128), T = 8192 and
   32768 as one request and as 16: our ``kda_prefill`` (the state pass over slots) against fla
   ``chunk_kda`` with the states gathered and scattered around it (``slot_pass=False``) and
   against ``chunk_kda`` alone on dense states, all three in the same process, alternating three
   times (min of each), eager and in CUDA graphs; the ratios ours / fla.
 * prefill_profile (``--profile``): GPU time per kernel (torch.profiler) of our GDN prefill
-  (also with ``wy_in_pass``), fla's, and the Triton SSD (chunk 64 and 256) with and without
-  the hi/lo split, T = 8192 as 1 and 16 requests.
+  (as the default chooses, and with ``wy_in_pass`` forced on and off), fla's, and the Triton
+  SSD (chunk 64 and 256) with and without the hi/lo split, T = 8192 as 1 and 16 requests.
 * mamba2_sweep (``--mamba2-sweep``): the Triton SSD at the granite shape (T = 8192 as one
   request, 32768 as 16) in each variant of ``SSD_SWEEP`` (chunk 64 / 128 / 256, token tile,
   scan warps, heads per program, the cb pass, float32 or bf16 entering states, with and
@@ -131,8 +132,8 @@ PASS_TILINGS = [
 #: (``pass BV=...``, ``wy in pass, pass BV=...``) only when named, so the whole table stays
 #: one run
 DEFAULT_GDN_VARIANTS = (
-    "gather_scatter", "out given", "wy in pass, pass default tiling",
-    "fused output, pass default tiling",
+    "gather_scatter", "out given", "w u stored, pass default tiling",
+    "wy in pass, pass default tiling", "fused output, pass default tiling",
 )  # fmt: skip
 
 
@@ -333,11 +334,13 @@ def job_prefill_ours(
     variants["out given"] = lambda: gdn_prefill(
         q, k, v, g, beta, state, idx, cu64, cu_seqlens_cpu=cu_cpu, out=out_buf
     )
-    # the state pass reading fla's stored w and u (the default), fla's recompute_w_u folded
-    # into it instead, or the output computed in it too; each at its default tiling, then at
-    # every tiling of PASS_TILINGS (8 warps not with the WY folded in: refused)
+    # the state pass as the default chooses (fla's recompute_w_u folded in where the batch
+    # fills the GPU), reading fla's stored w and u, with recompute_w_u folded in, or with the
+    # output computed in it too; each at its default tiling, then at every tiling of
+    # PASS_TILINGS (8 warps not with the WY folded in: refused)
     modes = {
         "": {},
+        "w u stored, ": dict(wy_in_pass=False),
         "wy in pass, ": dict(wy_in_pass=True),
         "fused output, ": dict(fuse_output=True),
     }
@@ -464,10 +467,13 @@ def job_prefill_profile(T: int, n_seq: int) -> dict:
     ssd_inputs = _mamba2_prefill_inputs(T, n_seq)
     calls = {
         "gdn ours": lambda: gdn_prefill(q, k, v, g, beta, state, idx, cu64, cu_seqlens_cpu=cu_cpu),
-        "gdn ours, wy in pass": lambda: gdn_chunk_prefill_slots(
-            q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
-            use_qk_l2norm=True, wy_in_pass=True,
-        ),
+        **{
+            f"gdn ours, {name}": lambda wy=wy: gdn_chunk_prefill_slots(
+                q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
+                use_qk_l2norm=True, wy_in_pass=wy,
+            )
+            for name, wy in (("wy in pass", True), ("w u stored", False))
+        },
         "gdn fla": lambda: chunk_gated_delta_rule(
             q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], initial_state=h0,
             output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu64,

@@ -376,6 +376,44 @@ def test_slot_path_on_fla_stages_matches_the_naive_recurrence(out_kind, wy_in_pa
     )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("sms", "options", "ran"),
+    [
+        (1, {}, "chunk_state_pass_wy"),  # 3 sequences x 4 heads: 12 programs on one SM
+        (100, {}, "chunk_state_pass"),  # 12 programs on 100 SMs
+        (1, {"fuse_output": True}, "chunk_state_output_pass"),
+        (1, {"num_warps": 8}, "chunk_state_pass"),  # the folded pass refuses 8 warps
+    ],
+    ids=["fills-the-gpu", "leaves-sms-idle", "fused-output", "8-warps"],
+)
+def test_the_default_folds_the_wy_in_where_the_batch_fills_the_gpu(sms, options, ran, monkeypatch):
+    """``wy_in_pass=None`` (the default) folds fla's ``recompute_w_u`` into the pass where its
+    64-wide value blocks give at least two programs per SM, and not where they leave SMs idle,
+    with the output fused into the pass, or on 8 warps; whichever runs, the outputs and final
+    states are Gated DeltaNet's (fla's naive recurrence)."""
+    from attn_plugin_triton_ssm import compat
+
+    fla_stages_here("gdn", DEV, monkeypatch)
+    monkeypatch.setattr(gdn_chunk, "_sm_count_here", lambda: sms)
+    calls = []
+    for name in ("chunk_state_pass", "chunk_state_pass_wy", "chunk_state_output_pass"):
+        real = getattr(gdn_chunk, name)
+
+        def spy(*args, real=real, name=name, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(gdn_chunk, name, spy)
+    slot_fn = functools.partial(gdn_chunk.gdn_chunk_prefill_slots, **options)
+    assert_chunked_matches_naive(
+        compat.naive_recurrences()[0],
+        slot_path_on_fla_stages(slot_fn, "none"),
+        lambda T, HV, K, g: -torch.rand(T, HV, generator=g) * 0.3,
+        chunk=BT, slots=SLOTS, num_slots=S, device=DEV, repeat_qk_for_naive=True,
+    )  # fmt: skip
+    assert calls and set(calls) == {ran}, calls
+
+
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 def test_an_out_over_the_queries_is_not_written_while_they_are_read(kda, monkeypatch):
     """``out`` may be the queries' own buffer (an in-place layer). fla's output pass reads every
@@ -420,8 +458,10 @@ def test_an_out_over_the_queries_is_not_written_while_they_are_read(kda, monkeyp
 )
 def test_slot_path_matches_fla_with_gathered_states(dtype, state_dtype, lens):
     """Qwen3-Next heads (16 key / 32 value heads, d 128), sequences in arbitrary slots: the
-    slot path and fla's public function (states gathered and scattered) run the same stages, so
-    outputs and states agree to bf16 rounding; other slots stay untouched."""
+    slot path with ``w`` and ``u`` stored and fla's public function (states gathered and
+    scattered) run the same stages, so outputs and states agree to bf16 rounding; other slots
+    stay untouched. (Folded into the pass, which the default does for this batch, the rounding
+    falls elsewhere: :func:`test_wy_in_pass_is_as_close_to_the_recurrence_as_fla`.)"""
     torch.manual_seed(0)
     T, Hk, Hv, D = sum(lens), 16, 32, 128
     q, k = (torch.randn(T, Hk, D, device="cuda", dtype=dtype) for _ in range(2))
@@ -431,20 +471,26 @@ def test_slot_path_matches_fla_with_gathered_states(dtype, state_dtype, lens):
     state = (torch.randn(12, Hv, D, D, device="cuda") * 0.1).to(state_dtype)
     idx = torch.tensor([9, 2, 11, 0, 5][: len(lens)], device="cuda", dtype=torch.int32)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
-    assert_slot_pass_matches_gathered(K.gdn_prefill, q, k, v, g, beta, state, idx, cu)
+    assert_slot_pass_matches_gathered(
+        _prefill_with(wy_in_pass=False), q, k, v, g, beta, state, idx, cu
+    )
 
 
-def _prefill_with_fused_output(q, k, v, g, beta, state, idx, cu, *, cu_seqlens_cpu, slot_pass):
+def _prefill_with(**options):
     """``gdn_prefill``'s signature for :func:`assert_slot_pass_matches_gathered`: the slot path
-    with the output computed in the state pass, or (``slot_pass=False``) fla's public function
-    around gathered states."""
-    if not slot_pass:
-        return K.gdn_prefill(q, k, v, g, beta, state, idx, cu, cu_seqlens_cpu=cu_seqlens_cpu,
-                             slot_pass=False)  # fmt: skip
-    return gdn_chunk.gdn_chunk_prefill_slots(
-        q, k, v, g, beta, state, idx, cu.long(), cu_seqlens_cpu.long(), scale=q.shape[-1] ** -0.5,
-        use_qk_l2norm=True, fuse_output=True,
-    )  # fmt: skip
+    with ``options`` (``fuse_output``, ``wy_in_pass``), or (``slot_pass=False``) fla's public
+    function around gathered states."""
+
+    def prefill(q, k, v, g, beta, state, idx, cu, *, cu_seqlens_cpu, slot_pass):
+        if not slot_pass:
+            return K.gdn_prefill(q, k, v, g, beta, state, idx, cu, cu_seqlens_cpu=cu_seqlens_cpu,
+                                 slot_pass=False)  # fmt: skip
+        return gdn_chunk.gdn_chunk_prefill_slots(
+            q, k, v, g, beta, state, idx, cu.long(), cu_seqlens_cpu.long(),
+            scale=q.shape[-1] ** -0.5, use_qk_l2norm=True, **options,
+        )  # fmt: skip
+
+    return prefill
 
 
 @pytest.mark.gpu
@@ -463,7 +509,9 @@ def test_fused_output_slot_path_matches_fla_with_gathered_states(state_dtype):
     state = (torch.randn(12, Hv, D, D, device="cuda") * 0.1).to(state_dtype)
     idx = torch.tensor([9, 2, 11, 0, 5], device="cuda", dtype=torch.int32)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
-    assert_slot_pass_matches_gathered(_prefill_with_fused_output, q, k, v, g, beta, state, idx, cu)
+    assert_slot_pass_matches_gathered(
+        _prefill_with(fuse_output=True), q, k, v, g, beta, state, idx, cu
+    )
 
 
 @pytest.mark.gpu

@@ -37,8 +37,9 @@ release, self-checked against fla's public function on the GPU, each family on i
 :func:`unavailable` says why this path cannot run, and the prefill wrapper then gathers and
 scatters around fla's public function instead.
 
-Opt-in for Gated DeltaNet, the pass reads fla's solved ``(I + A)^-1``, the values and ``beta``
-instead of ``w`` and ``u``, folding fla's ``recompute_w_u`` in (:func:`chunk_state_pass_wy`).
+For Gated DeltaNet batches that fill the GPU (by default; :func:`gdn_chunk_prefill_slots`), the
+pass reads fla's solved ``(I + A)^-1``, the values and ``beta`` instead of ``w`` and ``u``,
+folding fla's ``recompute_w_u`` in (:func:`chunk_state_pass_wy`).
 """
 
 from __future__ import annotations
@@ -318,8 +319,18 @@ def _tiling(num_programs_bv64: int, V: int) -> tuple[int, int]:
     heads, d 128). Float32 inputs get fewer stages where these do not fit (see
     :func:`_fit_stages`). KDA's pass (the same loads and dots, plus a ``[K]`` row of decay per
     chunk) takes the same choice; ``bench_ssm.py --prefill`` times it against fla."""
-    sms = _sm_count(torch.cuda.current_device()) if torch.cuda.is_available() else 132
-    return (32, 4) if num_programs_bv64 < 2 * sms or V < 64 else (64, 2)
+    return (64, 2) if _fills_the_gpu(num_programs_bv64) and V >= 64 else (32, 4)
+
+
+def _fills_the_gpu(num_programs_bv64: int) -> bool:
+    """Whether the state pass with 64-wide value blocks has at least two programs per SM: the
+    pass is then bound by the bytes it moves, not by the chain of a sequence's chunks."""
+    return num_programs_bv64 >= 2 * _sm_count_here()
+
+
+def _sm_count_here() -> int:
+    """SMs of the current CUDA device; 132 (an H100's or H200's) without one."""
+    return _sm_count(torch.cuda.current_device()) if torch.cuda.is_available() else 132
 
 
 @functools.cache
@@ -556,19 +567,23 @@ def gdn_chunk_prefill_slots(
     scale: float,
     use_qk_l2norm: bool,
     fuse_output: bool = False,
-    wy_in_pass: bool = False,
+    wy_in_pass: bool | None = None,
     out: torch.Tensor | None = None,
     **pass_options,
 ) -> torch.Tensor:
     """Gated DeltaNet chunked prefill on CUDA with fla's stages and our state pass over slots:
-    fla's intra-chunk stage (``w``, ``u``), then :func:`chunk_state_pass`.
+    fla's intra-chunk stage (``w``, ``u``), then :func:`chunk_state_pass`; or, where the batch
+    fills the GPU, fla's fused kkt-and-solve kernel only, its ``recompute_w_u`` folded into the
+    pass (:func:`chunk_state_pass_wy`).
 
-    ``wy_in_pass`` (opt-in): fla's fused kkt-and-solve kernel only, its ``recompute_w_u``
-    folded into the pass (:func:`chunk_state_pass_wy`; 2 or 4 warps a program). Ahead where
-    the pass is throughput-bound (many sequences), well behind for one long sequence, whose
-    pass is a chain of chunks that the extra dot lengthens (docs/results.md). ``fuse_output``
-    (not with ``wy_in_pass``): the output computed in the pass,
-    :func:`chunk_state_output_pass`, in place of fla's ``chunk_fwd_o`` after it.
+    ``wy_in_pass``: None (the default) folds where the pass's 64-wide value blocks give at
+    least two programs per SM (:func:`_fills_the_gpu`: many sequences, where the bytes it saves
+    count: 0.81-0.82 of fla's time against 0.90-0.95 unfolded on an H100) and not where they
+    do not (one long sequence, whose pass is a chain of chunks that the extra dot lengthens:
+    1.25-1.3x slower), nor with ``fuse_output`` or a ``num_warps`` other than 2 or 4; True or
+    False forces it (True: 2 or 4 warps a program). ``fuse_output`` (not with
+    ``wy_in_pass=True``): the output computed in the pass, :func:`chunk_state_output_pass`, in
+    place of fla's ``chunk_fwd_o`` after it.
 
     :param q: ``[T, H, K]``, ``k`` likewise, ``v`` ``[T, HV, V]``, ``g`` ``[T, HV]`` log
         decay, ``beta`` ``[T, HV]`` (contiguous; checked by the caller).
@@ -581,8 +596,12 @@ def gdn_chunk_prefill_slots(
     """
     if wy_in_pass and fuse_output:
         raise ValueError("gdn_chunk_prefill_slots: fuse_output needs wy_in_pass=False")
+    num_warps = pass_options.get("num_warps", 4)
+    if wy_in_pass is None:
+        programs = state_indices.shape[0] * v.shape[1] * triton.cdiv(v.shape[2], 64)
+        wy_in_pass = not fuse_output and num_warps in (2, 4) and _fills_the_gpu(programs)
     if wy_in_pass:
-        _check_wy_warps("gdn_chunk_prefill_slots", pass_options.get("num_warps", 4))
+        _check_wy_warps("gdn_chunk_prefill_slots", num_warps)
     f, reason = compat.stages("gdn")
     if reason:
         raise RuntimeError(reason)
