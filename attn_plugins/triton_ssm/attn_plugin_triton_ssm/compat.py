@@ -448,9 +448,10 @@ def _self_check(device: torch.device, kind: Kind) -> str:
     # (fla's kkt-and-solve kernel launched into an uninitialised Ai), which the default takes
     # for batches that fill the GPU
     variants = [{}] if kda else [{"wy_in_pass": False}, {"wy_in_pass": True}]
+    slot_fn = gdn_chunk.kda_chunk_prefill_slots if kda else gdn_chunk.gdn_chunk_prefill_slots
+    want_o = want[0].float()
     for options in variants:
         got_states = states.clone()
-        slot_fn = gdn_chunk.kda_chunk_prefill_slots if kda else gdn_chunk.gdn_chunk_prefill_slots
         # into a given output buffer, as the plugin calls it (fla's output pass writes it)
         got = slot_fn(
             q, k, v, gate, beta, got_states, slots, cu, cu_cpu, scale=scale, use_qk_l2norm=True,
@@ -460,7 +461,6 @@ def _self_check(device: torch.device, kind: Kind) -> str:
         # bf16 rounding (the GPU test of the GDN slot pass sees 2e-3 relative at Qwen3-Next's
         # shapes; 2.7e-3 with the WY folded in, which rounds elsewhere).
         how = "".join(f" ({name}={value})" for name, value in options.items())
-        want_o = want[0].float()
         rel = ((got.float() - want_o).abs().mean() / want_o.abs().mean()).item()
         if not rel < 1e-2:
             return f"outputs differ by {rel:.3g} (mean, relative){how}"

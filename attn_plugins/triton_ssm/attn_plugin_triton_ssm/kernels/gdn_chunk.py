@@ -311,7 +311,7 @@ def l2norm_qk(
     return qn, kn
 
 
-def _tiling(num_programs_bv64: int, V: int) -> tuple[int, int]:
+def _tiling(num_seqs: int, HV: int, V: int) -> tuple[int, int]:
     """``(BV, num_stages)``: 32-wide value blocks with 4 stages when blocks of 64 would leave
     SMs idle (one long sequence: the pass is a chain of chunks, so parallelism comes from heads
     and value blocks only), else 64 with 2: (32, 4) ran fastest for one long sequence (about
@@ -319,13 +319,14 @@ def _tiling(num_programs_bv64: int, V: int) -> tuple[int, int]:
     heads, d 128). Float32 inputs get fewer stages where these do not fit (see
     :func:`_fit_stages`). KDA's pass (the same loads and dots, plus a ``[K]`` row of decay per
     chunk) takes the same choice; ``bench_ssm.py --prefill`` times it against fla."""
-    return (64, 2) if _fills_the_gpu(num_programs_bv64) and V >= 64 else (32, 4)
+    return (64, 2) if _fills_the_gpu(num_seqs, HV, V) and V >= 64 else (32, 4)
 
 
-def _fills_the_gpu(num_programs_bv64: int) -> bool:
-    """Whether the state pass with 64-wide value blocks has at least two programs per SM: the
-    pass is then bound by the bytes it moves, not by the chain of a sequence's chunks."""
-    return num_programs_bv64 >= 2 * _sm_count_here()
+def _fills_the_gpu(num_seqs: int, HV: int, V: int) -> bool:
+    """Whether the state pass over ``num_seqs`` sequences of ``HV`` value heads of ``V``, in
+    64-wide value blocks, has at least two programs per SM: the pass is then bound by the bytes
+    it moves, not by the chain of a sequence's chunks."""
+    return num_seqs * HV * triton.cdiv(V, 64) >= 2 * _sm_count_here()
 
 
 def _sm_count_here() -> int:
@@ -497,7 +498,7 @@ def _launch_pass(k, w, u, g, ssm_state, state_indices, cu_seqlens, chunk_offsets
     if not N or not T:
         return
     fuse = q is not None
-    BV, stages = _tiling(triton.cdiv(V, 64) * N * HV, V)
+    BV, stages = _tiling(N, HV, V)
     BV, stages = block_v or BV, num_stages or stages
     grid = (triton.cdiv(V, BV), N * HV)
 
@@ -598,8 +599,8 @@ def gdn_chunk_prefill_slots(
         raise ValueError("gdn_chunk_prefill_slots: fuse_output needs wy_in_pass=False")
     num_warps = pass_options.get("num_warps", 4)
     if wy_in_pass is None:
-        programs = state_indices.shape[0] * v.shape[1] * triton.cdiv(v.shape[2], 64)
-        wy_in_pass = not fuse_output and num_warps in (2, 4) and _fills_the_gpu(programs)
+        fills = _fills_the_gpu(state_indices.shape[0], v.shape[1], v.shape[2])
+        wy_in_pass = not fuse_output and num_warps in (2, 4) and fills
     if wy_in_pass:
         _check_wy_warps("gdn_chunk_prefill_slots", num_warps)
     f, reason = compat.stages("gdn")
