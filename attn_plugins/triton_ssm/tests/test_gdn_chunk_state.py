@@ -140,6 +140,7 @@ def _wy_inputs(k, gc, cu, lens, HV, Vd, dtype, seed=1):
     return v, beta, Ai, w, u
 
 
+@pytest.mark.parametrize("fold", ["wy", "u"])
 @pytest.mark.parametrize(
     ("lens", "H", "HV", "dtype", "state_dtype"),
     [
@@ -147,18 +148,30 @@ def _wy_inputs(k, gc, cu, lens, HV, Vd, dtype, seed=1):
         ([2 * BT + 1, 33], 1, 2, torch.bfloat16, torch.float32),
     ],
 )
-def test_state_pass_with_the_wy_folded_in_matches_the_recurrence(lens, H, HV, dtype, state_dtype):
-    """The pass reading the values, beta and fla's solved ``Ai`` (``WY``) equals the recurrence
-    over the ``w`` and ``u`` fla's ``recompute_w_u`` would make of them, reading only ``Ai``'s
-    lower triangle (NaN above it), the sequences' last chunks partial."""
+def test_state_pass_with_the_wy_folded_in_matches_the_recurrence(
+    lens, H, HV, dtype, state_dtype, fold
+):
+    """The pass reading the values, beta and fla's solved ``Ai`` equals the recurrence over the
+    ``w`` and ``u`` fla's ``recompute_w_u`` would make of them, reading only ``Ai``'s lower
+    triangle (NaN above it), the sequences' last chunks partial: with both folded in
+    (``wy``, :func:`.chunk_state_pass_wy`), or ``u`` alone beside a stored ``w`` (``u``,
+    :func:`.chunk_state_pass_u`); slots outside the batch untouched."""
     Kd, Vd = 32, 32
     k, _, _, gc, state, idx, cu, chunk_off, nt = _inputs(lens, H, HV, Kd, Vd, dtype, state_dtype)
     v, beta, Ai, w, u = _wy_inputs(k, gc, cu, lens, HV, Vd, dtype)
+    if fold == "u":
+        w = w.to(dtype)  # as recompute_w stores it
     before = state.clone()
     h_ref, v_ref, finals = _reference(k, w, u, gc, before, idx, cu, lens)
-    h, v_new = gdn_chunk.chunk_state_pass_wy(
-        k, v, beta, Ai, gc, state, idx, cu, chunk_off, nt, block_v=16, num_warps=2
-    )
+    tiling = dict(block_v=16, num_warps=2)
+    if fold == "wy":
+        h, v_new = gdn_chunk.chunk_state_pass_wy(
+            k, v, beta, Ai, gc, state, idx, cu, chunk_off, nt, **tiling
+        )
+    else:
+        h, v_new = gdn_chunk.chunk_state_pass_u(
+            k, w, v, beta, Ai, gc, state, idx, cu, chunk_off, nt, **tiling
+        )
     assert h.shape == (1, nt, HV, Kd, Vd) and v_new.shape == (1, *v.shape)
     assert v_new.dtype == dtype and not v_new.isnan().any()
     tol = 3e-2 if dtype != torch.float32 else (2e-5 if DEV == "cpu" else 4e-3)
@@ -169,6 +182,30 @@ def test_state_pass_with_the_wy_folded_in_matches_the_recurrence(lens, H, HV, dt
         assert (got - want).abs().max().item() < tol * want.abs().max().item(), slot
     untouched = [s for s in range(S) if s not in finals]
     assert torch.equal(state[untouched], before[untouched])
+
+
+def _chunk_indices(lens):
+    """fla's ``prepare_chunk_indices``: ``[NT, 2]`` each chunk's sequence and its index there."""
+    rows = [[n, c] for n, L in enumerate(lens) for c in range(-(-L // BT))]
+    return torch.tensor(rows, device=DEV, dtype=torch.int64)
+
+
+@pytest.mark.parametrize(
+    ("lens", "H", "HV", "dtype"),
+    [([70, BT, 5], 2, 4, torch.float32), ([2 * BT + 1, 33], 1, 2, torch.bfloat16)],
+)
+def test_recompute_w_matches_the_float64_product(lens, H, HV, dtype):
+    """``recompute_w`` is ``Ai @ (beta exp2(g) k)`` per chunk, reading ``Ai`` only below its
+    diagonal (NaN above it: fla stores nothing there), sequences ending inside and on chunk
+    ends, two value heads per key head."""
+    Kd, Vd = 32, 32
+    k, _, _, gc, _, _, cu, _, _ = _inputs(lens, H, HV, Kd, Vd, dtype, torch.float32)
+    _, beta, Ai, w_ref, _ = _wy_inputs(k, gc, cu, lens, HV, Vd, dtype)
+    w = gdn_chunk.recompute_w(k, gc, beta, Ai, cu, _chunk_indices(lens))
+    assert w.shape == (sum(lens), HV, Kd) and w.dtype == dtype
+    # 16-bit inputs: beta exp2(g) k is rounded to k's dtype before the dot, as fla does
+    tol = 1e-2 if dtype != torch.float32 else (1e-5 if DEV == "cpu" else 4e-3)
+    assert (w.double() - w_ref).abs().max().item() < tol * w_ref.abs().max().item()
 
 
 @pytest.mark.parametrize(
@@ -355,19 +392,24 @@ def test_chunked_gdn_around_the_state_pass_matches_the_naive_recurrence():
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("wy_in_pass", [False, True], ids=["wu_stored", "wy_in_pass"])
+@pytest.mark.parametrize(
+    "mode",
+    [{"wy_in_pass": False}, {"wy_in_pass": True}, {"u_in_pass": True}],
+    ids=["wu_stored", "wy_in_pass", "u_in_pass"],
+)
 @pytest.mark.parametrize("out_kind", ["none", "given", "strided"])
-def test_slot_path_on_fla_stages_matches_the_naive_recurrence(out_kind, wy_in_pass, monkeypatch):
+def test_slot_path_on_fla_stages_matches_the_naive_recurrence(out_kind, mode, monkeypatch):
     """The slot path as it runs on a GPU - fla-core's own stages (cumsum, intra-chunk WY or,
-    ``wy_in_pass``, only its kkt-and-solve kernel, the output pass launched into the layer's
-    ``out``) around the state pass over slots - against fla's token-by-token
+    ``wy_in_pass``, only its kkt-and-solve kernel, or, ``u_in_pass``, that kernel and our
+    ``recompute_w``; the output pass launched into the layer's ``out``) around the state pass
+    over slots - against fla's token-by-token
     ``naive_recurrent_gated_delta_rule`` (float32): outputs, final states, other slots
     untouched; the output written into a given ``out`` in place, or copied into one whose rows
     are not packed. On the CPU fla's kernels run in Triton's interpreter."""
     from attn_plugin_triton_ssm import compat
 
     fla_stages_here("gdn", DEV, monkeypatch)
-    slot_fn = functools.partial(gdn_chunk.gdn_chunk_prefill_slots, wy_in_pass=wy_in_pass)
+    slot_fn = functools.partial(gdn_chunk.gdn_chunk_prefill_slots, **mode)
     assert_chunked_matches_naive(
         compat.naive_recurrences()[0],
         slot_path_on_fla_stages(slot_fn, out_kind),
@@ -444,6 +486,22 @@ def test_an_out_over_the_queries_is_not_written_while_they_are_read(kda, monkeyp
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def _qwen3_next_batch(lens, dtype=torch.bfloat16, state_dtype=torch.float32, device="cuda"):
+    """A Gated DeltaNet prefill batch at Qwen3-Next's heads (16 key / 32 value heads, d 128):
+    ``(q, k, v, g, beta, state, idx, cu)``, the sequences of ``lens`` in slots 9, 2, 11, 0, 5
+    of a pool of 12, ``cu`` int64 offsets on ``device``."""
+    torch.manual_seed(0)
+    T, Hk, Hv, D = sum(lens), 16, 32, 128
+    q, k = (torch.randn(T, Hk, D, device=device, dtype=dtype) for _ in range(2))
+    v = torch.randn(T, Hv, D, device=device, dtype=dtype)
+    g = -torch.rand(T, Hv, device=device) * 0.3
+    beta = torch.rand(T, Hv, device=device)
+    state = (torch.randn(12, Hv, D, D, device=device) * 0.1).to(state_dtype)
+    idx = torch.tensor([9, 2, 11, 0, 5][: len(lens)], device=device, dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=device)
+    return q, k, v, g, beta, state, idx, cu
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEV != "cuda", reason="needs CUDA (fla's chunk stages)")
 @pytest.mark.parametrize(
@@ -462,24 +520,25 @@ def test_slot_path_matches_fla_with_gathered_states(dtype, state_dtype, lens):
     scattered) run the same stages, so outputs and states agree to bf16 rounding; other slots
     stay untouched. (Folded into the pass, which the default does for this batch, the rounding
     falls elsewhere: :func:`test_wy_in_pass_is_as_close_to_the_recurrence_as_fla`.)"""
-    torch.manual_seed(0)
-    T, Hk, Hv, D = sum(lens), 16, 32, 128
-    q, k = (torch.randn(T, Hk, D, device="cuda", dtype=dtype) for _ in range(2))
-    v = torch.randn(T, Hv, D, device="cuda", dtype=dtype)
-    g = -torch.rand(T, Hv, device="cuda") * 0.3
-    beta = torch.rand(T, Hv, device="cuda")
-    state = (torch.randn(12, Hv, D, D, device="cuda") * 0.1).to(state_dtype)
-    idx = torch.tensor([9, 2, 11, 0, 5][: len(lens)], device="cuda", dtype=torch.int32)
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
     assert_slot_pass_matches_gathered(
-        _prefill_with(wy_in_pass=False), q, k, v, g, beta, state, idx, cu
+        _prefill_with(wy_in_pass=False), *_qwen3_next_batch(lens, dtype, state_dtype)
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA (fla's chunk stages)")
+@pytest.mark.parametrize("lens", [[1000, 64, 1, 257, 700], [1500]])
+def test_u_in_pass_matches_fla_with_gathered_states(lens):
+    """``u_in_pass`` (our ``recompute_w``, ``u`` computed in the pass) rounds where fla's
+    stages round, so at Qwen3-Next's heads it agrees with fla's public function (states
+    gathered and scattered) as the stored path does; other slots untouched."""
+    assert_slot_pass_matches_gathered(_prefill_with(u_in_pass=True), *_qwen3_next_batch(lens))
 
 
 def _prefill_with(**options):
     """``gdn_prefill``'s signature for :func:`assert_slot_pass_matches_gathered`: the slot path
-    with ``options`` (``fuse_output``, ``wy_in_pass``), or (``slot_pass=False``) fla's public
-    function around gathered states."""
+    with ``options`` (``fuse_output``, ``wy_in_pass``, ``u_in_pass``), or
+    (``slot_pass=False``) fla's public function around gathered states."""
 
     def prefill(q, k, v, g, beta, state, idx, cu, *, cu_seqlens_cpu, slot_pass):
         if not slot_pass:
@@ -499,18 +558,9 @@ def _prefill_with(**options):
 def test_fused_output_slot_path_matches_fla_with_gathered_states(state_dtype):
     """The output computed in the state pass (``fuse_output``) against fla's public function,
     at Qwen3-Next's heads, sequences ending inside and on chunk boundaries."""
-    torch.manual_seed(0)
     lens = [1000, 64, 1, 257, 2100]
-    T, Hk, Hv, D = sum(lens), 16, 32, 128
-    q, k = (torch.randn(T, Hk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    v = torch.randn(T, Hv, D, device="cuda", dtype=torch.bfloat16)
-    g = -torch.rand(T, Hv, device="cuda") * 0.3
-    beta = torch.rand(T, Hv, device="cuda")
-    state = (torch.randn(12, Hv, D, D, device="cuda") * 0.1).to(state_dtype)
-    idx = torch.tensor([9, 2, 11, 0, 5], device="cuda", dtype=torch.int32)
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
     assert_slot_pass_matches_gathered(
-        _prefill_with(fuse_output=True), q, k, v, g, beta, state, idx, cu
+        _prefill_with(fuse_output=True), *_qwen3_next_batch(lens, state_dtype=state_dtype)
     )
 
 
@@ -529,16 +579,9 @@ def test_wy_in_pass_is_as_close_to_the_recurrence_as_fla(lens):
     to it, other slots untouched."""
     from attn_plugin_triton_ssm import compat
 
-    torch.manual_seed(0)
-    T, Hk, Hv, D = sum(lens), 16, 32, 128
-    q, k = (torch.randn(T, Hk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    v = torch.randn(T, Hv, D, device="cuda", dtype=torch.bfloat16)
-    g = -torch.rand(T, Hv, device="cuda") * 0.3
-    beta = torch.rand(T, Hv, device="cuda")
-    state = torch.randn(12, Hv, D, D, device="cuda") * 0.1
-    idx = torch.tensor([9, 2, 11, 0, 5][: len(lens)], device="cuda", dtype=torch.int32)
-    cu_cpu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-    cu, scale = cu_cpu.cuda(), D**-0.5
+    q, k, v, g, beta, state, idx, cu = _qwen3_next_batch(lens)
+    Hk, Hv, D = k.shape[1], v.shape[1], k.shape[2]
+    cu_cpu, scale = cu.cpu(), D**-0.5
     before = state.clone()
     got = gdn_chunk.gdn_chunk_prefill_slots(
         q, k, v, g, beta, state, idx, cu, cu_cpu, scale=scale, use_qk_l2norm=True,
@@ -597,6 +640,43 @@ def test_wy_in_pass_refuses_what_it_does_not_serve():
             torch.tensor([0, 1], device=DEV), 1, num_warps=8,
         )  # fmt: skip
     assert torch.equal(args[5], before)
+
+
+@pytest.mark.parametrize(
+    "other", [{"wy_in_pass": True}, {"fuse_output": True}], ids=["wy_in_pass", "fuse_output"]
+)
+def test_u_in_pass_refuses_the_other_folds(other):
+    """``u_in_pass`` reads a stored ``w``: asked for beside ``wy_in_pass`` (which folds ``w``
+    in too) or the output fused into the pass, it is refused by name before anything runs."""
+    T, D = 4, 16
+    x = torch.zeros(T, 1, D, device=DEV)
+    state = torch.zeros(2, 1, D, D, device=DEV)
+    before = state.clone()
+    with pytest.raises(ValueError, match=r"u_in_pass .* takes neither wy_in_pass .* got "):
+        gdn_chunk.gdn_chunk_prefill_slots(
+            x, x, x, torch.zeros(T, 1, device=DEV), torch.zeros(T, 1, device=DEV), state,
+            torch.tensor([0], device=DEV), torch.tensor([0, T], device=DEV),
+            torch.tensor([0, T]), scale=1.0, use_qk_l2norm=False, u_in_pass=True, **other,
+        )  # fmt: skip
+    assert torch.equal(state, before)
+
+
+def test_the_folded_passes_refuse_a_per_channel_decay():
+    """``chunk_state_pass_u`` and ``recompute_w`` take Gated DeltaNet's per-head decay only:
+    KDA's per-channel ``g`` is refused by name, naming the shapes it got."""
+    T, HV, D = 8, 2, 16
+    k = torch.zeros(T, HV, D, device=DEV)
+    g = torch.zeros(T, HV, D, device=DEV)
+    beta, Ai = torch.zeros(T, HV, device=DEV), torch.zeros(T, HV, BT, device=DEV)
+    with pytest.raises(ValueError, match=r"chunk_state_pass_u: .*got g \[8, 2, 16\]"):
+        gdn_chunk.chunk_state_pass_u(
+            k, k, k, beta, Ai, g, torch.zeros(2, HV, D, D, device=DEV),
+            torch.tensor([0], device=DEV), torch.tensor([0, T], device=DEV),
+            torch.tensor([0, 1], device=DEV), 1,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"recompute_w: .*got g \[8, 2, 16\]"):
+        gdn_chunk.recompute_w(k, g, beta, Ai, torch.tensor([0, T], device=DEV),
+                              _chunk_indices([T]))  # fmt: skip
 
 
 @pytest.mark.parametrize("kda", [False, True])
