@@ -148,7 +148,7 @@ def _wy_inputs(k, gc, cu, lens, HV, Vd, dtype, seed=1):
         ([2 * BT + 1, 33], 1, 2, torch.bfloat16, torch.float32),
     ],
 )
-def test_state_pass_with_the_wy_folded_in_matches_the_recurrence(
+def test_state_pass_with_the_wy_or_u_folded_in_matches_the_recurrence(
     lens, H, HV, dtype, state_dtype, fold
 ):
     """The pass reading the values, beta and fla's solved ``Ai`` equals the recurrence over the

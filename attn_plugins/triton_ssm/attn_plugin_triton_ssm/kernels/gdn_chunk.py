@@ -740,10 +740,10 @@ def gdn_chunk_prefill_slots(
     ``wy_in_pass``: None (the default) folds where the pass's 64-wide value blocks give at
     least two programs per SM (:func:`_fills_the_gpu`: many sequences, where the bytes it saves
     count: at 16 sequences 0.81-0.82 of fla's time on an H100 and 0.89-0.92 on an H200,
-    against 0.90-0.99 unfolded in the same runs) and not where they
-    do not (one long sequence, whose pass is a chain of chunks that the extra dot lengthens:
-    1.25-1.3x slower), nor with ``fuse_output`` or a ``num_warps`` other than 2 or 4; True or
-    False forces it (True: 2 or 4 warps a program). ``fuse_output`` (not with
+    against 0.90-0.99 unfolded in the same runs) and not where they do not (one long sequence,
+    whose pass is a chain of chunks that the extra dot lengthens: 1.25-1.3x slower), nor with
+    ``fuse_output`` or a ``num_warps`` other than 2 or 4; True or False forces it (True: 2 or
+    4 warps a program). ``fuse_output`` (not with
     ``wy_in_pass=True``): the output computed in the pass, :func:`chunk_state_output_pass`, in
     place of fla's ``chunk_fwd_o`` after it. ``u_in_pass`` (opt-in; not with either): fla's
     kkt-and-solve kernel, our :func:`recompute_w`, then :func:`chunk_state_pass_u`, which
