@@ -14,7 +14,8 @@ head ``h // (Hv // Hk)``) and token ``t``::
 (``B * Hv * Dv / BV`` items), held in registers so the state is read once and written once
 (decode is HBM-bound on the state). By default the grid is persistent: as many programs as fit
 on the SMs at once, each looping over items and prefetching the next item's tile while it
-updates the current one (``programs_per_sm=0`` launches one program per item instead). Slot
+updates the current one (``programs_per_sm=0`` launches one program per item instead, compiled
+without the prefetch, whose registers would halve the programs an SM holds). Slot
 offsets are computed in int64: ``slot * stride`` overflows int32 past 2 GiB of state.
 
 Public wrappers (all write in place and return ``out``):
@@ -187,11 +188,13 @@ def _delta_rule_kernel(
     BK: tl.constexpr, BV: tl.constexpr, NVB: tl.constexpr, PER_CHANNEL_G: tl.constexpr,
     USE_L2NORM: tl.constexpr, EPS: tl.constexpr, HAS_NTOK: tl.constexpr,
     STORE_OUT: tl.constexpr, STORE_INTER: tl.constexpr, WRITE_SLOT: tl.constexpr,
-    OUT_OF_PLACE: tl.constexpr,
+    OUT_OF_PLACE: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
-    # Persistent: program p handles work items p, p + P, p + 2P, ... (P = grid size) and loads
-    # item i + P (state tile and first token) before computing item i, so a state read is in
-    # flight while the previous tile is reduced and stored.
+    # Persistent: program p handles work items p, p + P, p + 2P, ... (P = grid size) and, with
+    # PREFETCH, loads item i + P (state tile and first token) before computing item i, so a
+    # state read is in flight while the previous tile is reduced and stored. Without it (one
+    # program per item) each item is loaded when its turn comes: the prefetched tile's
+    # registers go, so more programs fit on an SM at once.
     EVEN_K: tl.constexpr = DK == BK
     EVEN_V: tl.constexpr = DV % BV == 0
     pid = tl.program_id(0)
@@ -201,24 +204,35 @@ def _delta_rule_kernel(
     zero_kv = tl.zeros([BK, BV], dtype=tl.int32)
     zero_v = tl.zeros([BV], dtype=tl.int32)
 
-    i_b, i_hv, i_hk, i_vb, slot = _tile_coords(pid, n_work, idx_ptr, HV, NVB, GROUP)
-    b_s = _load_state(state_ptr, slot, i_hv, i_vb, o_k, o_v0, zero_kv, s_ss, s_sh,
-                      DK, DV, BV, EVEN_K, EVEN_V)  # fmt: skip
-    b_q, b_k, b_v, b_g, b_beta = _load_token(
-        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, i_b, 0, i_hk, i_hv, o_k, i_vb * BV + o_v0,
-        s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
-        DK, DV, EVEN_K, EVEN_V, PER_CHANNEL_G,
-    )  # fmt: skip
-    for w in range(pid, n_work, nprog):
-        # ---- prefetch item w + P
-        n_b, n_hv, n_hk, n_vb, n_slot = _tile_coords(w + nprog, n_work, idx_ptr, HV, NVB, GROUP)
-        n_s = _load_state(state_ptr, n_slot, n_hv, n_vb, o_k, o_v0, zero_kv, s_ss, s_sh,
+    if PREFETCH:
+        i_b, i_hv, i_hk, i_vb, slot = _tile_coords(pid, n_work, idx_ptr, HV, NVB, GROUP)
+        b_s = _load_state(state_ptr, slot, i_hv, i_vb, o_k, o_v0, zero_kv, s_ss, s_sh,
                           DK, DV, BV, EVEN_K, EVEN_V)  # fmt: skip
-        n_q, n_k, n_v, n_g, n_beta = _load_token(
-            q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, n_b, 0, n_hk, n_hv, o_k, n_vb * BV + o_v0,
+        b_q, b_k, b_v, b_g, b_beta = _load_token(
+            q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, i_b, 0, i_hk, i_hv, o_k, i_vb * BV + o_v0,
             s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt,
             s_bh, DK, DV, EVEN_K, EVEN_V, PER_CHANNEL_G,
         )  # fmt: skip
+    for w in range(pid, n_work, nprog):
+        if PREFETCH:  # ---- item w + P
+            n_b, n_hv, n_hk, n_vb, n_slot = _tile_coords(w + nprog, n_work, idx_ptr, HV, NVB,
+                                                         GROUP)  # fmt: skip
+            n_s = _load_state(state_ptr, n_slot, n_hv, n_vb, o_k, o_v0, zero_kv, s_ss, s_sh,
+                              DK, DV, BV, EVEN_K, EVEN_V)  # fmt: skip
+            n_q, n_k, n_v, n_g, n_beta = _load_token(
+                q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, n_b, 0, n_hk, n_hv, o_k, n_vb * BV + o_v0,
+                s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb,
+                s_bt, s_bh, DK, DV, EVEN_K, EVEN_V, PER_CHANNEL_G,
+            )  # fmt: skip
+        else:  # ---- item w, loaded now
+            i_b, i_hv, i_hk, i_vb, slot = _tile_coords(w, n_work, idx_ptr, HV, NVB, GROUP)
+            b_s = _load_state(state_ptr, slot, i_hv, i_vb, o_k, o_v0, zero_kv, s_ss, s_sh,
+                              DK, DV, BV, EVEN_K, EVEN_V)  # fmt: skip
+            b_q, b_k, b_v, b_g, b_beta = _load_token(
+                q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, i_b, 0, i_hk, i_hv, o_k, i_vb * BV + o_v0,
+                s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb,
+                s_bt, s_bh, DK, DV, EVEN_K, EVEN_V, PER_CHANNEL_G,
+            )  # fmt: skip
 
         # ---- item w
         o_v = i_vb * BV + o_v0
@@ -270,8 +284,9 @@ def _delta_rule_kernel(
             p_s = p_s + o_k[:, None] * DV + o_v[None, :]
             tl.store(p_s, b_s.to(state_ptr.dtype.element_ty), mask=m_w)
 
-        i_b, i_hv, i_hk, i_vb, slot = n_b, n_hv, n_hk, n_vb, n_slot
-        b_s, b_q, b_k, b_v, b_g, b_beta = n_s, n_q, n_k, n_v, n_g, n_beta
+        if PREFETCH:
+            i_b, i_hv, i_hk, i_vb, slot = n_b, n_hv, n_hk, n_vb, n_slot
+            b_s, b_q, b_k, b_v, b_g, b_beta = n_s, n_q, n_k, n_v, n_g, n_beta
 
 
 @triton.jit
@@ -423,13 +438,17 @@ def _launch(
         PER_CHANNEL_G=per_channel_g, USE_L2NORM=use_qk_l2norm, EPS=_L2_EPS,
         HAS_NTOK=num_tokens is not None, STORE_OUT=out is not None,
         STORE_INTER=intermediate_states is not None, WRITE_SLOT=write_slot,
-        OUT_OF_PLACE=state_indices_out is not None, num_warps=nw,
+        OUT_OF_PLACE=state_indices_out is not None, PREFETCH=True, num_warps=nw,
     )  # fmt: skip
     if programs_per_sm is None:
         pps = _programs_per_sm(args, meta, q, v, ssm_state, o, inter)
     else:
         pps = programs_per_sm
     n_prog = n_work if pps == 0 else min(n_work, pps * _num_sms(q.device))
+    # one item a program: nothing to prefetch, and without the next tile's registers more
+    # programs fit on an SM (only when asked for: a default grid that happens to cover every
+    # item keeps the kernel the warm-up compiled, so a captured step compiles nothing)
+    meta["PREFETCH"] = pps != 0
     _delta_rule_kernel[(n_prog,)](*args, **meta)
 
 
