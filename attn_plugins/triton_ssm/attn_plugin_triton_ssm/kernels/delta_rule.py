@@ -147,6 +147,28 @@ def _load_state(state_ptr, slot, i_hv, i_vb, o_k, o_v0, zero_kv, s_ss, s_sh,
 
 
 @triton.jit
+def _load_item(
+    w, n_work, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, idx_ptr, o_k, o_v0, zero_kv,
+    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
+    s_ss, s_sh,
+    HV: tl.constexpr, GROUP: tl.constexpr, NVB: tl.constexpr, DK: tl.constexpr,
+    DV: tl.constexpr, BV: tl.constexpr, EVEN_K: tl.constexpr, EVEN_V: tl.constexpr,
+    PER_CHANNEL_G: tl.constexpr,
+):  # fmt: skip
+    """Work item ``w``: its coordinates (:func:`_tile_coords`), state tile
+    (:func:`_load_state`) and first token (:func:`_load_token`), as one tuple."""
+    i_b, i_hv, i_hk, i_vb, slot = _tile_coords(w, n_work, idx_ptr, HV, NVB, GROUP)
+    b_s = _load_state(state_ptr, slot, i_hv, i_vb, o_k, o_v0, zero_kv, s_ss, s_sh,
+                      DK, DV, BV, EVEN_K, EVEN_V)  # fmt: skip
+    b_q, b_k, b_v, b_g, b_beta = _load_token(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, i_b, 0, i_hk, i_hv, o_k, i_vb * BV + o_v0,
+        s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
+        DK, DV, EVEN_K, EVEN_V, PER_CHANNEL_G,
+    )  # fmt: skip
+    return i_b, i_hv, i_hk, i_vb, slot, b_s, b_q, b_k, b_v, b_g, b_beta
+
+
+@triton.jit
 def _step(b_s, b_q, b_k, b_v, b_g, b_beta, scale, USE_L2NORM: tl.constexpr,
           EPS: tl.constexpr, PER_CHANNEL_G: tl.constexpr):  # fmt: skip
     """One delta-rule token on a ``[BK, BV]`` tile; returns the new tile and the output ``[BV]``.
@@ -205,33 +227,26 @@ def _delta_rule_kernel(
     zero_v = tl.zeros([BV], dtype=tl.int32)
 
     if PREFETCH:
-        i_b, i_hv, i_hk, i_vb, slot = _tile_coords(pid, n_work, idx_ptr, HV, NVB, GROUP)
-        b_s = _load_state(state_ptr, slot, i_hv, i_vb, o_k, o_v0, zero_kv, s_ss, s_sh,
-                          DK, DV, BV, EVEN_K, EVEN_V)  # fmt: skip
-        b_q, b_k, b_v, b_g, b_beta = _load_token(
-            q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, i_b, 0, i_hk, i_hv, o_k, i_vb * BV + o_v0,
-            s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt,
-            s_bh, DK, DV, EVEN_K, EVEN_V, PER_CHANNEL_G,
+        i_b, i_hv, i_hk, i_vb, slot, b_s, b_q, b_k, b_v, b_g, b_beta = _load_item(
+            pid, n_work, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, idx_ptr, o_k, o_v0,
+            zero_kv, s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh,
+            s_bb, s_bt, s_bh, s_ss, s_sh, HV, GROUP, NVB, DK, DV, BV, EVEN_K, EVEN_V,
+            PER_CHANNEL_G,
         )  # fmt: skip
     for w in range(pid, n_work, nprog):
         if PREFETCH:  # ---- item w + P
-            n_b, n_hv, n_hk, n_vb, n_slot = _tile_coords(w + nprog, n_work, idx_ptr, HV, NVB,
-                                                         GROUP)  # fmt: skip
-            n_s = _load_state(state_ptr, n_slot, n_hv, n_vb, o_k, o_v0, zero_kv, s_ss, s_sh,
-                              DK, DV, BV, EVEN_K, EVEN_V)  # fmt: skip
-            n_q, n_k, n_v, n_g, n_beta = _load_token(
-                q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, n_b, 0, n_hk, n_hv, o_k, n_vb * BV + o_v0,
-                s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb,
-                s_bt, s_bh, DK, DV, EVEN_K, EVEN_V, PER_CHANNEL_G,
+            n_b, n_hv, n_hk, n_vb, n_slot, n_s, n_q, n_k, n_v, n_g, n_beta = _load_item(
+                w + nprog, n_work, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, idx_ptr,
+                o_k, o_v0, zero_kv, s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb,
+                s_gt, s_gh, s_bb, s_bt, s_bh, s_ss, s_sh, HV, GROUP, NVB, DK, DV, BV, EVEN_K,
+                EVEN_V, PER_CHANNEL_G,
             )  # fmt: skip
         else:  # ---- item w, loaded now
-            i_b, i_hv, i_hk, i_vb, slot = _tile_coords(w, n_work, idx_ptr, HV, NVB, GROUP)
-            b_s = _load_state(state_ptr, slot, i_hv, i_vb, o_k, o_v0, zero_kv, s_ss, s_sh,
-                              DK, DV, BV, EVEN_K, EVEN_V)  # fmt: skip
-            b_q, b_k, b_v, b_g, b_beta = _load_token(
-                q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, i_b, 0, i_hk, i_hv, o_k, i_vb * BV + o_v0,
-                s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb,
-                s_bt, s_bh, DK, DV, EVEN_K, EVEN_V, PER_CHANNEL_G,
+            i_b, i_hv, i_hk, i_vb, slot, b_s, b_q, b_k, b_v, b_g, b_beta = _load_item(
+                w, n_work, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, idx_ptr, o_k, o_v0,
+                zero_kv, s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh,
+                s_bb, s_bt, s_bh, s_ss, s_sh, HV, GROUP, NVB, DK, DV, BV, EVEN_K, EVEN_V,
+                PER_CHANNEL_G,
             )  # fmt: skip
 
         # ---- item w
