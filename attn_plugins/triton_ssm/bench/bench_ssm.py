@@ -128,8 +128,16 @@ SWEEP = [
 PASS_TILINGS = [
     (16, 4, 3), (32, 4, 3), (32, 4, 4), (32, 8, 3), (64, 4, 2), (64, 4, 3),
 ]  # fmt: skip
+#: The state-pass alternatives of ``gdn_chunk_prefill_slots`` by the names the GDN rows and
+#: the profile give them (the plain call is the default's choice between the first two).
+GDN_PASS_MODES = {
+    "w u stored": dict(wy_in_pass=False),
+    "wy in pass": dict(wy_in_pass=True),
+    "u in pass": dict(u_in_pass=True),
+    "fused output": dict(fuse_output=True),
+}
 #: gdn_prefill's variants timed when ``--gdn-variants`` names none: each alternative at its
-#: default tiling (the stored-w/u pass at its default is the plain call); the tilings
+#: default tiling (the plain call is the default's choice of pass); the tilings
 #: (``pass BV=...``, ``wy in pass, pass BV=...``) only when named, so the whole table stays
 #: one run
 DEFAULT_GDN_VARIANTS = (
@@ -341,13 +349,7 @@ def job_prefill_ours(
     # computed in it (w stored by our recompute_w), or with the output computed in it too;
     # each at its default tiling, then at every tiling of PASS_TILINGS (8 warps not with the WY
     # folded in: refused)
-    modes = {
-        "": {},
-        "w u stored, ": dict(wy_in_pass=False),
-        "wy in pass, ": dict(wy_in_pass=True),
-        "u in pass, ": dict(u_in_pass=True),
-        "fused output, ": dict(fuse_output=True),
-    }
+    modes = {"": {}, **{f"{name}, ": mode for name, mode in GDN_PASS_MODES.items()}}
     for prefix, mode in modes.items():
         for tiling in (None, *PASS_TILINGS):
             if mode.get("wy_in_pass") and tiling is not None and tiling[1] > 4:
@@ -476,9 +478,8 @@ def job_prefill_profile(T: int, n_seq: int) -> dict:
                 q, k, v, g, beta, state, idx, cu64, cu_cpu, scale=k.shape[-1] ** -0.5,
                 use_qk_l2norm=True, **mode,
             )
-            for name, mode in (("wy in pass", dict(wy_in_pass=True)),
-                               ("w u stored", dict(wy_in_pass=False)),
-                               ("u in pass", dict(u_in_pass=True)))
+            for name, mode in GDN_PASS_MODES.items()
+            if name != "fused output"
         },
         "gdn fla": lambda: chunk_gated_delta_rule(
             q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], initial_state=h0,
