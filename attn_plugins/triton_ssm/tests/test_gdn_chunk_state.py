@@ -208,23 +208,36 @@ def test_recompute_w_matches_the_float64_product(lens, H, HV, dtype):
     assert (w.double() - w_ref).abs().max().item() < tol * w_ref.abs().max().item()
 
 
+@pytest.mark.parametrize("caller", ["chunk_state_pass_wy", "chunk_state_pass_u", "recompute_w"])
 @pytest.mark.parametrize(
     ("g_shape", "beta_shape", "got"),
     [((8, 2, 16), (8, 2), r"got g \[8, 2, 16\]"), ((8, 2), (8,), r"beta \[8\]")],
     ids=["per_channel_decay", "one_beta_a_token"],
 )
-def test_state_pass_with_the_wy_folded_in_refuses_misshapen_inputs(g_shape, beta_shape, got):
+def test_the_folded_passes_refuse_misshapen_inputs(caller, g_shape, beta_shape, got):
     """A per-channel decay (KDA's) or a beta that is not ``[T, HV]`` is refused by name before
-    any launch."""
+    any launch, by the pass with the WY folded in, the pass computing ``u`` and
+    ``recompute_w``."""
     T, HV, D = 8, 2, 16
     k = torch.zeros(T, HV, D, device=DEV)
-    with pytest.raises(ValueError, match=r"per-head decay g \[T, HV\], beta \[T, HV\].*" + got):
-        gdn_chunk.chunk_state_pass_wy(
-            k, torch.zeros(T, HV, D, device=DEV), torch.zeros(*beta_shape, device=DEV),
-            torch.zeros(T, HV, BT, device=DEV), torch.zeros(*g_shape, device=DEV),
-            torch.zeros(2, HV, D, D, device=DEV), torch.tensor([0], device=DEV),
-            torch.tensor([0, T], device=DEV), torch.tensor([0, 1], device=DEV), 1,
-        )  # fmt: skip
+    g, beta = torch.zeros(*g_shape, device=DEV), torch.zeros(*beta_shape, device=DEV)
+    Ai = torch.zeros(T, HV, BT, device=DEV)
+    pool, cu = torch.zeros(2, HV, D, D, device=DEV), torch.tensor([0, T], device=DEV)
+    slots, chunk_off = torch.tensor([0], device=DEV), torch.tensor([0, 1], device=DEV)
+    calls = {
+        "chunk_state_pass_wy": lambda: gdn_chunk.chunk_state_pass_wy(
+            k, k, beta, Ai, g, pool, slots, cu, chunk_off, 1
+        ),
+        "chunk_state_pass_u": lambda: gdn_chunk.chunk_state_pass_u(
+            k, k, k, beta, Ai, g, pool, slots, cu, chunk_off, 1
+        ),
+        "recompute_w": lambda: gdn_chunk.recompute_w(k, g, beta, Ai, cu, _chunk_indices([T])),
+    }
+    with pytest.raises(
+        ValueError,
+        match=caller + r": Gated DeltaNet's per-head decay g \[T, HV\], beta \[T, HV\].*" + got,
+    ):
+        calls[caller]()
 
 
 def _output_reference(q, k, gc, h_chunks, v_new, cu, lens, scale):
@@ -659,24 +672,6 @@ def test_u_in_pass_refuses_the_other_folds(other):
             torch.tensor([0, T]), scale=1.0, use_qk_l2norm=False, u_in_pass=True, **other,
         )  # fmt: skip
     assert torch.equal(state, before)
-
-
-def test_the_folded_passes_refuse_a_per_channel_decay():
-    """``chunk_state_pass_u`` and ``recompute_w`` take Gated DeltaNet's per-head decay only:
-    KDA's per-channel ``g`` is refused by name, naming the shapes it got."""
-    T, HV, D = 8, 2, 16
-    k = torch.zeros(T, HV, D, device=DEV)
-    g = torch.zeros(T, HV, D, device=DEV)
-    beta, Ai = torch.zeros(T, HV, device=DEV), torch.zeros(T, HV, BT, device=DEV)
-    with pytest.raises(ValueError, match=r"chunk_state_pass_u: .*got g \[8, 2, 16\]"):
-        gdn_chunk.chunk_state_pass_u(
-            k, k, k, beta, Ai, g, torch.zeros(2, HV, D, D, device=DEV),
-            torch.tensor([0], device=DEV), torch.tensor([0, T], device=DEV),
-            torch.tensor([0, 1], device=DEV), 1,
-        )  # fmt: skip
-    with pytest.raises(ValueError, match=r"recompute_w: .*got g \[8, 2, 16\]"):
-        gdn_chunk.recompute_w(k, g, beta, Ai, torch.tensor([0, T], device=DEV),
-                              _chunk_indices([T]))  # fmt: skip
 
 
 @pytest.mark.parametrize("kda", [False, True])
