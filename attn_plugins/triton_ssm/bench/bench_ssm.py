@@ -18,17 +18,16 @@ Sections:
   quote (separate jobs drifted by up to 2.5x between runs on the H200). In CUDA graphs also
   the variants (``--gdn-variants`` picks them by name): into a given ``out``, the state pass's
   tilings, with fla's ``recompute_w_u`` folded in or not whatever the batch (``wy in pass``,
-  ``w u stored``; the default folds it where the batch fills the GPU), only its ``u`` computed
-  in the pass (``u in pass``) and the output computed in it (``fused output``).
+  ``w u stored``; the default folds it where the batch fills the GPU) and the output computed
+  in it (``fused output``).
 * kda_prefill (``--prefill``): Kimi-Linear's KDA layer (32 heads, Dk=Dv=128), T = 8192 and
   32768 as one request and as 16: our ``kda_prefill`` (the state pass over slots) against fla
   ``chunk_kda`` with the states gathered and scattered around it (``slot_pass=False``) and
   against ``chunk_kda`` alone on dense states, all three in the same process, alternating three
   times (min of each), eager and in CUDA graphs; the ratios ours / fla.
 * prefill_profile (``--profile``): GPU time per kernel (torch.profiler) of our GDN prefill
-  (as the default chooses, with ``wy_in_pass`` forced on and off, and with ``u_in_pass``),
-  fla's, and the Triton SSD (chunk 64 and 256) with and without the hi/lo split, T = 8192 as
-  1 and 16 requests.
+  (as the default chooses, and with ``wy_in_pass`` forced on and off), fla's, and the Triton
+  SSD (chunk 64 and 256) with and without the hi/lo split, T = 8192 as 1 and 16 requests.
 * mamba2_sweep (``--mamba2-sweep``): the Triton SSD at the granite shape (T = 8192 as one
   request, 32768 as 16) in each variant of ``SSD_SWEEP`` (chunk 64 / 128 / 256, token tile,
   scan warps, heads per program, the cb pass, float32 or bf16 entering states, with and
@@ -133,7 +132,6 @@ PASS_TILINGS = [
 GDN_PASS_MODES = {
     "w u stored": dict(wy_in_pass=False),
     "wy in pass": dict(wy_in_pass=True),
-    "u in pass": dict(u_in_pass=True),
     "fused output": dict(fuse_output=True),
 }
 #: gdn_prefill's variants timed when ``--gdn-variants`` names none: each alternative at its
@@ -142,8 +140,7 @@ GDN_PASS_MODES = {
 #: one run
 DEFAULT_GDN_VARIANTS = (
     "gather_scatter", "out given", "w u stored, pass default tiling",
-    "wy in pass, pass default tiling", "u in pass, pass default tiling",
-    "fused output, pass default tiling",
+    "wy in pass, pass default tiling", "fused output, pass default tiling",
 )  # fmt: skip
 
 
@@ -345,10 +342,9 @@ def job_prefill_ours(
         q, k, v, g, beta, state, idx, cu64, cu_seqlens_cpu=cu_cpu, out=out_buf
     )
     # the state pass as the default chooses (fla's recompute_w_u folded in where the batch
-    # fills the GPU), reading fla's stored w and u, with recompute_w_u folded in, with only u
-    # computed in it (w stored by our recompute_w), or with the output computed in it too;
-    # each at its default tiling, then at every tiling of PASS_TILINGS (8 warps not with the WY
-    # folded in: refused)
+    # fills the GPU), reading fla's stored w and u, with recompute_w_u folded in, or with the
+    # output computed in it too; each at its default tiling, then at every tiling of
+    # PASS_TILINGS (8 warps not with the WY folded in: refused)
     modes = {"": {}, **{f"{name}, ": mode for name, mode in GDN_PASS_MODES.items()}}
     for prefix, mode in modes.items():
         for tiling in (None, *PASS_TILINGS):

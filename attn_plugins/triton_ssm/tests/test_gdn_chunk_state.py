@@ -140,7 +140,6 @@ def _wy_inputs(k, gc, cu, lens, HV, Vd, dtype, seed=1):
     return v, beta, Ai, w, u
 
 
-@pytest.mark.parametrize("fold", ["wy", "u"])
 @pytest.mark.parametrize(
     ("lens", "H", "HV", "dtype", "state_dtype"),
     [
@@ -148,30 +147,19 @@ def _wy_inputs(k, gc, cu, lens, HV, Vd, dtype, seed=1):
         ([2 * BT + 1, 33], 1, 2, torch.bfloat16, torch.float32),
     ],
 )
-def test_state_pass_with_the_wy_or_u_folded_in_matches_the_recurrence(
-    lens, H, HV, dtype, state_dtype, fold
-):
-    """The pass reading the values, beta and fla's solved ``Ai`` equals the recurrence over the
-    ``w`` and ``u`` fla's ``recompute_w_u`` would make of them, reading only ``Ai``'s lower
-    triangle (NaN above it), the sequences' last chunks partial: with both folded in
-    (``wy``, :func:`.chunk_state_pass_wy`), or ``u`` alone beside a stored ``w`` (``u``,
-    :func:`.chunk_state_pass_u`); slots outside the batch untouched."""
+def test_state_pass_with_the_wy_folded_in_matches_the_recurrence(lens, H, HV, dtype, state_dtype):
+    """The pass reading the values, beta and fla's solved ``Ai``
+    (:func:`.chunk_state_pass_wy`) equals the recurrence over the ``w`` and ``u`` fla's
+    ``recompute_w_u`` would make of them, reading only ``Ai``'s lower triangle (NaN above it),
+    the sequences' last chunks partial; slots outside the batch untouched."""
     Kd, Vd = 32, 32
     k, _, _, gc, state, idx, cu, chunk_off, nt = _inputs(lens, H, HV, Kd, Vd, dtype, state_dtype)
     v, beta, Ai, w, u = _wy_inputs(k, gc, cu, lens, HV, Vd, dtype)
-    if fold == "u":
-        w = w.to(dtype)  # as recompute_w stores it
     before = state.clone()
     h_ref, v_ref, finals = _reference(k, w, u, gc, before, idx, cu, lens)
-    tiling = dict(block_v=16, num_warps=2)
-    if fold == "wy":
-        h, v_new = gdn_chunk.chunk_state_pass_wy(
-            k, v, beta, Ai, gc, state, idx, cu, chunk_off, nt, **tiling
-        )
-    else:
-        h, v_new = gdn_chunk.chunk_state_pass_u(
-            k, w, v, beta, Ai, gc, state, idx, cu, chunk_off, nt, **tiling
-        )
+    h, v_new = gdn_chunk.chunk_state_pass_wy(
+        k, v, beta, Ai, gc, state, idx, cu, chunk_off, nt, block_v=16, num_warps=2
+    )
     assert h.shape == (1, nt, HV, Kd, Vd) and v_new.shape == (1, *v.shape)
     assert v_new.dtype == dtype and not v_new.isnan().any()
     tol = 3e-2 if dtype != torch.float32 else (2e-5 if DEV == "cpu" else 4e-3)
@@ -184,60 +172,26 @@ def test_state_pass_with_the_wy_or_u_folded_in_matches_the_recurrence(
     assert torch.equal(state[untouched], before[untouched])
 
 
-def _chunk_indices(lens):
-    """fla's ``prepare_chunk_indices``: ``[NT, 2]`` each chunk's sequence and its index there."""
-    rows = [[n, c] for n, L in enumerate(lens) for c in range(-(-L // BT))]
-    return torch.tensor(rows, device=DEV, dtype=torch.int64)
-
-
-@pytest.mark.parametrize(
-    ("lens", "H", "HV", "dtype"),
-    [([70, BT, 5], 2, 4, torch.float32), ([2 * BT + 1, 33], 1, 2, torch.bfloat16)],
-)
-def test_recompute_w_matches_the_float64_product(lens, H, HV, dtype):
-    """``recompute_w`` is ``Ai @ (beta exp2(g) k)`` per chunk, reading ``Ai`` only below its
-    diagonal (NaN above it: fla stores nothing there), sequences ending inside and on chunk
-    ends, two value heads per key head."""
-    Kd, Vd = 32, 32
-    k, _, _, gc, _, _, cu, _, _ = _inputs(lens, H, HV, Kd, Vd, dtype, torch.float32)
-    _, beta, Ai, w_ref, _ = _wy_inputs(k, gc, cu, lens, HV, Vd, dtype)
-    w = gdn_chunk.recompute_w(k, gc, beta, Ai, cu, _chunk_indices(lens))
-    assert w.shape == (sum(lens), HV, Kd) and w.dtype == dtype
-    # 16-bit inputs: beta exp2(g) k is rounded to k's dtype before the dot, as fla does
-    tol = 1e-2 if dtype != torch.float32 else (1e-5 if DEV == "cpu" else 4e-3)
-    assert (w.double() - w_ref).abs().max().item() < tol * w_ref.abs().max().item()
-
-
-@pytest.mark.parametrize("caller", ["chunk_state_pass_wy", "chunk_state_pass_u", "recompute_w"])
 @pytest.mark.parametrize(
     ("g_shape", "beta_shape", "got"),
     [((8, 2, 16), (8, 2), r"got g \[8, 2, 16\]"), ((8, 2), (8,), r"beta \[8\]")],
     ids=["per_channel_decay", "one_beta_a_token"],
 )
-def test_the_folded_passes_refuse_misshapen_inputs(caller, g_shape, beta_shape, got):
+def test_the_folded_pass_refuses_misshapen_inputs(g_shape, beta_shape, got):
     """A per-channel decay (KDA's) or a beta that is not ``[T, HV]`` is refused by name before
-    any launch, by the pass with the WY folded in, the pass computing ``u`` and
-    ``recompute_w``."""
+    any launch by the pass with the WY folded in."""
     T, HV, D = 8, 2, 16
     k = torch.zeros(T, HV, D, device=DEV)
     g, beta = torch.zeros(*g_shape, device=DEV), torch.zeros(*beta_shape, device=DEV)
     Ai = torch.zeros(T, HV, BT, device=DEV)
     pool, cu = torch.zeros(2, HV, D, D, device=DEV), torch.tensor([0, T], device=DEV)
     slots, chunk_off = torch.tensor([0], device=DEV), torch.tensor([0, 1], device=DEV)
-    calls = {
-        "chunk_state_pass_wy": lambda: gdn_chunk.chunk_state_pass_wy(
-            k, k, beta, Ai, g, pool, slots, cu, chunk_off, 1
-        ),
-        "chunk_state_pass_u": lambda: gdn_chunk.chunk_state_pass_u(
-            k, k, k, beta, Ai, g, pool, slots, cu, chunk_off, 1
-        ),
-        "recompute_w": lambda: gdn_chunk.recompute_w(k, g, beta, Ai, cu, _chunk_indices([T])),
-    }
     with pytest.raises(
         ValueError,
-        match=caller + r": Gated DeltaNet's per-head decay g \[T, HV\], beta \[T, HV\].*" + got,
+        match=r"chunk_state_pass_wy: Gated DeltaNet's per-head decay g \[T, HV\], beta "
+        r"\[T, HV\].*" + got,
     ):
-        calls[caller]()
+        gdn_chunk.chunk_state_pass_wy(k, k, beta, Ai, g, pool, slots, cu, chunk_off, 1)
 
 
 def _output_reference(q, k, gc, h_chunks, v_new, cu, lens, scale):
@@ -405,24 +359,19 @@ def test_chunked_gdn_around_the_state_pass_matches_the_naive_recurrence():
     )  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "mode",
-    [{"wy_in_pass": False}, {"wy_in_pass": True}, {"u_in_pass": True}],
-    ids=["wu_stored", "wy_in_pass", "u_in_pass"],
-)
+@pytest.mark.parametrize("wy_in_pass", [False, True], ids=["wu_stored", "wy_in_pass"])
 @pytest.mark.parametrize("out_kind", ["none", "given", "strided"])
-def test_slot_path_on_fla_stages_matches_the_naive_recurrence(out_kind, mode, monkeypatch):
+def test_slot_path_on_fla_stages_matches_the_naive_recurrence(out_kind, wy_in_pass, monkeypatch):
     """The slot path as it runs on a GPU - fla-core's own stages (cumsum, intra-chunk WY or,
-    ``wy_in_pass``, only its kkt-and-solve kernel, or, ``u_in_pass``, that kernel and our
-    ``recompute_w``; the output pass launched into the layer's ``out``) around the state pass
-    over slots - against fla's token-by-token
+    ``wy_in_pass``, only its kkt-and-solve kernel; the output pass launched into the layer's
+    ``out``) around the state pass over slots - against fla's token-by-token
     ``naive_recurrent_gated_delta_rule`` (float32): outputs, final states, other slots
     untouched; the output written into a given ``out`` in place, or copied into one whose rows
     are not packed. On the CPU fla's kernels run in Triton's interpreter."""
     from attn_plugin_triton_ssm import compat
 
     fla_stages_here("gdn", DEV, monkeypatch)
-    slot_fn = functools.partial(gdn_chunk.gdn_chunk_prefill_slots, **mode)
+    slot_fn = functools.partial(gdn_chunk.gdn_chunk_prefill_slots, wy_in_pass=wy_in_pass)
     assert_chunked_matches_naive(
         compat.naive_recurrences()[0],
         slot_path_on_fla_stages(slot_fn, out_kind),
@@ -538,20 +487,10 @@ def test_slot_path_matches_fla_with_gathered_states(dtype, state_dtype, lens):
     )
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA (fla's chunk stages)")
-@pytest.mark.parametrize("lens", [[1000, 64, 1, 257, 700], [1500]])
-def test_u_in_pass_matches_fla_with_gathered_states(lens):
-    """``u_in_pass`` (our ``recompute_w``, ``u`` computed in the pass) rounds where fla's
-    stages round, so at Qwen3-Next's heads it agrees with fla's public function (states
-    gathered and scattered) as the stored path does; other slots untouched."""
-    assert_slot_pass_matches_gathered(_prefill_with(u_in_pass=True), *_qwen3_next_batch(lens))
-
-
 def _prefill_with(**options):
     """``gdn_prefill``'s signature for :func:`assert_slot_pass_matches_gathered`: the slot path
-    with ``options`` (``fuse_output``, ``wy_in_pass``, ``u_in_pass``), or
-    (``slot_pass=False``) fla's public function around gathered states."""
+    with ``options`` (``fuse_output``, ``wy_in_pass``), or (``slot_pass=False``) fla's public
+    function around gathered states."""
 
     def prefill(q, k, v, g, beta, state, idx, cu, *, cu_seqlens_cpu, slot_pass):
         if not slot_pass:
@@ -653,25 +592,6 @@ def test_wy_in_pass_refuses_what_it_does_not_serve():
             torch.tensor([0, 1], device=DEV), 1, num_warps=8,
         )  # fmt: skip
     assert torch.equal(args[5], before)
-
-
-@pytest.mark.parametrize(
-    "other", [{"wy_in_pass": True}, {"fuse_output": True}], ids=["wy_in_pass", "fuse_output"]
-)
-def test_u_in_pass_refuses_the_other_folds(other):
-    """``u_in_pass`` reads a stored ``w``: asked for beside ``wy_in_pass`` (which folds ``w``
-    in too) or the output fused into the pass, it is refused by name before anything runs."""
-    T, D = 4, 16
-    x = torch.zeros(T, 1, D, device=DEV)
-    state = torch.zeros(2, 1, D, D, device=DEV)
-    before = state.clone()
-    with pytest.raises(ValueError, match=r"u_in_pass .* takes neither wy_in_pass .* got "):
-        gdn_chunk.gdn_chunk_prefill_slots(
-            x, x, x, torch.zeros(T, 1, device=DEV), torch.zeros(T, 1, device=DEV), state,
-            torch.tensor([0], device=DEV), torch.tensor([0, T], device=DEV),
-            torch.tensor([0, T]), scale=1.0, use_qk_l2norm=False, u_in_pass=True, **other,
-        )  # fmt: skip
-    assert torch.equal(state, before)
 
 
 @pytest.mark.parametrize("kda", [False, True])

@@ -39,8 +39,7 @@ scatters around fla's public function instead.
 
 For Gated DeltaNet batches that fill the GPU (by default; :func:`gdn_chunk_prefill_slots`), the
 pass reads fla's solved ``(I + A)^-1``, the values and ``beta`` instead of ``w`` and ``u``,
-folding fla's ``recompute_w_u`` in (:func:`chunk_state_pass_wy`). Opt-in, ``u`` alone is
-computed in the pass from a ``w`` that :func:`recompute_w` stores (:func:`chunk_state_pass_u`).
+folding fla's ``recompute_w_u`` in (:func:`chunk_state_pass_wy`).
 """
 
 from __future__ import annotations
@@ -58,12 +57,10 @@ __all__ = [
     "CHUNK",
     "chunk_state_output_pass",
     "chunk_state_pass",
-    "chunk_state_pass_u",
     "chunk_state_pass_wy",
     "gdn_chunk_prefill_slots",
     "kda_chunk_prefill_slots",
     "l2norm_qk",
-    "recompute_w",
     "unavailable",
 ]
 
@@ -119,7 +116,6 @@ def _chunk_state_kernel(
     UPCAST: tl.constexpr,
     FUSE_O: tl.constexpr,
     WY: tl.constexpr,
-    FOLD_U: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), N * HV)``: one program carries a ``[K, BV]`` block of one head's
     state through every chunk of one sequence. ``GK`` (KDA): the decay is per key channel, ``g``
@@ -141,11 +137,6 @@ def _chunk_state_kernel(
     which needs one ``[BT, BT] x [BT, BV]`` dot more on the chain but no ``[BT, K]`` one, and
     spares fla's ``recompute_w_u`` its pass over k and v and the write and read of w and u. Only
     ``Ai``'s lower triangle is read (fla stores no other blocks), so it needs no zero-fill.
-
-    ``FOLD_U`` (Gated DeltaNet only): ``w`` is read as stored, ``u = Ai @ (beta v)`` is
-    computed in the pass (rounded as fla's ``recompute_w_u`` stores it). It does not depend on
-    ``h``, so the chain keeps its two dots while ``u`` is neither written nor read back (its
-    ``w``: :func:`recompute_w`).
 
     The loop is a chain of dependent dots, so its length is latency: each tile's addresses are
     a scalar base per chunk (advanced by a constant) plus int32 offsets computed once, rather
@@ -213,14 +204,7 @@ def _chunk_state_kernel(
             b_v = _dot(b_a.to(tl.float32), b_x, UPCAST)  # tf32: Ai exact, x to 10 bits
         else:
             b_w = tl.load(p_w + w_offs, mask=m_tk, other=0.0)
-            if FOLD_U:  # fla's recompute_w_u's u: (beta v) rounded to v's dtype, times Ai
-                b_beta = tl.load(p_beta + g_offs, mask=m_t, other=0.0)
-                b_vin = tl.load(p_vin + u_offs, mask=m_tv, other=0.0)
-                b_vb = (b_vin * b_beta[:, None]).to(b_vin.dtype)
-                b_a = tl.load(p_a + a_offs, mask=m_t[:, None] & lower, other=0.0)
-                b_u = _dot(b_a, b_vb, UPCAST).to(b_vin.dtype)
-            else:
-                b_u = tl.load(p_u + u_offs, mask=m_tv, other=0.0)
+            b_u = tl.load(p_u + u_offs, mask=m_tv, other=0.0)
             b_hq = b_h.to(b_w.dtype)
             b_v = b_u.to(tl.float32) - _dot(b_w, b_hq, UPCAST)
         if FUSE_O:
@@ -422,160 +406,20 @@ def chunk_state_pass_wy(
         in v's dtype, as :func:`chunk_state_pass`.
     """
     T, HV = v.shape[:2]
-    _check_folded_shapes("chunk_state_pass_wy", T, HV, g, beta, Ai)
-    _check_wy_warps("chunk_state_pass_wy", num_warps)
-    return _folded_pass(k, k, v, beta, Ai, g, ssm_state, state_indices, cu_seqlens,
-                        chunk_offsets, num_chunks, fold_u=False, block_v=block_v,
-                        num_warps=num_warps, num_stages=num_stages)  # fmt: skip
-
-
-def chunk_state_pass_u(
-    k: torch.Tensor,
-    w: torch.Tensor,
-    v: torch.Tensor,
-    beta: torch.Tensor,
-    Ai: torch.Tensor,
-    g: torch.Tensor,
-    ssm_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    chunk_offsets: torch.Tensor,
-    num_chunks: int,
-    *,
-    block_v: int | None = None,
-    num_warps: int = 4,
-    num_stages: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gated DeltaNet's state pass reading ``w`` as stored and computing ``u = Ai @ (beta v)``
-    itself (the kernel's ``FOLD_U``): fla's ``recompute_w_u`` then need not write ``u`` nor
-    the pass read it back, and the chain of dots a chunk adds to is the stored path's.
-
-    :param k: ``[T, H, K]`` keys (already l2-normalised when the layer asks for it).
-    :param w: ``[T, HV, K]`` as :func:`recompute_w` (or fla's ``recompute_w_u``) stores it.
-    :param v: ``[T, HV, V]`` values, k's dtype; ``beta``: ``[T, HV]``.
-    :param Ai: ``[T, HV, BT]`` in k's dtype, as :func:`chunk_state_pass_wy` reads it (only the
-        lower triangle).
-    :param g: ``[T, HV]`` float32 chunk-local cumulative log2 decay; the rest as
-        :func:`chunk_state_pass`.
-    :returns: ``h`` ``[1, num_chunks, HV, K, V]`` in k's dtype and ``v_new`` ``[1, T, HV, V]``
-        in v's dtype, as :func:`chunk_state_pass`.
-    """
-    T, HV = v.shape[:2]
-    _check_folded_shapes("chunk_state_pass_u", T, HV, g, beta, Ai)
-    if w.shape != (T, HV, k.shape[2]):
-        raise ValueError(
-            f"chunk_state_pass_u: w [T, HV, K] = {[T, HV, k.shape[2]]}, got {list(w.shape)}"
-        )
-    return _folded_pass(k, w, v, beta, Ai, g, ssm_state, state_indices, cu_seqlens,
-                        chunk_offsets, num_chunks, fold_u=True, block_v=block_v,
-                        num_warps=num_warps, num_stages=num_stages)  # fmt: skip
-
-
-def _folded_pass(k, w, v, beta, Ai, g, ssm_state, state_indices, cu_seqlens, chunk_offsets,
-                 num_chunks, *, fold_u, **tiling) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """One launch of the pass that reads ``Ai``, the values and ``beta`` (``fold_u``: and the
-    stored ``w``; else ``w`` folded in too, the argument unread); returns ``(h, v_new)`` as
-    :func:`chunk_state_pass`."""
-    _, HV, V = v.shape
-    h = k.new_empty(1, num_chunks, HV, k.shape[2], V)
-    v_new = torch.empty_like(v)
-    _launch_pass(k, w, v, g, ssm_state, state_indices, cu_seqlens, chunk_offsets, h=h,
-                 v_new=v_new, q=None, o=None, scale=1.0, wy=(Ai, v, beta), fold_u=fold_u,
-                 **tiling)  # fmt: skip
-    return h, v_new[None]
-
-
-def _check_folded_shapes(
-    caller: str, T: int, HV: int, g: torch.Tensor, beta: torch.Tensor, Ai: torch.Tensor
-) -> None:
-    """Gated DeltaNet's per-head ``g`` and ``beta`` ``[T, HV]`` and ``Ai`` ``[T, HV, CHUNK]``,
-    else a ValueError naming ``caller``, before any launch."""
     if g.shape != (T, HV) or beta.shape != (T, HV) or Ai.shape != (T, HV, CHUNK):
         raise ValueError(
-            f"{caller}: Gated DeltaNet's per-head decay g [T, HV], beta [T, HV] and "
+            f"chunk_state_pass_wy: Gated DeltaNet's per-head decay g [T, HV], beta [T, HV] and "
             f"Ai [T, HV, {CHUNK}] with T={T}, HV={HV}; got g {list(g.shape)}, beta "
             f"{list(beta.shape)}, Ai {list(Ai.shape)}"
         )
-
-
-@triton.jit
-def _recompute_w_kernel(
-    k_ptr,  # [T, H, K] k dtype
-    g_ptr,  # [T, HV] float32 chunk-local cumulative log2 decay
-    beta_ptr,  # [T, HV]
-    a_ptr,  # [T, HV, BT] Ai, lower triangle only
-    w_ptr,  # [T, HV, K] out, k dtype
-    cu_ptr,  # [N + 1] token offsets
-    chunk_idx_ptr,  # [NT, 2] (sequence, chunk of that sequence), fla's chunk_indices
-    H: tl.constexpr,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    BT: tl.constexpr,
-    BK: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """Grid ``(NT, HV)``: one chunk of one value head, ``w = Ai @ (beta exp2(g) k)`` with fla's
-    ``recompute_w_u``'s roundings (``beta k`` times the decay, rounded to k's dtype; ``w``
-    rounded on store). ``Ai`` is read below its diagonal only, so it needs no zero-fill."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_n = tl.load(chunk_idx_ptr + i_c * 2).to(tl.int64)
-    i_t = tl.load(chunk_idx_ptr + i_c * 2 + 1).to(tl.int64)
-    bos = tl.load(cu_ptr + i_n).to(tl.int64)
-    n = tl.load(cu_ptr + i_n + 1).to(tl.int64) - bos
-    o_t = tl.arange(0, BT)
-    t0 = bos + i_t * BT  # the chunk's first token
-    m_t = o_t < n - i_t * BT
-    b_beta = tl.load(beta_ptr + (t0 + o_t) * HV + i_h, mask=m_t, other=0.0)
-    b_g = tl.exp2(tl.load(g_ptr + (t0 + o_t) * HV + i_h, mask=m_t, other=0.0).to(tl.float32))
-    lower = m_t[:, None] & (o_t[None, :] <= o_t[:, None])
-    b_a = tl.load(a_ptr + ((t0 + o_t[:, None]) * HV + i_h) * BT + o_t[None, :], mask=lower,
-                  other=0.0)  # fmt: skip
-    i_hk = i_h // (HV // H)
-    for i_k in tl.static_range(0, K, BK):
-        o_k = i_k + tl.arange(0, BK)
-        m_tk = m_t[:, None] & (o_k < K)[None, :]
-        b_k = tl.load(k_ptr + ((t0 + o_t[:, None]) * H + i_hk) * K + o_k[None, :], mask=m_tk,
-                      other=0.0)  # fmt: skip
-        b_kb = b_k * b_beta[:, None]
-        b_kb *= b_g[:, None]
-        b_w = _dot(b_a, b_kb.to(b_k.dtype), UPCAST)
-        tl.store(w_ptr + ((t0 + o_t[:, None]) * HV + i_h) * K + o_k[None, :],
-                 b_w.to(w_ptr.dtype.element_ty), mask=m_tk)  # fmt: skip
-
-
-def recompute_w(
-    k: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    Ai: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    chunk_indices: torch.Tensor,
-    *,
-    num_warps: int = 4,
-) -> torch.Tensor:
-    """The ``w`` half of fla's ``recompute_w_u``, ``w = Ai @ (beta exp2(g) k)`` per chunk, for
-    :func:`chunk_state_pass_u`, which computes ``u`` itself.
-
-    :param k: ``[T, H, K]`` keys (already l2-normalised when the layer asks for it).
-    :param g: ``[T, HV]`` float32 chunk-local cumulative log2 decay; ``beta``: ``[T, HV]``.
-    :param Ai: ``[T, HV, BT]`` in k's dtype, only its lower triangle read (see
-        :func:`chunk_state_pass_wy`).
-    :param cu_seqlens: ``[N + 1]`` token offsets; ``chunk_indices``: ``[NT, 2]`` each chunk's
-        sequence and its index in it (fla's ``prepare_chunk_indices``).
-    :returns: ``w`` ``[T, HV, K]`` in k's dtype.
-    """
-    T, H, K = k.shape
-    HV = beta.shape[-1] if beta.dim() else 0
-    _check_folded_shapes("recompute_w", T, HV, g, beta, Ai)
-    w = k.new_empty(T, HV, K)
-    if T and chunk_indices.shape[0]:
-        _recompute_w_kernel[(chunk_indices.shape[0], HV)](
-            k, g, beta, Ai, w, cu_seqlens, chunk_indices, H=H, HV=HV, K=K, BT=CHUNK,
-            BK=min(64, max(16, triton.next_power_of_2(K))), UPCAST=INTERPRETED,
-            num_warps=num_warps,
-        )  # fmt: skip
-    return w
+    _check_wy_warps("chunk_state_pass_wy", num_warps)
+    K, V = k.shape[2], v.shape[2]
+    h = k.new_empty(1, num_chunks, HV, K, V)
+    v_new = torch.empty_like(v)
+    _launch_pass(k, k, v, g, ssm_state, state_indices, cu_seqlens, chunk_offsets, h=h,
+                 v_new=v_new, q=None, o=None, scale=1.0, wy=(Ai, v, beta), block_v=block_v,
+                 num_warps=num_warps, num_stages=num_stages)  # fmt: skip
+    return h, v_new[None]
 
 
 def _check_wy_warps(caller: str, num_warps: int) -> None:
@@ -633,12 +477,10 @@ def chunk_state_output_pass(
 
 
 def _launch_pass(k, w, u, g, ssm_state, state_indices, cu_seqlens, chunk_offsets, *, h, v_new,
-                 q, o, scale, wy, block_v, num_warps, num_stages,
-                 fold_u: bool = False) -> None:  # fmt: skip
+                 q, o, scale, wy, block_v, num_warps, num_stages) -> None:  # fmt: skip
     """One launch of :func:`_chunk_state_kernel` (``q`` given: with the output, ``FUSE_O``;
     ``h`` and ``v_new`` then unwritten placeholders; ``wy`` given, ``(Ai, v, beta)``: ``WY``,
-    ``w`` then unread and ``u`` the values, or with ``fold_u`` ``FOLD_U``, ``u`` then the
-    values and unread)."""
+    ``w`` then unread and ``u`` the values)."""
     T, H, K = k.shape
     HV, V = u.shape[1], u.shape[2]
     per_channel = g.dim() == 3
@@ -667,15 +509,14 @@ def _launch_pass(k, w, u, g, ssm_state, state_indices, cu_seqlens, chunk_offsets
                 q if fuse else k, o if fuse else u, Ai, v, beta, float(scale),
                 ssm_state.stride(0))  # fmt: skip
         kw = dict(H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=max(16, triton.next_power_of_2(K)), BV=BV,
-                  GK=per_channel, UPCAST=INTERPRETED, FUSE_O=fuse,
-                  WY=wy is not None and not fold_u, FOLD_U=fold_u, num_warps=num_warps,
-                  num_stages=stages)  # fmt: skip
+                  GK=per_channel, UPCAST=INTERPRETED, FUSE_O=fuse, WY=wy is not None,
+                  num_warps=num_warps, num_stages=stages)  # fmt: skip
         if warmup:
             return _chunk_state_kernel.warmup(*args, grid=grid, **kw)
         return _chunk_state_kernel[grid](*args, **kw)
 
     key = (k.device, k.dtype, ssm_state.dtype, H, HV, K, V, BV, per_channel, fuse,
-           wy is not None, fold_u, num_warps, stages)  # fmt: skip
+           wy is not None, num_warps, stages)  # fmt: skip
     fitted = _FITTED_STAGES.get(key)
     if fitted is None:
         fitted = _FITTED_STAGES[key] = _fit_stages(launch, stages, k.device)
@@ -728,7 +569,6 @@ def gdn_chunk_prefill_slots(
     use_qk_l2norm: bool,
     fuse_output: bool = False,
     wy_in_pass: bool | None = None,
-    u_in_pass: bool = False,
     out: torch.Tensor | None = None,
     **pass_options,
 ) -> torch.Tensor:
@@ -745,9 +585,7 @@ def gdn_chunk_prefill_slots(
     ``fuse_output`` or a ``num_warps`` other than 2 or 4; True or False forces it (True: 2 or
     4 warps a program). ``fuse_output`` (not with
     ``wy_in_pass=True``): the output computed in the pass, :func:`chunk_state_output_pass`, in
-    place of fla's ``chunk_fwd_o`` after it. ``u_in_pass`` (opt-in; not with either): fla's
-    kkt-and-solve kernel, our :func:`recompute_w`, then :func:`chunk_state_pass_u`, which
-    computes ``u`` off the chain of dots (no zero-fill of ``Ai``, no ``u`` written or read).
+    place of fla's ``chunk_fwd_o`` after it.
 
     :param q: ``[T, H, K]``, ``k`` likewise, ``v`` ``[T, HV, V]``, ``g`` ``[T, HV]`` log
         decay, ``beta`` ``[T, HV]`` (contiguous; checked by the caller).
@@ -760,16 +598,8 @@ def gdn_chunk_prefill_slots(
     """
     if wy_in_pass and fuse_output:
         raise ValueError("gdn_chunk_prefill_slots: fuse_output needs wy_in_pass=False")
-    if u_in_pass and (wy_in_pass or fuse_output):
-        raise ValueError(
-            f"gdn_chunk_prefill_slots: u_in_pass computes u in the pass from a stored w, so it "
-            f"takes neither wy_in_pass (w and u folded in) nor fuse_output; got "
-            f"wy_in_pass={wy_in_pass}, fuse_output={fuse_output}"
-        )
     num_warps = pass_options.get("num_warps", 4)
-    if u_in_pass:
-        wy_in_pass = False
-    elif wy_in_pass is None:
+    if wy_in_pass is None:
         fills = _fills_the_gpu(state_indices.shape[0], v.shape[1], v.shape[2])
         wy_in_pass = not fuse_output and num_warps in (2, 4) and fills
     if wy_in_pass:
@@ -781,18 +611,11 @@ def gdn_chunk_prefill_slots(
     q, k, v, g, beta, chunk_indices, chunk_offsets = _plan(
         q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, f
     )
-    if wy_in_pass or u_in_pass:
+    if wy_in_pass:
         Ai = f["kkt_solve_into"](
             k.new_empty(*v.shape[:3], CHUNK), k=k, g=g, beta=beta, cu_seqlens=cu_seqlens,
             chunk_indices=chunk_indices, chunk_size=CHUNK,
         )  # fmt: skip
-    if u_in_pass:
-        w = recompute_w(k[0], g[0], beta[0], Ai[0], cu_seqlens, chunk_indices)
-        h, v_new = chunk_state_pass_u(
-            k[0], w, v[0], beta[0], Ai[0], g[0], ssm_state, state_indices, cu_seqlens,
-            chunk_offsets, chunk_indices.shape[0], **pass_options,
-        )  # fmt: skip
-    elif wy_in_pass:
         h, v_new = chunk_state_pass_wy(
             k[0], v[0], beta[0], Ai[0], g[0], ssm_state, state_indices, cu_seqlens,
             chunk_offsets, chunk_indices.shape[0], **pass_options,
