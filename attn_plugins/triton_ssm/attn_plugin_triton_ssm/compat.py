@@ -27,9 +27,9 @@ or it raises, that family's prefill gathers and scatters around the public funct
 
 Triton internals (any release; read at first use on a CUDA device, never at import): the opt-in
 shared-memory limit per block the kernels' tilings are fitted to (:func:`max_shared_memory`),
-and a warmed-up kernel's registers and shared memory, which size the delta rule's persistent
-grid (:func:`kernel_resources`). Both are checked against what they must be and fall back to a
-safe public value, which ``attn list`` names (:func:`note`).
+and a warmed-up kernel's shared memory (:func:`kernel_shared_memory`). Both are checked against
+what they must be and fall back to a safe public value, which ``attn list`` names
+(:func:`note`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ __all__ = [
     "TESTED_STAGES",
     "Kind",
     "distribution_version",
-    "kernel_resources",
     "kernel_shared_memory",
     "max_shared_memory",
     "naive_recurrences",
@@ -322,10 +321,6 @@ def max_shared_memory(device_index: int) -> int:
     return _State.shared_memory[device_index][0]
 
 
-#: Registers per thread an NVIDIA kernel can have: a count outside 1..255 is not one.
-_MAX_REGISTERS = 255
-
-
 def _read_shared_memory(compiled: Any) -> tuple[int | None, str]:
     """``(bytes, "")`` from a compiled kernel's ``metadata.shared``, or ``(None, why not)``."""
     try:
@@ -355,29 +350,6 @@ def kernel_shared_memory(compiled: Any) -> int | None:
     if shared is None:
         _State.unsized = why
     return shared
-
-
-def kernel_resources(compiled: Any) -> tuple[int, int] | None:
-    """``(registers per thread, bytes of shared memory per block)`` of a compiled Triton kernel
-    (what ``kernel.warmup(...)`` returns); None where the installed Triton does not say.
-
-    Triton fills ``n_regs`` when it loads the binary, lazily at the first launch, through the
-    private ``_init_handles``; a warmed-up kernel was never launched, so that is called here
-    where it exists. Only a sizing hint reads the result (how many persistent programs share
-    an SM): a missing or implausible value (registers outside 1..255, negative shared memory)
-    gives None, and the caller's fixed programs per SM, which changes speed, never results.
-    """
-    try:
-        init = getattr(compiled, "_init_handles", None)
-        if init is not None:
-            init()
-        n_regs = int(compiled.n_regs)
-    except Exception:  # interpreter, or a Triton without these fields
-        return None
-    shared, _ = _read_shared_memory(compiled)  # a sizing hint: no tiling is chosen by it
-    if not 0 < n_regs <= _MAX_REGISTERS or shared is None:
-        return None
-    return n_regs, shared
 
 
 def self_check_now(device: torch.device) -> tuple[str, ...] | None:

@@ -113,13 +113,13 @@ BATCHES = [64, 256, 1024, 2048]
 #: The fused SSD kernel's published prefill rate on an H100 (about 2.3e7 tokens/s). The
 #: mamba2_vs_mamba_ssm section measures mamba_ssm's kernel itself, on the same GPU.
 MAMBA2_PUBLISHED_MTOK = 23.0
-# (block_v, num_warps, programs_per_sm); programs_per_sm 0 = one program per work item,
-# None = as many as fit on an SM at once (the default).
+# (block_v, num_warps, programs_per_sm); programs_per_sm 0 = one program per work item (the
+# default), n > 0 a persistent grid of n programs per SM.
 SWEEP = [
     (bv, nw, pps)
     for bv, nw in ((16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8))
-    for pps in (None, 0, 2, 4, 8)
-] + [(8, 1, 0), (8, 1, None), (128, 16, 0), (128, 16, None)]
+    for pps in (0, 1, 2, 4, 8)
+] + [(8, 1, 0), (8, 1, 2), (128, 16, 0), (128, 16, 1)]
 #: (block_v, num_warps, num_stages) of the GDN prefill state pass timed beside the default.
 #: 16-wide value blocks double the programs of one long sequence (its pass is a chain of
 #: chunks, so parallelism comes from heads and value blocks only); on the H200 they did not

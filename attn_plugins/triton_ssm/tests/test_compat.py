@@ -269,26 +269,6 @@ def test_a_shared_memory_limit_triton_cannot_give_falls_back_to_torchs_and_attn_
     assert compat.note().endswith("; " + expected)
 
 
-def test_kernel_resources_loads_the_binary_and_refuses_what_cannot_be_a_kernels():
-    class Compiled:
-        metadata = type("M", (), {"shared": 4096})()
-        n_regs: object = None
-
-        def _init_handles(self):  # Triton fills the register count when it loads the binary
-            self.n_regs = 128
-
-    assert compat.kernel_resources(Compiled()) == (128, 4096)
-    without_loader = type("C", (), {"n_regs": 40, "metadata": Compiled.metadata})()
-    assert compat.kernel_resources(without_loader) == (40, 4096)
-    for n_regs in (0, 300, None):
-        odd = type("C", (), {"n_regs": n_regs, "metadata": Compiled.metadata})()
-        assert compat.kernel_resources(odd) is None, n_regs
-    assert compat.kernel_resources(object()) is None
-    assert compat.kernel_resources(type("C", (), {"n_regs": 40})()) is None  # no metadata
-    # a sizing hint only: attn list does not claim a tiling fell back
-    assert "kernel shared memory unreadable" not in compat.triton_note()
-
-
 def test_tensor_version_counts_in_place_changes_and_is_none_without_the_counter():
     """The lightning slope check's key: torch's in-place counter moves on ``add_`` and not on a
     read; an object without one (another torch) gives None, not an error."""

@@ -12,11 +12,12 @@ head ``h // (Hv // Hk)``) and token ``t``::
 
 ``S`` is ``[Dk, Dv]`` (key dim first). A work item is one ``[Dk, BV]`` tile of one head's state
 (``B * Hv * Dv / BV`` items), held in registers so the state is read once and written once
-(decode is HBM-bound on the state). By default the grid is persistent: as many programs as fit
-on the SMs at once, each looping over items and prefetching the next item's tile while it
-updates the current one (``programs_per_sm=0`` launches one program per item instead, compiled
-without the prefetch, whose registers would halve the programs an SM holds). Slot
-offsets are computed in int64: ``slot * stride`` overflows int32 past 2 GiB of state.
+(decode is HBM-bound on the state). By default each item is one program, which holds one tile
+(127 registers a thread at ``BV = 64`` on sm90, so four programs share an SM and hide each
+other's loads). ``programs_per_sm=n`` launches a persistent grid instead: ``n`` programs per
+SM, each looping over items and prefetching the next item's tile while it updates the current
+one (226 registers: two programs an SM). Slot offsets are computed in int64: ``slot * stride``
+overflows int32 past 2 GiB of state.
 
 Public wrappers (all write in place and return ``out``):
 
@@ -43,7 +44,6 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_plugin_triton_ssm import compat
 from attn_plugin_triton_ssm.kernels._common import (
     STATE_DTYPES,
     check_dtype,
@@ -344,11 +344,8 @@ def _commit_kernel(
 
 #: Tile defaults, from the H200 sweep (bench/bench_ssm.py --sweep).
 _DEFAULT_BLOCK_V = 64
-#: Persistent programs per SM when the occupancy cannot be read (interpreter, unknown driver).
-_FALLBACK_PROGRAMS_PER_SM = 2
 _INTERPRETER_SMS = 2  # few programs in the interpreter, so each loops over several items
 _SM_COUNT: dict[int, int] = {}
-_OCCUPANCY: dict[tuple, int] = {}
 
 
 def _num_sms(device: torch.device) -> int:
@@ -360,31 +357,14 @@ def _num_sms(device: torch.device) -> int:
     return _SM_COUNT[i]
 
 
-def _resident_programs(compiled, num_warps: int, device: torch.device) -> int | None:
-    """How many programs of ``compiled`` fit on one SM at once (registers, threads, shared
-    memory), or ``None`` when the compiled kernel does not say."""
-    resources = compat.kernel_resources(compiled)  # registers, shared memory; None: unknown
-    if resources is None:
-        return None
-    n_regs, shared = resources
-    props = torch.cuda.get_device_properties(device)
-    regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
-    threads_sm = getattr(props, "max_threads_per_multi_processor", 2048)
-    smem_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
-    regs_warp = -(-n_regs * 32 // 256) * 256  # allocated per warp in units of 256
-    fits = [regs_sm // (regs_warp * num_warps), threads_sm // (32 * num_warps), 32]
-    if shared > 0:
-        fits.append(smem_sm // (shared + 1024))  # + the 1 KiB the driver reserves per block
-    return max(1, min(fits))
-
-
 def _block_v(dk: int, dv: int, block_v: int | None) -> int:
     if block_v is not None:
         if block_v <= 0 or block_v & (block_v - 1):
             raise ValueError(f"block_v: expected a positive power of two, got {block_v}")
         return min(block_v, next_pow2(dv))
-    # A [BK, BV] fp32 tile of <= 8192 elements (64 registers a thread at 4 warps; the prefetched
-    # next tile doubles that), and BV >= 16 so each state row read is >= 64 contiguous bytes.
+    # A [BK, BV] fp32 tile of <= 8192 elements (64 registers a thread at 4 warps; a persistent
+    # grid's prefetched next tile doubles that), and BV >= 16 so each state row read is >= 64
+    # contiguous bytes.
     return min(next_pow2(dv), max(16, min(_DEFAULT_BLOCK_V, 8192 // next_pow2(dk))))
 
 
@@ -421,7 +401,7 @@ def _launch(
 
     The tile (``block_v``, ``num_warps``) does not depend on the batch, so decode, verify and
     replay-commit reduce in the same order and commit bit-identical states. ``programs_per_sm``
-    sets the persistent grid (``0``: one program per work item)."""
+    sets a persistent grid (``None`` or ``0``: one program per work item, the default)."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[3]
     if scale is None:
@@ -435,6 +415,12 @@ def _launch(
         return
     if programs_per_sm is not None and programs_per_sm < 0:
         raise ValueError(f"programs_per_sm: expected >= 0 or None, got {programs_per_sm}")
+    # One item a program by default: an H100 ran the step 3 % faster that way than with the
+    # persistent grid that fits on the SMs (0.976-0.979 of copy against 0.950 at B = 256); an
+    # H200 tied (0.926 against 0.923, measured while one item a program still carried the
+    # prefetch's registers). A persistent grid prefetches the next item; one item a program has
+    # nothing to prefetch, and without the next tile's registers twice the programs fit an SM.
+    pps = programs_per_sm or 0
     o = out if out is not None else v  # dummy pointer when not stored
     inter = intermediate_states if intermediate_states is not None else ssm_state
     inter_strides = (
@@ -453,35 +439,10 @@ def _launch(
         PER_CHANNEL_G=per_channel_g, USE_L2NORM=use_qk_l2norm, EPS=_L2_EPS,
         HAS_NTOK=num_tokens is not None, STORE_OUT=out is not None,
         STORE_INTER=intermediate_states is not None, WRITE_SLOT=write_slot,
-        OUT_OF_PLACE=state_indices_out is not None, PREFETCH=True, num_warps=nw,
+        OUT_OF_PLACE=state_indices_out is not None, PREFETCH=pps != 0, num_warps=nw,
     )  # fmt: skip
-    if programs_per_sm is None:
-        pps = _programs_per_sm(args, meta, q, v, ssm_state, o, inter)
-    else:
-        pps = programs_per_sm
     n_prog = n_work if pps == 0 else min(n_work, pps * _num_sms(q.device))
-    # one item a program: nothing to prefetch, and without the next tile's registers more
-    # programs fit on an SM (only when asked for: a default grid that happens to cover every
-    # item keeps the kernel the warm-up compiled, so a captured step compiles nothing)
-    meta["PREFETCH"] = pps != 0
     _delta_rule_kernel[(n_prog,)](*args, **meta)
-
-
-def _programs_per_sm(args, meta, q, v, ssm_state, o, inter) -> int:
-    """Default persistent grid: as many programs per SM as fit at once (more would queue behind
-    the resident ones and run last, a tail as long as a resident program's whole loop)."""
-    if q.device.type != "cuda":
-        return _FALLBACK_PROGRAMS_PER_SM
-    key = (q.device, q.dtype, v.dtype, ssm_state.dtype, o.dtype, inter.dtype,
-           *sorted(meta.items()))  # fmt: skip
-    if key not in _OCCUPANCY:
-        try:
-            compiled = _delta_rule_kernel.warmup(*args, grid=(1,), **meta)
-            fit = _resident_programs(compiled, meta["num_warps"], q.device)
-        except Exception:
-            fit = None
-        _OCCUPANCY[key] = fit or _FALLBACK_PROGRAMS_PER_SM
-    return _OCCUPANCY[key]
 
 
 def _check_inputs(
@@ -592,9 +553,9 @@ def _decode_op(per_channel_g: bool) -> Callable[..., torch.Tensor]:
         :param out: ``[B, Hv, Dv]`` output buffer (allocated like ``v`` when ``None``).
         :param block_v: Dv tile per program (power of two); ``None`` picks one. A tuning knob.
         :param num_warps: Triton warps per program; ``None`` picks one.
-        :param programs_per_sm: persistent grid of this many programs per SM, each looping over
-            (request, head, Dv block) items and prefetching the next; ``0`` launches one
-            program per item; ``None`` picks the tuned default.
+        :param programs_per_sm: a persistent grid of this many programs per SM, each looping
+            over (request, head, Dv block) items and prefetching the next; ``None`` or ``0``
+            (the default) launches one program per item.
         :param state_indices_out: ``[B]`` int32: each request's updated state goes to this slot
             instead (out of place: the slot it was read from keeps its state; ``-1``: not
             stored). A request's out slot must not be another request's slot of the step,
