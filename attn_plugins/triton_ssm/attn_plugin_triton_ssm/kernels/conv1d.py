@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from attn_plugin_triton_ssm.kernels._common import (
+    cdiv,
     check_dtype,
     check_float,
     check_index,
@@ -340,13 +341,13 @@ def _run(x3, conv_state, weight, bias, state_indices, num_accepted, out3, *, sil
     if rpp < 1:
         raise ValueError(f"requests_per_program: expected a positive count, got {rpp}")
     if packed_pairs:
-        _conv1d_decode_pairs_kernel[(triton.cdiv(B, rpp), triton.cdiv(C, BC))](
+        _conv1d_decode_pairs_kernel[(cdiv(B, rpp), cdiv(C, BC))](
             x3, conv_state, weight, bias if bias is not None else weight, state_indices, out3,
             B, C, x3.stride(0), conv_state.stride(0), *weight.stride(), out3.stride(0),
             BC=BC, HAS_BIAS=bias is not None, SILU=silu, RPP=rpp, num_warps=num_warps or 2,
         )  # fmt: skip
         return
-    _conv1d_update_kernel[(triton.cdiv(B, rpp), triton.cdiv(C, BC))](
+    _conv1d_update_kernel[(cdiv(B, rpp), cdiv(C, BC))](
         x3,
         conv_state,
         weight,

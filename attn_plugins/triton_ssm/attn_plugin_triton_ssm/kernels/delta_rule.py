@@ -46,6 +46,7 @@ import triton.language as tl
 
 from attn_plugin_triton_ssm.kernels._common import (
     STATE_DTYPES,
+    cdiv,
     check_dtype,
     check_float,
     check_index,
@@ -409,7 +410,7 @@ def _launch(
     BK = next_pow2(Dk)
     BV = _block_v(Dk, Dv, block_v)
     nw = _num_warps(BK, BV, num_warps)
-    NVB = triton.cdiv(Dv, BV)
+    NVB = cdiv(Dv, BV)
     n_work = B * Hv * NVB
     if n_work == 0:
         return
@@ -777,7 +778,7 @@ def gdn_commit(
     )  # fmt: skip
     BK = next_pow2(Dk)
     BV = _block_v(Dk, Dv, block_v)
-    _commit_kernel[(B * Hv, triton.cdiv(Dv, BV))](
+    _commit_kernel[(B * Hv, cdiv(Dv, BV))](
         intermediate_states,
         num_accepted,
         ssm_state,

@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from attn_plugin_triton_ssm import compat
-from attn_plugin_triton_ssm.kernels._common import INTERPRETED, first_that_fits
+from attn_plugin_triton_ssm.kernels._common import INTERPRETED, cdiv, first_that_fits, next_pow2
 
 __all__ = [
     "CHUNK",
@@ -303,9 +303,9 @@ def l2norm_qk(
     D = q.shape[-1]
     rows = q.numel() // D if D else 0
     if rows:
-        grid = (triton.cdiv(rows, block_rows), 2)
+        grid = (cdiv(rows, block_rows), 2)
         _l2norm_qk_kernel[grid](
-            q, k, qn, kn, rows, eps, D=D, BR=block_rows, BD=triton.next_power_of_2(D),
+            q, k, qn, kn, rows, eps, D=D, BR=block_rows, BD=next_pow2(D),
             num_warps=num_warps,
         )  # fmt: skip
     return qn, kn
@@ -326,7 +326,7 @@ def _fills_the_gpu(num_seqs: int, HV: int, V: int) -> bool:
     """Whether the state pass over ``num_seqs`` sequences of ``HV`` value heads of ``V``, in
     64-wide value blocks, has at least two programs per SM: the pass is then bound by the bytes
     it moves, not by the chain of a sequence's chunks."""
-    return num_seqs * HV * triton.cdiv(V, 64) >= 2 * _sm_count_here()
+    return num_seqs * HV * cdiv(V, 64) >= 2 * _sm_count_here()
 
 
 def _sm_count_here() -> int:
@@ -500,7 +500,7 @@ def _launch_pass(k, w, u, g, ssm_state, state_indices, cu_seqlens, chunk_offsets
     fuse = q is not None
     BV, stages = _tiling(N, HV, V)
     BV, stages = block_v or BV, num_stages or stages
-    grid = (triton.cdiv(V, BV), N * HV)
+    grid = (cdiv(V, BV), N * HV)
 
     Ai, v, beta = wy if wy is not None else (w, u, g)  # placeholders where not WY
 
@@ -508,7 +508,7 @@ def _launch_pass(k, w, u, g, ssm_state, state_indices, cu_seqlens, chunk_offsets
         args = (k, w, u, g, h, v_new, ssm_state, state_indices, cu_seqlens, chunk_offsets,
                 q if fuse else k, o if fuse else u, Ai, v, beta, float(scale),
                 ssm_state.stride(0))  # fmt: skip
-        kw = dict(H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=max(16, triton.next_power_of_2(K)), BV=BV,
+        kw = dict(H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=max(16, next_pow2(K)), BV=BV,
                   GK=per_channel, UPCAST=INTERPRETED, FUSE_O=fuse, WY=wy is not None,
                   num_warps=num_warps, num_stages=stages)  # fmt: skip
         if warmup:

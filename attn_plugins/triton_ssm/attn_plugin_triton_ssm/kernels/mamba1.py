@@ -39,6 +39,7 @@ import triton.language as tl
 
 from attn_plugin_triton_ssm.kernels._common import (
     STATE_DTYPES,
+    cdiv,
     check_dtype,
     check_float,
     check_index,
@@ -326,7 +327,7 @@ def _tiles(
     BD = block_d or max(16, min(64, 1024 // BN))
     if block_d is None and device is not None and device.type == "cuda" and requests:
         want = 2 * _num_sms(device.index if device.index is not None else 0)
-        while BD > 16 and requests * triton.cdiv(D, BD) < want:
+        while BD > 16 and requests * cdiv(D, BD) < want:
             BD //= 2
     return BD, BN, num_warps or min(8, max(1, BD * BN // 1024))  # 1 warp at 64 x 16
 
@@ -512,7 +513,7 @@ def auto_time_chunk(T: int, R: int, D: int, device: torch.device) -> int:
     Always 0 off CUDA: Triton's interpreter gains nothing from chunks."""
     if device.type != "cuda" or R == 0 or T < 2 * AUTO_TIME_CHUNK * R:
         return 0
-    programs = R * triton.cdiv(D, _WALK_BLOCK_D)
+    programs = R * cdiv(D, _WALK_BLOCK_D)
     sms = _num_sms(device.index if device.index is not None else 0)
     return AUTO_TIME_CHUNK if programs < AUTO_CHUNK_BELOW_PROGRAMS_PER_SM * sms else 0
 
@@ -544,7 +545,7 @@ def _launch(x, dt, A_log, B, C, state, idx, out, *, mode, cu, lengths, step, ini
     if R == 0:
         return
     rpp = requests_per_program
-    _mamba1_scan_kernel[(triton.cdiv(R, rpp), triton.cdiv(Dn, BD))](
+    _mamba1_scan_kernel[(cdiv(R, rpp), cdiv(Dn, BD))](
         x, dt, A_log, B, C,
         D if D is not None else A_log,
         dt_bias if dt_bias is not None else A_log,
@@ -618,7 +619,7 @@ def _chunk_table(
     chunk); chunks past the real count are empty. ``chunk_idx[c]`` is ``c`` (its workspace
     row), ``-1`` for the chunks of padding requests (slot ``-1``) and the unused ones."""
     R = idx.shape[0]
-    n = triton.cdiv(T, L) + R
+    n = cdiv(T, L) + R
     cu64 = cu.to(torch.int64)
     counts = torch.div(cu64[1:] - cu64[:-1] + (L - 1), L, rounding_mode="floor")
     ccu = torch.zeros(R + 1, dtype=torch.int64, device=cu.device)
@@ -666,7 +667,7 @@ def _launch_chunked(x, dt, A_log, B, C, state, idx, out, *, cu, L, init, D, dt_b
     _launch(x, dt, A_log, B, C, ws, chunk_idx, None, init=zero, z=None, write_state=True,
             write_out=False, dtsum=dtsum, **common)  # fmt: skip
     BD, BN, warps = _tiles(N, None, None, requests=R, D=Dn, device=x.device)
-    _mamba1_chunk_carry_kernel[(R, triton.cdiv(Dn, BD))](
+    _mamba1_chunk_carry_kernel[(R, cdiv(Dn, BD))](
         ws, dtsum, A_log, state, idx, init if init is not None else idx, ccu,
         state.stride(0), state.stride(1), D=Dn, N=N, BD=BD, BN=BN,
         HAS_INIT=init is not None, WRITE_STATE=write_state, num_warps=warps,
@@ -789,7 +790,7 @@ def mamba1_commit(
     BD, BN, warps = _tiles(N, None, None)
     if Bt == 0:
         return
-    _mamba1_commit_kernel[(Bt, triton.cdiv(Dn, BD))](
+    _mamba1_commit_kernel[(Bt, cdiv(Dn, BD))](
         inter, num_accepted, state, state_indices, *inter.stride()[:3], *state.stride()[:2],
         D=Dn, N=N, K1=K1, BD=BD, BN=BN, num_warps=warps,
     )  # fmt: skip

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from attn_plugin_triton_ssm.kernels._common import (
     STATE_DTYPES,
+    cdiv,
     check_dtype,
     check_float,
     check_index,
@@ -202,7 +203,7 @@ def mamba2_decode(
     BP = min(BP, next_pow2(P))
     if num_warps is None:
         num_warps = max(1, min(8, BN * BP // 4096))
-    _mamba2_decode_kernel[(Bt * H, triton.cdiv(P, BP))](
+    _mamba2_decode_kernel[(Bt * H, cdiv(P, BP))](
         x,
         dt,
         A_log,

@@ -79,6 +79,7 @@ import triton.language as tl
 from attn_plugin_triton_ssm.kernels._common import (
     INTERPRETED,
     STATE_DTYPES,
+    cdiv,
     check_dtype,
     check_last_contiguous,
     check_same_device,
@@ -751,7 +752,7 @@ def mamba2_ssd_triton(
              cb: torch.Tensor, decay: tuple[torch.Tensor, torch.Tensor],
              warmup: bool = False):  # fmt: skip
         subs = chunk_size // bt
-        grid = (n * subs, H // hb, triton.cdiv(P, bp))
+        grid = (n * subs, H // hb, cdiv(P, bp))
         args = (
             x, dt, A_log, dt_bias if dt_bias is not None else dummy, B, C,
             D if D is not None else dummy, z if z is not None else x, out, plan, states, cb,
@@ -785,7 +786,7 @@ def mamba2_ssd_triton(
     decay = (dummy, dummy)
     if precompute_decay and n_chunks:
         decay = _decay_pass(dt, dt_bias, A_log, plan, n_seq, n_chunks, chunk_size, BT, dt_softplus)
-    _ssd_state_kernel[(triton.cdiv(N, BNs) * triton.cdiv(P, BP), H, n_seq)](
+    _ssd_state_kernel[(cdiv(N, BNs) * cdiv(P, BP), H, n_seq)](
         x, dt, A_log, dt_bias if dt_bias is not None else dummy, B, ssm_state, state_indices,
         plan, states, *decay, x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1),
         *ssm_state.stride()[:3], n_seq, T, H=H, GROUP=group, N=N, P=P, BT=BT, SUBS=subs,
@@ -816,7 +817,7 @@ def _decay_pass(dt, dt_bias, A_log, plan, n_seq: int, n_chunks: int, chunk: int,
     dts = torch.empty((H, T), dtype=torch.float32, device=dt.device)
     cs = torch.empty((H, T), dtype=torch.float32, device=dt.device)
     bh = min(32, next_pow2(H))
-    _ssd_decay_kernel[(n_chunks * (chunk // bt), triton.cdiv(H, bh))](
+    _ssd_decay_kernel[(n_chunks * (chunk // bt), cdiv(H, bh))](
         dt, dt_bias if dt_bias is not None else A_log, A_log, plan, dts, cs, dt.stride(0),
         2 * n_seq + 1, T, H=H, BT=bt, SUBS=chunk // bt, BH=bh, HAS_DT_BIAS=dt_bias is not None,
         DT_SOFTPLUS=dt_softplus, num_warps=4,

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_plugin_triton_ssm.kernels._common import INTERPRETED, next_pow2
+from attn_plugin_triton_ssm.kernels._common import INTERPRETED, cdiv, next_pow2
 from attn_plugin_triton_ssm.kernels.ssd import (
     _carry_state,
     _decay_of,
@@ -141,7 +141,7 @@ def launch_fused(x, dt, A_log, B, C, ssm_state, state_indices, cu_dev: torch.Ten
     n_seq = state_indices.shape[0]
     dummy = A_log
     f32 = x.dtype == torch.float32
-    _ssd_fused_kernel[(triton.cdiv(P, block_p), H, n_seq)](
+    _ssd_fused_kernel[(cdiv(P, block_p), H, n_seq)](
         x, dt, A_log, dt_bias if dt_bias is not None else dummy, B, C,
         D if D is not None else dummy, z if z is not None else x, out, ssm_state, state_indices,
         cu_dev, *(decay or (dummy, dummy)), x.stride(0), x.stride(1), dt.stride(0), B.stride(0),
