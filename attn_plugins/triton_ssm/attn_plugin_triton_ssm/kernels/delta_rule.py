@@ -235,20 +235,16 @@ def _delta_rule_kernel(
             PER_CHANNEL_G,
         )  # fmt: skip
     for w in range(pid, n_work, nprog):
-        if PREFETCH:  # ---- item w + P
-            n_b, n_hv, n_hk, n_vb, n_slot, n_s, n_q, n_k, n_v, n_g, n_beta = _load_item(
-                w + nprog, n_work, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, idx_ptr,
-                o_k, o_v0, zero_kv, s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb,
-                s_gt, s_gh, s_bb, s_bt, s_bh, s_ss, s_sh, HV, GROUP, NVB, DK, DV, BV, EVEN_K,
-                EVEN_V, PER_CHANNEL_G,
-            )  # fmt: skip
-        else:  # ---- item w, loaded now
-            i_b, i_hv, i_hk, i_vb, slot, b_s, b_q, b_k, b_v, b_g, b_beta = _load_item(
-                w, n_work, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, idx_ptr, o_k, o_v0,
-                zero_kv, s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh,
-                s_bb, s_bt, s_bh, s_ss, s_sh, HV, GROUP, NVB, DK, DV, BV, EVEN_K, EVEN_V,
-                PER_CHANNEL_G,
-            )  # fmt: skip
+        # ---- item w + P with PREFETCH (computed next iteration), else item w, loaded now
+        n_b, n_hv, n_hk, n_vb, n_slot, n_s, n_q, n_k, n_v, n_g, n_beta = _load_item(
+            w + nprog if PREFETCH else w, n_work, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
+            state_ptr, idx_ptr, o_k, o_v0, zero_kv, s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb,
+            s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh, s_ss, s_sh, HV, GROUP, NVB, DK, DV,
+            BV, EVEN_K, EVEN_V, PER_CHANNEL_G,
+        )  # fmt: skip
+        if not PREFETCH:
+            i_b, i_hv, i_hk, i_vb, slot = n_b, n_hv, n_hk, n_vb, n_slot
+            b_s, b_q, b_k, b_v, b_g, b_beta = n_s, n_q, n_k, n_v, n_g, n_beta
 
         # ---- item w
         o_v = i_vb * BV + o_v0
