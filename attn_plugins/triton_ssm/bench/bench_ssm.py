@@ -82,6 +82,11 @@ Sections:
 * mamba1_chunk_rule (``--prefill``): T = 8192 as 1..32 requests, the walk (``time_chunk=0``),
   chunks of 256 and the default (``auto_time_chunk``): where the automatic chunking should
   switch on.
+* mamba1_lanes (``--only mamba1_lanes``): T = 8192 as 1, 4 and 16 requests, with z: the lanes
+  kernel (``mamba1_scan(lanes=True)``, a channel a thread) as the walk and chunked (128 / 256 /
+  512 tokens; 128 or 256 channels a program), the tile kernel's default and walk, and mamba_ssm's
+  CUDA selective scan (as in mamba1_prefill), in 5 alternating rounds in one process, medians;
+  each of ours diffed against the tile walk, the lanes default against mamba_ssm.
 * plugin_step (``--plugin``): a 4-layer GDN decode step (conv1d + recurrent update) at B = 64,
   256 through the runtime's bindings vs the same kernels called directly; ratio of times, eager
   (host launch cost included) and with each step captured in a CUDA graph.
@@ -1287,8 +1292,90 @@ def job_plugin_step(B: int, layers: int = 4, device: str = "cuda", hk=HK, hv=HV,
             "layers": layers}  # fmt: skip
 
 
+def job_mamba1_lanes(T: int, n_seq: int, rounds: int = 5, Dn=MAMBA1_D, N=MAMBA1_N) -> dict:
+    """Mamba1 prefill (T tokens as ``n_seq`` equal requests, bf16 in, fp32 state, z gate): the
+    lanes kernel (a channel a thread) as the walk and chunked, the tile kernel's default and
+    mamba_ssm's CUDA selective scan, timed in ``rounds`` alternating rounds in this process
+    (medians). Each of ours is diffed against the tile kernel's walk from one random initial
+    state; the lanes default against mamba_ssm from zero."""
+    import statistics
+
+    import torch
+    from attn_plugin_triton_ssm.kernels import mamba1_scan
+
+    torch.manual_seed(0)
+    x = torch.randn(T, Dn, device="cuda", dtype=torch.bfloat16)
+    z = torch.randn(T, Dn, device="cuda", dtype=torch.bfloat16)
+    dt = torch.randn(T, Dn, device="cuda", dtype=torch.bfloat16) * 0.5
+    A_log = torch.rand(Dn, N, device="cuda").add(0.5).log()
+    Bm = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
+    Cm = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
+    Dp, dt_bias = torch.randn(Dn, device="cuda"), torch.randn(Dn, device="cuda") - 2.0
+    idx = torch.arange(n_seq, dtype=torch.int32, device="cuda")
+    L = T // n_seq
+    cu = torch.arange(0, T + 1, L, dtype=torch.int32, device="cuda")
+    init = torch.randn(n_seq, Dn, N, device="cuda") * 0.1
+    ours = {
+        "tiles default": dict(lanes=False),
+        "tiles walk": dict(lanes=False, time_chunk=0),
+        "lanes walk": dict(lanes=True, time_chunk=0),
+        "lanes walk block_d=256": dict(lanes=True, time_chunk=0, block_d=256),
+        "lanes chunk 128": dict(lanes=True, time_chunk=128),
+        "lanes chunk 256": dict(lanes=True, time_chunk=256),
+        "lanes chunk 512": dict(lanes=True, time_chunk=512),
+        "lanes chunk 256 block_d=256": dict(lanes=True, time_chunk=256, block_d=256),
+    }
+    state = torch.zeros(n_seq, Dn, N, device="cuda")
+
+    def call(st, **kw):
+        return mamba1_scan(x, dt, A_log, Bm, Cm, st, idx, cu_seqlens=cu, D=Dp, dt_bias=dt_bias,
+                           z=z, **kw)  # fmt: skip
+
+    fns = {name: (lambda kw=kw: call(state, **kw)) for name, kw in ours.items()}
+    row: dict = {"checks": {}}
+    want_st = init.clone()
+    want = call(want_st, lanes=False, time_chunk=0)
+    for name, kw in ours.items():
+        st = init.clone()
+        got = call(st, **kw)
+        d = {**_diff("out", got, want), **_diff("state", st, want_st)}
+        row["checks"][name] = (d["out_maxrel"], d["state_maxrel"],
+                               _check_verdict(d["out_maxrel"], d["state_maxrel"]))  # fmt: skip
+    try:
+        scan, provider = _mamba_ssm_scan()
+        u, d_ = (t.view(n_seq, L, Dn).transpose(1, 2).contiguous() for t in (x, dt))
+        zz = z.view(n_seq, L, Dn).transpose(1, 2).contiguous()
+        b, c = (t.view(n_seq, L, N).transpose(1, 2).contiguous() for t in (Bm, Cm))
+        A = -A_log.exp()
+        fns["mamba_ssm"] = lambda: scan(u, d_, A, b, c, Dp, z=zz, delta_bias=dt_bias,
+                                        delta_softplus=True)  # fmt: skip
+        row["mamba_ssm_provider"] = provider
+        y_ref, last_ref = fns["mamba_ssm"]()
+        st = torch.zeros(n_seq, Dn, N, device="cuda")
+        y = call(st, lanes=True)
+        d = {**_diff("out", y, y_ref.transpose(1, 2).reshape(T, Dn)),
+             **_diff("state", st, last_ref)}  # fmt: skip
+        row["checks"]["lanes default vs mamba_ssm"] = (
+            d["out_maxrel"],
+            d["state_maxrel"],
+            _check_verdict(d["out_maxrel"], d["state_maxrel"]),
+        )
+    except Exception as e:  # reported; ours are timed without it
+        row["mamba_ssm_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(_bench(fn, warmup=3, rep=20))
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    best_lanes = min((n for n in med if n.startswith("lanes")), key=med.__getitem__)
+    row.update(variants_ms=med, rounds=rounds, best=best_lanes, ms=med[best_lanes],
+               Mtok_per_s=T / (med[best_lanes] * 1e-3) / 1e6)  # fmt: skip
+    return row
+
+
 JOBS = {
     "copy": job_copy,
+    "mamba1_lanes": job_mamba1_lanes,
     "gdn_decode_ours": job_gdn_decode_ours,
     "gdn_decode_fla": job_gdn_decode_fla,
     "prefill_ours": job_prefill_ours,
@@ -1448,6 +1535,31 @@ def _vs_mamba_ssm_text(r: dict) -> str:
     return val
 
 
+def _mamba1_lanes_text(r: dict) -> str:
+    """Every variant's median ms, its rate over mamba_ssm's and the tile default's, and its
+    check."""
+    med = r["variants_ms"]
+    val = f"  best: {r['best']}, {r['rounds']} alternating rounds, medians"
+    for name, ms in med.items():
+        val += f"\n{'':<16}{name:<28} {ms:7.3f} ms"
+        if "mamba_ssm" in med and name != "mamba_ssm":
+            val += f"  {med['mamba_ssm'] / ms:5.2f} x mamba_ssm's rate"
+        if name.startswith("lanes"):
+            val += f"  {med['tiles default'] / ms:5.2f} x the tile default's"
+        if name in r["checks"]:
+            out, st, verdict = r["checks"][name]
+            val += f"  vs tiles walk: out rel {out:.1e}, state rel {st:.1e} {verdict}"
+    for name in ("lanes default vs mamba_ssm",):
+        if name in r["checks"]:
+            out, st, verdict = r["checks"][name]
+            val += f"\n{'':<16}{name}: out rel {out:.1e}, state rel {st:.1e} {verdict}"
+    if "mamba_ssm_error" in r:
+        val += f"\n{'':<16}mamba_ssm: {r['mamba_ssm_error']}"
+    elif "mamba_ssm_provider" in r:
+        val += f"\n{'':<16}({r['mamba_ssm_provider']})"
+    return val
+
+
 def _table(results: list, copy_bw: float | None) -> str:
     lines = []
     for r in results:
@@ -1492,6 +1604,8 @@ def _table(results: list, copy_bw: float | None) -> str:
                     val += f"  {r['check']}"
             if r["section"] == "mamba2_vs_mamba_ssm":
                 val += _vs_mamba_ssm_text(r)
+            if r["section"] == "mamba1_lanes":
+                val += _mamba1_lanes_text(r)
             if r["section"] == "mamba2_sweep":
                 val += f"  ({r['Mtok_per_s'] / MAMBA2_PUBLISHED_MTOK:.2f} x published fused SSD)"
                 val += f"  max rel. diff: to default {r.get('maxrel_default', float('nan')):.1e}"
@@ -1613,7 +1727,7 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         help="comma-separated sections to run (gdn_decode, mamba2_decode, mamba1_decode, "
         "gdn_prefill, kda_prefill, mamba2_prefill, mamba2_vs_mamba_ssm, mamba1_prefill, "
-        "mamba1_chunk_rule, "
+        "mamba1_chunk_rule, mamba1_lanes, "
         "lightning_decode, "
         "lightning_prefill, short_conv_decode, plugin_step); the copy rows always run",
     )
@@ -1737,6 +1851,10 @@ def main(argv: list[str] | None = None) -> int:
         for n_seq in (1, 16):
             p = {"section": "prefill_profile", "T": 8192, "n_seq": n_seq}
             prefill.append(job("prefill_profile", p, T=8192, n_seq=n_seq))
+    if "mamba1_lanes" in (args.only or "").split(","):
+        for n_seq in (1, 4, 16):
+            p = {"section": "mamba1_lanes", "T": 8192, "n_seq": n_seq, "provider": "ours"}
+            prefill.append(job("mamba1_lanes", p, T=8192, n_seq=n_seq))
     if args.mamba2_sweep:
         for T, n_seq in ((8192, 1), (32768, 16)):
             p = {"section": "mamba2_sweep", "T": T, "n_seq": n_seq}

@@ -233,13 +233,14 @@ def test_strided_x_z_and_out() -> None:
 
 
 def _varlen(t, p, st, slots, lens, initial, **kw) -> torch.Tensor:
-    """``mamba1_scan`` over ``lens`` with D and dt_bias (``kw``: z, time_chunk, out, ...)."""
+    """``mamba1_scan`` over ``lens`` with D and dt_bias (``kw``: z, time_chunk, out, ...;
+    ``block_d`` BLOCK_D unless given)."""
     cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=DEV)
     return K.mamba1_scan(
         *(_dev(t)[k] for k in ("x", "dt")), p["A_log"].to(DEV), *(_dev(t)[k] for k in "BC"),
         st, torch.tensor(slots, dtype=torch.int32, device=DEV), cu_seqlens=cu,
         has_initial_state=None if initial is None else torch.tensor(initial, device=DEV),
-        D=p["D"].to(DEV), dt_bias=p["dt_bias"].to(DEV), block_d=BLOCK_D, **kw,
+        D=p["D"].to(DEV), dt_bias=p["dt_bias"].to(DEV), **{"block_d": BLOCK_D, **kw},
     )  # fmt: skip
 
 
@@ -293,7 +294,7 @@ def _check_against_sequential(
         want = want / 30.0
     kw = {"z": t["z"].to(DEV)} if gate else {}
     seq_st = pool.clone().to(DEV)
-    seq = _varlen(t, p, seq_st, slots, lens, initial, time_chunk=0, **kw).cpu()
+    seq = _varlen(t, p, seq_st, slots, lens, initial, time_chunk=0, lanes=False, **kw).cpu()
     T = sum(lens)
     out_buf = torch.full((T, Dn, 2), 7.0, device=DEV)
     st = pool.clone().to(DEV)
@@ -313,6 +314,57 @@ def _check_against_sequential(
     torch.testing.assert_close(st.cpu()[used].float(), ref_pool[used], **tol)
     others = [s for s in range(S + 1) if s not in used]
     assert torch.equal(st.cpu()[others], pool[others])
+
+
+# The lanes kernel: one program of 32 channels (D = 20: 12 masked), two channels a thread (64 on
+# one warp), the default tiling (128 channels on 4 warps), and as both scans of time_chunk
+@pytest.mark.parametrize(
+    ("variant", "state_dtype", "gate", "with_initial"),
+    [({"time_chunk": 0, "block_d": 32, "num_warps": 1}, F32, True, True),
+     ({"time_chunk": 0, "block_d": 64, "num_warps": 1}, BF16, False, False),
+     ({"time_chunk": 0, "block_d": None}, F32, False, True),
+     ({"time_chunk": 4, "block_d": 32, "num_warps": 1}, BF16, True, True),
+     ({"time_chunk": 5, "block_d": 32, "num_warps": 1}, F32, False, False),
+     ({"time_chunk": 1, "block_d": 64, "num_warps": 2}, F32, True, True)],
+    ids=["walk-32", "walk-64x2", "walk-default", "chunk4", "chunk5", "chunk1-64"],
+)  # fmt: skip
+def test_lanes_prefill_matches_sequential_and_reference(
+    monkeypatch, variant: dict, state_dtype: torch.dtype, gate: bool, with_initial: bool
+) -> None:
+    """``lanes=True`` (a channel a thread, its states a tuple of registers): see
+    :func:`_check_against_sequential`; the lanes launcher runs, twice where chunked."""
+    calls = _record_launches(monkeypatch, "launch_lanes", "write_state")
+    _check_against_sequential({"lanes": True, **variant}, state_dtype, gate, with_initial)
+    assert len(calls) == (2 if variant["time_chunk"] else 1)
+
+
+def test_lanes_without_state_update_and_argument_checks() -> None:
+    """``lanes=True`` with ``update_state=False`` leaves every slot; it refuses decode calls,
+    ``intermediate_states`` and tilings that do not give each thread whole channels."""
+    gen = _gen(10)
+    p = _params(gen)
+    lens, slots, initial = [10, 6], [1, 3], [True, False]
+    t = _tokens(sum(lens), gen)
+    pool = torch.randn(S, Dn, N, 1, generator=gen) * 0.3
+    st = pool.clone().to(DEV)
+    seq = _varlen(t, p, st.clone(), slots, lens, initial, time_chunk=0, lanes=False).cpu()
+    got = _varlen(t, p, st, slots, lens, initial, time_chunk=0, lanes=True, block_d=32,
+                  num_warps=1, update_state=False).cpu()  # fmt: skip
+    assert torch.equal(st.cpu(), pool)
+    torch.testing.assert_close(got, seq, **TOL)
+    with pytest.raises(ValueError, match=r"lanes: .*serves varlen calls.*cu_seqlens=None"):
+        d = _dev(_tokens(2, gen))
+        K.mamba1_scan(d["x"], d["dt"], p["A_log"].to(DEV), d["B"], d["C"], st,
+                      torch.tensor([0, 2], dtype=torch.int32, device=DEV), lanes=True)  # fmt: skip
+    inter = torch.zeros(2, 10, Dn, N, device=DEV)
+    with pytest.raises(ValueError, match="intermediate_states=given"):
+        _varlen(t, p, st, slots, lens, initial, lanes=True, intermediate_states=inter)
+    for block_d, warps in ((48, 1), (32, 2), (16, None)):
+        with pytest.raises(ValueError, match=rf"block_d: the lanes kernel.*got {block_d}"):
+            _varlen(t, p, st, slots, lens, initial, lanes=True, block_d=block_d,
+                    num_warps=warps)  # fmt: skip
+    with pytest.raises(ValueError, match="num_warps: expected a power of two, got 3"):
+        _varlen(t, p, st, slots, lens, initial, lanes=True, block_d=128, num_warps=3)
 
 
 def _record_launches(monkeypatch, launcher: str, key: str) -> list:
@@ -397,7 +449,7 @@ def test_automatic_choices_reach_the_launches(monkeypatch) -> None:
     from attn_plugin_triton_ssm.kernels import mamba1 as m1
 
     asked: list = []
-    monkeypatch.setattr(m1, "auto_time_chunk", lambda T, R, D, device: asked.append(T) or 4)
+    monkeypatch.setattr(m1, "auto_time_chunk", lambda T, R, D, device, **kw: asked.append(T) or 4)
     chunked = _record_launches(monkeypatch, "_launch_chunked", "L")
     gen = _gen(9)
     p = _params(gen)

@@ -49,10 +49,11 @@ import inspect, json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from attn_plugin_triton_ssm.kernels import mamba1
+import importlib
 
 pointers, constexprs = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-kernel = mamba1._mamba1_scan_kernel
+module, name, warps = sys.argv[3], sys.argv[4], int(sys.argv[5])
+kernel = getattr(importlib.import_module(module), name)
 names = list(inspect.signature(kernel.fn).parameters)
 sig = {n: pointers.get(n, "constexpr" if n in constexprs else "i32") for n in names}
 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] != "constexpr"}
@@ -60,17 +61,24 @@ src = ASTSource(
     fn=kernel, signature=sig,
     constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs,
 )
-compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 sys.stdout.write(compiled.asm["ptx"])
 """
 
 
-def _ptx(constexprs: dict) -> str:
-    """PTX of the Mamba1 scan kernel for sm90 with ``constexprs``, the other ints as
-    16-divisible i32 (as a launch with these strides specializes them)."""
+def _ptx(
+    constexprs: dict,
+    kernel: str = "attn_plugin_triton_ssm.kernels.mamba1:_mamba1_scan_kernel",
+    num_warps: int = 1,
+) -> str:
+    """PTX of a Mamba1 kernel (``module:name``; the scan kernel by default) for sm90 with
+    ``constexprs``, the other ints as 16-divisible i32 (as a launch with these strides
+    specializes them)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    pointers = {**_POINTERS, "cu_ptr": "*i64"} if "lanes" in kernel else _POINTERS
     proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE, json.dumps(_POINTERS), json.dumps(constexprs)],
+        [sys.executable, "-c", _COMPILE, json.dumps(pointers), json.dumps(constexprs),
+         *kernel.split(":"), str(num_warps)],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     if proc.returncode != 0:
@@ -110,3 +118,34 @@ def test_verify_and_replay_commit_round_the_state_update_alike() -> None:
     assert verify, "no instructions found for the update line: the test lost track of it"
     assert verify == replay
     assert any(op.startswith("fma") for _, op in verify)
+
+
+def _loop_body(ptx: str) -> str:
+    """The PTX between the token loop's label and its backward branch (the kernel's one loop
+    with both)."""
+    for label in re.findall(r"^(\$L__BB\d+_\d+):", ptx, re.M):
+        start = ptx.index(label + ":")
+        back = ptx.find(f"bra.uni \t{label};", start)
+        back = back if back >= 0 else ptx.find(f"bra \t{label};", start)
+        if back > start:
+            return ptx[start:back]
+    raise AssertionError("no loop in the lanes kernel's PTX")
+
+
+@pytest.mark.parametrize("write_out", [True, False], ids=["output pass", "state pass"])
+def test_lanes_kernel_keeps_a_channel_in_one_thread(write_out: bool) -> None:
+    """The lanes kernel (a channel a thread, d_state 16) compiles for sm90 with its token loop
+    free of shuffles (``y = h . C`` sums inside the thread) and one ``ex2.approx.ftz`` per
+    state entry plus the softplus's, whose ``log2`` is one ``lg2.approx`` (not libdevice's
+    polynomial)."""
+    n = 16
+    constexprs = dict(
+        D=8192, N=n, BD=128, HAS_INIT=not write_out, HAS_D=write_out, HAS_DT_BIAS=True,
+        HAS_Z=write_out, DT_SOFTPLUS=True, WRITE_STATE=not write_out, WRITE_OUT=write_out,
+        STORE_DTSUM=not write_out, FAST=True, s_xd=1, s_zd=1, s_od=1,
+    )  # fmt: skip
+    ptx = _ptx(constexprs, "attn_plugin_triton_ssm.kernels.mamba1_lanes:_mamba1_lanes_kernel", 4)
+    body = _loop_body(ptx)
+    assert "shfl" not in body
+    assert len(re.findall(r"ex2\.approx\.ftz\.f32", body)) == n + 1
+    assert len(re.findall(r"lg2\.approx\.ftz\.f32", body)) == 1

@@ -90,7 +90,8 @@ def test_decode_real_shape(K, state_dtype, tuning):
     assert torch.equal(state[untouched], before[untouched])
 
 
-def test_varlen_prefill_real_shape(K):
+@pytest.mark.parametrize("lanes", [False, True], ids=["tiles", "lanes"])
+def test_varlen_prefill_real_shape(K, lanes):
     lens, slots, initial = [300, 1, 77, 512], [7, 2, 0, 9], [True, False, True, False]
     tok, params, state = _case(sum(lens), 10, 1)
     ref_pool = state.clone()
@@ -100,21 +101,24 @@ def test_varlen_prefill_real_shape(K):
         tok["x"], tok["dt"], params["A_log"], tok["B"], tok["C"], state,
         torch.tensor(slots, dtype=torch.int32, device="cuda"), cu_seqlens=cu,
         has_initial_state=torch.tensor(initial, device="cuda"), D=params["D"],
-        dt_bias=params["dt_bias"],
+        dt_bias=params["dt_bias"], lanes=lanes,
     )  # fmt: skip
     torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(state[slots], ref_pool[slots], atol=1e-3, rtol=1e-3)
 
 
-# time_chunk 1000: longer than every request but one
+# time_chunk 1000: longer than every request but one; the lanes kernel as the walk (a channel
+# a thread, and two) and as both scans of the chunked form
 @pytest.mark.parametrize(
     "variant",
-    [{"time_chunk": 64}, {"time_chunk": 256}, {"time_chunk": 1000}],
+    [{"time_chunk": 64}, {"time_chunk": 256}, {"time_chunk": 1000},
+     {"lanes": True, "time_chunk": 0}, {"lanes": True, "time_chunk": 0, "block_d": 256},
+     {"lanes": True, "time_chunk": 64}, {"lanes": True, "time_chunk": 256}],
     ids=lambda v: "-".join(f"{k}{n}" for k, n in v.items()),
 )  # fmt: skip
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_parallel_prefill_real_shape(K, variant, state_dtype):
-    """The time-chunked scan compiled against the sequential kernel:
+    """The time-chunked scan and the lanes kernel compiled against the sequential tile kernel:
     unequal lengths not multiples of the chunk or block, fresh and continued requests, a
     padding request, z."""
     lens, slots = [300, 1, 77, 0, 1500, 33], [7, 2, 0, 4, -1, 9]
@@ -127,7 +131,7 @@ def test_parallel_prefill_real_shape(K, variant, state_dtype):
     kw = dict(cu_seqlens=cu, has_initial_state=torch.tensor(initial, device="cuda"),
               D=params["D"], dt_bias=params["dt_bias"], z=z)  # fmt: skip
     seq_state, par_state = state.clone(), state.clone()
-    want = K.mamba1_scan(*args, seq_state, idx, time_chunk=0, **kw)
+    want = K.mamba1_scan(*args, seq_state, idx, time_chunk=0, lanes=False, **kw)
     got = K.mamba1_scan(*args, par_state, idx, **variant, **kw)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     pad = slice(sum(lens[:4]), sum(lens[:5]))

@@ -48,6 +48,7 @@ from attn_plugin_triton_ssm.kernels._common import (
     check_shape,
     next_pow2,
 )
+from attn_plugin_triton_ssm.kernels.mamba1_lanes import LANES_BLOCK_D, LANES_WARPS, launch_lanes
 
 __all__ = ["mamba1_commit", "mamba1_decode", "mamba1_replay_commit", "mamba1_scan"]
 
@@ -357,6 +358,7 @@ def mamba1_scan(
     cache_hints: bool | None = None,
     pipeline: int = 0,
     loads_first: bool = False,
+    lanes: bool | None = None,
 ) -> torch.Tensor:
     """Mamba1 over the tokens of ``R`` requests, each continuing from its slot.
 
@@ -398,6 +400,13 @@ def mamba1_scan(
         state tiles load into shared memory while one is updated); ``0`` unrolls them.
     :param loads_first: decode only, unrolled requests: load every request's state tile
         before updating any (in registers: more in flight, more registers).
+    :param lanes: a varlen call (``cu_seqlens`` given, no ``intermediate_states``) runs the
+        one-channel-a-thread kernel (:mod:`.mamba1_lanes`) for the walk and for both scans of
+        ``time_chunk``; ``block_d`` and ``num_warps`` then tile it
+        (:func:`~.mamba1_lanes.lanes_tiling`). ``False``: the ``[BD, N]`` tile kernel. None:
+        :data:`LANES_DEFAULT` for varlen calls without ``intermediate_states``, else off.
+        ``True`` on a decode call or with ``intermediate_states``: ValueError (the verify's
+        two commit strategies must round alike, so they keep the tile kernel).
     :returns: ``out``: ``y`` per token and channel.
     """
     if requests_per_program is not None and (
@@ -416,6 +425,13 @@ def mamba1_scan(
         raise ValueError(
             "time_chunk: the time-chunked scan keeps no per-token states; pass time_chunk=0 "
             "(or None) with intermediate_states"
+        )
+    if lanes and (cu_seqlens is None or intermediate_states is not None):
+        raise ValueError(
+            "lanes: the one-channel-a-thread kernel serves varlen calls (cu_seqlens given) "
+            "without intermediate_states; got "
+            f"cu_seqlens={'given' if cu_seqlens is not None else None}, intermediate_states="
+            f"{'given' if intermediate_states is not None else None}"
         )
     check_shape("x", x, [None, None], "[T, D]")
     T, Dn = x.shape
@@ -467,14 +483,23 @@ def mamba1_scan(
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     check_shape("out", out, [T, Dn], "[T, D]")  # any strides, as x
+    if lanes is None:
+        lanes = LANES_DEFAULT and cu_seqlens is not None and inter is None
     if time_chunk is None and cu_seqlens is not None and inter is None:
-        time_chunk = auto_time_chunk(T, R, Dn, x.device)
+        time_chunk = auto_time_chunk(T, R, Dn, x.device, lanes=lanes)
     if time_chunk and cu_seqlens is not None:
         _launch_chunked(
             x, dt, A_log, B, C, state, state_indices, out, cu=cu_seqlens, L=time_chunk,
             init=has_initial_state, D=D, dt_bias=dt_bias, z=z, dt_softplus=dt_softplus,
             write_state=update_state, block_d=block_d, num_warps=num_warps,
-            cache_hints=bool(cache_hints),
+            cache_hints=bool(cache_hints), lanes=lanes,
+        )  # fmt: skip
+        return out
+    if lanes and cu_seqlens is not None:  # (lanes=True without it was refused above)
+        launch_lanes(
+            x, dt, A_log, B, C, state, state_indices, out, cu=cu_seqlens,
+            init=has_initial_state, D=D, dt_bias=dt_bias, z=z, dt_softplus=dt_softplus,
+            write_state=update_state, block_d=block_d, num_warps=num_warps,
         )  # fmt: skip
         return out
     rpp, hints = requests_per_program or 1, bool(cache_hints)
@@ -504,18 +529,23 @@ AUTO_TIME_CHUNK = 256
 #: programs per SM and beat them from 15.5 (``bench_ssm.py`` section ``mamba1_chunk_rule``;
 #: figures: docs/results.md).
 AUTO_CHUNK_BELOW_PROGRAMS_PER_SM = 12
+#: Whether varlen calls without per-token states take the one-channel-a-thread kernel
+#: (:mod:`.mamba1_lanes`) when ``mamba1_scan`` is given ``lanes=None``.
+LANES_DEFAULT = False
 
 
-def auto_time_chunk(T: int, R: int, D: int, device: torch.device) -> int:
+def auto_time_chunk(T: int, R: int, D: int, device: torch.device, *, lanes: bool = False) -> int:
     """The ``time_chunk`` :func:`mamba1_scan` uses when given None, for ``T`` tokens of ``R``
     requests over ``D`` channels: :data:`AUTO_TIME_CHUNK` where the sequential walk leaves the
-    GPU idle (few programs, at least two chunks a request on average), else 0 (the walk).
-    Always 0 off CUDA: Triton's interpreter gains nothing from chunks."""
+    GPU idle (few warps, at least two chunks a request on average), else 0 (the walk). The
+    walk's warps: one per program of 16 channels for the tile kernel, one per 32 channels for
+    the lanes kernel (``lanes``); both against :data:`AUTO_CHUNK_BELOW_PROGRAMS_PER_SM` warps
+    per SM. Always 0 off CUDA: Triton's interpreter gains nothing from chunks."""
     if device.type != "cuda" or R == 0 or T < 2 * AUTO_TIME_CHUNK * R:
         return 0
-    programs = R * cdiv(D, _WALK_BLOCK_D)
+    warps = R * (cdiv(D, LANES_BLOCK_D) * LANES_WARPS if lanes else cdiv(D, _WALK_BLOCK_D))
     sms = _num_sms(device.index if device.index is not None else 0)
-    return AUTO_TIME_CHUNK if programs < AUTO_CHUNK_BELOW_PROGRAMS_PER_SM * sms else 0
+    return AUTO_TIME_CHUNK if warps < AUTO_CHUNK_BELOW_PROGRAMS_PER_SM * sms else 0
 
 
 def decode_defaults(R: int) -> tuple[int, bool]:
@@ -635,8 +665,9 @@ def _chunk_table(
 
 def _launch_chunked(x, dt, A_log, B, C, state, idx, out, *, cu, L, init, D, dt_bias, z,
                     dt_softplus, write_state, block_d, num_warps,
-                    cache_hints=False) -> None:  # fmt: skip
-    """The time-chunked varlen scan (``mamba1_scan(time_chunk=L)``), three launches:
+                    cache_hints=False, lanes=False) -> None:  # fmt: skip
+    """The time-chunked varlen scan (``mamba1_scan(time_chunk=L)``), three launches (passes 1
+    and 3 on the lanes kernel, :func:`~.mamba1_lanes.launch_lanes`, where ``lanes``):
 
     1. :func:`_mamba1_scan_kernel` over the chunks as requests, each from a zero state, no
        outputs: each chunk's end state into the workspace ``ws [n, D, N]`` (float32, whatever
@@ -659,6 +690,15 @@ def _launch_chunked(x, dt, A_log, B, C, state, idx, out, *, cu, L, init, D, dt_b
     ws = torch.empty(n, Dn, N, dtype=torch.float32, device=x.device)
     dtsum = torch.empty(n, Dn, dtype=torch.float32, device=x.device)
     zero = torch.zeros(n, dtype=torch.bool, device=x.device)  # every chunk from a zero state
+    if lanes:
+        scan = dict(cu=chunk_cu, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                    block_d=block_d, num_warps=num_warps)  # fmt: skip
+        launch_lanes(x, dt, A_log, B, C, ws, chunk_idx, None, init=zero, z=None,
+                     write_state=True, dtsum=dtsum, **scan)  # fmt: skip
+        _chunk_carry(ws, dtsum, A_log, state, idx, init, ccu, write_state)
+        launch_lanes(x, dt, A_log, B, C, ws, chunk_idx, out, init=None, z=z, write_state=False,
+                     **scan)  # fmt: skip
+        return
     common = dict(
         mode=_VARLEN, cu=chunk_cu, lengths=None, step=1, D=D, dt_bias=dt_bias,
         dt_softplus=dt_softplus, inter=None, block_d=block_d, num_warps=num_warps,
@@ -666,14 +706,21 @@ def _launch_chunked(x, dt, A_log, B, C, state, idx, out, *, cu, L, init, D, dt_b
     )  # fmt: skip
     _launch(x, dt, A_log, B, C, ws, chunk_idx, None, init=zero, z=None, write_state=True,
             write_out=False, dtsum=dtsum, **common)  # fmt: skip
-    BD, BN, warps = _tiles(N, None, None, requests=R, D=Dn, device=x.device)
+    _chunk_carry(ws, dtsum, A_log, state, idx, init, ccu, write_state)
+    _launch(x, dt, A_log, B, C, ws, chunk_idx, out, init=None, z=z, write_state=False,
+            write_out=True, **common)  # fmt: skip
+
+
+def _chunk_carry(ws, dtsum, A_log, state, idx, init, ccu, write_state) -> None:
+    """Time-chunked pass 2 (:func:`_mamba1_chunk_carry_kernel`) over every request."""
+    Dn, N = A_log.shape
+    R = idx.shape[0]
+    BD, BN, warps = _tiles(N, None, None, requests=R, D=Dn, device=ws.device)
     _mamba1_chunk_carry_kernel[(R, cdiv(Dn, BD))](
         ws, dtsum, A_log, state, idx, init if init is not None else idx, ccu,
         state.stride(0), state.stride(1), D=Dn, N=N, BD=BD, BN=BN,
         HAS_INIT=init is not None, WRITE_STATE=write_state, num_warps=warps,
     )  # fmt: skip
-    _launch(x, dt, A_log, B, C, ws, chunk_idx, out, init=None, z=z, write_state=False,
-            write_out=True, **common)  # fmt: skip
 
 
 def mamba1_decode(

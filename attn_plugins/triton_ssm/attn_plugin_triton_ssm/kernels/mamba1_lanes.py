@@ -1,0 +1,232 @@
+"""Mamba1 prefill with one channel per thread: every state entry of a channel in that thread.
+
+:func:`~attn_plugin_triton_ssm.kernels.mamba1.mamba1_scan`'s walk holds a ``[BD, N]`` tile a
+program, which Triton spreads over threads along ``N`` (four entries of two channels a thread
+at 16 x 16 on one warp): each token's softplus and loads then run once per entry group rather
+than once per channel, ``y = h . C`` crosses threads, and ``exp`` carries Triton's denormal
+guard: compiled for sm90 at d_state 16, its token loop is 274 instructions for the 8 state
+entries a thread holds, 34 an entry.
+
+Here a program is a 1-D block of ``BD`` channels, one a thread, and the state row of a channel
+is a tuple of ``N`` registers (``N`` vectors of ``[BD]``), so per token and channel:
+
+    dt  <- softplus(dt + dt_bias)          once (lg2 / ex2 of the special-function unit)
+    h_n <- h_n * 2^(dt a_n) + (dt x) B_n    n = 0 .. N-1, ``a_n = -exp(A_log[:, n]) log2(e)``
+    y   <- sum_n h_n C_n (+ D x, * silu(z))  in the thread: no shuffle
+
+with ``B_n``, ``C_n`` as scalars every thread of the block reads. Its token loop compiles for
+sm90 to 13 instructions a state entry with the output (10.6 at two channels a thread, whose
+``B`` and ``C`` loads serve both), 9 without it (the chunked form's first scan); one of them
+is the ``ex2`` every recurrence of this kind needs. Opt-in (``mamba1_scan(lanes=True)``)
+until it has run on a GPU against the tile kernel and mamba_ssm (``test_triton_ssm_mamba1_gpu``,
+``bench_ssm.py --only mamba1_lanes``).
+
+It serves varlen calls only (prefill and mixed steps: no per-token states, so not the
+speculative verify, whose two commit strategies must round alike), as the walk of whole
+requests and as both scans of the time-chunked form (:func:`launch_lanes`); the state update
+is the same explicit FMA as the tile kernel's, the decay ``2^(dt a_n)`` rounds differently from
+its ``exp(dt A)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attn_plugin_triton_ssm.kernels._common import INTERPRETED, cdiv
+
+__all__ = ["LANES_BLOCK_D", "LANES_WARPS", "lanes_tiling", "launch_lanes"]
+
+#: Warps per program and channels per program by default: one channel a thread. Compiled for
+#: sm90 at d_state 16 the output pass takes 64 registers a thread and 13 instructions per state
+#: entry a token; two channels a thread (``block_d=256``) 128 and 10.6.
+LANES_WARPS = 4
+LANES_BLOCK_D = 32 * LANES_WARPS
+
+
+def lanes_tiling(block_d: int | None, num_warps: int | None) -> tuple[int, int]:
+    """``(BD, num_warps)``: ``BD`` channels a program, a power of two and a multiple of the
+    ``32 * num_warps`` threads (each thread takes ``BD / (32 * num_warps)`` channels)."""
+    warps = num_warps or LANES_WARPS
+    if warps < 1 or warps & (warps - 1):
+        raise ValueError(f"num_warps: expected a power of two, got {warps}")
+    bd = block_d or max(LANES_BLOCK_D, 32 * warps)
+    if bd & (bd - 1) or bd < 32 * warps:
+        raise ValueError(
+            f"block_d: the lanes kernel takes a power of two >= 32 * num_warps = {32 * warps} "
+            f"(whole channels a thread), got {bd}"
+        )
+    return bd, warps
+
+
+@triton.jit
+def _lg2(x, FAST: tl.constexpr):
+    """``log2(x)`` (float32, ``x >= 1`` here): one ``lg2.approx.ftz`` where Triton's ``log2``
+    is libdevice's polynomial; Triton's in the interpreter. (Triton's ``exp2`` is one
+    ``ex2.approx.ftz`` already: a decay small enough to flush is zero either way.)"""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            "lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return tl.math.log2(x)
+
+
+@triton.jit
+def _mamba1_lanes_kernel(
+    x_ptr,  # [T, D] (s_xt, s_xd)
+    dt_ptr,  # [T, D] (s_dtt, 1)
+    a_log_ptr,  # [D, N] float32, packed
+    b_ptr,  # [T, N] (s_bt, 1)
+    c_ptr,  # [T, N] (s_ct, 1)
+    d_ptr,  # [D] skip; HAS_D
+    dt_bias_ptr,  # [D]; HAS_DT_BIAS
+    z_ptr,  # [T, D] (s_zt, s_zd); HAS_Z
+    state_ptr,  # [S, D, N] (s_ss, s_sd, 1) float32 / bfloat16
+    idx_ptr,  # [R] slot per request, -1: padding
+    cu_ptr,  # [R + 1] token offsets
+    init_ptr,  # [R] bool, False: start from zero; HAS_INIT
+    out_ptr,  # [T, D] (s_ot, s_od); WRITE_OUT
+    dts_ptr,  # [S, D] float32: each request's total dt per channel; STORE_DTSUM
+    s_xt,
+    s_xd,
+    s_dtt,
+    s_bt,
+    s_ct,
+    s_zt,
+    s_zd,
+    s_ot,
+    s_od,
+    s_ss,
+    s_sd,
+    D: tl.constexpr,
+    N: tl.constexpr,
+    BD: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    HAS_D: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr,
+    WRITE_STATE: tl.constexpr,
+    WRITE_OUT: tl.constexpr,
+    STORE_DTSUM: tl.constexpr,
+    FAST: tl.constexpr,
+):
+    """Grid ``(R, cdiv(D, BD))``: request ``pid_b``'s tokens in order on ``BD`` channels, one a
+    thread. A padding request (slot -1) reads no state, stores none and writes ``y = 0``."""
+    pid_b = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    o_d = pid_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    slot = tl.load(idx_ptr + pid_b).to(tl.int64)
+    valid = (o_d * 0 + slot) >= 0  # a block: the interpreter rejects scalar & block masks
+    m_state = m_d & valid
+    p_state = state_ptr + slot * s_ss + o_d * s_sd
+    start = tl.load(cu_ptr + pid_b).to(tl.int64)
+    end = tl.load(cu_ptr + pid_b + 1).to(tl.int64)
+
+    fresh = o_d < 0  # no channel starts from zero unless HAS_INIT says so
+    if HAS_INIT:
+        fresh = (o_d * 0 + tl.load(init_ptr + pid_b).to(tl.int32)) == 0
+    hs = ()
+    As = ()
+    for n in tl.static_range(N):
+        h = tl.load(p_state + n, mask=m_state & ~fresh, other=0.0).to(tl.float32)
+        a = -tl.exp(tl.load(a_log_ptr + o_d * N + n, mask=m_d, other=0.0)) * 1.4426950408889634
+        hs = hs + (h,)  # type: ignore[assignment]  # noqa: RUF005
+        As = As + (a,)  # type: ignore[assignment]  # noqa: RUF005
+    b_bias = tl.zeros([BD], dtype=tl.float32)
+    if HAS_DT_BIAS:
+        b_bias = tl.load(dt_bias_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_skip = tl.zeros([BD], dtype=tl.float32)
+    if HAS_D:
+        b_skip = tl.load(d_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_dts = tl.zeros([BD], dtype=tl.float32)
+
+    for t in range(start, end):
+        b_x = tl.load(x_ptr + t * s_xt + o_d * s_xd, mask=m_d, other=0.0).to(tl.float32)
+        b_dt = tl.load(dt_ptr + t * s_dtt + o_d, mask=m_d, other=0.0).to(tl.float32) + b_bias
+        if DT_SOFTPLUS:  # softplus(x) = x above 20, as torch's
+            sp = _lg2(1.0 + tl.math.exp2(b_dt * 1.4426950408889634), FAST) * 0.6931471805599453
+            b_dt = tl.where(b_dt <= 20.0, sp, b_dt)
+        b_u = b_dt * b_x
+        b_y = tl.zeros([BD], dtype=tl.float32)
+        new = ()
+        for n in tl.static_range(N):
+            b_n = tl.load(b_ptr + t * s_bt + n).to(tl.float32)
+            # an explicit FMA, as the tile kernel's update
+            h = tl.fma(hs[n], tl.math.exp2(b_dt * As[n]), b_u * b_n)
+            if WRITE_OUT:
+                b_y = tl.fma(h, tl.load(c_ptr + t * s_ct + n).to(tl.float32), b_y)
+            new = new + (h,)  # type: ignore[assignment]  # noqa: RUF005
+        hs = new
+        if STORE_DTSUM:
+            b_dts += b_dt
+        if WRITE_OUT:
+            if HAS_D:
+                b_y += b_skip * b_x
+            if HAS_Z:
+                b_z = tl.load(z_ptr + t * s_zt + o_d * s_zd, mask=m_d, other=0.0).to(tl.float32)
+                b_y = b_y * b_z * tl.sigmoid(b_z)
+            b_y = tl.where(valid, b_y, 0.0)
+            tl.store(out_ptr + t * s_ot + o_d * s_od, b_y.to(out_ptr.dtype.element_ty), mask=m_d)
+
+    if WRITE_STATE:
+        for n in tl.static_range(N):
+            tl.store(p_state + n, hs[n].to(state_ptr.dtype.element_ty), mask=m_state)
+    if STORE_DTSUM:  # time-chunked pass 1: the chunk's total dt per channel (pass 2's decay)
+        tl.store(dts_ptr + slot * D + o_d, b_dts, mask=m_state)
+
+
+def launch_lanes(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A_log: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    state: torch.Tensor,
+    idx: torch.Tensor,
+    out: torch.Tensor | None,
+    *,
+    cu: torch.Tensor,
+    init: torch.Tensor | None,
+    D: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    z: torch.Tensor | None,
+    dt_softplus: bool,
+    write_state: bool,
+    dtsum: torch.Tensor | None = None,
+    block_d: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """One varlen launch: request ``b`` is tokens ``cu[b] .. cu[b + 1]`` continuing from
+    ``state[idx[b]]`` ``[D, N]`` (zeros where ``init[b]`` is False), ``y`` into ``out`` (None:
+    not computed), the end state back to the slot where ``write_state``, the total ``dt`` per
+    channel into ``dtsum[idx[b]]`` ``[S, D]`` float32 where given (the time-chunked scan's
+    first pass). Inputs as :func:`~attn_plugin_triton_ssm.kernels.mamba1.mamba1_scan` checked
+    them; ``state`` ``[S, D, N]`` with its last dim packed. ``block_d``, ``num_warps``: see
+    :func:`lanes_tiling`."""
+    Dn, N = A_log.shape
+    R = idx.shape[0]
+    BD, warps = lanes_tiling(block_d, num_warps)
+    if R == 0:
+        return
+    _mamba1_lanes_kernel[(R, cdiv(Dn, BD))](
+        x, dt, A_log, B, C,
+        D if D is not None else A_log,
+        dt_bias if dt_bias is not None else A_log,
+        z if z is not None else x,
+        state, idx, cu,
+        init if init is not None else idx,
+        out if out is not None else x,
+        dtsum if dtsum is not None else A_log,
+        x.stride(0), x.stride(1), dt.stride(0), B.stride(0), C.stride(0),
+        *(z.stride() if z is not None else (0, 0)),
+        *(out.stride() if out is not None else (0, 0)),
+        state.stride(0), state.stride(1),
+        D=Dn, N=N, BD=BD, HAS_INIT=init is not None, HAS_D=D is not None,
+        HAS_DT_BIAS=dt_bias is not None, HAS_Z=z is not None, DT_SOFTPLUS=dt_softplus,
+        WRITE_STATE=write_state, WRITE_OUT=out is not None, STORE_DTSUM=dtsum is not None,
+        FAST=not INTERPRETED, num_warps=warps,
+    )  # fmt: skip
