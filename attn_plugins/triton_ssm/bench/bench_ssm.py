@@ -771,6 +771,23 @@ def _mamba_ssm_scan():
     return scan_src, f"mamba_ssm selective_scan_cuda (built from source {commit[:12]})"
 
 
+def _mamba1_prefill_inputs(T: int, n_seq: int, Dn: int, N: int) -> tuple:
+    """``(x, dt, A_log, B, C, D, dt_bias, idx, cu)``: a Mamba1 mixer's prefill inputs (bf16
+    tokens, seed 0), ``T`` tokens as ``n_seq`` equal requests in slots ``0 .. n_seq - 1``."""
+    import torch
+
+    torch.manual_seed(0)
+    x = torch.randn(T, Dn, device="cuda", dtype=torch.bfloat16)
+    dt = torch.randn(T, Dn, device="cuda", dtype=torch.bfloat16) * 0.5
+    A_log = torch.rand(Dn, N, device="cuda").add(0.5).log()
+    Bm = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
+    Cm = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
+    Dp, dt_bias = torch.randn(Dn, device="cuda"), torch.randn(Dn, device="cuda") - 2.0
+    idx = torch.arange(n_seq, dtype=torch.int32, device="cuda")
+    cu = torch.arange(0, T + 1, T // n_seq, dtype=torch.int32, device="cuda")
+    return x, dt, A_log, Bm, Cm, Dp, dt_bias, idx, cu
+
+
 def job_mamba1_prefill(
     T: int, n_seq: int, impl: str, Dn=MAMBA1_D, N=MAMBA1_N, block_d: int | None = None,
     time_chunk: int | None = None,
@@ -781,17 +798,9 @@ def job_mamba1_prefill(
     sequential kernel (``time_chunk=0``) on the same inputs, from one random initial state."""
     import torch
 
-    torch.manual_seed(0)
-    x = torch.randn(T, Dn, device="cuda", dtype=torch.bfloat16)
-    dt = torch.randn(T, Dn, device="cuda", dtype=torch.bfloat16) * 0.5
-    A_log = torch.rand(Dn, N, device="cuda").add(0.5).log()
-    Bm = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
-    Cm = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
-    Dp, dt_bias = torch.randn(Dn, device="cuda"), torch.randn(Dn, device="cuda") - 2.0
+    x, dt, A_log, Bm, Cm, Dp, dt_bias, idx, cu = _mamba1_prefill_inputs(T, n_seq, Dn, N)
     state = torch.zeros(n_seq, Dn, N, device="cuda")
-    idx = torch.arange(n_seq, dtype=torch.int32, device="cuda")
     L = T // n_seq
-    cu = torch.arange(0, T + 1, L, dtype=torch.int32, device="cuda")
     if impl == "ours":
         from attn_plugin_triton_ssm.kernels import mamba1_scan
 
@@ -1303,17 +1312,9 @@ def job_mamba1_lanes(T: int, n_seq: int, rounds: int = 5, Dn=MAMBA1_D, N=MAMBA1_
     import torch
     from attn_plugin_triton_ssm.kernels import mamba1_scan
 
-    torch.manual_seed(0)
-    x = torch.randn(T, Dn, device="cuda", dtype=torch.bfloat16)
+    x, dt, A_log, Bm, Cm, Dp, dt_bias, idx, cu = _mamba1_prefill_inputs(T, n_seq, Dn, N)
     z = torch.randn(T, Dn, device="cuda", dtype=torch.bfloat16)
-    dt = torch.randn(T, Dn, device="cuda", dtype=torch.bfloat16) * 0.5
-    A_log = torch.rand(Dn, N, device="cuda").add(0.5).log()
-    Bm = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
-    Cm = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
-    Dp, dt_bias = torch.randn(Dn, device="cuda"), torch.randn(Dn, device="cuda") - 2.0
-    idx = torch.arange(n_seq, dtype=torch.int32, device="cuda")
     L = T // n_seq
-    cu = torch.arange(0, T + 1, L, dtype=torch.int32, device="cuda")
     init = torch.randn(n_seq, Dn, N, device="cuda") * 0.1
     ours = {
         "tiles default": dict(lanes=False),

@@ -316,6 +316,19 @@ def _check_against_sequential(
     assert torch.equal(st.cpu()[others], pool[others])
 
 
+#: Two requests of 10 and 6 tokens in slots 1 and 3, the second fresh.
+TWO_LENS, TWO_SLOTS, TWO_INITIAL = [10, 6], [1, 3], [True, False]
+
+
+def _two_requests(seed: int) -> tuple:
+    """``(gen, params, tokens, pool [S, D, N, 1] CPU, the pool on DEV)`` for TWO_LENS."""
+    gen = _gen(seed)
+    p = _params(gen)
+    t = _tokens(sum(TWO_LENS), gen)
+    pool = torch.randn(S, Dn, N, 1, generator=gen) * 0.3
+    return gen, p, t, pool, pool.clone().to(DEV)
+
+
 # The lanes kernel: one program of 32 channels (D = 20: 12 masked), two channels a thread (64 on
 # one warp), the default tiling (128 channels on 4 warps), and as both scans of time_chunk
 @pytest.mark.parametrize(
@@ -341,12 +354,8 @@ def test_lanes_prefill_matches_sequential_and_reference(
 def test_lanes_without_state_update_and_argument_checks() -> None:
     """``lanes=True`` with ``update_state=False`` leaves every slot; it refuses decode calls,
     ``intermediate_states`` and tilings that do not give each thread whole channels."""
-    gen = _gen(10)
-    p = _params(gen)
-    lens, slots, initial = [10, 6], [1, 3], [True, False]
-    t = _tokens(sum(lens), gen)
-    pool = torch.randn(S, Dn, N, 1, generator=gen) * 0.3
-    st = pool.clone().to(DEV)
+    gen, p, t, pool, st = _two_requests(10)
+    lens, slots, initial = TWO_LENS, TWO_SLOTS, TWO_INITIAL
     seq = _varlen(t, p, st.clone(), slots, lens, initial, time_chunk=0, lanes=False).cpu()
     got = _varlen(t, p, st, slots, lens, initial, time_chunk=0, lanes=True, block_d=32,
                   num_warps=1, update_state=False).cpu()  # fmt: skip
@@ -400,12 +409,8 @@ def test_time_chunked_prefill_without_state_update_and_argument_checks(monkeypat
     checked, refuses ``intermediate_states`` and is ignored by decode calls; the chunked path
     runs exactly where asked."""
     calls = _record_launches(monkeypatch, "_launch_chunked", "L")
-    gen = _gen(7)
-    p = _params(gen)
-    lens, slots, initial = [10, 6], [1, 3], [True, False]
-    t = _tokens(sum(lens), gen)
-    pool = torch.randn(S, Dn, N, 1, generator=gen) * 0.3
-    st = pool.clone().to(DEV)
+    gen, p, t, pool, st = _two_requests(7)
+    lens, slots, initial = TWO_LENS, TWO_SLOTS, TWO_INITIAL
     seq = _varlen(t, p, st.clone(), slots, lens, initial, time_chunk=0).cpu()
     got = _varlen(t, p, st, slots, lens, initial, time_chunk=4, update_state=False).cpu()
     assert torch.equal(st.cpu(), pool)
@@ -451,12 +456,9 @@ def test_automatic_choices_reach_the_launches(monkeypatch) -> None:
     asked: list = []
     monkeypatch.setattr(m1, "auto_time_chunk", lambda T, R, D, device, **kw: asked.append(T) or 4)
     chunked = _record_launches(monkeypatch, "_launch_chunked", "L")
-    gen = _gen(9)
-    p = _params(gen)
-    lens, slots, initial = [10, 6], [1, 3], [True, False]
-    t = _tokens(sum(lens), gen)
-    pool = torch.randn(S, Dn, N, 1, generator=gen) * 0.3
-    a, b = pool.clone().to(DEV), pool.clone().to(DEV)
+    gen, p, t, pool, a = _two_requests(9)
+    lens, slots, initial = TWO_LENS, TWO_SLOTS, TWO_INITIAL
+    b = pool.clone().to(DEV)
     auto = _varlen(t, p, a, slots, lens, initial).cpu()
     explicit = _varlen(t, p, b, slots, lens, initial, time_chunk=4).cpu()
     assert asked == [16] and chunked == [4, 4]
