@@ -75,9 +75,8 @@ def _ptx(
     ``constexprs``, the other ints as 16-divisible i32 (as a launch with these strides
     specializes them)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    pointers = {**_POINTERS, "cu_ptr": "*i64"} if "lanes" in kernel else _POINTERS
     proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE, json.dumps(pointers), json.dumps(constexprs),
+        [sys.executable, "-c", _COMPILE, json.dumps(_POINTERS), json.dumps(constexprs),
          *kernel.split(":"), str(num_warps)],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
