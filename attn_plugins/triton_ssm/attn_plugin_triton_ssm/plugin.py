@@ -656,11 +656,13 @@ class TritonSSMContext:
             params = {n_: inputs.get(n_) for n_ in ("A_log", "D", "dt_bias")}
             inter = self._intermediate(layer, n, k1) if self.strategy == "native" else None
             cu = torch.arange(0, t + 1, k1, dtype=torch.int32, device=idx.device)
+            # the tile kernel in both strategies (lanes=False): native's per-token states need
+            # it, and a verify's outputs must be the same bits whichever strategy commits
             y = self.K.mamba1_scan(
                 toks["x"], toks["dt"], params["A_log"], toks["B"], toks["C"], ssm, idx,
                 cu_seqlens=cu, D=params["D"],
                 dt_bias=params["dt_bias"], intermediate_states=inter, update_state=False,
-                out=None if out is None else out[:t, :, 0],
+                out=None if out is None else out[:t, :, 0], lanes=False,
             )  # fmt: skip
             if inter is not None:
                 pending.intermediate = inter

@@ -83,8 +83,9 @@ Sections:
   chunks of 256 and the default (``auto_time_chunk``): where the automatic chunking should
   switch on.
 * mamba1_lanes (``--only mamba1_lanes``): T = 8192 as 1, 4 and 16 requests, with z: the lanes
-  kernel (``mamba1_scan(lanes=True)``, a channel a thread) as the walk and chunked (128 / 256 /
-  512 tokens; 128 or 256 channels a program), the tile kernel's default and walk, and mamba_ssm's
+  kernel (``mamba1_scan(lanes=True)``, whole channels a thread) as its default, the walk and
+  chunked (128 / 256 / 512 tokens; 256 or 128 channels a program), the tile kernel's default
+  and walk (``lanes=False``), and mamba_ssm's
   CUDA selective scan (as in mamba1_prefill), in 5 alternating rounds in one process, medians;
   each of ours diffed against the tile walk, the lanes default against mamba_ssm.
 * plugin_step (``--plugin``): a 4-layer GDN decode step (conv1d + recurrent update) at B = 64,
@@ -1323,12 +1324,13 @@ def job_mamba1_lanes(T: int, n_seq: int, rounds: int = 5, Dn=MAMBA1_D, N=MAMBA1_
     ours = {
         "tiles default": dict(lanes=False),
         "tiles walk": dict(lanes=False, time_chunk=0),
+        "lanes default": dict(lanes=True),
         "lanes walk": dict(lanes=True, time_chunk=0),
-        "lanes walk block_d=256": dict(lanes=True, time_chunk=0, block_d=256),
+        "lanes walk block_d=128": dict(lanes=True, time_chunk=0, block_d=128),
         "lanes chunk 128": dict(lanes=True, time_chunk=128),
         "lanes chunk 256": dict(lanes=True, time_chunk=256),
         "lanes chunk 512": dict(lanes=True, time_chunk=512),
-        "lanes chunk 256 block_d=256": dict(lanes=True, time_chunk=256, block_d=256),
+        "lanes chunk 256 block_d=128": dict(lanes=True, time_chunk=256, block_d=128),
     }
     state = torch.zeros(n_seq, Dn, N, device="cuda")
 

@@ -242,6 +242,39 @@ def test_native_and_replay_commit_the_same_state(registry, variant):
             assert torch.equal(a, b)
 
 
+def test_mamba1_prefill_takes_the_lanes_kernel_and_both_verify_strategies_the_tiles(
+    registry, monkeypatch
+):
+    """Mamba1 prefill runs the whole-channels-a-thread kernel (the default for varlen scans); the
+    verify keeps the tile kernel in both strategies, so that its outputs are the same bits
+    whichever commits (native needs per-token states, which only the tile kernel writes)."""
+    from attn_plugin_triton_ssm.kernels import mamba1 as m1
+
+    lanes_calls: list = []
+    real = m1.launch_lanes
+    monkeypatch.setattr(m1, "launch_lanes", lambda *a, **k: lanes_calls.append(1) or real(*a, **k))
+    spec = _spec("mamba1")
+    verify_out = []
+    for strategy in ("native", "replay"):
+        constraints = ExecutionConstraints(
+            max_batch_size=4, max_num_tokens=32, speculative_tokens=3, spec_verify_strategy=strategy
+        )
+        lane = _lanes(registry, spec, constraints)[1]
+        for r in ("a", "b"):
+            lane.state.add_request(r)
+        lanes_calls.clear()
+        run_step(lane, [("a", 4), ("b", 6)], step_inputs(spec, 10, DEV, 1))
+        assert len(lanes_calls) == len(LAYERS), strategy
+        for r, n in (("a", 4), ("b", 6)):
+            lane.state.advance(r, n)
+        lanes_calls.clear()
+        res = run_step(lane, [("a", 4), ("b", 4)], step_inputs(spec, 8, DEV, 2), spec_tokens=3)
+        assert lanes_calls == [], strategy
+        verify_out.append({i: res[i][1].clone() for i in LAYERS})
+    for i in LAYERS:
+        assert torch.equal(verify_out[0][i], verify_out[1][i]), f"L{i} verify outputs"
+
+
 @pytest.mark.parametrize("variant", ["gated_deltanet", "mamba1"])
 def test_bf16_state_and_activations(registry, variant):
     spec = _spec(variant, dtype="bfloat16", state_dtype="bfloat16")

@@ -96,7 +96,11 @@ def test_decode_matches_reference(state_dtype: torch.dtype, pool_dims: int, tuni
     assert torch.equal(st.cpu()[untouched], pool[untouched])
 
 
-@pytest.mark.parametrize("tuning", [{}, {"requests_per_program": 2}], ids=["default", "rpp2"])
+@pytest.mark.parametrize(
+    "tuning",
+    [{"lanes": False}, {"lanes": False, "requests_per_program": 2}, {"block_d": None}],
+    ids=["tiles", "tiles-rpp2", "default"],
+)
 def test_varlen_prefill_with_fresh_and_continued_requests(tuning: dict) -> None:
     """Lengths 7, 1, 0, 12 (a zero-length request, a decode among prefills); request 1 is fresh
     (its slot holds NaN garbage that must never be read); a padding request rides along."""
@@ -115,7 +119,7 @@ def test_varlen_prefill_with_fresh_and_continued_requests(tuning: dict) -> None:
         *(_dev(t)[k] for k in ("x", "dt")), p["A_log"].to(DEV), *(_dev(t)[k] for k in "BC"),
         st, torch.tensor(slots, dtype=torch.int32).to(DEV), cu_seqlens=cu.to(DEV),
         has_initial_state=torch.tensor(initial).to(DEV), D=p["D"].to(DEV),
-        dt_bias=p["dt_bias"].to(DEV), z=t["z"].to(DEV), block_d=BLOCK_D, **tuning,
+        dt_bias=p["dt_bias"].to(DEV), z=t["z"].to(DEV), **{"block_d": BLOCK_D, **tuning},
     ).cpu()  # fmt: skip
     real = sum(lens[:-1])
     torch.testing.assert_close(got[:real], want[:real], **TOL)
@@ -234,13 +238,14 @@ def test_strided_x_z_and_out() -> None:
 
 def _varlen(t, p, st, slots, lens, initial, **kw) -> torch.Tensor:
     """``mamba1_scan`` over ``lens`` with D and dt_bias (``kw``: z, time_chunk, out, ...;
-    ``block_d`` BLOCK_D unless given)."""
+    the tile kernel (``lanes=False``) with ``block_d`` BLOCK_D unless given)."""
     cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=DEV)
     return K.mamba1_scan(
         *(_dev(t)[k] for k in ("x", "dt")), p["A_log"].to(DEV), *(_dev(t)[k] for k in "BC"),
         st, torch.tensor(slots, dtype=torch.int32, device=DEV), cu_seqlens=cu,
         has_initial_state=None if initial is None else torch.tensor(initial, device=DEV),
-        D=p["D"].to(DEV), dt_bias=p["dt_bias"].to(DEV), **{"block_d": BLOCK_D, **kw},
+        D=p["D"].to(DEV), dt_bias=p["dt_bias"].to(DEV),
+        **{"block_d": BLOCK_D, "lanes": False, **kw},
     )  # fmt: skip
 
 
@@ -374,6 +379,36 @@ def test_lanes_without_state_update_and_argument_checks() -> None:
                     num_warps=warps)  # fmt: skip
     with pytest.raises(ValueError, match="num_warps: expected a power of two, got 3"):
         _varlen(t, p, st, slots, lens, initial, lanes=True, block_d=128, num_warps=3)
+
+
+def test_default_scan_takes_the_lanes_kernel_where_it_was_measured(monkeypatch) -> None:
+    """``lanes=None``: the lanes kernel for varlen calls without per-token states at d_state up
+    to ``LANES_MAX_D_STATE``; the tile kernel with ``intermediate_states``, above that d_state
+    and for decode. The tile kernel's knobs (``requests_per_program``, ``cache_hints``) on a
+    call the lanes kernel serves are refused, not ignored."""
+    from attn_plugin_triton_ssm.kernels import mamba1 as m1
+
+    calls = _record_launches(monkeypatch, "launch_lanes", "write_state")
+    gen, p, t, pool, st = _two_requests(12)
+    lens, slots, initial = TWO_LENS, TWO_SLOTS, TWO_INITIAL
+    want_st = st.clone()
+    want = _varlen(t, p, want_st, slots, lens, initial, lanes=False).cpu()
+    got = _varlen(t, p, st, slots, lens, initial, lanes=None, block_d=None).cpu()
+    assert calls == [True]
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(st.cpu(), want_st.cpu(), **TOL)
+    inter = torch.zeros(2, 10, Dn, N, device=DEV)
+    _varlen(t, p, pool.clone().to(DEV), slots, lens, initial, lanes=None, intermediate_states=inter)
+    monkeypatch.setattr(m1, "LANES_MAX_D_STATE", N - 1)
+    _varlen(t, p, pool.clone().to(DEV), slots, lens, initial, lanes=None)
+    _assert_decode_ignores(gen, p, pool, lanes=None)
+    assert calls == [True]
+    monkeypatch.setattr(m1, "LANES_MAX_D_STATE", N)
+    for knob in ({"requests_per_program": 2}, {"cache_hints": True}):
+        for lanes in (None, True):
+            with pytest.raises(ValueError, match=rf"{next(iter(knob))}: .*pass lanes=False"):
+                _varlen(t, p, st, slots, lens, initial, lanes=lanes, block_d=None, **knob)
+    assert calls == [True]
 
 
 def _record_launches(monkeypatch, launcher: str, key: str) -> list:

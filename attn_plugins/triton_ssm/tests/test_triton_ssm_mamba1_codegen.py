@@ -131,20 +131,21 @@ def _loop_body(ptx: str) -> str:
     raise AssertionError("no loop in the lanes kernel's PTX")
 
 
+@pytest.mark.parametrize("block_d", [128, 256], ids=["a channel a thread", "two (default)"])
 @pytest.mark.parametrize("write_out", [True, False], ids=["output pass", "state pass"])
-def test_lanes_kernel_keeps_a_channel_in_one_thread(write_out: bool) -> None:
-    """The lanes kernel (a channel a thread, d_state 16) compiles for sm90 with its token loop
-    free of shuffles (``y = h . C`` sums inside the thread) and one ``ex2.approx.ftz`` per
-    state entry plus the softplus's, whose ``log2`` is one ``lg2.approx`` (not libdevice's
-    polynomial)."""
-    n = 16
+def test_lanes_kernel_keeps_a_channel_in_one_thread(write_out: bool, block_d: int) -> None:
+    """The lanes kernel (d_state 16, 4 warps: one or two channels a thread) compiles for sm90
+    with its token loop free of shuffles (``y = h . C`` sums inside the thread) and, per
+    channel, one ``ex2.approx.ftz`` per state entry plus the softplus's, whose ``log2`` is one
+    ``lg2.approx`` (not libdevice's polynomial)."""
+    n, channels = 16, block_d // 128
     constexprs = dict(
-        D=8192, N=n, BD=128, HAS_INIT=not write_out, HAS_D=write_out, HAS_DT_BIAS=True,
+        D=8192, N=n, BD=block_d, HAS_INIT=not write_out, HAS_D=write_out, HAS_DT_BIAS=True,
         HAS_Z=write_out, DT_SOFTPLUS=True, WRITE_STATE=not write_out, WRITE_OUT=write_out,
         STORE_DTSUM=not write_out, FAST=True, s_xd=1, s_zd=1, s_od=1,
     )  # fmt: skip
     ptx = _ptx(constexprs, "attn_plugin_triton_ssm.kernels.mamba1_lanes:_mamba1_lanes_kernel", 4)
     body = _loop_body(ptx)
     assert "shfl" not in body
-    assert len(re.findall(r"ex2\.approx\.ftz\.f32", body)) == n + 1
-    assert len(re.findall(r"lg2\.approx\.ftz\.f32", body)) == 1
+    assert len(re.findall(r"ex2\.approx\.ftz\.f32", body)) == (n + 1) * channels
+    assert len(re.findall(r"lg2\.approx\.ftz\.f32", body)) == channels

@@ -107,12 +107,14 @@ def test_varlen_prefill_real_shape(K, lanes):
     torch.testing.assert_close(state[slots], ref_pool[slots], atol=1e-3, rtol=1e-3)
 
 
-# time_chunk 1000: longer than every request but one; the lanes kernel as the walk (a channel
-# a thread, and two) and as both scans of the chunked form
+# time_chunk 1000: longer than every request but one; the tile kernel's chunked form, the lanes
+# kernel as the walk (two channels a thread, the default, and one) and as both scans of the
+# chunked form
 @pytest.mark.parametrize(
     "variant",
-    [{"time_chunk": 64}, {"time_chunk": 256}, {"time_chunk": 1000},
-     {"lanes": True, "time_chunk": 0}, {"lanes": True, "time_chunk": 0, "block_d": 256},
+    [{"lanes": False, "time_chunk": 64}, {"lanes": False, "time_chunk": 256},
+     {"lanes": False, "time_chunk": 1000},
+     {"lanes": True, "time_chunk": 0}, {"lanes": True, "time_chunk": 0, "block_d": 128},
      {"lanes": True, "time_chunk": 64}, {"lanes": True, "time_chunk": 256}],
     ids=lambda v: "-".join(f"{k}{n}" for k, n in v.items()),
 )  # fmt: skip

@@ -23,7 +23,10 @@ A long prefill among few requests leaves most SMs idle (``D / BD`` programs, eac
 thousands of dependent steps). ``mamba1_scan(time_chunk=L)`` cuts each request into chunks of
 ``L`` tokens and runs the same kernel over the chunks (from zero, then again from the carried
 state) with a cheap carry pass in between (:func:`_launch_chunked`); :func:`auto_time_chunk`
-turns it on where the walk would leave SMs idle.
+turns it on where the walk would leave SMs idle. Varlen calls without per-token states (prefill,
+mixed steps) run the walk and the chunks' scans on a second kernel by default, which keeps
+whole channels in a thread (:mod:`.mamba1_lanes`, :data:`LANES_DEFAULT`); the verify and the
+replay commit keep the tile kernel, so both commit strategies round alike.
 
 The state pool is ``[S, D, N]`` or attn-core's ``[S, D, N, 1]`` (the same memory: HF's
 ``[.., d_inner, d_state]`` cache), fp32 or bf16, maths in fp32, cast on store.
@@ -401,12 +404,14 @@ def mamba1_scan(
     :param loads_first: decode only, unrolled requests: load every request's state tile
         before updating any (in registers: more in flight, more registers).
     :param lanes: a varlen call (``cu_seqlens`` given, no ``intermediate_states``) runs the
-        one-channel-a-thread kernel (:mod:`.mamba1_lanes`) for the walk and for both scans of
+        whole-channels-a-thread kernel (:mod:`.mamba1_lanes`) for the walk and for both scans of
         ``time_chunk``; ``block_d`` and ``num_warps`` then tile it
         (:func:`~.mamba1_lanes.lanes_tiling`). ``False``: the ``[BD, N]`` tile kernel. None:
-        :data:`LANES_DEFAULT` for varlen calls without ``intermediate_states``, else off.
-        ``True`` on a decode call or with ``intermediate_states``: ValueError (the verify's
-        two commit strategies must round alike, so they keep the tile kernel).
+        :data:`LANES_DEFAULT` for varlen calls without ``intermediate_states`` at d_state
+        ``N <= LANES_MAX_D_STATE``, else the tile kernel. ``True`` on a decode call or with
+        ``intermediate_states``: ValueError (the verify's two commit strategies must round
+        alike, so they keep the tile kernel). The tile kernel's ``requests_per_program`` and
+        ``cache_hints`` on a call the lanes kernel serves: ValueError (pass ``lanes=False``).
     :returns: ``out``: ``y`` per token and channel.
     """
     if requests_per_program is not None and (
@@ -428,7 +433,7 @@ def mamba1_scan(
         )
     if lanes and (cu_seqlens is None or intermediate_states is not None):
         raise ValueError(
-            "lanes: the one-channel-a-thread kernel serves varlen calls (cu_seqlens given) "
+            "lanes: the whole-channels-a-thread kernel serves varlen calls (cu_seqlens given) "
             "without intermediate_states; got "
             f"cu_seqlens={'given' if cu_seqlens is not None else None}, intermediate_states="
             f"{'given' if intermediate_states is not None else None}"
@@ -484,7 +489,18 @@ def mamba1_scan(
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     check_shape("out", out, [T, Dn], "[T, D]")  # any strides, as x
     if lanes is None:
-        lanes = LANES_DEFAULT and cu_seqlens is not None and inter is None
+        lanes = (
+            LANES_DEFAULT and cu_seqlens is not None and inter is None and N <= LANES_MAX_D_STATE
+        )
+    if lanes:
+        for name, asked in (("requests_per_program", requests_per_program is not None),
+                            ("cache_hints", bool(cache_hints))):  # fmt: skip
+            if asked:
+                raise ValueError(
+                    f"{name}: a knob of the [BD, N] tile kernel; this varlen call runs the "
+                    "whole-channels-a-thread kernel (lanes, the default for varlen calls without "
+                    "intermediate_states): pass lanes=False"
+                )
     if time_chunk is None and cu_seqlens is not None and inter is None:
         time_chunk = auto_time_chunk(T, R, Dn, x.device, lanes=lanes)
     if time_chunk and cu_seqlens is not None:
@@ -529,18 +545,27 @@ AUTO_TIME_CHUNK = 256
 #: programs per SM and beat them from 15.5 (``bench_ssm.py`` section ``mamba1_chunk_rule``;
 #: figures: docs/results.md).
 AUTO_CHUNK_BELOW_PROGRAMS_PER_SM = 12
-#: Whether varlen calls without per-token states take the one-channel-a-thread kernel
-#: (:mod:`.mamba1_lanes`) when ``mamba1_scan`` is given ``lanes=None``.
-LANES_DEFAULT = False
+#: Whether varlen calls without per-token states take the whole-channels-a-thread kernel
+#: (:mod:`.mamba1_lanes`) when ``mamba1_scan`` is given ``lanes=None``. On the H200 at d_inner
+#: 8192, d_state 16, T = 8192, it ran 2.0x / 1.4x / 2.2x the tile kernel's rate as 1 / 4 / 16
+#: requests, 1.20x / 1.00x / 1.70x mamba_ssm's CUDA selective scan (docs/results.md).
+LANES_DEFAULT = True
+#: The largest d_state the default sends to the lanes kernel: it holds a channel's ``N``
+#: states in registers (``2 N`` at its default two channels a thread), measured at 16, the
+#: d_state of every Mamba1 model served (Falcon-Mamba, Jamba, mamba-*); larger ones would
+#: spill, so they keep the tile kernel unless ``lanes=True`` asks.
+LANES_MAX_D_STATE = 16
 
 
 def auto_time_chunk(T: int, R: int, D: int, device: torch.device, *, lanes: bool = False) -> int:
     """The ``time_chunk`` :func:`mamba1_scan` uses when given None, for ``T`` tokens of ``R``
     requests over ``D`` channels: :data:`AUTO_TIME_CHUNK` where the sequential walk leaves the
     GPU idle (few warps, at least two chunks a request on average), else 0 (the walk). The
-    walk's warps: one per program of 16 channels for the tile kernel, one per 32 channels for
-    the lanes kernel (``lanes``); both against :data:`AUTO_CHUNK_BELOW_PROGRAMS_PER_SM` warps
-    per SM. Always 0 off CUDA: Triton's interpreter gains nothing from chunks."""
+    walk's warps: one per program of 16 channels for the tile kernel, ``LANES_WARPS`` per
+    ``LANES_BLOCK_D`` channels for the lanes kernel (``lanes``); both against
+    :data:`AUTO_CHUNK_BELOW_PROGRAMS_PER_SM` warps per SM (the lanes walk lost to chunks of
+    256 at 3.9 warps per SM and beat them at 15.5 on the H200). Always 0 off CUDA: Triton's
+    interpreter gains nothing from chunks."""
     if device.type != "cuda" or R == 0 or T < 2 * AUTO_TIME_CHUNK * R:
         return 0
     warps = R * (cdiv(D, LANES_BLOCK_D) * LANES_WARPS if lanes else cdiv(D, _WALK_BLOCK_D))

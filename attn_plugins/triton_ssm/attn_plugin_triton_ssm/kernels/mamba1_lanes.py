@@ -1,4 +1,4 @@
-"""Mamba1 prefill with one channel per thread: every state entry of a channel in that thread.
+"""Mamba1 prefill with whole channels per thread: every state entry of a channel in one thread.
 
 :func:`~attn_plugin_triton_ssm.kernels.mamba1.mamba1_scan`'s walk holds a ``[BD, N]`` tile a
 program, which Triton spreads over threads along ``N`` (four entries of two channels a thread
@@ -7,8 +7,9 @@ than once per channel, ``y = h . C`` crosses threads, and ``exp`` carries Triton
 guard: compiled for sm90 at d_state 16, its token loop is 274 instructions for the 8 state
 entries a thread holds, 34 an entry.
 
-Here a program is a 1-D block of ``BD`` channels, one a thread, and the state row of a channel
-is a tuple of ``N`` registers (``N`` vectors of ``[BD]``), so per token and channel:
+Here a program is a 1-D block of ``BD`` channels, whole channels a thread (``BD / (32 *
+num_warps)`` of them: two by default), and the state row of a channel is a tuple of ``N``
+registers (``N`` vectors of ``[BD]``), so per token and channel:
 
     dt  <- softplus(dt + dt_bias)          once (lg2 / ex2 of the special-function unit)
     h_n <- h_n * 2^(dt a_n) + (dt x) B_n    n = 0 .. N-1, ``a_n = -exp(A_log[:, n]) log2(e)``
@@ -17,9 +18,9 @@ is a tuple of ``N`` registers (``N`` vectors of ``[BD]``), so per token and chan
 with ``B_n``, ``C_n`` as scalars every thread of the block reads. Its token loop compiles for
 sm90 to 13 instructions a state entry with the output (10.6 at two channels a thread, whose
 ``B`` and ``C`` loads serve both), 9 without it (the chunked form's first scan); one of them
-is the ``ex2`` every recurrence of this kind needs. Opt-in (``mamba1_scan(lanes=True)``)
-until it has run on a GPU against the tile kernel and mamba_ssm (``test_triton_ssm_mamba1_gpu``,
-``bench_ssm.py --only mamba1_lanes``).
+is the ``ex2`` every recurrence of this kind needs. ``mamba1_scan``'s default where it serves
+(:data:`~attn_plugin_triton_ssm.kernels.mamba1.LANES_DEFAULT`), checked on the GPU against the
+tile kernel and mamba_ssm (``test_triton_ssm_mamba1_gpu``, ``bench_ssm.py --only mamba1_lanes``).
 
 It serves varlen calls only (prefill and mixed steps: no per-token states, so not the
 speculative verify, whose two commit strategies must round alike), as the walk of whole
@@ -38,11 +39,13 @@ from attn_plugin_triton_ssm.kernels._common import INTERPRETED, cdiv
 
 __all__ = ["LANES_BLOCK_D", "LANES_WARPS", "lanes_tiling", "launch_lanes"]
 
-#: Warps per program and channels per program by default: one channel a thread. Compiled for
-#: sm90 at d_state 16 the output pass takes 64 registers a thread and 13 instructions per state
-#: entry a token; two channels a thread (``block_d=256``) 128 and 10.6.
+#: Warps per program and channels per program by default: two channels a thread. Compiled for
+#: sm90 at d_state 16 the output pass takes 128 registers a thread and 10.6 instructions per
+#: state entry a token (one channel a thread: 64 and 13, their ``B`` and ``C`` loads serving
+#: one channel). On the H200 at d_inner 8192, T = 8192, two channels a thread ran 1.09x /
+#: 1.10x / 1.43x the rate of one as 1 / 4 / 16 requests (docs/results.md).
 LANES_WARPS = 4
-LANES_BLOCK_D = 32 * LANES_WARPS
+LANES_BLOCK_D = 64 * LANES_WARPS
 
 
 def lanes_tiling(block_d: int | None, num_warps: int | None) -> tuple[int, int]:
