@@ -21,6 +21,7 @@
 #           b_fi b_ssm b_varlen b_runtime b_e2e b_kvw b_tuned (benchmarks, JSON under $OUT)
 #           b_samples                                       (attn bench --device cuda per BENCH_SAMPLES)
 #           b_ssd b_gdn b_kda b_mamba1 b_ssd_ref            (triton_ssm prefill rows, one each;
+#           b_issue23                                       (issue 23's table, one run)
 #                                                            b_mamba1 carries .ext: mamba_ssm's scan;
 #                                                            b_ssd_ref carries .ext: mamba_ssm's
 #                                                            Triton SSD, our SSD timed against it)
@@ -213,8 +214,17 @@ b_sweep) run b_sweep 400 python3 attn_plugins/triton_ssm/bench/bench_decode_swee
 b_mamba1)  # Mamba1 prefill against mamba_ssm's CUDA scan, built here from the carried .ext/
   # (scripts/pack_mamba_ssm_src.sh; 1-2 minutes on the first call of a machine)
   run b_mamba1_build 400 python3 attn_plugins/triton_ssm/bench/mamba_ssm_scan.py
-  run b_mamba1 300 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --prefill --only mamba1_prefill \
-    --budget-s 280 --out "$OUT/bench_mamba1.json" ;;
+  # mamba1_lanes: both kernels against mamba_ssm in alternating rounds (about 20 s)
+  run b_mamba1 300 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --prefill \
+    --only mamba1_prefill,mamba1_lanes --budget-s 280 --out "$OUT/bench_mamba1.json" ;;
+b_issue23)  # issue 23's table in one process per group: GDN / Mamba2 decode against copy and
+  # fla, GDN / KDA prefill against fla, the SSD against mamba_ssm's Triton SSD (carry .whl with
+  # fla-core and .ext with mamba_ssm_triton); BENCH_ISSUE23_S: its budget (the whole table
+  # needs about 460 s on a cold cache)
+  run b_issue23 "$(( ${BENCH_ISSUE23_S:-520} + 20 ))" python3 attn_plugins/triton_ssm/bench/bench_ssm.py \
+    --prefill --only gdn_decode,mamba2_decode,gdn_prefill,kda_prefill,mamba2_vs_mamba_ssm \
+    --vs-mamba-ssm-tokens 32768 --gdn-variants "out given" --budget-s "${BENCH_ISSUE23_S:-520}" \
+    --out "$OUT/bench_issue23.json" ;;
 b_ssd_ref)  # Mamba2 SSD prefill against mamba_ssm's Triton mamba_chunk_scan_combined, imported
   # from the carried .ext/mamba_ssm_triton (scripts/pack_mamba_ssm_triton.sh; pure Triton, no
   # build; its kernels autotune on the first call, tens of seconds). BENCH_SSD_REF_ARGS: e.g.
