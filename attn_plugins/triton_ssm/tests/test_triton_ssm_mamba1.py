@@ -63,12 +63,16 @@ def _reference(t, p, pool, lens, slots, initial, *, intermediate=None):
 
 
 # requests_per_program 3: four requests, the second program gets one; with the streaming hints,
-# and as a pipelined loop
+# and as a pipelined loop; the lanes kernel's decode: one channel a thread by default (its state
+# in 16-byte rows) and on one warp, two channels a thread (a state entry at a time)
 @pytest.mark.parametrize(
     "tuning",
     [{}, {"requests_per_program": 3, "cache_hints": True},
-     {"requests_per_program": 3, "pipeline": 2}, {"requests_per_program": 3, "loads_first": True}],
-    ids=["default", "rpp3-hints", "rpp3-pipelined", "rpp3-loads-first"],
+     {"requests_per_program": 3, "pipeline": 2}, {"requests_per_program": 3, "loads_first": True},
+     {"lanes": True, "block_d": None}, {"lanes": True, "block_d": 32, "num_warps": 1},
+     {"lanes": True, "block_d": 64, "num_warps": 1}],
+    ids=["default", "rpp3-hints", "rpp3-pipelined", "rpp3-loads-first", "lanes",
+         "lanes-32", "lanes-64x2"],
 )  # fmt: skip
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("pool_dims", [3, 4])
@@ -83,8 +87,8 @@ def test_decode_matches_reference(state_dtype: torch.dtype, pool_dims: int, tuni
     got = K.mamba1_decode(
         *(_dev(t)[k] for k in ("x", "dt")), p["A_log"].to(DEV), *(_dev(t)[k] for k in "BC"),
         st if pool_dims == 4 else st.squeeze(-1), torch.tensor(slots, dtype=torch.int32).to(DEV),
-        D=p["D"].to(DEV), dt_bias=p["dt_bias"].to(DEV), z=t["z"].to(DEV), block_d=BLOCK_D,
-        **tuning,
+        D=p["D"].to(DEV), dt_bias=p["dt_bias"].to(DEV), z=t["z"].to(DEV),
+        **{"block_d": BLOCK_D, **tuning},
     ).cpu()  # fmt: skip
     tol = TOL if state_dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
     live = [b for b, s in enumerate(slots) if s >= 0]
@@ -357,21 +361,19 @@ def test_lanes_prefill_matches_sequential_and_reference(
 
 
 def test_lanes_without_state_update_and_argument_checks() -> None:
-    """``lanes=True`` with ``update_state=False`` leaves every slot; it refuses decode calls,
+    """``lanes=True`` with ``update_state=False`` leaves every slot; it refuses
     ``intermediate_states`` and tilings that do not give each thread whole channels."""
-    gen, p, t, pool, st = _two_requests(10)
+    _, p, t, pool, st = _two_requests(10)
     lens, slots, initial = TWO_LENS, TWO_SLOTS, TWO_INITIAL
     seq = _varlen(t, p, st.clone(), slots, lens, initial, time_chunk=0, lanes=False).cpu()
     got = _varlen(t, p, st, slots, lens, initial, time_chunk=0, lanes=True, block_d=32,
                   num_warps=1, update_state=False).cpu()  # fmt: skip
     assert torch.equal(st.cpu(), pool)
     torch.testing.assert_close(got, seq, **TOL)
-    with pytest.raises(ValueError, match=r"lanes: .*serves varlen calls.*cu_seqlens=None"):
-        d = _dev(_tokens(2, gen))
-        K.mamba1_scan(d["x"], d["dt"], p["A_log"].to(DEV), d["B"], d["C"], st,
-                      torch.tensor([0, 2], dtype=torch.int32, device=DEV), lanes=True)  # fmt: skip
     inter = torch.zeros(2, 10, Dn, N, device=DEV)
-    with pytest.raises(ValueError, match="intermediate_states=given"):
+    with pytest.raises(
+        ValueError, match=r"lanes: .*no per-token states.*intermediate_states=given"
+    ):
         _varlen(t, p, st, slots, lens, initial, lanes=True, intermediate_states=inter)
     for block_d, warps in ((48, 1), (32, 2), (16, None)):
         with pytest.raises(ValueError, match=rf"block_d: the lanes kernel.*got {block_d}"):

@@ -63,6 +63,9 @@ DECODE_TILINGS = {
     "rpp4": {"requests_per_program": 4},
     "pipelined": {"requests_per_program": 8, "pipeline": 3, "block_d": 32, "num_warps": 1},
     "loads-first": {"requests_per_program": 2, "loads_first": True},
+    # the lanes kernel: one channel a thread (16-byte state rows), and two
+    "lanes": {"lanes": True},
+    "lanes-2ch": {"lanes": True, "block_d": 256, "num_warps": 4},
 }
 
 

@@ -403,15 +403,16 @@ def mamba1_scan(
         state tiles load into shared memory while one is updated); ``0`` unrolls them.
     :param loads_first: decode only, unrolled requests: load every request's state tile
         before updating any (in registers: more in flight, more registers).
-    :param lanes: a varlen call (``cu_seqlens`` given, no ``intermediate_states``) runs the
-        whole-channels-a-thread kernel (:mod:`.mamba1_lanes`) for the walk and for both scans of
-        ``time_chunk``; ``block_d`` and ``num_warps`` then tile it
+    :param lanes: ``True``: the whole-channels-a-thread kernel (:mod:`.mamba1_lanes`) for the
+        walk and for both scans of ``time_chunk``, or for a decode call (one channel a thread
+        by default); ``block_d`` and ``num_warps`` then tile it
         (:func:`~.mamba1_lanes.lanes_tiling`). ``False``: the ``[BD, N]`` tile kernel. None:
         :data:`LANES_DEFAULT` for varlen calls without ``intermediate_states`` at d_state
-        ``N <= LANES_MAX_D_STATE``, else the tile kernel. ``True`` on a decode call or with
-        ``intermediate_states``: ValueError (the verify's two commit strategies must round
-        alike, so they keep the tile kernel). The tile kernel's ``requests_per_program`` and
-        ``cache_hints`` on a call the lanes kernel serves: ValueError (pass ``lanes=False``).
+        ``N <= LANES_MAX_D_STATE``, else the tile kernel (decode included: the lanes decode
+        is opt-in until timed against it). ``True`` with ``intermediate_states``: ValueError
+        (the verify's two commit strategies must round alike, so they keep the tile kernel).
+        The tile kernel's ``requests_per_program`` and ``cache_hints`` on a call the lanes
+        kernel serves: ValueError (pass ``lanes=False``).
     :returns: ``out``: ``y`` per token and channel.
     """
     if requests_per_program is not None and (
@@ -431,12 +432,11 @@ def mamba1_scan(
             "time_chunk: the time-chunked scan keeps no per-token states; pass time_chunk=0 "
             "(or None) with intermediate_states"
         )
-    if lanes and (cu_seqlens is None or intermediate_states is not None):
+    if lanes and intermediate_states is not None:
         raise ValueError(
-            "lanes: the whole-channels-a-thread kernel serves varlen calls (cu_seqlens given) "
-            "without intermediate_states; got "
-            f"cu_seqlens={'given' if cu_seqlens is not None else None}, intermediate_states="
-            f"{'given' if intermediate_states is not None else None}"
+            "lanes: the whole-channels-a-thread kernel keeps no per-token states; got "
+            "intermediate_states=given (the verify's two commit strategies share the tile "
+            "kernel: pass lanes=False or None)"
         )
     check_shape("x", x, [None, None], "[T, D]")
     T, Dn = x.shape
@@ -511,7 +511,7 @@ def mamba1_scan(
             cache_hints=bool(cache_hints), lanes=lanes,
         )  # fmt: skip
         return out
-    if lanes and cu_seqlens is not None:  # (lanes=True without it was refused above)
+    if lanes:  # varlen, or a decode asking for it (lanes=True)
         launch_lanes(
             x, dt, A_log, B, C, state, state_indices, out, cu=cu_seqlens,
             init=has_initial_state, D=D, dt_bias=dt_bias, z=z, dt_softplus=dt_softplus,

@@ -22,11 +22,12 @@ is the ``ex2`` every recurrence of this kind needs. ``mamba1_scan``'s default wh
 (:data:`~attn_plugin_triton_ssm.kernels.mamba1.LANES_DEFAULT`), checked on the GPU against the
 tile kernel and mamba_ssm (``test_triton_ssm_mamba1_gpu``, ``bench_ssm.py --only mamba1_lanes``).
 
-It serves varlen calls only (prefill and mixed steps: no per-token states, so not the
-speculative verify, whose two commit strategies must round alike), as the walk of whole
-requests and as both scans of the time-chunked form (:func:`launch_lanes`); the state update
-is the same explicit FMA as the tile kernel's, the decay ``2^(dt a_n)`` rounds differently from
-its ``exp(dt A)``.
+It serves varlen calls (prefill and mixed steps) as the walk of whole requests and as both scans
+of the time-chunked form, and decode where asked (``mamba1_scan(lanes=True)`` without
+``cu_seqlens``: opt-in until a sweep times it against the tile kernel), all through
+:func:`launch_lanes`; it keeps no per-token states, so not the speculative verify, whose two
+commit strategies must round alike. The state update is the same explicit FMA as the tile
+kernel's; the decay ``2^(dt a_n)`` rounds differently from its ``exp(dt A)``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import triton.language as tl
 
 from attn_plugin_triton_ssm.kernels._common import INTERPRETED, cdiv
 
-__all__ = ["LANES_BLOCK_D", "LANES_WARPS", "lanes_tiling", "launch_lanes"]
+__all__ = ["LANES_BLOCK_D", "LANES_DECODE_WARPS", "LANES_WARPS", "lanes_tiling", "launch_lanes"]
 
 #: Warps per program and channels per program by default: two channels a thread. Compiled for
 #: sm90 at d_state 16 the output pass takes 128 registers a thread and 10.6 instructions per
@@ -46,6 +47,10 @@ __all__ = ["LANES_BLOCK_D", "LANES_WARPS", "lanes_tiling", "launch_lanes"]
 #: 1.10x / 1.43x the rate of one as 1 / 4 / 16 requests (docs/results.md).
 LANES_WARPS = 4
 LANES_BLOCK_D = 64 * LANES_WARPS
+#: Warps of a decode launch (``mamba1_scan(lanes=True)`` without ``cu_seqlens``), one channel a
+#: thread: its state moves in 16-byte rows (``GROUPED``), which two channels a thread would
+#: take through shared memory to meet the channel vectors' layout.
+LANES_DECODE_WARPS = 4
 
 
 def lanes_tiling(block_d: int | None, num_warps: int | None) -> tuple[int, int]:
@@ -77,6 +82,22 @@ def _lg2(x, FAST: tl.constexpr):
 
 
 @triton.jit
+def _columns4(tile):
+    """A ``[BD, 4]`` tile's four columns, each ``[BD]``: in-thread where a thread holds whole
+    rows (one channel a thread)."""
+    a, b = tl.split(tl.reshape(tile, [tile.shape[0], 2, 2]))  # a: columns 0, 2; b: 1, 3
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    return a0, b0, a1, b1
+
+
+@triton.jit
+def _rows4(c0, c1, c2, c3):
+    """Four ``[BD]`` columns as one ``[BD, 4]`` tile (:func:`_columns4`'s inverse)."""
+    return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), [c0.shape[0], 4])
+
+
+@triton.jit
 def _mamba1_lanes_kernel(
     x_ptr,  # [T, D] (s_xt, s_xd)
     dt_ptr,  # [T, D] (s_dtt, 1)
@@ -88,7 +109,7 @@ def _mamba1_lanes_kernel(
     z_ptr,  # [T, D] (s_zt, s_zd); HAS_Z
     state_ptr,  # [S, D, N] (s_ss, s_sd, 1) float32 / bfloat16
     idx_ptr,  # [R] slot per request, -1: padding
-    cu_ptr,  # [R + 1] token offsets
+    cu_ptr,  # [R + 1] token offsets; not read where DECODE
     init_ptr,  # [R] bool, False: start from zero; HAS_INIT
     out_ptr,  # [T, D] (s_ot, s_od); WRITE_OUT
     dts_ptr,  # [S, D] float32: each request's total dt per channel; STORE_DTSUM
@@ -115,9 +136,15 @@ def _mamba1_lanes_kernel(
     WRITE_OUT: tl.constexpr,
     STORE_DTSUM: tl.constexpr,
     FAST: tl.constexpr,
+    DECODE: tl.constexpr,
+    GROUPED: tl.constexpr,
 ):
-    """Grid ``(R, cdiv(D, BD))``: request ``pid_b``'s tokens in order on ``BD`` channels, one a
-    thread. A padding request (slot -1) reads no state, stores none and writes ``y = 0``."""
+    """Grid ``(R, cdiv(D, BD))``: request ``pid_b``'s tokens in order on ``BD`` channels, whole
+    channels a thread. A padding request (slot -1) reads no state, stores none and writes
+    ``y = 0``. ``DECODE``: request ``b`` is token ``b`` (``cu_ptr`` unread). ``GROUPED`` (one
+    channel a thread, ``N`` a multiple of 4): the state and ``A_log`` move in 16-byte rows of
+    four entries, one vector access each, where per-entry accesses would touch a line of every
+    other thread's row (a decode step's whole traffic; a prefill's once a request)."""
     pid_b = tl.program_id(0)
     pid_d = tl.program_id(1)
     o_d = pid_d * BD + tl.arange(0, BD)
@@ -126,19 +153,32 @@ def _mamba1_lanes_kernel(
     valid = (o_d * 0 + slot) >= 0  # a block: the interpreter rejects scalar & block masks
     m_state = m_d & valid
     p_state = state_ptr + slot * s_ss + o_d * s_sd
-    start = tl.load(cu_ptr + pid_b).to(tl.int64)
-    end = tl.load(cu_ptr + pid_b + 1).to(tl.int64)
+    if DECODE:
+        start = pid_b.to(tl.int64)
+        end = start + 1
+    else:
+        start = tl.load(cu_ptr + pid_b).to(tl.int64)
+        end = tl.load(cu_ptr + pid_b + 1).to(tl.int64)
 
     fresh = o_d < 0  # no channel starts from zero unless HAS_INIT says so
     if HAS_INIT:
         fresh = (o_d * 0 + tl.load(init_ptr + pid_b).to(tl.int32)) == 0
     hs = ()
     As = ()
-    for n in tl.static_range(N):
-        h = tl.load(p_state + n, mask=m_state & ~fresh, other=0.0).to(tl.float32)
-        a = -tl.exp(tl.load(a_log_ptr + o_d * N + n, mask=m_d, other=0.0)) * 1.4426950408889634
-        hs = hs + (h,)  # type: ignore[assignment]  # noqa: RUF005
-        As = As + (a,)  # type: ignore[assignment]  # noqa: RUF005
+    if GROUPED:
+        for g in tl.static_range(N // 4):
+            o_n = g * 4 + tl.arange(0, 4)
+            m_row = (m_state & ~fresh)[:, None]
+            h4 = tl.load(p_state[:, None] + o_n[None, :], mask=m_row, other=0.0).to(tl.float32)
+            a4 = tl.load(a_log_ptr + o_d[:, None] * N + o_n[None, :], mask=m_d[:, None], other=0.0)
+            hs = hs + _columns4(h4)
+            As = As + _columns4(-tl.exp(a4) * 1.4426950408889634)
+    else:
+        for n in tl.static_range(N):
+            h = tl.load(p_state + n, mask=m_state & ~fresh, other=0.0).to(tl.float32)
+            a = tl.load(a_log_ptr + o_d * N + n, mask=m_d, other=0.0)
+            hs = hs + (h,)  # type: ignore[assignment]  # noqa: RUF005
+            As = As + (-tl.exp(a) * 1.4426950408889634,)  # type: ignore[assignment]  # noqa: RUF005
     b_bias = tl.zeros([BD], dtype=tl.float32)
     if HAS_DT_BIAS:
         b_bias = tl.load(dt_bias_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)
@@ -176,10 +216,24 @@ def _mamba1_lanes_kernel(
             tl.store(out_ptr + t * s_ot + o_d * s_od, b_y.to(out_ptr.dtype.element_ty), mask=m_d)
 
     if WRITE_STATE:
-        for n in tl.static_range(N):
-            tl.store(p_state + n, hs[n].to(state_ptr.dtype.element_ty), mask=m_state)
+        if GROUPED:
+            for g in tl.static_range(N // 4):
+                o_n = g * 4 + tl.arange(0, 4)
+                h4 = _rows4(hs[4 * g], hs[4 * g + 1], hs[4 * g + 2], hs[4 * g + 3])
+                tl.store(p_state[:, None] + o_n[None, :], h4.to(state_ptr.dtype.element_ty),
+                         mask=m_state[:, None])  # fmt: skip
+        else:
+            for n in tl.static_range(N):
+                tl.store(p_state + n, hs[n].to(state_ptr.dtype.element_ty), mask=m_state)
     if STORE_DTSUM:  # time-chunked pass 1: the chunk's total dt per channel (pass 2's decay)
         tl.store(dts_ptr + slot * D + o_d, b_dts, mask=m_state)
+
+
+def _grouped(block_d: int, warps: int, d_state: int) -> bool:
+    """Whether the kernel moves the state in 16-byte rows: one channel a thread (a thread's
+    row is whole there, so the rows' columns need no shuffle into the channel vectors) and
+    ``d_state`` a multiple of 4."""
+    return block_d == 32 * warps and d_state % 4 == 0
 
 
 def launch_lanes(
@@ -192,7 +246,7 @@ def launch_lanes(
     idx: torch.Tensor,
     out: torch.Tensor | None,
     *,
-    cu: torch.Tensor,
+    cu: torch.Tensor | None,
     init: torch.Tensor | None,
     D: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
@@ -203,15 +257,20 @@ def launch_lanes(
     block_d: int | None = None,
     num_warps: int | None = None,
 ) -> None:
-    """One varlen launch: request ``b`` is tokens ``cu[b] .. cu[b + 1]`` continuing from
-    ``state[idx[b]]`` ``[D, N]`` (zeros where ``init[b]`` is False), ``y`` into ``out`` (None:
-    not computed), the end state back to the slot where ``write_state``, the total ``dt`` per
-    channel into ``dtsum[idx[b]]`` ``[S, D]`` float32 where given (the time-chunked scan's
-    first pass). Inputs as :func:`~attn_plugin_triton_ssm.kernels.mamba1.mamba1_scan` checked
-    them; ``state`` ``[S, D, N]`` with its last dim packed. ``block_d``, ``num_warps``: see
-    :func:`lanes_tiling`."""
+    """One launch: request ``b`` is tokens ``cu[b] .. cu[b + 1]`` (``cu`` None: decode, token
+    ``b``) continuing from ``state[idx[b]]`` ``[D, N]`` (zeros where ``init[b]`` is False),
+    ``y`` into ``out`` (None: not computed), the end state back to the slot where
+    ``write_state``, the total ``dt`` per channel into ``dtsum[idx[b]]`` ``[S, D]`` float32
+    where given (the time-chunked scan's first pass). Inputs as
+    :func:`~attn_plugin_triton_ssm.kernels.mamba1.mamba1_scan` checked them; ``state``
+    ``[S, D, N]`` with its last dim packed. ``block_d``, ``num_warps``: see
+    :func:`lanes_tiling`; a decode launch takes one channel a thread unless ``block_d`` says
+    otherwise (:data:`LANES_DECODE_WARPS` warps where ``num_warps`` is None)."""
     Dn, N = A_log.shape
     R = idx.shape[0]
+    if cu is None and block_d is None:
+        block_d = 32 * (num_warps or LANES_DECODE_WARPS)
+        num_warps = num_warps or LANES_DECODE_WARPS
     BD, warps = lanes_tiling(block_d, num_warps)
     if R == 0:
         return
@@ -220,7 +279,7 @@ def launch_lanes(
         D if D is not None else A_log,
         dt_bias if dt_bias is not None else A_log,
         z if z is not None else x,
-        state, idx, cu,
+        state, idx, cu if cu is not None else idx,
         init if init is not None else idx,
         out if out is not None else x,
         dtsum if dtsum is not None else A_log,
@@ -231,5 +290,5 @@ def launch_lanes(
         D=Dn, N=N, BD=BD, HAS_INIT=init is not None, HAS_D=D is not None,
         HAS_DT_BIAS=dt_bias is not None, HAS_Z=z is not None, DT_SOFTPLUS=dt_softplus,
         WRITE_STATE=write_state, WRITE_OUT=out is not None, STORE_DTSUM=dtsum is not None,
-        FAST=not INTERPRETED, num_warps=warps,
+        FAST=not INTERPRETED, DECODE=cu is None, GROUPED=_grouped(BD, warps, N), num_warps=warps,
     )  # fmt: skip
