@@ -217,6 +217,21 @@ def _no_outputs():
     return [dict.fromkeys(LAYERS, empty), dict.fromkeys(LAYERS, empty)]
 
 
+def _prefill_then_verify(registry, spec, strategy):
+    """A triton_ssm lane verifying with ``strategy``, after a prefill of requests a (4 tokens)
+    and b (6) and a verify of 3 speculative tokens each: ``(lane, the verify's results)``."""
+    constraints = ExecutionConstraints(
+        max_batch_size=4, max_num_tokens=32, speculative_tokens=3, spec_verify_strategy=strategy
+    )
+    lane = _lanes(registry, spec, constraints)[1]
+    for r in ("a", "b"):
+        lane.state.add_request(r)
+    run_step(lane, [("a", 4), ("b", 6)], step_inputs(spec, 10, DEV, 1))
+    for r, n in (("a", 4), ("b", 6)):
+        lane.state.advance(r, n)
+    return lane, run_step(lane, [("a", 4), ("b", 4)], step_inputs(spec, 8, DEV, 2), spec_tokens=3)
+
+
 @pytest.mark.parametrize(
     "variant", ["gated_deltanet", "kda", "mamba2", "mamba1", "lightning", "short_conv"]
 )
@@ -225,16 +240,7 @@ def test_native_and_replay_commit_the_same_state(registry, variant):
     spec = _spec(variant)
     got = []
     for strategy in ("native", "replay"):
-        constraints = ExecutionConstraints(
-            max_batch_size=4, max_num_tokens=32, speculative_tokens=3, spec_verify_strategy=strategy
-        )
-        lane = _lanes(registry, spec, constraints)[1]
-        for r in ("a", "b"):
-            lane.state.add_request(r)
-        run_step(lane, [("a", 4), ("b", 6)], step_inputs(spec, 10, DEV, 1))
-        for r, n in (("a", 4), ("b", 6)):
-            lane.state.advance(r, n)
-        run_step(lane, [("a", 4), ("b", 4)], step_inputs(spec, 8, DEV, 2), spec_tokens=3)
+        lane, _ = _prefill_then_verify(registry, spec, strategy)
         lane.runtime.commit_speculative(lane.batch, torch.tensor([2, 4], dtype=torch.int32))
         got.append(states(lane))
     for i in LAYERS:
@@ -250,26 +256,17 @@ def test_mamba1_prefill_takes_the_lanes_kernel_and_both_verify_strategies_the_ti
     whichever commits (native needs per-token states, which only the tile kernel writes)."""
     from attn_plugin_triton_ssm.kernels import mamba1 as m1
 
-    lanes_calls: list = []
+    tokens: list = []  # the tokens of each lanes launch: the prefill's 10, never the verify's 8
     real = m1.launch_lanes
-    monkeypatch.setattr(m1, "launch_lanes", lambda *a, **k: lanes_calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        m1, "launch_lanes", lambda *a, **k: tokens.append(int(k["cu"][-1])) or real(*a, **k)
+    )
     spec = _spec("mamba1")
     verify_out = []
     for strategy in ("native", "replay"):
-        constraints = ExecutionConstraints(
-            max_batch_size=4, max_num_tokens=32, speculative_tokens=3, spec_verify_strategy=strategy
-        )
-        lane = _lanes(registry, spec, constraints)[1]
-        for r in ("a", "b"):
-            lane.state.add_request(r)
-        lanes_calls.clear()
-        run_step(lane, [("a", 4), ("b", 6)], step_inputs(spec, 10, DEV, 1))
-        assert len(lanes_calls) == len(LAYERS), strategy
-        for r, n in (("a", 4), ("b", 6)):
-            lane.state.advance(r, n)
-        lanes_calls.clear()
-        res = run_step(lane, [("a", 4), ("b", 4)], step_inputs(spec, 8, DEV, 2), spec_tokens=3)
-        assert lanes_calls == [], strategy
+        tokens.clear()
+        _, res = _prefill_then_verify(registry, spec, strategy)
+        assert tokens == [10] * len(LAYERS), strategy
         verify_out.append({i: res[i][1].clone() for i in LAYERS})
     for i in LAYERS:
         assert torch.equal(verify_out[0][i], verify_out[1][i]), f"L{i} verify outputs"
