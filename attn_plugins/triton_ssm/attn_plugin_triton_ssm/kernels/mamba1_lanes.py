@@ -1,4 +1,4 @@
-"""Mamba1 prefill with whole channels per thread: every state entry of a channel in one thread.
+"""Mamba1 prefill (and decode, where asked) with whole channels a thread, states in registers.
 
 :func:`~attn_plugin_triton_ssm.kernels.mamba1.mamba1_scan`'s walk holds a ``[BD, N]`` tile a
 program, which Triton spreads over threads along ``N`` (four entries of two channels a thread
