@@ -53,13 +53,17 @@ LANES_BLOCK_D = 64 * LANES_WARPS
 LANES_DECODE_WARPS = 4
 
 
-def lanes_tiling(block_d: int | None, num_warps: int | None) -> tuple[int, int]:
+def lanes_tiling(
+    block_d: int | None, num_warps: int | None, *, decode: bool = False
+) -> tuple[int, int]:
     """``(BD, num_warps)``: ``BD`` channels a program, a power of two and a multiple of the
-    ``32 * num_warps`` threads (each thread takes ``BD / (32 * num_warps)`` channels)."""
-    warps = num_warps or LANES_WARPS
+    ``32 * num_warps`` threads (each thread takes ``BD / (32 * num_warps)`` channels). None
+    takes the defaults: :data:`LANES_BLOCK_D` on :data:`LANES_WARPS`, or for a ``decode``
+    launch one channel a thread on :data:`LANES_DECODE_WARPS`."""
+    warps = num_warps or (LANES_DECODE_WARPS if decode else LANES_WARPS)
     if warps < 1 or warps & (warps - 1):
         raise ValueError(f"num_warps: expected a power of two, got {warps}")
-    bd = block_d or max(LANES_BLOCK_D, 32 * warps)
+    bd = block_d or (32 * warps if decode else max(LANES_BLOCK_D, 32 * warps))
     if bd & (bd - 1) or bd < 32 * warps:
         raise ValueError(
             f"block_d: the lanes kernel takes a power of two >= 32 * num_warps = {32 * warps} "
@@ -79,6 +83,12 @@ def _lg2(x, FAST: tl.constexpr):
         )
     else:
         return tl.math.log2(x)
+
+
+@triton.jit
+def _decay_rate(a_log):
+    """``-exp(A_log) log2(e)``: the ``a`` of the decay ``2^(dt a)``, float32."""
+    return -tl.exp(a_log) * 1.4426950408889634
 
 
 @triton.jit
@@ -165,20 +175,20 @@ def _mamba1_lanes_kernel(
         fresh = (o_d * 0 + tl.load(init_ptr + pid_b).to(tl.int32)) == 0
     hs = ()
     As = ()
+    m_load = m_state & ~fresh
     if GROUPED:
         for g in tl.static_range(N // 4):
             o_n = g * 4 + tl.arange(0, 4)
-            m_row = (m_state & ~fresh)[:, None]
-            h4 = tl.load(p_state[:, None] + o_n[None, :], mask=m_row, other=0.0).to(tl.float32)
+            h4 = tl.load(p_state[:, None] + o_n[None, :], mask=m_load[:, None], other=0.0)
             a4 = tl.load(a_log_ptr + o_d[:, None] * N + o_n[None, :], mask=m_d[:, None], other=0.0)
-            hs = hs + _columns4(h4)
-            As = As + _columns4(-tl.exp(a4) * 1.4426950408889634)
+            hs = hs + _columns4(h4.to(tl.float32))
+            As = As + _columns4(_decay_rate(a4))
     else:
         for n in tl.static_range(N):
-            h = tl.load(p_state + n, mask=m_state & ~fresh, other=0.0).to(tl.float32)
+            h = tl.load(p_state + n, mask=m_load, other=0.0).to(tl.float32)
             a = tl.load(a_log_ptr + o_d * N + n, mask=m_d, other=0.0)
             hs = hs + (h,)  # type: ignore[assignment]  # noqa: RUF005
-            As = As + (-tl.exp(a) * 1.4426950408889634,)  # type: ignore[assignment]  # noqa: RUF005
+            As = As + (_decay_rate(a),)  # type: ignore[assignment]  # noqa: RUF005
     b_bias = tl.zeros([BD], dtype=tl.float32)
     if HAS_DT_BIAS:
         b_bias = tl.load(dt_bias_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)
@@ -264,14 +274,10 @@ def launch_lanes(
     where given (the time-chunked scan's first pass). Inputs as
     :func:`~attn_plugin_triton_ssm.kernels.mamba1.mamba1_scan` checked them; ``state``
     ``[S, D, N]`` with its last dim packed. ``block_d``, ``num_warps``: see
-    :func:`lanes_tiling`; a decode launch takes one channel a thread unless ``block_d`` says
-    otherwise (:data:`LANES_DECODE_WARPS` warps where ``num_warps`` is None)."""
+    :func:`lanes_tiling` (a decode launch: one channel a thread by default)."""
     Dn, N = A_log.shape
     R = idx.shape[0]
-    if cu is None and block_d is None:
-        block_d = 32 * (num_warps or LANES_DECODE_WARPS)
-        num_warps = num_warps or LANES_DECODE_WARPS
-    BD, warps = lanes_tiling(block_d, num_warps)
+    BD, warps = lanes_tiling(block_d, num_warps, decode=cu is None)
     if R == 0:
         return
     _mamba1_lanes_kernel[(R, cdiv(Dn, BD))](
