@@ -36,7 +36,8 @@ such as the short conv's is otherwise timed as launch and host time), or as eage
 ``--timing eager``; the copy both ways, the faster counts.
 
 Usage: ``python bench_decode_sweep.py --out sweep.json [--variants mamba1,lightning]
-[--batches 256,1024,2048] [--rounds 3] [--budget-s 330] [--timing graph|eager]``.
+[--batches 256,1024,2048] [--rounds 3] [--budget-s 330] [--timing graph|eager]
+[--setting lanes]``.
 """
 
 from __future__ import annotations
@@ -193,10 +194,18 @@ CASES: dict[str, Callable[[int], tuple]] = {
 }
 
 
-def worker(variant: str, batches: list[int], rounds: int, deadline: float, graph: bool) -> int:
-    """Time one variant. Prints one ``@@ROW`` JSON line per timed (B, config, round), and per
-    config the kernel refused, as soon as it is known: a worker cut by its deadline or a fault
-    keeps what it measured."""
+def worker(
+    variant: str,
+    batches: list[int],
+    rounds: int,
+    deadline: float,
+    graph: bool,
+    setting: str | None = None,
+) -> int:
+    """Time one variant (``setting``: only the default tiling and the configs that set it).
+    Prints one ``@@ROW`` JSON line per timed (B, config, round), and per config the kernel
+    refused, as soon as it is known: a worker cut by its deadline or a fault keeps what it
+    measured."""
     import torch
 
     def emit(row: dict) -> None:
@@ -206,6 +215,8 @@ def worker(variant: str, batches: list[int], rounds: int, deadline: float, graph
         if time.time() > deadline:
             break
         make, configs, half_bytes, token_bytes = CASES[variant](B)
+        if setting:
+            configs = [c for c in configs if not c or setting in c]
         src = torch.empty(half_bytes // 4, dtype=torch.float32, device="cuda").uniform_()
         # into a buffer made once: a clone inside the timed CUDA graph allocates from the
         # graph's pool on every call and ran at 2713 GB/s at 1 GiB (4250 eager), so ratios
@@ -321,12 +332,19 @@ def main(argv: list[str] | None = None) -> int:
         default="graph",
         help="time kernel and copy as CUDA-graph replays (default) or eager calls",
     )
+    ap.add_argument(
+        "--setting",
+        help="time only the default tiling and the configs that set this keyword (lanes, "
+        "block_d, ...): a quick look at one tiling's family",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     if args.worker:
-        return worker(args.worker, batches, args.rounds, args.deadline, args.timing == "graph")
+        return worker(
+            args.worker, batches, args.rounds, args.deadline, args.timing == "graph", args.setting
+        )
     if args.out is None:
         ap.error("--out is required")
     variants = args.variants.split(",")
@@ -344,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, __file__, "--worker", variant, "--batches", args.batches,
                "--rounds", str(args.rounds), "--deadline", str(deadline),
                "--timing", args.timing]  # fmt: skip
+        if args.setting:
+            cmd += ["--setting", args.setting]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(share, 5))
             out, err, rc = proc.stdout, proc.stderr, proc.returncode
