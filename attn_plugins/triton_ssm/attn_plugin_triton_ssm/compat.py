@@ -25,11 +25,12 @@ before its first slot-pass prefill) runs the slot pass against fla's public func
 or it raises, that family's prefill gathers and scatters around the public function instead.
 ``attn list`` shows which (:func:`note`).
 
-Triton internals (any release; read at first use on a CUDA device, never at import): the opt-in
-shared-memory limit per block the kernels' tilings are fitted to (:func:`max_shared_memory`),
-and a warmed-up kernel's shared memory (:func:`kernel_shared_memory`). Both are checked against
-what they must be and fall back to a safe public value, which ``attn list`` names
-(:func:`note`).
+Triton internals (only on a release in :data:`TESTED_TRITON`; read at first use on a CUDA
+device, never at import): the opt-in shared-memory limit per block the kernels' tilings are
+fitted to (:func:`max_shared_memory`), and a warmed-up kernel's shared memory
+(:func:`kernel_shared_memory`). Both are checked against what they must be and fall back to a
+safe public value, which ``attn list`` names (:func:`note`); on another release the fallback
+serves without reading them.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ __all__ = [
     "KINDS",
     "PUBLIC",
     "TESTED_STAGES",
+    "TESTED_TRITON",
     "Kind",
     "distribution_version",
     "kernel_shared_memory",
@@ -66,6 +68,9 @@ DISTRIBUTION = "fla-core"
 #: fla-core releases whose internal stage functions (names, keyword arguments, chunk size) the
 #: slot pass was written against and checked on.
 TESTED_STAGES = frozenset({"0.6.0"})
+#: Triton minor releases (the plugin's declared range) whose driver utilities and compiled-kernel
+#: metadata :func:`max_shared_memory` and :func:`kernel_shared_memory` read.
+TESTED_TRITON = ("3.6", "3.7", "3.8", "3.9")
 
 
 def distribution_version() -> str | None:
@@ -291,6 +296,23 @@ def triton_note() -> str:
     return "; ".join(clauses)
 
 
+def _triton_gate() -> str:
+    """Why this Triton's internals are not read ("" where its release is one checked)."""
+    import triton
+
+    release = str(getattr(triton, "__version__", "unknown"))
+    try:
+        minor = "{}.{}".format(*Version(release).release[:2])
+    except (InvalidVersion, IndexError):
+        minor = ""
+    if minor in TESTED_TRITON:
+        return ""
+    return (
+        f"Triton {release} is not a release these reads were checked on "
+        f"({TESTED_TRITON[0]}-{TESTED_TRITON[-1]})"
+    )
+
+
 def max_shared_memory(device_index: int) -> int:
     """Bytes of shared memory one block may opt in to on CUDA device ``device_index``.
 
@@ -307,13 +329,15 @@ def max_shared_memory(device_index: int) -> int:
         # 48 KiB: what any CUDA block may use, where torch does not name the number
         low = int(getattr(props, "shared_memory_per_block", 0)) or 48 * 1024
         high = int(getattr(props, "shared_memory_per_multiprocessor", 0)) or None
-        try:
-            import triton
+        value, why = low, _triton_gate()
+        if not why:
+            try:
+                import triton
 
-            info = triton.runtime.driver.active.utils.get_device_properties(device_index)
-            value, why = int(info["max_shared_mem"]), ""
-        except Exception as exc:  # renamed or removed in another release: the public bound
-            value, why = low, f"Triton's device properties unreadable: {type(exc).__name__}: {exc}"
+                info = triton.runtime.driver.active.utils.get_device_properties(device_index)
+                value = int(info["max_shared_mem"])
+            except Exception as exc:  # renamed or removed in another release: the public bound
+                why = f"Triton's device properties unreadable: {type(exc).__name__}: {exc}"
         if not why and not (low <= value and (high is None or value <= high)):
             why = f"Triton says {value} bytes, outside torch's {low}..{high}"
             value = low
@@ -323,6 +347,9 @@ def max_shared_memory(device_index: int) -> int:
 
 def _read_shared_memory(compiled: Any) -> tuple[int | None, str]:
     """``(bytes, "")`` from a compiled kernel's ``metadata.shared``, or ``(None, why not)``."""
+    gate = _triton_gate()
+    if gate:
+        return None, gate
     try:
         shared = int(compiled.metadata.shared)
     except Exception as exc:  # renamed or removed in another release

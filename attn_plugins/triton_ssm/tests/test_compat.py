@@ -269,6 +269,36 @@ def test_a_shared_memory_limit_triton_cannot_give_falls_back_to_torchs_and_attn_
     assert compat.note().endswith("; " + expected)
 
 
+@pytest.mark.parametrize("release", ["3.5.1", "3.10.0", "4.0.0", "not-a-version"])
+def test_a_triton_release_outside_the_checked_ones_reads_no_internals(monkeypatch, release):
+    """Triton's driver utilities and a compiled kernel's ``metadata`` are read only on the
+    releases they were checked on: on another, the public fallback serves (torch's per-block
+    limit, the smallest tiling) and ``attn list`` says which release and why, even where the
+    internal read would have given a plausible number."""
+    triton = pytest.importorskip("triton")
+    _triton_says(monkeypatch, lambda index: {"max_shared_mem": 227 * 1024})
+    monkeypatch.setattr(triton, "__version__", release)
+    why = (
+        f"Triton {release} is not a release these reads were checked on "
+        f"({compat.TESTED_TRITON[0]}-{compat.TESTED_TRITON[-1]})"
+    )
+    assert compat.max_shared_memory(2) == 48 * 1024
+    compiled = type("K", (), {"metadata": type("M", (), {"shared": 1024})()})()
+    assert compat.kernel_shared_memory(compiled) is None
+    assert compat.triton_note() == (
+        f"cuda:2 shared-memory limit: torch's public per-block limit used ({why}); "
+        f"kernel shared memory unreadable: the smallest tiling used ({why})"
+    )
+
+
+def test_a_checked_triton_release_reads_a_compiled_kernels_shared_memory(monkeypatch):
+    triton = pytest.importorskip("triton")
+    monkeypatch.setattr(triton, "__version__", compat.TESTED_TRITON[-1] + ".0")
+    compiled = type("K", (), {"metadata": type("M", (), {"shared": 1024})()})()
+    assert compat.kernel_shared_memory(compiled) == 1024
+    assert compat.triton_note() == ""
+
+
 def test_tensor_version_counts_in_place_changes_and_is_none_without_the_counter():
     """The lightning slope check's key: torch's in-place counter moves on ``add_`` and not on a
     read; an object without one (another torch) gives None, not an error."""
