@@ -209,7 +209,8 @@ class _TrivialContext:
 
 def _trivial_plugin() -> types.ModuleType:
     mod = types.ModuleType("trivial")
-    mod.ATTN_CORE_API_VERSION = "1.1"
+    # the module's namespace written directly: ModuleType declares none of these attributes
+    mod.__dict__["ATTN_CORE_API_VERSION"] = "1.1"
     caps = BackendCapabilities(
         kinds={"full"}, device_types={"cpu", "cuda"}, dtypes={"bfloat16", "float32"}
     )
@@ -220,8 +221,8 @@ def _trivial_plugin() -> types.ModuleType:
     def allocate(backend, group, device, constraints, state, workspace):
         return _TrivialContext()
 
-    mod.attn_core_register_backends = hookimpl(register)
-    mod.attn_core_allocate_context = hookimpl(allocate)
+    mod.__dict__["attn_core_register_backends"] = hookimpl(register)
+    mod.__dict__["attn_core_allocate_context"] = hookimpl(allocate)
     return mod
 
 

@@ -54,7 +54,7 @@ def attn_core_register_backends(register):
                      capabilities=BackendCapabilities(**{caps!r})))
 '''
 
-PLUGINS = {
+PLUGINS: dict[str, tuple[str, int, dict[str, object]]] = {
     "bench_fastattn": (
         "flash",
         100,
@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
         finally:
             importlib.metadata.entry_points = original
             sys.path.remove(str(folder))
-    assert registry is not None and len(registry.backends) == 5, registry.summary()
+    assert registry is not None
+    assert len(registry.backends) == 5, registry.summary()
 
     specs = hybrid64()
     device = DeviceCapabilities.target("h200")
@@ -165,6 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
         grouping.append(t1 - t0)
         selection.append(t2 - t1)
 
+    assert plan is not None  # args.runs > 0: the registry assertion above held
     result = {
         "runs": args.runs,
         "plugins": len(registry.plugins),

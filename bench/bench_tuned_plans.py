@@ -507,15 +507,18 @@ def main() -> int:
         return 0
     if args.replan is not None:
         caps = DeviceCapabilities.target(args.target)
-        rows, plans = replan(args.replan, args, Registry.discover(), caps)
+        replan_rows, replan_plans = replan(args.replan, args, Registry.discover(), caps)
         print(HEADER)
-        for row in rows:
+        for row in replan_rows:
             print(_row_line(row))
-        worst = max((r["ratio"] for r in rows), default=float("nan"))
-        print(f"worst ratio chosen/fastest: {worst:.3f} (goal <= 1.03) over {len(rows)} points")
-        print(summary_table({"rows": rows, "plans": plans}))
+        worst = max((r["ratio"] for r in replan_rows), default=float("nan"))
+        print(
+            f"worst ratio chosen/fastest: {worst:.3f} (goal <= 1.03) over {len(replan_rows)} points"
+        )
+        print(summary_table({"rows": replan_rows, "plans": replan_plans}))
         if args.out:
-            Path(args.out).write_text(json.dumps({**args.replan, "rows": rows, "plans": plans}))
+            out = {**args.replan, "rows": replan_rows, "plans": replan_plans}
+            Path(args.out).write_text(json.dumps(out))
         return 0
     device = torch.device("cuda")
     registry = Registry.discover()

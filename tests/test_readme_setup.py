@@ -77,8 +77,9 @@ def test_extractor_fails_without_the_section(tmp_path: Path):
 
 
 def test_ci_type_checks_the_core_and_every_plugin_package():
-    """``.ci/run`` runs plain ``mypy``, which checks what ``[tool.mypy] files`` lists: the core
-    and each plugin package under attn_plugins/ (a plugin added without it goes unchecked)."""
+    """``.ci/run`` runs plain ``mypy``, which checks what ``[tool.mypy] files`` lists: the core,
+    each plugin package under attn_plugins/ and every benchmark folder (a plugin or a bench
+    folder added without it goes unchecked)."""
     import pytest
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
@@ -88,4 +89,6 @@ def test_ci_type_checks_the_core_and_every_plugin_package():
     # import packages only, not the egg-info folders that editable installs leave beside them
     inits = ROOT.glob("attn_plugins/*/attn_plugin_*/__init__.py")
     packages = sorted(str(p.parent.relative_to(ROOT)) for p in inits)
-    assert packages and sorted(files) == sorted(["attn_core", *packages])
+    benches = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("attn_plugins/*/bench"))
+    assert packages and benches
+    assert sorted(files) == sorted(["attn_core", *packages, "bench", *benches])

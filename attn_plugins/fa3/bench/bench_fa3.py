@@ -30,7 +30,8 @@ for p in (_HERE.parents[1], _HERE.parents[3]):  # the plugin, the repository roo
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from attn_plugin_fa3 import kv_write, plugin  # noqa: E402
+import attn_plugin_fa3.kv_write as kv_write  # noqa: E402
+import attn_plugin_fa3.plugin as plugin  # noqa: E402
 
 import attn_core.reference.plugin as ref_plugin  # noqa: E402
 from attn_core import bench_util  # noqa: E402
@@ -44,6 +45,7 @@ from attn_core.specs import (  # noqa: E402
     LayerSpec,
     group_layers,
 )
+from attn_core.state import FullKVLayer  # noqa: E402
 from attn_core.state.manager import PersistentState  # noqa: E402
 
 # (name, batch, context before the step, new tokens per request, page size, window)
@@ -65,7 +67,7 @@ def _direct_call(provider_name: str):
     if provider_name == "flash-attn-4":
         from flash_attn.cute.interface import flash_attn_varlen_func
 
-        def call(q, kc, vc, batch, scale, window):
+        def fa4_call(q, kc, vc, batch, scale, window):
             return flash_attn_varlen_func(
                 q, kc, vc,
                 cu_seqlens_q=batch.query_start_loc, max_seqlen_q=batch.max_query_len,
@@ -74,7 +76,7 @@ def _direct_call(provider_name: str):
                 window_size=(window - 1 if window else None, 0 if window else None),
             )  # fmt: skip
 
-        return call
+        return fa4_call
     from flash_attn_interface import flash_attn_with_kvcache
 
     def call(q, kc, vc, batch, scale, window):
@@ -107,6 +109,7 @@ def run_case(name, batch_size, ctx, q_len, page, window, args, direct) -> dict:
     builder = BatchBuilder(state, max_batch_size=batch_size, max_num_tokens=tokens,
                            max_pages_per_request=pages_per_req, device="cuda")  # fmt: skip
     layer = state.kv_cache.layer(0)
+    assert isinstance(layer, FullKVLayer)  # a full-attention spec: K and V pages
     layer.k.normal_()
     layer.v.normal_()
     for r in range(batch_size):

@@ -33,7 +33,8 @@ for p in (_HERE.parents[1], _HERE.parents[3]):  # the plugin, the repository roo
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from attn_plugin_fa3 import plugin, split_kv  # noqa: E402
+import attn_plugin_fa3.plugin as plugin  # noqa: E402
+import attn_plugin_fa3.split_kv as split_kv  # noqa: E402
 
 import attn_core.reference.plugin as ref_plugin  # noqa: E402
 from attn_core import bench_util, pdl  # noqa: E402
@@ -47,6 +48,7 @@ from attn_core.specs import (  # noqa: E402
     LayerSpec,
     group_layers,
 )
+from attn_core.state import FullKVLayer  # noqa: E402
 from attn_core.state.manager import PersistentState  # noqa: E402
 
 PAGE = 16
@@ -82,6 +84,7 @@ def _setup(h: int, hkv: int, batch: int, ctx: int, q_len: int):
     builder = BatchBuilder(state, max_batch_size=batch, max_num_tokens=tokens,
                            max_pages_per_request=pages, device="cuda")  # fmt: skip
     layer = state.kv_cache.layer(0)
+    assert isinstance(layer, FullKVLayer)  # a full-attention spec: K and V pages
     layer.k.normal_()
     layer.v.normal_()
     for r in range(batch):
@@ -182,7 +185,11 @@ def bench_decode(name, h, hkv, batch, ctx, rounds, sweep) -> dict:
         torch.cuda.synchronize()
         fns["fa3_graph"] = bench_util.capture_graph(fa3_split).replay
     for tag, w in wrappers.items():
-        fns[f"flashinfer_{tag}"] = lambda w=w: w.run(q, (layer.k, layer.v), out=fi_out)
+
+        def flashinfer_run(w=w):
+            return w.run(q, (layer.k, layer.v), out=fi_out)
+
+        fns[f"flashinfer_{tag}"] = flashinfer_run
     # correctness of the timed call: the split output against FlashInfer's
     fa3_split()
     fns["flashinfer_tc"]()

@@ -61,6 +61,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import TypedDict
 
 _HERE = Path(__file__).resolve()
 _REPO = _HERE.parents[3]
@@ -78,6 +79,15 @@ H, HKV, D, PAGE = 32, 8, 128, 16
 
 def _iters_for(us_guess: float, budget_s: float = 1.0, lo: int = 20, hi: int = 2000) -> int:
     return int(min(hi, max(lo, budget_s * 1e6 / max(us_guess, 1.0))))
+
+
+class _SetupArgs(TypedDict):
+    """Keyword arguments of :func:`_setup` that one case passes to several setups."""
+
+    batch: int
+    ctx: int
+    max_tokens: int | None
+    cached: bool
 
 
 def _setup(spec, *, batch: int, ctx: int, layers: int = 1, graph: bool = False,
@@ -298,7 +308,7 @@ def _small_host_costs(ctx_obj, binding, plugin, host_us, iters: int) -> dict:
         saved_plan_call(self, *a)
         self.split = self.merge = None
 
-    small_decode.SmallDecodePlan.__call__ = unbound
+    small_decode.SmallDecodePlan.__call__ = unbound  # type: ignore[method-assign]  # timing patch
     try:
         ctx_obj._small_plans.clear()
         plugin()
@@ -310,7 +320,7 @@ def _small_host_costs(ctx_obj, binding, plugin, host_us, iters: int) -> dict:
         res["plugin_small_triton_launcher_host_us"] = host_us(plugin)
     finally:
         small_decode._SPLIT.enabled = small_decode._MERGE.enabled = True
-        small_decode.SmallDecodePlan.__call__ = saved_plan_call
+        small_decode.SmallDecodePlan.__call__ = saved_plan_call  # type: ignore[method-assign]  # restore
         small_decode._PLANS.clear()
         ctx_obj._small_plans.clear()
         plugin()
@@ -342,7 +352,11 @@ def bench_decode_variants(batch: int, ctx: int) -> dict:
             w.plan(kv_indptr, perm.cpu(), last_len, H, HKV, D, PAGE, q_data_type=torch.bfloat16)
             w.run(q, (k, v), out=out)
             torch.cuda.synchronize()
-            us = back_to_back_us(lambda w=w, k=k, v=v: w.run(q, (k, v), out=out), 50)
+
+            def run(w=w, k=k, v=v):
+                return w.run(q, (k, v), out=out)
+
+            us = back_to_back_us(run, 50)
             res[f"{layout}_{'tc' if tc else 'cc'}_us"] = us
             res[f"{layout}_{'tc' if tc else 'cc'}_GB/s"] = kv_bytes / us / 1e3
         del k, v
@@ -716,7 +730,7 @@ def bench_graph(spec, layers: int = 32, batch: int = 64, ctx: int = 4096,
         # with --small-sweep over tilings too.
         splits = ctx_obj.step.small.num_splits
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        variants = [(splits, None, "small_direct")]
+        variants: list[tuple[int, SmallDecodeConfig | None, str]] = [(splits, None, "small_direct")]
         variants += [
             (n, None, f"small_direct_s{n}") for n in {max(1, splits // 2), 2 * splits} - {splits}
         ]
@@ -738,9 +752,11 @@ def bench_graph(spec, layers: int = 32, batch: int = 64, ctx: int = 4096,
             bufs = SmallDecodeBuffers.allocate(batch, H, n, D, torch.device("cuda"))
             keep.append(bufs)
             try:
-                graphs[name] = capture_graph(
-                    lambda bufs=bufs, config=config: small_direct_step(bufs, config)
-                )
+
+                def step_fn(bufs=bufs, config=config):
+                    small_direct_step(bufs, config)
+
+                graphs[name] = capture_graph(step_fn)
             except Exception as exc:  # a tiling that does not fit (shared memory): skip it
                 if config is None:
                     raise
@@ -824,7 +840,7 @@ def bench_sinks(batch: int, ctx: int, prefill: bool = False, variant: bool = Tru
     plain_spec, sink_spec = _sink_specs()
     sinks = torch.randn(Hs, device="cuda", dtype=torch.float32)
     tokens = batch * ctx if prefill else batch
-    setup = dict(batch=batch, ctx=ctx, max_tokens=max(tokens, 256), cached=not prefill)
+    setup: _SetupArgs = dict(batch=batch, ctx=ctx, max_tokens=max(tokens, 256), cached=not prefill)
     rt_s, _, builder_s = _setup(sink_spec, layer_params={0: {"sinks": sinks}}, **setup)
     rt_p, _, builder_p = _setup(plain_spec, **setup)
     step = [(r, ctx if prefill else 1) for r in range(batch)]

@@ -109,7 +109,9 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 HK, HV, D = 16, 32, 128
 #: Kimi-Linear's KDA layer: 32 heads (as many key as value heads), d 128.
@@ -311,13 +313,13 @@ def job_prefill_ours(
             cu_seqlens_cpu=cu_cpu,
         )  # fmt: skip
 
-    times = {"ours": [], "fla": []}
+    times: dict[str, list[float]] = {"ours": [], "fla": []}
     for _ in range(3):
         times["ours"].append(_bench(ours, warmup=25, rep=100))
         times["fla"].append(_bench(fla_direct, warmup=25, rep=100))
     ms, fla_ms = min(times["ours"]), min(times["fla"])
-    res = {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6, "fla_ms": fla_ms,
-           "ratio_to_fla": ms / fla_ms}  # fmt: skip
+    res: dict = {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6, "fla_ms": fla_ms,
+                 "ratio_to_fla": ms / fla_ms}  # fmt: skip
     # The same two captured in CUDA graphs: GPU time alone, without the host launch cost of
     # fla's ~10 kernels, which on a busy host decides the eager times above.
     from attn_core.bench_util import capture_graph
@@ -327,7 +329,7 @@ def job_prefill_ours(
     except Exception as exc:  # reported; the eager numbers stand
         res["graph_error"] = f"{type(exc).__name__}: {exc}"
         return res
-    graph = {"ours": [], "fla": []}
+    graph: dict[str, list[float]] = {"ours": [], "fla": []}
     for _ in range(3):
         graph["ours"].append(_bench(g_ours.replay, warmup=10, rep=100))
         graph["fla"].append(_bench(g_fla.replay, warmup=10, rep=100))
@@ -341,7 +343,7 @@ def job_prefill_ours(
         return gdn_prefill(q, k, v, g, beta, state, idx, cu64, cu_seqlens_cpu=cu_cpu,
                            slot_pass=False)  # fmt: skip
 
-    variants = {"gather_scatter": gather}
+    variants: dict[str, Callable[..., Any]] = {"gather_scatter": gather}
     out_buf = torch.empty_like(v)
     # as the plugin calls it: into the layer's output buffer (fla's output pass writes it)
     variants["out given"] = lambda: gdn_prefill(
@@ -473,7 +475,7 @@ def job_prefill_profile(T: int, n_seq: int) -> dict:
     cu64, cu_cpu = cu.long(), cu.long().cpu()
     h0 = state[idx.long()].contiguous()
     ssd_inputs = _mamba2_prefill_inputs(T, n_seq)
-    calls = {
+    calls: dict[str, Callable[..., Any]] = {
         "gdn ours": lambda: gdn_prefill(q, k, v, g, beta, state, idx, cu64, cu_seqlens_cpu=cu_cpu),
         **{
             f"gdn ours, {name}": lambda mode=mode: gdn_chunk_prefill_slots(
@@ -818,7 +820,7 @@ def job_mamba1_prefill(
 
         if time_chunk:  # a variant: timed and checked against the walk (time_chunk=0)
             ms = _bench(run, warmup=3, rep=10)
-            row = {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6}
+            row: dict = {"ms": ms, "Mtok_per_s": T / (ms * 1e-3) / 1e6}
             try:  # against the sequential kernel, both from one nonzero initial state
                 init = torch.randn(n_seq, Dn, N, device="cuda") * 0.1
                 ys, sts = [], []
@@ -938,7 +940,7 @@ MAMBA_SSM_STATE_DTYPES = ("default", "float32")
 #: rounds, as the triton_ssm options select them: ``ssd_states=activations`` (entering states
 #: stored in bf16) and ``ssd_dots=activations`` (float32 dot operands rounded to bf16, no hi/lo
 #: split, states in bf16: what mamba_ssm computes).
-OUR_SSD_VARIANTS = {
+OUR_SSD_VARIANTS: dict[str, dict[str, object]] = {
     "ours_states_act": {"states_dtype": "activations"},
     "ours_dots_act": {"precise": False},
     "ours_no_decay_pass": {"precompute_decay": False},
@@ -1253,9 +1255,9 @@ def job_plugin_step(B: int, layers: int = 4, device: str = "cuda", hk=HK, hv=HV,
     builder = BatchBuilder(
         state, max_batch_size=B, max_num_tokens=B, max_pages_per_request=1, device=device
     )
-    for r in range(B):
-        state.add_request(r)
-        state.advance(r, 3)  # as if prefilled: decode reads the slots' (random) state
+    for req in range(B):
+        state.add_request(req)
+        state.advance(req, 3)  # as if prefilled: decode reads the slots' (random) state
     batch = builder.build([(r, 1) for r in range(B)])
     runtime.prepare(batch)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -1294,7 +1296,9 @@ def job_plugin_step(B: int, layers: int = 4, device: str = "cuda", hk=HK, hv=HV,
     # thermal drift hits both alike.
     graphs = {"plugin": capture_graph(through_plugin), "direct": capture_graph(direct)}
     fns = {"plugin": through_plugin, "direct": direct}
-    times = {k: [] for k in ("plugin", "direct", "plugin_graph", "direct_graph")}
+    times: dict[str, list[float]] = {
+        k: [] for k in ("plugin", "direct", "plugin_graph", "direct_graph")
+    }
     for _ in range(3):
         for how in ("plugin", "direct"):
             times[how].append(_bench(fns[how]))
@@ -1321,7 +1325,7 @@ def job_mamba1_lanes(T: int, n_seq: int, rounds: int = 5, Dn=MAMBA1_D, N=MAMBA1_
     x, dt, A_log, Bm, Cm, Dp, dt_bias, idx, cu = _mamba1_prefill_inputs(T, n_seq, Dn, N)
     z = torch.randn(T, Dn, device="cuda", dtype=torch.bfloat16)
     init = torch.randn(n_seq, Dn, N, device="cuda") * 0.1
-    ours = {
+    ours: dict[str, dict[str, object]] = {
         "tiles default": dict(lanes=False),
         "tiles walk": dict(lanes=False, time_chunk=0),
         "lanes default": dict(lanes=True),
@@ -1344,7 +1348,9 @@ def job_mamba1_lanes(T: int, n_seq: int, rounds: int = 5, Dn=MAMBA1_D, N=MAMBA1_
         return d["out_maxrel"], d["state_maxrel"], _check_verdict(d["out_maxrel"],
                                                                    d["state_maxrel"])  # fmt: skip
 
-    fns = {name: (lambda kw=kw: call(state, **kw)) for name, kw in ours.items()}
+    fns: dict[str, Callable[..., Any]] = {
+        name: (lambda kw=kw: call(state, **kw)) for name, kw in ours.items()
+    }
     row: dict = {"checks": {}}
     want_st = init.clone()
     want = call(want_st, lanes=False, time_chunk=0)  # the tile walk: what the others match
@@ -1378,7 +1384,7 @@ def job_mamba1_lanes(T: int, n_seq: int, rounds: int = 5, Dn=MAMBA1_D, N=MAMBA1_
     return row
 
 
-JOBS = {
+JOBS: dict[str, Callable[..., dict]] = {
     "copy": job_copy,
     "mamba1_lanes": job_mamba1_lanes,
     "gdn_decode_ours": job_gdn_decode_ours,

@@ -28,7 +28,8 @@ for p in (_HERE.parents[1], _HERE.parents[3]):  # the plugin, the repository roo
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from attn_plugin_varlen import kernels, plugin  # noqa: E402
+import attn_plugin_varlen.kernels as kernels  # noqa: E402
+import attn_plugin_varlen.plugin as plugin  # noqa: E402
 
 import attn_core.reference.plugin as ref_plugin  # noqa: E402
 from attn_core import bench_util  # noqa: E402
