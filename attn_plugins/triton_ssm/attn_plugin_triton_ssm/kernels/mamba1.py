@@ -411,8 +411,9 @@ def mamba1_scan(
         ``N <= LANES_MAX_D_STATE``, else the tile kernel (decode included: the lanes decode
         is opt-in until timed against it). ``True`` with ``intermediate_states``: ValueError
         (the verify's two commit strategies must round alike, so they keep the tile kernel).
-        The tile kernel's ``requests_per_program`` and ``cache_hints`` on a call the lanes
-        kernel serves: ValueError (pass ``lanes=False``).
+        ``cache_hints`` on a call the lanes kernel serves, and ``requests_per_program`` on a
+        varlen one: ValueError (pass ``lanes=False``); a lanes decode takes
+        ``requests_per_program`` (its requests share a program's ``A_log`` reads; None: 1).
     :returns: ``out``: ``y`` per token and channel.
     """
     if requests_per_program is not None and (
@@ -493,7 +494,10 @@ def mamba1_scan(
             LANES_DEFAULT and cu_seqlens is not None and inter is None and N <= LANES_MAX_D_STATE
         )
     if lanes:
-        for name, asked in (("requests_per_program", requests_per_program is not None),
+        # a decode's lanes launch takes requests_per_program (its requests share the A_log
+        # reads); a varlen one's requests differ in length
+        varlen_rpp = requests_per_program is not None and cu_seqlens is not None
+        for name, asked in (("requests_per_program", varlen_rpp),
                             ("cache_hints", bool(cache_hints))):  # fmt: skip
             if asked:
                 raise ValueError(
@@ -516,6 +520,7 @@ def mamba1_scan(
             x, dt, A_log, B, C, state, state_indices, out, cu=cu_seqlens,
             init=has_initial_state, D=D, dt_bias=dt_bias, z=z, dt_softplus=dt_softplus,
             write_state=update_state, block_d=block_d, num_warps=num_warps,
+            requests_per_program=requests_per_program if cu_seqlens is None else None,
         )  # fmt: skip
         return out
     rpp, hints = requests_per_program or 1, bool(cache_hints)
