@@ -409,8 +409,9 @@ def mamba1_scan(
         (:func:`~.mamba1_lanes.lanes_tiling`). ``False``: the ``[BD, N]`` tile kernel. None:
         :data:`LANES_DEFAULT` for varlen calls without ``intermediate_states`` at d_state
         ``N <= LANES_MAX_D_STATE``, else the tile kernel (decode included: the lanes decode
-        is opt-in until timed against it). ``True`` with ``intermediate_states``: ValueError
-        (the verify's two commit strategies must round alike, so they keep the tile kernel).
+        is opt-in, slower than the tile kernel on an H100). ``True`` with
+        ``intermediate_states``: ValueError (the verify's two commit strategies must round
+        alike, so they keep the tile kernel).
         ``cache_hints`` on a call the lanes kernel serves, and ``requests_per_program`` on a
         varlen one: ValueError (pass ``lanes=False``); a lanes decode takes
         ``requests_per_program`` (its requests share a program's ``A_log`` reads; None: 1).

@@ -24,7 +24,7 @@ tile kernel and mamba_ssm (``test_triton_ssm_mamba1_gpu``, ``bench_ssm.py --only
 
 It serves varlen calls (prefill and mixed steps) as the walk of whole requests and as both scans
 of the time-chunked form, and decode where asked (``mamba1_scan(lanes=True)`` without
-``cu_seqlens``: opt-in until a sweep times it against the tile kernel), all through
+``cu_seqlens``: opt-in, slower than the tile kernel on an H100), all through
 :func:`launch_lanes`; it keeps no per-token states, so not the speculative verify, whose two
 commit strategies must round alike. The state update is the same explicit FMA as the tile
 kernel's; the decay ``2^(dt a_n)`` rounds differently from its ``exp(dt A)``.
@@ -49,8 +49,9 @@ LANES_WARPS = 4
 LANES_BLOCK_D = 64 * LANES_WARPS
 #: Warps of a decode launch (``mamba1_scan(lanes=True)`` without ``cu_seqlens``), one channel a
 #: thread: its state moves in 16-byte rows (``GROUPED``), which two channels a thread would
-#: take through shared memory to meet the channel vectors' layout.
-LANES_DECODE_WARPS = 4
+#: take through shared memory to meet the channel vectors' layout (0.19-0.20 of copy on an
+#: H100). 2 warps ran 0.83-0.88 of copy there, 4 and 8 less (docs/results.md).
+LANES_DECODE_WARPS = 2
 
 
 def lanes_tiling(
