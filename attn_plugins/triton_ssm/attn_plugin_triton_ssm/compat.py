@@ -46,12 +46,14 @@ __all__ = [
     "DISTRIBUTION",
     "KINDS",
     "PUBLIC",
+    "REQUIREMENT",
     "TESTED_STAGES",
     "TESTED_TRITON",
     "Kind",
     "distribution_version",
     "kernel_shared_memory",
     "max_shared_memory",
+    "missing",
     "naive_recurrences",
     "note",
     "public_chunk",
@@ -65,12 +67,32 @@ __all__ = [
 ]
 
 DISTRIBUTION = "fla-core"
+#: The plugin's declared fla-core range (its pyproject.toml), for the message where fla is absent.
+REQUIREMENT = "fla-core>=0.6.0,<0.7"
 #: fla-core releases whose internal stage functions (names, keyword arguments, chunk size) the
 #: slot pass was written against and checked on.
 TESTED_STAGES = frozenset({"0.6.0"})
 #: Triton minor releases (the plugin's declared range) whose driver utilities and compiled-kernel
 #: metadata :func:`max_shared_memory` and :func:`kernel_shared_memory` read.
 TESTED_TRITON = ("3.6", "3.7", "3.8", "3.9")
+
+
+def missing() -> str | None:
+    """Why fla cannot serve at all (its module is not importable), else None: then Gated
+    DeltaNet's and KDA's prefill, which run fla's chunk stages (and on the CPU its naive
+    recurrences), have nothing to run. Looks the module up without importing it."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("fla") is not None
+    except (ImportError, ValueError):  # a broken install raises here
+        found = False
+    if found:
+        return None
+    return (
+        f"fla-core is not installed (pip install '{REQUIREMENT}'): gated_deltanet and kda are "
+        "not served (their prefill runs fla's chunk stages)"
+    )
 
 
 def distribution_version() -> str | None:

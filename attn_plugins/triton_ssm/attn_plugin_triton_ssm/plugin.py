@@ -133,14 +133,20 @@ def kernels() -> ModuleType:
 # ------------------------------------------------------------------------------------------
 # Advertisement
 # ------------------------------------------------------------------------------------------
-def capabilities(*, interpret: bool = False, mamba1: bool = False) -> BackendCapabilities:
+#: The families whose prefill runs fla-core's chunk stages: not served where fla is absent.
+FLA_VARIANTS = frozenset({"gated_deltanet", "kda"})
+
+
+def capabilities(
+    *, interpret: bool = False, mamba1: bool = False, fla: bool = True
+) -> BackendCapabilities:
     """What the backend serves; ``interpret`` is the test-only CPU (Triton interpreter) mode,
-    ``mamba1`` the ``triton_ssm_mamba1`` backend's."""
+    ``mamba1`` the ``triton_ssm_mamba1`` backend's; ``fla``: whether fla-core is importable
+    (without it, not :data:`FLA_VARIANTS`)."""
+    variants = {"gated_deltanet", "kda", "mamba2", "lightning", "short_conv"}
     return BackendCapabilities(
         kinds={"linear"},
-        linear_variants=(
-            {"mamba1"} if mamba1 else {"gated_deltanet", "kda", "mamba2", "lightning", "short_conv"}
-        ),
+        linear_variants={"mamba1"} if mamba1 else variants if fla else variants - FLA_VARIANTS,
         device_types={"cpu"} if interpret else {"cuda"},
         min_compute_capability=None if interpret else (8, 0),
         dtypes={"float32", "bfloat16", "float16"},
@@ -199,10 +205,11 @@ OPTIONS = {
 def attn_core_register_backends(register) -> None:
     interpret = _interpret_requested()
     reason = _unavailable_reason(interpret)
+    no_fla = compat.missing()
     register(
         Backend(
             name=BACKEND_NAME,
-            capabilities=capabilities(interpret=interpret),
+            capabilities=capabilities(interpret=interpret, fla=no_fla is None),
             priority=100,
             description=(
                 "Triton decode / speculative-verify kernels for Gated DeltaNet, KDA, Mamba2 and "
@@ -211,8 +218,9 @@ def attn_core_register_backends(register) -> None:
             ),
             available=reason is None,
             unavailable_reason=reason,
-            # whether fla-core's internal stages (compat.py) serve GDN prefill, and why not
-            notes=compat.note(),
+            # whether fla-core's internal stages (compat.py) serve GDN prefill, and why not;
+            # without fla at all, which families are left out
+            notes=no_fla or compat.note(),
             option_schema=OPTIONS,
         )
     )

@@ -184,6 +184,31 @@ def test_the_backend_carries_the_note(monkeypatch):
     assert by_name[plugin.MAMBA1_BACKEND_NAME].notes == ""
 
 
+def test_without_fla_the_backend_leaves_out_the_families_whose_prefill_needs_it(monkeypatch):
+    """fla-core not importable at all (a ``--no-deps`` install): Gated DeltaNet and KDA, whose
+    prefill runs fla's chunk stages (and their CPU path fla's naive recurrences), are not
+    advertised, and the note says why instead of naming public functions that cannot load; the
+    other families, our own kernels end to end, stay."""
+    import importlib.util
+
+    from attn_plugin_triton_ssm import plugin
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "fla" else real(name, *a)
+    )
+    seen = []
+    plugin.attn_core_register_backends(seen.append)
+    backend = {b.name: b for b in seen}[plugin.BACKEND_NAME]
+    assert {v.value for v in backend.capabilities.linear_variants} == {
+        "mamba2", "lightning", "short_conv"
+    }  # fmt: skip
+    assert backend.notes == (
+        "fla-core is not installed (pip install 'fla-core>=0.6.0,<0.7'): gated_deltanet and kda "
+        "are not served (their prefill runs fla's chunk stages)"
+    )
+
+
 def test_pyproject_declares_ranges_that_hold_the_tested_releases():
     tomllib = pytest.importorskip("tomllib")
     from packaging.requirements import Requirement
@@ -191,6 +216,8 @@ def test_pyproject_declares_ranges_that_hold_the_tested_releases():
     meta = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     reqs = {r.name: r for r in map(Requirement, meta["project"]["dependencies"])}
     fla = reqs["fla-core"].specifier
+    # what the missing-fla message tells
+    assert reqs["fla-core"] == Requirement(compat.REQUIREMENT)
     assert len(fla) == 2 and all(v in fla for v in compat.TESTED_STAGES)  # a range, not a pin
     triton = reqs["triton"].specifier
     assert "3.6.0" in triton and "3.9.0" in triton  # the H200's and the CPU machines'
