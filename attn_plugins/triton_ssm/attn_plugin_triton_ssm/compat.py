@@ -78,9 +78,9 @@ TESTED_TRITON = ("3.6", "3.7", "3.8", "3.9")
 
 
 def missing() -> str | None:
-    """Why fla cannot serve at all (its module is not importable), else None: then Gated
-    DeltaNet's and KDA's prefill, which run fla's chunk stages (and on the CPU its naive
-    recurrences), have nothing to run. Looks the module up without importing it."""
+    """Why fla cannot serve at all (its module is not importable), else None: then the
+    families whose prefill runs fla's chunk stages (and on the CPU its naive recurrences)
+    have nothing to run. Looks the module up without importing it."""
     import importlib.util
 
     try:
@@ -89,10 +89,7 @@ def missing() -> str | None:
         found = False
     if found:
         return None
-    return (
-        f"fla-core is not installed (pip install '{REQUIREMENT}'): gated_deltanet and kda are "
-        "not served (their prefill runs fla's chunk stages)"
-    )
+    return f"fla-core is not installed (pip install '{REQUIREMENT}')"
 
 
 def distribution_version() -> str | None:

@@ -206,6 +206,9 @@ def attn_core_register_backends(register) -> None:
     interpret = _interpret_requested()
     reason = _unavailable_reason(interpret)
     no_fla = compat.missing()
+    if no_fla:
+        left_out = " and ".join(sorted(FLA_VARIANTS))
+        no_fla += f": {left_out} are not served (their prefill runs fla's chunk stages)"
     register(
         Backend(
             name=BACKEND_NAME,

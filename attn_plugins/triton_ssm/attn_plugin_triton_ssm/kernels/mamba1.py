@@ -521,7 +521,7 @@ def mamba1_scan(
             x, dt, A_log, B, C, state, state_indices, out, cu=cu_seqlens,
             init=has_initial_state, D=D, dt_bias=dt_bias, z=z, dt_softplus=dt_softplus,
             write_state=update_state, block_d=block_d, num_warps=num_warps,
-            requests_per_program=requests_per_program if cu_seqlens is None else None,
+            requests_per_program=requests_per_program,  # None on varlen: refused above
         )  # fmt: skip
         return out
     rpp, hints = requests_per_program or 1, bool(cache_hints)
