@@ -184,6 +184,12 @@ t_mamba1) run t_mamba1 400 "${PYTEST[@]}" attn_plugins/triton_ssm/tests tests/e2
 t_varlen) run t_varlen 300 "${PYTEST[@]}" attn_plugins/varlen/tests ;;
 t_fa3) run t_fa3 300 "${PYTEST[@]}" attn_plugins/fa3/tests ;;
 kit_fi)  # 8 processes by default: on a cold JIT cache one process ran past 400 s, 8 took 321 s
+  # The soft-cap checks first, alone, with every core on FlashInfer's build of its soft-cap
+  # prefill module: in a shard, at 4 build jobs beside three other shards' builds, it had not
+  # finished after 590 s over two calls (0.6.7 and 0.7.4 alike); at 8 jobs, two such builds
+  # (both releases) at once on 16 cores, it took 180-186 s. A warm cache passes them at once.
+  run kit_fi_softcap 400 python3 -m pytest -v -p no:cacheprovider -p attn_core.testing.timing \
+    --tb=short -rfEs --attn-backend=flashinfer:flashinfer --attn-seed="${KIT_SEED:-7}" -k softcap
   kit_run kit_fi "${KIT_LIMIT:-420}" flashinfer:flashinfer "${XDIST:-8}"
   run kit_fi_mla 300 "${PYTEST[@]}" --attn-backend=flashinfer:flashinfer_mla ;;
 kit_fa3) kit_run kit_fa3 "${KIT_LIMIT:-420}" fa3:fa3 "${XDIST:-8}" ;;  # FlashAttention-4 carried (.whl-one / .whl-new)

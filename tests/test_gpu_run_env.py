@@ -73,6 +73,21 @@ def test_kit_shards_run_at_once_with_the_cores_split_over_them(tmp_path):
     assert not (out / "kit_fi.log").exists()
 
 
+def test_the_flashinfer_kit_builds_its_soft_cap_module_first_with_every_core(tmp_path):
+    # the soft-cap prefill module's build never finished in a shard (4 jobs beside three other
+    # shards' builds): its checks run first, alone, one process with all 16 cores' jobs
+    stub = '#!/bin/sh\necho "python3 $* MAX_JOBS=$MAX_JOBS"\n'
+    _run_stages(tmp_path, "kit_fi", python3=stub, KIT_SHARDS="4", KIT_SEED="3")
+    out = tmp_path / "out"
+    text = (out / "kit_fi_softcap.log").read_text()
+    assert "--attn-backend=flashinfer:flashinfer " in text and text.rstrip().endswith(
+        "-k softcap MAX_JOBS=16"
+    ), text
+    assert "--attn-seed=3" in text and " -n " not in text and "--attn-shard" not in text, text
+    summary = (out / "summary.log").read_text()
+    assert summary.index("kit_fi_softcap:") < summary.index("kit_fi_0:"), summary
+
+
 def test_the_triton_ssm_kit_runs_as_shards_too(tmp_path):
     stub = '#!/bin/sh\necho "python3 $* MAX_JOBS=$MAX_JOBS"\n'
     sharded, whole = tmp_path / "sharded", tmp_path / "whole"
