@@ -135,6 +135,8 @@ def kernels() -> ModuleType:
 # ------------------------------------------------------------------------------------------
 #: The families whose prefill runs fla-core's chunk stages: not served where fla is absent.
 FLA_VARIANTS = frozenset({"gated_deltanet", "kda"})
+#: The families our own kernels serve end to end, with or without fla.
+OWN_VARIANTS = frozenset({"mamba2", "lightning", "short_conv"})
 
 
 def capabilities(
@@ -143,10 +145,13 @@ def capabilities(
     """What the backend serves; ``interpret`` is the test-only CPU (Triton interpreter) mode,
     ``mamba1`` the ``triton_ssm_mamba1`` backend's; ``fla``: whether fla-core is importable
     (without it, not :data:`FLA_VARIANTS`)."""
-    variants = {"gated_deltanet", "kda", "mamba2", "lightning", "short_conv"}
+    if mamba1:
+        variants = {"mamba1"}
+    else:
+        variants = set(OWN_VARIANTS | FLA_VARIANTS) if fla else set(OWN_VARIANTS)
     return BackendCapabilities(
         kinds={"linear"},
-        linear_variants={"mamba1"} if mamba1 else variants if fla else variants - FLA_VARIANTS,
+        linear_variants=variants,
         device_types={"cpu"} if interpret else {"cuda"},
         min_compute_capability=None if interpret else (8, 0),
         dtypes={"float32", "bfloat16", "float16"},
