@@ -21,8 +21,7 @@ Variants (shapes of the models that use them):
 * ``lightning``: MiniMax-Text-01, H=64, Dk=Dv=128, through ``mamba2_decode`` as the plugin
   calls it.
 * ``mamba1``: Falcon-Mamba / Jamba, d_inner 8192, d_state 16 (``mamba1_decode``: block_d,
-  num_warps, requests_per_program, cache_hints, pipeline, loads_first, and the lanes kernel's
-  decode, ``lanes=True``, with its own requests_per_program).
+  num_warps, requests_per_program, cache_hints, pipeline, loads_first).
 * ``short_conv``: LFM2-1.2B, 2048 channels, kernel 3, bf16 conv state (``causal_conv1d_update``:
   the packed kernel's block_c, requests_per_program, num_warps, and the general kernel's with
   ``packed_pairs=False``); bytes: conv state read + write plus the token in and out.
@@ -37,7 +36,7 @@ such as the short conv's is otherwise timed as launch and host time), or as eage
 
 Usage: ``python bench_decode_sweep.py --out sweep.json [--variants mamba1,lightning]
 [--batches 256,1024,2048] [--rounds 3] [--budget-s 330] [--timing graph|eager]
-[--setting lanes]``.
+[--setting block_d]``.
 """
 
 from __future__ import annotations
@@ -161,12 +160,6 @@ def _mamba1_case(B: int):
         # every request's tile loaded before any is updated (94-159 registers)
         grid += _grid(block_d=(block_d,), num_warps=(warps,), requests_per_program=(2, 4),
                       loads_first=(True,))  # fmt: skip
-    # the lanes kernel's decode (opt-in): one channel a thread, its state in 16-byte rows, on
-    # 2 / 4 / 8 warps a program, two channels a thread (a state entry at a time), and 2 / 4
-    # requests a program sharing the A_log reads (A_log is as large as a request's state)
-    grid += [{"lanes": True, "num_warps": w} for w in (2, 4, 8)]
-    grid += [{"lanes": True, "block_d": 256, "num_warps": 4}]
-    grid += [{"lanes": True, "requests_per_program": r} for r in (2, 4)]
     # x, dt in and y out [B, d_inner] bf16, B and C [B, d_state] bf16
     token_bytes = B * (3 * MAMBA1_D * 2 + 2 * MAMBA1_N * 2)
     return _tilings(run), [{}, {"cache_hints": True}, *grid], half_bytes, token_bytes
@@ -336,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--setting",
-        help="time only the default tiling and the configs that set this keyword (lanes, "
+        help="time only the default tiling and the configs that set this keyword ("
         "block_d, ...): a quick look at one tiling's family",
     )
     ap.add_argument("--worker", help=argparse.SUPPRESS)

@@ -63,19 +63,12 @@ def _reference(t, p, pool, lens, slots, initial, *, intermediate=None):
 
 
 # requests_per_program 3: four requests, the second program gets one; with the streaming hints,
-# and as a pipelined loop; the lanes kernel's decode: one channel a thread by default (its state
-# in 16-byte rows) and on one warp, two channels a thread (a state entry at a time), and both
-# with three requests a program (the second program's two past the batch)
+# and as a pipelined loop
 @pytest.mark.parametrize(
     "tuning",
     [{}, {"requests_per_program": 3, "cache_hints": True},
-     {"requests_per_program": 3, "pipeline": 2}, {"requests_per_program": 3, "loads_first": True},
-     {"lanes": True, "block_d": None}, {"lanes": True, "block_d": 32, "num_warps": 1},
-     {"lanes": True, "block_d": 64, "num_warps": 1},
-     {"lanes": True, "block_d": None, "requests_per_program": 3},
-     {"lanes": True, "block_d": 64, "num_warps": 1, "requests_per_program": 3}],
-    ids=["default", "rpp3-hints", "rpp3-pipelined", "rpp3-loads-first", "lanes",
-         "lanes-32", "lanes-64x2", "lanes-rpp3", "lanes-64x2-rpp3"],
+     {"requests_per_program": 3, "pipeline": 2}, {"requests_per_program": 3, "loads_first": True}],
+    ids=["default", "rpp3-hints", "rpp3-pipelined", "rpp3-loads-first"],
 )  # fmt: skip
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("pool_dims", [3, 4])
@@ -390,8 +383,7 @@ def test_default_scan_takes_the_lanes_kernel_where_it_was_measured(monkeypatch) 
     """``lanes=None``: the lanes kernel for varlen calls without per-token states at d_state up
     to ``LANES_MAX_D_STATE``; the tile kernel with ``intermediate_states``, above that d_state
     and for decode. The tile kernel's knobs (``requests_per_program``, ``cache_hints``) on a
-    varlen call the lanes kernel serves are refused, not ignored (a lanes decode takes
-    ``requests_per_program``: its requests are one token each)."""
+    varlen call the lanes kernel serves are refused, not ignored."""
     from attn_plugin_triton_ssm.kernels import mamba1 as m1
 
     calls = _record_launches(monkeypatch, "launch_lanes", "write_state")
@@ -445,30 +437,16 @@ def _assert_decode_ignores(gen, p, pool, **kw) -> None:
     assert torch.equal(y0, y1) and torch.equal(a, b)
 
 
-def test_a_lanes_decode_takes_requests_per_program_and_a_lanes_varlen_launch_refuses_it(
-    monkeypatch,
-) -> None:
-    """``requests_per_program`` reaches the lanes decode launch (the decode comparisons above
-    would pass without it: one request a program computes the same); ``launch_lanes`` itself
-    refuses it on a varlen launch, whose requests differ in length."""
-    from attn_plugin_triton_ssm.kernels import mamba1_lanes
-
-    calls = _record_launches(monkeypatch, "launch_lanes", "requests_per_program")
-    gen, p, _, pool, st = _two_requests(9)
+def test_a_lanes_decode_is_refused_before_any_slot_is_touched() -> None:
+    """``lanes=True`` without ``cu_seqlens``: a ValueError that says the tile kernel serves
+    decode; the pool is left as it was."""
+    gen, p, _, pool, _ = _two_requests(9)
     d = _dev(_tokens(2, gen))
     idx = torch.tensor([0, 2], dtype=torch.int32, device=DEV)
-    a, b = pool.clone().to(DEV), pool.clone().to(DEV)
-    y0 = K.mamba1_decode(d["x"], d["dt"], p["A_log"].to(DEV), d["B"], d["C"], a, idx, lanes=True)
-    y1 = K.mamba1_decode(d["x"], d["dt"], p["A_log"].to(DEV), d["B"], d["C"], b, idx, lanes=True,
-                         requests_per_program=2)  # fmt: skip
-    assert torch.equal(y0, y1) and torch.equal(a, b)
-    assert calls == [None, 2]
-    args = (d["x"], d["dt"], p["A_log"].to(DEV), d["B"], d["C"], st.clone())
-    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV)
-    with pytest.raises(ValueError, match=r"1 on a varlen one .*got 2 on a varlen launch"):
-        mamba1_lanes.launch_lanes(*args, idx, None, cu=cu, init=None, D=None, dt_bias=None,
-                                  z=None, dt_softplus=True, write_state=True,
-                                  requests_per_program=2)  # fmt: skip
+    st = pool.clone().to(DEV)
+    with pytest.raises(ValueError, match=r"lanes: .*serves varlen calls; a decode .*tile kernel"):
+        K.mamba1_decode(d["x"], d["dt"], p["A_log"].to(DEV), d["B"], d["C"], st, idx, lanes=True)
+    assert torch.equal(st.cpu(), pool)
 
 
 def test_time_chunked_prefill_without_state_update_and_argument_checks(monkeypatch) -> None:

@@ -142,8 +142,7 @@ def test_lanes_kernel_keeps_a_channel_in_one_thread(write_out: bool, block_d: in
     constexprs = dict(
         D=8192, N=n, BD=block_d, HAS_INIT=not write_out, HAS_D=write_out, HAS_DT_BIAS=True,
         HAS_Z=write_out, DT_SOFTPLUS=True, WRITE_STATE=not write_out, WRITE_OUT=write_out,
-        STORE_DTSUM=not write_out, FAST=True, s_xd=1, s_zd=1, s_od=1, DECODE=False,
-        GROUPED=channels == 1, RPP=1,
+        STORE_DTSUM=not write_out, FAST=True, s_xd=1, s_zd=1, s_od=1, GROUPED=channels == 1,
     )  # fmt: skip
     ptx = _ptx(constexprs, LANES_KERNEL, 4)
     body = _loop_body(ptx)
@@ -155,23 +154,20 @@ def test_lanes_kernel_keeps_a_channel_in_one_thread(write_out: bool, block_d: in
 LANES_KERNEL = "attn_plugin_triton_ssm.kernels.mamba1_lanes:_mamba1_lanes_kernel"
 
 
-@pytest.mark.parametrize("rpp", [1, 4], ids=["a request a program", "four"])
-def test_lanes_decode_moves_the_state_in_16_byte_rows(rpp: int) -> None:
-    """The lanes kernel's decode (one channel a thread, d_state 16) loads and stores the state
-    and loads ``A_log`` as 16-byte vectors, four a channel each, with no trip through shared
-    memory: entry-wide accesses would touch a line of every other thread's row, on the bytes
-    that are a decode step's whole traffic. With four requests a program, ``A_log`` is loaded
-    once for all four."""
+def test_lanes_kernel_moves_the_state_in_16_byte_rows_at_a_channel_a_thread() -> None:
+    """With one channel a thread (d_state 16) the lanes kernel loads and stores the state and
+    loads ``A_log`` as 16-byte vectors, four a channel each, with no trip through shared
+    memory: entry-wide accesses would touch a line of every other thread's row."""
     from attn_plugin_triton_ssm.kernels.mamba1_lanes import _grouped
 
     assert _grouped(128, 4, 16) and not _grouped(256, 4, 16) and not _grouped(128, 4, 6)
     constexprs = dict(
         D=8192, N=16, BD=128, HAS_INIT=False, HAS_D=True, HAS_DT_BIAS=True, HAS_Z=True,
         DT_SOFTPLUS=True, WRITE_STATE=True, WRITE_OUT=True, STORE_DTSUM=False, FAST=True,
-        s_xd=1, s_zd=1, s_od=1, DECODE=True, GROUPED=True, RPP=rpp,
+        s_xd=1, s_zd=1, s_od=1, GROUPED=True,
     )  # fmt: skip
     ptx = _ptx(constexprs, LANES_KERNEL, 4)
     loads = len(re.findall(r"ld\.global(?:\.[a-z]+)*\.v4\.b32", ptx))
-    assert loads == 4 + 4 * rpp  # A_log once, each request's state
-    assert len(re.findall(r"st\.global(?:\.[a-z]+)*\.v4\.b32", ptx)) == 4 * rpp  # state
+    assert loads == 4 + 4  # A_log, the request's state
+    assert len(re.findall(r"st\.global(?:\.[a-z]+)*\.v4\.b32", ptx)) == 4  # state
     assert not re.search(r"\.shared|bar\.sync", ptx)

@@ -63,11 +63,6 @@ DECODE_TILINGS = {
     "rpp4": {"requests_per_program": 4},
     "pipelined": {"requests_per_program": 8, "pipeline": 3, "block_d": 32, "num_warps": 1},
     "loads-first": {"requests_per_program": 2, "loads_first": True},
-    # the lanes kernel: one channel a thread (16-byte state rows), and two; four requests a
-    # program sharing the A_log reads
-    "lanes": {"lanes": True},
-    "lanes-2ch": {"lanes": True, "block_d": 256, "num_warps": 4},
-    "lanes-rpp4": {"lanes": True, "requests_per_program": 4},
 }
 
 

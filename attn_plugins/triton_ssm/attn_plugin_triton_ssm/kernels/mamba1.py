@@ -404,17 +404,15 @@ def mamba1_scan(
     :param loads_first: decode only, unrolled requests: load every request's state tile
         before updating any (in registers: more in flight, more registers).
     :param lanes: ``True``: the whole-channels-a-thread kernel (:mod:`.mamba1_lanes`) for the
-        walk and for both scans of ``time_chunk``, or for a decode call (one channel a thread
-        by default); ``block_d`` and ``num_warps`` then tile it
-        (:func:`~.mamba1_lanes.lanes_tiling`). ``False``: the ``[BD, N]`` tile kernel. None:
-        :data:`LANES_DEFAULT` for varlen calls without ``intermediate_states`` at d_state
-        ``N <= LANES_MAX_D_STATE``, else the tile kernel (decode included: the lanes decode
-        is opt-in, slower than the tile kernel on an H100). ``True`` with
-        ``intermediate_states``: ValueError (the verify's two commit strategies must round
-        alike, so they keep the tile kernel).
-        ``cache_hints`` on a call the lanes kernel serves, and ``requests_per_program`` on a
-        varlen one: ValueError (pass ``lanes=False``); a lanes decode takes
-        ``requests_per_program`` (its requests share a program's ``A_log`` reads; None: 1).
+        walk and for both scans of ``time_chunk`` of a varlen call; ``block_d`` and
+        ``num_warps`` then tile it (:func:`~.mamba1_lanes.lanes_tiling`). ``False``: the
+        ``[BD, N]`` tile kernel. None: :data:`LANES_DEFAULT` for varlen calls without
+        ``intermediate_states`` at d_state ``N <= LANES_MAX_D_STATE``, else the tile kernel.
+        ``True`` on a decode call (no ``cu_seqlens``: the tile kernel moves the state faster)
+        or with ``intermediate_states`` (the verify's two commit strategies must round alike,
+        so they keep the tile kernel): ValueError. ``cache_hints`` and
+        ``requests_per_program`` on a call the lanes kernel serves: ValueError (pass
+        ``lanes=False``).
     :returns: ``out``: ``y`` per token and channel.
     """
     if requests_per_program is not None and (
@@ -433,6 +431,12 @@ def mamba1_scan(
         raise ValueError(
             "time_chunk: the time-chunked scan keeps no per-token states; pass time_chunk=0 "
             "(or None) with intermediate_states"
+        )
+    if lanes and cu_seqlens is None:
+        raise ValueError(
+            "lanes: the whole-channels-a-thread kernel serves varlen calls; a decode (no "
+            "cu_seqlens) runs the [BD, N] tile kernel, which moved the state faster: pass "
+            "lanes=False or None"
         )
     if lanes and intermediate_states is not None:
         raise ValueError(
@@ -495,10 +499,7 @@ def mamba1_scan(
             LANES_DEFAULT and cu_seqlens is not None and inter is None and N <= LANES_MAX_D_STATE
         )
     if lanes:
-        # a decode's lanes launch takes requests_per_program (its requests share the A_log
-        # reads); a varlen one's requests differ in length
-        varlen_rpp = requests_per_program is not None and cu_seqlens is not None
-        for name, asked in (("requests_per_program", varlen_rpp),
+        for name, asked in (("requests_per_program", requests_per_program is not None),
                             ("cache_hints", bool(cache_hints))):  # fmt: skip
             if asked:
                 raise ValueError(
@@ -516,12 +517,12 @@ def mamba1_scan(
             cache_hints=bool(cache_hints), lanes=lanes,
         )  # fmt: skip
         return out
-    if lanes:  # varlen, or a decode asking for it (lanes=True)
+    if lanes:
+        assert cu_seqlens is not None  # a lanes decode was refused above
         launch_lanes(
             x, dt, A_log, B, C, state, state_indices, out, cu=cu_seqlens,
             init=has_initial_state, D=D, dt_bias=dt_bias, z=z, dt_softplus=dt_softplus,
             write_state=update_state, block_d=block_d, num_warps=num_warps,
-            requests_per_program=requests_per_program,  # None on varlen: refused above
         )  # fmt: skip
         return out
     rpp, hints = requests_per_program or 1, bool(cache_hints)

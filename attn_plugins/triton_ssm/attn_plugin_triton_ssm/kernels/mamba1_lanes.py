@@ -1,4 +1,4 @@
-"""Mamba1 prefill (and decode, where asked) with whole channels a thread, states in registers.
+"""Mamba1 prefill with whole channels a thread, states in registers.
 
 :func:`~attn_plugin_triton_ssm.kernels.mamba1.mamba1_scan`'s walk holds a ``[BD, N]`` tile a
 program, which Triton spreads over threads along ``N`` (four entries of two channels a thread
@@ -23,10 +23,11 @@ is the ``ex2`` every recurrence of this kind needs. ``mamba1_scan``'s default wh
 tile kernel and mamba_ssm (``test_triton_ssm_mamba1_gpu``, ``bench_ssm.py --only mamba1_lanes``).
 
 It serves varlen calls (prefill and mixed steps) as the walk of whole requests and as both scans
-of the time-chunked form, and decode where asked (``mamba1_scan(lanes=True)`` without
-``cu_seqlens``: opt-in, slower than the tile kernel on an H100), all through
-:func:`launch_lanes`; it keeps no per-token states, so not the speculative verify, whose two
-commit strategies must round alike. The state update is the same explicit FMA as the tile
+of the time-chunked form, through :func:`launch_lanes`; not decode, where the tile kernel moved
+the state faster (a decode of this kernel's, one channel a thread, ran 0.82-0.88 of copy on an
+H100 against the tile kernel's 0.90-0.91: docs/results.md, Ruled out); and not the speculative
+verify, since it keeps no per-token states and the verify's two commit strategies must round
+alike. The state update is the same explicit FMA as the tile
 kernel's; the decay ``2^(dt a_n)`` rounds differently from its ``exp(dt A)``.
 """
 
@@ -38,7 +39,7 @@ import triton.language as tl
 
 from attn_plugin_triton_ssm.kernels._common import INTERPRETED, cdiv
 
-__all__ = ["LANES_BLOCK_D", "LANES_DECODE_WARPS", "LANES_WARPS", "lanes_tiling", "launch_lanes"]
+__all__ = ["LANES_BLOCK_D", "LANES_WARPS", "lanes_tiling", "launch_lanes"]
 
 #: Warps per program and channels per program by default: two channels a thread. Compiled for
 #: sm90 at d_state 16 the output pass takes 128 registers a thread and 10.6 instructions per
@@ -47,24 +48,16 @@ __all__ = ["LANES_BLOCK_D", "LANES_DECODE_WARPS", "LANES_WARPS", "lanes_tiling",
 #: 1.10x / 1.43x the rate of one as 1 / 4 / 16 requests (docs/results.md).
 LANES_WARPS = 4
 LANES_BLOCK_D = 64 * LANES_WARPS
-#: Warps of a decode launch (``mamba1_scan(lanes=True)`` without ``cu_seqlens``), one channel a
-#: thread: its state moves in 16-byte rows (``GROUPED``), which two channels a thread would
-#: take through shared memory to meet the channel vectors' layout (0.19-0.20 of copy on an
-#: H100). 2 warps ran 0.83-0.88 of copy there, 4 and 8 less (docs/results.md).
-LANES_DECODE_WARPS = 2
 
 
-def lanes_tiling(
-    block_d: int | None, num_warps: int | None, *, decode: bool = False
-) -> tuple[int, int]:
+def lanes_tiling(block_d: int | None, num_warps: int | None) -> tuple[int, int]:
     """``(BD, num_warps)``: ``BD`` channels a program, a power of two and a multiple of the
     ``32 * num_warps`` threads (each thread takes ``BD / (32 * num_warps)`` channels). None
-    takes the defaults: :data:`LANES_BLOCK_D` on :data:`LANES_WARPS`, or for a ``decode``
-    launch one channel a thread on :data:`LANES_DECODE_WARPS`."""
-    warps = num_warps or (LANES_DECODE_WARPS if decode else LANES_WARPS)
+    takes the defaults: :data:`LANES_BLOCK_D` on :data:`LANES_WARPS`."""
+    warps = num_warps or LANES_WARPS
     if warps < 1 or warps & (warps - 1):
         raise ValueError(f"num_warps: expected a power of two, got {warps}")
-    bd = block_d or (32 * warps if decode else max(LANES_BLOCK_D, 32 * warps))
+    bd = block_d or max(LANES_BLOCK_D, 32 * warps)
     if bd & (bd - 1) or bd < 32 * warps:
         raise ValueError(
             f"block_d: the lanes kernel takes a power of two >= 32 * num_warps = {32 * warps} "
@@ -120,7 +113,7 @@ def _mamba1_lanes_kernel(
     z_ptr,  # [T, D] (s_zt, s_zd); HAS_Z
     state_ptr,  # [S, D, N] (s_ss, s_sd, 1) float32 / bfloat16
     idx_ptr,  # [R] slot per request, -1: padding
-    cu_ptr,  # [R + 1] token offsets; not read where DECODE
+    cu_ptr,  # [R + 1] token offsets
     init_ptr,  # [R] bool, False: start from zero; HAS_INIT
     out_ptr,  # [T, D] (s_ot, s_od); WRITE_OUT
     dts_ptr,  # [S, D] float32: each request's total dt per channel; STORE_DTSUM
@@ -135,7 +128,6 @@ def _mamba1_lanes_kernel(
     s_od,
     s_ss,
     s_sd,
-    R,
     D: tl.constexpr,
     N: tl.constexpr,
     BD: tl.constexpr,
@@ -148,19 +140,13 @@ def _mamba1_lanes_kernel(
     WRITE_OUT: tl.constexpr,
     STORE_DTSUM: tl.constexpr,
     FAST: tl.constexpr,
-    DECODE: tl.constexpr,
     GROUPED: tl.constexpr,
-    RPP: tl.constexpr,
 ):
-    """Grid ``(cdiv(R, RPP), cdiv(D, BD))``: requests ``pid_b * RPP ..`` (``RPP`` of them, one
-    after the other) on ``BD`` channels, each request's tokens in order, whole channels a
-    thread. A padding request (slot -1) reads no state, stores none and writes ``y = 0``.
-    ``DECODE``: request ``b`` is token ``b`` (``cu_ptr`` unread); only a decode takes ``RPP >
-    1``, its requests sharing the program's ``A_log``, ``D`` and ``dt_bias`` reads (``A_log``
-    is as large as the state a request moves). ``GROUPED`` (one channel a thread, ``N`` a
-    multiple of 4): the state and ``A_log`` move in 16-byte rows of four entries, one vector
-    access each, where per-entry accesses would touch a line of every other thread's row (a
-    decode step's whole traffic; a prefill's once a request)."""
+    """Grid ``(R, cdiv(D, BD))``: request ``program_id(0)`` on ``BD`` channels, its tokens in
+    order, whole channels a thread. A padding request (slot -1) reads no state, stores none and
+    writes ``y = 0``. ``GROUPED`` (one channel a thread, ``N`` a multiple of 4): the state and
+    ``A_log`` move in 16-byte rows of four entries, one vector access each, where per-entry
+    accesses would touch a line of every other thread's row."""
     pid_b = tl.program_id(0)
     pid_d = tl.program_id(1)
     o_d = pid_d * BD + tl.arange(0, BD)
@@ -182,79 +168,72 @@ def _mamba1_lanes_kernel(
     if HAS_D:
         b_skip = tl.load(d_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)
 
-    for r in tl.static_range(RPP):
-        i_b = pid_b * RPP + r
-        in_batch = i_b < R  # the last program's requests may run past the batch
-        slot = tl.load(idx_ptr + i_b, mask=in_batch, other=-1).to(tl.int64)
-        valid = (o_d * 0 + slot) >= 0  # a block: the interpreter rejects scalar & block masks
-        m_state = m_d & valid
-        p_state = state_ptr + slot * s_ss + o_d * s_sd
-        if DECODE:
-            start = i_b.to(tl.int64)
-            end = start + in_batch.to(tl.int64)  # no token for a request past the batch
-        else:
-            start = tl.load(cu_ptr + i_b).to(tl.int64)
-            end = tl.load(cu_ptr + i_b + 1).to(tl.int64)
+    slot = tl.load(idx_ptr + pid_b).to(tl.int64)
+    valid = (o_d * 0 + slot) >= 0  # a block: the interpreter rejects scalar & block masks
+    m_state = m_d & valid
+    p_state = state_ptr + slot * s_ss + o_d * s_sd
+    start = tl.load(cu_ptr + pid_b).to(tl.int64)
+    end = tl.load(cu_ptr + pid_b + 1).to(tl.int64)
 
-        fresh = o_d < 0  # no channel starts from zero unless HAS_INIT says so
-        if HAS_INIT:
-            init = tl.load(init_ptr + i_b, mask=in_batch, other=0).to(tl.int32)
-            fresh = (o_d * 0 + init) == 0
-        hs = ()
-        m_load = m_state & ~fresh
+    fresh = o_d < 0  # no channel starts from zero unless HAS_INIT says so
+    if HAS_INIT:
+        init = tl.load(init_ptr + pid_b).to(tl.int32)
+        fresh = (o_d * 0 + init) == 0
+    hs = ()
+    m_load = m_state & ~fresh
+    if GROUPED:
+        for g in tl.static_range(N // 4):
+            o_n = g * 4 + tl.arange(0, 4)
+            h4 = tl.load(p_state[:, None] + o_n[None, :], mask=m_load[:, None], other=0.0)
+            hs = hs + _columns4(h4.to(tl.float32))
+    else:
+        for n in tl.static_range(N):
+            h = tl.load(p_state + n, mask=m_load, other=0.0).to(tl.float32)
+            hs = hs + (h,)  # type: ignore[assignment]  # noqa: RUF005
+    b_dts = tl.zeros([BD], dtype=tl.float32)
+
+    for t in range(start, end):
+        b_x = tl.load(x_ptr + t * s_xt + o_d * s_xd, mask=m_d, other=0.0).to(tl.float32)
+        b_dt = tl.load(dt_ptr + t * s_dtt + o_d, mask=m_d, other=0.0).to(tl.float32) + b_bias
+        if DT_SOFTPLUS:  # softplus(x) = x above 20, as torch's
+            sp = _lg2(1.0 + tl.math.exp2(b_dt * 1.4426950408889634), FAST) * 0.6931471805599453
+            b_dt = tl.where(b_dt <= 20.0, sp, b_dt)
+        b_u = b_dt * b_x
+        b_y = tl.zeros([BD], dtype=tl.float32)
+        new = ()
+        for n in tl.static_range(N):
+            b_n = tl.load(b_ptr + t * s_bt + n).to(tl.float32)
+            # an explicit FMA, as the tile kernel's update
+            h = tl.fma(hs[n], tl.math.exp2(b_dt * As[n]), b_u * b_n)
+            if WRITE_OUT:
+                b_y = tl.fma(h, tl.load(c_ptr + t * s_ct + n).to(tl.float32), b_y)
+            new = new + (h,)  # type: ignore[assignment]  # noqa: RUF005
+        hs = new
+        if STORE_DTSUM:
+            b_dts += b_dt
+        if WRITE_OUT:
+            if HAS_D:
+                b_y += b_skip * b_x
+            if HAS_Z:
+                b_z = tl.load(z_ptr + t * s_zt + o_d * s_zd, mask=m_d, other=0.0)
+                b_z = b_z.to(tl.float32)
+                b_y = b_y * b_z * tl.sigmoid(b_z)
+            b_y = tl.where(valid, b_y, 0.0)
+            tl.store(out_ptr + t * s_ot + o_d * s_od, b_y.to(out_ptr.dtype.element_ty),
+                     mask=m_d)  # fmt: skip
+
+    if WRITE_STATE:
         if GROUPED:
             for g in tl.static_range(N // 4):
                 o_n = g * 4 + tl.arange(0, 4)
-                h4 = tl.load(p_state[:, None] + o_n[None, :], mask=m_load[:, None], other=0.0)
-                hs = hs + _columns4(h4.to(tl.float32))
+                h4 = _rows4(hs[4 * g], hs[4 * g + 1], hs[4 * g + 2], hs[4 * g + 3])
+                tl.store(p_state[:, None] + o_n[None, :], h4.to(state_ptr.dtype.element_ty),
+                         mask=m_state[:, None])  # fmt: skip
         else:
             for n in tl.static_range(N):
-                h = tl.load(p_state + n, mask=m_load, other=0.0).to(tl.float32)
-                hs = hs + (h,)  # type: ignore[assignment]  # noqa: RUF005
-        b_dts = tl.zeros([BD], dtype=tl.float32)
-
-        for t in range(start, end):
-            b_x = tl.load(x_ptr + t * s_xt + o_d * s_xd, mask=m_d, other=0.0).to(tl.float32)
-            b_dt = tl.load(dt_ptr + t * s_dtt + o_d, mask=m_d, other=0.0).to(tl.float32) + b_bias
-            if DT_SOFTPLUS:  # softplus(x) = x above 20, as torch's
-                sp = _lg2(1.0 + tl.math.exp2(b_dt * 1.4426950408889634), FAST) * 0.6931471805599453
-                b_dt = tl.where(b_dt <= 20.0, sp, b_dt)
-            b_u = b_dt * b_x
-            b_y = tl.zeros([BD], dtype=tl.float32)
-            new = ()
-            for n in tl.static_range(N):
-                b_n = tl.load(b_ptr + t * s_bt + n).to(tl.float32)
-                # an explicit FMA, as the tile kernel's update
-                h = tl.fma(hs[n], tl.math.exp2(b_dt * As[n]), b_u * b_n)
-                if WRITE_OUT:
-                    b_y = tl.fma(h, tl.load(c_ptr + t * s_ct + n).to(tl.float32), b_y)
-                new = new + (h,)  # type: ignore[assignment]  # noqa: RUF005
-            hs = new
-            if STORE_DTSUM:
-                b_dts += b_dt
-            if WRITE_OUT:
-                if HAS_D:
-                    b_y += b_skip * b_x
-                if HAS_Z:
-                    b_z = tl.load(z_ptr + t * s_zt + o_d * s_zd, mask=m_d, other=0.0)
-                    b_z = b_z.to(tl.float32)
-                    b_y = b_y * b_z * tl.sigmoid(b_z)
-                b_y = tl.where(valid, b_y, 0.0)
-                tl.store(out_ptr + t * s_ot + o_d * s_od, b_y.to(out_ptr.dtype.element_ty),
-                         mask=m_d)  # fmt: skip
-
-        if WRITE_STATE:
-            if GROUPED:
-                for g in tl.static_range(N // 4):
-                    o_n = g * 4 + tl.arange(0, 4)
-                    h4 = _rows4(hs[4 * g], hs[4 * g + 1], hs[4 * g + 2], hs[4 * g + 3])
-                    tl.store(p_state[:, None] + o_n[None, :], h4.to(state_ptr.dtype.element_ty),
-                             mask=m_state[:, None])  # fmt: skip
-            else:
-                for n in tl.static_range(N):
-                    tl.store(p_state + n, hs[n].to(state_ptr.dtype.element_ty), mask=m_state)
-        if STORE_DTSUM:  # time-chunked pass 1: the chunk's total dt per channel (pass 2's decay)
-            tl.store(dts_ptr + slot * D + o_d, b_dts, mask=m_state)
+                tl.store(p_state + n, hs[n].to(state_ptr.dtype.element_ty), mask=m_state)
+    if STORE_DTSUM:  # time-chunked pass 1: the chunk's total dt per channel (pass 2's decay)
+        tl.store(dts_ptr + slot * D + o_d, b_dts, mask=m_state)
 
 
 def _grouped(block_d: int, warps: int, d_state: int) -> bool:
@@ -274,7 +253,7 @@ def launch_lanes(
     idx: torch.Tensor,
     out: torch.Tensor | None,
     *,
-    cu: torch.Tensor | None,
+    cu: torch.Tensor,
     init: torch.Tensor | None,
     D: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
@@ -284,46 +263,35 @@ def launch_lanes(
     dtsum: torch.Tensor | None = None,
     block_d: int | None = None,
     num_warps: int | None = None,
-    requests_per_program: int | None = None,
 ) -> None:
-    """One launch: request ``b`` is tokens ``cu[b] .. cu[b + 1]`` (``cu`` None: decode, token
-    ``b``) continuing from ``state[idx[b]]`` ``[D, N]`` (zeros where ``init[b]`` is False),
+    """One launch: request ``b`` is tokens ``cu[b] .. cu[b + 1]`` continuing from
+    ``state[idx[b]]`` ``[D, N]`` (zeros where ``init[b]`` is False),
     ``y`` into ``out`` (None: not computed), the end state back to the slot where
     ``write_state``, the total ``dt`` per channel into ``dtsum[idx[b]]`` ``[S, D]`` float32
     where given (the time-chunked scan's first pass). Inputs as
     :func:`~attn_plugin_triton_ssm.kernels.mamba1.mamba1_scan` checked them; ``state``
     ``[S, D, N]`` with its last dim packed. ``block_d``, ``num_warps``: see
-    :func:`lanes_tiling` (a decode launch: one channel a thread by default).
-    ``requests_per_program``: a decode launch's requests each program takes in turn, sharing
-    its ``A_log`` reads (None: 1); a varlen launch takes one (ValueError otherwise)."""
+    :func:`lanes_tiling`."""
     Dn, N = A_log.shape
     R = idx.shape[0]
-    BD, warps = lanes_tiling(block_d, num_warps, decode=cu is None)
-    rpp = requests_per_program or 1
-    if rpp < 1 or (cu is not None and rpp != 1):
-        raise ValueError(
-            "requests_per_program: the lanes kernel takes a positive count on a decode launch "
-            f"and 1 on a varlen one (its programs' requests differ in length), got {rpp} on a "
-            f"{'varlen' if cu is not None else 'decode'} launch"
-        )
+    BD, warps = lanes_tiling(block_d, num_warps)
     if R == 0:
         return
-    _mamba1_lanes_kernel[(cdiv(R, rpp), cdiv(Dn, BD))](
+    _mamba1_lanes_kernel[(R, cdiv(Dn, BD))](
         x, dt, A_log, B, C,
         D if D is not None else A_log,
         dt_bias if dt_bias is not None else A_log,
         z if z is not None else x,
-        state, idx, cu if cu is not None else idx,
+        state, idx, cu,
         init if init is not None else idx,
         out if out is not None else x,
         dtsum if dtsum is not None else A_log,
         x.stride(0), x.stride(1), dt.stride(0), B.stride(0), C.stride(0),
         *(z.stride() if z is not None else (0, 0)),
         *(out.stride() if out is not None else (0, 0)),
-        state.stride(0), state.stride(1), R,
+        state.stride(0), state.stride(1),
         D=Dn, N=N, BD=BD, HAS_INIT=init is not None, HAS_D=D is not None,
         HAS_DT_BIAS=dt_bias is not None, HAS_Z=z is not None, DT_SOFTPLUS=dt_softplus,
         WRITE_STATE=write_state, WRITE_OUT=out is not None, STORE_DTSUM=dtsum is not None,
-        FAST=not INTERPRETED, DECODE=cu is None, GROUPED=_grouped(BD, warps, N), RPP=rpp,
-        num_warps=warps,
+        FAST=not INTERPRETED, GROUPED=_grouped(BD, warps, N), num_warps=warps,
     )  # fmt: skip
