@@ -13,7 +13,8 @@ place (``kernels.gdn_chunk``) run fla's chunk-local cumsum, intra-chunk WY repre
 pass around the plugin's own state pass; the output pass's Triton kernel is launched directly, into
 the layer's output buffer (:func:`_output_pass_into`), and so, for the GDN pass that folds
 ``recompute_w_u`` in (the default for batches that fill the GPU), is the fused kkt-and-solve
-kernel (:func:`_kkt_solve_into`). Those functions
+kernel (:func:`_kkt_solve_into`); with the plugin's own solve (``solve="ours"``) only
+``recompute_w_u`` (``fla.ops.gated_delta_rule.wy_fast``) of the intra stage runs. Those functions
 live in fla's internal modules (GDN: ``fla.ops.common.chunk_o``,
 ``fla.ops.gated_delta_rule.chunk_fwd``; KDA: ``fla.ops.kda.chunk_intra``, ``fla.ops.gla.chunk``;
 both: ``fla.ops.utils``), whose names and keyword arguments change between releases. :func:`stages`
@@ -169,10 +170,12 @@ def _import_stages(kind: Kind) -> dict[str, Any]:
         chunk_gated_delta_rule_fwd_intra,
         chunk_gated_delta_rule_fwd_kkt_solve_kernel,
     )
+    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
 
     return {
         **common,
         "intra": chunk_gated_delta_rule_fwd_intra,
+        "recompute_w_u": recompute_w_u_fwd,
         "kkt_solve_into": _kkt_solve_into(chunk_gated_delta_rule_fwd_kkt_solve_kernel),
         "output_into": _output_pass_into(chunk_fwd_kernel_o, kda=False),
     }
@@ -465,7 +468,7 @@ def _self_check(device: torch.device, kind: Kind) -> str:
     # KDA's pass, and GDN's both ways: reading w and u, and with recompute_w_u folded in
     # (fla's kkt-and-solve kernel launched into an uninitialised Ai), which the default takes
     # for batches that fill the GPU
-    variants = [{}] if kda else [{"wy_in_pass": False}, {"wy_in_pass": True}]
+    variants: list[dict[str, Any]] = [{}] if kda else [{"wy_in_pass": False}, {"wy_in_pass": True}]
     slot_fn = gdn_chunk.kda_chunk_prefill_slots if kda else gdn_chunk.gdn_chunk_prefill_slots
     want_o = want[0].float()
     for options in variants:

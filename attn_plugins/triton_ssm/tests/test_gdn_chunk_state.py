@@ -359,19 +359,26 @@ def test_chunked_gdn_around_the_state_pass_matches_the_naive_recurrence():
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("solve", ["fla", "ours"])
 @pytest.mark.parametrize("wy_in_pass", [False, True], ids=["wu_stored", "wy_in_pass"])
 @pytest.mark.parametrize("out_kind", ["none", "given", "strided"])
-def test_slot_path_on_fla_stages_matches_the_naive_recurrence(out_kind, wy_in_pass, monkeypatch):
+def test_slot_path_on_fla_stages_matches_the_naive_recurrence(
+    out_kind, wy_in_pass, solve, monkeypatch
+):
     """The slot path as it runs on a GPU - fla-core's own stages (cumsum, intra-chunk WY or,
     ``wy_in_pass``, only its kkt-and-solve kernel; the output pass launched into the layer's
     ``out``) around the state pass over slots - against fla's token-by-token
     ``naive_recurrent_gated_delta_rule`` (float32): outputs, final states, other slots
     untouched; the output written into a given ``out`` in place, or copied into one whose rows
-    are not packed. On the CPU fla's kernels run in Triton's interpreter."""
+    are not packed. ``solve="ours"``: the cumsum and the kkt-and-solve are our one kernel
+    (``gdn_solve``), ahead of fla's ``recompute_w_u`` or the folded pass. On the CPU fla's
+    kernels run in Triton's interpreter."""
     from attn_plugin_triton_ssm import compat
 
     fla_stages_here("gdn", DEV, monkeypatch)
-    slot_fn = functools.partial(gdn_chunk.gdn_chunk_prefill_slots, wy_in_pass=wy_in_pass)
+    slot_fn = functools.partial(
+        gdn_chunk.gdn_chunk_prefill_slots, wy_in_pass=wy_in_pass, solve=solve
+    )
     assert_chunked_matches_naive(
         compat.naive_recurrences()[0],
         slot_path_on_fla_stages(slot_fn, out_kind),
@@ -484,6 +491,20 @@ def test_slot_path_matches_fla_with_gathered_states(dtype, state_dtype, lens):
     falls elsewhere: :func:`test_wy_in_pass_is_as_close_to_the_recurrence_as_fla`.)"""
     assert_slot_pass_matches_gathered(
         _prefill_with(wy_in_pass=False), *_qwen3_next_batch(lens, dtype, state_dtype)
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA (fla's chunk stages)")
+@pytest.mark.parametrize("wy_in_pass", [False, True], ids=["wu_stored", "wy_in_pass"])
+def test_slot_path_with_our_solve_matches_fla_with_gathered_states(wy_in_pass):
+    """``solve="ours"`` at Qwen3-Next's heads: the decay's cumsum and every chunk's
+    ``(I + A)^-1`` from our kernel, the rest as with fla's solve; outputs and states agree with
+    fla's public function to bf16 rounding, other slots untouched."""
+    lens = [1000, 64, 1, 257, 2100]
+    assert_slot_pass_matches_gathered(
+        _prefill_with(wy_in_pass=wy_in_pass, solve="ours"),
+        *_qwen3_next_batch(lens, torch.bfloat16, torch.float32),
     )
 
 

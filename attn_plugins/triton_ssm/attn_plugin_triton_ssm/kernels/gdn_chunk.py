@@ -39,7 +39,8 @@ scatters around fla's public function instead.
 
 For Gated DeltaNet batches that fill the GPU (by default; :func:`gdn_chunk_prefill_slots`), the
 pass reads fla's solved ``(I + A)^-1``, the values and ``beta`` instead of ``w`` and ``u``,
-folding fla's ``recompute_w_u`` in (:func:`chunk_state_pass_wy`).
+folding fla's ``recompute_w_u`` in (:func:`chunk_state_pass_wy`). ``solve="ours"`` (opt-in)
+replaces fla's cumsum and kkt-and-solve kernel with :func:`.gdn_solve.kkt_solve`.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ import triton
 import triton.language as tl
 
 from attn_plugin_triton_ssm import compat
+from attn_plugin_triton_ssm.kernels import gdn_solve
 from attn_plugin_triton_ssm.kernels._common import INTERPRETED, cdiv, first_that_fits, next_pow2
 
 __all__ = [
@@ -540,17 +542,20 @@ def _fit_stages(launch, stages: int, device: torch.device) -> int:
                            "chunk state pass (GDN / KDA): no pipeline depth", "stages")  # fmt: skip
 
 
-def _plan(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, f):
+def _plan(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, f, cumsum=True):
     """The steps both prefills share: a batch axis for fla, the l2norm, the chunk plan and
-    the chunk-local cumulative log2 decay (per head or per key channel, by ``g``'s rank)."""
+    (``cumsum``) the chunk-local cumulative log2 decay (per head or per key channel, by ``g``'s
+    rank)."""
     q, k, v, g, beta = (t[None] for t in (q, k, v, g, beta))
     if use_qk_l2norm:
         q, k = l2norm_qk(q, k)
     chunk_indices = f["chunk_indices"](cu_seqlens, CHUNK, cu_seqlens_cpu=cu_seqlens_cpu)
     chunk_offsets = f["chunk_offsets"](cu_seqlens, CHUNK)
-    g = f["cumsum"](
-        g, chunk_size=CHUNK, scale=f["RCP_LN2"], cu_seqlens=cu_seqlens, chunk_indices=chunk_indices
-    )
+    if cumsum:
+        g = f["cumsum"](
+            g, chunk_size=CHUNK, scale=f["RCP_LN2"], cu_seqlens=cu_seqlens,
+            chunk_indices=chunk_indices,
+        )  # fmt: skip
     return q, k, v, g, beta, chunk_indices, chunk_offsets
 
 
@@ -569,6 +574,7 @@ def gdn_chunk_prefill_slots(
     use_qk_l2norm: bool,
     fuse_output: bool = False,
     wy_in_pass: bool | None = None,
+    solve: str = "fla",
     out: torch.Tensor | None = None,
     **pass_options,
 ) -> torch.Tensor:
@@ -585,7 +591,13 @@ def gdn_chunk_prefill_slots(
     ``fuse_output`` or a ``num_warps`` other than 2 or 4; True or False forces it (True: 2 or
     4 warps a program). ``fuse_output`` (not with
     ``wy_in_pass=True``): the output computed in the pass, :func:`chunk_state_output_pass`, in
-    place of fla's ``chunk_fwd_o`` after it.
+    place of fla's ``chunk_fwd_o`` after it. ``solve``: ``"fla"`` (the default) runs fla's
+    cumsum and its kkt-and-solve kernel (and its ``recompute_w_u`` over a zero-filled
+    ``(I + A)^-1``); ``"ours"`` (opt-in: checked in Triton's interpreter against the float64
+    solve and fla's naive recurrence, not yet run on a GPU) computes each chunk's
+    ``(I + A)^-1`` and the decay's chunk-local cumsum in one kernel
+    (:func:`.gdn_solve.kkt_solve`), then fla's ``recompute_w_u`` where the pass does not fold
+    it in.
 
     :param q: ``[T, H, K]``, ``k`` likewise, ``v`` ``[T, HV, V]``, ``g`` ``[T, HV]`` log
         decay, ``beta`` ``[T, HV]`` (contiguous; checked by the caller).
@@ -596,6 +608,8 @@ def gdn_chunk_prefill_slots(
         into it).
     :returns: ``out``, or a new ``[T, HV, V]`` in v's dtype; the slots hold the final states.
     """
+    if solve not in ("ours", "fla"):
+        raise ValueError(f"gdn_chunk_prefill_slots: solve: expected 'ours' or 'fla', got {solve!r}")
     if wy_in_pass and fuse_output:
         raise ValueError("gdn_chunk_prefill_slots: fuse_output needs wy_in_pass=False")
     num_warps = pass_options.get("num_warps", 4)
@@ -609,22 +623,33 @@ def gdn_chunk_prefill_slots(
         raise RuntimeError(reason)
     callers = (q, k)
     q, k, v, g, beta, chunk_indices, chunk_offsets = _plan(
-        q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, f
+        q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, f, cumsum=solve == "fla"
     )
-    if wy_in_pass:
+    if solve == "ours":  # the solve also takes the decay's chunk-local cumsum off fla
+        gc = torch.empty(g.shape[1:], device=g.device, dtype=torch.float32)
+        Ai = gdn_solve.kkt_solve(k[0], g[0], beta[0], cu_seqlens, chunk_indices,
+                                 g_cumsum_out=gc)[None]  # fmt: skip
+        g = gc[None]
+    elif wy_in_pass:
         Ai = f["kkt_solve_into"](
             k.new_empty(*v.shape[:3], CHUNK), k=k, g=g, beta=beta, cu_seqlens=cu_seqlens,
             chunk_indices=chunk_indices, chunk_size=CHUNK,
         )  # fmt: skip
+    if wy_in_pass:
         h, v_new = chunk_state_pass_wy(
             k[0], v[0], beta[0], Ai[0], g[0], ssm_state, state_indices, cu_seqlens,
             chunk_offsets, chunk_indices.shape[0], **pass_options,
         )  # fmt: skip
     else:
-        w, u, _ = f["intra"](
-            k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
-            chunk_size=CHUNK,
-        )  # fmt: skip
+        if solve == "ours":
+            w, u = f["recompute_w_u"](
+                k=k, v=v, beta=beta, A=Ai, g=g, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices
+            )
+        else:
+            w, u, _ = f["intra"](
+                k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+                chunk_size=CHUNK,
+            )  # fmt: skip
         if fuse_output:
             o = chunk_state_output_pass(
                 q[0], k[0], w[0], u[0], g[0], ssm_state, state_indices, cu_seqlens,
