@@ -215,7 +215,7 @@ b_kvw) run b_kvw 120 python3 bench/bench_kv_write.py ;;
 b_varlen) run b_varlen 200 python3 attn_plugins/varlen/bench/bench_varlen.py --out "$OUT/bench_varlen.json" ;;
 t_generic) run t_generic 400 "${PYTEST[@]}" tests/e2e/test_run_dense.py -k on_gpu_plugins ;;
 b_ssd) run b_ssd 300 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --mamba2-sweep --only mamba2_sweep --no-fla --budget-s 280 --out "$OUT/bench_ssd.json" ;;
-b_gdn) run b_gdn 300 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --prefill --only gdn_prefill --budget-s 280 --out "$OUT/bench_gdn.json" ;;
+b_gdn) run b_gdn 300 python3 attn_plugins/triton_ssm/bench/bench_ssm.py --prefill --only gdn_solve,gdn_prefill --budget-s 280 --out "$OUT/bench_gdn.json" ;;
 b_sweep) run b_sweep 400 python3 attn_plugins/triton_ssm/bench/bench_decode_sweep.py ${BENCH_SWEEP_ARGS:-} --budget-s 370 --out "$OUT/bench_decode_sweep.json" ;;
 b_mamba1)  # Mamba1 prefill against mamba_ssm's CUDA scan, built here from the carried .ext/
   # (scripts/pack_mamba_ssm_src.sh; 1-2 minutes on the first call of a machine)

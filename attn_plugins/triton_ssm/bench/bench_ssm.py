@@ -18,8 +18,13 @@ Sections:
   quote (separate jobs drifted by up to 2.5x between runs on the H200). In CUDA graphs also
   the variants (``--gdn-variants`` picks them by name): into a given ``out``, the state pass's
   tilings, with fla's ``recompute_w_u`` folded in or not whatever the batch (``wy in pass``,
-  ``w u stored``; the default folds it where the batch fills the GPU) and the output computed
-  in it (``fused output``).
+  ``w u stored``; the default folds it where the batch fills the GPU), the output computed
+  in it (``fused output``), and either way with our solve (``our solve, ...``: the decay's
+  cumsum and each chunk's ``(I + A)^-1`` from ``kernels.gdn_solve``).
+* gdn_solve (``--only gdn_solve``): GDN's intra-chunk solve alone at Qwen3-Next's heads, T =
+  8192 as one request and 32768 as 16: ``gdn_solve.kkt_solve`` at its default and at each of
+  ``SOLVE_TILINGS`` against fla's fused kkt-and-solve kernel, CUDA graphs in alternating
+  rounds, medians, and the largest difference from fla's ``(I + A)^-1``.
 * kda_prefill (``--prefill``): Kimi-Linear's KDA layer (32 heads, Dk=Dv=128), T = 8192 and
   32768 as one request and as 16: our ``kda_prefill`` (the state pass over slots) against fla
   ``chunk_kda`` with the states gathered and scattered around it (``slot_pass=False``) and
@@ -137,10 +142,14 @@ PASS_TILINGS = [
 ]  # fmt: skip
 #: The state-pass alternatives of ``gdn_chunk_prefill_slots`` by the names the GDN rows and
 #: the profile give them (the plain call is the default's choice between the first two).
-GDN_PASS_MODES = {
+GDN_PASS_MODES: dict[str, dict[str, Any]] = {
     "w u stored": dict(wy_in_pass=False),
     "wy in pass": dict(wy_in_pass=True),
     "fused output": dict(fuse_output=True),
+    # the decay's cumsum and each chunk's (I + A)^-1 from our one kernel (kernels.gdn_solve) in
+    # place of fla's cumsum and kkt-and-solve kernel
+    "our solve, w u stored": dict(wy_in_pass=False, solve="ours"),
+    "our solve, wy in pass": dict(wy_in_pass=True, solve="ours"),
 }
 #: gdn_prefill's variants timed when ``--gdn-variants`` names none: each alternative at its
 #: default tiling (the plain call is the default's choice of pass); the tilings
@@ -149,6 +158,7 @@ GDN_PASS_MODES = {
 DEFAULT_GDN_VARIANTS = (
     "gather_scatter", "out given", "w u stored, pass default tiling",
     "wy in pass, pass default tiling", "fused output, pass default tiling",
+    "our solve, w u stored, pass default tiling", "our solve, wy in pass, pass default tiling",
 )  # fmt: skip
 
 
@@ -517,6 +527,74 @@ def job_prefill_profile(T: int, n_seq: int) -> dict:
             "total_us": round(sum(r[1] for r in rows), 1),
             "top": [(key[:70], round(us, 1), n) for key, us, n in rows[:8]],
         }
+    return res
+
+
+#: ``(num_warps, block_k, precision)`` of ``gdn_solve.kkt_solve`` timed beside its default
+SOLVE_TILINGS = [
+    (2, 64, "tf32"), (2, 128, "tf32"), (4, 128, "tf32"), (8, 64, "tf32"), (8, 128, "tf32"),
+    (4, 64, "ieee"), (2, 64, "ieee"),
+]  # fmt: skip
+
+
+def job_gdn_solve(T: int, n_seq: int, rounds: int = 5) -> dict:
+    """GDN's intra-chunk solve alone at Qwen3-Next's heads: ours (``gdn_solve.kkt_solve``, at
+    its default and at every tiling of :data:`SOLVE_TILINGS`) against fla's fused
+    kkt-and-solve kernel (autotuned, launched as its ``chunk_gated_delta_rule_fwd_intra``
+    launches it, into a zero-filled ``Ai``), CUDA-graph replays in ``rounds`` alternating
+    rounds, medians; and the largest difference from fla's ``Ai``."""
+    import statistics
+
+    import torch
+    from attn_plugin_triton_ssm import compat
+    from attn_plugin_triton_ssm.kernels import gdn_chunk, gdn_solve
+
+    from attn_core.bench_util import capture_graph
+
+    q, k, _, g, beta, _, _, cu = _prefill_inputs(T, n_seq)
+    f, reason = compat.stages("gdn")
+    if reason:
+        return {"error": reason}
+    cu64 = cu.long()
+    _, kn = gdn_chunk.l2norm_qk(q[None], k[None])
+    chunks = f["chunk_indices"](cu64, gdn_solve.CHUNK, cu_seqlens_cpu=cu64.cpu())
+    gc = f["cumsum"](g[None], chunk_size=gdn_solve.CHUNK, scale=f["RCP_LN2"], cu_seqlens=cu64,
+                     chunk_indices=chunks)  # fmt: skip
+    fla_ai = torch.zeros(1, T, g.shape[1], gdn_solve.CHUNK, device="cuda", dtype=k.dtype)
+
+    def fla():
+        return f["kkt_solve_into"](fla_ai, k=kn, g=gc, beta=beta[None], cu_seqlens=cu64,
+                                   chunk_indices=chunks, chunk_size=gdn_solve.CHUNK)  # fmt: skip
+
+    ours_ai = torch.empty_like(fla_ai[0])
+
+    def ours(**tiling: Any) -> Callable[[], object]:
+        return lambda: gdn_solve.kkt_solve(kn[0], gc[0], beta, cu64, chunks, out=ours_ai, **tiling)
+
+    calls = {"fla": fla, "ours default": ours()}
+    for w, bk, p in SOLVE_TILINGS:
+        calls[f"ours warps={w} BK={bk} {p}"] = ours(num_warps=w, block_k=bk, precision=p)
+    res: dict = {}
+    graphs = {}
+    for name, fn in calls.items():
+        try:
+            fn()
+            torch.cuda.synchronize()
+            if name != "fla":
+                res[f"maxdiff[{name}]"] = (ours_ai.float() - fla_ai[0].float()).abs().max().item()
+            graphs[name] = capture_graph(fn)
+        except Exception as exc:  # reported per tiling (one that cannot compile)
+            res[f"us[{name}]"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, gr in graphs.items():
+            times[name].append(_bench(gr.replay, warmup=5, rep=50) * 1e3)
+    for name, ts in times.items():
+        res[f"us[{name}]"] = statistics.median(ts)
+        if name != "fla":
+            res[f"ratio_to_fla[{name}]"] = statistics.median(
+                t / t_fla for t, t_fla in zip(ts, times["fla"], strict=True)
+            )
     return res
 
 
@@ -1392,6 +1470,7 @@ JOBS: dict[str, Callable[..., dict]] = {
     "prefill_ours": job_prefill_ours,
     "prefill_fla": job_prefill_fla,
     "prefill_profile": job_prefill_profile,
+    "gdn_solve": job_gdn_solve,
     "kda_prefill": job_kda_prefill,
     "mamba2_sweep": job_mamba2_sweep,
     "l2norm_sweep": job_l2norm_sweep,
@@ -1656,6 +1735,20 @@ def _table(results: list, copy_bw: float | None) -> str:
                 for key, bw in r.items()
                 if key.startswith("GBps[")
             )
+        elif r["section"] == "gdn_solve":
+            val = "".join(
+                f"\n{'':<16}{key[3:-1]}: {us:.1f} us"
+                + (
+                    f"  ({r[f'ratio_to_fla[{key[3:-1]}]']:.3f} of fla,"
+                    f" max diff {r[f'maxdiff[{key[3:-1]}]']:.1e})"
+                    if key != "us[fla]"
+                    else ""
+                )
+                if isinstance(us, float)
+                else f"\n{'':<16}{key[3:-1]}: {us}"
+                for key, us in r.items()
+                if key.startswith("us[")
+            )
         elif r["section"] == "prefill_profile":
             val = ""
             for key, prof in r.items():
@@ -1737,7 +1830,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--only",
         help="comma-separated sections to run (gdn_decode, mamba2_decode, mamba1_decode, "
-        "gdn_prefill, kda_prefill, mamba2_prefill, mamba2_vs_mamba_ssm, mamba1_prefill, "
+        "gdn_prefill, gdn_solve, kda_prefill, mamba2_prefill, mamba2_vs_mamba_ssm, mamba1_prefill, "
         "mamba1_chunk_rule, mamba1_lanes, "
         "lightning_decode, "
         "lightning_prefill, short_conv_decode, plugin_step); the copy rows always run",
@@ -1798,6 +1891,10 @@ def main(argv: list[str] | None = None) -> int:
         for B in batches
     ]
     prefill = []
+    if "gdn_solve" in (args.only or "").split(","):
+        for T, n_seq in ((8192, 1), (32768, 16)):
+            p = {"section": "gdn_solve", "T": T, "n_seq": n_seq}
+            prefill.append(job("gdn_solve", p, T=T, n_seq=n_seq))
     # a comma followed by a space is part of a name ("wy in pass, pass BV=..."), not a separator
     gdn_variants = re.split(r",(?! )", args.gdn_variants) if args.gdn_variants else None
     if args.prefill:
