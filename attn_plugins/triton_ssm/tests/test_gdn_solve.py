@@ -10,6 +10,8 @@ kernel.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from kernel_device import DEV, K  # first: picks the interpreter on a machine without CUDA
@@ -108,3 +110,25 @@ def test_kkt_solve_computes_the_chunk_local_log2_cumsum_it_is_asked_for() -> Non
     torch.testing.assert_close(gc, g2, rtol=1e-5, atol=1e-5)
     want = gdn_solve.kkt_solve(k, g2, beta, cu, idx, block_k=16)
     torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=1e-2)
+
+
+def test_kkt_solve_runs_the_four_substitutions_in_one_warp_local_loop() -> None:
+    """Compiled for sm90 (4 warps, Qwen3-Next's heads): the kernel has one loop (the key dim
+    is unrolled), so the four diagonal blocks' substitutions share it rather than running one
+    after another, and the loop holds no barrier and no shared-memory access (its reductions
+    stay inside warps; fla's first substitution loop syncs the block twice a step)."""
+    pytest.importorskip("triton")
+    from sm90_codegen import loops, sm90_ptx
+
+    pointers = {
+        "k_ptr": "*bf16", "g_ptr": "*bf16", "beta_ptr": "*bf16", "ai_ptr": "*bf16",
+        "gc_ptr": "*fp32", "cu_ptr": "*i64", "chunks_ptr": "*i64", "LOG2E": "fp32",
+    }  # fmt: skip
+    constexprs = dict(H=16, HV=32, K=128, BK=64, PRECISION="tf32", CUMSUM=True, UPCAST=False)
+    kernel = "attn_plugin_triton_ssm.kernels.gdn_solve:_kkt_solve_kernel"
+    found = loops(sm90_ptx(kernel, pointers, constexprs, 4))
+    assert len(found) == 1, f"expected one loop, found {len(found)}"
+    body = found[0]
+    assert "shfl" in body, "the loop found is not the substitution (it reduces across lanes)"
+    assert "bar.sync" not in body and "barrier" not in body
+    assert not re.search(r"\b(ld|st)\.shared", body)

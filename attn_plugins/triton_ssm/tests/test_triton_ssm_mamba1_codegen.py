@@ -11,11 +11,7 @@ CPU (Triton's own compiler, no GPU) and compares the float instructions of the u
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -23,6 +19,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 from attn_plugin_triton_ssm.kernels import mamba1  # noqa: E402
+from sm90_codegen import loop_body, sm90_ptx  # noqa: E402
 
 _POINTERS = {
     "x_ptr": "*bf16", "dt_ptr": "*bf16", "a_log_ptr": "*fp32", "b_ptr": "*bf16",
@@ -41,31 +38,6 @@ VERIFY = dict(MODE=1, STEP=1, STORE_INTER=True, WRITE_STATE=False, WRITE_OUT=Tru
 REPLAY = dict(MODE=2, STEP=4, STORE_INTER=False, WRITE_STATE=True, WRITE_OUT=False)
 
 
-#: compiles ``_mamba1_scan_kernel`` for sm90 and writes its PTX to stdout (argv: pointer types,
-#: constexprs, as JSON), in a fresh interpreter: a test process whose kernel tests ran in
-#: Triton's CPU interpreter has its language module patched for it and cannot compile
-_COMPILE = """
-import inspect, json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import importlib
-
-pointers, constexprs = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-module, name, warps = sys.argv[3], sys.argv[4], int(sys.argv[5])
-kernel = getattr(importlib.import_module(module), name)
-names = list(inspect.signature(kernel.fn).parameters)
-sig = {n: pointers.get(n, "constexpr" if n in constexprs else "i32") for n in names}
-attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] != "constexpr"}
-src = ASTSource(
-    fn=kernel, signature=sig,
-    constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs,
-)
-compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-sys.stdout.write(compiled.asm["ptx"])
-"""
-
-
 def _ptx(
     constexprs: dict,
     kernel: str = "attn_plugin_triton_ssm.kernels.mamba1:_mamba1_scan_kernel",
@@ -74,18 +46,7 @@ def _ptx(
     """PTX of a Mamba1 kernel (``module:name``; the scan kernel by default) for sm90 with
     ``constexprs``, the other ints as 16-divisible i32 (as a launch with these strides
     specializes them)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE, json.dumps(_POINTERS), json.dumps(constexprs),
-         *kernel.split(":"), str(num_warps)],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    if proc.returncode != 0:
-        tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
-        if "CompilationError" not in proc.stderr and re.search(r"ptxas|nvidia", proc.stderr, re.I):
-            pytest.skip(f"cannot compile for sm90 here (no NVIDIA backend or ptxas): {tail[0]}")
-        pytest.fail(f"compiling the kernel for sm90 failed:\n{proc.stderr[-3000:]}")
-    return proc.stdout
+    return sm90_ptx(kernel, _POINTERS, constexprs, num_warps)
 
 
 def _update_ops(ptx: str) -> Counter:
@@ -119,18 +80,6 @@ def test_verify_and_replay_commit_round_the_state_update_alike() -> None:
     assert any(op.startswith("fma") for _, op in verify)
 
 
-def _loop_body(ptx: str) -> str:
-    """The PTX between the token loop's label and its backward branch (the kernel's one loop
-    with both)."""
-    for label in re.findall(r"^(\$L__BB\d+_\d+):", ptx, re.M):
-        start = ptx.index(label + ":")
-        back = ptx.find(f"bra.uni \t{label};", start)
-        back = back if back >= 0 else ptx.find(f"bra \t{label};", start)
-        if back > start:
-            return ptx[start:back]
-    raise AssertionError("no loop in the lanes kernel's PTX")
-
-
 @pytest.mark.parametrize("block_d", [128, 256], ids=["a channel a thread", "two (default)"])
 @pytest.mark.parametrize("write_out", [True, False], ids=["output pass", "state pass"])
 def test_lanes_kernel_keeps_a_channel_in_one_thread(write_out: bool, block_d: int) -> None:
@@ -145,7 +94,7 @@ def test_lanes_kernel_keeps_a_channel_in_one_thread(write_out: bool, block_d: in
         STORE_DTSUM=not write_out, FAST=True, s_xd=1, s_zd=1, s_od=1, GROUPED=channels == 1,
     )  # fmt: skip
     ptx = _ptx(constexprs, LANES_KERNEL, 4)
-    body = _loop_body(ptx)
+    body = loop_body(ptx)
     assert "shfl" not in body
     assert len(re.findall(r"ex2\.approx\.ftz\.f32", body)) == (n + 1) * channels
     assert len(re.findall(r"lg2\.approx\.ftz\.f32", body)) == channels
