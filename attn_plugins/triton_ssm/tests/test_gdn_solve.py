@@ -132,3 +132,40 @@ def test_kkt_solve_runs_the_four_substitutions_in_one_warp_local_loop() -> None:
     assert "shfl" in body, "the loop found is not the substitution (it reduces across lanes)"
     assert "bar.sync" not in body and "barrier" not in body
     assert not re.search(r"\b(ld|st)\.shared", body)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"k": lambda t: t[:, :, :-1].contiguous()}, r"k: .*K a power of two"),
+        ({"g": lambda t: t[:, 0].contiguous()}, r"g: expected shape \[70, \*\] \[T, HV\]"),
+        ({"beta": lambda t: t[:-1]}, r"beta: expected shape \[\d+, 2\]"),
+        ({"k": lambda t: t.to(torch.int32)}, r"k: expected dtype in \[.*'bfloat16'.*got int32"),
+        ({"chunk_indices": lambda t: t[:, :1]}, r"chunk_indices: expected shape \[\*, 2\]"),
+        ({"out": lambda t: t[:, :, :32]}, r"out: expected shape \[\d+, 2, 64\]"),
+        ({"k": lambda t: t.expand(-1, 3, -1).contiguous()}, r"HV = 2 value heads .* H = 3 key"),
+        ({"g": lambda t: t.t().contiguous().t()}, r"g: expected a packed tensor"),
+    ],
+    ids=[
+        "k-dim",
+        "g-heads",
+        "beta-tokens",
+        "k-dtype",
+        "chunk-table",
+        "out-width",
+        "groups",
+        "g-strided",
+    ],
+)
+def test_kkt_solve_refuses_what_it_cannot_serve(change, match) -> None:
+    """Misshapen or mistyped inputs: a ValueError / TypeError naming the argument, what was
+    expected and what came, before anything is written."""
+    lens, H, HV, Kd = [70], 1, 2, 32
+    k, g, beta, cu, idx = _inputs(lens, H, HV, Kd)
+    out = torch.zeros(k.shape[0], HV, BT, dtype=k.dtype, device=DEV)
+    args = {"k": k, "g": g, "beta": beta, "chunk_indices": idx, "out": out}
+    args.update({name: fn(args[name]) for name, fn in change.items()})
+    with pytest.raises((ValueError, TypeError), match=match):
+        gdn_solve.kkt_solve(args["k"], args["g"], args["beta"], cu, args["chunk_indices"],
+                            out=args["out"])  # fmt: skip
+    assert torch.count_nonzero(out) == 0

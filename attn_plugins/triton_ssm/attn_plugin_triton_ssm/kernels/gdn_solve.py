@@ -28,7 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_plugin_triton_ssm.kernels._common import INTERPRETED
+from attn_plugin_triton_ssm.kernels._common import (
+    INTERPRETED,
+    check_dtype,
+    check_float,
+    check_same_device,
+    check_shape,
+)
 
 __all__ = ["kkt_solve"]
 
@@ -238,10 +244,43 @@ def kkt_solve(
     :returns: ``out``: row ``t`` of head ``hv`` is row ``t - chunk start`` of its chunk's
         ``(I + A)^-1``.
     """
+    check_shape("k", k, [None, None, None], "[T, H, K]")
     T, H, K = k.shape
+    if K < 16 or K & (K - 1):
+        raise ValueError(f"k: expected [T, H, K] with K a power of two >= 16, got K = {K}")
+    check_float("k", k)
+    check_shape("g", g, [T, None], "[T, HV]")
     HV = g.shape[1]
+    if HV % H:
+        raise ValueError(
+            f"k, g: HV = {HV} value heads must be a multiple of H = {H} key heads (each key "
+            "head serves HV / H value heads)"
+        )
+    check_float("g", g)
+    check_shape("beta", beta, [T, HV], "[T, HV]")
+    check_float("beta", beta)
+    check_shape("cu_seqlens", cu_seqlens, [None], "[N + 1]")
+    check_shape("chunk_indices", chunk_indices, [None, 2], "[NT, 2] (sequence, chunk)")
+    for name, t in (("cu_seqlens", cu_seqlens), ("chunk_indices", chunk_indices)):
+        check_dtype(name, t, (torch.int32, torch.int64))
     if out is None:
         out = k.new_empty(T, HV, CHUNK)
+    check_shape("out", out, [T, HV, CHUNK], f"[T, HV, {CHUNK}]")
+    check_float("out", out)
+    if g_cumsum_out is not None:
+        check_shape("g_cumsum_out", g_cumsum_out, [T, HV], "[T, HV]")
+        check_dtype("g_cumsum_out", g_cumsum_out, (torch.float32,))
+    packed: tuple[tuple[str, torch.Tensor | None], ...] = (
+        ("k", k), ("g", g), ("beta", beta), ("out", out), ("chunk_indices", chunk_indices),
+        ("g_cumsum_out", g_cumsum_out),
+    )  # fmt: skip
+    for name, p in packed:
+        if p is not None and not p.is_contiguous():
+            raise ValueError(f"{name}: expected a packed tensor, got strides {list(p.stride())}")
+    check_same_device(
+        {"k": k, "g": g, "beta": beta, "cu_seqlens": cu_seqlens, "chunk_indices": chunk_indices,
+         "out": out, "g_cumsum_out": g_cumsum_out}
+    )  # fmt: skip
     if T == 0 or chunk_indices.shape[0] == 0:
         return out
     cumsum = g_cumsum_out is not None
