@@ -532,8 +532,8 @@ def job_prefill_profile(T: int, n_seq: int) -> dict:
 
 #: ``(num_warps, block_k, precision)`` of ``gdn_solve.kkt_solve`` timed beside its default
 SOLVE_TILINGS = [
-    (2, 64, "tf32"), (2, 128, "tf32"), (4, 128, "tf32"), (8, 64, "tf32"), (8, 128, "tf32"),
-    (4, 64, "ieee"), (2, 64, "ieee"),
+    (1, 64, "tf32"), (2, 32, "tf32"), (2, 64, "tf32"), (4, 64, "tf32"), (4, 128, "tf32"),
+    (8, 64, "tf32"), (1, 32, "ieee"), (4, 64, "ieee"),
 ]  # fmt: skip
 
 

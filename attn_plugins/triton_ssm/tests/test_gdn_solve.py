@@ -112,11 +112,13 @@ def test_kkt_solve_computes_the_chunk_local_log2_cumsum_it_is_asked_for() -> Non
     torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=1e-2)
 
 
-def test_kkt_solve_runs_the_four_substitutions_in_one_warp_local_loop() -> None:
-    """Compiled for sm90 (4 warps, Qwen3-Next's heads): the kernel has one loop (the key dim
-    is unrolled), so the four diagonal blocks' substitutions share it rather than running one
-    after another, and the loop holds no barrier and no shared-memory access (its reductions
-    stay inside warps; fla's first substitution loop syncs the block twice a step)."""
+@pytest.mark.parametrize(("warps", "block_k"), [(1, 32), (4, 64)], ids=["default", "4-warps"])
+def test_kkt_solve_runs_the_four_substitutions_in_one_warp_local_loop(warps, block_k) -> None:
+    """Compiled for sm90 (Qwen3-Next's heads): the kernel has one loop (the key dim is
+    unrolled), so the four diagonal blocks' substitutions share it rather than running one
+    after another, and the loop holds no barrier and no shared-memory access, on 4 warps too
+    (its reductions stay inside warps; fla's first substitution loop syncs the block twice a
+    step)."""
     pytest.importorskip("triton")
     from sm90_codegen import loops, sm90_ptx
 
@@ -124,9 +126,9 @@ def test_kkt_solve_runs_the_four_substitutions_in_one_warp_local_loop() -> None:
         "k_ptr": "*bf16", "g_ptr": "*bf16", "beta_ptr": "*bf16", "ai_ptr": "*bf16",
         "gc_ptr": "*fp32", "cu_ptr": "*i64", "chunks_ptr": "*i64", "LOG2E": "fp32",
     }  # fmt: skip
-    constexprs = dict(H=16, HV=32, K=128, BK=64, PRECISION="tf32", CUMSUM=True, UPCAST=False)
+    constexprs = dict(H=16, HV=32, K=128, BK=block_k, PRECISION="tf32", CUMSUM=True, UPCAST=False)
     kernel = "attn_plugin_triton_ssm.kernels.gdn_solve:_kkt_solve_kernel"
-    found = loops(sm90_ptx(kernel, pointers, constexprs, 4))
+    found = loops(sm90_ptx(kernel, pointers, constexprs, warps))
     assert len(found) == 1, f"expected one loop, found {len(found)}"
     body = found[0]
     assert "shfl" in body, "the loop found is not the substitution (it reduces across lanes)"

@@ -222,8 +222,8 @@ def kkt_solve(
     *,
     out: torch.Tensor | None = None,
     g_cumsum_out: torch.Tensor | None = None,
-    block_k: int = 64,
-    num_warps: int = 4,
+    block_k: int = 32,
+    num_warps: int = 1,
     precision: str = "tf32",
 ) -> torch.Tensor:
     """``(I + A)^-1`` of every chunk of 64 tokens and every value head.
@@ -239,6 +239,11 @@ def kkt_solve(
     :param out: ``[T, HV, 64]`` in k's dtype, or None (allocated); every entry is written.
     :param g_cumsum_out: ``[T, HV]`` float32, or None: receives the chunk-local cumulative log2
         decay of ``g`` (what the stages after this one read), saving a launch of its own.
+    :param block_k: key channels per load of the ``k k^T`` blocks; ``num_warps``: warps a
+        program. One warp by default: compiled for sm90 (Triton 3.6) the substitution loop is
+        the same 241 instructions at 1, 2, 4 or 8 warps (each warp holds a 16-row block whole),
+        so more warps repeat its work, and 32 channels a load spill least there (24 bytes
+        against 80 at 64). Not yet timed: ``bench_ssm.py --only gdn_solve`` sweeps both.
     :param precision: the block products' ``input_precision``: ``"tf32"`` (fla's on sm80+) or
         ``"ieee"`` (float32 throughout).
     :returns: ``out``: row ``t`` of head ``hv`` is row ``t - chunk start`` of its chunk's
