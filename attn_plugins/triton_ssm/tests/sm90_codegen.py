@@ -38,19 +38,32 @@ src = ASTSource(
     constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs,
 )
 compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-sys.stdout.write(compiled.asm["ptx"])
+if len(sys.argv) > 6:  # SASS: ptxas decides what a PTX vector access becomes
+    import os, subprocess, tempfile
+    cubin = os.path.join(tempfile.mkdtemp(), "k.cubin")
+    with open(cubin, "wb") as f:
+        f.write(compiled.asm["cubin"])
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin],
+                          capture_output=True, text=True, check=True).stdout
+    sys.stdout.write(sass)
+else:
+    sys.stdout.write(compiled.asm["ptx"])
 """
 
 
-def sm90_ptx(kernel: str, pointers: dict[str, str], constexprs: dict, num_warps: int) -> str:
+def sm90_ptx(
+    kernel: str, pointers: dict[str, str], constexprs: dict, num_warps: int, *, sass: bool = False
+) -> str:
     """PTX of ``kernel`` (``module:name``) for sm90: ``pointers`` the types of the pointer
     arguments (``"*bf16"``, ...) and of any scalar that is not an i32 (``"fp32"``);
     ``constexprs`` the constexprs; every other argument an i32. Pointers and i32s are taken
-    16-divisible, as a launch with such strides specializes them."""
+    16-divisible, as a launch with such strides specializes them. ``sass``: the SASS ptxas
+    makes of it instead (``cuobjdump -sass``), what the GPU runs."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
         [sys.executable, "-c", _COMPILE, json.dumps(pointers), json.dumps(constexprs),
-         *kernel.split(":"), str(num_warps)],
+         *kernel.split(":"), str(num_warps), *(["sass"] if sass else [])],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     if proc.returncode != 0:

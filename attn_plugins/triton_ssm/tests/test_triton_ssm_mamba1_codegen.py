@@ -106,7 +106,8 @@ LANES_KERNEL = "attn_plugin_triton_ssm.kernels.mamba1_lanes:_mamba1_lanes_kernel
 def test_lanes_kernel_moves_the_state_in_16_byte_rows_at_a_channel_a_thread() -> None:
     """With one channel a thread (d_state 16) the lanes kernel loads and stores the state and
     loads ``A_log`` as 16-byte vectors, four a channel each, with no trip through shared
-    memory: entry-wide accesses would touch a line of every other thread's row."""
+    memory: entry-wide accesses would touch a line of every other thread's row. Checked in the
+    PTX and in the SASS ptxas makes of it, which is what the GPU runs."""
     from attn_plugin_triton_ssm.kernels.mamba1_lanes import _grouped
 
     assert _grouped(128, 4, 16) and not _grouped(256, 4, 16) and not _grouped(128, 4, 6)
@@ -120,3 +121,7 @@ def test_lanes_kernel_moves_the_state_in_16_byte_rows_at_a_channel_a_thread() ->
     assert loads == 4 + 4  # A_log, the request's state
     assert len(re.findall(r"st\.global(?:\.[a-z]+)*\.v4\.b32", ptx)) == 4  # state
     assert not re.search(r"\.shared|bar\.sync", ptx)
+    sass = sm90_ptx(LANES_KERNEL, _POINTERS, constexprs, 4, sass=True)
+    assert len(re.findall(r"\bLDG\.E(?:\.\w+)*\.128\b", sass)) == 4 + 4
+    assert len(re.findall(r"\bSTG\.E(?:\.\w+)*\.128\b", sass)) == 4
+    assert not re.search(r"\b(LDS|STS|BAR)\b", sass)
