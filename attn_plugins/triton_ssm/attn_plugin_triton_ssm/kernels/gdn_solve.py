@@ -91,6 +91,17 @@ def _solve_step(at, x, i):
 
 
 @triton.jit
+def _store_band(p, b0, b1, b2, b3, m):
+    """Four ``[16, 16]`` float32 blocks side by side as one 16-row band of ``Ai`` (``p``: the
+    band's ``[16, 16]`` pointers of its first block; rows ``m`` inside the sequence)."""
+    ty = p.dtype.element_ty
+    tl.store(p, b0.to(ty), mask=m[:, None])
+    tl.store(p + 16, b1.to(ty), mask=m[:, None])
+    tl.store(p + 32, b2.to(ty), mask=m[:, None])
+    tl.store(p + 48, b3.to(ty), mask=m[:, None])
+
+
+@triton.jit
 def _kkt_solve_kernel(
     k_ptr, g_ptr, beta_ptr, ai_ptr, gc_ptr, cu_ptr, chunks_ptr, LOG2E,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
@@ -191,26 +202,13 @@ def _kkt_solve_kernel(
     x30 = -tl.dot(x3, s30, input_precision=PRECISION)
 
     # every entry of the chunk's rows, zeros above the diagonal blocks
-    ty = ai_ptr.dtype.element_ty
-    zero = tl.zeros([BC, BC], dtype=ty)
+    zero = tl.zeros([BC, BC], dtype=tl.float32)
     p_ai = ai_ptr + ((t0 + o) * HV + i_hv)[:, None] * BT + o[None, :]
-    r1, r2, r3 = BC * HV * BT, 2 * BC * HV * BT, 3 * BC * HV * BT
-    tl.store(p_ai, x0.to(ty), mask=m0[:, None])
-    tl.store(p_ai + BC, zero, mask=m0[:, None])
-    tl.store(p_ai + 2 * BC, zero, mask=m0[:, None])
-    tl.store(p_ai + 3 * BC, zero, mask=m0[:, None])
-    tl.store(p_ai + r1, x10.to(ty), mask=m1[:, None])
-    tl.store(p_ai + r1 + BC, x1.to(ty), mask=m1[:, None])
-    tl.store(p_ai + r1 + 2 * BC, zero, mask=m1[:, None])
-    tl.store(p_ai + r1 + 3 * BC, zero, mask=m1[:, None])
-    tl.store(p_ai + r2, x20.to(ty), mask=m2[:, None])
-    tl.store(p_ai + r2 + BC, x21.to(ty), mask=m2[:, None])
-    tl.store(p_ai + r2 + 2 * BC, x2.to(ty), mask=m2[:, None])
-    tl.store(p_ai + r2 + 3 * BC, zero, mask=m2[:, None])
-    tl.store(p_ai + r3, x30.to(ty), mask=m3[:, None])
-    tl.store(p_ai + r3 + BC, x31.to(ty), mask=m3[:, None])
-    tl.store(p_ai + r3 + 2 * BC, x32.to(ty), mask=m3[:, None])
-    tl.store(p_ai + r3 + 3 * BC, x3.to(ty), mask=m3[:, None])
+    band = BC * HV * BT  # 16 token rows of Ai
+    _store_band(p_ai, x0, zero, zero, zero, m0)
+    _store_band(p_ai + band, x10, x1, zero, zero, m1)
+    _store_band(p_ai + 2 * band, x20, x21, x2, zero, m2)
+    _store_band(p_ai + 3 * band, x30, x31, x32, x3, m3)
 
 
 def kkt_solve(
